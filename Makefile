@@ -1,0 +1,37 @@
+# Quick start: `make up` then `make test`. See README.md.
+PYTHON ?= python3.11
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+TEST_STAMP := $(VENV)/.installed-test
+STATE_DIR ?= /var/lib/aenv
+
+.PHONY: up test lint system venv bench clean
+
+system:
+	@bash scripts/install-system.sh
+
+$(STAMP): pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	@$(PY) -m pip install -q --upgrade pip
+	@$(PY) -m pip install -q -e .
+	@touch $@
+
+$(TEST_STAMP): $(STAMP) pyproject.toml
+	@$(PY) -m pip install -q -e '.[test]'
+	@touch $@
+
+venv: $(STAMP)
+
+up: system venv
+	@$(VENV)/bin/aenv --help
+
+test: system $(TEST_STAMP)
+	@$(VENV)/bin/ruff check src tests bench
+	@$(VENV)/bin/pytest $(PYTEST_ARGS)
+
+lint: $(TEST_STAMP)
+	@$(VENV)/bin/ruff check src tests bench
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis

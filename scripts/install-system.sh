@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# Installs the Debian packages listed in scripts/system-packages.txt, enabling bookworm-backports
+# for those marked "backports". Idempotent: does nothing (and never runs apt-get update) when all
+# packages are already installed.
+set -euo pipefail
+here=$(cd "$(dirname "$0")" && pwd)
+list="$here/system-packages.txt"
+bp_sources=/etc/apt/sources.list.d/bookworm-backports.sources
+
+missing_main=()
+missing_bp=()
+while read -r name suite; do
+  [[ -z "$name" || "$name" == \#* ]] && continue
+  if ! dpkg-query -W -f='${Status}' "$name" 2>/dev/null | grep -q "install ok installed"; then
+    if [[ "${suite:-}" == backports ]]; then missing_bp+=("$name"); else missing_main+=("$name"); fi
+  fi
+done <"$list"
+
+if (( ${#missing_main[@]} + ${#missing_bp[@]} == 0 )); then
+  exit 0
+fi
+if [[ $(id -u) -ne 0 ]]; then
+  echo "install-system: missing packages ${missing_main[*]} ${missing_bp[*]}; run as root" >&2
+  exit 1
+fi
+if (( ${#missing_bp[@]} )) && [[ ! -f $bp_sources ]]; then
+  cat >"$bp_sources" <<'SRC'
+Types: deb
+URIs: http://deb.debian.org/debian
+Suites: bookworm-backports
+Components: main
+Signed-By: /usr/share/keyrings/debian-archive-keyring.gpg
+SRC
+fi
+export DEBIAN_FRONTEND=noninteractive
+echo "install-system: installing ${missing_main[*]} ${missing_bp[*]}"
+apt-get update -q
+if (( ${#missing_bp[@]} )); then
+  apt-get install -y -q --no-install-recommends -t bookworm-backports "${missing_bp[@]}"
+fi
+if (( ${#missing_main[@]} )); then
+  apt-get install -y -q --no-install-recommends "${missing_main[@]}"
+fi

@@ -1,0 +1,1 @@
+"""blockd: the per-host block daemon serving every sandbox disk over NBD and FUSE."""

@@ -1,0 +1,1 @@
+"""Multi-node control plane: gateway and scheduler."""

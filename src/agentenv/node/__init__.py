@@ -1,0 +1,1 @@
+"""Node server: E2B-compatible API, orchestrator, persistence."""

@@ -1,0 +1,1 @@
+"""VM runtime on QEMU: boot, pause, restore, fork, network slots, warm pools."""

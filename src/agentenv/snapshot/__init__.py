@@ -1,0 +1,1 @@
+"""Snapshot records: memory layers, disk layers, device state, machine config."""

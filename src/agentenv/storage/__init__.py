@@ -1,0 +1,1 @@
+"""overlaybd storage engine: LSMT layers, ZFile, tar wrapper, image stacks."""

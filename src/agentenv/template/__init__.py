@@ -1,0 +1,1 @@
+"""Templates: OCI images into overlaybd layers, build steps, boot snapshots."""
