@@ -1,0 +1,7 @@
+"""`aenv` commands of the guest subsystem."""
+
+from __future__ import annotations
+
+import click
+
+COMMANDS: list[click.Command] = []
