@@ -1,7 +1,137 @@
-"""`aenv` commands of the blockd subsystem."""
+"""`aenv` commands of the blockd subsystem: the daemon, disks on it, and a one-off NBD server."""
 
 from __future__ import annotations
 
+import asyncio
+import json
+from pathlib import Path
+
 import click
 
-COMMANDS: list[click.Command] = []
+from agentenv.blockd.client import DEFAULT_SOCKET, BlockdClient
+
+_socket_option = click.option(
+    "--socket", "socket_path", type=click.Path(path_type=Path), default=DEFAULT_SOCKET,
+    show_default=True, help="blockd control socket.",
+)
+
+
+@click.command("blockd")
+@click.option("--state-dir", type=click.Path(path_type=Path), default=Path("/var/lib/aenv/blockd"),
+              show_default=True, help="Where device records, NBD sockets, uppers and the FUSE mount live.")
+@_socket_option
+@click.option("--metrics-port", type=int, default=None, help="Serve Prometheus metrics on this port.")
+@click.option("--pool-size", type=int, default=0, show_default=True, help="Warm devices to keep idle.")
+@click.option("--pool-disk-size", type=int, default=1 << 30, show_default=True,
+              help="Size in bytes of the idle pooled devices.")
+@click.option("--no-fuse", is_flag=True, help="Do not expose devices as FUSE files.")
+@click.option("--inline-max", type=int, default=None,
+              help="Largest read/write done on the event loop; larger ones go to I/O threads.")
+@click.option("--log-level", default="info", show_default=True)
+def blockd_command(state_dir: Path, socket_path: Path, metrics_port: int | None, pool_size: int,
+                   pool_disk_size: int, no_fuse: bool, inline_max: int | None,
+                   log_level: str) -> None:
+    """Run the block daemon in the foreground: every disk over NBD (and FUSE)."""
+    from agentenv import logs
+    from agentenv.blockd.daemon import Blockd
+    from agentenv.blockd.device import INLINE_MAX
+
+    logs.setup(log_level)
+    daemon = Blockd(state_dir, socket_path, fuse=not no_fuse, metrics_port=metrics_port,
+                    pool_size=pool_size, pool_disk_size=pool_disk_size,
+                    inline_max=INLINE_MAX if inline_max is None else inline_max)
+    asyncio.run(daemon.run())
+
+
+@click.group("disk")
+def disk_group() -> None:
+    """Disks served by blockd."""
+
+
+@disk_group.command("create")
+@click.option("--image", type=click.Path(path_type=Path), default=None,
+              help="Image config JSON or layer to stack the new disk on.")
+@click.option("--size", type=int, default=None, help="Disk size in bytes (required without --image).")
+@click.option("--upper", type=click.Path(path_type=Path), default=None,
+              help="Directory for the writable upper (default: one the daemon owns).")
+@click.option("--readonly", is_flag=True, help="Export the image read-only (shared, refcounted).")
+@_socket_option
+def disk_create(image: Path | None, size: int | None, upper: Path | None, readonly: bool,
+                socket_path: Path) -> None:
+    """Create a disk and print it as JSON (id, nbd socket, export name, FUSE file, size)."""
+    if image is None and size is None:
+        raise click.UsageError("give --image, or --size for a blank disk")
+    with BlockdClient(socket_path) as client:
+        info = client.create(image=image.resolve() if image else None,
+                             upper_dir=upper.resolve() if upper else None, size=size,
+                             readonly=readonly)
+    click.echo(json.dumps(info.to_json()))
+
+
+@disk_group.command("snapshot")
+@click.argument("device_id")
+@click.option("--output", type=click.Path(path_type=Path), default=None,
+              help="Path for the sealed layer (default: beside the upper).")
+@_socket_option
+def disk_snapshot(device_id: str, output: Path | None, socket_path: Path) -> None:
+    """Seal the disk's upper into a read-only layer in place; print the layer's path."""
+    with BlockdClient(socket_path) as client:
+        click.echo(str(client.snapshot(device_id, output.resolve() if output else None)))
+
+
+@disk_group.command("ls")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON lines instead of a table.")
+@_socket_option
+def disk_ls(as_json: bool, socket_path: Path) -> None:
+    """List disks with their counters."""
+    with BlockdClient(socket_path) as client:
+        devices = client.list()
+    if as_json:
+        for info in devices:
+            click.echo(json.dumps(info.to_json()))
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table("id", "kind", "size", "ro", "conns", "reads", "writes", "errors", "nbd")
+    for info in devices:
+        s = info.stats
+        table.add_row(info.id, info.kind, str(info.size), "yes" if info.readonly else "",
+                      str(s.get("connections", 0)), str(s.get("reads", 0)),
+                      str(s.get("writes", 0)), str(s.get("errors", 0)), info.uri)
+    Console().print(table)
+
+
+@disk_group.command("rm")
+@click.argument("device_id")
+@_socket_option
+def disk_rm(device_id: str, socket_path: Path) -> None:
+    """Release a disk (read-only shared disks: drop one reference)."""
+    with BlockdClient(socket_path) as client:
+        remaining = client.release(device_id)
+    click.echo(json.dumps({"released": device_id, "refcount": remaining}))
+
+
+@click.group("nbd")
+def nbd_group() -> None:
+    """NBD without the daemon."""
+
+
+@nbd_group.command("serve")
+@click.argument("source", type=click.Path(exists=True, path_type=Path))
+@click.option("--socket", "socket_path", type=click.Path(path_type=Path), required=True,
+              help="Unix socket to listen on.")
+@click.option("--export", "export_name", default="disk", show_default=True,
+              help="Export name (the empty name selects it too).")
+@click.option("--readonly", is_flag=True, help="Refuse writes.")
+@click.option("--log-level", default="info", show_default=True)
+def nbd_serve(source: Path, socket_path: Path, export_name: str, readonly: bool, log_level: str) -> None:
+    """Serve one image (config JSON, or a layer: read-only) over NBD until interrupted."""
+    from agentenv import logs
+    from agentenv.blockd.serve import serve_image
+
+    logs.setup(log_level)
+    asyncio.run(serve_image(source, socket_path, readonly=readonly, export_name=export_name))
+
+
+COMMANDS: list[click.Command] = [blockd_command, disk_group, nbd_group]

@@ -1,0 +1,170 @@
+"""VM lifecycle benchmark: restore, pause, fork, memory per forked child.
+
+Baselines measured in the same run: a cold boot of the same image (restore must beat it by
+20x or more) and a full `migrate` of guest RAM to a file (what pausing costs without memory
+layers). Prints one JSON object per line. Needs root and QEMU; runs under the accelerator
+the runtime detects (TCG on this machine kind).
+
+    python bench/lifecycle_bench.py --quick
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shutil
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from agentenv.blockd.client import AsyncBlockdClient
+from agentenv.runtime.config import RuntimeConfig
+from agentenv.runtime.harness import BlockdProcess, make_ext4_layer, pss_kib, sh
+from agentenv.runtime.network import teardown_host
+from agentenv.runtime.testguest import build_test_guest
+from agentenv.runtime.vm import VM, BootSpec, DiskSource, Runtime
+
+PREFIX = "aeb"
+ROOTFS = 64 << 20
+
+
+def emit(metric: str, value: float, unit: str, baseline: str | None = None,
+         baseline_value: float | None = None, **extra: Any) -> None:
+    ratio = None
+    if baseline_value and value:
+        ratio = round(baseline_value / value, 2)
+    line = {"metric": metric, "value": round(value, 2), "unit": unit, "baseline": baseline,
+            "baseline_value": None if baseline_value is None else round(baseline_value, 2),
+            "ratio": ratio, **extra}
+    print(json.dumps(line), flush=True)
+
+
+def pct(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+async def dirty(vm: VM, mib: int) -> None:
+    """Write `mib` MiB of non-zero data into guest memory (tmpfs page cache)."""
+    await sh(vm, f"rm -f /tmp/fill; yes 0123456789abcdef | head -c {mib}M > /tmp/fill; echo ok",
+             timeout=300)
+
+
+async def full_migrate_ms(rt: Runtime, vm: VM, out: Path) -> float:
+    """Baseline: stop and migrate all of guest RAM plus devices to a file (QEMU's own way)."""
+    proc = vm.process
+    await proc.execute("migrate-set-parameters", {"max-bandwidth": 1 << 40})
+    t0 = time.perf_counter()
+    await proc.execute("stop")
+    await proc.execute("migrate", {"uri": f"file:{out}"})
+    while True:
+        state = (await proc.execute("query-migrate"))["status"]
+        if state in ("completed", "failed"):
+            break
+        await asyncio.sleep(0.001)
+    elapsed = (time.perf_counter() - t0) * 1e3
+    await proc.execute("cont")
+    out.unlink(missing_ok=True)
+    if state != "completed":
+        raise RuntimeError("baseline migrate failed")
+    return elapsed
+
+
+async def main(quick: bool) -> None:
+    guest = build_test_guest()
+    root = Path(tempfile.mkdtemp(prefix="rb", dir="/tmp"))
+    blockd = BlockdProcess(root)
+    blockd.start()
+    client = AsyncBlockdClient(blockd.socket)
+    rt = Runtime(RuntimeConfig(state_dir=root / "state", network_prefix=PREFIX,
+                               envd_init_path="/cgi-bin/init", slot_pool_low=4,
+                               slot_pool_high=20), blockd=client)
+    try:
+        layer = make_ext4_layer(root / "rootfs.layer", ROOTFS)
+        await rt.start(kernel_for_probe=guest.kernel)
+        spec = BootSpec(kernel=guest.kernel, initramfs=guest.initramfs, cmdline=guest.cmdline_base,
+                        memory_mib=512, disks=[DiskSource("rootfs", ROOTFS, layers=[layer])])
+        await rt.slots.fill(20 if not quick else 8)
+
+        t0 = time.perf_counter()
+        vm = await rt.boot(spec)
+        boot_ms = (time.perf_counter() - t0) * 1e3
+        emit("cold_boot_to_envd", boot_ms, "ms", mode=rt.accel)
+        base = await rt.pause(vm)
+
+        # Restore: the memory file is materialised once (held by `pin`), then every restore
+        # maps it. Cold = QEMU spawned on demand; warm = taken from the primed pool.
+        t0 = time.perf_counter()
+        await asyncio.to_thread(rt.memory.acquire, base.id, [Path(x.path) for x in base.memory_layers],
+                                base.machine.memory_bytes)
+        emit("materialise_memory_file", (time.perf_counter() - t0) * 1e3, "ms",
+             layer_mib=round(base.memory_layers[-1].size / 2**20, 1))
+        reps = 5 if quick else 20
+        for warm in (False, True):
+            times: list[float] = []
+            for _ in range(reps):
+                if warm:
+                    await rt.prime(base, 1)
+                t0 = time.perf_counter()
+                child = await rt.restore(base)
+                times.append((time.perf_counter() - t0) * 1e3)
+                await rt.kill(child)
+            await rt.unprime(base.id)
+            kind = "warm" if warm else "cold"
+            emit(f"restore_{kind}_p50", statistics.median(times), "ms", "cold_boot_to_envd", boot_ms)
+            emit(f"restore_{kind}_p99", pct(times, 0.99), "ms", "cold_boot_to_envd", boot_ms)
+
+        # Pause with 16 / 128 MiB dirtied since the restore, against a full migrate.
+        for mib in (16, 128):
+            times = []
+            for _ in range(3 if quick else 10):
+                vm = await rt.restore(base)
+                await dirty(vm, mib)
+                t0 = time.perf_counter()
+                snap = await rt.pause(vm)
+                times.append((time.perf_counter() - t0) * 1e3)
+                shutil.rmtree(Path(snap.device_state).parent, ignore_errors=True)
+            vm = await rt.restore(base)
+            await dirty(vm, mib)
+            migrate_ms = await full_migrate_ms(rt, vm, root / "full-migrate.bin")
+            await rt.kill(vm)
+            emit(f"pause_p50_{mib}MiB_dirty", statistics.median(times), "ms",
+                 "full_migrate_to_file", migrate_ms)
+            emit(f"pause_p99_{mib}MiB_dirty", pct(times, 0.99), "ms",
+                 "full_migrate_to_file", migrate_ms)
+
+        # Fork: per child at 1, 4, 16 children.
+        counts = (1, 4, 16)
+        for count in counts:
+            source = await rt.restore(base)
+            t0 = time.perf_counter()
+            _, children = await rt.fork(source, count)
+            per_child = (time.perf_counter() - t0) * 1e3 / count
+            emit(f"fork_per_child_at_{count}", per_child, "ms", "cold_boot_to_envd", boot_ms)
+            if count == 16:
+                await asyncio.sleep(3)  # let the children settle idle
+                mem = [pss_kib(c.pid) for c in children]
+                emit("pss_per_idle_forked_child", statistics.mean(m["Pss"] for m in mem) / 1024,
+                     "MiB", "rss_per_idle_forked_child",
+                     statistics.mean(m["Rss"] for m in mem) / 1024)
+            for c in (*children, source):
+                await rt.kill(c)
+    finally:
+        await rt.close()
+        await client.close()
+        await teardown_host(PREFIX)
+        blockd.stop()
+        shutil.rmtree(root, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--quick", action="store_true", help="fewer repetitions (under a minute)")
+    args = parser.parse_args()
+    if os.geteuid() != 0:
+        raise SystemExit("lifecycle_bench needs root (network namespaces)")
+    asyncio.run(main(args.quick))

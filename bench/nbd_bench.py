@@ -1,0 +1,181 @@
+"""blockd NBD throughput against nbdkit, and device create/pool-take latency.
+
+blockd serves a 10-layer overlaybd stack (plus a writable upper); nbdkit's file plugin serves
+a flat raw export of the same disk, side by side in the same run. fio (nbd ioengine) measures
+4 KiB random read and write IOPS at queue depth 1 and 16, and 1 MiB sequential read MB/s.
+
+    python bench/nbd_bench.py [--quick]
+
+Prints one JSON object per line: metric, value, unit, baseline, baseline_value, ratio.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from agentenv.blockd.client import BlockdClient
+from agentenv.blockd.errors import BlockdUnavailable
+from agentenv.storage.builder import LayerBuilder
+from agentenv.storage.export import export_raw
+from agentenv.storage.image import Image
+
+MiB = 1 << 20
+
+
+def build_stack(folder: Path, size: int, layers: int) -> list[Path]:
+    """Bottom layer: the whole disk; nine more layers each rewrite ~5% of it in 64 KiB pieces."""
+    rng = random.Random(7)
+    paths = []
+    for n in range(layers):
+        path = folder / f"l{n:02d}.lsmt"
+        with LayerBuilder(path, size) as builder:
+            if n == 0:
+                for offset in range(0, size, 4 * MiB):
+                    builder.add(offset, os.urandom(4 * MiB))
+            else:
+                pieces = sorted(rng.sample(range(size // (64 * 1024)), size // (64 * 1024) // 20))
+                for piece in pieces:
+                    builder.add(piece * 64 * 1024, os.urandom(64 * 1024))
+        paths.append(path)
+    return paths
+
+
+def fio(uri: str, rw: str, bs: str, depth: int, runtime: float, out: Path) -> dict[str, float]:
+    subprocess.run(
+        ["fio", "--name=bench", "--ioengine=nbd", f"--uri={uri}", f"--rw={rw}", f"--bs={bs}",
+         f"--iodepth={depth}", f"--runtime={runtime}", "--time_based", "--ramp_time=0.3",
+         "--output-format=json", f"--output={out}"],
+        check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    job = json.loads(out.read_text())["jobs"][0]
+    side = job["write"] if "write" in rw else job["read"]
+    return {"iops": side["iops"], "mbs": side["bw_bytes"] / 1e6}
+
+
+def wait_for(path: Path, proc: subprocess.Popen[bytes], timeout: float = 20) -> None:
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError(f"{proc.args} did not create {path}")
+        time.sleep(0.02)
+
+
+def emit(metric: str, value: float, unit: str, baseline: str | None = None,
+         baseline_value: float | None = None) -> None:
+    ratio = round(value / baseline_value, 3) if baseline_value else None
+    print(json.dumps({"metric": metric, "value": round(value, 3), "unit": unit,
+                      "baseline": baseline, "baseline_value":
+                      None if baseline_value is None else round(baseline_value, 3),
+                      "ratio": ratio}), flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="small disk, short runs (< 60 s)")
+    args = parser.parse_args()
+    size = (128 if args.quick else 512) * MiB
+    runtime = 1.5 if args.quick else 5.0
+    rounds = 2 if args.quick else 3
+    root = Path(tempfile.mkdtemp(prefix="nbdb", dir="/tmp"))
+    procs: list[subprocess.Popen[bytes]] = []
+    try:
+        lowers = build_stack(root, size, 10)
+        flat = root / "flat.raw"
+        with Image.create(lowers, None) as image:
+            export_raw(image, flat)
+        ctl = root / "ctl.sock"
+        blockd = subprocess.Popen(
+            [sys.executable, "-m", "agentenv.cli.main", "blockd", "--state-dir", str(root / "st"),
+             "--socket", str(ctl), "--no-fuse", "--log-level", "warning"])
+        procs.append(blockd)
+        ksock = root / "k.sock"
+        nbdkit = subprocess.Popen(["nbdkit", "-f", "-U", str(ksock), "file", str(flat)])
+        procs.append(nbdkit)
+        wait_for(ctl, blockd)
+        wait_for(ksock, nbdkit)
+        client = BlockdClient(ctl)
+        for _ in range(100):
+            try:
+                client.ping()
+                break
+            except BlockdUnavailable:
+                time.sleep(0.05)
+
+        started = time.perf_counter()
+        info = client.create(lowers=lowers, upper_dir=root / "upper")
+        cold_ms = (time.perf_counter() - started) * 1e3
+        uri = f"nbd+unix:///{info.export}?socket={info.nbd}"
+        kuri = f"nbd+unix:///?socket={ksock}"
+        # Warm both page caches the same way before measuring.
+        subprocess.run(["nbdcopy", uri, "null:"], check=True)
+        subprocess.run(["nbdcopy", kuri, "null:"], check=True)
+
+        cases = [("randread", "4k", 1, "randread_4k_qd1", "IOPS"),
+                 ("randread", "4k", 16, "randread_4k_qd16", "IOPS"),
+                 ("randwrite", "4k", 1, "randwrite_4k_qd1", "IOPS"),
+                 ("randwrite", "4k", 16, "randwrite_4k_qd16", "IOPS"),
+                 ("read", "1M", 4, "seqread_1m_qd4", "MB/s")]
+        # The machine is shared: run blockd and nbdkit alternately, several rounds, and keep
+        # each side's best round.
+        best: dict[tuple[str, str], float] = {}
+        for _ in range(rounds):
+            for rw, bs, depth, name, unit in cases:
+                key = "iops" if unit == "IOPS" else "mbs"
+                for side, target in (("blockd", uri), ("nbdkit", kuri)):
+                    value = fio(target, rw, bs, depth, runtime, root / "fio.json")[key]
+                    best[(side, name)] = max(best.get((side, name), 0.0), value)
+        for _rw, _bs, _depth, name, unit in cases:
+            emit(f"blockd_{name}", best[("blockd", name)], unit, "nbdkit file (flat raw)",
+                 best[("nbdkit", name)])
+
+        # Device creation: cold (new socket + upper) versus taking a warm pooled device.
+        # Cold: a new device (socket, upper over the 10 layers). Take: an idle pooled device
+        # whose upper over this image the daemon prepared beforehand. Take into a caller's
+        # folder: the upper must be made on the take path.
+        client.pool_fill(6, size, lowers=lowers)
+        colds, takes, takes_own_dir = [], [], []
+        for n in range(5):
+            started = time.perf_counter()
+            client.create(lowers=lowers, upper_dir=root / f"cold{n}")
+            colds.append((time.perf_counter() - started) * 1e3)
+            time.sleep(0.1)  # let the daemon re-prepare the pool, as it would between takes
+            started = time.perf_counter()
+            client.pool_take(lowers=lowers, size=size)
+            takes.append((time.perf_counter() - started) * 1e3)
+            started = time.perf_counter()
+            client.pool_take(lowers=lowers, upper_dir=root / f"take{n}", size=size)
+            takes_own_dir.append((time.perf_counter() - started) * 1e3)
+            time.sleep(0.1)
+
+        def median(values: list[float]) -> float:
+            return sorted(values)[len(values) // 2]
+
+        emit("blockd_create_cold_ms", median(colds), "ms")
+        emit("blockd_pool_take_ms", median(takes), "ms", "blockd cold create", median(colds))
+        emit("blockd_pool_take_caller_upper_ms", median(takes_own_dir), "ms", "blockd cold create",
+             median(colds))
+        emit("blockd_first_create_ms", cold_ms, "ms")
+        client.close()
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+                try:
+                    proc.wait(20)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+        shutil.rmtree(root, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,226 @@
+"""Clients of the blockd control socket (JSON lines; the protocol is in blockd/daemon.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from agentenv.blockd.errors import BlockdError, BlockdUnavailable
+
+DEFAULT_SOCKET = Path("/run/aenv/blockd.sock")
+
+
+@dataclass(frozen=True)
+class DeviceInfo:
+    id: str
+    nbd: str  # the device's NBD unix socket
+    export: str  # its NBD export name
+    file: str | None  # the device as a regular file (FUSE), when the daemon runs FUSE
+    size: int
+    readonly: bool
+    kind: str = "disk"
+    source: str | None = None
+    upper_dir: str | None = None
+    refcount: int = 1
+    taken: bool = False
+    stats: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def uri(self) -> str:
+        """The device as QEMU and libnbd name it."""
+        return f"nbd+unix:///{self.export}?socket={self.nbd}"
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> DeviceInfo:
+        known = {k: data[k] for k in cls.__dataclass_fields__ if k in data}
+        return cls(**known)
+
+    def to_json(self) -> dict[str, Any]:
+        return {k: getattr(self, k) for k in self.__dataclass_fields__}
+
+
+def _request_line(op: str, args: dict[str, Any]) -> bytes:
+    clean = {k: (str(v) if isinstance(v, Path) else v) for k, v in args.items() if v is not None}
+    if "lowers" in clean:
+        clean["lowers"] = [str(p) for p in clean["lowers"]]
+    return (json.dumps({"op": op, **clean}) + "\n").encode()
+
+
+def _parse_answer(line: bytes, op: str) -> Any:
+    if not line:
+        raise BlockdError(f"blockd closed the connection during {op!r}")
+    answer = json.loads(line)
+    if not answer.get("ok"):
+        raise BlockdError(f"blockd {op}: {answer.get('error', 'unknown error')}")
+    return answer.get("result")
+
+
+class BlockdClient:
+    """Synchronous client; one connection, reopened when lost. Not thread-safe."""
+
+    def __init__(self, socket_path: Path | str = DEFAULT_SOCKET, timeout: float = 60.0) -> None:
+        self.socket_path = Path(socket_path)
+        self.timeout = timeout
+        self._sock: socket.socket | None = None
+        self._file: Any = None
+
+    def _connect(self) -> None:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(self.timeout)
+        try:
+            sock.connect(str(self.socket_path))
+        except OSError as exc:
+            sock.close()
+            raise BlockdUnavailable(
+                f"cannot reach blockd at {self.socket_path}: {exc.strerror or exc} "
+                "(is `aenv blockd` running?)"
+            ) from exc
+        self._sock, self._file = sock, sock.makefile("rb")
+
+    def close(self) -> None:
+        if self._sock is not None:
+            self._file.close()
+            self._sock.close()
+            self._sock = self._file = None
+
+    def __enter__(self) -> BlockdClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def call(self, op: str, **args: Any) -> Any:
+        line = _request_line(op, args)
+        for attempt in (0, 1):
+            if self._sock is None:
+                self._connect()
+            assert self._sock is not None
+            try:
+                self._sock.sendall(line)
+                answer = self._file.readline()
+            except (BrokenPipeError, ConnectionResetError):
+                self.close()
+                if attempt:
+                    raise
+                continue
+            if not answer and attempt == 0 and op not in ("shutdown",):
+                self.close()
+                continue
+            return _parse_answer(answer, op)
+        raise BlockdError(f"blockd {op}: no answer")
+
+    def ping(self) -> dict[str, Any]:
+        return dict(self.call("ping"))
+
+    def create(
+        self,
+        image: Path | None = None,
+        lowers: list[Path] | None = None,
+        upper_dir: Path | None = None,
+        size: int | None = None,
+        readonly: bool = False,
+    ) -> DeviceInfo:
+        return DeviceInfo.from_json(
+            self.call("create", image=image, lowers=lowers, upper_dir=upper_dir, size=size,
+                      readonly=readonly)
+        )
+
+    def create_blank(self, size: int, upper_dir: Path | None = None) -> DeviceInfo:
+        return DeviceInfo.from_json(self.call("create_blank", size=size, upper_dir=upper_dir))
+
+    def snapshot(self, id: str, output: Path | None = None) -> Path:
+        return Path(self.call("snapshot", id=id, output=output)["layer"])
+
+    def resize(self, id: str, size: int) -> DeviceInfo:
+        return DeviceInfo.from_json(self.call("resize", id=id, size=size))
+
+    def release(self, id: str) -> int:
+        """Release a device; returns the remaining refcount (0: it is gone or back in the pool)."""
+        return int(self.call("release", id=id)["refcount"])
+
+    def list(self) -> list[DeviceInfo]:
+        return [DeviceInfo.from_json(d) for d in self.call("list")]
+
+    def pool_take(
+        self,
+        image: Path | None = None,
+        lowers: list[Path] | None = None,
+        upper_dir: Path | None = None,
+        size: int | None = None,
+    ) -> DeviceInfo:
+        return DeviceInfo.from_json(
+            self.call("pool_take", image=image, lowers=lowers, upper_dir=upper_dir, size=size)
+        )
+
+    def pool_fill(self, count: int, size: int | None = None, image: Path | None = None,
+                  lowers: list[Path] | None = None) -> int:
+        """Keep `count` idle devices of `size`; given an image (or lowers), prepare each with
+        an upper over it, so a take for that image (with upper_dir=None) is only a swap."""
+        return int(self.call("pool_fill", count=count, size=size, image=image,
+                             lowers=lowers)["idle"])
+
+    def shutdown(self) -> None:
+        self.call("shutdown")
+
+
+class AsyncBlockdClient:
+    """The same operations for asyncio callers (one connection, requests serialized)."""
+
+    def __init__(self, socket_path: Path | str = DEFAULT_SOCKET) -> None:
+        self.socket_path = Path(socket_path)
+        self._streams: tuple[asyncio.StreamReader, asyncio.StreamWriter] | None = None
+        self._lock = asyncio.Lock()
+
+    async def call(self, op: str, **args: Any) -> Any:
+        async with self._lock:
+            if self._streams is None:
+                try:
+                    self._streams = await asyncio.open_unix_connection(
+                        str(self.socket_path), limit=16 * 1024 * 1024
+                    )
+                except OSError as exc:
+                    raise BlockdUnavailable(
+                        f"cannot reach blockd at {self.socket_path}: {exc.strerror or exc}"
+                    ) from exc
+            reader, writer = self._streams
+            writer.write(_request_line(op, args))
+            await writer.drain()
+            line = await reader.readline()
+            if not line:
+                self._streams = None
+            return _parse_answer(line, op)
+
+    async def close(self) -> None:
+        if self._streams is not None:
+            self._streams[1].close()
+            self._streams = None
+
+    async def create(self, image: Path | None = None, lowers: list[Path] | None = None,
+                     upper_dir: Path | None = None, size: int | None = None,
+                     readonly: bool = False) -> DeviceInfo:
+        return DeviceInfo.from_json(await self.call(
+            "create", image=image, lowers=lowers, upper_dir=upper_dir, size=size, readonly=readonly))
+
+    async def create_blank(self, size: int, upper_dir: Path | None = None) -> DeviceInfo:
+        return DeviceInfo.from_json(await self.call("create_blank", size=size, upper_dir=upper_dir))
+
+    async def snapshot(self, id: str, output: Path | None = None) -> Path:
+        return Path((await self.call("snapshot", id=id, output=output))["layer"])
+
+    async def resize(self, id: str, size: int) -> DeviceInfo:
+        return DeviceInfo.from_json(await self.call("resize", id=id, size=size))
+
+    async def release(self, id: str) -> int:
+        return int((await self.call("release", id=id))["refcount"])
+
+    async def list(self) -> list[DeviceInfo]:
+        return [DeviceInfo.from_json(d) for d in await self.call("list")]
+
+    async def pool_take(self, image: Path | None = None, lowers: list[Path] | None = None,
+                        upper_dir: Path | None = None, size: int | None = None) -> DeviceInfo:
+        return DeviceInfo.from_json(await self.call(
+            "pool_take", image=image, lowers=lowers, upper_dir=upper_dir, size=size))

@@ -1,0 +1,354 @@
+"""A blockd device: a swappable image behind an NBD socket, with a gate and counters.
+
+Every NBD request (and every FUSE call, through the event loop) passes the device's gate.
+Operations that change what the device is (snapshot, pool swap, resize, release) close the
+gate, wait until the requests already admitted have finished, do their work, and reopen it:
+a write acknowledged before a snapshot began is in the sealed layer, one admitted after it is
+in the new upper, and none is lost or reordered across the seal.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import Executor
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Protocol, TypeVar
+
+from agentenv.blockd.errors import BlockdError
+
+log = logging.getLogger("agentenv.blockd.device")
+
+T = TypeVar("T")
+
+# Reads and writes up to this size run on the event loop itself: against the page cache they
+# take microseconds, less than handing them to a thread (measured in bench/nbd_bench.py).
+# Larger ones, flushes and everything that may wait on fsync go to the I/O threads.
+INLINE_MAX = 1024 * 1024
+
+
+class ImageLike(Protocol):
+    """What blockd needs of agentenv.storage.image.Image."""
+
+    @property
+    def virtual_size(self) -> int: ...
+
+    @property
+    def readonly(self) -> bool: ...
+
+    def read(self, offset: int, length: int) -> bytes: ...
+
+    def write(self, offset: int, data: bytes) -> None: ...
+
+    def discard(self, offset: int, length: int) -> None: ...
+
+    def write_zeroes(self, offset: int, length: int) -> None: ...
+
+    def flush(self) -> None: ...
+
+    def resize(self, new_size: int) -> None: ...
+
+    def snapshot_and_restack(self, sealed_path: Path) -> Path: ...
+
+    def close(self) -> None: ...
+
+
+class PlaceholderImage:
+    """What an idle pooled device serves until it is taken: zeros, writes refused.
+
+    It looks writable so that a client that connects to a pooled device early (a VMM waiting
+    in a warm pool) negotiates a writable disk; the real image is swapped in on take."""
+
+    def __init__(self, size: int) -> None:
+        self.virtual_size = size
+        self.readonly = False
+
+    def read(self, offset: int, length: int) -> bytes:
+        return bytes(length)
+
+    def _refuse(self, *_args: object) -> None:
+        raise BlockdError("this pooled device has no image yet (take it from the pool first)")
+
+    write = discard = write_zeroes = _refuse
+
+    def flush(self) -> None:
+        pass
+
+    def resize(self, new_size: int) -> None:
+        self.virtual_size = new_size
+
+    def snapshot_and_restack(self, sealed_path: Path) -> Path:
+        raise BlockdError("a pooled device with no image cannot be snapshotted")
+
+    def close(self) -> None:
+        pass
+
+
+@dataclass
+class DeviceStats:
+    reads: int = 0
+    writes: int = 0
+    bytes_read: int = 0
+    bytes_written: int = 0
+    flushes: int = 0
+    trims: int = 0
+    zeroes: int = 0
+    errors: int = 0
+    connections: int = 0
+
+
+class Gate:
+    """Admits requests while open; close() waits for the admitted ones to finish."""
+
+    def __init__(self) -> None:
+        self._inflight = 0
+        self._open = asyncio.Event()
+        self._open.set()
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._closers = asyncio.Lock()
+
+    def try_enter(self) -> bool:
+        """Admit without waiting, if the gate is open."""
+        if not self._open.is_set():
+            return False
+        self._inflight += 1
+        self._idle.clear()
+        return True
+
+    async def enter(self) -> None:
+        while not self._open.is_set():
+            await self._open.wait()
+        self._inflight += 1
+        self._idle.clear()
+
+    def leave(self) -> None:
+        self._inflight -= 1
+        if self._inflight == 0:
+            self._idle.set()
+
+    @contextlib.asynccontextmanager
+    async def closed(self) -> AsyncIterator[None]:
+        async with self._closers:
+            self._open.clear()
+            try:
+                await self._idle.wait()
+                yield
+            finally:
+                self._open.set()
+
+
+@dataclass
+class DeviceRecord:
+    """What the state directory keeps of a device, to find it again after a restart."""
+
+    id: str
+    kind: str  # "disk" (writable, own upper), "shared" (read-only, refcounted) or "pool"
+    socket: str
+    source: str | None  # image config (writable) or image/layer (read-only) to reopen
+    upper_dir: str | None
+    owns_upper: bool  # the daemon made upper_dir itself and removes it on release
+    readonly: bool
+    size: int
+    refcount: int = 1
+    taken: bool = False  # pool devices: bound to a real image rather than the placeholder
+    snapshots: list[str] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class Device:
+    """One disk: an image, an NBD socket, a FUSE file, a gate and counters."""
+
+    def __init__(
+        self,
+        record: DeviceRecord,
+        image: ImageLike,
+        executor: Executor,
+        on_stats: Callable[[Device, str, int], None] | None = None,
+        inline_max: int = INLINE_MAX,
+    ) -> None:
+        self.record = record
+        self.image = image
+        self.executor = executor
+        self.stats = DeviceStats()
+        self.gate = Gate()
+        self.server: asyncio.AbstractServer | None = None
+        self.clients: set[asyncio.StreamWriter] = set()
+        self.fuse_path: Path | None = None
+        self._on_stats = on_stats
+        self._loop = asyncio.get_running_loop()
+        self._offloop_writers = 0
+        self.inline_max = inline_max
+
+    @property
+    def id(self) -> str:
+        return self.record.id
+
+    # -- Export protocol (used by the NBD server) --------------------------------------------
+
+    @property
+    def size(self) -> int:
+        return self.image.virtual_size
+
+    @property
+    def readonly(self) -> bool:
+        return self.record.readonly
+
+    @property
+    def description(self) -> str:
+        return f"aenv blockd device {self.id} ({self.record.kind})"
+
+    def connection_opened(self) -> None:
+        self.stats.connections += 1
+
+    def connection_closed(self) -> None:
+        self.stats.connections -= 1
+
+    def count_error(self) -> None:
+        self.stats.errors += 1
+        self._count("errors", 1)
+
+    def _count(self, what: str, amount: int) -> None:
+        if self._on_stats is not None:
+            self._on_stats(self, what, amount)
+
+    async def _call_image(self, method: str, *args: Any) -> Any:
+        """Call an image method on whatever image is current once the gate admits us."""
+        await self.gate.enter()
+        try:
+            return await self._loop.run_in_executor(
+                self.executor, getattr(self.image, method), *args
+            )
+        finally:
+            self.gate.leave()
+
+    def read_now(self, offset: int, length: int) -> bytes | None:
+        if length > self.inline_max or not self.gate.try_enter():
+            return None
+        try:
+            data = self.image.read(offset, length)
+        finally:
+            self.gate.leave()
+        self.stats.reads += 1
+        self.stats.bytes_read += length
+        self._count("reads", 1)
+        self._count("bytes_read", length)
+        return data
+
+    def write_now(self, offset: int, data: bytes) -> bool:
+        # Only while no flush runs on a thread: Image.flush holds the image's write lock
+        # during fsync, and waiting for it here would stall every device on the loop.
+        if len(data) > self.inline_max or self._offloop_writers or not self.gate.try_enter():
+            return False
+        try:
+            self.image.write(offset, data)
+        finally:
+            self.gate.leave()
+        self.stats.writes += 1
+        self.stats.bytes_written += len(data)
+        self._count("writes", 1)
+        self._count("bytes_written", len(data))
+        return True
+
+    async def read(self, offset: int, length: int) -> bytes:
+        data: bytes = await self._call_image("read", offset, length)
+        self.stats.reads += 1
+        self.stats.bytes_read += length
+        self._count("reads", 1)
+        self._count("bytes_read", length)
+        return data
+
+    async def write(self, offset: int, data: bytes, fua: bool) -> None:
+        await self.gate.enter()
+        self._offloop_writers += 1
+        try:
+            image = self.image
+            await self._loop.run_in_executor(self.executor, image.write, offset, data)
+            if fua:
+                await self._loop.run_in_executor(self.executor, image.flush)
+        finally:
+            self._offloop_writers -= 1
+            self.gate.leave()
+        self.stats.writes += 1
+        self.stats.bytes_written += len(data)
+        self._count("writes", 1)
+        self._count("bytes_written", len(data))
+
+    async def _mutate(self, method: str, *args: Any) -> Any:
+        self._offloop_writers += 1
+        try:
+            return await self._call_image(method, *args)
+        finally:
+            self._offloop_writers -= 1
+
+    async def flush(self) -> None:
+        await self._mutate("flush")
+        self.stats.flushes += 1
+
+    async def trim(self, offset: int, length: int, fua: bool) -> None:
+        await self._mutate("discard", offset, length)
+        if fua:
+            await self._mutate("flush")
+        self.stats.trims += 1
+
+    async def write_zeroes(self, offset: int, length: int, fua: bool) -> None:
+        await self._mutate("write_zeroes", offset, length)
+        if fua:
+            await self._mutate("flush")
+        self.stats.zeroes += 1
+
+    # -- management ----------------------------------------------------------------------------
+
+    async def snapshot(self, sealed_path: Path) -> Path:
+        async with self.gate.closed():
+            image = self.image
+            return await self._loop.run_in_executor(
+                self.executor, image.snapshot_and_restack, sealed_path
+            )
+
+    async def resize(self, new_size: int) -> None:
+        async with self.gate.closed():
+            await self._loop.run_in_executor(self.executor, self.image.resize, new_size)
+            self.record.size = new_size
+
+    async def swap(self, new_image: ImageLike) -> ImageLike:
+        """Atomically put another image under this device; returns the old one (not closed)."""
+        async with self.gate.closed():
+            old = self.image
+            self.image = new_image
+            self.record.size = new_image.virtual_size
+            return old
+
+    async def close_image(self) -> None:
+        async with self.gate.closed():
+            image = self.image
+            await self._loop.run_in_executor(self.executor, _flush_and_close, image)
+
+    def info(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "nbd": self.record.socket,
+            "export": self.id,
+            "file": str(self.fuse_path) if self.fuse_path else None,
+            "size": self.size,
+            "readonly": self.readonly,
+            "kind": self.record.kind,
+            "source": self.record.source,
+            "upper_dir": self.record.upper_dir,
+            "refcount": self.record.refcount,
+            "taken": self.record.taken,
+            "stats": asdict(self.stats),
+        }
+
+
+def _flush_and_close(image: ImageLike) -> None:
+    try:
+        if not image.readonly:
+            image.flush()
+    finally:
+        image.close()

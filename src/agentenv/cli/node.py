@@ -1,0 +1,245 @@
+"""`aenv serve` runs the node server; `aenv sandbox ...` talks to a running node's API."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import click
+import httpx
+from rich.console import Console
+from rich.table import Table
+
+from agentenv.errors import AgentEnvError
+
+DEFAULT_URL = "http://127.0.0.1:8000"
+
+
+@click.command("serve")
+@click.option(
+    "--state-dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=lambda: os.environ.get("AENV_HOME", "/var/lib/aenv"),
+    show_default="$AENV_HOME or /var/lib/aenv",
+    help="Where records, sandboxes, templates and the API key live.",
+)
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
+@click.option("--port", type=int, default=8000, show_default=True)
+@click.option(
+    "--backend",
+    type=click.Choice(["process"]),
+    default="process",
+    show_default=True,
+    help="What runs sandboxes: 'process' = envd processes on this host (no VM).",
+)
+@click.option(
+    "--domain", default=None, help="Sandbox domain returned to SDKs ({port}-{id}.DOMAIN)."
+)
+@click.option("--log-level", default="info", show_default=True)
+def serve_command(
+    state_dir: Path, host: str, port: int, backend: str, domain: str | None, log_level: str
+) -> None:
+    """Run the node server: E2B-compatible API and sandbox proxy on one port."""
+    from agentenv import logs
+    from agentenv.node.orchestrator import NodeConfig
+    from agentenv.node.security import api_key_path, load_api_key
+    from agentenv.node.server import ServeOptions, serve
+
+    logs.setup(log_level)
+    state_dir.mkdir(parents=True, exist_ok=True)
+    load_api_key(state_dir)
+    if not os.environ.get("AENV_API_KEY"):
+        click.echo(f"API key in {api_key_path(state_dir)}", err=True)
+    serve(
+        ServeOptions(
+            state_dir=state_dir,
+            host=host,
+            port=port,
+            backend=backend,
+            config=NodeConfig(domain=domain),
+        )
+    )
+
+
+# --- API client commands -----------------------------------------------------------------------
+
+
+class Client:
+    def __init__(self, url: str, key: str) -> None:
+        self.http = httpx.Client(
+            base_url=url, headers={"X-API-KEY": key}, timeout=120.0, trust_env=False
+        )
+
+    def call(self, method: str, path: str, body: Any = None, **params: Any) -> httpx.Response:
+        try:
+            answer = self.http.request(
+                method, path, json=body, params={k: v for k, v in params.items() if v is not None}
+            )
+        except httpx.HTTPError as exc:
+            raise AgentEnvError(f"cannot reach the node at {self.http.base_url}: {exc}") from exc
+        if answer.status_code >= 300:
+            try:
+                message = answer.json()["message"]
+            except (ValueError, KeyError, TypeError):
+                message = answer.text
+            raise AgentEnvError(f"{method} {path}: {answer.status_code} {message}")
+        return answer
+
+
+def _api_key(explicit: str | None, state_dir: Path) -> str:
+    for candidate in (explicit, os.environ.get("E2B_API_KEY"), os.environ.get("AENV_API_KEY")):
+        if candidate:
+            return candidate
+    path = state_dir / "secrets" / "api-key"
+    try:
+        return path.read_text().strip()
+    except OSError as exc:
+        raise AgentEnvError(
+            f"no API key: pass --api-key, set E2B_API_KEY, or make {path} readable"
+        ) from exc
+
+
+@click.group("sandbox")
+@click.option(
+    "--api-url",
+    default=lambda: os.environ.get("E2B_API_URL", DEFAULT_URL),
+    show_default="$E2B_API_URL or " + DEFAULT_URL,
+)
+@click.option("--api-key", default=None, help="Defaults to $E2B_API_KEY or the state dir's key.")
+@click.option(
+    "--state-dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=lambda: os.environ.get("AENV_HOME", "/var/lib/aenv"),
+)
+@click.pass_context
+def sandbox_group(ctx: click.Context, api_url: str, api_key: str | None, state_dir: Path) -> None:
+    """Manage the sandboxes of a node."""
+    ctx.obj = Client(api_url, _api_key(api_key, state_dir))
+
+
+def _client(ctx: click.Context) -> Client:
+    client = ctx.find_object(Client)
+    assert client is not None
+    return client
+
+
+@sandbox_group.command("ls")
+@click.option("--state", "states", multiple=True, type=click.Choice(["running", "paused"]))
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
+@click.pass_context
+def sandbox_ls(ctx: click.Context, states: tuple[str, ...], as_json: bool) -> None:
+    """List sandboxes (all pages)."""
+    client = _client(ctx)
+    items: list[dict[str, Any]] = []
+    token = None
+    while True:
+        answer = client.call(
+            "GET", "/v2/sandboxes", state=",".join(states) or None, nextToken=token
+        )
+        items += answer.json()
+        token = answer.headers.get("x-next-token")
+        if not token:
+            break
+    if as_json:
+        click.echo(json.dumps(items, indent=2))
+        return
+    table = Table("sandbox", "state", "template", "started", "ends", "metadata")
+    for item in items:
+        table.add_row(
+            item["sandboxID"],
+            item["state"],
+            item.get("alias") or item["templateID"],
+            item["startedAt"],
+            item["endAt"],
+            json.dumps(item.get("metadata") or {}),
+        )
+    Console().print(table)
+
+
+@sandbox_group.command("create")
+@click.argument("template", default="base")
+@click.option("--timeout", type=int, default=None, help="Seconds to live (server default 300).")
+@click.option("--metadata", "-m", multiple=True, help="KEY=VALUE, repeatable.")
+@click.option("--env", "-e", multiple=True, help="KEY=VALUE, repeatable.")
+@click.option("--auto-pause", is_flag=True, help="Pause instead of kill at the timeout.")
+@click.pass_context
+def sandbox_create(
+    ctx: click.Context,
+    template: str,
+    timeout: int | None,
+    metadata: tuple[str, ...],
+    env: tuple[str, ...],
+    auto_pause: bool,
+) -> None:
+    """Create a sandbox from TEMPLATE and print its id."""
+
+    def pairs(items: tuple[str, ...], what: str) -> dict[str, str]:
+        out = {}
+        for item in items:
+            if "=" not in item:
+                raise AgentEnvError(f"{what} {item!r} must look like KEY=VALUE")
+            key, value = item.split("=", 1)
+            out[key] = value
+        return out
+
+    body: dict[str, Any] = {
+        "templateID": template,
+        "metadata": pairs(metadata, "--metadata"),
+        "envVars": pairs(env, "--env"),
+    }
+    if timeout is not None:
+        body["timeout"] = timeout
+    if auto_pause:
+        body["autoPause"] = True
+    click.echo(_client(ctx).call("POST", "/v2/sandboxes", body).json()["sandboxID"])
+
+
+@sandbox_group.command("info")
+@click.argument("sandbox_id")
+@click.pass_context
+def sandbox_info(ctx: click.Context, sandbox_id: str) -> None:
+    """Print a sandbox's details as JSON."""
+    click.echo(json.dumps(_client(ctx).call("GET", f"/sandboxes/{sandbox_id}").json(), indent=2))
+
+
+@sandbox_group.command("kill")
+@click.argument("sandbox_ids", nargs=-1, required=True)
+@click.pass_context
+def sandbox_kill(ctx: click.Context, sandbox_ids: tuple[str, ...]) -> None:
+    """Kill sandboxes (running or paused)."""
+    for sid in sandbox_ids:
+        _client(ctx).call("DELETE", f"/sandboxes/{sid}")
+        click.echo(f"killed {sid}")
+
+
+@sandbox_group.command("pause")
+@click.argument("sandbox_id")
+@click.pass_context
+def sandbox_pause(ctx: click.Context, sandbox_id: str) -> None:
+    """Pause a running sandbox."""
+    _client(ctx).call("POST", f"/sandboxes/{sandbox_id}/pause", {})
+    click.echo(f"paused {sandbox_id}")
+
+
+@sandbox_group.command("resume")
+@click.argument("sandbox_id")
+@click.option("--timeout", type=int, default=300, show_default=True)
+@click.pass_context
+def sandbox_resume(ctx: click.Context, sandbox_id: str, timeout: int) -> None:
+    """Resume a paused sandbox (or extend a running one's timeout)."""
+    answer = _client(ctx).call("POST", f"/v2/sandboxes/{sandbox_id}/connect", {"timeout": timeout})
+    click.echo(f"{'resumed' if answer.status_code == 201 else 'running'} {sandbox_id}")
+
+
+@sandbox_group.command("timeout")
+@click.argument("sandbox_id")
+@click.argument("seconds", type=int)
+@click.pass_context
+def sandbox_timeout(ctx: click.Context, sandbox_id: str, seconds: int) -> None:
+    """Set a running sandbox to end SECONDS from now."""
+    _client(ctx).call("POST", f"/sandboxes/{sandbox_id}/timeout", {"timeout": seconds})
+
+
+COMMANDS: list[click.Command] = [serve_command, sandbox_group]

@@ -1,0 +1,124 @@
+"""User root disks: ext4 images made without mounting (mkfs.ext4 -d), and the test roots: a
+busybox-only one and a Debian one from debootstrap (cached as a tarball keyed by package list)."""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from agentenv.guest.build import apt
+from agentenv.guest.build.errors import GuestBuildError
+from agentenv.guest.build.tools import tree_size
+
+MiB = 1 << 20
+DEBIAN_SUITE = "bookworm"
+DEBIAN_MIRROR = "http://deb.debian.org/debian"
+DEFAULT_DEBIAN_CACHE = Path("/var/cache/aenv-test/guest")
+# What the node server's `base` template needs on top of minbase.
+BASE_PACKAGES = ("python3", "python3-pip", "git", "curl", "ca-certificates")
+
+
+def image_size_for(src_dir: Path, *, free: int = 64 * MiB) -> int:
+    """A size (bytes, MiB-aligned) that holds the tree with ext4 overhead plus `free` spare."""
+    used, inodes = tree_size(src_dir)
+    raw = used * 1.1 + inodes * 256 + free + 16 * MiB
+    return math.ceil(raw / MiB) * MiB
+
+
+def make_rootfs_image(src_dir: Path, out: Path, size: int | None = None, *, label: str = "aenv-root",
+                      read_only: bool = False, inodes: int | None = None) -> Path:
+    """Makes an ext4 image of `size` bytes (default: fits the tree with 64 MiB spare) holding
+    src_dir's contents, owners and modes, without mounting anything. read_only drops the journal
+    (for disks no VM ever writes, like the tools disk)."""
+    if not src_dir.is_dir():
+        raise GuestBuildError(f"root source {src_dir} is not a directory")
+    if size is None:
+        size = image_size_for(src_dir)
+    used, count = tree_size(src_dir)
+    if size < used:
+        raise GuestBuildError(f"image size {size} bytes cannot hold {src_dir} ({used} bytes of files)")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(out.name + ".tmp")
+    tmp.unlink(missing_ok=True)
+    with tmp.open("wb") as f:
+        f.truncate(size)
+    cmd = ["mkfs.ext4", "-q", "-F", "-b", "4096", "-m", "0", "-L", label,
+           "-E", "root_owner=0:0", "-d", str(src_dir)]
+    if read_only:
+        cmd += ["-O", "^has_journal"]
+    cmd += ["-N", str(inodes or max(count * 2 + 4096, 16384))]
+    cmd.append(str(tmp))
+    apt.run(cmd, what=f"making the ext4 image {out.name}")
+    tmp.rename(out)
+    return out
+
+
+def busybox_root(dest: Path, busybox: Path | None = None) -> Path:
+    """A root holding only a static busybox with its applet links, /etc/passwd and /etc/group
+    (no Python, no libc): the smallest image envd must still work in."""
+    busybox = busybox or Path("/bin/busybox")
+    if not busybox.is_file():
+        raise GuestBuildError(f"{busybox} missing: install busybox-static")
+    if dest.exists():
+        shutil.rmtree(dest)
+    for d in ("bin", "sbin", "usr/bin", "usr/sbin", "etc", "root", "tmp", "proc", "sys", "dev", "run", "home"):
+        (dest / d).mkdir(parents=True, exist_ok=True)
+    os.chmod(dest / "tmp", 0o1777)
+    os.chmod(dest / "root", 0o700)
+    shutil.copy2(busybox, dest / "bin" / "busybox")
+    for applet in apt.run([str(busybox), "--list-full"], what="listing busybox applets").split():
+        link = dest / applet
+        if applet != "bin/busybox" and not link.exists():
+            link.parent.mkdir(parents=True, exist_ok=True)
+            link.symlink_to("/bin/busybox")
+    (dest / "etc" / "passwd").write_text("root:x:0:0:root:/root:/bin/sh\nuser:x:1000:1000::/home/user:/bin/sh\n")
+    (dest / "etc" / "group").write_text("root:x:0:\nuser:x:1000:\n")
+    (dest / "home" / "user").mkdir()
+    os.chown(dest / "home" / "user", 1000, 1000)
+    (dest / "etc" / "resolv.conf").write_text("")
+    return dest
+
+
+def debian_root_tarball(extra_packages: list[str] | tuple[str, ...] = (), *,
+                        cache_dir: Path = DEFAULT_DEBIAN_CACHE) -> Path:
+    """A tarball of `debootstrap --variant=minbase bookworm` plus extra packages, cached under
+    cache_dir keyed by the package list. Built from the Debian archive on first use (~1-2 min)."""
+    packages = sorted(set(extra_packages))
+    key = hashlib.sha256(f"{DEBIAN_SUITE}|minbase|{','.join(packages)}".encode()).hexdigest()[:16]
+    tarball = cache_dir / f"debian-{DEBIAN_SUITE}-minbase-{key}.tar"
+    if tarball.is_file():
+        return tarball
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=cache_dir, prefix=".debootstrap-") as tmp:
+        target = Path(tmp) / "root"
+        cmd = ["debootstrap", "--variant=minbase"]
+        if packages:
+            cmd.append(f"--include={','.join(packages)}")
+        cmd += [DEBIAN_SUITE, str(target), DEBIAN_MIRROR]
+        apt.run(cmd, what="debootstrap of a Debian root")
+        # Trim what only apt needs later and what differs per run.
+        shutil.rmtree(target / "var/cache/apt/archives", ignore_errors=True)
+        (target / "var/cache/apt/archives/partial").mkdir(parents=True, exist_ok=True)
+        for lists in (target / "var/lib/apt/lists").glob("*_Packages"):
+            lists.unlink()
+        partial = tarball.with_name(tarball.name + ".tmp")
+        apt.run(["tar", "--numeric-owner", "--xattrs", "-C", str(target), "-cf", str(partial), "."],
+                what="archiving the Debian root")
+        partial.rename(tarball)
+    return tarball
+
+
+def debian_root(dest: Path, extra_packages: list[str] | tuple[str, ...] = (), *,
+                cache_dir: Path = DEFAULT_DEBIAN_CACHE) -> Path:
+    """Unpacks the (cached) Debian root into dest."""
+    tarball = debian_root_tarball(extra_packages, cache_dir=cache_dir)
+    if dest.exists():
+        shutil.rmtree(dest)
+    dest.mkdir(parents=True)
+    apt.run(["tar", "--numeric-owner", "--xattrs", "-C", str(dest), "-xf", str(tarball)],
+            what="unpacking the Debian root")
+    return dest

@@ -1,0 +1,15 @@
+"""envd: the in-guest agent that speaks the E2B envd protocol (Connect RPC + plain HTTP).
+
+This package runs inside the VM from the tools disk, so it imports nothing from the host side of
+agentenv: only `agentenv.guest.envd.*`, the standard library and the pure-Python packages listed in
+requirements.txt.
+"""
+
+from __future__ import annotations
+
+ENVD_VERSION = "0.6.4"
+"""The envd version this agent implements, as the E2B SDKs gate features on it (spec 3.6):
+default user handled here, stdin control, close_stdin, octet-stream and gzip uploads, file
+metadata (xattrs), watch events with entries and the network-mount flag."""
+
+DEFAULT_PORT = 49983

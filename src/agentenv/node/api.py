@@ -1,0 +1,578 @@
+"""The node's HTTP front: the E2B control-plane API and the sandbox proxy on one port.
+
+`NodeApp` is the ASGI entry point. Sandbox traffic (E2b-Sandbox-Id header or
+`{port}-{id}.{domain}` Host) goes to the proxy without an API key; everything else is the
+control plane, which needs `X-API-KEY` except for /health and /metrics. Every non-2xx answer of
+the control plane is JSON `{"code": <status>, "message": ...}` (spec/e2b-compat.md 1.2),
+including unknown routes (404), wrong methods (405), bad bodies (400/422) and huge bodies (413).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import platform
+import socket
+import time
+from collections.abc import AsyncIterator, Callable
+from datetime import datetime
+from typing import Any, TypeVar
+from urllib.parse import unquote_plus
+
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import BaseModel, ValidationError
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from agentenv import __version__
+from agentenv.node import models
+from agentenv.node.errors import ApiError, BadRequest, sandbox_not_found
+from agentenv.node.metrics import NodeMetrics
+from agentenv.node.orchestrator import CreateParams, Orchestrator
+from agentenv.node.proxy import SandboxProxy, route_of, send_json
+from agentenv.node.records import SandboxRecord, State, TemplateRecord
+from agentenv.node.security import same_secret
+
+log = logging.getLogger("agentenv.node.api")
+M = TypeVar("M", bound=BaseModel)
+
+MAX_BODY_BYTES = 1 << 20
+MAX_PAGE = 100
+IDEMPOTENCY_SECONDS = 600.0
+PUBLIC_PATHS = {"/health", "/metrics"}
+
+
+def error(status: int, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse({"code": status, "message": message}, status_code=status, headers=headers)
+
+
+async def read_model(request: Request, model: type[M], *, optional: bool = False) -> M:
+    """Parse and validate the JSON body; empty bodies count as `{}` when `optional`."""
+    declared = request.headers.get("content-length")
+    if declared and declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+        raise ApiError(f"request body over {MAX_BODY_BYTES} bytes", status=413)
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > MAX_BODY_BYTES:
+            raise ApiError(f"request body over {MAX_BODY_BYTES} bytes", status=413)
+        chunks.append(chunk)
+    raw = b"".join(chunks)
+    if not raw.strip():
+        if not optional:
+            raise ApiError("request body is required", status=400)
+        data: Any = {}
+    else:
+        try:
+            data = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise BadRequest(f"request body is not valid JSON: {exc}") from exc
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in e['loc']) or 'body'}: {e['msg']}" for e in exc.errors()
+        )
+        raise ApiError(f"invalid request body: {problems}", status=422) from exc
+
+
+# --- paging ------------------------------------------------------------------------------------
+
+
+def _encode_cursor(ts: float, item_id: str) -> str:
+    return base64.urlsafe_b64encode(json.dumps([ts, item_id]).encode()).decode()
+
+
+def _decode_cursor(token: str) -> tuple[float, str]:
+    try:
+        ts, item_id = json.loads(base64.urlsafe_b64decode(token.encode()))
+        return float(ts), str(item_id)
+    except (ValueError, TypeError, binascii.Error) as exc:
+        raise BadRequest(f"invalid next token: {token!r}") from exc
+
+
+def _limit(request: Request) -> int:
+    raw = request.query_params.get("limit")
+    if raw is None:
+        return MAX_PAGE
+    try:
+        value = int(raw)
+    except ValueError as exc:
+        raise BadRequest(f"limit must be an integer, got {raw!r}") from exc
+    if not 1 <= value <= MAX_PAGE:
+        raise BadRequest(f"limit must be between 1 and {MAX_PAGE}, got {value}")
+    return value
+
+
+T = TypeVar("T")
+
+
+def page(
+    items: list[T], key: Callable[[T], tuple[float, str]], request: Request, descending: bool
+) -> tuple[list[T], str | None]:
+    """One page of items ordered by key, after the cursor in `nextToken`; and the next token."""
+    ordered = sorted(items, key=key, reverse=descending)
+    token = request.query_params.get("nextToken")
+    if token:
+        cursor = _decode_cursor(token)
+        ordered = [i for i in ordered if (key(i) < cursor if descending else key(i) > cursor)]
+    limit = _limit(request)
+    chunk = ordered[:limit]
+    more = len(ordered) > limit
+    return chunk, (_encode_cursor(*key(chunk[-1])) if more and chunk else None)
+
+
+def parse_metadata_filter(raw: str | None) -> dict[str, str]:
+    """E2B's metadata query: `k=v&k2=v2`, URL-encoded once more (spec/e2b-compat.md 1.5)."""
+    if not raw:
+        return {}
+    wanted: dict[str, str] = {}
+    for pair in unquote_plus(raw).split("&"):
+        if not pair:
+            continue
+        parts = pair.split("=")
+        if len(parts) != 2:
+            raise BadRequest(f"invalid metadata filter {pair!r}: expected key=value")
+        wanted[unquote_plus(parts[0])] = unquote_plus(parts[1])
+    return wanted
+
+
+# --- the application ---------------------------------------------------------------------------
+
+
+class NodeApp:
+    """ASGI app: the proxy for sandbox traffic, the Starlette control plane for the rest."""
+
+    def __init__(
+        self,
+        orchestrator: Orchestrator,
+        api_key: str,
+        metrics: NodeMetrics | None = None,
+        node_id: str | None = None,
+    ) -> None:
+        self.orchestrator = orchestrator
+        self.api_key = api_key
+        self.metrics = metrics or NodeMetrics()
+        self.metrics.watch_states(orchestrator.count_by_state)
+        self.node_id = node_id or socket.gethostname()
+        self.client_id = hashlib.sha256(self.node_id.encode()).hexdigest()[:8]
+        self.proxy = SandboxProxy(orchestrator, api_key, self.metrics)
+        self._idempotent: dict[str, tuple[float, asyncio.Task[SandboxRecord]]] = {}
+        self._started = time.time()
+        self.api = Starlette(
+            routes=self._routes(),
+            exception_handlers={
+                HTTPException: self._http_exception,
+                ApiError: self._api_error,
+                Exception: self._unexpected,
+            },
+            lifespan=self._lifespan,
+        )
+
+    @contextlib.asynccontextmanager
+    async def _lifespan(self, app: Starlette) -> AsyncIterator[None]:
+        await self.orchestrator.start()
+        log.info("node ready", extra={"backend": self.orchestrator.backend.name})
+        try:
+            yield
+        finally:
+            await self.orchestrator.shutdown()
+            await self.proxy.close()
+            log.info("node stopped")
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] == "lifespan":
+            await self.api(scope, receive, send)
+            return
+        if scope["type"] != "http":
+            await send({"type": "websocket.close", "code": 1003})
+            return
+        route = route_of(scope)
+        if route is not None:
+            status = await self.proxy(scope, receive, send, *route)
+            self.metrics.requests.labels("proxy", scope["method"], str(status)).inc()
+            return
+        if scope["path"] not in PUBLIC_PATHS:
+            keys = [v for n, v in scope["headers"] if n == b"x-api-key"]
+            if len(keys) != 1 or not same_secret(keys[0].decode("latin-1"), self.api_key):
+                message = "missing X-API-KEY header" if not keys else "invalid API key"
+                await send_json(send, 401, {"code": 401, "message": message})
+                self.metrics.requests.labels("api", scope["method"], "401").inc()
+                return
+        status_seen = [500]
+
+        async def tracking_send(message: dict[str, Any]) -> None:
+            if message["type"] == "http.response.start":
+                status_seen[0] = message["status"]
+            await send(message)
+
+        try:
+            await self.api(scope, receive, tracking_send)
+        finally:
+            self.metrics.requests.labels("api", scope["method"], str(status_seen[0])).inc()
+
+    # --- error handlers ----------------------------------------------------------------------
+
+    async def _http_exception(self, request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, HTTPException)
+        message = exc.detail
+        if exc.status_code == 404:
+            message = f"route not found: {request.method} {request.url.path}"
+        elif exc.status_code == 405:
+            message = f"method {request.method} not allowed on {request.url.path}"
+        return error(exc.status_code, message, headers=exc.headers)
+
+    async def _api_error(self, request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, ApiError)
+        return error(exc.status, exc.message)
+
+    async def _unexpected(self, request: Request, exc: Exception) -> Response:
+        log.error("unexpected error", exc_info=exc, extra={"path": request.url.path})
+        return error(500, f"internal error: {type(exc).__name__}: {exc}")
+
+    # --- routes ------------------------------------------------------------------------------
+
+    def _routes(self) -> list[Route]:
+        r = Route
+        return [
+            r("/health", self.health, methods=["GET"]),
+            r("/metrics", self.prometheus, methods=["GET"]),
+            r("/sandboxes", self.create_v1, methods=["POST"]),
+            r("/sandboxes", self.list_v1, methods=["GET"]),
+            r("/v2/sandboxes", self.create_v2, methods=["POST"]),
+            r("/v2/sandboxes", self.list_v2, methods=["GET"]),
+            r("/sandboxes/{sandbox_id}", self.detail, methods=["GET"]),
+            r("/sandboxes/{sandbox_id}", self.kill, methods=["DELETE"]),
+            r("/sandboxes/{sandbox_id}/timeout", self.set_timeout, methods=["POST"]),
+            r("/sandboxes/{sandbox_id}/refreshes", self.refresh, methods=["POST"]),
+            r("/sandboxes/{sandbox_id}/pause", self.pause, methods=["POST"]),
+            r("/sandboxes/{sandbox_id}/resume", self.resume, methods=["POST"]),
+            r("/sandboxes/{sandbox_id}/connect", self.connect_v1, methods=["POST"]),
+            r("/v2/sandboxes/{sandbox_id}/connect", self.connect_v2, methods=["POST"]),
+            r("/sandboxes/{sandbox_id}/metrics", self.sandbox_metrics, methods=["GET"]),
+            r("/sandboxes/{sandbox_id}/snapshots", self.create_snapshot, methods=["POST"]),
+            r("/sandboxes/{sandbox_id}/fork", self.fork, methods=["POST"]),
+            r("/sandboxes/{sandbox_id}/network", self.update_network, methods=["PUT"]),
+            r("/snapshots", self.list_snapshots, methods=["GET"]),
+            r("/snapshots/{snapshot_id:path}", self.get_snapshot, methods=["GET"]),
+            r("/templates", self.list_templates, methods=["GET"]),
+            r("/v2/templates", self.list_templates_v2, methods=["GET"]),
+            r("/templates/aliases/{alias:path}", self.template_alias, methods=["GET"]),
+            r("/templates/{template_id:path}", self.get_template, methods=["GET"]),
+            r("/templates/{template_id:path}", self.delete_template, methods=["DELETE"]),
+            r("/nodes", self.nodes, methods=["GET"]),
+            r("/nodes/{node_id}", self.node_detail, methods=["GET"]),
+        ]
+
+    async def health(self, request: Request) -> Response:
+        return JSONResponse({"status": "ok", "version": __version__})
+
+    async def prometheus(self, request: Request) -> Response:
+        return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    def _sandbox(self, rec: SandboxRecord) -> dict[str, Any]:
+        return models.sandbox_json(rec, self.client_id, self.orchestrator.config.domain)
+
+    # create
+
+    async def _create(self, request: Request, body: models.NewSandbox, v1: bool) -> Response:
+        params = CreateParams(
+            template=body.templateID,
+            timeout=body.timeout,
+            metadata=body.metadata or {},
+            env_vars=body.envVars or {},
+            auto_pause=bool(body.autoPause),
+            auto_pause_memory=body.autoPauseMemory is not False,
+            auto_resume=bool(body.autoResume and body.autoResume.enabled),
+            secure=body.secure is not False if v1 else True,
+            allow_internet_access=body.allow_internet_access,
+            network=body.network,
+        )
+        key = request.headers.get("idempotency-key")
+        if key is None:
+            rec = await self.orchestrator.create(params)
+        else:
+            rec = await self._create_once(key, params)
+        return JSONResponse(self._sandbox(rec), status_code=201)
+
+    async def _create_once(self, key: str, params: CreateParams) -> SandboxRecord:
+        """A retried create with the same Idempotency-Key gets the first one's sandbox."""
+        now = time.time()
+        for old in [k for k, (t, _) in self._idempotent.items() if now - t > IDEMPOTENCY_SECONDS]:
+            del self._idempotent[old]
+        if not 1 <= len(key) <= 255:
+            raise BadRequest("Idempotency-Key must be 1-255 characters")
+        entry = self._idempotent.get(key)
+        if entry is None or (entry[1].done() and entry[1].exception() is not None):
+            task = asyncio.ensure_future(self.orchestrator.create(params))
+            self._idempotent[key] = (now, task)
+        else:
+            task = entry[1]
+        return await asyncio.shield(task)
+
+    async def create_v1(self, request: Request) -> Response:
+        return await self._create(request, await read_model(request, models.NewSandbox), v1=True)
+
+    async def create_v2(self, request: Request) -> Response:
+        return await self._create(request, await read_model(request, models.NewSandbox), v1=False)
+
+    # list
+
+    def _filtered(self, request: Request, default_states: set[str]) -> list[SandboxRecord]:
+        states: set[str] = set()
+        for raw in request.query_params.getlist("state"):
+            states.update(s.strip() for s in raw.split(",") if s.strip())
+        unknown = states - {"running", "paused"}
+        if unknown:
+            raise BadRequest(f"unknown state filter {sorted(unknown)}: use running and/or paused")
+        states = states or default_states
+        metadata = parse_metadata_filter(request.query_params.get("metadata"))
+        template = request.query_params.get("template")
+        after_raw = request.query_params.get("startedAfter")
+        after = None
+        if after_raw:
+            try:
+                after = datetime.fromisoformat(after_raw.replace(" ", "+")).timestamp()
+            except ValueError as exc:
+                raise BadRequest(f"startedAfter is not an RFC 3339 time: {after_raw!r}") from exc
+        found = []
+        for rec in self.orchestrator.list_visible():
+            if rec.state.public not in states:
+                continue
+            if any(rec.metadata.get(k) != v for k, v in metadata.items()):
+                continue
+            if template and template not in (rec.template_id, rec.alias):
+                continue
+            if after is not None and rec.started_at < after:
+                continue
+            found.append(rec)
+        return found
+
+    async def list_v1(self, request: Request) -> Response:
+        found = self._filtered(request, {"running"})
+        return JSONResponse(
+            [models.listed_json(r, self.client_id) for r in found if r.state == State.RUNNING]
+        )
+
+    async def list_v2(self, request: Request) -> Response:
+        order = request.query_params.get("order", "desc")
+        if order not in ("asc", "desc"):
+            raise BadRequest(f"order must be asc or desc, got {order!r}")
+        found = self._filtered(request, {"running", "paused"})
+        items, token = page(found, lambda r: (r.started_at, r.sandbox_id), request, order == "desc")
+        headers = {"X-Total-Running": str(sum(r.state == State.RUNNING for r in found))}
+        if token:
+            headers["X-Next-Token"] = token
+        return JSONResponse([models.listed_json(r, self.client_id) for r in items], headers=headers)
+
+    # one sandbox
+
+    async def detail(self, request: Request) -> Response:
+        rec = self.orchestrator.get(request.path_params["sandbox_id"])
+        if rec.state == State.KILLING:  # killed, as far as clients are concerned
+            raise sandbox_not_found(rec.sandbox_id)
+        return JSONResponse(
+            models.detail_json(rec, self.client_id, self.orchestrator.config.domain)
+        )
+
+    async def kill(self, request: Request) -> Response:
+        await self.orchestrator.kill(request.path_params["sandbox_id"])
+        return Response(status_code=204)
+
+    async def set_timeout(self, request: Request) -> Response:
+        body = await read_model(request, models.TimeoutRequest)
+        await self.orchestrator.set_timeout(request.path_params["sandbox_id"], body.timeout)
+        return Response(status_code=204)
+
+    async def refresh(self, request: Request) -> Response:
+        body = await read_model(request, models.RefreshRequest, optional=True)
+        seconds = 15 if body.duration is None else body.duration
+        await self.orchestrator.set_timeout(
+            request.path_params["sandbox_id"], seconds, shorten=False
+        )
+        return Response(status_code=204)
+
+    async def pause(self, request: Request) -> Response:
+        body = await read_model(request, models.PauseRequest, optional=True)
+        await self.orchestrator.pause(request.path_params["sandbox_id"], body.memory is not False)
+        return Response(status_code=204)
+
+    async def resume(self, request: Request) -> Response:
+        body = await read_model(request, models.ResumeRequest, optional=True)
+        rec = await self.orchestrator.resume_legacy(
+            request.path_params["sandbox_id"], body.timeout, body.autoPause
+        )
+        return JSONResponse(self._sandbox(rec), status_code=201)
+
+    async def _connect(self, sandbox_id: str, timeout: int | None) -> Response:
+        rec, resumed = await self.orchestrator.connect(sandbox_id, timeout)
+        return JSONResponse(self._sandbox(rec), status_code=201 if resumed else 200)
+
+    async def connect_v1(self, request: Request) -> Response:
+        body = await read_model(request, models.ConnectV1Request)
+        return await self._connect(request.path_params["sandbox_id"], body.timeout)
+
+    async def connect_v2(self, request: Request) -> Response:
+        body = await read_model(request, models.ConnectV2Request, optional=True)
+        return await self._connect(request.path_params["sandbox_id"], body.timeout)
+
+    async def sandbox_metrics(self, request: Request) -> Response:
+        bounds: list[float | None] = []
+        for name in ("start", "end"):
+            raw = request.query_params.get(name)
+            try:
+                bounds.append(float(raw) if raw else None)
+            except ValueError as exc:
+                raise BadRequest(f"{name} must be a unix time in seconds, got {raw!r}") from exc
+        samples = await self.orchestrator.metrics(request.path_params["sandbox_id"], *bounds)
+        return JSONResponse([models.metric_json(s) for s in samples])
+
+    async def create_snapshot(self, request: Request) -> Response:
+        body = await read_model(request, models.SnapshotRequest, optional=True)
+        tpl = await self.orchestrator.snapshot(request.path_params["sandbox_id"], body.name)
+        return JSONResponse(models.snapshot_json(tpl), status_code=201)
+
+    async def fork(self, request: Request) -> Response:
+        body = await read_model(request, models.ForkRequest, optional=True)
+        results = await self.orchestrator.fork(
+            request.path_params["sandbox_id"], body.count, body.timeout
+        )
+        out = []
+        for result in results:
+            if result.record is not None:
+                out.append({"sandbox": self._sandbox(result.record)})
+            else:
+                out.append({"error": {"code": result.status, "message": result.error or ""}})
+        return JSONResponse(out, status_code=201)
+
+    async def update_network(self, request: Request) -> Response:
+        """Egress rules are recorded (and shown in the detail); the process backend cannot
+        enforce them, the VM backend's network slots will."""
+        body = await read_model(request, models.NetworkUpdate, optional=True)
+        rec = self.orchestrator.get(request.path_params["sandbox_id"])
+        if rec.state == State.KILLING:
+            raise sandbox_not_found(rec.sandbox_id)
+        rec.network = body.model_dump(exclude_none=True)
+        await self.orchestrator.store.put_sandbox(rec)
+        return Response(status_code=204)
+
+    # snapshots and templates
+
+    def _snapshots(self) -> list[TemplateRecord]:
+        return [t for t in self.orchestrator.templates.values() if t.kind == "snapshot"]
+
+    async def list_snapshots(self, request: Request) -> Response:
+        found = self._snapshots()
+        source = request.query_params.get("sandboxID")
+        name = request.query_params.get("name")
+        if source:
+            found = [t for t in found if t.source_sandbox_id == source]
+        if name:
+            bare = name.split("/")[-1].split(":")[0]
+            found = [t for t in found if name in t.names or bare in t.names]
+        items, token = page(found, lambda t: (t.created_at, t.template_id), request, True)
+        headers = {"X-Next-Token": token} if token else None
+        return JSONResponse([models.snapshot_json(t) for t in items], headers=headers)
+
+    async def get_snapshot(self, request: Request) -> Response:
+        tpl = self.orchestrator.resolve_template(request.path_params["snapshot_id"])
+        if tpl.kind != "snapshot":
+            raise ApiError(f"snapshot '{request.path_params['snapshot_id']}' not found", status=404)
+        return JSONResponse(models.snapshot_json(tpl))
+
+    def _templates(self) -> list[TemplateRecord]:
+        return [t for t in self.orchestrator.templates.values() if t.kind == "template"]
+
+    async def list_templates(self, request: Request) -> Response:
+        items = sorted(self._templates(), key=lambda t: (t.created_at, t.template_id))
+        return JSONResponse([models.template_json(t) for t in items])
+
+    async def list_templates_v2(self, request: Request) -> Response:
+        items, token = page(
+            self._templates(), lambda t: (t.created_at, t.template_id), request, True
+        )
+        headers = {"X-Next-Token": token} if token else None
+        return JSONResponse([models.template_json(t) for t in items], headers=headers)
+
+    async def get_template(self, request: Request) -> Response:
+        tpl = self.orchestrator.resolve_template(request.path_params["template_id"])
+        return JSONResponse(models.template_detail_json(tpl))
+
+    async def delete_template(self, request: Request) -> Response:
+        await self.orchestrator.delete_template(request.path_params["template_id"])
+        return Response(status_code=204)
+
+    async def template_alias(self, request: Request) -> Response:
+        tpl = self.orchestrator.resolve_template(request.path_params["alias"])
+        return JSONResponse({"templateID": tpl.template_id, "public": True})
+
+    # nodes
+
+    def _node(self) -> dict[str, Any]:
+        counts = self.orchestrator.count_by_state()
+        busy = ("running", "pausing", "snapshotting", "forking", "killing")
+        live = [r for r in self.orchestrator.sandboxes.values() if r.state != State.PAUSED]
+        paused = [r for r in self.orchestrator.sandboxes.values() if r.state == State.PAUSED]
+        load = os.getloadavg()[0]
+        mem_total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        mem_free = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+        disk = os.statvfs(str(self.orchestrator.store.path.parent))
+        return {
+            "id": self.node_id,
+            "nodeID": self.node_id,
+            "serviceInstanceID": f"{self.node_id}-{int(self._started)}",
+            "clusterID": "00000000-0000-0000-0000-000000000000",
+            "version": __version__,
+            "commit": "unknown",
+            "status": "ready",
+            "backend": self.orchestrator.backend.name,
+            "machineInfo": {
+                "cpuFamily": "",
+                "cpuModel": "",
+                "cpuModelName": platform.processor() or platform.machine(),
+                "cpuArchitecture": platform.machine(),
+            },
+            "sandboxCount": sum(counts[s] for s in busy),
+            "sandboxStartingCount": counts["creating"] + counts["resuming"],
+            "sandboxPausedCount": counts["paused"],
+            "createSuccesses": self.orchestrator.counters.create_successes,
+            "createFails": self.orchestrator.counters.create_fails,
+            "metrics": {
+                "allocatedCPU": sum(r.cpu_count for r in live),
+                "allocatedMemoryBytes": sum(r.memory_mb for r in live) << 20,
+                "pausedAllocatedCPU": sum(r.cpu_count for r in paused),
+                "pausedAllocatedMemoryBytes": sum(r.memory_mb for r in paused) << 20,
+                "cpuPercent": round(100 * load / (os.cpu_count() or 1), 1),
+                "cpuCount": os.cpu_count() or 1,
+                "memoryUsedBytes": mem_total - mem_free,
+                "memoryTotalBytes": mem_total,
+                "disks": [
+                    {
+                        "mountPoint": str(self.orchestrator.store.path.parent),
+                        "device": "",
+                        "filesystemType": "",
+                        "usedBytes": (disk.f_blocks - disk.f_bfree) * disk.f_frsize,
+                        "totalBytes": disk.f_blocks * disk.f_frsize,
+                    }
+                ],
+            },
+        }
+
+    async def nodes(self, request: Request) -> Response:
+        return JSONResponse([self._node()])
+
+    async def node_detail(self, request: Request) -> Response:
+        if request.path_params["node_id"] != self.node_id:
+            raise ApiError(f"node {request.path_params['node_id']!r} not found", status=404)
+        body = self._node()
+        body["cachedBuilds"] = []
+        return JSONResponse(body)

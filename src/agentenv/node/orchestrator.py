@@ -1,0 +1,808 @@
+"""The sandbox state machine: create, pause, resume, snapshot, fork, kill, timeouts, restarts.
+
+Rules that keep it simple and safe:
+- All state lives on the event loop thread; a check-and-set of `record.state` happens without an
+  `await` in between, which makes it a compare-and-set.
+- At most one operation per sandbox runs at a time (`self._ops`). A call that finds the sandbox
+  in a transitional state waits for that operation and looks again, joins it (kill joins kill),
+  or gets 409, as spec/e2b-compat.md section 4 says.
+- Every operation runs in its own task and the caller awaits it through `asyncio.shield`: a client
+  that disconnects never leaves a sandbox half paused or half created.
+- Every transition is written to SQLite before the call returns, so a restarted node knows each
+  sandbox's last state; running sandboxes are re-adopted from the backend after a SIGKILL.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import deque
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import httpx
+
+from agentenv.node.backend import (
+    BackendError,
+    MetricSample,
+    Placement,
+    SandboxBackend,
+    SandboxSpec,
+)
+from agentenv.node.errors import (
+    BadRequest,
+    Conflict,
+    Internal,
+    NotFound,
+    Unavailable,
+    sandbox_not_found,
+)
+from agentenv.node.records import SandboxRecord, State, TemplateRecord
+from agentenv.node.security import TokenIssuer, new_id
+from agentenv.node.store import NameTaken, Store
+
+log = logging.getLogger("agentenv.node.orchestrator")
+T = TypeVar("T")
+
+#: How long a call waits for another operation on the same sandbox before giving up with 409.
+WAIT_TRANSITION_SECONDS = 60.0
+MAX_FORK_COUNT = 16
+METRIC_HISTORY = 120
+
+
+@dataclass
+class NodeConfig:
+    default_timeout: int = 300  # E2B's server default when the create body has no timeout
+    fork_default_timeout: int = 15
+    auto_resume_min_timeout: int = 300
+    max_timeout: int = 30 * 24 * 3600
+    reaper_interval: float = 1.0
+    envd_ready_timeout: float = 30.0
+    domain: str | None = None
+    default_envd_version: str = "0.5.7"
+
+
+@dataclass
+class CreateParams:
+    template: str
+    timeout: int | None = None
+    metadata: dict[str, str] = field(default_factory=dict)
+    env_vars: dict[str, str] = field(default_factory=dict)
+    auto_pause: bool = False
+    auto_pause_memory: bool = True
+    auto_resume: bool = False
+    secure: bool = True
+    allow_internet_access: bool | None = None
+    network: dict[str, Any] | None = None
+
+
+@dataclass
+class ForkResult:
+    record: SandboxRecord | None = None
+    error: str | None = None
+    status: int = 500
+
+
+@dataclass
+class NodeCounters:
+    create_successes: int = 0
+    create_fails: int = 0
+
+
+class Orchestrator:
+    def __init__(
+        self,
+        store: Store,
+        backend: SandboxBackend,
+        tokens: TokenIssuer,
+        config: NodeConfig | None = None,
+        on_op: Callable[[str, str, float], None] | None = None,
+    ) -> None:
+        self.store = store
+        self.backend = backend
+        self.tokens = tokens
+        self.config = config or NodeConfig()
+        self.sandboxes: dict[str, SandboxRecord] = {}
+        self.templates: dict[str, TemplateRecord] = {}
+        self.counters = NodeCounters()
+        self._names: dict[str, str] = {}
+        self._ops: dict[str, asyncio.Task[Any]] = {}
+        self._background: set[asyncio.Task[Any]] = set()
+        self._metric_history: dict[str, deque[MetricSample]] = {}
+        self._closing = False
+        self._reaper: asyncio.Task[None] | None = None
+        self._http: httpx.AsyncClient | None = None
+        self._on_op = on_op or (lambda op, outcome, seconds: None)
+
+    # --- start and stop ----------------------------------------------------------------------
+
+    async def start(self) -> None:
+        self._http = httpx.AsyncClient(timeout=httpx.Timeout(10.0, connect=2.0), trust_env=False)
+        await self.store.open()
+        await self.backend.start()
+        for tpl in await self.store.load_templates():
+            self._add_template(tpl)
+        for default in await self.backend.default_templates():
+            if default.name in self._names or default.name in self.templates:
+                continue
+            now = time.time()
+            await self._save_template(
+                TemplateRecord(
+                    template_id=default.name,
+                    kind="template",
+                    names=[default.name],
+                    ref=default.ref,
+                    cpu_count=default.cpu_count,
+                    memory_mb=default.memory_mb,
+                    disk_size_mb=default.disk_size_mb,
+                    envd_version=default.envd_version or self.config.default_envd_version,
+                    created_at=now,
+                    updated_at=now,
+                )
+            )
+        await self._reconcile()
+        self._reaper = asyncio.create_task(self._reap_forever(), name="reaper")
+
+    async def _reconcile(self) -> None:
+        """Match the records of the last run with what the backend still runs."""
+        records = await self.store.load_sandboxes()
+        adopted = await self.backend.adopt()
+        known = {rec.sandbox_id for rec in records}
+        for rec in records:
+            sid = rec.sandbox_id
+            if rec.state == State.PAUSED:
+                self.sandboxes[sid] = rec
+                continue
+            live = adopted.get(sid)
+            if live is not None and rec.state not in (State.CREATING, State.KILLING):
+                rec.state, rec.placement, rec.pause_snapshot = State.RUNNING, live, None
+                self.sandboxes[sid] = rec
+                await self.store.put_sandbox(rec)
+                log.info("adopted running sandbox", extra={"sandbox_id": sid})
+            elif live is None and rec.state == State.RESUMING and rec.pause_snapshot:
+                rec.state, rec.placement = State.PAUSED, None
+                self.sandboxes[sid] = rec
+                await self.store.put_sandbox(rec)
+            else:
+                log.warning(
+                    "sandbox lost across node restart",
+                    extra={"sandbox_id": sid, "last_state": rec.state.value},
+                )
+                with contextlib.suppress(BackendError):
+                    await self.backend.kill(sid, live)
+                await self.store.delete_sandbox(sid)
+                await self.store.set_layer_refs("sandbox", sid, [])
+        for sid, placement in adopted.items():
+            if sid not in known:
+                log.warning("killing orphan sandbox", extra={"sandbox_id": sid})
+                with contextlib.suppress(BackendError):
+                    await self.backend.kill(sid, placement)
+
+    async def shutdown(self) -> None:
+        """Stop taking lifecycle calls, finish the ones under way, pause every running sandbox."""
+        self._closing = True
+        if self._reaper:
+            self._reaper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._reaper
+        for _ in range(3):
+            pending = list(self._ops.values()) + list(self._background)
+            if pending:
+                await asyncio.wait(pending, timeout=WAIT_TRANSITION_SECONDS)
+            running = [r for r in self.sandboxes.values() if r.state == State.RUNNING]
+            if not running:
+                break
+            results = await asyncio.gather(
+                *(self._launch(r.sandbox_id, "pause", self._do_pause(r, True)) for r in running),
+                return_exceptions=True,
+            )
+            for rec, result in zip(running, results, strict=True):
+                if isinstance(result, BaseException):
+                    log.error(
+                        "pause at shutdown failed",
+                        extra={"sandbox_id": rec.sandbox_id, "error": str(result)},
+                    )
+        await self.backend.close()
+        await self.store.close()
+        if self._http:
+            await self._http.aclose()
+
+    # --- helpers -----------------------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._closing:
+            raise Unavailable("the node is shutting down")
+
+    def get(self, sandbox_id: str) -> SandboxRecord:
+        rec = self.sandboxes.get(sandbox_id)
+        if rec is None:
+            raise sandbox_not_found(sandbox_id)
+        return rec
+
+    def list_visible(self) -> list[SandboxRecord]:
+        """Sandboxes the API lists: everything except those being killed."""
+        return [r for r in self.sandboxes.values() if r.state != State.KILLING]
+
+    async def _launch(self, sandbox_id: str, op: str, work: Awaitable[T]) -> T:
+        """Run `work` as this sandbox's one operation; the caller may go away, the work won't."""
+
+        async def timed() -> T:
+            began = time.monotonic()
+            outcome = "error"
+            try:
+                result = await work
+                outcome = "ok"
+                return result
+            finally:
+                self._on_op(op, outcome, time.monotonic() - began)
+
+        task = asyncio.create_task(timed(), name=f"{op}:{sandbox_id}")
+        self._ops[sandbox_id] = task
+
+        def done(t: asyncio.Task[Any]) -> None:
+            if self._ops.get(sandbox_id) is t:
+                del self._ops[sandbox_id]
+            if not t.cancelled():
+                t.exception()  # consumed here so an abandoned task logs nothing spurious
+
+        task.add_done_callback(done)
+        return await asyncio.shield(task)
+
+    async def _wait_op(self, sandbox_id: str, state: State) -> None:
+        task = self._ops.get(sandbox_id)
+        if task is None:
+            # a transitional state without a task cannot happen; never spin on it
+            raise Conflict(f"sandbox {sandbox_id!r} is stuck in '{state.value}' state")
+        done, _ = await asyncio.wait({task}, timeout=WAIT_TRANSITION_SECONDS)
+        if not done:
+            raise Conflict(f"sandbox {sandbox_id!r} stayed in '{state.value}' state too long")
+
+    def _clamp_timeout(self, seconds: int | None, default: int) -> int:
+        if seconds is None:
+            seconds = default
+        return max(0, min(int(seconds), self.config.max_timeout))
+
+    def _spec(self, rec: SandboxRecord) -> SandboxSpec:
+        return SandboxSpec(
+            sandbox_id=rec.sandbox_id,
+            source=rec.source,
+            cpu_count=rec.cpu_count,
+            memory_mb=rec.memory_mb,
+            disk_size_mb=rec.disk_size_mb,
+            env_vars=dict(rec.env_vars),
+            access_token=rec.envd_access_token if rec.secure else None,
+            allow_internet_access=rec.allow_internet_access is not False,
+            metadata=dict(rec.metadata),
+        )
+
+    async def _envd_ready(self, rec: SandboxRecord, placement: Placement) -> None:
+        """Return once envd answers /health and has taken the sandbox's env vars and token."""
+        assert self._http is not None
+        deadline = time.monotonic() + self.config.envd_ready_timeout
+        delay = 0.01
+        last_error = "no answer"
+        while True:
+            try:
+                answer = await self._http.get(placement.envd_url + "/health", timeout=2.0)
+                if answer.is_success:
+                    break
+                last_error = f"HTTP {answer.status_code}"
+            except httpx.HTTPError as exc:
+                last_error = str(exc) or type(exc).__name__
+            if time.monotonic() > deadline:
+                raise BackendError(f"envd of {rec.sandbox_id} not ready: {last_error}")
+            await asyncio.sleep(delay)
+            delay = min(delay * 1.5, 0.2)
+        body: dict[str, Any] = {
+            "envVars": rec.env_vars,
+            "timestamp": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        }
+        if rec.secure:
+            body["accessToken"] = rec.envd_access_token
+        headers = {"X-Access-Token": rec.envd_access_token} if rec.secure else {}
+        answer = await self._http.post(placement.envd_url + "/init", json=body, headers=headers)
+        if not answer.is_success:
+            raise BackendError(
+                f"envd /init of {rec.sandbox_id} failed: {answer.status_code} {answer.text[:200]}"
+            )
+
+    # --- templates ---------------------------------------------------------------------------
+
+    def _add_template(self, tpl: TemplateRecord) -> None:
+        self.templates[tpl.template_id] = tpl
+        for name in tpl.names:
+            self._names[name] = tpl.template_id
+
+    async def _save_template(self, tpl: TemplateRecord) -> None:
+        await self.store.put_template(tpl)
+        old = self.templates.get(tpl.template_id)
+        if old:
+            for name in old.names:
+                self._names.pop(name, None)
+        self._add_template(tpl)
+        await self.store.set_layer_refs(tpl.kind, tpl.template_id, list(tpl.ref.layers))
+
+    def resolve_template(self, id_or_name: str) -> TemplateRecord:
+        tpl = self.templates.get(id_or_name)
+        if tpl is None and id_or_name in self._names:
+            tpl = self.templates.get(self._names[id_or_name])
+        if tpl is None and ":" in id_or_name:  # "name:tag": tags are not kept, the name is
+            return self.resolve_template(id_or_name.rsplit(":", 1)[0])
+        if tpl is None:
+            raise NotFound(f"template '{id_or_name}' not found")
+        return tpl
+
+    async def delete_template(self, id_or_name: str) -> None:
+        tpl = self.resolve_template(id_or_name)
+        await self.store.delete_template(tpl.template_id)
+        await self.store.set_layer_refs(tpl.kind, tpl.template_id, [])
+        self.templates.pop(tpl.template_id, None)
+        for name in tpl.names:
+            self._names.pop(name, None)
+        try:
+            await self.backend.delete_snapshot(tpl.ref)
+        except BackendError as exc:
+            log.warning(
+                "template data not deleted",
+                extra={"template_id": tpl.template_id, "error": str(exc)},
+            )
+
+    # --- create ------------------------------------------------------------------------------
+
+    async def create(self, params: CreateParams) -> SandboxRecord:
+        self._check_open()
+        tpl = self.resolve_template(params.template)
+        if params.auto_resume and params.auto_pause and not params.auto_pause_memory:
+            raise BadRequest("autoResume cannot be combined with a filesystem-only autoPause")
+        sid = new_id("i")
+        now = time.time()
+        timeout = self._clamp_timeout(params.timeout, self.config.default_timeout)
+        rec = SandboxRecord(
+            sandbox_id=sid,
+            template_id=tpl.template_id,
+            alias=tpl.names[0] if tpl.names else None,
+            state=State.CREATING,
+            started_at=now,
+            end_at=now + timeout,
+            metadata=dict(params.metadata),
+            env_vars=dict(params.env_vars),
+            auto_pause=params.auto_pause,
+            auto_pause_memory=params.auto_pause_memory,
+            auto_resume=params.auto_resume,
+            cpu_count=tpl.cpu_count,
+            memory_mb=tpl.memory_mb,
+            disk_size_mb=tpl.disk_size_mb,
+            envd_version=tpl.envd_version,
+            envd_access_token=self.tokens.envd_token(sid),
+            traffic_access_token=(
+                self.tokens.traffic_token(sid)
+                if params.network and params.network.get("allowPublicTraffic") is False
+                else None
+            ),
+            secure=params.secure,
+            allow_internet_access=params.allow_internet_access,
+            network=params.network,
+            source=tpl.ref,
+        )
+        self.sandboxes[sid] = rec
+        return await self._launch(sid, "create", self._do_create(rec, tpl, timeout))
+
+    async def _do_create(
+        self, rec: SandboxRecord, tpl: TemplateRecord, timeout: int
+    ) -> SandboxRecord:
+        sid = rec.sandbox_id
+        placement: Placement | None = None
+        try:
+            await self.store.put_sandbox(rec)
+            await self.store.set_layer_refs("sandbox", sid, list(rec.source.layers))
+            placement = await self.backend.create(self._spec(rec))
+            rec.placement = placement
+            await self._envd_ready(rec, placement)
+        except BaseException as exc:
+            self.counters.create_fails += 1
+            self.sandboxes.pop(sid, None)
+            with contextlib.suppress(Exception):
+                await self.backend.kill(sid, placement)
+            with contextlib.suppress(Exception):
+                await self.store.delete_sandbox(sid)
+                await self.store.set_layer_refs("sandbox", sid, [])
+            if isinstance(exc, BackendError):
+                raise Internal(f"failed to create sandbox: {exc}") from exc
+            raise
+        if placement.envd_version:
+            rec.envd_version = placement.envd_version
+        now = time.time()
+        rec.started_at, rec.end_at = now, now + timeout  # the TTL starts once envd is ready
+        rec.state = State.RUNNING
+        await self.store.put_sandbox(rec)
+        self.counters.create_successes += 1
+        tpl.spawn_count += 1
+        tpl.last_spawned_at = now
+        with contextlib.suppress(Exception):
+            await self.store.put_template(tpl)
+        log.info("sandbox created", extra={"sandbox_id": sid, "template_id": rec.template_id})
+        return rec
+
+    # --- pause and resume --------------------------------------------------------------------
+
+    async def pause(self, sandbox_id: str, memory: bool = True) -> None:
+        self._check_open()
+        while True:
+            rec = self.get(sandbox_id)
+            if rec.state == State.PAUSED:
+                raise Conflict(f"sandbox {sandbox_id!r} is already paused")
+            if rec.state in (State.PAUSING, State.KILLING):
+                raise Conflict(
+                    f"sandbox {sandbox_id!r} cannot be paused while in '{rec.state.value}' state"
+                )
+            if rec.state == State.RUNNING:
+                break
+            await self._wait_op(sandbox_id, rec.state)
+        rec.state = State.PAUSING
+        await self._launch(sandbox_id, "pause", self._do_pause(rec, memory))
+
+    async def _do_pause(self, rec: SandboxRecord, memory: bool) -> None:
+        rec.state = State.PAUSING
+        sid = rec.sandbox_id
+        assert rec.placement is not None
+        try:
+            await self.store.put_sandbox(rec)
+            result = await self.backend.pause(sid, rec.placement, memory)
+        except BackendError as exc:
+            if exc.retryable:
+                rec.state = State.RUNNING
+                await self.store.put_sandbox(rec)
+                raise Internal(f"failed to pause sandbox {sid}: {exc}") from exc
+            await self._forget(rec)
+            raise Internal(f"sandbox {sid} was lost while pausing: {exc}") from exc
+        rec.placement = None
+        rec.pause_snapshot = result.snapshot
+        rec.pause_mode = "full" if result.memory else "filesystem"
+        rec.state = State.PAUSED
+        self._metric_history.pop(sid, None)
+        await self.store.put_sandbox(rec)
+        await self.store.set_layer_refs(
+            "sandbox", sid, [*rec.source.layers, *result.snapshot.layers]
+        )
+        log.info("sandbox paused", extra={"sandbox_id": sid, "mode": rec.pause_mode})
+
+    async def connect(self, sandbox_id: str, timeout: int | None) -> tuple[SandboxRecord, bool]:
+        """Make sure the sandbox runs; returns (record, resumed)."""
+        self._check_open()
+        seconds = self._clamp_timeout(timeout, self.config.default_timeout)
+        while True:
+            rec = self.get(sandbox_id)
+            if rec.state == State.RUNNING:
+                rec.end_at = max(rec.end_at, time.time() + seconds)
+                await self.store.put_sandbox(rec)
+                return rec, False
+            if rec.state == State.PAUSED:
+                break
+            if rec.state == State.KILLING:
+                raise Conflict(f"sandbox {sandbox_id!r} is being killed")
+            await self._wait_op(sandbox_id, rec.state)
+        rec.state = State.RESUMING
+        await self._launch(sandbox_id, "resume", self._do_resume(rec, seconds))
+        return rec, True
+
+    async def resume_legacy(
+        self, sandbox_id: str, timeout: int | None, auto_pause: bool | None
+    ) -> SandboxRecord:
+        """`POST /sandboxes/{id}/resume` of SDK 2.0-2.5: 409 when the sandbox already runs."""
+        self._check_open()
+        seconds = self._clamp_timeout(timeout, 15)
+        while True:
+            rec = self.get(sandbox_id)
+            if rec.state == State.PAUSED:
+                break
+            if rec.state in (State.RUNNING, State.KILLING, State.CREATING, State.RESUMING):
+                raise Conflict(f"sandbox {sandbox_id!r} is already running")
+            await self._wait_op(sandbox_id, rec.state)
+        if auto_pause is not None:
+            rec.auto_pause = auto_pause
+        rec.state = State.RESUMING
+        await self._launch(sandbox_id, "resume", self._do_resume(rec, seconds))
+        return rec
+
+    async def _do_resume(self, rec: SandboxRecord, timeout: int) -> None:
+        rec.state = State.RESUMING
+        sid = rec.sandbox_id
+        assert rec.pause_snapshot is not None
+        placement: Placement | None = None
+        try:
+            await self.store.put_sandbox(rec)
+            placement = await self.backend.resume(self._spec(rec), rec.pause_snapshot)
+            await self._envd_ready(rec, placement)
+        except BaseException as exc:
+            # roll back: the pause snapshot is untouched, the sandbox stays paused
+            if placement is not None:
+                with contextlib.suppress(Exception):
+                    await self.backend.pause(sid, placement, True)
+            rec.state = State.PAUSED
+            with contextlib.suppress(Exception):
+                await self.store.put_sandbox(rec)
+            if isinstance(exc, BackendError):
+                raise Internal(f"failed to resume sandbox {sid}: {exc}") from exc
+            raise
+        rec.placement = placement
+        rec.pause_snapshot = None
+        rec.end_at = time.time() + timeout
+        rec.state = State.RUNNING
+        await self.store.put_sandbox(rec)
+        log.info("sandbox resumed", extra={"sandbox_id": sid})
+
+    async def running_placement(self, sandbox_id: str) -> Placement | None:
+        """For the proxy: where the sandbox runs, resuming it when autoResume allows; None if
+        the sandbox is unknown, killed, or paused without autoResume."""
+        rec = self.sandboxes.get(sandbox_id)
+        for _ in range(3):
+            if rec is None or rec.state == State.KILLING:
+                return None
+            if rec.state == State.RUNNING:
+                return rec.placement
+            if rec.state == State.PAUSED:
+                if not rec.auto_resume or self._closing:
+                    return None
+                try:
+                    await self.connect(sandbox_id, self.config.auto_resume_min_timeout)
+                except Exception as exc:
+                    log.warning(
+                        "auto-resume failed", extra={"sandbox_id": sandbox_id, "error": str(exc)}
+                    )
+                    return None
+            elif rec.state == State.PAUSING and not rec.auto_resume:
+                return None
+            else:
+                with contextlib.suppress(Conflict):
+                    await self._wait_op(sandbox_id, rec.state)
+            rec = self.sandboxes.get(sandbox_id)
+        return rec.placement if rec is not None and rec.state == State.RUNNING else None
+
+    # --- kill --------------------------------------------------------------------------------
+
+    async def kill(self, sandbox_id: str) -> None:
+        self._check_open()
+        while True:
+            rec = self.get(sandbox_id)
+            if rec.state == State.KILLING:
+                task = self._ops.get(sandbox_id)
+                if task is not None:
+                    await asyncio.shield(task)
+                return
+            if rec.state.stable:
+                break
+            await self._wait_op(sandbox_id, rec.state)
+        previous = rec.state
+        rec.state = State.KILLING
+        await self._launch(sandbox_id, "kill", self._do_kill(rec, previous))
+
+    async def _do_kill(self, rec: SandboxRecord, previous: State) -> None:
+        sid = rec.sandbox_id
+        try:
+            await self.store.put_sandbox(rec)
+            if previous == State.PAUSED and rec.pause_snapshot is not None:
+                await self.backend.discard_paused(sid, rec.pause_snapshot)
+            else:
+                await self.backend.kill(sid, rec.placement)
+        except BackendError as exc:
+            rec.state = previous
+            await self.store.put_sandbox(rec)
+            raise Internal(f"failed to kill sandbox {sid}: {exc}") from exc
+        await self._forget(rec)
+        log.info("sandbox killed", extra={"sandbox_id": sid})
+
+    async def _forget(self, rec: SandboxRecord) -> None:
+        self.sandboxes.pop(rec.sandbox_id, None)
+        self._metric_history.pop(rec.sandbox_id, None)
+        await self.store.delete_sandbox(rec.sandbox_id)
+        await self.store.set_layer_refs("sandbox", rec.sandbox_id, [])
+
+    # --- timeouts ----------------------------------------------------------------------------
+
+    async def set_timeout(self, sandbox_id: str, seconds: int, shorten: bool = True) -> None:
+        """`endAt = now + seconds` (may shorten unless `shorten` is False); running only."""
+        self._check_open()
+        while True:
+            rec = self.get(sandbox_id)
+            if rec.state in (State.PAUSED, State.PAUSING, State.KILLING):
+                raise sandbox_not_found(sandbox_id)
+            if rec.state == State.RUNNING or rec.state in (State.SNAPSHOTTING, State.FORKING):
+                break
+            await self._wait_op(sandbox_id, rec.state)
+        end = time.time() + self._clamp_timeout(seconds, 0)
+        rec.end_at = end if shorten else max(rec.end_at, end)
+        await self.store.put_sandbox(rec)
+
+    async def _reap_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.reaper_interval)
+            try:
+                self.reap_once()
+            except Exception:
+                log.exception("reaper pass failed")
+
+    def reap_once(self) -> int:
+        """Pause (autoPause) or kill every running sandbox past its endAt; returns how many."""
+        now = time.time()
+        count = 0
+        for rec in list(self.sandboxes.values()):
+            if rec.state != State.RUNNING or rec.end_at > now or rec.sandbox_id in self._ops:
+                continue
+            count += 1
+            sid = rec.sandbox_id
+            if rec.auto_pause:
+                rec.state = State.PAUSING
+                work = self._launch(sid, "pause", self._do_pause(rec, rec.auto_pause_memory))
+            else:
+                rec.state = State.KILLING
+                work = self._launch(sid, "kill", self._do_kill(rec, State.RUNNING))
+            task = asyncio.create_task(self._log_reap(sid, work))
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
+        return count
+
+    async def _log_reap(self, sandbox_id: str, work: Awaitable[None]) -> None:
+        try:
+            await work
+            log.info("sandbox timed out", extra={"sandbox_id": sandbox_id})
+        except Exception as exc:
+            log.error(
+                "timeout handling failed", extra={"sandbox_id": sandbox_id, "error": str(exc)}
+            )
+
+    # --- snapshots and forks -----------------------------------------------------------------
+
+    async def _wait_running(self, sandbox_id: str, what: str) -> SandboxRecord:
+        while True:
+            rec = self.get(sandbox_id)
+            if rec.state == State.RUNNING:
+                return rec
+            if rec.state in (State.PAUSED, State.PAUSING, State.KILLING):
+                raise Conflict(
+                    f"sandbox {sandbox_id!r} cannot {what} while in '{rec.state.value}' state"
+                )
+            await self._wait_op(sandbox_id, rec.state)
+
+    async def snapshot(self, sandbox_id: str, name: str | None) -> TemplateRecord:
+        self._check_open()
+        if name is not None and name in self._names:
+            raise Conflict(f"name {name!r} is already used by {self._names[name]}")
+        rec = await self._wait_running(sandbox_id, "be snapshotted")
+        rec.state = State.SNAPSHOTTING
+        return await self._launch(sandbox_id, "snapshot", self._do_snapshot(rec, name))
+
+    async def _do_snapshot(self, rec: SandboxRecord, name: str | None) -> TemplateRecord:
+        sid = rec.sandbox_id
+        snapshot_id = new_id("s")
+        assert rec.placement is not None
+        try:
+            ref = await self.backend.snapshot(sid, rec.placement, snapshot_id)
+        except BackendError as exc:
+            rec.state = State.RUNNING
+            if not exc.retryable:
+                await self._forget(rec)
+            raise Internal(f"failed to snapshot sandbox {sid}: {exc}") from exc
+        finally:
+            if rec.state == State.SNAPSHOTTING:
+                rec.state = State.RUNNING
+        now = time.time()
+        tpl = TemplateRecord(
+            template_id=snapshot_id,
+            kind="snapshot",
+            names=[name] if name else [],
+            ref=ref,
+            cpu_count=rec.cpu_count,
+            memory_mb=rec.memory_mb,
+            disk_size_mb=rec.disk_size_mb,
+            envd_version=rec.envd_version,
+            created_at=now,
+            updated_at=now,
+            source_sandbox_id=sid,
+        )
+        try:
+            await self._save_template(tpl)
+        except NameTaken as exc:
+            with contextlib.suppress(BackendError):
+                await self.backend.delete_snapshot(ref)
+            raise Conflict(str(exc)) from exc
+        return tpl
+
+    async def fork(self, sandbox_id: str, count: int, timeout: int | None) -> list[ForkResult]:
+        self._check_open()
+        if not 1 <= count <= MAX_FORK_COUNT:
+            raise BadRequest(f"count must be between 1 and {MAX_FORK_COUNT}, got {count}")
+        seconds = self._clamp_timeout(timeout, self.config.fork_default_timeout)
+        rec = await self._wait_running(sandbox_id, "be forked")
+        rec.state = State.FORKING
+        return await self._launch(sandbox_id, "fork", self._do_fork(rec, count, seconds))
+
+    async def _do_fork(self, rec: SandboxRecord, count: int, timeout: int) -> list[ForkResult]:
+        now = time.time()
+        children: list[SandboxRecord] = []
+        for _ in range(count):
+            cid = new_id("i")
+            child = SandboxRecord.from_row(rec.to_row())
+            child.sandbox_id = cid
+            child.state = State.CREATING
+            child.envd_access_token = self.tokens.envd_token(cid)
+            if rec.traffic_access_token:
+                child.traffic_access_token = self.tokens.traffic_token(cid)
+            child.placement, child.pause_snapshot, child.pause_mode = None, None, None
+            child.started_at, child.end_at, child.created_at = now, now + timeout, now
+            children.append(child)
+            self.sandboxes[cid] = child
+        assert rec.placement is not None
+        try:
+            for child in children:
+                await self.store.put_sandbox(child)
+            outcomes = await self.backend.fork(
+                self._spec(rec), rec.placement, [self._spec(c) for c in children]
+            )
+        except BaseException as exc:
+            for child in children:
+                self.sandboxes.pop(child.sandbox_id, None)
+                with contextlib.suppress(Exception):
+                    await self.store.delete_sandbox(child.sandbox_id)
+            rec.state = State.RUNNING
+            if isinstance(exc, BackendError):
+                if not exc.retryable:
+                    await self._forget(rec)
+                raise Internal(f"failed to fork sandbox {rec.sandbox_id}: {exc}") from exc
+            raise
+        finally:
+            if rec.state == State.FORKING:
+                rec.state = State.RUNNING
+        by_id = {o.sandbox_id: o for o in outcomes}
+
+        async def finish(child: SandboxRecord) -> ForkResult:
+            outcome = by_id.get(child.sandbox_id)
+            error = "the backend returned no result" if outcome is None else outcome.error
+            if outcome is not None and outcome.placement is not None and error is None:
+                child.placement = outcome.placement
+                try:
+                    await self._envd_ready(child, outcome.placement)
+                except BackendError as exc:
+                    error = str(exc)
+            if error is not None:
+                self.sandboxes.pop(child.sandbox_id, None)
+                with contextlib.suppress(Exception):
+                    await self.backend.kill(child.sandbox_id, child.placement)
+                await self.store.delete_sandbox(child.sandbox_id)
+                return ForkResult(error=f"fork failed: {error}", status=500)
+            ready = time.time()
+            child.started_at, child.end_at = ready, ready + timeout
+            child.state = State.RUNNING
+            await self.store.put_sandbox(child)
+            await self.store.set_layer_refs("sandbox", child.sandbox_id, list(child.source.layers))
+            return ForkResult(record=child, status=201)
+
+        return list(await asyncio.gather(*(finish(c) for c in children)))
+
+    # --- metrics -----------------------------------------------------------------------------
+
+    async def metrics(
+        self, sandbox_id: str, start: float | None, end: float | None
+    ) -> list[MetricSample]:
+        rec = self.get(sandbox_id)
+        history = self._metric_history.setdefault(sandbox_id, deque(maxlen=METRIC_HISTORY))
+        if rec.state == State.RUNNING and rec.placement is not None:
+            try:
+                history.append(await self.backend.metrics(sandbox_id, rec.placement))
+            except BackendError as exc:
+                log.warning("metrics failed", extra={"sandbox_id": sandbox_id, "error": str(exc)})
+        return [
+            s
+            for s in history
+            if (start is None or s.timestamp >= start) and (end is None or s.timestamp <= end)
+        ]
+
+    # --- node info ---------------------------------------------------------------------------
+
+    def count_by_state(self) -> dict[str, int]:
+        counts = {s.value: 0 for s in State}
+        for rec in self.sandboxes.values():
+            counts[rec.state.value] += 1
+        return counts

@@ -1,0 +1,141 @@
+"""What the node remembers about sandboxes and templates (persisted by node/store.py)."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from agentenv.node.backend import Placement, SnapshotRef, TemplateRef
+
+
+class State(enum.StrEnum):
+    CREATING = "creating"
+    RUNNING = "running"
+    PAUSING = "pausing"
+    PAUSED = "paused"
+    RESUMING = "resuming"
+    SNAPSHOTTING = "snapshotting"
+    FORKING = "forking"
+    KILLING = "killing"
+
+    @property
+    def stable(self) -> bool:
+        return self in (State.RUNNING, State.PAUSED)
+
+    @property
+    def public(self) -> str:
+        """The state as the E2B API shows it: only "running" or "paused"."""
+        return "paused" if self in (State.PAUSING, State.PAUSED) else "running"
+
+
+@dataclass
+class SandboxRecord:
+    sandbox_id: str
+    template_id: str
+    alias: str | None
+    state: State
+    started_at: float
+    end_at: float
+    metadata: dict[str, str]
+    env_vars: dict[str, str]
+    auto_pause: bool
+    auto_pause_memory: bool
+    auto_resume: bool
+    cpu_count: int
+    memory_mb: int
+    disk_size_mb: int
+    envd_version: str
+    envd_access_token: str
+    traffic_access_token: str | None
+    secure: bool
+    allow_internet_access: bool | None
+    network: dict[str, Any] | None
+    source: TemplateRef
+    placement: Placement | None = None
+    pause_snapshot: SnapshotRef | None = None
+    #: "full" (memory kept) or "filesystem"; set when paused
+    pause_mode: str | None = None
+    created_at: float = field(default_factory=time.time)
+
+    def to_row(self) -> dict[str, Any]:
+        return {
+            "id": self.sandbox_id,
+            "template_id": self.template_id,
+            "alias": self.alias,
+            "state": self.state.value,
+            "started_at": self.started_at,
+            "end_at": self.end_at,
+            "metadata": self.metadata,
+            "env_vars": self.env_vars,
+            "auto_pause": self.auto_pause,
+            "auto_pause_memory": self.auto_pause_memory,
+            "auto_resume": self.auto_resume,
+            "cpu_count": self.cpu_count,
+            "memory_mb": self.memory_mb,
+            "disk_size_mb": self.disk_size_mb,
+            "envd_version": self.envd_version,
+            "envd_access_token": self.envd_access_token,
+            "traffic_access_token": self.traffic_access_token,
+            "secure": self.secure,
+            "allow_internet_access": self.allow_internet_access,
+            "network": self.network,
+            "source": self.source.to_json(),
+            "placement": self.placement.to_json() if self.placement else None,
+            "pause_snapshot": self.pause_snapshot.to_json() if self.pause_snapshot else None,
+            "pause_mode": self.pause_mode,
+            "created_at": self.created_at,
+        }
+
+    @classmethod
+    def from_row(cls, row: dict[str, Any]) -> SandboxRecord:
+        return cls(
+            sandbox_id=row["id"],
+            template_id=row["template_id"],
+            alias=row["alias"],
+            state=State(row["state"]),
+            started_at=row["started_at"],
+            end_at=row["end_at"],
+            metadata=dict(row["metadata"]),
+            env_vars=dict(row["env_vars"]),
+            auto_pause=bool(row["auto_pause"]),
+            auto_pause_memory=bool(row["auto_pause_memory"]),
+            auto_resume=bool(row["auto_resume"]),
+            cpu_count=int(row["cpu_count"]),
+            memory_mb=int(row["memory_mb"]),
+            disk_size_mb=int(row["disk_size_mb"]),
+            envd_version=row["envd_version"],
+            envd_access_token=row["envd_access_token"],
+            traffic_access_token=row["traffic_access_token"],
+            secure=bool(row["secure"]),
+            allow_internet_access=row["allow_internet_access"],
+            network=row["network"],
+            source=TemplateRef.from_json(row["source"]),
+            placement=Placement.from_json(row["placement"]) if row["placement"] else None,
+            pause_snapshot=(
+                TemplateRef.from_json(row["pause_snapshot"]) if row["pause_snapshot"] else None
+            ),
+            pause_mode=row["pause_mode"],
+            created_at=row["created_at"],
+        )
+
+
+@dataclass
+class TemplateRecord:
+    """A template or a sandbox snapshot; both can be named as templateID at create time."""
+
+    template_id: str
+    kind: str  # "template" | "snapshot"
+    names: list[str]
+    ref: TemplateRef
+    cpu_count: int
+    memory_mb: int
+    disk_size_mb: int
+    envd_version: str
+    created_at: float
+    updated_at: float
+    source_sandbox_id: str | None = None
+    spawn_count: int = 0
+    last_spawned_at: float | None = None
+    build_status: str = "ready"

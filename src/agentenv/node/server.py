@@ -1,0 +1,86 @@
+"""Assemble and run the node server: store, backend, orchestrator, API, uvicorn.
+
+SIGTERM/SIGINT stop it gracefully: uvicorn stops accepting, open requests get a few seconds, then
+the orchestrator pauses every running sandbox and closes the database.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import uvicorn
+
+from agentenv.errors import AgentEnvError
+from agentenv.node.api import NodeApp
+from agentenv.node.backend import SandboxBackend
+from agentenv.node.metrics import NodeMetrics
+from agentenv.node.orchestrator import NodeConfig, Orchestrator
+from agentenv.node.security import TokenIssuer, load_api_key
+from agentenv.node.store import Store
+
+log = logging.getLogger("agentenv.node.server")
+
+DEFAULT_STATE_DIR = Path(os.environ.get("AENV_HOME", "/var/lib/aenv"))
+
+
+@dataclass
+class ServeOptions:
+    state_dir: Path = DEFAULT_STATE_DIR
+    host: str = "127.0.0.1"
+    port: int = 8000
+    backend: str = "process"
+    config: NodeConfig = field(default_factory=NodeConfig)
+    graceful_seconds: float = 5.0
+
+
+def make_backend(name: str, state_dir: Path) -> SandboxBackend:
+    if name == "process":
+        from agentenv.node.process_backend import ProcessBackend
+
+        return ProcessBackend(state_dir)
+    raise AgentEnvError(f"unknown backend {name!r}: this build has 'process'")
+
+
+def build_app(options: ServeOptions, backend: SandboxBackend | None = None) -> NodeApp:
+    state = options.state_dir
+    state.mkdir(parents=True, exist_ok=True)
+    api_key = load_api_key(state)
+    metrics = NodeMetrics()
+    orchestrator = Orchestrator(
+        Store(state / "node.db"),
+        backend or make_backend(options.backend, state),
+        TokenIssuer(state),
+        options.config,
+        on_op=metrics.record_op,
+    )
+    return NodeApp(orchestrator, api_key, metrics)
+
+
+def serve(options: ServeOptions) -> None:
+    """Run the node until SIGTERM/SIGINT."""
+    app = build_app(options)
+    config = uvicorn.Config(
+        app,
+        host=options.host,
+        port=options.port,
+        log_config=None,
+        access_log=False,
+        lifespan="on",
+        timeout_graceful_shutdown=options.graceful_seconds,
+        timeout_keep_alive=30,
+        server_header=False,
+    )
+    server = uvicorn.Server(config)
+    log.info(
+        "node starting",
+        extra={"host": options.host, "port": options.port, "state_dir": str(options.state_dir)},
+    )
+    asyncio.run(server.serve())
+    if not server.started:
+        raise AgentEnvError(
+            f"node server did not start on {options.host}:{options.port} (see the log above)"
+        )

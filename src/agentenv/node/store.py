@@ -1,0 +1,266 @@
+"""SQLite persistence for the node: sandboxes, templates/snapshots, names, layer references.
+
+All SQL runs on one dedicated thread (sqlite3 connections are not shared across threads), so
+the event loop never blocks on disk. Every write commits at once; WAL mode keeps the database
+consistent when the node is killed with SIGKILL.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sqlite3
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import TypeVar
+
+from agentenv.errors import AgentEnvError
+from agentenv.node.backend import TemplateRef
+from agentenv.node.records import SandboxRecord, TemplateRecord
+
+T = TypeVar("T")
+
+#: Forward-only migrations; index i brings the schema from version i to i + 1.
+MIGRATIONS: list[str] = [
+    """
+    CREATE TABLE sandboxes (
+        id TEXT PRIMARY KEY,
+        state TEXT NOT NULL,
+        doc TEXT NOT NULL
+    );
+    CREATE TABLE templates (
+        id TEXT PRIMARY KEY,
+        kind TEXT NOT NULL,
+        source_sandbox_id TEXT,
+        created_at REAL NOT NULL,
+        doc TEXT NOT NULL
+    );
+    CREATE TABLE template_names (
+        name TEXT PRIMARY KEY,
+        template_id TEXT NOT NULL REFERENCES templates(id) ON DELETE CASCADE
+    );
+    CREATE TABLE layer_refs (
+        layer_id TEXT NOT NULL,
+        owner_kind TEXT NOT NULL,
+        owner_id TEXT NOT NULL,
+        PRIMARY KEY (layer_id, owner_kind, owner_id)
+    );
+    CREATE INDEX layer_refs_owner ON layer_refs(owner_kind, owner_id);
+    """,
+]
+
+SCHEMA_VERSION = len(MIGRATIONS)
+
+
+class StoreError(AgentEnvError):
+    pass
+
+
+class NameTaken(StoreError):
+    pass
+
+
+def _template_doc(rec: TemplateRecord) -> str:
+    return json.dumps(
+        {
+            "names": rec.names,
+            "ref": rec.ref.to_json(),
+            "cpu_count": rec.cpu_count,
+            "memory_mb": rec.memory_mb,
+            "disk_size_mb": rec.disk_size_mb,
+            "envd_version": rec.envd_version,
+            "updated_at": rec.updated_at,
+            "spawn_count": rec.spawn_count,
+            "last_spawned_at": rec.last_spawned_at,
+            "build_status": rec.build_status,
+        }
+    )
+
+
+def _template_from(row: sqlite3.Row) -> TemplateRecord:
+    doc = json.loads(row["doc"])
+    return TemplateRecord(
+        template_id=row["id"],
+        kind=row["kind"],
+        names=list(doc["names"]),
+        ref=TemplateRef.from_json(doc["ref"]),
+        cpu_count=doc["cpu_count"],
+        memory_mb=doc["memory_mb"],
+        disk_size_mb=doc["disk_size_mb"],
+        envd_version=doc["envd_version"],
+        created_at=row["created_at"],
+        updated_at=doc["updated_at"],
+        source_sandbox_id=row["source_sandbox_id"],
+        spawn_count=doc.get("spawn_count", 0),
+        last_spawned_at=doc.get("last_spawned_at"),
+        build_status=doc.get("build_status", "ready"),
+    )
+
+
+class Store:
+    """Async facade over one SQLite database file."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="node-store")
+        self._conn: sqlite3.Connection | None = None
+
+    async def _run(self, fn: Callable[[sqlite3.Connection], T]) -> T:
+        def call() -> T:
+            assert self._conn is not None, "store is not open"
+            return fn(self._conn)
+
+        return await asyncio.get_running_loop().run_in_executor(self._executor, call)
+
+    async def open(self) -> None:
+        def do_open() -> None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            conn = sqlite3.connect(self.path, isolation_level=None)
+            conn.row_factory = sqlite3.Row
+            conn.execute("PRAGMA journal_mode=WAL")
+            conn.execute("PRAGMA synchronous=NORMAL")
+            conn.execute("PRAGMA foreign_keys=ON")
+            conn.execute("CREATE TABLE IF NOT EXISTS schema_version (version INTEGER NOT NULL)")
+            row = conn.execute("SELECT version FROM schema_version").fetchone()
+            version = row[0] if row else 0
+            if version > SCHEMA_VERSION:
+                raise StoreError(
+                    f"{self.path} has schema version {version}; this node knows up to "
+                    f"{SCHEMA_VERSION}: upgrade agentenv"
+                )
+            for step in range(version, SCHEMA_VERSION):
+                conn.execute("BEGIN IMMEDIATE")
+                try:
+                    for statement in MIGRATIONS[step].split(";"):
+                        if statement.strip():
+                            conn.execute(statement)
+                    conn.execute("DELETE FROM schema_version")
+                    conn.execute("INSERT INTO schema_version VALUES (?)", (step + 1,))
+                    conn.execute("COMMIT")
+                except BaseException:
+                    conn.execute("ROLLBACK")
+                    raise
+            self._conn = conn
+
+        try:
+            await asyncio.get_running_loop().run_in_executor(self._executor, do_open)
+        except BaseException:
+            self._executor.shutdown(wait=False)
+            raise
+
+    async def close(self) -> None:
+        def do_close() -> None:
+            if self._conn is not None:
+                self._conn.close()
+                self._conn = None
+
+        await asyncio.get_running_loop().run_in_executor(self._executor, do_close)
+        self._executor.shutdown(wait=True)
+
+    async def schema_version(self) -> int:
+        return await self._run(
+            lambda c: c.execute("SELECT version FROM schema_version").fetchone()[0]
+        )
+
+    # --- sandboxes ---------------------------------------------------------------------------
+
+    async def put_sandbox(self, rec: SandboxRecord) -> None:
+        doc = json.dumps(rec.to_row())
+        state = rec.state.value
+        sid = rec.sandbox_id
+
+        def write(c: sqlite3.Connection) -> None:
+            c.execute(
+                "INSERT INTO sandboxes (id, state, doc) VALUES (?, ?, ?) "
+                "ON CONFLICT(id) DO UPDATE SET state = excluded.state, doc = excluded.doc",
+                (sid, state, doc),
+            )
+
+        await self._run(write)
+
+    async def delete_sandbox(self, sandbox_id: str) -> None:
+        await self._run(lambda c: c.execute("DELETE FROM sandboxes WHERE id = ?", (sandbox_id,)))
+
+    async def load_sandboxes(self) -> list[SandboxRecord]:
+        rows = await self._run(lambda c: c.execute("SELECT doc FROM sandboxes").fetchall())
+        return [SandboxRecord.from_row(json.loads(r["doc"])) for r in rows]
+
+    # --- templates and snapshots -------------------------------------------------------------
+
+    async def put_template(self, rec: TemplateRecord) -> None:
+        doc = _template_doc(rec)
+
+        def write(c: sqlite3.Connection) -> None:
+            c.execute("BEGIN IMMEDIATE")
+            try:
+                for name in rec.names:
+                    owner = c.execute(
+                        "SELECT template_id FROM template_names WHERE name = ?", (name,)
+                    ).fetchone()
+                    if owner and owner[0] != rec.template_id:
+                        raise NameTaken(f"name {name!r} is already used by {owner[0]}")
+                c.execute(
+                    "INSERT INTO templates (id, kind, source_sandbox_id, created_at, doc) "
+                    "VALUES (?, ?, ?, ?, ?) ON CONFLICT(id) DO UPDATE SET doc = excluded.doc",
+                    (rec.template_id, rec.kind, rec.source_sandbox_id, rec.created_at, doc),
+                )
+                c.execute("DELETE FROM template_names WHERE template_id = ?", (rec.template_id,))
+                c.executemany(
+                    "INSERT INTO template_names (name, template_id) VALUES (?, ?)",
+                    [(n, rec.template_id) for n in rec.names],
+                )
+                c.execute("COMMIT")
+            except BaseException:
+                c.execute("ROLLBACK")
+                raise
+
+        await self._run(write)
+
+    async def delete_template(self, template_id: str) -> None:
+        def write(c: sqlite3.Connection) -> None:
+            c.execute("DELETE FROM template_names WHERE template_id = ?", (template_id,))
+            c.execute("DELETE FROM templates WHERE id = ?", (template_id,))
+
+        await self._run(write)
+
+    async def load_templates(self) -> list[TemplateRecord]:
+        rows = await self._run(
+            lambda c: c.execute(
+                "SELECT id, kind, source_sandbox_id, created_at, doc FROM templates"
+            ).fetchall()
+        )
+        return [_template_from(r) for r in rows]
+
+    # --- layer references --------------------------------------------------------------------
+
+    async def set_layer_refs(self, owner_kind: str, owner_id: str, layers: list[str]) -> None:
+        """Replace the layers `owner` pins (a sandbox, template or snapshot)."""
+
+        def write(c: sqlite3.Connection) -> None:
+            c.execute("BEGIN IMMEDIATE")
+            try:
+                c.execute(
+                    "DELETE FROM layer_refs WHERE owner_kind = ? AND owner_id = ?",
+                    (owner_kind, owner_id),
+                )
+                c.executemany(
+                    "INSERT OR IGNORE INTO layer_refs (layer_id, owner_kind, owner_id) "
+                    "VALUES (?, ?, ?)",
+                    [(layer, owner_kind, owner_id) for layer in layers],
+                )
+                c.execute("COMMIT")
+            except BaseException:
+                c.execute("ROLLBACK")
+                raise
+
+        await self._run(write)
+
+    async def layer_ref_counts(self) -> dict[str, int]:
+        """How many owners pin each layer; a layer missing here may be garbage-collected."""
+        rows = await self._run(
+            lambda c: c.execute(
+                "SELECT layer_id, COUNT(*) FROM layer_refs GROUP BY layer_id"
+            ).fetchall()
+        )
+        return {r[0]: r[1] for r in rows}

@@ -1,0 +1,41 @@
+"""Runtime configuration."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, Field
+
+
+class RuntimeConfig(BaseModel):
+    state_dir: Path = Path("/var/lib/aenv")
+    accel: Literal["auto", "kvm", "tcg"] = "auto"
+    qemu_binary: str = "qemu-system-x86_64"
+    default_vcpus: int = Field(default=2, ge=1)
+    default_memory_mib: int = Field(default=512, ge=64)
+    network: bool = True
+    network_prefix: str = "aenv"
+    slot_pool_low: int = 2
+    slot_pool_high: int = 16
+    # Warm QEMU processes per primed snapshot (restores/forks of templates).
+    process_pool_low: int = 2
+    process_pool_high: int = 16
+    envd_port: int = 49983
+    envd_health_path: str = "/health"
+    envd_init_path: str = "/init"
+    boot_timeout: float = 120.0
+    restore_timeout: float = 30.0
+    blockd_socket: Path | None = None
+
+    @property
+    def vm_dir(self) -> Path:
+        return self.state_dir / "vms"
+
+    @property
+    def snapshot_dir(self) -> Path:
+        return self.state_dir / "snapshots"
+
+    @property
+    def memory_dir(self) -> Path:
+        return self.state_dir / "memory"

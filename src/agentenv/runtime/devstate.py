@@ -1,0 +1,49 @@
+"""Device state of a paused VM, without its RAM.
+
+QEMU's `xen-save-devices-state` writes every device's state but no RAM section (exactly
+what we want: guest RAM lives in overlaybd memory layers) and takes a few milliseconds. Its
+stream lacks the configuration section (machine type) that an incoming migration insists
+on, and the trailing vmdescription section. Both are added here, so the file loads with
+`migrate-incoming file:` into a QEMU started with `-incoming defer`.
+
+(A `migrate` to `file:` with `mapped-ram`, then stripping the RAM pages, also works but
+QEMU must read and write every non-zero RAM page first: about 1.4 s for a 512 MiB guest
+with 100 MiB in use here, against 6 ms for this path.)
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+from pathlib import Path
+
+from agentenv.runtime.errors import SnapshotError
+
+QEVM_MAGIC = b"QEVM"
+QEMU_VM_CONFIGURATION = 0x07
+QEMU_VM_VMDESCRIPTION = 0x06
+QEMU_VM_EOF = 0x00
+
+
+def finish_device_state(raw: Path, out: Path, machine_type: str) -> int:
+    """Turn a `xen-save-devices-state` file into a loadable stream at `out`; returns its size."""
+    data = raw.read_bytes()
+    if data[:4] != QEVM_MAGIC or len(data) < 9:
+        raise SnapshotError(f"device state {raw} is not a QEMU migration stream")
+    if data[8] == QEMU_VM_CONFIGURATION:
+        raise SnapshotError(f"device state {raw} already has a configuration section")
+    if data[-1] != QEMU_VM_EOF:
+        raise SnapshotError(f"device state {raw} is truncated (no end-of-stream marker)")
+    name = machine_type.removesuffix("-machine").encode()
+    config = bytes([QEMU_VM_CONFIGURATION]) + struct.pack(">I", len(name)) + name
+    description = b"{}"
+    trailer = bytes([QEMU_VM_VMDESCRIPTION]) + struct.pack(">I", len(description)) + description
+    stream = data[:8] + config + data[8:] + trailer
+    tmp = out.with_name(f".{out.name}.tmp")
+    with open(tmp, "wb") as f:
+        f.write(stream)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, out)
+    raw.unlink(missing_ok=True)
+    return len(stream)

@@ -1,0 +1,33 @@
+"""Errors of the VM runtime; every one is fit to show to a user."""
+
+from __future__ import annotations
+
+from agentenv.errors import AgentEnvError
+
+
+class RuntimeError_(AgentEnvError):
+    """Base of every runtime error (named with a trailing underscore to keep the builtin)."""
+
+
+class QMPError(RuntimeError_):
+    """QEMU answered a QMP command with an error, or the QMP connection failed."""
+
+
+class VMDiedError(RuntimeError_):
+    """The QEMU process of a VM exited when it should not have."""
+
+
+class GuestNotReadyError(RuntimeError_):
+    """envd inside the guest did not answer in time."""
+
+
+class SnapshotError(RuntimeError_):
+    """A snapshot could not be taken, or a snapshot cannot be restored."""
+
+
+class ModeMismatchError(SnapshotError):
+    """A snapshot taken under one accelerator (kvm/tcg) cannot be restored under another."""
+
+
+class NetworkError(RuntimeError_):
+    """A network slot could not be set up or torn down."""

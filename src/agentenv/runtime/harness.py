@@ -1,0 +1,118 @@
+"""Helpers shared by the runtime's tests and benchmark: a blockd process, an ext4 rootfs
+layer, a runtime on a private event loop, and running shell commands in the test guest."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Coroutine
+from pathlib import Path
+from typing import Any, TypeVar
+
+import httpx
+
+from agentenv.runtime.vm import VM
+
+T = TypeVar("T")
+
+
+class BlockdProcess:
+    """A real blockd daemon (`aenv blockd`) in a private state directory."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.socket = root / "blockd.sock"
+        self.log = root / "blockd.log"
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        from agentenv.blockd.client import BlockdClient
+        from agentenv.blockd.errors import BlockdUnavailable
+
+        with open(self.log, "ab") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "agentenv.cli.main", "blockd", "--state-dir",
+                 str(self.root / "state"), "--socket", str(self.socket), "--no-fuse"],
+                stdout=log, stderr=log)
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                with BlockdClient(self.socket, timeout=5) as client:
+                    client.ping()
+                return
+            except BlockdUnavailable:
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"blockd did not start: {self.log.read_text()[-800:]}") from None
+                time.sleep(0.05)
+
+    def stop(self) -> None:
+        if self.proc is None:
+            return
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(20)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(5)
+        self.proc = None
+
+
+def make_ext4_layer(out: Path, size: int) -> Path:
+    """An empty ext4 filesystem of `size` bytes as a sealed overlaybd layer."""
+    from agentenv.storage.export import import_raw
+
+    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+        raw = Path(tmp) / "rootfs.raw"
+        with open(raw, "wb") as f:
+            f.truncate(size)
+        subprocess.run(["mkfs.ext4", "-q", "-F", "-E", "lazy_itable_init=0,lazy_journal_init=0",
+                        str(raw)], check=True, capture_output=True)
+        return import_raw(raw, out)
+
+
+class LoopThread:
+    """One event loop kept across tests (runtime objects are bound to their loop)."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+
+    def run(self, coro: Coroutine[Any, Any, T], timeout: float = 300) -> T:
+        return self.loop.run_until_complete(asyncio.wait_for(coro, timeout))
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            self.loop.run_until_complete(self.loop.shutdown_asyncgens())
+        self.loop.close()
+
+
+async def sh(vm: VM, script: str, timeout: float = 60) -> str:
+    """Run a shell script in the test guest (its /cgi-bin/run endpoint); returns the output."""
+    async with httpx.AsyncClient(timeout=timeout) as client:
+        answer = await client.post(vm.envd_url + "/cgi-bin/run", content=script)
+        answer.raise_for_status()
+        return answer.text
+
+
+def pss_kib(pid: int) -> dict[str, int]:
+    """Rss, Pss, Shared_Clean, Private_Dirty (KiB) of a process."""
+    out: dict[str, int] = {}
+    with open(f"/proc/{pid}/smaps_rollup") as f:
+        for line in f:
+            key, _, rest = line.partition(":")
+            if key in ("Rss", "Pss", "Shared_Clean", "Private_Dirty", "Private_Clean"):
+                out[key] = int(rest.split()[0])
+    return out
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True

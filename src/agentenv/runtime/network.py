@@ -1,0 +1,269 @@
+"""Network slots: one namespace per running VM, holding its TAP device.
+
+Layout of slot i (1..32767):
+
+    host netns                         slot netns aenv-s<i>
+    aenvh<i>  10.12.x.(2i)/31  <--veth-->  vpeer 10.12.x.(2i+1)/31
+                                           tap0  169.254.0.22/30  <-> guest eth0 169.254.0.21
+
+- The host reaches the guest at the slot's `guest_address` (vpeer's address): nftables in the
+  namespace DNATs every port of it to 169.254.0.21 (so envd is guest_address:49983) and SNATs
+  the guest's outbound traffic to it. Every restored VM keeps 169.254.0.21 (snapshot ABI).
+- Forwarding in the namespace is default-drop: replies and host-initiated connections pass;
+  guest-initiated traffic goes through the `egress` chain, which always rejects the internal
+  ranges (10.11/16, 10.12/16, 169.254/16: no sandbox reaches another) and, when outbound is
+  off, everything else.
+- On the host, `ip_forward` is enabled and one `aenv` nftables table masquerades traffic
+  leaving from the slots towards other interfaces and drops slot-to-slot forwarding.
+
+Slots are pooled (`SlotPool`): building one costs a few `ip`/`nft` calls; a released slot is
+reset (outbound policy back to the default) and reused.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ipaddress
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from agentenv.runtime.errors import NetworkError
+
+GUEST_IP = "169.254.0.21"
+TAP_IP = "169.254.0.22"
+TAP_MAC = "02:ae:00:00:00:fe"
+ENVD_PORT = 49983
+VETH_BASE = ipaddress.IPv4Address("10.12.0.0")
+NETNS_DIR = Path("/run/netns")
+INTERNAL_CIDRS = "10.11.0.0/16, 10.12.0.0/16, 169.254.0.0/16"
+
+
+async def _run(*argv: str, stdin: str | None = None) -> str:
+    proc = await asyncio.create_subprocess_exec(
+        *argv, stdin=asyncio.subprocess.PIPE if stdin is not None else asyncio.subprocess.DEVNULL,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+    )
+    out, err = await proc.communicate(stdin.encode() if stdin is not None else None)
+    if proc.returncode != 0:
+        raise NetworkError(f"{' '.join(argv[:4])} failed: {err.decode(errors='replace').strip()}")
+    return out.decode()
+
+
+@dataclass
+class NetworkSlot:
+    index: int
+    prefix: str = "aenv"
+
+    @property
+    def netns_name(self) -> str:
+        return f"{self.prefix}-s{self.index}"
+
+    @property
+    def netns_path(self) -> str:
+        return str(NETNS_DIR / self.netns_name)
+
+    @property
+    def host_veth(self) -> str:
+        return f"{self.prefix}h{self.index}"
+
+    @property
+    def host_address(self) -> str:
+        return str(VETH_BASE + 2 * self.index)
+
+    @property
+    def guest_address(self) -> str:
+        """Where the host reaches the guest (every port is forwarded to 169.254.0.21)."""
+        return str(VETH_BASE + 2 * self.index + 1)
+
+    @property
+    def envd_url(self) -> str:
+        return f"http://{self.guest_address}:{ENVD_PORT}"
+
+    def _ruleset(self, outbound: bool) -> str:
+        deny_all = "" if outbound else "        reject with icmp type admin-prohibited\n"
+        return (
+            "table ip aenv {\n"
+            "    chain slot_pre {\n"
+            "        type nat hook prerouting priority dstnat;\n"
+            f'        iifname "vpeer" ip daddr {self.guest_address} dnat to {GUEST_IP}\n'
+            "    }\n"
+            "    chain slot_post {\n"
+            "        type nat hook postrouting priority srcnat;\n"
+            f'        oifname "vpeer" ip saddr {GUEST_IP} snat to {self.guest_address}\n'
+            "    }\n"
+            "    chain slot_forward {\n"
+            "        type filter hook forward priority filter; policy drop;\n"
+            "        ct state established,related accept\n"
+            '        iifname "vpeer" oifname "tap0" ct status dnat accept\n'
+            '        iifname "tap0" oifname "vpeer" jump egress\n'
+            "    }\n"
+            "    chain egress {\n"
+            f"        ip daddr {{ {INTERNAL_CIDRS} }} reject with icmp type admin-prohibited\n"
+            f"{deny_all}"
+            "        accept\n"
+            "    }\n"
+            "}\n"
+        )
+
+    async def create(self) -> None:
+        ns = self.netns_name
+        await _run("ip", "netns", "add", ns)
+        try:
+            await _run(
+                "ip", "-batch", "-",
+                stdin=(
+                    f"link add {self.host_veth} type veth peer name vpeer netns {ns}\n"
+                    f"addr add {self.host_address}/31 dev {self.host_veth}\n"
+                    f"link set {self.host_veth} up\n"
+                ),
+            )
+            await _run(
+                "ip", "-n", ns, "-batch", "-",
+                stdin=(
+                    "link set lo up\n"
+                    f"addr add {self.guest_address}/31 dev vpeer\n"
+                    "link set vpeer up\n"
+                    "tuntap add dev tap0 mode tap\n"
+                    # A fixed MAC: a restored guest's ARP entry for its gateway stays valid.
+                    f"link set tap0 address {TAP_MAC}\n"
+                    f"addr add {TAP_IP}/30 dev tap0\n"
+                    "link set tap0 up\n"
+                    f"route add default via {self.host_address}\n"
+                ),
+            )
+            await _run("ip", "netns", "exec", ns, "sysctl", "-qw", "net.ipv4.ip_forward=1")
+            await _run("ip", "netns", "exec", ns, "nft", "-f", "-", stdin=self._ruleset(True))
+        except BaseException:
+            with contextlib.suppress(NetworkError):
+                await self.destroy()
+            raise
+
+    async def set_outbound(self, allowed: bool) -> None:
+        """Allow or block guest-initiated traffic leaving the host (internal ranges stay
+        blocked either way)."""
+        rules = "flush table ip aenv\n" + self._ruleset(allowed)
+        await _run("ip", "netns", "exec", self.netns_name, "nft", "-f", "-", stdin=rules)
+
+    async def destroy(self) -> None:
+        # Deleting the namespace deletes vpeer, and with it the host end of the veth.
+        await _run("ip", "netns", "del", self.netns_name)
+        with contextlib.suppress(NetworkError):
+            await _run("ip", "link", "del", self.host_veth)
+
+
+HOST_RULES = """table ip {table} {{
+    chain slots_forward {{
+        type filter hook forward priority filter; policy accept;
+        iifname "{prefix}h*" oifname "{prefix}h*" drop
+    }}
+    chain slots_post {{
+        type nat hook postrouting priority srcnat;
+        ip saddr 10.12.0.0/16 oifname != "{prefix}h*" masquerade
+    }}
+}}
+"""
+
+
+async def setup_host(prefix: str = "aenv") -> None:
+    """Host side, once per runtime: forwarding on, masquerade, no slot-to-slot traffic."""
+    Path("/proc/sys/net/ipv4/ip_forward").write_text("1\n")
+    table = f"{prefix}_host"
+    with contextlib.suppress(NetworkError):
+        await _run("nft", "delete", "table", "ip", table)
+    await _run("nft", "-f", "-", stdin=HOST_RULES.format(table=table, prefix=prefix))
+
+
+async def teardown_host(prefix: str = "aenv") -> None:
+    with contextlib.suppress(NetworkError):
+        await _run("nft", "delete", "table", "ip", f"{prefix}_host")
+
+
+class SlotPool:
+    """Pre-built slots, refilled in the background between low and high watermarks."""
+
+    def __init__(self, prefix: str = "aenv", low: int = 2, high: int = 8,
+                 first_index: int = 1, max_slots: int = 32767) -> None:
+        self.prefix = prefix
+        self.low, self.high = low, high
+        self._free: list[NetworkSlot] = []
+        self._next = first_index
+        self._max = max_slots
+        self._released: list[int] = []
+        self._in_use: dict[int, NetworkSlot] = {}
+        self._refill_task: asyncio.Task[None] | None = None
+        self._lock = asyncio.Lock()
+
+    def _new_index(self) -> int:
+        if self._released:
+            return self._released.pop()
+        if self._next > self._max:
+            raise NetworkError("no network slot index left")
+        index = self._next
+        self._next += 1
+        return index
+
+    async def _build(self) -> NetworkSlot:
+        slot = NetworkSlot(self._new_index(), self.prefix)
+        with contextlib.suppress(NetworkError):  # leftovers of a crashed run
+            if Path(slot.netns_path).exists():
+                await slot.destroy()
+        try:
+            await slot.create()
+        except BaseException:
+            self._released.append(slot.index)
+            raise
+        return slot
+
+    async def take(self) -> NetworkSlot:
+        slot = self._free.pop() if self._free else await self._build()
+        self._in_use[slot.index] = slot
+        self.kick()
+        return slot
+
+    async def give_back(self, slot: NetworkSlot) -> None:
+        """Return a slot whose VM is gone; it is reset and reused."""
+        self._in_use.pop(slot.index, None)
+        try:
+            await slot.set_outbound(True)
+        except NetworkError:
+            await self._discard(slot)
+            return
+        if len(self._free) < self.high:
+            self._free.append(slot)
+        else:
+            await self._discard(slot)
+
+    async def _discard(self, slot: NetworkSlot) -> None:
+        with contextlib.suppress(NetworkError):
+            await slot.destroy()
+        self._released.append(slot.index)
+
+    def kick(self) -> None:
+        if len(self._free) < self.low and (self._refill_task is None or self._refill_task.done()):
+            self._refill_task = asyncio.create_task(self.fill(self.low))
+
+    async def fill(self, target: int) -> None:
+        async with self._lock:
+            while len(self._free) < target:
+                self._free.append(await self._build())
+
+    async def close(self) -> None:
+        if self._refill_task is not None:
+            self._refill_task.cancel()
+            with contextlib.suppress(BaseException):
+                await self._refill_task
+        for slot in [*self._free, *self._in_use.values()]:
+            with contextlib.suppress(NetworkError):
+                await slot.destroy()
+        self._free.clear()
+        self._in_use.clear()
+
+    @property
+    def free_count(self) -> int:
+        return len(self._free)
+
+
+def netns_exists(name: str) -> bool:
+    return os.path.exists(NETNS_DIR / name)

@@ -1,0 +1,177 @@
+"""A minimal busybox guest for runtime tests and benchmarks.
+
+The project's real guest (kernel + initramfs + tools disk + envd) is built by
+`agentenv.guest.build`. The runtime must be testable on its own, so this module builds a tiny
+stand-in from Debian packages: the Debian cloud kernel (unpacked, not installed) and an
+initramfs holding busybox-static, the virtio modules, and an init that
+
+- configures eth0 from `aenv.ip=` / `aenv.gw=` on the kernel command line (the same ABI as the
+  real guest init),
+- mounts /dev/vdb (ext4) at /mnt/disk when present,
+- serves HTTP on port 49983 (the envd port): `GET /health` answers, `POST /cgi-bin/run` runs
+  the request body with /bin/sh and returns its output (stdout+stderr), and `POST /init`
+  (the envd call the runtime makes after a restore) is accepted.
+
+Everything is cached under a directory keyed by the kernel package version.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from agentenv.errors import AgentEnvError
+
+KERNEL_META_PACKAGE = "linux-image-cloud-amd64"
+DEFAULT_CACHE = Path("/var/cache/aenv-test/runtime")
+
+# virtio modules in load order (dependencies first).
+_MODULES = [
+    "drivers/virtio/virtio_ring.ko",
+    "drivers/virtio/virtio.ko",
+    "drivers/virtio/virtio_pci_legacy_dev.ko",
+    "drivers/virtio/virtio_pci_modern_dev.ko",
+    "drivers/virtio/virtio_pci.ko",
+    "net/core/failover.ko",
+    "drivers/net/net_failover.ko",
+    "drivers/net/virtio_net.ko",
+    "drivers/block/virtio_blk.ko",
+    "drivers/virtio/virtio_balloon.ko",
+]
+
+_INIT = r"""#!/bin/busybox sh
+/bin/busybox --install -s /bin
+export PATH=/bin
+mount -t proc proc /proc
+mount -t sysfs sys /sys
+mount -t devtmpfs dev /dev
+mount -t tmpfs tmp /tmp
+for m in $(cat /modules.order); do insmod /modules/$m || echo "insmod $m failed"; done
+n=0; while [ ! -e /sys/class/net/eth0 ] && [ $n -lt 100 ]; do sleep 0.05; n=$((n+1)); done
+ip=""; gw=""; hn="aenv"
+for arg in $(cat /proc/cmdline); do
+  case "$arg" in
+    aenv.ip=*) ip="${arg#aenv.ip=}";;
+    aenv.gw=*) gw="${arg#aenv.gw=}";;
+    aenv.hostname=*) hn="${arg#aenv.hostname=}";;
+  esac
+done
+hostname "$hn"
+ip link set lo up
+if [ -n "$ip" ]; then
+  ip addr add "$ip" dev eth0
+  ip link set eth0 up
+  [ -n "$gw" ] && ip route add default via "$gw"
+fi
+mkdir -p /mnt/disk
+[ -b /dev/vdb ] && mount -t ext4 /dev/vdb /mnt/disk
+httpd -p 49983 -h /www
+echo AENV-GUEST-READY > /dev/ttyS0
+while true; do sleep 3600; done
+"""
+
+_RUN_CGI = r"""#!/bin/sh
+echo "Content-Type: text/plain"
+echo ""
+if [ "$REQUEST_METHOD" = POST ]; then
+  head -c "$CONTENT_LENGTH" > /tmp/.cgi.$$
+  sh /tmp/.cgi.$$ 2>&1
+  rm -f /tmp/.cgi.$$
+fi
+"""
+
+_INIT_CGI = r"""#!/bin/sh
+echo "Content-Type: text/plain"
+echo ""
+[ "$REQUEST_METHOD" = POST ] && head -c "$CONTENT_LENGTH" > /tmp/.envd-init.json
+echo ok
+"""
+
+
+class TestGuestError(AgentEnvError):
+    pass
+
+
+@dataclass(frozen=True)
+class TestGuest:
+    kernel: Path
+    initramfs: Path
+    cmdline_base: str = "console=ttyS0 panic=-1 quiet reboot=k mitigations=off"
+
+
+def _run(cmd: list[str], cwd: Path | None = None) -> str:
+    proc = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise TestGuestError(f"{' '.join(cmd)} failed: {proc.stderr.strip()[-400:]}")
+    return proc.stdout
+
+
+def _kernel_package() -> str:
+    out = _run(["apt-cache", "depends", KERNEL_META_PACKAGE])
+    for line in out.splitlines():
+        line = line.strip()
+        if line.startswith("Depends: linux-image-"):
+            return line.split(":", 1)[1].strip()
+    raise TestGuestError(f"cannot resolve {KERNEL_META_PACKAGE} with apt-cache")
+
+
+def build_test_guest(cache_dir: Path = DEFAULT_CACHE) -> TestGuest:
+    """Build (or reuse) the busybox test guest; returns paths to kernel and initramfs."""
+    busybox = Path("/bin/busybox")
+    if not busybox.exists():
+        raise TestGuestError("busybox-static is not installed (/bin/busybox missing)")
+    package = _kernel_package()
+    key = hashlib.sha256(
+        (package + _INIT + _RUN_CGI + _INIT_CGI + ",".join(_MODULES) + str(busybox.stat().st_size)).encode()
+    ).hexdigest()[:16]
+    out_dir = cache_dir / f"guest-{key}"
+    kernel, initramfs = out_dir / "vmlinuz", out_dir / "initramfs.cpio"
+    if kernel.exists() and initramfs.exists():
+        return TestGuest(kernel, initramfs)
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=cache_dir) as tmp_name:
+        tmp = Path(tmp_name)
+        _run(["apt-get", "download", package], cwd=tmp)
+        deb = next(tmp.glob("linux-image-*.deb"))
+        unpacked = tmp / "kernel"
+        _run(["dpkg-deb", "-x", str(deb), str(unpacked)])
+        vmlinuz = next((unpacked / "boot").glob("vmlinuz-*"))
+        modroot = next((unpacked / "lib" / "modules").iterdir()) / "kernel"
+        root = tmp / "root"
+        for sub in ("bin", "proc", "sys", "dev", "tmp", "modules", "www/cgi-bin", "mnt"):
+            (root / sub).mkdir(parents=True, exist_ok=True)
+        shutil.copy2(busybox, root / "bin" / "busybox")
+        names = []
+        for rel in _MODULES:
+            src = modroot / rel
+            if not src.exists():
+                continue
+            shutil.copy2(src, root / "modules" / src.name)
+            names.append(src.name)
+        (root / "modules.order").write_text("\n".join(names) + "\n")
+        (root / "init").write_text(_INIT)
+        (root / "www" / "health").write_text("ok\n")
+        (root / "www" / "cgi-bin" / "run").write_text(_RUN_CGI)
+        (root / "www" / "cgi-bin" / "init").write_text(_INIT_CGI)
+        for script in ("init", "www/cgi-bin/run", "www/cgi-bin/init"):
+            os.chmod(root / script, 0o755)
+        files = _run(["find", ".", "-print0"], cwd=root)
+        cpio = subprocess.run(
+            ["cpio", "--null", "-o", "-H", "newc", "--quiet"],
+            cwd=root, input=files.encode(), capture_output=True,
+        )
+        if cpio.returncode != 0:
+            raise TestGuestError(f"cpio failed: {cpio.stderr.decode()[-400:]}")
+        staged = tmp / "out"
+        staged.mkdir()
+        (staged / "initramfs.cpio").write_bytes(cpio.stdout)
+        shutil.copy2(vmlinuz, staged / "vmlinuz")
+        if out_dir.exists():
+            shutil.rmtree(out_dir)
+        staged.rename(out_dir)
+    return TestGuest(kernel, initramfs)

@@ -1,0 +1,628 @@
+"""The runtime: boot, pause, restore, fork and kill QEMU VMs. The node server's entry point.
+
+    runtime = Runtime(RuntimeConfig(state_dir=...), blockd=AsyncBlockdClient(sock))
+    await runtime.start()
+    vm = await runtime.boot(BootSpec(kernel=..., initramfs=..., cmdline=..., disks=[...]))
+    record = await runtime.pause(vm)            # VM gone, snapshot written
+    vm2 = await runtime.restore(record, env_vars={...}, access_token=...)
+    children = await runtime.fork(vm2, 4)       # vm2 keeps running
+    await runtime.kill(vm2)
+    await runtime.close()
+
+A VM's memory lineage is the memory layer stack of the snapshot it was restored from (empty
+for a cold boot); `snapshot()` captures the pages written since then as one new layer on top.
+Disks are blockd devices (an overlaybd stack + writable upper each) or read-only raw files.
+Every VM runs in its own network slot; the host reaches envd at `vm.envd_url`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import shutil
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import httpx
+
+from agentenv.runtime.accel import resolve_accel
+from agentenv.runtime.config import RuntimeConfig
+from agentenv.runtime.devstate import finish_device_state
+from agentenv.runtime.errors import (
+    GuestNotReadyError,
+    ModeMismatchError,
+    RuntimeError_,
+    SnapshotError,
+    VMDiedError,
+)
+from agentenv.runtime.memory import MemoryFileCache, capture_memory_layer, find_ram_mapping
+from agentenv.runtime.network import GUEST_IP, NetworkSlot, SlotPool, setup_host
+from agentenv.runtime.qemu import DiskAttachment, QemuProcess
+from agentenv.snapshot.record import (
+    DiskConfig,
+    DiskSnapshot,
+    LayerRef,
+    MachineConfig,
+    SnapshotRecord,
+    SnapshotRecordError,
+)
+
+log = logging.getLogger("agentenv.runtime")
+
+VMState = Literal["starting", "running", "pausing", "paused", "stopped", "error"]
+
+
+@dataclass
+class DiskSource:
+    """A disk for a boot: an overlaybd stack served by blockd, or a read-only raw file."""
+
+    name: str
+    size: int
+    read_only: bool = False
+    layers: list[Path] = field(default_factory=list)  # oldest first (blockd lowers)
+    file: Path | None = None  # raw file, read-only disks only
+
+
+@dataclass
+class BootSpec:
+    kernel: Path
+    cmdline: str  # base command line; network and hostname arguments are appended
+    initramfs: Path | None = None
+    vcpus: int | None = None
+    memory_mib: int | None = None
+    disks: list[DiskSource] = field(default_factory=list)
+    hostname: str = "sandbox"
+    outbound: bool = True
+    dns: str | None = None
+
+
+@dataclass
+class _AttachedDisk:
+    config: DiskConfig
+    layers: list[LayerRef]  # sealed layers under the device's upper (oldest first)
+    device_id: str | None = None  # blockd device
+    file: Path | None = None
+
+
+@dataclass
+class VM:
+    id: str
+    machine: MachineConfig
+    process: QemuProcess
+    slot: NetworkSlot | None
+    workdir: Path
+    memory_layers: list[LayerRef]
+    mem_key: str | None  # MemoryFileCache key of the RAM file (None: the zero file)
+    mem_path: Path
+    disks: list[_AttachedDisk]
+    state: VMState = "starting"
+    error: str | None = None
+    started_at: float = field(default_factory=time.time)
+    parent_snapshot: str | None = None
+    timings: dict[str, float] = field(default_factory=dict)  # ms per phase of the last start
+    _watch: asyncio.Task[None] | None = None
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    @property
+    def vmgenid(self) -> str:
+        return self.process.vmgenid
+
+    @property
+    def envd_url(self) -> str:
+        if self.slot is None:
+            raise RuntimeError_(f"VM {self.id} has no network")
+        return self.slot.envd_url
+
+
+def _cmdline(spec: BootSpec, network: bool) -> str:
+    parts = [spec.cmdline]
+    if network:
+        parts.append(f"aenv.ip={GUEST_IP}/30 aenv.gw=169.254.0.22")
+        if spec.dns:
+            parts.append(f"aenv.dns={spec.dns}")
+    parts.append(f"aenv.hostname={spec.hostname}")
+    return " ".join(parts)
+
+
+class Runtime:
+    def __init__(self, config: RuntimeConfig, blockd: Any | None = None,
+                 on_vm_died: Callable[[VM], None] | None = None) -> None:
+        self.config = config
+        self.blockd = blockd
+        self.on_vm_died = on_vm_died
+        self.vms: dict[str, VM] = {}
+        self.memory = MemoryFileCache(config.memory_dir)
+        self.slots = SlotPool(config.network_prefix, config.slot_pool_low, config.slot_pool_high)
+        self.accel: Literal["kvm", "tcg"] | None = None
+        self._http = httpx.AsyncClient(timeout=httpx.Timeout(5.0, connect=1.0))
+        self._warm: dict[str, list[tuple[QemuProcess, NetworkSlot | None, Path]]] = {}
+        self._warm_targets: dict[str, tuple[SnapshotRecord, int]] = {}
+        self._warm_tasks: dict[str, asyncio.Task[None]] = {}
+        self._started = False
+
+    # -- lifecycle of the runtime itself --------------------------------------------------
+
+    async def start(self, kernel_for_probe: Path | None = None) -> None:
+        for d in (self.config.vm_dir, self.config.snapshot_dir, self.config.memory_dir):
+            d.mkdir(parents=True, exist_ok=True)
+        self.accel = resolve_accel(self.config.accel, str(kernel_for_probe) if kernel_for_probe else None)
+        if self.config.network:
+            await setup_host(self.config.network_prefix)
+            await self.slots.fill(self.config.slot_pool_low)
+        self._started = True
+        log.info("runtime started", extra={"accel": self.accel})
+
+    async def close(self) -> None:
+        for task in self._warm_tasks.values():
+            task.cancel()
+        for task in self._warm_tasks.values():
+            with contextlib.suppress(BaseException):
+                await task
+        for key in list(self._warm):
+            await self._drain_warm(key)
+        for vm in list(self.vms.values()):
+            with contextlib.suppress(Exception):
+                await self.kill(vm)
+        await self.slots.close()
+        await self._http.aclose()
+
+    # -- boot -----------------------------------------------------------------------------
+
+    async def boot(self, spec: BootSpec, wait_ready: bool = True) -> VM:
+        """Cold-boot a VM from a kernel and disks; returns once envd answers."""
+        assert self.accel is not None, "Runtime.start() first"
+        machine = MachineConfig(
+            vcpus=spec.vcpus or self.config.default_vcpus,
+            memory_mib=spec.memory_mib or self.config.default_memory_mib,
+            accel=self.accel, kernel=str(spec.kernel),
+            initramfs=str(spec.initramfs) if spec.initramfs else None,
+            cmdline=_cmdline(spec, self.config.network),
+            disks=[DiskConfig(name=d.name, read_only=d.read_only, size=d.size) for d in spec.disks],
+            network=self.config.network,
+        )
+        vm_id = uuid.uuid4().hex[:12]
+        workdir = self.config.vm_dir / vm_id
+        mem_path = self.memory.zero_file(machine.memory_bytes)
+        slot = await self.slots.take() if self.config.network else None
+        disks: list[_AttachedDisk] = []
+        try:
+            if slot is not None and not spec.outbound:
+                await slot.set_outbound(False)
+            attachments = []
+            for source in spec.disks:
+                disk, attach = await self._attach_disk(
+                    source.name, source.size, source.read_only,
+                    [LayerRef(path=str(p), size=p.stat().st_size) for p in source.layers],
+                    source.file, workdir)
+                disks.append(disk)
+                attachments.append(attach)
+            process = await QemuProcess.spawn(
+                machine, workdir, mem_path=str(mem_path), disks=attachments, incoming=False,
+                netns=slot.netns_path if slot else None, qemu_binary=self.config.qemu_binary)
+        except BaseException:
+            await self._release_resources(slot, disks, None)
+            raise
+        vm = VM(vm_id, machine, process, slot, workdir, [], None, mem_path, disks)
+        self._adopt(vm)
+        if wait_ready:
+            try:
+                await self.wait_envd(vm, self.config.boot_timeout)
+            except BaseException:
+                await self.kill(vm)
+                raise
+        vm.state = "running"
+        return vm
+
+    async def _attach_disk(self, name: str, size: int, read_only: bool, layers: list[LayerRef],
+                           file: Path | None, workdir: Path) -> tuple[_AttachedDisk, DiskAttachment]:
+        config = DiskConfig(name=name, read_only=read_only, size=size)
+        if file is not None:
+            if not read_only:
+                raise RuntimeError_(f"disk {name}: a raw file can only be a read-only disk")
+            return (_AttachedDisk(config, [], file=file),
+                    DiskAttachment(name, True, file=str(file)))
+        if self.blockd is None:
+            raise RuntimeError_(f"disk {name} needs blockd, and the runtime has no blockd client")
+        upper = None if read_only else workdir / "disks" / name
+        if upper is not None:
+            upper.parent.mkdir(parents=True, exist_ok=True)
+        info = await self.blockd.create(lowers=[Path(x.path) for x in layers], upper_dir=upper,
+                                        size=size, readonly=read_only)
+        return (_AttachedDisk(config, list(layers), device_id=info.id),
+                DiskAttachment(name, read_only, nbd_socket=info.nbd, nbd_export=info.export))
+
+    def _adopt(self, vm: VM) -> None:
+        self.vms[vm.id] = vm
+        vm._watch = asyncio.create_task(self._watch(vm))
+
+    async def _watch(self, vm: VM) -> None:
+        await vm.process.died.wait()
+        if vm.process.expected_exit:
+            return
+        vm.state = "error"
+        vm.error = vm.process.exit_reason()
+        log.error("VM died", extra={"vm": vm.id, "reason": vm.error})
+        await self._release_resources(vm.slot, vm.disks, vm.mem_key)
+        vm.slot, vm.disks, vm.mem_key = None, [], None
+        self.vms.pop(vm.id, None)
+        if self.on_vm_died is not None:
+            self.on_vm_died(vm)
+
+    async def wait_envd(self, vm: VM, timeout: float) -> None:
+        url = vm.envd_url + self.config.envd_health_path
+        deadline = time.monotonic() + timeout
+        while True:
+            if vm.process.died.is_set():
+                raise VMDiedError(vm.process.exit_reason())
+            with contextlib.suppress(httpx.HTTPError):
+                answer = await self._http.get(url, timeout=1.0)
+                if answer.is_success:
+                    return
+            if time.monotonic() > deadline:
+                raise GuestNotReadyError(f"envd of VM {vm.id} did not answer within {timeout:.0f} s")
+            await asyncio.sleep(0.02)
+
+    async def envd_init(self, vm: VM, env_vars: dict[str, str] | None = None,
+                        access_token: str | None = None) -> None:
+        """POST /init: env vars, access token, and the host's time (the guest clock stood still)."""
+        body: dict[str, Any] = {"timestamp": time.strftime("%Y-%m-%dT%H:%M:%S.000Z", time.gmtime())}
+        if env_vars:
+            body["envVars"] = env_vars
+        if access_token:
+            body["accessToken"] = access_token
+        url = vm.envd_url + self.config.envd_init_path
+        deadline = time.monotonic() + self.config.restore_timeout
+        while True:
+            if vm.process.died.is_set():
+                raise VMDiedError(vm.process.exit_reason())
+            try:
+                answer = await self._http.post(url, json=body, timeout=2.0)
+                if answer.is_success:
+                    return
+                raise GuestNotReadyError(f"envd /init of VM {vm.id} answered {answer.status_code}")
+            except httpx.HTTPError:
+                if time.monotonic() > deadline:
+                    raise GuestNotReadyError(f"envd of VM {vm.id} unreachable after restore") from None
+                await asyncio.sleep(0.005)
+
+    # -- snapshot / pause -----------------------------------------------------------------
+
+    async def snapshot(self, vm: VM, *, keep_running: bool = True) -> SnapshotRecord:
+        """Stop the VM, write a snapshot, and resume it (keep_running) or leave it stopped."""
+        if vm.state != "running":
+            raise RuntimeError_(f"VM {vm.id} is {vm.state}, only a running VM can be snapshotted")
+        snap_id = uuid.uuid4().hex
+        snap_dir = self.config.snapshot_dir / snap_id
+        snap_dir.mkdir(parents=True)
+        vm.state = "pausing"
+        t0 = time.perf_counter()
+        try:
+            await vm.process.execute("stop")
+            raw = snap_dir / "devstate.raw"
+            await vm.process.execute("xen-save-devices-state",
+                                     {"filename": str(raw), "live": False})
+            machine_type = await vm.process.execute(
+                "qom-get", {"path": "/machine", "property": "type"})
+            devstate = snap_dir / "devstate.bin"
+            finish_device_state(raw, devstate, machine_type)
+            t_dev = time.perf_counter()
+            layer_path = snap_dir / "memory.layer"
+            stats = await asyncio.to_thread(self._capture, vm, layer_path)
+            t_mem = time.perf_counter()
+            disks = await self._snapshot_disks(vm, snap_dir)
+            record = SnapshotRecord(
+                id=snap_id, source_vm=vm.id, parent_snapshot=vm.parent_snapshot,
+                mode=vm.machine.accel, machine=vm.machine,
+                memory_layers=[*vm.memory_layers,
+                               LayerRef(path=str(layer_path), size=layer_path.stat().st_size)],
+                device_state=str(devstate), device_state_ram_block="ram0", disks=disks,
+                qemu_version=_qemu_version(vm.process),
+            )
+            record.save(snap_dir)
+        except BaseException as exc:
+            shutil.rmtree(snap_dir, ignore_errors=True)
+            await self._after_failed_snapshot(vm, exc)
+            raise
+        log.info("snapshot", extra={
+            "vm": vm.id, "snapshot": snap_id, "devstate_ms": round((t_dev - t0) * 1e3, 1),
+            "memory_ms": round((t_mem - t_dev) * 1e3, 1), "written_pages": stats.written_pages,
+            "zero_pages": stats.zero_pages})
+        vm.timings.update(snapshot_devstate_ms=(t_dev - t0) * 1e3,
+                          snapshot_memory_ms=(t_mem - t_dev) * 1e3,
+                          snapshot_total_ms=(time.perf_counter() - t0) * 1e3,
+                          snapshot_written_pages=stats.written_pages)
+        if keep_running:
+            await vm.process.execute("cont")
+            vm.state = "running"
+        return record
+
+    def _capture(self, vm: VM, out: Path) -> Any:
+        addr = find_ram_mapping(vm.pid, str(vm.mem_path), vm.machine.memory_bytes)
+        parent = None
+        return capture_memory_layer(vm.pid, addr, vm.machine.memory_bytes, out,
+                                    parent_uuid=parent)
+
+    async def _snapshot_disks(self, vm: VM, snap_dir: Path) -> list[DiskSnapshot]:
+        out: list[DiskSnapshot] = []
+        for disk in vm.disks:
+            if disk.file is not None or disk.config.read_only:
+                out.append(DiskSnapshot(name=disk.config.name, layers=disk.layers,
+                                        read_only=True, file=str(disk.file) if disk.file else None))
+                continue
+            assert self.blockd is not None and disk.device_id is not None
+            sealed = await self.blockd.snapshot(disk.device_id, snap_dir / f"disk-{disk.config.name}.layer")
+            disk.layers = [*disk.layers, LayerRef(path=str(sealed), size=sealed.stat().st_size)]
+            out.append(DiskSnapshot(name=disk.config.name, layers=list(disk.layers)))
+        return out
+
+    async def _after_failed_snapshot(self, vm: VM, exc: BaseException) -> None:
+        """A failed snapshot leaves the VM running when QEMU is still alive, else in error."""
+        if vm.process.died.is_set():
+            vm.state = "error"
+            vm.error = f"QEMU died during snapshot: {vm.process.exit_reason()}"
+            return
+        try:
+            await vm.process.execute("cont")
+            vm.state = "running"
+            vm.error = f"snapshot failed: {exc}"
+        except Exception as cont_exc:  # QEMU wedged: end it
+            vm.state = "error"
+            vm.error = f"snapshot failed ({exc}); resuming failed too ({cont_exc})"
+
+    async def pause(self, vm: VM) -> SnapshotRecord:
+        """Snapshot the VM and end its QEMU process; the snapshot resumes it."""
+        record = await self.snapshot(vm, keep_running=False)
+        vm.state = "paused"
+        await self._stop(vm)
+        return record
+
+    # -- restore / fork -------------------------------------------------------------------
+
+    def check_restorable(self, record: SnapshotRecord) -> None:
+        if self.accel is None:
+            raise RuntimeError_("Runtime.start() first")
+        if record.mode != self.accel:
+            raise ModeMismatchError(
+                f"snapshot {record.id} was taken under {record.mode.upper()} and this runtime "
+                f"runs {self.accel.upper()}: device state cannot cross accelerators")
+        try:
+            record.check_files()
+        except SnapshotRecordError as exc:
+            raise SnapshotError(f"snapshot {record.id} cannot be restored: {exc}") from exc
+
+    async def _memory_file(self, record: SnapshotRecord) -> Path:
+        return await asyncio.to_thread(
+            self.memory.acquire, record.id, [Path(x.path) for x in record.memory_layers],
+            record.machine.memory_bytes)
+
+    async def restore(self, record: SnapshotRecord, *, env_vars: dict[str, str] | None = None,
+                      access_token: str | None = None, outbound: bool = True) -> VM:
+        """Start a new running VM from a snapshot (resume, or create-from-template)."""
+        self.check_restorable(record)
+        t0 = time.perf_counter()
+        mem_path = await self._memory_file(record)
+        t1 = time.perf_counter()
+        try:
+            vm = await self._restore_with_memory(record, mem_path, env_vars, access_token, outbound)
+            vm.timings["memory_file_ms"] = (t1 - t0) * 1e3
+            return vm
+        except BaseException:
+            self.memory.release(record.id)
+            raise
+
+    async def _restore_with_memory(self, record: SnapshotRecord, mem_path: Path,
+                                   env_vars: dict[str, str] | None, access_token: str | None,
+                                   outbound: bool) -> VM:
+        vm_id = uuid.uuid4().hex[:12]
+        t0 = time.perf_counter()
+        warm = self._take_warm(record.id)
+        slot: NetworkSlot | None = None
+        disks: list[_AttachedDisk] = []
+        process: QemuProcess | None = None
+        try:
+            if warm is not None:
+                process, slot, workdir = warm
+            else:
+                workdir = self.config.vm_dir / vm_id
+                slot = await self.slots.take() if record.machine.network else None
+            if slot is not None and not outbound:
+                await slot.set_outbound(False)
+            attachments = []
+            snaps = {d.name: d for d in record.disks}
+            for cfg in record.machine.disks:
+                ds = snaps[cfg.name]
+                disk, attach = await self._attach_disk(
+                    cfg.name, cfg.size, cfg.read_only, ds.layers,
+                    Path(ds.file) if ds.file else None, workdir)
+                disks.append(disk)
+                attachments.append(attach)
+            if process is None:
+                process = await QemuProcess.spawn(
+                    record.machine, workdir, mem_path=str(mem_path), disks=attachments,
+                    incoming=True, netns=slot.netns_path if slot else None,
+                    qemu_binary=self.config.qemu_binary)
+            elif attachments:
+                await process.attach_disks(attachments)
+            t1 = time.perf_counter()
+            try:
+                await self._load_device_state(process, Path(record.device_state))
+            except VMDiedError as exc:
+                raise SnapshotError(
+                    f"snapshot {record.id}: QEMU died loading its device state: {exc}") from exc
+        except BaseException:
+            if process is not None:
+                await process.stop_process()
+            await self._release_resources(slot, disks, None)
+            raise
+        vm = VM(vm_id, record.machine, process, slot, workdir, list(record.memory_layers),
+                record.id, mem_path, disks, parent_snapshot=record.id)
+        self._adopt(vm)
+        t2 = time.perf_counter()
+        try:
+            await process.execute("cont")
+            vm.state = "running"
+            t3 = time.perf_counter()
+            if slot is not None:
+                await self.envd_init(vm, env_vars, access_token)
+        except BaseException:
+            await self.kill(vm)
+            raise
+        t4 = time.perf_counter()
+        vm.timings.update(warm=float(warm is not None), process_ms=(t1 - t0) * 1e3,
+                          load_ms=(t2 - t1) * 1e3, cont_ms=(t3 - t2) * 1e3,
+                          envd_init_ms=(t4 - t3) * 1e3)
+        return vm
+
+    async def _load_device_state(self, process: QemuProcess, devstate: Path) -> None:
+        queue = process.qmp.subscribe()
+        try:
+            await process.execute("migrate-set-capabilities", {"capabilities": []})
+            await process.execute("migrate-incoming", {"uri": f"file:{devstate}"})
+            while True:
+                status = await process.execute("query-migrate")
+                state = status.get("status")
+                if state == "completed":
+                    return
+                if state == "failed":
+                    raise SnapshotError(
+                        f"device state {devstate} failed to load: {status.get('error-desc', '')}")
+                with contextlib.suppress(Exception):
+                    await process.qmp.wait_event(queue, "MIGRATION", 0.05)
+        finally:
+            process.qmp.unsubscribe(queue)
+
+    async def fork(self, vm: VM, count: int, *, env_vars: dict[str, str] | None = None,
+                   access_token: str | None = None) -> tuple[SnapshotRecord, list[VM]]:
+        """Snapshot a running VM (it keeps running) and restore `count` children from it."""
+        if not 1 <= count <= 16:
+            raise RuntimeError_(f"fork count must be 1..16, not {count}")
+        record = await self.snapshot(vm, keep_running=True)
+        results = await asyncio.gather(
+            *[self.restore(record, env_vars=env_vars, access_token=access_token)
+              for _ in range(count)], return_exceptions=True)
+        children = [r for r in results if isinstance(r, VM)]
+        failures = [r for r in results if isinstance(r, BaseException)]
+        if failures:
+            for child in children:
+                with contextlib.suppress(Exception):
+                    await self.kill(child)
+            raise failures[0]
+        return record, children
+
+    # -- warm QEMU processes for a snapshot -------------------------------------------------
+
+    async def prime(self, record: SnapshotRecord, count: int | None = None) -> None:
+        """Keep warm QEMU processes (with network slots) waiting for restores of `record`."""
+        self.check_restorable(record)
+        target = count if count is not None else self.config.process_pool_low
+        self._warm_targets[record.id] = (record, target)
+        await self._refill(record.id)
+
+    async def unprime(self, record_id: str) -> None:
+        self._warm_targets.pop(record_id, None)
+        task = self._warm_tasks.pop(record_id, None)
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(BaseException):
+                await task
+        await self._drain_warm(record_id)
+
+    def warm_count(self, record_id: str) -> int:
+        return len(self._warm.get(record_id, []))
+
+    async def _refill(self, key: str) -> None:
+        target = self._warm_targets.get(key)
+        if target is None:
+            return
+        record, count = target
+        pool = self._warm.setdefault(key, [])
+        while len(pool) < count:
+            mem_path = await self._memory_file(record)
+            workdir = self.config.vm_dir / f"warm-{uuid.uuid4().hex[:12]}"
+            slot = await self.slots.take() if record.machine.network else None
+            try:
+                process = await QemuProcess.spawn(
+                    record.machine, workdir, mem_path=str(mem_path), disks=None, incoming=True,
+                    netns=slot.netns_path if slot else None, qemu_binary=self.config.qemu_binary)
+            except BaseException:
+                self.memory.release(record.id)
+                if slot is not None:
+                    await self.slots.give_back(slot)
+                raise
+            pool.append((process, slot, workdir))
+
+    def _take_warm(self, key: str) -> tuple[QemuProcess, NetworkSlot | None, Path] | None:
+        pool = self._warm.get(key)
+        while pool:
+            process, slot, workdir = pool.pop()
+            if process.died.is_set():
+                continue
+            # The warm process already holds a reference on the memory file; the restore
+            # took another one, so drop one of them.
+            self.memory.release(key)
+            self._kick_refill(key)
+            return process, slot, workdir
+        self._kick_refill(key)
+        return None
+
+    def _kick_refill(self, key: str) -> None:
+        if key not in self._warm_targets:
+            return
+        task = self._warm_tasks.get(key)
+        if task is None or task.done():
+            self._warm_tasks[key] = asyncio.create_task(self._refill(key))
+
+    async def _drain_warm(self, key: str) -> None:
+        for process, slot, workdir in self._warm.pop(key, []):
+            await process.stop_process()
+            self.memory.release(key)
+            if slot is not None:
+                await self.slots.give_back(slot)
+            shutil.rmtree(workdir, ignore_errors=True)
+
+    # -- ending VMs -----------------------------------------------------------------------
+
+    async def kill(self, vm: VM) -> None:
+        """End a VM and free everything it holds (its snapshots stay)."""
+        if vm.state != "paused":
+            vm.state = "stopped"
+        await self._stop(vm)
+
+    async def _stop(self, vm: VM) -> None:
+        await vm.process.stop_process()
+        if vm._watch is not None:
+            with contextlib.suppress(BaseException):
+                await vm._watch
+        await self._release_resources(vm.slot, vm.disks, vm.mem_key)
+        vm.slot, vm.disks, vm.mem_key = None, [], None
+        self.vms.pop(vm.id, None)
+        shutil.rmtree(vm.workdir, ignore_errors=True)
+
+    async def _release_resources(self, slot: NetworkSlot | None, disks: list[_AttachedDisk],
+                                 mem_key: str | None) -> None:
+        for disk in disks:
+            if disk.device_id is not None and self.blockd is not None:
+                with contextlib.suppress(Exception):
+                    await self.blockd.release(disk.device_id)
+        if slot is not None:
+            await self.slots.give_back(slot)
+        if mem_key is not None:
+            self.memory.release(mem_key)
+
+    async def set_outbound(self, vm: VM, allowed: bool) -> None:
+        if vm.slot is None:
+            raise RuntimeError_(f"VM {vm.id} has no network")
+        await vm.slot.set_outbound(allowed)
+
+
+def _qemu_version(process: QemuProcess) -> str:
+    qemu = process.qmp.greeting.get("QMP", {}).get("version", {}).get("qemu", {})
+    return f"{qemu.get('major', 0)}.{qemu.get('minor', 0)}.{qemu.get('micro', 0)}"

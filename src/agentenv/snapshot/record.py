@@ -1,0 +1,136 @@
+"""Snapshot records: what a paused, forked or template VM is made of.
+
+A snapshot is immutable once written. It names
+- the machine it was taken from (`MachineConfig`: everything QEMU's command line depends on,
+  because a restored VM must have exactly the devices the snapshot had),
+- the accelerator mode (`kvm` or `tcg`): device state of one cannot be loaded under the other,
+- the memory layer stack (overlaybd layers, oldest first; the newest holds the pages written
+  since the VM was last restored),
+- each writable disk's sealed layer stack (oldest first),
+- the device-state file (QEMU's migration stream with the guest RAM pages stripped out).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+import uuid
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, Field
+
+from agentenv.errors import AgentEnvError
+
+RECORD_NAME = "snapshot.json"
+RECORD_VERSION = 1
+
+
+class SnapshotRecordError(AgentEnvError):
+    pass
+
+
+class DiskConfig(BaseModel):
+    """One virtio-blk disk of a machine, in PCI order (vda, vdb, ...)."""
+
+    name: str  # device id inside QEMU, stable across snapshots: "tools", "rootfs", "drive-x"
+    read_only: bool = False
+    size: int  # bytes, the virtual size the guest sees
+
+
+class MachineConfig(BaseModel):
+    """Everything QEMU's command line depends on; equal configs restore each other's state."""
+
+    vcpus: int = Field(default=2, ge=1, le=64)
+    memory_mib: int = Field(default=512, ge=64, le=262144)
+    accel: Literal["kvm", "tcg"]
+    machine_type: str = "q35"
+    cpu_model: str = "max"
+    kernel: str
+    initramfs: str | None = None
+    cmdline: str
+    disks: list[DiskConfig] = []
+    network: bool = True
+    mac: str = "02:ae:00:00:00:01"
+
+    @property
+    def memory_bytes(self) -> int:
+        return self.memory_mib << 20
+
+
+class LayerRef(BaseModel):
+    """A sealed overlaybd layer file."""
+
+    path: str
+    size: int  # file size in bytes
+
+
+class DiskSnapshot(BaseModel):
+    name: str
+    layers: list[LayerRef]  # oldest first
+    read_only: bool = False
+    file: str | None = None  # a read-only raw-file disk (e.g. the tools disk)
+
+
+class SnapshotRecord(BaseModel):
+    version: int = RECORD_VERSION
+    id: str = Field(default_factory=lambda: uuid.uuid4().hex)
+    created_ms: int = Field(default_factory=lambda: int(time.time() * 1000))
+    source_vm: str | None = None
+    parent_snapshot: str | None = None
+    mode: Literal["kvm", "tcg"]
+    machine: MachineConfig
+    memory_layers: list[LayerRef]  # oldest first
+    device_state: str  # path of the stripped migration stream
+    device_state_ram_block: str  # RAM block whose pages live in memory_layers
+    disks: list[DiskSnapshot] = []
+    qemu_version: str = ""
+
+    def save(self, directory: Path) -> Path:
+        """Write the record atomically into directory/snapshot.json."""
+        directory.mkdir(parents=True, exist_ok=True)
+        target = directory / RECORD_NAME
+        tmp = directory / f".{RECORD_NAME}.tmp"
+        with open(tmp, "w") as f:
+            f.write(self.model_dump_json(indent=2))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, target)
+        return target
+
+    @classmethod
+    def load(cls, directory_or_file: Path) -> SnapshotRecord:
+        path = directory_or_file
+        if path.is_dir():
+            path = path / RECORD_NAME
+        try:
+            data = json.loads(path.read_text())
+        except FileNotFoundError as exc:
+            raise SnapshotRecordError(f"snapshot record {path} does not exist") from exc
+        except ValueError as exc:
+            raise SnapshotRecordError(f"snapshot record {path} is not valid JSON: {exc}") from exc
+        if data.get("version") != RECORD_VERSION:
+            raise SnapshotRecordError(
+                f"snapshot record {path} has version {data.get('version')}, expected {RECORD_VERSION}"
+            )
+        return cls.model_validate(data)
+
+    def check_files(self) -> None:
+        """Fail with a clear error when a file the snapshot needs is missing or truncated."""
+        for layer in self.memory_layers:
+            _check(Path(layer.path), layer.size, "memory layer")
+        for disk in self.disks:
+            for layer in disk.layers:
+                _check(Path(layer.path), layer.size, f"disk {disk.name} layer")
+        if not Path(self.device_state).is_file():
+            raise SnapshotRecordError(f"snapshot {self.id}: device state {self.device_state} is missing")
+
+
+def _check(path: Path, size: int, what: str) -> None:
+    try:
+        actual = path.stat().st_size
+    except FileNotFoundError as exc:
+        raise SnapshotRecordError(f"{what} {path} is missing") from exc
+    if actual != size:
+        raise SnapshotRecordError(f"{what} {path} has {actual} bytes, the record says {size}")

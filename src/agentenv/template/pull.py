@@ -1,0 +1,399 @@
+"""`aenv pull`: fetch an OCI image and record it as a template-ready overlaybd image.
+
+Plain images: every tar layer is converted (see convert.py) into one overlaybd layer, cached by
+its chain ID, so layers shared with images pulled before are neither downloaded nor converted
+again. overlaybd-format images (layers annotated `containerd.io/snapshot/overlaybd/...`) are
+used as they are: each blob is a layer.
+
+The result is a directory `<state>/images/<name>/` holding `image.json` (an overlaybd image
+config: `lowers` bottom to top, plus the image's name, digests and run settings) and
+`config.json` (the image's OCI config, byte for byte). It appears only once complete.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import shutil
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    DownloadColumn,
+    Progress,
+    TaskID,
+    TextColumn,
+    TimeElapsedColumn,
+    TransferSpeedColumn,
+)
+
+from agentenv.blockd.client import BlockdClient
+from agentenv.template.apply import compression_of
+from agentenv.template.convert import (
+    BASE_KEY,
+    BASE_MKFS_ARGS,
+    VIRTUAL_SIZE,
+    blockd_socket,
+    convert_tar_layer,
+    make_base_layer,
+)
+from agentenv.template.errors import PullError, RegistryError, UnsupportedImageError
+from agentenv.template.layercache import (
+    BASE_KIND,
+    CONVERTER_KIND,
+    LAYER_FILE,
+    NATIVE_KIND,
+    LayerCache,
+    chain_ids,
+    converted_key,
+    file_digest,
+)
+from agentenv.template.reference import Reference, parse_reference
+from agentenv.template.registry import Descriptor, Manifest, Platform, RegistryClient
+
+DEFAULT_STATE_DIR = Path("/var/lib/aenv")
+OVERLAYBD_DIGEST_ANNOTATION = "containerd.io/snapshot/overlaybd/blob-digest"
+_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+
+
+@dataclass
+class PulledImage:
+    name: str
+    path: Path  # the image directory
+    reference: str
+    manifest_digest: str
+    lowers: list[Path]
+    config: dict[str, Any]  # the OCI config's "config" section (Env, Cmd, WorkingDir, User, ...)
+    format: str  # "converted" (tar layers made into ext4) or "overlaybd" (used as pulled)
+    layers_cached: int = 0
+    layers_converted: int = 0
+    bytes_downloaded: int = 0
+    seconds: float = 0.0
+    timings: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def image_json(self) -> Path:
+        return self.path / "image.json"
+
+
+class _Reporter:
+    """Rich progress bars when enabled, else nothing."""
+
+    def __init__(self, enabled: bool, console: Console | None) -> None:
+        self.progress: Progress | None = None
+        if enabled:
+            self.progress = Progress(
+                TextColumn("{task.description}"), BarColumn(), DownloadColumn(),
+                TransferSpeedColumn(), TimeElapsedColumn(),
+                console=console or Console(stderr=True), transient=False,
+            )
+
+    def __enter__(self) -> _Reporter:
+        if self.progress:
+            self.progress.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.progress:
+            self.progress.stop()
+
+    def task(self, description: str, total: int | None) -> TaskID | None:
+        return self.progress.add_task(description, total=total) if self.progress else None
+
+    def advancer(self, task: TaskID | None) -> Callable[[int], None] | None:
+        if self.progress is None or task is None:
+            return None
+        progress = self.progress
+        return lambda n: progress.advance(task, n)
+
+    def done(self, task: TaskID | None, description: str | None = None) -> None:
+        if self.progress is not None and task is not None:
+            total = self.progress.tasks[task].total
+            self.progress.update(task, completed=total, description=description or
+                                 self.progress.tasks[task].description)
+
+
+def _short(digest: str) -> str:
+    return digest.split(":", 1)[-1][:12]
+
+
+def _run_config(config: dict[str, Any]) -> dict[str, Any]:
+    inner = config.get("config") or {}
+    return {
+        "env": list(inner.get("Env") or []),
+        "entrypoint": list(inner.get("Entrypoint") or []),
+        "cmd": list(inner.get("Cmd") or []),
+        "workingDir": inner.get("WorkingDir") or "",
+        "user": inner.get("User") or "",
+        "exposedPorts": sorted((inner.get("ExposedPorts") or {}).keys()),
+        "labels": dict(inner.get("Labels") or {}),
+    }
+
+
+def _is_overlaybd(manifest: Manifest) -> bool:
+    flags = [OVERLAYBD_DIGEST_ANNOTATION in layer.annotations for layer in manifest.layers]
+    if any(flags) and not all(flags):
+        raise UnsupportedImageError(
+            f"manifest {manifest.digest} mixes overlaybd and tar layers; that is not supported"
+        )
+    return bool(flags) and all(flags)
+
+
+class _Puller:
+    def __init__(self, ref: Reference, client: RegistryClient, cache: LayerCache,
+                 reporter: _Reporter) -> None:
+        self.ref = ref
+        self.client = client
+        self.cache = cache
+        self.reporter = reporter
+        self.bytes_downloaded = 0
+        self.downloaded_blobs: set[Path] = set()
+
+    def download(self, layer: Descriptor, kind: str | None, key: str) -> Path | None:
+        """The blob on disk (None if the entry got cached meanwhile); one download at a time.
+        kind None: fetch even if the cache entry exists."""
+        path = self.cache.blob_path(layer.digest)
+        with self.cache.blob_lock(layer.digest):
+            if kind is not None and self.cache.lookup(kind, key) is not None:
+                return None
+            if path.exists():
+                return path
+            task = self.reporter.task(f"download {_short(layer.digest)}", layer.size)
+            self.client.download_blob(self.ref.repository, layer, path,
+                                      self.reporter.advancer(task))
+            self.downloaded_blobs.add(path)
+            self.bytes_downloaded += layer.size
+            self.reporter.done(task)
+            return path
+
+    def cleanup_blobs(self) -> None:
+        for path in self.downloaded_blobs:
+            path.unlink(missing_ok=True)
+
+
+def _validate_name(name: str) -> str:
+    if not _NAME_RE.match(name):
+        raise PullError(f"image name {name!r} must be letters, digits, '.', '_' or '-' "
+                        "(starting with a letter or digit)")
+    return name
+
+
+@contextlib.contextmanager
+def _executor(workers: int) -> Iterator[ThreadPoolExecutor]:
+    pool = ThreadPoolExecutor(workers, thread_name_prefix="aenv-pull")
+    try:
+        yield pool
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+
+
+def pull_image(
+    ref: str,
+    *,
+    name: str | None = None,
+    state_dir: Path = DEFAULT_STATE_DIR,
+    cache_dir: Path | None = None,
+    platform: str = "linux/amd64",
+    docker_config: Path | None = None,
+    blockd: Path | None = None,
+    insecure: bool | None = None,
+    ca_file: Path | None = None,
+    progress: bool = False,
+    console: Console | None = None,
+) -> PulledImage:
+    """Pull `ref` and record it under `state_dir/images/<name or sha256-HEX>/`.
+
+    `blockd`: the control socket of the block daemon to convert with (default: the host's
+    daemon if it answers, else a private one for this pull). `insecure`: allow plain http and
+    unverified TLS (default: only for loopback registries and AENV_INSECURE_REGISTRIES).
+    """
+    started = time.perf_counter()
+    reference = parse_reference(ref)
+    if name is not None:
+        _validate_name(name)
+    wanted_platform = Platform.parse(platform)
+    cache = LayerCache(cache_dir or Path(state_dir) / "layer-cache")
+    images_dir = Path(state_dir) / "images"
+    images_dir.mkdir(parents=True, exist_ok=True)
+    timings: dict[str, float] = {}
+
+    with RegistryClient(reference.registry, api_host=reference.api_host, docker_config=docker_config,
+                        insecure=insecure, ca_file=ca_file) as client, \
+            _Reporter(progress, console) as reporter:
+        manifest = client.resolve_manifest(reference, wanted_platform)
+        config_bytes = client.get_blob_bytes(reference.repository, manifest.config)
+        try:
+            config = json.loads(config_bytes)
+        except json.JSONDecodeError as exc:
+            raise RegistryError(f"{reference}: image config {manifest.config.digest} is not JSON") from exc
+        if not isinstance(config, dict):
+            raise RegistryError(f"{reference}: image config is not a JSON object")
+        timings["resolve"] = time.perf_counter() - started
+        puller = _Puller(reference, client, cache, reporter)
+        try:
+            if _is_overlaybd(manifest):
+                lowers, counts = _pull_overlaybd(manifest, puller)
+                image_format = "overlaybd"
+            else:
+                lowers, counts = _pull_and_convert(manifest, config, puller, blockd, timings)
+                image_format = "converted"
+        finally:
+            puller.cleanup_blobs()
+
+    name = name or manifest.digest.replace(":", "-")
+    record = {
+        "lowers": [{"file": str(path), "digest": digest, "size": path.stat().st_size}
+                   for path, digest in lowers],
+        "name": name,
+        "reference": str(reference),
+        "manifestDigest": manifest.digest,
+        "configDigest": manifest.config.digest,
+        "platform": str(wanted_platform),
+        "format": image_format,
+        "virtualSize": VIRTUAL_SIZE if image_format == "converted" else None,
+        "config": _run_config(config),
+        "pulledAt": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+    final = images_dir / name
+    staged = Path(tempfile.mkdtemp(prefix=f".{name}.", dir=images_dir))
+    try:
+        (staged / "image.json").write_text(json.dumps(record, indent=2) + "\n")
+        (staged / "config.json").write_bytes(config_bytes)
+        os.chmod(staged, 0o755)
+        old = None
+        if final.exists():
+            old = images_dir / f".{name}.old.{os.getpid()}"
+            os.replace(final, old)
+        os.replace(staged, final)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(staged, ignore_errors=True)
+        raise
+    return PulledImage(
+        name=name, path=final, reference=str(reference), manifest_digest=manifest.digest,
+        lowers=[path for path, _ in lowers], config=dict(config.get("config") or {}),
+        format=image_format, layers_cached=counts[0], layers_converted=counts[1],
+        bytes_downloaded=puller.bytes_downloaded, seconds=time.perf_counter() - started,
+        timings=timings,
+    )
+
+
+def _pull_overlaybd(manifest: Manifest, puller: _Puller) -> tuple[list[tuple[Path, str]], tuple[int, int]]:
+    from agentenv.storage.layer import inspect_layer  # the storage engine checks the format
+
+    lowers: list[tuple[Path, str]] = []
+    cached = fetched = 0
+    for layer in manifest.layers:
+        with puller.cache.entry_lock(NATIVE_KIND, layer.digest):
+            found = puller.cache.lookup(NATIVE_KIND, layer.digest)
+            if found is not None:
+                cached += 1
+                lowers.append((found, layer.digest))
+                continue
+            with puller.cache.workspace() as work:
+                staged = work / "entry"
+                staged.mkdir()
+                task = puller.reporter.task(f"download {_short(layer.digest)}", layer.size)
+                puller.client.download_blob(puller.ref.repository, layer, staged / LAYER_FILE,
+                                            puller.reporter.advancer(task))
+                puller.bytes_downloaded += layer.size
+                inspect_layer(staged / LAYER_FILE)  # raises a LayerFormatError naming the problem
+                path = puller.cache.publish(NATIVE_KIND, layer.digest, staged, {
+                    "kind": "overlaybd-blob", "sourceDigest": layer.digest, "size": layer.size,
+                    "mediaType": layer.media_type, "annotations": layer.annotations,
+                })
+            fetched += 1
+            lowers.append((path, layer.digest))
+    return lowers, (cached, fetched)
+
+
+def _base_layer(cache: LayerCache) -> tuple[Path, str]:
+    """The shared empty-ext4 base layer (made on first use) and its digest."""
+    with cache.entry_lock(BASE_KIND, BASE_KEY):
+        found = cache.lookup(BASE_KIND, BASE_KEY)
+        if found is None:
+            with cache.workspace() as work:
+                staged = work / "entry"
+                staged.mkdir()
+                make_base_layer(work, staged / LAYER_FILE)
+                digest = file_digest(staged / LAYER_FILE)
+                found = cache.publish(BASE_KIND, BASE_KEY, staged, {
+                    "kind": "ext4-base", "digest": digest, "virtualSize": VIRTUAL_SIZE,
+                    "mkfs": list(BASE_MKFS_ARGS)})
+        return found, str(cache.meta(BASE_KIND, BASE_KEY)["digest"])
+
+
+def _pull_and_convert(
+    manifest: Manifest, config: dict[str, Any], puller: _Puller, blockd: Path | None,
+    timings: dict[str, float],
+) -> tuple[list[tuple[Path, str]], tuple[int, int]]:
+    layers = list(manifest.layers)
+    for layer in layers:
+        compression_of(layer.media_type)  # unsupported media types fail before any download
+    diff_ids = (config.get("rootfs") or {}).get("diff_ids")
+    if not isinstance(diff_ids, list) or len(diff_ids) != len(layers):
+        raise UnsupportedImageError(
+            f"manifest {manifest.digest}: image config lists {len(diff_ids or [])} diff_ids for "
+            f"{len(layers)} layers"
+        )
+    chains = chain_ids([str(d) for d in diff_ids])
+    cache = puller.cache
+    base = _base_layer(cache)
+    keys = [converted_key(base[1], chain) for chain in chains]
+    missing = [i for i, key in enumerate(keys) if cache.lookup(CONVERTER_KIND, key) is None]
+    lowers: list[tuple[Path, str]] = [base]
+    if not missing:
+        return [base] + [(cache.lookup(CONVERTER_KIND, k), c) for k, c in zip(keys, chains, strict=True)], \
+            (len(chains), 0)  # type: ignore[list-item]
+    converted = 0
+    with _executor(3) as pool, cache.workspace() as scratch, \
+            blockd_socket(blockd, scratch) as socket, BlockdClient(socket, timeout=600) as bd:
+        downloads: dict[int, Future[Path | None]] = {
+            i: pool.submit(puller.download, layers[i], CONVERTER_KIND, keys[i]) for i in missing
+        }
+        convert_seconds = 0.0
+        for i, (layer, chain, key) in enumerate(zip(layers, chains, keys, strict=True)):
+            with cache.entry_lock(CONVERTER_KIND, key):
+                found = cache.lookup(CONVERTER_KIND, key)
+                if found is not None:
+                    lowers.append((found, chain))
+                    continue
+                blob = downloads[i].result() if i in downloads else None
+                if blob is None or not blob.exists():  # cached, then lost: fetch it now
+                    blob = puller.download(layer, None, key) or cache.blob_path(layer.digest)
+                task = puller.reporter.task(f"convert  {_short(layer.digest)}", layer.size)
+                t0 = time.perf_counter()
+                with cache.workspace() as work:
+                    staged = work / "entry"
+                    staged.mkdir()
+                    stats = convert_tar_layer(
+                        bd, [p for p, _ in lowers], blob, layer.media_type, str(diff_ids[i]),
+                        work, staged / LAYER_FILE, label=_short(layer.digest),
+                        progress=puller.reporter.advancer(task),
+                    )
+                    path = cache.publish(CONVERTER_KIND, key, staged, {
+                        "kind": "oci-layer", "chainId": chain, "diffId": stats.diff_id,
+                        "baseDigest": base[1],
+                        "sourceDigest": layer.digest, "mediaType": layer.media_type,
+                        "converter": CONVERTER_KIND, "virtualSize": VIRTUAL_SIZE,
+                        "parentChainId": chains[i - 1] if i else None,
+                        "entries": stats.entries, "bytesWritten": stats.bytes_written,
+                        "phases": stats.phases,
+                    })
+                convert_seconds += time.perf_counter() - t0
+                puller.reporter.done(task)
+                blob.unlink(missing_ok=True)
+                converted += 1
+                lowers.append((path, chain))
+        timings["convert"] = convert_seconds
+    return lowers, (len(chains) - converted, converted)

@@ -1,0 +1,423 @@
+"""A client of the OCI distribution (registry v2) API: manifests, indexes and blobs.
+
+Speaks http or https; answers a 401 with basic auth or a bearer token (the Docker token flow),
+using credentials from a Docker config file. Every manifest and blob is checked against the
+sha256 digest that names it; blobs stream to disk and only a verified file gets its final name.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import ipaddress
+import json
+import logging
+import os
+import re
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from agentenv.template.auth import Credentials, credentials_for
+from agentenv.template.errors import (
+    AuthError,
+    DigestMismatchError,
+    NotFoundError,
+    RegistryError,
+    UnsupportedImageError,
+)
+from agentenv.template.reference import Reference
+
+log = logging.getLogger(__name__)
+
+OCI_INDEX = "application/vnd.oci.image.index.v1+json"
+OCI_MANIFEST = "application/vnd.oci.image.manifest.v1+json"
+DOCKER_LIST = "application/vnd.docker.distribution.manifest.list.v2+json"
+DOCKER_MANIFEST = "application/vnd.docker.distribution.manifest.v2+json"
+INDEX_TYPES = (OCI_INDEX, DOCKER_LIST)
+MANIFEST_TYPES = (OCI_MANIFEST, DOCKER_MANIFEST)
+ACCEPT = ", ".join((*MANIFEST_TYPES, *INDEX_TYPES))
+MAX_MANIFEST_BYTES = 4 << 20
+MAX_INDEX_DEPTH = 4
+_DIGEST_RE = re.compile(r"^sha256:[0-9a-f]{64}$")
+_CHUNK = 1 << 20
+_RETRIES = 3
+
+ProgressCallback = Callable[[int], None]
+
+
+@dataclass(frozen=True)
+class Platform:
+    os: str = "linux"
+    architecture: str = "amd64"
+    variant: str | None = None
+
+    @classmethod
+    def parse(cls, text: str) -> Platform:
+        parts = text.split("/")
+        if len(parts) not in (2, 3) or not all(parts):
+            raise UnsupportedImageError(f"platform {text!r} is not os/arch[/variant]")
+        return cls(parts[0], parts[1], parts[2] if len(parts) == 3 else None)
+
+    def matches(self, entry: dict[str, Any]) -> bool:
+        if entry.get("os") != self.os or entry.get("architecture") != self.architecture:
+            return False
+        return self.variant is None or entry.get("variant") == self.variant
+
+    def __str__(self) -> str:
+        return "/".join(p for p in (self.os, self.architecture, self.variant) if p)
+
+
+@dataclass(frozen=True)
+class Descriptor:
+    media_type: str
+    digest: str
+    size: int
+    annotations: dict[str, str] = field(default_factory=dict)
+
+    @classmethod
+    def from_json(cls, obj: Any, where: str) -> Descriptor:
+        if not isinstance(obj, dict):
+            raise RegistryError(f"{where}: descriptor is not an object")
+        digest, size = obj.get("digest"), obj.get("size")
+        if not isinstance(digest, str) or not _DIGEST_RE.match(digest):
+            raise UnsupportedImageError(f"{where}: digest {digest!r} is not a sha256 digest")
+        if not isinstance(size, int) or size < 0:
+            raise RegistryError(f"{where}: size {size!r} is not a byte count")
+        annotations = obj.get("annotations") or {}
+        return cls(str(obj.get("mediaType", "")), digest, size, dict(annotations))
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """An image manifest (never an index), with the digest of its exact bytes."""
+
+    digest: str
+    media_type: str
+    config: Descriptor
+    layers: tuple[Descriptor, ...]
+    raw: bytes
+
+
+def sha256_digest(data: bytes) -> str:
+    return "sha256:" + hashlib.sha256(data).hexdigest()
+
+
+def _is_loopback(host: str) -> bool:
+    name = host.rsplit(":", 1)[0] if not host.endswith("]") else host
+    name = name.strip("[]")
+    if name == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(name).is_loopback
+    except ValueError:
+        return False
+
+
+def _parse_challenge(header: str) -> tuple[str, dict[str, str]]:
+    scheme, _, rest = header.strip().partition(" ")
+    params = dict(re.findall(r'(\w+)="([^"]*)"', rest))
+    return scheme.lower(), params
+
+
+class RegistryClient:
+    """Talks to one registry. Not thread-safe for auth; blob downloads may run in threads."""
+
+    def __init__(
+        self,
+        registry: str,
+        *,
+        api_host: str | None = None,
+        credentials: Credentials | None = None,
+        docker_config: Path | None = None,
+        insecure: bool | None = None,
+        ca_file: Path | None = None,
+        timeout: float = 60.0,
+    ) -> None:
+        self.registry = registry
+        self.host = api_host or registry
+        self.credentials = credentials or credentials_for(registry, docker_config)
+        env_insecure = {h.strip() for h in os.environ.get("AENV_INSECURE_REGISTRIES", "").split(",")}
+        # Docker's rule: loopback registries (and ones listed as insecure) may speak plain http.
+        self.insecure = (
+            insecure if insecure is not None else (_is_loopback(self.host) or self.host in env_insecure)
+        )
+        verify: bool | str = str(ca_file) if ca_file else True
+        if self.insecure:
+            verify = False
+        self._http = httpx.Client(
+            timeout=httpx.Timeout(timeout, connect=10.0), verify=verify, follow_redirects=True
+        )
+        self._scheme: str | None = None
+        self._tokens: dict[str, str] = {}  # scope -> bearer token
+        self._basic = False
+        self.request_count = 0
+
+    def close(self) -> None:
+        self._http.close()
+
+    def __enter__(self) -> RegistryClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- transport ---------------------------------------------------------------------------
+
+    def _base(self) -> str:
+        if self._scheme is None:
+            self._scheme = self._probe_scheme()
+        return f"{self._scheme}://{self.host}"
+
+    def _probe_scheme(self) -> str:
+        schemes = ["https", "http"] if self.insecure else ["https"]
+        last: Exception | None = None
+        for scheme in schemes:
+            try:
+                self.request_count += 1
+                self._http.get(f"{scheme}://{self.host}/v2/")
+                return scheme
+            except httpx.TransportError as exc:
+                last = exc
+        raise RegistryError(f"cannot reach registry {self.host}: {last}")
+
+    def _auth_header(self, scope: str) -> dict[str, str]:
+        if scope in self._tokens:
+            return {"Authorization": f"Bearer {self._tokens[scope]}"}
+        if self._basic and self.credentials:
+            pair = f"{self.credentials.username}:{self.credentials.password}".encode()
+            return {"Authorization": "Basic " + base64.b64encode(pair).decode()}
+        return {}
+
+    def _authenticate(self, response: httpx.Response, scope: str) -> None:
+        header = response.headers.get("www-authenticate", "")
+        scheme, params = _parse_challenge(header)
+        if scheme == "basic":
+            if not self.credentials:
+                raise AuthError(
+                    f"registry {self.registry} needs credentials (basic auth); none found in the "
+                    "docker config"
+                )
+            if self._basic:
+                raise AuthError(f"registry {self.registry} rejected the credentials for "
+                                f"{self.credentials.username!r}")
+            self._basic = True
+            return
+        if scheme == "bearer" and params.get("realm"):
+            if scope in self._tokens:
+                del self._tokens[scope]
+                raise AuthError(f"registry {self.registry} rejected its own token for {scope}")
+            query = {"service": params["service"]} if params.get("service") else {}
+            query["scope"] = params.get("scope", scope)
+            auth = (self.credentials.username, self.credentials.password) if self.credentials else None
+            try:
+                self.request_count += 1
+                reply = self._http.get(params["realm"], params=query, auth=auth)
+            except httpx.TransportError as exc:
+                raise AuthError(f"token server {params['realm']} unreachable: {exc}") from exc
+            if reply.status_code in (401, 403):
+                raise AuthError(f"token server of {self.registry} refused access to {scope} "
+                                f"(HTTP {reply.status_code})")
+            if reply.status_code != 200:
+                raise AuthError(f"token server of {self.registry} answered HTTP {reply.status_code}")
+            try:
+                body = reply.json()
+                token = body.get("token") or body.get("access_token")
+            except (json.JSONDecodeError, AttributeError):
+                token = None
+            if not token:
+                raise AuthError(f"token server of {self.registry} returned no token")
+            self._tokens[scope] = str(token)
+            return
+        raise AuthError(f"registry {self.registry} wants unsupported authentication {header!r}")
+
+    def _request(self, method: str, path: str, repository: str, *, headers: dict[str, str] | None = None,
+                 stream: bool = False) -> httpx.Response:
+        """One API request with auth and retries; the caller closes a streamed response."""
+        scope = f"repository:{repository}:pull"
+        url = self._base() + path
+        attempt = 0
+        auth_rounds = 0
+        while True:
+            all_headers = {**(headers or {}), **self._auth_header(scope)}
+            try:
+                self.request_count += 1
+                request = self._http.build_request(method, url, headers=all_headers)
+                response = self._http.send(request, stream=stream)
+            except httpx.TransportError as exc:
+                attempt += 1
+                if attempt >= _RETRIES:
+                    raise RegistryError(f"{method} {url} failed: {exc}") from exc
+                time.sleep(0.3 * attempt)
+                continue
+            if response.status_code == 401 and auth_rounds < 2:
+                response.read()
+                response.close()
+                auth_rounds += 1
+                self._authenticate(response, scope)
+                continue
+            if response.status_code in (429, 500, 502, 503, 504) and attempt + 1 < _RETRIES:
+                response.close()
+                attempt += 1
+                time.sleep(0.5 * attempt)
+                continue
+            return response
+
+    def _fail(self, response: httpx.Response, what: str) -> None:
+        status = response.status_code
+        if status < 300:
+            return
+        try:
+            detail = response.read().decode(errors="replace")[:300]
+            errors = json.loads(detail).get("errors", [])
+            detail = "; ".join(f"{e.get('code')}: {e.get('message')}" for e in errors) or detail
+        except (json.JSONDecodeError, AttributeError, httpx.StreamError):
+            detail = ""
+        finally:
+            response.close()
+        suffix = f" ({detail})" if detail else ""
+        if status == 404:
+            raise NotFoundError(f"{what}: not found in {self.registry}{suffix}")
+        if status in (401, 403):
+            raise AuthError(f"{what}: access denied by {self.registry} (HTTP {status}){suffix}")
+        raise RegistryError(f"{what}: registry {self.registry} answered HTTP {status}{suffix}")
+
+    # -- manifests -----------------------------------------------------------------------------
+
+    def get_manifest_bytes(self, repository: str, selector: str) -> tuple[str, bytes, str]:
+        """(media type, exact bytes, digest) of a manifest or index, verified when pinned."""
+        what = f"manifest {repository}:{selector}" if not selector.startswith("sha256:") else \
+            f"manifest {repository}@{selector}"
+        response = self._request("GET", f"/v2/{repository}/manifests/{selector}", repository,
+                                 headers={"Accept": ACCEPT})
+        self._fail(response, what)
+        data = response.content
+        if len(data) > MAX_MANIFEST_BYTES:
+            raise RegistryError(f"{what}: {len(data)} bytes is too large for a manifest")
+        digest = sha256_digest(data)
+        if selector.startswith("sha256:") and digest != selector:
+            raise DigestMismatchError(f"{what}: content has digest {digest}")
+        header_digest = response.headers.get("docker-content-digest")
+        if header_digest and header_digest.startswith("sha256:") and header_digest != digest:
+            raise DigestMismatchError(
+                f"{what}: registry says digest {header_digest} but the content has {digest}"
+            )
+        media_type = response.headers.get("content-type", "").split(";")[0].strip()
+        try:
+            parsed = json.loads(data)
+        except json.JSONDecodeError as exc:
+            raise RegistryError(f"{what}: not valid JSON ({exc})") from exc
+        if isinstance(parsed, dict) and parsed.get("mediaType"):
+            media_type = parsed["mediaType"]
+        elif isinstance(parsed, dict) and media_type not in (*INDEX_TYPES, *MANIFEST_TYPES):
+            # OCI allows mediaType to be absent; tell an index from a manifest by its fields.
+            media_type = OCI_INDEX if "manifests" in parsed else OCI_MANIFEST
+        return media_type, data, digest
+
+    def resolve_manifest(self, reference: Reference, platform: Platform | None = None) -> Manifest:
+        """Follow indexes (platform selection) down to one image manifest."""
+        platform = platform or Platform()
+        repository = reference.repository
+        selector = reference.selector
+        for _depth in range(MAX_INDEX_DEPTH + 1):
+            media_type, data, digest = self.get_manifest_bytes(repository, selector)
+            body = json.loads(data)
+            if media_type in INDEX_TYPES:
+                selector = self._select_platform(body, platform, f"{reference}")
+                continue
+            if media_type not in MANIFEST_TYPES:
+                raise UnsupportedImageError(
+                    f"{reference}: manifest media type {media_type!r} is not supported (docker v2 "
+                    "and OCI manifests and indexes are)"
+                )
+            where = f"{reference} manifest {digest}"
+            if not isinstance(body, dict) or not isinstance(body.get("layers"), list):
+                raise RegistryError(f"{where}: no layers list")
+            config = Descriptor.from_json(body.get("config"), f"{where} config")
+            layers = tuple(
+                Descriptor.from_json(layer, f"{where} layer {i}") for i, layer in enumerate(body["layers"])
+            )
+            return Manifest(digest, media_type, config, layers, data)
+        raise UnsupportedImageError(f"{reference}: more than {MAX_INDEX_DEPTH} nested indexes")
+
+    @staticmethod
+    def _select_platform(index: Any, platform: Platform, where: str) -> str:
+        entries = index.get("manifests") if isinstance(index, dict) else None
+        if not isinstance(entries, list):
+            raise RegistryError(f"{where}: index has no manifests list")
+        seen: list[str] = []
+        for entry in entries:
+            if not isinstance(entry, dict):
+                continue
+            plat = entry.get("platform") or {}
+            seen.append("/".join(str(p) for p in (plat.get("os"), plat.get("architecture"),
+                                                   plat.get("variant")) if p))
+            if platform.matches(plat):
+                digest = entry.get("digest")
+                if not isinstance(digest, str) or not _DIGEST_RE.match(digest):
+                    raise UnsupportedImageError(f"{where}: index entry digest {digest!r} unusable")
+                return digest
+        raise UnsupportedImageError(
+            f"{where}: no image for platform {platform} (index has: {', '.join(seen) or 'none'})"
+        )
+
+    # -- blobs ---------------------------------------------------------------------------------
+
+    def get_blob_bytes(self, repository: str, descriptor: Descriptor, limit: int = 16 << 20) -> bytes:
+        """A small blob (an image config) in memory, verified."""
+        if descriptor.size > limit:
+            raise RegistryError(f"blob {descriptor.digest} of {descriptor.size} bytes is too large")
+        response = self._request("GET", f"/v2/{repository}/blobs/{descriptor.digest}", repository)
+        self._fail(response, f"blob {repository}@{descriptor.digest}")
+        data = response.content
+        digest = sha256_digest(data)
+        if digest != descriptor.digest:
+            raise DigestMismatchError(
+                f"blob {repository}@{descriptor.digest}: downloaded content has digest {digest}"
+            )
+        return data
+
+    def download_blob(self, repository: str, descriptor: Descriptor, dest: Path,
+                      progress: ProgressCallback | None = None) -> Path:
+        """Stream a blob to `dest` (written as dest.partial, renamed once verified)."""
+        what = f"blob {repository}@{descriptor.digest}"
+        partial = dest.with_name(dest.name + f".partial.{os.getpid()}")
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        response = self._request("GET", f"/v2/{repository}/blobs/{descriptor.digest}", repository,
+                                 stream=True)
+        try:
+            self._fail(response, what)
+            hasher = hashlib.sha256()
+            size = 0
+            with open(partial, "wb") as out:
+                for chunk in self._iter_body(response, what):
+                    hasher.update(chunk)
+                    out.write(chunk)
+                    size += len(chunk)
+                    if progress:
+                        progress(len(chunk))
+            digest = "sha256:" + hasher.hexdigest()
+            if digest != descriptor.digest:
+                raise DigestMismatchError(
+                    f"{what}: downloaded {size} bytes with digest {digest}"
+                )
+            if size != descriptor.size:
+                raise DigestMismatchError(f"{what}: {size} bytes, manifest says {descriptor.size}")
+            os.replace(partial, dest)
+        except BaseException:
+            partial.unlink(missing_ok=True)
+            raise
+        finally:
+            response.close()
+        return dest
+
+    @staticmethod
+    def _iter_body(response: httpx.Response, what: str) -> Iterable[bytes]:
+        try:
+            yield from response.iter_raw(_CHUNK)
+        except httpx.TransportError as exc:
+            raise RegistryError(f"{what}: download interrupted: {exc}") from exc

@@ -1,0 +1,152 @@
+"""Fixtures: a real node server process (process backend) on a free loopback port."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _pids_using(state_dir: Path) -> list[int]:
+    """Processes whose command line names state_dir: the envd processes a node started."""
+    needle = str(state_dir).encode()
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and int(entry) != os.getpid():
+            try:
+                with open(f"/proc/{entry}/cmdline", "rb") as f:
+                    if needle in f.read():
+                        found.append(int(entry))
+            except OSError:
+                continue
+    return found
+
+
+class NodeProcess:
+    """`python -m agentenv.node` on a free port; restartable on the same state directory."""
+
+    def __init__(self, state_dir: Path, log_path: Path) -> None:
+        self.state_dir = state_dir
+        self.log_path = log_path
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def api_key(self) -> str:
+        return (self.state_dir / "secrets" / "api-key").read_text().strip()
+
+    def start(self) -> None:
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "agentenv.node",
+                    "--state-dir",
+                    str(self.state_dir),
+                    "--port",
+                    str(self.port),
+                ],
+                stdout=log,
+                stderr=log,
+                env={k: v for k, v in os.environ.items() if k != "AENV_API_KEY"},
+            )
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"node exited: {self.log_path.read_text()[-3000:]}")
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
+                    return
+            time.sleep(0.05)
+        raise RuntimeError(f"node did not start: {self.log_path.read_text()[-3000:]}")
+
+    def stop(self) -> int:
+        """Graceful stop (SIGTERM); returns the exit code."""
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGTERM)
+        code = self.proc.wait(timeout=60)
+        self.proc = None
+        return code
+
+    def kill9(self) -> None:
+        assert self.proc is not None
+        self.proc.kill()
+        self.proc.wait(timeout=10)
+        self.proc = None
+
+    def client(self, key: str | None = None) -> httpx.Client:
+        return httpx.Client(
+            base_url=self.url,
+            headers={"X-API-KEY": key if key is not None else self.api_key},
+            timeout=60,
+            trust_env=False,
+        )
+
+    def cleanup(self) -> None:
+        if self.proc is not None:
+            with contextlib.suppress(Exception):
+                self.stop()
+            if self.proc is not None:
+                self.proc.kill()
+                self.proc.wait()
+        for pid in _pids_using(self.state_dir):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+
+@pytest.fixture
+def make_node(tmp_path: Path) -> Iterator[type[NodeProcess] | object]:
+    """A factory: make_node() -> started NodeProcess with its own state directory."""
+    made: list[NodeProcess] = []
+
+    def make(state_dir: Path | None = None) -> NodeProcess:
+        node = NodeProcess(state_dir or tmp_path / f"state{len(made)}", tmp_path / "node.log")
+        made.append(node)
+        node.start()
+        return node
+
+    yield make
+    for node in made:
+        node.cleanup()
+
+
+@pytest.fixture(scope="session")
+def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NodeProcess]:
+    """One node shared by the test session (tests clean up the sandboxes they make)."""
+    base = tmp_path_factory.mktemp("node")
+    proc = NodeProcess(base / "state", base / "node.log")
+    proc.start()
+    yield proc
+    proc.cleanup()
+
+
+@pytest.fixture(scope="session")
+def sdk_env(node: NodeProcess) -> Iterator[NodeProcess]:
+    """Point the official e2b SDK at the module's node (as a user would, by environment)."""
+    saved = {k: os.environ.get(k) for k in ("E2B_API_URL", "E2B_SANDBOX_URL", "E2B_API_KEY")}
+    os.environ["E2B_API_URL"] = node.url
+    os.environ["E2B_SANDBOX_URL"] = node.url
+    os.environ["E2B_API_KEY"] = node.api_key
+    yield node
+    for key, value in saved.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value

@@ -1,0 +1,58 @@
+"""`aenv sandbox ...` against a running node, and `aenv serve` argument errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+from click.testing import CliRunner, Result
+
+from agentenv.cli.main import cli
+from tests.node.conftest import NodeProcess
+
+
+def aenv(node: NodeProcess, *args: str) -> subprocess.CompletedProcess[str]:
+    """The real `aenv` process (checks exit codes and one-line errors)."""
+    env = {**os.environ, "E2B_API_URL": node.url, "E2B_API_KEY": node.api_key}
+    return subprocess.run(
+        [sys.executable, "-m", "agentenv.cli.main", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+    )
+
+
+def aenv_inline(node: NodeProcess, *args: str) -> Result:
+    """The same commands in this process (no 2 s interpreter start per call)."""
+    env = {"E2B_API_URL": node.url, "E2B_API_KEY": node.api_key}
+    return CliRunner().invoke(cli, list(args), env=env, catch_exceptions=True)
+
+
+def test_sandbox_commands(node: NodeProcess) -> None:
+    created = aenv_inline(
+        node, "sandbox", "create", "--timeout", "60", "-m", "cli=yes", "-e", "A=1"
+    )
+    assert created.exit_code == 0, created.output
+    sid = created.stdout.strip()
+    listed = aenv_inline(node, "sandbox", "ls", "--json")
+    assert listed.exit_code == 0, listed.output
+    assert sid in {s["sandboxID"] for s in json.loads(listed.stdout)}
+    assert aenv_inline(node, "sandbox", "ls").exit_code == 0
+    assert aenv_inline(node, "sandbox", "pause", sid).exit_code == 0
+    info = json.loads(aenv_inline(node, "sandbox", "info", sid).stdout)
+    assert info["state"] == "paused" and info["metadata"] == {"cli": "yes"}
+    assert "resumed" in aenv_inline(node, "sandbox", "resume", sid).stdout
+    assert aenv_inline(node, "sandbox", "timeout", sid, "30").exit_code == 0
+    assert aenv_inline(node, "sandbox", "kill", sid).exit_code == 0
+    missing = aenv(node, "sandbox", "info", sid)
+    assert missing.returncode == 1
+    assert "404" in missing.stderr and "Traceback" not in missing.stderr
+
+
+def test_bad_key_is_one_line_error(node: NodeProcess) -> None:
+    result = aenv(node, "sandbox", "--api-key", "e2b_bad", "ls")
+    assert result.returncode == 1
+    assert "401" in result.stderr and "Traceback" not in result.stderr

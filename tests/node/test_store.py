@@ -1,0 +1,123 @@
+"""SQLite persistence: migrations, round trips, names, layer references."""
+
+from __future__ import annotations
+
+import asyncio
+import sqlite3
+import time
+from pathlib import Path
+
+import pytest
+
+from agentenv.node.backend import Placement, TemplateRef
+from agentenv.node.records import SandboxRecord, State, TemplateRecord
+from agentenv.node.store import SCHEMA_VERSION, NameTaken, Store, StoreError
+
+
+def record(sid: str = "iabc") -> SandboxRecord:
+    now = time.time()
+    return SandboxRecord(
+        sandbox_id=sid,
+        template_id="base",
+        alias="base",
+        state=State.RUNNING,
+        started_at=now,
+        end_at=now + 60,
+        metadata={"a": "b"},
+        env_vars={"X": "1"},
+        auto_pause=True,
+        auto_pause_memory=False,
+        auto_resume=False,
+        cpu_count=2,
+        memory_mb=512,
+        disk_size_mb=1024,
+        envd_version="0.6.4",
+        envd_access_token="tok",
+        traffic_access_token=None,
+        secure=True,
+        allow_internet_access=False,
+        network=None,
+        source=TemplateRef("template", {"dir": "/x"}, ("layer1",)),
+        placement=Placement("127.0.0.1", 1234, {"pid": 5}),
+    )
+
+
+def template(tid: str, names: list[str]) -> TemplateRecord:
+    now = time.time()
+    return TemplateRecord(
+        template_id=tid,
+        kind="snapshot",
+        names=names,
+        ref=TemplateRef("snapshot", {"dir": "/s"}, ("l1", "l2")),
+        cpu_count=1,
+        memory_mb=128,
+        disk_size_mb=1024,
+        envd_version="0.6.4",
+        created_at=now,
+        updated_at=now,
+    )
+
+
+def test_round_trip_and_reopen(tmp_path: Path) -> None:
+    async def scenario() -> None:
+        store = Store(tmp_path / "node.db")
+        await store.open()
+        assert await store.schema_version() == SCHEMA_VERSION
+        rec = record()
+        await store.put_sandbox(rec)
+        rec.state = State.PAUSED
+        rec.placement = None
+        await store.put_sandbox(rec)
+        await store.put_template(template("s1", ["snap"]))
+        await store.close()
+
+        again = Store(tmp_path / "node.db")
+        await again.open()
+        (loaded,) = await again.load_sandboxes()
+        assert loaded == rec
+        (tpl,) = await again.load_templates()
+        assert tpl.names == ["snap"] and tpl.ref.layers == ("l1", "l2")
+        await again.delete_sandbox(rec.sandbox_id)
+        assert await again.load_sandboxes() == []
+        await again.close()
+
+    asyncio.run(scenario())
+
+
+def test_names_are_unique_and_layer_refs_count_owners(tmp_path: Path) -> None:
+    async def scenario() -> None:
+        store = Store(tmp_path / "node.db")
+        await store.open()
+        await store.put_template(template("s1", ["a"]))
+        with pytest.raises(NameTaken):
+            await store.put_template(template("s2", ["a"]))
+        await store.put_template(template("s2", ["b"]))
+        await store.set_layer_refs("snapshot", "s1", ["l1", "l2"])
+        await store.set_layer_refs("sandbox", "i1", ["l1"])
+        assert await store.layer_ref_counts() == {"l1": 2, "l2": 1}
+        await store.set_layer_refs("snapshot", "s1", [])
+        assert await store.layer_ref_counts() == {"l1": 1}
+        await store.delete_template("s1")
+        await store.put_template(template("s3", ["a"]))  # the name is free again
+        await store.close()
+
+    asyncio.run(scenario())
+
+
+def test_migrates_an_empty_database_and_refuses_a_newer_one(tmp_path: Path) -> None:
+    path = tmp_path / "node.db"
+    sqlite3.connect(path).close()  # version 0: no tables at all
+
+    async def open_close() -> None:
+        store = Store(path)
+        await store.open()
+        await store.close()
+
+    asyncio.run(open_close())
+    conn = sqlite3.connect(path)
+    assert conn.execute("SELECT version FROM schema_version").fetchone()[0] == SCHEMA_VERSION
+    conn.execute("UPDATE schema_version SET version = ?", (SCHEMA_VERSION + 1,))
+    conn.commit()
+    conn.close()
+    with pytest.raises(StoreError, match="upgrade"):
+        asyncio.run(open_close())

@@ -1,0 +1,197 @@
+"""Boot, pause/resume and fork real QEMU guests; failures end cleanly."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from agentenv.runtime.errors import ModeMismatchError, SnapshotError
+from agentenv.runtime.harness import alive, pss_kib, sh
+from agentenv.snapshot.record import SnapshotRecord
+
+from .conftest import Env
+
+pytestmark = [pytest.mark.qemu, pytest.mark.root]
+
+COUNTER = (
+    "mkdir -p /mnt/disk/data\n"
+    "(i=0; while true; do i=$((i+1)); echo $i > /tmp/count; sleep 0.1; done) >/dev/null 2>&1 &\n"
+    "echo persistent-$((6*7)) > /mnt/disk/data/file; sync\n"
+    "echo started\n"
+)
+
+
+def count(env: Env, vm) -> int:  # type: ignore[no-untyped-def]
+    return int(env.loop.run(sh(vm, "cat /tmp/count")).strip())
+
+
+@pytest.fixture(scope="module")
+def counting(env: Env) -> SnapshotRecord:
+    """A booted guest with the counter running, paused: the snapshot all tests start from."""
+    vm = env.boot()
+    assert "started" in env.loop.run(sh(vm, COUNTER))
+    time.sleep(0.6)
+    assert count(env, vm) >= 3
+    record = env.loop.run(env.runtime.pause(vm))
+    assert not alive(vm.pid)
+    assert vm.state == "paused"
+    return record
+
+
+def test_pause_resume_keeps_processes_and_files(env: Env, counting: SnapshotRecord) -> None:
+    rt = env.runtime
+    vm = env.loop.run(rt.restore(counting, env_vars={"A": "1"}))
+    try:
+        first = count(env, vm)
+        time.sleep(0.5)
+        second = count(env, vm)
+        assert second > first, "the counter must keep running after the restore"
+        out = env.loop.run(sh(vm, "echo 3 > /proc/sys/vm/drop_caches; cat /mnt/disk/data/file;"
+                                  " cat /tmp/.envd-init.json"))
+        assert "persistent-42" in out
+        assert '"envVars":{"A":"1"}' in out.replace(" ", "")
+        # Write more (memory and disk), pause again: the new memory layer stacks on the old.
+        env.loop.run(sh(vm, "echo second > /tmp/marker; echo two > /mnt/disk/data/two; sync"))
+        before_pause = count(env, vm)
+        record2 = env.loop.run(rt.pause(vm))
+        assert len(record2.memory_layers) == len(counting.memory_layers) + 1
+        assert len(record2.disks[0].layers) == len(counting.disks[0].layers) + 1
+        vm = env.loop.run(rt.restore(record2))
+        out = env.loop.run(sh(vm, "echo 3 > /proc/sys/vm/drop_caches; cat /tmp/marker "
+                                  "/mnt/disk/data/two /mnt/disk/data/file"))
+        assert out.split() == ["second", "two", "persistent-42"]
+        assert count(env, vm) >= before_pause
+    finally:
+        env.loop.run(rt.kill(vm))
+    assert rt.memory.refcount(counting.id) == 0
+
+
+def test_fork_children_diverge(env: Env, counting: SnapshotRecord) -> None:
+    rt = env.runtime
+    source = env.loop.run(rt.restore(counting))
+    children = []
+    try:
+        env.loop.run(sh(source, "echo source > /tmp/who"))
+        record, children = env.loop.run(rt.fork(source, 2))
+        assert len({source.vmgenid, *(c.vmgenid for c in children)}) == 3
+        assert len({c.envd_url for c in children}) == 2
+        for n, child in enumerate(children):
+            env.loop.run(sh(child, f"echo child{n} > /tmp/who; echo c{n} > /mnt/disk/data/mine; sync"))
+        env.loop.run(sh(source, "echo src > /mnt/disk/data/mine; sync"))
+        starts = [count(env, v) for v in (source, *children)]
+        time.sleep(0.6)
+        ends = [count(env, v) for v in (source, *children)]
+        assert all(e > s for s, e in zip(starts, ends, strict=True)), (starts, ends)
+        whos = [env.loop.run(sh(v, "cat /tmp/who; echo 3 > /proc/sys/vm/drop_caches;"
+                                   " cat /mnt/disk/data/mine")).split()
+                for v in (source, *children)]
+        assert whos == [["source", "src"], ["child0", "c0"], ["child1", "c1"]]
+        # The fork snapshot holds the source's state at fork time, before the writes above.
+        assert len(record.memory_layers) == len(counting.memory_layers) + 1
+    finally:
+        for vm in (*children, source):
+            env.loop.run(rt.kill(vm))
+
+
+@pytest.mark.slow
+def test_fork_16_children_run_at_once_and_share_memory(env: Env, counting: SnapshotRecord) -> None:
+    rt = env.runtime
+    source = env.loop.run(rt.restore(counting))
+    children = []
+    try:
+        t0 = time.monotonic()
+        _, children = env.loop.run(rt.fork(source, 16))
+        fork_s = time.monotonic() - t0
+        assert len(children) == 16
+
+        async def all_run() -> list[str]:
+            return await asyncio.gather(*[sh(c, f"echo $(( {n} * 1000 + 7 ))")
+                                          for n, c in enumerate(children)])
+
+        outs = env.loop.run(all_run())
+        assert [o.strip() for o in outs] == [str(n * 1000 + 7) for n in range(16)]
+        mem = [pss_kib(c.pid) for c in children]
+        pss = sum(m["Pss"] for m in mem) / len(mem)
+        rss = sum(m["Rss"] for m in mem) / len(mem)
+        shared = sum(m["Shared_Clean"] for m in mem) / len(mem)
+        print(f"fork 16: {fork_s:.1f} s; per child: Rss {rss/1024:.1f} MiB, "
+              f"Pss {pss/1024:.1f} MiB, Shared_Clean {shared/1024:.1f} MiB")
+        assert shared > 8 * 1024, "children must share clean pages of the snapshot memory file"
+        assert pss < rss
+    finally:
+        for vm in (*children, source):
+            env.loop.run(rt.kill(vm))
+
+
+def _copy_record(record: SnapshotRecord, root: Path) -> SnapshotRecord:
+    """A private copy of a snapshot's files (so damaging it leaves the original intact)."""
+    root.mkdir(parents=True)
+    layers = []
+    for n, layer in enumerate(record.memory_layers):
+        dst = root / f"mem{n}.layer"
+        shutil.copyfile(layer.path, dst)
+        layers.append(layer.model_copy(update={"path": str(dst)}))
+    dev = root / "devstate.bin"
+    shutil.copyfile(record.device_state, dev)
+    return record.model_copy(update={"id": f"copy-{root.name}", "memory_layers": layers,
+                                     "device_state": str(dev)})
+
+
+def test_restore_across_modes_is_refused(env: Env, counting: SnapshotRecord) -> None:
+    other = "kvm" if counting.mode == "tcg" else "tcg"
+    record = counting.model_copy(update={"mode": other})
+    vms_before = set(env.runtime.vms)
+    with pytest.raises(ModeMismatchError, match="cannot cross accelerators"):
+        env.loop.run(env.runtime.restore(record))
+    assert set(env.runtime.vms) == vms_before
+
+
+def test_damaged_or_missing_memory_layer_fails_cleanly(env: Env, counting: SnapshotRecord) -> None:
+    rt = env.runtime
+    free_slots = rt.slots.free_count
+    # A layer whose header is garbage (same size, so the record's size check passes).
+    bad = _copy_record(counting, env.root / "damaged")
+    with open(bad.memory_layers[-1].path, "r+b") as f:
+        f.write(os.urandom(4096))
+    with pytest.raises(SnapshotError, match="memory layer"):
+        env.loop.run(rt.restore(bad))
+    assert rt.memory.refcount(bad.id) == 0
+    assert not rt.memory.path_for(bad.id).exists()
+    # A missing layer.
+    gone = _copy_record(counting, env.root / "missing")
+    os.unlink(gone.memory_layers[0].path)
+    with pytest.raises(SnapshotError, match="missing"):
+        env.loop.run(rt.restore(gone))
+    # A truncated device state: QEMU refuses it, the VM is not created, resources come back.
+    cut = _copy_record(counting, env.root / "cut")
+    os.truncate(cut.device_state, 100)
+    with pytest.raises(SnapshotError):
+        env.loop.run(rt.restore(cut))
+    assert rt.slots.free_count >= free_slots
+    assert rt.memory.refcount(cut.id) == 0
+    # The original snapshot still restores.
+    vm = env.loop.run(rt.restore(counting))
+    assert count(env, vm) > 0
+    env.loop.run(rt.kill(vm))
+
+
+def test_dead_qemu_is_noticed(env: Env, counting: SnapshotRecord) -> None:
+    rt = env.runtime
+    died: list[str] = []
+    rt.on_vm_died = lambda vm: died.append(vm.id)
+    try:
+        vm = env.loop.run(rt.restore(counting))
+        os.kill(vm.pid, signal.SIGKILL)
+        env.loop.run(asyncio.sleep(0.5))
+        assert died == [vm.id]
+        assert vm.state == "error" and "exited" in (vm.error or "")
+        assert vm.id not in rt.vms
+        assert rt.memory.refcount(counting.id) == 0
+    finally:
+        rt.on_vm_died = None

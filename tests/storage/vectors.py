@@ -1,0 +1,60 @@
+"""Test-vector data from shared/spec/overlaybd-format.md section 11 (copied so tests are
+self-contained)."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+UUID_B = "5F6A1C2B-0D3E-4F10-8A9B-0C1D2E3F4A5B"
+FIXTURE_BLOB = (
+    Path(__file__).resolve().parents[3]
+    / "shared/fixtures/oci/hello-world/blobs/sha256"
+    / "022231c3f1af70e0cc42f0c3781eabf174cff608210585bf93fc83e16d33672d"
+)
+PLAIN_LAYER = FIXTURE_BLOB.parent / "719385e32844401d57ecfd3eacab360bf551a1491c05b85806ed8f1b08d792f6"
+
+# TV5: ZFile (LZ4 1.8.3, bs 4096, verify, header overwritten) of TV3; rows of zeros omitted.
+TV5_SIZE = 1417
+TV5_SHA256 = "2a787bd46c852a2e611c8bcccfcd14997ae73afb93e70025043c03b37414856f"
+_TV5_DUMP = """
+0000: 5a46696c6500010074756a692e79796640416c696261626160000000d08903a2
+0020: 1b00000000000000710300000000000006000000000000000060000000000000
+0040: dc74c30200000000001000000100000000000000000000000100000000000000
+0200: ff0f4c534d5400010200657e63d29444084ca2d2c8ec4fcfae8a860100000700
+0220: 0100011140150013300100102d08000b0500040200140009000b2000010f0004
+0240: 020051000000010153000f0200ffffffffffffffffffffffffffffff6c500000
+0260: 000000c71d13861f110100fffffffffffffffffffffffffffffff65011111111
+0280: 111f5f92ea1f220100fffffffffffffffffffffffffffffff650222222222252
+02a0: 8797081f220100fffffffffffffffffffffffffffffff6502222222222528797
+02c0: 08110001003120000808002200000900314000100d00310000ff010010030b00
+02e0: 010200010f000f1000ffffffffffffffffffffffffffffffc2500000000000c1
+0300: 15f7c5f0134c534d5400010200657e63d29444084ca2d2c8ec4fcfae8a860100
+0320: 0006000000004005004100000001060005110013300100102d08000b05000402
+0340: 00140009000b2000010f00040200005b00055c000f0200ffffffffffffffffff
+0360: ffffffffffff69500000000000e92ad58e670000001e0000001e0000001e0000
+0380: 00420000006e0000005a46696c6500010074756a692e79796640416c69626162
+03a0: 6160000000f45cc3521600000000000000710300000000000006000000000000
+03c0: 000060000000000000dc74c30200000000001000000100000000000000000000
+03e0: 0001000000000000000000000000000000000000000000000000000000000000
+"""
+
+
+def tv5_bytes() -> bytes:
+    buf = bytearray(TV5_SIZE)
+    for line in _TV5_DUMP.strip().splitlines():
+        off, hexrow = line.split(":")
+        row = bytes.fromhex(hexrow.strip())
+        start = int(off, 16)
+        buf[start : start + len(row)] = row[: TV5_SIZE - start]
+    data = bytes(buf)
+    assert hashlib.sha256(data).hexdigest() == TV5_SHA256
+    return data
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    return h.hexdigest()
