@@ -13,6 +13,7 @@ Prints one JSON object per line. `--quick` keeps it under a minute.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import base64
 import json
 import os
@@ -128,6 +129,8 @@ def main() -> None:
         created_ms = p50_ms(create, creates)
         template = state / "process-backend" / "templates" / "base"
 
+        poller = httpx.Client(timeout=2, trust_env=False)
+
         def raw_start() -> None:
             root = work / f"raw{len(list(work.glob('raw*')))}"
             subprocess.run(["cp", "-a", "--reflink=auto", str(template), str(root)], check=True)
@@ -148,12 +151,13 @@ def main() -> None:
                 stderr=subprocess.DEVNULL,
             )
             try:
-                while True:
+                while True:  # poll like the orchestrator does: one client, short sleeps
                     try:
-                        if httpx.get(f"http://127.0.0.1:{envd_port}/health").is_success:
+                        if poller.get(f"http://127.0.0.1:{envd_port}/health").is_success:
                             break
                     except httpx.HTTPError:
-                        time.sleep(0.01)
+                        pass
+                    time.sleep(0.01)
             finally:
                 proc.send_signal(signal.SIGKILL)
                 proc.wait()
@@ -224,7 +228,27 @@ def main() -> None:
             return transfer_mib / (time.perf_counter() - began)
 
         emit("proxy_upload_MiBps", upload(proxied), "MiB/s", "envd direct", upload(direct))
-        emit("proxy_download_MiBps", download(proxied), "MiB/s", "envd direct", download(direct))
+        direct_down = download(direct)
+        emit("proxy_download_MiBps", download(proxied), "MiB/s", "envd direct", direct_down)
+
+        async def async_download() -> float:
+            # what the proxy's own upstream client (httpx.AsyncClient) reads from envd alone
+            async with httpx.AsyncClient(
+                base_url=str(direct.base_url), headers={"X-Access-Token": token}, timeout=60
+            ) as client:
+                began = time.perf_counter()
+                async with client.stream("GET", "/files", params={"path": "/tmp/blob"}) as answer:
+                    async for _ in answer.aiter_raw():
+                        pass
+                return transfer_mib / (time.perf_counter() - began)
+
+        emit(
+            "httpx_async_download_MiBps",
+            asyncio.run(async_download()),
+            "MiB/s",
+            "envd direct (sync httpx)",
+            direct_down,
+        )
 
         def rps(fn: Callable[[], Any], seconds: float) -> float:
             count, began = 0, time.perf_counter()

@@ -52,7 +52,7 @@ def sdk_runs_per_second(sandbox, seconds: float, workers: int) -> float:
 
     def worker(index: int) -> None:
         while time.monotonic() < stop_at:
-            sandbox.commands.run("true", user="root")
+            sandbox.commands.run("true")  # as the default user, like most SDK calls
             counts[index] += 1
 
     started = time.monotonic()
@@ -81,7 +81,7 @@ def main() -> None:
         time.sleep(1.0)
         emit("envd_idle_rss", rss_kib(server.process.pid) / 1024, "MiB", "python3 -c pass RSS", _bare_python_rss())
         sandbox = Sandbox.create(debug=True, sandbox_url=server.url)
-        sandbox.commands.run("true", user="root")  # warm up
+        sandbox.commands.run("true")  # warm up (creates the default user)
         direct = direct_spawns_per_second(root, seconds)
         emit("envd_true_sequential", sdk_runs_per_second(sandbox, seconds, 1), "commands/s",
              "direct chroot sh -l -c true, sequential", direct)

@@ -68,7 +68,7 @@ def _rate(fn: Callable[[], int], min_time: float) -> float:
 
 
 def compare(ours: Callable[[], int], base: Callable[[], int], min_time: float,
-            rounds: int = 6) -> tuple[float, float]:
+            rounds: int = 10) -> tuple[float, float]:
     """Best rate of each over alternating rounds, so load from other processes on a shared
     machine hits both sides alike."""
     best_ours = best_base = 0.0

@@ -195,3 +195,38 @@ def test_nbd_serve_without_daemon(stack: Stack, short_tmp: Path) -> None:
         proc.wait(10)
     assert proc.returncode == 0
     assert not sock.exists()
+
+
+def test_second_daemon_on_the_same_state_dir_is_refused(daemon: Daemon, short_tmp: Path) -> None:
+    import sys
+
+    second = subprocess.run(
+        [sys.executable, "-m", "agentenv.cli.main", "blockd", "--state-dir", str(daemon.state_dir),
+         "--socket", str(short_tmp / "other.sock"), "--no-fuse"],
+        capture_output=True, text=True, timeout=60)
+    assert second.returncode == 1
+    assert "another blockd already runs" in second.stderr and "Traceback" not in second.stderr
+    with daemon.client() as client:
+        assert client.ping()["devices"] == 0
+
+
+def test_async_client(daemon: Daemon, stack: Stack) -> None:
+    import asyncio
+
+    from agentenv.blockd.client import AsyncBlockdClient
+
+    async def scenario() -> None:
+        client = AsyncBlockdClient(daemon.socket)
+        info = await client.create(lowers=stack.lowers)
+        blank = await client.create_blank(MiB)
+        assert {d.id for d in await client.list()} == {info.id, blank.id}
+        layer = await client.snapshot(info.id)
+        assert layer.is_file()
+        assert (await client.resize(blank.id, 2 * MiB)).size == 2 * MiB
+        assert await client.release(blank.id) == 0
+        assert await client.release(info.id) == 0
+        with pytest.raises(BlockdError, match="no device"):
+            await client.release(info.id)
+        await client.close()
+
+    asyncio.run(scenario())

@@ -172,3 +172,21 @@ def test_missing_shell_without_fallback(fresh_envd) -> None:
     sandbox = server.sandbox()
     with pytest.raises(InvalidArgumentException, match="/bin/bash"):
         sandbox.commands.run("true")
+
+
+def test_spawn_without_busybox_and_with_supplementary_groups(fresh_envd) -> None:
+    """The Python spawn path (no busybox helper) behaves like the fast one, and a user with
+    supplementary groups keeps them (the helper would drop them, so it is not used then)."""
+    server = fresh_envd(AENV_ENVD_BUSYBOX="")
+    sandbox = server.sandbox()
+    assert sandbox.commands.run("whoami; pwd; echo $HOME").stdout == "user\n/home/user\n/home/user\n"
+    assert sandbox.commands.run("id -u; pwd", user="root", cwd="/data").stdout == "0\n/data\n"
+    with pytest.raises(InvalidArgumentException):
+        sandbox.commands.run("true", cwd="/missing")
+
+    fast = fresh_envd()
+    fast_sandbox = fast.sandbox()
+    assert fast_sandbox.commands.run("id -G").stdout == "1000\n"
+    with open(fast.root / "etc" / "group", "a") as group:
+        group.write("extra:x:2000:user\n")
+    assert fast_sandbox.commands.run("id -G").stdout == "1000 2000\n"

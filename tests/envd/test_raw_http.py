@@ -183,3 +183,15 @@ def test_keepalive_during_silence(client: httpx.Client) -> None:
     assert list(events[0]) == ["start"]
     assert sum("keepalive" in e for e in events) >= 2
     assert {"data": {"stdout": "bGF0ZQo="}} in events
+
+
+def test_download_refuses_devices_and_fifos(client: httpx.Client, envd) -> None:
+    import os
+    import stat as stat_module
+
+    os.mkfifo(envd.root / "data" / "fifo")
+    os.mknod(envd.root / "data" / "zero", stat_module.S_IFCHR | 0o666, os.makedev(1, 5))
+    for name in ("fifo", "zero"):
+        reply = client.get("/files", params={"path": f"/data/{name}"}, timeout=10)
+        assert reply.status_code == 400
+        assert "not a regular file" in reply.json()["message"]

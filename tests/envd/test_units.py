@@ -127,8 +127,20 @@ def test_envd_imports_only_stdlib_and_its_requirements() -> None:
     )
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout
     third_party, host_side = out.splitlines()
-    assert set(eval(third_party)) <= {"uvicorn", "h11", "click"}
+    assert set(eval(third_party)) <= {"h11"}
     assert eval(host_side) == []
     requirements = (Path(__file__).resolve().parents[2] / "src/agentenv/guest/envd/requirements.txt").read_text()
     pinned = {line.split("==")[0] for line in requirements.splitlines() if "==" in line and not line.startswith("#")}
     assert set(eval(third_party)) <= pinned
+
+
+def test_busybox_helper_detection() -> None:
+    import shutil
+
+    from agentenv.guest.envd.process import busybox_can_switch_user
+
+    assert busybox_can_switch_user("/bin/true") is False
+    assert busybox_can_switch_user("/nonexistent/busybox") is False
+    busybox = shutil.which("busybox")
+    if busybox:
+        assert busybox_can_switch_user(busybox) is True

@@ -124,3 +124,31 @@ def test_debian_guest(guest_assets: GuestAssets, tmp_path: Path) -> None:
         assert r.stdout.split() == ["user", "/home/user", "hi"]
         # Without aenv.dns the image's resolv.conf is left as it is.
         assert "169.254" not in sbx.commands.run("cat /etc/resolv.conf", user="root").stdout
+
+
+def _hello_world_root(shared_dir: Path, dest: Path) -> Path:
+    """The amd64 layer of the hello-world fixture: a single static /hello, no shell, no libc."""
+    layout = shared_dir / "fixtures" / "oci" / "hello-world"
+    index = json.loads((layout / "index.json").read_text())
+    entry = next(m for m in index["manifests"]
+                 if m.get("annotations", {}).get("org.opencontainers.image.ref.name") == "amd64")
+    manifest = json.loads((layout / "blobs" / "sha256" / entry["digest"].split(":")[1]).read_text())
+    (layer,) = manifest["layers"]
+    dest.mkdir(parents=True)
+    subprocess.run(["tar", "-xzf", str(layout / "blobs" / "sha256" / layer["digest"].split(":")[1]),
+                    "-C", str(dest)], check=True)
+    assert sorted(p.name for p in dest.iterdir()) == ["hello"]
+    return dest
+
+
+def test_shell_less_guest(guest_assets: GuestAssets, shared_dir: Path, tmp_path: Path) -> None:
+    """An image with nothing but a static binary still boots and serves envd: init creates the
+    mount points it needs and commands fall back to the tools disk's shell."""
+    disk = make_rootfs_image(_hello_world_root(shared_dir, tmp_path / "root"), tmp_path / "user.ext4",
+                             32 << 20)
+    with boot(guest_assets, disk, tmp_path, hostname="hello") as guest:
+        sbx = guest.sandbox()
+        r = sbx.commands.run("/hello", user="root")
+        assert "Hello from Docker!" in r.stdout
+        r = sbx.commands.run("echo $0; read -r name </proc/sys/kernel/hostname; echo $name", user="root")
+        assert r.stdout.split() == ["/agentenv/bin/sh", "hello"]

@@ -6,6 +6,7 @@ import base64
 import gzip
 import json
 from collections.abc import Iterator
+from typing import Any
 
 import httpx
 import pytest
@@ -309,3 +310,64 @@ def test_metrics_fields(api: httpx.Client) -> None:
         assert_error(api.get(f"/sandboxes/{sid}/metrics", params={"start": "x"}), 400)
     finally:
         api.delete(f"/sandboxes/{sid}")
+
+
+def test_idempotency_key_returns_the_first_sandbox(api: httpx.Client) -> None:
+    headers = {"Idempotency-Key": "retry-abc-123"}
+    first = api.post("/v2/sandboxes", json={"timeout": 60}, headers=headers)
+    again = api.post("/v2/sandboxes", json={"timeout": 60}, headers=headers)
+    try:
+        assert first.status_code == again.status_code == 201
+        assert first.json()["sandboxID"] == again.json()["sandboxID"]
+    finally:
+        api.delete(f"/sandboxes/{first.json()['sandboxID']}")
+
+
+def test_websocket_is_bridged_to_the_sandbox_port(api: httpx.Client, node: NodeProcess) -> None:
+    """The process backend maps sandbox ports to host ports, so a host echo server stands in
+    for a WebSocket server inside the sandbox."""
+    import asyncio
+    import threading
+
+    from websockets.asyncio.server import serve
+    from websockets.exceptions import InvalidStatus
+    from websockets.sync.client import connect
+
+    from tests.node.conftest import free_port
+
+    port = free_port()
+    ready = threading.Event()
+    stop: list[asyncio.Future[None]] = []
+
+    async def echo(ws: Any) -> None:
+        async for message in ws:
+            await ws.send(message)
+
+    async def server() -> None:
+        async with serve(echo, "127.0.0.1", port):
+            stop.append(asyncio.get_running_loop().create_future())
+            ready.set()
+            await stop[0]
+
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_until_complete, args=(server(),), daemon=True)
+    thread.start()
+    assert ready.wait(10)
+    sid = api.post("/v2/sandboxes", json={"timeout": 60}).json()["sandboxID"]
+    try:
+        route = {"E2b-Sandbox-Id": sid, "E2b-Sandbox-Port": str(port)}
+        ws_url = node.url.replace("http", "ws", 1) + "/echo"
+        with connect(ws_url, additional_headers=route) as ws:
+            ws.send("hello")
+            assert ws.recv() == "hello"
+            ws.send(b"\x00\x01" * 50000)
+            assert ws.recv() == b"\x00\x01" * 50000
+        with (
+            pytest.raises(InvalidStatus),
+            connect(ws_url, additional_headers={"E2b-Sandbox-Id": "inosuchsandbox000000"}),
+        ):
+            pass
+    finally:
+        api.delete(f"/sandboxes/{sid}")
+        loop.call_soon_threadsafe(stop[0].set_result, None)
+        thread.join(10)

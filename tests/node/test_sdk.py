@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import io
 import os
@@ -202,3 +203,28 @@ def test_concurrent_commands_share_the_proxy(sbx: Sandbox) -> None:
         t.join()
     assert not errors
     assert sorted(outputs, key=int) == [str(i) for i in range(8)]
+
+
+def test_async_sdk_streams_and_watch(sdk_env: NodeProcess) -> None:
+    from e2b import AsyncSandbox
+
+    async def scenario() -> None:
+        sandbox = await AsyncSandbox.create(template="base", timeout=60)
+        try:
+            events: list[str] = []
+            handle = await sandbox.files.watch_dir(
+                "/home/user", on_event=lambda e: events.append(e.name)
+            )
+            await sandbox.files.write("/home/user/async.txt", "a")
+            for _ in range(50):
+                if "async.txt" in events:
+                    break
+                await asyncio.sleep(0.1)
+            await handle.stop()
+            assert "async.txt" in events
+            result = await sandbox.commands.run("echo async-ok")
+            assert result.stdout == "async-ok\n"
+        finally:
+            await sandbox.kill()
+
+    asyncio.run(scenario())

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -13,10 +14,11 @@ from pathlib import Path
 import pytest
 
 from agentenv.runtime.config import RuntimeConfig
-from agentenv.runtime.harness import BlockdProcess, LoopThread, make_ext4_layer
+from agentenv.runtime.harness import BlockdProcess, LoopThread, alive, make_ext4_layer, sh
 from agentenv.runtime.network import teardown_host
 from agentenv.runtime.testguest import TestGuest, build_test_guest
 from agentenv.runtime.vm import VM, BootSpec, DiskSource, Runtime
+from agentenv.snapshot.record import SnapshotRecord
 
 ROOTFS_SIZE = 64 << 20
 PREFIX = "aet"
@@ -38,7 +40,7 @@ class Env:
         return self.loop.run(self.runtime.boot(spec))
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def env() -> Iterator[Env]:
     if os.geteuid() != 0:
         pytest.skip("the runtime tests need root (network namespaces, nftables)")
@@ -67,3 +69,35 @@ def env() -> Iterator[Env]:
         loop.close()
         blockd.stop()
         shutil.rmtree(root, ignore_errors=True)
+
+
+COUNTER = (
+    "mkdir -p /mnt/disk/data\n"
+    "(i=0; while true; do i=$((i+1)); echo $i > /tmp/count; sleep 0.1; done) >/dev/null 2>&1 &\n"
+    "echo persistent-$((6*7)) > /mnt/disk/data/file; sync\n"
+    "echo started\n"
+)
+
+
+def count(env: Env, vm) -> int:  # type: ignore[no-untyped-def]
+    return int(env.loop.run(sh(vm, "cat /tmp/count")).strip())
+
+
+@pytest.fixture(scope="session")
+def counting(env: Env) -> SnapshotRecord:
+    """A booted guest with the counter running, paused: the snapshot all tests start from."""
+    vm = env.boot()
+    assert "started" in env.loop.run(sh(vm, COUNTER))
+    time.sleep(0.6)
+    assert count(env, vm) >= 3
+    record = env.loop.run(env.runtime.pause(vm))
+    assert not alive(vm.pid)
+    assert vm.state == "paused"
+    return record
+
+
+@pytest.fixture(scope="session")
+def idle(env: Env) -> SnapshotRecord:
+    """A booted guest without the counter, paused (for network tests)."""
+    vm = env.boot()
+    return env.loop.run(env.runtime.pause(vm))

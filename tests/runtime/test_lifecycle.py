@@ -6,43 +6,19 @@ import asyncio
 import os
 import shutil
 import signal
+import subprocess
 import time
 from pathlib import Path
 
 import pytest
 
 from agentenv.runtime.errors import ModeMismatchError, SnapshotError
-from agentenv.runtime.harness import alive, pss_kib, sh
+from agentenv.runtime.harness import pss_kib, sh
 from agentenv.snapshot.record import SnapshotRecord
 
-from .conftest import Env
+from .conftest import Env, count
 
 pytestmark = [pytest.mark.qemu, pytest.mark.root]
-
-COUNTER = (
-    "mkdir -p /mnt/disk/data\n"
-    "(i=0; while true; do i=$((i+1)); echo $i > /tmp/count; sleep 0.1; done) >/dev/null 2>&1 &\n"
-    "echo persistent-$((6*7)) > /mnt/disk/data/file; sync\n"
-    "echo started\n"
-)
-
-
-def count(env: Env, vm) -> int:  # type: ignore[no-untyped-def]
-    return int(env.loop.run(sh(vm, "cat /tmp/count")).strip())
-
-
-@pytest.fixture(scope="module")
-def counting(env: Env) -> SnapshotRecord:
-    """A booted guest with the counter running, paused: the snapshot all tests start from."""
-    vm = env.boot()
-    assert "started" in env.loop.run(sh(vm, COUNTER))
-    time.sleep(0.6)
-    assert count(env, vm) >= 3
-    record = env.loop.run(env.runtime.pause(vm))
-    assert not alive(vm.pid)
-    assert vm.state == "paused"
-    return record
-
 
 def test_pause_resume_keeps_processes_and_files(env: Env, counting: SnapshotRecord) -> None:
     rt = env.runtime
@@ -195,3 +171,57 @@ def test_dead_qemu_is_noticed(env: Env, counting: SnapshotRecord) -> None:
         assert rt.memory.refcount(counting.id) == 0
     finally:
         rt.on_vm_died = None
+
+
+def test_warm_pool_serves_restores(env: Env, counting: SnapshotRecord) -> None:
+    rt = env.runtime
+    env.loop.run(rt.prime(counting, 2))
+    assert rt.warm_count(counting.id) == 2
+    vm = env.loop.run(rt.restore(counting))
+    try:
+        assert vm.timings["warm"] == 1.0
+        assert count(env, vm) > 0
+        env.loop.run(sh(vm, "echo 3 > /proc/sys/vm/drop_caches; cat /mnt/disk/data/file"))
+
+        async def refilled() -> None:
+            while rt.warm_count(counting.id) < 2:
+                await asyncio.sleep(0.05)
+
+        env.loop.run(refilled(), timeout=60)
+    finally:
+        env.loop.run(rt.kill(vm))
+        env.loop.run(rt.unprime(counting.id))
+    assert rt.warm_count(counting.id) == 0
+    assert rt.memory.refcount(counting.id) == 0
+
+
+def test_full_disk_during_pause_keeps_vm_and_last_snapshot(env: Env, counting: SnapshotRecord) -> None:
+    rt = env.runtime
+    full = env.root / "full"
+    full.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(full)], check=True)
+    vm = None
+    try:
+        vm = env.loop.run(rt.restore(counting))
+        env.loop.run(sh(vm, "yes 0123456789 | head -c 4M > /tmp/fill; echo ok"))
+        rt.config.snapshot_root = full
+        with pytest.raises(SnapshotError, match="No space left"):
+            env.loop.run(rt.pause(vm))
+        rt.config.snapshot_root = None
+        assert vm.state == "running" and "snapshot failed" in (vm.error or "")
+        assert list(full.iterdir()) == [], "a failed snapshot leaves nothing behind"
+        first = count(env, vm)
+        time.sleep(0.4)
+        assert count(env, vm) > first
+        # With space again, pausing works and the older snapshot still restores too.
+        record = env.loop.run(rt.pause(vm))
+        vm = env.loop.run(rt.restore(record))
+        assert "0123456789" in env.loop.run(sh(vm, "head -c 10 /tmp/fill"))
+        env.loop.run(rt.kill(vm))
+        vm = env.loop.run(rt.restore(counting))
+        assert count(env, vm) > 0
+    finally:
+        rt.config.snapshot_root = None
+        if vm is not None:
+            env.loop.run(rt.kill(vm))
+        subprocess.run(["umount", str(full)], check=False)

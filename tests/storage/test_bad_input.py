@@ -17,7 +17,6 @@ from agentenv.storage.builder import LayerBuilder, commit_upper
 from agentenv.storage.crc import raw_crc32c
 from agentenv.storage.errors import ImageUsageError, LayerFormatError
 from agentenv.storage.image import Image
-from agentenv.storage.layer import open_layer
 from agentenv.storage.lsmt import encode_mapping
 from agentenv.storage.tarwrap import wrap_bytes
 from agentenv.storage.upper import Upper
@@ -36,9 +35,8 @@ def _tv3(tmp_path: Path) -> bytes:
 
 
 def _expect(path: Path, *words: str) -> LayerFormatError:
-    with pytest.raises(LayerFormatError) as info:
-        with Image.open(path) as image:
-            image.read(0, image.virtual_size)
+    with pytest.raises(LayerFormatError) as info, Image.open(path) as image:
+        image.read(0, image.virtual_size)
     msg = str(info.value)
     assert str(path) in msg
     for word in words:

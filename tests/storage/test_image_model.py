@@ -12,11 +12,14 @@ import tempfile
 import threading
 from pathlib import Path
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from agentenv.storage.builder import LayerBuilder, commit_upper
 from agentenv.storage.image import Image
+from agentenv.storage.lsmt import ZEROED, FlatIndex, _overlay_arrays, _to_arrays, overlay
+from agentenv.storage.upper import Upper
 
 VSIZE = 192 * 1024
 
@@ -67,7 +70,7 @@ def _check(image: Image, model: bytearray, rng: random.Random) -> None:
         assert buf == model[off : off + n]
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
+@settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
 @given(ops=st.lists(_op, min_size=1, max_size=25), seed=st.integers(0, 2**32 - 1))
 def test_image_matches_model(ops: list[tuple[str, int, int, int]], seed: int) -> None:
     rng = random.Random(seed)
@@ -192,3 +195,74 @@ def test_concurrent_reads_during_writes_and_snapshots(tmp_path: Path) -> None:
             t.join()
     image.close()
     assert not errors, errors
+
+
+def test_interrupted_restack_recovers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Faults injected at both sides of the commit point (image.json) of a restack."""
+    image = Image.create([], tmp_path / "u", virtual_size=VSIZE)
+    image.write(0, b"a" * 8192)
+    config = image.config_path
+    assert config is not None
+
+    # Before the commit point: the snapshot fails, the image carries on unchanged.
+    def fail_save(*_args: object) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr("agentenv.storage.config.ImageConfig.save", fail_save)
+    with pytest.raises(OSError):
+        image.snapshot_and_restack(tmp_path / "s1")
+    monkeypatch.undo()
+    assert not (tmp_path / "s1").exists()
+    image.write(8192, b"b" * 4096)
+    assert image.read(0, 12288) == b"a" * 8192 + b"b" * 4096
+
+    # After the commit point: the fresh upper cannot be created (crash stand-in).
+    real_create = Upper.create
+
+    def fail_create(*_args: object, **_kwargs: object) -> Upper:
+        raise OSError(5, "I/O error")
+
+    monkeypatch.setattr("agentenv.storage.image.Upper.create", fail_create)
+    with pytest.raises(OSError):
+        image.snapshot_and_restack(tmp_path / "s2")
+    monkeypatch.setattr("agentenv.storage.image.Upper.create", real_create)
+    assert image.readonly and image.lowers == [tmp_path / "s2"]
+    assert image.read(0, 12288) == b"a" * 8192 + b"b" * 4096
+    image.close()
+    with Image.open(config, writable=False) as ro:
+        assert ro.read(0, 12288) == b"a" * 8192 + b"b" * 4096
+    image = Image.open(config)  # finishes the restack
+    assert not image.readonly and image.lowers == [tmp_path / "s2"]
+    assert image.read(0, 12288) == b"a" * 8192 + b"b" * 4096
+    image.write(0, b"c" * 512)
+    image.snapshot_and_restack(tmp_path / "s3")
+    image.close()
+    with Image.open(config) as image:
+        assert image.read(0, 12288) == b"c" * 512 + b"a" * 7680 + b"b" * 4096
+        assert image.lowers == [tmp_path / "s2", tmp_path / "s3"]
+
+
+@settings(max_examples=50, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), layers=st.integers(1, 6))
+def test_vectorised_merge_matches_sweep(seed: int, layers: int) -> None:
+    """The numpy merge used for big stacks gives exactly the pure-Python sweep's result."""
+    rng = random.Random(seed)
+    indexes = []
+    for k in range(layers):
+        ix = FlatIndex()
+        pos = 0
+        for _ in range(rng.randrange(0, 60)):
+            pos += rng.randrange(0, 30)
+            n = rng.randrange(1, 30)
+            zeroed = rng.random() < 0.2
+            ix.insert(pos, pos + n, rng.randrange(8, 1000), ZEROED if zeroed else k)
+            pos += n
+        indexes.append(ix)
+    expected = indexes[0].copy()
+    for lower in indexes[1:]:
+        expected = overlay(expected, lower)
+    arrays = _to_arrays(indexes[0])
+    for lower in indexes[1:]:
+        arrays = _overlay_arrays(arrays, _to_arrays(lower))
+    got = FlatIndex(*(a.tolist() for a in arrays))
+    assert got.entries() == expected.entries()

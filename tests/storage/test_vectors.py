@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import hashlib
 import io
+import itertools
+import os
 from pathlib import Path
 
 import pytest
@@ -139,7 +141,7 @@ def test_tv4_rw_pair_and_in_place_seal(tmp_path: Path) -> None:
 def _tv5_blocks(tv5: bytes) -> list[bytes]:
     reader_blocks = []
     offs = [512, 615, 645, 675, 705, 771, 881]
-    for a, b in zip(offs, offs[1:], strict=False):
+    for a, b in itertools.pairwise(offs):
         reader_blocks.append(tv5[a : b - 4])
     return reader_blocks
 
@@ -148,8 +150,6 @@ def test_tv5_read_zfile(tmp_path: Path) -> None:
     tv5 = tv5_bytes()
     path = tmp_path / "tv5"
     path.write_bytes(tv5)
-    import os
-
     fd = os.open(path, os.O_RDONLY)
     try:
         reader = ZFileReader(path, fd, 0, len(tv5))

@@ -16,6 +16,7 @@ import httpx
 import pytest
 
 from tests.template import helpers
+from tests.template.tokenserver import SERVICE, TokenServer
 
 
 def _free_port() -> int:
@@ -30,9 +31,20 @@ class Registry:
     log: Path
     auth: tuple[str, str] | None
     process: subprocess.Popen[bytes]
+    scheme: str = "http"
+    token_server: TokenServer | None = None
+
+    @property
+    def cert(self) -> Path:
+        return self.log.parent / "cert.pem"
 
     def push(self, repository: str, tag: str, image: helpers.BuiltImage) -> str:
-        return helpers.push_image(self.host, repository, tag, image, auth=self.auth)
+        bearer = None
+        if self.token_server is not None:
+            bearer = self.token_server.token([f"repository:{repository}:push,pull"], SERVICE)
+        return helpers.push_image(self.host, repository, tag, image,
+                                  auth=None if bearer else self.auth, scheme=self.scheme,
+                                  bearer=bearer)
 
     def log_mark(self) -> int:
         return self.log.stat().st_size
@@ -45,9 +57,24 @@ class Registry:
                             r'http\.request\.uri="?([^"\s]+)"?', text)]
 
 
-def _start_registry(tmp: Path, htpasswd: tuple[str, str] | None) -> Registry:
+def _self_signed_cert(tmp: Path) -> tuple[Path, Path]:
+    cert, key = tmp / "cert.pem", tmp / "key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2",
+                    "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1",
+                    "-keyout", str(key), "-out", str(cert)], check=True, capture_output=True)
+    return cert, key
+
+
+def _start_registry(tmp: Path, htpasswd: tuple[str, str] | None, tls: bool = False,
+                    extra: str = "") -> Registry:
     port = _free_port()
-    auth_block = ""
+    auth_block = extra
+    tls_block = ""
+    scheme = "http"
+    if tls:
+        cert, key = _self_signed_cert(tmp)
+        tls_block = f"  tls:\n    certificate: {cert}\n    key: {key}\n"
+        scheme = "https"
     if htpasswd:
         import warnings
         with warnings.catch_warnings():
@@ -60,7 +87,7 @@ def _start_registry(tmp: Path, htpasswd: tuple[str, str] | None) -> Registry:
         "version: 0.1\n"
         "log:\n  level: info\n  accesslog:\n    disabled: true\n"
         f"storage:\n  filesystem:\n    rootdirectory: {tmp / 'data'}\n  delete:\n    enabled: true\n"
-        f"http:\n  addr: 127.0.0.1:{port}\n"
+        f"http:\n  addr: 127.0.0.1:{port}\n" + tls_block
         + auth_block
     )
     log = tmp / "registry.log"
@@ -70,13 +97,14 @@ def _start_registry(tmp: Path, htpasswd: tuple[str, str] | None) -> Registry:
     deadline = time.monotonic() + 15
     while True:
         with contextlib.suppress(httpx.TransportError):
-            if httpx.get(f"http://127.0.0.1:{port}/v2/", timeout=1).status_code in (200, 401):
+            if httpx.get(f"{scheme}://127.0.0.1:{port}/v2/", timeout=1,
+                         verify=False).status_code in (200, 401):
                 break
         if process.poll() is not None or time.monotonic() > deadline:
             process.kill()
             pytest.fail(f"docker-registry did not start: {log.read_text()[-500:]}")
         time.sleep(0.05)
-    return Registry(f"127.0.0.1:{port}", log, htpasswd, process)
+    return Registry(f"127.0.0.1:{port}", log, htpasswd, process, scheme)
 
 
 def _stop(registry: Registry) -> None:
@@ -100,6 +128,28 @@ def auth_registry(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Registry
     reg = _start_registry(tmp_path_factory.mktemp("auth-registry"), ("aenv", "s3cret-pw"))
     yield reg
     _stop(reg)
+
+
+@pytest.fixture(scope="session")
+def tls_registry(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Registry]:
+    reg = _start_registry(tmp_path_factory.mktemp("tls-registry"), None, tls=True)
+    yield reg
+    _stop(reg)
+
+
+@pytest.fixture(scope="session")
+def token_registry(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Registry]:
+    """A registry behind the Docker token flow: bearer tokens from a token server that wants
+    basic auth (user aenv, password tok-pw)."""
+    tmp = tmp_path_factory.mktemp("token-registry")
+    cert, key = _self_signed_cert(tmp)
+    tokens = TokenServer(cert, key, "aenv", "tok-pw")
+    reg = _start_registry(tmp, None, extra=tokens.registry_config())
+    reg.auth = ("aenv", "tok-pw")
+    reg.token_server = tokens
+    yield reg
+    _stop(reg)
+    tokens.stop()
 
 
 @pytest.fixture

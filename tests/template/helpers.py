@@ -98,10 +98,12 @@ def build_image(layer_tars: list[bytes], compressions: list[str] | None = None,
 
 
 def push_image(host: str, repository: str, tag: str, image: BuiltImage,
-               auth: tuple[str, str] | None = None) -> str:
+               auth: tuple[str, str] | None = None, scheme: str = "http",
+               bearer: str | None = None) -> str:
     """Push with plain registry v2 calls (monolithic blob uploads); returns the manifest digest."""
-    base = f"http://{host}/v2/{repository}"
-    with httpx.Client(auth=auth, timeout=60) as http:
+    base = f"{scheme}://{host}/v2/{repository}"
+    headers = {"Authorization": f"Bearer {bearer}"} if bearer else {}
+    with httpx.Client(auth=auth, timeout=60, verify=False, headers=headers) as http:
         for digest, data in image.blobs.items():
             if http.head(f"{base}/blobs/{digest}").status_code == 200:
                 continue
@@ -109,7 +111,7 @@ def push_image(host: str, repository: str, tag: str, image: BuiltImage,
             assert start.status_code == 202, start.text
             location = start.headers["location"]
             if location.startswith("/"):
-                location = f"http://{host}{location}"
+                location = f"{scheme}://{host}{location}"
             sep = "&" if "?" in location else "?"
             put = http.put(f"{location}{sep}digest={digest}", content=data,
                            headers={"Content-Type": "application/octet-stream"})

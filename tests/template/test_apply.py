@@ -5,14 +5,17 @@ from __future__ import annotations
 import gzip
 import os
 import subprocess
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from agentenv.template.apply import apply_layer
+from agentenv.template.blobtap import BlobTap
 from agentenv.template.convert import loop_mount
-from agentenv.template.errors import LayerApplyError, UnsupportedImageError
+from agentenv.template.errors import DigestMismatchError, LayerApplyError, UnsupportedImageError
 from tests.template import helpers
 from tests.template.conftest import needs_root
 
@@ -118,3 +121,45 @@ def test_paths_never_escape_the_root(ext4_root: Path, tmp_path: Path) -> None:
     assert (ext4_root / str(outside).lstrip("/") / "planted").read_bytes() == b"x"
     assert (ext4_root / "escaped").read_bytes() == b"y"
     assert (ext4_root / "escaped2").read_bytes() == b"z"
+
+
+def _feed_tap(tap: BlobTap, path: Path, data: bytes, error: BaseException | None) -> None:
+    with open(path, "wb", buffering=0) as out:
+        tap.start(path)
+        for start in range(0, len(data), 7919):  # odd-sized chunks, slowly
+            out.write(data[start:start + 7919])
+            tap.advance(len(data[start:start + 7919]))
+            time.sleep(0.0005)
+    tap.finish(error)
+
+
+@pytest.mark.parametrize("compression", ["gzip", "zstd", ""])
+def test_apply_while_downloading(ext4_root: Path, tmp_path: Path, compression: str) -> None:
+    base, _ = helpers.debian_like_layers()
+    image = helpers.build_image([base], [compression])
+    [(blob, media_type, diff_id)] = _write_blobs(tmp_path, image)
+    tap = BlobTap()
+    feeder = threading.Thread(target=_feed_tap, args=(tap, tmp_path / "growing", blob.read_bytes(), None))
+    feeder.start()
+    stats = apply_layer(ext4_root, tap, media_type, diff_id)
+    feeder.join()
+    tap.close()
+    assert stats.diff_id == diff_id
+    expected = tmp_path / "expected"
+    expected.mkdir()
+    subprocess.run(["tar", "-x", "--numeric-owner", "--same-permissions", "--xattrs",
+                    "--xattrs-include=*", "-C", str(expected)], input=base, check=True)
+    helpers.assert_same_tree(ext4_root, expected)
+
+
+def test_failed_download_fails_the_apply(ext4_root: Path, tmp_path: Path) -> None:
+    layer = helpers.TarBuilder().file("a", os.urandom(300_000)).bytes()
+    tap = BlobTap()
+    feeder = threading.Thread(target=_feed_tap, args=(
+        tap, tmp_path / "growing", gzip.compress(layer)[:100_000],
+        DigestMismatchError("blob x: downloaded content has digest y")))
+    feeder.start()
+    with pytest.raises((DigestMismatchError, LayerApplyError)):
+        apply_layer(ext4_root, tap, "application/vnd.oci.image.layer.v1.tar+gzip")
+    feeder.join()
+    tap.close()

@@ -14,6 +14,7 @@ from agentenv.template.errors import (
     DigestMismatchError,
     NotFoundError,
     ReferenceFormatError,
+    RegistryError,
     UnsupportedImageError,
 )
 from agentenv.template.reference import parse_reference
@@ -161,3 +162,40 @@ def test_basic_auth_from_docker_config(auth_registry: Registry, tmp_path: Path,
         manifest = client.resolve_manifest(ref)
         assert manifest.digest == image.digest
         client.download_blob("private/img", manifest.layers[0], tmp_path / "blob")
+
+
+def test_https_registry_verified_with_ca_file(tls_registry: Registry, tmp_path: Path,
+                                              no_docker_config: Path) -> None:
+    image = helpers.build_image([helpers.TarBuilder().file("tls", b"t").bytes()])
+    tls_registry.push("secure/img", "v1", image)
+    ref = parse_reference(f"{tls_registry.host}/secure/img:v1")
+    with RegistryClient(tls_registry.host, insecure=False, ca_file=tls_registry.cert) as client:
+        manifest = client.resolve_manifest(ref)
+        assert manifest.digest == image.digest
+        client.download_blob("secure/img", manifest.layers[0], tmp_path / "blob")
+    # Without the CA the certificate is refused (no silent fallback to plain http).
+    with RegistryClient(tls_registry.host, insecure=False) as client, \
+            pytest.raises(RegistryError, match="cannot reach registry"):
+        client.resolve_manifest(ref)
+    # Loopback registries may be https with any certificate, like Docker's insecure registries.
+    with RegistryClient(tls_registry.host) as client:
+        assert client.resolve_manifest(ref).digest == image.digest
+
+
+def test_bearer_token_flow(token_registry: Registry, tmp_path: Path,
+                           monkeypatch: pytest.MonkeyPatch) -> None:
+    image = helpers.build_image([helpers.TarBuilder().file("tok", b"t").bytes()])
+    token_registry.push("team/app", "v1", image)
+    ref = parse_reference(f"{token_registry.host}/team/app:v1")
+    monkeypatch.setenv("DOCKER_CONFIG", str(tmp_path))
+    with RegistryClient(token_registry.host) as client, pytest.raises(AuthError, match="refused"):
+        client.resolve_manifest(ref)  # anonymous: the token server wants credentials
+    (tmp_path / "config.json").write_text(json.dumps({"auths": {token_registry.host: {
+        "auth": base64.b64encode(b"aenv:tok-pw").decode()}}}))
+    assert token_registry.token_server is not None
+    issued = token_registry.token_server.issued
+    with RegistryClient(token_registry.host) as client:
+        manifest = client.resolve_manifest(ref)
+        assert manifest.digest == image.digest
+        client.download_blob("team/app", manifest.layers[0], tmp_path / "blob")
+    assert token_registry.token_server.issued == issued + 1  # one token, reused for the blob

@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import json
 import logging
 import os
@@ -145,6 +146,8 @@ class Blockd:
         self._prepare_for: tuple[str | None, list[str], int | None] | None = None
         self._prepared: dict[str, tuple[Any, ImageLike, Path]] = {}
         self._prepare_task: asyncio.Task[None] | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._lock_fd = -1
 
     # -- paths -------------------------------------------------------------------------------
 
@@ -182,7 +185,23 @@ class Blockd:
 
     # -- lifecycle ---------------------------------------------------------------------------
 
+    def _take_state_lock(self) -> None:
+        """One daemon per state directory: a second one would fight over every device."""
+        self._lock_fd = os.open(self.state_dir / "blockd.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(self._lock_fd)
+            self._lock_fd = -1
+            raise BlockdError(
+                f"another blockd already runs on {self.state_dir} (it holds blockd.lock)"
+            ) from None
+        os.ftruncate(self._lock_fd, 0)
+        os.write(self._lock_fd, f"{os.getpid()}\n".encode())
+
     async def start(self) -> None:
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        self._take_state_lock()
         for folder in (self.records_dir, self.nbd_dir, self.uppers_dir):
             folder.mkdir(parents=True, exist_ok=True)
         self.socket_path.parent.mkdir(parents=True, exist_ok=True)
@@ -217,8 +236,8 @@ class Blockd:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             loop.add_signal_handler(sig, self._stopped.set)
-        await self.start()
         try:
+            await self.start()
             await self._stopped.wait()
         finally:
             await self.stop()
@@ -226,7 +245,7 @@ class Blockd:
     async def stop(self) -> None:
         if self._rpc_server is not None:
             self._rpc_server.close()
-        for task in (self._refill_task, self._prepare_task):
+        for task in (self._refill_task, self._prepare_task, *self._tasks):
             if task is not None:
                 task.cancel()
                 with contextlib.suppress(BaseException):
@@ -241,9 +260,13 @@ class Blockd:
         self.devices.clear()
         if self.fuse is not None:
             await self.fuse.stop()
-        with contextlib.suppress(FileNotFoundError):
-            self.socket_path.unlink()
+        if self._rpc_server is not None:
+            with contextlib.suppress(FileNotFoundError):
+                self.socket_path.unlink()
         self.executor.shutdown(wait=True)
+        if self._lock_fd >= 0:
+            os.close(self._lock_fd)
+            self._lock_fd = -1
         log.info("blockd stopped")
 
     async def _recover(self) -> None:
@@ -625,17 +648,24 @@ class Blockd:
             self._update_pool_gauge()
         log.info("pool device taken", extra={"device": device_id, "how": how,
                                              "ms": round((time.perf_counter() - started) * 1e3, 3)})
-        info = device.info()
-        # Everything below is off the take's path.
+        self._prepare_for = (image, list(lowers or []), size)
+        self._background(self._after_take(old, stale))
+        return device.info()
+
+    async def _after_take(self, old: ImageLike, stale: tuple[Any, ImageLike, Path] | None) -> None:
+        """Clean-up and re-preparation, off the take's path."""
         await self._in_thread(_close_quietly, old)
         if stale is not None:
             await self._discard_prepared(stale)
-        self._prepare_for = (image, list(lowers or []), size)
         if self.pool_target:
             self._schedule_refill()
         else:
             self._schedule_prepare()
-        return info
+
+    def _background(self, coro: Any) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     def _schedule_prepare(self) -> None:
         if self._prepare_task is None or self._prepare_task.done():

@@ -105,6 +105,8 @@ MAX_OPTION_LENGTH = 64 * 1024
 MAX_REQUEST = 32 * 1024 * 1024
 PREFERRED_BLOCK = 4096
 SOCKET_BUFFER = 4 * 1024 * 1024
+SO_SNDBUFFORCE = getattr(socket, "SO_SNDBUFFORCE", 32)
+SO_RCVBUFFORCE = getattr(socket, "SO_RCVBUFFORCE", 33)
 CORK_JOIN_MAX = 256 * 1024
 
 _REQUEST = struct.Struct(">IHHQQI")
@@ -192,7 +194,6 @@ class NbdConnection:
         self._tasks: set[asyncio.Task[None]] = set()
         self._out: list[bytes] = []
         self._out_bytes = 0
-        self._flush_scheduled = False
 
     # -- negotiation -------------------------------------------------------------------------
 
@@ -298,20 +299,16 @@ class NbdConnection:
     # -- transmission ------------------------------------------------------------------------
 
     def _reply(self, handle: int, error: int, data: bytes | None = None) -> None:
-        # Replies are corked: queued here and sent together once the loop is about to wait
-        # for more input, so a burst of queued requests costs one send() rather than one
-        # per reply (the send syscall was the largest cost per request). Header and payload
-        # are queued together, so replies never interleave.
+        # Replies are corked: queued here, and sent by _flush_out once no further request
+        # is already buffered, so a burst of queued requests costs one send() rather than
+        # one per reply (send was the largest cost per request). Header and payload are
+        # queued together, so replies never interleave.
         self._out.append(_REPLY.pack(SIMPLE_REPLY_MAGIC, error, handle))
         if data:
             self._out.append(data)
             self._out_bytes += len(data)
-        if not self._flush_scheduled:
-            self._flush_scheduled = True
-            asyncio.get_running_loop().call_soon(self._flush_out)
 
     def _flush_out(self) -> None:
-        self._flush_scheduled = False
         out, self._out = self._out, []
         size, self._out_bytes = self._out_bytes, 0
         if not out or self.writer.is_closing():
@@ -334,6 +331,7 @@ class NbdConnection:
             self._reply(handle, errno_for(exc))
         else:
             self._reply(handle, 0, result if isinstance(result, bytes) else None)
+        self._flush_out()
         with contextlib.suppress(ConnectionError):
             await self.writer.drain()
 
@@ -399,8 +397,12 @@ class NbdConnection:
             else:
                 # Unknown commands carry no payload we could know the size of; refuse and go on.
                 self._error(export, handle, EINVAL)
-            if self.writer.transport.get_write_buffer_size() > 4 * MAX_REQUEST:
-                await self.writer.drain()
+            # StreamReader keeps unread input in `_buffer` (CPython); when the next request
+            # is not already there, send what is queued before waiting for it.
+            if len(getattr(reader, "_buffer", b"")) < _REQUEST.size:
+                self._flush_out()
+                if self.writer.transport.get_write_buffer_size() > 4 * MAX_REQUEST:
+                    await self.writer.drain()
 
     def _now(self, fn: Callable[[int, object], object], handle: int, export: Export,
              offset: int, arg: object) -> bool:
@@ -480,10 +482,15 @@ async def start_unix_server(
             connections.add(writer)
         sock = writer.get_extra_info("socket")
         if sock is not None:
-            # Room for a few MAX-sized replies in the kernel: fewer partial sends of big reads.
-            with contextlib.suppress(OSError):
-                sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCKET_BUFFER)
-                sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCKET_BUFFER)
+            # Room for several large replies in the kernel, so a 1 MiB read goes out in one
+            # send() instead of being copied into the transport's buffer. SO_SNDBUF is capped
+            # by net.core.wmem_max; root may force past it.
+            for force, plain in ((SO_SNDBUFFORCE, socket.SO_SNDBUF), (SO_RCVBUFFORCE, socket.SO_RCVBUF)):
+                try:
+                    sock.setsockopt(socket.SOL_SOCKET, force, SOCKET_BUFFER)
+                except OSError:
+                    with contextlib.suppress(OSError):
+                        sock.setsockopt(socket.SOL_SOCKET, plain, SOCKET_BUFFER)
         try:
             await NbdConnection(reader, writer, exports, peer=path).serve()
         finally:

@@ -18,6 +18,7 @@ from rich.progress import (
 )
 
 from agentenv.storage.builder import commit_sealed, commit_upper
+from agentenv.storage.errors import LayerFormatError
 from agentenv.storage.export import export_raw, import_raw
 from agentenv.storage.image import Image
 from agentenv.storage.layer import inspect_layer
@@ -60,6 +61,8 @@ def layer_commit(upper_dir: Path, out: Path, compress: str | None, tar_: bool, u
                  parent_uuid: str | None, message: str) -> None:
     """Commit (compact) a writable upper, or re-compact a sealed layer, into OUT."""
     tag = message.encode()
+    if not upper_dir.exists():
+        raise LayerFormatError(upper_dir, None, "no such upper directory or layer file")
     if is_upper_path(upper_dir):
         directory = upper_dir if upper_dir.is_dir() else upper_dir.parent
         up = Upper.open(directory, writable=False)

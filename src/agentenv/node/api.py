@@ -193,10 +193,14 @@ class NodeApp:
         if scope["type"] == "lifespan":
             await self.api(scope, receive, send)
             return
-        if scope["type"] != "http":
-            await send({"type": "websocket.close", "code": 1003})
-            return
         route = route_of(scope)
+        if scope["type"] == "websocket":
+            if route is None:  # the control plane has no WebSocket routes
+                await send({"type": "websocket.close", "code": 1008})
+            else:
+                await self.proxy.websocket(scope, receive, send, *route)
+            self.metrics.requests.labels("proxy" if route else "api", "WEBSOCKET", "-").inc()
+            return
         if route is not None:
             status = await self.proxy(scope, receive, send, *route)
             self.metrics.requests.labels("proxy", scope["method"], str(status)).inc()

@@ -192,7 +192,11 @@ class Orchestrator:
             pending = list(self._ops.values()) + list(self._background)
             if pending:
                 await asyncio.wait(pending, timeout=WAIT_TRANSITION_SECONDS)
-            running = [r for r in self.sandboxes.values() if r.state == State.RUNNING]
+            running = [
+                r
+                for r in self.sandboxes.values()
+                if r.state == State.RUNNING and r.sandbox_id not in self._ops
+            ]
             if not running:
                 break
             results = await asyncio.gather(
@@ -568,10 +572,12 @@ class Orchestrator:
         while True:
             rec = self.get(sandbox_id)
             if rec.state == State.KILLING:
+                # someone else's kill (or the reaper's): wait for it; then, like get_info,
+                # answer that the sandbox does not exist (the SDK's kill() returns False)
                 task = self._ops.get(sandbox_id)
                 if task is not None:
                     await asyncio.shield(task)
-                return
+                raise sandbox_not_found(sandbox_id)
             if rec.state.stable:
                 break
             await self._wait_op(sandbox_id, rec.state)

@@ -20,6 +20,8 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
+from websockets.asyncio.client import ClientConnection, connect
+from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidURI
 
 from agentenv.node.backend import ENVD_PORT
 from agentenv.node.metrics import NodeMetrics
@@ -43,6 +45,14 @@ _HOP_BY_HOP = {
     b"upgrade",
 }
 _ROUTING = {b"e2b-sandbox-id", b"e2b-sandbox-port", b"e2b-traffic-access-token", b"host"}
+#: handshake headers the upstream WebSocket client makes itself
+_WS_HANDSHAKE = {
+    b"sec-websocket-key",
+    b"sec-websocket-version",
+    b"sec-websocket-extensions",
+    b"sec-websocket-protocol",
+    b"sec-websocket-accept",
+}
 
 
 class _ClientGone(Exception):
@@ -101,35 +111,120 @@ class SandboxProxy:
     async def close(self) -> None:
         await self.client.aclose()
 
-    async def __call__(
-        self, scope: Scope, receive: Any, send: Any, sandbox_id: str, port: int
-    ) -> int:
-        """Relay one request; returns the status sent."""
+    async def _admit(
+        self, scope: Scope, sandbox_id: str, port: int
+    ) -> tuple[str | None, int, dict[str, Any]]:
+        """(upstream base URL, 0, {}) when the request may go through, else (None, status, body)."""
         if not 0 < port < 65536:
-            await send_json(send, 400, {"code": 400, "message": "invalid E2b-Sandbox-Port"})
-            return 400
+            return None, 400, {"code": 400, "message": "invalid E2b-Sandbox-Port"}
         placement = await self.orchestrator.running_placement(sandbox_id)
         rec = self.orchestrator.sandboxes.get(sandbox_id)
         if placement is None or rec is None:
-            await send_json(
-                send,
+            return (
+                None,
                 502,
                 {"sandboxId": sandbox_id, "message": "The sandbox was not found", "code": 502},
             )
-            return 502
-        headers = {name: value for name, value in scope["headers"]}
         if port == ENVD_PORT and scope["path"] == "/init":
             # envd takes its token and env vars from /init; only the node may call it
-            await send_json(send, 403, {"code": 403, "message": "/init is reserved to the node"})
-            return 403
+            return None, 403, {"code": 403, "message": "/init is reserved to the node"}
         if port != ENVD_PORT and rec.traffic_access_token:
+            headers = dict(scope["headers"])
             given = headers.get(b"e2b-traffic-access-token", b"").decode("latin-1")
             if not same_secret(given, rec.traffic_access_token):
-                await send_json(
-                    send, 403, {"code": 403, "message": "missing or invalid traffic access token"}
+                return (
+                    None,
+                    403,
+                    {"code": 403, "message": "missing or invalid traffic access token"},
                 )
-                return 403
-        return await self._relay(scope, receive, send, placement.upstream(port), sandbox_id)
+        return placement.upstream(port), 0, {}
+
+    async def __call__(
+        self, scope: Scope, receive: Any, send: Any, sandbox_id: str, port: int
+    ) -> int:
+        """Relay one HTTP request; returns the status sent."""
+        base, status, body = await self._admit(scope, sandbox_id, port)
+        if base is None:
+            await send_json(send, status, body)
+            return status
+        return await self._relay(scope, receive, send, base, sandbox_id)
+
+    async def websocket(
+        self, scope: Scope, receive: Any, send: Any, sandbox_id: str, port: int
+    ) -> None:
+        """Bridge a WebSocket to the sandbox port, message by message, until either side closes."""
+        if (await receive())["type"] != "websocket.connect":
+            return
+        base, status, _ = await self._admit(scope, sandbox_id, port)
+        if base is None:
+            await send({"type": "websocket.close", "code": 1008 if status == 403 else 1011})
+            return
+        url = (
+            "ws"
+            + base[len("http") :]
+            + (scope.get("raw_path") or scope["path"].encode()).decode("latin-1")
+        )
+        if scope.get("query_string"):
+            url += "?" + scope["query_string"].decode("latin-1")
+        headers = [
+            (n.decode("latin-1"), v.decode("latin-1"))
+            for n, v in self._upstream_headers(scope)
+            if n not in _WS_HANDSHAKE
+        ]
+        try:
+            upstream = await connect(
+                url,
+                additional_headers=headers,
+                subprotocols=scope.get("subprotocols") or None,
+                user_agent_header=None,
+                compression=None,
+                max_size=None,
+                ping_interval=None,
+                proxy=None,
+                open_timeout=10,
+            )
+        except (OSError, InvalidHandshake, InvalidURI, TimeoutError) as exc:
+            log.info(
+                "websocket upstream refused", extra={"sandbox_id": sandbox_id, "error": str(exc)}
+            )
+            await send({"type": "websocket.close", "code": 1011})
+            return
+        await send({"type": "websocket.accept", "subprotocol": upstream.subprotocol})
+        to_sandbox = asyncio.create_task(self._ws_client_to_upstream(receive, upstream))
+        to_client = asyncio.create_task(self._ws_upstream_to_client(upstream, send))
+        try:
+            await asyncio.wait({to_sandbox, to_client}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in (to_sandbox, to_client):
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await task
+            await upstream.close()
+
+    @staticmethod
+    async def _ws_client_to_upstream(receive: Any, upstream: ClientConnection) -> None:
+        while True:
+            message = await receive()
+            if message["type"] == "websocket.disconnect":
+                await upstream.close(message.get("code") or 1000)
+                return
+            if message["type"] == "websocket.receive":
+                data = message.get("bytes")
+                await upstream.send(data if data is not None else message.get("text", ""))
+
+    @staticmethod
+    async def _ws_upstream_to_client(upstream: ClientConnection, send: Any) -> None:
+        with contextlib.suppress(ConnectionClosed):
+            async for message in upstream:
+                key = "bytes" if isinstance(message, bytes) else "text"
+                await send({"type": "websocket.send", key: message})
+        await send(
+            {
+                "type": "websocket.close",
+                "code": upstream.close_code or 1000,
+                "reason": upstream.close_reason or "",
+            }
+        )
 
     def _upstream_headers(self, scope: Scope) -> list[tuple[bytes, bytes]]:
         connection_named = set()

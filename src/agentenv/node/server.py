@@ -73,6 +73,8 @@ def serve(options: ServeOptions) -> None:
         timeout_graceful_shutdown=options.graceful_seconds,
         timeout_keep_alive=30,
         server_header=False,
+        ws="websockets-sansio",
+        ws_max_size=64 << 20,
     )
     server = uvicorn.Server(config)
     log.info(

@@ -27,6 +27,7 @@ class RuntimeConfig(BaseModel):
     boot_timeout: float = 120.0
     restore_timeout: float = 30.0
     blockd_socket: Path | None = None
+    snapshot_root: Path | None = None  # default: <state_dir>/snapshots
 
     @property
     def vm_dir(self) -> Path:
@@ -34,7 +35,7 @@ class RuntimeConfig(BaseModel):
 
     @property
     def snapshot_dir(self) -> Path:
-        return self.state_dir / "snapshots"
+        return self.snapshot_root or self.state_dir / "snapshots"
 
     @property
     def memory_dir(self) -> Path:

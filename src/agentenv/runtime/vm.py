@@ -330,6 +330,10 @@ class Runtime:
         except BaseException as exc:
             shutil.rmtree(snap_dir, ignore_errors=True)
             await self._after_failed_snapshot(vm, exc)
+            if isinstance(exc, OSError):
+                raise SnapshotError(
+                    f"snapshot of VM {vm.id} failed: {exc.strerror or exc}"
+                    f"{' (' + exc.filename + ')' if exc.filename else ''}") from exc
             raise
         log.info("snapshot", extra={
             "vm": vm.id, "snapshot": snap_id, "devstate_ms": round((t_dev - t0) * 1e3, 1),

@@ -99,6 +99,19 @@ class _View:
         self.fast_phys = phys
 
 
+def _restack_interrupted(config: ImageConfig, layers: Sequence[SealedLayer]) -> bool:
+    """True when image.json was committed by snapshot_and_restack but the fresh upper was not
+    (fully) created: upper.data is still the very file that is now the top lower."""
+    if not layers or config.upper_data is None:
+        return False
+    try:
+        a = os.stat(config.upper_data)
+    except FileNotFoundError:
+        return False
+    b = os.stat(layers[-1].path)
+    return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
+
+
 def _stack_vsize(layers: Sequence[SealedLayer]) -> int:
     for layer in reversed(layers):
         if layer.virtual_size > 0:
@@ -114,7 +127,8 @@ class Image:
     """
 
     def __init__(self, layers: list[SealedLayer], upper: Upper | None,
-                 config: ImageConfig | None, writable: bool) -> None:
+                 config: ImageConfig | None, writable: bool,
+                 virtual_size: int | None = None) -> None:
         if len(layers) > MAX_LAYERS:
             raise ImageUsageError(f"{len(layers)} layers exceed the limit of {MAX_LAYERS}")
         self._wlock = threading.RLock()
@@ -124,7 +138,7 @@ class Image:
         indexes = [_relabel(layer.index, slot) for slot, layer in enumerate(layers)]
         ro = merge_indexes(indexes[::-1])
         vsize = upper.virtual_size if upper is not None and upper.virtual_size else 0
-        vsize = vsize or _stack_vsize(layers)
+        vsize = vsize or virtual_size or _stack_vsize(layers)
         self._view = _View(layers, ro, upper, vsize)
 
     # -- construction ---------------------------------------------------------------------
@@ -152,7 +166,16 @@ class Image:
         try:
             for p in config.lowers:
                 layers.append(open_layer(p))
-            if config.upper_data is not None:
+            if config.upper_data is not None and _restack_interrupted(config, layers):
+                if writable:
+                    top = layers[-1]
+                    upper = Upper.create(config.upper_data.parent, top.header.virtual_size,
+                                         parent_uuid=top.uuid, rw_tag=len(layers))
+                    if upper.data_path != config.upper_data:
+                        config.upper_data, config.upper_index = upper.data_path, upper.index_path
+                        config.save()
+                # Read-only: the top lower already holds everything the upper held.
+            elif config.upper_data is not None:
                 upper = Upper.open(data_path=config.upper_data, index_path=config.upper_index,
                                    writable=writable, rw_tag=len(layers))
             return cls(layers, upper, config, writable)
@@ -175,7 +198,7 @@ class Image:
             if vsize <= 0 or vsize % SECTOR:
                 raise ImageUsageError(f"virtual size {vsize} must be a positive multiple of 512")
             if upper_dir is None:
-                return cls(layers, None, None, False)
+                return cls(layers, None, None, False, vsize)
             upper_dir = Path(upper_dir).absolute()
             if (upper_dir / UPPER_DATA).exists():
                 raise ImageUsageError(f"{upper_dir} already holds an upper layer")
@@ -440,13 +463,22 @@ class Image:
             self._view = _View(v.layers, v.ro, up, new_size)
 
     def snapshot_and_restack(self, sealed_path: Path) -> Path:
-        """Seal the upper in place (C++ close_seal), rename it to `sealed_path` (same
-        filesystem), put it on top of the read-only stack, open a fresh empty upper in the
-        same directory and rewrite image.json. No data is copied; concurrent readers keep
-        reading (the sealed file keeps its open descriptor). Returns `sealed_path`."""
+        """Seal the upper in place (C++ close_seal), make it `sealed_path` (same filesystem),
+        put it on top of the read-only stack, open a fresh empty upper in the same directory
+        and rewrite image.json. No data is copied; concurrent readers keep reading (the
+        sealed file keeps its open descriptor). Returns `sealed_path`.
+
+        Crash safety: the sealed file is hard-linked to `sealed_path`, then image.json is
+        replaced (the commit point), then the new upper replaces upper.index and upper.data.
+        Before the commit point the old config still describes a consistent image (an upper
+        that carries a trailer stays a valid upper); after it, `Image.open` sees upper.data
+        being the same file as the top lower and finishes the restack."""
         with self._wlock:
             up = self._check_writable()
             v = self._view
+            config = self._config
+            if config is None or config.path is None:
+                raise ImageUsageError("snapshot needs an image config (image.json)")
             if len(v.layers) + 1 > MAX_LAYERS:
                 raise ImageUsageError(f"stack already has {len(v.layers)} layers "
                                       f"(limit {MAX_LAYERS})")
@@ -458,25 +490,39 @@ class Image:
             upper_dir = up.data_path.parent
             up.flush()
             trailer = up.seal_in_place()
-            os.rename(up.data_path, sealed_path)
-            fsync_dir(sealed_path.parent)
-            fd = up.data_fd
-            size = os.fstat(fd).st_size
-            layer = load_sealed(sealed_path, StreamSource(str(sealed_path), fd, 0, size))
-            slot = len(v.layers)
-            ro = overlay(_relabel(layer.index, slot), v.ro)
-            new_upper = Upper.create(upper_dir, v.vsize, parent_uuid=trailer.uuid,
-                                     rw_tag=slot + 1)
+            os.link(up.data_path, sealed_path)
+            try:
+                fsync_dir(sealed_path.parent)
+                fd = up.data_fd
+                layer = load_sealed(sealed_path,
+                                    StreamSource(str(sealed_path), fd, 0, os.fstat(fd).st_size))
+                slot = len(v.layers)
+                ro = overlay(_relabel(layer.index, slot), v.ro)
+                layers = [*v.layers, layer]
+                old_paths = (up.data_path, up.index_path)
+                config.lowers = [lay.path.absolute() for lay in layers]
+                config.upper_data = upper_dir / UPPER_DATA
+                config.upper_index = upper_dir / UPPER_INDEX
+                config.save()  # commit point
+            except BaseException:
+                sealed_path.unlink(missing_ok=True)
+                raise
+            try:
+                fsync_dir(config.path.parent)
+                new_upper = Upper.create(upper_dir, v.vsize, parent_uuid=trailer.uuid,
+                                         rw_tag=slot + 1)
+            except BaseException:
+                # On disk the restack is committed; the next open finishes it. Here the
+                # image goes read-only over the new stack.
+                self._writable = False
+                self._view = _View(layers, ro, None, v.vsize)
+                raise
+            for old in old_paths:
+                if old not in (new_upper.data_path, new_upper.index_path):
+                    old.unlink(missing_ok=True)
             if up.index_fd is not None:
                 os.close(up.index_fd)
                 up.index_fd = None
-            layers = [*v.layers, layer]
-            if self._config is not None:
-                self._config.lowers = [lay.path.absolute() for lay in layers]
-                self._config.upper_data = upper_dir / UPPER_DATA
-                self._config.upper_index = upper_dir / UPPER_INDEX
-                self._config.save()
-                fsync_dir(self._config.path.parent)  # type: ignore[union-attr]
             self._view = _View(layers, ro, new_upper, v.vsize)
             return sealed_path
 

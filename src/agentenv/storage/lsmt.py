@@ -295,6 +295,9 @@ class FlatIndex:
 def overlay(top: FlatIndex, bottom: FlatIndex) -> FlatIndex:
     """Merge two indexes where `top` wins: its mappings as they are, plus `bottom`'s mappings
     trimmed to the gaps `top` leaves (one step of C++ merge_memory_indexes / ComboIndex)."""
+    if len(top) + len(bottom) >= _VECTOR_MIN:
+        s_, e_, m_, l_ = (a.tolist() for a in _overlay_arrays(_to_arrays(top), _to_arrays(bottom)))
+        return FlatIndex(s_, e_, m_, l_)
     ts, te, tm, tl = top.starts, top.ends, top.moffsets, top.layers
     bs, be, bm, bl = bottom.starts, bottom.ends, bottom.moffsets, bottom.layers
     if not ts:
@@ -335,14 +338,61 @@ def overlay(top: FlatIndex, bottom: FlatIndex) -> FlatIndex:
     return FlatIndex(os_, oe, om, ol)
 
 
+_Arrays = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]
+_VECTOR_MIN = 4096  # below this many entries the pure-Python sweep is faster
+
+
+def _to_arrays(index: FlatIndex) -> _Arrays:
+    return (np.asarray(index.starts, dtype=np.int64), np.asarray(index.ends, dtype=np.int64),
+            np.asarray(index.moffsets, dtype=np.int64), np.asarray(index.layers, dtype=np.int64))
+
+
+def _overlay_arrays(top: _Arrays, bottom: _Arrays) -> _Arrays:
+    """`overlay` vectorised: bottom mappings cut to the gaps between top mappings."""
+    ts, te, tm, tl = top
+    bs, be, bm, bl = bottom
+    if not len(ts):
+        return bottom
+    if not len(bs):
+        return top
+    gap_s = np.concatenate(([0], te))
+    gap_e = np.concatenate((ts, [np.iinfo(np.int64).max]))
+    keep = gap_e > gap_s
+    gap_s, gap_e = gap_s[keep], gap_e[keep]
+    # Gaps intersecting bottom mapping i: indexes [j0[i], j1[i]).
+    j0 = np.searchsorted(gap_e, bs, side="right")
+    j1 = np.searchsorted(gap_s, be, side="left")
+    counts = np.maximum(j1 - j0, 0)
+    total = int(counts.sum())
+    src = np.repeat(np.arange(len(bs)), counts)
+    first = np.repeat(np.cumsum(counts) - counts, counts)
+    gap = np.repeat(j0, counts) + (np.arange(total) - first)
+    ps = np.maximum(bs[src], gap_s[gap])
+    pe = np.minimum(be[src], gap_e[gap])
+    ok = pe > ps
+    src, ps, pe = src[ok], ps[ok], pe[ok]
+    lay = bl[src]
+    pm = np.where(lay == ZEROED, bm[src], bm[src] + (ps - bs[src]))
+    starts = np.concatenate((ts, ps))
+    order = np.argsort(starts, kind="stable")
+    return (starts[order], np.concatenate((te, pe))[order], np.concatenate((tm, pm))[order],
+            np.concatenate((tl, lay))[order])
+
+
 def merge_indexes(indexes_top_first: list[FlatIndex]) -> FlatIndex:
     """One merged read-only index over a stack given top layer first (spec 5.3)."""
     if not indexes_top_first:
         return FlatIndex()
-    merged = indexes_top_first[0].copy()
+    if sum(len(ix) for ix in indexes_top_first) < _VECTOR_MIN:
+        merged = indexes_top_first[0].copy()
+        for lower in indexes_top_first[1:]:
+            merged = overlay(merged, lower)
+        return merged
+    arrays = _to_arrays(indexes_top_first[0])
     for lower in indexes_top_first[1:]:
-        merged = overlay(merged, lower)
-    return merged
+        arrays = _overlay_arrays(arrays, _to_arrays(lower))
+    s_, e_, m_, l_ = (a.tolist() for a in arrays)
+    return FlatIndex(s_, e_, m_, l_)
 
 
 def compress_raw_index(mappings: list[RawMapping]) -> list[RawMapping]:

@@ -118,7 +118,9 @@ class Upper:
         index_hdr = HeaderTrailer(flags=FLAG_HEADER, index_offset=HT_BLOCK,
                                   virtual_size=virtual_size, uuid=uuid,
                                   parent_uuid=parent_uuid or "")
-        for name, block in ((UPPER_DATA, data_hdr.pack()), (UPPER_INDEX, index_hdr.pack())):
+        # Index first: after a crash between the two renames the data file is still the
+        # previous (sealed) one, which Image.open recognises and rolls forward.
+        for name, block in ((UPPER_INDEX, index_hdr.pack()), (UPPER_DATA, data_hdr.pack())):
             tmp = directory / f".{name}.tmp-{os.getpid()}"
             with open(tmp, "wb") as f:
                 f.write(block)

@@ -188,16 +188,15 @@ class ZFileReader:
         self._local = threading.local()
 
     def _decompressor(self) -> Callable[[bytes | memoryview, int], bytes]:
+        """A per-thread `decompress(compressed, expected_size)` (zstd contexts are not
+        thread-safe). Both codecs take the expected size as their second argument."""
         fn = getattr(self._local, "fn", None)
         if fn is None:
             if self.algo == ALGO_ZSTD:
-                dctx = zstandard.ZstdDecompressor()
-
-                def fn(comp: bytes | memoryview, n: int, _d: zstandard.ZstdDecompressor = dctx) -> bytes:
-                    return _d.decompress(comp, max_output_size=n)
+                # ZSTD frames record their content size; the second argument caps the output.
+                fn = zstandard.ZstdDecompressor().decompress
             else:
-                def fn(comp: bytes | memoryview, n: int) -> bytes:
-                    return lz4.block.decompress(comp, uncompressed_size=n)
+                fn = lz4.block.decompress
             self._local.fn = fn
         return fn
 

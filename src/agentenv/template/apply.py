@@ -27,6 +27,7 @@ import shutil
 import stat
 import subprocess
 import tarfile
+import threading
 import urllib.parse
 import zlib
 from collections.abc import Callable, Iterator
@@ -36,6 +37,7 @@ from typing import BinaryIO
 
 import zstandard
 
+from agentenv.template.blobtap import BlobTap
 from agentenv.template.errors import LayerApplyError, UnsupportedImageError
 
 WHITEOUT_PREFIX = ".wh."
@@ -97,14 +99,48 @@ class _HashingReader(io.RawIOBase):
         return n
 
 
+class _Prefixed(io.RawIOBase):
+    """`head`, then the rest of `rest` (a stream whose first bytes were read already)."""
+
+    def __init__(self, head: bytes, rest: io.RawIOBase) -> None:
+        self.head = head
+        self.rest = rest
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: memoryview) -> int:  # type: ignore[override]
+        if self.head:
+            n = min(len(buffer), len(self.head))
+            buffer[:n] = self.head[:n]
+            self.head = self.head[n:]
+            return n
+        return self.rest.readinto(buffer)  # type: ignore[no-any-return]
+
+
 @contextlib.contextmanager
-def open_uncompressed(blob: Path, compression: str, raw_holder: list[BinaryIO] | None = None
-                      ) -> Iterator[BinaryIO]:
-    """The layer's tar stream. The compression named by the media type must match the bytes."""
+def _open_source(blob: Path | BlobTap) -> Iterator[tuple[BinaryIO, bytes, Callable[[], int]]]:
+    """(raw stream at offset 0, its first 4 bytes, compressed bytes consumed so far)."""
+    if isinstance(blob, BlobTap):
+        with blob.open() as reader:
+            head = b""
+            while len(head) < 4 and (more := reader.read(4 - len(head))):
+                head += more
+            stream = io.BufferedReader(_Prefixed(head, reader), buffer_size=_COPY_CHUNK)
+            yield stream, head, lambda: reader.position  # type: ignore[misc]
+        return
     with open(blob, "rb") as raw:
-        if raw_holder is not None:
-            raw_holder.append(raw)
         head = os.pread(raw.fileno(), 4, 0)  # leaves the file offset at 0 for a child reader
+        yield raw, head, lambda: os.lseek(raw.fileno(), 0, os.SEEK_CUR)
+
+
+@contextlib.contextmanager
+def open_uncompressed(blob: Path | BlobTap, compression: str,
+                      position_holder: list[Callable[[], int]] | None = None) -> Iterator[BinaryIO]:
+    """The layer's tar stream. The compression named by the media type must match the bytes."""
+    with _open_source(blob) as (raw, head, position):
+        if position_holder is not None:
+            position_holder.append(position)
         actual = "gzip" if head[:2] == _GZIP_MAGIC else "zstd" if head == _ZSTD_MAGIC else ""
         if compression and actual != compression:
             raise LayerApplyError(f"media type says {compression} but the blob is not "
@@ -128,16 +164,45 @@ def open_uncompressed(blob: Path, compression: str, raw_holder: list[BinaryIO] |
 _DECOMPRESSORS = {"gzip": ("gzip", "-dc"), "zstd": ("zstd", "-dcq")}
 
 
+def _feed(source: BinaryIO, sink: BinaryIO, failure: list[BaseException]) -> None:
+    try:
+        while chunk := source.read(_COPY_CHUNK):
+            sink.write(chunk)
+    except BrokenPipeError:
+        pass  # the reader gave up first; its error is the one that matters
+    except BaseException as exc:
+        failure.append(exc)
+    finally:
+        with contextlib.suppress(OSError):
+            sink.close()
+
+
 @contextlib.contextmanager
 def _child_decompressor(tool: tuple[str, ...], raw: BinaryIO, name: str) -> Iterator[BinaryIO]:
-    child = subprocess.Popen(tool, stdin=raw, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    has_fd = True
+    try:
+        raw.fileno()
+    except (OSError, io.UnsupportedOperation):
+        has_fd = False
+    child = subprocess.Popen(tool, stdin=raw if has_fd else subprocess.PIPE,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     assert child.stdout is not None and child.stderr is not None
+    feeder: threading.Thread | None = None
+    failure: list[BaseException] = []
+    if not has_fd:
+        assert child.stdin is not None
+        feeder = threading.Thread(target=_feed, args=(raw, child.stdin, failure), daemon=True)
+        feeder.start()
     try:
         yield child.stdout  # type: ignore[misc]
         # The tar reader stops at the end-of-archive blocks: the rest must still decompress.
         while child.stdout.read(_COPY_CHUNK):
             pass
         child.stdout.close()
+        if feeder is not None:
+            feeder.join()
+        if failure:
+            raise failure[0]
         errors = child.stderr.read().decode(errors="replace").strip()
         if child.wait() != 0:
             raise LayerApplyError(f"corrupt archive: {name} data does not decompress "
@@ -146,6 +211,8 @@ def _child_decompressor(tool: tuple[str, ...], raw: BinaryIO, name: str) -> Iter
         if child.poll() is None:
             child.kill()
             child.wait()
+        if feeder is not None:
+            feeder.join(timeout=30)
         child.stdout.close()
         child.stderr.close()
 
@@ -366,19 +433,21 @@ class LayerApplier:
             os.utime(path, ns=(atime_ns, mtime_ns), follow_symlinks=False)
 
 
-def apply_layer(root: Path, blob: Path, media_type: str, expected_diff_id: str | None = None,
-                name: str | None = None, progress: Callable[[int], None] | None = None) -> ApplyStats:
-    """Apply the layer blob onto `root`; check the uncompressed digest against `expected_diff_id`.
-    `progress` is told how many more bytes of the (compressed) blob have been consumed."""
-    label = name or blob.name
+def apply_layer(root: Path, blob: Path | BlobTap, media_type: str,
+                expected_diff_id: str | None = None, name: str | None = None,
+                progress: Callable[[int], None] | None = None) -> ApplyStats:
+    """Apply the layer blob (a file, or a download in progress) onto `root`; check the
+    uncompressed digest against `expected_diff_id`. `progress` is told how many more bytes of
+    the (compressed) blob have been consumed."""
+    label = name or (blob.name if isinstance(blob, Path) else "blob")
     compression = compression_of(media_type)
-    raw_holder: list[BinaryIO] = []
+    raw_holder: list[Callable[[], int]] = []
     consumed = 0
 
     def report() -> None:
         nonlocal consumed
         if progress is not None and raw_holder:
-            position = os.lseek(raw_holder[0].fileno(), 0, os.SEEK_CUR)
+            position = raw_holder[0]()
             if position > consumed:
                 progress(position - consumed)
                 consumed = position

@@ -22,6 +22,7 @@ from pathlib import Path
 
 from agentenv.blockd.client import DEFAULT_SOCKET, BlockdClient
 from agentenv.template.apply import ApplyStats, apply_layer
+from agentenv.template.blobtap import BlobTap
 from agentenv.template.errors import PullError
 
 VIRTUAL_SIZE = 64 << 30  # the reference's LAYER_VIRTUAL_SIZE_GIB
@@ -157,7 +158,7 @@ def make_base_layer(work: Path, out: Path) -> Path:
 def convert_tar_layer(
     client: BlockdClient,
     lowers: list[Path],
-    blob: Path,
+    blob: Path | BlobTap,
     media_type: str,
     diff_id: str,
     work: Path,

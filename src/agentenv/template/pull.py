@@ -38,6 +38,7 @@ from rich.progress import (
 
 from agentenv.blockd.client import BlockdClient
 from agentenv.template.apply import compression_of
+from agentenv.template.blobtap import BlobTap
 from agentenv.template.convert import (
     BASE_KEY,
     BASE_MKFS_ARGS,
@@ -158,18 +159,25 @@ class _Puller:
         self.bytes_downloaded = 0
         self.downloaded_blobs: set[Path] = set()
 
-    def download(self, layer: Descriptor, kind: str | None, key: str) -> Path | None:
+    def download(self, layer: Descriptor, kind: str | None, key: str,
+                 tap: BlobTap | None = None) -> Path | None:
         """The blob on disk (None if the entry got cached meanwhile); one download at a time.
-        kind None: fetch even if the cache entry exists."""
+        kind None: fetch even if the cache entry exists. `tap` follows the download."""
         path = self.cache.blob_path(layer.digest)
         with self.cache.blob_lock(layer.digest):
             if kind is not None and self.cache.lookup(kind, key) is not None:
+                if tap is not None:
+                    tap.finish(None)
                 return None
             if path.exists():
+                if tap is not None:
+                    tap.start(path)
+                    tap.advance(path.stat().st_size)
+                    tap.finish(None)
                 return path
             task = self.reporter.task(f"download {_short(layer.digest)}", layer.size)
             self.client.download_blob(self.ref.repository, layer, path,
-                                      self.reporter.advancer(task))
+                                      self.reporter.advancer(task), tap)
             self.downloaded_blobs.add(path)
             self.bytes_downloaded += layer.size
             self.reporter.done(task)
@@ -356,10 +364,17 @@ def _pull_and_convert(
         return [base] + [(cache.lookup(CONVERTER_KIND, k), c) for k, c in zip(keys, chains, strict=True)], \
             (len(chains), 0)  # type: ignore[list-item]
     converted = 0
-    with _executor(3) as pool, cache.workspace() as scratch, \
-            blockd_socket(blockd, scratch) as socket, BlockdClient(socket, timeout=600) as bd:
+    taps = {i: BlobTap() for i in missing}
+    with contextlib.ExitStack() as stack:
+        for tap in taps.values():
+            stack.callback(tap.close)
+        pool = stack.enter_context(_executor(3))
+        scratch = stack.enter_context(cache.workspace())
+        socket = stack.enter_context(blockd_socket(blockd, scratch))
+        bd = stack.enter_context(BlockdClient(socket, timeout=600))
         downloads: dict[int, Future[Path | None]] = {
-            i: pool.submit(puller.download, layers[i], CONVERTER_KIND, keys[i]) for i in missing
+            i: pool.submit(puller.download, layers[i], CONVERTER_KIND, keys[i], taps[i])
+            for i in missing
         }
         convert_seconds = 0.0
         for i, (layer, chain, key) in enumerate(zip(layers, chains, keys, strict=True)):
@@ -368,19 +383,35 @@ def _pull_and_convert(
                 if found is not None:
                     lowers.append((found, chain))
                     continue
-                blob = downloads[i].result() if i in downloads else None
-                if blob is None or not blob.exists():  # cached, then lost: fetch it now
-                    blob = puller.download(layer, None, key) or cache.blob_path(layer.digest)
+                future = downloads.get(i)
+                source: Path | BlobTap
+                if future is not None and not future.done():
+                    source = taps[i]  # convert while it downloads; publish only once verified
+                else:
+                    blob = future.result() if future is not None else None
+                    if blob is None or not blob.exists():  # cached, then lost: fetch it now
+                        blob = puller.download(layer, None, key) or cache.blob_path(layer.digest)
+                    source = blob
                 task = puller.reporter.task(f"convert  {_short(layer.digest)}", layer.size)
                 t0 = time.perf_counter()
                 with cache.workspace() as work:
                     staged = work / "entry"
                     staged.mkdir()
-                    stats = convert_tar_layer(
-                        bd, [p for p, _ in lowers], blob, layer.media_type, str(diff_ids[i]),
-                        work, staged / LAYER_FILE, label=_short(layer.digest),
-                        progress=puller.reporter.advancer(task),
-                    )
+                    try:
+                        stats = convert_tar_layer(
+                            bd, [p for p, _ in lowers], source, layer.media_type,
+                            str(diff_ids[i]), work, staged / LAYER_FILE,
+                            label=_short(layer.digest), progress=puller.reporter.advancer(task),
+                        )
+                    except BaseException:
+                        # A failed download explains a failed apply better than the apply does.
+                        if isinstance(source, BlobTap) and future is not None:
+                            download_error = future.exception()
+                            if download_error is not None:
+                                raise download_error from None
+                        raise
+                    if future is not None:
+                        future.result()  # the bytes applied are the verified ones
                     path = cache.publish(CONVERTER_KIND, key, staged, {
                         "kind": "oci-layer", "chainId": chain, "diffId": stats.diff_id,
                         "baseDigest": base[1],
@@ -392,7 +423,7 @@ def _pull_and_convert(
                     })
                 convert_seconds += time.perf_counter() - t0
                 puller.reporter.done(task)
-                blob.unlink(missing_ok=True)
+                cache.blob_path(layer.digest).unlink(missing_ok=True)
                 converted += 1
                 lowers.append((path, chain))
         timings["convert"] = convert_seconds

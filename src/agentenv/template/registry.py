@@ -14,6 +14,8 @@ import json
 import logging
 import os
 import re
+import ssl
+import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -23,6 +25,7 @@ from typing import Any
 import httpx
 
 from agentenv.template.auth import Credentials, credentials_for
+from agentenv.template.blobtap import BlobTap
 from agentenv.template.errors import (
     AuthError,
     DigestMismatchError,
@@ -146,7 +149,9 @@ class RegistryClient:
         self.insecure = (
             insecure if insecure is not None else (_is_loopback(self.host) or self.host in env_insecure)
         )
-        verify: bool | str = str(ca_file) if ca_file else True
+        verify: bool | ssl.SSLContext = (
+            ssl.create_default_context(cafile=str(ca_file)) if ca_file else True
+        )
         if self.insecure:
             verify = False
         self._http = httpx.Client(
@@ -382,24 +387,36 @@ class RegistryClient:
         return data
 
     def download_blob(self, repository: str, descriptor: Descriptor, dest: Path,
-                      progress: ProgressCallback | None = None) -> Path:
-        """Stream a blob to `dest` (written as dest.partial, renamed once verified)."""
+                      progress: ProgressCallback | None = None, tap: BlobTap | None = None) -> Path:
+        """Stream a blob to `dest` (written as dest.partial, renamed once verified). A `tap`
+        lets a reader follow the download; it learns the outcome when the download ends."""
         what = f"blob {repository}@{descriptor.digest}"
-        partial = dest.with_name(dest.name + f".partial.{os.getpid()}")
+        partial = dest.with_name(dest.name + f".partial.{os.getpid()}.{threading.get_ident()}")
         dest.parent.mkdir(parents=True, exist_ok=True)
-        response = self._request("GET", f"/v2/{repository}/blobs/{descriptor.digest}", repository,
-                                 stream=True)
+        try:
+            response = self._request("GET", f"/v2/{repository}/blobs/{descriptor.digest}",
+                                     repository, stream=True)
+        except BaseException as exc:
+            if tap is not None:
+                tap.finish(exc)
+            raise
         try:
             self._fail(response, what)
             hasher = hashlib.sha256()
             size = 0
-            with open(partial, "wb") as out:
+            with open(partial, "wb", buffering=0) as out:
+                if tap is not None:
+                    tap.start(partial)
                 for chunk in self._iter_body(response, what):
                     hasher.update(chunk)
-                    out.write(chunk)
+                    view = memoryview(chunk)
+                    while view:
+                        view = view[out.write(view) or 0:]
                     size += len(chunk)
                     if progress:
                         progress(len(chunk))
+                    if tap is not None:
+                        tap.advance(len(chunk))
             digest = "sha256:" + hasher.hexdigest()
             if digest != descriptor.digest:
                 raise DigestMismatchError(
@@ -408,11 +425,15 @@ class RegistryClient:
             if size != descriptor.size:
                 raise DigestMismatchError(f"{what}: {size} bytes, manifest says {descriptor.size}")
             os.replace(partial, dest)
-        except BaseException:
+        except BaseException as exc:
             partial.unlink(missing_ok=True)
+            if tap is not None:
+                tap.finish(exc)
             raise
         finally:
             response.close()
+        if tap is not None:
+            tap.finish(None)
         return dest
 
     @staticmethod

@@ -7,7 +7,6 @@ import asyncio
 import base64
 import binascii
 import contextlib
-import hmac
 import json
 import logging
 import os
@@ -39,6 +38,7 @@ from agentenv.guest.envd.rpc import (
     encode_envelope,
     end_of_stream,
     parse_message,
+    same_secret,
 )
 from agentenv.guest.envd.rpc import (
     field as msg_field,
@@ -241,7 +241,7 @@ class Envd:
         if token is None:
             return True
         given = request.headers.get("x-access-token", "")
-        return hmac.compare_digest(given.encode(), token.encode())
+        return same_secret(given, token)
 
     def _fs(self, method: Callable[[dict[str, Any], User], dict[str, Any]]) -> UnaryHandler:
         async def handler(ctx: RpcContext, message: dict[str, Any]) -> dict[str, Any]:
@@ -349,7 +349,7 @@ class Envd:
             return
         new_token = body.get("accessToken")
         if self.state.access_token is not None and not (
-            self.token_ok(request) or (isinstance(new_token, str) and hmac.compare_digest(new_token, self.state.access_token))
+            self.token_ok(request) or (isinstance(new_token, str) and same_secret(new_token, self.state.access_token))
         ):
             await send_json(send, 401, {"code": 401, "message": "unauthorized access: /init needs the current access token"}, extra)
             return
@@ -504,6 +504,10 @@ class Envd:
         except RpcError as exc:
             await send_json(send, exc.http_status, exc.to_json())
             return
+        except OSError as exc:
+            error = RpcError("internal", f"{exc.strerror or exc}")
+            await send_json(send, error.http_status, error.to_json())
+            return
         await send_json(send, 200, response)
 
     async def _read_single_envelope(self, ctx: RpcContext) -> dict[str, Any]:
@@ -548,7 +552,7 @@ class Envd:
             return end_of_stream()
 
         pump_task = asyncio.ensure_future(pump())
-        disconnect_task = asyncio.ensure_future(_wait_disconnect(ctx.request.receive))
+        disconnect_task = asyncio.ensure_future(wait_disconnect(ctx.request.receive))
         done, _ = await asyncio.wait({pump_task, disconnect_task}, return_when=asyncio.FIRST_COMPLETED)
         if pump_task in done:
             disconnect_task.cancel()
@@ -701,7 +705,8 @@ class Envd:
             yield event
 
 
-async def _wait_disconnect(receive: Receive) -> None:
+async def wait_disconnect(receive: Receive) -> None:
+    """Returns when the client has gone (the request body must have been read already)."""
     while (await receive())["type"] != "http.disconnect":
         pass
 

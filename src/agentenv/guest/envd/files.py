@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import contextlib
 import errno
-import hashlib
-import hmac
 import logging
 import mimetypes
 import os
@@ -27,7 +26,7 @@ from agentenv.guest.envd.multipart import (
     boundary_of,
 )
 from agentenv.guest.envd.rootfs import User
-from agentenv.guest.envd.rpc import RpcError
+from agentenv.guest.envd.rpc import RpcError, same_secret
 
 if TYPE_CHECKING:
     from agentenv.guest.envd.app import Envd, Request, Send
@@ -48,6 +47,8 @@ class HttpError(Exception):
 
 
 def signature_for(path: str, operation: str, username: str, token: str, expiration: int | None) -> str:
+    import hashlib  # here: it maps OpenSSL's libcrypto, which envd otherwise does without
+
     raw = f"{path}:{operation}:{username}:{token}"
     if expiration is not None:
         raw += f":{expiration}"
@@ -63,6 +64,14 @@ def write_error(exc: OSError, guest_path: str) -> HttpError:
     if exc.errno in (errno.EISDIR, errno.ENOTDIR, errno.ENAMETOOLONG, errno.EINVAL):
         return HttpError(400, f"cannot write '{guest_path}': {exc.strerror}")
     return HttpError(500, f"cannot write '{guest_path}': {exc.strerror or exc}")
+
+
+def content_disposition(name: str) -> str:
+    """`inline; filename="..."`, plus the RFC 5987 form when the name is not plain ASCII."""
+    if name.isascii() and name.isprintable() and '"' not in name and "\\" not in name:
+        return f'inline; filename="{name}"'
+    fallback = "".join(ch if ch.isascii() and ch.isprintable() and ch not in '"\\' else "_" for ch in name)
+    return f"inline; filename=\"{fallback}\"; filename*=UTF-8''{quote(name)}"
 
 
 @dataclass
@@ -100,7 +109,7 @@ class FilesApi:
         expected = signature_for(
             request.param("path") or "", operation, request.param("username") or "", token, expiration
         )
-        if not hmac.compare_digest(signature, expected):
+        if not same_secret(signature, expected):
             raise HttpError(401, "invalid signature")
 
     def _user(self, request: Request) -> User:
@@ -121,7 +130,8 @@ class FilesApi:
             guest = self.envd.rootfs.expand(raw_path, user, self.envd.state.default_workdir)
             host = self.envd.rootfs.host_path(guest)
             try:
-                fd = os.open(host, os.O_RDONLY | os.O_CLOEXEC)
+                # O_NONBLOCK: opening a FIFO must not block the server (it is refused below).
+                fd = os.open(host, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
             except FileNotFoundError:
                 raise HttpError(404, f"path '{guest}' does not exist") from None
             except NotADirectoryError:
@@ -137,23 +147,46 @@ class FilesApi:
             if stat.S_ISDIR(st.st_mode):
                 await send_http_error(send, 400, f"path '{guest}' is a directory")
                 return
-            name = os.path.basename(guest)
-            content_type = mimetypes.guess_type(name)[0] or "application/octet-stream"
-            headers = [
-                (b"content-type", content_type.encode()),
-                (b"content-disposition", f"inline; filename*=UTF-8''{quote(name)}".encode()),
-            ]
-            if stat.S_ISREG(st.st_mode):
-                headers.append((b"content-length", str(st.st_size).encode()))
-            await send({"type": "http.response.start", "status": 200, "headers": headers})
-            while True:
-                chunk = os.read(fd, READ_CHUNK_BYTES)
-                if not chunk:
-                    break
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
-            await send({"type": "http.response.body", "body": b""})
+            if not stat.S_ISREG(st.st_mode):
+                # A device or FIFO may never end (/dev/zero); only files are served.
+                await send_http_error(send, 400, f"path '{guest}' is not a regular file")
+                return
+            os.set_blocking(fd, True)
+            await self._send_file(request, send, fd, guest, st.st_size)
         finally:
             os.close(fd)
+
+    @staticmethod
+    async def _send_file(request: Request, send: Send, fd: int, guest: str, size: int) -> None:
+        from agentenv.guest.envd.app import wait_disconnect
+
+        name = os.path.basename(guest)
+        content_type = mimetypes.guess_type(name)[0] or "application/octet-stream"
+        headers = [
+            (b"content-type", content_type.encode()),
+            (b"content-disposition", content_disposition(name).encode()),
+        ]
+        # Files of /proc and the like claim size 0 and still have content: send those chunked.
+        if size:
+            headers.append((b"content-length", str(size).encode()))
+        disconnected = asyncio.ensure_future(wait_disconnect(request.receive))
+        try:
+            await send({"type": "http.response.start", "status": 200, "headers": headers})
+            remaining = size if size else None
+            while not disconnected.done():
+                want = READ_CHUNK_BYTES if remaining is None else min(READ_CHUNK_BYTES, remaining)
+                chunk = os.read(fd, want) if want else b""
+                if not chunk:
+                    break
+                if remaining is not None:
+                    remaining -= len(chunk)
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            if remaining:
+                # The file shrank while being sent: the promised length cannot be met.
+                raise ConnectionError(f"'{guest}' shrank during the download")
+            await send({"type": "http.response.body", "body": b""})
+        finally:
+            disconnected.cancel()
 
     # ---- upload -----------------------------------------------------------------------------
 

@@ -184,3 +184,12 @@ def decode_bytes(value: Any, what: str) -> bytes:
 
 def encode_bytes(data: bytes) -> str:
     return base64.b64encode(data).decode("ascii")
+
+
+def same_secret(given: str, expected: str) -> bool:
+    """Compare a secret in constant time (hmac.compare_digest would load OpenSSL for just this)."""
+    a, b = given.encode(), expected.encode()
+    difference = len(a) ^ len(b)
+    for x, y in zip(a.ljust(len(b), b"\0")[: len(b)], b, strict=True):
+        difference |= x ^ y
+    return difference == 0
