@@ -50,7 +50,7 @@ def pct(values: list[float], q: float) -> float:
 
 async def dirty(vm: VM, mib: int) -> None:
     """Write `mib` MiB of non-zero data into guest memory (tmpfs page cache)."""
-    await sh(vm, f"rm -f /tmp/fill; yes 0123456789abcdef | head -c {mib}M > /tmp/fill; echo ok",
+    await sh(vm, f"rm -f /tmp/fill; yes 0123456789abcdef | head -c $(({mib}*1048576)) > /tmp/fill; echo ok",
              timeout=300)
 
 

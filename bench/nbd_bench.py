@@ -91,6 +91,8 @@ def emit(metric: str, value: float, unit: str, baseline: str | None = None,
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small disk, short runs (< 60 s)")
+    parser.add_argument("--inline-max", type=int, default=None,
+                        help="blockd --inline-max (largest I/O served on the event loop)")
     args = parser.parse_args()
     size = (128 if args.quick else 512) * MiB
     runtime = 1.5 if args.quick else 5.0
@@ -105,7 +107,8 @@ def main() -> None:
         ctl = root / "ctl.sock"
         blockd = subprocess.Popen(
             [sys.executable, "-m", "agentenv.cli.main", "blockd", "--state-dir", str(root / "st"),
-             "--socket", str(ctl), "--no-fuse", "--log-level", "warning"])
+             "--socket", str(ctl), "--no-fuse", "--log-level", "warning",
+             *([] if args.inline_max is None else ["--inline-max", str(args.inline_max)])])
         procs.append(blockd)
         ksock = root / "k.sock"
         nbdkit = subprocess.Popen(["nbdkit", "-f", "-U", str(ksock), "file", str(flat)])
@@ -164,7 +167,7 @@ def main() -> None:
             started = time.perf_counter()
             client.create(lowers=lowers, upper_dir=root / f"cold{n}")
             colds.append((time.perf_counter() - started) * 1e3)
-            time.sleep(0.1)  # let the daemon re-prepare the pool, as it would between takes
+            time.sleep(0.3)  # let the daemon re-prepare the pool, as it would between takes
             started = time.perf_counter()
             client.pool_take(lowers=lowers, size=size)
             takes.append((time.perf_counter() - started) * 1e3)

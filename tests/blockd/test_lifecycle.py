@@ -16,7 +16,7 @@ import pytest
 from agentenv.storage.export import export_raw
 from agentenv.storage.image import Image
 
-from .conftest import MiB, Daemon, Stack, nbd_uri, run
+from .conftest import Daemon, MiB, Stack, nbd_uri, run
 from .nbdclient import CMD_READ, CMD_WRITE, IHAVEOPT, REQUEST_MAGIC, NbdClient, recv_exact
 
 BLOCK = 4096
@@ -211,7 +211,7 @@ def test_malformed_traffic_is_refused_and_others_keep_serving(daemon: Daemon, st
     assert _closed(nbd.sock)
     nbd = NbdClient(victim.nbd, victim.export)
     nbd.sock.sendall(struct.pack(">IHHQQI", REQUEST_MAGIC, 0, CMD_WRITE, 9, 0, 0x7FFFFFFF))
-    magic, error, handle = struct.unpack(">IIQ", recv_exact(nbd.sock, 16))
+    _magic, error, handle = struct.unpack(">IIQ", recv_exact(nbd.sock, 16))
     assert (error, handle) == (22, 9)
     assert _closed(nbd.sock)
     # Garbage before negotiation even starts.
@@ -284,6 +284,8 @@ def test_pool_take_swaps_the_image_under_the_same_device(daemon: Daemon, stack: 
         early = NbdClient(idle[early_id].nbd, early_id)
         assert early.size == stack.size
         assert early.read(0, 4096) == bytes(4096)
+        # Writing before the take is a backend failure: EIO, and the connection lives on.
+        assert early.request(CMD_WRITE, 0, 4096, bytes(4096))[0] == 5
         timings = []
         taken = []
         for n in range(2):

@@ -12,7 +12,7 @@ from agentenv.blockd.errors import BlockdError
 from agentenv.storage.export import export_raw
 from agentenv.storage.image import Image
 
-from .conftest import MiB, Daemon, Stack, nbd_uri, run
+from .conftest import Daemon, MiB, Stack, nbd_uri, run
 
 
 def exported(source: Path, out: Path) -> bytes:
@@ -227,6 +227,10 @@ def test_async_client(daemon: Daemon, stack: Stack) -> None:
         assert await client.release(info.id) == 0
         with pytest.raises(BlockdError, match="no device"):
             await client.release(info.id)
+        # The same client goes on after the daemon restarts under it.
+        daemon.stop()
+        daemon.start()
+        assert await client.list() == []
         await client.close()
 
     asyncio.run(scenario())

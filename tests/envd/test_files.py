@@ -41,6 +41,8 @@ def test_write_read_text_bytes_and_stream(sbx: Sandbox, envd) -> None:
 def test_write_octet_stream_gzip_and_file_objects(sbx: Sandbox, envd) -> None:
     sbx.files.write("/data/gz.txt", "compressed " * 1000, gzip=True)
     assert (envd.root / "data/gz.txt").read_text() == "compressed " * 1000
+    # A gzip read asks for a compressed answer; envd answers identity, which the client takes.
+    assert sbx.files.read("/data/gz.txt", gzip=True) == "compressed " * 1000
     sbx.files.write("/data/fileobj.bin", io.BytesIO(b"from a file object"))
     assert (envd.root / "data/fileobj.bin").read_bytes() == b"from a file object"
     sbx.files.write("/data/iter.bin", iter([b"chunk1-", b"chunk2"]))
@@ -158,6 +160,10 @@ def test_watch_dir_errors(sbx: Sandbox) -> None:
 def test_watch_dir_async_stream(envd) -> None:
     async def scenario() -> list[tuple[str, FilesystemEventType, bool]]:
         sandbox = await AsyncSandbox.create(debug=True, sandbox_url=envd.url)
+        # The async client, on the same envd: a command and a concurrent pair.
+        assert (await sandbox.commands.run("echo async")).stdout == "async\n"
+        results = await asyncio.gather(*(sandbox.commands.run(f"echo {i}") for i in range(2)))
+        assert [r.stdout for r in results] == ["0\n", "1\n"]
         await sandbox.files.make_dir("/data/async-watched")
         seen: list[tuple[str, FilesystemEventType, bool]] = []
         handle = await sandbox.files.watch_dir(

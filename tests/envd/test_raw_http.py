@@ -195,3 +195,30 @@ def test_download_refuses_devices_and_fifos(client: httpx.Client, envd) -> None:
         reply = client.get("/files", params={"path": f"/data/{name}"}, timeout=10)
         assert reply.status_code == 400
         assert "not a regular file" in reply.json()["message"]
+
+
+def test_keep_alive_connection_survives_streams_and_downloads(envd) -> None:
+    """Requests after a stream or a download reuse the same connection, and envd logs no error."""
+    log_before = envd.log_path.read_text()
+    with httpx.Client(base_url=envd.url, timeout=30, limits=httpx.Limits(max_connections=1)) as http:
+        http.post("/files", params={"path": "/data/ka.txt"}, content=b"keep", headers={"Content-Type": "application/octet-stream"})
+        for _ in range(3):
+            reply = http.post("/process.Process/Start", content=envelope({"process": {"cmd": "/bin/true"}}), headers=STREAM)
+            assert envelopes(reply.content)[-1] == (2, {})
+            assert http.get("/files", params={"path": "/data/ka.txt"}).content == b"keep"
+            assert http.post("/filesystem.Filesystem/Stat", json={"path": "/data"}, headers=UNARY).status_code == 200
+    new_log = envd.log_path.read_text()[len(log_before):]
+    assert "connection failed" not in new_log
+    assert "Traceback" not in new_log
+
+
+def test_garbage_http_gets_400_and_envd_keeps_serving(envd) -> None:
+    import socket
+
+    host, port = envd.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        sock.sendall(b"NOT HTTP AT ALL\r\n\r\n")
+        answer = sock.recv(4096)
+    assert answer.startswith(b"HTTP/1.1 400")
+    assert b'"code":400' in answer
+    assert httpx.get(f"{envd.url}/health").status_code == 204

@@ -67,7 +67,7 @@ class NodeProcess:
                 stderr=log,
                 env={k: v for k, v in os.environ.items() if k != "AENV_API_KEY"},
             )
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + 90
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"node exited: {self.log_path.read_text()[-3000:]}")

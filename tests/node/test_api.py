@@ -192,6 +192,10 @@ def test_traffic_token_guards_other_ports(api: httpx.Client, node: NodeProcess) 
             assert allowed.status_code == 502  # let through; nothing listens on port 1
             # envd's own port is guarded by the envd token, not the traffic token
             assert client.get("/health", headers={"E2b-Sandbox-Id": sid}).status_code == 204
+        rules = {"allowOut": ["10.0.0.0/8"], "denyOut": ["0.0.0.0/0"]}
+        assert api.put(f"/sandboxes/{sid}/network", json=rules).status_code == 204
+        assert api.get(f"/sandboxes/{sid}").json()["network"] == rules
+        assert_error(api.put(f"/sandboxes/{sid}/network", json={"allowOut": "x"}), 422)
     finally:
         api.delete(f"/sandboxes/{sid}")
 
@@ -236,7 +240,8 @@ def test_templates_snapshots_and_nodes(api: httpx.Client, node: NodeProcess) -> 
         assert [s["snapshotID"] for s in listed] == [snap_id]
         assert api.get(f"/snapshots/{snap_id}").json()["names"] == ["my-snap"]
         # a snapshot id (or its name) works as a templateID
-        child = api.post("/v2/sandboxes", json={"templateID": "my-snap", "timeout": 60}).json()
+        assert api.get("/templates/aliases/my-snap").json()["templateID"] == snap_id
+        child = api.post("/v2/sandboxes", json={"templateID": snap_id, "timeout": 60}).json()
         try:
             assert (
                 run(node, child["sandboxID"], child["envdAccessToken"], "cat /home/user/s.txt")

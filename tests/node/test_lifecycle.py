@@ -21,7 +21,7 @@ from tests.node.conftest import NodeProcess
 from tests.node.test_api import assert_error, envd, run
 
 
-def wait_for(predicate: Any, seconds: float = 10.0) -> None:
+def wait_for(predicate: Any, seconds: float = 30.0) -> None:
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
         if predicate():
@@ -127,7 +127,9 @@ def test_client_disconnect_does_not_abort_create(node: NodeProcess) -> None:
     marker = f"m{os.getpid()}{int(time.time())}"
     with node.client() as api, pytest.raises(httpx.ReadTimeout):
         api.post(
-            "/v2/sandboxes", json={"timeout": 60, "metadata": {"marker": marker}}, timeout=0.05
+            "/v2/sandboxes",
+            json={"timeout": 60, "metadata": {"marker": marker}},
+            timeout=httpx.Timeout(10, read=0.05),  # hang up once the request is sent
         )
     with node.client() as api:
 
@@ -195,3 +197,32 @@ def test_kill9_restart_adopts_running_sandboxes(make_node: Any) -> None:
         for sid in states:
             assert api.delete(f"/sandboxes/{sid}").status_code == 204
     assert _envd_pids(node.state_dir) == set()
+
+
+def test_second_node_on_the_same_state_dir_is_refused(make_node: Any) -> None:
+    import subprocess
+    import sys
+
+    from tests.node.conftest import free_port
+
+    node = make_node()
+    second = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "agentenv.cli.main",
+            "serve",
+            "--state-dir",
+            str(node.state_dir),
+            "--port",
+            str(free_port()),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert second.returncode == 1
+    assert "another node is already running" in second.stderr
+    assert "Traceback" not in second.stderr
+    with node.client() as api:  # the first node is unharmed
+        assert api.get("/v2/sandboxes").status_code == 200

@@ -34,6 +34,8 @@ def test_pause_resume_keeps_processes_and_files(env: Env, counting: SnapshotReco
         assert '"envVars":{"A":"1"}' in out.replace(" ", "")
         # Write more (memory and disk), pause again: the new memory layer stacks on the old.
         env.loop.run(sh(vm, "echo second > /tmp/marker; echo two > /mnt/disk/data/two; sync"))
+        digest = env.loop.run(sh(vm, "dd if=/dev/urandom of=/tmp/rand bs=4096 count=512 2>/dev/null;"
+                                     " md5sum /tmp/rand")).split()[0]
         before_pause = count(env, vm)
         record2 = env.loop.run(rt.pause(vm))
         assert len(record2.memory_layers) == len(counting.memory_layers) + 1
@@ -42,6 +44,7 @@ def test_pause_resume_keeps_processes_and_files(env: Env, counting: SnapshotReco
         out = env.loop.run(sh(vm, "echo 3 > /proc/sys/vm/drop_caches; cat /tmp/marker "
                                   "/mnt/disk/data/two /mnt/disk/data/file"))
         assert out.split() == ["second", "two", "persistent-42"]
+        assert env.loop.run(sh(vm, "md5sum /tmp/rand")).split()[0] == digest
         assert count(env, vm) >= before_pause
     finally:
         env.loop.run(rt.kill(vm))
@@ -203,7 +206,7 @@ def test_full_disk_during_pause_keeps_vm_and_last_snapshot(env: Env, counting: S
     vm = None
     try:
         vm = env.loop.run(rt.restore(counting))
-        env.loop.run(sh(vm, "yes 0123456789 | head -c 4M > /tmp/fill; echo ok"))
+        env.loop.run(sh(vm, "yes 0123456789 | head -c $((4*1048576)) > /tmp/fill; echo ok"))
         rt.config.snapshot_root = full
         with pytest.raises(SnapshotError, match="No space left"):
             env.loop.run(rt.pause(vm))

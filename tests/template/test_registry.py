@@ -199,3 +199,4 @@ def test_bearer_token_flow(token_registry: Registry, tmp_path: Path,
         assert manifest.digest == image.digest
         client.download_blob("team/app", manifest.layers[0], tmp_path / "blob")
     assert token_registry.token_server.issued == issued + 1  # one token, reused for the blob
+

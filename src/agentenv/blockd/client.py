@@ -176,23 +176,37 @@ class AsyncBlockdClient:
         self._lock = asyncio.Lock()
 
     async def call(self, op: str, **args: Any) -> Any:
+        line = _request_line(op, args)
         async with self._lock:
-            if self._streams is None:
+            # A connection left from before a daemon restart fails on first use: reconnect
+            # once and resend.
+            for attempt in (0, 1):
+                reader, writer = await self._connect()
                 try:
-                    self._streams = await asyncio.open_unix_connection(
-                        str(self.socket_path), limit=16 * 1024 * 1024
-                    )
-                except OSError as exc:
-                    raise BlockdUnavailable(
-                        f"cannot reach blockd at {self.socket_path}: {exc.strerror or exc}"
-                    ) from exc
-            reader, writer = self._streams
-            writer.write(_request_line(op, args))
-            await writer.drain()
-            line = await reader.readline()
-            if not line:
+                    writer.write(line)
+                    await writer.drain()
+                    answer = await reader.readline()
+                except (ConnectionError, BrokenPipeError):
+                    answer = b""
+                if answer or attempt or op == "shutdown":
+                    if not answer:
+                        self._streams = None
+                    return _parse_answer(answer, op)
+                writer.close()
                 self._streams = None
-            return _parse_answer(line, op)
+        raise BlockdError(f"blockd {op}: no answer")
+
+    async def _connect(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        if self._streams is None:
+            try:
+                self._streams = await asyncio.open_unix_connection(
+                    str(self.socket_path), limit=16 * 1024 * 1024
+                )
+            except OSError as exc:
+                raise BlockdUnavailable(
+                    f"cannot reach blockd at {self.socket_path}: {exc.strerror or exc}"
+                ) from exc
+        return self._streams
 
     async def close(self) -> None:
         if self._streams is not None:

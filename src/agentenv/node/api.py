@@ -158,7 +158,10 @@ class NodeApp:
         api_key: str,
         metrics: NodeMetrics | None = None,
         node_id: str | None = None,
+        extra_routes: list[Route] | None = None,
     ) -> None:
+        """`extra_routes` (e.g. the template build API) are matched before the built-in ones,
+        so they can claim paths under /templates/ that `GET /templates/{id}` would catch."""
         self.orchestrator = orchestrator
         self.api_key = api_key
         self.metrics = metrics or NodeMetrics()
@@ -169,7 +172,7 @@ class NodeApp:
         self._idempotent: dict[str, tuple[float, asyncio.Task[SandboxRecord]]] = {}
         self._started = time.time()
         self.api = Starlette(
-            routes=self._routes(),
+            routes=[*(extra_routes or []), *self._routes()],
             exception_handlers={
                 HTTPException: self._http_exception,
                 ApiError: self._api_error,

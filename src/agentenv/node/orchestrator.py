@@ -60,7 +60,7 @@ class NodeConfig:
     auto_resume_min_timeout: int = 300
     max_timeout: int = 30 * 24 * 3600
     reaper_interval: float = 1.0
-    envd_ready_timeout: float = 30.0
+    envd_ready_timeout: float = 60.0
     domain: str | None = None
     default_envd_version: str = "0.5.7"
 
@@ -199,10 +199,11 @@ class Orchestrator:
             ]
             if not running:
                 break
-            results = await asyncio.gather(
-                *(self._launch(r.sandbox_id, "pause", self._do_pause(r, True)) for r in running),
-                return_exceptions=True,
-            )
+            tasks = []
+            for rec in running:
+                rec.state = State.PAUSING
+                tasks.append(self._start_op(rec.sandbox_id, "pause", self._do_pause(rec, True)))
+            results = await asyncio.gather(*tasks, return_exceptions=True)
             for rec, result in zip(running, results, strict=True):
                 if isinstance(result, BaseException):
                     log.error(
@@ -232,6 +233,11 @@ class Orchestrator:
 
     async def _launch(self, sandbox_id: str, op: str, work: Awaitable[T]) -> T:
         """Run `work` as this sandbox's one operation; the caller may go away, the work won't."""
+        return await asyncio.shield(self._start_op(sandbox_id, op, work))
+
+    def _start_op(self, sandbox_id: str, op: str, work: Awaitable[T]) -> asyncio.Task[T]:
+        """Register `work` as the sandbox's operation at once (no await), so nobody ever sees a
+        transitional state without the task that will end it."""
 
         async def timed() -> T:
             began = time.monotonic()
@@ -253,7 +259,7 @@ class Orchestrator:
                 t.exception()  # consumed here so an abandoned task logs nothing spurious
 
         task.add_done_callback(done)
-        return await asyncio.shield(task)
+        return task
 
     async def _wait_op(self, sandbox_id: str, state: State) -> None:
         task = self._ops.get(sandbox_id)
@@ -328,6 +334,14 @@ class Orchestrator:
                 self._names.pop(name, None)
         self._add_template(tpl)
         await self.store.set_layer_refs(tpl.kind, tpl.template_id, list(tpl.ref.layers))
+
+    async def register_template(self, tpl: TemplateRecord) -> None:
+        """Add or replace a template (template builds call this); its names must be free."""
+        for name in tpl.names:
+            owner = self._names.get(name)
+            if owner is not None and owner != tpl.template_id:
+                raise Conflict(f"name {name!r} is already used by {owner}")
+        await self._save_template(tpl)
 
     def resolve_template(self, id_or_name: str) -> TemplateRecord:
         tpl = self.templates.get(id_or_name)
@@ -641,10 +655,10 @@ class Orchestrator:
             sid = rec.sandbox_id
             if rec.auto_pause:
                 rec.state = State.PAUSING
-                work = self._launch(sid, "pause", self._do_pause(rec, rec.auto_pause_memory))
+                work = self._start_op(sid, "pause", self._do_pause(rec, rec.auto_pause_memory))
             else:
                 rec.state = State.KILLING
-                work = self._launch(sid, "kill", self._do_kill(rec, State.RUNNING))
+                work = self._start_op(sid, "kill", self._do_kill(rec, State.RUNNING))
             task = asyncio.create_task(self._log_reap(sid, work))
             self._background.add(task)
             task.add_done_callback(self._background.discard)

@@ -45,7 +45,7 @@ from agentenv.node.host_template import build_host_rootfs
 log = logging.getLogger("agentenv.node.process_backend")
 
 ENVD_MODULE = "agentenv.guest.envd"
-START_TIMEOUT = 20.0
+START_TIMEOUT = 60.0  # a Python envd starting on a loaded 2-core host can be slow
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 

@@ -44,7 +44,15 @@ _HOP_BY_HOP = {
     b"transfer-encoding",
     b"upgrade",
 }
-_ROUTING = {b"e2b-sandbox-id", b"e2b-sandbox-port", b"e2b-traffic-access-token", b"host"}
+#: routing headers are the node's business; `expect: 100-continue` was answered by the node's
+#: HTTP server already, and the upstream client does not wait for a second 100.
+_ROUTING = {
+    b"e2b-sandbox-id",
+    b"e2b-sandbox-port",
+    b"e2b-traffic-access-token",
+    b"host",
+    b"expect",
+}
 #: handshake headers the upstream WebSocket client makes itself
 _WS_HANDSHAKE = {
     b"sec-websocket-key",

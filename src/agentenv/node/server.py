@@ -7,12 +7,15 @@ the orchestrator pauses every running sandbox and closes the database.
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import logging
 import os
+import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import uvicorn
+from starlette.routing import Route
 
 from agentenv.errors import AgentEnvError
 from agentenv.node.api import NodeApp
@@ -45,7 +48,11 @@ def make_backend(name: str, state_dir: Path) -> SandboxBackend:
     raise AgentEnvError(f"unknown backend {name!r}: this build has 'process'")
 
 
-def build_app(options: ServeOptions, backend: SandboxBackend | None = None) -> NodeApp:
+def build_app(
+    options: ServeOptions,
+    backend: SandboxBackend | None = None,
+    extra_routes: list[Route] | None = None,
+) -> NodeApp:
     state = options.state_dir
     state.mkdir(parents=True, exist_ok=True)
     api_key = load_api_key(state)
@@ -57,11 +64,37 @@ def build_app(options: ServeOptions, backend: SandboxBackend | None = None) -> N
         options.config,
         on_op=metrics.record_op,
     )
-    return NodeApp(orchestrator, api_key, metrics)
+    return NodeApp(orchestrator, api_key, metrics, extra_routes=extra_routes)
+
+
+def lock_state_dir(state_dir: Path) -> int:
+    """Hold an exclusive lock on the state directory for this process's lifetime: two nodes
+    adopting and reaping the same sandboxes would fight over them."""
+    state_dir.mkdir(parents=True, exist_ok=True)
+    fd = os.open(state_dir / "node.lock", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise AgentEnvError(f"another node is already running on {state_dir}") from None
+    os.ftruncate(fd, 0)
+    os.write(fd, f"{os.getpid()}\n".encode())
+    return fd
+
+
+def check_port_free(host: str, port: int) -> None:
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((host, port))
+        except OSError as exc:
+            raise AgentEnvError(f"cannot listen on {host}:{port}: {exc.strerror}") from exc
 
 
 def serve(options: ServeOptions) -> None:
     """Run the node until SIGTERM/SIGINT."""
+    lock_state_dir(options.state_dir)
+    check_port_free(options.host, options.port)
     app = build_app(options)
     config = uvicorn.Config(
         app,

@@ -145,7 +145,7 @@ def build_argv(
                            "read-only": disk.read_only}),
             "-device",
             f"virtio-blk-pci,id=dev-{disk.name},drive={disk.name},"
-            f"addr={DISK_PCI_BASE + index:#x}" + (",read-only=on" if disk.read_only else ""),
+            f"addr={DISK_PCI_BASE + index:#x}",
         ]
     if incoming:
         argv += ["-incoming", "defer"]

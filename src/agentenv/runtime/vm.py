@@ -36,6 +36,7 @@ from agentenv.runtime.devstate import finish_device_state
 from agentenv.runtime.errors import (
     GuestNotReadyError,
     ModeMismatchError,
+    QMPError,
     RuntimeError_,
     SnapshotError,
     VMDiedError,
@@ -488,8 +489,11 @@ class Runtime:
     async def _load_device_state(self, process: QemuProcess, devstate: Path) -> None:
         queue = process.qmp.subscribe()
         try:
-            await process.execute("migrate-set-capabilities", {"capabilities": []})
+            # `events` makes QEMU announce each migration state change (no polling delay).
+            await process.execute("migrate-set-capabilities",
+                                  {"capabilities": [{"capability": "events", "state": True}]})
             await process.execute("migrate-incoming", {"uri": f"file:{devstate}"})
+            deadline = time.monotonic() + self.config.restore_timeout
             while True:
                 status = await process.execute("query-migrate")
                 state = status.get("status")
@@ -498,8 +502,11 @@ class Runtime:
                 if state == "failed":
                     raise SnapshotError(
                         f"device state {devstate} failed to load: {status.get('error-desc', '')}")
-                with contextlib.suppress(Exception):
-                    await process.qmp.wait_event(queue, "MIGRATION", 0.05)
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise SnapshotError(f"device state {devstate} did not load in time")
+                with contextlib.suppress(QMPError):
+                    await process.qmp.wait_event(queue, "MIGRATION", min(remaining, 1.0))
         finally:
             process.qmp.unsubscribe(queue)
 

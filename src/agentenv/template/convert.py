@@ -12,8 +12,10 @@ blockd is the daemon at the given socket, or (`PrivateBlockd`) one started for t
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import hashlib
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -78,6 +80,12 @@ def _unmount(mountpoint: Path) -> None:
     raise PullError(f"cannot unmount {mountpoint}: {result.stderr.strip()}")
 
 
+def _die_with_parent() -> None:
+    """In the child: get SIGTERM when the puller dies, so no private blockd is left behind."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
 class PrivateBlockd:
     """A blockd started for one pull (when no daemon runs), with its own state and socket."""
 
@@ -92,7 +100,7 @@ class PrivateBlockd:
             self._process = subprocess.Popen(
                 [sys.executable, "-m", "agentenv.cli.main", "blockd", "--state-dir",
                  str(self.state_dir), "--socket", str(self.socket), "--log-level", "warning"],
-                stdout=log, stderr=log, stdin=subprocess.DEVNULL,
+                stdout=log, stderr=log, stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent,
             )
         deadline = time.monotonic() + timeout
         while True:

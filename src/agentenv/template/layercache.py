@@ -25,6 +25,7 @@ import json
 import os
 import shutil
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -107,12 +108,45 @@ class LayerCache:
 
     @contextlib.contextmanager
     def workspace(self) -> Iterator[Path]:
-        """A scratch directory on the cache's filesystem, removed afterwards."""
+        """A scratch directory on the cache's filesystem, removed afterwards. It holds a flock
+        while in use, so `clean_stale_work` can tell the leftovers of a killed puller."""
         path = Path(tempfile.mkdtemp(dir=self.root / "work"))
+        fd = os.open(path / ".in-use", os.O_RDWR | os.O_CREAT, 0o644)
+        fcntl.flock(fd, fcntl.LOCK_EX)
         try:
             yield path
         finally:
             shutil.rmtree(path, ignore_errors=True)
+            os.close(fd)
+
+    def clean_stale_work(self) -> list[Path]:
+        """Remove scratch directories whose puller is gone (their flock is free). One with a
+        filesystem still mounted in it is left alone: unmounting is the operator's call."""
+        removed = []
+        for path in (self.root / "work").iterdir():
+            marker = path / ".in-use"
+            with contextlib.suppress(FileNotFoundError):
+                if time.time() - path.stat().st_mtime < 60:
+                    continue  # young: its owner may not have taken the lock yet
+            try:
+                fd = os.open(marker, os.O_RDWR)
+            except (FileNotFoundError, NotADirectoryError):
+                continue  # being created right now, or not ours
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                continue  # in use
+            finally:
+                os.close(fd)
+            if os.path.ismount(path / "mnt"):  # where convert.py mounts
+                continue
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+        for blob in (self.root / "blobs").glob("*.partial.*"):
+            pid = blob.name.split(".partial.")[1].split(".")[0]
+            if pid.isdigit() and not Path(f"/proc/{pid}").exists():
+                blob.unlink(missing_ok=True)
+        return removed
 
     def publish(self, kind: str, digest: str, staged_dir: Path, meta: dict[str, Any]) -> Path:
         """Move a staged entry (holding `layer`) into place; the caller holds the entry lock."""

@@ -2,7 +2,10 @@
 
 Plain images: every tar layer is converted (see convert.py) into one overlaybd layer, cached by
 its chain ID, so layers shared with images pulled before are neither downloaded nor converted
-again. overlaybd-format images (layers annotated `containerd.io/snapshot/overlaybd/...`) are
+again. The stack starts with a shared base layer (an empty 64 GiB ext4, made once per host and
+byte-reproducible), so `lowers` = [base, layer 0, ..., layer N-1]. Downloads run ahead in
+threads, and a layer still downloading is converted from the bytes as they arrive; nothing is
+published before its digest checks. overlaybd-format images (layers annotated `containerd.io/snapshot/overlaybd/...`) are
 used as they are: each blob is a layer.
 
 The result is a directory `<state>/images/<name>/` holding `image.json` (an overlaybd image
@@ -230,6 +233,7 @@ def pull_image(
         _validate_name(name)
     wanted_platform = Platform.parse(platform)
     cache = LayerCache(cache_dir or Path(state_dir) / "layer-cache")
+    cache.clean_stale_work()
     images_dir = Path(state_dir) / "images"
     images_dir.mkdir(parents=True, exist_ok=True)
     timings: dict[str, float] = {}
@@ -259,7 +263,10 @@ def pull_image(
 
     name = name or manifest.digest.replace(":", "-")
     record = {
-        "lowers": [{"file": str(path), "digest": digest, "size": path.stat().st_size}
+        # overlaybd's `digest` names a blob by its bytes; a converted layer is named by the
+        # OCI chain ID it was made from instead (its bytes are local, never fetched remotely).
+        "lowers": [{"file": str(path), "size": path.stat().st_size,
+                    ("chainId" if path.parent.parent.name == CONVERTER_KIND else "digest"): digest}
                    for path, digest in lowers],
         "name": name,
         "reference": str(reference),
@@ -277,11 +284,12 @@ def pull_image(
         (staged / "image.json").write_text(json.dumps(record, indent=2) + "\n")
         (staged / "config.json").write_bytes(config_bytes)
         os.chmod(staged, 0o755)
-        old = None
-        if final.exists():
-            old = images_dir / f".{name}.old.{os.getpid()}"
-            os.replace(final, old)
-        os.replace(staged, final)
+        with cache.lock(f"image-{name}"):  # one writer of images/<name> at a time
+            old = None
+            if final.exists():
+                old = Path(tempfile.mkdtemp(prefix=f".{name}.old.", dir=images_dir))
+                os.replace(final, old)
+            os.replace(staged, final)
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
     except BaseException:

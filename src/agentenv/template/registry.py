@@ -213,9 +213,9 @@ class RegistryClient:
             self._basic = True
             return
         if scheme == "bearer" and params.get("realm"):
-            if scope in self._tokens:
-                del self._tokens[scope]
-                raise AuthError(f"registry {self.registry} rejected its own token for {scope}")
+            # A cached token that is refused has expired: get a new one (the caller allows
+            # one such round per request, so a registry that refuses every token ends it).
+            self._tokens.pop(scope, None)
             query = {"service": params["service"]} if params.get("service") else {}
             query["scope"] = params.get("scope", scope)
             auth = (self.credentials.username, self.credentials.password) if self.credentials else None

@@ -555,13 +555,12 @@ class Envd:
         disconnect_task = asyncio.ensure_future(wait_disconnect(ctx.request.receive))
         done, _ = await asyncio.wait({pump_task, disconnect_task}, return_when=asyncio.FIRST_COMPLETED)
         if pump_task in done:
-            disconnect_task.cancel()
+            # Wait for the cancel to land: the connection reads its next request right after.
+            await _cancel(disconnect_task)
             await send({"type": "http.response.body", "body": pump_task.result()})
         else:
             # The client went away: stop streaming; the process itself keeps running.
-            pump_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await pump_task
+            await _cancel(pump_task)
 
     async def _serve_stream_input(self, ctx: RpcContext, send: Send) -> None:
         error: RpcError | None = None
@@ -703,6 +702,12 @@ class Envd:
         watcher = self.fs.open_watcher(message, ctx.user())
         async for event in watcher.stream(ctx.keepalive_seconds):
             yield event
+
+
+async def _cancel(task: asyncio.Future[Any]) -> None:
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError, Exception):
+        await task
 
 
 async def wait_disconnect(receive: Receive) -> None:

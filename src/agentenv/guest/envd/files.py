@@ -187,6 +187,9 @@ class FilesApi:
             await send({"type": "http.response.body", "body": b""})
         finally:
             disconnected.cancel()
+            # Wait for the cancel to land: the connection reads its next request right after.
+            with contextlib.suppress(asyncio.CancelledError):
+                await disconnected
 
     # ---- upload -----------------------------------------------------------------------------
 

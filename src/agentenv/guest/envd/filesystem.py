@@ -9,7 +9,6 @@ import itertools
 import os
 import shutil
 import stat
-import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -19,6 +18,7 @@ from agentenv.guest.envd.rootfs import RootFs, User
 from agentenv.guest.envd.rpc import RpcError
 
 MAX_BUFFERED_WATCH_EVENTS = 10_000
+MAX_WATCHERS = 1024  # each holds an inotify descriptor until RemoveWatcher
 NETWORK_FILESYSTEMS = frozenset(
     {"nfs", "nfs4", "cifs", "smb3", "smbfs", "ncpfs", "afs", "ceph", "glusterfs",
      "fuse.sshfs", "fuse.s3fs", "fuse.gcsfuse", "fuse.rclone", "9p", "virtiofs", "lustre"}
@@ -238,8 +238,10 @@ class FilesystemService:
         return watcher
 
     def create_watcher(self, request: dict[str, Any], user: User) -> dict[str, Any]:
+        if len(self.watchers) >= MAX_WATCHERS:
+            raise RpcError("resource_exhausted", f"too many watchers ({MAX_WATCHERS}); remove some first")
         watcher = self.open_watcher(request, user)
-        watcher_id = uuid.uuid4().hex
+        watcher_id = os.urandom(16).hex()
         self.watchers[watcher_id] = watcher
         return {"watcherId": watcher_id}
 

@@ -126,7 +126,9 @@ class HttpServer:
         self._idle: set[asyncio.Task[None]] = set()  # waiting for their next request
 
     async def start(self, listener: socket.socket) -> None:
-        self._server = await asyncio.start_server(self._serve_connection, sock=listener, limit=READ_BYTES)
+        self._server = await asyncio.start_server(
+            self._serve_connection, sock=listener, limit=READ_BYTES, backlog=1024
+        )
 
     async def close(self, grace_seconds: float = 2.0) -> None:
         """Stop accepting; give open exchanges a moment to finish, then cut them."""
