@@ -103,7 +103,7 @@ async def main(quick: bool) -> None:
                                 base.machine.memory_bytes)
         emit("materialise_memory_file", (time.perf_counter() - t0) * 1e3, "ms",
              layer_mib=round(base.memory_layers[-1].size / 2**20, 1))
-        reps = 5 if quick else 20
+        reps = 3 if quick else 20
         for warm in (False, True):
             times: list[float] = []
             for _ in range(reps):
@@ -121,7 +121,7 @@ async def main(quick: bool) -> None:
         # Pause with 16 / 128 MiB dirtied since the restore, against a full migrate.
         for mib in (16, 128):
             times = []
-            for _ in range(3 if quick else 10):
+            for _ in range((2 if mib == 16 else 1) if quick else 10):
                 vm = await rt.restore(base)
                 await dirty(vm, mib)
                 t0 = time.perf_counter()

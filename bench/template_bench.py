@@ -32,6 +32,7 @@ import httpx
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "src"))
 
+from agentenv.template.apply import apply_layer  # noqa: E402
 from agentenv.template.convert import MKFS_ARGS, VIRTUAL_SIZE, PrivateBlockd, loop_mount  # noqa: E402
 from agentenv.template.layercache import LayerCache  # noqa: E402
 from agentenv.template.pull import _base_layer, pull_image  # noqa: E402
@@ -136,6 +137,21 @@ def make_image(layers: list[bytes]) -> tuple[list[bytes], list[bytes], bytes]:
     return blobs, [config], manifest
 
 
+def python_apply_plain_loop(blob_files: list[Path], diff_ids: list[str], work: Path) -> float:
+    """Our applier onto a plain loop-mounted raw file: the conversion minus blockd/FUSE."""
+    disk = work / "plain.raw"
+    with open(disk, "wb") as f:
+        f.truncate(VIRTUAL_SIZE)
+    subprocess.run([*MKFS_ARGS, str(disk)], check=True)
+    started = time.perf_counter()
+    with loop_mount(disk, work / "plain-mnt") as root:
+        for blob, diff_id in zip(blob_files, diff_ids, strict=True):
+            apply_layer(root, blob, "application/vnd.oci.image.layer.v1.tar+gzip", diff_id)
+    elapsed = time.perf_counter() - started
+    disk.unlink()
+    return elapsed
+
+
 def baseline_tar(blob_files: list[Path], work: Path) -> float:
     disk = work / "baseline.raw"
     with open(disk, "wb") as f:
@@ -187,6 +203,7 @@ def main() -> None:
         _base_layer(LayerCache(work / "state" / "layer-cache"))
         base_layer_s = time.perf_counter() - t0
         base_s = baseline_tar(blob_files, work)
+        plain_s = python_apply_plain_loop(blob_files, [_digest(x) for x in layers], work)
         cold = pull_image(ref, name="cold", state_dir=work / "state", blockd=socket_path)
         warm = pull_image(ref, name="warm", state_dir=work / "state", blockd=socket_path)
         assert warm.layers_converted == 0 and warm.bytes_downloaded == 0
@@ -197,6 +214,7 @@ def main() -> None:
         emit("base_layer_once_s", base_layer_s, "s", None, None)
         emit("pull_cold_s", cold.seconds, "s", "tar_x_loop_ext4_s", base_s)
         emit("convert_only_s", cold.timings.get("convert", 0.0), "s", "tar_x_loop_ext4_s", base_s)
+        emit("apply_python_plain_loop_s", plain_s, "s", "tar_x_loop_ext4_s", base_s)
         emit("pull_warm_s", warm.seconds, "s", "tar_x_loop_ext4_s", base_s)
         emit("overlaybd_layers_mib", layer_bytes / (1 << 20), "MiB", None, None)
     finally:

@@ -90,7 +90,7 @@ def counting(env: Env) -> SnapshotRecord:
     assert "started" in env.loop.run(sh(vm, COUNTER))
     time.sleep(0.6)
     assert count(env, vm) >= 3
-    record = env.loop.run(env.runtime.pause(vm))
+    record = env.loop.run(env.runtime.pause(vm, wait_teardown=True))
     assert not alive(vm.pid)
     assert vm.state == "paused"
     return record

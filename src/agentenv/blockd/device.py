@@ -288,6 +288,15 @@ class Device:
         finally:
             self._offloop_writers -= 1
 
+    async def block_status(self, offset: int, length: int) -> list[tuple[int, bool]]:
+        await self.gate.enter()
+        try:
+            return await self._loop.run_in_executor(
+                self.executor, _allocation_runs, self.image, offset, length
+            )
+        finally:
+            self.gate.leave()
+
     async def flush(self) -> None:
         await self._mutate("flush")
         self.stats.flushes += 1
@@ -346,6 +355,41 @@ class Device:
             "taken": self.record.taken,
             "stats": asdict(self.stats),
         }
+
+
+MAX_STATUS_RUNS = 4096
+
+
+def _allocation_runs(image: ImageLike, offset: int, length: int) -> list[tuple[int, bool]]:
+    """(length, has_data) runs from `offset`, covering at most `length` bytes; adjacent runs
+    of the same kind merged. Images without an extent map report all data."""
+    extents = getattr(image, "extents", None)
+    end = offset + length
+    if extents is None:
+        return [(length, not isinstance(image, PlaceholderImage))]
+    runs: list[tuple[int, bool]] = []
+
+    def add(run_length: int, has_data: bool) -> None:
+        if run_length <= 0:
+            return
+        if runs and runs[-1][1] == has_data:
+            runs[-1] = (runs[-1][0] + run_length, has_data)
+        else:
+            runs.append((run_length, has_data))
+
+    pos = offset
+    for start, size, has_data in extents():
+        if start + size <= pos:
+            continue
+        if start >= end or len(runs) >= MAX_STATUS_RUNS:
+            break
+        add(min(start, end) - pos, False)  # the hole before this extent
+        a, b = max(start, pos), min(start + size, end)
+        add(b - a, has_data)
+        pos = b
+    if pos < end and len(runs) < MAX_STATUS_RUNS:
+        add(end - pos, False)
+    return runs
 
 
 def _flush_and_close(image: ImageLike) -> None:

@@ -1,4 +1,4 @@
-"""An NBD server (fixed newstyle negotiation, simple replies) on asyncio streams.
+"""An NBD server (fixed newstyle negotiation, structured replies optional) on asyncio streams.
 
 Written from the public protocol description (NetworkBlockDevice/nbd doc/proto.md).
 
@@ -11,12 +11,15 @@ handshake flags, then answers options:
 - LIST (3): one SERVER reply per export, then ACK.
 - INFO (6) / GO (7): INFO_EXPORT and INFO_BLOCK_SIZE (and NAME/DESCRIPTION when asked),
   then ACK; GO then enters transmission. Unknown export: REP_ERR_UNKNOWN.
-- STRUCTURED_REPLY, meta contexts, STARTTLS, EXTENDED_HEADERS and anything else: REP_ERR_UNSUP
-  (clients fall back to simple replies). Malformed option payloads: REP_ERR_INVALID.
+- STRUCTURED_REPLY (8): ACK; READ replies are then one OFFSET_DATA (or ERROR) chunk.
+- LIST/SET_META_CONTEXT (9/10): the one context is `base:allocation`, served by
+  BLOCK_STATUS (holes and zeroed extents report HOLE|ZERO, so qemu-img/nbdcopy copy sparsely).
+- STARTTLS, EXTENDED_HEADERS and anything else: REP_ERR_UNSUP. Malformed option payloads:
+  REP_ERR_INVALID.
 
 Transmission: READ, WRITE (FUA), DISC, FLUSH, TRIM, WRITE_ZEROES (FUA; NO_HOLE and
-FAST_ZERO accepted: zeroing only records a zeroed extent, it is never slow), CACHE (a no-op success). Requests are
-handled concurrently (replies may come out of order, as the protocol allows), so several
+FAST_ZERO accepted: zeroing only records a zeroed extent, it is never slow), CACHE (a no-op
+success), BLOCK_STATUS (base:allocation). Requests are handled concurrently (replies may come out of order, as the protocol allows), so several
 clients and in-flight requests per client work at once. Range errors get EINVAL (reads) or
 ENOSPC (writes past the end), writes to a read-only export EPERM, backend failures EIO;
 none of them drops the connection. A request with a bad magic, an unknown command with a
@@ -42,6 +45,7 @@ IHAVEOPT = 0x49484156454F5054  # "IHAVEOPT"
 OPT_REPLY_MAGIC = 0x3E889045565A9
 REQUEST_MAGIC = 0x25609513
 SIMPLE_REPLY_MAGIC = 0x67446698
+STRUCTURED_REPLY_MAGIC = 0x668E33EF
 
 FLAG_FIXED_NEWSTYLE = 1 << 0
 FLAG_NO_ZEROES = 1 << 1
@@ -55,10 +59,13 @@ OPT_STARTTLS = 5
 OPT_INFO = 6
 OPT_GO = 7
 OPT_STRUCTURED_REPLY = 8
+OPT_LIST_META_CONTEXT = 9
+OPT_SET_META_CONTEXT = 10
 
 REP_ACK = 1
 REP_SERVER = 2
 REP_INFO = 3
+REP_META_CONTEXT = 4
 REP_ERR = 1 << 31
 REP_ERR_UNSUP = REP_ERR | 1
 REP_ERR_POLICY = REP_ERR | 2
@@ -87,10 +94,23 @@ CMD_FLUSH = 3
 CMD_TRIM = 4
 CMD_CACHE = 5
 CMD_WRITE_ZEROES = 6
+CMD_BLOCK_STATUS = 7
 
 CMD_FLAG_FUA = 1 << 0
 CMD_FLAG_NO_HOLE = 1 << 1
+CMD_FLAG_REQ_ONE = 1 << 3
 CMD_FLAG_FAST_ZERO = 1 << 4
+
+REPLY_FLAG_DONE = 1 << 0
+REPLY_TYPE_NONE = 0
+REPLY_TYPE_OFFSET_DATA = 1
+REPLY_TYPE_BLOCK_STATUS = 5
+REPLY_TYPE_ERROR = (1 << 15) + 1
+
+BASE_ALLOCATION = "base:allocation"
+BASE_ALLOCATION_ID = 1
+STATE_HOLE = 1 << 0
+STATE_ZERO = 1 << 1
 
 EPERM = 1
 EIO = 5
@@ -111,6 +131,7 @@ CORK_JOIN_MAX = 256 * 1024
 
 _REQUEST = struct.Struct(">IHHQQI")
 _REPLY = struct.Struct(">IIQ")
+_CHUNK = struct.Struct(">IHHQI")
 _OPT_HEADER = struct.Struct(">QII")
 _OPT_REPLY = struct.Struct(">QIII")
 
@@ -141,6 +162,10 @@ class Export(Protocol):
     async def write(self, offset: int, data: bytes, fua: bool) -> None: ...
 
     async def flush(self) -> None: ...
+
+    async def block_status(self, offset: int, length: int) -> list[tuple[int, bool]]:
+        """(length, has_data) runs covering [offset, offset+length), in order."""
+        ...
 
     async def trim(self, offset: int, length: int, fua: bool) -> None: ...
 
@@ -194,6 +219,8 @@ class NbdConnection:
         self._tasks: set[asyncio.Task[None]] = set()
         self._out: list[bytes] = []
         self._out_bytes = 0
+        self._structured = False
+        self._base_allocation = False
 
     # -- negotiation -------------------------------------------------------------------------
 
@@ -258,7 +285,53 @@ class NbdConnection:
                 if await self._info_or_go(option, data):
                     return True
                 continue
+            if option == OPT_STRUCTURED_REPLY:
+                if data:
+                    await self._send_opt_reply(option, REP_ERR_INVALID, b"STRUCTURED_REPLY takes no data")
+                    continue
+                self._structured = True
+                await self._send_opt_reply(option, REP_ACK)
+                continue
+            if option in (OPT_LIST_META_CONTEXT, OPT_SET_META_CONTEXT):
+                await self._meta_context(option, data)
+                continue
             await self._send_opt_reply(option, REP_ERR_UNSUP, f"option {option} is not supported".encode())
+
+    async def _meta_context(self, option: int, data: bytes) -> None:
+        """LIST/SET_META_CONTEXT: the one context served is base:allocation."""
+        if not self._structured:
+            await self._send_opt_reply(option, REP_ERR_INVALID, b"negotiate STRUCTURED_REPLY first")
+            return
+        try:
+            (name_length,) = struct.unpack_from(">I", data, 0)
+            pos = 4 + name_length
+            name = data[4:pos].decode("utf-8", "replace")
+            (count,) = struct.unpack_from(">I", data, pos)
+            pos += 4
+            queries = []
+            for _ in range(count):
+                (qlen,) = struct.unpack_from(">I", data, pos)
+                queries.append(data[pos + 4 : pos + 4 + qlen].decode("utf-8", "replace"))
+                pos += 4 + qlen
+            if pos != len(data):
+                raise ValueError("trailing bytes")
+        except (struct.error, ValueError):
+            await self._send_opt_reply(option, REP_ERR_INVALID, b"malformed meta context request")
+            return
+        if self.exports.lookup(name) is None:
+            await self._send_opt_reply(option, REP_ERR_UNKNOWN, f"no export named {name!r}".encode())
+            return
+        wanted = any(q in (BASE_ALLOCATION, "base:") for q in queries) or (
+            option == OPT_LIST_META_CONTEXT and not queries
+        )
+        if wanted:
+            await self._send_opt_reply(
+                option, REP_META_CONTEXT,
+                struct.pack(">I", BASE_ALLOCATION_ID) + BASE_ALLOCATION.encode(),
+            )
+        if option == OPT_SET_META_CONTEXT:
+            self._base_allocation = wanted
+        await self._send_opt_reply(option, REP_ACK)
 
     async def _info_or_go(self, option: int, data: bytes) -> bool:
         if len(data) < 6:
@@ -298,15 +371,45 @@ class NbdConnection:
 
     # -- transmission ------------------------------------------------------------------------
 
-    def _reply(self, handle: int, error: int, data: bytes | None = None) -> None:
+    def _reply(self, handle: int, error: int, data: bytes | None = None,
+               read_at: int | None = None) -> None:
         # Replies are corked: queued here, and sent by _flush_out once no further request
         # is already buffered, so a burst of queued requests costs one send() rather than
         # one per reply (send was the largest cost per request). Header and payload are
         # queued together, so replies never interleave.
+        if self._structured and read_at is not None:
+            self._read_chunk(handle, error, data, read_at)
+            return
         self._out.append(_REPLY.pack(SIMPLE_REPLY_MAGIC, error, handle))
         if data:
             self._out.append(data)
             self._out_bytes += len(data)
+
+    def _read_chunk(self, handle: int, error: int, data: bytes | None, offset: int) -> None:
+        """A READ reply once structured replies are on: one final data (or error) chunk."""
+        if error:
+            message = b"request failed"
+            payload = struct.pack(">IH", error, len(message)) + message
+            self._out.append(_CHUNK.pack(STRUCTURED_REPLY_MAGIC, REPLY_FLAG_DONE, REPLY_TYPE_ERROR,
+                                         handle, len(payload)) + payload)
+        elif not data:
+            self._out.append(_CHUNK.pack(STRUCTURED_REPLY_MAGIC, REPLY_FLAG_DONE, REPLY_TYPE_NONE,
+                                         handle, 0))
+        else:
+            self._out.append(_CHUNK.pack(STRUCTURED_REPLY_MAGIC, REPLY_FLAG_DONE,
+                                         REPLY_TYPE_OFFSET_DATA, handle, 8 + len(data))
+                             + struct.pack(">Q", offset))
+            self._out.append(data)
+            self._out_bytes += len(data)
+
+    def _status_chunk(self, handle: int, runs: list[tuple[int, bool]], one: bool) -> None:
+        descriptors = []
+        for length, has_data in runs[:1] if one else runs:
+            state = 0 if has_data else STATE_HOLE | STATE_ZERO
+            descriptors.append(struct.pack(">II", length, state))
+        payload = struct.pack(">I", BASE_ALLOCATION_ID) + b"".join(descriptors)
+        self._out.append(_CHUNK.pack(STRUCTURED_REPLY_MAGIC, REPLY_FLAG_DONE,
+                                     REPLY_TYPE_BLOCK_STATUS, handle, len(payload)) + payload)
 
     def _flush_out(self) -> None:
         out, self._out = self._out, []
@@ -319,7 +422,8 @@ class NbdConnection:
             for piece in out:  # big payloads: a syscall each beats copying them into one
                 self.writer.write(piece)
 
-    async def _run(self, coro_fn: Callable[[], object], handle: int, export: Export) -> None:
+    async def _run(self, coro_fn: Callable[[], object], handle: int, export: Export,
+                   read_at: int | None = None, status_one: bool | None = None) -> None:
         try:
             result = await coro_fn()  # type: ignore[misc]
         except Exception as exc:
@@ -328,15 +432,26 @@ class NbdConnection:
                 "backend request failed",
                 extra={"export": self.export_name, "error": str(exc), "peer": self.peer},
             )
-            self._reply(handle, errno_for(exc))
+            if status_one is not None:
+                # A BLOCK_STATUS error goes back as a structured error chunk too.
+                self._read_chunk(handle, errno_for(exc), None, 0)
+            else:
+                self._reply(handle, errno_for(exc), read_at=read_at)
         else:
-            self._reply(handle, 0, result if isinstance(result, bytes) else None)
+            if status_one is not None:
+                self._status_chunk(handle, result, status_one)  # type: ignore[arg-type]
+            else:
+                self._reply(handle, 0, result if isinstance(result, bytes) else None,
+                            read_at=read_at)
         self._flush_out()
         with contextlib.suppress(ConnectionError):
             await self.writer.drain()
 
-    def _spawn(self, coro_fn: Callable[[], object], handle: int, export: Export) -> None:
-        task = asyncio.get_running_loop().create_task(self._run(coro_fn, handle, export))
+    def _spawn(self, coro_fn: Callable[[], object], handle: int, export: Export,
+               read_at: int | None = None, status_one: bool | None = None) -> None:
+        task = asyncio.get_running_loop().create_task(
+            self._run(coro_fn, handle, export, read_at, status_one)
+        )
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
@@ -369,13 +484,20 @@ class NbdConnection:
                     self._spawn(lambda o=offset, d=data, f=fua: export.write(o, d, f), handle, export)
             elif command == CMD_READ:
                 if length > MAX_REQUEST:
-                    self._error(export, handle, EOVERFLOW if length <= 0xFFFFFFFF else EINVAL)
+                    self._error(export, handle, EOVERFLOW, read_at=offset)
                 elif offset + length > size:
-                    self._error(export, handle, EINVAL)
+                    self._error(export, handle, EINVAL, read_at=offset)
                 elif length == 0:
-                    self._reply(handle, 0)
-                elif not self._now(export.read_now, handle, export, offset, length):
-                    self._spawn(lambda o=offset, n=length: export.read(o, n), handle, export)
+                    self._reply(handle, 0, read_at=offset)
+                elif not self._now(export.read_now, handle, export, offset, length, read_at=offset):
+                    self._spawn(lambda o=offset, n=length: export.read(o, n), handle, export,
+                                read_at=offset)
+            elif command == CMD_BLOCK_STATUS and self._base_allocation:
+                if offset + length > size or length == 0:
+                    self._status_error(export, handle, EINVAL)
+                else:
+                    self._spawn(lambda o=offset, n=length: export.block_status(o, n), handle,
+                                export, status_one=bool(flags & CMD_FLAG_REQ_ONE))
             elif command == CMD_FLUSH:
                 self._spawn(export.flush, handle, export)
             elif command in (CMD_TRIM, CMD_WRITE_ZEROES):
@@ -405,7 +527,7 @@ class NbdConnection:
                     await self.writer.drain()
 
     def _now(self, fn: Callable[[int, object], object], handle: int, export: Export,
-             offset: int, arg: object) -> bool:
+             offset: int, arg: object, read_at: int | None = None) -> bool:
         """Try the request on the spot (small I/O against the page cache costs less than a
         thread hop); False when the export wants it done off the event loop."""
         try:
@@ -414,16 +536,20 @@ class NbdConnection:
             export.count_error()
             log.warning("backend request failed",
                         extra={"export": self.export_name, "error": str(exc), "peer": self.peer})
-            self._reply(handle, errno_for(exc))
+            self._reply(handle, errno_for(exc), read_at=read_at)
             return True
         if result is None or result is False:
             return False
-        self._reply(handle, 0, result if isinstance(result, bytes) else None)
+        self._reply(handle, 0, result if isinstance(result, bytes) else None, read_at=read_at)
         return True
 
-    def _error(self, export: Export, handle: int, error: int) -> None:
+    def _error(self, export: Export, handle: int, error: int, read_at: int | None = None) -> None:
         export.count_error()
-        self._reply(handle, error)
+        self._reply(handle, error, read_at=read_at)
+
+    def _status_error(self, export: Export, handle: int, error: int) -> None:
+        export.count_error()
+        self._read_chunk(handle, error, None, 0)
 
     async def serve(self) -> None:
         try:

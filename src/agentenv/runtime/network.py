@@ -55,6 +55,7 @@ async def _run(*argv: str, stdin: str | None = None) -> str:
 class NetworkSlot:
     index: int
     prefix: str = "aenv"
+    outbound: bool = True
 
     @property
     def netns_name(self) -> str:
@@ -145,6 +146,7 @@ class NetworkSlot:
         blocked either way)."""
         rules = "flush table ip aenv\n" + self._ruleset(allowed)
         await _run("ip", "netns", "exec", self.netns_name, "nft", "-f", "-", stdin=rules)
+        self.outbound = allowed
 
     async def destroy(self) -> None:
         # Deleting the namespace deletes vpeer, and with it the host end of the veth.
@@ -225,11 +227,12 @@ class SlotPool:
     async def give_back(self, slot: NetworkSlot) -> None:
         """Return a slot whose VM is gone; it is reset and reused."""
         self._in_use.pop(slot.index, None)
-        try:
-            await slot.set_outbound(True)
-        except NetworkError:
-            await self._discard(slot)
-            return
+        if not slot.outbound:
+            try:
+                await slot.set_outbound(True)
+            except NetworkError:
+                await self._discard(slot)
+                return
         if len(self._free) < self.high:
             self._free.append(slot)
         else:

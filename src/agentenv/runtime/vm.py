@@ -148,6 +148,7 @@ class Runtime:
         self._warm_targets: dict[str, tuple[SnapshotRecord, int]] = {}
         self._warm_tasks: dict[str, asyncio.Task[None]] = {}
         self._started = False
+        self._background: set[asyncio.Task[None]] = set()
 
     # -- lifecycle of the runtime itself --------------------------------------------------
 
@@ -162,6 +163,7 @@ class Runtime:
         log.info("runtime started", extra={"accel": self.accel})
 
     async def close(self) -> None:
+        await self.drain()
         for task in self._warm_tasks.values():
             task.cancel()
         for task in self._warm_tasks.values():
@@ -382,12 +384,26 @@ class Runtime:
             vm.state = "error"
             vm.error = f"snapshot failed ({exc}); resuming failed too ({cont_exc})"
 
-    async def pause(self, vm: VM) -> SnapshotRecord:
-        """Snapshot the VM and end its QEMU process; the snapshot resumes it."""
+    async def pause(self, vm: VM, *, wait_teardown: bool = False) -> SnapshotRecord:
+        """Snapshot the VM and end its QEMU process; the snapshot resumes it.
+
+        Returns once the snapshot is durable and the VM stopped; QEMU's exit and the release
+        of its slot and disks finish in the background (`drain()` waits for them) unless
+        wait_teardown is set."""
         record = await self.snapshot(vm, keep_running=False)
         vm.state = "paused"
-        await self._stop(vm)
+        vm.process.expected_exit = True
+        task = asyncio.create_task(self._stop(vm))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+        if wait_teardown:
+            await task
         return record
+
+    async def drain(self) -> None:
+        """Wait for background teardowns of paused VMs."""
+        while self._background:
+            await asyncio.gather(*list(self._background), return_exceptions=True)
 
     # -- restore / fork -------------------------------------------------------------------
 

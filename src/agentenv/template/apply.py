@@ -457,7 +457,7 @@ def apply_layer(root: Path, blob: Path | BlobTap, media_type: str,
         with open_uncompressed(blob, compression, raw_holder) as stream:
             hashing = _HashingReader(stream)
             buffered = io.BufferedReader(hashing, buffer_size=_COPY_CHUNK)
-            with tarfile.open(fileobj=buffered, mode="r|") as tar:
+            with tarfile.open(fileobj=buffered, mode="r|", bufsize=_COPY_CHUNK) as tar:
                 applier.apply(tar)
             while buffered.read(_COPY_CHUNK):
                 pass  # hash the end-of-archive padding too: it is part of the diff_id
