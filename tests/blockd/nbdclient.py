@@ -32,7 +32,7 @@ def recv_exact(sock: socket.socket, n: int) -> bytes:
 
 
 class NbdClient:
-    def __init__(self, path: str, export: str = "", timeout: float = 20.0) -> None:
+    def __init__(self, path: str, export: str | None = "", timeout: float = 20.0) -> None:
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.sock.settimeout(timeout)
         self.sock.connect(path)
@@ -89,6 +89,26 @@ class NbdClient:
         error, _ = self.request(CMD_FLUSH, 0, 0)
         if error:
             raise OSError(error, f"NBD flush error {error}")
+
+    def structured(self) -> None:
+        """Ask for structured replies (before go())."""
+        self.send_option(8, b"")
+        _, reply, _ = self.recv_option_reply()
+        assert reply == 1, reply
+
+    def read_chunk(self, offset: int, length: int) -> tuple[int, int, bytes]:
+        """A READ under structured replies: (chunk type, error, data)."""
+        self._handle += 1
+        self.sock.sendall(struct.pack(">IHHQQI", REQUEST_MAGIC, 0, CMD_READ, self._handle, offset, length))
+        magic, flags, ctype, handle, clen = struct.unpack(">IHHQI", recv_exact(self.sock, 20))
+        assert magic == 0x668E33EF and handle == self._handle and flags & 1, (magic, flags, handle)
+        payload = recv_exact(self.sock, clen)
+        if ctype == 1:
+            assert struct.unpack_from(">Q", payload)[0] == offset
+            return ctype, 0, payload[8:]
+        if ctype == (1 << 15) + 1:
+            return ctype, struct.unpack_from(">I", payload)[0], b""
+        return ctype, 0, b""
 
     def close(self) -> None:
         with contextlib.suppress(OSError):

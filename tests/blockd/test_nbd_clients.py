@@ -234,3 +234,31 @@ def test_async_client(daemon: Daemon, stack: Stack) -> None:
         await client.close()
 
     asyncio.run(scenario())
+
+
+def test_structured_replies_and_block_status(daemon: Daemon, stack: Stack) -> None:
+    from .nbdclient import NbdClient
+
+    with daemon.client() as client:
+        blank = client.create_blank(16 * MiB)
+        info = client.create(lowers=stack.lowers)
+    run(["qemu-io", "-f", "raw", "-c", "write -P 7 1M 64k", "-c", "write -z 4M 1M",
+         "-c", "write -P 9 8M 8k", nbd_uri(blank)])
+    extents = json.loads(run(["nbdinfo", "--map", "--json", nbd_uri(blank)]).stdout)
+    data = [(e["offset"], e["length"]) for e in extents if e["type"] == 0]
+    assert data == [(1 * MiB, 64 * 1024), (8 * MiB, 8192)], extents
+    assert sum(e["length"] for e in extents) == 16 * MiB
+    # A sparse copy of the layered disk still reads back exactly.
+    mapped = json.loads(run(["qemu-img", "map", "--output=json", "-f", "raw", nbd_uri(info)]).stdout)
+    assert sum(m["length"] for m in mapped) == stack.size
+    # Structured READ replies, including an error chunk that leaves the connection usable.
+    nbd = NbdClient(info.nbd, None)
+    nbd.structured()
+    nbd.go(info.export)
+    ctype, error, got = nbd.read_chunk(4096, 8192)
+    assert (ctype, error, got) == (1, 0, stack.expected[4096 : 4096 + 8192])
+    ctype, error, _ = nbd.read_chunk(stack.size - 512, 4096)
+    assert (ctype, error) == ((1 << 15) + 1, 22)
+    assert nbd.read_chunk(0, 0)[0] == 0
+    assert nbd.read_chunk(0, 512)[2] == stack.expected[:512]
+    nbd.close()

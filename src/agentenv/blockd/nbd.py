@@ -441,7 +441,7 @@ class NbdConnection:
             if status_one is not None:
                 self._status_chunk(handle, result, status_one)  # type: ignore[arg-type]
             else:
-                self._reply(handle, 0, result if isinstance(result, bytes) else None,
+                self._reply(handle, 0, result if isinstance(result, (bytes, bytearray)) else None,
                             read_at=read_at)
         self._flush_out()
         with contextlib.suppress(ConnectionError):
@@ -540,7 +540,7 @@ class NbdConnection:
             return True
         if result is None or result is False:
             return False
-        self._reply(handle, 0, result if isinstance(result, bytes) else None, read_at=read_at)
+        self._reply(handle, 0, result if isinstance(result, (bytes, bytearray)) else None, read_at=read_at)
         return True
 
     def _error(self, export: Export, handle: int, error: int, read_at: int | None = None) -> None:

@@ -43,8 +43,9 @@ def pull_command(reference: str, name: str | None, state_dir: Path, platform: st
         click.echo(str(pulled.path))
         return
     click.echo(
-        f"{pulled.name}: {pulled.reference} ({pulled.manifest_digest[:19]}), {len(pulled.lowers)} "
-        f"layers ({pulled.layers_converted} new, {pulled.layers_cached} cached), "
+        f"{pulled.name}: {pulled.reference} ({pulled.manifest_digest[:19]}), "
+        f"{pulled.layers_converted + pulled.layers_cached} layers ({pulled.layers_converted} new, "
+        f"{pulled.layers_cached} cached{', on the ext4 base layer' if pulled.format == 'converted' else ''}), "
         f"{pulled.bytes_downloaded / 1e6:.1f} MB downloaded in {pulled.seconds:.1f} s -> {pulled.path}"
     )
 

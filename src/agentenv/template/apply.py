@@ -43,6 +43,9 @@ from agentenv.template.errors import LayerApplyError, UnsupportedImageError
 WHITEOUT_PREFIX = ".wh."
 OPAQUE_WHITEOUT = ".wh..wh..opq"
 _COPY_CHUNK = 1 << 20
+# tarfile's stream reader copies its whole remaining buffer on every read: big enough to cut
+# the number of reads for large files, small enough not to dominate for many small ones.
+_TAR_BUFSIZE = 64 << 10
 _MAX_SYMLINK_HOPS = 255
 
 # Layer media types this applier accepts, by compression ("" = plain tar).
@@ -457,7 +460,7 @@ def apply_layer(root: Path, blob: Path | BlobTap, media_type: str,
         with open_uncompressed(blob, compression, raw_holder) as stream:
             hashing = _HashingReader(stream)
             buffered = io.BufferedReader(hashing, buffer_size=_COPY_CHUNK)
-            with tarfile.open(fileobj=buffered, mode="r|", bufsize=_COPY_CHUNK) as tar:
+            with tarfile.open(fileobj=buffered, mode="r|", bufsize=_TAR_BUFSIZE) as tar:
                 applier.apply(tar)
             while buffered.read(_COPY_CHUNK):
                 pass  # hash the end-of-archive padding too: it is part of the diff_id
