@@ -69,6 +69,7 @@ from agentenv.blockd.device import (
     DeviceRecord,
     ImageLike,
     PlaceholderImage,
+    tune_allocator,
 )
 from agentenv.blockd.errors import BlockdError
 from agentenv.errors import AgentEnvError
@@ -202,6 +203,7 @@ class Blockd:
     async def start(self) -> None:
         self.state_dir.mkdir(parents=True, exist_ok=True)
         self._take_state_lock()
+        tune_allocator()
         for folder in (self.records_dir, self.nbd_dir, self.uppers_dir):
             folder.mkdir(parents=True, exist_ok=True)
         self.socket_path.parent.mkdir(parents=True, exist_ok=True)

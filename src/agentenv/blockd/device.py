@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import logging
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Executor
@@ -365,6 +366,20 @@ class Device:
 
 MAX_STATUS_RUNS = 4096
 BIG_READ = 64 * 1024
+
+
+def tune_allocator() -> None:
+    """Keep big buffers on the heap. By default glibc serves each 1 MiB read buffer with a
+    fresh mmap whose pages all fault in when Python zeroes it: about 0.7 ms of a 1 MiB read's
+    1.1 ms in a profile of the daemon. A fixed mmap threshold (which also stops glibc from
+    moving it) lets freed buffers be reused."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return  # not glibc: nothing to tune
+    m_trim_threshold, m_mmap_threshold = -1, -3
+    libc.mallopt(m_mmap_threshold, 64 * 1024 * 1024)
+    libc.mallopt(m_trim_threshold, 256 * 1024 * 1024)
 
 
 def _read(image: ImageLike, offset: int, length: int) -> bytes:

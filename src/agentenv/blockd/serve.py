@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from agentenv.blockd import images, nbd
-from agentenv.blockd.device import Device, DeviceRecord
+from agentenv.blockd.device import Device, DeviceRecord, tune_allocator
 
 log = logging.getLogger("agentenv.blockd.serve")
 
@@ -25,6 +25,7 @@ async def serve_image(
     ready: asyncio.Event | None = None,
 ) -> None:
     """Serve `source` (an image config, or a layer: always read-only) until SIGTERM/SIGINT."""
+    tune_allocator()
     executor = ThreadPoolExecutor(8, thread_name_prefix="nbd-io")
     image = await asyncio.get_running_loop().run_in_executor(
         executor, lambda: images.open_image(source, writable=not readonly)

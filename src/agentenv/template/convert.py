@@ -54,7 +54,7 @@ def _run(args: list[str], what: str, env: dict[str, str] | None = None) -> str:
 def loop_mount(file: Path, mountpoint: Path, *, readonly: bool = False) -> Iterator[Path]:
     """Attach `file` to a loop device and mount its ext4 at `mountpoint`."""
     mountpoint.mkdir(parents=True, exist_ok=True)
-    args = ["losetup", "--find", "--show"] + (["--read-only"] if readonly else []) + (["--direct-io=on"] if os.environ.get("AENV_LOOP_DIO") else []) + [str(file)]
+    args = ["losetup", "--find", "--show"] + (["--read-only"] if readonly else []) + [str(file)]
     device = _run(args, "attaching a loop device")
     try:
         # Drop any block cache a previous user of this loop device number left behind.
