@@ -7,6 +7,7 @@ import sys
 import time
 from collections.abc import Iterator
 
+import httpx
 import pytest
 
 from agentenv.runtime.harness import sh
@@ -19,6 +20,13 @@ pytestmark = [pytest.mark.qemu, pytest.mark.root]
 EXT_NS = "aet-ext"
 EXT_HOST_IF = "aetx0"
 SERVER_IP = "198.18.0.2"
+
+
+def _answers(url: str) -> bool:
+    try:
+        return httpx.get(url, timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
 
 
 def _ip(*args: str) -> None:
@@ -44,8 +52,7 @@ def outside_server() -> Iterator[str]:
             ["ip", "netns", "exec", EXT_NS, sys.executable, "-m", "http.server", "8080",
              "--bind", SERVER_IP], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + 40
-        while subprocess.run(["curl", "-s", "-m", "2", f"http://{SERVER_IP}:8080/"],
-                             capture_output=True).returncode != 0:
+        while not _answers(f"http://{SERVER_IP}:8080/"):
             assert server.poll() is None, "test server exited"
             assert time.monotonic() < deadline, "test server did not start"
             time.sleep(0.1)

@@ -96,7 +96,9 @@ class _DeviceFiles(mfusepy.Operations):
         end = min(offset + size, device.size)
         if end <= offset:
             return b""
-        return self._run(device.read(offset, end - offset))
+        data = self._run(device.read(offset, end - offset))
+        # mfusepy hands the result to ctypes.memmove, which takes bytes but not bytearray.
+        return data if isinstance(data, bytes) else bytes(data)
 
     def write(self, path: str, data: bytes, offset: int, fh: Any) -> int:
         device = self._device(path)

@@ -37,6 +37,7 @@ from agentenv import __version__
 from agentenv.node import models
 from agentenv.node.errors import ApiError, BadRequest, sandbox_not_found
 from agentenv.node.metrics import NodeMetrics
+from agentenv.node.openapi import openapi_document
 from agentenv.node.orchestrator import CreateParams, Orchestrator
 from agentenv.node.proxy import SandboxProxy, route_of, send_json
 from agentenv.node.records import SandboxRecord, State, TemplateRecord
@@ -48,7 +49,7 @@ M = TypeVar("M", bound=BaseModel)
 MAX_BODY_BYTES = 1 << 20
 MAX_PAGE = 100
 IDEMPOTENCY_SECONDS = 600.0
-PUBLIC_PATHS = {"/health", "/metrics"}
+PUBLIC_PATHS = {"/health", "/metrics", "/openapi.json"}
 
 
 def error(status: int, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
@@ -253,6 +254,7 @@ class NodeApp:
         return [
             r("/health", self.health, methods=["GET"]),
             r("/metrics", self.prometheus, methods=["GET"]),
+            r("/openapi.json", self.openapi, methods=["GET"]),
             r("/sandboxes", self.create_v1, methods=["POST"]),
             r("/sandboxes", self.list_v1, methods=["GET"]),
             r("/v2/sandboxes", self.create_v2, methods=["POST"]),
@@ -282,6 +284,9 @@ class NodeApp:
 
     async def health(self, request: Request) -> Response:
         return JSONResponse({"status": "ok", "version": __version__})
+
+    async def openapi(self, request: Request) -> Response:
+        return JSONResponse(openapi_document())
 
     async def prometheus(self, request: Request) -> Response:
         return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
