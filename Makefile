@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 TEST_STAMP := $(VENV)/.installed-test
 STATE_DIR ?= /var/lib/aenv
 
-.PHONY: up test lint system venv bench clean
+.PHONY: up down test lint system venv bench clean
 
 system:
 	@bash scripts/install-system.sh
@@ -23,8 +23,12 @@ $(TEST_STAMP): $(STAMP) pyproject.toml
 
 venv: $(STAMP)
 
+# Installs everything, builds the guest assets and starts the node in the background (scripts/up.sh).
 up: system venv
-	@$(VENV)/bin/aenv --help
+	@AENV_STATE_DIR=$(STATE_DIR) bash scripts/up.sh
+
+down:
+	@AENV_STATE_DIR=$(STATE_DIR) bash scripts/down.sh
 
 test: system $(TEST_STAMP)
 	@$(VENV)/bin/ruff check src tests bench

@@ -8,6 +8,7 @@ document declares and the body matches the declared schema.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -24,7 +25,9 @@ from schemathesis.specs.openapi.checks import (
 from agentenv.node.openapi import openapi_document
 from tests.node.conftest import NodeProcess
 
-EXAMPLES_PER_OPERATION = 10
+# AENV_OPENAPI_EXAMPLES raises the budget for a deeper run than CI's.
+EXAMPLES_PER_OPERATION = int(os.environ.get("AENV_OPENAPI_EXAMPLES", "8"))
+EXAMPLES_PER_CREATE = int(os.environ.get("AENV_OPENAPI_CREATE_EXAMPLES", "6"))
 
 
 @pytest.fixture(scope="module")
@@ -37,8 +40,36 @@ def openapi_node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NodeProce
     node.cleanup()
 
 
+class LiveSandbox:
+    """A sandbox for the fuzzer to aim at, so per-sandbox routes answer 2xx too, not only 404.
+    The fuzzer may kill it (DELETE) or pause it; a new one is made when it is gone."""
+
+    def __init__(self, node: NodeProcess) -> None:
+        self.node = node
+        self.sandbox_id: str | None = None
+        self.uses = 0
+
+    def current(self) -> str:
+        with self.node.client() as api:
+            if self.sandbox_id and api.get(f"/sandboxes/{self.sandbox_id}").status_code == 200:
+                return self.sandbox_id
+            created = api.post("/v2/sandboxes", json={"templateID": "base", "timeout": 600})
+            assert created.status_code == 201, created.text
+            self.sandbox_id = created.json()["sandboxID"]
+            return self.sandbox_id
+
+
+@pytest.fixture(scope="module")
+def live_sandbox(openapi_node: NodeProcess) -> LiveSandbox:
+    return LiveSandbox(openapi_node)
+
+
 # Loaded from the module the node serves; test_openapi_document_is_served checks they are equal.
 schema = schemathesis.openapi.from_dict(openapi_document())
+# Each create starts a sandbox (a copied root and an envd process): fewer examples for those.
+CREATE_OPERATIONS = ["createSandboxV2", "createSandbox"]
+# operationId -> statuses seen, for the coverage check at the end of the module.
+SEEN: dict[str, set[int]] = {}
 
 
 def _error_body_matches_status(response: schemathesis.Response) -> None:
@@ -55,27 +86,51 @@ def _error_body_matches_status(response: schemathesis.Response) -> None:
     assert isinstance(body.get("message"), str) and body["message"], f"no message: {body!r}"
 
 
-@schema.parametrize()
-@settings(
-    max_examples=EXAMPLES_PER_OPERATION,
-    deadline=None,
-    derandomize=True,
-    phases=[Phase.explicit, Phase.generate],
-    suppress_health_check=list(HealthCheck),
-)
-def test_api_conforms_to_its_openapi_document(
-    case: schemathesis.Case, openapi_node: NodeProcess
-) -> None:
-    response = case.call(base_url=openapi_node.url, headers={"X-API-KEY": openapi_node.api_key})
+def _check(case: schemathesis.Case, node: NodeProcess, live: LiveSandbox | None = None) -> None:
+    params = case.path_parameters or {}
+    if live is not None and "sandboxID" in params:
+        live.uses += 1
+        if live.uses % 2:  # every other example aims at a real sandbox
+            params["sandboxID"] = live.current()
+    response = case.call(base_url=node.url, headers={"X-API-KEY": node.api_key})
     assert response.status_code < 500, (
         f"server error {response.status_code} for {case.method} {case.formatted_path}: "
         f"{response.text[:500]}\nrepro: {case.as_curl_command()}"
     )
+    SEEN.setdefault(case.operation.definition.raw["operationId"], set()).add(response.status_code)
     _error_body_matches_status(response)
     case.validate_response(
         response,
         checks=[status_code_conformance, content_type_conformance, response_schema_conformance],
     )
+
+
+def _bounded(examples: int, explicit: bool = True) -> settings:
+    """`explicit` adds schemathesis' coverage examples (boundary and invalid values of every
+    field), dozens per operation beyond `examples`."""
+    return settings(
+        max_examples=examples,
+        deadline=None,
+        derandomize=True,
+        phases=[Phase.explicit, Phase.generate] if explicit else [Phase.generate],
+        suppress_health_check=list(HealthCheck),
+    )
+
+
+@schema.exclude(operation_id=CREATE_OPERATIONS).parametrize()
+@_bounded(EXAMPLES_PER_OPERATION)
+def test_api_conforms_to_its_openapi_document(
+    case: schemathesis.Case, openapi_node: NodeProcess, live_sandbox: LiveSandbox
+) -> None:
+    _check(case, openapi_node, live_sandbox)
+
+
+@schema.include(operation_id=CREATE_OPERATIONS).parametrize()
+@_bounded(EXAMPLES_PER_CREATE, explicit=False)
+def test_create_conforms_to_its_openapi_document(
+    case: schemathesis.Case, openapi_node: NodeProcess
+) -> None:
+    _check(case, openapi_node)
 
 
 def test_openapi_document_is_served_and_covers_the_sdk_routes(openapi_node: NodeProcess) -> None:
@@ -99,6 +154,15 @@ def test_openapi_document_is_served_and_covers_the_sdk_routes(openapi_node: Node
     ]:
         assert method in paths.get(path, {}), f"{method.upper()} {path} missing"
     assert doc["components"]["securitySchemes"]["ApiKeyAuth"]["name"] == "X-API-KEY"
+
+
+def test_fuzzing_reached_success_answers() -> None:
+    """The fuzz above (same module, runs first) got 2xx answers on the per-sandbox routes, not
+    only 404s for made-up ids, so their success bodies were checked against the schemas."""
+    print({op: sorted(codes) for op, codes in sorted(SEEN.items())})
+    succeeded = {op for op, codes in SEEN.items() if any(c < 300 for c in codes)}
+    for op in ("getSandbox", "killSandbox", "pauseSandbox", "connectSandboxV2", "listSandboxesV2"):
+        assert op in succeeded, f"{op} never answered 2xx: {SEEN.get(op)}"
 
 
 def test_node_log_has_no_unexpected_errors(openapi_node: NodeProcess) -> None:

@@ -16,6 +16,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -122,3 +123,24 @@ def test_typescript_sdk_round_trip(node: NodeProcess, ts_sdk: Path) -> None:
 
     with node.client() as api:
         assert api.get(f"/sandboxes/{sid}").status_code == 404
+
+
+def test_chunked_control_plane_body(node: NodeProcess) -> None:
+    """TS sends control-plane POST bodies with Transfer-Encoding: chunked; so does this."""
+
+    def chunks() -> Iterator[bytes]:
+        yield b'{"templateID": "ba'
+        yield b'se", "timeout": 60, "metadata": {"via": "chunked"}}'
+
+    with node.client() as api:
+        created = api.post(
+            "/v2/sandboxes", content=chunks(), headers={"Content-Type": "application/json"}
+        )
+        assert created.status_code == 201, created.text
+        sid = created.json()["sandboxID"]
+        try:
+            assert api.get(f"/sandboxes/{sid}").json()["metadata"] == {"via": "chunked"}
+            paused = api.post(f"/sandboxes/{sid}/pause", content=iter([b"{", b"}"]))
+            assert paused.status_code == 204, paused.text
+        finally:
+            assert api.delete(f"/sandboxes/{sid}").status_code == 204

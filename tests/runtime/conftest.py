@@ -57,7 +57,8 @@ def env() -> Iterator[Env]:
 
         layer = make_ext4_layer(root / "rootfs.layer", ROOTFS_SIZE)
         config = RuntimeConfig(state_dir=root / "state", network_prefix=PREFIX,
-                               envd_init_path="/cgi-bin/init", slot_pool_low=1)
+                               envd_init_path="/cgi-bin/init", slot_pool_low=1,
+                               boot_timeout=300)
         runtime = Runtime(config, blockd=AsyncBlockdClient(blockd.socket))
         loop.run(runtime.start(kernel_for_probe=guest.kernel))
         yield Env(loop, runtime, guest, layer, root)
@@ -73,7 +74,8 @@ def env() -> Iterator[Env]:
 
 COUNTER = (
     "mkdir -p /mnt/disk/data\n"
-    "(i=0; while true; do i=$((i+1)); echo $i > /tmp/count; sleep 0.1; done) >/dev/null 2>&1 &\n"
+    "(i=0; while true; do i=$((i+1)); echo $i > /tmp/count.new; mv /tmp/count.new /tmp/count;"
+    " sleep 0.1; done) >/dev/null 2>&1 &\n"
     "echo persistent-$((6*7)) > /mnt/disk/data/file; sync\n"
     "echo started\n"
 )

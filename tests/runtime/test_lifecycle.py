@@ -228,3 +228,25 @@ def test_full_disk_during_pause_keeps_vm_and_last_snapshot(env: Env, counting: S
         if vm is not None:
             env.loop.run(rt.kill(vm))
         subprocess.run(["umount", str(full)], check=False)
+
+
+def test_deep_memory_stack_is_compacted(env: Env, counting: SnapshotRecord) -> None:
+    rt = env.runtime
+    rt.config.max_memory_layers = 1
+    vm = None
+    try:
+        vm = env.loop.run(rt.restore(counting))
+        digest = env.loop.run(sh(vm, "dd if=/dev/urandom of=/tmp/rand2 bs=4096 count=256"
+                                     " 2>/dev/null; md5sum /tmp/rand2")).split()[0]
+        record = env.loop.run(rt.pause(vm))
+        assert [Path(x.path).name for x in record.memory_layers] == ["memory-compacted.layer"]
+        assert not (Path(record.device_state).parent / "memory.layer").exists()
+        vm = env.loop.run(rt.restore(record))
+        assert env.loop.run(sh(vm, "md5sum /tmp/rand2")).split()[0] == digest
+        first = count(env, vm)
+        time.sleep(0.4)
+        assert count(env, vm) > first
+    finally:
+        rt.config.max_memory_layers = 32
+        if vm is not None:
+            env.loop.run(rt.kill(vm))

@@ -28,6 +28,8 @@ class RuntimeConfig(BaseModel):
     restore_timeout: float = 30.0
     blockd_socket: Path | None = None
     snapshot_root: Path | None = None  # default: <state_dir>/snapshots
+    # A memory stack deeper than this is compacted into one layer when a snapshot is taken.
+    max_memory_layers: int = Field(default=32, ge=1, le=255)
 
     @property
     def vm_dir(self) -> Path:

@@ -91,12 +91,22 @@ class LoopThread:
         self.loop.close()
 
 
-async def sh(vm: VM, script: str, timeout: float = 60) -> str:
-    """Run a shell script in the test guest (its /cgi-bin/run endpoint); returns the output."""
+async def sh(vm: VM, script: str, timeout: float = 60, attempts: int = 3) -> str:
+    """Run a shell script in the test guest (its /cgi-bin/run endpoint); returns the output.
+    Connection failures are retried: busybox httpd under TCG on a loaded host sometimes
+    resets a connection before running the script."""
     async with httpx.AsyncClient(timeout=timeout) as client:
-        answer = await client.post(vm.envd_url + "/cgi-bin/run", content=script)
-        answer.raise_for_status()
-        return answer.text
+        for attempt in range(attempts):
+            try:
+                answer = await client.post(vm.envd_url + "/cgi-bin/run", content=script)
+            except (httpx.ConnectError, httpx.ReadError, httpx.RemoteProtocolError):
+                if attempt == attempts - 1:
+                    raise
+                await asyncio.sleep(0.2)
+                continue
+            answer.raise_for_status()
+            return answer.text
+    raise AssertionError("unreachable")
 
 
 def pss_kib(pid: int) -> dict[str, int]:

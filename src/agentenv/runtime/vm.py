@@ -41,7 +41,12 @@ from agentenv.runtime.errors import (
     SnapshotError,
     VMDiedError,
 )
-from agentenv.runtime.memory import MemoryFileCache, capture_memory_layer, find_ram_mapping
+from agentenv.runtime.memory import (
+    MemoryFileCache,
+    capture_memory_layer,
+    find_ram_mapping,
+    materialise,
+)
 from agentenv.runtime.network import GUEST_IP, NetworkSlot, SlotPool, setup_host
 from agentenv.runtime.qemu import DiskAttachment, QemuProcess
 from agentenv.snapshot.record import (
@@ -52,6 +57,7 @@ from agentenv.snapshot.record import (
     SnapshotRecord,
     SnapshotRecordError,
 )
+from agentenv.storage.export import import_raw
 
 log = logging.getLogger("agentenv.runtime")
 
@@ -319,13 +325,17 @@ class Runtime:
             t_dev = time.perf_counter()
             layer_path = snap_dir / "memory.layer"
             stats = await asyncio.to_thread(self._capture, vm, layer_path)
+            memory_layers = [*vm.memory_layers,
+                             LayerRef(path=str(layer_path), size=layer_path.stat().st_size)]
+            if len(memory_layers) > self.config.max_memory_layers:
+                memory_layers = [await asyncio.to_thread(
+                    _compact_memory, memory_layers, snap_dir, vm.machine.memory_bytes)]
             t_mem = time.perf_counter()
             disks = await self._snapshot_disks(vm, snap_dir)
             record = SnapshotRecord(
                 id=snap_id, source_vm=vm.id, parent_snapshot=vm.parent_snapshot,
                 mode=vm.machine.accel, machine=vm.machine,
-                memory_layers=[*vm.memory_layers,
-                               LayerRef(path=str(layer_path), size=layer_path.stat().st_size)],
+                memory_layers=memory_layers,
                 device_state=str(devstate), device_state_ram_block="ram0", disks=disks,
                 qemu_version=_qemu_version(vm.process),
             )
@@ -648,6 +658,19 @@ class Runtime:
         if vm.slot is None:
             raise RuntimeError_(f"VM {vm.id} has no network")
         await vm.slot.set_outbound(allowed)
+
+
+def _compact_memory(layers: list[LayerRef], snap_dir: Path, size: int) -> LayerRef:
+    """Merge a memory stack into one layer (the stack stays readable by older snapshots)."""
+    raw = snap_dir / "memory-compact.raw"
+    out = snap_dir / "memory-compacted.layer"
+    try:
+        materialise([Path(x.path) for x in layers], raw, size)
+        import_raw(raw, out)
+    finally:
+        raw.unlink(missing_ok=True)
+    (snap_dir / "memory.layer").unlink(missing_ok=True)
+    return LayerRef(path=str(out), size=out.stat().st_size)
 
 
 def _qemu_version(process: QemuProcess) -> str:
