@@ -262,3 +262,64 @@ def test_structured_replies_and_block_status(daemon: Daemon, stack: Stack) -> No
     assert nbd.read_chunk(0, 0)[0] == 0
     assert nbd.read_chunk(0, 512)[2] == stack.expected[:512]
     nbd.close()
+
+
+def _pipelined_reads(nbd: object, requests: list[tuple[int, int]], structured: bool) -> dict[int, bytes]:
+    """Send every READ before reading any reply (the replies overflow the socket buffers, so
+    the server's scatter-gather sends are cut short and the rest is queued), then collect the
+    replies by handle."""
+    import struct
+    import time
+
+    from .nbdclient import recv_exact
+
+    sock = nbd.sock  # type: ignore[attr-defined]
+    sock.sendall(b"".join(struct.pack(">IHHQQI", 0x25609513, 0, 0, handle, offset, length)
+                          for handle, (offset, length) in enumerate(requests, 1)))
+    time.sleep(0.3)
+    got: dict[int, bytes] = {}
+    for _ in requests:
+        if structured:
+            magic, flags, ctype, handle, clen = struct.unpack(">IHHQI", recv_exact(sock, 20))
+            assert (magic, ctype, flags & 1) == (0x668E33EF, 1, 1)
+            payload = recv_exact(sock, clen)
+            assert struct.unpack_from(">Q", payload)[0] == requests[handle - 1][0]
+            got[handle] = payload[8:]
+        else:
+            magic, error, handle = struct.unpack(">IIQ", recv_exact(sock, 16))
+            assert (magic, error) == (0x67446698, 0)
+            got[handle] = recv_exact(sock, requests[handle - 1][1])
+    return got
+
+
+def test_pipelined_large_reads_of_a_fragmented_disk(daemon: Daemon, stack: Stack) -> None:
+    """1 MiB reads gathered from the layers and from an upper fragmented by thousands of 4 KiB
+    writes (zero-copy pieces of their mmaps), with replies backed up in the socket, read back
+    exactly: simple and structured replies, before and after the upper grows past its mapping."""
+    import random
+
+    from .nbdclient import NbdClient
+
+    with daemon.client() as client:
+        info = client.create(lowers=stack.lowers)
+    expected = bytearray(stack.expected)
+    rng = random.Random(5)
+    writer = NbdClient(info.nbd, info.export)
+    requests = [(n * MiB, MiB) for n in range(stack.size // MiB)]
+    requests += [(rng.randrange(0, stack.size - MiB), rng.randrange(64 * 1024, MiB)) for _ in range(8)]
+    for writes in (300, 2600):  # 2600 x 4 KiB grows the upper past its first mapping
+        for _ in range(writes):
+            offset = rng.randrange(0, stack.size // 4096) * 4096 + rng.choice([0, 0, 512, 100])
+            data = rng.randbytes(min(4096, stack.size - offset))
+            writer.write(offset, data)
+            expected[offset : offset + len(data)] = data
+        for structured in (False, True):
+            nbd = NbdClient(info.nbd, None)
+            if structured:
+                nbd.structured()
+            nbd.go(info.export)
+            got = _pipelined_reads(nbd, requests, structured)
+            for handle, (offset, length) in enumerate(requests, 1):
+                assert got[handle] == expected[offset : offset + length], (structured, offset, length)
+            nbd.close()
+    writer.close()

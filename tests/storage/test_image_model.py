@@ -17,6 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from agentenv.storage.builder import LayerBuilder, commit_upper
+from agentenv.storage.errors import ImageUsageError
 from agentenv.storage.image import Image
 from agentenv.storage.lsmt import ZEROED, FlatIndex, _overlay_arrays, _to_arrays, overlay
 from agentenv.storage.upper import Upper
@@ -68,6 +69,8 @@ def _check(image: Image, model: bytearray, rng: random.Random) -> None:
         buf = bytearray(b"\xee" * n)
         image.readinto(off, buf)
         assert buf == model[off : off + n]
+        assert b"".join(image.read_pieces(off, n)) == bytes(model[off : off + n])
+    assert b"".join(image.read_pieces(0, VSIZE)) == bytes(model)
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
@@ -266,3 +269,24 @@ def test_vectorised_merge_matches_sweep(seed: int, layers: int) -> None:
         arrays = _overlay_arrays(arrays, _to_arrays(lower))
     got = FlatIndex(*(a.tolist() for a in arrays))
     assert got.entries() == expected.entries()
+
+
+def test_read_pieces_outlive_close(tmp_path: Path) -> None:
+    """Pieces are zero-copy slices of the layers' and the upper's mappings; closing the image
+    while some are still held (a reply waiting on a socket) must neither fail nor unmap them."""
+    rng = random.Random(3)
+    model = bytearray(VSIZE)
+    lowers = _base_layers(tmp_path, model, rng)
+    image = Image.create(lowers, tmp_path / "u")
+    data = rng.randbytes(8192)
+    image.write(4096, data)
+    model[4096 : 4096 + 8192] = data
+    pieces = image.read_pieces(0, VSIZE)
+    upper_piece = image.read_pieces(4096, 8192)
+    assert [type(p) for p in upper_piece] == [memoryview]  # from the upper's mapping
+    pieces += upper_piece
+    model += data
+    image.close()
+    assert b"".join(pieces) == bytes(model)
+    with pytest.raises(ImageUsageError):
+        image.read_pieces(0, 1)

@@ -22,7 +22,9 @@ FAST_ZERO accepted: zeroing only records a zeroed extent, it is never slow), CAC
 success), BLOCK_STATUS (base:allocation). Requests are handled concurrently (replies may come out of order, as the protocol allows), so several
 clients and in-flight requests per client work at once. Range errors get EINVAL (reads) or
 ENOSPC (writes past the end), writes to a read-only export EPERM, backend failures EIO;
-none of them drops the connection. A request with a bad magic, an unknown command with a
+none of them drops the connection. Large READ replies may be a list of buffers (slices of the
+layers' mmaps, from Image.read_pieces): they leave in one scatter-gather sendmsg, so the data is
+copied once, by the kernel. A request with a bad magic, an unknown command with a
 payload, or a write larger than MAX_REQUEST cannot be skipped safely: the server answers
 what it can and closes that connection only.
 """
@@ -33,6 +35,7 @@ import asyncio
 import contextlib
 import errno
 import logging
+import os
 import socket
 import struct
 from collections.abc import Callable, Iterable
@@ -128,6 +131,12 @@ SOCKET_BUFFER = 4 * 1024 * 1024
 SO_SNDBUFFORCE = getattr(socket, "SO_SNDBUFFORCE", 32)
 SO_RCVBUFFORCE = getattr(socket, "SO_RCVBUFFORCE", 33)
 CORK_JOIN_MAX = 256 * 1024
+try:
+    IOV_MAX = min(os.sysconf("SC_IOV_MAX"), 1024)
+except (ValueError, OSError):
+    IOV_MAX = 16
+
+Buffer = bytes | bytearray | memoryview
 
 _REQUEST = struct.Struct(">IHHQQI")
 _REPLY = struct.Struct(">IIQ")
@@ -151,8 +160,9 @@ class Export(Protocol):
 
     async def read(self, offset: int, length: int) -> bytes: ...
 
-    def read_now(self, offset: int, length: int) -> bytes | None:
-        """The bytes right away, or None when the read must go through `read` (off-loop)."""
+    def read_now(self, offset: int, length: int) -> bytes | list[Buffer] | None:
+        """The bytes right away (or buffers to send one after the other, e.g. slices of
+        mmaps), or None when the read must go through `read` (off-loop)."""
         ...
 
     def write_now(self, offset: int, data: bytes) -> bool:
@@ -221,6 +231,14 @@ class NbdConnection:
         self._out_bytes = 0
         self._structured = False
         self._base_allocation = False
+        # Our own handle on the connection's socket (a dup: asyncio's TransportSocket offers
+        # no sendmsg) for scatter-gather sends of large replies; see _flush_out.
+        self._sock: socket.socket | None = None
+        transport_sock = writer.get_extra_info("socket")
+        if transport_sock is not None and transport_sock.type == socket.SOCK_STREAM:
+            with contextlib.suppress(OSError):
+                self._sock = socket.socket(fileno=os.dup(transport_sock.fileno()))
+                self._sock.setblocking(False)
 
     # -- negotiation -------------------------------------------------------------------------
 
@@ -371,7 +389,7 @@ class NbdConnection:
 
     # -- transmission ------------------------------------------------------------------------
 
-    def _reply(self, handle: int, error: int, data: bytes | None = None,
+    def _reply(self, handle: int, error: int, data: bytes | list[Buffer] | None = None,
                read_at: int | None = None) -> None:
         # Replies are corked: queued here, and sent by _flush_out once no further request
         # is already buffered, so a burst of queued requests costs one send() rather than
@@ -382,10 +400,18 @@ class NbdConnection:
             return
         self._out.append(_REPLY.pack(SIMPLE_REPLY_MAGIC, error, handle))
         if data:
+            self._queue_data(data)
+
+    def _queue_data(self, data: bytes | list[Buffer], length: int | None = None) -> None:
+        if isinstance(data, list):
+            self._out.extend(data)
+            self._out_bytes += sum(map(len, data)) if length is None else length
+        else:
             self._out.append(data)
             self._out_bytes += len(data)
 
-    def _read_chunk(self, handle: int, error: int, data: bytes | None, offset: int) -> None:
+    def _read_chunk(self, handle: int, error: int, data: bytes | list[Buffer] | None,
+                    offset: int) -> None:
         """A READ reply once structured replies are on: one final data (or error) chunk."""
         if error:
             message = b"request failed"
@@ -396,11 +422,11 @@ class NbdConnection:
             self._out.append(_CHUNK.pack(STRUCTURED_REPLY_MAGIC, REPLY_FLAG_DONE, REPLY_TYPE_NONE,
                                          handle, 0))
         else:
+            length = sum(map(len, data)) if isinstance(data, list) else len(data)
             self._out.append(_CHUNK.pack(STRUCTURED_REPLY_MAGIC, REPLY_FLAG_DONE,
-                                         REPLY_TYPE_OFFSET_DATA, handle, 8 + len(data))
+                                         REPLY_TYPE_OFFSET_DATA, handle, 8 + length)
                              + struct.pack(">Q", offset))
-            self._out.append(data)
-            self._out_bytes += len(data)
+            self._queue_data(data, length)
 
     def _status_chunk(self, handle: int, runs: list[tuple[int, bool]], one: bool) -> None:
         descriptors = []
@@ -418,9 +444,37 @@ class NbdConnection:
             return
         if size <= CORK_JOIN_MAX:
             self.writer.write(b"".join(out))
-        else:
-            for piece in out:  # big payloads: a syscall each beats copying them into one
-                self.writer.write(piece)
+            return
+        start = 0
+        if self._sock is not None and not self.writer.transport.get_write_buffer_size():
+            start = self._send_direct(out)
+        for piece in out[start:]:  # what the socket did not take: the transport buffers it
+            self.writer.write(piece)
+
+    def _send_direct(self, out: list[Buffer]) -> int:
+        """Big replies go out with sendmsg, headers and payload pieces (mmap slices) in one
+        scatter-gather call, so the payload is copied once, by the kernel. Only while the
+        transport has nothing buffered (order). Returns the index in `out` of the first piece
+        not fully sent; a partly sent one is replaced in `out` by its unsent tail."""
+        assert self._sock is not None
+        i = 0
+        while i < len(out):
+            batch = out[i : i + IOV_MAX]
+            try:
+                sent = self._sock.sendmsg(batch)
+            except (BlockingIOError, InterruptedError):
+                return i
+            except OSError:
+                return i  # the transport's own write meets the error and closes the connection
+            for piece in batch:
+                n = len(piece)
+                if sent < n:
+                    if sent:
+                        out[i] = memoryview(piece)[sent:]
+                    return i
+                sent -= n
+                i += 1
+        return i
 
     async def _run(self, coro_fn: Callable[[], object], handle: int, export: Export,
                    read_at: int | None = None, status_one: bool | None = None) -> None:
@@ -540,7 +594,8 @@ class NbdConnection:
             return True
         if result is None or result is False:
             return False
-        self._reply(handle, 0, result if isinstance(result, (bytes, bytearray)) else None, read_at=read_at)
+        self._reply(handle, 0, result if isinstance(result, (bytes, bytearray, list)) else None,
+                    read_at=read_at)
         return True
 
     def _error(self, export: Export, handle: int, error: int, read_at: int | None = None) -> None:
@@ -581,6 +636,8 @@ class NbdConnection:
                 self._flush_out()
                 self.writer.close()
                 await self.writer.wait_closed()
+            if self._sock is not None:
+                self._sock.close()
 
 
 class SingleExportTable:

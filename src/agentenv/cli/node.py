@@ -29,10 +29,11 @@ DEFAULT_URL = "http://127.0.0.1:8000"
 @click.option("--port", type=int, default=8000, show_default=True)
 @click.option(
     "--backend",
-    type=click.Choice(["process"]),
+    type=click.Choice(["process", "vm"]),
     default="process",
     show_default=True,
-    help="What runs sandboxes: 'process' = envd processes on this host (no VM).",
+    help="What runs sandboxes: 'process' = envd processes on this host (no VM); "
+    "'vm' = QEMU VMs (root; builds the guest and the base template on first start).",
 )
 @click.option(
     "--domain", default=None, help="Sandbox domain returned to SDKs ({port}-{id}.DOMAIN)."

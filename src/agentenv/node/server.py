@@ -45,7 +45,11 @@ def make_backend(name: str, state_dir: Path) -> SandboxBackend:
         from agentenv.node.process_backend import ProcessBackend
 
         return ProcessBackend(state_dir)
-    raise AgentEnvError(f"unknown backend {name!r}: this build has 'process'")
+    if name == "vm":
+        from agentenv.node.vm_backend import VmBackend
+
+        return VmBackend(state_dir)
+    raise AgentEnvError(f"unknown backend {name!r}: this build has 'process' and 'vm'")
 
 
 def build_app(

@@ -13,10 +13,11 @@ written is never overwritten, so preads run outside every lock.
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 import threading
-from bisect import bisect_right
+from bisect import bisect_left, bisect_right
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
@@ -36,6 +37,12 @@ from agentenv.storage.upper import UPPER_DATA, UPPER_INDEX, Upper, fsync_dir
 from agentenv.storage.zfile import ZFileReader
 
 _ZERO_CHUNK = bytes(1 << 20)
+_ZERO_VIEW = memoryview(_ZERO_CHUNK)
+# The upper's data file only grows; read_pieces maps it once and maps it again only when it has
+# grown by this much past the mapping (newer data is pread meanwhile), so a write-then-read
+# pattern does not remap on every read.
+UPPER_REMAP_MIN = 8 << 20
+Piece = bytes | bytearray | memoryview
 
 
 def _zero(buf: memoryview, a: int, b: int) -> None:
@@ -43,6 +50,25 @@ def _zero(buf: memoryview, a: int, b: int) -> None:
         n = min(b - a, len(_ZERO_CHUNK))
         buf[a : a + n] = _ZERO_CHUNK[:n]
         a += n
+
+
+def _zero_pieces(out: list[Piece], n: int) -> None:
+    while n > 0:
+        k = min(n, len(_ZERO_CHUNK))
+        out.append(_ZERO_VIEW[:k])
+        n -= k
+
+
+def _map_upper(v: _View, up: Upper, need_end: int) -> memoryview | None:
+    """The upper data file's mapping when it can cover byte `need_end`, (re)made when the
+    file has grown enough; None means pread. Racing threads may each map: harmless."""
+    current = v.upper_map
+    size = os.fstat(up.data_fd).st_size
+    if size < need_end or (current is not None and size - len(current) < UPPER_REMAP_MIN):
+        return current
+    view = memoryview(mmap.mmap(up.data_fd, size, prot=mmap.PROT_READ))
+    v.upper_map = view  # the old mapping goes with its last slice
+    return view
 
 
 def _relabel(index: FlatIndex, slot: int) -> FlatIndex:
@@ -54,8 +80,8 @@ class _View:
     """Everything a read needs, never mutated after construction except the upper's index
     (under its lock)."""
 
-    __slots__ = ("bases", "fast_bends", "fast_bstarts", "fast_kind", "fast_mm", "fast_n",
-                 "fast_phys", "layers", "ro", "srcs", "upper", "vsize")
+    __slots__ = ("bases", "fast_bends", "fast_bstarts", "fast_kind", "fast_mm", "fast_mv",
+                 "fast_n", "fast_phys", "layers", "ro", "srcs", "upper", "upper_map", "vsize")
 
     def __init__(self, layers: list[SealedLayer], ro: FlatIndex, upper: Upper | None,
                  vsize: int) -> None:
@@ -63,6 +89,8 @@ class _View:
         self.ro = ro
         self.upper = upper
         self.vsize = vsize
+        # A memoryview of an mmap of the upper's data file (made on demand by read_pieces).
+        self.upper_map: memoryview | None = None
         # Per layer slot: an int fd (plain stream, read with one pread at bases[k] + pos) or a
         # ZFileReader.
         self.srcs: list[int | ZFileReader] = []
@@ -75,27 +103,33 @@ class _View:
         # data, 0 ZFile data, -2 zeroed); for plain data the layer's mmap and the file position
         # of virtual byte 0. A read inside one mapping is then one bisect and one slice.
         mms = [layer.mapping() for layer in layers]
+        mvs = [layer.mapping_view() for layer in layers]
         self.fast_bstarts = [x << 9 for x in ro.starts]
         self.fast_bends = [x << 9 for x in ro.ends]
         self.fast_n = len(ro.starts)
         kinds: list[int] = []
         maps: list[mmap.mmap | None] = []
+        views: list[memoryview | None] = []
         phys: list[int] = []
         for s, m, lay in zip(ro.starts, ro.moffsets, ro.layers, strict=True):
             if lay == ZEROED:
                 kinds.append(-2)
                 maps.append(None)
+                views.append(None)
                 phys.append(0)
             elif mms[lay] is not None:
                 kinds.append(1)
                 maps.append(mms[lay])
+                views.append(mvs[lay])
                 phys.append(self.bases[lay] + ((m - s) << 9))
             else:
                 kinds.append(0)
                 maps.append(None)
+                views.append(None)
                 phys.append(0)
         self.fast_kind = kinds
         self.fast_mm = maps
+        self.fast_mv = views
         self.fast_phys = phys
 
 
@@ -301,6 +335,101 @@ class Image:
         if mv:
             self._fill(v, offset, offset + len(mv), mv, False)
         return len(mv)
+
+    def read_pieces(self, offset: int, length: int) -> list[Piece]:
+        """Bytes [offset, offset+length) as buffers in order whose lengths sum to `length`:
+        slices of the layers' and the upper's mmaps where the data is plain (no copy: a server
+        hands them to sendmsg as they are), shared zero buffers for holes, pread bytes
+        elsewhere. The slices pin their mappings; close() leaves a pinned one to be unmapped
+        when its last slice is released, so drop them once sent."""
+        v = self._view
+        self._check_range(v, offset, length)
+        out: list[Piece] = []
+        end = offset + length
+        up = v.upper
+        ust: list[int] = []
+        if up is not None and length:
+            # Copy out the intersecting mappings under the lock (C-speed slices), walk them
+            # outside it. After random 4 KiB writes a 1 MiB read meets ~250 of them, so this
+            # loop is the per-read cost: kept to plain list indexing, no per-piece tuples.
+            idx = up.index
+            with up.index_lock:
+                i = bisect_right(idx.ends, offset >> 9)
+                j = bisect_left(idx.starts, (end + SECTOR - 1) >> 9, i)
+                if i < j:
+                    ust, uen = idx.starts[i:j], idx.ends[i:j]
+                    umo, uly = idx.moffsets[i:j], idx.layers[i:j]
+        if not ust:
+            self._pieces_ro(v, offset, end, out)
+            return out
+        assert up is not None
+        umap = v.upper_map
+        ulen = len(umap) if umap is not None else 0
+        remap_tried = False  # at most one fstat (and maybe one mmap) per call
+        pos = offset
+        for s, e, mo, lay in zip(ust, uen, umo, uly, strict=True):
+            s <<= 9
+            if s > pos:
+                self._pieces_ro(v, pos, s, out)
+                pos = s
+            e <<= 9
+            if e > end:
+                e = end
+            if lay == ZEROED:
+                _zero_pieces(out, e - pos)
+                pos = e
+                continue
+            fpos = (mo << 9) + pos - s
+            fend = fpos + e - pos
+            if fend > ulen and not remap_tried:
+                remap_tried = True
+                umap = _map_upper(v, up, fend)
+                ulen = len(umap) if umap is not None else 0
+            if fend <= ulen:
+                out.append(umap[fpos:fend])  # type: ignore[index]
+            else:
+                data = os.pread(up.data_fd, e - pos, fpos)
+                out.append(data)
+                _zero_pieces(out, e - pos - len(data))
+            pos = e
+        if pos < end:
+            self._pieces_ro(v, pos, end, out)
+        return out
+
+    @staticmethod
+    def _pieces_ro(v: _View, pos: int, end: int, out: list[Piece]) -> None:
+        bstarts, bends, kinds, views, phys = (v.fast_bstarts, v.fast_bends, v.fast_kind,
+                                             v.fast_mv, v.fast_phys)
+        n = v.fast_n
+        i = bisect_right(bends, pos)
+        while pos < end:
+            if i >= n or bstarts[i] >= end:
+                _zero_pieces(out, end - pos)
+                return
+            s = bstarts[i]
+            if s > pos:
+                _zero_pieces(out, s - pos)
+                pos = s
+            e = bends[i]
+            if e > end:
+                e = end
+            kind = kinds[i]
+            if kind == 1:
+                p = phys[i]
+                piece = views[i][p + pos : p + e]  # type: ignore[index]
+                out.append(piece)
+                _zero_pieces(out, e - pos - len(piece))  # past the layer's EOF reads as zeros
+            elif kind == -2:
+                _zero_pieces(out, e - pos)
+            else:
+                buf = bytearray(e - pos)
+                got = v.srcs[v.ro.layers[i]].readinto(  # type: ignore[union-attr]
+                    (v.ro.moffsets[i] << 9) + pos - s, memoryview(buf))
+                del buf[got:]
+                out.append(buf)
+                _zero_pieces(out, e - pos - got)
+            pos = e
+            i += 1
 
     def _fill(self, v: _View, pos: int, end: int, buf: memoryview, prezeroed: bool) -> None:
         """Fill buf (whose byte 0 is virtual byte `pos`) with [pos, end)."""
@@ -535,6 +664,12 @@ class Image:
             v = self._view
             for layer in v.layers:
                 layer.close()
+            if v.upper_map is not None:
+                mm = v.upper_map.obj
+                v.upper_map.release()
+                v.upper_map = None
+                with contextlib.suppress(BufferError):  # slices still out: unmapped with the last
+                    mm.close()  # type: ignore[attr-defined]
             if v.upper is not None:
                 v.upper.close()
 

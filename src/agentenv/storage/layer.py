@@ -7,6 +7,7 @@ through either a plain fd plus a base offset (fast path: one pread per piece) or
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 from dataclasses import dataclass, field
@@ -103,13 +104,33 @@ class SealedLayer:
             self.extra["mmap"] = mm
         return mm
 
+    def mapping_view(self) -> memoryview | None:
+        """A memoryview of `mapping()`, made once: slicing it gives zero-copy pieces
+        (Image.read_pieces) where slicing the mmap itself would copy into bytes."""
+        view = self.extra.get("mmap_view")
+        if view is None:
+            mm = self.mapping()
+            if mm is None:
+                return None
+            view = self.extra["mmap_view"] = memoryview(mm)
+        return view
+
     def close(self) -> None:
-        mm = self.extra.pop("mmap", None)
-        if mm is not None:
-            mm.close()
+        view = self.extra.pop("mmap_view", None)
+        if view is not None:
+            view.release()
+        _close_mapping(self.extra.pop("mmap", None))
         if self.source.fd >= 0:
             os.close(self.source.fd)
             self.source.fd = -1
+
+
+def _close_mapping(mm: mmap.mmap | None) -> None:
+    """Unmap now, unless slices of it are still out (pieces of a read waiting on a socket):
+    then the mapping goes when the last of them is released."""
+    if mm is not None:
+        with contextlib.suppress(BufferError):
+            mm.close()
 
 
 def load_sealed(path: Path, source: StreamSource) -> SealedLayer:

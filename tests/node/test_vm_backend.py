@@ -1,0 +1,281 @@
+"""The node with `--backend vm` (QEMU VMs through agentenv.runtime) driven by the official e2b SDK:
+the built-in `base` template (Debian + python3/git/curl) is built on first start, sandboxes are
+restores of its boot snapshot, pause keeps memory (a background process survives pause/connect),
+fork starts children from a running sandbox's memory."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from .conftest import NodeProcess
+
+pytestmark = [pytest.mark.qemu, pytest.mark.root, pytest.mark.slow]
+
+GUEST_STATE = Path("/var/cache/aenv-test/guest/state")  # guest assets, shared with tests/runtime
+DEBIAN_CACHE = Path("/var/cache/aenv-test/guest")  # debootstrap tarballs, shared with tests/guest
+NET_PREFIX = "avt"
+FIRST_SLOT = 24001  # slot addresses disjoint from other runtimes' (tests/runtime starts at 1)
+COUNTER = (
+    "i=0; while true; do i=$((i+1)); echo $i > /tmp/count.new; mv /tmp/count.new /tmp/count;"
+    " sleep 0.1; done"
+)
+
+
+class VmNodeProcess(NodeProcess):
+    """The node subprocess with --backend vm (its first start builds the base template)."""
+
+    def start(self) -> None:
+        env = {k: v for k, v in os.environ.items() if k != "AENV_API_KEY"}
+        env.update(AENV_VM_ASSETS_DIR=str(GUEST_STATE), AENV_VM_DEBIAN_CACHE=str(DEBIAN_CACHE),
+                   AENV_VM_NETWORK_PREFIX=NET_PREFIX, AENV_VM_FIRST_SLOT=str(FIRST_SLOT))
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "agentenv.node", "--backend", "vm",
+                 "--state-dir", str(self.state_dir), "--port", str(self.port)],
+                stdout=log, stderr=log, env=env)
+        deadline = time.monotonic() + 600  # guest assets + debootstrap on a cold cache
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"node exited: {self.log_path.read_text()[-3000:]}")
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
+                    return
+            time.sleep(0.2)
+        raise RuntimeError(f"node did not start: {self.log_path.read_text()[-3000:]}")
+
+
+def _remove_network_leftovers() -> None:
+    from agentenv.runtime.network import teardown_host
+
+    asyncio.run(teardown_host(NET_PREFIX))
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    for line in listed.splitlines():
+        name = line.split()[0] if line.split() else ""
+        if name.startswith(f"{NET_PREFIX}-s"):
+            subprocess.run(["ip", "netns", "del", name], capture_output=True)
+
+
+@pytest.fixture(scope="module")
+def vm_node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VmNodeProcess]:
+    if os.geteuid() != 0:
+        pytest.skip("the VM backend needs root (network namespaces, nftables, blockd)")
+    if shutil.which("qemu-system-x86_64") is None:
+        pytest.fail("qemu-system-x86_64 is missing: run scripts/install-system.sh")
+    base = tmp_path_factory.mktemp("vmnode")
+    node = VmNodeProcess(base / "state", base / "node.log")
+    saved = {k: os.environ.get(k) for k in ("E2B_API_URL", "E2B_SANDBOX_URL", "E2B_API_KEY")}
+    try:
+        t0 = time.monotonic()
+        node.start()
+        print(f"\nvm node ready (base template built) in {time.monotonic() - t0:.1f} s")
+        os.environ["E2B_API_URL"] = node.url
+        os.environ["E2B_SANDBOX_URL"] = node.url
+        os.environ["E2B_API_KEY"] = node.api_key
+        yield node
+        if node.proc is not None:
+            assert node.stop() in (0, -15), node.log_path.read_text()[-3000:]
+    finally:
+        node.cleanup()
+        _remove_network_leftovers()
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+    # The graceful stop paused what still ran; nothing of the node survives it.
+    assert not subprocess.run(["pgrep", "-f", str(node.state_dir)], capture_output=True).stdout
+
+
+def _count(sbx: object) -> int:
+    out = sbx.commands.run("cat /tmp/count").stdout.strip()  # type: ignore[attr-defined]
+    return int(out)
+
+
+def test_create_run_files_pause_connect_kill(vm_node: VmNodeProcess) -> None:
+    from e2b import Sandbox, SandboxState
+
+    timings: dict[str, float] = {}
+    creates: list[float] = []
+    extra: list[Sandbox] = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        extra.append(Sandbox.create(template="base", timeout=300, envs={"GREETING": "hello"}))
+        creates.append(time.perf_counter() - t0)
+    sbx = extra.pop(0)
+    try:
+        info = sbx.get_info()
+        assert info.state == SandboxState.RUNNING
+        result = sbx.commands.run("echo hi; echo $GREETING")
+        assert result.stdout.split() == ["hi", "hello"]
+        # The base template's own userland: Debian 12 with python3, git and curl.
+        tools = sbx.commands.run(
+            "cat /etc/debian_version; python3 -c 'print(6*7)'; git --version; curl --version")
+        assert tools.exit_code == 0, tools.stderr
+        lines = tools.stdout.splitlines()
+        assert lines[0].startswith("12.") and lines[1] == "42"
+        assert lines[2].startswith("git version") and lines[3].startswith("curl ")
+        sbx.files.write("/home/user/notes.txt", "kept across pause")
+        assert sbx.files.read("/home/user/notes.txt") == "kept across pause"
+
+        sbx.commands.run(COUNTER, background=True)
+        deadline = time.monotonic() + 30
+        while True:
+            with contextlib.suppress(Exception):
+                if _count(sbx) >= 3:
+                    break
+            assert time.monotonic() < deadline, "the background counter did not start"
+            time.sleep(0.2)
+        before = _count(sbx)
+
+        t0 = time.perf_counter()
+        sbx.pause()
+        timings["pause_s"] = time.perf_counter() - t0
+        assert Sandbox.get_info(sbx.sandbox_id).state == SandboxState.PAUSED
+
+        t0 = time.perf_counter()
+        again = Sandbox.connect(sbx.sandbox_id, timeout=300)
+        timings["connect_s"] = time.perf_counter() - t0
+        after = _count(again)
+        # Memory was kept: the same process counts on from where it stopped (a new one
+        # would start again at 1).
+        assert after >= before
+        deadline = time.monotonic() + 30
+        while _count(again) <= after:
+            assert time.monotonic() < deadline, "the counter stopped after connect"
+            time.sleep(0.2)
+        assert again.files.read("/home/user/notes.txt") == "kept across pause"
+        assert again.commands.run("echo $GREETING").stdout.strip() == "hello"
+
+        sample = again.get_metrics()
+        assert sample, "no metrics"
+        last = sample[-1]
+        assert last.cpu_count == 2 and last.mem_total == 512 << 20
+        assert 0 < last.mem_used <= last.mem_total
+        assert 0 < last.disk_used <= last.disk_total == 4 << 30
+
+        assert again.kill() is True
+        assert again.is_running() is False
+    finally:
+        for other in [sbx, *extra]:
+            with contextlib.suppress(Exception):
+                other.kill()
+    timings["create_p50_s"] = statistics.median(creates)
+    timings["create_max_s"] = max(creates)
+    print("\nvm backend timings:", json.dumps({k: round(v, 3) for k, v in timings.items()}))
+
+
+def test_fork_children_share_memory_and_files(vm_node: VmNodeProcess) -> None:
+    from e2b import Sandbox
+
+    parent = Sandbox.create(template="base", timeout=300)
+    children: list[Sandbox] = []
+    try:
+        parent.files.write("/home/user/origin.txt", "from the parent")
+        parent.commands.run(COUNTER, background=True)
+        deadline = time.monotonic() + 30
+        while True:
+            with contextlib.suppress(Exception):
+                if _count(parent) >= 2:
+                    break
+            assert time.monotonic() < deadline, "the background counter did not start"
+            time.sleep(0.2)
+        t0 = time.perf_counter()
+        results = parent.fork(count=2, timeout=120)
+        fork_s = time.perf_counter() - t0
+        errors = [r for r in results if isinstance(r, Exception)]
+        assert not errors, errors
+        children = [r for r in results if isinstance(r, Sandbox)]
+        assert len({c.sandbox_id for c in children} | {parent.sandbox_id}) == 3
+        for child in children:
+            # Each child has its own envd token and runs the parent's counter on its own copy.
+            assert child.files.read("/home/user/origin.txt") == "from the parent"
+            first = _count(child)
+            deadline = time.monotonic() + 30
+            while _count(child) <= first:
+                assert time.monotonic() < deadline, "the counter does not run in the fork"
+                time.sleep(0.2)
+            child.files.write("/home/user/origin.txt", f"child {child.sandbox_id}")
+        # Children and parent do not share disks.
+        assert parent.files.read("/home/user/origin.txt") == "from the parent"
+        assert parent.is_running()
+        print(f"\nvm backend fork of 2: {fork_s:.3f} s")
+    finally:
+        for sbx in [*children, parent]:
+            with contextlib.suppress(Exception):
+                sbx.kill()
+
+
+def test_node_restart_keeps_paused_sandboxes_and_the_template(vm_node: VmNodeProcess) -> None:
+    """A graceful stop pauses what runs; the next start reuses the cached base template and
+    a connect resumes the sandbox with its processes."""
+    from e2b import Sandbox
+
+    sbx = Sandbox.create(template="base", timeout=300)
+    try:
+        sbx.commands.run(COUNTER, background=True)
+        deadline = time.monotonic() + 30
+        while True:
+            with contextlib.suppress(Exception):
+                if _count(sbx) >= 2:
+                    break
+            assert time.monotonic() < deadline, "the background counter did not start"
+            time.sleep(0.2)
+        before = _count(sbx)
+        assert vm_node.stop() in (0, -15)
+        t0 = time.monotonic()
+        vm_node.start()
+        restart_s = time.monotonic() - t0
+        assert "base template reused" in vm_node.log_path.read_text()
+        again = Sandbox.connect(sbx.sandbox_id, timeout=300)
+        assert _count(again) >= before
+        print(f"\nvm node restart (template cached): {restart_s:.1f} s")
+    finally:
+        with contextlib.suppress(Exception):
+            Sandbox.kill(sbx.sandbox_id)
+
+
+def test_node_crash_loses_running_vms_and_cleans_them_up(vm_node: VmNodeProcess) -> None:
+    """adopt() is not implemented: after kill -9 the running sandbox is gone, and the next start
+    kills its leftover QEMU (and blockd) instead of leaving it behind."""
+    from e2b import Sandbox
+
+    sbx = Sandbox.create(template="base", timeout=300)
+    assert sbx.commands.run("echo alive").stdout.strip() == "alive"
+    runtime_dir = str(vm_node.state_dir / "vm-backend")
+    leftovers = subprocess.run(["pgrep", "-f", f"qemu-system.*{runtime_dir}"],
+                               capture_output=True, text=True).stdout.split()
+    assert leftovers, "the sandbox's QEMU process was not found"
+    vm_node.kill9()
+    vm_node.start()
+    for pid in leftovers:
+        assert not Path(f"/proc/{pid}/cmdline").exists() or not Path(
+            f"/proc/{pid}/cmdline").read_bytes(), f"leftover QEMU {pid} still runs"
+    assert Sandbox.list().next_items() == []
+    fresh = Sandbox.create(template="base", timeout=120)
+    try:
+        assert fresh.commands.run("echo again").stdout.strip() == "again"
+    finally:
+        fresh.kill()
+
+
+def test_killed_sandboxes_leave_only_template_snapshots(vm_node: VmNodeProcess) -> None:
+    """Pause snapshots and fork points are deleted with their sandboxes."""
+    from e2b import Sandbox
+
+    assert Sandbox.list().next_items() == []
+    template = json.loads((vm_node.state_dir / "templates" / "base" / "template.json").read_text())
+    snapshots = vm_node.state_dir / "vm-backend" / "runtime" / "snapshots"
+    assert {str(p) for p in snapshots.iterdir()} == {template["record_dir"]}
