@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import contextvars
 import json
 import logging
 import os
@@ -31,8 +30,6 @@ import signal
 import time
 from pathlib import Path
 from typing import Any
-
-import httpx
 
 from agentenv.node.backend import (
     ENVD_PORT,
@@ -54,11 +51,6 @@ PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")
 RELEASED_MARK = ".released"
 SLOT_COOLDOWN = 30.0  # seconds before a network slot's address serves another VM
 
-#: envd's current access token of the VM being restored: a fork child wakes up with its
-#: parent's token and envd only takes a new one from /init when the current one comes along.
-_previous_token: contextvars.ContextVar[str | None] = contextvars.ContextVar(
-    "aenv_previous_envd_token", default=None
-)
 
 
 def _envd_version() -> str | None:
@@ -76,78 +68,6 @@ def _running(pid: int) -> bool:
             return bool(f.read())
     except OSError:
         return False
-
-
-def _make_runtime_class() -> type[Any]:
-    from agentenv.runtime.errors import GuestNotReadyError, VMDiedError
-    from agentenv.runtime.vm import VM, Runtime
-
-    class NodeRuntime(Runtime):  # type: ignore[misc]
-        """The runtime, with /init carrying the VM's previous token (see _previous_token)."""
-
-        async def envd_init(self, vm: VM, env_vars: dict[str, str] | None = None,
-                            access_token: str | None = None) -> None:
-            previous = _previous_token.get()
-            if previous is None:
-                await super().envd_init(vm, env_vars, access_token)
-                return
-            body: dict[str, Any] = {
-                "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S.000Z", time.gmtime())}
-            if env_vars:
-                body["envVars"] = env_vars
-            if access_token:
-                body["accessToken"] = access_token
-            url = vm.envd_url + self.config.envd_init_path
-            deadline = time.monotonic() + self.config.restore_timeout
-            while True:
-                if vm.process.died.is_set():
-                    raise VMDiedError(vm.process.exit_reason())
-                try:
-                    answer = await self._http.post(
-                        url, json=body, headers={"X-Access-Token": previous}, timeout=2.0)
-                except httpx.HTTPError:
-                    if time.monotonic() > deadline:
-                        raise GuestNotReadyError(
-                            f"envd of VM {vm.id} unreachable after restore") from None
-                    await asyncio.sleep(0.005)
-                    continue
-                if answer.is_success:
-                    return
-                raise GuestNotReadyError(
-                    f"envd /init of VM {vm.id} answered {answer.status_code}")
-
-    return NodeRuntime
-
-
-def _make_slot_pool_class() -> type[Any]:
-    from collections import deque
-
-    from agentenv.runtime.network import NetworkSlot, SlotPool
-
-    class FreshSlotPool(SlotPool):  # type: ignore[misc]
-        """Never hands a VM the address a VM had in the last SLOT_COOLDOWN seconds.
-
-        The runtime's pool reuses a freed slot (same address) for the next VM at once; the
-        node's proxy then sends requests down keep-alive connections to the dead VM, which
-        the new guest answers with a reset. So freed slots are destroyed and their index
-        rests until every pooled connection to it has expired (httpx: 5 s)."""
-
-        def __init__(self, *args: Any, **kwargs: Any) -> None:
-            super().__init__(*args, **kwargs)
-            self._cooling: deque[tuple[float, int]] = deque()
-
-        def _new_index(self) -> int:
-            if self._cooling and self._cooling[0][0] <= time.monotonic() - SLOT_COOLDOWN:
-                return self._cooling.popleft()[1]
-            return int(super()._new_index())
-
-        async def give_back(self, slot: NetworkSlot) -> None:
-            self._in_use.pop(slot.index, None)
-            with contextlib.suppress(Exception):
-                await slot.destroy()
-            self._cooling.append((time.monotonic(), slot.index))
-
-    return FreshSlotPool
 
 
 class VmBackend:
@@ -174,12 +94,11 @@ class VmBackend:
             env.get("AENV_VM_DEBIAN_CACHE") or state_dir / "cache" / "debian")
         self.network_prefix = network_prefix or env.get("AENV_VM_NETWORK_PREFIX") or "aenv"
         self.accel = accel or env.get("AENV_VM_ACCEL") or "auto"
-        # Slot i's addresses are 10.12.x.(2i, 2i+1) whatever the prefix: two runtimes on one
-        # host must use disjoint index ranges or one answers the other's envd checks.
+        # Two runtimes on one host need disjoint slot index ranges (see RuntimeConfig).
         self.first_slot = first_slot or int(env.get("AENV_VM_FIRST_SLOT") or 1)
         self._blockd_proc: Any = None  # agentenv.runtime.harness.BlockdProcess
         self._blockd: Any = None  # AsyncBlockdClient
-        self.runtime: Any = None  # NodeRuntime
+        self.runtime: Any = None  # agentenv.runtime.Runtime, made in start()
         self._assets: Any = None  # GuestAssets
         self._vms: dict[str, Any] = {}  # sandbox id -> runtime VM
         self._cpu_seen: dict[str, tuple[float, int]] = {}
@@ -287,6 +206,7 @@ class VmBackend:
         from agentenv.blockd.client import AsyncBlockdClient
         from agentenv.guest.build.assets import build_assets
         from agentenv.runtime.config import RuntimeConfig
+        from agentenv.runtime.vm import Runtime
 
         (self.base / "sandboxes").mkdir(parents=True, exist_ok=True)
         await asyncio.to_thread(self._reap_leftovers)
@@ -307,12 +227,12 @@ class VmBackend:
                                               "built": list(self._assets.built)})
         config = RuntimeConfig(state_dir=self.base / "runtime", accel=self.accel,  # type: ignore[arg-type]
                                network_prefix=self.network_prefix, boot_timeout=300,
-                               blockd_socket=self.blockd_socket)
-        self.runtime = _make_runtime_class()(config, blockd=self._blockd,
-                                             on_vm_died=self._vm_died)
-        self.runtime.slots = _make_slot_pool_class()(
-            config.network_prefix, config.slot_pool_low, config.slot_pool_high,
-            first_index=self.first_slot)
+                               blockd_socket=self.blockd_socket,
+                               slot_first_index=self.first_slot,
+                               # The proxy's pooled keep-alive connections to a dead VM
+                               # (httpx: 5 s) must expire before its address serves another.
+                               slot_reuse_delay=SLOT_COOLDOWN)
+        self.runtime = Runtime(config, blockd=self._blockd, on_vm_died=self._vm_died)
         await self.runtime.start(kernel_for_probe=self._assets.kernel)
         await self._collect()
 
@@ -417,15 +337,13 @@ class VmBackend:
                        ) -> Placement:
         from agentenv.runtime.errors import RuntimeError_
 
-        token = _previous_token.set(previous_token)
         try:
             vm = await self.runtime.restore(record, env_vars=spec.env_vars or None,
                                             access_token=spec.access_token,
-                                            outbound=spec.allow_internet_access)
+                                            outbound=spec.allow_internet_access,
+                                            guest_token=previous_token)
         except (RuntimeError_, OSError) as exc:
             raise BackendError(f"starting the VM of {spec.sandbox_id} failed: {exc}") from exc
-        finally:
-            _previous_token.reset(token)
         return self._placement(spec.sandbox_id, vm)
 
     async def create(self, spec: SandboxSpec) -> Placement:

@@ -18,6 +18,11 @@ class RuntimeConfig(BaseModel):
     network_prefix: str = "aenv"
     slot_pool_low: int = 2
     slot_pool_high: int = 16
+    # Slot i's addresses are 10.12.x.(2i, 2i+1) whatever the prefix: two runtimes on one host
+    # need disjoint index ranges.
+    slot_first_index: int = Field(default=1, ge=1)
+    # Seconds a freed slot's addresses rest before another VM gets them (0: reuse at once).
+    slot_reuse_delay: float = Field(default=0.0, ge=0.0)
     # Warm QEMU processes per primed snapshot (restores/forks of templates).
     process_pool_low: int = 2
     process_pool_high: int = 16

@@ -26,6 +26,8 @@ import asyncio
 import contextlib
 import ipaddress
 import os
+import time
+from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -186,18 +188,25 @@ class SlotPool:
     """Pre-built slots, refilled in the background between low and high watermarks."""
 
     def __init__(self, prefix: str = "aenv", low: int = 2, high: int = 8,
-                 first_index: int = 1, max_slots: int = 32767) -> None:
+                 first_index: int = 1, max_slots: int = 32767, reuse_delay: float = 0.0) -> None:
+        """`reuse_delay` > 0: a freed slot is destroyed and its index (its addresses) serves no
+        VM for that many seconds, so connections a proxy still pools to the dead VM expire
+        instead of reaching the next guest at the same address."""
         self.prefix = prefix
         self.low, self.high = low, high
         self._free: list[NetworkSlot] = []
         self._next = first_index
         self._max = max_slots
         self._released: list[int] = []
+        self.reuse_delay = reuse_delay
+        self._cooling: deque[tuple[float, int]] = deque()  # (usable again at, index)
         self._in_use: dict[int, NetworkSlot] = {}
         self._refill_task: asyncio.Task[None] | None = None
         self._lock = asyncio.Lock()
 
     def _new_index(self) -> int:
+        if self._cooling and self._cooling[0][0] <= time.monotonic():
+            return self._cooling.popleft()[1]
         if self._released:
             return self._released.pop()
         if self._next > self._max:
@@ -225,8 +234,13 @@ class SlotPool:
         return slot
 
     async def give_back(self, slot: NetworkSlot) -> None:
-        """Return a slot whose VM is gone; it is reset and reused."""
+        """Return a slot whose VM is gone; it is reset and reused (or rests, see reuse_delay)."""
         self._in_use.pop(slot.index, None)
+        if self.reuse_delay > 0:
+            with contextlib.suppress(NetworkError):
+                await slot.destroy()
+            self._cooling.append((time.monotonic() + self.reuse_delay, slot.index))
+            return
         if not slot.outbound:
             try:
                 await slot.set_outbound(True)

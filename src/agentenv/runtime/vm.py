@@ -147,7 +147,9 @@ class Runtime:
         self.on_vm_died = on_vm_died
         self.vms: dict[str, VM] = {}
         self.memory = MemoryFileCache(config.memory_dir)
-        self.slots = SlotPool(config.network_prefix, config.slot_pool_low, config.slot_pool_high)
+        self.slots = SlotPool(config.network_prefix, config.slot_pool_low, config.slot_pool_high,
+                              first_index=config.slot_first_index,
+                              reuse_delay=config.slot_reuse_delay)
         self.accel: Literal["kvm", "tcg"] | None = None
         self._http = httpx.AsyncClient(timeout=httpx.Timeout(5.0, connect=1.0))
         self._warm: dict[str, list[tuple[QemuProcess, NetworkSlot | None, Path]]] = {}
@@ -280,8 +282,13 @@ class Runtime:
             await asyncio.sleep(0.02)
 
     async def envd_init(self, vm: VM, env_vars: dict[str, str] | None = None,
-                        access_token: str | None = None) -> None:
-        """POST /init: env vars, access token, and the host's time (the guest clock stood still)."""
+                        access_token: str | None = None, *,
+                        guest_token: str | None = None) -> None:
+        """POST /init: env vars, access token, and the host's time (the guest clock stood still).
+
+        `guest_token` is the token envd already holds in the snapshot (a fork child wakes up
+        with its parent's): envd takes a new token only when the current one comes along.
+        """
         body: dict[str, Any] = {"timestamp": time.strftime("%Y-%m-%dT%H:%M:%S.000Z", time.gmtime())}
         if env_vars:
             body["envVars"] = env_vars
@@ -293,7 +300,8 @@ class Runtime:
             if vm.process.died.is_set():
                 raise VMDiedError(vm.process.exit_reason())
             try:
-                answer = await self._http.post(url, json=body, timeout=2.0)
+                headers = {"X-Access-Token": guest_token} if guest_token else None
+                answer = await self._http.post(url, json=body, headers=headers, timeout=2.0)
                 if answer.is_success:
                     return
                 raise GuestNotReadyError(f"envd /init of VM {vm.id} answered {answer.status_code}")
@@ -435,14 +443,19 @@ class Runtime:
             record.machine.memory_bytes)
 
     async def restore(self, record: SnapshotRecord, *, env_vars: dict[str, str] | None = None,
-                      access_token: str | None = None, outbound: bool = True) -> VM:
-        """Start a new running VM from a snapshot (resume, or create-from-template)."""
+                      access_token: str | None = None, outbound: bool = True,
+                      guest_token: str | None = None) -> VM:
+        """Start a new running VM from a snapshot (resume, or create-from-template).
+
+        `guest_token` is the envd access token the snapshot's guest holds, if any (see envd_init).
+        """
         self.check_restorable(record)
         t0 = time.perf_counter()
         mem_path = await self._memory_file(record)
         t1 = time.perf_counter()
         try:
-            vm = await self._restore_with_memory(record, mem_path, env_vars, access_token, outbound)
+            vm = await self._restore_with_memory(record, mem_path, env_vars, access_token, outbound,
+                                                 guest_token)
             vm.timings["memory_file_ms"] = (t1 - t0) * 1e3
             return vm
         except BaseException:
@@ -451,7 +464,7 @@ class Runtime:
 
     async def _restore_with_memory(self, record: SnapshotRecord, mem_path: Path,
                                    env_vars: dict[str, str] | None, access_token: str | None,
-                                   outbound: bool) -> VM:
+                                   outbound: bool, guest_token: str | None = None) -> VM:
         vm_id = uuid.uuid4().hex[:12]
         t0 = time.perf_counter()
         warm = self._take_warm(record.id)
@@ -502,7 +515,7 @@ class Runtime:
             vm.state = "running"
             t3 = time.perf_counter()
             if slot is not None:
-                await self.envd_init(vm, env_vars, access_token)
+                await self.envd_init(vm, env_vars, access_token, guest_token=guest_token)
         except BaseException:
             await self.kill(vm)
             raise
