@@ -40,9 +40,13 @@ def _pids_using(state_dir: Path) -> list[int]:
 class NodeProcess:
     """`python -m agentenv.node` on a free port; restartable on the same state directory."""
 
-    def __init__(self, state_dir: Path, log_path: Path) -> None:
+    def __init__(self, state_dir: Path, log_path: Path, *, extra_args: tuple[str, ...] = (),
+                 extra_env: dict[str, str] | None = None, start_timeout: float = 90) -> None:
         self.state_dir = state_dir
         self.log_path = log_path
+        self.extra_args = extra_args
+        self.extra_env = extra_env or {}
+        self.start_timeout = start_timeout
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.proc: subprocess.Popen[bytes] | None = None
@@ -58,6 +62,7 @@ class NodeProcess:
                     sys.executable,
                     "-m",
                     "agentenv.node",
+                    *self.extra_args,
                     "--state-dir",
                     str(self.state_dir),
                     "--port",
@@ -65,9 +70,9 @@ class NodeProcess:
                 ],
                 stdout=log,
                 stderr=log,
-                env={k: v for k, v in os.environ.items() if k != "AENV_API_KEY"},
+                env={k: v for k, v in os.environ.items() if k != "AENV_API_KEY"} | self.extra_env,
             )
-        deadline = time.monotonic() + 90
+        deadline = time.monotonic() + self.start_timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"node exited: {self.log_path.read_text()[-3000:]}")

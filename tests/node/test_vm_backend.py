@@ -12,12 +12,10 @@ import os
 import shutil
 import statistics
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import pytest
 
 from .conftest import NodeProcess
@@ -34,27 +32,14 @@ COUNTER = (
 )
 
 
-class VmNodeProcess(NodeProcess):
+def vm_node_process(state_dir: Path, log_path: Path) -> NodeProcess:
     """The node subprocess with --backend vm (its first start builds the base template)."""
-
-    def start(self) -> None:
-        env = {k: v for k, v in os.environ.items() if k != "AENV_API_KEY"}
-        env.update(AENV_VM_ASSETS_DIR=str(GUEST_STATE), AENV_VM_DEBIAN_CACHE=str(DEBIAN_CACHE),
-                   AENV_VM_NETWORK_PREFIX=NET_PREFIX, AENV_VM_FIRST_SLOT=str(FIRST_SLOT))
-        with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "agentenv.node", "--backend", "vm",
-                 "--state-dir", str(self.state_dir), "--port", str(self.port)],
-                stdout=log, stderr=log, env=env)
-        deadline = time.monotonic() + 600  # guest assets + debootstrap on a cold cache
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"node exited: {self.log_path.read_text()[-3000:]}")
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
-                    return
-            time.sleep(0.2)
-        raise RuntimeError(f"node did not start: {self.log_path.read_text()[-3000:]}")
+    return NodeProcess(
+        state_dir, log_path, extra_args=("--backend", "vm"),
+        extra_env={"AENV_VM_ASSETS_DIR": str(GUEST_STATE), "AENV_VM_DEBIAN_CACHE": str(DEBIAN_CACHE),
+                   "AENV_VM_NETWORK_PREFIX": NET_PREFIX, "AENV_VM_FIRST_SLOT": str(FIRST_SLOT)},
+        start_timeout=600,  # guest assets + debootstrap on a cold cache
+    )
 
 
 def _remove_network_leftovers() -> None:
@@ -69,13 +54,13 @@ def _remove_network_leftovers() -> None:
 
 
 @pytest.fixture(scope="module")
-def vm_node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VmNodeProcess]:
+def vm_node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NodeProcess]:
     if os.geteuid() != 0:
         pytest.skip("the VM backend needs root (network namespaces, nftables, blockd)")
     if shutil.which("qemu-system-x86_64") is None:
         pytest.fail("qemu-system-x86_64 is missing: run scripts/install-system.sh")
     base = tmp_path_factory.mktemp("vmnode")
-    node = VmNodeProcess(base / "state", base / "node.log")
+    node = vm_node_process(base / "state", base / "node.log")
     saved = {k: os.environ.get(k) for k in ("E2B_API_URL", "E2B_SANDBOX_URL", "E2B_API_KEY")}
     try:
         t0 = time.monotonic()
@@ -104,7 +89,7 @@ def _count(sbx: object) -> int:
     return int(out)
 
 
-def test_create_run_files_pause_connect_kill(vm_node: VmNodeProcess) -> None:
+def test_create_run_files_pause_connect_kill(vm_node: NodeProcess) -> None:
     from e2b import Sandbox, SandboxState
 
     timings: dict[str, float] = {}
@@ -177,7 +162,7 @@ def test_create_run_files_pause_connect_kill(vm_node: VmNodeProcess) -> None:
     print("\nvm backend timings:", json.dumps({k: round(v, 3) for k, v in timings.items()}))
 
 
-def test_fork_children_share_memory_and_files(vm_node: VmNodeProcess) -> None:
+def test_fork_children_share_memory_and_files(vm_node: NodeProcess) -> None:
     from e2b import Sandbox
 
     parent = Sandbox.create(template="base", timeout=300)
@@ -218,7 +203,7 @@ def test_fork_children_share_memory_and_files(vm_node: VmNodeProcess) -> None:
                 sbx.kill()
 
 
-def test_node_restart_keeps_paused_sandboxes_and_the_template(vm_node: VmNodeProcess) -> None:
+def test_node_restart_keeps_paused_sandboxes_and_the_template(vm_node: NodeProcess) -> None:
     """A graceful stop pauses what runs; the next start reuses the cached base template and
     a connect resumes the sandbox with its processes."""
     from e2b import Sandbox
@@ -247,7 +232,7 @@ def test_node_restart_keeps_paused_sandboxes_and_the_template(vm_node: VmNodePro
             Sandbox.kill(sbx.sandbox_id)
 
 
-def test_node_crash_loses_running_vms_and_cleans_them_up(vm_node: VmNodeProcess) -> None:
+def test_node_crash_loses_running_vms_and_cleans_them_up(vm_node: NodeProcess) -> None:
     """adopt() is not implemented: after kill -9 the running sandbox is gone, and the next start
     kills its leftover QEMU (and blockd) instead of leaving it behind."""
     from e2b import Sandbox
@@ -271,7 +256,7 @@ def test_node_crash_loses_running_vms_and_cleans_them_up(vm_node: VmNodeProcess)
         fresh.kill()
 
 
-def test_killed_sandboxes_leave_only_template_snapshots(vm_node: VmNodeProcess) -> None:
+def test_killed_sandboxes_leave_only_template_snapshots(vm_node: NodeProcess) -> None:
     """Pause snapshots and fork points are deleted with their sandboxes."""
     from e2b import Sandbox
 
