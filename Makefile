@@ -4,7 +4,8 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 TEST_STAMP := $(VENV)/.installed-test
-STATE_DIR ?= /var/lib/aenv
+# The node's state directory; AENV_HOME in the environment overrides the default.
+STATE_DIR ?= $(or $(AENV_HOME),/var/lib/aenv)
 
 .PHONY: up down test lint system venv bench clean
 
@@ -23,12 +24,14 @@ $(TEST_STAMP): $(STAMP) pyproject.toml
 
 venv: $(STAMP)
 
-# Installs everything, builds the guest assets and starts the node in the background (scripts/up.sh).
+# Installs everything, builds the guest assets, starts blockd and the node (VM backend, built-in
+# `base` template) in the background and prints the E2B variables (scripts/up.sh).
 up: system venv
-	@AENV_STATE_DIR=$(STATE_DIR) bash scripts/up.sh
+	@AENV_HOME=$(STATE_DIR) bash scripts/up.sh
 
+# Stops the node (pausing every running sandbox) and blockd (scripts/down.sh).
 down:
-	@AENV_STATE_DIR=$(STATE_DIR) bash scripts/down.sh
+	@AENV_HOME=$(STATE_DIR) bash scripts/down.sh
 
 test: system $(TEST_STAMP)
 	@$(VENV)/bin/ruff check src tests bench

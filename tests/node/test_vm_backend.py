@@ -1,7 +1,9 @@
 """The node with `--backend vm` (QEMU VMs through agentenv.runtime) driven by the official e2b SDK:
 the built-in `base` template (Debian + python3/git/curl) is built on first start, sandboxes are
 restores of its boot snapshot, pause keeps memory (a background process survives pause/connect),
-fork starts children from a running sandbox's memory."""
+fork starts children from a running sandbox's memory. A node killed with SIGKILL re-adopts its
+running VMs; a VM that dies on its own leaves the API; the `base` template cannot be deleted;
+scripts/up.sh and scripts/down.sh (`make up`, `make down`) run on the module's state directory."""
 
 from __future__ import annotations
 
@@ -112,6 +114,11 @@ def test_create_run_files_pause_connect_kill(vm_node: NodeProcess) -> None:
         lines = tools.stdout.splitlines()
         assert lines[0].startswith("12.") and lines[1] == "42"
         assert lines[2].startswith("git version") and lines[3].startswith("curl ")
+        # The sizes the API shows are the VM's (E2B create takes none: the template's).
+        detail = Sandbox.get_info(sbx.sandbox_id)
+        assert (detail.cpu_count, detail.memory_mb) == (2, 512)
+        size = sbx.commands.run("nproc; grep MemTotal /proc/meminfo").stdout.split()
+        assert int(size[0]) == 2 and 400 << 10 < int(size[2]) <= 512 << 10
         sbx.files.write("/home/user/notes.txt", "kept across pause")
         assert sbx.files.read("/home/user/notes.txt") == "kept across pause"
 
@@ -232,28 +239,121 @@ def test_node_restart_keeps_paused_sandboxes_and_the_template(vm_node: NodeProce
             Sandbox.kill(sbx.sandbox_id)
 
 
-def test_node_crash_loses_running_vms_and_cleans_them_up(vm_node: NodeProcess) -> None:
-    """adopt() is not implemented: after kill -9 the running sandbox is gone, and the next start
-    kills its leftover QEMU (and blockd) instead of leaving it behind."""
-    from e2b import Sandbox
+def _qemu_pid(node: NodeProcess, sandbox_id: str) -> int:
+    manifest = node.state_dir / "vm-backend" / "sandboxes" / f"{sandbox_id}.vm.json"
+    return int(json.loads(manifest.read_text())["pid"])
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return bool(Path(f"/proc/{pid}/cmdline").read_bytes())
+    except OSError:
+        return False
+
+
+def _wait_counting(sbx: object) -> int:
+    deadline = time.monotonic() + 30
+    while True:
+        with contextlib.suppress(Exception):
+            if (n := _count(sbx)) >= 2:
+                return n
+        assert time.monotonic() < deadline, "the background counter did not start"
+        time.sleep(0.2)
+
+
+def test_node_crash_readopts_running_vms(vm_node: NodeProcess) -> None:
+    """kill -9 of the node leaves its QEMU processes running; the next start takes them over
+    (QMP, network slot, blockd disks, memory lineage): the sandbox is listed, its files and
+    processes are there, and it pauses and resumes; a sandbox paused before the crash resumes."""
+    from e2b import Sandbox, SandboxState
+
+    running = Sandbox.create(template="base", timeout=300)
+    paused = Sandbox.create(template="base", timeout=300)
+    try:
+        running.files.write("/home/user/before-crash.txt", "still here")
+        running.commands.run(COUNTER, background=True)
+        before = _wait_counting(running)
+        paused.files.write("/home/user/paused.txt", "paused before the crash")
+        paused.pause()
+        pid = _qemu_pid(vm_node, running.sandbox_id)
+
+        vm_node.kill9()
+        assert _alive(pid), "the sandbox's QEMU died with the node"
+        t0 = time.monotonic()
+        vm_node.start()
+        restart_s = time.monotonic() - t0
+        assert "VM adopted" in vm_node.log_path.read_text()
+        assert _alive(pid)
+        states = {s.sandbox_id: s.state for s in Sandbox.list().next_items()}
+        assert states == {running.sandbox_id: SandboxState.RUNNING,
+                          paused.sandbox_id: SandboxState.PAUSED}
+
+        again = Sandbox.connect(running.sandbox_id, timeout=300)
+        assert again.files.read("/home/user/before-crash.txt") == "still here"
+        # The same process counts on (a new one would start again at 1).
+        after = _count(again)
+        assert after >= before
+        deadline = time.monotonic() + 30
+        while _count(again) <= after:
+            assert time.monotonic() < deadline, "the counter stopped across the node crash"
+            time.sleep(0.2)
+        # An adopted VM is a VM like any other: it pauses (memory capture through the adopted
+        # QEMU) and resumes.
+        again.pause()
+        deadline = time.monotonic() + 15
+        while _alive(pid):  # QEMU quits right after the pause snapshot is durable
+            assert time.monotonic() < deadline, "the adopted QEMU outlived its pause"
+            time.sleep(0.1)
+        resumed = Sandbox.connect(running.sandbox_id, timeout=300)
+        assert _count(resumed) >= after
+        assert resumed.files.read("/home/user/before-crash.txt") == "still here"
+
+        woken = Sandbox.connect(paused.sandbox_id, timeout=300)
+        assert woken.files.read("/home/user/paused.txt") == "paused before the crash"
+        print(f"\nvm node restart after kill -9 with 1 VM to adopt: {restart_s:.1f} s")
+    finally:
+        for sid in (running.sandbox_id, paused.sandbox_id):
+            with contextlib.suppress(Exception):
+                Sandbox.kill(sid)
+
+
+def test_dead_vm_leaves_running_and_the_proxy_answers_502(vm_node: NodeProcess) -> None:
+    """kill -9 of a sandbox's QEMU: the runtime's on_vm_died reaches the orchestrator, which
+    removes the sandbox; the proxy answers 502 "The sandbox was not found"."""
+    import httpx
+    from e2b import NotFoundException, Sandbox
 
     sbx = Sandbox.create(template="base", timeout=300)
-    assert sbx.commands.run("echo alive").stdout.strip() == "alive"
-    runtime_dir = str(vm_node.state_dir / "vm-backend")
-    leftovers = subprocess.run(["pgrep", "-f", f"qemu-system.*{runtime_dir}"],
-                               capture_output=True, text=True).stdout.split()
-    assert leftovers, "the sandbox's QEMU process was not found"
-    vm_node.kill9()
-    vm_node.start()
-    for pid in leftovers:
-        assert not Path(f"/proc/{pid}/cmdline").exists() or not Path(
-            f"/proc/{pid}/cmdline").read_bytes(), f"leftover QEMU {pid} still runs"
-    assert Sandbox.list().next_items() == []
-    fresh = Sandbox.create(template="base", timeout=120)
     try:
-        assert fresh.commands.run("echo again").stdout.strip() == "again"
+        pid = _qemu_pid(vm_node, sbx.sandbox_id)
+        os.kill(pid, 9)
+        deadline = time.monotonic() + 15
+        while sbx.sandbox_id in {s.sandbox_id for s in Sandbox.list().next_items()}:
+            assert time.monotonic() < deadline, "the dead sandbox is still listed"
+            time.sleep(0.1)
+        assert sbx.is_running() is False
+        answer = httpx.get(f"{vm_node.url}/health", headers={
+            "E2b-Sandbox-Id": sbx.sandbox_id, "E2b-Sandbox-Port": "49983"}, trust_env=False)
+        assert answer.status_code == 502
+        assert answer.json()["message"] == "The sandbox was not found"
+        with pytest.raises(NotFoundException):
+            Sandbox.get_info(sbx.sandbox_id)
+        assert not (vm_node.state_dir / "vm-backend" / "sandboxes"
+                    / f"{sbx.sandbox_id}.vm.json").exists()
+        assert "sandbox lost" in vm_node.log_path.read_text()
     finally:
-        fresh.kill()
+        with contextlib.suppress(Exception):
+            sbx.kill()
+
+
+def test_base_template_cannot_be_deleted(vm_node: NodeProcess) -> None:
+    with vm_node.client() as api:
+        answer = api.delete("/templates/base")
+        assert answer.status_code == 400
+        body = answer.json()
+        assert body["code"] == 400 and "cannot be deleted" in body["message"]
+        listed = {t["templateID"]: t for t in api.get("/templates").json()}
+        assert listed["base"]["cpuCount"] == 2 and listed["base"]["memoryMB"] == 512
 
 
 def test_killed_sandboxes_leave_only_template_snapshots(vm_node: NodeProcess) -> None:
@@ -264,3 +364,72 @@ def test_killed_sandboxes_leave_only_template_snapshots(vm_node: NodeProcess) ->
     template = json.loads((vm_node.state_dir / "templates" / "base" / "template.json").read_text())
     snapshots = vm_node.state_dir / "vm-backend" / "runtime" / "snapshots"
     assert {str(p) for p in snapshots.iterdir()} == {template["record_dir"]}
+
+
+def test_make_up_and_down(vm_node: NodeProcess) -> None:
+    """scripts/up.sh (`make up`) on the module's state directory (its base template is built):
+    blockd and a VM-backend node in the background, the three E2B variables printed, an SDK
+    sandbox works; a second run only reports the running node; scripts/down.sh (`make down`)
+    pauses the sandbox and stops both daemons."""
+    import re
+    import sqlite3
+
+    from e2b import Sandbox
+
+    from .conftest import free_port
+
+    repo = Path(__file__).resolve().parents[2]
+    state = vm_node.state_dir
+    if vm_node.proc is not None:
+        assert vm_node.stop() in (0, -15)
+    port = free_port()
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("AENV_API_KEY", "E2B_API_URL", "E2B_SANDBOX_URL", "E2B_API_KEY")}
+    env |= {"AENV_HOME": str(state), "AENV_PORT": str(port),
+            "AENV_VM_ASSETS_DIR": str(GUEST_STATE), "AENV_VM_DEBIAN_CACHE": str(DEBIAN_CACHE),
+            "AENV_VM_NETWORK_PREFIX": NET_PREFIX, "AENV_VM_FIRST_SLOT": str(FIRST_SLOT)}
+
+    def script(name: str) -> tuple[subprocess.CompletedProcess[str], float]:
+        t0 = time.monotonic()
+        done = subprocess.run(["bash", str(repo / "scripts" / name)], env=env, cwd=repo,
+                              capture_output=True, text=True, timeout=900)
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        return done, time.monotonic() - t0
+
+    up, up_s = script("up.sh")
+    exports = dict(re.findall(r"export (E2B_\w+)=(\S+)", up.stdout))
+    assert exports == {"E2B_API_URL": f"http://127.0.0.1:{port}",
+                       "E2B_SANDBOX_URL": f"http://127.0.0.1:{port}",
+                       "E2B_API_KEY": vm_node.api_key}
+    node_pid = int((state / "node.pid").read_text())
+    blockd_pid = int((state / "blockd.pid").read_text())
+    assert _alive(node_pid) and _alive(blockd_pid)
+    assert "--backend vm" in Path(f"/proc/{node_pid}/cmdline").read_bytes().replace(
+        b"\0", b" ").decode()
+    saved = {k: os.environ.get(k) for k in exports}
+    os.environ.update(exports)
+    try:
+        sbx = Sandbox.create(template="base", timeout=300)
+        assert sbx.commands.run("echo up").stdout.strip() == "up"
+
+        again, again_s = script("up.sh")
+        assert "already running" in again.stdout and again_s < 15
+        assert int((state / "node.pid").read_text()) == node_pid
+        assert dict(re.findall(r"export (E2B_\w+)=(\S+)", again.stdout)) == exports
+
+        down, down_s = script("down.sh")
+        assert "node stopped" in down.stdout and "blockd stopped" in down.stdout
+        assert not _alive(node_pid) and not _alive(blockd_pid)
+        with contextlib.closing(sqlite3.connect(state / "node.db")) as db:
+            rows = dict(db.execute("SELECT id, state FROM sandboxes").fetchall())
+        assert rows == {sbx.sandbox_id: "paused"}
+        assert "node not running" in script("down.sh")[0].stdout
+        print(f"\nmake up (template cached) {up_s:.1f} s, again {again_s:.1f} s, "
+              f"down {down_s:.1f} s")
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+        subprocess.run(["bash", str(repo / "scripts" / "down.sh")], env=env, capture_output=True)

@@ -51,14 +51,35 @@ def test_pause_resume_keeps_processes_and_files(env: Env, counting: SnapshotReco
     assert rt.memory.refcount(counting.id) == 0
 
 
+RESEEDS = "dmesg | grep -c 'crng reseeded due to virtual machine fork'"
+# The first thing a guest does after its restore: 32 bytes from the RNG, and the kernel's count
+# of vmgenid-triggered reseeds.
+FIRST_LOOK = f"head -c 32 /dev/urandom | od -An -tx1 | tr -d ' \\n'; echo; {RESEEDS}"
+
+
 def test_fork_children_diverge(env: Env, counting: SnapshotRecord) -> None:
     rt = env.runtime
     source = env.loop.run(rt.restore(counting))
     children = []
     try:
+        # The guest kernel (6.12) binds its vmgenid driver to QEMU's vmgenid device.
+        assert env.loop.run(sh(source, "readlink /sys/bus/acpi/devices/QEMUVGID:00/physical_node/driver"
+                                       )).strip().endswith("/vmgenid")
+        reseeds_before = int(env.loop.run(sh(source, RESEEDS)).strip())
+        assert reseeds_before >= 1, "the restore of `counting` must have reseeded the RNG already"
         env.loop.run(sh(source, "echo source > /tmp/who"))
         record, children = env.loop.run(rt.fork(source, 2))
         assert len({source.vmgenid, *(c.vmgenid for c in children)}) == 3
+
+        async def first_looks() -> list[list[str]]:
+            outs = await asyncio.gather(*[sh(c, FIRST_LOOK) for c in (*children, source)])
+            return [o.split() for o in outs]
+
+        looks = env.loop.run(first_looks())
+        # Each child's new vmgenid made its kernel reseed once more than the source had; the
+        # source (not restored) did not. Their RNG outputs all differ.
+        assert [int(x[1]) for x in looks] == [reseeds_before + 1] * 2 + [reseeds_before], looks
+        assert len({x[0] for x in looks}) == 3 and all(len(x[0]) == 64 for x in looks), looks
         assert len({c.envd_url for c in children}) == 2
         for n, child in enumerate(children):
             env.loop.run(sh(child, f"echo child{n} > /tmp/who; echo c{n} > /mnt/disk/data/mine; sync"))

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import gzip
+import io
 import os
 import subprocess
+import tarfile
 import threading
 import time
 from collections.abc import Iterator
@@ -12,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from agentenv.template.apply import apply_layer
+from agentenv.template.apply import _TarInfo, apply_layer
 from agentenv.template.blobtap import BlobTap
 from agentenv.template.convert import loop_mount
 from agentenv.template.errors import DigestMismatchError, LayerApplyError, UnsupportedImageError
@@ -163,3 +165,125 @@ def test_failed_download_fails_the_apply(ext4_root: Path, tmp_path: Path) -> Non
         apply_layer(ext4_root, tap, "application/vnd.oci.image.layer.v1.tar+gzip")
     feeder.join()
     tap.close()
+
+
+def _big_layer() -> bytes:
+    """Files larger than the decompression pipeline's blocks and than the size from which the
+    applier starts writeback early, next to small ones."""
+    t = helpers.TarBuilder().dir("data")
+    t.file("data/big", os.urandom(5 << 20) + b"tail", mode=0o755)
+    t.file("data/half-zero", bytes(3 << 20) + os.urandom(300_000))
+    for i in range(50):
+        t.file(f"data/small{i}", os.urandom(i * 97))
+    return t.bytes()
+
+
+@pytest.mark.parametrize("compression", ["gzip", "zstd"])
+def test_multi_member_streams_apply_whole(ext4_root: Path, tmp_path: Path, compression: str) -> None:
+    # pigz/concatenated gzip members and multi-frame zstd: every member is part of the layer.
+    layer = _big_layer()
+    cut = len(layer) // 3
+    blob = tmp_path / "layer"
+    blob.write_bytes(helpers.compress(layer[:cut], compression)
+                     + helpers.compress(layer[cut:], compression))
+    media_type = f"application/vnd.oci.image.layer.v1.tar+{compression}"
+    stats = apply_layer(ext4_root, blob, media_type, helpers.digest_of(layer))
+    assert stats.diff_id == helpers.digest_of(layer)
+    assert stats.bytes_written == (5 << 20) + 4 + (3 << 20) + 300_000 + sum(i * 97 for i in range(50))
+    expected = tmp_path / "expected"
+    expected.mkdir()
+    subprocess.run(["tar", "-x", "--numeric-owner", "--same-permissions", "-C", str(expected)],
+                   input=layer, check=True)
+    helpers.assert_same_tree(ext4_root, expected)
+
+
+def test_trailing_garbage_and_truncation_fail_without_leaving_threads(ext4_root: Path,
+                                                                     tmp_path: Path) -> None:
+    layer = _big_layer()
+    data = gzip.compress(layer, compresslevel=1)
+    before = {t.ident for t in threading.enumerate()}
+    cases = {"garbage": data + b"not gzip at all", "truncated": data[: len(data) * 2 // 3]}
+    for name, content in cases.items():
+        blob = tmp_path / name
+        blob.write_bytes(content)
+        with pytest.raises(LayerApplyError, match="corrupt archive"):
+            apply_layer(ext4_root, blob, "application/vnd.oci.image.layer.v1.tar+gzip",
+                        helpers.digest_of(layer))
+    # A corrupt stream fails when it is read (never as a wrong diff_id); the decompressing
+    # worker is gone once apply_layer returns.
+    assert {t.ident for t in threading.enumerate()} - before == set()
+
+
+def test_apply_error_midway_stops_the_pipeline(ext4_root: Path, tmp_path: Path) -> None:
+    # A hard link to a missing target fails after the first (big) entries were applied: the
+    # worker still decoding the rest of the stream must stop, not run to the end.
+    t = helpers.TarBuilder().file("first", os.urandom(2 << 20))
+    t.hardlink("broken", "missing")
+    for i in range(40):
+        t.file(f"after{i}", os.urandom(1 << 20))
+    blob = tmp_path / "layer.gz"
+    blob.write_bytes(gzip.compress(t.bytes(), compresslevel=1))
+    before = {t.ident for t in threading.enumerate()}
+    with pytest.raises(LayerApplyError, match="target does not exist"):
+        apply_layer(ext4_root, blob, "application/vnd.oci.image.layer.v1.tar+gzip")
+    assert {t.ident for t in threading.enumerate()} - before == set()
+    assert (ext4_root / "first").stat().st_size == 2 << 20
+
+
+def _members(data: bytes, tarinfo: type[tarfile.TarInfo]) -> list[tuple[object, ...]]:
+    with tarfile.open(fileobj=io.BytesIO(data), mode="r|", tarinfo=tarinfo) as tar:
+        return [(m.name, m.mode, m.uid, m.gid, m.size, m.mtime, m.type, m.linkname, m.uname,
+                 m.gname, m.devmajor, m.devminor, sorted(m.pax_headers.items()),
+                 tar.extractfile(m).read() if m.isreg() else None) for m in tar]  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize("fmt", [tarfile.USTAR_FORMAT, tarfile.GNU_FORMAT, tarfile.PAX_FORMAT])
+def test_quick_header_parser_reads_like_tarfile(fmt: int) -> None:
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w", format=fmt) as tar:
+        def add(name: str, kind: bytes = tarfile.REGTYPE, data: bytes = b"", **attrs: object) -> None:
+            info = tarfile.TarInfo(name)
+            info.type, info.size = kind, len(data)
+            for key, value in attrs.items():
+                setattr(info, key, value)
+            tar.addfile(info, io.BytesIO(data))
+        add("dir", tarfile.DIRTYPE, mode=0o2755, uid=1000, gid=1000, uname="user", gname="grp")
+        add("dir/file", data=b"x" * 1000, mode=0o4755, mtime=1_700_000_000)
+        add("usr/" + "deep/" * 25 + "file", data=b"prefix or long name")  # > 100 bytes
+        add("dir/link", tarfile.SYMTYPE, linkname="file")
+        add("dir/hard", tarfile.LNKTYPE, linkname="dir/file")
+        add("dev/sda", tarfile.BLKTYPE, devmajor=8, devminor=1)
+        if fmt != tarfile.USTAR_FORMAT:
+            add("big-ids", data=b"b", uid=3_000_000, gid=2_100_000)  # base-256 in GNU headers
+            add("x" * 150, data=b"long")
+        if fmt == tarfile.PAX_FORMAT:
+            add("ünïcode näme", data=b"u", mtime=1_700_000_000.25)
+    data = buffer.getvalue()
+    # An old V7-style directory: a regular file entry whose name ends with a slash.
+    v7 = tarfile.TarInfo("olddir/")
+    v7.type = tarfile.AREGTYPE
+    data = v7.tobuf(tarfile.USTAR_FORMAT) + data
+    expected = _members(data, tarfile.TarInfo)
+    assert _members(data, _TarInfo) == expected
+    assert len(expected) >= 7 and expected[0][6] == tarfile.DIRTYPE
+    # A header whose checksum does not fit: the first one is an error, a later one ends the
+    # archive for tarfile (the layer's diff_id check then fails); both parsers agree.
+    corrupt = bytearray(data)
+    corrupt[10] ^= 0x20
+    with pytest.raises(tarfile.ReadError, match="bad checksum"):
+        _members(bytes(corrupt), _TarInfo)
+    corrupt = bytearray(data)
+    corrupt[512 + 10] ^= 0x20
+    assert _members(bytes(corrupt), _TarInfo) == _members(bytes(corrupt), tarfile.TarInfo)
+
+
+@pytest.mark.parametrize("compression", ["gzip", ""])
+def test_empty_layer(ext4_root: Path, tmp_path: Path, compression: str) -> None:
+    # What `ENV`-only build steps produce: an archive with no entries (just its end blocks).
+    layer = helpers.TarBuilder().bytes()
+    blob = tmp_path / "empty"
+    blob.write_bytes(helpers.compress(layer, compression))
+    media_type = "application/vnd.oci.image.layer.v1.tar" + ("+gzip" if compression else "")
+    stats = apply_layer(ext4_root, blob, media_type, helpers.digest_of(layer))
+    assert stats.entries == 0 and stats.diff_id == helpers.digest_of(layer)
+    assert sorted(p.name for p in ext4_root.iterdir()) == ["lost+found"]

@@ -50,6 +50,9 @@ MAX_BODY_BYTES = 1 << 20
 MAX_PAGE = 100
 IDEMPOTENCY_SECONDS = 600.0
 PUBLIC_PATHS = {"/health", "/metrics", "/openapi.json"}
+#: Paths whose routes check a permission of their own instead of the API key (the signed upload
+#: URLs of template build files, node/template_api.py).
+SELF_AUTHENTICATED_PREFIXES = ("/template-files/",)
 
 
 def error(status: int, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
@@ -209,7 +212,9 @@ class NodeApp:
             status = await self.proxy(scope, receive, send, *route)
             self.metrics.requests.labels("proxy", scope["method"], str(status)).inc()
             return
-        if scope["path"] not in PUBLIC_PATHS:
+        if scope["path"] not in PUBLIC_PATHS and not scope["path"].startswith(
+            SELF_AUTHENTICATED_PREFIXES
+        ):
             keys = [v for n, v in scope["headers"] if n == b"x-api-key"]
             if len(keys) != 1 or not same_secret(keys[0].decode("latin-1"), self.api_key):
                 message = "missing X-API-KEY header" if not keys else "invalid API key"

@@ -116,6 +116,10 @@ class Orchestrator:
         self._reaper: asyncio.Task[None] | None = None
         self._http: httpx.AsyncClient | None = None
         self._on_op = on_op or (lambda op, outcome, seconds: None)
+        #: ids of the templates the backend provides itself (never deleted through the API)
+        self.builtin_templates: set[str] = set()
+        if hasattr(backend, "on_sandbox_lost"):
+            backend.on_sandbox_lost = self.sandbox_lost
 
     # --- start and stop ----------------------------------------------------------------------
 
@@ -126,9 +130,21 @@ class Orchestrator:
         for tpl in await self.store.load_templates():
             self._add_template(tpl)
         for default in await self.backend.default_templates():
-            if default.name in self._names or default.name in self.templates:
+            existing = self.templates.get(default.name)
+            if existing is None and default.name in self._names:
+                continue  # the name was given to another template: that one wins
+            if existing is not None:
+                self.builtin_templates.add(existing.template_id)
+                sizes = (default.cpu_count, default.memory_mb, default.disk_size_mb)
+                if sizes != (existing.cpu_count, existing.memory_mb, existing.disk_size_mb):
+                    # A rebuild with other sizes: the record must say what the VM gets.
+                    existing.cpu_count, existing.memory_mb, existing.disk_size_mb = sizes
+                    existing.ref = default.ref
+                    existing.updated_at = time.time()
+                    await self._save_template(existing)
                 continue
             now = time.time()
+            self.builtin_templates.add(default.name)
             await self._save_template(
                 TemplateRecord(
                     template_id=default.name,
@@ -180,6 +196,20 @@ class Orchestrator:
                 log.warning("killing orphan sandbox", extra={"sandbox_id": sid})
                 with contextlib.suppress(BackendError):
                     await self.backend.kill(sid, placement)
+
+    def sandbox_lost(self, sandbox_id: str, reason: str) -> None:
+        """The backend saw a running sandbox end on its own (its VM died): remove it, as a kill
+        would (the proxy then answers 502 "The sandbox was not found"). An operation under way
+        on it sees the failure itself and cleans up."""
+        rec = self.sandboxes.get(sandbox_id)
+        if rec is None or rec.state != State.RUNNING or sandbox_id in self._ops:
+            return
+        log.error("sandbox lost", extra={"sandbox_id": sandbox_id, "reason": reason})
+        rec.state = State.KILLING
+        work = self._start_op(sandbox_id, "kill", self._do_kill(rec, State.RUNNING))
+        task = asyncio.create_task(self._log_reap(sandbox_id, work, "sandbox removed"))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     async def shutdown(self) -> None:
         """Stop taking lifecycle calls, finish the ones under way, pause every running sandbox."""
@@ -291,6 +321,10 @@ class Orchestrator:
     async def _envd_ready(self, rec: SandboxRecord, placement: Placement) -> None:
         """Return once envd answers /health and has taken the sandbox's env vars and token."""
         assert self._http is not None
+        if getattr(self.backend, "initialises_envd", False):
+            # The backend returned only after its own /init with this spec's env vars and
+            # token (the VM runtime does, on every restore): a second round trip is waste.
+            return
         deadline = time.monotonic() + self.config.envd_ready_timeout
         delay = 0.01
         last_error = "no answer"
@@ -355,6 +389,10 @@ class Orchestrator:
 
     async def delete_template(self, id_or_name: str) -> None:
         tpl = self.resolve_template(id_or_name)
+        if tpl.template_id in self.builtin_templates:
+            raise BadRequest(
+                f"template '{id_or_name}' is built into this node and cannot be deleted"
+            )
         await self.store.delete_template(tpl.template_id)
         await self.store.set_layer_refs(tpl.kind, tpl.template_id, [])
         self.templates.pop(tpl.template_id, None)
@@ -413,14 +451,25 @@ class Orchestrator:
     ) -> SandboxRecord:
         sid = rec.sandbox_id
         placement: Placement | None = None
-        try:
+
+        async def persist() -> None:
             await self.store.put_sandbox(rec)
             await self.store.set_layer_refs("sandbox", sid, list(rec.source.layers))
-            placement = await self.backend.create(self._spec(rec))
+
+        try:
+            # The record is written while the backend starts the sandbox (both take long on
+            # a busy host); a crash in between leaves a CREATING record or an orphan, both
+            # cleaned up at the next start.
+            written = asyncio.ensure_future(persist())
+            try:
+                placement = await self.backend.create(self._spec(rec))
+            finally:
+                await written
             rec.placement = placement
             await self._envd_ready(rec, placement)
         except BaseException as exc:
             self.counters.create_fails += 1
+            log.warning("sandbox create failed", extra={"sandbox_id": sid, "error": str(exc)})
             self.sandboxes.pop(sid, None)
             with contextlib.suppress(Exception):
                 await self.backend.kill(sid, placement)
@@ -439,10 +488,16 @@ class Orchestrator:
         self.counters.create_successes += 1
         tpl.spawn_count += 1
         tpl.last_spawned_at = now
-        with contextlib.suppress(Exception):
-            await self.store.put_template(tpl)
+        # Statistics only: written in the background, off the create's latency.
+        counted = asyncio.create_task(self._save_quietly(tpl))
+        self._background.add(counted)
+        counted.add_done_callback(self._background.discard)
         log.info("sandbox created", extra={"sandbox_id": sid, "template_id": rec.template_id})
         return rec
+
+    async def _save_quietly(self, tpl: TemplateRecord) -> None:
+        with contextlib.suppress(Exception):
+            await self.store.put_template(tpl)
 
     # --- pause and resume --------------------------------------------------------------------
 
@@ -659,15 +714,15 @@ class Orchestrator:
             else:
                 rec.state = State.KILLING
                 work = self._start_op(sid, "kill", self._do_kill(rec, State.RUNNING))
-            task = asyncio.create_task(self._log_reap(sid, work))
+            task = asyncio.create_task(self._log_reap(sid, work, "sandbox timed out"))
             self._background.add(task)
             task.add_done_callback(self._background.discard)
         return count
 
-    async def _log_reap(self, sandbox_id: str, work: Awaitable[None]) -> None:
+    async def _log_reap(self, sandbox_id: str, work: Awaitable[None], done: str) -> None:
         try:
             await work
-            log.info("sandbox timed out", extra={"sandbox_id": sandbox_id})
+            log.info(done, extra={"sandbox_id": sandbox_id})
         except Exception as exc:
             log.error(
                 "timeout handling failed", extra={"sandbox_id": sandbox_id, "error": str(exc)}

@@ -68,7 +68,12 @@ def build_app(
         options.config,
         on_op=metrics.record_op,
     )
-    return NodeApp(orchestrator, api_key, metrics, extra_routes=extra_routes)
+    from agentenv.node.template_api import TemplateBuildApi
+
+    builds = TemplateBuildApi(orchestrator, state, api_key)
+    return NodeApp(
+        orchestrator, api_key, metrics, extra_routes=[*(extra_routes or []), *builds.routes()]
+    )
 
 
 def lock_state_dir(state_dir: Path) -> int:

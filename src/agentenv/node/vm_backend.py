@@ -12,10 +12,17 @@ the layer files of the ones it grew from (memory and disk lineages), so a snapsh
 is only deleted once it is released (killed sandbox, deleted snapshot) AND no remaining
 snapshot names a file in it (`_collect`).
 
-Not done yet: adopt() returns {}, so a node crash (or kill -9) loses its running VMs (their
-QEMU processes are left behind and must be killed by hand); a graceful stop pauses them all
-first. A sandbox's cpu_count/memory_mb/disk_size_mb are the template's: a restore cannot change
-the machine a snapshot was taken of.
+Crashes: QEMU runs without PDEATHSIG, so VMs outlive a node killed with SIGKILL. Every running
+VM has a manifest (<state>/vm-backend/sandboxes/<id>.vm.json: pid, QMP socket, slot, blockd
+devices, memory lineage; runtime/adopt.py); the next start takes each one over again (adopt())
+when its QEMU and its blockd devices are still there, and ends it otherwise. The private blockd
+is reused when it survived (its pid is in blockd/blockd.pid); a fresh blockd means the VMs'
+disks are gone, so nothing is adopted then. A graceful stop pauses every VM first.
+
+A VM that dies on its own (QEMU killed, crashed) is reported through `on_sandbox_lost`; the
+orchestrator then removes the sandbox. A sandbox's cpu_count/memory_mb/disk_size_mb are the
+template's: a restore cannot change the machine a snapshot was taken of, so a template record
+whose sizes differ from its snapshot's machine is refused at create.
 """
 
 from __future__ import annotations
@@ -27,7 +34,9 @@ import logging
 import os
 import shutil
 import signal
+import subprocess
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +59,7 @@ CLK_TCK = os.sysconf("SC_CLK_TCK")
 PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")
 RELEASED_MARK = ".released"
 SLOT_COOLDOWN = 30.0  # seconds before a network slot's address serves another VM
+SPAWN_ATTEMPTS = 3  # restores tried when QEMU's spawn itself fails (see _restore)
 
 
 
@@ -70,8 +80,42 @@ def _running(pid: int) -> bool:
         return False
 
 
+def _live_blockd(root: Path) -> int | None:
+    """The pid of the private blockd an earlier node started in `root`, if it still runs and
+    answers on its socket (blockd outlives a node killed with SIGKILL)."""
+    from agentenv.blockd.client import BlockdClient
+    from agentenv.blockd.errors import BlockdUnavailable
+
+    try:
+        pid = int((root / "blockd.pid").read_text().strip())
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            if str(root / "blockd.sock").encode() not in f.read():
+                return None
+        with BlockdClient(root / "blockd.sock", timeout=5) as client:
+            client.ping()
+    except (OSError, ValueError, BlockdUnavailable):
+        return None
+    return pid
+
+
+def _stop_pid(pid: int, timeout: float = 20.0) -> None:
+    """SIGTERM a process that is not our child, SIGKILL after `timeout`."""
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + timeout
+    while _running(pid):
+        if time.monotonic() > deadline:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+            break
+        time.sleep(0.05)
+
+
 class VmBackend:
     name = "vm"
+    #: create/resume/fork return after envd's /init with the spec's env vars and token
+    #: (Runtime.restore does it), so the orchestrator skips its own readiness round trip.
+    initialises_envd = True
 
     def __init__(
         self,
@@ -104,6 +148,10 @@ class VmBackend:
         self._cpu_seen: dict[str, tuple[float, int]] = {}
         self._gc_lock = asyncio.Lock()
         self._builtin: dict[str, Path] = {}  # built-in template name -> boot snapshot dir
+        self._blockd_pid: int | None = None  # a private blockd that outlived the last node
+        self._adopted: dict[str, Placement] = {}
+        #: Set by the orchestrator: called with (sandbox id, reason) when a VM dies on its own.
+        self.on_sandbox_lost: Callable[[str, str], None] | None = None
 
     # --- paths and snapshot bookkeeping -------------------------------------------------------
 
@@ -129,6 +177,30 @@ class VmBackend:
         tmp.write_text(json.dumps(owned))
         tmp.replace(path)
 
+    def _vm_file(self, sandbox_id: str) -> Path:
+        return self.base / "sandboxes" / f"{sandbox_id}.vm.json"
+
+    def _save_vm(self, sandbox_id: str, vm: Any) -> None:
+        """The running VM's manifest, for a node restarted after a crash (runtime/adopt.py)."""
+        from agentenv.runtime.adopt import vm_manifest
+
+        path = self._vm_file(sandbox_id)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(vm_manifest(vm)))
+        tmp.replace(path)
+
+    def _drop_vm(self, sandbox_id: str) -> None:
+        self._vm_file(sandbox_id).unlink(missing_ok=True)
+
+    def _load_manifests(self) -> dict[str, dict[str, Any]]:
+        found: dict[str, dict[str, Any]] = {}
+        for path in (self.base / "sandboxes").glob("*.vm.json"):
+            try:
+                found[path.name.removesuffix(".vm.json")] = json.loads(path.read_text())
+            except (OSError, ValueError):
+                path.unlink(missing_ok=True)
+        return found
+
     def _is_ours(self, path: Path) -> bool:
         try:
             path.resolve().relative_to(self.snapshot_root.resolve())
@@ -138,11 +210,14 @@ class VmBackend:
 
     async def _release(self, record_dirs: list[str]) -> None:
         """Mark snapshot directories as unused, then delete those no other snapshot needs."""
+        marked = 0
         for raw in record_dirs:
             path = Path(raw)
             if self._is_ours(path) and path.is_dir():
                 (path / RELEASED_MARK).touch()
-        await self._collect()
+                marked += 1
+        if marked:  # nothing newly unused: nothing to collect (a scan reads every record)
+            await self._collect()
 
     async def _collect(self) -> None:
         # Files of running VMs (they name the snapshot they came from), read on the loop.
@@ -205,20 +280,39 @@ class VmBackend:
     async def start(self) -> None:
         from agentenv.blockd.client import AsyncBlockdClient
         from agentenv.guest.build.assets import build_assets
+        from agentenv.runtime.adopt import manifest_alive
         from agentenv.runtime.config import RuntimeConfig
         from agentenv.runtime.vm import Runtime
 
         (self.base / "sandboxes").mkdir(parents=True, exist_ok=True)
-        await asyncio.to_thread(self._reap_leftovers)
+        manifests = await asyncio.to_thread(self._load_manifests)
+        private_root = self.base / "blockd"
         if self.blockd_socket is None:
-            from agentenv.runtime.harness import BlockdProcess
+            self._blockd_pid = await asyncio.to_thread(_live_blockd, private_root)
+        if self.blockd_socket is None and self._blockd_pid is None:
+            # A new private blockd: the disks of whatever VMs survived are gone with the old one.
+            alive: dict[str, dict[str, Any]] = {}
+        else:
+            alive = {sid: m for sid, m in manifests.items() if manifest_alive(m)}
+        keep_pids = {int(m["pid"]) for m in alive.values()}
+        if self._blockd_pid is not None:
+            keep_pids.add(self._blockd_pid)
+        await asyncio.to_thread(self._reap_leftovers, keep_pids, list(alive.values()))
+        if self.blockd_socket is None:
+            if self._blockd_pid is not None:
+                self.blockd_socket = private_root / "blockd.sock"
+                log.info("reusing the private blockd of the previous run",
+                         extra={"pid": self._blockd_pid})
+            else:
+                from agentenv.runtime.harness import BlockdProcess
 
-            root = self.base / "blockd"
-            root.mkdir(parents=True, exist_ok=True)
-            self._blockd_proc = BlockdProcess(root)
-            log.info("starting a private blockd", extra={"socket": str(self._blockd_proc.socket)})
-            await asyncio.to_thread(self._blockd_proc.start)
-            self.blockd_socket = self._blockd_proc.socket
+                private_root.mkdir(parents=True, exist_ok=True)
+                self._blockd_proc = BlockdProcess(private_root)
+                log.info("starting a private blockd",
+                         extra={"socket": str(self._blockd_proc.socket)})
+                await asyncio.to_thread(self._blockd_proc.start)
+                (private_root / "blockd.pid").write_text(f"{self._blockd_proc.proc.pid}\n")
+                self.blockd_socket = self._blockd_proc.socket
         self._blockd = AsyncBlockdClient(self.blockd_socket)
         log.info("guest assets: building or checking", extra={"dir": str(self.assets_dir)})
         t0 = time.monotonic()
@@ -231,22 +325,44 @@ class VmBackend:
                                slot_first_index=self.first_slot,
                                # The proxy's pooled keep-alive connections to a dead VM
                                # (httpx: 5 s) must expire before its address serves another.
-                               slot_reuse_delay=SLOT_COOLDOWN)
+                               slot_reuse_delay=SLOT_COOLDOWN,
+                               # VMs outlive a node crash; the next start adopts them.
+                               qemu_die_with_parent=False)
         self.runtime = Runtime(config, blockd=self._blockd, on_vm_died=self._vm_died)
+        # Before the runtime builds network slots: adopted VMs keep theirs.
+        await self._adopt_all(manifests, alive)
         await self.runtime.start(kernel_for_probe=self._assets.kernel)
         await self._collect()
 
-    def _reap_leftovers(self) -> None:
-        """SIGKILL QEMU and blockd processes a crashed node left running on this state dir.
+    async def _adopt_all(self, manifests: dict[str, dict[str, Any]],
+                         alive: dict[str, dict[str, Any]]) -> None:
+        from agentenv.runtime.adopt import abandon, adopt_vm
+        from agentenv.runtime.errors import RuntimeError_
 
-        The node holds the state dir's lock, so whatever still names it is a leftover; its
-        sandboxes are lost anyway (adopt() is not implemented), and its network slots would
-        be rebuilt under the leftover VMs."""
+        for sid, manifest in manifests.items():
+            if sid in alive:
+                try:
+                    vm = await adopt_vm(self.runtime, manifest)
+                except (RuntimeError_, OSError) as exc:
+                    log.warning("running VM of the previous run not adopted",
+                                extra={"sandbox_id": sid, "error": str(exc)})
+                else:
+                    self._adopted[sid] = self._placement(sid, vm)
+                    log.info("VM adopted", extra={"sandbox_id": sid, "pid": vm.pid})
+                    continue
+            await abandon(self.runtime, manifest)
+            self._drop_vm(sid)
+
+    def _reap_leftovers(self, keep_pids: set[int], keep: list[dict[str, Any]]) -> None:
+        """SIGKILL QEMU and blockd processes a crashed node left running on this state dir,
+        except those named in `keep_pids` (VMs to adopt, a reusable blockd).
+
+        The node holds the state dir's lock, so whatever else still names it is a leftover."""
         needle = str(self.base.resolve()).encode()
         me = os.getpid()
         killed: list[int] = []
         for entry in os.listdir("/proc"):
-            if not entry.isdigit() or int(entry) == me:
+            if not entry.isdigit() or int(entry) == me or int(entry) in keep_pids:
                 continue
             try:
                 with open(f"/proc/{entry}/cmdline", "rb") as f:
@@ -263,8 +379,11 @@ class VmBackend:
         while killed and time.monotonic() < deadline:
             killed = [pid for pid in killed if _running(pid)]
             time.sleep(0.05)
+        kept = {Path(m["workdir"]) for m in keep} | {Path(m["mem_path"]) for m in keep}
         for sub in ("vms", "memory"):  # work dirs and RAM files of the killed VMs
             for stale in (self.base / "runtime" / sub).glob("*"):
+                if stale in kept:
+                    continue
                 if stale.is_dir():
                     shutil.rmtree(stale, ignore_errors=True)
                 else:
@@ -275,12 +394,18 @@ class VmBackend:
             if known is vm:
                 log.error("sandbox VM died", extra={"sandbox_id": sid, "reason": vm.error})
                 self._vms.pop(sid, None)
+                self._cpu_seen.pop(sid, None)
+                self._drop_vm(sid)
+                if self.on_sandbox_lost is not None:
+                    self.on_sandbox_lost(sid, f"its VM died: {vm.error}")
 
     async def close(self) -> None:
         if self.runtime is not None:
             with contextlib.suppress(Exception):
                 await self.runtime.close()
             self.runtime = None
+        for sid in list(self._vms):
+            self._drop_vm(sid)
         self._vms.clear()
         if self._blockd is not None:
             with contextlib.suppress(Exception):
@@ -289,6 +414,10 @@ class VmBackend:
         if self._blockd_proc is not None:
             await asyncio.to_thread(self._blockd_proc.stop)
             self._blockd_proc = None
+        if self._blockd_pid is not None:
+            await asyncio.to_thread(_stop_pid, self._blockd_pid)
+            self._blockd_pid = None
+        (self.base / "blockd" / "blockd.pid").unlink(missing_ok=True)
 
     async def default_templates(self) -> list[DefaultTemplate]:
         from agentenv.node.base_template import build_base_template, load_previous
@@ -318,6 +447,7 @@ class VmBackend:
 
     def _placement(self, sandbox_id: str, vm: Any) -> Placement:
         self._vms[sandbox_id] = vm
+        self._save_vm(sandbox_id, vm)
         host = vm.slot.guest_address
         rootfs = next((d.config.size for d in vm.disks if d.config.name == "rootfs"), 0)
         return Placement(host=host, envd_port=ENVD_PORT,
@@ -337,17 +467,37 @@ class VmBackend:
                        ) -> Placement:
         from agentenv.runtime.errors import RuntimeError_
 
-        try:
-            vm = await self.runtime.restore(record, env_vars=spec.env_vars or None,
-                                            access_token=spec.access_token,
-                                            outbound=spec.allow_internet_access,
-                                            guest_token=previous_token)
-        except (RuntimeError_, OSError) as exc:
-            raise BackendError(f"starting the VM of {spec.sandbox_id} failed: {exc}") from exc
+        for attempt in range(SPAWN_ATTEMPTS):
+            try:
+                vm = await self.runtime.restore(record, env_vars=spec.env_vars or None,
+                                                access_token=spec.access_token,
+                                                outbound=spec.allow_internet_access,
+                                                guest_token=previous_token)
+                break
+            except subprocess.SubprocessError as exc:
+                # QEMU's spawn failed in its preexec (setsid or entering the slot's network
+                # namespace; seen about once in 500 restores on a loaded host, cause not
+                # found yet); the runtime released what it took, so another try is clean.
+                log.warning("QEMU spawn failed, trying again",
+                            extra={"sandbox_id": spec.sandbox_id, "error": str(exc)})
+                if attempt == SPAWN_ATTEMPTS - 1:
+                    raise BackendError(
+                        f"starting the VM of {spec.sandbox_id} failed: {exc}") from exc
+            except (RuntimeError_, OSError) as exc:
+                raise BackendError(
+                    f"starting the VM of {spec.sandbox_id} failed: {exc}") from exc
         return self._placement(spec.sandbox_id, vm)
 
     async def create(self, spec: SandboxSpec) -> Placement:
-        return await self._restore(spec, self._load_record(spec.source))
+        record = self._load_record(spec.source)
+        machine = record.machine
+        if (spec.cpu_count, spec.memory_mb) != (machine.vcpus, machine.memory_mib):
+            # The record's sizes are what the API shows; the snapshot decides what runs.
+            raise BackendError(
+                f"the template's record says {spec.cpu_count} vCPUs and {spec.memory_mb} MiB, "
+                f"its snapshot was taken of a {machine.vcpus} vCPU, {machine.memory_mib} MiB "
+                "machine (a restore cannot resize it)", retryable=False)
+        return await self._restore(spec, record)
 
     async def pause(self, sandbox_id: str, placement: Placement, memory: bool) -> PauseResult:
         from agentenv.runtime.errors import RuntimeError_
@@ -360,6 +510,7 @@ class VmBackend:
                                retryable=vm.state == "running") from exc
         self._vms.pop(sandbox_id, None)
         self._cpu_seen.pop(sandbox_id, None)
+        self._drop_vm(sandbox_id)
         ref = self._ref(record, "paused")
         self._own(sandbox_id, Path(ref.data["record_dir"]))
         return PauseResult(snapshot=ref, memory=True)
@@ -378,6 +529,7 @@ class VmBackend:
         except (RuntimeError_, OSError) as exc:
             raise BackendError(f"snapshot of {sandbox_id} failed: {exc}",
                                retryable=vm.state == "running") from exc
+        self._save_vm(sandbox_id, vm)  # its disks have a new sealed layer under the upper
         return self._ref(record, "snapshot")
 
     async def fork(
@@ -391,6 +543,7 @@ class VmBackend:
         except (RuntimeError_, OSError) as exc:
             raise BackendError(f"fork of {spec.sandbox_id} failed: {exc}",
                                retryable=vm.state == "running") from exc
+        self._save_vm(spec.sandbox_id, vm)
         # The fork point belongs to the parent: deleted with it once no child needs it.
         self._own(spec.sandbox_id, Path(record.device_state).parent)
 
@@ -409,6 +562,8 @@ class VmBackend:
         if vm is not None:
             with contextlib.suppress(Exception):
                 await self.runtime.kill(vm)
+        self._drop_vm(sandbox_id)
+        self._adopted.pop(sandbox_id, None)
         await self._release(self._owned(sandbox_id))
         self._owned_file(sandbox_id).unlink(missing_ok=True)
 
@@ -423,9 +578,9 @@ class VmBackend:
             await self._release([record_dir])
 
     async def adopt(self) -> dict[str, Placement]:
-        # Not implemented: VMs do not survive their node yet (the runtime's VM objects hold
-        # the QMP connections). A graceful stop pauses every sandbox first.
-        return {}
+        """The VMs start() took over from the previous run (see the module doc)."""
+        adopted, self._adopted = self._adopted, {}
+        return adopted
 
     async def metrics(self, sandbox_id: str, placement: Placement) -> MetricSample:
         return await asyncio.to_thread(self._sample, sandbox_id, placement)
@@ -463,3 +618,44 @@ class VmBackend:
         return MetricSample(timestamp=now, cpu_count=cpus, cpu_used_pct=round(min(pct, 100.0), 2),
                             mem_used=min(rss, mem_total), mem_total=mem_total, mem_cache=0,
                             disk_used=min(disk_used, disk_total), disk_total=disk_total)
+
+    # --- template builds (node/template_api.py) -----------------------------------------------
+
+    async def boot_image(self, sandbox_id: str, lowers: list[Path], disk_bytes: int,
+                         cpu_count: int, memory_mb: int) -> Placement:
+        """Cold-boot a build VM whose root disk is the overlaybd stack `lowers` (a pulled image);
+        returns once its envd answers."""
+        from agentenv.runtime.errors import RuntimeError_
+        from agentenv.runtime.vm import BootSpec, DiskSource
+
+        assets = self._assets
+        spec = BootSpec(
+            kernel=assets.kernel, initramfs=assets.initramfs, cmdline=assets.cmdline_base,
+            vcpus=cpu_count, memory_mib=memory_mb, outbound=True,
+            disks=[DiskSource("tools", assets.tools_image.stat().st_size, read_only=True,
+                              file=assets.tools_image),
+                   DiskSource("rootfs", disk_bytes, layers=list(lowers))])
+        try:
+            vm = await self.runtime.boot(spec)
+        except (RuntimeError_, OSError) as exc:
+            raise BackendError(f"booting the build VM {sandbox_id} failed: {exc}",
+                               retryable=False) from exc
+        return self._placement(sandbox_id, vm)
+
+    async def capture_template(self, sandbox_id: str) -> TemplateRef:
+        """Pause a build VM into a template's boot snapshot. The snapshot belongs to the template
+        (delete_snapshot releases it), not to the build VM."""
+        from agentenv.runtime.errors import RuntimeError_
+
+        vm = self._vm(sandbox_id)
+        try:
+            record = await self.runtime.pause(vm, wait_teardown=True)
+        except (RuntimeError_, OSError) as exc:
+            raise BackendError(f"snapshotting the build VM {sandbox_id} failed: {exc}",
+                               retryable=False) from exc
+        finally:
+            if vm.state != "running":
+                self._vms.pop(sandbox_id, None)
+                self._cpu_seen.pop(sandbox_id, None)
+                self._drop_vm(sandbox_id)
+        return self._ref(record, "template")

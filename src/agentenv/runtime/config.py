@@ -26,6 +26,10 @@ class RuntimeConfig(BaseModel):
     # Warm QEMU processes per primed snapshot (restores/forks of templates).
     process_pool_low: int = 2
     process_pool_high: int = 16
+    # TCG translation cache per VM (MiB) and whether QEMU may use transparent huge pages;
+    # both are private memory of every VM (see bench/RESULTS.md "VM lifecycle").
+    tcg_tb_size_mib: int = Field(default=64, ge=1)
+    qemu_thp: bool = False
     envd_port: int = 49983
     envd_health_path: str = "/health"
     envd_init_path: str = "/init"
@@ -35,6 +39,9 @@ class RuntimeConfig(BaseModel):
     snapshot_root: Path | None = None  # default: <state_dir>/snapshots
     # A memory stack deeper than this is compacted into one layer when a snapshot is taken.
     max_memory_layers: int = Field(default=32, ge=1, le=255)
+    # False: QEMU processes survive a crash of the runtime's process (no PDEATHSIG), so a
+    # restarted process can re-adopt them (runtime/adopt.py).
+    qemu_die_with_parent: bool = True
 
     @property
     def vm_dir(self) -> Path:

@@ -18,7 +18,6 @@ one when its last VM is gone.
 from __future__ import annotations
 
 import ctypes
-import itertools
 import os
 import threading
 from dataclasses import dataclass
@@ -35,6 +34,8 @@ from agentenv.storage.image import Image
 PAGE = 4096
 IOV_MAX = 1024
 BATCH_BYTES = 16 << 20
+# Shorter runs of zero pages among written pages are stored as data (see _with_short_zero_gaps).
+MIN_ZERO_PAGES = 16
 
 _libc = ctypes.CDLL(None, use_errno=True)
 
@@ -67,8 +68,8 @@ def find_ram_mapping(pid: int, mem_path: str, size: int) -> int:
     raise SnapshotError(f"QEMU pid {pid} has no mapping of its guest RAM file {mem_path}")
 
 
-def written_page_runs(pid: int, addr: int, size: int) -> list[tuple[int, int]]:
-    """(first page, page count) runs of pages written since the mapping was made."""
+def written_pages(pid: int, addr: int, size: int) -> np.ndarray:
+    """Page numbers (ascending) of the pages written since the mapping was made."""
     npages = size // PAGE
     fd = os.open(f"/proc/{pid}/pagemap", os.O_RDONLY)
     try:
@@ -86,23 +87,39 @@ def written_page_runs(pid: int, addr: int, size: int) -> list[tuple[int, int]]:
     present = (entries >> np.uint64(63)) & np.uint64(1)
     swapped = (entries >> np.uint64(62)) & np.uint64(1)
     file_page = (entries >> np.uint64(61)) & np.uint64(1)
-    written = ((present & (file_page ^ np.uint64(1))) | swapped).astype(np.int8)
-    edges = np.diff(np.concatenate(([0], written, [0])))
-    starts = np.flatnonzero(edges == 1)
-    ends = np.flatnonzero(edges == -1)
-    return [(int(s), int(e - s)) for s, e in zip(starts, ends, strict=True)]
+    return np.flatnonzero((present & (file_page ^ np.uint64(1))) | swapped)
 
 
-def _read_remote(pid: int, buf: bytearray, remote: list[tuple[int, int]]) -> None:
-    """Fill buf with the concatenation of the remote (address, length) ranges."""
+def written_page_runs(pid: int, addr: int, size: int) -> list[tuple[int, int]]:
+    """(first page, page count) runs of pages written since the mapping was made."""
+    pages = written_pages(pid, addr, size)
+    starts, ends = _runs(pages, np.ones(len(pages), dtype=bool))
+    return [(int(pages[a]), int(b - a)) for a, b in zip(starts, ends, strict=True)]
+
+
+def _runs(pages: np.ndarray, same: np.ndarray) -> tuple[list[int], list[int]]:
+    """[start, end) index ranges of `pages` that are consecutive page numbers with equal `same`."""
+    if len(pages) == 0:
+        return [], []
+    breaks = np.flatnonzero((np.diff(pages) != 1) | (np.diff(same.astype(np.int8)) != 0)) + 1
+    return [0, *breaks.tolist()], [*breaks.tolist(), len(pages)]
+
+
+def _read_remote(pid: int, buf: bytearray, addrs: np.ndarray, lengths: np.ndarray) -> None:
+    """Fill buf with the concatenation of the remote ranges (addrs[i], lengths[i])."""
     base = ctypes.addressof((ctypes.c_char * len(buf)).from_buffer(buf))
+    # struct iovec arrays built with numpy: no Python object per range.
+    iovecs = np.empty((len(addrs), 2), dtype=np.uint64)
+    iovecs[:, 0] = addrs
+    iovecs[:, 1] = lengths
     done = 0
-    for i in range(0, len(remote), IOV_MAX):
-        part = remote[i : i + IOV_MAX]
-        total = sum(length for _, length in part)
+    for i in range(0, len(addrs), IOV_MAX):
+        part = iovecs[i : i + IOV_MAX]
+        total = int(part[:, 1].sum())
         local = _IoVec(base + done, total)
-        remote_iov = (_IoVec * len(part))(*[_IoVec(a, n) for a, n in part])
-        got = _libc.process_vm_readv(pid, ctypes.byref(local), 1, remote_iov, len(part), 0)
+        got = _libc.process_vm_readv(pid, ctypes.byref(local), 1,
+                                     ctypes.cast(part.ctypes.data, ctypes.POINTER(_IoVec)),
+                                     len(part), 0)
         if got != total:
             err = ctypes.get_errno()
             raise SnapshotError(
@@ -122,53 +139,68 @@ class CaptureStats:
 def capture_memory_layer(
     pid: int, addr: int, size: int, out: Path, *, parent_uuid: str | None = None
 ) -> CaptureStats:
-    """Write the pages QEMU pid wrote into its RAM mapping as a sealed layer at `out`."""
-    runs = written_page_runs(pid, addr, size)
-    written = zero = 0
+    """Write the pages QEMU pid wrote into its RAM mapping as a sealed layer at `out`.
+
+    Pages are read in batches of BATCH_BYTES with one process_vm_readv per IOV_MAX runs; the
+    batch is split into extents (consecutive pages, all zero or all data) with numpy, so the
+    Python work is per extent, not per page; each extent is one write. Writeback of a batch
+    starts as soon as it is written, so the final fsync waits for little more than the
+    last batch."""
+    pages = written_pages(pid, addr, size)
+    zero = 0
+    buf = bytearray(min(len(pages) * PAGE, BATCH_BYTES))
+    view = memoryview(buf)
+    per_batch = BATCH_BYTES // PAGE
     try:
         with LayerBuilder(out, size, parent_uuid=parent_uuid) as builder:
-            batch: list[tuple[int, int]] = []
-            batch_pages = 0
-
-            def flush() -> None:
-                nonlocal written, zero, batch_pages
-                if not batch:
-                    return
-                buf = bytearray(batch_pages * PAGE)
-                _read_remote(pid, buf, [(addr + p * PAGE, n * PAGE) for p, n in batch])
-                pages = np.frombuffer(buf, dtype=np.uint64).reshape(batch_pages, PAGE // 8)
-                nonzero = pages.any(axis=1)
-                view = memoryview(buf)
-                pos = 0
-                for first, count in batch:
-                    flags = nonzero[pos : pos + count]
-                    edges = np.flatnonzero(np.diff(flags.astype(np.int8))) + 1
-                    bounds = [0, *edges.tolist(), count]
-                    for a, b in itertools.pairwise(bounds):
-                        offset = (first + a) * PAGE
-                        if flags[a]:
-                            builder.add(offset, view[(pos + a) * PAGE : (pos + b) * PAGE])
-                        else:
-                            builder.add_zero(offset, (b - a) * PAGE)
-                            zero += b - a
-                    pos += count
-                    written += count
-                batch.clear()
-                batch_pages = 0
-
-            for first, count in runs:
-                while count > 0:
-                    take = min(count, BATCH_BYTES // PAGE - batch_pages)
-                    batch.append((first, take))
-                    batch_pages += take
-                    first += take
-                    count -= take
-                    if batch_pages * PAGE >= BATCH_BYTES:
-                        flush()
-            flush()
+            for first in range(0, len(pages), per_batch):
+                batch = pages[first : first + per_batch]
+                n = len(batch)
+                starts, ends = _runs(batch, np.ones(n, dtype=bool))
+                first_pages = batch[starts].astype(np.uint64)
+                counts = np.asarray(ends, dtype=np.uint64) - np.asarray(starts, dtype=np.uint64)
+                _read_remote(pid, buf, np.uint64(addr) + first_pages * np.uint64(PAGE),
+                             counts * np.uint64(PAGE))
+                nonzero = np.frombuffer(buf, dtype=np.uint64, count=n * (PAGE // 8)).reshape(
+                    n, PAGE // 8).any(axis=1)
+                data = _with_short_zero_gaps(batch, nonzero)
+                zero += n - int(np.count_nonzero(data))
+                starts, ends = _runs(batch, data)
+                for a, b in zip(starts, ends, strict=True):
+                    offset = int(batch[a]) * PAGE
+                    if data[a]:
+                        builder.add(offset, view[a * PAGE : b * PAGE])
+                    else:
+                        builder.add_zero(offset, (b - a) * PAGE)
+                if builder.sink is builder.file:
+                    builder.file.flush()
+                    _start_writeback(builder.file.fileno())
     except OSError as exc:
         raise SnapshotError(f"cannot write memory layer {out}: {exc.strerror or exc}") from exc
-    return CaptureStats(written, zero, out.stat().st_size)
+    return CaptureStats(len(pages), zero, out.stat().st_size)
+
+
+def _with_short_zero_gaps(pages: np.ndarray, nonzero: np.ndarray) -> np.ndarray:
+    """Which pages to store as data: the non-zero ones, and zero pages in stretches shorter
+    than MIN_ZERO_PAGES between them. A zero page stored as data reads the same as a zeroed
+    mapping; merging short gaps keeps the extent count (Python work and index size) down,
+    since guests zero pages as they allocate them and so interleave zero and data pages."""
+    data = nonzero.copy()
+    starts, ends = _runs(pages, nonzero)
+    for a, b in zip(starts, ends, strict=True):
+        if not nonzero[a] and b - a < MIN_ZERO_PAGES:
+            data[a:b] = True
+    return data
+
+
+_SYNC_FILE_RANGE_WRITE = 2
+_libc.sync_file_range.argtypes = [ctypes.c_int, ctypes.c_longlong, ctypes.c_longlong, ctypes.c_uint]
+_libc.sync_file_range.restype = ctypes.c_int
+
+
+def _start_writeback(fd: int) -> None:
+    """Start (not wait for) writeback of the file's dirty pages, overlapping it with capture."""
+    _libc.sync_file_range(fd, 0, 0, _SYNC_FILE_RANGE_WRITE)
 
 
 def materialise(layers: list[Path], out: Path, size: int) -> Path:

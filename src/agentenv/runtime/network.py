@@ -233,6 +233,19 @@ class SlotPool:
         self.kick()
         return slot
 
+    def claim(self, index: int, outbound: bool = True) -> NetworkSlot:
+        """Take over slot `index`, which already exists and serves a VM that outlived an
+        earlier runtime (runtime/adopt.py). Call it before the pool builds slots: the indices
+        below it that nobody claims are reused later (their leftovers are rebuilt)."""
+        slot = NetworkSlot(index, self.prefix, outbound)
+        self._in_use[index] = slot
+        if index >= self._next:
+            self._released.extend(range(self._next, index))
+            self._next = index + 1
+        elif index in self._released:
+            self._released.remove(index)
+        return slot
+
     async def give_back(self, slot: NetworkSlot) -> None:
         """Return a slot whose VM is gone; it is reset and reused (or rests, see reuse_delay)."""
         self._in_use.pop(slot.index, None)

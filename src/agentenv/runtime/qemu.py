@@ -12,6 +12,8 @@ migration stream requires):
   `blockdev-add` + `blockdev-reopen` when it is taken from the pool.
 - virtio-net on `tap0` (QEMU runs inside the network slot's namespace), no option ROM.
 - virtio-balloon with free-page reporting; vmgenid with a fresh GUID for every process.
+- `-kernel`/`-initrd`/`-append` only for a boot: a restore (`-incoming defer`) has no use for
+  them and QEMU would keep both files in private memory.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from agentenv.snapshot.record import MachineConfig
 _libc = ctypes.CDLL(None, use_errno=True)
 _CLONE_NEWNET = 0x40000000
 _PR_SET_PDEATHSIG = 1
+_PR_SET_THP_DISABLE = 41
 
 DISK_PCI_BASE = 0x10
 NET_PCI_ADDR = 0x08
@@ -92,13 +95,15 @@ def build_argv(
     vmgenid: str,
     incoming: bool,
     qemu_binary: str = "qemu-system-x86_64",
+    tb_size_mib: int = 64,
 ) -> list[str]:
     """The QEMU command line. With disks=None every disk starts on a null placeholder of
     the right size (for warm processes that get their real disks over QMP later)."""
     cpu = machine.cpu_model if machine.accel == "tcg" else "host"
     size = machine.memory_bytes
-    # TCG's translation cache is private memory of every VM; 64 MiB keeps it small.
-    accel = "tcg,tb-size=64" if machine.accel == "tcg" else "kvm"
+    # TCG's translation cache is private memory of every VM: a bounded buffer keeps it small
+    # (a restored test guest answering /init fills ~18 MiB; a full buffer is flushed).
+    accel = f"tcg,tb-size={tb_size_mib}" if machine.accel == "tcg" else "kvm"
     argv = [
         qemu_binary,
         "-accel", accel,
@@ -114,15 +119,18 @@ def build_argv(
         "-mon", "chardev=qmp,mode=control",
         "-chardev", f"file,id=serial0,path={serial_log}",
         "-serial", "chardev:serial0",
-        "-kernel", machine.kernel,
-        "-append", machine.cmdline,
         "-device", f"vmgenid,id=vmgenid0,guid={vmgenid}",
         "-device",
         f"virtio-balloon-pci,id=balloon0,free-page-reporting=on,deflate-on-oom=on,"
         f"addr={BALLOON_PCI_ADDR:#x}",
     ]
-    if machine.initramfs:
-        argv += ["-initrd", machine.initramfs]
+    if not incoming:
+        # Only a boot needs the kernel: QEMU reads it and the initramfs into private memory
+        # for fw_cfg (13 MiB per process here) that a restored guest never reads again. The
+        # device state has no RAM section, so the option ROM -kernel adds is not missed.
+        argv += ["-kernel", machine.kernel, "-append", machine.cmdline]
+        if machine.initramfs:
+            argv += ["-initrd", machine.initramfs]
     if machine.network:
         argv += [
             "-netdev", "tap,id=net0,ifname=tap0,script=no,downscript=no,vhost=off",
@@ -152,10 +160,15 @@ def build_argv(
     return argv
 
 
-def _preexec(netns: str | None) -> Any:
+def _preexec(netns: str | None, die_with_parent: bool = True, thp: bool = True) -> Any:
     def run() -> None:
         os.setsid()
-        _libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        if die_with_parent:
+            _libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        if not thp:
+            # QEMU asks for huge pages on its TCG code buffer, so each part of it a vCPU
+            # thread starts writing costs 2 MiB; 4 KiB pages make the cache cost what it uses.
+            _libc.prctl(_PR_SET_THP_DISABLE, 1, 0, 0, 0)
         if netns:
             fd = os.open(netns, os.O_RDONLY)
             if _libc.setns(fd, _CLONE_NEWNET) != 0:
@@ -196,7 +209,12 @@ class QemuProcess:
         incoming: bool,
         netns: str | None = None,
         qemu_binary: str = "qemu-system-x86_64",
+        die_with_parent: bool = True,
+        tb_size_mib: int = 64,
+        thp: bool = True,
     ) -> QemuProcess:
+        """die_with_parent=False: QEMU outlives a crash of this process, so a restarted node
+        can take it over again (agentenv.runtime.adopt)."""
         workdir.mkdir(parents=True, exist_ok=True)
         qmp_socket = workdir / "qmp.sock"
         with contextlib.suppress(FileNotFoundError):
@@ -205,14 +223,14 @@ class QemuProcess:
         argv = build_argv(
             machine, mem_path=mem_path, qmp_socket=qmp_socket,
             serial_log=workdir / "serial.log", disks=disks, vmgenid=vmgenid,
-            incoming=incoming, qemu_binary=qemu_binary,
+            incoming=incoming, qemu_binary=qemu_binary, tb_size_mib=tb_size_mib,
         )
         (workdir / "argv").write_text("\n".join(argv) + "\n")
         stderr_log = workdir / "qemu.stderr"
         with open(stderr_log, "wb") as err:
             process = await asyncio.create_subprocess_exec(
                 *argv, stdin=asyncio.subprocess.DEVNULL, stdout=err, stderr=err,
-                preexec_fn=_preexec(netns),
+                preexec_fn=_preexec(netns, die_with_parent, thp),
             )
         try:
             qmp = await _connect_or_fail(qmp_socket, process, stderr_log)

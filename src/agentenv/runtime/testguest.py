@@ -12,7 +12,8 @@ initramfs holding busybox-static, the virtio modules, and an init that
   the request body with /bin/sh and returns its output (stdout+stderr), and `POST /init`
   (the envd call the runtime makes after a restore) is accepted.
 
-Everything is cached under a directory keyed by the kernel package version.
+Everything is cached under a directory keyed by the kernel package (KERNEL_SUITE, default
+bookworm-backports: the 6.12 kernel with the vmgenid driver, like the real guest).
 """
 
 from __future__ import annotations
@@ -27,22 +28,36 @@ from pathlib import Path
 
 from agentenv.errors import AgentEnvError
 
-KERNEL_META_PACKAGE = "linux-image-cloud-amd64"
 DEFAULT_CACHE = Path("/var/cache/aenv-test/runtime")
+# The same kernel as the real guest's default (agentenv.guest.build.kernel.DEFAULT_SUITE):
+# bookworm-backports' 6.12 cloud kernel has the vmgenid driver built in, bookworm's 6.1 none.
+KERNEL_SUITE = "bookworm-backports"
 
-# virtio modules in load order (dependencies first).
-_MODULES = [
-    "drivers/virtio/virtio_ring.ko",
-    "drivers/virtio/virtio.ko",
-    "drivers/virtio/virtio_pci_legacy_dev.ko",
-    "drivers/virtio/virtio_pci_modern_dev.ko",
-    "drivers/virtio/virtio_pci.ko",
-    "net/core/failover.ko",
-    "drivers/net/net_failover.ko",
-    "drivers/net/virtio_net.ko",
-    "drivers/block/virtio_blk.ko",
-    "drivers/virtio/virtio_balloon.ko",
-]
+# Modules the test guest loads (with their dependencies, from modules.dep); whichever the
+# kernel builds in are skipped.
+_MODULES = ["virtio_pci", "virtio_net", "virtio_blk", "virtio_balloon", "vmgenid"]
+
+
+def _module_order(modules_dir: Path) -> list[str]:
+    """Paths (relative to modules_dir) of _MODULES and their dependencies, dependencies first."""
+    deps: dict[str, list[str]] = {}
+    by_name: dict[str, str] = {}
+    for line in (modules_dir / "modules.dep").read_text().splitlines():
+        module, _, rest = line.partition(":")
+        deps[module] = rest.split()
+        by_name[Path(module).name.split(".ko")[0].replace("-", "_")] = module
+    order: list[str] = []
+
+    def visit(module: str) -> None:
+        if module not in order:
+            for dep in deps.get(module, []):
+                visit(dep)
+            order.append(module)
+
+    for name in _MODULES:
+        if name in by_name:
+            visit(by_name[name])
+    return order
 
 _INIT = r"""#!/bin/busybox sh
 /bin/busybox --install -s /bin
@@ -111,23 +126,25 @@ def _run(cmd: list[str], cwd: Path | None = None) -> str:
     return proc.stdout
 
 
-def _kernel_package() -> str:
-    out = _run(["apt-cache", "depends", KERNEL_META_PACKAGE])
-    for line in out.splitlines():
-        line = line.strip()
-        if line.startswith("Depends: linux-image-"):
-            return line.split(":", 1)[1].strip()
-    raise TestGuestError(f"cannot resolve {KERNEL_META_PACKAGE} with apt-cache")
+def build_test_guest(cache_dir: Path = DEFAULT_CACHE, kernel_suite: str | None = KERNEL_SUITE
+                     ) -> TestGuest:
+    """Build (or reuse) the busybox test guest; returns paths to kernel and initramfs.
+    kernel_suite None takes the host's default release (bookworm's 6.1)."""
+    from agentenv.guest.build import apt
+    from agentenv.guest.build import kernel as guest_kernel
+    from agentenv.guest.build.errors import GuestBuildError
 
-
-def build_test_guest(cache_dir: Path = DEFAULT_CACHE) -> TestGuest:
-    """Build (or reuse) the busybox test guest; returns paths to kernel and initramfs."""
     busybox = Path("/bin/busybox")
     if not busybox.exists():
         raise TestGuestError("busybox-static is not installed (/bin/busybox missing)")
-    package = _kernel_package()
+    meta = guest_kernel.KERNEL_METAPACKAGE + (f"/{kernel_suite}" if kernel_suite else "")
+    try:
+        package = guest_kernel.kernel_package(
+            apt.resolve([meta])[guest_kernel.KERNEL_METAPACKAGE], kernel_suite)
+    except GuestBuildError as exc:
+        raise TestGuestError(f"cannot resolve the guest kernel {meta}: {exc}") from exc
     key = hashlib.sha256(
-        (package + _INIT + _RUN_CGI + _INIT_CGI + ",".join(_MODULES) + str(busybox.stat().st_size)).encode()
+        (package.sha256 + _INIT + _RUN_CGI + _INIT_CGI + ",".join(_MODULES) + str(busybox.stat().st_size)).encode()
     ).hexdigest()[:16]
     out_dir = cache_dir / f"guest-{key}"
     kernel, initramfs = out_dir / "vmlinuz", out_dir / "initramfs.cpio"
@@ -136,23 +153,22 @@ def build_test_guest(cache_dir: Path = DEFAULT_CACHE) -> TestGuest:
     cache_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=cache_dir) as tmp_name:
         tmp = Path(tmp_name)
-        _run(["apt-get", "download", package], cwd=tmp)
-        deb = next(tmp.glob("linux-image-*.deb"))
-        unpacked = tmp / "kernel"
-        _run(["dpkg-deb", "-x", str(deb), str(unpacked)])
-        vmlinuz = next((unpacked / "boot").glob("vmlinuz-*"))
-        modroot = next((unpacked / "lib" / "modules").iterdir()) / "kernel"
+        try:
+            deb = apt.fetch([package], cache_dir / "debs")[package.name]
+            tree = guest_kernel.unpack_kernel(deb, tmp / "kernel")
+        except GuestBuildError as exc:
+            raise TestGuestError(f"cannot fetch the guest kernel {package.pinned()}: {exc}") from exc
+        vmlinuz = tree.vmlinuz
+        order = _module_order(tree.modules_dir)
         root = tmp / "root"
         for sub in ("bin", "proc", "sys", "dev", "tmp", "modules", "www/cgi-bin", "mnt"):
             (root / sub).mkdir(parents=True, exist_ok=True)
         shutil.copy2(busybox, root / "bin" / "busybox")
         names = []
-        for rel in _MODULES:
-            src = modroot / rel
-            if not src.exists():
-                continue
-            shutil.copy2(src, root / "modules" / src.name)
-            names.append(src.name)
+        for rel in order:
+            name = Path(rel).name.split(".ko")[0] + ".ko"
+            (root / "modules" / name).write_bytes(guest_kernel._module_bytes(tree.modules_dir / rel))
+            names.append(name)
         (root / "modules.order").write_text("\n".join(names) + "\n")
         (root / "init").write_text(_INIT)
         (root / "www" / "health").write_text("ok\n")

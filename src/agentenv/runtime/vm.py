@@ -151,7 +151,11 @@ class Runtime:
                               first_index=config.slot_first_index,
                               reuse_delay=config.slot_reuse_delay)
         self.accel: Literal["kvm", "tcg"] | None = None
-        self._http = httpx.AsyncClient(timeout=httpx.Timeout(5.0, connect=1.0))
+        # No keep-alive: a restored guest carries the TCP state of its snapshot, so a pooled
+        # connection to a reused slot address belongs to another incarnation of the guest and
+        # hangs until the timeout (seen: 2.2 s on every second restore of one snapshot).
+        self._http = httpx.AsyncClient(timeout=httpx.Timeout(5.0, connect=1.0),
+                                       limits=httpx.Limits(max_keepalive_connections=0))
         self._warm: dict[str, list[tuple[QemuProcess, NetworkSlot | None, Path]]] = {}
         self._warm_targets: dict[str, tuple[SnapshotRecord, int]] = {}
         self._warm_tasks: dict[str, asyncio.Task[None]] = {}
@@ -217,7 +221,9 @@ class Runtime:
                 attachments.append(attach)
             process = await QemuProcess.spawn(
                 machine, workdir, mem_path=str(mem_path), disks=attachments, incoming=False,
-                netns=slot.netns_path if slot else None, qemu_binary=self.config.qemu_binary)
+                netns=slot.netns_path if slot else None, qemu_binary=self.config.qemu_binary,
+                die_with_parent=self.config.qemu_die_with_parent,
+                **self._qemu_tuning())
         except BaseException:
             await self._release_resources(slot, disks, None)
             raise
@@ -250,9 +256,17 @@ class Runtime:
         return (_AttachedDisk(config, list(layers), device_id=info.id),
                 DiskAttachment(name, read_only, nbd_socket=info.nbd, nbd_export=info.export))
 
+    def _qemu_tuning(self) -> dict[str, Any]:
+        return {"tb_size_mib": self.config.tcg_tb_size_mib, "thp": self.config.qemu_thp}
+
     def _adopt(self, vm: VM) -> None:
         self.vms[vm.id] = vm
         vm._watch = asyncio.create_task(self._watch(vm))
+
+    def track(self, vm: VM) -> None:
+        """Take over a VM this runtime did not start (runtime/adopt.py re-adopts the VMs of a
+        crashed process): watched for its exit, killed and paused like any other."""
+        self._adopt(vm)
 
     async def _watch(self, vm: VM) -> None:
         await vm.process.died.wait()
@@ -289,26 +303,57 @@ class Runtime:
         `guest_token` is the token envd already holds in the snapshot (a fork child wakes up
         with its parent's): envd takes a new token only when the current one comes along.
         """
-        body: dict[str, Any] = {"timestamp": time.strftime("%Y-%m-%dT%H:%M:%S.000Z", time.gmtime())}
+        body: dict[str, Any] = {}
         if env_vars:
             body["envVars"] = env_vars
         if access_token:
             body["accessToken"] = access_token
+        headers = {"X-Access-Token": guest_token} if guest_token else None
         url = vm.envd_url + self.config.envd_init_path
         deadline = time.monotonic() + self.config.restore_timeout
         while True:
             if vm.process.died.is_set():
                 raise VMDiedError(vm.process.exit_reason())
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise GuestNotReadyError(f"envd of VM {vm.id} unreachable after restore")
+            now = time.time()
+            body["timestamp"] = (time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(now))
+                                 + f".{int(now * 1000) % 1000:03d}Z")
             try:
-                headers = {"X-Access-Token": guest_token} if guest_token else None
-                answer = await self._http.post(url, json=body, headers=headers, timeout=2.0)
-                if answer.is_success:
-                    return
-                raise GuestNotReadyError(f"envd /init of VM {vm.id} answered {answer.status_code}")
-            except httpx.HTTPError:
-                if time.monotonic() > deadline:
-                    raise GuestNotReadyError(f"envd of VM {vm.id} unreachable after restore") from None
+                # Connecting is retried quickly (envd may not listen yet), but once the request
+                # is in, the answer is awaited until the deadline: under TCG with many guests
+                # starting at once it takes seconds, and sending it again only adds work.
+                answer = await self._post_while_alive(
+                    vm, url, json=body, headers=headers,
+                    timeout=httpx.Timeout(remaining, connect=min(1.0, remaining)))
+            except (httpx.ConnectError, httpx.ConnectTimeout, httpx.ReadError,
+                    httpx.RemoteProtocolError):
                 await asyncio.sleep(0.005)
+                continue
+            except httpx.HTTPError as exc:
+                raise GuestNotReadyError(
+                    f"envd /init of VM {vm.id} did not answer within "
+                    f"{self.config.restore_timeout:.0f} s: {exc!r}") from None
+            if answer.is_success:
+                return
+            raise GuestNotReadyError(f"envd /init of VM {vm.id} answered {answer.status_code}")
+
+    async def _post_while_alive(self, vm: VM, url: str, **kwargs: Any) -> httpx.Response:
+        """POST, but give up as soon as the VM's QEMU exits (VMDiedError)."""
+        post = asyncio.ensure_future(self._http.post(url, **kwargs))
+        died = asyncio.ensure_future(vm.process.died.wait())
+        try:
+            await asyncio.wait({post, died}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            died.cancel()
+            if not post.done():
+                post.cancel()
+                with contextlib.suppress(BaseException):
+                    await post
+        if post.cancelled():
+            raise VMDiedError(vm.process.exit_reason())
+        return post.result()
 
     # -- snapshot / pause -----------------------------------------------------------------
 
@@ -492,7 +537,9 @@ class Runtime:
                 process = await QemuProcess.spawn(
                     record.machine, workdir, mem_path=str(mem_path), disks=attachments,
                     incoming=True, netns=slot.netns_path if slot else None,
-                    qemu_binary=self.config.qemu_binary)
+                    qemu_binary=self.config.qemu_binary,
+                    die_with_parent=self.config.qemu_die_with_parent,
+                    **self._qemu_tuning())
             elif attachments:
                 await process.attach_disks(attachments)
             t1 = time.perf_counter()
@@ -601,7 +648,9 @@ class Runtime:
             try:
                 process = await QemuProcess.spawn(
                     record.machine, workdir, mem_path=str(mem_path), disks=None, incoming=True,
-                    netns=slot.netns_path if slot else None, qemu_binary=self.config.qemu_binary)
+                    netns=slot.netns_path if slot else None, qemu_binary=self.config.qemu_binary,
+                    die_with_parent=self.config.qemu_die_with_parent,
+                    **self._qemu_tuning())
             except BaseException:
                 self.memory.release(record.id)
                 if slot is not None:

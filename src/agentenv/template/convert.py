@@ -2,9 +2,15 @@
 
 For each layer: blockd makes a writable disk whose lowers are the layers already converted
 below it (at the bottom, a shared base layer holding an empty 64 GiB ext4, made once per host
-like the reference converter's `ext4_64`) and exposes it as a FUSE file; the file is loop-mounted, the tar applied onto the mounted ext4, unmounted, and blockd
-seals the disk's upper in place (snapshot) into the new layer. Nothing is copied: the sealed
-layer holds exactly the blocks this layer's changes wrote.
+like the reference converter's `ext4_64`) and exposes it as a FUSE file; the file is
+loop-mounted, the tar applied onto the mounted ext4, unmounted, and blockd seals the disk's
+upper in place (snapshot) into the new layer. Nothing is copied: the sealed layer holds exactly
+the blocks this layer's changes wrote.
+
+Where the time goes (bench/template_bench.py): inflating the blob (ISA-L, in a thread beside
+the applier), the applier's system calls, and every block ext4 writes passing loop -> FUSE ->
+blockd -> upper file. The applier starts writeback of each large file as soon as it is written
+(see apply.py), so that last part overlaps the apply instead of piling up at unmount.
 
 blockd is the daemon at the given socket, or (`PrivateBlockd`) one started for the pull.
 """

@@ -149,8 +149,8 @@ def build_assets(state_dir: Path, *, progress: bool = False, cache_dir: Path | N
                  kernel_suite: str | None = None) -> GuestAssets:
     """Builds (or finds up to date) the guest kernel, initramfs and tools disk under
     state_dir/guest/. cache_dir holds downloaded .debs (default state_dir/guest/cache).
-    kernel_suite takes the kernel from another release, e.g. "bookworm-backports" (6.12, which
-    unlike bookworm's 6.1 cloud kernel has the vmgenid driver)."""
+    kernel_suite takes the kernel from another release than kernel.DEFAULT_SUITE
+    (bookworm-backports, 6.12, which unlike bookworm's 6.1 cloud kernel has vmgenid)."""
     guest_dir = Path(state_dir) / "guest"
     work = guest_dir / "work"
     cache = Path(cache_dir) if cache_dir else guest_dir / "cache"
@@ -168,6 +168,7 @@ def build_assets(state_dir: Path, *, progress: bool = False, cache_dir: Path | N
         work.mkdir(parents=True, exist_ok=True)
 
         steps.step("resolving Debian packages")
+        kernel_suite = kernel_suite or kernel.DEFAULT_SUITE
         meta = f"{kernel.KERNEL_METAPACKAGE}/{kernel_suite}" if kernel_suite else kernel.KERNEL_METAPACKAGE
         pkgs = apt.resolve([meta, *tools.PYTHON_PACKAGES, tools.BUSYBOX_PACKAGE])
         kernel_pkg = kernel.kernel_package(pkgs.pop(kernel.KERNEL_METAPACKAGE), kernel_suite)

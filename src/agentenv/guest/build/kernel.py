@@ -16,13 +16,18 @@ from agentenv.guest.build import apt, cpio
 from agentenv.guest.build.errors import GuestBuildError
 
 KERNEL_METAPACKAGE = "linux-image-cloud-amd64"
+# The release the kernel comes from by default. bookworm-backports' 6.12 cloud kernel builds in
+# the vmgenid driver (a restored fork reseeds its RNG: "crng reseeded due to virtual machine
+# fork"); bookworm's 6.1 cloud kernel has none. Measured under TCG here: both boot to envd in
+# ~6.2 s and restore the same. "bookworm" selects the 6.1 kernel.
+DEFAULT_SUITE = "bookworm-backports"
 
 # Modules stage 1 loads. Required ones must exist as a module or be built in.
 REQUIRED_MODULES = ("virtio_pci", "virtio_blk", "virtio_net")
 OPTIONAL_MODULES = (
     "virtio_balloon",  # free page reporting gives guest memory back to the host
     "virtio_rng",  # entropy from the host at boot
-    "vmgenid",  # a restored fork learns it is a fork (absent from the 6.1 cloud kernel)
+    "vmgenid",  # a restored fork reseeds its RNG (built into 6.12, absent from 6.1)
     "vmw_vsock_virtio_transport",  # host<->guest sockets without the network
     "crc32c_intel",  # fast checksums for ext4 metadata_csum
     "overlay",  # read-only roots with a tmpfs upper

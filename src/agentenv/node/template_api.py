@@ -1,0 +1,704 @@
+"""The E2B template build API of the node (spec/e2b-compat.md 1.7, agentenv-reference 4.1).
+
+    POST /v3/templates {name, cpuCount?, memoryMB?}          -> 202 {templateID, buildID, ...}
+    GET  /templates/{tid}/files/{hash}                        -> 201 {present, url?}
+    PUT  /template-files/{tid}/{hash}?expires=&signature=     the upload URL handed out above
+    POST /v2/templates/{tid}/builds/{bid} {fromImage|fromTemplate, steps, startCmd, readyCmd}
+                                                              -> 202, the build runs in the background
+    GET  /templates/{tid}/builds/{bid}/status?logsOffset=N    -> 200 {status, logEntries, reason?}
+    GET  /templates/aliases/{alias}, GET /templates, GET /v2/templates, GET/DELETE /templates/{id}
+    GET  /templates/{id}/tags, POST/DELETE /templates/tags    (tags beyond the implicit "default"
+                                                               are refused: 400 "not supported yet")
+
+A template keeps its id across builds; every build gets a new UUID. A build boots a VM from an
+image (pulled and converted by agentenv.template.pull) or from another template's snapshot,
+runs the steps through envd (agentenv.template.build), pauses the VM into the template's boot
+snapshot and only then registers the template with the orchestrator, so a failed build leaves
+no half template and its VM is killed. A rebuild replaces the template's snapshot once it
+succeeds (sandboxes made from the old one keep its files until they end).
+
+Build records (status, logs, the final user/workdir/env) are JSON files under
+<state>/template-builds/; uploaded build files are kept under <state>/template-files/<hash>.
+Builds run one at a time (AENV_TEMPLATE_BUILDS, default 1): TCG guests share few cores.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import hmac
+import json
+import logging
+import os
+import re
+import tempfile
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from agentenv.errors import AgentEnvError
+from agentenv.node import models
+from agentenv.node.api import page, read_model
+from agentenv.node.backend import BackendError, SandboxSpec
+from agentenv.node.errors import ApiError, BadRequest, Conflict, NotFound
+from agentenv.node.orchestrator import Orchestrator
+from agentenv.node.records import TemplateRecord
+from agentenv.node.security import new_id
+
+log = logging.getLogger("agentenv.node.template_api")
+
+UPLOAD_PREFIX = "/template-files/"
+UPLOAD_URL_SECONDS = 3600
+MAX_UPLOAD_BYTES = 8 << 30
+MAX_LOG_ENTRIES = 20_000
+LOGS_PER_CALL = 100  # the SDK keeps polling until a call returns no entries
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+_HASH = re.compile(r"^[A-Za-z0-9_-]{1,128}$")
+ACTIVE = ("waiting", "building")
+
+
+class TemplateBuildRequest(BaseModel):
+    """`POST /v3/templates` (TemplateBuildRequestV3)."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+    name: str = Field(min_length=1, max_length=128)
+    tags: list[str] | None = None
+    cpuCount: int | None = Field(default=None, ge=1, le=64)
+    memoryMB: int | None = Field(default=None, ge=128, le=256 * 1024)
+    minFreeDiskMb: int | None = None
+
+
+class BuildStart(BaseModel):
+    """`POST /v2/templates/{tid}/builds/{bid}` (TemplateBuildStartV2); steps checked by parse_steps."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+    fromImage: str | None = None
+    fromTemplate: str | None = None
+    fromImageRegistry: dict[str, Any] | None = None
+    force: bool | None = None
+    steps: list[dict[str, Any]] | None = None
+    startCmd: str | None = None
+    readyCmd: str | None = None
+
+
+@dataclass
+class BuildRecord:
+    template_id: str
+    build_id: str
+    name: str
+    cpu_count: int
+    memory_mb: int
+    status: str  # waiting | building | ready | error
+    created_at: float
+    updated_at: float
+    disk_size_mb: int = 0
+    finished_at: float | None = None
+    reason: dict[str, Any] | None = None
+    request: dict[str, Any] | None = None
+    context: dict[str, Any] | None = None  # BuildContext.to_json() once ready
+    envd_version: str | None = None
+    logs: list[dict[str, Any]] = field(default_factory=list)
+
+    def log(self, level: str, message: str, step: str | None = None) -> None:
+        if len(self.logs) >= MAX_LOG_ENTRIES:
+            return
+        entry: dict[str, Any] = {"timestamp": time.time(), "level": level, "message": message}
+        if step is not None:
+            entry["step"] = step
+        self.logs.append(entry)
+
+
+def _entry_json(entry: dict[str, Any]) -> dict[str, Any]:
+    out = {"timestamp": models.iso(entry["timestamp"]), "level": entry["level"],
+           "message": entry["message"]}
+    if entry.get("step") is not None:
+        out["step"] = entry["step"]
+    return out
+
+
+def _line(entry: dict[str, Any]) -> str:
+    return f"{models.iso(entry['timestamp'])} [{entry['level']}] {entry['message']}"
+
+
+class TemplateBuildApi:
+    """The routes and the background builds. Wired in by node/server.py (`extra_routes`)."""
+
+    def __init__(self, orchestrator: Orchestrator, state_dir: Path, api_key: str) -> None:
+        self.orchestrator = orchestrator
+        self.state_dir = state_dir
+        self.builds_dir = state_dir / "template-builds"
+        self.files_dir = state_dir / "template-files"
+        self._signing_key = hashlib.sha256(b"aenv-template-upload:" + api_key.encode()).digest()
+        self.builds: dict[str, BuildRecord] = {}
+        self._tasks: dict[str, asyncio.Task[None]] = {}
+        self._loaded = False
+        self._slots: asyncio.Semaphore | None = None
+        self.concurrency = max(1, int(os.environ.get("AENV_TEMPLATE_BUILDS") or 1))
+
+    # --- records -----------------------------------------------------------------------------
+
+    def _load(self) -> None:
+        """Read the build records once; a build that was running when the node stopped failed."""
+        if self._loaded:
+            return
+        self._loaded = True
+        self.builds_dir.mkdir(parents=True, exist_ok=True)
+        self.files_dir.mkdir(parents=True, exist_ok=True)
+        for path in self.builds_dir.glob("*.json"):
+            try:
+                rec = BuildRecord(**json.loads(path.read_text()))
+            except (OSError, ValueError, TypeError) as exc:
+                log.warning("unreadable build record", extra={"path": str(path), "error": str(exc)})
+                continue
+            if rec.status in ACTIVE:
+                rec.status = "error"
+                rec.reason = {"message": "the node stopped during the build"}
+                rec.finished_at = rec.updated_at = time.time()
+                self._save(rec)
+            self.builds[rec.build_id] = rec
+
+    def _save(self, rec: BuildRecord) -> None:
+        self.builds_dir.mkdir(parents=True, exist_ok=True)
+        path = self.builds_dir / f"{rec.build_id}.json"
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(asdict(rec)))
+        tmp.replace(path)
+
+    def _builds_of(self, template_id: str) -> list[BuildRecord]:
+        """Newest first."""
+        return sorted((b for b in self.builds.values() if b.template_id == template_id),
+                      key=lambda b: b.created_at, reverse=True)
+
+    def _pending_template(self, id_or_name: str) -> BuildRecord | None:
+        """The newest build of a template that has never been ready (not registered yet)."""
+        for rec in sorted(self.builds.values(), key=lambda b: b.created_at, reverse=True):
+            if id_or_name in (rec.template_id, rec.name) and \
+                    rec.template_id not in self.orchestrator.templates:
+                return rec
+        return None
+
+    def _registered(self, id_or_name: str) -> TemplateRecord | None:
+        with contextlib.suppress(NotFound):
+            return self.orchestrator.resolve_template(id_or_name)
+        return None
+
+    def _context_of(self, template_id: str) -> dict[str, Any] | None:
+        for rec in self._builds_of(template_id):
+            if rec.status == "ready" and rec.context is not None:
+                return rec.context
+        return None
+
+    # --- routes ------------------------------------------------------------------------------
+
+    def routes(self) -> list[Route]:
+        r = Route
+        return [
+            r("/v3/templates", self.create, methods=["POST"]),
+            r("/templates/tags", self.assign_tags, methods=["POST"]),
+            r("/templates/tags", self.remove_tags, methods=["DELETE"]),
+            r("/templates/aliases/{alias:path}", self.alias, methods=["GET"]),
+            r("/templates/{template_id}/files/{files_hash}", self.file_link, methods=["GET"]),
+            r(UPLOAD_PREFIX + "{template_id}/{files_hash}", self.upload, methods=["PUT"]),
+            r("/v2/templates/{template_id}/builds/{build_id}", self.start, methods=["POST"]),
+            r("/templates/{template_id}/builds/{build_id}/status", self.status, methods=["GET"]),
+            r("/templates/{template_id}/tags", self.tags, methods=["GET"]),
+            r("/templates", self.list_v1, methods=["GET"]),
+            r("/v2/templates", self.list_v2, methods=["GET"]),
+            r("/templates/{template_id:path}", self.detail, methods=["GET"]),
+            r("/templates/{template_id:path}", self.delete, methods=["DELETE"]),
+        ]
+
+    async def create(self, request: Request) -> Response:
+        self._load()
+        body = await read_model(request, TemplateBuildRequest)
+        name = body.name
+        if ":" in name:
+            name, _, tag = name.partition(":")
+            if tag not in ("default", "latest"):
+                raise BadRequest(f"template tags ({tag!r}) are not supported yet")
+        if body.tags:
+            raise BadRequest("template tags are not supported yet")
+        if "/" in name:  # a team namespace: this node has one team
+            name = name.rsplit("/", 1)[1]
+        if not _NAME.match(name):
+            raise BadRequest(f"invalid template name {name!r}: letters, digits, '.', '_' and '-'")
+        if not hasattr(self.orchestrator.backend, "boot_image"):
+            raise BadRequest(f"template builds need the VM backend; this node runs the "
+                             f"'{self.orchestrator.backend.name}' backend")
+        existing = self._registered(name)
+        if existing is not None:
+            if existing.kind != "template" or existing.template_id in getattr(
+                    self.orchestrator, "builtin_templates", set()) or \
+                    existing.ref.data.get("builtin"):
+                raise BadRequest(f"name {name!r} is taken by {existing.kind} "
+                                 f"{existing.template_id}, which cannot be rebuilt")
+            template_id = existing.template_id
+            cpu = body.cpuCount or existing.cpu_count
+            memory = body.memoryMB or existing.memory_mb
+        else:
+            pending = self._pending_template(name)
+            template_id = pending.template_id if pending else new_id("t")
+            cpu, memory = body.cpuCount or 2, body.memoryMB or 1024
+        for other in self._builds_of(template_id):
+            if other.status == "building":
+                raise Conflict(f"template {name!r} has a build in progress ({other.build_id})")
+            if other.status == "waiting":  # requested but never started: superseded
+                other.status = "error"
+                other.reason = {"message": "superseded by a newer build request"}
+                other.finished_at = other.updated_at = time.time()
+                self._save(other)
+        now = time.time()
+        rec = BuildRecord(template_id=template_id, build_id=str(uuid.uuid4()), name=name,
+                          cpu_count=cpu, memory_mb=memory, status="waiting", created_at=now,
+                          updated_at=now)
+        self.builds[rec.build_id] = rec
+        self._save(rec)
+        log.info("template build requested",
+                 extra={"template_id": template_id, "build_id": rec.build_id, "template_name": name})
+        return JSONResponse({"templateID": template_id, "buildID": rec.build_id, "public": False,
+                             "names": [name], "tags": [], "aliases": [name]}, status_code=202)
+
+    def _template_of_request(self, template_id: str) -> str:
+        """A template id the API knows (built, or with a build requested)."""
+        if template_id in self.orchestrator.templates or \
+                any(b.template_id == template_id for b in self.builds.values()):
+            return template_id
+        registered = self._registered(template_id)
+        if registered is not None:
+            return registered.template_id
+        raise NotFound(f"template '{template_id}' not found")
+
+    def _signature(self, template_id: str, files_hash: str, expires: int) -> str:
+        message = f"{template_id}/{files_hash}/{expires}".encode()
+        return hmac.new(self._signing_key, message, hashlib.sha256).hexdigest()
+
+    async def file_link(self, request: Request) -> Response:
+        self._load()
+        template_id = self._template_of_request(request.path_params["template_id"])
+        files_hash = request.path_params["files_hash"]
+        if not _HASH.match(files_hash):
+            raise BadRequest(f"invalid files hash {files_hash!r}")
+        if (self.files_dir / files_hash).is_file():
+            return JSONResponse({"present": True}, status_code=201)
+        expires = int(time.time()) + UPLOAD_URL_SECONDS
+        base = str(request.base_url).rstrip("/")
+        url = (f"{base}{UPLOAD_PREFIX}{template_id}/{files_hash}?expires={expires}"
+               f"&signature={self._signature(template_id, files_hash, expires)}")
+        return JSONResponse({"present": False, "url": url}, status_code=201)
+
+    async def upload(self, request: Request) -> Response:
+        """The upload URL (no API key: the signature in the URL is the permission)."""
+        self._load()
+        template_id = request.path_params["template_id"]
+        files_hash = request.path_params["files_hash"]
+        try:
+            expires = int(request.query_params.get("expires", ""))
+        except ValueError:
+            raise ApiError("upload URL without a valid expiry", status=403) from None
+        given = request.query_params.get("signature", "")
+        if not _HASH.match(files_hash) or not hmac.compare_digest(
+                given, self._signature(template_id, files_hash, expires)):
+            raise ApiError("invalid upload signature", status=403)
+        if expires < time.time():
+            raise ApiError("the upload URL has expired; ask for a new one", status=403)
+        declared = request.headers.get("content-length")
+        if declared and declared.isdigit() and int(declared) > MAX_UPLOAD_BYTES:
+            raise ApiError(f"upload over {MAX_UPLOAD_BYTES} bytes", status=413)
+        self.files_dir.mkdir(parents=True, exist_ok=True)
+        fd, tmp_name = tempfile.mkstemp(prefix=f".{files_hash}.", dir=self.files_dir)
+        size = 0
+        try:
+            with os.fdopen(fd, "wb") as out:
+                async for chunk in request.stream():
+                    size += len(chunk)
+                    if size > MAX_UPLOAD_BYTES:
+                        raise ApiError(f"upload over {MAX_UPLOAD_BYTES} bytes", status=413)
+                    await asyncio.to_thread(out.write, chunk)
+            os.replace(tmp_name, self.files_dir / files_hash)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp_name)
+            raise
+        log.info("build files uploaded", extra={"files_hash": files_hash, "bytes": size})
+        return Response(status_code=200)
+
+    async def start(self, request: Request) -> Response:
+        from agentenv.template.build import BuildSpecError, parse_steps
+
+        self._load()
+        template_id = request.path_params["template_id"]
+        build_id = request.path_params["build_id"]
+        rec = self.builds.get(build_id)
+        if rec is None or rec.template_id != template_id:
+            raise NotFound(f"build '{build_id}' of template '{template_id}' not found")
+        body = await read_model(request, BuildStart)
+        if body.fromImage and body.fromTemplate:
+            raise BadRequest("give fromImage or fromTemplate, not both")
+        if not body.fromImage and not body.fromTemplate:
+            raise BadRequest("fromImage or fromTemplate is required")
+        if body.fromImageRegistry and body.fromImageRegistry.get("type", "registry") != "registry":
+            raise BadRequest(f"registry credentials of type {body.fromImageRegistry.get('type')!r} "
+                             "are not supported yet (only type 'registry')")
+        try:
+            steps = parse_steps(body.steps)
+        except BuildSpecError as exc:
+            raise BadRequest(str(exc)) from exc
+        for step in steps:
+            if step.files_hash and not (self.files_dir / step.files_hash).is_file():
+                raise BadRequest(f"the files of step '{step.describe()}' (hash {step.files_hash}) "
+                                 "were not uploaded")
+        if body.fromTemplate:
+            parent = self._registered(body.fromTemplate)
+            if parent is None:
+                raise BadRequest(f"template '{body.fromTemplate}' not found")
+            if parent.template_id == template_id:
+                raise BadRequest("a template cannot be built from itself")
+        if rec.status != "waiting":
+            raise BadRequest(f"build {build_id} is {rec.status}, not waiting")
+        rec.status = "building"  # no await since the check: a second start gets the 400 above
+        rec.request = body.model_dump(exclude_none=True)
+        rec.updated_at = time.time()
+        self._save(rec)
+        task = asyncio.create_task(self._run(rec, steps, body), name=f"build:{build_id}")
+        self._tasks[build_id] = task
+        task.add_done_callback(lambda t: self._tasks.pop(build_id, None))
+        return Response(status_code=202)
+
+    async def status(self, request: Request) -> Response:
+        self._load()
+        template_id = request.path_params["template_id"]
+        build_id = request.path_params["build_id"]
+        rec = self.builds.get(build_id)
+        if rec is None or rec.template_id != template_id:
+            raise NotFound(f"build '{build_id}' of template '{template_id}' not found")
+        raw = request.query_params.get("logsOffset", "0")
+        try:
+            offset = int(raw)
+        except ValueError:
+            raise BadRequest(f"logsOffset must be an integer, got {raw!r}") from None
+        if offset < 0:
+            raise BadRequest("logsOffset must not be negative")
+        entries = rec.logs[offset:offset + LOGS_PER_CALL]
+        body: dict[str, Any] = {
+            "templateID": rec.template_id, "buildID": rec.build_id, "status": rec.status,
+            "logs": [_line(e) for e in entries], "logEntries": [_entry_json(e) for e in entries],
+        }
+        if rec.status == "error" and rec.reason:
+            body["reason"] = {k: v for k, v in rec.reason.items() if v is not None}
+        return JSONResponse(body)
+
+    async def alias(self, request: Request) -> Response:
+        self._load()
+        alias = request.path_params["alias"]
+        tpl = self._registered(alias)
+        if tpl is not None:
+            return JSONResponse({"templateID": tpl.template_id, "public": False})
+        pending = self._pending_template(alias)
+        if pending is not None and pending.status in ACTIVE:
+            return JSONResponse({"templateID": pending.template_id, "public": False})
+        raise NotFound(f"template alias '{alias}' not found")
+
+    # --- listing, detail, delete -------------------------------------------------------------
+
+    def _template_json(self, tpl: TemplateRecord | None, builds: list[BuildRecord]
+                       ) -> dict[str, Any]:
+        if tpl is not None:
+            body = models.template_json(tpl)
+            if builds:
+                latest = builds[0]
+                body["buildID"] = latest.build_id
+                body["buildStatus"] = latest.status
+                body["buildCount"] = len(builds)
+            return body
+        latest = builds[0]
+        return {
+            "templateID": latest.template_id, "buildID": latest.build_id,
+            "cpuCount": latest.cpu_count, "memoryMB": latest.memory_mb,
+            "diskSizeMB": latest.disk_size_mb, "public": False, "aliases": [latest.name],
+            "names": [latest.name], "createdAt": models.iso(min(b.created_at for b in builds)),
+            "updatedAt": models.iso(latest.updated_at), "createdBy": None,
+            "lastSpawnedAt": None, "spawnCount": 0, "buildCount": len(builds),
+            "envdVersion": latest.envd_version or "unknown", "buildStatus": latest.status,
+        }
+
+    def _all_templates(self) -> list[tuple[float, str, dict[str, Any]]]:
+        out = []
+        for tpl in self.orchestrator.templates.values():
+            if tpl.kind == "template":
+                out.append((tpl.created_at, tpl.template_id,
+                            self._template_json(tpl, self._builds_of(tpl.template_id))))
+        seen = set(self.orchestrator.templates)
+        for rec in self.builds.values():
+            if rec.template_id not in seen:
+                seen.add(rec.template_id)
+                builds = self._builds_of(rec.template_id)
+                if any(b.status in ACTIVE for b in builds) or builds[0].status == "error":
+                    out.append((min(b.created_at for b in builds), rec.template_id,
+                                self._template_json(None, builds)))
+        return out
+
+    async def list_v1(self, request: Request) -> Response:
+        self._load()
+        return JSONResponse([body for _, _, body in sorted(self._all_templates(),
+                                                           key=lambda x: (x[0], x[1]))])
+
+    async def list_v2(self, request: Request) -> Response:
+        self._load()
+        items, token = page(self._all_templates(), lambda x: (x[0], x[1]), request, True)
+        headers = {"X-Next-Token": token} if token else None
+        return JSONResponse([body for _, _, body in items], headers=headers)
+
+    async def detail(self, request: Request) -> Response:
+        self._load()
+        id_or_name = request.path_params["template_id"]
+        tpl = self._registered(id_or_name)
+        builds = self._builds_of(tpl.template_id) if tpl else []
+        if tpl is None:
+            pending = self._pending_template(id_or_name)
+            if pending is None:
+                raise NotFound(f"template '{id_or_name}' not found")
+            builds = self._builds_of(pending.template_id)
+        body = self._template_json(tpl, builds)
+        if tpl is not None and not builds:
+            body["builds"] = models.template_detail_json(tpl)["builds"]
+        else:
+            body["builds"] = [{
+                "buildID": b.build_id, "status": b.status, "createdAt": models.iso(b.created_at),
+                "updatedAt": models.iso(b.updated_at),
+                **({"finishedAt": models.iso(b.finished_at)} if b.finished_at else {}),
+                "cpuCount": b.cpu_count, "memoryMB": b.memory_mb, "diskSizeMB": b.disk_size_mb,
+                "envdVersion": b.envd_version or "unknown",
+            } for b in builds]
+        return JSONResponse(body)
+
+    async def delete(self, request: Request) -> Response:
+        self._load()
+        id_or_name = request.path_params["template_id"]
+        tpl = self._registered(id_or_name)
+        template_id = tpl.template_id if tpl else None
+        if template_id is None:
+            pending = self._pending_template(id_or_name)
+            template_id = pending.template_id if pending else None
+        if template_id is None:
+            raise NotFound(f"template '{id_or_name}' not found")
+        if tpl is not None and tpl.kind == "template" and (
+                template_id in getattr(self.orchestrator, "builtin_templates", set())
+                or tpl.ref.data.get("builtin")):
+            raise BadRequest(f"template '{id_or_name}' is built into this node and cannot "
+                             "be deleted")
+        for rec in self._builds_of(template_id):
+            task = self._tasks.get(rec.build_id)
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(BaseException):
+                    await task
+        if tpl is not None:
+            await self.orchestrator.delete_template(template_id)
+        for rec in self._builds_of(template_id):
+            self.builds.pop(rec.build_id, None)
+            (self.builds_dir / f"{rec.build_id}.json").unlink(missing_ok=True)
+        return Response(status_code=204)
+
+    # --- tags (only the implicit "default" tag) ----------------------------------------------
+
+    async def tags(self, request: Request) -> Response:
+        self._load()
+        id_or_name = request.path_params["template_id"]
+        tpl = self._registered(id_or_name)
+        if tpl is None:
+            raise NotFound(f"template '{id_or_name}' not found")
+        ready = [b for b in self._builds_of(tpl.template_id) if b.status == "ready"]
+        if not ready:
+            return JSONResponse([])
+        return JSONResponse([{"tag": "default", "buildID": ready[0].build_id,
+                              "createdAt": models.iso(ready[0].finished_at or ready[0].updated_at)}])
+
+    async def assign_tags(self, request: Request) -> Response:
+        raise BadRequest("template tags are not supported yet (every name means its latest build)")
+
+    async def remove_tags(self, request: Request) -> Response:
+        raise BadRequest("template tags are not supported yet (every name means its latest build)")
+
+    # --- the build itself --------------------------------------------------------------------
+
+    async def _run(self, rec: BuildRecord, steps: list[Any], body: BuildStart) -> None:
+        from agentenv.template.build import BASE_STEP, BuildFailed
+
+        if self._slots is None:
+            self._slots = asyncio.Semaphore(self.concurrency)
+        t0 = time.monotonic()
+        try:
+            if self._slots.locked():
+                rec.log("info", "waiting for another build to finish", BASE_STEP)
+            async with self._slots:
+                await self._build(rec, steps, body)
+        except BuildFailed as exc:
+            self._fail(rec, exc.message, exc.step)
+        except asyncio.CancelledError:
+            self._fail(rec, "the build was cancelled", None)
+            raise
+        except (AgentEnvError, BackendError) as exc:
+            self._fail(rec, str(exc), BASE_STEP)
+        except Exception as exc:
+            log.exception("template build crashed", extra={"build_id": rec.build_id})
+            self._fail(rec, f"internal error: {type(exc).__name__}: {exc}", None)
+        else:
+            rec.log("info", f"build ready in {time.monotonic() - t0:.1f} s", None)
+            log.info("template built", extra={"template_id": rec.template_id,
+                                              "build_id": rec.build_id,
+                                              "seconds": round(time.monotonic() - t0, 1)})
+        finally:
+            self._save(rec)
+
+    def _fail(self, rec: BuildRecord, message: str, step: str | None) -> None:
+        rec.status = "error"
+        rec.reason = {"message": message, "step": step}
+        rec.log("error", message, step)
+        rec.finished_at = rec.updated_at = time.time()
+        log.warning("template build failed", extra={"template_id": rec.template_id,
+                                                    "build_id": rec.build_id, "error": message})
+
+    async def _build(self, rec: BuildRecord, steps: list[Any], body: BuildStart) -> None:
+        from agentenv.template.build import BASE_STEP, BuildContext, StepRunner
+        from agentenv.template.envd_client import EnvdClient
+
+        backend: Any = self.orchestrator.backend
+        vm_id = new_id("b")
+        placement = None
+        envd = None
+        try:
+            if body.fromTemplate:
+                parent = self.orchestrator.resolve_template(body.fromTemplate)
+                rec.log("info", f"FROM template {parent.names[0] if parent.names else parent.template_id}"
+                        f" ({parent.template_id})", BASE_STEP)
+                if (rec.cpu_count, rec.memory_mb) != (parent.cpu_count, parent.memory_mb):
+                    rec.log("warn", f"the VM keeps the base template's size ({parent.cpu_count} "
+                            f"vCPUs, {parent.memory_mb} MiB): a snapshot cannot be resized",
+                            BASE_STEP)
+                rec.cpu_count, rec.memory_mb = parent.cpu_count, parent.memory_mb
+                rec.disk_size_mb = parent.disk_size_mb
+                context = BuildContext.from_json(self._context_of(parent.template_id) or {})
+                spec = SandboxSpec(
+                    sandbox_id=vm_id, source=parent.ref, cpu_count=parent.cpu_count,
+                    memory_mb=parent.memory_mb, disk_size_mb=parent.disk_size_mb, env_vars={},
+                    access_token=None, allow_internet_access=True, metadata={})
+                placement = await self._start_vm(rec, vm_id, lambda: backend.create(spec))
+            else:
+                assert body.fromImage is not None
+                lowers, disk_bytes, config = await self._pull(rec, body)
+                rec.disk_size_mb = disk_bytes >> 20
+                context = BuildContext.from_image_config(config)
+                rec.log("info", f"booting the build VM ({rec.cpu_count} vCPUs, "
+                        f"{rec.memory_mb} MiB)", BASE_STEP)
+                t0 = time.monotonic()
+                placement = await self._start_vm(rec, vm_id, lambda: backend.boot_image(
+                    vm_id, lowers, disk_bytes, rec.cpu_count, rec.memory_mb))
+                rec.log("info", f"build VM up in {time.monotonic() - t0:.1f} s", BASE_STEP)
+            rec.envd_version = placement.envd_version
+            envd = EnvdClient(placement.envd_url)
+            runner = StepRunner(envd, context, rec.log, self.files_dir)
+            try:
+                await runner.prepare()
+                await runner.run_steps(steps)
+                await runner.start_and_wait_ready(body.startCmd, body.readyCmd)
+                await runner.finish()
+            finally:
+                await runner.detach()
+            rec.log("info", "pausing the VM into the template's snapshot", None)
+            ref = await backend.capture_template(vm_id)
+            placement = None  # the VM is gone; its snapshot is the template's
+            await self._publish(rec, ref, context)
+        finally:
+            if envd is not None:
+                await envd.close()
+            if placement is not None:
+                with contextlib.suppress(Exception):
+                    await backend.kill(vm_id, placement)
+
+    async def _start_vm(self, rec: BuildRecord, vm_id: str,
+                        start: Callable[[], Awaitable[Any]]) -> Any:
+        """Start the build VM; one more try when the first fails (seen on loaded hosts: QEMU's
+        spawn failing in its network namespace, a TCG assertion at boot)."""
+        from agentenv.template.build import BASE_STEP
+
+        try:
+            return await start()
+        except Exception as exc:
+            rec.log("warn", f"starting the build VM failed ({type(exc).__name__}: {exc}); "
+                    "trying once more", BASE_STEP)
+            log.warning("build VM start failed, retrying",
+                        extra={"build_id": rec.build_id, "error": repr(exc)})
+            with contextlib.suppress(Exception):
+                await self.orchestrator.backend.kill(vm_id, None)
+        return await start()
+
+    async def _pull(self, rec: BuildRecord, body: BuildStart) -> tuple[list[Path], int, dict[str, Any]]:
+        from agentenv.template.build import BASE_STEP, BuildFailed
+        from agentenv.template.convert import VIRTUAL_SIZE
+        from agentenv.template.pull import pull_image
+
+        assert body.fromImage is not None
+        rec.log("info", f"FROM image {body.fromImage}: pulling", BASE_STEP)
+        cache = os.environ.get("AENV_LAYER_CACHE")
+        with tempfile.TemporaryDirectory(prefix="aenv-build-") as tmp:
+            docker_config = None
+            creds = body.fromImageRegistry or {}
+            if creds.get("username") or creds.get("password"):
+                import base64
+
+                from agentenv.template.reference import parse_reference
+
+                host = parse_reference(body.fromImage).registry
+                token = base64.b64encode(
+                    f"{creds.get('username', '')}:{creds.get('password', '')}".encode()).decode()
+                docker_config = Path(tmp) / "config.json"
+                docker_config.write_text(json.dumps({"auths": {host: {"auth": token}}}))
+            try:
+                pulled = await asyncio.to_thread(
+                    pull_image, body.fromImage, state_dir=self.state_dir,
+                    cache_dir=Path(cache) if cache else None, docker_config=docker_config)
+            except AgentEnvError as exc:
+                raise BuildFailed(f"pulling {body.fromImage} failed: {exc}", BASE_STEP) from exc
+        rec.log("info", f"pulled {pulled.reference} ({pulled.manifest_digest[:19]}): "
+                f"{pulled.layers_converted} layers converted, {pulled.layers_cached} cached, "
+                f"{pulled.bytes_downloaded / 1e6:.1f} MB in {pulled.seconds:.1f} s", BASE_STEP)
+        if pulled.format == "converted":
+            disk_bytes = VIRTUAL_SIZE
+        else:
+            from agentenv.storage.layer import inspect_layer
+
+            disk_bytes = int(inspect_layer(pulled.lowers[-1])["virtual_size"])
+        return pulled.lowers, disk_bytes, pulled.config
+
+    async def _publish(self, rec: BuildRecord, ref: Any, context: Any) -> None:
+        """Register the template (new, or its new snapshot); release the snapshot it replaces."""
+        old = self.orchestrator.templates.get(rec.template_id)
+        now = time.time()
+        tpl = TemplateRecord(
+            template_id=rec.template_id, kind="template", names=[rec.name], ref=ref,
+            cpu_count=rec.cpu_count, memory_mb=rec.memory_mb, disk_size_mb=rec.disk_size_mb,
+            envd_version=rec.envd_version or self.orchestrator.config.default_envd_version,
+            created_at=old.created_at if old else now, updated_at=now,
+            spawn_count=old.spawn_count if old else 0,
+            last_spawned_at=old.last_spawned_at if old else None, build_status="ready")
+        try:
+            await self.orchestrator.register_template(tpl)
+        except BaseException:
+            with contextlib.suppress(Exception):
+                await self.orchestrator.backend.delete_snapshot(ref)
+            raise
+        if old is not None:
+            with contextlib.suppress(BackendError):
+                await self.orchestrator.backend.delete_snapshot(old.ref)
+        rec.context = context.to_json()
+        rec.status = "ready"
+        rec.finished_at = rec.updated_at = time.time()

@@ -1,0 +1,236 @@
+"""A small host-side client of envd (the E2B envd protocol, Connect JSON codec) for template builds.
+
+It speaks exactly what the SDKs speak (spec/e2b-compat.md section 3): `process.Process/Start` as a
+server stream of envelopes, unary `process.Process/List` and `filesystem.Filesystem/MakeDir`,
+multipart `POST /files`, and `POST /init`. Users are chosen per call with
+`Authorization: Basic base64(user:)`, as the SDKs do.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import struct
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+from agentenv.errors import AgentEnvError
+
+FLAG_END_STREAM = 0x02
+_HEADER = struct.Struct(">BI")
+
+
+class EnvdClientError(AgentEnvError):
+    """envd refused a call or the connection to it broke."""
+
+
+@dataclass
+class ProcessResult:
+    pid: int
+    exit_code: int
+    exited: bool  # False: killed by a signal
+    status: str
+    stdout: str
+    stderr: str
+
+
+def _envelope(message: dict[str, Any], flags: int = 0) -> bytes:
+    payload = json.dumps(message, separators=(",", ":")).encode()
+    return _HEADER.pack(flags, len(payload)) + payload
+
+
+def _basic(user: str | None) -> dict[str, str]:
+    if not user:
+        return {}
+    return {"Authorization": "Basic " + base64.b64encode(f"{user}:".encode()).decode()}
+
+
+class _Envelopes:
+    """Splits a byte stream into (flags, JSON message) envelopes."""
+
+    def __init__(self) -> None:
+        self._buffer = bytearray()
+
+    def feed(self, chunk: bytes) -> list[tuple[int, dict[str, Any]]]:
+        self._buffer += chunk
+        out: list[tuple[int, dict[str, Any]]] = []
+        while len(self._buffer) >= _HEADER.size:
+            flags, size = _HEADER.unpack_from(self._buffer)
+            if len(self._buffer) < _HEADER.size + size:
+                break
+            payload = bytes(self._buffer[_HEADER.size:_HEADER.size + size])
+            del self._buffer[:_HEADER.size + size]
+            out.append((flags, json.loads(payload) if payload else {}))
+        return out
+
+
+class EnvdClient:
+    """One envd (a VM's `http://<guest>:49983`), optionally with an access token."""
+
+    def __init__(self, base_url: str, access_token: str | None = None,
+                 timeout: float = 30.0) -> None:
+        self.base_url = base_url.rstrip("/")
+        self.access_token = access_token
+        self._http = httpx.AsyncClient(timeout=httpx.Timeout(timeout, connect=5.0),
+                                       trust_env=False)
+
+    async def close(self) -> None:
+        await self._http.aclose()
+
+    def _headers(self, user: str | None = None) -> dict[str, str]:
+        headers = _basic(user)
+        if self.access_token:
+            headers["X-Access-Token"] = self.access_token
+        return headers
+
+    async def wait_healthy(self, timeout: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout
+        last = "no answer"
+        while time.monotonic() < deadline:
+            try:
+                answer = await self._http.get(self.base_url + "/health", timeout=2.0)
+                if answer.is_success:
+                    return
+                last = f"HTTP {answer.status_code}"
+            except httpx.HTTPError as exc:
+                last = str(exc) or type(exc).__name__
+            await asyncio.sleep(0.1)
+        raise EnvdClientError(f"envd at {self.base_url} is not healthy: {last}")
+
+    async def init(self, *, env_vars: dict[str, str] | None = None,
+                   default_user: str | None = None, default_workdir: str | None = None) -> None:
+        body: dict[str, Any] = {
+            "timestamp": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        }
+        if env_vars:
+            body["envVars"] = env_vars
+        if default_user:
+            body["defaultUser"] = default_user
+        if default_workdir:
+            body["defaultWorkdir"] = default_workdir
+        answer = await self._http.post(self.base_url + "/init", json=body,
+                                       headers=self._headers())
+        if not answer.is_success:
+            raise EnvdClientError(f"envd /init answered {answer.status_code}: {answer.text[:300]}")
+
+    async def _unary(self, procedure: str, message: dict[str, Any], user: str | None
+                     ) -> dict[str, Any]:
+        headers = {"Content-Type": "application/json", "Connect-Protocol-Version": "1",
+                   **self._headers(user)}
+        try:
+            answer = await self._http.post(f"{self.base_url}/{procedure}",
+                                           content=json.dumps(message), headers=headers)
+        except httpx.HTTPError as exc:
+            raise EnvdClientError(f"envd {procedure} failed: {exc}") from exc
+        try:
+            body = answer.json()
+        except ValueError:
+            body = {"message": answer.text[:300]}
+        if answer.status_code != 200:
+            raise EnvdClientError(f"envd {procedure}: {body.get('code', answer.status_code)}: "
+                                  f"{body.get('message', '')}")
+        return body if isinstance(body, dict) else {}
+
+    async def make_dir(self, path: str, user: str | None = None) -> bool:
+        """True if the directory was made, False if it existed."""
+        try:
+            await self._unary("filesystem.Filesystem/MakeDir", {"path": path}, user)
+        except EnvdClientError as exc:
+            if "already_exists" in str(exc):
+                return False
+            raise
+        return True
+
+    async def running_pids(self) -> set[int]:
+        body = await self._unary("process.Process/List", {}, None)
+        return {int(p.get("pid", 0)) for p in body.get("processes", [])}
+
+    async def upload(self, path: str, data: bytes, user: str | None = None) -> None:
+        """Write `data` to `path` in the guest (POST /files, multipart)."""
+        params = {"path": path}
+        if user:
+            params["username"] = user
+        answer = await self._http.post(self.base_url + "/files", params=params,
+                                       files={"file": ("upload", data)},
+                                       headers=self._headers(), timeout=300.0)
+        if not answer.is_success:
+            raise EnvdClientError(f"uploading {path}: envd answered {answer.status_code}: "
+                                  f"{answer.text[:300]}")
+
+    async def run(
+        self,
+        cmd: str,
+        args: list[str],
+        *,
+        user: str | None = None,
+        cwd: str | None = None,
+        envs: dict[str, str] | None = None,
+        timeout: float | None = None,
+        on_output: Callable[[str, str], None] | None = None,
+        tag: str | None = None,
+        background: bool = False,
+    ) -> ProcessResult:
+        """Start a process and (unless `background`) follow it to its end.
+
+        `on_output(stream, text)` gets stdout/stderr chunks as they arrive. With `background`,
+        returns right after the start event (exit_code -1, exited False); the process keeps
+        running in the guest after the stream is closed."""
+        process: dict[str, Any] = {"cmd": cmd, "args": args, "envs": envs or {}}
+        if cwd:
+            process["cwd"] = cwd
+        message: dict[str, Any] = {"process": process, "stdin": False}
+        if tag:
+            message["tag"] = tag
+        headers = {"Content-Type": "application/connect+json", "Connect-Protocol-Version": "1",
+                   "Connect-Content-Encoding": "identity",
+                   "Connect-Accept-Encoding": "identity", **self._headers(user)}
+        if timeout:
+            headers["Connect-Timeout-Ms"] = str(int(timeout * 1000))
+        pid = 0
+        out: list[str] = []
+        err: list[str] = []
+        end: dict[str, Any] | None = None
+        decoder = _Envelopes()
+        # No read timeout: a build step may be silent for minutes (keepalives come every 90 s).
+        stream_timeout = httpx.Timeout(None, connect=5.0)
+        try:
+            async with self._http.stream("POST", f"{self.base_url}/process.Process/Start",
+                                         content=_envelope(message), headers=headers,
+                                         timeout=stream_timeout) as answer:
+                if answer.status_code != 200:
+                    text = (await answer.aread()).decode(errors="replace")
+                    raise EnvdClientError(f"envd Start answered {answer.status_code}: {text[:300]}")
+                async for chunk in answer.aiter_bytes():
+                    for flags, msg in decoder.feed(chunk):
+                        if flags & FLAG_END_STREAM:
+                            error = msg.get("error")
+                            if error:
+                                raise EnvdClientError(f"{error.get('code')}: {error.get('message')}")
+                            continue
+                        event = msg.get("event") or {}
+                        if "start" in event:
+                            pid = int(event["start"].get("pid", 0))
+                            if background:
+                                return ProcessResult(pid, -1, False, "running", "", "")
+                        elif "data" in event:
+                            for stream, sink in (("stdout", out), ("stderr", err)):
+                                raw = event["data"].get(stream)
+                                if raw:
+                                    text = base64.b64decode(raw).decode(errors="replace")
+                                    sink.append(text)
+                                    if on_output is not None:
+                                        on_output(stream, text)
+                        elif "end" in event:
+                            end = event["end"]
+        except httpx.HTTPError as exc:
+            raise EnvdClientError(f"envd Start failed: {exc}") from exc
+        if end is None:
+            raise EnvdClientError(f"process {pid} ended without an end event")
+        return ProcessResult(pid, int(end.get("exitCode", end.get("exit_code", 0)) or 0),
+                             bool(end.get("exited", False)), str(end.get("status", "")),
+                             "".join(out), "".join(err))

@@ -1,0 +1,62 @@
+"""The template build routes in-process on the process backend (no VM): what they refuse, and
+what a node restart does to a build that was running."""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+import warnings
+from pathlib import Path
+
+from agentenv.node.server import ServeOptions, build_app
+
+with warnings.catch_warnings():  # starlette 1.x nags about httpx here; TestClient still works
+    warnings.simplefilter("ignore")
+    from starlette.testclient import TestClient
+
+
+def test_builds_need_the_vm_backend_and_restarts_fail_running_builds(tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    build_id = str(uuid.uuid4())
+    (state / "template-builds").mkdir(parents=True)
+    now = time.time()
+    # A build the previous run of the node was in the middle of.
+    (state / "template-builds" / f"{build_id}.json").write_text(json.dumps({
+        "template_id": "tinterrupted", "build_id": build_id, "name": "interrupted",
+        "cpu_count": 1, "memory_mb": 512, "status": "building", "created_at": now,
+        "updated_at": now, "logs": [{"timestamp": now, "level": "info", "message": "RUN x",
+                                     "step": "1"}]}))
+    app = build_app(ServeOptions(state_dir=state))
+    key = (state / "secrets" / "api-key").read_text().strip()
+    with TestClient(app, headers={"X-API-KEY": key}) as client:
+        refused = client.post("/v3/templates", json={"name": "anything"})
+        assert refused.status_code == 400 and "VM backend" in refused.json()["message"]
+        assert client.post("/v3/templates", json={}).status_code == 422
+
+        status = client.get(f"/templates/tinterrupted/builds/{build_id}/status").json()
+        assert status["status"] == "error"
+        assert "node stopped" in status["reason"]["message"]
+        assert [e["message"] for e in status["logEntries"]] == ["RUN x"]
+        assert status["logEntries"][0]["step"] == "1" and status["logs"][0].endswith("RUN x")
+        assert client.get(f"/templates/tinterrupted/builds/{build_id}/status",
+                          params={"logsOffset": 1}).json()["logEntries"] == []
+        assert client.get(f"/templates/other/builds/{build_id}/status").status_code == 404
+        assert client.get(f"/templates/tinterrupted/builds/{build_id}/status",
+                          params={"logsOffset": "x"}).status_code == 400
+
+        listed = {t["templateID"]: t for t in client.get("/templates").json()}
+        assert listed["tinterrupted"]["buildStatus"] == "error"
+        assert listed["base"]["buildStatus"] == "ready"
+        assert client.get("/templates/interrupted").json()["builds"][0]["status"] == "error"
+        assert client.get("/templates/aliases/interrupted").status_code == 404
+        assert client.delete("/templates/base").status_code == 400  # built in
+
+        # The upload URL needs its signature, not the API key; a forged one is refused.
+        plain = client.put("/template-files/tinterrupted/abc?expires=9999999999&signature=00",
+                           content=b"x", headers={"X-API-KEY": ""})
+        assert plain.status_code == 403 and plain.json()["code"] == 403
+
+        assert client.delete("/templates/interrupted").status_code == 204
+        assert client.get(f"/templates/tinterrupted/builds/{build_id}/status").status_code == 404
+        assert not (state / "template-builds" / f"{build_id}.json").exists()
