@@ -89,7 +89,7 @@ class Client:
         return answer
 
 
-def _api_key(explicit: str | None, state_dir: Path) -> str:
+def resolve_api_key(explicit: str | None, state_dir: Path) -> str:
     for candidate in (explicit, os.environ.get("E2B_API_KEY"), os.environ.get("AENV_API_KEY")):
         if candidate:
             return candidate
@@ -117,7 +117,7 @@ def _api_key(explicit: str | None, state_dir: Path) -> str:
 @click.pass_context
 def sandbox_group(ctx: click.Context, api_url: str, api_key: str | None, state_dir: Path) -> None:
     """Manage the sandboxes of a node."""
-    ctx.obj = Client(api_url, _api_key(api_key, state_dir))
+    ctx.obj = Client(api_url, resolve_api_key(api_key, state_dir))
 
 
 def _client(ctx: click.Context) -> Client:

@@ -13,10 +13,10 @@ import httpx
 from rich.console import Console
 from rich.table import Table
 
+from agentenv.cli.node import DEFAULT_URL, Client, resolve_api_key
 from agentenv.errors import AgentEnvError
 from agentenv.template.pull import DEFAULT_STATE_DIR
 
-DEFAULT_URL = "http://127.0.0.1:8000"
 LEVEL_STYLES = {"debug": "dim", "info": "", "warn": "yellow", "error": "bold red"}
 
 
@@ -64,38 +64,6 @@ def pull_command(reference: str, name: str | None, state_dir: Path, platform: st
 # --- template builds through a node's API ---------------------------------------------------------
 
 
-class _Api:
-    def __init__(self, url: str, key: str) -> None:
-        self.http = httpx.Client(base_url=url, headers={"X-API-KEY": key}, timeout=120.0,
-                                 trust_env=False)
-
-    def call(self, method: str, path: str, body: Any = None, **params: Any) -> httpx.Response:
-        try:
-            answer = self.http.request(method, path, json=body,
-                                       params={k: v for k, v in params.items() if v is not None})
-        except httpx.HTTPError as exc:
-            raise AgentEnvError(f"cannot reach the node at {self.http.base_url}: {exc}") from exc
-        if answer.status_code >= 300:
-            try:
-                message = answer.json()["message"]
-            except (ValueError, KeyError, TypeError):
-                message = answer.text
-            raise AgentEnvError(f"{method} {path}: {answer.status_code} {message}")
-        return answer
-
-
-def _api_key(explicit: str | None, state_dir: Path) -> str:
-    for candidate in (explicit, os.environ.get("E2B_API_KEY"), os.environ.get("AENV_API_KEY")):
-        if candidate:
-            return candidate
-    path = state_dir / "secrets" / "api-key"
-    try:
-        return path.read_text().strip()
-    except OSError as exc:
-        raise AgentEnvError(
-            f"no API key: pass --api-key, set E2B_API_KEY, or make {path} readable") from exc
-
-
 @click.group("template")
 @click.option("--api-url", default=lambda: os.environ.get("E2B_API_URL", DEFAULT_URL),
               show_default="$E2B_API_URL or " + DEFAULT_URL, help="The node's API.")
@@ -106,7 +74,7 @@ def _api_key(explicit: str | None, state_dir: Path) -> str:
 @click.pass_context
 def template_group(ctx: click.Context, api_url: str, api_key: str | None, state_dir: Path) -> None:
     """Build, list and delete a node's templates."""
-    ctx.obj = _Api(api_url, _api_key(api_key, state_dir))
+    ctx.obj = Client(api_url, resolve_api_key(api_key, state_dir))
 
 
 def _pairs(items: tuple[str, ...], what: str) -> list[str]:
@@ -167,7 +135,7 @@ def template_build(ctx: click.Context, name: str, build_file: Path | None,
         parse_build_file,
     )
 
-    api: _Api = ctx.obj
+    api: Client = ctx.obj
     plan = parse_build_file(build_file.read_text()) if build_file else BuildPlan()
     context = context_dir or (build_file.parent if build_file else Path("."))
     if from_image and from_template:
