@@ -56,3 +56,28 @@ def test_bad_key_is_one_line_error(node: NodeProcess) -> None:
     result = aenv(node, "sandbox", "--api-key", "e2b_bad", "ls")
     assert result.returncode == 1
     assert "401" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_exec_fork_snapshot_auth(node: NodeProcess) -> None:
+    sid = aenv_inline(node, "sandbox", "create", "--timeout", "60", "-e", "A=1").stdout.strip()
+    try:
+        ran = aenv(node, "sandbox", "exec", sid, "echo", "out-$A;", "echo", "err", ">&2;",
+                   "exit", "3")
+        assert ran.returncode == 3, ran.stderr
+        assert ran.stdout == "out-1\n" and ran.stderr == "err\n"
+        assert aenv(node, "sandbox", "exec", sid, "true").returncode == 0
+        snap = aenv_inline(node, "sandbox", "snapshot", sid, "--name", "cli-snap")
+        assert snap.exit_code == 0, snap.output
+        children = aenv_inline(node, "sandbox", "fork", sid, "--count", "2")
+        assert children.exit_code == 0, children.output
+        child_ids = children.stdout.split()
+        assert len(child_ids) == 2 and sid not in child_ids
+        for child in child_ids:
+            assert aenv_inline(node, "sandbox", "kill", child).exit_code == 0
+        unknown = aenv(node, "sandbox", "exec", "nosuchsandbox", "true")
+        assert unknown.returncode == 1 and "404" in unknown.stderr
+    finally:
+        aenv_inline(node, "sandbox", "kill", sid)
+    auth = aenv_inline(node, "auth", "--state-dir", "/nonexistent")
+    assert auth.exit_code == 0, auth.output
+    assert f"export E2B_API_KEY={node.api_key}" in auth.stdout

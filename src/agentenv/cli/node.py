@@ -243,4 +243,83 @@ def sandbox_timeout(ctx: click.Context, sandbox_id: str, seconds: int) -> None:
     _client(ctx).call("POST", f"/sandboxes/{sandbox_id}/timeout", {"timeout": seconds})
 
 
-COMMANDS: list[click.Command] = [serve_command, sandbox_group]
+@sandbox_group.command("fork")
+@click.argument("sandbox_id")
+@click.option("--count", "-n", type=click.IntRange(1, 16), default=1, show_default=True)
+@click.pass_context
+def sandbox_fork(ctx: click.Context, sandbox_id: str, count: int) -> None:
+    """Fork a running sandbox into COUNT children; prints one child id per line."""
+    results = _client(ctx).call("POST", f"/sandboxes/{sandbox_id}/fork", {"count": count}).json()
+    failed = [r["error"] for r in results if "error" in r]
+    for result in results:
+        if "sandbox" in result:
+            click.echo(result["sandbox"]["sandboxID"])
+    if failed:
+        raise AgentEnvError(f"{len(failed)} of {count} children failed: {failed[0]['message']}")
+
+
+@sandbox_group.command("snapshot")
+@click.argument("sandbox_id")
+@click.option("--name", default=None, help="Name the snapshot (usable as a template).")
+@click.pass_context
+def sandbox_snapshot(ctx: click.Context, sandbox_id: str, name: str | None) -> None:
+    """Snapshot a running sandbox (it keeps running); prints the snapshot id."""
+    body = {"name": name} if name else {}
+    answer = _client(ctx).call("POST", f"/sandboxes/{sandbox_id}/snapshots", body).json()
+    click.echo(answer["snapshotID"])
+
+
+@sandbox_group.command("exec", context_settings={"ignore_unknown_options": True})
+@click.argument("sandbox_id")
+@click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
+@click.option("--user", default=None, help="Run as this user (default: the template's).")
+@click.option("--cwd", default=None, help="Working directory.")
+@click.pass_context
+def sandbox_exec(ctx: click.Context, sandbox_id: str, command: tuple[str, ...],
+                 user: str | None, cwd: str | None) -> None:
+    """Run COMMAND in the sandbox through envd, streaming its output; exits with its code.
+
+    Like ssh, the words of COMMAND are joined with spaces and run by /bin/sh -c."""
+    import asyncio
+    import sys
+
+    from agentenv.template.envd_client import EnvdClient, EnvdClientError
+
+    client = _client(ctx)
+    info = client.call("GET", f"/sandboxes/{sandbox_id}").json()
+
+    def show(stream: str, text: str) -> None:
+        (sys.stdout if stream == "stdout" else sys.stderr).write(text)
+        (sys.stdout if stream == "stdout" else sys.stderr).flush()
+
+    async def run() -> int:
+        # Through the node's proxy, addressed by header as the E2B SDK does.
+        envd = EnvdClient(str(client.http.base_url), info.get("envdAccessToken"),
+                          headers={"E2b-Sandbox-Id": sandbox_id, "E2b-Sandbox-Port": "49983"})
+        try:
+            result = await envd.run("/bin/sh", ["-c", " ".join(command)], user=user, cwd=cwd,
+                                    on_output=show)
+        except EnvdClientError as exc:
+            raise AgentEnvError(f"exec in {sandbox_id}: {exc}") from exc
+        finally:
+            await envd.close()
+        return result.exit_code
+
+    ctx.exit(asyncio.run(run()))
+
+
+@click.command("auth")
+@click.option("--state-dir", type=click.Path(file_okay=False, path_type=Path),
+              default=lambda: os.environ.get("AENV_HOME", "/var/lib/aenv"),
+              show_default="$AENV_HOME or /var/lib/aenv")
+@click.option("--api-url", default=lambda: os.environ.get("E2B_API_URL", DEFAULT_URL),
+              show_default="$E2B_API_URL or " + DEFAULT_URL)
+def auth_command(state_dir: Path, api_url: str) -> None:
+    """Check the node's API key and print the E2B environment to export."""
+    key = resolve_api_key(None, state_dir)
+    Client(api_url, key).call("GET", "/sandboxes")
+    click.echo(f"export E2B_API_URL={api_url}\nexport E2B_SANDBOX_URL={api_url}\n"
+               f"export E2B_API_KEY={key}")
+
+
+COMMANDS: list[click.Command] = [serve_command, sandbox_group, auth_command]

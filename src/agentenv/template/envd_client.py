@@ -73,9 +73,11 @@ class EnvdClient:
     """One envd (a VM's `http://<guest>:49983`), optionally with an access token."""
 
     def __init__(self, base_url: str, access_token: str | None = None,
-                 timeout: float = 30.0) -> None:
+                 timeout: float = 30.0, headers: dict[str, str] | None = None) -> None:
+        """`headers` go with every request (e.g. E2b-Sandbox-Id through a node's proxy)."""
         self.base_url = base_url.rstrip("/")
         self.access_token = access_token
+        self.extra_headers = dict(headers or {})
         self._http = httpx.AsyncClient(timeout=httpx.Timeout(timeout, connect=5.0),
                                        trust_env=False)
 
@@ -83,7 +85,7 @@ class EnvdClient:
         await self._http.aclose()
 
     def _headers(self, user: str | None = None) -> dict[str, str]:
-        headers = _basic(user)
+        headers = {**self.extra_headers, **_basic(user)}
         if self.access_token:
             headers["X-Access-Token"] = self.access_token
         return headers
@@ -93,7 +95,8 @@ class EnvdClient:
         last = "no answer"
         while time.monotonic() < deadline:
             try:
-                answer = await self._http.get(self.base_url + "/health", timeout=2.0)
+                answer = await self._http.get(self.base_url + "/health", timeout=2.0,
+                                              headers=self.extra_headers)
                 if answer.is_success:
                     return
                 last = f"HTTP {answer.status_code}"
