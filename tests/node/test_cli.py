@@ -81,3 +81,15 @@ def test_exec_fork_snapshot_auth(node: NodeProcess) -> None:
     auth = aenv_inline(node, "auth", "--state-dir", "/nonexistent")
     assert auth.exit_code == 0, auth.output
     assert f"export E2B_API_KEY={node.api_key}" in auth.stdout
+
+
+def test_top_level_shortcuts(node: NodeProcess) -> None:
+    sid = aenv_inline(node, "sandbox", "create", "--timeout", "60").stdout.strip()
+    listed = aenv_inline(node, "ls", "--json")
+    assert listed.exit_code == 0, listed.output
+    assert sid in {s["sandboxID"] for s in json.loads(listed.stdout)}
+    assert aenv(node, "exec", sid, "exit 4").returncode == 4
+    assert aenv_inline(node, "pause", sid).exit_code == 0
+    assert "resumed" in aenv_inline(node, "resume", sid).stdout
+    assert aenv_inline(node, "rm", sid).exit_code == 0
+    assert aenv(node, "rm", sid).returncode == 1

@@ -121,8 +121,14 @@ def sandbox_group(ctx: click.Context, api_url: str, api_key: str | None, state_d
 
 
 def _client(ctx: click.Context) -> Client:
+    """The group's client; top-level shortcuts (`aenv ls`, ...) take URL and key from the
+    environment and the default state dir."""
     client = ctx.find_object(Client)
-    assert client is not None
+    if client is None:
+        client = Client(
+            os.environ.get("E2B_API_URL", DEFAULT_URL),
+            resolve_api_key(None, Path(os.environ.get("AENV_HOME", "/var/lib/aenv"))))
+        ctx.obj = client
     return client
 
 
@@ -322,4 +328,19 @@ def auth_command(state_dir: Path, api_url: str) -> None:
                f"export E2B_API_KEY={key}")
 
 
-COMMANDS: list[click.Command] = [serve_command, sandbox_group, auth_command]
+class _Shortcut(click.Command):
+    """A sandbox subcommand also reachable at the top level: `aenv ls` = `aenv sandbox ls`."""
+
+    def __init__(self, name: str, target: click.Command) -> None:
+        super().__init__(name, callback=target.callback, params=target.params,
+                         help=target.help, context_settings=target.context_settings)
+
+
+_SHORTCUTS = {"ls": sandbox_ls, "exec": sandbox_exec, "pause": sandbox_pause,
+              "resume": sandbox_resume, "timeout": sandbox_timeout, "rm": sandbox_kill,
+              "fork": sandbox_fork, "snapshot": sandbox_snapshot}
+
+COMMANDS: list[click.Command] = [
+    serve_command, sandbox_group, auth_command,
+    *(_Shortcut(name, target) for name, target in _SHORTCUTS.items()),
+]
