@@ -93,3 +93,40 @@ def test_top_level_shortcuts(node: NodeProcess) -> None:
     assert "resumed" in aenv_inline(node, "resume", sid).stdout
     assert aenv_inline(node, "rm", sid).exit_code == 0
     assert aenv(node, "rm", sid).returncode == 1
+
+
+def test_start_attaches_a_shell_on_a_terminal(node: NodeProcess) -> None:
+    """`aenv start` on a real pseudo-terminal: typed input reaches the sandbox's shell, its
+    output comes back, its exit code is passed through and the sandbox is killed after."""
+    import pty
+    import select
+    import time
+
+    env = {**os.environ, "E2B_API_URL": node.url, "E2B_API_KEY": node.api_key}
+    master, slave = pty.openpty()
+    proc = subprocess.Popen([sys.executable, "-m", "agentenv.cli.main", "start", "--timeout", "60"],
+                            stdin=slave, stdout=slave, stderr=subprocess.PIPE, env=env)
+    os.close(slave)
+    output = b""
+    sent = False
+    deadline = time.monotonic() + 60
+    try:
+        while proc.poll() is None and time.monotonic() < deadline:
+            ready, _, _ = select.select([master], [], [], 0.2)
+            if ready:
+                try:
+                    output += os.read(master, 65536)
+                except OSError:
+                    break
+            if not sent and time.monotonic() > deadline - 55:
+                os.write(master, b"echo hi-$((6*7)); exit 5\r")
+                sent = True
+        assert proc.wait(timeout=30) == 5, output
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        os.close(master)
+    assert b"hi-42" in output
+    assert proc.stderr is not None
+    sandbox_id = proc.stderr.read().decode().split()[1]
+    assert aenv(node, "sandbox", "info", sandbox_id).returncode == 1  # killed with the shell

@@ -314,6 +314,98 @@ def sandbox_exec(ctx: click.Context, sandbox_id: str, command: tuple[str, ...],
     ctx.exit(asyncio.run(run()))
 
 
+@sandbox_group.command("start")
+@click.argument("template", default="base")
+@click.option("--detach", "-d", is_flag=True, help="Print the new sandbox's id instead of attaching.")
+@click.option("--timeout", type=int, default=None, help="Seconds to live (server default 300).")
+@click.option("--keep", is_flag=True, help="Leave the sandbox running when the shell exits.")
+@click.pass_context
+def sandbox_start(ctx: click.Context, template: str, detach: bool, timeout: int | None,
+                  keep: bool) -> None:
+    """Start a sandbox from TEMPLATE and attach an interactive shell (envd's PTY).
+
+    The sandbox is killed when the shell exits, unless --keep; the shell's exit code is
+    passed through."""
+    client = _client(ctx)
+    body: dict[str, Any] = {"templateID": template}
+    if timeout is not None:
+        body["timeout"] = timeout
+    created = client.call("POST", "/v2/sandboxes", body).json()
+    sandbox_id = created["sandboxID"]
+    if detach:
+        click.echo(sandbox_id)
+        return
+    click.echo(f"sandbox {sandbox_id}", err=True)
+    try:
+        code = _attach_shell(client, sandbox_id, created.get("envdAccessToken"))
+    finally:
+        if not keep:
+            client.call("DELETE", f"/sandboxes/{sandbox_id}")
+    ctx.exit(code)
+
+
+def _attach_shell(client: Client, sandbox_id: str, token: str | None) -> int:
+    import asyncio
+    import contextlib
+    import shutil
+    import sys
+    import termios
+    import tty
+
+    from agentenv.template.envd_client import EnvdClient, EnvdClientError
+
+    stdin = sys.stdin.fileno()
+    interactive = os.isatty(stdin)
+    size = shutil.get_terminal_size()
+
+    async def run() -> int:
+        loop = asyncio.get_running_loop()
+        envd = EnvdClient(str(client.http.base_url), token,
+                          headers={"E2b-Sandbox-Id": sandbox_id, "E2b-Sandbox-Port": "49983"})
+        started: asyncio.Future[int] = loop.create_future()
+        pending: set[asyncio.Task[None]] = set()
+
+        def on_input() -> None:
+            data = os.read(stdin, 65536)
+            if not data:  # end of a piped stdin: the shell sees ^D
+                loop.remove_reader(stdin)
+                data = b"\x04"
+            if started.done():
+                task = loop.create_task(envd.send_pty(started.result(), data))
+                pending.add(task)
+                task.add_done_callback(pending.discard)
+
+        def on_pty(data: bytes) -> None:
+            sys.stdout.buffer.write(data)
+            sys.stdout.buffer.flush()
+
+        shell = "if command -v bash >/dev/null; then exec bash -l; else exec sh -l; fi"
+        run_task = loop.create_task(envd.run(
+            "/bin/sh", ["-c", shell], pty_size=(size.columns, size.lines), on_pty=on_pty,
+            on_start=lambda pid: started.set_result(pid)))
+        try:
+            await asyncio.wait({run_task, started}, return_when=asyncio.FIRST_COMPLETED)
+            if not run_task.done():
+                loop.add_reader(stdin, on_input)
+            result = await run_task
+        except EnvdClientError as exc:
+            raise AgentEnvError(f"shell in {sandbox_id}: {exc}") from exc
+        finally:
+            with contextlib.suppress(ValueError, OSError):
+                loop.remove_reader(stdin)
+            await envd.close()
+        return result.exit_code
+
+    saved = termios.tcgetattr(stdin) if interactive else None
+    try:
+        if interactive:
+            tty.setraw(stdin)
+        return asyncio.run(run())
+    finally:
+        if saved is not None:
+            termios.tcsetattr(stdin, termios.TCSADRAIN, saved)
+
+
 @click.command("auth")
 @click.option("--state-dir", type=click.Path(file_okay=False, path_type=Path),
               default=lambda: os.environ.get("AENV_HOME", "/var/lib/aenv"),
@@ -336,7 +428,7 @@ class _Shortcut(click.Command):
                          help=target.help, context_settings=target.context_settings)
 
 
-_SHORTCUTS = {"ls": sandbox_ls, "exec": sandbox_exec, "pause": sandbox_pause,
+_SHORTCUTS = {"ls": sandbox_ls, "start": sandbox_start, "exec": sandbox_exec, "pause": sandbox_pause,
               "resume": sandbox_resume, "timeout": sandbox_timeout, "rm": sandbox_kill,
               "fork": sandbox_fork, "snapshot": sandbox_snapshot}
 

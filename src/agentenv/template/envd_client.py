@@ -121,6 +121,12 @@ class EnvdClient:
         if not answer.is_success:
             raise EnvdClientError(f"envd /init answered {answer.status_code}: {answer.text[:300]}")
 
+    async def send_pty(self, pid: int, data: bytes) -> None:
+        """Type `data` into the terminal of process `pid` (started with a pty)."""
+        await self._unary("process.Process/SendInput",
+                          {"process": {"pid": pid},
+                           "input": {"pty": base64.b64encode(data).decode()}}, None)
+
     async def _unary(self, procedure: str, message: dict[str, Any], user: str | None
                      ) -> dict[str, Any]:
         headers = {"Content-Type": "application/json", "Connect-Protocol-Version": "1",
@@ -177,18 +183,25 @@ class EnvdClient:
         on_output: Callable[[str, str], None] | None = None,
         tag: str | None = None,
         background: bool = False,
+        pty_size: tuple[int, int] | None = None,
+        on_pty: Callable[[bytes], None] | None = None,
+        on_start: Callable[[int], None] | None = None,
     ) -> ProcessResult:
         """Start a process and (unless `background`) follow it to its end.
 
         `on_output(stream, text)` gets stdout/stderr chunks as they arrive. With `background`,
         returns right after the start event (exit_code -1, exited False); the process keeps
-        running in the guest after the stream is closed."""
+        running in the guest after the stream is closed. With `pty_size` (cols, rows) the
+        process gets a terminal: `on_pty` receives its raw output, `send_pty` feeds it and
+        `on_start(pid)` says which pid to feed."""
         process: dict[str, Any] = {"cmd": cmd, "args": args, "envs": envs or {}}
         if cwd:
             process["cwd"] = cwd
         message: dict[str, Any] = {"process": process, "stdin": False}
         if tag:
             message["tag"] = tag
+        if pty_size:
+            message["pty"] = {"size": {"cols": pty_size[0], "rows": pty_size[1]}}
         headers = {"Content-Type": "application/connect+json", "Connect-Protocol-Version": "1",
                    "Connect-Content-Encoding": "identity",
                    "Connect-Accept-Encoding": "identity", **self._headers(user)}
@@ -218,8 +231,13 @@ class EnvdClient:
                         event = msg.get("event") or {}
                         if "start" in event:
                             pid = int(event["start"].get("pid", 0))
+                            if on_start is not None:
+                                on_start(pid)
                             if background:
                                 return ProcessResult(pid, -1, False, "running", "", "")
+                        elif "data" in event and "pty" in event["data"]:
+                            if on_pty is not None:
+                                on_pty(base64.b64decode(event["data"]["pty"]))
                         elif "data" in event:
                             for stream, sink in (("stdout", out), ("stderr", err)):
                                 raw = event["data"].get(stream)
