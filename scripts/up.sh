@@ -103,6 +103,8 @@ else
     echo "up: something else listens on $host:$port (no node pidfile at $node_pidfile)" >&2
     exit 1
   fi
+  # Created here, not by the background redirection: the wait loop below reads it at once.
+  touch "$node_log"
   # setsid: the node outlives this shell and make; AENV_API_KEY would override the state dir key.
   env -u AENV_API_KEY AENV_BLOCKD_SOCKET="$blockd_socket" AENV_VM_ASSETS_DIR="$assets_dir" \
     setsid "$aenv" serve --backend vm --state-dir "$state_dir" --host "$host" --port "$port" \
