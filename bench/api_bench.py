@@ -77,21 +77,26 @@ def start_request(cmd: str) -> bytes:
     return b"\x00" + len(payload).to_bytes(4, "big") + payload
 
 
+def stdout_of(stream: bytes) -> str:
+    """The stdout of a whole envd Process/Start answer (Connect envelopes)."""
+    pos, out = 0, b""
+    while pos < len(stream):
+        size = int.from_bytes(stream[pos + 1 : pos + 5], "big")
+        message = json.loads(stream[pos + 5 : pos + 5 + size])
+        pos += 5 + size
+        stdout = message.get("event", {}).get("data", {}).get("stdout")
+        if stdout:
+            out += base64.b64decode(stdout)
+    return out.decode()
+
+
 def run_command(client: httpx.Client, cmd: str) -> str:
     answer = client.post(
         "/process.Process/Start",
         content=start_request(cmd),
         headers={"Content-Type": "application/connect+json", "Connect-Protocol-Version": "1"},
     )
-    data, pos, out = answer.content, 0, b""
-    while pos < len(data):
-        size = int.from_bytes(data[pos + 1 : pos + 5], "big")
-        message = json.loads(data[pos + 5 : pos + 5 + size])
-        pos += 5 + size
-        stdout = message.get("event", {}).get("data", {}).get("stdout")
-        if stdout:
-            out += base64.b64decode(stdout)
-    return out.decode()
+    return stdout_of(answer.content)
 
 
 def process_main(args: argparse.Namespace) -> None:
@@ -344,14 +349,9 @@ class VmNode:
 
 
 def remove_network(prefix: str) -> None:
-    from agentenv.runtime.network import teardown_host
+    from agentenv.runtime.network import remove_leftovers
 
-    asyncio.run(teardown_host(prefix))
-    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
-    for line in listed.splitlines():
-        name = line.split()[0] if line.split() else ""
-        if name.startswith(f"{prefix}-s"):
-            subprocess.run(["ip", "netns", "del", name], capture_output=True)
+    asyncio.run(remove_leftovers(prefix))
 
 
 async def run_async(client: httpx.AsyncClient, base: str, headers: dict[str, str], cmd: str) -> str:
@@ -361,15 +361,7 @@ async def run_async(client: httpx.AsyncClient, base: str, headers: dict[str, str
         headers={"Content-Type": "application/connect+json", "Connect-Protocol-Version": "1",
                  **headers})
     answer.raise_for_status()
-    data, pos, out = answer.content, 0, b""
-    while pos < len(data):
-        size = int.from_bytes(data[pos + 1 : pos + 5], "big")
-        message = json.loads(data[pos + 5 : pos + 5 + size])
-        pos += 5 + size
-        stdout = message.get("event", {}).get("data", {}).get("stdout")
-        if stdout:
-            out += base64.b64decode(stdout)
-    return out.decode()
+    return stdout_of(answer.content)
 
 
 def percentile(values: list[float], q: float) -> float:

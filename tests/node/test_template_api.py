@@ -5,6 +5,7 @@ another template; and the raw routes (files upload, status logs, tags, list/get/
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import hashlib
 import json
@@ -68,16 +69,9 @@ def _host_image_tar() -> bytes:
 
 
 def _remove_network_leftovers() -> None:
-    import asyncio
+    from agentenv.runtime.network import remove_leftovers
 
-    from agentenv.runtime.network import teardown_host
-
-    asyncio.run(teardown_host(NET_PREFIX))
-    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
-    for line in listed.splitlines():
-        name = line.split()[0] if line.split() else ""
-        if name.startswith(f"{NET_PREFIX}-s"):
-            subprocess.run(["ip", "netns", "del", name], capture_output=True)
+    asyncio.run(remove_leftovers(NET_PREFIX))
 
 
 @pytest.fixture(scope="module")

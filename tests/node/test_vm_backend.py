@@ -45,14 +45,9 @@ def vm_node_process(state_dir: Path, log_path: Path) -> NodeProcess:
 
 
 def _remove_network_leftovers() -> None:
-    from agentenv.runtime.network import teardown_host
+    from agentenv.runtime.network import remove_leftovers
 
-    asyncio.run(teardown_host(NET_PREFIX))
-    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
-    for line in listed.splitlines():
-        name = line.split()[0] if line.split() else ""
-        if name.startswith(f"{NET_PREFIX}-s"):
-            subprocess.run(["ip", "netns", "del", name], capture_output=True)
+    asyncio.run(remove_leftovers(NET_PREFIX))
 
 
 @pytest.fixture(scope="module")

@@ -331,15 +331,21 @@ class TemplateBuildApi:
         log.info("build files uploaded", extra={"files_hash": files_hash, "bytes": size})
         return Response(status_code=200)
 
-    async def start(self, request: Request) -> Response:
-        from agentenv.template.build import BuildSpecError, parse_steps
-
+    def _build_of(self, request: Request) -> BuildRecord:
+        """The build named by the path's template_id and build_id (404 if they don't match)."""
         self._load()
         template_id = request.path_params["template_id"]
         build_id = request.path_params["build_id"]
         rec = self.builds.get(build_id)
         if rec is None or rec.template_id != template_id:
             raise NotFound(f"build '{build_id}' of template '{template_id}' not found")
+        return rec
+
+    async def start(self, request: Request) -> Response:
+        from agentenv.template.build import BuildSpecError, parse_steps
+
+        rec = self._build_of(request)
+        template_id, build_id = rec.template_id, rec.build_id
         body = await read_model(request, BuildStart)
         if body.fromImage and body.fromTemplate:
             raise BadRequest("give fromImage or fromTemplate, not both")
@@ -374,12 +380,7 @@ class TemplateBuildApi:
         return Response(status_code=202)
 
     async def status(self, request: Request) -> Response:
-        self._load()
-        template_id = request.path_params["template_id"]
-        build_id = request.path_params["build_id"]
-        rec = self.builds.get(build_id)
-        if rec is None or rec.template_id != template_id:
-            raise NotFound(f"build '{build_id}' of template '{template_id}' not found")
+        rec = self._build_of(request)
         raw = request.query_params.get("logsOffset", "0")
         try:
             offset = int(raw)

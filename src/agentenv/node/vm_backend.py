@@ -59,7 +59,6 @@ CLK_TCK = os.sysconf("SC_CLK_TCK")
 PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")
 RELEASED_MARK = ".released"
 SLOT_COOLDOWN = 30.0  # seconds before a network slot's address serves another VM
-SPAWN_ATTEMPTS = 3  # restores tried when QEMU's spawn itself fails (see _restore)
 
 
 
@@ -467,25 +466,15 @@ class VmBackend:
                        ) -> Placement:
         from agentenv.runtime.errors import RuntimeError_
 
-        for attempt in range(SPAWN_ATTEMPTS):
-            try:
-                vm = await self.runtime.restore(record, env_vars=spec.env_vars or None,
-                                                access_token=spec.access_token,
-                                                outbound=spec.allow_internet_access,
-                                                guest_token=previous_token)
-                break
-            except subprocess.SubprocessError as exc:
-                # QEMU's spawn failed in its preexec (setsid or entering the slot's network
-                # namespace; seen about once in 500 restores on a loaded host, cause not
-                # found yet); the runtime released what it took, so another try is clean.
-                log.warning("QEMU spawn failed, trying again",
-                            extra={"sandbox_id": spec.sandbox_id, "error": str(exc)})
-                if attempt == SPAWN_ATTEMPTS - 1:
-                    raise BackendError(
-                        f"starting the VM of {spec.sandbox_id} failed: {exc}") from exc
-            except (RuntimeError_, OSError) as exc:
-                raise BackendError(
-                    f"starting the VM of {spec.sandbox_id} failed: {exc}") from exc
+        try:
+            vm = await self.runtime.restore(record, env_vars=spec.env_vars or None,
+                                            access_token=spec.access_token,
+                                            outbound=spec.allow_internet_access,
+                                            guest_token=previous_token)
+        except (RuntimeError_, OSError, subprocess.SubprocessError) as exc:
+            # SubprocessError: QEMU's spawn failed in its preexec every time it was tried.
+            raise BackendError(
+                f"starting the VM of {spec.sandbox_id} failed: {exc}") from exc
         return self._placement(spec.sandbox_id, vm)
 
     async def create(self, spec: SandboxSpec) -> Placement:

@@ -184,6 +184,17 @@ async def teardown_host(prefix: str = "aenv") -> None:
         await _run("nft", "delete", "table", "ip", f"{prefix}_host")
 
 
+async def remove_leftovers(prefix: str = "aenv") -> None:
+    """Remove the host table and every slot namespace of `prefix`: what a runtime that was
+    killed before closing (a crashed node, an aborted test or bench) left behind."""
+    await teardown_host(prefix)
+    for line in (await _run("ip", "netns", "list")).splitlines():
+        name = line.split()[0] if line.split() else ""
+        if name.startswith(f"{prefix}-s"):
+            with contextlib.suppress(NetworkError):
+                await _run("ip", "netns", "del", name)
+
+
 class SlotPool:
     """Pre-built slots, refilled in the background between low and high watermarks."""
 

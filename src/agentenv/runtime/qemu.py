@@ -21,8 +21,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
+import logging
 import os
 import signal
+import subprocess
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -33,7 +35,9 @@ from agentenv.runtime.errors import QMPError, VMDiedError
 from agentenv.runtime.qmp import QMPClient
 from agentenv.snapshot.record import MachineConfig
 
+log = logging.getLogger(__name__)
 _libc = ctypes.CDLL(None, use_errno=True)
+SPAWN_TRIES = 3
 _CLONE_NEWNET = 0x40000000
 _PR_SET_PDEATHSIG = 1
 _PR_SET_THP_DISABLE = 41
@@ -227,11 +231,22 @@ class QemuProcess:
         )
         (workdir / "argv").write_text("\n".join(argv) + "\n")
         stderr_log = workdir / "qemu.stderr"
-        with open(stderr_log, "wb") as err:
-            process = await asyncio.create_subprocess_exec(
-                *argv, stdin=asyncio.subprocess.DEVNULL, stdout=err, stderr=err,
-                preexec_fn=_preexec(netns, die_with_parent, thp),
-            )
+        for attempt in range(SPAWN_TRIES):
+            try:
+                with open(stderr_log, "wb") as err:
+                    process = await asyncio.create_subprocess_exec(
+                        *argv, stdin=asyncio.subprocess.DEVNULL, stdout=err, stderr=err,
+                        preexec_fn=_preexec(netns, die_with_parent, thp),
+                    )
+                break
+            except subprocess.SubprocessError as exc:
+                # The child failed in _preexec (setsid or entering the slot's namespace; seen
+                # about once in 500 spawns on a loaded host, cause not found) before exec:
+                # nothing was started, so another try is clean.
+                log.warning("QEMU spawn failed in preexec, trying again",
+                            extra={"workdir": str(workdir), "error": str(exc)})
+                if attempt == SPAWN_TRIES - 1:
+                    raise
         try:
             qmp = await _connect_or_fail(qmp_socket, process, stderr_log)
         except BaseException:
