@@ -142,16 +142,67 @@ def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NodeProcess]:
     proc.cleanup()
 
 
-@pytest.fixture(scope="session")
-def sdk_env(node: NodeProcess) -> Iterator[NodeProcess]:
-    """Point the official e2b SDK at the module's node (as a user would, by environment)."""
+@contextlib.contextmanager
+def sdk_pointed_at(node: NodeProcess) -> Iterator[NodeProcess]:
+    """Point the official e2b SDK at `node` (as a user would, by environment); restore after."""
     saved = {k: os.environ.get(k) for k in ("E2B_API_URL", "E2B_SANDBOX_URL", "E2B_API_KEY")}
     os.environ["E2B_API_URL"] = node.url
     os.environ["E2B_SANDBOX_URL"] = node.url
     os.environ["E2B_API_KEY"] = node.api_key
-    yield node
-    for key, value in saved.items():
-        if value is None:
-            os.environ.pop(key, None)
-        else:
-            os.environ[key] = value
+    try:
+        yield node
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+@pytest.fixture(scope="session")
+def sdk_env(node: NodeProcess) -> Iterator[NodeProcess]:
+    with sdk_pointed_at(node):
+        yield node
+
+
+# --- the node with --backend vm (root, QEMU) ------------------------------------------------------
+
+GUEST_STATE = Path("/var/cache/aenv-test/guest/state")  # guest assets, shared with tests/runtime
+DEBIAN_CACHE = Path("/var/cache/aenv-test/guest")  # the base template's debootstrap tarballs
+
+
+def vm_node_process(state_dir: Path, log_path: Path, net_prefix: str, first_slot: int,
+                    extra_env: dict[str, str] | None = None) -> NodeProcess:
+    """The node subprocess with --backend vm (its first start builds the base template).
+    Each test module uses its own slot prefix and addresses: teardown deletes its namespaces."""
+    return NodeProcess(
+        state_dir, log_path, extra_args=("--backend", "vm"),
+        extra_env={"AENV_VM_ASSETS_DIR": str(GUEST_STATE), "AENV_VM_DEBIAN_CACHE": str(DEBIAN_CACHE),
+                   "AENV_VM_NETWORK_PREFIX": net_prefix, "AENV_VM_FIRST_SLOT": str(first_slot),
+                   **(extra_env or {})},
+        start_timeout=600,  # guest assets + debootstrap on a cold cache
+    )
+
+
+@contextlib.contextmanager
+def serving_vm_node(node: NodeProcess, net_prefix: str) -> Iterator[NodeProcess]:
+    """Start a VM-backend node with the SDK pointed at it; at the end a graceful stop (which
+    must succeed), then its files and its network slots are removed whatever happened."""
+    import asyncio
+    import shutil
+
+    from agentenv.runtime.network import remove_leftovers
+
+    if os.geteuid() != 0:
+        pytest.skip("the VM backend needs root (network namespaces, nftables, blockd)")
+    if shutil.which("qemu-system-x86_64") is None:
+        pytest.fail("qemu-system-x86_64 is missing: run scripts/install-system.sh")
+    try:
+        node.start()
+        with sdk_pointed_at(node):
+            yield node
+        if node.proc is not None:
+            assert node.stop() in (0, -15), node.log_path.read_text()[-3000:]
+    finally:
+        node.cleanup()
+        asyncio.run(remove_leftovers(net_prefix))

@@ -5,7 +5,6 @@ another template; and the raw routes (files upload, status logs, tags, list/get/
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import hashlib
 import json
@@ -23,12 +22,11 @@ import pytest
 from tests.template import helpers
 from tests.template.conftest import Registry, _start_registry, _stop
 
+from . import conftest
 from .conftest import NodeProcess
 
 pytestmark = [pytest.mark.qemu, pytest.mark.root, pytest.mark.slow]
 
-GUEST_STATE = Path("/var/cache/aenv-test/guest/state")  # guest assets, shared with tests/runtime
-DEBIAN_CACHE = Path("/var/cache/aenv-test/guest")  # the base template's debootstrap tarballs
 CACHE = Path("/var/cache/aenv-test/template-build")  # converted layers, the test image's tar
 NET_PREFIX = "atb"  # unique: a test teardown deletes every {NET_PREFIX}-s* namespace
 FIRST_SLOT = 27001  # disjoint from test_vm_backend (24001), bench/api_bench (26001), tests/runtime (1)
@@ -68,12 +66,6 @@ def _host_image_tar() -> bytes:
     return data
 
 
-def _remove_network_leftovers() -> None:
-    from agentenv.runtime.network import remove_leftovers
-
-    asyncio.run(remove_leftovers(NET_PREFIX))
-
-
 @pytest.fixture(scope="module")
 def registry(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Registry]:
     reg = _start_registry(tmp_path_factory.mktemp("registry"), None)
@@ -94,35 +86,12 @@ def image(registry: Registry) -> str:
 
 @pytest.fixture(scope="module")
 def build_node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NodeProcess]:
-    if os.geteuid() != 0:
-        pytest.skip("the VM backend needs root (network namespaces, nftables, blockd)")
-    if shutil.which("qemu-system-x86_64") is None:
-        pytest.fail("qemu-system-x86_64 is missing: run scripts/install-system.sh")
     CACHE.mkdir(parents=True, exist_ok=True)
     base = tmp_path_factory.mktemp("buildnode")
-    node = NodeProcess(
-        base / "state", base / "node.log", extra_args=("--backend", "vm"),
-        extra_env={"AENV_VM_ASSETS_DIR": str(GUEST_STATE), "AENV_VM_DEBIAN_CACHE": str(DEBIAN_CACHE),
-                   "AENV_VM_NETWORK_PREFIX": NET_PREFIX, "AENV_VM_FIRST_SLOT": str(FIRST_SLOT),
-                   "AENV_LAYER_CACHE": str(CACHE / "layer-cache")},
-        start_timeout=600)
-    saved = {k: os.environ.get(k) for k in ("E2B_API_URL", "E2B_SANDBOX_URL", "E2B_API_KEY")}
-    try:
-        node.start()
-        os.environ["E2B_API_URL"] = node.url
-        os.environ["E2B_SANDBOX_URL"] = node.url
-        os.environ["E2B_API_KEY"] = node.api_key
+    node = conftest.vm_node_process(base / "state", base / "node.log", NET_PREFIX, FIRST_SLOT,
+                                    {"AENV_LAYER_CACHE": str(CACHE / "layer-cache")})
+    with conftest.serving_vm_node(node, NET_PREFIX):
         yield node
-        if node.proc is not None:
-            assert node.stop() in (0, -15), node.log_path.read_text()[-3000:]
-    finally:
-        node.cleanup()
-        _remove_network_leftovers()
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
 
 
 @pytest.fixture(scope="module")

@@ -7,11 +7,9 @@ scripts/up.sh and scripts/down.sh (`make up`, `make down`) run on the module's s
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 import os
-import shutil
 import statistics
 import subprocess
 import time
@@ -20,12 +18,11 @@ from pathlib import Path
 
 import pytest
 
+from . import conftest
 from .conftest import NodeProcess
 
 pytestmark = [pytest.mark.qemu, pytest.mark.root, pytest.mark.slow]
 
-GUEST_STATE = Path("/var/cache/aenv-test/guest/state")  # guest assets, shared with tests/runtime
-DEBIAN_CACHE = Path("/var/cache/aenv-test/guest")  # debootstrap tarballs, shared with tests/guest
 NET_PREFIX = "avt"
 FIRST_SLOT = 24001  # slot addresses disjoint from other runtimes' (tests/runtime starts at 1)
 COUNTER = (
@@ -35,48 +32,17 @@ COUNTER = (
 
 
 def vm_node_process(state_dir: Path, log_path: Path) -> NodeProcess:
-    """The node subprocess with --backend vm (its first start builds the base template)."""
-    return NodeProcess(
-        state_dir, log_path, extra_args=("--backend", "vm"),
-        extra_env={"AENV_VM_ASSETS_DIR": str(GUEST_STATE), "AENV_VM_DEBIAN_CACHE": str(DEBIAN_CACHE),
-                   "AENV_VM_NETWORK_PREFIX": NET_PREFIX, "AENV_VM_FIRST_SLOT": str(FIRST_SLOT)},
-        start_timeout=600,  # guest assets + debootstrap on a cold cache
-    )
-
-
-def _remove_network_leftovers() -> None:
-    from agentenv.runtime.network import remove_leftovers
-
-    asyncio.run(remove_leftovers(NET_PREFIX))
+    return conftest.vm_node_process(state_dir, log_path, NET_PREFIX, FIRST_SLOT)
 
 
 @pytest.fixture(scope="module")
 def vm_node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NodeProcess]:
-    if os.geteuid() != 0:
-        pytest.skip("the VM backend needs root (network namespaces, nftables, blockd)")
-    if shutil.which("qemu-system-x86_64") is None:
-        pytest.fail("qemu-system-x86_64 is missing: run scripts/install-system.sh")
     base = tmp_path_factory.mktemp("vmnode")
     node = vm_node_process(base / "state", base / "node.log")
-    saved = {k: os.environ.get(k) for k in ("E2B_API_URL", "E2B_SANDBOX_URL", "E2B_API_KEY")}
-    try:
-        t0 = time.monotonic()
-        node.start()
+    t0 = time.monotonic()
+    with conftest.serving_vm_node(node, NET_PREFIX):
         print(f"\nvm node ready (base template built) in {time.monotonic() - t0:.1f} s")
-        os.environ["E2B_API_URL"] = node.url
-        os.environ["E2B_SANDBOX_URL"] = node.url
-        os.environ["E2B_API_KEY"] = node.api_key
         yield node
-        if node.proc is not None:
-            assert node.stop() in (0, -15), node.log_path.read_text()[-3000:]
-    finally:
-        node.cleanup()
-        _remove_network_leftovers()
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
     # The graceful stop paused what still ran; nothing of the node survives it.
     assert not subprocess.run(["pgrep", "-f", str(node.state_dir)], capture_output=True).stdout
 
@@ -381,7 +347,8 @@ def test_make_up_and_down(vm_node: NodeProcess) -> None:
     env = {k: v for k, v in os.environ.items()
            if k not in ("AENV_API_KEY", "E2B_API_URL", "E2B_SANDBOX_URL", "E2B_API_KEY")}
     env |= {"AENV_HOME": str(state), "AENV_PORT": str(port),
-            "AENV_VM_ASSETS_DIR": str(GUEST_STATE), "AENV_VM_DEBIAN_CACHE": str(DEBIAN_CACHE),
+            "AENV_VM_ASSETS_DIR": str(conftest.GUEST_STATE),
+            "AENV_VM_DEBIAN_CACHE": str(conftest.DEBIAN_CACHE),
             "AENV_VM_NETWORK_PREFIX": NET_PREFIX, "AENV_VM_FIRST_SLOT": str(FIRST_SLOT)}
 
     def script(name: str) -> tuple[subprocess.CompletedProcess[str], float]:
