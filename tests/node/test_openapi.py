@@ -151,6 +151,19 @@ def test_openapi_document_is_served_and_covers_the_sdk_routes(openapi_node: Node
         ("post", "/v2/sandboxes/{sandboxID}/connect"),
         ("get", "/sandboxes/{sandboxID}/metrics"),
         ("post", "/sandboxes/{sandboxID}/fork"),
+        # the template build API (SDK Template.build / Template.exists)
+        ("post", "/v3/templates"),
+        ("get", "/templates/{templateID}/files/{hash}"),
+        ("post", "/v2/templates/{templateID}/builds/{buildID}"),
+        ("get", "/templates/{templateID}/builds/{buildID}/status"),
+        ("get", "/templates/aliases/{alias}"),
+        ("get", "/templates/{templateID}/tags"),
+        ("post", "/templates/tags"),
+        ("delete", "/templates/tags"),
+        ("get", "/templates"),
+        ("get", "/v2/templates"),
+        ("get", "/templates/{templateID}"),
+        ("delete", "/templates/{templateID}"),
     ]:
         assert method in paths.get(path, {}), f"{method.upper()} {path} missing"
     assert doc["components"]["securitySchemes"]["ApiKeyAuth"]["name"] == "X-API-KEY"

@@ -215,8 +215,8 @@ def tar_directory(root: Path) -> bytes:
 
 def reference_unpack(image: BuiltImage, dest: Path, work: Path) -> Path:
     """Unpack with umoci from an OCI layout; returns the rootfs. umoci 0.4 knows no zstd, and
-    the tree does not depend on compression: it gets the same tarballs gzip-compressed."""
-    image = build_image(image.layer_tars, ["gzip"] * len(image.layer_tars))
+    the tree does not depend on compression: it gets the same tarballs uncompressed."""
+    image = build_image(image.layer_tars, [""] * len(image.layer_tars))
     layout = work / "layout"
     (layout / "blobs" / "sha256").mkdir(parents=True)
     for digest, data in [*image.blobs.items(), (image.digest, image.manifest)]:
@@ -231,7 +231,9 @@ def reference_unpack(image: BuiltImage, dest: Path, work: Path) -> Path:
 
 
 def entries_of(root: Path, skip: Iterable[str] = ()) -> dict[str, tuple[Any, ...]]:
-    """path -> (type, mode, uid, gid, size, sha256 | link target | rdev, xattrs, link group)."""
+    """path -> (type, mode, uid, gid, size, sha256 | link target | rdev, xattrs, link group,
+    mtime). The mtime (ns) is that of files, links and nodes: a directory's is "now" whenever a
+    later layer's whiteout or new entry changed it, in any unpacker (containerd, umoci, ours)."""
     skipped = set(skip)
     result: dict[str, tuple[Any, ...]] = {}
     inodes: dict[tuple[int, int], list[str]] = {}
@@ -264,12 +266,13 @@ def entries_of(root: Path, skip: Iterable[str] = ()) -> dict[str, tuple[Any, ...
                 group = (st.st_dev, st.st_ino)
                 inodes.setdefault(group, []).append(rel)
             size = st.st_size if stat.S_ISREG(st.st_mode) else None
+            mtime = None if stat.S_ISDIR(st.st_mode) else st.st_mtime_ns
             result[rel] = (kind, stat.S_IMODE(st.st_mode), st.st_uid, st.st_gid, size, detail,
-                           xattrs, group)
+                           xattrs, group, mtime)
     # Name each hard-link group by its smallest path, so trees compare regardless of walk order.
     for rel, entry in result.items():
         if entry[7] is not None:
-            result[rel] = (*entry[:7], min(inodes[entry[7]]))
+            result[rel] = (*entry[:7], min(inodes[entry[7]]), entry[8])
     return result
 
 

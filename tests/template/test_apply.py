@@ -85,6 +85,32 @@ def test_busybox_layer_matches_tar(ext4_root: Path, tmp_path: Path) -> None:
     assert os.readlink(ext4_root / "bin/sh") == "busybox"
 
 
+def test_pax_times_kept_to_the_nanosecond(ext4_root: Path, tmp_path: Path) -> None:
+    """GNU tar --xattrs and containerd write PAX times with nanoseconds; they are applied
+    exactly (a float keeps only ~240 ns of them), as tar -x and umoci do."""
+    times = {"d": "-1.5", "d/f": "1796234804.576088959", "d/l": "1600000000.000000001",
+             "d/p": "1700000000.999999999"}
+    kinds = {"d": tarfile.DIRTYPE, "d/f": tarfile.REGTYPE, "d/l": tarfile.SYMTYPE,
+             "d/p": tarfile.FIFOTYPE}
+    layer = helpers.TarBuilder()
+    for name, when in times.items():
+        info = tarfile.TarInfo(name)
+        info.type = kinds[name]
+        info.mode = 0o755 if name == "d" else 0o644
+        info.linkname = "f" if name == "d/l" else ""
+        info.size = 1 if name == "d/f" else 0
+        info.pax_headers = {"mtime": when, "atime": when}
+        layer.tar.addfile(info, io.BytesIO(b"x") if name == "d/f" else None)
+    image = helpers.build_image([layer.bytes()], [""])
+    [(blob, media_type, diff_id)] = _write_blobs(tmp_path, image)
+    apply_layer(ext4_root, blob, media_type, diff_id)
+    expected = {"d": -1_500000000, "d/f": 1796234804_576088959, "d/l": 1600000000_000000001,
+                "d/p": 1700000000_999999999}
+    for name, ns in expected.items():
+        st = os.lstat(ext4_root / name)
+        assert (st.st_mtime_ns, st.st_atime_ns) == (ns, ns), name
+
+
 def test_corrupt_gzip_and_tar(ext4_root: Path, tmp_path: Path) -> None:
     layer = helpers.TarBuilder().file("a", os.urandom(100_000)).bytes()
     data = gzip.compress(layer)

@@ -92,6 +92,7 @@ def test_build_file(tmp_path: Path) -> None:
         "RUN apt-get update && \\\n    apt-get install -y curl\n"
         "ENV A=1 B=\"two words\"\n"
         "ENV C three words\n"
+        "ARG STAGE=build\n"
         "WORKDIR /app\n"
         "USER root\n"
         "COPY --chown=user --chmod=0755 a.txt b.txt /dst\n"
@@ -101,11 +102,12 @@ def test_build_file(tmp_path: Path) -> None:
     assert plan.from_image == "debian:bookworm" and plan.from_template is None
     body = plan.request(tmp_path)
     types = [s["type"] for s in body["steps"]]
-    assert types == ["RUN", "ENV", "ENV", "WORKDIR", "USER", "COPY", "COPY", "COPY"]
+    assert types == ["RUN", "ENV", "ENV", "ARG", "WORKDIR", "USER", "COPY", "COPY", "COPY"]
     assert body["steps"][0]["args"] == ["apt-get update && apt-get install -y curl"]
     assert body["steps"][1]["args"] == ["A", "1", "B", "two words"]
     assert body["steps"][2]["args"] == ["C", "three words"]
-    assert body["steps"][5]["args"] == ["a.txt", "/dst/", "user", "0755"]
+    assert body["steps"][3]["args"] == ["STAGE", "build"]
+    assert body["steps"][6]["args"] == ["a.txt", "/dst/", "user", "0755"]
     assert body["startCmd"] == "python3 -m http.server"
     assert body["readyCmd"] == "curl -fs localhost:8000"
     hashes = [s["filesHash"] for s in body["steps"] if s["type"] == "COPY"]
@@ -180,8 +182,10 @@ def test_step_runner_runs_steps_start_and_ready(envd: EnvdProcess, tmp_path: Pat
     steps = parse_steps([
         {"type": "RUN", "args": ["echo hello-from-run; echo to-stderr >&2"]},
         {"type": "ENV", "args": ["GREETING", "hi there"]},
+        {"type": "ARG", "args": ["STAGE", "build"]},
         {"type": "WORKDIR", "args": ["/srv/app"]},
-        {"type": "RUN", "args": ['pwd > where.txt; printf "%s" "$GREETING" > env.txt; id -un > who']},
+        {"type": "RUN", "args": ['pwd > where.txt; printf "%s/%s" "$GREETING" "$STAGE" > env.txt;'
+                                 ' id -un > who']},
         {"type": "COPY", "args": ["conf", "settings/"], "filesHash": "h1"},
         {"type": "COPY", "args": ["single.txt", "/opt/renamed.txt", "root", "0640"],
          "filesHash": "h2"},
@@ -211,7 +215,7 @@ def test_step_runner_runs_steps_start_and_ready(envd: EnvdProcess, tmp_path: Pat
     result = asyncio.run(scenario())
     lines = result["out"].splitlines()
     assert lines == [
-        "/srv/app", "hi there" + "user", "", "/srv/app", "worker", "hi there", "[app]", "x",
+        "/srv/app", "hi there/build" + "user", "", "/srv/app", "worker", "hi there", "[app]", "x",
         "user 755", "user 644", "root 640", "user 755", "worker",
     ], result["out"]
     assert result["pids"], "the start command does not run any more"

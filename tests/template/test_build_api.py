@@ -27,12 +27,16 @@ def test_builds_need_the_vm_backend_and_restarts_fail_running_builds(tmp_path: P
         "cpu_count": 1, "memory_mb": 512, "status": "building", "created_at": now,
         "updated_at": now, "logs": [{"timestamp": now, "level": "info", "message": "RUN x",
                                      "step": "1"}]}))
-    app = build_app(ServeOptions(state_dir=state))
+    app = build_app(ServeOptions(state_dir=state, backend="process"))
     key = (state / "secrets" / "api-key").read_text().strip()
     with TestClient(app, headers={"X-API-KEY": key}) as client:
         refused = client.post("/v3/templates", json={"name": "anything"})
         assert refused.status_code == 400 and "VM backend" in refused.json()["message"]
-        assert client.post("/v3/templates", json={}).status_code == 422
+        unnamed = client.post("/v3/templates", json={})
+        assert unnamed.status_code == 400 and "name is required" in unnamed.json()["message"]
+        assert client.post("/v3/templates", json={"name": 7}).status_code == 422
+        # The deprecated `alias` spelling of the name is read too (then refused the same way).
+        assert "VM backend" in client.post("/v3/templates", json={"alias": "a"}).json()["message"]
 
         status = client.get(f"/templates/tinterrupted/builds/{build_id}/status").json()
         assert status["status"] == "error"

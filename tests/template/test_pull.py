@@ -25,6 +25,7 @@ from agentenv.template.errors import (
     NotFoundError,
     UnsupportedImageError,
 )
+from agentenv.template.layercache import CONVERTER_KIND
 from agentenv.template.pull import PulledImage, pull_image
 from tests.template import helpers
 from tests.template.conftest import Registry, needs_root
@@ -72,7 +73,7 @@ def mounted(tmp_path: Path) -> Iterator[callable]:  # type: ignore[valid-type]
 
 def _cache_entries(state: Path) -> list[str]:
     root = state / "layer-cache"
-    return sorted(str(p.relative_to(root)) for kind in ("ext4-v1", "overlaybd")
+    return sorted(str(p.relative_to(root)) for kind in (CONVERTER_KIND, "overlaybd")
                   for p in (root / kind).iterdir()) if root.exists() else []
 
 
@@ -103,7 +104,14 @@ def test_hello_world_docker_image(registry: Registry, state: Path, blockd: Path,
     assert record["config"]["cmd"] == ["/hello"]
     assert record["manifestDigest"] == image.digest
     assert (pulled.path / "config.json").read_bytes() in image.blobs.values()
+    # Every layer of the stack is a 64 GiB virtual disk, and the ext4 on it spans all of it.
+    from agentenv.storage.layer import inspect_layer
+
+    assert {inspect_layer(p)["virtual_size"] for p in pulled.lowers} == {64 << 30}
     root = mounted(pulled)
+    fs = os.statvfs(root)
+    assert fs.f_blocks * fs.f_frsize > 60 << 30
+    assert sum(p.stat().st_blocks * 512 for p in pulled.lowers) < 64 << 20  # sparse layers
     assert (root / "hello").read_bytes() == _hello_bytes()
     expected = tmp_path / "expected"
     expected.mkdir()
@@ -113,7 +121,8 @@ def test_hello_world_docker_image(registry: Registry, state: Path, blockd: Path,
     _assert_no_leftovers(state)
 
 
-def test_hello_world_overlaybd_image_used_as_is(registry: Registry, state: Path, blockd: Path, mounted) -> None:
+def test_hello_world_overlaybd_image_used_as_is(registry: Registry, state: Path, blockd: Path, mounted,
+                                                tmp_path: Path) -> None:
     image = helpers.fixture_image("amd64-converted")
     registry.push("hello-world", "amd64-converted", image)
     pulled = _pull(registry, "hello-world:amd64-converted", state, blockd)
@@ -125,6 +134,12 @@ def test_hello_world_overlaybd_image_used_as_is(registry: Registry, state: Path,
     # blob reads byte-identical to the spec's TV10 digests, so that is how the blob is.)
     root = mounted(pulled, fsck=False)
     assert (root / "hello").read_bytes() == _hello_bytes()
+    # Its tree is the docker image's layer, unpacked by tar -x.
+    expected = tmp_path / "expected"
+    expected.mkdir()
+    subprocess.run(["tar", "-x", "--numeric-owner", "--same-permissions", "-C", str(expected)],
+                   input=helpers.fixture_image("amd64").layer_tars[0], check=True)
+    helpers.assert_same_tree(root, expected)
     again = _pull(registry, "hello-world:amd64-converted", state, blockd)
     assert again.layers_cached == 1 and again.bytes_downloaded == 0
 
@@ -252,6 +267,28 @@ def test_failures_leave_nothing_behind(registry: Registry, state: Path, blockd: 
     assert not (state / "images" / "flipped").exists()
     assert len(_cache_entries(state)) == 1
     _assert_no_leftovers(state)
+
+
+def test_progress_bars_for_download_and_conversion(registry: Registry, state: Path,
+                                                   blockd: Path) -> None:
+    """With progress on, each layer gets a download bar and a conversion bar, both complete."""
+    from rich.console import Console
+
+    out = io.StringIO()
+    console = Console(file=out, force_terminal=False, width=160)
+    layers = [helpers.TarBuilder().file("a", os.urandom(400_000)).bytes(),
+              helpers.TarBuilder().file("b", os.urandom(300_000)).bytes()]
+    image = helpers.build_image(layers, ["gzip", "zstd"])
+    registry.push("progress", "v1", image)
+    _pull(registry, "progress:v1", state, blockd, progress=True, console=console)
+    text = out.getvalue()
+    for layer in json.loads(image.manifest)["layers"]:
+        short = layer["digest"].split(":")[1][:12]
+        size = f"{layer['size'] / 1e3:.1f}"  # rich's DownloadColumn: kB below 1 MB
+        for what in ("download", "convert "):
+            [line] = [ln for ln in text.splitlines() if ln.startswith(f"{what} {short}")]
+            assert f"{size}/{size} kB" in line, text  # the bar ran to the layer's size
+    assert _pull(registry, "progress:v1", state, blockd).layers_converted == 0
 
 
 def test_pull_with_basic_auth(auth_registry: Registry, tmp_path: Path, blockd: Path,

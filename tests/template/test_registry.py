@@ -144,6 +144,36 @@ def test_corrupt_blob_in_registry_storage(registry: Registry, tmp_path: Path, no
     assert list(tmp_path.iterdir()) == []
 
 
+def test_tampered_manifest_and_config_in_registry_storage(registry: Registry,
+                                                          no_docker_config: Path) -> None:
+    """The manifest (by tag: against the registry's digest header; by digest: against the
+    digest asked for) and the image config are verified too, not only layer blobs."""
+    image = helpers.build_image([helpers.TarBuilder().file("tampered", b"t" * 777).bytes()])
+    registry.push("tampered", "v1", image)
+    store = registry.log.parent / "data/docker/registry/v2/blobs/sha256"
+
+    def tamper(digest: str, old: bytes, new: bytes) -> None:
+        hexd = digest.split(":")[1]
+        path = store / hexd[:2] / hexd / "data"
+        data = path.read_bytes()
+        assert old in data and len(old) == len(new)
+        path.write_bytes(data.replace(old, new, 1))
+
+    config_digest = json.loads(image.manifest)["config"]["digest"]
+    tamper(config_digest, b'"amd64"', b'"arm64"')
+    by_tag = parse_reference(f"{registry.host}/tampered:v1")
+    by_digest = parse_reference(f"{registry.host}/tampered@{image.digest}")
+    with RegistryClient(registry.host) as client:
+        manifest = client.resolve_manifest(by_tag)
+        with pytest.raises(DigestMismatchError, match=config_digest):
+            client.get_blob_bytes("tampered", manifest.config)
+        tamper(image.digest, b'"schemaVersion": 2', b'"schemaVersion":2 ')  # still valid JSON
+        with pytest.raises(DigestMismatchError, match="registry says digest"):
+            client.resolve_manifest(by_tag)
+        with pytest.raises(DigestMismatchError, match="content has digest"):
+            client.resolve_manifest(by_digest)
+
+
 def test_basic_auth_from_docker_config(auth_registry: Registry, tmp_path: Path,
                                        monkeypatch: pytest.MonkeyPatch) -> None:
     image = helpers.build_image([helpers.TarBuilder().file("f", b"x").bytes()])

@@ -17,6 +17,7 @@ from pydantic import BaseModel
 
 from agentenv import __version__
 from agentenv.node import models
+from agentenv.node import template_models as tpl
 
 REF = "#/components/schemas/{model}"
 
@@ -211,6 +212,63 @@ RESPONSE_SCHEMAS: dict[str, dict[str, Any]] = {
         "required": ["templateID", "public"],
         "properties": {"templateID": _STR, "public": _BOOL},
     },
+    "TemplateRequestResponseV3": {
+        "type": "object",
+        "required": ["templateID", "buildID", "public", "names", "tags", "aliases"],
+        "properties": {
+            "templateID": _STR,
+            "buildID": _STR,
+            "public": _BOOL,
+            "names": {"type": "array", "items": _STR},
+            "tags": {"type": "array", "items": _STR},
+            "aliases": {"type": "array", "items": _STR},
+        },
+    },
+    "TemplateBuildFileUpload": {
+        "type": "object",
+        "required": ["present"],
+        "properties": {"present": _BOOL, "url": _STR, "headers": _STRING_MAP},
+    },
+    "BuildLogEntry": {
+        "type": "object",
+        "required": ["timestamp", "message", "level"],
+        "properties": {
+            "timestamp": {"type": "string", "format": "date-time"},
+            "message": _STR,
+            "level": {"enum": ["debug", "info", "warn", "error"]},
+            "step": _STR,
+        },
+    },
+    "BuildStatusReason": {
+        "type": "object",
+        "required": ["message"],
+        "properties": {
+            "message": _STR,
+            "step": _STR,
+            "logEntries": {"type": "array", "items": _ref("BuildLogEntry")},
+        },
+    },
+    "TemplateBuildInfo": {
+        "type": "object",
+        "required": ["templateID", "buildID", "status", "logs", "logEntries"],
+        "properties": {
+            "templateID": _STR,
+            "buildID": _STR,
+            "status": {"enum": ["building", "waiting", "ready", "error"]},
+            "logs": {"type": "array", "items": _STR},
+            "logEntries": {"type": "array", "items": _ref("BuildLogEntry")},
+            "reason": _ref("BuildStatusReason"),
+        },
+    },
+    "TemplateTag": {
+        "type": "object",
+        "required": ["tag", "buildID", "createdAt"],
+        "properties": {
+            "tag": _STR,
+            "buildID": _STR,
+            "createdAt": {"type": "string", "format": "date-time"},
+        },
+    },
     "Node": {
         "type": "object",
         "required": ["id", "nodeID", "version", "status", "backend", "sandboxCount", "metrics"],
@@ -256,6 +314,7 @@ class Operation:
     query: list[dict[str, Any]] = field(default_factory=list)
     public: bool = False
     headers: dict[int, list[str]] = field(default_factory=dict)
+    raw_body: str | None = None  # a request body of this media type, not JSON (uploads)
 
 
 _E = {401: "Error"}
@@ -443,6 +502,76 @@ ROUTES: list[Operation] = [
         "Delete a template or snapshot; 409 while sandboxes use it",
         {204: None, **_NF, 400: "Error", 409: "Error"},
     ),
+    # The E2B template build API (node/template_api.py; spec/e2b-compat.md 1.7). A node whose
+    # backend cannot boot build VMs (the process backend) refuses createTemplateV3 with 400.
+    Operation(
+        "post",
+        "/v3/templates",
+        "createTemplateV3",
+        "Request a template build (SDK Template.build); 400 without a VM backend",
+        {202: "TemplateRequestResponseV3", **_E, **_BODY_ERRORS, 409: "Error"},
+        body=tpl.TemplateBuildRequestV3,
+        body_required=True,
+    ),
+    Operation(
+        "get",
+        "/templates/{templateID}/files/{hash}",
+        "getTemplateFilesUploadLink",
+        "Whether a COPY step's files (a tar named by hash) are on the node, else an upload URL",
+        {201: "TemplateBuildFileUpload", **_NF, 400: "Error"},
+    ),
+    Operation(
+        "put",
+        tpl.UPLOAD_PREFIX + "{templateID}/{hash}",
+        "uploadTemplateFiles",
+        "The upload URL handed out above: a signed, expiring URL (no API key)",
+        {200: None, 403: "Error", 413: "Error"},
+        query=[_query("expires", _INT, "unix seconds"), _query("signature", _STR)],
+        public=True,
+        raw_body="application/octet-stream",
+    ),
+    Operation(
+        "post",
+        "/v2/templates/{templateID}/builds/{buildID}",
+        "startTemplateBuildV2",
+        "Start a requested build: the steps run in a build VM in the background",
+        {202: None, **_NF, **_BODY_ERRORS},
+        body=tpl.TemplateBuildStartV2,
+        body_required=True,
+    ),
+    Operation(
+        "get",
+        "/templates/{templateID}/builds/{buildID}/status",
+        "getTemplateBuildStatus",
+        "A build's status and its log from logsOffset (100 entries per call)",
+        {200: "TemplateBuildInfo", **_NF, 400: "Error"},
+        query=[_query("logsOffset", {"type": "integer", "minimum": 0})],
+    ),
+    Operation(
+        "get",
+        "/templates/{templateID}/tags",
+        "getTemplateTags",
+        "A template's tags: only the implicit 'default' (its latest ready build)",
+        {200: "[TemplateTag]", **_NF},
+    ),
+    Operation(
+        "post",
+        "/templates/tags",
+        "assignTemplateTags",
+        "Assign tags: refused (400), every name means its latest build",
+        {400: "Error", **_E, 413: "Error", 422: "Error"},
+        body=tpl.AssignTemplateTagsRequest,
+        body_required=True,
+    ),
+    Operation(
+        "delete",
+        "/templates/tags",
+        "deleteTemplateTags",
+        "Delete tags: refused (400), as above",
+        {400: "Error", **_E, 413: "Error", 422: "Error"},
+        body=tpl.DeleteTemplateTagsRequest,
+        body_required=True,
+    ),
     Operation("get", "/nodes", "listNodes", "This node", {200: "[Node]", **_E}),
     Operation("get", "/nodes/{nodeID}", "getNode", "This node by id", {200: "Node", **_NF}),
 ]
@@ -481,6 +610,11 @@ def _operation(op: Operation, request_schemas: dict[str, Any]) -> dict[str, Any]
         out["parameters"] = params
     if op.public:
         out["security"] = []
+    if op.raw_body is not None:
+        out["requestBody"] = {
+            "required": True,
+            "content": {op.raw_body: {"schema": {"type": "string", "format": "binary"}}},
+        }
     if op.body is not None:
         schema = op.body.model_json_schema(ref_template=REF)
         request_schemas.update(schema.pop("$defs", {}))

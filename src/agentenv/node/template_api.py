@@ -40,7 +40,6 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
@@ -53,10 +52,14 @@ from agentenv.node.errors import ApiError, BadRequest, Conflict, NotFound
 from agentenv.node.orchestrator import Orchestrator
 from agentenv.node.records import TemplateRecord
 from agentenv.node.security import new_id
+from agentenv.node.template_models import (
+    UPLOAD_PREFIX,
+    TemplateBuildRequestV3,
+    TemplateBuildStartV2,
+)
 
 log = logging.getLogger("agentenv.node.template_api")
 
-UPLOAD_PREFIX = "/template-files/"
 UPLOAD_URL_SECONDS = 3600
 MAX_UPLOAD_BYTES = 8 << 30
 MAX_LOG_ENTRIES = 20_000
@@ -64,30 +67,6 @@ LOGS_PER_CALL = 100  # the SDK keeps polling until a call returns no entries
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 _HASH = re.compile(r"^[A-Za-z0-9_-]{1,128}$")
 ACTIVE = ("waiting", "building")
-
-
-class TemplateBuildRequest(BaseModel):
-    """`POST /v3/templates` (TemplateBuildRequestV3)."""
-
-    model_config = ConfigDict(extra="ignore", strict=True)
-    name: str = Field(min_length=1, max_length=128)
-    tags: list[str] | None = None
-    cpuCount: int | None = Field(default=None, ge=1, le=64)
-    memoryMB: int | None = Field(default=None, ge=128, le=256 * 1024)
-    minFreeDiskMb: int | None = None
-
-
-class BuildStart(BaseModel):
-    """`POST /v2/templates/{tid}/builds/{bid}` (TemplateBuildStartV2); steps checked by parse_steps."""
-
-    model_config = ConfigDict(extra="ignore", strict=True)
-    fromImage: str | None = None
-    fromTemplate: str | None = None
-    fromImageRegistry: dict[str, Any] | None = None
-    force: bool | None = None
-    steps: list[dict[str, Any]] | None = None
-    startCmd: str | None = None
-    readyCmd: str | None = None
 
 
 @dataclass
@@ -219,8 +198,10 @@ class TemplateBuildApi:
 
     async def create(self, request: Request) -> Response:
         self._load()
-        body = await read_model(request, TemplateBuildRequest)
-        name = body.name
+        body = await read_model(request, TemplateBuildRequestV3)
+        name = body.name or body.alias
+        if not name:
+            raise BadRequest("the template's name is required")
         if ":" in name:
             name, _, tag = name.partition(":")
             if tag not in ("default", "latest"):
@@ -346,7 +327,7 @@ class TemplateBuildApi:
 
         rec = self._build_of(request)
         template_id, build_id = rec.template_id, rec.build_id
-        body = await read_model(request, BuildStart)
+        body = await read_model(request, TemplateBuildStartV2)
         if body.fromImage and body.fromTemplate:
             raise BadRequest("give fromImage or fromTemplate, not both")
         if not body.fromImage and not body.fromTemplate:
@@ -355,7 +336,8 @@ class TemplateBuildApi:
             raise BadRequest(f"registry credentials of type {body.fromImageRegistry.get('type')!r} "
                              "are not supported yet (only type 'registry')")
         try:
-            steps = parse_steps(body.steps)
+            steps = parse_steps(None if body.steps is None else
+                                [step.model_dump(exclude_none=True) for step in body.steps])
         except BuildSpecError as exc:
             raise BadRequest(str(exc)) from exc
         for step in steps:
@@ -531,7 +513,7 @@ class TemplateBuildApi:
 
     # --- the build itself --------------------------------------------------------------------
 
-    async def _run(self, rec: BuildRecord, steps: list[Any], body: BuildStart) -> None:
+    async def _run(self, rec: BuildRecord, steps: list[Any], body: TemplateBuildStartV2) -> None:
         from agentenv.template.build import BASE_STEP, BuildFailed
 
         if self._slots is None:
@@ -568,7 +550,7 @@ class TemplateBuildApi:
         log.warning("template build failed", extra={"template_id": rec.template_id,
                                                     "build_id": rec.build_id, "error": message})
 
-    async def _build(self, rec: BuildRecord, steps: list[Any], body: BuildStart) -> None:
+    async def _build(self, rec: BuildRecord, steps: list[Any], body: TemplateBuildStartV2) -> None:
         from agentenv.template.build import BASE_STEP, BuildContext, StepRunner
         from agentenv.template.envd_client import EnvdClient
 
@@ -642,7 +624,7 @@ class TemplateBuildApi:
                 await self.orchestrator.backend.kill(vm_id, None)
         return await start()
 
-    async def _pull(self, rec: BuildRecord, body: BuildStart) -> tuple[list[Path], int, dict[str, Any]]:
+    async def _pull(self, rec: BuildRecord, body: TemplateBuildStartV2) -> tuple[list[Path], int, dict[str, Any]]:
         from agentenv.template.build import BASE_STEP, BuildFailed
         from agentenv.template.convert import VIRTUAL_SIZE
         from agentenv.template.pull import pull_image

@@ -31,6 +31,7 @@ import io
 import os
 import posixpath
 import queue
+import re
 import shutil
 import stat
 import struct
@@ -582,17 +583,33 @@ class LayerApplier:
 
     @staticmethod
     def _set_times(target: str | int, member: tarfile.TarInfo) -> None:
-        mtime_ns = int(member.mtime * 1_000_000_000)
-        atime = member.pax_headers.get("atime")
-        try:
-            atime_ns = int(float(atime) * 1_000_000_000) if atime else mtime_ns
-        except ValueError:
+        # PAX times are decimal strings with up to nanosecond digits; a float (what tarfile
+        # makes of them) keeps only ~240 ns at today's dates, so they are parsed exactly.
+        mtime_ns = _pax_time_ns(member.pax_headers.get("mtime"))
+        if mtime_ns is None:
+            mtime_ns = int(member.mtime) * 1_000_000_000
+        atime_ns = _pax_time_ns(member.pax_headers.get("atime"))
+        if atime_ns is None:
             atime_ns = mtime_ns
         with contextlib.suppress(OSError):  # times outside ext4's range are not fatal
             if isinstance(target, int):
                 os.utime(target, ns=(atime_ns, mtime_ns))
             else:
                 os.utime(target, ns=(atime_ns, mtime_ns), follow_symlinks=False)
+
+
+_PAX_TIME = re.compile(r"^(-?)(\d+)(?:\.(\d*))?$")
+
+
+def _pax_time_ns(value: str | None) -> int | None:
+    """A PAX time ("1796234804.576088959", "-5.25", "17") in nanoseconds, exactly; None if
+    absent or malformed."""
+    found = _PAX_TIME.match(value.strip()) if value else None
+    if found is None:
+        return None
+    sign, seconds, fraction = found.groups()
+    ns = int(seconds) * 1_000_000_000 + int(((fraction or "") + "000000000")[:9])
+    return -ns if sign else ns
 
 
 def apply_layer(root: Path, blob: Path | BlobTap, media_type: str,

@@ -5,7 +5,7 @@ then `StepRunner` runs the steps through envd, exactly as a sandbox user would:
 
 | step | args | effect |
 |---|---|---|
-| RUN | [cmd] or [cmd, user] | `/bin/bash -l -c cmd` (the image's shell if it has no bash) as the build user, in the workdir, with the build env; a non-zero exit fails the build with the exit code and the output's tail |
+| RUN | [cmd] or [cmd, user] | `/bin/bash -l -c cmd` (envd runs the tools disk's busybox sh, /agentenv/bin/sh, when the image has no /bin/bash) as the build user, in the workdir, with the build env; a non-zero exit fails the build with the exit code and the output's tail |
 | ENV, ARG | [k1, v1, k2, v2, ...] | added to the build env (kept in sandboxes made from the template) |
 | WORKDIR | [path] | relative paths join the previous workdir (else `/`); created, owned by the build user, when missing |
 | USER | [name] | later steps and the template's sandboxes run as `name` (created when the image has no such user) |

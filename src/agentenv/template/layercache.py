@@ -1,7 +1,7 @@
 """Content-addressed cache of overlaybd layers made from (or pulled as) OCI layers.
 
     <root>/base/<hex>/layer                    the empty ext4 every converted image starts from
-    <root>/ext4-v1/<key hex>/layer             a tar layer applied onto its parents' ext4,
+    <root>/ext4-v2/<key hex>/layer             a tar layer applied onto its parents' ext4,
                                                sealed; key = sha256(base digest + " " + OCI
                                                chain ID): the result depends on every layer
                                                below it
@@ -30,7 +30,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-CONVERTER_KIND = "ext4-v1"  # bump when the conversion (mkfs options, applier rules) changes
+CONVERTER_KIND = "ext4-v2"  # bump when the conversion (mkfs options, applier rules) changes
+# v2: PAX times applied to the nanosecond (v1 rounded them through a float)
 NATIVE_KIND = "overlaybd"
 BASE_KIND = "base"
 LAYER_FILE = "layer"

@@ -1,0 +1,64 @@
+"""Request bodies of the E2B template build API (node/template_api.py), with E2B's field names
+(the SDK's models are the contract, spec/e2b-compat.md 1.7). Kept apart from the routes so that
+node/openapi.py can describe them without importing the server."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+UPLOAD_PREFIX = "/template-files/"  # the signed upload URLs handed out for COPY files
+
+
+class TemplateBuildRequestV3(BaseModel):
+    """`POST /v3/templates` (E2B TemplateBuildRequestV3). `alias` is the deprecated spelling of
+    `name`; `teamID` is ignored (one team per node)."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+    name: str | None = Field(default=None, min_length=1, max_length=128)
+    alias: str | None = Field(default=None, min_length=1, max_length=128)
+    tags: list[str] | None = None
+    teamID: str | None = None
+    cpuCount: int | None = Field(default=None, ge=1, le=64)
+    memoryMB: int | None = Field(default=None, ge=128, le=256 * 1024)
+    minFreeDiskMb: int | None = None
+
+
+class TemplateStep(BaseModel):
+    """One build step (E2B TemplateStep); its meaning is checked by build.parse_steps."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+    type: str
+    args: list[str] | None = None
+    filesHash: str | None = None
+    force: bool | None = None
+
+
+class TemplateBuildStartV2(BaseModel):
+    """`POST /v2/templates/{tid}/builds/{bid}` (E2B TemplateBuildStartV2)."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+    fromImage: str | None = None
+    fromTemplate: str | None = None
+    fromImageRegistry: dict[str, Any] | None = None  # {type: "registry", username, password}
+    force: bool | None = None
+    steps: list[TemplateStep] | None = None
+    startCmd: str | None = None
+    readyCmd: str | None = None
+
+
+class AssignTemplateTagsRequest(BaseModel):
+    """`POST /templates/tags` (refused: tags beyond the implicit "default" are not supported)."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+    target: str
+    tags: list[str]
+
+
+class DeleteTemplateTagsRequest(BaseModel):
+    """`DELETE /templates/tags` (refused, as above)."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+    name: str
+    tags: list[str]
