@@ -30,6 +30,10 @@ class RuntimeConfig(BaseModel):
     # both are private memory of every VM (see bench/RESULTS.md "VM lifecycle").
     tcg_tb_size_mib: int = Field(default=64, ge=1)
     qemu_thp: bool = False
+    # Free-page reporting gives the guest's freed memory back to the host: QEMU opens the
+    # shared RAM file writable under a seccomp filter that ignores punch-hole (runtime/qemu.py).
+    # False: the file is opened read-only and QEMU refuses every discard.
+    return_free_memory: bool = True
     envd_port: int = 49983
     envd_health_path: str = "/health"
     envd_init_path: str = "/init"

@@ -4,9 +4,9 @@ Device layout (identical for a boot and for every restore of its snapshots, whic
 migration stream requires):
 
 - `-M q35` with the accelerator, `-cpu max` (TCG) or `host` (KVM), guest RAM from
-  `memory-backend-file,share=off,readonly=on,rom=off` whose mem-path is a read-only file
-  (an empty sparse file for a boot, the snapshot's materialised memory file for a restore):
-  pages are read lazily from the shared page cache and copied into private memory on write.
+  `memory-backend-file,share=off` whose mem-path is an empty sparse file (a boot) or the
+  snapshot's materialised memory file shared by every VM restored from it: pages are read
+  lazily from the shared page cache and copied into private memory on write.
 - virtio-blk disks at fixed PCI addresses, each `raw` format node over a swappable file child
   (`<name>-file`), so a pre-spawned QEMU can get its real disk (NBD from blockd) with
   `blockdev-add` + `blockdev-reopen` when it is taken from the pool.
@@ -14,6 +14,21 @@ migration stream requires):
 - virtio-balloon with free-page reporting; vmgenid with a fresh GUID for every process.
 - `-kernel`/`-initrd`/`-append` only for a boot: a restore (`-incoming defer`) has no use for
   them and QEMU would keep both files in private memory.
+
+Free-page reporting and the shared memory file. For each 2 MiB+ block the guest reports free,
+QEMU's `ram_block_discard_range` (system/physmem.c) first punches a hole in the RAM file
+(`fallocate(PUNCH_HOLE|KEEP_SIZE)` on its fd; refused outright with "Discarding RAM with
+readonly files is not supported" if the file was opened `readonly=on`, and if the fallocate
+fails it stops there), then `madvise(MADV_DONTNEED)`s the mapping, which for our private
+mapping drops the guest's copy-on-write pages. Punching the shared file would zero those pages
+for every sibling and for the snapshot, so QEMU runs with the file opened `readonly=off` under
+a seccomp filter (installed before exec) that turns every `fallocate` with PUNCH_HOLE into a
+no-op returning 0: the madvise then runs and the host gets the memory back, while the file is
+never changed. A reported page reads back the snapshot's content (or zeros for a boot), which
+is fine for a page the guest holds free, and is exactly what a later capture assumes for a
+page that is not privately written (the lower layers). Nothing else QEMU does here needs
+punch-hole: writable disks are NBD exports (discards go over the socket), the only file disks
+are read-only (`build_argv` refuses a writable one, whose write-zeroes would trust the punch).
 """
 
 from __future__ import annotations
@@ -21,17 +36,19 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
+import functools
 import logging
 import os
 import signal
 import subprocess
+import tempfile
 import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from agentenv.runtime.errors import QMPError, VMDiedError
+from agentenv.runtime.errors import QMPError, RuntimeError_, VMDiedError
 from agentenv.runtime.qmp import QMPClient
 from agentenv.snapshot.record import MachineConfig
 
@@ -40,7 +57,14 @@ _libc = ctypes.CDLL(None, use_errno=True)
 SPAWN_TRIES = 3
 _CLONE_NEWNET = 0x40000000
 _PR_SET_PDEATHSIG = 1
+_PR_SET_SECCOMP = 22
+_PR_SET_NO_NEW_PRIVS = 38
 _PR_SET_THP_DISABLE = 41
+_SECCOMP_MODE_FILTER = 2
+_FALLOC_FL_PUNCH_HOLE = 0x02
+# Exit statuses of the child between fork and exec (see _preexec).
+_EXIT_SETNS = 121
+_EXIT_SECCOMP = 122
 
 DISK_PCI_BASE = 0x10
 NET_PCI_ADDR = 0x08
@@ -72,6 +96,62 @@ class DiskAttachment:
         raise ValueError(f"disk {self.name}: neither an NBD export nor a file")
 
 
+class _SockFprog(ctypes.Structure):
+    """struct sock_fprog: a classic-BPF program for prctl(PR_SET_SECCOMP)."""
+
+    _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
+
+
+@dataclass(frozen=True)
+class SeccompProgram:
+    """A compiled filter, kept in memory the forked child can load without allocating."""
+
+    code: ctypes.Array[ctypes.c_char]
+    fprog: _SockFprog
+
+
+@functools.cache
+def punch_hole_filter() -> SeccompProgram:
+    """The seccomp filter QEMU runs under: `fallocate` with FALLOC_FL_PUNCH_HOLE in its mode
+    returns 0 without running (SECCOMP_RET_ERRNO with errno 0 skips the call); every other
+    call, and any other architecture, is allowed. Compiled once by libseccomp (pyseccomp is
+    a ctypes binding to Debian's libseccomp2) and exported as BPF, so the child between fork
+    and exec only makes one prctl."""
+    try:
+        import pyseccomp
+    except (ImportError, RuntimeError) as exc:  # RuntimeError: libseccomp2 not installed
+        raise RuntimeError_(
+            f"cannot build QEMU's seccomp filter ({exc}): install libseccomp2 "
+            "(scripts/install-system.sh) and pyseccomp") from exc
+    rules = pyseccomp.SyscallFilter(pyseccomp.ALLOW)
+    rules.set_attr(pyseccomp.Attr.ACT_BADARCH, pyseccomp.ALLOW)
+    rules.add_rule(pyseccomp.ERRNO(0), "fallocate",
+                   pyseccomp.Arg(1, pyseccomp.MASKED_EQ, _FALLOC_FL_PUNCH_HOLE,
+                                 _FALLOC_FL_PUNCH_HOLE))
+    with tempfile.TemporaryFile() as out:
+        rules.export_bpf(out)
+        out.seek(0)
+        program = out.read()
+    if not program or len(program) % 8:
+        raise RuntimeError_(f"libseccomp exported a malformed filter ({len(program)} bytes)")
+    code = ctypes.create_string_buffer(program, len(program))
+    return SeccompProgram(code, _SockFprog(len(program) // 8, ctypes.addressof(code)))
+
+
+@dataclass(frozen=True)
+class FileStamp:
+    """Size, mtime and allocated blocks of a file: a punched hole or a write changes them."""
+
+    size: int
+    mtime_ns: int
+    blocks: int
+
+    @classmethod
+    def of(cls, path: str | Path) -> FileStamp:
+        st = os.stat(path)
+        return cls(st.st_size, st.st_mtime_ns, st.st_blocks)
+
+
 def _blockdev_arg(node: dict[str, Any]) -> str:
     """Render a flat blockdev dict in QEMU's key=value syntax (nested keys dotted)."""
     parts: list[str] = []
@@ -100,9 +180,21 @@ def build_argv(
     incoming: bool,
     qemu_binary: str = "qemu-system-x86_64",
     tb_size_mib: int = 64,
+    return_free_memory: bool = True,
 ) -> list[str]:
     """The QEMU command line. With disks=None every disk starts on a null placeholder of
-    the right size (for warm processes that get their real disks over QMP later)."""
+    the right size (for warm processes that get their real disks over QMP later).
+
+    return_free_memory: open the RAM file `readonly=off` so free-page reporting can drop
+    the guest's freed private pages; only safe under `punch_hole_filter()` (QemuProcess.spawn
+    installs it). False: `readonly=on`, QEMU refuses every discard (the RAM file is safe
+    without a filter, freed memory stays with the process until it ends)."""
+    if return_free_memory and disks is not None:
+        for attach in disks:
+            if attach.file and not attach.read_only:
+                raise RuntimeError_(
+                    f"disk {attach.name}: a writable file disk cannot run under the filter that "
+                    "ignores punch-hole (QEMU's write-zeroes would trust the punch)")
     cpu = machine.cpu_model if machine.accel == "tcg" else "host"
     size = machine.memory_bytes
     # TCG's translation cache is private memory of every VM: a bounded buffer keeps it small
@@ -117,16 +209,21 @@ def build_argv(
         "-m", f"{machine.memory_mib}M",
         "-object",
         f"memory-backend-file,id=ram0,size={size},mem-path={mem_path},"
-        "share=off,readonly=on,rom=off,prealloc=off",
+        f"share=off,readonly={'off' if return_free_memory else 'on'},rom=off,prealloc=off",
         "-nodefaults", "-no-user-config", "-display", "none", "-no-reboot",
         "-chardev", f"socket,id=qmp,path={qmp_socket},server=on,wait=off",
         "-mon", "chardev=qmp,mode=control",
         "-chardev", f"file,id=serial0,path={serial_log}",
         "-serial", "chardev:serial0",
         "-device", f"vmgenid,id=vmgenid0,guid={vmgenid}",
+        # page-poison=off: QEMU discards a reported page believing it then reads as zero, and a
+        # guest zeroing pages on free (init_on_free) negotiates PAGE_POISON to rely on that. Ours
+        # read back the snapshot's content, so such a guest must not report: without the
+        # feature it turns reporting off itself. Guests that zero on allocation (the default
+        # kernels) do not care and report; their snapshots restore unchanged either way.
         "-device",
-        f"virtio-balloon-pci,id=balloon0,free-page-reporting=on,deflate-on-oom=on,"
-        f"addr={BALLOON_PCI_ADDR:#x}",
+        f"virtio-balloon-pci,id=balloon0,free-page-reporting=on,page-poison=off,"
+        f"deflate-on-oom=on,addr={BALLOON_PCI_ADDR:#x}",
     ]
     if not incoming:
         # Only a boot needs the kernel: QEMU reads it and the initramfs into private memory
@@ -164,7 +261,8 @@ def build_argv(
     return argv
 
 
-def _preexec(netns: str | None, die_with_parent: bool = True, thp: bool = True) -> Any:
+def _preexec(netns: str | None, die_with_parent: bool = True, thp: bool = True,
+             seccomp: SeccompProgram | None = None) -> Any:
     def run() -> None:
         os.setsid()
         if die_with_parent:
@@ -176,8 +274,15 @@ def _preexec(netns: str | None, die_with_parent: bool = True, thp: bool = True) 
         if netns:
             fd = os.open(netns, os.O_RDONLY)
             if _libc.setns(fd, _CLONE_NEWNET) != 0:
-                os._exit(121)
+                os._exit(_EXIT_SETNS)
             os.close(fd)
+        # The filter goes last, so nothing above runs under it. Root could load it without
+        # no_new_privs (CAP_SYS_ADMIN); QEMU execs nothing setuid, so setting it costs nothing.
+        if seccomp is not None and (
+                _libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0
+                or _libc.prctl(_PR_SET_SECCOMP, _SECCOMP_MODE_FILTER,
+                               ctypes.byref(seccomp.fprog), 0, 0) != 0):
+            os._exit(_EXIT_SECCOMP)
 
     return run
 
@@ -193,6 +298,8 @@ class QemuProcess:
     netns: str | None
     vmgenid: str
     stderr_log: Path
+    mem_path: str = ""
+    mem_stamp: FileStamp | None = None
     died: asyncio.Event = field(default_factory=asyncio.Event)
     expected_exit: bool = False
     _watch: asyncio.Task[None] | None = None
@@ -216,9 +323,16 @@ class QemuProcess:
         die_with_parent: bool = True,
         tb_size_mib: int = 64,
         thp: bool = True,
+        return_free_memory: bool = True,
     ) -> QemuProcess:
         """die_with_parent=False: QEMU outlives a crash of this process, so a restarted node
-        can take it over again (agentenv.runtime.adopt)."""
+        can take it over again (agentenv.runtime.adopt). return_free_memory: see build_argv;
+        True runs QEMU under punch_hole_filter()."""
+        seccomp = punch_hole_filter() if return_free_memory else None
+        try:
+            mem_stamp: FileStamp | None = FileStamp.of(mem_path)
+        except FileNotFoundError:
+            mem_stamp = None  # QEMU reports the missing file itself
         workdir.mkdir(parents=True, exist_ok=True)
         qmp_socket = workdir / "qmp.sock"
         with contextlib.suppress(FileNotFoundError):
@@ -228,6 +342,7 @@ class QemuProcess:
             machine, mem_path=mem_path, qmp_socket=qmp_socket,
             serial_log=workdir / "serial.log", disks=disks, vmgenid=vmgenid,
             incoming=incoming, qemu_binary=qemu_binary, tb_size_mib=tb_size_mib,
+            return_free_memory=return_free_memory,
         )
         (workdir / "argv").write_text("\n".join(argv) + "\n")
         stderr_log = workdir / "qemu.stderr"
@@ -236,7 +351,7 @@ class QemuProcess:
                 with open(stderr_log, "wb") as err:
                     process = await asyncio.create_subprocess_exec(
                         *argv, stdin=asyncio.subprocess.DEVNULL, stdout=err, stderr=err,
-                        preexec_fn=_preexec(netns, die_with_parent, thp),
+                        preexec_fn=_preexec(netns, die_with_parent, thp, seccomp),
                     )
                 break
             except subprocess.SubprocessError as exc:
@@ -254,7 +369,7 @@ class QemuProcess:
                 process.kill()
             await process.wait()
             raise
-        vm = cls(machine, workdir, process, qmp, netns, vmgenid, stderr_log)
+        vm = cls(machine, workdir, process, qmp, netns, vmgenid, stderr_log, mem_path, mem_stamp)
         vm._watch = asyncio.create_task(vm._watch_exit())
         return vm
 
@@ -268,7 +383,21 @@ class QemuProcess:
         except OSError:
             tail = ""
         code = self.process.returncode
-        return f"QEMU pid {self.pid} exited with status {code}" + (f": {tail}" if tail else "")
+        return (f"QEMU pid {self.pid} exited with status {code}{_status_meaning(code)}"
+                + (f": {tail}" if tail else ""))
+
+    def mem_file_changed(self) -> str | None:
+        """Why the RAM file is not what it was when QEMU started (None: unchanged). The file
+        is shared by every VM of a snapshot and must never change (see the module doc)."""
+        if self.mem_stamp is None:
+            return None
+        try:
+            now = FileStamp.of(self.mem_path)
+        except FileNotFoundError:
+            return None  # released and removed after its last user: not a change
+        if now != self.mem_stamp:
+            return f"RAM file {self.mem_path} changed while QEMU ran: {self.mem_stamp} -> {now}"
+        return None
 
     async def execute(self, command: str, arguments: dict[str, Any] | None = None,
                       timeout: float = 60.0) -> Any:
@@ -309,6 +438,17 @@ class QemuProcess:
         if self._watch is not None:
             with contextlib.suppress(Exception):
                 await self._watch
+        changed = self.mem_file_changed()
+        if changed:
+            log.error("shared RAM file modified", extra={"pid": self.pid, "reason": changed})
+
+
+def _status_meaning(code: int | None) -> str:
+    if code == _EXIT_SETNS:
+        return " (could not enter the network slot's namespace)"
+    if code == _EXIT_SECCOMP:
+        return " (could not install the seccomp filter)"
+    return ""
 
 
 async def _connect_or_fail(
@@ -318,7 +458,8 @@ async def _connect_or_fail(
     while True:
         if process.returncode is not None:
             tail = stderr_log.read_text(errors="replace").strip()[-800:]
-            raise VMDiedError(f"QEMU exited at start with status {process.returncode}: {tail}")
+            raise VMDiedError(f"QEMU exited at start with status {process.returncode}"
+                              f"{_status_meaning(process.returncode)}: {tail}")
         if qmp_socket.exists():
             try:
                 return await QMPClient.connect(qmp_socket, timeout=5)

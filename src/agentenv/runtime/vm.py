@@ -58,6 +58,7 @@ from agentenv.snapshot.record import (
     SnapshotRecordError,
 )
 from agentenv.storage.export import import_raw
+from agentenv.storage.upper import fsync_dir
 
 log = logging.getLogger("agentenv.runtime")
 
@@ -257,7 +258,8 @@ class Runtime:
                 DiskAttachment(name, read_only, nbd_socket=info.nbd, nbd_export=info.export))
 
     def _qemu_tuning(self) -> dict[str, Any]:
-        return {"tb_size_mib": self.config.tcg_tb_size_mib, "thp": self.config.qemu_thp}
+        return {"tb_size_mib": self.config.tcg_tb_size_mib, "thp": self.config.qemu_thp,
+                "return_free_memory": self.config.return_free_memory}
 
     def _adopt(self, vm: VM) -> None:
         self.vms[vm.id] = vm
@@ -368,16 +370,21 @@ class Runtime:
         t0 = time.perf_counter()
         try:
             await vm.process.execute("stop")
-            raw = snap_dir / "devstate.raw"
-            await vm.process.execute("xen-save-devices-state",
-                                     {"filename": str(raw), "live": False})
-            machine_type = await vm.process.execute(
-                "qom-get", {"path": "/machine", "property": "type"})
-            devstate = snap_dir / "devstate.bin"
-            finish_device_state(raw, devstate, machine_type)
-            t_dev = time.perf_counter()
+            t_stop = time.perf_counter()
+            # Guest RAM is frozen from here on. The capture (a thread) runs while QEMU saves
+            # its devices: device saving never writes guest RAM (QEMU's own migration saves
+            # devices after the last RAM pass, so it could not).
             layer_path = snap_dir / "memory.layer"
-            stats = await asyncio.to_thread(self._capture, vm, layer_path)
+            capture = asyncio.ensure_future(asyncio.to_thread(self._capture, vm, layer_path))
+            try:
+                devstate = await self._save_device_state(vm, snap_dir)
+                t_dev = time.perf_counter()
+                stats = await asyncio.shield(capture)
+            except BaseException:
+                # The capture thread writes into snap_dir: let it end before cleaning up.
+                await asyncio.gather(capture, return_exceptions=True)
+                raise
+            t_capture = time.perf_counter()
             memory_layers = [*vm.memory_layers,
                              LayerRef(path=str(layer_path), size=layer_path.stat().st_size)]
             if len(memory_layers) > self.config.max_memory_layers:
@@ -385,6 +392,7 @@ class Runtime:
                     _compact_memory, memory_layers, snap_dir, vm.machine.memory_bytes)]
             t_mem = time.perf_counter()
             disks = await self._snapshot_disks(vm, snap_dir)
+            t_disks = time.perf_counter()
             record = SnapshotRecord(
                 id=snap_id, source_vm=vm.id, parent_snapshot=vm.parent_snapshot,
                 mode=vm.machine.accel, machine=vm.machine,
@@ -392,7 +400,7 @@ class Runtime:
                 device_state=str(devstate), device_state_ram_block="ram0", disks=disks,
                 qemu_version=_qemu_version(vm.process),
             )
-            record.save(snap_dir)
+            await asyncio.to_thread(_save_record_durably, record, snap_dir)
         except BaseException as exc:
             shutil.rmtree(snap_dir, ignore_errors=True)
             await self._after_failed_snapshot(vm, exc)
@@ -401,18 +409,34 @@ class Runtime:
                     f"snapshot of VM {vm.id} failed: {exc.strerror or exc}"
                     f"{' (' + exc.filename + ')' if exc.filename else ''}") from exc
             raise
+        t_end = time.perf_counter()
         log.info("snapshot", extra={
-            "vm": vm.id, "snapshot": snap_id, "devstate_ms": round((t_dev - t0) * 1e3, 1),
-            "memory_ms": round((t_mem - t_dev) * 1e3, 1), "written_pages": stats.written_pages,
+            "vm": vm.id, "snapshot": snap_id, "devstate_ms": round((t_dev - t_stop) * 1e3, 1),
+            "memory_ms": round((t_mem - t_stop) * 1e3, 1), "written_pages": stats.written_pages,
             "zero_pages": stats.zero_pages})
-        vm.timings.update(snapshot_devstate_ms=(t_dev - t0) * 1e3,
-                          snapshot_memory_ms=(t_mem - t_dev) * 1e3,
-                          snapshot_total_ms=(time.perf_counter() - t0) * 1e3,
-                          snapshot_written_pages=stats.written_pages)
+        vm.timings.update(snapshot_stop_ms=(t_stop - t0) * 1e3,
+                          snapshot_devstate_ms=(t_dev - t_stop) * 1e3,
+                          snapshot_memory_ms=(t_mem - t_stop) * 1e3,
+                          snapshot_capture_wait_ms=(t_capture - t_dev) * 1e3,
+                          snapshot_disks_ms=(t_disks - t_mem) * 1e3,
+                          snapshot_record_ms=(t_end - t_disks) * 1e3,
+                          snapshot_total_ms=(t_end - t0) * 1e3,
+                          snapshot_written_pages=stats.written_pages,
+                          **{f"snapshot_mem_{k}_ms": v for k, v in stats.phases_ms.items()})
         if keep_running:
             await vm.process.execute("cont")
             vm.state = "running"
         return record
+
+    async def _save_device_state(self, vm: VM, snap_dir: Path) -> Path:
+        """Device state (no RAM) of the stopped VM as a loadable stream (devstate.py)."""
+        raw = snap_dir / "devstate.raw"
+        await vm.process.execute("xen-save-devices-state", {"filename": str(raw), "live": False})
+        machine_type = await vm.process.execute(
+            "qom-get", {"path": "/machine", "property": "type"})
+        devstate = snap_dir / "devstate.bin"
+        await asyncio.to_thread(finish_device_state, raw, devstate, machine_type)
+        return devstate
 
     def _capture(self, vm: VM, out: Path) -> Any:
         addr = find_ram_mapping(vm.pid, str(vm.mem_path), vm.machine.memory_bytes)
@@ -720,6 +744,14 @@ class Runtime:
         if vm.slot is None:
             raise RuntimeError_(f"VM {vm.id} has no network")
         await vm.slot.set_outbound(allowed)
+
+
+def _save_record_durably(record: SnapshotRecord, snap_dir: Path) -> None:
+    """snapshot.json, then the directory entries (the record's and the snapshot directory's
+    own), so a snapshot whose pause returned survives a crash."""
+    record.save(snap_dir)
+    fsync_dir(snap_dir)
+    fsync_dir(snap_dir.parent)
 
 
 def _compact_memory(layers: list[LayerRef], snap_dir: Path, size: int) -> LayerRef:
