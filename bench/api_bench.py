@@ -1,8 +1,13 @@
 """Node server benchmark: API and proxy cost, each measured beside a baseline in the same run.
 
 `--backend vm` (the default): create-run-kill latency of QEMU sandboxes
-through the E2B API, one at a time and 8 concurrent, and sustained creates/s, each beside the
-runtime's bare restore of the same snapshot in the same run. `--backend process`:
+through the E2B API, one at a time and 8 concurrent, and sustained creates/s, in the same run
+(1) with the node's ready pool (`--pool-low/--pool-high`; sequential creates start once the pool
+is refilled), (2) the same node restarted without a pool, and (3) the baselines: the runtime's
+bare restore of the same snapshot, and the bare `/init` on a VM the bench pre-restored and
+warmed itself (what a pooled create leaves to do, so the API's overhead shows). It also prints
+where a pooled create's time goes (node log timings and the create-op histogram) and what a
+pool fill costs per VM. `--backend process`:
 
 - proxy_*: the same envd request through the node's proxy (E2b-Sandbox-Id routing) and straight
   to the sandbox's envd port (baseline). The ratio is the proxy's overhead.
@@ -110,7 +115,8 @@ def process_main(args: argparse.Namespace) -> None:
     url = f"http://127.0.0.1:{port}"
     log = open(work / "node.log", "wb")  # noqa: SIM115 - lives as long as the node
     node = subprocess.Popen(
-        [sys.executable, "-m", "agentenv.node", "--state-dir", str(state), "--port", str(port)],
+        [sys.executable, "-m", "agentenv.node", "--backend", "process", "--state-dir",
+         str(state), "--port", str(port)],
         stdout=log,
         stderr=log,
     )
@@ -294,15 +300,16 @@ def process_main(args: argparse.Namespace) -> None:
 TEST_ASSETS = Path("/var/cache/aenv-test/guest/state")
 TEST_DEBIAN = Path("/var/cache/aenv-test/guest")
 NODE_PREFIX, NODE_FIRST_SLOT = "avb", 26001  # the bench node's network slots
-BARE_PREFIX, BARE_FIRST_SLOT = "avr", 27001  # the baseline runtime's
+BARE_PREFIX, BARE_FIRST_SLOT = "avr", 32401  # the baseline runtime's (32001-32400: tests/node/test_ready_pool.py; SlotPool indices end at 32767)
 
 
 class VmNode:
     """`aenv serve --backend vm` on a kept state directory (the base template is built on the
     first run only) and a free loopback port."""
 
-    def __init__(self, state_dir: Path) -> None:
+    def __init__(self, state_dir: Path, pool_low: int = 0, pool_high: int = 0) -> None:
         self.state_dir = state_dir
+        self.pool_low, self.pool_high = pool_low, max(pool_high, pool_low)
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = state_dir / "bench-node.log"
@@ -319,11 +326,13 @@ class VmNode:
     def start(self, timeout: float = 1800) -> float:
         self.state_dir.mkdir(parents=True, exist_ok=True)
         env = {k: v for k, v in os.environ.items() if k != "AENV_API_KEY"}
-        env |= {"AENV_VM_NETWORK_PREFIX": NODE_PREFIX, "AENV_VM_FIRST_SLOT": str(NODE_FIRST_SLOT)}
+        env |= {"AENV_VM_NETWORK_PREFIX": NODE_PREFIX, "AENV_VM_FIRST_SLOT": str(NODE_FIRST_SLOT),
+                "AENV_VM_POOL_LOW": str(self.pool_low), "AENV_VM_POOL_HIGH": str(self.pool_high)}
         if TEST_ASSETS.is_dir() and "AENV_VM_ASSETS_DIR" not in env:
             env |= {"AENV_VM_ASSETS_DIR": str(TEST_ASSETS),
                     "AENV_VM_DEBIAN_CACHE": str(TEST_DEBIAN)}
         began = time.monotonic()
+        self.log_offset = self.log_path.stat().st_size if self.log_path.exists() else 0
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "agentenv.node", "--backend", "vm", "--state-dir",
@@ -334,6 +343,32 @@ class VmNode:
                     return time.monotonic() - began
             if self.proc.poll() is not None or time.monotonic() - began > timeout:
                 raise SystemExit(f"node did not start: {self.log_path.read_text()[-2000:]}")
+            time.sleep(0.1)
+
+    def log_lines(self, msg: str) -> list[dict[str, Any]]:
+        """This run's JSON log lines whose message is `msg`."""
+        found = []
+        with open(self.log_path, "rb") as f:
+            f.seek(self.log_offset)
+            for raw in f:
+                with contextlib.suppress(ValueError):
+                    line = json.loads(raw)
+                    if isinstance(line, dict) and line.get("msg") == msg:
+                        found.append(line)
+        return found
+
+    def pooled_now(self) -> int:
+        """VMs parked in the ready pools (from the node's log: parked - taken - discarded)."""
+        return (len(self.log_lines("ready pool VM parked"))
+                - len(self.log_lines("sandbox VM from the ready pool"))
+                - len(self.log_lines("pooled VM failed at create: restoring instead"))
+                - len(self.log_lines("ready pool VM discarded")))
+
+    def wait_pooled(self, count: int, timeout: float = 120) -> None:
+        deadline = time.monotonic() + timeout
+        while self.pooled_now() < count:
+            if time.monotonic() > deadline:
+                raise SystemExit(f"the ready pool did not reach {count} VMs in {timeout:.0f} s")
             time.sleep(0.1)
 
     def stop(self, timeout: float = 900) -> None:
@@ -385,43 +420,82 @@ async def measure(op: Callable[[], Any], total: int, concurrency: int
     return results, time.perf_counter() - began
 
 
-async def vm_measurements(node: VmNode, work: Path, quick: bool) -> None:
+def create_op_mean_ms(url: str) -> tuple[float, int]:
+    """Sum (ms) and count of the orchestrator's create operations (Prometheus histogram)."""
+    text = httpx.get(url + "/metrics", timeout=10, trust_env=False).text
+    total, count = 0.0, 0
+    for line in text.splitlines():
+        if 'op="create"' in line and 'outcome="ok"' in line:
+            if line.startswith("aenv_node_sandbox_operation_seconds_sum"):
+                total = float(line.rsplit(" ", 1)[1]) * 1e3
+            elif line.startswith("aenv_node_sandbox_operation_seconds_count"):
+                count = int(float(line.rsplit(" ", 1)[1]))
+    return total, count
+
+
+class Phase:
+    """One node configuration's API measurements (the same ops for pool on and off)."""
+
+    def __init__(self, node: VmNode) -> None:
+        self.node = node
+        self.api = httpx.AsyncClient(base_url=node.url, headers={"X-API-KEY": node.key},
+                                     timeout=120, trust_env=False,
+                                     limits=httpx.Limits(max_connections=64))
+        self.envd = httpx.AsyncClient(timeout=120, trust_env=False)
+
+    async def op(self) -> dict[str, float]:
+        t0 = time.perf_counter()
+        answer = await self.api.post("/v2/sandboxes", json={"templateID": "base", "timeout": 300})
+        answer.raise_for_status()
+        body = answer.json()
+        t1 = time.perf_counter()
+        headers = {"E2b-Sandbox-Id": body["sandboxID"], "E2b-Sandbox-Port": "49983",
+                   "X-Access-Token": body["envdAccessToken"]}
+        assert await run_async(self.envd, self.node.url, headers, "echo ok") == "ok\n"
+        t2 = time.perf_counter()
+        (await self.api.delete(f"/sandboxes/{body['sandboxID']}")).raise_for_status()
+        t3 = time.perf_counter()
+        return {"create": (t1 - t0) * 1e3, "run": (t2 - t1) * 1e3, "kill": (t3 - t2) * 1e3,
+                "total": (t3 - t0) * 1e3}
+
+    async def sequential(self, count: int, refill_to: int) -> list[dict[str, float]]:
+        """`count` ops one at a time; with a pool, each starts once the pool is back at
+        `refill_to` (the latency of a create that finds a VM ready)."""
+        out = []
+        for _ in range(count):
+            if refill_to:
+                await asyncio.to_thread(self.node.wait_pooled, refill_to)
+            out.append(await self.op())
+        return out
+
+    async def close(self) -> None:
+        await self.api.aclose()
+        await self.envd.aclose()
+
+
+async def vm_measurements(pool_node: VmNode, work: Path, quick: bool) -> None:
     from agentenv.blockd.client import AsyncBlockdClient
     from agentenv.node.vm_backend import SLOT_COOLDOWN
     from agentenv.runtime.config import RuntimeConfig
     from agentenv.runtime.vm import Runtime
     from agentenv.snapshot.record import SnapshotRecord
 
-    sequential, rounds_c8, sustained = (3, 1, 8) if quick else (30, 4, 48)
-    meta = json.loads((node.state_dir / "templates" / "base" / "template.json").read_text())
+    sequential, rounds_c8, sustained = (3, 1, 8) if quick else (20, 2, 32)
+    low = pool_node.pool_low
+    meta = json.loads((pool_node.state_dir / "templates" / "base" / "template.json").read_text())
     record = SnapshotRecord.load(Path(meta["record_dir"]))
-    api = httpx.AsyncClient(base_url=node.url, headers={"X-API-KEY": node.key}, timeout=120,
-                            trust_env=False, limits=httpx.Limits(max_connections=64))
     envd = httpx.AsyncClient(timeout=120, trust_env=False)
 
-    async def api_op() -> dict[str, float]:
-        t0 = time.perf_counter()
-        answer = await api.post("/v2/sandboxes", json={"templateID": "base", "timeout": 300})
-        answer.raise_for_status()
-        body = answer.json()
-        t1 = time.perf_counter()
-        headers = {"E2b-Sandbox-Id": body["sandboxID"], "E2b-Sandbox-Port": "49983",
-                   "X-Access-Token": body["envdAccessToken"]}
-        assert await run_async(envd, node.url, headers, "echo ok") == "ok\n"
-        t2 = time.perf_counter()
-        (await api.delete(f"/sandboxes/{body['sandboxID']}")).raise_for_status()
-        t3 = time.perf_counter()
-        return {"create": (t1 - t0) * 1e3, "run": (t2 - t1) * 1e3, "kill": (t3 - t2) * 1e3,
-                "total": (t3 - t0) * 1e3}
-
-    # The baseline: the runtime alone, configured like the node's, restoring the same snapshot
-    # with disks on the node's own blockd; envd called straight at the VM's address.
+    # The baselines: the runtime alone, configured like the node's, restoring the same
+    # snapshot with disks on the node's own blockd; envd called straight at the VM's address.
+    # bare_op is a create without a pool; bare_pooled_op is what a pooled create leaves to do
+    # (the /init with the sandbox's identity on a VM restored and warmed beforehand).
     config = RuntimeConfig(state_dir=work / "runtime", accel=record.mode,
                            network_prefix=BARE_PREFIX, slot_first_index=BARE_FIRST_SLOT,
-                           blockd_socket=node.blockd_socket, slot_reuse_delay=SLOT_COOLDOWN)
-    blockd = AsyncBlockdClient(node.blockd_socket)
-    runtime = Runtime(config, blockd=blockd)
-    await runtime.start(kernel_for_probe=Path(record.machine.kernel))
+                           blockd_socket=pool_node.blockd_socket, slot_reuse_delay=SLOT_COOLDOWN)
+    blockd: Any = None
+    runtime: Any = None
+    plain_node: VmNode | None = None
 
     async def bare_op() -> dict[str, float]:
         token = os.urandom(16).hex()
@@ -438,42 +512,155 @@ async def vm_measurements(node: VmNode, work: Path, quick: bool) -> None:
         return {"create": (t1 - t0) * 1e3, "run": (t2 - t1) * 1e3, "kill": (t3 - t2) * 1e3,
                 "total": (t3 - t0) * 1e3}
 
+    async def bare_pooled_op() -> dict[str, float]:
+        from agentenv.node.ready_pool import ReadyPool, ReadyPoolConfig
+
+        pool = ReadyPool(runtime, ReadyPoolConfig(low=1, high=1), work / "pool")
+        pool.start()
+        key = str(Path(record.device_state).parent)
+        try:
+            pool.want(key, record, pinned=True)
+            assert await pool.wait_ready(key, 1, 120), "the bench's own pool did not fill"
+            vm = pool.take(key)
+            await pool.drop(key)
+            assert vm is not None
+            token = os.urandom(16).hex()
+            t0 = time.perf_counter()
+            await runtime.envd_init(vm, {"E2B_SANDBOX_ID": "bench"}, token)
+            t1 = time.perf_counter()
+            try:
+                assert await run_async(envd, vm.envd_url, {"X-Access-Token": token},
+                                       "echo ok") == "ok\n"
+                t2 = time.perf_counter()
+            finally:
+                await runtime.kill(vm)
+            t3 = time.perf_counter()
+        finally:
+            await pool.close()
+        return {"create": (t1 - t0) * 1e3, "run": (t2 - t1) * 1e3, "kill": (t3 - t2) * 1e3,
+                "total": (t3 - t0) * 1e3}
+
+    def emit_pair(metric: str, a: list[float], base: str, b: list[float], q: float = 0.5) -> None:
+        if q == 0.5:
+            emit(metric, statistics.median(a), "ms", base, statistics.median(b))
+        else:
+            emit(metric, percentile(a, q), "ms", base, percentile(b, q))
+
+    pooled = Phase(pool_node)
     try:
-        await api_op()  # warm both paths once (memory file, page cache, connections)
+        # 1. The node with its ready pool (the default configuration).
+        await asyncio.to_thread(pool_node.wait_pooled, low)
+        await pooled.op()  # warm the API path and the connections once
+        sum0, n0 = await asyncio.to_thread(create_op_mean_ms, pool_node.url)
+        taken0 = len(pool_node.log_lines("sandbox VM from the ready pool"))
+        seq_pool = await pooled.sequential(sequential, low)
+        sum1, n1 = await asyncio.to_thread(create_op_mean_ms, pool_node.url)
+        handovers = pool_node.log_lines("sandbox VM from the ready pool")[taken0:]
+        await asyncio.to_thread(pool_node.wait_pooled, low)
+        c8_pool, _ = await measure(pooled.op, 8 * rounds_c8, 8)
+        await asyncio.to_thread(pool_node.wait_pooled, low)
+        taken_before = len(pool_node.log_lines("sandbox VM from the ready pool"))
+        _, pool_wall = await measure(pooled.op, sustained, 8)
+        pool_hits = len(pool_node.log_lines("sandbox VM from the ready pool")) - taken_before
+        parked = pool_node.log_lines("ready pool VM parked")
+        await pooled.close()
+        pool_node.stop()
+
+        # 2. The same node restarted without a pool (same state dir, same template).
+        plain_node = VmNode(pool_node.state_dir, 0, 0)
+        plain_node.port = pool_node.port
+        plain_node.url = pool_node.url
+        await asyncio.to_thread(plain_node.start)
+        plain = Phase(plain_node)
+        try:
+            await plain.op()
+            seq_plain = await plain.sequential(sequential, 0)
+            c8_plain, _ = await measure(plain.op, 8 * rounds_c8, 8)
+            _, plain_wall = await measure(plain.op, sustained, 8)
+        finally:
+            await plain.close()
+
+        # 3. The bare runtime (the node is still up: its blockd serves the disks).
+        blockd = AsyncBlockdClient(plain_node.blockd_socket)
+        runtime = Runtime(config, blockd=blockd)
+        await runtime.start(kernel_for_probe=Path(record.machine.kernel))
         await bare_op()
-        seq_api, _ = await measure(api_op, sequential, 1)
-        seq_bare, _ = await measure(bare_op, sequential, 1)
-        for phase, label in (("create", "create"), ("total", "create_run_kill")):
-            a = [r[phase] for r in seq_api]
-            b = [r[phase] for r in seq_bare]
-            base = "runtime.restore (envd /init done)" if phase == "create" else \
-                "runtime restore + envd command + kill"
-            emit(f"vm_{label}_p50_ms", statistics.median(a), "ms", base, statistics.median(b))
-            emit(f"vm_{label}_p99_ms", percentile(a, 0.99), "ms", base, percentile(b, 0.99))
-        overhead = statistics.median(r["create"] for r in seq_api) - statistics.median(
-            r["create"] for r in seq_bare)
-        emit("vm_api_create_overhead_ms", overhead, "ms", "runtime.restore p50",
-             statistics.median(r["create"] for r in seq_bare))
-
-        c8_api, _ = await measure(api_op, 8 * rounds_c8, 8)
+        seq_bare = [await bare_op() for _ in range(sequential)]
+        seq_bare_pooled = [await bare_pooled_op() for _ in range(sequential)]
         c8_bare, _ = await measure(bare_op, 8 * rounds_c8, 8)
-        base = "runtime restore + envd command + kill, 8 concurrent"
-        emit("vm_create_run_kill_c8_p50_ms", statistics.median(r["total"] for r in c8_api), "ms",
-             base, statistics.median(r["total"] for r in c8_bare))
-        emit("vm_create_run_kill_c8_p99_ms", percentile([r["total"] for r in c8_api], 0.99),
-             "ms", base, percentile([r["total"] for r in c8_bare], 0.99))
-        emit("vm_create_c8_p50_ms", statistics.median(r["create"] for r in c8_api), "ms",
-             "runtime.restore, 8 concurrent", statistics.median(r["create"] for r in c8_bare))
-
-        _, api_wall = await measure(api_op, sustained, 8)
         _, bare_wall = await measure(bare_op, sustained, 8)
-        emit("vm_sustained_creates_per_s", sustained / api_wall, "creates/s",
-             "runtime restores/s (same loop: restore, command, kill; 8 in flight)",
+        plain_node.stop()
+
+        def col(rows: list[dict[str, float]], phase: str) -> list[float]:
+            return [r[phase] for r in rows]
+
+        restore = "runtime.restore (envd /init done)"
+        emit_pair("vm_create_p50_ms", col(seq_pool, "create"),
+                  "bare /init on a pre-restored warmed VM", col(seq_bare_pooled, "create"))
+        emit_pair("vm_create_p99_ms", col(seq_pool, "create"),
+                  "bare /init on a pre-restored warmed VM", col(seq_bare_pooled, "create"), 0.99)
+        emit_pair("vm_create_pool_vs_restore_p50_ms", col(seq_pool, "create"), restore,
+                  col(seq_bare, "create"))
+        emit_pair("vm_create_nopool_p50_ms", col(seq_plain, "create"), restore,
+                  col(seq_bare, "create"))
+        emit_pair("vm_create_nopool_p99_ms", col(seq_plain, "create"), restore,
+                  col(seq_bare, "create"), 0.99)
+        emit("vm_api_create_overhead_ms",
+             statistics.median(col(seq_pool, "create"))
+             - statistics.median(col(seq_bare_pooled, "create")), "ms",
+             "bare /init on a warmed VM p50", statistics.median(col(seq_bare_pooled, "create")))
+        emit("vm_api_create_overhead_nopool_ms",
+             statistics.median(col(seq_plain, "create"))
+             - statistics.median(col(seq_bare, "create")), "ms",
+             "runtime.restore p50", statistics.median(col(seq_bare, "create")))
+        emit_pair("vm_create_run_kill_p50_ms", col(seq_pool, "total"),
+                  "runtime restore + envd command + kill", col(seq_bare, "total"))
+        emit_pair("vm_create_run_kill_nopool_p50_ms", col(seq_plain, "total"),
+                  "runtime restore + envd command + kill", col(seq_bare, "total"))
+        emit_pair("vm_first_command_p50_ms", col(seq_pool, "run"),
+                  "first command after runtime.restore", col(seq_bare, "run"))
+        base8 = "runtime restore + envd command + kill, 8 concurrent"
+        emit_pair("vm_create_run_kill_c8_p50_ms", col(c8_pool, "total"), base8,
+                  col(c8_bare, "total"))
+        emit_pair("vm_create_run_kill_c8_nopool_p50_ms", col(c8_plain, "total"), base8,
+                  col(c8_bare, "total"))
+        emit_pair("vm_create_c8_p50_ms", col(c8_pool, "create"), "runtime.restore, 8 concurrent",
+                  col(c8_bare, "create"))
+        emit_pair("vm_create_c8_nopool_p50_ms", col(c8_plain, "create"),
+                  "runtime.restore, 8 concurrent", col(c8_bare, "create"))
+        loop = "runtime restores/s (same loop: restore, command, kill; 8 in flight)"
+        emit("vm_sustained_creates_per_s", sustained / pool_wall, "creates/s", loop,
              sustained / bare_wall)
+        emit("vm_sustained_creates_nopool_per_s", sustained / plain_wall, "creates/s", loop,
+             sustained / bare_wall)
+        # Where a pooled create's time goes (node log timings and the create op histogram).
+        if handovers:
+            init = [h["timings_ms"]["envd_init_ms"] for h in handovers]
+            op_mean = (sum1 - sum0) / max(1, n1 - n0)
+            api_mean = statistics.fmean(col(seq_pool, "create"))
+            print(json.dumps({"breakdown": "pooled create (means, ms)",
+                              "api_create": round(api_mean, 1),
+                              "orchestrator_op": round(op_mean, 1),
+                              "backend_envd_init": round(statistics.fmean(init), 1),
+                              "backend_outbound": round(statistics.fmean(
+                                  h["timings_ms"]["outbound_ms"] for h in handovers), 1),
+                              "orchestrator_rest": round(op_mean - statistics.fmean(init), 1),
+                              "http_and_api": round(api_mean - op_mean, 1),
+                              "pool_hits_of_sequential": f"{len(handovers)}/{sequential}",
+                              "pool_hits_of_sustained": f"{pool_hits}/{sustained}"}),
+                  flush=True)
+        if parked:
+            print(json.dumps({"breakdown": "pool fill per VM (means, ms, background)",
+                              "restore": round(statistics.fmean(p["restore_ms"] for p in parked), 1),
+                              "warm": round(statistics.fmean(p["warm_ms"] for p in parked), 1)}),
+                  flush=True)
     finally:
-        await runtime.close()
-        await blockd.close()
-        await api.aclose()
+        if runtime is not None:
+            await runtime.close()
+        if blockd is not None:
+            await blockd.close()
+        if plain_node is not None:
+            plain_node.stop()
         await envd.aclose()
 
 
@@ -481,7 +668,7 @@ def vm_main(args: argparse.Namespace) -> None:
     if os.geteuid() != 0:
         raise SystemExit("the VM backend needs root (network namespaces, nftables, blockd)")
     work = Path(tempfile.mkdtemp(prefix="aenv-api-bench-vm-"))
-    node = VmNode(args.state_dir)
+    node = VmNode(args.state_dir, args.pool_low, args.pool_high)
     try:
         started = node.start()
         print(json.dumps({"info": "vm node ready", "seconds": round(started, 1),
@@ -503,6 +690,10 @@ def main() -> None:
     parser.add_argument("--state-dir", type=Path, default=Path("/var/tmp/aenv-api-bench"),
                         help="vm: the node's state directory, kept between runs (the base "
                         "template is built on the first one)")
+    parser.add_argument("--pool-low", type=int, default=2,
+                        help="vm: the ready pool's low watermark for the pooled phase")
+    parser.add_argument("--pool-high", type=int, default=4,
+                        help="vm: the ready pool's high watermark for the pooled phase")
     args = parser.parse_args()
     if args.backend == "process":
         process_main(args)

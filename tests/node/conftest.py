@@ -1,4 +1,5 @@
-"""Fixtures: a real node server process (process backend) on a free loopback port."""
+"""Fixtures: a real node server process on a free loopback port (`--backend process` unless a
+test asks for the VM backend, which is the CLI's default)."""
 
 from __future__ import annotations
 
@@ -40,7 +41,8 @@ def _pids_using(state_dir: Path) -> list[int]:
 class NodeProcess:
     """`python -m agentenv.node` on a free port; restartable on the same state directory."""
 
-    def __init__(self, state_dir: Path, log_path: Path, *, extra_args: tuple[str, ...] = (),
+    def __init__(self, state_dir: Path, log_path: Path, *,
+                 extra_args: tuple[str, ...] = ("--backend", "process"),
                  extra_env: dict[str, str] | None = None, start_timeout: float = 90) -> None:
         self.state_dir = state_dir
         self.log_path = log_path

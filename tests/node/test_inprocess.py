@@ -25,7 +25,7 @@ async def build_status(request: Request) -> Response:
 
 def test_extra_routes_and_registered_templates(tmp_path: Path) -> None:
     route = Route("/templates/{tid}/builds/{bid}/status", build_status, methods=["GET"])
-    app = build_app(ServeOptions(state_dir=tmp_path / "state"), extra_routes=[route])
+    app = build_app(ServeOptions(state_dir=tmp_path / "state", backend="process"), extra_routes=[route])
     key = (tmp_path / "state" / "secrets" / "api-key").read_text().strip()
     with TestClient(app, headers={"X-API-KEY": key}) as client:
         answer = client.get("/templates/t1/builds/b1/status")

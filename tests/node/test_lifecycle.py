@@ -199,6 +199,30 @@ def test_kill9_restart_adopts_running_sandboxes(make_node: Any) -> None:
     assert _envd_pids(node.state_dir) == set()
 
 
+def test_node_dying_right_after_pausing_loses_nothing(make_node: Any) -> None:
+    """Fault injection: AENV_TEST_CRASH_AT=pause-snapshot-written makes the node os._exit right
+    after the backend paused, before the node recorded it (the window a kill -9 would hit)."""
+    node = make_node()
+    node.stop()
+    node.extra_env["AENV_TEST_CRASH_AT"] = "pause-snapshot-written"
+    node.start()
+    with node.client() as api:
+        sbx = api.post("/v2/sandboxes", json={"timeout": 600}).json()
+        sid, token = sbx["sandboxID"], sbx["envdAccessToken"]
+        run(node, sid, token, "echo before-crash > /home/user/c.txt")
+        with pytest.raises(httpx.HTTPError):
+            api.post(f"/sandboxes/{sid}/pause", json={})
+    assert node.proc is not None and node.proc.wait(timeout=30) == 86
+    node.proc = None
+    del node.extra_env["AENV_TEST_CRASH_AT"]
+    node.start()
+    with node.client() as api:
+        assert api.get(f"/sandboxes/{sid}").json()["state"] == "paused"
+        assert api.post(f"/v2/sandboxes/{sid}/connect", json={}).status_code == 201
+        assert run(node, sid, token, "cat /home/user/c.txt") == "before-crash\n"
+        assert api.delete(f"/sandboxes/{sid}").status_code == 204
+
+
 def test_second_node_on_the_same_state_dir_is_refused(make_node: Any) -> None:
     import subprocess
     import sys
@@ -212,6 +236,8 @@ def test_second_node_on_the_same_state_dir_is_refused(make_node: Any) -> None:
             "-m",
             "agentenv.cli.main",
             "serve",
+            "--backend",
+            "process",
             "--state-dir",
             str(node.state_dir),
             "--port",
@@ -226,3 +252,17 @@ def test_second_node_on_the_same_state_dir_is_refused(make_node: Any) -> None:
     assert "Traceback" not in second.stderr
     with node.client() as api:  # the first node is unharmed
         assert api.get("/v2/sandboxes").status_code == 200
+
+
+def test_serve_defaults_to_the_vm_backend() -> None:
+    """The product is the VM backend: `aenv serve` runs it unless told `--backend process`."""
+    from click.testing import CliRunner
+
+    from agentenv.cli.node import serve_command
+    from agentenv.node.server import ServeOptions
+
+    assert ServeOptions().backend == "vm"
+    default = next(p for p in serve_command.params if p.name == "backend").default
+    assert default == "vm"
+    shown = CliRunner().invoke(serve_command, ["--help"]).output
+    assert "[default: vm]" in shown

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import sqlite3
 import time
 from pathlib import Path
@@ -121,3 +122,60 @@ def test_migrates_an_empty_database_and_refuses_a_newer_one(tmp_path: Path) -> N
     conn.close()
     with pytest.raises(StoreError, match="upgrade"):
         asyncio.run(open_close())
+
+
+def test_migrates_version_1_forward_and_keeps_its_rows(tmp_path: Path) -> None:
+    """A database of the first schema (before pending operations) opens with its rows intact."""
+    from agentenv.node.store import MIGRATIONS
+
+    path = tmp_path / "node.db"
+    conn = sqlite3.connect(path)
+    conn.executescript(MIGRATIONS[0])
+    conn.execute("CREATE TABLE schema_version (version INTEGER NOT NULL)")
+    conn.execute("INSERT INTO schema_version VALUES (1)")
+    conn.execute("INSERT INTO sandboxes (id, state, doc) VALUES ('iold', 'paused', ?)",
+                 (json.dumps(record("iold").to_row()),))
+    conn.commit()
+    conn.close()
+
+    async def scenario() -> None:
+        store = Store(path)
+        await store.open()
+        assert await store.schema_version() == SCHEMA_VERSION >= 2
+        assert [r.sandbox_id for r in await store.load_sandboxes()] == ["iold"]
+        assert await store.load_pending() == {}
+        await store.close()
+
+    asyncio.run(scenario())
+
+
+def test_pending_pause_and_its_finish_are_one_transaction(tmp_path: Path) -> None:
+    async def scenario() -> None:
+        store = Store(tmp_path / "node.db")
+        await store.open()
+        rec = record("ip")
+        rec.state = State.PAUSING
+        await store.put_sandbox(rec)
+        await store.put_pending("ip", "pause", 123.5, {"memory": True})
+        await store.close()
+
+        store = Store(tmp_path / "node.db")  # as a restarted node sees it
+        await store.open()
+        pending = await store.load_pending()
+        assert list(pending) == ["ip"]
+        assert (pending["ip"].op, pending["ip"].started_at) == ("pause", 123.5)
+        assert pending["ip"].doc == {"memory": True}
+        rec.state = State.PAUSED
+        rec.placement = None
+        rec.pause_snapshot = TemplateRef("paused", {"record_dir": "/snap"}, ("m1",))
+        await store.finish_pause(rec, ["layer1", "m1"])
+        assert await store.load_pending() == {}
+        (loaded,) = await store.load_sandboxes()
+        assert loaded.state == State.PAUSED and loaded.pause_snapshot == rec.pause_snapshot
+        assert await store.layer_ref_counts() == {"layer1": 1, "m1": 1}
+        await store.put_pending("ix", "pause", 1.0, {})
+        await store.delete_pending("ix")
+        assert await store.load_pending() == {}
+        await store.close()
+
+    asyncio.run(scenario())

@@ -29,11 +29,12 @@ DEFAULT_URL = "http://127.0.0.1:8000"
 @click.option("--port", type=int, default=8000, show_default=True)
 @click.option(
     "--backend",
-    type=click.Choice(["process", "vm"]),
-    default="process",
+    type=click.Choice(["vm", "process"]),
+    default="vm",
     show_default=True,
-    help="What runs sandboxes: 'process' = envd processes on this host (no VM); "
-    "'vm' = QEMU VMs (root; builds the guest and the base template on first start).",
+    help="What runs sandboxes: 'vm' = QEMU VMs (the product; root; builds the guest and the "
+    "base template on first start); 'process' = envd processes on this host, no VM "
+    "(development and tests only: no isolation, pause keeps files only).",
 )
 @click.option(
     "--domain", default=None, help="Sandbox domain returned to SDKs ({port}-{id}.DOMAIN)."

@@ -47,6 +47,34 @@ class NodeMetrics:
             registry=self.registry,
         )
 
+        self.gc_files = Counter(
+            "aenv_node_gc_reclaimed_files",
+            "Layer and snapshot files deleted by garbage collection",
+            registry=self.registry,
+        )
+        self.gc_bytes = Counter(
+            "aenv_node_gc_reclaimed_bytes",
+            "Disk bytes (allocated blocks) freed by garbage collection",
+            registry=self.registry,
+        )
+        self.gc_devices = Counter(
+            "aenv_node_gc_released_devices",
+            "Stray blockd devices released by garbage collection",
+            registry=self.registry,
+        )
+        self.gc_seconds = Histogram(
+            "aenv_node_gc_seconds",
+            "Duration of garbage collection passes",
+            buckets=OP_BUCKETS,
+            registry=self.registry,
+        )
+
+    def record_gc(self, files: int, size: int, devices: int, seconds: float) -> None:
+        self.gc_files.inc(files)
+        self.gc_bytes.inc(size)
+        self.gc_devices.inc(devices)
+        self.gc_seconds.observe(seconds)
+
     def watch_states(self, counts: Callable[[], dict[str, int]]) -> None:
         self.registry.register(_StateCollector(counts))
 

@@ -10,6 +10,13 @@ Rules that keep it simple and safe:
   that disconnects never leaves a sandbox half paused or half created.
 - Every transition is written to SQLite before the call returns, so a restarted node knows each
   sandbox's last state; running sandboxes are re-adopted from the backend after a SIGKILL.
+- A pause is recorded as pending (store.pending_ops) before the backend writes its snapshot;
+  a node killed between that write and the paused record finds the snapshot again at its next
+  start through the backend's optional `recover_pause(sandbox_id, placement, since)`: complete
+  on disk -> the sandbox is paused with it; none -> the VM, if it still runs, is adopted,
+  else the sandbox is gone (its half-written files are garbage for node/gc.py).
+- Files nobody needs any more are deleted by node/gc.py: at start after adoption, and
+  (debounced) after every kill and snapshot/template delete.
 """
 
 from __future__ import annotations
@@ -17,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable
@@ -42,7 +50,7 @@ from agentenv.node.errors import (
 )
 from agentenv.node.records import SandboxRecord, State, TemplateRecord
 from agentenv.node.security import TokenIssuer, new_id
-from agentenv.node.store import NameTaken, Store
+from agentenv.node.store import NameTaken, PendingOp, Store
 
 log = logging.getLogger("agentenv.node.orchestrator")
 T = TypeVar("T")
@@ -51,6 +59,17 @@ T = TypeVar("T")
 WAIT_TRANSITION_SECONDS = 60.0
 MAX_FORK_COUNT = 16
 METRIC_HISTORY = 120
+#: Fault injection for tests only: when this variable names a crash point, the node process
+#: ends with os._exit there (as a kill -9 would), e.g. "pause-snapshot-written": right after
+#: the backend wrote a pause snapshot, before the node recorded it.
+CRASH_POINT_ENV = "AENV_TEST_CRASH_AT"
+CRASH_EXIT_CODE = 86
+
+
+def _crash_point(name: str) -> None:
+    if os.environ.get(CRASH_POINT_ENV) == name:
+        log.error("test crash point reached: exiting at once", extra={"crash_point": name})
+        os._exit(CRASH_EXIT_CODE)
 
 
 @dataclass
@@ -118,6 +137,8 @@ class Orchestrator:
         self._on_op = on_op or (lambda op, outcome, seconds: None)
         #: ids of the templates the backend provides itself (never deleted through the API)
         self.builtin_templates: set[str] = set()
+        #: the layer garbage collector (node/gc.py), set by the server before start()
+        self.gc: Any = None
         if hasattr(backend, "on_sandbox_lost"):
             backend.on_sandbox_lost = self.sandbox_lost
 
@@ -160,24 +181,38 @@ class Orchestrator:
                 )
             )
         await self._reconcile()
+        if self.gc is not None:
+            try:
+                await self.gc.collect("startup")
+            except Exception:  # never keeps the node from starting; the next pass retries
+                log.exception("garbage collection at startup failed")
         self._reaper = asyncio.create_task(self._reap_forever(), name="reaper")
 
     async def _reconcile(self) -> None:
         """Match the records of the last run with what the backend still runs."""
         records = await self.store.load_sandboxes()
+        pending = await self.store.load_pending()
         adopted = await self.backend.adopt()
+        #: why the backend could not take a VM over (e.g. blockd restarted under it)
+        failures: dict[str, str] = dict(getattr(self.backend, "adopt_failures", {}) or {})
         known = {rec.sandbox_id for rec in records}
         for rec in records:
             sid = rec.sandbox_id
+            op = pending.pop(sid, None)
+            if op is not None:
+                await self.store.delete_pending(sid)
             if rec.state == State.PAUSED:
                 self.sandboxes[sid] = rec
                 continue
             live = adopted.get(sid)
             if live is not None and rec.state not in (State.CREATING, State.KILLING):
+                # Also a pause cut short before its snapshot was complete: the VM goes on.
                 rec.state, rec.placement, rec.pause_snapshot = State.RUNNING, live, None
                 self.sandboxes[sid] = rec
                 await self.store.put_sandbox(rec)
                 log.info("adopted running sandbox", extra={"sandbox_id": sid})
+            elif live is None and rec.state == State.PAUSING and await self._recover_pause(rec, op):
+                log.info("pause completed after a node crash", extra={"sandbox_id": sid})
             elif live is None and rec.state == State.RESUMING and rec.pause_snapshot:
                 rec.state, rec.placement = State.PAUSED, None
                 self.sandboxes[sid] = rec
@@ -185,7 +220,13 @@ class Orchestrator:
             else:
                 log.warning(
                     "sandbox lost across node restart",
-                    extra={"sandbox_id": sid, "last_state": rec.state.value},
+                    extra={
+                        "sandbox_id": sid,
+                        "last_state": rec.state.value,
+                        "reason": failures.get(sid)
+                        or ("its VM no longer runs" if live is None else "it was being "
+                            f"{'created' if rec.state == State.CREATING else 'killed'}"),
+                    },
                 )
                 with contextlib.suppress(BackendError):
                     await self.backend.kill(sid, live)
@@ -196,6 +237,30 @@ class Orchestrator:
                 log.warning("killing orphan sandbox", extra={"sandbox_id": sid})
                 with contextlib.suppress(BackendError):
                     await self.backend.kill(sid, placement)
+        for sid in pending:  # pending operations of sandboxes without a record
+            await self.store.delete_pending(sid)
+
+    async def _recover_pause(self, rec: SandboxRecord, op: PendingOp | None) -> bool:
+        """A node killed while pausing `rec`: if the backend wrote the pause snapshot in full,
+        the sandbox is paused with it (nothing is lost); False when there is none."""
+        recover = getattr(self.backend, "recover_pause", None)
+        if op is None or op.op != "pause" or recover is None or rec.placement is None:
+            return False
+        try:
+            result = await recover(rec.sandbox_id, rec.placement, op.started_at)
+        except Exception as exc:
+            log.warning("pause snapshot not recovered",
+                        extra={"sandbox_id": rec.sandbox_id, "error": str(exc)})
+            return False
+        if result is None:
+            return False
+        rec.placement = None
+        rec.pause_snapshot = result.snapshot
+        rec.pause_mode = "full" if result.memory else "filesystem"
+        rec.state = State.PAUSED
+        self.sandboxes[rec.sandbox_id] = rec
+        await self.store.finish_pause(rec, [*rec.source.layers, *result.snapshot.layers])
+        return True
 
     def sandbox_lost(self, sandbox_id: str, reason: str) -> None:
         """The backend saw a running sandbox end on its own (its VM died): remove it, as a kill
@@ -240,6 +305,8 @@ class Orchestrator:
                         "pause at shutdown failed",
                         extra={"sandbox_id": rec.sandbox_id, "error": str(result)},
                     )
+        if self.gc is not None:
+            await self.gc.close()
         await self.backend.close()
         await self.store.close()
         if self._http:
@@ -405,6 +472,12 @@ class Orchestrator:
                 "template data not deleted",
                 extra={"template_id": tpl.template_id, "error": str(exc)},
             )
+        self._collect_soon()
+
+    def _collect_soon(self) -> None:
+        """A debounced garbage collection pass (node/gc.py), if the node has a collector."""
+        if self.gc is not None and not self._closing:
+            self.gc.request()
 
     # --- create ------------------------------------------------------------------------------
 
@@ -523,23 +596,28 @@ class Orchestrator:
         assert rec.placement is not None
         try:
             await self.store.put_sandbox(rec)
+            # Before the backend writes anything: a crash between its snapshot and the paused
+            # record below is then repaired at the next start (_recover_pause).
+            await self.store.put_pending(
+                sid, "pause", time.time(), {"memory": memory, "placement": rec.placement.to_json()}
+            )
             result = await self.backend.pause(sid, rec.placement, memory)
         except BackendError as exc:
+            with contextlib.suppress(Exception):
+                await self.store.delete_pending(sid)
             if exc.retryable:
                 rec.state = State.RUNNING
                 await self.store.put_sandbox(rec)
                 raise Internal(f"failed to pause sandbox {sid}: {exc}") from exc
             await self._forget(rec)
             raise Internal(f"sandbox {sid} was lost while pausing: {exc}") from exc
+        _crash_point("pause-snapshot-written")
         rec.placement = None
         rec.pause_snapshot = result.snapshot
         rec.pause_mode = "full" if result.memory else "filesystem"
         rec.state = State.PAUSED
         self._metric_history.pop(sid, None)
-        await self.store.put_sandbox(rec)
-        await self.store.set_layer_refs(
-            "sandbox", sid, [*rec.source.layers, *result.snapshot.layers]
-        )
+        await self.store.finish_pause(rec, [*rec.source.layers, *result.snapshot.layers])
         log.info("sandbox paused", extra={"sandbox_id": sid, "mode": rec.pause_mode})
 
     async def connect(self, sandbox_id: str, timeout: int | None) -> tuple[SandboxRecord, bool]:
@@ -674,6 +752,7 @@ class Orchestrator:
         self._metric_history.pop(rec.sandbox_id, None)
         await self.store.delete_sandbox(rec.sandbox_id)
         await self.store.set_layer_refs("sandbox", rec.sandbox_id, [])
+        self._collect_soon()
 
     # --- timeouts ----------------------------------------------------------------------------
 

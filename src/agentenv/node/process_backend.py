@@ -291,6 +291,15 @@ class ProcessBackend:
         ref = TemplateRef(kind="paused", data={"dir": str(self._root(sandbox_id))})
         return PauseResult(snapshot=ref, memory=False)
 
+    async def recover_pause(
+        self, sandbox_id: str, placement: Placement, since: float
+    ) -> PauseResult | None:
+        """A node that died while pausing `sandbox_id`: its files are its paused state, so the
+        pause is finished (envd stopped if it still runs). None when the files are gone."""
+        if not self._root(sandbox_id).is_dir():
+            return None
+        return await self.pause(sandbox_id, placement, memory=False)
+
     async def resume(self, spec: SandboxSpec, snapshot: SnapshotRef) -> Placement:
         if not self._root(spec.sandbox_id).is_dir():
             raise BackendError(f"files of paused sandbox {spec.sandbox_id} are missing")

@@ -20,6 +20,7 @@ from starlette.routing import Route
 from agentenv.errors import AgentEnvError
 from agentenv.node.api import NodeApp
 from agentenv.node.backend import SandboxBackend
+from agentenv.node.gc import LayerCollector
 from agentenv.node.metrics import NodeMetrics
 from agentenv.node.orchestrator import NodeConfig, Orchestrator
 from agentenv.node.security import TokenIssuer, load_api_key
@@ -35,7 +36,7 @@ class ServeOptions:
     state_dir: Path = DEFAULT_STATE_DIR
     host: str = "127.0.0.1"
     port: int = 8000
-    backend: str = "process"
+    backend: str = "vm"  # the product; "process" is for development and tests
     config: NodeConfig = field(default_factory=NodeConfig)
     graceful_seconds: float = 5.0
 
@@ -68,6 +69,7 @@ def build_app(
         options.config,
         on_op=metrics.record_op,
     )
+    orchestrator.gc = LayerCollector(orchestrator, state, metrics)
     from agentenv.node.template_api import TemplateBuildApi
 
     builds = TemplateBuildApi(orchestrator, state, api_key)

@@ -1,4 +1,5 @@
-"""SQLite persistence for the node: sandboxes, templates/snapshots, names, layer references.
+"""SQLite persistence for the node: sandboxes, templates/snapshots, names, layer references,
+operations in flight.
 
 All SQL runs on one dedicated thread (sqlite3 connections are not shared across threads), so
 the event loop never blocks on disk. Every write commits at once; WAL mode keeps the database
@@ -12,8 +13,9 @@ import json
 import sqlite3
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from agentenv.errors import AgentEnvError
 from agentenv.node.backend import TemplateRef
@@ -48,9 +50,30 @@ MIGRATIONS: list[str] = [
     );
     CREATE INDEX layer_refs_owner ON layer_refs(owner_kind, owner_id);
     """,
+    # 2: operations whose result the backend writes before the node records it (a pause
+    # snapshot): written before the backend starts, so a node killed in between can find the
+    # result again at its next start (Orchestrator._reconcile).
+    """
+    CREATE TABLE pending_ops (
+        sandbox_id TEXT PRIMARY KEY,
+        op TEXT NOT NULL,
+        started_at REAL NOT NULL,
+        doc TEXT NOT NULL
+    );
+    """,
 ]
 
 SCHEMA_VERSION = len(MIGRATIONS)
+
+
+@dataclass(frozen=True)
+class PendingOp:
+    """An operation the node started on a sandbox and had not finished recording."""
+
+    sandbox_id: str
+    op: str
+    started_at: float
+    doc: dict[str, Any]
 
 
 class StoreError(AgentEnvError):
@@ -264,3 +287,64 @@ class Store:
             ).fetchall()
         )
         return {r[0]: r[1] for r in rows}
+
+    # --- operations in flight ----------------------------------------------------------------
+
+    async def put_pending(
+        self, sandbox_id: str, op: str, started_at: float, doc: dict[str, Any]
+    ) -> None:
+        """Remember that `op` on the sandbox has started and may leave a result on disk."""
+        raw = json.dumps(doc)
+        await self._run(
+            lambda c: c.execute(
+                "INSERT INTO pending_ops (sandbox_id, op, started_at, doc) VALUES (?, ?, ?, ?) "
+                "ON CONFLICT(sandbox_id) DO UPDATE SET op = excluded.op, "
+                "started_at = excluded.started_at, doc = excluded.doc",
+                (sandbox_id, op, started_at, raw),
+            )
+        )
+
+    async def delete_pending(self, sandbox_id: str) -> None:
+        await self._run(
+            lambda c: c.execute("DELETE FROM pending_ops WHERE sandbox_id = ?", (sandbox_id,))
+        )
+
+    async def load_pending(self) -> dict[str, PendingOp]:
+        rows = await self._run(
+            lambda c: c.execute("SELECT sandbox_id, op, started_at, doc FROM pending_ops").fetchall()
+        )
+        return {
+            r["sandbox_id"]: PendingOp(r["sandbox_id"], r["op"], r["started_at"], json.loads(r["doc"]))
+            for r in rows
+        }
+
+    async def finish_pause(self, rec: SandboxRecord, layers: list[str]) -> None:
+        """The paused record, its layer references and the end of the pending pause, in one
+        transaction: after a crash either all of it or none of it is there."""
+        doc = json.dumps(rec.to_row())
+        sid = rec.sandbox_id
+        state = rec.state.value
+
+        def write(c: sqlite3.Connection) -> None:
+            c.execute("BEGIN IMMEDIATE")
+            try:
+                c.execute(
+                    "INSERT INTO sandboxes (id, state, doc) VALUES (?, ?, ?) "
+                    "ON CONFLICT(id) DO UPDATE SET state = excluded.state, doc = excluded.doc",
+                    (sid, state, doc),
+                )
+                c.execute(
+                    "DELETE FROM layer_refs WHERE owner_kind = 'sandbox' AND owner_id = ?", (sid,)
+                )
+                c.executemany(
+                    "INSERT OR IGNORE INTO layer_refs (layer_id, owner_kind, owner_id) "
+                    "VALUES (?, 'sandbox', ?)",
+                    [(layer, sid) for layer in layers],
+                )
+                c.execute("DELETE FROM pending_ops WHERE sandbox_id = ?", (sid,))
+                c.execute("COMMIT")
+            except BaseException:
+                c.execute("ROLLBACK")
+                raise
+
+        await self._run(write)

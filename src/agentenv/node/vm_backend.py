@@ -3,7 +3,8 @@
 - start(): a block daemon (the one at $AENV_BLOCKD_SOCKET, else a private `aenv blockd` child
   under <state>/vm-backend/blockd/), the guest assets (kernel, initramfs, tools disk), the runtime.
 - default_templates(): the built-in `base` template (base_template.py), built on first start.
-- create = restore the template's boot snapshot; pause = runtime.pause (memory kept);
+- create = a ready-pool VM of the template + `/init`, else a restore of its boot snapshot;
+  pause = runtime.pause (memory kept);
   resume = restore the pause snapshot; snapshot = snapshot with the VM kept running;
   fork = one snapshot, then one restore per child.
 
@@ -18,6 +19,13 @@ devices, memory lineage; runtime/adopt.py); the next start takes each one over a
 when its QEMU and its blockd devices are still there, and ends it otherwise. The private blockd
 is reused when it survived (its pid is in blockd/blockd.pid); a fresh blockd means the VMs'
 disks are gone, so nothing is adopted then. A graceful stop pauses every VM first.
+
+Creates take a pre-restored, warmed VM from a ready pool when one is parked for the template
+(node/ready_pool.py; AENV_VM_POOL_LOW/_HIGH/_TEMPLATES/_IDLE, 0 disables): the create is then one
+envd `/init` with the sandbox's identity. The pooled VMs are not sandboxes: the orchestrator never
+sees them, a graceful stop kills them, and their manifests (<state>/vm-backend/pool/) let the next
+start end them after a crash. Every guest gets E2B's identity variables (E2B_SANDBOX=true,
+E2B_SANDBOX_ID) with the sandbox's env vars at `/init`.
 
 A VM that dies on its own (QEMU killed, crashed) is reported through `on_sandbox_lost`; the
 orchestrator then removes the sandbox. A sandbox's cpu_count/memory_mb/disk_size_mb are the
@@ -52,6 +60,7 @@ from agentenv.node.backend import (
     SnapshotRef,
     TemplateRef,
 )
+from agentenv.node.ready_pool import ReadyPool, ReadyPoolConfig
 
 log = logging.getLogger("agentenv.node.vm_backend")
 
@@ -126,6 +135,7 @@ class VmBackend:
         network_prefix: str | None = None,
         accel: str | None = None,
         first_slot: int | None = None,
+        pool_config: ReadyPoolConfig | None = None,
     ) -> None:
         env = os.environ
         self.base = state_dir / "vm-backend"
@@ -149,6 +159,15 @@ class VmBackend:
         self._builtin: dict[str, Path] = {}  # built-in template name -> boot snapshot dir
         self._blockd_pid: int | None = None  # a private blockd that outlived the last node
         self._adopted: dict[str, Placement] = {}
+        #: [gc/recovery] why a VM of the previous run was not adopted, by sandbox id
+        self.adopt_failures: dict[str, str] = {}
+        self._blockd_seen: dict[str, Any] | None = None  # [gc/recovery] blockd's pid + start
+        self.pool_config = pool_config or ReadyPoolConfig.from_env()
+        self.pool: ReadyPool | None = None  # made in start() once the runtime exists
+        self._creating = 0  # creates under way (the pools' fills yield to them)
+        #: envd access token each running VM's guest holds (None: not secure). A snapshot
+        #: taken of it carries the token, so a create from it can replace the token.
+        self._tokens: dict[str, str | None] = {}
         #: Set by the orchestrator: called with (sandbox id, reason) when a VM dies on its own.
         self.on_sandbox_lost: Callable[[str, str], None] | None = None
 
@@ -185,15 +204,17 @@ class VmBackend:
 
         path = self._vm_file(sandbox_id)
         tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(vm_manifest(vm)))
+        # [gc/recovery] which blockd served its disks: a later start sees a blockd restart
+        tmp.write_text(json.dumps({**vm_manifest(vm), "blockd": self._blockd_seen,
+                                   "guest_token": self._tokens.get(sandbox_id)}))
         tmp.replace(path)
 
     def _drop_vm(self, sandbox_id: str) -> None:
         self._vm_file(sandbox_id).unlink(missing_ok=True)
 
-    def _load_manifests(self) -> dict[str, dict[str, Any]]:
+    def _load_manifests(self, where: Path | None = None) -> dict[str, dict[str, Any]]:
         found: dict[str, dict[str, Any]] = {}
-        for path in (self.base / "sandboxes").glob("*.vm.json"):
+        for path in (where or self.base / "sandboxes").glob("*.vm.json"):
             try:
                 found[path.name.removesuffix(".vm.json")] = json.loads(path.read_text())
             except (OSError, ValueError):
@@ -209,6 +230,7 @@ class VmBackend:
 
     async def _release(self, record_dirs: list[str]) -> None:
         """Mark snapshot directories as unused, then delete those no other snapshot needs."""
+        await self._drop_pools(record_dirs)
         marked = 0
         for raw in record_dirs:
             path = Path(raw)
@@ -221,7 +243,8 @@ class VmBackend:
     async def _collect(self) -> None:
         # Files of running VMs (they name the snapshot they came from), read on the loop.
         in_use: set[Path] = set()
-        for vm in list(self._vms.values()):
+        vms = list(self.runtime.vms.values()) if self.runtime is not None else []
+        for vm in vms + list(self._vms.values()):
             in_use.update(Path(ref.path).parent for ref in vm.memory_layers)
             for disk in vm.disks:
                 in_use.update(Path(x.path).parent for x in disk.layers)
@@ -285,6 +308,8 @@ class VmBackend:
 
         (self.base / "sandboxes").mkdir(parents=True, exist_ok=True)
         manifests = await asyncio.to_thread(self._load_manifests)
+        # VMs parked in the ready pools of a crashed run: never adopted, always ended.
+        pooled = await asyncio.to_thread(self._load_manifests, self.base / "pool")
         private_root = self.base / "blockd"
         if self.blockd_socket is None:
             self._blockd_pid = await asyncio.to_thread(_live_blockd, private_root)
@@ -293,6 +318,7 @@ class VmBackend:
             alive: dict[str, dict[str, Any]] = {}
         else:
             alive = {sid: m for sid, m in manifests.items() if manifest_alive(m)}
+        self._note_not_alive(manifests, alive)  # [gc/recovery]
         keep_pids = {int(m["pid"]) for m in alive.values()}
         if self._blockd_pid is not None:
             keep_pids.add(self._blockd_pid)
@@ -313,6 +339,7 @@ class VmBackend:
                 (private_root / "blockd.pid").write_text(f"{self._blockd_proc.proc.pid}\n")
                 self.blockd_socket = self._blockd_proc.socket
         self._blockd = AsyncBlockdClient(self.blockd_socket)
+        self._blockd_seen = await self._blockd_identity()  # [gc/recovery]
         log.info("guest assets: building or checking", extra={"dir": str(self.assets_dir)})
         t0 = time.monotonic()
         self._assets = await asyncio.to_thread(build_assets, self.assets_dir)
@@ -330,7 +357,11 @@ class VmBackend:
         self.runtime = Runtime(config, blockd=self._blockd, on_vm_died=self._vm_died)
         # Before the runtime builds network slots: adopted VMs keep theirs.
         await self._adopt_all(manifests, alive)
+        await self._abandon_pooled(pooled)
         await self.runtime.start(kernel_for_probe=self._assets.kernel)
+        self.pool = ReadyPool(self.runtime, self.pool_config, self.base / "pool",
+                              busy=lambda: self._creating > 0)
+        self.pool.start()
         await self._collect()
 
     async def _adopt_all(self, manifests: dict[str, dict[str, Any]],
@@ -339,18 +370,35 @@ class VmBackend:
         from agentenv.runtime.errors import RuntimeError_
 
         for sid, manifest in manifests.items():
-            if sid in alive:
+            refusal = self._blockd_changed(manifest) if sid in alive else None  # [gc/recovery]
+            if sid in alive and refusal is None:
                 try:
                     vm = await adopt_vm(self.runtime, manifest)
                 except (RuntimeError_, OSError) as exc:
                     log.warning("running VM of the previous run not adopted",
                                 extra={"sandbox_id": sid, "error": str(exc)})
+                    self.adopt_failures[sid] = f"its VM could not be taken over: {exc}"
                 else:
+                    self._tokens[sid] = manifest.get("guest_token")
                     self._adopted[sid] = self._placement(sid, vm)
                     log.info("VM adopted", extra={"sandbox_id": sid, "pid": vm.pid})
                     continue
+            if refusal is not None:
+                self.adopt_failures[sid] = refusal
+                log.error("running VM of the previous run ended: blockd restarted under it",
+                          extra={"sandbox_id": sid, "reason": refusal})
             await abandon(self.runtime, manifest)
             self._drop_vm(sid)
+
+    async def _abandon_pooled(self, pooled: dict[str, dict[str, Any]]) -> None:
+        from agentenv.runtime.adopt import abandon
+
+        for vm_id, manifest in pooled.items():
+            await abandon(self.runtime, manifest)
+            (self.base / "pool" / f"{vm_id}.vm.json").unlink(missing_ok=True)
+        if pooled:
+            log.info("ended the ready-pool VMs of the previous run",
+                     extra={"count": len(pooled)})
 
     def _reap_leftovers(self, keep_pids: set[int], keep: list[dict[str, Any]]) -> None:
         """SIGKILL QEMU and blockd processes a crashed node left running on this state dir,
@@ -389,6 +437,8 @@ class VmBackend:
                     stale.unlink(missing_ok=True)
 
     def _vm_died(self, vm: Any) -> None:
+        if self.pool is not None:
+            self.pool.vm_died(vm)
         for sid, known in list(self._vms.items()):
             if known is vm:
                 log.error("sandbox VM died", extra={"sandbox_id": sid, "reason": vm.error})
@@ -399,6 +449,10 @@ class VmBackend:
                     self.on_sandbox_lost(sid, f"its VM died: {vm.error}")
 
     async def close(self) -> None:
+        if self.pool is not None:
+            with contextlib.suppress(Exception):
+                await self.pool.close()
+            self.pool = None
         if self.runtime is not None:
             with contextlib.suppress(Exception):
                 await self.runtime.close()
@@ -430,6 +484,10 @@ class VmBackend:
             raise BackendError(f"building the base template failed: {exc}",
                                retryable=False) from exc
         self._builtin["base"] = base.record_dir
+        if self.pool is not None:
+            with contextlib.suppress(Exception):
+                record = self._load_record(TemplateRef(kind="template", data={"builtin": "base"}))
+                self.pool.want(self._pool_key(record), record, pinned=True)
         if previous and str(previous.get("record_dir")) != str(base.record_dir):
             # A rebuild (new guest assets, accelerator...): the old boot snapshot goes once
             # no paused sandbox or snapshot made from it needs its files.
@@ -444,8 +502,10 @@ class VmBackend:
 
     # --- VMs ----------------------------------------------------------------------------------
 
-    def _placement(self, sandbox_id: str, vm: Any) -> Placement:
+    def _placement(self, sandbox_id: str, vm: Any, token: str | None = None) -> Placement:
         self._vms[sandbox_id] = vm
+        if token is not None:
+            self._tokens[sandbox_id] = token
         self._save_vm(sandbox_id, vm)
         host = vm.slot.guest_address
         rootfs = next((d.config.size for d in vm.disks if d.config.name == "rootfs"), 0)
@@ -462,12 +522,22 @@ class VmBackend:
                                retryable=False)
         return vm
 
+    @staticmethod
+    def _guest_env(spec: SandboxSpec) -> dict[str, str]:
+        """The env vars envd gives every command: the sandbox's, and E2B's identity variables
+        (what E2B sets in its sandboxes; a fork child or a pooled VM gets its own id here)."""
+        return {**spec.env_vars, "E2B_SANDBOX": "true", "E2B_SANDBOX_ID": spec.sandbox_id}
+
+    @staticmethod
+    def _pool_key(record: Any) -> str:
+        return str(Path(record.device_state).parent)
+
     async def _restore(self, spec: SandboxSpec, record: Any, previous_token: str | None = None
                        ) -> Placement:
         from agentenv.runtime.errors import RuntimeError_
 
         try:
-            vm = await self.runtime.restore(record, env_vars=spec.env_vars or None,
+            vm = await self.runtime.restore(record, env_vars=self._guest_env(spec),
                                             access_token=spec.access_token,
                                             outbound=spec.allow_internet_access,
                                             guest_token=previous_token)
@@ -475,7 +545,7 @@ class VmBackend:
             # SubprocessError: QEMU's spawn failed in its preexec every time it was tried.
             raise BackendError(
                 f"starting the VM of {spec.sandbox_id} failed: {exc}") from exc
-        return self._placement(spec.sandbox_id, vm)
+        return self._placement(spec.sandbox_id, vm, spec.access_token)
 
     async def create(self, spec: SandboxSpec) -> Placement:
         record = self._load_record(spec.source)
@@ -486,7 +556,58 @@ class VmBackend:
                 f"the template's record says {spec.cpu_count} vCPUs and {spec.memory_mb} MiB, "
                 f"its snapshot was taken of a {machine.vcpus} vCPU, {machine.memory_mib} MiB "
                 "machine (a restore cannot resize it)", retryable=False)
-        return await self._restore(spec, record)
+        self._creating += 1
+        try:
+            return await self._create(spec, record)
+        finally:
+            self._creating -= 1
+
+    async def _create(self, spec: SandboxSpec, record: Any) -> Placement:
+        # A snapshot of a secure sandbox wakes up with that sandbox's envd token.
+        guest_token = spec.source.data.get("guest_token")
+        if self.pool is not None and self.pool_config.enabled:
+            key = self._pool_key(record)
+            vm = self.pool.take(key)
+            # A create makes its template hot (the pinned base is always); the fill starts
+            # after the take so it never races this create for the VM it just took.
+            self.pool.want(key, record, guest_token=guest_token)
+            if vm is not None:
+                placed = await self._hand_over(spec, vm, guest_token)
+                if placed is not None:
+                    return placed
+        return await self._restore(spec, record, previous_token=guest_token)
+
+    async def _hand_over(self, spec: SandboxSpec, vm: Any, guest_token: str | None
+                         ) -> Placement | None:
+        """Make a pooled VM the sandbox `spec`: network policy, then envd's /init with its env
+        vars, token and the time. None (the VM is ended) when the VM fails on the way."""
+        from agentenv.runtime.errors import RuntimeError_
+
+        assert self.pool is not None
+        t0 = time.perf_counter()
+        try:
+            if not spec.allow_internet_access:
+                await self.runtime.set_outbound(vm, False)
+            t1 = time.perf_counter()
+            await self.runtime.envd_init(vm, self._guest_env(spec), spec.access_token,
+                                         guest_token=guest_token)
+        except (RuntimeError_, OSError) as exc:
+            log.warning("pooled VM failed at create: restoring instead",
+                        extra={"sandbox_id": spec.sandbox_id, "vm": vm.id, "error": str(exc)})
+            with contextlib.suppress(Exception):
+                await self.runtime.kill(vm)
+            self.pool.handed_over(vm)  # its pool manifest
+            return None
+        t2 = time.perf_counter()
+        vm.timings = {"pooled": 1.0, "outbound_ms": (t1 - t0) * 1e3, "envd_init_ms": (t2 - t1) * 1e3,
+                      "parked_s": time.time() - vm.started_at}
+        # Writes the sandbox's manifest before the pool's goes.
+        placed = self._placement(spec.sandbox_id, vm, spec.access_token)
+        self.pool.handed_over(vm)
+        log.info("sandbox VM from the ready pool", extra={
+            "sandbox_id": spec.sandbox_id, "vm": vm.id,
+            "timings_ms": {k: round(v, 1) for k, v in vm.timings.items()}})
+        return placed
 
     async def pause(self, sandbox_id: str, placement: Placement, memory: bool) -> PauseResult:
         from agentenv.runtime.errors import RuntimeError_
@@ -500,6 +621,7 @@ class VmBackend:
         self._vms.pop(sandbox_id, None)
         self._cpu_seen.pop(sandbox_id, None)
         self._drop_vm(sandbox_id)
+        self._tokens.pop(sandbox_id, None)
         ref = self._ref(record, "paused")
         self._own(sandbox_id, Path(ref.data["record_dir"]))
         return PauseResult(snapshot=ref, memory=True)
@@ -519,7 +641,11 @@ class VmBackend:
             raise BackendError(f"snapshot of {sandbox_id} failed: {exc}",
                                retryable=vm.state == "running") from exc
         self._save_vm(sandbox_id, vm)  # its disks have a new sealed layer under the upper
-        return self._ref(record, "snapshot")
+        ref = self._ref(record, "snapshot")
+        token = self._tokens.get(sandbox_id)
+        if token:  # the snapshot's envd holds it: a create from it needs it to set its own
+            ref.data["guest_token"] = token
+        return ref
 
     async def fork(
         self, spec: SandboxSpec, placement: Placement, children: list[SandboxSpec]
@@ -548,6 +674,7 @@ class VmBackend:
     async def kill(self, sandbox_id: str, placement: Placement | None) -> None:
         vm = self._vms.pop(sandbox_id, None)
         self._cpu_seen.pop(sandbox_id, None)
+        self._tokens.pop(sandbox_id, None)
         if vm is not None:
             with contextlib.suppress(Exception):
                 await self.runtime.kill(vm)
@@ -565,6 +692,15 @@ class VmBackend:
         record_dir = ref.data.get("record_dir")
         if record_dir:
             await self._release([record_dir])
+
+    async def _drop_pools(self, record_dirs: list[str]) -> None:
+        """Snapshots no longer used as templates take their ready VMs with them."""
+        if self.pool is None:
+            return
+        for raw in record_dirs:
+            for key in self.pool.pooled_keys():
+                if Path(key).resolve() == Path(raw).resolve():
+                    await self.pool.drop(key)
 
     async def adopt(self) -> dict[str, Placement]:
         """The VMs start() took over from the previous run (see the module doc)."""
@@ -607,6 +743,110 @@ class VmBackend:
         return MetricSample(timestamp=now, cpu_count=cpus, cpu_used_pct=round(min(pct, 100.0), 2),
                             mem_used=min(rss, mem_total), mem_total=mem_total, mem_cache=0,
                             disk_used=min(disk_used, disk_total), disk_total=disk_total)
+
+    # --- [gc/recovery] crash recovery and garbage collection support -------------------------
+    # (node/gc.py and Orchestrator._reconcile call these; kept apart from the pool code)
+
+    async def _blockd_identity(self) -> dict[str, Any] | None:
+        from agentenv.runtime.adopt import process_start_time
+
+        try:
+            pid = int((await self._blockd.call("ping"))["pid"])
+        except Exception as exc:  # an old blockd or none: restarts then go unnoticed
+            log.warning("blockd did not say its pid", extra={"error": str(exc)})
+            return None
+        return {"pid": pid, "start": process_start_time(pid)}
+
+    def _blockd_changed(self, manifest: dict[str, Any]) -> str | None:
+        """Why a live VM must not be adopted: the blockd serving its disks is not the one it
+        was started with (blockd restarted under it: its NBD connections were cut, writes in
+        flight failed, the guest's filesystem cannot be trusted). None when it is the same."""
+        then = manifest.get("blockd")
+        has_devices = any(d.get("device_id") for d in manifest.get("disks", []))
+        if not has_devices or then is None or self._blockd_seen is None or then == self._blockd_seen:
+            return None
+        return (f"blockd restarted under its running VM (pid {then.get('pid')} -> "
+                f"{self._blockd_seen.get('pid')}): its disks' connections were cut, so the VM "
+                "cannot go on safely and was ended")
+
+    def _note_not_alive(self, manifests: dict[str, dict[str, Any]],
+                        alive: dict[str, dict[str, Any]]) -> None:
+        from agentenv.runtime.adopt import manifest_alive
+
+        for sid, manifest in manifests.items():
+            if sid in alive:
+                continue
+            if manifest_alive(manifest):
+                self.adopt_failures[sid] = (
+                    "the private blockd that served its disks is gone (a new one was started): "
+                    "the VM cannot go on without its disks and was ended")
+            else:
+                self.adopt_failures[sid] = "its QEMU process is gone"
+
+    async def recover_pause(self, sandbox_id: str, placement: Placement,
+                            since: float) -> PauseResult | None:
+        """The pause snapshot of `sandbox_id` a crashed node wrote but did not record: the
+        newest complete snapshot of its VM taken after `since` (no other operation ran on the
+        sandbox while it was pausing). None when there is no complete one."""
+        vm_id = placement.handle.get("vm_id")
+        if not vm_id:
+            return None
+        record = await asyncio.to_thread(self._find_pause_record, str(vm_id), since)
+        if record is None:
+            return None
+        ref = self._ref(record, "paused")
+        if ref.data["record_dir"] not in self._owned(sandbox_id):
+            self._own(sandbox_id, Path(ref.data["record_dir"]))
+        return PauseResult(snapshot=ref, memory=True)
+
+    def _find_pause_record(self, vm_id: str, since: float) -> Any:
+        from agentenv.snapshot.record import SnapshotRecord
+
+        best = None
+        if not self.snapshot_root.is_dir():
+            return None
+        for snap in self.snapshot_root.iterdir():
+            if not snap.is_dir() or (snap / RELEASED_MARK).exists():
+                continue
+            try:
+                record = SnapshotRecord.load(snap)
+                if record.source_vm != vm_id or record.created_ms < since * 1000:
+                    continue
+                record.check_files()
+            except Exception:  # half-written or damaged: not a pause snapshot to resume
+                continue
+            if best is None or record.created_ms > best.created_ms:
+                best = record
+        return best
+
+    def files_in_use(self) -> set[Path]:
+        """Files and directories live VMs (sandboxes, build and pooled VMs) and the built-in
+        templates use, and RAM files the runtime holds a reference on."""
+        used: set[Path] = set(self._builtin.values())
+        vms = list(self.runtime.vms.values()) if self.runtime is not None else []
+        for vm in vms + list(self._vms.values()):
+            used.update(Path(x.path) for x in vm.memory_layers)
+            for disk in vm.disks:
+                used.update(Path(x.path) for x in disk.layers)
+                if disk.file:
+                    used.add(Path(disk.file))
+            used.add(Path(vm.workdir))
+            if vm.mem_path:
+                used.add(Path(vm.mem_path))
+        memory = getattr(self.runtime, "memory", None)
+        if memory is not None and memory.directory.is_dir():
+            for mem in memory.directory.glob("*.mem"):
+                if memory.refcount(mem.stem) > 0:
+                    used.add(mem)
+        return used
+
+    async def blockd_devices(self) -> list[Any]:
+        """blockd's devices (DeviceInfo); empty without a blockd."""
+        return [] if self._blockd is None else list(await self._blockd.list())
+
+    async def release_device(self, device_id: str) -> None:
+        if self._blockd is not None:
+            await self._blockd.release(device_id)
 
     # --- template builds (node/template_api.py) -----------------------------------------------
 

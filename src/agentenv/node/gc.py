@@ -1,0 +1,411 @@
+"""Garbage collection of the node's layer and snapshot files (mark and sweep).
+
+Mark: everything something still needs.
+- every template and snapshot record (their snapshot directories and the files those name),
+- every sandbox, running or paused: its source template's files and its pause snapshot,
+- what the backend's live VMs use (sandboxes, template-build VMs, ready-pool VMs): memory
+  and disk layers, work directories, RAM files with a reference, built-in templates,
+- what blockd has open (every device's upper and the lowers of its image config),
+- images recorded by `aenv pull` (<state>/images/*/image.json) for the layer cache.
+A snapshot record that cannot be read pins its whole directory (never guess at a record).
+
+Sweep: what the node owns on disk and nothing marks, and only when older than a grace period
+(`AENV_GC_GRACE_SECONDS`, default 60): a snapshot being written right now (a pause between the
+runtime's write and the node's record, a template build) is fresh, so it is never taken.
+A pass also waits (up to `BUSY_WAIT_SECONDS`) until no sandbox operation is under way.
+
+VM backend (<state>/vm-backend/): snapshot directories (memory layers, device state, sealed
+disk layers), memory files the runtime materialised without a user, `sandboxes/<id>.json`
+ownership lists of sandboxes that are gone, blockd devices whose upper directory was deleted
+(left by a node killed in the middle of a teardown); <state>/templates/base/rootfs-*.layer of
+earlier base builds; the content-addressed layer cache <state>/layer-cache entries nothing
+references (never while a template build runs). The built-in template's current boot snapshot
+and layer are always marked.
+Process backend (<state>/process-backend/): directories of sandboxes that are gone and
+snapshot copies no template or sandbox names.
+
+The orchestrator runs a pass at startup (after adoption) and a debounced one after every kill,
+snapshot or template delete; metrics count the files and bytes reclaimed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from agentenv.node.backend import TemplateRef
+
+if TYPE_CHECKING:
+    from agentenv.node.metrics import NodeMetrics
+    from agentenv.node.orchestrator import Orchestrator
+
+log = logging.getLogger("agentenv.node.gc")
+
+DEFAULT_GRACE_SECONDS = 60.0
+DEFAULT_DEBOUNCE_SECONDS = 1.0
+BUSY_WAIT_SECONDS = 30.0
+RELEASED_MARK = ".released"  # vm_backend's own marker; not a reason to keep or to delete
+
+
+@dataclass
+class GcReport:
+    """What one pass did."""
+
+    reason: str
+    files: int = 0
+    bytes: int = 0
+    deleted: list[str] = field(default_factory=list)
+    kept_fresh: list[str] = field(default_factory=list)
+    devices_released: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "reason": self.reason,
+            "files": self.files,
+            "bytes": self.bytes,
+            "deleted": self.deleted,
+            "keptFresh": self.kept_fresh,
+            "devicesReleased": self.devices_released,
+            "seconds": round(self.seconds, 3),
+        }
+
+
+@dataclass
+class _Marks:
+    """The sweep's input, gathered on the event loop at one instant."""
+
+    refs: list[TemplateRef]
+    sandbox_ids: set[str]
+    in_use: set[Path]
+    device_uppers: dict[str, Path]  # blockd device id -> its upper directory
+    device_files: set[Path]
+    current_base_layer: Path | None = None
+
+
+def _resolve(path: Path | str) -> Path:
+    try:
+        return Path(path).resolve()
+    except OSError:
+        return Path(os.path.abspath(path))
+
+
+def _usage(path: Path) -> tuple[int, int]:
+    """(files, allocated bytes) under `path` (a file or a directory)."""
+    try:
+        if path.is_file() or path.is_symlink():
+            return 1, path.lstat().st_blocks * 512
+    except OSError:
+        return 0, 0
+    files = size = 0
+    for dirpath, _, names in os.walk(path):
+        for name in names:
+            with contextlib.suppress(OSError):
+                size += os.lstat(os.path.join(dirpath, name)).st_blocks * 512
+                files += 1
+    return files, size
+
+
+def _newest_mtime(path: Path) -> float:
+    """The newest modification time in `path` (a directory being written keeps changing)."""
+    try:
+        newest = path.lstat().st_mtime
+    except OSError:
+        return 0.0
+    if path.is_dir():
+        for dirpath, dirs, names in os.walk(path):
+            for name in [*names, *dirs]:
+                with contextlib.suppress(OSError):
+                    newest = max(newest, os.lstat(os.path.join(dirpath, name)).st_mtime)
+    return newest
+
+
+def _config_lowers(config: Path) -> list[Path]:
+    """Layer files an overlaybd image config (blockd's or `aenv pull`'s image.json) names."""
+    try:
+        doc = json.loads(config.read_text())
+    except (OSError, ValueError):
+        return []
+    found: list[Path] = []
+    for entry in doc.get("lowers", []) if isinstance(doc, dict) else []:
+        raw = entry.get("file") if isinstance(entry, dict) else entry
+        if isinstance(raw, str):
+            found.append(Path(raw) if os.path.isabs(raw) else config.parent / raw)
+    return found
+
+
+class LayerCollector:
+    """Finds and deletes the layer and snapshot files no sandbox, snapshot, template or
+    operation in flight needs (see the module doc)."""
+
+    def __init__(
+        self,
+        orchestrator: Orchestrator,
+        state_dir: Path,
+        metrics: NodeMetrics | None = None,
+        *,
+        grace_seconds: float | None = None,
+        debounce_seconds: float = DEFAULT_DEBOUNCE_SECONDS,
+    ) -> None:
+        self.orchestrator = orchestrator
+        self.state_dir = state_dir
+        self.metrics = metrics
+        env_grace = os.environ.get("AENV_GC_GRACE_SECONDS")
+        self.grace_seconds = (
+            grace_seconds if grace_seconds is not None
+            else float(env_grace) if env_grace else DEFAULT_GRACE_SECONDS
+        )
+        self.debounce_seconds = debounce_seconds
+        self.last: GcReport | None = None
+        self._lock = asyncio.Lock()
+        self._wanted = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._closed = False
+
+    # --- scheduling --------------------------------------------------------------------------
+
+    def request(self) -> None:
+        """Ask for a pass soon; calls within the debounce interval make one pass."""
+        if self._closed:
+            return
+        self._wanted.set()
+        if self._task is None or self._task.done():
+            self._task = asyncio.create_task(self._debounced(), name="layer-gc")
+
+    async def _debounced(self) -> None:
+        while self._wanted.is_set() and not self._closed:
+            await asyncio.sleep(self.debounce_seconds)
+            self._wanted.clear()
+            try:
+                await self.collect("after a delete")
+            except Exception:
+                log.exception("garbage collection pass failed")
+
+    async def close(self) -> None:
+        self._closed = True
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(BaseException):
+                await self._task
+
+    # --- one pass ----------------------------------------------------------------------------
+
+    async def collect(self, reason: str = "requested") -> GcReport:
+        async with self._lock:
+            started = time.monotonic()
+            await self._wait_idle()
+            marks = await self._marks()
+            report = GcReport(reason=reason)
+            await asyncio.to_thread(self._sweep, marks, report)
+            release = getattr(self.orchestrator.backend, "release_device", None)
+            for device_id, upper in marks.device_uppers.items():
+                if release is None or not self._stale_device(upper):
+                    continue
+                try:
+                    await release(device_id)
+                except Exception as exc:
+                    log.warning("stray blockd device not released",
+                                extra={"device": device_id, "error": str(exc)})
+                else:
+                    report.devices_released.append(device_id)
+            report.seconds = time.monotonic() - started
+            self.last = report
+            if self.metrics is not None:
+                self.metrics.record_gc(report.files, report.bytes, len(report.devices_released),
+                                       report.seconds)
+            if report.files or report.devices_released:
+                log.info("garbage collected", extra={
+                    "reason": reason, "files": report.files, "bytes": report.bytes,
+                    "deleted": report.deleted[:50], "devices": report.devices_released,
+                    "seconds": round(report.seconds, 3)})
+            return report
+
+    async def _wait_idle(self) -> None:
+        """Let operations under way finish (each may be writing a snapshot that no record
+        names yet); the grace period covers a node too busy ever to be idle."""
+        deadline = time.monotonic() + BUSY_WAIT_SECONDS
+        while self.orchestrator._ops and time.monotonic() < deadline:
+            await asyncio.wait(list(self.orchestrator._ops.values()), timeout=1.0)
+
+    async def _marks(self) -> _Marks:
+        orch = self.orchestrator
+        backend = orch.backend
+        refs: list[TemplateRef] = [tpl.ref for tpl in orch.templates.values()]
+        for rec in orch.sandboxes.values():
+            refs.append(rec.source)
+            if rec.pause_snapshot is not None:
+                refs.append(rec.pause_snapshot)
+        files_in_use = getattr(backend, "files_in_use", None)
+        in_use = {_resolve(p) for p in files_in_use()} if files_in_use else set()
+        device_uppers: dict[str, Path] = {}
+        device_files: set[Path] = set()
+        list_devices = getattr(backend, "blockd_devices", None)
+        if list_devices is not None:
+            for dev in await list_devices():
+                if dev.upper_dir:
+                    upper = _resolve(dev.upper_dir)
+                    device_files.add(upper)
+                    device_uppers[dev.id] = upper
+                if dev.source:
+                    source = Path(dev.source)
+                    device_files.add(_resolve(source))
+                    if source.suffix == ".json":
+                        device_files.update(_resolve(p) for p in _config_lowers(source))
+        current_layer = None
+        with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+            meta = json.loads((self.state_dir / "templates" / "base" / "template.json").read_text())
+            current_layer = _resolve(meta["layer"])
+        return _Marks(refs=refs, sandbox_ids=set(orch.sandboxes), in_use=in_use,
+                      device_uppers=device_uppers, device_files=device_files,
+                      current_base_layer=current_layer)
+
+    def _stale_device(self, upper: Path) -> bool:
+        """A blockd device of ours whose upper directory is gone: its VM was torn down by a
+        node that died before releasing it."""
+        vm_dir = _resolve(self.state_dir / "vm-backend" / "runtime" / "vms")
+        return upper.is_relative_to(vm_dir) and not upper.exists()
+
+    # --- the sweep (in a thread) -------------------------------------------------------------
+
+    def _delete(self, path: Path, report: GcReport, now: float) -> None:
+        if now - _newest_mtime(path) < self.grace_seconds:
+            report.kept_fresh.append(str(path))
+            return
+        files, size = _usage(path)
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
+        if path.exists():
+            log.warning("could not delete", extra={"path": str(path)})
+            return
+        report.files += files
+        report.bytes += size
+        report.deleted.append(str(path))
+
+    def _sweep(self, marks: _Marks, report: GcReport) -> None:
+        now = time.time()
+        if (self.state_dir / "vm-backend").is_dir():
+            self._sweep_vm(marks, report, now)
+        if (self.state_dir / "process-backend").is_dir():
+            self._sweep_process(marks, report, now)
+
+    def _live_vm_files(self, marks: _Marks) -> tuple[set[Path], set[Path]]:
+        """(files, directories) the marks pin, following snapshot records."""
+        from agentenv.snapshot.record import SnapshotRecord
+
+        files: set[Path] = set(marks.in_use) | set(marks.device_files)
+        dirs: set[Path] = set()
+        record_dirs: set[Path] = set()
+        for ref in marks.refs:
+            raw = ref.data.get("record_dir")
+            if raw:
+                record_dirs.add(_resolve(raw))
+            files.update(_resolve(p) for p in ref.layers)
+        for path in list(files):
+            if (path / "snapshot.json").is_file():
+                record_dirs.add(path)
+        for record_dir in record_dirs:
+            dirs.add(record_dir)
+            try:
+                record = SnapshotRecord.load(record_dir)
+            except Exception as exc:  # an unreadable record pins its directory, nothing more
+                log.warning("snapshot record unreadable, kept",
+                            extra={"record_dir": str(record_dir), "error": str(exc)})
+                continue
+            files.update(_resolve(x.path) for x in record.memory_layers)
+            files.add(_resolve(record.device_state))
+            for disk in record.disks:
+                files.update(_resolve(x.path) for x in disk.layers)
+                if disk.file:
+                    files.add(_resolve(disk.file))
+        dirs.update(p.parent for p in files)
+        dirs.update(p for p in files if p.is_dir())
+        return files, dirs
+
+    def _sweep_vm(self, marks: _Marks, report: GcReport, now: float) -> None:
+        base = self.state_dir / "vm-backend"
+        files, dirs = self._live_vm_files(marks)
+        snapshots = base / "runtime" / "snapshots"
+        if snapshots.is_dir():
+            for snap in sorted(snapshots.iterdir()):
+                if _resolve(snap) not in dirs:
+                    self._delete(snap, report, now)
+        memory = base / "runtime" / "memory"
+        if memory.is_dir():
+            for mem in sorted(memory.glob("*.mem")):
+                if not mem.name.startswith("zero-") and _resolve(mem) not in files:
+                    self._delete(mem, report, now)
+        owned = base / "sandboxes"
+        if owned.is_dir():
+            for entry in sorted(owned.glob("*.json")):
+                if entry.name.endswith(".vm.json"):
+                    continue  # manifests of live VMs: the backend's own
+                if entry.stem not in marks.sandbox_ids:
+                    self._delete(entry, report, now)
+        base_template = self.state_dir / "templates" / "base"
+        if base_template.is_dir():
+            for layer in sorted(base_template.glob("rootfs-*.layer")):
+                path = _resolve(layer)
+                if path not in files and path != marks.current_base_layer:
+                    self._delete(layer, report, now)
+        self._sweep_layer_cache(files, report, now)
+
+    def _builds_running(self) -> bool:
+        for path in (self.state_dir / "template-builds").glob("*.json"):
+            with contextlib.suppress(OSError, ValueError, AttributeError):
+                if json.loads(path.read_text()).get("status") in ("waiting", "building"):
+                    return True
+        return False
+
+    def _sweep_layer_cache(self, files: set[Path], report: GcReport, now: float) -> None:
+        """Entries of <state>/layer-cache that no template, sandbox, pulled image or blockd
+        device names (a cache elsewhere, $AENV_LAYER_CACHE, is shared and not ours)."""
+        cache = self.state_dir / "layer-cache"
+        if not cache.is_dir() or self._builds_running():
+            return
+        wanted = set(files)
+        for config in (self.state_dir / "images").glob("*/image.json"):
+            wanted.update(_resolve(p) for p in _config_lowers(config))
+        from agentenv.template.layercache import CONVERTER_KIND, LAYER_FILE, NATIVE_KIND
+
+        for kind in (CONVERTER_KIND, NATIVE_KIND):  # base/: the shared empty ext4, kept
+            for entry in sorted((cache / kind).glob("*")):
+                if entry.is_dir() and _resolve(entry / LAYER_FILE) not in wanted:
+                    self._delete(entry, report, now)
+
+    def _sweep_process(self, marks: _Marks, report: GcReport, now: float) -> None:
+        base = self.state_dir / "process-backend"
+        named = {_resolve(ref.data["dir"]) for ref in marks.refs if ref.data.get("dir")}
+        sandboxes = base / "sandboxes"
+        if sandboxes.is_dir():
+            for sdir in sorted(sandboxes.iterdir()):
+                if sdir.name not in marks.sandbox_ids and not _runs_envd(sdir):
+                    self._delete(sdir, report, now)
+        snapshots = base / "snapshots"
+        if snapshots.is_dir():
+            for snap in sorted(snapshots.iterdir()):
+                if snap.is_dir() and _resolve(snap) not in named:
+                    self._delete(snap, report, now)
+                    version = snap.with_name(snap.name + ".version")
+                    if not snap.exists() and version.exists():
+                        version.unlink(missing_ok=True)
+
+
+def _runs_envd(sandbox_dir: Path) -> bool:
+    """A process-backend sandbox directory whose envd still runs (an adopted sandbox the node
+    has not recorded yet is never swept from under its process)."""
+    try:
+        pid = int(json.loads((sandbox_dir / "run.json").read_text())["handle"]["pid"])
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return str(sandbox_dir).encode() in f.read()
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
