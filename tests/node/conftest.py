@@ -12,6 +12,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -208,3 +209,33 @@ def serving_vm_node(node: NodeProcess, net_prefix: str) -> Iterator[NodeProcess]
     finally:
         node.cleanup()
         asyncio.run(remove_leftovers(net_prefix))
+
+
+# --- helpers for tests that watch a guest process ------------------------------------------
+# A background counter: /tmp/count goes up every 100 ms while the process runs.
+COUNTER = (
+    "i=0; while true; do i=$((i+1)); echo $i > /tmp/count.new; mv /tmp/count.new /tmp/count;"
+    " sleep 0.1; done"
+)
+
+
+def counter_value(sbx: Any) -> int:
+    return int(sbx.commands.run("cat /tmp/count").stdout.strip())
+
+
+def wait_counting(sbx: Any) -> int:
+    """The counter's value once it has started (COUNTER run in the background)."""
+    deadline = time.monotonic() + 30
+    while True:
+        with contextlib.suppress(Exception):
+            if (n := counter_value(sbx)) >= 2:
+                return n
+        assert time.monotonic() < deadline, "the background counter did not start"
+        time.sleep(0.2)
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        return bool(Path(f"/proc/{pid}/cmdline").read_bytes())
+    except OSError:
+        return False

@@ -25,7 +25,7 @@ from starlette.testclient import TestClient
 
 from agentenv.node.server import ServeOptions, build_app
 from tests.node import conftest
-from tests.node.conftest import NodeProcess
+from tests.node.conftest import COUNTER, NodeProcess, counter_value, pid_alive, wait_counting
 from tests.node.test_api import run
 
 
@@ -126,12 +126,6 @@ def test_grace_period_and_references_in_process(tmp_path: Path) -> None:
 # --- the VM backend ----------------------------------------------------------------------------
 NET_PREFIX = "agc"
 FIRST_SLOT = 31001
-COUNTER = (
-    "i=0; while true; do i=$((i+1)); echo $i > /tmp/count.new; mv /tmp/count.new /tmp/count;"
-    " sleep 0.1; done"
-)
-
-
 @pytest.fixture(scope="module")
 def gc_node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NodeProcess]:
     base = tmp_path_factory.mktemp("gcnode")
@@ -161,27 +155,6 @@ def _wait(predicate: Any, seconds: float = 20.0, what: str = "condition") -> Non
     while not predicate():
         assert time.monotonic() < deadline, f"{what} not reached in {seconds} s"
         time.sleep(0.1)
-
-
-def _count(sbx: Any) -> int:
-    return int(sbx.commands.run("cat /tmp/count").stdout.strip())
-
-
-def _wait_counting(sbx: Any) -> int:
-    deadline = time.monotonic() + 30
-    while True:
-        with contextlib.suppress(Exception):
-            if (n := _count(sbx)) >= 2:
-                return n
-        assert time.monotonic() < deadline, "the background counter did not start"
-        time.sleep(0.2)
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        return bool(Path(f"/proc/{pid}/cmdline").read_bytes())
-    except OSError:
-        return False
 
 
 @vm_test
@@ -285,7 +258,7 @@ def test_node_killed_right_after_the_pause_snapshot_loses_nothing(gc_node: NodeP
         sbx = Sandbox.create(template="base", timeout=300)
         sbx.files.write("/home/user/crash.txt", "kept")
         sbx.commands.run(COUNTER, background=True)
-        before = _wait_counting(sbx)
+        before = wait_counting(sbx)
         with gc_node.client() as api, pytest.raises(httpx.HTTPError):
             api.post(f"/sandboxes/{sbx.sandbox_id}/pause", json={})
         assert gc_node.proc is not None and gc_node.proc.wait(timeout=30) == 86
@@ -305,9 +278,9 @@ def test_node_killed_right_after_the_pause_snapshot_loses_nothing(gc_node: NodeP
         assert Sandbox.get_info(sbx.sandbox_id).state == SandboxState.PAUSED
         again = Sandbox.connect(sbx.sandbox_id, timeout=300)
         assert again.files.read("/home/user/crash.txt") == "kept"
-        after = _count(again)
+        after = counter_value(again)
         assert after >= before  # the same process counts on
-        _wait(lambda: _count(again) > after, what="counter running after resume")
+        _wait(lambda: counter_value(again) > after, what="counter running after resume")
     finally:
         with contextlib.suppress(Exception):
             Sandbox.kill(sbx.sandbox_id)
@@ -332,7 +305,7 @@ def test_blockd_restart_under_running_vms_is_detected(gc_node: NodeProcess) -> N
     root = gc_node.state_dir / "vm-backend" / "blockd"
     old = int((root / "blockd.pid").read_text())
     os.kill(old, signal.SIGKILL)
-    _wait(lambda: not _pid_alive(old), what="blockd gone")
+    _wait(lambda: not pid_alive(old), what="blockd gone")
     log = open(root / "blockd.log", "ab")  # noqa: SIM115 - the new blockd's output
     new = subprocess.Popen(
         [sys.executable, "-m", "agentenv.cli.main", "blockd", "--state-dir", str(root / "state"),
@@ -354,7 +327,7 @@ def test_blockd_restart_under_running_vms_is_detected(gc_node: NodeProcess) -> N
         assert "blockd restarted under its running VM" in text
         with pytest.raises(NotFoundException):
             Sandbox.get_info(sbx.sandbox_id)
-        assert not _pid_alive(qemu_pid)
+        assert not pid_alive(qemu_pid)
         with BlockdClient(root / "blockd.sock", timeout=5) as client:
             assert not devices & {d.id for d in client.list()}
         fresh = Sandbox.create(template="base", timeout=120)

@@ -14,15 +14,15 @@ import subprocess
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
+import httpx
 import pytest
 
 from agentenv.errors import AgentEnvError
 from agentenv.node.ready_pool import ReadyPoolConfig
 
 from . import conftest
-from .conftest import NodeProcess
+from .conftest import NodeProcess, pid_alive
 
 NET_PREFIX = "avp"
 FIRST_SLOT = 32001  # 32001-32400; bench/api_bench.py's bare runtime starts at 32401
@@ -83,6 +83,13 @@ def _wait_parked(node: NodeProcess, count: int = POOL_SIZE, timeout: float = 90)
     return parked
 
 
+def _pool_metric(node: NodeProcess, sample: str) -> float:
+    """The sum of the node's /metrics samples whose line starts with `sample`."""
+    text = httpx.get(node.url + "/metrics", trust_env=False).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(sample))
+
+
 def _sandbox_vm(node: NodeProcess, sandbox_id: str) -> tuple[str, int]:
     manifest = json.loads(
         (node.state_dir / "vm-backend" / "sandboxes" / f"{sandbox_id}.vm.json").read_text())
@@ -94,13 +101,6 @@ def _from_pool(node: NodeProcess, sandbox_id: str) -> bool:
                for x in _log(node, "sandbox VM from the ready pool"))
 
 
-def _alive(pid: int) -> bool:
-    try:
-        return bool(Path(f"/proc/{pid}/cmdline").read_bytes())
-    except OSError:
-        return False
-
-
 
 @pytest.mark.qemu
 @pytest.mark.root
@@ -109,7 +109,8 @@ def test_pooled_vms_are_not_sandboxes(pool_node: NodeProcess) -> None:
     from e2b import Sandbox
 
     parked = _wait_parked(pool_node)
-    assert len(parked) == POOL_SIZE and all(_alive(pid) for pid in parked.values())
+    assert len(parked) == POOL_SIZE and all(pid_alive(pid) for pid in parked.values())
+    assert _pool_metric(pool_node, "aenv_node_ready_pool_vms") == POOL_SIZE
     assert Sandbox.list().next_items() == []
     with pool_node.client() as api:
         assert api.get("/v2/sandboxes").json() == []
@@ -128,24 +129,25 @@ def test_pooled_create_has_the_sandbox_identity(pool_node: NodeProcess) -> None:
                          metadata={"purpose": "pool-test"})
     try:
         assert _from_pool(pool_node, sbx.sandbox_id)
+        assert _pool_metric(pool_node, 'aenv_node_ready_pool_events_total{event="taken"') >= 1
         vm_id, pid = _sandbox_vm(pool_node, sbx.sandbox_id)
         assert parked.get(vm_id) == pid, "the sandbox does not run on a VM the pool parked"
         assert not (pool_node.state_dir / "vm-backend" / "pool" / f"{vm_id}.vm.json").exists()
         host_before = time.time()
         out = sbx.commands.run(
-            "date +%s.%N; echo $GREETING; echo $E2B_SANDBOX_ID; echo $E2B_SANDBOX").stdout.split()
+            "date +%s.%N; echo $GREETING; echo $E2B_SANDBOX_ID; echo $E2B_SANDBOX; echo $E2B_TEMPLATE_ID"
+        ).stdout.split()
         host_after = time.time()
         guest_now = float(out[0])
         assert host_before - 1.0 <= guest_now <= host_after + 1.0, (guest_now, host_before)
-        assert out[1:] == ["hello", sbx.sandbox_id, "true"]
+        assert out[1:4] == ["hello", sbx.sandbox_id, "true"]
         # Nothing the pool did to warm the guest is left: no process, the template's files.
         assert sbx.commands.list() == []
         assert sbx.files.exists("/home/user/created-here") is False
         info = Sandbox.get_info(sbx.sandbox_id)
         assert info.metadata == {"purpose": "pool-test"}
+        assert out[4:] == [info.template_id]
         # The token is the sandbox's own: a wrong one is refused.
-        import httpx
-
         answer = httpx.post(f"{pool_node.url}/process.Process/List", json={}, headers={
             "E2b-Sandbox-Id": sbx.sandbox_id, "E2b-Sandbox-Port": "49983",
             "X-Access-Token": "wrong", "Content-Type": "application/json"}, trust_env=False)
@@ -295,10 +297,10 @@ def test_node_crash_ends_the_pooled_vms(pool_node: NodeProcess) -> None:
     devices = _blockd_devices(pool_node)
     assert len(devices) >= POOL_SIZE
     pool_node.kill9()
-    assert all(_alive(pid) for pid in parked.values())
+    assert all(pid_alive(pid) for pid in parked.values())
     pool_node.start()
     assert "ended the ready-pool VMs of the previous run" in pool_node.log_path.read_text()
-    assert not any(_alive(pid) for pid in parked.values())
+    assert not any(pid_alive(pid) for pid in parked.values())
     assert Sandbox.list().next_items() == []
     fresh = _wait_parked(pool_node)
     deadline = time.monotonic() + 30

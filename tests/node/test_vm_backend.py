@@ -19,17 +19,12 @@ from pathlib import Path
 import pytest
 
 from . import conftest
-from .conftest import NodeProcess
+from .conftest import COUNTER, NodeProcess, counter_value, pid_alive, wait_counting
 
 pytestmark = [pytest.mark.qemu, pytest.mark.root, pytest.mark.slow]
 
 NET_PREFIX = "avt"
 FIRST_SLOT = 24001  # slot addresses disjoint from other runtimes' (tests/runtime starts at 1)
-COUNTER = (
-    "i=0; while true; do i=$((i+1)); echo $i > /tmp/count.new; mv /tmp/count.new /tmp/count;"
-    " sleep 0.1; done"
-)
-
 
 def vm_node_process(state_dir: Path, log_path: Path) -> NodeProcess:
     return conftest.vm_node_process(state_dir, log_path, NET_PREFIX, FIRST_SLOT)
@@ -45,11 +40,6 @@ def vm_node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NodeProcess]:
         yield node
     # The graceful stop paused what still ran; nothing of the node survives it.
     assert not subprocess.run(["pgrep", "-f", str(node.state_dir)], capture_output=True).stdout
-
-
-def _count(sbx: object) -> int:
-    out = sbx.commands.run("cat /tmp/count").stdout.strip()  # type: ignore[attr-defined]
-    return int(out)
 
 
 def test_create_run_files_pause_connect_kill(vm_node: NodeProcess) -> None:
@@ -87,11 +77,11 @@ def test_create_run_files_pause_connect_kill(vm_node: NodeProcess) -> None:
         deadline = time.monotonic() + 30
         while True:
             with contextlib.suppress(Exception):
-                if _count(sbx) >= 3:
+                if counter_value(sbx) >= 3:
                     break
             assert time.monotonic() < deadline, "the background counter did not start"
             time.sleep(0.2)
-        before = _count(sbx)
+        before = counter_value(sbx)
 
         t0 = time.perf_counter()
         sbx.pause()
@@ -101,12 +91,12 @@ def test_create_run_files_pause_connect_kill(vm_node: NodeProcess) -> None:
         t0 = time.perf_counter()
         again = Sandbox.connect(sbx.sandbox_id, timeout=300)
         timings["connect_s"] = time.perf_counter() - t0
-        after = _count(again)
+        after = counter_value(again)
         # Memory was kept: the same process counts on from where it stopped (a new one
         # would start again at 1).
         assert after >= before
         deadline = time.monotonic() + 30
-        while _count(again) <= after:
+        while counter_value(again) <= after:
             assert time.monotonic() < deadline, "the counter stopped after connect"
             time.sleep(0.2)
         assert again.files.read("/home/user/notes.txt") == "kept across pause"
@@ -141,7 +131,7 @@ def test_fork_children_share_memory_and_files(vm_node: NodeProcess) -> None:
         deadline = time.monotonic() + 30
         while True:
             with contextlib.suppress(Exception):
-                if _count(parent) >= 2:
+                if counter_value(parent) >= 2:
                     break
             assert time.monotonic() < deadline, "the background counter did not start"
             time.sleep(0.2)
@@ -155,9 +145,9 @@ def test_fork_children_share_memory_and_files(vm_node: NodeProcess) -> None:
         for child in children:
             # Each child has its own envd token and runs the parent's counter on its own copy.
             assert child.files.read("/home/user/origin.txt") == "from the parent"
-            first = _count(child)
+            first = counter_value(child)
             deadline = time.monotonic() + 30
-            while _count(child) <= first:
+            while counter_value(child) <= first:
                 assert time.monotonic() < deadline, "the counter does not run in the fork"
                 time.sleep(0.2)
             child.files.write("/home/user/origin.txt", f"child {child.sandbox_id}")
@@ -182,18 +172,18 @@ def test_node_restart_keeps_paused_sandboxes_and_the_template(vm_node: NodeProce
         deadline = time.monotonic() + 30
         while True:
             with contextlib.suppress(Exception):
-                if _count(sbx) >= 2:
+                if counter_value(sbx) >= 2:
                     break
             assert time.monotonic() < deadline, "the background counter did not start"
             time.sleep(0.2)
-        before = _count(sbx)
+        before = counter_value(sbx)
         assert vm_node.stop() in (0, -15)
         t0 = time.monotonic()
         vm_node.start()
         restart_s = time.monotonic() - t0
         assert "base template reused" in vm_node.log_path.read_text()
         again = Sandbox.connect(sbx.sandbox_id, timeout=300)
-        assert _count(again) >= before
+        assert counter_value(again) >= before
         print(f"\nvm node restart (template cached): {restart_s:.1f} s")
     finally:
         with contextlib.suppress(Exception):
@@ -203,23 +193,6 @@ def test_node_restart_keeps_paused_sandboxes_and_the_template(vm_node: NodeProce
 def _qemu_pid(node: NodeProcess, sandbox_id: str) -> int:
     manifest = node.state_dir / "vm-backend" / "sandboxes" / f"{sandbox_id}.vm.json"
     return int(json.loads(manifest.read_text())["pid"])
-
-
-def _alive(pid: int) -> bool:
-    try:
-        return bool(Path(f"/proc/{pid}/cmdline").read_bytes())
-    except OSError:
-        return False
-
-
-def _wait_counting(sbx: object) -> int:
-    deadline = time.monotonic() + 30
-    while True:
-        with contextlib.suppress(Exception):
-            if (n := _count(sbx)) >= 2:
-                return n
-        assert time.monotonic() < deadline, "the background counter did not start"
-        time.sleep(0.2)
 
 
 def test_node_crash_readopts_running_vms(vm_node: NodeProcess) -> None:
@@ -233,18 +206,18 @@ def test_node_crash_readopts_running_vms(vm_node: NodeProcess) -> None:
     try:
         running.files.write("/home/user/before-crash.txt", "still here")
         running.commands.run(COUNTER, background=True)
-        before = _wait_counting(running)
+        before = wait_counting(running)
         paused.files.write("/home/user/paused.txt", "paused before the crash")
         paused.pause()
         pid = _qemu_pid(vm_node, running.sandbox_id)
 
         vm_node.kill9()
-        assert _alive(pid), "the sandbox's QEMU died with the node"
+        assert pid_alive(pid), "the sandbox's QEMU died with the node"
         t0 = time.monotonic()
         vm_node.start()
         restart_s = time.monotonic() - t0
         assert "VM adopted" in vm_node.log_path.read_text()
-        assert _alive(pid)
+        assert pid_alive(pid)
         states = {s.sandbox_id: s.state for s in Sandbox.list().next_items()}
         assert states == {running.sandbox_id: SandboxState.RUNNING,
                           paused.sandbox_id: SandboxState.PAUSED}
@@ -252,21 +225,21 @@ def test_node_crash_readopts_running_vms(vm_node: NodeProcess) -> None:
         again = Sandbox.connect(running.sandbox_id, timeout=300)
         assert again.files.read("/home/user/before-crash.txt") == "still here"
         # The same process counts on (a new one would start again at 1).
-        after = _count(again)
+        after = counter_value(again)
         assert after >= before
         deadline = time.monotonic() + 30
-        while _count(again) <= after:
+        while counter_value(again) <= after:
             assert time.monotonic() < deadline, "the counter stopped across the node crash"
             time.sleep(0.2)
         # An adopted VM is a VM like any other: it pauses (memory capture through the adopted
         # QEMU) and resumes.
         again.pause()
         deadline = time.monotonic() + 15
-        while _alive(pid):  # QEMU quits right after the pause snapshot is durable
+        while pid_alive(pid):  # QEMU quits right after the pause snapshot is durable
             assert time.monotonic() < deadline, "the adopted QEMU outlived its pause"
             time.sleep(0.1)
         resumed = Sandbox.connect(running.sandbox_id, timeout=300)
-        assert _count(resumed) >= after
+        assert counter_value(resumed) >= after
         assert resumed.files.read("/home/user/before-crash.txt") == "still here"
 
         woken = Sandbox.connect(paused.sandbox_id, timeout=300)
@@ -365,7 +338,7 @@ def test_make_up_and_down(vm_node: NodeProcess) -> None:
                        "E2B_API_KEY": vm_node.api_key}
     node_pid = int((state / "node.pid").read_text())
     blockd_pid = int((state / "blockd.pid").read_text())
-    assert _alive(node_pid) and _alive(blockd_pid)
+    assert pid_alive(node_pid) and pid_alive(blockd_pid)
     assert "--backend vm" in Path(f"/proc/{node_pid}/cmdline").read_bytes().replace(
         b"\0", b" ").decode()
     saved = {k: os.environ.get(k) for k in exports}
@@ -381,7 +354,7 @@ def test_make_up_and_down(vm_node: NodeProcess) -> None:
 
         down, down_s = script("down.sh")
         assert "node stopped" in down.stdout and "blockd stopped" in down.stdout
-        assert not _alive(node_pid) and not _alive(blockd_pid)
+        assert not pid_alive(node_pid) and not pid_alive(blockd_pid)
         with contextlib.closing(sqlite3.connect(state / "node.db")) as db:
             rows = dict(db.execute("SELECT id, state FROM sandboxes").fetchall())
         assert rows == {sbx.sandbox_id: "paused"}

@@ -60,6 +60,8 @@ class SandboxSpec:
     access_token: str | None
     allow_internet_access: bool
     metadata: dict[str, str]
+    #: the templateID the sandbox was created from (a snapshot id for a sandbox made from one)
+    template_id: str = ""
 
 
 @dataclass(frozen=True)

@@ -383,6 +383,7 @@ class Orchestrator:
             access_token=rec.envd_access_token if rec.secure else None,
             allow_internet_access=rec.allow_internet_access is not False,
             metadata=dict(rec.metadata),
+            template_id=rec.template_id,
         )
 
     async def _envd_ready(self, rec: SandboxRecord, placement: Placement) -> None:

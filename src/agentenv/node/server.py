@@ -70,6 +70,7 @@ def build_app(
         on_op=metrics.record_op,
     )
     orchestrator.gc = LayerCollector(orchestrator, state, metrics)
+    metrics.watch_ready_pools(lambda: getattr(orchestrator.backend, "pool", None))
     from agentenv.node.template_api import TemplateBuildApi
 
     builds = TemplateBuildApi(orchestrator, state, api_key)

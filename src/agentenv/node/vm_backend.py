@@ -25,7 +25,7 @@ Creates take a pre-restored, warmed VM from a ready pool when one is parked for 
 envd `/init` with the sandbox's identity. The pooled VMs are not sandboxes: the orchestrator never
 sees them, a graceful stop kills them, and their manifests (<state>/vm-backend/pool/) let the next
 start end them after a crash. Every guest gets E2B's identity variables (E2B_SANDBOX=true,
-E2B_SANDBOX_ID) with the sandbox's env vars at `/init`.
+E2B_SANDBOX_ID, E2B_TEMPLATE_ID) with the sandbox's env vars at `/init`.
 
 A VM that dies on its own (QEMU killed, crashed) is reported through `on_sandbox_lost`; the
 orchestrator then removes the sandbox. A sandbox's cpu_count/memory_mb/disk_size_mb are the
@@ -526,7 +526,10 @@ class VmBackend:
     def _guest_env(spec: SandboxSpec) -> dict[str, str]:
         """The env vars envd gives every command: the sandbox's, and E2B's identity variables
         (what E2B sets in its sandboxes; a fork child or a pooled VM gets its own id here)."""
-        return {**spec.env_vars, "E2B_SANDBOX": "true", "E2B_SANDBOX_ID": spec.sandbox_id}
+        identity = {"E2B_SANDBOX": "true", "E2B_SANDBOX_ID": spec.sandbox_id}
+        if spec.template_id:
+            identity["E2B_TEMPLATE_ID"] = spec.template_id
+        return {**spec.env_vars, **identity}
 
     @staticmethod
     def _pool_key(record: Any) -> str:
