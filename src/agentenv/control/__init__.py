@@ -1,1 +1,1 @@
-"""Multi-node control plane: gateway and scheduler."""
+"""Reserved for a multi-node control plane (gateway and scheduler); not built yet."""
