@@ -1,7 +1,8 @@
 """A client of the OCI distribution (registry v2) API: manifests, indexes and blobs.
 
 Speaks http or https; answers a 401 with basic auth or a bearer token (the Docker token flow),
-using credentials from a Docker config file. Every manifest and blob is checked against the
+using credentials from a Docker config file (looked up, and any credential helper run, only
+when the registry first asks for them). Every manifest and blob is checked against the
 sha256 digest that names it; blobs stream to disk and only a verified file gets its final name.
 """
 
@@ -143,7 +144,9 @@ class RegistryClient:
     ) -> None:
         self.registry = registry
         self.host = api_host or registry
-        self.credentials = credentials or credentials_for(registry, docker_config)
+        self._credentials = credentials
+        self._credentials_resolved = credentials is not None
+        self._docker_config = docker_config
         env_insecure = {h.strip() for h in os.environ.get("AENV_INSECURE_REGISTRIES", "").split(",")}
         # Docker's rule: loopback registries (and ones listed as insecure) may speak plain http.
         self.insecure = (
@@ -161,6 +164,25 @@ class RegistryClient:
         self._tokens: dict[str, str] = {}  # scope -> bearer token
         self._basic = False
         self.request_count = 0
+
+    @property
+    def credentials(self) -> Credentials | None:
+        """The explicit credentials, else the docker config's: resolved on first use, so a
+        public registry never runs a credential helper (which may prompt or fail)."""
+        if not self._credentials_resolved:
+            self._credentials = credentials_for(self.registry, self._docker_config)
+            self._credentials_resolved = True
+        return self._credentials
+
+    def _password_credentials(self) -> Credentials | None:
+        credentials = self.credentials
+        if credentials is not None and not credentials.username and credentials.identity_token:
+            raise AuthError(
+                f"registry {self.registry} needs credentials and the docker config (or its "
+                "credential helper) holds only an identity token (OAuth refresh token) for it, "
+                "which aenv cannot use; log in with a username and password or access token"
+            )
+        return credentials
 
     def close(self) -> None:
         self._http.close()
@@ -193,8 +215,8 @@ class RegistryClient:
     def _auth_header(self, scope: str) -> dict[str, str]:
         if scope in self._tokens:
             return {"Authorization": f"Bearer {self._tokens[scope]}"}
-        if self._basic and self.credentials:
-            pair = f"{self.credentials.username}:{self.credentials.password}".encode()
+        if self._basic and self._credentials:
+            pair = f"{self._credentials.username}:{self._credentials.password}".encode()
             return {"Authorization": "Basic " + base64.b64encode(pair).decode()}
         return {}
 
@@ -202,14 +224,15 @@ class RegistryClient:
         header = response.headers.get("www-authenticate", "")
         scheme, params = _parse_challenge(header)
         if scheme == "basic":
-            if not self.credentials:
+            credentials = self._password_credentials()
+            if not credentials:
                 raise AuthError(
                     f"registry {self.registry} needs credentials (basic auth); none found in the "
                     "docker config"
                 )
             if self._basic:
                 raise AuthError(f"registry {self.registry} rejected the credentials for "
-                                f"{self.credentials.username!r}")
+                                f"{credentials.username!r}")
             self._basic = True
             return
         if scheme == "bearer" and params.get("realm"):
@@ -218,7 +241,8 @@ class RegistryClient:
             self._tokens.pop(scope, None)
             query = {"service": params["service"]} if params.get("service") else {}
             query["scope"] = params.get("scope", scope)
-            auth = (self.credentials.username, self.credentials.password) if self.credentials else None
+            credentials = self._password_credentials()
+            auth = (credentials.username, credentials.password) if credentials else None
             try:
                 self.request_count += 1
                 reply = self._http.get(params["realm"], params=query, auth=auth)
