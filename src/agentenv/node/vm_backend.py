@@ -42,7 +42,6 @@ import logging
 import os
 import shutil
 import signal
-import subprocess
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -544,8 +543,7 @@ class VmBackend:
                                             access_token=spec.access_token,
                                             outbound=spec.allow_internet_access,
                                             guest_token=previous_token)
-        except (RuntimeError_, OSError, subprocess.SubprocessError) as exc:
-            # SubprocessError: QEMU's spawn failed in its preexec every time it was tried.
+        except (RuntimeError_, OSError) as exc:
             raise BackendError(
                 f"starting the VM of {spec.sandbox_id} failed: {exc}") from exc
         return self._placement(spec.sandbox_id, vm, spec.access_token)

@@ -40,7 +40,6 @@ import functools
 import logging
 import os
 import signal
-import subprocess
 import tempfile
 import time
 import uuid
@@ -65,6 +64,8 @@ _FALLOC_FL_PUNCH_HOLE = 0x02
 # Exit statuses of the child between fork and exec (see _preexec).
 _EXIT_SETNS = 121
 _EXIT_SECCOMP = 122
+_EXIT_PREEXEC = 123  # anything else raised there (its message goes to qemu.stderr)
+_PREEXEC_EXITS = (_EXIT_SETNS, _EXIT_SECCOMP, _EXIT_PREEXEC)
 
 DISK_PCI_BASE = 0x10
 NET_PCI_ADDR = 0x08
@@ -263,7 +264,13 @@ def build_argv(
 
 def _preexec(netns: str | None, die_with_parent: bool = True, thp: bool = True,
              seccomp: SeccompProgram | None = None) -> Any:
-    def run() -> None:
+    def fail(code: int, what: str) -> None:
+        # Runs between fork and exec: stderr is already qemu.stderr, where the parent reads it.
+        with contextlib.suppress(OSError):
+            os.write(2, f"aenv: before starting QEMU: {what}\n".encode())
+        os._exit(code)
+
+    def steps() -> None:
         os.setsid()
         if die_with_parent:
             _libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
@@ -274,7 +281,7 @@ def _preexec(netns: str | None, die_with_parent: bool = True, thp: bool = True,
         if netns:
             fd = os.open(netns, os.O_RDONLY)
             if _libc.setns(fd, _CLONE_NEWNET) != 0:
-                os._exit(_EXIT_SETNS)
+                fail(_EXIT_SETNS, f"setns({netns}): {os.strerror(ctypes.get_errno())}")
             os.close(fd)
         # The filter goes last, so nothing above runs under it. Root could load it without
         # no_new_privs (CAP_SYS_ADMIN); QEMU execs nothing setuid, so setting it costs nothing.
@@ -282,7 +289,15 @@ def _preexec(netns: str | None, die_with_parent: bool = True, thp: bool = True,
                 _libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0
                 or _libc.prctl(_PR_SET_SECCOMP, _SECCOMP_MODE_FILTER,
                                ctypes.byref(seccomp.fprog), 0, 0) != 0):
-            os._exit(_EXIT_SECCOMP)
+            fail(_EXIT_SECCOMP, f"seccomp: {os.strerror(ctypes.get_errno())}")
+
+    def run() -> None:
+        # Never let an exception out: subprocess would only say "Exception occurred in
+        # preexec_fn" (seen about once in 500 spawns on a loaded host); exit with its message.
+        try:
+            steps()
+        except BaseException as exc:
+            fail(_EXIT_PREEXEC, f"{type(exc).__name__}: {exc}")
 
     return run
 
@@ -347,28 +362,26 @@ class QemuProcess:
         (workdir / "argv").write_text("\n".join(argv) + "\n")
         stderr_log = workdir / "qemu.stderr"
         for attempt in range(SPAWN_TRIES):
+            with open(stderr_log, "wb") as err:
+                process = await asyncio.create_subprocess_exec(
+                    *argv, stdin=asyncio.subprocess.DEVNULL, stdout=err, stderr=err,
+                    preexec_fn=_preexec(netns, die_with_parent, thp, seccomp),
+                )
             try:
-                with open(stderr_log, "wb") as err:
-                    process = await asyncio.create_subprocess_exec(
-                        *argv, stdin=asyncio.subprocess.DEVNULL, stdout=err, stderr=err,
-                        preexec_fn=_preexec(netns, die_with_parent, thp, seccomp),
-                    )
+                qmp = await _connect_or_fail(qmp_socket, process, stderr_log)
                 break
-            except subprocess.SubprocessError as exc:
-                # The child failed in _preexec (setsid or entering the slot's namespace; seen
-                # about once in 500 spawns on a loaded host, cause not found) before exec:
-                # nothing was started, so another try is clean.
-                log.warning("QEMU spawn failed in preexec, trying again",
-                            extra={"workdir": str(workdir), "error": str(exc)})
-                if attempt == SPAWN_TRIES - 1:
+            except VMDiedError as exc:
+                # The child failed between fork and exec (_preexec): nothing was started,
+                # so another try is clean.
+                if process.returncode not in _PREEXEC_EXITS or attempt == SPAWN_TRIES - 1:
                     raise
-        try:
-            qmp = await _connect_or_fail(qmp_socket, process, stderr_log)
-        except BaseException:
-            with contextlib.suppress(ProcessLookupError):
-                process.kill()
-            await process.wait()
-            raise
+                log.warning("QEMU spawn failed before exec, trying again",
+                            extra={"workdir": str(workdir), "error": str(exc)})
+            except BaseException:
+                with contextlib.suppress(ProcessLookupError):
+                    process.kill()
+                await process.wait()
+                raise
         vm = cls(machine, workdir, process, qmp, netns, vmgenid, stderr_log, mem_path, mem_stamp)
         vm._watch = asyncio.create_task(vm._watch_exit())
         return vm
@@ -448,6 +461,8 @@ def _status_meaning(code: int | None) -> str:
         return " (could not enter the network slot's namespace)"
     if code == _EXIT_SECCOMP:
         return " (could not install the seccomp filter)"
+    if code == _EXIT_PREEXEC:
+        return " (failed before exec)"
     return ""
 
 
