@@ -172,6 +172,8 @@ def sdk_env(node: NodeProcess) -> Iterator[NodeProcess]:
 
 GUEST_STATE = Path("/var/cache/aenv-test/guest/state")  # guest assets, shared with tests/runtime
 DEBIAN_CACHE = Path("/var/cache/aenv-test/guest")  # the base template's debootstrap tarballs
+# extra_env for a node without ready pools: tests that count VMs or files see only their own.
+NO_READY_POOLS = {"AENV_VM_POOL_LOW": "0", "AENV_VM_POOL_HIGH": "0"}
 
 
 def vm_node_process(state_dir: Path, log_path: Path, net_prefix: str, first_slot: int,

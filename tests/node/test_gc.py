@@ -131,8 +131,7 @@ def gc_node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NodeProcess]:
     base = tmp_path_factory.mktemp("gcnode")
     node = conftest.vm_node_process(
         base / "state", base / "node.log", NET_PREFIX, FIRST_SLOT,
-        extra_env={"AENV_GC_GRACE_SECONDS": "0", "AENV_VM_POOL_LOW": "0",
-                   "AENV_VM_POOL_HIGH": "0"})
+        extra_env={"AENV_GC_GRACE_SECONDS": "0", **conftest.NO_READY_POOLS})
     with conftest.serving_vm_node(node, NET_PREFIX):
         yield node
 

@@ -27,10 +27,6 @@ from .conftest import NodeProcess
 
 pytestmark = [pytest.mark.qemu, pytest.mark.root, pytest.mark.slow]
 
-# No pre-restored VMs parked per template (node/ready_pool.py): they would take CPU from the
-# builds, and every QEMU of the node would then be one of them or a build VM.
-NO_READY_POOLS = {"AENV_VM_POOL_LOW": "0", "AENV_VM_POOL_HIGH": "0"}
-
 CACHE = Path("/var/cache/aenv-test/template-build")  # converted layers, the test image's tar
 NET_PREFIX = "atb"  # unique: a test teardown deletes every {NET_PREFIX}-s* namespace
 FIRST_SLOT = 27001  # disjoint from test_vm_backend (24001), bench/api_bench (26001), tests/runtime (1)
@@ -94,7 +90,7 @@ def build_node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NodeProcess
     base = tmp_path_factory.mktemp("buildnode")
     node = conftest.vm_node_process(base / "state", base / "node.log", NET_PREFIX, FIRST_SLOT,
                                     {"AENV_LAYER_CACHE": str(CACHE / "layer-cache"),
-                                     **NO_READY_POOLS})
+                                     **conftest.NO_READY_POOLS})  # no parked VMs: they would take CPU from the builds
     with conftest.serving_vm_node(node, NET_PREFIX):
         yield node
 

@@ -41,10 +41,6 @@ from .conftest import NodeProcess
 
 pytestmark = [pytest.mark.qemu, pytest.mark.root, pytest.mark.slow]
 
-# No pre-restored VMs parked per template (node/ready_pool.py): they would take CPU from the
-# builds, and every QEMU of the node would then be one of them or a build VM.
-NO_READY_POOLS = {"AENV_VM_POOL_LOW": "0", "AENV_VM_POOL_HIGH": "0"}
-
 NET_PREFIX = "ati"  # unique: a test teardown deletes every {NET_PREFIX}-s* namespace
 FIRST_SLOT = 30001  # disjoint from the other VM test modules' slot ranges
 CACHE = Path("/var/cache/aenv-test/template-sandboxes")  # converted layers, keyed by content
@@ -95,7 +91,7 @@ def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NodeProcess]:
     base = tmp_path_factory.mktemp("tplnode")
     proc = conftest.vm_node_process(base / "state", base / "node.log", NET_PREFIX, FIRST_SLOT,
                                     {"AENV_LAYER_CACHE": str(CACHE / "layer-cache"),
-                                     **NO_READY_POOLS})
+                                     **conftest.NO_READY_POOLS})  # no parked VMs: they would take CPU from the builds
     with conftest.serving_vm_node(proc, NET_PREFIX):
         yield proc
 
