@@ -167,16 +167,133 @@ def test_public_registry_never_runs_the_helper(registry: Registry, helper_dir: H
     assert helper_dir.calls("crashy") == []
 
 
-def test_identity_token_is_refused_clearly(auth_registry: Registry, private_image: helpers.BuiltImage,
-                                           helper_dir: HelperDir) -> None:
+def test_identity_token_is_refused_clearly_for_basic_auth(
+        auth_registry: Registry, private_image: helpers.BuiltImage, helper_dir: HelperDir) -> None:
+    """A registry that wants basic auth cannot take an OAuth refresh token: a clear refusal."""
     host = auth_registry.host
     helper_dir.install("oauth", {host: ["<token>", "refresh-abc"]})
     _write_config({"credsStore": "oauth"})
     creds = credentials_for(host)
     assert creds is not None and creds.identity_token == "refresh-abc" and not creds.username
     assert "refresh-abc" not in repr(creds)
-    with RegistryClient(host) as client, pytest.raises(AuthError, match="identity token"):
+    with RegistryClient(host) as client, pytest.raises(AuthError, match="identity token") as err:
         client.resolve_manifest(parse_reference(f"{host}/helper/img:v1"))
+    assert "basic auth" in str(err.value) and "refresh-abc" not in str(err.value)
+
+
+REFRESH_TOKEN = "rt-" + "9f3a" * 8  # what the test token server accepts
+
+
+@pytest.fixture
+def oauth_registry(token_registry: Registry) -> Iterator[Registry]:
+    """The token registry whose token server also takes REFRESH_TOKEN in docker's OAuth POST."""
+    server = token_registry.token_server
+    assert server is not None
+    server.refresh_token = REFRESH_TOKEN
+    server.oauth_requests.clear()
+    yield token_registry
+    server.refresh_token = None
+    server.rotate_refresh_token = False
+
+
+@pytest.fixture(scope="module")
+def oauth_image(token_registry: Registry) -> helpers.BuiltImage:
+    image = helpers.build_image([helpers.TarBuilder().file("oauth", b"via a refresh token").bytes()])
+    token_registry.push("oauth/img", "v1", image)
+    return image
+
+
+def _pull_oauth(registry: Registry, image: helpers.BuiltImage, dest: Path) -> None:
+    ref = parse_reference(f"{registry.host}/oauth/img:v1")
+    with RegistryClient(registry.host) as client:
+        manifest = client.resolve_manifest(ref)
+        assert manifest.digest == image.digest
+        out = client.download_blob("oauth/img", manifest.layers[0], dest)
+        assert helpers.digest_of(out.read_bytes()) == manifest.layers[0].digest
+
+
+def test_identity_token_in_auths_pulls_via_oauth(oauth_registry: Registry,
+                                                 oauth_image: helpers.BuiltImage,
+                                                 helper_dir: HelperDir, tmp_path: Path) -> None:
+    host = oauth_registry.host
+    _write_config({"auths": {host: {"identitytoken": REFRESH_TOKEN}}})
+    _pull_oauth(oauth_registry, oauth_image, tmp_path / "blob")
+    server = oauth_registry.token_server
+    assert server is not None
+    # One exchange, reused for the blob; the form is docker's refresh-token grant.
+    assert server.oauth_requests == [{
+        "grant_type": "refresh_token", "refresh_token": REFRESH_TOKEN, "client_id": "docker",
+        "service": "aenv-test-registry", "scope": "repository:oauth/img:pull"}]
+
+
+def test_identity_token_from_helper_pulls_via_oauth(oauth_registry: Registry,
+                                                    oauth_image: helpers.BuiltImage,
+                                                    helper_dir: HelperDir, tmp_path: Path) -> None:
+    host = oauth_registry.host
+    helper_dir.install("oauth", {host: ["<token>", REFRESH_TOKEN]})
+    _write_config({"credHelpers": {host: "oauth"}})
+    _pull_oauth(oauth_registry, oauth_image, tmp_path / "blob")
+    assert helper_dir.calls("oauth") == [[["get"], host]]
+    # Docker prefers the identity token even where a (here wrong) password sits beside it.
+    _write_config({"auths": {host: {"auth": base64.b64encode(b"aenv:wrong").decode(),
+                                    "identitytoken": REFRESH_TOKEN}}})
+    _pull_oauth(oauth_registry, oauth_image, tmp_path / "blob2")
+
+
+def test_wrong_identity_token_is_a_clear_error(oauth_registry: Registry,
+                                               oauth_image: helpers.BuiltImage,
+                                               helper_dir: HelperDir) -> None:
+    host = oauth_registry.host
+    wrong = "rt-stale-" + "c0ffee" * 4
+    ref = parse_reference(f"{host}/oauth/img:v1")
+    for config in ({"auths": {host: {"identitytoken": wrong}}}, {"credsStore": "stale"}):
+        helper_dir.install("stale", {host: ["<token>", wrong]})
+        _write_config(config)
+        with RegistryClient(host) as client:
+            assert wrong not in repr(client.credentials)
+            with pytest.raises(AuthError, match=r"refused the identity token") as err:
+                client.resolve_manifest(ref)
+        message = str(err.value)
+        assert host in message and "HTTP 401" in message
+        assert wrong not in message and REFRESH_TOKEN not in message
+        assert all(wrong not in repr(arg) for arg in err.value.args)
+    server = oauth_registry.token_server
+    assert server is not None and [r["refresh_token"] for r in server.oauth_requests] == [wrong] * 2
+
+
+def test_rotated_refresh_token_is_used_next(oauth_registry: Registry,
+                                            oauth_image: helpers.BuiltImage,
+                                            helper_dir: HelperDir) -> None:
+    """A token server that rotates refresh tokens: like docker, the client sends the new one in
+    its next exchange (another repository's scope) instead of the spent one."""
+    host = oauth_registry.host
+    server = oauth_registry.token_server
+    assert server is not None
+    other = helpers.build_image([helpers.TarBuilder().file("other", b"second repo").bytes()])
+    oauth_registry.push("oauth/other", "v1", other)
+    server.rotate_refresh_token = True
+    server.oauth_requests.clear()
+    _write_config({"auths": {host: {"identitytoken": REFRESH_TOKEN}}})
+    with RegistryClient(host) as client:
+        assert client.resolve_manifest(parse_reference(f"{host}/oauth/img:v1")).digest \
+            == oauth_image.digest
+        assert client.resolve_manifest(parse_reference(f"{host}/oauth/other:v1")).digest \
+            == other.digest
+    sent = [r["refresh_token"] for r in server.oauth_requests]
+    assert len(sent) == 2 and sent[0] == REFRESH_TOKEN and sent[1] != REFRESH_TOKEN
+
+
+def test_token_server_without_oauth_is_a_clear_error(token_registry: Registry,
+                                                     oauth_image: helpers.BuiltImage,
+                                                     helper_dir: HelperDir) -> None:
+    """Docker does not fall back to the GET flow with a refresh token; neither does aenv. A
+    GET-only token server (405 to the POST) is a clear refusal that keeps the secret out."""
+    host = token_registry.host
+    _write_config({"auths": {host: {"identitytoken": REFRESH_TOKEN}}})
+    with RegistryClient(host) as client, pytest.raises(
+            AuthError, match=r"does not accept OAuth refresh tokens \(HTTP 405") as err:
+        client.resolve_manifest(parse_reference(f"{host}/oauth/img:v1"))
+    assert host in str(err.value) and REFRESH_TOKEN not in str(err.value)
 
 
 def test_docker_hub_address_and_bad_answers(helper_dir: HelperDir) -> None:

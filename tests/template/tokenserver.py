@@ -25,9 +25,14 @@ def _b64url(data: bytes) -> str:
 
 
 class TokenServer:
-    def __init__(self, cert: Path, key: Path, user: str, password: str) -> None:
+    def __init__(self, cert: Path, key: Path, user: str, password: str,
+                 refresh_token: str | None = None) -> None:
         self.cert, self.key = cert, key
         self.credentials = (user, password)
+        # The OAuth refresh token (docker's identity token) the POST flow accepts.
+        self.refresh_token = refresh_token
+        self.oauth_requests: list[dict[str, str]] = []  # each POST's form, as received
+        self.rotate_refresh_token = False  # answer each grant with a new refresh token
         der = subprocess.run(["openssl", "x509", "-in", str(cert), "-outform", "DER"],
                              check=True, capture_output=True).stdout
         self.x5c = base64.b64encode(der).decode()
@@ -47,8 +52,36 @@ class TokenServer:
                     self.end_headers()
                     return
                 token = server.token(query.get("scope", []), query.get("service", [""])[0])
-                body = json.dumps({"token": token, "expires_in": 300}).encode()
-                self.send_response(200)
+                self._reply({"token": token, "expires_in": 300})
+
+            def do_POST(self) -> None:
+                # docker's OAuth2 refresh-token grant: a form with grant_type, refresh_token,
+                # client_id, service and space-separated scopes; answers access_token.
+                length = int(self.headers.get("Content-Length", "0"))
+                raw = self.rfile.read(length).decode()
+                form = {k: v[0] for k, v in urllib.parse.parse_qs(raw).items()}
+                server.oauth_requests.append(form)
+                content_type = self.headers.get("Content-Type", "").split(";")[0].strip()
+                if server.refresh_token is None:
+                    # Without OAuth configured this is a GET-only token server, as old ones are.
+                    self._reply({"error": "method not allowed"}, 405)
+                    return
+                if (content_type != "application/x-www-form-urlencoded"
+                        or form.get("grant_type") != "refresh_token" or not form.get("client_id")
+                        or form.get("refresh_token") != server.refresh_token):
+                    self._reply({"error": "invalid_grant"}, 401)
+                    return
+                token = server.token(form.get("scope", "").split(), form.get("service", ""))
+                reply: dict[str, object] = {"access_token": token, "expires_in": 300,
+                                            "scope": form.get("scope")}
+                if server.rotate_refresh_token:
+                    # Strict rotation: the old refresh token stops working at once.
+                    server.refresh_token = reply["refresh_token"] = "rt-" + secrets.token_hex(16)
+                self._reply(reply)
+
+            def _reply(self, reply: dict[str, object], status: int = 200) -> None:
+                body = json.dumps(reply).encode()
+                self.send_response(status)
                 self.send_header("Content-Type", "application/json")
                 self.send_header("Content-Length", str(len(body)))
                 self.end_headers()

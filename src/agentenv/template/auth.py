@@ -12,8 +12,9 @@ are matched by host[:port].
 
 A helper is the program `docker-credential-<name>` on PATH, run as `<program> get` with the
 server address on stdin; it prints `{"ServerURL", "Username", "Secret"}`. Username `<token>`
-means Secret is an identity token (an OAuth refresh token), which docker trades at the token
-server; this client does not implement that exchange and says so when the registry asks.
+means Secret is an identity token (an OAuth refresh token), which the registry client trades
+at a bearer token server (docker's refresh-token POST); a registry wanting basic auth cannot
+use it, and the client says so.
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """A client of the OCI distribution (registry v2) API: manifests, indexes and blobs.
 
-Speaks http or https; answers a 401 with basic auth or a bearer token (the Docker token flow),
+Speaks http or https; answers a 401 with basic auth or a bearer token (the Docker token flow:
+a GET to the realm, or with an identity token docker's OAuth refresh-token POST),
 using credentials from a Docker config file (looked up, and any credential helper run, only
 when the registry first asks for them). Every manifest and blob is checked against the
 sha256 digest that names it; blobs stream to disk and only a verified file gets its final name.
@@ -50,6 +51,8 @@ MAX_INDEX_DEPTH = 4
 _DIGEST_RE = re.compile(r"^sha256:[0-9a-f]{64}$")
 _CHUNK = 1 << 20
 _RETRIES = 3
+# The client_id docker sends in the OAuth refresh-token grant (registry.AuthClientID).
+OAUTH_CLIENT_ID = "docker"
 
 ProgressCallback = Callable[[int], None]
 
@@ -163,6 +166,7 @@ class RegistryClient:
         self._scheme: str | None = None
         self._tokens: dict[str, str] = {}  # scope -> bearer token
         self._basic = False
+        self._refresh_token: str | None = None  # a rotated identity token, kept in memory only
         self.request_count = 0
 
     @property
@@ -180,7 +184,8 @@ class RegistryClient:
             raise AuthError(
                 f"registry {self.registry} needs credentials and the docker config (or its "
                 "credential helper) holds only an identity token (OAuth refresh token) for it, "
-                "which aenv cannot use; log in with a username and password or access token"
+                "which only a bearer token server can use and this registry asks for basic auth; "
+                "log in with a username and password or access token"
             )
         return credentials
 
@@ -239,30 +244,79 @@ class RegistryClient:
             # A cached token that is refused has expired: get a new one (the caller allows
             # one such round per request, so a registry that refuses every token ends it).
             self._tokens.pop(scope, None)
-            query = {"service": params["service"]} if params.get("service") else {}
-            query["scope"] = params.get("scope", scope)
-            credentials = self._password_credentials()
-            auth = (credentials.username, credentials.password) if credentials else None
-            try:
-                self.request_count += 1
-                reply = self._http.get(params["realm"], params=query, auth=auth)
-            except httpx.TransportError as exc:
-                raise AuthError(f"token server {params['realm']} unreachable: {exc}") from exc
-            if reply.status_code in (401, 403):
-                raise AuthError(f"token server of {self.registry} refused access to {scope} "
-                                f"(HTTP {reply.status_code})")
-            if reply.status_code != 200:
-                raise AuthError(f"token server of {self.registry} answered HTTP {reply.status_code}")
-            try:
-                body = reply.json()
-                token = body.get("token") or body.get("access_token")
-            except (json.JSONDecodeError, AttributeError):
-                token = None
-            if not token:
-                raise AuthError(f"token server of {self.registry} returned no token")
-            self._tokens[scope] = str(token)
+            realm, service = params["realm"], params.get("service", "")
+            wanted_scope = params.get("scope", scope)
+            credentials = self.credentials
+            if credentials is not None and credentials.identity_token:
+                # Docker prefers an identity token over a password when it holds both.
+                token = self._token_by_refresh(realm, service, wanted_scope, credentials)
+            else:
+                token = self._token_by_get(realm, service, wanted_scope, credentials)
+            self._tokens[scope] = token
             return
         raise AuthError(f"registry {self.registry} wants unsupported authentication {header!r}")
+
+    def _token_by_get(self, realm: str, service: str, scope: str,
+                      credentials: Credentials | None) -> str:
+        """The token flow's GET: anonymous, or with basic auth of the username and password."""
+        query = {"service": service} if service else {}
+        query["scope"] = scope
+        auth = (credentials.username, credentials.password) if credentials else None
+        try:
+            self.request_count += 1
+            reply = self._http.get(realm, params=query, auth=auth)
+        except httpx.TransportError as exc:
+            raise AuthError(f"token server {realm} unreachable: {exc}") from exc
+        if reply.status_code in (401, 403):
+            raise AuthError(f"token server of {self.registry} refused access to {scope} "
+                            f"(HTTP {reply.status_code})")
+        if reply.status_code != 200:
+            raise AuthError(f"token server of {self.registry} answered HTTP {reply.status_code}")
+        return self._token_from(reply)
+
+    def _token_by_refresh(self, realm: str, service: str, scope: str,
+                          credentials: Credentials) -> str:
+        """OAuth2 refresh-token grant, as docker's token handler does with an identity token:
+        a form POST to the realm. Like docker, no fallback to the GET flow: a token server
+        that does not speak OAuth cannot use the identity token anyway."""
+        refresh_token = self._refresh_token or credentials.identity_token or ""
+        form = {"grant_type": "refresh_token", "refresh_token": refresh_token,
+                "client_id": OAUTH_CLIENT_ID, "scope": scope}
+        if service:
+            form["service"] = service
+        try:
+            self.request_count += 1
+            reply = self._http.post(realm, data=form)
+        except httpx.TransportError as exc:
+            raise AuthError(f"token server {realm} unreachable: {exc}") from exc
+        if reply.status_code in (401, 403):
+            raise AuthError(f"token server of {self.registry} refused the identity token (OAuth "
+                            f"refresh token) from the docker config for {scope} "
+                            f"(HTTP {reply.status_code}); log in to {self.registry} again")
+        if reply.status_code in (404, 405):
+            raise AuthError(f"token server of {self.registry} does not accept OAuth refresh "
+                            f"tokens (HTTP {reply.status_code} to the POST), so the identity "
+                            "token from the docker config cannot be used; log in with a "
+                            "username and password or access token")
+        if reply.status_code != 200:
+            raise AuthError(f"token server of {self.registry} answered HTTP {reply.status_code} "
+                            "to the identity-token exchange")
+        token = self._token_from(reply)
+        rotated = reply.json().get("refresh_token")
+        if isinstance(rotated, str) and rotated:
+            # Docker keeps a rotated refresh token for the rest of the session (in memory).
+            self._refresh_token = rotated
+        return token
+
+    def _token_from(self, reply: httpx.Response) -> str:
+        try:
+            body = reply.json()
+            token = body.get("access_token") or body.get("token")
+        except (json.JSONDecodeError, AttributeError):
+            token = None
+        if not token or not isinstance(token, str):
+            raise AuthError(f"token server of {self.registry} returned no token")
+        return token
 
     def _request(self, method: str, path: str, repository: str, *, headers: dict[str, str] | None = None,
                  stream: bool = False) -> httpx.Response:
