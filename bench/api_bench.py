@@ -497,11 +497,8 @@ async def vm_measurements(pool_node: VmNode, work: Path, quick: bool) -> None:
     runtime: Any = None
     plain_node: VmNode | None = None
 
-    async def bare_op() -> dict[str, float]:
-        token = os.urandom(16).hex()
-        t0 = time.perf_counter()
-        vm = await runtime.restore(record, access_token=token)
-        t1 = time.perf_counter()
+    async def run_and_kill(vm: Any, token: str, t0: float, t1: float) -> dict[str, float]:
+        """Time `echo ok` in `vm` and its kill; `t0`..`t1` was its create."""
         try:
             assert await run_async(envd, vm.envd_url, {"X-Access-Token": token},
                                    "echo ok") == "ok\n"
@@ -511,6 +508,12 @@ async def vm_measurements(pool_node: VmNode, work: Path, quick: bool) -> None:
         t3 = time.perf_counter()
         return {"create": (t1 - t0) * 1e3, "run": (t2 - t1) * 1e3, "kill": (t3 - t2) * 1e3,
                 "total": (t3 - t0) * 1e3}
+
+    async def bare_op() -> dict[str, float]:
+        token = os.urandom(16).hex()
+        t0 = time.perf_counter()
+        vm = await runtime.restore(record, access_token=token)
+        return await run_and_kill(vm, token, t0, time.perf_counter())
 
     async def bare_pooled_op() -> dict[str, float]:
         from agentenv.node.ready_pool import ReadyPool, ReadyPoolConfig
@@ -527,18 +530,9 @@ async def vm_measurements(pool_node: VmNode, work: Path, quick: bool) -> None:
             token = os.urandom(16).hex()
             t0 = time.perf_counter()
             await runtime.envd_init(vm, {"E2B_SANDBOX_ID": "bench"}, token)
-            t1 = time.perf_counter()
-            try:
-                assert await run_async(envd, vm.envd_url, {"X-Access-Token": token},
-                                       "echo ok") == "ok\n"
-                t2 = time.perf_counter()
-            finally:
-                await runtime.kill(vm)
-            t3 = time.perf_counter()
+            return await run_and_kill(vm, token, t0, time.perf_counter())
         finally:
             await pool.close()
-        return {"create": (t1 - t0) * 1e3, "run": (t2 - t1) * 1e3, "kill": (t3 - t2) * 1e3,
-                "total": (t3 - t0) * 1e3}
 
     def emit_pair(metric: str, a: list[float], base: str, b: list[float], q: float = 0.5) -> None:
         if q == 0.5:

@@ -148,12 +148,18 @@ def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NodeProcess]:
 @contextlib.contextmanager
 def sdk_pointed_at(node: NodeProcess) -> Iterator[NodeProcess]:
     """Point the official e2b SDK at `node` (as a user would, by environment); restore after."""
-    saved = {k: os.environ.get(k) for k in ("E2B_API_URL", "E2B_SANDBOX_URL", "E2B_API_KEY")}
-    os.environ["E2B_API_URL"] = node.url
-    os.environ["E2B_SANDBOX_URL"] = node.url
-    os.environ["E2B_API_KEY"] = node.api_key
-    try:
+    with environ_set({"E2B_API_URL": node.url, "E2B_SANDBOX_URL": node.url,
+                      "E2B_API_KEY": node.api_key}):
         yield node
+
+
+@contextlib.contextmanager
+def environ_set(values: dict[str, str]) -> Iterator[None]:
+    """os.environ with `values` set for the block, then as it was."""
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
     finally:
         for key, value in saved.items():
             if value is None:
@@ -211,6 +217,18 @@ def serving_vm_node(node: NodeProcess, net_prefix: str) -> Iterator[NodeProcess]
     finally:
         node.cleanup()
         asyncio.run(remove_leftovers(net_prefix))
+
+
+@contextlib.contextmanager
+def template_build_node(base: Path, net_prefix: str, first_slot: int,
+                        layer_cache: Path) -> Iterator[NodeProcess]:
+    """A serving VM node for template builds: converted layers cached in `layer_cache` (kept
+    across runs), no parked VMs (they would take CPU from the builds)."""
+    layer_cache.mkdir(parents=True, exist_ok=True)
+    node = vm_node_process(base / "state", base / "node.log", net_prefix, first_slot,
+                           {"AENV_LAYER_CACHE": str(layer_cache), **NO_READY_POOLS})
+    with serving_vm_node(node, net_prefix):
+        yield node
 
 
 # --- helpers for tests that watch a guest process ------------------------------------------

@@ -86,12 +86,8 @@ def image(registry: Registry) -> str:
 
 @pytest.fixture(scope="module")
 def build_node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NodeProcess]:
-    CACHE.mkdir(parents=True, exist_ok=True)
-    base = tmp_path_factory.mktemp("buildnode")
-    node = conftest.vm_node_process(base / "state", base / "node.log", NET_PREFIX, FIRST_SLOT,
-                                    {"AENV_LAYER_CACHE": str(CACHE / "layer-cache"),
-                                     **conftest.NO_READY_POOLS})  # no parked VMs: they would take CPU from the builds
-    with conftest.serving_vm_node(node, NET_PREFIX):
+    with conftest.template_build_node(tmp_path_factory.mktemp("buildnode"), NET_PREFIX,
+                                      FIRST_SLOT, CACHE / "layer-cache") as node:
         yield node
 
 

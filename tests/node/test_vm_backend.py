@@ -341,30 +341,24 @@ def test_make_up_and_down(vm_node: NodeProcess) -> None:
     assert pid_alive(node_pid) and pid_alive(blockd_pid)
     assert "--backend vm" in Path(f"/proc/{node_pid}/cmdline").read_bytes().replace(
         b"\0", b" ").decode()
-    saved = {k: os.environ.get(k) for k in exports}
-    os.environ.update(exports)
     try:
-        sbx = Sandbox.create(template="base", timeout=300)
-        assert sbx.commands.run("echo up").stdout.strip() == "up"
+        with conftest.environ_set(exports):
+            sbx = Sandbox.create(template="base", timeout=300)
+            assert sbx.commands.run("echo up").stdout.strip() == "up"
 
-        again, again_s = script("up.sh")
-        assert "already running" in again.stdout and again_s < 15
-        assert int((state / "node.pid").read_text()) == node_pid
-        assert dict(re.findall(r"export (E2B_\w+)=(\S+)", again.stdout)) == exports
+            again, again_s = script("up.sh")
+            assert "already running" in again.stdout and again_s < 15
+            assert int((state / "node.pid").read_text()) == node_pid
+            assert dict(re.findall(r"export (E2B_\w+)=(\S+)", again.stdout)) == exports
 
-        down, down_s = script("down.sh")
-        assert "node stopped" in down.stdout and "blockd stopped" in down.stdout
-        assert not pid_alive(node_pid) and not pid_alive(blockd_pid)
-        with contextlib.closing(sqlite3.connect(state / "node.db")) as db:
-            rows = dict(db.execute("SELECT id, state FROM sandboxes").fetchall())
-        assert rows == {sbx.sandbox_id: "paused"}
-        assert "node not running" in script("down.sh")[0].stdout
-        print(f"\nmake up (template cached) {up_s:.1f} s, again {again_s:.1f} s, "
-              f"down {down_s:.1f} s")
+            down, down_s = script("down.sh")
+            assert "node stopped" in down.stdout and "blockd stopped" in down.stdout
+            assert not pid_alive(node_pid) and not pid_alive(blockd_pid)
+            with contextlib.closing(sqlite3.connect(state / "node.db")) as db:
+                rows = dict(db.execute("SELECT id, state FROM sandboxes").fetchall())
+            assert rows == {sbx.sandbox_id: "paused"}
+            assert "node not running" in script("down.sh")[0].stdout
+            print(f"\nmake up (template cached) {up_s:.1f} s, again {again_s:.1f} s, "
+                  f"down {down_s:.1f} s")
     finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
         subprocess.run(["bash", str(repo / "scripts" / "down.sh")], env=env, capture_output=True)

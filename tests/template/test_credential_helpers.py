@@ -82,12 +82,13 @@ def private_image(auth_registry: Registry) -> helpers.BuiltImage:
     return image
 
 
-def _pull(registry: Registry, image: helpers.BuiltImage, dest: Path) -> None:
-    ref = parse_reference(f"{registry.host}/helper/img:v1")
+def _pull(registry: Registry, image: helpers.BuiltImage, dest: Path,
+          repository: str = "helper/img") -> None:
+    ref = parse_reference(f"{registry.host}/{repository}:v1")
     with RegistryClient(registry.host) as client:
         manifest = client.resolve_manifest(ref)
         assert manifest.digest == image.digest
-        out = client.download_blob("helper/img", manifest.layers[0], dest)
+        out = client.download_blob(repository, manifest.layers[0], dest)
         assert helpers.digest_of(out.read_bytes()) == manifest.layers[0].digest
 
 
@@ -204,12 +205,7 @@ def oauth_image(token_registry: Registry) -> helpers.BuiltImage:
 
 
 def _pull_oauth(registry: Registry, image: helpers.BuiltImage, dest: Path) -> None:
-    ref = parse_reference(f"{registry.host}/oauth/img:v1")
-    with RegistryClient(registry.host) as client:
-        manifest = client.resolve_manifest(ref)
-        assert manifest.digest == image.digest
-        out = client.download_blob("oauth/img", manifest.layers[0], dest)
-        assert helpers.digest_of(out.read_bytes()) == manifest.layers[0].digest
+    _pull(registry, image, dest, repository="oauth/img")
 
 
 def test_identity_token_in_auths_pulls_via_oauth(oauth_registry: Registry,

@@ -158,9 +158,9 @@ class VmBackend:
         self._builtin: dict[str, Path] = {}  # built-in template name -> boot snapshot dir
         self._blockd_pid: int | None = None  # a private blockd that outlived the last node
         self._adopted: dict[str, Placement] = {}
-        #: [gc/recovery] why a VM of the previous run was not adopted, by sandbox id
+        #: why a VM of the previous run was not adopted, by sandbox id
         self.adopt_failures: dict[str, str] = {}
-        self._blockd_seen: dict[str, Any] | None = None  # [gc/recovery] blockd's pid + start
+        self._blockd_seen: dict[str, Any] | None = None  # blockd's pid + start
         self.pool_config = pool_config or ReadyPoolConfig.from_env()
         self.pool: ReadyPool | None = None  # made in start() once the runtime exists
         self._creating = 0  # creates under way (the pools' fills yield to them)
@@ -203,7 +203,7 @@ class VmBackend:
 
         path = self._vm_file(sandbox_id)
         tmp = path.with_suffix(".tmp")
-        # [gc/recovery] which blockd served its disks: a later start sees a blockd restart
+        # which blockd served its disks: a later start sees a blockd restart
         tmp.write_text(json.dumps({**vm_manifest(vm), "blockd": self._blockd_seen,
                                    "guest_token": self._tokens.get(sandbox_id)}))
         tmp.replace(path)
@@ -317,7 +317,7 @@ class VmBackend:
             alive: dict[str, dict[str, Any]] = {}
         else:
             alive = {sid: m for sid, m in manifests.items() if manifest_alive(m)}
-        self._note_not_alive(manifests, alive)  # [gc/recovery]
+        self._note_not_alive(manifests, alive)
         keep_pids = {int(m["pid"]) for m in alive.values()}
         if self._blockd_pid is not None:
             keep_pids.add(self._blockd_pid)
@@ -338,7 +338,7 @@ class VmBackend:
                 (private_root / "blockd.pid").write_text(f"{self._blockd_proc.proc.pid}\n")
                 self.blockd_socket = self._blockd_proc.socket
         self._blockd = AsyncBlockdClient(self.blockd_socket)
-        self._blockd_seen = await self._blockd_identity()  # [gc/recovery]
+        self._blockd_seen = await self._blockd_identity()
         log.info("guest assets: building or checking", extra={"dir": str(self.assets_dir)})
         t0 = time.monotonic()
         self._assets = await asyncio.to_thread(build_assets, self.assets_dir)
@@ -369,7 +369,7 @@ class VmBackend:
         from agentenv.runtime.errors import RuntimeError_
 
         for sid, manifest in manifests.items():
-            refusal = self._blockd_changed(manifest) if sid in alive else None  # [gc/recovery]
+            refusal = self._blockd_changed(manifest) if sid in alive else None
             if sid in alive and refusal is None:
                 try:
                     vm = await adopt_vm(self.runtime, manifest)
@@ -745,7 +745,7 @@ class VmBackend:
                             mem_used=min(rss, mem_total), mem_total=mem_total, mem_cache=0,
                             disk_used=min(disk_used, disk_total), disk_total=disk_total)
 
-    # --- [gc/recovery] crash recovery and garbage collection support -------------------------
+    # --- crash recovery and garbage collection support -------------------------------------
     # (node/gc.py and Orchestrator._reconcile call these; kept apart from the pool code)
 
     async def _blockd_identity(self) -> dict[str, Any] | None:
