@@ -178,11 +178,14 @@ async def main(quick: bool) -> None:
 
         # Fork: per child at 1, 4, 16 children; to running (every child's `cont` returned) and
         # including every child's envd /init.
+        fork_16_ms: list[float] = []
         for count in (1, 4, 16):
             source = await rt.restore(base)
             t0 = time.perf_counter()
             _, children = await rt.fork(source, count)
             total = (time.perf_counter() - t0) * 1e3
+            if count == 16:
+                fork_16_ms.append(total / count)
             snap_ms = source.timings["snapshot_total_ms"]
             running = snap_ms + max(to_running_ms(c) for c in children)
             emit(f"fork_to_running_per_child_at_{count}", running / count, "ms",
@@ -197,6 +200,24 @@ async def main(quick: bool) -> None:
                      statistics.mean(m["Rss"] for m in mem) / 1024)
             for c in (*children, source):
                 await rt.kill(c)
+
+        # The fork of 16 again with each child's vCPUs on threads of their own (tcg_threads
+        # "multi", what "auto" replaced when the host is oversubscribed), then "auto" again,
+        # so the two alternate in the same run.
+        if rt.accel == "tcg":
+            multi_ms: list[float] = []
+            for mode in ("multi", "auto") * (1 if quick else 2):
+                rt.config.tcg_threads = mode
+                source = await rt.restore(base)
+                t0 = time.perf_counter()
+                _, children = await rt.fork(source, 16)
+                (multi_ms if mode == "multi" else fork_16_ms).append(
+                    (time.perf_counter() - t0) * 1e3 / 16)
+                for c in (*children, source):
+                    await rt.kill(c)
+            emit("fork_per_child_at_16_auto_threads", statistics.median(fork_16_ms), "ms",
+                 "fork_per_child_at_16_multithreaded_tcg", statistics.median(multi_ms),
+                 auto=[round(x) for x in fork_16_ms], multi=[round(x) for x in multi_ms])
     finally:
         await rt.close()
         await client.close()

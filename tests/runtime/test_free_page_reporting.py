@@ -111,9 +111,11 @@ def test_command_line_opens_the_ram_file_writable_only_with_the_filter(tmp_path:
                             disks=[DiskConfig(name="scratch", size=MiB)])
     common = {"mem_path": str(tmp_path / "mem"), "qmp_socket": tmp_path / "qmp",
               "serial_log": tmp_path / "serial", "vmgenid": "0", "incoming": True}
-    ram = [a for a in build_argv(machine, disks=None, **common) if a.startswith("memory-backend")]
+    read_only = [DiskAttachment("scratch", read_only=True, file=str(tmp_path / "disk"))]
+    ram = [a for a in build_argv(machine, disks=read_only, **common)
+           if a.startswith("memory-backend")]
     assert "readonly=off" in ram[0] and "share=off" in ram[0]
-    ram = [a for a in build_argv(machine, disks=None, return_free_memory=False, **common)
+    ram = [a for a in build_argv(machine, disks=read_only, return_free_memory=False, **common)
            if a.startswith("memory-backend")]
     assert "readonly=on" in ram[0]
     # A writable file disk would have QEMU trust punch-hole for its write-zeroes.

@@ -3,17 +3,26 @@
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import json
 import os
 import shutil
 import signal
 import subprocess
+import threading
 import time
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from agentenv.runtime.errors import ModeMismatchError, SnapshotError
+from agentenv.errors import AgentEnvError
+from agentenv.runtime.errors import ModeMismatchError, SnapshotError, VMDiedError
 from agentenv.runtime.harness import pss_kib, sh
+from agentenv.runtime.qemu import QemuProcess
+from agentenv.runtime.vm import VM
 from agentenv.snapshot.record import SnapshotRecord
 
 from .conftest import Env, count
@@ -109,6 +118,13 @@ def test_fork_16_children_run_at_once_and_share_memory(env: Env, counting: Snaps
         _, children = env.loop.run(rt.fork(source, 16))
         fork_s = time.monotonic() - t0
         assert len(children) == 16
+        # Children start together beside their running source: on a small host (CI: 2 cores)
+        # even two of them exceed tcg_vcpus_per_core vCPUs per core, so "auto" gives each
+        # child's vCPUs one host thread (config.tcg_threads).
+        cores = os.cpu_count() or 1
+        if (rt.accel == "tcg" and rt.config.tcg_threads == "auto"
+                and rt.config.tcg_vcpus_per_core * cores < 6):
+            assert all("thread=single" in (c.workdir / "argv").read_text() for c in children)
 
         async def all_run() -> list[str]:
             return await asyncio.gather(*[sh(c, f"echo $(( {n} * 1000 + 7 ))")
@@ -271,3 +287,288 @@ def test_deep_memory_stack_is_compacted(env: Env, counting: SnapshotRecord) -> N
         rt.config.max_memory_layers = 32
         if vm is not None:
             env.loop.run(rt.kill(vm))
+
+
+# -- QEMU dying during a restore ------------------------------------------------------------
+# The faults below are real (a real QEMU gets SIGKILL); only the moment is chosen by wrapping
+# the runtime's own step (spawn, QMP command, the /init request), since nothing else can time
+# a kill to land between two steps of one restore.
+
+
+def _kill_now(pid: int) -> None:
+    """SIGKILL and wait until the process is dead (a zombie or reaped), without letting the
+    event loop run: the runtime's next step meets an already dead QEMU."""
+    os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+        except FileNotFoundError:
+            return
+        if stat[stat.rindex(")") + 2:].split()[0] in ("Z", "X"):
+            return
+        time.sleep(0.001)
+    raise AssertionError(f"QEMU pid {pid} did not die after SIGKILL")
+
+
+def _qemu_children() -> set[int]:
+    """QEMU processes this test process started (alive or not yet reaped)."""
+    me, out = os.getpid(), set()
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            stat = (proc / "stat").read_text()
+        except OSError:
+            continue
+        comm = stat[stat.index("(") + 1:stat.rindex(")")]
+        if comm.startswith("qemu-system") and int(stat[stat.rindex(")") + 2:].split()[1]) == me:
+            out.add(int(proc.name))
+    return out
+
+
+def _snapshot_digests(record: SnapshotRecord) -> dict[str, str]:
+    """sha256 of every file the snapshot consists of (its directory, every layer it stacks)."""
+    paths = {Path(x.path) for x in record.memory_layers}
+    paths |= {Path(x.path) for d in record.disks for x in d.layers}
+    paths |= {Path(d.file) for d in record.disks if d.file}
+    paths |= set(Path(record.device_state).parent.iterdir())
+    digests = {}
+    for path in sorted(paths):
+        with open(path, "rb") as f:
+            digests[str(path)] = hashlib.file_digest(f, "sha256").hexdigest()
+    return digests
+
+
+@dataclass
+class _Holdings:
+    """What the runtime holds: must be the same before a failed restore and after it."""
+
+    vms: set[str]
+    qemus: set[int]
+    slots_in_use: set[int]
+    blockd_devices: set[str]
+    memory_refs: int
+    vm_dirs: set[str]
+
+    @classmethod
+    def of(cls, env: Env, record: SnapshotRecord) -> _Holdings:
+        rt = env.runtime
+        env.loop.run(rt.drain())
+        return cls(set(rt.vms), _qemu_children(),
+                   set(rt.slots._in_use),  # no public view of the slots in use
+                   {d.id for d in env.loop.run(rt.blockd.list())},
+                   rt.memory.refcount(record.id),
+                   {p.name for p in rt.config.vm_dir.iterdir()})
+
+    def differences(self, other: _Holdings) -> dict[str, tuple[Any, Any]]:
+        mine, theirs = asdict(self), asdict(other)
+        return {k: (mine[k], theirs[k]) for k in mine if mine[k] != theirs[k]}
+
+
+@pytest.fixture
+def bystander(env: Env, counting: SnapshotRecord) -> Iterator[VM]:
+    """A VM restored from `counting` before the fault: it must keep running through it (and
+    its reference on the shared memory file makes a double release visible)."""
+    vm = env.loop.run(env.runtime.restore(counting))
+    yield vm
+    env.loop.run(env.runtime.kill(vm))
+
+
+def _install_fault(stage: str, env: Env, monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Kill QEMU at `stage` of the next restore; returns the list the killed pid lands in."""
+    killed: list[int] = []
+
+    def kill(pid: int) -> None:
+        if not killed:
+            killed.append(pid)
+            _kill_now(pid)
+
+    if stage == "spawned":
+        spawn = QemuProcess.spawn
+
+        async def spawn_then_die(cls: type[QemuProcess], *args: Any, **kwargs: Any) -> QemuProcess:
+            process = await spawn(*args, **kwargs)
+            kill(process.pid)
+            return process
+
+        monkeypatch.setattr(QemuProcess, "spawn", classmethod(spawn_then_die))
+    elif stage in ("warm-taken", "device-state", "cont"):
+        execute = QemuProcess.execute
+        # warm-taken: the first command of the restore to the warm process it took.
+        kill_before = {"cont": "cont", "warm-taken": "migrate-set-capabilities"}.get(stage)
+
+        async def execute_with_death(self: QemuProcess, command: str, *args: Any,
+                                     **kwargs: Any) -> Any:
+            if command == kill_before:
+                kill(self.pid)
+            result = await execute(self, command, *args, **kwargs)
+            if stage == "device-state" and command == "migrate-incoming":
+                kill(self.pid)  # the device state is loading (or just loaded)
+            return result
+
+        monkeypatch.setattr(QemuProcess, "execute", execute_with_death)
+    elif stage == "envd-init":
+        http = env.runtime._http
+        post = http.post
+        victims: list[int] = []
+        real_post_while_alive = env.runtime._post_while_alive
+
+        async def note_victim(vm: VM, url: str, **kwargs: Any) -> Any:
+            victims.append(vm.pid)
+            return await real_post_while_alive(vm, url, **kwargs)
+
+        async def post_and_die(url: str, **kwargs: Any) -> Any:
+            body = json.dumps(kwargs.pop("json")).encode()
+            # With its length announced, the guest's CGI waits for the whole body.
+            kwargs["headers"] = {**(kwargs.get("headers") or {}), "Content-Length": str(len(body))}
+
+            async def chunks() -> AsyncIterator[bytes]:
+                yield body[:8]
+                # The guest has accepted the connection and has the headers and a part of
+                # the body: /init is in flight when QEMU dies.
+                kill(victims[-1])
+                await asyncio.sleep(60)
+                yield body[8:]
+
+            return await post(url, content=chunks(), **kwargs)
+
+        monkeypatch.setattr(env.runtime, "_post_while_alive", note_victim)
+        monkeypatch.setattr(http, "post", post_and_die)
+    else:
+        raise AssertionError(stage)
+    return killed
+
+
+_STAGES = {
+    "spawned": (SnapshotError, "QEMU died loading its device state"),
+    "warm-taken": (SnapshotError, "QEMU died loading its device state"),
+    "device-state": (SnapshotError, "QEMU died loading its device state"),
+    "cont": (VMDiedError, "restore of snapshot .*: QEMU died resuming the guest"),
+    "envd-init": (VMDiedError, "restore of snapshot .*: QEMU died while envd /init was in flight"),
+}
+
+
+@pytest.mark.parametrize("stage, error", list(_STAGES.items()), ids=list(_STAGES))
+def test_qemu_dying_during_restore_fails_cleanly(
+        env: Env, counting: SnapshotRecord, bystander: VM, monkeypatch: pytest.MonkeyPatch,
+        stage: str, error: tuple[type[AgentEnvError], str]) -> None:
+    rt = env.runtime
+    digests = _snapshot_digests(counting)
+    before = _Holdings.of(env, counting)
+    if stage == "warm-taken":  # the restore takes a warm process, which dies at once
+        env.loop.run(rt.prime(counting, 1))
+        warm_pids = _qemu_children() - before.qemus
+    try:
+        with monkeypatch.context() as patch:
+            killed = _install_fault(stage, env, patch)
+            t0 = time.monotonic()
+            with pytest.raises(error[0], match=error[1]) as failure:
+                env.loop.run(rt.restore(counting), timeout=60)
+            failed_in = time.monotonic() - t0
+        assert killed, f"the fault at {stage} never fired (restore raised {failure.value!r})"
+        assert f"pid {killed[0]}" in str(failure.value) and "status -9" in str(failure.value)
+        assert failed_in < 10, f"noticing the dead QEMU took {failed_in:.1f} s"
+        if stage == "warm-taken":
+            assert killed == list(warm_pids)
+
+            async def refilled() -> None:
+                while rt.warm_count(counting.id) < 1:
+                    await asyncio.sleep(0.05)
+
+            env.loop.run(refilled(), timeout=60)  # the pool recovers from the failure
+            env.loop.run(rt.unprime(counting.id))
+        after = _Holdings.of(env, counting)
+        assert killed[0] not in after.qemus
+        assert not after.differences(before), "(after, before) of what the runtime holds"
+        assert after.memory_refs == 1, "the bystander's reference, and only it"
+    finally:
+        env.loop.run(rt.unprime(counting.id))
+    assert _snapshot_digests(counting) == digests, "the snapshot's files must not change"
+    assert bystander.state == "running" and bystander.id in rt.vms
+    first = count(env, bystander)
+    time.sleep(0.5)
+    assert count(env, bystander) > first
+    vm = env.loop.run(rt.restore(counting))
+    try:
+        first = count(env, vm)
+        time.sleep(0.5)
+        assert count(env, vm) > first
+        assert "persistent-42" in env.loop.run(sh(vm, "cat /mnt/disk/data/file"))
+    finally:
+        env.loop.run(rt.kill(vm))
+    assert rt.memory.refcount(counting.id) == 1
+
+
+def test_warm_process_that_died_in_the_pool_is_skipped(
+        env: Env, counting: SnapshotRecord, bystander: VM) -> None:
+    rt = env.runtime
+    before = _Holdings.of(env, counting)
+    env.loop.run(rt.prime(counting, 2))
+    vm = None
+    try:
+        pool = rt._warm[counting.id]  # the next restore takes the last one
+        dead, alive_one = pool[-1].process, pool[0].process
+        _kill_now(dead.pid)
+        env.loop.run(asyncio.wait_for(dead.died.wait(), 5))
+        vm = env.loop.run(rt.restore(counting))
+        assert vm.timings["warm"] == 1.0 and vm.pid == alive_one.pid
+        first = count(env, vm)
+        time.sleep(0.5)
+        assert count(env, vm) > first
+
+        async def refilled() -> None:
+            while not (rt.warm_count(counting.id) == 2
+                       and all(not w.process.died.is_set() for w in rt._warm[counting.id])):
+                await asyncio.sleep(0.05)
+
+        env.loop.run(refilled(), timeout=60)
+        # The dead process's slot, memory reference and directory are already back.
+        assert rt.memory.refcount(counting.id) == before.memory_refs + 3  # vm + 2 warm
+        assert len(rt.slots._in_use) == len(before.slots_in_use) + 3
+    finally:
+        if vm is not None:
+            env.loop.run(rt.kill(vm))
+        env.loop.run(rt.unprime(counting.id))
+    assert not _Holdings.of(env, counting).differences(before)
+    first = count(env, bystander)
+    time.sleep(0.5)
+    assert count(env, bystander) > first
+
+
+def test_restore_cancelled_while_its_memory_file_is_made_keeps_no_reference(
+        env: Env, counting: SnapshotRecord, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A restore cancelled (its client went away) while a thread materialises the memory
+    file: the thread still takes its reference, which must be given back."""
+    rt = env.runtime
+    copy = _copy_record(counting, env.root / "cancelled")
+    acquire = rt.memory.acquire
+    started, proceed, done = threading.Event(), threading.Event(), threading.Event()
+
+    def gated_acquire(*args: Any) -> Path:
+        started.set()
+        proceed.wait(30)  # the restore is cancelled before the real acquire starts
+        try:
+            return acquire(*args)
+        finally:
+            done.set()
+
+    monkeypatch.setattr(rt.memory, "acquire", gated_acquire)
+
+    async def cancel_while_materialising() -> None:
+        restore = asyncio.ensure_future(rt.restore(copy))
+        assert await asyncio.to_thread(started.wait, 30)
+        restore.cancel()
+        proceed.set()
+        with pytest.raises(asyncio.CancelledError):
+            await restore
+        assert await asyncio.to_thread(done.wait, 60)
+        deadline = time.monotonic() + 5  # the thread's result reaches the loop soon after
+        while rt.memory.refcount(copy.id) and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+
+    vms_before = set(rt.vms)
+    env.loop.run(cancel_while_materialising())
+    assert rt.memory.refcount(copy.id) == 0
+    assert not rt.memory.path_for(copy.id).exists(), "an unused memory file is removed"
+    assert set(rt.vms) == vms_before

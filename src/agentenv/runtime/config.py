@@ -29,6 +29,14 @@ class RuntimeConfig(BaseModel):
     # TCG translation cache per VM (MiB) and whether QEMU may use transparent huge pages;
     # both are private memory of every VM (see bench/RESULTS.md "VM lifecycle").
     tcg_tb_size_mib: int = Field(default=64, ge=1)
+    # TCG vCPU threads. "multi": one host thread per vCPU (a lone VM computes in parallel);
+    # "single": all of a VM's vCPUs take turns on one thread, which wastes less CPU when the
+    # host is oversubscribed (no guest vCPU spinning on a lock or IPI whose holder's thread is
+    # descheduled: a fork of 16 on 2 cores costs ~20% less; bench/RESULTS.md). "auto": single
+    # once the vCPUs starting at the same time plus the host's load average exceed
+    # tcg_vcpus_per_core per host core, decided when each QEMU starts.
+    tcg_threads: Literal["auto", "multi", "single"] = "auto"
+    tcg_vcpus_per_core: float = Field(default=2.0, gt=0)
     qemu_thp: bool = False
     # Free-page reporting gives the guest's freed memory back to the host: QEMU opens the
     # shared RAM file writable under a seccomp filter that ignores punch-hole (runtime/qemu.py).

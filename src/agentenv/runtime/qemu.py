@@ -176,21 +176,24 @@ def build_argv(
     mem_path: str,
     qmp_socket: Path,
     serial_log: Path,
-    disks: list[DiskAttachment] | None,
+    disks: list[DiskAttachment],
     vmgenid: str,
     incoming: bool,
     qemu_binary: str = "qemu-system-x86_64",
     tb_size_mib: int = 64,
+    tcg_single_thread: bool = False,
     return_free_memory: bool = True,
 ) -> list[str]:
-    """The QEMU command line. With disks=None every disk starts on a null placeholder of
-    the right size (for warm processes that get their real disks over QMP later).
+    """The QEMU command line; `disks` in the order of machine.disks.
 
     return_free_memory: open the RAM file `readonly=off` so free-page reporting can drop
     the guest's freed private pages; only safe under `punch_hole_filter()` (QemuProcess.spawn
     installs it). False: `readonly=on`, QEMU refuses every discard (the RAM file is safe
     without a filter, freed memory stays with the process until it ends)."""
-    if return_free_memory and disks is not None:
+    if [d.name for d in disks] != [d.name for d in machine.disks]:
+        raise RuntimeError_(f"disks {[d.name for d in disks]} do not match the machine's "
+                            f"{[d.name for d in machine.disks]}")
+    if return_free_memory:
         for attach in disks:
             if attach.file and not attach.read_only:
                 raise RuntimeError_(
@@ -201,6 +204,8 @@ def build_argv(
     # TCG's translation cache is private memory of every VM: a bounded buffer keeps it small
     # (a restored test guest answering /init fills ~18 MiB; a full buffer is flushed).
     accel = f"tcg,tb-size={tb_size_mib}" if machine.accel == "tcg" else "kvm"
+    if machine.accel == "tcg" and tcg_single_thread:
+        accel += ",thread=single"
     argv = [
         qemu_binary,
         "-accel", accel,
@@ -241,15 +246,8 @@ def build_argv(
         ]
     for index, disk in enumerate(machine.disks):
         file_node_name = f"{disk.name}-file0"
-        if disks is None:
-            file_node = {
-                "driver": "null-co", "node-name": file_node_name, "size": disk.size,
-                "read-zeroes": True,
-            }
-        else:
-            file_node = disks[index].file_node(file_node_name)
         argv += [
-            "-blockdev", _blockdev_arg(file_node),
+            "-blockdev", _blockdev_arg(disks[index].file_node(file_node_name)),
             "-blockdev",
             _blockdev_arg({"driver": "raw", "node-name": disk.name, "file": file_node_name,
                            "read-only": disk.read_only}),
@@ -318,7 +316,6 @@ class QemuProcess:
     died: asyncio.Event = field(default_factory=asyncio.Event)
     expected_exit: bool = False
     _watch: asyncio.Task[None] | None = None
-    disk_generation: dict[str, int] = field(default_factory=dict)
 
     @property
     def pid(self) -> int:
@@ -331,12 +328,13 @@ class QemuProcess:
         workdir: Path,
         *,
         mem_path: str,
-        disks: list[DiskAttachment] | None,
+        disks: list[DiskAttachment],
         incoming: bool,
         netns: str | None = None,
         qemu_binary: str = "qemu-system-x86_64",
         die_with_parent: bool = True,
         tb_size_mib: int = 64,
+        tcg_single_thread: bool = False,
         thp: bool = True,
         return_free_memory: bool = True,
     ) -> QemuProcess:
@@ -357,7 +355,7 @@ class QemuProcess:
             machine, mem_path=mem_path, qmp_socket=qmp_socket,
             serial_log=workdir / "serial.log", disks=disks, vmgenid=vmgenid,
             incoming=incoming, qemu_binary=qemu_binary, tb_size_mib=tb_size_mib,
-            return_free_memory=return_free_memory,
+            tcg_single_thread=tcg_single_thread, return_free_memory=return_free_memory,
         )
         (workdir / "argv").write_text("\n".join(argv) + "\n")
         stderr_log = workdir / "qemu.stderr"
@@ -421,19 +419,6 @@ class QemuProcess:
                 await asyncio.wait_for(self.died.wait(), 5)
                 raise VMDiedError(self.exit_reason()) from None
             raise
-
-    async def attach_disks(self, disks: list[DiskAttachment]) -> None:
-        """Swap each placeholder disk child for its real backend (warm processes)."""
-        for disk_cfg, attach in zip(self.machine.disks, disks, strict=True):
-            generation = self.disk_generation.get(disk_cfg.name, 0) + 1
-            new_node = f"{disk_cfg.name}-file{generation}"
-            await self.execute("blockdev-add", attach.file_node(new_node))
-            await self.execute("blockdev-reopen", {"options": [{
-                "driver": "raw", "node-name": disk_cfg.name, "file": new_node,
-                "read-only": disk_cfg.read_only,
-            }]})
-            await self.execute("blockdev-del", {"node-name": f"{disk_cfg.name}-file{generation - 1}"})
-            self.disk_generation[disk_cfg.name] = generation
 
     async def stop_process(self, timeout: float = 3.0) -> None:
         """Quit QEMU (quit over QMP, then SIGKILL) and wait for it."""

@@ -91,8 +91,15 @@ class QMPClient:
             message["arguments"] = arguments
         future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         self._pending[cmd_id] = future
-        self._writer.write(json.dumps(message).encode() + b"\n")
-        await self._writer.drain()
+        try:
+            self._writer.write(json.dumps(message).encode() + b"\n")
+            await self._writer.drain()
+        except ConnectionError as exc:
+            # QEMU died before the reader saw the end of the stream (EPIPE/ECONNRESET on
+            # the write): the connection is as closed as after an EOF.
+            self._pending.pop(cmd_id, None)
+            self.closed.set()
+            raise QMPError(f"QMP {command}: connection lost ({exc})") from exc
         try:
             return await asyncio.wait_for(future, timeout)
         except TimeoutError as exc:

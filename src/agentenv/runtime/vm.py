@@ -20,10 +20,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import shutil
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -98,6 +99,16 @@ class _AttachedDisk:
 
 
 @dataclass
+class _WarmProcess:
+    """A QEMU waiting in `-incoming defer` for a restore of one snapshot, with its network
+    slot and the snapshot's disks (blockd devices with fresh uppers) already attached."""
+    process: QemuProcess
+    slot: NetworkSlot | None
+    workdir: Path
+    disks: list[_AttachedDisk]
+
+
+@dataclass
 class VM:
     id: str
     machine: MachineConfig
@@ -147,6 +158,7 @@ class Runtime:
         self.blockd = blockd
         self.on_vm_died = on_vm_died
         self.vms: dict[str, VM] = {}
+        self._starting_vcpus = 0
         self.memory = MemoryFileCache(config.memory_dir)
         self.slots = SlotPool(config.network_prefix, config.slot_pool_low, config.slot_pool_high,
                               first_index=config.slot_first_index,
@@ -157,7 +169,7 @@ class Runtime:
         # hangs until the timeout (seen: 2.2 s on every second restore of one snapshot).
         self._http = httpx.AsyncClient(timeout=httpx.Timeout(5.0, connect=1.0),
                                        limits=httpx.Limits(max_keepalive_connections=0))
-        self._warm: dict[str, list[tuple[QemuProcess, NetworkSlot | None, Path]]] = {}
+        self._warm: dict[str, list[_WarmProcess]] = {}
         self._warm_targets: dict[str, tuple[SnapshotRecord, int]] = {}
         self._warm_tasks: dict[str, asyncio.Task[None]] = {}
         self._started = False
@@ -204,6 +216,10 @@ class Runtime:
             disks=[DiskConfig(name=d.name, read_only=d.read_only, size=d.size) for d in spec.disks],
             network=self.config.network,
         )
+        with self._starting(machine.vcpus):
+            return await self._boot(spec, machine, wait_ready)
+
+    async def _boot(self, spec: BootSpec, machine: MachineConfig, wait_ready: bool) -> VM:
         vm_id = uuid.uuid4().hex[:12]
         workdir = self.config.vm_dir / vm_id
         mem_path = self.memory.zero_file(machine.memory_bytes)
@@ -257,9 +273,33 @@ class Runtime:
         return (_AttachedDisk(config, list(layers), device_id=info.id),
                 DiskAttachment(name, read_only, nbd_socket=info.nbd, nbd_export=info.export))
 
-    def _qemu_tuning(self) -> dict[str, Any]:
+    def _qemu_tuning(self, extra_vcpus: int = 0) -> dict[str, Any]:
+        """Options for a QEMU about to start; `extra_vcpus`: its vCPUs if not counted as
+        starting (see _starting)."""
         return {"tb_size_mib": self.config.tcg_tb_size_mib, "thp": self.config.qemu_thp,
-                "return_free_memory": self.config.return_free_memory}
+                "return_free_memory": self.config.return_free_memory,
+                "tcg_single_thread": self.tcg_single_thread(extra_vcpus)}
+
+    def tcg_single_thread(self, extra_vcpus: int = 0) -> bool:
+        """Whether a TCG VM starting now runs its vCPUs on one host thread (config.tcg_threads)."""
+        mode = self.config.tcg_threads
+        if mode != "auto":
+            return mode == "single"
+        # Demand = the vCPUs starting now (a fork's children all at once) plus the host's load
+        # (runnable threads, 1-minute average): idle VMs, parked or waiting for the model,
+        # take no CPU and do not count.
+        demand = extra_vcpus + self._starting_vcpus + os.getloadavg()[0]
+        return demand > self.config.tcg_vcpus_per_core * (os.cpu_count() or 1)
+
+    @contextlib.contextmanager
+    def _starting(self, vcpus: int) -> Iterator[None]:
+        """Count a VM's vCPUs while it starts, so VMs started together (a fork's children)
+        see each other in tcg_single_thread()."""
+        self._starting_vcpus += vcpus
+        try:
+            yield
+        finally:
+            self._starting_vcpus -= vcpus
 
     def _adopt(self, vm: VM) -> None:
         self.vms[vm.id] = vm
@@ -507,9 +547,21 @@ class Runtime:
             raise SnapshotError(f"snapshot {record.id} cannot be restored: {exc}") from exc
 
     async def _memory_file(self, record: SnapshotRecord) -> Path:
-        return await asyncio.to_thread(
+        """Materialise and take a reference; a caller cancelled meanwhile (a restore whose
+        client went away, a pool being unprimed) takes none."""
+        acquire = asyncio.ensure_future(asyncio.to_thread(
             self.memory.acquire, record.id, [Path(x.path) for x in record.memory_layers],
-            record.machine.memory_bytes)
+            record.machine.memory_bytes))
+        try:
+            return await asyncio.shield(acquire)
+        except asyncio.CancelledError:
+            # The thread cannot be stopped and takes the reference anyway: give it back.
+            def give_back(done: asyncio.Future[Path]) -> None:
+                if not done.cancelled() and done.exception() is None:
+                    self.memory.release(record.id)
+
+            acquire.add_done_callback(give_back)
+            raise
 
     async def restore(self, record: SnapshotRecord, *, env_vars: dict[str, str] | None = None,
                       access_token: str | None = None, outbound: bool = True,
@@ -518,77 +570,78 @@ class Runtime:
 
         `guest_token` is the envd access token the snapshot's guest holds, if any (see envd_init).
         """
+        with self._starting(record.machine.vcpus):
+            return await self._restore(record, env_vars, access_token, outbound, guest_token)
+
+    async def _restore(self, record: SnapshotRecord, env_vars: dict[str, str] | None,
+                       access_token: str | None, outbound: bool = True,
+                       guest_token: str | None = None) -> VM:
+        """restore() without counting the VM as starting (a fork counts its children at once)."""
         self.check_restorable(record)
         t0 = time.perf_counter()
         mem_path = await self._memory_file(record)
         t1 = time.perf_counter()
-        try:
-            vm = await self._restore_with_memory(record, mem_path, env_vars, access_token, outbound,
-                                                 guest_token)
-            vm.timings["memory_file_ms"] = (t1 - t0) * 1e3
-            return vm
-        except BaseException:
-            self.memory.release(record.id)
-            raise
+        # _restore_with_memory owns the memory reference from here: it gives it back if the
+        # restore fails before the VM exists, the VM's kill does after (never both).
+        vm = await self._restore_with_memory(record, mem_path, env_vars, access_token,
+                                             outbound, guest_token)
+        vm.timings["memory_file_ms"] = (t1 - t0) * 1e3
+        return vm
 
     async def _restore_with_memory(self, record: SnapshotRecord, mem_path: Path,
                                    env_vars: dict[str, str] | None, access_token: str | None,
                                    outbound: bool, guest_token: str | None = None) -> VM:
         vm_id = uuid.uuid4().hex[:12]
         t0 = time.perf_counter()
-        warm = self._take_warm(record.id)
+        warm: _WarmProcess | None = None
         slot: NetworkSlot | None = None
         disks: list[_AttachedDisk] = []
         process: QemuProcess | None = None
+        workdir = self.config.vm_dir / vm_id
+        stage = "starting"  # what the restore was doing, for the error if QEMU dies
         try:
+            warm = await self._take_warm(record.id)
             if warm is not None:
-                process, slot, workdir = warm
+                process, slot, workdir, disks = warm.process, warm.slot, warm.workdir, warm.disks
             else:
-                workdir = self.config.vm_dir / vm_id
                 slot = await self.slots.take() if record.machine.network else None
             if slot is not None and not outbound:
                 await slot.set_outbound(False)
-            attachments = []
-            snaps = {d.name: d for d in record.disks}
-            for cfg in record.machine.disks:
-                ds = snaps[cfg.name]
-                disk, attach = await self._attach_disk(
-                    cfg.name, cfg.size, cfg.read_only, ds.layers,
-                    Path(ds.file) if ds.file else None, workdir)
-                disks.append(disk)
-                attachments.append(attach)
             if process is None:
-                process = await QemuProcess.spawn(
-                    record.machine, workdir, mem_path=str(mem_path), disks=attachments,
-                    incoming=True, netns=slot.netns_path if slot else None,
-                    qemu_binary=self.config.qemu_binary,
-                    die_with_parent=self.config.qemu_die_with_parent,
-                    **self._qemu_tuning())
-            elif attachments:
-                await process.attach_disks(attachments)
+                process = await self._spawn_for_restore(record, mem_path, workdir, slot, disks)
             t1 = time.perf_counter()
             try:
                 await self._load_device_state(process, Path(record.device_state))
             except VMDiedError as exc:
                 raise SnapshotError(
                     f"snapshot {record.id}: QEMU died loading its device state: {exc}") from exc
-        except BaseException:
+        except BaseException as exc:
             if process is not None:
                 await process.stop_process()
-            await self._release_resources(slot, disks, None)
+            await self._release_resources(slot, disks, record.id)  # the reference restore took
+            # Its disks' uppers, QEMU's logs: nothing in it outlives a failed restore.
+            shutil.rmtree(workdir, ignore_errors=True)
+            if isinstance(exc, VMDiedError):
+                raise VMDiedError(
+                    f"restore of snapshot {record.id}: QEMU died {stage}: {exc}") from exc
             raise
         vm = VM(vm_id, record.machine, process, slot, workdir, list(record.memory_layers),
                 record.id, mem_path, disks, parent_snapshot=record.id)
         self._adopt(vm)
         t2 = time.perf_counter()
+        stage = "resuming the guest"
         try:
             await process.execute("cont")
             vm.state = "running"
             t3 = time.perf_counter()
             if slot is not None:
+                stage = "while envd /init was in flight"
                 await self.envd_init(vm, env_vars, access_token, guest_token=guest_token)
-        except BaseException:
+        except BaseException as exc:
             await self.kill(vm)
+            if isinstance(exc, VMDiedError):
+                raise VMDiedError(
+                    f"restore of snapshot {record.id}: QEMU died {stage}: {exc}") from exc
             raise
         t4 = time.perf_counter()
         vm.timings.update(warm=float(warm is not None), process_ms=(t1 - t0) * 1e3,
@@ -626,9 +679,10 @@ class Runtime:
         if not 1 <= count <= 16:
             raise RuntimeError_(f"fork count must be 1..16, not {count}")
         record = await self.snapshot(vm, keep_running=True)
-        results = await asyncio.gather(
-            *[self.restore(record, env_vars=env_vars, access_token=access_token)
-              for _ in range(count)], return_exceptions=True)
+        with self._starting(count * record.machine.vcpus):  # the children start together
+            results = await asyncio.gather(
+                *[self._restore(record, env_vars, access_token) for _ in range(count)],
+                return_exceptions=True)
         children = [r for r in results if isinstance(r, VM)]
         failures = [r for r in results if isinstance(r, BaseException)]
         if failures:
@@ -659,6 +713,25 @@ class Runtime:
     def warm_count(self, record_id: str) -> int:
         return len(self._warm.get(record_id, []))
 
+    async def _spawn_for_restore(self, record: SnapshotRecord, mem_path: Path, workdir: Path,
+                                 slot: NetworkSlot | None, disks: list[_AttachedDisk],
+                                 extra_vcpus: int = 0) -> QemuProcess:
+        """A QEMU in `-incoming defer` with the record's disks, each a new blockd device over
+        the snapshot's layers (appended to `disks` as made, for the caller to release)."""
+        attachments = []
+        snaps = {d.name: d for d in record.disks}
+        for cfg in record.machine.disks:
+            ds = snaps[cfg.name]
+            disk, attach = await self._attach_disk(
+                cfg.name, cfg.size, cfg.read_only, ds.layers,
+                Path(ds.file) if ds.file else None, workdir)
+            disks.append(disk)
+            attachments.append(attach)
+        return await QemuProcess.spawn(
+            record.machine, workdir, mem_path=str(mem_path), disks=attachments, incoming=True,
+            netns=slot.netns_path if slot else None, qemu_binary=self.config.qemu_binary,
+            die_with_parent=self.config.qemu_die_with_parent, **self._qemu_tuning(extra_vcpus))
+
     async def _refill(self, key: str) -> None:
         target = self._warm_targets.get(key)
         if target is None:
@@ -668,33 +741,36 @@ class Runtime:
         while len(pool) < count:
             mem_path = await self._memory_file(record)
             workdir = self.config.vm_dir / f"warm-{uuid.uuid4().hex[:12]}"
-            slot = await self.slots.take() if record.machine.network else None
+            slot: NetworkSlot | None = None
+            disks: list[_AttachedDisk] = []
             try:
-                process = await QemuProcess.spawn(
-                    record.machine, workdir, mem_path=str(mem_path), disks=None, incoming=True,
-                    netns=slot.netns_path if slot else None, qemu_binary=self.config.qemu_binary,
-                    die_with_parent=self.config.qemu_die_with_parent,
-                    **self._qemu_tuning())
+                slot = await self.slots.take() if record.machine.network else None
+                process = await self._spawn_for_restore(record, mem_path, workdir, slot, disks,
+                                                        extra_vcpus=record.machine.vcpus)
             except BaseException:
-                self.memory.release(record.id)
-                if slot is not None:
-                    await self.slots.give_back(slot)
+                await self._release_resources(slot, disks, record.id)
+                shutil.rmtree(workdir, ignore_errors=True)
                 raise
-            pool.append((process, slot, workdir))
+            pool.append(_WarmProcess(process, slot, workdir, disks))
 
-    def _take_warm(self, key: str) -> tuple[QemuProcess, NetworkSlot | None, Path] | None:
+    async def _take_warm(self, key: str) -> _WarmProcess | None:
         pool = self._warm.get(key)
-        while pool:
-            process, slot, workdir = pool.pop()
-            if process.died.is_set():
-                continue
-            # The warm process already holds a reference on the memory file; the restore
-            # took another one, so drop one of them.
+        taken = None
+        while pool and taken is None:
+            warm = pool.pop()
+            # The warm process holds a reference on the memory file and the restore took
+            # another one, so drop one of them (a dead one's as well).
             self.memory.release(key)
-            self._kick_refill(key)
-            return process, slot, workdir
+            if warm.process.died.is_set():
+                log.warning("warm QEMU died while waiting", extra={
+                    "snapshot": key, "reason": warm.process.exit_reason()})
+                await warm.process.stop_process()  # closes its QMP connection
+                await self._release_resources(warm.slot, warm.disks, None)
+                shutil.rmtree(warm.workdir, ignore_errors=True)
+                continue
+            taken = warm
         self._kick_refill(key)
-        return None
+        return taken
 
     def _kick_refill(self, key: str) -> None:
         if key not in self._warm_targets:
@@ -704,12 +780,10 @@ class Runtime:
             self._warm_tasks[key] = asyncio.create_task(self._refill(key))
 
     async def _drain_warm(self, key: str) -> None:
-        for process, slot, workdir in self._warm.pop(key, []):
-            await process.stop_process()
-            self.memory.release(key)
-            if slot is not None:
-                await self.slots.give_back(slot)
-            shutil.rmtree(workdir, ignore_errors=True)
+        for warm in self._warm.pop(key, []):
+            await warm.process.stop_process()
+            await self._release_resources(warm.slot, warm.disks, key)
+            shutil.rmtree(warm.workdir, ignore_errors=True)
 
     # -- ending VMs -----------------------------------------------------------------------
 
