@@ -214,14 +214,25 @@ def test_dead_qemu_is_noticed(env: Env, counting: SnapshotRecord) -> None:
 
 
 def test_warm_pool_serves_restores(env: Env, counting: SnapshotRecord) -> None:
+    """Warm processes wait with the snapshot's disks attached; the pool refills to its high
+    watermark once fewer than the low one wait."""
     rt = env.runtime
-    env.loop.run(rt.prime(counting, 2))
-    assert rt.warm_count(counting.id) == 2
-    vm = env.loop.run(rt.restore(counting))
+    saved = rt.config.process_pool_low, rt.config.process_pool_high
+    rt.config.process_pool_low, rt.config.process_pool_high = 1, 2
+    vms: list[VM] = []
     try:
+        env.loop.run(rt.prime(counting))
+        assert rt.warm_count(counting.id) == 2
+        vms.append(env.loop.run(rt.restore(counting)))
+        vm = vms[0]
         assert vm.timings["warm"] == 1.0
+        assert vm.timings["process_ms"] < 5, "a warm restore creates and attaches no disk"
         assert count(env, vm) > 0
         env.loop.run(sh(vm, "echo 3 > /proc/sys/vm/drop_caches; cat /mnt/disk/data/file"))
+        env.loop.run(asyncio.sleep(0.5))
+        assert rt.warm_count(counting.id) == 1, "one left is not below the low watermark"
+        vms.append(env.loop.run(rt.restore(counting)))
+        assert vms[1].timings["warm"] == 1.0 and count(env, vms[1]) > 0
 
         async def refilled() -> None:
             while rt.warm_count(counting.id) < 2:
@@ -229,8 +240,10 @@ def test_warm_pool_serves_restores(env: Env, counting: SnapshotRecord) -> None:
 
         env.loop.run(refilled(), timeout=60)
     finally:
-        env.loop.run(rt.kill(vm))
+        for vm in vms:
+            env.loop.run(rt.kill(vm))
         env.loop.run(rt.unprime(counting.id))
+        rt.config.process_pool_low, rt.config.process_pool_high = saved
     assert rt.warm_count(counting.id) == 0
     assert rt.memory.refcount(counting.id) == 0
 

@@ -170,7 +170,7 @@ class Runtime:
         self._http = httpx.AsyncClient(timeout=httpx.Timeout(5.0, connect=1.0),
                                        limits=httpx.Limits(max_keepalive_connections=0))
         self._warm: dict[str, list[_WarmProcess]] = {}
-        self._warm_targets: dict[str, tuple[SnapshotRecord, int]] = {}
+        self._warm_targets: dict[str, tuple[SnapshotRecord, int, int]] = {}  # record, low, high
         self._warm_tasks: dict[str, asyncio.Task[None]] = {}
         self._started = False
         self._background: set[asyncio.Task[None]] = set()
@@ -695,10 +695,13 @@ class Runtime:
     # -- warm QEMU processes for a snapshot -------------------------------------------------
 
     async def prime(self, record: SnapshotRecord, count: int | None = None) -> None:
-        """Keep warm QEMU processes (with network slots) waiting for restores of `record`."""
+        """Keep warm QEMU processes (with network slots and disks) waiting for restores of
+        `record`: refilled in the background to the high watermark whenever fewer than the low
+        one wait (config.process_pool_low/high; `count` sets both)."""
         self.check_restorable(record)
-        target = count if count is not None else self.config.process_pool_low
-        self._warm_targets[record.id] = (record, target)
+        low, high = ((count, count) if count is not None
+                     else (self.config.process_pool_low, self.config.process_pool_high))
+        self._warm_targets[record.id] = (record, low, max(low, high))
         await self._refill(record.id)
 
     async def unprime(self, record_id: str) -> None:
@@ -736,9 +739,9 @@ class Runtime:
         target = self._warm_targets.get(key)
         if target is None:
             return
-        record, count = target
+        record, _, high = target
         pool = self._warm.setdefault(key, [])
-        while len(pool) < count:
+        while len(pool) < high:
             mem_path = await self._memory_file(record)
             workdir = self.config.vm_dir / f"warm-{uuid.uuid4().hex[:12]}"
             slot: NetworkSlot | None = None
@@ -769,7 +772,9 @@ class Runtime:
                 shutil.rmtree(warm.workdir, ignore_errors=True)
                 continue
             taken = warm
-        self._kick_refill(key)
+        target = self._warm_targets.get(key)
+        if target is not None and len(pool or []) < target[1]:
+            self._kick_refill(key)
         return taken
 
     def _kick_refill(self, key: str) -> None:
