@@ -570,21 +570,17 @@ class Runtime:
 
         `guest_token` is the envd access token the snapshot's guest holds, if any (see envd_init).
         """
-        with self._starting(record.machine.vcpus):
-            return await self._restore(record, env_vars, access_token, outbound, guest_token)
-
-    async def _restore(self, record: SnapshotRecord, env_vars: dict[str, str] | None,
-                       access_token: str | None, outbound: bool = True,
-                       guest_token: str | None = None) -> VM:
-        """restore() without counting the VM as starting (a fork counts its children at once)."""
         self.check_restorable(record)
-        t0 = time.perf_counter()
-        mem_path = await self._memory_file(record)
-        t1 = time.perf_counter()
-        # _restore_with_memory owns the memory reference from here: it gives it back if the
-        # restore fails before the VM exists, the VM's kill does after (never both).
-        vm = await self._restore_with_memory(record, mem_path, env_vars, access_token,
-                                             outbound, guest_token)
+        # Counted as starting from the first line: the children of a fork (restores gathered
+        # at once) all count before any of them spawns QEMU.
+        with self._starting(record.machine.vcpus):
+            t0 = time.perf_counter()
+            mem_path = await self._memory_file(record)
+            t1 = time.perf_counter()
+            # _restore_with_memory owns the memory reference from here: it gives it back if
+            # the restore fails before the VM exists, the VM's kill does after (never both).
+            vm = await self._restore_with_memory(record, mem_path, env_vars, access_token,
+                                                 outbound, guest_token)
         vm.timings["memory_file_ms"] = (t1 - t0) * 1e3
         return vm
 
@@ -679,10 +675,9 @@ class Runtime:
         if not 1 <= count <= 16:
             raise RuntimeError_(f"fork count must be 1..16, not {count}")
         record = await self.snapshot(vm, keep_running=True)
-        with self._starting(count * record.machine.vcpus):  # the children start together
-            results = await asyncio.gather(
-                *[self._restore(record, env_vars, access_token) for _ in range(count)],
-                return_exceptions=True)
+        results = await asyncio.gather(
+            *[self.restore(record, env_vars=env_vars, access_token=access_token)
+              for _ in range(count)], return_exceptions=True)
         children = [r for r in results if isinstance(r, VM)]
         failures = [r for r in results if isinstance(r, BaseException)]
         if failures:
