@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import os
 import shutil
@@ -136,6 +137,8 @@ async def main(quick: bool) -> None:
                 await rt.kill(child)
             await rt.unprime(base.id)
             kind = "warm" if warm else "cold"
+            if warm:
+                warm_running = running
             emit(f"restore_{kind}_to_running_p50", statistics.median(running), "ms",
                  "cold_boot_to_envd", boot_ms)
             emit(f"restore_{kind}_to_running_p99", pct(running, 0.99), "ms",
@@ -145,6 +148,19 @@ async def main(quick: bool) -> None:
             emit(f"restore_{kind}_incl_envd_init_p99", pct(times, 0.99), "ms",
                  "cold_boot_to_envd", boot_ms)
             emit(f"restore_{kind}_envd_init_alone_p50", statistics.median(inits), "ms")
+
+        # Restore cost must not grow with guest memory: the same image booted as a 2 GiB guest,
+        # warm restores to running, against the 512 MiB guest's above.
+        big = await rt.pause(await rt.boot(dataclasses.replace(spec, memory_mib=2048)))
+        big_running: list[float] = []
+        for _ in range(reps):
+            await rt.prime(big, 1)
+            child = await rt.restore(big)
+            big_running.append(to_running_ms(child))
+            await rt.kill(child)
+        await rt.unprime(big.id)
+        emit("restore_warm_to_running_p50_2048MiB_guest", statistics.median(big_running), "ms",
+             "restore_warm_to_running_p50_512MiB_guest", statistics.median(warm_running))
 
         # Pause with 16 / 128 MiB dirtied since the restore, against a full migrate. Our pause
         # fsyncs its files, so the fair baseline is the migrate plus an fsync of its file; the
