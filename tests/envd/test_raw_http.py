@@ -222,3 +222,23 @@ def test_garbage_http_gets_400_and_envd_keeps_serving(envd) -> None:
     assert answer.startswith(b"HTTP/1.1 400")
     assert b'"code":400' in answer
     assert httpx.get(f"{envd.url}/health").status_code == 204
+
+
+def test_burst_of_connections_all_served(envd) -> None:
+    """envd accepts one connection per wake-up of its listener: a burst of 300 connections at
+    once (some dropped by the client before envd gets to them) is served in full."""
+    import asyncio
+    import socket
+
+    host, port = envd.url.removeprefix("http://").split(":")
+    for _ in range(20):  # opened and dropped at once: envd must shrug these off
+        socket.create_connection((host, int(port)), timeout=10).close()
+
+    async def burst() -> list[int]:
+        limits = httpx.Limits(max_connections=300, max_keepalive_connections=0)
+        async with httpx.AsyncClient(base_url=envd.url, timeout=60, limits=limits) as http:
+            replies = await asyncio.gather(*[http.get("/health") for _ in range(300)])
+        return [reply.status_code for reply in replies]
+
+    assert asyncio.run(burst()) == [204] * 300
+    assert "Traceback" not in envd.log_path.read_text()

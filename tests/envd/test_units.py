@@ -144,3 +144,39 @@ def test_busybox_helper_detection() -> None:
     busybox = shutil.which("busybox")
     if busybox:
         assert busybox_can_switch_user(busybox) is True
+
+
+@pytest.mark.parametrize(("text", "expected"), [
+    ("2001-01-01T00:00:00Z", 978307200.0),
+    ("2001-01-01T00:00:00.123Z", 978307200.123),
+    ("2001-01-01T00:00:00.123456789Z", 978307200.123456),  # Go: nanoseconds, cut to micro
+    ("2001-01-01T00:00:00.1234567+01:00", 978303600.123456),
+    ("2001-01-01T01:00:00.123456-00:30", 978312600.123456),
+])
+def test_init_timestamp_parsing(text: str, expected: float) -> None:
+    from agentenv.guest.envd.app import parse_timestamp
+
+    assert parse_timestamp(text) == pytest.approx(expected, abs=1e-6)
+
+
+@pytest.mark.parametrize("text", ["", "yesterday", "2001-13-01T00:00:00Z", "12.5"])
+def test_init_timestamp_malformed(text: str) -> None:
+    from agentenv.guest.envd.app import parse_timestamp
+
+    with pytest.raises(ValueError):
+        parse_timestamp(text)
+
+
+@given(st.floats(min_value=0, max_value=4e9, allow_nan=False))
+def test_log_line_timestamp(created: float) -> None:
+    """The JSON log line's "ts" is the record time to the microsecond, as round(created, 6) was."""
+    import json
+    import logging
+
+    from agentenv.guest.envd.log import JsonLines
+
+    record = logging.makeLogRecord({"msg": "init %s", "args": ("x",), "created": created, "extra_field": 1})
+    line = json.loads(JsonLines().format(record))
+    assert list(line)[:4] == ["ts", "level", "logger", "msg"]
+    assert line["msg"] == "init x" and line["extra_field"] == 1
+    assert abs(line["ts"] - created) <= 1e-6 + 1e-15 * created

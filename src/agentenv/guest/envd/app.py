@@ -105,12 +105,18 @@ class Request:
                 return
 
     async def body(self, limit: int) -> bytes:
+        # A plain loop rather than body_chunks(): /init reads its body this way on every
+        # restore, when each code path taken for the first time costs (see httpserver.py).
         data = bytearray()
-        async for chunk in self.body_chunks():
-            data += chunk
+        while True:
+            message = await self.receive()
+            if message["type"] == "http.disconnect":
+                raise ConnectionError("client disconnected")
+            data += message.get("body", b"")
             if len(data) > limit:
                 raise RpcError("resource_exhausted", f"request body larger than {limit} bytes")
-        return bytes(data)
+            if not message.get("more_body", False):
+                return bytes(data)
 
 
 async def send_json(send: Send, status: int, body: Any, extra: list[tuple[bytes, bytes]] | None = None) -> None:
@@ -267,10 +273,11 @@ class Envd:
         headers: dict[str, str] = {}
         for key, value in scope["headers"]:
             headers[key.decode("latin-1").lower()] = value.decode("latin-1")
+        query = scope.get("query_string", b"")
         request = Request(
             method=scope["method"],
             path=scope["path"],
-            query=parse_qs(scope.get("query_string", b"").decode("latin-1"), keep_blank_values=True),
+            query=parse_qs(query.decode("latin-1"), keep_blank_values=True) if query else {},
             headers=headers,
             receive=receive,
         )
@@ -378,16 +385,16 @@ class Envd:
                 socket.sethostname(hostname)
             except OSError as exc:
                 log.warning("setting the hostname failed", extra={"error": str(exc)})
-        log.info("init", extra={"env_vars": len(env_vars), "token_set": bool(new_token)})
-        await send_empty(send, 204, extra)
+        # Answer first: the runtime waits for this on every resume and fork; the console is slow.
+        try:
+            await send_empty(send, 204, extra)
+        finally:
+            log.info("init", extra={"env_vars": len(env_vars), "token_set": bool(new_token)})
 
     @staticmethod
     def _set_clock(timestamp: Any) -> None:
         try:
-            text = str(timestamp).replace("Z", "+00:00")
-            # Python 3.11 parses at most microseconds; Go sends nanoseconds.
-            text = re.sub(r"(\.\d{6})\d+", r"\1", text)
-            wanted = datetime.fromisoformat(text).timestamp()
+            wanted = parse_timestamp(timestamp)
         except ValueError:
             log.warning("ignoring malformed /init timestamp", extra={"timestamp": timestamp})
             return
@@ -702,6 +709,19 @@ class Envd:
         watcher = self.fs.open_watcher(message, ctx.user())
         async for event in watcher.stream(ctx.keepalive_seconds):
             yield event
+
+
+def parse_timestamp(value: Any) -> float:
+    """An RFC 3339 time as sent in /init (nanoseconds, `Z`), in seconds since the epoch.
+    Raises ValueError when malformed."""
+    text = str(value).replace("Z", "+00:00")
+    # Python 3.11 parses at most microseconds; Go sends nanoseconds. Cut with string operations:
+    # a regex here would be compiled on the first /init after every restore (see httpserver.py).
+    head, dot, tail = text.partition(".")
+    digits = len(tail) - len(tail.lstrip("0123456789"))
+    if dot and digits > 6:
+        text = f"{head}.{tail[:6]}{tail[digits:]}"
+    return datetime.fromisoformat(text).timestamp()
 
 
 async def _cancel(task: asyncio.Future[Any]) -> None:

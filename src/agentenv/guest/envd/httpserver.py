@@ -3,6 +3,10 @@
 envd needs plain HTTP/1.1 only (the SDKs never speak h2c to it). Serving it here rather than
 through uvicorn keeps the guest agent at about 18 MB instead of 29 MB of RSS (no TLS library,
 no CLI framework) and lets a response's headers leave together with its first body bytes.
+
+The first request after a snapshot restore (envd /init on every resume and fork) runs with QEMU's
+translation cache empty, so every distinct code path it takes costs guest CPU: the request path
+avoids needless ones (a task and a timer per read, per-request imports, exceptions as control flow).
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ import logging
 import socket
 from collections.abc import Awaitable, Callable
 from typing import Any
+from urllib.parse import unquote
 
 import h11
 
@@ -110,7 +115,9 @@ class _Connection:
             if timeout is None:
                 data = await self.reader.read(READ_BYTES)
             else:
-                data = await asyncio.wait_for(self.reader.read(READ_BYTES), timeout)
+                # Not wait_for: that wraps the read in a task of its own.
+                async with asyncio.timeout(timeout):
+                    data = await self.reader.read(READ_BYTES)
             self.h11.receive_data(data)
 
     async def write(self, data: bytes) -> None:
@@ -121,19 +128,60 @@ class _Connection:
 class HttpServer:
     def __init__(self, app: App) -> None:
         self.app = app
-        self._server: asyncio.AbstractServer | None = None
+        self._listener: socket.socket | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._accepting: set[asyncio.Task[Any]] = set()  # connections getting their transport
         self._connections: set[asyncio.Task[None]] = set()
         self._idle: set[asyncio.Task[None]] = set()  # waiting for their next request
 
     async def start(self, listener: socket.socket) -> None:
-        self._server = await asyncio.start_server(
-            self._serve_connection, sock=listener, limit=READ_BYTES, backlog=1024
-        )
+        listener.setblocking(False)
+        self._listener = listener
+        self._loop = asyncio.get_running_loop()
+        self._loop.add_reader(listener.fileno(), self._accept)
+
+    def _accept(self) -> None:
+        """One accept per readiness of the listener (level-triggered: more pending connections
+        wake it again). asyncio's own server accepts in a loop until EAGAIN, which raises an
+        exception, strerror and all, on every connection: a cost on each first request."""
+        listener, loop = self._listener, self._loop
+        if listener is None or loop is None:
+            return
+        try:
+            conn, _ = listener.accept()
+        except (BlockingIOError, InterruptedError, ConnectionAbortedError):
+            return
+        except OSError as exc:
+            # Out of file descriptors or memory: stop accepting for a second instead of spinning.
+            log.warning("accept failed; pausing for 1 s", extra={"error": str(exc)})
+            loop.remove_reader(listener.fileno())
+            loop.call_later(1.0, self._resume_accepting, listener)
+            return
+        conn.setblocking(False)
+        reader = asyncio.StreamReader(limit=READ_BYTES, loop=loop)
+        protocol = asyncio.StreamReaderProtocol(reader, self._serve_connection, loop=loop)
+        task = loop.create_task(loop.connect_accepted_socket(lambda: protocol, conn))
+        self._accepting.add(task)
+        task.add_done_callback(self._accepted)
+
+    def _accepted(self, task: asyncio.Task[Any]) -> None:
+        self._accepting.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            # The client went away before its transport was made; nothing to serve.
+            log.debug("connection lost while accepting", extra={"error": str(task.exception())})
+
+    def _resume_accepting(self, listener: socket.socket) -> None:
+        if self._listener is listener and self._loop is not None:
+            self._loop.add_reader(listener.fileno(), self._accept)
 
     async def close(self, grace_seconds: float = 2.0) -> None:
         """Stop accepting; give open exchanges a moment to finish, then cut them."""
-        if self._server is not None:
-            self._server.close()
+        if self._listener is not None and self._loop is not None:
+            self._loop.remove_reader(self._listener.fileno())
+            self._listener.close()
+        self._listener = None
+        for task in self._accepting:
+            task.cancel()
         for task in self._idle:
             task.cancel()  # nothing in flight: no need to wait for these
         if self._connections:
@@ -146,16 +194,11 @@ class HttpServer:
         task = asyncio.current_task()
         assert task is not None
         self._connections.add(task)
-        sock = writer.get_extra_info("socket")
-        if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
-            # Headers, envelopes and chunks go out as separate writes; Nagle would hold each one
-            # back for the client's delayed ACK (about 40 ms).
-            with contextlib.suppress(OSError):
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        # No TCP_NODELAY here: asyncio's socket transport sets it on every TCP connection (Nagle
+        # would hold back headers, envelopes and chunks, which go out as separate writes).
         # Let a 1 MiB download chunk sit in the buffer without a drain wait per chunk.
         writer.transport.set_write_buffer_limits(high=WRITE_BUFFER_HIGH)
         connection = _Connection(reader, writer)
-        peer = writer.get_extra_info("peername")
         try:
             await self._serve_requests(connection)
         except (ConnectionError, asyncio.IncompleteReadError, TimeoutError, asyncio.CancelledError):
@@ -163,7 +206,7 @@ class HttpServer:
         except h11.RemoteProtocolError as exc:
             await self._reject(connection, exc)
         except Exception:
-            log.exception("connection failed", extra={"peer": str(peer)})
+            log.exception("connection failed", extra={"peer": str(writer.get_extra_info("peername"))})
         finally:
             self._connections.discard(task)
             writer.close()
@@ -231,8 +274,8 @@ async def _drain_body(connection: _Connection) -> bool:
 def _scope(request: h11.Request, writer: asyncio.StreamWriter) -> dict[str, Any]:
     target = bytes(request.target)
     path, _, query = target.partition(b"?")
-    from urllib.parse import unquote
-
+    # By index: iterating h11's Headers goes through Sequence.__iter__, which stops on an IndexError.
+    headers = request.headers
     return {
         "type": "http",
         "asgi": {"version": "3.0"},
@@ -242,7 +285,7 @@ def _scope(request: h11.Request, writer: asyncio.StreamWriter) -> dict[str, Any]
         "path": unquote(path.decode("latin-1")),
         "raw_path": path,
         "query_string": query,
-        "headers": [(bytes(k), bytes(v)) for k, v in request.headers],
+        "headers": [(bytes(k), bytes(v)) for k, v in (headers[i] for i in range(len(headers)))],
         "client": writer.get_extra_info("peername"),
         "server": writer.get_extra_info("sockname"),
     }
