@@ -287,12 +287,16 @@ def test_routes_files_tags_and_errors(build_node: NodeProcess, built: dict[str, 
         tags = api.get(f"/templates/{tid}/tags").json()
         assert tags == [{"tag": "default", "buildID": built["build_id"],
                          "createdAt": tags[0]["createdAt"]}]
-        refused = api.post("/templates/tags", json={"target": f"{built['name']}:default",
-                                                    "tags": ["prod"]})
-        assert refused.status_code == 400 and refused.json()["code"] == 400
+        assigned = api.post("/templates/tags", json={"target": f"{built['name']}:default",
+                                                     "tags": ["prod"]})
+        assert assigned.status_code == 201, assigned.text
+        assert assigned.json() == {"tags": ["prod"], "buildID": built["build_id"]}
+        assert api.request("DELETE", "/templates/tags", json={
+            "name": built["name"], "tags": ["prod"]}).status_code == 204
+        assert [t["tag"] for t in api.get(f"/templates/{tid}/tags").json()] == ["default"]
 
         assert api.post("/v3/templates", json={"name": "bad name!"}).status_code == 400
-        assert api.post("/v3/templates", json={"name": "x", "tags": ["v1"]}).status_code == 400
+        assert api.post("/v3/templates", json={"name": "x", "tags": ["Bad tag!"]}).status_code == 400
         assert api.post("/v3/templates", json={"name": "base"}).status_code == 400
         created = api.post("/v3/templates", json={"name": f"{built['name']}-routes"}).json()
         start = f"/v2/templates/{created['templateID']}/builds/{created['buildID']}"

@@ -2,6 +2,8 @@
 
 Mark: everything something still needs.
 - every template and snapshot record (their snapshot directories and the files those name),
+- every template build a tag still names (node/template_tags.py; "default" is the template
+  record's own snapshot): a build no tag names is left to the sweep once no sandbox uses it,
 - every sandbox, running or paused: its source template's files and its pause snapshot,
 - what the backend's live VMs use (sandboxes, template-build VMs, ready-pool VMs): memory
   and disk layers, work directories, RAM files with a reference, built-in templates,
@@ -239,6 +241,9 @@ class LayerCollector:
         orch = self.orchestrator
         backend = orch.backend
         refs: list[TemplateRef] = [tpl.ref for tpl in orch.templates.values()]
+        tags = getattr(orch, "template_tags", None)
+        if tags is not None:
+            refs.extend(build.ref for build in tags.builds.values())
         for rec in orch.sandboxes.values():
             refs.append(rec.source)
             if rec.pause_snapshot is not None:

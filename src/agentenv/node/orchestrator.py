@@ -51,6 +51,7 @@ from agentenv.node.errors import (
 from agentenv.node.records import SandboxRecord, State, TemplateRecord
 from agentenv.node.security import TokenIssuer, new_id
 from agentenv.node.store import NameTaken, PendingOp, Store
+from agentenv.node.template_tags import TemplateTags
 
 log = logging.getLogger("agentenv.node.orchestrator")
 T = TypeVar("T")
@@ -139,6 +140,8 @@ class Orchestrator:
         self.builtin_templates: set[str] = set()
         #: the layer garbage collector (node/gc.py), set by the server before start()
         self.gc: Any = None
+        #: tags of the templates (E2B "name:tag"), node/template_tags.py
+        self.template_tags = TemplateTags(self)
         if hasattr(backend, "on_sandbox_lost"):
             backend.on_sandbox_lost = self.sandbox_lost
 
@@ -150,6 +153,7 @@ class Orchestrator:
         await self.backend.start()
         for tpl in await self.store.load_templates():
             self._add_template(tpl)
+        await self.template_tags.load()
         for default in await self.backend.default_templates():
             existing = self.templates.get(default.name)
             if existing is None and default.name in self._names:
@@ -449,8 +453,9 @@ class Orchestrator:
         tpl = self.templates.get(id_or_name)
         if tpl is None and id_or_name in self._names:
             tpl = self.templates.get(self._names[id_or_name])
-        if tpl is None and ":" in id_or_name:  # "name:tag": tags are not kept, the name is
-            return self.resolve_template(id_or_name.rsplit(":", 1)[0])
+        if tpl is None and ":" in id_or_name:  # "name:tag": that build of the template
+            base, tag = id_or_name.rsplit(":", 1)
+            return self.template_tags.resolve(self.resolve_template(base), tag, base)
         if tpl is None:
             raise NotFound(f"template '{id_or_name}' not found")
         return tpl
@@ -466,13 +471,18 @@ class Orchestrator:
         self.templates.pop(tpl.template_id, None)
         for name in tpl.names:
             self._names.pop(name, None)
-        try:
-            await self.backend.delete_snapshot(tpl.ref)
-        except BackendError as exc:
-            log.warning(
-                "template data not deleted",
-                extra={"template_id": tpl.template_id, "error": str(exc)},
-            )
+        refs = [tpl.ref]
+        for build in self.template_tags.forget(tpl.template_id):
+            if build.ref not in refs:
+                refs.append(build.ref)
+        for ref in refs:
+            try:
+                await self.backend.delete_snapshot(ref)
+            except BackendError as exc:
+                log.warning(
+                    "template data not deleted",
+                    extra={"template_id": tpl.template_id, "error": str(exc)},
+                )
         self._collect_soon()
 
     def _collect_soon(self) -> None:
@@ -518,7 +528,9 @@ class Orchestrator:
             source=tpl.ref,
         )
         self.sandboxes[sid] = rec
-        return await self._launch(sid, "create", self._do_create(rec, tpl, timeout))
+        # A "name:tag" gives a copy with that build's snapshot: statistics go to the record.
+        counted = self.templates.get(tpl.template_id, tpl)
+        return await self._launch(sid, "create", self._do_create(rec, counted, timeout))
 
     async def _do_create(
         self, rec: SandboxRecord, tpl: TemplateRecord, timeout: int

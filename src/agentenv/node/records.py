@@ -139,3 +139,48 @@ class TemplateRecord:
     spawn_count: int = 0
     last_spawned_at: float | None = None
     build_status: str = "ready"
+    #: the template build whose snapshot `ref` is (its "default" tag); None for snapshots,
+    #: built-in templates and templates built before tags were kept
+    build_id: str | None = None
+
+
+#: The tag every template build gets when it is built without tags (E2B's DEFAULT_TAG); a
+#: name without ":tag" means this one.
+DEFAULT_TAG = "default"
+
+
+@dataclass
+class BuildSnapshot:
+    """One template build that a tag points at: what a sandbox made from "name:tag" starts."""
+
+    build_id: str
+    template_id: str
+    ref: TemplateRef
+    cpu_count: int
+    memory_mb: int
+    disk_size_mb: int
+    envd_version: str
+    created_at: float
+
+    def to_json(self) -> dict[str, Any]:
+        return {"ref": self.ref.to_json(), "cpu_count": self.cpu_count,
+                "memory_mb": self.memory_mb, "disk_size_mb": self.disk_size_mb,
+                "envd_version": self.envd_version}
+
+    @classmethod
+    def from_row(cls, build_id: str, template_id: str, created_at: float,
+                 doc: dict[str, Any]) -> BuildSnapshot:
+        return cls(build_id=build_id, template_id=template_id,
+                   ref=TemplateRef.from_json(doc["ref"]), cpu_count=int(doc["cpu_count"]),
+                   memory_mb=int(doc["memory_mb"]), disk_size_mb=int(doc["disk_size_mb"]),
+                   envd_version=str(doc["envd_version"]), created_at=created_at)
+
+
+@dataclass(frozen=True)
+class TagAssignment:
+    """Tag `tag` of a template names build `build_id` since `assigned_at`."""
+
+    template_id: str
+    tag: str
+    build_id: str
+    assigned_at: float

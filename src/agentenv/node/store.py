@@ -19,7 +19,7 @@ from typing import Any, TypeVar
 
 from agentenv.errors import AgentEnvError
 from agentenv.node.backend import TemplateRef
-from agentenv.node.records import SandboxRecord, TemplateRecord
+from agentenv.node.records import BuildSnapshot, SandboxRecord, TagAssignment, TemplateRecord
 
 T = TypeVar("T")
 
@@ -61,6 +61,24 @@ MIGRATIONS: list[str] = [
         doc TEXT NOT NULL
     );
     """,
+    # 3: template tags (E2B "name:tag"): the builds some tag points at, and the tags. Both go
+    # with their template (ON DELETE CASCADE); a build no tag names is deleted with its snapshot.
+    """
+    CREATE TABLE template_builds (
+        build_id TEXT PRIMARY KEY,
+        template_id TEXT NOT NULL REFERENCES templates(id) ON DELETE CASCADE,
+        created_at REAL NOT NULL,
+        doc TEXT NOT NULL
+    );
+    CREATE INDEX template_builds_template ON template_builds(template_id);
+    CREATE TABLE template_tags (
+        template_id TEXT NOT NULL REFERENCES templates(id) ON DELETE CASCADE,
+        tag TEXT NOT NULL,
+        build_id TEXT NOT NULL REFERENCES template_builds(build_id) ON DELETE CASCADE,
+        assigned_at REAL NOT NULL,
+        PRIMARY KEY (template_id, tag)
+    );
+    """,
 ]
 
 SCHEMA_VERSION = len(MIGRATIONS)
@@ -97,6 +115,7 @@ def _template_doc(rec: TemplateRecord) -> str:
             "spawn_count": rec.spawn_count,
             "last_spawned_at": rec.last_spawned_at,
             "build_status": rec.build_status,
+            "build_id": rec.build_id,
         }
     )
 
@@ -118,6 +137,7 @@ def _template_from(row: sqlite3.Row) -> TemplateRecord:
         spawn_count=doc.get("spawn_count", 0),
         last_spawned_at=doc.get("last_spawned_at"),
         build_status=doc.get("build_status", "ready"),
+        build_id=doc.get("build_id"),
     )
 
 
@@ -241,9 +261,22 @@ class Store:
         await self._run(write)
 
     async def delete_template(self, template_id: str) -> None:
+        """The template, its names, its tags and tagged builds (and their layer references)."""
+
         def write(c: sqlite3.Connection) -> None:
-            c.execute("DELETE FROM template_names WHERE template_id = ?", (template_id,))
-            c.execute("DELETE FROM templates WHERE id = ?", (template_id,))
+            c.execute("BEGIN IMMEDIATE")
+            try:
+                c.execute(
+                    "DELETE FROM layer_refs WHERE owner_kind = 'build' AND owner_id IN "
+                    "(SELECT build_id FROM template_builds WHERE template_id = ?)",
+                    (template_id,),
+                )
+                c.execute("DELETE FROM template_names WHERE template_id = ?", (template_id,))
+                c.execute("DELETE FROM templates WHERE id = ?", (template_id,))
+                c.execute("COMMIT")
+            except BaseException:
+                c.execute("ROLLBACK")
+                raise
 
         await self._run(write)
 
@@ -254,6 +287,72 @@ class Store:
             ).fetchall()
         )
         return [_template_from(r) for r in rows]
+
+    # --- template tags -----------------------------------------------------------------------
+
+    async def update_tags(
+        self,
+        put_builds: list[BuildSnapshot],
+        put_tags: list[TagAssignment],
+        delete_tags: list[tuple[str, str]],
+        delete_builds: list[str],
+    ) -> None:
+        """One change of a template's tags in one transaction: builds added (with their layer
+        references), tags set, tags (template_id, tag) removed, then builds no tag names."""
+
+        def write(c: sqlite3.Connection) -> None:
+            c.execute("BEGIN IMMEDIATE")
+            try:
+                for build in put_builds:
+                    c.execute(
+                        "INSERT INTO template_builds (build_id, template_id, created_at, doc) "
+                        "VALUES (?, ?, ?, ?) ON CONFLICT(build_id) DO UPDATE SET doc = excluded.doc",
+                        (build.build_id, build.template_id, build.created_at,
+                         json.dumps(build.to_json())),
+                    )
+                    c.execute("DELETE FROM layer_refs WHERE owner_kind = 'build' AND owner_id = ?",
+                              (build.build_id,))
+                    c.executemany(
+                        "INSERT OR IGNORE INTO layer_refs (layer_id, owner_kind, owner_id) "
+                        "VALUES (?, 'build', ?)",
+                        [(layer, build.build_id) for layer in build.ref.layers],
+                    )
+                c.executemany(
+                    "INSERT INTO template_tags (template_id, tag, build_id, assigned_at) "
+                    "VALUES (?, ?, ?, ?) ON CONFLICT(template_id, tag) DO UPDATE SET "
+                    "build_id = excluded.build_id, assigned_at = excluded.assigned_at",
+                    [(t.template_id, t.tag, t.build_id, t.assigned_at) for t in put_tags],
+                )
+                c.executemany("DELETE FROM template_tags WHERE template_id = ? AND tag = ?",
+                              delete_tags)
+                for build_id in delete_builds:
+                    c.execute("DELETE FROM template_builds WHERE build_id = ?", (build_id,))
+                    c.execute("DELETE FROM layer_refs WHERE owner_kind = 'build' AND owner_id = ?",
+                              (build_id,))
+                c.execute("COMMIT")
+            except BaseException:
+                c.execute("ROLLBACK")
+                raise
+
+        await self._run(write)
+
+    async def load_tags(self) -> tuple[list[BuildSnapshot], list[TagAssignment]]:
+        def read(c: sqlite3.Connection) -> tuple[list[sqlite3.Row], list[sqlite3.Row]]:
+            builds = c.execute(
+                "SELECT build_id, template_id, created_at, doc FROM template_builds"
+            ).fetchall()
+            tags = c.execute(
+                "SELECT template_id, tag, build_id, assigned_at FROM template_tags"
+            ).fetchall()
+            return builds, tags
+
+        builds, tags = await self._run(read)
+        return (
+            [BuildSnapshot.from_row(r["build_id"], r["template_id"], r["created_at"],
+                                    json.loads(r["doc"])) for r in builds],
+            [TagAssignment(r["template_id"], r["tag"], r["build_id"], r["assigned_at"])
+             for r in tags],
+        )
 
     # --- layer references --------------------------------------------------------------------
 

@@ -7,15 +7,21 @@
                                                               -> 202, the build runs in the background
     GET  /templates/{tid}/builds/{bid}/status?logsOffset=N    -> 200 {status, logEntries, reason?}
     GET  /templates/aliases/{alias}, GET /templates, GET /v2/templates, GET/DELETE /templates/{id}
-    GET  /templates/{id}/tags, POST/DELETE /templates/tags    (tags beyond the implicit "default"
-                                                               are refused: 400 "not supported yet")
+    GET  /templates/{id}/tags -> 200 [{tag, buildID, createdAt}]
+    POST /templates/tags {target: "name[:tag]", tags} -> 201 {tags, buildID}
+    DELETE /templates/tags {name, tags} -> 204
+
+Tags (E2B template versions, node/template_tags.py): `POST /v3/templates` with "name:tag" or
+`tags` gives the build those tags once it is ready; without tags it gets "default", which is
+what the bare name means. Builds other tags still name stay usable ("name:tag" at create).
 
 A template keeps its id across builds; every build gets a new UUID. A build boots a VM from an
 image (pulled and converted by agentenv.template.pull) or from another template's snapshot,
 runs the steps through envd (agentenv.template.build), pauses the VM into the template's boot
 snapshot and only then registers the template with the orchestrator, so a failed build leaves
-no half template and its VM is killed. A rebuild replaces the template's snapshot once it
-succeeds (sandboxes made from the old one keep its files until they end).
+no half template and its VM is killed. A rebuild moves the tags it was asked for once it
+succeeds; the build no tag names any more is deleted (sandboxes made from it keep its files
+until they end).
 
 Build records (status, logs, the final user/workdir/env) are JSON files under
 <state>/template-builds/; uploaded build files are kept under <state>/template-files/<hash>.
@@ -50,13 +56,16 @@ from agentenv.node.api import page, read_model
 from agentenv.node.backend import BackendError, SandboxSpec
 from agentenv.node.errors import ApiError, BadRequest, Conflict, NotFound
 from agentenv.node.orchestrator import Orchestrator
-from agentenv.node.records import TemplateRecord
+from agentenv.node.records import DEFAULT_TAG, BuildSnapshot, TemplateRecord
 from agentenv.node.security import new_id
 from agentenv.node.template_models import (
     UPLOAD_PREFIX,
+    AssignTemplateTagsRequest,
+    DeleteTemplateTagsRequest,
     TemplateBuildRequestV3,
     TemplateBuildStartV2,
 )
+from agentenv.node.template_tags import normalize_tags, split_tag
 
 log = logging.getLogger("agentenv.node.template_api")
 
@@ -86,6 +95,8 @@ class BuildRecord:
     context: dict[str, Any] | None = None  # BuildContext.to_json() once ready
     envd_version: str | None = None
     logs: list[dict[str, Any]] = field(default_factory=list)
+    #: the tags the build gets once ready (records written before tags existed: "default")
+    tags: list[str] = field(default_factory=list)
 
     def log(self, level: str, message: str, step: str | None = None) -> None:
         if len(self.logs) >= MAX_LOG_ENTRIES:
@@ -170,7 +181,12 @@ class TemplateBuildApi:
             return self.orchestrator.resolve_template(id_or_name)
         return None
 
-    def _context_of(self, template_id: str) -> dict[str, Any] | None:
+    def _context_of(self, template_id: str, build_id: str | None = None
+                    ) -> dict[str, Any] | None:
+        """The final user/workdir/env of build `build_id`, else of the newest ready build."""
+        tagged = self.builds.get(build_id) if build_id else None
+        if tagged is not None and tagged.context is not None:
+            return tagged.context
         for rec in self._builds_of(template_id):
             if rec.status == "ready" and rec.context is not None:
                 return rec.context
@@ -202,14 +218,8 @@ class TemplateBuildApi:
         name = body.name or body.alias
         if not name:
             raise BadRequest("the template's name is required")
-        if ":" in name:
-            name, _, tag = name.partition(":")
-            if tag not in ("default", "latest"):
-                raise BadRequest(f"template tags ({tag!r}) are not supported yet")
-        if body.tags:
-            raise BadRequest("template tags are not supported yet")
-        if "/" in name:  # a team namespace: this node has one team
-            name = name.rsplit("/", 1)[1]
+        name, name_tag = split_tag(name)  # "team/name:tag": this node has one team
+        tags = normalize_tags(([name_tag] if name_tag is not None else []) + (body.tags or []))
         if not _NAME.match(name):
             raise BadRequest(f"invalid template name {name!r}: letters, digits, '.', '_' and '-'")
         if not hasattr(self.orchestrator.backend, "boot_image"):
@@ -237,16 +247,20 @@ class TemplateBuildApi:
                 other.reason = {"message": "superseded by a newer build request"}
                 other.finished_at = other.updated_at = time.time()
                 self._save(other)
+        tags = tags or [DEFAULT_TAG]
+        self.orchestrator.template_tags.check_room(template_id, tags)
+        if existing is None and DEFAULT_TAG not in tags:
+            tags.insert(0, DEFAULT_TAG)  # a template's first build is what its name means
         now = time.time()
         rec = BuildRecord(template_id=template_id, build_id=str(uuid.uuid4()), name=name,
                           cpu_count=cpu, memory_mb=memory, status="waiting", created_at=now,
-                          updated_at=now)
+                          updated_at=now, tags=tags)
         self.builds[rec.build_id] = rec
         self._save(rec)
         log.info("template build requested",
                  extra={"template_id": template_id, "build_id": rec.build_id, "template_name": name})
         return JSONResponse({"templateID": template_id, "buildID": rec.build_id, "public": False,
-                             "names": [name], "tags": [], "aliases": [name]}, status_code=202)
+                             "names": [name], "tags": tags, "aliases": [name]}, status_code=202)
 
     def _template_of_request(self, template_id: str) -> str:
         """A template id the API knows (built, or with a build requested)."""
@@ -491,25 +505,77 @@ class TemplateBuildApi:
             (self.builds_dir / f"{rec.build_id}.json").unlink(missing_ok=True)
         return Response(status_code=204)
 
-    # --- tags (only the implicit "default" tag) ----------------------------------------------
+    # --- tags (node/template_tags.py) --------------------------------------------------------
+
+    def _newest_ready(self, template_id: str) -> str | None:
+        ready = [b for b in self._builds_of(template_id) if b.status == "ready"]
+        return ready[0].build_id if ready else None
+
+    def _builtin(self, tpl: TemplateRecord) -> bool:
+        return tpl.template_id in getattr(self.orchestrator, "builtin_templates", set()) or \
+            bool(tpl.ref.data.get("builtin"))
+
+    async def _tagged_template(self, id_or_name: str, change: bool = True) -> TemplateRecord:
+        """A registered template built through this API (its tag records made if it predates
+        them). Snapshots and built-in templates have no tags: 400 when `change`-ing them."""
+        tpl = self._registered(id_or_name)
+        if tpl is None:
+            pending = self._pending_template(id_or_name)
+            if pending is not None:
+                raise NotFound(f"template '{id_or_name}' has no ready build yet ({pending.build_id}"
+                               f" is {pending.status}): tags name ready builds")
+            raise NotFound(f"template '{id_or_name}' not found")
+        if not change and (tpl.kind != "template" or self._builtin(tpl)):
+            return tpl
+        if tpl.kind != "template":
+            raise BadRequest(f"'{id_or_name}' is a sandbox snapshot, not a template: "
+                             "snapshots have no tags")
+        if self._builtin(tpl):
+            raise BadRequest(f"template '{id_or_name}' is built into this node: it has no tags")
+        await self.orchestrator.template_tags.adopt_untagged(
+            tpl.template_id, self._newest_ready(tpl.template_id))
+        return self.orchestrator.templates[tpl.template_id]
 
     async def tags(self, request: Request) -> Response:
         self._load()
         id_or_name = request.path_params["template_id"]
-        tpl = self._registered(id_or_name)
-        if tpl is None:
-            raise NotFound(f"template '{id_or_name}' not found")
-        ready = [b for b in self._builds_of(tpl.template_id) if b.status == "ready"]
-        if not ready:
-            return JSONResponse([])
-        return JSONResponse([{"tag": "default", "buildID": ready[0].build_id,
-                              "createdAt": models.iso(ready[0].finished_at or ready[0].updated_at)}])
+        if ":" in id_or_name:
+            raise BadRequest(f"give a template id or name without a tag, not {id_or_name!r}")
+        tpl = await self._tagged_template(split_tag(id_or_name)[0], change=False)
+        return JSONResponse([
+            {"tag": t.tag, "buildID": t.build_id, "createdAt": models.iso(t.assigned_at)}
+            for t in self.orchestrator.template_tags.of(tpl.template_id)])
 
     async def assign_tags(self, request: Request) -> Response:
-        raise BadRequest("template tags are not supported yet (every name means its latest build)")
+        self._load()
+        body = await read_model(request, AssignTemplateTagsRequest)
+        name, source = split_tag(body.target)
+        if not name:
+            raise BadRequest("target must be 'name:tag' (or 'name' for its default build)")
+        if not body.tags:
+            raise BadRequest("tags must name at least one tag to assign")
+        tags = normalize_tags(body.tags)
+        source = DEFAULT_TAG if source is None or not source.strip() else source
+        tpl = await self._tagged_template(name)
+        build = await self.orchestrator.template_tags.assign(tpl.template_id, source, tags)
+        log.info("template tags assigned", extra={"template_id": tpl.template_id,
+                                                  "build_id": build.build_id, "tags": tags})
+        return JSONResponse({"tags": tags, "buildID": build.build_id}, status_code=201)
 
     async def remove_tags(self, request: Request) -> Response:
-        raise BadRequest("template tags are not supported yet (every name means its latest build)")
+        self._load()
+        body = await read_model(request, DeleteTemplateTagsRequest)
+        name, tag = split_tag(body.name)
+        if tag is not None:
+            raise BadRequest(f"name is a template name without a tag, not {body.name!r}; "
+                             "list the tags to remove in tags")
+        if not body.tags:
+            raise BadRequest("tags must name at least one tag to remove")
+        tags = normalize_tags(body.tags)
+        tpl = await self._tagged_template(name)
+        await self.orchestrator.template_tags.remove(tpl.template_id, tags)
+        log.info("template tags removed", extra={"template_id": tpl.template_id, "tags": tags})
+        return Response(status_code=204)
 
     # --- the build itself --------------------------------------------------------------------
 
@@ -569,7 +635,8 @@ class TemplateBuildApi:
                             BASE_STEP)
                 rec.cpu_count, rec.memory_mb = parent.cpu_count, parent.memory_mb
                 rec.disk_size_mb = parent.disk_size_mb
-                context = BuildContext.from_json(self._context_of(parent.template_id) or {})
+                context = BuildContext.from_json(
+                    self._context_of(parent.template_id, parent.build_id) or {})
                 spec = SandboxSpec(
                     sandbox_id=vm_id, source=parent.ref, cpu_count=parent.cpu_count,
                     memory_mb=parent.memory_mb, disk_size_mb=parent.disk_size_mb, env_vars={},
@@ -663,7 +730,8 @@ class TemplateBuildApi:
         return pulled.lowers, disk_bytes, pulled.config
 
     async def _publish(self, rec: BuildRecord, ref: Any, context: Any) -> None:
-        """Register the template (new, or its new snapshot); release the snapshot it replaces."""
+        """Register the build under its tags (a new template, or its new "default" snapshot);
+        the build no tag names any more is released (node/template_tags.py)."""
         old = self.orchestrator.templates.get(rec.template_id)
         now = time.time()
         tpl = TemplateRecord(
@@ -673,15 +741,19 @@ class TemplateBuildApi:
             created_at=old.created_at if old else now, updated_at=now,
             spawn_count=old.spawn_count if old else 0,
             last_spawned_at=old.last_spawned_at if old else None, build_status="ready")
+        build = BuildSnapshot(
+            build_id=rec.build_id, template_id=rec.template_id, ref=ref, cpu_count=rec.cpu_count,
+            memory_mb=rec.memory_mb, disk_size_mb=rec.disk_size_mb, envd_version=tpl.envd_version,
+            created_at=rec.created_at)
         try:
-            await self.orchestrator.register_template(tpl)
+            if old is not None:
+                await self.orchestrator.template_tags.adopt_untagged(
+                    rec.template_id, self._newest_ready(rec.template_id))
+            await self.orchestrator.template_tags.publish(tpl, build, rec.tags or [DEFAULT_TAG])
         except BaseException:
             with contextlib.suppress(Exception):
                 await self.orchestrator.backend.delete_snapshot(ref)
             raise
-        if old is not None:
-            with contextlib.suppress(BackendError):
-                await self.orchestrator.backend.delete_snapshot(old.ref)
         rec.context = context.to_json()
         rec.status = "ready"
         rec.finished_at = rec.updated_at = time.time()

@@ -18,7 +18,7 @@ class TemplateBuildRequestV3(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
     name: str | None = Field(default=None, min_length=1, max_length=128)
     alias: str | None = Field(default=None, min_length=1, max_length=128)
-    tags: list[str] | None = None
+    tags: list[str] | None = Field(default=None, max_length=100)
     teamID: str | None = None
     cpuCount: int | None = Field(default=None, ge=1, le=64)
     memoryMB: int | None = Field(default=None, ge=128, le=256 * 1024)
@@ -49,16 +49,17 @@ class TemplateBuildStartV2(BaseModel):
 
 
 class AssignTemplateTagsRequest(BaseModel):
-    """`POST /templates/tags` (refused: tags beyond the implicit "default" are not supported)."""
+    """`POST /templates/tags`: point `tags` at the build that `target` ("name:tag", or "name"
+    for its default build) names."""
 
     model_config = ConfigDict(extra="ignore", strict=True)
-    target: str
-    tags: list[str]
+    target: str = Field(min_length=1, max_length=300)
+    tags: list[str] = Field(max_length=100)
 
 
 class DeleteTemplateTagsRequest(BaseModel):
-    """`DELETE /templates/tags` (refused, as above)."""
+    """`DELETE /templates/tags`: remove `tags` of template `name` ("default" cannot go)."""
 
     model_config = ConfigDict(extra="ignore", strict=True)
-    name: str
-    tags: list[str]
+    name: str = Field(min_length=1, max_length=300)
+    tags: list[str] = Field(max_length=100)

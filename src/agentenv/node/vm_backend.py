@@ -164,6 +164,9 @@ class VmBackend:
         self.pool_config = pool_config or ReadyPoolConfig.from_env()
         self.pool: ReadyPool | None = None  # made in start() once the runtime exists
         self._creating = 0  # creates under way (the pools' fills yield to them)
+        # Snapshot directories creates are restoring from: in use although no VM runs from
+        # them yet (a template deleted or untagged meanwhile must not lose them).
+        self._create_sources: list[set[Path]] = []
         #: envd access token each running VM's guest holds (None: not secure). A snapshot
         #: taken of it carries the token, so a create from it can replace the token.
         self._tokens: dict[str, str | None] = {}
@@ -247,6 +250,8 @@ class VmBackend:
             in_use.update(Path(ref.path).parent for ref in vm.memory_layers)
             for disk in vm.disks:
                 in_use.update(Path(x.path).parent for x in disk.layers)
+        for sources in self._create_sources:
+            in_use.update(sources)
         async with self._gc_lock:
             await asyncio.to_thread(self._collect_sync, in_use)
 
@@ -558,10 +563,15 @@ class VmBackend:
                 f"its snapshot was taken of a {machine.vcpus} vCPU, {machine.memory_mib} MiB "
                 "machine (a restore cannot resize it)", retryable=False)
         self._creating += 1
+        sources = {Path(record.device_state).parent} | {
+            Path(x.path).parent for x in record.memory_layers} | {
+            Path(x.path).parent for d in record.disks for x in d.layers}
+        self._create_sources.append(sources)
         try:
             return await self._create(spec, record)
         finally:
             self._creating -= 1
+            self._create_sources.remove(sources)
 
     async def _create(self, spec: SandboxSpec, record: Any) -> Placement:
         # A snapshot of a secure sandbox wakes up with that sandbox's envd token.
@@ -834,6 +844,8 @@ class VmBackend:
             used.add(Path(vm.workdir))
             if vm.mem_path:
                 used.add(Path(vm.mem_path))
+        for sources in self._create_sources:
+            used.update(sources)
         memory = getattr(self.runtime, "memory", None)
         if memory is not None and memory.directory.is_dir():
             for mem in memory.directory.glob("*.mem"):

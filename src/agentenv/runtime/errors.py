@@ -31,3 +31,7 @@ class ModeMismatchError(SnapshotError):
 
 class NetworkError(RuntimeError_):
     """A network slot could not be set up or torn down."""
+
+
+class DiskError(RuntimeError_):
+    """blockd could not provide a VM's disk (a layer missing or unreadable, blockd refusing)."""

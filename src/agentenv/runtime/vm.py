@@ -31,10 +31,12 @@ from typing import Any, Literal
 
 import httpx
 
+from agentenv.blockd.errors import BlockdError
 from agentenv.runtime.accel import resolve_accel
 from agentenv.runtime.config import RuntimeConfig
 from agentenv.runtime.devstate import finish_device_state
 from agentenv.runtime.errors import (
+    DiskError,
     GuestNotReadyError,
     ModeMismatchError,
     QMPError,
@@ -268,8 +270,11 @@ class Runtime:
         upper = None if read_only else workdir / "disks" / name
         if upper is not None:
             upper.parent.mkdir(parents=True, exist_ok=True)
-        info = await self.blockd.create(lowers=[Path(x.path) for x in layers], upper_dir=upper,
-                                        size=size, readonly=read_only)
+        try:
+            info = await self.blockd.create(lowers=[Path(x.path) for x in layers],
+                                            upper_dir=upper, size=size, readonly=read_only)
+        except BlockdError as exc:
+            raise DiskError(f"disk {name}: {exc}") from exc
         return (_AttachedDisk(config, list(layers), device_id=info.id),
                 DiskAttachment(name, read_only, nbd_socket=info.nbd, nbd_export=info.export))
 
