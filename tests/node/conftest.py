@@ -17,6 +17,8 @@ from typing import Any
 import httpx
 import pytest
 
+from tests.template.conftest import Registry, _start_registry, _stop
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -259,3 +261,11 @@ def pid_alive(pid: int) -> bool:
         return bool(Path(f"/proc/{pid}/cmdline").read_bytes())
     except OSError:
         return False
+
+
+@pytest.fixture(scope="module")
+def registry(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Registry]:
+    """A loopback docker-registry without auth, one per test module that asks for it."""
+    reg = _start_registry(tmp_path_factory.mktemp("registry"), None)
+    yield reg
+    _stop(reg)

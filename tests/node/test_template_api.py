@@ -20,7 +20,7 @@ import httpx
 import pytest
 
 from tests.template import helpers
-from tests.template.conftest import Registry, _start_registry, _stop
+from tests.template.conftest import Registry
 
 from . import conftest
 from .conftest import NodeProcess
@@ -64,13 +64,6 @@ def _host_image_tar() -> bytes:
     tmp.write_bytes(data)
     tmp.replace(cached)
     return data
-
-
-@pytest.fixture(scope="module")
-def registry(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Registry]:
-    reg = _start_registry(tmp_path_factory.mktemp("registry"), None)
-    yield reg
-    _stop(reg)
 
 
 @pytest.fixture(scope="module")

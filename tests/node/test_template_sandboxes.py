@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import hashlib
 import io
-import json
 import os
 import re
 import subprocess
@@ -34,7 +33,7 @@ import pytest
 
 from agentenv.template.layercache import CONVERTER_KIND
 from tests.template import helpers
-from tests.template.conftest import Registry, _start_registry, _stop
+from tests.template.conftest import Registry
 
 from . import conftest
 from .conftest import NodeProcess
@@ -76,13 +75,6 @@ def _debian_layers() -> tuple[bytes, bytes]:
     top.dir("opt/layer2", mode=0o755, uid=1234, gid=1234)
     top.file("opt/layer2/marker", b"from layer two\n", uid=1234, gid=1234)
     return base, top.bytes()
-
-
-@pytest.fixture(scope="module")
-def registry(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Registry]:
-    reg = _start_registry(tmp_path_factory.mktemp("registry"), None)
-    yield reg
-    _stop(reg)
 
 
 @pytest.fixture(scope="module")
@@ -282,11 +274,7 @@ def test_bad_images_fail_the_build_and_leave_nothing(node: NodeProcess, registry
     bad_tar = helpers.TarBuilder().file("big", os.urandom(300_000)).bytes()
     truncated = gzip.compress(bad_tar)[:-5000]
     image = helpers.build_image([good, bad_tar])
-    body = json.loads(image.manifest)
-    del image.blobs[body["layers"][1]["digest"]]
-    body["layers"][1].update(digest=helpers.digest_of(truncated), size=len(truncated))
-    image.blobs[helpers.digest_of(truncated)] = truncated
-    image.manifest = json.dumps(body).encode()
+    image.replace_layer_blob(1, truncated)
     registry.push("broken", "gz", image)
     cache = CACHE / "layer-cache"
     entries_before = {p.name for p in (cache / CONVERTER_KIND).glob("*")}

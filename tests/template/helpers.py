@@ -45,6 +45,14 @@ class BuiltImage:
     def digest(self) -> str:
         return digest_of(self.manifest)
 
+    def replace_layer_blob(self, index: int, blob: bytes) -> None:
+        """Serve `blob` (e.g. a corrupt one) as layer `index`: manifest digest and size follow."""
+        body = json.loads(self.manifest)
+        del self.blobs[body["layers"][index]["digest"]]
+        body["layers"][index].update(digest=digest_of(blob), size=len(blob))
+        self.blobs[digest_of(blob)] = blob
+        self.manifest = json.dumps(body).encode()
+
 
 def fixture_image(tag: str) -> BuiltImage:
     """An image of the hello-world OCI layout, by its ref.name annotation."""

@@ -230,11 +230,7 @@ def test_failures_leave_nothing_behind(registry: Registry, state: Path, blockd: 
     bad_tar = helpers.TarBuilder().file("big", bytes(range(256)) * 40 + os.urandom(200_000)).bytes()
     bad_blob = gzip.compress(bad_tar)[:-5000]  # a truncated gzip stream
     image = helpers.build_image([good, bad_tar], ["gzip", "gzip"])
-    body = json.loads(image.manifest)
-    del image.blobs[body["layers"][1]["digest"]]
-    body["layers"][1].update(digest=helpers.digest_of(bad_blob), size=len(bad_blob))
-    image.blobs[helpers.digest_of(bad_blob)] = bad_blob
-    image.manifest = json.dumps(body).encode()
+    image.replace_layer_blob(1, bad_blob)
     registry.push("broken", "gz", image)
     with pytest.raises(LayerApplyError, match="corrupt archive"):
         _pull(registry, "broken:gz", state, blockd, name="broken")

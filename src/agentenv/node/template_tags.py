@@ -106,16 +106,17 @@ class TemplateTags:
         if tag.strip().lower() == DEFAULT_TAG and DEFAULT_TAG not in self.tags.get(
                 tpl.template_id, {}):
             return tpl  # templates without tag records: the record is the default
-        build = self.build_of(tpl.template_id, tag)
-        if build is None:
-            known = ", ".join(t.tag for t in self.of(tpl.template_id)) or "none"
-            raise NotFound(f"tag '{tag}' of template '{shown_name}' not found (its tags: {known})")
+        build = self._build_or_not_found(tpl.template_id, tag, shown_name)
         if build.build_id == tpl.build_id:
             return tpl
-        return dataclasses.replace(
-            tpl, ref=build.ref, cpu_count=build.cpu_count, memory_mb=build.memory_mb,
-            disk_size_mb=build.disk_size_mb, envd_version=build.envd_version,
-            build_id=build.build_id)
+        return _as_build(tpl, build)
+
+    def _build_or_not_found(self, template_id: str, tag: str, shown_name: str) -> BuildSnapshot:
+        build = self.build_of(template_id, tag)
+        if build is None:
+            known = ", ".join(t.tag for t in self.of(template_id)) or "none"
+            raise NotFound(f"tag '{tag}' of template '{shown_name}' not found (its tags: {known})")
+        return build
 
     # --- changes -----------------------------------------------------------------------------
 
@@ -160,16 +161,11 @@ class TemplateTags:
             await self.adopt_untagged(template_id, None)
             tpl = self.orchestrator.templates[template_id]
             self.check_room(template_id, tags)
-            build = self.build_of(template_id, source)
-            if build is None:
-                known = ", ".join(t.tag for t in self.of(template_id)) or "none"
-                raise NotFound(f"tag '{source}' of template '{tpl.names[0] if tpl.names else template_id}'"
-                               f" not found (its tags: {known})")
+            build = self._build_or_not_found(
+                template_id, source, tpl.names[0] if tpl.names else template_id)
             if DEFAULT_TAG in tags and build.build_id != tpl.build_id:
-                await self.orchestrator.register_template(dataclasses.replace(
-                    tpl, ref=build.ref, cpu_count=build.cpu_count, memory_mb=build.memory_mb,
-                    disk_size_mb=build.disk_size_mb, envd_version=build.envd_version,
-                    build_id=build.build_id, updated_at=time.time()))
+                await self.orchestrator.register_template(
+                    dataclasses.replace(_as_build(tpl, build), updated_at=time.time()))
             await self._point(template_id, build, tags)
             return build
 
@@ -208,12 +204,13 @@ class TemplateTags:
         now = time.time()
         assignments = [TagAssignment(template_id, t, build.build_id, now) for t in tags]
         moved = {a.tag: a for a in assignments}
-        orphans = self._orphans(template_id, set(), moved)
+        orphans = [b for b in self._orphans(template_id, set(), moved)
+                   if b.build_id != build.build_id]
         await self.orchestrator.store.update_tags(
-            [build], assignments, [], [b.build_id for b in orphans if b.build_id != build.build_id])
+            [build], assignments, [], [b.build_id for b in orphans])
         self.builds[build.build_id] = build
         self.tags.setdefault(template_id, {}).update(moved)
-        await self._release([b for b in orphans if b.build_id != build.build_id])
+        await self._release(orphans)
 
     def _orphans(self, template_id: str, removed: set[str],
                  moved: dict[str, TagAssignment]) -> list[BuildSnapshot]:
@@ -241,3 +238,11 @@ class TemplateTags:
                      extra={"template_id": build.template_id, "build_id": build.build_id})
         if builds:
             orch._collect_soon()
+
+
+def _as_build(tpl: TemplateRecord, build: BuildSnapshot) -> TemplateRecord:
+    """The template record as that build of it (its snapshot and sizes)."""
+    return dataclasses.replace(
+        tpl, ref=build.ref, cpu_count=build.cpu_count, memory_mb=build.memory_mb,
+        disk_size_mb=build.disk_size_mb, envd_version=build.envd_version,
+        build_id=build.build_id)

@@ -272,10 +272,7 @@ class VmBackend:
                 record = SnapshotRecord.load(snap)
             except Exception:  # a half-written snapshot pins nothing
                 continue
-            files = [x.path for x in record.memory_layers] + [record.device_state]
-            for disk in record.disks:
-                files.extend(x.path for x in disk.layers)
-            needed.update(Path(f).parent for f in files)
+            needed.update(_record_dirs(record))
         for snap in released:
             if snap not in needed and snap not in in_use:
                 shutil.rmtree(snap, ignore_errors=True)
@@ -563,9 +560,7 @@ class VmBackend:
                 f"its snapshot was taken of a {machine.vcpus} vCPU, {machine.memory_mib} MiB "
                 "machine (a restore cannot resize it)", retryable=False)
         self._creating += 1
-        sources = {Path(record.device_state).parent} | {
-            Path(x.path).parent for x in record.memory_layers} | {
-            Path(x.path).parent for d in record.disks for x in d.layers}
+        sources = _record_dirs(record)
         self._create_sources.append(sources)
         try:
             return await self._create(spec, record)
@@ -901,3 +896,10 @@ class VmBackend:
                 self._cpu_seen.pop(sandbox_id, None)
                 self._drop_vm(sandbox_id)
         return self._ref(record, "template")
+
+
+def _record_dirs(record: Any) -> set[Path]:
+    """The snapshot directories a record's files are in (its own and its ancestors')."""
+    from agentenv.node.base_template import snapshot_layers
+
+    return {Path(p).parent for p in (*snapshot_layers(record), record.device_state)}
