@@ -64,6 +64,7 @@ def test_tcg_thread_mode_follows_config_and_host_load(tmp_path: Path,
     load[0] = cores - 0.5  # a busy host
     assert not rt.tcg_single_thread()
     assert rt.tcg_single_thread(1)
+    assert not rt.tcg_single_thread(1, boot=True)  # boots (template builds) keep their threads
     for mode, expected in (("single", True), ("multi", False)):
         fixed = Runtime(RuntimeConfig(state_dir=tmp_path, tcg_threads=mode))
         load[0] = 0.0

@@ -34,7 +34,7 @@ class RuntimeConfig(BaseModel):
     # host is oversubscribed (no guest vCPU spinning on a lock or IPI whose holder's thread is
     # descheduled: a fork of 16 on 2 cores costs ~20% less; bench/RESULTS.md). "auto": single
     # once the vCPUs starting at the same time plus the host's load average exceed
-    # tcg_vcpus_per_core per host core, decided when each QEMU starts.
+    # tcg_vcpus_per_core per host core, decided when each restored QEMU starts (boots: multi).
     tcg_threads: Literal["auto", "multi", "single"] = "auto"
     tcg_vcpus_per_core: float = Field(default=2.0, gt=0)
     qemu_thp: bool = False

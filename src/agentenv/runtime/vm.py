@@ -242,7 +242,7 @@ class Runtime:
                 machine, workdir, mem_path=str(mem_path), disks=attachments, incoming=False,
                 netns=slot.netns_path if slot else None, qemu_binary=self.config.qemu_binary,
                 die_with_parent=self.config.qemu_die_with_parent,
-                **self._qemu_tuning())
+                **self._qemu_tuning(boot=True))
         except BaseException:
             await self._release_resources(slot, disks, None)
             raise
@@ -278,18 +278,22 @@ class Runtime:
         return (_AttachedDisk(config, list(layers), device_id=info.id),
                 DiskAttachment(name, read_only, nbd_socket=info.nbd, nbd_export=info.export))
 
-    def _qemu_tuning(self, extra_vcpus: int = 0) -> dict[str, Any]:
+    def _qemu_tuning(self, extra_vcpus: int = 0, *, boot: bool = False) -> dict[str, Any]:
         """Options for a QEMU about to start; `extra_vcpus`: its vCPUs if not counted as
         starting (see _starting)."""
         return {"tb_size_mib": self.config.tcg_tb_size_mib, "thp": self.config.qemu_thp,
                 "return_free_memory": self.config.return_free_memory,
-                "tcg_single_thread": self.tcg_single_thread(extra_vcpus)}
+                "tcg_single_thread": self.tcg_single_thread(extra_vcpus, boot=boot)}
 
-    def tcg_single_thread(self, extra_vcpus: int = 0) -> bool:
-        """Whether a TCG VM starting now runs its vCPUs on one host thread (config.tcg_threads)."""
+    def tcg_single_thread(self, extra_vcpus: int = 0, *, boot: bool = False) -> bool:
+        """Whether a TCG VM starting now runs its vCPUs on one host thread (config.tcg_threads).
+        "auto" never picks it for a boot: boots are template builds, one at a time, whose steps
+        want both vCPUs, and the saving was measured on restores."""
         mode = self.config.tcg_threads
         if mode != "auto":
             return mode == "single"
+        if boot:
+            return False
         # Demand = the vCPUs starting now (a fork's children all at once) plus the host's load
         # (runnable threads, 1-minute average): idle VMs, parked or waiting for the model,
         # take no CPU and do not count.
