@@ -12,7 +12,8 @@ import pytest
 from agentenv.guest.build import GuestAssets, build_assets
 
 CACHE = Path(os.environ.get("AENV_TEST_GUEST_CACHE", "/var/cache/aenv-test/guest"))
-STATE = CACHE / "state"
+# AENV_TEST_GUEST_STATE: assets of its own for a checkout that changes the guest (tests/node too).
+STATE = Path(os.environ.get("AENV_TEST_GUEST_STATE", CACHE / "state"))
 
 
 def _need_tools(*names: str) -> None:

@@ -178,7 +178,9 @@ def sdk_env(node: NodeProcess) -> Iterator[NodeProcess]:
 
 # --- the node with --backend vm (root, QEMU) ------------------------------------------------------
 
-GUEST_STATE = Path("/var/cache/aenv-test/guest/state")  # guest assets, shared with tests/runtime
+# Guest assets, shared with tests/runtime; AENV_TEST_GUEST_STATE gives a checkout that changes the
+# guest (envd, init) assets of its own, so two checkouts on one host do not rebuild each other's.
+GUEST_STATE = Path(os.environ.get("AENV_TEST_GUEST_STATE", "/var/cache/aenv-test/guest/state"))
 DEBIAN_CACHE = Path("/var/cache/aenv-test/guest")  # the base template's debootstrap tarballs
 # extra_env for a node without ready pools: tests that count VMs or files see only their own.
 NO_READY_POOLS = {"AENV_VM_POOL_LOW": "0", "AENV_VM_POOL_HIGH": "0"}

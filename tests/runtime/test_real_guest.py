@@ -3,6 +3,7 @@ boot, pause, restore with env vars and an access token set through envd's /init.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import httpx
@@ -14,7 +15,7 @@ from .conftest import Env
 
 pytestmark = [pytest.mark.qemu, pytest.mark.root, pytest.mark.slow]
 
-GUEST_CACHE = Path("/var/cache/aenv-test/guest/state")  # shared with tests/guest
+GUEST_CACHE = Path(os.environ.get("AENV_TEST_GUEST_STATE", "/var/cache/aenv-test/guest/state"))
 
 
 def test_real_guest_pause_restore_envd_init(env: Env) -> None:
