@@ -1,0 +1,316 @@
+"""A sandbox's egress policy: E2B's `network` options parsed, validated and decided.
+
+The wire shape is the E2B SDK's (create body `network`, `PUT /sandboxes/{id}/network`):
+`allowOut`, `denyOut` (IPv4 addresses, CIDRs, host names exact or `*.domain`), `dnsServers`,
+`egressProxy` {address, username, password, tls}, `rules` {host: [{transform: {headers}}]},
+plus `allow_internet_access` (false is `denyOut: ["0.0.0.0/0"]`).
+
+Decision (E2B's documented semantics): an allow beats a deny; what neither names is allowed;
+no `allowOut` means everything not denied goes out. Addresses are decided in the kernel (nftables
+sets in the slot's namespace); names only by the node-wide egress proxy, from the HTTP Host or
+the TLS SNI, for TCP 80 and 443. Other ports are opened by addresses only.
+
+The always-denied ranges (other sandboxes, private ranges, the host) are not part of a policy:
+they are walls that hold whatever a policy says (runtime/network.py).
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from ipaddress import IPv4Address, IPv4Network
+from typing import Any, Literal
+
+MAX_ENTRIES = 1000  # allowOut + denyOut together
+MAX_DNS_SERVERS = 10
+ALL_TRAFFIC = IPv4Network("0.0.0.0/0")
+DEFAULT_DNS_SERVERS = (IPv4Address("8.8.8.8"),)
+WEB_PORTS = (80, 443)
+
+_LABEL = re.compile(r"^[a-z0-9_]([a-z0-9_-]{0,61}[a-z0-9_])?$")
+_HEADER_NAME = re.compile(r"^[!#$%&'*+.^_`|~0-9A-Za-z-]+$")
+
+
+class PolicyError(ValueError):
+    """A policy that cannot be applied; the message names the offending entry."""
+
+
+def parse_name(entry: str, where: str) -> str:
+    """A host name as policies hold it: lower case, no trailing dot; `*.` only as a prefix."""
+    name = entry.strip().lower().rstrip(".")
+    if "://" in name or "/" in name:
+        raise PolicyError(f"{where}: {entry!r} is not a host name (no scheme or path allowed)")
+    if ":" in name:
+        raise PolicyError(f"{where}: {entry!r} is not a host name (no port allowed)")
+    body = name[2:] if name.startswith("*.") else name
+    labels = body.split(".")
+    if not body or len(body) > 253 or not all(_LABEL.match(label) for label in labels):
+        raise PolicyError(f"{where}: {entry!r} is not a valid host name")
+    if all(label.isdigit() for label in labels):
+        raise PolicyError(f"{where}: {entry!r} is not a valid IPv4 address or host name")
+    return name
+
+
+def name_matches(pattern: str, host: str) -> bool:
+    """`*.example.com` matches every name below example.com, not example.com itself."""
+    if pattern.startswith("*."):
+        return host.endswith(pattern[1:])
+    return host == pattern
+
+
+def _parse_entry(entry: object, where: str) -> IPv4Network | str:
+    if not isinstance(entry, str) or not entry.strip():
+        raise PolicyError(f"{where}: {entry!r} is not an address, CIDR or host name")
+    text = entry.strip()
+    try:
+        net = ipaddress.ip_network(text, strict=False)
+    except ValueError:
+        if "/" in text and re.match(r"^[0-9a-fA-F.:]+/", text):
+            raise PolicyError(f"{where}: {entry!r} is not a valid CIDR") from None
+        if text.count(":") >= 2 or text.startswith("["):
+            raise PolicyError(f"{where}: {entry!r}: IPv6 is not routed to sandboxes") from None
+        return parse_name(text, where)
+    if net.version != 4:
+        raise PolicyError(f"{where}: {entry!r}: IPv6 is not routed to sandboxes")
+    return net  # type: ignore[return-value]
+
+
+def _split(entries: object, where: str) -> tuple[tuple[IPv4Network, ...], tuple[str, ...]]:
+    if entries is None:
+        return (), ()
+    if not isinstance(entries, list):
+        raise PolicyError(f"{where} must be a list of addresses, CIDRs or host names")
+    nets: list[IPv4Network] = []
+    names: list[str] = []
+    for entry in entries:
+        parsed = _parse_entry(entry, where)
+        target: list[Any] = names if isinstance(parsed, str) else nets
+        if parsed not in target:
+            target.append(parsed)
+    return tuple(nets), tuple(names)
+
+
+@dataclass(frozen=True)
+class EgressProxy:
+    """A SOCKS5 proxy that the sandbox's outbound TCP is tunnelled through (after filtering)."""
+
+    host: str
+    port: int
+    username: str | None = None
+    password: str | None = field(default=None, repr=False)
+    tls: bool = False
+    tls_server_name: str | None = None
+    tls_ca_cert: str | None = field(default=None, repr=False)
+
+    @classmethod
+    def from_wire(cls, raw: object) -> EgressProxy:
+        where = "egressProxy"
+        if not isinstance(raw, Mapping):
+            raise PolicyError(f"{where} must be an object with an address")
+        address = raw.get("address")
+        if not isinstance(address, str) or not address:
+            raise PolicyError(f"{where}.address is required (host:port)")
+        host, sep, port_text = address.rpartition(":")
+        host = host.strip("[]")
+        if not sep or not host or not port_text.isdigit() or not 0 < int(port_text) < 65536:
+            raise PolicyError(f"{where}.address {address!r} is not host:port")
+        try:
+            if ipaddress.ip_address(host).version != 4:
+                raise PolicyError(f"{where}.address {address!r}: IPv6 is not routed")
+        except ValueError:
+            host = parse_name(host, f"{where}.address")
+        username, password = raw.get("username"), raw.get("password")
+        for label, value in (("username", username), ("password", password)):
+            if value is not None and (not isinstance(value, str) or len(value.encode()) > 255):
+                raise PolicyError(f"{where}.{label} must be a string of at most 255 bytes")
+        if password is not None and username is None:
+            raise PolicyError(f"{where}.password is only valid together with username")
+        tls_raw = raw.get("tls")
+        tls, server_name, ca_cert = False, None, None
+        if isinstance(tls_raw, bool):
+            tls = tls_raw
+        elif isinstance(tls_raw, Mapping):
+            tls = bool(tls_raw.get("enabled", True))
+            server_name = tls_raw.get("serverName") or tls_raw.get("server_name")
+            ca_cert = tls_raw.get("caCert") or tls_raw.get("ca_cert")
+            if server_name is not None:
+                server_name = parse_name(str(server_name), f"{where}.tls.serverName")
+            if ca_cert is not None and (not isinstance(ca_cert, str) or len(ca_cert) > 8192):
+                raise PolicyError(f"{where}.tls.caCert must be PEM text of at most 8192 bytes")
+        elif tls_raw is not None:
+            raise PolicyError(f"{where}.tls must be true, false or an object")
+        return cls(host, int(port_text), username, password, tls, server_name, ca_cert)
+
+    def to_wire(self, *, secrets: bool = False) -> dict[str, Any]:
+        """The info shape (no password, no CA certificate) unless `secrets`."""
+        out: dict[str, Any] = {"address": f"{self.host}:{self.port}"}
+        if self.username is not None:
+            out["username"] = self.username
+        if secrets and self.password is not None:
+            out["password"] = self.password
+        if self.tls:
+            tls: dict[str, Any] = {"enabled": True}
+            if self.tls_server_name:
+                tls["serverName"] = self.tls_server_name
+            if secrets and self.tls_ca_cert:
+                tls["caCert"] = self.tls_ca_cert
+            out["tls"] = tls
+        return out
+
+
+@dataclass(frozen=True)
+class HeaderRule:
+    """One `rules` entry for a host: headers set on its plain-HTTP requests."""
+
+    host: str
+    headers: tuple[tuple[str, str], ...]
+
+
+def _parse_rules(raw: object) -> tuple[HeaderRule, ...]:
+    if raw is None:
+        return ()
+    if not isinstance(raw, Mapping):
+        raise PolicyError("rules must be an object of host -> list of rules")
+    out: list[HeaderRule] = []
+    for host, rules in raw.items():
+        name = parse_name(str(host), "rules")
+        if not isinstance(rules, list):
+            raise PolicyError(f"rules[{host!r}] must be a list")
+        for rule in rules:
+            transform = rule.get("transform") if isinstance(rule, Mapping) else None
+            headers = transform.get("headers", {}) if isinstance(transform, Mapping) else None
+            if not isinstance(headers, Mapping):
+                raise PolicyError(f"rules[{host!r}]: a rule is {{transform: {{headers: {{...}}}}}}")
+            for key, value in headers.items():
+                if not isinstance(key, str) or not _HEADER_NAME.match(key):
+                    raise PolicyError(f"rules[{host!r}]: {key!r} is not a header name")
+                if not isinstance(value, str) or any(c in value for c in "\r\n\0"):
+                    raise PolicyError(f"rules[{host!r}]: the value of {key!r} is not a header value")
+            out.append(HeaderRule(name, tuple((str(k), str(v)) for k, v in headers.items())))
+    return tuple(out)
+
+
+ProxiedPorts = Literal["none", "web", "all"]
+
+
+@dataclass(frozen=True)
+class EgressPolicy:
+    """What a sandbox may reach. The default (`EgressPolicy()`) allows everything."""
+
+    allow_nets: tuple[IPv4Network, ...] = ()
+    deny_nets: tuple[IPv4Network, ...] = ()
+    allow_names: tuple[str, ...] = ()
+    deny_names: tuple[str, ...] = ()
+    dns_servers: tuple[IPv4Address, ...] | None = None  # None: the SDK's default (8.8.8.8)
+    egress_proxy: EgressProxy | None = None
+    rules: tuple[HeaderRule, ...] = ()
+
+    @classmethod
+    def from_wire(cls, network: Mapping[str, Any] | None,
+                  allow_internet_access: bool | None = None) -> EgressPolicy:
+        """Parse the E2B wire dict; raises PolicyError naming the bad entry. Unknown keys and the
+        ingress options (allowPublicTraffic, maskRequestHost, httpsPorts) are ignored here."""
+        network = network or {}
+        if not isinstance(network, Mapping):
+            raise PolicyError("network must be an object")
+        count = sum(len(v) for k in ("allowOut", "denyOut")
+                    if isinstance(v := network.get(k), list))
+        if count > MAX_ENTRIES:
+            raise PolicyError(f"allowOut and denyOut hold {count} entries; at most {MAX_ENTRIES}")
+        allow_nets, allow_names = _split(network.get("allowOut"), "allowOut")
+        deny_nets, deny_names = _split(network.get("denyOut"), "denyOut")
+        if allow_internet_access is False and ALL_TRAFFIC not in deny_nets:
+            deny_nets = (*deny_nets, ALL_TRAFFIC)
+        dns: tuple[IPv4Address, ...] | None = None
+        raw_dns = network.get("dnsServers")
+        if raw_dns is not None:
+            if not isinstance(raw_dns, list) or len(raw_dns) > MAX_DNS_SERVERS:
+                raise PolicyError(f"dnsServers must be a list of at most {MAX_DNS_SERVERS} IPv4 addresses")
+            parsed: list[IPv4Address] = []
+            for entry in raw_dns:
+                try:
+                    addr = ipaddress.ip_address(str(entry).strip())
+                except ValueError:
+                    raise PolicyError(f"dnsServers: {entry!r} is not an IPv4 address") from None
+                if addr.version != 4:
+                    raise PolicyError(f"dnsServers: {entry!r} is not an IPv4 address")
+                parsed.append(addr)  # type: ignore[arg-type]
+            dns = tuple(parsed)
+        proxy_raw = network.get("egressProxy")
+        proxy = EgressProxy.from_wire(proxy_raw) if proxy_raw is not None else None
+        return cls(allow_nets, deny_nets, allow_names, deny_names, dns, proxy,
+                   _parse_rules(network.get("rules")))
+
+    def to_wire(self, *, secrets: bool = False) -> dict[str, Any]:
+        """The E2B shape, as `GET /sandboxes/{id}` reports it (`secrets`: for persistence)."""
+        out: dict[str, Any] = {}
+        if self.allow_nets or self.allow_names:
+            out["allowOut"] = [*map(_net_text, self.allow_nets), *self.allow_names]
+        if self.deny_nets or self.deny_names:
+            out["denyOut"] = [*map(_net_text, self.deny_nets), *self.deny_names]
+        if self.dns_servers is not None:
+            out["dnsServers"] = [str(a) for a in self.dns_servers]
+        if self.egress_proxy is not None:
+            out["egressProxy"] = self.egress_proxy.to_wire(secrets=secrets)
+        if self.rules:
+            rules: dict[str, list[dict[str, Any]]] = {}
+            for rule in self.rules:
+                rules.setdefault(rule.host, []).append(
+                    {"transform": {"headers": dict(rule.headers)}})
+            out["rules"] = rules
+        return out
+
+    @property
+    def is_default(self) -> bool:
+        return self == EgressPolicy()
+
+    @property
+    def has_names(self) -> bool:
+        return bool(self.allow_names or self.deny_names)
+
+    @property
+    def proxied_ports(self) -> ProxiedPorts:
+        """Which of the slot's TCP connections the kernel sends to the egress proxy: every one
+        when a SOCKS5 tunnel is set, 80/443 when names or header rules must be read, else none
+        (addresses alone are decided in the kernel, at full speed)."""
+        if self.egress_proxy is not None:
+            return "all"
+        denies = bool(self.deny_nets or self.deny_names)
+        if (self.has_names and denies) or self.rules:  # names alone cannot change a decision
+            return "web"
+        return "none"
+
+    def dns_allowed(self) -> tuple[IPv4Address, ...]:
+        """Resolvers opened (all traffic to them) because allowOut names a domain."""
+        if not self.allow_names:
+            return ()
+        return DEFAULT_DNS_SERVERS if self.dns_servers is None else self.dns_servers
+
+    def allows(self, address: IPv4Address | str, name: str | None = None) -> bool:
+        """The decision for one connection: to `address`, for host `name` (HTTP Host or TLS
+        SNI) when known. An allow (by address or by name) beats a deny."""
+        ip = ipaddress.IPv4Address(address) if isinstance(address, str) else address
+        host = name.lower().rstrip(".") if name else None
+        if _in(ip, self.allow_nets) or ip in self.dns_allowed():
+            return True
+        if host and any(name_matches(p, host) for p in self.allow_names):
+            return True
+        if _in(ip, self.deny_nets):
+            return False
+        return not (host and any(name_matches(p, host) for p in self.deny_names))
+
+    def header_rules(self, host: str) -> tuple[tuple[str, str], ...]:
+        """Headers to set on a plain-HTTP request for `host` (rules in order; later wins)."""
+        host = host.lower().rstrip(".")
+        return tuple(kv for r in self.rules if name_matches(r.host, host) for kv in r.headers)
+
+
+def _in(ip: IPv4Address, nets: Iterable[IPv4Network]) -> bool:
+    return any(ip in net for net in nets)
+
+
+def _net_text(net: IPv4Network) -> str:
+    """An address as given (`1.2.3.4`), a range as a CIDR."""
+    return str(net.network_address) if net.prefixlen == 32 else str(net)
