@@ -7,12 +7,18 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
-SHARED = REPO.parent / "shared"
-FIXTURES = SHARED / "fixtures"
+TESTS = REPO / "tests"
+#: Test data kept in the repository: an OCI image layout of hello-world (docker and OCI manifests,
+#: an index, an arm64 variant and an overlaybd-converted `amd64-converted`); see
+#: docs/overlaybd.md §9 and docs/templates.md.
+FIXTURES = TESTS / "fixtures"
+HELLO_WORLD = FIXTURES / "oci" / "hello-world"
 
 
 @pytest.fixture(scope="session")
 def shared_dir() -> Path:
-    if not SHARED.is_dir():
-        pytest.fail(f"{SHARED} is missing: the project's shared/ folder must sit beside the repo")
-    return SHARED
+    """The folder that holds `fixtures/` (the name predates the fixtures' move into tests/)."""
+    if not (HELLO_WORLD / "index.json").is_file():
+        pytest.fail(f"{HELLO_WORLD} is missing or incomplete: the test fixtures are part of the "
+                    "repository (tests/fixtures)")
+    return TESTS

@@ -1,16 +1,15 @@
-"""Test-vector data from shared/spec/overlaybd-format.md section 11 (copied so tests are
-self-contained)."""
+"""Test-vector data (docs/overlaybd.md §9 describes each vector)."""
 
 from __future__ import annotations
 
 import hashlib
 from pathlib import Path
 
+from tests.conftest import HELLO_WORLD
+
 UUID_B = "5F6A1C2B-0D3E-4F10-8A9B-0C1D2E3F4A5B"
 FIXTURE_BLOB = (
-    Path(__file__).resolve().parents[3]
-    / "shared/fixtures/oci/hello-world/blobs/sha256"
-    / "022231c3f1af70e0cc42f0c3781eabf174cff608210585bf93fc83e16d33672d"
+    HELLO_WORLD / "blobs/sha256" / "022231c3f1af70e0cc42f0c3781eabf174cff608210585bf93fc83e16d33672d"
 )
 PLAIN_LAYER = FIXTURE_BLOB.parent / "719385e32844401d57ecfd3eacab360bf551a1491c05b85806ed8f1b08d792f6"
 

@@ -19,7 +19,9 @@ from typing import Any
 import httpx
 import zstandard
 
-FIXTURE = Path(__file__).resolve().parents[3] / "shared" / "fixtures" / "oci" / "hello-world"
+from tests.conftest import HELLO_WORLD
+
+FIXTURE = HELLO_WORLD
 OCI_MANIFEST = "application/vnd.oci.image.manifest.v1+json"
 OCI_CONFIG = "application/vnd.oci.image.config.v1+json"
 OCI_INDEX = "application/vnd.oci.image.index.v1+json"
