@@ -10,7 +10,7 @@ REPO = Path(__file__).resolve().parent.parent
 TESTS = REPO / "tests"
 #: Test data kept in the repository: an OCI image layout of hello-world (docker and OCI manifests,
 #: an index, an arm64 variant and an overlaybd-converted `amd64-converted`); see
-#: docs/overlaybd.md §9 and docs/templates.md.
+#: docs/overlaybd.md §11 and docs/templates.md §1.
 FIXTURES = TESTS / "fixtures"
 HELLO_WORLD = FIXTURES / "oci" / "hello-world"
 

@@ -1,4 +1,4 @@
-"""Test-vector data (docs/overlaybd.md §9 describes each vector)."""
+"""Test-vector data (docs/overlaybd.md §11 describes each vector)."""
 
 from __future__ import annotations
 
