@@ -2,7 +2,7 @@
 
 Every operation in `GET /openapi.json` gets a bounded number of generated requests (valid and
 invalid ones) with the API key. Checked on every answer: no 5xx; every non-2xx has the JSON body
-`{code, message}` with `code` equal to the status (spec/e2b-compat.md 1.2); the status is one the
+`{code, message}` with `code` equal to the status (docs/e2b-api.md §1.2); the status is one the
 document declares and the body matches the declared schema.
 """
 

@@ -1,7 +1,8 @@
-"""Template builds through the official e2b SDK against a VM-backend node (agentenv-reference 11.1
-steps 1-4): an image pushed to a real registry on loopback, built with RUN/WORKDIR/ENV/COPY and a
-start + ready command, then sandboxes made from it; a failing RUN step; a template built from
-another template; and the raw routes (files upload, status logs, tags, list/get/delete)."""
+"""Template builds through the official e2b SDK against a VM-backend node (the build flow of
+docs/e2b-api.md §1.7, steps 1-4): an image pushed to a real registry on loopback, built with
+RUN/WORKDIR/ENV/COPY and a start + ready command, then sandboxes made from it; a failing RUN
+step; a template built from another template; and the raw routes (files upload, status logs,
+tags, list/get/delete)."""
 
 from __future__ import annotations
 

@@ -60,8 +60,8 @@ def _random_extents(rng: random.Random, count: int, vsize: int) -> list[tuple[in
 
 
 def _check_layer(path: Path, vsize: int = VSIZE) -> list[tuple[int, int, int, bool]]:
-    """C++ open checks (open_layer) plus the committed-layer layout of spec 4.4; returns the
-    index rows (offset, length, moffset, zeroed) in sectors."""
+    """C++ open checks (open_layer) plus the committed-layer layout of docs/overlaybd.md §4.4;
+    returns the index rows (offset, length, moffset, zeroed) in sectors."""
     layer = open_layer(path)
     try:
         assert layer.header.flags == FLAG_HEADER | FLAG_DATA | FLAG_SEALED

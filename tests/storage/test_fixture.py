@@ -1,4 +1,5 @@
-"""TV10: the real C++-produced overlaybd blob of the hello-world fixture."""
+"""TV10 (docs/overlaybd.md §11): the real C++-produced overlaybd blob of the hello-world
+fixture."""
 
 from __future__ import annotations
 
@@ -129,7 +130,7 @@ def test_tv10_export_is_the_hello_world_ext4(blob: Path, tmp_path: Path) -> None
     assert st.st_blocks * 512 < 80 << 20  # sparse: only mapped data was written
     fsck = subprocess.run(["e2fsck", "-fn", str(raw)], capture_output=True, text=True)
     # The reference blob itself carries one inconsistency that e2fsck 1.47 flags: lost+found
-    # (inode 11, whose blocks lie in [0, 8 MiB), checked byte-exact above against the spec's
+    # (inode 11, whose blocks lie in [0, 8 MiB), checked byte-exact above against TV10's
     # sha256) has the htree flag with an unreferenced block #2. Nothing else may be reported.
     problems = [line for line in fsck.stdout.splitlines()
                 if line and not line.startswith(("Pass ", "e2fsck ", str(raw), raw.name))]

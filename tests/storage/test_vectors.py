@@ -1,4 +1,4 @@
-"""Spec section 11 test vectors TV1-TV9 (byte-exact, C++ variant)."""
+"""Test vectors TV1-TV9 of docs/overlaybd.md §11 (byte-exact, C++ variant)."""
 
 from __future__ import annotations
 
@@ -80,8 +80,6 @@ def test_tv3_committed_layer(tmp_path: Path) -> None:
     data = out.read_bytes()
     assert len(data) == 24576
     assert hashlib.sha256(data).hexdigest() == TV3_SHA
-    # The spec's hex excerpt of this index puts the length byte one position too far (its
-    # sha256 of the whole file, which matches, is authoritative).
     assert data[16384:16432] == (encode_mapping(0, 8, 8) + encode_mapping(2048, 16, 16)
                                  + bytes.fromhex("ffffffffffff03000000000000000000"))
     with Image.open(out) as image:

@@ -131,7 +131,8 @@ def test_hello_world_overlaybd_image_used_as_is(registry: Registry, state: Path,
     assert pulled.lowers[0].read_bytes() == image.blobs[blob_digest]
     # Not e2fsck'd: this ext4 is the reference converter's, not ours. (e2fsck -fn flags an
     # HTREE index on its lost+found, and takes 12-30 s over its 4M initialised inodes; the
-    # blob reads byte-identical to the spec's TV10 digests, so that is how the blob is.)
+    # blob reads byte-identical to TV10's digests (docs/overlaybd.md §11), so that is how the
+    # blob is.)
     root = mounted(pulled, fsck=False)
     assert (root / "hello").read_bytes() == _hello_bytes()
     # Its tree is the docker image's layer, unpacked by tar -x.
