@@ -73,6 +73,7 @@ from agentenv.blockd.device import (
 )
 from agentenv.blockd.errors import BlockdError
 from agentenv.errors import AgentEnvError
+from agentenv.fsutil import atomic_write_json
 
 log = logging.getLogger("agentenv.blockd")
 
@@ -169,10 +170,8 @@ class Blockd:
         return self.state_dir / "fuse"
 
     def _save(self, record: DeviceRecord) -> None:
-        path = self.records_dir / f"{record.id}.json"
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(record.to_json(), indent=1))
-        os.replace(tmp, path)
+        # A restarted daemon reopens exactly what these records say: they must never be torn.
+        atomic_write_json(self.records_dir / f"{record.id}.json", record.to_json(), indent=1)
 
     def _forget(self, device_id: str) -> None:
         with contextlib.suppress(FileNotFoundError):
@@ -204,6 +203,12 @@ class Blockd:
         self.state_dir.mkdir(parents=True, exist_ok=True)
         self._take_state_lock()
         tune_allocator()
+        # Every acknowledged write's index entry goes to upper.index at once (no fsync): a
+        # killed daemon loses nothing its clients were told is written, and the restarted one
+        # replays the log (NBD clients reconnect and their next flush makes it durable).
+        from agentenv.storage.upper import Upper
+
+        Upper.log_buffer = 0
         for folder in (self.records_dir, self.nbd_dir, self.uppers_dir):
             folder.mkdir(parents=True, exist_ok=True)
         self.socket_path.parent.mkdir(parents=True, exist_ok=True)

@@ -47,6 +47,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from agentenv.fsutil import atomic_write, atomic_write_json
 from agentenv.node.backend import (
     ENVD_PORT,
     BackendError,
@@ -192,10 +193,7 @@ class VmBackend:
     def _own(self, sandbox_id: str, record_dir: Path) -> None:
         owned = self._owned(sandbox_id)
         owned.append(str(record_dir))
-        path = self._owned_file(sandbox_id)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(owned))
-        tmp.replace(path)
+        atomic_write_json(self._owned_file(sandbox_id), owned)
 
     def _vm_file(self, sandbox_id: str) -> Path:
         return self.base / "sandboxes" / f"{sandbox_id}.vm.json"
@@ -204,12 +202,10 @@ class VmBackend:
         """The running VM's manifest, for a node restarted after a crash (runtime/adopt.py)."""
         from agentenv.runtime.adopt import vm_manifest
 
-        path = self._vm_file(sandbox_id)
-        tmp = path.with_suffix(".tmp")
         # which blockd served its disks: a later start sees a blockd restart
-        tmp.write_text(json.dumps({**vm_manifest(vm), "blockd": self._blockd_seen,
-                                   "guest_token": self._tokens.get(sandbox_id)}))
-        tmp.replace(path)
+        atomic_write_json(self._vm_file(sandbox_id),
+                          {**vm_manifest(vm), "blockd": self._blockd_seen,
+                           "guest_token": self._tokens.get(sandbox_id)})
 
     def _drop_vm(self, sandbox_id: str) -> None:
         self._vm_file(sandbox_id).unlink(missing_ok=True)
@@ -337,7 +333,7 @@ class VmBackend:
                 log.info("starting a private blockd",
                          extra={"socket": str(self._blockd_proc.socket)})
                 await asyncio.to_thread(self._blockd_proc.start)
-                (private_root / "blockd.pid").write_text(f"{self._blockd_proc.proc.pid}\n")
+                atomic_write(private_root / "blockd.pid", f"{self._blockd_proc.proc.pid}\n")
                 self.blockd_socket = self._blockd_proc.socket
         self._blockd = AsyncBlockdClient(self.blockd_socket)
         self._blockd_seen = await self._blockd_identity()
