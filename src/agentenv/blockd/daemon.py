@@ -1,6 +1,6 @@
 """blockd: one daemon per host that owns every sandbox disk and serves it over NBD and FUSE.
 
-Layout of the state directory (default /var/lib/aenv/blockd):
+Layout of the state directory (default $AENV_HOME/blockd/state, as `make up` starts it):
 
     devices/<id>.json   one record per device (what to reopen after a restart)
     nbd/<id>.sock       the device's NBD socket; export name = <id> (the empty name works too)
@@ -9,7 +9,7 @@ Layout of the state directory (default /var/lib/aenv/blockd):
 
 QEMU attaches a device as `nbd+unix:///<id>?socket=STATE/nbd/<id>.sock`.
 
-Control RPC (unix socket, default /run/aenv/blockd.sock): JSON lines. Each request is one line
+Control RPC (unix socket, default $AENV_HOME/blockd/blockd.sock): JSON lines. Each request is one line
 `{"op": NAME, ...arguments}`; each answer one line, `{"ok": true, "result": ...}` or
 `{"ok": false, "error": MESSAGE, "type": "invalid"|"not_found"|"failed"}`. A connection may
 carry any number of requests, answered in order. Operations:
@@ -63,6 +63,7 @@ from pathlib import Path
 from typing import Any
 
 from agentenv.blockd import images, nbd
+from agentenv.blockd.client import default_socket, default_state_dir
 from agentenv.blockd.device import (
     INLINE_MAX,
     Device,
@@ -77,8 +78,9 @@ from agentenv.fsutil import atomic_write_json
 
 log = logging.getLogger("agentenv.blockd")
 
-DEFAULT_STATE_DIR = Path("/var/lib/aenv/blockd")
-DEFAULT_SOCKET = Path("/run/aenv/blockd.sock")
+# As `make up` starts it (the same defaults as the `aenv blockd` and `aenv disk` commands).
+DEFAULT_STATE_DIR = default_state_dir()
+DEFAULT_SOCKET = default_socket()
 MAX_RPC_LINE = 1024 * 1024
 
 
