@@ -718,6 +718,7 @@ class TemplateBuildApi:
                 raise BuildFailed(f"pulling {body.fromImage} failed: {exc}", BASE_STEP) from exc
         rec.log("info", f"pulled {pulled.reference} ({pulled.manifest_digest[:19]}): "
                 f"{pulled.layers_converted} layers converted, {pulled.layers_cached} cached, "
+                f"{pulled.layers_fetched} overlaybd layers fetched as they are, "
                 f"{pulled.bytes_downloaded / 1e6:.1f} MB in {pulled.seconds:.1f} s", BASE_STEP)
         if pulled.format == "converted":
             disk_bytes = VIRTUAL_SIZE
