@@ -345,6 +345,9 @@ class VmBackend:
                                # VMs outlive a node crash; the next start adopts them.
                                qemu_die_with_parent=False)
         self.runtime = Runtime(config, blockd=self._blockd, on_vm_died=self._vm_died)
+        # Before adopting or abandoning anything: a second node (or bench) with this network
+        # prefix is refused here instead of taking over the first one's slots.
+        self.runtime.slots.acquire_prefix()
         # Before the runtime builds network slots: adopted VMs keep theirs.
         await self._adopt_all(manifests, alive)
         await self._abandon_pooled(pooled)
