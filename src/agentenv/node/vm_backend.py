@@ -17,8 +17,16 @@ Crashes: QEMU runs without PDEATHSIG, so VMs outlive a node killed with SIGKILL.
 VM has a manifest (<state>/vm-backend/sandboxes/<id>.vm.json: pid, QMP socket, slot, blockd
 devices, memory lineage; runtime/adopt.py); the next start takes each one over again (adopt())
 when its QEMU and its blockd devices are still there, and ends it otherwise. The private blockd
-is reused when it survived (its pid is in blockd/blockd.pid); a fresh blockd means the VMs'
-disks are gone, so nothing is adopted then. A graceful stop pauses every VM first.
+is reused when it survived (its pid is in blockd/blockd.pid); a blockd started again reopens its
+devices from their records, and QEMU's NBD disks reconnect to it (runtime/qemu.py), so the VMs
+are adopted then too. A graceful stop pauses every VM first.
+
+blockd is supervised (node/blockd_supervisor.py): a dead blockd is started again at once (the
+private one, or the one `make up` starts: AENV_BLOCKD_STATE_DIR), /health answers 503 with the
+reason while it is down, creates/resumes/forks wait for it up to AENV_BLOCKD_WAIT seconds (15)
+and then answer 503, a new blockd process is checked at once for every running VM's devices
+(missing ones are reported on /health and in the log, the sandbox is not deleted), and a
+ready-pool VM's disks are checked before it is handed out.
 
 Creates take a pre-restored, warmed VM from a ready pool when one is parked for the template
 (node/ready_pool.py; AENV_VM_POOL_LOW/_HIGH/_TEMPLATES/_IDLE, 0 disables): the create is then one
@@ -839,16 +847,8 @@ class VmBackend:
 
     def _note_not_alive(self, manifests: dict[str, dict[str, Any]],
                         alive: dict[str, dict[str, Any]]) -> None:
-        from agentenv.runtime.adopt import manifest_alive
-
-        for sid, manifest in manifests.items():
-            if sid in alive:
-                continue
-            if manifest_alive(manifest):
-                self.adopt_failures[sid] = (
-                    "the private blockd that served its disks is gone (a new one was started): "
-                    "the VM cannot go on without its disks and was ended")
-            else:
+        for sid in manifests:
+            if sid not in alive:
                 self.adopt_failures[sid] = "its QEMU process is gone"
 
     async def recover_pause(self, sandbox_id: str, placement: Placement,
