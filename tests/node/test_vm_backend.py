@@ -382,6 +382,38 @@ def test_blockd_killed_is_restarted_under_running_sandboxes(vm_node: NodeProcess
                     one.kill()
 
 
+def test_blockd_back_without_a_sandboxs_disk_is_reported(vm_node: NodeProcess) -> None:
+    """blockd comes back with different state (a device record lost while it was down): the
+    node sees it at once, /health names the sandbox, the sandbox is still listed (not deleted),
+    and killing it makes the node healthy again."""
+    import httpx
+    from e2b import Sandbox
+
+    sbx = Sandbox.create(template="base", timeout=300)
+    try:
+        manifest = json.loads((vm_node.state_dir / "vm-backend" / "sandboxes"
+                               / f"{sbx.sandbox_id}.vm.json").read_text())
+        [device] = [d["device_id"] for d in manifest["disks"] if d.get("device_id")]
+        blockd_root = vm_node.state_dir / "vm-backend" / "blockd"
+        pid = int((blockd_root / "blockd.pid").read_text())
+        os.kill(pid, 9)
+        (blockd_root / "state" / "devices" / f"{device}.json").unlink()
+        deadline = time.monotonic() + 60
+        while True:
+            answer = httpx.get(vm_node.url + "/health", timeout=5)
+            if answer.status_code == 503 and sbx.sandbox_id in answer.json()["reason"]:
+                break
+            assert time.monotonic() < deadline, answer.text
+            time.sleep(0.1)
+        assert device in answer.json()["reason"]
+        assert sbx.sandbox_id in {s.sandbox_id for s in Sandbox.list().next_items()}
+        assert "lost its disks in a blockd restart" in vm_node.log_path.read_text()
+    finally:
+        with contextlib.suppress(Exception):
+            sbx.kill()
+    assert httpx.get(vm_node.url + "/health", timeout=5).status_code == 200
+
+
 def test_make_up_and_down(vm_node: NodeProcess) -> None:
     """scripts/up.sh (`make up`) on the module's state directory (its base template is built):
     blockd and a VM-backend node in the background, the three E2B variables printed, an SDK

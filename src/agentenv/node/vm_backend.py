@@ -689,6 +689,7 @@ class VmBackend:
         return list(await asyncio.gather(*(one(c) for c in children)))
 
     async def kill(self, sandbox_id: str, placement: Placement | None) -> None:
+        self.blockd_lost.pop(sandbox_id, None)
         vm = self._vms.pop(sandbox_id, None)
         self._cpu_seen.pop(sandbox_id, None)
         self._tokens.pop(sandbox_id, None)
