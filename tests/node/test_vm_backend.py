@@ -465,6 +465,15 @@ def test_make_up_and_down(vm_node: NodeProcess) -> None:
             assert int((state / "node.pid").read_text()) == node_pid
             assert dict(re.findall(r"export (E2B_\w+)=(\S+)", again.stdout)) == exports
 
+            # blockd killed under the running node: make up (or the node's supervisor, first)
+            # starts it again; the node and its sandbox go on.
+            os.kill(blockd_pid, 9)
+            third, _ = script("up.sh")
+            assert "node already running" in third.stdout, third.stdout
+            blockd_pid = int((state / "blockd.pid").read_text())
+            assert pid_alive(blockd_pid)
+            assert sbx.commands.run("echo again").stdout.strip() == "again"
+
             down, down_s = script("down.sh")
             assert "node stopped" in down.stdout and "blockd stopped" in down.stdout
             assert not pid_alive(node_pid) and not pid_alive(blockd_pid)
