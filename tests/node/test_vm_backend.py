@@ -302,12 +302,13 @@ def test_killed_sandboxes_leave_only_template_snapshots(vm_node: NodeProcess) ->
 
 
 # A guest loop appending numbered records, each made durable with fsync (coreutils `sync FILE`
-# reports a failure); /tmp/acked is the last number whose fsync succeeded, /tmp/err the failure.
+# reports a failure); /tmp/acked is the last number whose fsync succeeded (renamed into place:
+# a reader never sees it half written), /tmp/err the failure.
 FSYNC_WRITER = (
     "i=0; while [ ! -e /tmp/stop ]; do i=$((i+1));"
     " echo rec-$i >> /home/user/records || { echo write-$i > /tmp/err; break; };"
     " sync /home/user/records || { echo fsync-$i > /tmp/err; break; };"
-    " echo $i > /tmp/acked; done"
+    " echo $i > /tmp/acked.new; mv /tmp/acked.new /tmp/acked; done"
 )
 
 

@@ -26,12 +26,13 @@ ROOTFS_SIZE = 64 << 20
 
 # Numbered records appended to a file on the blockd disk, each made durable with fdatasync
 # (busybox `sync -d FILE` reports the error, unlike a bare sync); /tmp/acked holds the last
-# number whose fsync succeeded, /tmp/err the first failure.
+# number whose fsync succeeded (renamed into place: a reader never sees it empty), /tmp/err the
+# first failure.
 WRITER = (
     "(i=0; while [ ! -e /tmp/stop ]; do i=$((i+1));"
     " echo rec-$i >> /mnt/disk/records || { echo write-$i > /tmp/err; break; };"
     " sync -d /mnt/disk/records || { echo fsync-$i > /tmp/err; break; };"
-    " echo $i > /tmp/acked; done) >/dev/null 2>&1 &\n"
+    " echo $i > /tmp/acked.new; mv /tmp/acked.new /tmp/acked; done) >/dev/null 2>&1 &\n"
     "echo started\n"
 )
 
