@@ -30,7 +30,8 @@ from agentenv.runtime.testguest import build_test_guest
 from agentenv.runtime.vm import VM, BootSpec, DiskSource, Runtime
 
 PREFIX = "aeb"
-# Slot addresses far from the ones tests/runtime uses (from slot 1), so both can run at once.
+# Slot addresses far from the ones tests/runtime and a node use (from slot 1). The runtime skips
+# addresses another runtime holds anyway; this only keeps the two ranges apart.
 SLOT_FIRST_INDEX = 29001
 ROOTFS = 64 << 20
 
@@ -100,7 +101,8 @@ async def main(quick: bool) -> None:
     client = AsyncBlockdClient(blockd.socket)
     rt = Runtime(RuntimeConfig(state_dir=root / "state", network_prefix=PREFIX,
                                envd_init_path="/cgi-bin/init", slot_pool_low=4,
-                               slot_pool_high=20), blockd=client)
+                               slot_pool_high=20, slot_first_index=SLOT_FIRST_INDEX),
+                 blockd=client)
     try:
         layer = make_ext4_layer(root / "rootfs.layer", ROOTFS)
         await rt.start(kernel_for_probe=guest.kernel)

@@ -22,6 +22,7 @@ blockd_log="$log_dir/blockd.log"
 node_pidfile="$state_dir/node.pid"
 blockd_pidfile="$state_dir/blockd.pid"
 blockd_socket="$state_dir/blockd/blockd.sock"
+blockd_state="$state_dir/blockd/state"
 url="http://$host:$port"
 
 [[ -x $aenv ]] || { echo "up: $aenv is missing: run make venv first" >&2; exit 1; }
@@ -40,9 +41,20 @@ healthy() {
   curl -fsS --max-time 2 -o /dev/null "$url/health" 2>/dev/null
 }
 
+# The reason a running node gives on /health when it is unhealthy (503); empty otherwise.
+unhealthy_reason() {
+  curl -sS --max-time 2 "$url/health" 2>/dev/null |
+    "$python" -c "import json,sys; d=json.load(sys.stdin); print(d.get('reason','') if d.get('status')=='unhealthy' else '')" \
+    2>/dev/null || true
+}
+
 blockd_answers() {
   "$python" -c "from agentenv.blockd.client import BlockdClient as C; C('$blockd_socket', timeout=2).ping()" \
     2>/dev/null
+}
+
+blockd_pid() {
+  "$python" -c "from agentenv.blockd.client import BlockdClient as C; print(C('$blockd_socket', timeout=2).ping()['pid'])"
 }
 
 report() {
@@ -64,26 +76,22 @@ Stop it with: make down (running sandboxes are paused, not lost)
 MSG
 }
 
-if pid=$(running_pid "$node_pidfile" "aenv serve") && healthy; then
-  echo "node already running (pid $pid), not starting another"
-  report "$pid"
-  exit 0
-fi
-
-# Guest assets (kernel, initramfs, tools disk) for the VM backend; only what changed is rebuilt.
-echo "guest assets (kernel, initramfs, tools disk) in $assets_dir:"
-"$aenv" guest build --state-dir "$assets_dir"
-
-# The block daemon serves every sandbox disk; it outlives node restarts (and node crashes).
+# The block daemon serves every sandbox disk; it outlives node restarts (and node crashes). It
+# is started whatever the node's state: a running node whose blockd died gets it back here (the
+# node's supervisor restarts it too, node/blockd_supervisor.py).
 if bpid=$(running_pid "$blockd_pidfile" "$blockd_socket") && blockd_answers; then
+  echo "blockd already running (pid $bpid)"
+elif blockd_answers; then
+  bpid=$(blockd_pid)
+  echo "$bpid" >"$blockd_pidfile"
   echo "blockd already running (pid $bpid)"
 else
   mkdir -p "$state_dir/blockd"
-  setsid "$aenv" blockd --state-dir "$state_dir/blockd/state" --socket "$blockd_socket" --no-fuse \
+  setsid "$aenv" blockd --state-dir "$blockd_state" --socket "$blockd_socket" --no-fuse \
     >>"$blockd_log" 2>&1 </dev/null &
   bpid=$!
   echo "$bpid" >"$blockd_pidfile"
-  for _ in $(seq 1 150); do
+  for _ in $(seq 1 300); do
     blockd_answers && break
     kill -0 "$bpid" 2>/dev/null || break
     sleep 0.2
@@ -93,8 +101,34 @@ else
     tail -n 20 "$blockd_log" >&2
     exit 1
   fi
+  # The one that answers (a node's supervisor may have started it meanwhile) is in the pidfile.
+  bpid=$(blockd_pid)
+  echo "$bpid" >"$blockd_pidfile"
   echo "blockd started (pid $bpid), socket $blockd_socket"
 fi
+
+if pid=$(running_pid "$node_pidfile" "aenv serve"); then
+  # A running node notices a blockd started above within a second or two.
+  for _ in $(seq 1 25); do
+    healthy && break
+    [[ -n $(unhealthy_reason) ]] || break  # no answer at all: the node is still starting
+    sleep 0.2
+  done
+  if healthy; then
+    echo "node already running (pid $pid), not starting another"
+    report "$pid"
+    exit 0
+  fi
+  if reason=$(unhealthy_reason) && [[ -n $reason ]]; then
+    echo "up: the node (pid $pid) runs but is unhealthy: $reason" >&2
+    echo "    see $node_log and $blockd_log" >&2
+    exit 1
+  fi
+fi
+
+# Guest assets (kernel, initramfs, tools disk) for the VM backend; only what changed is rebuilt.
+echo "guest assets (kernel, initramfs, tools disk) in $assets_dir:"
+"$aenv" guest build --state-dir "$assets_dir"
 
 if pid=$(running_pid "$node_pidfile" "aenv serve"); then
   echo "node (pid $pid) is starting already; waiting for it"
@@ -106,7 +140,9 @@ else
   # Created here, not by the background redirection: the wait loop below reads it at once.
   touch "$node_log"
   # setsid: the node outlives this shell and make; AENV_API_KEY would override the state dir key.
-  env -u AENV_API_KEY AENV_BLOCKD_SOCKET="$blockd_socket" AENV_VM_ASSETS_DIR="$assets_dir" \
+  # AENV_BLOCKD_STATE_DIR/_LOG/_PIDFILE: how the node's supervisor starts this blockd again.
+  env -u AENV_API_KEY AENV_BLOCKD_SOCKET="$blockd_socket" AENV_BLOCKD_STATE_DIR="$blockd_state" \
+    AENV_BLOCKD_LOG="$blockd_log" AENV_BLOCKD_PIDFILE="$blockd_pidfile" AENV_VM_ASSETS_DIR="$assets_dir" \
     setsid "$aenv" serve --backend vm --state-dir "$state_dir" --host "$host" --port "$port" \
     >>"$node_log" 2>&1 </dev/null &
   pid=$!

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 from pathlib import Path
 
@@ -170,6 +171,15 @@ def test_disk_cli_talks_to_the_daemon(daemon: Daemon, stack: Stack, short_tmp: P
     down = subprocess.run([*aenv, "disk", "ls", "--socket", str(short_tmp / "nothing.sock")],
                           capture_output=True, text=True)
     assert down.returncode == 1 and "cannot reach blockd" in down.stderr
+    # No --socket: the blockd `make up` starts under $AENV_HOME (<home>/blockd/blockd.sock).
+    home = short_tmp / "home"
+    (home / "blockd").mkdir(parents=True)
+    (home / "blockd" / "blockd.sock").symlink_to(daemon.socket)
+    env = {k: v for k, v in os.environ.items() if k != "AENV_BLOCKD_SOCKET"} | {"AENV_HOME": str(home)}
+    found = subprocess.run([*aenv, "disk", "ls", "--json"], capture_output=True, text=True, env=env)
+    assert found.returncode == 0, found.stderr
+    helptext = run([*aenv, "disk", "ls", "--help"]).stdout
+    assert "AENV_HOME/blockd/blockd.sock" in helptext
 
 
 def test_nbd_serve_without_daemon(stack: Stack, short_tmp: Path) -> None:
@@ -195,6 +205,53 @@ def test_nbd_serve_without_daemon(stack: Stack, short_tmp: Path) -> None:
         proc.wait(10)
     assert proc.returncode == 0
     assert not sock.exists()
+    # The start log says it is read-only, and how to make it writable.
+    log = proc.stderr.read().decode() if proc.stderr else ""
+    assert "serving read-only" in log and "--upper DIR" in log
+    helptext = run([sys.executable, "-m", "agentenv.cli.main", "nbd", "serve", "--help"]).stdout
+    assert "READ-ONLY" in helptext and "--upper" in helptext
+
+
+def test_nbd_serve_with_upper_is_writable(stack: Stack, short_tmp: Path) -> None:
+    import sys
+    import time
+
+    sock = short_tmp / "rw.sock"
+    layer = stack.lowers[0]
+    upper = short_tmp / "upper"
+    before = layer.read_bytes()
+    data = os.urandom(MiB)
+    (short_tmp / "in.raw").write_bytes(data)
+
+    def serve() -> subprocess.Popen[bytes]:
+        proc = subprocess.Popen([sys.executable, "-m", "agentenv.cli.main", "nbd", "serve",
+                                 str(layer), "--socket", str(sock), "--upper", str(upper)],
+                                stderr=subprocess.PIPE)
+        deadline = time.monotonic() + 15
+        while not sock.exists():
+            assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        return proc
+
+    proc = serve()
+    try:
+        info = json.loads(run(["nbdinfo", "--json", f"nbd+unix:///disk?socket={sock}"]).stdout)
+        assert info["exports"][0]["is_read_only"] is False
+        run(["nbdcopy", "--flush", str(short_tmp / "in.raw"), f"nbd+unix:///?socket={sock}"])
+    finally:
+        proc.terminate()
+        proc.wait(10)
+    assert "serving writable" in (proc.stderr.read().decode() if proc.stderr else "")
+    assert layer.read_bytes() == before, "the layer itself must never be written"
+    # Served again with the same --upper: the writes are there.
+    proc = serve()
+    try:
+        run(["nbdcopy", f"nbd+unix:///?socket={sock}", str(short_tmp / "back.raw")])
+    finally:
+        proc.terminate()
+        proc.wait(10)
+    assert (short_tmp / "back.raw").read_bytes()[:MiB] == data
 
 
 def test_second_daemon_on_the_same_state_dir_is_refused(daemon: Daemon, short_tmp: Path) -> None:

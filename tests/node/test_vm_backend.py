@@ -7,6 +7,7 @@ scripts/up.sh and scripts/down.sh (`make up`, `make down`) run on the module's s
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import json
 import os
@@ -300,6 +301,120 @@ def test_killed_sandboxes_leave_only_template_snapshots(vm_node: NodeProcess) ->
     assert {str(p) for p in snapshots.iterdir()} == {template["record_dir"]}
 
 
+# A guest loop appending numbered records, each made durable with fsync (coreutils `sync FILE`
+# reports a failure); /tmp/acked is the last number whose fsync succeeded (renamed into place:
+# a reader never sees it half written), /tmp/err the failure.
+FSYNC_WRITER = (
+    "i=0; while [ ! -e /tmp/stop ]; do i=$((i+1));"
+    " echo rec-$i >> /home/user/records || { echo write-$i > /tmp/err; break; };"
+    " sync /home/user/records || { echo fsync-$i > /tmp/err; break; };"
+    " echo $i > /tmp/acked.new; mv /tmp/acked.new /tmp/acked; done"
+)
+
+
+def _acked(sbx: object) -> int:
+    return int(sbx.commands.run("cat /tmp/acked 2>/dev/null || echo 0").stdout.strip())  # type: ignore[attr-defined]
+
+
+def test_blockd_killed_is_restarted_under_running_sandboxes(vm_node: NodeProcess) -> None:
+    """kill -9 of the node's blockd while a sandbox writes with fsync: /health says 503 with
+    the reason at once, the node starts blockd again (same devices, same sockets), the
+    sandbox's QEMU reconnects and goes on without an error, every acknowledged record is on
+    disk, and a create during the outage waits and hands out a working sandbox."""
+    import httpx
+    from e2b import Sandbox, SandboxState
+
+    pidfile = vm_node.state_dir / "vm-backend" / "blockd" / "blockd.pid"
+    sbx = Sandbox.create(template="base", timeout=300)
+    created: Sandbox | None = None
+    try:
+        sbx.commands.run(FSYNC_WRITER, background=True)
+        deadline = time.monotonic() + 60
+        while _acked(sbx) < 5:
+            assert time.monotonic() < deadline, "the writer did not start"
+            time.sleep(0.2)
+        old_pid = int(pidfile.read_text())
+        os.kill(old_pid, 9)
+        t0 = time.monotonic()
+        reason = ""
+        while time.monotonic() - t0 < 5:
+            answer = httpx.get(vm_node.url + "/health", timeout=5)
+            if answer.status_code == 503:
+                reason = answer.json()["reason"]
+                break
+            time.sleep(0.05)
+        assert "blockd" in reason, "a dead blockd must make /health unhealthy with the reason"
+        # A create during the outage waits for blockd and gets a working sandbox.
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            creating = pool.submit(Sandbox.create, template="base", timeout=300)
+            while httpx.get(vm_node.url + "/health", timeout=5).status_code != 200:
+                assert time.monotonic() - t0 < 60, "blockd was not started again"
+                time.sleep(0.05)
+            healthy_s = time.monotonic() - t0
+            created = creating.result(300)
+            create_s = time.monotonic() - t0
+        created.files.write("/home/user/new.txt", "written after the restart")
+        assert created.commands.run("sync; cat /home/user/new.txt").stdout == \
+            "written after the restart"
+        new_pid = int(pidfile.read_text())
+        assert new_pid != old_pid and pid_alive(new_pid)
+
+        at = _acked(sbx)
+        deadline = time.monotonic() + 60
+        while _acked(sbx) <= at + 5:
+            assert time.monotonic() < deadline, "the writer did not go on after the restart"
+            time.sleep(0.2)
+        sbx.commands.run("touch /tmp/stop; sleep 1")
+        assert sbx.commands.run("cat /tmp/err 2>/dev/null || true").stdout.strip() == ""
+        dmesg = sbx.commands.run("dmesg | grep -iE 'I/O error|EXT4-fs error' || true",
+                                 user="root").stdout
+        assert dmesg.strip() == "", dmesg
+        last = _acked(sbx)
+        records = sbx.commands.run("echo 3 > /proc/sys/vm/drop_caches; cat /home/user/records",
+                                   user="root").stdout.split()
+        assert records[:last] == [f"rec-{i}" for i in range(1, last + 1)]
+        assert sbx.get_info().state == SandboxState.RUNNING
+        print(f"\nblockd kill -9: healthy again after {healthy_s:.2f} s, a create begun during "
+              f"the outage done after {create_s:.2f} s, {last} records acknowledged, none lost")
+    finally:
+        for one in (sbx, created):
+            if one is not None:
+                with contextlib.suppress(Exception):
+                    one.kill()
+
+
+def test_blockd_back_without_a_sandboxs_disk_is_reported(vm_node: NodeProcess) -> None:
+    """blockd comes back with different state (a device record lost while it was down): the
+    node sees it at once, /health names the sandbox, the sandbox is still listed (not deleted),
+    and killing it makes the node healthy again."""
+    import httpx
+    from e2b import Sandbox
+
+    sbx = Sandbox.create(template="base", timeout=300)
+    try:
+        manifest = json.loads((vm_node.state_dir / "vm-backend" / "sandboxes"
+                               / f"{sbx.sandbox_id}.vm.json").read_text())
+        [device] = [d["device_id"] for d in manifest["disks"] if d.get("device_id")]
+        blockd_root = vm_node.state_dir / "vm-backend" / "blockd"
+        pid = int((blockd_root / "blockd.pid").read_text())
+        os.kill(pid, 9)
+        (blockd_root / "state" / "devices" / f"{device}.json").unlink()
+        deadline = time.monotonic() + 60
+        while True:
+            answer = httpx.get(vm_node.url + "/health", timeout=5)
+            if answer.status_code == 503 and sbx.sandbox_id in answer.json()["reason"]:
+                break
+            assert time.monotonic() < deadline, answer.text
+            time.sleep(0.1)
+        assert device in answer.json()["reason"]
+        assert sbx.sandbox_id in {s.sandbox_id for s in Sandbox.list().next_items()}
+        assert "lost its disks in a blockd restart" in vm_node.log_path.read_text()
+    finally:
+        with contextlib.suppress(Exception):
+            sbx.kill()
+    assert httpx.get(vm_node.url + "/health", timeout=5).status_code == 200
+
+
 def test_make_up_and_down(vm_node: NodeProcess) -> None:
     """scripts/up.sh (`make up`) on the module's state directory (its base template is built):
     blockd and a VM-backend node in the background, the three E2B variables printed, an SDK
@@ -350,6 +465,15 @@ def test_make_up_and_down(vm_node: NodeProcess) -> None:
             assert "already running" in again.stdout and again_s < 15
             assert int((state / "node.pid").read_text()) == node_pid
             assert dict(re.findall(r"export (E2B_\w+)=(\S+)", again.stdout)) == exports
+
+            # blockd killed under the running node: make up (or the node's supervisor, first)
+            # starts it again; the node and its sandbox go on.
+            os.kill(blockd_pid, 9)
+            third, _ = script("up.sh")
+            assert "node already running" in third.stdout, third.stdout
+            blockd_pid = int((state / "blockd.pid").read_text())
+            assert pid_alive(blockd_pid)
+            assert sbx.commands.run("echo again").stdout.strip() == "again"
 
             down, down_s = script("down.sh")
             assert "node stopped" in down.stdout and "blockd stopped" in down.stdout

@@ -117,3 +117,61 @@ def test_slots_are_torn_down(env: Env) -> None:
                           capture_output=True).returncode != 0
     names = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     assert slot.netns_name not in names
+
+
+def test_two_runtimes_side_by_side(env: Env, idle: SnapshotRecord) -> None:
+    """A second runtime on the host (another prefix, the same slot indices asked for: a
+    benchmark next to a node) gets other addresses, and each VM answers at its own; a third
+    with the first one's prefix is refused, naming the holder, and touches nothing of it."""
+    import os
+
+    from agentenv.blockd.client import AsyncBlockdClient
+    from agentenv.runtime.config import RuntimeConfig
+    from agentenv.runtime.errors import NetworkError
+    from agentenv.runtime.network import teardown_host
+    from agentenv.runtime.vm import Runtime
+
+    rt = env.runtime
+    socket_path = rt.blockd.socket_path
+    other = Runtime(RuntimeConfig(state_dir=env.root / "state-other", network_prefix="aet2",
+                                  envd_init_path="/cgi-bin/init", slot_pool_low=1,
+                                  boot_timeout=300),
+                    blockd=AsyncBlockdClient(socket_path))
+    a = b = None
+    try:
+        env.loop.run(other.start(kernel_for_probe=env.guest.kernel))
+        a = env.loop.run(rt.restore(idle))
+        b = env.loop.run(other.restore(idle))  # its envd /init reached its own VM
+        assert a.slot is not None and b.slot is not None
+        assert a.slot.guest_address != b.slot.guest_address
+        assert a.slot.host_address != b.slot.host_address
+        # No address of the new runtime's slot is on two host interfaces.
+        for address in (b.slot.host_address, *(s.host_address for s in rt.slots._free)):
+            holders = subprocess.run(["ip", "-o", "-4", "addr", "show", "to", f"{address}/32"],
+                                     capture_output=True, text=True).stdout.splitlines()
+            assert len(holders) == 1, holders
+        env.loop.run(sh(a, "echo first > /tmp/who"))
+        env.loop.run(sh(b, "echo second > /tmp/who"))
+        assert env.loop.run(sh(a, "cat /tmp/who")).strip() == "first"
+        assert env.loop.run(sh(b, "cat /tmp/who")).strip() == "second"
+
+        same = Runtime(RuntimeConfig(state_dir=env.root / "state-same", network_prefix="aet",
+                                     envd_init_path="/cgi-bin/init", slot_pool_low=1),
+                       blockd=AsyncBlockdClient(socket_path))
+        with pytest.raises(NetworkError, match=f"'aet' is in use by another runtime.*pid {os.getpid()}"):
+            env.loop.run(same.start(kernel_for_probe=env.guest.kernel))
+        env.loop.run(same.blockd.close())
+        # The first runtime's slot and host table are untouched.
+        names = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+        assert a.slot.netns_name in names
+        assert subprocess.run(["nft", "list", "table", "ip", "aet_host"],
+                              capture_output=True).returncode == 0
+        assert env.loop.run(sh(a, "cat /tmp/who")).strip() == "first"
+    finally:
+        if a is not None:
+            env.loop.run(rt.kill(a))
+        if b is not None:
+            env.loop.run(other.kill(b))
+        env.loop.run(other.close())
+        env.loop.run(other.blockd.close())
+        env.loop.run(teardown_host("aet2"))

@@ -127,6 +127,8 @@ def test_hello_world_overlaybd_image_used_as_is(registry: Registry, state: Path,
     registry.push("hello-world", "amd64-converted", image)
     pulled = _pull(registry, "hello-world:amd64-converted", state, blockd)
     assert pulled.format == "overlaybd" and pulled.name == image.digest.replace(":", "-")
+    # Fetched and used as it is: never counted as converted (the node's build log says so).
+    assert (pulled.layers_converted, pulled.layers_fetched, pulled.layers_cached) == (0, 1, 0)
     [blob_digest] = [d for d in image.blobs if d.startswith("sha256:0222")]
     assert pulled.lowers[0].read_bytes() == image.blobs[blob_digest]
     # Not e2fsck'd: this ext4 is the reference converter's, not ours. (e2fsck -fn flags an

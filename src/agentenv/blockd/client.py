@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import socket
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -11,7 +12,24 @@ from typing import Any
 
 from agentenv.blockd.errors import BlockdError, BlockdUnavailable
 
-DEFAULT_SOCKET = Path("/run/aenv/blockd.sock")
+
+def aenv_home() -> Path:
+    """The state directory: $AENV_HOME (older name $AENV_STATE_DIR), else /var/lib/aenv."""
+    return Path(os.environ.get("AENV_HOME") or os.environ.get("AENV_STATE_DIR") or "/var/lib/aenv")
+
+
+def default_socket() -> Path:
+    """Where `make up` (scripts/up.sh) starts blockd's control socket: <home>/blockd/blockd.sock
+    ($AENV_BLOCKD_SOCKET overrides). The one default of every `aenv` blockd command."""
+    return Path(os.environ.get("AENV_BLOCKD_SOCKET") or aenv_home() / "blockd" / "blockd.sock")
+
+
+def default_state_dir() -> Path:
+    """blockd's state directory as `make up` starts it: <home>/blockd/state."""
+    return aenv_home() / "blockd" / "state"
+
+
+DEFAULT_SOCKET = default_socket()
 
 
 @dataclass(frozen=True)

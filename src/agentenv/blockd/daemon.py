@@ -1,6 +1,6 @@
 """blockd: one daemon per host that owns every sandbox disk and serves it over NBD and FUSE.
 
-Layout of the state directory (default /var/lib/aenv/blockd):
+Layout of the state directory (default $AENV_HOME/blockd/state, as `make up` starts it):
 
     devices/<id>.json   one record per device (what to reopen after a restart)
     nbd/<id>.sock       the device's NBD socket; export name = <id> (the empty name works too)
@@ -9,7 +9,7 @@ Layout of the state directory (default /var/lib/aenv/blockd):
 
 QEMU attaches a device as `nbd+unix:///<id>?socket=STATE/nbd/<id>.sock`.
 
-Control RPC (unix socket, default /run/aenv/blockd.sock): JSON lines. Each request is one line
+Control RPC (unix socket, default $AENV_HOME/blockd/blockd.sock): JSON lines. Each request is one line
 `{"op": NAME, ...arguments}`; each answer one line, `{"ok": true, "result": ...}` or
 `{"ok": false, "error": MESSAGE, "type": "invalid"|"not_found"|"failed"}`. A connection may
 carry any number of requests, answered in order. Operations:
@@ -63,6 +63,7 @@ from pathlib import Path
 from typing import Any
 
 from agentenv.blockd import images, nbd
+from agentenv.blockd.client import default_socket, default_state_dir
 from agentenv.blockd.device import (
     INLINE_MAX,
     Device,
@@ -73,11 +74,13 @@ from agentenv.blockd.device import (
 )
 from agentenv.blockd.errors import BlockdError
 from agentenv.errors import AgentEnvError
+from agentenv.fsutil import atomic_write_json
 
 log = logging.getLogger("agentenv.blockd")
 
-DEFAULT_STATE_DIR = Path("/var/lib/aenv/blockd")
-DEFAULT_SOCKET = Path("/run/aenv/blockd.sock")
+# As `make up` starts it (the same defaults as the `aenv blockd` and `aenv disk` commands).
+DEFAULT_STATE_DIR = default_state_dir()
+DEFAULT_SOCKET = default_socket()
 MAX_RPC_LINE = 1024 * 1024
 
 
@@ -169,10 +172,8 @@ class Blockd:
         return self.state_dir / "fuse"
 
     def _save(self, record: DeviceRecord) -> None:
-        path = self.records_dir / f"{record.id}.json"
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(record.to_json(), indent=1))
-        os.replace(tmp, path)
+        # A restarted daemon reopens exactly what these records say: they must never be torn.
+        atomic_write_json(self.records_dir / f"{record.id}.json", record.to_json(), indent=1)
 
     def _forget(self, device_id: str) -> None:
         with contextlib.suppress(FileNotFoundError):
@@ -204,6 +205,12 @@ class Blockd:
         self.state_dir.mkdir(parents=True, exist_ok=True)
         self._take_state_lock()
         tune_allocator()
+        # Every acknowledged write's index entry goes to upper.index at once (no fsync): a
+        # killed daemon loses nothing its clients were told is written, and the restarted one
+        # replays the log (NBD clients reconnect and their next flush makes it durable).
+        from agentenv.storage.upper import Upper
+
+        Upper.log_buffer = 0
         for folder in (self.records_dir, self.nbd_dir, self.uppers_dir):
             folder.mkdir(parents=True, exist_ok=True)
         self.socket_path.parent.mkdir(parents=True, exist_ok=True)

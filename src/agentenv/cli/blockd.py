@@ -8,17 +8,20 @@ from pathlib import Path
 
 import click
 
-from agentenv.blockd.client import DEFAULT_SOCKET, BlockdClient
+from agentenv.blockd.client import BlockdClient, default_socket, default_state_dir
 
 _socket_option = click.option(
-    "--socket", "socket_path", type=click.Path(path_type=Path), default=DEFAULT_SOCKET,
-    show_default=True, help="blockd control socket.",
+    "--socket", "socket_path", type=click.Path(path_type=Path), default=default_socket,
+    show_default="$AENV_BLOCKD_SOCKET, else $AENV_HOME/blockd/blockd.sock (as make up starts it;"
+                 " AENV_HOME defaults to /var/lib/aenv)",
+    help="blockd control socket.",
 )
 
 
 @click.command("blockd")
-@click.option("--state-dir", type=click.Path(path_type=Path), default=Path("/var/lib/aenv/blockd"),
-              show_default=True, help="Where device records, NBD sockets, uppers and the FUSE mount live.")
+@click.option("--state-dir", type=click.Path(path_type=Path), default=default_state_dir,
+              show_default="$AENV_HOME/blockd/state",
+              help="Where device records, NBD sockets, uppers and the FUSE mount live.")
 @_socket_option
 @click.option("--metrics-port", type=int, default=None, help="Serve Prometheus metrics on this port.")
 @click.option("--pool-size", type=int, default=0, show_default=True, help="Warm devices to keep idle.")
@@ -123,15 +126,27 @@ def nbd_group() -> None:
               help="Unix socket to listen on.")
 @click.option("--export", "export_name", default="disk", show_default=True,
               help="Export name (the empty name selects it too).")
-@click.option("--readonly", is_flag=True, help="Refuse writes.")
+@click.option("--readonly", is_flag=True, help="Refuse writes (an image config with an upper).")
+@click.option("--upper", "upper_dir", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="Make a layer (or a read-only image) writable: writes go to a new upper in "
+                   "this empty directory (an existing upper there is reopened); the source is "
+                   "never written.")
 @click.option("--log-level", default="info", show_default=True)
-def nbd_serve(source: Path, socket_path: Path, export_name: str, readonly: bool, log_level: str) -> None:
-    """Serve one image (config JSON, or a layer: read-only) over NBD until interrupted."""
+def nbd_serve(source: Path, socket_path: Path, export_name: str, readonly: bool,
+              upper_dir: Path | None, log_level: str) -> None:
+    """Serve one image over NBD until interrupted.
+
+    SOURCE is an image config JSON (writable when it has an upper, unless --readonly) or a
+    layer file. A layer, or an image without an upper, is exported READ-ONLY: writes fail.
+    Give --upper DIR to make it writable (writes stay in DIR). The start log says which."""
     from agentenv import logs
     from agentenv.blockd.serve import serve_image
 
+    if upper_dir is not None and readonly:
+        raise click.UsageError("--upper makes the export writable; it cannot go with --readonly")
     logs.setup(log_level)
-    asyncio.run(serve_image(source, socket_path, readonly=readonly, export_name=export_name))
+    asyncio.run(serve_image(source, socket_path, readonly=readonly, export_name=export_name,
+                            upper_dir=upper_dir))
 
 
 COMMANDS: list[click.Command] = [blockd_command, disk_group, nbd_group]

@@ -55,7 +55,8 @@ def pull_command(reference: str, name: str | None, state_dir: Path, platform: st
         return
     click.echo(
         f"{pulled.name}: {pulled.reference} ({pulled.manifest_digest[:19]}), "
-        f"{pulled.layers_converted + pulled.layers_cached} layers ({pulled.layers_converted} new, "
+        f"{pulled.layers_converted + pulled.layers_fetched + pulled.layers_cached} layers "
+        f"({pulled.layers_converted + pulled.layers_fetched} new, "
         f"{pulled.layers_cached} cached{', on the ext4 base layer' if pulled.format == 'converted' else ''}), "
         f"{pulled.bytes_downloaded / 1e6:.1f} MB downloaded in {pulled.seconds:.1f} s -> {pulled.path}"
     )

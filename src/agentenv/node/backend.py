@@ -23,9 +23,12 @@ ENVD_PORT = 49983
 class BackendError(Exception):
     """A backend operation failed; `retryable` says whether the sandbox is still intact."""
 
-    def __init__(self, message: str, *, retryable: bool = True) -> None:
+    def __init__(self, message: str, *, retryable: bool = True,
+                 unavailable: bool = False) -> None:
         super().__init__(message)
         self.retryable = retryable
+        #: the host cannot serve the operation right now (blockd down): the API answers 503
+        self.unavailable = unavailable
 
 
 @dataclass(frozen=True)

@@ -23,6 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from agentenv.fsutil import atomic_write_json
 from agentenv.guest.build import GuestAssets
 from agentenv.guest.build.rootfs import BASE_PACKAGES, debian_root, make_rootfs_image
 from agentenv.runtime.vm import BootSpec, DiskSource, Runtime
@@ -138,9 +139,7 @@ async def build_base_template(
     record_dir = Path(record.device_state).parent
     meta = {"format": TEMPLATE_FORMAT, "key": key, "record_dir": str(record_dir),
             "layer": str(layer), "built_at": time.time()}
-    tmp = template_dir / "template.json.tmp"
-    tmp.write_text(json.dumps(meta, indent=1))
-    tmp.replace(template_dir / "template.json")
+    atomic_write_json(template_dir / "template.json", meta, indent=1)
     shutil.rmtree(work, ignore_errors=True)
     # Older rootfs layers stay: paused sandboxes and snapshots made from an earlier build of
     # the template name them in their records.

@@ -48,6 +48,11 @@ RESPONSE_SCHEMAS: dict[str, dict[str, Any]] = {
         "required": ["status", "version"],
         "properties": {"status": {"const": "ok"}, "version": _STR},
     },
+    "Unhealthy": {
+        "type": "object",
+        "required": ["status", "reason", "version"],
+        "properties": {"status": {"const": "unhealthy"}, "reason": _STR, "version": _STR},
+    },
     "Sandbox": {
         "type": "object",
         "required": ["templateID", "sandboxID", "clientID", "envdVersion"],
@@ -327,7 +332,8 @@ _NF = {401: "Error", 404: "Error"}
 _BODY_ERRORS = {400: "Error", 413: "Error", 422: "Error"}
 
 ROUTES: list[Operation] = [
-    Operation("get", "/health", "health", "Liveness", {200: "Health"}, public=True),
+    Operation("get", "/health", "health", "Liveness (503 with the reason: blockd down)",
+              {200: "Health", 503: "Unhealthy"}, public=True),
     Operation("get", "/openapi.json", "openapi", "This document", {200: None}, public=True),
     Operation(
         "post",

@@ -41,6 +41,7 @@ from agentenv.node.backend import (
     SandboxSpec,
 )
 from agentenv.node.errors import (
+    ApiError,
     BadRequest,
     Conflict,
     Internal,
@@ -563,7 +564,7 @@ class Orchestrator:
                 await self.store.delete_sandbox(sid)
                 await self.store.set_layer_refs("sandbox", sid, [])
             if isinstance(exc, BackendError):
-                raise Internal(f"failed to create sandbox: {exc}") from exc
+                raise _backend_failure(f"failed to create sandbox: {exc}", exc) from exc
             raise
         if placement.envd_version:
             rec.envd_version = placement.envd_version
@@ -689,7 +690,7 @@ class Orchestrator:
             with contextlib.suppress(Exception):
                 await self.store.put_sandbox(rec)
             if isinstance(exc, BackendError):
-                raise Internal(f"failed to resume sandbox {sid}: {exc}") from exc
+                raise _backend_failure(f"failed to resume sandbox {sid}: {exc}", exc) from exc
             raise
         rec.placement = placement
         rec.pause_snapshot = None
@@ -917,7 +918,7 @@ class Orchestrator:
             if isinstance(exc, BackendError):
                 if not exc.retryable:
                     await self._forget(rec)
-                raise Internal(f"failed to fork sandbox {rec.sandbox_id}: {exc}") from exc
+                raise _backend_failure(f"failed to fork sandbox {rec.sandbox_id}: {exc}", exc) from exc
             raise
         finally:
             if rec.state == State.FORKING:
@@ -973,3 +974,8 @@ class Orchestrator:
         for rec in self.sandboxes.values():
             counts[rec.state.value] += 1
         return counts
+
+
+def _backend_failure(message: str, exc: BackendError) -> ApiError:
+    """503 when the host cannot serve right now (blockd down: retry later), else 500."""
+    return Unavailable(message) if getattr(exc, "unavailable", False) else Internal(message)

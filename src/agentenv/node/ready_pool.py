@@ -42,6 +42,7 @@ import httpx
 from pydantic import BaseModel, Field
 
 from agentenv.errors import AgentEnvError
+from agentenv.fsutil import atomic_write_json
 
 log = logging.getLogger("agentenv.node.ready_pool")
 
@@ -355,10 +356,7 @@ class ReadyPool:
     def _write_manifest(self, vm: Any) -> None:
         from agentenv.runtime.adopt import vm_manifest
 
-        path = self._manifest(vm)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(vm_manifest(vm)))
-        tmp.replace(path)
+        atomic_write_json(self._manifest(vm), vm_manifest(vm))
 
     def _discard(self, vm: Any, reason: str) -> None:
         self.stats["discarded"] += 1

@@ -51,6 +51,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from agentenv.errors import AgentEnvError
+from agentenv.fsutil import atomic_write_json
 from agentenv.node import models
 from agentenv.node.api import page, read_model
 from agentenv.node.backend import BackendError, SandboxSpec
@@ -158,10 +159,7 @@ class TemplateBuildApi:
 
     def _save(self, rec: BuildRecord) -> None:
         self.builds_dir.mkdir(parents=True, exist_ok=True)
-        path = self.builds_dir / f"{rec.build_id}.json"
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(asdict(rec)))
-        tmp.replace(path)
+        atomic_write_json(self.builds_dir / f"{rec.build_id}.json", asdict(rec))
 
     def _builds_of(self, template_id: str) -> list[BuildRecord]:
         """Newest first."""
@@ -720,6 +718,7 @@ class TemplateBuildApi:
                 raise BuildFailed(f"pulling {body.fromImage} failed: {exc}", BASE_STEP) from exc
         rec.log("info", f"pulled {pulled.reference} ({pulled.manifest_digest[:19]}): "
                 f"{pulled.layers_converted} layers converted, {pulled.layers_cached} cached, "
+                f"{pulled.layers_fetched} overlaybd layers fetched as they are, "
                 f"{pulled.bytes_downloaded / 1e6:.1f} MB in {pulled.seconds:.1f} s", BASE_STEP)
         if pulled.format == "converted":
             disk_bytes = VIRTUAL_SIZE

@@ -17,8 +17,16 @@ Crashes: QEMU runs without PDEATHSIG, so VMs outlive a node killed with SIGKILL.
 VM has a manifest (<state>/vm-backend/sandboxes/<id>.vm.json: pid, QMP socket, slot, blockd
 devices, memory lineage; runtime/adopt.py); the next start takes each one over again (adopt())
 when its QEMU and its blockd devices are still there, and ends it otherwise. The private blockd
-is reused when it survived (its pid is in blockd/blockd.pid); a fresh blockd means the VMs'
-disks are gone, so nothing is adopted then. A graceful stop pauses every VM first.
+is reused when it survived (its pid is in blockd/blockd.pid); a blockd started again reopens its
+devices from their records, and QEMU's NBD disks reconnect to it (runtime/qemu.py), so the VMs
+are adopted then too. A graceful stop pauses every VM first.
+
+blockd is supervised (node/blockd_supervisor.py): a dead blockd is started again at once (the
+private one, or the one `make up` starts: AENV_BLOCKD_STATE_DIR), /health answers 503 with the
+reason while it is down, creates/resumes/forks wait for it up to AENV_BLOCKD_WAIT seconds (15)
+and then answer 503, a new blockd process is checked at once for every running VM's devices
+(missing ones are reported on /health and in the log, the sandbox is not deleted), and a
+ready-pool VM's disks are checked before it is handed out.
 
 Creates take a pre-restored, warmed VM from a ready pool when one is parked for the template
 (node/ready_pool.py; AENV_VM_POOL_LOW/_HIGH/_TEMPLATES/_IDLE, 0 disables): the create is then one
@@ -47,6 +55,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from agentenv.fsutil import atomic_write_json
 from agentenv.node.backend import (
     ENVD_PORT,
     BackendError,
@@ -59,6 +68,7 @@ from agentenv.node.backend import (
     SnapshotRef,
     TemplateRef,
 )
+from agentenv.node.blockd_supervisor import BlockdLaunch, BlockdSupervisor
 from agentenv.node.ready_pool import ReadyPool, ReadyPoolConfig
 
 log = logging.getLogger("agentenv.node.vm_backend")
@@ -67,6 +77,9 @@ CLK_TCK = os.sysconf("SC_CLK_TCK")
 PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")
 RELEASED_MARK = ".released"
 SLOT_COOLDOWN = 30.0  # seconds before a network slot's address serves another VM
+# How long a create, resume or fork waits for a blockd that is down (restarting) before it
+# answers 503 (AENV_BLOCKD_WAIT).
+BLOCKD_WAIT = 15.0
 
 
 
@@ -105,19 +118,6 @@ def _live_blockd(root: Path) -> int | None:
     return pid
 
 
-def _stop_pid(pid: int, timeout: float = 20.0) -> None:
-    """SIGTERM a process that is not our child, SIGKILL after `timeout`."""
-    with contextlib.suppress(ProcessLookupError):
-        os.kill(pid, signal.SIGTERM)
-    deadline = time.monotonic() + timeout
-    while _running(pid):
-        if time.monotonic() > deadline:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-            break
-        time.sleep(0.05)
-
-
 class VmBackend:
     name = "vm"
     #: create/resume/fork return after envd's /init with the spec's env vars and token
@@ -148,7 +148,11 @@ class VmBackend:
         self.accel = accel or env.get("AENV_VM_ACCEL") or "auto"
         # Two runtimes on one host need disjoint slot index ranges (see RuntimeConfig).
         self.first_slot = first_slot or int(env.get("AENV_VM_FIRST_SLOT") or 1)
-        self._blockd_proc: Any = None  # agentenv.runtime.harness.BlockdProcess
+        #: watches blockd, starts it again when it dies (node/blockd_supervisor.py)
+        self.supervisor: BlockdSupervisor | None = None
+        self._private_blockd = self.blockd_socket is None
+        #: running sandboxes whose disks a restarted blockd did not bring back, with why
+        self.blockd_lost: dict[str, str] = {}
         self._blockd: Any = None  # AsyncBlockdClient
         self.runtime: Any = None  # agentenv.runtime.Runtime, made in start()
         self._assets: Any = None  # GuestAssets
@@ -192,10 +196,7 @@ class VmBackend:
     def _own(self, sandbox_id: str, record_dir: Path) -> None:
         owned = self._owned(sandbox_id)
         owned.append(str(record_dir))
-        path = self._owned_file(sandbox_id)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(owned))
-        tmp.replace(path)
+        atomic_write_json(self._owned_file(sandbox_id), owned)
 
     def _vm_file(self, sandbox_id: str) -> Path:
         return self.base / "sandboxes" / f"{sandbox_id}.vm.json"
@@ -204,12 +205,12 @@ class VmBackend:
         """The running VM's manifest, for a node restarted after a crash (runtime/adopt.py)."""
         from agentenv.runtime.adopt import vm_manifest
 
-        path = self._vm_file(sandbox_id)
-        tmp = path.with_suffix(".tmp")
         # which blockd served its disks: a later start sees a blockd restart
-        tmp.write_text(json.dumps({**vm_manifest(vm), "blockd": self._blockd_seen,
-                                   "guest_token": self._tokens.get(sandbox_id)}))
-        tmp.replace(path)
+        atomic_write_json(self._vm_file(sandbox_id),
+                          {**vm_manifest(vm), "blockd": self._blockd_seen,
+                           # its disks reconnect when blockd restarts (runtime/qemu.py)
+                           "nbd_reconnect": True,
+                           "guest_token": self._tokens.get(sandbox_id)})
 
     def _drop_vm(self, sandbox_id: str) -> None:
         self._vm_file(sandbox_id).unlink(missing_ok=True)
@@ -312,35 +313,31 @@ class VmBackend:
         # VMs parked in the ready pools of a crashed run: never adopted, always ended.
         pooled = await asyncio.to_thread(self._load_manifests, self.base / "pool")
         private_root = self.base / "blockd"
+        launch = self._blockd_launch(private_root)
         if self.blockd_socket is None:
             self._blockd_pid = await asyncio.to_thread(_live_blockd, private_root)
-        if self.blockd_socket is None and self._blockd_pid is None:
-            # A new private blockd: the disks of whatever VMs survived are gone with the old one.
-            alive: dict[str, dict[str, Any]] = {}
-        else:
-            alive = {sid: m for sid, m in manifests.items() if manifest_alive(m)}
+        # A VM whose QEMU survived is adopted when blockd (still running, or started again:
+        # it reopens its devices from their records) serves its disks (adopt_vm checks).
+        alive = {sid: m for sid, m in manifests.items() if manifest_alive(m)}
         self._note_not_alive(manifests, alive)
         keep_pids = {int(m["pid"]) for m in alive.values()}
         if self._blockd_pid is not None:
             keep_pids.add(self._blockd_pid)
         await asyncio.to_thread(self._reap_leftovers, keep_pids, list(alive.values()))
         if self.blockd_socket is None:
+            private_root.mkdir(parents=True, exist_ok=True)
+            self.blockd_socket = private_root / "blockd.sock"
             if self._blockd_pid is not None:
-                self.blockd_socket = private_root / "blockd.sock"
                 log.info("reusing the private blockd of the previous run",
                          extra={"pid": self._blockd_pid})
-            else:
-                from agentenv.runtime.harness import BlockdProcess
-
-                private_root.mkdir(parents=True, exist_ok=True)
-                self._blockd_proc = BlockdProcess(private_root)
-                log.info("starting a private blockd",
-                         extra={"socket": str(self._blockd_proc.socket)})
-                await asyncio.to_thread(self._blockd_proc.start)
-                (private_root / "blockd.pid").write_text(f"{self._blockd_proc.proc.pid}\n")
-                self.blockd_socket = self._blockd_proc.socket
+        self.supervisor = BlockdSupervisor(self.blockd_socket, launch=launch,
+                                           on_new_blockd=self._blockd_replaced)
+        await self.supervisor.start()  # starts the private blockd when there is none
+        if self.supervisor.problem() is not None:
+            raise BackendError(f"the node cannot start without blockd: "
+                               f"{self.supervisor.problem()}", unavailable=True)
         self._blockd = AsyncBlockdClient(self.blockd_socket)
-        self._blockd_seen = await self._blockd_identity()
+        self._blockd_seen = self.supervisor.identity
         log.info("guest assets: building or checking", extra={"dir": str(self.assets_dir)})
         t0 = time.monotonic()
         self._assets = await asyncio.to_thread(build_assets, self.assets_dir)
@@ -356,6 +353,9 @@ class VmBackend:
                                # VMs outlive a node crash; the next start adopts them.
                                qemu_die_with_parent=False)
         self.runtime = Runtime(config, blockd=self._blockd, on_vm_died=self._vm_died)
+        # Before adopting or abandoning anything: a second node (or bench) with this network
+        # prefix is refused here instead of taking over the first one's slots.
+        self.runtime.slots.acquire_prefix()
         # Before the runtime builds network slots: adopted VMs keep theirs.
         await self._adopt_all(manifests, alive)
         await self._abandon_pooled(pooled)
@@ -465,13 +465,13 @@ class VmBackend:
             with contextlib.suppress(Exception):
                 await self._blockd.close()
             self._blockd = None
-        if self._blockd_proc is not None:
-            await asyncio.to_thread(self._blockd_proc.stop)
-            self._blockd_proc = None
-        if self._blockd_pid is not None:
-            await asyncio.to_thread(_stop_pid, self._blockd_pid)
-            self._blockd_pid = None
-        (self.base / "blockd" / "blockd.pid").unlink(missing_ok=True)
+        if self.supervisor is not None:
+            await self.supervisor.close()
+            if self._private_blockd:
+                # The node's own blockd goes with it (a shared one, as `make up` starts, stays).
+                await asyncio.to_thread(self.supervisor.stop_blockd)
+            self.supervisor = None
+        self._blockd_pid = None
 
     async def default_templates(self) -> list[DefaultTemplate]:
         from agentenv.node.base_template import build_base_template, load_previous
@@ -551,6 +551,7 @@ class VmBackend:
         return self._placement(spec.sandbox_id, vm, spec.access_token)
 
     async def create(self, spec: SandboxSpec) -> Placement:
+        await self._need_blockd()
         record = self._load_record(spec.source)
         machine = record.machine
         if (spec.cpu_count, spec.memory_mb) != (machine.vcpus, machine.memory_mib):
@@ -591,6 +592,14 @@ class VmBackend:
 
         assert self.pool is not None
         t0 = time.perf_counter()
+        lost = await self._disks_missing(vm)
+        if lost:
+            log.warning("pooled VM's disks are not served by blockd: restoring instead",
+                        extra={"sandbox_id": spec.sandbox_id, "vm": vm.id, "missing": lost})
+            with contextlib.suppress(Exception):
+                await self.runtime.kill(vm)
+            self.pool.handed_over(vm)
+            return None
         try:
             if not spec.allow_internet_access:
                 await self.runtime.set_outbound(vm, False)
@@ -633,6 +642,7 @@ class VmBackend:
         return PauseResult(snapshot=ref, memory=True)
 
     async def resume(self, spec: SandboxSpec, snapshot: SnapshotRef) -> Placement:
+        await self._need_blockd()
         return await self._restore(spec, self._load_record(snapshot))
 
     async def snapshot(
@@ -658,6 +668,7 @@ class VmBackend:
     ) -> list[ForkOutcome]:
         from agentenv.runtime.errors import RuntimeError_
 
+        await self._need_blockd()
         vm = self._vm(spec.sandbox_id)
         try:
             record = await self.runtime.snapshot(vm, keep_running=True)
@@ -678,6 +689,7 @@ class VmBackend:
         return list(await asyncio.gather(*(one(c) for c in children)))
 
     async def kill(self, sandbox_id: str, placement: Placement | None) -> None:
+        self.blockd_lost.pop(sandbox_id, None)
         vm = self._vms.pop(sandbox_id, None)
         self._cpu_seen.pop(sandbox_id, None)
         self._tokens.pop(sandbox_id, None)
@@ -753,15 +765,72 @@ class VmBackend:
     # --- crash recovery and garbage collection support -------------------------------------
     # (node/gc.py and Orchestrator._reconcile call these; kept apart from the pool code)
 
-    async def _blockd_identity(self) -> dict[str, Any] | None:
-        from agentenv.runtime.adopt import process_start_time
-
-        try:
-            pid = int((await self._blockd.call("ping"))["pid"])
-        except Exception as exc:  # an old blockd or none: restarts then go unnoticed
-            log.warning("blockd did not say its pid", extra={"error": str(exc)})
+    def _blockd_launch(self, private_root: Path) -> BlockdLaunch | None:
+        """How the supervisor starts blockd again: the private one, or the one `make up`
+        starts (AENV_BLOCKD_STATE_DIR names its state directory); None: only watched."""
+        env = os.environ
+        if self.blockd_socket is None:
+            return BlockdLaunch(private_root / "state", private_root / "blockd.sock",
+                                private_root / "blockd.log", private_root / "blockd.pid")
+        state = env.get("AENV_BLOCKD_STATE_DIR")
+        if not state:
             return None
-        return {"pid": pid, "start": process_start_time(pid)}
+        home = Path(state).parent
+        return BlockdLaunch(Path(state), self.blockd_socket,
+                            Path(env.get("AENV_BLOCKD_LOG") or home / "blockd.log"),
+                            Path(env.get("AENV_BLOCKD_PIDFILE") or home / "blockd.pid"))
+
+    def health_problem(self) -> str | None:
+        """Why the node cannot serve sandboxes fully right now (for /health); None: fine."""
+        if self.supervisor is not None and (problem := self.supervisor.problem()):
+            return problem
+        if self.blockd_lost:
+            return "; ".join(f"sandbox {sid}: {why}" for sid, why in sorted(self.blockd_lost.items()))
+        return None
+
+    async def _need_blockd(self) -> None:
+        """Wait (briefly) for blockd; a create must never get a VM whose disks are gone."""
+        if self.supervisor is None:
+            return
+        wait = float(os.environ.get("AENV_BLOCKD_WAIT") or BLOCKD_WAIT)
+        if not await self.supervisor.wait_up(wait):
+            raise BackendError(f"blockd is unavailable (waited {wait:g} s): "
+                               f"{self.supervisor.problem()}", unavailable=True)
+
+    async def _disks_missing(self, vm: Any) -> list[str]:
+        """The blockd devices of `vm` the current blockd does not serve."""
+        wanted = {d.device_id for d in vm.disks if getattr(d, "device_id", None)}
+        if not wanted or self._blockd is None:
+            return []
+        try:
+            served = {d.id for d in await self._blockd.list()}
+        except Exception as exc:
+            return [f"blockd cannot list its devices: {exc}"]
+        return sorted(wanted - served)
+
+    async def _blockd_replaced(self, identity: dict[str, Any]) -> None:
+        """A new blockd process answers (it died and was started again): check at once that
+        it brought back every running VM's disks. VMs whose disks are missing are reported
+        (health, logs, the sandbox's lost reason), never silently deleted; pooled ones are
+        ended (they are not sandboxes yet)."""
+        self._blockd_seen = identity
+        for sid, vm in list(self._vms.items()):
+            missing = await self._disks_missing(vm)
+            if missing:
+                why = (f"blockd restarted (pid {identity.get('pid')}) without its disks "
+                       f"{missing}: its disk I/O fails once QEMU stops waiting")
+                self.blockd_lost[sid] = why
+                log.error("sandbox lost its disks in a blockd restart",
+                          extra={"sandbox_id": sid, "missing": missing})
+            else:
+                self._save_vm(sid, vm)  # the manifest names the blockd serving it now
+        if self.pool is not None:
+            for vm in list(self.pool.vms()):
+                if await self._disks_missing(vm):
+                    log.warning("ready-pool VM lost its disks in a blockd restart: ended",
+                                extra={"vm": vm.id})
+                    with contextlib.suppress(Exception):
+                        await self.runtime.kill(vm)
 
     def _blockd_changed(self, manifest: dict[str, Any]) -> str | None:
         """Why a live VM must not be adopted: the blockd serving its disks is not the one it
@@ -769,6 +838,8 @@ class VmBackend:
         flight failed, the guest's filesystem cannot be trusted). None when it is the same."""
         then = manifest.get("blockd")
         has_devices = any(d.get("device_id") for d in manifest.get("disks", []))
+        if manifest.get("nbd_reconnect"):
+            return None  # its QEMU reconnected to the new blockd; adopt_vm checks the devices
         if not has_devices or then is None or self._blockd_seen is None or then == self._blockd_seen:
             return None
         return (f"blockd restarted under its running VM (pid {then.get('pid')} -> "
@@ -777,16 +848,8 @@ class VmBackend:
 
     def _note_not_alive(self, manifests: dict[str, dict[str, Any]],
                         alive: dict[str, dict[str, Any]]) -> None:
-        from agentenv.runtime.adopt import manifest_alive
-
-        for sid, manifest in manifests.items():
-            if sid in alive:
-                continue
-            if manifest_alive(manifest):
-                self.adopt_failures[sid] = (
-                    "the private blockd that served its disks is gone (a new one was started): "
-                    "the VM cannot go on without its disks and was ended")
-            else:
+        for sid in manifests:
+            if sid not in alive:
                 self.adopt_failures[sid] = "its QEMU process is gone"
 
     async def recover_pause(self, sandbox_id: str, placement: Placement,

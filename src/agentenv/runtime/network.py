@@ -18,14 +18,25 @@ Layout of slot i (1..32767):
 
 Slots are pooled (`SlotPool`): building one costs a few `ip`/`nft` calls; a released slot is
 reset (outbound policy back to the default) and reused.
+
+Several runtimes on one host (a node, a benchmark, tests) share the host's network namespace:
+- a prefix belongs to one live runtime per network namespace (an abstract unix socket named
+  after it is held for the runtime's life): a second runtime with the same prefix is refused
+  with a message naming the holder, instead of deleting the first one's namespaces as
+  leftovers and replacing its host table;
+- slot addresses come from one range (10.12/16) whatever the prefix: a slot index whose host
+  address another runtime's interface already has is skipped (checked and created under a
+  host-wide lock), so two runtimes never route a guest address to two VMs.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import ipaddress
 import os
+import socket
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -195,6 +206,64 @@ async def remove_leftovers(prefix: str = "aenv") -> None:
                 await _run("ip", "netns", "del", name)
 
 
+def _holder_of(name: str) -> str:
+    """Best effort: 'pid N (cmdline)' of the process holding abstract socket `name`."""
+    inode = None
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/net/unix").read_text().splitlines()[1:]:
+            fields = line.split()
+            if len(fields) >= 8 and fields[7] == "@" + name:
+                inode = fields[6]
+                break
+    if inode is None:
+        return "another process"
+    needle = f"socket:[{inode}]"
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        with contextlib.suppress(OSError):
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                if os.readlink(f"/proc/{pid}/fd/{fd}") == needle:
+                    argv = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")
+                    return f"pid {pid} ({argv.decode(errors='replace').strip()[:160]})"
+    return "another process"
+
+
+def claim_prefix(prefix: str) -> socket.socket:
+    """Hold `prefix` for this process (in this network namespace) until the socket is closed
+    or the process ends; NetworkError naming the holder when another runtime has it."""
+    name = f"agentenv-runtime-{prefix}"
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+    try:
+        sock.bind("\0" + name)
+    except OSError:
+        sock.close()
+        raise NetworkError(
+            f"network prefix {prefix!r} is in use by another runtime on this host "
+            f"({_holder_of(name)}): its slot namespaces ({prefix}-s*) and host table would be "
+            f"taken over. Stop it, or give this one another prefix (AENV_VM_NETWORK_PREFIX, "
+            f"RuntimeConfig.network_prefix)") from None
+    return sock
+
+
+def _host_slot_lock() -> int:
+    """Serialises slot address checks and creation between the runtimes of one network
+    namespace (keyed by its inode: namespaces made for tests do not wait on each other).
+    Returns the locked fd; closing it unlocks."""
+    netns = os.stat("/proc/self/ns/net").st_ino
+    lock_dir = Path("/run/lock") if Path("/run/lock").is_dir() else Path("/tmp")
+    fd = os.open(lock_dir / f"agentenv-slots-{netns}.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC,
+                 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+async def _address_in_use(address: str) -> bool:
+    return bool((await _run("ip", "-o", "-4", "addr", "show", "to", f"{address}/32")).strip())
+
+
 class SlotPool:
     """Pre-built slots, refilled in the background between low and high watermarks."""
 
@@ -214,6 +283,13 @@ class SlotPool:
         self._in_use: dict[int, NetworkSlot] = {}
         self._refill_task: asyncio.Task[None] | None = None
         self._lock = asyncio.Lock()
+        self._prefix_claim: socket.socket | None = None
+        self.skipped: set[int] = set()  # indices whose addresses another runtime has
+
+    def acquire_prefix(self) -> None:
+        """Hold the prefix (idempotent); NetworkError when another runtime holds it."""
+        if self._prefix_claim is None:
+            self._prefix_claim = claim_prefix(self.prefix)
 
     def _new_index(self) -> int:
         if self._cooling and self._cooling[0][0] <= time.monotonic():
@@ -227,16 +303,26 @@ class SlotPool:
         return index
 
     async def _build(self) -> NetworkSlot:
-        slot = NetworkSlot(self._new_index(), self.prefix)
-        with contextlib.suppress(NetworkError):  # leftovers of a crashed run
-            if Path(slot.netns_path).exists():
-                await slot.destroy()
-        try:
-            await slot.create()
-        except BaseException:
-            self._released.append(slot.index)
-            raise
-        return slot
+        self.acquire_prefix()
+        while True:
+            slot = NetworkSlot(self._new_index(), self.prefix)
+            with contextlib.suppress(NetworkError):  # leftovers of a crashed run of ours
+                if Path(slot.netns_path).exists():
+                    await slot.destroy()
+            # A thread: the lock may be held by another runtime for a few `ip` calls.
+            lock = await asyncio.to_thread(_host_slot_lock)
+            try:
+                if await _address_in_use(slot.host_address):
+                    self.skipped.add(slot.index)  # another runtime's slot: never ours
+                    continue
+                try:
+                    await slot.create()
+                except BaseException:
+                    self._released.append(slot.index)
+                    raise
+                return slot
+            finally:
+                os.close(lock)
 
     async def take(self) -> NetworkSlot:
         slot = self._free.pop() if self._free else await self._build()
@@ -248,6 +334,7 @@ class SlotPool:
         """Take over slot `index`, which already exists and serves a VM that outlived an
         earlier runtime (runtime/adopt.py). Call it before the pool builds slots: the indices
         below it that nobody claims are reused later (their leftovers are rebuilt)."""
+        self.acquire_prefix()
         slot = NetworkSlot(index, self.prefix, outbound)
         self._in_use[index] = slot
         if index >= self._next:
@@ -300,6 +387,9 @@ class SlotPool:
                 await slot.destroy()
         self._free.clear()
         self._in_use.clear()
+        if self._prefix_claim is not None:
+            self._prefix_claim.close()
+            self._prefix_claim = None
 
     @property
     def free_count(self) -> int:

@@ -68,6 +68,10 @@ _EXIT_PREEXEC = 123  # anything else raised there (its message goes to qemu.stde
 _PREEXEC_EXITS = (_EXIT_SETNS, _EXIT_SECCOMP, _EXIT_PREEXEC)
 
 DISK_PCI_BASE = 0x10
+# Seconds QEMU holds a disk's I/O while it reconnects to blockd (restart within this or the
+# guest sees EIO), and keeps retrying the first connection of a disk.
+NBD_RECONNECT_DELAY = 60
+NBD_OPEN_TIMEOUT = 30
 NET_PCI_ADDR = 0x08
 BALLOON_PCI_ADDR = 0x09
 
@@ -88,6 +92,12 @@ class DiskAttachment:
                 "driver": "nbd", "node-name": node_name,
                 "server": {"type": "unix", "path": self.nbd_socket},
                 "export": self.nbd_export or "", "read-only": self.read_only,
+                # blockd restarts (crash, upgrade) must not fail the guest's I/O: QEMU
+                # reconnects, holds requests for up to this long and resends the ones in
+                # flight; the restarted blockd reopens the same device at the same socket.
+                "reconnect-delay": NBD_RECONNECT_DELAY,
+                # A VM started while blockd restarts waits for it instead of failing.
+                "open-timeout": NBD_OPEN_TIMEOUT,
             }
         if self.file:
             return {

@@ -184,6 +184,8 @@ class Runtime:
             d.mkdir(parents=True, exist_ok=True)
         self.accel = resolve_accel(self.config.accel, str(kernel_for_probe) if kernel_for_probe else None)
         if self.config.network:
+            # Refused before anything is touched when another runtime uses this prefix.
+            self.slots.acquire_prefix()
             await setup_host(self.config.network_prefix)
             await self.slots.fill(self.config.slot_pool_low)
         self._started = True

@@ -13,7 +13,6 @@ A snapshot is immutable once written. It names
 from __future__ import annotations
 
 import json
-import os
 import time
 import uuid
 from pathlib import Path
@@ -22,6 +21,7 @@ from typing import Literal
 from pydantic import BaseModel, Field
 
 from agentenv.errors import AgentEnvError
+from agentenv.fsutil import atomic_write
 
 RECORD_NAME = "snapshot.json"
 RECORD_VERSION = 1
@@ -91,12 +91,7 @@ class SnapshotRecord(BaseModel):
         """Write the record atomically into directory/snapshot.json."""
         directory.mkdir(parents=True, exist_ok=True)
         target = directory / RECORD_NAME
-        tmp = directory / f".{RECORD_NAME}.tmp"
-        with open(tmp, "w") as f:
-            f.write(self.model_dump_json(indent=2))
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, target)
+        atomic_write(target, self.model_dump_json(indent=2), mode=0o644)
         return target
 
     @classmethod

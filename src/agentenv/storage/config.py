@@ -9,11 +9,11 @@ Relative paths resolve against the config file's directory.
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from agentenv.fsutil import atomic_write
 from agentenv.storage.errors import LayerFormatError
 
 CONFIG_NAME = "image.json"
@@ -46,13 +46,7 @@ class ImageConfig:
         path = path or self.path
         if path is None:
             raise ValueError("config has no path")
-        tmp = path.parent / f".{path.name}.tmp-{os.getpid()}"
-        with open(tmp, "w") as f:
-            json.dump(self.to_json(), f, indent=2)
-            f.write("\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        atomic_write(path, json.dumps(self.to_json(), indent=2) + "\n", mode=0o644)
         self.path = path
 
 

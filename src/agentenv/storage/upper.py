@@ -87,6 +87,11 @@ def fsync_dir(path: Path) -> None:
 class Upper:
     """An open writable (or read-only opened) upper layer. Offsets are in sectors."""
 
+    #: Index-log bytes queued in memory before they are written to upper.index. blockd sets
+    #: 0: a write it acknowledged must survive the daemon's death (in the page cache), since
+    #: the client reconnects to the next daemon and a later flush there must cover it.
+    log_buffer = LOG_BUFFER
+
     def __init__(self, data_path: Path, index_path: Path, data_fd: int, index_fd: int | None,
                  data_header: HeaderTrailer, index: FlatIndex, data_eof: int, index_eof: int,
                  log_entries: int, writable: bool, rw_tag: int) -> None:
@@ -215,7 +220,7 @@ class Upper:
         self.pending_log.extend(entries)
         self.pending_bytes += 16 * len(entries)
         self.log_entries += len(entries)
-        if self.pending_bytes >= LOG_BUFFER:
+        if self.pending_bytes >= self.log_buffer:
             self.write_log()
 
     def write_log(self) -> None:

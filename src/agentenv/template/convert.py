@@ -28,7 +28,7 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from agentenv.blockd.client import DEFAULT_SOCKET, BlockdClient
+from agentenv.blockd.client import BlockdClient
 from agentenv.template.apply import ApplyStats, apply_layer
 from agentenv.template.blobtap import BlobTap
 from agentenv.template.errors import PullError
@@ -138,16 +138,11 @@ class PrivateBlockd:
 
 @contextlib.contextmanager
 def blockd_socket(socket: Path | None, work_dir: Path) -> Iterator[Path]:
-    """The socket of a running blockd: the one given, the default one if it answers, or a
-    private one started here."""
+    """The socket of a running blockd: the one given, or a private one started here (never
+    the node's: a conversion must not leave devices in, or depend on, another daemon)."""
     if socket is not None:
         yield socket
         return
-    if DEFAULT_SOCKET.exists():
-        with contextlib.suppress(Exception), BlockdClient(DEFAULT_SOCKET, timeout=2) as client:
-            client.ping()
-            yield DEFAULT_SOCKET
-            return
     private = PrivateBlockd(work_dir)
     try:
         yield private.start()

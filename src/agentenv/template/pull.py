@@ -79,7 +79,8 @@ class PulledImage:
     config: dict[str, Any]  # the OCI config's "config" section (Env, Cmd, WorkingDir, User, ...)
     format: str  # "converted" (tar layers made into ext4) or "overlaybd" (used as pulled)
     layers_cached: int = 0
-    layers_converted: int = 0
+    layers_converted: int = 0  # tar layers made into overlaybd layers by this pull
+    layers_fetched: int = 0  # overlaybd layers downloaded by this pull and used as they are
     bytes_downloaded: int = 0
     seconds: float = 0.0
     timings: dict[str, float] = field(default_factory=dict)
@@ -252,11 +253,15 @@ def pull_image(
         timings["resolve"] = time.perf_counter() - started
         puller = _Puller(reference, client, cache, reporter)
         try:
+            # counts: (cached, converted, fetched as they are)
             if _is_overlaybd(manifest):
-                lowers, counts = _pull_overlaybd(manifest, puller)
+                lowers, (cached, fetched) = _pull_overlaybd(manifest, puller)
+                counts = (cached, 0, fetched)
                 image_format = "overlaybd"
             else:
-                lowers, counts = _pull_and_convert(manifest, config, puller, blockd, timings)
+                lowers, (cached, converted) = _pull_and_convert(
+                    manifest, config, puller, blockd, timings)
+                counts = (cached, converted, 0)
                 image_format = "converted"
         finally:
             puller.cleanup_blobs()
@@ -299,6 +304,7 @@ def pull_image(
         name=name, path=final, reference=str(reference), manifest_digest=manifest.digest,
         lowers=[path for path, _ in lowers], config=dict(config.get("config") or {}),
         format=image_format, layers_cached=counts[0], layers_converted=counts[1],
+        layers_fetched=counts[2],
         bytes_downloaded=puller.bytes_downloaded, seconds=time.perf_counter() - started,
         timings=timings,
     )
