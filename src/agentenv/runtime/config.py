@@ -54,6 +54,30 @@ class RuntimeConfig(BaseModel):
     # False: QEMU processes survive a crash of the runtime's process (no PDEATHSIG), so a
     # restarted process can re-adopt them (runtime/adopt.py).
     qemu_die_with_parent: bool = True
+    # Least privilege (runtime/privilege.py): QEMU runs as this unprivileged user (None: as
+    # root) under its own seccomp sandbox (-sandbox on,obsolete=deny,elevateprivileges=deny,
+    # spawn=deny,resourcecontrol=deny) stacked on the punch-hole filter.
+    qemu_user: str | None = "aenv-vm"
+    qemu_sandbox: bool = True
+    # One cgroup per QEMU (runtime/cgroup.py). "auto": cgroup v2, else v1 controllers, else a
+    # logged warning and no limits; "on": fail at start without them; "off": none.
+    cgroups: Literal["auto", "on", "off"] = "auto"
+    # Parent of the VMs' cgroups: relative = under the node's own cgroup, absolute = from the
+    # hierarchy root. None: "<network_prefix>.slice".
+    cgroup_parent: str | None = None
+    # memory.max = guest memory + this (None: vm_memory_overhead(), measured under TCG).
+    vm_memory_overhead_mib: int | None = Field(default=None, ge=0)
+    # cpu.weight = cpu_weight_per_vcpu x vCPUs; cpu.max = cpu_max_per_vcpu host CPUs per vCPU
+    # (0: no cap).
+    cpu_weight_per_vcpu: int = Field(default=100, ge=1, le=10000)
+    cpu_max_per_vcpu: float = Field(default=1.0, ge=0)
+    qemu_pids_max: int = Field(default=512, ge=0)  # QEMU's threads (0: no limit)
+    # Throttle of QEMU's own file I/O on the state directory's device (0: none). The guest's
+    # disks go through blockd (another process), so these bound RAM-file reads and the like.
+    io_read_bps: int = Field(default=0, ge=0)
+    io_write_bps: int = Field(default=0, ge=0)
+    io_read_iops: int = Field(default=0, ge=0)
+    io_write_iops: int = Field(default=0, ge=0)
 
     @property
     def vm_dir(self) -> Path:
