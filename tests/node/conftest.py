@@ -186,10 +186,21 @@ DEBIAN_CACHE = Path("/var/cache/aenv-test/guest")  # the base template's deboots
 NO_READY_POOLS = {"AENV_VM_POOL_LOW": "0", "AENV_VM_POOL_HIGH": "0"}
 
 
+def let_qemu_reach(state_dir: Path) -> None:
+    """QEMU runs as the unprivileged aenv-vm: pytest's private temporary directories (0700)
+    above a state directory get search permission for others (nothing becomes listable)."""
+    for parent in state_dir.parents:
+        if parent == Path("/tmp") or parent == Path("/"):
+            break
+        if parent.exists():
+            parent.chmod(parent.stat().st_mode | 0o001)
+
+
 def vm_node_process(state_dir: Path, log_path: Path, net_prefix: str, first_slot: int,
                     extra_env: dict[str, str] | None = None) -> NodeProcess:
     """The node subprocess with --backend vm (its first start builds the base template).
     Each test module uses its own slot prefix and addresses: teardown deletes its namespaces."""
+    let_qemu_reach(state_dir)
     return NodeProcess(
         state_dir, log_path, extra_args=("--backend", "vm"),
         extra_env={"AENV_VM_ASSETS_DIR": str(GUEST_STATE), "AENV_VM_DEBIAN_CACHE": str(DEBIAN_CACHE),

@@ -63,7 +63,7 @@ def test_qemu_runs_as_the_vm_user_under_both_seccomp_layers(env: Env,
         assert "-sandbox" in (vm.workdir / "argv").read_text()
         # Everything it opened after the drop still works: snapshot (device state written),
         # fork (device state read, NBD, TAP, RAM file), the child answers.
-        record, children = env.loop.run(runtime.fork(vm, 1))
+        _, children = env.loop.run(runtime.fork(vm, 1))
         assert "ok" in env.loop.run(sh(children[0], "echo ok"))
         assert _status(children[0].pid)["Uid"].split()[0] == str(user.pw_uid)
         env.loop.run(runtime.kill(children[0]))

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
@@ -90,3 +91,33 @@ class RuntimeConfig(BaseModel):
     @property
     def memory_dir(self) -> Path:
         return self.state_dir / "memory"
+
+
+# Environment variables for the least-privilege and limit settings (the node's VM backend).
+PRIVILEGE_ENV = {
+    "AENV_QEMU_USER": "qemu_user", "AENV_QEMU_SANDBOX": "qemu_sandbox",
+    "AENV_CGROUPS": "cgroups", "AENV_CGROUP_PARENT": "cgroup_parent",
+    "AENV_VM_MEMORY_OVERHEAD_MB": "vm_memory_overhead_mib",
+    "AENV_CPU_WEIGHT_PER_VCPU": "cpu_weight_per_vcpu", "AENV_CPU_MAX_PER_VCPU": "cpu_max_per_vcpu",
+    "AENV_QEMU_PIDS_MAX": "qemu_pids_max",
+    "AENV_IO_READ_BPS": "io_read_bps", "AENV_IO_WRITE_BPS": "io_write_bps",
+    "AENV_IO_READ_IOPS": "io_read_iops", "AENV_IO_WRITE_IOPS": "io_write_iops",
+}
+
+
+def privilege_settings_from_env(env: Mapping[str, str]) -> dict[str, Any]:
+    """RuntimeConfig fields from the AENV_* variables that are set (pydantic checks the
+    values: a bad one names the field). AENV_QEMU_USER=root runs QEMU as root."""
+    out: dict[str, Any] = {}
+    for name, field_name in PRIVILEGE_ENV.items():
+        raw = env.get(name, "").strip()
+        if not raw:
+            continue
+        if field_name == "qemu_user" and raw == "root":
+            out[field_name] = None
+        elif field_name == "qemu_sandbox":
+            out[field_name] = raw.lower() not in ("0", "false", "no", "off")
+        else:
+            out[field_name] = raw
+    return out
+

@@ -108,6 +108,21 @@ def group_searchable(path: Path, user: VMUser) -> None:
         os.chmod(path, mode)
 
 
+def reach(user: VMUser, target: Path, base: Path) -> None:
+    """Give the VM group search permission on every directory from `base` down to `target`
+    (a directory under `base`, e.g. the node's state dir down to blockd's NBD sockets);
+    nothing outside `base` is touched."""
+    try:
+        relative = target.relative_to(base)
+    except ValueError:
+        return
+    directory = base
+    for part in ("", *relative.parts):
+        directory = directory / part if part else directory
+        if directory.is_dir():
+            group_searchable(directory, user)
+
+
 def prepare_dirs(user: VMUser, state_dir: Path, dirs: list[Path]) -> None:
     """The directories QEMU reaches by path; fails clearly when an ancestor blocks it."""
     for directory in [state_dir, *dirs]:
