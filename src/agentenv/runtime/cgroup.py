@@ -145,6 +145,7 @@ class CgroupManager:
                        else f"{_own_cgroup(None).strip('/')}/{parent}".lstrip("/"))
         wanted = [c for c in V2_CONTROLLERS if c in available]
         try:
+            base.mkdir(parents=True, exist_ok=True)
             # Every cgroup from the root down to the parent passes the controllers on.
             enable = " ".join(f"+{c}" for c in wanted)
             relative = base.relative_to(root).parts
