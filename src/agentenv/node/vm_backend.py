@@ -183,7 +183,9 @@ class VmBackend:
         if not config.qemu_user:
             return
         user = privilege.VMUser.lookup(config.qemu_user)
-        targets = [config.state_dir, self.base / "blockd" / "state" / "nbd"]
+        # NBD sockets: the private blockd's, or the one `make up` starts (scripts/up.sh).
+        targets = [config.state_dir, self.base / "blockd" / "state" / "nbd",
+                   self.state_dir / "blockd" / "state" / "nbd"]
         if self._assets is not None:
             targets += [self._assets.kernel.parent, self._assets.initramfs.parent,
                         self._assets.tools_image.parent]
