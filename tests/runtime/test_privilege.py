@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from agentenv.runtime.cgroup import vm_memory_overhead_mib
+from agentenv.runtime.cgroup import CgroupManager, vm_memory_overhead_mib
 from agentenv.runtime.harness import alive, sh
 from agentenv.snapshot.record import SnapshotRecord
 
-from .conftest import Env
+from .conftest import PREFIX, Env
 
 
 def _status(pid: int) -> dict[str, str]:
@@ -91,6 +91,16 @@ def test_each_vm_has_its_cgroup_with_limits_removed_at_exit(env: Env,
         if runtime.cgroups.version == 1:
             assert int((cpu_dir / "cpu.cfs_quota_us").read_text()) == machine.vcpus * 100_000
             assert int((cpu_dir / "cpu.shares").read_text()) == machine.vcpus * 1024
+        # A crashed runtime's leftover (empty) is removed at the next start; a cgroup with a
+        # live QEMU (one a restarted node adopts) stays.
+        leftovers = [base / "leftover-of-a-crash" for base in runtime.cgroups.parents.values()]
+        for leftover in leftovers:
+            leftover.mkdir()
+        again = CgroupManager.detect(runtime.config.cgroups,
+                                     runtime.config.cgroup_parent or f"{PREFIX}.slice")
+        assert again.parents == runtime.cgroups.parents
+        assert not any(leftover.exists() for leftover in leftovers)
+        assert all(d.exists() for d in group.dirs)
     finally:
         env.loop.run(runtime.kill(vm))
     assert not any(d.exists() for d in group.dirs)
