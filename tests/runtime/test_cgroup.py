@@ -53,11 +53,14 @@ def test_v2_layout_enables_controllers_and_writes_limits(tmp_path: Path) -> None
     assert (vm / "memory.max").read_text() == str((512 + 136) << 20)
     assert (vm / "cpu.weight").read_text() == "200"
     assert (vm / "cpu.max").read_text() == "200000 100000"
+    # The parent weighs what its VMs' vCPUs do (two normal tasks here), not one task.
+    assert (root / "aenv.slice" / "cpu.weight").read_text() == "200"
     # io.max and pids.max only where the kernel offers them (absent in this fake tree).
     assert not (vm / "io.max").exists()
     for name in ("memory.max", "cpu.weight", "cpu.max"):
         (vm / name).unlink()
     assert remove_cgroup(group) and not vm.exists()
+    assert (root / "aenv.slice" / "cpu.weight").read_text() == "100"
 
 
 def test_v2_without_memory_controller_fails_clearly_or_degrades(

@@ -91,6 +91,8 @@ def test_each_vm_has_its_cgroup_with_limits_removed_at_exit(env: Env,
         if runtime.cgroups.version == 1:
             assert int((cpu_dir / "cpu.cfs_quota_us").read_text()) == machine.vcpus * 100_000
             assert int((cpu_dir / "cpu.shares").read_text()) == machine.vcpus * 1024
+            parent = runtime.cgroups.parents["cpu"]
+            assert int((parent / "cpu.shares").read_text()) >= machine.vcpus * 1024
         # A crashed runtime's leftover (empty) is removed at the next start; a cgroup with a
         # live QEMU (one a restarted node adopts) stays.
         leftovers = [base / "leftover-of-a-crash" for base in runtime.cgroups.parents.values()]

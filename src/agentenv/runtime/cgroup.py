@@ -27,6 +27,7 @@ import contextlib
 import errno
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -78,6 +79,9 @@ class Cgroup:
 
     name: str
     dirs: list[Path] = field(default_factory=list)
+    cpu_weight: int = 0
+    # Called once when the cgroup is gone (the manager gives its CPU weight back).
+    on_removed: Callable[[Cgroup], None] | None = None
 
     @property
     def procs_files(self) -> list[str]:
@@ -106,6 +110,10 @@ class CgroupManager:
         """`parents`: hierarchy name ("" for v2) -> the parent directory of VM cgroups."""
         self.version = version
         self.parents = parents
+        # Sum of the live VMs' cpu weights: the parent gets it as its own weight, so under
+        # contention the VMs together weigh what their vCPU threads did without cgroups (one
+        # normal task each) instead of what one task does (the parent's default weight).
+        self._weight_sum = 0
 
     @property
     def enabled(self) -> bool:
@@ -194,7 +202,7 @@ class CgroupManager:
         """The VM's cgroup with its limits set (None when cgroups are off)."""
         if self.version is None:
             return None
-        group = Cgroup(name)
+        group = Cgroup(name, cpu_weight=limits.cpu_weight, on_removed=self._removed)
         try:
             if self.version == 2:
                 directory = self.parents[""] / name
@@ -219,9 +227,27 @@ class CgroupManager:
                     group.dirs.append(directory)
                     self._set_v1(controller, directory, limits)
         except OSError as exc:
+            group.on_removed = None
             self.remove(group)
             raise CgroupError(f"cgroup {name}: cannot set limits: {exc}") from exc
+        self._adjust_parent_weight(limits.cpu_weight)
         return group
+
+    def _removed(self, group: Cgroup) -> None:
+        self._adjust_parent_weight(-group.cpu_weight)
+
+    def _adjust_parent_weight(self, delta: int) -> None:
+        self._weight_sum = max(0, self._weight_sum + delta)
+        weight = max(100, self._weight_sum)  # an idle parent weighs one normal task
+        for controller, base in self.parents.items():
+            try:
+                if self.version == 2:
+                    _write(base / "cpu.weight", str(min(10000, weight)))
+                elif controller == "cpu":
+                    _write(base / "cpu.shares", str(min(262144, weight * 1024 // 100)))
+            except OSError as exc:
+                log.warning("cannot set the VMs' parent cpu weight",
+                            extra={"cgroup": str(base), "error": str(exc)})
 
     @staticmethod
     def _set_v1(controller: str, directory: Path, limits: Limits) -> None:
@@ -280,6 +306,9 @@ def remove_cgroup(group: Cgroup | None) -> bool:
             if exc.errno != errno.EBUSY:
                 log.warning("cgroup not removed", extra={"cgroup": str(directory),
                                                          "error": str(exc)})
+    if done and group.on_removed is not None:
+        callback, group.on_removed = group.on_removed, None
+        callback(group)
     return done
 
 
