@@ -384,8 +384,8 @@ class QemuProcess:
         """die_with_parent=False: QEMU outlives a crash of this process, so a restarted node
         can take it over again (agentenv.runtime.adopt). return_free_memory: see build_argv;
         True runs QEMU under punch_hole_filter(). user: run QEMU as that unprivileged user
-        (runtime/privilege.py); sandbox: QEMU's -sandbox; cgroup: QEMU starts inside it (the
-        caller removes it once `died` is set)."""
+        (runtime/privilege.py); sandbox: QEMU's -sandbox; cgroup: QEMU starts inside it, and
+        it is removed once QEMU has exited (before `died` is set)."""
         seccomp = punch_hole_filter() if return_free_memory else None
         try:
             mem_stamp: FileStamp | None = FileStamp.of(mem_path)
