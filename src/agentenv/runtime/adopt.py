@@ -91,7 +91,9 @@ def manifest_alive(manifest: dict[str, Any]) -> bool:
             argv = f.read()
     except OSError:
         return False
-    return str(manifest.get("qmp_socket", "")).encode() in argv
+    # The QMP socket is an inherited fd (`fd=N`); the serial log names the VM's workdir.
+    workdir = str(manifest.get("workdir") or "")
+    return bool(workdir) and f"{workdir}/serial.log".encode() in argv
 
 
 class AdoptedProcess:
