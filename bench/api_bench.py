@@ -110,6 +110,7 @@ def process_main(args: argparse.Namespace) -> None:
     transfer_mib = 16 if args.quick else 64
 
     work = Path(tempfile.mkdtemp(prefix="aenv-api-bench-"))
+    work.chmod(0o711)  # QEMU runs as aenv-vm: it must reach the state dir
     state = work / "state"
     port = free_port()
     url = f"http://127.0.0.1:{port}"
@@ -662,6 +663,7 @@ def vm_main(args: argparse.Namespace) -> None:
     if os.geteuid() != 0:
         raise SystemExit("the VM backend needs root (network namespaces, nftables, blockd)")
     work = Path(tempfile.mkdtemp(prefix="aenv-api-bench-vm-"))
+    work.chmod(0o711)  # QEMU runs as aenv-vm: it must reach the state dir
     node = VmNode(args.state_dir, args.pool_low, args.pool_high)
     try:
         started = node.start()

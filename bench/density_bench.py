@@ -201,6 +201,7 @@ def main() -> None:
         raise SystemExit("the VM backend needs root (network namespaces, nftables, blockd)")
     BEFORE_MIB = host_used_mib()
     work = Path(tempfile.mkdtemp(prefix="aenv-density-"))
+    work.chmod(0o711)  # QEMU runs as aenv-vm: it must reach the state dir
     node = VmNode(args.state_dir)
     try:
         started = node.start()

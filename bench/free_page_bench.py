@@ -141,6 +141,7 @@ async def forks(rt: Runtime, source: VM, sizes: list[int], count: int, rounds: i
 async def main(quick: bool, sizes: list[int], count: int | None, rounds: int | None) -> None:
     guest = build_test_guest()
     root = Path(tempfile.mkdtemp(prefix="afb", dir="/tmp"))
+    root.chmod(0o711)  # QEMU runs as aenv-vm: it must reach the state dir
     count = count or (4 if quick else 16)
     rt = Runtime(RuntimeConfig(state_dir=root / "state", network_prefix=PREFIX,
                                slot_first_index=SLOT_FIRST_INDEX, envd_init_path="/cgi-bin/init",

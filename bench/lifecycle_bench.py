@@ -96,6 +96,7 @@ def to_running_ms(vm: VM) -> float:
 async def main(quick: bool) -> None:
     guest = build_test_guest()
     root = Path(tempfile.mkdtemp(prefix="rb", dir="/tmp"))
+    root.chmod(0o711)  # QEMU runs as aenv-vm: it must reach the state dir
     blockd = BlockdProcess(root)
     blockd.start()
     client = AsyncBlockdClient(blockd.socket)

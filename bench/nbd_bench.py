@@ -102,6 +102,7 @@ def main() -> None:
     runtime = 1.5 if args.quick else 5.0
     rounds = 2 if args.quick else 3
     root = Path(tempfile.mkdtemp(prefix="nbdb", dir="/tmp"))
+    root.chmod(0o711)  # QEMU runs as aenv-vm: it must reach the state dir
     procs: list[subprocess.Popen[bytes]] = []
     try:
         lowers = build_stack(root, size, 10)

@@ -97,6 +97,7 @@ async def run(args: argparse.Namespace) -> None:
 
     assets = build_assets(args.state)
     root = Path(tempfile.mkdtemp(prefix="realguest", dir="/tmp"))
+    root.chmod(0o711)  # QEMU runs as aenv-vm: it must reach the state dir
     blockd = BlockdProcess(root)
     blockd.start()
     runtime: Runtime | None = None

@@ -7,6 +7,19 @@ here=$(cd "$(dirname "$0")" && pwd)
 list="$here/system-packages.txt"
 bp_sources=/etc/apt/sources.list.d/bookworm-backports.sources
 
+# QEMU runs as this unprivileged system user (runtime/privilege.py); created once, whatever
+# the packages' state.
+vm_user=${AENV_QEMU_USER:-aenv-vm}
+if [[ "$vm_user" != root ]] && ! id -u "$vm_user" >/dev/null 2>&1; then
+  if [[ $(id -u) -ne 0 ]]; then
+    echo "install-system: user $vm_user is missing; run as root" >&2
+    exit 1
+  fi
+  useradd --system --user-group --no-create-home --home-dir /nonexistent \
+    --shell /usr/sbin/nologin "$vm_user"
+  echo "install-system: created system user $vm_user"
+fi
+
 missing_main=()
 missing_bp=()
 while read -r name suite; do

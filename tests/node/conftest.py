@@ -9,6 +9,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -186,12 +187,42 @@ DEBIAN_CACHE = Path("/var/cache/aenv-test/guest")  # the base template's deboots
 NO_READY_POOLS = {"AENV_VM_POOL_LOW": "0", "AENV_VM_POOL_HIGH": "0"}
 
 
+_REACHABLE_ROOTS: list[Path] = []
+
+
+def reachable_state_dir(state_dir: Path) -> Path:
+    """Where a VM node's state really lives. QEMU runs as the unprivileged aenv-vm and opens
+    the VM's files by path, through every directory above them; pytest's temporary directories
+    are 0700, and every pytest session (any concurrent one on the host) resets
+    /tmp/pytest-of-root to 0700. So the state lives in a 0711 directory of its own under /tmp,
+    `state_dir` being a symlink to it (a restart on the same `state_dir` finds it again)."""
+    if state_dir.is_symlink():
+        return state_dir.resolve()
+    if state_dir.exists():
+        return state_dir
+    real = Path(tempfile.mkdtemp(prefix="aenv-vmnode-", dir="/tmp"))
+    real.chmod(0o711)
+    _REACHABLE_ROOTS.append(real)
+    state_dir.parent.mkdir(parents=True, exist_ok=True)
+    state_dir.symlink_to(real / "state")
+    return real / "state"
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _remove_reachable_roots() -> Iterator[None]:
+    yield
+    import shutil
+
+    for root in _REACHABLE_ROOTS:
+        shutil.rmtree(root, ignore_errors=True)
+
+
 def vm_node_process(state_dir: Path, log_path: Path, net_prefix: str, first_slot: int,
                     extra_env: dict[str, str] | None = None) -> NodeProcess:
     """The node subprocess with --backend vm (its first start builds the base template).
     Each test module uses its own slot prefix and addresses: teardown deletes its namespaces."""
     return NodeProcess(
-        state_dir, log_path, extra_args=("--backend", "vm"),
+        reachable_state_dir(state_dir), log_path, extra_args=("--backend", "vm"),
         extra_env={"AENV_VM_ASSETS_DIR": str(GUEST_STATE), "AENV_VM_DEBIAN_CACHE": str(DEBIAN_CACHE),
                    "AENV_VM_NETWORK_PREFIX": net_prefix, "AENV_VM_FIRST_SLOT": str(first_slot),
                    **(extra_env or {})},

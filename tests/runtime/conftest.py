@@ -48,6 +48,7 @@ def env() -> Iterator[Env]:
         pytest.fail("qemu-system-x86_64 is missing: run scripts/install-system.sh")
     guest = build_test_guest()
     root = Path(tempfile.mkdtemp(prefix="rt", dir="/tmp"))
+    root.chmod(0o711)  # QEMU runs as the unprivileged aenv-vm and must reach <root>/state
     blockd = BlockdProcess(root)
     blockd.start()
     loop = LoopThread()

@@ -161,6 +161,7 @@ def afr() -> Iterator[Afr]:
         pytest.fail("qemu-system-x86_64 is missing: run scripts/install-system.sh")
     guest = build_test_guest()
     root = Path(tempfile.mkdtemp(prefix="afr", dir="/tmp"))
+    root.chmod(0o711)  # QEMU runs as aenv-vm: it must reach the state dir
     loop = LoopThread()
     runtime: Runtime | None = None
     try:

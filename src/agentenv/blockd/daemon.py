@@ -328,6 +328,7 @@ class Blockd:
         device.server = await nbd.start_unix_server(
             str(sock), nbd.SingleExportTable(record.id, device), device.clients
         )
+        _grant_nbd_socket(sock)
         self.devices[record.id] = device
         if self.fuse is not None:
             device.fuse_path = self.fuse_dir / record.id
@@ -766,3 +767,23 @@ def _close_quietly(image: ImageLike) -> None:
 
 def _answer_error(kind: str, message: str) -> bytes:
     return (json.dumps({"ok": False, "type": kind, "error": message}) + "\n").encode()
+
+
+def _grant_nbd_socket(sock: Path) -> None:
+    """QEMU runs as an unprivileged user (runtime/privilege.py) and connects to a device's NBD
+    socket by path (also to reconnect): the socket is 0660 with that user's group, nobody
+    else's. The group is AENV_QEMU_USER's (default aenv-vm); without it the socket stays 0600
+    (root's QEMU only)."""
+    import grp
+
+    name = os.environ.get("AENV_QEMU_USER", "aenv-vm")
+    try:
+        gid = grp.getgrnam(name).gr_gid if name and name != "root" else None
+    except KeyError:
+        gid = None
+    if gid is None:
+        os.chmod(sock, 0o600)
+        return
+    os.chown(sock, -1, gid)
+    os.chmod(sock, 0o660)
+

@@ -330,6 +330,8 @@ class Operation:
 _E = {401: "Error"}
 _NF = {401: "Error", 404: "Error"}
 _BODY_ERRORS = {400: "Error", 413: "Error", 422: "Error"}
+# Admission control (node/admission.py): 429 node limits, 503 host short.
+_ADMISSION = {429: "Error", 503: "Error"}
 
 ROUTES: list[Operation] = [
     Operation("get", "/health", "health", "Liveness (503 with the reason: blockd down)",
@@ -340,7 +342,7 @@ ROUTES: list[Operation] = [
         "/v2/sandboxes",
         "createSandboxV2",
         "Create a sandbox (SDK 2.46+, TS 2.x)",
-        {201: "Sandbox", **_NF, **_BODY_ERRORS, 503: "Error"},
+        {201: "Sandbox", **_NF, **_BODY_ERRORS, **_ADMISSION},
         body=models.NewSandbox,
         body_required=True,
     ),
@@ -349,7 +351,7 @@ ROUTES: list[Operation] = [
         "/sandboxes",
         "createSandbox",
         "Create a sandbox (legacy, SDK 2.0-2.45)",
-        {201: "Sandbox", **_NF, **_BODY_ERRORS, 503: "Error"},
+        {201: "Sandbox", **_NF, **_BODY_ERRORS, **_ADMISSION},
         body=models.NewSandbox,
         body_required=True,
     ),
@@ -414,7 +416,7 @@ ROUTES: list[Operation] = [
         "/sandboxes/{sandboxID}/resume",
         "resumeSandbox",
         "Resume (legacy, SDK 2.0-2.5); 409 when running",
-        {201: "Sandbox", **_NF, **_BODY_ERRORS, 409: "Error"},
+        {201: "Sandbox", **_NF, **_BODY_ERRORS, 409: "Error", **_ADMISSION},
         body=models.ResumeRequest,
     ),
     Operation(
@@ -422,7 +424,8 @@ ROUTES: list[Operation] = [
         "/sandboxes/{sandboxID}/connect",
         "connectSandbox",
         "Connect: 200 running (TTL extended), 201 resumed (legacy, SDK 2.6-2.45)",
-        {200: "Sandbox", 201: "Sandbox", **_NF, **_BODY_ERRORS, 409: "Error"},
+        {200: "Sandbox", 201: "Sandbox", **_NF, **_BODY_ERRORS, 409: "Error",
+         **_ADMISSION},
         body=models.ConnectV1Request,
         body_required=True,
     ),
@@ -431,7 +434,8 @@ ROUTES: list[Operation] = [
         "/v2/sandboxes/{sandboxID}/connect",
         "connectSandboxV2",
         "Connect: 200 running (TTL extended), 201 resumed",
-        {200: "Sandbox", 201: "Sandbox", **_NF, **_BODY_ERRORS, 409: "Error"},
+        {200: "Sandbox", 201: "Sandbox", **_NF, **_BODY_ERRORS, 409: "Error",
+         **_ADMISSION},
         body=models.ConnectV2Request,
     ),
     Operation(
@@ -455,7 +459,7 @@ ROUTES: list[Operation] = [
         "/sandboxes/{sandboxID}/fork",
         "forkSandbox",
         "Fork a running sandbox into count children",
-        {201: "[ForkResult]", **_NF, **_BODY_ERRORS, 409: "Error"},
+        {201: "[ForkResult]", **_NF, **_BODY_ERRORS, 409: "Error", **_ADMISSION},
         body=models.ForkRequest,
     ),
     Operation(

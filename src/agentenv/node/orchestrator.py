@@ -33,6 +33,7 @@ from typing import Any, TypeVar
 
 import httpx
 
+from agentenv.node.admission import Admission, Reservation
 from agentenv.node.backend import (
     BackendError,
     MetricSample,
@@ -143,6 +144,8 @@ class Orchestrator:
         self.gc: Any = None
         #: tags of the templates (E2B "name:tag"), node/template_tags.py
         self.template_tags = TemplateTags(self)
+        #: limits on what the node takes on (node/admission.py), set by the server; None: none
+        self.admission: Admission | None = None
         if hasattr(backend, "on_sandbox_lost"):
             backend.on_sandbox_lost = self.sandbox_lost
 
@@ -493,6 +496,18 @@ class Orchestrator:
 
     # --- create ------------------------------------------------------------------------------
 
+    def _admit(self, what: str, memory_mb: int, cpu_count: int, count: int = 1
+               ) -> Reservation | None:
+        """Refuse (AdmissionRefused: 429/503, the limit named) what the node cannot hold;
+        called before anything exists for the new VMs."""
+        if self.admission is None:
+            return None
+        return self.admission.admit(what, self.sandboxes.values(), memory_mb, cpu_count, count)
+
+    def _release(self, held: Reservation | None) -> None:
+        if self.admission is not None:
+            self.admission.release(held)
+
     async def create(self, params: CreateParams) -> SandboxRecord:
         self._check_open()
         tpl = self.resolve_template(params.template)
@@ -528,6 +543,8 @@ class Orchestrator:
             network=params.network,
             source=tpl.ref,
         )
+        # Nothing awaits between the check and the insertion: the record counts from then on.
+        self._release(self._admit("create sandbox", tpl.memory_mb, tpl.cpu_count))
         self.sandboxes[sid] = rec
         # A "name:tag" gives a copy with that build's snapshot: statistics go to the record.
         counted = self.templates.get(tpl.template_id, tpl)
@@ -649,6 +666,8 @@ class Orchestrator:
             if rec.state == State.KILLING:
                 raise Conflict(f"sandbox {sandbox_id!r} is being killed")
             await self._wait_op(sandbox_id, rec.state)
+        # No await until the state changes: the resuming record counts from then on.
+        self._release(self._admit(f"resume sandbox {sandbox_id}", rec.memory_mb, rec.cpu_count))
         rec.state = State.RESUMING
         await self._launch(sandbox_id, "resume", self._do_resume(rec, seconds))
         return rec, True
@@ -666,6 +685,7 @@ class Orchestrator:
             if rec.state in (State.RUNNING, State.KILLING, State.CREATING, State.RESUMING):
                 raise Conflict(f"sandbox {sandbox_id!r} is already running")
             await self._wait_op(sandbox_id, rec.state)
+        self._release(self._admit(f"resume sandbox {sandbox_id}", rec.memory_mb, rec.cpu_count))
         if auto_pause is not None:
             rec.auto_pause = auto_pause
         rec.state = State.RESUMING
@@ -884,10 +904,17 @@ class Orchestrator:
             raise BadRequest(f"count must be between 1 and {MAX_FORK_COUNT}, got {count}")
         seconds = self._clamp_timeout(timeout, self.config.fork_default_timeout)
         rec = await self._wait_running(sandbox_id, "be forked")
+        # Held until the children's records exist (_do_fork), which count from then on.
+        held = self._admit(f"fork sandbox {sandbox_id} into {count}", rec.memory_mb,
+                           rec.cpu_count, count)
         rec.state = State.FORKING
-        return await self._launch(sandbox_id, "fork", self._do_fork(rec, count, seconds))
+        try:
+            return await self._launch(sandbox_id, "fork", self._do_fork(rec, count, seconds, held))
+        finally:
+            self._release(held)
 
-    async def _do_fork(self, rec: SandboxRecord, count: int, timeout: int) -> list[ForkResult]:
+    async def _do_fork(self, rec: SandboxRecord, count: int, timeout: int,
+                       held: Reservation | None = None) -> list[ForkResult]:
         now = time.time()
         children: list[SandboxRecord] = []
         for _ in range(count):
@@ -902,6 +929,7 @@ class Orchestrator:
             child.started_at, child.end_at, child.created_at = now, now + timeout, now
             children.append(child)
             self.sandboxes[cid] = child
+        self._release(held)
         assert rec.placement is not None
         try:
             for child in children:

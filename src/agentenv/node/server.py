@@ -18,6 +18,7 @@ import uvicorn
 from starlette.routing import Route
 
 from agentenv.errors import AgentEnvError
+from agentenv.node.admission import Admission
 from agentenv.node.api import NodeApp
 from agentenv.node.backend import SandboxBackend
 from agentenv.node.gc import LayerCollector
@@ -70,6 +71,7 @@ def build_app(
         on_op=metrics.record_op,
     )
     orchestrator.gc = LayerCollector(orchestrator, state, metrics)
+    orchestrator.admission = Admission.from_env(state)
     metrics.watch_ready_pools(lambda: getattr(orchestrator.backend, "pool", None))
     from agentenv.node.template_api import TemplateBuildApi
 

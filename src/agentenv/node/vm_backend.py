@@ -177,6 +177,25 @@ class VmBackend:
         #: Set by the orchestrator: called with (sandbox id, reason) when a VM dies on its own.
         self.on_sandbox_lost: Callable[[str, str], None] | None = None
 
+    def _let_qemu_reach(self, config: Any) -> None:
+        """QEMU runs as an unprivileged user (runtime/privilege.py) and opens by path: the
+        runtime's state, the private blockd's NBD sockets and the guest assets. Each directory
+        from the node's state directory down to them gets group search permission (only
+        search: nothing becomes listable or readable)."""
+        from agentenv.runtime import privilege
+
+        if not config.qemu_user:
+            return
+        user = privilege.VMUser.lookup(config.qemu_user)
+        # NBD sockets: the private blockd's, or the one `make up` starts (scripts/up.sh).
+        targets = [config.state_dir, self.base / "blockd" / "state" / "nbd",
+                   self.state_dir / "blockd" / "state" / "nbd"]
+        if self._assets is not None:
+            targets += [self._assets.kernel.parent, self._assets.initramfs.parent,
+                        self._assets.tools_image.parent]
+        for target in targets:
+            privilege.reach(user, target, self.state_dir)
+
     # --- paths and snapshot bookkeeping -------------------------------------------------------
 
     @property
@@ -305,7 +324,7 @@ class VmBackend:
         from agentenv.blockd.client import AsyncBlockdClient
         from agentenv.guest.build.assets import build_assets
         from agentenv.runtime.adopt import manifest_alive
-        from agentenv.runtime.config import RuntimeConfig
+        from agentenv.runtime.config import RuntimeConfig, privilege_settings_from_env
         from agentenv.runtime.vm import Runtime
 
         (self.base / "sandboxes").mkdir(parents=True, exist_ok=True)
@@ -351,7 +370,9 @@ class VmBackend:
                                # (httpx: 5 s) must expire before its address serves another.
                                slot_reuse_delay=SLOT_COOLDOWN,
                                # VMs outlive a node crash; the next start adopts them.
-                               qemu_die_with_parent=False)
+                               qemu_die_with_parent=False,
+                               **privilege_settings_from_env(os.environ))
+        self._let_qemu_reach(config)
         self.runtime = Runtime(config, blockd=self._blockd, on_vm_died=self._vm_died)
         # Before adopting or abandoning anything: a second node (or bench) with this network
         # prefix is refused here instead of taking over the first one's slots.

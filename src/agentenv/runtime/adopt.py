@@ -22,11 +22,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import pwd
 import signal
 from pathlib import Path
 from typing import Any
 
+from agentenv.runtime.cgroup import Cgroup
 from agentenv.runtime.errors import QMPError, RuntimeError_
+from agentenv.runtime.privilege import VMUser
 from agentenv.runtime.qemu import QemuProcess
 from agentenv.runtime.qmp import QMPClient
 from agentenv.runtime.vm import VM, Runtime, _AttachedDisk
@@ -73,6 +76,8 @@ def vm_manifest(vm: VM) -> dict[str, Any]:
                   for d in vm.disks],
         "parent_snapshot": vm.parent_snapshot,
         "started_at": vm.started_at,
+        # Removed once the adopted QEMU exits (else by the next start's clean-up).
+        "cgroup": ([str(d) for d in vm.process.cgroup.dirs] if vm.process.cgroup else []),
     }
 
 
@@ -86,7 +91,9 @@ def manifest_alive(manifest: dict[str, Any]) -> bool:
             argv = f.read()
     except OSError:
         return False
-    return str(manifest.get("qmp_socket", "")).encode() in argv
+    # The QMP socket is an inherited fd (`fd=N`); the serial log names the VM's workdir.
+    workdir = str(manifest.get("workdir") or "")
+    return bool(workdir) and f"{workdir}/serial.log".encode() in argv
 
 
 class AdoptedProcess:
@@ -127,6 +134,19 @@ class AdoptedProcess:
         self.send_signal(signal.SIGTERM)
 
 
+def _running_as(pid: int) -> VMUser | None:
+    """The unprivileged user a QEMU runs as (None: root): QEMU writes the device state of a
+    snapshot into files made for that user (runtime/privilege.py)."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("Uid:"):
+                uid = int(line.split()[1])
+                return None if uid == 0 else VMUser.lookup(pwd.getpwuid(uid).pw_name)
+    except (OSError, KeyError, ValueError):
+        return None
+    return None
+
+
 async def adopt_vm(runtime: Runtime, manifest: dict[str, Any]) -> VM:
     """Take over the running VM `manifest` describes; AdoptError when it cannot be (the caller
     then ends it with `abandon`)."""
@@ -156,7 +176,10 @@ async def adopt_vm(runtime: Runtime, manifest: dict[str, Any]) -> VM:
         raise AdoptError(f"QMP of VM {manifest['id']} does not answer: {exc}") from exc
     qemu = QemuProcess(machine, Path(manifest["workdir"]), process, qmp,  # type: ignore[arg-type]
                        manifest.get("netns"), str(manifest["vmgenid"]),
-                       Path(manifest["stderr_log"]))
+                       Path(manifest["stderr_log"]),
+                       cgroup=(Cgroup(str(manifest["id"]), [Path(d) for d in manifest["cgroup"]])
+                               if manifest.get("cgroup") else None),
+                       user=_running_as(process.pid))
     qemu._watch = asyncio.create_task(qemu._watch_exit())
     try:
         status = await qemu.execute("query-status")

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
@@ -54,6 +55,30 @@ class RuntimeConfig(BaseModel):
     # False: QEMU processes survive a crash of the runtime's process (no PDEATHSIG), so a
     # restarted process can re-adopt them (runtime/adopt.py).
     qemu_die_with_parent: bool = True
+    # Least privilege (runtime/privilege.py): QEMU runs as this unprivileged user (None: as
+    # root) under its own seccomp sandbox (-sandbox on,obsolete=deny,elevateprivileges=deny,
+    # spawn=deny,resourcecontrol=deny) stacked on the punch-hole filter.
+    qemu_user: str | None = "aenv-vm"
+    qemu_sandbox: bool = True
+    # One cgroup per QEMU (runtime/cgroup.py). "auto": cgroup v2, else v1 controllers, else a
+    # logged warning and no limits; "on": fail at start without them; "off": none.
+    cgroups: Literal["auto", "on", "off"] = "auto"
+    # Parent of the VMs' cgroups: relative = under the node's own cgroup, absolute = from the
+    # hierarchy root. None: "<network_prefix>.slice".
+    cgroup_parent: str | None = None
+    # memory.max = guest memory + this (None: vm_memory_overhead(), measured under TCG).
+    vm_memory_overhead_mib: int | None = Field(default=None, ge=0)
+    # cpu.weight = cpu_weight_per_vcpu x vCPUs; cpu.max = cpu_max_per_vcpu host CPUs per vCPU
+    # (0: no cap).
+    cpu_weight_per_vcpu: int = Field(default=100, ge=1, le=10000)
+    cpu_max_per_vcpu: float = Field(default=1.0, ge=0)
+    qemu_pids_max: int = Field(default=512, ge=0)  # QEMU's threads (0: no limit)
+    # Throttle of QEMU's own file I/O on the state directory's device (0: none). The guest's
+    # disks go through blockd (another process), so these bound RAM-file reads and the like.
+    io_read_bps: int = Field(default=0, ge=0)
+    io_write_bps: int = Field(default=0, ge=0)
+    io_read_iops: int = Field(default=0, ge=0)
+    io_write_iops: int = Field(default=0, ge=0)
 
     @property
     def vm_dir(self) -> Path:
@@ -66,3 +91,33 @@ class RuntimeConfig(BaseModel):
     @property
     def memory_dir(self) -> Path:
         return self.state_dir / "memory"
+
+
+# Environment variables for the least-privilege and limit settings (the node's VM backend).
+PRIVILEGE_ENV = {
+    "AENV_QEMU_USER": "qemu_user", "AENV_QEMU_SANDBOX": "qemu_sandbox",
+    "AENV_CGROUPS": "cgroups", "AENV_CGROUP_PARENT": "cgroup_parent",
+    "AENV_VM_MEMORY_OVERHEAD_MB": "vm_memory_overhead_mib",
+    "AENV_CPU_WEIGHT_PER_VCPU": "cpu_weight_per_vcpu", "AENV_CPU_MAX_PER_VCPU": "cpu_max_per_vcpu",
+    "AENV_QEMU_PIDS_MAX": "qemu_pids_max",
+    "AENV_IO_READ_BPS": "io_read_bps", "AENV_IO_WRITE_BPS": "io_write_bps",
+    "AENV_IO_READ_IOPS": "io_read_iops", "AENV_IO_WRITE_IOPS": "io_write_iops",
+}
+
+
+def privilege_settings_from_env(env: Mapping[str, str]) -> dict[str, Any]:
+    """RuntimeConfig fields from the AENV_* variables that are set (pydantic checks the
+    values: a bad one names the field). AENV_QEMU_USER=root runs QEMU as root."""
+    out: dict[str, Any] = {}
+    for name, field_name in PRIVILEGE_ENV.items():
+        raw = env.get(name, "").strip()
+        if not raw:
+            continue
+        if field_name == "qemu_user" and raw == "root":
+            out[field_name] = None
+        elif field_name == "qemu_sandbox":
+            out[field_name] = raw.lower() not in ("0", "false", "no", "off")
+        else:
+            out[field_name] = raw
+    return out
+

@@ -40,6 +40,7 @@ import functools
 import logging
 import os
 import signal
+import socket
 import tempfile
 import time
 import uuid
@@ -47,7 +48,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from agentenv.runtime import privilege
+from agentenv.runtime.cgroup import Cgroup, remove_cgroup_async
 from agentenv.runtime.errors import QMPError, RuntimeError_, VMDiedError
+from agentenv.runtime.privilege import VMUser
 from agentenv.runtime.qmp import QMPClient
 from agentenv.snapshot.record import MachineConfig
 
@@ -65,7 +69,9 @@ _FALLOC_FL_PUNCH_HOLE = 0x02
 _EXIT_SETNS = 121
 _EXIT_SECCOMP = 122
 _EXIT_PREEXEC = 123  # anything else raised there (its message goes to qemu.stderr)
-_PREEXEC_EXITS = (_EXIT_SETNS, _EXIT_SECCOMP, _EXIT_PREEXEC)
+_EXIT_CGROUP = 124
+_EXIT_PRIVILEGE = 125
+_PREEXEC_EXITS = (_EXIT_SETNS, _EXIT_SECCOMP, _EXIT_PREEXEC, _EXIT_CGROUP, _EXIT_PRIVILEGE)
 
 DISK_PCI_BASE = 0x10
 # Seconds QEMU holds a disk's I/O while it reconnects to blockd (restart within this or the
@@ -193,8 +199,16 @@ def build_argv(
     tb_size_mib: int = 64,
     tcg_single_thread: bool = False,
     return_free_memory: bool = True,
+    qmp_fd: int | None = None,
+    sandbox: bool = False,
+    tap_fd: int | None = None,
 ) -> list[str]:
     """The QEMU command line; `disks` in the order of machine.disks.
+
+    qmp_fd: QMP on an inherited listening socket instead of binding `qmp_socket` (QEMU,
+    running unprivileged, cannot create files in its workdir). sandbox: QEMU's own seccomp
+    filter (privilege.SANDBOX_ARG), stacked on punch_hole_filter(); both apply. tap_fd: the
+    slot's tap0 already open (an unprivileged QEMU cannot open /dev/net/tun).
 
     return_free_memory: open the RAM file `readonly=off` so free-page reporting can drop
     the guest's freed private pages; only safe under `punch_hole_filter()` (QemuProcess.spawn
@@ -227,7 +241,8 @@ def build_argv(
         f"memory-backend-file,id=ram0,size={size},mem-path={mem_path},"
         f"share=off,readonly={'off' if return_free_memory else 'on'},rom=off,prealloc=off",
         "-nodefaults", "-no-user-config", "-display", "none", "-no-reboot",
-        "-chardev", f"socket,id=qmp,path={qmp_socket},server=on,wait=off",
+        "-chardev", (f"socket,id=qmp,fd={qmp_fd},server=on,wait=off" if qmp_fd is not None
+                     else f"socket,id=qmp,path={qmp_socket},server=on,wait=off"),
         "-mon", "chardev=qmp,mode=control",
         "-chardev", f"file,id=serial0,path={serial_log}",
         "-serial", "chardev:serial0",
@@ -250,7 +265,8 @@ def build_argv(
             argv += ["-initrd", machine.initramfs]
     if machine.network:
         argv += [
-            "-netdev", "tap,id=net0,ifname=tap0,script=no,downscript=no,vhost=off",
+            "-netdev", (f"tap,id=net0,fd={tap_fd},vhost=off" if tap_fd is not None
+                        else "tap,id=net0,ifname=tap0,script=no,downscript=no,vhost=off"),
             "-device",
             f"virtio-net-pci,id=nic0,netdev=net0,mac={machine.mac},romfile=,addr={NET_PCI_ADDR:#x}",
         ]
@@ -267,11 +283,14 @@ def build_argv(
         ]
     if incoming:
         argv += ["-incoming", "defer"]
+    if sandbox:
+        argv += ["-sandbox", privilege.SANDBOX_ARG]
     return argv
 
 
 def _preexec(netns: str | None, die_with_parent: bool = True, thp: bool = True,
-             seccomp: SeccompProgram | None = None) -> Any:
+             seccomp: SeccompProgram | None = None, *, user: VMUser | None = None,
+             cgroup_procs: list[str] | None = None, tap_fd: int | None = None) -> Any:
     def fail(code: int, what: str) -> None:
         # Runs between fork and exec: stderr is already qemu.stderr, where the parent reads it.
         with contextlib.suppress(OSError):
@@ -280,8 +299,6 @@ def _preexec(netns: str | None, die_with_parent: bool = True, thp: bool = True,
 
     def steps() -> None:
         os.setsid()
-        if die_with_parent:
-            _libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
         if not thp:
             # QEMU asks for huge pages on its TCG code buffer, so each part of it a vCPU
             # thread starts writing costs 2 MiB; 4 KiB pages make the cache cost what it uses.
@@ -291,6 +308,27 @@ def _preexec(netns: str | None, die_with_parent: bool = True, thp: bool = True,
             if _libc.setns(fd, _CLONE_NEWNET) != 0:
                 fail(_EXIT_SETNS, f"setns({netns}): {os.strerror(ctypes.get_errno())}")
             os.close(fd)
+        # Join the VM's cgroup before exec, so every page and thread of QEMU is charged there.
+        for procs in cgroup_procs or ():
+            try:
+                with open(procs, "w") as f:
+                    f.write("0")
+            except OSError as exc:
+                fail(_EXIT_CGROUP, f"joining cgroup {procs}: {exc}")
+        if user is not None:
+            try:
+                if tap_fd is not None:
+                    # Onto the number the parent reserved in pass_fds (subprocess closes
+                    # every other fd after this function).
+                    opened = privilege.open_tap()
+                    os.dup2(opened, tap_fd)
+                    os.close(opened)
+                privilege.drop_privileges(user)
+            except OSError as exc:
+                fail(_EXIT_PRIVILEGE, f"becoming {user.name}: {exc}")
+        # After the drop: changing credentials clears the parent-death signal.
+        if die_with_parent:
+            _libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
         # The filter goes last, so nothing above runs under it. Root could load it without
         # no_new_privs (CAP_SYS_ADMIN); QEMU execs nothing setuid, so setting it costs nothing.
         if seccomp is not None and (
@@ -323,6 +361,8 @@ class QemuProcess:
     stderr_log: Path
     mem_path: str = ""
     mem_stamp: FileStamp | None = None
+    cgroup: Cgroup | None = None
+    user: VMUser | None = None
     died: asyncio.Event = field(default_factory=asyncio.Event)
     expected_exit: bool = False
     _watch: asyncio.Task[None] | None = None
@@ -347,34 +387,75 @@ class QemuProcess:
         tcg_single_thread: bool = False,
         thp: bool = True,
         return_free_memory: bool = True,
+        user: VMUser | None = None,
+        sandbox: bool = False,
+        cgroup: Cgroup | None = None,
     ) -> QemuProcess:
         """die_with_parent=False: QEMU outlives a crash of this process, so a restarted node
         can take it over again (agentenv.runtime.adopt). return_free_memory: see build_argv;
-        True runs QEMU under punch_hole_filter()."""
+        True runs QEMU under punch_hole_filter(). user: run QEMU as that unprivileged user
+        (runtime/privilege.py); sandbox: QEMU's -sandbox; cgroup: QEMU starts inside it, and
+        it is removed once QEMU has exited (before `died` is set)."""
         seccomp = punch_hole_filter() if return_free_memory else None
         try:
             mem_stamp: FileStamp | None = FileStamp.of(mem_path)
         except FileNotFoundError:
             mem_stamp = None  # QEMU reports the missing file itself
         workdir.mkdir(parents=True, exist_ok=True)
+        if user is not None:
+            privilege.group_searchable(workdir, user)
+            privilege.precreate(workdir / "serial.log", user)
+            with contextlib.suppress(FileNotFoundError):
+                privilege.grant_ram_file(Path(mem_path), user, writable=return_free_memory)
+        try:
+            return await cls._spawn(machine, workdir, mem_path, mem_stamp, disks, incoming, netns,
+                                    qemu_binary, die_with_parent, tb_size_mib, tcg_single_thread,
+                                    thp, return_free_memory, user, sandbox, cgroup, seccomp)
+        except BaseException:
+            await remove_cgroup_async(cgroup)  # its QEMU never started or has exited
+            raise
+
+    @classmethod
+    async def _spawn(cls, machine: MachineConfig, workdir: Path, mem_path: str,
+                     mem_stamp: FileStamp | None, disks: list[DiskAttachment], incoming: bool,
+                     netns: str | None, qemu_binary: str, die_with_parent: bool,
+                     tb_size_mib: int, tcg_single_thread: bool, thp: bool,
+                     return_free_memory: bool, user: VMUser | None, sandbox: bool,
+                     cgroup: Cgroup | None, seccomp: SeccompProgram | None) -> QemuProcess:
         qmp_socket = workdir / "qmp.sock"
-        with contextlib.suppress(FileNotFoundError):
-            qmp_socket.unlink()
         vmgenid = str(uuid.uuid4())
-        argv = build_argv(
-            machine, mem_path=mem_path, qmp_socket=qmp_socket,
-            serial_log=workdir / "serial.log", disks=disks, vmgenid=vmgenid,
-            incoming=incoming, qemu_binary=qemu_binary, tb_size_mib=tb_size_mib,
-            tcg_single_thread=tcg_single_thread, return_free_memory=return_free_memory,
-        )
-        (workdir / "argv").write_text("\n".join(argv) + "\n")
         stderr_log = workdir / "qemu.stderr"
         for attempt in range(SPAWN_TRIES):
-            with open(stderr_log, "wb") as err:
-                process = await asyncio.create_subprocess_exec(
-                    *argv, stdin=asyncio.subprocess.DEVNULL, stdout=err, stderr=err,
-                    preexec_fn=_preexec(netns, die_with_parent, thp, seccomp),
+            # The runtime binds QMP's socket and QEMU inherits it listening: QEMU (maybe
+            # unprivileged) needs no write access to its workdir, and the path stays where
+            # adopt.py looks. The parent's copy is closed at once, so a QEMU that dies leaves
+            # no listener behind and the connection fails instead of waiting.
+            listener = _bind_qmp(qmp_socket)
+            # A number for the TAP fd the child opens (see _preexec), held by /dev/null here.
+            tap_slot = (os.open("/dev/null", os.O_RDONLY | os.O_CLOEXEC)
+                        if user is not None and netns and machine.network else None)
+            preexec = _preexec(netns, die_with_parent, thp, seccomp, user=user,
+                               cgroup_procs=cgroup.procs_files if cgroup else None,
+                               tap_fd=tap_slot)
+            keep = (listener.fileno(),) + ((tap_slot,) if tap_slot is not None else ())
+            try:
+                argv = build_argv(
+                    machine, mem_path=mem_path, qmp_socket=qmp_socket,
+                    serial_log=workdir / "serial.log", disks=disks, vmgenid=vmgenid,
+                    incoming=incoming, qemu_binary=qemu_binary, tb_size_mib=tb_size_mib,
+                    tcg_single_thread=tcg_single_thread, return_free_memory=return_free_memory,
+                    qmp_fd=listener.fileno(), sandbox=sandbox, tap_fd=tap_slot,
                 )
+                (workdir / "argv").write_text("\n".join(argv) + "\n")
+                with open(stderr_log, "wb") as err:
+                    # pass_fds keeps the listener open (same number) across exec.
+                    process = await asyncio.create_subprocess_exec(
+                        *argv, stdin=asyncio.subprocess.DEVNULL, stdout=err, stderr=err,
+                        preexec_fn=preexec, pass_fds=keep)
+            finally:
+                listener.close()
+                if tap_slot is not None:
+                    os.close(tap_slot)
             try:
                 qmp = await _connect_or_fail(qmp_socket, process, stderr_log)
                 break
@@ -390,13 +471,17 @@ class QemuProcess:
                     process.kill()
                 await process.wait()
                 raise
-        vm = cls(machine, workdir, process, qmp, netns, vmgenid, stderr_log, mem_path, mem_stamp)
+        vm = cls(machine, workdir, process, qmp, netns, vmgenid, stderr_log, mem_path, mem_stamp,
+                 cgroup, user)
         vm._watch = asyncio.create_task(vm._watch_exit())
         return vm
 
     async def _watch_exit(self) -> None:
         await self.process.wait()
-        self.died.set()
+        try:
+            await remove_cgroup_async(self.cgroup)
+        finally:
+            self.died.set()
 
     def exit_reason(self) -> str:
         try:
@@ -451,6 +536,20 @@ class QemuProcess:
             log.error("shared RAM file modified", extra={"pid": self.pid, "reason": changed})
 
 
+def _bind_qmp(path: Path) -> socket.socket:
+    with contextlib.suppress(FileNotFoundError):
+        path.unlink()
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        listener.bind(str(path))
+        os.chmod(path, 0o600)
+        listener.listen(4)
+    except BaseException:
+        listener.close()
+        raise
+    return listener
+
+
 def _status_meaning(code: int | None) -> str:
     if code == _EXIT_SETNS:
         return " (could not enter the network slot's namespace)"
@@ -458,13 +557,19 @@ def _status_meaning(code: int | None) -> str:
         return " (could not install the seccomp filter)"
     if code == _EXIT_PREEXEC:
         return " (failed before exec)"
+    if code == _EXIT_CGROUP:
+        return " (could not join its cgroup)"
+    if code == _EXIT_PRIVILEGE:
+        return " (could not drop to its unprivileged user)"
     return ""
 
 
 async def _connect_or_fail(
     qmp_socket: Path, process: asyncio.subprocess.Process, stderr_log: Path
 ) -> QMPClient:
-    deadline = time.monotonic() + 10
+    # QMP's socket exists from the start (the runtime bound it), so the wait for the greeting
+    # covers QEMU's whole start-up.
+    deadline = time.monotonic() + 30
     while True:
         if process.returncode is not None:
             tail = stderr_log.read_text(errors="replace").strip()[-800:]
@@ -472,12 +577,14 @@ async def _connect_or_fail(
                               f"{_status_meaning(process.returncode)}: {tail}")
         if qmp_socket.exists():
             try:
-                return await QMPClient.connect(qmp_socket, timeout=5)
-            except QMPError:
-                if process.returncode is None and time.monotonic() < deadline:
+                return await QMPClient.connect(
+                    qmp_socket, timeout=max(1.0, deadline - time.monotonic()))
+            except (QMPError, OSError, TimeoutError):
+                # A QEMU that died is reported by the check above on the next turn.
+                if process.returncode is not None or time.monotonic() < deadline:
                     await asyncio.sleep(0.005)
                     continue
                 raise
         if time.monotonic() > deadline:
-            raise QMPError("QEMU did not open its QMP socket within 10 s")
+            raise QMPError("QEMU did not answer on its QMP socket within 30 s")
         await asyncio.sleep(0.002)

@@ -32,7 +32,9 @@ from typing import Any, Literal
 import httpx
 
 from agentenv.blockd.errors import BlockdError
+from agentenv.runtime import privilege
 from agentenv.runtime.accel import resolve_accel
+from agentenv.runtime.cgroup import Cgroup, CgroupManager, IOLimit, io_device, limits_for
 from agentenv.runtime.config import RuntimeConfig
 from agentenv.runtime.devstate import finish_device_state
 from agentenv.runtime.errors import (
@@ -176,6 +178,9 @@ class Runtime:
         self._warm_tasks: dict[str, asyncio.Task[None]] = {}
         self._started = False
         self._background: set[asyncio.Task[None]] = set()
+        self.vm_user: privilege.VMUser | None = None
+        self.cgroups = CgroupManager(None, {})
+        self._io_limit: IOLimit | None = None
 
     # -- lifecycle of the runtime itself --------------------------------------------------
 
@@ -183,6 +188,13 @@ class Runtime:
         for d in (self.config.vm_dir, self.config.snapshot_dir, self.config.memory_dir):
             d.mkdir(parents=True, exist_ok=True)
         self.accel = resolve_accel(self.config.accel, str(kernel_for_probe) if kernel_for_probe else None)
+        if self.config.qemu_user:
+            self.vm_user = privilege.VMUser.lookup(self.config.qemu_user, kvm=self.accel == "kvm")
+            privilege.prepare_dirs(self.vm_user, self.config.state_dir,
+                                   [self.config.vm_dir, self.config.memory_dir])
+        self.cgroups = CgroupManager.detect(
+            self.config.cgroups, self.config.cgroup_parent or f"{self.config.network_prefix}.slice")
+        self._io_limit = self._io_limit_config()
         if self.config.network:
             # Refused before anything is touched when another runtime uses this prefix.
             self.slots.acquire_prefix()
@@ -244,7 +256,7 @@ class Runtime:
                 machine, workdir, mem_path=str(mem_path), disks=attachments, incoming=False,
                 netns=slot.netns_path if slot else None, qemu_binary=self.config.qemu_binary,
                 die_with_parent=self.config.qemu_die_with_parent,
-                **self._qemu_tuning(boot=True))
+                cgroup=self._cgroup(workdir.name, machine), **self._qemu_tuning(boot=True))
         except BaseException:
             await self._release_resources(slot, disks, None)
             raise
@@ -285,7 +297,23 @@ class Runtime:
         starting (see _starting)."""
         return {"tb_size_mib": self.config.tcg_tb_size_mib, "thp": self.config.qemu_thp,
                 "return_free_memory": self.config.return_free_memory,
-                "tcg_single_thread": self.tcg_single_thread(extra_vcpus, boot=boot)}
+                "tcg_single_thread": self.tcg_single_thread(extra_vcpus, boot=boot),
+                "user": self.vm_user, "sandbox": self.config.qemu_sandbox}
+
+    def _io_limit_config(self) -> IOLimit | None:
+        c = self.config
+        if not (c.io_read_bps or c.io_write_bps or c.io_read_iops or c.io_write_iops):
+            return None
+        device = io_device(c.state_dir)
+        if device is None:
+            log.warning("io limits set but the state directory has no block device: not applied",
+                        extra={"state_dir": str(c.state_dir)})
+            return None
+        return IOLimit(device, c.io_read_bps, c.io_write_bps, c.io_read_iops, c.io_write_iops)
+
+    def _cgroup(self, name: str, machine: MachineConfig) -> Cgroup | None:
+        """The cgroup a QEMU about to start joins (None when cgroups are off)."""
+        return self.cgroups.create(name, limits_for(machine, self.config, self._io_limit))
 
     def tcg_single_thread(self, extra_vcpus: int = 0, *, boot: bool = False) -> bool:
         """Whether a TCG VM starting now runs its vCPUs on one host thread (config.tcg_threads).
@@ -481,12 +509,20 @@ class Runtime:
 
     async def _save_device_state(self, vm: VM, snap_dir: Path) -> Path:
         """Device state (no RAM) of the stopped VM as a loadable stream (devstate.py)."""
-        raw = snap_dir / "devstate.raw"
-        await vm.process.execute("xen-save-devices-state", {"filename": str(raw), "live": False})
-        machine_type = await vm.process.execute(
-            "qom-get", {"path": "/machine", "property": "type"})
-        devstate = snap_dir / "devstate.bin"
-        await asyncio.to_thread(finish_device_state, raw, devstate, machine_type)
+        # Written by QEMU into its own workdir (an unprivileged QEMU cannot create files in the
+        # snapshot directory), made loadable into the snapshot by the runtime.
+        raw = vm.workdir / "devstate.raw"
+        if vm.process.user is not None:
+            privilege.precreate(raw, vm.process.user)
+        try:
+            await vm.process.execute("xen-save-devices-state",
+                                     {"filename": str(raw), "live": False})
+            machine_type = await vm.process.execute(
+                "qom-get", {"path": "/machine", "property": "type"})
+            devstate = snap_dir / "devstate.bin"
+            await asyncio.to_thread(finish_device_state, raw, devstate, machine_type)
+        finally:
+            raw.unlink(missing_ok=True)
         return devstate
 
     def _capture(self, vm: VM, out: Path) -> Any:
@@ -662,7 +698,9 @@ class Runtime:
             # `events` makes QEMU announce each migration state change (no polling delay).
             await process.execute("migrate-set-capabilities",
                                   {"capabilities": [{"capability": "events", "state": True}]})
-            await process.execute("migrate-incoming", {"uri": f"file:{devstate}"})
+            # ~80 KB from the page cache: a thread hop would cost more than the copy.
+            staged = privilege.stage_devstate(devstate, process.workdir, process.user)
+            await process.execute("migrate-incoming", {"uri": f"file:{staged}"})
             deadline = time.monotonic() + self.config.restore_timeout
             while True:
                 status = await process.execute("query-migrate")
@@ -739,7 +777,8 @@ class Runtime:
         return await QemuProcess.spawn(
             record.machine, workdir, mem_path=str(mem_path), disks=attachments, incoming=True,
             netns=slot.netns_path if slot else None, qemu_binary=self.config.qemu_binary,
-            die_with_parent=self.config.qemu_die_with_parent, **self._qemu_tuning(extra_vcpus))
+            die_with_parent=self.config.qemu_die_with_parent,
+            cgroup=self._cgroup(workdir.name, record.machine), **self._qemu_tuning(extra_vcpus))
 
     async def _refill(self, key: str) -> None:
         target = self._warm_targets.get(key)

@@ -1,0 +1,170 @@
+"""Admission control: the node refuses a create, resume or fork it cannot hold, before anything
+is made for it (no record, no VM, no slot, no file).
+
+Limits (environment, read when the node starts):
+
+| variable | default | refusal |
+|---|---|---|
+| `AENV_MAX_SANDBOXES` | 0 (no limit) | 429 when that many sandboxes already hold a VM |
+| `AENV_MEMORY_BUDGET_MB` | overcommit x MemAvailable at node start | 429 when the memory of the sandboxes holding a VM (guest memory + QEMU overhead each) plus the new ones would pass it |
+| `AENV_MEMORY_OVERCOMMIT` | 1.0 | the ratio above (guests rarely touch all their memory: > 1 admits more) |
+| `AENV_MEMORY_RESERVE_MB` | 256 | 503 when the host's MemAvailable is below this right now |
+| `AENV_SANDBOX_OVERHEAD_MB` | 64 + 64 + 4 per vCPU (runtime/cgroup.py, measured under TCG) | QEMU's memory beside the guest's |
+| `AENV_MIN_FREE_DISK_MB` | 1024 | 503 when the state directory's filesystem has less free |
+
+429 means "this node's quota is used up, retry once sandboxes end"; 503 means "the host itself
+is short right now". Paused sandboxes hold no VM and count for nothing here (their disk use
+does, through the free-disk check). VMs of the ready pool are the node's own and not counted.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from agentenv.node.errors import ApiError
+from agentenv.node.records import SandboxRecord, State
+from agentenv.runtime.cgroup import QEMU_BASE_OVERHEAD_MIB
+
+log = logging.getLogger("agentenv.node.admission")
+
+DEFAULT_TB_MIB = 64  # RuntimeConfig.tcg_tb_size_mib
+
+
+class AdmissionRefused(ApiError):
+    """A limit would be passed: 429 (node quota) or 503 (host short); the message names it."""
+
+    def __init__(self, message: str, status: int, limit: str) -> None:
+        super().__init__(message, status=status)
+        self.limit = limit
+
+
+def mem_available_mb(meminfo: Path = Path("/proc/meminfo")) -> int:
+    for line in meminfo.read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) // 1024
+    raise RuntimeError(f"{meminfo} has no MemAvailable")
+
+
+def _env_number(env: Mapping[str, str], name: str, default: float | None,
+                kind: type = int, minimum: float = 0) -> float | None:
+    raw = env.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        value = kind(raw)
+    except ValueError:
+        raise ValueError(f"{name}={raw!r} is not a {'number' if kind is float else 'whole number'}"
+                         ) from None
+    if value < minimum:
+        raise ValueError(f"{name}={raw!r} must be at least {minimum}")
+    return value
+
+
+@dataclass
+class Reservation:
+    memory_mb: int
+    count: int
+    released: bool = False
+
+
+class Admission:
+    def __init__(self, state_dir: Path, *, max_sandboxes: int = 0, memory_budget_mb: int | None = None,
+                 memory_overcommit: float = 1.0, memory_reserve_mb: int = 256,
+                 overhead_mb: int | None = None, min_free_disk_mb: int = 1024) -> None:
+        self.state_dir = state_dir
+        self.max_sandboxes = max_sandboxes
+        self.memory_overcommit = memory_overcommit
+        self.explicit_budget = memory_budget_mb is not None
+        self.memory_budget_mb = (memory_budget_mb if memory_budget_mb is not None
+                                 else int(memory_overcommit * mem_available_mb()))
+        self.memory_reserve_mb = memory_reserve_mb
+        self.overhead_mb = overhead_mb
+        self.min_free_disk_mb = min_free_disk_mb
+        self._reserved: list[Reservation] = []
+        self.refusals: dict[str, int] = {}
+
+    @classmethod
+    def from_env(cls, state_dir: Path, env: Mapping[str, str] | None = None) -> Admission:
+        env = os.environ if env is None else env
+        budget = _env_number(env, "AENV_MEMORY_BUDGET_MB", None)
+        overhead = _env_number(env, "AENV_SANDBOX_OVERHEAD_MB", None)
+        admission = cls(
+            state_dir,
+            max_sandboxes=int(_env_number(env, "AENV_MAX_SANDBOXES", 0) or 0),
+            memory_budget_mb=int(budget) if budget is not None else None,
+            memory_overcommit=float(_env_number(env, "AENV_MEMORY_OVERCOMMIT", 1.0, float,
+                                                minimum=0.1) or 1.0),
+            memory_reserve_mb=int(_env_number(env, "AENV_MEMORY_RESERVE_MB", 256) or 0),
+            overhead_mb=int(overhead) if overhead is not None else None,
+            min_free_disk_mb=int(_env_number(env, "AENV_MIN_FREE_DISK_MB", 1024) or 0),
+        )
+        log.info("admission limits", extra={
+            "max_sandboxes": admission.max_sandboxes, "memory_budget_mb": admission.memory_budget_mb,
+            "memory_reserve_mb": admission.memory_reserve_mb,
+            "min_free_disk_mb": admission.min_free_disk_mb})
+        return admission
+
+    def sandbox_mb(self, memory_mb: int, cpu_count: int) -> int:
+        """What one sandbox costs the host: guest memory + QEMU's overhead."""
+        overhead = (self.overhead_mb if self.overhead_mb is not None
+                    else QEMU_BASE_OVERHEAD_MIB + DEFAULT_TB_MIB + 4 * cpu_count)
+        return memory_mb + overhead
+
+    def holding(self, records: Iterable[SandboxRecord]) -> tuple[int, int]:
+        """(count, MiB) of the sandboxes that hold a VM, plus outstanding reservations."""
+        count, memory = 0, 0
+        for rec in records:
+            if rec.state != State.PAUSED:
+                count += 1
+                memory += self.sandbox_mb(rec.memory_mb, rec.cpu_count)
+        for held in self._reserved:
+            count += held.count
+            memory += held.memory_mb
+        return count, memory
+
+    def admit(self, what: str, records: Iterable[SandboxRecord], memory_mb: int, cpu_count: int,
+              count: int = 1) -> Reservation:
+        """Check every limit for `count` new VMs of this size; raises AdmissionRefused naming
+        the limit. The reservation counts until released (the caller releases it once the
+        sandboxes' records hold the VMs, or on failure)."""
+        need = self.sandbox_mb(memory_mb, cpu_count) * count
+        held_count, held_mb = self.holding(records)
+        if self.max_sandboxes and held_count + count > self.max_sandboxes:
+            self._refuse("max_sandboxes", 429,
+                         f"cannot {what}: sandbox limit reached ({held_count} of "
+                         f"{self.max_sandboxes} running, {count} more asked; AENV_MAX_SANDBOXES)")
+        if held_mb + need > self.memory_budget_mb:
+            source = ("AENV_MEMORY_BUDGET_MB" if self.explicit_budget else
+                      f"{self.memory_overcommit:g} x MemAvailable at start, "
+                      "AENV_MEMORY_OVERCOMMIT")
+            self._refuse("memory_budget", 429,
+                         f"cannot {what}: memory budget exhausted ({held_mb} MiB of "
+                         f"{self.memory_budget_mb} MiB in use, {need} MiB more asked; {source})")
+        available = mem_available_mb()
+        if available < self.memory_reserve_mb:
+            self._refuse("host_memory", 503,
+                         f"cannot {what}: host memory low (MemAvailable {available} MiB, "
+                         f"reserve {self.memory_reserve_mb} MiB; AENV_MEMORY_RESERVE_MB)")
+        free_mb = shutil.disk_usage(self.state_dir).free >> 20
+        if free_mb < self.min_free_disk_mb:
+            self._refuse("disk", 503,
+                         f"cannot {what}: free disk low under {self.state_dir} ({free_mb} MiB "
+                         f"free, {self.min_free_disk_mb} MiB required; AENV_MIN_FREE_DISK_MB)")
+        held = Reservation(need, count)
+        self._reserved.append(held)
+        return held
+
+    def release(self, held: Reservation | None) -> None:
+        if held is not None and not held.released:
+            held.released = True
+            self._reserved.remove(held)
+
+    def _refuse(self, limit: str, status: int, message: str) -> None:
+        self.refusals[limit] = self.refusals.get(limit, 0) + 1
+        log.warning("admission refused", extra={"limit": limit, "reason": message})
+        raise AdmissionRefused(message, status, limit)
