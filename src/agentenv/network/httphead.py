@@ -188,7 +188,7 @@ class RequestStream:
             elif state == "head":
                 while buf.startswith(b"\r\n", pos):  # stray CRLF between requests (RFC 9112 2.2)
                     pos += 2
-                if pos >= len(buf):
+                if pos >= len(buf) or buf[pos:] == b"\r":
                     break
                 try:
                     head = parse_request_head(buf[pos:pos + MAX_HEAD + 4])
