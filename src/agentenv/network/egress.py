@@ -34,6 +34,7 @@ import argparse
 import asyncio
 import contextlib
 import errno
+import fcntl
 import json
 import logging
 import os
@@ -144,10 +145,11 @@ def original_destination(sock: socket.socket) -> tuple[IPv4Address, int]:
 
 
 class _Pump:
-    """One direction of a spliced connection between two non-blocking sockets, driven by the
-    event loop's readiness callbacks (no task per connection). Reads go through one shared
-    buffer; only what the destination does not take at once is kept (bounded: reading stops
-    until it is sent)."""
+    """One direction of a connection between two non-blocking sockets, copied through this
+    process (used where bytes must be read: the HTTP request direction), driven by the event
+    loop's readiness callbacks (no task per connection). Reads go through one shared buffer;
+    only what the destination does not take at once is kept (bounded: reading stops until it
+    is sent)."""
 
     __slots__ = ("conn", "dst", "dst_fd", "eof", "loop", "pending", "src", "src_fd",
                  "transform", "up", "writing")
@@ -249,11 +251,111 @@ class _Pump:
             self.dst.shutdown(socket.SHUT_WR)
         self.conn.half_closed()
 
+    @property
+    def done(self) -> bool:
+        return self.eof and self.pending is None
+
+
+_SPLICE_FLAGS = getattr(os, "SPLICE_F_MOVE", 1) | getattr(os, "SPLICE_F_NONBLOCK", 2)
+_F_SETPIPE_SZ = 1031
+
+
+class _SplicePump:
+    """One direction moved by the kernel (splice(2) socket -> pipe -> socket): the bytes never
+    enter this process. What the destination does not take at once stays in the pipe (at most
+    PIPE_SIZE; reading stops until it is drained)."""
+
+    PIPE_SIZE = 256 << 10
+
+    __slots__ = ("conn", "dst", "dst_fd", "eof", "in_pipe", "loop", "pipe_r", "pipe_w", "src",
+                 "src_fd", "up", "writing")
+
+    def __init__(self, conn: Conn, src: socket.socket, dst: socket.socket, up: bool) -> None:
+        self.conn, self.src, self.dst, self.up = conn, src, dst, up
+        self.src_fd, self.dst_fd = src.fileno(), dst.fileno()
+        self.loop = conn.proxy.loop
+        self.pipe_r, self.pipe_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        with contextlib.suppress(OSError):  # a smaller pipe only means more wake-ups
+            fcntl.fcntl(self.pipe_w, _F_SETPIPE_SZ, self.PIPE_SIZE)
+        self.in_pipe = 0
+        self.eof = False
+        self.writing = False
+
+    def start(self) -> None:
+        self.loop.add_reader(self.src_fd, self._readable)
+
+    def stop(self) -> None:
+        if self.writing:
+            self.loop.remove_writer(self.dst_fd)
+            self.writing = False
+        elif not self.eof:
+            self.loop.remove_reader(self.src_fd)
+        if self.pipe_r >= 0:
+            os.close(self.pipe_r)
+            os.close(self.pipe_w)
+            self.pipe_r = self.pipe_w = -1
+
+    @property
+    def done(self) -> bool:
+        return self.eof and self.in_pipe == 0
+
+    def _readable(self) -> None:
+        try:
+            n = os.splice(self.src_fd, self.pipe_w, self.PIPE_SIZE, flags=_SPLICE_FLAGS)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError as exc:
+            self.conn.broken(exc, "guest" if self.up else "destination")
+            return
+        if n == 0:
+            self.loop.remove_reader(self.src_fd)
+            self.eof = True
+            self._finish()
+            return
+        self.conn.last_active = self.loop.time()
+        self.in_pipe = n
+        self._drain(from_reader=True)
+
+    def _writable(self) -> None:
+        self.conn.last_active = self.loop.time()
+        self._drain(from_reader=False)
+
+    def _drain(self, from_reader: bool) -> None:
+        moved = 0
+        while self.in_pipe:
+            try:
+                m = os.splice(self.pipe_r, self.dst_fd, self.in_pipe, flags=_SPLICE_FLAGS)
+            except (BlockingIOError, InterruptedError):
+                break
+            except OSError as exc:
+                self.conn.broken(exc, "destination" if self.up else "guest")
+                return
+            self.in_pipe -= m
+            moved += m
+        if self.up:
+            self.conn.proxy.counters.bytes_up += moved
+        else:
+            self.conn.proxy.counters.bytes_down += moved
+        if self.in_pipe:
+            if from_reader:
+                self.loop.remove_reader(self.src_fd)
+                self.writing = True
+                self.loop.add_writer(self.dst_fd, self._writable)
+        elif not from_reader:
+            self.loop.remove_writer(self.dst_fd)
+            self.writing = False
+            self.loop.add_reader(self.src_fd, self._readable)
+
+    def _finish(self) -> None:
+        with contextlib.suppress(OSError):
+            self.dst.shutdown(socket.SHUT_WR)
+        self.conn.half_closed()
+
 
 class Conn:
     """One redirected guest connection, from accept to close."""
 
-    __slots__ = ("closed", "dst_ip", "dst_port", "guest", "last_active", "name", "proxy",
+    __slots__ = ("closed", "decided", "dst_ip", "dst_port", "guest", "last_active", "name", "proxy",
                  "pumps", "slot", "source", "started", "task", "transports", "tunnel",
                  "upstream", "via")
 
@@ -264,11 +366,12 @@ class Conn:
         self.name: str | None = None
         self.via: EgressProxy | None = None
         self.upstream: socket.socket | None = None
-        self.pumps: tuple[_Pump, _Pump] | None = None
+        self.pumps: tuple[_Pump | _SplicePump, _Pump | _SplicePump] | None = None
         self.tunnel: _Tunnel | None = None  # a TLS connection to the SOCKS5 proxy
         self.transports: list[asyncio.BaseTransport] = []  # when streams own the sockets
         self.task: asyncio.Task[None] | None = None
         self.closed = False
+        self.decided = False  # allowed and connected: a policy update re-decides it
         self.started = self.last_active = proxy.loop.time()
         self.slot: Slot | None = None
 
@@ -325,7 +428,7 @@ class Conn:
         self.reset()
 
     def half_closed(self) -> None:
-        if self.pumps is not None and all(p.eof and p.pending is None for p in self.pumps):
+        if self.pumps is not None and all(p.done for p in self.pumps):
             self.close()
 
 
@@ -338,7 +441,7 @@ class EgressProxyServer:
                  max_connections: int = MAX_CONNECTIONS,
                  max_per_slot: int = MAX_CONNECTIONS_PER_SLOT,
                  idle_timeout: float = IDLE_TIMEOUT, peek_timeout: float = PEEK_TIMEOUT,
-                 connect_timeout: float = CONNECT_TIMEOUT) -> None:
+                 connect_timeout: float = CONNECT_TIMEOUT, splice: bool = True) -> None:
         self.control_path = str(control_path)
         self.port, self.bind = port, bind
         self.metrics_port, self.metrics_bind = metrics_port, metrics_bind
@@ -346,6 +449,7 @@ class EgressProxyServer:
         self.max_connections, self.max_per_slot = max_connections, max_per_slot
         self.idle_timeout, self.peek_timeout = idle_timeout, peek_timeout
         self.connect_timeout = connect_timeout
+        self.splice = splice and hasattr(os, "splice")
         self.slots: dict[str, Slot] = {}
         self.conns: set[Conn] = set()
         self.counters = Counters()
@@ -517,12 +621,23 @@ class EgressProxyServer:
             policy = self._decide(conn, conn.name, kind == "tls")
             if policy.egress_proxy != conn.via:
                 raise Refused("the egress proxy changed while connecting")
+            conn.decided = True
             self.counters.allowed += 1
             log.debug("egress allowed", extra={"event": "allowed", **conn.describe()})
             if conn.tunnel is None:
                 assert conn.upstream is not None
-                conn.pumps = (_Pump(conn, conn.guest, conn.upstream, True, transform, data),
-                              _Pump(conn, conn.upstream, conn.guest, False, None, b""))
+                if data and transform is None:
+                    await self.loop.sock_sendall(conn.upstream, data)  # the peeked bytes
+                    self.counters.bytes_up += len(data)
+                    data = b""
+                    if conn.closed:  # cut by an update meanwhile
+                        return
+                up = _Pump(conn, conn.guest, conn.upstream, True, transform, data) \
+                    if transform is not None or not self.splice else \
+                    _SplicePump(conn, conn.guest, conn.upstream, True)
+                down = _SplicePump(conn, conn.upstream, conn.guest, False) if self.splice \
+                    else _Pump(conn, conn.upstream, conn.guest, False, None, b"")
+                conn.pumps = (up, down)
                 for pump in conn.pumps:
                     pump.start()
             else:
@@ -729,8 +844,8 @@ class EgressProxyServer:
         for conn in list(old.conns):
             if (conn.dst_ip, conn.dst_port) == METADATA:
                 continue  # answers the current identity at each request
-            if conn.pumps is None and conn.tunnel is None:
-                continue  # not decided yet: decides with the current policy when it is
+            if not conn.decided:
+                continue  # decides with the current policy when it knows its name
             if not policy.allows(conn.dst_ip, conn.name) or policy.egress_proxy != conn.via:
                 cut += 1
                 self.counters.cut_by_update += 1
@@ -931,6 +1046,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-per-slot", type=int, default=MAX_CONNECTIONS_PER_SLOT)
     parser.add_argument("--idle-timeout", type=float, default=IDLE_TIMEOUT)
     parser.add_argument("--peek-timeout", type=float, default=PEEK_TIMEOUT)
+    parser.add_argument("--copy", action="store_true",
+                        help="copy bytes through the process instead of splice(2) (to compare)")
     parser.add_argument("--log-level", default="info")
 
 
@@ -939,7 +1056,7 @@ def server_from_args(args: argparse.Namespace) -> EgressProxyServer:
         args.control, args.port, args.bind, metrics_port=args.metrics_port,
         metrics_bind=args.metrics_bind, open_ranges=tuple(args.open_range),
         max_connections=args.max_connections, max_per_slot=args.max_per_slot,
-        idle_timeout=args.idle_timeout, peek_timeout=args.peek_timeout)
+        idle_timeout=args.idle_timeout, peek_timeout=args.peek_timeout, splice=not args.copy)
 
 
 def main(argv: list[str] | None = None) -> None:
