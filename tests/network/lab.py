@@ -183,6 +183,35 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         self.end_headers()
         self.wfile.write(body)
 
+    def do_POST(self) -> None:
+        """The body's length and sha256 (Content-Length or chunked), and the headers seen."""
+        digest, length = hashlib.sha256(), 0
+        if self.headers.get("Transfer-Encoding", "").lower() == "chunked":
+            while True:
+                size = int(self.rfile.readline().split(b";")[0], 16)
+                if size == 0:
+                    while self.rfile.readline() not in (b"\r\n", b""):
+                        pass
+                    break
+                chunk = self.rfile.read(size)
+                digest.update(chunk)
+                length += len(chunk)
+                self.rfile.readline()
+        else:
+            left = int(self.headers.get("Content-Length", "0"))
+            while left:
+                chunk = self.rfile.read(min(left, 1 << 20))
+                digest.update(chunk)
+                length += len(chunk)
+                left -= len(chunk)
+        body = json.dumps({"length": length, "sha256": digest.hexdigest(),
+                           "headers": [list(h) for h in self.headers.items()]}).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
     def log_message(self, *args: Any) -> None:
         pass
 
