@@ -383,6 +383,14 @@ class Conn:
         if self.pumps is not None:
             for pump in self.pumps:
                 pump.stop()
+        # A sock_recv/sock_connect of the task may still watch these fds: unwatch them before
+        # they are closed, so a new socket given the same number is not unwatched later.
+        loop = self.proxy.loop
+        for sock in (self.guest, self.upstream):
+            if sock is not None and sock.fileno() >= 0:
+                with contextlib.suppress(RuntimeError):  # owned by a transport: it unwatches
+                    loop.remove_reader(sock.fileno())
+                    loop.remove_writer(sock.fileno())
         if self.task is not None and self.task is not asyncio.current_task():
             self.task.cancel()
         self.proxy.unregister(self)
