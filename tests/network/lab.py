@@ -43,6 +43,7 @@ INET_SERVER = "198.18.0.2"
 INET_SOCKS = "198.18.0.3"
 OTHER_PORT = 8080  # a plain HTTP server on a port the "web" redirects leave alone
 NAMES = ("example-allowed.test", "example-denied.test")
+SOCKS_NAME = "socks.test"  # the certificate name of the TLS front of the SOCKS5 server
 CLONE_NEWNET = 0x40000000
 _libc = ctypes.CDLL(None, use_errno=True)
 
@@ -296,7 +297,7 @@ class Lab:
         self.servers.append(serve(self.inet, INET_SERVER, 80))
         self.servers.append(serve(self.inet, INET_SERVER, OTHER_PORT))
         if self.with_tls:
-            self.certs = Certificates(self.tmp)
+            self.certs = Certificates(self.tmp, (*NAMES, SOCKS_NAME))
             self.servers.append(serve(self.inet, INET_SERVER, 443, self.certs.server_context()))
         self.start_proxy()
 
@@ -408,6 +409,45 @@ class Lab:
             finally:
                 probe.close()
         raise RuntimeError("microsocks did not start listening")
+
+    def start_tls_front(self, port: int = 1443) -> socket.socket:
+        """TLS on 198.18.0.3:<port> (certificate for socks.test) in front of microsocks: a
+        SOCKS5 proxy reached over TLS. Close the returned socket to stop accepting."""
+        assert self.certs is not None
+        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        ctx.load_cert_chain(*self.certs.files[SOCKS_NAME])
+        listener = socket_in(self.inet)
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind((INET_SOCKS, port))
+        listener.listen(64)
+        inet = self.inet
+
+        def pipe(src: socket.socket, dst: socket.socket) -> None:
+            with contextlib.suppress(OSError):
+                while data := src.recv(65536):
+                    dst.sendall(data)
+            with contextlib.suppress(OSError):
+                dst.shutdown(socket.SHUT_WR) if not isinstance(dst, ssl.SSLSocket) else dst.close()
+
+        def handle(raw: socket.socket) -> None:
+            try:
+                tls = ctx.wrap_socket(raw, server_side=True)
+                back = socket_in(inet)
+                back.connect((INET_SOCKS, 1080))
+            except OSError:
+                raw.close()
+                return
+            threading.Thread(target=pipe, args=(tls, back), daemon=True).start()
+            pipe(back, tls)
+
+        def accept() -> None:
+            with contextlib.suppress(OSError):
+                while True:
+                    raw, _ = listener.accept()
+                    threading.Thread(target=handle, args=(raw,), daemon=True).start()
+
+        threading.Thread(target=accept, daemon=True).start()
+        return listener
 
     def stop_process(self, proc: subprocess.Popen[bytes]) -> None:
         proc.terminate()

@@ -246,8 +246,10 @@ def test_socks5_egress_proxy_and_fail_closed(lab: Lab) -> None:
     lab.set_policy(slot, {**ONLY_ALLOWED, "egressProxy": proxy})
     assert_reset(lambda: lab.tls(slot, DENIED))
     # A live tunnelled connection is cut when the proxy setting changes.
+    lab.set_policy(slot, {"egressProxy": proxy})
     live = lab.connect(slot, INET_SERVER, OTHER_PORT)
     try:
+        assert json.loads(http_get(live, ALLOWED, "/")[2])["client"] == INET_SOCKS
         lab.set_policy(slot, {"allowOut": ["198.18.0.2"]}, mode="all")
         assert_reset(lambda: http_get(live, ALLOWED, "/"))
     finally:
@@ -260,6 +262,30 @@ def test_socks5_egress_proxy_and_fail_closed(lab: Lab) -> None:
     request_is_reset(lab, slot, INET_SERVER, OTHER_PORT)  # no tunnel: no connection at all
     assert counters(lab)["upstream_failed"] == failed + 2
     lab.set_policy(slot, {})
+
+
+def test_socks5_over_tls(lab: Lab) -> None:
+    slot = lab.slots[0]
+    assert lab.certs is not None
+    socks = lab.start_socks()
+    front = lab.start_tls_front(1443)
+    try:
+        proxy = {"address": f"{INET_SOCKS}:1443", "username": "lab", "password": "secret",
+                 "tls": {"serverName": "socks.test", "caCert": lab.certs.ca.read_text()}}
+        lab.set_policy(slot, {"egressProxy": proxy})
+        with lab.connect(slot, INET_SERVER, 80) as sock:
+            assert json.loads(http_get(sock, ALLOWED, "/")[2])["client"] == INET_SOCKS
+            assert http_get(sock, ALLOWED, "/blob?size=3000000")[2] == blob(3_000_000)
+        with lab.tls(slot, ALLOWED) as tls:  # TLS inside TLS: the guest's own, untouched
+            assert json.loads(http_get(tls, ALLOWED, "/")[2])["sni"] == ALLOWED
+        # A proxy whose certificate does not verify is no proxy: fail closed.
+        lab.set_policy(slot, {"egressProxy": {**proxy, "tls": {"serverName": "other.test",
+                                                                "caCert": lab.certs.ca.read_text()}}})
+        request_is_reset(lab, slot, INET_SERVER, OTHER_PORT)
+    finally:
+        front.close()
+        lab.stop_process(socks)
+        lab.set_policy(slot, {})
 
 
 def test_connection_cap_per_slot(lab: Lab) -> None:
