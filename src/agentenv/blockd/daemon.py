@@ -76,6 +76,7 @@ from agentenv.blockd.device import (
 )
 from agentenv.blockd.errors import BlockdError
 from agentenv.errors import AgentEnvError
+from agentenv.fsutil import private_dir
 
 log = logging.getLogger("agentenv.blockd")
 
@@ -210,11 +211,12 @@ class Blockd:
         os.write(self._lock_fd, f"{os.getpid()}\n".encode())
 
     async def start(self) -> None:
-        self.state_dir.mkdir(parents=True, exist_ok=True)
+        # Uppers and records are the sandboxes' disks: nobody else's to read.
+        private_dir(self.state_dir)
         self._take_state_lock()
         tune_allocator()
         for folder in (self.records_dir, self.nbd_dir, self.uppers_dir):
-            folder.mkdir(parents=True, exist_ok=True)
+            private_dir(folder)
         self.socket_path.parent.mkdir(parents=True, exist_ok=True)
         if self.metrics_port is not None:
             from prometheus_client import start_http_server

@@ -132,7 +132,7 @@ class Upper:
     def create(cls, directory: Path, virtual_size: int, *, uuid: str | None = None,
                parent_uuid: str | None = None, rw_tag: int = 0) -> Upper:
         """Write an empty RW pair (as `overlaybd-create`) atomically, then open it."""
-        directory.mkdir(parents=True, exist_ok=True)
+        directory.mkdir(parents=True, exist_ok=True, mode=0o700)  # a sandbox's disk: private
         uuid = uuid or random_uuid()
         data_hdr = HeaderTrailer(flags=FLAG_HEADER | FLAG_DATA, virtual_size=virtual_size,
                                  uuid=uuid, parent_uuid=parent_uuid or "")
@@ -143,7 +143,8 @@ class Upper:
         # previous (sealed) one, which Image.open recognises and rolls forward.
         for name, block in ((UPPER_INDEX, index_hdr.pack()), (UPPER_DATA, data_hdr.pack())):
             tmp = directory / f".{name}.tmp-{os.getpid()}"
-            with open(tmp, "wb") as f:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+            with open(fd, "wb") as f:
                 f.write(block)
                 f.flush()
                 os.fsync(f.fileno())
