@@ -41,6 +41,7 @@ from rich.progress import (
 
 from agentenv.blockd.client import BlockdClient
 from agentenv.template.apply import compression_of
+from agentenv.template.auth import Credentials
 from agentenv.template.blobtap import BlobTap
 from agentenv.template.convert import (
     BASE_KEY,
@@ -215,6 +216,7 @@ def pull_image(
     cache_dir: Path | None = None,
     platform: str = "linux/amd64",
     docker_config: Path | None = None,
+    credentials: Credentials | None = None,
     blockd: Path | None = None,
     insecure: bool | None = None,
     ca_file: Path | None = None,
@@ -224,7 +226,8 @@ def pull_image(
     """Pull `ref` and record it under `state_dir/images/<name or sha256-HEX>/`.
 
     `blockd`: the control socket of the block daemon to convert with (default: the host's
-    daemon if it answers, else a private one for this pull). `insecure`: allow plain http and
+    daemon if it answers, else a private one for this pull). `credentials`: used instead of the
+    docker config's, kept in memory only. `insecure`: allow plain http and
     unverified TLS (default: only for loopback registries and AENV_INSECURE_REGISTRIES).
     """
     started = time.perf_counter()
@@ -239,7 +242,7 @@ def pull_image(
     timings: dict[str, float] = {}
 
     with RegistryClient(reference.registry, api_host=reference.api_host, docker_config=docker_config,
-                        insecure=insecure, ca_file=ca_file) as client, \
+                        credentials=credentials, insecure=insecure, ca_file=ca_file) as client, \
             _Reporter(progress, console) as reporter:
         manifest = client.resolve_manifest(reference, wanted_platform)
         config_bytes = client.get_blob_bytes(reference.repository, manifest.config)
