@@ -62,7 +62,9 @@ def _leaks(root: Path, needles: list[bytes]) -> list[str]:
     return found
 
 
-def test_registry_password_is_used_and_never_written(tmp_path: Path, secret_registry: Registry) -> None:
+def test_registry_password_is_used_and_never_written(tmp_path_factory: pytest.TempPathFactory,
+                                                    secret_registry: Registry) -> None:
+    tmp_path = tmp_path_factory.mktemp("bsn")  # short: unix socket paths live under it
     with conftest.template_build_node(tmp_path, NET_PREFIX, FIRST_SLOT,
                                       tmp_path / "layer-cache") as node:
         image = f"{secret_registry.host}/private/busybox:v1"
@@ -82,5 +84,5 @@ def test_registry_password_is_used_and_never_written(tmp_path: Path, secret_regi
                base64.b64encode(f"builder:{PASSWORD[::-1]}".encode())]
     assert (tmp_path / "state" / "node.db").is_file()
     assert not _leaks(tmp_path, needles)
-    records = list((tmp_path / "state").rglob("builds/*.json"))
+    records = list((tmp_path / "state").rglob("template-builds/*.json"))
     assert records and all(b'"password": "[redacted]"' in r.read_bytes() for r in records)
