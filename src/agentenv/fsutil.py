@@ -5,7 +5,8 @@ search is kept on a directory handed to another group (the privilege setup,
 runtime/privilege.py, gives the VM user's group search on the directories QEMU reaches by
 path, such as blockd's NBD sockets).
 `write_private` replaces a file atomically and durably with mode 0600: temp file, fsync,
-rename, fsync of the directory.
+rename, fsync of the directory. `require_free_space` refuses a pull or an upload up front
+when it would leave less than the reserve free.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ import contextlib
 import os
 import stat
 from pathlib import Path
+
+from agentenv.errors import AgentEnvError
 
 
 def private_dir(path: Path) -> Path:
@@ -60,3 +63,48 @@ def write_private(path: Path, data: bytes, *, exclusive: bool = False) -> bool:
     finally:
         with contextlib.suppress(FileNotFoundError):
             tmp.unlink()
+
+
+DEFAULT_RESERVE = 256 << 20
+
+
+class InsufficientSpace(AgentEnvError):
+    """Not enough free disk space for an operation (checked before it writes anything)."""
+
+
+def disk_reserve() -> int:
+    """Bytes that must stay free on the state filesystem after a pull or an upload
+    (AENV_DISK_RESERVE, default 256 MiB): running sandboxes' uppers and records need room."""
+    raw = os.environ.get("AENV_DISK_RESERVE", "")
+    try:
+        return int(raw) if raw else DEFAULT_RESERVE
+    except ValueError:
+        raise AgentEnvError(f"AENV_DISK_RESERVE must be a number of bytes, got {raw!r}") from None
+
+
+def free_bytes(path: Path) -> int:
+    """Free bytes (for an unprivileged writer) on the filesystem of `path` or of its nearest
+    existing parent."""
+    path = Path(path)
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    st = os.statvfs(path)
+    return st.f_bavail * st.f_frsize
+
+
+def require_free_space(path: Path, need: int, what: str) -> None:
+    """Raise InsufficientSpace unless `need` bytes fit under `path` with the reserve left
+    (nothing to write, nothing to refuse)."""
+    if need <= 0:
+        return
+    reserve = disk_reserve()
+    free = free_bytes(path)
+    if free < need + reserve:
+        raise InsufficientSpace(
+            f"not enough free disk space for {what}: it needs about {_mib(need)}, "
+            f"{_mib(reserve)} must stay free (AENV_DISK_RESERVE), and {path} has "
+            f"{_mib(free)} free")
+
+
+def _mib(n: int) -> str:
+    return f"{n / (1 << 20):.1f} MiB"

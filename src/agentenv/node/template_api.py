@@ -51,7 +51,13 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from agentenv.errors import AgentEnvError
-from agentenv.fsutil import write_private
+from agentenv.fsutil import (
+    InsufficientSpace,
+    disk_reserve,
+    free_bytes,
+    require_free_space,
+    write_private,
+)
 from agentenv.node import models
 from agentenv.node.api import page, read_model
 from agentenv.node.backend import BackendError, SandboxSpec
@@ -72,6 +78,7 @@ log = logging.getLogger("agentenv.node.template_api")
 
 UPLOAD_URL_SECONDS = 3600
 MAX_UPLOAD_BYTES = 8 << 30
+UPLOAD_SPACE_CHECK = 16 << 20
 MAX_LOG_ENTRIES = 20_000
 
 
@@ -325,7 +332,12 @@ class TemplateBuildApi:
         files_hash = request.path_params["files_hash"]
         if not _HASH.match(files_hash):
             raise BadRequest(f"invalid files hash {files_hash!r}")
-        if (self.files_dir / files_hash).is_file():
+        present = self.files_dir / files_hash
+        if present.is_file():
+            # The SDK skips the upload and starts a build with it soon: fresh again for the
+            # garbage collector (node/gc.py keeps unused uploads AENV_TEMPLATE_FILES_TTL).
+            with contextlib.suppress(OSError):
+                os.utime(present)
             return JSONResponse({"present": True}, status_code=201)
         expires = int(time.time()) + UPLOAD_URL_SECONDS
         base = str(request.base_url).rstrip("/")
@@ -352,14 +364,28 @@ class TemplateBuildApi:
         if declared and declared.isdigit() and int(declared) > MAX_UPLOAD_BYTES:
             raise ApiError(f"upload over {MAX_UPLOAD_BYTES} bytes", status=413)
         self.files_dir.mkdir(parents=True, exist_ok=True)
+        what = f"the upload of files {files_hash}"
+        try:
+            require_free_space(self.files_dir, int(declared) if declared and declared.isdigit()
+                               else 0, what)
+        except InsufficientSpace as exc:
+            raise ApiError(str(exc), status=507) from None
         fd, tmp_name = tempfile.mkstemp(prefix=f".{files_hash}.", dir=self.files_dir)
         size = 0
+        checked = 0
         try:
             with os.fdopen(fd, "wb") as out:
                 async for chunk in request.stream():
                     size += len(chunk)
                     if size > MAX_UPLOAD_BYTES:
                         raise ApiError(f"upload over {MAX_UPLOAD_BYTES} bytes", status=413)
+                    if size - checked >= UPLOAD_SPACE_CHECK:
+                        # No length given (or a wrong one): look again every few MiB.
+                        checked = size
+                        if free_bytes(self.files_dir) < disk_reserve():
+                            raise ApiError(f"not enough free disk space for {what}: less than "
+                                           "AENV_DISK_RESERVE left after "
+                                           f"{size >> 20} MiB; upload stopped", status=507)
                     await asyncio.to_thread(out.write, chunk)
             os.replace(tmp_name, self.files_dir / files_hash)
         except BaseException:
@@ -650,6 +676,9 @@ class TemplateBuildApi:
                                               "seconds": round(time.monotonic() - t0, 1)})
         finally:
             self._save(rec)
+            gc = getattr(self.orchestrator, "gc", None)
+            if gc is not None:
+                gc.request()  # its uploads may be unused now (node/gc.py)
 
     def _fail(self, rec: BuildRecord, message: str, step: str | None) -> None:
         rec.status = "error"
