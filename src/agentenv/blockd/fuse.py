@@ -54,6 +54,7 @@ class _DeviceFiles(mfusepy.Operations):
         self.loop = loop
         self.devices = devices
         self.started = time.time_ns()
+        self.uid, self.gid = os.geteuid(), os.getegid()
 
     def _device(self, path: str) -> Device:
         device = self.devices.get(path.lstrip("/"))
@@ -74,12 +75,16 @@ class _DeviceFiles(mfusepy.Operations):
 
     def getattr(self, path: str, fh: Any = None) -> dict[str, Any]:
         times = {"st_atime": self.started, "st_mtime": self.started, "st_ctime": self.started}
+        owner = {"st_uid": self.uid, "st_gid": self.gid}
         if path == "/":
-            return {"st_mode": stat.S_IFDIR | 0o755, "st_nlink": 2, **times}
+            return {"st_mode": stat.S_IFDIR | 0o755, "st_nlink": 2, **owner, **times}
         device = self._device(path)
-        mode = 0o444 if device.readonly else 0o644
+        # The mount allows other users in (VMMs may run as one); the kernel checks these
+        # modes (default_permissions), so a disk is the daemon owner's alone.
+        mode = 0o400 if device.readonly else 0o600
         return {
             "st_mode": stat.S_IFREG | mode,
+            **owner,
             "st_nlink": 1,
             "st_size": device.size,
             "st_blocks": (device.size + 511) // 512,
@@ -181,6 +186,7 @@ class FuseFiles:
                 fsname="aenv-blockd",
                 # VMMs may run as other users; only root may allow them without fuse.conf.
                 allow_other=os.geteuid() == 0,
+                default_permissions=True,
                 attr_timeout=0,
                 entry_timeout=0,
             )

@@ -21,7 +21,8 @@ Transmission: READ, WRITE (FUA), DISC, FLUSH, TRIM, WRITE_ZEROES (FUA; NO_HOLE a
 FAST_ZERO accepted: zeroing only records a zeroed extent, it is never slow), CACHE (a no-op
 success), BLOCK_STATUS (base:allocation). Requests are handled concurrently (replies may come out of order, as the protocol allows), so several
 clients and in-flight requests per client work at once. Range errors get EINVAL (reads) or
-ENOSPC (writes past the end), writes to a read-only export EPERM, backend failures EIO;
+ENOSPC (writes past the end), writes to a read-only export EPERM, a backend's ENOSPC/EDQUOT
+(an upper at its cap, a full host disk) ENOSPC, other backend failures EIO;
 none of them drops the connection. Large READ replies may be a list of buffers (slices of the
 layers' mmaps, from Image.read_pieces): they leave in one scatter-gather sendmsg, so the data is
 copied once, by the kernel. A request with a bad magic, an unknown command with a
@@ -481,11 +482,7 @@ class NbdConnection:
         try:
             result = await coro_fn()  # type: ignore[misc]
         except Exception as exc:
-            export.count_error()
-            log.warning(
-                "backend request failed",
-                extra={"export": self.export_name, "error": str(exc), "peer": self.peer},
-            )
+            self._backend_failed(export, exc)
             if status_one is not None:
                 # A BLOCK_STATUS error goes back as a structured error chunk too.
                 self._read_chunk(handle, errno_for(exc), None, 0)
@@ -587,9 +584,7 @@ class NbdConnection:
         try:
             result = fn(offset, arg)
         except Exception as exc:
-            export.count_error()
-            log.warning("backend request failed",
-                        extra={"export": self.export_name, "error": str(exc), "peer": self.peer})
+            self._backend_failed(export, exc)
             self._reply(handle, errno_for(exc), read_at=read_at)
             return True
         if result is None or result is False:
@@ -597,6 +592,14 @@ class NbdConnection:
         self._reply(handle, 0, result if isinstance(result, (bytes, bytearray, list)) else None,
                     read_at=read_at)
         return True
+
+    def _backend_failed(self, export: Export, exc: Exception) -> None:
+        export.count_error()
+        # A full disk is the guest's doing and comes in floods; the export counts and logs
+        # it (rate-limited). Anything else is worth a line each.
+        level = logging.DEBUG if errno_for(exc) == ENOSPC else logging.WARNING
+        log.log(level, "backend request failed",
+                extra={"export": self.export_name, "error": str(exc), "peer": self.peer})
 
     def _error(self, export: Export, handle: int, error: int, read_at: int | None = None) -> None:
         export.count_error()

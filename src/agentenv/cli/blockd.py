@@ -30,20 +30,43 @@ _socket_option = click.option(
 @click.option("--no-fuse", is_flag=True, help="Do not expose devices as FUSE files.")
 @click.option("--inline-max", type=int, default=None,
               help="Largest read/write done on the event loop; larger ones go to I/O threads.")
+@click.option("--upper-limit", envvar="AENV_DISK_UPPER_LIMIT", default="0", show_default=True,
+              help="Default cap on a disk's upper growth (bytes, or with a K/M/G/T suffix; "
+                   "0: none). Writes past it get ENOSPC. Env: AENV_DISK_UPPER_LIMIT.")
 @click.option("--log-level", default="info", show_default=True)
 def blockd_command(state_dir: Path, socket_path: Path, metrics_port: int | None, pool_size: int,
                    pool_disk_size: int, no_fuse: bool, inline_max: int | None,
-                   log_level: str) -> None:
+                   upper_limit: str, log_level: str) -> None:
     """Run the block daemon in the foreground: every disk over NBD (and FUSE)."""
     from agentenv import logs
     from agentenv.blockd.daemon import Blockd
     from agentenv.blockd.device import INLINE_MAX
 
     logs.setup(log_level)
+    try:
+        limit = parse_size(upper_limit)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--upper-limit / AENV_DISK_UPPER_LIMIT") from None
     daemon = Blockd(state_dir, socket_path, fuse=not no_fuse, metrics_port=metrics_port,
                     pool_size=pool_size, pool_disk_size=pool_disk_size,
-                    inline_max=INLINE_MAX if inline_max is None else inline_max)
+                    inline_max=INLINE_MAX if inline_max is None else inline_max,
+                    upper_limit=limit or None)
     asyncio.run(daemon.run())
+
+
+def parse_size(text: str) -> int:
+    """Bytes from "1048576", "512M", "10G" (binary units)."""
+    raw = text.strip().upper().removesuffix("B").removesuffix("I")
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+    mult = units.get(raw[-1:], 1)
+    number = raw[:-1] if raw[-1:] in units else raw
+    try:
+        value = int(number)
+    except ValueError:
+        raise ValueError(f"{text!r} is not a size (bytes, or a number with K, M, G or T)") from None
+    if value < 0:
+        raise ValueError(f"{text!r}: a size cannot be negative")
+    return value * mult
 
 
 @click.group("disk")

@@ -46,11 +46,11 @@ def serve_command(
     """Run the node server: E2B-compatible API and sandbox proxy on one port."""
     from agentenv import logs
     from agentenv.node.orchestrator import NodeConfig
-    from agentenv.node.security import api_key_path, load_api_key
+    from agentenv.node.security import api_key_path, load_api_key, secure_state_dir
     from agentenv.node.server import ServeOptions, serve
 
     logs.setup(log_level)
-    state_dir.mkdir(parents=True, exist_ok=True)
+    secure_state_dir(state_dir)
     load_api_key(state_dir)
     if not os.environ.get("AENV_API_KEY"):
         click.echo(f"API key in {api_key_path(state_dir)}", err=True)

@@ -25,6 +25,10 @@ references (never while a template build runs). The built-in template's current 
 and layer are always marked.
 Process backend (<state>/process-backend/): directories of sandboxes that are gone and
 snapshot copies no template or sandbox names.
+Template build uploads (<state>/template-files/): an archive no waiting or running build's
+steps name, once it has not been uploaded or asked about (`present`) for
+`AENV_TEMPLATE_FILES_TTL` seconds (default 3600, an upload URL's lifetime: the SDK may ask,
+upload the other files, then start); upload temp files left by a dead node after the grace.
 
 The orchestrator runs a pass at startup (after adoption) and a debounced one after every kill,
 snapshot or template delete; metrics count the files and bytes reclaimed.
@@ -52,6 +56,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("agentenv.node.gc")
 
 DEFAULT_GRACE_SECONDS = 60.0
+DEFAULT_FILES_TTL_SECONDS = 3600.0
 DEFAULT_DEBOUNCE_SECONDS = 1.0
 BUSY_WAIT_SECONDS = 30.0
 RELEASED_MARK = ".released"  # vm_backend's own marker; not a reason to keep or to delete
@@ -166,6 +171,8 @@ class LayerCollector:
             else float(env_grace) if env_grace else DEFAULT_GRACE_SECONDS
         )
         self.debounce_seconds = debounce_seconds
+        env_ttl = os.environ.get("AENV_TEMPLATE_FILES_TTL")
+        self.files_ttl = float(env_ttl) if env_ttl else DEFAULT_FILES_TTL_SECONDS
         self.last: GcReport | None = None
         self._lock = asyncio.Lock()
         self._wanted = asyncio.Event()
@@ -302,6 +309,39 @@ class LayerCollector:
             self._sweep_vm(marks, report, now)
         if (self.state_dir / "process-backend").is_dir():
             self._sweep_process(marks, report, now)
+        self._sweep_template_files(report, now)
+
+    def _files_wanted(self) -> set[str] | None:
+        """filesHash of every step of a waiting or running build (None: a record could not
+        be read, so nothing is known to be unwanted)."""
+        wanted: set[str] = set()
+        for path in (self.state_dir / "template-builds").glob("*.json"):
+            try:
+                rec = json.loads(path.read_text())
+            except (OSError, ValueError):
+                return None
+            if not isinstance(rec, dict) or rec.get("status") not in ("waiting", "building"):
+                continue
+            for step in ((rec.get("request") or {}).get("steps") or []):
+                if isinstance(step, dict) and isinstance(step.get("filesHash"), str):
+                    wanted.add(step["filesHash"])
+        return wanted
+
+    def _sweep_template_files(self, report: GcReport, now: float) -> None:
+        files = self.state_dir / "template-files"
+        if not files.is_dir():
+            return
+        wanted = self._files_wanted()
+        if wanted is None:
+            return
+        for path in sorted(files.iterdir()):
+            if path.name.startswith("."):  # an upload being written (or left by a dead node)
+                self._delete(path, report, now)
+            elif path.name not in wanted:
+                if now - _newest_mtime(path) >= self.files_ttl:
+                    self._delete(path, report, now)
+                else:
+                    report.kept_fresh.append(str(path))
 
     def _live_vm_files(self, marks: _Marks) -> tuple[set[Path], set[Path]]:
         """(files, directories) the marks pin, following snapshot records."""

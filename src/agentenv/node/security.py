@@ -12,14 +12,17 @@ import hmac
 import os
 import re
 import secrets
+import stat
 import string
 from pathlib import Path
 
 from agentenv.errors import AgentEnvError
+from agentenv.fsutil import private_dir, write_private
 
 _ALPHABET = string.ascii_lowercase + string.digits
 ID_RE = re.compile(r"^[a-z0-9]{1,63}$")
 API_KEY_RE = re.compile(r"^[A-Za-z0-9._~-]{16,256}$")
+SEED_BYTES = 32  # HMAC-SHA256 key for the sandbox tokens: at least its output size
 
 
 def new_id(prefix: str = "i", length: int = 20) -> str:
@@ -28,24 +31,23 @@ def new_id(prefix: str = "i", length: int = 20) -> str:
 
 
 def _read_or_create_secret(path: Path, make: str) -> str:
-    """The secret in `path` (mode 0600, directory 0700), created atomically when missing."""
-    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-    os.chmod(path.parent, 0o700)
+    """The secret in `path` (mode 0600, directory 0700), created atomically and durably
+    (fsynced file and directory) when missing. A secret file others could read is made
+    private again."""
+    private_dir(path.parent)
     try:
-        return path.read_text().strip()
+        st = path.stat()
     except FileNotFoundError:
-        pass
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(make + "\n")
-    try:
-        os.link(tmp, path)  # fails if another process created it first: keep theirs
-    except FileExistsError:
-        pass
-    finally:
-        tmp.unlink()
+        write_private(path, (make + "\n").encode(), exclusive=True)  # a racing creator wins
+        st = path.stat()
+    if stat.S_IMODE(st.st_mode) & 0o077:
+        os.chmod(path, 0o600)
     return path.read_text().strip()
+
+
+def secure_state_dir(state_dir: Path) -> None:
+    """The node's state directory (node.db with tokens, snapshots, uppers) is private."""
+    private_dir(state_dir)
 
 
 def load_api_key(state_dir: Path) -> str:
@@ -71,11 +73,18 @@ class TokenIssuer:
     """Derives the envd access token and the traffic token of a sandbox from the node's seed."""
 
     def __init__(self, state_dir: Path) -> None:
-        self._seed = bytes.fromhex(
-            _read_or_create_secret(
-                state_dir / "secrets" / "sandbox-token-seed", secrets.token_hex(32)
-            )
-        )
+        path = state_dir / "secrets" / "sandbox-token-seed"
+        text = _read_or_create_secret(path, secrets.token_hex(SEED_BYTES))
+        try:
+            seed = bytes.fromhex(text)
+        except ValueError:
+            raise AgentEnvError(f"token seed in {path} is not hex digits; remove it to have a "
+                                "new one made (every sandbox token changes)") from None
+        if len(seed) < SEED_BYTES:
+            raise AgentEnvError(f"token seed in {path} has {len(seed)} bytes, fewer than "
+                                f"{SEED_BYTES}: tokens derived from it could be guessed; remove "
+                                "it to have a new one made (every sandbox token changes)")
+        self._seed = seed
 
     def envd_token(self, sandbox_id: str) -> str:
         return hmac.new(self._seed, sandbox_id.encode(), hashlib.sha256).hexdigest()

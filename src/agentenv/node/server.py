@@ -24,7 +24,7 @@ from agentenv.node.backend import SandboxBackend
 from agentenv.node.gc import LayerCollector
 from agentenv.node.metrics import NodeMetrics
 from agentenv.node.orchestrator import NodeConfig, Orchestrator
-from agentenv.node.security import TokenIssuer, load_api_key
+from agentenv.node.security import TokenIssuer, load_api_key, secure_state_dir
 from agentenv.node.store import Store
 
 log = logging.getLogger("agentenv.node.server")
@@ -60,7 +60,7 @@ def build_app(
     extra_routes: list[Route] | None = None,
 ) -> NodeApp:
     state = options.state_dir
-    state.mkdir(parents=True, exist_ok=True)
+    secure_state_dir(state)
     api_key = load_api_key(state)
     metrics = NodeMetrics()
     orchestrator = Orchestrator(

@@ -51,7 +51,13 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from agentenv.errors import AgentEnvError
-from agentenv.fsutil import atomic_write_json
+from agentenv.fsutil import (
+    InsufficientSpace,
+    disk_reserve,
+    free_bytes,
+    require_free_space,
+    write_private,
+)
 from agentenv.node import models
 from agentenv.node.api import page, read_model
 from agentenv.node.backend import BackendError, SandboxSpec
@@ -72,7 +78,20 @@ log = logging.getLogger("agentenv.node.template_api")
 
 UPLOAD_URL_SECONDS = 3600
 MAX_UPLOAD_BYTES = 8 << 30
+UPLOAD_SPACE_CHECK = 16 << 20
 MAX_LOG_ENTRIES = 20_000
+
+
+def log_tail_bytes() -> int:
+    """Bytes of build log kept per build, the newest (AENV_BUILD_LOG_TAIL, default 1 MiB):
+    RUN output is unbounded, and the record lives in memory and on disk."""
+    raw = os.environ.get("AENV_BUILD_LOG_TAIL", "")
+    try:
+        return max(int(raw), 4096) if raw else 1 << 20
+    except ValueError:
+        raise AgentEnvError(f"AENV_BUILD_LOG_TAIL must be a number of bytes, got {raw!r}") from None
+
+
 LOGS_PER_CALL = 100  # the SDK keeps polling until a call returns no entries
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 _HASH = re.compile(r"^[A-Za-z0-9_-]{1,128}$")
@@ -98,14 +117,46 @@ class BuildRecord:
     logs: list[dict[str, Any]] = field(default_factory=list)
     #: the tags the build gets once ready (records written before tags existed: "default")
     tags: list[str] = field(default_factory=list)
+    #: log entries dropped from the front (only the tail is kept); offsets stay absolute
+    logs_dropped: int = 0
+    logs_bytes: int = 0
 
     def log(self, level: str, message: str, step: str | None = None) -> None:
-        if len(self.logs) >= MAX_LOG_ENTRIES:
-            return
         entry: dict[str, Any] = {"timestamp": time.time(), "level": level, "message": message}
         if step is not None:
             entry["step"] = step
         self.logs.append(entry)
+        self.logs_bytes += _entry_size(entry)
+        limit = log_tail_bytes()
+        if len(self.logs) > MAX_LOG_ENTRIES or self.logs_bytes > limit:
+            # Drop the oldest down to 90% of both limits at once (not one per new line).
+            cut, size = 0, self.logs_bytes
+            while cut < len(self.logs) - 1 and (
+                    len(self.logs) - cut > MAX_LOG_ENTRIES * 9 // 10 or size > limit * 9 // 10):
+                size -= _entry_size(self.logs[cut])
+                cut += 1
+            del self.logs[:cut]
+            self.logs_dropped += cut
+            self.logs_bytes = size
+
+    def logs_from(self, offset: int, count: int) -> list[dict[str, Any]]:
+        """Entries from absolute position `offset` (what a client has read so far)."""
+        start = max(0, offset - self.logs_dropped)
+        return self.logs[start:start + count]
+
+
+def _entry_size(entry: dict[str, Any]) -> int:
+    return len(entry["message"]) + 48  # the message plus timestamp, level and step
+
+
+def _redacted(request: dict[str, Any]) -> dict[str, Any]:
+    """A build request as it may be kept: registry credentials are used for the pull, in
+    memory, and never written anywhere (the record keeps who, not the secret)."""
+    creds = request.get("fromImageRegistry")
+    if isinstance(creds, dict):
+        request["fromImageRegistry"] = {
+            k: ("[redacted]" if k not in ("type", "username") else v) for k, v in creds.items()}
+    return request
 
 
 def _entry_json(entry: dict[str, Any]) -> dict[str, Any]:
@@ -158,8 +209,9 @@ class TemplateBuildApi:
             self.builds[rec.build_id] = rec
 
     def _save(self, rec: BuildRecord) -> None:
+        # Atomic and durable (temp, fsync, rename, fsync the directory), private (0600).
         self.builds_dir.mkdir(parents=True, exist_ok=True)
-        atomic_write_json(self.builds_dir / f"{rec.build_id}.json", asdict(rec))
+        write_private(self.builds_dir / f"{rec.build_id}.json", json.dumps(asdict(rec)).encode())
 
     def _builds_of(self, template_id: str) -> list[BuildRecord]:
         """Newest first."""
@@ -280,7 +332,12 @@ class TemplateBuildApi:
         files_hash = request.path_params["files_hash"]
         if not _HASH.match(files_hash):
             raise BadRequest(f"invalid files hash {files_hash!r}")
-        if (self.files_dir / files_hash).is_file():
+        present = self.files_dir / files_hash
+        if present.is_file():
+            # The SDK skips the upload and starts a build with it soon: fresh again for the
+            # garbage collector (node/gc.py keeps unused uploads AENV_TEMPLATE_FILES_TTL).
+            with contextlib.suppress(OSError):
+                os.utime(present)
             return JSONResponse({"present": True}, status_code=201)
         expires = int(time.time()) + UPLOAD_URL_SECONDS
         base = str(request.base_url).rstrip("/")
@@ -307,14 +364,28 @@ class TemplateBuildApi:
         if declared and declared.isdigit() and int(declared) > MAX_UPLOAD_BYTES:
             raise ApiError(f"upload over {MAX_UPLOAD_BYTES} bytes", status=413)
         self.files_dir.mkdir(parents=True, exist_ok=True)
+        what = f"the upload of files {files_hash}"
+        try:
+            require_free_space(self.files_dir, int(declared) if declared and declared.isdigit()
+                               else 0, what)
+        except InsufficientSpace as exc:
+            raise ApiError(str(exc), status=507) from None
         fd, tmp_name = tempfile.mkstemp(prefix=f".{files_hash}.", dir=self.files_dir)
         size = 0
+        checked = 0
         try:
             with os.fdopen(fd, "wb") as out:
                 async for chunk in request.stream():
                     size += len(chunk)
                     if size > MAX_UPLOAD_BYTES:
                         raise ApiError(f"upload over {MAX_UPLOAD_BYTES} bytes", status=413)
+                    if size - checked >= UPLOAD_SPACE_CHECK:
+                        # No length given (or a wrong one): look again every few MiB.
+                        checked = size
+                        if free_bytes(self.files_dir) < disk_reserve():
+                            raise ApiError(f"not enough free disk space for {what}: less than "
+                                           "AENV_DISK_RESERVE left after "
+                                           f"{size >> 20} MiB; upload stopped", status=507)
                     await asyncio.to_thread(out.write, chunk)
             os.replace(tmp_name, self.files_dir / files_hash)
         except BaseException:
@@ -365,7 +436,7 @@ class TemplateBuildApi:
         if rec.status != "waiting":
             raise BadRequest(f"build {build_id} is {rec.status}, not waiting")
         rec.status = "building"  # no await since the check: a second start gets the 400 above
-        rec.request = body.model_dump(exclude_none=True)
+        rec.request = _redacted(body.model_dump(exclude_none=True))
         rec.updated_at = time.time()
         self._save(rec)
         task = asyncio.create_task(self._run(rec, steps, body), name=f"build:{build_id}")
@@ -382,7 +453,7 @@ class TemplateBuildApi:
             raise BadRequest(f"logsOffset must be an integer, got {raw!r}") from None
         if offset < 0:
             raise BadRequest("logsOffset must not be negative")
-        entries = rec.logs[offset:offset + LOGS_PER_CALL]
+        entries = rec.logs_from(offset, LOGS_PER_CALL)
         body: dict[str, Any] = {
             "templateID": rec.template_id, "buildID": rec.build_id, "status": rec.status,
             "logs": [_line(e) for e in entries], "logEntries": [_entry_json(e) for e in entries],
@@ -605,6 +676,9 @@ class TemplateBuildApi:
                                               "seconds": round(time.monotonic() - t0, 1)})
         finally:
             self._save(rec)
+            gc = getattr(self.orchestrator, "gc", None)
+            if gc is not None:
+                gc.request()  # its uploads may be unused now (node/gc.py)
 
     def _fail(self, rec: BuildRecord, message: str, step: str | None) -> None:
         rec.status = "error"
@@ -697,25 +771,19 @@ class TemplateBuildApi:
         assert body.fromImage is not None
         rec.log("info", f"FROM image {body.fromImage}: pulling", BASE_STEP)
         cache = os.environ.get("AENV_LAYER_CACHE")
-        with tempfile.TemporaryDirectory(prefix="aenv-build-") as tmp:
-            docker_config = None
-            creds = body.fromImageRegistry or {}
-            if creds.get("username") or creds.get("password"):
-                import base64
+        credentials = None
+        creds = body.fromImageRegistry or {}
+        if creds.get("username") or creds.get("password"):
+            from agentenv.template.auth import Credentials
 
-                from agentenv.template.reference import parse_reference
-
-                host = parse_reference(body.fromImage).registry
-                token = base64.b64encode(
-                    f"{creds.get('username', '')}:{creds.get('password', '')}".encode()).decode()
-                docker_config = Path(tmp) / "config.json"
-                docker_config.write_text(json.dumps({"auths": {host: {"auth": token}}}))
-            try:
-                pulled = await asyncio.to_thread(
-                    pull_image, body.fromImage, state_dir=self.state_dir,
-                    cache_dir=Path(cache) if cache else None, docker_config=docker_config)
-            except AgentEnvError as exc:
-                raise BuildFailed(f"pulling {body.fromImage} failed: {exc}", BASE_STEP) from exc
+            # In memory for this pull only: no docker config file, nothing in the record.
+            credentials = Credentials(str(creds.get("username", "")), str(creds.get("password", "")))
+        try:
+            pulled = await asyncio.to_thread(
+                pull_image, body.fromImage, state_dir=self.state_dir,
+                cache_dir=Path(cache) if cache else None, credentials=credentials)
+        except AgentEnvError as exc:
+            raise BuildFailed(f"pulling {body.fromImage} failed: {exc}", BASE_STEP) from exc
         rec.log("info", f"pulled {pulled.reference} ({pulled.manifest_digest[:19]}): "
                 f"{pulled.layers_converted} layers converted, {pulled.layers_cached} cached, "
                 f"{pulled.layers_fetched} overlaybd layers fetched as they are, "

@@ -277,9 +277,11 @@ def build_argv(
             "-blockdev",
             _blockdev_arg({"driver": "raw", "node-name": disk.name, "file": file_node_name,
                            "read-only": disk.read_only}),
+            # werror/rerror=report: an error (ENOSPC from a disk at its cap) goes to the guest
+            # as an I/O error; QEMU's default for ENOSPC pauses the whole VM.
             "-device",
             f"virtio-blk-pci,id=dev-{disk.name},drive={disk.name},"
-            f"addr={DISK_PCI_BASE + index:#x}",
+            f"addr={DISK_PCI_BASE + index:#x},werror=report,rerror=report",
         ]
     if incoming:
         argv += ["-incoming", "defer"]

@@ -174,6 +174,7 @@ class Image:
         vsize = upper.virtual_size if upper is not None and upper.virtual_size else 0
         vsize = vsize or virtual_size or _stack_vsize(layers)
         self._view = _View(layers, ro, upper, vsize)
+        self._upper_limit: int | None = None
 
     # -- construction ---------------------------------------------------------------------
 
@@ -270,6 +271,28 @@ class Image:
     @property
     def config_path(self) -> Path | None:
         return self._config.path if self._config is not None else None
+
+    @property
+    def upper_limit(self) -> int | None:
+        """Cap in bytes on the upper's growth (data appended plus index log; None: no cap).
+        Writes that would pass it raise UpperFull (ENOSPC); a snapshot starts a new upper
+        with the same cap."""
+        return self._upper_limit
+
+    @upper_limit.setter
+    def upper_limit(self, limit: int | None) -> None:
+        if limit is not None and (not isinstance(limit, int) or limit <= 0):
+            raise ImageUsageError(f"upper limit must be a positive number of bytes, got {limit!r}")
+        with self._wlock:
+            self._upper_limit = limit
+            if self._view.upper is not None:
+                self._view.upper.limit = limit
+
+    @property
+    def upper_used(self) -> int:
+        """Bytes the cap counts in the current upper (0 without one)."""
+        up = self._view.upper
+        return up.used_bytes if up is not None else 0
 
     # -- reads ----------------------------------------------------------------------------
 
@@ -640,6 +663,7 @@ class Image:
                 fsync_dir(config.path.parent)
                 new_upper = Upper.create(upper_dir, v.vsize, parent_uuid=trailer.uuid,
                                          rw_tag=slot + 1)
+                new_upper.limit = self._upper_limit
             except BaseException:
                 # On disk the restack is committed; the next open finishes it. Here the
                 # image goes read-only over the new stack.

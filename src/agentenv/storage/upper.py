@@ -6,13 +6,22 @@ with no data. The in-memory index (sector units; layer 0 = data, ZEROED) is rebu
 replaying the log in file order (later entries override earlier ones). `seal_in_place` turns
 the data file into a sealed read-only layer exactly as C++ `close_seal` does (spec 4.3).
 
+Growth cap and reuse: a write whose whole range is already mapped to upper data is written
+over that data in place (no append, no log entry), so a guest rewriting the same blocks (a
+log file, a database page) does not grow the upper; the file stays a valid overlaybd upper.
+Anything else appends, and `limit` (bytes of data plus index log, None = no cap) refuses an
+append that would pass it with `UpperFull` (an OSError with ENOSPC: blockd answers the NBD
+request with ENOSPC, the upper stays as it was).
+
 Concurrency: the caller serialises writers; readers look up `index` while holding
-`index_lock`, which writers take only while mutating the in-memory index. Data is never
-overwritten, so a reader that resolved a mapping may pread it after releasing the lock.
+`index_lock`, which writers take only while mutating the in-memory index. A reader that
+resolved a mapping preads it after releasing the lock: an in-place overwrite racing with it
+may show it old or new data, which is what overlapping in-flight requests get from a disk.
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import threading
 from pathlib import Path
@@ -40,6 +49,16 @@ from agentenv.storage.lsmt import (
 UPPER_DATA = "upper.data"
 UPPER_INDEX = "upper.index"
 LOG_BUFFER = 1 << 20
+
+
+class UpperFull(OSError):
+    """An append would take the upper past its cap (errno ENOSPC)."""
+
+    def __init__(self, path: Path, size: int, need: int, limit: int) -> None:
+        super().__init__(errno.ENOSPC,
+                         f"upper {path.parent} is full: {size} bytes used, a write needs "
+                         f"{need} more, the cap is {limit} bytes")
+        self.used, self.need, self.limit = size, need, limit
 
 
 def is_upper_path(path: Path) -> bool:
@@ -109,6 +128,8 @@ class Upper:
         self.rw_tag = rw_tag
         self.pending_log: list[bytes] = []
         self.pending_bytes = 0
+        self.limit: int | None = None  # cap on used_bytes for appends (see module docstring)
+        self.reuse = True  # overwrite fully mapped ranges in place
 
     # -- creation and opening ------------------------------------------------------------
 
@@ -116,7 +137,7 @@ class Upper:
     def create(cls, directory: Path, virtual_size: int, *, uuid: str | None = None,
                parent_uuid: str | None = None, rw_tag: int = 0) -> Upper:
         """Write an empty RW pair (as `overlaybd-create`) atomically, then open it."""
-        directory.mkdir(parents=True, exist_ok=True)
+        directory.mkdir(parents=True, exist_ok=True, mode=0o700)  # a sandbox's disk: private
         uuid = uuid or random_uuid()
         data_hdr = HeaderTrailer(flags=FLAG_HEADER | FLAG_DATA, virtual_size=virtual_size,
                                  uuid=uuid, parent_uuid=parent_uuid or "")
@@ -127,7 +148,8 @@ class Upper:
         # previous (sealed) one, which Image.open recognises and rolls forward.
         for name, block in ((UPPER_INDEX, index_hdr.pack()), (UPPER_DATA, data_hdr.pack())):
             tmp = directory / f".{name}.tmp-{os.getpid()}"
-            with open(tmp, "wb") as f:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+            with open(fd, "wb") as f:
                 f.write(block)
                 f.flush()
                 os.fsync(f.fileno())
@@ -212,6 +234,19 @@ class Upper:
     def data_size(self) -> int:
         return self.data_eof - HT_BLOCK
 
+    @property
+    def used_bytes(self) -> int:
+        """What the cap counts: data appended plus index-log entries (headers excluded)."""
+        return self.data_eof - HT_BLOCK + 16 * self.log_entries
+
+    def _reserve(self, data_bytes: int, entries: int) -> None:
+        limit = self.limit
+        if limit is not None:
+            need = data_bytes + 16 * entries
+            used = self.used_bytes
+            if used + need > limit:
+                raise UpperFull(self.data_path, used, need, limit)
+
     # -- mutation (caller serialises writers) -----------------------------------------------
 
     def _append_log(self, entries: list[bytes]) -> None:
@@ -234,7 +269,38 @@ class Upper:
         self.pending_bytes = 0
 
     def write_extent(self, sector: int, data: bytes | bytearray | memoryview) -> None:
-        """Append sector-aligned data for virtual sector `sector` (split at 4 MiB)."""
+        """Write sector-aligned data for virtual sector `sector`: the parts the upper already
+        holds data for are written over it in place, the rest appended (split at 4 MiB).
+        Only writers change the index, and they are serialised, so a mapping looked up here
+        cannot move before the pwrite. The cap is checked before anything is written."""
+        n = len(data)
+        if self.reuse:
+            end = sector + (n >> 9)
+            with self.index_lock:
+                own = [p for p in self.index.lookup(sector, end) if p[3] == 0]
+            if own:
+                gaps: list[tuple[int, int]] = []
+                pos = sector
+                for s, ln, _mo, _layer in own:
+                    if s > pos:
+                        gaps.append((pos, s - pos))
+                    pos = s + ln
+                if pos < end:
+                    gaps.append((pos, end - pos))
+                self._reserve(sum(ln for _s, ln in gaps) * SECTOR,
+                              sum(-(-ln * SECTOR // MAX_IO_SIZE) for _s, ln in gaps))
+                mv = memoryview(data)
+                for s, ln, mo, _layer in own:
+                    rel = (s - sector) * SECTOR
+                    pwrite_all(self.data_fd, mv[rel : rel + ln * SECTOR], mo * SECTOR)
+                for s, ln in gaps:
+                    rel = (s - sector) * SECTOR
+                    self._append(s, mv[rel : rel + ln * SECTOR])
+                return
+        self._reserve(n, -(-n // MAX_IO_SIZE))
+        self._append(sector, data)
+
+    def _append(self, sector: int, data: bytes | bytearray | memoryview) -> None:
         n = len(data)
         if n <= MAX_IO_SIZE:
             at = self.data_eof
@@ -269,6 +335,7 @@ class Upper:
 
     def zero_extent(self, sector: int, count: int) -> None:
         """Record a zeroed mapping (discard / write-zeroes), split at 16383 sectors."""
+        self._reserve(0, -(-count // MAX_LENGTH))
         entries: list[bytes] = []
         inserts: list[tuple[int, int]] = []
         mo = self.data_eof // SECTOR

@@ -231,6 +231,18 @@ class _ForwardReader(io.RawIOBase):
     def __init__(self, pipeline: _Pipeline) -> None:
         self._pipeline = pipeline
         self._position = 0
+        self._pushed = b""
+
+    def unread(self, data: bytes) -> None:
+        """Give back bytes just read (a header looked at before tarfile parses it)."""
+        self._pushed = data + self._pushed
+        self._position -= len(data)
+
+    def _next(self, size: int) -> bytes:
+        if self._pushed:
+            chunk, self._pushed = self._pushed[:size], self._pushed[size:]
+            return chunk
+        return self._pipeline.read(size)
 
     def readable(self) -> bool:
         return True
@@ -249,7 +261,7 @@ class _ForwardReader(io.RawIOBase):
         if position < self._position:
             raise io.UnsupportedOperation("a layer stream cannot seek backwards")
         while self._position < position:
-            skipped = self._pipeline.read(min(position - self._position, _COPY_CHUNK))
+            skipped = self._next(min(position - self._position, _COPY_CHUNK))
             if not skipped:
                 break
             self._position += len(skipped)
@@ -262,7 +274,7 @@ class _ForwardReader(io.RawIOBase):
         chunks: list[bytes] = []
         wanted = size
         while wanted > 0:
-            chunk = self._pipeline.read(min(wanted, _COPY_CHUNK))
+            chunk = self._next(min(wanted, _COPY_CHUNK))
             if not chunk:
                 break
             chunks.append(chunk)
@@ -311,9 +323,51 @@ def _start_writeback(fd: int) -> None:
         _sync_file_range(fd, 0, 0, _SYNC_FILE_RANGE_WRITE)
 
 
-def _clean_name(name: str) -> str:
-    """Relative path inside the root, with `..` clamped at the root ('' is the root itself)."""
-    return posixpath.normpath("/" + name).lstrip("/")
+def _clean_name(name: str, what: str = "entry") -> str:
+    """Relative path inside the root ('' is the root itself; a leading `/` or `./` is
+    dropped). A name whose `..` would climb above the root is refused, not clamped: such a
+    layer was made to attack whoever unpacks it."""
+    if "\0" in name:
+        raise LayerApplyError(f"{what} {name!r} has a NUL byte in its name")
+    parts: list[str] = []
+    for comp in name.split("/"):
+        if comp in ("", "."):
+            continue
+        if comp == "..":
+            if not parts:
+                raise LayerApplyError(f"{what} {name!r} points outside the layer root")
+            parts.pop()
+        else:
+            parts.append(comp)
+    return "/".join(parts)
+
+
+# PAX and GNU long-name headers are read whole into memory by tarfile, and older
+# interpreters parse PAX records with backtracking regexes (CVE-2024-6232, fixed in 3.11.10:
+# quadratic in a long run of digits). Checked here before tarfile sees them, whatever the
+# interpreter: a size cap, a linear record parse, and no digit run a regex could choke on.
+MAX_META_HEADER = 1 << 20
+_MAX_DIGIT_RUN = 64
+_DIGIT_RUN = re.compile(rb"[0-9]{%d}" % (_MAX_DIGIT_RUN + 1))
+
+
+def _check_pax(buf: bytes) -> None:
+    if _DIGIT_RUN.search(buf):
+        raise tarfile.HeaderError(f"PAX header with a run of more than {_MAX_DIGIT_RUN} digits")
+    pos = 0
+    while pos < len(buf):
+        space = buf.find(b" ", pos, pos + 21)
+        digits = buf[pos:space]
+        if space < 0 or not digits.isdigit():
+            raise tarfile.HeaderError(f"malformed PAX record at byte {pos}")
+        length = int(digits)
+        record = buf[pos : pos + length]
+        if length <= space - pos + 1 or len(record) != length or not record.endswith(b"\n") \
+                or b"=" not in record[space - pos + 1 :]:
+            raise tarfile.HeaderError(f"malformed PAX record at byte {pos}")
+        if record[space - pos + 1 :].startswith(b"GNU.sparse."):
+            raise tarfile.HeaderError("GNU sparse files (PAX GNU.sparse.*) are not supported in a layer")
+        pos += length
 
 
 class _TarInfo(tarfile.TarInfo):
@@ -352,6 +406,21 @@ class _TarInfo(tarfile.TarInfo):
         if prefix_name and obj.type not in tarfile.GNU_TYPES:
             obj.name = prefix_name + "/" + obj.name
         return obj
+
+    def _proc_pax(self, tarfile_: tarfile.TarFile) -> tarfile.TarInfo:
+        if self.size > MAX_META_HEADER:
+            raise tarfile.HeaderError(f"PAX header of {self.size} bytes (limit {MAX_META_HEADER})")
+        reader = tarfile_.fileobj
+        if isinstance(reader, _ForwardReader):
+            buf = reader.read(self._block(self.size))
+            reader.unread(buf)
+            _check_pax(buf[: self.size].rstrip(b"\0"))
+        return super()._proc_pax(tarfile_)  # type: ignore[misc,no-any-return]
+
+    def _proc_gnulong(self, tarfile_: tarfile.TarFile) -> tarfile.TarInfo:
+        if self.size > MAX_META_HEADER:
+            raise tarfile.HeaderError(f"GNU long name of {self.size} bytes (limit {MAX_META_HEADER})")
+        return super()._proc_gnulong(tarfile_)  # type: ignore[misc,no-any-return]
 
 
 # name, mode, uid, gid, size, mtime, chksum, type, linkname, magic+version, uname, gname,
@@ -465,7 +534,7 @@ class LayerApplier:
         elif member.issym():
             self._create(path, lambda: os.symlink(member.linkname, path))
         elif member.islnk():
-            target = self._host_path(_clean_name(member.linkname))
+            target = self._host_path(_clean_name(member.linkname, f"hard link {member.name!r} to"))
             if not os.path.lexists(target):
                 raise LayerApplyError(
                     f"hard link {member.name!r} -> {member.linkname!r}: target does not exist")
@@ -535,6 +604,12 @@ class LayerApplier:
 
     def _whiteout(self, rel: str, base: str) -> None:
         parent_rel = posixpath.dirname(rel)
+        victim = base[len(WHITEOUT_PREFIX) :]
+        if victim in ("", ".", ".."):
+            # `.wh..` would name the directory holding it (at the top: the root's parent).
+            raise LayerApplyError(f"whiteout {rel!r} names no entry ({victim or 'empty'!r})")
+        if base != OPAQUE_WHITEOUT and base.startswith(WHITEOUT_PREFIX * 2):
+            return  # other .wh..wh. names are aufs metadata (hard-link dirs): nothing to remove
         parent = self._resolve_dir(parent_rel)
         if base == OPAQUE_WHITEOUT:
             if not os.path.isdir(parent):
@@ -544,7 +619,7 @@ class LayerApplier:
                 if child not in self.unpacked:
                     self._remove(child)
             return
-        self._remove(os.path.join(parent, base[len(WHITEOUT_PREFIX) :]))
+        self._remove(os.path.join(parent, victim))
 
     @staticmethod
     def _xattrs(member: tarfile.TarInfo) -> Iterator[tuple[str, bytes]]:

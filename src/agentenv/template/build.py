@@ -338,11 +338,12 @@ class StepRunner:
         owner = owner_arg or self._owner(self.context.user)
         if owner_arg and ":" not in owner_arg and owner_arg != "root":
             owner = f"{owner_arg}:{owner_arg}"
-        data = await asyncio.to_thread(archive.read_bytes)
-        flags = "-xzf" if data[:2] == b"\x1f\x8b" else "-xf"
+        with open(archive, "rb") as f:
+            flags = "-xzf" if f.read(2) == b"\x1f\x8b" else "-xf"
         remote = f"/tmp/.aenv-copy-{step.files_hash[:32]}.tar"
         try:
-            await self.envd.upload(remote, data, user="root")
+            # Streamed from the upload's file: never whole in the node's memory.
+            await self.envd.upload_file(remote, archive, user="root")
         except EnvdClientError as exc:
             raise BuildFailed(f"uploading the files of {step.describe()} failed: {exc}",
                               name) from exc

@@ -44,7 +44,8 @@ BASE_MKFS_ARGS = (*MKFS_ARGS[:-1], MKFS_ARGS[-1] + f",hash_seed={BASE_FS_UUID}",
 BASE_FAKE_TIME = "1600000000"
 BASE_KEY = "sha256:" + hashlib.sha256(f"{BASE_MKFS_ARGS} {VIRTUAL_SIZE}".encode()).hexdigest()
 # noinit_itable: no background zeroing of inode tables (it would write GiBs into the layer).
-MOUNT_OPTIONS = "noinit_itable,nodiscard"
+# nodev,nosuid,noexec: a layer is untrusted data on the host, never devices or programs.
+MOUNT_OPTIONS = "nodev,nosuid,noexec,noinit_itable,nodiscard"
 
 
 def _run(args: list[str], what: str, env: dict[str, str] | None = None) -> str:
@@ -65,7 +66,7 @@ def loop_mount(file: Path, mountpoint: Path, *, readonly: bool = False) -> Itera
     try:
         # Drop any block cache a previous user of this loop device number left behind.
         subprocess.run(["blockdev", "--flushbufs", device], capture_output=True)
-        options = "ro,noload" if readonly else MOUNT_OPTIONS
+        options = "ro,noload,nodev,nosuid,noexec" if readonly else MOUNT_OPTIONS
         _run(["mount", "-t", "ext4", "-o", options, device, str(mountpoint)], "mounting the layer")
         try:
             yield mountpoint

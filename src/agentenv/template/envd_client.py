@@ -2,7 +2,7 @@
 
 It speaks exactly what the SDKs speak (spec/e2b-compat.md section 3): `process.Process/Start` as a
 server stream of envelopes, unary `process.Process/List` and `filesystem.Filesystem/MakeDir`,
-multipart `POST /files`, and `POST /init`. Users are chosen per call with
+`POST /files` (a file streamed as application/octet-stream), and `POST /init`. Users are chosen per call with
 `Authorization: Basic base64(user:)`, as the SDKs do.
 """
 
@@ -11,10 +11,12 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import os
 import struct
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -23,6 +25,37 @@ from agentenv.errors import AgentEnvError
 
 FLAG_END_STREAM = 0x02
 _HEADER = struct.Struct(">BI")
+_UPLOAD_CHUNK = 1 << 20
+
+
+def output_limit() -> int:
+    """Characters of a process's stdout (and of its stderr) kept: the last ones. A build step
+    may print gigabytes; its end is what explains a failure. AENV_BUILD_OUTPUT_TAIL, 1 MiB."""
+    raw = os.environ.get("AENV_BUILD_OUTPUT_TAIL", "")
+    try:
+        value = int(raw) if raw else 1 << 20
+    except ValueError:
+        raise EnvdClientError(f"AENV_BUILD_OUTPUT_TAIL must be a number of characters, "
+                              f"got {raw!r}") from None
+    return max(value, 1)
+
+
+class _Tail:
+    """The last `limit` characters of a stream of text."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.parts: list[str] = []
+        self.size = 0
+
+    def append(self, text: str) -> None:
+        self.parts.append(text)
+        self.size += len(text)
+        while self.size - len(self.parts[0]) >= self.limit:
+            self.size -= len(self.parts.pop(0))
+
+    def text(self) -> str:
+        return "".join(self.parts)[-self.limit:]
 
 
 class EnvdClientError(AgentEnvError):
@@ -171,6 +204,30 @@ class EnvdClient:
             raise EnvdClientError(f"uploading {path}: envd answered {answer.status_code}: "
                                   f"{answer.text[:300]}")
 
+    async def upload_file(self, path: str, source: Path, user: str | None = None) -> None:
+        """Stream the host file `source` to `path` in the guest (octet-stream POST /files),
+        1 MiB at a time: an archive of any size costs the node no more memory than that."""
+        size = source.stat().st_size
+        params = {"path": path}
+        if user:
+            params["username"] = user
+
+        async def chunks() -> AsyncIterator[bytes]:
+            with open(source, "rb") as f:
+                while block := await asyncio.to_thread(f.read, _UPLOAD_CHUNK):
+                    yield block
+
+        headers = {**self._headers(), "Content-Type": "application/octet-stream",
+                   "Content-Length": str(size)}
+        try:
+            answer = await self._http.post(self.base_url + "/files", params=params,
+                                           content=chunks(), headers=headers, timeout=300.0)
+        except httpx.HTTPError as exc:
+            raise EnvdClientError(f"uploading {path}: {exc}") from exc
+        if not answer.is_success:
+            raise EnvdClientError(f"uploading {path}: envd answered {answer.status_code}: "
+                                  f"{answer.text[:300]}")
+
     async def run(
         self,
         cmd: str,
@@ -208,8 +265,8 @@ class EnvdClient:
         if timeout:
             headers["Connect-Timeout-Ms"] = str(int(timeout * 1000))
         pid = 0
-        out: list[str] = []
-        err: list[str] = []
+        # Only the tail of each stream is kept (on_output sees everything as it comes).
+        out, err = _Tail(output_limit()), _Tail(output_limit())
         end: dict[str, Any] | None = None
         decoder = _Envelopes()
         # No read timeout: a build step may be silent for minutes (keepalives come every 90 s).
@@ -254,4 +311,4 @@ class EnvdClient:
             raise EnvdClientError(f"process {pid} ended without an end event")
         return ProcessResult(pid, int(end.get("exitCode", end.get("exit_code", 0)) or 0),
                              bool(end.get("exited", False)), str(end.get("status", "")),
-                             "".join(out), "".join(err))
+                             out.text(), err.text())

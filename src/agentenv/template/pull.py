@@ -40,7 +40,9 @@ from rich.progress import (
 )
 
 from agentenv.blockd.client import BlockdClient
+from agentenv.fsutil import require_free_space
 from agentenv.template.apply import compression_of
+from agentenv.template.auth import Credentials
 from agentenv.template.blobtap import BlobTap
 from agentenv.template.convert import (
     BASE_KEY,
@@ -216,6 +218,7 @@ def pull_image(
     cache_dir: Path | None = None,
     platform: str = "linux/amd64",
     docker_config: Path | None = None,
+    credentials: Credentials | None = None,
     blockd: Path | None = None,
     insecure: bool | None = None,
     ca_file: Path | None = None,
@@ -225,7 +228,8 @@ def pull_image(
     """Pull `ref` and record it under `state_dir/images/<name or sha256-HEX>/`.
 
     `blockd`: the control socket of the block daemon to convert with (default: the host's
-    daemon if it answers, else a private one for this pull). `insecure`: allow plain http and
+    daemon if it answers, else a private one for this pull). `credentials`: used instead of the
+    docker config's, kept in memory only. `insecure`: allow plain http and
     unverified TLS (default: only for loopback registries and AENV_INSECURE_REGISTRIES).
     """
     started = time.perf_counter()
@@ -240,7 +244,7 @@ def pull_image(
     timings: dict[str, float] = {}
 
     with RegistryClient(reference.registry, api_host=reference.api_host, docker_config=docker_config,
-                        insecure=insecure, ca_file=ca_file) as client, \
+                        credentials=credentials, insecure=insecure, ca_file=ca_file) as client, \
             _Reporter(progress, console) as reporter:
         manifest = client.resolve_manifest(reference, wanted_platform)
         config_bytes = client.get_blob_bytes(reference.repository, manifest.config)
@@ -310,11 +314,21 @@ def pull_image(
     )
 
 
+CONVERT_SPACE_FACTOR = 4  # blob + converted layer, per compressed byte (estimate)
+
+
+def _mib(n: int) -> str:
+    return f"{n / (1 << 20):.1f} MiB"
+
+
 def _pull_overlaybd(manifest: Manifest, puller: _Puller) -> tuple[list[tuple[Path, str]], tuple[int, int]]:
     from agentenv.storage.layer import inspect_layer  # the storage engine checks the format
 
     lowers: list[tuple[Path, str]] = []
     cached = fetched = 0
+    need = sum(layer.size for layer in manifest.layers
+               if puller.cache.lookup(NATIVE_KIND, layer.digest) is None)
+    require_free_space(puller.cache.root, need, f"pulling {puller.ref} ({_mib(need)} of layers)")
     for layer in manifest.layers:
         with puller.cache.entry_lock(NATIVE_KIND, layer.digest):
             found = puller.cache.lookup(NATIVE_KIND, layer.digest)
@@ -374,6 +388,11 @@ def _pull_and_convert(
     keys = [converted_key(base[1], chain) for chain in chains]
     missing = [i for i, key in enumerate(keys) if cache.lookup(CONVERTER_KIND, key) is None]
     lowers: list[tuple[Path, str]] = [base]
+    # Checked before any download: the blobs, plus the converted layers (the uncompressed
+    # files in ext4; a gzip layer inflates about 3x).
+    download = sum(layers[i].size for i in missing)
+    require_free_space(cache.root, download * CONVERT_SPACE_FACTOR,
+                       f"pulling {puller.ref} ({_mib(download)} to download and convert)")
     if not missing:
         return [base] + [(cache.lookup(CONVERTER_KIND, k), c) for k, c in zip(keys, chains, strict=True)], \
             (len(chains), 0)  # type: ignore[list-item]

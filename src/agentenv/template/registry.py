@@ -47,6 +47,8 @@ INDEX_TYPES = (OCI_INDEX, DOCKER_LIST)
 MANIFEST_TYPES = (OCI_MANIFEST, DOCKER_MANIFEST)
 ACCEPT = ", ".join((*MANIFEST_TYPES, *INDEX_TYPES))
 MAX_MANIFEST_BYTES = 4 << 20
+MAX_TOKEN_BYTES = 1 << 20  # a token server's answer (a JWT is a few KiB)
+MAX_ERROR_BYTES = 64 << 10  # an error body: only its first 300 bytes are shown anyway
 MAX_INDEX_DEPTH = 4
 _DIGEST_RE = re.compile(r"^sha256:[0-9a-f]{64}$")
 _CHUNK = 1 << 20
@@ -123,6 +125,28 @@ def _is_loopback(host: str) -> bool:
         return ipaddress.ip_address(name).is_loopback
     except ValueError:
         return False
+
+
+def read_capped(response: httpx.Response, limit: int, what: str, *, truncate: bool = False) -> bytes:
+    """A response body read while it streams, refused (or, with `truncate`, cut) as soon as
+    it passes `limit` bytes, before the rest is fetched. Counts decoded bytes, so a
+    compressed body cannot inflate past the limit either."""
+    length = response.headers.get("content-length", "")
+    if not truncate and length.isdigit() and int(length) > limit:
+        raise RegistryError(f"{what}: {int(length)} bytes is more than the {limit} allowed")
+    chunks: list[bytes] = []
+    size = 0
+    try:
+        for chunk in response.iter_bytes(_CHUNK):
+            chunks.append(chunk)
+            size += len(chunk)
+            if size > limit:
+                if truncate:
+                    break
+                raise RegistryError(f"{what}: more than the {limit} bytes allowed; stopped reading")
+    except httpx.TransportError as exc:
+        raise RegistryError(f"{what}: reading the answer failed: {exc}") from exc
+    return b"".join(chunks)[:limit] if truncate else b"".join(chunks)
 
 
 def _parse_challenge(header: str) -> tuple[str, dict[str, str]]:
@@ -262,17 +286,26 @@ class RegistryClient:
         query = {"service": service} if service else {}
         query["scope"] = scope
         auth = (credentials.username, credentials.password) if credentials else None
+        status, body = self._token_call(realm, "GET", params=query, auth=auth)
+        if status in (401, 403):
+            raise AuthError(f"token server of {self.registry} refused access to {scope} "
+                            f"(HTTP {status})")
+        if status != 200:
+            raise AuthError(f"token server of {self.registry} answered HTTP {status}")
+        return self._token_from(body)
+
+    def _token_call(self, realm: str, method: str, **kwargs: Any) -> tuple[int, bytes]:
+        """(status, body) of a token-server request, the body read up to MAX_TOKEN_BYTES
+        while it streams (a hostile server cannot make us buffer more)."""
         try:
             self.request_count += 1
-            reply = self._http.get(realm, params=query, auth=auth)
+            with self._http.stream(method, realm, **kwargs) as reply:
+                if reply.status_code != 200:
+                    return reply.status_code, b""
+                return 200, read_capped(reply, MAX_TOKEN_BYTES,
+                                        f"token server answer from {realm}")
         except httpx.TransportError as exc:
             raise AuthError(f"token server {realm} unreachable: {exc}") from exc
-        if reply.status_code in (401, 403):
-            raise AuthError(f"token server of {self.registry} refused access to {scope} "
-                            f"(HTTP {reply.status_code})")
-        if reply.status_code != 200:
-            raise AuthError(f"token server of {self.registry} answered HTTP {reply.status_code}")
-        return self._token_from(reply)
 
     def _token_by_refresh(self, realm: str, service: str, scope: str,
                           credentials: Credentials) -> str:
@@ -284,35 +317,31 @@ class RegistryClient:
                 "client_id": OAUTH_CLIENT_ID, "scope": scope}
         if service:
             form["service"] = service
-        try:
-            self.request_count += 1
-            reply = self._http.post(realm, data=form)
-        except httpx.TransportError as exc:
-            raise AuthError(f"token server {realm} unreachable: {exc}") from exc
-        if reply.status_code in (401, 403):
+        status, body = self._token_call(realm, "POST", data=form)
+        if status in (401, 403):
             raise AuthError(f"token server of {self.registry} refused the identity token (OAuth "
                             f"refresh token) from the docker config for {scope} "
-                            f"(HTTP {reply.status_code}); log in to {self.registry} again")
-        if reply.status_code in (404, 405):
+                            f"(HTTP {status}); log in to {self.registry} again")
+        if status in (404, 405):
             raise AuthError(f"token server of {self.registry} does not accept OAuth refresh "
-                            f"tokens (HTTP {reply.status_code} to the POST), so the identity "
+                            f"tokens (HTTP {status} to the POST), so the identity "
                             "token from the docker config cannot be used; log in with a "
                             "username and password or access token")
-        if reply.status_code != 200:
-            raise AuthError(f"token server of {self.registry} answered HTTP {reply.status_code} "
+        if status != 200:
+            raise AuthError(f"token server of {self.registry} answered HTTP {status} "
                             "to the identity-token exchange")
-        token = self._token_from(reply)
-        rotated = reply.json().get("refresh_token")
+        token = self._token_from(body)
+        rotated = json.loads(body).get("refresh_token")
         if isinstance(rotated, str) and rotated:
             # Docker keeps a rotated refresh token for the rest of the session (in memory).
             self._refresh_token = rotated
         return token
 
-    def _token_from(self, reply: httpx.Response) -> str:
+    def _token_from(self, raw: bytes) -> str:
         try:
-            body = reply.json()
+            body = json.loads(raw)
             token = body.get("access_token") or body.get("token")
-        except (json.JSONDecodeError, AttributeError):
+        except (ValueError, AttributeError):
             token = None
         if not token or not isinstance(token, str):
             raise AuthError(f"token server of {self.registry} returned no token")
@@ -338,8 +367,7 @@ class RegistryClient:
                 time.sleep(0.3 * attempt)
                 continue
             if response.status_code == 401 and auth_rounds < 2:
-                response.read()
-                response.close()
+                response.close()  # its body is of no use; closing drops the connection
                 auth_rounds += 1
                 self._authenticate(response, scope)
                 continue
@@ -355,10 +383,12 @@ class RegistryClient:
         if status < 300:
             return
         try:
-            detail = response.read().decode(errors="replace")[:300]
+            detail = read_capped(response, MAX_ERROR_BYTES, what, truncate=True).decode(
+                errors="replace")[:300]
             errors = json.loads(detail).get("errors", [])
             detail = "; ".join(f"{e.get('code')}: {e.get('message')}" for e in errors) or detail
-        except (json.JSONDecodeError, AttributeError, httpx.StreamError):
+        except (json.JSONDecodeError, AttributeError, httpx.StreamError, httpx.TransportError,
+                RegistryError):
             detail = ""
         finally:
             response.close()
@@ -376,11 +406,12 @@ class RegistryClient:
         what = f"manifest {repository}:{selector}" if not selector.startswith("sha256:") else \
             f"manifest {repository}@{selector}"
         response = self._request("GET", f"/v2/{repository}/manifests/{selector}", repository,
-                                 headers={"Accept": ACCEPT})
-        self._fail(response, what)
-        data = response.content
-        if len(data) > MAX_MANIFEST_BYTES:
-            raise RegistryError(f"{what}: {len(data)} bytes is too large for a manifest")
+                                 headers={"Accept": ACCEPT}, stream=True)
+        try:
+            self._fail(response, what)
+            data = read_capped(response, MAX_MANIFEST_BYTES, what)
+        finally:
+            response.close()
         digest = sha256_digest(data)
         if selector.startswith("sha256:") and digest != selector:
             raise DigestMismatchError(f"{what}: content has digest {digest}")
@@ -454,9 +485,15 @@ class RegistryClient:
         """A small blob (an image config) in memory, verified."""
         if descriptor.size > limit:
             raise RegistryError(f"blob {descriptor.digest} of {descriptor.size} bytes is too large")
-        response = self._request("GET", f"/v2/{repository}/blobs/{descriptor.digest}", repository)
-        self._fail(response, f"blob {repository}@{descriptor.digest}")
-        data = response.content
+        what = f"blob {repository}@{descriptor.digest}"
+        response = self._request("GET", f"/v2/{repository}/blobs/{descriptor.digest}", repository,
+                                 stream=True)
+        try:
+            self._fail(response, what)
+            # The descriptor says the size: more than that is wrong whatever the digest.
+            data = read_capped(response, descriptor.size, what)
+        finally:
+            response.close()
         digest = sha256_digest(data)
         if digest != descriptor.digest:
             raise DigestMismatchError(
@@ -491,6 +528,9 @@ class RegistryClient:
                     while view:
                         view = view[out.write(view) or 0:]
                     size += len(chunk)
+                    if size > descriptor.size:
+                        raise DigestMismatchError(f"{what}: more than the {descriptor.size} bytes "
+                                                  "the manifest says; download stopped")
                     if progress:
                         progress(len(chunk))
                     if tap is not None:

@@ -1,0 +1,100 @@
+"""The per-disk cap on upper growth, end to end through blockd and QEMU's NBD client."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import urllib.request
+from pathlib import Path
+
+from .conftest import Daemon, MiB, Stack, nbd_uri, run
+from .nbdclient import CMD_WRITE, NbdClient
+
+
+def _qemu_io(uri: str, *commands: str) -> subprocess.CompletedProcess[str]:
+    args = ["qemu-io", "-f", "raw"]
+    for command in commands:
+        args += ["-c", command]
+    return subprocess.run([*args, uri], capture_output=True, text=True, timeout=120)
+
+
+def test_capped_disk_refuses_growth_with_enospc_and_keeps_serving(short_tmp: Path, stack: Stack) -> None:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    d = Daemon(short_tmp, fuse=False)
+    # The node default comes from the environment (AENV_DISK_UPPER_LIMIT, as `make up` passes it).
+    d.extra_args = ["--metrics-port", str(port)]
+    os.environ["AENV_DISK_UPPER_LIMIT"] = "3M"
+    try:
+        d.start()
+    finally:
+        del os.environ["AENV_DISK_UPPER_LIMIT"]
+    try:
+        with d.client() as client:
+            capped = client.create(lowers=stack.lowers)
+            capped_raw = {i["id"]: i for i in client.call("list")}[capped.id]
+            uncapped = client.call("create", lowers=[str(p) for p in stack.lowers], upper_limit=0)
+            small = client.call("create", lowers=[str(p) for p in stack.lowers],
+                                upper_limit=MiB)
+        assert capped_raw["upper_limit"] == 3 * MiB
+        assert uncapped["upper_limit"] is None and small["upper_limit"] == MiB
+        uri = nbd_uri(capped)
+        # A guest rewriting the same 1 MiB a hundred times: reused in place, never full.
+        for i in range(20):
+            run(["qemu-io", "-f", "raw", "-c", f"write -P {i} 1M 1M", "-c", "flush", uri])
+        # Growing past the cap: ENOSPC on the wire, qemu-io reports it.
+        out = _qemu_io(uri, "write -P 0x5a 4M 4M")
+        assert "No space left on device" in out.stdout + out.stderr, out
+        # The disk keeps serving: reads, rewrites of held blocks, and what still fits.
+        run(["qemu-io", "-f", "raw", "-c", "read -P 19 1M 1M", "-c", "write -P 0x33 1M 64k",
+             "-c", "write -P 0x44 8M 512k", "-c", "read -P 0x44 8M 512k", uri])
+        # A raw client sees the NBD error code itself, and the connection stays up.
+        nbd = NbdClient(capped.nbd, capped.export)
+        assert nbd.request(CMD_WRITE, 12 * MiB, 4 * MiB, bytes(4 * MiB))[0] == 28  # ENOSPC
+        assert nbd.read(MiB, 4096) == b"\x33" * 4096
+        nbd.close()
+        # Uncapped: the same big write succeeds.
+        run(["qemu-io", "-f", "raw", "-c", "write -P 0x5a 4M 8M",
+             f"nbd+unix:///{uncapped['export']}?socket={uncapped['nbd']}"])
+        with d.client() as client:
+            info = {i["id"]: i for i in client.call("list")}[capped.id]
+        assert info["stats"]["enospc"] >= 2
+        # 20 rewrites of 1 MiB counted once, plus the 512 KiB that fit (and two index entries).
+        assert info["upper_used"] == MiB + 512 * 1024 + 2 * 16
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+        line = next(x for x in text.splitlines()
+                    if x.startswith(f'aenv_blockd_enospc_total{{device="{capped.id}"}}'))
+        assert float(line.split()[-1]) >= 2
+        # The cap is in the device record: it holds after a restart too.
+        d.stop()
+        d.start()
+        out = _qemu_io(uri, "write -P 1 4M 4M")
+        assert "No space left on device" in out.stdout + out.stderr, out
+        run(["qemu-io", "-f", "raw", "-c", "read -P 0x44 8M 512k", uri])
+    finally:
+        d.stop()
+    log = d.log_path.read_text()
+    assert "disk full: write refused with ENOSPC" in log
+    # Logged once a minute at most, not per refused request.
+    assert log.count("disk full: write refused") <= 4
+
+
+def test_bad_upper_limit_is_refused(daemon: Daemon, stack: Stack) -> None:
+    from agentenv.blockd.errors import BlockdError
+
+    with daemon.client() as client:
+        for bad in (-5, "1G", 1.5):
+            try:
+                client.call("create", lowers=[str(p) for p in stack.lowers], upper_limit=bad)
+            except BlockdError as exc:
+                assert "upper_limit must be a non-negative number of bytes" in str(exc)
+            else:
+                raise AssertionError(f"upper_limit={bad!r} was accepted")
+    bad_env = subprocess.run(
+        [sys.executable, "-m", "agentenv.cli.main", "blockd", "--upper-limit", "lots", "--state-dir", "/nonexistent/x"],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert bad_env.returncode != 0 and "is not a size" in bad_env.stderr

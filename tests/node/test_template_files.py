@@ -1,0 +1,96 @@
+"""`template-files` uploads: refused up front (507) when the disk cannot take them, nothing
+half-written left; garbage-collected once no build needs them (node/gc.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from starlette.testclient import TestClient
+
+from agentenv.node.server import ServeOptions, build_app
+from agentenv.node.template_api import TemplateBuildApi
+from agentenv.node.template_models import UPLOAD_PREFIX
+
+
+def _builds_api(app: object) -> TemplateBuildApi:
+    for route in app.api.routes:  # type: ignore[attr-defined]
+        owner = getattr(route.endpoint, "__self__", None)
+        if isinstance(owner, TemplateBuildApi):
+            return owner
+    raise AssertionError("no template build API in the app")
+
+
+def _upload_url(api: TemplateBuildApi, files_hash: str) -> str:
+    expires = int(time.time()) + 600
+    return (f"{UPLOAD_PREFIX}t1/{files_hash}?expires={expires}"
+            f"&signature={api._signature('t1', files_hash, expires)}")
+
+
+@pytest.fixture
+def node(tmp_path: Path) -> Iterator[tuple[TestClient, TemplateBuildApi, Path]]:
+    state = tmp_path / "state"
+    app = build_app(ServeOptions(state_dir=state, backend="process"))
+    key = (state / "secrets" / "api-key").read_text().strip()
+    with TestClient(app, headers={"X-API-KEY": key}) as client:
+        yield client, _builds_api(app), state
+
+
+def test_uploads_are_refused_when_the_disk_cannot_take_them(
+        node: tuple[TestClient, TemplateBuildApi, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    client, api, state = node
+    files = state / "template-files"
+    assert client.put(_upload_url(api, "small"), content=b"ok").status_code == 200
+    assert (files / "small").read_bytes() == b"ok"
+    # A reserve bigger than the disk: whatever is uploaded cannot fit.
+    monkeypatch.setenv("AENV_DISK_RESERVE", str(1 << 60))
+    declared = client.put(_upload_url(api, "big"), content=b"x" * 4096)
+    assert declared.status_code == 507, declared.text
+    assert "not enough free disk space" in declared.json()["message"]
+    assert "AENV_DISK_RESERVE" in declared.json()["message"]
+
+    def endless() -> Iterator[bytes]:  # no Content-Length: checked while it streams
+        for _ in range(40):
+            yield b"y" * (1 << 20)
+
+    streamed = client.put(_upload_url(api, "big"), content=endless())
+    assert streamed.status_code == 507, streamed.text
+    assert "upload stopped" in streamed.json()["message"]
+    assert sorted(p.name for p in files.iterdir()) == ["small"]  # nothing half-written
+
+
+def test_uploads_no_build_needs_are_collected(node: tuple[TestClient, TemplateBuildApi, Path],
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    client, api, state = node
+    gc = api.orchestrator.gc
+    gc.grace_seconds = 0
+    gc.files_ttl = 600
+    files = state / "template-files"
+    for name in ("used", "unused", "recent", "asked"):
+        assert client.put(_upload_url(api, name), content=name.encode()).status_code == 200
+    (files / ".unused.tmp123").write_bytes(b"half")  # a dead upload's temp file
+    old = time.time() - 3600
+    for name in ("used", "unused", "asked", ".unused.tmp123"):
+        os.utime(files / name, (old, old))
+    # A running build whose steps name "used".
+    record = {"template_id": "t1", "build_id": "b1", "name": "n", "cpu_count": 1,
+              "memory_mb": 512, "status": "building", "created_at": old, "updated_at": old,
+              "request": {"fromImage": "x", "steps": [
+                  {"type": "COPY", "args": ["a", "/a"], "filesHash": "used"}]}}
+    (state / "template-builds").mkdir(exist_ok=True)
+    (state / "template-builds" / "b1.json").write_text(json.dumps(record))
+    # The SDK asking whether "asked" is there makes it fresh again (it will start a build).
+    link = client.get("/templates/base/files/asked")
+    assert link.status_code == 201 and link.json() == {"present": True}, link.text
+    report = client.portal.call(gc.collect, "test")
+    assert sorted(p.name for p in files.iterdir()) == ["asked", "recent", "used"]
+    assert {Path(p).name for p in report.deleted} == {"unused", ".unused.tmp123"}
+    # The build is over: its upload goes too, once old enough.
+    record["status"] = "ready"
+    (state / "template-builds" / "b1.json").write_text(json.dumps(record))
+    client.portal.call(gc.collect, "test")
+    assert sorted(p.name for p in files.iterdir()) == ["asked", "recent"]
