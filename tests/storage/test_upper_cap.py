@@ -26,6 +26,12 @@ def test_rewriting_the_same_blocks_does_not_grow_the_upper(tmp_path: Path) -> No
         assert used == MiB + 4096 + 49 * 512 + 16 * 51, used
         assert image.read(3 * MiB, MiB) == bytes([49]) * MiB
         assert image.read(10 * MiB + 512 * 49, 4096) == bytes([49]) * 4096
+        # The zero-copy path (slices of the upper's mmap) sees an in-place rewrite too.
+        assert b"".join(bytes(p) for p in image.read_pieces(3 * MiB, MiB)) == bytes([49]) * MiB
+        image.write(3 * MiB, b"\xee" * MiB)
+        assert b"".join(bytes(p) for p in image.read_pieces(3 * MiB, MiB)) == b"\xee" * MiB
+        assert image.upper_used == used
+        image.write(3 * MiB, bytes([49]) * MiB)
         image.flush()
     with Image.open(tmp_path / "u" / "image.json", writable=False) as again:
         assert again.read(3 * MiB, MiB) == bytes([49]) * MiB

@@ -64,7 +64,11 @@ def mounted(tmp_path: Path) -> Iterator[callable]:  # type: ignore[valid-type]
             assert check.returncode == 0, check.stdout + check.stderr
         ctx = loop_mount(raw, tmp_path / f"mnt-{pulled.name}", readonly=True)
         stack.append(ctx)
-        return ctx.__enter__()
+        root = ctx.__enter__()
+        # loop_mount mounts noexec (a layer is untrusted data on the host); these tests run the
+        # image's own busybox in a chroot on purpose.
+        subprocess.run(["mount", "-o", "remount,exec", str(root)], check=True)
+        return root
 
     yield mount
     for ctx in reversed(stack):
