@@ -29,10 +29,16 @@ ROOTFS_SIZE = 64 << 20
 # number whose fsync succeeded (renamed into place: a reader never sees it empty), /tmp/err the
 # first failure.
 WRITER = (
+    # The test guest mounts only a second disk; this VM's one blockd disk is vda.
+    "grep -q ' /mnt/disk ' /proc/mounts || mount -t ext4 /dev/vda /mnt/disk || echo mount-failed\n"
     "(i=0; while [ ! -e /tmp/stop ]; do i=$((i+1));"
     " echo rec-$i >> /mnt/disk/records || { echo write-$i > /tmp/err; break; };"
     " sync -d /mnt/disk/records || { echo fsync-$i > /tmp/err; break; };"
     " echo $i > /tmp/acked.new; mv /tmp/acked.new /tmp/acked; done) >/dev/null 2>&1 &\n"
+    # Direct reads of the whole disk keep NBD requests in flight nearly all the time, so the
+    # kill catches some: those are the ones QEMU must resend (without reconnect-delay they fail).
+    "(while [ ! -e /tmp/stop ]; do dd if=/dev/vda of=/dev/null bs=1M iflag=direct 2>/tmp/dd.out"
+    " || { echo read > /tmp/err; break; }; done) >/dev/null 2>&1 &\n"
     "echo started\n"
 )
 
@@ -95,7 +101,8 @@ def test_blockd_killed_under_writing_vms(
 ) -> None:
     loop, runtime, blockd, vms = setup
     for vm in vms:
-        assert "started" in loop.run(sh(vm, WRITER))
+        out = loop.run(sh(vm, WRITER))
+        assert "started" in out and "mount-failed" not in out, out
     _wait_acked(loop, vms, [10, 10, 10], timeout=120)
     devices_before = {d.id for d in loop.run(runtime.blockd.list())}
 
@@ -121,7 +128,9 @@ def test_blockd_killed_under_writing_vms(
     for vm in vms:
         out = loop.run(sh(vm, "cat /tmp/err 2>/dev/null; dmesg | grep -iE 'I/O error|EXT4-fs error'"
                               " ; echo end"))
-        assert out.strip() == "end", f"VM {vm.id} saw an error: {out}"
+        if out.strip() != "end":
+            detail = loop.run(sh(vm, "cat /tmp/dd.out; dmesg | tail -n 15"))
+            raise AssertionError(f"VM {vm.id} saw an error: {out}\n{detail}")
         last = acked(loop, vm)
         # Every acknowledged record read back from the disk (not the guest's page cache).
         records = loop.run(sh(vm, "echo 3 > /proc/sys/vm/drop_caches; cat /mnt/disk/records"))
