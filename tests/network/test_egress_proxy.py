@@ -278,6 +278,11 @@ def test_socks5_over_tls(lab: Lab) -> None:
             assert http_get(sock, ALLOWED, "/blob?size=3000000")[2] == blob(3_000_000)
         with lab.tls(slot, ALLOWED) as tls:  # TLS inside TLS: the guest's own, untouched
             assert json.loads(http_get(tls, ALLOWED, "/")[2])["sni"] == ALLOWED
+        # Each request head is still decided on this path.
+        lab.set_policy(slot, {**ONLY_ALLOWED, "egressProxy": proxy})
+        with lab.connect(slot, INET_SERVER, 80) as sock:
+            assert http_get(sock, ALLOWED, "/one")[0] == 200
+            assert_reset(lambda: http_get(sock, DENIED, "/two"))
         # A proxy whose certificate does not verify is no proxy: fail closed.
         lab.set_policy(slot, {"egressProxy": {**proxy, "tls": {"serverName": "other.test",
                                                                 "caCert": lab.certs.ca.read_text()}}})

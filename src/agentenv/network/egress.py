@@ -813,18 +813,26 @@ class EgressProxyServer:
             if dst.can_write_eof():
                 dst.write_eof()
 
+        if data:
+            tunnel.writer.write(data)
+            self.counters.bytes_up += len(data)
+        copies = {self.loop.create_task(copy(reader, tunnel.writer, True)),
+                  self.loop.create_task(copy(tunnel.reader, writer, False))}
         try:
-            if data:
-                tunnel.writer.write(data)
-                self.counters.bytes_up += len(data)
-            await asyncio.gather(copy(reader, tunnel.writer, True),
-                                 copy(tunnel.reader, writer, False))
+            # Both directions end (half-closes pass on), or the first failure ends both.
+            done, _ = await asyncio.wait(copies, return_when=asyncio.FIRST_EXCEPTION)
+            for task in done:
+                if task.exception() is not None:
+                    raise task.exception()  # type: ignore[misc]
         except (Refused, httphead.HttpError) as exc:
             conn.refuse(str(exc))
         except (OSError, asyncio.CancelledError):
             conn.reset()
         else:
             conn.close()
+        finally:
+            for task in copies:
+                task.cancel()
 
     async def _metadata(self, conn: Conn) -> None:
         reader, writer = await asyncio.open_connection(sock=conn.guest)
