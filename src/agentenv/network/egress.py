@@ -868,6 +868,13 @@ class EgressProxyServer:
     def set_slot(self, entry: SlotEntry) -> int:
         """Install or replace a slot; returns how many of its live connections were cut."""
         old = self.slots.get(entry.source)
+        if old is not None and old.entry.identity.sandbox_id != entry.identity.sandbox_id:
+            # Another sandbox in this slot (a pooled slot reused, a pool VM handed to a
+            # create): nothing the previous one opened survives.
+            cut = self.remove_slot(entry.source)
+            self.counters.cut_by_update += cut
+            self.slots[entry.source] = Slot(entry)
+            return cut
         if old is None:
             self.slots[entry.source] = Slot(entry)
             return 0
