@@ -171,8 +171,15 @@ def test_metadata_answers_each_slot_its_own_identity(lab: Lab) -> None:
             assert (status, text) == (200, expected.sandbox_id.encode())
             assert http_get(sock, "169.254.169.254", "/v1/identity/nope")[0] == 404
             assert http_get(sock, "169.254.169.254", "/latest/meta-data")[0] == 404
-    # A new identity (a restore into this slot) is what the next request sees.
-    lab.set_policy(second, {}, n=7)
+    # Another sandbox in the slot (a restore, a pooled slot reused): the next request sees
+    # its identity, and what the previous one had open is cut.
+    live = lab.connect(second, "169.254.169.254", 80)
+    try:
+        assert http_get(live, "169.254.169.254", "/v1/identity/sandboxId")[2] == b"sbx-2"
+        lab.set_policy(second, {}, n=7)
+        assert_reset(lambda: http_get(live, "169.254.169.254", "/"))
+    finally:
+        live.close()
     with lab.connect(second, "169.254.169.254", 80) as sock:
         assert http_get(sock, "169.254.169.254", "/v1/identity/sandboxId")[2] == b"sbx-7"
 
@@ -278,6 +285,11 @@ def test_socks5_over_tls(lab: Lab) -> None:
             assert http_get(sock, ALLOWED, "/blob?size=3000000")[2] == blob(3_000_000)
         with lab.tls(slot, ALLOWED) as tls:  # TLS inside TLS: the guest's own, untouched
             assert json.loads(http_get(tls, ALLOWED, "/")[2])["sni"] == ALLOWED
+        # Each request head is still decided on this path.
+        lab.set_policy(slot, {**ONLY_ALLOWED, "egressProxy": proxy})
+        with lab.connect(slot, INET_SERVER, 80) as sock:
+            assert http_get(sock, ALLOWED, "/one")[0] == 200
+            assert_reset(lambda: http_get(sock, DENIED, "/two"))
         # A proxy whose certificate does not verify is no proxy: fail closed.
         lab.set_policy(slot, {"egressProxy": {**proxy, "tls": {"serverName": "other.test",
                                                                 "caCert": lab.certs.ca.read_text()}}})

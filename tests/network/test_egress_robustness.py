@@ -8,6 +8,7 @@ import hashlib
 import json
 import os
 import socket
+import subprocess
 import threading
 import time
 from collections.abc import Iterator
@@ -151,3 +152,47 @@ def test_many_connections_at_once(lab: Lab) -> None:
         thread.join(60)
     assert not errors, errors[:3]
     wait_for(lambda: counters(lab)["connections"] == 0)
+
+
+def _cpu_seconds(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def test_descriptor_exhaustion_pauses_accepting_and_recovers(lab: Lab) -> None:
+    assert lab.proxy is not None and lab.proxy.pid is not None
+    pid = lab.proxy.pid
+    slot = lab.slots[1]
+    lab.set_policy(slot, {})
+    wait_for(lambda: counters(lab)["connections"] == 0)
+    client = lab.client()  # connected before: a new control connection would need a descriptor
+
+    def connections() -> int:
+        return int(lab.loop.run_until_complete(client.ping())["connections"])
+
+    assert connections() == 0
+    with open(f"/proc/{pid}/limits") as f:
+        soft = next(line.split()[3] for line in f if line.startswith("Max open files"))
+    limit = len(os.listdir(f"/proc/{pid}/fd")) + 10
+    subprocess.run(["prlimit", f"--pid={pid}", f"--nofile={limit}:"], check=True)  # soft only
+    socks = []
+    try:
+        socks = [lab.connect(slot, "169.254.169.254", 80) for _ in range(30)]
+        wait_for(lambda: connections() >= 9)
+        before = _cpu_seconds(pid)
+        time.sleep(1.0)
+        assert _cpu_seconds(pid) - before < 0.3  # waiting for descriptors, not spinning
+        for sock in socks[:25]:
+            sock.close()
+        # The queued connections get their turn as descriptors come back.
+        for sock in socks[25:]:
+            assert http_get(sock, "169.254.169.254", "/v1/identity/sandboxId")[0] == 200
+    finally:
+        for sock in socks:
+            sock.close()
+        subprocess.run(["prlimit", f"--pid={pid}", f"--nofile={soft}:"], check=True)
+        lab.loop.run_until_complete(client.close())
+    with lab.connect(slot, "169.254.169.254", 80) as sock:
+        assert http_get(sock, "169.254.169.254", "/")[0] == 200
+    assert any(line.get("event") == "accept_failed" for line in lab.proxy_log())

@@ -92,8 +92,9 @@ class _LocalAddresses:
     def __contains__(self, address: IPv4Address) -> bool:
         now = time.monotonic()
         if now - self._read_at > self.REFRESH:
-            self._addresses = self._read()
-            self._read_at = now
+            with contextlib.suppress(OSError):  # out of descriptors: the last list holds
+                self._addresses = self._read()
+                self._read_at = now
         return address in self._addresses
 
     @staticmethod
@@ -542,11 +543,20 @@ class EgressProxyServer:
                 sock, (source, _) = self._listener.accept()
             except (BlockingIOError, InterruptedError):
                 return
-            except OSError as exc:  # EMFILE and the like: do not spin on it
+            except OSError as exc:
+                # EMFILE and the like: the connection stays queued and the listener readable;
+                # pause accepting a little instead of spinning on it.
                 log.warning("egress accept failed", extra={"event": "accept_failed",
                                                            "error": str(exc)})
+                listener = self._listener
+                self.loop.remove_reader(listener.fileno())
+                self.loop.call_later(0.1, self._resume_accept, listener)
                 return
             self._accepted(sock, source)
+
+    def _resume_accept(self, listener: socket.socket) -> None:
+        if self._listener is listener:
+            self.loop.add_reader(listener.fileno(), self._on_accept)
 
     def _accepted(self, sock: socket.socket, source: str) -> None:
         self.counters.accepted += 1
@@ -640,12 +650,8 @@ class EgressProxyServer:
                     data = b""
                     if conn.closed:  # cut by an update meanwhile
                         return
-                up = _Pump(conn, conn.guest, conn.upstream, True, transform, data) \
-                    if transform is not None or not self.splice else \
-                    _SplicePump(conn, conn.guest, conn.upstream, True)
-                down = _SplicePump(conn, conn.upstream, conn.guest, False) if self.splice \
-                    else _Pump(conn, conn.upstream, conn.guest, False, None, b"")
-                conn.pumps = (up, down)
+                conn.pumps = (self._pump(conn, True, transform, data),
+                              self._pump(conn, False, None, b""))
                 for pump in conn.pumps:
                     pump.start()
             else:
@@ -666,6 +672,17 @@ class EgressProxyServer:
         except Exception:
             log.exception("egress connection crashed", extra={"event": "crash", **conn.describe()})
             conn.reset()
+
+    def _pump(self, conn: Conn, up: bool, transform: Callable[[bytes], bytes] | None,
+              data: bytes) -> _Pump | _SplicePump:
+        assert conn.upstream is not None
+        src, dst = (conn.guest, conn.upstream) if up else (conn.upstream, conn.guest)
+        if self.splice and transform is None and not data:
+            try:
+                return _SplicePump(conn, src, dst, up)
+            except OSError:  # no pipe to be had (descriptor limits): copy instead
+                pass
+        return _Pump(conn, src, dst, up, transform, data)
 
     def _on_http_head(self, conn: Conn, head: httphead.RequestHead) -> bytes:
         name = head.host()
@@ -796,18 +813,26 @@ class EgressProxyServer:
             if dst.can_write_eof():
                 dst.write_eof()
 
+        if data:
+            tunnel.writer.write(data)
+            self.counters.bytes_up += len(data)
+        copies = {self.loop.create_task(copy(reader, tunnel.writer, True)),
+                  self.loop.create_task(copy(tunnel.reader, writer, False))}
         try:
-            if data:
-                tunnel.writer.write(data)
-                self.counters.bytes_up += len(data)
-            await asyncio.gather(copy(reader, tunnel.writer, True),
-                                 copy(tunnel.reader, writer, False))
+            # Both directions end (half-closes pass on), or the first failure ends both.
+            done, _ = await asyncio.wait(copies, return_when=asyncio.FIRST_EXCEPTION)
+            for task in done:
+                if task.exception() is not None:
+                    raise task.exception()  # type: ignore[misc]
         except (Refused, httphead.HttpError) as exc:
             conn.refuse(str(exc))
         except (OSError, asyncio.CancelledError):
             conn.reset()
         else:
             conn.close()
+        finally:
+            for task in copies:
+                task.cancel()
 
     async def _metadata(self, conn: Conn) -> None:
         reader, writer = await asyncio.open_connection(sock=conn.guest)
@@ -843,6 +868,13 @@ class EgressProxyServer:
     def set_slot(self, entry: SlotEntry) -> int:
         """Install or replace a slot; returns how many of its live connections were cut."""
         old = self.slots.get(entry.source)
+        if old is not None and old.entry.identity.sandbox_id != entry.identity.sandbox_id:
+            # Another sandbox in this slot (a pooled slot reused, a pool VM handed to a
+            # create): nothing the previous one opened survives.
+            cut = self.remove_slot(entry.source)
+            self.counters.cut_by_update += cut
+            self.slots[entry.source] = Slot(entry)
+            return cut
         if old is None:
             self.slots[entry.source] = Slot(entry)
             return 0
@@ -923,7 +955,7 @@ class EgressProxyServer:
                     return
                 try:
                     answer = self.handle_request(json.loads(line))
-                except (ValueError, TypeError, KeyError, PolicyError) as exc:
+                except (ValueError, TypeError, KeyError, PolicyError, OSError) as exc:
                     answer = {"ok": False, "error": str(exc) or type(exc).__name__}
                 writer.write(json.dumps(answer).encode() + b"\n")
                 await writer.drain()
@@ -1011,9 +1043,15 @@ def _slot_entry(raw: Any, where: str = "slot") -> SlotEntry:
         raise ValueError(f"{where}.policy: {exc}") from None
 
 
+_statm_fd = -1
+
+
 def rss_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    """Resident set size, from a descriptor kept open (ping must answer when out of them)."""
+    global _statm_fd
+    if _statm_fd < 0:
+        _statm_fd = os.open("/proc/self/statm", os.O_RDONLY | os.O_CLOEXEC)
+    return int(os.pread(_statm_fd, 128, 0).split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
 def _raise_fd_limit() -> None:
@@ -1025,6 +1063,7 @@ def _raise_fd_limit() -> None:
 
 async def run(server: EgressProxyServer) -> None:
     _raise_fd_limit()
+    rss_bytes()  # opens its descriptor now
     await server.start()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
