@@ -129,7 +129,14 @@ class _HardenedBase(H11Protocol):
         # a request head is being received: bounded in size and in time
         self._unset_keepalive_if_required()
         self.conn.receive_data(data)
-        if len(self.conn.trailing_data[0]) > self.max_head_bytes:
+        buffered = self.conn.trailing_data[0]
+        limit = self.max_head_bytes
+        # the buffer may hold the start of the body too: only an unfinished head counts
+        if (
+            len(buffered) > limit
+            and buffered.find(b"\n\r\n", 0, limit + 3) < 0
+            and (buffered.find(b"\n\n", 0, limit + 2) < 0)
+        ):
             self._reply(431, f"request line and headers over {self.max_head_bytes} bytes")
             return
         self._arm_head_timer()

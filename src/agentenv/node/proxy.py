@@ -443,7 +443,13 @@ class SandboxProxy:
         limits = self.limits
         headers = self._upstream_headers(scope)
         lengths = _header(scope, b"content-length")
-        has_body = bool(lengths) or bool(_header(scope, b"transfer-encoding"))
+        if _header(scope, b"transfer-encoding"):
+            # RFC 9112 6.3: Transfer-Encoding wins, a proxy must drop Content-Length
+            headers = [(n, v) for n, v in headers if n != b"content-length"]
+            lengths = []
+            has_body = True
+        else:
+            has_body = bool(lengths)
         if lengths and lengths[0].strip() == b"0":
             has_body = False
         if lengths and lengths[0].strip().isdigit() and int(lengths[0]) > limits.max_body_bytes:
@@ -564,6 +570,10 @@ class SandboxProxy:
             )
             await send_json(send, 504, {"code": 504, "message": message})
             return 504
+        except httpx.LocalProtocolError as exc:
+            message = f"the request cannot be relayed to the sandbox: {exc}"
+            await send_json(send, 400, {"code": 400, "message": message})
+            return 400
         except httpx.HTTPError as exc:
             return await self._port_not_open(send, sandbox_id, exc)
         download = self.metrics.proxy_bytes.labels("download")
