@@ -152,6 +152,8 @@ class _Exchange:
     #: set when the sandbox stops running while this exchange talks to it
     gone: asyncio.Event = field(default_factory=asyncio.Event)
     started: bool = False
+    #: loop time of the last byte moved either way (the idle limit counts from it)
+    progress: float = 0.0
 
 
 class _ClientGone(Exception):
@@ -281,9 +283,10 @@ class SandboxProxy:
         self.api_key = api_key
         self.metrics = metrics
         self.limits = limits or ProxyLimits.from_env()
-        idle = self.limits.idle_timeout
+        # No read/write timeouts here: the exchange's guard (_guard) enforces the idle limit
+        # from a timestamp, cheaper than a cancel scope around every read of a large download.
         self.client = httpx.AsyncClient(
-            timeout=httpx.Timeout(idle, connect=self.limits.connect_timeout),
+            timeout=httpx.Timeout(None, connect=self.limits.connect_timeout),
             limits=httpx.Limits(max_connections=None, max_keepalive_connections=200),
             trust_env=False,
             follow_redirects=False,
@@ -457,16 +460,14 @@ class SandboxProxy:
             return 413
         body_done = asyncio.Event()
         upload = self.metrics.proxy_bytes.labels("upload")
+        loop = asyncio.get_running_loop()
+        exchange.progress = loop.time()
 
         async def request_body() -> AsyncIterator[bytes]:
             size = 0
             while True:
-                try:
-                    message = await asyncio.wait_for(receive(), limits.idle_timeout)
-                except TimeoutError:
-                    raise _ClientError(
-                        408, f"request body idle for {limits.idle_timeout:g} s"
-                    ) from None
+                message = await receive()
+                exchange.progress = loop.time()
                 if message["type"] == "http.disconnect":
                     raise _ClientGone
                 chunk = message.get("body", b"")
@@ -494,16 +495,13 @@ class SandboxProxy:
         async def client_send(message: dict[str, Any]) -> None:
             if message["type"] == "http.response.start":
                 exchange.started = True
-            try:
-                async with asyncio.timeout(limits.idle_timeout):
-                    await send(message)
-            except TimeoutError:
-                raise StreamAborted(f"client read nothing for {limits.idle_timeout:g} s") from None
+            await send(message)
+            exchange.progress = loop.time()
 
         relay = asyncio.create_task(self._exchange(request, client_send, exchange))
         watcher = asyncio.create_task(self._watch_disconnect(receive, body_done))
-        gone = asyncio.create_task(exchange.gone.wait())
-        tasks = {relay, watcher, gone}
+        guard = asyncio.create_task(self._guard(exchange))
+        tasks = {relay, watcher, guard}
         try:
             done, _ = await asyncio.wait(
                 tasks, timeout=limits.total_timeout or None, return_when=asyncio.FIRST_COMPLETED
@@ -515,12 +513,28 @@ class SandboxProxy:
                 await relay
             if watcher in done:
                 return 499  # the client went away: stop reading the sandbox's stream
-            if gone in done:
+            if guard in done and guard.result() == "gone":
                 if not exchange.started:
                     await send_json(send, 502, _not_found(sandbox_id))
                     return 502
                 self.metrics.requests.labels("proxy", scope["method"], "aborted").inc()
                 raise StreamAborted(f"sandbox {sandbox_id} stopped running")
+            if guard in done:
+                log.info("proxy idle time limit", extra={"sandbox_id": sandbox_id})
+                if exchange.started:
+                    raise StreamAborted(
+                        f"exchange with {sandbox_id} idle {limits.idle_timeout:g} s"
+                    )
+                if not body_done.is_set():
+                    message = f"request body idle for {limits.idle_timeout:g} s"
+                    await send_json(send, 408, {"code": 408, "message": message})
+                    return 408
+                message = (
+                    f"sandbox {sandbox_id} did not answer within {limits.idle_timeout:g} s "
+                    "(AENV_PROXY_IDLE_TIMEOUT)"
+                )
+                await send_json(send, 504, {"code": 504, "message": message})
+                return 504
             log.info("proxy total time limit", extra={"sandbox_id": sandbox_id})
             if not exchange.started:
                 message = (
@@ -533,9 +547,25 @@ class SandboxProxy:
         finally:
             for task in tasks:
                 task.cancel()
-            for task in (watcher, gone):
+            for task in (watcher, guard):
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
+
+    async def _guard(self, exchange: _Exchange) -> str:
+        """Returns "gone" when the sandbox stops running, "idle" when no byte moved either way
+        for the idle limit."""
+        loop = asyncio.get_running_loop()
+        idle = self.limits.idle_timeout
+        while True:
+            remaining = exchange.progress + idle - loop.time()
+            if remaining <= 0:
+                return "idle"
+            try:
+                async with asyncio.timeout(remaining):
+                    await exchange.gone.wait()
+                return "gone"
+            except TimeoutError:
+                continue
 
     def _body_limit_body(self) -> dict[str, Any]:
         message = (
@@ -561,15 +591,6 @@ class SandboxProxy:
         except _ClientError as exc:
             await send_json(send, exc.status, {"code": exc.status, "message": exc.message})
             return exc.status
-        except httpx.TimeoutException as exc:
-            if isinstance(exc, httpx.ConnectTimeout):
-                return await self._port_not_open(send, sandbox_id, exc)
-            message = (
-                f"sandbox {sandbox_id} did not answer within {self.limits.idle_timeout:g} s "
-                "(AENV_PROXY_IDLE_TIMEOUT)"
-            )
-            await send_json(send, 504, {"code": 504, "message": message})
-            return 504
         except httpx.LocalProtocolError as exc:
             message = f"the request cannot be relayed to the sandbox: {exc}"
             await send_json(send, 400, {"code": 400, "message": message})
@@ -594,7 +615,9 @@ class SandboxProxy:
                 }
             )
             try:
+                loop = asyncio.get_running_loop()
                 async for chunk in response.aiter_raw():
+                    exchange.progress = loop.time()
                     download.inc(len(chunk))
                     await send({"type": "http.response.body", "body": chunk, "more_body": True})
             except httpx.HTTPError as exc:
