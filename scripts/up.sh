@@ -14,6 +14,8 @@ python="$root/.venv/bin/python"
 state_dir=${AENV_HOME:-${AENV_STATE_DIR:-/var/lib/aenv}}
 host=${AENV_HOST:-127.0.0.1}
 port=${AENV_PORT:-8000}
+# sandbox hosts are {port}-{id}.$domain (sandbox.get_host(port)); *.localhost is loopback
+domain=${AENV_DOMAIN:-localhost:$port}
 log_dir=${AENV_LOG_DIR:-$state_dir/logs}
 assets_dir=${AENV_VM_ASSETS_DIR:-$state_dir}
 up_timeout=${AENV_UP_TIMEOUT:-1800}
@@ -71,6 +73,7 @@ For the E2B SDK (Python or TypeScript), export:
   export E2B_API_URL=$url
   export E2B_SANDBOX_URL=$url
   export E2B_API_KEY=$key
+Sandbox ports: http://{port}-{sandbox id}.$domain (sandbox.get_host(port); see README.md)
 
 Stop it with: make down (running sandboxes are paused, not lost)
 MSG
@@ -144,7 +147,7 @@ else
   env -u AENV_API_KEY AENV_BLOCKD_SOCKET="$blockd_socket" AENV_BLOCKD_STATE_DIR="$blockd_state" \
     AENV_BLOCKD_LOG="$blockd_log" AENV_BLOCKD_PIDFILE="$blockd_pidfile" AENV_VM_ASSETS_DIR="$assets_dir" \
     setsid "$aenv" serve --backend vm --state-dir "$state_dir" --host "$host" --port "$port" \
-    >>"$node_log" 2>&1 </dev/null &
+    --domain "$domain" >>"$node_log" 2>&1 </dev/null &
   pid=$!
   echo "$pid" >"$node_pidfile"
   echo "node starting (pid $pid), log $node_log"

@@ -281,6 +281,40 @@ def test_dead_vm_leaves_running_and_the_proxy_answers_502(vm_node: NodeProcess) 
             sbx.kill()
 
 
+@pytest.mark.parametrize("how", ["kill", "pause", "qemu dies"])
+def test_a_stopped_sandbox_ends_its_background_command_at_once(
+    vm_node: NodeProcess, how: str
+) -> None:
+    """A VM's TCP connections do not end when it is killed or paused (nothing sends a FIN):
+    the proxy closes its streams itself, so `handle.wait()` raises E2B's "sandbox was killed"
+    error within 5 s instead of waiting for its own timeout."""
+    import threading
+
+    from e2b import Sandbox
+    from e2b.exceptions import SandboxNotRunningException
+
+    sbx = Sandbox.create(template="base", timeout=300)
+    try:
+        handle = sbx.commands.run("sleep 200", background=True, timeout=0)
+
+        def stop() -> None:
+            if how == "kill":
+                sbx.kill()
+            elif how == "pause":
+                sbx.pause()
+            else:
+                os.kill(_qemu_pid(vm_node, sbx.sandbox_id), 9)
+
+        threading.Timer(1.0, stop).start()
+        began = time.monotonic()
+        with pytest.raises(SandboxNotRunningException, match="was killed or reached its end"):
+            handle.wait()
+        assert time.monotonic() - began < 5
+    finally:
+        with contextlib.suppress(Exception):
+            sbx.kill()
+
+
 def test_base_template_cannot_be_deleted(vm_node: NodeProcess) -> None:
     with vm_node.client() as api:
         answer = api.delete("/templates/base")

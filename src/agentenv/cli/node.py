@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +16,17 @@ from rich.table import Table
 from agentenv.errors import AgentEnvError
 
 DEFAULT_URL = "http://127.0.0.1:8000"
+
+
+def _check_domain(value: str | None) -> str | None:
+    """A host name with an optional port: what the SDK puts after `{port}-{id}.`."""
+    if not value:
+        return None
+    if not re.fullmatch(r"[a-z0-9]([a-z0-9.-]*[a-z0-9])?(:\d{1,5})?", value.lower()):
+        raise click.BadParameter(
+            f"{value!r} is not a host name with an optional port (e.g. localhost:8000)"
+        )
+    return value.lower()
 
 
 @click.command("serve")
@@ -37,7 +49,12 @@ DEFAULT_URL = "http://127.0.0.1:8000"
     "(development and tests only: no isolation, pause keeps files only).",
 )
 @click.option(
-    "--domain", default=None, help="Sandbox domain returned to SDKs ({port}-{id}.DOMAIN)."
+    "--domain",
+    default=None,
+    envvar="AENV_DOMAIN",
+    callback=lambda ctx, param, value: _check_domain(value),
+    help="Sandbox domain returned to SDKs as `domain` ({port}-{id}.DOMAIN is then routed to "
+    "that sandbox port), e.g. localhost:8000. Default: $AENV_DOMAIN, else none.",
 )
 @click.option("--log-level", default="info", show_default=True)
 def serve_command(

@@ -36,10 +36,11 @@ from starlette.routing import Route
 from agentenv import __version__
 from agentenv.node import models
 from agentenv.node.errors import ApiError, BadRequest, sandbox_not_found
+from agentenv.node.http_server import request_target, target_problem
 from agentenv.node.metrics import NodeMetrics
 from agentenv.node.openapi import openapi_document
 from agentenv.node.orchestrator import CreateParams, Orchestrator
-from agentenv.node.proxy import SandboxProxy, route_of, send_json
+from agentenv.node.proxy import SandboxProxy, send_json
 from agentenv.node.records import SandboxRecord, State, TemplateRecord
 from agentenv.node.security import same_secret
 
@@ -200,16 +201,24 @@ class NodeApp:
         if scope["type"] == "lifespan":
             await self.api(scope, receive, send)
             return
-        route = route_of(scope)
+        problem = target_problem(request_target(scope))
+        if problem is not None:  # the node is no forward proxy: only origin-form targets
+            if scope["type"] == "websocket":
+                await send({"type": "websocket.close", "code": 1008})
+            else:
+                await send_json(send, 400, {"code": 400, "message": problem})
+            self.metrics.requests.labels("api", scope.get("method", "WEBSOCKET"), "400").inc()
+            return
+        route = self.proxy.route(scope)
         if scope["type"] == "websocket":
             if route is None:  # the control plane has no WebSocket routes
                 await send({"type": "websocket.close", "code": 1008})
             else:
-                await self.proxy.websocket(scope, receive, send, *route)
+                await self.proxy.websocket(scope, receive, send, route)
             self.metrics.requests.labels("proxy" if route else "api", "WEBSOCKET", "-").inc()
             return
         if route is not None:
-            status = await self.proxy(scope, receive, send, *route)
+            status = await self.proxy(scope, receive, send, route)
             self.metrics.requests.labels("proxy", scope["method"], str(status)).inc()
             return
         if scope["path"] not in PUBLIC_PATHS and not scope["path"].startswith(

@@ -78,10 +78,14 @@ class Placement:
     #: the envd version the sandbox runs, if the backend knows it
     envd_version: str | None = None
 
+    def address(self, port: int) -> tuple[str, int]:
+        """(host, port) for sandbox port `port` as the SDK names it (49983 means envd)."""
+        return self.host, self.envd_port if port == ENVD_PORT else port
+
     def upstream(self, port: int) -> str:
         """Base URL for sandbox port `port` as the SDK names it (49983 means envd)."""
-        real = self.envd_port if port == ENVD_PORT else port
-        return f"http://{self.host}:{real}"
+        host, real = self.address(port)
+        return f"http://{host}:{real}"
 
     @property
     def envd_url(self) -> str:

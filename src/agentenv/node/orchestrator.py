@@ -148,6 +148,19 @@ class Orchestrator:
         self.admission: Admission | None = None
         if hasattr(backend, "on_sandbox_lost"):
             backend.on_sandbox_lost = self.sandbox_lost
+        self._leave_listeners: list[Callable[[str, str], None]] = []
+
+    def on_leave_running(self, listener: Callable[[str, str], None]) -> None:
+        """Call `listener(sandbox_id, why)` synchronously whenever a running sandbox stops being
+        reachable (paused, killed, timed out, lost): the proxy closes its streams to it at once."""
+        self._leave_listeners.append(listener)
+
+    def _left_running(self, sandbox_id: str, why: str) -> None:
+        for listener in self._leave_listeners:
+            try:
+                listener(sandbox_id, why)
+            except Exception:
+                log.exception("leave-running listener failed", extra={"sandbox_id": sandbox_id})
 
     # --- start and stop ----------------------------------------------------------------------
 
@@ -279,6 +292,7 @@ class Orchestrator:
             return
         log.error("sandbox lost", extra={"sandbox_id": sandbox_id, "reason": reason})
         rec.state = State.KILLING
+        self._left_running(sandbox_id, "lost")
         work = self._start_op(sandbox_id, "kill", self._do_kill(rec, State.RUNNING))
         task = asyncio.create_task(self._log_reap(sandbox_id, work, "sandbox removed"))
         self._background.add(task)
@@ -305,6 +319,7 @@ class Orchestrator:
             tasks = []
             for rec in running:
                 rec.state = State.PAUSING
+                self._left_running(rec.sandbox_id, "paused")
                 tasks.append(self._start_op(rec.sandbox_id, "pause", self._do_pause(rec, True)))
             results = await asyncio.gather(*tasks, return_exceptions=True)
             for rec, result in zip(running, results, strict=True):
@@ -619,6 +634,7 @@ class Orchestrator:
                 break
             await self._wait_op(sandbox_id, rec.state)
         rec.state = State.PAUSING
+        self._left_running(sandbox_id, "paused")
         await self._launch(sandbox_id, "pause", self._do_pause(rec, memory))
 
     async def _do_pause(self, rec: SandboxRecord, memory: bool) -> None:
@@ -764,6 +780,7 @@ class Orchestrator:
             await self._wait_op(sandbox_id, rec.state)
         previous = rec.state
         rec.state = State.KILLING
+        self._left_running(sandbox_id, "killed")
         await self._launch(sandbox_id, "kill", self._do_kill(rec, previous))
 
     async def _do_kill(self, rec: SandboxRecord, previous: State) -> None:
@@ -823,9 +840,11 @@ class Orchestrator:
             sid = rec.sandbox_id
             if rec.auto_pause:
                 rec.state = State.PAUSING
+                self._left_running(sid, "paused")
                 work = self._start_op(sid, "pause", self._do_pause(rec, rec.auto_pause_memory))
             else:
                 rec.state = State.KILLING
+                self._left_running(sid, "killed")
                 work = self._start_op(sid, "kill", self._do_kill(rec, State.RUNNING))
             task = asyncio.create_task(self._log_reap(sid, work, "sandbox timed out"))
             self._background.add(task)

@@ -22,6 +22,7 @@ from agentenv.node.admission import Admission
 from agentenv.node.api import NodeApp
 from agentenv.node.backend import SandboxBackend
 from agentenv.node.gc import LayerCollector
+from agentenv.node.http_server import hardened_protocol, quiet_stream_aborts
 from agentenv.node.metrics import NodeMetrics
 from agentenv.node.orchestrator import NodeConfig, Orchestrator
 from agentenv.node.security import TokenIssuer, load_api_key, secure_state_dir
@@ -110,10 +111,14 @@ def serve(options: ServeOptions) -> None:
     lock_state_dir(options.state_dir)
     check_port_free(options.host, options.port)
     app = build_app(options)
+    limits = app.proxy.limits
+    quiet_stream_aborts()
     config = uvicorn.Config(
         app,
         host=options.host,
         port=options.port,
+        http=hardened_protocol(limits.max_head_bytes, limits.head_timeout),
+        h11_max_incomplete_event_size=limits.max_head_bytes + 1,
         log_config=None,
         access_log=False,
         lifespan="on",
