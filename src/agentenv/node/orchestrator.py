@@ -880,7 +880,8 @@ class Orchestrator:
     async def fork(self, sandbox_id: str, count: int, timeout: int | None) -> list[ForkResult]:
         self._check_open()
         if not 1 <= count <= MAX_FORK_COUNT:
-            raise BadRequest(f"count must be between 1 and {MAX_FORK_COUNT}, got {count}")
+            raise BadRequest(f"count must be between 1 and {MAX_FORK_COUNT}, got {count}: "
+                             f"{MAX_FORK_COUNT} children per fork is this node's limit")
         seconds = self._clamp_timeout(timeout, self.config.fork_default_timeout)
         rec = await self._wait_running(sandbox_id, "be forked")
         rec.state = State.FORKING

@@ -18,8 +18,13 @@ MiB = 1 << 20
 DEBIAN_SUITE = "bookworm"
 DEBIAN_MIRROR = "http://deb.debian.org/debian"
 DEFAULT_DEBIAN_CACHE = Path("/var/cache/aenv-test/guest")
-# What the node server's `base` template needs on top of minbase.
-BASE_PACKAGES = ("python3", "python3-pip", "git", "curl", "ca-certificates")
+# What the node server's `base` template has on top of minbase: what E2B's base image gives a
+# user (python as python3, pip, sudo, git, curl and the usual command-line tools), kept small.
+BASE_PACKAGES = (
+    "python3", "python3-pip", "python3-venv", "python-is-python3", "sudo", "git", "curl",
+    "wget", "ca-certificates", "procps", "iproute2", "jq", "unzip", "zip", "less", "vim-tiny",
+    "openssh-client", "file",
+)
 
 
 def image_size_for(src_dir: Path, *, free: int = 64 * MiB) -> int:
