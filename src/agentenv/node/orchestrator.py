@@ -261,6 +261,7 @@ class Orchestrator:
         rec.placement = None
         rec.pause_snapshot = result.snapshot
         rec.pause_mode = "full" if result.memory else "filesystem"
+        rec.pause_asked_memory = bool(op.doc.get("memory", True))
         rec.state = State.PAUSED
         self.sandboxes[rec.sandbox_id] = rec
         await self.store.finish_pause(rec, [*rec.source.layers, *result.snapshot.layers])
@@ -628,6 +629,7 @@ class Orchestrator:
         rec.placement = None
         rec.pause_snapshot = result.snapshot
         rec.pause_mode = "full" if result.memory else "filesystem"
+        rec.pause_asked_memory = memory
         rec.state = State.PAUSED
         self._metric_history.pop(sid, None)
         await self.store.finish_pause(rec, [*rec.source.layers, *result.snapshot.layers])
@@ -708,7 +710,9 @@ class Orchestrator:
             if rec.state == State.RUNNING:
                 return rec.placement
             if rec.state == State.PAUSED:
-                if not rec.auto_resume or self._closing:
+                # A filesystem-only pause asked for resumes on connect only (a cold boot: the
+                # request would reach a sandbox that rebooted under it).
+                if not rec.auto_resume or not rec.pause_asked_memory or self._closing:
                     return None
                 try:
                     await self.connect(sandbox_id, self.config.auto_resume_min_timeout)
