@@ -1,6 +1,6 @@
 """E2B parity through the official SDK on the VM backend: a filesystem-only pause and its
 connect (a cold boot from the disk: files kept, boot id changed, the sandbox's identity back;
-it survives a node restart), the timeout auto-pause in that mode, the base template's sudo,
+it survives a node restart), connect with on_resume="reboot", the timeout auto-pause in that mode, the base template's sudo,
 python, pip --user and apt, metadata cleared on overwrite, and fork counts above the node's
 limit."""
 
@@ -112,6 +112,11 @@ def test_filesystem_pause_then_connect_cold_boots(parity_node: NodeProcess) -> N
         assert _boot_id(back) == boot_after
         with parity_node.client() as api:
             assert "pauseMode" not in api.get(f"/sandboxes/{sbx.sandbox_id}").json()
+        # on_resume="reboot" (connect with memory false) cold-boots even a memory pause
+        assert back.pause() is True
+        rebooted = Sandbox.connect(sbx.sandbox_id, timeout=600, on_resume="reboot")
+        assert _boot_id(rebooted) != boot_after
+        assert rebooted.files.read("/home/user/kept.txt") == "written before the pause"
     finally:
         sbx.kill()
 

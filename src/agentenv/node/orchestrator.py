@@ -635,8 +635,11 @@ class Orchestrator:
         await self.store.finish_pause(rec, [*rec.source.layers, *result.snapshot.layers])
         log.info("sandbox paused", extra={"sandbox_id": sid, "mode": rec.pause_mode})
 
-    async def connect(self, sandbox_id: str, timeout: int | None) -> tuple[SandboxRecord, bool]:
-        """Make sure the sandbox runs; returns (record, resumed)."""
+    async def connect(self, sandbox_id: str, timeout: int | None,
+                      memory: bool = True) -> tuple[SandboxRecord, bool]:
+        """Make sure the sandbox runs; returns (record, resumed). memory=False (the SDK's
+        on_resume="reboot"): a paused sandbox cold-boots from its disk even when its pause
+        kept memory (the memory snapshot is left as it is)."""
         self._check_open()
         seconds = self._clamp_timeout(timeout, self.config.default_timeout)
         while True:
@@ -651,7 +654,7 @@ class Orchestrator:
                 raise Conflict(f"sandbox {sandbox_id!r} is being killed")
             await self._wait_op(sandbox_id, rec.state)
         rec.state = State.RESUMING
-        await self._launch(sandbox_id, "resume", self._do_resume(rec, seconds))
+        await self._launch(sandbox_id, "resume", self._do_resume(rec, seconds, memory))
         return rec, True
 
     async def resume_legacy(
@@ -673,14 +676,15 @@ class Orchestrator:
         await self._launch(sandbox_id, "resume", self._do_resume(rec, seconds))
         return rec
 
-    async def _do_resume(self, rec: SandboxRecord, timeout: int) -> None:
+    async def _do_resume(self, rec: SandboxRecord, timeout: int, memory: bool = True) -> None:
         rec.state = State.RESUMING
         sid = rec.sandbox_id
         assert rec.pause_snapshot is not None
         placement: Placement | None = None
         try:
             await self.store.put_sandbox(rec)
-            placement = await self.backend.resume(self._spec(rec), rec.pause_snapshot)
+            placement = await self.backend.resume(self._spec(rec), rec.pause_snapshot,
+                                                  memory=memory)
             await self._envd_ready(rec, placement)
         except BaseException as exc:
             # roll back: the pause snapshot is untouched, the sandbox stays paused

@@ -659,9 +659,12 @@ class VmBackend:
                 f"a filesystem-only pause of {sandbox_id} needs its guest agent (envd) to flush "
                 f"the disk, and envd answered {answer.status_code}: {answer.text[:200]}")
 
-    async def resume(self, spec: SandboxSpec, snapshot: SnapshotRef) -> Placement:
+    async def resume(self, spec: SandboxSpec, snapshot: SnapshotRef,
+                     memory: bool = True) -> Placement:
+        """memory=False or a filesystem-only snapshot: a cold boot from the snapshot's disk (a
+        memory snapshot's disk is then as after a power cut: its journal recovers it)."""
         record = self._load_record(snapshot)
-        if not record.memory:
+        if not record.memory or not memory:
             return await self._cold_boot(spec, record)
         return await self._restore(spec, record)
 
