@@ -38,13 +38,15 @@ def parity_node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NodeProces
 
 def _run(sbx: Any, cmd: str, **kwargs: Any) -> Any:
     """commands.run, retried while a freshly started guest settles (TCG, a loaded host)."""
+    from e2b.exceptions import SandboxNotRunningException
     from e2b.sandbox.commands.command_handle import CommandExitException
 
     for attempt in range(20):
         try:
             return sbx.commands.run(cmd, timeout=120, **kwargs)
         except Exception as exc:
-            if isinstance(exc, CommandExitException) or attempt == 19:
+            if isinstance(exc, CommandExitException | SandboxNotRunningException) or \
+                    attempt == 19:
                 raise
             time.sleep(1)
     raise AssertionError("unreachable")
@@ -171,7 +173,7 @@ def _wheel(name: str, value: str) -> bytes:
 def test_base_template_has_what_e2b_base_has(parity_node: NodeProcess) -> None:
     from e2b import Sandbox
 
-    sbx = Sandbox.create(timeout=300)
+    sbx = Sandbox.create(timeout=900)
     try:
         assert _run(sbx, "whoami; sudo -n true && echo sudo-ok").stdout.split() == \
             ["user", "sudo-ok"]
@@ -196,7 +198,7 @@ def test_overwrite_clears_metadata_and_fork_limit(parity_node: NodeProcess) -> N
     from e2b import Sandbox
     from e2b.exceptions import SandboxException
 
-    sbx = Sandbox.create(timeout=300)
+    sbx = Sandbox.create(timeout=900)
     try:
         sbx.files.write("/home/user/m.txt", "one", metadata={"owner": "alice", "v": "1"})
         assert sbx.files.get_info("/home/user/m.txt").metadata == {"owner": "alice", "v": "1"}
