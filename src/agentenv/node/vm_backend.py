@@ -6,7 +6,8 @@
 - create = a ready-pool VM of the template + `/init`, else a restore of its boot snapshot;
   pause = runtime.pause (memory kept), or with memory=False a filesystem-only pause (envd's
   /aenv/sync, then only the disks are sealed);
-  resume = restore the pause snapshot, or cold-boot a filesystem-only one from its disks; snapshot = snapshot with the VM kept running;
+  resume = restore the pause snapshot, or cold-boot a filesystem-only one from its disks;
+  snapshot = snapshot with the VM kept running;
   fork = one snapshot, then one restore per child.
 
 Snapshots are directories under <state>/vm-backend/runtime/snapshots/; a later snapshot names
