@@ -7,7 +7,9 @@ is refilled), (2) the same node restarted without a pool, and (3) the baselines:
 bare restore of the same snapshot, and the bare `/init` on a VM the bench pre-restored and
 warmed itself (what a pooled create leaves to do, so the API's overhead shows). It also prints
 where a pooled create's time goes (node log timings and the create-op histogram) and what a
-pool fill costs per VM. `--backend process`:
+pool fill costs per VM. `--suite pause` (part of `all`): a filesystem-only pause and its
+connect (a cold boot from the disk) against a memory pause and its connect, p50 of each and the
+disk each pause snapshot keeps. `--backend process`:
 
 - proxy_*: the same envd request through the node's proxy (E2b-Sandbox-Id routing) and straight
   to the sandbox's envd port (baseline). The ratio is the proxy's overhead.
@@ -659,17 +661,112 @@ async def vm_measurements(pool_node: VmNode, work: Path, quick: bool) -> None:
         await envd.aclose()
 
 
+def pause_record_dir(node: VmNode, sandbox_id: str) -> Path:
+    """The snapshot directory of a paused sandbox's pause (its row in the node's SQLite)."""
+    import sqlite3
+
+    conn = sqlite3.connect(node.state_dir / "node.db")
+    try:
+        [(doc,)] = conn.execute("SELECT doc FROM sandboxes WHERE id = ?", (sandbox_id,))
+    finally:
+        conn.close()
+    return Path(json.loads(doc)["pause_snapshot"]["data"]["record_dir"])
+
+
+def allocated_bytes(directory: Path) -> int:
+    """Disk the files of a snapshot directory take (sparse files count what they hold)."""
+    return sum(p.stat().st_blocks * 512 for p in directory.rglob("*") if p.is_file())
+
+
+async def pause_measurements(node: VmNode, quick: bool) -> None:
+    """A filesystem-only pause (`{"memory": false}`) and its connect (a cold boot from the disk)
+    against a memory pause and its connect (a restore), in the same run: each round makes two
+    sandboxes that write 16 MiB to their disk; one pauses with memory, the other filesystem-only;
+    each is connected again, and its boot id must have changed only after the latter."""
+    rounds = 2 if quick else 5
+    api = httpx.AsyncClient(base_url=node.url, headers={"X-API-KEY": node.key}, timeout=600,
+                            trust_env=False)
+    envd = httpx.AsyncClient(timeout=120, trust_env=False)
+    rows: dict[str, list[float]] = {k: [] for k in (
+        "mem_pause", "mem_connect", "mem_bytes", "fs_pause", "fs_connect", "fs_bytes")}
+
+    async def timed(method: str, url: str, body: dict[str, Any]) -> float:
+        t0 = time.perf_counter()
+        answer = await api.request(method, url, json=body)
+        answer.raise_for_status()
+        return (time.perf_counter() - t0) * 1e3
+
+    async def one(memory: bool) -> None:
+        """A sandbox writes 16 MiB, pauses (with memory or not), is connected again."""
+        mode = "mem" if memory else "fs"
+        answer = await api.post("/v2/sandboxes", json={"templateID": "base", "timeout": 900})
+        answer.raise_for_status()
+        body = answer.json()
+        sid = body["sandboxID"]
+        headers = {"E2b-Sandbox-Id": sid, "E2b-Sandbox-Port": "49983",
+                   "X-Access-Token": body["envdAccessToken"]}
+
+        async def run(cmd: str) -> str:
+            for attempt in range(30):
+                try:
+                    return await run_async(envd, node.url, headers, cmd)
+                except httpx.HTTPError:
+                    if attempt == 29:
+                        raise
+                    await asyncio.sleep(1)
+            raise AssertionError("unreachable")
+
+        try:
+            await run("head -c 16M /dev/urandom > /home/user/data.bin")
+            boot = await run("cat /proc/sys/kernel/random/boot_id")
+            rows[f"{mode}_pause"].append(await timed(
+                "POST", f"/sandboxes/{sid}/pause", {} if memory else {"memory": False}))
+            rows[f"{mode}_bytes"].append(allocated_bytes(pause_record_dir(node, sid)))
+            rows[f"{mode}_connect"].append(await timed(
+                "POST", f"/v2/sandboxes/{sid}/connect", {"timeout": 900}))
+            now = await run("cat /proc/sys/kernel/random/boot_id")
+            assert (now == boot) == memory, f"boot id after a {mode} pause: {now!r}"
+            assert (await run("wc -c < /home/user/data.bin")).strip() == str(16 << 20)
+        finally:
+            await api.delete(f"/sandboxes/{sid}")
+
+    try:
+        for _ in range(rounds):  # one sandbox per mode and round, the same work before each
+            await one(True)
+            await one(False)
+    finally:
+        await api.aclose()
+        await envd.aclose()
+    med = {k: statistics.median(v) for k, v in rows.items()}
+    emit("vm_pause_filesystem_p50_ms", med["fs_pause"], "ms", "memory pause p50",
+         med["mem_pause"])
+    emit("vm_connect_filesystem_cold_boot_p50_ms", med["fs_connect"], "ms",
+         "connect of a memory pause (restore) p50", med["mem_connect"])
+    print(json.dumps({"metric": "vm_pause_snapshot_bytes", "filesystem": int(med["fs_bytes"]),
+                      "memory": int(med["mem_bytes"]),
+                      "ratio": round(med["fs_bytes"] / med["mem_bytes"], 3),
+                      "note": "allocated bytes of the pause's own snapshot directory (not the template's "
+                      "layers), p50, after 16 MiB written to the disk", "rounds": rounds}), flush=True)
+
+
 def vm_main(args: argparse.Namespace) -> None:
     if os.geteuid() != 0:
         raise SystemExit("the VM backend needs root (network namespaces, nftables, blockd)")
     work = Path(tempfile.mkdtemp(prefix="aenv-api-bench-vm-"))
     work.chmod(0o711)  # QEMU runs as aenv-vm: it must reach the state dir
-    node = VmNode(args.state_dir, args.pool_low, args.pool_high)
+    # The pause suite alone runs without a ready pool: parked VMs would only take CPU from it.
+    pool = (0, 0) if args.suite == "pause" else (args.pool_low, args.pool_high)
+    node = VmNode(args.state_dir, *pool)
     try:
         started = node.start()
         print(json.dumps({"info": "vm node ready", "seconds": round(started, 1),
                           "state_dir": str(args.state_dir)}), file=sys.stderr, flush=True)
-        asyncio.run(vm_measurements(node, work, args.quick))
+        if args.suite in ("all", "create"):
+            asyncio.run(vm_measurements(node, work, args.quick))
+        if args.suite in ("all", "pause"):
+            if node.proc is None:  # vm_measurements stopped it
+                node.start()
+            asyncio.run(pause_measurements(node, args.quick))
     finally:
         node.stop()
         remove_network(NODE_PREFIX)
@@ -690,6 +787,9 @@ def main() -> None:
                         help="vm: the ready pool's low watermark for the pooled phase")
     parser.add_argument("--pool-high", type=int, default=4,
                         help="vm: the ready pool's high watermark for the pooled phase")
+    parser.add_argument("--suite", choices=["all", "create", "pause"], default="all",
+                        help="vm: create = the create/run/kill measurements, pause = memory vs "
+                        "filesystem-only pause and connect, all = both")
     args = parser.parse_args()
     if args.backend == "process":
         process_main(args)

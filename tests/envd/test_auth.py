@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import json
 import os
 import time
 
 import httpx
 import pytest
 from e2b import AuthenticationException
+
+from tests.envd.conftest import start_envd
 
 pytestmark = pytest.mark.root
 
@@ -97,3 +100,29 @@ def test_metrics(fresh_envd) -> None:
     assert metrics["mem_total"] > metrics["mem_used"] > 0
     assert metrics["disk_total"] >= metrics["disk_used"] > 0
     assert abs(metrics["ts"] - time.time()) < 5
+
+
+def test_sync_saves_defaults_for_the_next_start(fresh_envd) -> None:
+    """/aenv/sync (before a filesystem-only pause) leaves /init's defaults on the root's disk,
+    without the token; an envd started again on that root (a cold boot) takes them back."""
+    server = fresh_envd()
+    token = "tok-sync"
+    init = {"accessToken": token, "envVars": {"KEPT": "yes"}, "defaultUser": "root",
+            "defaultWorkdir": "/tmp"}
+    assert httpx.post(f"{server.url}/init", json=init).status_code == 204
+    assert httpx.post(f"{server.url}/aenv/sync").status_code == 401  # token-protected
+    assert httpx.get(f"{server.url}/aenv/sync", headers={"X-Access-Token": token}).status_code == 405
+    assert httpx.post(f"{server.url}/aenv/sync", headers={"X-Access-Token": token}).status_code == 204
+    saved = server.root / "var/lib/aenv/envd-defaults.json"
+    assert saved.stat().st_mode & 0o777 == 0o600
+    assert token not in saved.read_text()
+    assert json.loads(saved.read_text()) == {"defaultUser": "root", "defaultWorkdir": "/tmp",
+                                             "envVars": {"KEPT": "yes"}}
+    server.stop()
+    again = start_envd(server.root, server.log_path.parent)
+    try:
+        assert httpx.get(f"{again.url}/envs").json() == {"KEPT": "yes"}  # no token until /init
+        sbx = again.sandbox()
+        assert sbx.commands.run("pwd; whoami").stdout.split() == ["/tmp", "root"]
+    finally:
+        again.stop()

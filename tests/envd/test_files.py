@@ -127,6 +127,23 @@ def test_metadata_is_stored_as_xattrs(sbx: Sandbox, envd) -> None:
     assert sbx.files.get_info("/data/meta.txt").metadata == {"owner": "alice"}
 
 
+def test_overwrite_replaces_metadata(sbx: Sandbox, envd) -> None:
+    """E2B clears a file's metadata on overwrite: only what the new write sets is left."""
+    try:
+        os.setxattr(envd.root / "data", "user.probe", b"1")
+    except OSError:
+        pytest.skip("the test filesystem has no user xattrs")
+    sbx.files.write("/data/over.txt", "v1", metadata={"owner": "alice", "stage": "draft"})
+    info = sbx.files.write("/data/over.txt", "v2", metadata={"stage": "final"})
+    assert info.metadata == {"stage": "final"}
+    assert sbx.files.get_info("/data/over.txt").metadata == {"stage": "final"}
+    sbx.files.write("/data/over.txt", "v3")
+    assert not sbx.files.get_info("/data/over.txt").metadata
+    host = envd.root / "data/over.txt"
+    assert host.read_text() == "v3"
+    assert [n for n in os.listxattr(host) if n.startswith("user.e2b.")] == []
+
+
 def test_watch_dir_sync(sbx: Sandbox) -> None:
     sbx.files.make_dir("/data/watched")
     handle = sbx.files.watch_dir("/data/watched", recursive=True)

@@ -45,6 +45,10 @@ def test_sandbox_commands(node: NodeProcess) -> None:
     info = json.loads(aenv_inline(node, "sandbox", "info", sid).stdout)
     assert info["state"] == "paused" and info["metadata"] == {"cli": "yes"}
     assert "resumed" in aenv_inline(node, "sandbox", "resume", sid).stdout
+    assert aenv_inline(node, "sandbox", "pause", "--filesystem", sid).exit_code == 0
+    info = json.loads(aenv_inline(node, "sandbox", "info", sid).stdout)
+    assert (info["state"], info["pauseMode"]) == ("paused", "filesystem")
+    assert "resumed" in aenv_inline(node, "sandbox", "resume", sid).stdout
     assert aenv_inline(node, "sandbox", "timeout", sid, "30").exit_code == 0
     assert aenv_inline(node, "sandbox", "kill", sid).exit_code == 0
     missing = aenv(node, "sandbox", "info", sid)

@@ -107,6 +107,13 @@ def _db_rows(node: NodeProcess, sql: str, *args: object) -> list[tuple[Any, ...]
         conn.close()
 
 
+def _listed_builds(node: NodeProcess, template: str) -> set[str]:
+    with node.client() as api:
+        detail = api.get(f"/templates/{template}").json()
+    assert detail["buildCount"] == len(detail["builds"])
+    return {b["buildID"] for b in detail["builds"]}
+
+
 def _build_record_dir(node: NodeProcess, build_id: str) -> str:
     [(doc,)] = _db_rows(node, "SELECT doc FROM template_builds WHERE build_id = ?", build_id)
     return Path(json.loads(doc)["ref"]["data"]["record_dir"]).name
@@ -152,8 +159,10 @@ def test_tags_select_builds_and_survive_restart(tag_node: NodeProcess,
     assert _which(name) == "one"
     assert _tags(tid) == {"default": b1, "prod": b1, "stable": b2}
     b2_dir = _build_record_dir(tag_node, b2)
+    assert _listed_builds(tag_node, name) == {b1, b2}
     Template.remove_tags(name, "stable")  # build 2: no tag left -> its snapshot is released
     assert _tags(tid) == {"default": b1, "prod": b1}
+    assert _listed_builds(tag_node, name) == {b1}  # GET /templates/{id} lists kept builds only
     assert b2_dir not in _snapshot_dirs(tag_node)
     assert _db_rows(tag_node, "SELECT build_id FROM template_builds WHERE template_id = ?",
                     tid) == [(b1,)]

@@ -241,10 +241,13 @@ def sandbox_kill(ctx: click.Context, sandbox_ids: tuple[str, ...]) -> None:
 
 @sandbox_group.command("pause")
 @click.argument("sandbox_id")
+@click.option("--filesystem", is_flag=True,
+              help="Keep the disk only (no memory): resume cold-boots the sandbox from it.")
 @click.pass_context
-def sandbox_pause(ctx: click.Context, sandbox_id: str) -> None:
-    """Pause a running sandbox."""
-    _client(ctx).call("POST", f"/sandboxes/{sandbox_id}/pause", {})
+def sandbox_pause(ctx: click.Context, sandbox_id: str, filesystem: bool) -> None:
+    """Pause a running sandbox (memory and disk kept, unless --filesystem)."""
+    _client(ctx).call("POST", f"/sandboxes/{sandbox_id}/pause",
+                      {"memory": False} if filesystem else {})
     click.echo(f"paused {sandbox_id}")
 
 

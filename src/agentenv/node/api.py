@@ -446,17 +446,18 @@ class NodeApp:
         )
         return JSONResponse(self._sandbox(rec), status_code=201)
 
-    async def _connect(self, sandbox_id: str, timeout: int | None) -> Response:
-        rec, resumed = await self.orchestrator.connect(sandbox_id, timeout)
+    async def _connect(self, sandbox_id: str, timeout: int | None,
+                       memory: bool | None = None) -> Response:
+        rec, resumed = await self.orchestrator.connect(sandbox_id, timeout, memory is not False)
         return JSONResponse(self._sandbox(rec), status_code=201 if resumed else 200)
 
     async def connect_v1(self, request: Request) -> Response:
         body = await read_model(request, models.ConnectV1Request)
-        return await self._connect(request.path_params["sandbox_id"], body.timeout)
+        return await self._connect(request.path_params["sandbox_id"], body.timeout, body.memory)
 
     async def connect_v2(self, request: Request) -> Response:
         body = await read_model(request, models.ConnectV2Request, optional=True)
-        return await self._connect(request.path_params["sandbox_id"], body.timeout)
+        return await self._connect(request.path_params["sandbox_id"], body.timeout, body.memory)
 
     async def sandbox_metrics(self, request: Request) -> Response:
         bounds: list[float | None] = []

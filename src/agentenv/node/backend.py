@@ -172,8 +172,10 @@ class SandboxBackend(Protocol):
     async def pause(self, sandbox_id: str, placement: Placement, memory: bool) -> PauseResult:
         """Stop the sandbox and keep its state; the sandbox no longer runs afterwards."""
 
-    async def resume(self, spec: SandboxSpec, snapshot: SnapshotRef) -> Placement:
-        """Start the sandbox again from the snapshot pause() returned."""
+    async def resume(self, spec: SandboxSpec, snapshot: SnapshotRef,
+                     memory: bool = True) -> Placement:
+        """Start the sandbox again from the snapshot pause() returned; memory=False boots it
+        from the snapshot's disk even when the snapshot kept memory."""
 
     async def snapshot(
         self, sandbox_id: str, placement: Placement, snapshot_id: str

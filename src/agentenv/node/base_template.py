@@ -1,4 +1,5 @@
-"""The VM backend's built-in `base` template: Debian bookworm with python3, pip, git and curl.
+"""The VM backend's built-in `base` template: Debian bookworm with what E2B's base image has
+(rootfs.BASE_PACKAGES: python, pip, sudo, git, curl...) and the `user` account with sudo.
 
 Built once per node and cached under <state>/templates/base/:
 
@@ -25,14 +26,19 @@ from pathlib import Path
 
 from agentenv.fsutil import atomic_write_json
 from agentenv.guest.build import GuestAssets
-from agentenv.guest.build.rootfs import BASE_PACKAGES, debian_root, make_rootfs_image
+from agentenv.guest.build.rootfs import (
+    BASE_PACKAGES,
+    add_base_user,
+    debian_root,
+    make_rootfs_image,
+)
 from agentenv.runtime.vm import BootSpec, DiskSource, Runtime
 from agentenv.snapshot.record import SnapshotRecord
 from agentenv.storage.export import import_raw
 
 log = logging.getLogger("agentenv.node.base_template")
 
-TEMPLATE_FORMAT = 1
+TEMPLATE_FORMAT = 2  # 2: the `user` account with sudo, pip.conf (rootfs.add_base_user)
 BASE_DISK_BYTES = 4 << 30  # virtual size; the image file and the layer stay sparse
 BASE_INODES = 262_144  # room for pip installs (mkfs -d would size inodes to the tree only)
 BASE_VCPUS = 2
@@ -115,6 +121,7 @@ async def build_base_template(
          " (debootstrap on first use: 1-2 min)")
     root = await asyncio.to_thread(debian_root, work / "root", BASE_PACKAGES,
                                    cache_dir=debian_cache)
+    await asyncio.to_thread(add_base_user, root)
     step(f"making a {BASE_DISK_BYTES >> 30} GiB sparse ext4 image")
     raw = await asyncio.to_thread(make_rootfs_image, root, work / "rootfs.ext4", BASE_DISK_BYTES,
                                   inodes=BASE_INODES)

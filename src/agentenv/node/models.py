@@ -14,7 +14,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from agentenv.node.backend import MetricSample
-from agentenv.node.records import SandboxRecord, TemplateRecord
+from agentenv.node.records import SandboxRecord, State, TemplateRecord
 
 
 class _Request(BaseModel):
@@ -148,7 +148,8 @@ def detail_json(rec: SandboxRecord, client_id: str, domain: str | None) -> dict[
     )
     if rec.network is not None:
         body["network"] = rec.network
-    if rec.pause_mode is not None and rec.state.public == "paused":
+    if rec.pause_mode is not None and rec.state == State.PAUSED:
+        # only once the pause finished: while pausing, pause_mode is the previous pause's
         body["pauseMode"] = rec.pause_mode
     return body
 

@@ -278,6 +278,7 @@ class Orchestrator:
         rec.placement = None
         rec.pause_snapshot = result.snapshot
         rec.pause_mode = "full" if result.memory else "filesystem"
+        rec.pause_asked_memory = bool(op.doc.get("memory", True))
         rec.state = State.PAUSED
         self.sandboxes[rec.sandbox_id] = rec
         await self.store.finish_pause(rec, [*rec.source.layers, *result.snapshot.layers])
@@ -662,13 +663,17 @@ class Orchestrator:
         rec.placement = None
         rec.pause_snapshot = result.snapshot
         rec.pause_mode = "full" if result.memory else "filesystem"
+        rec.pause_asked_memory = memory
         rec.state = State.PAUSED
         self._metric_history.pop(sid, None)
         await self.store.finish_pause(rec, [*rec.source.layers, *result.snapshot.layers])
         log.info("sandbox paused", extra={"sandbox_id": sid, "mode": rec.pause_mode})
 
-    async def connect(self, sandbox_id: str, timeout: int | None) -> tuple[SandboxRecord, bool]:
-        """Make sure the sandbox runs; returns (record, resumed)."""
+    async def connect(self, sandbox_id: str, timeout: int | None,
+                      memory: bool = True) -> tuple[SandboxRecord, bool]:
+        """Make sure the sandbox runs; returns (record, resumed). memory=False (the SDK's
+        on_resume="reboot"): a paused sandbox cold-boots from its disk even when its pause
+        kept memory (the memory snapshot is left as it is)."""
         self._check_open()
         seconds = self._clamp_timeout(timeout, self.config.default_timeout)
         while True:
@@ -685,7 +690,7 @@ class Orchestrator:
         # No await until the state changes: the resuming record counts from then on.
         self._release(self._admit(f"resume sandbox {sandbox_id}", rec.memory_mb, rec.cpu_count))
         rec.state = State.RESUMING
-        await self._launch(sandbox_id, "resume", self._do_resume(rec, seconds))
+        await self._launch(sandbox_id, "resume", self._do_resume(rec, seconds, memory))
         return rec, True
 
     async def resume_legacy(
@@ -708,14 +713,15 @@ class Orchestrator:
         await self._launch(sandbox_id, "resume", self._do_resume(rec, seconds))
         return rec
 
-    async def _do_resume(self, rec: SandboxRecord, timeout: int) -> None:
+    async def _do_resume(self, rec: SandboxRecord, timeout: int, memory: bool = True) -> None:
         rec.state = State.RESUMING
         sid = rec.sandbox_id
         assert rec.pause_snapshot is not None
         placement: Placement | None = None
         try:
             await self.store.put_sandbox(rec)
-            placement = await self.backend.resume(self._spec(rec), rec.pause_snapshot)
+            placement = await self.backend.resume(self._spec(rec), rec.pause_snapshot,
+                                                  memory=memory)
             await self._envd_ready(rec, placement)
         except BaseException as exc:
             # roll back: the pause snapshot is untouched, the sandbox stays paused
@@ -745,7 +751,9 @@ class Orchestrator:
             if rec.state == State.RUNNING:
                 return rec.placement
             if rec.state == State.PAUSED:
-                if not rec.auto_resume or self._closing:
+                # A filesystem-only pause asked for resumes on connect only (a cold boot: the
+                # request would reach a sandbox that rebooted under it).
+                if not rec.auto_resume or not rec.pause_asked_memory or self._closing:
                     return None
                 try:
                     await self.connect(sandbox_id, self.config.auto_resume_min_timeout)
@@ -920,7 +928,8 @@ class Orchestrator:
     async def fork(self, sandbox_id: str, count: int, timeout: int | None) -> list[ForkResult]:
         self._check_open()
         if not 1 <= count <= MAX_FORK_COUNT:
-            raise BadRequest(f"count must be between 1 and {MAX_FORK_COUNT}, got {count}")
+            raise BadRequest(f"count must be between 1 and {MAX_FORK_COUNT}, got {count}: "
+                             f"{MAX_FORK_COUNT} children per fork is this node's limit")
         seconds = self._clamp_timeout(timeout, self.config.fork_default_timeout)
         rec = await self._wait_running(sandbox_id, "be forked")
         # Held until the children's records exist (_do_fork), which count from then on.

@@ -300,7 +300,9 @@ class ProcessBackend:
             return None
         return await self.pause(sandbox_id, placement, memory=False)
 
-    async def resume(self, spec: SandboxSpec, snapshot: SnapshotRef) -> Placement:
+    async def resume(self, spec: SandboxSpec, snapshot: SnapshotRef,
+                     memory: bool = True) -> Placement:
+        # Every pause here keeps files only: a resume always starts envd afresh.
         if not self._root(spec.sandbox_id).is_dir():
             raise BackendError(f"files of paused sandbox {spec.sandbox_id} are missing")
         return await self._spawn(spec)

@@ -57,6 +57,9 @@ class SandboxRecord:
     pause_snapshot: SnapshotRef | None = None
     #: "full" (memory kept) or "filesystem"; set when paused
     pause_mode: str | None = None
+    #: False when the caller asked for a filesystem-only pause (E2B: such a sandbox resumes
+    #: on connect only, never by traffic; the process backend keeps no memory either way)
+    pause_asked_memory: bool = True
     created_at: float = field(default_factory=time.time)
 
     def to_row(self) -> dict[str, Any]:
@@ -85,6 +88,7 @@ class SandboxRecord:
             "placement": self.placement.to_json() if self.placement else None,
             "pause_snapshot": self.pause_snapshot.to_json() if self.pause_snapshot else None,
             "pause_mode": self.pause_mode,
+            "pause_asked_memory": self.pause_asked_memory,
             "created_at": self.created_at,
         }
 
@@ -117,6 +121,7 @@ class SandboxRecord:
                 TemplateRef.from_json(row["pause_snapshot"]) if row["pause_snapshot"] else None
             ),
             pause_mode=row["pause_mode"],
+            pause_asked_memory=bool(row.get("pause_asked_memory", True)),
             created_at=row["created_at"],
         )
 

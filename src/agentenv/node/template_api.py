@@ -214,9 +214,26 @@ class TemplateBuildApi:
         write_private(self.builds_dir / f"{rec.build_id}.json", json.dumps(asdict(rec)).encode())
 
     def _builds_of(self, template_id: str) -> list[BuildRecord]:
-        """Newest first."""
-        return sorted((b for b in self.builds.values() if b.template_id == template_id),
+        """Newest first: the builds under way or failed, and the ready ones still kept (a
+        ready build no tag names any more was released with its snapshot: not listed)."""
+        return sorted((b for b in self.builds.values()
+                       if b.template_id == template_id and not self._released(b)),
                       key=lambda b: b.created_at, reverse=True)
+
+    def _released(self, rec: BuildRecord) -> bool:
+        if rec.status != "ready":
+            return False
+        tags = self.orchestrator.template_tags
+        tpl = self.orchestrator.templates.get(rec.template_id)
+        if rec.build_id in tags.builds or (tpl is not None and tpl.build_id == rec.build_id):
+            return False
+        if tags.tags.get(rec.template_id):
+            return True
+        # A template built before tag records were kept: its newest ready build is its snapshot.
+        newest = max((b for b in self.builds.values()
+                      if b.template_id == rec.template_id and b.status == "ready"),
+                     key=lambda b: b.created_at)
+        return tpl is None or newest is not rec
 
     def _pending_template(self, id_or_name: str) -> BuildRecord | None:
         """The newest build of a template that has never been ready (not registered yet)."""

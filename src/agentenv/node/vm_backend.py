@@ -4,8 +4,10 @@
   under <state>/vm-backend/blockd/), the guest assets (kernel, initramfs, tools disk), the runtime.
 - default_templates(): the built-in `base` template (base_template.py), built on first start.
 - create = a ready-pool VM of the template + `/init`, else a restore of its boot snapshot;
-  pause = runtime.pause (memory kept);
-  resume = restore the pause snapshot; snapshot = snapshot with the VM kept running;
+  pause = runtime.pause (memory kept), or with memory=False a filesystem-only pause (envd's
+  /aenv/sync, then only the disks are sealed);
+  resume = restore the pause snapshot, or cold-boot a filesystem-only one from its disks;
+  snapshot = snapshot with the VM kept running;
   fork = one snapshot, then one restore per child.
 
 Snapshots are directories under <state>/vm-backend/runtime/snapshots/; a later snapshot names
@@ -80,6 +82,7 @@ SLOT_COOLDOWN = 30.0  # seconds before a network slot's address serves another V
 # How long a create, resume or fork waits for a blockd that is down (restarting) before it
 # answers 503 (AENV_BLOCKD_WAIT).
 BLOCKD_WAIT = 15.0
+SYNC_TIMEOUT = 30.0  # seconds envd gets to flush the guest before a filesystem-only pause
 
 
 
@@ -646,11 +649,16 @@ class VmBackend:
         return placed
 
     async def pause(self, sandbox_id: str, placement: Placement, memory: bool) -> PauseResult:
+        """memory=False: a filesystem-only pause. envd saves its defaults and flushes the
+        guest's filesystems, then only the disks are kept (no memory layer, no device state);
+        resume cold-boots the VM from them."""
         from agentenv.runtime.errors import RuntimeError_
 
         vm = self._vm(sandbox_id)
+        if not memory:
+            await self._sync_guest(sandbox_id, vm)
         try:
-            record = await self.runtime.pause(vm)
+            record = await self.runtime.pause(vm, memory=memory)
         except (RuntimeError_, OSError) as exc:
             raise BackendError(f"pausing {sandbox_id} failed: {exc}",
                                retryable=vm.state == "running") from exc
@@ -660,11 +668,76 @@ class VmBackend:
         self._tokens.pop(sandbox_id, None)
         ref = self._ref(record, "paused")
         self._own(sandbox_id, Path(ref.data["record_dir"]))
-        return PauseResult(snapshot=ref, memory=True)
+        return PauseResult(snapshot=ref, memory=record.memory)
 
-    async def resume(self, spec: SandboxSpec, snapshot: SnapshotRef) -> Placement:
+    async def _sync_guest(self, sandbox_id: str, vm: Any) -> None:
+        """envd's /aenv/sync before a filesystem-only pause. As in E2B, such a pause needs a
+        guest agent that answers (without its flush the disk would miss recent writes): the
+        pause is refused otherwise and the sandbox keeps running."""
+        import httpx
+
+        token = self._tokens.get(sandbox_id)
+        try:
+            async with httpx.AsyncClient(timeout=SYNC_TIMEOUT, trust_env=False) as client:
+                answer = await client.post(vm.envd_url + "/aenv/sync",
+                                           headers={"X-Access-Token": token} if token else None)
+        except httpx.HTTPError as exc:
+            raise BackendError(
+                f"a filesystem-only pause of {sandbox_id} needs its guest agent (envd) to flush "
+                f"the disk, and envd did not answer: {exc!r}") from exc
+        if answer.status_code != 204:
+            raise BackendError(
+                f"a filesystem-only pause of {sandbox_id} needs its guest agent (envd) to flush "
+                f"the disk, and envd answered {answer.status_code}: {answer.text[:200]}")
+
+    async def resume(self, spec: SandboxSpec, snapshot: SnapshotRef,
+                     memory: bool = True) -> Placement:
+        """memory=False or a filesystem-only snapshot: a cold boot from the snapshot's disk (a
+        memory snapshot's disk is then as after a power cut: its journal recovers it)."""
         await self._need_blockd()
-        return await self._restore(spec, self._load_record(snapshot))
+        record = self._load_record(snapshot)
+        if not record.memory or not memory:
+            return await self._cold_boot(spec, record)
+        return await self._restore(spec, record)
+
+    async def _cold_boot(self, spec: SandboxSpec, record: Any) -> Placement:
+        """A VM booted from a filesystem-only snapshot's disks with the current guest assets
+        (kernel, initramfs, tools disk: a reboot may pick up newer ones), then envd's /init
+        with the sandbox's identity (env vars, token)."""
+        from agentenv.runtime.errors import RuntimeError_
+        from agentenv.runtime.vm import BootSpec, DiskSource
+
+        assets = self._assets
+        snaps = {d.name: d for d in record.disks}
+        disks = []
+        for cfg in record.machine.disks:
+            snap = snaps[cfg.name]
+            if cfg.name == "tools" and snap.file:
+                disks.append(DiskSource("tools", assets.tools_image.stat().st_size,
+                                        read_only=True, file=assets.tools_image))
+            else:
+                disks.append(DiskSource(cfg.name, cfg.size, read_only=cfg.read_only,
+                                        layers=[Path(x.path) for x in snap.layers],
+                                        file=Path(snap.file) if snap.file else None))
+        boot = BootSpec(kernel=assets.kernel, initramfs=assets.initramfs,
+                        cmdline=assets.cmdline_base, vcpus=record.machine.vcpus,
+                        memory_mib=record.machine.memory_mib,
+                        outbound=spec.allow_internet_access, disks=disks)
+        sources = _record_dirs(record)
+        self._create_sources.append(sources)  # in use until the VM runs from them
+        try:
+            vm = await self.runtime.boot(boot)
+            try:
+                await self.runtime.envd_init(vm, self._guest_env(spec), spec.access_token)
+            except BaseException:
+                await self.runtime.kill(vm)
+                raise
+        except (RuntimeError_, OSError) as exc:
+            raise BackendError(f"cold-booting {spec.sandbox_id} from its disk failed: {exc}"
+                               ) from exc
+        finally:
+            self._create_sources.remove(sources)
+        return self._placement(spec.sandbox_id, vm, spec.access_token)
 
     async def snapshot(
         self, sandbox_id: str, placement: Placement, snapshot_id: str
@@ -887,7 +960,7 @@ class VmBackend:
         ref = self._ref(record, "paused")
         if ref.data["record_dir"] not in self._owned(sandbox_id):
             self._own(sandbox_id, Path(ref.data["record_dir"]))
-        return PauseResult(snapshot=ref, memory=True)
+        return PauseResult(snapshot=ref, memory=record.memory)
 
     def _find_pause_record(self, vm_id: str, since: float) -> Any:
         from agentenv.snapshot.record import SnapshotRecord

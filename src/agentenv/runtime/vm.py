@@ -55,6 +55,7 @@ from agentenv.runtime.memory import (
 from agentenv.runtime.network import GUEST_IP, NetworkSlot, SlotPool, setup_host
 from agentenv.runtime.qemu import DiskAttachment, QemuProcess
 from agentenv.snapshot.record import (
+    RECORD_NAME,
     DiskConfig,
     DiskSnapshot,
     LayerRef,
@@ -507,6 +508,44 @@ class Runtime:
             vm.state = "running"
         return record
 
+    async def snapshot_disks(self, vm: VM) -> SnapshotRecord:
+        """Stop the VM and seal each writable disk's upper into a layer: a filesystem-only
+        snapshot (no memory, no device state), left stopped. What the guest had not written
+        to its disks is lost, as at a power cut: flush the guest's filesystems first (envd's
+        /aenv/sync). A failure leaves the VM running, as `snapshot` does."""
+        if vm.state != "running":
+            raise RuntimeError_(f"VM {vm.id} is {vm.state}, only a running VM can be snapshotted")
+        snap_id = uuid.uuid4().hex
+        snap_dir = self.config.snapshot_dir / snap_id
+        snap_dir.mkdir(parents=True)
+        vm.state = "pausing"
+        t0 = time.perf_counter()
+        try:
+            await vm.process.execute("stop")
+            t_stop = time.perf_counter()
+            disks = await self._snapshot_disks(vm, snap_dir)
+            record = SnapshotRecord(
+                id=snap_id, source_vm=vm.id, parent_snapshot=vm.parent_snapshot,
+                mode=vm.machine.accel, machine=vm.machine, memory=False, memory_layers=[],
+                device_state=str(snap_dir / RECORD_NAME), device_state_ram_block="",
+                disks=disks, qemu_version=_qemu_version(vm.process))
+            await asyncio.to_thread(_save_record_durably, record, snap_dir)
+        except BaseException as exc:
+            shutil.rmtree(snap_dir, ignore_errors=True)
+            await self._after_failed_snapshot(vm, exc)
+            if isinstance(exc, OSError):
+                raise SnapshotError(
+                    f"disk snapshot of VM {vm.id} failed: {exc.strerror or exc}"
+                    f"{' (' + exc.filename + ')' if exc.filename else ''}") from exc
+            raise
+        t_end = time.perf_counter()
+        vm.timings.update(snapshot_stop_ms=(t_stop - t0) * 1e3,
+                          snapshot_disks_ms=(t_end - t_stop) * 1e3,
+                          snapshot_total_ms=(t_end - t0) * 1e3)
+        log.info("disk snapshot", extra={"vm": vm.id, "snapshot": snap_id,
+                                         "ms": round((t_end - t0) * 1e3, 1)})
+        return record
+
     async def _save_device_state(self, vm: VM, snap_dir: Path) -> Path:
         """Device state (no RAM) of the stopped VM as a loadable stream (devstate.py)."""
         # Written by QEMU into its own workdir (an unprivileged QEMU cannot create files in the
@@ -558,13 +597,18 @@ class Runtime:
             vm.state = "error"
             vm.error = f"snapshot failed ({exc}); resuming failed too ({cont_exc})"
 
-    async def pause(self, vm: VM, *, wait_teardown: bool = False) -> SnapshotRecord:
+    async def pause(self, vm: VM, *, wait_teardown: bool = False,
+                    memory: bool = True) -> SnapshotRecord:
         """Snapshot the VM and end its QEMU process; the snapshot resumes it.
 
-        Returns once the snapshot is durable and the VM stopped; QEMU's exit and the release
-        of its slot and disks finish in the background (`drain()` waits for them) unless
-        wait_teardown is set."""
-        record = await self.snapshot(vm, keep_running=False)
+        memory=False keeps only the disks (a filesystem-only snapshot, `snapshot_disks`): it
+        is cold-booted later (`boot` with its disk layers), never restored. Returns once the
+        snapshot is durable and the VM stopped; QEMU's exit and the release of its slot and
+        disks finish in the background (`drain()` waits for them) unless wait_teardown is set."""
+        if memory:
+            record = await self.snapshot(vm, keep_running=False)
+        else:
+            record = await self.snapshot_disks(vm)
         vm.state = "paused"
         vm.process.expected_exit = True
         task = asyncio.create_task(self._stop(vm))
@@ -584,6 +628,10 @@ class Runtime:
     def check_restorable(self, record: SnapshotRecord) -> None:
         if self.accel is None:
             raise RuntimeError_("Runtime.start() first")
+        if not record.memory:
+            raise SnapshotError(
+                f"snapshot {record.id} is filesystem-only (no memory, no device state): "
+                "boot a VM from its disks instead of restoring it")
         if record.mode != self.accel:
             raise ModeMismatchError(
                 f"snapshot {record.id} was taken under {record.mode.upper()} and this runtime "

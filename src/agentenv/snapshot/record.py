@@ -8,6 +8,10 @@ A snapshot is immutable once written. It names
   since the VM was last restored),
 - each writable disk's sealed layer stack (oldest first),
 - the device-state file (QEMU's migration stream with the guest RAM pages stripped out).
+
+A filesystem-only snapshot (`memory=False`, a pause that keeps no memory) has no memory layers
+and no device state: it is cold-booted from its disks, never restored. Its `device_state` names
+the record file itself, so that every snapshot's directory is `Path(device_state).parent`.
 """
 
 from __future__ import annotations
@@ -81,8 +85,10 @@ class SnapshotRecord(BaseModel):
     parent_snapshot: str | None = None
     mode: Literal["kvm", "tcg"]
     machine: MachineConfig
+    #: False: a filesystem-only snapshot (disks only; see the module doc)
+    memory: bool = True
     memory_layers: list[LayerRef]  # oldest first
-    device_state: str  # path of the stripped migration stream
+    device_state: str  # path of the stripped migration stream (memory=False: the record file)
     device_state_ram_block: str  # RAM block whose pages live in memory_layers
     disks: list[DiskSnapshot] = []
     qemu_version: str = ""

@@ -18,8 +18,13 @@ MiB = 1 << 20
 DEBIAN_SUITE = "bookworm"
 DEBIAN_MIRROR = "http://deb.debian.org/debian"
 DEFAULT_DEBIAN_CACHE = Path("/var/cache/aenv-test/guest")
-# What the node server's `base` template needs on top of minbase.
-BASE_PACKAGES = ("python3", "python3-pip", "git", "curl", "ca-certificates")
+# What the node server's `base` template has on top of minbase: what E2B's base image gives a
+# user (python as python3, pip, sudo, git, curl and the usual command-line tools), kept small.
+BASE_PACKAGES = (
+    "python3", "python3-pip", "python3-venv", "python-is-python3", "sudo", "git", "curl",
+    "wget", "ca-certificates", "procps", "iproute2", "jq", "unzip", "zip", "less", "vim-tiny",
+    "openssh-client", "file",
+)
 
 
 def image_size_for(src_dir: Path, *, free: int = 64 * MiB) -> int:
@@ -110,6 +115,42 @@ def debian_root_tarball(extra_packages: list[str] | tuple[str, ...] = (), *,
                 what="archiving the Debian root")
         partial.rename(tarball)
     return tarball
+
+
+BASE_USER, BASE_UID = "user", 1000
+
+
+def add_base_user(root: Path) -> None:
+    """E2B's `user` in a Debian root: uid 1000, bash, a home from /etc/skel, passwordless sudo;
+    and pip allowed to install (`pip install --user`, or as root) next to Debian's packages,
+    as in E2B's base image (Debian marks its Python externally managed, PEP 668)."""
+    etc = root / "etc"
+    passwd = (etc / "passwd").read_text()
+    if not any(line.split(":")[0] == BASE_USER for line in passwd.splitlines()):
+        with open(etc / "passwd", "a") as f:
+            f.write(f"{BASE_USER}:x:{BASE_UID}:{BASE_UID}::/home/{BASE_USER}:/bin/bash\n")
+        with open(etc / "group", "a") as f:
+            f.write(f"{BASE_USER}:x:{BASE_UID}:\n")
+        with open(etc / "shadow", "a") as f:
+            f.write(f"{BASE_USER}:!:19000:0:99999:7:::\n")
+    groups = []
+    for line in (etc / "group").read_text().splitlines():
+        fields = line.split(":")
+        if fields[0] == "sudo" and len(fields) == 4:
+            members = [m for m in fields[3].split(",") if m]
+            fields[3] = ",".join(members if BASE_USER in members else [*members, BASE_USER])
+        groups.append(":".join(fields))
+    (etc / "group").write_text("\n".join(groups) + "\n")
+    home = root / "home" / BASE_USER
+    if not home.exists():
+        shutil.copytree(etc / "skel", home, symlinks=True)
+        for path in [home, *home.rglob("*")]:
+            os.lchown(path, BASE_UID, BASE_UID)
+    sudoers = etc / "sudoers.d" / BASE_USER
+    sudoers.parent.mkdir(parents=True, exist_ok=True)
+    sudoers.write_text(f"{BASE_USER} ALL=(ALL:ALL) NOPASSWD: ALL\n")
+    os.chmod(sudoers, 0o440)
+    (etc / "pip.conf").write_text("[global]\nbreak-system-packages = true\n")
 
 
 def debian_root(dest: Path, extra_packages: list[str] | tuple[str, ...] = (), *,

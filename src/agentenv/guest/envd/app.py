@@ -53,6 +53,9 @@ SIGKILL_WAIT_SECONDS = 2.0
 DEFAULT_PTY_SIZE = (80, 24)
 CLOCK_BEHIND_TOLERANCE = 0.05
 CLOCK_AHEAD_TOLERANCE = 1.5
+#: Where /aenv/sync leaves envd's defaults for the next boot of the same disk (a filesystem-
+#: only pause cold-boots it): root-only, on the user disk, without the access token.
+DEFAULTS_FILE = "/var/lib/aenv/envd-defaults.json"
 _RPC_PATH = re.compile(r"^/([A-Za-z_][\w.]*)\.([A-Za-z_]\w*)/([A-Za-z_]\w*)$")
 
 Scope = dict[str, Any]
@@ -195,6 +198,7 @@ class Envd:
         self.config = config
         self.state = EnvdState(default_user=config.default_user)
         self.rootfs = RootFs(config.root)
+        self._load_defaults()
         # Only an envd that owns the whole machine (root `/`, in a VM) may set its clock and name.
         self.system_changes = config.system_changes and self.rootfs.is_host_root
         self.processes = ProcessManager(
@@ -330,6 +334,12 @@ class Envd:
         if not self.token_ok(request):
             await send_http_error(send, 401, "unauthorized access, please provide a valid access token")
             return
+        if path == "/aenv/sync":
+            if method != "POST":
+                await send_http_error(send, 405, f"method {method} not allowed on {path}")
+                return
+            await self.handle_sync(send)
+            return
         if path == "/envs" and method == "GET":
             await send_json(send, 200, self.state.env_vars)
             return
@@ -390,6 +400,52 @@ class Envd:
             await send_empty(send, 204, extra)
         finally:
             log.info("init", extra={"env_vars": len(env_vars), "token_set": bool(new_token)})
+
+    async def handle_sync(self, send: Send) -> None:
+        """Before a filesystem-only snapshot (not in E2B's envd): write the defaults /init gave
+        (user, workdir, env vars) where the next start of envd on this disk reads them, and
+        flush the guest's filesystems, so the disk alone holds what the sandbox wrote."""
+        try:
+            await asyncio.to_thread(self._save_defaults)
+        except OSError as exc:
+            await send_json(send, 500, {"code": 500, "message": f"saving envd's defaults: {exc}"})
+            return
+        if self.rootfs.is_host_root:
+            await asyncio.to_thread(os.sync)
+        await send_empty(send, 204)
+
+    def _save_defaults(self) -> None:
+        path = self.rootfs.host_path(DEFAULTS_FILE)
+        os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
+        body = json.dumps({"defaultUser": self.state.default_user,
+                           "defaultWorkdir": self.state.default_workdir,
+                           "envVars": self.state.env_vars})
+        tmp = path + ".tmp"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(body)
+        os.replace(tmp, path)
+
+    def _load_defaults(self) -> None:
+        """The defaults an earlier envd saved on this disk (/aenv/sync), if any."""
+        try:
+            path = self.rootfs.host_path(DEFAULTS_FILE)
+            with open(path, encoding="utf-8") as f:
+                saved = json.load(f)
+            env_vars = as_str_map(saved.get("envVars"), "envVars")
+            user = as_str(saved.get("defaultUser"), "defaultUser")
+            workdir = as_str(saved.get("defaultWorkdir"), "defaultWorkdir")
+        except FileNotFoundError:
+            return
+        except (OSError, ValueError, AttributeError, RpcError) as exc:
+            log.warning("ignoring unreadable saved defaults", extra={"error": str(exc)})
+            return
+        self.state.env_vars.update(env_vars)
+        if user:
+            self.state.default_user = user
+        if workdir:
+            self.state.default_workdir = workdir
+        log.info("defaults of the previous boot loaded", extra={"env_vars": len(env_vars)})
 
     @staticmethod
     def _set_clock(timestamp: Any) -> None:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 from urllib.parse import quote
 
-from agentenv.guest.envd.filesystem import XATTR_PREFIX, ensure_dirs
+from agentenv.guest.envd.filesystem import ensure_dirs, replace_metadata
 from agentenv.guest.envd.multipart import (
     MultipartError,
     MultipartParser,
@@ -249,8 +249,7 @@ class FilesApi:
         try:
             if os.geteuid() == 0:
                 os.fchown(upload.fd, user.uid, user.gid)
-            for key, value in metadata.items():
-                os.setxattr(upload.fd, XATTR_PREFIX + key, value.encode())
+            replace_metadata(upload.fd, metadata)
         except OSError as exc:
             raise write_error(exc, upload.guest_path) from None
         finally:

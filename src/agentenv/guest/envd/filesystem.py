@@ -361,6 +361,20 @@ def read_metadata(host_path: str) -> dict[str, str]:
     return metadata
 
 
+def replace_metadata(fd: int, metadata: dict[str, str]) -> None:
+    """Make `metadata` the file's whole metadata: an overwrite drops what the old content
+    carried (as E2B's envd does), then the new keys are set."""
+    for name in os.listxattr(fd):
+        if name.startswith(XATTR_PREFIX) and name[len(XATTR_PREFIX) :] not in metadata:
+            try:
+                os.removexattr(fd, name)
+            except OSError as exc:
+                if exc.errno != errno.ENODATA:  # ENODATA: removed meanwhile
+                    raise
+    for key, value in metadata.items():
+        os.setxattr(fd, XATTR_PREFIX + key, value.encode())
+
+
 def filesystem_type(host_path: str) -> str:
     """The filesystem type of the mount holding host_path (longest mount-point prefix)."""
     best, best_type = "", ""
