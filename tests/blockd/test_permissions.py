@@ -67,7 +67,7 @@ def test_state_dirs_uppers_and_fuse_files_are_private(daemon: Daemon, stack: Sta
 
 
 def test_group_search_granted_by_the_privilege_setup_is_kept(tmp_path: Path) -> None:
-    from agentenv.fsutil import private_dir
+    from agentenv.hostfs import private_dir
 
     d = tmp_path / "state"
     d.mkdir(mode=0o755)

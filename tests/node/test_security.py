@@ -51,7 +51,7 @@ def test_weak_or_broken_token_seed_is_refused(tmp_path: Path, seed: str, message
 
 
 def test_write_private_is_atomic_and_exclusive(tmp_path: Path) -> None:
-    from agentenv.fsutil import write_private
+    from agentenv.hostfs import write_private
 
     target = tmp_path / "secret"
     assert write_private(target, b"first", exclusive=True)

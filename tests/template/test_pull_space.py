@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from agentenv.fsutil import InsufficientSpace
+from agentenv.hostfs import InsufficientSpace
 from agentenv.template.convert import PrivateBlockd
 from agentenv.template.pull import pull_image
 from tests.template import helpers

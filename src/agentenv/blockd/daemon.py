@@ -76,7 +76,7 @@ from agentenv.blockd.device import (
 )
 from agentenv.blockd.errors import BlockdError
 from agentenv.errors import AgentEnvError
-from agentenv.fsutil import private_dir
+from agentenv.hostfs import private_dir
 
 log = logging.getLogger("agentenv.blockd")
 

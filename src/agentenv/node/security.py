@@ -17,7 +17,7 @@ import string
 from pathlib import Path
 
 from agentenv.errors import AgentEnvError
-from agentenv.fsutil import private_dir, write_private
+from agentenv.hostfs import private_dir, write_private
 
 _ALPHABET = string.ascii_lowercase + string.digits
 ID_RE = re.compile(r"^[a-z0-9]{1,63}$")

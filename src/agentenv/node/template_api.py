@@ -51,7 +51,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from agentenv.errors import AgentEnvError
-from agentenv.fsutil import (
+from agentenv.hostfs import (
     InsufficientSpace,
     disk_reserve,
     free_bytes,

@@ -40,7 +40,7 @@ from rich.progress import (
 )
 
 from agentenv.blockd.client import BlockdClient
-from agentenv.fsutil import require_free_space
+from agentenv.hostfs import require_free_space
 from agentenv.template.apply import compression_of
 from agentenv.template.auth import Credentials
 from agentenv.template.blobtap import BlobTap
