@@ -56,7 +56,6 @@ from agentenv.fsutil import (
     disk_reserve,
     free_bytes,
     require_free_space,
-    write_private,
 )
 from agentenv.node import models
 from agentenv.node.api import page, read_model
@@ -209,9 +208,11 @@ class TemplateBuildApi:
             self.builds[rec.build_id] = rec
 
     def _save(self, rec: BuildRecord) -> None:
-        # Atomic and durable (temp, fsync, rename, fsync the directory), private (0600).
         self.builds_dir.mkdir(parents=True, exist_ok=True)
-        write_private(self.builds_dir / f"{rec.build_id}.json", json.dumps(asdict(rec)).encode())
+        path = self.builds_dir / f"{rec.build_id}.json"
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(asdict(rec)))
+        tmp.replace(path)
 
     def _builds_of(self, template_id: str) -> list[BuildRecord]:
         """Newest first: the builds under way or failed, and the ready ones still kept (a

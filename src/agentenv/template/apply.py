@@ -12,6 +12,13 @@ Rules (containerd `archive.Apply` without overlay whiteout conversion):
 * hard links, symlinks, character and block devices and fifos are created as such.
 The uncompressed stream is hashed to check the layer's diff_id from the image config.
 
+Hostile layers: a name or hard-link target whose `..` climbs above the root, and whiteouts
+naming '', '.' or '..', are refused (LayerApplyError), never clamped. tarfile is used only to
+parse headers (never to extract): its header-parsing CVEs (CVE-2024-6232's quadratic PAX
+regexes on this 3.11.7, headers read whole into memory) are closed by our checks before its
+code sees the bytes (_TarInfo._proc_pax/_proc_gnulong), whatever the interpreter's patch level;
+a parser subprocess with a time limit would cost the pipelined applier its speed.
+
 Speed (bench/template_bench.py): a worker thread inflates (ISA-L for gzip, several times faster
 than gzip(1)) and hashes the stream ahead of the applier; tar headers are parsed by a quicker
 path for the common case; a new file is created with O_EXCL first (no lookup unless something
