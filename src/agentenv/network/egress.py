@@ -35,6 +35,7 @@ import asyncio
 import contextlib
 import errno
 import fcntl
+import functools
 import json
 import logging
 import os
@@ -1036,7 +1037,7 @@ def _slot_entry(raw: Any, where: str = "slot") -> SlotEntry:
         raise ValueError(f"{where}.identity is required")
     try:
         return SlotEntry(_source(source), SlotIdentity(**identity),
-                         EgressPolicy.from_wire(raw.get("policy") or {}))
+                         _policy(json.dumps(raw.get("policy") or {}, sort_keys=True)))
     except TypeError as exc:
         raise ValueError(f"{where}.identity: {exc}") from None
     except PolicyError as exc:
@@ -1044,6 +1045,13 @@ def _slot_entry(raw: Any, where: str = "slot") -> SlotEntry:
 
 
 _statm_fd = -1
+
+
+@functools.lru_cache(maxsize=256)
+def _policy(wire: str) -> EgressPolicy:
+    """Parsed once per distinct policy: the sandboxes of one training run mostly share one, and
+    a 1,000-entry policy takes tens of ms to parse (and its lookups to build)."""
+    return EgressPolicy.from_wire(json.loads(wire))
 
 
 def rss_bytes() -> int:
