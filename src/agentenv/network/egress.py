@@ -25,7 +25,8 @@ Per connection:
 A `set` that changes a slot's policy resets every live connection of that slot the new policy
 denies (or whose SOCKS5 route changed); `remove` resets all of them.
 
-Run it as `python -m agentenv.network.egress --control SOCK --port PORT` or `aenv egress-proxy`.
+Run it as `python -m agentenv.network.egress --control SOCK --port PORT` (what process.py
+does: it imports only this package, which keeps the process small) or `aenv egress-proxy`.
 """
 
 from __future__ import annotations
