@@ -914,6 +914,7 @@ class EgressProxyServer:
 
     def stats(self) -> dict[str, Any]:
         return {"slots": len(self.slots), "connections": len(self.conns), "port": self.port,
+                "pid": os.getpid(),
                 "rss_bytes": rss_bytes(), **vars(self.counters)}
 
     def handle_request(self, request: Any) -> dict[str, Any]:
