@@ -26,7 +26,10 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from tests.network.lab import INET_SERVER, Lab, http_get  # noqa: E402
+from tests.network.lab import INET_SERVER, Lab, http_get, identity  # noqa: E402
+
+from agentenv.network.control import SlotEntry  # noqa: E402
+from agentenv.network.policy import EgressPolicy  # noqa: E402
 
 NAME = "example-allowed.test"
 NAME_POLICY = {"denyOut": ["0.0.0.0/0"], "allowOut": [NAME]}
@@ -130,6 +133,26 @@ def main() -> None:
              delta_ms=round(p_req - d_req, 3))
         emit("egress_connect_get_min_proxied", p_min, "ms", "direct", d_min,
              delta_ms=round(p_min - d_min, 3))
+
+        # A policy update: the control round trip (new connections see it once it returns).
+        big = {"denyOut": ["0.0.0.0/0"], "allowOut": [
+            *(f"198.{i // 256}.{i % 256}.0/24" for i in range(500)),
+            *(f"host{i}.example.com" for i in range(498)), NAME]}
+        client = lab.client()
+        for label, network, distinct in (("small", NAME_POLICY, False),
+                                         ("1000_entries_new", big, True),
+                                         ("1000_entries_repeated", big, False)):
+            times = []
+            for i in range(count // 2):
+                if distinct:  # a policy the proxy has not parsed yet
+                    network = {**network, "allowOut": [*network["allowOut"][:-1], f"n{i}.test"]}
+                wire = SlotEntry(proxied.guest_address, identity(proxied.index),
+                                 EgressPolicy.from_wire(network))
+                started = time.perf_counter()
+                lab.loop.run_until_complete(client.set_slot(wire))
+                times.append((time.perf_counter() - started) * 1000)
+            emit(f"egress_control_set_p50_{label}", statistics.median(times), "ms", slots=32)
+        lab.loop.run_until_complete(client.close())
 
         held = []
         for slot in lab.slots:

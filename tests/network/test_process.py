@@ -132,10 +132,13 @@ def test_cli_runs_the_proxy(tmp_path: Path) -> None:
                             stderr=subprocess.PIPE)
     try:
         deadline = time.monotonic() + 15
-        while not sock_path.exists():
+        while True:  # the socket file exists a moment before it listens
             assert proc.poll() is None and time.monotonic() < deadline
-            time.sleep(0.05)
-        answer = asyncio.run(EgressControlClient(sock_path).ping())
+            try:
+                answer = asyncio.run(EgressControlClient(sock_path).ping())
+                break
+            except EgressControlError:
+                time.sleep(0.05)
         assert answer["ok"] and answer["slots"] == 0
     finally:
         proc.terminate()
@@ -146,3 +149,31 @@ def test_cli_runs_the_proxy(tmp_path: Path) -> None:
                           str(sock_path), "--port", "0", "--open-range", "nope"],
                          capture_output=True, text=True)
     assert bad.returncode == 1 and "--open-range 'nope' is not an IPv4 CIDR" in bad.stderr
+
+
+def test_a_restarted_node_adopts_the_running_proxy(tmp_path: Path) -> None:
+    async def scenario() -> None:
+        sock_path = tmp_path / "egress.sock"
+        first = EgressProxyProcess(sock_path, 0, bind="127.0.0.1")
+        started = await first.start()
+        port = started["port"]
+        await first.client.set_slot(entry(1))
+        await first.client.close()
+        # The node "crashes": `first` is dropped without stop(). A new node adopts.
+        second = EgressProxyProcess(sock_path, port, bind="127.0.0.1")
+        answer = await second.start(adopt=True)
+        assert answer["pid"] == started["pid"] == second.pid and second.is_alive()
+        assert answer["slots"] == 1  # its table (and connections) survived
+        await second.client.sync([entry(2), entry(3)])
+        assert (await second.client.ping())["slots"] == 2
+        assert await second.stop() is None
+        assert first.proc is not None
+        assert first.proc.wait(5) == 0  # it ended on the SIGTERM (and is reaped here)
+        assert not second.is_alive()
+        # Nothing to adopt: it starts one.
+        third = EgressProxyProcess(sock_path, 0, bind="127.0.0.1")
+        fresh = await third.start(adopt=True)
+        assert fresh["pid"] != started["pid"] and third.proc is not None
+        assert await third.stop() == 0
+
+    asyncio.run(scenario())

@@ -25,7 +25,8 @@ Per connection:
 A `set` that changes a slot's policy resets every live connection of that slot the new policy
 denies (or whose SOCKS5 route changed); `remove` resets all of them.
 
-Run it as `python -m agentenv.network.egress --control SOCK --port PORT` or `aenv egress-proxy`.
+Run it as `python -m agentenv.network.egress --control SOCK --port PORT` (what process.py
+does: it imports only this package, which keeps the process small) or `aenv egress-proxy`.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ import asyncio
 import contextlib
 import errno
 import fcntl
+import functools
 import json
 import logging
 import os
@@ -912,6 +914,7 @@ class EgressProxyServer:
 
     def stats(self) -> dict[str, Any]:
         return {"slots": len(self.slots), "connections": len(self.conns), "port": self.port,
+                "pid": os.getpid(),
                 "rss_bytes": rss_bytes(), **vars(self.counters)}
 
     def handle_request(self, request: Any) -> dict[str, Any]:
@@ -1036,7 +1039,7 @@ def _slot_entry(raw: Any, where: str = "slot") -> SlotEntry:
         raise ValueError(f"{where}.identity is required")
     try:
         return SlotEntry(_source(source), SlotIdentity(**identity),
-                         EgressPolicy.from_wire(raw.get("policy") or {}))
+                         _policy(json.dumps(raw.get("policy") or {}, sort_keys=True)))
     except TypeError as exc:
         raise ValueError(f"{where}.identity: {exc}") from None
     except PolicyError as exc:
@@ -1044,6 +1047,13 @@ def _slot_entry(raw: Any, where: str = "slot") -> SlotEntry:
 
 
 _statm_fd = -1
+
+
+@functools.lru_cache(maxsize=256)
+def _policy(wire: str) -> EgressPolicy:
+    """Parsed once per distinct policy: the sandboxes of one training run mostly share one, and
+    a 1,000-entry policy takes tens of ms to parse (and its lookups to build)."""
+    return EgressPolicy.from_wire(json.loads(wire))
 
 
 def rss_bytes() -> int:

@@ -17,7 +17,9 @@ from agentenv.network.control import EgressControlClient, EgressControlError
 class EgressProxyProcess:
     """`python -m agentenv.network.egress` as a child: start() returns once its control socket
     answers ping; stop() ends it (SIGTERM, then SIGKILL). Its stderr (JSON log lines) goes to
-    `log_path` when given."""
+    `log_path` when given. start(adopt=True) takes over a proxy already answering on the control
+    socket (left running by a node that crashed or restarted: its live connections survive;
+    the node then sends `sync`)."""
 
     def __init__(self, control_path: Path | str, port: int, *, bind: str = "0.0.0.0",
                  metrics_port: int | None = None, log_path: Path | str | None = None,
@@ -28,6 +30,7 @@ class EgressProxyProcess:
         self.extra_args = extra_args
         self.start_timeout = start_timeout
         self.proc: subprocess.Popen[bytes] | None = None
+        self.adopted_pid: int | None = None
         self.client = EgressControlClient(self.control_path)
         self._log: IO[bytes] | None = None
 
@@ -40,17 +43,40 @@ class EgressProxyProcess:
         return argv + list(self.extra_args)
 
     def is_alive(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
+        if self.proc is not None:
+            return self.proc.poll() is None
+        return self.adopted_pid is not None and _is_egress_proxy(self.adopted_pid)
 
     @property
     def pid(self) -> int | None:
-        return self.proc.pid if self.proc is not None else None
+        return self.proc.pid if self.proc is not None else self.adopted_pid
 
-    async def start(self) -> dict[str, Any]:
+    async def _adopt(self) -> dict[str, Any] | None:
+        if not self.control_path.exists():
+            return None
+        probe = EgressControlClient(self.control_path, timeout=2.0)
+        try:
+            answer = await probe.ping()
+        except EgressControlError:
+            return None
+        finally:
+            await probe.close()
+        pid = answer.get("pid")
+        if not isinstance(pid, int) or not _is_egress_proxy(pid) or \
+                (self.port and answer.get("port") != self.port):
+            return None
+        self.adopted_pid = pid
+        return answer
+
+    async def start(self, adopt: bool = False) -> dict[str, Any]:
         """Start it and wait until it answers; returns the first ping's answer (`port` is the
-        listening port, useful with port 0). Raises EgressControlError if it does not come up."""
+        listening port, useful with port 0; `pid`). With `adopt`, a proxy already answering on
+        the control socket (same port) is taken over instead. Raises EgressControlError if it
+        does not come up."""
         if self.is_alive():
             raise EgressControlError("the egress proxy is already running")
+        if adopt and (answer := await self._adopt()) is not None:
+            return answer
         with contextlib.suppress(FileNotFoundError):
             self.control_path.unlink()  # a stale socket must not answer for the new process
         if self.log_path is not None:
@@ -83,6 +109,18 @@ class EgressProxyProcess:
         await self.client.close()
         proc, self.proc = self.proc, None
         code: int | None = None
+        adopted, self.adopted_pid = self.adopted_pid, None
+        if adopted is not None and _is_egress_proxy(adopted):
+            # Not our child: signal it and watch it go (its parent or init reaps it).
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(adopted, signal.SIGTERM)
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + timeout
+            while _is_egress_proxy(adopted) and loop.time() < deadline:
+                await asyncio.sleep(0.02)
+            if _is_egress_proxy(adopted):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(adopted, signal.SIGKILL)
         if proc is not None:
             if proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)
@@ -98,3 +136,13 @@ class EgressProxyProcess:
             self._log.close()
             self._log = None
         return code
+
+
+def _is_egress_proxy(pid: int) -> bool:
+    """A live (not zombie) process running the egress proxy module."""
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z" and b"agentenv.network.egress" in cmdline
