@@ -214,11 +214,12 @@ class TemplateBuildApi:
         tmp.write_text(json.dumps(asdict(rec)))
         tmp.replace(path)
 
-    def _builds_of(self, template_id: str) -> list[BuildRecord]:
+    def _builds_of(self, template_id: str, *, released: bool = False) -> list[BuildRecord]:
         """Newest first: the builds under way or failed, and the ready ones still kept (a
-        ready build no tag names any more was released with its snapshot: not listed)."""
+        ready build no tag names any more was released with its snapshot: only with
+        `released`)."""
         return sorted((b for b in self.builds.values()
-                       if b.template_id == template_id and not self._released(b)),
+                       if b.template_id == template_id and (released or not self._released(b))),
                       key=lambda b: b.created_at, reverse=True)
 
     def _released(self, rec: BuildRecord) -> bool:
@@ -525,7 +526,8 @@ class TemplateBuildApi:
             if rec.template_id not in seen:
                 seen.add(rec.template_id)
                 builds = self._builds_of(rec.template_id)
-                if any(b.status in ACTIVE for b in builds) or builds[0].status == "error":
+                if builds and (any(b.status in ACTIVE for b in builds)
+                               or builds[0].status == "error"):
                     out.append((min(b.created_at for b in builds), rec.template_id,
                                 self._template_json(None, builds)))
         return out
@@ -587,7 +589,7 @@ class TemplateBuildApi:
                     await task
         if tpl is not None:
             await self.orchestrator.delete_template(template_id)
-        for rec in self._builds_of(template_id):
+        for rec in self._builds_of(template_id, released=True):
             self.builds.pop(rec.build_id, None)
             (self.builds_dir / f"{rec.build_id}.json").unlink(missing_ok=True)
         return Response(status_code=204)
