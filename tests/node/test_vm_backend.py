@@ -394,9 +394,12 @@ def test_blockd_killed_is_restarted_under_running_sandboxes(vm_node: NodeProcess
         assert new_pid != old_pid and pid_alive(new_pid)
 
         at = _acked(sbx)
-        deadline = time.monotonic() + 60
-        while _acked(sbx) <= at + 5:
-            assert time.monotonic() < deadline, "the writer did not go on after the restart"
+        deadline = time.monotonic() + 120  # TCG guest on a loaded host: seconds per record
+        while _acked(sbx) <= at + 2:
+            if time.monotonic() > deadline:
+                why = sbx.commands.run("cat /tmp/err; dmesg | tail -n 20", user="root").stdout
+                raise AssertionError(f"the writer did not go on after the restart "
+                                     f"(acked {at} -> {_acked(sbx)}): {why}")
             time.sleep(0.2)
         sbx.commands.run("touch /tmp/stop; sleep 1")
         assert sbx.commands.run("cat /tmp/err 2>/dev/null || true").stdout.strip() == ""
