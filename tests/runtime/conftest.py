@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from agentenv.runtime.config import RuntimeConfig
+from agentenv.runtime.config import RuntimeConfig, privilege_settings_from_env
 from agentenv.runtime.harness import BlockdProcess, LoopThread, alive, make_ext4_layer, sh
 from agentenv.runtime.network import teardown_host
 from agentenv.runtime.testguest import TestGuest, build_test_guest
@@ -59,7 +59,10 @@ def env() -> Iterator[Env]:
         layer = make_ext4_layer(root / "rootfs.layer", ROOTFS_SIZE)
         config = RuntimeConfig(state_dir=root / "state", network_prefix=PREFIX,
                                envd_init_path="/cgi-bin/init", slot_pool_low=1,
-                               boot_timeout=300)
+                               boot_timeout=300,
+                               # AENV_QEMU_USER=root, AENV_CGROUPS=off...: the same tests
+                               # without the hardening, for comparison.
+                               **privilege_settings_from_env(os.environ))
         runtime = Runtime(config, blockd=AsyncBlockdClient(blockd.socket))
         loop.run(runtime.start(kernel_for_probe=guest.kernel))
         yield Env(loop, runtime, guest, layer, root)
