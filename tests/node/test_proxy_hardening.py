@@ -596,3 +596,16 @@ def test_limits_from_the_environment() -> None:
         ProxyLimits.from_env({"AENV_PROXY_MAX_BODY_BYTES": "lots"})
     with pytest.raises(AgentEnvError, match="must be positive"):
         ProxyLimits.from_env({"AENV_PROXY_MAX_CONNECTIONS": "0"})
+
+
+def test_serve_domain_is_checked(tmp_path: Path) -> None:
+    from click.testing import CliRunner
+
+    from agentenv.cli.main import cli
+
+    for bad in ("http://sandbox.test/", "a b", "host:port"):
+        result = CliRunner().invoke(cli, ["serve", "--state-dir", str(tmp_path), "--domain", bad])
+        assert result.exit_code == 2 and "host name with an optional port" in result.output
+    env = {"AENV_DOMAIN": "bad/domain"}
+    result = CliRunner().invoke(cli, ["serve", "--state-dir", str(tmp_path)], env=env)
+    assert result.exit_code == 2 and "bad/domain" in result.output

@@ -1,7 +1,8 @@
 """The node's HTTP front: the E2B control-plane API and the sandbox proxy on one port.
 
-`NodeApp` is the ASGI entry point. Sandbox traffic (E2b-Sandbox-Id header or
-`{port}-{id}.{domain}` Host) goes to the proxy without an API key; everything else is the
+`NodeApp` is the ASGI entry point. Only origin-form request targets are served (400 otherwise).
+Sandbox traffic (E2b-Sandbox-Id header, `{port}-{id}.{domain}` Host, or a signed file URL) goes
+to the proxy without an API key; everything else is the
 control plane, which needs `X-API-KEY` except for /health and /metrics. Every non-2xx answer of
 the control plane is JSON `{"code": <status>, "message": ...}` (spec/e2b-compat.md 1.2),
 including unknown routes (404), wrong methods (405), bad bodies (400/422) and huge bodies (413).
