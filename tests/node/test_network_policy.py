@@ -51,7 +51,7 @@ def run(sbx: Any, command: str, user: str = "user") -> str:
 
 def fetch(sbx: Any, url: str) -> tuple[int, str]:
     """curl from inside the guest: (curl's exit code, body)."""
-    out = run(sbx, f"curl -sk -m 8 {url}; echo; echo EXIT=$?")
+    out = run(sbx, f"curl -sk -m 8 {url}; rc=$?; echo; echo EXIT=$rc")
     body, _, code = out.rstrip().rpartition("EXIT=")
     return int(code), body.strip()
 
