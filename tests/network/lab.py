@@ -27,6 +27,7 @@ import socketserver
 import ssl
 import subprocess
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -39,6 +40,7 @@ from agentenv.runtime import network as rtnet
 INET_HOST = "198.18.0.1"
 INET_SERVER = "198.18.0.2"
 INET_SOCKS = "198.18.0.3"
+OTHER_PORT = 8080  # a plain HTTP server on a port the "web" redirects leave alone
 NAMES = ("example-allowed.test", "example-denied.test")
 CLONE_NEWNET = 0x40000000
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -151,6 +153,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             return
         sni = getattr(self.connection, "sni_seen", None)
         body = json.dumps({"path": self.path, "headers": [list(h) for h in self.headers.items()],
+                           "client": self.client_address[0],
                            "tls": isinstance(self.connection, ssl.SSLSocket),
                            "sni": sni}).encode()
         self.send_response(200)
@@ -238,6 +241,7 @@ class Lab:
             self.loop.run_until_complete(slot.create())
         run("nft", "-f", "-", stdin=self.nft_rules())
         self.servers.append(serve(self.inet, INET_SERVER, 80))
+        self.servers.append(serve(self.inet, INET_SERVER, OTHER_PORT))
         if self.with_tls:
             self.certs = Certificates(self.tmp)
             self.servers.append(serve(self.inet, INET_SERVER, 443, self.certs.server_context()))
@@ -332,6 +336,29 @@ class Lab:
                 lines.append(f"{op} element ip {self.table} {name} {{ {slot.guest_address} }}")
         if lines:
             run("nft", "-f", "-", stdin="\n".join(lines) + "\n")
+
+    def start_socks(self, username: str = "lab", password: str = "secret") -> subprocess.Popen[bytes]:
+        """microsocks on 198.18.0.3:1080 in the internet namespace (its outbound connections
+        leave from 198.18.0.3 too: the servers see who carried a request)."""
+        proc = subprocess.Popen(
+            ["ip", "netns", "exec", self.inet, "microsocks", "-i", INET_SOCKS, "-p", "1080",
+             "-b", INET_SOCKS, "-u", username, "-P", password],
+            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.procs.append(proc)
+        for _ in range(200):
+            probe = socket_in(self.inet)
+            try:
+                probe.connect((INET_SOCKS, 1080))
+                return proc
+            except OSError:
+                time.sleep(0.02)
+            finally:
+                probe.close()
+        raise RuntimeError("microsocks did not start listening")
+
+    def stop_process(self, proc: subprocess.Popen[bytes]) -> None:
+        proc.terminate()
+        proc.wait(5)
 
     # -- clients inside a slot -------------------------------------------------------------
 
