@@ -170,6 +170,9 @@ class _Server(socketserver.ThreadingMixIn, http.server.HTTPServer):
     daemon_threads = True
     request_queue_size = 256
 
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        pass  # clients reset on purpose all the time here
+
 
 def serve(netns: str, address: str, port: int,
           context: ssl.SSLContext | None = None) -> _Server:

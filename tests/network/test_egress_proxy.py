@@ -49,6 +49,13 @@ def assert_reset(action: Callable[[], Any]) -> None:
     assert not isinstance(info.value, TimeoutError)
 
 
+def wait_for(condition: Callable[[], bool], timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.02)
+
+
 def counters(lab: Lab) -> dict[str, Any]:
     answer = lab.control("ping")
     assert answer["ok"]
@@ -252,9 +259,10 @@ def test_socks5_egress_proxy_and_fail_closed(lab: Lab) -> None:
 def test_connection_cap_per_slot(lab: Lab) -> None:
     slot = lab.slots[1]
     lab.set_policy(slot, {})
+    wait_for(lambda: counters(lab)["connections"] == 0)  # what earlier tests closed is gone
     socks = [lab.connect(slot, "169.254.169.254", 80) for _ in range(MAX_PER_SLOT)]
     try:
-        time.sleep(0.2)
+        wait_for(lambda: counters(lab)["connections"] == MAX_PER_SLOT)
         with lab.connect(slot, "169.254.169.254", 80) as extra:
             assert_reset(lambda: http_get(extra, "169.254.169.254", "/"))
         assert http_get(socks[0], "169.254.169.254", "/")[0] == 200
