@@ -1,0 +1,955 @@
+"""The node-wide egress proxy: one process serves every slot's redirected TCP and the metadata
+service (169.254.169.254:80).
+
+How traffic reaches it: on the host, nftables redirects (prerouting, from the slots' host-side
+veths) TCP to the metadata address, TCP 80/443 of slots whose policy reads names
+(`proxied_ports == "web"`) and all TCP of slots with a SOCKS5 `egress_proxy` ("all") to this
+process's port. A connection's source address is the slot's guest_address (the node says which
+sandbox that is over the control socket, control.py); its original destination comes from
+SO_ORIGINAL_DST.
+
+Per connection:
+- unknown source, over the connection caps, or a destination behind the walls (private ranges,
+  loopback, link-local, multicast, an address of this host): reset at once;
+- 169.254.169.254:80: the metadata service answers that slot's identity (metadata.py);
+- else, on ports 80/443 only, the first bytes are read (at most PEEK_MAX, PEEK_TIMEOUT): a TLS
+  ClientHello gives the SNI, an HTTP/1.x request head the Host; other ports are decided by
+  address alone (a server-speaks-first protocol would wait forever for a client byte);
+- `policy.allows(address, name)` decides. Denied: reset (SO_LINGER 0), one log line, counted.
+  TLS to a host with header `rules` is reset too: the headers cannot be set without decrypting,
+  and a request without them is not what the policy asked for;
+- allowed: a connection to the original destination, directly or through the slot's SOCKS5
+  proxy (fail closed: no tunnel, no connection), the read bytes sent unchanged, then bytes are
+  copied both ways unchanged. On plain HTTP every request head on the connection is checked
+  again (a keep-alive connection may ask another Host) and gets the rules' headers.
+A `set` that changes a slot's policy resets every live connection of that slot the new policy
+denies (or whose SOCKS5 route changed); `remove` resets all of them.
+
+Run it as `python -m agentenv.network.egress --control SOCK --port PORT` or `aenv egress-proxy`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import errno
+import json
+import logging
+import os
+import resource
+import signal
+import socket
+import ssl
+import struct
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from ipaddress import IPv4Address, IPv4Network
+from pathlib import Path
+from typing import Any
+
+from agentenv.network import httphead, metadata, sni, socks5
+from agentenv.network.control import SlotEntry, SlotIdentity
+from agentenv.network.policy import WEB_PORTS, EgressPolicy, EgressProxy, PolicyError
+
+log = logging.getLogger("agentenv.egress")
+
+SO_ORIGINAL_DST = 80  # linux/netfilter_ipv4.h
+PEEK_TIMEOUT = 10.0
+PEEK_MAX = 64 << 10
+CONNECT_TIMEOUT = 10.0
+IDLE_TIMEOUT = 900.0
+MAX_CONNECTIONS = 8192
+MAX_CONNECTIONS_PER_SLOT = 1024
+COPY_CHUNK = 256 << 10
+CONTROL_LINE_MAX = 64 << 20
+
+# Never reached through the proxy, whatever a policy says (the same walls the slot's own
+# ruleset holds; here again because the proxy connects from the host, where they would not).
+WALLS = tuple(IPv4Network(n) for n in (
+    "0.0.0.0/8", "10.0.0.0/8", "100.64.0.0/10", "127.0.0.0/8", "169.254.0.0/16",
+    "172.16.0.0/12", "192.168.0.0/16", "224.0.0.0/4", "240.0.0.0/4",
+))
+METADATA = (IPv4Address(metadata.METADATA_ADDRESS), metadata.METADATA_PORT)
+
+
+class Refused(Exception):
+    """A connection the proxy will not carry; the message is the logged reason."""
+
+
+class _LocalAddresses:
+    """This host's own addresses (and broadcast addresses), from /proc/net/fib_trie, re-read at
+    most every REFRESH seconds: a destination among them would reach the host itself."""
+
+    REFRESH = 2.0
+
+    def __init__(self) -> None:
+        self._addresses: frozenset[IPv4Address] = frozenset()
+        self._read_at = -1e9
+
+    def __contains__(self, address: IPv4Address) -> bool:
+        now = time.monotonic()
+        if now - self._read_at > self.REFRESH:
+            self._addresses = self._read()
+            self._read_at = now
+        return address in self._addresses
+
+    @staticmethod
+    def _read() -> frozenset[IPv4Address]:
+        found: set[IPv4Address] = set()
+        last: str | None = None
+        with open("/proc/net/fib_trie") as f:
+            for line in f:
+                text = line.strip()
+                if text.startswith("|--"):
+                    last = text[3:].strip()
+                elif last and text.startswith("/32") and ("LOCAL" in text or "BROADCAST" in text):
+                    found.add(IPv4Address(last))
+        return frozenset(found)
+
+
+@dataclass
+class Counters:
+    accepted: int = 0
+    allowed: int = 0
+    denied: int = 0
+    unknown_source: int = 0
+    over_capacity: int = 0
+    upstream_failed: int = 0
+    cut_by_update: int = 0
+    idle_closed: int = 0
+    metadata_requests: int = 0
+    bytes_up: int = 0  # guest -> destination
+    bytes_down: int = 0
+
+
+@dataclass
+class Slot:
+    entry: SlotEntry
+    conns: set[Conn] = field(default_factory=set)
+
+
+def _rst(sock: socket.socket) -> None:
+    """Close with a reset (SO_LINGER 0), so the peer sees a refusal, not a hang or a clean end."""
+    with contextlib.suppress(OSError):
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    sock.close()
+
+
+def original_destination(sock: socket.socket) -> tuple[IPv4Address, int]:
+    raw = sock.getsockopt(socket.SOL_IP, SO_ORIGINAL_DST, 16)
+    port, packed = struct.unpack_from("!2xH4s", raw)
+    return IPv4Address(packed), port
+
+
+class _Pump:
+    """One direction of a spliced connection between two non-blocking sockets, driven by the
+    event loop's readiness callbacks (no task per connection). Reads go through one shared
+    buffer; only what the destination does not take at once is kept (bounded: reading stops
+    until it is sent)."""
+
+    __slots__ = ("conn", "dst", "dst_fd", "eof", "loop", "pending", "src", "src_fd",
+                 "transform", "up", "writing")
+
+    def __init__(self, conn: Conn, src: socket.socket, dst: socket.socket, up: bool,
+                 transform: Callable[[bytes], bytes] | None, initial: bytes) -> None:
+        self.conn, self.src, self.dst, self.up = conn, src, dst, up
+        self.src_fd, self.dst_fd = src.fileno(), dst.fileno()
+        self.loop = conn.proxy.loop
+        self.transform = transform
+        self.pending = memoryview(initial) if initial else None
+        self.eof = False
+        self.writing = False
+
+    def start(self) -> None:
+        if self.pending is not None:
+            self._want_write()
+        else:
+            self.loop.add_reader(self.src_fd, self._readable)
+
+    def stop(self) -> None:
+        if self.writing:
+            self.loop.remove_writer(self.dst_fd)
+            self.writing = False
+        elif not self.eof:
+            self.loop.remove_reader(self.src_fd)
+
+    def _want_write(self) -> None:
+        self.writing = True
+        self.loop.add_writer(self.dst_fd, self._writable)
+
+    def _readable(self) -> None:
+        proxy = self.conn.proxy
+        try:
+            n = self.src.recv_into(proxy.buffer)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError as exc:
+            self.conn.broken(exc, "guest" if self.up else "destination")
+            return
+        if n == 0:
+            self.loop.remove_reader(self.src_fd)
+            self.eof = True
+            self._finish()
+            return
+        self.conn.last_active = self.loop.time()
+        data: bytes | memoryview = proxy.view[:n]
+        if self.transform is not None:
+            try:
+                data = self.transform(bytes(data))
+            except Refused as exc:
+                self.conn.refuse(str(exc))
+                return
+            except httphead.HttpError as exc:
+                self.conn.refuse(f"HTTP: {exc}")
+                return
+            if not data:
+                return
+        self._send(data, from_reader=True)
+
+    def _send(self, data: bytes | memoryview, from_reader: bool) -> None:
+        try:
+            sent = self.dst.send(data)
+        except (BlockingIOError, InterruptedError):
+            sent = 0
+        except OSError as exc:
+            self.conn.broken(exc, "destination" if self.up else "guest")
+            return
+        if self.up:
+            self.conn.proxy.counters.bytes_up += sent
+        else:
+            self.conn.proxy.counters.bytes_down += sent
+        if sent < len(data):
+            # Keep the rest (a copy: the shared buffer is reused) and stop reading until sent.
+            self.pending = memoryview(bytes(data[sent:]))
+            if from_reader:
+                self.loop.remove_reader(self.src_fd)
+                self._want_write()
+        else:
+            self.pending = None
+            if not from_reader:
+                self.loop.remove_writer(self.dst_fd)
+                self.writing = False
+                if self.eof:
+                    self._finish()
+                else:
+                    self.loop.add_reader(self.src_fd, self._readable)
+
+    def _writable(self) -> None:
+        assert self.pending is not None
+        self.conn.last_active = self.loop.time()
+        self._send(self.pending, from_reader=False)
+
+    def _finish(self) -> None:
+        """The source ended: pass the end on (half-close) once everything is sent."""
+        if self.pending is not None:
+            return
+        with contextlib.suppress(OSError):
+            self.dst.shutdown(socket.SHUT_WR)
+        self.conn.half_closed()
+
+
+class Conn:
+    """One redirected guest connection, from accept to close."""
+
+    __slots__ = ("closed", "dst_ip", "dst_port", "guest", "last_active", "name", "proxy",
+                 "pumps", "slot", "source", "started", "task", "transports", "tunnel",
+                 "upstream", "via")
+
+    def __init__(self, proxy: EgressProxyServer, guest: socket.socket, source: str,
+                 dst_ip: IPv4Address, dst_port: int) -> None:
+        self.proxy, self.guest, self.source = proxy, guest, source
+        self.dst_ip, self.dst_port = dst_ip, dst_port
+        self.name: str | None = None
+        self.via: EgressProxy | None = None
+        self.upstream: socket.socket | None = None
+        self.pumps: tuple[_Pump, _Pump] | None = None
+        self.tunnel: _Tunnel | None = None  # a TLS connection to the SOCKS5 proxy
+        self.transports: list[asyncio.BaseTransport] = []  # when streams own the sockets
+        self.task: asyncio.Task[None] | None = None
+        self.closed = False
+        self.started = self.last_active = proxy.loop.time()
+        self.slot: Slot | None = None
+
+    def describe(self) -> dict[str, Any]:
+        return {"source": self.source, "dst": f"{self.dst_ip}:{self.dst_port}", "host": self.name}
+
+    def _stop(self) -> None:
+        self.closed = True
+        if self.pumps is not None:
+            for pump in self.pumps:
+                pump.stop()
+        if self.task is not None and self.task is not asyncio.current_task():
+            self.task.cancel()
+        self.proxy.unregister(self)
+
+    def reset(self) -> None:
+        """Cut both sides with a reset."""
+        if self.closed:
+            return
+        self._stop()
+        for transport in self.transports:
+            sock = transport.get_extra_info("socket")
+            if sock is not None:
+                with contextlib.suppress(OSError):
+                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            transport.abort()
+        _rst(self.guest)
+        if self.upstream is not None:
+            _rst(self.upstream)
+
+    def refuse(self, reason: str) -> None:
+        """Denied (now or by a later request head or policy): reset, log, count."""
+        if self.closed:
+            return
+        self.proxy.counters.denied += 1
+        log.info("egress denied", extra={"event": "denied", "reason": reason, **self.describe()})
+        self.reset()
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self._stop()
+        for transport in self.transports:
+            transport.close()
+        self.guest.close()
+        if self.upstream is not None:
+            self.upstream.close()
+
+    def broken(self, exc: OSError, side: str) -> None:
+        """A side failed (usually a reset by its peer): pass it on as a reset."""
+        if exc.errno not in (errno.ECONNRESET, errno.EPIPE, errno.ETIMEDOUT):
+            log.info("egress connection failed", extra={"event": "broken", "side": side,
+                                                         "error": str(exc), **self.describe()})
+        self.reset()
+
+    def half_closed(self) -> None:
+        if self.pumps is not None and all(p.eof and p.pending is None for p in self.pumps):
+            self.close()
+
+
+class EgressProxyServer:
+    """The proxy: the listening socket, the slot table, the control socket, the metrics."""
+
+    def __init__(self, control_path: str | Path, port: int, bind: str = "0.0.0.0", *,
+                 metrics_port: int | None = None, metrics_bind: str = "127.0.0.1",
+                 open_ranges: tuple[IPv4Network, ...] = (),
+                 max_connections: int = MAX_CONNECTIONS,
+                 max_per_slot: int = MAX_CONNECTIONS_PER_SLOT,
+                 idle_timeout: float = IDLE_TIMEOUT, peek_timeout: float = PEEK_TIMEOUT,
+                 connect_timeout: float = CONNECT_TIMEOUT) -> None:
+        self.control_path = str(control_path)
+        self.port, self.bind = port, bind
+        self.metrics_port, self.metrics_bind = metrics_port, metrics_bind
+        self.open_ranges = open_ranges
+        self.max_connections, self.max_per_slot = max_connections, max_per_slot
+        self.idle_timeout, self.peek_timeout = idle_timeout, peek_timeout
+        self.connect_timeout = connect_timeout
+        self.slots: dict[str, Slot] = {}
+        self.conns: set[Conn] = set()
+        self.counters = Counters()
+        self.buffer = bytearray(COPY_CHUNK)
+        self.view = memoryview(self.buffer)
+        self.local = _LocalAddresses()
+        self._listener: socket.socket | None = None
+        self._servers: list[asyncio.base_events.Server] = []
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._stopping: asyncio.Event | None = None
+        self.loop: asyncio.AbstractEventLoop = None  # type: ignore[assignment]
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        self.loop = asyncio.get_running_loop()
+        self._stopping = asyncio.Event()
+        listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind((self.bind, self.port))
+        listener.listen(4096)
+        listener.setblocking(False)
+        self._listener = listener
+        self.port = listener.getsockname()[1]
+        self.loop.add_reader(listener.fileno(), self._on_accept)
+        path = Path(self.control_path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+        old_umask = os.umask(0o177)  # the socket is the node's alone
+        try:
+            self._servers.append(await asyncio.start_unix_server(
+                self._control_client, self.control_path, limit=CONTROL_LINE_MAX))
+        finally:
+            os.umask(old_umask)
+        if self.metrics_port is not None:
+            self._servers.append(await asyncio.start_server(
+                self._metrics_client, self.metrics_bind, self.metrics_port))
+        self._spawn(self._sweep())
+        log.info("egress proxy listening", extra={
+            "event": "started", "port": self.port, "bind": self.bind,
+            "control": self.control_path, "metrics_port": self.metrics_port})
+
+    async def serve_until_stopped(self) -> None:
+        assert self._stopping is not None
+        await self._stopping.wait()
+
+    def request_stop(self) -> None:
+        if self._stopping is not None:
+            self._stopping.set()
+
+    async def stop(self) -> None:
+        if self._listener is not None:
+            self.loop.remove_reader(self._listener.fileno())
+            self._listener.close()
+            self._listener = None
+        for server in self._servers:
+            server.close()
+        for conn in list(self.conns):
+            conn.reset()
+        for task in list(self._tasks):
+            task.cancel()
+        for server in self._servers:
+            with contextlib.suppress(Exception):
+                await server.wait_closed()
+        self._servers.clear()
+        with contextlib.suppress(FileNotFoundError):
+            Path(self.control_path).unlink()
+
+    def _spawn(self, coro: Any) -> asyncio.Task[Any]:
+        task = self.loop.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    # -- connections -------------------------------------------------------------------------
+
+    def _on_accept(self) -> None:
+        assert self._listener is not None
+        for _ in range(64):  # a burst per wake-up, then let the others run
+            try:
+                sock, (source, _) = self._listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as exc:  # EMFILE and the like: do not spin on it
+                log.warning("egress accept failed", extra={"event": "accept_failed",
+                                                           "error": str(exc)})
+                return
+            self._accepted(sock, source)
+
+    def _accepted(self, sock: socket.socket, source: str) -> None:
+        self.counters.accepted += 1
+        sock.setblocking(False)
+        slot = self.slots.get(source)
+        if slot is None:
+            self.counters.unknown_source += 1
+            log.info("egress from an unknown source", extra={"event": "unknown_source",
+                                                             "source": source})
+            _rst(sock)
+            return
+        try:
+            dst_ip, dst_port = original_destination(sock)
+        except OSError as exc:
+            log.warning("egress: no original destination", extra={
+                "event": "no_original_dst", "source": source, "error": str(exc)})
+            _rst(sock)
+            return
+        if len(self.conns) >= self.max_connections or len(slot.conns) >= self.max_per_slot:
+            self.counters.over_capacity += 1
+            log.warning("egress connection cap reached", extra={
+                "event": "over_capacity", "source": source, "total": len(self.conns),
+                "slot_total": len(slot.conns)})
+            _rst(sock)
+            return
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        conn = Conn(self, sock, source, dst_ip, dst_port)
+        conn.slot = slot
+        slot.conns.add(conn)
+        self.conns.add(conn)
+        conn.task = self.loop.create_task(self._handle(conn))
+
+    def unregister(self, conn: Conn) -> None:
+        self.conns.discard(conn)
+        if conn.slot is not None:
+            conn.slot.conns.discard(conn)
+
+    def _current(self, conn: Conn) -> Slot:
+        slot = self.slots.get(conn.source)
+        if slot is None or slot is not conn.slot:
+            raise Refused("the slot was removed")
+        return slot
+
+    def _decide(self, conn: Conn, name: str | None, tls: bool) -> EgressPolicy:
+        """Raises Refused unless the slot's current policy lets this connection out."""
+        policy = self._current(conn).entry.policy
+        if not policy.allows(conn.dst_ip, name):
+            raise Refused("policy" if name is None else f"policy (name {name})")
+        if tls and name is not None and policy.header_rules(name):
+            raise Refused(f"header rules for {name} apply to plain HTTP only")
+        return policy
+
+    def _walled(self, ip: IPv4Address) -> bool:
+        if any(ip in net for net in self.open_ranges):
+            return False
+        return any(ip in net for net in WALLS) or ip in self.local
+
+    async def _handle(self, conn: Conn) -> None:
+        try:
+            if (conn.dst_ip, conn.dst_port) == METADATA:
+                await self._metadata(conn)
+                return
+            if self._walled(conn.dst_ip):
+                raise Refused("destination behind the walls")
+            data, name, kind = b"", None, "opaque"
+            if conn.dst_port in WEB_PORTS:
+                data, name, kind = await self._peek(conn)
+                if kind == "eof":
+                    conn.close()
+                    return
+            conn.name = name
+            self._decide(conn, name, kind == "tls")
+            transform: Callable[[bytes], bytes] | None = None
+            if kind == "http":
+                stream = httphead.RequestStream(lambda head: self._on_http_head(conn, head))
+                transform = stream.feed
+                data = stream.feed(data)
+            await self._connect(conn)
+            # The policy may have changed while connecting: decide again with the current one.
+            policy = self._decide(conn, conn.name, kind == "tls")
+            if policy.egress_proxy != conn.via:
+                raise Refused("the egress proxy changed while connecting")
+            self.counters.allowed += 1
+            log.debug("egress allowed", extra={"event": "allowed", **conn.describe()})
+            if conn.tunnel is None:
+                assert conn.upstream is not None
+                conn.pumps = (_Pump(conn, conn.guest, conn.upstream, True, transform, data),
+                              _Pump(conn, conn.upstream, conn.guest, False, None, b""))
+                for pump in conn.pumps:
+                    pump.start()
+            else:
+                await self._tls_tunnel_relay(conn, data, transform)
+        except Refused as exc:
+            conn.refuse(str(exc))
+        except (httphead.HttpError, sni.NotClientHello) as exc:
+            conn.refuse(f"malformed request: {exc}")
+        except asyncio.CancelledError:
+            conn.reset()
+        except (OSError, socks5.SocksError, TimeoutError, ssl.SSLError) as exc:
+            self.counters.upstream_failed += 1
+            log.info("egress upstream failed", extra={"event": "upstream_failed",
+                                                      "error": str(exc) or type(exc).__name__,
+                                                      "via": str(conn.via) if conn.via else None,
+                                                      **conn.describe()})
+            conn.reset()
+        except Exception:
+            log.exception("egress connection crashed", extra={"event": "crash", **conn.describe()})
+            conn.reset()
+
+    def _on_http_head(self, conn: Conn, head: httphead.RequestHead) -> bytes:
+        name = head.host()
+        conn.name = name
+        policy = self._decide(conn, name, tls=False)
+        return httphead.with_headers(head, policy.header_rules(name) if name else ())
+
+    async def _peek(self, conn: Conn) -> tuple[bytes, str | None, str]:
+        """The first bytes and what they say: (data, name, kind), kind one of tls, http,
+        opaque (neither; decided by address) or eof (the client left without a byte)."""
+        data = b""
+        deadline = self.loop.time() + self.peek_timeout
+        while True:
+            remaining = deadline - self.loop.time()
+            try:
+                if remaining <= 0:
+                    raise TimeoutError
+                async with asyncio.timeout(remaining):
+                    chunk = await self.loop.sock_recv(conn.guest, 16384)
+            except TimeoutError:
+                if data and (sni.looks_like_tls(data) or httphead.looks_like_http(data)):
+                    raise Refused("an incomplete TLS hello or HTTP head at the peek timeout") \
+                        from None
+                return data, None, "opaque"
+            if not chunk:
+                return data, None, "eof" if not data else "opaque"
+            data += chunk
+            if sni.looks_like_tls(data):
+                try:
+                    return data, sni.server_name(data), "tls"
+                except sni.Incomplete:
+                    pass
+            elif httphead.looks_like_http(data):
+                try:
+                    head = httphead.parse_request_head(data)
+                except httphead.Incomplete:
+                    pass
+                except httphead.NotHttp:
+                    return data, None, "opaque"
+                else:
+                    return data, head.host(), "http"
+            else:
+                return data, None, "opaque"
+            if len(data) > PEEK_MAX:
+                raise Refused(f"no complete TLS hello or HTTP head in {PEEK_MAX} bytes")
+
+    async def _connect(self, conn: Conn) -> None:
+        """Open the upstream: conn.upstream (a plain socket) or, through a TLS SOCKS5 proxy,
+        conn.tunnel (streams)."""
+        policy = self._current(conn).entry.policy
+        via = conn.via = policy.egress_proxy
+        async with asyncio.timeout(self.connect_timeout):
+            if via is None:
+                conn.upstream = await self._tcp_connect(str(conn.dst_ip), conn.dst_port)
+                return
+            proxy_ip = await self._resolve(via.host)
+            if self._walled(proxy_ip):
+                raise Refused(f"egress proxy address {proxy_ip} is behind the walls")
+            if not via.tls:
+                sock = conn.upstream = await self._tcp_connect(str(proxy_ip), via.port)
+
+                async def read_exactly(n: int) -> bytes:
+                    buf = b""
+                    while len(buf) < n:
+                        chunk = await self.loop.sock_recv(sock, n - len(buf))
+                        if not chunk:
+                            raise socks5.SocksError("the SOCKS proxy closed the connection")
+                        buf += chunk
+                    return buf
+
+                async def write(data: bytes) -> None:
+                    await self.loop.sock_sendall(sock, data)
+
+                await socks5.connect(read_exactly, write, str(conn.dst_ip), conn.dst_port,
+                                     via.username, via.password)
+                return
+            context = ssl.create_default_context(cadata=via.tls_ca_cert) \
+                if via.tls_ca_cert else ssl.create_default_context()
+            reader, writer = await asyncio.open_connection(
+                str(proxy_ip), via.port, ssl=context,
+                server_hostname=via.tls_server_name or via.host, limit=COPY_CHUNK)
+            conn.transports.append(writer.transport)  # a reset aborts it
+            await socks5.connect(reader.readexactly, _writer_write(writer), str(conn.dst_ip),
+                                 conn.dst_port, via.username, via.password)
+            conn.tunnel = _Tunnel(reader, writer)
+
+    async def _resolve(self, host: str) -> IPv4Address:
+        try:
+            return IPv4Address(host)
+        except ValueError:
+            pass
+        infos = await self.loop.getaddrinfo(host, None, family=socket.AF_INET,
+                                            type=socket.SOCK_STREAM)
+        if not infos:
+            raise OSError(f"{host} has no IPv4 address")
+        return IPv4Address(infos[0][4][0])
+
+    async def _tcp_connect(self, host: str, port: int) -> socket.socket:
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        try:
+            sock.setblocking(False)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            await self.loop.sock_connect(sock, (host, port))
+        except BaseException:
+            sock.close()
+            raise
+        return sock
+
+    async def _tls_tunnel_relay(self, conn: Conn, data: bytes,
+                                transform: Callable[[bytes], bytes] | None) -> None:
+        """Relay through a TLS connection to the SOCKS5 proxy (streams; the rarer, slower path)."""
+        tunnel = conn.tunnel
+        assert tunnel is not None
+        reader, writer = await asyncio.open_connection(sock=conn.guest, limit=COPY_CHUNK)
+        conn.transports.append(writer.transport)
+
+        async def copy(src: asyncio.StreamReader, dst: asyncio.StreamWriter, up: bool) -> None:
+            while chunk := await src.read(COPY_CHUNK):
+                conn.last_active = self.loop.time()
+                if up and transform is not None:
+                    chunk = transform(chunk)
+                dst.write(chunk)
+                await dst.drain()
+                if up:
+                    self.counters.bytes_up += len(chunk)
+                else:
+                    self.counters.bytes_down += len(chunk)
+            if dst.can_write_eof():
+                dst.write_eof()
+
+        try:
+            if data:
+                tunnel.writer.write(data)
+                self.counters.bytes_up += len(data)
+            await asyncio.gather(copy(reader, tunnel.writer, True),
+                                 copy(tunnel.reader, writer, False))
+        except (Refused, httphead.HttpError) as exc:
+            conn.refuse(str(exc))
+        except (OSError, asyncio.CancelledError):
+            conn.reset()
+        else:
+            conn.close()
+
+    async def _metadata(self, conn: Conn) -> None:
+        reader, writer = await asyncio.open_connection(sock=conn.guest)
+        conn.transports.append(writer.transport)
+
+        def lookup() -> SlotIdentity | None:
+            slot = self.slots.get(conn.source)
+            if slot is None or slot is not conn.slot:
+                return None
+            self.counters.metadata_requests += 1
+            return slot.entry.identity
+
+        try:
+            await metadata.serve(reader, writer, lookup)
+        except (OSError, asyncio.CancelledError):
+            conn.reset()
+            return
+        conn.close()
+
+    async def _sweep(self) -> None:
+        """Close connections idle (no byte either way) for longer than idle_timeout."""
+        interval = max(0.5, min(30.0, self.idle_timeout / 4))
+        while True:
+            await asyncio.sleep(interval)
+            cutoff = self.loop.time() - self.idle_timeout
+            for conn in [c for c in self.conns if c.last_active < cutoff]:
+                self.counters.idle_closed += 1
+                log.info("egress connection idle", extra={"event": "idle", **conn.describe()})
+                conn.reset()
+
+    # -- slots (the control protocol, control.py) --------------------------------------------
+
+    def set_slot(self, entry: SlotEntry) -> int:
+        """Install or replace a slot; returns how many of its live connections were cut."""
+        old = self.slots.get(entry.source)
+        if old is None:
+            self.slots[entry.source] = Slot(entry)
+            return 0
+        old.entry = entry
+        cut = 0
+        policy = entry.policy
+        for conn in list(old.conns):
+            if (conn.dst_ip, conn.dst_port) == METADATA:
+                continue  # answers the current identity at each request
+            if conn.pumps is None and conn.tunnel is None:
+                continue  # not decided yet: decides with the current policy when it is
+            if not policy.allows(conn.dst_ip, conn.name) or policy.egress_proxy != conn.via:
+                cut += 1
+                self.counters.cut_by_update += 1
+                log.info("egress connection cut by a policy update", extra={
+                    "event": "cut", **conn.describe()})
+                conn.reset()
+        return cut
+
+    def remove_slot(self, source: str) -> int:
+        slot = self.slots.pop(source, None)
+        if slot is None:
+            return 0
+        conns = list(slot.conns)
+        for conn in conns:
+            conn.reset()
+        return len(conns)
+
+    def sync(self, entries: list[SlotEntry]) -> None:
+        wanted = {e.source: e for e in entries}
+        for source in [s for s in self.slots if s not in wanted]:
+            self.remove_slot(source)
+        for entry in entries:
+            self.set_slot(entry)
+
+    def stats(self) -> dict[str, Any]:
+        return {"slots": len(self.slots), "connections": len(self.conns), "port": self.port,
+                "rss_bytes": rss_bytes(), **vars(self.counters)}
+
+    def handle_request(self, request: Any) -> dict[str, Any]:
+        if not isinstance(request, dict):
+            raise ValueError("a request is a JSON object with an op")
+        op = request.get("op")
+        if op == "ping":
+            return {"ok": True, **self.stats()}
+        if op == "set":
+            entry = _slot_entry(request.get("slot"))
+            return {"ok": True, "cut": self.set_slot(entry)}
+        if op == "remove":
+            source = request.get("source")
+            if not isinstance(source, str):
+                raise ValueError("remove needs source (the slot's guest address)")
+            _source(source)
+            return {"ok": True, "cut": self.remove_slot(source)}
+        if op == "sync":
+            raw = request.get("slots")
+            if not isinstance(raw, list):
+                raise ValueError("sync needs slots, a list")
+            entries = [_slot_entry(item, f"slots[{i}]") for i, item in enumerate(raw)]
+            if len({e.source for e in entries}) != len(entries):
+                raise ValueError("sync: a source appears twice")
+            self.sync(entries)
+            return {"ok": True}
+        raise ValueError(f"unknown op {op!r} (ping, set, remove, sync)")
+
+    async def _control_client(self, reader: asyncio.StreamReader,
+                              writer: asyncio.StreamWriter) -> None:
+        try:
+            while True:
+                try:
+                    line = await reader.readline()
+                except (ValueError, asyncio.LimitOverrunError):
+                    writer.write(json.dumps({"ok": False, "error": "request line too long"})
+                                 .encode() + b"\n")
+                    await writer.drain()
+                    return
+                if not line:
+                    return
+                try:
+                    answer = self.handle_request(json.loads(line))
+                except (ValueError, TypeError, KeyError, PolicyError) as exc:
+                    answer = {"ok": False, "error": str(exc) or type(exc).__name__}
+                writer.write(json.dumps(answer).encode() + b"\n")
+                await writer.drain()
+        except (OSError, asyncio.IncompleteReadError):
+            pass
+        finally:
+            writer.close()
+
+    # -- metrics -------------------------------------------------------------------------------
+
+    def metrics_text(self) -> str:
+        c = self.counters
+        lines = [
+            "# TYPE aenv_egress_slots gauge", f"aenv_egress_slots {len(self.slots)}",
+            "# TYPE aenv_egress_connections gauge", f"aenv_egress_connections {len(self.conns)}",
+            "# TYPE aenv_egress_rss_bytes gauge", f"aenv_egress_rss_bytes {rss_bytes()}",
+            "# TYPE aenv_egress_connections_total counter",
+        ]
+        for verdict in ("allowed", "denied", "unknown_source", "over_capacity",
+                        "upstream_failed", "cut_by_update", "idle_closed"):
+            lines.append(f'aenv_egress_connections_total{{verdict="{verdict}"}} '
+                         f"{getattr(c, verdict)}")
+        lines += [
+            "# TYPE aenv_egress_metadata_requests_total counter",
+            f"aenv_egress_metadata_requests_total {c.metadata_requests}",
+            "# TYPE aenv_egress_bytes_total counter",
+            f'aenv_egress_bytes_total{{direction="up"}} {c.bytes_up}',
+            f'aenv_egress_bytes_total{{direction="down"}} {c.bytes_down}',
+        ]
+        return "\n".join(lines) + "\n"
+
+    async def _metrics_client(self, reader: asyncio.StreamReader,
+                              writer: asyncio.StreamWriter) -> None:
+        try:
+            async with asyncio.timeout(5):
+                head = await reader.readuntil(b"\r\n\r\n")
+            ok = head.startswith(b"GET /metrics ")
+            body = self.metrics_text().encode() if ok else b"not found\n"
+            status = "200 OK" if ok else "404 Not Found"
+            writer.write(f"HTTP/1.1 {status}\r\nContent-Type: text/plain; version=0.0.4\r\n"
+                         f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode()
+                         + body)
+            await writer.drain()
+        except (OSError, TimeoutError, asyncio.IncompleteReadError, asyncio.LimitOverrunError):
+            pass
+        finally:
+            writer.close()
+
+
+@dataclass
+class _Tunnel:
+    reader: asyncio.StreamReader
+    writer: asyncio.StreamWriter
+
+
+def _writer_write(writer: asyncio.StreamWriter) -> Callable[[bytes], Any]:
+    async def write(data: bytes) -> None:
+        writer.write(data)
+        await writer.drain()
+    return write
+
+
+def _source(text: str) -> str:
+    try:
+        return str(IPv4Address(text))
+    except ValueError:
+        raise ValueError(f"source {text!r} is not an IPv4 address") from None
+
+
+def _slot_entry(raw: Any, where: str = "slot") -> SlotEntry:
+    if not isinstance(raw, dict):
+        raise ValueError(f"{where} must be an object with source, identity and policy")
+    source = raw.get("source")
+    if not isinstance(source, str):
+        raise ValueError(f"{where}.source is required (the slot's guest address)")
+    identity = raw.get("identity")
+    if not isinstance(identity, dict):
+        raise ValueError(f"{where}.identity is required")
+    try:
+        return SlotEntry(_source(source), SlotIdentity(**identity),
+                         EgressPolicy.from_wire(raw.get("policy") or {}))
+    except TypeError as exc:
+        raise ValueError(f"{where}.identity: {exc}") from None
+    except PolicyError as exc:
+        raise ValueError(f"{where}.policy: {exc}") from None
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _raise_fd_limit() -> None:
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < hard:
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+
+
+async def run(server: EgressProxyServer) -> None:
+    _raise_fd_limit()
+    await server.start()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, server.request_stop)
+    try:
+        await server.serve_until_stopped()
+    finally:
+        await server.stop()
+        log.info("egress proxy stopped", extra={"event": "stopped"})
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="aenv egress-proxy", description=__doc__.split("\n")[0])
+    add_arguments(parser)
+    return parser.parse_args(argv)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--control", required=True, help="unix socket the node controls it on")
+    parser.add_argument("--port", type=int, required=True, help="TCP port the redirects go to")
+    parser.add_argument("--bind", default="0.0.0.0")
+    parser.add_argument("--metrics-port", type=int, default=None)
+    parser.add_argument("--metrics-bind", default="127.0.0.1")
+    parser.add_argument("--open-range", action="append", default=[], type=IPv4Network,
+                        help="a walled range to open anyway (a lab's private network)")
+    parser.add_argument("--max-connections", type=int, default=MAX_CONNECTIONS)
+    parser.add_argument("--max-per-slot", type=int, default=MAX_CONNECTIONS_PER_SLOT)
+    parser.add_argument("--idle-timeout", type=float, default=IDLE_TIMEOUT)
+    parser.add_argument("--peek-timeout", type=float, default=PEEK_TIMEOUT)
+    parser.add_argument("--log-level", default="info")
+
+
+def server_from_args(args: argparse.Namespace) -> EgressProxyServer:
+    return EgressProxyServer(
+        args.control, args.port, args.bind, metrics_port=args.metrics_port,
+        metrics_bind=args.metrics_bind, open_ranges=tuple(args.open_range),
+        max_connections=args.max_connections, max_per_slot=args.max_per_slot,
+        idle_timeout=args.idle_timeout, peek_timeout=args.peek_timeout)
+
+
+def main(argv: list[str] | None = None) -> None:
+    from agentenv import logs
+
+    args = parse_args(argv)
+    logs.setup(args.log_level)
+    asyncio.run(run(server_from_args(args)))
+
+
+if __name__ == "__main__":
+    main()
+
