@@ -271,3 +271,58 @@ def test_bad_policies_get_400_naming_the_entry(vm_node: NodeProcess, lab: Intern
         assert not reaches(sbx, lab.url(lab.host_a)) and reaches(sbx, lab.url(lab.host_b))
     finally:
         sbx.kill()
+
+
+def metadata(sbx: Any) -> dict[str, Any]:
+    out = run(sbx, "curl -s -m 8 http://169.254.169.254/")
+    return dict(json.loads(out))
+
+
+def test_only_a_named_host_and_the_metadata_service(vm_node: NodeProcess, lab: Internet) -> None:
+    """Names are decided by the egress proxy (TLS SNI / HTTP Host) on the same IP; every
+    sandbox's metadata service answers its own identity; fork children their own."""
+    import hashlib
+
+    from e2b import Sandbox
+
+    only = new_sandbox(lab, network={"allow_out": [ALLOWED_NAME], "deny_out": ["0.0.0.0/0"]})
+    other = new_sandbox(lab)
+    children: list[Any] = []
+    try:
+        code, body = fetch(only, f"https://{ALLOWED_NAME}/")
+        assert code == 0 and f"sni={ALLOWED_NAME}" in body
+        code, _ = fetch(only, f"http://{ALLOWED_NAME}/")
+        assert code == 0
+        # Same IP, other name: reset (not a timeout).
+        t0 = time.monotonic()
+        code, _ = fetch(only, f"https://{DENIED_NAME}/")
+        assert code in (35, 56, 7) and time.monotonic() - t0 < 6, code
+        assert not reaches(only, lab.url(lab.host_b))  # addresses: denied by 0.0.0.0/0
+        assert not reaches(only, f"http://{lab.host_a}/")  # no name: the address decides
+
+        mine, theirs = metadata(only), metadata(other)
+        assert mine["sandboxId"] == only.sandbox_id and theirs["sandboxId"] == other.sandbox_id
+        assert mine["templateId"] == "base" and mine["snapshotId"] is None
+        with httpx.Client(base_url=vm_node.url, headers={"X-API-KEY": vm_node.api_key},
+                          timeout=30, trust_env=False) as api:
+            token = api.get(f"/sandboxes/{only.sandbox_id}").json()["envdAccessToken"]
+        assert mine["envdAccessTokenSha256"] == hashlib.sha256(token.encode()).hexdigest()
+        assert mine["instanceToken"] and mine["instanceToken"] != theirs["instanceToken"]
+        assert other.sandbox_id not in json.dumps(mine)
+
+        # An update flips names both ways on a live sandbox.
+        only.update_network({"allow_out": [DENIED_NAME], "deny_out": ["0.0.0.0/0"]})
+        assert fetch(only, f"https://{DENIED_NAME}/")[0] == 0
+        assert fetch(only, f"https://{ALLOWED_NAME}/")[0] != 0
+
+        children = [c for c in only.fork(count=2, timeout=600) if isinstance(c, Sandbox)]
+        assert len(children) == 2
+        ids = {metadata(c)["sandboxId"] for c in children}
+        assert ids == {c.sandbox_id for c in children}
+        for child in children:  # inherited the parent's (updated) policy
+            assert fetch(child, f"https://{DENIED_NAME}/")[0] == 0
+            assert fetch(child, f"https://{ALLOWED_NAME}/")[0] != 0
+    finally:
+        for sbx in [only, other, *children]:
+            with contextlib.suppress(Exception):
+                sbx.kill()

@@ -127,8 +127,9 @@ class EgressProxySupervisor:
     not know gets nothing), and the next restart syncs the table again."""
 
     def __init__(self, control_path: Path, port: int = 0, log_path: Path | None = None,
-                 check_interval: float = 1.0) -> None:
+                 check_interval: float = 1.0, open_ranges: tuple[str, ...] = ()) -> None:
         self.control_path = control_path
+        self.open_ranges = open_ranges
         self.port = port
         self.log_path = log_path
         self.check_interval = check_interval
@@ -151,7 +152,9 @@ class EgressProxySupervisor:
         from agentenv.network.process import EgressProxyProcess
 
         self.control_path.parent.mkdir(parents=True, exist_ok=True)
-        proc = EgressProxyProcess(self.control_path, self.port, log_path=self.log_path)
+        extra = tuple(arg for net in self.open_ranges for arg in ("--open-range", net))
+        proc = EgressProxyProcess(self.control_path, self.port, log_path=self.log_path,
+                                  extra_args=extra)
         answer = await proc.start()
         self.port = int(answer.get("port") or self.port)
         self._proc = proc

@@ -395,8 +395,12 @@ class VmBackend:
             log.error("the egress proxy is not part of this build: running without it (no "
                       "metadata service; TCP 80/443 of policies that name hosts is reset)")
             return None
+        from agentenv.runtime.network import parse_open_ranges
+
+        opened = tuple(str(n) for n in parse_open_ranges(self.open_ranges))  # checked here
         egress = EgressProxySupervisor(self.base / "egress" / "control.sock", self.egress_port,
-                                       log_path=self.state_dir / "logs" / "egress-proxy.log")
+                                       log_path=self.state_dir / "logs" / "egress-proxy.log",
+                                       open_ranges=opened)
         port = await egress.start()
         self.egress = egress
         return port
