@@ -12,6 +12,7 @@ import socket
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -326,3 +327,32 @@ def test_only_a_named_host_and_the_metadata_service(vm_node: NodeProcess, lab: I
         for sbx in [only, other, *children]:
             with contextlib.suppress(Exception):
                 sbx.kill()
+
+
+def test_egress_proxy_is_restarted_and_gets_the_table_again(vm_node: NodeProcess,
+                                                            lab: Internet) -> None:
+    import os
+    import signal
+
+    sbx = new_sandbox(lab, network={"allow_out": [ALLOWED_NAME], "deny_out": ["0.0.0.0/0"]})
+    try:
+        assert metadata(sbx)["sandboxId"] == sbx.sandbox_id
+        needle = str(vm_node.state_dir / "vm-backend" / "egress").encode()
+        pids = []
+        for entry in os.listdir("/proc"):
+            with contextlib.suppress(OSError):
+                if entry.isdigit() and needle in Path(f"/proc/{entry}/cmdline").read_bytes():
+                    pids.append(int(entry))
+        assert len(pids) == 1, pids
+        os.kill(pids[0], signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while True:
+            with contextlib.suppress(Exception):
+                if metadata(sbx)["sandboxId"] == sbx.sandbox_id:
+                    break
+            assert time.monotonic() < deadline, "the egress proxy did not come back"
+            time.sleep(0.5)
+        assert fetch(sbx, f"https://{ALLOWED_NAME}/")[0] == 0
+        assert fetch(sbx, f"https://{DENIED_NAME}/")[0] != 0
+    finally:
+        sbx.kill()
