@@ -356,3 +356,30 @@ def test_egress_proxy_is_restarted_and_gets_the_table_again(vm_node: NodeProcess
         assert fetch(sbx, f"https://{DENIED_NAME}/")[0] != 0
     finally:
         sbx.kill()
+
+
+def test_denying_a_name_cuts_its_established_direct_connection(vm_node: NodeProcess,
+                                                               lab: Internet) -> None:
+    """Before the update the sandbox's TCP 80 went out directly (no names to check); the
+    kernel cannot know that connection's name, so once names are filtered it is reset, and
+    new connections go through the proxy, which decides by name."""
+    sbx = new_sandbox(lab)
+    try:
+        sbx.commands.run(f"curl -s --limit-rate 300k -o /tmp/big http://{ALLOWED_NAME}/big"
+                         "; echo $? > /tmp/cut.rc", background=True)
+        deadline = time.monotonic() + 60
+        while int(run(sbx, "stat -c %s /tmp/big 2>/dev/null || echo 0").strip() or 0) < 100_000:
+            assert time.monotonic() < deadline, "the background download did not start"
+            time.sleep(0.5)
+        sbx.update_network({"deny_out": [ALLOWED_NAME]})
+        deadline = time.monotonic() + 30
+        while not run(sbx, "cat /tmp/cut.rc 2>/dev/null || true").strip():
+            assert time.monotonic() < deadline, "the established download was not cut"
+            time.sleep(0.5)
+        assert run(sbx, "cat /tmp/cut.rc").strip() not in ("", "0")
+        assert fetch(sbx, f"http://{ALLOWED_NAME}/")[0] != 0
+        code, body = fetch(sbx, f"http://{DENIED_NAME}/")  # same address, other name
+        assert code == 0 and f"host={DENIED_NAME}" in body
+        assert reaches(sbx, lab.url(lab.host_b, "/")) and reaches(sbx, "http://" + lab.host_a)
+    finally:
+        sbx.kill()
