@@ -10,13 +10,15 @@ a certificate for the name the client asked for (SNI): `ALLOWED_NAME` or `DENIED
 (self-signed; clients use `curl -k`: the tests are about who may connect, not about trust).
 Guests find the names through /etc/hosts (`hosts_lines()`).
 
-HTTP paths: `/` answers `host=<Host header> addr=<local address> sni=<name or ->`; `/big`
+HTTP paths: `/` answers `host=<Host header> addr=<local address> sni=<name or -> peer=<client>`;
+`/big`
 streams BIG_BYTES bytes; `/bytes/<n>` streams n bytes. Every answer closes the connection.
 """
 
 from __future__ import annotations
 
 import contextlib
+import socket
 import subprocess
 import sys
 import time
@@ -55,7 +57,7 @@ class Handler(BaseHTTPRequestHandler):
             return self._stream(int(self.path.split("/")[2]))
         sni = getattr(self.connection, "aenv_sni", None) or "-"
         body = (f"host={self.headers.get('Host')} addr={self.connection.getsockname()[0]} "
-                f"sni={sni}\n").encode()
+                f"sni={sni} peer={self.client_address[0]}\n").encode()
         self.send_response(200)
         self.send_header("Content-Length", str(len(body)))
         self.end_headers()
@@ -134,6 +136,26 @@ class Internet:
 
     def url(self, host: str, path: str = "/", tls: bool = False) -> str:
         return f"{'https' if tls else 'http'}://{host}{path}"
+
+    @contextlib.contextmanager
+    def socks5(self, port: int = 1080) -> Iterator[str]:
+        """A SOCKS5 server (microsocks, no auth) on host B; yields its `address:port`."""
+        proc = subprocess.Popen(["ip", "netns", "exec", self.netns, "microsocks", "-i",
+                                 self.host_b, "-p", str(port)],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            deadline = time.monotonic() + 10
+            while True:
+                with contextlib.suppress(OSError), socket.create_connection(
+                        (self.host_b, port), timeout=1):
+                    break
+                assert proc.poll() is None, "microsocks exited"
+                assert time.monotonic() < deadline, "microsocks did not start"
+                time.sleep(0.05)
+            yield f"{self.host_b}:{port}"
+        finally:
+            proc.kill()
+            proc.wait(5)
 
 
 @contextlib.contextmanager

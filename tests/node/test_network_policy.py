@@ -383,3 +383,22 @@ def test_denying_a_name_cuts_its_established_direct_connection(vm_node: NodeProc
         assert reaches(sbx, lab.url(lab.host_b, "/")) and reaches(sbx, "http://" + lab.host_a)
     finally:
         sbx.kill()
+
+
+def test_egress_proxy_tunnels_tcp_and_fails_closed(vm_node: NodeProcess, lab: Internet) -> None:
+    """`egress_proxy`: the sandbox's TCP leaves through the SOCKS5 server (the test host sees
+    the SOCKS server's address), after the policy; without the server nothing goes direct."""
+    with lab.socks5() as address:
+        sbx = new_sandbox(lab, network={"egress_proxy": {"address": address},
+                                        "deny_out": [lab.host_b + "/32"]})
+        try:
+            code, body = fetch(sbx, lab.url(lab.host_a))
+            assert code == 0 and f"peer={lab.host_b}" in body, body
+            assert fetch(sbx, lab.url(lab.host_b))[0] != 0  # the policy comes first
+        except BaseException:
+            sbx.kill()
+            raise
+    try:
+        assert fetch(sbx, lab.url(lab.host_a))[0] != 0  # fails closed
+    finally:
+        sbx.kill()

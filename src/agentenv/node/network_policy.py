@@ -21,6 +21,7 @@ import contextlib
 import hashlib
 import ipaddress
 import logging
+import os
 from pathlib import Path
 from typing import Any
 
@@ -49,15 +50,25 @@ def parse(network: Any, allow_internet_access: bool | None) -> EgressPolicy:
     proxy = policy.egress_proxy
     if proxy is not None:
         try:
-            address = ipaddress.IPv4Address(proxy.host)
+            address = ipaddress.IPv4Network(proxy.host)
         except ValueError:
-            address = None
-        if address is not None and (address.is_private or address.is_loopback
-                                    or address.is_link_local or address.is_multicast
-                                    or address in ipaddress.IPv4Network("100.64.0.0/10")):
+            address = None  # a name: the egress proxy refuses it if it resolves into a wall
+        if address is not None and any(address.subnet_of(w) for w in _walls()):
             raise BadRequest(f"invalid network policy: egressProxy.address {proxy.host!r} is in "
-                             "a private or internal range")
+                             "a private or internal range guests may not reach")
     return policy
+
+
+def _walls() -> list[ipaddress.IPv4Network]:
+    """The ranges walled off from guests (runtime/network.py), minus the operator's openings
+    (AENV_NET_OPEN_RANGES, as the VM backend reads it)."""
+    from agentenv.runtime.network import parse_open_ranges, walls
+
+    try:
+        opened = parse_open_ranges(os.environ.get("AENV_NET_OPEN_RANGES") or "")
+    except Exception:  # the backend refuses a bad setting at start
+        opened = ()
+    return walls(opened)
 
 
 def stored(network: dict[str, Any] | None, policy: EgressPolicy) -> dict[str, Any] | None:
