@@ -294,7 +294,7 @@ class NetworkSlot:
                             + self._ruleset_for(policy))
         self.policy = policy
         self.outbound = ALL_TRAFFIC not in policy.deny_nets
-        if new != old or new != "none":
+        if new != old:
             await _host_sources(self.prefix, self.guest_address, new)
 
     def _ruleset_for(self, policy: EgressPolicy) -> str:
