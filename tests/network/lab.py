@@ -26,6 +26,7 @@ import socket
 import socketserver
 import ssl
 import subprocess
+import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -42,6 +43,7 @@ INET_SERVER = "198.18.0.2"
 INET_SOCKS = "198.18.0.3"
 OTHER_PORT = 8080  # a plain HTTP server on a port the "web" redirects leave alone
 NAMES = ("example-allowed.test", "example-denied.test")
+SOCKS_NAME = "socks.test"  # the certificate name of the TLS front of the SOCKS5 server
 CLONE_NEWNET = 0x40000000
 _libc = ctypes.CDLL(None, use_errno=True)
 
@@ -87,6 +89,21 @@ def blob(size: int) -> bytes:
     seed = hashlib.sha256(b"egress-lab").digest() * 2048  # 64 KiB
     reps, rest = divmod(size, len(seed))
     return seed * reps + seed[:rest]
+
+
+_blob_fds: dict[int, int] = {}
+_blob_lock = threading.Lock()
+
+
+def _blob_fd(size: int) -> int:
+    """An unlinked file holding blob(size) (one per size, for this process's lifetime)."""
+    with _blob_lock:
+        if size not in _blob_fds:
+            fd, path = tempfile.mkstemp(prefix="egress-blob-")
+            os.unlink(path)
+            os.write(fd, blob(size))
+            _blob_fds[size] = fd
+        return _blob_fds[size]
 
 
 class Certificates:
@@ -146,8 +163,13 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             self.send_response(200)
             self.send_header("Content-Length", str(size))
             self.end_headers()
-            data = blob(size)
-            view = memoryview(data)
+            self.wfile.flush()
+            if not isinstance(self.connection, ssl.SSLSocket):
+                # Zero-copy from a file of the same bytes: the server is not what is measured.
+                with os.fdopen(os.dup(_blob_fd(size)), "rb") as f:
+                    self.connection.sendfile(f, 0, size)
+                return
+            view = memoryview(blob(size))
             for i in range(0, size, 1 << 20):
                 self.wfile.write(view[i:i + (1 << 20)])
             return
@@ -156,6 +178,35 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                            "client": self.client_address[0],
                            "tls": isinstance(self.connection, ssl.SSLSocket),
                            "sni": sni}).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def do_POST(self) -> None:
+        """The body's length and sha256 (Content-Length or chunked), and the headers seen."""
+        digest, length = hashlib.sha256(), 0
+        if self.headers.get("Transfer-Encoding", "").lower() == "chunked":
+            while True:
+                size = int(self.rfile.readline().split(b";")[0], 16)
+                if size == 0:
+                    while self.rfile.readline() not in (b"\r\n", b""):
+                        pass
+                    break
+                chunk = self.rfile.read(size)
+                digest.update(chunk)
+                length += len(chunk)
+                self.rfile.readline()
+        else:
+            left = int(self.headers.get("Content-Length", "0"))
+            while left:
+                chunk = self.rfile.read(min(left, 1 << 20))
+                digest.update(chunk)
+                length += len(chunk)
+                left -= len(chunk)
+        body = json.dumps({"length": length, "sha256": digest.hexdigest(),
+                           "headers": [list(h) for h in self.headers.items()]}).encode()
         self.send_response(200)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(body)))
@@ -247,7 +298,7 @@ class Lab:
         self.servers.append(serve(self.inet, INET_SERVER, 80))
         self.servers.append(serve(self.inet, INET_SERVER, OTHER_PORT))
         if self.with_tls:
-            self.certs = Certificates(self.tmp)
+            self.certs = Certificates(self.tmp, (*NAMES, SOCKS_NAME))
             self.servers.append(serve(self.inet, INET_SERVER, 443, self.certs.server_context()))
         self.start_proxy()
 
@@ -359,6 +410,45 @@ class Lab:
             finally:
                 probe.close()
         raise RuntimeError("microsocks did not start listening")
+
+    def start_tls_front(self, port: int = 1443) -> socket.socket:
+        """TLS on 198.18.0.3:<port> (certificate for socks.test) in front of microsocks: a
+        SOCKS5 proxy reached over TLS. Close the returned socket to stop accepting."""
+        assert self.certs is not None
+        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        ctx.load_cert_chain(*self.certs.files[SOCKS_NAME])
+        listener = socket_in(self.inet)
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind((INET_SOCKS, port))
+        listener.listen(64)
+        inet = self.inet
+
+        def pipe(src: socket.socket, dst: socket.socket) -> None:
+            with contextlib.suppress(OSError):
+                while data := src.recv(65536):
+                    dst.sendall(data)
+            with contextlib.suppress(OSError):
+                dst.shutdown(socket.SHUT_WR) if not isinstance(dst, ssl.SSLSocket) else dst.close()
+
+        def handle(raw: socket.socket) -> None:
+            try:
+                tls = ctx.wrap_socket(raw, server_side=True)
+                back = socket_in(inet)
+                back.connect((INET_SOCKS, 1080))
+            except OSError:
+                raw.close()
+                return
+            threading.Thread(target=pipe, args=(tls, back), daemon=True).start()
+            pipe(back, tls)
+
+        def accept() -> None:
+            with contextlib.suppress(OSError):
+                while True:
+                    raw, _ = listener.accept()
+                    threading.Thread(target=handle, args=(raw,), daemon=True).start()
+
+        threading.Thread(target=accept, daemon=True).start()
+        return listener
 
     def stop_process(self, proc: subprocess.Popen[bytes]) -> None:
         proc.terminate()

@@ -49,6 +49,17 @@ def assert_reset(action: Callable[[], Any]) -> None:
     assert not isinstance(info.value, TimeoutError)
 
 
+def request_is_reset(lab: Lab, slot: Any, address: str, port: int, host: str = ALLOWED) -> None:
+    """A connection the proxy resets before the client sends anything (decided by address, or
+    no upstream): the reset may already meet the client's connect()."""
+
+    def attempt() -> None:
+        with lab.connect(slot, address, port) as sock:
+            http_get(sock, host, "/")
+
+    assert_reset(attempt)
+
+
 def wait_for(condition: Callable[[], bool], timeout: float = 10.0) -> None:
     deadline = time.monotonic() + timeout
     while not condition():
@@ -160,16 +171,22 @@ def test_metadata_answers_each_slot_its_own_identity(lab: Lab) -> None:
             assert (status, text) == (200, expected.sandbox_id.encode())
             assert http_get(sock, "169.254.169.254", "/v1/identity/nope")[0] == 404
             assert http_get(sock, "169.254.169.254", "/latest/meta-data")[0] == 404
-    # A new identity (a restore into this slot) is what the next request sees.
-    lab.set_policy(second, {}, n=7)
+    # Another sandbox in the slot (a restore, a pooled slot reused): the next request sees
+    # its identity, and what the previous one had open is cut.
+    live = lab.connect(second, "169.254.169.254", 80)
+    try:
+        assert http_get(live, "169.254.169.254", "/v1/identity/sandboxId")[2] == b"sbx-2"
+        lab.set_policy(second, {}, n=7)
+        assert_reset(lambda: http_get(live, "169.254.169.254", "/"))
+    finally:
+        live.close()
     with lab.connect(second, "169.254.169.254", 80) as sock:
         assert http_get(sock, "169.254.169.254", "/v1/identity/sandboxId")[2] == b"sbx-7"
 
 
 def test_unknown_source_and_removed_slot_are_reset(lab: Lab) -> None:
     slot = lab.slots[2]
-    with lab.connect(slot, "169.254.169.254", 80) as sock:
-        assert_reset(lambda: http_get(sock, "169.254.169.254", "/"))
+    request_is_reset(lab, slot, "169.254.169.254", 80, "169.254.169.254")
     lab.set_policy(slot, {})
     meta = lab.connect(slot, "169.254.169.254", 80)
     lab.set_policy(slot, ONLY_ALLOWED)
@@ -206,9 +223,8 @@ def test_other_ports_are_decided_by_address_only(lab: Lab) -> None:
     with lab.connect(slot, INET_SERVER, OTHER_PORT) as sock:  # by address: allowed
         assert http_get(sock, ALLOWED, "/")[0] == 200
     lab.set_policy(slot, ONLY_ALLOWED, mode="all")
-    with lab.connect(slot, INET_SERVER, OTHER_PORT) as sock:
-        # A name opens 80/443 only; the Host header on another port is not even read.
-        assert_reset(lambda: http_get(sock, ALLOWED, "/"))
+    # A name opens 80/443 only; the Host header on another port is not even read.
+    request_is_reset(lab, slot, INET_SERVER, OTHER_PORT)
 
 
 def test_walls_hold_whatever_the_policy(lab: Lab) -> None:
@@ -217,8 +233,7 @@ def test_walls_hold_whatever_the_policy(lab: Lab) -> None:
     with lab.connect(slot, INET_SERVER, OTHER_PORT) as sock:  # a control: the policy allows all
         assert http_get(sock, ALLOWED, "/")[0] == 200
     for address, port in ((INET_HOST, 22), (INET_HOST, METRICS_PORT), (slot.host_address, 80)):
-        with lab.connect(slot, address, port) as sock:
-            assert_reset(lambda s=sock: http_get(s, ALLOWED, "/"))  # type: ignore[misc]
+        request_is_reset(lab, slot, address, port)
     assert "destination behind the walls" in denied_reasons(lab)
     lab.set_policy(slot, {})
 
@@ -238,22 +253,51 @@ def test_socks5_egress_proxy_and_fail_closed(lab: Lab) -> None:
     lab.set_policy(slot, {**ONLY_ALLOWED, "egressProxy": proxy})
     assert_reset(lambda: lab.tls(slot, DENIED))
     # A live tunnelled connection is cut when the proxy setting changes.
+    lab.set_policy(slot, {"egressProxy": proxy})
     live = lab.connect(slot, INET_SERVER, OTHER_PORT)
     try:
+        assert json.loads(http_get(live, ALLOWED, "/")[2])["client"] == INET_SOCKS
         lab.set_policy(slot, {"allowOut": ["198.18.0.2"]}, mode="all")
         assert_reset(lambda: http_get(live, ALLOWED, "/"))
     finally:
         live.close()
     failed = counters(lab)["upstream_failed"]
     lab.set_policy(slot, {"egressProxy": {**proxy, "password": "wrong"}})
-    with lab.connect(slot, INET_SERVER, OTHER_PORT) as sock:
-        assert_reset(lambda: http_get(sock, ALLOWED, "/"))
+    request_is_reset(lab, slot, INET_SERVER, OTHER_PORT)
     lab.stop_process(socks)
     lab.set_policy(slot, {"egressProxy": proxy})
-    with lab.connect(slot, INET_SERVER, OTHER_PORT) as sock:
-        assert_reset(lambda: http_get(sock, ALLOWED, "/"))  # no tunnel: no connection at all
+    request_is_reset(lab, slot, INET_SERVER, OTHER_PORT)  # no tunnel: no connection at all
     assert counters(lab)["upstream_failed"] == failed + 2
     lab.set_policy(slot, {})
+
+
+def test_socks5_over_tls(lab: Lab) -> None:
+    slot = lab.slots[0]
+    assert lab.certs is not None
+    socks = lab.start_socks()
+    front = lab.start_tls_front(1443)
+    try:
+        proxy = {"address": f"{INET_SOCKS}:1443", "username": "lab", "password": "secret",
+                 "tls": {"serverName": "socks.test", "caCert": lab.certs.ca.read_text()}}
+        lab.set_policy(slot, {"egressProxy": proxy})
+        with lab.connect(slot, INET_SERVER, 80) as sock:
+            assert json.loads(http_get(sock, ALLOWED, "/")[2])["client"] == INET_SOCKS
+            assert http_get(sock, ALLOWED, "/blob?size=3000000")[2] == blob(3_000_000)
+        with lab.tls(slot, ALLOWED) as tls:  # TLS inside TLS: the guest's own, untouched
+            assert json.loads(http_get(tls, ALLOWED, "/")[2])["sni"] == ALLOWED
+        # Each request head is still decided on this path.
+        lab.set_policy(slot, {**ONLY_ALLOWED, "egressProxy": proxy})
+        with lab.connect(slot, INET_SERVER, 80) as sock:
+            assert http_get(sock, ALLOWED, "/one")[0] == 200
+            assert_reset(lambda: http_get(sock, DENIED, "/two"))
+        # A proxy whose certificate does not verify is no proxy: fail closed.
+        lab.set_policy(slot, {"egressProxy": {**proxy, "tls": {"serverName": "other.test",
+                                                                "caCert": lab.certs.ca.read_text()}}})
+        request_is_reset(lab, slot, INET_SERVER, OTHER_PORT)
+    finally:
+        front.close()
+        lab.stop_process(socks)
+        lab.set_policy(slot, {})
 
 
 def test_connection_cap_per_slot(lab: Lab) -> None:
@@ -263,8 +307,7 @@ def test_connection_cap_per_slot(lab: Lab) -> None:
     socks = [lab.connect(slot, "169.254.169.254", 80) for _ in range(MAX_PER_SLOT)]
     try:
         wait_for(lambda: counters(lab)["connections"] == MAX_PER_SLOT)
-        with lab.connect(slot, "169.254.169.254", 80) as extra:
-            assert_reset(lambda: http_get(extra, "169.254.169.254", "/"))
+        request_is_reset(lab, slot, "169.254.169.254", 80, "169.254.169.254")
         assert http_get(socks[0], "169.254.169.254", "/")[0] == 200
     finally:
         for sock in socks:
@@ -296,8 +339,7 @@ def test_restart_and_sync(lab: Lab) -> None:
     assert not (lab.tmp / "egress.sock").exists()
     first = lab.start_proxy()
     assert first["slots"] == 0
-    with lab.connect(slot, "169.254.169.254", 80) as sock:  # unknown until the node syncs
-        assert_reset(lambda: http_get(sock, "169.254.169.254", "/"))
+    request_is_reset(lab, slot, "169.254.169.254", 80, "169.254.169.254")
     from agentenv.network.control import SlotEntry
     from agentenv.network.policy import EgressPolicy
     entries = [SlotEntry(s.guest_address, identity(s.index), EgressPolicy.from_wire(ONLY_ALLOWED))

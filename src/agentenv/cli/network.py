@@ -42,14 +42,13 @@ def egress_proxy_command(control_path: str, port: int, bind: str, metrics_port: 
             ranges.append(IPv4Network(text))
         except ValueError:
             raise AgentEnvError(f"--open-range {text!r} is not an IPv4 CIDR") from None
-    defaults = egress.EgressProxyServer.__init__.__kwdefaults__ or {}
     server = egress.EgressProxyServer(
         control_path, port, bind, metrics_port=metrics_port, metrics_bind=metrics_bind,
         open_ranges=tuple(ranges),
-        max_connections=max_connections or defaults["max_connections"],
-        max_per_slot=max_per_slot or defaults["max_per_slot"],
-        idle_timeout=idle_timeout or defaults["idle_timeout"],
-        peek_timeout=peek_timeout or defaults["peek_timeout"])
+        max_connections=max_connections or egress.MAX_CONNECTIONS,
+        max_per_slot=max_per_slot or egress.MAX_CONNECTIONS_PER_SLOT,
+        idle_timeout=idle_timeout or egress.IDLE_TIMEOUT,
+        peek_timeout=peek_timeout or egress.PEEK_TIMEOUT)
     logs.setup(log_level)
     try:
         asyncio.run(egress.run(server))

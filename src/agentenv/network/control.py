@@ -6,10 +6,12 @@ the slot's `guest_address` (the slot namespace SNATs guest traffic to it). The n
 over a unix socket, which sandbox each source address is and what that sandbox may reach.
 
 Protocol: one JSON object per line each way, one answer per request, in order.
-  {"op": "ping"}                                  -> {"ok": true, "slots": N, "rss_bytes": N}
-  {"op": "set", "slot": SLOT}                     -> {"ok": true}
+  {"op": "ping"}                                  -> {"ok": true, "slots": N, "rss_bytes": N,
+                                                      "port": N, "connections": N, counters...}
+  {"op": "set", "slot": SLOT}                     -> {"ok": true, "cut": N}
       replaces the slot's identity and policy; live connections the new policy denies are cut
-  {"op": "remove", "source": "10.12.0.3"}         -> {"ok": true}   (unknown source: still ok)
+      (all of them when the sandbox id changes: another sandbox now owns the source)
+  {"op": "remove", "source": "10.12.0.3"}         -> {"ok": true, "cut": N}  (unknown: still ok)
   {"op": "sync", "slots": [SLOT, ...]}            -> {"ok": true}
       replaces the whole table (after either side restarts)
   errors: {"ok": false, "error": "text naming what was wrong"}

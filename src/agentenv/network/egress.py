@@ -25,7 +25,8 @@ Per connection:
 A `set` that changes a slot's policy resets every live connection of that slot the new policy
 denies (or whose SOCKS5 route changed); `remove` resets all of them.
 
-Run it as `python -m agentenv.network.egress --control SOCK --port PORT` or `aenv egress-proxy`.
+Run it as `python -m agentenv.network.egress --control SOCK --port PORT` (what process.py
+does: it imports only this package, which keeps the process small) or `aenv egress-proxy`.
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ import argparse
 import asyncio
 import contextlib
 import errno
+import fcntl
+import functools
 import json
 import logging
 import os
@@ -91,8 +94,9 @@ class _LocalAddresses:
     def __contains__(self, address: IPv4Address) -> bool:
         now = time.monotonic()
         if now - self._read_at > self.REFRESH:
-            self._addresses = self._read()
-            self._read_at = now
+            with contextlib.suppress(OSError):  # out of descriptors: the last list holds
+                self._addresses = self._read()
+                self._read_at = now
         return address in self._addresses
 
     @staticmethod
@@ -144,10 +148,11 @@ def original_destination(sock: socket.socket) -> tuple[IPv4Address, int]:
 
 
 class _Pump:
-    """One direction of a spliced connection between two non-blocking sockets, driven by the
-    event loop's readiness callbacks (no task per connection). Reads go through one shared
-    buffer; only what the destination does not take at once is kept (bounded: reading stops
-    until it is sent)."""
+    """One direction of a connection between two non-blocking sockets, copied through this
+    process (used where bytes must be read: the HTTP request direction), driven by the event
+    loop's readiness callbacks (no task per connection). Reads go through one shared buffer;
+    only what the destination does not take at once is kept (bounded: reading stops until it
+    is sent)."""
 
     __slots__ = ("conn", "dst", "dst_fd", "eof", "loop", "pending", "src", "src_fd",
                  "transform", "up", "writing")
@@ -249,11 +254,111 @@ class _Pump:
             self.dst.shutdown(socket.SHUT_WR)
         self.conn.half_closed()
 
+    @property
+    def done(self) -> bool:
+        return self.eof and self.pending is None
+
+
+_SPLICE_FLAGS = getattr(os, "SPLICE_F_MOVE", 1) | getattr(os, "SPLICE_F_NONBLOCK", 2)
+_F_SETPIPE_SZ = 1031
+
+
+class _SplicePump:
+    """One direction moved by the kernel (splice(2) socket -> pipe -> socket): the bytes never
+    enter this process. What the destination does not take at once stays in the pipe (at most
+    PIPE_SIZE; reading stops until it is drained)."""
+
+    PIPE_SIZE = 256 << 10
+
+    __slots__ = ("conn", "dst", "dst_fd", "eof", "in_pipe", "loop", "pipe_r", "pipe_w", "src",
+                 "src_fd", "up", "writing")
+
+    def __init__(self, conn: Conn, src: socket.socket, dst: socket.socket, up: bool) -> None:
+        self.conn, self.src, self.dst, self.up = conn, src, dst, up
+        self.src_fd, self.dst_fd = src.fileno(), dst.fileno()
+        self.loop = conn.proxy.loop
+        self.pipe_r, self.pipe_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        with contextlib.suppress(OSError):  # a smaller pipe only means more wake-ups
+            fcntl.fcntl(self.pipe_w, _F_SETPIPE_SZ, self.PIPE_SIZE)
+        self.in_pipe = 0
+        self.eof = False
+        self.writing = False
+
+    def start(self) -> None:
+        self.loop.add_reader(self.src_fd, self._readable)
+
+    def stop(self) -> None:
+        if self.writing:
+            self.loop.remove_writer(self.dst_fd)
+            self.writing = False
+        elif not self.eof:
+            self.loop.remove_reader(self.src_fd)
+        if self.pipe_r >= 0:
+            os.close(self.pipe_r)
+            os.close(self.pipe_w)
+            self.pipe_r = self.pipe_w = -1
+
+    @property
+    def done(self) -> bool:
+        return self.eof and self.in_pipe == 0
+
+    def _readable(self) -> None:
+        try:
+            n = os.splice(self.src_fd, self.pipe_w, self.PIPE_SIZE, flags=_SPLICE_FLAGS)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError as exc:
+            self.conn.broken(exc, "guest" if self.up else "destination")
+            return
+        if n == 0:
+            self.loop.remove_reader(self.src_fd)
+            self.eof = True
+            self._finish()
+            return
+        self.conn.last_active = self.loop.time()
+        self.in_pipe = n
+        self._drain(from_reader=True)
+
+    def _writable(self) -> None:
+        self.conn.last_active = self.loop.time()
+        self._drain(from_reader=False)
+
+    def _drain(self, from_reader: bool) -> None:
+        moved = 0
+        while self.in_pipe:
+            try:
+                m = os.splice(self.pipe_r, self.dst_fd, self.in_pipe, flags=_SPLICE_FLAGS)
+            except (BlockingIOError, InterruptedError):
+                break
+            except OSError as exc:
+                self.conn.broken(exc, "destination" if self.up else "guest")
+                return
+            self.in_pipe -= m
+            moved += m
+        if self.up:
+            self.conn.proxy.counters.bytes_up += moved
+        else:
+            self.conn.proxy.counters.bytes_down += moved
+        if self.in_pipe:
+            if from_reader:
+                self.loop.remove_reader(self.src_fd)
+                self.writing = True
+                self.loop.add_writer(self.dst_fd, self._writable)
+        elif not from_reader:
+            self.loop.remove_writer(self.dst_fd)
+            self.writing = False
+            self.loop.add_reader(self.src_fd, self._readable)
+
+    def _finish(self) -> None:
+        with contextlib.suppress(OSError):
+            self.dst.shutdown(socket.SHUT_WR)
+        self.conn.half_closed()
+
 
 class Conn:
     """One redirected guest connection, from accept to close."""
 
-    __slots__ = ("closed", "dst_ip", "dst_port", "guest", "last_active", "name", "proxy",
+    __slots__ = ("closed", "decided", "dst_ip", "dst_port", "guest", "last_active", "name", "proxy",
                  "pumps", "slot", "source", "started", "task", "transports", "tunnel",
                  "upstream", "via")
 
@@ -264,11 +369,12 @@ class Conn:
         self.name: str | None = None
         self.via: EgressProxy | None = None
         self.upstream: socket.socket | None = None
-        self.pumps: tuple[_Pump, _Pump] | None = None
+        self.pumps: tuple[_Pump | _SplicePump, _Pump | _SplicePump] | None = None
         self.tunnel: _Tunnel | None = None  # a TLS connection to the SOCKS5 proxy
         self.transports: list[asyncio.BaseTransport] = []  # when streams own the sockets
         self.task: asyncio.Task[None] | None = None
         self.closed = False
+        self.decided = False  # allowed and connected: a policy update re-decides it
         self.started = self.last_active = proxy.loop.time()
         self.slot: Slot | None = None
 
@@ -280,6 +386,14 @@ class Conn:
         if self.pumps is not None:
             for pump in self.pumps:
                 pump.stop()
+        # A sock_recv/sock_connect of the task may still watch these fds: unwatch them before
+        # they are closed, so a new socket given the same number is not unwatched later.
+        loop = self.proxy.loop
+        for sock in (self.guest, self.upstream):
+            if sock is not None and sock.fileno() >= 0:
+                with contextlib.suppress(RuntimeError):  # owned by a transport: it unwatches
+                    loop.remove_reader(sock.fileno())
+                    loop.remove_writer(sock.fileno())
         if self.task is not None and self.task is not asyncio.current_task():
             self.task.cancel()
         self.proxy.unregister(self)
@@ -325,7 +439,7 @@ class Conn:
         self.reset()
 
     def half_closed(self) -> None:
-        if self.pumps is not None and all(p.eof and p.pending is None for p in self.pumps):
+        if self.pumps is not None and all(p.done for p in self.pumps):
             self.close()
 
 
@@ -338,7 +452,7 @@ class EgressProxyServer:
                  max_connections: int = MAX_CONNECTIONS,
                  max_per_slot: int = MAX_CONNECTIONS_PER_SLOT,
                  idle_timeout: float = IDLE_TIMEOUT, peek_timeout: float = PEEK_TIMEOUT,
-                 connect_timeout: float = CONNECT_TIMEOUT) -> None:
+                 connect_timeout: float = CONNECT_TIMEOUT, splice: bool = True) -> None:
         self.control_path = str(control_path)
         self.port, self.bind = port, bind
         self.metrics_port, self.metrics_bind = metrics_port, metrics_bind
@@ -346,6 +460,7 @@ class EgressProxyServer:
         self.max_connections, self.max_per_slot = max_connections, max_per_slot
         self.idle_timeout, self.peek_timeout = idle_timeout, peek_timeout
         self.connect_timeout = connect_timeout
+        self.splice = splice and hasattr(os, "splice")
         self.slots: dict[str, Slot] = {}
         self.conns: set[Conn] = set()
         self.counters = Counters()
@@ -430,11 +545,20 @@ class EgressProxyServer:
                 sock, (source, _) = self._listener.accept()
             except (BlockingIOError, InterruptedError):
                 return
-            except OSError as exc:  # EMFILE and the like: do not spin on it
+            except OSError as exc:
+                # EMFILE and the like: the connection stays queued and the listener readable;
+                # pause accepting a little instead of spinning on it.
                 log.warning("egress accept failed", extra={"event": "accept_failed",
                                                            "error": str(exc)})
+                listener = self._listener
+                self.loop.remove_reader(listener.fileno())
+                self.loop.call_later(0.1, self._resume_accept, listener)
                 return
             self._accepted(sock, source)
+
+    def _resume_accept(self, listener: socket.socket) -> None:
+        if self._listener is listener:
+            self.loop.add_reader(listener.fileno(), self._on_accept)
 
     def _accepted(self, sock: socket.socket, source: str) -> None:
         self.counters.accepted += 1
@@ -517,12 +641,19 @@ class EgressProxyServer:
             policy = self._decide(conn, conn.name, kind == "tls")
             if policy.egress_proxy != conn.via:
                 raise Refused("the egress proxy changed while connecting")
+            conn.decided = True
             self.counters.allowed += 1
             log.debug("egress allowed", extra={"event": "allowed", **conn.describe()})
             if conn.tunnel is None:
                 assert conn.upstream is not None
-                conn.pumps = (_Pump(conn, conn.guest, conn.upstream, True, transform, data),
-                              _Pump(conn, conn.upstream, conn.guest, False, None, b""))
+                if data and transform is None:
+                    await self.loop.sock_sendall(conn.upstream, data)  # the peeked bytes
+                    self.counters.bytes_up += len(data)
+                    data = b""
+                    if conn.closed:  # cut by an update meanwhile
+                        return
+                conn.pumps = (self._pump(conn, True, transform, data),
+                              self._pump(conn, False, None, b""))
                 for pump in conn.pumps:
                     pump.start()
             else:
@@ -543,6 +674,17 @@ class EgressProxyServer:
         except Exception:
             log.exception("egress connection crashed", extra={"event": "crash", **conn.describe()})
             conn.reset()
+
+    def _pump(self, conn: Conn, up: bool, transform: Callable[[bytes], bytes] | None,
+              data: bytes) -> _Pump | _SplicePump:
+        assert conn.upstream is not None
+        src, dst = (conn.guest, conn.upstream) if up else (conn.upstream, conn.guest)
+        if self.splice and transform is None and not data:
+            try:
+                return _SplicePump(conn, src, dst, up)
+            except OSError:  # no pipe to be had (descriptor limits): copy instead
+                pass
+        return _Pump(conn, src, dst, up, transform, data)
 
     def _on_http_head(self, conn: Conn, head: httphead.RequestHead) -> bytes:
         name = head.host()
@@ -673,18 +815,26 @@ class EgressProxyServer:
             if dst.can_write_eof():
                 dst.write_eof()
 
+        if data:
+            tunnel.writer.write(data)
+            self.counters.bytes_up += len(data)
+        copies = {self.loop.create_task(copy(reader, tunnel.writer, True)),
+                  self.loop.create_task(copy(tunnel.reader, writer, False))}
         try:
-            if data:
-                tunnel.writer.write(data)
-                self.counters.bytes_up += len(data)
-            await asyncio.gather(copy(reader, tunnel.writer, True),
-                                 copy(tunnel.reader, writer, False))
+            # Both directions end (half-closes pass on), or the first failure ends both.
+            done, _ = await asyncio.wait(copies, return_when=asyncio.FIRST_EXCEPTION)
+            for task in done:
+                if task.exception() is not None:
+                    raise task.exception()  # type: ignore[misc]
         except (Refused, httphead.HttpError) as exc:
             conn.refuse(str(exc))
         except (OSError, asyncio.CancelledError):
             conn.reset()
         else:
             conn.close()
+        finally:
+            for task in copies:
+                task.cancel()
 
     async def _metadata(self, conn: Conn) -> None:
         reader, writer = await asyncio.open_connection(sock=conn.guest)
@@ -720,6 +870,13 @@ class EgressProxyServer:
     def set_slot(self, entry: SlotEntry) -> int:
         """Install or replace a slot; returns how many of its live connections were cut."""
         old = self.slots.get(entry.source)
+        if old is not None and old.entry.identity.sandbox_id != entry.identity.sandbox_id:
+            # Another sandbox in this slot (a pooled slot reused, a pool VM handed to a
+            # create): nothing the previous one opened survives.
+            cut = self.remove_slot(entry.source)
+            self.counters.cut_by_update += cut
+            self.slots[entry.source] = Slot(entry)
+            return cut
         if old is None:
             self.slots[entry.source] = Slot(entry)
             return 0
@@ -729,8 +886,8 @@ class EgressProxyServer:
         for conn in list(old.conns):
             if (conn.dst_ip, conn.dst_port) == METADATA:
                 continue  # answers the current identity at each request
-            if conn.pumps is None and conn.tunnel is None:
-                continue  # not decided yet: decides with the current policy when it is
+            if not conn.decided:
+                continue  # decides with the current policy when it knows its name
             if not policy.allows(conn.dst_ip, conn.name) or policy.egress_proxy != conn.via:
                 cut += 1
                 self.counters.cut_by_update += 1
@@ -800,7 +957,7 @@ class EgressProxyServer:
                     return
                 try:
                     answer = self.handle_request(json.loads(line))
-                except (ValueError, TypeError, KeyError, PolicyError) as exc:
+                except (ValueError, TypeError, KeyError, PolicyError, OSError) as exc:
                     answer = {"ok": False, "error": str(exc) or type(exc).__name__}
                 writer.write(json.dumps(answer).encode() + b"\n")
                 await writer.drain()
@@ -881,16 +1038,29 @@ def _slot_entry(raw: Any, where: str = "slot") -> SlotEntry:
         raise ValueError(f"{where}.identity is required")
     try:
         return SlotEntry(_source(source), SlotIdentity(**identity),
-                         EgressPolicy.from_wire(raw.get("policy") or {}))
+                         _policy(json.dumps(raw.get("policy") or {}, sort_keys=True)))
     except TypeError as exc:
         raise ValueError(f"{where}.identity: {exc}") from None
     except PolicyError as exc:
         raise ValueError(f"{where}.policy: {exc}") from None
 
 
+_statm_fd = -1
+
+
+@functools.lru_cache(maxsize=256)
+def _policy(wire: str) -> EgressPolicy:
+    """Parsed once per distinct policy: the sandboxes of one training run mostly share one, and
+    a 1,000-entry policy takes tens of ms to parse (and its lookups to build)."""
+    return EgressPolicy.from_wire(json.loads(wire))
+
+
 def rss_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    """Resident set size, from a descriptor kept open (ping must answer when out of them)."""
+    global _statm_fd
+    if _statm_fd < 0:
+        _statm_fd = os.open("/proc/self/statm", os.O_RDONLY | os.O_CLOEXEC)
+    return int(os.pread(_statm_fd, 128, 0).split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
 def _raise_fd_limit() -> None:
@@ -902,6 +1072,7 @@ def _raise_fd_limit() -> None:
 
 async def run(server: EgressProxyServer) -> None:
     _raise_fd_limit()
+    rss_bytes()  # opens its descriptor now
     await server.start()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -931,6 +1102,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-per-slot", type=int, default=MAX_CONNECTIONS_PER_SLOT)
     parser.add_argument("--idle-timeout", type=float, default=IDLE_TIMEOUT)
     parser.add_argument("--peek-timeout", type=float, default=PEEK_TIMEOUT)
+    parser.add_argument("--copy", action="store_true",
+                        help="copy bytes through the process instead of splice(2) (to compare)")
     parser.add_argument("--log-level", default="info")
 
 
@@ -939,7 +1112,7 @@ def server_from_args(args: argparse.Namespace) -> EgressProxyServer:
         args.control, args.port, args.bind, metrics_port=args.metrics_port,
         metrics_bind=args.metrics_bind, open_ranges=tuple(args.open_range),
         max_connections=args.max_connections, max_per_slot=args.max_per_slot,
-        idle_timeout=args.idle_timeout, peek_timeout=args.peek_timeout)
+        idle_timeout=args.idle_timeout, peek_timeout=args.peek_timeout, splice=not args.copy)
 
 
 def main(argv: list[str] | None = None) -> None:

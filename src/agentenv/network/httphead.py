@@ -52,29 +52,34 @@ class RequestHead:
         """The host the request is for: the authority of an absolute-form target, else the
         Host header (port dropped, lower case); None when neither names one. Raises HttpError
         for two Host headers or one that is not a host name."""
-        authority: str | None = None
+        hosts = self.get_all("host")
+        if len(hosts) > 1:
+            raise HttpError("two Host headers")
         lowered = self.target.lower()
         for scheme in ("http://", "https://"):
             if lowered.startswith(scheme):
                 authority = self.target[len(scheme):].split("/", 1)[0].split("?", 1)[0]
-                authority = authority.rsplit("@", 1)[-1]
-        if authority is None:
-            hosts = self.get_all("host")
-            if len(hosts) > 1:
-                raise HttpError("two Host headers")
-            if not hosts:
-                return None
-            authority = hosts[0]
-        host = authority.lower()
-        if host.startswith("["):
-            return None  # an IPv6 literal: no name to decide by
-        host = host.rsplit(":", 1)[0] if ":" in host else host
-        host = host.rstrip(".")
-        if not host:
-            return None
-        if not _HOST.match(host) or ".." in host:
-            raise HttpError(f"Host {authority[:80]!r} is not a host name")
-        return host
+                target_host = _host_of(authority.rsplit("@", 1)[-1])
+                # A server may route by either: both must name the same host.
+                if hosts and _host_of(hosts[0]) != target_host:
+                    raise HttpError("the Host header and the request target name different hosts")
+                return target_host
+        return _host_of(hosts[0]) if hosts else None
+
+
+def _host_of(authority: str) -> str | None:
+    """The host of an authority (port dropped, lower case); None for an IPv6 literal or
+    nothing; HttpError for what is not a host name."""
+    host = authority.lower()
+    if host.startswith("["):
+        return None  # an IPv6 literal: no name to decide by
+    host = host.rsplit(":", 1)[0] if ":" in host else host
+    host = host.rstrip(".")
+    if not host:
+        return None
+    if not _HOST.match(host) or ".." in host:
+        raise HttpError(f"Host {authority[:80]!r} is not a host name")
+    return host
 
 
 def looks_like_http(data: bytes) -> bool:
