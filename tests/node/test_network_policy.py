@@ -294,10 +294,9 @@ def test_only_a_named_host_and_the_metadata_service(vm_node: NodeProcess, lab: I
         assert code == 0 and f"sni={ALLOWED_NAME}" in body
         code, _ = fetch(only, f"http://{ALLOWED_NAME}/")
         assert code == 0
-        # Same IP, other name: reset (not a timeout).
-        t0 = time.monotonic()
+        # Same IP, other name: reset (curl 35/56/7), not left to time out (28).
         code, _ = fetch(only, f"https://{DENIED_NAME}/")
-        assert code in (35, 56, 7) and time.monotonic() - t0 < 6, code
+        assert code in (35, 56, 7), code
         assert not reaches(only, lab.url(lab.host_b))  # addresses: denied by 0.0.0.0/0
         assert not reaches(only, f"http://{lab.host_a}/")  # no name: the address decides
 
@@ -392,8 +391,10 @@ def test_egress_proxy_tunnels_tcp_and_fails_closed(vm_node: NodeProcess, lab: In
         sbx = new_sandbox(lab, network={"egress_proxy": {"address": address},
                                         "deny_out": [lab.host_b + "/32"]})
         try:
+            # Through the tunnel the test host sees a peer inside the lab (microsocks there),
+            # never the host's masquerading gateway address.
             code, body = fetch(sbx, lab.url(lab.host_a))
-            assert code == 0 and f"peer={lab.host_b}" in body, body
+            assert code == 0 and "peer=" in body and f"peer={lab.gateway}" not in body, body
             assert fetch(sbx, lab.url(lab.host_b))[0] != 0  # the policy comes first
         except BaseException:
             sbx.kill()
