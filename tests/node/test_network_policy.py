@@ -94,10 +94,9 @@ def test_default_reaches_both_hosts_and_deny_out_blocks_one(vm_node: NodeProcess
         assert not reaches(denied, lab.url(lab.host_a))
         assert not reaches(denied, f"https://{ALLOWED_NAME}/")  # host A by name
         assert reaches(denied, lab.url(lab.host_b))
-        # A denied TCP connection is reset at once, not left to time out.
-        t0 = time.monotonic()
+        # A denied TCP connection is reset (curl 7: refused), not left to time out (28).
         code, _ = fetch(denied, lab.url(lab.host_a))
-        assert code == 7 and time.monotonic() - t0 < 5
+        assert code == 7
         info = Sandbox.get_info(denied.sandbox_id)
         assert info.network == {"deny_out": [lab.host_a]}
     finally:
