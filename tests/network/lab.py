@@ -278,7 +278,8 @@ class Lab:
 
     def build(self) -> None:
         self.loop.run_until_complete(rtnet.remove_leftovers(self.prefix))
-        self.loop.run_until_complete(rtnet.setup_host(self.prefix))
+        # The node's host table (its input wall lets only redirected TCP reach this port).
+        self.loop.run_until_complete(rtnet.setup_host(self.prefix, self.port))
         veth = f"{self.prefix}i0"
         run("ip", "link", "del", veth, check=False)
         run("ip", "netns", "add", self.inet)

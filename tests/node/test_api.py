@@ -192,10 +192,17 @@ def test_traffic_token_guards_other_ports(api: httpx.Client, node: NodeProcess) 
             assert allowed.status_code == 502  # let through; nothing listens on port 1
             # envd's own port is guarded by the envd token, not the traffic token
             assert client.get("/health", headers={"E2b-Sandbox-Id": sid}).status_code == 204
+        # The process backend cannot enforce egress rules: it refuses them (tests/node/
+        # test_network_policy.py has the VM backend's); an update that sets none is fine.
         rules = {"allowOut": ["10.0.0.0/8"], "denyOut": ["0.0.0.0/0"]}
-        assert api.put(f"/sandboxes/{sid}/network", json=rules).status_code == 204
-        assert api.get(f"/sandboxes/{sid}").json()["network"] == rules
+        assert_error(api.put(f"/sandboxes/{sid}/network", json=rules), 400, "not enforced")
+        assert api.put(f"/sandboxes/{sid}/network", json={}).status_code == 204
+        assert api.get(f"/sandboxes/{sid}").json()["network"] == {"allowPublicTraffic": False}
         assert_error(api.put(f"/sandboxes/{sid}/network", json={"allowOut": "x"}), 422)
+        assert_error(api.put(f"/sandboxes/{sid}/network", json={"denyOut": ["10.0.0.0/33"]}),
+                     400, "10.0.0.0/33")
+        bad = api.post("/v2/sandboxes", json={"network": {"denyOut": ["http://x.test/"]}})
+        assert_error(bad, 400, "http://x.test/")
     finally:
         api.delete(f"/sandboxes/{sid}")
 

@@ -490,14 +490,10 @@ class NodeApp:
         return JSONResponse(out, status_code=201)
 
     async def update_network(self, request: Request) -> Response:
-        """Egress rules are recorded (and shown in the detail); the process backend cannot
-        enforce them, the VM backend's network slots will."""
+        """Replaces the whole egress policy (node/network_policy.py); 400 names a bad entry."""
         body = await read_model(request, models.NetworkUpdate, optional=True)
-        rec = self.orchestrator.get(request.path_params["sandbox_id"])
-        if rec.state == State.KILLING:
-            raise sandbox_not_found(rec.sandbox_id)
-        rec.network = body.model_dump(exclude_none=True)
-        await self.orchestrator.store.put_sandbox(rec)
+        await self.orchestrator.update_network(
+            request.path_params["sandbox_id"], body.model_dump(exclude_none=True))
         return Response(status_code=204)
 
     # snapshots and templates

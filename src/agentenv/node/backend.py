@@ -16,6 +16,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
+from agentenv.network.control import SlotIdentity
+from agentenv.network.policy import EgressPolicy
+
 #: The port envd listens on inside a sandbox, as the SDKs address it (E2b-Sandbox-Port).
 ENVD_PORT = 49983
 
@@ -65,6 +68,10 @@ class SandboxSpec:
     metadata: dict[str, str]
     #: the templateID the sandbox was created from (a snapshot id for a sandbox made from one)
     template_id: str = ""
+    #: what the sandbox may reach (backends with `enforces_network_policy` apply it before the
+    #: sandbox runs) and who it is to the metadata service
+    egress: EgressPolicy = field(default_factory=EgressPolicy)
+    identity: SlotIdentity | None = None
 
 
 @dataclass(frozen=True)

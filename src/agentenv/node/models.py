@@ -14,6 +14,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from agentenv.node.backend import MetricSample
+from agentenv.node.network_policy import public_network
 from agentenv.node.records import SandboxRecord, State, TemplateRecord
 
 
@@ -43,9 +44,16 @@ class NewSandbox(_Request):
 
 
 class NetworkUpdate(_Request):
+    """`PUT /sandboxes/{id}/network` (SandboxNetworkUpdateConfig); the entries themselves are
+    checked by node/network_policy.py, which names a bad one."""
+
     model_config = ConfigDict(extra="allow", strict=True)
     allowOut: list[str] | None = None
     denyOut: list[str] | None = None
+    dnsServers: list[str] | None = None
+    egressProxy: dict[str, Any] | None = None
+    rules: dict[str, Any] | None = None
+    allow_internet_access: bool | None = None
 
 
 class TimeoutRequest(_Request):
@@ -146,8 +154,9 @@ def detail_json(rec: SandboxRecord, client_id: str, domain: str | None) -> dict[
             },
         }
     )
-    if rec.network is not None:
-        body["network"] = rec.network
+    network = public_network(rec.network)
+    if network is not None:
+        body["network"] = network
     if rec.pause_mode is not None and rec.state == State.PAUSED:
         # only once the pause finished: while pausing, pause_mode is the previous pause's
         body["pauseMode"] = rec.pause_mode

@@ -466,7 +466,7 @@ ROUTES: list[Operation] = [
         "put",
         "/sandboxes/{sandboxID}/network",
         "updateSandboxNetwork",
-        "Record egress rules (not enforced by the process backend)",
+        "Replace the egress policy (VM backend; the process backend refuses non-default ones)",
         {204: None, **_NF, **_BODY_ERRORS},
         body=models.NetworkUpdate,
     ),

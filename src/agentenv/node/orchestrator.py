@@ -33,6 +33,7 @@ from typing import Any, TypeVar
 
 import httpx
 
+from agentenv.node import network_policy
 from agentenv.node.admission import Admission, Reservation
 from agentenv.node.backend import (
     BackendError,
@@ -202,6 +203,7 @@ class Orchestrator:
                 )
             )
         await self._reconcile()
+        await self._reapply_network()
         if self.gc is not None:
             try:
                 await self.gc.collect("startup")
@@ -260,6 +262,56 @@ class Orchestrator:
                     await self.backend.kill(sid, placement)
         for sid in pending:  # pending operations of sandboxes without a record
             await self.store.delete_pending(sid)
+
+    async def _reapply_network(self) -> None:
+        """Adopted sandboxes get their policies again: the host's redirect sets and the egress
+        proxy's table were rebuilt empty by this start (their slots kept their own rules)."""
+        apply = getattr(self.backend, "set_network", None)
+        if apply is None:
+            return
+        for rec in list(self.sandboxes.values()):
+            if rec.state != State.RUNNING or rec.placement is None:
+                continue
+            spec = self._spec(rec)
+            try:
+                await apply(rec.sandbox_id, rec.placement, spec.egress, spec.identity)
+            except BackendError as exc:
+                log.error("network policy not re-applied to an adopted sandbox",
+                          extra={"sandbox_id": rec.sandbox_id, "error": str(exc)})
+
+    async def update_network(self, sandbox_id: str, body: dict[str, Any]) -> None:
+        """`PUT /sandboxes/{id}/network`: the whole egress policy is replaced. A running
+        sandbox gets it before the call returns; a paused one when it resumes. Invalid input
+        changes nothing (400); a failed apply leaves the old policy in force and recorded."""
+        self._check_open()
+        while True:
+            rec = self.get(sandbox_id)
+            if rec.state == State.KILLING:
+                raise sandbox_not_found(sandbox_id)
+            if rec.state.stable:
+                break
+            await self._wait_op(sandbox_id, rec.state)
+        network, allow, policy = network_policy.updated(rec, body)
+        self._check_enforced(policy)
+        if rec.state == State.RUNNING and rec.placement is not None:
+            apply = getattr(self.backend, "set_network", None)
+            if apply is not None:
+                identity = network_policy.identity_of(rec, self.tokens)
+                try:
+                    await apply(sandbox_id, rec.placement, policy, identity)
+                except BackendError as exc:
+                    if rec.state == State.RUNNING:  # not a pause that took the VM meanwhile
+                        raise Internal(f"network policy of {sandbox_id} not applied: {exc}"
+                                       ) from exc
+        rec.network, rec.allow_internet_access = network, allow
+        await self.store.put_sandbox(rec)
+
+    def _check_enforced(self, policy: Any) -> None:
+        if not policy.is_default and not getattr(self.backend, "enforces_network_policy", False):
+            raise BadRequest(
+                f"network policies are not enforced by the {self.backend.name} backend (its "
+                "sandboxes are host processes): only the VM backend accepts allowOut/denyOut/"
+                "egressProxy/rules or allow_internet_access=false")
 
     async def _recover_pause(self, rec: SandboxRecord, op: PendingOp | None) -> bool:
         """A node killed while pausing `rec`: if the backend wrote the pause snapshot in full,
@@ -398,6 +450,8 @@ class Orchestrator:
 
     def _spec(self, rec: SandboxRecord) -> SandboxSpec:
         return SandboxSpec(
+            egress=network_policy.policy_of(rec),
+            identity=network_policy.identity_of(rec, self.tokens),
             sandbox_id=rec.sandbox_id,
             source=rec.source,
             cpu_count=rec.cpu_count,
@@ -529,6 +583,8 @@ class Orchestrator:
         tpl = self.resolve_template(params.template)
         if params.auto_resume and params.auto_pause and not params.auto_pause_memory:
             raise BadRequest("autoResume cannot be combined with a filesystem-only autoPause")
+        policy = network_policy.parse(params.network, params.allow_internet_access)
+        self._check_enforced(policy)
         sid = new_id("i")
         now = time.time()
         timeout = self._clamp_timeout(params.timeout, self.config.default_timeout)
@@ -556,7 +612,7 @@ class Orchestrator:
             ),
             secure=params.secure,
             allow_internet_access=params.allow_internet_access,
-            network=params.network,
+            network=network_policy.stored(params.network, policy),
             source=tpl.ref,
         )
         # Nothing awaits between the check and the insertion: the record counts from then on.

@@ -94,6 +94,12 @@ class TokenIssuer:
             self._seed, b"sandbox-traffic-" + sandbox_id.encode(), hashlib.sha256
         ).hexdigest()
 
+    def instance_token(self, sandbox_id: str) -> str:
+        """What the metadata service tells the guest as its instance token."""
+        return hmac.new(
+            self._seed, b"sandbox-instance-" + sandbox_id.encode(), hashlib.sha256
+        ).hexdigest()
+
 
 def same_secret(given: str | None, expected: str) -> bool:
     return given is not None and hmac.compare_digest(given.encode(), expected.encode())

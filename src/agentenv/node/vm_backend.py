@@ -58,6 +58,8 @@ from pathlib import Path
 from typing import Any
 
 from agentenv.fsutil import atomic_write_json
+from agentenv.network.control import SlotEntry, SlotIdentity
+from agentenv.network.policy import EgressPolicy
 from agentenv.node.backend import (
     ENVD_PORT,
     BackendError,
@@ -71,6 +73,7 @@ from agentenv.node.backend import (
     TemplateRef,
 )
 from agentenv.node.blockd_supervisor import BlockdLaunch, BlockdSupervisor
+from agentenv.node.network_policy import EgressProxySupervisor
 from agentenv.node.ready_pool import ReadyPool, ReadyPoolConfig
 
 log = logging.getLogger("agentenv.node.vm_backend")
@@ -126,6 +129,8 @@ class VmBackend:
     #: create/resume/fork return after envd's /init with the spec's env vars and token
     #: (Runtime.restore does it), so the orchestrator skips its own readiness round trip.
     initialises_envd = True
+    #: egress policies hold (network slots, the egress proxy): see runtime/network.py
+    enforces_network_policy = True
 
     def __init__(
         self,
@@ -179,6 +184,13 @@ class VmBackend:
         self._tokens: dict[str, str | None] = {}
         #: Set by the orchestrator: called with (sandbox id, reason) when a VM dies on its own.
         self.on_sandbox_lost: Callable[[str, str], None] | None = None
+        #: the node-wide egress proxy (made in start()); AENV_EGRESS_PROXY=0 runs without it
+        #: (then names in policies cannot be allowed: their TCP 80/443 is reset)
+        self.egress: EgressProxySupervisor | None = None
+        self.egress_port = int(env.get("AENV_EGRESS_PROXY_PORT") or 0)
+        self.egress_enabled = env.get("AENV_EGRESS_PROXY", "1") != "0"
+        self.open_ranges = [x for x in (env.get("AENV_NET_OPEN_RANGES") or "").split(",") if x]
+        self._sources: dict[str, str] = {}  # sandbox id -> its slot's source address
 
     def _let_qemu_reach(self, config: Any) -> None:
         """QEMU runs as an unprivileged user (runtime/privilege.py) and opens by path: the
@@ -365,8 +377,11 @@ class VmBackend:
         self._assets = await asyncio.to_thread(build_assets, self.assets_dir)
         log.info("guest assets ready", extra={"seconds": round(time.monotonic() - t0, 1),
                                               "built": list(self._assets.built)})
+        proxy_port = await self._start_egress()
         config = RuntimeConfig(state_dir=self.base / "runtime", accel=self.accel,  # type: ignore[arg-type]
                                network_prefix=self.network_prefix, boot_timeout=300,
+                               egress_proxy_port=proxy_port,
+                               network_open_ranges=self.open_ranges,
                                blockd_socket=self.blockd_socket,
                                slot_first_index=self.first_slot,
                                # The proxy's pooled keep-alive connections to a dead VM
@@ -388,6 +403,79 @@ class VmBackend:
                               busy=lambda: self._creating > 0)
         self.pool.start()
         await self._collect()
+
+    async def _start_egress(self) -> int | None:
+        """The egress proxy, before the host's rules that redirect to its port are made."""
+        from agentenv.runtime.network import require_tools
+
+        require_tools()
+        if not self.egress_enabled:
+            log.warning("egress proxy off (AENV_EGRESS_PROXY=0): no metadata service, and "
+                        "TCP 80/443 of policies that name hosts is reset")
+            return None
+        try:
+            import agentenv.network.process  # noqa: F401
+        except ImportError:
+            log.error("the egress proxy is not part of this build: running without it (no "
+                      "metadata service; TCP 80/443 of policies that name hosts is reset)")
+            return None
+        from agentenv.runtime.network import parse_open_ranges
+
+        opened = tuple(str(n) for n in parse_open_ranges(self.open_ranges))  # checked here
+        egress = EgressProxySupervisor(self.base / "egress" / "control.sock", self.egress_port,
+                                       log_path=self.state_dir / "logs" / "egress-proxy.log",
+                                       open_ranges=opened)
+        port = await egress.start()
+        self.egress = egress
+        return port
+
+    # --- network policy (runtime/network.py, node/network_policy.py) ---------------------------
+
+    async def _announce(self, sandbox_id: str, vm: Any, spec: SandboxSpec) -> None:
+        """Tell the egress proxy who the VM's slot is and what it may reach."""
+        if vm.slot is None:
+            return
+        identity = spec.identity or SlotIdentity(spec.sandbox_id, spec.template_id, None,
+                                                 None, "")
+        await self._announce_entry(sandbox_id, SlotEntry(vm.slot.guest_address, identity,
+                                                         spec.egress))
+
+    async def _announce_entry(self, sandbox_id: str, entry: SlotEntry) -> None:
+        old = self._sources.get(sandbox_id)
+        self._sources[sandbox_id] = entry.source
+        if self.egress is not None:
+            if old is not None and old != entry.source:
+                await self.egress.remove(old)
+            await self.egress.set(entry)
+
+    async def _forget_slot(self, sandbox_id: str) -> None:
+        source = self._sources.pop(sandbox_id, None)
+        if source is not None and self.egress is not None:
+            await self.egress.remove(source)
+
+    async def set_network(self, sandbox_id: str, placement: Placement, policy: EgressPolicy,
+                          identity: SlotIdentity | None) -> None:
+        """Replace a running sandbox's policy: the proxy first (it only sees what the kernel
+        sends it, and must judge that by the new policy), then the kernel; on a failure the
+        old policy is put back in both."""
+        from agentenv.runtime.errors import RuntimeError_
+
+        vm = self._vm(sandbox_id)
+        if vm.slot is None:
+            raise BackendError(f"sandbox {sandbox_id} has no network slot")
+        old_policy = vm.slot.policy
+        old_entry = self.egress.entries.get(vm.slot.guest_address) if self.egress else None
+        entry = SlotEntry(vm.slot.guest_address,
+                          identity or SlotIdentity(sandbox_id, "", None, None, ""), policy)
+        await self._announce_entry(sandbox_id, entry)
+        try:
+            await self.runtime.set_policy(vm, policy)
+        except (RuntimeError_, OSError) as exc:
+            with contextlib.suppress(Exception):
+                await self.runtime.set_policy(vm, old_policy)
+            if old_entry is not None:
+                await self._announce_entry(sandbox_id, old_entry)
+            raise BackendError(f"network policy of {sandbox_id} not applied: {exc}") from exc
 
     async def _adopt_all(self, manifests: dict[str, dict[str, Any]],
                          alive: dict[str, dict[str, Any]]) -> None:
@@ -474,6 +562,10 @@ class VmBackend:
                     self.on_sandbox_lost(sid, f"its VM died: {vm.error}")
 
     async def close(self) -> None:
+        if self.egress is not None:
+            with contextlib.suppress(Exception):
+                await self.egress.close()
+            self.egress = None
         if self.pool is not None:
             with contextlib.suppress(Exception):
                 await self.pool.close()
@@ -567,12 +659,21 @@ class VmBackend:
         try:
             vm = await self.runtime.restore(record, env_vars=self._guest_env(spec),
                                             access_token=spec.access_token,
-                                            outbound=spec.allow_internet_access,
+                                            egress=self._egress_of(spec),
                                             guest_token=previous_token)
         except (RuntimeError_, OSError) as exc:
             raise BackendError(
                 f"starting the VM of {spec.sandbox_id} failed: {exc}") from exc
+        await self._announce(spec.sandbox_id, vm, spec)
         return self._placement(spec.sandbox_id, vm, spec.access_token)
+
+    @staticmethod
+    def _egress_of(spec: SandboxSpec) -> EgressPolicy:
+        """The spec's policy; a spec made without one (allow_internet_access only) still
+        gets its outbound switch."""
+        if spec.egress.is_default and not spec.allow_internet_access:
+            return EgressPolicy.from_wire(None, False)
+        return spec.egress
 
     async def create(self, spec: SandboxSpec) -> Placement:
         await self._need_blockd()
@@ -625,14 +726,19 @@ class VmBackend:
             self.pool.handed_over(vm)
             return None
         try:
-            if not spec.allow_internet_access:
-                await self.runtime.set_outbound(vm, False)
+            # Before envd's /init (so before the create returns): no moment where the
+            # sandbox has the pool's allow-all policy.
+            egress = self._egress_of(spec)
+            if vm.slot is not None and egress != vm.slot.policy:
+                await self.runtime.set_policy(vm, egress)
+            await self._announce(spec.sandbox_id, vm, spec)
             t1 = time.perf_counter()
             await self.runtime.envd_init(vm, self._guest_env(spec), spec.access_token,
                                          guest_token=guest_token)
         except (RuntimeError_, OSError) as exc:
             log.warning("pooled VM failed at create: restoring instead",
                         extra={"sandbox_id": spec.sandbox_id, "vm": vm.id, "error": str(exc)})
+            await self._forget_slot(spec.sandbox_id)
             with contextlib.suppress(Exception):
                 await self.runtime.kill(vm)
             self.pool.handed_over(vm)  # its pool manifest
@@ -666,6 +772,7 @@ class VmBackend:
         self._cpu_seen.pop(sandbox_id, None)
         self._drop_vm(sandbox_id)
         self._tokens.pop(sandbox_id, None)
+        await self._forget_slot(sandbox_id)
         ref = self._ref(record, "paused")
         self._own(sandbox_id, Path(ref.data["record_dir"]))
         return PauseResult(snapshot=ref, memory=record.memory)
@@ -722,7 +829,7 @@ class VmBackend:
         boot = BootSpec(kernel=assets.kernel, initramfs=assets.initramfs,
                         cmdline=assets.cmdline_base, vcpus=record.machine.vcpus,
                         memory_mib=record.machine.memory_mib,
-                        outbound=spec.allow_internet_access, disks=disks)
+                        egress=self._egress_of(spec), disks=disks)
         sources = _record_dirs(record)
         self._create_sources.append(sources)  # in use until the VM runs from them
         try:
@@ -737,6 +844,7 @@ class VmBackend:
                                ) from exc
         finally:
             self._create_sources.remove(sources)
+        await self._announce(spec.sandbox_id, vm, spec)
         return self._placement(spec.sandbox_id, vm, spec.access_token)
 
     async def snapshot(
@@ -790,6 +898,7 @@ class VmBackend:
         if vm is not None:
             with contextlib.suppress(Exception):
                 await self.runtime.kill(vm)
+        await self._forget_slot(sandbox_id)
         self._drop_vm(sandbox_id)
         self._adopted.pop(sandbox_id, None)
         await self._release(self._owned(sandbox_id))

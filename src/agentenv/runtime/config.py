@@ -17,6 +17,12 @@ class RuntimeConfig(BaseModel):
     default_memory_mib: int = Field(default=512, ge=64)
     network: bool = True
     network_prefix: str = "aenv"
+    # The node-wide egress proxy's port on the host (agentenv.network): TCP to the metadata
+    # address, and the TCP a slot's policy sends through the proxy, are redirected to it.
+    egress_proxy_port: int | None = Field(default=None, ge=1, le=65535)
+    # Private ranges an operator opens to guests (a lab), e.g. ["192.168.50.0/24"]; they then
+    # obey each sandbox's policy like any address. Off by default (runtime/network.py).
+    network_open_ranges: list[str] = Field(default_factory=list)
     slot_pool_low: int = 2
     slot_pool_high: int = 16
     # Slot i's addresses are 10.12.x.(2i, 2i+1) whatever the prefix: two runtimes on one host

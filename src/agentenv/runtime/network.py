@@ -1,23 +1,48 @@
-"""Network slots: one namespace per running VM, holding its TAP device.
+"""Network slots: one namespace per running VM, holding its TAP device, and the walls around it.
 
 Layout of slot i (1..32767):
 
-    host netns                         slot netns aenv-s<i>
-    aenvh<i>  10.12.x.(2i)/31  <--veth-->  vpeer 10.12.x.(2i+1)/31
-                                           tap0  169.254.0.22/30  <-> guest eth0 169.254.0.21
+    host netns                         slot netns <prefix>-s<i>
+    <prefix>h<i>  10.12.x.(2i)/31  <--veth-->  vpeer 10.12.x.(2i+1)/31
+                                               tap0  169.254.0.22/30  <-> guest eth0 169.254.0.21
 
 - The host reaches the guest at the slot's `guest_address` (vpeer's address): nftables in the
   namespace DNATs every port of it to 169.254.0.21 (so envd is guest_address:49983) and SNATs
   the guest's outbound traffic to it. Every restored VM keeps 169.254.0.21 (snapshot ABI).
-- Forwarding in the namespace is default-drop: replies and host-initiated connections pass;
-  guest-initiated traffic goes through the `egress` chain, which always rejects the internal
-  ranges (10.11/16, 10.12/16, 169.254/16: no sandbox reaches another) and, when outbound is
-  off, everything else.
-- On the host, `ip_forward` is enabled and one `aenv` nftables table masquerades traffic
-  leaving from the slots towards other interfaces and drops slot-to-slot forwarding.
+  Only the host (the slot's `host_address`) may open connections to the guest.
+
+Egress, decided in the slot's namespace for EVERY packet a guest sends in a connection it opened
+(not only the first: a policy update bites on established connections at their next packet,
+which is rejected with a TCP reset the guest sees; replies the guest receives still arrive, so
+its ACK for them is what gets reset):
+  1. a guest packet with a source other than 169.254.0.21 is dropped (no spoofing: the host
+     knows a sandbox by its address);
+  2. TCP to the metadata service 169.254.169.254:80 is accepted (the host redirects it);
+  3. walls, whatever the policy says: 10/8 (so 10.11/16 and 10.12/16: no sandbox reaches
+     another), 172.16/12, 192.168/16, 100.64/10, 127/8, 169.254/16, 0/8, multicast 224/4,
+     240/4 and broadcast; an operator may open named private ranges (`open_ranges`), which
+     then go through the user policy like any other address;
+  4. the user policy (agentenv.network.policy.EgressPolicy) as nftables SETS, whose elements
+     are replaced in one `nft -f` transaction on update: `allow` (accepted), `dns` (port 53
+     only), `proxied` (TCP ports accepted here because the host redirects them to the egress
+     proxy, which decides by name: 80/443 or all), `deny` (rejected: TCP reset, else ICMP
+     admin-prohibited); what none names is accepted.
+
+On the host, one table per runtime (`<prefix>_host`, rules scoped to `<prefix>h*` interfaces):
+  - prerouting: TCP to 169.254.169.254:80 from any slot, TCP 80/443 from sources in set `web`,
+    all TCP from sources in set `all` -> `redirect` to the egress proxy's port;
+  - input: nothing from a slot interface reaches the host (node API, blockd metrics, SSH,
+    anything bound to 0.0.0.0) except the redirected proxy port; replies of connections the
+    host opened pass;
+  - forward: no slot-to-slot traffic, no 169.254/16, and a TCP flow of a `web_src`/`all_src` source
+    that reaches forward was opened before names were filtered: it is reset (the kernel
+    cannot know its name);
+  - postrouting: masquerade of slot traffic leaving the host.
+A foreign forward chain with policy drop (Docker's) gets accept rules for the slot interfaces
+(tagged with a comment naming the prefix, removed by teardown_host).
 
 Slots are pooled (`SlotPool`): building one costs a few `ip`/`nft` calls; a released slot is
-reset (outbound policy back to the default) and reused.
+reset (default policy, its connection tracking flushed) and reused.
 
 Several runtimes on one host (a node, a benchmark, tests) share the host's network namespace:
 - a prefix belongs to one live runtime per network namespace (an abstract unix socket named
@@ -35,22 +60,37 @@ import asyncio
 import contextlib
 import fcntl
 import ipaddress
+import json
 import os
+import shutil
 import socket
 import time
 from collections import deque
-from dataclasses import dataclass
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from ipaddress import IPv4Network
 from pathlib import Path
 
+from agentenv.network.policy import ALL_TRAFFIC, EgressPolicy
 from agentenv.runtime.errors import NetworkError
 
 GUEST_IP = "169.254.0.21"
 TAP_IP = "169.254.0.22"
 TAP_MAC = "02:ae:00:00:00:fe"
 ENVD_PORT = 49983
+METADATA_IP = "169.254.169.254"
 VETH_BASE = ipaddress.IPv4Address("10.12.0.0")
 NETNS_DIR = Path("/run/netns")
-INTERNAL_CIDRS = "10.11.0.0/16, 10.12.0.0/16, 169.254.0.0/16"
+#: Never opened, not even by the operator: the runtime's own ranges and the host.
+INTERNAL_NETS = tuple(IPv4Network(n) for n in (
+    "10.11.0.0/16", "10.12.0.0/16", "127.0.0.0/8", "169.254.0.0/16", "0.0.0.0/8",
+    "224.0.0.0/4", "240.0.0.0/4"))
+#: Always denied to guests, whatever their policy (see the module doc).
+WALL_NETS = tuple(IPv4Network(n) for n in (
+    "0.0.0.0/8", "10.0.0.0/8", "100.64.0.0/10", "127.0.0.0/8", "169.254.0.0/16",
+    "172.16.0.0/12", "192.168.0.0/16", "224.0.0.0/4", "240.0.0.0/4"))
+WEB_PORTS = "80, 443"
+RULE_TAG = "aenv-slots:"  # comment on rules put in foreign tables (Docker's forward chain)
 
 
 async def _run(*argv: str, stdin: str | None = None) -> str:
@@ -64,11 +104,72 @@ async def _run(*argv: str, stdin: str | None = None) -> str:
     return out.decode()
 
 
+def parse_open_ranges(raw: Iterable[str] | str | None) -> tuple[IPv4Network, ...]:
+    """The operator's opened private ranges (AENV_NET_OPEN_RANGES: comma-separated CIDRs).
+    Only parts of the private walls can be opened, never the runtime's own ranges."""
+    if raw is None:
+        return ()
+    items = [x.strip() for x in (raw.split(",") if isinstance(raw, str) else raw) if x.strip()]
+    out: list[IPv4Network] = []
+    for item in items:
+        try:
+            net = IPv4Network(item, strict=False)
+        except ValueError:
+            raise NetworkError(f"open range {item!r} is not an IPv4 CIDR") from None
+        if any(net.overlaps(internal) for internal in INTERNAL_NETS):
+            raise NetworkError(f"open range {item!r} overlaps a range the runtime uses itself "
+                               "(10.11/16, 10.12/16, 127/8, 169.254/16, 0/8, 224/4, 240/4)")
+        if not any(net.subnet_of(wall) for wall in WALL_NETS):
+            raise NetworkError(f"open range {item!r} is not inside a private range "
+                               "(only 10/8, 172.16/12, 192.168/16 and 100.64/10 can be opened)")
+        out.append(net)
+    return tuple(out)
+
+
+def walls(open_ranges: Iterable[IPv4Network] = ()) -> list[IPv4Network]:
+    """WALL_NETS minus the opened ranges, as disjoint CIDRs."""
+    nets = list(WALL_NETS)
+    for hole in open_ranges:
+        next_nets: list[IPv4Network] = []
+        for net in nets:
+            if hole.subnet_of(net):
+                next_nets.extend(net.address_exclude(hole))
+            elif not net.subnet_of(hole):
+                next_nets.append(net)
+        nets = next_nets
+    return sorted(ipaddress.collapse_addresses(nets))
+
+
+def _elements(items: Iterable[object]) -> str:
+    return ", ".join(str(x) for x in items)
+
+
+def _set_ops(table: str, name: str, items: list[str]) -> str:
+    ops = f"flush set ip {table} {name}\n"
+    if items:
+        ops += f"add element ip {table} {name} {{ {_elements(items)} }}\n"
+    return ops
+
+
+def _nets(nets: Iterable[IPv4Network]) -> list[str]:
+    return [str(n) for n in ipaddress.collapse_addresses(nets)]
+
+
+def proxied_ports(policy: EgressPolicy) -> list[str]:
+    return {"none": [], "web": ["80", "443"], "all": ["0-65535"]}[policy.proxied_ports]
+
+
 @dataclass
 class NetworkSlot:
     index: int
     prefix: str = "aenv"
     outbound: bool = True
+    open_ranges: tuple[IPv4Network, ...] = ()
+    policy: EgressPolicy = field(default_factory=EgressPolicy)
+
+    def __post_init__(self) -> None:
+        if not self.outbound and self.policy.is_default:
+            self.policy = EgressPolicy(deny_nets=(ALL_TRAFFIC,))
 
     @property
     def netns_name(self) -> str:
@@ -88,17 +189,23 @@ class NetworkSlot:
 
     @property
     def guest_address(self) -> str:
-        """Where the host reaches the guest (every port is forwarded to 169.254.0.21)."""
+        """Where the host reaches the guest (every port is forwarded to 169.254.0.21); also
+        the source of every connection the guest opens, as the host sees it."""
         return str(VETH_BASE + 2 * self.index + 1)
 
     @property
     def envd_url(self) -> str:
         return f"http://{self.guest_address}:{ENVD_PORT}"
 
-    def _ruleset(self, outbound: bool) -> str:
-        deny_all = "" if outbound else "        reject with icmp type admin-prohibited\n"
+    def _ruleset(self) -> str:
+        walls_text = _elements(walls(self.open_ranges))
         return (
             "table ip aenv {\n"
+            f"    set walls {{ type ipv4_addr; flags interval; elements = {{ {walls_text} }} }}\n"
+            "    set allow { type ipv4_addr; flags interval; }\n"
+            "    set deny { type ipv4_addr; flags interval; }\n"
+            "    set dns { type ipv4_addr; }\n"
+            "    set proxied { type inet_service; flags interval; }\n"
             "    chain slot_pre {\n"
             "        type nat hook prerouting priority dstnat;\n"
             f'        iifname "vpeer" ip daddr {self.guest_address} dnat to {GUEST_IP}\n'
@@ -107,19 +214,46 @@ class NetworkSlot:
             "        type nat hook postrouting priority srcnat;\n"
             f'        oifname "vpeer" ip saddr {GUEST_IP} snat to {self.guest_address}\n'
             "    }\n"
+            "    chain slot_input {\n"
+            "        type filter hook input priority filter; policy accept;\n"
+            '        iifname "tap0" ct state new drop\n'
+            "    }\n"
             "    chain slot_forward {\n"
             "        type filter hook forward priority filter; policy drop;\n"
-            "        ct state established,related accept\n"
-            '        iifname "vpeer" oifname "tap0" ct status dnat accept\n'
-            '        iifname "tap0" oifname "vpeer" jump egress\n'
+            f'        iifname "tap0" ip saddr != {GUEST_IP} drop\n'
+            "        ct direction reply accept\n"
+            "        ct state related accept\n"
+            f'        iifname "vpeer" oifname "tap0" ip saddr {self.host_address} ct status dnat accept\n'
+            '        iifname "tap0" oifname "vpeer" goto egress\n'
             "    }\n"
             "    chain egress {\n"
-            f"        ip daddr {{ {INTERNAL_CIDRS} }} reject with icmp type admin-prohibited\n"
-            f"{deny_all}"
+            f"        ip daddr {METADATA_IP} tcp dport 80 accept\n"
+            "        ip daddr @walls meta l4proto tcp reject with tcp reset\n"
+            "        ip daddr @walls reject with icmp type admin-prohibited\n"
+            "        ip daddr @allow accept\n"
+            "        ip daddr @dns udp dport 53 accept\n"
+            "        ip daddr @dns tcp dport 53 accept\n"
+            "        tcp dport @proxied accept\n"
+            "        ip daddr @deny meta l4proto tcp reject with tcp reset\n"
+            "        ip daddr @deny reject with icmp type admin-prohibited\n"
             "        accept\n"
             "    }\n"
             "}\n"
+            + self._policy_ops(self.policy)
         )
+
+    @staticmethod
+    def _policy_ops(policy: EgressPolicy) -> str:
+        """One transaction's worth of set updates: the policy's elements replace the old."""
+        return (_set_ops("aenv", "allow", _nets(policy.allow_nets))
+                + _set_ops("aenv", "deny", _nets(policy.deny_nets))
+                + _set_ops("aenv", "dns", [str(a) for a in policy.dns_allowed()])
+                + _set_ops("aenv", "proxied", proxied_ports(policy)))
+
+    async def _nft(self, text: str) -> None:
+        # nsenter enters only the network namespace (`ip netns exec` also remounts /sys): a
+        # policy update costs one short process.
+        await _run("nsenter", f"--net={self.netns_path}", "nft", "-f", "-", stdin=text)
 
     async def create(self) -> None:
         ns = self.netns_name
@@ -148,30 +282,105 @@ class NetworkSlot:
                 ),
             )
             await _run("ip", "netns", "exec", ns, "sysctl", "-qw", "net.ipv4.ip_forward=1")
-            await _run("ip", "netns", "exec", ns, "nft", "-f", "-", stdin=self._ruleset(True))
+            await self._nft(self._ruleset())
+            if not self.policy.is_default:
+                await _host_sources(self.prefix, self.guest_address, self.policy.proxied_ports)
         except BaseException:
             with contextlib.suppress(NetworkError):
                 await self.destroy()
             raise
 
+    async def set_policy(self, policy: EgressPolicy) -> None:
+        """Replace the slot's egress policy. Safe in every order of events: the host first
+        redirects the union of the old and new proxied ports (the proxy decides by the new
+        policy), then the slot's sets change in one transaction, then the host narrows."""
+        old, new = self.policy.proxied_ports, policy.proxied_ports
+        if new != old and new != "none":
+            await _host_sources(self.prefix, self.guest_address, new, also=old)
+        try:
+            await self._nft(self._policy_ops(policy))
+        except NetworkError:
+            # A slot made by an older runtime (no sets) or damaged: rebuild its table whole.
+            await self._nft("add table ip aenv\ndelete table ip aenv\n"
+                            + self._ruleset_for(policy))
+        self.policy = policy
+        self.outbound = ALL_TRAFFIC not in policy.deny_nets
+        if new != old:
+            await _host_sources(self.prefix, self.guest_address, new)
+
+    def _ruleset_for(self, policy: EgressPolicy) -> str:
+        saved, self.policy = self.policy, policy
+        try:
+            return self._ruleset()
+        finally:
+            self.policy = saved
+
     async def set_outbound(self, allowed: bool) -> None:
-        """Allow or block guest-initiated traffic leaving the host (internal ranges stay
-        blocked either way)."""
-        rules = "flush table ip aenv\n" + self._ruleset(allowed)
-        await _run("ip", "netns", "exec", self.netns_name, "nft", "-f", "-", stdin=rules)
-        self.outbound = allowed
+        """Allow or block guest-initiated traffic leaving the host (the walls stay either way)."""
+        await self.set_policy(EgressPolicy() if allowed else EgressPolicy(deny_nets=(ALL_TRAFFIC,)))
+
+    async def reset(self) -> None:
+        """Before the slot serves another VM: default policy, no tracked connections left of
+        the last guest (here and on the host, where its masqueraded flows live)."""
+        if not self.policy.is_default:
+            await self.set_policy(EgressPolicy())
+        await flush_conntrack(self)
 
     async def destroy(self) -> None:
         # Deleting the namespace deletes vpeer, and with it the host end of the veth.
+        with contextlib.suppress(NetworkError):
+            await _host_sources(self.prefix, self.guest_address, "none")
+        if shutil.which("conntrack") is not None:  # the last guest's masqueraded flows
+            with contextlib.suppress(NetworkError):
+                await _run("conntrack", "-D", "-s", self.guest_address)
         await _run("ip", "netns", "del", self.netns_name)
         with contextlib.suppress(NetworkError):
             await _run("ip", "link", "del", self.host_veth)
 
 
+async def flush_conntrack(slot: NetworkSlot) -> None:
+    """Forget the slot's tracked connections (its namespace's table, and the host's entries
+    of flows from its address). Best effort: without `conntrack` nothing is flushed."""
+    if shutil.which("conntrack") is None:
+        return
+    with contextlib.suppress(NetworkError):
+        await _run("ip", "netns", "exec", slot.netns_name, "conntrack", "-F")
+    with contextlib.suppress(NetworkError):
+        await _run("conntrack", "-D", "-s", slot.guest_address)
+
+
+async def _host_sources(prefix: str, address: str, mode: str, also: str = "none") -> None:
+    """Put `address` in the host's `web`/`all` redirect set for `mode` (and `also`), out of
+    the other: one transaction."""
+    table = f"{prefix}_host"
+    keep = {mode, also} - {"none"}
+    ops = ""
+    for name in ("web", "all"):
+        # add-then-delete makes the delete succeed whether or not the element was there.
+        ops += f"add element ip {table} {name}_src {{ {address} }}\n"
+        if name not in keep:
+            ops += f"delete element ip {table} {name}_src {{ {address} }}\n"
+    await _run("nft", "-f", "-", stdin=ops)
+
+
 HOST_RULES = """table ip {table} {{
+    set web_src {{ type ipv4_addr; }}
+    set all_src {{ type ipv4_addr; }}
+    chain slots_pre {{
+        type nat hook prerouting priority dstnat;
+{redirects}    }}
+    chain slots_input {{
+        type filter hook input priority filter; policy accept;
+        iifname "{prefix}h*" ct state established,related accept
+{proxy_accept}        iifname "{prefix}h*" meta l4proto tcp reject with tcp reset
+        iifname "{prefix}h*" reject with icmp type admin-prohibited
+    }}
     chain slots_forward {{
         type filter hook forward priority filter; policy accept;
         iifname "{prefix}h*" oifname "{prefix}h*" drop
+        iifname "{prefix}h*" ip daddr 169.254.0.0/16 drop
+        iifname "{prefix}h*" ip saddr @all_src meta l4proto tcp ct status != dnat reject with tcp reset
+        iifname "{prefix}h*" ip saddr @web_src tcp dport {{ {web} }} ct status != dnat reject with tcp reset
     }}
     chain slots_post {{
         type nat hook postrouting priority srcnat;
@@ -181,18 +390,110 @@ HOST_RULES = """table ip {table} {{
 """
 
 
-async def setup_host(prefix: str = "aenv") -> None:
-    """Host side, once per runtime: forwarding on, masquerade, no slot-to-slot traffic."""
+def host_ruleset(prefix: str, proxy_port: int | None) -> str:
+    redirects, proxy_accept = "", ""
+    if proxy_port is not None:
+        to = f"redirect to :{proxy_port}"
+        redirects = (
+            f'        iifname "{prefix}h*" ip daddr {METADATA_IP} tcp dport 80 {to}\n'
+            f'        iifname "{prefix}h*" ip saddr @all_src meta l4proto tcp {to}\n'
+            f'        iifname "{prefix}h*" ip saddr @web_src tcp dport {{ {WEB_PORTS} }} {to}\n')
+        proxy_accept = (f'        iifname "{prefix}h*" tcp dport {proxy_port} ct status dnat '
+                        "accept\n")
+    return HOST_RULES.format(table=f"{prefix}_host", prefix=prefix, redirects=redirects,
+                             proxy_accept=proxy_accept, web=WEB_PORTS)
+
+
+def require_tools() -> None:
+    """The node cannot isolate guests without nftables: say so at start, not at first use."""
+    for tool, package in (("nft", "nftables"), ("ip", "iproute2")):
+        if shutil.which(tool) is None:
+            raise NetworkError(f"`{tool}` is not installed: the VM backend needs it for the "
+                               f"guests' network walls (apt-get install {package})")
+
+
+async def _foreign_forward_drops(table: str) -> list[dict[str, str]]:
+    """Base forward chains of other tables whose policy drops what no rule accepts."""
+    ruleset = json.loads(await _run("nft", "-j", "list", "chains"))
+    found = []
+    for item in ruleset.get("nftables", []):
+        chain = item.get("chain")
+        if not chain or chain.get("hook") != "forward" or chain.get("policy") != "drop":
+            continue
+        if chain.get("family") not in ("ip", "inet") or chain.get("table") == table:
+            continue
+        found.append({"family": chain["family"], "table": chain["table"], "name": chain["name"]})
+    return found
+
+
+async def _legacy_forward_drop() -> bool:
+    if shutil.which("iptables-legacy") is None:
+        return False
+    try:
+        rules = await _run("iptables-legacy", "-w", "-S", "FORWARD")
+    except NetworkError:
+        return False
+    return "-P FORWARD DROP" in rules
+
+
+async def open_foreign_forward(prefix: str) -> list[str]:
+    """Accept slot traffic in forward chains other software set to drop (Docker does);
+    returns the chains changed. Fails with what to change when it cannot."""
+    if await _legacy_forward_drop():
+        raise NetworkError(
+            "the host's legacy iptables FORWARD policy is DROP (Docker?): guest traffic would "
+            f"be dropped. Allow it, e.g. `iptables-legacy -I FORWARD -i {prefix}h+ -j ACCEPT` "
+            f"and `iptables-legacy -I FORWARD -o {prefix}h+ -m conntrack --ctstate "
+            "ESTABLISHED,RELATED -j ACCEPT` (or Docker's DOCKER-USER chain), then start again")
+    changed = []
+    tag = f'comment "{RULE_TAG}{prefix}"'
+    for chain in await _foreign_forward_drops(f"{prefix}_host"):
+        where = f"{chain['family']} {chain['table']} {chain['name']}"
+        try:
+            await _run("nft", "-f", "-", stdin=(
+                f'insert rule {where} oifname "{prefix}h*" ct state established,related accept {tag}\n'
+                f'insert rule {where} iifname "{prefix}h*" oifname != "{prefix}h*" accept {tag}\n'))
+        except NetworkError as exc:
+            raise NetworkError(
+                f"the host's forward chain {where} drops by default (Docker?) and accept rules "
+                f"for the slot interfaces {prefix}h* could not be added ({exc}); add them, e.g. "
+                f'`nft insert rule {where} iifname "{prefix}h*" accept` and `nft insert rule '
+                f'{where} oifname "{prefix}h*" ct state established,related accept`') from exc
+        changed.append(where)
+    return changed
+
+
+async def close_foreign_forward(prefix: str) -> None:
+    """Remove the rules open_foreign_forward put in other tables."""
+    try:
+        ruleset = json.loads(await _run("nft", "-j", "-a", "list", "ruleset"))
+    except (NetworkError, ValueError):
+        return
+    for item in ruleset.get("nftables", []):
+        rule = item.get("rule")
+        if rule and rule.get("comment") == f"{RULE_TAG}{prefix}":
+            with contextlib.suppress(NetworkError):
+                await _run("nft", "delete", "rule", rule["family"], rule["table"], rule["chain"],
+                           "handle", str(rule["handle"]))
+
+
+async def setup_host(prefix: str = "aenv", proxy_port: int | None = None) -> None:
+    """Host side, once per runtime: forwarding on, the redirects to the egress proxy (when
+    `proxy_port` is given), the input wall, masquerade, no slot-to-slot traffic."""
+    require_tools()
     Path("/proc/sys/net/ipv4/ip_forward").write_text("1\n")
     table = f"{prefix}_host"
     with contextlib.suppress(NetworkError):
         await _run("nft", "delete", "table", "ip", table)
-    await _run("nft", "-f", "-", stdin=HOST_RULES.format(table=table, prefix=prefix))
+    await close_foreign_forward(prefix)
+    await _run("nft", "-f", "-", stdin=host_ruleset(prefix, proxy_port))
+    await open_foreign_forward(prefix)
 
 
 async def teardown_host(prefix: str = "aenv") -> None:
     with contextlib.suppress(NetworkError):
         await _run("nft", "delete", "table", "ip", f"{prefix}_host")
+    await close_foreign_forward(prefix)
 
 
 async def remove_leftovers(prefix: str = "aenv") -> None:
@@ -268,11 +569,13 @@ class SlotPool:
     """Pre-built slots, refilled in the background between low and high watermarks."""
 
     def __init__(self, prefix: str = "aenv", low: int = 2, high: int = 8,
-                 first_index: int = 1, max_slots: int = 32767, reuse_delay: float = 0.0) -> None:
+                 first_index: int = 1, max_slots: int = 32767, reuse_delay: float = 0.0,
+                 open_ranges: tuple[IPv4Network, ...] = ()) -> None:
         """`reuse_delay` > 0: a freed slot is destroyed and its index (its addresses) serves no
         VM for that many seconds, so connections a proxy still pools to the dead VM expire
         instead of reaching the next guest at the same address."""
         self.prefix = prefix
+        self.open_ranges = open_ranges
         self.low, self.high = low, high
         self._free: list[NetworkSlot] = []
         self._next = first_index
@@ -305,7 +608,7 @@ class SlotPool:
     async def _build(self) -> NetworkSlot:
         self.acquire_prefix()
         while True:
-            slot = NetworkSlot(self._new_index(), self.prefix)
+            slot = NetworkSlot(self._new_index(), self.prefix, open_ranges=self.open_ranges)
             with contextlib.suppress(NetworkError):  # leftovers of a crashed run of ours
                 if Path(slot.netns_path).exists():
                     await slot.destroy()
@@ -335,7 +638,7 @@ class SlotPool:
         earlier runtime (runtime/adopt.py). Call it before the pool builds slots: the indices
         below it that nobody claims are reused later (their leftovers are rebuilt)."""
         self.acquire_prefix()
-        slot = NetworkSlot(index, self.prefix, outbound)
+        slot = NetworkSlot(index, self.prefix, outbound, open_ranges=self.open_ranges)
         self._in_use[index] = slot
         if index >= self._next:
             self._released.extend(range(self._next, index))
@@ -352,12 +655,11 @@ class SlotPool:
                 await slot.destroy()
             self._cooling.append((time.monotonic() + self.reuse_delay, slot.index))
             return
-        if not slot.outbound:
-            try:
-                await slot.set_outbound(True)
-            except NetworkError:
-                await self._discard(slot)
-                return
+        try:
+            await slot.reset()
+        except NetworkError:
+            await self._discard(slot)
+            return
         if len(self._free) < self.high:
             self._free.append(slot)
         else:

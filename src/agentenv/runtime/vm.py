@@ -32,6 +32,7 @@ from typing import Any, Literal
 import httpx
 
 from agentenv.blockd.errors import BlockdError
+from agentenv.network.policy import ALL_TRAFFIC, EgressPolicy
 from agentenv.runtime import privilege
 from agentenv.runtime.accel import resolve_accel
 from agentenv.runtime.cgroup import Cgroup, CgroupManager, IOLimit, io_device, limits_for
@@ -52,7 +53,13 @@ from agentenv.runtime.memory import (
     find_ram_mapping,
     materialise,
 )
-from agentenv.runtime.network import GUEST_IP, NetworkSlot, SlotPool, setup_host
+from agentenv.runtime.network import (
+    GUEST_IP,
+    NetworkSlot,
+    SlotPool,
+    parse_open_ranges,
+    setup_host,
+)
 from agentenv.runtime.qemu import DiskAttachment, QemuProcess
 from agentenv.snapshot.record import (
     RECORD_NAME,
@@ -93,6 +100,7 @@ class BootSpec:
     hostname: str = "sandbox"
     outbound: bool = True
     dns: str | None = None
+    egress: EgressPolicy | None = None  # the slot's policy (else `outbound`), before boot
 
 
 @dataclass
@@ -167,7 +175,8 @@ class Runtime:
         self.memory = MemoryFileCache(config.memory_dir)
         self.slots = SlotPool(config.network_prefix, config.slot_pool_low, config.slot_pool_high,
                               first_index=config.slot_first_index,
-                              reuse_delay=config.slot_reuse_delay)
+                              reuse_delay=config.slot_reuse_delay,
+                              open_ranges=parse_open_ranges(config.network_open_ranges))
         self.accel: Literal["kvm", "tcg"] | None = None
         # No keep-alive: a restored guest carries the TCP state of its snapshot, so a pooled
         # connection to a reused slot address belongs to another incarnation of the guest and
@@ -199,7 +208,7 @@ class Runtime:
         if self.config.network:
             # Refused before anything is touched when another runtime uses this prefix.
             self.slots.acquire_prefix()
-            await setup_host(self.config.network_prefix)
+            await setup_host(self.config.network_prefix, self.config.egress_proxy_port)
             await self.slots.fill(self.config.slot_pool_low)
         self._started = True
         log.info("runtime started", extra={"accel": self.accel})
@@ -243,7 +252,9 @@ class Runtime:
         slot = await self.slots.take() if self.config.network else None
         disks: list[_AttachedDisk] = []
         try:
-            if slot is not None and not spec.outbound:
+            if slot is not None and spec.egress is not None:
+                await slot.set_policy(spec.egress)
+            elif slot is not None and not spec.outbound:
                 await slot.set_outbound(False)
             attachments = []
             for source in spec.disks:
@@ -660,11 +671,14 @@ class Runtime:
 
     async def restore(self, record: SnapshotRecord, *, env_vars: dict[str, str] | None = None,
                       access_token: str | None = None, outbound: bool = True,
-                      guest_token: str | None = None) -> VM:
+                      guest_token: str | None = None, egress: EgressPolicy | None = None) -> VM:
         """Start a new running VM from a snapshot (resume, or create-from-template).
 
         `guest_token` is the envd access token the snapshot's guest holds, if any (see envd_init).
+        `egress` (else `outbound`) is the slot's policy, in force before the guest runs.
         """
+        if egress is None and not outbound:
+            egress = EgressPolicy(deny_nets=(ALL_TRAFFIC,))
         self.check_restorable(record)
         # Counted as starting from the first line: the children of a fork (restores gathered
         # at once) all count before any of them spawns QEMU.
@@ -675,13 +689,14 @@ class Runtime:
             # _restore_with_memory owns the memory reference from here: it gives it back if
             # the restore fails before the VM exists, the VM's kill does after (never both).
             vm = await self._restore_with_memory(record, mem_path, env_vars, access_token,
-                                                 outbound, guest_token)
+                                                 egress, guest_token)
         vm.timings["memory_file_ms"] = (t1 - t0) * 1e3
         return vm
 
     async def _restore_with_memory(self, record: SnapshotRecord, mem_path: Path,
                                    env_vars: dict[str, str] | None, access_token: str | None,
-                                   outbound: bool, guest_token: str | None = None) -> VM:
+                                   egress: EgressPolicy | None,
+                                   guest_token: str | None = None) -> VM:
         vm_id = uuid.uuid4().hex[:12]
         t0 = time.perf_counter()
         warm: _WarmProcess | None = None
@@ -696,8 +711,8 @@ class Runtime:
                 process, slot, workdir, disks = warm.process, warm.slot, warm.workdir, warm.disks
             else:
                 slot = await self.slots.take() if record.machine.network else None
-            if slot is not None and not outbound:
-                await slot.set_outbound(False)
+            if slot is not None and egress is not None and egress != slot.policy:
+                await slot.set_policy(egress)
             if process is None:
                 process = await self._spawn_for_restore(record, mem_path, workdir, slot, disks)
             t1 = time.perf_counter()
@@ -916,6 +931,12 @@ class Runtime:
         if vm.slot is None:
             raise RuntimeError_(f"VM {vm.id} has no network")
         await vm.slot.set_outbound(allowed)
+
+    async def set_policy(self, vm: VM, policy: EgressPolicy) -> None:
+        """Replace the VM's egress policy (its slot's sets, the host's redirects)."""
+        if vm.slot is None:
+            raise RuntimeError_(f"VM {vm.id} has no network")
+        await vm.slot.set_policy(policy)
 
 
 def _save_record_durably(record: SnapshotRecord, snap_dir: Path) -> None:

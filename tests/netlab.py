@@ -1,0 +1,203 @@
+"""A small "internet" for network tests and benchmarks: test hosts in a network namespace the
+lab makes, reachable from the host (and so from guests, through their slots) and nothing else.
+
+    host netns                      lab netns <prefix>-inet
+    <prefix>i0  198.18.N.1/24 <--veth--> eth0 198.18.N.2 (host A), 198.18.N.3 (host B)
+
+Addresses are in 198.18.0.0/15 (RFC 2544, benchmarking), outside every range the runtime walls
+off. Each host runs a plain HTTP server on port 80 and a TLS server on port 443 that presents
+a certificate for the name the client asked for (SNI): `ALLOWED_NAME` or `DENIED_NAME`
+(self-signed; clients use `curl -k`: the tests are about who may connect, not about trust).
+Guests find the names through /etc/hosts (`hosts_lines()`).
+
+HTTP paths: `/` answers `host=<Host header> addr=<local address> sni=<name or -> peer=<client>`;
+`/big`
+streams BIG_BYTES bytes; `/bytes/<n>` streams n bytes. Every answer closes the connection.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+ALLOWED_NAME = "example-allowed.test"
+DENIED_NAME = "example-denied.test"
+BIG_BYTES = 64 << 20
+
+SERVER = r'''
+import socket, ssl, sys, threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+addrs, certdir, big = sys.argv[1].split(","), sys.argv[2], int(sys.argv[3])
+CHUNK = b"x" * 65536
+
+class Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.0"
+    def log_message(self, *args): pass
+    def _stream(self, n):
+        self.send_response(200)
+        self.send_header("Content-Length", str(n))
+        self.end_headers()
+        while n > 0:
+            chunk = CHUNK[:min(n, len(CHUNK))]
+            self.wfile.write(chunk)
+            n -= len(chunk)
+    def do_GET(self):
+        if self.path == "/big":
+            return self._stream(big)
+        if self.path.startswith("/bytes/"):
+            return self._stream(int(self.path.split("/")[2]))
+        sni = getattr(self.connection, "aenv_sni", None) or "-"
+        body = (f"host={self.headers.get('Host')} addr={self.connection.getsockname()[0]} "
+                f"sni={sni} peer={self.client_address[0]}\n").encode()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+class TLSServer(ThreadingHTTPServer):
+    def __init__(self, addr, contexts):
+        self.contexts = contexts
+        super().__init__(addr, Handler)
+    def get_request(self):
+        sock, peer = self.socket.accept()
+        chosen = {}
+        default = self.contexts["default"]
+        def pick(conn, name, ctx):
+            chosen["name"] = name
+            if name in self.contexts:
+                conn.context = self.contexts[name]
+        default.sni_callback = pick
+        try:
+            sock.settimeout(10)
+            tls = default.wrap_socket(sock, server_side=True)
+            tls.settimeout(None)
+        except (OSError, ssl.SSLError):
+            sock.close()
+            raise OSError("handshake failed")
+        tls.aenv_sni = chosen.get("name")
+        return tls, peer
+    def handle_error(self, request, client_address): pass
+
+def context(name):
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    ctx.load_cert_chain(f"{certdir}/{name}.pem", f"{certdir}/{name}.key")
+    return ctx
+
+names = sys.argv[4].split(",")
+contexts = {n: context(n) for n in names}
+contexts["default"] = context(names[0])
+servers = []
+for addr in addrs:
+    servers.append(ThreadingHTTPServer((addr, 80), Handler))
+    servers.append(TLSServer((addr, 443), contexts))
+for s in servers:
+    s.daemon_threads = True
+    threading.Thread(target=s.serve_forever, daemon=True).start()
+print("ready", flush=True)
+threading.Event().wait()
+'''
+
+
+def _ip(*args: str) -> None:
+    subprocess.run(["ip", *args], check=True, capture_output=True)
+
+
+def _make_cert(directory: Path, name: str) -> None:
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2",
+         "-keyout", str(directory / f"{name}.key"), "-out", str(directory / f"{name}.pem"),
+         "-subj", f"/CN={name}", "-addext", f"subjectAltName=DNS:{name}"],
+        check=True, capture_output=True)
+
+
+@dataclass
+class Internet:
+    prefix: str
+    subnet: int  # N in 198.18.N.0/24
+    netns: str
+    host_if: str
+    gateway: str  # the host's address on the lab link
+    host_a: str
+    host_b: str
+    server: subprocess.Popen[bytes] | None = None
+
+    def hosts_lines(self) -> str:
+        """/etc/hosts lines a guest needs: both names on host A."""
+        return f"{self.host_a} {ALLOWED_NAME}\n{self.host_a} {DENIED_NAME}\n"
+
+    def url(self, host: str, path: str = "/", tls: bool = False) -> str:
+        return f"{'https' if tls else 'http'}://{host}{path}"
+
+    @contextlib.contextmanager
+    def socks5(self, port: int = 1080) -> Iterator[str]:
+        """A SOCKS5 server (microsocks, no auth) on host B; yields its `address:port`."""
+        proc = subprocess.Popen(["ip", "netns", "exec", self.netns, "microsocks", "-i",
+                                 self.host_b, "-p", str(port)],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            deadline = time.monotonic() + 10
+            while True:
+                with contextlib.suppress(OSError), socket.create_connection(
+                        (self.host_b, port), timeout=1):
+                    break
+                assert proc.poll() is None, "microsocks exited"
+                assert time.monotonic() < deadline, "microsocks did not start"
+                time.sleep(0.05)
+            yield f"{self.host_b}:{port}"
+        finally:
+            proc.kill()
+            proc.wait(5)
+
+
+@contextlib.contextmanager
+def internet(prefix: str, subnet: int, workdir: Path) -> Iterator[Internet]:
+    """Make the lab (namespace, veth, route, certificates, servers); remove it all after."""
+    assert 0 <= subnet <= 255
+    net = Internet(prefix=prefix, subnet=subnet, netns=f"{prefix}-inet", host_if=f"{prefix}i0",
+                   gateway=f"198.18.{subnet}.1", host_a=f"198.18.{subnet}.2",
+                   host_b=f"198.18.{subnet}.3")
+    subprocess.run(["ip", "netns", "del", net.netns], capture_output=True)
+    subprocess.run(["ip", "link", "del", net.host_if], capture_output=True)
+    workdir.mkdir(parents=True, exist_ok=True)
+    for name in (ALLOWED_NAME, DENIED_NAME):
+        _make_cert(workdir, name)
+    _ip("netns", "add", net.netns)
+    try:
+        _ip("link", "add", net.host_if, "type", "veth", "peer", "name", "eth0", "netns", net.netns)
+        _ip("addr", "add", f"{net.gateway}/24", "dev", net.host_if)
+        _ip("link", "set", net.host_if, "up")
+        for addr in (net.host_a, net.host_b):
+            _ip("-n", net.netns, "addr", "add", f"{addr}/24", "dev", "eth0")
+        _ip("-n", net.netns, "link", "set", "eth0", "up")
+        _ip("-n", net.netns, "link", "set", "lo", "up")
+        _ip("-n", net.netns, "route", "add", "default", "via", net.gateway)
+        Path("/proc/sys/net/ipv4/ip_forward").write_text("1\n")
+        net.server = subprocess.Popen(
+            ["ip", "netns", "exec", net.netns, sys.executable, "-c", SERVER,
+             f"{net.host_a},{net.host_b}", str(workdir), str(BIG_BYTES),
+             f"{ALLOWED_NAME},{DENIED_NAME}"],
+            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 30
+        while True:
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"http://{net.host_a}/", timeout=2).status_code == 200:
+                    break
+            assert net.server.poll() is None, "the lab's servers exited"
+            assert time.monotonic() < deadline, "the lab's servers did not start"
+            time.sleep(0.1)
+        yield net
+    finally:
+        if net.server is not None:
+            net.server.kill()
+            net.server.wait(5)
+        subprocess.run(["ip", "link", "del", net.host_if], capture_output=True)
+        subprocess.run(["ip", "netns", "del", net.netns], capture_output=True)

@@ -1,0 +1,101 @@
+"""The host side of runtime/network.py without VMs: a foreign forward chain that drops by
+default (Docker's) gets accept rules for the slots, taken away again; walls and open ranges;
+policy set updates of a slot; a missing `nft` is a clear error. Root (nftables, namespaces)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+from ipaddress import IPv4Network
+
+import pytest
+
+from agentenv.network.policy import EgressPolicy
+from agentenv.runtime import network as rtnet
+from agentenv.runtime.errors import NetworkError
+
+pytestmark = [pytest.mark.root]
+PREFIX = "nhr"  # unique per module: the teardown removes {PREFIX}-s* namespaces
+
+
+@pytest.fixture(autouse=True)
+def _root() -> None:
+    if os.geteuid() != 0:
+        pytest.skip("needs root (nftables, network namespaces)")
+
+
+def nft(*args: str, stdin: str | None = None) -> str:
+    return subprocess.run(["nft", *args], input=stdin, text=True, check=True,
+                          capture_output=True).stdout
+
+
+def test_docker_style_forward_drop_gets_accept_rules_and_loses_them() -> None:
+    nft("-f", "-", stdin="table ip nhrdocker { chain FORWARD { type filter hook forward "
+                         "priority filter; policy drop; }; }\n")
+    try:
+        asyncio.run(rtnet.setup_host(PREFIX, 15999))
+        rules = nft("list", "chain", "ip", "nhrdocker", "FORWARD")
+        assert f'iifname "{PREFIX}h*" oifname != "{PREFIX}h*" accept' in rules
+        assert f'oifname "{PREFIX}h*" ct state established,related accept' in rules
+        # Set up twice (a restart): still one pair of rules.
+        asyncio.run(rtnet.setup_host(PREFIX, 15999))
+        assert nft("list", "chain", "ip", "nhrdocker", "FORWARD").count("aenv-slots") == 2
+        host = nft("list", "table", "ip", f"{PREFIX}_host")
+        assert "redirect to :15999" in host and f'iifname "{PREFIX}h*" tcp dport 15999' in host
+    finally:
+        asyncio.run(rtnet.teardown_host(PREFIX))
+        left = nft("list", "chain", "ip", "nhrdocker", "FORWARD")
+        nft("delete", "table", "ip", "nhrdocker")
+    assert "aenv-slots" not in left
+
+
+def test_walls_and_open_ranges() -> None:
+    walls = rtnet.walls()
+    assert IPv4Network("10.0.0.0/8") in walls and IPv4Network("169.254.0.0/16") in walls
+    opened = rtnet.walls(rtnet.parse_open_ranges("192.168.50.0/24"))
+    assert not any(IPv4Network("192.168.50.7/32").subnet_of(w) for w in opened)
+    assert any(IPv4Network("192.168.51.7/32").subnet_of(w) for w in opened)
+    for bad, says in (("10.12.0.0/24", "uses itself"), ("198.18.0.0/24", "not inside"),
+                      ("nope", "not an IPv4 CIDR")):
+        with pytest.raises(NetworkError, match=says):
+            rtnet.parse_open_ranges(bad)
+
+
+def test_policy_update_replaces_set_elements_in_the_slot() -> None:
+    async def scenario() -> tuple[dict[str, list[object]], dict[str, list[object]], str]:
+        await rtnet.setup_host(PREFIX, 15999)
+        slot = rtnet.NetworkSlot(3, PREFIX)
+        await slot.create()
+        try:
+            await slot.set_policy(EgressPolicy.from_wire(
+                {"allowOut": ["1.2.3.4", "a.test"], "denyOut": ["0.0.0.0/0", "5.6.0.0/16"]}))
+            first = sets(slot)
+            host_web = nft("list", "set", "ip", f"{PREFIX}_host", "web_src")
+            await slot.set_policy(EgressPolicy.from_wire({"denyOut": ["9.9.9.9"]}))
+            return first, sets(slot), host_web + nft("list", "set", "ip", f"{PREFIX}_host",
+                                                     "web_src")
+        finally:
+            await slot.destroy()
+            await rtnet.teardown_host(PREFIX)
+
+    def sets(slot: rtnet.NetworkSlot) -> dict[str, list[object]]:
+        out = subprocess.run(["ip", "netns", "exec", slot.netns_name, "nft", "-j", "list",
+                              "sets"], capture_output=True, text=True, check=True).stdout
+        return {item["set"]["name"]: item["set"].get("elem", [])
+                for item in json.loads(out)["nftables"] if "set" in item}
+
+    first, second, host = asyncio.run(scenario())
+    assert first["allow"] == ["1.2.3.4"] and len(first["deny"]) == 1  # 0/0 covers 5.6/16
+    assert first["dns"] == ["8.8.8.8"] and len(first["proxied"]) == 2  # 80, 443
+    assert second["allow"] == [] and second["deny"] == ["9.9.9.9"] and second["proxied"] == []
+    assert second["dns"] == []
+    # The slot's source was in the host's web redirect set, and left it with the names.
+    assert host.count("10.12.0.7") == 1
+
+
+def test_missing_nft_fails_clearly(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PATH", "/nonexistent")
+    with pytest.raises(NetworkError, match="nftables"):
+        rtnet.require_tools()
