@@ -3,7 +3,7 @@
 Modules, outside in:
 
 - `server`: builds the parts and runs uvicorn (`aenv serve`, `python -m agentenv.node`).
-- `api`: `NodeApp`, the ASGI entry: control-plane routes (spec/e2b-compat.md section 1) and, for
+- `api`: `NodeApp`, the ASGI entry: control-plane routes (docs/e2b-api.md §1) and, for
   requests carrying `E2b-Sandbox-Id` or a `{port}-{id}.{domain}` Host, the `proxy`.
 - `proxy`: streams HTTP (and WebSocket) traffic to a sandbox port without buffering.
 - `orchestrator`: the state machine (creating, running, pausing, paused, resuming,

@@ -4,7 +4,7 @@
 Sandbox traffic (E2b-Sandbox-Id header, `{port}-{id}.{domain}` Host, or a signed file URL) goes
 to the proxy without an API key; everything else is the
 control plane, which needs `X-API-KEY` except for /health and /metrics. Every non-2xx answer of
-the control plane is JSON `{"code": <status>, "message": ...}` (spec/e2b-compat.md 1.2),
+the control plane is JSON `{"code": <status>, "message": ...}` (docs/e2b-api.md §1.2),
 including unknown routes (404), wrong methods (405), bad bodies (400/422) and huge bodies (413).
 """
 
@@ -138,7 +138,7 @@ def page(
 
 
 def parse_metadata_filter(raw: str | None) -> dict[str, str]:
-    """E2B's metadata query: `k=v&k2=v2`, URL-encoded once more (spec/e2b-compat.md 1.5)."""
+    """E2B's metadata query: `k=v&k2=v2`, URL-encoded once more (docs/e2b-api.md §1.5)."""
     if not raw:
         return {}
     wanted: dict[str, str] = {}

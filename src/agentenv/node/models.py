@@ -1,4 +1,4 @@
-"""Wire shapes of the E2B control-plane API (spec/e2b-compat.md 1.4), with exact JSON names.
+"""Wire shapes of the E2B control-plane API (docs/e2b-api.md §1.4), with exact JSON names.
 
 Requests are validated with pydantic in strict mode: a string where an int belongs is a 422, not
 a silent conversion. Unknown fields are ignored, as newer SDKs send fields older servers lack.

@@ -4,7 +4,7 @@ Request bodies come from the pydantic models the API validates with (`models.py`
 and the validation cannot drift apart. Responses are the dicts `models.py` builds; their schemas are
 written out here, next to the route table, and tests/node/test_openapi.py checks every answer of a
 live node against them (schemathesis). Sandbox traffic (envd behind the proxy) is not described:
-it is the envd protocol (spec/e2b-compat.md section 3), not REST.
+it is the envd protocol (docs/e2b-api.md §3), not REST.
 """
 
 from __future__ import annotations
@@ -517,7 +517,7 @@ ROUTES: list[Operation] = [
         "Delete a template or snapshot; 409 while sandboxes use it",
         {204: None, **_NF, 400: "Error", 409: "Error"},
     ),
-    # The E2B template build API (node/template_api.py; spec/e2b-compat.md 1.7). A node whose
+    # The E2B template build API (node/template_api.py; docs/e2b-api.md §1.7). A node whose
     # backend cannot boot build VMs (the process backend) refuses createTemplateV3 with 400.
     Operation(
         "post",

@@ -5,7 +5,7 @@ Rules that keep it simple and safe:
   `await` in between, which makes it a compare-and-set.
 - At most one operation per sandbox runs at a time (`self._ops`). A call that finds the sandbox
   in a transitional state waits for that operation and looks again, joins it (kill joins kill),
-  or gets 409, as spec/e2b-compat.md section 4 says.
+  or gets 409, as docs/e2b-api.md §4 says.
 - Every operation runs in its own task and the caller awaits it through `asyncio.shield`: a client
   that disconnects never leaves a sandbox half paused or half created.
 - Every transition is written to SQLite before the call returns, so a restarted node knows each

@@ -8,7 +8,7 @@ ways without buffering (Connect server streams, chunked and gzip uploads, large 
 
 Where a request goes is never taken from the request text: only origin-form targets
 (`/path?query`) are relayed, to the (host, port) of the sandbox's placement. Answers the SDKs
-rely on (spec/e2b-compat.md 2.3): a sandbox that is unknown, killed or paused without
+rely on (docs/e2b-api.md §2.3): a sandbox that is unknown, killed or paused without
 autoResume gives 502 "The sandbox was not found"; a running sandbox whose port does not answer
 gives 502 "The sandbox is running but port is not open". When a sandbox stops running (kill,
 pause, timeout, its VM dying) every exchange the proxy holds with it ends at once: one that has

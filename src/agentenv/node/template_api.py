@@ -1,4 +1,4 @@
-"""The E2B template build API of the node (spec/e2b-compat.md 1.7, agentenv-reference 4.1).
+"""The E2B template build API of the node (docs/e2b-api.md §1.7, docs/templates.md §3).
 
     POST /v3/templates {name, cpuCount?, memoryMB?}          -> 202 {templateID, buildID, ...}
     GET  /templates/{tid}/files/{hash}                        -> 201 {present, url?}

@@ -1,5 +1,5 @@
 """Request bodies of the E2B template build API (node/template_api.py), with E2B's field names
-(the SDK's models are the contract, spec/e2b-compat.md 1.7). Kept apart from the routes so that
+(the SDK's models are the contract, docs/e2b-api.md §1.7). Kept apart from the routes so that
 node/openapi.py can describe them without importing the server."""
 
 from __future__ import annotations

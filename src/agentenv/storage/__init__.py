@@ -1,10 +1,10 @@
 """overlaybd storage engine: LSMT layers, ZFile, tar wrapper, image stacks.
 
-Byte-compatible with containerd/overlaybd (shared/spec/overlaybd-format.md). Modules:
+Byte-compatible with containerd/overlaybd (docs/overlaybd.md). Modules:
 
 - `lsmt`: header/trailer blocks, 16-byte segment mappings, index algebra (insert, merge, compress)
 - `upper`: the writable upper (upper.data + upper.index log), in-place seal (C++ close_seal)
-- `builder`: `LayerBuilder`, `commit_upper`, `commit_sealed` (C++ compact, spec 4.4)
+- `builder`: `LayerBuilder`, `commit_upper`, `commit_sealed` (C++ compact, docs/overlaybd.md §4.4)
 - `zfile`, `tarwrap`, `crc`: ZFile compression, the tar wrapper, raw CRC-32C
 - `layer`: opening sealed layers through their wrappers, `inspect_layer`
 - `config`: image config JSON; `image`: `Image`, the stack used for block I/O

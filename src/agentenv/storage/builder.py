@@ -1,6 +1,6 @@
 """Writing committed (compacted) layers: `LayerBuilder`, `commit_upper`, `commit_sealed`.
 
-The output is exactly what C++ `compact()` writes (spec 4.4): header 0x07; data dense from
+The output is exactly what C++ `compact()` writes (docs/overlaybd.md §4.4): header 0x07; data dense from
 sector 8 in pieces of at most 64 sectors counted from each extent's start; zeroed extents
 emitted with moffset = the next data sector; the index merged by `compress_raw_index` (sum
 strictly below 16383) and padded with INVALID entries to a multiple of 256; trailer 0x06 right
@@ -11,7 +11,7 @@ directory, fsynced and renamed, so a failure leaves no partial output.
 Bulk path (`LayerBuilder.add_extents`, used by memory capture): many extents per call, the
 index built with numpy, the data written with one `pwritev` per IOV_MAX buffers straight from
 the caller's memory into the file, optionally with O_DIRECT (`direct=True`). Its layout is
-still spec 4.4's (header 0x07, dense data from sector 8, sorted index padded to 256 entries,
+still docs/overlaybd.md §4.4's (the bulk path itself: §4.6) (header 0x07, dense data from sector 8, sorted index padded to 256 entries,
 trailer 0x06); only the split of long runs differs from `compact()`: a run of extents
 contiguous in both the disk and the file becomes mappings of BULK_MAX_SECTORS (255 pieces of
 64 sectors, page aligned) plus a remainder, as C++ compact would cut a single long extent.
@@ -390,7 +390,7 @@ def _split_runs(sec: np.ndarray, n: np.ndarray, moff: np.ndarray, zero: np.ndarr
 
 
 def _pack_rows(rows: np.ndarray, pad_to: int) -> bytes:
-    """On-disk mappings (tag 0) for index rows, padded with INVALID entries (spec 3)."""
+    """On-disk mappings (tag 0) for index rows, padded with INVALID entries (docs/overlaybd.md §3)."""
     words = np.empty((len(rows), 2), dtype="<u8")
     r = rows.astype(np.uint64)
     words[:, 0] = r[:, 0] | (r[:, 1] << np.uint64(50))

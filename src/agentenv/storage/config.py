@@ -1,4 +1,4 @@
-"""Image config JSON (spec section 9): `lowers` (bottom -> top) and an optional `upper`.
+"""Image config JSON (docs/overlaybd.md §9): `lowers` (bottom -> top) and an optional `upper`.
 
 Compatible with C++ `config.v1.json` and AgentENV `image.json`: unknown keys are kept and
 ignored. A lower resolves as `file`, else `dir/overlaybd.commit`, `dir/.commit`,

@@ -1,4 +1,4 @@
-"""Raw CRC-32C as overlaybd's ZFile uses it (spec 7.3).
+"""Raw CRC-32C as overlaybd's ZFile uses it (docs/overlaybd.md §7.3).
 
 Castagnoli polynomial with no initial inversion and no final XOR: the plain `crc32`
 instruction chain. The `crc32c` package computes the standard (inverted) form, so

@@ -1,7 +1,7 @@
 """An overlaybd image: up to 255 read-only layers plus at most one writable upper.
 
 Reads consult the upper's index first, then ONE merged read-only index built once per stack
-(spec 5.3); holes and zeroed mappings read as zeros. All of an image's read state lives in an
+(docs/overlaybd.md §5.3); holes and zeroed mappings read as zeros. All of an image's read state lives in an
 immutable `_View` (merged index, layer sources, upper) that `snapshot_and_restack` replaces
 with one assignment, so a reader never sees a half-applied snapshot.
 

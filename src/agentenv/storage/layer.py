@@ -1,6 +1,6 @@
 """Opening sealed read-only layers through their wrappers, and `inspect_layer`.
 
-A lower is read through up to three wrappers (spec 1): optional tar, optional ZFile, then the
+A lower is read through up to three wrappers (docs/overlaybd.md §1): optional tar, optional ZFile, then the
 sealed LSMT file (header | data | index | trailer). `SealedLayer` exposes the unwrapped stream
 through either a plain fd plus a base offset (fast path: one pread per piece) or a ZFileReader.
 """
@@ -57,7 +57,7 @@ class StreamSource:
 
 
 def open_stream(path: Path, fd: int) -> StreamSource:
-    """Detect tar and ZFile wrappers on an open layer file (spec 1)."""
+    """Detect tar and ZFile wrappers on an open layer file (docs/overlaybd.md §1)."""
     file_size = os.fstat(fd).st_size
     entry = tarwrap.read_tar_entry(fd, path, file_size)
     base, size = (entry.payload_offset, entry.payload_size) if entry else (0, file_size)
@@ -134,7 +134,7 @@ def _close_mapping(mm: mmap.mmap | None) -> None:
 
 
 def load_sealed(path: Path, source: StreamSource) -> SealedLayer:
-    """Parse and validate header, trailer and index (spec 4.5, with the C++ checks)."""
+    """Parse and validate header, trailer and index (docs/overlaybd.md §4.5)."""
     size = source.size
     if size < 2 * HT_BLOCK:
         raise LayerFormatError(path, source.base, f"truncated LSMT layer: {size} bytes")

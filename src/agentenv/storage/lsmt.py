@@ -1,7 +1,7 @@
 """LSMT building blocks: the 4096-byte header/trailer, 16-byte segment mappings, index algebra.
 
 Follows the C++ reference (containerd/overlaybd) where it and the Rust re-implementation differ
-(spec section 12): uppercase UUID text, the null UUID written as the all-zero *string*, the
+(docs/overlaybd.md §12): uppercase UUID text, the null UUID written as the all-zero *string*, the
 `< 16383` merge limit in `compress_raw_index`, tags written as they are in memory.
 
 Index representation in memory: four parallel flat lists `(starts, ends, moffsets, layers)`
@@ -73,7 +73,7 @@ def random_uuid() -> str:
 
 @dataclass(frozen=True)
 class HeaderTrailer:
-    """One LSMT header or trailer block (spec section 2)."""
+    """One LSMT header or trailer block (docs/overlaybd.md §2)."""
 
     flags: int
     index_offset: int = 0
@@ -157,7 +157,7 @@ def _parse_uuid_field(raw: bytes) -> str:
 
 
 # ---------------------------------------------------------------------------------------------
-# Segment mappings (spec section 3)
+# Segment mappings (docs/overlaybd.md §3)
 
 _M50 = (1 << 50) - 1
 _M55 = (1 << 55) - 1
@@ -216,7 +216,7 @@ def decode_mappings(buf: bytes | memoryview) -> tuple[list[int], list[int], list
 class FlatIndex:
     """Sorted, non-overlapping mappings as four flat lists (see module docstring).
 
-    `insert` implements the writable-index overwrite rule (spec 5.1): intersected mappings are
+    `insert` implements the writable-index overwrite rule (docs/overlaybd.md §5.1): intersected mappings are
     removed, their left and right remainders kept (the right one with moffset advanced unless
     zeroed). Callers serialise mutation against readers themselves.
     """
@@ -380,7 +380,7 @@ def _overlay_arrays(top: _Arrays, bottom: _Arrays) -> _Arrays:
 
 
 def merge_indexes(indexes_top_first: list[FlatIndex]) -> FlatIndex:
-    """One merged read-only index over a stack given top layer first (spec 5.3)."""
+    """One merged read-only index over a stack given top layer first (docs/overlaybd.md §5.3)."""
     if not indexes_top_first:
         return FlatIndex()
     if sum(len(ix) for ix in indexes_top_first) < _VECTOR_MIN:

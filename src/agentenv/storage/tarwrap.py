@@ -1,4 +1,4 @@
-"""The overlaybd tar wrapper (spec section 8): pax header, pax record, ustar header, payload.
+"""The overlaybd tar wrapper (docs/overlaybd.md §8): pax header, pax record, ustar header, payload.
 
 Writer output is byte-identical to `overlaybd-commit -t` (uname/gname root, mode 0100644,
 mtime 0). The reader accepts any single-entry ustar/pax stream and reports where the payload
@@ -97,7 +97,7 @@ def _parse_octal(field: bytes) -> int | None:
 
 
 def is_tar_header(block: bytes) -> bool:
-    """Magic `ustar` at 257, version `00` at 263 and a valid checksum (spec 1)."""
+    """Magic `ustar` at 257, version `00` at 263 and a valid checksum (docs/overlaybd.md §1)."""
     if len(block) < BLOCK or block[257:262] != b"ustar" or block[263:265] != b"00":
         return False
     stored = _parse_octal(block[148:156])

@@ -1,10 +1,10 @@
-"""The writable upper layer: append-only `upper.data` plus the `upper.index` log (spec 4.1).
+"""The writable upper layer: append-only `upper.data` plus the `upper.index` log (docs/overlaybd.md §4.1).
 
 Every write appends its data at the data file's EOF and one 16-byte mapping per <= 4 MiB piece
 to the index log; discards and write-zeroes append zeroed mappings (<= 16383 sectors each)
 with no data. The in-memory index (sector units; layer 0 = data, ZEROED) is rebuilt at open by
 replaying the log in file order (later entries override earlier ones). `seal_in_place` turns
-the data file into a sealed read-only layer exactly as C++ `close_seal` does (spec 4.3).
+the data file into a sealed read-only layer exactly as C++ `close_seal` does (docs/overlaybd.md §4.3).
 
 Growth cap and reuse: a write whose whole range is already mapped to upper data is written
 over that data in place (no append, no log entry), so a guest rewriting the same blocks (a
@@ -378,7 +378,7 @@ class Upper:
         """Append index, zero padding to 512 and the trailer to the data file; fsync.
 
         The header is not rewritten; the trailer takes vsize, uuid and parent from the header
-        and has an empty user_tag (C++ close_seal layout, TV4)."""
+        and has an empty user_tag (C++ close_seal layout, TV4 in docs/overlaybd.md §11)."""
         index = self.sealed_index_bytes()
         ioff = self.data_eof
         pad = (-len(index)) % SECTOR

@@ -1,8 +1,8 @@
-"""ZFile seekable block compression (spec section 7): reader and streaming writer.
+"""ZFile seekable block compression (docs/overlaybd.md §7): reader and streaming writer.
 
 Layout: header(512) | blocks, each `compressed || u32 raw-CRC32C(salt 100007)` | jump table of
 N u32 stored lengths | trailer(512). Header and trailer carry a raw CRC-32C digest of all 512
-bytes (digest field zeroed). The writer follows the C++ recipe (7.6): header 0x13, trailer
+bytes (digest field zeroed). The writer follows the C++ recipe (docs/overlaybd.md §7.6): header 0x13, trailer
 0x16, and with overwrite_header (as `overlaybd-commit -z`) a final header 0x1B.
 
 LZ4 output comes from the python `lz4` wheel (LZ4 1.9.x), which decodes identically to, but is

@@ -13,7 +13,7 @@ then `StepRunner` runs the steps through envd, exactly as a sandbox user would:
 | EXPOSE, VOLUME, LABEL | ... | recorded in the log only |
 
 Then the start command (if any) is spawned in the background and the ready command polled until
-it exits 0 (`sleep 20` when only a start command is given, as the reference does); envd takes the
+it exits 0 (`sleep 20` when only a start command is given; docs/templates.md §3); envd takes the
 final user, workdir and env as its defaults, and the caller pauses the VM into the template's
 boot snapshot, so every sandbox made from the template wakes up with the start process running.
 

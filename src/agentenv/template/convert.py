@@ -2,7 +2,7 @@
 
 For each layer: blockd makes a writable disk whose lowers are the layers already converted
 below it (at the bottom, a shared base layer holding an empty 64 GiB ext4, made once per host
-like the reference converter's `ext4_64`) and exposes it as a FUSE file; the file is
+like containerd's converter's `ext4_64` (docs/templates.md §2)) and exposes it as a FUSE file; the file is
 loop-mounted, the tar applied onto the mounted ext4, unmounted, and blockd seals the disk's
 upper in place (snapshot) into the new layer. Nothing is copied: the sealed layer holds exactly
 the blocks this layer's changes wrote.
@@ -33,7 +33,7 @@ from agentenv.template.apply import ApplyStats, apply_layer
 from agentenv.template.blobtap import BlobTap
 from agentenv.template.errors import PullError
 
-VIRTUAL_SIZE = 64 << 30  # the reference's LAYER_VIRTUAL_SIZE_GIB
+VIRTUAL_SIZE = 64 << 30  # 64 GiB, as containerd's converter (docs/templates.md §2)
 # No discard (it would punch the FUSE file for nothing); inode tables and the journal are left
 # unzeroed: the disk is sparse, unwritten blocks read as zeros.
 MKFS_ARGS = ("mkfs.ext4", "-F", "-q", "-b", "4096", "-E",

@@ -1,6 +1,6 @@
 """A small host-side client of envd (the E2B envd protocol, Connect JSON codec) for template builds.
 
-It speaks exactly what the SDKs speak (spec/e2b-compat.md section 3): `process.Process/Start` as a
+It speaks exactly what the SDKs speak (docs/e2b-api.md §3): `process.Process/Start` as a
 server stream of envelopes, unary `process.Process/List` and `filesystem.Filesystem/MakeDir`,
 `POST /files` (a file streamed as application/octet-stream), and `POST /init`. Users are chosen per call with
 `Authorization: Basic base64(user:)`, as the SDKs do.

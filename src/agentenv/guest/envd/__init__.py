@@ -8,7 +8,7 @@ requirements.txt.
 from __future__ import annotations
 
 ENVD_VERSION = "0.6.4"
-"""The envd version this agent implements, as the E2B SDKs gate features on it (spec 3.6):
+"""The envd version this agent implements, as the E2B SDKs gate features on it (docs/e2b-api.md §3.6):
 default user handled here, stdin control, close_stdin, octet-stream and gzip uploads, file
 metadata (xattrs), watch events with entries and the network-mount flag."""
 

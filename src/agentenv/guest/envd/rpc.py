@@ -1,4 +1,4 @@
-"""The Connect protocol with the JSON codec, as the E2B SDKs use it (spec 3.1).
+"""The Connect protocol with the JSON codec, as the E2B SDKs use it (docs/e2b-api.md §3.1).
 
 Unary calls carry one JSON message; streams carry envelopes (1 byte flags + 4 byte big-endian
 length + payload) and end with an end-of-stream envelope that holds the error, if any.
