@@ -252,6 +252,18 @@ def test_node_crash_readopts_running_vms(vm_node: NodeProcess) -> None:
                 Sandbox.kill(sid)
 
 
+def test_killed_sandboxes_leave_only_template_snapshots(vm_node: NodeProcess) -> None:
+    """Pause snapshots and fork points are deleted with their sandboxes. (Before the tests
+    that kill a sandbox mid-pause: a snapshot written after its kill began is left to the
+    garbage collector, which spares files younger than AENV_GC_GRACE_SECONDS.)"""
+    from e2b import Sandbox
+
+    assert Sandbox.list().next_items() == []
+    template = json.loads((vm_node.state_dir / "templates" / "base" / "template.json").read_text())
+    snapshots = vm_node.state_dir / "vm-backend" / "runtime" / "snapshots"
+    assert {str(p) for p in snapshots.iterdir()} == {template["record_dir"]}
+
+
 def test_dead_vm_leaves_running_and_the_proxy_answers_502(vm_node: NodeProcess) -> None:
     """kill -9 of a sandbox's QEMU: the runtime's on_vm_died reaches the orchestrator, which
     removes the sandbox; the proxy answers 502 "The sandbox was not found"."""
@@ -325,16 +337,6 @@ def test_base_template_cannot_be_deleted(vm_node: NodeProcess) -> None:
         assert body["code"] == 400 and "cannot be deleted" in body["message"]
         listed = {t["templateID"]: t for t in api.get("/templates").json()}
         assert listed["base"]["cpuCount"] == 2 and listed["base"]["memoryMB"] == 512
-
-
-def test_killed_sandboxes_leave_only_template_snapshots(vm_node: NodeProcess) -> None:
-    """Pause snapshots and fork points are deleted with their sandboxes."""
-    from e2b import Sandbox
-
-    assert Sandbox.list().next_items() == []
-    template = json.loads((vm_node.state_dir / "templates" / "base" / "template.json").read_text())
-    snapshots = vm_node.state_dir / "vm-backend" / "runtime" / "snapshots"
-    assert {str(p) for p in snapshots.iterdir()} == {template["record_dir"]}
 
 
 # A guest loop appending numbered records, each made durable with fsync (coreutils `sync FILE`

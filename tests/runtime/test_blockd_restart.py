@@ -54,6 +54,7 @@ def setup() -> Iterator[tuple[LoopThread, Runtime, BlockdProcess, list[VM]]]:
         pytest.skip("the runtime tests need root (network namespaces, nftables)")
     guest = build_test_guest()
     root = Path(tempfile.mkdtemp(prefix="brt", dir="/tmp"))
+    root.chmod(0o711)  # QEMU runs as the unprivileged aenv-vm and must reach <root>/state
     blockd = BlockdProcess(root)
     blockd.start()
     loop = LoopThread()

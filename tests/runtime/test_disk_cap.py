@@ -30,6 +30,7 @@ def capped() -> Iterator[tuple[LoopThread, Runtime, BlockdProcess, Path, VM]]:
         pytest.skip("the runtime tests need root (network namespaces, nftables)")
     guest = build_test_guest()
     root = Path(tempfile.mkdtemp(prefix="cap", dir="/tmp"))
+    root.chmod(0o711)  # QEMU runs as the unprivileged aenv-vm and must reach <root>/state
     blockd = BlockdProcess(root)
     os.environ["AENV_DISK_UPPER_LIMIT"] = str(CAP)  # the node-wide default, as `make up` sets it
     try:

@@ -223,6 +223,10 @@ class Blockd:
         Upper.log_buffer = 0
         for folder in (self.records_dir, self.nbd_dir, self.uppers_dir):
             private_dir(folder)
+        # QEMU (an unprivileged user) connects to the NBD sockets by path: it needs search
+        # permission down to them, and nothing more.
+        for folder in (self.state_dir, self.nbd_dir):
+            _grant_vm_group_search(folder)
         self.socket_path.parent.mkdir(parents=True, exist_ok=True)
         if self.metrics_port is not None:
             from prometheus_client import start_http_server
@@ -799,18 +803,32 @@ def _answer_error(kind: str, message: str) -> bytes:
     return (json.dumps({"ok": False, "type": kind, "error": message}) + "\n").encode()
 
 
+def _vm_gid() -> int | None:
+    """The group of the user QEMU runs as (AENV_QEMU_USER, default aenv-vm), if it exists."""
+    import grp
+
+    name = os.environ.get("AENV_QEMU_USER", "aenv-vm")
+    try:
+        return grp.getgrnam(name).gr_gid if name and name != "root" else None
+    except KeyError:
+        return None
+
+
+def _grant_vm_group_search(folder: Path) -> None:
+    """Group = the VM user's group, group may search (not list); others get nothing."""
+    gid = _vm_gid()
+    if gid is None:
+        return
+    os.chown(folder, -1, gid)
+    os.chmod(folder, 0o710)
+
+
 def _grant_nbd_socket(sock: Path) -> None:
     """QEMU runs as an unprivileged user (runtime/privilege.py) and connects to a device's NBD
     socket by path (also to reconnect): the socket is 0660 with that user's group, nobody
     else's. The group is AENV_QEMU_USER's (default aenv-vm); without it the socket stays 0600
     (root's QEMU only)."""
-    import grp
-
-    name = os.environ.get("AENV_QEMU_USER", "aenv-vm")
-    try:
-        gid = grp.getgrnam(name).gr_gid if name and name != "root" else None
-    except KeyError:
-        gid = None
+    gid = _vm_gid()
     if gid is None:
         os.chmod(sock, 0o600)
         return

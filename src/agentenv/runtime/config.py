@@ -68,7 +68,7 @@ class RuntimeConfig(BaseModel):
     qemu_sandbox: bool = True
     # One cgroup per QEMU (runtime/cgroup.py). "auto": cgroup v2, else v1 controllers, else a
     # logged warning and no limits; "on": fail at start without them; "off": none.
-    cgroups: Literal["auto", "on", "off"] = "auto"
+    cgroups: Literal["auto", "on", "off", "v1"] = "auto"
     # Parent of the VMs' cgroups: relative = under the node's own cgroup, absolute = from the
     # hierarchy root. None: "<network_prefix>.slice".
     cgroup_parent: str | None = None
