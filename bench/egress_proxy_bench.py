@@ -8,7 +8,7 @@ From inside a real slot namespace (tests/network/lab.py: slots, host nft redirec
 - the proxy's RSS idle, with 32 slots known, and with 32 slots holding 4 open connections each.
 Goals (issue 13): proxied throughput >= 0.7 of direct; proxied connect p50 within +2 ms.
 
-Usage (root): /work/tools/isolated .venv/bin/python bench/egress_proxy_bench.py [--quick]
+Usage (root): scripts/isolated.sh .venv/bin/python bench/egress_proxy_bench.py [--quick]
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The egress proxy end to end: real slots, real nft redirects, real servers in an "internet"
 namespace, clients inside the slot namespaces (tests/network/lab.py). Needs root; run it under
-/work/tools/isolated."""
+scripts/isolated.sh."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """The egress proxy under awkward clients: uploads through the HTTP framer, half-closes,
 garbage, silent clients (peek timeout), idle connections, many connections at once. A lab of
-its own with short timeouts. Needs root; run it under /work/tools/isolated."""
+its own with short timeouts. Needs root; run it under scripts/isolated.sh."""
 
 from __future__ import annotations
 
