@@ -32,6 +32,7 @@ from typing import Any, Literal
 import httpx
 
 from agentenv.blockd.errors import BlockdError
+from agentenv.fsutil import fsync_dir
 from agentenv.network.policy import ALL_TRAFFIC, EgressPolicy
 from agentenv.runtime import privilege
 from agentenv.runtime.accel import resolve_accel
@@ -71,7 +72,6 @@ from agentenv.snapshot.record import (
     SnapshotRecordError,
 )
 from agentenv.storage.export import import_raw
-from agentenv.storage.upper import fsync_dir
 
 log = logging.getLogger("agentenv.runtime")
 

@@ -26,6 +26,7 @@ import os
 import threading
 from pathlib import Path
 
+from agentenv.fsutil import fsync_dir
 from agentenv.storage.errors import LayerFormatError
 from agentenv.storage.lsmt import (
     FLAG_DATA,
@@ -93,14 +94,6 @@ def pwrite_all(fd: int, data: bytes | bytearray | memoryview, pos: int) -> None:
         n = os.pwrite(fd, mv, pos)
         mv = mv[n:]
         pos += n
-
-
-def fsync_dir(path: Path) -> None:
-    dfd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(dfd)
-    finally:
-        os.close(dfd)
 
 
 class Upper:
