@@ -33,8 +33,16 @@ DENIED_NAME = "example-denied.test"
 BIG_BYTES = 64 << 20
 
 SERVER = r'''
-import socket, ssl, sys, threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+import socket, socketserver, ssl, sys, threading
+from http.server import BaseHTTPRequestHandler
+from http.server import ThreadingHTTPServer as _ThreadingHTTPServer
+
+class ThreadingHTTPServer(_ThreadingHTTPServer):
+    # HTTPServer.server_bind asks DNS for the address's name (getfqdn): on a host whose
+    # resolver is unreachable from here that blocks for minutes.
+    def server_bind(self):
+        socketserver.TCPServer.server_bind(self)
+        self.server_name, self.server_port = self.server_address[:2]
 
 addrs, certdir, big = sys.argv[1].split(","), sys.argv[2], int(sys.argv[3])
 CHUNK = b"x" * 65536

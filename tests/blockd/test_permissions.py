@@ -1,5 +1,6 @@
-"""blockd keeps sandbox disks private: state directories 0700, upper files 0600, FUSE files
-0600 checked by the kernel (default_permissions) although the mount allows other users."""
+"""blockd keeps sandbox disks private: state directories 0700 (the VM user's group may only
+search the way to the NBD sockets), upper files 0600, FUSE files 0600 checked by the kernel
+(default_permissions) although the mount allows other users."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import subprocess
 from pathlib import Path
 
 import pytest
+
+from agentenv.blockd.daemon import _vm_gid
 
 from .conftest import Daemon, Stack
 
@@ -29,7 +32,15 @@ def test_state_dirs_uppers_and_fuse_files_are_private(daemon: Daemon, stack: Sta
         info = client.create(lowers=stack.lowers)
         shared = client.create(image=stack.lowers[0], readonly=True)
     state = daemon.state_dir
-    for folder in (state, state / "devices", state / "nbd", state / "uppers"):
+    # The VM user's group (when that user exists, as after install-system.sh) may search the
+    # way to the NBD sockets, and nothing more; everything else is the owner's alone.
+    vm_gid = _vm_gid()
+    searchable = 0o710 if vm_gid is not None else 0o700
+    for folder in (state, state / "nbd"):
+        assert _mode(folder) == searchable, folder
+        if vm_gid is not None:
+            assert folder.stat().st_gid == vm_gid, folder
+    for folder in (state / "devices", state / "uppers"):
         assert _mode(folder) == 0o700, folder
     assert info.upper_dir is not None
     upper = Path(info.upper_dir)
@@ -53,17 +64,17 @@ def test_state_dirs_uppers_and_fuse_files_are_private(daemon: Daemon, stack: Sta
         write = _as_nobody("sh", "-c", f"echo x > {fuse_file}")
         assert write.returncode != 0 and "Permission denied" in write.stderr, write
     finally:
-        os.chmod(state, 0o700)
+        os.chmod(state, searchable)
     # The owner (root here) still reads and writes it.
     with open(fuse_file, "r+b") as f:
         f.write(b"mine")
         f.seek(0)
         assert f.read(4) == b"mine"
-    # A restart puts a loosened state directory back to 0700.
+    # A restart takes back what a loosened state directory gave to others.
     os.chmod(state, 0o755)
     daemon.stop()
     daemon.start()
-    assert _mode(state) == 0o700
+    assert _mode(state) == searchable
 
 
 def test_group_search_granted_by_the_privilege_setup_is_kept(tmp_path: Path) -> None:
