@@ -12,7 +12,9 @@ Guests find the names through /etc/hosts (`hosts_lines()`).
 
 HTTP paths: `/` answers `host=<Host header> addr=<local address> sni=<name or -> peer=<client>`;
 `/big`
-streams BIG_BYTES bytes; `/bytes/<n>` streams n bytes. Every answer closes the connection.
+streams BIG_BYTES bytes as fast as the client takes them; `/slow` streams them paced by the
+server (16 KiB every 20 ms), so a client reading it holds little unread data and answers every
+segment at once; `/bytes/<n>` streams n bytes. Every answer closes the connection.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ DENIED_NAME = "example-denied.test"
 BIG_BYTES = 64 << 20
 
 SERVER = r'''
-import socket, socketserver, ssl, sys, threading
+import socket, socketserver, ssl, sys, threading, time
 from http.server import BaseHTTPRequestHandler
 from http.server import ThreadingHTTPServer as _ThreadingHTTPServer
 
@@ -50,17 +52,22 @@ CHUNK = b"x" * 65536
 class Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.0"
     def log_message(self, *args): pass
-    def _stream(self, n):
+    def _stream(self, n, pace=0.0):
         self.send_response(200)
         self.send_header("Content-Length", str(n))
         self.end_headers()
+        size = 16384 if pace else len(CHUNK)
         while n > 0:
-            chunk = CHUNK[:min(n, len(CHUNK))]
+            chunk = CHUNK[:min(n, size)]
             self.wfile.write(chunk)
             n -= len(chunk)
+            if pace:
+                time.sleep(pace)
     def do_GET(self):
         if self.path == "/big":
             return self._stream(big)
+        if self.path == "/slow":
+            return self._stream(big, pace=0.02)
         if self.path.startswith("/bytes/"):
             return self._stream(int(self.path.split("/")[2]))
         sni = getattr(self.connection, "aenv_sni", None) or "-"

@@ -125,7 +125,9 @@ def test_update_network_flips_a_live_sandbox_and_cuts_established(vm_node: NodeP
     try:
         assert reaches(sbx, lab.url(lab.host_a))
         # A slow download that is still running when the policy changes.
-        sbx.commands.run(f"curl -s --limit-rate 300k -o /tmp/big {lab.url(lab.host_a, '/big')}"
+        # Paced by the server, not by curl: a client-side rate limit lets the guest's socket
+        # buffer megabytes that curl still reads for many seconds after the cut.
+        sbx.commands.run(f"curl -s -o /tmp/big {lab.url(lab.host_a, '/slow')}"
                          "; echo $? > /tmp/cut.rc", background=True)
         deadline = time.monotonic() + 60
         while int(run(sbx, "stat -c %s /tmp/big 2>/dev/null || echo 0").strip() or 0) < 100_000:
@@ -363,7 +365,7 @@ def test_denying_a_name_cuts_its_established_direct_connection(vm_node: NodeProc
     new connections go through the proxy, which decides by name."""
     sbx = new_sandbox(lab)
     try:
-        sbx.commands.run(f"curl -s --limit-rate 300k -o /tmp/big http://{ALLOWED_NAME}/big"
+        sbx.commands.run(f"curl -s -o /tmp/big http://{ALLOWED_NAME}/slow"
                          "; echo $? > /tmp/cut.rc", background=True)
         deadline = time.monotonic() + 60
         while int(run(sbx, "stat -c %s /tmp/big 2>/dev/null || echo 0").strip() or 0) < 100_000:
