@@ -1,4 +1,4 @@
-"""blockd NBD throughput against nbdkit, and device create/pool-take latency.
+"""blockd NBD throughput against nbdkit, and device create latency.
 
 blockd serves a 10-layer overlaybd stack (plus a writable upper); nbdkit's file plugin serves
 a flat raw export of the same disk, side by side in the same run. fio (nbd ioengine, the same
@@ -165,32 +165,16 @@ def main() -> None:
             emit(f"blockd_{name}_server_cpu_per_io", cpu[("blockd", name)], "us",
                  "nbdkit file (flat raw)", cpu[("nbdkit", name)])
 
-        # Device creation: cold (new socket + upper) versus taking a warm pooled device.
-        # Cold: a new device (socket, upper over the 10 layers). Take: an idle pooled device
-        # whose upper over this image the daemon prepared beforehand. Take into a caller's
-        # folder: the upper must be made on the take path.
-        client.pool_fill(6, size, lowers=lowers)
-        colds, takes, takes_own_dir = [], [], []
+        # Device creation: a new device (socket, upper over the 10 layers in the caller's
+        # folder), as the runtime makes one per writable disk of a boot or restore.
+        colds = []
         for n in range(5):
             started = time.perf_counter()
             client.create(lowers=lowers, upper_dir=root / f"cold{n}")
             colds.append((time.perf_counter() - started) * 1e3)
-            time.sleep(0.3)  # let the daemon re-prepare the pool, as it would between takes
-            started = time.perf_counter()
-            client.pool_take(lowers=lowers, size=size)
-            takes.append((time.perf_counter() - started) * 1e3)
-            started = time.perf_counter()
-            client.pool_take(lowers=lowers, upper_dir=root / f"take{n}", size=size)
-            takes_own_dir.append((time.perf_counter() - started) * 1e3)
             time.sleep(0.1)
 
-        def median(values: list[float]) -> float:
-            return sorted(values)[len(values) // 2]
-
-        emit("blockd_create_cold_ms", median(colds), "ms")
-        emit("blockd_pool_take_ms", median(takes), "ms", "blockd cold create", median(colds))
-        emit("blockd_pool_take_caller_upper_ms", median(takes_own_dir), "ms", "blockd cold create",
-             median(colds))
+        emit("blockd_create_cold_ms", sorted(colds)[len(colds) // 2], "ms")
         emit("blockd_first_create_ms", cold_ms, "ms")
         client.close()
     finally:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from agentenv.blockd.daemon import _vm_gid
+from agentenv.blockd.access import vm_gid as _vm_gid
 
 from .conftest import Daemon, Stack
 

@@ -33,11 +33,19 @@ class Env:
     root: Path
 
     def boot(self, **kwargs: object) -> VM:
+        """A VM whose /mnt/disk is its one disk (vda, the ext4 rootfs layer served by blockd):
+        what the tests write there goes through blockd into the disk's upper and snapshots."""
         spec = BootSpec(kernel=self.guest.kernel, initramfs=self.guest.initramfs,
                         cmdline=self.guest.cmdline_base,
                         disks=[DiskSource("rootfs", ROOTFS_SIZE, layers=[self.rootfs_layer])],
                         memory_mib=256, **kwargs)  # type: ignore[arg-type]
-        return self.loop.run(self.runtime.boot(spec))
+        vm = self.loop.run(self.runtime.boot(spec))
+        # The test guest mounts only a second disk (vdb) by itself; without this, /mnt/disk
+        # would be the initramfs (RAM).
+        mounts = self.loop.run(sh(vm, "mount -t ext4 /dev/vda /mnt/disk; grep ' /mnt/disk ' /proc/mounts",
+                                  timeout=120))
+        assert mounts.startswith("/dev/vda /mnt/disk ext4"), mounts
+        return vm
 
 
 @pytest.fixture(scope="session")

@@ -520,7 +520,7 @@ def test_warm_process_that_died_in_the_pool_is_skipped(
     env.loop.run(rt.prime(counting, 2))
     vm = None
     try:
-        pool = rt._warm[counting.id]  # the next restore takes the last one
+        pool = rt.warm.waiting(counting.id)  # the next restore takes the last one
         dead, alive_one = pool[-1].process, pool[0].process
         _kill_now(dead.pid)
         env.loop.run(asyncio.wait_for(dead.died.wait(), 5))
@@ -532,7 +532,7 @@ def test_warm_process_that_died_in_the_pool_is_skipped(
 
         async def refilled() -> None:
             while not (rt.warm_count(counting.id) == 2
-                       and all(not w.process.died.is_set() for w in rt._warm[counting.id])):
+                       and all(not w.process.died.is_set() for w in rt.warm.waiting(counting.id))):
                 await asyncio.sleep(0.05)
 
         env.loop.run(refilled(), timeout=60)

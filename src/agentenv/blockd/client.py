@@ -1,4 +1,5 @@
-"""Clients of the blockd control socket (JSON lines; the protocol is in blockd/daemon.py)."""
+"""Clients of the blockd control socket (JSON lines, rpc.py; the operations are in daemon.py,
+their answers in results.py)."""
 
 from __future__ import annotations
 
@@ -6,11 +7,11 @@ import asyncio
 import json
 import os
 import socket
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from agentenv.blockd.errors import BlockdError, BlockdUnavailable
+from agentenv.blockd.results import DeviceInfo, Released, Sealed
 
 
 def aenv_home() -> Path:
@@ -30,35 +31,6 @@ def default_state_dir() -> Path:
 
 
 DEFAULT_SOCKET = default_socket()
-
-
-@dataclass(frozen=True)
-class DeviceInfo:
-    id: str
-    nbd: str  # the device's NBD unix socket
-    export: str  # its NBD export name
-    file: str | None  # the device as a regular file (FUSE), when the daemon runs FUSE
-    size: int
-    readonly: bool
-    kind: str = "disk"
-    source: str | None = None
-    upper_dir: str | None = None
-    refcount: int = 1
-    taken: bool = False
-    stats: dict[str, int] = field(default_factory=dict)
-
-    @property
-    def uri(self) -> str:
-        """The device as QEMU and libnbd name it."""
-        return f"nbd+unix:///{self.export}?socket={self.nbd}"
-
-    @classmethod
-    def from_json(cls, data: dict[str, Any]) -> DeviceInfo:
-        known = {k: data[k] for k in cls.__dataclass_fields__ if k in data}
-        return cls(**known)
-
-    def to_json(self) -> dict[str, Any]:
-        return {k: getattr(self, k) for k in self.__dataclass_fields__}
 
 
 def _request_line(op: str, args: dict[str, Any]) -> bytes:
@@ -151,35 +123,17 @@ class BlockdClient:
         return DeviceInfo.from_json(self.call("create_blank", size=size, upper_dir=upper_dir))
 
     def snapshot(self, id: str, output: Path | None = None) -> Path:
-        return Path(self.call("snapshot", id=id, output=output)["layer"])
+        return Path(Sealed.from_json(self.call("snapshot", id=id, output=output)).layer)
 
     def resize(self, id: str, size: int) -> DeviceInfo:
         return DeviceInfo.from_json(self.call("resize", id=id, size=size))
 
     def release(self, id: str) -> int:
         """Release a device; returns the remaining refcount (0: it is gone or back in the pool)."""
-        return int(self.call("release", id=id)["refcount"])
+        return Released.from_json(self.call("release", id=id)).refcount
 
     def list(self) -> list[DeviceInfo]:
         return [DeviceInfo.from_json(d) for d in self.call("list")]
-
-    def pool_take(
-        self,
-        image: Path | None = None,
-        lowers: list[Path] | None = None,
-        upper_dir: Path | None = None,
-        size: int | None = None,
-    ) -> DeviceInfo:
-        return DeviceInfo.from_json(
-            self.call("pool_take", image=image, lowers=lowers, upper_dir=upper_dir, size=size)
-        )
-
-    def pool_fill(self, count: int, size: int | None = None, image: Path | None = None,
-                  lowers: list[Path] | None = None) -> int:
-        """Keep `count` idle devices of `size`; given an image (or lowers), prepare each with
-        an upper over it, so a take for that image (with upper_dir=None) is only a swap."""
-        return int(self.call("pool_fill", count=count, size=size, image=image,
-                             lowers=lowers)["idle"])
 
     def shutdown(self) -> None:
         self.call("shutdown")
@@ -241,18 +195,13 @@ class AsyncBlockdClient:
         return DeviceInfo.from_json(await self.call("create_blank", size=size, upper_dir=upper_dir))
 
     async def snapshot(self, id: str, output: Path | None = None) -> Path:
-        return Path((await self.call("snapshot", id=id, output=output))["layer"])
+        return Path(Sealed.from_json(await self.call("snapshot", id=id, output=output)).layer)
 
     async def resize(self, id: str, size: int) -> DeviceInfo:
         return DeviceInfo.from_json(await self.call("resize", id=id, size=size))
 
     async def release(self, id: str) -> int:
-        return int((await self.call("release", id=id))["refcount"])
+        return Released.from_json(await self.call("release", id=id)).refcount
 
     async def list(self) -> list[DeviceInfo]:
         return [DeviceInfo.from_json(d) for d in await self.call("list")]
-
-    async def pool_take(self, image: Path | None = None, lowers: list[Path] | None = None,
-                        upper_dir: Path | None = None, size: int | None = None) -> DeviceInfo:
-        return DeviceInfo.from_json(await self.call(
-            "pool_take", image=image, lowers=lowers, upper_dir=upper_dir, size=size))

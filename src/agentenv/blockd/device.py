@@ -1,7 +1,7 @@
-"""A blockd device: a swappable image behind an NBD socket, with a gate and counters.
+"""A blockd device: an image behind an NBD socket, with a gate and counters.
 
 Every NBD request (and every FUSE call, through the event loop) passes the device's gate.
-Operations that change what the device is (snapshot, pool swap, resize, release) close the
+Operations that change what the device is (snapshot, resize, release) close the
 gate, wait until the requests already admitted have finished, do their work, and reopen it:
 a write acknowledged before a snapshot began is in the sealed layer, one admitted after it is
 in the new upper, and none is lost or reordered across the seal.
@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
-from agentenv.blockd.errors import BlockdError
+from agentenv.blockd.results import DeviceInfo
 
 log = logging.getLogger("agentenv.blockd.device")
 
@@ -63,37 +63,6 @@ class ImageLike(Protocol):
     def snapshot_and_restack(self, sealed_path: Path) -> Path: ...
 
     def close(self) -> None: ...
-
-
-class PlaceholderImage:
-    """What an idle pooled device serves until it is taken: zeros, writes refused.
-
-    It looks writable so that a client that connects to a pooled device early (a VMM waiting
-    in a warm pool) negotiates a writable disk; the real image is swapped in on take."""
-
-    def __init__(self, size: int) -> None:
-        self.virtual_size = size
-        self.readonly = False
-
-    def read(self, offset: int, length: int) -> bytes:
-        return bytes(length)
-
-    def _refuse(self, *_args: object) -> None:
-        raise BlockdError("this pooled device has no image yet (take it from the pool first)")
-
-    write = discard = write_zeroes = _refuse
-
-    def flush(self) -> None:
-        pass
-
-    def resize(self, new_size: int) -> None:
-        self.virtual_size = new_size
-
-    def snapshot_and_restack(self, sealed_path: Path) -> Path:
-        raise BlockdError("a pooled device with no image cannot be snapshotted")
-
-    def close(self) -> None:
-        pass
 
 
 @dataclass
@@ -156,7 +125,7 @@ class DeviceRecord:
     """What the state directory keeps of a device, to find it again after a restart."""
 
     id: str
-    kind: str  # "disk" (writable, own upper), "shared" (read-only, refcounted) or "pool"
+    kind: str  # "disk" (writable, own upper) or "shared" (read-only, refcounted): manager.py
     socket: str
     source: str | None  # image config (writable) or image/layer (read-only) to reopen
     upper_dir: str | None
@@ -164,7 +133,6 @@ class DeviceRecord:
     readonly: bool
     size: int
     refcount: int = 1
-    taken: bool = False  # pool devices: bound to a real image rather than the placeholder
     snapshots: list[str] = field(default_factory=list)
     upper_limit: int | None = None  # cap on the upper's growth in bytes (None: no cap)
 
@@ -376,37 +344,20 @@ class Device:
             await self._loop.run_in_executor(self.executor, self.image.resize, new_size)
             self.record.size = new_size
 
-    async def swap(self, new_image: ImageLike) -> ImageLike:
-        """Atomically put another image under this device; returns the old one (not closed)."""
-        self.apply_limit(new_image)
-        async with self.gate.closed():
-            old = self.image
-            self.image = new_image
-            self.record.size = new_image.virtual_size
-            return old
-
     async def close_image(self) -> None:
         async with self.gate.closed():
             image = self.image
             await self._loop.run_in_executor(self.executor, _flush_and_close, image)
 
-    def info(self) -> dict[str, Any]:
-        return {
-            "id": self.id,
-            "nbd": self.record.socket,
-            "export": self.id,
-            "file": str(self.fuse_path) if self.fuse_path else None,
-            "size": self.size,
-            "readonly": self.readonly,
-            "kind": self.record.kind,
-            "source": self.record.source,
-            "upper_dir": self.record.upper_dir,
-            "refcount": self.record.refcount,
-            "taken": self.record.taken,
-            "upper_limit": self.record.upper_limit,
-            "upper_used": getattr(self.image, "upper_used", 0),
-            "stats": asdict(self.stats),
-        }
+    def info(self) -> DeviceInfo:
+        return DeviceInfo(
+            id=self.id, nbd=self.record.socket, export=self.id,
+            file=str(self.fuse_path) if self.fuse_path else None, size=self.size,
+            readonly=self.readonly, kind=self.record.kind, source=self.record.source,
+            upper_dir=self.record.upper_dir, refcount=self.record.refcount,
+            upper_limit=self.record.upper_limit,
+            upper_used=getattr(self.image, "upper_used", 0), stats=asdict(self.stats),
+        )
 
 
 MAX_STATUS_RUNS = 4096
@@ -454,7 +405,7 @@ def _allocation_runs(image: ImageLike, offset: int, length: int) -> list[tuple[i
     extents = getattr(image, "extents", None)
     end = offset + length
     if extents is None:
-        return [(length, not isinstance(image, PlaceholderImage))]
+        return [(length, True)]
     runs: list[tuple[int, bool]] = []
 
     def add(run_length: int, has_data: bool) -> None:

@@ -11,3 +11,7 @@ class BlockdError(AgentEnvError):
 
 class BlockdUnavailable(BlockdError):
     """The daemon's socket cannot be reached."""
+
+
+class NotFound(BlockdError):
+    """The request names a device the daemon does not have."""

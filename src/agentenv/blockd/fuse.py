@@ -2,11 +2,11 @@
 
 libfuse runs its own worker threads (mfusepy, libfuse 3); each call is handed to the daemon's
 event loop and goes through the device exactly like an NBD request (same gate, same counters),
-so a snapshot or pool swap never races a FUSE write. A write runs on the loop itself when the
+so a snapshot or resize never races a FUSE write. A write runs on the loop itself when the
 gate admits it at once (`Device.write_now`): one thread hop per request rather than three,
 which is what a loop-mounted ext4 flushing hundreds of MiB (template conversion) waits on.
 Files are opened with direct_io: the kernel keeps no page cache for them, so what a loop mount
-reads is always what the device holds, even after a swap or restack. fallocate(PUNCH_HOLE) maps to discard and
+reads is always what the device holds, even after a restack. fallocate(PUNCH_HOLE) maps to discard and
 fallocate(ZERO_RANGE) to write-zeroes, so `mkfs`/loop discards reach the image.
 """
 

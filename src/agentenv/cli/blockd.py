@@ -24,9 +24,6 @@ _socket_option = click.option(
               help="Where device records, NBD sockets, uppers and the FUSE mount live.")
 @_socket_option
 @click.option("--metrics-port", type=int, default=None, help="Serve Prometheus metrics on this port.")
-@click.option("--pool-size", type=int, default=0, show_default=True, help="Warm devices to keep idle.")
-@click.option("--pool-disk-size", type=int, default=1 << 30, show_default=True,
-              help="Size in bytes of the idle pooled devices.")
 @click.option("--no-fuse", is_flag=True, help="Do not expose devices as FUSE files.")
 @click.option("--inline-max", type=int, default=None,
               help="Largest read/write done on the event loop; larger ones go to I/O threads.")
@@ -34,8 +31,8 @@ _socket_option = click.option(
               help="Default cap on a disk's upper growth (bytes, or with a K/M/G/T suffix; "
                    "0: none). Writes past it get ENOSPC. Env: AENV_DISK_UPPER_LIMIT.")
 @click.option("--log-level", default="info", show_default=True)
-def blockd_command(state_dir: Path, socket_path: Path, metrics_port: int | None, pool_size: int,
-                   pool_disk_size: int, no_fuse: bool, inline_max: int | None,
+def blockd_command(state_dir: Path, socket_path: Path, metrics_port: int | None,
+                   no_fuse: bool, inline_max: int | None,
                    upper_limit: str, log_level: str) -> None:
     """Run the block daemon in the foreground: every disk over NBD (and FUSE)."""
     from agentenv import logs
@@ -48,7 +45,6 @@ def blockd_command(state_dir: Path, socket_path: Path, metrics_port: int | None,
     except ValueError as exc:
         raise click.BadParameter(str(exc), param_hint="--upper-limit / AENV_DISK_UPPER_LIMIT") from None
     daemon = Blockd(state_dir, socket_path, fuse=not no_fuse, metrics_port=metrics_port,
-                    pool_size=pool_size, pool_disk_size=pool_disk_size,
                     inline_max=INLINE_MAX if inline_max is None else inline_max,
                     upper_limit=limit or None)
     asyncio.run(daemon.run())

@@ -15,7 +15,7 @@ and the cgroup, which need root), and QEMU opens everything as that user:
 | VM workdir | root-owned, group search; QEMU creates nothing in it: the QMP socket is bound by the runtime and passed as a listening fd, `serial.log` and `devstate.raw` are created for it (`precreate`) |
 | device state of a restore | copied into the workdir (`stage_devstate`, ~80 KB), the snapshot directory stays root-only |
 | TAP | opened by the child as root after entering the slot's namespace, passed as `fd=` (`/dev/net/tun` is root's) |
-| NBD sockets | blockd makes them group-connectable for the VM group (blockd/daemon.py) |
+| NBD sockets | blockd makes them group-connectable for the VM group (blockd/access.py) |
 | /dev/kvm | the device's group is added as a supplementary group |
 
 The runtime (root) still reads QEMU's memory (`process_vm_readv`, pagemap) with CAP_SYS_PTRACE.

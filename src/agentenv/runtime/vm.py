@@ -24,7 +24,7 @@ import os
 import shutil
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -62,6 +62,7 @@ from agentenv.runtime.network import (
     setup_host,
 )
 from agentenv.runtime.qemu import DiskAttachment, QemuProcess
+from agentenv.runtime.warm_pool import WarmPool, WarmProcess
 from agentenv.snapshot.record import (
     RECORD_NAME,
     DiskConfig,
@@ -112,16 +113,6 @@ class _AttachedDisk:
 
 
 @dataclass
-class _WarmProcess:
-    """A QEMU waiting in `-incoming defer` for a restore of one snapshot, with its network
-    slot and the snapshot's disks (blockd devices with fresh uppers) already attached."""
-    process: QemuProcess
-    slot: NetworkSlot | None
-    workdir: Path
-    disks: list[_AttachedDisk]
-
-
-@dataclass
 class VM:
     id: str
     machine: MachineConfig
@@ -154,6 +145,16 @@ class VM:
         return self.slot.envd_url
 
 
+@dataclass(frozen=True)
+class _SnapshotFrame:
+    """A snapshot under way: its id and directory, when it began and when the VM stopped."""
+
+    id: str
+    dir: Path
+    t0: float
+    t_stop: float
+
+
 def _cmdline(spec: BootSpec, network: bool) -> str:
     parts = [spec.cmdline]
     if network:
@@ -183,9 +184,8 @@ class Runtime:
         # hangs until the timeout (seen: 2.2 s on every second restore of one snapshot).
         self._http = httpx.AsyncClient(timeout=httpx.Timeout(5.0, connect=1.0),
                                        limits=httpx.Limits(max_keepalive_connections=0))
-        self._warm: dict[str, list[_WarmProcess]] = {}
-        self._warm_targets: dict[str, tuple[SnapshotRecord, int, int]] = {}  # record, low, high
-        self._warm_tasks: dict[str, asyncio.Task[None]] = {}
+        self.warm = WarmPool(config.vm_dir, self.slots, self.memory, self._memory_file,
+                             self._spawn_for_restore, self._release_resources)
         self._started = False
         self._background: set[asyncio.Task[None]] = set()
         self.vm_user: privilege.VMUser | None = None
@@ -215,13 +215,7 @@ class Runtime:
 
     async def close(self) -> None:
         await self.drain()
-        for task in self._warm_tasks.values():
-            task.cancel()
-        for task in self._warm_tasks.values():
-            with contextlib.suppress(BaseException):
-                await task
-        for key in list(self._warm):
-            await self._drain_warm(key)
+        await self.warm.close()
         for vm in list(self.vms.values()):
             with contextlib.suppress(Exception):
                 await self.kill(vm)
@@ -452,16 +446,8 @@ class Runtime:
 
     async def snapshot(self, vm: VM, *, keep_running: bool = True) -> SnapshotRecord:
         """Stop the VM, write a snapshot, and resume it (keep_running) or leave it stopped."""
-        if vm.state != "running":
-            raise RuntimeError_(f"VM {vm.id} is {vm.state}, only a running VM can be snapshotted")
-        snap_id = uuid.uuid4().hex
-        snap_dir = self.config.snapshot_dir / snap_id
-        snap_dir.mkdir(parents=True)
-        vm.state = "pausing"
-        t0 = time.perf_counter()
-        try:
-            await vm.process.execute("stop")
-            t_stop = time.perf_counter()
+        async with self._stopped_for_snapshot(vm, "snapshot") as snap:
+            snap_id, snap_dir, t0, t_stop = snap.id, snap.dir, snap.t0, snap.t_stop
             # Guest RAM is frozen from here on. The capture (a thread) runs while QEMU saves
             # its devices: device saving never writes guest RAM (QEMU's own migration saves
             # devices after the last RAM pass, so it could not).
@@ -492,14 +478,6 @@ class Runtime:
                 qemu_version=_qemu_version(vm.process),
             )
             await asyncio.to_thread(_save_record_durably, record, snap_dir)
-        except BaseException as exc:
-            shutil.rmtree(snap_dir, ignore_errors=True)
-            await self._after_failed_snapshot(vm, exc)
-            if isinstance(exc, OSError):
-                raise SnapshotError(
-                    f"snapshot of VM {vm.id} failed: {exc.strerror or exc}"
-                    f"{' (' + exc.filename + ')' if exc.filename else ''}") from exc
-            raise
         t_end = time.perf_counter()
         log.info("snapshot", extra={
             "vm": vm.id, "snapshot": snap_id, "devstate_ms": round((t_dev - t_stop) * 1e3, 1),
@@ -524,6 +502,29 @@ class Runtime:
         snapshot (no memory, no device state), left stopped. What the guest had not written
         to its disks is lost, as at a power cut: flush the guest's filesystems first (envd's
         /aenv/sync). A failure leaves the VM running, as `snapshot` does."""
+        async with self._stopped_for_snapshot(vm, "disk snapshot") as snap:
+            snap_id, snap_dir, t0, t_stop = snap.id, snap.dir, snap.t0, snap.t_stop
+            disks = await self._snapshot_disks(vm, snap_dir)
+            record = SnapshotRecord(
+                id=snap_id, source_vm=vm.id, parent_snapshot=vm.parent_snapshot,
+                mode=vm.machine.accel, machine=vm.machine, memory=False, memory_layers=[],
+                device_state=str(snap_dir / RECORD_NAME), device_state_ram_block="",
+                disks=disks, qemu_version=_qemu_version(vm.process))
+            await asyncio.to_thread(_save_record_durably, record, snap_dir)
+        t_end = time.perf_counter()
+        vm.timings.update(snapshot_stop_ms=(t_stop - t0) * 1e3,
+                          snapshot_disks_ms=(t_end - t_stop) * 1e3,
+                          snapshot_total_ms=(t_end - t0) * 1e3)
+        log.info("disk snapshot", extra={"vm": vm.id, "snapshot": snap_id,
+                                         "ms": round((t_end - t0) * 1e3, 1)})
+        return record
+
+    @contextlib.asynccontextmanager
+    async def _stopped_for_snapshot(self, vm: VM, what: str) -> AsyncIterator[_SnapshotFrame]:
+        """The frame `snapshot` and `snapshot_disks` share: a new snapshot directory and the
+        VM stopped (vCPUs halted) for the body. If the body fails, the directory goes and the
+        VM runs again when QEMU is still alive (else it is in error); an OSError becomes a
+        SnapshotError naming `what` failed."""
         if vm.state != "running":
             raise RuntimeError_(f"VM {vm.id} is {vm.state}, only a running VM can be snapshotted")
         snap_id = uuid.uuid4().hex
@@ -533,29 +534,15 @@ class Runtime:
         t0 = time.perf_counter()
         try:
             await vm.process.execute("stop")
-            t_stop = time.perf_counter()
-            disks = await self._snapshot_disks(vm, snap_dir)
-            record = SnapshotRecord(
-                id=snap_id, source_vm=vm.id, parent_snapshot=vm.parent_snapshot,
-                mode=vm.machine.accel, machine=vm.machine, memory=False, memory_layers=[],
-                device_state=str(snap_dir / RECORD_NAME), device_state_ram_block="",
-                disks=disks, qemu_version=_qemu_version(vm.process))
-            await asyncio.to_thread(_save_record_durably, record, snap_dir)
+            yield _SnapshotFrame(snap_id, snap_dir, t0, time.perf_counter())
         except BaseException as exc:
             shutil.rmtree(snap_dir, ignore_errors=True)
             await self._after_failed_snapshot(vm, exc)
             if isinstance(exc, OSError):
                 raise SnapshotError(
-                    f"disk snapshot of VM {vm.id} failed: {exc.strerror or exc}"
+                    f"{what} of VM {vm.id} failed: {exc.strerror or exc}"
                     f"{' (' + exc.filename + ')' if exc.filename else ''}") from exc
             raise
-        t_end = time.perf_counter()
-        vm.timings.update(snapshot_stop_ms=(t_stop - t0) * 1e3,
-                          snapshot_disks_ms=(t_end - t_stop) * 1e3,
-                          snapshot_total_ms=(t_end - t0) * 1e3)
-        log.info("disk snapshot", extra={"vm": vm.id, "snapshot": snap_id,
-                                         "ms": round((t_end - t0) * 1e3, 1)})
-        return record
 
     async def _save_device_state(self, vm: VM, snap_dir: Path) -> Path:
         """Device state (no RAM) of the stopped VM as a loadable stream (devstate.py)."""
@@ -699,14 +686,14 @@ class Runtime:
                                    guest_token: str | None = None) -> VM:
         vm_id = uuid.uuid4().hex[:12]
         t0 = time.perf_counter()
-        warm: _WarmProcess | None = None
+        warm: WarmProcess | None = None
         slot: NetworkSlot | None = None
         disks: list[_AttachedDisk] = []
         process: QemuProcess | None = None
         workdir = self.config.vm_dir / vm_id
         stage = "starting"  # what the restore was doing, for the error if QEMU dies
         try:
-            warm = await self._take_warm(record.id)
+            warm = await self.warm.take(record.id)
             if warm is not None:
                 process, slot, workdir, disks = warm.process, warm.slot, warm.workdir, warm.disks
             else:
@@ -803,25 +790,18 @@ class Runtime:
 
     async def prime(self, record: SnapshotRecord, count: int | None = None) -> None:
         """Keep warm QEMU processes (with network slots and disks) waiting for restores of
-        `record`: refilled in the background to the high watermark whenever fewer than the low
-        one wait (config.process_pool_low/high; `count` sets both)."""
+        `record` (runtime/warm_pool.py): refilled in the background to the high watermark
+        whenever fewer than the low one wait (config.process_pool_low/high; `count` sets both)."""
         self.check_restorable(record)
         low, high = ((count, count) if count is not None
                      else (self.config.process_pool_low, self.config.process_pool_high))
-        self._warm_targets[record.id] = (record, low, max(low, high))
-        await self._refill(record.id)
+        await self.warm.prime(record, low, high)
 
     async def unprime(self, record_id: str) -> None:
-        self._warm_targets.pop(record_id, None)
-        task = self._warm_tasks.pop(record_id, None)
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(BaseException):
-                await task
-        await self._drain_warm(record_id)
+        await self.warm.unprime(record_id)
 
     def warm_count(self, record_id: str) -> int:
-        return len(self._warm.get(record_id, []))
+        return self.warm.count(record_id)
 
     async def _spawn_for_restore(self, record: SnapshotRecord, mem_path: Path, workdir: Path,
                                  slot: NetworkSlot | None, disks: list[_AttachedDisk],
@@ -842,61 +822,6 @@ class Runtime:
             netns=slot.netns_path if slot else None, qemu_binary=self.config.qemu_binary,
             die_with_parent=self.config.qemu_die_with_parent,
             cgroup=self._cgroup(workdir.name, record.machine), **self._qemu_tuning(extra_vcpus))
-
-    async def _refill(self, key: str) -> None:
-        target = self._warm_targets.get(key)
-        if target is None:
-            return
-        record, _, high = target
-        pool = self._warm.setdefault(key, [])
-        while len(pool) < high:
-            mem_path = await self._memory_file(record)
-            workdir = self.config.vm_dir / f"warm-{uuid.uuid4().hex[:12]}"
-            slot: NetworkSlot | None = None
-            disks: list[_AttachedDisk] = []
-            try:
-                slot = await self.slots.take() if record.machine.network else None
-                process = await self._spawn_for_restore(record, mem_path, workdir, slot, disks,
-                                                        extra_vcpus=record.machine.vcpus)
-            except BaseException:
-                await self._release_resources(slot, disks, record.id)
-                shutil.rmtree(workdir, ignore_errors=True)
-                raise
-            pool.append(_WarmProcess(process, slot, workdir, disks))
-
-    async def _take_warm(self, key: str) -> _WarmProcess | None:
-        pool = self._warm.get(key)
-        taken = None
-        while pool and taken is None:
-            warm = pool.pop()
-            # The warm process holds a reference on the memory file and the restore took
-            # another one, so drop one of them (a dead one's as well).
-            self.memory.release(key)
-            if warm.process.died.is_set():
-                log.warning("warm QEMU died while waiting", extra={
-                    "snapshot": key, "reason": warm.process.exit_reason()})
-                await warm.process.stop_process()  # closes its QMP connection
-                await self._release_resources(warm.slot, warm.disks, None)
-                shutil.rmtree(warm.workdir, ignore_errors=True)
-                continue
-            taken = warm
-        target = self._warm_targets.get(key)
-        if target is not None and len(pool or []) < target[1]:
-            self._kick_refill(key)
-        return taken
-
-    def _kick_refill(self, key: str) -> None:
-        if key not in self._warm_targets:
-            return
-        task = self._warm_tasks.get(key)
-        if task is None or task.done():
-            self._warm_tasks[key] = asyncio.create_task(self._refill(key))
-
-    async def _drain_warm(self, key: str) -> None:
-        for warm in self._warm.pop(key, []):
-            await warm.process.stop_process()
-            await self._release_resources(warm.slot, warm.disks, key)
-            shutil.rmtree(warm.workdir, ignore_errors=True)
 
     # -- ending VMs -----------------------------------------------------------------------
 

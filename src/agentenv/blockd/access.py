@@ -1,0 +1,39 @@
+"""Who may reach blockd's NBD sockets: root, and the group of the user QEMU runs as.
+
+QEMU runs as an unprivileged user (runtime/privilege.py, AENV_QEMU_USER, default aenv-vm) and
+connects to a device's NBD socket by path (also to reconnect after a daemon restart)."""
+
+from __future__ import annotations
+
+import grp
+import os
+from pathlib import Path
+
+
+def vm_gid() -> int | None:
+    """The group of the user QEMU runs as (AENV_QEMU_USER, default aenv-vm), if it exists."""
+    name = os.environ.get("AENV_QEMU_USER", "aenv-vm")
+    try:
+        return grp.getgrnam(name).gr_gid if name and name != "root" else None
+    except KeyError:
+        return None
+
+
+def grant_vm_group_search(folder: Path) -> None:
+    """Group = the VM user's group, group may search (not list); others get nothing."""
+    gid = vm_gid()
+    if gid is None:
+        return
+    os.chown(folder, -1, gid)
+    os.chmod(folder, 0o710)
+
+
+def grant_nbd_socket(sock: Path) -> None:
+    """The socket is 0660 with the VM user's group, nobody else's; without that group it stays
+    0600 (root's QEMU only)."""
+    gid = vm_gid()
+    if gid is None:
+        os.chmod(sock, 0o600)
+        return
+    os.chown(sock, -1, gid)
+    os.chmod(sock, 0o660)
