@@ -136,8 +136,13 @@ class Blockd:
         io_threads: int = 8,
         inline_max: int = INLINE_MAX,
         upper_limit: int | None = None,
+        remote: Any = None,
     ) -> None:
         self.inline_max = inline_max
+        # Remote layers and the chunk cache (blockd/remote/service.py): a RemoteConfig, else
+        # settings from the environment.
+        self.remote_config = remote
+        self.remote: Any = None
         self.upper_limit = _check_limit(upper_limit)
         self.state_dir = Path(state_dir)
         self.socket_path = Path(socket_path)
@@ -233,6 +238,11 @@ class Blockd:
 
             self.metrics = Metrics()
             start_http_server(self.metrics_port, registry=self.metrics.registry)
+        from agentenv.blockd.remote import service as remote_service
+
+        self.remote = remote_service.start(
+            self.remote_config or remote_service.config_from_env(self.state_dir),
+            self.metrics.registry if self.metrics else None)
         if self.use_fuse:
             from agentenv.blockd.fuse import FuseFiles
 
@@ -287,6 +297,9 @@ class Blockd:
             with contextlib.suppress(FileNotFoundError):
                 self.socket_path.unlink()
         self.executor.shutdown(wait=True)
+        if self.remote is not None:
+            self.remote.stop()
+            self.remote = None
         if self._lock_fd >= 0:
             os.close(self._lock_fd)
             self._lock_fd = -1
@@ -751,6 +764,8 @@ class Blockd:
             "pool_fill": self.pool_fill,
             "shutdown": self._op_shutdown,
         }
+        if self.remote is not None:
+            handlers.update(self.remote.handlers())
         handler = handlers.get(op)
         if handler is None:
             return _answer_error("invalid", f"unknown op {op!r}; known: {', '.join(handlers)}")
