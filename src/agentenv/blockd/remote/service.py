@@ -90,6 +90,8 @@ class RemoteService:
 
 
 def start(config: RemoteConfig, metrics_registry: Any = None) -> RemoteService:
+    # One line per ranged GET would drown blockd's log; failures are logged by the store.
+    logging.getLogger("httpx").setLevel(logging.WARNING)
     store = RemoteStore(config)
     server = None
     try:

@@ -80,6 +80,11 @@ class BlobInfo:
     state: BlobState
     layout: Layout
     users: int = 0
+    # Readahead (docs/remote-layers.md §2): the last chunk read and the current window,
+    # grown while misses follow each other, reset by a jump.
+    last_idx: int = -10
+    prev_miss: int = -10
+    window: int = 0
 
 
 class Stats:
@@ -126,21 +131,31 @@ class RemoteBlob:
             return n
         store = self.store
         cache = store.cache
-        state = self.info.state
+        info = self.info
+        state = info.state
         cs = cache.chunk_size
         pos, out = offset, 0
+        missing: list[tuple[int, int, int, int]] = []
         while out < n:
             idx = pos // cs
             co = pos - idx * cs
             take = min(n - out, state.chunk_len(idx) - co)
-            dst = buf[out : out + take]
-            if not cache.read(state, idx, co, dst):
+            if not cache.read(state, idx, co, buf[out : out + take]):
                 if not blocking_allowed():
-                    raise WouldBlock(f"chunk {idx} of {self.info.ref.digest} is not local")
-                data = store.get_chunk(self.info, idx)
-                dst[:] = data[co : co + take]
+                    raise WouldBlock(f"chunk {idx} of {info.ref.digest} is not local")
+                missing.append((idx, co, take, out))
+            info.last_idx = idx
             out += take
             pos += take
+        if missing:
+            # Every chunk the read misses is fetched at once, plus a readahead window when
+            # the misses run sequentially.
+            first = missing[0][0]
+            futures = [store.chunk_future(info, idx) for idx, _, _, _ in missing]
+            store.read_ahead(info, first, missing[-1][0])
+            for (idx, co, take, at), future in zip(missing, futures, strict=True):
+                data = store.wait_chunk(info, idx, future)
+                buf[at : at + take] = data[co : co + take]
         return n
 
     def close(self) -> None:
@@ -307,22 +322,38 @@ class RemoteStore:
 
     # -- chunks ----------------------------------------------------------------------------
 
-    def get_chunk(self, info: BlobInfo, idx: int, *, background: bool = False) -> bytes:
-        """Chunk `idx`'s bytes, fetched (once, for every reader that wants it) and checked.
-        Raises RemoteUnavailable (EIO) when no source served it within the timeout."""
-        started = time.monotonic()
+    def chunk_future(self, info: BlobInfo, idx: int) -> Future[bytes]:
+        """The fetch of chunk `idx`, started unless one is in flight already (shared)."""
         key = (info.hex, idx)
         with self._lock:
             future = self._inflight.get(key)
-            if future is None:
-                future = Future()
-                self._inflight[key] = future
-                owner = True
-            else:
-                owner = False
+            if future is not None:
                 self.stats.coalesced += 1
-        if owner:
-            self._pool.submit(self._fetch_into, info, idx, future)
+                return future
+            future = Future()
+            self._inflight[key] = future
+        self._pool.submit(self._fetch_into, info, idx, future)
+        return future
+
+    def read_ahead(self, info: BlobInfo, first_miss: int, last_miss: int) -> None:
+        """Sequential misses (this one within the window past the last) grow the readahead
+        window (2, 4, ... 32 chunks); a jump resets it. Random reads fetch nothing extra."""
+        state = info.state
+        sequential = 0 < first_miss - info.prev_miss <= max(2, info.window + 1)
+        info.window = min(max(2, info.window * 2), 32) if sequential else 0
+        info.prev_miss = last_miss
+        for idx in range(last_miss + 1, min(last_miss + 1 + info.window, state.nchunks)):
+            if not state.present[idx] and (info.hex, idx) not in self._inflight:
+                self.chunk_future(info, idx)
+
+    def get_chunk(self, info: BlobInfo, idx: int, *, background: bool = False) -> bytes:
+        """Chunk `idx`'s bytes, fetched (once, for every reader that wants it) and checked.
+        Raises RemoteUnavailable (EIO) when no source served it within the timeout."""
+        return self.wait_chunk(info, idx, self.chunk_future(info, idx), background=background)
+
+    def wait_chunk(self, info: BlobInfo, idx: int, future: Future[bytes], *,
+                   background: bool = False) -> bytes:
+        started = time.monotonic()
         try:
             return future.result(timeout=max(0.1, self.config.timeout -
                                              (time.monotonic() - started)))
