@@ -168,3 +168,26 @@ def test_layout_parse_rejects_a_bad_jump_table(hello: tuple[str, bytes]) -> None
     with pytest.raises(blobmod.LayerFormatError, match="jump table"):
         parse(lambda n, off: bytes(bad[off : off + n]), len(bad), digest)
     assert hashlib.sha256(data).hexdigest() == digest.split(":")[1]
+
+
+def test_prometheus_metrics(store: RemoteStore, registry: Registry,
+                            hello: tuple[str, bytes]) -> None:
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from agentenv.blockd.remote.service import _Collector
+
+    digest, data = hello
+    source = store.open_blob(_ref(registry, digest, len(data)))
+    try:
+        source.pread(len(data), 0)  # 10 chunks through an 8-chunk cache
+    finally:
+        source.close()
+    reg = CollectorRegistry()
+    reg.register(_Collector(store))
+    text = generate_latest(reg).decode()
+    values = {line.split(" ")[0]: float(line.split(" ")[1])
+              for line in text.splitlines() if line and not line.startswith("#")}
+    assert values['aenv_remote_fetched_bytes_total{source="registry"}'] >= len(data)
+    assert values["aenv_chunk_cache_misses_total"] >= 10
+    assert values["aenv_chunk_cache_evictions_total"] >= 2
+    assert 0 < values["aenv_chunk_cache_bytes"] <= 8 * CHUNK

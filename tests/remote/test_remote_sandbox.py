@@ -20,7 +20,7 @@ from tests.template.conftest import Registry
 pytestmark = [pytest.mark.qemu, pytest.mark.root, pytest.mark.slow]
 
 NET_PREFIX = "arl"  # unique: a test teardown deletes every {NET_PREFIX}-s* namespace
-FIRST_SLOT = 33001  # disjoint from the other VM test modules' slot ranges
+FIRST_SLOT = 29501  # disjoint from the other VM test modules (29001-29400, 30001, ...)
 
 
 @pytest.fixture(scope="module")
