@@ -228,24 +228,18 @@ class ChunkCache:
             raise OSError(errno.EIO, f"chunk cache file of {state.hex} is short at chunk {idx}")
         return True
 
-    def servable(self, state: BlobState, start: int, end: int) -> bool:
-        """True when every byte of [start, end) is stored and verified: what a peer may be
-        given. Chunks of a blob without per-chunk checks count only once the whole blob's
-        digest matched."""
+    def pin_servable(self, state: BlobState, start: int, end: int) -> list[tuple[str, int]] | None:
+        """Pin the chunks of [start, end) if all are servable (checked and pinned under one
+        lock, so none is evicted or being written meanwhile); None otherwise."""
         if start < 0 or end > state.size or start >= end:
-            return False
-        cs = self.chunk_size
-        with self._lock:
-            for idx in range(start // cs, (end - 1) // cs + 1):
-                mark = state.present[idx]
-                if mark == ABSENT or (mark == UNVERIFIED and not state.complete):
-                    return False
-        return True
-
-    def pin_range(self, state: BlobState, start: int, end: int) -> list[tuple[str, int]]:
+            return None
         cs = self.chunk_size
         keys = [(state.hex, i) for i in range(start // cs, (end - 1) // cs + 1)]
         with self._lock:
+            for _, idx in keys:
+                mark = state.present[idx]
+                if mark == ABSENT or (mark == UNVERIFIED and not state.complete):
+                    return None
             for key in keys:
                 self._pins[key] = self._pins.get(key, 0) + 1
         return keys
@@ -330,10 +324,16 @@ class ChunkCache:
         """sha256 of the complete blob against its name; a mismatch drops every chunk."""
         hasher = hashlib.sha256()
         pos = 0
-        keys = self.pin_range(state, 0, state.size)
+        keys = [(state.hex, i) for i in range(state.nchunks)]
+        with self._lock:
+            # Pinned only when every chunk is present (none is being written then).
+            whole = state.count == state.nchunks
+            if whole:
+                for key in keys:
+                    self._pins[key] = self._pins.get(key, 0) + 1
+            else:
+                keys = []
         try:
-            with self._lock:
-                whole = state.count == state.nchunks
             if whole:
                 while pos < state.size:
                     block = os.pread(state.fd, min(8 << 20, state.size - pos), pos)

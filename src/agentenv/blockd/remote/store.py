@@ -463,12 +463,10 @@ class RemoteStore:
             if meta is not None:
                 return meta
         state = self.cache.find(hex_)
-        if state is None or not self.cache.servable(state, start, end):
+        keys = self.cache.pin_servable(state, start, end) if state is not None else None
+        if state is None or keys is None:
             return None
-        keys = self.cache.pin_range(state, start, end)
         try:
-            if not self.cache.servable(state, start, end):  # evicted before the pin
-                return None
             data = os.pread(state.fd, end - start, start)
         finally:
             self.cache.unpin(keys)
