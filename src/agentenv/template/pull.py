@@ -236,9 +236,14 @@ def pull_image(
     unverified TLS (default: only for loopback registries and AENV_INSECURE_REGISTRIES).
     `lazy`: an overlaybd image's layers stay in the registry (remote layers, read on demand
     through blockd's chunk cache; docs/remote-layers.md); only their metadata is fetched.
-    False downloads them whole. Tar-layer images are always downloaded and converted.
+    False downloads them whole, as does a pull with explicit `credentials`. Tar-layer images are
+    always downloaded and converted.
     """
     started = time.perf_counter()
+    if credentials is not None:
+        # Credentials of this pull only stay in this process: blockd, which reads remote
+        # layers later, could not authenticate with them. Download the layers whole.
+        lazy = False
     reference = parse_reference(ref)
     if name is not None:
         _validate_name(name)
