@@ -228,6 +228,30 @@ class ChunkCache:
             raise OSError(errno.EIO, f"chunk cache file of {state.hex} is short at chunk {idx}")
         return True
 
+    def pread(self, state: BlobState, idx: int, offset: int, length: int) -> bytes | None:
+        """`length` bytes at `offset` inside chunk `idx` as bytes (one pread, no extra copy);
+        None when the chunk is absent (not counted: the caller's fallback read counts it)."""
+        key = (state.hex, idx)
+        pins = self._pins
+        with self._lock:
+            if not state.present[idx]:
+                return None
+            self.stats.hits += 1
+            self._lru.move_to_end(key)
+            pins[key] = pins.get(key, 0) + 1
+        try:
+            data = os.pread(state.fd, length, idx * self.chunk_size + offset)
+        finally:
+            with self._lock:
+                left = pins[key] - 1
+                if left:
+                    pins[key] = left
+                else:
+                    del pins[key]
+        if len(data) != length:
+            raise OSError(errno.EIO, f"chunk cache file of {state.hex} is short at chunk {idx}")
+        return data
+
     def pin_servable(self, state: BlobState, start: int, end: int) -> list[tuple[str, int]] | None:
         """Pin the chunks of [start, end) if all are servable (checked and pinned under one
         lock, so none is evicted or being written meanwhile); None otherwise."""

@@ -117,6 +117,15 @@ class RemoteBlob:
 
     def pread(self, length: int, offset: int) -> bytes:
         length = max(0, min(length, self.size - offset))
+        cs = self.store.cache.chunk_size
+        idx = offset // cs
+        if length and (offset + length - 1) // cs == idx \
+                and self.info.layout.meta_read(offset, length) is None:
+            # Inside one chunk (a ZFile block read): straight from the cache file when held.
+            data = self.store.cache.pread(self.info.state, idx, offset - idx * cs, length)
+            if data is not None:
+                self.info.last_idx = idx
+                return data
         buf = bytearray(length)
         n = self.readinto(offset, memoryview(buf))
         return bytes(buf[:n])
