@@ -191,3 +191,25 @@ def test_prometheus_metrics(store: RemoteStore, registry: Registry,
     assert values["aenv_chunk_cache_misses_total"] >= 10
     assert values["aenv_chunk_cache_evictions_total"] >= 2
     assert 0 < values["aenv_chunk_cache_bytes"] <= 8 * CHUNK
+
+
+def test_background_completion_fetches_a_blob_in_use_and_checks_its_digest(
+        tmp_path: Path, registry: Registry, hello: tuple[str, bytes]) -> None:
+    import time
+
+    digest, data = hello
+    s = RemoteStore(RemoteConfig(tmp_path / "cache", capacity=64 * CHUNK, chunk_size=CHUNK,
+                                 background_bw=4 << 20, timeout=5))
+    try:
+        source = s.open_blob(_ref(registry, digest, len(data)))
+        state = source.info.state
+        deadline = time.monotonic() + 30
+        while not state.complete and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert state.complete and s.stats.background_bytes >= len(data) - 2 * CHUNK
+        assert (tmp_path / "cache" / "blobs" / f"{state.hex}.ok").exists()
+        # Complete: a peer may be given any range of it.
+        assert s.serve_range(state.hex, 100, 200_000) == data[100:200_000]
+        source.close()
+    finally:
+        s.close()
