@@ -16,7 +16,6 @@ from __future__ import annotations
 import atexit
 import contextlib
 import errno
-import hashlib
 import logging
 import os
 import shutil
@@ -521,14 +520,6 @@ class RemoteStore:
 
 def _kind(source_name: str) -> str:
     return source_name.split(" ", 1)[0]
-
-
-def blob_sha256(path: Path) -> str:
-    hasher = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(8 << 20):
-            hasher.update(block)
-    return "sha256:" + hasher.hexdigest()
 
 
 _private: RemoteStore | None = None
