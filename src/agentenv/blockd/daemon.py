@@ -78,7 +78,12 @@ class Blockd:
         io_threads: int = 8,
         inline_max: int = INLINE_MAX,
         upper_limit: int | None = None,
+        remote: Any = None,
     ) -> None:
+        # Remote layers and the chunk cache (blockd/remote/service.py): a RemoteConfig, else
+        # settings from the environment.
+        self.remote_config = remote
+        self.remote: Any = None
         self.state_dir = Path(state_dir)
         self.socket_path = Path(socket_path)
         self.use_fuse = fuse
@@ -105,6 +110,7 @@ class Blockd:
             "release": m.release,
             "list": self._op_list,
             "shutdown": self._op_shutdown,
+            **(self.remote.handlers() if self.remote is not None else {}),
         }
 
     @property
@@ -148,6 +154,12 @@ class Blockd:
             self.metrics = Metrics()
             self.metrics.serve(self.metrics_port)
             self.manager.metrics = self.metrics
+        from agentenv.blockd.remote import service as remote_service
+
+        self.remote = remote_service.start(
+            self.remote_config or remote_service.config_from_env(self.state_dir),
+            self.metrics.registry if self.metrics else None)
+        self.rpc.handlers = self.operations()
         if self.use_fuse:
             from agentenv.blockd.fuse import FuseFiles
 
@@ -181,6 +193,9 @@ class Blockd:
             await self.fuse.stop()
         self.rpc.close()
         self.executor.shutdown(wait=True)
+        if self.remote is not None:
+            self.remote.stop()
+            self.remote = None
         if self._lock_fd >= 0:
             os.close(self._lock_fd)
             self._lock_fd = -1

@@ -21,6 +21,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
+from agentenv.storage.blob import WouldBlock, nonblocking
 from agentenv.blockd.results import DeviceInfo
 
 log = logging.getLogger("agentenv.blockd.device")
@@ -241,7 +242,12 @@ class Device:
         if length > self.inline_max or not self.gate.try_enter():
             return None
         try:
-            data = _read_for_socket(self.image, offset, length)
+            # On the event loop: a remote layer's read that would wait for the network goes
+            # to an I/O thread instead (storage/blob.py).
+            with nonblocking():
+                data = _read_for_socket(self.image, offset, length)
+        except WouldBlock:
+            return None
         finally:
             self.gate.leave()
         self.stats.reads += 1

@@ -30,10 +30,31 @@ _socket_option = click.option(
 @click.option("--upper-limit", envvar="AENV_DISK_UPPER_LIMIT", default="0", show_default=True,
               help="Default cap on a disk's upper growth (bytes, or with a K/M/G/T suffix; "
                    "0: none). Writes past it get ENOSPC. Env: AENV_DISK_UPPER_LIMIT.")
+@click.option("--chunk-cache-dir", type=click.Path(path_type=Path), default=None,
+              help="Chunk cache of remote layers (default STATE/chunk-cache; env "
+                   "AENV_CHUNK_CACHE_DIR).")
+@click.option("--chunk-cache-size", default=None,
+              help="Chunk cache capacity (bytes or K/M/G/T; default 10G; env AENV_CHUNK_CACHE_SIZE).")
+@click.option("--remote-timeout", type=float, default=None,
+              help="Seconds before a remote read nobody can serve fails with EIO (default 30; "
+                   "env AENV_REMOTE_TIMEOUT).")
+@click.option("--peer", "peers", multiple=True,
+              help="http://host:port of another node's chunk server, repeatable (env AENV_PEERS, "
+                   "comma-separated).")
+@click.option("--p2p-listen", default=None,
+              help="host:port to serve verified chunks to peers on (env AENV_P2P_LISTEN).")
+@click.option("--cluster-secret-file", type=click.Path(path_type=Path, exists=True), default=None,
+              help="The cluster secret peers authenticate with (env AENV_CLUSTER_SECRET[_FILE]).")
+@click.option("--remote-background-bw", default=None,
+              help="Bytes/s for completing remote blobs in use in the background; 0: off "
+                   "(default 32M; env AENV_REMOTE_BACKGROUND_BW).")
 @click.option("--log-level", default="info", show_default=True)
 def blockd_command(state_dir: Path, socket_path: Path, metrics_port: int | None,
                    no_fuse: bool, inline_max: int | None,
-                   upper_limit: str, log_level: str) -> None:
+                   upper_limit: str, chunk_cache_dir: Path | None, chunk_cache_size: str | None,
+                   remote_timeout: float | None, peers: tuple[str, ...], p2p_listen: str | None,
+                   cluster_secret_file: Path | None, remote_background_bw: str | None,
+                   log_level: str) -> None:
     """Run the block daemon in the foreground: every disk over NBD (and FUSE)."""
     from agentenv import logs
     from agentenv.blockd.daemon import Blockd
@@ -44,9 +65,20 @@ def blockd_command(state_dir: Path, socket_path: Path, metrics_port: int | None,
         limit = parse_size(upper_limit)
     except ValueError as exc:
         raise click.BadParameter(str(exc), param_hint="--upper-limit / AENV_DISK_UPPER_LIMIT") from None
+    from agentenv.blockd.remote.service import config_from_env
+
+    try:
+        remote = config_from_env(
+            state_dir, cache_dir=chunk_cache_dir,
+            capacity=parse_size(chunk_cache_size) if chunk_cache_size else None,
+            timeout=remote_timeout, peers=list(peers) or None, p2p_listen=p2p_listen,
+            secret=cluster_secret_file.read_text().strip() if cluster_secret_file else None,
+            background_bw=parse_size(remote_background_bw) if remote_background_bw else None)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="remote layer settings") from None
     daemon = Blockd(state_dir, socket_path, fuse=not no_fuse, metrics_port=metrics_port,
                     inline_max=INLINE_MAX if inline_max is None else inline_max,
-                    upper_limit=limit or None)
+                    upper_limit=limit or None, remote=remote)
     asyncio.run(daemon.run())
 
 

@@ -37,19 +37,24 @@ LEVEL_STYLES = {"debug": "dim", "info": "", "warn": "yellow", "error": "bold red
 @click.option("--ca-file", type=click.Path(path_type=Path, exists=True), default=None,
               help="CA bundle to verify the registry's TLS certificate.")
 @click.option("-q", "--quiet", is_flag=True, help="No progress bars; print only the image directory.")
+@click.option("--download", is_flag=True,
+              help="Download overlaybd layers whole instead of leaving them in the registry "
+                   "as remote layers read on demand.")
 def pull_command(reference: str, name: str | None, state_dir: Path, platform: str,
                  docker_config: Path | None, blockd_socket: Path | None, insecure: bool | None,
-                 ca_file: Path | None, quiet: bool) -> None:
+                 ca_file: Path | None, quiet: bool, download: bool = False) -> None:
     """Pull an OCI image and turn it into overlaybd layers ready for templates.
 
     Tar layers are applied onto an ext4 filesystem (one overlaybd layer each, cached by chain
-    ID); overlaybd-format images are used as they are.
+    ID); overlaybd-format images are used as they are: left in the registry as remote layers
+    (only their metadata is fetched; blockd reads the rest on demand), or with --download
+    fetched whole.
     """
     from agentenv.template.pull import pull_image
 
     pulled = pull_image(reference, name=name, state_dir=state_dir, platform=platform,
                         docker_config=docker_config, blockd=blockd_socket, insecure=insecure or None,
-                        ca_file=ca_file, progress=not quiet)
+                        ca_file=ca_file, progress=not quiet, lazy=not download)
     if quiet:
         click.echo(str(pulled.path))
         return

@@ -420,9 +420,14 @@ class LayerCollector:
         wanted = set(files)
         for config in (self.state_dir / "images").glob("*/image.json"):
             wanted.update(_resolve(p) for p in _config_lowers(config))
-        from agentenv.template.layercache import CONVERTER_KIND, LAYER_FILE, NATIVE_KIND
+        from agentenv.template.layercache import (
+            CONVERTER_KIND,
+            LAYER_FILE,
+            NATIVE_KIND,
+            REMOTE_KIND,
+        )
 
-        for kind in (CONVERTER_KIND, NATIVE_KIND):  # base/: the shared empty ext4, kept
+        for kind in (CONVERTER_KIND, NATIVE_KIND, REMOTE_KIND):  # base/: the shared empty ext4, kept
             for entry in sorted((cache / kind).glob("*")):
                 if entry.is_dir() and _resolve(entry / LAYER_FILE) not in wanted:
                     self._delete(entry, report, now)

@@ -93,11 +93,13 @@ class _View:
         self.upper_map: memoryview | None = None
         # Per layer slot: an int fd (plain stream, read with one pread at bases[k] + pos) or a
         # ZFileReader.
-        self.srcs: list[int | ZFileReader] = []
+        # A plain remote layer is its StreamSource (same pread/readinto as a ZFileReader).
+        self.srcs: list[int | ZFileReader | StreamSource] = []
         self.bases: list[int] = []
         for layer in layers:
             src = layer.source
-            self.srcs.append(src.zreader if src.zreader is not None else src.fd)
+            self.srcs.append(src.zreader if src.zreader is not None else
+                             src if src.blob is not None else src.fd)
             self.bases.append(src.base)
         # Hot-path tables for read(): byte bounds of each merged mapping; its kind (1 plain
         # data, 0 ZFile data, -2 zeroed); for plain data the layer's mmap and the file position

@@ -11,10 +11,12 @@ import contextlib
 import mmap
 import os
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
-from agentenv.storage import tarwrap, zfile
+from agentenv.storage import blob, tarwrap, zfile
+from agentenv.storage.blob import BlobSource
 from agentenv.storage.errors import LayerFormatError
 from agentenv.storage.lsmt import (
     FLAG_DATA,
@@ -42,30 +44,42 @@ class StreamSource:
     size: int  # unwrapped stream size
     zreader: zfile.ZFileReader | None = None
     tar: tarwrap.TarEntry | None = None
+    blob: BlobSource | None = None  # a remote layer's bytes (fd is then -1)
 
     def pread(self, length: int, pos: int) -> bytes:
         if self.zreader is not None:
             return self.zreader.pread(length, pos)
         length = max(0, min(length, self.size - pos))
+        if self.blob is not None:
+            return self.blob.pread(length, self.base + pos)
         return os.pread(self.fd, length, self.base + pos)
 
     def readinto(self, pos: int, buf: memoryview) -> int:
         if self.zreader is not None:
             return self.zreader.readinto(pos, buf)
         n = max(0, min(len(buf), self.size - pos))
+        if self.blob is not None:
+            return self.blob.readinto(self.base + pos, buf[:n]) if n else 0
         return os.preadv(self.fd, [buf[:n]], self.base + pos) if n else 0
 
 
-def open_stream(path: Path, fd: int) -> StreamSource:
-    """Detect tar and ZFile wrappers on an open layer file (docs/overlaybd.md §1)."""
-    file_size = os.fstat(fd).st_size
-    entry = tarwrap.read_tar_entry(fd, path, file_size)
+def open_stream(path: Path, fd: int | BlobSource) -> StreamSource:
+    """Detect tar and ZFile wrappers on an open layer file, or a remote blob
+    (docs/overlaybd.md §1)."""
+    if isinstance(fd, int):
+        file_size = os.fstat(fd).st_size
+        pread = partial(os.pread, fd)
+        blob = None
+    else:
+        blob, file_size, fd = fd, fd.size, -1
+        pread = blob.pread
+    entry = tarwrap.read_tar_entry(pread, path, file_size)
     base, size = (entry.payload_offset, entry.payload_size) if entry else (0, file_size)
-    head = os.pread(fd, zfile.ZF_BLOCK, base)
+    head = pread(zfile.ZF_BLOCK, base)
     if zfile.is_zfile(head):
-        reader = zfile.ZFileReader(path, fd, base, size)
-        return StreamSource(str(path), fd, base, reader.size, reader, entry)
-    return StreamSource(str(path), fd, base, size, None, entry)
+        reader = zfile.ZFileReader(path, fd if blob is None else blob, base, size)
+        return StreamSource(str(path), fd, base, reader.size, reader, entry, blob)
+    return StreamSource(str(path), fd, base, size, None, entry, blob)
 
 
 @dataclass
@@ -123,6 +137,9 @@ class SealedLayer:
         if self.source.fd >= 0:
             os.close(self.source.fd)
             self.source.fd = -1
+        if self.source.blob is not None:
+            self.source.blob.close()
+            self.source.blob = None
 
 
 def _close_mapping(mm: mmap.mmap | None) -> None:
@@ -180,17 +197,44 @@ def load_sealed(path: Path, source: StreamSource) -> SealedLayer:
 
 
 def open_layer(path: Path) -> SealedLayer:
-    """Open a lower layer file or blob: tar-wrapped, ZFile or plain sealed LSMT."""
+    """Open a lower layer file or blob: tar-wrapped, ZFile or plain sealed LSMT; or a remote
+    layer's descriptor (storage/blob.py), read through the process's remote opener."""
     path = Path(path)
     try:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     except FileNotFoundError as exc:
         raise LayerFormatError(path, None, "layer file does not exist") from exc
     try:
+        if blob.is_descriptor(os.pread(fd, 512, 0)):
+            os.close(fd)
+            fd = -1
+            return _open_remote(path)
         return load_sealed(path, open_stream(path, fd))
     except BaseException:
-        os.close(fd)
+        if fd >= 0:
+            os.close(fd)
         raise
+
+
+def _open_remote(path: Path) -> SealedLayer:
+    ref = blob.load_descriptor(path)
+    source = blob.open_remote(ref)
+    try:
+        layer = load_sealed(path, open_stream(path, source))
+    except BaseException:
+        source.close()
+        raise
+    layer.extra["remote"] = ref
+    return layer
+
+
+def is_remote(path: Path) -> bool:
+    """True when `path` is a remote layer's descriptor rather than a layer file."""
+    try:
+        with open(path, "rb") as f:
+            return blob.is_descriptor(f.read(512))
+    except OSError:
+        return False
 
 
 def _lsmt_facts(header: HeaderTrailer, trailer: HeaderTrailer | None, entries: int,
@@ -230,35 +274,50 @@ def inspect_layer(path: Path) -> dict[str, Any]:
             return {"kind": "upper", "path": str(path), **facts}
         finally:
             upper.close()
+    remote: dict[str, Any] | None = None
+    if is_remote(path):
+        ref = blob.load_descriptor(path)
+        remote = {"digest": ref.digest, "size": ref.size,
+                  "sources": [s.to_json() for s in ref.sources]}
+        if ref.facts:  # recorded at pull: no need to fetch anything
+            return {**ref.facts, "path": str(path), "remote": remote}
     layer = open_layer(path)
     try:
-        src = layer.source
-        facts = _lsmt_facts(layer.header, layer.trailer, len(layer.index),
-                            layer.trailer.index_offset - HT_BLOCK)
-        facts["index_size"] = layer.raw_index_size
-        facts["index_offset"] = layer.trailer.index_offset
-        facts["lsmt_size"] = src.size
-        result: dict[str, Any] = {"path": str(path)}
-        kind = "sealed"
-        if src.zreader is not None:
-            z = src.zreader
-            result["zfile"] = {
-                "algorithm": zfile.NAME_BY_ALGO[z.algo],
-                "block_size": z.block_size,
-                "blocks": z.nblocks,
-                "original_size": z.size,
-                "verify": z.verify,
-                "header_flags": z.header.flags,
-                "header_overwritten": bool(z.header.flags & zfile.FLAG_HEADER_OVERWRITE),
-                "compressed_size": z.info.index_offset + 4 * z.nblocks + zfile.ZF_BLOCK,
-            }
-            result["inner_kind"] = "sealed"
-            kind = "zfile"
-        if src.tar is not None:
-            result["tar"] = {"payload_offset": src.tar.payload_offset,
-                             "payload_size": src.tar.payload_size, "pax": src.tar.has_pax}
-            result["inner_kind"] = kind
-            kind = "tar"
-        return {"kind": kind, **facts, **result}
+        result = describe_layer(layer, path)
+        if remote is not None:
+            result["remote"] = remote
+        return result
     finally:
         layer.close()
+
+
+def describe_layer(layer: SealedLayer, path: Path | str) -> dict[str, Any]:
+    """`inspect_layer`'s answer for an open sealed layer."""
+    src = layer.source
+    facts = _lsmt_facts(layer.header, layer.trailer, len(layer.index),
+                        layer.trailer.index_offset - HT_BLOCK)
+    facts["index_size"] = layer.raw_index_size
+    facts["index_offset"] = layer.trailer.index_offset
+    facts["lsmt_size"] = src.size
+    result: dict[str, Any] = {"path": str(path)}
+    kind = "sealed"
+    if src.zreader is not None:
+        z = src.zreader
+        result["zfile"] = {
+            "algorithm": zfile.NAME_BY_ALGO[z.algo],
+            "block_size": z.block_size,
+            "blocks": z.nblocks,
+            "original_size": z.size,
+            "verify": z.verify,
+            "header_flags": z.header.flags,
+            "header_overwritten": bool(z.header.flags & zfile.FLAG_HEADER_OVERWRITE),
+            "compressed_size": z.info.index_offset + 4 * z.nblocks + zfile.ZF_BLOCK,
+        }
+        result["inner_kind"] = "sealed"
+        kind = "zfile"
+    if src.tar is not None:
+        result["tar"] = {"payload_offset": src.tar.payload_offset,
+                         "payload_size": src.tar.payload_size, "pax": src.tar.has_pax}
+        result["inner_kind"] = kind
+        kind = "tar"
+    return {"kind": kind, **facts, **result}

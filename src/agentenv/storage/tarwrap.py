@@ -8,6 +8,7 @@ sits and how long it is.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -104,9 +105,12 @@ def is_tar_header(block: bytes) -> bool:
     return stored is not None and stored == _checksum(bytearray(block[:BLOCK]))
 
 
-def read_tar_entry(fd: int, path: Path | str, file_size: int) -> TarEntry | None:
-    """Parse the wrapper at the start of `fd`; None when the file is not a tar stream."""
-    block0 = os.pread(fd, BLOCK, 0)
+def read_tar_entry(fd: int | Callable[[int, int], bytes], path: Path | str,
+                   file_size: int) -> TarEntry | None:
+    """Parse the wrapper at the start of `fd` (a file descriptor, or a `pread(length, offset)`
+    of a blob); None when the file is not a tar stream."""
+    pread = (lambda n, off: os.pread(fd, n, off)) if isinstance(fd, int) else fd
+    block0 = pread(BLOCK, 0)
     if not is_tar_header(block0):
         return None
     size = _parse_octal(block0[124:136])
@@ -114,7 +118,7 @@ def read_tar_entry(fd: int, path: Path | str, file_size: int) -> TarEntry | None
         raise LayerFormatError(path, 124, "tar header size field is not octal")
     if block0[156:157] in (b"x", b"g"):
         pax_blocks = (size + BLOCK - 1) // BLOCK
-        pax = os.pread(fd, size, BLOCK)
+        pax = pread(size, BLOCK)
         if len(pax) < size:
             raise LayerFormatError(path, BLOCK, "truncated pax header data")
         payload_size: int | None = None
@@ -127,7 +131,7 @@ def read_tar_entry(fd: int, path: Path | str, file_size: int) -> TarEntry | None
                 except ValueError as exc:
                     raise LayerFormatError(path, BLOCK, f"bad pax size record {record!r}") from exc
         entry_off = BLOCK + pax_blocks * BLOCK
-        entry = os.pread(fd, BLOCK, entry_off)
+        entry = pread(BLOCK, entry_off)
         if not is_tar_header(entry):
             raise LayerFormatError(path, entry_off, "no valid ustar header after the pax header")
         if payload_size is None:

@@ -18,9 +18,10 @@ import threading
 from bisect import bisect_right
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from itertools import accumulate
 from pathlib import Path
-from typing import BinaryIO, Literal
+from typing import TYPE_CHECKING, BinaryIO, Literal
 
 import lz4.block
 import numpy as np
@@ -29,6 +30,9 @@ from crc32c import crc32c as _std_crc32c
 
 from agentenv.storage.crc import BLOCK_SALT, raw_crc32c
 from agentenv.storage.errors import LayerFormatError
+
+if TYPE_CHECKING:
+    from agentenv.storage.blob import BlobSource
 
 ZF_BLOCK = 512
 MAGIC0 = bytes.fromhex("5a46696c65000100")
@@ -116,14 +120,19 @@ class ZFileReader:
     stream). Safe to call from several threads (per-thread zstd contexts).
     """
 
-    def __init__(self, path: Path | str, fd: int, base: int, stream_size: int) -> None:
+    def __init__(self, path: Path | str, fd: int | BlobSource, base: int,
+                 stream_size: int) -> None:
         self.path = str(path)
-        self.fd = fd
+        # A local file's descriptor, or a blob read through its own pread (a remote layer).
+        self.fd = fd if isinstance(fd, int) else -1
+        self.blob = None if isinstance(fd, int) else fd
+        self._pread: Callable[[int, int], bytes] = (
+            partial(os.pread, fd) if isinstance(fd, int) else fd.pread)
         self.base = base
         self.stream_size = stream_size
         if stream_size < 2 * ZF_BLOCK:
             raise LayerFormatError(path, base, f"truncated ZFile: {stream_size} bytes")
-        hblock = os.pread(fd, ZF_BLOCK, base)
+        hblock = self._pread(ZF_BLOCK, base)
         header = ZFileHeader.unpack(hblock, path, base)
         if not header.flags & FLAG_HEADER:
             raise LayerFormatError(path, base, "ZFile header block lacks the header flag")
@@ -134,7 +143,7 @@ class ZFileReader:
         self.trailer: ZFileHeader | None = None
         if not header.flags & FLAG_HEADER_OVERWRITE:
             toff = base + stream_size - ZF_BLOCK
-            tblock = os.pread(fd, ZF_BLOCK, toff)
+            tblock = self._pread(ZF_BLOCK, toff)
             trailer = ZFileHeader.unpack(tblock, path, toff)
             need = FLAG_DATA | FLAG_SEALED
             if trailer.flags & FLAG_HEADER or trailer.flags & need != need:
@@ -161,7 +170,7 @@ class ZFileReader:
                 path, base + 48,
                 f"jump table has {nblocks} blocks but original size {info.original_file_size} "
                 f"needs {(info.original_file_size + bs - 1) // bs}")
-        table = os.pread(fd, 4 * nblocks, base + info.index_offset)
+        table = self._pread(4 * nblocks, base + info.index_offset)
         if len(table) != 4 * nblocks:
             raise LayerFormatError(path, base + info.index_offset, "truncated ZFile jump table")
         if info.flags & FLAG_DIGEST and raw_crc32c(table) != info.index_crc:
@@ -206,7 +215,7 @@ class ZFileReader:
             return 0
         bs = self.block_size
         offs = self.offsets
-        fd = self.fd
+        pread = self._pread
         verify = self.verify
         decompress = self._decompressor()
         b = pos // bs
@@ -218,7 +227,7 @@ class ZFileReader:
             stop = min(max(stop, b), last)
             base_off = offs[b]
             nbytes = offs[stop + 1] - base_off
-            raw = os.pread(fd, nbytes, base_off)
+            raw = pread(nbytes, base_off)
             if len(raw) != nbytes:
                 raise LayerFormatError(self.path, base_off + len(raw), "ZFile data truncated")
             rv = memoryview(raw)
@@ -262,7 +271,7 @@ class ZFileReader:
             # Inside one block: one pread, one CRC, one decompress, no extra buffer.
             offs = self.offsets
             a, z = offs[b], offs[b + 1]
-            raw = os.pread(self.fd, z - a, a)
+            raw = self._pread(z - a, a)
             if len(raw) != z - a:
                 raise LayerFormatError(self.path, a + len(raw), "ZFile data truncated")
             if self.verify:

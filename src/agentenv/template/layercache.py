@@ -6,6 +6,8 @@
                                                chain ID): the result depends on every layer
                                                below it
     <root>/overlaybd/<blob digest hex>/layer   an overlaybd-format layer blob, as pulled
+    <root>/remote/<blob digest hex>/layer      a remote layer's descriptor (storage/blob.py):
+                                               the blob stays in its registry, read on demand
     <root>/*/<hex>/meta.json                   what the entry was made from
     <root>/locks/<kind>-<hex>.lock             one converter at a time per entry (flock)
     <root>/blobs/<hex>                         downloads in flight (deleted once converted)
@@ -33,6 +35,7 @@ from typing import Any
 CONVERTER_KIND = "ext4-v2"  # bump when the conversion (mkfs options, applier rules) changes
 # v2: PAX times applied to the nanosecond (v1 rounded them through a float)
 NATIVE_KIND = "overlaybd"
+REMOTE_KIND = "remote"  # an overlaybd blob left in its registry: `layer` is its descriptor
 BASE_KIND = "base"
 LAYER_FILE = "layer"
 META_FILE = "meta.json"
@@ -72,7 +75,7 @@ def _hex(digest: str) -> str:
 class LayerCache:
     def __init__(self, root: Path) -> None:
         self.root = Path(root)
-        for sub in (CONVERTER_KIND, NATIVE_KIND, BASE_KIND, "locks", "blobs", "work"):
+        for sub in (CONVERTER_KIND, NATIVE_KIND, REMOTE_KIND, BASE_KIND, "locks", "blobs", "work"):
             (self.root / sub).mkdir(parents=True, exist_ok=True)
 
     def entry_dir(self, kind: str, digest: str) -> Path:

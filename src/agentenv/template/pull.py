@@ -41,6 +41,7 @@ from rich.progress import (
 
 from agentenv.blockd.client import BlockdClient
 from agentenv.fsutil import require_free_space
+from agentenv.storage.blob import BlobLocation, RemoteLayerRef, load_descriptor
 from agentenv.template.apply import compression_of
 from agentenv.template.auth import Credentials
 from agentenv.template.blobtap import BlobTap
@@ -58,6 +59,7 @@ from agentenv.template.layercache import (
     CONVERTER_KIND,
     LAYER_FILE,
     NATIVE_KIND,
+    REMOTE_KIND,
     LayerCache,
     chain_ids,
     converted_key,
@@ -224,6 +226,7 @@ def pull_image(
     ca_file: Path | None = None,
     progress: bool = False,
     console: Console | None = None,
+    lazy: bool = True,
 ) -> PulledImage:
     """Pull `ref` and record it under `state_dir/images/<name or sha256-HEX>/`.
 
@@ -231,8 +234,16 @@ def pull_image(
     daemon if it answers, else a private one for this pull). `credentials`: used instead of the
     docker config's, kept in memory only. `insecure`: allow plain http and
     unverified TLS (default: only for loopback registries and AENV_INSECURE_REGISTRIES).
+    `lazy`: an overlaybd image's layers stay in the registry (remote layers, read on demand
+    through blockd's chunk cache; docs/remote-layers.md); only their metadata is fetched.
+    False downloads them whole, as does a pull with explicit `credentials`. Tar-layer images are
+    always downloaded and converted.
     """
     started = time.perf_counter()
+    if credentials is not None:
+        # Credentials of this pull only stay in this process: blockd, which reads remote
+        # layers later, could not authenticate with them. Download the layers whole.
+        lazy = False
     reference = parse_reference(ref)
     if name is not None:
         _validate_name(name)
@@ -259,7 +270,7 @@ def pull_image(
         try:
             # counts: (cached, converted, fetched as they are)
             if _is_overlaybd(manifest):
-                lowers, (cached, fetched) = _pull_overlaybd(manifest, puller)
+                lowers, (cached, fetched) = _pull_overlaybd(manifest, puller, lazy)
                 counts = (cached, 0, fetched)
                 image_format = "overlaybd"
             else:
@@ -274,9 +285,7 @@ def pull_image(
     record = {
         # overlaybd's `digest` names a blob by its bytes; a converted layer is named by the
         # OCI chain ID it was made from instead (its bytes are local, never fetched remotely).
-        "lowers": [{"file": str(path), "size": path.stat().st_size,
-                    ("chainId" if path.parent.parent.name == CONVERTER_KIND else "digest"): digest}
-                   for path, digest in lowers],
+        "lowers": [_lower_record(path, digest) for path, digest in lowers],
         "name": name,
         "reference": str(reference),
         "manifestDigest": manifest.digest,
@@ -321,9 +330,23 @@ def _mib(n: int) -> str:
     return f"{n / (1 << 20):.1f} MiB"
 
 
-def _pull_overlaybd(manifest: Manifest, puller: _Puller) -> tuple[list[tuple[Path, str]], tuple[int, int]]:
+def _lower_record(path: Path, digest: str) -> dict[str, Any]:
+    kind = path.parent.parent.name
+    if kind == REMOTE_KIND:
+        ref = load_descriptor(path)
+        return {"file": str(path), "size": ref.size, "digest": digest, "remote": True}
+    # overlaybd's `digest` names a blob by its bytes; a converted layer is named by the
+    # OCI chain ID it was made from instead (its bytes are local, never fetched remotely).
+    return {"file": str(path), "size": path.stat().st_size,
+            ("chainId" if kind == CONVERTER_KIND else "digest"): digest}
+
+
+def _pull_overlaybd(manifest: Manifest, puller: _Puller,
+                    lazy: bool = True) -> tuple[list[tuple[Path, str]], tuple[int, int]]:
     from agentenv.storage.layer import inspect_layer  # the storage engine checks the format
 
+    if lazy:
+        return _pull_remote(manifest, puller)
     lowers: list[tuple[Path, str]] = []
     cached = fetched = 0
     need = sum(layer.size for layer in manifest.layers
@@ -347,6 +370,62 @@ def _pull_overlaybd(manifest: Manifest, puller: _Puller) -> tuple[list[tuple[Pat
                 path = puller.cache.publish(NATIVE_KIND, layer.digest, staged, {
                     "kind": "overlaybd-blob", "sourceDigest": layer.digest, "size": layer.size,
                     "mediaType": layer.media_type, "annotations": layer.annotations,
+                })
+            fetched += 1
+            lowers.append((path, layer.digest))
+    return lowers, (cached, fetched)
+
+
+def _pull_remote(manifest: Manifest,
+                 puller: _Puller) -> tuple[list[tuple[Path, str]], tuple[int, int]]:
+    """Record each overlaybd blob as a remote layer: a descriptor naming the blob and this
+    registry, plus the layer's facts, read from the few byte ranges that hold its metadata
+    (wrappers, ZFile jump table, LSMT header, index and trailer). A blob already whole in the
+    cache is used as it is."""
+    from agentenv.blockd.remote.layout import MetaReader
+    from agentenv.storage.layer import describe_layer, load_sealed, open_stream
+
+    lowers: list[tuple[Path, str]] = []
+    cached = fetched = 0
+    client, repo = puller.client, puller.ref.repository
+    location = BlobLocation(puller.ref.registry, repo, client.host if client.host !=
+                            puller.ref.registry else None, client.insecure)
+    for layer in manifest.layers:
+        whole = puller.cache.lookup(NATIVE_KIND, layer.digest)
+        if whole is not None:
+            cached += 1
+            lowers.append((whole, layer.digest))
+            continue
+        with puller.cache.entry_lock(REMOTE_KIND, layer.digest):
+            found = puller.cache.lookup(REMOTE_KIND, layer.digest)
+            if found is not None:
+                ref = load_descriptor(found)
+                if location not in ref.sources:  # one more place to fetch it from
+                    ref.sources.append(location)
+                    ref.save(found)
+                cached += 1
+                lowers.append((found, layer.digest))
+                continue
+
+            def fetch(length: int, offset: int, digest: str = layer.digest) -> bytes:
+                data: bytes = client.get_blob_range(repo, digest, offset, offset + length)
+                puller.bytes_downloaded += len(data)
+                return data
+
+            reader = MetaReader(fetch, layer.size)
+            label = f"{puller.ref.registry}/{repo}@{layer.digest}"
+            opened = load_sealed(Path(label), open_stream(Path(label), reader))
+            facts = describe_layer(opened, label)
+            facts.pop("path", None)
+            with puller.cache.workspace() as work:
+                staged = work / "entry"
+                staged.mkdir()
+                RemoteLayerRef(layer.digest, layer.size, [location], layer.media_type,
+                               facts).save(staged / LAYER_FILE)
+                path = puller.cache.publish(REMOTE_KIND, layer.digest, staged, {
+                    "kind": "overlaybd-remote", "sourceDigest": layer.digest,
+                    "size": layer.size, "mediaType": layer.media_type,
+                    "annotations": layer.annotations, "metadataBytes": reader.fetched,
                 })
             fetched += 1
             lowers.append((path, layer.digest))

@@ -501,6 +501,37 @@ class RegistryClient:
             )
         return data
 
+    def get_blob_range(self, repository: str, digest: str, start: int, end: int) -> bytes:
+        """Bytes [start, end) of a blob with an HTTP Range request; exactly that many or an
+        error. Not verified here: the caller checks what it gets (blockd/remote)."""
+        what = f"blob {repository}@{digest} bytes {start}-{end - 1}"
+        response = self._request("GET", f"/v2/{repository}/blobs/{digest}", repository,
+                                 headers={"Range": f"bytes={start}-{end - 1}"}, stream=True)
+        try:
+            self._fail(response, what)
+            want = end - start
+            if response.status_code == 206:
+                data = read_capped(response, want, what)
+            else:
+                # A registry that ignores Range sends the whole blob: skip to the range and
+                # stop reading once it is in.
+                parts: list[bytes] = []
+                pos = got = 0
+                for chunk in self._iter_body(response, what):
+                    lo, hi = max(start - pos, 0), min(end - pos, len(chunk))
+                    if lo < hi:
+                        parts.append(chunk[lo:hi])
+                        got += hi - lo
+                    pos += len(chunk)
+                    if pos >= end:
+                        break
+                data = b"".join(parts)
+        finally:
+            response.close()
+        if len(data) != end - start:
+            raise RegistryError(f"{what}: got {len(data)} bytes")
+        return data
+
     def download_blob(self, repository: str, descriptor: Descriptor, dest: Path,
                       progress: ProgressCallback | None = None, tap: BlobTap | None = None) -> Path:
         """Stream a blob to `dest` (written as dest.partial, renamed once verified). A `tap`

@@ -1,0 +1,545 @@
+"""The remote store: remote blobs read through the node's chunk cache, fetched from peers and
+registries (docs/remote-layers.md).
+
+One store per process (blockd's, or a private one elsewhere). It owns the HTTP connection
+pools (one httpx client for peers, one RegistryClient per registry), the fetch threads and
+the background completer, so a device going away never touches another's connections.
+
+A read of an absent chunk fetches it once however many readers want it (requests in flight
+are shared), from the peers first (spread by chunk), then the registry; every answer is
+checked before it is stored or used (layout.py), and a bad or failed answer moves on to the
+next source. A read that no source can serve within `timeout` seconds fails with EIO.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import errno
+import logging
+import os
+import shutil
+import tempfile
+import threading
+import time
+import zlib
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from agentenv.blockd.remote.cache import UNVERIFIED, VERIFIED, BlobState, ChunkCache
+from agentenv.blockd.remote.layout import Layout, parse
+from agentenv.storage.blob import BlobLocation, RemoteLayerRef, WouldBlock, blocking_allowed
+from agentenv.storage.errors import LayerFormatError
+
+log = logging.getLogger("agentenv.blockd.remote")
+
+DEFAULT_CHUNK = 1 << 20
+DEFAULT_TIMEOUT = 30.0
+PEER_BACKOFF_S = 5.0
+
+
+@dataclass
+class RemoteConfig:
+    """Settings of the remote store (the `aenv blockd` options and env variables)."""
+
+    cache_dir: Path
+    capacity: int = 20 << 30
+    chunk_size: int = DEFAULT_CHUNK
+    high: float = 0.95
+    low: float = 0.85
+    timeout: float = DEFAULT_TIMEOUT  # a guest read fails with EIO after this long
+    request_timeout: float = 10.0  # one HTTP request to one source
+    peers: list[str] = field(default_factory=list)  # http://host:port of other nodes' blockd
+    secret: str | None = None  # the cluster secret peers authenticate with
+    p2p_listen: str | None = None  # host:port to serve chunks to peers
+    background_bw: int = 32 << 20  # bytes/s for completing blobs in use; 0: off
+    fetch_threads: int = 8
+    docker_config: Path | None = None
+
+
+class RemoteUnavailable(OSError):
+    def __init__(self, message: str) -> None:
+        super().__init__(errno.EIO, message)
+
+
+class SourceError(Exception):
+    pass
+
+
+@dataclass
+class BlobInfo:
+    ref: RemoteLayerRef
+    hex: str
+    state: BlobState
+    layout: Layout
+    users: int = 0
+    # Readahead (docs/remote-layers.md §2): the last chunk read and the current window,
+    # grown while misses follow each other, reset by a jump.
+    last_idx: int = -10
+    prev_miss: int = -10
+    window: int = 0
+
+
+class Stats:
+    """Counters for metrics and the `remote_stats` RPC."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.fetched: dict[str, int] = {}  # bytes per source kind (peer, registry)
+        self.requests: dict[str, int] = {}
+        self.corrupt: dict[str, int] = {}
+        self.failures: dict[str, int] = {}
+        self.eio = 0
+        self.coalesced = 0
+        self.background_bytes = 0
+
+    def add(self, table: str, key: str, amount: int = 1) -> None:
+        with self.lock:
+            d: dict[str, int] = getattr(self, table)
+            d[key] = d.get(key, 0) + amount
+
+
+class RemoteBlob:
+    """A BlobSource over the chunk cache: what `open_layer` reads a remote layer through."""
+
+    def __init__(self, store: RemoteStore, info: BlobInfo) -> None:
+        self.store = store
+        self.info = info
+        self.size = info.ref.size
+        self._closed = False
+
+    def pread(self, length: int, offset: int) -> bytes:
+        length = max(0, min(length, self.size - offset))
+        cs = self.store.cache.chunk_size
+        idx = offset // cs
+        if length and (offset + length - 1) // cs == idx \
+                and self.info.layout.meta_read(offset, length) is None:
+            # Inside one chunk (a ZFile block read): straight from the cache file when held.
+            data = self.store.cache.pread(self.info.state, idx, offset - idx * cs, length)
+            if data is not None:
+                self.info.last_idx = idx
+                return data
+        buf = bytearray(length)
+        n = self.readinto(offset, memoryview(buf))
+        return bytes(buf[:n])
+
+    def readinto(self, offset: int, buf: memoryview) -> int:
+        n = max(0, min(len(buf), self.size - offset))
+        if n == 0:
+            return 0
+        meta = self.info.layout.meta_read(offset, n)
+        if meta is not None:
+            buf[:n] = meta
+            return n
+        store = self.store
+        cache = store.cache
+        info = self.info
+        state = info.state
+        cs = cache.chunk_size
+        pos, out = offset, 0
+        missing: list[tuple[int, int, int, int]] = []
+        while out < n:
+            idx = pos // cs
+            co = pos - idx * cs
+            take = min(n - out, state.chunk_len(idx) - co)
+            if not cache.read(state, idx, co, buf[out : out + take]):
+                if not blocking_allowed():
+                    raise WouldBlock(f"chunk {idx} of {info.ref.digest} is not local")
+                missing.append((idx, co, take, out))
+            info.last_idx = idx
+            out += take
+            pos += take
+        if missing:
+            # Every chunk the read misses is fetched at once, plus a readahead window when
+            # the misses run sequentially.
+            first = missing[0][0]
+            futures = [store.chunk_future(info, idx) for idx, _, _, _ in missing]
+            store.read_ahead(info, first, missing[-1][0])
+            for (idx, co, take, at), future in zip(missing, futures, strict=True):
+                data = store.wait_chunk(info, idx, future)
+                buf[at : at + take] = data[co : co + take]
+        return n
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self.store.release(self.info)
+
+
+class RemoteStore:
+    def __init__(self, config: RemoteConfig) -> None:
+        self.config = config
+        self.cache = ChunkCache(config.cache_dir, config.capacity, chunk_size=config.chunk_size,
+                                high=config.high, low=config.low)
+        self.cache.on_complete = self._on_complete
+        self.stats = Stats()
+        self.peers: list[str] = [p.rstrip("/") for p in config.peers]
+        self._peer_down: dict[str, float] = {}
+        self._lock = threading.Lock()
+        self._infos: dict[str, BlobInfo] = {}
+        self._inflight: dict[tuple[str, int], Future[bytes]] = {}
+        self._registries: dict[tuple[str, str | None, bool | None], Any] = {}
+        self._registry_lock = threading.Lock()
+        self._pool = ThreadPoolExecutor(config.fetch_threads, thread_name_prefix="remote-fetch")
+        self._verifier = ThreadPoolExecutor(1, thread_name_prefix="remote-digest")
+        headers = {"Authorization": f"Bearer {config.secret}"} if config.secret else {}
+        self._peer_http = httpx.Client(timeout=httpx.Timeout(config.request_timeout, connect=3.0),
+                                       headers=headers, trust_env=False,
+                                       limits=httpx.Limits(max_connections=64))
+        self._stop = threading.Event()
+        self._background: threading.Thread | None = None
+        if config.background_bw > 0:
+            self._background = threading.Thread(target=self._complete_in_background,
+                                                name="remote-background", daemon=True)
+            self._background.start()
+
+    # -- opening ---------------------------------------------------------------------------
+
+    def open_blob(self, ref: RemoteLayerRef) -> RemoteBlob:
+        """The remote opener (storage/blob.py): the layout is read once per blob (from the
+        cache's metadata when it has it, else from the sources)."""
+        hex_ = ref.digest.split(":", 1)[1]
+        with self._lock:
+            info = self._infos.get(hex_)
+            if info is not None:
+                self._merge_sources(info, ref)
+                info.users += 1
+                info.state.users += 1
+                return RemoteBlob(self, info)
+        state = self.cache.blob(hex_, ref.size)
+        meta_path = self.cache.meta_path(hex_)
+        layout = Layout.load(meta_path, ref.size)
+        if layout is None:
+            layout = self._fetch_layout(ref, hex_)
+            layout.save(meta_path)
+        with self._lock:
+            info = self._infos.get(hex_)
+            if info is None:
+                info = self._infos[hex_] = BlobInfo(ref, hex_, state, layout)
+            else:
+                self._merge_sources(info, ref)
+            info.users += 1
+            info.state.users += 1
+        log.info("remote blob opened", extra={"blob": ref.digest, "size": ref.size,
+                                              "layout": layout.kind,
+                                              "cached_chunks": state.count})
+        return RemoteBlob(self, info)
+
+    @staticmethod
+    def _merge_sources(info: BlobInfo, ref: RemoteLayerRef) -> None:
+        for src in ref.sources:
+            if src not in info.ref.sources:
+                info.ref.sources.append(src)
+
+    def release(self, info: BlobInfo) -> None:
+        with self._lock:
+            info.users -= 1
+            info.state.users -= 1
+
+    def _fetch_layout(self, ref: RemoteLayerRef, hex_: str) -> Layout:
+        deadline = time.monotonic() + self.config.timeout
+        problems: list[str] = []
+        while True:
+            for name, fetch in self._sources_for(ref, hex_, 0, checkable=True):
+                def read(length: int, offset: int, fetch: Any = fetch, name: str = name) -> bytes:
+                    data: bytes = fetch(offset, offset + length)
+                    self.stats.add("fetched", _kind(name), len(data))
+                    return data
+                try:
+                    return parse(read, ref.size, ref.digest)
+                except SourceError as exc:
+                    problems.append(f"{name}: {exc}")
+                except LayerFormatError as exc:
+                    self.stats.add("corrupt", _kind(name))
+                    problems.append(f"{name}: {exc}")
+                    log.warning("remote blob metadata rejected",
+                                extra={"blob": ref.digest, "source": name, "error": str(exc)})
+            if time.monotonic() >= deadline:
+                raise LayerFormatError(ref.path or ref.digest, None,
+                                       "cannot read the remote layer's metadata: "
+                                       + ("; ".join(problems[-4:]) or "no source"))
+            time.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
+
+    # -- sources ---------------------------------------------------------------------------
+
+    def set_peers(self, peers: list[str]) -> None:
+        self.peers = [p.rstrip("/") for p in peers]
+
+    def _sources_for(self, ref: RemoteLayerRef, hex_: str, idx: int,
+                     checkable: bool) -> Iterator[tuple[str, Any]]:
+        """(name, fetch(start, end)) in the order to try: peers first (only for blobs whose
+        chunks can be checked), starting at one picked by the chunk so that requests spread,
+        then every registry location."""
+        now = time.monotonic()
+        peers = [p for p in self.peers if self._peer_down.get(p, 0) <= now] if checkable else []
+        if peers:
+            first = zlib.crc32(f"{hex_}:{idx}".encode()) % len(peers)
+            for peer in peers[first:] + peers[:first]:
+                yield f"peer {peer}", lambda a, b, peer=peer: self._peer_get(peer, ref.digest, a, b)
+        for loc in ref.sources:
+            yield (f"registry {loc.registry}/{loc.repository}",
+                   lambda a, b, loc=loc: self._registry_get(loc, ref.digest, a, b))
+
+    def _peer_get(self, peer: str, digest: str, start: int, end: int) -> bytes:
+        self.stats.add("requests", "peer")
+        try:
+            reply = self._peer_http.get(f"{peer}/blobs/{digest}",
+                                        headers={"Range": f"bytes={start}-{end - 1}"})
+        except httpx.HTTPError as exc:
+            self._peer_down[peer] = time.monotonic() + PEER_BACKOFF_S
+            self.stats.add("failures", "peer")
+            raise SourceError(f"unreachable: {exc}") from exc
+        if reply.status_code == 404:
+            raise SourceError("does not hold it")
+        if reply.status_code != 206 or len(reply.content) != end - start:
+            self._peer_down[peer] = time.monotonic() + PEER_BACKOFF_S
+            self.stats.add("failures", "peer")
+            raise SourceError(f"answered HTTP {reply.status_code} with {len(reply.content)} bytes")
+        return reply.content
+
+    def _registry_get(self, loc: BlobLocation, digest: str, start: int, end: int) -> bytes:
+        from agentenv.template.errors import PullError
+
+        self.stats.add("requests", "registry")
+        client = self._registry(loc)
+        try:
+            return bytes(client.get_blob_range(loc.repository, digest, start, end))
+        except (PullError, httpx.HTTPError, OSError) as exc:
+            self.stats.add("failures", "registry")
+            raise SourceError(str(exc)) from exc
+
+    def _registry(self, loc: BlobLocation) -> Any:
+        from agentenv.template.registry import RegistryClient
+
+        key = (loc.registry, loc.api_host, loc.insecure)
+        with self._registry_lock:
+            client = self._registries.get(key)
+            if client is None:
+                client = RegistryClient(loc.registry, api_host=loc.api_host,
+                                        insecure=loc.insecure,
+                                        docker_config=self.config.docker_config,
+                                        timeout=self.config.request_timeout)
+                self._registries[key] = client
+            return client
+
+    # -- chunks ----------------------------------------------------------------------------
+
+    def chunk_future(self, info: BlobInfo, idx: int) -> Future[bytes]:
+        """The fetch of chunk `idx`, started unless one is in flight already (shared)."""
+        key = (info.hex, idx)
+        with self._lock:
+            future = self._inflight.get(key)
+            if future is not None:
+                self.stats.coalesced += 1
+                return future
+            future = Future()
+            self._inflight[key] = future
+        self._pool.submit(self._fetch_into, info, idx, future)
+        return future
+
+    def read_ahead(self, info: BlobInfo, first_miss: int, last_miss: int) -> None:
+        """Sequential misses (this one within the window past the last) grow the readahead
+        window (2, 4, ... 32 chunks); a jump resets it. Random reads fetch nothing extra."""
+        state = info.state
+        sequential = 0 < first_miss - info.prev_miss <= max(2, info.window + 1)
+        info.window = min(max(2, info.window * 2), 32) if sequential else 0
+        info.prev_miss = last_miss
+        for idx in range(last_miss + 1, min(last_miss + 1 + info.window, state.nchunks)):
+            if not state.present[idx] and (info.hex, idx) not in self._inflight:
+                self.chunk_future(info, idx)
+
+    def get_chunk(self, info: BlobInfo, idx: int, *, background: bool = False) -> bytes:
+        """Chunk `idx`'s bytes, fetched (once, for every reader that wants it) and checked.
+        Raises RemoteUnavailable (EIO) when no source served it within the timeout."""
+        return self.wait_chunk(info, idx, self.chunk_future(info, idx), background=background)
+
+    def wait_chunk(self, info: BlobInfo, idx: int, future: Future[bytes], *,
+                   background: bool = False) -> bytes:
+        started = time.monotonic()
+        try:
+            return future.result(timeout=max(0.1, self.config.timeout -
+                                             (time.monotonic() - started)))
+        except FutureTimeout:
+            message = (f"remote read of {info.ref.digest} chunk {idx} not served within "
+                       f"{self.config.timeout:g} s (registry and peers unreachable?)")
+        except RemoteUnavailable as exc:
+            message = str(exc.strerror)
+        if not background:
+            self.stats.eio += 1
+            log.error("remote read failed: the guest gets EIO",
+                      extra={"blob": info.ref.digest, "chunk": idx, "error": message})
+        raise RemoteUnavailable(message)
+
+    def _fetch_into(self, info: BlobInfo, idx: int, future: Future[bytes]) -> None:
+        try:
+            future.set_result(self._fetch_chunk(info, idx))
+        except BaseException as exc:
+            future.set_exception(exc)
+        finally:
+            with self._lock:
+                self._inflight.pop((info.hex, idx), None)
+
+    def _fetch_chunk(self, info: BlobInfo, idx: int) -> bytes:
+        cache = self.cache
+        cs = cache.chunk_size
+        start = idx * cs
+        end = start + info.state.chunk_len(idx)
+        layout = info.layout
+        lo, hi = layout.fetch_range(start, end)
+        deadline = time.monotonic() + self.config.timeout
+        problems: list[str] = []
+        delay = 0.2
+        while not self._stop.is_set():
+            for name, fetch in self._sources_for(info.ref, info.hex, idx, layout.checkable):
+                try:
+                    data = fetch(lo, hi)
+                except SourceError as exc:
+                    problems.append(f"{name}: {exc}")
+                    continue
+                self.stats.add("fetched", _kind(name), len(data))
+                if layout.checkable:
+                    wrong = layout.check(start, end, data, lo)
+                    if wrong is not None:
+                        self.stats.add("corrupt", _kind(name))
+                        problems.append(f"{name}: {wrong}")
+                        log.warning("remote chunk failed its check; trying another source",
+                                    extra={"blob": info.ref.digest, "chunk": idx, "source": name,
+                                           "problem": wrong})
+                        continue
+                chunk = data[start - lo : end - lo]
+                cache.insert(info.state, idx, chunk, VERIFIED if layout.checkable else UNVERIFIED)
+                return chunk
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            time.sleep(min(delay, left))
+            delay = min(delay * 2, 2.0)
+        raise RemoteUnavailable(
+            f"no source served {info.ref.digest} chunk {idx}: "
+            + ("; ".join(problems[-4:]) or "no sources (no registry recorded, no peers)"))
+
+    # -- whole blobs -----------------------------------------------------------------------
+
+    def _on_complete(self, state: BlobState) -> None:
+        self._verifier.submit(self._verify, state)
+
+    def _verify(self, state: BlobState) -> None:
+        if self.cache.verify_digest(state):
+            log.info("remote blob complete and verified", extra={"blob": "sha256:" + state.hex})
+
+    def _complete_in_background(self) -> None:
+        """Fetch the missing chunks of blobs in use, one at a time at `background_bw` bytes/s,
+        when the blob fits comfortably in the cache (half of its low watermark)."""
+        bw = self.config.background_bw
+        while not self._stop.wait(0.5):
+            for info in list(self._infos.values()):
+                state = info.state
+                if info.users <= 0 or state.complete or state.size > self.cache.low_bytes // 2:
+                    continue
+                for idx in range(state.nchunks):
+                    if self._stop.is_set() or info.users <= 0:
+                        break
+                    if state.present[idx]:
+                        continue
+                    t0 = time.monotonic()
+                    try:
+                        data = self.get_chunk(info, idx, background=True)
+                    except OSError:
+                        break  # sources down: try again later
+                    self.stats.background_bytes += len(data)
+                    pause = len(data) / bw - (time.monotonic() - t0)
+                    if pause > 0 and self._stop.wait(pause):
+                        return
+
+    # -- serving peers ---------------------------------------------------------------------
+
+    def blob_size(self, hex_: str) -> int:
+        state = self.cache.find(hex_)
+        return state.size if state is not None else 0
+
+    def serve_range(self, hex_: str, start: int, end: int) -> bytes | None:
+        """Bytes [start, end) of a blob if every one of them is verified here, else None."""
+        info = self._infos.get(hex_)
+        if info is not None:
+            meta = info.layout.meta_read(start, end - start)
+            if meta is not None:
+                return meta
+        state = self.cache.find(hex_)
+        keys = self.cache.pin_servable(state, start, end) if state is not None else None
+        if state is None or keys is None:
+            return None
+        try:
+            data = os.pread(state.fd, end - start, start)
+        finally:
+            self.cache.unpin(keys)
+        return data if len(data) == end - start else None
+
+    # -- introspection ---------------------------------------------------------------------
+
+    def held(self) -> list[dict[str, Any]]:
+        """The blobs this node can serve to peers (some verified chunks, or all of them)."""
+        out = []
+        for state in self.cache.blobs():
+            if state.count:
+                out.append({"digest": "sha256:" + state.hex, "size": state.size,
+                            "chunks": state.count, "complete": state.complete})
+        return out
+
+    def snapshot_stats(self) -> dict[str, Any]:
+        cs = self.cache.stats
+        with self.stats.lock:
+            return {
+                "cache_bytes": self.cache.size, "capacity": self.cache.capacity,
+                "chunk_size": self.cache.chunk_size, "hits": cs.hits, "misses": cs.misses,
+                "evictions": cs.evictions, "evicted_bytes": cs.evicted_bytes,
+                "digest_failures": cs.digest_failures, "fetched_bytes": dict(self.stats.fetched),
+                "requests": dict(self.stats.requests), "corrupt": dict(self.stats.corrupt),
+                "source_failures": dict(self.stats.failures), "eio": self.stats.eio,
+                "coalesced": self.stats.coalesced, "background_bytes": self.stats.background_bytes,
+                "peers": list(self.peers), "blobs": self.held(),
+            }
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._background is not None:
+            self._background.join(5)
+        self._pool.shutdown(wait=True, cancel_futures=True)
+        self._verifier.shutdown(wait=True, cancel_futures=True)
+        self._peer_http.close()
+        for client in self._registries.values():
+            with contextlib.suppress(Exception):
+                client.close()
+        self.cache.close()
+
+
+def _kind(source_name: str) -> str:
+    return source_name.split(" ", 1)[0]
+
+
+_private: RemoteStore | None = None
+_private_lock = threading.Lock()
+
+
+def private_store() -> RemoteStore:
+    """A store for a process that is not blockd (the CLI, tests): its own cache in a
+    temporary directory, removed at exit; no peers, no background completion."""
+    global _private
+    with _private_lock:
+        if _private is None:
+            root = Path(tempfile.mkdtemp(prefix="aenv-remote-"))
+            capacity = int(os.environ.get("AENV_PRIVATE_CHUNK_CACHE", str(1 << 30)))
+            _private = RemoteStore(RemoteConfig(root, capacity=capacity, background_bw=0))
+
+            def cleanup(store: RemoteStore = _private, root: Path = root) -> None:
+                with contextlib.suppress(Exception):
+                    store.close()
+                shutil.rmtree(root, ignore_errors=True)
+
+            atexit.register(cleanup)
+        return _private

@@ -1,0 +1,215 @@
+"""The chunk cache and the remote store in process: a real docker-registry on loopback for the
+hello-world overlaybd image (a real containerd conversion), small caches to force eviction."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from agentenv.blockd.remote.cache import VERIFIED, ChunkCache
+from agentenv.blockd.remote.layout import parse
+from agentenv.blockd.remote.store import RemoteConfig, RemoteStore
+from agentenv.storage import blob as blobmod
+from agentenv.storage.blob import BlobLocation, RemoteLayerRef
+from agentenv.storage.image import Image
+from agentenv.storage.layer import inspect_layer
+from agentenv.template.pull import pull_image
+from tests.template import helpers
+from tests.template.conftest import Registry
+
+KiB = 1 << 10
+CHUNK = 64 * KiB
+
+
+@pytest.fixture(scope="module")
+def hello(registry: Registry) -> tuple[str, bytes]:
+    image = helpers.fixture_image("amd64-converted")
+    registry.push("hello-world", "amd64-converted", image)
+    digest = next(d for d in image.blobs if d.startswith("sha256:0222"))
+    return digest, image.blobs[digest]
+
+
+@pytest.fixture
+def store(tmp_path: Path, registry: Registry) -> Iterator[RemoteStore]:
+    s = RemoteStore(RemoteConfig(tmp_path / "cache", capacity=8 * CHUNK, chunk_size=CHUNK,
+                                 background_bw=0, timeout=5))
+    yield s
+    s.close()
+
+
+def _ref(registry: Registry, digest: str, size: int) -> RemoteLayerRef:
+    return RemoteLayerRef(digest, size, [BlobLocation(registry.host, "hello-world")])
+
+
+def test_lazy_pull_records_a_remote_layer(registry: Registry, hello: tuple[str, bytes],
+                                          tmp_path: Path, no_docker_config: Path) -> None:
+    digest, data = hello
+    pulled = pull_image(f"{registry.host}/hello-world:amd64-converted", state_dir=tmp_path / "s")
+    assert pulled.format == "overlaybd" and pulled.layers_fetched == 1
+    # Only metadata: tar and ZFile headers, the jump table (17,463 blocks x 4 bytes), trailers.
+    assert pulled.bytes_downloaded < len(data) // 6
+    [lower] = json.loads(pulled.image_json.read_text())["lowers"]
+    assert lower["remote"] and lower["digest"] == digest and lower["size"] == len(data)
+    local = tmp_path / "blob"
+    local.write_bytes(data)
+    facts = inspect_layer(Path(lower["file"]))
+    expected = inspect_layer(local)
+    assert {k: v for k, v in facts.items() if k not in ("path", "remote")} == \
+        {k: v for k, v in expected.items() if k != "path"}
+    assert facts["remote"]["digest"] == digest
+    # Read through this process's private store: the same disk as the local blob.
+    with Image.open(pulled.image_json, writable=False) as remote, \
+            Image.open(local, writable=False) as whole:
+        for offset, _length, has_data in whole.extents():
+            if has_data:
+                n = min(_length, 1 << 20)
+                assert remote.read(offset, n) == whole.read(offset, n)
+
+
+def test_chunks_are_checked_and_tampering_is_refused(store: RemoteStore, registry: Registry,
+                                                     hello: tuple[str, bytes]) -> None:
+    digest, data = hello
+    source = store.open_blob(_ref(registry, digest, len(data)))
+    try:
+        layout = source.info.layout
+        assert layout.kind == "zfile"
+        for idx in (1, 4, 7):
+            start = idx * CHUNK
+            lo, hi = layout.fetch_range(start, start + CHUNK)
+            assert lo <= start and hi >= start + CHUNK
+            good = data[lo:hi]
+            assert layout.check(start, start + CHUNK, good, lo) is None
+            bad = bytearray(good)
+            bad[start - lo + 1000] ^= 1
+            assert "CRC mismatch" in (layout.check(start, start + CHUNK, bytes(bad), lo) or "")
+        assert source.pread(len(data), 0) == data  # every chunk, fetched and checked
+    finally:
+        source.close()
+
+
+def test_capacity_is_never_exceeded_and_hot_chunks_stay(tmp_path: Path) -> None:
+    cache = ChunkCache(tmp_path / "c", 8 * CHUNK, chunk_size=CHUNK)
+    try:
+        state = cache.blob("ab" * 32, 40 * CHUNK)
+        payload = os.urandom(CHUNK)
+        hot = 0
+        cache.insert(state, hot, payload, VERIFIED)
+        buf = memoryview(bytearray(100))
+        for idx in range(1, 40):
+            assert cache.read(state, hot, 0, buf)  # keep chunk 0 hot
+            cache.insert(state, idx, payload, VERIFIED)
+            assert cache.size <= cache.capacity
+            used = os.stat(cache.root / "blobs" / f"{state.hex}.data").st_blocks * 512
+            assert used <= cache.capacity + CHUNK
+        assert state.present[hot] and cache.stats.evictions > 0
+        assert sum(1 for m in state.present if m) * CHUNK <= cache.capacity
+    finally:
+        cache.close()
+
+
+def test_one_fetch_for_many_readers(store: RemoteStore, registry: Registry,
+                                    hello: tuple[str, bytes]) -> None:
+    digest, data = hello
+    source = store.open_blob(_ref(registry, digest, len(data)))
+    try:
+        results: list[bytes] = []
+        barrier = threading.Barrier(6)
+
+        def read() -> None:
+            barrier.wait()
+            results.append(source.pread(CHUNK, 3 * CHUNK))
+
+        threads = [threading.Thread(target=read) for _ in range(6)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert results == [data[3 * CHUNK : 4 * CHUNK]] * 6
+        assert store.stats.requests["registry"] <= 6  # layout reads + one chunk fetch
+        assert store.stats.coalesced >= 1
+    finally:
+        source.close()
+
+
+def test_unreachable_sources_give_eio_within_the_timeout(tmp_path: Path, registry: Registry,
+                                                         hello: tuple[str, bytes]) -> None:
+    digest, data = hello
+    s = RemoteStore(RemoteConfig(tmp_path / "cache", capacity=8 * CHUNK, chunk_size=CHUNK,
+                                 background_bw=0, timeout=1.5, request_timeout=0.5))
+    try:
+        source = s.open_blob(_ref(registry, digest, len(data)))
+        # The registry goes away (here: the blob is named in a repository nobody serves).
+        source.info.ref.sources[:] = [BlobLocation("127.0.0.1:9", "nothing")]
+        import time
+
+        t0 = time.monotonic()
+        with pytest.raises(OSError) as raised:
+            source.pread(4096, 5 * CHUNK)
+        assert raised.value.errno == 5 and time.monotonic() - t0 < 4
+        assert s.stats.eio == 1
+        source.close()
+    finally:
+        s.close()
+
+
+def test_layout_parse_rejects_a_bad_jump_table(hello: tuple[str, bytes]) -> None:
+    digest, data = hello
+    bad = bytearray(data)
+    layout = parse(lambda n, off: bytes(data[off : off + n]), len(data), digest)
+    assert layout.offsets is not None
+    table_at = int(layout.offsets[-1])
+    bad[table_at + 8] ^= 0xFF
+    with pytest.raises(blobmod.LayerFormatError, match="jump table"):
+        parse(lambda n, off: bytes(bad[off : off + n]), len(bad), digest)
+    assert hashlib.sha256(data).hexdigest() == digest.split(":")[1]
+
+
+def test_prometheus_metrics(store: RemoteStore, registry: Registry,
+                            hello: tuple[str, bytes]) -> None:
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from agentenv.blockd.remote.service import _Collector
+
+    digest, data = hello
+    source = store.open_blob(_ref(registry, digest, len(data)))
+    try:
+        source.pread(len(data), 0)  # 10 chunks through an 8-chunk cache
+    finally:
+        source.close()
+    reg = CollectorRegistry()
+    reg.register(_Collector(store))
+    text = generate_latest(reg).decode()
+    values = {line.split(" ")[0]: float(line.split(" ")[1])
+              for line in text.splitlines() if line and not line.startswith("#")}
+    assert values['aenv_remote_fetched_bytes_total{source="registry"}'] >= len(data)
+    assert values["aenv_chunk_cache_misses_total"] >= 10
+    assert values["aenv_chunk_cache_evictions_total"] >= 2
+    assert 0 < values["aenv_chunk_cache_bytes"] <= 8 * CHUNK
+
+
+def test_background_completion_fetches_a_blob_in_use_and_checks_its_digest(
+        tmp_path: Path, registry: Registry, hello: tuple[str, bytes]) -> None:
+    import time
+
+    digest, data = hello
+    s = RemoteStore(RemoteConfig(tmp_path / "cache", capacity=64 * CHUNK, chunk_size=CHUNK,
+                                 background_bw=4 << 20, timeout=5))
+    try:
+        source = s.open_blob(_ref(registry, digest, len(data)))
+        state = source.info.state
+        deadline = time.monotonic() + 30
+        while not state.complete and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert state.complete and s.stats.background_bytes >= len(data) - 2 * CHUNK
+        assert (tmp_path / "cache" / "blobs" / f"{state.hex}.ok").exists()
+        # Complete: a peer may be given any range of it.
+        assert s.serve_range(state.hex, 100, 200_000) == data[100:200_000]
+        source.close()
+    finally:
+        s.close()
