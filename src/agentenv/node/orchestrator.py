@@ -297,15 +297,16 @@ class Orchestrator:
             await self._wait_op(sandbox_id, rec.state)
         network, allow, policy = network_policy.updated(rec, body)
         self._check_enforced(policy)
-        apply = self.capabilities.network
-        if rec.state == State.RUNNING and rec.placement is not None and apply is not None:
-            identity = network_policy.identity_of(rec, self.tokens)
-            try:
-                await apply.set_network(sandbox_id, rec.placement, policy, identity)
-            except BackendError as exc:
-                if rec.state == State.RUNNING:  # not a pause that took the VM meanwhile
-                    raise Internal(f"network policy of {sandbox_id} not applied: {exc}"
-                                   ) from exc
+        if rec.state == State.RUNNING and rec.placement is not None:
+            apply = self.capabilities.network
+            if apply is not None:
+                identity = network_policy.identity_of(rec, self.tokens)
+                try:
+                    await apply.set_network(sandbox_id, rec.placement, policy, identity)
+                except BackendError as exc:
+                    if rec.state == State.RUNNING:  # not a pause that took the VM meanwhile
+                        raise Internal(f"network policy of {sandbox_id} not applied: {exc}"
+                                       ) from exc
         rec.network, rec.allow_internet_access = network, allow
         await self.store.put_sandbox(rec)
 

@@ -66,6 +66,8 @@ def build_app(
     backend: SandboxBackend | None = None,
     extra_routes: list[Route] | None = None,
 ) -> NodeApp:
+    """The node's app. A `backend` given here is used as it is: one that reports lost sandboxes
+    must have been made with a callback of its own (make_backend wires the orchestrator's)."""
     state = options.state_dir
     secure_state_dir(state)
     api_key = load_api_key(state)
