@@ -300,8 +300,8 @@ class NodeApp:
     async def health(self, request: Request) -> Response:
         # The node is not healthy while its backend cannot serve (blockd down or restarting,
         # sandboxes whose disks did not come back): 503 with the reason.
-        check = getattr(self.orchestrator.backend, "health_problem", None)
-        problem = check() if check is not None else None
+        health = self.orchestrator.capabilities.health
+        problem = health.health_problem() if health is not None else None
         if problem:
             return JSONResponse({"status": "unhealthy", "reason": problem,
                                  "version": __version__}, status_code=503)

@@ -9,15 +9,24 @@ snapshots and restores sandboxes. Two implementations are meant to plug in here:
 
 Everything a backend hands back (Placement.handle, SnapshotRef.data, TemplateRef.data) must be
 JSON-serialisable: the orchestrator stores it in SQLite and passes it back after a node restart.
+
+What a backend can do beyond `SandboxBackend` is declared by the capability protocols at the end
+(a backend class names those it implements among its bases); `Capabilities.of` resolves them
+once where the node is assembled (node/server.py), and the node uses its typed fields.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Protocol, runtime_checkable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 
 from agentenv.network.control import SlotIdentity
 from agentenv.network.policy import EgressPolicy
+
+if TYPE_CHECKING:  # for annotations only: the process backend never loads blockd or the pool
+    from agentenv.blockd.client import DeviceInfo
+    from agentenv.node.ready_pool import ReadyPool
 
 #: The port envd listens on inside a sandbox, as the SDKs address it (E2b-Sandbox-Port).
 ENVD_PORT = 49983
@@ -68,8 +77,8 @@ class SandboxSpec:
     metadata: dict[str, str]
     #: the templateID the sandbox was created from (a snapshot id for a sandbox made from one)
     template_id: str = ""
-    #: what the sandbox may reach (backends with `enforces_network_policy` apply it before the
-    #: sandbox runs) and who it is to the metadata service
+    #: what the sandbox may reach (backends with the NetworkPolicies capability apply it before
+    #: the sandbox runs) and who it is to the metadata service
     egress: EgressPolicy = field(default_factory=EgressPolicy)
     identity: SlotIdentity | None = None
 
@@ -208,3 +217,115 @@ class SandboxBackend(Protocol):
 
     async def metrics(self, sandbox_id: str, placement: Placement) -> MetricSample:
         """One current resource sample of a running sandbox."""
+
+
+# --- capabilities beyond SandboxBackend ------------------------------------------------------
+
+
+@runtime_checkable
+class CrashRecovery(Protocol):
+    """Finishes what a node killed in the middle of things left behind (Orchestrator._reconcile)."""
+
+    #: after start(): why a sandbox of the previous run was not adopted, by sandbox id
+    adopt_failures: dict[str, str]
+
+    async def recover_pause(self, sandbox_id: str, placement: Placement,
+                            since: float) -> PauseResult | None:
+        """The pause a node killed while pausing `sandbox_id` (since `since`) completed on
+        disk, as pause() would have returned it; None when there is no complete one."""
+        ...
+
+
+@runtime_checkable
+class LayerAware(Protocol):
+    """Tells the layer garbage collector (node/gc.py) what its live VMs and blockd use."""
+
+    def files_in_use(self) -> set[Path]:
+        """Files and directories live VMs and built-in templates use (never collected)."""
+        ...
+
+    async def blockd_devices(self) -> list[DeviceInfo]:
+        """The block daemon's devices (their uppers and sources are in use)."""
+        ...
+
+    async def release_device(self, device_id: str) -> None:
+        """Close a blockd device no VM uses."""
+        ...
+
+
+@runtime_checkable
+class TemplateBuilding(Protocol):
+    """Builds templates from images (node/template_api.py)."""
+
+    async def boot_image(self, sandbox_id: str, lowers: list[Path], disk_bytes: int,
+                         cpu_count: int, memory_mb: int) -> Placement:
+        """Boot a build VM whose root disk is the layer stack `lowers`; return once its envd
+        answers. kill() ends it."""
+        ...
+
+    async def capture_template(self, sandbox_id: str) -> TemplateRef:
+        """Stop a build VM into a template's boot snapshot (owned by the template)."""
+        ...
+
+
+@runtime_checkable
+class InitialisesEnvd(Protocol):
+    """create/resume/fork return only after envd's /init with the spec's env vars and token:
+    the orchestrator skips its own readiness round trip."""
+
+    initialises_envd: Literal[True]
+
+
+@runtime_checkable
+class NetworkPolicies(Protocol):
+    """Enforces SandboxSpec.egress, and replaces a running sandbox's policy."""
+
+    async def set_network(self, sandbox_id: str, placement: Placement, policy: EgressPolicy,
+                          identity: SlotIdentity | None) -> None:
+        """Apply `policy` to the running sandbox, or raise BackendError with the old one kept."""
+        ...
+
+
+@runtime_checkable
+class HealthReport(Protocol):
+    def health_problem(self) -> str | None:
+        """Why the backend cannot serve sandboxes fully right now (/health: 503); None: fine."""
+        ...
+
+
+@runtime_checkable
+class ReadyPools(Protocol):
+    """Keeps pre-started sandboxes ready (node/ready_pool.py; its figures are in /metrics)."""
+
+    #: None until start() made it
+    pool: ReadyPool | None
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a backend can do beyond SandboxBackend, resolved once (`of`); None: it cannot."""
+
+    crash_recovery: CrashRecovery | None = None
+    layers: LayerAware | None = None
+    templates: TemplateBuilding | None = None
+    network: NetworkPolicies | None = None
+    health: HealthReport | None = None
+    pools: ReadyPools | None = None
+    initialises_envd: bool = False
+
+    @property
+    def enforces_network_policy(self) -> bool:
+        return self.network is not None
+
+    @classmethod
+    def of(cls, backend: SandboxBackend) -> Capabilities:
+        return cls(
+            crash_recovery=backend if isinstance(backend, CrashRecovery) else None,
+            layers=backend if isinstance(backend, LayerAware) else None,
+            templates=backend if isinstance(backend, TemplateBuilding) else None,
+            network=backend if isinstance(backend, NetworkPolicies) else None,
+            health=backend if isinstance(backend, HealthReport) else None,
+            pools=backend if isinstance(backend, ReadyPools) else None,
+            initialises_envd=isinstance(backend, InitialisesEnvd)
+            and backend.initialises_envd is True,
+        )

@@ -214,12 +214,12 @@ class LayerCollector:
             marks = await self._marks()
             report = GcReport(reason=reason)
             await asyncio.to_thread(self._sweep, marks, report)
-            release = getattr(self.orchestrator.backend, "release_device", None)
+            layers = self.orchestrator.capabilities.layers
             for device_id, upper in marks.device_uppers.items():
-                if release is None or not self._stale_device(upper):
+                if layers is None or not self._stale_device(upper):
                     continue
                 try:
-                    await release(device_id)
+                    await layers.release_device(device_id)
                 except Exception as exc:
                     log.warning("stray blockd device not released",
                                 extra={"device": device_id, "error": str(exc)})
@@ -246,7 +246,7 @@ class LayerCollector:
 
     async def _marks(self) -> _Marks:
         orch = self.orchestrator
-        backend = orch.backend
+        layers = orch.capabilities.layers
         refs: list[TemplateRef] = [tpl.ref for tpl in orch.templates.values()]
         tags = getattr(orch, "template_tags", None)
         if tags is not None:
@@ -255,13 +255,11 @@ class LayerCollector:
             refs.append(rec.source)
             if rec.pause_snapshot is not None:
                 refs.append(rec.pause_snapshot)
-        files_in_use = getattr(backend, "files_in_use", None)
-        in_use = {_resolve(p) for p in files_in_use()} if files_in_use else set()
+        in_use = {_resolve(p) for p in layers.files_in_use()} if layers else set()
         device_uppers: dict[str, Path] = {}
         device_files: set[Path] = set()
-        list_devices = getattr(backend, "blockd_devices", None)
-        if list_devices is not None:
-            for dev in await list_devices():
+        if layers is not None:
+            for dev in await layers.blockd_devices():
                 if dev.upper_dir:
                     upper = _resolve(dev.upper_dir)
                     device_files.add(upper)

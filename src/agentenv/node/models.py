@@ -2,16 +2,19 @@
 
 Requests are validated with pydantic in strict mode: a string where an int belongs is a 422, not
 a silent conversion. Unknown fields are ignored, as newer SDKs send fields older servers lack.
-Responses are built as plain dicts by the functions at the end, so optional fields can be left
-out rather than sent as null where the SDKs would choke.
+Responses are pydantic models too (the `Response` classes below): node/openapi.py generates the
+document's schemas from them, and the functions at the end build the bodies through them. A
+field that may be left out (rather than sent as null, where the SDKs would choke) is `Omitted`:
+it is not set unless it has a value, and bodies are dumped without unset fields.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema
+from pydantic.json_schema import SkipJsonSchema
 
 from agentenv.node.backend import MetricSample
 from agentenv.node.network_policy import public_network
@@ -99,6 +102,168 @@ class ForkRequest(_Request):
 
 # --- responses ---------------------------------------------------------------------------------
 
+#: a time as iso() writes it
+DateTime = Annotated[str, WithJsonSchema({"type": "string", "format": "date-time"})]
+
+
+def _no_default(schema: dict[str, Any]) -> None:
+    schema.pop("default", None)
+
+
+#: `name: X | Omitted = absent()`: X when present; the key is left out otherwise (never null)
+Omitted = SkipJsonSchema[None]
+
+
+def absent() -> Any:
+    return Field(default=None, json_schema_extra=_no_default)
+
+
+class Response(BaseModel):
+    """A response body. Extra keys are allowed in the document (E2B adds fields over time)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    def body(self) -> dict[str, Any]:
+        """The JSON body: unset (Omitted) fields left out."""
+        return self.model_dump(mode="json", exclude_unset=True)
+
+
+class Error(Response):
+    code: int
+    message: str
+
+
+class Health(Response):
+    status: Literal["ok"]
+    version: str
+
+
+class Unhealthy(Response):
+    status: Literal["unhealthy"]
+    reason: str
+    version: str
+
+
+class Sandbox(Response):
+    templateID: str
+    sandboxID: str = Field(pattern=r"^[a-z0-9]+$")
+    clientID: str
+    envdVersion: str
+    envdAccessToken: str | Omitted = absent()
+    trafficAccessToken: str | None = None
+    domain: str | None = None
+    alias: str | Omitted = absent()
+
+
+class ListedSandbox(Response):
+    templateID: str
+    sandboxID: str
+    clientID: str
+    alias: str | Omitted = absent()
+    startedAt: DateTime
+    endAt: DateTime
+    envdVersion: str
+    cpuCount: int
+    memoryMB: int
+    diskSizeMB: int
+    state: Literal["running", "paused"]
+    metadata: dict[str, str] | Omitted = absent()
+
+
+class Lifecycle(Response):
+    autoResume: bool
+    onTimeout: Literal["kill", "pause"]
+
+
+class SandboxDetail(ListedSandbox):
+    envdAccessToken: str | Omitted = absent()
+    allowInternetAccess: bool | None = None
+    domain: str | None = None
+    network: dict[str, Any] | Omitted = absent()
+    pauseMode: Literal["full", "filesystem"] | Omitted = absent()
+    lifecycle: Lifecycle
+
+
+class SandboxMetric(Response):
+    timestamp: DateTime
+    timestampUnix: int
+    cpuCount: int
+    cpuUsedPct: float
+    memUsed: int
+    memTotal: int
+    memCache: int
+    diskUsed: int
+    diskTotal: int
+
+
+class SnapshotInfo(Response):
+    snapshotID: str
+    names: list[str]
+    sandboxID: str | None = None
+    cpuCount: int | Omitted = absent()
+    memoryMB: int | Omitted = absent()
+    diskSizeMB: int | Omitted = absent()
+    createdAt: DateTime | Omitted = absent()
+    updatedAt: DateTime | Omitted = absent()
+
+
+class ForkResult(Response):
+    """One child of a fork: its sandbox, or why it failed."""
+
+    sandbox: Sandbox | Omitted = absent()
+    error: Error | Omitted = absent()
+
+
+class Template(Response):
+    templateID: str
+    buildID: str
+    cpuCount: int
+    memoryMB: int
+    diskSizeMB: int
+    public: bool
+    aliases: list[str]
+    names: list[str]
+    createdAt: DateTime
+    updatedAt: DateTime
+    createdBy: dict[str, Any] | None
+    lastSpawnedAt: str | None
+    spawnCount: int
+    buildCount: int
+    envdVersion: str | None
+    buildStatus: str
+
+
+class TemplateBuild(Response):
+    buildID: str
+    status: str
+    createdAt: DateTime
+    updatedAt: DateTime
+    finishedAt: DateTime | Omitted = absent()
+    cpuCount: int
+    memoryMB: int
+    diskSizeMB: int
+    envdVersion: str | None
+
+
+class TemplateDetail(Template):
+    builds: list[TemplateBuild]
+
+
+class TemplateAlias(Response):
+    templateID: str
+    public: bool
+
+
+class Node(Response):
+    id: str
+    nodeID: str
+    version: str
+    status: str
+    backend: str
+    sandboxCount: int
+    metrics: dict[str, Any]
+
+
 
 def iso(ts: float) -> str:
     """RFC 3339 UTC with milliseconds, e.g. 2025-01-01T00:00:00.123Z."""
@@ -108,22 +273,20 @@ def iso(ts: float) -> str:
 
 
 def sandbox_json(rec: SandboxRecord, client_id: str, domain: str | None) -> dict[str, Any]:
-    body: dict[str, Any] = {
-        "templateID": rec.template_id,
-        "sandboxID": rec.sandbox_id,
-        "clientID": client_id,
-        "envdVersion": rec.envd_version,
-        "envdAccessToken": rec.envd_access_token,
-        "trafficAccessToken": rec.traffic_access_token,
-        "domain": domain,
-    }
-    if rec.alias:
-        body["alias"] = rec.alias
-    return body
+    return Sandbox(
+        templateID=rec.template_id,
+        sandboxID=rec.sandbox_id,
+        clientID=client_id,
+        envdVersion=rec.envd_version,
+        envdAccessToken=rec.envd_access_token,
+        trafficAccessToken=rec.traffic_access_token,
+        domain=domain,
+        **({"alias": rec.alias} if rec.alias else {}),
+    ).body()
 
 
-def listed_json(rec: SandboxRecord, client_id: str) -> dict[str, Any]:
-    body: dict[str, Any] = {
+def _listed_fields(rec: SandboxRecord, client_id: str) -> dict[str, Any]:
+    return {
         "templateID": rec.template_id,
         "sandboxID": rec.sandbox_id,
         "clientID": client_id,
@@ -135,62 +298,61 @@ def listed_json(rec: SandboxRecord, client_id: str) -> dict[str, Any]:
         "diskSizeMB": rec.disk_size_mb,
         "state": rec.state.public,
         "metadata": rec.metadata,
+        **({"alias": rec.alias} if rec.alias else {}),
     }
-    if rec.alias:
-        body["alias"] = rec.alias
-    return body
+
+
+def listed_json(rec: SandboxRecord, client_id: str) -> dict[str, Any]:
+    return ListedSandbox(**_listed_fields(rec, client_id)).body()
 
 
 def detail_json(rec: SandboxRecord, client_id: str, domain: str | None) -> dict[str, Any]:
-    body = listed_json(rec, client_id)
-    body.update(
-        {
-            "envdAccessToken": rec.envd_access_token,
-            "allowInternetAccess": rec.allow_internet_access,
-            "domain": domain,
-            "lifecycle": {
-                "autoResume": rec.auto_resume,
-                "onTimeout": "pause" if rec.auto_pause else "kill",
-            },
-        }
-    )
+    extra: dict[str, Any] = {}
     network = public_network(rec.network)
     if network is not None:
-        body["network"] = network
+        extra["network"] = network
     if rec.pause_mode is not None and rec.state == State.PAUSED:
         # only once the pause finished: while pausing, pause_mode is the previous pause's
-        body["pauseMode"] = rec.pause_mode
-    return body
+        extra["pauseMode"] = rec.pause_mode
+    return SandboxDetail(
+        **_listed_fields(rec, client_id),
+        envdAccessToken=rec.envd_access_token,
+        allowInternetAccess=rec.allow_internet_access,
+        domain=domain,
+        lifecycle=Lifecycle(autoResume=rec.auto_resume,
+                            onTimeout="pause" if rec.auto_pause else "kill"),
+        **extra,
+    ).body()
 
 
 def metric_json(sample: MetricSample) -> dict[str, Any]:
-    return {
-        "timestamp": iso(sample.timestamp),
-        "timestampUnix": int(sample.timestamp),
-        "cpuCount": sample.cpu_count,
-        "cpuUsedPct": sample.cpu_used_pct,
-        "memUsed": sample.mem_used,
-        "memTotal": sample.mem_total,
-        "memCache": sample.mem_cache,
-        "diskUsed": sample.disk_used,
-        "diskTotal": sample.disk_total,
-    }
+    return SandboxMetric(
+        timestamp=iso(sample.timestamp),
+        timestampUnix=int(sample.timestamp),
+        cpuCount=sample.cpu_count,
+        cpuUsedPct=sample.cpu_used_pct,
+        memUsed=sample.mem_used,
+        memTotal=sample.mem_total,
+        memCache=sample.mem_cache,
+        diskUsed=sample.disk_used,
+        diskTotal=sample.disk_total,
+    ).body()
 
 
 def snapshot_json(tpl: TemplateRecord) -> dict[str, Any]:
-    return {
-        "snapshotID": tpl.template_id,
-        "names": list(tpl.names),
-        "sandboxID": tpl.source_sandbox_id,
-        "cpuCount": tpl.cpu_count,
-        "memoryMB": tpl.memory_mb,
-        "diskSizeMB": tpl.disk_size_mb,
-        "createdAt": iso(tpl.created_at),
-        "updatedAt": iso(tpl.updated_at),
-    }
+    return SnapshotInfo(
+        snapshotID=tpl.template_id,
+        names=list(tpl.names),
+        sandboxID=tpl.source_sandbox_id,
+        cpuCount=tpl.cpu_count,
+        memoryMB=tpl.memory_mb,
+        diskSizeMB=tpl.disk_size_mb,
+        createdAt=iso(tpl.created_at),
+        updatedAt=iso(tpl.updated_at),
+    ).body()
 
 
-def template_json(tpl: TemplateRecord) -> dict[str, Any]:
+def _template_fields(tpl: TemplateRecord) -> dict[str, Any]:
     return {
         "templateID": tpl.template_id,
         "buildID": tpl.template_id,
@@ -211,18 +373,19 @@ def template_json(tpl: TemplateRecord) -> dict[str, Any]:
     }
 
 
+def template_json(tpl: TemplateRecord) -> dict[str, Any]:
+    return Template(**_template_fields(tpl)).body()
+
+
 def template_detail_json(tpl: TemplateRecord) -> dict[str, Any]:
-    body = template_json(tpl)
-    body["builds"] = [
-        {
-            "buildID": tpl.template_id,
-            "status": tpl.build_status,
-            "createdAt": iso(tpl.created_at),
-            "updatedAt": iso(tpl.updated_at),
-            "cpuCount": tpl.cpu_count,
-            "memoryMB": tpl.memory_mb,
-            "diskSizeMB": tpl.disk_size_mb,
-            "envdVersion": tpl.envd_version,
-        }
-    ]
-    return body
+    build = TemplateBuild(
+        buildID=tpl.template_id,
+        status=tpl.build_status,
+        createdAt=iso(tpl.created_at),
+        updatedAt=iso(tpl.updated_at),
+        cpuCount=tpl.cpu_count,
+        memoryMB=tpl.memory_mb,
+        diskSizeMB=tpl.disk_size_mb,
+        envdVersion=tpl.envd_version,
+    )
+    return TemplateDetail(**_template_fields(tpl), builds=[build]).body()

@@ -37,6 +37,7 @@ from agentenv.node import network_policy
 from agentenv.node.admission import Admission, Reservation
 from agentenv.node.backend import (
     BackendError,
+    Capabilities,
     MetricSample,
     Placement,
     SandboxBackend,
@@ -123,9 +124,12 @@ class Orchestrator:
         tokens: TokenIssuer,
         config: NodeConfig | None = None,
         on_op: Callable[[str, str, float], None] | None = None,
+        capabilities: Capabilities | None = None,
     ) -> None:
         self.store = store
         self.backend = backend
+        #: what the backend can do beyond SandboxBackend (resolved by node/server.py)
+        self.capabilities = capabilities or Capabilities.of(backend)
         self.tokens = tokens
         self.config = config or NodeConfig()
         self.sandboxes: dict[str, SandboxRecord] = {}
@@ -147,8 +151,6 @@ class Orchestrator:
         self.template_tags = TemplateTags(self)
         #: limits on what the node takes on (node/admission.py), set by the server; None: none
         self.admission: Admission | None = None
-        if hasattr(backend, "on_sandbox_lost"):
-            backend.on_sandbox_lost = self.sandbox_lost
         self._leave_listeners: list[Callable[[str, str], None]] = []
 
     def on_leave_running(self, listener: Callable[[str, str], None]) -> None:
@@ -217,7 +219,8 @@ class Orchestrator:
         pending = await self.store.load_pending()
         adopted = await self.backend.adopt()
         #: why the backend could not take a VM over (e.g. blockd restarted under it)
-        failures: dict[str, str] = dict(getattr(self.backend, "adopt_failures", {}) or {})
+        recovery = self.capabilities.crash_recovery
+        failures: dict[str, str] = dict(recovery.adopt_failures) if recovery else {}
         known = {rec.sandbox_id for rec in records}
         for rec in records:
             sid = rec.sandbox_id
@@ -266,15 +269,16 @@ class Orchestrator:
     async def _reapply_network(self) -> None:
         """Adopted sandboxes get their policies again: the host's redirect sets and the egress
         proxy's table were rebuilt empty by this start (their slots kept their own rules)."""
-        apply = getattr(self.backend, "set_network", None)
-        if apply is None:
+        network = self.capabilities.network
+        if network is None:
             return
         for rec in list(self.sandboxes.values()):
             if rec.state != State.RUNNING or rec.placement is None:
                 continue
             spec = self._spec(rec)
             try:
-                await apply(rec.sandbox_id, rec.placement, spec.egress, spec.identity)
+                await network.set_network(rec.sandbox_id, rec.placement, spec.egress,
+                                          spec.identity)
             except BackendError as exc:
                 log.error("network policy not re-applied to an adopted sandbox",
                           extra={"sandbox_id": rec.sandbox_id, "error": str(exc)})
@@ -294,11 +298,11 @@ class Orchestrator:
         network, allow, policy = network_policy.updated(rec, body)
         self._check_enforced(policy)
         if rec.state == State.RUNNING and rec.placement is not None:
-            apply = getattr(self.backend, "set_network", None)
+            apply = self.capabilities.network
             if apply is not None:
                 identity = network_policy.identity_of(rec, self.tokens)
                 try:
-                    await apply(sandbox_id, rec.placement, policy, identity)
+                    await apply.set_network(sandbox_id, rec.placement, policy, identity)
                 except BackendError as exc:
                     if rec.state == State.RUNNING:  # not a pause that took the VM meanwhile
                         raise Internal(f"network policy of {sandbox_id} not applied: {exc}"
@@ -307,7 +311,7 @@ class Orchestrator:
         await self.store.put_sandbox(rec)
 
     def _check_enforced(self, policy: Any) -> None:
-        if not policy.is_default and not getattr(self.backend, "enforces_network_policy", False):
+        if not policy.is_default and not self.capabilities.enforces_network_policy:
             raise BadRequest(
                 f"network policies are not enforced by the {self.backend.name} backend (its "
                 "sandboxes are host processes): only the VM backend accepts allowOut/denyOut/"
@@ -316,11 +320,11 @@ class Orchestrator:
     async def _recover_pause(self, rec: SandboxRecord, op: PendingOp | None) -> bool:
         """A node killed while pausing `rec`: if the backend wrote the pause snapshot in full,
         the sandbox is paused with it (nothing is lost); False when there is none."""
-        recover = getattr(self.backend, "recover_pause", None)
-        if op is None or op.op != "pause" or recover is None or rec.placement is None:
+        recovery = self.capabilities.crash_recovery
+        if op is None or op.op != "pause" or recovery is None or rec.placement is None:
             return False
         try:
-            result = await recover(rec.sandbox_id, rec.placement, op.started_at)
+            result = await recovery.recover_pause(rec.sandbox_id, rec.placement, op.started_at)
         except Exception as exc:
             log.warning("pause snapshot not recovered",
                         extra={"sandbox_id": rec.sandbox_id, "error": str(exc)})
@@ -467,7 +471,7 @@ class Orchestrator:
     async def _envd_ready(self, rec: SandboxRecord, placement: Placement) -> None:
         """Return once envd answers /health and has taken the sandbox's env vars and token."""
         assert self._http is not None
-        if getattr(self.backend, "initialises_envd", False):
+        if self.capabilities.initialises_envd:
             # The backend returned only after its own /init with this spec's env vars and
             # token (the VM runtime does, on every restore): a second round trip is waste.
             return

@@ -31,11 +31,13 @@ from pathlib import Path
 
 from agentenv.node.backend import (
     BackendError,
+    CrashRecovery,
     DefaultTemplate,
     ForkOutcome,
     MetricSample,
     PauseResult,
     Placement,
+    SandboxBackend,
     SandboxSpec,
     SnapshotRef,
     TemplateRef,
@@ -134,7 +136,10 @@ def _dir_usage(path: Path) -> int:
     return total
 
 
-class ProcessBackend:
+class ProcessBackend(SandboxBackend, CrashRecovery):
+    """Capabilities: crash recovery only (no network policies, template builds, layer-aware
+    collection, ready pools; the orchestrator checks envd's readiness itself)."""
+
     name = "process"
 
     def __init__(
@@ -145,6 +150,8 @@ class ProcessBackend:
         self.python = python
         self._procs: dict[str, subprocess.Popen[bytes]] = {}
         self._cpu_seen: dict[str, tuple[float, int]] = {}
+        #: adopt() takes every envd that still runs: no sandbox is refused for a reason of its own
+        self.adopt_failures: dict[str, str] = {}
 
     # --- paths -------------------------------------------------------------------------------
 

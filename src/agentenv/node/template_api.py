@@ -291,7 +291,7 @@ class TemplateBuildApi:
         tags = normalize_tags(([name_tag] if name_tag is not None else []) + (body.tags or []))
         if not _NAME.match(name):
             raise BadRequest(f"invalid template name {name!r}: letters, digits, '.', '_' and '-'")
-        if not hasattr(self.orchestrator.backend, "boot_image"):
+        if self.orchestrator.capabilities.templates is None:
             raise BadRequest(f"template builds need the VM backend; this node runs the "
                              f"'{self.orchestrator.backend.name}' backend")
         existing = self._registered(name)
@@ -712,7 +712,9 @@ class TemplateBuildApi:
         from agentenv.template.build import BASE_STEP, BuildContext, StepRunner
         from agentenv.template.envd_client import EnvdClient
 
-        backend: Any = self.orchestrator.backend
+        backend = self.orchestrator.backend
+        builder = self.orchestrator.capabilities.templates
+        assert builder is not None  # builds are refused at the request otherwise
         vm_id = new_id("b")
         placement = None
         envd = None
@@ -742,7 +744,7 @@ class TemplateBuildApi:
                 rec.log("info", f"booting the build VM ({rec.cpu_count} vCPUs, "
                         f"{rec.memory_mb} MiB)", BASE_STEP)
                 t0 = time.monotonic()
-                placement = await self._start_vm(rec, vm_id, lambda: backend.boot_image(
+                placement = await self._start_vm(rec, vm_id, lambda: builder.boot_image(
                     vm_id, lowers, disk_bytes, rec.cpu_count, rec.memory_mb))
                 rec.log("info", f"build VM up in {time.monotonic() - t0:.1f} s", BASE_STEP)
             rec.envd_version = placement.envd_version
@@ -756,7 +758,7 @@ class TemplateBuildApi:
             finally:
                 await runner.detach()
             rec.log("info", "pausing the VM into the template's snapshot", None)
-            ref = await backend.capture_template(vm_id)
+            ref = await builder.capture_template(vm_id)
             placement = None  # the VM is gone; its snapshot is the template's
             await self._publish(rec, ref, context)
         finally:

@@ -1,12 +1,14 @@
-"""Request bodies of the E2B template build API (node/template_api.py), with E2B's field names
-(the SDK's models are the contract, docs/e2b-api.md §1.7). Kept apart from the routes so that
-node/openapi.py can describe them without importing the server."""
+"""Request and response bodies of the E2B template build API (node/template_api.py), with E2B's
+field names (the SDK's models are the contract, docs/e2b-api.md §1.7). Kept apart from the routes
+so that node/openapi.py can describe them without importing the server."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
+
+from agentenv.node.models import DateTime, Omitted, Response, absent
 
 UPLOAD_PREFIX = "/template-files/"  # the signed upload URLs handed out for COPY files
 
@@ -63,3 +65,54 @@ class DeleteTemplateTagsRequest(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
     name: str = Field(min_length=1, max_length=300)
     tags: list[str] = Field(max_length=100)
+
+
+# --- responses (node/openapi.py's schemas) -----------------------------------------------------
+
+
+class TemplateRequestResponseV3(Response):
+    templateID: str
+    buildID: str
+    public: bool
+    names: list[str]
+    tags: list[str]
+    aliases: list[str]
+
+
+class TemplateBuildFileUpload(Response):
+    present: bool
+    url: str | Omitted = absent()
+    headers: dict[str, str] | Omitted = absent()
+
+
+class BuildLogEntry(Response):
+    timestamp: DateTime
+    message: str
+    level: Literal["debug", "info", "warn", "error"]
+    step: str | Omitted = absent()
+
+
+class BuildStatusReason(Response):
+    message: str
+    step: str | Omitted = absent()
+    logEntries: list[BuildLogEntry] | Omitted = absent()
+
+
+class TemplateBuildInfo(Response):
+    templateID: str
+    buildID: str
+    status: Literal["building", "waiting", "ready", "error"]
+    logs: list[str]
+    logEntries: list[BuildLogEntry]
+    reason: BuildStatusReason | Omitted = absent()
+
+
+class TemplateTag(Response):
+    tag: str
+    buildID: str
+    createdAt: DateTime
+
+
+class AssignedTemplateTags(Response):
+    tags: list[str]
+    buildID: str
