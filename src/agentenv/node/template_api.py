@@ -708,8 +708,8 @@ class TemplateBuildApi:
                                                     "build_id": rec.build_id, "error": message})
 
     async def _build(self, rec: BuildRecord, steps: list[Any], body: TemplateBuildStartV2) -> None:
+        from agentenv.envd_client import EnvdClient
         from agentenv.template.build import BASE_STEP, BuildContext, StepRunner
-        from agentenv.template.envd_client import EnvdClient
 
         backend: Any = self.orchestrator.backend
         vm_id = new_id("b")
