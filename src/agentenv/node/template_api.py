@@ -297,9 +297,7 @@ class TemplateBuildApi:
                              f"'{self.orchestrator.backend.name}' backend")
         existing = self._registered(name)
         if existing is not None:
-            if existing.kind != "template" or existing.template_id in getattr(
-                    self.orchestrator, "builtin_templates", set()) or \
-                    existing.ref.data.get("builtin"):
+            if existing.kind != "template" or self._builtin(existing):
                 raise BadRequest(f"name {name!r} is taken by {existing.kind} "
                                  f"{existing.template_id}, which cannot be rebuilt")
             template_id = existing.template_id
@@ -578,7 +576,7 @@ class TemplateBuildApi:
         if template_id is None:
             raise NotFound(f"template '{id_or_name}' not found")
         if tpl is not None and tpl.kind == "template" and (
-                template_id in self.catalogue.builtin_templates
+                self.catalogue.is_builtin(template_id)
                 or tpl.ref.data.get("builtin")):
             raise BadRequest(f"template '{id_or_name}' is built into this node and cannot "
                              "be deleted")
@@ -602,7 +600,7 @@ class TemplateBuildApi:
         return ready[0].build_id if ready else None
 
     def _builtin(self, tpl: TemplateRecord) -> bool:
-        return tpl.template_id in self.catalogue.builtin_templates or \
+        return self.catalogue.is_builtin(tpl.template_id) or \
             bool(tpl.ref.data.get("builtin"))
 
     async def _tagged_template(self, id_or_name: str, change: bool = True) -> TemplateRecord:
