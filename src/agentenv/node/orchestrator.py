@@ -33,6 +33,7 @@ from typing import Any, TypeVar
 
 import httpx
 
+from agentenv.envd_client import EnvdClient, EnvdClientError
 from agentenv.node import network_policy
 from agentenv.node.admission import Admission, Reservation
 from agentenv.node.backend import (
@@ -450,33 +451,16 @@ class Orchestrator:
             # The backend returned only after its own /init with this spec's env vars and
             # token (the VM runtime does, on every restore): a second round trip is waste.
             return
-        deadline = time.monotonic() + self.config.envd_ready_timeout
-        delay = 0.01
-        last_error = "no answer"
-        while True:
-            try:
-                answer = await self._http.get(placement.envd_url + "/health", timeout=2.0)
-                if answer.is_success:
-                    break
-                last_error = f"HTTP {answer.status_code}"
-            except httpx.HTTPError as exc:
-                last_error = str(exc) or type(exc).__name__
-            if time.monotonic() > deadline:
-                raise BackendError(f"envd of {rec.sandbox_id} not ready: {last_error}")
-            await asyncio.sleep(delay)
-            delay = min(delay * 1.5, 0.2)
-        body: dict[str, Any] = {
-            "envVars": rec.env_vars,
-            "timestamp": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        }
-        if rec.secure:
-            body["accessToken"] = rec.envd_access_token
-        headers = {"X-Access-Token": rec.envd_access_token} if rec.secure else {}
-        answer = await self._http.post(placement.envd_url + "/init", json=body, headers=headers)
-        if not answer.is_success:
-            raise BackendError(
-                f"envd /init of {rec.sandbox_id} failed: {answer.status_code} {answer.text[:200]}"
-            )
+        token = rec.envd_access_token if rec.secure else None
+        envd = EnvdClient(placement.envd_url, token, http=self._http)
+        try:
+            await envd.wait_healthy(self.config.envd_ready_timeout)
+        except EnvdClientError as exc:
+            raise BackendError(f"envd of {rec.sandbox_id} not ready: {exc}") from exc
+        try:
+            await envd.init(env_vars=rec.env_vars, access_token=token)
+        except EnvdClientError as exc:
+            raise BackendError(f"{exc} (sandbox {rec.sandbox_id})") from exc
 
     def _collect_soon(self) -> None:
         """A debounced garbage collection pass (node/gc.py), if the node has a collector."""
