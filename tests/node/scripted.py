@@ -74,6 +74,8 @@ class ScriptedBackend:
         self.fork_child_errors: dict[int, str] = {}
         self.adopt_failures: dict[str, str] = {}
         self.on_sandbox_lost: Callable[[str, str], None] | None = None
+        #: called when a scripted crash happens: the test stops the node's writes there
+        self.on_crash: Callable[[], None] = lambda: None
         self.calls: list[tuple[str, str]] = []
         self._faults: dict[str, list[_Fault]] = defaultdict(list)
         self._holds: dict[str, Hold] = {}
@@ -107,13 +109,17 @@ class ScriptedBackend:
             await held.gate.wait()
         fault = self._faults[op].pop(0) if self._faults[op] else None
         if fault is not None and not fault.after:
-            raise fault.error
+            self._raise(fault)
         return fault
 
-    @staticmethod
-    def _leave(fault: _Fault | None) -> None:
+    def _leave(self, fault: _Fault | None) -> None:
         if fault is not None:
-            raise fault.error
+            self._raise(fault)
+
+    def _raise(self, fault: _Fault) -> None:
+        if isinstance(fault.error, Crash):
+            self.on_crash()
+        raise fault.error
 
     def _placement(self, sid: str) -> Placement:
         return Placement(self.envd_host, self.envd_port, {"vm": sid}, "0.5.7")

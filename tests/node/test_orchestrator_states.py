@@ -3,9 +3,10 @@ scripted backend (tests/node/scripted.py), with failures injected into every ope
 
 Each test ends with `settled()`: no sandbox in a transitional state, the store says what the
 memory says, no pending operation is left, and the backend runs exactly the running sandboxes
-and holds every paused one's snapshot: nothing half done. A node "crash" is the end of one
-`asyncio.run` with the node's state abandoned; the next `asyncio.run` starts a node on the same
-database and backend, as a restarted process would.
+and holds every paused one's snapshot: nothing half done. A node "crash" stops every write of the node
+to its store at the point the scripted backend names (the node's own clean-up code after it
+never reaches the disk) and ends that `asyncio.run` with the node's state abandoned; the next
+`asyncio.run` starts a node on the same database and backend, as a restarted process would.
 """
 
 from __future__ import annotations
@@ -33,10 +34,25 @@ def run(scenario: Callable[[], Awaitable[None]]) -> None:
     asyncio.run(asyncio.wait_for(scenario(), LIMIT))
 
 
+class MortalStore(Store):
+    """The node's store, which nothing reaches once the node process is dead."""
+
+    dead = False
+
+    def die(self) -> None:
+        self.dead = True
+
+    async def _run(self, fn: Callable[[Any], Any]) -> Any:
+        if self.dead:
+            raise Crash("the node is dead: this write never happens")
+        return await super()._run(fn)
+
+
 async def start(tmp_path: Path, backend: ScriptedBackend, **config: Any) -> Orchestrator:
     options: dict[str, Any] = {"reaper_interval": 3600.0, "envd_ready_timeout": 0.3}
-    orch = Orchestrator(Store(tmp_path / "node.db"), backend, TokenIssuer(tmp_path),
-                        NodeConfig(**(options | config)))
+    store = MortalStore(tmp_path / "node.db")
+    backend.on_crash = store.die
+    orch = Orchestrator(store, backend, TokenIssuer(tmp_path), NodeConfig(**(options | config)))
     await orch.start()
     return orch
 
@@ -444,7 +460,7 @@ def test_reaper_failure_keeps_the_sandbox_consistent(tmp_path: Path, op: str) ->
 
 
 async def crashed(orch: Orchestrator, work: Awaitable[Any]) -> None:
-    """`work` ends the node process (scripted Crash): its store connection goes with it."""
+    """`work` ends the node process (a scripted Crash): its store connection goes with it."""
     await raises(Crash, work)
     await orch.store.close()
 
