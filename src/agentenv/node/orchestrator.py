@@ -4,8 +4,8 @@ Rules that keep it simple and safe:
 - All state lives on the event loop thread; a check-and-set of `record.state` happens without an
   `await` in between, which makes it a compare-and-set.
 - At most one operation per sandbox runs at a time (`self._ops`). A call that finds the sandbox
-  in a transitional state waits for that operation and looks again, joins it (kill joins kill),
-  or gets 409, as docs/e2b-api.md §4 says.
+  in a transitional state waits for that operation and looks again (`_await_state`), joins it
+  (kill joins kill), or gets 409, as docs/e2b-api.md §4 says.
 - Every operation runs in its own task and the caller awaits it through `asyncio.shield`: a client
   that disconnects never leaves a sandbox half paused or half created.
 - Every transition is written to SQLite before the call returns, so a restarted node knows each
@@ -17,6 +17,9 @@ Rules that keep it simple and safe:
   else the sandbox is gone (its half-written files are garbage for node/gc.py).
 - Files nobody needs any more are deleted by node/gc.py: at start after adoption, and
   (debounced) after every kill and snapshot/template delete.
+
+Templates and snapshots live in the catalogue (node/catalogue.py); envd is reached through
+envd_client.py. tests/node/test_orchestrator_states.py drives this class in-process.
 """
 
 from __future__ import annotations
