@@ -30,7 +30,7 @@ def test_extra_routes_and_registered_templates(tmp_path: Path) -> None:
     with TestClient(app, headers={"X-API-KEY": key}) as client:
         answer = client.get("/templates/t1/builds/b1/status")
         assert answer.json() == {"templateID": "t1", "status": "ready"}
-        base_dir = app.orchestrator.resolve_template("base").ref.data["dir"]
+        base_dir = app.orchestrator.catalogue.resolve("base").ref.data["dir"]
         now = time.time()
         template = TemplateRecord(
             template_id="tpl1",
@@ -44,7 +44,7 @@ def test_extra_routes_and_registered_templates(tmp_path: Path) -> None:
             created_at=now,
             updated_at=now,
         )
-        client.portal.call(app.orchestrator.register_template, template)  # type: ignore[union-attr]
+        client.portal.call(app.orchestrator.catalogue.register, template)  # type: ignore[union-attr]
         detail = client.get("/templates/my-image").json()
         assert detail["templateID"] == "tpl1" and detail["diskSizeMB"] == 2048
         created = client.post("/v2/sandboxes", json={"templateID": "my-image", "timeout": 30})

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from agentenv.envd_client import EnvdClient
 from agentenv.template.build import (
     BuildContext,
     BuildFailed,
@@ -27,7 +28,6 @@ from agentenv.template.buildfile import (
     files_hash,
     parse_build_file,
 )
-from agentenv.template.envd_client import EnvdClient
 from tests.envd.conftest import EnvdProcess, make_busybox_root, start_envd
 
 # --- request validation ------------------------------------------------------------------------

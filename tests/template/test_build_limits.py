@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from agentenv.envd_client import EnvdClient
 from agentenv.template.build import BuildContext, BuildFailed, StepRunner, parse_steps
-from agentenv.template.envd_client import EnvdClient
 from tests.envd.conftest import EnvdProcess, make_busybox_root, start_envd
 
 MiB = 1 << 20

@@ -310,7 +310,7 @@ def sandbox_exec(ctx: click.Context, sandbox_id: str, command: tuple[str, ...],
     import asyncio
     import sys
 
-    from agentenv.template.envd_client import EnvdClient, EnvdClientError
+    from agentenv.envd_client import EnvdClient, EnvdClientError
 
     client = _client(ctx)
     info = client.call("GET", f"/sandboxes/{sandbox_id}").json()
@@ -373,7 +373,7 @@ def _attach_shell(client: Client, sandbox_id: str, token: str | None) -> int:
     import termios
     import tty
 
-    from agentenv.template.envd_client import EnvdClient, EnvdClientError
+    from agentenv.envd_client import EnvdClient, EnvdClientError
 
     stdin = sys.stdin.fileno()
     interactive = os.isatty(stdin)

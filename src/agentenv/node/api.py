@@ -169,6 +169,7 @@ class NodeApp:
         """`extra_routes` (e.g. the template build API) are matched before the built-in ones,
         so they can claim paths under /templates/ that `GET /templates/{id}` would catch."""
         self.orchestrator = orchestrator
+        self.catalogue = orchestrator.catalogue
         self.api_key = api_key
         self.metrics = metrics or NodeMetrics()
         self.metrics.watch_states(orchestrator.count_by_state)
@@ -499,7 +500,7 @@ class NodeApp:
     # snapshots and templates
 
     def _snapshots(self) -> list[TemplateRecord]:
-        return [t for t in self.orchestrator.templates.values() if t.kind == "snapshot"]
+        return self.catalogue.of_kind("snapshot")
 
     async def list_snapshots(self, request: Request) -> Response:
         found = self._snapshots()
@@ -515,13 +516,13 @@ class NodeApp:
         return JSONResponse([models.snapshot_json(t) for t in items], headers=headers)
 
     async def get_snapshot(self, request: Request) -> Response:
-        tpl = self.orchestrator.resolve_template(request.path_params["snapshot_id"])
+        tpl = self.catalogue.resolve(request.path_params["snapshot_id"])
         if tpl.kind != "snapshot":
             raise ApiError(f"snapshot '{request.path_params['snapshot_id']}' not found", status=404)
         return JSONResponse(models.snapshot_json(tpl))
 
     def _templates(self) -> list[TemplateRecord]:
-        return [t for t in self.orchestrator.templates.values() if t.kind == "template"]
+        return self.catalogue.of_kind("template")
 
     async def list_templates(self, request: Request) -> Response:
         items = sorted(self._templates(), key=lambda t: (t.created_at, t.template_id))
@@ -535,15 +536,15 @@ class NodeApp:
         return JSONResponse([models.template_json(t) for t in items], headers=headers)
 
     async def get_template(self, request: Request) -> Response:
-        tpl = self.orchestrator.resolve_template(request.path_params["template_id"])
+        tpl = self.catalogue.resolve(request.path_params["template_id"])
         return JSONResponse(models.template_detail_json(tpl))
 
     async def delete_template(self, request: Request) -> Response:
-        await self.orchestrator.delete_template(request.path_params["template_id"])
+        await self.catalogue.delete(request.path_params["template_id"])
         return Response(status_code=204)
 
     async def template_alias(self, request: Request) -> Response:
-        tpl = self.orchestrator.resolve_template(request.path_params["alias"])
+        tpl = self.catalogue.resolve(request.path_params["alias"])
         return JSONResponse({"templateID": tpl.template_id, "public": True})
 
     # nodes

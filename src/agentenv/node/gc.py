@@ -210,7 +210,9 @@ class LayerCollector:
     async def collect(self, reason: str = "requested") -> GcReport:
         async with self._lock:
             started = time.monotonic()
-            await self._wait_idle()
+            # Operations under way may be writing a snapshot no record names yet; the grace
+            # period covers a node too busy ever to be idle.
+            await self.orchestrator.wait_idle(BUSY_WAIT_SECONDS)
             marks = await self._marks()
             report = GcReport(reason=reason)
             await asyncio.to_thread(self._sweep, marks, report)
@@ -237,20 +239,10 @@ class LayerCollector:
                     "seconds": round(report.seconds, 3)})
             return report
 
-    async def _wait_idle(self) -> None:
-        """Let operations under way finish (each may be writing a snapshot that no record
-        names yet); the grace period covers a node too busy ever to be idle."""
-        deadline = time.monotonic() + BUSY_WAIT_SECONDS
-        while self.orchestrator._ops and time.monotonic() < deadline:
-            await asyncio.wait(list(self.orchestrator._ops.values()), timeout=1.0)
-
     async def _marks(self) -> _Marks:
         orch = self.orchestrator
         layers = orch.capabilities.layers
-        refs: list[TemplateRef] = [tpl.ref for tpl in orch.templates.values()]
-        tags = getattr(orch, "template_tags", None)
-        if tags is not None:
-            refs.extend(build.ref for build in tags.builds.values())
+        refs: list[TemplateRef] = list(orch.catalogue.refs())
         for rec in orch.sandboxes.values():
             refs.append(rec.source)
             if rec.pause_snapshot is not None:

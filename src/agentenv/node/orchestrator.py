@@ -4,8 +4,8 @@ Rules that keep it simple and safe:
 - All state lives on the event loop thread; a check-and-set of `record.state` happens without an
   `await` in between, which makes it a compare-and-set.
 - At most one operation per sandbox runs at a time (`self._ops`). A call that finds the sandbox
-  in a transitional state waits for that operation and looks again, joins it (kill joins kill),
-  or gets 409, as docs/e2b-api.md §4 says.
+  in a transitional state waits for that operation and looks again (`_await_state`), joins it
+  (kill joins kill), or gets 409, as docs/e2b-api.md §4 says.
 - Every operation runs in its own task and the caller awaits it through `asyncio.shield`: a client
   that disconnects never leaves a sandbox half paused or half created.
 - Every transition is written to SQLite before the call returns, so a restarted node knows each
@@ -17,6 +17,9 @@ Rules that keep it simple and safe:
   else the sandbox is gone (its half-written files are garbage for node/gc.py).
 - Files nobody needs any more are deleted by node/gc.py: at start after adoption, and
   (debounced) after every kill and snapshot/template delete.
+
+Templates and snapshots live in the catalogue (node/catalogue.py); envd is reached through
+envd_client.py. tests/node/test_orchestrator_states.py drives this class in-process.
 """
 
 from __future__ import annotations
@@ -27,12 +30,13 @@ import logging
 import os
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import httpx
 
+from agentenv.envd_client import EnvdClient, EnvdClientError
 from agentenv.node import network_policy
 from agentenv.node.admission import Admission, Reservation
 from agentenv.node.backend import (
@@ -43,19 +47,18 @@ from agentenv.node.backend import (
     SandboxBackend,
     SandboxSpec,
 )
+from agentenv.node.catalogue import TemplateCatalogue
 from agentenv.node.errors import (
     ApiError,
     BadRequest,
     Conflict,
     Internal,
-    NotFound,
     Unavailable,
     sandbox_not_found,
 )
 from agentenv.node.records import SandboxRecord, State, TemplateRecord
 from agentenv.node.security import TokenIssuer, new_id
 from agentenv.node.store import NameTaken, PendingOp, Store
-from agentenv.node.template_tags import TemplateTags
 
 log = logging.getLogger("agentenv.node.orchestrator")
 T = TypeVar("T")
@@ -133,9 +136,7 @@ class Orchestrator:
         self.tokens = tokens
         self.config = config or NodeConfig()
         self.sandboxes: dict[str, SandboxRecord] = {}
-        self.templates: dict[str, TemplateRecord] = {}
         self.counters = NodeCounters()
-        self._names: dict[str, str] = {}
         self._ops: dict[str, asyncio.Task[Any]] = {}
         self._background: set[asyncio.Task[Any]] = set()
         self._metric_history: dict[str, deque[MetricSample]] = {}
@@ -143,12 +144,10 @@ class Orchestrator:
         self._reaper: asyncio.Task[None] | None = None
         self._http: httpx.AsyncClient | None = None
         self._on_op = on_op or (lambda op, outcome, seconds: None)
-        #: ids of the templates the backend provides itself (never deleted through the API)
-        self.builtin_templates: set[str] = set()
         #: the layer garbage collector (node/gc.py), set by the server before start()
         self.gc: Any = None
-        #: tags of the templates (E2B "name:tag"), node/template_tags.py
-        self.template_tags = TemplateTags(self)
+        #: the templates and snapshots sandboxes start from (node/catalogue.py)
+        self.catalogue = TemplateCatalogue(store, backend, self._collect_soon)
         #: limits on what the node takes on (node/admission.py), set by the server; None: none
         self.admission: Admission | None = None
         self._leave_listeners: list[Callable[[str, str], None]] = []
@@ -171,39 +170,8 @@ class Orchestrator:
         self._http = httpx.AsyncClient(timeout=httpx.Timeout(10.0, connect=2.0), trust_env=False)
         await self.store.open()
         await self.backend.start()
-        for tpl in await self.store.load_templates():
-            self._add_template(tpl)
-        await self.template_tags.load()
-        for default in await self.backend.default_templates():
-            existing = self.templates.get(default.name)
-            if existing is None and default.name in self._names:
-                continue  # the name was given to another template: that one wins
-            if existing is not None:
-                self.builtin_templates.add(existing.template_id)
-                sizes = (default.cpu_count, default.memory_mb, default.disk_size_mb)
-                if sizes != (existing.cpu_count, existing.memory_mb, existing.disk_size_mb):
-                    # A rebuild with other sizes: the record must say what the VM gets.
-                    existing.cpu_count, existing.memory_mb, existing.disk_size_mb = sizes
-                    existing.ref = default.ref
-                    existing.updated_at = time.time()
-                    await self._save_template(existing)
-                continue
-            now = time.time()
-            self.builtin_templates.add(default.name)
-            await self._save_template(
-                TemplateRecord(
-                    template_id=default.name,
-                    kind="template",
-                    names=[default.name],
-                    ref=default.ref,
-                    cpu_count=default.cpu_count,
-                    memory_mb=default.memory_mb,
-                    disk_size_mb=default.disk_size_mb,
-                    envd_version=default.envd_version or self.config.default_envd_version,
-                    created_at=now,
-                    updated_at=now,
-                )
-            )
+        await self.catalogue.load(await self.backend.default_templates(),
+                                  self.config.default_envd_version)
         await self._reconcile()
         await self._reapply_network()
         if self.gc is not None:
@@ -288,13 +256,7 @@ class Orchestrator:
         sandbox gets it before the call returns; a paused one when it resumes. Invalid input
         changes nothing (400); a failed apply leaves the old policy in force and recorded."""
         self._check_open()
-        while True:
-            rec = self.get(sandbox_id)
-            if rec.state == State.KILLING:
-                raise sandbox_not_found(sandbox_id)
-            if rec.state.stable:
-                break
-            await self._wait_op(sandbox_id, rec.state)
+        rec = await self._await_state(sandbox_id, _STABLE, {State.KILLING: _gone})
         network, allow, policy = network_policy.updated(rec, body)
         self._check_enforced(policy)
         if rec.state == State.RUNNING and rec.placement is not None:
@@ -447,6 +409,27 @@ class Orchestrator:
         if not done:
             raise Conflict(f"sandbox {sandbox_id!r} stayed in '{state.value}' state too long")
 
+    async def _await_state(
+        self, sandbox_id: str, proceed: Collection[State],
+        refuse: Mapping[State, Callable[[SandboxRecord], ApiError]] | None = None,
+    ) -> SandboxRecord:
+        """The record once its state is in `proceed`; in a state of `refuse`, that error; in
+        any other (another operation under way), wait for that operation and look again."""
+        while True:
+            rec = self.get(sandbox_id)
+            if rec.state in proceed:
+                return rec
+            if refuse and rec.state in refuse:
+                raise refuse[rec.state](rec)
+            await self._wait_op(sandbox_id, rec.state)
+
+    async def wait_idle(self, timeout: float) -> None:
+        """Return once no operation is under way (each may be writing files no record names
+        yet), or after about `timeout` seconds on a node too busy ever to be idle."""
+        deadline = time.monotonic() + timeout
+        while self._ops and time.monotonic() < deadline:
+            await asyncio.wait(list(self._ops.values()), timeout=1.0)
+
     def _clamp_timeout(self, seconds: int | None, default: int) -> int:
         if seconds is None:
             seconds = default
@@ -475,93 +458,16 @@ class Orchestrator:
             # The backend returned only after its own /init with this spec's env vars and
             # token (the VM runtime does, on every restore): a second round trip is waste.
             return
-        deadline = time.monotonic() + self.config.envd_ready_timeout
-        delay = 0.01
-        last_error = "no answer"
-        while True:
-            try:
-                answer = await self._http.get(placement.envd_url + "/health", timeout=2.0)
-                if answer.is_success:
-                    break
-                last_error = f"HTTP {answer.status_code}"
-            except httpx.HTTPError as exc:
-                last_error = str(exc) or type(exc).__name__
-            if time.monotonic() > deadline:
-                raise BackendError(f"envd of {rec.sandbox_id} not ready: {last_error}")
-            await asyncio.sleep(delay)
-            delay = min(delay * 1.5, 0.2)
-        body: dict[str, Any] = {
-            "envVars": rec.env_vars,
-            "timestamp": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        }
-        if rec.secure:
-            body["accessToken"] = rec.envd_access_token
-        headers = {"X-Access-Token": rec.envd_access_token} if rec.secure else {}
-        answer = await self._http.post(placement.envd_url + "/init", json=body, headers=headers)
-        if not answer.is_success:
-            raise BackendError(
-                f"envd /init of {rec.sandbox_id} failed: {answer.status_code} {answer.text[:200]}"
-            )
-
-    # --- templates ---------------------------------------------------------------------------
-
-    def _add_template(self, tpl: TemplateRecord) -> None:
-        self.templates[tpl.template_id] = tpl
-        for name in tpl.names:
-            self._names[name] = tpl.template_id
-
-    async def _save_template(self, tpl: TemplateRecord) -> None:
-        await self.store.put_template(tpl)
-        old = self.templates.get(tpl.template_id)
-        if old:
-            for name in old.names:
-                self._names.pop(name, None)
-        self._add_template(tpl)
-        await self.store.set_layer_refs(tpl.kind, tpl.template_id, list(tpl.ref.layers))
-
-    async def register_template(self, tpl: TemplateRecord) -> None:
-        """Add or replace a template (template builds call this); its names must be free."""
-        for name in tpl.names:
-            owner = self._names.get(name)
-            if owner is not None and owner != tpl.template_id:
-                raise Conflict(f"name {name!r} is already used by {owner}")
-        await self._save_template(tpl)
-
-    def resolve_template(self, id_or_name: str) -> TemplateRecord:
-        tpl = self.templates.get(id_or_name)
-        if tpl is None and id_or_name in self._names:
-            tpl = self.templates.get(self._names[id_or_name])
-        if tpl is None and ":" in id_or_name:  # "name:tag": that build of the template
-            base, tag = id_or_name.rsplit(":", 1)
-            return self.template_tags.resolve(self.resolve_template(base), tag, base)
-        if tpl is None:
-            raise NotFound(f"template '{id_or_name}' not found")
-        return tpl
-
-    async def delete_template(self, id_or_name: str) -> None:
-        tpl = self.resolve_template(id_or_name)
-        if tpl.template_id in self.builtin_templates:
-            raise BadRequest(
-                f"template '{id_or_name}' is built into this node and cannot be deleted"
-            )
-        await self.store.delete_template(tpl.template_id)
-        await self.store.set_layer_refs(tpl.kind, tpl.template_id, [])
-        self.templates.pop(tpl.template_id, None)
-        for name in tpl.names:
-            self._names.pop(name, None)
-        refs = [tpl.ref]
-        for build in self.template_tags.forget(tpl.template_id):
-            if build.ref not in refs:
-                refs.append(build.ref)
-        for ref in refs:
-            try:
-                await self.backend.delete_snapshot(ref)
-            except BackendError as exc:
-                log.warning(
-                    "template data not deleted",
-                    extra={"template_id": tpl.template_id, "error": str(exc)},
-                )
-        self._collect_soon()
+        token = rec.envd_access_token if rec.secure else None
+        envd = EnvdClient(placement.envd_url, token, http=self._http)
+        try:
+            await envd.wait_healthy(self.config.envd_ready_timeout)
+        except EnvdClientError as exc:
+            raise BackendError(f"envd of {rec.sandbox_id} not ready: {exc}") from exc
+        try:
+            await envd.init(env_vars=rec.env_vars, access_token=token)
+        except EnvdClientError as exc:
+            raise BackendError(f"{exc} (sandbox {rec.sandbox_id})") from exc
 
     def _collect_soon(self) -> None:
         """A debounced garbage collection pass (node/gc.py), if the node has a collector."""
@@ -584,7 +490,7 @@ class Orchestrator:
 
     async def create(self, params: CreateParams) -> SandboxRecord:
         self._check_open()
-        tpl = self.resolve_template(params.template)
+        tpl = self.catalogue.resolve(params.template)
         if params.auto_resume and params.auto_pause and not params.auto_pause_memory:
             raise BadRequest("autoResume cannot be combined with a filesystem-only autoPause")
         policy = network_policy.parse(params.network, params.allow_internet_access)
@@ -623,7 +529,7 @@ class Orchestrator:
         self._release(self._admit("create sandbox", tpl.memory_mb, tpl.cpu_count))
         self.sandboxes[sid] = rec
         # A "name:tag" gives a copy with that build's snapshot: statistics go to the record.
-        counted = self.templates.get(tpl.template_id, tpl)
+        counted = self.catalogue.get(tpl.template_id) or tpl
         return await self._launch(sid, "create", self._do_create(rec, counted, timeout))
 
     async def _do_create(
@@ -683,17 +589,14 @@ class Orchestrator:
 
     async def pause(self, sandbox_id: str, memory: bool = True) -> None:
         self._check_open()
-        while True:
-            rec = self.get(sandbox_id)
-            if rec.state == State.PAUSED:
-                raise Conflict(f"sandbox {sandbox_id!r} is already paused")
-            if rec.state in (State.PAUSING, State.KILLING):
-                raise Conflict(
-                    f"sandbox {sandbox_id!r} cannot be paused while in '{rec.state.value}' state"
-                )
-            if rec.state == State.RUNNING:
-                break
-            await self._wait_op(sandbox_id, rec.state)
+
+        def busy(rec: SandboxRecord) -> ApiError:
+            return Conflict(
+                f"sandbox {sandbox_id!r} cannot be paused while in '{rec.state.value}' state")
+
+        rec = await self._await_state(sandbox_id, {State.RUNNING}, {
+            State.PAUSED: lambda rec: Conflict(f"sandbox {sandbox_id!r} is already paused"),
+            State.PAUSING: busy, State.KILLING: busy})
         rec.state = State.PAUSING
         self._left_running(sandbox_id, "paused")
         await self._launch(sandbox_id, "pause", self._do_pause(rec, memory))
@@ -736,17 +639,12 @@ class Orchestrator:
         kept memory (the memory snapshot is left as it is)."""
         self._check_open()
         seconds = self._clamp_timeout(timeout, self.config.default_timeout)
-        while True:
-            rec = self.get(sandbox_id)
-            if rec.state == State.RUNNING:
-                rec.end_at = max(rec.end_at, time.time() + seconds)
-                await self.store.put_sandbox(rec)
-                return rec, False
-            if rec.state == State.PAUSED:
-                break
-            if rec.state == State.KILLING:
-                raise Conflict(f"sandbox {sandbox_id!r} is being killed")
-            await self._wait_op(sandbox_id, rec.state)
+        rec = await self._await_state(sandbox_id, _STABLE, {
+            State.KILLING: lambda rec: Conflict(f"sandbox {sandbox_id!r} is being killed")})
+        if rec.state == State.RUNNING:
+            rec.end_at = max(rec.end_at, time.time() + seconds)
+            await self.store.put_sandbox(rec)
+            return rec, False
         # No await until the state changes: the resuming record counts from then on.
         self._release(self._admit(f"resume sandbox {sandbox_id}", rec.memory_mb, rec.cpu_count))
         rec.state = State.RESUMING
@@ -759,13 +657,9 @@ class Orchestrator:
         """`POST /sandboxes/{id}/resume` of SDK 2.0-2.5: 409 when the sandbox already runs."""
         self._check_open()
         seconds = self._clamp_timeout(timeout, 15)
-        while True:
-            rec = self.get(sandbox_id)
-            if rec.state == State.PAUSED:
-                break
-            if rec.state in (State.RUNNING, State.KILLING, State.CREATING, State.RESUMING):
-                raise Conflict(f"sandbox {sandbox_id!r} is already running")
-            await self._wait_op(sandbox_id, rec.state)
+        rec = await self._await_state(sandbox_id, {State.PAUSED}, dict.fromkeys(
+            (State.RUNNING, State.KILLING, State.CREATING, State.RESUMING),
+            lambda rec: Conflict(f"sandbox {sandbox_id!r} is already running")))
         self._release(self._admit(f"resume sandbox {sandbox_id}", rec.memory_mb, rec.cpu_count))
         if auto_pause is not None:
             rec.auto_pause = auto_pause
@@ -834,18 +728,14 @@ class Orchestrator:
 
     async def kill(self, sandbox_id: str) -> None:
         self._check_open()
-        while True:
-            rec = self.get(sandbox_id)
-            if rec.state == State.KILLING:
-                # someone else's kill (or the reaper's): wait for it; then, like get_info,
-                # answer that the sandbox does not exist (the SDK's kill() returns False)
-                task = self._ops.get(sandbox_id)
-                if task is not None:
-                    await asyncio.shield(task)
-                raise sandbox_not_found(sandbox_id)
-            if rec.state.stable:
-                break
-            await self._wait_op(sandbox_id, rec.state)
+        rec = await self._await_state(sandbox_id, {*_STABLE, State.KILLING})
+        if rec.state == State.KILLING:
+            # someone else's kill (or the reaper's): wait for it; then, like get_info,
+            # answer that the sandbox does not exist (the SDK's kill() returns False)
+            task = self._ops.get(sandbox_id)
+            if task is not None:
+                await asyncio.shield(task)
+            raise sandbox_not_found(sandbox_id)
         previous = rec.state
         rec.state = State.KILLING
         self._left_running(sandbox_id, "killed")
@@ -878,13 +768,9 @@ class Orchestrator:
     async def set_timeout(self, sandbox_id: str, seconds: int, shorten: bool = True) -> None:
         """`endAt = now + seconds` (may shorten unless `shorten` is False); running only."""
         self._check_open()
-        while True:
-            rec = self.get(sandbox_id)
-            if rec.state in (State.PAUSED, State.PAUSING, State.KILLING):
-                raise sandbox_not_found(sandbox_id)
-            if rec.state == State.RUNNING or rec.state in (State.SNAPSHOTTING, State.FORKING):
-                break
-            await self._wait_op(sandbox_id, rec.state)
+        rec = await self._await_state(
+            sandbox_id, {State.RUNNING, State.SNAPSHOTTING, State.FORKING},
+            dict.fromkeys((State.PAUSED, State.PAUSING, State.KILLING), _gone))
         end = time.time() + self._clamp_timeout(seconds, 0)
         rec.end_at = end if shorten else max(rec.end_at, end)
         await self.store.put_sandbox(rec)
@@ -931,20 +817,19 @@ class Orchestrator:
     # --- snapshots and forks -----------------------------------------------------------------
 
     async def _wait_running(self, sandbox_id: str, what: str) -> SandboxRecord:
-        while True:
-            rec = self.get(sandbox_id)
-            if rec.state == State.RUNNING:
-                return rec
-            if rec.state in (State.PAUSED, State.PAUSING, State.KILLING):
-                raise Conflict(
-                    f"sandbox {sandbox_id!r} cannot {what} while in '{rec.state.value}' state"
-                )
-            await self._wait_op(sandbox_id, rec.state)
+        def refuse(rec: SandboxRecord) -> ApiError:
+            return Conflict(
+                f"sandbox {sandbox_id!r} cannot {what} while in '{rec.state.value}' state")
+
+        return await self._await_state(
+            sandbox_id, {State.RUNNING},
+            dict.fromkeys((State.PAUSED, State.PAUSING, State.KILLING), refuse))
 
     async def snapshot(self, sandbox_id: str, name: str | None) -> TemplateRecord:
         self._check_open()
-        if name is not None and name in self._names:
-            raise Conflict(f"name {name!r} is already used by {self._names[name]}")
+        owner = None if name is None else self.catalogue.name_owner(name)
+        if owner is not None:
+            raise Conflict(f"name {name!r} is already used by {owner}")
         rec = await self._wait_running(sandbox_id, "be snapshotted")
         rec.state = State.SNAPSHOTTING
         return await self._launch(sandbox_id, "snapshot", self._do_snapshot(rec, name))
@@ -978,7 +863,7 @@ class Orchestrator:
             source_sandbox_id=sid,
         )
         try:
-            await self._save_template(tpl)
+            await self.catalogue.save(tpl)
         except NameTaken as exc:
             with contextlib.suppress(BackendError):
                 await self.backend.delete_snapshot(ref)
@@ -1090,6 +975,14 @@ class Orchestrator:
         for rec in self.sandboxes.values():
             counts[rec.state.value] += 1
         return counts
+
+
+_STABLE = frozenset({State.RUNNING, State.PAUSED})
+
+
+def _gone(rec: SandboxRecord) -> ApiError:
+    """404, as E2B answers for a sandbox this call cannot act on (paused, being killed)."""
+    return sandbox_not_found(rec.sandbox_id)
 
 
 def _backend_failure(message: str, exc: BackendError) -> ApiError:

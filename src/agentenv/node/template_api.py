@@ -175,6 +175,7 @@ class TemplateBuildApi:
 
     def __init__(self, orchestrator: Orchestrator, state_dir: Path, api_key: str) -> None:
         self.orchestrator = orchestrator
+        self.catalogue = orchestrator.catalogue
         self.state_dir = state_dir
         self.builds_dir = state_dir / "template-builds"
         self.files_dir = state_dir / "template-files"
@@ -225,8 +226,8 @@ class TemplateBuildApi:
     def _released(self, rec: BuildRecord) -> bool:
         if rec.status != "ready":
             return False
-        tags = self.orchestrator.template_tags
-        tpl = self.orchestrator.templates.get(rec.template_id)
+        tags = self.catalogue.tags
+        tpl = self.catalogue.get(rec.template_id)
         if rec.build_id in tags.builds or (tpl is not None and tpl.build_id == rec.build_id):
             return False
         if tags.tags.get(rec.template_id):
@@ -241,13 +242,13 @@ class TemplateBuildApi:
         """The newest build of a template that has never been ready (not registered yet)."""
         for rec in sorted(self.builds.values(), key=lambda b: b.created_at, reverse=True):
             if id_or_name in (rec.template_id, rec.name) and \
-                    rec.template_id not in self.orchestrator.templates:
+                    rec.template_id not in self.catalogue:
                 return rec
         return None
 
     def _registered(self, id_or_name: str) -> TemplateRecord | None:
         with contextlib.suppress(NotFound):
-            return self.orchestrator.resolve_template(id_or_name)
+            return self.catalogue.resolve(id_or_name)
         return None
 
     def _context_of(self, template_id: str, build_id: str | None = None
@@ -296,9 +297,7 @@ class TemplateBuildApi:
                              f"'{self.orchestrator.backend.name}' backend")
         existing = self._registered(name)
         if existing is not None:
-            if existing.kind != "template" or existing.template_id in getattr(
-                    self.orchestrator, "builtin_templates", set()) or \
-                    existing.ref.data.get("builtin"):
+            if existing.kind != "template" or self._builtin(existing):
                 raise BadRequest(f"name {name!r} is taken by {existing.kind} "
                                  f"{existing.template_id}, which cannot be rebuilt")
             template_id = existing.template_id
@@ -317,7 +316,7 @@ class TemplateBuildApi:
                 other.finished_at = other.updated_at = time.time()
                 self._save(other)
         tags = tags or [DEFAULT_TAG]
-        self.orchestrator.template_tags.check_room(template_id, tags)
+        self.catalogue.tags.check_room(template_id, tags)
         if existing is None and DEFAULT_TAG not in tags:
             tags.insert(0, DEFAULT_TAG)  # a template's first build is what its name means
         now = time.time()
@@ -333,7 +332,7 @@ class TemplateBuildApi:
 
     def _template_of_request(self, template_id: str) -> str:
         """A template id the API knows (built, or with a build requested)."""
-        if template_id in self.orchestrator.templates or \
+        if template_id in self.catalogue or \
                 any(b.template_id == template_id for b in self.builds.values()):
             return template_id
         registered = self._registered(template_id)
@@ -517,11 +516,11 @@ class TemplateBuildApi:
 
     def _all_templates(self) -> list[tuple[float, str, dict[str, Any]]]:
         out = []
-        for tpl in self.orchestrator.templates.values():
+        for tpl in self.catalogue.templates.values():
             if tpl.kind == "template":
                 out.append((tpl.created_at, tpl.template_id,
                             self._template_json(tpl, self._builds_of(tpl.template_id))))
-        seen = set(self.orchestrator.templates)
+        seen = set(self.catalogue.templates)
         for rec in self.builds.values():
             if rec.template_id not in seen:
                 seen.add(rec.template_id)
@@ -577,7 +576,7 @@ class TemplateBuildApi:
         if template_id is None:
             raise NotFound(f"template '{id_or_name}' not found")
         if tpl is not None and tpl.kind == "template" and (
-                template_id in getattr(self.orchestrator, "builtin_templates", set())
+                self.catalogue.is_builtin(template_id)
                 or tpl.ref.data.get("builtin")):
             raise BadRequest(f"template '{id_or_name}' is built into this node and cannot "
                              "be deleted")
@@ -588,7 +587,7 @@ class TemplateBuildApi:
                 with contextlib.suppress(BaseException):
                     await task
         if tpl is not None:
-            await self.orchestrator.delete_template(template_id)
+            await self.catalogue.delete(template_id)
         for rec in self._builds_of(template_id, released=True):
             self.builds.pop(rec.build_id, None)
             (self.builds_dir / f"{rec.build_id}.json").unlink(missing_ok=True)
@@ -601,7 +600,7 @@ class TemplateBuildApi:
         return ready[0].build_id if ready else None
 
     def _builtin(self, tpl: TemplateRecord) -> bool:
-        return tpl.template_id in getattr(self.orchestrator, "builtin_templates", set()) or \
+        return self.catalogue.is_builtin(tpl.template_id) or \
             bool(tpl.ref.data.get("builtin"))
 
     async def _tagged_template(self, id_or_name: str, change: bool = True) -> TemplateRecord:
@@ -621,9 +620,9 @@ class TemplateBuildApi:
                              "snapshots have no tags")
         if self._builtin(tpl):
             raise BadRequest(f"template '{id_or_name}' is built into this node: it has no tags")
-        await self.orchestrator.template_tags.adopt_untagged(
+        await self.catalogue.tags.adopt_untagged(
             tpl.template_id, self._newest_ready(tpl.template_id))
-        return self.orchestrator.templates[tpl.template_id]
+        return self.catalogue.templates[tpl.template_id]
 
     async def tags(self, request: Request) -> Response:
         self._load()
@@ -633,7 +632,7 @@ class TemplateBuildApi:
         tpl = await self._tagged_template(split_tag(id_or_name)[0], change=False)
         return JSONResponse([
             {"tag": t.tag, "buildID": t.build_id, "createdAt": models.iso(t.assigned_at)}
-            for t in self.orchestrator.template_tags.of(tpl.template_id)])
+            for t in self.catalogue.tags.of(tpl.template_id)])
 
     async def assign_tags(self, request: Request) -> Response:
         self._load()
@@ -646,7 +645,7 @@ class TemplateBuildApi:
         tags = normalize_tags(body.tags)
         source = DEFAULT_TAG if source is None or not source.strip() else source
         tpl = await self._tagged_template(name)
-        build = await self.orchestrator.template_tags.assign(tpl.template_id, source, tags)
+        build = await self.catalogue.tags.assign(tpl.template_id, source, tags)
         log.info("template tags assigned", extra={"template_id": tpl.template_id,
                                                   "build_id": build.build_id, "tags": tags})
         return JSONResponse({"tags": tags, "buildID": build.build_id}, status_code=201)
@@ -662,7 +661,7 @@ class TemplateBuildApi:
             raise BadRequest("tags must name at least one tag to remove")
         tags = normalize_tags(body.tags)
         tpl = await self._tagged_template(name)
-        await self.orchestrator.template_tags.remove(tpl.template_id, tags)
+        await self.catalogue.tags.remove(tpl.template_id, tags)
         log.info("template tags removed", extra={"template_id": tpl.template_id, "tags": tags})
         return Response(status_code=204)
 
@@ -696,9 +695,7 @@ class TemplateBuildApi:
                                               "seconds": round(time.monotonic() - t0, 1)})
         finally:
             self._save(rec)
-            gc = getattr(self.orchestrator, "gc", None)
-            if gc is not None:
-                gc.request()  # its uploads may be unused now (node/gc.py)
+            self.catalogue.collect_soon()  # its uploads may be unused now (node/gc.py)
 
     def _fail(self, rec: BuildRecord, message: str, step: str | None) -> None:
         rec.status = "error"
@@ -709,8 +706,8 @@ class TemplateBuildApi:
                                                     "build_id": rec.build_id, "error": message})
 
     async def _build(self, rec: BuildRecord, steps: list[Any], body: TemplateBuildStartV2) -> None:
+        from agentenv.envd_client import EnvdClient
         from agentenv.template.build import BASE_STEP, BuildContext, StepRunner
-        from agentenv.template.envd_client import EnvdClient
 
         backend = self.orchestrator.backend
         builder = self.orchestrator.capabilities.templates
@@ -720,7 +717,7 @@ class TemplateBuildApi:
         envd = None
         try:
             if body.fromTemplate:
-                parent = self.orchestrator.resolve_template(body.fromTemplate)
+                parent = self.catalogue.resolve(body.fromTemplate)
                 rec.log("info", f"FROM template {parent.names[0] if parent.names else parent.template_id}"
                         f" ({parent.template_id})", BASE_STEP)
                 if (rec.cpu_count, rec.memory_mb) != (parent.cpu_count, parent.memory_mb):
@@ -821,7 +818,7 @@ class TemplateBuildApi:
     async def _publish(self, rec: BuildRecord, ref: Any, context: Any) -> None:
         """Register the build under its tags (a new template, or its new "default" snapshot);
         the build no tag names any more is released (node/template_tags.py)."""
-        old = self.orchestrator.templates.get(rec.template_id)
+        old = self.catalogue.get(rec.template_id)
         now = time.time()
         tpl = TemplateRecord(
             template_id=rec.template_id, kind="template", names=[rec.name], ref=ref,
@@ -836,9 +833,9 @@ class TemplateBuildApi:
             created_at=rec.created_at)
         try:
             if old is not None:
-                await self.orchestrator.template_tags.adopt_untagged(
+                await self.catalogue.tags.adopt_untagged(
                     rec.template_id, self._newest_ready(rec.template_id))
-            await self.orchestrator.template_tags.publish(tpl, build, rec.tags or [DEFAULT_TAG])
+            await self.catalogue.tags.publish(tpl, build, rec.tags or [DEFAULT_TAG])
         except BaseException:
             with contextlib.suppress(Exception):
                 await self.orchestrator.backend.delete_snapshot(ref)

@@ -1,4 +1,4 @@
-"""Template tags (E2B's "name:tag" template versions), kept by the orchestrator.
+"""Template tags (E2B's "name:tag" template versions), kept by the template catalogue.
 
 A tag names one build of a template. "default" is what a bare name means: a build requested
 without tags gets it, so it moves to the newest such build; a build requested with tags gets
@@ -21,14 +21,12 @@ import logging
 import re
 import time
 import uuid
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-from agentenv.node.backend import BackendError
+from agentenv.node.backend import BackendError, SandboxBackend
 from agentenv.node.errors import BadRequest, NotFound
 from agentenv.node.records import DEFAULT_TAG, BuildSnapshot, TagAssignment, TemplateRecord
-
-if TYPE_CHECKING:
-    from agentenv.node.orchestrator import Orchestrator
+from agentenv.node.store import Store
 
 log = logging.getLogger("agentenv.node.template_tags")
 
@@ -72,17 +70,30 @@ def split_tag(name: str) -> tuple[str, str | None]:
     return base, (tag if sep else None)
 
 
+class Templates(Protocol):
+    """What the tags need of the template catalogue (node/catalogue.py), which holds them."""
+
+    store: Store
+    backend: SandboxBackend
+    templates: dict[str, TemplateRecord]
+    builtin_templates: set[str]
+
+    async def register(self, tpl: TemplateRecord) -> None: ...
+
+    def collect_soon(self) -> None: ...
+
+
 class TemplateTags:
     """The tags and tagged builds of every template, in memory and in the store."""
 
-    def __init__(self, orchestrator: Orchestrator) -> None:
-        self.orchestrator = orchestrator
+    def __init__(self, catalogue: Templates) -> None:
+        self.catalogue = catalogue
         self.builds: dict[str, BuildSnapshot] = {}
         self.tags: dict[str, dict[str, TagAssignment]] = {}  # template id -> tag -> assignment
         self.lock = asyncio.Lock()
 
     async def load(self) -> None:
-        builds, tags = await self.orchestrator.store.load_tags()
+        builds, tags = await self.catalogue.store.load_tags()
         self.builds = {b.build_id: b for b in builds}
         self.tags = {}
         for t in tags:
@@ -123,9 +134,9 @@ class TemplateTags:
     async def adopt_untagged(self, template_id: str, build_id: str | None) -> None:
         """A template built before tags were kept has no tag records: its current snapshot
         becomes the "default" build (under `build_id`, its newest ready build, if known)."""
-        tpl = self.orchestrator.templates.get(template_id)
+        tpl = self.catalogue.templates.get(template_id)
         if tpl is None or tpl.kind != "template" or self.tags.get(template_id) or \
-                template_id in self.orchestrator.builtin_templates or tpl.ref.data.get("builtin"):
+                template_id in self.catalogue.builtin_templates or tpl.ref.data.get("builtin"):
             return
         build_id = tpl.build_id or build_id or str(uuid.uuid4())
         build = BuildSnapshot(
@@ -133,25 +144,25 @@ class TemplateTags:
             memory_mb=tpl.memory_mb, disk_size_mb=tpl.disk_size_mb,
             envd_version=tpl.envd_version, created_at=tpl.updated_at)
         assignment = TagAssignment(template_id, DEFAULT_TAG, build_id, tpl.updated_at)
-        await self.orchestrator.store.update_tags([build], [assignment], [], [])
+        await self.catalogue.store.update_tags([build], [assignment], [], [])
         self.builds[build_id] = build
         self.tags.setdefault(template_id, {})[DEFAULT_TAG] = assignment
         if tpl.build_id != build_id:
-            await self.orchestrator.register_template(dataclasses.replace(tpl, build_id=build_id))
+            await self.catalogue.register(dataclasses.replace(tpl, build_id=build_id))
 
     async def publish(self, tpl: TemplateRecord, build: BuildSnapshot, tags: list[str]) -> None:
         """A build is ready: register it and point `tags` at it. `tpl` is the template record
         it would make as the default build. Raises before changing anything on failure."""
-        orch = self.orchestrator
+        catalogue = self.catalogue
         async with self.lock:
             self.check_room(tpl.template_id, tags)
-            old = orch.templates.get(tpl.template_id)
+            old = catalogue.templates.get(tpl.template_id)
             if old is not None:
                 await self.adopt_untagged(old.template_id, None)
             if old is None and DEFAULT_TAG not in tags:
                 tags = [DEFAULT_TAG, *tags]
             if DEFAULT_TAG in tags or old is None:
-                await orch.register_template(dataclasses.replace(
+                await catalogue.register(dataclasses.replace(
                     tpl, ref=build.ref, build_id=build.build_id))
             await self._point(tpl.template_id, build, tags)
 
@@ -159,12 +170,12 @@ class TemplateTags:
         """Point `tags` at the build tag (or build id) `source` names."""
         async with self.lock:
             await self.adopt_untagged(template_id, None)
-            tpl = self.orchestrator.templates[template_id]
+            tpl = self.catalogue.templates[template_id]
             self.check_room(template_id, tags)
             build = self._build_or_not_found(
                 template_id, source, tpl.names[0] if tpl.names else template_id)
             if DEFAULT_TAG in tags and build.build_id != tpl.build_id:
-                await self.orchestrator.register_template(
+                await self.catalogue.register(
                     dataclasses.replace(_as_build(tpl, build), updated_at=time.time()))
             await self._point(template_id, build, tags)
             return build
@@ -178,7 +189,7 @@ class TemplateTags:
             current = self.tags.get(template_id, {})
             gone = [(template_id, t) for t in tags if t in current]
             orphans = self._orphans(template_id, {t for _, t in gone}, {})
-            await self.orchestrator.store.update_tags([], [], gone, [b.build_id for b in orphans])
+            await self.catalogue.store.update_tags([], [], gone, [b.build_id for b in orphans])
             for _, tag in gone:
                 current.pop(tag, None)
             await self._release(orphans)
@@ -206,7 +217,7 @@ class TemplateTags:
         moved = {a.tag: a for a in assignments}
         orphans = [b for b in self._orphans(template_id, set(), moved)
                    if b.build_id != build.build_id]
-        await self.orchestrator.store.update_tags(
+        await self.catalogue.store.update_tags(
             [build], assignments, [], [b.build_id for b in orphans])
         self.builds[build.build_id] = build
         self.tags.setdefault(template_id, {}).update(moved)
@@ -223,21 +234,21 @@ class TemplateTags:
                 if b.template_id == template_id and b.build_id not in named]
 
     async def _release(self, builds: list[BuildSnapshot]) -> None:
-        orch = self.orchestrator
+        catalogue = self.catalogue
         for build in builds:
             self.builds.pop(build.build_id, None)
-            tpl = orch.templates.get(build.template_id)
+            tpl = catalogue.templates.get(build.template_id)
             if tpl is not None and tpl.ref == build.ref:
                 continue
             try:
-                await orch.backend.delete_snapshot(build.ref)
+                await catalogue.backend.delete_snapshot(build.ref)
             except BackendError as exc:
                 log.warning("snapshot of an untagged build not deleted",
                             extra={"build_id": build.build_id, "error": str(exc)})
             log.info("template build released (no tag names it)",
                      extra={"template_id": build.template_id, "build_id": build.build_id})
         if builds:
-            orch._collect_soon()
+            catalogue.collect_soon()
 
 
 def _as_build(tpl: TemplateRecord, build: BuildSnapshot) -> TemplateRecord:

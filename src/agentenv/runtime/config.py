@@ -8,6 +8,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
+from agentenv.envd_client import INIT_PATH
+
 
 class RuntimeConfig(BaseModel):
     state_dir: Path = Path("/var/lib/aenv")
@@ -51,7 +53,7 @@ class RuntimeConfig(BaseModel):
     return_free_memory: bool = True
     envd_port: int = 49983
     envd_health_path: str = "/health"
-    envd_init_path: str = "/init"
+    envd_init_path: str = INIT_PATH
     boot_timeout: float = 120.0
     restore_timeout: float = 30.0
     blockd_socket: Path | None = None

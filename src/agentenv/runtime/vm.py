@@ -32,6 +32,7 @@ from typing import Any, Literal
 import httpx
 
 from agentenv.blockd.errors import BlockdError
+from agentenv.envd_client import init_body, init_headers
 from agentenv.fsutil import fsync_dir
 from agentenv.network.policy import ALL_TRAFFIC, EgressPolicy
 from agentenv.runtime import privilege
@@ -390,12 +391,8 @@ class Runtime:
         `guest_token` is the token envd already holds in the snapshot (a fork child wakes up
         with its parent's): envd takes a new token only when the current one comes along.
         """
-        body: dict[str, Any] = {}
-        if env_vars:
-            body["envVars"] = env_vars
-        if access_token:
-            body["accessToken"] = access_token
-        headers = {"X-Access-Token": guest_token} if guest_token else None
+        # The request is envd_client's; sent from here because it races QEMU's exit.
+        headers = init_headers(guest_token) or None
         url = vm.envd_url + self.config.envd_init_path
         deadline = time.monotonic() + self.config.restore_timeout
         while True:
@@ -404,9 +401,7 @@ class Runtime:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise GuestNotReadyError(f"envd of VM {vm.id} unreachable after restore")
-            now = time.time()
-            body["timestamp"] = (time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(now))
-                                 + f".{int(now * 1000) % 1000:03d}Z")
+            body = init_body(env_vars=env_vars, access_token=access_token)
             try:
                 # Connecting is retried quickly (envd may not listen yet), but once the request
                 # is in, the answer is awaited until the deadline: under TCG with many guests

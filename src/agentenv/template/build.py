@@ -32,8 +32,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from agentenv.envd_client import EnvdClient, EnvdClientError
 from agentenv.errors import AgentEnvError
-from agentenv.template.envd_client import EnvdClient, EnvdClientError
 
 DEFAULT_USER = "user"
 DEFAULT_READY_CMD = "sleep 20"

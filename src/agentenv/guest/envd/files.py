@@ -13,9 +13,16 @@ import stat
 import time
 import zlib
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 from urllib.parse import quote
 
+from agentenv.guest.envd.asgi import (
+    Request,
+    Send,
+    send_http_error,
+    send_json,
+    wait_disconnect,
+)
 from agentenv.guest.envd.filesystem import ensure_dirs, replace_metadata
 from agentenv.guest.envd.multipart import (
     MultipartError,
@@ -25,11 +32,8 @@ from agentenv.guest.envd.multipart import (
     PartStart,
     boundary_of,
 )
-from agentenv.guest.envd.rootfs import User
+from agentenv.guest.envd.rootfs import RootFs, User
 from agentenv.guest.envd.rpc import RpcError, same_secret
-
-if TYPE_CHECKING:
-    from agentenv.guest.envd.app import Envd, Request, Send
 
 log = logging.getLogger("envd.files")
 
@@ -81,6 +85,25 @@ class OpenUpload:
     fd: int
 
 
+class _Defaults(Protocol):
+    """envd's current token and defaults (app.py's EnvdState)."""
+
+    access_token: str | None
+    default_user: str
+    default_workdir: str | None
+
+
+class Envd(Protocol):
+    """What the file routes need of envd (app.py's Envd, which serves them)."""
+
+    state: _Defaults
+    rootfs: RootFs
+
+    def token_ok(self, request: Request) -> bool: ...
+
+    def user(self, name: str, error: Exception) -> User: ...
+
+
 class FilesApi:
     def __init__(self, envd: Envd) -> None:
         self.envd = envd
@@ -119,7 +142,6 @@ class FilesApi:
     # ---- download ---------------------------------------------------------------------------
 
     async def download(self, request: Request, send: Send) -> None:
-        from agentenv.guest.envd.app import send_http_error
 
         try:
             self._authorize(request, "read")
@@ -158,7 +180,6 @@ class FilesApi:
 
     @staticmethod
     async def _send_file(request: Request, send: Send, fd: int, guest: str, size: int) -> None:
-        from agentenv.guest.envd.app import wait_disconnect
 
         name = os.path.basename(guest)
         content_type = mimetypes.guess_type(name)[0] or "application/octet-stream"
@@ -194,7 +215,6 @@ class FilesApi:
     # ---- upload -----------------------------------------------------------------------------
 
     async def upload(self, request: Request, send: Send) -> None:
-        from agentenv.guest.envd.app import send_http_error, send_json
 
         try:
             self._authorize(request, "write")

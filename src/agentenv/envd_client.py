@@ -1,9 +1,14 @@
-"""A small host-side client of envd (the E2B envd protocol, Connect JSON codec) for template builds.
+"""The host's client of envd (the E2B envd protocol, Connect JSON codec): every call the host
+makes to a guest's envd goes through here.
 
-It speaks exactly what the SDKs speak (docs/e2b-api.md §3): `process.Process/Start` as a
-server stream of envelopes, unary `process.Process/List` and `filesystem.Filesystem/MakeDir`,
-`POST /files` (a file streamed as application/octet-stream), and `POST /init`. Users are chosen per call with
-`Authorization: Basic base64(user:)`, as the SDKs do.
+- `/health` and `/init` (env vars, access token, default user, the host's clock): the node
+  after it starts a sandbox (node/orchestrator.py), template builds (template/build.py), and,
+  for the body and headers of `/init`, the VM runtime (runtime/vm.py, which sends it itself
+  because it races the request against its QEMU's exit).
+- what the SDKs speak (docs/e2b-api.md §3), for template builds and the CLI:
+  `process.Process/Start` as a server stream of envelopes, unary `process.Process/List` and
+  `filesystem.Filesystem/MakeDir`, `POST /files` (a file streamed as application/octet-stream).
+  Users are chosen per call with `Authorization: Basic base64(user:)`, as the SDKs do.
 """
 
 from __future__ import annotations
@@ -26,6 +31,35 @@ from agentenv.errors import AgentEnvError
 FLAG_END_STREAM = 0x02
 _HEADER = struct.Struct(">BI")
 _UPLOAD_CHUNK = 1 << 20
+#: where envd takes its identity (env vars, token, defaults, clock); only the host may call it
+INIT_PATH = "/init"
+
+
+def init_body(*, env_vars: dict[str, str] | None = None, access_token: str | None = None,
+              default_user: str | None = None, default_workdir: str | None = None,
+              now: float | None = None) -> dict[str, Any]:
+    """The JSON body of `POST /init`; the timestamp (ms) sets the guest's clock, which stood
+    still while a snapshot slept."""
+    now = time.time() if now is None else now
+    body: dict[str, Any] = {
+        "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(now))
+        + f".{int(now * 1000) % 1000:03d}Z",
+    }
+    if env_vars:
+        body["envVars"] = env_vars
+    if access_token:
+        body["accessToken"] = access_token
+    if default_user:
+        body["defaultUser"] = default_user
+    if default_workdir:
+        body["defaultWorkdir"] = default_workdir
+    return body
+
+
+def init_headers(current_token: str | None) -> dict[str, str]:
+    """Once envd holds a token, `/init` needs it (a new token in the body alone is refused
+    unless it is the same one)."""
+    return {"X-Access-Token": current_token} if current_token else {}
 
 
 def output_limit() -> int:
@@ -106,16 +140,20 @@ class EnvdClient:
     """One envd (a VM's `http://<guest>:49983`), optionally with an access token."""
 
     def __init__(self, base_url: str, access_token: str | None = None,
-                 timeout: float = 30.0, headers: dict[str, str] | None = None) -> None:
-        """`headers` go with every request (e.g. E2b-Sandbox-Id through a node's proxy)."""
+                 timeout: float = 30.0, headers: dict[str, str] | None = None, *,
+                 http: httpx.AsyncClient | None = None) -> None:
+        """`headers` go with every request (e.g. E2b-Sandbox-Id through a node's proxy);
+        `http`: a client shared with other calls (not closed by close())."""
         self.base_url = base_url.rstrip("/")
         self.access_token = access_token
         self.extra_headers = dict(headers or {})
-        self._http = httpx.AsyncClient(timeout=httpx.Timeout(timeout, connect=5.0),
-                                       trust_env=False)
+        self._own_http = http is None
+        self._http = http or httpx.AsyncClient(timeout=httpx.Timeout(timeout, connect=5.0),
+                                               trust_env=False)
 
     async def close(self) -> None:
-        await self._http.aclose()
+        if self._own_http:
+            await self._http.aclose()
 
     def _headers(self, user: str | None = None) -> dict[str, str]:
         headers = {**self.extra_headers, **_basic(user)}
@@ -124,9 +162,12 @@ class EnvdClient:
         return headers
 
     async def wait_healthy(self, timeout: float = 60.0) -> None:
+        """Return once `/health` answers (polled quickly at first: a sandbox's envd is usually
+        up within milliseconds); EnvdClientError with the last problem after `timeout`."""
         deadline = time.monotonic() + timeout
+        delay = 0.01
         last = "no answer"
-        while time.monotonic() < deadline:
+        while True:
             try:
                 answer = await self._http.get(self.base_url + "/health", timeout=2.0,
                                               headers=self.extra_headers)
@@ -135,22 +176,23 @@ class EnvdClient:
                 last = f"HTTP {answer.status_code}"
             except httpx.HTTPError as exc:
                 last = str(exc) or type(exc).__name__
-            await asyncio.sleep(0.1)
-        raise EnvdClientError(f"envd at {self.base_url} is not healthy: {last}")
+            if time.monotonic() > deadline:
+                raise EnvdClientError(f"envd at {self.base_url} is not healthy: {last}")
+            await asyncio.sleep(delay)
+            delay = min(delay * 1.5, 0.2)
 
     async def init(self, *, env_vars: dict[str, str] | None = None,
-                   default_user: str | None = None, default_workdir: str | None = None) -> None:
-        body: dict[str, Any] = {
-            "timestamp": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        }
-        if env_vars:
-            body["envVars"] = env_vars
-        if default_user:
-            body["defaultUser"] = default_user
-        if default_workdir:
-            body["defaultWorkdir"] = default_workdir
-        answer = await self._http.post(self.base_url + "/init", json=body,
-                                       headers=self._headers())
+                   access_token: str | None = None, default_user: str | None = None,
+                   default_workdir: str | None = None) -> None:
+        """`POST /init`; `access_token` becomes envd's token (the client's own one, if any,
+        authorises the call)."""
+        body = init_body(env_vars=env_vars, access_token=access_token,
+                         default_user=default_user, default_workdir=default_workdir)
+        headers = {**self.extra_headers, **init_headers(self.access_token)}
+        try:
+            answer = await self._http.post(self.base_url + INIT_PATH, json=body, headers=headers)
+        except httpx.HTTPError as exc:
+            raise EnvdClientError(f"envd /init failed: {exc!r}") from exc
         if not answer.is_success:
             raise EnvdClientError(f"envd /init answered {answer.status_code}: {answer.text[:300]}")
 
