@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -53,6 +54,8 @@ async def start(tmp_path: Path, backend: ScriptedBackend, **config: Any) -> Orch
     store = MortalStore(tmp_path / "node.db")
     backend.on_crash = store.die
     orch = Orchestrator(store, backend, TokenIssuer(tmp_path), NodeConfig(**(options | config)))
+    # As server.build_app does for a real backend: the lost-sandbox callback at assembly.
+    backend.on_sandbox_lost = orch.sandbox_lost
     await orch.start()
     return orch
 
@@ -253,7 +256,9 @@ def test_resume_whose_envd_never_answers_is_rolled_back(tmp_path: Path) -> None:
         rec = await create(orch)
         await orch.pause(rec.sandbox_id)
         snapshot = orch.sandboxes[rec.sandbox_id].pause_snapshot
-        backend.initialises_envd = False  # the node checks envd itself, and finds none
+        # From here the node checks envd itself (capabilities are resolved once, at assembly),
+        # and finds none.
+        orch.capabilities = dataclasses.replace(orch.capabilities, initialises_envd=False)
         await raises(Internal, orch.resume_legacy(rec.sandbox_id, 60, None))
         assert backend.called("pause") == [rec.sandbox_id] * 2  # the rollback stopped the VM
         stored = await settled(orch, backend)

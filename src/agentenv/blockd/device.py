@@ -21,8 +21,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
-from agentenv.storage.blob import WouldBlock, nonblocking
 from agentenv.blockd.results import DeviceInfo
+from agentenv.storage.blob import WouldBlock, nonblocking
 
 log = logging.getLogger("agentenv.blockd.device")
 
