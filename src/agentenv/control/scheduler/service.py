@@ -38,6 +38,7 @@ REF_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/@-]{0,255}")
 ADDRESS_RE = re.compile(r"(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9._-]+):\d{1,5}")
 MAX_VCPUS = 1024
 MAX_MEMORY_MIB = 16 << 20
+UP_CACHE_MS = 100
 
 
 @dataclass
@@ -94,6 +95,9 @@ class SchedulerService:
         self.template_layers: dict[str, tuple[str, ...]] = {}
         self.placer = Placer(min_disk_bytes=self.config.min_disk_free_mib << 20)
         self._sweeper: asyncio.Task[None] | None = None
+        # Which nodes are up, recomputed when a node changes state or UP_CACHE_MS have passed
+        # (Schedule would otherwise judge every node's liveness on every call).
+        self._up: tuple[float, list[NodeView], dict[str, str]] | None = None
 
     # --- lifecycle --------------------------------------------------------------------------------
 
@@ -138,7 +142,24 @@ class SchedulerService:
         view = self.views.get(node_id)
         if view is None:
             view = self.views[node_id] = NodeView(node_id)
+            self._up = None
         return view
+
+    def up_nodes(self, at_ms: float) -> tuple[list[NodeView], dict[str, str]]:
+        """(the up nodes, the others -> why they are down)."""
+        cached = self._up
+        if cached is not None and at_ms - cached[0] < UP_CACHE_MS:
+            return cached[1], cached[2]
+        up: list[NodeView] = []
+        down: dict[str, str] = {}
+        for view in self.views.values():
+            why = self.down_reason(view, at_ms)
+            if why:
+                down[view.node_id] = why
+            else:
+                up.append(view)
+        self._up = (at_ms, up, down)
+        return up, down
 
     def down_reason(self, view: NodeView, at_ms: float | None = None) -> str:
         return view.down_reason(at_ms or now_ms(), self.config.down_after_ms)
@@ -158,6 +179,7 @@ class SchedulerService:
             if source in view.sources and node_id not in nodes:
                 view.sources.discard(source)
                 view.discovery_down = f"removed from {source} discovery"
+        self._up = None
 
     # --- RPCs -------------------------------------------------------------------------------------
 
@@ -192,18 +214,13 @@ class SchedulerService:
         if msg.source_sandbox_id:
             view, reason = await self._fork_node(msg.source_sandbox_id, req, at)
         else:
-            candidates: list[NodeView] = []
-            down: dict[str, str] = {}
-            holders = 0
-            for view in self.views.values():
-                if req.snapshot_id and req.snapshot_id not in view.snapshots:
-                    continue
-                holders += 1
-                why = self.down_reason(view, at)
-                if why:
-                    down[view.node_id] = why
-                else:
-                    candidates.append(view)
+            candidates, down = self.up_nodes(at)
+            holders = len(self.views)
+            if req.snapshot_id:
+                # A snapshot cannot move between nodes yet: only its holders are candidates.
+                candidates = [v for v in candidates if req.snapshot_id in v.snapshots]
+                down = {n: w for n, w in down.items() if req.snapshot_id in self.views[n].snapshots}
+                holders = len(candidates) + len(down)
             if req.snapshot_id and not holders:
                 raise PlacementError(
                     grpc.StatusCode.NOT_FOUND, f"no node holds snapshot {req.snapshot_id!r}"
@@ -309,7 +326,8 @@ class SchedulerService:
         view.sources.add("heartbeat")
         view.update(msg, at, seen)
         learn_template_layers(self.template_layers, (msg,))
-        if was_down and view.status is not None:
+        if was_down:
+            self._up = None
             log.info("node up", extra={"node": msg.node_id, "was": was_down})
         if added or dropped:
             log.info(
