@@ -28,6 +28,8 @@ from agentenv.control.proto import scheduler_pb2 as pb
 from agentenv.errors import AgentEnvError
 
 SEP = "\x1f"
+MAX_CONNECTIONS = 32
+POOL_TIMEOUT_S = 10.0
 DEFAULT_PREFIX = "aenv:sched:"
 
 
@@ -159,7 +161,12 @@ class Store:
         self.url = url
         self.prefix = prefix
         try:
-            self.redis = aioredis.Redis.from_url(url, decode_responses=False)
+            # A bounded pool that queues: a burst of concurrent RPCs waits for a connection
+            # instead of opening one each (and failing past the client's limit).
+            pool = aioredis.BlockingConnectionPool.from_url(
+                url, max_connections=MAX_CONNECTIONS, timeout=POOL_TIMEOUT_S
+            )
+            self.redis = aioredis.Redis(connection_pool=pool)
         except ValueError as exc:
             raise StoreError(f"bad Redis URL {url!r}: {exc}") from exc
         self._record = self.redis.register_script(_RECORD)
@@ -177,6 +184,7 @@ class Store:
 
     async def close(self) -> None:
         await self.redis.aclose()
+        await self.redis.connection_pool.disconnect()
 
     # --- bindings ---------------------------------------------------------------------------------
 
