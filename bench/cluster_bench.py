@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import os
 import random
@@ -147,6 +148,7 @@ async def scheduler_suite_async(
     raw = aioredis.Redis.from_url(redis_url)
     record_script = raw.register_script(_RECORD)
     owned: dict[str, list[str]] = {f"node-{n:03d}": [] for n in range(NODES)}
+    failures: list[str] = []
 
     def status(node_id: str) -> pb.NodeStatus:
         msg = pb.NodeStatus(
@@ -163,7 +165,10 @@ async def scheduler_suite_async(
         # Each node every 2 s, spread over the interval, as real nodes would.
         while True:
             for node_id in owned:
-                await client.heartbeat(status(node_id))
+                try:
+                    await client.heartbeat(status(node_id))
+                except Exception as exc:  # keep beating; count what failed
+                    failures.append(repr(exc))
                 await asyncio.sleep(2.0 / NODES)
 
     for node_id in owned:
@@ -184,9 +189,10 @@ async def scheduler_suite_async(
         prefill_s = time.perf_counter() - began
 
         # Schedule + RecordAssignment (the gateway's create path minus the node).
+        fresh = itertools.count()
         async def schedule_record(i: int) -> None:
             placed = await client.schedule(template_id="base", vcpus=1, memory_mib=1)
-            sid = f"new-{i:07d}"
+            sid = f"new-{next(fresh):07d}"
             await client.record_assignment(sid, placed.node_id, vcpus=1, memory_mib=1)
             owned[placed.node_id].append(sid)
 
@@ -239,10 +245,25 @@ async def scheduler_suite_async(
         async def bare_lookup(i: int) -> None:
             await raw.hget(key, ids[i % BINDINGS])
 
+        cpu0 = {name: cpu_seconds(pid) for name, pid in pids.items()}
+        wall0 = time.perf_counter()
         lookup_rate = await timed_loop(CONCURRENCY, timed / 2, lookup)
+        done = lookup_rate * (time.perf_counter() - wall0)
+        lookup_cpu = (cpu_seconds(pids["scheduler"]) - cpu0["scheduler"]) / done * 1e6
         bare_rate = await timed_loop(CONCURRENCY, timed / 2, bare_lookup)
         emit("lookup_per_s", lookup_rate, "lookups/s", "bare Redis HGET/s", bare_rate,
-             concurrency=CONCURRENCY)
+             concurrency=CONCURRENCY,
+             # one unary RPC + one Redis read: about the floor of any RPC of the scheduler
+             scheduler_cpu_us_per_lookup=round(lookup_cpu, 1))
+
+        # What the nodes' heartbeats alone cost the scheduler (100 nodes, every 2 s).
+        cpu0 = {name: cpu_seconds(pid) for name, pid in pids.items()}
+        await asyncio.sleep(4.0)
+        emit("heartbeat_cpu_share", (cpu_seconds(pids["scheduler"]) - cpu0["scheduler"]) / 4.0,
+             "core", "none", 0.0, nodes=NODES,
+             sandboxes_per_heartbeat=round(sum(map(len, owned.values())) / NODES),
+             heartbeat_failures=len(failures), first_failure=failures[0] if failures else "",
+             beating=not beating.done())
     finally:
         beating.cancel()
         await asyncio.gather(beating, return_exceptions=True)

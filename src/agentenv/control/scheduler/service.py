@@ -1,7 +1,9 @@
 """The scheduler's logic behind the gRPC methods (scheduler.proto): placement, bindings, heartbeats.
 
-Durable state is in Redis (store.py); this object keeps the node views (placement.py) in memory,
-rebuilt from Redis at start. Liveness: a node is down once it has missed `missed_heartbeats`
+Durable state is in Redis (store.py); this object keeps the node views (placement.py) and a copy
+of the binding table in memory, rebuilt from Redis at start. Every change is written to Redis
+first and to memory once Redis has it, so Lookup answers from memory (one scheduler process
+at a time owns the table; docs/control-plane.md §2). Liveness: a node is down once it has missed `missed_heartbeats`
 heartbeats (plus half an interval of slack); it is up again at its next heartbeat. Time the
 scheduler itself was away (killed, restarting) is not held against the nodes: their heartbeat
 ages are shifted by the outage when the state is loaded.
@@ -92,6 +94,7 @@ class SchedulerService:
                 f"unknown strategy {self.config.strategy!r}: one of {', '.join(STRATEGIES)}"
             )
         self.views: dict[str, NodeView] = {}
+        self.bindings: dict[str, Binding] = {}
         self.template_layers: dict[str, tuple[str, ...]] = {}
         self.placer = Placer(min_disk_bytes=self.config.min_disk_free_mib << 20)
         self._sweeper: asyncio.Task[None] | None = None
@@ -110,6 +113,7 @@ class SchedulerService:
         outage = max(0, started - previous_alive) if previous_alive else 0
         nodes = await self.store.nodes()
         sets = await self.store.node_sandboxes(nodes)
+        self.bindings = await self.store.all_bindings()
         for node_id, (status, seen) in nodes.items():
             view = self._view(node_id)
             view.update(status, seen + outage, sets.get(node_id, set()))
@@ -117,7 +121,7 @@ class SchedulerService:
         learn_template_layers(self.template_layers, (s for s, _ in nodes.values()))
         log.info(
             "scheduler state loaded",
-            extra={"nodes": len(nodes), "bindings": await self.store.binding_count(),
+            extra={"nodes": len(nodes), "bindings": len(self.bindings),
                    "outage_ms": outage},
         )
         self._sweeper = asyncio.create_task(self._sweep_forever())
@@ -241,7 +245,7 @@ class SchedulerService:
         return pb.ScheduleResponse(node_id=view.node_id, node_address=view.address, reason=reason)
 
     async def _fork_node(self, source: str, req: Request, at: float) -> tuple[NodeView, str]:
-        binding = await self.store.lookup(source)
+        binding = self.bindings.get(source)
         if binding is None:
             raise PlacementError(
                 grpc.StatusCode.NOT_FOUND, f"fork source sandbox {source!r} has no binding"
@@ -271,9 +275,9 @@ class SchedulerService:
             raise PlacementError(grpc.StatusCode.NOT_FOUND, f"unknown node {msg.node_id!r}")
         vcpus = msg.vcpus or self.config.default_vcpus
         memory = msg.memory_mib or self.config.default_memory_mib
-        old = await self.store.record(
-            Binding(msg.sandbox_id, msg.node_id, msg.team_id, now_ms(), vcpus, memory)
-        )
+        binding = Binding(msg.sandbox_id, msg.node_id, msg.team_id, now_ms(), vcpus, memory)
+        old = await self.store.record(binding)
+        self.bindings[msg.sandbox_id] = binding
         if old and old.node_id != msg.node_id and old.node_id in self.views:
             self.views[old.node_id].released(msg.sandbox_id)
         view.assigned(msg.sandbox_id, vcpus, memory)
@@ -281,12 +285,13 @@ class SchedulerService:
     async def release(self, msg: pb.ReleaseRequest) -> None:
         check_id("sandbox_id", msg.sandbox_id)
         old = await self.store.release(msg.sandbox_id)
+        self.bindings.pop(msg.sandbox_id, None)
         if old and old.node_id in self.views:
             self.views[old.node_id].released(msg.sandbox_id)
 
     async def lookup(self, msg: pb.LookupRequest) -> pb.LookupResponse:
         check_id("sandbox_id", msg.sandbox_id)
-        binding = await self.store.lookup(msg.sandbox_id)
+        binding = self.bindings.get(msg.sandbox_id)
         if binding is None:
             return pb.LookupResponse(found=False)
         view = self.views.get(binding.node_id)
@@ -321,6 +326,19 @@ class SchedulerService:
         added, dropped = await self.store.heartbeat(
             msg, int(self.config.reconcile_grace_s * 1000), at
         )
+        for sandbox_id in dropped:
+            self.bindings.pop(sandbox_id, None)
+        if added or any(
+            s.team_id and s.sandbox_id in self.bindings and not self.bindings[s.sandbox_id].team_id
+            for s in msg.sandboxes
+        ):
+            # Added, moved or given a team by the script: read back what it wrote.
+            changed = [s.sandbox_id for s in msg.sandboxes]
+            for sandbox_id, binding in (await self.store.lookup_many(changed)).items():
+                old = self.bindings.get(sandbox_id)
+                if old is not None and old.node_id != binding.node_id and old.node_id in self.views:
+                    self.views[old.node_id].released(sandbox_id)
+                self.bindings[sandbox_id] = binding
         view = self._view(msg.node_id)
         was_down = self.down_reason(view, at)
         view.sources.add("heartbeat")

@@ -202,6 +202,23 @@ class Store:
         raw = await self.redis.hget(self._key("bindings"), sandbox_id)
         return Binding.decode(sandbox_id, raw.decode()) if raw else None
 
+    async def lookup_many(self, sandbox_ids: list[str]) -> dict[str, Binding]:
+        if not sandbox_ids:
+            return {}
+        raws = await self.redis.hmget(self._key("bindings"), sandbox_ids)
+        return {
+            sid: Binding.decode(sid, raw.decode())
+            for sid, raw in zip(sandbox_ids, raws, strict=True)
+            if raw
+        }
+
+    async def all_bindings(self) -> dict[str, Binding]:
+        out: dict[str, Binding] = {}
+        async for raw_id, raw in self.redis.hscan_iter(self._key("bindings"), count=5000):
+            sid = raw_id.decode()
+            out[sid] = Binding.decode(sid, raw.decode())
+        return out
+
     async def node_sandboxes(self, node_ids: Iterable[str]) -> dict[str, set[str]]:
         ids = list(node_ids)
         async with self.redis.pipeline(transaction=False) as pipe:
