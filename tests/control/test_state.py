@@ -47,6 +47,38 @@ def test_reconciliation_both_ways(redis_server: RedisServer, prefix: str) -> Non
     asyncio.run(body())
 
 
+def test_steady_heartbeats_skip_reconciliation_until_a_change(
+    redis_server: RedisServer, prefix: str
+) -> None:
+    async def body() -> None:
+        async with scheduler(redis_server.url, prefix, reconcile_grace_s=0.3) as (srv, client):
+            listed = ["a", ("b", "t")]
+            await client.heartbeat(status("n1", sandboxes=listed))
+            view = srv.service.views["n1"]
+            await asyncio.sleep(0.35)
+            await client.heartbeat(status("n1", sandboxes=listed))  # full: within the grace
+            reconciled = view.reconciled_ms
+            await client.heartbeat(status("n1", sandboxes=listed))
+            assert view.reconciled_ms == reconciled  # same list, nothing changed: skipped
+            await client.record_assignment("x", "n1")
+            await client.heartbeat(status("n1", sandboxes=listed))
+            assert view.reconciled_ms > reconciled  # a change: reconciled again
+            assert await client.lookup("x") is not None  # young: kept
+            await asyncio.sleep(0.35)
+            await client.heartbeat(status("n1", sandboxes=listed))
+            assert await client.lookup("x") is None  # the node does not have it: dropped
+            await client.release("b")
+            await asyncio.sleep(0.35)
+            await client.heartbeat(status("n1", sandboxes=listed))
+            assert (await client.lookup("b")).team_id == "t"  # type: ignore[union-attr]
+            # A changed list is always reconciled (b's re-added binding has aged past the grace).
+            await asyncio.sleep(0.35)
+            await client.heartbeat(status("n1", sandboxes=["a"]))
+            assert await client.lookup("b") is None
+
+    asyncio.run(body())
+
+
 def test_down_after_three_missed_heartbeats_and_back(
     redis_server: RedisServer, prefix: str
 ) -> None:

@@ -70,6 +70,11 @@ class NodeView:
     pending: deque[tuple[float, int, int]] = field(default_factory=deque)  # (monotonic, cpu, MiB)
     _cpu: int = 0
     _mem: int = 0
+    # Reconciliation can be skipped while nothing changes: the (id, team) list at the last full
+    # reconciliation, when that was, and when a binding of this node last changed.
+    listed: frozenset[tuple[str, str]] | None = None
+    reconciled_ms: float = 0.0
+    changed_ms: float = 0.0
 
     def update(self, status: pb.NodeStatus, seen_ms: float, reported: set[str] | None) -> None:
         self.status = status

@@ -278,6 +278,9 @@ class SchedulerService:
         binding = Binding(msg.sandbox_id, msg.node_id, msg.team_id, now_ms(), vcpus, memory)
         old = await self.store.record(binding)
         self.bindings[msg.sandbox_id] = binding
+        view.changed_ms = binding.recorded_ms
+        if old and old.node_id != msg.node_id:
+            self._changed(old.node_id, binding.recorded_ms)
         if old and old.node_id != msg.node_id and old.node_id in self.views:
             self.views[old.node_id].released(msg.sandbox_id)
         view.assigned(msg.sandbox_id, vcpus, memory)
@@ -286,6 +289,8 @@ class SchedulerService:
         check_id("sandbox_id", msg.sandbox_id)
         old = await self.store.release(msg.sandbox_id)
         self.bindings.pop(msg.sandbox_id, None)
+        if old:
+            self._changed(old.node_id, now_ms())
         if old and old.node_id in self.views:
             self.views[old.node_id].released(msg.sandbox_id)
 
@@ -303,29 +308,10 @@ class SchedulerService:
             team_id=binding.team_id,
         )
 
-    async def heartbeat(self, msg: pb.NodeStatus) -> pb.HeartbeatResponse:
-        check_id("node_id", msg.node_id)
-        check_address("address", msg.address)
-        check_address("layer_address", msg.layer_address)
-        if not msg.address and not (msg.node_id in self.views and self.views[msg.node_id].address):
-            raise Invalid(f"node {msg.node_id!r}: address is required (host:port of its API)")
-        seen: set[str] = set()
-        for sandbox in msg.sandboxes:
-            check_id("sandboxes[].sandbox_id", sandbox.sandbox_id)
-            check_id("sandboxes[].team_id", sandbox.team_id, required=False)
-            if sandbox.sandbox_id in seen:
-                raise Invalid(f"sandbox {sandbox.sandbox_id!r} is listed twice")
-            seen.add(sandbox.sandbox_id)
-        if msg.node_id not in self.views and not self.config.self_registration:
-            raise PlacementError(
-                grpc.StatusCode.PERMISSION_DENIED,
-                f"node {msg.node_id!r} is not in the discovered node list and self-registration "
-                "is off",
-            )
-        at = now_ms()
-        added, dropped = await self.store.heartbeat(
-            msg, int(self.config.reconcile_grace_s * 1000), at
-        )
+    async def _mirror(
+        self, msg: pb.NodeStatus, at: float, added: list[str], dropped: list[str]
+    ) -> None:
+        """Bring the in-memory bindings in line with what the heartbeat script changed."""
         for sandbox_id in dropped:
             self.bindings.pop(sandbox_id, None)
         if added or any(
@@ -336,9 +322,76 @@ class SchedulerService:
             changed = [s.sandbox_id for s in msg.sandboxes]
             for sandbox_id, binding in (await self.store.lookup_many(changed)).items():
                 old = self.bindings.get(sandbox_id)
-                if old is not None and old.node_id != binding.node_id and old.node_id in self.views:
-                    self.views[old.node_id].released(sandbox_id)
+                if old is not None and old.node_id != binding.node_id:
+                    self._changed(old.node_id, at)
+                    if old.node_id in self.views:
+                        self.views[old.node_id].released(sandbox_id)
                 self.bindings[sandbox_id] = binding
+
+    def _alive_anyway(self, msg: pb.NodeStatus, at: float) -> None:
+        """Redis refused the heartbeat: the node is alive all the same (its sandboxes stay
+        routable from memory); the next heartbeat reconciles in full."""
+        view = self.views.get(msg.node_id)
+        if view is not None and view.status is not None:
+            view.update(msg, at, None)
+            view.listed = None
+
+    def _changed(self, node_id: str, at: float) -> None:
+        view = self.views.get(node_id)
+        if view is not None:
+            view.changed_ms = at
+
+    async def heartbeat(self, msg: pb.NodeStatus) -> pb.HeartbeatResponse:
+        check_id("node_id", msg.node_id)
+        check_address("address", msg.address)
+        check_address("layer_address", msg.layer_address)
+        if not msg.address and not (msg.node_id in self.views and self.views[msg.node_id].address):
+            raise Invalid(f"node {msg.node_id!r}: address is required (host:port of its API)")
+        if msg.node_id not in self.views and not self.config.self_registration:
+            raise PlacementError(
+                grpc.StatusCode.PERMISSION_DENIED,
+                f"node {msg.node_id!r} is not in the discovered node list and self-registration "
+                "is off",
+            )
+        at = now_ms()
+        grace = int(self.config.reconcile_grace_s * 1000)
+        listed = frozenset((s.sandbox_id, s.team_id) for s in msg.sandboxes)
+        known = self.views.get(msg.node_id)
+        added: list[str] = []
+        dropped: list[str] = []
+        seen: set[str] | None = None
+        if (
+            known is not None
+            and known.listed == listed
+            and len(listed) == len(msg.sandboxes)
+            and known.reconciled_ms > known.changed_ms + grace
+        ):
+            # The same list as at the last full reconciliation, and none of this node's
+            # bindings changed since (beyond the grace): nothing can differ. The steady state.
+            try:
+                await self.store.touch(msg, at)
+            except Exception:
+                self._alive_anyway(msg, at)
+                raise
+        else:
+            seen = set()
+            for sandbox in msg.sandboxes:
+                check_id("sandboxes[].sandbox_id", sandbox.sandbox_id)
+                check_id("sandboxes[].team_id", sandbox.team_id, required=False)
+                if sandbox.sandbox_id in seen:
+                    raise Invalid(f"sandbox {sandbox.sandbox_id!r} is listed twice")
+                seen.add(sandbox.sandbox_id)
+            try:
+                added, dropped = await self.store.heartbeat(msg, grace, at)
+            except Exception:
+                self._alive_anyway(msg, at)
+                raise
+            await self._mirror(msg, at, added, dropped)
+            view = self._view(msg.node_id)
+            view.listed = listed
+            view.reconciled_ms = at
+            if added or dropped:
+                view.changed_ms = at
         view = self._view(msg.node_id)
         was_down = self.down_reason(view, at)
         view.sources.add("heartbeat")

@@ -154,6 +154,14 @@ return {added, dropped}
 """
 
 
+def _slim(status: pb.NodeStatus) -> bytes:
+    """The status as stored: without its sandbox list (the bindings hold that)."""
+    slim = pb.NodeStatus()
+    slim.CopyFrom(status)
+    del slim.sandboxes[:]
+    return slim.SerializeToString()
+
+
 class Store:
     """Async access to the scheduler's keys. One connection pool; every call is one round trip."""
 
@@ -236,16 +244,20 @@ class Store:
         self, status: pb.NodeStatus, grace_ms: int, at_ms: int | None = None
     ) -> tuple[list[str], list[str]]:
         """Store the status (without its sandbox list) and reconcile; returns (added, dropped)."""
-        slim = pb.NodeStatus()
-        slim.CopyFrom(status)
-        del slim.sandboxes[:]
         args: list[str | bytes | int] = [
-            self.prefix, status.node_id, slim.SerializeToString(), at_ms or now_ms(), grace_ms,
+            self.prefix, status.node_id, _slim(status), at_ms or now_ms(), grace_ms,
         ]
         for sandbox in status.sandboxes:
             args += [sandbox.sandbox_id, sandbox.team_id]
         added, dropped = await self._heartbeat(args=args)
         return [s.decode() for s in added], [s.decode() for s in dropped]
+
+    async def touch(self, status: pb.NodeStatus, at_ms: int) -> None:
+        """Store the status and the heartbeat's time only (nothing to reconcile)."""
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.hset(self._key("nodes"), status.node_id, _slim(status))
+            pipe.hset(self._key("seen"), status.node_id, at_ms)
+            await pipe.execute()
 
     async def nodes(self) -> dict[str, tuple[pb.NodeStatus, int]]:
         """Every registered node's last status and last heartbeat (wall-clock ms)."""
