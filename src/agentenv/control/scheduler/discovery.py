@@ -170,6 +170,8 @@ class Discovery:
 
     def apply_slice_event(self, kind: str, obj: Mapping[str, Any]) -> None:
         """One watch event (ADDED / MODIFIED / DELETED) -> the registry's kubernetes nodes."""
+        if kind not in ("ADDED", "MODIFIED", "DELETED"):
+            return  # BOOKMARK and the like carry no endpoints
         name = (obj.get("metadata") or {}).get("name", "")
         if kind == "DELETED":
             self.slices.pop(name, None)
