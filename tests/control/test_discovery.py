@@ -217,3 +217,41 @@ def test_real_cluster_if_reachable() -> None:
 
     nodes = asyncio.run(body())
     assert nodes, f"the Service {service} has no endpoints"
+
+
+def test_nodes_file_is_reread_when_it_changes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from agentenv.control.scheduler import discovery as discovery_module
+
+    monkeypatch.setattr(discovery_module, "FILE_POLL_S", 0.05)
+    nodes_file = tmp_path / "nodes"
+    nodes_file.write_text("# the cluster\nn1=127.0.0.1:9001\n")
+
+    async def body() -> None:
+        recorder = Recorder()
+        discovery = Discovery(recorder, static=["n0=127.0.0.1:9000"], nodes_file=nodes_file)
+        await discovery.start()
+        try:
+            assert recorder.calls[-1] == ("static", {"n0": ("127.0.0.1:9000", True),
+                                                     "n1": ("127.0.0.1:9001", True)})
+            nodes_file.write_text("n1=127.0.0.1:9001\nn2=127.0.0.1:9002  # new\n")
+            for _ in range(100):
+                if "n2" in recorder.calls[-1][1]:
+                    break
+                await asyncio.sleep(0.05)
+            assert recorder.calls[-1] == ("static", {"n0": ("127.0.0.1:9000", True),
+                                                     "n1": ("127.0.0.1:9001", True),
+                                                     "n2": ("127.0.0.1:9002", True)})
+            calls = len(recorder.calls)
+            nodes_file.write_text("n1=127.0.0.1:9001\nbroken line\n")  # kept: the old list
+            await asyncio.sleep(0.3)
+            assert len(recorder.calls) == calls
+        finally:
+            await discovery.stop()
+
+    asyncio.run(body())
+    with pytest.raises(AgentEnvError, match="both in --nodes and the nodes file"):
+        nodes_file.write_text("n0=127.0.0.1:9000\n")
+        asyncio.run(Discovery(Recorder(), static=["n0=127.0.0.1:9000"],
+                              nodes_file=nodes_file).start())
