@@ -1,0 +1,297 @@
+"""Node views and placement strategies.
+
+A `NodeView` is the scheduler's in-memory picture of one node: its last heartbeat plus what was
+placed on it since (sandboxes scheduled but not yet recorded, recorded but not yet in a
+heartbeat), so a burst of creates between two heartbeats does not land on one node.
+
+Strategies choose among the nodes that are up and fit the request:
+- ``round-robin`` and ``random`` (the reference's);
+- ``least-loaded``: the lowest load (the largest used fraction of vCPUs, memory or sandbox slots);
+- ``cache-aware`` (default): the node holding the most of what the sandbox starts from (the
+  snapshot, the template, else the largest share of its layers), ties broken by load.
+
+Whatever the strategy, a fork goes to its source's node and a snapshot resume to a node holding
+the snapshot (neither can move between nodes yet).
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import grpc
+
+from agentenv.control.proto import scheduler_pb2 as pb
+
+STRATEGIES = ("cache-aware", "least-loaded", "round-robin", "random")
+DEFAULT_STRATEGY = "cache-aware"
+# A placement not followed by RecordAssignment within this long (the create failed or the
+# gateway died) stops counting against the node.
+PENDING_TTL_S = 60.0
+
+
+class PlacementError(Exception):
+    """No node fits; `code` is the gRPC status to answer with, the message names why."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+@dataclass
+class Request:
+    template_id: str = ""
+    snapshot_id: str = ""
+    vcpus: int = 2
+    memory_mib: int = 512
+    layers: tuple[str, ...] = ()
+
+
+@dataclass
+class NodeView:
+    node_id: str
+    address: str = ""
+    status: pb.NodeStatus | None = None
+    last_seen_ms: float = 0.0  # wall clock ms of the last heartbeat (shifted after an outage)
+    sources: set[str] = field(default_factory=set)
+    # Discovery said the node's endpoint is not ready (Kubernetes), or it left the static list.
+    discovery_down: str = ""
+    reported: set[str] = field(default_factory=set)  # sandboxes in its last heartbeat
+    templates: frozenset[str] = frozenset()
+    snapshots: frozenset[str] = frozenset()
+    layers: frozenset[str] = frozenset()
+    # Placed here since the last heartbeat counted them, with running totals (Schedule looks at
+    # every node: no sums over lists there).
+    recorded: dict[str, tuple[int, int]] = field(default_factory=dict)  # id -> (vCPUs, MiB)
+    pending: deque[tuple[float, int, int]] = field(default_factory=deque)  # (monotonic, cpu, MiB)
+    _cpu: int = 0
+    _mem: int = 0
+    # Reconciliation can be skipped while nothing changes: the (id, team) list at the last full
+    # reconciliation, when that was, and when a binding of this node last changed.
+    listed: frozenset[tuple[str, str]] | None = None
+    reconciled_ms: float = 0.0
+    changed_ms: float = 0.0
+
+    def update(self, status: pb.NodeStatus, seen_ms: float, reported: set[str] | None) -> None:
+        self.status = status
+        if status.address:
+            self.address = status.address
+        self.last_seen_ms = seen_ms
+        self.templates = frozenset(status.templates)
+        self.snapshots = frozenset(status.snapshots)
+        self.layers = frozenset(status.layers)
+        if reported is not None:
+            self.reported = reported
+            for sandbox_id in reported & self.recorded.keys():
+                self._forget(sandbox_id)
+
+    def _forget(self, sandbox_id: str) -> None:
+        cpu, mem = self.recorded.pop(sandbox_id)
+        self._cpu -= cpu
+        self._mem -= mem
+
+    # --- liveness ---------------------------------------------------------------------------------
+
+    def down_reason(self, now_ms: float, limit_ms: float) -> str:
+        if self.discovery_down:
+            return self.discovery_down
+        if self.status is None:
+            return "never heard from (no heartbeat yet)"
+        age = now_ms - self.last_seen_ms
+        if age > limit_ms:
+            return f"no heartbeat for {age / 1000:.1f} s"
+        return ""
+
+    # --- capacity ---------------------------------------------------------------------------------
+
+    def _expire_pending(self, now: float) -> None:
+        cutoff = now - PENDING_TTL_S
+        while self.pending and self.pending[0][0] < cutoff:
+            _, cpu, mem = self.pending.popleft()
+            self._cpu -= cpu
+            self._mem -= mem
+
+    def capacity(self, now: float) -> tuple[int, int, int | None, float]:
+        """Free vCPUs, free MiB, free sandbox slots (None: no count limit), and the load: the
+        largest used fraction of vCPUs, memory and slots (0 idle, 1 full)."""
+        st = self.status
+        assert st is not None
+        self._expire_pending(now)
+        cpu_free = st.cpu_free - self._cpu
+        mem_free = st.memory_free_mib - self._mem
+        load = 0.0
+        if st.cpu_total:
+            load = 1 - cpu_free / st.cpu_total
+        if st.memory_total_mib:
+            load = max(load, 1 - mem_free / st.memory_total_mib)
+        slots = None
+        if st.max_sandboxes:
+            slots = st.max_sandboxes - (st.running + len(self.recorded) + len(self.pending))
+            load = max(load, 1 - slots / st.max_sandboxes)
+        return cpu_free, mem_free, slots, max(load, 0.0)
+
+    def load(self, now: float | None = None) -> float:
+        return self.capacity(time.monotonic() if now is None else now)[3]
+
+    def fit(self, req: Request, min_disk_bytes: int, now: float) -> tuple[str, float]:
+        """(why the request does not fit here, '' when it does; the node's load)."""
+        st = self.status
+        assert st is not None
+        cpu_free, mem_free, slots, load = self.capacity(now)
+        if slots is not None and slots <= 0:
+            return f"full ({st.max_sandboxes} sandboxes)", load
+        if cpu_free < req.vcpus:
+            return f"{max(cpu_free, 0)} free vCPUs < {req.vcpus}", load
+        if mem_free < req.memory_mib:
+            return f"{max(mem_free, 0)} MiB free < {req.memory_mib} MiB", load
+        if st.disk_free_bytes < min_disk_bytes:
+            return (f"{st.disk_free_bytes >> 20} MiB disk free < {min_disk_bytes >> 20} MiB",
+                    load)
+        return "", load
+
+    def misfit(self, req: Request, min_disk_bytes: int, now: float | None = None) -> str:
+        """Why the request does not fit here ('' when it does)."""
+        return self.fit(req, min_disk_bytes, time.monotonic() if now is None else now)[0]
+
+    def reserve(self, req: Request) -> None:
+        self.pending.append((time.monotonic(), req.vcpus, req.memory_mib))
+        self._cpu += req.vcpus
+        self._mem += req.memory_mib
+
+    def assigned(self, sandbox_id: str, vcpus: int, memory_mib: int) -> None:
+        """RecordAssignment: the oldest pending placement becomes a recorded sandbox."""
+        if self.pending:
+            _, cpu, mem = self.pending.popleft()
+            self._cpu -= cpu
+            self._mem -= mem
+        if sandbox_id in self.recorded:
+            self._forget(sandbox_id)
+        if sandbox_id not in self.reported:
+            self.recorded[sandbox_id] = (vcpus, memory_mib)
+            self._cpu += vcpus
+            self._mem += memory_mib
+
+    def released(self, sandbox_id: str) -> None:
+        if sandbox_id in self.recorded:
+            self._forget(sandbox_id)
+        self.reported.discard(sandbox_id)
+
+    def locality(self, req: Request, template_layers: dict[str, tuple[str, ...]]) -> float:
+        """How much of what the sandbox starts from is here: 1 the snapshot or template itself,
+        else the share of its layers held locally, 0 nothing."""
+        if req.snapshot_id and req.snapshot_id in self.snapshots:
+            return 1.0
+        if req.template_id and req.template_id in self.templates:
+            return 1.0
+        layers = req.layers or template_layers.get(req.template_id or req.snapshot_id, ())
+        if not layers:
+            return 0.0
+        return sum(1 for d in layers if d in self.layers) / len(layers)
+
+
+class Placer:
+    """Chooses a node among views; keeps the round-robin position."""
+
+    def __init__(self, min_disk_bytes: int = 512 << 20, seed: int | None = None) -> None:
+        self.min_disk_bytes = min_disk_bytes
+        self._rr = 0
+        self._random = random.Random(seed)
+
+    def choose(
+        self,
+        strategy: str,
+        req: Request,
+        candidates: list[NodeView],
+        down: dict[str, str],
+        template_layers: dict[str, tuple[str, ...]],
+    ) -> tuple[NodeView, str]:
+        """The chosen node and why. `candidates` are the up nodes allowed for this request;
+        `down` maps the others to why they are down (for the error message)."""
+        now = time.monotonic()
+        cutoff = now - PENDING_TTL_S
+        vcpus, memory, min_disk = req.vcpus, req.memory_mib, self.min_disk_bytes
+        # The hot loop of Schedule (every up node, every call): plain arithmetic on the running
+        # totals; `fit` (with the messages) runs only to explain a refusal.
+        fitting: list[tuple[NodeView, float]] = []
+        for view in candidates:
+            st = view.status
+            pending = view.pending
+            if pending and pending[0][0] < cutoff:
+                view._expire_pending(now)
+            cpu_free = st.cpu_free - view._cpu  # type: ignore[union-attr]
+            mem_free = st.memory_free_mib - view._mem  # type: ignore[union-attr]
+            if cpu_free < vcpus or mem_free < memory or st.disk_free_bytes < min_disk:  # type: ignore[union-attr]
+                continue
+            load = 0.0
+            if st.cpu_total:  # type: ignore[union-attr]
+                load = 1 - cpu_free / st.cpu_total  # type: ignore[union-attr]
+            if st.memory_total_mib:  # type: ignore[union-attr]
+                used = 1 - mem_free / st.memory_total_mib  # type: ignore[union-attr]
+                if used > load:
+                    load = used
+            limit = st.max_sandboxes  # type: ignore[union-attr]
+            if limit:
+                slots = limit - (st.running + len(view.recorded) + len(pending))  # type: ignore[union-attr]
+                if slots <= 0:
+                    continue
+                used = 1 - slots / limit
+                if used > load:
+                    load = used
+            fitting.append((view, load))
+        if not fitting:
+            misfits = {v.node_id: v.fit(req, min_disk, now)[0] for v in candidates}
+            raise PlacementError(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"no node can take {req.vcpus} vCPUs and {req.memory_mib} MiB: "
+                + describe({**misfits, **{n: f"down ({w})" for n, w in down.items()}}),
+            )
+        if strategy == "round-robin":
+            fitting.sort(key=lambda f: f[0].node_id)
+            chosen = fitting[self._rr % len(fitting)][0]
+            self._rr += 1
+            return chosen, "round-robin"
+        if strategy == "random":
+            return self._random.choice(fitting)[0], "random"
+        if strategy == "least-loaded":
+            return min(fitting, key=lambda f: (f[1], f[0].node_id))[0], "least-loaded"
+        wanted = req.snapshot_id or req.template_id
+        held = [(load, v.node_id, v) for v, load in fitting
+                if wanted in (v.snapshots if req.snapshot_id else v.templates)]
+        if held:
+            chosen = min(held)[2]
+            reason = "cache: holds the snapshot" if req.snapshot_id else "cache: holds the template"
+            return chosen, reason
+        layers = req.layers or template_layers.get(wanted, ())
+        if layers:
+            share, _, _, chosen = min(
+                (-sum(1 for d in layers if d in v.layers) / len(layers), load, v.node_id, v)
+                for v, load in fitting
+            )
+            if share < 0:
+                return chosen, f"cache: holds {-share:.0%} of the layers"
+        chosen = min(fitting, key=lambda f: (f[1], f[0].node_id))[0]
+        return chosen, "least-loaded (no node holds the template's layers)"
+
+
+def describe(why: dict[str, str], limit: int = 8) -> str:
+    """'a: down (...); b: 1 free vCPUs < 2' with the first `limit` nodes by id."""
+    if not why:
+        return "no nodes are registered"
+    items = sorted(why.items())
+    text = "; ".join(f"{n}: {w}" for n, w in items[:limit])
+    if len(items) > limit:
+        text += f"; and {len(items) - limit} more"
+    return text
+
+
+def learn_template_layers(
+    into: dict[str, tuple[str, ...]], statuses: Iterable[pb.NodeStatus]
+) -> None:
+    for status in statuses:
+        for entry in status.template_layers:
+            if entry.layers:
+                into[entry.template_id] = tuple(entry.layers)
