@@ -56,14 +56,32 @@ def _check_domain(value: str | None) -> str | None:
     help="Sandbox domain returned to SDKs as `domain` ({port}-{id}.DOMAIN is then routed to "
     "that sandbox port), e.g. localhost:8000. Default: $AENV_DOMAIN, else none.",
 )
+@click.option(
+    "--cluster-secret-file",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="Part of a cluster: serve only requests carrying this secret (the gateway's). "
+    "Default: $AENV_CLUSTER_SECRET, else none (a standalone node).",
+)
 @click.option("--log-level", default="info", show_default=True)
 def serve_command(
-    state_dir: Path, host: str, port: int, backend: str, domain: str | None, log_level: str
+    state_dir: Path,
+    host: str,
+    port: int,
+    backend: str,
+    domain: str | None,
+    cluster_secret_file: Path | None,
+    log_level: str,
 ) -> None:
     """Run the node server: E2B-compatible API and sandbox proxy on one port."""
     from agentenv import logs
     from agentenv.node.orchestrator import NodeConfig
-    from agentenv.node.security import api_key_path, load_api_key, secure_state_dir
+    from agentenv.node.security import (
+        api_key_path,
+        load_api_key,
+        load_cluster_secret,
+        secure_state_dir,
+    )
     from agentenv.node.server import ServeOptions, serve
 
     logs.setup(log_level)
@@ -78,6 +96,7 @@ def serve_command(
             port=port,
             backend=backend,
             config=NodeConfig(domain=domain),
+            cluster_secret=load_cluster_secret(cluster_secret_file),
         )
     )
 
