@@ -7,7 +7,7 @@ TEST_STAMP := $(VENV)/.installed-test
 # The node's state directory; AENV_HOME in the environment overrides the default.
 STATE_DIR ?= $(or $(AENV_HOME),/var/lib/aenv)
 
-.PHONY: up down test lint system venv bench clean
+.PHONY: up down test lint system venv bench clean proto
 
 system:
 	@bash scripts/install-system.sh
@@ -39,6 +39,12 @@ test: system $(TEST_STAMP)
 
 lint: $(TEST_STAMP)
 	@$(VENV)/bin/ruff check src tests bench
+
+# Regenerates the gRPC code in src/agentenv/control/proto/ from its .proto files (committed;
+# tests/control/test_proto.py checks that they match).
+proto: $(TEST_STAMP)
+	@$(PY) -m grpc_tools.protoc -Isrc --python_out=src --grpc_python_out=src --pyi_out=src \
+		src/agentenv/control/proto/*.proto
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis

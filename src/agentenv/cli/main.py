@@ -15,7 +15,8 @@ from agentenv import __version__
 from agentenv.errors import AgentEnvError
 
 SUBSYSTEMS = (
-    "storage", "blockd", "envd", "guest", "runtime", "template", "node", "network", "gateway",
+    "storage", "blockd", "envd", "guest", "runtime", "template", "node", "network", "scheduler",
+    "gateway",
 )
 
 

@@ -1,1 +1,2 @@
-"""Reserved for a multi-node control plane (gateway and scheduler); not built yet."""
+"""The multi-node control plane: the scheduler (scheduler/) and the gateway, each a room of its
+own; proto/ holds the gRPC contract and its generated code (docs/control-plane.md)."""

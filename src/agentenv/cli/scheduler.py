@@ -1,0 +1,76 @@
+"""`aenv scheduler`: the control plane's placement and binding service (gRPC, default :9090)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import click
+
+from agentenv.errors import AgentEnvError
+
+
+@click.command("scheduler")
+@click.option("--listen", default="0.0.0.0:9090", show_default=True,
+              help="gRPC address, HOST:PORT (or unix:PATH).")
+@click.option("--redis", "redis_url", envvar="AENV_REDIS_URL",
+              default="redis://127.0.0.1:6379/0", show_default="$AENV_REDIS_URL or "
+              "redis://127.0.0.1:6379/0",
+              help="Where bindings and the node registry live (redis:// or unix://PATH).")
+@click.option("--redis-prefix", default="aenv:sched:", show_default=True,
+              help="Key prefix (several clusters can share one Redis).")
+@click.option("--strategy", type=click.Choice(
+    ["cache-aware", "least-loaded", "round-robin", "random"]), default="cache-aware",
+    show_default=True, help="Default placement strategy (a request may name another).")
+@click.option("--nodes", "static_nodes", multiple=True,
+              help="Static nodes, ID=HOST:PORT or HOST:PORT (repeatable or comma-separated).")
+@click.option("--nodes-file", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="File of static nodes, one ID=HOST:PORT per line; re-read when it changes.")
+@click.option("--k8s-service", default=None, metavar="NAMESPACE/NAME",
+              help="Discover nodes from the EndpointSlices of this headless Service.")
+@click.option("--heartbeat-interval", type=click.FloatRange(0.05, 3600), default=2.0,
+              show_default=True, help="Seconds between node heartbeats (told to the nodes).")
+@click.option("--missed-heartbeats", type=click.IntRange(1, 100), default=3, show_default=True,
+              help="A node that missed this many heartbeats is down.")
+@click.option("--self-registration/--no-self-registration", default=True, show_default=True,
+              help="Accept heartbeats from nodes no discovery source listed.")
+@click.option("--min-disk-free-mib", type=click.IntRange(0), default=512, show_default=True,
+              help="Never place on a node with less free disk.")
+@click.option("--log-level", default="info", show_default=True)
+def scheduler_command(
+    listen: str, redis_url: str, redis_prefix: str, strategy: str,
+    static_nodes: tuple[str, ...], nodes_file: Path | None, k8s_service: str | None,
+    heartbeat_interval: float, missed_heartbeats: int, self_registration: bool,
+    min_disk_free_mib: int, log_level: str,
+) -> None:
+    """Run the scheduler: placement, the sandbox -> node bindings, node heartbeats."""
+    from agentenv import logs
+    from agentenv.control.scheduler.server import SchedulerOptions, run
+    from agentenv.control.scheduler.service import SchedulerConfig
+
+    logs.setup(log_level)
+    if not redis_url.startswith(("redis://", "rediss://", "unix://")):
+        raise AgentEnvError(f"--redis {redis_url!r}: expected redis://HOST:PORT/DB or unix://PATH")
+    options = SchedulerOptions(
+        listen=listen,
+        redis_url=redis_url,
+        prefix=redis_prefix,
+        config=SchedulerConfig(
+            strategy=strategy,
+            heartbeat_interval_s=heartbeat_interval,
+            missed_heartbeats=missed_heartbeats,
+            self_registration=self_registration,
+            min_disk_free_mib=min_disk_free_mib,
+        ),
+        static_nodes=list(static_nodes),
+        nodes_file=nodes_file,
+        k8s_service=k8s_service or os.environ.get("AENV_K8S_SERVICE") or None,
+    )
+
+    def ready(server: object) -> None:
+        click.echo(f"scheduler listening on {listen}", err=True)
+
+    run(options, on_ready=ready)
+
+
+COMMANDS = [scheduler_command]

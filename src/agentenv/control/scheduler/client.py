@@ -1,0 +1,198 @@
+"""A typed asyncio client for the scheduler (scheduler.proto), used by the gateway and the node.
+
+It imports nothing of agentenv but the generated code and the common error, so the node's
+heartbeat sender can use it without pulling in the rest of the control plane.
+
+    async with SchedulerClient("127.0.0.1:9090") as scheduler:
+        placement = await scheduler.schedule(template_id="base", vcpus=2, memory_mib=512)
+        ...create the sandbox on placement.node_address...
+        await scheduler.record_assignment(sandbox_id, placement.node_id, team_id="t1")
+        where = await scheduler.lookup(sandbox_id)   # None: no binding
+
+Every failure raises `SchedulerError` with the gRPC status (`code`) and the scheduler's message:
+INVALID_ARGUMENT (bad input), NOT_FOUND (no such source sandbox, snapshot or node),
+RESOURCE_EXHAUSTED (no node has room), UNAVAILABLE (no node up, the scheduler or its Redis
+unreachable), PERMISSION_DENIED (a node not allowed to register).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from types import TracebackType
+
+import grpc
+
+from agentenv.control.proto import scheduler_pb2 as pb
+from agentenv.control.proto import scheduler_pb2_grpc as pb_grpc
+from agentenv.errors import AgentEnvError
+
+__all__ = [
+    "Location",
+    "NodeInfo",
+    "Placement",
+    "SchedulerClient",
+    "SchedulerError",
+    "pb",
+]
+
+DEFAULT_TIMEOUT_S = 5.0
+
+
+class SchedulerError(AgentEnvError):
+    def __init__(self, code: grpc.StatusCode, message: str, method: str) -> None:
+        super().__init__(f"scheduler {method}: {code.name}: {message}")
+        self.code = code
+        self.details = message
+        self.method = method
+
+    @property
+    def unavailable(self) -> bool:
+        return self.code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+
+
+@dataclass(frozen=True)
+class Placement:
+    node_id: str
+    node_address: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class Location:
+    """Where a sandbox is bound. `node_up` false: its node missed its heartbeats (answer 503)."""
+
+    sandbox_id: str
+    node_id: str
+    node_address: str
+    node_up: bool
+    team_id: str
+
+
+@dataclass(frozen=True)
+class NodeInfo:
+    node_id: str
+    address: str
+    up: bool
+    down_reason: str
+    last_heartbeat_unix_ms: int
+    discovered_by: tuple[str, ...]
+    status: pb.NodeStatus
+
+
+class SchedulerClient:
+    """One channel to the scheduler; `target` is host:port (or any gRPC target, e.g. unix:PATH)."""
+
+    def __init__(self, target: str, timeout: float = DEFAULT_TIMEOUT_S) -> None:
+        if not target:
+            raise AgentEnvError("no scheduler address (host:port)")
+        self.target = target
+        self.timeout = timeout
+        # No proxy: the scheduler is always reached directly (the environment's proxy variables
+        # are for the sandboxes' traffic).
+        self.channel = grpc.aio.insecure_channel(target, options=[("grpc.enable_http_proxy", 0)])
+        self.stub = pb_grpc.SchedulerStub(self.channel)
+
+    async def __aenter__(self) -> SchedulerClient:
+        return self
+
+    async def __aexit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        await self.channel.close()
+
+    async def _call(self, method: str, request: object, timeout: float | None) -> object:
+        try:
+            return await getattr(self.stub, method)(
+                request, timeout=self.timeout if timeout is None else timeout
+            )
+        except grpc.aio.AioRpcError as exc:
+            raise SchedulerError(exc.code(), exc.details() or "", method) from None
+
+    async def schedule(
+        self,
+        *,
+        template_id: str = "",
+        snapshot_id: str = "",
+        vcpus: int = 0,
+        memory_mib: int = 0,
+        source_sandbox_id: str = "",
+        team_id: str = "",
+        strategy: str = "",
+        layers: Sequence[str] = (),
+        timeout: float | None = None,
+    ) -> Placement:
+        answer = await self._call(
+            "Schedule",
+            pb.ScheduleRequest(
+                template_id=template_id,
+                snapshot_id=snapshot_id,
+                vcpus=vcpus,
+                memory_mib=memory_mib,
+                source_sandbox_id=source_sandbox_id,
+                team_id=team_id,
+                strategy=strategy,
+                layers=list(layers),
+            ),
+            timeout,
+        )
+        assert isinstance(answer, pb.ScheduleResponse)
+        return Placement(answer.node_id, answer.node_address, answer.reason)
+
+    async def record_assignment(
+        self,
+        sandbox_id: str,
+        node_id: str,
+        *,
+        team_id: str = "",
+        vcpus: int = 0,
+        memory_mib: int = 0,
+        timeout: float | None = None,
+    ) -> None:
+        await self._call(
+            "RecordAssignment",
+            pb.Assignment(
+                sandbox_id=sandbox_id, node_id=node_id, team_id=team_id, vcpus=vcpus,
+                memory_mib=memory_mib,
+            ),
+            timeout,
+        )
+
+    async def release(self, sandbox_id: str, *, timeout: float | None = None) -> None:
+        await self._call("Release", pb.ReleaseRequest(sandbox_id=sandbox_id), timeout)
+
+    async def lookup(self, sandbox_id: str, *, timeout: float | None = None) -> Location | None:
+        answer = await self._call("Lookup", pb.LookupRequest(sandbox_id=sandbox_id), timeout)
+        assert isinstance(answer, pb.LookupResponse)
+        if not answer.found:
+            return None
+        return Location(
+            sandbox_id, answer.node_id, answer.node_address, answer.node_up, answer.team_id
+        )
+
+    async def heartbeat(self, status: pb.NodeStatus, *, timeout: float | None = None) -> float:
+        """Send one NodeStatus; returns the interval (seconds) the scheduler asks for."""
+        answer = await self._call("Heartbeat", status, timeout)
+        assert isinstance(answer, pb.HeartbeatResponse)
+        return answer.interval_ms / 1000
+
+    async def list_nodes(self, *, timeout: float | None = None) -> list[NodeInfo]:
+        answer = await self._call("ListNodes", pb.Empty(), timeout)
+        assert isinstance(answer, pb.NodeList)
+        return [_node_info(n) for n in answer.nodes]
+
+
+def _node_info(info: pb.NodeInfo) -> NodeInfo:
+    sources: Iterable[str] = info.discovered_by.split(",") if info.discovered_by else ()
+    return NodeInfo(
+        node_id=info.status.node_id,
+        address=info.status.address,
+        up=info.up,
+        down_reason=info.down_reason,
+        last_heartbeat_unix_ms=info.last_heartbeat_unix_ms,
+        discovered_by=tuple(sources),
+        status=info.status,
+    )

@@ -1,0 +1,336 @@
+"""The scheduler's logic behind the gRPC methods (scheduler.proto): placement, bindings, heartbeats.
+
+Durable state is in Redis (store.py); this object keeps the node views (placement.py) in memory,
+rebuilt from Redis at start. Liveness: a node is down once it has missed `missed_heartbeats`
+heartbeats (plus half an interval of slack); it is up again at its next heartbeat. Time the
+scheduler itself was away (killed, restarting) is not held against the nodes: their heartbeat
+ages are shifted by the outage when the state is loaded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import grpc
+
+from agentenv.control.proto import scheduler_pb2 as pb
+from agentenv.control.scheduler.placement import (
+    DEFAULT_STRATEGY,
+    STRATEGIES,
+    NodeView,
+    PlacementError,
+    Placer,
+    Request,
+    describe,
+    learn_template_layers,
+)
+from agentenv.control.scheduler.store import Binding, Store, now_ms
+
+log = logging.getLogger("agentenv.control.scheduler")
+
+ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,127}")
+# Template names may carry a tag (`name:tag`) or a namespace (`team/name`).
+REF_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/@-]{0,255}")
+ADDRESS_RE = re.compile(r"(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9._-]+):\d{1,5}")
+MAX_VCPUS = 1024
+MAX_MEMORY_MIB = 16 << 20
+
+
+@dataclass
+class SchedulerConfig:
+    strategy: str = DEFAULT_STRATEGY
+    heartbeat_interval_s: float = 2.0
+    missed_heartbeats: int = 3
+    default_vcpus: int = 2
+    default_memory_mib: int = 512
+    min_disk_free_mib: int = 512
+    self_registration: bool = True
+    # A binding younger than this is not dropped by a heartbeat that does not list it, and a
+    # released sandbox is not re-added by one that does (the node's list may be that old).
+    reconcile_grace_s: float = 5.0
+
+    @property
+    def down_after_ms(self) -> float:
+        return (self.missed_heartbeats + 0.5) * self.heartbeat_interval_s * 1000
+
+
+class Invalid(PlacementError):
+    def __init__(self, message: str) -> None:
+        super().__init__(grpc.StatusCode.INVALID_ARGUMENT, message)
+
+
+def check_id(what: str, value: str, required: bool = True) -> str:
+    if not value and not required:
+        return value
+    if not value:
+        raise Invalid(f"{what} is required")
+    if not ID_RE.fullmatch(value):
+        raise Invalid(
+            f"{what} {value[:80]!r} is not an id (letters, digits, '.', '_', ':', '-'; "
+            "at most 128 characters)"
+        )
+    return value
+
+
+def check_address(what: str, value: str) -> str:
+    if value and not ADDRESS_RE.fullmatch(value):
+        raise Invalid(f"{what} {value[:80]!r} is not host:port")
+    return value
+
+
+class SchedulerService:
+    def __init__(self, store: Store, config: SchedulerConfig | None = None) -> None:
+        self.store = store
+        self.config = config or SchedulerConfig()
+        if self.config.strategy not in STRATEGIES:
+            raise ValueError(
+                f"unknown strategy {self.config.strategy!r}: one of {', '.join(STRATEGIES)}"
+            )
+        self.views: dict[str, NodeView] = {}
+        self.template_layers: dict[str, tuple[str, ...]] = {}
+        self.placer = Placer(min_disk_bytes=self.config.min_disk_free_mib << 20)
+        self._sweeper: asyncio.Task[None] | None = None
+
+    # --- lifecycle --------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Load the registry and the per-node binding sets from Redis; start the sweeper."""
+        await self.store.ping()
+        grace = int(self.config.reconcile_grace_s * 1000)
+        previous_alive = await self.store.mark_alive(grace)
+        started = now_ms()
+        outage = max(0, started - previous_alive) if previous_alive else 0
+        nodes = await self.store.nodes()
+        sets = await self.store.node_sandboxes(nodes)
+        for node_id, (status, seen) in nodes.items():
+            view = self._view(node_id)
+            view.update(status, seen + outage, sets.get(node_id, set()))
+            view.sources.add("heartbeat")
+        learn_template_layers(self.template_layers, (s for s, _ in nodes.values()))
+        log.info(
+            "scheduler state loaded",
+            extra={"nodes": len(nodes), "bindings": await self.store.binding_count(),
+                   "outage_ms": outage},
+        )
+        self._sweeper = asyncio.create_task(self._sweep_forever())
+
+    async def close(self) -> None:
+        if self._sweeper:
+            self._sweeper.cancel()
+            await asyncio.gather(self._sweeper, return_exceptions=True)
+        await self.store.close()
+
+    async def _sweep_forever(self) -> None:
+        grace = int(self.config.reconcile_grace_s * 1000)
+        period = min(1.0, self.config.heartbeat_interval_s / 2)
+        while True:
+            await asyncio.sleep(period)
+            try:
+                await self.store.mark_alive(grace)
+            except Exception as exc:  # Redis away: keep serving what memory knows
+                log.warning("scheduler sweep failed: %s", exc)
+
+    def _view(self, node_id: str) -> NodeView:
+        view = self.views.get(node_id)
+        if view is None:
+            view = self.views[node_id] = NodeView(node_id)
+        return view
+
+    def down_reason(self, view: NodeView, at_ms: float | None = None) -> str:
+        return view.down_reason(at_ms or now_ms(), self.config.down_after_ms)
+
+    # --- discovery --------------------------------------------------------------------------------
+
+    def set_discovered(self, source: str, nodes: Mapping[str, tuple[str, bool]]) -> None:
+        """Replace what discovery `source` knows: node id -> (address, ready). A node that left
+        the source, or is not ready there, is down until the source has it ready again."""
+        for node_id, (address, ready) in nodes.items():
+            view = self._view(node_id)
+            view.sources.add(source)
+            if address and not view.address:
+                view.address = address
+            view.discovery_down = "" if ready else f"not ready in {source} discovery"
+        for node_id, view in self.views.items():
+            if source in view.sources and node_id not in nodes:
+                view.sources.discard(source)
+                view.discovery_down = f"removed from {source} discovery"
+
+    # --- RPCs -------------------------------------------------------------------------------------
+
+    def _request(self, msg: pb.ScheduleRequest) -> Request:
+        if msg.template_id and msg.snapshot_id:
+            raise Invalid("give template_id or snapshot_id, not both")
+        if not (msg.template_id or msg.snapshot_id or msg.source_sandbox_id):
+            raise Invalid("one of template_id, snapshot_id or source_sandbox_id is required")
+        for what, value in (("template_id", msg.template_id), ("snapshot_id", msg.snapshot_id)):
+            if value and not REF_RE.fullmatch(value):
+                raise Invalid(f"{what} {value[:80]!r} is not a template or snapshot reference")
+        check_id("source_sandbox_id", msg.source_sandbox_id, required=False)
+        check_id("team_id", msg.team_id, required=False)
+        if msg.strategy and msg.strategy not in STRATEGIES:
+            raise Invalid(f"unknown strategy {msg.strategy!r}: one of {', '.join(STRATEGIES)}")
+        if msg.vcpus > MAX_VCPUS:
+            raise Invalid(f"vcpus {msg.vcpus} is more than {MAX_VCPUS}")
+        if msg.memory_mib > MAX_MEMORY_MIB:
+            raise Invalid(f"memory_mib {msg.memory_mib} is more than {MAX_MEMORY_MIB}")
+        return Request(
+            template_id=msg.template_id,
+            snapshot_id=msg.snapshot_id,
+            vcpus=msg.vcpus or self.config.default_vcpus,
+            memory_mib=msg.memory_mib or self.config.default_memory_mib,
+            layers=tuple(msg.layers),
+        )
+
+    async def schedule(self, msg: pb.ScheduleRequest) -> pb.ScheduleResponse:
+        req = self._request(msg)
+        strategy = msg.strategy or self.config.strategy
+        at = now_ms()
+        if msg.source_sandbox_id:
+            view, reason = await self._fork_node(msg.source_sandbox_id, req, at)
+        else:
+            candidates: list[NodeView] = []
+            down: dict[str, str] = {}
+            holders = 0
+            for view in self.views.values():
+                if req.snapshot_id and req.snapshot_id not in view.snapshots:
+                    continue
+                holders += 1
+                why = self.down_reason(view, at)
+                if why:
+                    down[view.node_id] = why
+                else:
+                    candidates.append(view)
+            if req.snapshot_id and not holders:
+                raise PlacementError(
+                    grpc.StatusCode.NOT_FOUND, f"no node holds snapshot {req.snapshot_id!r}"
+                )
+            if not candidates:
+                what = f"holding snapshot {req.snapshot_id!r} " if req.snapshot_id else ""
+                raise PlacementError(
+                    grpc.StatusCode.UNAVAILABLE, f"no node {what}is up: {describe(down)}"
+                )
+            view, reason = self.placer.choose(
+                strategy, req, candidates, down, self.template_layers
+            )
+            if req.snapshot_id:
+                reason = f"holds the snapshot; {reason}"
+        view.reserve(req)
+        return pb.ScheduleResponse(node_id=view.node_id, node_address=view.address, reason=reason)
+
+    async def _fork_node(self, source: str, req: Request, at: float) -> tuple[NodeView, str]:
+        binding = await self.store.lookup(source)
+        if binding is None:
+            raise PlacementError(
+                grpc.StatusCode.NOT_FOUND, f"fork source sandbox {source!r} has no binding"
+            )
+        view = self.views.get(binding.node_id)
+        why = self.down_reason(view, at) if view else "not registered"
+        if view is None or why:
+            raise PlacementError(
+                grpc.StatusCode.UNAVAILABLE,
+                f"fork source {source!r} is on node {binding.node_id}, which is down ({why})",
+            )
+        misfit = view.misfit(req, self.placer.min_disk_bytes)
+        if misfit:
+            raise PlacementError(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"fork source {source!r} is on node {binding.node_id}, which cannot take "
+                f"{req.vcpus} vCPUs and {req.memory_mib} MiB more: {misfit}",
+            )
+        return view, "fork source"
+
+    async def record(self, msg: pb.Assignment) -> None:
+        check_id("sandbox_id", msg.sandbox_id)
+        check_id("node_id", msg.node_id)
+        check_id("team_id", msg.team_id, required=False)
+        view = self.views.get(msg.node_id)
+        if view is None:
+            raise PlacementError(grpc.StatusCode.NOT_FOUND, f"unknown node {msg.node_id!r}")
+        vcpus = msg.vcpus or self.config.default_vcpus
+        memory = msg.memory_mib or self.config.default_memory_mib
+        old = await self.store.record(
+            Binding(msg.sandbox_id, msg.node_id, msg.team_id, now_ms(), vcpus, memory)
+        )
+        if old and old.node_id != msg.node_id and old.node_id in self.views:
+            self.views[old.node_id].released(msg.sandbox_id)
+        view.assigned(msg.sandbox_id, vcpus, memory)
+
+    async def release(self, msg: pb.ReleaseRequest) -> None:
+        check_id("sandbox_id", msg.sandbox_id)
+        old = await self.store.release(msg.sandbox_id)
+        if old and old.node_id in self.views:
+            self.views[old.node_id].released(msg.sandbox_id)
+
+    async def lookup(self, msg: pb.LookupRequest) -> pb.LookupResponse:
+        check_id("sandbox_id", msg.sandbox_id)
+        binding = await self.store.lookup(msg.sandbox_id)
+        if binding is None:
+            return pb.LookupResponse(found=False)
+        view = self.views.get(binding.node_id)
+        return pb.LookupResponse(
+            found=True,
+            node_id=binding.node_id,
+            node_address=view.address if view else "",
+            node_up=bool(view) and not self.down_reason(view),
+            team_id=binding.team_id,
+        )
+
+    async def heartbeat(self, msg: pb.NodeStatus) -> pb.HeartbeatResponse:
+        check_id("node_id", msg.node_id)
+        check_address("address", msg.address)
+        check_address("layer_address", msg.layer_address)
+        if not msg.address and not (msg.node_id in self.views and self.views[msg.node_id].address):
+            raise Invalid(f"node {msg.node_id!r}: address is required (host:port of its API)")
+        seen: set[str] = set()
+        for sandbox in msg.sandboxes:
+            check_id("sandboxes[].sandbox_id", sandbox.sandbox_id)
+            check_id("sandboxes[].team_id", sandbox.team_id, required=False)
+            if sandbox.sandbox_id in seen:
+                raise Invalid(f"sandbox {sandbox.sandbox_id!r} is listed twice")
+            seen.add(sandbox.sandbox_id)
+        if msg.node_id not in self.views and not self.config.self_registration:
+            raise PlacementError(
+                grpc.StatusCode.PERMISSION_DENIED,
+                f"node {msg.node_id!r} is not in the discovered node list and self-registration "
+                "is off",
+            )
+        at = now_ms()
+        added, dropped = await self.store.heartbeat(
+            msg, int(self.config.reconcile_grace_s * 1000), at
+        )
+        view = self._view(msg.node_id)
+        was_down = self.down_reason(view, at)
+        view.sources.add("heartbeat")
+        view.update(msg, at, seen)
+        learn_template_layers(self.template_layers, (msg,))
+        if was_down and view.status is not None:
+            log.info("node up", extra={"node": msg.node_id, "was": was_down})
+        if added or dropped:
+            log.info(
+                "bindings reconciled",
+                extra={"node": msg.node_id, "added": len(added), "dropped": len(dropped)},
+            )
+        return pb.HeartbeatResponse(interval_ms=int(self.config.heartbeat_interval_s * 1000))
+
+    def list_nodes(self) -> pb.NodeList:
+        at = now_ms()
+        out = pb.NodeList()
+        for node_id in sorted(self.views):
+            view = self.views[node_id]
+            why = self.down_reason(view, at)
+            info = out.nodes.add(
+                up=not why,
+                last_heartbeat_unix_ms=int(view.last_seen_ms),
+                down_reason=why,
+                discovered_by=",".join(sorted(view.sources)),
+            )
+            if view.status is not None:
+                info.status.CopyFrom(view.status)
+                del info.status.sandboxes[:]
+            info.status.node_id = node_id
+            info.status.address = view.address
+        return out

@@ -1,0 +1,257 @@
+"""The scheduler's durable state in Redis: the sandbox -> node binding table and the node registry.
+
+Everything a restarted scheduler needs is here, so a scheduler killed with -9 answers Lookup for
+every binding as soon as it is back. Keys (PREFIX defaults to ``aenv:sched:``):
+
+| key | type | content |
+|---|---|---|
+| PREFIX bindings | hash | sandbox id -> node, team, recorded-at ms, vCPUs, MiB (unit-separated) |
+| PREFIX node:ID:sandboxes | set | the sandbox ids bound to node ID (reconciliation reads it) |
+| PREFIX nodes | hash | node id -> its last NodeStatus (protobuf, without the sandbox list) |
+| PREFIX seen | hash | node id -> wall-clock ms of its last heartbeat |
+| PREFIX released | sorted set | sandbox id -> ms of its Release (a late heartbeat must not revive it) |
+| PREFIX alive | string | ms of the scheduler's last sweep (measures how long it was away) |
+
+Bindings change in Lua scripts, so a binding and its node's set never disagree, whatever crashes.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import redis.asyncio as aioredis
+from redis.exceptions import RedisError
+
+from agentenv.control.proto import scheduler_pb2 as pb
+from agentenv.errors import AgentEnvError
+
+SEP = "\x1f"
+DEFAULT_PREFIX = "aenv:sched:"
+
+
+class StoreError(AgentEnvError):
+    """Redis cannot be reached or refused a command."""
+
+
+def now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+@dataclass(frozen=True)
+class Binding:
+    sandbox_id: str
+    node_id: str
+    team_id: str
+    recorded_ms: int
+    vcpus: int
+    memory_mib: int
+
+    def encode(self) -> str:
+        return SEP.join(
+            (self.node_id, self.team_id, str(self.recorded_ms), str(self.vcpus),
+             str(self.memory_mib))
+        )
+
+    @classmethod
+    def decode(cls, sandbox_id: str, raw: str) -> Binding:
+        node, team, recorded, vcpus, memory = [*raw.split(SEP), "0", "0", "0"][:5]
+        return cls(sandbox_id, node, team, int(recorded or 0), int(vcpus or 0), int(memory or 0))
+
+
+# KEYS: none (key names derive from the prefix; this is a single Redis, not a cluster).
+# ARGV: prefix, sandbox, node, encoded binding, now ms. Returns the previous encoded binding.
+_RECORD = """
+local p, sid, node = ARGV[1], ARGV[2], ARGV[3]
+local old = redis.call('HGET', p..'bindings', sid)
+if old then
+  local oldnode = string.match(old, '^([^\\31]*)')
+  if oldnode ~= node then redis.call('SREM', p..'node:'..oldnode..':sandboxes', sid) end
+end
+redis.call('HSET', p..'bindings', sid, ARGV[4])
+redis.call('SADD', p..'node:'..node..':sandboxes', sid)
+redis.call('ZREM', p..'released', sid)
+return old
+"""
+
+# ARGV: prefix, sandbox, now ms. Returns the removed encoded binding (or nil).
+_RELEASE = """
+local p, sid = ARGV[1], ARGV[2]
+local old = redis.call('HGET', p..'bindings', sid)
+if old then
+  local oldnode = string.match(old, '^([^\\31]*)')
+  redis.call('HDEL', p..'bindings', sid)
+  redis.call('SREM', p..'node:'..oldnode..':sandboxes', sid)
+end
+redis.call('ZADD', p..'released', tonumber(ARGV[3]), sid)
+return old
+"""
+
+# Stores the node's status and reconciles its bindings both ways, atomically.
+# ARGV: prefix, node, status bytes, now ms, grace ms, then sandbox/team pairs the node reports.
+# A binding younger than the grace is never dropped (the node's list may predate its creation),
+# and a sandbox released within the grace is never re-added (the list may predate its kill).
+# Returns {added ids, dropped ids}.
+_HEARTBEAT = """
+local p, node, now, grace = ARGV[1], ARGV[2], tonumber(ARGV[4]), tonumber(ARGV[5])
+local function split(s)
+  local out = {}
+  for field in string.gmatch(s..'\\31', '([^\\31]*)\\31') do out[#out+1] = field end
+  return out
+end
+redis.call('HSET', p..'nodes', node, ARGV[3])
+redis.call('HSET', p..'seen', node, ARGV[4])
+local setkey = p..'node:'..node..':sandboxes'
+local reported, added, dropped = {}, {}, {}
+for i = 6, #ARGV, 2 do
+  local sid, team = ARGV[i], ARGV[i+1]
+  reported[sid] = true
+  local cur = redis.call('HGET', p..'bindings', sid)
+  if not cur then
+    local rel = redis.call('ZSCORE', p..'released', sid)
+    if (not rel) or (now - tonumber(rel) > grace) then
+      redis.call('HSET', p..'bindings', sid, node..'\\31'..team..'\\31'..ARGV[4]..'\\31'..'0\\31'..'0')
+      redis.call('SADD', setkey, sid)
+      added[#added+1] = sid
+    end
+  else
+    local f = split(cur)
+    if f[1] ~= node then
+      -- Bound elsewhere but this node has it: it moved, unless the binding is brand new.
+      if now - tonumber(f[3]) > grace then
+        redis.call('SREM', p..'node:'..f[1]..':sandboxes', sid)
+        if f[2] == '' then f[2] = team end
+        redis.call('HSET', p..'bindings', sid, node..'\\31'..f[2]..'\\31'..ARGV[4]..'\\31'..f[4]..'\\31'..f[5])
+        redis.call('SADD', setkey, sid)
+        added[#added+1] = sid
+      end
+    elseif f[2] == '' and team ~= '' then
+      redis.call('HSET', p..'bindings', sid, node..'\\31'..team..'\\31'..f[3]..'\\31'..f[4]..'\\31'..f[5])
+    end
+  end
+end
+for _, sid in ipairs(redis.call('SMEMBERS', setkey)) do
+  if not reported[sid] then
+    local cur = redis.call('HGET', p..'bindings', sid)
+    if not cur then
+      redis.call('SREM', setkey, sid)
+    else
+      local f = split(cur)
+      if f[1] ~= node then
+        redis.call('SREM', setkey, sid)
+      elseif now - tonumber(f[3]) > grace then
+        redis.call('HDEL', p..'bindings', sid)
+        redis.call('SREM', setkey, sid)
+        dropped[#dropped+1] = sid
+      end
+    end
+  end
+end
+return {added, dropped}
+"""
+
+
+class Store:
+    """Async access to the scheduler's keys. One connection pool; every call is one round trip."""
+
+    def __init__(self, url: str, prefix: str = DEFAULT_PREFIX) -> None:
+        self.url = url
+        self.prefix = prefix
+        try:
+            self.redis = aioredis.Redis.from_url(url, decode_responses=False)
+        except ValueError as exc:
+            raise StoreError(f"bad Redis URL {url!r}: {exc}") from exc
+        self._record = self.redis.register_script(_RECORD)
+        self._release = self.redis.register_script(_RELEASE)
+        self._heartbeat = self.redis.register_script(_HEARTBEAT)
+
+    def _key(self, name: str) -> str:
+        return self.prefix + name
+
+    async def ping(self) -> None:
+        try:
+            await self.redis.ping()
+        except (RedisError, OSError) as exc:
+            raise StoreError(f"cannot reach Redis at {self.url}: {exc}") from exc
+
+    async def close(self) -> None:
+        await self.redis.aclose()
+
+    # --- bindings ---------------------------------------------------------------------------------
+
+    async def record(self, binding: Binding) -> Binding | None:
+        old = await self._record(
+            args=[self.prefix, binding.sandbox_id, binding.node_id, binding.encode(), now_ms()]
+        )
+        return Binding.decode(binding.sandbox_id, old.decode()) if old else None
+
+    async def release(self, sandbox_id: str) -> Binding | None:
+        old = await self._release(args=[self.prefix, sandbox_id, now_ms()])
+        return Binding.decode(sandbox_id, old.decode()) if old else None
+
+    async def lookup(self, sandbox_id: str) -> Binding | None:
+        raw = await self.redis.hget(self._key("bindings"), sandbox_id)
+        return Binding.decode(sandbox_id, raw.decode()) if raw else None
+
+    async def node_sandboxes(self, node_ids: Iterable[str]) -> dict[str, set[str]]:
+        ids = list(node_ids)
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for node_id in ids:
+                pipe.smembers(self._key(f"node:{node_id}:sandboxes"))
+            answers = await pipe.execute()
+        return {n: {s.decode() for s in members} for n, members in zip(ids, answers, strict=True)}
+
+    async def binding_count(self) -> int:
+        return int(await self.redis.hlen(self._key("bindings")))
+
+    # --- nodes ------------------------------------------------------------------------------------
+
+    async def heartbeat(
+        self, status: pb.NodeStatus, grace_ms: int, at_ms: int | None = None
+    ) -> tuple[list[str], list[str]]:
+        """Store the status (without its sandbox list) and reconcile; returns (added, dropped)."""
+        slim = pb.NodeStatus()
+        slim.CopyFrom(status)
+        del slim.sandboxes[:]
+        args: list[str | bytes | int] = [
+            self.prefix, status.node_id, slim.SerializeToString(), at_ms or now_ms(), grace_ms,
+        ]
+        for sandbox in status.sandboxes:
+            args += [sandbox.sandbox_id, sandbox.team_id]
+        added, dropped = await self._heartbeat(args=args)
+        return [s.decode() for s in added], [s.decode() for s in dropped]
+
+    async def nodes(self) -> dict[str, tuple[pb.NodeStatus, int]]:
+        """Every registered node's last status and last heartbeat (wall-clock ms)."""
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.hgetall(self._key("nodes"))
+            pipe.hgetall(self._key("seen"))
+            statuses, seen = await pipe.execute()
+        out: dict[str, tuple[pb.NodeStatus, int]] = {}
+        for raw_id, raw in statuses.items():
+            node_id = raw_id.decode()
+            out[node_id] = (pb.NodeStatus.FromString(raw), int(seen.get(raw_id, b"0")))
+        return out
+
+    async def seen(self) -> dict[str, int]:
+        raw = await self.redis.hgetall(self._key("seen"))
+        return {k.decode(): int(v) for k, v in raw.items()}
+
+    async def forget_node(self, node_id: str) -> None:
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.hdel(self._key("nodes"), node_id)
+            pipe.hdel(self._key("seen"), node_id)
+            await pipe.execute()
+
+    # --- the scheduler's own clock ------------------------------------------------------------------
+
+    async def mark_alive(self, grace_ms: int) -> int | None:
+        """Write this sweep's time, drop release markers older than the grace; returns the
+        previous alive time (how long the scheduler was away, at start)."""
+        at = now_ms()
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.getset(self._key("alive"), at)
+            pipe.zremrangebyscore(self._key("released"), "-inf", at - grace_ms)
+            previous, _ = await pipe.execute()
+        return int(previous) if previous else None

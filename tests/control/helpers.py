@@ -1,0 +1,72 @@
+"""Shared helpers for the control-plane tests."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterable
+from contextlib import asynccontextmanager
+
+from agentenv.control.proto import scheduler_pb2 as pb
+from agentenv.control.scheduler.client import SchedulerClient
+from agentenv.control.scheduler.server import SchedulerOptions, SchedulerServer
+from agentenv.control.scheduler.service import SchedulerConfig
+
+
+def status(
+    node_id: str,
+    *,
+    cpu: int = 16,
+    cpu_free: int | None = None,
+    mem: int = 32768,
+    mem_free: int | None = None,
+    disk_free: int = 100 << 30,
+    sandboxes: Iterable[str | tuple[str, str]] = (),
+    templates: Iterable[str] = (),
+    snapshots: Iterable[str] = (),
+    layers: Iterable[str] = (),
+    template_layers: dict[str, list[str]] | None = None,
+    max_sandboxes: int = 0,
+    address: str | None = None,
+) -> pb.NodeStatus:
+    msg = pb.NodeStatus(
+        node_id=node_id,
+        address=address if address is not None else f"127.0.0.1:{8000 + abs(hash(node_id)) % 1000}",
+        cpu_total=cpu,
+        cpu_free=cpu if cpu_free is None else cpu_free,
+        memory_total_mib=mem,
+        memory_free_mib=mem if mem_free is None else mem_free,
+        disk_free_bytes=disk_free,
+        templates=list(templates),
+        snapshots=list(snapshots),
+        layers=list(layers),
+        max_sandboxes=max_sandboxes,
+    )
+    for item in sandboxes:
+        sid, team = (item, "") if isinstance(item, str) else item
+        msg.sandboxes.add(sandbox_id=sid, state="running", team_id=team)
+    msg.running = len(msg.sandboxes)
+    for tpl, digests in (template_layers or {}).items():
+        msg.template_layers.add(template_id=tpl, layers=digests)
+    return msg
+
+
+@asynccontextmanager
+async def scheduler(
+    redis_url: str, prefix: str, **config: object
+) -> AsyncIterator[tuple[SchedulerServer, SchedulerClient]]:
+    """An in-process scheduler on a loopback port and a client connected to it."""
+    static = config.pop("static_nodes", [])
+    options = SchedulerOptions(
+        listen="127.0.0.1:0",
+        redis_url=redis_url,
+        prefix=prefix,
+        config=SchedulerConfig(**config),  # type: ignore[arg-type]
+        static_nodes=list(static),  # type: ignore[call-overload]
+    )
+    server = SchedulerServer(options)
+    await server.start()
+    client = SchedulerClient(f"127.0.0.1:{server.port}")
+    try:
+        yield server, client
+    finally:
+        await client.close()
+        await server.stop(grace=0)

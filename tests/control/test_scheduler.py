@@ -1,0 +1,88 @@
+"""The scheduler's RPCs against a real redis-server, in-process (grpc.aio on loopback)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+
+from agentenv.control.scheduler.client import SchedulerError
+from tests.control.conftest import RedisServer
+from tests.control.helpers import scheduler, status
+
+
+def test_every_rpc(redis_server: RedisServer, prefix: str) -> None:
+    async def body() -> None:
+        async with scheduler(redis_server.url, prefix) as (_, client):
+            assert await client.heartbeat(status("n1", templates=["base"])) == 2.0
+            await client.heartbeat(status("n2"))
+            placement = await client.schedule(template_id="base", vcpus=2, memory_mib=512)
+            assert placement.node_id == "n1"
+            assert placement.reason == "cache: holds the template"
+            await client.record_assignment("sbx1", placement.node_id, team_id="team-a")
+            where = await client.lookup("sbx1")
+            assert where is not None
+            assert (where.node_id, where.node_up, where.team_id) == ("n1", True, "team-a")
+            assert where.node_address == placement.node_address
+            nodes = await client.list_nodes()
+            assert [n.node_id for n in nodes] == ["n1", "n2"]
+            assert all(n.up and n.discovered_by == ("heartbeat",) for n in nodes)
+            await client.release("sbx1")
+            assert await client.lookup("sbx1") is None
+            await client.release("sbx1")  # idempotent: a retried kill is not an error
+
+    asyncio.run(body())
+
+
+@pytest.mark.parametrize(
+    ("call", "code", "text"),
+    [
+        ({"template_id": "a", "snapshot_id": "b"}, grpc.StatusCode.INVALID_ARGUMENT, "not both"),
+        ({}, grpc.StatusCode.INVALID_ARGUMENT, "is required"),
+        ({"template_id": "base", "strategy": "fastest"}, grpc.StatusCode.INVALID_ARGUMENT,
+         "unknown strategy 'fastest'"),
+        ({"template_id": "bad name!"}, grpc.StatusCode.INVALID_ARGUMENT, "not a template"),
+        ({"template_id": "base", "vcpus": 100000}, grpc.StatusCode.INVALID_ARGUMENT, "vcpus"),
+        ({"source_sandbox_id": "nope"}, grpc.StatusCode.NOT_FOUND, "has no binding"),
+        ({"snapshot_id": "snap-x"}, grpc.StatusCode.NOT_FOUND, "no node holds snapshot"),
+        ({"template_id": "base", "vcpus": 64}, grpc.StatusCode.RESOURCE_EXHAUSTED,
+         "n1: 16 free vCPUs < 64"),
+    ],
+)
+def test_schedule_errors(
+    redis_server: RedisServer, prefix: str, call: dict[str, object], code: grpc.StatusCode,
+    text: str,
+) -> None:
+    async def body() -> None:
+        async with scheduler(redis_server.url, prefix) as (_, client):
+            await client.heartbeat(status("n1"))
+            with pytest.raises(SchedulerError) as caught:
+                await client.schedule(**call)  # type: ignore[arg-type]
+            assert caught.value.code == code
+            assert text in caught.value.details
+
+    asyncio.run(body())
+
+
+def test_no_nodes_and_bad_ids(redis_server: RedisServer, prefix: str) -> None:
+    async def body() -> None:
+        async with scheduler(redis_server.url, prefix) as (_, client):
+            with pytest.raises(SchedulerError) as caught:
+                await client.schedule(template_id="base")
+            assert caught.value.code == grpc.StatusCode.UNAVAILABLE
+            assert "no nodes are registered" in caught.value.details
+            for call, text in [
+                (client.lookup(""), "sandbox_id is required"),
+                (client.lookup("a b"), "is not an id"),
+                (client.release("x" * 200), "is not an id"),
+                (client.record_assignment("sbx", "ghost"), "unknown node 'ghost'"),
+                (client.heartbeat(status("")), "node_id is required"),
+                (client.heartbeat(status("n1", address="nowhere")), "is not host:port"),
+                (client.heartbeat(status("n1", sandboxes=["a", "a"])), "listed twice"),
+            ]:
+                with pytest.raises(SchedulerError) as caught:
+                    await call
+                assert text in caught.value.details, caught.value
+
+    asyncio.run(body())
