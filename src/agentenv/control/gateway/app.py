@@ -757,7 +757,10 @@ class GatewayApp:
 
         async def fetch(node: Node) -> list[Any]:
             answer = await self._get(node, "/nodes")
-            return list(answer.json()) if answer.status_code == 200 else []
+            found = list(answer.json()) if answer.status_code == 200 else []
+            for item in found:  # the scheduler's name of the node, not its host name
+                item.update({"id": node.node_id, "nodeID": node.node_id})
+            return found
 
         up = [n for n in nodes if n.up]
         found = await self._gather(up, fetch)
