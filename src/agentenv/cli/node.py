@@ -57,6 +57,18 @@ def _check_domain(value: str | None) -> str | None:
     "that sandbox port), e.g. localhost:8000. Default: $AENV_DOMAIN, else none.",
 )
 @click.option(
+    "--scheduler",
+    envvar="AENV_SCHEDULER",
+    default=None,
+    help="HOST:PORT of the control plane's scheduler: heartbeats go there every 2 s. "
+    "Default: $AENV_SCHEDULER, else none (a standalone node).",
+)
+@click.option("--node-id", envvar="AENV_NODE_ID", default=None,
+              help="This node's id for the scheduler. Default: the host name.")
+@click.option("--advertise", envvar="AENV_ADVERTISE", default=None,
+              help="HOST:PORT the gateway reaches this node at. Default: --host:--port "
+              "(required when --host is 0.0.0.0 or ::).")
+@click.option(
     "--cluster-secret-file",
     type=click.Path(dir_okay=False, path_type=Path),
     default=None,
@@ -65,13 +77,9 @@ def _check_domain(value: str | None) -> str | None:
 )
 @click.option("--log-level", default="info", show_default=True)
 def serve_command(
-    state_dir: Path,
-    host: str,
-    port: int,
-    backend: str,
-    domain: str | None,
-    cluster_secret_file: Path | None,
-    log_level: str,
+    state_dir: Path, host: str, port: int, backend: str, domain: str | None,
+    scheduler: str | None, node_id: str | None, advertise: str | None,
+    cluster_secret_file: Path | None, log_level: str
 ) -> None:
     """Run the node server: E2B-compatible API and sandbox proxy on one port."""
     from agentenv import logs
@@ -85,6 +93,17 @@ def serve_command(
     from agentenv.node.server import ServeOptions, serve
 
     logs.setup(log_level)
+    if scheduler and not advertise and host in ("0.0.0.0", "::", ""):
+        raise click.UsageError(
+            f"--host {host} is no address the gateway can reach: give --advertise HOST:PORT"
+        )
+    if advertise and not re.fullmatch(r"(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9._-]+):\d{1,5}", advertise):
+        raise click.BadParameter(f"{advertise!r} is not HOST:PORT", param_hint="--advertise")
+    if node_id and not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,127}", node_id):
+        raise click.BadParameter(
+            f"{node_id!r}: letters, digits, '.', '_', ':', '-' (at most 128)",
+            param_hint="--node-id",
+        )
     secure_state_dir(state_dir)
     load_api_key(state_dir)
     if not os.environ.get("AENV_API_KEY"):
@@ -97,6 +116,9 @@ def serve_command(
             backend=backend,
             config=NodeConfig(domain=domain),
             cluster_secret=load_cluster_secret(cluster_secret_file),
+            scheduler=scheduler or None,
+            node_id=node_id or "",
+            advertise=advertise or "",
         )
     )
 

@@ -36,12 +36,15 @@ from agentenv.errors import AgentEnvError
               help="Accept heartbeats from nodes no discovery source listed.")
 @click.option("--min-disk-free-mib", type=click.IntRange(0), default=512, show_default=True,
               help="Never place on a node with less free disk.")
+@click.option("--reconcile-grace", type=click.FloatRange(0, 600), default=5.0, show_default=True,
+              help="Seconds a new binding is safe from a heartbeat that does not list it yet "
+              "(and a released one from a heartbeat that still does).")
 @click.option("--log-level", default="info", show_default=True)
 def scheduler_command(
     listen: str, redis_url: str, redis_prefix: str, strategy: str,
     static_nodes: tuple[str, ...], nodes_file: Path | None, k8s_service: str | None,
     heartbeat_interval: float, missed_heartbeats: int, self_registration: bool,
-    min_disk_free_mib: int, log_level: str,
+    min_disk_free_mib: int, reconcile_grace: float, log_level: str,
 ) -> None:
     """Run the scheduler: placement, the sandbox -> node bindings, node heartbeats."""
     from agentenv import logs
@@ -61,6 +64,7 @@ def scheduler_command(
             missed_heartbeats=missed_heartbeats,
             self_registration=self_registration,
             min_disk_free_mib=min_disk_free_mib,
+            reconcile_grace_s=reconcile_grace,
         ),
         static_nodes=list(static_nodes),
         nodes_file=nodes_file,

@@ -43,6 +43,10 @@ class ServeOptions:
     graceful_seconds: float = 5.0
     #: set when the node is part of a cluster: it then serves only its gateway
     cluster_secret: str | None = None
+    # The control plane (node/heartbeat.py): heartbeats go to this scheduler when set.
+    scheduler: str | None = None
+    node_id: str = ""
+    advertise: str = ""  # host:port the gateway reaches this node's API at
 
 
 def make_backend(name: str, state_dir: Path) -> SandboxBackend:
@@ -112,6 +116,27 @@ def check_port_free(host: str, port: int) -> None:
             raise AgentEnvError(f"cannot listen on {host}:{port}: {exc.strerror}") from exc
 
 
+async def _serve_with_heartbeat(
+    server: uvicorn.Server, app: NodeApp, options: ServeOptions
+) -> None:
+    sender = None
+    if options.scheduler:
+        from agentenv.node.heartbeat import HeartbeatSender
+
+        sender = HeartbeatSender(
+            app.orchestrator, options.state_dir, options.scheduler,
+            node_id=options.node_id or socket.gethostname(),
+            advertise=options.advertise or f"{options.host}:{options.port}",
+            ready=lambda: server.started,
+        )
+        sender.start()
+    try:
+        await server.serve()
+    finally:
+        if sender is not None:
+            await sender.stop()
+
+
 def serve(options: ServeOptions) -> None:
     """Run the node until SIGTERM/SIGINT."""
     lock_state_dir(options.state_dir)
@@ -139,7 +164,7 @@ def serve(options: ServeOptions) -> None:
         "node starting",
         extra={"host": options.host, "port": options.port, "state_dir": str(options.state_dir)},
     )
-    asyncio.run(server.serve())
+    asyncio.run(_serve_with_heartbeat(server, app, options))
     if not server.started:
         raise AgentEnvError(
             f"node server did not start on {options.host}:{options.port} (see the log above)"

@@ -1,0 +1,82 @@
+"""The node's heartbeat sender (node/heartbeat.py) against a real scheduler process: a
+process-backend node registers, its sandboxes are bound by reconciliation and unbound when
+killed, and it is down once it stops heartbeating."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from agentenv.control.scheduler.client import SchedulerClient
+from tests.control.conftest import RedisServer, SchedulerProcess
+from tests.node.conftest import NodeProcess
+
+
+def call(address: str, method: str, *args: Any) -> Any:
+    async def once() -> Any:
+        async with SchedulerClient(address) as client:
+            return await getattr(client, method)(*args)
+
+    return asyncio.run(once())
+
+
+def wait_for(what: str, probe: Callable[[], Any], timeout: float = 20) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = probe()
+        if value:
+            return value
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+@pytest.fixture
+def sched(redis_server: RedisServer, prefix: str, tmp_path: Path) -> Iterator[SchedulerProcess]:
+    proc = SchedulerProcess(redis_server.url, prefix, tmp_path / "scheduler.log",
+                            "--heartbeat-interval", "0.3", "--reconcile-grace", "0.5")
+    proc.start()
+    yield proc
+    proc.stop()
+
+
+def test_node_heartbeats_register_and_reconcile(sched: SchedulerProcess, tmp_path: Path) -> None:
+    node = NodeProcess(
+        tmp_path / "state", tmp_path / "node.log",
+        extra_args=("--backend", "process", "--scheduler", sched.address, "--node-id", "node-a"),
+    )
+    try:
+        node.start()
+        nodes = wait_for("node-a to register", lambda: [
+            n for n in call(sched.address, "list_nodes") if n.node_id == "node-a" and n.up])
+        info = nodes[0]
+        assert info.address == f"127.0.0.1:{node.port}"
+        assert "base" in info.status.templates
+        assert info.status.cpu_total > 0 and info.status.memory_total_mib > 0
+        assert info.status.disk_free_bytes > 0
+
+        with node.client() as api:
+            created = api.post("/sandboxes", json={"templateID": "base", "timeout": 60})
+            assert created.status_code == 201, created.text
+            sandbox_id = created.json()["sandboxID"]
+            # Created on the node directly (no gateway): the heartbeat's list adds the binding.
+            where = wait_for("the binding", lambda: call(sched.address, "lookup", sandbox_id))
+            assert (where.node_id, where.node_up) == ("node-a", True)
+            assert where.node_address == info.address
+            counted = wait_for("the running count", lambda: [
+                n for n in call(sched.address, "list_nodes") if n.status.running == 1])
+            assert counted[0].status.cpu_free < info.status.cpu_free
+            assert api.delete(f"/sandboxes/{sandbox_id}").status_code == 204
+        wait_for("the binding to go", lambda: call(sched.address, "lookup", sandbox_id) is None)
+
+        node.stop()
+        down = wait_for("node-a to be down", lambda: [
+            n for n in call(sched.address, "list_nodes") if n.node_id == "node-a" and not n.up],
+            timeout=10)
+        assert down[0].down_reason.startswith("no heartbeat for")
+    finally:
+        node.cleanup()
