@@ -214,8 +214,9 @@ class NodeApp:
                 await send_json(send, 400, {"code": 400, "message": problem})
             self.metrics.requests.labels("api", scope.get("method", "WEBSOCKET"), "400").inc()
             return
+        route = self.proxy.route(scope)
         from_gateway = False
-        if self.cluster_secret is not None and scope["path"] != "/health":
+        if self.cluster_secret is not None and (route is not None or scope["path"] != "/health"):
             given = [v for n, v in scope["headers"] if n == CLUSTER_SECRET_HEADER]
             if len(given) != 1 or not same_secret(given[0].decode("latin-1"), self.cluster_secret):
                 if scope["type"] == "websocket":
@@ -226,7 +227,6 @@ class NodeApp:
                 self.metrics.requests.labels("api", scope.get("method", "WEBSOCKET"), "403").inc()
                 return
             from_gateway = True
-        route = self.proxy.route(scope)
         if scope["type"] == "websocket":
             if route is None:  # the control plane has no WebSocket routes
                 await send({"type": "websocket.close", "code": 1008})

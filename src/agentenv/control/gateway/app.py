@@ -220,6 +220,10 @@ class GatewayApp:
             await send_json(send, 503, {"code": 503, "message": str(exc)})
         except NoPlacement as exc:
             await send_json(send, 503, {"code": 503, "message": f"no node available: {exc}"})
+        except Exception as exc:
+            log.error("unexpected error", exc_info=exc, extra={"path": scope["path"]})
+            await send_json(send, 500, {"code": 500,
+                                        "message": f"internal error: {type(exc).__name__}"})
 
     async def _lifespan(self, receive: Any, send: Send) -> None:
         while True:

@@ -59,12 +59,20 @@ def _translated(exc: SchedulerError) -> Exception:
 class SchedulerLink:
     def __init__(self, address: str) -> None:
         self.address = address
-        self.client = SchedulerClient(address)
+        self._client: SchedulerClient | None = None
         self._cache: dict[str, tuple[float, Binding | None]] = {}
         self._nodes: tuple[float, list[Node]] = (0.0, [])
 
+    @property
+    def client(self) -> SchedulerClient:
+        # made on first use: a grpc.aio channel belongs to the event loop it was made in
+        if self._client is None:
+            self._client = SchedulerClient(self.address)
+        return self._client
+
     async def close(self) -> None:
-        await self.client.close()
+        if self._client is not None:
+            await self._client.close()
 
     async def schedule(self, *, template: str = "", snapshot: str = "", team: str = "",
                        source: str = "") -> Node:
