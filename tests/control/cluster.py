@@ -61,7 +61,7 @@ class GatewayProcess:
 
 class LocalCluster:
     def __init__(self, root: Path, nodes: int = 3, vm_nodes: int = 0,
-                 heartbeat: float = 0.5, strategy: str = "least-loaded") -> None:
+                 heartbeat: float = 1.0, strategy: str = "least-loaded") -> None:
         self.root = root
         root.mkdir(parents=True, exist_ok=True)
         self.redis = RedisServer(root)

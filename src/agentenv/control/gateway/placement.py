@@ -3,8 +3,9 @@ create, which node holds a sandbox.
 
 Lookups are cached for a moment (`LOOKUP_TTL`): a proxied request should not pay a gRPC round
 trip each time. A cached entry is dropped when the node it names does not answer, and it is only
-a cache: the binding table is the scheduler's (in Redis), so gateways stay stateless. The node
-list is cached the same way (`NODES_TTL`).
+a cache: the binding table is the scheduler's (in Redis), so gateways stay stateless. While the
+scheduler cannot be reached (restarting after kill -9), bindings seen in the last `STALE_TTL`
+seconds keep routing. The node list is cached the same way (`NODES_TTL`).
 """
 
 from __future__ import annotations
@@ -17,6 +18,9 @@ import grpc
 from agentenv.control.scheduler.client import SchedulerClient, SchedulerError
 
 LOOKUP_TTL = 1.0
+#: while the scheduler is unreachable, a binding seen this recently still routes (a sandbox
+#: does not move without the gateway: create, fork and kill all go through it)
+STALE_TTL = 600.0
 NODES_TTL = 0.5
 
 
@@ -60,7 +64,7 @@ class SchedulerLink:
     def __init__(self, address: str) -> None:
         self.address = address
         self._client: SchedulerClient | None = None
-        self._cache: dict[str, tuple[float, Binding | None]] = {}
+        self._cache: dict[str, tuple[float, Binding]] = {}
         self._nodes: tuple[float, list[Node]] = (0.0, [])
 
     @property
@@ -105,6 +109,8 @@ class SchedulerLink:
         try:
             where = await self.client.lookup(sandbox_id)
         except SchedulerError as exc:
+            if exc.unavailable and cached is not None and cached[0] + STALE_TTL > now:
+                return cached[1]
             raise _translated(exc) from exc
         found = None
         if where is not None:
@@ -115,6 +121,8 @@ class SchedulerLink:
         # a miss is not cached: a sandbox created through another gateway is routable at once
         if found is not None:
             self._cache[sandbox_id] = (now + LOOKUP_TTL, found)
+        else:
+            self._cache.pop(sandbox_id, None)
         return found
 
     def forget(self, sandbox_id: str) -> None:
