@@ -1,0 +1,186 @@
+"""The gateway's suite of bench/cluster_bench.py (`--suite gateway`).
+
+A local cluster (tests/control/cluster.py: redis-server, `aenv scheduler`, one process-backend
+node, `aenv gateway`); every figure is measured through the gateway and, side by side in the
+same run (interleaved), directly against the node that holds the sandbox (with the cluster
+secret), which is the baseline:
+
+- proxied_run_true_p50_ms: `commands.run("true")` by the official SDK (a Connect stream to envd).
+- download_16mib_mib_s: `files.read` of a 16 MiB file (best of N), and the ratio to direct.
+- create_p50_ms: POST /v2/sandboxes (then a kill, not timed).
+- streams_held: STREAMS concurrent streaming responses from a server in the sandbox (a user
+  port), all held open at once through the one gateway, each read to its end.
+
+Goals (issue 14): +<= 3 ms p50 per proxied request, +<= 10 ms per create, >= 0.8 of direct
+download throughput, 1,000 concurrent streams.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import resource
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+STREAMS = 1000
+STREAM_PORT = 8765
+#: a server in the sandbox: each request gets a chunk now and its last one HOLD s later
+STREAM_SERVER = r"""
+import asyncio, sys
+HOLD = float(sys.argv[1])
+async def serve(reader, writer):
+    try:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/plain\r\n"
+                     b"transfer-encoding: chunked\r\n\r\n6\r\nstart\n\r\n")
+        await writer.drain()
+        await asyncio.sleep(HOLD)
+        writer.write(b"4\r\nend\n\r\n0\r\n\r\n")
+        await writer.drain()
+    finally:
+        writer.close()
+async def main():
+    server = await asyncio.start_server(serve, "0.0.0.0", PORT, backlog=4096)
+    async with server:
+        await server.serve_forever()
+asyncio.run(main())
+""".replace("PORT", str(STREAM_PORT))
+
+
+def _p50(samples: list[float]) -> float:
+    return statistics.median(samples)
+
+
+def gateway_suite(args: argparse.Namespace, work: Path, procs: Any,
+                  emit: Callable[..., None]) -> None:
+    from e2b import Sandbox
+    from tests.control.cluster import LocalCluster
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, min(hard, 65536)), hard))
+    os.environ["AENV_PROXY_MAX_CONNECTIONS"] = str(STREAMS * 2)  # the node's per-sandbox cap
+    cluster = LocalCluster(work / "cluster", nodes=1)
+    try:
+        cluster.start()
+        key = cluster.team("bench")
+        node = cluster.nodes[0]
+        secret = {"x-agentenv-cluster-secret": cluster.secret}
+        print(f'{{"suite": "gateway", "load_avg_1m": {os.getloadavg()[0]:.2f}, '
+              f'"cpus": {os.cpu_count()}}}', flush=True)
+        via = {"api_key": key, "api_url": cluster.url, "sandbox_url": cluster.url}
+        sbx = Sandbox.create(template="base", timeout=900, **via)
+        direct = Sandbox.connect(sbx.sandbox_id, api_key=key, api_url=cluster.url,
+                                 sandbox_url=node.url, headers=secret)
+        # proxied request p50, interleaved
+        rounds = 60 if args.quick else 300
+        gw_ms: list[float] = []
+        node_ms: list[float] = []
+        for _ in range(10):
+            sbx.commands.run("true")
+            direct.commands.run("true")
+        for _ in range(rounds):
+            for target, samples in ((sbx, gw_ms), (direct, node_ms)):
+                began = time.perf_counter()
+                target.commands.run("true")
+                samples.append((time.perf_counter() - began) * 1000)
+        added = _p50(gw_ms) - _p50(node_ms)
+        emit("proxied_run_true_p50_ms", _p50(gw_ms), "ms", "direct to node p50", _p50(node_ms),
+             added_ms=round(added, 2), goal="+<=3 ms", goal_met=added <= 3.0, samples=rounds)
+
+        # 16 MiB download, best of N each way, interleaved
+        sbx.files.write("/tmp/16m", os.urandom(16 << 20))
+        reps = 3 if args.quick else 7
+        gw_s, node_s = [], []
+        for _ in range(reps):
+            for target, samples in ((sbx, gw_s), (direct, node_s)):
+                began = time.perf_counter()
+                data = target.files.read("/tmp/16m", format="bytes")
+                samples.append(time.perf_counter() - began)
+                assert len(data) == 16 << 20
+        gw_rate, node_rate = 16 / min(gw_s), 16 / min(node_s)
+        emit("download_16mib_mib_s", gw_rate, "MiB/s", "direct to node MiB/s", node_rate,
+             goal=">=0.8 of direct", goal_met=gw_rate >= 0.8 * node_rate, reps=reps)
+
+        # create p50, interleaved; the kill is not timed
+        creates = 8 if args.quick else 30
+        gw_c, node_c = [], []
+        body = {"templateID": "base", "timeout": 60}
+        with httpx.Client(timeout=120) as http:
+            for _ in range(creates):
+                began = time.perf_counter()
+                made = http.post(cluster.url + "/v2/sandboxes", json=body,
+                                 headers={"X-API-KEY": key})
+                gw_c.append((time.perf_counter() - began) * 1000)
+                assert made.status_code == 201, made.text
+                http.delete(f"{cluster.url}/sandboxes/{made.json()['sandboxID']}",
+                            headers={"X-API-KEY": key})
+                began = time.perf_counter()
+                made = http.post(node.url + "/v2/sandboxes", json=body, headers=secret)
+                node_c.append((time.perf_counter() - began) * 1000)
+                assert made.status_code == 201, made.text
+                http.delete(f"{node.url}/sandboxes/{made.json()['sandboxID']}", headers=secret)
+        added = _p50(gw_c) - _p50(node_c)
+        emit("create_p50_ms", _p50(gw_c), "ms", "direct to node p50", _p50(node_c),
+             added_ms=round(added, 2), goal="+<=10 ms", goal_met=added <= 10.0,
+             samples=creates)
+
+        # concurrent streams held through the gateway
+        hold = 20.0 if args.quick else 40.0
+        sbx.files.write("/tmp/streams.py", STREAM_SERVER)
+        sbx.commands.run(f"python3 /tmp/streams.py {hold}", background=True)
+        time.sleep(1.0)
+        info = httpx.post(f"{cluster.url}/sandboxes/{sbx.sandbox_id}/connect",
+                          json={"timeout": 900}, headers={"X-API-KEY": key}, timeout=60).json()
+        headers = {"E2b-Sandbox-Id": sbx.sandbox_id, "E2b-Sandbox-Port": str(STREAM_PORT)}
+        if info.get("trafficAccessToken"):
+            headers["E2b-Traffic-Access-Token"] = info["trafficAccessToken"]
+        held, opened_s, finished = asyncio.run(_streams(cluster.url, headers, STREAMS))
+        emit("streams_held", held, "streams", "streams asked for", STREAMS,
+             open_all_s=round(opened_s, 2), finished=finished, hold_s=hold,
+             goal=STREAMS, goal_met=held == STREAMS and finished == STREAMS)
+        sbx.kill()
+    finally:
+        cluster.stop()
+
+
+async def _streams(url: str, headers: dict[str, str], count: int) -> tuple[int, float, int]:
+    """Open `count` streams at once; returns (most streams open at the same time, seconds until
+    that many were, how many were read to their end)."""
+    open_now = 0
+    most = 0
+    most_at = 0.0
+    began = time.perf_counter()
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=0)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(120, connect=60), limits=limits,
+                                 trust_env=False) as client:
+
+        async def one() -> bool:
+            nonlocal open_now, most, most_at
+            async with client.stream("GET", url + "/", headers=headers) as response:
+                chunks = response.aiter_raw()
+                first = await chunks.__anext__()
+                if response.status_code != 200 or not first.startswith(b"start"):
+                    return False
+                open_now += 1
+                if open_now > most:
+                    most, most_at = open_now, time.perf_counter() - began
+                try:
+                    rest = b"".join([c async for c in chunks])
+                finally:
+                    open_now -= 1
+                return rest.endswith(b"end\n")
+
+        results = await asyncio.gather(*(one() for _ in range(count)), return_exceptions=True)
+    return most, most_at, sum(r is True for r in results)
