@@ -13,7 +13,7 @@ import httpx
 import pytest
 from e2b import Sandbox, SandboxNotFoundException, SandboxQuery, SandboxState
 
-from tests.control.cluster import LocalCluster
+from tests.control.cluster import GatewayProcess, LocalCluster
 from tests.node.conftest import environ_set
 
 pytestmark = pytest.mark.timeout(300)
@@ -21,7 +21,8 @@ pytestmark = pytest.mark.timeout(300)
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
-    made = LocalCluster(tmp_path_factory.mktemp("cluster"), nodes=3)
+    made = LocalCluster(tmp_path_factory.mktemp("cluster"), nodes=3,
+                        node_env={"AENV_NODE_VCPUS": "64", "AENV_MEMORY_BUDGET_MB": "100000"})
     try:
         made.start()
         made.team("alpha")
@@ -178,6 +179,28 @@ def test_nodes_serve_only_the_gateway(cluster: LocalCluster) -> None:
         proxied = httpx.get(node.url + "/health", timeout=10,
                             headers={**headers, "E2b-Sandbox-Id": "whatever"})
         assert proxied.status_code == 403
+
+
+def test_two_gateways_serve_one_cluster(cluster: LocalCluster) -> None:
+    second = GatewayProcess(cluster.scheduler.address, cluster.redis.url, cluster.secret_file,
+                            cluster.root / "gateway2.log")
+    second.start()
+    try:
+        key = cluster.keys["alpha"]
+        sbx = Sandbox.create(template="base", timeout=120, api_key=key, api_url=cluster.url,
+                             sandbox_url=cluster.url)
+        try:
+            other = Sandbox.connect(sbx.sandbox_id, api_key=key, api_url=second.url,
+                                    sandbox_url=second.url)
+            assert other.commands.run("echo via-second").stdout == "via-second\n"
+            listed = httpx.get(f"{second.url}/v2/sandboxes", headers={"X-API-KEY": key},
+                               timeout=30).json()
+            assert sbx.sandbox_id in [s["sandboxID"] for s in listed]
+        finally:
+            assert httpx.delete(f"{second.url}/sandboxes/{sbx.sandbox_id}", timeout=60,
+                                headers={"X-API-KEY": key}).status_code == 204
+    finally:
+        second.stop()
 
 
 def test_scheduler_kill9_keeps_sandboxes_routable(sdk: LocalCluster) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +22,9 @@ def _check_domain(ctx: Any, param: Any, value: str | None) -> str | None:
 @click.command("gateway")
 @click.option("--host", default="0.0.0.0", show_default=True, help="Address to listen on.")
 @click.option("--port", type=int, default=8080, show_default=True)
+@click.option("--listen", default=None, metavar="HOST:PORT",
+              help="Address and port in one (as `aenv scheduler --listen`); overrides "
+              "--host/--port.")
 @click.option("--scheduler", "scheduler", default="127.0.0.1:9090", show_default=True,
               envvar="AENV_SCHEDULER", help="host:port of `aenv scheduler` (gRPC).")
 @click.option("--redis", "redis_url", default=DEFAULT_REDIS, show_default=True,
@@ -33,7 +37,7 @@ def _check_domain(ctx: Any, param: Any, value: str | None) -> str | None:
               help="Sandbox domain given to SDKs ({port}-{id}.DOMAIN reaches that sandbox port "
               "through the gateway), e.g. localhost:8080.")
 @click.option("--log-level", default="info", show_default=True)
-def gateway_command(host: str, port: int, scheduler: str, redis_url: str,
+def gateway_command(host: str, port: int, listen: str | None, scheduler: str, redis_url: str,
                     cluster_secret_file: Path | None, domain: str | None,
                     log_level: str) -> None:
     """Run the gateway: the E2B API of a whole cluster, and its sandbox traffic."""
@@ -41,6 +45,11 @@ def gateway_command(host: str, port: int, scheduler: str, redis_url: str,
     from agentenv.control.gateway.server import GatewayOptions, serve
 
     logs.setup(log_level)
+    if listen is not None:
+        found = re.fullmatch(r"\[?([0-9A-Za-z.:_-]+?)\]?:(\d{1,5})", listen)
+        if not found:
+            raise click.BadParameter(f"{listen!r} is not HOST:PORT", param_hint="--listen")
+        host, port = found.group(1), int(found.group(2))
     serve(GatewayOptions(host=host, port=port, scheduler=scheduler, redis=redis_url,
                          cluster_secret_file=cluster_secret_file, domain=domain))
 

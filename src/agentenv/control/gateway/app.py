@@ -29,6 +29,7 @@ from starlette.requests import Request
 
 from agentenv import __version__
 from agentenv.control.gateway.placement import (
+    BadPlacementRequest,
     Binding,
     Node,
     NoPlacement,
@@ -220,6 +221,8 @@ class GatewayApp:
             await send_json(send, 503, {"code": 503, "message": str(exc)})
         except NoPlacement as exc:
             await send_json(send, 503, {"code": 503, "message": f"no node available: {exc}"})
+        except BadPlacementRequest as exc:
+            await send_json(send, 400, {"code": 400, "message": str(exc)})
         except Exception as exc:
             log.error("unexpected error", exc_info=exc, extra={"path": scope["path"]})
             await send_json(send, 500, {"code": 500,
@@ -661,8 +664,12 @@ class GatewayApp:
         owned = await self.store.owned("template", name, team) if name else None
         if owned is not None and owned.team == team:
             node = await self._node_by_id(owned.node)  # a rebuild: where the template is
-        else:
+        elif name:
             node = await self.scheduler.schedule(template=name, team=team)
+        else:  # the node names what is wrong with the body
+            node = (await self._up_nodes() or [None])[0]
+            if node is None:
+                raise NoPlacement("no node is up")
         answer = await self._call(node, request, raw)
         if answer.status_code in (200, 201, 202):
             built = answer.json()

@@ -10,6 +10,7 @@ seconds keep routing. The node list is cached the same way (`NODES_TTL`).
 
 from __future__ import annotations
 
+import asyncio
 import time
 from dataclasses import dataclass
 
@@ -22,6 +23,7 @@ LOOKUP_TTL = 1.0
 #: does not move without the gateway: create, fork and kill all go through it)
 STALE_TTL = 600.0
 NODES_TTL = 0.5
+RECONNECT_S = 0.5
 
 
 class SchedulerUnavailable(Exception):
@@ -30,6 +32,10 @@ class SchedulerUnavailable(Exception):
 
 class NoPlacement(Exception):
     """The scheduler answered but found no node (every node full or down): 503 with its reason."""
+
+
+class BadPlacementRequest(Exception):
+    """The scheduler refused the request as invalid (400 with its reason)."""
 
 
 @dataclass(frozen=True)
@@ -51,11 +57,12 @@ class Binding:
 
 
 def _translated(exc: SchedulerError) -> Exception:
+    if exc.code == grpc.StatusCode.INVALID_ARGUMENT:
+        return BadPlacementRequest(exc.details or str(exc))
     if exc.unavailable and "no node" not in exc.details.lower():
         return SchedulerUnavailable(str(exc))
     if exc.code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED,
-                    grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION,
-                    grpc.StatusCode.INVALID_ARGUMENT):
+                    grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION):
         return NoPlacement(exc.details or str(exc))
     return SchedulerUnavailable(str(exc))
 
@@ -66,6 +73,8 @@ class SchedulerLink:
         self._client: SchedulerClient | None = None
         self._cache: dict[str, tuple[float, Binding]] = {}
         self._nodes: tuple[float, list[Node]] = (0.0, [])
+        self._reconnected = 0.0
+        self._closing: set[asyncio.Task[None]] = set()
 
     @property
     def client(self) -> SchedulerClient:
@@ -73,6 +82,19 @@ class SchedulerLink:
         if self._client is None:
             self._client = SchedulerClient(self.address)
         return self._client
+
+    def _reconnect_later(self, exc: SchedulerError) -> None:
+        """After a failed connection, gRPC waits longer and longer (up to minutes) before it
+        tries again: a scheduler back from a restart would stay unreachable. A new channel
+        connects at once; at most one new channel every RECONNECT_S."""
+        now = time.monotonic()
+        if not exc.unavailable or self._client is None or now - self._reconnected < RECONNECT_S:
+            return
+        self._reconnected = now
+        old, self._client = self._client, None
+        task = asyncio.get_running_loop().create_task(old.close())
+        self._closing.add(task)
+        task.add_done_callback(self._closing.discard)
 
     async def close(self) -> None:
         if self._client is not None:
@@ -84,6 +106,7 @@ class SchedulerLink:
             placed = await self.client.schedule(template_id=template, snapshot_id=snapshot,
                                                 team_id=team, source_sandbox_id=source)
         except SchedulerError as exc:
+            self._reconnect_later(exc)
             raise _translated(exc) from exc
         return Node(placed.node_id, placed.node_address)
 
@@ -91,6 +114,7 @@ class SchedulerLink:
         try:
             await self.client.record_assignment(sandbox_id, node.node_id, team_id=team)
         except SchedulerError as exc:
+            self._reconnect_later(exc)
             raise _translated(exc) from exc
         self._cache[sandbox_id] = (time.monotonic() + LOOKUP_TTL, Binding(sandbox_id, node, team))
 
@@ -99,6 +123,7 @@ class SchedulerLink:
         try:
             await self.client.release(sandbox_id)
         except SchedulerError as exc:
+            self._reconnect_later(exc)
             raise _translated(exc) from exc
 
     async def lookup(self, sandbox_id: str) -> Binding | None:
@@ -109,6 +134,7 @@ class SchedulerLink:
         try:
             where = await self.client.lookup(sandbox_id)
         except SchedulerError as exc:
+            self._reconnect_later(exc)
             if exc.unavailable and cached is not None and cached[0] + STALE_TTL > now:
                 return cached[1]
             raise _translated(exc) from exc
@@ -135,6 +161,7 @@ class SchedulerLink:
         try:
             listed = await self.client.list_nodes()
         except SchedulerError as exc:
+            self._reconnect_later(exc)
             raise _translated(exc) from exc
         nodes = [Node(n.node_id, n.address, n.up) for n in listed]
         self._nodes = (now + NODES_TTL, nodes)

@@ -54,7 +54,7 @@ class GatewayStore:
     def __init__(self, url: str) -> None:
         self.url = url
         self.redis = aioredis.Redis.from_url(
-            url, decode_responses=True, socket_connect_timeout=2, socket_timeout=5
+            url, decode_responses=True, socket_connect_timeout=5, socket_timeout=20
         )
 
     async def close(self) -> None:
