@@ -115,8 +115,10 @@ class Discovery:
         static: Iterable[str] = (),
         nodes_file: Path | None = None,
         k8s_service: str | None = None,
+        service_account: Path | None = None,
     ) -> None:
         self.registry = registry
+        self.service_account = service_account
         self.static = parse_entries(static, "--nodes")
         self.nodes_file = nodes_file
         self.k8s = parse_service(k8s_service) if k8s_service else None
@@ -183,7 +185,13 @@ class Discovery:
         delay = 1.0
         while True:
             try:
-                client = AsyncClient(KubeConfig.from_env(), namespace=namespace)
+                config = (
+                    KubeConfig.from_env(service_account=self.service_account)
+                    if self.service_account
+                    else KubeConfig.from_env()
+                )
+                # No proxy from the environment: the API server is reached directly.
+                client = AsyncClient(config, namespace=namespace, trust_env=False)
                 # List first (a full picture, slices gone while away are dropped), then watch.
                 listed = [s.to_dict() async for s in client.list(EndpointSlice, labels=labels)]
                 self.slices = {s["metadata"]["name"]: s for s in listed}

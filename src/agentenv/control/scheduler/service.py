@@ -211,7 +211,9 @@ class SchedulerService:
             if not candidates:
                 what = f"holding snapshot {req.snapshot_id!r} " if req.snapshot_id else ""
                 raise PlacementError(
-                    grpc.StatusCode.UNAVAILABLE, f"no node {what}is up: {describe(down)}"
+                    grpc.StatusCode.UNAVAILABLE,
+                    f"no node {what}is up: "
+                    + describe({n: f"down ({w})" for n, w in down.items()}),
                 )
             view, reason = self.placer.choose(
                 strategy, req, candidates, down, self.template_layers

@@ -1,0 +1,135 @@
+"""Every placement strategy, through the scheduler's RPCs (real Redis)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+
+import grpc
+import pytest
+
+from agentenv.control.scheduler.client import SchedulerError
+from tests.control.conftest import RedisServer
+from tests.control.helpers import scheduler, status
+
+
+def test_round_robin_cycles_over_fitting_nodes(redis_server: RedisServer, prefix: str) -> None:
+    async def body() -> None:
+        async with scheduler(redis_server.url, prefix, strategy="round-robin") as (_, client):
+            for name in ("a", "b", "c"):
+                await client.heartbeat(status(name))
+            await client.heartbeat(status("full", cpu_free=0))
+            chosen = [(await client.schedule(template_id="base")).node_id for _ in range(6)]
+            assert chosen == ["a", "b", "c", "a", "b", "c"]
+
+    asyncio.run(body())
+
+
+def test_random_spreads(redis_server: RedisServer, prefix: str) -> None:
+    async def body() -> None:
+        async with scheduler(redis_server.url, prefix, strategy="random") as (_, client):
+            for name in ("a", "b", "c"):
+                await client.heartbeat(status(name, cpu=1000, mem=1 << 20))
+            counts = Counter(
+                [(await client.schedule(template_id="base")).node_id for _ in range(150)]
+            )
+            assert set(counts) == {"a", "b", "c"}
+            assert min(counts.values()) > 20, counts  # P(false failure) is astronomically small
+
+    asyncio.run(body())
+
+
+def test_least_loaded_counts_placements_between_heartbeats(
+    redis_server: RedisServer, prefix: str
+) -> None:
+    async def body() -> None:
+        async with scheduler(redis_server.url, prefix, strategy="least-loaded") as (_, client):
+            await client.heartbeat(status("busy", cpu=16, cpu_free=4))
+            await client.heartbeat(status("idle", cpu=16))
+            first = await client.schedule(template_id="base", vcpus=4, memory_mib=512)
+            assert (first.node_id, first.reason) == ("idle", "least-loaded")
+            # Placed but not yet in a heartbeat: idle fills until it is as loaded as busy
+            # (12 of 16 vCPUs used), then they alternate.
+            chosen = [(await client.schedule(template_id="base", vcpus=4)).node_id
+                      for _ in range(3)]
+            assert chosen == ["idle", "idle", "busy"]
+            # Recording keeps the count (until the node's own heartbeat lists the sandbox).
+            await client.record_assignment("s1", "idle", vcpus=4, memory_mib=512)
+            # busy: 0 free now; idle: 4 free (16 - 3 pending x 4) -> 4 more fit on idle only
+            assert (await client.schedule(template_id="base", vcpus=4)).node_id == "idle"
+            with pytest.raises(SchedulerError) as caught:
+                await client.schedule(template_id="base", vcpus=4)
+            assert caught.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "busy: 0 free vCPUs < 4" in caught.value.details
+            assert "idle: 0 free vCPUs < 4" in caught.value.details
+
+    asyncio.run(body())
+
+
+def test_cache_aware_prefers_template_then_layers_then_load(
+    redis_server: RedisServer, prefix: str
+) -> None:
+    async def body() -> None:
+        async with scheduler(redis_server.url, prefix) as (_, client):
+            layers = ["sha256:l1", "sha256:l2", "sha256:l3", "sha256:l4"]
+            await client.heartbeat(status("holder", cpu=16, cpu_free=2, templates=["py"],
+                                          template_layers={"py": layers}, layers=layers))
+            await client.heartbeat(status("half", cpu=16, cpu_free=8, layers=layers[:2]))
+            await client.heartbeat(status("quarter", cpu=16, layers=layers[:1]))
+            await client.heartbeat(status("empty", cpu=16))
+            first = await client.schedule(template_id="py", vcpus=2)
+            assert (first.node_id, first.reason) == ("holder", "cache: holds the template")
+            # holder is full now (2 vCPUs were free): the most layers wins next, load aside.
+            second = await client.schedule(template_id="py", vcpus=2)
+            assert (second.node_id, second.reason) == ("half", "cache: holds 50% of the layers")
+            # layers given by the caller count as well as learnt ones
+            third = await client.schedule(template_id="other", layers=layers[:1], vcpus=2)
+            assert third.node_id == "quarter"
+            # nothing held anywhere: ties broken by load (empty and quarter idle; by id)
+            fourth = await client.schedule(template_id="unknown", vcpus=2)
+            assert fourth.node_id in ("empty", "quarter")
+            assert fourth.reason.startswith("least-loaded")
+
+    asyncio.run(body())
+
+
+def test_never_a_full_node_by_count_memory_or_disk(redis_server: RedisServer, prefix: str) -> None:
+    async def body() -> None:
+        async with scheduler(redis_server.url, prefix) as (_, client):
+            await client.heartbeat(status("count", templates=["base"], max_sandboxes=1,
+                                          sandboxes=["x"]))
+            await client.heartbeat(status("memory", templates=["base"], mem_free=100))
+            await client.heartbeat(status("disk", templates=["base"], disk_free=10 << 20))
+            with pytest.raises(SchedulerError) as caught:
+                await client.schedule(template_id="base")
+            text = caught.value.details
+            assert "count: full (1 sandboxes)" in text
+            assert "memory: 100 MiB free < 512 MiB" in text
+            assert "disk: 10 MiB disk free < 512 MiB" in text
+            await client.heartbeat(status("ok"))
+            assert (await client.schedule(template_id="base")).node_id == "ok"
+
+    asyncio.run(body())
+
+
+def test_fork_goes_to_source_and_snapshot_to_holder(redis_server: RedisServer, prefix: str) -> None:
+    async def body() -> None:
+        async with scheduler(redis_server.url, prefix, strategy="round-robin") as (_, client):
+            await client.heartbeat(status("a", templates=["base"]))
+            await client.heartbeat(status("b", templates=["base"], snapshots=["snap-1"]))
+            await client.heartbeat(status("c", templates=["base"]))
+            await client.record_assignment("src", "c")
+            for _ in range(4):
+                fork = await client.schedule(source_sandbox_id="src", template_id="base")
+                assert (fork.node_id, fork.reason) == ("c", "fork source")
+            for strategy in ("round-robin", "random", "least-loaded", "cache-aware"):
+                resume = await client.schedule(snapshot_id="snap-1", strategy=strategy)
+                assert resume.node_id == "b", strategy
+            # The source's node full: the fork is refused, not sent elsewhere.
+            await client.heartbeat(status("c", cpu_free=1, sandboxes=["src"]))
+            with pytest.raises(SchedulerError) as caught:
+                await client.schedule(source_sandbox_id="src", vcpus=2)
+            assert caught.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "on node c, which cannot take 2 vCPUs" in caught.value.details
+
+    asyncio.run(body())

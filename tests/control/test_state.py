@@ -1,0 +1,142 @@
+"""Bindings and liveness: reconciliation both ways, down after 3 missed heartbeats and back,
+a scheduler killed with -9 and restarted, Redis killed and restarted (AOF)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+
+from agentenv.control.scheduler.client import SchedulerClient, SchedulerError
+from tests.control.conftest import RedisServer, SchedulerProcess
+from tests.control.helpers import scheduler, status
+
+
+def test_reconciliation_both_ways(redis_server: RedisServer, prefix: str) -> None:
+    async def body() -> None:
+        async with scheduler(redis_server.url, prefix, reconcile_grace_s=0.3) as (_, client):
+            await client.heartbeat(status("n1"))
+            await client.heartbeat(status("n2"))
+            await client.record_assignment("gone", "n1", team_id="t")
+            await client.record_assignment("moved", "n1", team_id="t")
+            await client.record_assignment("released", "n1")
+            await asyncio.sleep(0.4)
+            await client.record_assignment("fresh", "n1")  # younger than the grace
+            await client.release("released")
+            # n1's list predates "fresh" and the release; "gone" ended on the node.
+            await client.heartbeat(
+                status("n1", sandboxes=[("new", "team-b"), "released", "moved"])
+            )
+            assert await client.lookup("gone") is None  # binding without sandbox: dropped
+            new = await client.lookup("new")  # sandbox without binding: added, with its team
+            assert new is not None and (new.node_id, new.team_id) == ("n1", "team-b")
+            assert await client.lookup("fresh") is not None  # within the grace: kept
+            assert await client.lookup("released") is None  # released within the grace
+            # A sandbox another node now reports (older than the grace) moves there.
+            await client.heartbeat(status("n2", sandboxes=["moved"]))
+            moved = await client.lookup("moved")
+            assert moved is not None and (moved.node_id, moved.team_id) == ("n2", "t")
+            await asyncio.sleep(0.4)
+            await client.heartbeat(status("n1", sandboxes=["new"]))
+            assert await client.lookup("fresh") is None  # the grace is over
+            assert (await client.lookup("moved")).node_id == "n2"  # type: ignore[union-attr]
+
+    asyncio.run(body())
+
+
+def test_down_after_three_missed_heartbeats_and_back(
+    redis_server: RedisServer, prefix: str
+) -> None:
+    async def body() -> None:
+        async with scheduler(redis_server.url, prefix, heartbeat_interval_s=0.2) as (_, client):
+            assert await client.heartbeat(status("n1", templates=["base"])) == 0.2
+            await client.record_assignment("s1", "n1")
+            started = time.monotonic()
+            await asyncio.sleep(0.5)  # 2 missed: still up
+            assert (await client.lookup("s1")).node_up  # type: ignore[union-attr]
+            await asyncio.sleep(max(0.0, 0.8 - (time.monotonic() - started)))  # 4 missed
+            where = await client.lookup("s1")
+            assert where is not None and where.node_id == "n1" and not where.node_up
+            nodes = await client.list_nodes()
+            assert not nodes[0].up and nodes[0].down_reason.startswith("no heartbeat for")
+            with pytest.raises(SchedulerError) as caught:
+                await client.schedule(template_id="base")
+            assert caught.value.code == grpc.StatusCode.UNAVAILABLE
+            assert "n1: down (no heartbeat for" in caught.value.details
+            await client.heartbeat(status("n1", templates=["base"], sandboxes=["s1"]))
+            assert (await client.lookup("s1")).node_up  # type: ignore[union-attr]
+            assert (await client.schedule(template_id="base")).node_id == "n1"
+
+    asyncio.run(body())
+
+
+BINDINGS = 300
+
+
+def test_scheduler_kill9_restart_keeps_every_binding(
+    redis_server: RedisServer, prefix: str, tmp_path: Path
+) -> None:
+    sched = SchedulerProcess(redis_server.url, prefix, tmp_path / "scheduler.log",
+                             "--heartbeat-interval", "0.5")
+
+    async def fill() -> None:
+        async with SchedulerClient(sched.address) as client:
+            for n in range(3):
+                await client.heartbeat(status(f"n{n}", templates=["base"]))
+            await asyncio.gather(*(
+                client.record_assignment(f"s{i}", f"n{i % 3}", team_id=f"t{i % 2}")
+                for i in range(BINDINGS)
+            ))
+            for n in range(3):  # just before the kill
+                await client.heartbeat(status(f"n{n}", templates=["base"], sandboxes=[
+                    f"s{i}" for i in range(n, BINDINGS, 3)]))
+
+    async def check() -> None:
+        async with SchedulerClient(sched.address) as client:
+            found = await asyncio.gather(*(client.lookup(f"s{i}") for i in range(BINDINGS)))
+            for i, where in enumerate(found):
+                assert where is not None, f"s{i} lost"
+                assert (where.node_id, where.team_id) == (f"n{i % 3}", f"t{i % 2}")
+                # Away 2.5 s (> 3.5 intervals): the outage is not held against the nodes.
+                assert where.node_up, f"s{i}: node reported down right after the restart"
+            placement = await client.schedule(template_id="base")
+            assert placement.node_id in ("n0", "n1", "n2")
+
+    try:
+        sched.start()
+        asyncio.run(fill())
+        sched.kill9()
+        time.sleep(2.5)
+        sched.start()
+        asyncio.run(check())
+    finally:
+        sched.stop()
+
+
+def test_redis_restart_loses_nothing(redis_server: RedisServer, prefix: str) -> None:
+    async def body() -> None:
+        async with scheduler(redis_server.url, prefix) as (_, client):
+            await client.heartbeat(status("n1"))
+            for i in range(50):
+                await client.record_assignment(f"s{i}", "n1", team_id="t")
+            await client.release("s0")
+            redis_server.kill()  # -9: only the AOF (fsync always) keeps the writes
+            with pytest.raises(SchedulerError) as caught:
+                await client.lookup("s1")
+            assert caught.value.code == grpc.StatusCode.UNAVAILABLE
+            assert "Redis is unavailable" in caught.value.details
+            redis_server.start()
+            assert await client.lookup("s0") is None
+            for i in range(1, 50):
+                where = await client.lookup(f"s{i}")
+                assert where is not None and where.node_id == "n1" and where.node_up
+            assert len(await client.list_nodes()) == 1
+
+    try:
+        asyncio.run(body())
+    finally:
+        if redis_server.proc is None or redis_server.proc.poll() is not None:
+            redis_server.start()
