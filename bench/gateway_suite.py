@@ -1,4 +1,5 @@
-"""The gateway's suite of bench/cluster_bench.py (`--suite gateway`).
+"""The gateway's suite of bench/cluster_bench.py (`--suite gateway`); also runs alone:
+`python bench/gateway_suite.py [--quick]` (inside scripts/isolated.sh beside other work).
 
 A local cluster (tests/control/cluster.py: redis-server, `aenv scheduler`, one process-backend
 node, `aenv gateway`); every figure is measured through the gateway and, side by side in the
@@ -19,12 +20,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import resource
+import shutil
 import statistics
 import sys
+import tempfile
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -63,8 +66,18 @@ def _p50(samples: list[float]) -> float:
     return statistics.median(samples)
 
 
-def gateway_suite(args: argparse.Namespace, work: Path, procs: Any,
-                  emit: Callable[..., None]) -> None:
+def emit(metric: str, value: float, unit: str, baseline: str, baseline_value: float,
+         **extra: Any) -> None:
+    """One JSON line, as bench/cluster_bench.py prints them."""
+    ratio = value / baseline_value if baseline_value else float("nan")
+    print(json.dumps({
+        "metric": metric, "value": round(value, 3), "unit": unit, "baseline": baseline,
+        "baseline_value": round(baseline_value, 3), "ratio": round(ratio, 3), **extra,
+    }), flush=True)
+
+
+def gateway_suite(args: argparse.Namespace, work: Path, procs: Any = None) -> None:
+    """`procs` (cluster_bench's process list) is unused: the cluster stops its own."""
     from e2b import Sandbox
     from tests.control.cluster import LocalCluster
 
@@ -77,8 +90,8 @@ def gateway_suite(args: argparse.Namespace, work: Path, procs: Any,
         key = cluster.team("bench")
         node = cluster.nodes[0]
         secret = {"x-agentenv-cluster-secret": cluster.secret}
-        print(f'{{"suite": "gateway", "load_avg_1m": {os.getloadavg()[0]:.2f}, '
-              f'"cpus": {os.cpu_count()}}}', flush=True)
+        print(json.dumps({"suite": "gateway", "load_avg_1m": round(os.getloadavg()[0], 2),
+                          "cpus": os.cpu_count()}), flush=True)
         via = {"api_key": key, "api_url": cluster.url, "sandbox_url": cluster.url}
         sbx = Sandbox.create(template="base", timeout=900, **via)
         direct = Sandbox.connect(sbx.sandbox_id, api_key=key, api_url=cluster.url,
@@ -184,3 +197,18 @@ async def _streams(url: str, headers: dict[str, str], count: int) -> tuple[int, 
 
         results = await asyncio.gather(*(one() for _ in range(count)), return_exceptions=True)
     return most, most_at, sum(r is True for r in results)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="fewer rounds")
+    args = parser.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="aenv-cluster-bench-gateway-"))
+    try:
+        gateway_suite(args, work)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
