@@ -41,8 +41,8 @@ stop "$dir/redis.pid" redis
 for ns in $(ip netns list 2>/dev/null | awk '/^aenvc-node[0-9]+/ {print $1}'); do
   ip netns delete "$ns"
 done
-for link in $(ip -o link show 2>/dev/null | awk -F': ' '/ aenvc[0-9]+@/ {sub(/@.*/, "", $2); print $2}'); do
+for link in $(ip -o link show 2>/dev/null | awk -F': ' '/ aenvc-n[0-9]+@/ {sub(/@.*/, "", $2); print $2}'); do
   ip link delete "$link" 2>/dev/null || true
 done
-ip link delete aenvc0 2>/dev/null || true
+ip link delete aenvc-br 2>/dev/null || true
 echo "cluster down (state kept in $dir)"

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # `make cluster-up NODES=3`: a whole cluster on this host. Redis (AOF on), `aenv scheduler`,
 # `aenv gateway` and NODES nodes, each node in a network namespace of its own (its own address
-# on a bridge, its own /run/netns for its sandbox slots), with its own state directory and
+# on the bridge `aenvc-br`, its own /run/netns for its sandbox slots), with its own state directory and
 # blockd, all sharing the host's guest assets. Prints the gateway URL and a team key.
 #
 # Settings (environment): AENV_CLUSTER_DIR (state of everything, default /var/lib/aenv-cluster),
@@ -20,7 +20,7 @@ assets=${AENV_VM_ASSETS_DIR:-/var/lib/aenv}
 gw_port=${AENV_GATEWAY_PORT:-8080}
 net=${AENV_CLUSTER_NET:-10.213.0}
 team=${AENV_CLUSTER_TEAM:-default}
-bridge=aenvc0
+bridge=aenvc-br
 host_ip=$net.1
 redis_port=${AENV_CLUSTER_REDIS_PORT:-6390}
 redis_url="redis://127.0.0.1:$redis_port/0"
@@ -92,8 +92,8 @@ for ((i = 0; i < nodes; i++)); do
   mkdir -p "$state"
   if ! ip netns list | grep -qw "$ns"; then
     ip netns add "$ns"
-    ip link add "aenvc$i" type veth peer name eth0 netns "$ns"
-    ip link set "aenvc$i" master "$bridge" up
+    ip link add "aenvc-n$i" type veth peer name eth0 netns "$ns"
+    ip link set "aenvc-n$i" master "$bridge" up
     ip -n "$ns" addr add "$addr/24" dev eth0
     ip -n "$ns" link set lo up
     ip -n "$ns" link set eth0 up
