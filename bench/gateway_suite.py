@@ -129,6 +129,19 @@ def gateway_suite(args: argparse.Namespace, work: Path, procs: Any = None) -> No
         gw_rate, node_rate = 16 / min(gw_s), 16 / min(node_s)
         emit("download_16mib_mib_s", gw_rate, "MiB/s", "direct to node MiB/s", node_rate,
              goal=">=0.8 of direct", goal_met=gw_rate >= 0.8 * node_rate, reps=reps)
+        # the relay itself, in the node: its proxy against envd reached directly (a
+        # process-backend sandbox's envd listens on a host port, in its run.json)
+        run = next(node.state_dir.rglob(f"{sbx.sandbox_id}/run.json"))
+        placement = json.loads(run.read_text())
+        envd = _direct(sbx, f"http://{placement['host']}:{placement['envd_port']}", "")
+        envd_s, proxy_s = [], []
+        for _ in range(reps):
+            for target, samples in ((direct, proxy_s), (envd, envd_s)):
+                began = time.perf_counter()
+                assert len(target.files.read("/tmp/16m", format="bytes")) == 16 << 20
+                samples.append(time.perf_counter() - began)
+        emit("node_proxy_download_16mib_mib_s", 16 / min(proxy_s), "MiB/s",
+             "envd directly MiB/s", 16 / min(envd_s), reps=reps)
 
         # create p50, interleaved; the kill is not timed
         creates = 8 if args.quick else 30
@@ -172,7 +185,7 @@ def gateway_suite(args: argparse.Namespace, work: Path, procs: Any = None) -> No
             headers["E2b-Traffic-Access-Token"] = info["trafficAccessToken"]
         try:
             held, opened_s, finished, error = asyncio.run(
-                _streams(cluster.url, headers, STREAMS))
+                _streams(cluster.url, headers, STREAMS, hold))
         finally:
             server.kill()
             server.wait()
@@ -202,7 +215,7 @@ def _direct(sbx: Any, node_url: str, secret: str) -> Any:
                    traffic_access_token=sbx.traffic_access_token, connection_config=config)
 
 
-async def _streams(url: str, headers: dict[str, str], count: int
+async def _streams(url: str, headers: dict[str, str], count: int, hold: float
                    ) -> tuple[int, float, int, str]:
     """Open `count` streams at once; returns (most streams open at the same time, seconds until
     that many were, how many were read to their end, the first failure)."""
@@ -211,7 +224,7 @@ async def _streams(url: str, headers: dict[str, str], count: int
     most_at = 0.0
     began = time.perf_counter()
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=0)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(120, connect=60), limits=limits,
+    async with httpx.AsyncClient(timeout=httpx.Timeout(hold + 120, connect=60), limits=limits,
                                  trust_env=False) as client:
 
         async def one() -> bool:
