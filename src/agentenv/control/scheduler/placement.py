@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import random
 import time
+from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -60,11 +61,20 @@ class NodeView:
     # Discovery said the node's endpoint is not ready (Kubernetes), or it left the static list.
     discovery_down: str = ""
     reported: set[str] = field(default_factory=set)  # sandboxes in its last heartbeat
-    recorded: dict[str, tuple[int, int]] = field(default_factory=dict)  # since: id -> (cpu, MiB)
-    pending: list[tuple[float, int, int]] = field(default_factory=list)  # (monotonic, cpu, MiB)
     templates: frozenset[str] = frozenset()
     snapshots: frozenset[str] = frozenset()
     layers: frozenset[str] = frozenset()
+    # Placed here since the last heartbeat counted them, with running totals (Schedule looks at
+    # every node: no sums over lists there).
+    recorded: dict[str, tuple[int, int]] = field(default_factory=dict)  # id -> (vCPUs, MiB)
+    pending: deque[tuple[float, int, int]] = field(default_factory=deque)  # (monotonic, cpu, MiB)
+    _cpu: int = 0
+    _mem: int = 0
+    # Reconciliation can be skipped while nothing changes: the (id, team) list at the last full
+    # reconciliation, when that was, and when a binding of this node last changed.
+    listed: frozenset[tuple[str, str]] | None = None
+    reconciled_ms: float = 0.0
+    changed_ms: float = 0.0
 
     def update(self, status: pb.NodeStatus, seen_ms: float, reported: set[str] | None) -> None:
         self.status = status
@@ -77,7 +87,12 @@ class NodeView:
         if reported is not None:
             self.reported = reported
             for sandbox_id in reported & self.recorded.keys():
-                del self.recorded[sandbox_id]
+                self._forget(sandbox_id)
+
+    def _forget(self, sandbox_id: str) -> None:
+        cpu, mem = self.recorded.pop(sandbox_id)
+        self._cpu -= cpu
+        self._mem -= mem
 
     # --- liveness ---------------------------------------------------------------------------------
 
@@ -93,69 +108,76 @@ class NodeView:
 
     # --- capacity ---------------------------------------------------------------------------------
 
-    def _expire_pending(self) -> None:
-        cutoff = time.monotonic() - PENDING_TTL_S
-        if self.pending and self.pending[0][0] < cutoff:
-            self.pending = [p for p in self.pending if p[0] >= cutoff]
+    def _expire_pending(self, now: float) -> None:
+        cutoff = now - PENDING_TTL_S
+        while self.pending and self.pending[0][0] < cutoff:
+            _, cpu, mem = self.pending.popleft()
+            self._cpu -= cpu
+            self._mem -= mem
 
-    def usage(self) -> tuple[int, int, int]:
-        """(vCPUs, MiB, sandboxes) placed here since the node's last heartbeat counted them."""
-        self._expire_pending()
-        cpu = sum(c for c, _ in self.recorded.values()) + sum(p[1] for p in self.pending)
-        mem = sum(m for _, m in self.recorded.values()) + sum(p[2] for p in self.pending)
-        return cpu, mem, len(self.recorded) + len(self.pending)
-
-    def free(self) -> tuple[int, int, int | None]:
-        """Free vCPUs, free MiB, free sandbox slots (None: no count limit)."""
+    def capacity(self, now: float) -> tuple[int, int, int | None, float]:
+        """Free vCPUs, free MiB, free sandbox slots (None: no count limit), and the load: the
+        largest used fraction of vCPUs, memory and slots (0 idle, 1 full)."""
         st = self.status
         assert st is not None
-        cpu, mem, count = self.usage()
+        self._expire_pending(now)
+        cpu_free = st.cpu_free - self._cpu
+        mem_free = st.memory_free_mib - self._mem
+        load = 0.0
+        if st.cpu_total:
+            load = 1 - cpu_free / st.cpu_total
+        if st.memory_total_mib:
+            load = max(load, 1 - mem_free / st.memory_total_mib)
         slots = None
         if st.max_sandboxes:
-            slots = st.max_sandboxes - (st.running + count)
-        return st.cpu_free - cpu, st.memory_free_mib - mem, slots
+            slots = st.max_sandboxes - (st.running + len(self.recorded) + len(self.pending))
+            load = max(load, 1 - slots / st.max_sandboxes)
+        return cpu_free, mem_free, slots, max(load, 0.0)
 
-    def load(self) -> float:
-        """The largest used fraction of vCPUs, memory and sandbox slots (0 idle, 1 full)."""
+    def load(self, now: float | None = None) -> float:
+        return self.capacity(time.monotonic() if now is None else now)[3]
+
+    def fit(self, req: Request, min_disk_bytes: int, now: float) -> tuple[str, float]:
+        """(why the request does not fit here, '' when it does; the node's load)."""
         st = self.status
         assert st is not None
-        cpu_free, mem_free, slots = self.free()
-        parts = [0.0]
-        if st.cpu_total:
-            parts.append(1 - cpu_free / st.cpu_total)
-        if st.memory_total_mib:
-            parts.append(1 - mem_free / st.memory_total_mib)
-        if st.max_sandboxes and slots is not None:
-            parts.append(1 - slots / st.max_sandboxes)
-        return max(parts)
-
-    def misfit(self, req: Request, min_disk_bytes: int) -> str:
-        """Why the request does not fit here ('' when it does)."""
-        st = self.status
-        assert st is not None
-        cpu_free, mem_free, slots = self.free()
+        cpu_free, mem_free, slots, load = self.capacity(now)
         if slots is not None and slots <= 0:
-            return f"full ({st.max_sandboxes} sandboxes)"
+            return f"full ({st.max_sandboxes} sandboxes)", load
         if cpu_free < req.vcpus:
-            return f"{max(cpu_free, 0)} free vCPUs < {req.vcpus}"
+            return f"{max(cpu_free, 0)} free vCPUs < {req.vcpus}", load
         if mem_free < req.memory_mib:
-            return f"{max(mem_free, 0)} MiB free < {req.memory_mib} MiB"
+            return f"{max(mem_free, 0)} MiB free < {req.memory_mib} MiB", load
         if st.disk_free_bytes < min_disk_bytes:
-            return f"{st.disk_free_bytes >> 20} MiB disk free < {min_disk_bytes >> 20} MiB"
-        return ""
+            return (f"{st.disk_free_bytes >> 20} MiB disk free < {min_disk_bytes >> 20} MiB",
+                    load)
+        return "", load
+
+    def misfit(self, req: Request, min_disk_bytes: int, now: float | None = None) -> str:
+        """Why the request does not fit here ('' when it does)."""
+        return self.fit(req, min_disk_bytes, time.monotonic() if now is None else now)[0]
 
     def reserve(self, req: Request) -> None:
         self.pending.append((time.monotonic(), req.vcpus, req.memory_mib))
+        self._cpu += req.vcpus
+        self._mem += req.memory_mib
 
     def assigned(self, sandbox_id: str, vcpus: int, memory_mib: int) -> None:
         """RecordAssignment: the oldest pending placement becomes a recorded sandbox."""
         if self.pending:
-            self.pending.pop(0)
+            _, cpu, mem = self.pending.popleft()
+            self._cpu -= cpu
+            self._mem -= mem
+        if sandbox_id in self.recorded:
+            self._forget(sandbox_id)
         if sandbox_id not in self.reported:
             self.recorded[sandbox_id] = (vcpus, memory_mib)
+            self._cpu += vcpus
+            self._mem += memory_mib
 
     def released(self, sandbox_id: str) -> None:
-        self.recorded.pop(sandbox_id, None)
+        if sandbox_id in self.recorded:
+            self._forget(sandbox_id)
         self.reported.discard(sandbox_id)
 
     def locality(self, req: Request, template_layers: dict[str, tuple[str, ...]]) -> float:
@@ -189,38 +211,70 @@ class Placer:
     ) -> tuple[NodeView, str]:
         """The chosen node and why. `candidates` are the up nodes allowed for this request;
         `down` maps the others to why they are down (for the error message)."""
-        fitting: list[NodeView] = []
-        misfits: dict[str, str] = {}
+        now = time.monotonic()
+        cutoff = now - PENDING_TTL_S
+        vcpus, memory, min_disk = req.vcpus, req.memory_mib, self.min_disk_bytes
+        # The hot loop of Schedule (every up node, every call): plain arithmetic on the running
+        # totals; `fit` (with the messages) runs only to explain a refusal.
+        fitting: list[tuple[NodeView, float]] = []
         for view in candidates:
-            why = view.misfit(req, self.min_disk_bytes)
-            if why:
-                misfits[view.node_id] = why
-            else:
-                fitting.append(view)
+            st = view.status
+            pending = view.pending
+            if pending and pending[0][0] < cutoff:
+                view._expire_pending(now)
+            cpu_free = st.cpu_free - view._cpu  # type: ignore[union-attr]
+            mem_free = st.memory_free_mib - view._mem  # type: ignore[union-attr]
+            if cpu_free < vcpus or mem_free < memory or st.disk_free_bytes < min_disk:  # type: ignore[union-attr]
+                continue
+            load = 0.0
+            if st.cpu_total:  # type: ignore[union-attr]
+                load = 1 - cpu_free / st.cpu_total  # type: ignore[union-attr]
+            if st.memory_total_mib:  # type: ignore[union-attr]
+                used = 1 - mem_free / st.memory_total_mib  # type: ignore[union-attr]
+                if used > load:
+                    load = used
+            limit = st.max_sandboxes  # type: ignore[union-attr]
+            if limit:
+                slots = limit - (st.running + len(view.recorded) + len(pending))  # type: ignore[union-attr]
+                if slots <= 0:
+                    continue
+                used = 1 - slots / limit
+                if used > load:
+                    load = used
+            fitting.append((view, load))
         if not fitting:
+            misfits = {v.node_id: v.fit(req, min_disk, now)[0] for v in candidates}
             raise PlacementError(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
                 f"no node can take {req.vcpus} vCPUs and {req.memory_mib} MiB: "
                 + describe({**misfits, **{n: f"down ({w})" for n, w in down.items()}}),
             )
-        fitting.sort(key=lambda v: v.node_id)
         if strategy == "round-robin":
-            chosen = fitting[self._rr % len(fitting)]
+            fitting.sort(key=lambda f: f[0].node_id)
+            chosen = fitting[self._rr % len(fitting)][0]
             self._rr += 1
             return chosen, "round-robin"
         if strategy == "random":
-            return self._random.choice(fitting), "random"
+            return self._random.choice(fitting)[0], "random"
         if strategy == "least-loaded":
-            return min(fitting, key=lambda v: v.load()), "least-loaded"
-        scored = [(v.locality(req, template_layers), -v.load(), v) for v in fitting]
-        best = max(scored, key=lambda t: (t[0], t[1]))
-        if best[0] >= 1.0:
+            return min(fitting, key=lambda f: (f[1], f[0].node_id))[0], "least-loaded"
+        wanted = req.snapshot_id or req.template_id
+        held = [(load, v.node_id, v) for v, load in fitting
+                if wanted in (v.snapshots if req.snapshot_id else v.templates)]
+        if held:
+            chosen = min(held)[2]
             reason = "cache: holds the snapshot" if req.snapshot_id else "cache: holds the template"
-        elif best[0] > 0:
-            reason = f"cache: holds {best[0]:.0%} of the layers"
-        else:
-            reason = "least-loaded (no node holds the template's layers)"
-        return best[2], reason
+            return chosen, reason
+        layers = req.layers or template_layers.get(wanted, ())
+        if layers:
+            share, _, _, chosen = min(
+                (-sum(1 for d in layers if d in v.layers) / len(layers), load, v.node_id, v)
+                for v, load in fitting
+            )
+            if share < 0:
+                return chosen, f"cache: holds {-share:.0%} of the layers"
+        chosen = min(fitting, key=lambda f: (f[1], f[0].node_id))[0]
+        return chosen, "least-loaded (no node holds the template's layers)"
 
 
 def describe(why: dict[str, str], limit: int = 8) -> str:

@@ -1,7 +1,9 @@
 """The scheduler's logic behind the gRPC methods (scheduler.proto): placement, bindings, heartbeats.
 
-Durable state is in Redis (store.py); this object keeps the node views (placement.py) in memory,
-rebuilt from Redis at start. Liveness: a node is down once it has missed `missed_heartbeats`
+Durable state is in Redis (store.py); this object keeps the node views (placement.py) and a copy
+of the binding table in memory, rebuilt from Redis at start. Every change is written to Redis
+first and to memory once Redis has it, so Lookup answers from memory (one scheduler process
+at a time owns the table; docs/control-plane.md §2). Liveness: a node is down once it has missed `missed_heartbeats`
 heartbeats (plus half an interval of slack); it is up again at its next heartbeat. Time the
 scheduler itself was away (killed, restarting) is not held against the nodes: their heartbeat
 ages are shifted by the outage when the state is loaded.
@@ -38,6 +40,7 @@ REF_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/@-]{0,255}")
 ADDRESS_RE = re.compile(r"(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9._-]+):\d{1,5}")
 MAX_VCPUS = 1024
 MAX_MEMORY_MIB = 16 << 20
+UP_CACHE_MS = 100
 
 
 @dataclass
@@ -91,9 +94,13 @@ class SchedulerService:
                 f"unknown strategy {self.config.strategy!r}: one of {', '.join(STRATEGIES)}"
             )
         self.views: dict[str, NodeView] = {}
+        self.bindings: dict[str, Binding] = {}
         self.template_layers: dict[str, tuple[str, ...]] = {}
         self.placer = Placer(min_disk_bytes=self.config.min_disk_free_mib << 20)
         self._sweeper: asyncio.Task[None] | None = None
+        # Which nodes are up, recomputed when a node changes state or UP_CACHE_MS have passed
+        # (Schedule would otherwise judge every node's liveness on every call).
+        self._up: tuple[float, list[NodeView], dict[str, str]] | None = None
 
     # --- lifecycle --------------------------------------------------------------------------------
 
@@ -106,6 +113,7 @@ class SchedulerService:
         outage = max(0, started - previous_alive) if previous_alive else 0
         nodes = await self.store.nodes()
         sets = await self.store.node_sandboxes(nodes)
+        self.bindings = await self.store.all_bindings()
         for node_id, (status, seen) in nodes.items():
             view = self._view(node_id)
             view.update(status, seen + outage, sets.get(node_id, set()))
@@ -113,7 +121,7 @@ class SchedulerService:
         learn_template_layers(self.template_layers, (s for s, _ in nodes.values()))
         log.info(
             "scheduler state loaded",
-            extra={"nodes": len(nodes), "bindings": await self.store.binding_count(),
+            extra={"nodes": len(nodes), "bindings": len(self.bindings),
                    "outage_ms": outage},
         )
         self._sweeper = asyncio.create_task(self._sweep_forever())
@@ -138,7 +146,24 @@ class SchedulerService:
         view = self.views.get(node_id)
         if view is None:
             view = self.views[node_id] = NodeView(node_id)
+            self._up = None
         return view
+
+    def up_nodes(self, at_ms: float) -> tuple[list[NodeView], dict[str, str]]:
+        """(the up nodes, the others -> why they are down)."""
+        cached = self._up
+        if cached is not None and at_ms - cached[0] < UP_CACHE_MS:
+            return cached[1], cached[2]
+        up: list[NodeView] = []
+        down: dict[str, str] = {}
+        for view in self.views.values():
+            why = self.down_reason(view, at_ms)
+            if why:
+                down[view.node_id] = why
+            else:
+                up.append(view)
+        self._up = (at_ms, up, down)
+        return up, down
 
     def down_reason(self, view: NodeView, at_ms: float | None = None) -> str:
         return view.down_reason(at_ms or now_ms(), self.config.down_after_ms)
@@ -158,6 +183,7 @@ class SchedulerService:
             if source in view.sources and node_id not in nodes:
                 view.sources.discard(source)
                 view.discovery_down = f"removed from {source} discovery"
+        self._up = None
 
     # --- RPCs -------------------------------------------------------------------------------------
 
@@ -192,18 +218,13 @@ class SchedulerService:
         if msg.source_sandbox_id:
             view, reason = await self._fork_node(msg.source_sandbox_id, req, at)
         else:
-            candidates: list[NodeView] = []
-            down: dict[str, str] = {}
-            holders = 0
-            for view in self.views.values():
-                if req.snapshot_id and req.snapshot_id not in view.snapshots:
-                    continue
-                holders += 1
-                why = self.down_reason(view, at)
-                if why:
-                    down[view.node_id] = why
-                else:
-                    candidates.append(view)
+            candidates, down = self.up_nodes(at)
+            holders = len(self.views)
+            if req.snapshot_id:
+                # A snapshot cannot move between nodes yet: only its holders are candidates.
+                candidates = [v for v in candidates if req.snapshot_id in v.snapshots]
+                down = {n: w for n, w in down.items() if req.snapshot_id in self.views[n].snapshots}
+                holders = len(candidates) + len(down)
             if req.snapshot_id and not holders:
                 raise PlacementError(
                     grpc.StatusCode.NOT_FOUND, f"no node holds snapshot {req.snapshot_id!r}"
@@ -224,7 +245,7 @@ class SchedulerService:
         return pb.ScheduleResponse(node_id=view.node_id, node_address=view.address, reason=reason)
 
     async def _fork_node(self, source: str, req: Request, at: float) -> tuple[NodeView, str]:
-        binding = await self.store.lookup(source)
+        binding = self.bindings.get(source)
         if binding is None:
             raise PlacementError(
                 grpc.StatusCode.NOT_FOUND, f"fork source sandbox {source!r} has no binding"
@@ -254,9 +275,12 @@ class SchedulerService:
             raise PlacementError(grpc.StatusCode.NOT_FOUND, f"unknown node {msg.node_id!r}")
         vcpus = msg.vcpus or self.config.default_vcpus
         memory = msg.memory_mib or self.config.default_memory_mib
-        old = await self.store.record(
-            Binding(msg.sandbox_id, msg.node_id, msg.team_id, now_ms(), vcpus, memory)
-        )
+        binding = Binding(msg.sandbox_id, msg.node_id, msg.team_id, now_ms(), vcpus, memory)
+        old = await self.store.record(binding)
+        self.bindings[msg.sandbox_id] = binding
+        view.changed_ms = binding.recorded_ms
+        if old and old.node_id != msg.node_id:
+            self._changed(old.node_id, binding.recorded_ms)
         if old and old.node_id != msg.node_id and old.node_id in self.views:
             self.views[old.node_id].released(msg.sandbox_id)
         view.assigned(msg.sandbox_id, vcpus, memory)
@@ -264,12 +288,15 @@ class SchedulerService:
     async def release(self, msg: pb.ReleaseRequest) -> None:
         check_id("sandbox_id", msg.sandbox_id)
         old = await self.store.release(msg.sandbox_id)
+        self.bindings.pop(msg.sandbox_id, None)
+        if old:
+            self._changed(old.node_id, now_ms())
         if old and old.node_id in self.views:
             self.views[old.node_id].released(msg.sandbox_id)
 
     async def lookup(self, msg: pb.LookupRequest) -> pb.LookupResponse:
         check_id("sandbox_id", msg.sandbox_id)
-        binding = await self.store.lookup(msg.sandbox_id)
+        binding = self.bindings.get(msg.sandbox_id)
         if binding is None:
             return pb.LookupResponse(found=False)
         view = self.views.get(binding.node_id)
@@ -281,19 +308,45 @@ class SchedulerService:
             team_id=binding.team_id,
         )
 
+    async def _mirror(
+        self, msg: pb.NodeStatus, at: float, added: list[str], dropped: list[str]
+    ) -> None:
+        """Bring the in-memory bindings in line with what the heartbeat script changed."""
+        for sandbox_id in dropped:
+            self.bindings.pop(sandbox_id, None)
+        if added or any(
+            s.team_id and s.sandbox_id in self.bindings and not self.bindings[s.sandbox_id].team_id
+            for s in msg.sandboxes
+        ):
+            # Added, moved or given a team by the script: read back what it wrote.
+            changed = [s.sandbox_id for s in msg.sandboxes]
+            for sandbox_id, binding in (await self.store.lookup_many(changed)).items():
+                old = self.bindings.get(sandbox_id)
+                if old is not None and old.node_id != binding.node_id:
+                    self._changed(old.node_id, at)
+                    if old.node_id in self.views:
+                        self.views[old.node_id].released(sandbox_id)
+                self.bindings[sandbox_id] = binding
+
+    def _alive_anyway(self, msg: pb.NodeStatus, at: float) -> None:
+        """Redis refused the heartbeat: the node is alive all the same (its sandboxes stay
+        routable from memory); the next heartbeat reconciles in full."""
+        view = self.views.get(msg.node_id)
+        if view is not None and view.status is not None:
+            view.update(msg, at, None)
+            view.listed = None
+
+    def _changed(self, node_id: str, at: float) -> None:
+        view = self.views.get(node_id)
+        if view is not None:
+            view.changed_ms = at
+
     async def heartbeat(self, msg: pb.NodeStatus) -> pb.HeartbeatResponse:
         check_id("node_id", msg.node_id)
         check_address("address", msg.address)
         check_address("layer_address", msg.layer_address)
         if not msg.address and not (msg.node_id in self.views and self.views[msg.node_id].address):
             raise Invalid(f"node {msg.node_id!r}: address is required (host:port of its API)")
-        seen: set[str] = set()
-        for sandbox in msg.sandboxes:
-            check_id("sandboxes[].sandbox_id", sandbox.sandbox_id)
-            check_id("sandboxes[].team_id", sandbox.team_id, required=False)
-            if sandbox.sandbox_id in seen:
-                raise Invalid(f"sandbox {sandbox.sandbox_id!r} is listed twice")
-            seen.add(sandbox.sandbox_id)
         if msg.node_id not in self.views and not self.config.self_registration:
             raise PlacementError(
                 grpc.StatusCode.PERMISSION_DENIED,
@@ -301,15 +354,51 @@ class SchedulerService:
                 "is off",
             )
         at = now_ms()
-        added, dropped = await self.store.heartbeat(
-            msg, int(self.config.reconcile_grace_s * 1000), at
-        )
+        grace = int(self.config.reconcile_grace_s * 1000)
+        listed = frozenset((s.sandbox_id, s.team_id) for s in msg.sandboxes)
+        known = self.views.get(msg.node_id)
+        added: list[str] = []
+        dropped: list[str] = []
+        seen: set[str] | None = None
+        if (
+            known is not None
+            and known.listed == listed
+            and len(listed) == len(msg.sandboxes)
+            and known.reconciled_ms > known.changed_ms + grace
+        ):
+            # The same list as at the last full reconciliation, and none of this node's
+            # bindings changed since (beyond the grace): nothing can differ. The steady state.
+            try:
+                await self.store.touch(msg, at)
+            except Exception:
+                self._alive_anyway(msg, at)
+                raise
+        else:
+            seen = set()
+            for sandbox in msg.sandboxes:
+                check_id("sandboxes[].sandbox_id", sandbox.sandbox_id)
+                check_id("sandboxes[].team_id", sandbox.team_id, required=False)
+                if sandbox.sandbox_id in seen:
+                    raise Invalid(f"sandbox {sandbox.sandbox_id!r} is listed twice")
+                seen.add(sandbox.sandbox_id)
+            try:
+                added, dropped = await self.store.heartbeat(msg, grace, at)
+            except Exception:
+                self._alive_anyway(msg, at)
+                raise
+            await self._mirror(msg, at, added, dropped)
+            view = self._view(msg.node_id)
+            view.listed = listed
+            view.reconciled_ms = at
+            if added or dropped:
+                view.changed_ms = at
         view = self._view(msg.node_id)
         was_down = self.down_reason(view, at)
         view.sources.add("heartbeat")
         view.update(msg, at, seen)
         learn_template_layers(self.template_layers, (msg,))
-        if was_down and view.status is not None:
+        if was_down:
+            self._up = None
             log.info("node up", extra={"node": msg.node_id, "was": was_down})
         if added or dropped:
             log.info(

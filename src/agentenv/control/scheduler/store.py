@@ -28,6 +28,8 @@ from agentenv.control.proto import scheduler_pb2 as pb
 from agentenv.errors import AgentEnvError
 
 SEP = "\x1f"
+MAX_CONNECTIONS = 32
+POOL_TIMEOUT_S = 10.0
 DEFAULT_PREFIX = "aenv:sched:"
 
 
@@ -152,6 +154,14 @@ return {added, dropped}
 """
 
 
+def _slim(status: pb.NodeStatus) -> bytes:
+    """The status as stored: without its sandbox list (the bindings hold that)."""
+    slim = pb.NodeStatus()
+    slim.CopyFrom(status)
+    del slim.sandboxes[:]
+    return slim.SerializeToString()
+
+
 class Store:
     """Async access to the scheduler's keys. One connection pool; every call is one round trip."""
 
@@ -159,7 +169,12 @@ class Store:
         self.url = url
         self.prefix = prefix
         try:
-            self.redis = aioredis.Redis.from_url(url, decode_responses=False)
+            # A bounded pool that queues: a burst of concurrent RPCs waits for a connection
+            # instead of opening one each (and failing past the client's limit).
+            pool = aioredis.BlockingConnectionPool.from_url(
+                url, max_connections=MAX_CONNECTIONS, timeout=POOL_TIMEOUT_S
+            )
+            self.redis = aioredis.Redis(connection_pool=pool)
         except ValueError as exc:
             raise StoreError(f"bad Redis URL {url!r}: {exc}") from exc
         self._record = self.redis.register_script(_RECORD)
@@ -177,6 +192,7 @@ class Store:
 
     async def close(self) -> None:
         await self.redis.aclose()
+        await self.redis.connection_pool.disconnect()
 
     # --- bindings ---------------------------------------------------------------------------------
 
@@ -193,6 +209,23 @@ class Store:
     async def lookup(self, sandbox_id: str) -> Binding | None:
         raw = await self.redis.hget(self._key("bindings"), sandbox_id)
         return Binding.decode(sandbox_id, raw.decode()) if raw else None
+
+    async def lookup_many(self, sandbox_ids: list[str]) -> dict[str, Binding]:
+        if not sandbox_ids:
+            return {}
+        raws = await self.redis.hmget(self._key("bindings"), sandbox_ids)
+        return {
+            sid: Binding.decode(sid, raw.decode())
+            for sid, raw in zip(sandbox_ids, raws, strict=True)
+            if raw
+        }
+
+    async def all_bindings(self) -> dict[str, Binding]:
+        out: dict[str, Binding] = {}
+        async for raw_id, raw in self.redis.hscan_iter(self._key("bindings"), count=5000):
+            sid = raw_id.decode()
+            out[sid] = Binding.decode(sid, raw.decode())
+        return out
 
     async def node_sandboxes(self, node_ids: Iterable[str]) -> dict[str, set[str]]:
         ids = list(node_ids)
@@ -211,16 +244,20 @@ class Store:
         self, status: pb.NodeStatus, grace_ms: int, at_ms: int | None = None
     ) -> tuple[list[str], list[str]]:
         """Store the status (without its sandbox list) and reconcile; returns (added, dropped)."""
-        slim = pb.NodeStatus()
-        slim.CopyFrom(status)
-        del slim.sandboxes[:]
         args: list[str | bytes | int] = [
-            self.prefix, status.node_id, slim.SerializeToString(), at_ms or now_ms(), grace_ms,
+            self.prefix, status.node_id, _slim(status), at_ms or now_ms(), grace_ms,
         ]
         for sandbox in status.sandboxes:
             args += [sandbox.sandbox_id, sandbox.team_id]
         added, dropped = await self._heartbeat(args=args)
         return [s.decode() for s in added], [s.decode() for s in dropped]
+
+    async def touch(self, status: pb.NodeStatus, at_ms: int) -> None:
+        """Store the status and the heartbeat's time only (nothing to reconcile)."""
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.hset(self._key("nodes"), status.node_id, _slim(status))
+            pipe.hset(self._key("seen"), status.node_id, at_ms)
+            await pipe.execute()
 
     async def nodes(self) -> dict[str, tuple[pb.NodeStatus, int]]:
         """Every registered node's last status and last heartbeat (wall-clock ms)."""
