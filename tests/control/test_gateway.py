@@ -6,14 +6,17 @@ of the scheduler and of a node."""
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import httpx
 import pytest
 from e2b import Sandbox, SandboxNotFoundException, SandboxQuery, SandboxState
 
 from tests.control.cluster import GatewayProcess, LocalCluster
+from tests.control.conftest import free_port
 from tests.node.conftest import environ_set
 
 pytestmark = pytest.mark.timeout(300)
@@ -143,6 +146,44 @@ def test_creates_spread_and_list_pages_over_all_nodes(sdk: LocalCluster) -> None
     finally:
         for sandbox in made:
             sandbox.kill()
+
+
+def test_user_port_by_host_and_websocket(cluster: LocalCluster) -> None:
+    """A sandbox port through the gateway, by `{port}-{id}.{domain}` Host and as a WebSocket
+    (a process-backend sandbox's ports are this host's: the server runs here)."""
+    from websockets.sync.client import connect
+    from websockets.sync.server import serve
+
+    def echo(ws: Any) -> None:
+        for message in ws:
+            ws.send(b"echo:" + (message if isinstance(message, bytes) else message.encode()))
+
+    def http(connection: Any, request: Any) -> Any:
+        if request.headers.get("Upgrade", "").lower() != "websocket":
+            return connection.respond(200, f"port says {request.path}\n")
+        return None
+
+    port = free_port()
+    key = {"X-API-KEY": cluster.keys["alpha"]}
+    with serve(echo, "127.0.0.1", port, process_request=http) as server:
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        created = httpx.post(f"{cluster.url}/v2/sandboxes", headers=key, timeout=60,
+                             json={"templateID": "base", "timeout": 120})
+        assert created.status_code == 201, created.text
+        sid = created.json()["sandboxID"]
+        try:
+            by_host = httpx.get(f"{cluster.url}/hello?x=1", timeout=30,
+                                headers={"Host": f"{port}-{sid}.gw.test"})
+            assert by_host.status_code == 200 and by_host.text == "port says /hello?x=1\n"
+            ws_url = cluster.url.replace("http://", "ws://") + "/ws"
+            with connect(ws_url, additional_headers={"E2b-Sandbox-Id": sid,
+                                                     "E2b-Sandbox-Port": str(port)}) as ws:
+                for i in range(3):
+                    ws.send(f"m{i}")
+                    assert ws.recv(timeout=30) == f"echo:m{i}".encode()
+        finally:
+            httpx.delete(f"{cluster.url}/sandboxes/{sid}", headers=key, timeout=60)
+            server.shutdown()
 
 
 def test_teams_see_and_control_only_their_own(cluster: LocalCluster) -> None:
