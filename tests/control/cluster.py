@@ -17,9 +17,12 @@ from pathlib import Path
 import httpx
 
 from tests.control.conftest import RedisServer, SchedulerProcess, free_port
-from tests.node.conftest import NodeProcess
+from tests.node.conftest import NO_READY_POOLS, NodeProcess, vm_node_process
 
 AENV = [sys.executable, "-m", "agentenv.cli.main"]
+#: slot namespaces of a VM node of these tests (unique prefix: teardown removes {prefix}-s*)
+VM_NET_PREFIX = "agw"
+VM_FIRST_SLOT = 25501  # 25501-25700: disjoint from the other VM test modules and benches
 
 
 class GatewayProcess:
@@ -64,6 +67,7 @@ class LocalCluster:
                  heartbeat: float = 1.0, strategy: str = "least-loaded",
                  node_env: dict[str, str] | None = None) -> None:
         self.root = root
+        self.vm_nodes = vm_nodes
         root.mkdir(parents=True, exist_ok=True)
         self.redis = RedisServer(root)
         self.secret_file = root / "cluster-secret"
@@ -77,14 +81,18 @@ class LocalCluster:
         )
         self.nodes: list[NodeProcess] = []
         for i in range(nodes):
-            node = NodeProcess(root / f"node{i}", root / f"node{i}.log")
             backend = "vm" if i < vm_nodes else "process"
+            if backend == "vm":
+                # tests/node's VM node: shared guest assets, its own slot range, a state
+                # directory QEMU (aenv-vm) can reach
+                node = vm_node_process(root / f"node{i}", root / f"node{i}.log",
+                                       VM_NET_PREFIX, VM_FIRST_SLOT + 100 * i, NO_READY_POOLS)
+            else:
+                node = NodeProcess(root / f"node{i}", root / f"node{i}.log")
             node.extra_args = ("--backend", backend, "--scheduler", self.scheduler.address,
                                "--node-id", f"node{i}", "--advertise", f"127.0.0.1:{node.port}",
                                "--cluster-secret-file", str(self.secret_file))
-            node.extra_env = dict(node_env or {})
-            if backend == "vm":
-                node.start_timeout = 900
+            node.extra_env = {**node.extra_env, **(node_env or {})}
             self.nodes.append(node)
         self.gateway = GatewayProcess(self.scheduler.address, self.redis.url, self.secret_file,
                                       root / "gateway.log")
@@ -138,5 +146,11 @@ class LocalCluster:
         for node in self.nodes:
             with contextlib.suppress(Exception):
                 node.cleanup()
+        if self.vm_nodes:
+            import asyncio
+
+            from agentenv.runtime.network import remove_leftovers
+
+            asyncio.run(remove_leftovers(VM_NET_PREFIX))
         self.scheduler.stop()
         self.redis.stop()
