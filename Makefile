@@ -7,7 +7,7 @@ TEST_STAMP := $(VENV)/.installed-test
 # The node's state directory; AENV_HOME in the environment overrides the default.
 STATE_DIR ?= $(or $(AENV_HOME),/var/lib/aenv)
 
-.PHONY: up down test lint system venv bench clean proto
+.PHONY: up down test lint system venv bench clean proto cluster-up cluster-down
 
 system:
 	@bash scripts/install-system.sh
@@ -32,6 +32,15 @@ up: system venv
 # Stops the node (pausing every running sandbox) and blockd (scripts/down.sh).
 down:
 	@AENV_HOME=$(STATE_DIR) bash scripts/down.sh
+
+# A cluster on this host: redis, scheduler, gateway and NODES nodes (each in its own network
+# namespace); prints the gateway URL and a team key (scripts/cluster-up.sh).
+NODES ?= 3
+cluster-up: system venv
+	@NODES=$(NODES) bash scripts/cluster-up.sh
+
+cluster-down:
+	@bash scripts/cluster-down.sh
 
 test: system $(TEST_STAMP)
 	@$(VENV)/bin/ruff check src tests bench

@@ -1,5 +1,9 @@
 """Control-plane benchmark, one suite per part (`--suite NAME`, default: all of them).
 
+Suite `gateway` (bench/gateway_suite.py): the gateway against the same requests sent straight to
+the node, side by side: proxied `commands.run("true")` p50, 16 MiB download, create p50, and
+1,000 concurrent streams held through one gateway.
+
 Suite `scheduler`: a real redis-server (private, unix socket, AOF) and `aenv scheduler` as its
 own process, with 100 registered nodes that keep heartbeating every 2 s (each listing its
 bindings, so reconciliation runs as in production) and 10,000 bindings:
@@ -294,9 +298,18 @@ def scheduler_suite(args: argparse.Namespace, work: Path, procs: Processes) -> N
                                       {"scheduler": sched_proc.pid, "redis": redis_proc.pid}))
 
 
-#: suite name -> function(args, work dir, processes). The gateway's part joins here.
+def gateway_suite(args: argparse.Namespace, work: Path, procs: Processes) -> None:
+    """bench/gateway_suite.py: gateway vs direct to the node, 1,000 streams held."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    from gateway_suite import gateway_suite as run_gateway_suite
+
+    run_gateway_suite(args, work, procs)
+
+
+#: suite name -> function(args, work dir, processes).
 SUITES: dict[str, Callable[[argparse.Namespace, Path, Processes], None]] = {
     "scheduler": scheduler_suite,
+    "gateway": gateway_suite,
 }
 
 

@@ -68,15 +68,28 @@ def _check_domain(value: str | None) -> str | None:
 @click.option("--advertise", envvar="AENV_ADVERTISE", default=None,
               help="HOST:PORT the gateway reaches this node at. Default: --host:--port "
               "(required when --host is 0.0.0.0 or ::).")
+@click.option(
+    "--cluster-secret-file",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="Part of a cluster: serve only requests carrying this secret (the gateway's). "
+    "Default: $AENV_CLUSTER_SECRET, else none (a standalone node).",
+)
 @click.option("--log-level", default="info", show_default=True)
 def serve_command(
     state_dir: Path, host: str, port: int, backend: str, domain: str | None,
-    scheduler: str | None, node_id: str | None, advertise: str | None, log_level: str
+    scheduler: str | None, node_id: str | None, advertise: str | None,
+    cluster_secret_file: Path | None, log_level: str
 ) -> None:
     """Run the node server: E2B-compatible API and sandbox proxy on one port."""
     from agentenv import logs
     from agentenv.node.orchestrator import NodeConfig
-    from agentenv.node.security import api_key_path, load_api_key, secure_state_dir
+    from agentenv.node.security import (
+        api_key_path,
+        load_api_key,
+        load_cluster_secret,
+        secure_state_dir,
+    )
     from agentenv.node.server import ServeOptions, serve
 
     logs.setup(log_level)
@@ -102,6 +115,7 @@ def serve_command(
             port=port,
             backend=backend,
             config=NodeConfig(domain=domain),
+            cluster_secret=load_cluster_secret(cluster_secret_file),
             scheduler=scheduler or None,
             node_id=node_id or "",
             advertise=advertise or "",

@@ -43,7 +43,7 @@ from agentenv.node.openapi import openapi_document
 from agentenv.node.orchestrator import CreateParams, Orchestrator
 from agentenv.node.proxy import SandboxProxy, send_json
 from agentenv.node.records import SandboxRecord, State, TemplateRecord
-from agentenv.node.security import same_secret
+from agentenv.node.security import CLUSTER_SECRET_HEADER, same_secret
 
 log = logging.getLogger("agentenv.node.api")
 M = TypeVar("M", bound=BaseModel)
@@ -165,12 +165,16 @@ class NodeApp:
         metrics: NodeMetrics | None = None,
         node_id: str | None = None,
         extra_routes: list[Route] | None = None,
+        cluster_secret: str | None = None,
     ) -> None:
-        """`extra_routes` (e.g. the template build API) are matched before the built-in ones,
+        """`cluster_secret`: the node is part of a cluster and serves only its gateway: every
+        request but /health must carry the secret (CLUSTER_SECRET_HEADER), which then stands in
+        for the API key. `extra_routes` (e.g. the template build API) are matched before the built-in ones,
         so they can claim paths under /templates/ that `GET /templates/{id}` would catch."""
         self.orchestrator = orchestrator
         self.catalogue = orchestrator.catalogue
         self.api_key = api_key
+        self.cluster_secret = cluster_secret
         self.metrics = metrics or NodeMetrics()
         self.metrics.watch_states(orchestrator.count_by_state)
         self.node_id = node_id or socket.gethostname()
@@ -212,6 +216,18 @@ class NodeApp:
             self.metrics.requests.labels("api", scope.get("method", "WEBSOCKET"), "400").inc()
             return
         route = self.proxy.route(scope)
+        from_gateway = False
+        if self.cluster_secret is not None and (route is not None or scope["path"] != "/health"):
+            given = [v for n, v in scope["headers"] if n == CLUSTER_SECRET_HEADER]
+            if len(given) != 1 or not same_secret(given[0].decode("latin-1"), self.cluster_secret):
+                if scope["type"] == "websocket":
+                    await send({"type": "websocket.close", "code": 1008})
+                else:
+                    message = "this node serves its cluster's gateway only"
+                    await send_json(send, 403, {"code": 403, "message": message})
+                self.metrics.requests.labels("api", scope.get("method", "WEBSOCKET"), "403").inc()
+                return
+            from_gateway = True
         if scope["type"] == "websocket":
             if route is None:  # the control plane has no WebSocket routes
                 await send({"type": "websocket.close", "code": 1008})
@@ -223,8 +239,10 @@ class NodeApp:
             status = await self.proxy(scope, receive, send, route)
             self.metrics.requests.labels("proxy", scope["method"], str(status)).inc()
             return
-        if scope["path"] not in PUBLIC_PATHS and not scope["path"].startswith(
-            SELF_AUTHENTICATED_PREFIXES
+        if (
+            not from_gateway
+            and scope["path"] not in PUBLIC_PATHS
+            and not scope["path"].startswith(SELF_AUTHENTICATED_PREFIXES)
         ):
             keys = [v for n, v in scope["headers"] if n == b"x-api-key"]
             if len(keys) != 1 or not same_secret(keys[0].decode("latin-1"), self.api_key):

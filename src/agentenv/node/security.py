@@ -103,3 +103,27 @@ class TokenIssuer:
 
 def same_secret(given: str | None, expected: str) -> bool:
     return given is not None and hmac.compare_digest(given.encode(), expected.encode())
+
+
+#: the header a gateway sends every request to a node with, when the cluster has a secret
+CLUSTER_SECRET_HEADER = b"x-agentenv-cluster-secret"
+
+
+def load_cluster_secret(path: Path | None) -> str | None:
+    """The cluster secret from `path`, else AENV_CLUSTER_SECRET, else None (no cluster: the
+    node's own API key guards it). With one, a node serves only requests that carry it."""
+    if path is not None:
+        try:
+            secret = path.read_text().strip()
+        except OSError as exc:
+            raise AgentEnvError(f"cannot read the cluster secret file {path}: {exc}") from exc
+        source = str(path)
+    else:
+        secret = os.environ.get("AENV_CLUSTER_SECRET", "").strip()
+        source = "AENV_CLUSTER_SECRET"
+        if not secret:
+            return None
+    if not API_KEY_RE.match(secret) or len(secret) < 32:
+        raise AgentEnvError(f"cluster secret from {source} must be 32-256 chars of "
+                            "[A-Za-z0-9._~-]")
+    return secret

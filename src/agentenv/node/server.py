@@ -42,6 +42,8 @@ class ServeOptions:
     backend: str = "vm"  # the product; "process" is for development and tests
     config: NodeConfig = field(default_factory=NodeConfig)
     graceful_seconds: float = 5.0
+    #: set when the node is part of a cluster: it then serves only its gateway
+    cluster_secret: str | None = None
     # The control plane (node/heartbeat.py): heartbeats go to this scheduler when set.
     scheduler: str | None = None
     node_id: str = ""
@@ -98,7 +100,11 @@ def build_app(
 
     builds = TemplateBuildApi(orchestrator, state, api_key)
     return NodeApp(
-        orchestrator, api_key, metrics, extra_routes=[*(extra_routes or []), *builds.routes()]
+        orchestrator,
+        api_key,
+        metrics,
+        extra_routes=[*(extra_routes or []), *builds.routes()],
+        cluster_secret=options.cluster_secret,
     )
 
 

@@ -1,0 +1,157 @@
+#!/usr/bin/env bash
+# `make cluster-up NODES=3`: a whole cluster on this host. Redis (AOF on), `aenv scheduler`,
+# `aenv gateway` and NODES nodes, each node in a network namespace of its own (its own address
+# on the bridge `aenvc-br`, its own /run/netns for its sandbox slots), with its own state directory and
+# blockd, all sharing the host's guest assets. Prints the gateway URL and a team key.
+#
+# Settings (environment): AENV_CLUSTER_DIR (state of everything, default /var/lib/aenv-cluster),
+# CLUSTER_BACKEND (vm, the product; or process for a quick look without VMs),
+# AENV_VM_ASSETS_DIR (guest assets, default /var/lib/aenv: the single node's), AENV_GATEWAY_PORT
+# (8080), AENV_CLUSTER_NET (first three octets of the nodes' /24, default 10.213.0),
+# AENV_CLUSTER_TEAM (the team the printed key belongs to, default "default").
+# `make cluster-down` stops it all and removes the namespaces and the bridge.
+set -euo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+aenv="$root/.venv/bin/aenv"
+nodes=${NODES:-3}
+dir=${AENV_CLUSTER_DIR:-/var/lib/aenv-cluster}
+backend=${CLUSTER_BACKEND:-vm}
+assets=${AENV_VM_ASSETS_DIR:-/var/lib/aenv}
+gw_port=${AENV_GATEWAY_PORT:-8080}
+net=${AENV_CLUSTER_NET:-10.213.0}
+team=${AENV_CLUSTER_TEAM:-default}
+bridge=aenvc-br
+host_ip=$net.1
+redis_port=${AENV_CLUSTER_REDIS_PORT:-6390}
+redis_url="redis://127.0.0.1:$redis_port/0"
+logs=$dir/logs
+
+[[ -x $aenv ]] || { echo "cluster-up: $aenv is missing: run make venv first" >&2; exit 1; }
+[[ $nodes =~ ^[0-9]+$ ]] && (( nodes >= 1 && nodes <= 200 )) ||
+  { echo "cluster-up: NODES=$nodes is not a number from 1 to 200" >&2; exit 1; }
+[[ $backend == vm || $backend == process ]] ||
+  { echo "cluster-up: CLUSTER_BACKEND=$backend: use vm or process" >&2; exit 1; }
+command -v redis-server >/dev/null ||
+  { echo "cluster-up: redis-server is missing (make system installs it)" >&2; exit 1; }
+mkdir -p "$dir" "$logs" "$dir/redis"
+chmod 0711 "$dir"
+
+alive() { kill -0 "$(cat "$1" 2>/dev/null)" 2>/dev/null; }
+
+wait_for() {  # wait_for WHAT SECONDS CMD...: until CMD succeeds
+  local what=$1 limit=$2; shift 2
+  local began=$SECONDS
+  until "$@" 2>/dev/null; do
+    if (( SECONDS - began > limit )); then
+      echo "cluster-up: $what did not come up within $limit s (logs in $logs)" >&2
+      exit 1
+    fi
+    sleep 0.3
+  done
+}
+
+# the cluster secret: every node serves only requests that carry it (the gateway's)
+secret=$dir/cluster-secret
+if [[ ! -s $secret ]]; then
+  (umask 077; head -c 32 /dev/urandom | od -An -tx1 | tr -d ' \n' >"$secret")
+fi
+
+# Redis: the scheduler's bindings and node registry, the gateway's teams and ownership records
+if ! alive "$dir/redis.pid"; then
+  redis-server --bind 127.0.0.1 --port "$redis_port" --dir "$dir/redis" --appendonly yes \
+    --appendfsync everysec --daemonize yes --pidfile "$dir/redis.pid" \
+    --logfile "$logs/redis.log" >/dev/null
+  wait_for redis 20 redis-cli -p "$redis_port" ping
+fi
+echo "redis on 127.0.0.1:$redis_port (AOF in $dir/redis)"
+
+# The nodes' network: a bridge on the host, a veth into each node's namespace
+if ! ip link show "$bridge" >/dev/null 2>&1; then
+  ip link add "$bridge" type bridge
+  ip addr add "$host_ip/24" dev "$bridge"
+fi
+ip link set "$bridge" up
+
+if ! alive "$dir/scheduler.pid"; then
+  setsid "$aenv" scheduler --listen "$host_ip:9090" --redis "$redis_url" \
+    >>"$logs/scheduler.log" 2>&1 </dev/null &
+  echo $! >"$dir/scheduler.pid"
+  wait_for scheduler 60 bash -c "exec 3<>/dev/tcp/$host_ip/9090"
+fi
+echo "scheduler on $host_ip:9090"
+
+if [[ $backend == vm ]]; then
+  echo "guest assets (kernel, initramfs, tools disk) in $assets:"
+  "$aenv" guest build --state-dir "$assets"
+fi
+
+for ((i = 0; i < nodes; i++)); do
+  ns=aenvc-node$i
+  addr=$net.$((10 + i))
+  state=$dir/node$i
+  mkdir -p "$state"
+  if ! ip netns list | grep -qw "$ns"; then
+    ip netns add "$ns"
+    ip link add "aenvc-n$i" type veth peer name eth0 netns "$ns"
+    ip link set "aenvc-n$i" master "$bridge" up
+    ip -n "$ns" addr add "$addr/24" dev eth0
+    ip -n "$ns" link set lo up
+    ip -n "$ns" link set eth0 up
+    ip -n "$ns" route add default via "$host_ip"
+  fi
+  if [[ $backend == vm ]] && ! alive "$state/blockd.pid"; then
+    setsid "$aenv" blockd --state-dir "$state/blockd/state" --socket "$state/blockd/blockd.sock" \
+      --no-fuse >>"$logs/blockd$i.log" 2>&1 </dev/null &
+    echo $! >"$state/blockd.pid"
+  fi
+  if ! alive "$state/node.pid"; then
+    # its own mount namespace with a private /run/netns: its sandbox slots' namespaces are its
+    # own, never another node's of the same names
+    env -u AENV_API_KEY AENV_BLOCKD_SOCKET="$state/blockd/blockd.sock" \
+      AENV_BLOCKD_STATE_DIR="$state/blockd/state" AENV_BLOCKD_LOG="$logs/blockd$i.log" \
+      AENV_BLOCKD_PIDFILE="$state/blockd.pid" AENV_VM_ASSETS_DIR="$assets" \
+      setsid ip netns exec "$ns" unshare --mount --propagation private -- bash -c '
+        mkdir -p /run/netns && mount -t tmpfs -o mode=0755 tmpfs /run/netns && exec "$@"' node \
+      "$aenv" serve --backend "$backend" --state-dir "$state" --host "$addr" --port 8000 \
+      --scheduler "$host_ip:9090" --node-id "node$i" --advertise "$addr:8000" \
+      --cluster-secret-file "$secret" >>"$logs/node$i.log" 2>&1 </dev/null &
+    echo $! >"$state/node.pid"
+    echo "node$i starting on $addr:8000 (namespace $ns, state $state)"
+  fi
+done
+
+if ! alive "$dir/gateway.pid"; then
+  setsid "$aenv" gateway --host 127.0.0.1 --port "$gw_port" --scheduler "$host_ip:9090" \
+    --redis "$redis_url" --cluster-secret-file "$secret" --domain "localhost:$gw_port" \
+    >>"$logs/gateway.log" 2>&1 </dev/null &
+  echo $! >"$dir/gateway.pid"
+  wait_for gateway 60 curl -fsS --max-time 2 -o /dev/null "http://127.0.0.1:$gw_port/health"
+fi
+
+AENV_REDIS_URL=$redis_url "$aenv" team create "$team" >/dev/null 2>&1 || true
+key=$(AENV_REDIS_URL=$redis_url "$aenv" team key "$team")
+
+echo "waiting for the nodes (a VM node's first start builds its base template: minutes)"
+nodes_up() {
+  local up
+  up=$(curl -fsS --max-time 5 -H "X-API-KEY: $key" "http://127.0.0.1:$gw_port/nodes" |
+    "$root/.venv/bin/python" -c \
+      "import json,sys; print(sum(n.get('status')=='ready' for n in json.load(sys.stdin)))")
+  (( up >= nodes ))
+}
+wait_for "the nodes" "${AENV_UP_TIMEOUT:-1800}" nodes_up
+
+cat <<MSG
+
+agentenv cluster is up: $nodes $backend node(s), scheduler, gateway, redis (state in $dir)
+  gateway:  http://127.0.0.1:$gw_port
+  team key: $key   (team "$team"; more: AENV_REDIS_URL=$redis_url aenv team ...)
+  logs:     $logs
+
+For the E2B SDK, export:
+  export E2B_API_URL=http://127.0.0.1:$gw_port
+  export E2B_SANDBOX_URL=http://127.0.0.1:$gw_port
+  export E2B_API_KEY=$key
+
+Stop it with: make cluster-down
+MSG

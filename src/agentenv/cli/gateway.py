@@ -1,0 +1,104 @@
+"""`aenv gateway` runs the cluster's HTTP entry point; `aenv team ...` manages teams and keys."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+import click
+
+DEFAULT_REDIS = "redis://127.0.0.1:6379/0"
+
+
+def _check_domain(ctx: Any, param: Any, value: str | None) -> str | None:
+    from agentenv.cli.node import _check_domain as check
+
+    return check(value)
+
+
+@click.command("gateway")
+@click.option("--host", default="0.0.0.0", show_default=True, help="Address to listen on.")
+@click.option("--port", type=int, default=8080, show_default=True)
+@click.option("--listen", default=None, metavar="HOST:PORT",
+              help="Address and port in one (as `aenv scheduler --listen`); overrides "
+              "--host/--port.")
+@click.option("--scheduler", "scheduler", default="127.0.0.1:9090", show_default=True,
+              envvar="AENV_SCHEDULER", help="host:port of `aenv scheduler` (gRPC).")
+@click.option("--redis", "redis_url", default=DEFAULT_REDIS, show_default=True,
+              envvar="AENV_REDIS_URL", help="Redis with the teams, keys and ownership records.")
+@click.option("--cluster-secret-file", type=click.Path(dir_okay=False, path_type=Path),
+              default=None,
+              help="The secret every node of the cluster requires (default: "
+              "$AENV_CLUSTER_SECRET).")
+@click.option("--domain", default=None, envvar="AENV_DOMAIN", callback=_check_domain,
+              help="Sandbox domain given to SDKs ({port}-{id}.DOMAIN reaches that sandbox port "
+              "through the gateway), e.g. localhost:8080.")
+@click.option("--log-level", default="info", show_default=True)
+def gateway_command(host: str, port: int, listen: str | None, scheduler: str, redis_url: str,
+                    cluster_secret_file: Path | None, domain: str | None,
+                    log_level: str) -> None:
+    """Run the gateway: the E2B API of a whole cluster, and its sandbox traffic."""
+    from agentenv import logs
+    from agentenv.control.gateway.server import GatewayOptions, serve
+
+    logs.setup(log_level)
+    if listen is not None:
+        found = re.fullmatch(r"\[?([0-9A-Za-z.:_-]+?)\]?:(\d{1,5})", listen)
+        if not found:
+            raise click.BadParameter(f"{listen!r} is not HOST:PORT", param_hint="--listen")
+        host, port = found.group(1), int(found.group(2))
+    serve(GatewayOptions(host=host, port=port, scheduler=scheduler, redis=redis_url,
+                         cluster_secret_file=cluster_secret_file, domain=domain))
+
+
+def _run(work: Any) -> Any:
+    from agentenv.control.gateway.store import GatewayStore
+
+    async def main() -> Any:
+        store = GatewayStore(os.environ.get("AENV_REDIS_URL", DEFAULT_REDIS)
+                             if _REDIS[0] is None else _REDIS[0])
+        try:
+            return await work(store)
+        finally:
+            await store.close()
+
+    return asyncio.run(main())
+
+
+_REDIS: list[str | None] = [None]
+
+
+@click.group("team")
+@click.option("--redis", "redis_url", default=None,
+              help=f"Redis of the cluster (default: $AENV_REDIS_URL or {DEFAULT_REDIS}).")
+def team_group(redis_url: str | None) -> None:
+    """Teams of a cluster: each has API keys and sees only its own sandboxes."""
+    _REDIS[0] = redis_url
+
+
+@team_group.command("create")
+@click.argument("name")
+def team_create(name: str) -> None:
+    """Create team NAME (1-40 lowercase letters, digits, '-')."""
+    _run(lambda store: store.create_team(name))
+    click.echo(f"team {name} created; `aenv team key {name}` makes its API key")
+
+
+@team_group.command("key")
+@click.argument("name")
+def team_key(name: str) -> None:
+    """Print a new API key of team NAME (shown once; only its hash is stored)."""
+    click.echo(_run(lambda store: store.new_key(name)))
+
+
+@team_group.command("ls")
+def team_ls() -> None:
+    """List the teams and how many keys each has."""
+    for team in _run(lambda store: store.teams()):
+        click.echo(f"{team['name']}\tkeys={team['keys']}")
+
+
+COMMANDS = [gateway_command, team_group]

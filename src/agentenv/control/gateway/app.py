@@ -1,0 +1,793 @@
+"""The gateway's ASGI app: the E2B API of a whole cluster on one address.
+
+Sandbox traffic (E2b-Sandbox-Id / X-Agentenv-Sandbox-Id header, or a `{port}-{id}.{domain}`
+Host) is relayed to the node holding the sandbox (agentenv.relay, the node proxy's relay), which
+relays it on to the sandbox. Everything else is the control API: the caller's X-API-KEY names
+its team; each route goes to the node the scheduler chose (create, template builds) or the node
+holding what it names (per-sandbox routes, snapshots, a team's templates); listings merge every
+node's. A team sees only its own sandboxes, templates and snapshots (404 for the rest); templates
+no team built (a node's built-in `base`) are everybody's.
+
+Every request to a node carries the cluster secret (nodes of a cluster serve nothing else) and no
+client API key. Node down (missed heartbeats, or it does not answer): 503 "node unavailable".
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import json
+import logging
+import re
+from collections.abc import Awaitable, Callable
+from datetime import datetime
+from typing import Any
+
+import httpx
+from starlette.requests import Request
+
+from agentenv import __version__
+from agentenv.control.gateway.placement import (
+    BadPlacementRequest,
+    Binding,
+    Node,
+    NoPlacement,
+    SchedulerLink,
+    SchedulerUnavailable,
+)
+from agentenv.control.gateway.store import GatewayStore, StoreUnavailable
+from agentenv.relay.server import request_target, target_problem
+from agentenv.relay.stream import (
+    Exchange,
+    Relay,
+    RelayLimits,
+    Send,
+    forward_headers,
+    header_values,
+    send_json,
+)
+
+log = logging.getLogger("agentenv.control.gateway")
+
+Scope = dict[str, Any]
+CLUSTER_SECRET_HEADER = b"x-agentenv-cluster-secret"
+ENVD_PORT = 49983
+MAX_BODY = 1 << 20
+MAX_PAGE = 100
+_HOST_ROUTE = re.compile(r"^(\d{1,5})-([a-z0-9]{1,63})\.[^:]+(:\d+)?$")
+_PORT = re.compile(r"^\d{1,5}$")
+_ID = re.compile(r"^[a-z0-9]{1,63}$")
+#: never sent to a node: the client's team key, the cluster secret (the gateway sets its own)
+#: and the routing headers (the gateway sets the sandbox's own)
+_DROP_TO_NODE = frozenset(
+    {
+        b"x-api-key",
+        CLUSTER_SECRET_HEADER,
+        b"e2b-sandbox-id",
+        b"e2b-sandbox-port",
+        b"x-agentenv-sandbox-id",
+        b"x-agentenv-sandbox-port",
+        b"expect",
+    }
+)
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+def _node_unavailable(what: str) -> ApiError:
+    return ApiError(503, f"node unavailable: {what}")
+
+
+def _sandbox_missing(sandbox_id: str) -> ApiError:
+    return ApiError(404, f"sandbox {sandbox_id!r} not found")
+
+
+def sandbox_route(scope: Scope) -> tuple[str, int] | str | None:
+    """(sandbox id, port) named by headers or Host; a message when they are malformed; None
+    when the request is for the control API."""
+    ids = header_values(scope, b"e2b-sandbox-id") or header_values(scope, b"x-agentenv-sandbox-id")
+    ports = header_values(scope, b"e2b-sandbox-port") or header_values(
+        scope, b"x-agentenv-sandbox-port"
+    )
+    if ids:
+        sandbox_id = ids[0].decode("latin-1").strip()
+        if len(ids) > 1 or len(ports) > 1:
+            return "the sandbox id and port headers may appear once"
+        raw_port = ports[0].decode("latin-1").strip() if ports else str(ENVD_PORT)
+        if not _PORT.match(raw_port) or not 0 < int(raw_port) < 65536:
+            return f"invalid sandbox port {raw_port[:20]!r}"
+        if not _ID.match(sandbox_id):
+            return f"invalid sandbox id {sandbox_id[:70]!r}"
+        return sandbox_id, int(raw_port)
+    hosts = header_values(scope, b"host")
+    if len(hosts) == 1:
+        match = _HOST_ROUTE.match(hosts[0].decode("latin-1").strip().lower().rstrip("."))
+        if match:
+            port = int(match.group(1))
+            if not 0 < port < 65536:
+                return f"invalid port {port} in Host"
+            return match.group(2), port
+    return None
+
+
+def encode_cursor(key: tuple[float, str]) -> str:
+    return base64.urlsafe_b64encode(json.dumps(list(key)).encode()).decode()
+
+
+def decode_cursor(token: str) -> tuple[float, str]:
+    try:
+        ts, item_id = json.loads(base64.urlsafe_b64decode(token.encode()))
+        return float(ts), str(item_id)
+    except (ValueError, TypeError, binascii.Error) as exc:
+        raise ApiError(400, f"invalid next token: {token!r}") from exc
+
+
+def _ts(value: Any) -> float:
+    try:
+        return datetime.fromisoformat(str(value).replace("Z", "+00:00")).timestamp()
+    except ValueError:
+        return 0.0
+
+
+def merged_page(items: list[dict[str, Any]], time_field: str, id_field: str,
+                token: str | None, limit: int, descending: bool
+                ) -> tuple[list[dict[str, Any]], str | None]:
+    """One page of items from all nodes, ordered by (time, id) across them; after `token`."""
+
+    def key(item: dict[str, Any]) -> tuple[float, str]:
+        return _ts(item.get(time_field)), str(item.get(id_field))
+
+    ordered = sorted(items, key=key, reverse=descending)
+    if token:
+        cursor = decode_cursor(token)
+        ordered = [i for i in ordered if (key(i) < cursor if descending else key(i) > cursor)]
+    chunk = ordered[:limit]
+    more = len(ordered) > limit
+    return chunk, (encode_cursor(key(chunk[-1])) if more and chunk else None)
+
+
+def _limit(request: Request) -> int:
+    raw = request.query_params.get("limit")
+    if raw is None:
+        return MAX_PAGE
+    try:
+        value = int(raw)
+    except ValueError as exc:
+        raise ApiError(400, f"limit must be an integer, got {raw!r}") from exc
+    if not 1 <= value <= MAX_PAGE:
+        raise ApiError(400, f"limit must be between 1 and {MAX_PAGE}, got {value}")
+    return value
+
+
+class GatewayApp:
+    """ASGI app of `aenv gateway`."""
+
+    def __init__(self, scheduler: SchedulerLink, store: GatewayStore, cluster_secret: str,
+                 domain: str | None = None, limits: RelayLimits | None = None) -> None:
+        self.scheduler = scheduler
+        self.store = store
+        self.secret = cluster_secret.encode()
+        self.domain = domain
+        self.limits = limits or RelayLimits.from_env()
+        self.relay = Relay(self.limits, self._answer_gone, self._answer_unreachable,
+                           limit_name="the gateway's")
+        self.http = self.relay.client
+        self._routes = self._route_table()
+
+    async def close(self) -> None:
+        await self.relay.close()
+        await self.scheduler.close()
+        await self.store.close()
+
+    # --- ASGI --------------------------------------------------------------------------------
+
+    async def __call__(self, scope: Scope, receive: Any, send: Send) -> None:
+        if scope["type"] == "lifespan":
+            await self._lifespan(receive, send)
+            return
+        problem = target_problem(request_target(scope))
+        if problem is not None:  # never a forward proxy: only origin-form targets
+            if scope["type"] == "websocket":
+                await send({"type": "websocket.close", "code": 1008})
+            else:
+                await send_json(send, 400, {"code": 400, "message": problem})
+            return
+        route = sandbox_route(scope)
+        if scope["type"] == "websocket":
+            if route is None or isinstance(route, str):
+                await send({"type": "websocket.close", "code": 1008})
+                return
+            await self._sandbox_websocket(scope, receive, send, *route)
+            return
+        if isinstance(route, str):
+            await send_json(send, 400, {"code": 400, "message": route})
+            return
+        if route is not None:
+            await self._sandbox_http(scope, receive, send, *route)
+            return
+        request = Request(scope, receive)
+        try:
+            await self._control(request, send)
+        except ApiError as exc:
+            await send_json(send, exc.status, {"code": exc.status, "message": exc.message})
+        except (SchedulerUnavailable, StoreUnavailable) as exc:
+            log.warning("control plane dependency unavailable: %s", exc)
+            await send_json(send, 503, {"code": 503, "message": str(exc)})
+        except NoPlacement as exc:
+            await send_json(send, 503, {"code": 503, "message": f"no node available: {exc}"})
+        except BadPlacementRequest as exc:
+            await send_json(send, 400, {"code": 400, "message": str(exc)})
+        except Exception as exc:
+            log.error("unexpected error", exc_info=exc, extra={"path": scope["path"]})
+            await send_json(send, 500, {"code": 500,
+                                        "message": f"internal error: {type(exc).__name__}"})
+
+    async def _lifespan(self, receive: Any, send: Send) -> None:
+        while True:
+            message = await receive()
+            if message["type"] == "lifespan.startup":
+                await send({"type": "lifespan.startup.complete"})
+            elif message["type"] == "lifespan.shutdown":
+                await self.close()
+                await send({"type": "lifespan.shutdown.complete"})
+                return
+
+    # --- sandbox traffic ---------------------------------------------------------------------
+
+    def _to_node_headers(self, scope: Scope, sandbox_id: str, port: int
+                         ) -> list[tuple[bytes, bytes]]:
+        headers = forward_headers(scope, _DROP_TO_NODE | {b"host"})
+        headers += [
+            (b"e2b-sandbox-id", sandbox_id.encode()),
+            (b"e2b-sandbox-port", str(port).encode()),
+            (CLUSTER_SECRET_HEADER, self.secret),
+        ]
+        return headers
+
+    async def _binding_for_traffic(self, sandbox_id: str) -> tuple[Binding | None, int, str]:
+        try:
+            binding = await self.scheduler.lookup(sandbox_id)
+        except SchedulerUnavailable as exc:
+            return None, 503, f"scheduler unavailable: {exc}"
+        if binding is None:
+            return None, 502, "The sandbox was not found"
+        if not binding.node.up:
+            return None, 503, "node unavailable"
+        return binding, 0, ""
+
+    async def _sandbox_http(self, scope: Scope, receive: Any, send: Send,
+                            sandbox_id: str, port: int) -> None:
+        binding, status, message = await self._binding_for_traffic(sandbox_id)
+        if binding is None:
+            await send_json(send, status, {"sandboxId": sandbox_id, "message": message,
+                                           "code": status})
+            return
+        url = httpx.URL(binding.node.url + "/").copy_with(raw_path=request_target(scope))
+        await self.relay.http(scope, receive, send, url,
+                              self._to_node_headers(scope, sandbox_id, port), Exchange(sandbox_id))
+
+    async def _sandbox_websocket(self, scope: Scope, receive: Any, send: Send,
+                                 sandbox_id: str, port: int) -> None:
+        if (await receive())["type"] != "websocket.connect":
+            return
+        binding, status, _ = await self._binding_for_traffic(sandbox_id)
+        if binding is None:
+            await send({"type": "websocket.close", "code": 1011 if status >= 503 else 1008})
+            return
+        url = httpx.URL(binding.node.url + "/").copy_with(raw_path=request_target(scope))
+        await self.relay.websocket(scope, receive, send, url,
+                                   self._to_node_headers(scope, sandbox_id, port),
+                                   Exchange(sandbox_id))
+
+    async def _answer_gone(self, send: Send, exchange: Exchange) -> int:
+        await send_json(send, 503, {"sandboxId": exchange.name, "message": "node unavailable",
+                                    "code": 503})
+        return 503
+
+    async def _answer_unreachable(self, send: Send, exchange: Exchange, exc: Exception) -> int:
+        # the node holding the sandbox does not answer: it may be down before the scheduler
+        # noticed; the next lookup asks the scheduler again
+        self.scheduler.forget(exchange.name)
+        log.info("node unreachable", extra={"sandbox_id": exchange.name, "error": str(exc)})
+        return await self._answer_gone(send, exchange)
+
+    # --- control API: plumbing ---------------------------------------------------------------
+
+    async def _control(self, request: Request, send: Send) -> None:
+        path = request.url.path
+        if path == "/health":
+            await send_json(send, 200, {"status": "ok", "version": __version__})
+            return
+        if path == "/openapi.json":
+            from agentenv.node.openapi import openapi_document
+
+            await send_json(send, 200, openapi_document())
+            return
+        keys = request.headers.getlist("x-api-key")
+        team = None
+        if len(keys) == 1:
+            team = await self.store.team_of_key(keys[0])
+        if team is None and not path.startswith("/template-files/"):
+            message = "missing X-API-KEY header" if not keys else "invalid API key"
+            raise ApiError(401, message)
+        for method, pattern, handler in self._routes:
+            match = pattern.fullmatch(path)
+            if match:
+                if request.method != method:
+                    continue
+                await handler(request, send, team or "", *match.groups())
+                return
+        if any(p.fullmatch(path) for _, p, _ in self._routes):
+            raise ApiError(405, f"method {request.method} not allowed on {path}")
+        raise ApiError(404, f"route not found: {request.method} {path}")
+
+    def _route_table(self) -> list[tuple[str, re.Pattern[str], Any]]:
+        sid = r"([^/]+)"
+        rest = r"(.+)"
+        table = [
+            ("POST", "/sandboxes", self.create),
+            ("GET", "/sandboxes", self.list_v1),
+            ("POST", "/v2/sandboxes", self.create),
+            ("GET", "/v2/sandboxes", self.list_v2),
+            ("GET", f"/sandboxes/{sid}", self.sandbox_forward),
+            ("DELETE", f"/sandboxes/{sid}", self.kill),
+            ("POST", f"/sandboxes/{sid}/timeout", self.sandbox_forward),
+            ("POST", f"/sandboxes/{sid}/refreshes", self.sandbox_forward),
+            ("POST", f"/sandboxes/{sid}/pause", self.sandbox_forward),
+            ("POST", f"/sandboxes/{sid}/resume", self.sandbox_forward),
+            ("POST", f"/sandboxes/{sid}/connect", self.sandbox_forward),
+            ("POST", f"/v2/sandboxes/{sid}/connect", self.sandbox_forward),
+            ("GET", f"/sandboxes/{sid}/metrics", self.sandbox_forward),
+            ("POST", f"/sandboxes/{sid}/snapshots", self.snapshot),
+            ("POST", f"/sandboxes/{sid}/fork", self.fork),
+            ("PUT", f"/sandboxes/{sid}/network", self.sandbox_forward),
+            ("GET", "/snapshots", self.list_snapshots),
+            ("GET", f"/snapshots/{rest}", self.get_snapshot),
+            ("POST", "/v3/templates", self.build_template),
+            ("POST", "/templates/tags", self.tags_change),
+            ("DELETE", "/templates/tags", self.tags_change),
+            ("GET", "/templates", self.list_templates),
+            ("GET", "/v2/templates", self.list_templates),
+            ("GET", f"/templates/aliases/{rest}", self.template_alias),
+            ("GET", f"/templates/{sid}/files/{sid}", self.template_forward),
+            ("POST", f"/v2/templates/{sid}/builds/{sid}", self.template_forward),
+            ("GET", f"/templates/{sid}/builds/{sid}/status", self.template_forward),
+            ("GET", f"/templates/{sid}/tags", self.template_forward),
+            ("GET", f"/templates/{rest}", self.template_forward),
+            ("DELETE", f"/templates/{rest}", self.delete_template),
+            ("PUT", f"/template-files/{sid}/{rest}", self.template_files),
+            ("POST", f"/template-files/{sid}/{rest}", self.template_files),
+            ("GET", "/nodes", self.list_nodes),
+            ("GET", f"/nodes/{sid}", self.node_detail),
+        ]
+        return [(m, re.compile(p), h) for m, p, h in table]
+
+    def _headers(self, request: Request) -> list[tuple[bytes, bytes]]:
+        headers = forward_headers(request.scope, _DROP_TO_NODE | {b"content-length"})
+        headers.append((CLUSTER_SECRET_HEADER, self.secret))
+        return headers
+
+    async def _body(self, request: Request) -> bytes:
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > MAX_BODY:
+                raise ApiError(413, f"request body over {MAX_BODY} bytes")
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    async def _call(self, node: Node, request: Request, body: bytes | None = None,
+                    path: str | None = None, params: Any = None) -> httpx.Response:
+        """One buffered exchange with a node (bodies of the control API are small)."""
+        target = request_target(request.scope).decode("latin-1") if path is None else path
+        try:
+            return await self.http.request(
+                request.method, node.url + target, headers=self._headers(request),
+                content=body, params=params, timeout=600,
+            )
+        except httpx.HTTPError as exc:
+            raise _node_unavailable(f"{node.node_id} at {node.address}: {exc}") from exc
+
+    async def _get(self, node: Node, path: str, params: Any = None) -> httpx.Response:
+        try:
+            return await self.http.get(node.url + path, params=params, timeout=30,
+                                       headers={"x-agentenv-cluster-secret": self.secret.decode()})
+        except httpx.HTTPError as exc:
+            raise _node_unavailable(f"{node.node_id} at {node.address}: {exc}") from exc
+
+    async def _send(self, send: Send, answer: httpx.Response,
+                    content: bytes | None = None) -> None:
+        body = answer.content if content is None else content
+        headers = [
+            (n, v) for n, v in answer.headers.raw
+            if n.lower() not in (b"content-length", b"transfer-encoding", b"connection",
+                                 b"content-encoding", b"date", b"server")
+        ]
+        headers.append((b"content-length", str(len(body)).encode()))
+        await send({"type": "http.response.start", "status": answer.status_code,
+                    "headers": headers})
+        await send({"type": "http.response.body", "body": body})
+
+    async def _send_json(self, send: Send, status: int, body: Any,
+                         headers: dict[str, str] | None = None) -> None:
+        payload = json.dumps(body).encode()
+        raw = [(b"content-type", b"application/json"),
+               (b"content-length", str(len(payload)).encode())]
+        raw += [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()]
+        await send({"type": "http.response.start", "status": status, "headers": raw})
+        await send({"type": "http.response.body", "body": payload})
+
+    def _with_domain(self, sandbox: dict[str, Any]) -> dict[str, Any]:
+        if isinstance(sandbox, dict) and "domain" in sandbox:
+            sandbox["domain"] = self.domain
+        return sandbox
+
+    async def _up_nodes(self) -> list[Node]:
+        return [n for n in await self.scheduler.nodes() if n.up]
+
+    async def _own_binding(self, sandbox_id: str, team: str) -> Binding:
+        """The node of a sandbox of `team`: 404 for another team's or an unknown sandbox, 503
+        when its node is down."""
+        owner = await self.store.sandbox_team(sandbox_id)
+        if owner != team:
+            raise _sandbox_missing(sandbox_id)
+        binding = await self.scheduler.lookup(sandbox_id)
+        if binding is None:
+            raise _sandbox_missing(sandbox_id)
+        if not binding.node.up:
+            raise _node_unavailable(f"sandbox {sandbox_id} is on node {binding.node.node_id}, "
+                                    "which missed its heartbeats")
+        return binding
+
+    # --- sandboxes ---------------------------------------------------------------------------
+
+    async def create(self, request: Request, send: Send, team: str) -> None:
+        raw = await self._body(request)
+        try:
+            body = json.loads(raw or b"{}")
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise ApiError(400, f"request body is not valid JSON: {exc}") from exc
+        template = body.get("templateID") if isinstance(body, dict) else None
+        if not isinstance(template, str) or not template:
+            # the node names what is wrong with the body
+            node = (await self._up_nodes() or [None])[0]
+            if node is None:
+                raise NoPlacement("no node is up")
+            await self._send(send, await self._call(node, request, raw))
+            return
+        bare = template.split(":")[0]
+        owned = (await self.store.owned("snapshot", bare, team)
+                 or await self.store.owned("template", bare, team))
+        if owned is not None and owned.team != team:
+            raise ApiError(404, f"template '{template}' not found")
+        if owned is not None:
+            node = await self._node_by_id(owned.node)
+        else:
+            node = await self.scheduler.schedule(template=template, team=team)
+        answer = await self._call(node, request, raw)
+        if answer.status_code == 201:
+            created = answer.json()
+            sandbox_id = created["sandboxID"]
+            await self.store.own_sandboxes(team, [sandbox_id])
+            await self.scheduler.record(sandbox_id, node, team)
+            await self._send_json(send, 201, self._with_domain(created))
+            return
+        await self._send(send, answer)
+
+    async def _node_by_id(self, node_id: str) -> Node:
+        for node in await self.scheduler.nodes():
+            if node.node_id == node_id:
+                if not node.up:
+                    raise _node_unavailable(f"{node_id} missed its heartbeats")
+                return node
+        raise _node_unavailable(f"{node_id} is not registered")
+
+    async def _all_pages(self, node: Node, path: str, params: list[tuple[str, str]]
+                         ) -> list[dict[str, Any]]:
+        items: list[dict[str, Any]] = []
+        token = None
+        while True:
+            query = [*params, ("limit", str(MAX_PAGE))]
+            if token:
+                query.append(("nextToken", token))
+            answer = await self._get(node, path, query)
+            if answer.status_code != 200:
+                raise ApiError(answer.status_code if answer.status_code < 500 else 502,
+                               answer.json().get("message", answer.text)
+                               if answer.headers.get("content-type", "").startswith(
+                                   "application/json") else answer.text)
+            items += answer.json()
+            token = answer.headers.get("x-next-token")
+            if not token:
+                return items
+
+    async def _gather(self, nodes: list[Node], fetch: Callable[[Node], Awaitable[list[Any]]]
+                      ) -> list[Any]:
+        results = await asyncio.gather(*(fetch(n) for n in nodes), return_exceptions=True)
+        merged: list[Any] = []
+        for node, result in zip(nodes, results, strict=True):
+            if isinstance(result, ApiError) and result.status == 400:
+                raise result
+            if isinstance(result, BaseException):
+                # a node that dropped out since ListNodes: its items are missing from this
+                # listing (as they are unreachable), the rest is served
+                log.info("listing skipped a node", extra={"node": node.node_id,
+                                                          "error": str(result)})
+                continue
+            merged += result
+        return merged
+
+    async def _team_sandboxes(self, request: Request, path: str, team: str,
+                              paged: bool) -> list[dict[str, Any]]:
+        params = [(k, v) for k, v in request.query_params.multi_items()
+                  if k not in ("limit", "nextToken", "order")]
+        nodes = await self._up_nodes()
+
+        async def fetch(node: Node) -> list[Any]:
+            if paged:
+                return await self._all_pages(node, path, params)
+            answer = await self._get(node, path, params)
+            if answer.status_code != 200:
+                raise ApiError(answer.status_code, answer.text)
+            return list(answer.json())
+
+        items = await self._gather(nodes, fetch)
+        teams = await self.store.sandbox_teams([i["sandboxID"] for i in items])
+        return [i for i, t in zip(items, teams, strict=True) if t == team]
+
+    async def list_v1(self, request: Request, send: Send, team: str) -> None:
+        await self._send_json(send, 200,
+                              await self._team_sandboxes(request, "/sandboxes", team, False))
+
+    async def list_v2(self, request: Request, send: Send, team: str) -> None:
+        order = request.query_params.get("order", "desc")
+        if order not in ("asc", "desc"):
+            raise ApiError(400, f"order must be asc or desc, got {order!r}")
+        limit = _limit(request)
+        token = request.query_params.get("nextToken")
+        if token:
+            decode_cursor(token)
+        found = await self._team_sandboxes(request, "/v2/sandboxes", team, True)
+        items, next_token = merged_page(found, "startedAt", "sandboxID", token, limit,
+                                        order == "desc")
+        headers = {"X-Total-Running": str(sum(i.get("state") == "running" for i in found))}
+        if next_token:
+            headers["X-Next-Token"] = next_token
+        await self._send_json(send, 200, items, headers)
+
+    async def sandbox_forward(self, request: Request, send: Send, team: str,
+                              sandbox_id: str) -> None:
+        binding = await self._own_binding(sandbox_id, team)
+        answer = await self._call(binding.node, request, await self._body(request))
+        if answer.status_code in (200, 201) and request.method == "POST" and (
+            request.url.path.endswith(("/connect", "/resume"))
+        ):
+            await self._send_json(send, answer.status_code, self._with_domain(answer.json()))
+            return
+        if answer.status_code == 200 and request.method == "GET" and request.url.path.count(
+            "/"
+        ) == 2:
+            await self._send_json(send, 200, self._with_domain(answer.json()))
+            return
+        await self._send(send, answer)
+
+    async def kill(self, request: Request, send: Send, team: str, sandbox_id: str) -> None:
+        binding = await self._own_binding(sandbox_id, team)
+        answer = await self._call(binding.node, request)
+        if answer.status_code in (204, 404):
+            await self.scheduler.release(sandbox_id)
+            await self.store.forget_sandbox(sandbox_id)
+        await self._send(send, answer)
+
+    async def fork(self, request: Request, send: Send, team: str, sandbox_id: str) -> None:
+        # a fork stays on its source's node (its memory and disk are there)
+        binding = await self._own_binding(sandbox_id, team)
+        answer = await self._call(binding.node, request, await self._body(request))
+        if answer.status_code != 201:
+            await self._send(send, answer)
+            return
+        results = answer.json()
+        children = [r["sandbox"]["sandboxID"] for r in results if r.get("sandbox")]
+        await self.store.own_sandboxes(team, children)
+        for child in children:
+            await self.scheduler.record(child, binding.node, team)
+        for r in results:
+            if r.get("sandbox"):
+                self._with_domain(r["sandbox"])
+        await self._send_json(send, 201, results)
+
+    async def snapshot(self, request: Request, send: Send, team: str, sandbox_id: str) -> None:
+        binding = await self._own_binding(sandbox_id, team)
+        answer = await self._call(binding.node, request, await self._body(request))
+        if answer.status_code == 201:
+            snap = answer.json()
+            names = [n.split("/")[-1].split(":")[0] for n in snap.get("names", [])]
+            await self.store.own("snapshot", snap["snapshotID"], team, binding.node.node_id,
+                                 names)
+        await self._send(send, answer)
+
+    # --- snapshots ---------------------------------------------------------------------------
+
+    async def list_snapshots(self, request: Request, send: Send, team: str) -> None:
+        limit = _limit(request)
+        token = request.query_params.get("nextToken")
+        if token:
+            decode_cursor(token)
+        params = [(k, v) for k, v in request.query_params.multi_items()
+                  if k not in ("limit", "nextToken")]
+        items = await self._gather(await self._up_nodes(),
+                                   lambda n: self._all_pages(n, "/snapshots", params))
+        owners = await self.store.owned_ids("snapshot", [i["snapshotID"] for i in items])
+        mine = [i for i in items if owners.get(i["snapshotID"]) == team]
+        page_items, next_token = merged_page(mine, "createdAt", "snapshotID", token, limit, True)
+        headers = {"X-Next-Token": next_token} if next_token else None
+        await self._send_json(send, 200, page_items, headers)
+
+    async def get_snapshot(self, request: Request, send: Send, team: str, ref: str) -> None:
+        owned = await self.store.owned("snapshot", ref.split("/")[-1].split(":")[0], team)
+        if owned is None or owned.team != team:
+            raise ApiError(404, f"snapshot '{ref}' not found")
+        node = await self._node_by_id(owned.node)
+        await self._send(send, await self._call(node, request))
+
+    # --- templates ---------------------------------------------------------------------------
+
+    async def _template_node(self, ref: str, team: str) -> Node:
+        """The node of a template `team` may see: its own (where it was built), or a shared one
+        (no team built it: any node that is up has it)."""
+        bare = ref.split("/")[-1].split(":")[0]
+        owned = await self.store.owned("template", bare, team)
+        if owned is not None:
+            if owned.team != team:
+                raise ApiError(404, f"template '{ref}' not found")
+            return await self._node_by_id(owned.node)
+        nodes = await self._up_nodes()
+        if not nodes:
+            raise NoPlacement("no node is up")
+        return nodes[0]
+
+    async def build_template(self, request: Request, send: Send, team: str) -> None:
+        raw = await self._body(request)
+        try:
+            body = json.loads(raw or b"{}")
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise ApiError(400, f"request body is not valid JSON: {exc}") from exc
+        name = ""
+        if isinstance(body, dict):
+            name = str(body.get("name") or body.get("alias") or "").split(":")[0]
+        owned = await self.store.owned("template", name, team) if name else None
+        if owned is not None and owned.team == team:
+            node = await self._node_by_id(owned.node)  # a rebuild: where the template is
+        elif name:
+            node = await self.scheduler.schedule(template=name, team=team)
+        else:  # the node names what is wrong with the body
+            node = (await self._up_nodes() or [None])[0]
+            if node is None:
+                raise NoPlacement("no node is up")
+        answer = await self._call(node, request, raw)
+        if answer.status_code in (200, 201, 202):
+            built = answer.json()
+            template_id = built.get("templateID")
+            if template_id:
+                await self.store.own("template", template_id, team, node.node_id,
+                                     [name] if name else [])
+        await self._send(send, answer)
+
+    async def template_forward(self, request: Request, send: Send, team: str, ref: str,
+                               *_: str) -> None:
+        node = await self._template_node(ref, team)
+        await self._send(send, await self._call(node, request, await self._body(request)))
+
+    async def template_files(self, request: Request, send: Send, team: str, template_id: str,
+                             rest: str) -> None:
+        # a signed upload URL: the node checks the signature; the file may be large
+        owned = await self.store.owned("template", template_id)
+        if owned is None:
+            raise ApiError(404, f"template '{template_id}' not found")
+        node = await self._node_by_id(owned.node)
+        url = httpx.URL(node.url + "/").copy_with(raw_path=request_target(request.scope))
+        headers = forward_headers(request.scope, _DROP_TO_NODE | {b"host"})
+        headers.append((CLUSTER_SECRET_HEADER, self.secret))
+        await self.relay.http(request.scope, request.receive, send, url, headers,
+                              Exchange(template_id))
+
+    async def tags_change(self, request: Request, send: Send, team: str) -> None:
+        raw = await self._body(request)
+        try:
+            body = json.loads(raw or b"{}")
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise ApiError(400, f"request body is not valid JSON: {exc}") from exc
+        target = ""
+        if isinstance(body, dict):
+            target = str(body.get("target") or body.get("name") or "")
+        node = await self._template_node(target, team) if target else (
+            (await self._up_nodes() or [None])[0])
+        if node is None:
+            raise NoPlacement("no node is up")
+        await self._send(send, await self._call(node, request, raw))
+
+    async def template_alias(self, request: Request, send: Send, team: str, alias: str) -> None:
+        node = await self._template_node(alias, team)
+        await self._send(send, await self._call(node, request))
+
+    async def delete_template(self, request: Request, send: Send, team: str, ref: str) -> None:
+        bare = ref.split("/")[-1].split(":")[0]
+        owned = await self.store.owned("template", bare, team)
+        if owned is None:
+            owned = await self.store.owned("snapshot", bare, team)
+        if owned is None or owned.team != team:
+            # shared templates are not any team's to delete
+            raise ApiError(404, f"template '{ref}' not found")
+        node = await self._node_by_id(owned.node)
+        answer = await self._call(node, request)
+        if answer.status_code == 204:
+            await self.store.disown(owned.kind, owned.id, team, [bare])
+        await self._send(send, answer)
+
+    async def list_templates(self, request: Request, send: Send, team: str) -> None:
+        v2 = request.url.path.startswith("/v2/")
+        nodes = await self._up_nodes()
+
+        async def fetch(node: Node) -> list[Any]:
+            answer = await self._get(node, "/templates")
+            if answer.status_code != 200:
+                raise ApiError(answer.status_code, answer.text)
+            return list(answer.json())
+
+        items = await self._gather(nodes, fetch)
+        owners = await self.store.owned_ids("template", [i["templateID"] for i in items])
+        seen: set[str] = set()
+        visible = []
+        for item in items:
+            tid = item["templateID"]
+            if tid in seen or owners.get(tid, team) != team:
+                continue
+            seen.add(tid)
+            visible.append(item)
+        if not v2:
+            visible.sort(key=lambda i: (_ts(i.get("createdAt")), i["templateID"]))
+            await self._send_json(send, 200, visible)
+            return
+        limit = _limit(request)
+        token = request.query_params.get("nextToken")
+        page_items, next_token = merged_page(visible, "createdAt", "templateID", token, limit,
+                                             True)
+        await self._send_json(send, 200, page_items,
+                              {"X-Next-Token": next_token} if next_token else None)
+
+    # --- nodes -------------------------------------------------------------------------------
+
+    async def list_nodes(self, request: Request, send: Send, team: str) -> None:
+        nodes = await self.scheduler.nodes()
+
+        async def fetch(node: Node) -> list[Any]:
+            answer = await self._get(node, "/nodes")
+            found = list(answer.json()) if answer.status_code == 200 else []
+            for item in found:  # the scheduler's name of the node, not its host name
+                item.update({"id": node.node_id, "nodeID": node.node_id})
+            return found
+
+        up = [n for n in nodes if n.up]
+        found = await self._gather(up, fetch)
+        found += [{"id": n.node_id, "nodeID": n.node_id, "status": "unhealthy"}
+                  for n in nodes if not n.up]
+        await self._send_json(send, 200, found)
+
+    async def node_detail(self, request: Request, send: Send, team: str, node_id: str) -> None:
+        for node in await self.scheduler.nodes():
+            if node.node_id == node_id:
+                if not node.up:
+                    raise _node_unavailable(f"{node_id} missed its heartbeats")
+                answer = await self._get(node, "/nodes")
+                if answer.status_code == 200 and answer.json():
+                    body = answer.json()[0]
+                    body.update({"id": node_id, "nodeID": node_id, "cachedBuilds": []})
+                    await self._send_json(send, 200, body)
+                    return
+        raise ApiError(404, f"node {node_id!r} not found")

@@ -1,0 +1,168 @@
+"""The gateway's side of the scheduler (agentenv.control.scheduler.client over gRPC): where to
+create, which node holds a sandbox.
+
+Lookups are cached for a moment (`LOOKUP_TTL`): a proxied request should not pay a gRPC round
+trip each time. A cached entry is dropped when the node it names does not answer, and it is only
+a cache: the binding table is the scheduler's (in Redis), so gateways stay stateless. While the
+scheduler cannot be reached (restarting after kill -9), bindings seen in the last `STALE_TTL`
+seconds keep routing. The node list is cached the same way (`NODES_TTL`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+
+import grpc
+
+from agentenv.control.scheduler.client import SchedulerClient, SchedulerError
+
+LOOKUP_TTL = 1.0
+#: while the scheduler is unreachable, a binding seen this recently still routes (a sandbox
+#: does not move without the gateway: create, fork and kill all go through it)
+STALE_TTL = 600.0
+NODES_TTL = 0.5
+RECONNECT_S = 0.5
+
+
+class SchedulerUnavailable(Exception):
+    """The scheduler did not answer (the gateway answers 503)."""
+
+
+class NoPlacement(Exception):
+    """The scheduler answered but found no node (every node full or down): 503 with its reason."""
+
+
+class BadPlacementRequest(Exception):
+    """The scheduler refused the request as invalid (400 with its reason)."""
+
+
+@dataclass(frozen=True)
+class Node:
+    node_id: str
+    address: str
+    up: bool = True
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.address}"
+
+
+@dataclass(frozen=True)
+class Binding:
+    sandbox_id: str
+    node: Node
+    team: str
+
+
+def _translated(exc: SchedulerError) -> Exception:
+    if exc.code == grpc.StatusCode.INVALID_ARGUMENT:
+        return BadPlacementRequest(exc.details or str(exc))
+    if exc.unavailable and "no node" not in exc.details.lower():
+        return SchedulerUnavailable(str(exc))
+    if exc.code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION):
+        return NoPlacement(exc.details or str(exc))
+    return SchedulerUnavailable(str(exc))
+
+
+class SchedulerLink:
+    def __init__(self, address: str) -> None:
+        self.address = address
+        self._client: SchedulerClient | None = None
+        self._cache: dict[str, tuple[float, Binding]] = {}
+        self._nodes: tuple[float, list[Node]] = (0.0, [])
+        self._reconnected = 0.0
+        self._closing: set[asyncio.Task[None]] = set()
+
+    @property
+    def client(self) -> SchedulerClient:
+        # made on first use: a grpc.aio channel belongs to the event loop it was made in
+        if self._client is None:
+            self._client = SchedulerClient(self.address)
+        return self._client
+
+    def _reconnect_later(self, exc: SchedulerError) -> None:
+        """After a failed connection, gRPC waits longer and longer (up to minutes) before it
+        tries again: a scheduler back from a restart would stay unreachable. A new channel
+        connects at once; at most one new channel every RECONNECT_S."""
+        now = time.monotonic()
+        if not exc.unavailable or self._client is None or now - self._reconnected < RECONNECT_S:
+            return
+        self._reconnected = now
+        old, self._client = self._client, None
+        task = asyncio.get_running_loop().create_task(old.close())
+        self._closing.add(task)
+        task.add_done_callback(self._closing.discard)
+
+    async def close(self) -> None:
+        if self._client is not None:
+            await self._client.close()
+
+    async def schedule(self, *, template: str = "", snapshot: str = "", team: str = "",
+                       source: str = "") -> Node:
+        try:
+            placed = await self.client.schedule(template_id=template, snapshot_id=snapshot,
+                                                team_id=team, source_sandbox_id=source)
+        except SchedulerError as exc:
+            self._reconnect_later(exc)
+            raise _translated(exc) from exc
+        return Node(placed.node_id, placed.node_address)
+
+    async def record(self, sandbox_id: str, node: Node, team: str) -> None:
+        try:
+            await self.client.record_assignment(sandbox_id, node.node_id, team_id=team)
+        except SchedulerError as exc:
+            self._reconnect_later(exc)
+            raise _translated(exc) from exc
+        self._cache[sandbox_id] = (time.monotonic() + LOOKUP_TTL, Binding(sandbox_id, node, team))
+
+    async def release(self, sandbox_id: str) -> None:
+        self._cache.pop(sandbox_id, None)
+        try:
+            await self.client.release(sandbox_id)
+        except SchedulerError as exc:
+            self._reconnect_later(exc)
+            raise _translated(exc) from exc
+
+    async def lookup(self, sandbox_id: str) -> Binding | None:
+        now = time.monotonic()
+        cached = self._cache.get(sandbox_id)
+        if cached is not None and cached[0] > now:
+            return cached[1]
+        try:
+            where = await self.client.lookup(sandbox_id)
+        except SchedulerError as exc:
+            self._reconnect_later(exc)
+            if exc.unavailable and cached is not None and cached[0] + STALE_TTL > now:
+                return cached[1]
+            raise _translated(exc) from exc
+        found = None
+        if where is not None:
+            found = Binding(sandbox_id, Node(where.node_id, where.node_address, where.node_up),
+                            where.team_id)
+        if len(self._cache) > 100_000:
+            self._cache.clear()
+        # a miss is not cached: a sandbox created through another gateway is routable at once
+        if found is not None:
+            self._cache[sandbox_id] = (now + LOOKUP_TTL, found)
+        else:
+            self._cache.pop(sandbox_id, None)
+        return found
+
+    def forget(self, sandbox_id: str) -> None:
+        self._cache.pop(sandbox_id, None)
+
+    async def nodes(self) -> list[Node]:
+        now = time.monotonic()
+        if self._nodes[0] > now:
+            return self._nodes[1]
+        try:
+            listed = await self.client.list_nodes()
+        except SchedulerError as exc:
+            self._reconnect_later(exc)
+            raise _translated(exc) from exc
+        nodes = [Node(n.node_id, n.address, n.up) for n in listed]
+        self._nodes = (now + NODES_TTL, nodes)
+        return nodes

@@ -1,0 +1,77 @@
+"""Run the gateway: uvicorn with the node's hardened HTTP/1.1 protocol around GatewayApp."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import uvicorn
+
+from agentenv.control.gateway.app import GatewayApp
+from agentenv.control.gateway.placement import SchedulerLink
+from agentenv.control.gateway.store import GatewayStore
+from agentenv.errors import AgentEnvError
+from agentenv.relay.server import hardened_protocol, quiet_stream_aborts
+from agentenv.relay.stream import RelayLimits
+
+log = logging.getLogger("agentenv.control.gateway.server")
+
+
+@dataclass
+class GatewayOptions:
+    host: str = "0.0.0.0"
+    port: int = 8080
+    scheduler: str = "127.0.0.1:9090"
+    redis: str = "redis://127.0.0.1:6379/0"
+    cluster_secret_file: Path | None = None
+    domain: str | None = None
+
+
+def read_cluster_secret(path: Path | None) -> str:
+    from agentenv.node.security import load_cluster_secret
+
+    secret = load_cluster_secret(path)
+    if secret is None:
+        raise AgentEnvError(
+            "the gateway needs the cluster secret: --cluster-secret-file or AENV_CLUSTER_SECRET"
+        )
+    return secret
+
+
+def build_app(options: GatewayOptions) -> GatewayApp:
+    return GatewayApp(
+        SchedulerLink(options.scheduler),
+        GatewayStore(options.redis),
+        read_cluster_secret(options.cluster_secret_file),
+        domain=options.domain,
+    )
+
+
+def serve(options: GatewayOptions) -> None:
+    app = build_app(options)
+    limits: RelayLimits = app.limits
+    quiet_stream_aborts()
+    config = uvicorn.Config(
+        app,
+        host=options.host,
+        port=options.port,
+        http=hardened_protocol(limits.max_head_bytes, limits.head_timeout),
+        h11_max_incomplete_event_size=limits.max_head_bytes + 1,
+        log_config=None,
+        access_log=False,
+        lifespan="on",
+        timeout_graceful_shutdown=5,
+        timeout_keep_alive=30,
+        server_header=False,
+        ws="websockets-sansio",
+        ws_max_size=64 << 20,
+        backlog=4096,
+    )
+    server = uvicorn.Server(config)
+    log.info("gateway starting", extra={"host": options.host, "port": options.port,
+                                        "scheduler": options.scheduler})
+    asyncio.run(server.serve())
+    if not server.started:
+        raise AgentEnvError(f"gateway did not start on {options.host}:{options.port}")

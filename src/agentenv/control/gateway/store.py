@@ -1,0 +1,165 @@
+"""What the gateway keeps in Redis: teams and their API keys, and which team owns each sandbox,
+template and snapshot (and on which node a template or snapshot lives).
+
+The gateway holds nothing else: every gateway process of a cluster reads the same keys, so any
+of them serves any request. API keys are stored as their SHA-256 only.
+
+Keys (prefix `aenv:`): `teams` (set of names), `team:{name}` (hash: name, created),
+`apikey:{sha256}` -> team name, `own:sandbox` (hash: sandbox id -> team),
+`own:template:{id}` / `own:snapshot:{id}` (hash: team, node, id), `name:template:{team}:{name}`
+and `name:snapshot:{team}:{name}` -> id.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import secrets
+import time
+from dataclasses import dataclass
+
+import redis.asyncio as aioredis
+import redis.exceptions
+
+from agentenv.errors import AgentEnvError
+
+PREFIX = "aenv:"
+TEAM_NAME = re.compile(r"^[a-z0-9][a-z0-9-]{0,39}$")
+
+
+class StoreUnavailable(AgentEnvError):
+    """Redis did not answer (the gateway answers 503)."""
+
+
+def key_digest(api_key: str) -> str:
+    return hashlib.sha256(api_key.encode()).hexdigest()
+
+
+def new_api_key() -> str:
+    # `e2b_` + 40 hex digits: the form the Python SDK checks before sending anything
+    return "e2b_" + secrets.token_hex(20)
+
+
+@dataclass(frozen=True)
+class Owned:
+    """A template or snapshot a team made, and the node that holds it."""
+
+    kind: str  # "template" | "snapshot"
+    id: str
+    team: str
+    node: str
+
+
+class GatewayStore:
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.redis = aioredis.Redis.from_url(
+            url, decode_responses=True, socket_connect_timeout=5, socket_timeout=20
+        )
+
+    async def close(self) -> None:
+        await self.redis.aclose()
+
+    async def _call(self, coro):  # type: ignore[no-untyped-def]
+        try:
+            return await coro
+        except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError) as exc:
+            raise StoreUnavailable(f"Redis at {self.url} is unavailable: {exc}") from exc
+
+    # --- teams -------------------------------------------------------------------------------
+
+    async def create_team(self, name: str) -> None:
+        if not TEAM_NAME.match(name):
+            raise AgentEnvError(
+                f"invalid team name {name!r}: 1-40 lowercase letters, digits and '-'"
+            )
+        created = await self._call(self.redis.sadd(PREFIX + "teams", name))
+        if not created:
+            raise AgentEnvError(f"team {name!r} exists already")
+        await self._call(
+            self.redis.hset(PREFIX + f"team:{name}", mapping={"name": name,
+                                                              "created": str(time.time())})
+        )
+
+    async def new_key(self, team: str) -> str:
+        if not await self._call(self.redis.sismember(PREFIX + "teams", team)):
+            raise AgentEnvError(f"no team {team!r} (aenv team create {team})")
+        key = new_api_key()
+        await self._call(self.redis.set(PREFIX + f"apikey:{key_digest(key)}", team))
+        await self._call(self.redis.hincrby(PREFIX + f"team:{team}", "keys", 1))
+        return key
+
+    async def teams(self) -> list[dict[str, str]]:
+        names = sorted(await self._call(self.redis.smembers(PREFIX + "teams")))
+        out = []
+        for name in names:
+            info = await self._call(self.redis.hgetall(PREFIX + f"team:{name}"))
+            out.append({"name": name, "keys": info.get("keys", "0"),
+                        "created": info.get("created", "")})
+        return out
+
+    async def team_of_key(self, api_key: str) -> str | None:
+        found: str | None = await self._call(
+            self.redis.get(PREFIX + f"apikey:{key_digest(api_key)}")
+        )
+        return found
+
+    # --- ownership ---------------------------------------------------------------------------
+
+    async def own_sandboxes(self, team: str, sandbox_ids: list[str]) -> None:
+        if sandbox_ids:
+            await self._call(
+                self.redis.hset(PREFIX + "own:sandbox", mapping=dict.fromkeys(sandbox_ids, team))
+            )
+
+    async def sandbox_team(self, sandbox_id: str) -> str | None:
+        found: str | None = await self._call(self.redis.hget(PREFIX + "own:sandbox", sandbox_id))
+        return found
+
+    async def sandbox_teams(self, sandbox_ids: list[str]) -> list[str | None]:
+        if not sandbox_ids:
+            return []
+        found: list[str | None] = await self._call(
+            self.redis.hmget(PREFIX + "own:sandbox", sandbox_ids)
+        )
+        return found
+
+    async def forget_sandbox(self, sandbox_id: str) -> None:
+        await self._call(self.redis.hdel(PREFIX + "own:sandbox", sandbox_id))
+
+    async def own(self, kind: str, item_id: str, team: str, node: str, names: list[str]) -> None:
+        pipe = self.redis.pipeline()
+        pipe.hset(PREFIX + f"own:{kind}:{item_id}",
+                  mapping={"team": team, "node": node, "id": item_id})
+        for name in names:
+            pipe.set(PREFIX + f"name:{kind}:{team}:{name}", item_id)
+        await self._call(pipe.execute())
+
+    async def owned(self, kind: str, ref: str, team: str | None = None) -> Owned | None:
+        """The template or snapshot `ref` (an id, or a name of `team`'s), whoever owns it."""
+        item_id = ref
+        if team is not None:
+            named = await self._call(self.redis.get(PREFIX + f"name:{kind}:{team}:{ref}"))
+            if named:
+                item_id = named
+        info = await self._call(self.redis.hgetall(PREFIX + f"own:{kind}:{item_id}"))
+        if not info:
+            return None
+        return Owned(kind, info["id"], info["team"], info["node"])
+
+    async def owned_ids(self, kind: str, ids: list[str]) -> dict[str, str]:
+        """id -> owning team, for the ids some team owns."""
+        if not ids:
+            return {}
+        pipe = self.redis.pipeline()
+        for item_id in ids:
+            pipe.hget(PREFIX + f"own:{kind}:{item_id}", "team")
+        teams = await self._call(pipe.execute())
+        return {i: t for i, t in zip(ids, teams, strict=True) if t}
+
+    async def disown(self, kind: str, item_id: str, team: str, names: list[str]) -> None:
+        pipe = self.redis.pipeline()
+        pipe.delete(PREFIX + f"own:{kind}:{item_id}")
+        for name in names:
+            pipe.delete(PREFIX + f"name:{kind}:{team}:{name}")
+        await self._call(pipe.execute())

@@ -1,0 +1,146 @@
+"""The HTTP/1.1 protocol of the node and the gateway: uvicorn's h11 protocol with limits on
+the request head.
+
+uvicorn's h11 protocol sets no deadline for receiving a request head (a client that sends one
+byte a minute holds its connection forever, and so does one that connects and sends nothing)
+and answers an oversized head with a bare 400. This protocol answers 408 when a head is not
+complete within `head_timeout` seconds and 431 when it is larger than `max_head_bytes`, then
+closes the connection. h11 passes any request target on, including absolute-form
+(`GET http://host/x`), authority-form (`CONNECT host:443`) and `@127.0.0.1:8000/x`:
+`target_problem` is what the node and the gateway check every request against; neither is
+ever a forward proxy, so only origin-form (`/path?query`) is served.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import re
+from typing import Any
+
+import h11
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+log = logging.getLogger("agentenv.relay.server")
+
+#: origin-form (RFC 9112 3.2.1): an absolute path and an optional query. Only printable ASCII
+#: other than '#': llhttp already refuses spaces and control bytes, this also refuses a fragment,
+#: and a leading "//" that URL parsers would read as an authority.
+_ORIGIN_FORM = re.compile(rb"/(?!/)[\x21\x22\x24-\x7e]*")
+
+
+def target_problem(target: bytes) -> str | None:
+    """Why `target` (request-target bytes, path and query) is not relayed, or None if it is."""
+    if _ORIGIN_FORM.fullmatch(target):
+        return None
+    shown = target[:80].decode("latin-1").encode("unicode_escape").decode("ascii")
+    if target.startswith(b"//"):
+        kind = "a path starting with '//'"
+    elif b"://" in target[:16]:
+        kind = "absolute-form"
+    elif target == b"*":
+        kind = "asterisk-form"
+    elif not target.startswith(b"/"):
+        kind = "not origin-form"
+    else:
+        kind = "a byte outside printable ASCII or a '#'"
+    return f"request target {shown!r} is {kind}: only '/path?query' is accepted"
+
+
+def request_target(scope: dict[str, Any]) -> bytes:
+    """The request target of an ASGI scope as the client sent it (path and query)."""
+    target: bytes = scope.get("raw_path") or scope["path"].encode()
+    if scope.get("query_string"):
+        target += b"?" + scope["query_string"]
+    return target
+
+
+class StreamAborted(Exception):
+    """Raised by the proxy to cut a client's connection mid-response (the sandbox went away,
+    a timeout): the client sees the transfer end early, as it would on E2B. Not an error."""
+
+
+class _QuietAborts(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        return not isinstance(exc, StreamAborted)
+
+
+def quiet_stream_aborts() -> None:
+    """uvicorn logs every exception out of the app with a traceback; an aborted stream is an
+    expected end, already logged by the proxy."""
+    logging.getLogger("uvicorn.error").addFilter(_QuietAborts())
+
+
+def hardened_protocol(max_head_bytes: int, head_timeout: float) -> type[H11Protocol]:
+    """The protocol class for uvicorn's `http=` with these limits."""
+
+    class HardenedH11Protocol(_HardenedBase):
+        pass
+
+    HardenedH11Protocol.max_head_bytes = max_head_bytes
+    HardenedH11Protocol.head_timeout = head_timeout
+    return HardenedH11Protocol
+
+
+class _HardenedBase(H11Protocol):
+    max_head_bytes = 64 << 10
+    head_timeout = 30.0
+
+    _head_timer: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._arm_head_timer()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._stop_head_timer()
+        super().connection_lost(exc)
+
+    def _arm_head_timer(self) -> None:
+        if self._head_timer is None and self.head_timeout > 0:
+            self._head_timer = self.loop.call_later(self.head_timeout, self._head_timed_out)
+
+    def _stop_head_timer(self) -> None:
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
+
+    def _head_timed_out(self) -> None:
+        self._head_timer = None
+        if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
+            log.info("request head not received in time", extra={"client": str(self.client)})
+            self._reply(408, f"request head not received within {self.head_timeout:g} s")
+
+    def _reply(self, status: int, message: str) -> None:
+        body = json.dumps({"code": status, "message": message}).encode()
+        reason = {408: b"Request Timeout", 431: b"Request Header Fields Too Large"}
+        self.transport.write(
+            b"HTTP/1.1 %d %s\r\ncontent-type: application/json; charset=utf-8\r\n"
+            b"content-length: %d\r\nconnection: close\r\n\r\n%s"
+            % (status, reason.get(status, b"Error"), len(body), body)
+        )
+        self.transport.close()
+
+    def data_received(self, data: bytes) -> None:
+        if self.conn.their_state is not h11.IDLE:
+            super().data_received(data)
+            return
+        # a request head is being received: bounded in size and in time
+        self._unset_keepalive_if_required()
+        self.conn.receive_data(data)
+        buffered = self.conn.trailing_data[0]
+        limit = self.max_head_bytes
+        # the buffer may hold the start of the body too: only an unfinished head counts
+        if (
+            len(buffered) > limit
+            and buffered.find(b"\n\r\n", 0, limit + 3) < 0
+            and (buffered.find(b"\n\n", 0, limit + 2) < 0)
+        ):
+            self._reply(431, f"request line and headers over {self.max_head_bytes} bytes")
+            return
+        self._arm_head_timer()
+        self.handle_events()
+        if self.conn.their_state is not h11.IDLE:
+            self._stop_head_timer()

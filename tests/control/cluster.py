@@ -1,0 +1,156 @@
+"""A local cluster for the gateway's tests and bench: Debian's redis-server, `aenv scheduler`,
+N nodes (process backend unless asked otherwise) and `aenv gateway`, each its own process on
+loopback, the nodes sharing one cluster secret. `make cluster-up` runs the same parts with each
+node in a network namespace of its own (scripts/cluster-up.sh)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+from tests.control.conftest import RedisServer, SchedulerProcess, free_port
+from tests.node.conftest import NO_READY_POOLS, NodeProcess, vm_node_process
+
+AENV = [sys.executable, "-m", "agentenv.cli.main"]
+#: slot namespaces of a VM node of these tests (unique prefix: teardown removes {prefix}-s*)
+VM_NET_PREFIX = "agw"
+VM_FIRST_SLOT = 25501  # 25501-25700: disjoint from the other VM test modules and benches
+
+
+class GatewayProcess:
+    def __init__(self, scheduler: str, redis_url: str, secret_file: Path, log: Path,
+                 domain: str | None = None) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.argv = [*AENV, "gateway", "--host", "127.0.0.1", "--port", str(self.port),
+                     "--scheduler", scheduler, "--redis", redis_url,
+                     "--cluster-secret-file", str(secret_file)]
+        if domain:
+            self.argv += ["--domain", domain]
+        self.log = log
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        with self.log.open("ab") as out:
+            self.proc = subprocess.Popen(self.argv, stdout=out, stderr=out)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"gateway exited: {self.log.read_text()[-3000:]}")
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
+                    return
+            time.sleep(0.05)
+        raise RuntimeError(f"gateway did not start: {self.log.read_text()[-3000:]}")
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.proc = None
+
+
+class LocalCluster:
+    def __init__(self, root: Path, nodes: int = 3, vm_nodes: int = 0,
+                 heartbeat: float = 1.0, strategy: str = "least-loaded",
+                 node_env: dict[str, str] | None = None) -> None:
+        self.root = root
+        self.vm_nodes = vm_nodes
+        root.mkdir(parents=True, exist_ok=True)
+        self.redis = RedisServer(root)
+        self.secret_file = root / "cluster-secret"
+        self.secret_file.write_text(secrets.token_urlsafe(32) + "\n")
+        os.chmod(self.secret_file, 0o600)
+        self.secret = self.secret_file.read_text().strip()
+        self.scheduler = SchedulerProcess(
+            self.redis.url, "aenv:sched:", root / "scheduler.log",
+            "--heartbeat-interval", str(heartbeat), "--missed-heartbeats", "3",
+            "--strategy", strategy,
+        )
+        self.nodes: list[NodeProcess] = []
+        for i in range(nodes):
+            backend = "vm" if i < vm_nodes else "process"
+            if backend == "vm":
+                # tests/node's VM node: shared guest assets, its own slot range, a state
+                # directory QEMU (aenv-vm) can reach
+                node = vm_node_process(root / f"node{i}", root / f"node{i}.log",
+                                       VM_NET_PREFIX, VM_FIRST_SLOT + 100 * i, NO_READY_POOLS)
+            else:
+                node = NodeProcess(root / f"node{i}", root / f"node{i}.log")
+            node.extra_args = ("--backend", backend, "--scheduler", self.scheduler.address,
+                               "--node-id", f"node{i}", "--advertise", f"127.0.0.1:{node.port}",
+                               "--cluster-secret-file", str(self.secret_file))
+            node.extra_env = {**node.extra_env, **(node_env or {})}
+            self.nodes.append(node)
+        self.gateway = GatewayProcess(self.scheduler.address, self.redis.url, self.secret_file,
+                                      root / "gateway.log")
+        self.keys: dict[str, str] = {}
+
+    @property
+    def url(self) -> str:
+        return self.gateway.url
+
+    def start(self) -> None:
+        self.redis.start()
+        self.scheduler.start()
+        for node in self.nodes:
+            node.start()
+        self.gateway.start()
+        self.wait_nodes_up(len(self.nodes))
+
+    def team(self, name: str) -> str:
+        """A new team with one key; returns the key."""
+        run = [*AENV, "team", "--redis", self.redis.url]
+        subprocess.run([*run, "create", name], check=True, capture_output=True)
+        key = subprocess.run([*run, "key", name], check=True, capture_output=True, text=True)
+        self.keys[name] = key.stdout.strip()
+        return self.keys[name]
+
+    def up_nodes(self) -> set[str]:
+        """The nodes the gateway reports up (none while it cannot reach the scheduler)."""
+        key = next(iter(self.keys.values()), None) or self.team("probe")
+        try:
+            answer = httpx.get(self.url + "/nodes", headers={"X-API-KEY": key}, timeout=30)
+        except httpx.HTTPError:
+            return set()
+        if answer.status_code == 503:
+            return set()
+        answer.raise_for_status()
+        return {n["nodeID"] for n in answer.json() if n.get("status") != "unhealthy"}
+
+    def wait_nodes_up(self, count: int, timeout: float = 30) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if len(self.up_nodes()) >= count:
+                return
+            time.sleep(0.1)
+        raise RuntimeError(f"only {self.up_nodes()} of {count} nodes up")
+
+    def node_of(self, node_id: str) -> NodeProcess:
+        return self.nodes[int(node_id.removeprefix("node"))]
+
+    def stop(self) -> None:
+        self.gateway.stop()
+        for node in self.nodes:
+            with contextlib.suppress(Exception):
+                node.cleanup()
+        if self.vm_nodes:
+            import asyncio
+
+            from agentenv.runtime.network import remove_leftovers
+
+            asyncio.run(remove_leftovers(VM_NET_PREFIX))
+        self.scheduler.stop()
+        self.redis.stop()

@@ -1,0 +1,295 @@
+"""The gateway over a local cluster of 3 process-backend nodes, driven by the official e2b SDK
+configured only by environment (E2B_API_URL = E2B_SANDBOX_URL = the gateway): create with
+metadata, commands, files, pause and connect, fork, snapshot, list paging over all nodes, kill;
+spreading; teams; the cluster secret; and, last (they change the cluster), the faults: kill -9
+of the scheduler and of a node."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+from e2b import Sandbox, SandboxNotFoundException, SandboxQuery, SandboxState
+
+from tests.control.cluster import GatewayProcess, LocalCluster
+from tests.control.conftest import free_port
+from tests.node.conftest import environ_set
+
+pytestmark = pytest.mark.timeout(300)
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
+    made = LocalCluster(tmp_path_factory.mktemp("cluster"), nodes=3,
+                        node_env={"AENV_NODE_VCPUS": "64", "AENV_MEMORY_BUDGET_MB": "100000"})
+    try:
+        made.start()
+        made.team("alpha")
+        made.team("beta")
+        yield made
+    finally:
+        made.stop()
+
+
+@pytest.fixture(scope="module")
+def sdk(cluster: LocalCluster) -> Iterator[LocalCluster]:
+    with environ_set({"E2B_API_URL": cluster.url, "E2B_SANDBOX_URL": cluster.url,
+                      "E2B_API_KEY": cluster.keys["alpha"]}):
+        yield cluster
+
+
+def holder(cluster: LocalCluster, sandbox_id: str) -> str:
+    """The node that has the sandbox, asked of every node directly (with the cluster secret)."""
+    found = []
+    for i, node in enumerate(cluster.nodes):
+        if node.proc is None:
+            continue
+        answer = httpx.get(f"{node.url}/sandboxes/{sandbox_id}", timeout=10,
+                           headers={"x-agentenv-cluster-secret": cluster.secret})
+        if answer.status_code == 200:
+            found.append(f"node{i}")
+    assert len(found) == 1, (sandbox_id, found)
+    return found[0]
+
+
+def test_sdk_create_commands_files_pause_connect_kill(sdk: LocalCluster) -> None:
+    sbx = Sandbox.create(template="base", timeout=120, metadata={"suite": "gateway"},
+                         envs={"FOO": "bar"})
+    try:
+        info = sbx.get_info()
+        assert info.metadata == {"suite": "gateway"}
+        assert info.state == SandboxState.RUNNING
+        assert sbx.commands.run("echo $FOO").stdout == "bar\n"
+        streamed: list[str] = []
+        sbx.commands.run("for i in 1 2 3; do echo l$i; sleep 0.05; done",
+                         on_stdout=streamed.append)
+        assert "".join(streamed) == "l1\nl2\nl3\n"
+        payload = bytes(range(256)) * 4096  # 1 MiB through the gateway both ways
+        sbx.files.write("/tmp/blob", payload)
+        assert sbx.files.read("/tmp/blob", format="bytes") == payload
+        sbx.files.write("/tmp/note.txt", "kept across pause")
+        sbx.pause()
+        assert Sandbox.get_info(sbx.sandbox_id).state == SandboxState.PAUSED
+        again = Sandbox.connect(sbx.sandbox_id, timeout=120)
+        assert again.files.read("/tmp/note.txt") == "kept across pause"
+    finally:
+        sbx.kill()
+    with pytest.raises(SandboxNotFoundException):
+        Sandbox.connect(sbx.sandbox_id)
+
+
+def test_fork_of_four_stays_on_the_source_node(sdk: LocalCluster) -> None:
+    source = Sandbox.create(template="base", timeout=120)
+    try:
+        source.files.write("/tmp/mark", "from the source")
+        answer = httpx.post(f"{sdk.url}/sandboxes/{source.sandbox_id}/fork",
+                            json={"count": 4, "timeout": 120},
+                            headers={"X-API-KEY": sdk.keys["alpha"]}, timeout=120)
+        assert answer.status_code == 201, answer.text
+        children = [r["sandbox"]["sandboxID"] for r in answer.json()]
+        assert len(children) == 4
+        home = holder(sdk, source.sandbox_id)
+        for child_id in children:
+            assert holder(sdk, child_id) == home
+            child = Sandbox.connect(child_id)
+            assert child.files.read("/tmp/mark") == "from the source"
+            child.kill()
+    finally:
+        source.kill()
+
+
+def test_snapshot_then_create_from_it(sdk: LocalCluster) -> None:
+    source = Sandbox.create(template="base", timeout=120)
+    try:
+        source.files.write("/tmp/state", "snapshotted")
+        key = {"X-API-KEY": sdk.keys["alpha"]}
+        snap = httpx.post(f"{sdk.url}/sandboxes/{source.sandbox_id}/snapshots", json={},
+                          headers=key, timeout=120)
+        assert snap.status_code == 201, snap.text
+        snapshot_id = snap.json()["snapshotID"]
+        listed = httpx.get(f"{sdk.url}/snapshots", headers=key, timeout=30).json()
+        assert snapshot_id in [s["snapshotID"] for s in listed]
+        restored = Sandbox.create(template=snapshot_id, timeout=120)
+        try:
+            assert restored.files.read("/tmp/state") == "snapshotted"
+            assert holder(sdk, restored.sandbox_id) == holder(sdk, source.sandbox_id)
+        finally:
+            restored.kill()
+        other = httpx.get(f"{sdk.url}/snapshots/{snapshot_id}", timeout=30,
+                          headers={"X-API-KEY": sdk.keys["beta"]})
+        assert other.status_code == 404
+    finally:
+        source.kill()
+
+
+def test_creates_spread_and_list_pages_over_all_nodes(sdk: LocalCluster) -> None:
+    made = [Sandbox.create(template="base", timeout=120, metadata={"batch": "paging"})
+            for _ in range(6)]
+    try:
+        homes = [holder(sdk, s.sandbox_id) for s in made]
+        # least-loaded over 3 empty nodes: every node gets some of them
+        assert set(homes) == {"node0", "node1", "node2"}, homes
+        paginator = Sandbox.list(query=SandboxQuery(metadata={"batch": "paging"}), limit=2)
+        seen: list[str] = []
+        pages = 0
+        while paginator.has_next:
+            page = paginator.next_items()
+            assert len(page) <= 2
+            seen += [s.sandbox_id for s in page]
+            pages += 1
+        assert sorted(seen) == sorted(s.sandbox_id for s in made)
+        assert pages >= 3
+    finally:
+        for sandbox in made:
+            sandbox.kill()
+
+
+def test_user_port_by_host_and_websocket(cluster: LocalCluster) -> None:
+    """A sandbox port through the gateway, by `{port}-{id}.{domain}` Host and as a WebSocket
+    (a process-backend sandbox's ports are this host's: the server runs here)."""
+    from websockets.sync.client import connect
+    from websockets.sync.server import serve
+
+    def echo(ws: Any) -> None:
+        for message in ws:
+            ws.send(b"echo:" + (message if isinstance(message, bytes) else message.encode()))
+
+    def http(connection: Any, request: Any) -> Any:
+        if request.headers.get("Upgrade", "").lower() != "websocket":
+            return connection.respond(200, f"port says {request.path}\n")
+        return None
+
+    port = free_port()
+    key = {"X-API-KEY": cluster.keys["alpha"]}
+    with serve(echo, "127.0.0.1", port, process_request=http) as server:
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        created = httpx.post(f"{cluster.url}/v2/sandboxes", headers=key, timeout=60,
+                             json={"templateID": "base", "timeout": 120})
+        assert created.status_code == 201, created.text
+        sid = created.json()["sandboxID"]
+        try:
+            by_host = httpx.get(f"{cluster.url}/hello?x=1", timeout=30,
+                                headers={"Host": f"{port}-{sid}.gw.test"})
+            assert by_host.status_code == 200 and by_host.text == "port says /hello?x=1\n"
+            ws_url = cluster.url.replace("http://", "ws://") + "/ws"
+            with connect(ws_url, additional_headers={"E2b-Sandbox-Id": sid,
+                                                     "E2b-Sandbox-Port": str(port)}) as ws:
+                for i in range(3):
+                    ws.send(f"m{i}")
+                    assert ws.recv(timeout=30) == f"echo:m{i}".encode()
+        finally:
+            httpx.delete(f"{cluster.url}/sandboxes/{sid}", headers=key, timeout=60)
+            server.shutdown()
+
+
+def test_teams_see_and_control_only_their_own(cluster: LocalCluster) -> None:
+    alpha = {"X-API-KEY": cluster.keys["alpha"]}
+    beta = {"X-API-KEY": cluster.keys["beta"]}
+    with httpx.Client(base_url=cluster.url, timeout=60) as api:
+        created = api.post("/v2/sandboxes", json={"templateID": "base", "timeout": 120},
+                           headers=alpha)
+        assert created.status_code == 201, created.text
+        sid = created.json()["sandboxID"]
+        try:
+            assert sid not in [s["sandboxID"] for s in api.get("/v2/sandboxes",
+                                                              headers=beta).json()]
+            assert sid in [s["sandboxID"] for s in api.get("/v2/sandboxes",
+                                                          headers=alpha).json()]
+            for method, path in [("GET", ""), ("POST", "/pause"), ("POST", "/connect"),
+                                 ("POST", "/timeout"), ("DELETE", ""), ("POST", "/fork")]:
+                body = {"timeout": 60} if method == "POST" else None
+                answer = api.request(method, f"/sandboxes/{sid}{path}", json=body, headers=beta)
+                assert answer.status_code == 404, (method, path, answer.text)
+            assert api.get(f"/sandboxes/{sid}", headers=alpha).json()["state"] == "running"
+            assert api.get("/v2/sandboxes", headers={"X-API-KEY": "e2b_" + "0" * 40}
+                           ).status_code == 401
+        finally:
+            assert api.delete(f"/sandboxes/{sid}", headers=alpha).status_code == 204
+
+
+def test_nodes_serve_only_the_gateway(cluster: LocalCluster) -> None:
+    node = cluster.nodes[0]
+    assert httpx.get(node.url + "/health", timeout=10).status_code == 200
+    for headers in ({"X-API-KEY": node.api_key}, {"x-agentenv-cluster-secret": "x" * 40}):
+        answer = httpx.get(node.url + "/v2/sandboxes", headers=headers, timeout=10)
+        assert answer.status_code == 403, answer.text
+        proxied = httpx.get(node.url + "/health", timeout=10,
+                            headers={**headers, "E2b-Sandbox-Id": "whatever"})
+        assert proxied.status_code == 403
+
+
+def test_two_gateways_serve_one_cluster(cluster: LocalCluster) -> None:
+    second = GatewayProcess(cluster.scheduler.address, cluster.redis.url, cluster.secret_file,
+                            cluster.root / "gateway2.log")
+    second.start()
+    try:
+        key = cluster.keys["alpha"]
+        sbx = Sandbox.create(template="base", timeout=120, api_key=key, api_url=cluster.url,
+                             sandbox_url=cluster.url)
+        try:
+            other = Sandbox.connect(sbx.sandbox_id, api_key=key, api_url=second.url,
+                                    sandbox_url=second.url)
+            assert other.commands.run("echo via-second").stdout == "via-second\n"
+            listed = httpx.get(f"{second.url}/v2/sandboxes", headers={"X-API-KEY": key},
+                               timeout=30).json()
+            assert sbx.sandbox_id in [s["sandboxID"] for s in listed]
+        finally:
+            assert httpx.delete(f"{second.url}/sandboxes/{sbx.sandbox_id}", timeout=60,
+                                headers={"X-API-KEY": key}).status_code == 204
+    finally:
+        second.stop()
+
+
+def test_scheduler_kill9_keeps_sandboxes_routable(sdk: LocalCluster) -> None:
+    sbx = Sandbox.create(template="base", timeout=300)
+    try:
+        assert sbx.commands.run("echo before").stdout == "before\n"
+        sdk.scheduler.kill9()
+        time.sleep(1.5)  # past the gateway's lookup cache
+        # the scheduler is down: traffic to known sandboxes still flows
+        assert sbx.commands.run("echo during").stdout == "during\n"
+        sdk.scheduler.start()
+        sdk.wait_nodes_up(3, timeout=90)
+        # bindings came back from Redis: a fresh connect (control route) finds the sandbox
+        assert Sandbox.connect(sbx.sandbox_id).commands.run("echo alive").stdout == "alive\n"
+        another = Sandbox.create(template="base", timeout=60)
+        assert another.commands.run("true").exit_code == 0
+        another.kill()
+    finally:
+        sbx.kill()
+
+
+def test_node_kill9_answers_503_for_its_sandboxes_until_it_returns(sdk: LocalCluster) -> None:
+    made = [Sandbox.create(template="base", timeout=300) for _ in range(3)]
+    try:
+        homes = {s.sandbox_id: holder(sdk, s.sandbox_id) for s in made}
+        victim_id = homes[made[0].sandbox_id]
+        victim = sdk.node_of(victim_id)
+        victim.kill9()
+        key = {"X-API-KEY": sdk.keys["alpha"]}
+        deadline = time.monotonic() + 30
+        status = 0
+        while time.monotonic() < deadline:
+            status = httpx.get(f"{sdk.url}/sandboxes/{made[0].sandbox_id}", headers=key,
+                               timeout=10).status_code
+            if status == 503:
+                break
+            time.sleep(0.2)
+        assert status == 503
+        traffic = httpx.get(f"{sdk.url}/health", timeout=10,
+                            headers={"E2b-Sandbox-Id": made[0].sandbox_id})
+        assert traffic.status_code == 503 and traffic.json()["message"] == "node unavailable"
+        for sandbox in made:
+            if homes[sandbox.sandbox_id] != victim_id:
+                assert sandbox.commands.run("echo ok").stdout == "ok\n"
+        victim.start()
+        sdk.wait_nodes_up(3, timeout=90)
+        back = Sandbox.connect(made[0].sandbox_id)
+        assert back.commands.run("echo back").stdout == "back\n"
+    finally:
+        for sandbox in made:
+            sandbox.kill()
