@@ -31,6 +31,9 @@ carry any number of requests, answered in order. Operations:
     list                                       -> [device, ...] with per-device stats
     pool_take {image?, lowers?, upper_dir?, size?, upper_limit?} -> device (a pooled device, image swapped in)
     pool_fill {count, size?, image?, lowers?}  -> {"idle": N, "prepared": M}
+    memory_open {key, layers, size}            -> device: a snapshot's memory layers as one
+                                                  shared read-only FUSE file (blockd/memdev.py)
+    memory_trace {id}                          -> {"chunk_size", "chunks"}: first-read order
 
 Warm pool: idle devices serve a placeholder (zeros, writes refused, looks writable) of the pool
 size, so a VMM may connect early. A take swaps the requested image in under the device's gate
@@ -65,7 +68,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from agentenv.blockd import images, nbd
+from agentenv.blockd import images, memdev, nbd
 from agentenv.blockd.client import default_socket, default_state_dir
 from agentenv.blockd.device import (
     INLINE_MAX,
@@ -531,6 +534,7 @@ class Blockd:
             self._forget(id)
             if record.kind == "shared" and record.source:
                 self._shared_by_source.pop(record.source, None)
+                memdev.forget_config(record.source)
             if record.owns_upper and record.upper_dir:
                 shutil.rmtree(record.upper_dir, ignore_errors=True)
             if self.metrics:
@@ -750,6 +754,9 @@ class Blockd:
             "pool_take": self.pool_take,
             "pool_fill": self.pool_fill,
             "shutdown": self._op_shutdown,
+            # Memory devices (blockd/memdev.py): a snapshot's memory stack as one FUSE file.
+            "memory_open": lambda **kw: memdev.memory_open(self, **kw),
+            "memory_trace": lambda **kw: memdev.memory_trace(self, **kw),
         }
         handler = handlers.get(op)
         if handler is None:
