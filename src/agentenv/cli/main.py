@@ -14,7 +14,8 @@ import click
 from agentenv import __version__
 from agentenv.errors import AgentEnvError
 
-SUBSYSTEMS = ("storage", "blockd", "envd", "guest", "runtime", "template", "node", "network")
+SUBSYSTEMS = ("storage", "blockd", "envd", "guest", "runtime", "template", "node", "network",
+              "snapshot")
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})

@@ -74,11 +74,15 @@ def build_app(
     orchestrator.gc = LayerCollector(orchestrator, state, metrics)
     orchestrator.admission = Admission.from_env(state)
     metrics.watch_ready_pools(lambda: getattr(orchestrator.backend, "pool", None))
+    from agentenv.node.snapshot_api import SnapshotMoveApi
     from agentenv.node.template_api import TemplateBuildApi
 
     builds = TemplateBuildApi(orchestrator, state, api_key)
+    moves = SnapshotMoveApi(orchestrator)  # aenv snapshot push/pull (snapshot/repository.py)
+    builds.on_published = moves.publish_build
     return NodeApp(
-        orchestrator, api_key, metrics, extra_routes=[*(extra_routes or []), *builds.routes()]
+        orchestrator, api_key, metrics,
+        extra_routes=[*(extra_routes or []), *builds.routes(), *moves.routes()],
     )
 
 
