@@ -31,6 +31,7 @@ class Env:
     guest: TestGuest
     rootfs_layer: Path
     root: Path
+    blockd: BlockdProcess | None = None
 
     def boot(self, **kwargs: object) -> VM:
         spec = BootSpec(kernel=self.guest.kernel, initramfs=self.guest.initramfs,
@@ -65,7 +66,7 @@ def env() -> Iterator[Env]:
                                **privilege_settings_from_env(os.environ))
         runtime = Runtime(config, blockd=AsyncBlockdClient(blockd.socket))
         loop.run(runtime.start(kernel_for_probe=guest.kernel))
-        yield Env(loop, runtime, guest, layer, root)
+        yield Env(loop, runtime, guest, layer, root, blockd)
     finally:
         if runtime is not None:
             loop.run(runtime.close())

@@ -43,9 +43,9 @@ def test_two_restores_share_one_device_and_its_clean_pages(env: Env, counting: S
     b = env.loop.run(rt.restore(counting))
     try:
         assert a.mem_path == b.mem_path
-        assert a.mem_path.parent.name == "fuse", f"RAM file is {a.mem_path}, not blockd's device"
+        assert a.mem_path.parent.name == "memfs", f"RAM file is {a.mem_path}, not blockd's device"
         devices = _memory_devices(env)
-        assert len(devices) == 1 and devices[0]["file"] == str(a.mem_path)
+        assert len(devices) == 1 and devices[0]["source"].endswith(f"-{counting.id}.memory.json")
         assert devices[0]["refcount"] == 1  # the runtime holds one blockd reference...
         assert rt.memory.refcount(counting.id) == 2  # ...for its two VMs
         # No materialised copy of the snapshot's memory anywhere in the runtime's state.
@@ -105,6 +105,35 @@ def test_restore_after_page_cache_dropped_and_startup_pack(env: Env, counting: S
             time.sleep(0.1)
         assert rt.memory.last_prefetch is not None
         assert rt.memory.last_prefetch["chunks"] == len(chunks)
+    finally:
+        env.loop.run(rt.kill(vm))
+    assert _memory_devices(env) == []
+
+
+def test_vm_survives_blockd_killed_and_restarted(env: Env, counting: SnapshotRecord) -> None:
+    """The memory device's mount is memfs's, not blockd's: a blockd killed with -9 and started
+    again leaves a restored VM running, even as it faults in pages it never touched."""
+    from agentenv.blockd import memfs
+
+    rt = env.runtime
+    assert env.blockd is not None and env.blockd.proc is not None
+    vm = env.loop.run(rt.restore(counting))
+    try:
+        before = count(env, vm)
+        state = env.root / "state"
+        memfs_pid = memfs._pid(state)
+        assert memfs_pid is not None
+        env.blockd.proc.kill()
+        env.blockd.proc.wait(10)
+        _drop_caches()  # the host forgets the device's clean pages: they come from memfs again
+        # The guest takes 48 MiB it never touched since the restore (each page read first).
+        out = env.loop.run(sh(vm, "yes 0123456789abcdef | head -c 50331648 > /tmp/big; "
+                                  "md5sum /tmp/big | cut -c1-8; rm /tmp/big", timeout=180))
+        assert len(out.strip()) == 8, out
+        env.blockd.start()  # same state directory: devices come back from their records
+        assert memfs._pid(state) == memfs_pid, "memfs must outlive blockd"
+        assert count(env, vm) > before
+        assert len(_memory_devices(env)) == 1
     finally:
         env.loop.run(rt.kill(vm))
     assert _memory_devices(env) == []

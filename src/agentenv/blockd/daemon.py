@@ -32,7 +32,7 @@ carry any number of requests, answered in order. Operations:
     pool_take {image?, lowers?, upper_dir?, size?, upper_limit?} -> device (a pooled device, image swapped in)
     pool_fill {count, size?, image?, lowers?}  -> {"idle": N, "prepared": M}
     memory_open {key, layers, size}            -> device: a snapshot's memory layers as one
-                                                  shared read-only FUSE file (blockd/memdev.py)
+                                                  shared read-only file (blockd/memdev.py)
     memory_trace {id}                          -> {"chunk_size", "chunks"}: first-read order
 
 Warm pool: idle devices serve a placeholder (zeros, writes refused, looks writable) of the pool
@@ -284,6 +284,7 @@ class Blockd:
             if device.record.kind == "pool" and not device.record.taken:
                 self._forget(device.id)
         self.devices.clear()
+        await asyncio.to_thread(memdev.stop, self)  # the memory devices' mount (blockd/memfs.py)
         if self.fuse is not None:
             await self.fuse.stop()
         if self._rpc_server is not None:

@@ -27,8 +27,6 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import mfusepy
 
-from agentenv.blockd import memdev
-
 if TYPE_CHECKING:
     from agentenv.blockd.device import Device
 
@@ -57,9 +55,6 @@ class _DeviceFiles(mfusepy.Operations):
         self.devices = devices
         self.started = time.time_ns()
         self.uid, self.gid = os.geteuid(), os.getegid()
-        from agentenv.blockd.daemon import _vm_gid
-
-        self.vm_gid = _vm_gid()
 
     def _device(self, path: str) -> Device:
         device = self.devices.get(path.lstrip("/"))
@@ -87,9 +82,6 @@ class _DeviceFiles(mfusepy.Operations):
         # The mount allows other users in (VMMs may run as one); the kernel checks these
         # modes (default_permissions), so a disk is the daemon owner's alone.
         mode = 0o400 if device.readonly else 0o600
-        if memdev.is_memory(device) and self.vm_gid is not None:
-            # QEMU (the VM group) maps it and opens it read-write; writes are refused below.
-            mode, owner = 0o660, {"st_uid": self.uid, "st_gid": self.vm_gid}
         return {
             "st_mode": stat.S_IFREG | mode,
             **owner,
@@ -107,12 +99,6 @@ class _DeviceFiles(mfusepy.Operations):
 
     def open(self, path: str, fi: Any) -> int:
         device = self._device(path)
-        if memdev.is_memory(device):
-            # Through the page cache, kept across opens: the content never changes and every
-            # VM of the snapshot shares its clean pages (blockd/memdev.py).
-            fi.direct_io = 0
-            fi.keep_cache = 1
-            return 0
         if device.readonly and (fi.flags & os.O_ACCMODE) != os.O_RDONLY:
             raise mfusepy.FuseOSError(errno.EROFS)
         fi.direct_io = 1
@@ -124,7 +110,6 @@ class _DeviceFiles(mfusepy.Operations):
         end = min(offset + size, device.size)
         if end <= offset:
             return b""
-        memdev.note_read(device, offset, end - offset)
         data = self._run(device.read(offset, end - offset))
         # mfusepy hands the result to ctypes.memmove, which takes bytes but not bytearray.
         return data if isinstance(data, bytes) else bytes(data)

@@ -1,76 +1,44 @@
-"""Memory devices: a snapshot's memory layer stack served as one read-only FUSE file.
+"""Memory devices: a snapshot's memory layer stack served as one read-only file.
 
 A restore maps guest RAM privately from this file (`memory-backend-file,share=off`), so
 every VM restored from one snapshot reads its clean pages from one page cache and no raw
-copy of the memory exists on disk (docs/snapshots.md §3). A memory device is an ordinary
-shared read-only device (refcounted, recovered from its record after a daemon restart)
-whose image is an image config `STATE/memdev/<key>.memory.json` listing the layers; the
-suffix is what marks it as memory for the FUSE file:
+copy of the memory exists on disk (docs/snapshots.md §3). A memory device is an image config
+`STATE/memdev/<key>.memory.json` listing the layers, refcounted as an ordinary shared
+read-only device (its record brings the refcount back after a daemon restart), and served as
+the file `STATE/memfs/<key>` by the memfs process (blockd/memfs.py): a FUSE mount of its own
+that outlives a killed blockd, since QEMU's mapping would fault (SIGBUS) on a dead FUSE
+connection. memfs traces the order of each device's first reads (page-cache misses, per
+1 MiB chunk); `memory_trace` returns it, the runtime's startup pack (runtime/memdev.py).
 
-- served through the page cache (no direct_io, keep_cache): the content never changes, and
-  sharing clean pages across VMs is the point;
-- readable and openable read-write by the VM group (QEMU opens its RAM file O_RDWR for
-  free-page reporting, runtime/qemu.py) while every write or hole punch is refused: QEMU's
-  mapping is private, so nothing it does ever reaches the file;
-- the order in which chunks (CHUNK bytes) are first read is traced (`TouchTrace`). Reads
-  reach the daemon only on page-cache misses, so the trace of a fresh device is the order in
-  which the first restore touched its memory: the runtime stores it with the snapshot as its
-  startup pack (runtime/memdev.py).
-
-Operations (daemon RPC): `memory_open {key, layers, size}` -> device (refcount+1 when it
-exists); `memory_trace {id}` -> {"chunk_size", "chunks"}; release is the ordinary `release`.
+Operations (daemon RPC): `memory_open {key, layers, size}` -> device with "file" = the memfs
+path (refcount+1 when it exists); `memory_trace {id}` -> {"chunk_size", "chunks"}; release is
+the ordinary `release` (the last one removes the config, and memfs closes the stack).
 """
 
 from __future__ import annotations
 
+import asyncio
 import re
-import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from agentenv.blockd import memfs
 from agentenv.blockd.errors import BlockdError
 from agentenv.storage.config import ImageConfig
 
 if TYPE_CHECKING:
     from agentenv.blockd.daemon import Blockd
-    from agentenv.blockd.device import Device
 
-MEMORY_SUFFIX = ".memory.json"
-CHUNK = 1 << 20  # the remote chunk size as well (the startup pack's unit)
+MEMORY_SUFFIX = memfs.MEMORY_SUFFIX
+CHUNK = memfs.CHUNK
+UNAVAILABLE = "memory devices unavailable"
 _KEY = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
 
 
-def is_memory(device: Device) -> bool:
-    return device.readonly and (device.record.source or "").endswith(MEMORY_SUFFIX)
-
-
-class TouchTrace:
-    """Chunks in the order of their first read (each chunk once)."""
-
-    def __init__(self, size: int) -> None:
-        self._seen = bytearray((size + CHUNK - 1) // CHUNK)
-        self.order: list[int] = []
-        self._lock = threading.Lock()
-
-    def note(self, offset: int, length: int) -> None:
-        first, last = offset // CHUNK, (offset + max(length, 1) - 1) // CHUNK
-        with self._lock:
-            for chunk in range(first, min(last + 1, len(self._seen))):
-                if not self._seen[chunk]:
-                    self._seen[chunk] = 1
-                    self.order.append(chunk)
-
-
-def note_read(device: Device, offset: int, length: int) -> None:
-    """Called by the FUSE read of every device; traces memory devices only."""
-    trace: TouchTrace | None = getattr(device, "touch_trace", None)
-    if trace is not None:
-        trace.note(offset, length)
-
-
-def attach_trace(device: Device) -> None:
-    if is_memory(device) and getattr(device, "touch_trace", None) is None:
-        device.touch_trace = TouchTrace(device.size)  # type: ignore[attr-defined]
+def _key_of(source: str | None) -> str | None:
+    if source and source.endswith(MEMORY_SUFFIX):
+        return Path(source).name.removesuffix(MEMORY_SUFFIX)
+    return None
 
 
 async def memory_open(daemon: Blockd, key: str, layers: list[str], size: int) -> dict[str, Any]:
@@ -84,6 +52,10 @@ async def memory_open(daemon: Blockd, key: str, layers: list[str], size: int) ->
     for p in paths:
         if not p.is_file():
             raise BlockdError(f"memory layer {p} does not exist")
+    try:
+        mountpoint = await asyncio.to_thread(memfs.ensure_running, daemon.state_dir)
+    except (RuntimeError, OSError) as exc:
+        raise BlockdError(f"{UNAVAILABLE}: {exc}") from exc
     folder = daemon.state_dir / "memdev"
     folder.mkdir(mode=0o700, exist_ok=True)
     config = folder / f"{key}{MEMORY_SUFFIX}"
@@ -99,25 +71,33 @@ async def memory_open(daemon: Blockd, key: str, layers: list[str], size: int) ->
         if str(config.resolve()) not in daemon._shared_by_source:
             config.unlink(missing_ok=True)
         raise
-    device = daemon.devices[info["id"]]
-    attach_trace(device)
-    return device.info()
+    return {**info, "file": str(mountpoint / key)}
 
 
 async def memory_trace(daemon: Blockd, id: str) -> dict[str, Any]:
     device = daemon._get(id)
-    trace: TouchTrace | None = getattr(device, "touch_trace", None)
-    if trace is None:
+    key = _key_of(device.record.source)
+    if key is None:
         raise BlockdError(f"device {id} is not a memory device")
-    with trace._lock:
-        chunks = list(trace.order)
+    trace = daemon.state_dir / "memdev" / f"{key}{memfs.TRACE_SUFFIX}"
+    try:
+        raw = trace.read_bytes()
+    except FileNotFoundError:
+        raw = b""
+    chunks = [int.from_bytes(raw[i:i + 4], "little") for i in range(0, len(raw) - len(raw) % 4, 4)]
     return {"chunk_size": CHUNK, "chunks": chunks}
 
 
 def forget_config(source: str | None) -> None:
-    """A released memory device's image config goes with it."""
-    if source and source.endswith(MEMORY_SUFFIX):
+    """A released memory device's image config goes with it (memfs then closes the stack)."""
+    if _key_of(source) is not None:
+        assert source is not None
         Path(source).unlink(missing_ok=True)
+
+
+def stop(daemon: Blockd) -> None:
+    """A graceful blockd stop ends memfs too (a killed blockd leaves it serving)."""
+    memfs.stop(daemon.state_dir)
 
 
 def _render(config: ImageConfig) -> str:

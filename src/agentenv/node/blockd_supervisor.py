@@ -51,11 +51,8 @@ class BlockdLaunch:
     pidfile: Path
 
     def argv(self) -> list[str]:
-        # FUSE files serve the shared memory devices of restores (runtime/memdev.py) unless
-        # the node materialises memory files (AENV_MEMORY_DEVICE=file).
-        no_fuse = ["--no-fuse"] if os.environ.get("AENV_MEMORY_DEVICE", "").strip() == "file" else []
         return [sys.executable, "-m", "agentenv.cli.main", "blockd", "--state-dir",
-                str(self.state_dir), "--socket", str(self.socket), *no_fuse]
+                str(self.state_dir), "--socket", str(self.socket), "--no-fuse"]
 
 
 def _alive(pid: int) -> bool:

@@ -25,9 +25,9 @@ T = TypeVar("T")
 class BlockdProcess:
     """A real blockd daemon (`aenv blockd`) in a private state directory."""
 
-    def __init__(self, root: Path, *, fuse: bool = True) -> None:
+    def __init__(self, root: Path, *, fuse: bool = False) -> None:
         self.root = root
-        self.fuse = fuse  # FUSE files serve restores' shared memory devices (runtime/memdev.py)
+        self.fuse = fuse  # disks as FUSE files too (memory devices have their own mount)
         self.socket = root / "blockd.sock"
         self.log = root / "blockd.log"
         self.proc: subprocess.Popen[bytes] | None = None

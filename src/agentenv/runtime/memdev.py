@@ -1,11 +1,10 @@
 """The RAM file of a restore: blockd's shared memory device, and the startup pack.
 
 `SharedMemoryDevices` has the interface of `MemoryFileCache` (runtime/memory.py) and replaces
-it when the runtime has a blockd with FUSE files (`RuntimeConfig.memory_device = "blockd"`,
-the default): a snapshot's memory layers are served by blockd as one read-only file
-(blockd/memdev.py) that every VM restored from the snapshot maps privately. Nothing is
-exported: no raw copy per snapshot, no export time on the first restore. Without FUSE on
-blockd it falls back to the materialised file.
+it when the runtime has a blockd (`RuntimeConfig.memory_device = "blockd"`, the default): a snapshot's memory layers are served by blockd as one read-only file
+(blockd/memdev.py, served by blockd's memfs process) that every VM restored from the snapshot
+maps privately. Nothing is exported: no raw copy per snapshot, no export time on the first
+restore. Where FUSE cannot be mounted it falls back to the materialised file.
 
 References. The runtime counts its own users of each snapshot's device and holds one blockd
 reference while any exists. blockd keeps its devices (and their refcounts) across a restart
@@ -36,6 +35,7 @@ from typing import Any
 
 from agentenv.blockd.client import BlockdClient
 from agentenv.blockd.errors import BlockdError
+from agentenv.blockd.memdev import UNAVAILABLE
 from agentenv.runtime.errors import SnapshotError
 from agentenv.runtime.memory import MemoryFileCache
 
@@ -152,11 +152,11 @@ class SharedMemoryDevices:
             with self._client() as client:
                 info = client.call("memory_open", key=self._device_key(key),
                                    layers=[str(p) for p in layers], size=size)
-                if info.get("file") is None:
-                    # blockd runs without FUSE files: materialise as before.
-                    client.release(info["id"])
-                    return None
         except (BlockdError, OSError) as exc:
+            if UNAVAILABLE in str(exc):  # no FUSE on this host: materialise as before
+                log.warning("memory devices unavailable, exporting memory files",
+                            extra={"snapshot": key, "error": str(exc)})
+                return None
             raise SnapshotError(f"memory layer stack of snapshot {key} cannot be served: {exc}") from exc
         return dict(info)
 
