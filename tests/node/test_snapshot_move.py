@@ -3,6 +3,8 @@ docker-registry on loopback):
 
 - `aenv pull IMAGE --name NAME` registers the image as a template of the running node, and
   the official e2b SDK creates a sandbox from NAME right after;
+- node A publishes its template builds to a shared directory (AENV_SNAPSHOT_PUBLISH); node B
+  pulls one from there and creates a sandbox from it;
 - a paused sandbox's snapshot pushed from node A (`aenv snapshot push`) and pulled on node B
   (`aenv snapshot pull`, another process and state directory): the sandbox made from it on B
   has the process that ran on A still running with its state, and A's files.
@@ -43,9 +45,20 @@ def image(registry: Registry) -> str:
 
 
 @pytest.fixture(scope="module")
-def node_a(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NodeProcess]:
-    with conftest.template_build_node(tmp_path_factory.mktemp("node-a"), NET_A, FIRST_SLOT_A,
-                                      CACHE / "layer-cache") as node:
+def shared_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The shared directory repository (an NFS mount between nodes, here a local directory)."""
+    return tmp_path_factory.mktemp("shared-snapshots")
+
+
+@pytest.fixture(scope="module")
+def node_a(tmp_path_factory: pytest.TempPathFactory, shared_dir: Path) -> Iterator[NodeProcess]:
+    base = tmp_path_factory.mktemp("node-a")
+    (CACHE / "layer-cache").mkdir(parents=True, exist_ok=True)
+    # Every template build of A is published to the shared directory.
+    node = conftest.vm_node_process(base / "state", base / "node.log", NET_A, FIRST_SLOT_A, {
+        "AENV_LAYER_CACHE": str(CACHE / "layer-cache"), "AENV_SNAPSHOT_PUBLISH": str(shared_dir),
+        **conftest.NO_READY_POOLS})
+    with conftest.serving_vm_node(node, NET_A):
         yield node
 
 
@@ -82,6 +95,22 @@ def test_pull_with_name_registers_a_template(node_a: NodeProcess, image: str) ->
     try:
         assert sbx.commands.run("echo from-$((6*7))").stdout.strip() == "from-42"
         assert sbx.commands.run("test -x /bin/bash && echo yes").stdout.strip() == "yes"
+    finally:
+        sbx.kill()
+
+
+def test_published_template_restores_on_b_from_the_shared_directory(
+        node_a: NodeProcess, node_b: NodeProcess, shared_dir: Path) -> None:
+    deadline = time.monotonic() + 120
+    while not (published := sorted(shared_dir.glob("moved-hostroot-*/manifest.json"))):
+        assert time.monotonic() < deadline, "node A did not publish its template build"
+        time.sleep(0.5)
+    ref = f"dir://{published[0].parent}"
+    out = _aenv(node_b, "snapshot", "pull", ref, "--name", "published-hostroot")
+    print(f"\n{out}")
+    sbx = _sandbox(node_b, "published-hostroot")
+    try:
+        assert sbx.commands.run("echo on-b-$((6*7))").stdout.strip() == "on-b-42"
     finally:
         sbx.kill()
 
