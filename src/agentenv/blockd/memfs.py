@@ -54,6 +54,9 @@ class _Open:
         self.seen = bytearray((self.size + CHUNK - 1) // CHUNK)
         self.trace_path = trace_path
         self.lock = threading.Lock()
+        # The first open of a newly opened stack drops what the kernel may still cache under
+        # this name from an earlier device of the same key (keep_cache=0 once).
+        self.fresh = True
 
     def note(self, offset: int, length: int) -> None:
         first, last = offset // CHUNK, (offset + max(length, 1) - 1) // CHUNK
@@ -133,9 +136,11 @@ class MemoryFiles(mfusepy.Operations):
         return [".", "..", *sorted(names)]
 
     def open(self, path: str, fi: Any) -> int:
-        self._stack(path)
+        stack = self._stack(path)
         fi.direct_io = 0
-        fi.keep_cache = 1
+        with stack.lock:
+            fi.keep_cache = 0 if stack.fresh else 1
+            stack.fresh = False
         return 0
 
     def read(self, path: str, size: int, offset: int, fh: Any) -> bytes:

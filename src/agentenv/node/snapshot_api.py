@@ -60,16 +60,18 @@ class SnapshotMoveApi:
             if rec.pause_snapshot is None:
                 raise Conflict(f"sandbox {name!r} is not paused: pause it, or snapshot it "
                                "(POST /sandboxes/{id}/snapshots) and push the snapshot")
+            # Its envd holds the sandbox's own token: the first /init of a copy must show it.
             return rec.pause_snapshot, {"cpu_count": rec.cpu_count, "memory_mb": rec.memory_mb,
                                         "disk_size_mb": rec.disk_size_mb,
-                                        "envd_version": rec.envd_version, "names": []}
+                                        "envd_version": rec.envd_version, "names": [],
+                                        "guest_token": rec.envd_access_token}
         try:
             tpl = self.orchestrator.resolve_template(name)
         except ApiError as exc:
             raise NotFound(f"no template, snapshot or paused sandbox {name!r}") from exc
         return tpl.ref, {"cpu_count": tpl.cpu_count, "memory_mb": tpl.memory_mb,
                          "disk_size_mb": tpl.disk_size_mb, "envd_version": tpl.envd_version,
-                         "names": list(tpl.names)}
+                         "names": list(tpl.names), "guest_token": tpl.ref.data.get("guest_token")}
 
     async def _body(self, request: Request, *required: str) -> dict[str, Any]:
         try:
@@ -94,7 +96,6 @@ class SnapshotMoveApi:
         backend = self._backend()
         tref, meta = self._resolve(name)
         record = backend._load_record(tref)
-        meta["guest_token"] = tref.data.get("guest_token")
         record_dir = Path(record.device_state).parent
         try:
             return await asyncio.to_thread(push, record_dir, ref, meta)
