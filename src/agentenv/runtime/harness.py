@@ -63,6 +63,10 @@ class BlockdProcess:
             self.proc.kill()
             self.proc.wait(5)
         self.proc = None
+        # A graceful blockd stop ends its memfs; one killed on the way leaves it: end it here.
+        from agentenv.blockd import memfs
+
+        memfs.stop(self.root / "state")
 
 
 def make_ext4_layer(out: Path, size: int) -> Path:
