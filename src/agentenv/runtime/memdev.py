@@ -137,7 +137,9 @@ class SharedMemoryDevices:
             if fallback:
                 return self._fallback_acquire(key, layers, size)
             orphan = self._find_orphans().pop(key, None)
-            info = self._take_over(orphan) if orphan is not None else self._open(key, layers, size)
+            info = self._open(key, layers, size)
+            if info is not None and orphan is not None:
+                self._take_over(orphan)
             if info is None:
                 return self._fallback_acquire(key, layers, size)
             with self._guard:
@@ -160,12 +162,12 @@ class SharedMemoryDevices:
             raise SnapshotError(f"memory layer stack of snapshot {key} cannot be served: {exc}") from exc
         return dict(info)
 
-    def _take_over(self, dev: dict[str, Any]) -> dict[str, Any]:
-        """One blockd reference for this runtime, whatever the earlier run held."""
+    def _take_over(self, dev: dict[str, Any]) -> None:
+        """After a fresh `memory_open` of a device an earlier run held: drop that run's
+        references, so this runtime holds exactly one."""
         with self._client() as client:
-            for _ in range(max(0, int(dev.get("refcount", 1)) - 1)):
+            for _ in range(max(0, int(dev.get("refcount", 1)))):
                 client.release(dev["id"])
-        return dev
 
     def _after_open(self, key: str, layers: list[Path], file: Path) -> None:
         """A fresh device: nothing of it is in the page cache. Prefetch along the snapshot's
