@@ -121,7 +121,7 @@ def test_vm_survives_blockd_killed_and_restarted(env: Env, counting: SnapshotRec
     try:
         before = count(env, vm)
         state = env.root / "state"
-        memfs_pid = memfs._pid(state)
+        memfs_pid = memfs.live_pid(state)
         assert memfs_pid is not None
         env.blockd.proc.kill()
         env.blockd.proc.wait(10)
@@ -131,7 +131,7 @@ def test_vm_survives_blockd_killed_and_restarted(env: Env, counting: SnapshotRec
                                   "md5sum /tmp/big | cut -c1-8; rm /tmp/big", timeout=180))
         assert len(out.strip()) == 8, out
         env.blockd.start()  # same state directory: devices come back from their records
-        assert memfs._pid(state) == memfs_pid, "memfs must outlive blockd"
+        assert memfs.live_pid(state) == memfs_pid, "memfs must outlive blockd"
         assert count(env, vm) > before
         assert len(_memory_devices(env)) == 1
     finally:

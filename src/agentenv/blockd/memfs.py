@@ -211,7 +211,7 @@ def serve(state_dir: Path) -> None:
 # --- blockd's side ---------------------------------------------------------------------------
 
 
-def _pid(state_dir: Path) -> int | None:
+def live_pid(state_dir: Path) -> int | None:
     """The pid of this state directory's memfs process when it runs."""
     try:
         pid = int((state_dir / PIDFILE).read_text().strip())
@@ -225,7 +225,7 @@ def _pid(state_dir: Path) -> int | None:
 def ensure_running(state_dir: Path, timeout: float = 15.0) -> Path:
     """The mountpoint, served by a running memfs process (started when there is none)."""
     mountpoint = state_dir / "memfs"
-    if _pid(state_dir) is not None and os.path.ismount(mountpoint):
+    if live_pid(state_dir) is not None and os.path.ismount(mountpoint):
         return mountpoint
     log_path = state_dir / "memfs.log"
     with open(log_path, "ab") as out:
@@ -245,16 +245,16 @@ def ensure_running(state_dir: Path, timeout: float = 15.0) -> Path:
 
 def stop(state_dir: Path, timeout: float = 10.0) -> None:
     """End the memfs process (its mount goes with it)."""
-    pid = _pid(state_dir)
+    pid = live_pid(state_dir)
     if pid is None:
         _unmount(state_dir / "memfs")
         return
     with contextlib.suppress(ProcessLookupError):
         os.kill(pid, signal.SIGTERM)
     deadline = time.monotonic() + timeout
-    while _pid(state_dir) is not None and time.monotonic() < deadline:
+    while live_pid(state_dir) is not None and time.monotonic() < deadline:
         time.sleep(0.05)
-    if _pid(state_dir) is not None:
+    if live_pid(state_dir) is not None:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
     _unmount(state_dir / "memfs")

@@ -357,6 +357,12 @@ class VmBackend:
         keep_pids = {int(m["pid"]) for m in alive.values()}
         if self._blockd_pid is not None:
             keep_pids.add(self._blockd_pid)
+        # blockd's memfs serves the RAM of the VMs to adopt (blockd/memfs.py), whether or not
+        # blockd itself survived: never a leftover.
+        from agentenv.blockd.memfs import live_pid
+
+        if launch is not None and (memfs_pid := live_pid(launch.state_dir)) is not None:
+            keep_pids.add(memfs_pid)
         await asyncio.to_thread(self._reap_leftovers, keep_pids, list(alive.values()))
         if self.blockd_socket is None:
             private_root.mkdir(parents=True, exist_ok=True)
