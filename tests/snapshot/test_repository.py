@@ -119,7 +119,8 @@ def test_damaged_and_foreign_artifacts_are_refused(registry: Registry, tmp_path:
     blob.write_bytes(bytes(data))
     with pytest.raises(RepositoryError, match="damaged"):
         fetch(str(shared / "one"), tmp_path / "b")
-    assert not list((tmp_path / "b").iterdir()), "nothing of a failed fetch stays"
+    assert not (tmp_path / "b").exists() or not list((tmp_path / "b").iterdir())
+    assert not list((tmp_path / ".incoming-snapshots").iterdir()), "nothing of a failed fetch stays"
     # An ordinary image is not a snapshot.
     from tests.template import helpers
 

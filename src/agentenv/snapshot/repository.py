@@ -397,9 +397,11 @@ def _fetch(repo: RepoRef, manifest_bytes: bytes, get_bytes: Callable[[dict[str, 
     if (final / RECORD_NAME).is_file():
         record = SnapshotRecord.load(final)
         return Fetched(record, meta, final, 0, round(time.monotonic() - t0, 2), existed=True)
-    work = snapshots_root / f".fetch-{snapshot_id}-{os.getpid()}"
+    # Beside the snapshot root, not in it: the node's GC sweeps what no record marks there.
+    work = snapshots_root.parent / ".incoming-snapshots" / f"{snapshot_id}-{os.getpid()}"
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
+    snapshots_root.mkdir(parents=True, exist_ok=True)
     fetched = 0
     try:
         for desc in manifest.get("layers", []):
