@@ -124,16 +124,21 @@ async def main(quick: bool) -> None:
             rt = rts[kind]
             a = await rt.restore(snap)
             again = []
-            for _ in range(reps):
+            phases: dict[str, list[float]] = {"memory_file_ms": [], "process_ms": [],
+                                              "load_ms": [], "cont_ms": []}
+            for _ in range(max(reps, 10)):
                 b = await rt.restore(snap)
                 again.append(to_running_ms(b))
+                for name, values in phases.items():
+                    values.append(b.timings[name])
                 await rt.kill(b)
             b = await rt.restore(snap)
             for v in (a, b):
                 await sh(v, "cat /tmp/fill > /dev/null; echo ok", timeout=120)
             ram = [mapping_kib(v.pid, v.mem_path) for v in (a, b)]
             emit(f"restore_second_to_running_p50_{kind}", statistics.median(again), "ms",
-                 "restore_second_to_running_p50_file", None, samples=[round(x) for x in again])
+                 "restore_second_to_running_p50_file", None, samples=[round(x) for x in again],
+                 phases_p50={k: round(statistics.median(v), 1) for k, v in phases.items()})
             emit(f"guest_ram_pss_per_vm_of_two_{kind}", sum(m["Pss"] for m in ram) / 2 / 1024, "MiB",
                  None, None, rss_mib=round(sum(m["Rss"] for m in ram) / 2 / 1024, 1),
                  shared_clean_mib=round(sum(m["Shared_Clean"] for m in ram) / 2 / 1024, 1))
