@@ -120,6 +120,13 @@ class NodeProcess:
         for pid in _pids_using(self.state_dir):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
+        # FUSE mounts of processes killed above (blockd's memfs) would stay behind, dead.
+        real = str(self.state_dir.resolve())
+        with open("/proc/self/mounts") as mounts:
+            points = [line.split()[1] for line in mounts if line.split()[1].startswith(real)]
+        for point in points:
+            subprocess.run(["fusermount3", "-u", "-z", "-q", point], check=False,
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
 @pytest.fixture

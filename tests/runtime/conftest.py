@@ -31,6 +31,7 @@ class Env:
     guest: TestGuest
     rootfs_layer: Path
     root: Path
+    blockd: BlockdProcess | None = None
 
     def boot(self, **kwargs: object) -> VM:
         """A VM whose /mnt/disk is its one disk (vda, the ext4 rootfs layer served by blockd):
@@ -73,7 +74,7 @@ def env() -> Iterator[Env]:
                                **privilege_settings_from_env(os.environ))
         runtime = Runtime(config, blockd=AsyncBlockdClient(blockd.socket))
         loop.run(runtime.start(kernel_for_probe=guest.kernel))
-        yield Env(loop, runtime, guest, layer, root)
+        yield Env(loop, runtime, guest, layer, root, blockd)
     finally:
         if runtime is not None:
             loop.run(runtime.close())

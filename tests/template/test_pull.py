@@ -313,7 +313,7 @@ def test_cli_pull(registry: Registry, tmp_path: Path, blockd: Path, no_docker_co
 
     registry.push("hello-world", "amd64", helpers.fixture_image("amd64"))
     base = [sys.executable, "-m", "agentenv.cli.main", "pull", "--state-dir", str(tmp_path / "s"),
-            "--blockd", str(blockd)]
+            "--blockd", str(blockd), "--no-register"]
     ok = subprocess.run([*base, "-q", "--name", "hw", f"{registry.host}/hello-world:amd64"],
                         capture_output=True, text=True)
     assert ok.returncode == 0, ok.stderr

@@ -26,6 +26,9 @@ rpc.py). Operations:
     release {id}                               -> {"released": id, "refcount": N}
     list                                       -> [device, ...] with per-device stats
     shutdown                                   -> {} (the daemon stops after answering)
+    memory_open {key, layers, size}            -> device: a snapshot's memory layers as one
+                                                  shared read-only file (blockd/memdev.py)
+    memory_trace {id}                          -> {"chunk_size", "chunks"}: first-read order
 
 A device is results.DeviceInfo: {"id", "nbd", "export", "file", "size", "readonly", "kind",
 "source", "upper_dir", "refcount", "upper_limit", "upper_used", "stats": {reads, writes,
@@ -48,6 +51,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from agentenv.blockd import memdev
 from agentenv.blockd.access import grant_vm_group_search
 from agentenv.blockd.client import default_socket, default_state_dir
 from agentenv.blockd.device import INLINE_MAX, Device, tune_allocator
@@ -110,6 +114,9 @@ class Blockd:
             "release": m.release,
             "list": self._op_list,
             "shutdown": self._op_shutdown,
+            # Memory devices (blockd/memdev.py): a snapshot's memory stack as one FUSE file.
+            "memory_open": lambda **kw: memdev.memory_open(self, **kw),
+            "memory_trace": lambda **kw: memdev.memory_trace(self, **kw),
             **(self.remote.handlers() if self.remote is not None else {}),
         }
 
@@ -189,6 +196,7 @@ class Blockd:
     async def stop(self) -> None:
         self.rpc.stop_accepting()
         await self.manager.close()
+        await asyncio.to_thread(memdev.stop, self)  # the memory devices' mount (blockd/memfs.py)
         if self.fuse is not None:
             await self.fuse.stop()
         self.rpc.close()

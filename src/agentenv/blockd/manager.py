@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from agentenv.blockd import images, nbd
+from agentenv.blockd import images, memdev, nbd
 from agentenv.blockd.access import grant_nbd_socket
 from agentenv.blockd.device import INLINE_MAX, Device, DeviceRecord, ImageLike
 from agentenv.blockd.errors import BlockdError, NotFound
@@ -190,6 +190,11 @@ class DeviceManager:
         for device in list(self.devices.values()):
             await self._stop_device(device)
         self.devices.clear()
+
+    def shared_id(self, source: Path, kind: str = "shared") -> str | None:
+        """The id of the live refcounted read-only device of `kind` over `source`, if any."""
+        existing = self._shared.get((kind, str(source)))
+        return existing if existing is not None and existing in self.devices else None
 
     def get(self, device_id: str) -> Device:
         device = self.devices.get(str(device_id))
@@ -361,6 +366,7 @@ class DeviceManager:
             self._forget(id)
             if record.source and self._shared.get((record.kind, record.source)) == id:
                 del self._shared[(record.kind, record.source)]
+                memdev.forget_config(record.source)  # a memory device's config goes with it
             if record.owns_upper and record.upper_dir:
                 shutil.rmtree(record.upper_dir, ignore_errors=True)
             if self.metrics:

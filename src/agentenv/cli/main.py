@@ -16,7 +16,7 @@ from agentenv.errors import AgentEnvError
 
 SUBSYSTEMS = (
     "storage", "blockd", "envd", "guest", "runtime", "template", "node", "network", "scheduler",
-    "gateway",
+    "gateway", "snapshot",
 )
 
 

@@ -36,21 +36,52 @@ LEVEL_STYLES = {"debug": "dim", "info": "", "warn": "yellow", "error": "bold red
               help="Allow plain http and unverified TLS (always allowed for loopback registries).")
 @click.option("--ca-file", type=click.Path(path_type=Path, exists=True), default=None,
               help="CA bundle to verify the registry's TLS certificate.")
-@click.option("-q", "--quiet", is_flag=True, help="No progress bars; print only the image directory.")
+@click.option("-q", "--quiet", is_flag=True,
+              help="No progress bars; print only the image directory (the template id when registered).")
 @click.option("--download", is_flag=True,
               help="Download overlaybd layers whole instead of leaving them in the registry "
                    "as remote layers read on demand.")
+@click.option("--register/--no-register", default=None,
+              help="Make it a template of the node at --api-url, so Sandbox.create(NAME) starts "
+                   "it (default: when --name is given and a node answers there).")
+@click.option("--api-url", default=lambda: os.environ.get("E2B_API_URL", DEFAULT_URL),
+              show_default="$E2B_API_URL or " + DEFAULT_URL, help="The node's API (--register).")
+@click.option("--api-key", default=None,
+              help="Defaults to $E2B_API_KEY or $AENV_HOME/secrets/api-key (--register).")
 def pull_command(reference: str, name: str | None, state_dir: Path, platform: str,
                  docker_config: Path | None, blockd_socket: Path | None, insecure: bool | None,
-                 ca_file: Path | None, quiet: bool, download: bool = False) -> None:
+                 ca_file: Path | None, quiet: bool, download: bool, register: bool | None,
+                 api_url: str, api_key: str | None) -> None:
     """Pull an OCI image and turn it into overlaybd layers ready for templates.
 
     Tar layers are applied onto an ext4 filesystem (one overlaybd layer each, cached by chain
     ID); overlaybd-format images are used as they are: left in the registry as remote layers
     (only their metadata is fetched; blockd reads the rest on demand), or with --download
     fetched whole.
+
+    With --name and a running node (or --register), the node pulls the image into its own
+    store and registers it as template NAME (a build with no steps: the image booted once and
+    snapshotted), so `Sandbox.create(NAME)` works right after; otherwise the image goes to the
+    local store (STATE_DIR/images) as before.
     """
     from agentenv.template.pull import pull_image
+
+    if register is None:
+        register = name is not None and _node_answers(api_url)
+    if register:
+        key = resolve_api_key(api_key, Path(os.environ.get("AENV_HOME", "/var/lib/aenv")))
+        template_name = name or _template_name(reference)
+        console = Console(stderr=True, quiet=quiet)
+        api = Client(api_url, key)
+        created = api.call("POST", "/v3/templates", {"name": template_name}).json()
+        tid, bid = created["templateID"], created["buildID"]
+        console.print(f"registering {reference} as template [bold]{template_name}[/] ({tid}) "
+                      f"on {api_url}: the node pulls it and boots it once")
+        api.call("POST", f"/v2/templates/{tid}/builds/{bid}",
+                 {"fromImage": reference, "steps": [], "force": True})
+        _follow_build(api, console, template_name, tid, bid)
+        click.echo(tid if quiet else f"{template_name}: template {tid} on {api_url}")
+        return
 
     pulled = pull_image(reference, name=name, state_dir=state_dir, platform=platform,
                         docker_config=docker_config, blockd=blockd_socket, insecure=insecure or None,
@@ -65,6 +96,52 @@ def pull_command(reference: str, name: str | None, state_dir: Path, platform: st
         f"{pulled.layers_cached} cached{', on the ext4 base layer' if pulled.format == 'converted' else ''}), "
         f"{pulled.bytes_downloaded / 1e6:.1f} MB downloaded in {pulled.seconds:.1f} s -> {pulled.path}"
     )
+
+
+def _node_answers(url: str) -> bool:
+    try:
+        return httpx.get(f"{url.rstrip('/')}/health", timeout=2.0, trust_env=False).status_code < 500
+    except httpx.HTTPError:
+        return False
+
+
+def _template_name(reference: str) -> str:
+    """A template name from an image reference: its last path component and tag."""
+    import re
+
+    rest = reference.split("@", 1)[0].rsplit("/", 1)[-1]
+    name = re.sub(r"[^a-z0-9_-]+", "-", rest.replace(":", "-").lower()).strip("-")
+    if not name:
+        raise AgentEnvError(f"cannot make a template name of {reference!r}: give --name")
+    return name
+
+
+def _follow_build(api: Client, console: Console, name: str, tid: str, bid: str) -> None:
+    """Print a node build's log until it ends; a failed build raises with its reason."""
+    t0 = time.monotonic()
+    offset = 0
+    status: dict[str, Any] = {}
+    with console.status(f"building {name}...") as spinner:
+        while True:
+            status = api.call("GET", f"/templates/{tid}/builds/{bid}/status",
+                              logsOffset=offset).json()
+            entries = status.get("logEntries") or []
+            offset += len(entries)
+            for entry in entries:
+                step = f"[{entry['step']}] " if entry.get("step") else ""
+                style = LEVEL_STYLES.get(entry.get("level", "info"), "")
+                console.print(f"{step}{entry['message']}", style=style, markup=False,
+                              highlight=False)
+            spinner.update(f"building {name}... {time.monotonic() - t0:.0f} s")
+            if status["status"] in ("ready", "error") and not entries:
+                break
+            if not entries:
+                time.sleep(0.5)
+    if status["status"] == "error":
+        reason = status.get("reason") or {}
+        where = f" at step {reason['step']}" if reason.get("step") else ""
+        raise AgentEnvError(f"build of {name} failed{where}: {reason.get('message', 'unknown')}")
+    console.print(f"[green]template {name} ({tid}) ready[/] in {time.monotonic() - t0:.1f} s")
 
 
 # --- template builds through a node's API ---------------------------------------------------------
@@ -195,30 +272,7 @@ def template_build(ctx: click.Context, name: str, build_file: Path | None,
     if detach:
         click.echo(tid)
         return
-    t0 = time.monotonic()
-    offset = 0
-    status: dict[str, Any] = {}
-    with console.status(f"building {name}...") as spinner:
-        while True:
-            status = api.call("GET", f"/templates/{tid}/builds/{bid}/status",
-                              logsOffset=offset).json()
-            entries = status.get("logEntries") or []
-            offset += len(entries)
-            for entry in entries:
-                step = f"[{entry['step']}] " if entry.get("step") else ""
-                style = LEVEL_STYLES.get(entry.get("level", "info"), "")
-                console.print(f"{step}{entry['message']}", style=style, markup=False,
-                              highlight=False)
-            spinner.update(f"building {name}... {time.monotonic() - t0:.0f} s")
-            if status["status"] in ("ready", "error") and not entries:
-                break
-            if not entries:
-                time.sleep(0.5)
-    if status["status"] == "error":
-        reason = status.get("reason") or {}
-        where = f" at step {reason['step']}" if reason.get("step") else ""
-        raise AgentEnvError(f"build of {name} failed{where}: {reason.get('message', 'unknown')}")
-    console.print(f"[green]template {name} ({tid}) ready[/] in {time.monotonic() - t0:.1f} s")
+    _follow_build(api, console, name, tid, bid)
     click.echo(tid)
 
 

@@ -96,14 +96,17 @@ def build_app(
     orchestrator.admission = Admission.from_env(state)
     if (pools := capabilities.pools) is not None:
         metrics.watch_ready_pools(lambda: pools.pool)
+    from agentenv.node.snapshot_api import SnapshotMoveApi
     from agentenv.node.template_api import TemplateBuildApi
 
     builds = TemplateBuildApi(orchestrator, state, api_key)
+    moves = SnapshotMoveApi(orchestrator)  # aenv snapshot push/pull (snapshot/repository.py)
+    builds.on_published = moves.publish_build
     return NodeApp(
         orchestrator,
         api_key,
         metrics,
-        extra_routes=[*(extra_routes or []), *builds.routes()],
+        extra_routes=[*(extra_routes or []), *builds.routes(), *moves.routes()],
         cluster_secret=options.cluster_secret,
     )
 

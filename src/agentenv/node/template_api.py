@@ -174,6 +174,8 @@ class TemplateBuildApi:
     """The routes and the background builds. Wired in by node/server.py (`extra_routes`)."""
 
     def __init__(self, orchestrator: Orchestrator, state_dir: Path, api_key: str) -> None:
+        #: called with (name, build id, template id) once a build is ready
+        self.on_published: Callable[[str, str, str], None] | None = None
         self.orchestrator = orchestrator
         self.catalogue = orchestrator.catalogue
         self.state_dir = state_dir
@@ -843,3 +845,5 @@ class TemplateBuildApi:
         rec.context = context.to_json()
         rec.status = "ready"
         rec.finished_at = rec.updated_at = time.time()
+        if self.on_published is not None:  # AENV_SNAPSHOT_PUBLISH (node/snapshot_api.py)
+            self.on_published(rec.name, rec.build_id, rec.template_id)

@@ -51,6 +51,13 @@ class RuntimeConfig(BaseModel):
     # shared RAM file writable under a seccomp filter that ignores punch-hole (runtime/qemu.py).
     # False: the file is opened read-only and QEMU refuses every discard.
     return_free_memory: bool = True
+    # Where a restore's RAM file comes from (runtime/memdev.py): "blockd" = blockd's shared
+    # read-only memory device (its FUSE file; no export, no copy per snapshot), falling back
+    # to "file" when blockd has no FUSE files; "file" = the stack exported once per snapshot
+    # as a raw file (runtime/memory.py). memory_prefetch: read a fresh device in the order of
+    # the snapshot's startup pack while QEMU starts.
+    memory_device: Literal["blockd", "file"] = "blockd"
+    memory_prefetch: bool = True
     envd_port: int = 49983
     envd_health_path: str = "/health"
     envd_init_path: str = INIT_PATH
@@ -110,6 +117,7 @@ PRIVILEGE_ENV = {
     "AENV_QEMU_PIDS_MAX": "qemu_pids_max",
     "AENV_IO_READ_BPS": "io_read_bps", "AENV_IO_WRITE_BPS": "io_write_bps",
     "AENV_IO_READ_IOPS": "io_read_iops", "AENV_IO_WRITE_IOPS": "io_write_iops",
+    "AENV_MEMORY_DEVICE": "memory_device", "AENV_MEMORY_PREFETCH": "memory_prefetch",
 }
 
 
@@ -123,7 +131,7 @@ def privilege_settings_from_env(env: Mapping[str, str]) -> dict[str, Any]:
             continue
         if field_name == "qemu_user" and raw == "root":
             out[field_name] = None
-        elif field_name == "qemu_sandbox":
+        elif field_name in ("qemu_sandbox", "memory_prefetch"):
             out[field_name] = raw.lower() not in ("0", "false", "no", "off")
         else:
             out[field_name] = raw

@@ -25,8 +25,9 @@ T = TypeVar("T")
 class BlockdProcess:
     """A real blockd daemon (`aenv blockd`) in a private state directory."""
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, *, fuse: bool = False) -> None:
         self.root = root
+        self.fuse = fuse  # disks as FUSE files too (memory devices have their own mount)
         self.socket = root / "blockd.sock"
         self.log = root / "blockd.log"
         self.proc: subprocess.Popen[bytes] | None = None
@@ -38,7 +39,8 @@ class BlockdProcess:
         with open(self.log, "ab") as log:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "agentenv.cli.main", "blockd", "--state-dir",
-                 str(self.root / "state"), "--socket", str(self.socket), "--no-fuse"],
+                 str(self.root / "state"), "--socket", str(self.socket),
+                 *([] if self.fuse else ["--no-fuse"])],
                 stdout=log, stderr=log)
         deadline = time.monotonic() + 30
         while True:
@@ -61,6 +63,10 @@ class BlockdProcess:
             self.proc.kill()
             self.proc.wait(5)
         self.proc = None
+        # A graceful blockd stop ends its memfs; one killed on the way leaves it: end it here.
+        from agentenv.blockd import memfs
+
+        memfs.stop(self.root / "state")
 
 
 def make_ext4_layer(out: Path, size: int) -> Path:
@@ -117,6 +123,24 @@ def pss_kib(pid: int) -> dict[str, int]:
             key, _, rest = line.partition(":")
             if key in ("Rss", "Pss", "Shared_Clean", "Private_Dirty", "Private_Clean"):
                 out[key] = int(rest.split()[0])
+    return out
+
+
+def mapping_kib(pid: int, path: Path | str) -> dict[str, int]:
+    """Rss, Pss, Shared_Clean, Private_Dirty, Private_Clean (KiB) of a process's mappings of
+    one file (e.g. QEMU's guest RAM file)."""
+    want = os.path.realpath(path)
+    out = {"Rss": 0, "Pss": 0, "Shared_Clean": 0, "Private_Dirty": 0, "Private_Clean": 0}
+    inside = False
+    with open(f"/proc/{pid}/smaps") as f:
+        for line in f:
+            head = line.split(maxsplit=5)
+            if "-" in head[0] and len(head) >= 5 and ":" not in head[0]:
+                inside = len(head) == 6 and head[5].strip().removesuffix(" (deleted)") == want
+                continue
+            key, _, rest = line.partition(":")
+            if inside and key in out:
+                out[key] += int(rest.split()[0])
     return out
 
 

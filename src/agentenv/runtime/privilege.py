@@ -140,7 +140,9 @@ def grant_ram_file(path: Path, user: VMUser, writable: bool) -> None:
     mode = 0o660 if writable else 0o640
     if st.st_gid != user.gid:
         os.chown(path, -1, user.gid)
-    if stat.S_IMODE(st.st_mode) != mode:
+    current = stat.S_IMODE(st.st_mode)
+    # blockd's memory device (a FUSE file, no chmod) already is 0660 with the VM group.
+    if (current & mode) != mode or current & 0o007:
         os.chmod(path, mode)
 
 

@@ -49,8 +49,8 @@ from agentenv.runtime.errors import (
     SnapshotError,
     VMDiedError,
 )
+from agentenv.runtime.memdev import make_memory_store
 from agentenv.runtime.memory import (
-    MemoryFileCache,
     capture_memory_layer,
     find_ram_mapping,
     materialise,
@@ -174,7 +174,7 @@ class Runtime:
         self.on_vm_died = on_vm_died
         self.vms: dict[str, VM] = {}
         self._starting_vcpus = 0
-        self.memory = MemoryFileCache(config.memory_dir)
+        self.memory = make_memory_store(config, blockd)
         self.slots = SlotPool(config.network_prefix, config.slot_pool_low, config.slot_pool_high,
                               first_index=config.slot_first_index,
                               reuse_delay=config.slot_reuse_delay,
@@ -211,6 +211,11 @@ class Runtime:
             self.slots.acquire_prefix()
             await setup_host(self.config.network_prefix, self.config.egress_proxy_port)
             await self.slots.fill(self.config.slot_pool_low)
+        # After adoption (the node adopts before it starts the runtime): memory devices of an
+        # earlier run that no adopted VM took over are released.
+        drop_orphans = getattr(self.memory, "drop_orphans", None)
+        if drop_orphans is not None:
+            await asyncio.to_thread(drop_orphans)
         self._started = True
         log.info("runtime started", extra={"accel": self.accel})
 
@@ -725,6 +730,9 @@ class Runtime:
             if slot is not None:
                 stage = "while envd /init was in flight"
                 await self.envd_init(vm, env_vars, access_token, guest_token=guest_token)
+            after_restore = getattr(self.memory, "after_restore", None)
+            if after_restore is not None:  # the startup pack (runtime/memdev.py)
+                after_restore(record.id, Path(record.device_state).parent)
         except BaseException as exc:
             await self.kill(vm)
             if isinstance(exc, VMDiedError):

@@ -162,6 +162,8 @@ class VmBackend(SandboxBackend, CrashRecovery, LayerAware, TemplateBuilding, Net
         keep_pids = leftovers.pids()
         if (blockd_pid := await asyncio.to_thread(self.blockd.find_previous)) is not None:
             keep_pids.add(blockd_pid)
+        if (memfs_pid := await asyncio.to_thread(self.blockd.find_memfs)) is not None:
+            keep_pids.add(memfs_pid)
         await asyncio.to_thread(reap_leftovers, self.base, keep_pids,
                                 list(leftovers.alive.values()))
         await self.blockd.start(on_new_blockd=self._blockd_replaced)

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from agentenv.blockd import memfs
 from agentenv.blockd.client import AsyncBlockdClient, BlockdClient, DeviceInfo
 from agentenv.blockd.errors import BlockdUnavailable
 from agentenv.node.backend import BackendError
@@ -97,6 +98,12 @@ class BlockdLink:
         if self.private:
             self.previous_pid = live_blockd(self.private_root)
         return self.previous_pid
+
+    def find_memfs(self) -> int | None:
+        """Blocking: the memfs process of the private blockd (it serves the RAM of restored
+        VMs, blockd/memfs.py, and outlives a killed blockd): never a leftover."""
+        launch = blockd_launch(self.socket, self.private_root)
+        return memfs.live_pid(launch.state_dir) if launch is not None else None
 
     async def start(self, on_new_blockd: Callable[[dict[str, Any]], Awaitable[None]]) -> None:
         """Watch blockd (starting the private one when there is none); the node cannot start

@@ -1,0 +1,188 @@
+"""Shared memory device benchmark: restores from blockd's memory device (runtime/memdev.py)
+against the materialised raw memory file (runtime/memory.py), side by side in one run.
+
+Two runtimes on one blockd, one per kind of RAM file, restore the same snapshots in turn:
+
+- restore to running, the snapshot's first user (the file kind exports the stack first, the
+  device kind opens a device), and a second restore while the first VM runs (both reuse);
+- the same after the host's page cache was dropped, and with the startup pack's prefetch;
+- bytes on disk per snapshot beyond its layers (the raw file's allocated blocks vs none);
+- Rss/Pss of the guest RAM mapping of two VMs restored from one snapshot.
+
+Prints one JSON object per line. Needs root and QEMU.
+
+    python bench/memdev_bench.py --quick
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shutil
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from agentenv.blockd.client import AsyncBlockdClient
+from agentenv.runtime.config import RuntimeConfig
+from agentenv.runtime.harness import BlockdProcess, make_ext4_layer, mapping_kib, sh
+from agentenv.runtime.memdev import PACK_NAME, SharedMemoryDevices
+from agentenv.runtime.network import teardown_host
+from agentenv.runtime.testguest import build_test_guest
+from agentenv.runtime.vm import VM, BootSpec, DiskSource, Runtime
+
+PREFIXES = {"device": "amd", "file": "amf"}
+SLOTS = {"device": 29501, "file": 29601}  # far from tests/runtime (1) and other benches
+ROOTFS = 64 << 20
+
+
+def emit(metric: str, value: float, unit: str, baseline: str | None = None,
+         baseline_value: float | None = None, **extra: Any) -> None:
+    ratio = round(baseline_value / value, 2) if baseline_value and value else None
+    print(json.dumps({"metric": metric, "value": round(value, 2), "unit": unit,
+                      "baseline": baseline, "ratio": ratio,
+                      "baseline_value": None if baseline_value is None else round(baseline_value, 2),
+                      **extra}), flush=True)
+
+
+def to_running_ms(vm: VM) -> float:
+    t = vm.timings
+    return t["memory_file_ms"] + t["process_ms"] + t["load_ms"] + t["cont_ms"]
+
+
+def drop_caches() -> None:
+    os.sync()
+    Path("/proc/sys/vm/drop_caches").write_text("3\n")
+
+
+async def first_command_ms(vm: VM) -> float:
+    t0 = time.perf_counter()
+    await sh(vm, "ls -R /bin /etc > /dev/null 2>&1; cat /tmp/fill > /dev/null; echo ok", timeout=120)
+    return (time.perf_counter() - t0) * 1e3
+
+
+async def main(quick: bool) -> None:
+    guest = build_test_guest()
+    root = Path(tempfile.mkdtemp(prefix="mdb", dir="/tmp"))
+    root.chmod(0o711)  # QEMU runs as aenv-vm: it must reach the state dirs
+    blockd = BlockdProcess(root)  # with FUSE files: the memory devices
+    blockd.start()
+    client = AsyncBlockdClient(blockd.socket)
+    rts: dict[str, Runtime] = {}
+    try:
+        for kind in ("device", "file"):
+            rts[kind] = Runtime(RuntimeConfig(
+                state_dir=root / f"state-{kind}", network_prefix=PREFIXES[kind],
+                envd_init_path="/cgi-bin/init", slot_pool_low=2, slot_pool_high=4,
+                slot_first_index=SLOTS[kind], memory_device="blockd" if kind == "device" else "file"),
+                blockd=client)
+            await rts[kind].start(kernel_for_probe=guest.kernel)
+        assert isinstance(rts["device"].memory, SharedMemoryDevices)
+        layer = make_ext4_layer(root / "rootfs.layer", ROOTFS)
+        spec = BootSpec(kernel=guest.kernel, initramfs=guest.initramfs, cmdline=guest.cmdline_base,
+                        memory_mib=512, disks=[DiskSource("rootfs", ROOTFS, layers=[layer])])
+        vm = await rts["device"].boot(spec)
+        # Guest memory worth sharing: 96 MiB of data in tmpfs.
+        await sh(vm, "yes 0123456789abcdef | head -c 1048576 > /tmp/p1m;"
+                     " cat $(yes /tmp/p1m | head -n 96) > /tmp/fill; rm /tmp/p1m; echo ok", timeout=300)
+        snap = await rts["device"].pause(vm, wait_teardown=True)
+        layers_bytes = sum(x.size for x in snap.memory_layers)
+        reps = 3 if quick else 10
+
+        # 1. Restore to running, first user of the snapshot (then killed: the file is removed /
+        #    the device released), alternating kinds.
+        first: dict[str, list[float]] = {"device": [], "file": []}
+        memfile: dict[str, list[float]] = {"device": [], "file": []}
+        disk_bytes: dict[str, int] = {}
+        for _ in range(reps):
+            for kind in ("file", "device"):
+                rt = rts[kind]
+                child = await rt.restore(snap)
+                first[kind].append(to_running_ms(child))
+                memfile[kind].append(child.timings["memory_file_ms"])
+                st = os.stat(child.mem_path)
+                # The device's file lives in blockd's FUSE mount: no blocks on any disk.
+                disk_bytes[kind] = 0 if kind == "device" else st.st_blocks * 512
+                await rt.kill(child)
+        for kind in ("device", "file"):
+            emit(f"restore_first_to_running_p50_{kind}", statistics.median(first[kind]), "ms",
+                 "restore_first_to_running_p50_file", statistics.median(first["file"]),
+                 samples=[round(x) for x in first[kind]])
+            emit(f"memory_file_ms_p50_{kind}", statistics.median(memfile[kind]), "ms",
+                 "memory_file_ms_p50_file", statistics.median(memfile["file"]))
+            emit(f"disk_bytes_per_snapshot_{kind}", disk_bytes[kind], "bytes",
+                 "disk_bytes_per_snapshot_file", disk_bytes["file"], memory_layers_bytes=layers_bytes,
+                 note="on disk beyond the snapshot's own layers while a VM of it runs")
+
+        # 2. A second restore while the first runs (both kinds reuse their file/device), and the
+        #    guest RAM mapping of the two VMs.
+        for kind in ("file", "device"):
+            rt = rts[kind]
+            a = await rt.restore(snap)
+            again = []
+            phases: dict[str, list[float]] = {"memory_file_ms": [], "process_ms": [],
+                                              "load_ms": [], "cont_ms": []}
+            for _ in range(max(reps, 10)):
+                b = await rt.restore(snap)
+                again.append(to_running_ms(b))
+                for name, values in phases.items():
+                    values.append(b.timings[name])
+                await rt.kill(b)
+            b = await rt.restore(snap)
+            for v in (a, b):
+                await sh(v, "cat /tmp/fill > /dev/null; echo ok", timeout=120)
+            ram = [mapping_kib(v.pid, v.mem_path) for v in (a, b)]
+            emit(f"restore_second_to_running_p50_{kind}", statistics.median(again), "ms",
+                 "restore_second_to_running_p50_file", None, samples=[round(x) for x in again],
+                 phases_p50={k: round(statistics.median(v), 1) for k, v in phases.items()})
+            emit(f"guest_ram_pss_per_vm_of_two_{kind}", sum(m["Pss"] for m in ram) / 2 / 1024, "MiB",
+                 None, None, rss_mib=round(sum(m["Rss"] for m in ram) / 2 / 1024, 1),
+                 shared_clean_mib=round(sum(m["Shared_Clean"] for m in ram) / 2 / 1024, 1))
+            await rt.kill(a)
+            await rt.kill(b)
+
+        # 3. From an empty page cache: restore + a first command that reads the guest's files
+        #    and its 96 MiB tmpfs file; the device with and without the startup pack.
+        dev = rts["device"].memory
+        assert isinstance(dev, SharedMemoryDevices)
+        pack = Path(snap.device_state).parent / PACK_NAME
+        deadline = time.monotonic() + 30
+        while not pack.exists() and time.monotonic() < deadline:
+            await asyncio.sleep(0.2)
+        cold: dict[str, list[float]] = {"file": [], "device": [], "device_prefetch": []}
+        for _ in range(reps):
+            for variant in ("file", "device", "device_prefetch"):
+                rt = rts["file" if variant == "file" else "device"]
+                dev.prefetch_enabled = variant == "device_prefetch"
+                drop_caches()
+                t0 = time.perf_counter()
+                child = await rt.restore(snap)
+                await first_command_ms(child)
+                cold[variant].append((time.perf_counter() - t0) * 1e3)
+                await rt.kill(child)
+        for variant, values in cold.items():
+            emit(f"cold_cache_restore_plus_first_command_p50_{variant}", statistics.median(values),
+                 "ms", "cold_cache_restore_plus_first_command_p50_file", statistics.median(cold["file"]),
+                 samples=[round(x) for x in values],
+                 pack_chunks=len(json.loads(pack.read_text())["memory"]) if pack.exists() else None)
+    finally:
+        for rt in rts.values():
+            await rt.close()
+        await client.close()
+        for prefix in PREFIXES.values():
+            await teardown_host(prefix)
+        blockd.stop()
+        shutil.rmtree(root, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--quick", action="store_true", help="fewer repetitions")
+    args = parser.parse_args()
+    if os.geteuid() != 0:
+        raise SystemExit("memdev_bench needs root (network namespaces, FUSE, drop_caches)")
+    asyncio.run(main(args.quick))

@@ -1,0 +1,267 @@
+"""The FUSE mount of blockd's memory devices, in a process of its own that outlives blockd.
+
+QEMU maps a restored VM's guest RAM from a memory device's file (blockd/memdev.py). A FUSE
+connection ends with the process that serves it, and a page QEMU faults in after that gets
+SIGBUS, so the files cannot be served by blockd itself, which may be killed and restarted
+under running VMs (its disks survive that: NBD reconnects). blockd starts this process in a
+session of its own (`ensure_running`); a restarted blockd finds it still mounted and keeps it;
+a graceful blockd stop ends it (`stop`).
+
+It serves `STATE/memfs/<key>` for every image config `STATE/memdev/<key>.memory.json` (the
+memory layers, read-only), through the page cache (content never changes: no direct_io,
+keep_cache), mode 0660 with the VM group (QEMU opens its RAM file read-write for free-page
+reporting; every write or hole punch is refused). It opens a stack at its first lookup and
+closes it once its config is gone (the device's last reference released). The order of each
+device's first reads per CHUNK (page-cache misses: the order in which the first restore touched
+memory) is appended to `STATE/memdev/<key>.trace` (uint32 chunk numbers), the startup pack's
+source.
+
+    python -m agentenv.blockd.memfs STATE_DIR
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import logging
+import os
+import signal
+import stat
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import mfusepy
+
+log = logging.getLogger("agentenv.blockd.memfs")
+
+MEMORY_SUFFIX = ".memory.json"
+TRACE_SUFFIX = ".trace"
+CHUNK = 1 << 20
+PIDFILE = "memfs.pid"
+SWEEP_SECONDS = 2.0
+
+
+class _Open:
+    """One memory stack opened for reads, with its first-read trace."""
+
+    def __init__(self, image: Any, trace_path: Path) -> None:
+        self.image = image
+        self.size = int(image.virtual_size)
+        self.seen = bytearray((self.size + CHUNK - 1) // CHUNK)
+        self.trace_path = trace_path
+        self.lock = threading.Lock()
+        # The first open of a newly opened stack drops what the kernel may still cache under
+        # this name from an earlier device of the same key (keep_cache=0 once).
+        self.fresh = True
+
+    def note(self, offset: int, length: int) -> None:
+        first, last = offset // CHUNK, (offset + max(length, 1) - 1) // CHUNK
+        new = []
+        with self.lock:
+            for chunk in range(first, min(last + 1, len(self.seen))):
+                if not self.seen[chunk]:
+                    self.seen[chunk] = 1
+                    new.append(chunk)
+            if new:
+                with contextlib.suppress(OSError), open(self.trace_path, "ab") as f:
+                    f.write(b"".join(c.to_bytes(4, "little") for c in new))
+
+
+class MemoryFiles(mfusepy.Operations):
+    use_ns = True
+
+    def __init__(self, config_dir: Path, vm_gid: int | None) -> None:
+        self.config_dir = config_dir
+        self.vm_gid = vm_gid
+        self.uid, self.gid = os.geteuid(), os.getegid()
+        self.started = time.time_ns()
+        self.open_stacks: dict[str, _Open] = {}
+        self.lock = threading.Lock()
+
+    def _config(self, key: str) -> Path:
+        return self.config_dir / f"{key}{MEMORY_SUFFIX}"
+
+    def _stack(self, path: str) -> _Open:
+        key = path.lstrip("/")
+        if not key or "/" in key:
+            raise mfusepy.FuseOSError(errno.ENOENT)
+        with self.lock:
+            stack = self.open_stacks.get(key)
+            if stack is not None:
+                return stack
+            config = self._config(key)
+            if not config.is_file():
+                raise mfusepy.FuseOSError(errno.ENOENT)
+            from agentenv.blockd import images
+
+            try:
+                image = images.open_image(config, writable=False)
+            except Exception as exc:
+                log.warning("memory stack cannot be opened", extra={"key": key, "error": str(exc)})
+                raise mfusepy.FuseOSError(errno.EIO) from exc
+            stack = _Open(image, self.config_dir / f"{key}{TRACE_SUFFIX}")
+            self.open_stacks[key] = stack
+            return stack
+
+    def sweep(self) -> None:
+        """Close the stacks whose config is gone (their device was released)."""
+        with self.lock:
+            gone = [k for k in self.open_stacks if not self._config(k).exists()]
+            closing = [self.open_stacks.pop(k) for k in gone]
+        for stack in closing:
+            with contextlib.suppress(Exception):
+                stack.image.close()
+            stack.trace_path.unlink(missing_ok=True)
+
+    def getattr(self, path: str, fh: Any = None) -> dict[str, Any]:
+        times = {"st_atime": self.started, "st_mtime": self.started, "st_ctime": self.started}
+        if path == "/":
+            return {"st_mode": stat.S_IFDIR | 0o755, "st_nlink": 2, "st_uid": self.uid,
+                    "st_gid": self.gid, **times}
+        stack = self._stack(path)
+        if not self._config(path.lstrip("/")).exists():  # released, not swept yet
+            raise mfusepy.FuseOSError(errno.ENOENT)
+        gid, mode = (self.vm_gid, 0o660) if self.vm_gid is not None else (self.gid, 0o600)
+        return {"st_mode": stat.S_IFREG | mode, "st_nlink": 1, "st_uid": self.uid, "st_gid": gid,
+                "st_size": stack.size, "st_blocks": 0, "st_blksize": 4096, **times}
+
+    def readdir(self, path: str, fh: Any) -> list[str]:
+        if path != "/":
+            raise mfusepy.FuseOSError(errno.ENOTDIR)
+        names = [p.name.removesuffix(MEMORY_SUFFIX) for p in self.config_dir.glob(f"*{MEMORY_SUFFIX}")]
+        return [".", "..", *sorted(names)]
+
+    def open(self, path: str, fi: Any) -> int:
+        stack = self._stack(path)
+        fi.direct_io = 0
+        with stack.lock:
+            fi.keep_cache = 0 if stack.fresh else 1
+            stack.fresh = False
+        return 0
+
+    def read(self, path: str, size: int, offset: int, fh: Any) -> bytes:
+        stack = self._stack(path)
+        end = min(offset + size, stack.size)
+        if end <= offset:
+            return b""
+        stack.note(offset, end - offset)
+        try:
+            data = stack.image.read(offset, end - offset)
+        except Exception as exc:
+            log.warning("memory read failed", extra={"path": path, "error": str(exc)})
+            raise mfusepy.FuseOSError(errno.EIO) from exc
+        return data if isinstance(data, bytes) else bytes(data)
+
+    def write(self, path: str, data: bytes, offset: int, fh: Any) -> int:
+        raise mfusepy.FuseOSError(errno.EROFS)
+
+    def truncate(self, path: str, length: int, fh: Any = None) -> int:
+        raise mfusepy.FuseOSError(errno.EROFS)
+
+    def fallocate(self, path: str, mode: int, offset: int, size: int, fh: Any) -> int:
+        raise mfusepy.FuseOSError(errno.EROFS)
+
+    def flush(self, path: str, fh: Any) -> int:
+        return 0
+
+    def fsync(self, path: str, datasync: int, fh: Any) -> int:
+        return 0
+
+    def statfs(self, path: str) -> dict[str, int]:
+        return {"f_bsize": 4096, "f_frsize": 4096, "f_namemax": 255}
+
+
+def _unmount(mountpoint: Path) -> None:
+    subprocess.run(["fusermount3", "-u", "-z", "-q", str(mountpoint)],
+                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=False)
+
+
+def serve(state_dir: Path) -> None:
+    from agentenv.blockd.daemon import _vm_gid
+
+    mountpoint = state_dir / "memfs"
+    config_dir = state_dir / "memdev"
+    config_dir.mkdir(mode=0o700, exist_ok=True)
+    _unmount(mountpoint)  # a dead mount of a killed run ("transport endpoint is not connected")
+    mountpoint.mkdir(exist_ok=True)
+    ops = MemoryFiles(config_dir, _vm_gid())
+    stop = threading.Event()
+
+    def sweeper() -> None:
+        while not stop.wait(SWEEP_SECONDS):
+            ops.sweep()
+
+    threading.Thread(target=sweeper, name="memfs-sweep", daemon=True).start()
+    (state_dir / PIDFILE).write_text(f"{os.getpid()}\n")
+    # SIGTERM is left at its default: libfuse then handles it (leaves its loop, unmounts).
+    try:
+        mfusepy.FUSE(ops, str(mountpoint), foreground=True, raw_fi=True, fsname="aenv-memfs",
+                     allow_other=os.geteuid() == 0, default_permissions=True,
+                     attr_timeout=0, entry_timeout=0)
+    finally:
+        stop.set()
+        with contextlib.suppress(FileNotFoundError):
+            (state_dir / PIDFILE).unlink()
+
+
+# --- blockd's side ---------------------------------------------------------------------------
+
+
+def live_pid(state_dir: Path) -> int | None:
+    """The pid of this state directory's memfs process when it runs."""
+    try:
+        pid = int((state_dir / PIDFILE).read_text().strip())
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            argv = f.read()
+    except (OSError, ValueError):
+        return None
+    return pid if b"agentenv.blockd.memfs" in argv and str(state_dir).encode() in argv else None
+
+
+def ensure_running(state_dir: Path, timeout: float = 15.0) -> Path:
+    """The mountpoint, served by a running memfs process (started when there is none)."""
+    mountpoint = state_dir / "memfs"
+    if live_pid(state_dir) is not None and os.path.ismount(mountpoint):
+        return mountpoint
+    log_path = state_dir / "memfs.log"
+    with open(log_path, "ab") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "agentenv.blockd.memfs", str(state_dir)],
+                                stdout=out, stderr=out, stdin=subprocess.DEVNULL,
+                                start_new_session=True)  # outlives blockd (module doc)
+    deadline = time.monotonic() + timeout
+    while not os.path.ismount(mountpoint):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            with contextlib.suppress(ProcessLookupError):
+                proc.kill()
+            tail = log_path.read_text(errors="replace")[-600:]
+            raise RuntimeError(f"memory device mount at {mountpoint} did not come up: {tail}")
+        time.sleep(0.02)
+    return mountpoint
+
+
+def stop(state_dir: Path, timeout: float = 10.0) -> None:
+    """End the memfs process (its mount goes with it)."""
+    pid = live_pid(state_dir)
+    if pid is None:
+        _unmount(state_dir / "memfs")
+        return
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + timeout
+    while live_pid(state_dir) is not None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if live_pid(state_dir) is not None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    _unmount(state_dir / "memfs")
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    if len(sys.argv) != 2:
+        raise SystemExit("usage: python -m agentenv.blockd.memfs STATE_DIR")
+    serve(Path(sys.argv[1]).resolve())

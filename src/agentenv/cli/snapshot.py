@@ -1,0 +1,69 @@
+"""`aenv snapshot push|pull`: snapshots that move between nodes (node/snapshot_api.py)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import click
+
+from agentenv.cli.node import DEFAULT_URL, Client, resolve_api_key
+
+
+@click.group("snapshot")
+@click.option("--api-url", default=lambda: os.environ.get("E2B_API_URL", DEFAULT_URL),
+              show_default="$E2B_API_URL or " + DEFAULT_URL, help="The node's API.")
+@click.option("--api-key", default=None, help="Defaults to $E2B_API_KEY or the state dir's key.")
+@click.option("--state-dir", type=click.Path(file_okay=False, path_type=Path),
+              default=lambda: os.environ.get("AENV_HOME", "/var/lib/aenv"),
+              show_default="$AENV_HOME or /var/lib/aenv", help="Where to find the API key.")
+@click.pass_context
+def snapshot_group(ctx: click.Context, api_url: str, api_key: str | None, state_dir: Path) -> None:
+    """Publish a node's snapshots to a repository, or fetch them from one.
+
+    \b
+    A repository is an OCI registry (REF = host[:port]/repo:tag) or a shared directory
+    (REF = dir:///mnt/shared/snapshots/NAME, or an absolute path). The artifact holds the
+    snapshot's memory layers, disk layers, device state and record.
+    """
+    ctx.obj = Client(api_url, resolve_api_key(api_key, state_dir))
+
+
+@snapshot_group.command("push")
+@click.argument("snapshot")
+@click.argument("ref")
+@click.pass_context
+def snapshot_push(ctx: click.Context, snapshot: str, ref: str) -> None:
+    """Publish SNAPSHOT (a template, an API snapshot or a paused sandbox) as REF."""
+    api: Client = ctx.obj
+    with_timeout = api.http.timeout
+    api.http.timeout = 3600  # whole layers go up
+    try:
+        out = api.call("POST", "/aenv/snapshots/push", {"snapshot": snapshot, "ref": ref}).json()
+    finally:
+        api.http.timeout = with_timeout
+    click.echo(f"{snapshot} -> {out['ref']} ({out['digest'][:19]}): {out['parts']} parts, "
+               f"{out['bytes'] / 1e6:.1f} MB, {out['bytes_sent'] / 1e6:.1f} MB sent in "
+               f"{out['seconds']} s")
+
+
+@snapshot_group.command("pull")
+@click.argument("ref")
+@click.option("--name", default=None, help="Name the node gives the snapshot (a template name).")
+@click.option("-q", "--quiet", is_flag=True, help="Print only the template id.")
+@click.pass_context
+def snapshot_pull(ctx: click.Context, ref: str, name: str | None, quiet: bool) -> None:
+    """Fetch the snapshot REF into the node; Sandbox.create(NAME or id) restores it."""
+    api: Client = ctx.obj
+    api.http.timeout = 3600
+    body = {"ref": ref, **({"name": name} if name else {})}
+    out = api.call("POST", "/aenv/snapshots/pull", body).json()
+    if quiet:
+        click.echo(out["templateID"])
+        return
+    click.echo(f"{ref} -> template {out['templateID']}"
+               f"{' (' + ', '.join(out['names']) + ')' if out['names'] else ''}: snapshot "
+               f"{out['snapshot']}, {out['bytes_fetched'] / 1e6:.1f} MB fetched in {out['seconds']} s")
+
+
+COMMANDS: list[click.Command] = [snapshot_group]

@@ -1,0 +1,165 @@
+"""Snapshots that move between nodes: the node's side of `aenv snapshot push/pull`.
+
+    POST /aenv/snapshots/push {snapshot, ref}      -> {ref, snapshot, parts, bytes, bytes_sent, digest}
+    POST /aenv/snapshots/pull {ref, name?}         -> {templateID, names, snapshot, bytes_fetched}
+
+`snapshot` is a template (id, name or name:tag: its build snapshot), an API snapshot (its
+id or name) or a paused sandbox (its pause snapshot). `ref` is a registry reference
+(`host/repo:tag`) or a shared directory (`dir:///path/NAME`, or an absolute path); see
+snapshot/repository.py. A pulled snapshot is registered as a template of kind "snapshot", so
+`Sandbox.create(name or templateID)` restores it on this node (VM backend only).
+
+AENV_SNAPSHOT_PUBLISH=PREFIX publishes every template build once it is ready, to
+`PREFIX/<template name>:<build id>` (a registry repository prefix or a shared directory).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from agentenv.errors import AgentEnvError
+from agentenv.node.backend import TemplateRef
+from agentenv.node.errors import ApiError, BadRequest, Conflict, NotFound
+from agentenv.node.orchestrator import Orchestrator
+from agentenv.node.records import TemplateRecord
+from agentenv.node.security import new_id
+
+log = logging.getLogger("agentenv.node.snapshot_api")
+
+PUBLISH_ENV = "AENV_SNAPSHOT_PUBLISH"
+
+
+class SnapshotMoveApi:
+    def __init__(self, orchestrator: Orchestrator) -> None:
+        self.orchestrator = orchestrator
+        self._publishing: set[asyncio.Task[None]] = set()
+
+    def routes(self) -> list[Route]:
+        return [Route("/aenv/snapshots/push", self.push, methods=["POST"]),
+                Route("/aenv/snapshots/pull", self.pull, methods=["POST"])]
+
+    def _backend(self) -> Any:
+        backend = self.orchestrator.backend
+        if not hasattr(backend, "snapshot_root") or not hasattr(backend, "_load_record"):
+            raise BadRequest("snapshots move between nodes with the VM backend only")
+        return backend
+
+    def _resolve(self, name: str) -> tuple[TemplateRef, dict[str, Any]]:
+        """The snapshot behind a template, API snapshot or paused sandbox, and its metadata."""
+        rec = self.orchestrator.sandboxes.get(name)
+        if rec is not None:
+            if rec.pause_snapshot is None:
+                raise Conflict(f"sandbox {name!r} is not paused: pause it, or snapshot it "
+                               "(POST /sandboxes/{id}/snapshots) and push the snapshot")
+            # Its envd holds the sandbox's own token: the first /init of a copy must show it.
+            return rec.pause_snapshot, {"cpu_count": rec.cpu_count, "memory_mb": rec.memory_mb,
+                                        "disk_size_mb": rec.disk_size_mb,
+                                        "envd_version": rec.envd_version, "names": [],
+                                        "guest_token": rec.envd_access_token}
+        try:
+            tpl = self.orchestrator.resolve_template(name)
+        except ApiError as exc:
+            raise NotFound(f"no template, snapshot or paused sandbox {name!r}") from exc
+        return tpl.ref, {"cpu_count": tpl.cpu_count, "memory_mb": tpl.memory_mb,
+                         "disk_size_mb": tpl.disk_size_mb, "envd_version": tpl.envd_version,
+                         "names": list(tpl.names), "guest_token": tpl.ref.data.get("guest_token")}
+
+    async def _body(self, request: Request, *required: str) -> dict[str, Any]:
+        try:
+            body = await request.json()
+        except ValueError as exc:
+            raise BadRequest(f"the body must be JSON: {exc}") from exc
+        if not isinstance(body, dict):
+            raise BadRequest("the body must be a JSON object")
+        for key in required:
+            if not isinstance(body.get(key), str) or not body[key]:
+                raise BadRequest(f"{key!r} (a string) is required")
+        return body
+
+    async def push(self, request: Request) -> Response:
+        body = await self._body(request, "snapshot", "ref")
+        result = await self.push_snapshot(body["snapshot"], body["ref"])
+        return JSONResponse(result)
+
+    async def push_snapshot(self, name: str, ref: str) -> dict[str, Any]:
+        from agentenv.snapshot.repository import push
+
+        backend = self._backend()
+        tref, meta = self._resolve(name)
+        record = backend._load_record(tref)
+        record_dir = Path(record.device_state).parent
+        try:
+            return await asyncio.to_thread(push, record_dir, ref, meta)
+        except AgentEnvError as exc:
+            raise BadRequest(f"push of {name} to {ref} failed: {exc}") from exc
+
+    async def pull(self, request: Request) -> Response:
+        from agentenv.snapshot.repository import fetch
+
+        body = await self._body(request, "ref")
+        name = body.get("name")
+        if name is not None and (not isinstance(name, str) or not name):
+            raise BadRequest("'name' must be a non-empty string")
+        backend = self._backend()
+        if name is not None:
+            owner = self.orchestrator._names.get(name)
+            if owner is not None:
+                raise Conflict(f"name {name!r} is already used by {owner}")
+        try:
+            fetched = await asyncio.to_thread(fetch, body["ref"], backend.snapshot_root)
+        except AgentEnvError as exc:
+            raise BadRequest(f"pull of {body['ref']} failed: {exc}") from exc
+        record = fetched.record
+        if record.mode != getattr(backend.runtime, "accel", record.mode):
+            raise BadRequest(f"snapshot {record.id} was taken under {record.mode} and this node "
+                             f"runs {backend.runtime.accel}: it cannot be restored here")
+        meta = fetched.meta
+        tref = backend._ref(record, "snapshot")
+        if meta.get("guest_token"):
+            tref.data["guest_token"] = meta["guest_token"]
+        now = time.time()
+        rootfs = next((d.size for d in record.machine.disks if d.name == "rootfs"), 0)
+        tpl = TemplateRecord(
+            template_id=new_id("s"), kind="snapshot", names=[name] if name else [], ref=tref,
+            cpu_count=int(meta.get("cpu_count") or record.machine.vcpus),
+            memory_mb=int(meta.get("memory_mb") or record.machine.memory_mib),
+            disk_size_mb=int(meta.get("disk_size_mb") or rootfs >> 20),
+            envd_version=str(meta.get("envd_version")
+                             or self.orchestrator.config.default_envd_version),
+            created_at=now, updated_at=now)
+        await self.orchestrator.register_template(tpl)
+        log.info("snapshot pulled", extra={"ref": body["ref"], "snapshot": record.id,
+                                           "template_id": tpl.template_id,
+                                           "bytes": fetched.bytes_fetched})
+        return JSONResponse({"templateID": tpl.template_id, "names": tpl.names,
+                             "snapshot": record.id, "bytes_fetched": fetched.bytes_fetched,
+                             "seconds": fetched.seconds, "existed": fetched.existed})
+
+    def publish_build(self, template_name: str, build_id: str, template_id: str) -> None:
+        """Publish a ready template build when AENV_SNAPSHOT_PUBLISH names a repository."""
+        prefix = os.environ.get(PUBLISH_ENV, "").strip().rstrip("/")
+        if not prefix:
+            return
+        ref = f"{prefix}/{template_name}" + ("-" if prefix.startswith(("/", "dir://")) else ":") \
+            + build_id
+
+        async def run() -> None:
+            try:
+                result = await self.push_snapshot(template_id, ref)
+                log.info("template published", extra={"template_id": template_id, **result})
+            except Exception as exc:
+                log.warning("template not published", extra={"template_id": template_id,
+                                                              "ref": ref, "error": str(exc)})
+
+        task = asyncio.get_running_loop().create_task(run())
+        self._publishing.add(task)
+        task.add_done_callback(self._publishing.discard)

@@ -1,0 +1,437 @@
+"""Snapshot repositories: publish a snapshot with every file it needs, fetch it on another node.
+
+A snapshot (a template build, a pause, an API snapshot) is its record plus files in several
+directories (its own, the snapshots it grew from, the image layers under its disks). Pushing
+collects them all as *parts*; the record travels with its paths replaced by part names, and a
+node that fetches it writes the parts into one new snapshot directory and the record with
+local paths again (`SnapshotRecord.check_files` then holds as on the source node).
+
+Two kinds of repository, one artifact layout:
+
+- an OCI registry (`host[:port]/repo:tag`, optionally `oci://`): an OCI image manifest with
+  `artifactType` application/vnd.aenv.snapshot.v1, the portable record as its config blob
+  (CONFIG_TYPE) and one blob per part (PART_TYPES, `org.opencontainers.image.title` = the
+  part's name). Blobs are content-addressed, so parts shared by snapshots (the base
+  template's memory, an image's disk layers) are uploaded once (HEAD first) and stored once;
+- a shared directory (`dir:///mnt/shared/snapshots/NAME` or an absolute path), e.g. NFS:
+  `blobs/sha256/<hex>` (shared by every snapshot of the repository) and `NAME/manifest.json`
+  in the same layout.
+
+Fetching downloads every part now (verified against its digest). This is the seam for lazy
+restores: the manifest already lists each part's digest and size, so a node with a remote chunk
+cache can hand blockd `(repository, digest)` instead of a local path and fetch the chunks the
+restore touches, in the order of the startup pack (part role "pack", runtime/memdev.py).
+
+`meta` carries what the node needs to register the snapshot as a template (names, sizes,
+envd version, and the envd token the snapshot's guest holds, needed for its first /init).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from agentenv.errors import AgentEnvError
+from agentenv.fsutil import atomic_write, fsync_dir
+from agentenv.snapshot.record import RECORD_NAME, SnapshotRecord
+
+ARTIFACT_TYPE = "application/vnd.aenv.snapshot.v1"
+CONFIG_TYPE = "application/vnd.aenv.snapshot.config.v1+json"
+OCI_MANIFEST = "application/vnd.oci.image.manifest.v1+json"
+PART_TYPES = {
+    "memory": "application/vnd.aenv.snapshot.memory.layer.v1",
+    "disk": "application/vnd.aenv.snapshot.disk.layer.v1",
+    "file": "application/vnd.aenv.snapshot.disk.file.v1",
+    "devstate": "application/vnd.aenv.snapshot.devstate.v1",
+    "pack": "application/vnd.aenv.snapshot.startup-pack.v1+json",
+}
+TITLE = "org.opencontainers.image.title"
+PACK_NAME = "startup-pack.json"  # runtime/memdev.py's sidecar
+_CHUNK = 1 << 20
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
+
+
+class RepositoryError(AgentEnvError):
+    pass
+
+
+@dataclass
+class Part:
+    role: str
+    name: str  # file name inside a fetched snapshot directory
+    path: Path  # local file
+    size: int
+    digest: str = ""
+
+    def descriptor(self) -> dict[str, Any]:
+        return {"mediaType": PART_TYPES[self.role], "digest": self.digest, "size": self.size,
+                "annotations": {TITLE: self.name}}
+
+
+def file_digest(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            h.update(chunk)
+    return "sha256:" + h.hexdigest()
+
+
+def collect(record_dir: Path) -> tuple[SnapshotRecord, list[Part], dict[str, Any]]:
+    """The snapshot's parts and its portable record (paths replaced by part names)."""
+    record = SnapshotRecord.load(record_dir)
+    if not record.memory:
+        raise RepositoryError(f"snapshot {record.id} is filesystem-only: only snapshots with "
+                              "memory can be published")
+    try:
+        record.check_files()
+    except AgentEnvError as exc:
+        raise RepositoryError(f"snapshot {record.id} cannot be published: {exc}") from exc
+    parts: list[Part] = []
+    portable = json.loads(record.model_dump_json())
+
+    def add(role: str, name: str, path: str) -> str:
+        p = Path(path)
+        parts.append(Part(role, name, p, p.stat().st_size))
+        return name
+
+    for i, layer in enumerate(record.memory_layers):
+        portable["memory_layers"][i]["path"] = add("memory", f"memory-{i:03d}.layer", layer.path)
+    portable["device_state"] = add("devstate", "devstate.bin", record.device_state)
+    for d, disk in enumerate(record.disks):
+        for i, layer in enumerate(disk.layers):
+            portable["disks"][d]["layers"][i]["path"] = add(
+                "disk", f"disk-{disk.name}-{i:03d}.layer", layer.path)
+        if disk.file:
+            portable["disks"][d]["file"] = add("file", f"disk-{disk.name}.file", disk.file)
+    pack = Path(record.device_state).parent / PACK_NAME
+    if pack.is_file():
+        add("pack", PACK_NAME, str(pack))
+    return record, parts, portable
+
+
+def localise(portable: dict[str, Any], directory: Path) -> SnapshotRecord:
+    """The record of a fetched snapshot, its part names made paths in `directory`."""
+    doc = json.loads(json.dumps(portable))
+
+    def local(name: str) -> str:
+        if not _NAME.match(name):
+            raise RepositoryError(f"snapshot artifact names a bad part {name!r}")
+        return str(directory / name)
+
+    for layer in doc["memory_layers"]:
+        layer["path"] = local(layer["path"])
+    doc["device_state"] = local(doc["device_state"])
+    for disk in doc.get("disks", []):
+        for layer in disk["layers"]:
+            layer["path"] = local(layer["path"])
+        if disk.get("file"):
+            disk["file"] = local(disk["file"])
+    return SnapshotRecord.model_validate(doc)
+
+
+# --- references ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RepoRef:
+    kind: str  # "oci" or "dir"
+    location: str  # registry reference (host/repo:tag) or directory path
+    text: str
+
+
+def parse_ref(text: str) -> RepoRef:
+    text = text.strip()
+    if text.startswith("dir://"):
+        path = text.removeprefix("dir://")
+        if not path.startswith("/"):
+            raise RepositoryError(f"{text!r}: a directory repository is dir:///ABSOLUTE/PATH/NAME")
+        return RepoRef("dir", path, text)
+    if text.startswith("/"):
+        return RepoRef("dir", text, text)
+    location = text.removeprefix("oci://")
+    from agentenv.template.reference import parse_reference
+
+    try:
+        parse_reference(location)
+    except AgentEnvError as exc:
+        raise RepositoryError(f"{text!r} is neither a registry reference nor an absolute "
+                              f"directory: {exc}") from exc
+    return RepoRef("oci", location, text)
+
+
+# --- push ----------------------------------------------------------------------------------
+
+
+def _manifest(parts: list[Part], config: bytes, meta: dict[str, Any]) -> bytes:
+    doc = {
+        "schemaVersion": 2, "mediaType": OCI_MANIFEST, "artifactType": ARTIFACT_TYPE,
+        "config": {"mediaType": CONFIG_TYPE, "digest": "sha256:" + hashlib.sha256(config).hexdigest(),
+                   "size": len(config)},
+        "layers": [p.descriptor() for p in parts],
+        "annotations": {"io.agentenv.snapshot.meta": json.dumps(meta, sort_keys=True)},
+    }
+    return json.dumps(doc, indent=2).encode()
+
+
+def push(record_dir: Path, ref: str, meta: dict[str, Any], **registry_options: Any) -> dict[str, Any]:
+    """Publish the snapshot in `record_dir` under `ref`; returns what was sent."""
+    repo = parse_ref(ref)
+    t0 = time.monotonic()
+    record, parts, portable = collect(record_dir)
+    for part in parts:
+        part.digest = file_digest(part.path)
+    config = json.dumps({"record": portable}, sort_keys=True).encode()
+    manifest = _manifest(parts, config, meta)
+    sent = (_push_dir(repo, parts, config, manifest) if repo.kind == "dir"
+            else _push_oci(repo, parts, config, manifest, **registry_options))
+    return {"ref": repo.text, "snapshot": record.id, "parts": len(parts),
+            "bytes": sum(p.size for p in parts), "bytes_sent": sent,
+            "digest": "sha256:" + hashlib.sha256(manifest).hexdigest(),
+            "seconds": round(time.monotonic() - t0, 2)}
+
+
+def _push_dir(repo: RepoRef, parts: list[Part], config: bytes, manifest: bytes) -> int:
+    target = Path(repo.location)
+    root = target.parent
+    if not _NAME.match(target.name):
+        raise RepositoryError(f"{repo.text!r}: the snapshot's name must be letters, digits, _.-")
+    blobs = root / "blobs" / "sha256"
+    blobs.mkdir(parents=True, exist_ok=True)
+    sent = 0
+
+    def put(digest: str, source: Path | bytes) -> int:
+        dest = blobs / digest.removeprefix("sha256:")
+        if dest.exists():
+            return 0
+        tmp = dest.with_name(f".{dest.name}.{os.getpid()}.tmp")
+        if isinstance(source, bytes):
+            tmp.write_bytes(source)
+        else:
+            shutil.copyfile(source, tmp)
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, dest)
+        return dest.stat().st_size
+
+    sent += put("sha256:" + hashlib.sha256(config).hexdigest(), config)
+    for part in parts:
+        sent += put(part.digest, part.path)
+    fsync_dir(blobs)
+    target.mkdir(parents=True, exist_ok=True)
+    atomic_write(target / "manifest.json", manifest, mode=0o644)
+    return sent
+
+
+def _push_oci(repo: RepoRef, parts: list[Part], config: bytes, manifest: bytes,
+              **options: Any) -> int:
+    from agentenv.template.reference import parse_reference
+
+    reference = parse_reference(repo.location)
+    with _Pusher(reference, **options) as pusher:
+        sent = pusher.blob("sha256:" + hashlib.sha256(config).hexdigest(), config)
+        for part in parts:
+            sent += pusher.blob(part.digest, part.path)
+        pusher.manifest(reference.tag or reference.selector, manifest)
+    return sent
+
+
+class _Pusher:
+    """Blob and manifest uploads (OCI distribution spec: POST + monolithic PUT, HEAD to skip
+    what the registry holds), on the pull client's transport and auth."""
+
+    def __init__(self, reference: Any, **options: Any) -> None:
+        from agentenv.template.registry import RegistryClient
+
+        self.reference = reference
+        self.repository = reference.repository
+        self.client = RegistryClient(reference.registry, api_host=reference.api_host, **options)
+        self.scope = f"repository:{self.repository}:pull,push"
+
+    def __enter__(self) -> _Pusher:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.client.close()
+
+    def _send(self, method: str, url: str, *, content: Callable[[], Any] | None = None,
+              headers: dict[str, str] | None = None) -> Any:
+        import httpx
+
+        c = self.client
+        if not url.startswith("http"):
+            url = c._base() + url
+        for _round in range(3):
+            body = content() if content is not None else None
+            try:
+                response = c._http.request(method, url, content=body,
+                                           headers={**(headers or {}), **c._auth_header(self.scope)})
+            except httpx.TransportError as exc:
+                raise RepositoryError(f"{method} {url} failed: {exc}") from exc
+            finally:
+                if hasattr(body, "close"):
+                    body.close()
+            if response.status_code == 401:
+                c._authenticate(response, self.scope)
+                continue
+            return response
+        raise RepositoryError(f"{method} {url}: registry {c.registry} keeps refusing our credentials")
+
+    def _check(self, response: Any, what: str) -> None:
+        if response.status_code >= 300:
+            raise RepositoryError(f"{what}: registry {self.client.registry} answered HTTP "
+                                  f"{response.status_code} {response.text[:300]}")
+
+    def blob(self, digest: str, source: Path | bytes) -> int:
+        base = f"/v2/{self.repository}/blobs"
+        if self._send("HEAD", f"{base}/{digest}").status_code == 200:
+            return 0
+        start = self._send("POST", f"{base}/uploads/")
+        self._check(start, f"starting the upload of {digest}")
+        location = start.headers.get("location", "")
+        if not location:
+            raise RepositoryError(f"registry {self.client.registry} gave no upload location")
+        if location.startswith("/"):
+            location = self.client._base() + location
+        sep = "&" if "?" in location else "?"
+        size = len(source) if isinstance(source, bytes) else source.stat().st_size
+
+        def body() -> Any:
+            return source if isinstance(source, bytes) else open(source, "rb")
+
+        done = self._send("PUT", f"{location}{sep}digest={digest}", content=body,
+                          headers={"Content-Type": "application/octet-stream",
+                                   "Content-Length": str(size)})
+        self._check(done, f"uploading blob {digest}")
+        return size
+
+    def manifest(self, tag: str, data: bytes) -> None:
+        answer = self._send("PUT", f"/v2/{self.repository}/manifests/{tag}", content=lambda: data,
+                            headers={"Content-Type": OCI_MANIFEST})
+        self._check(answer, f"putting the manifest {self.repository}:{tag}")
+
+
+# --- fetch ---------------------------------------------------------------------------------
+
+
+@dataclass
+class Fetched:
+    record: SnapshotRecord
+    meta: dict[str, Any]
+    directory: Path
+    bytes_fetched: int
+    seconds: float
+    existed: bool = False
+
+
+def fetch(ref: str, snapshots_root: Path, **registry_options: Any) -> Fetched:
+    """Download the snapshot named by `ref` into `snapshots_root/<id>` (whole, verified)."""
+    repo = parse_ref(ref)
+    t0 = time.monotonic()
+    if repo.kind == "dir":
+        manifest_bytes = _read(Path(repo.location) / "manifest.json", repo.text)
+        blobs = Path(repo.location).parent / "blobs" / "sha256"
+
+        def get_bytes(desc: dict[str, Any]) -> bytes:
+            data = _read(blobs / desc["digest"].removeprefix("sha256:"), repo.text)
+            _verify_bytes(data, desc)
+            return data
+
+        def get_file(desc: dict[str, Any], dest: Path) -> None:
+            src = blobs / desc["digest"].removeprefix("sha256:")
+            tmp = dest.with_name(dest.name + ".partial")
+            try:
+                shutil.copyfile(src, tmp)
+            except OSError as exc:
+                raise RepositoryError(f"{repo.text}: part {desc['digest']}: {exc}") from exc
+            if file_digest(tmp) != desc["digest"] or tmp.stat().st_size != desc["size"]:
+                tmp.unlink(missing_ok=True)
+                raise RepositoryError(f"{repo.text}: part {desc['digest']} is damaged")
+            os.replace(tmp, dest)
+
+        return _fetch(repo, manifest_bytes, get_bytes, get_file, snapshots_root, t0, None)
+    from agentenv.template.reference import parse_reference
+    from agentenv.template.registry import Descriptor, RegistryClient
+
+    reference = parse_reference(repo.location)
+    with RegistryClient(reference.registry, api_host=reference.api_host, **registry_options) as client:
+        _, manifest_bytes, _ = client.get_manifest_bytes(reference.repository, reference.selector)
+
+        def descriptor(desc: dict[str, Any]) -> Any:
+            return Descriptor.from_json(desc, "snapshot artifact")
+
+        def get_bytes_oci(desc: dict[str, Any]) -> bytes:
+            return bytes(client.get_blob_bytes(reference.repository, descriptor(desc)))
+
+        def get_file_oci(desc: dict[str, Any], dest: Path) -> None:
+            client.download_blob(reference.repository, descriptor(desc), dest)
+
+        return _fetch(repo, manifest_bytes, get_bytes_oci, get_file_oci, snapshots_root, t0, None)
+
+
+def _fetch(repo: RepoRef, manifest_bytes: bytes, get_bytes: Callable[[dict[str, Any]], bytes],
+           get_file: Callable[[dict[str, Any], Path], None], snapshots_root: Path, t0: float,
+           _unused: Any) -> Fetched:
+    try:
+        manifest = json.loads(manifest_bytes)
+    except ValueError as exc:
+        raise RepositoryError(f"{repo.text}: the manifest is not JSON: {exc}") from exc
+    if manifest.get("artifactType") != ARTIFACT_TYPE or \
+            manifest.get("config", {}).get("mediaType") != CONFIG_TYPE:
+        raise RepositoryError(f"{repo.text} is not an agentenv snapshot (artifactType "
+                              f"{manifest.get('artifactType')!r})")
+    meta = json.loads(manifest.get("annotations", {}).get("io.agentenv.snapshot.meta", "{}"))
+    config = json.loads(get_bytes(manifest["config"]))
+    portable = config["record"]
+    snapshot_id = str(portable.get("id", ""))
+    if not _NAME.match(snapshot_id):
+        raise RepositoryError(f"{repo.text}: bad snapshot id {snapshot_id!r}")
+    final = snapshots_root / snapshot_id
+    if (final / RECORD_NAME).is_file():
+        record = SnapshotRecord.load(final)
+        return Fetched(record, meta, final, 0, round(time.monotonic() - t0, 2), existed=True)
+    # Beside the snapshot root, not in it: the node's GC sweeps what no record marks there.
+    work = snapshots_root.parent / ".incoming-snapshots" / f"{snapshot_id}-{os.getpid()}"
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    snapshots_root.mkdir(parents=True, exist_ok=True)
+    fetched = 0
+    try:
+        for desc in manifest.get("layers", []):
+            name = (desc.get("annotations") or {}).get(TITLE, "")
+            if not _NAME.match(name) or desc.get("mediaType") not in PART_TYPES.values():
+                raise RepositoryError(f"{repo.text}: bad part {name!r} ({desc.get('mediaType')})")
+            get_file(desc, work / name)
+            fetched += int(desc["size"])
+        record = localise(portable, final)
+        # Written with the final paths, then the directory moves into place in one rename.
+        record.save(work)
+        fsync_dir(work)
+        os.replace(work, final)
+        fsync_dir(snapshots_root)
+    except BaseException:
+        shutil.rmtree(work, ignore_errors=True)
+        raise
+    record.check_files()
+    return Fetched(record, meta, final, fetched, round(time.monotonic() - t0, 2))
+
+
+def _read(path: Path, what: str) -> bytes:
+    try:
+        return path.read_bytes()
+    except FileNotFoundError as exc:
+        raise RepositoryError(f"{what}: {path} not found") from exc
+    except OSError as exc:
+        raise RepositoryError(f"{what}: {path}: {exc}") from exc
+
+
+def _verify_bytes(data: bytes, desc: dict[str, Any]) -> None:
+    if "sha256:" + hashlib.sha256(data).hexdigest() != desc["digest"] or len(data) != desc["size"]:
+        raise RepositoryError(f"blob {desc['digest']} is damaged")
