@@ -122,7 +122,7 @@ class HeartbeatSender:
         with contextlib.suppress(OSError):
             msg.disk_free_bytes = shutil.disk_usage(self.state_dir).free
         layers: set[str] = set()
-        for tpl in list(orch.templates.values()):
+        for tpl in list(orch.catalogue.templates.values()):
             layers.update(tpl.ref.layers)
             if tpl.kind == "snapshot":
                 msg.snapshots.append(tpl.template_id)

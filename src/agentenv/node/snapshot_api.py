@@ -32,6 +32,7 @@ from agentenv.node.errors import ApiError, BadRequest, Conflict, NotFound
 from agentenv.node.orchestrator import Orchestrator
 from agentenv.node.records import TemplateRecord
 from agentenv.node.security import new_id
+from agentenv.node.vm_backend import VmBackend
 
 log = logging.getLogger("agentenv.node.snapshot_api")
 
@@ -47,9 +48,9 @@ class SnapshotMoveApi:
         return [Route("/aenv/snapshots/push", self.push, methods=["POST"]),
                 Route("/aenv/snapshots/pull", self.pull, methods=["POST"])]
 
-    def _backend(self) -> Any:
+    def _backend(self) -> VmBackend:
         backend = self.orchestrator.backend
-        if not hasattr(backend, "snapshot_root") or not hasattr(backend, "_load_record"):
+        if not isinstance(backend, VmBackend):
             raise BadRequest("snapshots move between nodes with the VM backend only")
         return backend
 
@@ -66,7 +67,7 @@ class SnapshotMoveApi:
                                         "envd_version": rec.envd_version, "names": [],
                                         "guest_token": rec.envd_access_token}
         try:
-            tpl = self.orchestrator.resolve_template(name)
+            tpl = self.orchestrator.catalogue.resolve(name)
         except ApiError as exc:
             raise NotFound(f"no template, snapshot or paused sandbox {name!r}") from exc
         return tpl.ref, {"cpu_count": tpl.cpu_count, "memory_mb": tpl.memory_mb,
@@ -95,7 +96,7 @@ class SnapshotMoveApi:
 
         backend = self._backend()
         tref, meta = self._resolve(name)
-        record = backend._load_record(tref)
+        record = backend.snapshots.load(tref)
         record_dir = Path(record.device_state).parent
         try:
             return await asyncio.to_thread(push, record_dir, ref, meta)
@@ -111,19 +112,19 @@ class SnapshotMoveApi:
             raise BadRequest("'name' must be a non-empty string")
         backend = self._backend()
         if name is not None:
-            owner = self.orchestrator._names.get(name)
+            owner = self.orchestrator.catalogue.name_owner(name)
             if owner is not None:
                 raise Conflict(f"name {name!r} is already used by {owner}")
         try:
-            fetched = await asyncio.to_thread(fetch, body["ref"], backend.snapshot_root)
+            fetched = await asyncio.to_thread(fetch, body["ref"], backend.snapshots.root)
         except AgentEnvError as exc:
             raise BadRequest(f"pull of {body['ref']} failed: {exc}") from exc
         record = fetched.record
-        if record.mode != getattr(backend.runtime, "accel", record.mode):
+        if record.mode != backend.runtime.accel:
             raise BadRequest(f"snapshot {record.id} was taken under {record.mode} and this node "
                              f"runs {backend.runtime.accel}: it cannot be restored here")
         meta = fetched.meta
-        tref = backend._ref(record, "snapshot")
+        tref = backend.snapshots.ref(record, "snapshot")
         if meta.get("guest_token"):
             tref.data["guest_token"] = meta["guest_token"]
         now = time.time()
@@ -136,7 +137,7 @@ class SnapshotMoveApi:
             envd_version=str(meta.get("envd_version")
                              or self.orchestrator.config.default_envd_version),
             created_at=now, updated_at=now)
-        await self.orchestrator.register_template(tpl)
+        await self.orchestrator.catalogue.register(tpl)
         log.info("snapshot pulled", extra={"ref": body["ref"], "snapshot": record.id,
                                            "template_id": tpl.template_id,
                                            "bytes": fetched.bytes_fetched})
