@@ -203,17 +203,21 @@ def test_unknown_source_and_removed_slot_are_reset(lab: Lab) -> None:
     assert lab.control("remove", source=slot.guest_address) == {"ok": True, "cut": 0}
 
 
-def test_header_rules_on_plain_http_and_refused_on_tls(lab: Lab) -> None:
+def test_header_rules_on_plain_http_and_tls_untouched(lab: Lab) -> None:
+    """`http://` rules set headers on every plain-HTTP request; TLS to the same host is decided
+    by the policy and spliced unchanged (a rule covering HTTPS is refused by the policy)."""
     slot = lab.slots[0]
-    lab.set_policy(slot, {**ONLY_ALLOWED, "rules": {ALLOWED: [
+    lab.set_policy(slot, {**ONLY_ALLOWED, "rules": {f"http://{ALLOWED}": [
         {"transform": {"headers": {"Authorization": "Bearer lab", "X-Injected": "yes"}}}]}})
     with lab.connect(slot, INET_SERVER, 80) as plain:
         for path in ("/1", "/2"):  # every request on a kept-alive connection
             seen = json.loads(http_get(plain, ALLOWED, path, {"authorization": "mine"})[2])
             assert seen["headers"] == [["Host", ALLOWED], ["Authorization", "Bearer lab"],
                                        ["X-Injected", "yes"]]
-    assert_reset(lambda: lab.tls(slot, ALLOWED))
-    assert f"header rules for {ALLOWED} apply to plain HTTP only" in denied_reasons(lab)
+    with lab.tls(slot, ALLOWED) as tls:
+        seen = json.loads(http_get(tls, ALLOWED, "/", {"authorization": "mine"})[2])
+        assert seen["headers"] == [["Host", ALLOWED], ["authorization", "mine"]]
+    assert_reset(lambda: lab.tls(slot, DENIED))
 
 
 def test_other_ports_are_decided_by_address_only(lab: Lab) -> None:
