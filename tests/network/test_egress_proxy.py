@@ -362,3 +362,34 @@ def test_proxy_log_is_json_lines(lab: Lab) -> None:
     lines = lab.proxy_log()
     assert lines and all("event" in line or "msg" in line for line in lines)
     assert not [line for line in lines if line.get("event") == "crash"]
+
+
+def test_name_filtering_keeps_only_the_direct_flows_it_allows(lab: Lab) -> None:
+    """The runtime's own path (NetworkSlot.set_policy, the host table's forward chain): a
+    direct TCP 80 flow opened under the default policy survives an update to a name-filtering
+    policy that allows its address, and is reset by one that allows only a name (the kernel
+    cannot know its name); new connections then go through the proxy."""
+    from agentenv.network.policy import EgressPolicy
+
+    slot = lab.slots[2]
+    by_address = {"allowOut": [INET_SERVER, ALLOWED], "denyOut": ["0.0.0.0/0"]}
+
+    def apply(network: dict[str, Any]) -> None:
+        lab.set_policy(slot, network, mode="none")  # the proxy's table only
+        lab.loop.run_until_complete(slot.set_policy(EgressPolicy.from_wire(network)))
+
+    apply({})  # whatever earlier tests left on this slot
+    try:
+        with lab.connect(slot, INET_SERVER, 80) as direct:
+            assert http_get(direct, ALLOWED, "/")[0] == 200  # default policy: not redirected
+            apply(by_address)
+            assert slot.policy.proxied_ports == "web"
+            for path in ("/1", "/2"):  # still the direct flow, kept
+                assert http_get(direct, ALLOWED, path)[0] == 200
+            apply(ONLY_ALLOWED)
+            assert_reset(lambda: http_get(direct, ALLOWED, "/3"))
+        with lab.connect(slot, INET_SERVER, 80) as proxied:
+            assert http_get(proxied, ALLOWED, "/")[0] == 200
+        request_is_reset(lab, slot, INET_SERVER, 80, DENIED)
+    finally:
+        apply({})

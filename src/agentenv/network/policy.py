@@ -348,6 +348,20 @@ class EgressPolicy:
             return False
         return not (host and lookup.deny_names.matches(host))
 
+    def allows_every_name(self, address: IPv4Address | str, port: int) -> bool:
+        """Whether a TCP connection to `address`:`port` is allowed whatever host name it
+        carries: the decision for a flow the egress proxy never read (opened directly before
+        names were filtered), which the kernel keeps only when this is true. An allow by
+        address beats every name; else a deny by address, a name that could be denied, or
+        header rules its plain-HTTP requests would miss mean it cannot be kept."""
+        ip = int(ipaddress.IPv4Address(address) if isinstance(address, str) else address)
+        if port == 80 and self.rules:
+            return False
+        lookup = self._lookup
+        if lookup.allow_nets.contains(ip) or ip in lookup.dns:
+            return True
+        return not self.deny_names and not lookup.deny_nets.contains(ip)
+
     @functools.cached_property
     def _lookup(self) -> _Lookup:
         """The lists as lookup structures, built once per policy (the proxy decides every

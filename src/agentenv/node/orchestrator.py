@@ -264,8 +264,9 @@ class Orchestrator:
             await self.store.delete_pending(sid)
 
     async def _reapply_network(self) -> None:
-        """Adopted sandboxes get their policies again: the host's redirect sets and the egress
-        proxy's table were rebuilt empty by this start (their slots kept their own rules)."""
+        """Adopted sandboxes get their policies again (their slots kept their own rules; the
+        host's redirect sets and an adopted egress proxy's table kept theirs meanwhile, a
+        restarted proxy starts empty); then the backend drops what no sandbox holds."""
         apply = getattr(self.backend, "set_network", None)
         if apply is None:
             return
@@ -278,6 +279,9 @@ class Orchestrator:
             except BackendError as exc:
                 log.error("network policy not re-applied to an adopted sandbox",
                           extra={"sandbox_id": rec.sandbox_id, "error": str(exc)})
+        done = getattr(self.backend, "network_reapplied", None)
+        if done is not None:
+            await done()
 
     async def update_network(self, sandbox_id: str, body: dict[str, Any]) -> None:
         """`PUT /sandboxes/{id}/network`: the whole egress policy is replaced. A running

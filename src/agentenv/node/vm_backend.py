@@ -106,6 +106,14 @@ def _running(pid: int) -> bool:
         return False
 
 
+def _egress_leftovers(base: Path) -> list[int]:
+    try:
+        from agentenv.network.process import running_for
+    except ImportError:  # a build without the egress proxy
+        return []
+    return running_for(base / "egress" / "control.sock")
+
+
 def _live_blockd(root: Path) -> int | None:
     """The pid of the private blockd an earlier node started in `root`, if it still runs and
     answers on its socket (blockd outlives a node killed with SIGKILL)."""
@@ -357,6 +365,8 @@ class VmBackend:
         keep_pids = {int(m["pid"]) for m in alive.values()}
         if self._blockd_pid is not None:
             keep_pids.add(self._blockd_pid)
+        # The egress proxy too: the supervisor adopts it (the guests' flows through it go on).
+        keep_pids.update(await asyncio.to_thread(_egress_leftovers, self.base))
         await asyncio.to_thread(self._reap_leftovers, keep_pids, list(alive.values()))
         if self.blockd_socket is None:
             private_root.mkdir(parents=True, exist_ok=True)
@@ -452,6 +462,12 @@ class VmBackend:
         source = self._sources.pop(sandbox_id, None)
         if source is not None and self.egress is not None:
             await self.egress.remove(source)
+
+    async def network_reapplied(self) -> None:
+        """The orchestrator has set every adopted sandbox's policy again after a start: an
+        adopted egress proxy's table is now replaced by the node's (stale entries go)."""
+        if self.egress is not None and self.egress.adopted:
+            await self.egress.resync()
 
     async def set_network(self, sandbox_id: str, placement: Placement, policy: EgressPolicy,
                           identity: SlotIdentity | None) -> None:

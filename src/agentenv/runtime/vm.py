@@ -208,7 +208,8 @@ class Runtime:
         if self.config.network:
             # Refused before anything is touched when another runtime uses this prefix.
             self.slots.acquire_prefix()
-            await setup_host(self.config.network_prefix, self.config.egress_proxy_port)
+            await setup_host(self.config.network_prefix, self.config.egress_proxy_port,
+                             keep_sources=self.slots.in_use_addresses())
             await self.slots.fill(self.config.slot_pool_low)
         self._started = True
         log.info("runtime started", extra={"accel": self.accel})
