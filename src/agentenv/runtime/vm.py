@@ -36,7 +36,14 @@ from agentenv.fsutil import fsync_dir
 from agentenv.network.policy import ALL_TRAFFIC, EgressPolicy
 from agentenv.runtime import privilege
 from agentenv.runtime.accel import resolve_accel
-from agentenv.runtime.cgroup import Cgroup, CgroupManager, IOLimit, io_device, limits_for
+from agentenv.runtime.cgroup import (
+    Cgroup,
+    CgroupManager,
+    IOLimit,
+    default_parent,
+    io_device,
+    limits_for,
+)
 from agentenv.runtime.config import RuntimeConfig
 from agentenv.runtime.devstate import finish_device_state
 from agentenv.runtime.errors import (
@@ -203,7 +210,8 @@ class Runtime:
             privilege.prepare_dirs(self.vm_user, self.config.state_dir,
                                    [self.config.vm_dir, self.config.memory_dir])
         self.cgroups = CgroupManager.detect(
-            self.config.cgroups, self.config.cgroup_parent or f"{self.config.network_prefix}.slice")
+            self.config.cgroups, self.config.cgroup_parent
+            or default_parent(self.config.network_prefix, self.config.state_dir))
         self._io_limit = self._io_limit_config()
         if self.config.network:
             # Refused before anything is touched when another runtime uses this prefix.
@@ -228,6 +236,7 @@ class Runtime:
                 await self.kill(vm)
         await self.slots.close()
         await self._http.aclose()
+        self.cgroups.close()
 
     # -- boot -----------------------------------------------------------------------------
 
