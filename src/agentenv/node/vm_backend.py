@@ -366,7 +366,8 @@ class VmBackend:
         if self._blockd_pid is not None:
             keep_pids.add(self._blockd_pid)
         # The egress proxy too: the supervisor adopts it (the guests' flows through it go on).
-        keep_pids.update(await asyncio.to_thread(_egress_leftovers, self.base))
+        if self.egress_enabled:
+            keep_pids.update(await asyncio.to_thread(_egress_leftovers, self.base))
         await asyncio.to_thread(self._reap_leftovers, keep_pids, list(alive.values()))
         if self.blockd_socket is None:
             private_root.mkdir(parents=True, exist_ok=True)
