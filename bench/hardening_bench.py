@@ -245,10 +245,7 @@ def qemu_memory(node: Node, sid: str) -> tuple[float, float, float | None]:
     manifest = json.loads((node.state / "vm-backend" / "sandboxes" / f"{sid}.vm.json")
                           .read_text())
     pid = int(manifest["pid"])
-    rss = 0.0
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            rss = int(line.split()[1]) / 1024
+    smaps = pss_kib(pid)
     charge = None
     for line in Path(f"/proc/{pid}/cgroup").read_text().splitlines():
         _, controllers, path = line.split(":", 2)
@@ -260,7 +257,7 @@ def qemu_memory(node: Node, sid: str) -> tuple[float, float, float | None]:
             current = Path("/sys/fs/cgroup") / path.lstrip("/") / "memory.current"
             with contextlib.suppress(OSError):
                 charge = int(current.read_text()) / (1 << 20)
-    return pss_kib(pid) / 1024, rss, charge
+    return smaps["Pss"] / 1024, smaps["Rss"] / 1024, charge
 
 
 def vm_part(args: argparse.Namespace) -> None:
