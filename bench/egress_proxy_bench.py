@@ -5,7 +5,8 @@ From inside a real slot namespace (tests/network/lab.py: slots, host nft redirec
 - throughput of a 64 MiB HTTP GET (curl) direct (no redirect) and through the proxy (a name
   policy: the slot's port 80 is redirected, the Host header decides);
 - connection setup p50: TCP connect, and connect + a small GET until the response arrives;
-- the proxy's RSS idle, with 32 slots known, and with 32 slots holding 4 open connections each.
+- the proxy's RSS idle, with 32 slots known, with 32 slots holding 4 open connections each,
+  and its peak while a curl in each of the 32 slot namespaces downloads through it at once.
 Goals (issue 13): proxied throughput >= 0.7 of direct; proxied connect p50 within +2 ms.
 
 Usage (root): scripts/isolated.sh .venv/bin/python bench/egress_proxy_bench.py [--quick]
@@ -169,6 +170,26 @@ def main() -> None:
              connections=stats["connections"])
         for sock in held:
             sock.close()
+
+        # 32 sandboxes' worth of live traffic: every slot name-filtered, a curl in each slot
+        # namespace downloading through the proxy at once; the proxy's RSS sampled meanwhile.
+        lab.set_policy(direct, NAME_POLICY)
+        size, rate = (8 << 20, "1M") if args.quick else (32 << 20, "2M")
+        curls = [subprocess.Popen(
+            ["ip", "netns", "exec", slot.netns_name, "curl", "-sS", "-o", "/dev/null",
+             "--limit-rate", rate, "-H", f"Host: {NAME}", "-w", "%{size_download}",
+             f"http://{INET_SERVER}/blob?size={size}"],
+            stdout=subprocess.PIPE, text=True) for slot in lab.slots]
+        peak, most = rss_mib(pid), 0
+        while any(c.poll() is None for c in curls):
+            peak = max(peak, rss_mib(pid))
+            most = max(most, int(lab.control("ping")["connections"]))
+            time.sleep(0.2)
+        sizes = [int(c.communicate()[0] or 0) for c in curls]
+        assert all(c.returncode == 0 for c in curls) and sizes == [size] * len(curls), sizes
+        emit("egress_proxy_rss_peak_32_slots_32_curls", peak, "MiB", slots=32,
+             connections_max=most, bytes_each=size, rate=rate)
+        emit("egress_proxy_rss_after_32_curls", rss_mib(pid), "MiB", slots=32)
 
 
 if __name__ == "__main__":

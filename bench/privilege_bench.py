@@ -60,7 +60,9 @@ async def main(quick: bool) -> None:
     client = AsyncBlockdClient(blockd.socket)
     rt = Runtime(RuntimeConfig(state_dir=root / "state", network_prefix=PREFIX,
                                envd_init_path="/cgi-bin/init", slot_pool_low=4,
-                               slot_pool_high=12, slot_first_index=SLOT_FIRST_INDEX),
+                               slot_pool_high=12, slot_first_index=SLOT_FIRST_INDEX,
+                               # AENV_CGROUPS=v1 on a host whose cgroup2 has no controllers
+                               cgroups=os.environ.get("AENV_CGROUPS") or "auto"),
                  blockd=client)
     try:
         layer = make_ext4_layer(root / "rootfs.layer", ROOTFS)

@@ -203,17 +203,21 @@ def test_unknown_source_and_removed_slot_are_reset(lab: Lab) -> None:
     assert lab.control("remove", source=slot.guest_address) == {"ok": True, "cut": 0}
 
 
-def test_header_rules_on_plain_http_and_refused_on_tls(lab: Lab) -> None:
+def test_header_rules_on_plain_http_and_tls_untouched(lab: Lab) -> None:
+    """`http://` rules set headers on every plain-HTTP request; TLS to the same host is decided
+    by the policy and spliced unchanged (a rule covering HTTPS is refused by the policy)."""
     slot = lab.slots[0]
-    lab.set_policy(slot, {**ONLY_ALLOWED, "rules": {ALLOWED: [
+    lab.set_policy(slot, {**ONLY_ALLOWED, "rules": {f"http://{ALLOWED}": [
         {"transform": {"headers": {"Authorization": "Bearer lab", "X-Injected": "yes"}}}]}})
     with lab.connect(slot, INET_SERVER, 80) as plain:
         for path in ("/1", "/2"):  # every request on a kept-alive connection
             seen = json.loads(http_get(plain, ALLOWED, path, {"authorization": "mine"})[2])
             assert seen["headers"] == [["Host", ALLOWED], ["Authorization", "Bearer lab"],
                                        ["X-Injected", "yes"]]
-    assert_reset(lambda: lab.tls(slot, ALLOWED))
-    assert f"header rules for {ALLOWED} apply to plain HTTP only" in denied_reasons(lab)
+    with lab.tls(slot, ALLOWED) as tls:
+        seen = json.loads(http_get(tls, ALLOWED, "/", {"authorization": "mine"})[2])
+        assert seen["headers"] == [["Host", ALLOWED], ["authorization", "mine"]]
+    assert_reset(lambda: lab.tls(slot, DENIED))
 
 
 def test_other_ports_are_decided_by_address_only(lab: Lab) -> None:
@@ -358,3 +362,34 @@ def test_proxy_log_is_json_lines(lab: Lab) -> None:
     lines = lab.proxy_log()
     assert lines and all("event" in line or "msg" in line for line in lines)
     assert not [line for line in lines if line.get("event") == "crash"]
+
+
+def test_name_filtering_keeps_only_the_direct_flows_it_allows(lab: Lab) -> None:
+    """The runtime's own path (NetworkSlot.set_policy, the host table's forward chain): a
+    direct TCP 80 flow opened under the default policy survives an update to a name-filtering
+    policy that allows its address, and is reset by one that allows only a name (the kernel
+    cannot know its name); new connections then go through the proxy."""
+    from agentenv.network.policy import EgressPolicy
+
+    slot = lab.slots[2]
+    by_address = {"allowOut": [INET_SERVER, ALLOWED], "denyOut": ["0.0.0.0/0"]}
+
+    def apply(network: dict[str, Any]) -> None:
+        lab.set_policy(slot, network, mode="none")  # the proxy's table only
+        lab.loop.run_until_complete(slot.set_policy(EgressPolicy.from_wire(network)))
+
+    apply({})  # whatever earlier tests left on this slot
+    try:
+        with lab.connect(slot, INET_SERVER, 80) as direct:
+            assert http_get(direct, ALLOWED, "/")[0] == 200  # default policy: not redirected
+            apply(by_address)
+            assert slot.policy.proxied_ports == "web"
+            for path in ("/1", "/2"):  # still the direct flow, kept
+                assert http_get(direct, ALLOWED, path)[0] == 200
+            apply(ONLY_ALLOWED)
+            assert_reset(lambda: http_get(direct, ALLOWED, "/3"))
+        with lab.connect(slot, INET_SERVER, 80) as proxied:
+            assert http_get(proxied, ALLOWED, "/")[0] == 200
+        request_is_reset(lab, slot, INET_SERVER, 80, DENIED)
+    finally:
+        apply({})

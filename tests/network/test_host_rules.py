@@ -51,6 +51,25 @@ def test_docker_style_forward_drop_gets_accept_rules_and_loses_them() -> None:
     assert "aenv-slots" not in left
 
 
+def test_a_restart_keeps_the_redirects_of_adopted_slots_only() -> None:
+    """setup_host again (a node restart): the redirect-set entries of the slots it is told
+    survived are carried over (their name-filtered TCP 80/443 never leaves unfiltered while
+    the node re-applies policies); the others' go."""
+    try:
+        asyncio.run(rtnet.setup_host(PREFIX, 15999))
+        asyncio.run(rtnet._host_sources(PREFIX, "10.12.0.3", "web"))
+        asyncio.run(rtnet._host_sources(PREFIX, "10.12.0.5", "all"))
+        asyncio.run(rtnet._host_sources(PREFIX, "10.12.0.7", "web"))
+        asyncio.run(rtnet.setup_host(PREFIX, 15999, keep_sources=["10.12.0.3", "10.12.0.5"]))
+        table = f"{PREFIX}_host"
+        assert asyncio.run(rtnet._host_set_elements(table, "web_src")) == ["10.12.0.3"]
+        assert asyncio.run(rtnet._host_set_elements(table, "all_src")) == ["10.12.0.5"]
+        asyncio.run(rtnet.setup_host(PREFIX, 15999))
+        assert asyncio.run(rtnet._host_set_elements(table, "web_src")) == []
+    finally:
+        asyncio.run(rtnet.teardown_host(PREFIX))
+
+
 def test_walls_and_open_ranges() -> None:
     walls = rtnet.walls()
     assert IPv4Network("10.0.0.0/8") in walls and IPv4Network("169.254.0.0/16") in walls

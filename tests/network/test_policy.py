@@ -72,7 +72,7 @@ def test_egress_proxy_and_rules() -> None:
     policy = EgressPolicy.from_wire({
         "egressProxy": {"address": "198.51.100.7:1080", "username": "u", "password": "p",
                         "tls": {"serverName": "proxy.test", "caCert": "PEM"}},
-        "rules": {"api.test": [{"transform": {"headers": {"X-Token": "t"}}}]}})
+        "rules": {"http://api.test": [{"transform": {"headers": {"X-Token": "t"}}}]}})
     assert policy.proxied_ports == "all"
     shown = policy.to_wire()
     assert shown["egressProxy"] == {"address": "198.51.100.7:1080", "username": "u",
@@ -81,6 +81,18 @@ def test_egress_proxy_and_rules() -> None:
     assert kept["egressProxy"]["password"] == "p" and kept["egressProxy"]["tls"]["caCert"] == "PEM"
     assert EgressPolicy.from_wire(kept) == policy
     assert policy.header_rules("API.test") == (("X-Token", "t"),)
+    assert shown["rules"] == {"http://api.test": [{"transform": {"headers": {"X-Token": "t"}}}]}
+
+
+@pytest.mark.parametrize("key", ["api.test", "https://api.test", "api.test:443", "HTTPS://Api.Test"])
+def test_rules_that_would_cover_https_are_refused(key: str) -> None:
+    """E2B applies a bare host's rules to HTTPS too; we cannot without decrypting: refused,
+    naming the key and the way to ask for plain HTTP only."""
+    with pytest.raises(PolicyError) as caught:
+        EgressPolicy.from_wire({"allowOut": ["api.test"], "rules": {
+            key: [{"transform": {"headers": {"X-Token": "t"}}}]}})
+    text = str(caught.value)
+    assert f"rules[{key!r}]" in text and "plain HTTP only" in text and "'http://api.test'" in text
 
 
 @pytest.mark.parametrize("network, named", [
@@ -97,7 +109,12 @@ def test_egress_proxy_and_rules() -> None:
     ({"dnsServers": ["1.1.1.1"] * 11}, "at most 10"),
     ({"egressProxy": {"address": "nohost"}}, "is not host:port"),
     ({"egressProxy": {"address": "p.test:1", "password": "x"}}, "only valid together"),
-    ({"rules": {"a.test": [{"transform": {"headers": {"Bad Header": "x"}}}]}}, "Bad Header"),
+    ({"rules": {"http://a.test": [{"transform": {"headers": {"Bad Header": "x"}}}]}},
+     "Bad Header"),
+    ({"rules": {"http://a.test/x": []}}, "no scheme or path"),
+    ({"rules": {"198.51.100.7": []}}, "addresses and CIDRs are not supported"),
+    ({"rules": {"http://a.test": [{"transform": {"headers": {"X": "a\r\nB: c"}}}]}},
+     "value of 'X'"),
     ({"allowOut": [f"198.18.{i // 256}.{i % 256}" for i in range(MAX_ENTRIES + 1)]},
      f"at most {MAX_ENTRIES}"),
 ])

@@ -238,9 +238,11 @@ def vm_node_process(state_dir: Path, log_path: Path, net_prefix: str, first_slot
 
 
 @contextlib.contextmanager
-def serving_vm_node(node: NodeProcess, net_prefix: str) -> Iterator[NodeProcess]:
-    """Start a VM-backend node with the SDK pointed at it; at the end a graceful stop (which
-    must succeed), then its files and its network slots are removed whatever happened."""
+def serving_vm_node(node: NodeProcess, net_prefix: str,
+                    point_sdk: bool = True) -> Iterator[NodeProcess]:
+    """Start a VM-backend node with the SDK pointed at it (unless not `point_sdk`); at the end
+    a graceful stop (which must succeed), then its files and its network slots are removed
+    whatever happened."""
     import asyncio
     import shutil
 
@@ -252,7 +254,7 @@ def serving_vm_node(node: NodeProcess, net_prefix: str) -> Iterator[NodeProcess]
         pytest.fail("qemu-system-x86_64 is missing: run scripts/install-system.sh")
     try:
         node.start()
-        with sdk_pointed_at(node):
+        with sdk_pointed_at(node) if point_sdk else contextlib.nullcontext(node):
             yield node
         if node.proc is not None:
             assert node.stop() in (0, -15), node.log_path.read_text()[-3000:]
@@ -270,6 +272,32 @@ def template_build_node(base: Path, net_prefix: str, first_slot: int,
     node = vm_node_process(base / "state", base / "node.log", net_prefix, first_slot,
                            {"AENV_LAYER_CACHE": str(layer_cache), **NO_READY_POOLS})
     with serving_vm_node(node, net_prefix):
+        yield node
+
+
+# One VM node shared by the modules whose tests need no ready pool and hold at most two
+# sandboxes at a time (test_parity, test_build_secrets, test_admission's VM check): a VM node's
+# start (guest assets check, base template build) is paid once instead of once per module. Its
+# memory budget holds two base sandboxes (512 MiB + QEMU's 64 + 64 + 4 per vCPU each, 2 vCPUs)
+# so test_admission can fill it with two creates. test_network_policy keeps a node of its own:
+# it needs a ready pool (handover must get the create's policy), kills its node with SIGKILL
+# and holds up to four sandboxes at once.
+SHARED_VM_PREFIX, SHARED_VM_FIRST_SLOT = "asv", 28801  # 28801-29000
+BASE_SANDBOX_MB = 512 + 64 + 64 + 4 * 2
+SHARED_VM_BUDGET_MB = 2 * BASE_SANDBOX_MB + 4
+
+
+@pytest.fixture(scope="session")
+def shared_vm_node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NodeProcess]:
+    """The shared VM node, started at its first use. The SDK is not pointed at it here (a
+    session-long environment would leak into other modules): users wrap it in
+    sdk_pointed_at(). Layer conversions of builds go to a cache of its own."""
+    base = tmp_path_factory.mktemp("sharedvm")
+    node = vm_node_process(base / "state", base / "node.log", SHARED_VM_PREFIX,
+                           SHARED_VM_FIRST_SLOT,
+                           {**NO_READY_POOLS, "AENV_LAYER_CACHE": str(base / "layer-cache"),
+                            "AENV_MEMORY_BUDGET_MB": str(SHARED_VM_BUDGET_MB)})
+    with serving_vm_node(node, SHARED_VM_PREFIX, point_sdk=False):
         yield node
 
 

@@ -113,3 +113,43 @@ def test_limits_count_running_sandboxes_and_reservations(tmp_path: Path) -> None
         Admission.from_env(tmp_path, {"AENV_MEMORY_OVERCOMMIT": "lots"})
     budget = Admission.from_env(tmp_path, {"AENV_MEMORY_OVERCOMMIT": "2"}).memory_budget_mb
     assert budget > 0
+
+
+
+@pytest.mark.qemu
+@pytest.mark.root
+@pytest.mark.slow
+def test_vm_backend_full_memory_budget_refuses_the_next_create(
+        shared_vm_node: NodeProcess) -> None:
+    """The same on the VM backend, on the session's shared VM node (its budget holds two base
+    sandboxes): the third create gets 429 naming the limit before any VM, disk or record."""
+    from tests.node.conftest import BASE_SANDBOX_MB, SHARED_VM_BUDGET_MB
+
+    node = shared_vm_node
+    manifests = node.state_dir / "vm-backend" / "sandboxes"
+    made: list[str] = []
+    with node.client() as api:
+        base = next(t for t in api.get("/templates").json() if "base" in t["aliases"])
+        assert (base["memoryMB"], base["cpuCount"]) == (512, 2)  # what the budget assumes
+        try:
+            for _ in range(2):
+                created = api.post("/v2/sandboxes", json={"templateID": "base", "timeout": 300})
+                assert created.status_code == 201, created.text
+                made.append(created.json()["sandboxID"])
+            listed = {s["sandboxID"] for s in api.get("/v2/sandboxes").json()}
+            kept = set(manifests.glob("*.vm.json"))  # one per VM (QEMU pid, slot, disks)
+            assert len(kept) == 2, kept
+
+            refused = api.post("/v2/sandboxes", json={"templateID": "base", "timeout": 300})
+            message = _error(refused, 429, "memory budget", "AENV_MEMORY_BUDGET_MB",
+                             f"{2 * BASE_SANDBOX_MB} MiB of {SHARED_VM_BUDGET_MB} MiB")
+            print(f"\nrefused VM create: {refused.status_code} {message}")
+            assert {s["sandboxID"] for s in api.get("/v2/sandboxes").json()} == listed
+            assert set(manifests.glob("*.vm.json")) == kept
+        finally:
+            for sid in made:
+                api.delete(f"/sandboxes/{sid}")
+        # Room again once one is gone.
+        again = api.post("/v2/sandboxes", json={"templateID": "base", "timeout": 300})
+        assert again.status_code == 201, again.text
+        api.delete(f"/sandboxes/{again.json()['sandboxID']}")

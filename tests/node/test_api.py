@@ -203,6 +203,13 @@ def test_traffic_token_guards_other_ports(api: httpx.Client, node: NodeProcess) 
                      400, "10.0.0.0/33")
         bad = api.post("/v2/sandboxes", json={"network": {"denyOut": ["http://x.test/"]}})
         assert_error(bad, 400, "http://x.test/")
+        # Header rules that would cover HTTPS need decrypting: refused, naming the key, on
+        # create and update (before any backend check), not accepted and the TLS reset.
+        https_rule = {"allowOut": ["api.test"],
+                      "rules": {"api.test": [{"transform": {"headers": {"X-Key": "k"}}}]}}
+        for answer in (api.post("/v2/sandboxes", json={"network": https_rule}),
+                       api.put(f"/sandboxes/{sid}/network", json=https_rule)):
+            assert_error(answer, 400, "rules['api.test']: header transforms apply to plain HTTP")
     finally:
         api.delete(f"/sandboxes/{sid}")
 

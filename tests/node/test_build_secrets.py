@@ -15,12 +15,9 @@ import pytest
 from tests.template import helpers
 from tests.template.conftest import Registry, _start_registry, _stop
 
-from . import conftest
 from .conftest import NodeProcess
 
 pytestmark = [pytest.mark.qemu, pytest.mark.root, pytest.mark.slow]
-NET_PREFIX = "abs"  # unique: a test teardown deletes every {NET_PREFIX}-s* namespace
-FIRST_SLOT = 28001  # disjoint from the other node test modules' slots
 
 PASSWORD = "pw-" + uuid.uuid4().hex  # unique, so finding it anywhere means it leaked
 
@@ -62,27 +59,27 @@ def _leaks(root: Path, needles: list[bytes]) -> list[str]:
     return found
 
 
-def test_registry_password_is_used_and_never_written(tmp_path_factory: pytest.TempPathFactory,
+def test_registry_password_is_used_and_never_written(shared_vm_node: NodeProcess,
                                                     secret_registry: Registry) -> None:
-    tmp_path = tmp_path_factory.mktemp("bsn")  # short: unix socket paths live under it
-    with conftest.template_build_node(tmp_path, NET_PREFIX, FIRST_SLOT,
-                                      tmp_path / "layer-cache") as node:
-        image = f"{secret_registry.host}/private/busybox:v1"
-        good = _build(node, image, {"type": "registry", "username": "builder",
-                                    "password": PASSWORD})
-        messages = [e["message"] for e in good["logEntries"]]
-        assert good["status"] == "ready", messages[-20:]
-        assert any(m.startswith("pulled ") for m in messages) and "built" in messages, messages
-        bad = _build(node, image, {"type": "registry", "username": "builder",
-                                   "password": PASSWORD[::-1]})
-        assert bad["status"] == "error"
-        assert "builder" in bad["reason"]["message"], bad["reason"]
-        with node.client() as api:
-            assert api.get("/templates").status_code == 200
+    node = shared_vm_node  # conftest.shared_vm_node: no ready pool, a layer cache of its own
+    image = f"{secret_registry.host}/private/busybox:v1"
+    good = _build(node, image, {"type": "registry", "username": "builder",
+                                "password": PASSWORD})
+    messages = [e["message"] for e in good["logEntries"]]
+    assert good["status"] == "ready", messages[-20:]
+    assert any(m.startswith("pulled ") for m in messages) and "built" in messages, messages
+    bad = _build(node, image, {"type": "registry", "username": "builder",
+                               "password": PASSWORD[::-1]})
+    assert bad["status"] == "error"
+    assert "builder" in bad["reason"]["message"], bad["reason"]
+    with node.client() as api:
+        assert api.get("/templates").status_code == 200
     needles = [PASSWORD.encode(), PASSWORD[::-1].encode(),
                base64.b64encode(f"builder:{PASSWORD}".encode()),
                base64.b64encode(f"builder:{PASSWORD[::-1]}".encode())]
-    assert (tmp_path / "state" / "node.db").is_file()
-    assert not _leaks(tmp_path, needles)
-    records = list((tmp_path / "state").rglob("template-builds/*.json"))
+    # The node's whole base directory: state, log, layer cache.
+    base = Path(node.extra_env["AENV_LAYER_CACHE"]).parent
+    assert (node.state_dir / "node.db").is_file() and node.log_path.parent == base
+    assert not _leaks(base, needles) and not _leaks(node.state_dir, needles)
+    records = list(node.state_dir.rglob("template-builds/*.json"))
     assert records and all(b'"password": "[redacted]"' in r.read_bytes() for r in records)

@@ -184,11 +184,34 @@ def test_policy_holds_across_pause_fork_and_node_crash(vm_node: NodeProcess,
         children.append(fresh)
         assert reaches(fresh, lab.url(lab.host_a))
 
+        # A name-filtered sandbox with a download through the egress proxy under way: the
+        # restarted node adopts the proxy (same process), and the flow goes on.
+        named = new_sandbox(lab, network={"allow_out": [ALLOWED_NAME],
+                                          "deny_out": ["0.0.0.0/0"]})
+        children.append(named)
+        size = 16_000_000  # ~40 s at the rate: the crash and the restart happen meanwhile
+        named.commands.run(f"curl -s --limit-rate 400k -o /tmp/live http://{ALLOWED_NAME}"
+                           f"/bytes/{size}; echo $? > /tmp/live.rc", background=True)
+        deadline = time.monotonic() + 60
+        while int(run(named, "stat -c %s /tmp/live 2>/dev/null || echo 0").strip() or 0) < 100_000:
+            assert time.monotonic() < deadline, "the download through the proxy did not start"
+            time.sleep(0.5)
+        proxy = egress_pids(vm_node)
+        assert len(proxy) == 1, proxy
+
         vm_node.kill9()
         vm_node.start()  # adopts the running VMs and applies their policies again
+        assert egress_pids(vm_node) == proxy  # adopted, not a second one
         assert not reaches(sbx, lab.url(lab.host_a)) and reaches(sbx, lab.url(lab.host_b))
         sbx.update_network({})
         assert reaches(sbx, lab.url(lab.host_a))
+        deadline = time.monotonic() + 180
+        while not run(named, "cat /tmp/live.rc 2>/dev/null || true").strip():
+            assert time.monotonic() < deadline, "the download through the proxy did not end"
+            time.sleep(1)
+        assert run(named, "cat /tmp/live.rc; stat -c %s /tmp/live").split() == ["0", str(size)]
+        assert fetch(named, f"https://{ALLOWED_NAME}/")[0] == 0
+        assert fetch(named, f"https://{DENIED_NAME}/")[0] in (35, 56, 7)
     finally:
         for other in [sbx, *children]:
             with contextlib.suppress(Exception):
@@ -329,6 +352,19 @@ def test_only_a_named_host_and_the_metadata_service(vm_node: NodeProcess, lab: I
                 sbx.kill()
 
 
+def egress_pids(node: NodeProcess) -> list[int]:
+    """The node's egress proxy processes (by their control socket's path)."""
+    import os
+
+    needle = str(node.state_dir / "vm-backend" / "egress").encode()
+    pids = []
+    for entry in os.listdir("/proc"):
+        with contextlib.suppress(OSError):
+            if entry.isdigit() and needle in Path(f"/proc/{entry}/cmdline").read_bytes():
+                pids.append(int(entry))
+    return sorted(pids)
+
+
 def test_egress_proxy_is_restarted_and_gets_the_table_again(vm_node: NodeProcess,
                                                             lab: Internet) -> None:
     import os
@@ -337,12 +373,7 @@ def test_egress_proxy_is_restarted_and_gets_the_table_again(vm_node: NodeProcess
     sbx = new_sandbox(lab, network={"allow_out": [ALLOWED_NAME], "deny_out": ["0.0.0.0/0"]})
     try:
         assert metadata(sbx)["sandboxId"] == sbx.sandbox_id
-        needle = str(vm_node.state_dir / "vm-backend" / "egress").encode()
-        pids = []
-        for entry in os.listdir("/proc"):
-            with contextlib.suppress(OSError):
-                if entry.isdigit() and needle in Path(f"/proc/{entry}/cmdline").read_bytes():
-                    pids.append(int(entry))
+        pids = egress_pids(vm_node)
         assert len(pids) == 1, pids
         os.kill(pids[0], signal.SIGKILL)
         deadline = time.monotonic() + 30

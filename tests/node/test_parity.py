@@ -21,19 +21,14 @@ import pytest
 from tests.node import conftest
 from tests.node.conftest import NodeProcess
 
-NET_PREFIX = "apy"  # unique: a test teardown deletes every {NET_PREFIX}-s* namespace
-FIRST_SLOT = 28801  # disjoint from the other VM test modules' slot ranges
-
 pytestmark = [pytest.mark.qemu, pytest.mark.root, pytest.mark.slow]
 
 
 @pytest.fixture(scope="module")
-def parity_node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NodeProcess]:
-    base = tmp_path_factory.mktemp("paritynode")
-    node = conftest.vm_node_process(base / "state", base / "node.log", NET_PREFIX, FIRST_SLOT,
-                                    conftest.NO_READY_POOLS)
-    with conftest.serving_vm_node(node, NET_PREFIX):
-        yield node
+def parity_node(shared_vm_node: NodeProcess) -> Iterator[NodeProcess]:
+    """The session's shared VM node (conftest.shared_vm_node: no ready pool), SDK pointed at it."""
+    with conftest.sdk_pointed_at(shared_vm_node):
+        yield shared_vm_node
 
 
 def _run(sbx: Any, cmd: str, **kwargs: Any) -> Any:

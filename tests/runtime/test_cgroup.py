@@ -84,3 +84,13 @@ def test_settings_from_the_environment() -> None:
     assert config.cgroups == "on" and config.io_read_bps == 1000
     with pytest.raises(ValueError, match="cgroups"):
         RuntimeConfig(**privilege_settings_from_env({"AENV_CGROUPS": "maybe"}))
+
+
+def test_default_parent_is_per_runtime_state_dir(tmp_path: Path) -> None:
+    """Two runtimes with one prefix (two network namespaces) get different parents, so neither
+    overwrites the other's parent cpu weight; one state dir always gets the same."""
+    from agentenv.runtime.cgroup import default_parent
+
+    a, b = default_parent("aet", tmp_path / "a"), default_parent("aet", tmp_path / "b")
+    assert a != b and a.startswith("aet-") and a.endswith(".slice")
+    assert default_parent("aet", tmp_path / "a") == a

@@ -1,5 +1,10 @@
 """A guest filling its disk past blockd's upper cap: it gets an I/O error, the VM keeps
-running and answering, and blockd counts the refusals (issue 18)."""
+running and answering, and blockd counts the refusals (issue 18).
+
+EIO, not the ENOSPC the issue asks for: virtio-blk has no status for it (OK, IOERR, UNSUPP), so
+QEMU's werror=report answers IOERR whatever the errno (werror=enospc would pause the VM). Only
+a SCSI disk (virtio-scsi: SPACE ALLOCATION FAILED sense -> Linux BLK_STS_NOSPC) would carry
+ENOSPC, and then only to fsync/O_DIRECT writers; see README (disk cap)."""
 
 from __future__ import annotations
 

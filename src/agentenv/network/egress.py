@@ -16,8 +16,8 @@ Per connection:
   ClientHello gives the SNI, an HTTP/1.x request head the Host; other ports are decided by
   address alone (a server-speaks-first protocol would wait forever for a client byte);
 - `policy.allows(address, name)` decides. Denied: reset (SO_LINGER 0), one log line, counted.
-  TLS to a host with header `rules` is reset too: the headers cannot be set without decrypting,
-  and a request without them is not what the policy asked for;
+  Header `rules` are for plain HTTP only (a policy whose rules would cover HTTPS is refused
+  by policy.py: the headers cannot be set without decrypting), so TLS is never transformed;
 - allowed: a connection to the original destination, directly or through the slot's SOCKS5
   proxy (fail closed: no tunnel, no connection), the read bytes sent unchanged, then bytes are
   copied both ways unchanged. On plain HTTP every request head on the connection is checked
@@ -602,13 +602,11 @@ class EgressProxyServer:
             raise Refused("the slot was removed")
         return slot
 
-    def _decide(self, conn: Conn, name: str | None, tls: bool) -> EgressPolicy:
+    def _decide(self, conn: Conn, name: str | None) -> EgressPolicy:
         """Raises Refused unless the slot's current policy lets this connection out."""
         policy = self._current(conn).entry.policy
         if not policy.allows(conn.dst_ip, name):
             raise Refused("policy" if name is None else f"policy (name {name})")
-        if tls and name is not None and policy.header_rules(name):
-            raise Refused(f"header rules for {name} apply to plain HTTP only")
         return policy
 
     def _walled(self, ip: IPv4Address) -> bool:
@@ -630,7 +628,7 @@ class EgressProxyServer:
                     conn.close()
                     return
             conn.name = name
-            self._decide(conn, name, kind == "tls")
+            self._decide(conn, name)
             transform: Callable[[bytes], bytes] | None = None
             if kind == "http":
                 stream = httphead.RequestStream(lambda head: self._on_http_head(conn, head))
@@ -638,7 +636,7 @@ class EgressProxyServer:
                 data = stream.feed(data)
             await self._connect(conn)
             # The policy may have changed while connecting: decide again with the current one.
-            policy = self._decide(conn, conn.name, kind == "tls")
+            policy = self._decide(conn, conn.name)
             if policy.egress_proxy != conn.via:
                 raise Refused("the egress proxy changed while connecting")
             conn.decided = True
@@ -689,7 +687,7 @@ class EgressProxyServer:
     def _on_http_head(self, conn: Conn, head: httphead.RequestHead) -> bytes:
         name = head.host()
         conn.name = name
-        policy = self._decide(conn, name, tls=False)
+        policy = self._decide(conn, name)
         return httphead.with_headers(head, policy.header_rules(name) if name else ())
 
     async def _peek(self, conn: Conn) -> tuple[bytes, str | None, str]:

@@ -2,7 +2,8 @@
 
 The wire shape is the E2B SDK's (create body `network`, `PUT /sandboxes/{id}/network`):
 `allowOut`, `denyOut` (IPv4 addresses, CIDRs, host names exact or `*.domain`), `dnsServers`,
-`egressProxy` {address, username, password, tls}, `rules` {host: [{transform: {headers}}]},
+`egressProxy` {address, username, password, tls}, `rules` {"http://host": [{transform: {headers}}]}
+(plain HTTP only: a rule that would cover HTTPS is refused, we never decrypt),
 plus `allow_internet_access` (false is `denyOut: ["0.0.0.0/0"]`).
 
 Decision (E2B's documented semantics): an allow beats a deny; what neither names is allowed;
@@ -166,10 +167,51 @@ class EgressProxy:
 
 @dataclass(frozen=True)
 class HeaderRule:
-    """One `rules` entry for a host: headers set on its plain-HTTP requests."""
+    """One `rules` entry: headers set on the plain-HTTP requests for `host` (the key is
+    `http://<host>`, see _rule_host)."""
 
     host: str
     headers: tuple[tuple[str, str], ...]
+
+    @property
+    def key(self) -> str:
+        return HTTP_ONLY + self.host
+
+
+#: The prefix a `rules` key needs: transforms apply to plain HTTP only (we never decrypt TLS).
+HTTP_ONLY = "http://"
+
+
+def _rule_host(key: object) -> str:
+    """The host of a `rules` key. E2B keys a rule by a bare host and applies it to HTTP and
+    HTTPS; the egress proxy reads TLS only up to the SNI and cannot set headers inside it, so a
+    rule that would cover HTTPS (a bare host, `https://host`, `host:443`) is refused naming the
+    key, rather than accepted and HTTPS to the host reset or sent untransformed. `http://host`
+    asks for plain HTTP only; HTTPS to that host is then decided by the policy like any other
+    and passes unchanged."""
+    text = str(key).strip()
+    where = f"rules[{text!r}]"
+    lowered = text.lower()
+    if lowered.startswith(HTTP_ONLY):
+        return parse_name(text[len(HTTP_ONLY):], where)
+    if lowered.startswith("https://"):
+        host = text[len("https://"):]
+    else:
+        host, sep, port = text.rpartition(":")
+        if not sep or port != "443":
+            host = text
+        try:
+            ipaddress.ip_network(host)
+        except ValueError:
+            pass
+        else:
+            raise PolicyError(f"{where}: rules are keyed by host name (http://<name>); "
+                              "addresses and CIDRs are not supported")
+    name = parse_name(host, where)
+    raise PolicyError(
+        f"{where}: header transforms apply to plain HTTP only: the egress proxy does not "
+        f"decrypt TLS, so HTTPS (port 443) requests to {name} could not be transformed; "
+        f"key the rule {HTTP_ONLY + name!r} to transform plain HTTP requests only")
 
 
 def _parse_rules(raw: object) -> tuple[HeaderRule, ...]:
@@ -179,7 +221,7 @@ def _parse_rules(raw: object) -> tuple[HeaderRule, ...]:
         raise PolicyError("rules must be an object of host -> list of rules")
     out: list[HeaderRule] = []
     for host, rules in raw.items():
-        name = parse_name(str(host), "rules")
+        name = _rule_host(host)
         if not isinstance(rules, list):
             raise PolicyError(f"rules[{host!r}] must be a list")
         for rule in rules:
@@ -261,7 +303,7 @@ class EgressPolicy:
         if self.rules:
             rules: dict[str, list[dict[str, Any]]] = {}
             for rule in self.rules:
-                rules.setdefault(rule.host, []).append(
+                rules.setdefault(rule.key, []).append(
                     {"transform": {"headers": dict(rule.headers)}})
             out["rules"] = rules
         return out
@@ -305,6 +347,20 @@ class EgressPolicy:
         if lookup.deny_nets.contains(ip):
             return False
         return not (host and lookup.deny_names.matches(host))
+
+    def allows_every_name(self, address: IPv4Address | str, port: int) -> bool:
+        """Whether a TCP connection to `address`:`port` is allowed whatever host name it
+        carries: the decision for a flow the egress proxy never read (opened directly before
+        names were filtered), which the kernel keeps only when this is true. An allow by
+        address beats every name; else a deny by address, a name that could be denied, or
+        header rules its plain-HTTP requests would miss mean it cannot be kept."""
+        ip = int(ipaddress.IPv4Address(address) if isinstance(address, str) else address)
+        if port == 80 and self.rules:
+            return False
+        lookup = self._lookup
+        if lookup.allow_nets.contains(ip) or ip in lookup.dns:
+            return True
+        return not self.deny_names and not lookup.deny_nets.contains(ip)
 
     @functools.cached_property
     def _lookup(self) -> _Lookup:

@@ -138,6 +138,22 @@ class EgressProxyProcess:
         return code
 
 
+def running_for(control_path: Path | str) -> list[int]:
+    """Live egress proxies started with this control socket (left by a node that crashed)."""
+    needle = b"\0--control\0" + str(control_path).encode() + b"\0"
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            argv = Path(f"/proc/{entry}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if needle in argv and _is_egress_proxy(int(entry)):
+            found.append(int(entry))
+    return found
+
+
 def _is_egress_proxy(pid: int) -> bool:
     """A live (not zombie) process running the egress proxy module."""
     try:

@@ -285,6 +285,11 @@ class NetworkPolicies(Protocol):
         """Apply `policy` to the running sandbox, or raise BackendError with the old one kept."""
         ...
 
+    async def network_reapplied(self) -> None:
+        """Called after a start re-applied every adopted sandbox's policy: drop what no
+        sandbox holds any more (an adopted egress proxy's stale entries)."""
+        ...
+
 
 @runtime_checkable
 class HealthReport(Protocol):

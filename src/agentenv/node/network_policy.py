@@ -22,6 +22,7 @@ import hashlib
 import ipaddress
 import logging
 import os
+import signal
 from pathlib import Path
 from typing import Any
 
@@ -133,6 +134,11 @@ class EgressProxySupervisor:
     redirects to it, the metadata service at 169.254.169.254) kept running: when it dies it
     is started again on the same port and told the whole slot table (`sync`).
 
+    At start, a proxy that a crashed node left running on the same control socket (and port,
+    when one is configured) is adopted, not replaced: the guests' live connections through it
+    go on, and its table (kept from the previous run) serves the adopted sandboxes until the
+    node has set their entries again and calls `resync()`, which drops the rest.
+
     It holds the table the node last sent (`entries`, by slot source address). A failed
     request to the proxy is logged, never raised: the proxy fails closed (a source it does
     not know gets nothing), and the next restart syncs the table again."""
@@ -146,6 +152,7 @@ class EgressProxySupervisor:
         self.check_interval = check_interval
         self.entries: dict[str, SlotEntry] = {}
         self.restarts = 0
+        self.adopted = False  # the running proxy was taken over from a previous node run
         self._proc: Any = None  # agentenv.network.process.EgressProxyProcess
         self._watch: asyncio.Task[None] | None = None
 
@@ -154,22 +161,33 @@ class EgressProxySupervisor:
         return None if self._proc is None else self._proc.pid
 
     async def start(self) -> int:
-        """Start the proxy; returns its port. Raises EgressControlError when it cannot run."""
-        await self._spawn()
+        """Adopt the proxy a previous run left, or start one; returns its port. Raises
+        EgressControlError when it cannot run."""
+        from agentenv.network.process import running_for
+
+        leftovers = await asyncio.to_thread(running_for, self.control_path)
+        await self._spawn(adopt=bool(leftovers))
+        for pid in leftovers:
+            if pid != self.pid:  # not adoptable (another port, no answer): it must not linger
+                log.warning("ending an egress proxy left by a previous run", extra={"pid": pid})
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
         self._watch = asyncio.create_task(self._watch_forever(), name="egress-proxy-watch")
         return self.port
 
-    async def _spawn(self) -> None:
+    async def _spawn(self, adopt: bool = False) -> None:
         from agentenv.network.process import EgressProxyProcess
 
         self.control_path.parent.mkdir(parents=True, exist_ok=True)
         extra = tuple(arg for net in self.open_ranges for arg in ("--open-range", net))
         proc = EgressProxyProcess(self.control_path, self.port, log_path=self.log_path,
                                   extra_args=extra)
-        answer = await proc.start()
+        answer = await proc.start(adopt=adopt)
         self.port = int(answer.get("port") or self.port)
         self._proc = proc
-        log.info("egress proxy running", extra={"pid": proc.pid, "port": self.port})
+        self.adopted = proc.adopted_pid is not None
+        log.info("egress proxy adopted" if self.adopted else "egress proxy running",
+                 extra={"pid": proc.pid, "port": self.port, "slots": answer.get("slots")})
 
     async def _watch_forever(self) -> None:
         while True:
@@ -186,6 +204,17 @@ class EgressProxySupervisor:
                 await self._proc.client.sync(list(self.entries.values()))
             except Exception as exc:  # retried at the next check
                 log.error("egress proxy restart failed", extra={"error": str(exc)})
+
+    async def resync(self) -> None:
+        """Replace the proxy's table with the node's (after a start that adopted a proxy and
+        set the adopted sandboxes' entries again): entries of VMs that did not survive go;
+        connections that the entries still allow are kept."""
+        if self._proc is None:
+            return
+        try:
+            await self._proc.client.sync(list(self.entries.values()))
+        except EgressControlError as exc:
+            log.error("egress proxy did not take the slot table", extra={"error": str(exc)})
 
     async def set(self, entry: SlotEntry) -> None:
         self.entries[entry.source] = entry

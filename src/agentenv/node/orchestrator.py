@@ -235,8 +235,9 @@ class Orchestrator:
             await self.store.delete_pending(sid)
 
     async def _reapply_network(self) -> None:
-        """Adopted sandboxes get their policies again: the host's redirect sets and the egress
-        proxy's table were rebuilt empty by this start (their slots kept their own rules)."""
+        """Adopted sandboxes get their policies again (their slots kept their own rules; the
+        host's redirect sets and an adopted egress proxy's table kept theirs meanwhile, a
+        restarted proxy starts empty); then the backend drops what no sandbox holds."""
         network = self.capabilities.network
         if network is None:
             return
@@ -250,6 +251,7 @@ class Orchestrator:
             except BackendError as exc:
                 log.error("network policy not re-applied to an adopted sandbox",
                           extra={"sandbox_id": rec.sandbox_id, "error": str(exc)})
+        await network.network_reapplied()
 
     async def update_network(self, sandbox_id: str, body: dict[str, Any]) -> None:
         """`PUT /sandboxes/{id}/network`: the whole egress policy is replaced. A running

@@ -6,16 +6,27 @@
 
 Layout. cgroup v2 (`/sys/fs/cgroup` is cgroup2 with the memory, cpu, io and pids controllers):
 `<parent>/<vm>` with memory.max, cpu.weight, cpu.max, io.max, pids.max; the parent
-(default `<prefix>.slice`, i.e. `aenv.slice`) gets the controllers in its subtree_control. A
-relative parent lies under the node's own cgroup, an absolute one under the hierarchy's root.
+(default `<prefix>-<hash of the state dir>.slice`, default_parent) gets the controllers in its
+subtree_control and is removed at the runtime's close when empty. A relative parent lies under the node's own cgroup, an absolute one under the hierarchy's root.
 A hybrid host (cgroup v1 controllers, an empty cgroup2 at `unified`, as on this build host)
 gets the same limits through v1: memory.limit_in_bytes, cpu.shares, cpu.cfs_quota_us,
 blkio.throttle.*, pids.max, one directory per controller hierarchy.
 
 cgroup v1 is used only when asked for (`cgroups="v1"`, AENV_CGROUPS=v1): with v1 limits a fork
 of 16 children missed its 30 s envd deadline on this hybrid host (passed in 43 s without them;
-neither a larger memory limit nor removing the CPU quota helped; cause not found), so "auto" and
-"on" take cgroup2 only.
+neither a larger memory limit nor removing the CPU quota helped), so "auto" and "on" take
+cgroup2 only. Measured since (tests/runtime/test_lifecycle.py fork of 16 under v1, every VM
+group sampled each 0.5 s; host load 20-33): memory.failcnt 0 in all 17 groups (children
+~50 MiB charged, page cache of the shared RAM file at most 10 MiB in a child and 140 MiB in the
+source's group, against 392 MiB limits) and nr_throttled 0: neither the memory limit (nor
+page cache counted in it) nor the CPU quota was hit. One interference was found and removed:
+the parent was named after the network prefix alone, and cgroupfs is host-wide while a prefix
+is unique per network namespace only, so concurrent runtimes with one prefix (every checkout's
+tests/runtime: `aet`) shared `/sys/fs/cgroup/cpu/aet.slice` and overwrote each other's parent
+cpu.shares (17 VMs could end up weighing what one other runtime's VM did against the host's
+other tasks). The default parent is now per state directory (default_parent). Whether that was
+the whole cause is not verified (the fork of 16 did not finish in 300 s under load 33 in
+either run attempted; no quiet host to compare on), so v1 stays opt-in.
 When none is usable: `cgroups="auto"` logs a warning once and VMs run without limits
 (`CgroupManager.enabled` is False, `aenv vm accel`-style callers can report it); `"on"` fails
 at start with the missing controllers named; `"off"` never touches cgroups.
@@ -29,6 +40,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
+import hashlib
 import logging
 import os
 from collections.abc import Callable
@@ -91,6 +103,18 @@ class Cgroup:
     def procs_files(self) -> list[str]:
         """cgroup.procs of each directory: the child writes "0" there before exec."""
         return [str(d / "cgroup.procs") for d in self.dirs]
+
+
+def default_parent(prefix: str, state_dir: Path) -> str:
+    """The VMs' parent cgroup when none is configured: named after the runtime's network
+    prefix AND its state directory. A prefix is unique per network namespace only, and cgroupfs
+    is host-wide: runtimes in different namespaces (scripts/isolated.sh runs, every checkout's
+    tests/runtime using the same prefix) would otherwise share one parent, each writing its own
+    VMs' weight sum into the parent's cpu.shares / cpu.weight over the others' (a parent holding
+    17 VMs then weighed what another runtime's 1 VM did). The state directory stays the same
+    across restarts, so a restarted runtime finds its leftovers and adopted VMs' groups again."""
+    digest = hashlib.sha256(str(Path(state_dir).resolve()).encode()).hexdigest()[:8]
+    return f"{prefix}-{digest}.slice"
 
 
 def _own_cgroup(controller: str | None) -> str:
@@ -196,6 +220,13 @@ class CgroupManager:
                 continue
             parents[controller] = base
         return cls(1, parents)
+
+    def close(self) -> None:
+        """At the runtime's end: its parent directories go when no VM group is left in them
+        (a VM that outlives the runtime keeps its parent)."""
+        for base in self.parents.values():
+            with contextlib.suppress(OSError):
+                base.rmdir()
 
     def _clean_leftovers(self) -> None:
         for base in self.parents.values():

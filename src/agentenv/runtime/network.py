@@ -35,8 +35,9 @@ On the host, one table per runtime (`<prefix>_host`, rules scoped to `<prefix>h*
     anything bound to 0.0.0.0) except the redirected proxy port; replies of connections the
     host opened pass;
   - forward: no slot-to-slot traffic, no 169.254/16, and a TCP flow of a `web_src`/`all_src` source
-    that reaches forward was opened before names were filtered: it is reset (the kernel
-    cannot know its name);
+    that reaches forward was opened before names were filtered (or the SOCKS5 tunnel was set):
+    it is reset, except a `web_src` flow the node marked KEEP_MARK because the new policy
+    allows it whatever its name (keep_direct_flows: the kernel cannot know its name);
   - postrouting: masquerade of slot traffic leaving the host.
 A foreign forward chain with policy drop (Docker's) gets accept rules for the slot interfaces
 (tagged with a comment naming the prefix, removed by teardown_host).
@@ -90,6 +91,9 @@ WALL_NETS = tuple(IPv4Network(n) for n in (
     "0.0.0.0/8", "10.0.0.0/8", "100.64.0.0/10", "127.0.0.0/8", "169.254.0.0/16",
     "172.16.0.0/12", "192.168.0.0/16", "224.0.0.0/4", "240.0.0.0/4"))
 WEB_PORTS = "80, 443"
+#: Host conntrack mark of a direct TCP 80/443 flow that a name-filtering policy still allows
+#: whatever its name (see keep_direct_flows); "aenv" in ASCII, unlikely to be anyone else's.
+KEEP_MARK = 0x61656E76
 RULE_TAG = "aenv-slots:"  # comment on rules put in foreign tables (Docker's forward chain)
 
 
@@ -295,6 +299,8 @@ class NetworkSlot:
         redirects the union of the old and new proxied ports (the proxy decides by the new
         policy), then the slot's sets change in one transaction, then the host narrows."""
         old, new = self.policy.proxied_ports, policy.proxied_ports
+        if new == "web":  # before the host redirects: direct flows it allows are kept
+            await keep_direct_flows(self.guest_address, policy)
         if new != old and new != "none":
             await _host_sources(self.prefix, self.guest_address, new, also=old)
         try:
@@ -349,6 +355,47 @@ async def flush_conntrack(slot: NetworkSlot) -> None:
         await _run("conntrack", "-D", "-s", slot.guest_address)
 
 
+def _conntrack_flows(listing: str) -> Iterable[dict[str, str]]:
+    """`conntrack -L` lines as dicts: the original direction's src/dst/sport/dport, the
+    reply's as r_src/r_dst/..., and mark."""
+    for line in listing.splitlines():
+        flow: dict[str, str] = {}
+        for word in line.split():
+            key, sep, value = word.partition("=")
+            if sep:
+                flow["r_" + key if key in flow and key != "mark" else key] = value
+        if "dport" in flow:
+            yield flow
+
+
+async def keep_direct_flows(address: str, policy: EgressPolicy) -> int:
+    """Before a slot's TCP 80/443 goes (or stays) under name filtering: its direct flows to
+    those ports (opened when names were not filtered, never seen by the egress proxy) get
+    KEEP_MARK when `policy` allows them whatever their name (EgressPolicy.allows_every_name),
+    and lose it otherwise. The host's forward chain resets the unmarked ones at their next
+    packet: a flow the new policy allows is not cut, one it might deny is. Returns how many
+    are kept. Without the `conntrack` tool none is kept (all are reset: fail closed)."""
+    if shutil.which("conntrack") is None:
+        return 0
+    try:
+        listing = await _run("conntrack", "-L", "-p", "tcp", "-s", address)
+    except NetworkError:
+        return 0
+    kept = 0
+    for flow in _conntrack_flows(listing):
+        if flow["dport"] not in ("80", "443") or flow.get("r_src") != flow.get("dst"):
+            continue  # other ports, or redirected to the proxy (it decides those itself)
+        keep = policy.allows_every_name(flow["dst"], int(flow["dport"]))
+        want = KEEP_MARK if keep else 0
+        kept += keep
+        if int(flow.get("mark", "0")) != want:
+            with contextlib.suppress(NetworkError):  # the flow ended meanwhile
+                await _run("conntrack", "-U", "-p", "tcp", "-s", flow["src"], "-d", flow["dst"],
+                           "--sport", flow["sport"], "--dport", flow["dport"],
+                           "-m", str(want))
+    return kept
+
+
 async def _host_sources(prefix: str, address: str, mode: str, also: str = "none") -> None:
     """Put `address` in the host's `web`/`all` redirect set for `mode` (and `also`), out of
     the other: one transaction."""
@@ -380,7 +427,7 @@ HOST_RULES = """table ip {table} {{
         iifname "{prefix}h*" oifname "{prefix}h*" drop
         iifname "{prefix}h*" ip daddr 169.254.0.0/16 drop
         iifname "{prefix}h*" ip saddr @all_src meta l4proto tcp ct status != dnat reject with tcp reset
-        iifname "{prefix}h*" ip saddr @web_src tcp dport {{ {web} }} ct status != dnat reject with tcp reset
+        iifname "{prefix}h*" ip saddr @web_src tcp dport {{ {web} }} ct status != dnat ct mark != {keep_mark:#x} reject with tcp reset
     }}
     chain slots_post {{
         type nat hook postrouting priority srcnat;
@@ -401,7 +448,7 @@ def host_ruleset(prefix: str, proxy_port: int | None) -> str:
         proxy_accept = (f'        iifname "{prefix}h*" tcp dport {proxy_port} ct status dnat '
                         "accept\n")
     return HOST_RULES.format(table=f"{prefix}_host", prefix=prefix, redirects=redirects,
-                             proxy_accept=proxy_accept, web=WEB_PORTS)
+                             proxy_accept=proxy_accept, web=WEB_PORTS, keep_mark=KEEP_MARK)
 
 
 def require_tools() -> None:
@@ -477,16 +524,39 @@ async def close_foreign_forward(prefix: str) -> None:
                            "handle", str(rule["handle"]))
 
 
-async def setup_host(prefix: str = "aenv", proxy_port: int | None = None) -> None:
+async def _host_set_elements(table: str, name: str) -> list[str]:
+    """The addresses in one of the host table's redirect sets (none if there is no table)."""
+    try:
+        out = await _run("nft", "-j", "list", "set", "ip", table, name)
+    except NetworkError:
+        return []
+    for item in json.loads(out).get("nftables", []):
+        if "set" in item:
+            return [e for e in item["set"].get("elem", []) if isinstance(e, str)]
+    return []
+
+
+async def setup_host(prefix: str = "aenv", proxy_port: int | None = None,
+                     keep_sources: Iterable[str] = ()) -> None:
     """Host side, once per runtime: forwarding on, the redirects to the egress proxy (when
-    `proxy_port` is given), the input wall, masquerade, no slot-to-slot traffic."""
+    `proxy_port` is given), the input wall, masquerade, no slot-to-slot traffic.
+
+    The table is replaced in one transaction (no moment without the input wall), and the
+    redirect-set entries of `keep_sources` (slots of VMs adopted from a previous run) are
+    carried over: a name-filtered sandbox's new TCP 80/443 must not leave directly, unfiltered,
+    until the node has applied its policy again."""
     require_tools()
     Path("/proc/sys/net/ipv4/ip_forward").write_text("1\n")
     table = f"{prefix}_host"
-    with contextlib.suppress(NetworkError):
-        await _run("nft", "delete", "table", "ip", table)
+    keep = set(keep_sources)
+    carried = ""
+    for name in ("web_src", "all_src"):
+        kept = [a for a in await _host_set_elements(table, name) if a in keep] if keep else []
+        if kept:
+            carried += f"add element ip {table} {name} {{ {', '.join(kept)} }}\n"
     await close_foreign_forward(prefix)
-    await _run("nft", "-f", "-", stdin=host_ruleset(prefix, proxy_port))
+    await _run("nft", "-f", "-", stdin=f"add table ip {table}\ndelete table ip {table}\n"
+               + host_ruleset(prefix, proxy_port) + carried)
     await open_foreign_forward(prefix)
 
 
@@ -646,6 +716,10 @@ class SlotPool:
         elif index in self._released:
             self._released.remove(index)
         return slot
+
+    def in_use_addresses(self) -> list[str]:
+        """Guest addresses of the slots serving VMs (adopted ones included)."""
+        return [slot.guest_address for slot in self._in_use.values()]
 
     async def give_back(self, slot: NetworkSlot) -> None:
         """Return a slot whose VM is gone; it is reset and reused (or rests, see reuse_delay)."""

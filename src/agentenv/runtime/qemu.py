@@ -278,7 +278,8 @@ def build_argv(
             _blockdev_arg({"driver": "raw", "node-name": disk.name, "file": file_node_name,
                            "read-only": disk.read_only}),
             # werror/rerror=report: an error (ENOSPC from a disk at its cap) goes to the guest
-            # as an I/O error; QEMU's default for ENOSPC pauses the whole VM.
+            # as an I/O error (virtio-blk has no ENOSPC status: README, disk cap); QEMU's
+            # default for ENOSPC pauses the whole VM.
             "-device",
             f"virtio-blk-pci,id=dev-{disk.name},drive={disk.name},"
             f"addr={DISK_PCI_BASE + index:#x},werror=report,rerror=report",

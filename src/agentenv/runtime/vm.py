@@ -37,7 +37,14 @@ from agentenv.fsutil import fsync_dir
 from agentenv.network.policy import ALL_TRAFFIC, EgressPolicy
 from agentenv.runtime import privilege
 from agentenv.runtime.accel import resolve_accel
-from agentenv.runtime.cgroup import Cgroup, CgroupManager, IOLimit, io_device, limits_for
+from agentenv.runtime.cgroup import (
+    Cgroup,
+    CgroupManager,
+    IOLimit,
+    default_parent,
+    io_device,
+    limits_for,
+)
 from agentenv.runtime.config import RuntimeConfig
 from agentenv.runtime.devstate import finish_device_state
 from agentenv.runtime.errors import (
@@ -204,12 +211,14 @@ class Runtime:
             privilege.prepare_dirs(self.vm_user, self.config.state_dir,
                                    [self.config.vm_dir, self.config.memory_dir])
         self.cgroups = CgroupManager.detect(
-            self.config.cgroups, self.config.cgroup_parent or f"{self.config.network_prefix}.slice")
+            self.config.cgroups, self.config.cgroup_parent
+            or default_parent(self.config.network_prefix, self.config.state_dir))
         self._io_limit = self._io_limit_config()
         if self.config.network:
             # Refused before anything is touched when another runtime uses this prefix.
             self.slots.acquire_prefix()
-            await setup_host(self.config.network_prefix, self.config.egress_proxy_port)
+            await setup_host(self.config.network_prefix, self.config.egress_proxy_port,
+                             keep_sources=self.slots.in_use_addresses())
             await self.slots.fill(self.config.slot_pool_low)
         # After adoption (the node adopts before it starts the runtime): memory devices of an
         # earlier run that no adopted VM took over are released.
@@ -227,6 +236,7 @@ class Runtime:
                 await self.kill(vm)
         await self.slots.close()
         await self._http.aclose()
+        self.cgroups.close()
 
     # -- boot -----------------------------------------------------------------------------
 

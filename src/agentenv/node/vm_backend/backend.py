@@ -164,6 +164,8 @@ class VmBackend(SandboxBackend, CrashRecovery, LayerAware, TemplateBuilding, Net
             keep_pids.add(blockd_pid)
         if (memfs_pid := await asyncio.to_thread(self.blockd.find_memfs)) is not None:
             keep_pids.add(memfs_pid)
+        # The egress proxy too: the supervisor adopts it (the guests' flows through it go on).
+        keep_pids.update(await asyncio.to_thread(self.egress.leftover_pids))
         await asyncio.to_thread(reap_leftovers, self.base, keep_pids,
                                 list(leftovers.alive.values()))
         await self.blockd.start(on_new_blockd=self._blockd_replaced)
@@ -631,6 +633,12 @@ class VmBackend(SandboxBackend, CrashRecovery, LayerAware, TemplateBuilding, Net
         await self.blockd.release(device_id)
 
     # --- network policy (NetworkPolicies) ------------------------------------------------------
+
+    async def network_reapplied(self) -> None:
+        """The orchestrator has set every adopted sandbox's policy again after a start: an
+        adopted egress proxy's table is now replaced by the node's (stale entries go)."""
+        if self.egress.proxy is not None and self.egress.proxy.adopted:
+            await self.egress.proxy.resync()
 
     async def set_network(self, sandbox_id: str, placement: Placement, policy: EgressPolicy,
                           identity: SlotIdentity | None) -> None:

@@ -40,6 +40,16 @@ class EgressGlue:
         self.open_ranges = [x for x in (env.get("AENV_NET_OPEN_RANGES") or "").split(",") if x]
         self._sources: dict[str, str] = {}  # sandbox id -> its slot's source address
 
+    def leftover_pids(self) -> list[int]:
+        """Blocking: the egress proxy a previous node run left running (to adopt, not reap)."""
+        if not self.enabled:
+            return []
+        try:
+            from agentenv.network.process import running_for  # a build may leave it out
+        except ImportError:
+            return []
+        return running_for(self._control)
+
     async def start(self) -> int | None:
         """The egress proxy, before the host's rules that redirect to its port are made; its
         port (None: no proxy)."""
