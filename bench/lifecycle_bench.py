@@ -15,6 +15,7 @@ import asyncio
 import dataclasses
 import json
 import os
+import pwd
 import shutil
 import statistics
 import tempfile
@@ -60,10 +61,16 @@ async def dirty(vm: VM, mib: int) -> None:
              timeout=300)
 
 
-async def full_migrate_ms(vm: VM, out: Path) -> tuple[float, float]:
+async def full_migrate_ms(vm: VM, out: Path, qemu_user: str | None) -> tuple[float, float]:
     """Baseline: stop and migrate all of guest RAM plus devices to a file (QEMU's own way).
     Returns (ms until QEMU reports completion, ms until the file is also fsynced)."""
     proc = vm.process
+    # QEMU runs as an unprivileged user (runtime/privilege.py) and cannot create files in the
+    # bench's directory: the file is made here and given to that user.
+    out.touch(mode=0o600)
+    if qemu_user:
+        owner = pwd.getpwnam(qemu_user)
+        os.chown(out, owner.pw_uid, owner.pw_gid)
     await proc.execute("migrate-set-parameters", {"max-bandwidth": 1 << 40})
     t0 = time.perf_counter()
     await proc.execute("stop")
@@ -184,7 +191,8 @@ async def main(quick: bool) -> None:
                 shutil.rmtree(Path(snap.device_state).parent, ignore_errors=True)
             vm = await rt.restore(base)
             await dirty(vm, mib)
-            migrate_ms, migrate_fsync_ms = await full_migrate_ms(vm, root / "full-migrate.bin")
+            migrate_ms, migrate_fsync_ms = await full_migrate_ms(vm, root / "full-migrate.bin",
+                                                                 rt.config.qemu_user)
             await rt.kill(vm)
             written = round(statistics.mean(pages) * 4096 / 2**20, 1)
             emit(f"pause_p50_{mib}MiB_dirty", statistics.median(times), "ms",

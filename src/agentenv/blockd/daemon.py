@@ -99,6 +99,7 @@ class Blockd:
         self.metrics: Metrics | None = None
         self.fuse: Any = None
         self._stopped = asyncio.Event()
+        self.manager.on_unshared.append(memdev.forget_config)
         self.rpc = RpcServer(self.socket_path, self.operations(), self._stopped.is_set)
         self._lock_fd = -1
 
@@ -115,8 +116,8 @@ class Blockd:
             "list": self._op_list,
             "shutdown": self._op_shutdown,
             # Memory devices (blockd/memdev.py): a snapshot's memory stack as one FUSE file.
-            "memory_open": lambda **kw: memdev.memory_open(self, **kw),
-            "memory_trace": lambda **kw: memdev.memory_trace(self, **kw),
+            "memory_open": lambda **kw: memdev.memory_open(self.manager, **kw),
+            "memory_trace": lambda **kw: memdev.memory_trace(self.manager, **kw),
             **(self.remote.handlers() if self.remote is not None else {}),
         }
 
@@ -196,7 +197,7 @@ class Blockd:
     async def stop(self) -> None:
         self.rpc.stop_accepting()
         await self.manager.close()
-        await asyncio.to_thread(memdev.stop, self)  # the memory devices' mount (blockd/memfs.py)
+        await asyncio.to_thread(memdev.stop, self.state_dir)  # the memory devices' mount (blockd/memfs.py)
         if self.fuse is not None:
             await self.fuse.stop()
         self.rpc.close()

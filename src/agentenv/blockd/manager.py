@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from agentenv.blockd import images, memdev, nbd
+from agentenv.blockd import images, nbd
 from agentenv.blockd.access import grant_nbd_socket
 from agentenv.blockd.device import INLINE_MAX, Device, DeviceRecord, ImageLike
 from agentenv.blockd.errors import BlockdError, NotFound
@@ -87,6 +87,9 @@ class DeviceManager:
         self._lock = asyncio.Lock()  # creates and releases, one at a time
         # How a restarted daemon reopens each kind of device from its record.
         self.reopen: dict[str, Reopen] = {"disk": self._reopen_image, "shared": self._reopen_image}
+        #: called with the source of each refcounted read-only device that goes away (memory
+        #: devices drop their image config then: blockd/memdev.py)
+        self.on_unshared: list[Callable[[str], None]] = []
 
     # -- records ------------------------------------------------------------------------------
 
@@ -366,7 +369,8 @@ class DeviceManager:
             self._forget(id)
             if record.source and self._shared.get((record.kind, record.source)) == id:
                 del self._shared[(record.kind, record.source)]
-                memdev.forget_config(record.source)  # a memory device's config goes with it
+                for forget in self.on_unshared:
+                    forget(record.source)
             if record.owns_upper and record.upper_dir:
                 shutil.rmtree(record.upper_dir, ignore_errors=True)
             if self.metrics:

@@ -29,7 +29,7 @@ from agentenv.blockd.results import DeviceInfo
 from agentenv.storage.config import ImageConfig
 
 if TYPE_CHECKING:
-    from agentenv.blockd.daemon import Blockd
+    from agentenv.blockd.manager import DeviceManager
 
 MEMORY_SUFFIX = memfs.MEMORY_SUFFIX
 CHUNK = memfs.CHUNK
@@ -43,7 +43,8 @@ def _key_of(source: str | None) -> str | None:
     return None
 
 
-async def memory_open(daemon: Blockd, key: str, layers: list[str], size: int) -> DeviceInfo:
+async def memory_open(manager: DeviceManager, key: str, layers: list[str], size: int
+                      ) -> DeviceInfo:
     if not isinstance(key, str) or not _KEY.match(key):
         raise BlockdError(f"memory key {key!r}: letters, digits, '_', '.', '-' (at most 128)")
     if not isinstance(layers, list) or not layers or not all(isinstance(x, str) for x in layers):
@@ -55,32 +56,32 @@ async def memory_open(daemon: Blockd, key: str, layers: list[str], size: int) ->
         if not p.is_file():
             raise BlockdError(f"memory layer {p} does not exist")
     try:
-        mountpoint = await asyncio.to_thread(memfs.ensure_running, daemon.state_dir)
+        mountpoint = await asyncio.to_thread(memfs.ensure_running, manager.layout.root)
     except (RuntimeError, OSError) as exc:
         raise BlockdError(f"{UNAVAILABLE}: {exc}") from exc
-    folder = daemon.state_dir / "memdev"
+    folder = manager.layout.root / "memdev"
     folder.mkdir(mode=0o700, exist_ok=True)
     config = folder / f"{key}{MEMORY_SUFFIX}"
     wanted = ImageConfig(config, paths)
     if not config.exists() or config.read_text() != _render(wanted):
-        if daemon.manager.shared_id(config.resolve()) is not None:
+        if manager.shared_id(config.resolve()) is not None:
             raise BlockdError(f"memory device {key} is open with other layers")
         wanted.save()
     try:
-        info = await daemon.manager.create(image=str(config), readonly=True, size=size)
+        info = await manager.create(image=str(config), readonly=True, size=size)
     except BaseException:
-        if daemon.manager.shared_id(config.resolve()) is None:
+        if manager.shared_id(config.resolve()) is None:
             config.unlink(missing_ok=True)
         raise
     return dataclasses.replace(info, file=str(mountpoint / key))
 
 
-async def memory_trace(daemon: Blockd, id: str) -> dict[str, Any]:
-    device = daemon.manager.get(id)
+async def memory_trace(manager: DeviceManager, id: str) -> dict[str, Any]:
+    device = manager.get(id)
     key = _key_of(device.record.source)
     if key is None:
         raise BlockdError(f"device {id} is not a memory device")
-    trace = daemon.state_dir / "memdev" / f"{key}{memfs.TRACE_SUFFIX}"
+    trace = manager.layout.root / "memdev" / f"{key}{memfs.TRACE_SUFFIX}"
     try:
         raw = trace.read_bytes()
     except FileNotFoundError:
@@ -96,9 +97,9 @@ def forget_config(source: str | None) -> None:
         Path(source).unlink(missing_ok=True)
 
 
-def stop(daemon: Blockd) -> None:
+def stop(state_dir: Path) -> None:
     """A graceful blockd stop ends memfs too (a killed blockd leaves it serving)."""
-    memfs.stop(daemon.state_dir)
+    memfs.stop(state_dir)
 
 
 def _render(config: ImageConfig) -> str:

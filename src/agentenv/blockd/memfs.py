@@ -36,6 +36,8 @@ from typing import Any
 
 import mfusepy
 
+from agentenv.blockd.access import vm_gid
+
 log = logging.getLogger("agentenv.blockd.memfs")
 
 MEMORY_SUFFIX = ".memory.json"
@@ -181,14 +183,12 @@ def _unmount(mountpoint: Path) -> None:
 
 
 def serve(state_dir: Path) -> None:
-    from agentenv.blockd.daemon import _vm_gid
-
     mountpoint = state_dir / "memfs"
     config_dir = state_dir / "memdev"
     config_dir.mkdir(mode=0o700, exist_ok=True)
     _unmount(mountpoint)  # a dead mount of a killed run ("transport endpoint is not connected")
     mountpoint.mkdir(exist_ok=True)
-    ops = MemoryFiles(config_dir, _vm_gid())
+    ops = MemoryFiles(config_dir, vm_gid())
     stop = threading.Event()
 
     def sweeper() -> None:

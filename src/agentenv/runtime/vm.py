@@ -47,6 +47,7 @@ from agentenv.runtime.cgroup import (
 )
 from agentenv.runtime.config import RuntimeConfig
 from agentenv.runtime.devstate import finish_device_state
+from agentenv.runtime.disks import AttachedDisk
 from agentenv.runtime.errors import (
     DiskError,
     GuestNotReadyError,
@@ -113,14 +114,6 @@ class BootSpec:
 
 
 @dataclass
-class _AttachedDisk:
-    config: DiskConfig
-    layers: list[LayerRef]  # sealed layers under the device's upper (oldest first)
-    device_id: str | None = None  # blockd device
-    file: Path | None = None
-
-
-@dataclass
 class VM:
     id: str
     machine: MachineConfig
@@ -130,7 +123,7 @@ class VM:
     memory_layers: list[LayerRef]
     mem_key: str | None  # MemoryFileCache key of the RAM file (None: the zero file)
     mem_path: Path
-    disks: list[_AttachedDisk]
+    disks: list[AttachedDisk]
     state: VMState = "starting"
     error: str | None = None
     started_at: float = field(default_factory=time.time)
@@ -260,7 +253,7 @@ class Runtime:
         workdir = self.config.vm_dir / vm_id
         mem_path = self.memory.zero_file(machine.memory_bytes)
         slot = await self.slots.take() if self.config.network else None
-        disks: list[_AttachedDisk] = []
+        disks: list[AttachedDisk] = []
         try:
             if slot is not None and spec.egress is not None:
                 await slot.set_policy(spec.egress)
@@ -294,12 +287,12 @@ class Runtime:
         return vm
 
     async def _attach_disk(self, name: str, size: int, read_only: bool, layers: list[LayerRef],
-                           file: Path | None, workdir: Path) -> tuple[_AttachedDisk, DiskAttachment]:
+                           file: Path | None, workdir: Path) -> tuple[AttachedDisk, DiskAttachment]:
         config = DiskConfig(name=name, read_only=read_only, size=size)
         if file is not None:
             if not read_only:
                 raise RuntimeError_(f"disk {name}: a raw file can only be a read-only disk")
-            return (_AttachedDisk(config, [], file=file),
+            return (AttachedDisk(config, [], file=file),
                     DiskAttachment(name, True, file=str(file)))
         if self.blockd is None:
             raise RuntimeError_(f"disk {name} needs blockd, and the runtime has no blockd client")
@@ -311,7 +304,7 @@ class Runtime:
                                             upper_dir=upper, size=size, readonly=read_only)
         except BlockdError as exc:
             raise DiskError(f"disk {name}: {exc}") from exc
-        return (_AttachedDisk(config, list(layers), device_id=info.id),
+        return (AttachedDisk(config, list(layers), device_id=info.id),
                 DiskAttachment(name, read_only, nbd_socket=info.nbd, nbd_export=info.export))
 
     def _qemu_tuning(self, extra_vcpus: int = 0, *, boot: bool = False) -> dict[str, Any]:
@@ -698,7 +691,7 @@ class Runtime:
         t0 = time.perf_counter()
         warm: WarmProcess | None = None
         slot: NetworkSlot | None = None
-        disks: list[_AttachedDisk] = []
+        disks: list[AttachedDisk] = []
         process: QemuProcess | None = None
         workdir = self.config.vm_dir / vm_id
         stage = "starting"  # what the restore was doing, for the error if QEMU dies
@@ -817,7 +810,7 @@ class Runtime:
         return self.warm.count(record_id)
 
     async def _spawn_for_restore(self, record: SnapshotRecord, mem_path: Path, workdir: Path,
-                                 slot: NetworkSlot | None, disks: list[_AttachedDisk],
+                                 slot: NetworkSlot | None, disks: list[AttachedDisk],
                                  extra_vcpus: int = 0) -> QemuProcess:
         """A QEMU in `-incoming defer` with the record's disks, each a new blockd device over
         the snapshot's layers (appended to `disks` as made, for the caller to release)."""
@@ -854,7 +847,7 @@ class Runtime:
         self.vms.pop(vm.id, None)
         shutil.rmtree(vm.workdir, ignore_errors=True)
 
-    async def _release_resources(self, slot: NetworkSlot | None, disks: list[_AttachedDisk],
+    async def _release_resources(self, slot: NetworkSlot | None, disks: list[AttachedDisk],
                                  mem_key: str | None) -> None:
         for disk in disks:
             if disk.device_id is not None and self.blockd is not None:

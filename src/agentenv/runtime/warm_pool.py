@@ -25,21 +25,22 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from agentenv.runtime.disks import AttachedDisk
+
 if TYPE_CHECKING:
     from agentenv.runtime.memory import MemoryFileCache
     from agentenv.runtime.network import NetworkSlot, SlotPool
     from agentenv.runtime.qemu import QemuProcess
-    from agentenv.runtime.vm import _AttachedDisk
     from agentenv.snapshot.record import SnapshotRecord
 
     #: the runtime's memory file of a snapshot, with a reference taken
     MemoryFile = Callable[[SnapshotRecord], Awaitable[Path]]
     #: a QEMU in `-incoming defer` for a snapshot: (record, memory file, workdir, slot,
     #: disks made so far (appended to), extra_vcpus)
-    Spawn = Callable[[SnapshotRecord, Path, Path, NetworkSlot | None, list[_AttachedDisk], int],
+    Spawn = Callable[[SnapshotRecord, Path, Path, NetworkSlot | None, list[AttachedDisk], int],
                      Awaitable[QemuProcess]]
     #: give back a slot, disks and a memory reference (any of them None/empty)
-    Release = Callable[[NetworkSlot | None, list[_AttachedDisk], str | None], Awaitable[None]]
+    Release = Callable[[NetworkSlot | None, list[AttachedDisk], str | None], Awaitable[None]]
 
 log = logging.getLogger("agentenv.runtime")
 
@@ -52,7 +53,7 @@ class WarmProcess:
     process: QemuProcess
     slot: NetworkSlot | None
     workdir: Path
-    disks: list[_AttachedDisk]
+    disks: list[AttachedDisk]
 
 
 class WarmPool:
@@ -133,7 +134,7 @@ class WarmPool:
             mem_path = await self._memory_file(record)
             workdir = self.vm_dir / f"warm-{uuid.uuid4().hex[:12]}"
             slot: NetworkSlot | None = None
-            disks: list[_AttachedDisk] = []
+            disks: list[AttachedDisk] = []
             try:
                 slot = await self.slots.take() if record.machine.network else None
                 process = await self._spawn(record, mem_path, workdir, slot, disks,
