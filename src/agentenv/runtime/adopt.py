@@ -28,11 +28,12 @@ from pathlib import Path
 from typing import Any
 
 from agentenv.runtime.cgroup import Cgroup
+from agentenv.runtime.disks import AttachedDisk
 from agentenv.runtime.errors import QMPError, RuntimeError_
 from agentenv.runtime.privilege import VMUser
 from agentenv.runtime.qemu import QemuProcess
 from agentenv.runtime.qmp import QMPClient
-from agentenv.runtime.vm import VM, Runtime, _AttachedDisk
+from agentenv.runtime.vm import VM, Runtime
 from agentenv.snapshot.record import DiskConfig, LayerRef, MachineConfig
 
 MANIFEST_FORMAT = 1
@@ -155,7 +156,7 @@ async def adopt_vm(runtime: Runtime, manifest: dict[str, Any]) -> VM:
     if not manifest_alive(manifest):
         raise AdoptError(f"QEMU pid {manifest.get('pid')} of VM {manifest.get('id')} is gone")
     machine = MachineConfig.model_validate(manifest["machine"])
-    disks = [_AttachedDisk(DiskConfig.model_validate(d["config"]),
+    disks = [AttachedDisk(DiskConfig.model_validate(d["config"]),
                            [LayerRef.model_validate(x) for x in d["layers"]],
                            device_id=d.get("device_id"),
                            file=Path(d["file"]) if d.get("file") else None)
