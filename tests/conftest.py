@@ -6,6 +6,11 @@ from pathlib import Path
 
 import pytest
 
+from agentenv.blockd.remote import install_private_store
+
+# In-process tests read remote layers as the CLI and the node do (a private chunk store).
+install_private_store()
+
 REPO = Path(__file__).resolve().parent.parent
 TESTS = REPO / "tests"
 #: Test data kept in the repository: an OCI image layout of hello-world (docker and OCI manifests,

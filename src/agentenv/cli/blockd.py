@@ -59,14 +59,13 @@ def blockd_command(state_dir: Path, socket_path: Path, metrics_port: int | None,
     from agentenv import logs
     from agentenv.blockd.daemon import Blockd
     from agentenv.blockd.device import INLINE_MAX
+    from agentenv.blockd.remote.service import config_from_env, parse_size
 
     logs.setup(log_level)
     try:
         limit = parse_size(upper_limit)
     except ValueError as exc:
         raise click.BadParameter(str(exc), param_hint="--upper-limit / AENV_DISK_UPPER_LIMIT") from None
-    from agentenv.blockd.remote.service import config_from_env
-
     try:
         remote = config_from_env(
             state_dir, cache_dir=chunk_cache_dir,
@@ -80,21 +79,6 @@ def blockd_command(state_dir: Path, socket_path: Path, metrics_port: int | None,
                     inline_max=INLINE_MAX if inline_max is None else inline_max,
                     upper_limit=limit or None, remote=remote)
     asyncio.run(daemon.run())
-
-
-def parse_size(text: str) -> int:
-    """Bytes from "1048576", "512M", "10G" (binary units)."""
-    raw = text.strip().upper().removesuffix("B").removesuffix("I")
-    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
-    mult = units.get(raw[-1:], 1)
-    number = raw[:-1] if raw[-1:] in units else raw
-    try:
-        value = int(number)
-    except ValueError:
-        raise ValueError(f"{text!r} is not a size (bytes, or a number with K, M, G or T)") from None
-    if value < 0:
-        raise ValueError(f"{text!r}: a size cannot be negative")
-    return value * mult
 
 
 @click.group("disk")

@@ -32,6 +32,9 @@ for _name in SUBSYSTEMS:
 
 
 def main() -> None:
+    from agentenv.blockd.remote import install_private_store
+
+    install_private_store()  # commands that read a remote layer without blockd (docs/remote-layers.md)
     try:
         code = cli(standalone_mode=False)
     except click.exceptions.Abort:

@@ -18,6 +18,7 @@ from pathlib import Path
 import uvicorn
 from starlette.routing import Route
 
+from agentenv.blockd.remote import install_private_store
 from agentenv.errors import AgentEnvError
 from agentenv.node.admission import Admission
 from agentenv.node.api import NodeApp
@@ -158,6 +159,7 @@ async def _serve_with_heartbeat(
 
 def serve(options: ServeOptions) -> None:
     """Run the node until SIGTERM/SIGINT."""
+    install_private_store()  # a remote layer read in the node itself (not through blockd)
     lock_state_dir(options.state_dir)
     check_port_free(options.host, options.port)
     app = build_app(options)

@@ -147,6 +147,9 @@ def load_descriptor(path: Path) -> RemoteLayerRef:
 
 RemoteOpener = Callable[[RemoteLayerRef], BlobSource]
 _opener: RemoteOpener | None = None
+#: makes the opener of a process that installed none (blockd's private chunk store: the
+#: CLI, the node and tests install it: agentenv.blockd.remote.install_private_store)
+_default_opener: Callable[[], RemoteOpener] | None = None
 _opener_lock = threading.Lock()
 
 
@@ -157,14 +160,22 @@ def set_remote_opener(opener: RemoteOpener | None) -> None:
         _opener = opener
 
 
+def set_default_remote_opener(factory: Callable[[], RemoteOpener] | None) -> None:
+    """How a process that installed no opener reads remote layers (made at the first read)."""
+    global _default_opener
+    with _opener_lock:
+        _default_opener = factory
+
+
 def open_remote(ref: RemoteLayerRef) -> BlobSource:
     global _opener
     with _opener_lock:
         if _opener is None:
-            # Not blockd: a private store for this process (reads fetch on demand, nothing
-            # shared with the node's cache).
-            from agentenv.blockd.remote.store import private_store
-
-            _opener = private_store().open_blob
+            if _default_opener is None:
+                raise LayerFormatError(
+                    ref.path, None, f"remote layer {ref.digest}: this process has no reader of "
+                    "remote layers (blockd installs its chunk cache; other programs call "
+                    "agentenv.blockd.remote.install_private_store())")
+            _opener = _default_opener()
         opener = _opener
     return opener(ref)

@@ -19,6 +19,7 @@ log = logging.getLogger("agentenv.blockd.remote")
 
 
 def parse_size(text: str) -> int:
+    """Bytes from "1048576", "512M", "10G" (binary units)."""
     raw = text.strip().upper().removesuffix("B").removesuffix("I")
     units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
     mult = units.get(raw[-1:], 1)
