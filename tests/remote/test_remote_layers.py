@@ -333,7 +333,8 @@ def test_registry_down_peer_serves_then_eio(world: World) -> None:
     finally:
         client.close()
     stats = b.stats()
-    assert _fetched(stats, "registry") == 0 and _fetched(stats, "peer") >= 128 * MiB, stats
+    # ZFile chunks are compressed and readahead varies: well over half the logical bytes read.
+    assert _fetched(stats, "registry") == 0 and _fetched(stats, "peer") >= 64 * MiB, stats
     # A goes too: C's guest gets EIO within the timeout, and C says why.
     a.daemon.stop()
     client = NbdClient(info_c["nbd"], info_c["export"], timeout=60)

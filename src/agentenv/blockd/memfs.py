@@ -204,22 +204,34 @@ def serve(state_dir: Path) -> None:
                      attr_timeout=0, entry_timeout=0)
     finally:
         stop.set()
-        with contextlib.suppress(FileNotFoundError):
-            (state_dir / PIDFILE).unlink()
+        # Only our own pid: a newer memfs that took the mount over has written its own.
+        with contextlib.suppress(OSError, ValueError):
+            if int((state_dir / PIDFILE).read_text().strip()) == os.getpid():
+                (state_dir / PIDFILE).unlink()
 
 
 # --- blockd's side ---------------------------------------------------------------------------
 
 
 def live_pid(state_dir: Path) -> int | None:
-    """The pid of this state directory's memfs process when it runs."""
-    try:
+    """The pid of this state directory's memfs process when it runs: the pid file's, else
+    (a pid file lost to a race of two memfs starts) the process found by its command line."""
+    def ours(pid: int) -> bool:
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                argv = f.read().split(b"\0")
+        except OSError:
+            return False
+        return b"agentenv.blockd.memfs" in argv and str(state_dir).encode() in argv
+
+    with contextlib.suppress(OSError, ValueError):
         pid = int((state_dir / PIDFILE).read_text().strip())
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            argv = f.read()
-    except (OSError, ValueError):
-        return None
-    return pid if b"agentenv.blockd.memfs" in argv and str(state_dir).encode() in argv else None
+        if ours(pid):
+            return pid
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and int(entry) != os.getpid() and ours(int(entry)):
+            return int(entry)
+    return None
 
 
 def ensure_running(state_dir: Path, timeout: float = 15.0) -> Path:
