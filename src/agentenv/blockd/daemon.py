@@ -197,7 +197,10 @@ class Blockd:
     async def stop(self) -> None:
         self.rpc.stop_accepting()
         await self.manager.close()
-        await asyncio.to_thread(memdev.stop, self.state_dir)  # the memory devices' mount (blockd/memfs.py)
+        if self._lock_fd >= 0:
+            # The memory devices' mount (blockd/memfs.py), only by the daemon that owns the
+            # state: a second blockd refused the lock must not end the first one's memfs.
+            await asyncio.to_thread(memdev.stop, self.state_dir)
         if self.fuse is not None:
             await self.fuse.stop()
         self.rpc.close()
