@@ -24,11 +24,11 @@ from agentenv.node.admission import Admission
 from agentenv.node.api import NodeApp
 from agentenv.node.backend import Capabilities, SandboxBackend
 from agentenv.node.gc import LayerCollector
-from agentenv.node.http_server import hardened_protocol, quiet_stream_aborts
 from agentenv.node.metrics import NodeMetrics
 from agentenv.node.orchestrator import NodeConfig, Orchestrator
 from agentenv.node.security import TokenIssuer, load_api_key, secure_state_dir
 from agentenv.node.store import Store
+from agentenv.relay.server import hardened_config, quiet_stream_aborts
 
 log = logging.getLogger("agentenv.node.server")
 
@@ -165,21 +165,8 @@ def serve(options: ServeOptions) -> None:
     app = build_app(options)
     limits = app.proxy.limits
     quiet_stream_aborts()
-    config = uvicorn.Config(
-        app,
-        host=options.host,
-        port=options.port,
-        http=hardened_protocol(limits.max_head_bytes, limits.head_timeout),
-        h11_max_incomplete_event_size=limits.max_head_bytes + 1,
-        log_config=None,
-        access_log=False,
-        lifespan="on",
-        timeout_graceful_shutdown=options.graceful_seconds,
-        timeout_keep_alive=30,
-        server_header=False,
-        ws="websockets-sansio",
-        ws_max_size=64 << 20,
-    )
+    config = hardened_config(app, options.host, options.port, limits.max_head_bytes,
+                             limits.head_timeout, options.graceful_seconds)
     server = uvicorn.Server(config)
     log.info(
         "node starting",

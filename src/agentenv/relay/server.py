@@ -20,6 +20,7 @@ import re
 from typing import Any
 
 import h11
+import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 log = logging.getLogger("agentenv.relay.server")
@@ -82,6 +83,28 @@ def hardened_protocol(max_head_bytes: int, head_timeout: float) -> type[H11Proto
     HardenedH11Protocol.max_head_bytes = max_head_bytes
     HardenedH11Protocol.head_timeout = head_timeout
     return HardenedH11Protocol
+
+
+def hardened_config(app: Any, host: str, port: int, max_head_bytes: int, head_timeout: float,
+                    graceful_seconds: float, backlog: int = 2048) -> uvicorn.Config:
+    """The uvicorn settings of every server that relays sandbox traffic (the node, the
+    gateway): the hardened HTTP/1.1 protocol, our own logs, WebSockets, no server header."""
+    return uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        http=hardened_protocol(max_head_bytes, head_timeout),
+        h11_max_incomplete_event_size=max_head_bytes + 1,
+        log_config=None,
+        access_log=False,
+        lifespan="on",
+        timeout_graceful_shutdown=graceful_seconds,
+        timeout_keep_alive=30,
+        server_header=False,
+        ws="websockets-sansio",
+        ws_max_size=64 << 20,
+        backlog=backlog,
+    )
 
 
 class _HardenedBase(H11Protocol):

@@ -13,7 +13,7 @@ from agentenv.control.gateway.app import GatewayApp
 from agentenv.control.gateway.placement import SchedulerLink
 from agentenv.control.gateway.store import GatewayStore
 from agentenv.errors import AgentEnvError
-from agentenv.relay.server import hardened_protocol, quiet_stream_aborts
+from agentenv.relay.server import hardened_config, quiet_stream_aborts
 from agentenv.relay.stream import RelayLimits
 
 log = logging.getLogger("agentenv.control.gateway.server")
@@ -53,22 +53,8 @@ def serve(options: GatewayOptions) -> None:
     app = build_app(options)
     limits: RelayLimits = app.limits
     quiet_stream_aborts()
-    config = uvicorn.Config(
-        app,
-        host=options.host,
-        port=options.port,
-        http=hardened_protocol(limits.max_head_bytes, limits.head_timeout),
-        h11_max_incomplete_event_size=limits.max_head_bytes + 1,
-        log_config=None,
-        access_log=False,
-        lifespan="on",
-        timeout_graceful_shutdown=5,
-        timeout_keep_alive=30,
-        server_header=False,
-        ws="websockets-sansio",
-        ws_max_size=64 << 20,
-        backlog=4096,
-    )
+    config = hardened_config(app, options.host, options.port, limits.max_head_bytes,
+                             limits.head_timeout, 5, backlog=4096)
     server = uvicorn.Server(config)
     log.info("gateway starting", extra={"host": options.host, "port": options.port,
                                         "scheduler": options.scheduler})
