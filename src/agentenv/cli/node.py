@@ -6,7 +6,7 @@ import json
 import os
 import re
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import click
 import httpx
@@ -15,6 +15,7 @@ from rich.table import Table
 
 from agentenv.errors import AgentEnvError
 
+F = TypeVar("F", bound=Any)
 DEFAULT_URL = "http://127.0.0.1:8000"
 
 
@@ -159,6 +160,22 @@ def resolve_api_key(explicit: str | None, state_dir: Path) -> str:
         raise AgentEnvError(
             f"no API key: pass --api-key, set E2B_API_KEY, or make {path} readable"
         ) from exc
+
+
+def node_api_options(command: F) -> F:
+    """--api-url, --api-key and --state-dir (where the key is found) of a command group that
+    talks to a node's API."""
+    for option in reversed((
+        click.option("--api-url", default=lambda: os.environ.get("E2B_API_URL", DEFAULT_URL),
+                     show_default="$E2B_API_URL or " + DEFAULT_URL, help="The node's API."),
+        click.option("--api-key", default=None,
+                     help="Defaults to $E2B_API_KEY or the state dir's key."),
+        click.option("--state-dir", type=click.Path(file_okay=False, path_type=Path),
+                     default=lambda: os.environ.get("AENV_HOME", "/var/lib/aenv"),
+                     show_default="$AENV_HOME or /var/lib/aenv", help="Where to find the API key."),
+    )):
+        command = option(command)
+    return command
 
 
 @click.group("sandbox")

@@ -2,21 +2,15 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import click
 
-from agentenv.cli.node import DEFAULT_URL, Client, resolve_api_key
+from agentenv.cli.node import Client, node_api_options, resolve_api_key
 
 
 @click.group("snapshot")
-@click.option("--api-url", default=lambda: os.environ.get("E2B_API_URL", DEFAULT_URL),
-              show_default="$E2B_API_URL or " + DEFAULT_URL, help="The node's API.")
-@click.option("--api-key", default=None, help="Defaults to $E2B_API_KEY or the state dir's key.")
-@click.option("--state-dir", type=click.Path(file_okay=False, path_type=Path),
-              default=lambda: os.environ.get("AENV_HOME", "/var/lib/aenv"),
-              show_default="$AENV_HOME or /var/lib/aenv", help="Where to find the API key.")
+@node_api_options
 @click.pass_context
 def snapshot_group(ctx: click.Context, api_url: str, api_key: str | None, state_dir: Path) -> None:
     """Publish a node's snapshots to a repository, or fetch them from one.

@@ -13,7 +13,7 @@ import httpx
 from rich.console import Console
 from rich.table import Table
 
-from agentenv.cli.node import DEFAULT_URL, Client, resolve_api_key
+from agentenv.cli.node import DEFAULT_URL, Client, node_api_options, resolve_api_key
 from agentenv.errors import AgentEnvError
 from agentenv.template.pull import DEFAULT_STATE_DIR
 
@@ -148,12 +148,7 @@ def _follow_build(api: Client, console: Console, name: str, tid: str, bid: str) 
 
 
 @click.group("template")
-@click.option("--api-url", default=lambda: os.environ.get("E2B_API_URL", DEFAULT_URL),
-              show_default="$E2B_API_URL or " + DEFAULT_URL, help="The node's API.")
-@click.option("--api-key", default=None, help="Defaults to $E2B_API_KEY or the state dir's key.")
-@click.option("--state-dir", type=click.Path(file_okay=False, path_type=Path),
-              default=lambda: os.environ.get("AENV_HOME", "/var/lib/aenv"),
-              show_default="$AENV_HOME or /var/lib/aenv", help="Where to find the API key.")
+@node_api_options
 @click.pass_context
 def template_group(ctx: click.Context, api_url: str, api_key: str | None, state_dir: Path) -> None:
     """Build, list and delete a node's templates."""
