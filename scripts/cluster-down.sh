@@ -6,38 +6,19 @@ set -euo pipefail
 dir=${AENV_CLUSTER_DIR:-/var/lib/aenv-cluster}
 timeout=${AENV_DOWN_TIMEOUT:-300}
 
-stop() {  # stop PIDFILE NAME: SIGTERM, wait up to $timeout s, then SIGKILL
-  local pid
-  pid=$(cat "$1" 2>/dev/null || true)
-  if [[ ! $pid =~ ^[0-9]+$ ]] || ! kill -0 "$pid" 2>/dev/null; then
-    rm -f "$1"
-    return 0
-  fi
-  kill -TERM "$pid" 2>/dev/null || true
-  local waited=0
-  while kill -0 "$pid" 2>/dev/null && [[ -n $(tr -d '\0' <"/proc/$pid/cmdline" 2>/dev/null) ]]
-  do
-    if (( waited >= timeout * 5 )); then
-      echo "cluster-down: $2 (pid $pid) still running after $timeout s, killing it" >&2
-      kill -KILL "$pid" 2>/dev/null || true
-      break
-    fi
-    sleep 0.2
-    waited=$((waited + 1))
-  done
-  rm -f "$1"
-  echo "$2 stopped"
-}
+me=cluster-down
+# shellcheck source=scripts/stop-lib.sh
+source "$(dirname "$0")/stop-lib.sh"
 
-stop "$dir/gateway.pid" gateway
+stop "$dir/gateway.pid" gateway gateway
 for pidfile in "$dir"/node*/node.pid; do
-  [[ -e $pidfile ]] && stop "$pidfile" "$(basename "$(dirname "$pidfile")")"
+  [[ -e $pidfile ]] && stop "$pidfile" "serve" "$(basename "$(dirname "$pidfile")")"
 done
 for pidfile in "$dir"/node*/blockd.pid; do
-  [[ -e $pidfile ]] && stop "$pidfile" "blockd of $(basename "$(dirname "$pidfile")")"
+  [[ -e $pidfile ]] && stop "$pidfile" "blockd" "blockd of $(basename "$(dirname "$pidfile")")"
 done
-stop "$dir/scheduler.pid" scheduler
-stop "$dir/redis.pid" redis
+stop "$dir/scheduler.pid" scheduler scheduler
+stop "$dir/redis.pid" redis-server redis
 for ns in $(ip netns list 2>/dev/null | awk '/^aenvc-node[0-9]+/ {print $1}'); do
   ip netns delete "$ns"
 done

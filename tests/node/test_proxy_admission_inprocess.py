@@ -22,12 +22,12 @@ from agentenv.node.admission import Admission, AdmissionRefused
 from agentenv.node.api import NodeApp
 from agentenv.node.backend import ENVD_PORT
 from agentenv.node.errors import Internal
-from agentenv.node.http_server import StreamAborted
 from agentenv.node.metrics import NodeMetrics
 from agentenv.node.orchestrator import CreateParams, NodeConfig, Orchestrator
 from agentenv.node.records import State
 from agentenv.node.security import TokenIssuer
 from agentenv.node.store import Store
+from agentenv.relay.server import StreamAborted
 from tests.node.scripted import ScriptedBackend
 
 API_KEY = "test-api-key-0123456789"

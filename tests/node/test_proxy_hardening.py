@@ -26,7 +26,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from agentenv.node.http_server import target_problem
+from agentenv.relay.server import target_problem
 from tests.node.conftest import NodeProcess, environ_set
 
 HEAD_TIMEOUT = 2

@@ -37,13 +37,13 @@ from starlette.routing import Route
 from agentenv import __version__
 from agentenv.node import models
 from agentenv.node.errors import ApiError, BadRequest, sandbox_not_found
-from agentenv.node.http_server import request_target, target_problem
 from agentenv.node.metrics import NodeMetrics
 from agentenv.node.openapi import openapi_document
 from agentenv.node.orchestrator import CreateParams, Orchestrator
 from agentenv.node.proxy import SandboxProxy, send_json
 from agentenv.node.records import SandboxRecord, State, TemplateRecord
 from agentenv.node.security import CLUSTER_SECRET_HEADER, same_secret
+from agentenv.relay.server import request_target, target_problem
 
 log = logging.getLogger("agentenv.node.api")
 M = TypeVar("M", bound=BaseModel)

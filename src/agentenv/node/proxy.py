@@ -15,7 +15,7 @@ pause, timeout, its VM dying) every exchange the proxy holds with it ends at onc
 not answered yet gets that 502, one that is streaming has its connection cut (the SDK then
 probes /health, gets the 502 and raises "The sandbox was killed or reached its end of life").
 
-Limits (`ProxyLimits`, AENV_PROXY_* variables): request head size and time (node/http_server.py),
+Limits (`ProxyLimits`, AENV_PROXY_* variables): request head size and time (relay/server.py),
 request body size, idle time either way, total time of one exchange, concurrent exchanges per
 sandbox. A paused sandbox with autoResume is resumed by traffic only when the request carries
 what the running sandbox would ask for: the traffic token on a non-public sandbox's ports, the
