@@ -359,6 +359,12 @@ class MemoryFileCache:
         with self._guard:
             return self._refs.get(key, 0)
 
+    def after_restore(self, key: str, snapshot_dir: Path) -> None:
+        """Nothing to record: a materialised file has no startup pack (runtime/memdev.py)."""
+
+    def drop_orphans(self) -> None:
+        """Nothing to drop: files of an earlier run are found again by `acquire`."""
+
     def zero_file(self, size: int) -> Path:
         """An empty sparse file of `size` bytes: the RAM file of a cold-booted VM."""
         path = self.directory / f"zero-{size}.mem"

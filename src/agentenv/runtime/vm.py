@@ -215,9 +215,7 @@ class Runtime:
             await self.slots.fill(self.config.slot_pool_low)
         # After adoption (the node adopts before it starts the runtime): memory devices of an
         # earlier run that no adopted VM took over are released.
-        drop_orphans = getattr(self.memory, "drop_orphans", None)
-        if drop_orphans is not None:
-            await asyncio.to_thread(drop_orphans)
+        await asyncio.to_thread(self.memory.drop_orphans)
         self._started = True
         log.info("runtime started", extra={"accel": self.accel})
 
@@ -733,9 +731,8 @@ class Runtime:
             if slot is not None:
                 stage = "while envd /init was in flight"
                 await self.envd_init(vm, env_vars, access_token, guest_token=guest_token)
-            after_restore = getattr(self.memory, "after_restore", None)
-            if after_restore is not None:  # the startup pack (runtime/memdev.py)
-                after_restore(record.id, Path(record.device_state).parent)
+            # the startup pack (runtime/memdev.py)
+            self.memory.after_restore(record.id, Path(record.device_state).parent)
         except BaseException as exc:
             await self.kill(vm)
             if isinstance(exc, VMDiedError):
