@@ -21,7 +21,7 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-import redis.asyncio as aioredis
+import redis
 from redis.exceptions import RedisError
 
 from agentenv.control.proto import scheduler_pb2 as pb
@@ -163,7 +163,9 @@ def _slim(status: pb.NodeStatus) -> bytes:
 
 
 class Store:
-    """Async access to the scheduler's keys. One connection pool; every call is one round trip."""
+    """Blocking access to the scheduler's keys, safe from many threads (the gRPC server's).
+    One connection pool; every call is one round trip. Blocking redis-py (with hiredis when
+    installed) costs ~30-50 us of CPU per call here against ~75 us for redis.asyncio."""
 
     def __init__(self, url: str, prefix: str = DEFAULT_PREFIX) -> None:
         self.url = url
@@ -171,10 +173,10 @@ class Store:
         try:
             # A bounded pool that queues: a burst of concurrent RPCs waits for a connection
             # instead of opening one each (and failing past the client's limit).
-            pool = aioredis.BlockingConnectionPool.from_url(
+            pool = redis.BlockingConnectionPool.from_url(
                 url, max_connections=MAX_CONNECTIONS, timeout=POOL_TIMEOUT_S
             )
-            self.redis = aioredis.Redis(connection_pool=pool)
+            self.redis = redis.Redis(connection_pool=pool)
         except ValueError as exc:
             raise StoreError(f"bad Redis URL {url!r}: {exc}") from exc
         self._record = self.redis.register_script(_RECORD)
@@ -184,63 +186,63 @@ class Store:
     def _key(self, name: str) -> str:
         return self.prefix + name
 
-    async def ping(self) -> None:
+    def ping(self) -> None:
         try:
-            await self.redis.ping()
+            self.redis.ping()
         except (RedisError, OSError) as exc:
             raise StoreError(f"cannot reach Redis at {self.url}: {exc}") from exc
 
-    async def close(self) -> None:
-        await self.redis.aclose()
-        await self.redis.connection_pool.disconnect()
+    def close(self) -> None:
+        self.redis.close()
+        self.redis.connection_pool.disconnect()
 
     # --- bindings ---------------------------------------------------------------------------------
 
-    async def record(self, binding: Binding) -> Binding | None:
-        old = await self._record(
+    def record(self, binding: Binding) -> Binding | None:
+        old = self._record(
             args=[self.prefix, binding.sandbox_id, binding.node_id, binding.encode(), now_ms()]
         )
         return Binding.decode(binding.sandbox_id, old.decode()) if old else None
 
-    async def release(self, sandbox_id: str) -> Binding | None:
-        old = await self._release(args=[self.prefix, sandbox_id, now_ms()])
+    def release(self, sandbox_id: str) -> Binding | None:
+        old = self._release(args=[self.prefix, sandbox_id, now_ms()])
         return Binding.decode(sandbox_id, old.decode()) if old else None
 
-    async def lookup(self, sandbox_id: str) -> Binding | None:
-        raw = await self.redis.hget(self._key("bindings"), sandbox_id)
+    def lookup(self, sandbox_id: str) -> Binding | None:
+        raw = self.redis.hget(self._key("bindings"), sandbox_id)
         return Binding.decode(sandbox_id, raw.decode()) if raw else None
 
-    async def lookup_many(self, sandbox_ids: list[str]) -> dict[str, Binding]:
+    def lookup_many(self, sandbox_ids: list[str]) -> dict[str, Binding]:
         if not sandbox_ids:
             return {}
-        raws = await self.redis.hmget(self._key("bindings"), sandbox_ids)
+        raws = self.redis.hmget(self._key("bindings"), sandbox_ids)
         return {
             sid: Binding.decode(sid, raw.decode())
             for sid, raw in zip(sandbox_ids, raws, strict=True)
             if raw
         }
 
-    async def all_bindings(self) -> dict[str, Binding]:
+    def all_bindings(self) -> dict[str, Binding]:
         out: dict[str, Binding] = {}
-        async for raw_id, raw in self.redis.hscan_iter(self._key("bindings"), count=5000):
+        for raw_id, raw in self.redis.hscan_iter(self._key("bindings"), count=5000):
             sid = raw_id.decode()
             out[sid] = Binding.decode(sid, raw.decode())
         return out
 
-    async def node_sandboxes(self, node_ids: Iterable[str]) -> dict[str, set[str]]:
+    def node_sandboxes(self, node_ids: Iterable[str]) -> dict[str, set[str]]:
         ids = list(node_ids)
-        async with self.redis.pipeline(transaction=False) as pipe:
+        with self.redis.pipeline(transaction=False) as pipe:
             for node_id in ids:
                 pipe.smembers(self._key(f"node:{node_id}:sandboxes"))
-            answers = await pipe.execute()
+            answers = pipe.execute()
         return {n: {s.decode() for s in members} for n, members in zip(ids, answers, strict=True)}
 
-    async def binding_count(self) -> int:
-        return int(await self.redis.hlen(self._key("bindings")))
+    def binding_count(self) -> int:
+        return int(self.redis.hlen(self._key("bindings")))
 
     # --- nodes ------------------------------------------------------------------------------------
 
-    async def heartbeat(
+    def heartbeat(
         self, status: pb.NodeStatus, grace_ms: int, at_ms: int | None = None
     ) -> tuple[list[str], list[str]]:
         """Store the status (without its sandbox list) and reconcile; returns (added, dropped)."""
@@ -249,46 +251,46 @@ class Store:
         ]
         for sandbox in status.sandboxes:
             args += [sandbox.sandbox_id, sandbox.team_id]
-        added, dropped = await self._heartbeat(args=args)
+        added, dropped = self._heartbeat(args=args)
         return [s.decode() for s in added], [s.decode() for s in dropped]
 
-    async def touch(self, status: pb.NodeStatus, at_ms: int) -> None:
+    def touch(self, status: pb.NodeStatus, at_ms: int) -> None:
         """Store the status and the heartbeat's time only (nothing to reconcile)."""
-        async with self.redis.pipeline(transaction=True) as pipe:
+        with self.redis.pipeline(transaction=True) as pipe:
             pipe.hset(self._key("nodes"), status.node_id, _slim(status))
             pipe.hset(self._key("seen"), status.node_id, at_ms)
-            await pipe.execute()
+            pipe.execute()
 
-    async def nodes(self) -> dict[str, tuple[pb.NodeStatus, int]]:
+    def nodes(self) -> dict[str, tuple[pb.NodeStatus, int]]:
         """Every registered node's last status and last heartbeat (wall-clock ms)."""
-        async with self.redis.pipeline(transaction=True) as pipe:
+        with self.redis.pipeline(transaction=True) as pipe:
             pipe.hgetall(self._key("nodes"))
             pipe.hgetall(self._key("seen"))
-            statuses, seen = await pipe.execute()
+            statuses, seen = pipe.execute()
         out: dict[str, tuple[pb.NodeStatus, int]] = {}
         for raw_id, raw in statuses.items():
             node_id = raw_id.decode()
             out[node_id] = (pb.NodeStatus.FromString(raw), int(seen.get(raw_id, b"0")))
         return out
 
-    async def seen(self) -> dict[str, int]:
-        raw = await self.redis.hgetall(self._key("seen"))
+    def seen(self) -> dict[str, int]:
+        raw = self.redis.hgetall(self._key("seen"))
         return {k.decode(): int(v) for k, v in raw.items()}
 
-    async def forget_node(self, node_id: str) -> None:
-        async with self.redis.pipeline(transaction=True) as pipe:
+    def forget_node(self, node_id: str) -> None:
+        with self.redis.pipeline(transaction=True) as pipe:
             pipe.hdel(self._key("nodes"), node_id)
             pipe.hdel(self._key("seen"), node_id)
-            await pipe.execute()
+            pipe.execute()
 
     # --- the scheduler's own clock ------------------------------------------------------------------
 
-    async def mark_alive(self, grace_ms: int) -> int | None:
+    def mark_alive(self, grace_ms: int) -> int | None:
         """Write this sweep's time, drop release markers older than the grace; returns the
         previous alive time (how long the scheduler was away, at start)."""
         at = now_ms()
-        async with self.redis.pipeline(transaction=True) as pipe:
+        with self.redis.pipeline(transaction=True) as pipe:
             pipe.getset(self._key("alive"), at)
             pipe.zremrangebyscore(self._key("released"), "-inf", at - grace_ms)
-            previous, _ = await pipe.execute()
+            previous, _ = pipe.execute()
         return int(previous) if previous else None
