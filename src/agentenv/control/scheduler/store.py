@@ -17,8 +17,9 @@ Bindings change in Lua scripts, so a binding and its node's set never disagree, 
 
 from __future__ import annotations
 
+import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import redis
@@ -63,18 +64,26 @@ class Binding:
 
 
 # KEYS: none (key names derive from the prefix; this is a single Redis, not a cluster).
-# ARGV: prefix, sandbox, node, encoded binding, now ms. Returns the previous encoded binding.
+# ARGV: prefix, then (sandbox, node, encoded binding) for each binding, in order.
+# Returns the previous encoded binding of each ('' where there was none).
 _RECORD = """
-local p, sid, node = ARGV[1], ARGV[2], ARGV[3]
-local old = redis.call('HGET', p..'bindings', sid)
-if old then
-  local oldnode = string.match(old, '^([^\\31]*)')
-  if oldnode ~= node then redis.call('SREM', p..'node:'..oldnode..':sandboxes', sid) end
+local p = ARGV[1]
+local out = {}
+for i = 2, #ARGV, 3 do
+  local sid, node = ARGV[i], ARGV[i+1]
+  local old = redis.call('HGET', p..'bindings', sid)
+  if old then
+    local oldnode = string.match(old, '^([^\\31]*)')
+    if oldnode ~= node then redis.call('SREM', p..'node:'..oldnode..':sandboxes', sid) end
+  else
+    old = ''
+  end
+  redis.call('HSET', p..'bindings', sid, ARGV[i+2])
+  redis.call('SADD', p..'node:'..node..':sandboxes', sid)
+  redis.call('ZREM', p..'released', sid)
+  out[#out+1] = old
 end
-redis.call('HSET', p..'bindings', sid, ARGV[4])
-redis.call('SADD', p..'node:'..node..':sandboxes', sid)
-redis.call('ZREM', p..'released', sid)
-return old
+return out
 """
 
 # ARGV: prefix, sandbox, now ms. Returns the removed encoded binding (or nil).
@@ -162,6 +171,73 @@ def _slim(status: pb.NodeStatus) -> bytes:
     return slim.SerializeToString()
 
 
+class _Write:
+    """One caller's binding in a group commit: filled in by whoever sends the batch."""
+
+    __slots__ = ("binding", "error", "lead", "old", "ready")
+
+    def __init__(self, binding: Binding) -> None:
+        self.binding = binding
+        self.ready = threading.Event()
+        self.lead = False
+        self.old: bytes = b""
+        self.error: BaseException | None = None
+
+
+class _GroupCommit:
+    """Concurrent RecordAssignments share one Redis round trip (one script call for all).
+
+    The first writer to find no batch in flight sends everything queued so far, itself
+    included; writers arriving meanwhile queue up, and when the batch is answered the first of
+    them is woken to send the next. Each caller returns only once Redis has answered the call
+    holding its binding (the same acknowledgement as a write of its own), and gets its own
+    previous binding or the batch's error. One script call costs redis-py the same ~30 us
+    whether it carries 1 binding or 30, which is where the saving is under load.
+    """
+
+    def __init__(self, send: Callable[[list[Binding]], list[bytes]], limit: int = 256) -> None:
+        self._send = send
+        self._limit = limit
+        self._lock = threading.Lock()
+        self._queue: list[_Write] = []
+        self._busy = False
+
+    def write(self, binding: Binding) -> bytes:
+        item = _Write(binding)
+        with self._lock:
+            self._queue.append(item)
+            lead = not self._busy
+            self._busy = True
+        if not lead:
+            item.ready.wait()
+        if item.lead or lead:
+            self._flush()
+        if item.error is not None:
+            raise item.error
+        return item.old
+
+    def _flush(self) -> None:
+        with self._lock:
+            batch, self._queue = self._queue[: self._limit], self._queue[self._limit :]
+        try:
+            olds = self._send([w.binding for w in batch])
+            for w, old in zip(batch, olds, strict=True):
+                w.old = old
+        except BaseException as exc:  # every writer of the batch learns why
+            for w in batch:
+                w.error = exc
+        finally:
+            with self._lock:
+                if self._queue:
+                    nxt = self._queue[0]
+                    nxt.lead = True
+                    nxt.ready.set()
+                else:
+                    self._busy = False
+            for w in batch:
+                w.ready.set()
+
+
 class Store:
     """Blocking access to the scheduler's keys, safe from many threads (the gRPC server's).
     One connection pool; every call is one round trip. Blocking redis-py (with hiredis when
@@ -182,6 +258,7 @@ class Store:
         self._record = self.redis.register_script(_RECORD)
         self._release = self.redis.register_script(_RELEASE)
         self._heartbeat = self.redis.register_script(_HEARTBEAT)
+        self._group = _GroupCommit(self.record_many)
 
     def _key(self, name: str) -> str:
         return self.prefix + name
@@ -199,10 +276,16 @@ class Store:
     # --- bindings ---------------------------------------------------------------------------------
 
     def record(self, binding: Binding) -> Binding | None:
-        old = self._record(
-            args=[self.prefix, binding.sandbox_id, binding.node_id, binding.encode(), now_ms()]
-        )
+        """Write a binding; returns the one it replaced. Batched with concurrent writers."""
+        old = self._group.write(binding)
         return Binding.decode(binding.sandbox_id, old.decode()) if old else None
+
+    def record_many(self, bindings: list[Binding]) -> list[bytes]:
+        """One script call for all (in order); the previous encoded binding of each, or b''."""
+        args: list[str] = [self.prefix]
+        for b in bindings:
+            args += (b.sandbox_id, b.node_id, b.encode())
+        return list(self._record(args=args))
 
     def release(self, sandbox_id: str) -> Binding | None:
         old = self._release(args=[self.prefix, sandbox_id, now_ms()])
