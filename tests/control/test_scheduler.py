@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -123,6 +124,22 @@ def test_concurrent_records_share_round_trips(redis_server: RedisServer, prefix:
             assert Binding.decode(f"s{i}", raw.hget(f"{prefix}bindings", f"s{i}").decode()) \
                 == Binding(f"s{i}", node, f"t{i}", 2, 1, 1)
             assert raw.sismember(f"{prefix}node:{node}:sandboxes", f"s{i}")
+        # One sandbox moved by every writer at once: the callbacks that keep the in-memory copy
+        # run in Redis's order (each sees the binding the previous one wrote; the last is Redis's).
+        applied: list[tuple[Binding | None, Binding]] = []
+
+        def race(i: int) -> None:
+            binding = Binding("raced", f"n{i}", "", i, 1, 1)
+            start.wait()
+            store.record(binding, lambda old: applied.append((old, binding)))
+
+        with ThreadPoolExecutor(writers) as pool:
+            list(pool.map(race, range(writers)))
+        assert len(applied) == writers and applied[0][0] is None
+        for (_, before), (old, _) in itertools.pairwise(applied):
+            assert old == before
+        final = Binding.decode("raced", raw.hget(f"{prefix}bindings", "raced").decode())
+        assert applied[-1][1] == final
     finally:
         store.close()
         raw.close()

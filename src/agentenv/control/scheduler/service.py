@@ -292,15 +292,20 @@ class SchedulerService:
         vcpus = msg.vcpus or self.config.default_vcpus
         memory = msg.memory_mib or self.config.default_memory_mib
         binding = Binding(msg.sandbox_id, msg.node_id, msg.team_id, now_ms(), vcpus, memory)
-        old = self.store.record(binding)
-        with self.lock:
-            self.bindings[msg.sandbox_id] = binding
-            view.changed_ms = binding.recorded_ms
-            if old and old.node_id != msg.node_id:
-                self._changed(old.node_id, binding.recorded_ms)
-            if old and old.node_id != msg.node_id and old.node_id in self.views:
-                self.views[old.node_id].released(msg.sandbox_id)
-            view.assigned(msg.sandbox_id, vcpus, memory)
+        target: NodeView = view
+
+        def apply(old: Binding | None) -> None:
+            with self.lock:
+                self.bindings[msg.sandbox_id] = binding
+                target.changed_ms = binding.recorded_ms
+                if old and old.node_id != msg.node_id:
+                    self._changed(old.node_id, binding.recorded_ms)
+                if old and old.node_id != msg.node_id and old.node_id in self.views:
+                    self.views[old.node_id].released(msg.sandbox_id)
+                target.assigned(msg.sandbox_id, vcpus, memory)
+
+        # Memory follows in Redis's order (two records of one sandbox racing end as in Redis).
+        self.store.record(binding, apply)
 
     def release(self, msg: pb.ReleaseRequest) -> None:
         check_id("sandbox_id", msg.sandbox_id)

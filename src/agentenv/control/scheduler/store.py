@@ -174,10 +174,11 @@ def _slim(status: pb.NodeStatus) -> bytes:
 class _Write:
     """One caller's binding in a group commit: filled in by whoever sends the batch."""
 
-    __slots__ = ("binding", "error", "lead", "old", "ready")
+    __slots__ = ("apply", "binding", "error", "lead", "old", "ready")
 
-    def __init__(self, binding: Binding) -> None:
+    def __init__(self, binding: Binding, apply: Callable[[Binding | None], None] | None) -> None:
         self.binding = binding
+        self.apply = apply
         self.ready = threading.Event()
         self.lead = False
         self.old: bytes = b""
@@ -202,8 +203,10 @@ class _GroupCommit:
         self._queue: list[_Write] = []
         self._busy = False
 
-    def write(self, binding: Binding) -> bytes:
-        item = _Write(binding)
+    def write(
+        self, binding: Binding, apply: Callable[[Binding | None], None] | None = None
+    ) -> bytes:
+        item = _Write(binding, apply)
         with self._lock:
             self._queue.append(item)
             lead = not self._busy
@@ -223,6 +226,15 @@ class _GroupCommit:
             olds = self._send([w.binding for w in batch])
             for w, old in zip(batch, olds, strict=True):
                 w.old = old
+            # In Redis's order, before the next batch is sent: a copy of the table kept in
+            # memory sees the writes in the order Redis applied them.
+            for w in batch:
+                if w.apply is not None:
+                    b = w.binding
+                    try:
+                        w.apply(Binding.decode(b.sandbox_id, w.old.decode()) if w.old else None)
+                    except Exception as exc:
+                        w.error = exc
         except BaseException as exc:  # every writer of the batch learns why
             for w in batch:
                 w.error = exc
@@ -275,9 +287,12 @@ class Store:
 
     # --- bindings ---------------------------------------------------------------------------------
 
-    def record(self, binding: Binding) -> Binding | None:
-        """Write a binding; returns the one it replaced. Batched with concurrent writers."""
-        old = self._group.write(binding)
+    def record(
+        self, binding: Binding, apply: Callable[[Binding | None], None] | None = None
+    ) -> Binding | None:
+        """Write a binding; returns the one it replaced. Batched with concurrent writers;
+        `apply(replaced)` runs once Redis has it, in the order Redis applied the writes."""
+        old = self._group.write(binding, apply)
         return Binding.decode(binding.sandbox_id, old.decode()) if old else None
 
     def record_many(self, bindings: list[Binding]) -> list[bytes]:
