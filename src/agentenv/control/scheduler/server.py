@@ -32,8 +32,9 @@ log = logging.getLogger("agentenv.control.scheduler.server")
 
 
 # Worker threads of the gRPC server: concurrent calls beyond this queue in grpcio. Python runs
-# one at a time anyway; more threads only let Redis round trips overlap.
-WORKERS = 16
+# one at a time anyway; threads let Redis round trips overlap, and keep Lookup (memory only)
+# answering while writes wait for a Redis that is slow or stalled (REDIS_TIMEOUT_S at most).
+WORKERS = 32
 EMPTY = pb.Empty()
 
 

@@ -31,6 +31,9 @@ from agentenv.errors import AgentEnvError
 SEP = "\x1f"
 MAX_CONNECTIONS = 32
 POOL_TIMEOUT_S = 10.0
+# A Redis that stops answering (stalled, partitioned) fails a call after this long instead of
+# holding the gRPC worker thread forever: Lookup, served from memory, needs free workers.
+REDIS_TIMEOUT_S = 5.0
 DEFAULT_PREFIX = "aenv:sched:"
 
 
@@ -255,14 +258,17 @@ class Store:
     One connection pool; every call is one round trip. Blocking redis-py (with hiredis when
     installed) costs ~30-50 us of CPU per call here against ~75 us for redis.asyncio."""
 
-    def __init__(self, url: str, prefix: str = DEFAULT_PREFIX) -> None:
+    def __init__(
+        self, url: str, prefix: str = DEFAULT_PREFIX, timeout: float = REDIS_TIMEOUT_S
+    ) -> None:
         self.url = url
         self.prefix = prefix
         try:
             # A bounded pool that queues: a burst of concurrent RPCs waits for a connection
             # instead of opening one each (and failing past the client's limit).
             pool = redis.BlockingConnectionPool.from_url(
-                url, max_connections=MAX_CONNECTIONS, timeout=POOL_TIMEOUT_S
+                url, max_connections=MAX_CONNECTIONS, timeout=POOL_TIMEOUT_S,
+                socket_timeout=timeout, socket_connect_timeout=timeout,
             )
             self.redis = redis.Redis(connection_pool=pool)
         except ValueError as exc:
