@@ -203,8 +203,9 @@ async def scheduler_suite_async(
         async def bare_record(i: int) -> None:
             node_id = f"node-{i % NODES:03d}"
             binding = Binding(f"raw-{i:07d}", node_id, "", int(time.time() * 1000), 1, 1)
+            # One binding per script call: what one writer alone gets from Redis.
             await record_script(args=[prefix + "baseline:", binding.sandbox_id, node_id,
-                                      binding.encode(), 0])
+                                      binding.encode()])
 
         await timed_loop(CONCURRENCY, 0.5, schedule_record)  # warm
         cpu0 = {name: cpu_seconds(pid) for name, pid in pids.items()}

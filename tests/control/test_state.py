@@ -4,13 +4,16 @@ a scheduler killed with -9 and restarted, Redis killed and restarted (AOF)."""
 from __future__ import annotations
 
 import asyncio
+import signal
 import time
 from pathlib import Path
 
 import grpc
 import pytest
+from redis.exceptions import TimeoutError as RedisTimeout
 
 from agentenv.control.scheduler.client import SchedulerClient, SchedulerError
+from agentenv.control.scheduler.store import Binding, Store
 from tests.control.conftest import RedisServer, SchedulerProcess
 from tests.control.helpers import scheduler, status
 
@@ -177,3 +180,38 @@ def test_redis_restart_loses_nothing(redis_server: RedisServer, prefix: str) -> 
     finally:
         if redis_server.proc is None or redis_server.proc.poll() is not None:
             redis_server.start()
+
+
+def test_lookup_answers_while_redis_is_stalled(redis_server: RedisServer, prefix: str) -> None:
+    """Redis stopped (SIGSTOP, not gone): writes wait for it on their worker threads, Lookup
+    still answers from memory at once, and the writes complete when Redis resumes."""
+    assert redis_server.proc is not None
+
+    async def body() -> None:
+        async with scheduler(redis_server.url, prefix) as (_, client):
+            await client.heartbeat(status("n1"))
+            await client.record_assignment("s1", "n1")
+            redis_server.proc.send_signal(signal.SIGSTOP)  # type: ignore[union-attr]
+            try:
+                writes = [asyncio.create_task(client.record_assignment(f"w{i}", "n1"))
+                          for i in range(8)]
+                await asyncio.sleep(0.2)
+                began = time.monotonic()
+                for _ in range(20):
+                    where = await client.lookup("s1", timeout=2)
+                    assert where is not None and where.node_id == "n1"
+                assert time.monotonic() - began < 2
+                assert not any(w.done() for w in writes)
+                # A write does not wait for ever: past the store's timeout it fails.
+                impatient = Store(redis_server.url, prefix, timeout=0.5)
+                try:
+                    with pytest.raises(RedisTimeout):
+                        await asyncio.to_thread(impatient.record, Binding("x", "n1", "", 0, 1, 1))
+                finally:
+                    impatient.close()
+            finally:
+                redis_server.proc.send_signal(signal.SIGCONT)  # type: ignore[union-attr]
+            await asyncio.gather(*writes)
+            assert all(await asyncio.gather(*(client.lookup(f"w{i}") for i in range(8))))
+
+    asyncio.run(body())

@@ -75,9 +75,24 @@ class NodeView:
     listed: frozenset[tuple[str, str]] | None = None
     reconciled_ms: float = 0.0
     changed_ms: float = 0.0
+    # The status's numbers as plain ints, for Schedule's loop over every node (a protobuf field
+    # read costs several times a tuple's): cpu_free, memory_free_mib, disk_free_bytes,
+    # cpu_total, memory_total_mib, max_sandboxes, running.
+    numbers: tuple[int, int, int, int, int, int, int] = (0, 0, 0, 0, 0, 0, 0)
+
+    def __post_init__(self) -> None:
+        if self.status is not None:
+            self._take_numbers(self.status)
+
+    def _take_numbers(self, status: pb.NodeStatus) -> None:
+        self.numbers = (
+            status.cpu_free, status.memory_free_mib, status.disk_free_bytes, status.cpu_total,
+            status.memory_total_mib, status.max_sandboxes, status.running,
+        )
 
     def update(self, status: pb.NodeStatus, seen_ms: float, reported: set[str] | None) -> None:
         self.status = status
+        self._take_numbers(status)
         if status.address:
             self.address = status.address
         self.last_seen_ms = seen_ms
@@ -212,38 +227,20 @@ class Placer:
         """The chosen node and why. `candidates` are the up nodes allowed for this request;
         `down` maps the others to why they are down (for the error message)."""
         now = time.monotonic()
-        cutoff = now - PENDING_TTL_S
-        vcpus, memory, min_disk = req.vcpus, req.memory_mib, self.min_disk_bytes
-        # The hot loop of Schedule (every up node, every call): plain arithmetic on the running
-        # totals; `fit` (with the messages) runs only to explain a refusal.
-        fitting: list[tuple[NodeView, float]] = []
-        for view in candidates:
-            st = view.status
-            pending = view.pending
-            if pending and pending[0][0] < cutoff:
-                view._expire_pending(now)
-            cpu_free = st.cpu_free - view._cpu  # type: ignore[union-attr]
-            mem_free = st.memory_free_mib - view._mem  # type: ignore[union-attr]
-            if cpu_free < vcpus or mem_free < memory or st.disk_free_bytes < min_disk:  # type: ignore[union-attr]
-                continue
-            load = 0.0
-            if st.cpu_total:  # type: ignore[union-attr]
-                load = 1 - cpu_free / st.cpu_total  # type: ignore[union-attr]
-            if st.memory_total_mib:  # type: ignore[union-attr]
-                used = 1 - mem_free / st.memory_total_mib  # type: ignore[union-attr]
-                if used > load:
-                    load = used
-            limit = st.max_sandboxes  # type: ignore[union-attr]
-            if limit:
-                slots = limit - (st.running + len(view.recorded) + len(pending))  # type: ignore[union-attr]
-                if slots <= 0:
-                    continue
-                used = 1 - slots / limit
-                if used > load:
-                    load = used
-            fitting.append((view, load))
+        wanted = req.snapshot_id or req.template_id
+        if strategy == "cache-aware" and wanted:
+            # The holders first: only they need their load worked out when one of them fits.
+            held = [v for v in candidates
+                    if wanted in (v.snapshots if req.snapshot_id else v.templates)]
+            fits = self._fitting(held, req, now) if held else []
+            if fits:
+                chosen = min((load, v.node_id, v) for v, load in fits)[2]
+                reason = ("cache: holds the snapshot" if req.snapshot_id
+                          else "cache: holds the template")
+                return chosen, reason
+        fitting = self._fitting(candidates, req, now)
         if not fitting:
-            misfits = {v.node_id: v.fit(req, min_disk, now)[0] for v in candidates}
+            misfits = {v.node_id: v.fit(req, self.min_disk_bytes, now)[0] for v in candidates}
             raise PlacementError(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
                 f"no node can take {req.vcpus} vCPUs and {req.memory_mib} MiB: "
@@ -258,13 +255,7 @@ class Placer:
             return self._random.choice(fitting)[0], "random"
         if strategy == "least-loaded":
             return min(fitting, key=lambda f: (f[1], f[0].node_id))[0], "least-loaded"
-        wanted = req.snapshot_id or req.template_id
-        held = [(load, v.node_id, v) for v, load in fitting
-                if wanted in (v.snapshots if req.snapshot_id else v.templates)]
-        if held:
-            chosen = min(held)[2]
-            reason = "cache: holds the snapshot" if req.snapshot_id else "cache: holds the template"
-            return chosen, reason
+        # cache-aware, and no node holding the template or snapshot itself has room
         layers = req.layers or template_layers.get(wanted, ())
         if layers:
             share, _, _, chosen = min(
@@ -275,6 +266,41 @@ class Placer:
                 return chosen, f"cache: holds {-share:.0%} of the layers"
         chosen = min(fitting, key=lambda f: (f[1], f[0].node_id))[0]
         return chosen, "least-loaded (no node holds the template's layers)"
+
+
+    def _fitting(
+        self, views: list[NodeView], req: Request, now: float
+    ) -> list[tuple[NodeView, float]]:
+        """The views the request fits on, each with its load. The hot loop of Schedule: plain
+        arithmetic on the running totals; `fit` (with the messages) only explains a refusal."""
+        cutoff = now - PENDING_TTL_S
+        vcpus, memory, min_disk = req.vcpus, req.memory_mib, self.min_disk_bytes
+        fitting: list[tuple[NodeView, float]] = []
+        for view in views:
+            pending = view.pending
+            if pending and pending[0][0] < cutoff:
+                view._expire_pending(now)
+            cpu, mem, disk, cpu_total, mem_total, limit, running = view.numbers
+            cpu_free = cpu - view._cpu
+            mem_free = mem - view._mem
+            if cpu_free < vcpus or mem_free < memory or disk < min_disk:
+                continue
+            load = 0.0
+            if cpu_total:
+                load = 1 - cpu_free / cpu_total
+            if mem_total:
+                used = 1 - mem_free / mem_total
+                if used > load:
+                    load = used
+            if limit:
+                slots = limit - (running + len(view.recorded) + len(pending))
+                if slots <= 0:
+                    continue
+                used = 1 - slots / limit
+                if used > load:
+                    load = used
+            fitting.append((view, load))
+        return fitting
 
 
 def describe(why: dict[str, str], limit: int = 8) -> str:

@@ -1,14 +1,21 @@
-"""`aenv scheduler`: the gRPC server (grpc.aio) around SchedulerService, plus node discovery."""
+"""`aenv scheduler`: the gRPC server around SchedulerService, plus node discovery.
+
+The gRPC server is grpcio's threaded one, not grpc.aio: a unary call costs it ~130 us of CPU on
+this host against ~200-300 us under grpc.aio (bench/RESULTS.md), and the service's work is
+in-memory or one blocking Redis round trip. Discovery (file polling, the Kubernetes watch) runs
+on the asyncio loop of `run` and updates the service under its lock.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 import signal
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
+from concurrent import futures
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, NoReturn
 
 import grpc
 from redis.exceptions import RedisError
@@ -22,43 +29,63 @@ from agentenv.control.scheduler.store import DEFAULT_PREFIX, Store, StoreError
 from agentenv.errors import AgentEnvError
 
 log = logging.getLogger("agentenv.control.scheduler.server")
-T = TypeVar("T")
+
+
+# Worker threads of the gRPC server: concurrent calls beyond this queue in grpcio. Python runs
+# one at a time anyway; threads let Redis round trips overlap, and keep Lookup (memory only)
+# answering while writes wait for a Redis that is slow or stalled (REDIS_TIMEOUT_S at most).
+WORKERS = 32
+EMPTY = pb.Empty()
+
+
+def _abort(context: grpc.ServicerContext, exc: Exception) -> NoReturn:
+    if isinstance(exc, PlacementError):
+        context.abort(exc.code, exc.message)
+    log.warning("binding store unavailable: %s", exc)
+    context.abort(grpc.StatusCode.UNAVAILABLE, f"the scheduler's Redis is unavailable: {exc}")
+    raise AssertionError("unreachable")  # context.abort raises
+
+
+FAILURES = (PlacementError, RedisError, StoreError, OSError)
 
 
 class _Servicer(pb_grpc.SchedulerServicer):
     def __init__(self, service: SchedulerService) -> None:
         self.service = service
 
-    async def _call(self, context: grpc.aio.ServicerContext, work: Awaitable[T]) -> T:
+    def Schedule(self, request: pb.ScheduleRequest, context: Any) -> pb.ScheduleResponse:
         try:
-            return await work
-        except PlacementError as exc:
-            await context.abort(exc.code, exc.message)
-        except (RedisError, StoreError, OSError) as exc:
-            log.warning("binding store unavailable: %s", exc)
-            await context.abort(
-                grpc.StatusCode.UNAVAILABLE, f"the scheduler's Redis is unavailable: {exc}"
-            )
-        raise AssertionError("unreachable")  # context.abort raises
+            return self.service.schedule(request)
+        except FAILURES as exc:
+            _abort(context, exc)
 
-    async def Schedule(self, request: pb.ScheduleRequest, context: Any) -> pb.ScheduleResponse:
-        return await self._call(context, self.service.schedule(request))
+    def RecordAssignment(self, request: pb.Assignment, context: Any) -> pb.Empty:
+        try:
+            self.service.record(request)
+        except FAILURES as exc:
+            _abort(context, exc)
+        return EMPTY
 
-    async def RecordAssignment(self, request: pb.Assignment, context: Any) -> pb.Empty:
-        await self._call(context, self.service.record(request))
-        return pb.Empty()
+    def Release(self, request: pb.ReleaseRequest, context: Any) -> pb.Empty:
+        try:
+            self.service.release(request)
+        except FAILURES as exc:
+            _abort(context, exc)
+        return EMPTY
 
-    async def Release(self, request: pb.ReleaseRequest, context: Any) -> pb.Empty:
-        await self._call(context, self.service.release(request))
-        return pb.Empty()
+    def Lookup(self, request: pb.LookupRequest, context: Any) -> pb.LookupResponse:
+        try:
+            return self.service.lookup(request)
+        except FAILURES as exc:
+            _abort(context, exc)
 
-    async def Lookup(self, request: pb.LookupRequest, context: Any) -> pb.LookupResponse:
-        return await self._call(context, self.service.lookup(request))
+    def Heartbeat(self, request: pb.NodeStatus, context: Any) -> pb.HeartbeatResponse:
+        try:
+            return self.service.heartbeat(request)
+        except FAILURES as exc:
+            _abort(context, exc)
 
-    async def Heartbeat(self, request: pb.NodeStatus, context: Any) -> pb.HeartbeatResponse:
-        return await self._call(context, self.service.heartbeat(request))
-
-    async def ListNodes(self, request: pb.Empty, context: Any) -> pb.NodeList:
+    def ListNodes(self, request: pb.Empty, context: Any) -> pb.NodeList:
         return self.service.list_nodes()
 
 
@@ -85,13 +112,16 @@ class SchedulerServer:
             nodes_file=options.nodes_file,
             k8s_service=options.k8s_service,
         )
-        self.server: grpc.aio.Server | None = None
+        self.server: grpc.Server | None = None
         self.port = 0
 
     async def start(self) -> None:
-        await self.service.start()
+        await asyncio.to_thread(self.service.start)
         await self.discovery.start()
-        server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+        server = grpc.server(
+            futures.ThreadPoolExecutor(max_workers=WORKERS, thread_name_prefix="scheduler-rpc"),
+            options=[("grpc.so_reuseport", 0)],
+        )
         pb_grpc.add_SchedulerServicer_to_server(_Servicer(self.service), server)
         try:
             self.port = server.add_insecure_port(self.options.listen)
@@ -102,14 +132,16 @@ class SchedulerServer:
             await self.stop()
             raise AgentEnvError(f"cannot listen on {self.options.listen} (in use?)")
         self.server = server
-        await server.start()
+        server.start()
         log.info("scheduler listening", extra={"listen": self.options.listen, "port": self.port})
 
     async def stop(self, grace: float = 1.0) -> None:
         if self.server is not None:
-            await self.server.stop(grace)
+            stopped = self.server.stop(grace)
+            await asyncio.to_thread(stopped.wait)
+            self.server = None
         await self.discovery.stop()
-        await self.service.close()
+        await asyncio.to_thread(self.service.close)
 
 
 def run(options: SchedulerOptions, on_ready: Callable[[SchedulerServer], None] | None = None) -> None:

@@ -11,9 +11,9 @@ ages are shifted by the outage when the state is loaded.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import re
+import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -97,48 +97,59 @@ class SchedulerService:
         self.bindings: dict[str, Binding] = {}
         self.template_layers: dict[str, tuple[str, ...]] = {}
         self.placer = Placer(min_disk_bytes=self.config.min_disk_free_mib << 20)
-        self._sweeper: asyncio.Task[None] | None = None
+        # Memory (views, bindings, the up cache) changes under this lock: the gRPC server calls
+        # in from its worker threads, discovery from the event loop. Redis is never waited for
+        # while holding it (Lookup, which reads without it, must not queue behind a write).
+        self.lock = threading.RLock()
+        self._sweeper: threading.Thread | None = None
+        self._stopping = threading.Event()
         # Which nodes are up, recomputed when a node changes state or UP_CACHE_MS have passed
         # (Schedule would otherwise judge every node's liveness on every call).
         self._up: tuple[float, list[NodeView], dict[str, str]] | None = None
 
     # --- lifecycle --------------------------------------------------------------------------------
 
-    async def start(self) -> None:
+    def start(self) -> None:
         """Load the registry and the per-node binding sets from Redis; start the sweeper."""
-        await self.store.ping()
+        self.store.ping()
         grace = int(self.config.reconcile_grace_s * 1000)
-        previous_alive = await self.store.mark_alive(grace)
+        previous_alive = self.store.mark_alive(grace)
         started = now_ms()
         outage = max(0, started - previous_alive) if previous_alive else 0
-        nodes = await self.store.nodes()
-        sets = await self.store.node_sandboxes(nodes)
-        self.bindings = await self.store.all_bindings()
-        for node_id, (status, seen) in nodes.items():
-            view = self._view(node_id)
-            view.update(status, seen + outage, sets.get(node_id, set()))
-            view.sources.add("heartbeat")
-        learn_template_layers(self.template_layers, (s for s, _ in nodes.values()))
+        nodes = self.store.nodes()
+        sets = self.store.node_sandboxes(nodes)
+        bindings = self.store.all_bindings()
+        with self.lock:
+            self.bindings = bindings
+            for node_id, (status, seen) in nodes.items():
+                view = self._view(node_id)
+                view.update(status, seen + outage, sets.get(node_id, set()))
+                view.sources.add("heartbeat")
+            learn_template_layers(self.template_layers, (s for s, _ in nodes.values()))
         log.info(
             "scheduler state loaded",
             extra={"nodes": len(nodes), "bindings": len(self.bindings),
                    "outage_ms": outage},
         )
-        self._sweeper = asyncio.create_task(self._sweep_forever())
+        self._stopping.clear()
+        self._sweeper = threading.Thread(
+            target=self._sweep_forever, name="scheduler-sweeper", daemon=True
+        )
+        self._sweeper.start()
 
-    async def close(self) -> None:
+    def close(self) -> None:
+        self._stopping.set()
         if self._sweeper:
-            self._sweeper.cancel()
-            await asyncio.gather(self._sweeper, return_exceptions=True)
-        await self.store.close()
+            self._sweeper.join()
+            self._sweeper = None
+        self.store.close()
 
-    async def _sweep_forever(self) -> None:
+    def _sweep_forever(self) -> None:
         grace = int(self.config.reconcile_grace_s * 1000)
         period = min(1.0, self.config.heartbeat_interval_s / 2)
-        while True:
-            await asyncio.sleep(period)
+        while not self._stopping.wait(period):
             try:
-                await self.store.mark_alive(grace)
+                self.store.mark_alive(grace)
             except Exception as exc:  # Redis away: keep serving what memory knows
                 log.warning("scheduler sweep failed: %s", exc)
 
@@ -173,17 +184,18 @@ class SchedulerService:
     def set_discovered(self, source: str, nodes: Mapping[str, tuple[str, bool]]) -> None:
         """Replace what discovery `source` knows: node id -> (address, ready). A node that left
         the source, or is not ready there, is down until the source has it ready again."""
-        for node_id, (address, ready) in nodes.items():
-            view = self._view(node_id)
-            view.sources.add(source)
-            if address and not view.address:
-                view.address = address
-            view.discovery_down = "" if ready else f"not ready in {source} discovery"
-        for node_id, view in self.views.items():
-            if source in view.sources and node_id not in nodes:
-                view.sources.discard(source)
-                view.discovery_down = f"removed from {source} discovery"
-        self._up = None
+        with self.lock:
+            for node_id, (address, ready) in nodes.items():
+                view = self._view(node_id)
+                view.sources.add(source)
+                if address and not view.address:
+                    view.address = address
+                view.discovery_down = "" if ready else f"not ready in {source} discovery"
+            for node_id, view in self.views.items():
+                if source in view.sources and node_id not in nodes:
+                    view.sources.discard(source)
+                    view.discovery_down = f"removed from {source} discovery"
+            self._up = None
 
     # --- RPCs -------------------------------------------------------------------------------------
 
@@ -211,12 +223,16 @@ class SchedulerService:
             layers=tuple(msg.layers),
         )
 
-    async def schedule(self, msg: pb.ScheduleRequest) -> pb.ScheduleResponse:
+    def schedule(self, msg: pb.ScheduleRequest) -> pb.ScheduleResponse:
         req = self._request(msg)
+        with self.lock:
+            return self._schedule(msg, req)
+
+    def _schedule(self, msg: pb.ScheduleRequest, req: Request) -> pb.ScheduleResponse:
         strategy = msg.strategy or self.config.strategy
         at = now_ms()
         if msg.source_sandbox_id:
-            view, reason = await self._fork_node(msg.source_sandbox_id, req, at)
+            view, reason = self._fork_node(msg.source_sandbox_id, req, at)
         else:
             candidates, down = self.up_nodes(at)
             holders = len(self.views)
@@ -244,7 +260,7 @@ class SchedulerService:
         view.reserve(req)
         return pb.ScheduleResponse(node_id=view.node_id, node_address=view.address, reason=reason)
 
-    async def _fork_node(self, source: str, req: Request, at: float) -> tuple[NodeView, str]:
+    def _fork_node(self, source: str, req: Request, at: float) -> tuple[NodeView, str]:
         binding = self.bindings.get(source)
         if binding is None:
             raise PlacementError(
@@ -266,7 +282,7 @@ class SchedulerService:
             )
         return view, "fork source"
 
-    async def record(self, msg: pb.Assignment) -> None:
+    def record(self, msg: pb.Assignment) -> None:
         check_id("sandbox_id", msg.sandbox_id)
         check_id("node_id", msg.node_id)
         check_id("team_id", msg.team_id, required=False)
@@ -276,25 +292,32 @@ class SchedulerService:
         vcpus = msg.vcpus or self.config.default_vcpus
         memory = msg.memory_mib or self.config.default_memory_mib
         binding = Binding(msg.sandbox_id, msg.node_id, msg.team_id, now_ms(), vcpus, memory)
-        old = await self.store.record(binding)
-        self.bindings[msg.sandbox_id] = binding
-        view.changed_ms = binding.recorded_ms
-        if old and old.node_id != msg.node_id:
-            self._changed(old.node_id, binding.recorded_ms)
-        if old and old.node_id != msg.node_id and old.node_id in self.views:
-            self.views[old.node_id].released(msg.sandbox_id)
-        view.assigned(msg.sandbox_id, vcpus, memory)
+        target: NodeView = view
 
-    async def release(self, msg: pb.ReleaseRequest) -> None:
+        def apply(old: Binding | None) -> None:
+            with self.lock:
+                self.bindings[msg.sandbox_id] = binding
+                target.changed_ms = binding.recorded_ms
+                if old and old.node_id != msg.node_id:
+                    self._changed(old.node_id, binding.recorded_ms)
+                if old and old.node_id != msg.node_id and old.node_id in self.views:
+                    self.views[old.node_id].released(msg.sandbox_id)
+                target.assigned(msg.sandbox_id, vcpus, memory)
+
+        # Memory follows in Redis's order (two records of one sandbox racing end as in Redis).
+        self.store.record(binding, apply)
+
+    def release(self, msg: pb.ReleaseRequest) -> None:
         check_id("sandbox_id", msg.sandbox_id)
-        old = await self.store.release(msg.sandbox_id)
-        self.bindings.pop(msg.sandbox_id, None)
-        if old:
-            self._changed(old.node_id, now_ms())
-        if old and old.node_id in self.views:
-            self.views[old.node_id].released(msg.sandbox_id)
+        old = self.store.release(msg.sandbox_id)
+        with self.lock:
+            self.bindings.pop(msg.sandbox_id, None)
+            if old:
+                self._changed(old.node_id, now_ms())
+            if old and old.node_id in self.views:
+                self.views[old.node_id].released(msg.sandbox_id)
 
-    async def lookup(self, msg: pb.LookupRequest) -> pb.LookupResponse:
+    def lookup(self, msg: pb.LookupRequest) -> pb.LookupResponse:
         check_id("sandbox_id", msg.sandbox_id)
         binding = self.bindings.get(msg.sandbox_id)
         if binding is None:
@@ -308,40 +331,44 @@ class SchedulerService:
             team_id=binding.team_id,
         )
 
-    async def _mirror(
+    def _mirror(
         self, msg: pb.NodeStatus, at: float, added: list[str], dropped: list[str]
     ) -> None:
         """Bring the in-memory bindings in line with what the heartbeat script changed."""
-        for sandbox_id in dropped:
-            self.bindings.pop(sandbox_id, None)
+        with self.lock:
+            for sandbox_id in dropped:
+                self.bindings.pop(sandbox_id, None)
         if added or any(
             s.team_id and s.sandbox_id in self.bindings and not self.bindings[s.sandbox_id].team_id
             for s in msg.sandboxes
         ):
             # Added, moved or given a team by the script: read back what it wrote.
             changed = [s.sandbox_id for s in msg.sandboxes]
-            for sandbox_id, binding in (await self.store.lookup_many(changed)).items():
-                old = self.bindings.get(sandbox_id)
-                if old is not None and old.node_id != binding.node_id:
-                    self._changed(old.node_id, at)
-                    if old.node_id in self.views:
-                        self.views[old.node_id].released(sandbox_id)
-                self.bindings[sandbox_id] = binding
+            written = self.store.lookup_many(changed)
+            with self.lock:
+                for sandbox_id, binding in written.items():
+                    old = self.bindings.get(sandbox_id)
+                    if old is not None and old.node_id != binding.node_id:
+                        self._changed(old.node_id, at)
+                        if old.node_id in self.views:
+                            self.views[old.node_id].released(sandbox_id)
+                    self.bindings[sandbox_id] = binding
 
     def _alive_anyway(self, msg: pb.NodeStatus, at: float) -> None:
         """Redis refused the heartbeat: the node is alive all the same (its sandboxes stay
         routable from memory); the next heartbeat reconciles in full."""
-        view = self.views.get(msg.node_id)
-        if view is not None and view.status is not None:
-            view.update(msg, at, None)
-            view.listed = None
+        with self.lock:
+            view = self.views.get(msg.node_id)
+            if view is not None and view.status is not None:
+                view.update(msg, at, None)
+                view.listed = None
 
     def _changed(self, node_id: str, at: float) -> None:
         view = self.views.get(node_id)
         if view is not None:
             view.changed_ms = at
 
-    async def heartbeat(self, msg: pb.NodeStatus) -> pb.HeartbeatResponse:
+    def heartbeat(self, msg: pb.NodeStatus) -> pb.HeartbeatResponse:
         check_id("node_id", msg.node_id)
         check_address("address", msg.address)
         check_address("layer_address", msg.layer_address)
@@ -369,7 +396,7 @@ class SchedulerService:
             # The same list as at the last full reconciliation, and none of this node's
             # bindings changed since (beyond the grace): nothing can differ. The steady state.
             try:
-                await self.store.touch(msg, at)
+                self.store.touch(msg, at)
             except Exception:
                 self._alive_anyway(msg, at)
                 raise
@@ -382,23 +409,25 @@ class SchedulerService:
                     raise Invalid(f"sandbox {sandbox.sandbox_id!r} is listed twice")
                 seen.add(sandbox.sandbox_id)
             try:
-                added, dropped = await self.store.heartbeat(msg, grace, at)
+                added, dropped = self.store.heartbeat(msg, grace, at)
             except Exception:
                 self._alive_anyway(msg, at)
                 raise
-            await self._mirror(msg, at, added, dropped)
+            self._mirror(msg, at, added, dropped)
+            with self.lock:
+                view = self._view(msg.node_id)
+                view.listed = listed
+                view.reconciled_ms = at
+                if added or dropped:
+                    view.changed_ms = at
+        with self.lock:
             view = self._view(msg.node_id)
-            view.listed = listed
-            view.reconciled_ms = at
-            if added or dropped:
-                view.changed_ms = at
-        view = self._view(msg.node_id)
-        was_down = self.down_reason(view, at)
-        view.sources.add("heartbeat")
-        view.update(msg, at, seen)
-        learn_template_layers(self.template_layers, (msg,))
-        if was_down:
-            self._up = None
+            was_down = self.down_reason(view, at)
+            view.sources.add("heartbeat")
+            view.update(msg, at, seen)
+            learn_template_layers(self.template_layers, (msg,))
+            if was_down:
+                self._up = None
             log.info("node up", extra={"node": msg.node_id, "was": was_down})
         if added or dropped:
             log.info(
@@ -408,6 +437,10 @@ class SchedulerService:
         return pb.HeartbeatResponse(interval_ms=int(self.config.heartbeat_interval_s * 1000))
 
     def list_nodes(self) -> pb.NodeList:
+        with self.lock:
+            return self._list_nodes()
+
+    def _list_nodes(self) -> pb.NodeList:
         at = now_ms()
         out = pb.NodeList()
         for node_id in sorted(self.views):

@@ -17,11 +17,12 @@ Bindings change in Lua scripts, so a binding and its node's set never disagree, 
 
 from __future__ import annotations
 
+import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-import redis.asyncio as aioredis
+import redis
 from redis.exceptions import RedisError
 
 from agentenv.control.proto import scheduler_pb2 as pb
@@ -30,6 +31,9 @@ from agentenv.errors import AgentEnvError
 SEP = "\x1f"
 MAX_CONNECTIONS = 32
 POOL_TIMEOUT_S = 10.0
+# A Redis that stops answering (stalled, partitioned) fails a call after this long instead of
+# holding the gRPC worker thread forever: Lookup, served from memory, needs free workers.
+REDIS_TIMEOUT_S = 5.0
 DEFAULT_PREFIX = "aenv:sched:"
 
 
@@ -63,18 +67,26 @@ class Binding:
 
 
 # KEYS: none (key names derive from the prefix; this is a single Redis, not a cluster).
-# ARGV: prefix, sandbox, node, encoded binding, now ms. Returns the previous encoded binding.
+# ARGV: prefix, then (sandbox, node, encoded binding) for each binding, in order.
+# Returns the previous encoded binding of each ('' where there was none).
 _RECORD = """
-local p, sid, node = ARGV[1], ARGV[2], ARGV[3]
-local old = redis.call('HGET', p..'bindings', sid)
-if old then
-  local oldnode = string.match(old, '^([^\\31]*)')
-  if oldnode ~= node then redis.call('SREM', p..'node:'..oldnode..':sandboxes', sid) end
+local p = ARGV[1]
+local out = {}
+for i = 2, #ARGV, 3 do
+  local sid, node = ARGV[i], ARGV[i+1]
+  local old = redis.call('HGET', p..'bindings', sid)
+  if old then
+    local oldnode = string.match(old, '^([^\\31]*)')
+    if oldnode ~= node then redis.call('SREM', p..'node:'..oldnode..':sandboxes', sid) end
+  else
+    old = ''
+  end
+  redis.call('HSET', p..'bindings', sid, ARGV[i+2])
+  redis.call('SADD', p..'node:'..node..':sandboxes', sid)
+  redis.call('ZREM', p..'released', sid)
+  out[#out+1] = old
 end
-redis.call('HSET', p..'bindings', sid, ARGV[4])
-redis.call('SADD', p..'node:'..node..':sandboxes', sid)
-redis.call('ZREM', p..'released', sid)
-return old
+return out
 """
 
 # ARGV: prefix, sandbox, now ms. Returns the removed encoded binding (or nil).
@@ -162,85 +174,179 @@ def _slim(status: pb.NodeStatus) -> bytes:
     return slim.SerializeToString()
 
 
-class Store:
-    """Async access to the scheduler's keys. One connection pool; every call is one round trip."""
+class _Write:
+    """One caller's binding in a group commit: filled in by whoever sends the batch."""
 
-    def __init__(self, url: str, prefix: str = DEFAULT_PREFIX) -> None:
+    __slots__ = ("apply", "binding", "error", "lead", "old", "ready")
+
+    def __init__(self, binding: Binding, apply: Callable[[Binding | None], None] | None) -> None:
+        self.binding = binding
+        self.apply = apply
+        self.ready = threading.Event()
+        self.lead = False
+        self.old: bytes = b""
+        self.error: BaseException | None = None
+
+
+class _GroupCommit:
+    """Concurrent RecordAssignments share one Redis round trip (one script call for all).
+
+    The first writer to find no batch in flight sends everything queued so far, itself
+    included; writers arriving meanwhile queue up, and when the batch is answered the first of
+    them is woken to send the next. Each caller returns only once Redis has answered the call
+    holding its binding (the same acknowledgement as a write of its own), and gets its own
+    previous binding or the batch's error. One script call costs redis-py the same ~30 us
+    whether it carries 1 binding or 30, which is where the saving is under load.
+    """
+
+    def __init__(self, send: Callable[[list[Binding]], list[bytes]], limit: int = 256) -> None:
+        self._send = send
+        self._limit = limit
+        self._lock = threading.Lock()
+        self._queue: list[_Write] = []
+        self._busy = False
+
+    def write(
+        self, binding: Binding, apply: Callable[[Binding | None], None] | None = None
+    ) -> bytes:
+        item = _Write(binding, apply)
+        with self._lock:
+            self._queue.append(item)
+            lead = not self._busy
+            self._busy = True
+        if not lead:
+            item.ready.wait()
+        if item.lead or lead:
+            self._flush()
+        if item.error is not None:
+            raise item.error
+        return item.old
+
+    def _flush(self) -> None:
+        with self._lock:
+            batch, self._queue = self._queue[: self._limit], self._queue[self._limit :]
+        try:
+            olds = self._send([w.binding for w in batch])
+            for w, old in zip(batch, olds, strict=True):
+                w.old = old
+            # In Redis's order, before the next batch is sent: a copy of the table kept in
+            # memory sees the writes in the order Redis applied them.
+            for w in batch:
+                if w.apply is not None:
+                    b = w.binding
+                    try:
+                        w.apply(Binding.decode(b.sandbox_id, w.old.decode()) if w.old else None)
+                    except Exception as exc:
+                        w.error = exc
+        except BaseException as exc:  # every writer of the batch learns why
+            for w in batch:
+                w.error = exc
+        finally:
+            with self._lock:
+                if self._queue:
+                    nxt = self._queue[0]
+                    nxt.lead = True
+                    nxt.ready.set()
+                else:
+                    self._busy = False
+            for w in batch:
+                w.ready.set()
+
+
+class Store:
+    """Blocking access to the scheduler's keys, safe from many threads (the gRPC server's).
+    One connection pool; every call is one round trip. Blocking redis-py (with hiredis when
+    installed) costs ~30-50 us of CPU per call here against ~75 us for redis.asyncio."""
+
+    def __init__(
+        self, url: str, prefix: str = DEFAULT_PREFIX, timeout: float = REDIS_TIMEOUT_S
+    ) -> None:
         self.url = url
         self.prefix = prefix
         try:
             # A bounded pool that queues: a burst of concurrent RPCs waits for a connection
             # instead of opening one each (and failing past the client's limit).
-            pool = aioredis.BlockingConnectionPool.from_url(
-                url, max_connections=MAX_CONNECTIONS, timeout=POOL_TIMEOUT_S
+            pool = redis.BlockingConnectionPool.from_url(
+                url, max_connections=MAX_CONNECTIONS, timeout=POOL_TIMEOUT_S,
+                socket_timeout=timeout, socket_connect_timeout=timeout,
             )
-            self.redis = aioredis.Redis(connection_pool=pool)
+            self.redis = redis.Redis(connection_pool=pool)
         except ValueError as exc:
             raise StoreError(f"bad Redis URL {url!r}: {exc}") from exc
         self._record = self.redis.register_script(_RECORD)
         self._release = self.redis.register_script(_RELEASE)
         self._heartbeat = self.redis.register_script(_HEARTBEAT)
+        self._group = _GroupCommit(self.record_many)
 
     def _key(self, name: str) -> str:
         return self.prefix + name
 
-    async def ping(self) -> None:
+    def ping(self) -> None:
         try:
-            await self.redis.ping()
+            self.redis.ping()
         except (RedisError, OSError) as exc:
             raise StoreError(f"cannot reach Redis at {self.url}: {exc}") from exc
 
-    async def close(self) -> None:
-        await self.redis.aclose()
-        await self.redis.connection_pool.disconnect()
+    def close(self) -> None:
+        self.redis.close()
+        self.redis.connection_pool.disconnect()
 
     # --- bindings ---------------------------------------------------------------------------------
 
-    async def record(self, binding: Binding) -> Binding | None:
-        old = await self._record(
-            args=[self.prefix, binding.sandbox_id, binding.node_id, binding.encode(), now_ms()]
-        )
+    def record(
+        self, binding: Binding, apply: Callable[[Binding | None], None] | None = None
+    ) -> Binding | None:
+        """Write a binding; returns the one it replaced. Batched with concurrent writers;
+        `apply(replaced)` runs once Redis has it, in the order Redis applied the writes."""
+        old = self._group.write(binding, apply)
         return Binding.decode(binding.sandbox_id, old.decode()) if old else None
 
-    async def release(self, sandbox_id: str) -> Binding | None:
-        old = await self._release(args=[self.prefix, sandbox_id, now_ms()])
+    def record_many(self, bindings: list[Binding]) -> list[bytes]:
+        """One script call for all (in order); the previous encoded binding of each, or b''."""
+        args: list[str] = [self.prefix]
+        for b in bindings:
+            args += (b.sandbox_id, b.node_id, b.encode())
+        return list(self._record(args=args))
+
+    def release(self, sandbox_id: str) -> Binding | None:
+        old = self._release(args=[self.prefix, sandbox_id, now_ms()])
         return Binding.decode(sandbox_id, old.decode()) if old else None
 
-    async def lookup(self, sandbox_id: str) -> Binding | None:
-        raw = await self.redis.hget(self._key("bindings"), sandbox_id)
+    def lookup(self, sandbox_id: str) -> Binding | None:
+        raw = self.redis.hget(self._key("bindings"), sandbox_id)
         return Binding.decode(sandbox_id, raw.decode()) if raw else None
 
-    async def lookup_many(self, sandbox_ids: list[str]) -> dict[str, Binding]:
+    def lookup_many(self, sandbox_ids: list[str]) -> dict[str, Binding]:
         if not sandbox_ids:
             return {}
-        raws = await self.redis.hmget(self._key("bindings"), sandbox_ids)
+        raws = self.redis.hmget(self._key("bindings"), sandbox_ids)
         return {
             sid: Binding.decode(sid, raw.decode())
             for sid, raw in zip(sandbox_ids, raws, strict=True)
             if raw
         }
 
-    async def all_bindings(self) -> dict[str, Binding]:
+    def all_bindings(self) -> dict[str, Binding]:
         out: dict[str, Binding] = {}
-        async for raw_id, raw in self.redis.hscan_iter(self._key("bindings"), count=5000):
+        for raw_id, raw in self.redis.hscan_iter(self._key("bindings"), count=5000):
             sid = raw_id.decode()
             out[sid] = Binding.decode(sid, raw.decode())
         return out
 
-    async def node_sandboxes(self, node_ids: Iterable[str]) -> dict[str, set[str]]:
+    def node_sandboxes(self, node_ids: Iterable[str]) -> dict[str, set[str]]:
         ids = list(node_ids)
-        async with self.redis.pipeline(transaction=False) as pipe:
+        with self.redis.pipeline(transaction=False) as pipe:
             for node_id in ids:
                 pipe.smembers(self._key(f"node:{node_id}:sandboxes"))
-            answers = await pipe.execute()
+            answers = pipe.execute()
         return {n: {s.decode() for s in members} for n, members in zip(ids, answers, strict=True)}
 
-    async def binding_count(self) -> int:
-        return int(await self.redis.hlen(self._key("bindings")))
+    def binding_count(self) -> int:
+        return int(self.redis.hlen(self._key("bindings")))
 
     # --- nodes ------------------------------------------------------------------------------------
 
-    async def heartbeat(
+    def heartbeat(
         self, status: pb.NodeStatus, grace_ms: int, at_ms: int | None = None
     ) -> tuple[list[str], list[str]]:
         """Store the status (without its sandbox list) and reconcile; returns (added, dropped)."""
@@ -249,46 +355,46 @@ class Store:
         ]
         for sandbox in status.sandboxes:
             args += [sandbox.sandbox_id, sandbox.team_id]
-        added, dropped = await self._heartbeat(args=args)
+        added, dropped = self._heartbeat(args=args)
         return [s.decode() for s in added], [s.decode() for s in dropped]
 
-    async def touch(self, status: pb.NodeStatus, at_ms: int) -> None:
+    def touch(self, status: pb.NodeStatus, at_ms: int) -> None:
         """Store the status and the heartbeat's time only (nothing to reconcile)."""
-        async with self.redis.pipeline(transaction=True) as pipe:
+        with self.redis.pipeline(transaction=True) as pipe:
             pipe.hset(self._key("nodes"), status.node_id, _slim(status))
             pipe.hset(self._key("seen"), status.node_id, at_ms)
-            await pipe.execute()
+            pipe.execute()
 
-    async def nodes(self) -> dict[str, tuple[pb.NodeStatus, int]]:
+    def nodes(self) -> dict[str, tuple[pb.NodeStatus, int]]:
         """Every registered node's last status and last heartbeat (wall-clock ms)."""
-        async with self.redis.pipeline(transaction=True) as pipe:
+        with self.redis.pipeline(transaction=True) as pipe:
             pipe.hgetall(self._key("nodes"))
             pipe.hgetall(self._key("seen"))
-            statuses, seen = await pipe.execute()
+            statuses, seen = pipe.execute()
         out: dict[str, tuple[pb.NodeStatus, int]] = {}
         for raw_id, raw in statuses.items():
             node_id = raw_id.decode()
             out[node_id] = (pb.NodeStatus.FromString(raw), int(seen.get(raw_id, b"0")))
         return out
 
-    async def seen(self) -> dict[str, int]:
-        raw = await self.redis.hgetall(self._key("seen"))
+    def seen(self) -> dict[str, int]:
+        raw = self.redis.hgetall(self._key("seen"))
         return {k.decode(): int(v) for k, v in raw.items()}
 
-    async def forget_node(self, node_id: str) -> None:
-        async with self.redis.pipeline(transaction=True) as pipe:
+    def forget_node(self, node_id: str) -> None:
+        with self.redis.pipeline(transaction=True) as pipe:
             pipe.hdel(self._key("nodes"), node_id)
             pipe.hdel(self._key("seen"), node_id)
-            await pipe.execute()
+            pipe.execute()
 
     # --- the scheduler's own clock ------------------------------------------------------------------
 
-    async def mark_alive(self, grace_ms: int) -> int | None:
+    def mark_alive(self, grace_ms: int) -> int | None:
         """Write this sweep's time, drop release markers older than the grace; returns the
         previous alive time (how long the scheduler was away, at start)."""
         at = now_ms()
-        async with self.redis.pipeline(transaction=True) as pipe:
+        with self.redis.pipeline(transaction=True) as pipe:
             pipe.getset(self._key("alive"), at)
             pipe.zremrangebyscore(self._key("released"), "-inf", at - grace_ms)
-            previous, _ = await pipe.execute()
+            previous, _ = pipe.execute()
         return int(previous) if previous else None
