@@ -244,6 +244,46 @@ def test_two_gateways_serve_one_cluster(cluster: LocalCluster) -> None:
         second.stop()
 
 
+def test_signed_file_urls_through_the_gateway(sdk: LocalCluster) -> None:
+    """download_url/upload_url on the gateway's E2B_SANDBOX_URL name no sandbox: the gateway
+    has the nodes find the one whose token made the signature; each URL reaches its own
+    sandbox's file, and a bad or expired signature is a 401."""
+    made = [Sandbox.create(template="base", timeout=120) for _ in range(2)]
+    try:
+        assert holder(sdk, made[0].sandbox_id) != holder(sdk, made[1].sandbox_id)
+        for sbx in made:
+            sbx.files.write("/tmp/signed.txt", f"content of {sbx.sandbox_id}")
+        with httpx.Client(timeout=30, trust_env=False) as client:
+            for sbx in made:
+                for expiration in (None, 60):
+                    url = sbx.download_url("/tmp/signed.txt",
+                                           use_signature_expiration=expiration)
+                    assert url.startswith(sdk.url + "/files?path=")
+                    assert "signature=v1_" in url and sbx.sandbox_id not in url
+                    got = client.get(url)
+                    assert got.status_code == 200, got.text
+                    assert got.text == f"content of {sbx.sandbox_id}"
+                    upload = sbx.upload_url("/tmp/up.txt", use_signature_expiration=expiration)
+                    sent = client.post(upload, files={"file": ("x", f"up {expiration}".encode())})
+                    assert sent.status_code == 200, sent.text
+                    assert sbx.files.read("/tmp/up.txt") == f"up {expiration}"
+            sbx = made[0]
+            expired = client.get(sbx.download_url("/tmp/signed.txt", use_signature_expiration=-10))
+            assert expired.status_code == 401
+            assert expired.json()["message"] == "signature is already expired"
+            url = sbx.download_url("/tmp/signed.txt")
+            forged = client.get(url.replace("signature=v1_", "signature=v1_A"))
+            assert forged.status_code == 401 and forged.json()["message"] == "invalid signature"
+            # a read signature opens no write, and a signature covers its path only
+            assert client.post(url, files={"file": ("x", b"no")}).status_code == 401
+            elsewhere = url.replace("path=%2Ftmp%2Fsigned.txt", "path=%2Fetc%2Fpasswd")
+            assert elsewhere != url and client.get(elsewhere).status_code == 401
+            assert sbx.files.read("/tmp/signed.txt") == f"content of {sbx.sandbox_id}"
+    finally:
+        for sbx in made:
+            sbx.kill()
+
+
 def test_scheduler_kill9_keeps_sandboxes_routable(sdk: LocalCluster) -> None:
     sbx = Sandbox.create(template="base", timeout=300)
     try:

@@ -23,6 +23,7 @@ import re
 from collections.abc import Awaitable, Callable
 from datetime import datetime
 from typing import Any
+from urllib.parse import parse_qs
 
 import httpx
 from starlette.requests import Request
@@ -37,6 +38,7 @@ from agentenv.control.gateway.placement import (
     SchedulerUnavailable,
 )
 from agentenv.control.gateway.store import GatewayStore, StoreUnavailable
+from agentenv.node.security import SIGNATURE_OWNER_PATH
 from agentenv.relay.server import request_target, target_problem
 from agentenv.relay.stream import (
     Exchange,
@@ -55,6 +57,7 @@ CLUSTER_SECRET_HEADER = b"x-agentenv-cluster-secret"
 ENVD_PORT = 49983
 MAX_BODY = 1 << 20
 MAX_PAGE = 100
+FILES_PATH = "/files"
 _HOST_ROUTE = re.compile(r"^(\d{1,5})-([a-z0-9]{1,63})\.[^:]+(:\d+)?$")
 _PORT = re.compile(r"^\d{1,5}$")
 _ID = re.compile(r"^[a-z0-9]{1,63}$")
@@ -114,6 +117,17 @@ def sandbox_route(scope: Scope) -> tuple[str, int] | str | None:
                 return f"invalid port {port} in Host"
             return match.group(2), port
     return None
+
+
+def is_signed_file_request(scope: Scope) -> bool:
+    """A signed file URL as the SDK's download_url/upload_url build it on a shared
+    E2B_SANDBOX_URL: `GET|POST /files?path=…&signature=…`, no sandbox id, no access token."""
+    if scope["path"] != FILES_PATH or scope["method"] not in ("GET", "POST"):
+        return False
+    if header_values(scope, b"x-access-token"):
+        return False
+    query = parse_qs(scope.get("query_string", b"").decode("latin-1"), keep_blank_values=True)
+    return bool((query.get("signature") or [""])[0])
 
 
 def encode_cursor(key: tuple[float, str]) -> str:
@@ -211,6 +225,9 @@ class GatewayApp:
         if route is not None:
             await self._sandbox_http(scope, receive, send, *route)
             return
+        if is_signed_file_request(scope):
+            await self._signed_file(scope, receive, send)
+            return
         request = Request(scope, receive)
         try:
             await self._control(request, send)
@@ -284,6 +301,48 @@ class GatewayApp:
         await self.relay.websocket(scope, receive, send, url,
                                    self._to_node_headers(scope, sandbox_id, port),
                                    Exchange(sandbox_id))
+
+    async def _signature_owner(self, scope: Scope) -> tuple[Node, str] | None:
+        """The node and sandbox whose envd token made a signed file URL. The URL names no
+        sandbox and nothing in it may be trusted before the signature is checked: every node
+        that is up checks it against its own sandboxes' tokens (SIGNATURE_OWNER_PATH) and
+        names the one that made it."""
+        nodes = await self._up_nodes()
+        payload = {"method": scope["method"],
+                   "query": scope.get("query_string", b"").decode("latin-1")}
+
+        async def ask(node: Node) -> str | None:
+            answer = await self.http.post(node.url + SIGNATURE_OWNER_PATH, json=payload,
+                                          headers={"x-agentenv-cluster-secret":
+                                                   self.secret.decode()}, timeout=10)
+            if answer.status_code == 200:
+                return str(answer.json()["sandboxID"])
+            return None
+
+        found = await asyncio.gather(*(ask(n) for n in nodes), return_exceptions=True)
+        for node, sandbox_id in zip(nodes, found, strict=True):
+            if isinstance(sandbox_id, str) and _ID.match(sandbox_id):
+                return node, sandbox_id
+            if isinstance(sandbox_id, BaseException):
+                log.info("signature lookup skipped a node",
+                         extra={"node": node.node_id, "error": str(sandbox_id)})
+        return None
+
+    async def _signed_file(self, scope: Scope, receive: Any, send: Send) -> None:
+        try:
+            owner = await self._signature_owner(scope)
+        except SchedulerUnavailable as exc:
+            await send_json(send, 503, {"code": 503, "message": f"scheduler unavailable: {exc}"})
+            return
+        if owner is None:  # as the node and envd answer a signature no token made
+            await send_json(send, 401, {"code": 401, "message": "invalid signature"})
+            return
+        node, sandbox_id = owner
+        # the node checks the signature (and its expiry) again before anything reaches envd
+        url = httpx.URL(node.url + "/").copy_with(raw_path=request_target(scope))
+        await self.relay.http(scope, receive, send, url,
+                              self._to_node_headers(scope, sandbox_id, ENVD_PORT),
+                              Exchange(sandbox_id))
 
     async def _answer_gone(self, send: Send, exchange: Exchange) -> int:
         await send_json(send, 503, {"sandboxId": exchange.name, "message": "node unavailable",
