@@ -284,6 +284,63 @@ def test_signed_file_urls_through_the_gateway(sdk: LocalCluster) -> None:
             sbx.kill()
 
 
+def test_idempotent_creates_make_one_sandbox(cluster: LocalCluster) -> None:
+    """A create retried with the same Idempotency-Key gets the first one's sandbox though
+    least-loaded placement would put the retry on another node; concurrent duplicates make one
+    sandbox; another team's same key is another create."""
+    alpha = {"X-API-KEY": cluster.keys["alpha"]}
+    body = {"templateID": "base", "timeout": 120, "metadata": {"batch": "idem"}}
+    made: set[str] = set()
+    with httpx.Client(base_url=cluster.url, timeout=120) as api:
+        try:
+            first = api.post("/v2/sandboxes", json=body, headers={**alpha,
+                                                                   "Idempotency-Key": "k1"})
+            assert first.status_code == 201, first.text
+            sid = first.json()["sandboxID"]
+            made.add(sid)
+            again = api.post("/v2/sandboxes", json=body, headers={**alpha,
+                                                                   "Idempotency-Key": "k1"})
+            assert again.status_code == 201 and again.json() == first.json()
+            other = api.post("/v2/sandboxes", json=body,
+                             headers={**alpha, "Idempotency-Key": "k2"})
+            assert other.status_code == 201
+            made.add(other.json()["sandboxID"])
+            assert other.json()["sandboxID"] != sid
+            assert holder(cluster, other.json()["sandboxID"]) != holder(cluster, sid)
+
+            answers: list[httpx.Response] = []
+
+            def create() -> None:
+                with httpx.Client(base_url=cluster.url, timeout=120) as own:
+                    answers.append(own.post("/v2/sandboxes", json=body,
+                                            headers={**alpha, "Idempotency-Key": "k3"}))
+
+            threads = [threading.Thread(target=create) for _ in range(4)]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join()
+            assert [a.status_code for a in answers] == [201] * 4, [a.text for a in answers]
+            ids = {a.json()["sandboxID"] for a in answers}
+            made |= ids
+            assert len(ids) == 1
+            listed = api.get("/v2/sandboxes", params={"metadata": "batch=idem"},
+                             headers=alpha).json()
+            assert sorted(s["sandboxID"] for s in listed) == sorted(made)
+
+            beta = api.post("/v2/sandboxes", json=body, headers={
+                "X-API-KEY": cluster.keys["beta"], "Idempotency-Key": "k1"})
+            assert beta.status_code == 201 and beta.json()["sandboxID"] != sid
+            assert api.delete(f"/sandboxes/{beta.json()['sandboxID']}", headers={
+                "X-API-KEY": cluster.keys["beta"]}).status_code == 204
+            bad = api.post("/v2/sandboxes", json=body,
+                           headers={**alpha, "Idempotency-Key": "x" * 256})
+            assert bad.status_code == 400 and "Idempotency-Key" in bad.json()["message"]
+        finally:
+            for sandbox_id in made:
+                api.delete(f"/sandboxes/{sandbox_id}", headers=alpha)
+
+
 def test_scheduler_kill9_keeps_sandboxes_routable(sdk: LocalCluster) -> None:
     sbx = Sandbox.create(template="base", timeout=300)
     try:

@@ -17,9 +17,12 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
+import hashlib
 import json
 import logging
 import re
+import secrets
+import time
 from collections.abc import Awaitable, Callable
 from datetime import datetime
 from typing import Any
@@ -37,7 +40,7 @@ from agentenv.control.gateway.placement import (
     SchedulerLink,
     SchedulerUnavailable,
 )
-from agentenv.control.gateway.store import GatewayStore, StoreUnavailable
+from agentenv.control.gateway.store import PENDING, GatewayStore, StoreUnavailable
 from agentenv.node.security import SIGNATURE_OWNER_PATH
 from agentenv.relay.server import request_target, target_problem
 from agentenv.relay.stream import (
@@ -58,6 +61,9 @@ ENVD_PORT = 49983
 MAX_BODY = 1 << 20
 MAX_PAGE = 100
 FILES_PATH = "/files"
+#: how long a create may hold its Idempotency-Key before a retry may try again (a create on a
+#: loaded host with the VM backend takes up to a minute or two)
+CREATE_PENDING_SECONDS = 300.0
 _HOST_ROUTE = re.compile(r"^(\d{1,5})-([a-z0-9]{1,63})\.[^:]+(:\d+)?$")
 _PORT = re.compile(r"^\d{1,5}$")
 _ID = re.compile(r"^[a-z0-9]{1,63}$")
@@ -428,7 +434,9 @@ class GatewayApp:
         return [(m, re.compile(p), h) for m, p, h in table]
 
     def _headers(self, request: Request) -> list[tuple[bytes, bytes]]:
-        headers = forward_headers(request.scope, _DROP_TO_NODE | {b"content-length"})
+        # the client's Idempotency-Key is the gateway's to keep (create sends one of its own)
+        headers = forward_headers(request.scope,
+                                  _DROP_TO_NODE | {b"content-length", b"idempotency-key"})
         headers.append((CLUSTER_SECRET_HEADER, self.secret))
         return headers
 
@@ -442,12 +450,14 @@ class GatewayApp:
         return b"".join(chunks)
 
     async def _call(self, node: Node, request: Request, body: bytes | None = None,
-                    path: str | None = None, params: Any = None) -> httpx.Response:
+                    path: str | None = None, params: Any = None,
+                    headers: list[tuple[bytes, bytes]] | None = None) -> httpx.Response:
         """One buffered exchange with a node (bodies of the control API are small)."""
         target = request_target(request.scope).decode("latin-1") if path is None else path
         try:
             return await self.http.request(
-                request.method, node.url + target, headers=self._headers(request),
+                request.method, node.url + target,
+                headers=self._headers(request) + (headers or []),
                 content=body, params=params, timeout=600,
             )
         except httpx.HTTPError as exc:
@@ -508,6 +518,38 @@ class GatewayApp:
 
     async def create(self, request: Request, send: Send, team: str) -> None:
         raw = await self._body(request)
+        keys = request.headers.getlist("idempotency-key")
+        if not keys:
+            await self._create(request, send, team, raw, None)
+            return
+        if len(keys) > 1 or not 1 <= len(keys[0]) <= 255:
+            raise ApiError(400, "Idempotency-Key must appear once, 1-255 characters")
+        key = keys[0]
+        # A retry of a create (same team, same key) gets the first one's sandbox wherever the
+        # scheduler would place the retry: the key is claimed in Redis, so concurrent duplicates
+        # through any gateway make one sandbox and the others wait for its answer.
+        mark = secrets.token_hex(8)
+        deadline = time.monotonic() + CREATE_PENDING_SECONDS
+        while True:
+            found = await self.store.claim_create(team, key, mark, CREATE_PENDING_SECONDS)
+            if found is None:
+                break
+            if not found.startswith(PENDING):
+                await self._send_json(send, 201, self._with_domain(json.loads(found)))
+                return
+            if time.monotonic() > deadline:
+                raise ApiError(409, "a create with this Idempotency-Key is still under way")
+            await asyncio.sleep(0.05)
+        done = False
+        try:
+            done = await self._create(request, send, team, raw, key)
+        finally:
+            if not done:  # failed: nothing was made, a retry may try again
+                await self.store.unclaim_create(team, key, mark)
+
+    async def _create(self, request: Request, send: Send, team: str, raw: bytes,
+                      key: str | None) -> bool:
+        """Place and create; True once a sandbox was made (and recorded under `key`)."""
         try:
             body = json.loads(raw or b"{}")
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
@@ -519,7 +561,7 @@ class GatewayApp:
             if node is None:
                 raise NoPlacement("no node is up")
             await self._send(send, await self._call(node, request, raw))
-            return
+            return False
         bare = template.split(":")[0]
         owned = (await self.store.owned("snapshot", bare, team)
                  or await self.store.owned("template", bare, team))
@@ -529,15 +571,23 @@ class GatewayApp:
             node = await self._node_by_id(owned.node)
         else:
             node = await self.scheduler.schedule(template=template, team=team)
-        answer = await self._call(node, request, raw)
-        if answer.status_code == 201:
-            created = answer.json()
-            sandbox_id = created["sandboxID"]
-            await self.store.own_sandboxes(team, [sandbox_id])
-            await self.scheduler.record(sandbox_id, node, team)
-            await self._send_json(send, 201, self._with_domain(created))
-            return
-        await self._send(send, answer)
+        headers = None
+        if key is not None:
+            # the node's own Idempotency-Key memory has no teams: a key of the team's own
+            digest = hashlib.sha256(f"{team}\0{key}".encode()).hexdigest()
+            headers = [(b"idempotency-key", digest.encode())]
+        answer = await self._call(node, request, raw, headers=headers)
+        if answer.status_code != 201:
+            await self._send(send, answer)
+            return False
+        created = answer.json()
+        sandbox_id = created["sandboxID"]
+        await self.store.own_sandboxes(team, [sandbox_id])
+        await self.scheduler.record(sandbox_id, node, team)
+        if key is not None:
+            await self.store.created(team, key, json.dumps(created))
+        await self._send_json(send, 201, self._with_domain(created))
+        return True
 
     async def _node_by_id(self, node_id: str) -> Node:
         for node in await self.scheduler.nodes():

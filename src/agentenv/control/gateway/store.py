@@ -7,7 +7,9 @@ of them serves any request. API keys are stored as their SHA-256 only.
 Keys (prefix `aenv:`): `teams` (set of names), `team:{name}` (hash: name, created),
 `apikey:{sha256}` -> team name, `own:sandbox` (hash: sandbox id -> team),
 `own:template:{id}` / `own:snapshot:{id}` (hash: team, node, id), `name:template:{team}:{name}`
-and `name:snapshot:{team}:{name}` -> id.
+and `name:snapshot:{team}:{name}` -> id, `idem:{team}:{sha256(key)}` -> a create under way
+(`pending:…`) or its answer, for IDEMPOTENCY_SECONDS. That answer holds the sandbox's envd
+token, as the node's memory does: whoever reads this Redis holds the cluster anyway (API keys).
 """
 
 from __future__ import annotations
@@ -24,6 +26,11 @@ import redis.exceptions
 from agentenv.errors import AgentEnvError
 
 PREFIX = "aenv:"
+#: how long a create's Idempotency-Key names its sandbox (the node keeps its own as long)
+IDEMPOTENCY_SECONDS = 600
+PENDING = "pending:"
+#: delete a key only while it still holds this caller's value (its pending mark)
+_DELETE_IF = "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del', KEYS[1]) end return 0"
 TEAM_NAME = re.compile(r"^[a-z0-9][a-z0-9-]{0,39}$")
 
 
@@ -163,3 +170,33 @@ class GatewayStore:
         for name in names:
             pipe.delete(PREFIX + f"name:{kind}:{team}:{name}")
         await self._call(pipe.execute())
+
+    # --- idempotent creates ------------------------------------------------------------------
+
+    @staticmethod
+    def _idem_key(team: str, key: str) -> str:
+        return PREFIX + f"idem:{team}:{hashlib.sha256(key.encode()).hexdigest()}"
+
+    async def claim_create(self, team: str, key: str, mark: str, pending_seconds: float
+                           ) -> str | None:
+        """Claim `team`'s Idempotency-Key `key` for a create (the pending `mark`, for
+        `pending_seconds`): None when claimed, else what the key holds (another caller's pending
+        mark, or the answer of the create that claimed it)."""
+        name = self._idem_key(team, key)
+        while True:
+            claimed = await self._call(self.redis.set(name, PENDING + mark, nx=True,
+                                                      px=int(pending_seconds * 1000)))
+            if claimed:
+                return None
+            found: str | None = await self._call(self.redis.get(name))
+            if found is not None:  # else it expired or was given back just now: claim again
+                return found
+
+    async def created(self, team: str, key: str, answer: str) -> None:
+        await self._call(self.redis.set(self._idem_key(team, key), answer,
+                                        ex=IDEMPOTENCY_SECONDS))
+
+    async def unclaim_create(self, team: str, key: str, mark: str) -> None:
+        """A create that failed gives its key back (a retry may try again)."""
+        await self._call(self.redis.eval(_DELETE_IF, 1, self._idem_key(team, key),
+                                         PENDING + mark))
