@@ -341,6 +341,54 @@ def test_idempotent_creates_make_one_sandbox(cluster: LocalCluster) -> None:
                 api.delete(f"/sandboxes/{sandbox_id}", headers=alpha)
 
 
+def test_template_build_on_one_node_seen_cluster_wide(sdk: LocalCluster) -> None:
+    """The SDK's Template.build through the gateway: one node builds (process backend: from
+    another template); listing, get, tags and delete are the building team's, cluster-wide;
+    sandboxes of the template are placed on the node that has it."""
+    from e2b import Template
+
+    alpha = {"X-API-KEY": sdk.keys["alpha"]}
+    beta = {"X-API-KEY": sdk.keys["beta"]}
+    name = "gw-built"
+    template = Template().from_template("base").run_cmd("echo built-here > /tmp/built.txt")
+    info = Template.build(template, name, tags=["v1"], cpu_count=1, memory_mb=512,
+                          skip_cache=True)
+    tid = info.template_id
+    homes = [f"node{i}" for i, node in enumerate(sdk.nodes)
+             if httpx.get(f"{node.url}/templates/{tid}", timeout=10,
+                          headers={"x-agentenv-cluster-secret": sdk.secret}).status_code == 200]
+    assert len(homes) == 1, homes
+    with httpx.Client(base_url=sdk.url, timeout=60) as api:
+        for path in ("/templates", "/v2/templates"):
+            assert tid in [t["templateID"] for t in api.get(path, headers=alpha).json()]
+            assert tid not in [t["templateID"] for t in api.get(path, headers=beta).json()]
+        assert api.get(f"/templates/{tid}", headers=alpha).status_code == 200
+        assert api.get(f"/templates/{tid}", headers=beta).status_code == 404
+        assert Template.exists(name) and not Template.exists(name, api_key=sdk.keys["beta"])
+        Template.assign_tags(f"{name}:v1", ["prod"])
+        assert {t.tag for t in Template.get_tags(name)} >= {"default", "v1", "prod"}
+        assert api.get(f"/templates/{tid}/tags", headers=beta).status_code == 404
+        for method, path, body in [("POST", "/templates/tags", {"target": f"{name}:v1",
+                                                                "tags": ["stolen"]}),
+                                   ("POST", "/v2/sandboxes", {"templateID": name}),
+                                   ("POST", "/v3/templates", {"name": name})]:
+            answer = api.request(method, path, json=body, headers=beta)
+            # the name is alpha's: beta can neither use, tag nor rebuild it
+            assert answer.status_code in (404, 409), (path, answer.text)
+        made = [Sandbox.create(template=ref, timeout=60) for ref in (name, f"{name}:prod", name)]
+        try:
+            for sbx in made:
+                assert holder(sdk, sbx.sandbox_id) == homes[0]
+                assert sbx.files.read("/tmp/built.txt") == "built-here\n"
+        finally:
+            for sbx in made:
+                sbx.kill()
+        assert api.delete(f"/templates/{tid}", headers=beta).status_code == 404
+        assert api.delete(f"/templates/{tid}", headers=alpha).status_code == 204
+        assert tid not in [t["templateID"] for t in api.get("/templates", headers=alpha).json()]
+        assert not Template.exists(name)
+
+
 def test_scheduler_kill9_keeps_sandboxes_routable(sdk: LocalCluster) -> None:
     sbx = Sandbox.create(template="base", timeout=300)
     try:

@@ -567,6 +567,8 @@ class GatewayApp:
                  or await self.store.owned("template", bare, team))
         if owned is not None and owned.team != team:
             raise ApiError(404, f"template '{template}' not found")
+        if owned is None and await self.store.name_holder("template", bare) not in (None, team):
+            raise ApiError(404, f"template '{template}' not found")  # another team's name
         if owned is not None:
             node = await self._node_by_id(owned.node)
         else:
@@ -747,15 +749,19 @@ class GatewayApp:
 
     # --- templates ---------------------------------------------------------------------------
 
-    async def _template_node(self, ref: str, team: str) -> Node:
+    async def _template_node(self, ref: str, team: str, own_only: bool = False) -> Node:
         """The node of a template `team` may see: its own (where it was built), or a shared one
-        (no team built it: any node that is up has it)."""
+        (no team built it: any node that is up has it), unless `own_only`."""
         bare = ref.split("/")[-1].split(":")[0]
         owned = await self.store.owned("template", bare, team)
         if owned is not None:
             if owned.team != team:
                 raise ApiError(404, f"template '{ref}' not found")
             return await self._node_by_id(owned.node)
+        holder = await self.store.name_holder("template", bare)
+        if own_only or (holder is not None and holder != team):
+            # another team's name: the node would answer with that team's template
+            raise ApiError(404, f"template '{ref}' not found")
         nodes = await self._up_nodes()
         if not nodes:
             raise NoPlacement("no node is up")
@@ -774,18 +780,23 @@ class GatewayApp:
         if owned is not None and owned.team == team:
             node = await self._node_by_id(owned.node)  # a rebuild: where the template is
         elif name:
+            # a node knows one template per name: a name is one team's in the whole cluster
+            if await self.store.claim_name("template", name, team) != team:
+                raise ApiError(409, f"the template name {name!r} is taken by another team")
             node = await self.scheduler.schedule(template=name, team=team)
         else:  # the node names what is wrong with the body
             node = (await self._up_nodes() or [None])[0]
             if node is None:
                 raise NoPlacement("no node is up")
         answer = await self._call(node, request, raw)
+        template_id = None
         if answer.status_code in (200, 201, 202):
-            built = answer.json()
-            template_id = built.get("templateID")
+            template_id = answer.json().get("templateID")
             if template_id:
                 await self.store.own("template", template_id, team, node.node_id,
                                      [name] if name else [])
+        if name and owned is None and not template_id:
+            await self.store.release_name("template", name, team)
         await self._send(send, answer)
 
     async def template_forward(self, request: Request, send: Send, team: str, ref: str,
@@ -815,7 +826,8 @@ class GatewayApp:
         target = ""
         if isinstance(body, dict):
             target = str(body.get("target") or body.get("name") or "")
-        node = await self._template_node(target, team) if target else (
+        # tags of shared templates are no team's to change
+        node = await self._template_node(target, team, own_only=True) if target else (
             (await self._up_nodes() or [None])[0])
         if node is None:
             raise NoPlacement("no node is up")
