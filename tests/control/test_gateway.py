@@ -223,6 +223,9 @@ def test_nodes_serve_only_the_gateway(cluster: LocalCluster) -> None:
 
 
 def test_two_gateways_serve_one_cluster(cluster: LocalCluster) -> None:
+    """Whatever one gateway did, the other serves: the sandbox it made, its listing, its kill,
+    an Idempotency-Key it claimed and a signed URL made against it (gateways keep nothing of
+    their own; a load balancer may send each request to either)."""
     second = GatewayProcess(cluster.scheduler.address, cluster.redis.url, cluster.secret_file,
                             cluster.root / "gateway2.log")
     second.start()
@@ -234,6 +237,17 @@ def test_two_gateways_serve_one_cluster(cluster: LocalCluster) -> None:
             other = Sandbox.connect(sbx.sandbox_id, api_key=key, api_url=second.url,
                                     sandbox_url=second.url)
             assert other.commands.run("echo via-second").stdout == "via-second\n"
+            sbx.files.write("/tmp/two.txt", "either gateway")
+            signed = sbx.download_url("/tmp/two.txt").replace(cluster.url, second.url)
+            assert httpx.get(signed, timeout=30).text == "either gateway"
+            body = {"templateID": "base", "timeout": 60}
+            retried = [httpx.post(f"{url}/v2/sandboxes", json=body, timeout=60,
+                                  headers={"X-API-KEY": key, "Idempotency-Key": "two-gw"})
+                       for url in (cluster.url, second.url)]
+            assert retried[0].status_code == retried[1].status_code == 201
+            assert retried[0].json()["sandboxID"] == retried[1].json()["sandboxID"]
+            assert httpx.delete(f"{second.url}/sandboxes/{retried[0].json()['sandboxID']}",
+                                headers={"X-API-KEY": key}, timeout=60).status_code == 204
             listed = httpx.get(f"{second.url}/v2/sandboxes", headers={"X-API-KEY": key},
                                timeout=30).json()
             assert sbx.sandbox_id in [s["sandboxID"] for s in listed]
