@@ -308,11 +308,11 @@ class GatewayApp:
                                    self._to_node_headers(scope, sandbox_id, port),
                                    Exchange(sandbox_id))
 
-    async def _signature_owner(self, scope: Scope) -> tuple[Node, str] | None:
-        """The node and sandbox whose envd token made a signed file URL. The URL names no
-        sandbox and nothing in it may be trusted before the signature is checked: every node
-        that is up checks it against its own sandboxes' tokens (SIGNATURE_OWNER_PATH) and
-        names the one that made it."""
+    async def _signature_owner(self, scope: Scope) -> tuple[Node, str] | str:
+        """The node and sandbox whose envd token made a signed file URL, else why not. The URL
+        names no sandbox and nothing in it may be trusted before the signature is checked:
+        every node that is up checks it against its own sandboxes' tokens
+        (SIGNATURE_OWNER_PATH) and names the one that made it."""
         nodes = await self._up_nodes()
         payload = {"method": scope["method"],
                    "query": scope.get("query_string", b"").decode("latin-1")}
@@ -326,13 +326,16 @@ class GatewayApp:
             return None
 
         found = await asyncio.gather(*(ask(n) for n in nodes), return_exceptions=True)
+        silent = []
         for node, sandbox_id in zip(nodes, found, strict=True):
             if isinstance(sandbox_id, str) and _ID.match(sandbox_id):
                 return node, sandbox_id
             if isinstance(sandbox_id, BaseException):
+                silent.append(node.node_id)
                 log.info("signature lookup skipped a node",
                          extra={"node": node.node_id, "error": str(sandbox_id)})
-        return None
+        # the sandbox may be on a node that did not answer: not (yet) an invalid signature
+        return f"node unavailable: {', '.join(silent)} did not answer" if silent else ""
 
     async def _signed_file(self, scope: Scope, receive: Any, send: Send) -> None:
         try:
@@ -340,8 +343,11 @@ class GatewayApp:
         except SchedulerUnavailable as exc:
             await send_json(send, 503, {"code": 503, "message": f"scheduler unavailable: {exc}"})
             return
-        if owner is None:  # as the node and envd answer a signature no token made
-            await send_json(send, 401, {"code": 401, "message": "invalid signature"})
+        if isinstance(owner, str):
+            if owner:
+                await send_json(send, 503, {"code": 503, "message": owner})
+            else:  # as the node and envd answer a signature no token made
+                await send_json(send, 401, {"code": 401, "message": "invalid signature"})
             return
         node, sandbox_id = owner
         # the node checks the signature (and its expiry) again before anything reaches envd
