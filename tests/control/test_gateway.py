@@ -389,6 +389,8 @@ def test_template_build_on_one_node_seen_cluster_wide(sdk: LocalCluster) -> None
             answer = api.request(method, path, json=body, headers=beta)
             # the name is alpha's: beta can neither use, tag nor rebuild it
             assert answer.status_code in (404, 409), (path, answer.text)
+        builtin = api.post("/v3/templates", json={"name": "base"}, headers=beta)
+        assert builtin.status_code == 400 and "built-in" in builtin.json()["message"]
         made = [Sandbox.create(template=ref, timeout=60) for ref in (name, f"{name}:prod", name)]
         try:
             for sbx in made:

@@ -26,7 +26,7 @@ import time
 from collections.abc import Awaitable, Callable
 from datetime import datetime
 from typing import Any
-from urllib.parse import parse_qs
+from urllib.parse import parse_qs, quote
 
 import httpx
 from starlette.requests import Request
@@ -787,6 +787,9 @@ class GatewayApp:
             node = await self._node_by_id(owned.node)  # a rebuild: where the template is
         elif name:
             # a node knows one template per name: a name is one team's in the whole cluster
+            holder = await self.store.name_holder("template", name)
+            if holder is None:
+                await self._refuse_shared_name(name)
             if await self.store.claim_name("template", name, team) != team:
                 raise ApiError(409, f"the template name {name!r} is taken by another team")
             node = await self.scheduler.schedule(template=name, team=team)
@@ -804,6 +807,18 @@ class GatewayApp:
         if name and owned is None and not template_id:
             await self.store.release_name("template", name, team)
         await self._send(send, answer)
+
+    async def _refuse_shared_name(self, name: str) -> None:
+        """400 for the name of a template no team built (a node's `base`): no team may claim it,
+        not even for the moment the node takes to refuse the build."""
+        node = (await self._up_nodes() or [None])[0]
+        if node is None:
+            raise NoPlacement("no node is up")
+        probe = await self._get(node, f"/templates/aliases/{quote(name, safe='')}")
+        if probe.status_code == 200:
+            template_id = str(probe.json().get("templateID", ""))
+            if not await self.store.owned_ids("template", [template_id]):
+                raise ApiError(400, f"the template name {name!r} is a built-in template's")
 
     async def template_forward(self, request: Request, send: Send, team: str, ref: str,
                                *_: str) -> None:
