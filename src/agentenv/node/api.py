@@ -35,7 +35,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from agentenv import __version__
-from agentenv.node import models
+from agentenv.node import models, security
 from agentenv.node.errors import ApiError, BadRequest, sandbox_not_found
 from agentenv.node.http_server import request_target, target_problem
 from agentenv.node.metrics import NodeMetrics
@@ -43,7 +43,7 @@ from agentenv.node.openapi import openapi_document
 from agentenv.node.orchestrator import CreateParams, Orchestrator
 from agentenv.node.proxy import SandboxProxy, send_json
 from agentenv.node.records import SandboxRecord, State, TemplateRecord
-from agentenv.node.security import CLUSTER_SECRET_HEADER, SIGNATURE_OWNER_PATH, same_secret
+from agentenv.node.security import CLUSTER_SECRET_HEADER, same_secret
 
 log = logging.getLogger("agentenv.node.api")
 M = TypeVar("M", bound=BaseModel)
@@ -92,7 +92,7 @@ async def read_model(request: Request, model: type[M], *, optional: bool = False
 
 
 class SignedFileRequest(BaseModel):
-    """A signed file URL's method and raw query string (`POST SIGNATURE_OWNER_PATH`)."""
+    """A signed file URL's method and raw query string (`POST security.SIGNATURE_OWNER_PATH`)."""
 
     method: Literal["GET", "POST"]
     query: str = Field(max_length=16384)
@@ -321,7 +321,7 @@ class NodeApp:
             r("/templates/{template_id:path}", self.delete_template, methods=["DELETE"]),
             r("/nodes", self.nodes, methods=["GET"]),
             r("/nodes/{node_id}", self.node_detail, methods=["GET"]),
-            r(SIGNATURE_OWNER_PATH, self.signature_owner, methods=["POST"]),
+            r(security.SIGNATURE_OWNER_PATH, self.signature_owner, methods=["POST"]),
         ]
 
     async def health(self, request: Request) -> Response:
