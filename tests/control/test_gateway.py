@@ -223,6 +223,9 @@ def test_nodes_serve_only_the_gateway(cluster: LocalCluster) -> None:
 
 
 def test_two_gateways_serve_one_cluster(cluster: LocalCluster) -> None:
+    """Whatever one gateway did, the other serves: the sandbox it made, its listing, its kill,
+    an Idempotency-Key it claimed and a signed URL made against it (gateways keep nothing of
+    their own; a load balancer may send each request to either)."""
     second = GatewayProcess(cluster.scheduler.address, cluster.redis.url, cluster.secret_file,
                             cluster.root / "gateway2.log")
     second.start()
@@ -234,6 +237,17 @@ def test_two_gateways_serve_one_cluster(cluster: LocalCluster) -> None:
             other = Sandbox.connect(sbx.sandbox_id, api_key=key, api_url=second.url,
                                     sandbox_url=second.url)
             assert other.commands.run("echo via-second").stdout == "via-second\n"
+            sbx.files.write("/tmp/two.txt", "either gateway")
+            signed = sbx.download_url("/tmp/two.txt").replace(cluster.url, second.url)
+            assert httpx.get(signed, timeout=30).text == "either gateway"
+            body = {"templateID": "base", "timeout": 60}
+            retried = [httpx.post(f"{url}/v2/sandboxes", json=body, timeout=60,
+                                  headers={"X-API-KEY": key, "Idempotency-Key": "two-gw"})
+                       for url in (cluster.url, second.url)]
+            assert retried[0].status_code == retried[1].status_code == 201
+            assert retried[0].json()["sandboxID"] == retried[1].json()["sandboxID"]
+            assert httpx.delete(f"{second.url}/sandboxes/{retried[0].json()['sandboxID']}",
+                                headers={"X-API-KEY": key}, timeout=60).status_code == 204
             listed = httpx.get(f"{second.url}/v2/sandboxes", headers={"X-API-KEY": key},
                                timeout=30).json()
             assert sbx.sandbox_id in [s["sandboxID"] for s in listed]
@@ -242,6 +256,153 @@ def test_two_gateways_serve_one_cluster(cluster: LocalCluster) -> None:
                                 headers={"X-API-KEY": key}).status_code == 204
     finally:
         second.stop()
+
+
+def test_signed_file_urls_through_the_gateway(sdk: LocalCluster) -> None:
+    """download_url/upload_url on the gateway's E2B_SANDBOX_URL name no sandbox: the gateway
+    has the nodes find the one whose token made the signature; each URL reaches its own
+    sandbox's file, and a bad or expired signature is a 401."""
+    made = [Sandbox.create(template="base", timeout=120) for _ in range(2)]
+    try:
+        assert holder(sdk, made[0].sandbox_id) != holder(sdk, made[1].sandbox_id)
+        for sbx in made:
+            sbx.files.write("/tmp/signed.txt", f"content of {sbx.sandbox_id}")
+        with httpx.Client(timeout=30, trust_env=False) as client:
+            for sbx in made:
+                for expiration in (None, 60):
+                    url = sbx.download_url("/tmp/signed.txt",
+                                           use_signature_expiration=expiration)
+                    assert url.startswith(sdk.url + "/files?path=")
+                    assert "signature=v1_" in url and sbx.sandbox_id not in url
+                    got = client.get(url)
+                    assert got.status_code == 200, got.text
+                    assert got.text == f"content of {sbx.sandbox_id}"
+                    upload = sbx.upload_url("/tmp/up.txt", use_signature_expiration=expiration)
+                    sent = client.post(upload, files={"file": ("x", f"up {expiration}".encode())})
+                    assert sent.status_code == 200, sent.text
+                    assert sbx.files.read("/tmp/up.txt") == f"up {expiration}"
+            sbx = made[0]
+            expired = client.get(sbx.download_url("/tmp/signed.txt", use_signature_expiration=-10))
+            assert expired.status_code == 401
+            assert expired.json()["message"] == "signature is already expired"
+            url = sbx.download_url("/tmp/signed.txt")
+            forged = client.get(url.replace("signature=v1_", "signature=v1_A"))
+            assert forged.status_code == 401 and forged.json()["message"] == "invalid signature"
+            # a read signature opens no write, and a signature covers its path only
+            assert client.post(url, files={"file": ("x", b"no")}).status_code == 401
+            elsewhere = url.replace("path=%2Ftmp%2Fsigned.txt", "path=%2Fetc%2Fpasswd")
+            assert elsewhere != url and client.get(elsewhere).status_code == 401
+            assert sbx.files.read("/tmp/signed.txt") == f"content of {sbx.sandbox_id}"
+    finally:
+        for sbx in made:
+            sbx.kill()
+
+
+def test_idempotent_creates_make_one_sandbox(cluster: LocalCluster) -> None:
+    """A create retried with the same Idempotency-Key gets the first one's sandbox though
+    least-loaded placement would put the retry on another node; concurrent duplicates make one
+    sandbox; another team's same key is another create."""
+    alpha = {"X-API-KEY": cluster.keys["alpha"]}
+    body = {"templateID": "base", "timeout": 120, "metadata": {"batch": "idem"}}
+    made: set[str] = set()
+    with httpx.Client(base_url=cluster.url, timeout=120) as api:
+        try:
+            first = api.post("/v2/sandboxes", json=body, headers={**alpha,
+                                                                   "Idempotency-Key": "k1"})
+            assert first.status_code == 201, first.text
+            sid = first.json()["sandboxID"]
+            made.add(sid)
+            again = api.post("/v2/sandboxes", json=body, headers={**alpha,
+                                                                   "Idempotency-Key": "k1"})
+            assert again.status_code == 201 and again.json() == first.json()
+            other = api.post("/v2/sandboxes", json=body,
+                             headers={**alpha, "Idempotency-Key": "k2"})
+            assert other.status_code == 201
+            made.add(other.json()["sandboxID"])
+            assert other.json()["sandboxID"] != sid
+            assert holder(cluster, other.json()["sandboxID"]) != holder(cluster, sid)
+
+            answers: list[httpx.Response] = []
+
+            def create() -> None:
+                with httpx.Client(base_url=cluster.url, timeout=120) as own:
+                    answers.append(own.post("/v2/sandboxes", json=body,
+                                            headers={**alpha, "Idempotency-Key": "k3"}))
+
+            threads = [threading.Thread(target=create) for _ in range(4)]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join()
+            assert [a.status_code for a in answers] == [201] * 4, [a.text for a in answers]
+            ids = {a.json()["sandboxID"] for a in answers}
+            made |= ids
+            assert len(ids) == 1
+            listed = api.get("/v2/sandboxes", params={"metadata": "batch=idem"},
+                             headers=alpha).json()
+            assert sorted(s["sandboxID"] for s in listed) == sorted(made)
+
+            beta = api.post("/v2/sandboxes", json=body, headers={
+                "X-API-KEY": cluster.keys["beta"], "Idempotency-Key": "k1"})
+            assert beta.status_code == 201 and beta.json()["sandboxID"] != sid
+            assert api.delete(f"/sandboxes/{beta.json()['sandboxID']}", headers={
+                "X-API-KEY": cluster.keys["beta"]}).status_code == 204
+            bad = api.post("/v2/sandboxes", json=body,
+                           headers={**alpha, "Idempotency-Key": "x" * 256})
+            assert bad.status_code == 400 and "Idempotency-Key" in bad.json()["message"]
+        finally:
+            for sandbox_id in made:
+                api.delete(f"/sandboxes/{sandbox_id}", headers=alpha)
+
+
+def test_template_build_on_one_node_seen_cluster_wide(sdk: LocalCluster) -> None:
+    """The SDK's Template.build through the gateway: one node builds (process backend: from
+    another template); listing, get, tags and delete are the building team's, cluster-wide;
+    sandboxes of the template are placed on the node that has it."""
+    from e2b import Template
+
+    alpha = {"X-API-KEY": sdk.keys["alpha"]}
+    beta = {"X-API-KEY": sdk.keys["beta"]}
+    name = "gw-built"
+    template = Template().from_template("base").run_cmd("echo built-here > /tmp/built.txt")
+    info = Template.build(template, name, tags=["v1"], cpu_count=1, memory_mb=512,
+                          skip_cache=True)
+    tid = info.template_id
+    homes = [f"node{i}" for i, node in enumerate(sdk.nodes)
+             if httpx.get(f"{node.url}/templates/{tid}", timeout=10,
+                          headers={"x-agentenv-cluster-secret": sdk.secret}).status_code == 200]
+    assert len(homes) == 1, homes
+    with httpx.Client(base_url=sdk.url, timeout=60) as api:
+        for path in ("/templates", "/v2/templates"):
+            assert tid in [t["templateID"] for t in api.get(path, headers=alpha).json()]
+            assert tid not in [t["templateID"] for t in api.get(path, headers=beta).json()]
+        assert api.get(f"/templates/{tid}", headers=alpha).status_code == 200
+        assert api.get(f"/templates/{tid}", headers=beta).status_code == 404
+        assert Template.exists(name) and not Template.exists(name, api_key=sdk.keys["beta"])
+        Template.assign_tags(f"{name}:v1", ["prod"])
+        assert {t.tag for t in Template.get_tags(name)} >= {"default", "v1", "prod"}
+        assert api.get(f"/templates/{tid}/tags", headers=beta).status_code == 404
+        for method, path, body in [("POST", "/templates/tags", {"target": f"{name}:v1",
+                                                                "tags": ["stolen"]}),
+                                   ("POST", "/v2/sandboxes", {"templateID": name}),
+                                   ("POST", "/v3/templates", {"name": name})]:
+            answer = api.request(method, path, json=body, headers=beta)
+            # the name is alpha's: beta can neither use, tag nor rebuild it
+            assert answer.status_code in (404, 409), (path, answer.text)
+        builtin = api.post("/v3/templates", json={"name": "base"}, headers=beta)
+        assert builtin.status_code == 400 and "built-in" in builtin.json()["message"]
+        made = [Sandbox.create(template=ref, timeout=60) for ref in (name, f"{name}:prod", name)]
+        try:
+            for sbx in made:
+                assert holder(sdk, sbx.sandbox_id) == homes[0]
+                assert sbx.files.read("/tmp/built.txt") == "built-here\n"
+        finally:
+            for sbx in made:
+                sbx.kill()
+        assert api.delete(f"/templates/{tid}", headers=beta).status_code == 404
+        assert api.delete(f"/templates/{tid}", headers=alpha).status_code == 204
+        assert tid not in [t["templateID"] for t in api.get("/templates", headers=alpha).json()]
+        assert not Template.exists(name)
 
 
 def test_scheduler_kill9_keeps_sandboxes_routable(sdk: LocalCluster) -> None:

@@ -23,11 +23,11 @@ import socket
 import time
 from collections.abc import AsyncIterator, Callable
 from datetime import datetime
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 from urllib.parse import unquote_plus
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, Field, ValidationError
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
@@ -35,7 +35,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from agentenv import __version__
-from agentenv.node import models
+from agentenv.node import models, security
 from agentenv.node.errors import ApiError, BadRequest, sandbox_not_found
 from agentenv.node.metrics import NodeMetrics
 from agentenv.node.openapi import openapi_document
@@ -89,6 +89,13 @@ async def read_model(request: Request, model: type[M], *, optional: bool = False
             f"{'.'.join(str(p) for p in e['loc']) or 'body'}: {e['msg']}" for e in exc.errors()
         )
         raise ApiError(f"invalid request body: {problems}", status=422) from exc
+
+
+class SignedFileRequest(BaseModel):
+    """A signed file URL's method and raw query string (`POST security.SIGNATURE_OWNER_PATH`)."""
+
+    method: Literal["GET", "POST"]
+    query: str = Field(max_length=16384)
 
 
 # --- paging ------------------------------------------------------------------------------------
@@ -314,6 +321,7 @@ class NodeApp:
             r("/templates/{template_id:path}", self.delete_template, methods=["DELETE"]),
             r("/nodes", self.nodes, methods=["GET"]),
             r("/nodes/{node_id}", self.node_detail, methods=["GET"]),
+            r(security.SIGNATURE_OWNER_PATH, self.signature_owner, methods=["POST"]),
         ]
 
     async def health(self, request: Request) -> Response:
@@ -616,6 +624,13 @@ class NodeApp:
                 ],
             },
         }
+
+    async def signature_owner(self, request: Request) -> Response:
+        body = await read_model(request, SignedFileRequest)
+        sandbox_id = self.proxy.signature_owner(body.method, body.query)
+        if sandbox_id is None:
+            raise ApiError("no sandbox of this node made this signature", status=404)
+        return JSONResponse({"sandboxID": sandbox_id})
 
     async def nodes(self, request: Request) -> Response:
         return JSONResponse([self._node()])

@@ -3,7 +3,9 @@
 When envd runs as root with `--root DIR`, it chroots every process into DIR, so DIR needs a
 userland: bash, coreutils, grep/sed/awk and the shared libraries they load. This builds one by
 copying those binaries and what `ldd` says they need (about 15 MB), plus /etc/passwd with `root`
-and `user` (uid 1000) like E2B templates, /home/user, /tmp and the usual /dev nodes.
+and `user` (uid 1000) like E2B templates, /home/user, /tmp and the usual /dev nodes, and the
+build tools a VM's tools disk has (/agentenv/bin/busybox and sh, agentenv.template.build), so
+templates build on the process backend too.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from pathlib import Path
 from agentenv.errors import AgentEnvError
 
 #: Bump when the content changes, so cached copies are rebuilt.
-LAYOUT_VERSION = "3"
+LAYOUT_VERSION = "4"
 
 PROGRAMS = [
     "bash",
@@ -168,6 +170,12 @@ def build_host_rootfs(dest: Path) -> Path:
         raise AgentEnvError("bash is not installed on this host: cannot build a process rootfs")
     if not (work / "usr/bin/sh").exists():
         os.symlink("bash", work / "usr/bin/sh")
+    busybox = shutil.which("busybox")
+    if busybox is not None:  # Debian's busybox-static: no libraries to copy
+        tools = work / "agentenv/bin"
+        tools.mkdir(parents=True)
+        shutil.copy2(os.path.realpath(busybox), tools / "busybox")
+        os.symlink("busybox", tools / "sh")
     etc = work / "etc"
     etc.mkdir()
     (etc / "passwd").write_text(PASSWD)

@@ -40,6 +40,7 @@ from agentenv.node.backend import (
     SandboxBackend,
     SandboxSpec,
     SnapshotRef,
+    TemplateBuilding,
     TemplateRef,
 )
 from agentenv.node.host_template import build_host_rootfs
@@ -136,8 +137,9 @@ def _dir_usage(path: Path) -> int:
     return total
 
 
-class ProcessBackend(SandboxBackend, CrashRecovery):
-    """Capabilities: crash recovery only (no network policies, template builds, layer-aware
+class ProcessBackend(SandboxBackend, CrashRecovery, TemplateBuilding):
+    """Capabilities: crash recovery, and template builds from another template (the build
+    sandbox's files become the template's; no network policies, image builds, layer-aware
     collection, ready pools; the orchestrator checks envd's readiness itself)."""
 
     name = "process"
@@ -336,6 +338,23 @@ class ProcessBackend(SandboxBackend, CrashRecovery):
                 return ForkOutcome(child.sandbox_id, error=str(exc))
 
         return list(await asyncio.gather(*(one(c) for c in children)))
+
+    # --- template builds (node/template_api.py) ----------------------------------------------
+
+    async def boot_image(self, sandbox_id: str, lowers: list[Path], disk_bytes: int,
+                         cpu_count: int, memory_mb: int) -> Placement:
+        raise BackendError("the process backend builds templates from another template only "
+                           "(fromTemplate); a build from an image needs the VM backend",
+                           retryable=False)
+
+    async def capture_template(self, sandbox_id: str) -> TemplateRef:
+        """The build sandbox's files become the template's (its processes end, as in every
+        pause of this backend); delete_snapshot removes them."""
+        await self._stop(sandbox_id, None)
+        dest = self.base / "snapshots" / f"template-{sandbox_id}"
+        await asyncio.to_thread(os.rename, self._root(sandbox_id), dest)
+        await asyncio.to_thread(shutil.rmtree, self._sandbox_dir(sandbox_id), True)
+        return TemplateRef(kind="template", data={"dir": str(dest)})
 
     async def kill(self, sandbox_id: str, placement: Placement | None) -> None:
         await self._stop(sandbox_id, placement)

@@ -223,6 +223,15 @@ class SandboxProxy:
                 return ProxyRoute(rec.sandbox_id, ENVD_PORT, by_signature=True)
         return ProxyRoute("", ENVD_PORT, "invalid signature")
 
+    def signature_owner(self, method: str, query: str) -> str | None:
+        """The sandbox of this node whose envd token made the file signature of a
+        `{method} /files?{query}`, or None. The gateway asks its nodes this (a signed URL on the
+        gateway's E2B_SANDBOX_URL names no sandbox); the expiry is checked when the request
+        itself comes (_refusal)."""
+        found = self.route({"type": "http", "method": method, "path": FILES_PATH,
+                            "query_string": query.encode("latin-1"), "headers": []})
+        return found.sandbox_id if found is not None and found.by_signature else None
+
     def _sandbox_left(self, sandbox_id: str, why: str) -> None:
         exchanges = self._exchanges.get(sandbox_id, ())
         if exchanges:

@@ -107,6 +107,8 @@ def same_secret(given: str | None, expected: str) -> bool:
 
 #: the header a gateway sends every request to a node with, when the cluster has a secret
 CLUSTER_SECRET_HEADER = b"x-agentenv-cluster-secret"
+#: a node route only its gateway calls: which sandbox of the node made a file signature
+SIGNATURE_OWNER_PATH = "/cluster/file-signature-owner"
 
 
 def load_cluster_secret(path: Path | None) -> str | None:

@@ -17,12 +17,16 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
+import hashlib
 import json
 import logging
 import re
+import secrets
+import time
 from collections.abc import Awaitable, Callable
 from datetime import datetime
 from typing import Any
+from urllib.parse import parse_qs, quote
 
 import httpx
 from starlette.requests import Request
@@ -36,7 +40,8 @@ from agentenv.control.gateway.placement import (
     SchedulerLink,
     SchedulerUnavailable,
 )
-from agentenv.control.gateway.store import GatewayStore, StoreUnavailable
+from agentenv.control.gateway.store import PENDING, GatewayStore, StoreUnavailable
+from agentenv.node.security import SIGNATURE_OWNER_PATH
 from agentenv.relay.server import request_target, target_problem
 from agentenv.relay.stream import (
     Exchange,
@@ -55,6 +60,10 @@ CLUSTER_SECRET_HEADER = b"x-agentenv-cluster-secret"
 ENVD_PORT = 49983
 MAX_BODY = 1 << 20
 MAX_PAGE = 100
+FILES_PATH = "/files"
+#: how long a create may hold its Idempotency-Key before a retry may try again (a create on a
+#: loaded host with the VM backend takes up to a minute or two)
+CREATE_PENDING_SECONDS = 300.0
 _HOST_ROUTE = re.compile(r"^(\d{1,5})-([a-z0-9]{1,63})\.[^:]+(:\d+)?$")
 _PORT = re.compile(r"^\d{1,5}$")
 _ID = re.compile(r"^[a-z0-9]{1,63}$")
@@ -114,6 +123,17 @@ def sandbox_route(scope: Scope) -> tuple[str, int] | str | None:
                 return f"invalid port {port} in Host"
             return match.group(2), port
     return None
+
+
+def is_signed_file_request(scope: Scope) -> bool:
+    """A signed file URL as the SDK's download_url/upload_url build it on a shared
+    E2B_SANDBOX_URL: `GET|POST /files?path=…&signature=…`, no sandbox id, no access token."""
+    if scope["path"] != FILES_PATH or scope["method"] not in ("GET", "POST"):
+        return False
+    if header_values(scope, b"x-access-token"):
+        return False
+    query = parse_qs(scope.get("query_string", b"").decode("latin-1"), keep_blank_values=True)
+    return bool((query.get("signature") or [""])[0])
 
 
 def encode_cursor(key: tuple[float, str]) -> str:
@@ -211,6 +231,9 @@ class GatewayApp:
         if route is not None:
             await self._sandbox_http(scope, receive, send, *route)
             return
+        if is_signed_file_request(scope):
+            await self._signed_file(scope, receive, send)
+            return
         request = Request(scope, receive)
         try:
             await self._control(request, send)
@@ -284,6 +307,54 @@ class GatewayApp:
         await self.relay.websocket(scope, receive, send, url,
                                    self._to_node_headers(scope, sandbox_id, port),
                                    Exchange(sandbox_id))
+
+    async def _signature_owner(self, scope: Scope) -> tuple[Node, str] | str:
+        """The node and sandbox whose envd token made a signed file URL, else why not. The URL
+        names no sandbox and nothing in it may be trusted before the signature is checked:
+        every node that is up checks it against its own sandboxes' tokens
+        (SIGNATURE_OWNER_PATH) and names the one that made it."""
+        nodes = await self._up_nodes()
+        payload = {"method": scope["method"],
+                   "query": scope.get("query_string", b"").decode("latin-1")}
+
+        async def ask(node: Node) -> str | None:
+            answer = await self.http.post(node.url + SIGNATURE_OWNER_PATH, json=payload,
+                                          headers={"x-agentenv-cluster-secret":
+                                                   self.secret.decode()}, timeout=10)
+            if answer.status_code == 200:
+                return str(answer.json()["sandboxID"])
+            return None
+
+        found = await asyncio.gather(*(ask(n) for n in nodes), return_exceptions=True)
+        silent = []
+        for node, sandbox_id in zip(nodes, found, strict=True):
+            if isinstance(sandbox_id, str) and _ID.match(sandbox_id):
+                return node, sandbox_id
+            if isinstance(sandbox_id, BaseException):
+                silent.append(node.node_id)
+                log.info("signature lookup skipped a node",
+                         extra={"node": node.node_id, "error": str(sandbox_id)})
+        # the sandbox may be on a node that did not answer: not (yet) an invalid signature
+        return f"node unavailable: {', '.join(silent)} did not answer" if silent else ""
+
+    async def _signed_file(self, scope: Scope, receive: Any, send: Send) -> None:
+        try:
+            owner = await self._signature_owner(scope)
+        except SchedulerUnavailable as exc:
+            await send_json(send, 503, {"code": 503, "message": f"scheduler unavailable: {exc}"})
+            return
+        if isinstance(owner, str):
+            if owner:
+                await send_json(send, 503, {"code": 503, "message": owner})
+            else:  # as the node and envd answer a signature no token made
+                await send_json(send, 401, {"code": 401, "message": "invalid signature"})
+            return
+        node, sandbox_id = owner
+        # the node checks the signature (and its expiry) again before anything reaches envd
+        url = httpx.URL(node.url + "/").copy_with(raw_path=request_target(scope))
+        await self.relay.http(scope, receive, send, url,
+                              self._to_node_headers(scope, sandbox_id, ENVD_PORT),
+                              Exchange(sandbox_id))
 
     async def _answer_gone(self, send: Send, exchange: Exchange) -> int:
         await send_json(send, 503, {"sandboxId": exchange.name, "message": "node unavailable",
@@ -369,7 +440,9 @@ class GatewayApp:
         return [(m, re.compile(p), h) for m, p, h in table]
 
     def _headers(self, request: Request) -> list[tuple[bytes, bytes]]:
-        headers = forward_headers(request.scope, _DROP_TO_NODE | {b"content-length"})
+        # the client's Idempotency-Key is the gateway's to keep (create sends one of its own)
+        headers = forward_headers(request.scope,
+                                  _DROP_TO_NODE | {b"content-length", b"idempotency-key"})
         headers.append((CLUSTER_SECRET_HEADER, self.secret))
         return headers
 
@@ -383,12 +456,14 @@ class GatewayApp:
         return b"".join(chunks)
 
     async def _call(self, node: Node, request: Request, body: bytes | None = None,
-                    path: str | None = None, params: Any = None) -> httpx.Response:
+                    path: str | None = None, params: Any = None,
+                    headers: list[tuple[bytes, bytes]] | None = None) -> httpx.Response:
         """One buffered exchange with a node (bodies of the control API are small)."""
         target = request_target(request.scope).decode("latin-1") if path is None else path
         try:
             return await self.http.request(
-                request.method, node.url + target, headers=self._headers(request),
+                request.method, node.url + target,
+                headers=self._headers(request) + (headers or []),
                 content=body, params=params, timeout=600,
             )
         except httpx.HTTPError as exc:
@@ -449,6 +524,38 @@ class GatewayApp:
 
     async def create(self, request: Request, send: Send, team: str) -> None:
         raw = await self._body(request)
+        keys = request.headers.getlist("idempotency-key")
+        if not keys:
+            await self._create(request, send, team, raw, None)
+            return
+        if len(keys) > 1 or not 1 <= len(keys[0]) <= 255:
+            raise ApiError(400, "Idempotency-Key must appear once, 1-255 characters")
+        key = keys[0]
+        # A retry of a create (same team, same key) gets the first one's sandbox wherever the
+        # scheduler would place the retry: the key is claimed in Redis, so concurrent duplicates
+        # through any gateway make one sandbox and the others wait for its answer.
+        mark = secrets.token_hex(8)
+        deadline = time.monotonic() + CREATE_PENDING_SECONDS
+        while True:
+            found = await self.store.claim_create(team, key, mark, CREATE_PENDING_SECONDS)
+            if found is None:
+                break
+            if not found.startswith(PENDING):
+                await self._send_json(send, 201, self._with_domain(json.loads(found)))
+                return
+            if time.monotonic() > deadline:
+                raise ApiError(409, "a create with this Idempotency-Key is still under way")
+            await asyncio.sleep(0.05)
+        done = False
+        try:
+            done = await self._create(request, send, team, raw, key)
+        finally:
+            if not done:  # failed: nothing was made, a retry may try again
+                await self.store.unclaim_create(team, key, mark)
+
+    async def _create(self, request: Request, send: Send, team: str, raw: bytes,
+                      key: str | None) -> bool:
+        """Place and create; True once a sandbox was made (and recorded under `key`)."""
         try:
             body = json.loads(raw or b"{}")
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
@@ -460,25 +567,35 @@ class GatewayApp:
             if node is None:
                 raise NoPlacement("no node is up")
             await self._send(send, await self._call(node, request, raw))
-            return
+            return False
         bare = template.split(":")[0]
         owned = (await self.store.owned("snapshot", bare, team)
                  or await self.store.owned("template", bare, team))
         if owned is not None and owned.team != team:
             raise ApiError(404, f"template '{template}' not found")
+        if owned is None and await self.store.name_holder("template", bare) not in (None, team):
+            raise ApiError(404, f"template '{template}' not found")  # another team's name
         if owned is not None:
             node = await self._node_by_id(owned.node)
         else:
             node = await self.scheduler.schedule(template=template, team=team)
-        answer = await self._call(node, request, raw)
-        if answer.status_code == 201:
-            created = answer.json()
-            sandbox_id = created["sandboxID"]
-            await self.store.own_sandboxes(team, [sandbox_id])
-            await self.scheduler.record(sandbox_id, node, team)
-            await self._send_json(send, 201, self._with_domain(created))
-            return
-        await self._send(send, answer)
+        headers = None
+        if key is not None:
+            # the node's own Idempotency-Key memory has no teams: a key of the team's own
+            digest = hashlib.sha256(f"{team}\0{key}".encode()).hexdigest()
+            headers = [(b"idempotency-key", digest.encode())]
+        answer = await self._call(node, request, raw, headers=headers)
+        if answer.status_code != 201:
+            await self._send(send, answer)
+            return False
+        created = answer.json()
+        sandbox_id = created["sandboxID"]
+        await self.store.own_sandboxes(team, [sandbox_id])
+        await self.scheduler.record(sandbox_id, node, team)
+        if key is not None:
+            await self.store.created(team, key, json.dumps(created))
+        await self._send_json(send, 201, self._with_domain(created))
+        return True
 
     async def _node_by_id(self, node_id: str) -> Node:
         for node in await self.scheduler.nodes():
@@ -638,15 +755,19 @@ class GatewayApp:
 
     # --- templates ---------------------------------------------------------------------------
 
-    async def _template_node(self, ref: str, team: str) -> Node:
+    async def _template_node(self, ref: str, team: str, own_only: bool = False) -> Node:
         """The node of a template `team` may see: its own (where it was built), or a shared one
-        (no team built it: any node that is up has it)."""
+        (no team built it: any node that is up has it), unless `own_only`."""
         bare = ref.split("/")[-1].split(":")[0]
         owned = await self.store.owned("template", bare, team)
         if owned is not None:
             if owned.team != team:
                 raise ApiError(404, f"template '{ref}' not found")
             return await self._node_by_id(owned.node)
+        holder = await self.store.name_holder("template", bare)
+        if own_only or (holder is not None and holder != team):
+            # another team's name: the node would answer with that team's template
+            raise ApiError(404, f"template '{ref}' not found")
         nodes = await self._up_nodes()
         if not nodes:
             raise NoPlacement("no node is up")
@@ -665,19 +786,39 @@ class GatewayApp:
         if owned is not None and owned.team == team:
             node = await self._node_by_id(owned.node)  # a rebuild: where the template is
         elif name:
+            # a node knows one template per name: a name is one team's in the whole cluster
+            holder = await self.store.name_holder("template", name)
+            if holder is None:
+                await self._refuse_shared_name(name)
+            if await self.store.claim_name("template", name, team) != team:
+                raise ApiError(409, f"the template name {name!r} is taken by another team")
             node = await self.scheduler.schedule(template=name, team=team)
         else:  # the node names what is wrong with the body
             node = (await self._up_nodes() or [None])[0]
             if node is None:
                 raise NoPlacement("no node is up")
         answer = await self._call(node, request, raw)
+        template_id = None
         if answer.status_code in (200, 201, 202):
-            built = answer.json()
-            template_id = built.get("templateID")
+            template_id = answer.json().get("templateID")
             if template_id:
                 await self.store.own("template", template_id, team, node.node_id,
                                      [name] if name else [])
+        if name and owned is None and not template_id:
+            await self.store.release_name("template", name, team)
         await self._send(send, answer)
+
+    async def _refuse_shared_name(self, name: str) -> None:
+        """400 for the name of a template no team built (a node's `base`): no team may claim it,
+        not even for the moment the node takes to refuse the build."""
+        node = (await self._up_nodes() or [None])[0]
+        if node is None:
+            raise NoPlacement("no node is up")
+        probe = await self._get(node, f"/templates/aliases/{quote(name, safe='')}")
+        if probe.status_code == 200:
+            template_id = str(probe.json().get("templateID", ""))
+            if not await self.store.owned_ids("template", [template_id]):
+                raise ApiError(400, f"the template name {name!r} is a built-in template's")
 
     async def template_forward(self, request: Request, send: Send, team: str, ref: str,
                                *_: str) -> None:
@@ -706,7 +847,8 @@ class GatewayApp:
         target = ""
         if isinstance(body, dict):
             target = str(body.get("target") or body.get("name") or "")
-        node = await self._template_node(target, team) if target else (
+        # tags of shared templates are no team's to change
+        node = await self._template_node(target, team, own_only=True) if target else (
             (await self._up_nodes() or [None])[0])
         if node is None:
             raise NoPlacement("no node is up")

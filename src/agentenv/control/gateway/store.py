@@ -7,7 +7,10 @@ of them serves any request. API keys are stored as their SHA-256 only.
 Keys (prefix `aenv:`): `teams` (set of names), `team:{name}` (hash: name, created),
 `apikey:{sha256}` -> team name, `own:sandbox` (hash: sandbox id -> team),
 `own:template:{id}` / `own:snapshot:{id}` (hash: team, node, id), `name:template:{team}:{name}`
-and `name:snapshot:{team}:{name}` -> id.
+and `name:snapshot:{team}:{name}` -> id, `taken:template:{name}` -> the team whose template has
+that name on the nodes, `idem:{team}:{sha256(key)}` -> a create under way
+(`pending:…`) or its answer, for IDEMPOTENCY_SECONDS. That answer holds the sandbox's envd
+token, as the node's memory does: whoever reads this Redis holds the cluster anyway (API keys).
 """
 
 from __future__ import annotations
@@ -24,6 +27,11 @@ import redis.exceptions
 from agentenv.errors import AgentEnvError
 
 PREFIX = "aenv:"
+#: how long a create's Idempotency-Key names its sandbox (the node keeps its own as long)
+IDEMPOTENCY_SECONDS = 600
+PENDING = "pending:"
+#: delete a key only while it still holds this caller's value (its pending mark)
+_DELETE_IF = "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del', KEYS[1]) end return 0"
 TEAM_NAME = re.compile(r"^[a-z0-9][a-z0-9-]{0,39}$")
 
 
@@ -129,11 +137,27 @@ class GatewayStore:
 
     async def own(self, kind: str, item_id: str, team: str, node: str, names: list[str]) -> None:
         pipe = self.redis.pipeline()
-        pipe.hset(PREFIX + f"own:{kind}:{item_id}",
-                  mapping={"team": team, "node": node, "id": item_id})
+        key = PREFIX + f"own:{kind}:{item_id}"
+        pipe.hset(key, mapping={"team": team, "node": node, "id": item_id})
         for name in names:
             pipe.set(PREFIX + f"name:{kind}:{team}:{name}", item_id)
+            pipe.hset(key, f"name:{name}", "1")
         await self._call(pipe.execute())
+
+    async def claim_name(self, kind: str, name: str, team: str) -> str:
+        """Claim a template name for `team` cluster-wide (a node knows one template per name,
+        whatever team built it); returns the team that holds the name."""
+        key = PREFIX + f"taken:{kind}:{name}"
+        await self._call(self.redis.set(key, team, nx=True))
+        holder: str | None = await self._call(self.redis.get(key))
+        return holder or team
+
+    async def release_name(self, kind: str, name: str, team: str) -> None:
+        await self._call(self.redis.eval(_DELETE_IF, 1, PREFIX + f"taken:{kind}:{name}", team))
+
+    async def name_holder(self, kind: str, name: str) -> str | None:
+        found: str | None = await self._call(self.redis.get(PREFIX + f"taken:{kind}:{name}"))
+        return found
 
     async def owned(self, kind: str, ref: str, team: str | None = None) -> Owned | None:
         """The template or snapshot `ref` (an id, or a name of `team`'s), whoever owns it."""
@@ -158,8 +182,43 @@ class GatewayStore:
         return {i: t for i, t in zip(ids, teams, strict=True) if t}
 
     async def disown(self, kind: str, item_id: str, team: str, names: list[str]) -> None:
+        """Forget an item and every name it was recorded with (and `names`)."""
+        key = PREFIX + f"own:{kind}:{item_id}"
+        fields = await self._call(self.redis.hkeys(key))
+        names = [*names, *(f.removeprefix("name:") for f in fields if f.startswith("name:"))]
         pipe = self.redis.pipeline()
-        pipe.delete(PREFIX + f"own:{kind}:{item_id}")
-        for name in names:
+        pipe.delete(key)
+        for name in set(names):
             pipe.delete(PREFIX + f"name:{kind}:{team}:{name}")
+            pipe.eval(_DELETE_IF, 1, PREFIX + f"taken:{kind}:{name}", team)
         await self._call(pipe.execute())
+
+    # --- idempotent creates ------------------------------------------------------------------
+
+    @staticmethod
+    def _idem_key(team: str, key: str) -> str:
+        return PREFIX + f"idem:{team}:{hashlib.sha256(key.encode()).hexdigest()}"
+
+    async def claim_create(self, team: str, key: str, mark: str, pending_seconds: float
+                           ) -> str | None:
+        """Claim `team`'s Idempotency-Key `key` for a create (the pending `mark`, for
+        `pending_seconds`): None when claimed, else what the key holds (another caller's pending
+        mark, or the answer of the create that claimed it)."""
+        name = self._idem_key(team, key)
+        while True:
+            claimed = await self._call(self.redis.set(name, PENDING + mark, nx=True,
+                                                      px=int(pending_seconds * 1000)))
+            if claimed:
+                return None
+            found: str | None = await self._call(self.redis.get(name))
+            if found is not None:  # else it expired or was given back just now: claim again
+                return found
+
+    async def created(self, team: str, key: str, answer: str) -> None:
+        await self._call(self.redis.set(self._idem_key(team, key), answer,
+                                        ex=IDEMPOTENCY_SECONDS))
+
+    async def unclaim_create(self, team: str, key: str, mark: str) -> None:
+        """A create that failed gives its key back (a retry may try again)."""
+        await self._call(self.redis.eval(_DELETE_IF, 1, self._idem_key(team, key),
+                                         PENDING + mark))
