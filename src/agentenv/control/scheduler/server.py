@@ -61,6 +61,13 @@ class _Servicer(pb_grpc.SchedulerServicer):
     async def ListNodes(self, request: pb.Empty, context: Any) -> pb.NodeList:
         return self.service.list_nodes()
 
+    async def Holders(self, request: pb.HoldersRequest, context: Any) -> pb.HoldersResponse:
+        try:
+            return self.service.holders(request)
+        except PlacementError as exc:
+            await context.abort(exc.code, exc.message)
+        raise AssertionError("unreachable")  # context.abort raises
+
 
 @dataclass
 class SchedulerOptions:
