@@ -117,7 +117,7 @@ class RemoteService:
         return {
             "p2p": self.peer_server.address if self.peer_server else None,
             "blobs": [b["digest"] for b in held if b["complete"]],
-            "partial": [b["digest"] for b in held if not b["complete"]],
+            "partial": [b["digest"] for b in held if b["servable"] and not b["complete"]],
         }
 
     def handlers(self) -> dict[str, Any]:

@@ -564,7 +564,9 @@ class RemoteStore:
         for state in self.cache.blobs():
             if state.count:
                 out.append({"digest": "sha256:" + state.hex, "size": state.size,
-                            "chunks": state.count, "complete": state.complete})
+                            "chunks": state.count, "complete": state.complete,
+                            # chunks a peer is given (unchecked ones only once complete)
+                            "servable": state.complete or VERIFIED in state.present})
         return out
 
     def snapshot_stats(self) -> dict[str, Any]:
