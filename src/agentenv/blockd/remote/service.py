@@ -113,7 +113,7 @@ class RemoteService:
     async def op_held(self) -> dict[str, Any]:
         """What a node's heartbeat reports: the chunk server's address and the blobs it
         can serve, whole and in part."""
-        held = self.store.held()
+        held = sorted(self.store.held(), key=lambda b: str(b["digest"]))  # same set, same list
         return {
             "p2p": self.peer_server.address if self.peer_server else None,
             "blobs": [b["digest"] for b in held if b["complete"]],

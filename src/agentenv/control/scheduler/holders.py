@@ -19,8 +19,9 @@ class HolderIndex:
     def __init__(self) -> None:
         # digest -> node -> True (whole) / False (some chunks)
         self._by_digest: dict[str, dict[str, bool]] = {}
-        # node -> (its whole blobs, its partial blobs) as last reported
-        self._by_node: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {}
+        # node -> (its report as last sent, the same as digest -> whole?)
+        self._by_node: dict[str, tuple[tuple[tuple[str, ...], tuple[str, ...]],
+                                       dict[str, bool]]] = {}
         self._turn = itertools.count()
 
     def __len__(self) -> int:
@@ -30,14 +31,11 @@ class HolderIndex:
         """Replace what `node_id` holds (a whole blob listed in both counts as whole)."""
         report = (tuple(whole), tuple(partial))
         old = self._by_node.get(node_id)
-        if old == report:
+        if old is not None and old[0] == report:
             return
         new: dict[str, bool] = dict.fromkeys(report[1], False)
         new.update(dict.fromkeys(report[0], True))
-        before: dict[str, bool] = {}
-        if old is not None:
-            before = dict.fromkeys(old[1], False)
-            before.update(dict.fromkeys(old[0], True))
+        before = old[1] if old is not None else {}
         for digest in before.keys() - new.keys():
             holders = self._by_digest.get(digest)
             if holders is not None:
@@ -48,7 +46,7 @@ class HolderIndex:
             if before.get(digest) is not complete:
                 self._by_digest.setdefault(digest, {})[node_id] = complete
         if new:
-            self._by_node[node_id] = report
+            self._by_node[node_id] = (report, new)
         else:
             self._by_node.pop(node_id, None)
 
