@@ -199,6 +199,8 @@ class RemoteStore:
         self.resolver: Resolver | None = None
         self._holders: dict[str, tuple[float, list[tuple[str, bool]]]] = {}
         self._holders_lock = threading.Lock()
+        self._holders_asking: dict[str, threading.Event] = {}
+        self._resolver_failing = False
         # This node's own chunk server, never asked (a resolver may not know us apart).
         self.own_addresses: set[str] = set()
         self._lock = threading.Lock()
@@ -300,7 +302,8 @@ class RemoteStore:
 
     def holders(self, hex_: str) -> list[tuple[str, bool]]:
         """The peers the resolver names for a blob, (http://host:port, whole?), asked at
-        most once per HOLDERS_TTL_S (HOLDERS_RETRY_S after an empty or failed answer)."""
+        most once per HOLDERS_TTL_S (HOLDERS_RETRY_S after an empty or failed answer), by one
+        fetch thread at a time: the others use the last answer, or wait for the first."""
         resolver = self.resolver
         if resolver is None:
             return []
@@ -309,8 +312,31 @@ class RemoteStore:
             cached = self._holders.get(hex_)
             if cached is not None and cached[0] > now:
                 return cached[1]
+            asking = self._holders_asking.get(hex_)
+            if asking is None:
+                self._holders_asking[hex_] = threading.Event()
+        if asking is not None:
+            if cached is None:
+                asking.wait(RESOLVER_TIMEOUT_S + 0.5)
+            with self._holders_lock:
+                latest = self._holders.get(hex_)
+            return latest[1] if latest is not None else []
         found: list[tuple[str, bool]] = []
         try:
+            found = self._ask_resolver(resolver, hex_)
+        finally:  # whatever happened, the next question may go out
+            ttl = HOLDERS_TTL_S if found else HOLDERS_RETRY_S
+            with self._holders_lock:
+                if len(self._holders) > 4096:  # old answers of blobs no longer read
+                    self._holders = {k: v for k, v in self._holders.items() if v[0] > now}
+                self._holders[hex_] = (time.monotonic() + ttl, found)
+                self._holders_asking.pop(hex_).set()
+        return found
+
+    def _ask_resolver(self, resolver: Resolver, hex_: str) -> list[tuple[str, bool]]:
+        found: list[tuple[str, bool]] = []
+        try:
+            self.stats.add("requests", "resolver")
             reply = self._resolver_http.get(resolver.url, params={"digest": "sha256:" + hex_},
                                             headers=resolver.headers)
             if reply.status_code != 200:
@@ -320,18 +346,17 @@ class RemoteStore:
                 if not address.startswith(("http://", "https://")):
                     address = "http://" + address
                 found.append((address, bool(holder.get("complete"))))
-        except (httpx.HTTPError, SourceError, ValueError, KeyError, TypeError) as exc:
+            self._resolver_failing = False
+        except (httpx.HTTPError, httpx.InvalidURL, SourceError, ValueError, KeyError,
+                TypeError, AttributeError) as exc:
             self.stats.add("failures", "resolver")
-            log.warning("cannot ask which peers hold a blob",
-                        extra={"blob": "sha256:" + hex_, "resolver": resolver.url,
-                               "error": str(exc)})
-        found = [(a, c) for a, c in found if a not in self.own_addresses]
-        ttl = HOLDERS_TTL_S if found else HOLDERS_RETRY_S
-        with self._holders_lock:
-            if len(self._holders) > 4096:  # old answers of blobs no longer read
-                self._holders = {k: v for k, v in self._holders.items() if v[0] > now}
-            self._holders[hex_] = (now + ttl, found)
-        return found
+            if not self._resolver_failing:  # once per outage, not once a second per blob
+                log.warning("cannot ask which peers hold a blob; the registry serves it",
+                            extra={"blob": "sha256:" + hex_, "resolver": resolver.url,
+                                   "error": str(exc)})
+            self._resolver_failing = True
+            return []
+        return [(a, c) for a, c in found if a not in self.own_addresses]
 
     def _peer_order(self, hex_: str, idx: int) -> list[str]:
         """The peers to ask for chunk `idx`, each list rotated to start at one picked by
