@@ -57,7 +57,7 @@ class Pair:
     """A node: its blockd (chunk cache, chunk server) and a process-backend node beside it."""
 
     def __init__(self, name: str, root: Path, scheduler: str, secret_file: Path,
-                 background_bw: str) -> None:
+                 background_bw: str, gateway_only: bool) -> None:
         self.name = name
         self.daemon = Daemon(root / "blockd", fuse=False)
         self.p2p = f"127.0.0.1:{free_port()}"
@@ -69,7 +69,9 @@ class Pair:
         self.state = root / "aenv"  # the pulled image's descriptors
         self.node = NodeProcess(
             root / "node", root / "node.log",
-            extra_args=("--backend", "process", "--scheduler", scheduler, "--node-id", name),
+            extra_args=("--backend", "process", "--scheduler", scheduler, "--node-id", name,
+                        # a cluster's node: its API (and so blockd's resolver) wants the secret
+                        *(("--cluster-secret-file", str(secret_file)) if gateway_only else ())),
             extra_env={"AENV_BLOCKD_SOCKET": str(self.daemon.socket)},
         )
 
@@ -112,8 +114,8 @@ def cluster(redis_server: RedisServer, prefix: str,
         secret = root / "cluster-secret"
         secret.write_text(secrets.token_hex(16))
         # A completes the blobs it uses (so it holds it whole); B fetches only what it reads.
-        pairs += [Pair("node-a", root / "a", sched.address, secret, "64M"),
-                  Pair("node-b", root / "b", sched.address, secret, "0")]
+        pairs += [Pair("node-a", root / "a", sched.address, secret, "64M", False),
+                  Pair("node-b", root / "b", sched.address, secret, "0", True)]
         for pair in pairs:
             pair.start()
         yield registry, sched, pairs[0], pairs[1], root
@@ -149,14 +151,21 @@ def test_node_b_reads_from_a_found_by_the_scheduler(cluster: tuple[Any, ...]) ->
         h for h in _call(sched.address, "holders", [digest], node_id="node-b")[digest]
         if h.complete], timeout=60)
     assert [(h.node_id, h.layer_address) for h in holders] == [("node-a", a.p2p)]
-    # B's node answers its blockd (with what passes the node's API check).
+    # B's node answers its blockd: B serves its gateway only, so blockd sends the secret.
+    cluster = {"x-agentenv-cluster-secret": (root / "cluster-secret").read_text()}
     reply = httpx.get(f"{b.node.url}/cluster/holders", params={"digest": digest},
-                      headers={"x-api-key": b.node.api_key}, trust_env=False)
+                      headers=cluster, trust_env=False)
     assert reply.status_code == 200, reply.text
     assert reply.json()["holders"] == [
         {"address": f"http://{a.p2p}", "complete": True, "node_id": "node-a"}]
+    assert httpx.get(f"{b.node.url}/cluster/holders", params={"digest": digest},
+                     trust_env=False).status_code == 403
     assert httpx.get(f"{b.node.url}/cluster/holders", params={"digest": "sha256:x"},
-                     headers={"x-api-key": b.node.api_key}, trust_env=False).status_code == 400
+                     headers=cluster, trust_env=False).status_code == 400
+    # A's node (no cluster secret) takes its API key.
+    reply = httpx.get(f"{a.node.url}/cluster/holders", params={"digest": digest},
+                      headers={"x-api-key": a.node.api_key}, trust_env=False)
+    assert reply.status_code == 200 and reply.json()["holders"] == [], reply.text
     _wait("node B's blockd to know its resolver", lambda: b.stats()["resolver"])
     assert b.stats()["peers"] == []  # no static peer
 
