@@ -13,8 +13,10 @@ import pytest
 import redis
 from redis.exceptions import RedisError
 
+from agentenv.control.proto import scheduler_pb2 as pb
 from agentenv.control.scheduler.client import SchedulerError
 from agentenv.control.scheduler.store import Binding, Store
+from agentenv.control.scheduler.holders import HolderIndex
 from tests.control.conftest import RedisServer
 from tests.control.helpers import scheduler, status
 
@@ -155,3 +157,63 @@ def test_concurrent_records_share_round_trips(redis_server: RedisServer, prefix:
             assert len(list(pool.map(fail, range(16), timeout=30))) == 16
     finally:
         away.close()
+def test_holders(redis_server: RedisServer, prefix: str) -> None:
+    """Holders answers from the heartbeats' blob lists: up nodes with a layer address, the
+    asker left out, whole holders first; a restarted scheduler knows them from Redis."""
+    a, b, c = ("sha256:" + ch * 64 for ch in "abc")
+
+    def blobs(node: str, whole: list[str], partial: list[str], p2p: str = "") -> pb.NodeStatus:
+        msg = status(node)
+        msg.layer_address = p2p or f"127.0.0.1:{9100 + int(node[1:])}"
+        msg.blobs.extend(whole)
+        msg.partial_blobs.extend(partial)
+        return msg
+
+    async def body() -> None:
+        async with scheduler(redis_server.url, prefix, heartbeat_interval_s=0.2,
+                             missed_heartbeats=1) as (_, client):
+            await client.heartbeat(blobs("n1", [a], [b]))
+            await client.heartbeat(blobs("n2", [], [a]))
+            no_p2p = blobs("n3", [a, b], [])
+            no_p2p.layer_address = ""
+            await client.heartbeat(no_p2p)
+            got = await client.holders([a, b, c], node_id="n9")
+            assert [(h.node_id, h.complete) for h in got[a]] == [("n1", True), ("n2", False)]
+            assert got[a][0].layer_address == "127.0.0.1:9101"
+            assert [h.node_id for h in got[b]] == ["n1"] and got[c] == []
+            assert [h.node_id for h in (await client.holders([a], node_id="n1"))[a]] == ["n2"]
+            # n1 now holds b whole and no longer a: the index follows the difference.
+            await client.heartbeat(blobs("n1", [b], []))
+            got = await client.holders([a, b])
+            assert [h.node_id for h in got[a]] == ["n2"]
+            assert [(h.node_id, h.complete) for h in got[b]] == [("n1", True)]
+            # n2 stops heartbeating: down after 1.5 intervals, and no longer offered.
+            for _ in range(8):
+                await asyncio.sleep(0.1)
+                await client.heartbeat(blobs("n1", [b], []))
+            assert (await client.holders([a]))[a] == []
+            with pytest.raises(SchedulerError) as caught:
+                await client.holders(["sha256:xyz"])
+            assert "is not sha256:<64 lowercase hex>" in caught.value.details
+        async with scheduler(redis_server.url, prefix) as (_, client):
+            got = await client.holders([b])
+            assert [(h.node_id, h.complete) for h in got[b]] == [("n1", True)]
+
+    asyncio.run(body())
+
+
+def test_holder_index_spreads_and_diffs() -> None:
+    index = HolderIndex()
+    for n in range(10):
+        index.update(f"n{n}", ["sha256:x"] if n < 4 else [], ["sha256:x"] if n >= 4 else [])
+    firsts = set()
+    for _ in range(8):
+        got = index.holders("sha256:x", limit=3)
+        assert len(got) == 3 and all(complete for _, complete in got)
+        firsts.add(got[0][0])
+    assert len(firsts) == 4  # the askers start at different whole holders
+    got = index.holders("sha256:x", limit=20)
+    assert [c for _, c in got] == [True] * 4 + [False] * 6
+    for n in range(10):
+        index.forget(f"n{n}")
+    assert len(index) == 0 and index.holders("sha256:x") == []

@@ -6,15 +6,19 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import socketserver
 import threading
 from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from urllib.parse import parse_qs, urlsplit
 
 import pytest
 
 from agentenv.blockd.remote.cache import VERIFIED, ChunkCache
 from agentenv.blockd.remote.layout import parse
-from agentenv.blockd.remote.store import RemoteConfig, RemoteStore
+from agentenv.blockd.remote.p2p import PeerServer
+from agentenv.blockd.remote.store import RemoteConfig, RemoteStore, Resolver
 from agentenv.storage import blob as blobmod
 from agentenv.storage.blob import BlobLocation, RemoteLayerRef
 from agentenv.storage.image import Image
@@ -213,3 +217,108 @@ def test_background_completion_fetches_a_blob_in_use_and_checks_its_digest(
         source.close()
     finally:
         s.close()
+
+
+class _Resolver:
+    """What a node's /cluster/holders answers (node/layer_peers.py), from a list the test sets;
+    counts the questions."""
+
+    def __init__(self) -> None:
+        self.holders: list[dict[str, object]] = []
+        self.asked: list[str] = []
+        outer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args: object) -> None:
+                pass
+
+            def do_GET(self) -> None:
+                query = parse_qs(urlsplit(self.path).query)
+                outer.asked.append(query["digest"][0])
+                body = json.dumps({"holders": outer.holders}).encode()
+                self.send_response(200)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+        class Server(ThreadingHTTPServer):
+            daemon_threads = True
+
+            def server_bind(self) -> None:  # no reverse DNS lookup (docs/network.md)
+                socketserver.TCPServer.server_bind(self)
+                self.server_name, self.server_port = "127.0.0.1", self.server_address[1]
+
+        self.server = Server(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/cluster/holders"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def stop(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def test_peers_from_a_resolver_spread_skip_self_and_fall_back(
+        tmp_path: Path, registry: Registry, hello: tuple[str, bytes]) -> None:
+    digest, data = hello
+    ref = _ref(registry, digest, len(data))
+    secret = "s3cret"
+    resolver = _Resolver()
+    made: list[tuple[RemoteStore, PeerServer | None]] = []
+
+    def node(name: str, serve: bool) -> RemoteStore:
+        s = RemoteStore(RemoteConfig(tmp_path / name, capacity=64 * CHUNK, chunk_size=CHUNK,
+                                     background_bw=0, timeout=3, request_timeout=1,
+                                     secret=secret))
+        server = PeerServer(s, "127.0.0.1:0", secret) if serve else None
+        if server is not None:
+            server.start()
+        made.append((s, server))
+        return s
+
+    try:
+        holders = [node("h1", True), node("h2", True)]
+        for h in holders:  # each holds the whole blob, checked chunk by chunk
+            source = h.open_blob(_ref(registry, digest, len(data)))
+            assert source.pread(len(data), 0) == data
+            source.close()
+        addresses = [f"http://{server.address}" for _, server in made if server]
+        dead = "http://127.0.0.1:9"
+        me = node("me", False)
+        me.own_addresses.add("http://127.0.0.1:1")
+        resolver.holders = [{"address": "127.0.0.1:1", "complete": True},
+                            {"address": dead, "complete": True}] + \
+            [{"address": a, "complete": True} for a in addresses]
+        me.set_resolver(Resolver(resolver.url))
+        hex_ = digest.split(":", 1)[1]
+        # Requests spread: each chunk starts at a holder picked by hashing (blob, chunk).
+        firsts = {me._peer_order(hex_, idx)[0] for idx in range(10)}
+        assert firsts == {dead, *addresses}
+        assert all("http://127.0.0.1:1" not in me._peer_order(hex_, i) for i in range(10))
+        source = me.open_blob(ref)
+        assert source.pread(len(data), 0) == data
+        source.close()
+        assert me.stats.fetched.get("registry", 0) == 0 and me.stats.fetched["peer"] > 0
+        assert me.stats.failures.get("peer", 0) >= 1  # the dead one, then skipped for 5 s
+        assert resolver.asked == [digest]  # one question, the answer cached for the reads
+        # Only a dead peer known: everything comes from the registry.
+        resolver.holders = [{"address": dead, "complete": False}]
+        other = node("other", False)
+        other.set_resolver(Resolver(resolver.url))
+        source = other.open_blob(_ref(registry, digest, len(data)))
+        assert source.pread(len(data), 0) == data
+        source.close()
+        assert other.stats.fetched["registry"] > 0 and other.stats.fetched.get("peer", 0) == 0
+        # A resolver that cannot be reached is a registry read too, counted.
+        resolver.stop()
+        last = node("last", False)
+        last.set_resolver(Resolver(resolver.url))
+        source = last.open_blob(_ref(registry, digest, len(data)))
+        assert source.pread(CHUNK, 2 * CHUNK) == data[2 * CHUNK : 3 * CHUNK]
+        source.close()
+        assert last.stats.failures["resolver"] >= 1 and last.stats.fetched["registry"] > 0
+    finally:
+        resolver.stop()
+        for s, server in made:
+            if server is not None:
+                server.stop()
+            s.close()

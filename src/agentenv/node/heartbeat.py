@@ -3,7 +3,8 @@
 Started by the node server when `--scheduler ADDR` (or $AENV_SCHEDULER) is set. The status says
 what the scheduler places by: free vCPUs, memory and disk, the running and paused counts, the
 full sandbox list (the scheduler reconciles its binding table against it), and what is held
-locally: templates and their names, snapshots, and overlaybd layer ids (cache-aware placement).
+locally: templates and their names, snapshots, and overlaybd layer ids (cache-aware placement),
+and the blobs its blockd serves to peers with the address it serves them at (node/layer_peers.py).
 
 Capacity: vCPUs offered are `AENV_NODE_VCPUS` (default 4 x the host's CPUs: sandboxes mostly
 wait on the model); memory is the admission budget (node/admission.py) when there is one, else
@@ -29,6 +30,7 @@ from agentenv.errors import AgentEnvError
 from agentenv.node.records import State
 
 if TYPE_CHECKING:
+    from agentenv.node.layer_peers import LayerPeers
     from agentenv.node.orchestrator import Orchestrator
 
 log = logging.getLogger("agentenv.node.heartbeat")
@@ -72,6 +74,7 @@ class HeartbeatSender:
         layer_address: str = "",
         interval: float = DEFAULT_INTERVAL_S,
         ready: Callable[[], bool] = lambda: True,
+        peers: LayerPeers | None = None,
     ) -> None:
         self.orchestrator = orchestrator
         self.state_dir = state_dir
@@ -81,6 +84,7 @@ class HeartbeatSender:
         self.layer_address = layer_address
         self.interval = interval
         self.ready = ready
+        self.peers = peers  # adds blockd's chunk server and held blobs (node/layer_peers.py)
         self.vcpus = offered_vcpus()
         self.sent = 0
         self.failures = 0
@@ -138,7 +142,10 @@ class HeartbeatSender:
 
     async def send_once(self) -> float:
         """One heartbeat; returns the interval the scheduler asks for."""
-        asked = await self.client.heartbeat(self.status())
+        msg = self.status()
+        if self.peers is not None:
+            await self.peers.fill(msg)
+        asked = await self.client.heartbeat(msg)
         self.sent += 1
         return asked or self.interval
 
@@ -176,3 +183,5 @@ class HeartbeatSender:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
         await self.client.close()
+        if self.peers is not None:
+            await self.peers.close()

@@ -26,7 +26,12 @@ from agentenv.node.backend import Capabilities, SandboxBackend
 from agentenv.node.gc import LayerCollector
 from agentenv.node.metrics import NodeMetrics
 from agentenv.node.orchestrator import NodeConfig, Orchestrator
-from agentenv.node.security import TokenIssuer, load_api_key, secure_state_dir
+from agentenv.node.security import (
+    CLUSTER_SECRET_HEADER,
+    TokenIssuer,
+    load_api_key,
+    secure_state_dir,
+)
 from agentenv.node.store import Store
 from agentenv.relay.server import hardened_config, quiet_stream_aborts
 
@@ -142,12 +147,22 @@ async def _serve_with_heartbeat(
     sender = None
     if options.scheduler:
         from agentenv.node.heartbeat import HeartbeatSender
+        from agentenv.node.layer_peers import LayerPeers, blockd_socket_of
 
+        node_id = options.node_id or socket.gethostname()
+        advertise = options.advertise or f"{options.host}:{options.port}"
+        # blockd asks this node's API which peers hold a blob: on loopback, with what passes.
+        local = {"0.0.0.0": "127.0.0.1", "::": "[::1]", "": "127.0.0.1"}.get(
+            options.host, f"[{options.host}]" if ":" in options.host else options.host)
+        headers = ({CLUSTER_SECRET_HEADER.decode(): app.cluster_secret} if app.cluster_secret
+                   else {"x-api-key": app.api_key})
+        backend = app.orchestrator.backend
+        peers = LayerPeers(options.scheduler, node_id, f"http://{local}:{options.port}", headers,
+                           lambda: blockd_socket_of(backend), advertise.rpartition(":")[0])
+        app.api.router.routes.insert(0, peers.route())
         sender = HeartbeatSender(
             app.orchestrator, options.state_dir, options.scheduler,
-            node_id=options.node_id or socket.gethostname(),
-            advertise=options.advertise or f"{options.host}:{options.port}",
-            ready=lambda: server.started,
+            node_id=node_id, advertise=advertise, ready=lambda: server.started, peers=peers,
         )
         sender.start()
     try:

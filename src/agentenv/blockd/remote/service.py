@@ -12,7 +12,13 @@ from typing import Any
 
 from agentenv.blockd.errors import BlockdError
 from agentenv.blockd.remote.p2p import PeerServer
-from agentenv.blockd.remote.store import DEFAULT_CHUNK, DEFAULT_TIMEOUT, RemoteConfig, RemoteStore
+from agentenv.blockd.remote.store import (
+    DEFAULT_CHUNK,
+    DEFAULT_TIMEOUT,
+    RemoteConfig,
+    RemoteStore,
+    Resolver,
+)
 from agentenv.storage import blob
 
 log = logging.getLogger("agentenv.blockd.remote")
@@ -78,16 +84,45 @@ class RemoteService:
         stats["p2p"] = self.peer_server.address if self.peer_server else None
         return stats
 
-    async def op_peers(self, peers: list[str] | None = None) -> dict[str, Any]:
-        """Replace the peer list (a control plane passes the nodes that hold the blobs)."""
+    async def op_peers(self, peers: list[str] | None = None,
+                       resolver: dict[str, Any] | None = None,
+                       clear_resolver: bool = False) -> dict[str, Any]:
+        """Replace the static peer list, and/or set where to ask which peers hold a blob
+        (`resolver` {url, headers?}: the node, which asks its scheduler; store.Resolver)."""
         if peers is not None:
             if not isinstance(peers, list) or not all(isinstance(p, str) for p in peers):
                 raise BlockdError("peers must be a list of http://host:port strings")
             self.store.set_peers(peers)
-        return {"peers": list(self.store.peers)}
+        if resolver is not None:
+            url = resolver.get("url") if isinstance(resolver, dict) else None
+            headers = resolver.get("headers") or {} if isinstance(resolver, dict) else None
+            if not isinstance(url, str) or not url.startswith(("http://", "https://")):
+                raise BlockdError("resolver.url must be an http(s):// URL")
+            if not isinstance(headers, dict) or not all(
+                    isinstance(k, str) and isinstance(v, str) for k, v in headers.items()):
+                raise BlockdError("resolver.headers must map header names to strings")
+            current = self.store.resolver
+            if current is None or (current.url, current.headers) != (url, headers):
+                self.store.set_resolver(Resolver(url, dict(headers)))
+                log.info("peers of a blob are asked from a resolver", extra={"url": url})
+        elif clear_resolver:
+            self.store.set_resolver(None)
+        current = self.store.resolver
+        return {"peers": list(self.store.peers), "resolver": current.url if current else None}
+
+    async def op_held(self) -> dict[str, Any]:
+        """What a node's heartbeat reports: the chunk server's address and the blobs it
+        can serve, whole and in part."""
+        held = sorted(self.store.held(), key=lambda b: str(b["digest"]))  # same set, same list
+        return {
+            "p2p": self.peer_server.address if self.peer_server else None,
+            "blobs": [b["digest"] for b in held if b["complete"]],
+            "partial": [b["digest"] for b in held if b["servable"] and not b["complete"]],
+        }
 
     def handlers(self) -> dict[str, Any]:
-        return {"remote_stats": self.op_stats, "remote_peers": self.op_peers}
+        return {"remote_stats": self.op_stats, "remote_peers": self.op_peers,
+                "remote_held": self.op_held}
 
 
 def start(config: RemoteConfig, metrics_registry: Any = None) -> RemoteService:
@@ -99,6 +134,7 @@ def start(config: RemoteConfig, metrics_registry: Any = None) -> RemoteService:
         if config.p2p_listen:
             server = PeerServer(store, config.p2p_listen, config.secret or "")
             server.start()
+            store.own_addresses.add(f"http://{server.address}")
     except BaseException:
         store.close()
         raise

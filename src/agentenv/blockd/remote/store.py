@@ -42,6 +42,9 @@ log = logging.getLogger("agentenv.blockd.remote")
 DEFAULT_CHUNK = 1 << 20
 DEFAULT_TIMEOUT = 30.0
 PEER_BACKOFF_S = 5.0
+HOLDERS_TTL_S = 5.0  # how long a resolver's answer is used before asking again
+HOLDERS_RETRY_S = 1.0  # ... an empty or failed one (a holder may register any moment)
+RESOLVER_TIMEOUT_S = 2.0
 
 
 @dataclass
@@ -61,6 +64,16 @@ class RemoteConfig:
     background_bw: int = 32 << 20  # bytes/s for completing blobs in use; 0: off
     fetch_threads: int = 8
     docker_config: Path | None = None
+
+
+@dataclass
+class Resolver:
+    """Where blockd asks which peers hold a blob: `GET url?digest=sha256:...` answers
+    {"holders": [{"address": "host:port", "complete": bool}, ...]} (the node's
+    /cluster/holders, which asks its scheduler; docs/remote-layers.md §4)."""
+
+    url: str
+    headers: dict[str, str] = field(default_factory=dict)
 
 
 class RemoteUnavailable(OSError):
@@ -181,6 +194,15 @@ class RemoteStore:
         self.stats = Stats()
         self.peers: list[str] = [p.rstrip("/") for p in config.peers]
         self._peer_down: dict[str, float] = {}
+        # Where to ask which peers hold a blob (the node, which asks its scheduler), and the
+        # answers: hex -> (expires at, [(http://host:port, whole?)]).
+        self.resolver: Resolver | None = None
+        self._holders: dict[str, tuple[float, list[tuple[str, bool]]]] = {}
+        self._holders_lock = threading.Lock()
+        self._holders_asking: dict[str, threading.Event] = {}
+        self._resolver_failing = False
+        # This node's own chunk server, never asked (a resolver may not know us apart).
+        self.own_addresses: set[str] = set()
         self._lock = threading.Lock()
         self._infos: dict[str, BlobInfo] = {}
         self._inflight: dict[tuple[str, int], Future[bytes]] = {}
@@ -192,6 +214,8 @@ class RemoteStore:
         self._peer_http = httpx.Client(timeout=httpx.Timeout(config.request_timeout, connect=3.0),
                                        headers=headers, trust_env=False,
                                        limits=httpx.Limits(max_connections=64))
+        # The resolver (this node's API) gets its own headers, never the cluster secret's.
+        self._resolver_http = httpx.Client(timeout=RESOLVER_TIMEOUT_S, trust_env=False)
         self._stop = threading.Event()
         self._background: threading.Thread | None = None
         if config.background_bw > 0:
@@ -271,16 +295,93 @@ class RemoteStore:
     def set_peers(self, peers: list[str]) -> None:
         self.peers = [p.rstrip("/") for p in peers]
 
+    def set_resolver(self, resolver: Resolver | None) -> None:
+        self.resolver = resolver
+        with self._holders_lock:
+            self._holders.clear()
+
+    def holders(self, hex_: str) -> list[tuple[str, bool]]:
+        """The peers the resolver names for a blob, (http://host:port, whole?), asked at
+        most once per HOLDERS_TTL_S (HOLDERS_RETRY_S after an empty or failed answer), by one
+        fetch thread at a time: the others use the last answer, or wait for the first."""
+        resolver = self.resolver
+        if resolver is None:
+            return []
+        now = time.monotonic()
+        with self._holders_lock:
+            cached = self._holders.get(hex_)
+            if cached is not None and cached[0] > now:
+                return cached[1]
+            asking = self._holders_asking.get(hex_)
+            if asking is None:
+                self._holders_asking[hex_] = threading.Event()
+        if asking is not None:
+            if cached is None:
+                asking.wait(RESOLVER_TIMEOUT_S + 0.5)
+            with self._holders_lock:
+                latest = self._holders.get(hex_)
+            return latest[1] if latest is not None else []
+        found: list[tuple[str, bool]] = []
+        try:
+            found = self._ask_resolver(resolver, hex_)
+        finally:  # whatever happened, the next question may go out
+            ttl = HOLDERS_TTL_S if found else HOLDERS_RETRY_S
+            with self._holders_lock:
+                if len(self._holders) > 4096:  # old answers of blobs no longer read
+                    self._holders = {k: v for k, v in self._holders.items() if v[0] > now}
+                self._holders[hex_] = (time.monotonic() + ttl, found)
+                self._holders_asking.pop(hex_).set()
+        return found
+
+    def _ask_resolver(self, resolver: Resolver, hex_: str) -> list[tuple[str, bool]]:
+        found: list[tuple[str, bool]] = []
+        try:
+            self.stats.add("requests", "resolver")
+            reply = self._resolver_http.get(resolver.url, params={"digest": "sha256:" + hex_},
+                                            headers=resolver.headers)
+            if reply.status_code != 200:
+                raise SourceError(f"HTTP {reply.status_code}: {reply.text[:200]}")
+            for holder in reply.json()["holders"]:
+                address = str(holder["address"]).rstrip("/")
+                if not address.startswith(("http://", "https://")):
+                    address = "http://" + address
+                found.append((address, bool(holder.get("complete"))))
+            self._resolver_failing = False
+        except (httpx.HTTPError, httpx.InvalidURL, SourceError, ValueError, KeyError,
+                TypeError, AttributeError) as exc:
+            self.stats.add("failures", "resolver")
+            if not self._resolver_failing:  # once per outage, not once a second per blob
+                log.warning("cannot ask which peers hold a blob; the registry serves it",
+                            extra={"blob": "sha256:" + hex_, "resolver": resolver.url,
+                                   "error": str(exc)})
+            self._resolver_failing = True
+            return []
+        return [(a, c) for a, c in found if a not in self.own_addresses]
+
+    def _peer_order(self, hex_: str, idx: int) -> list[str]:
+        """The peers to ask for chunk `idx`, each list rotated to start at one picked by
+        hashing (blob, chunk), so that requests spread: the holders of the whole blob, the
+        static peers, then the holders of some of its chunks (they may answer 404)."""
+        now = time.monotonic()
+        holders = self.holders(hex_)
+        whole = [a for a, complete in holders if complete]
+        partial = [a for a, complete in holders if not complete]
+        turn = zlib.crc32(f"{hex_}:{idx}".encode())
+        out: list[str] = []
+        for group in (whole, self.peers, partial):
+            group = [p for p in group if self._peer_down.get(p, 0) <= now and p not in out
+                     and p not in self.own_addresses]
+            if group:
+                first = turn % len(group)
+                out += group[first:] + group[:first]
+        return out
+
     def _sources_for(self, ref: RemoteLayerRef, hex_: str, idx: int,
                      checkable: bool) -> Iterator[tuple[str, Any]]:
         """(name, fetch(start, end)) in the order to try: peers first (only for blobs whose
-        chunks can be checked), starting at one picked by the chunk so that requests spread,
-        then every registry location."""
-        now = time.monotonic()
-        peers = [p for p in self.peers if self._peer_down.get(p, 0) <= now] if checkable else []
-        if peers:
-            first = zlib.crc32(f"{hex_}:{idx}".encode()) % len(peers)
-            for peer in peers[first:] + peers[:first]:
+        chunks can be checked; _peer_order), then every registry location."""
+        if checkable:
+            for peer in self._peer_order(hex_, idx):
                 yield f"peer {peer}", lambda a, b, peer=peer: self._peer_get(peer, ref.digest, a, b)
         for loc in ref.sources:
             yield (f"registry {loc.registry}/{loc.repository}",
@@ -488,7 +589,9 @@ class RemoteStore:
         for state in self.cache.blobs():
             if state.count:
                 out.append({"digest": "sha256:" + state.hex, "size": state.size,
-                            "chunks": state.count, "complete": state.complete})
+                            "chunks": state.count, "complete": state.complete,
+                            # chunks a peer is given (unchecked ones only once complete)
+                            "servable": state.complete or VERIFIED in state.present})
         return out
 
     def snapshot_stats(self) -> dict[str, Any]:
@@ -503,6 +606,7 @@ class RemoteStore:
                 "source_failures": dict(self.stats.failures), "eio": self.stats.eio,
                 "coalesced": self.stats.coalesced, "background_bytes": self.stats.background_bytes,
                 "peers": list(self.peers), "blobs": self.held(),
+                "resolver": self.resolver.url if self.resolver else None,
             }
 
     def close(self) -> None:
@@ -512,6 +616,7 @@ class RemoteStore:
         self._pool.shutdown(wait=True, cancel_futures=True)
         self._verifier.shutdown(wait=True, cancel_futures=True)
         self._peer_http.close()
+        self._resolver_http.close()
         for client in self._registries.values():
             with contextlib.suppress(Exception):
                 client.close()

@@ -91,7 +91,7 @@ class SandboxState(_message.Message):
     def __init__(self, sandbox_id: _Optional[str] = ..., state: _Optional[str] = ..., team_id: _Optional[str] = ...) -> None: ...
 
 class NodeStatus(_message.Message):
-    __slots__ = ("node_id", "address", "layer_address", "cpu_total", "cpu_free", "memory_total_mib", "memory_free_mib", "disk_free_bytes", "running", "paused", "sandboxes", "templates", "snapshots", "layers", "max_sandboxes", "template_layers")
+    __slots__ = ("node_id", "address", "layer_address", "cpu_total", "cpu_free", "memory_total_mib", "memory_free_mib", "disk_free_bytes", "running", "paused", "sandboxes", "templates", "snapshots", "layers", "max_sandboxes", "template_layers", "blobs", "partial_blobs")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     LAYER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -108,6 +108,8 @@ class NodeStatus(_message.Message):
     LAYERS_FIELD_NUMBER: _ClassVar[int]
     MAX_SANDBOXES_FIELD_NUMBER: _ClassVar[int]
     TEMPLATE_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    BLOBS_FIELD_NUMBER: _ClassVar[int]
+    PARTIAL_BLOBS_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     address: str
     layer_address: str
@@ -124,7 +126,9 @@ class NodeStatus(_message.Message):
     layers: _containers.RepeatedScalarFieldContainer[str]
     max_sandboxes: int
     template_layers: _containers.RepeatedCompositeFieldContainer[TemplateLayers]
-    def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., layer_address: _Optional[str] = ..., cpu_total: _Optional[int] = ..., cpu_free: _Optional[int] = ..., memory_total_mib: _Optional[int] = ..., memory_free_mib: _Optional[int] = ..., disk_free_bytes: _Optional[int] = ..., running: _Optional[int] = ..., paused: _Optional[int] = ..., sandboxes: _Optional[_Iterable[_Union[SandboxState, _Mapping]]] = ..., templates: _Optional[_Iterable[str]] = ..., snapshots: _Optional[_Iterable[str]] = ..., layers: _Optional[_Iterable[str]] = ..., max_sandboxes: _Optional[int] = ..., template_layers: _Optional[_Iterable[_Union[TemplateLayers, _Mapping]]] = ...) -> None: ...
+    blobs: _containers.RepeatedScalarFieldContainer[str]
+    partial_blobs: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., layer_address: _Optional[str] = ..., cpu_total: _Optional[int] = ..., cpu_free: _Optional[int] = ..., memory_total_mib: _Optional[int] = ..., memory_free_mib: _Optional[int] = ..., disk_free_bytes: _Optional[int] = ..., running: _Optional[int] = ..., paused: _Optional[int] = ..., sandboxes: _Optional[_Iterable[_Union[SandboxState, _Mapping]]] = ..., templates: _Optional[_Iterable[str]] = ..., snapshots: _Optional[_Iterable[str]] = ..., layers: _Optional[_Iterable[str]] = ..., max_sandboxes: _Optional[int] = ..., template_layers: _Optional[_Iterable[_Union[TemplateLayers, _Mapping]]] = ..., blobs: _Optional[_Iterable[str]] = ..., partial_blobs: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class TemplateLayers(_message.Message):
     __slots__ = ("template_id", "layers")
@@ -139,6 +143,40 @@ class HeartbeatResponse(_message.Message):
     INTERVAL_MS_FIELD_NUMBER: _ClassVar[int]
     interval_ms: int
     def __init__(self, interval_ms: _Optional[int] = ...) -> None: ...
+
+class HoldersRequest(_message.Message):
+    __slots__ = ("digests", "node_id", "limit")
+    DIGESTS_FIELD_NUMBER: _ClassVar[int]
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    LIMIT_FIELD_NUMBER: _ClassVar[int]
+    digests: _containers.RepeatedScalarFieldContainer[str]
+    node_id: str
+    limit: int
+    def __init__(self, digests: _Optional[_Iterable[str]] = ..., node_id: _Optional[str] = ..., limit: _Optional[int] = ...) -> None: ...
+
+class Holder(_message.Message):
+    __slots__ = ("node_id", "layer_address", "complete")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    LAYER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    COMPLETE_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    layer_address: str
+    complete: bool
+    def __init__(self, node_id: _Optional[str] = ..., layer_address: _Optional[str] = ..., complete: _Optional[bool] = ...) -> None: ...
+
+class BlobHolders(_message.Message):
+    __slots__ = ("digest", "holders")
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
+    HOLDERS_FIELD_NUMBER: _ClassVar[int]
+    digest: str
+    holders: _containers.RepeatedCompositeFieldContainer[Holder]
+    def __init__(self, digest: _Optional[str] = ..., holders: _Optional[_Iterable[_Union[Holder, _Mapping]]] = ...) -> None: ...
+
+class HoldersResponse(_message.Message):
+    __slots__ = ("blobs",)
+    BLOBS_FIELD_NUMBER: _ClassVar[int]
+    blobs: _containers.RepeatedCompositeFieldContainer[BlobHolders]
+    def __init__(self, blobs: _Optional[_Iterable[_Union[BlobHolders, _Mapping]]] = ...) -> None: ...
 
 class NodeInfo(_message.Message):
     __slots__ = ("status", "up", "last_heartbeat_unix_ms", "down_reason", "discovered_by")

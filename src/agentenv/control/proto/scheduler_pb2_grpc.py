@@ -64,6 +64,11 @@ class SchedulerStub:
                 request_serializer=agentenv_dot_control_dot_proto_dot_scheduler__pb2.Empty.SerializeToString,
                 response_deserializer=agentenv_dot_control_dot_proto_dot_scheduler__pb2.NodeList.FromString,
                 _registered_method=True)
+        self.Holders = channel.unary_unary(
+                '/agentenv.scheduler.v1.Scheduler/Holders',
+                request_serializer=agentenv_dot_control_dot_proto_dot_scheduler__pb2.HoldersRequest.SerializeToString,
+                response_deserializer=agentenv_dot_control_dot_proto_dot_scheduler__pb2.HoldersResponse.FromString,
+                _registered_method=True)
 
 
 class SchedulerServicer:
@@ -108,6 +113,14 @@ class SchedulerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Holders(self, request, context):
+        """Which up nodes serve the given blobs to peers (NodeStatus.blobs / partial_blobs), so a
+        node's blockd asks them before the registry. Answered from memory.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SchedulerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -140,6 +153,11 @@ def add_SchedulerServicer_to_server(servicer, server):
                     servicer.ListNodes,
                     request_deserializer=agentenv_dot_control_dot_proto_dot_scheduler__pb2.Empty.FromString,
                     response_serializer=agentenv_dot_control_dot_proto_dot_scheduler__pb2.NodeList.SerializeToString,
+            ),
+            'Holders': grpc.unary_unary_rpc_method_handler(
+                    servicer.Holders,
+                    request_deserializer=agentenv_dot_control_dot_proto_dot_scheduler__pb2.HoldersRequest.FromString,
+                    response_serializer=agentenv_dot_control_dot_proto_dot_scheduler__pb2.HoldersResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -304,6 +322,33 @@ class Scheduler:
             '/agentenv.scheduler.v1.Scheduler/ListNodes',
             agentenv_dot_control_dot_proto_dot_scheduler__pb2.Empty.SerializeToString,
             agentenv_dot_control_dot_proto_dot_scheduler__pb2.NodeList.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Holders(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/agentenv.scheduler.v1.Scheduler/Holders',
+            agentenv_dot_control_dot_proto_dot_scheduler__pb2.HoldersRequest.SerializeToString,
+            agentenv_dot_control_dot_proto_dot_scheduler__pb2.HoldersResponse.FromString,
             options,
             channel_credentials,
             insecure,

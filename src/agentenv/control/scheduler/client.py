@@ -28,6 +28,7 @@ from agentenv.control.proto import scheduler_pb2_grpc as pb_grpc
 from agentenv.errors import AgentEnvError
 
 __all__ = [
+    "Holder",
     "Location",
     "NodeInfo",
     "Placement",
@@ -67,6 +68,15 @@ class Location:
     node_address: str
     node_up: bool
     team_id: str
+
+
+@dataclass(frozen=True)
+class Holder:
+    """A node that serves a blob to its peers: whole (`complete`) or some of its chunks."""
+
+    node_id: str
+    layer_address: str
+    complete: bool
 
 
 @dataclass(frozen=True)
@@ -178,6 +188,21 @@ class SchedulerClient:
         answer = await self._call("Heartbeat", status, timeout)
         assert isinstance(answer, pb.HeartbeatResponse)
         return answer.interval_ms / 1000
+
+    async def holders(
+        self, digests: Sequence[str], *, node_id: str = "", limit: int = 0,
+        timeout: float | None = None,
+    ) -> dict[str, list[Holder]]:
+        """digest -> the up nodes serving it (whole holders first), `node_id` left out."""
+        answer = await self._call(
+            "Holders", pb.HoldersRequest(digests=list(digests), node_id=node_id, limit=limit),
+            timeout,
+        )
+        assert isinstance(answer, pb.HoldersResponse)
+        return {
+            b.digest: [Holder(h.node_id, h.layer_address, h.complete) for h in b.holders]
+            for b in answer.blobs
+        }
 
     async def list_nodes(self, *, timeout: float | None = None) -> list[NodeInfo]:
         answer = await self._call("ListNodes", pb.Empty(), timeout)

@@ -88,6 +88,12 @@ class _Servicer(pb_grpc.SchedulerServicer):
     def ListNodes(self, request: pb.Empty, context: Any) -> pb.NodeList:
         return self.service.list_nodes()
 
+    def Holders(self, request: pb.HoldersRequest, context: Any) -> pb.HoldersResponse:
+        try:
+            return self.service.holders(request)
+        except FAILURES as exc:
+            _abort(context, exc)
+
 
 @dataclass
 class SchedulerOptions:

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import grpc
 
 from agentenv.control.proto import scheduler_pb2 as pb
+from agentenv.control.scheduler.holders import DEFAULT_LIMIT, HolderIndex
 from agentenv.control.scheduler.placement import (
     DEFAULT_STRATEGY,
     STRATEGIES,
@@ -37,6 +38,9 @@ log = logging.getLogger("agentenv.control.scheduler")
 ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,127}")
 # Template names may carry a tag (`name:tag`) or a namespace (`team/name`).
 REF_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/@-]{0,255}")
+DIGEST_RE = re.compile(r"sha256:[0-9a-f]{64}")
+MAX_HOLDER_DIGESTS = 256
+MAX_HOLDER_LIMIT = 64
 ADDRESS_RE = re.compile(r"(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9._-]+):\d{1,5}")
 MAX_VCPUS = 1024
 MAX_MEMORY_MIB = 16 << 20
@@ -96,6 +100,7 @@ class SchedulerService:
         self.views: dict[str, NodeView] = {}
         self.bindings: dict[str, Binding] = {}
         self.template_layers: dict[str, tuple[str, ...]] = {}
+        self.holder_index = HolderIndex()  # blob digest -> nodes serving it to peers
         self.placer = Placer(min_disk_bytes=self.config.min_disk_free_mib << 20)
         # Memory (views, bindings, the up cache) changes under this lock: the gRPC server calls
         # in from its worker threads, discovery from the event loop. Redis is never waited for
@@ -125,6 +130,7 @@ class SchedulerService:
                 view = self._view(node_id)
                 view.update(status, seen + outage, sets.get(node_id, set()))
                 view.sources.add("heartbeat")
+                self.holder_index.update(node_id, status.blobs, status.partial_blobs)
             learn_template_layers(self.template_layers, (s for s, _ in nodes.values()))
         log.info(
             "scheduler state loaded",
@@ -426,6 +432,7 @@ class SchedulerService:
             view.sources.add("heartbeat")
             view.update(msg, at, seen)
             learn_template_layers(self.template_layers, (msg,))
+            self.holder_index.update(msg.node_id, msg.blobs, msg.partial_blobs)
             if was_down:
                 self._up = None
             log.info("node up", extra={"node": msg.node_id, "was": was_down})
@@ -435,6 +442,40 @@ class SchedulerService:
                 extra={"node": msg.node_id, "added": len(added), "dropped": len(dropped)},
             )
         return pb.HeartbeatResponse(interval_ms=int(self.config.heartbeat_interval_s * 1000))
+
+    def holders(self, msg: pb.HoldersRequest) -> pb.HoldersResponse:
+        """The up nodes with a layer address that hold each digest (NodeStatus.blobs and
+        partial_blobs), the asking node left out."""
+        if len(msg.digests) > MAX_HOLDER_DIGESTS:
+            raise Invalid(f"at most {MAX_HOLDER_DIGESTS} digests per Holders call, "
+                          f"got {len(msg.digests)}")
+        for digest in msg.digests:
+            if not DIGEST_RE.fullmatch(digest):
+                raise Invalid(f"digest {digest[:80]!r} is not sha256:<64 lowercase hex>")
+        check_id("node_id", msg.node_id, required=False)
+        limit = min(msg.limit or DEFAULT_LIMIT, MAX_HOLDER_LIMIT)
+        with self.lock:  # the index and the views change under heartbeats (worker threads)
+            return self._holders(msg, limit)
+
+    def _holders(self, msg: pb.HoldersRequest, limit: int) -> pb.HoldersResponse:
+        _, down = self.up_nodes(now_ms())
+
+        def usable(node_id: str) -> bool:
+            view = self.views.get(node_id)
+            return (node_id not in down and view is not None and view.status is not None
+                    and bool(view.status.layer_address))
+
+        out = pb.HoldersResponse()
+        for digest in msg.digests:
+            entry = out.blobs.add(digest=digest)
+            for node_id, complete in self.holder_index.holders(
+                digest, exclude=msg.node_id, limit=limit, usable=usable
+            ):
+                status = self.views[node_id].status
+                assert status is not None
+                entry.holders.add(node_id=node_id, layer_address=status.layer_address,
+                                  complete=complete)
+        return out
 
     def list_nodes(self) -> pb.NodeList:
         with self.lock:
