@@ -222,3 +222,11 @@ def test_lazy_fetch_reads_layers_through_the_chunk_cache(registry: Registry, tmp
     downloaded = fetch(ref, tmp_path / "d" / "snapshots", lazy=False)
     assert downloaded.lazy_parts == 0 and downloaded.bytes_fetched == sent["bytes"]
     _same_files(SnapshotRecord.load(source), downloaded.record)
+    # A node holding the raw disk file (its tools disk) names its own copy and fetches none.
+    tools = Path(SnapshotRecord.load(source).disks[0].file or "")
+    other = tmp_path / "e-tools.img"
+    other.write_bytes(os.urandom(50_000))  # same size, other content: not taken
+    mine = fetch(ref, tmp_path / "e" / "snapshots", local_files=[other, tools])
+    assert mine.record.disks[0].file == str(tools)
+    assert mine.bytes_fetched == got.bytes_fetched - 50_000
+    mine.record.check_files()

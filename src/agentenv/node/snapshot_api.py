@@ -128,8 +128,10 @@ class SnapshotMoveApi:
             if owner is not None:
                 raise Conflict(f"name {name!r} is already used by {owner}")
         try:
+            # The tools disk of a snapshot is this node's own when the guest assets match.
             fetched = await asyncio.to_thread(fetch, body["ref"], backend.snapshots.root,
-                                              lazy=not download)
+                                              lazy=not download,
+                                              local_files=[backend.assets.tools_image])
         except AgentEnvError as exc:
             raise BadRequest(f"pull of {body['ref']} failed: {exc}") from exc
         record = fetched.record

@@ -139,14 +139,17 @@ def collect(record_dir: Path) -> tuple[SnapshotRecord, list[Part], dict[str, Any
     return record, parts, portable
 
 
-def localise(portable: dict[str, Any], directory: Path) -> SnapshotRecord:
-    """The record of a fetched snapshot, its part names made paths in `directory`."""
+def localise(portable: dict[str, Any], directory: Path,
+             found: dict[str, Path] | None = None) -> SnapshotRecord:
+    """The record of a fetched snapshot, its part names made paths in `directory` (or the
+    node's own copy of a part, `found`)."""
     doc = json.loads(json.dumps(portable))
+    found = found or {}
 
     def local(name: str) -> str:
         if not _NAME.match(name):
             raise RepositoryError(f"snapshot artifact names a bad part {name!r}")
-        return str(directory / name)
+        return str(found.get(name) or directory / name)
 
     for layer in doc["memory_layers"]:
         layer["path"] = local(layer["path"])
@@ -399,12 +402,37 @@ class Fetched:
     lazy_parts: int = 0  # parts left in the registry (remote layers)
 
 
+_digests: dict[tuple[str, int, int], str] = {}
+
+
+def _local_copies(files: list[Path], descs: list[dict[str, Any]]) -> dict[str, Path]:
+    """digest -> one of `files` with that content, for the raw-file parts `descs` (a node's
+    tools disk is the same file on every node running the same guest assets)."""
+    sizes = {int(d["size"]) for d in descs}
+    out: dict[str, Path] = {}
+    for path in files:
+        try:
+            st = path.stat()
+        except OSError:
+            continue
+        if st.st_size not in sizes:
+            continue
+        key = (str(path), st.st_size, st.st_mtime_ns)
+        if key not in _digests:
+            _digests[key] = file_digest(path)
+        out[_digests[key]] = path
+    return out
+
+
 def fetch(ref: str, snapshots_root: Path, *, lazy: bool = True,
-          **registry_options: Any) -> Fetched:
+          local_files: list[Path] | None = None, **registry_options: Any) -> Fetched:
     """Fetch the snapshot named by `ref` into `snapshots_root/<id>`: from a registry with
     `lazy`, its memory and disk layers as remote layers (module doc), else every part whole;
-    everything downloaded is verified against its digest."""
+    everything downloaded is verified against its digest. A raw disk file part with the
+    content of one of `local_files` (the node's tools disk) is not fetched: the record names
+    the local file, as the records of the node's own snapshots do."""
     repo = parse_ref(ref)
+    local = list(local_files or [])
     t0 = time.monotonic()
     if repo.kind == "dir":
         manifest_bytes = _read(Path(repo.location) / "manifest.json", repo.text)
@@ -427,7 +455,7 @@ def fetch(ref: str, snapshots_root: Path, *, lazy: bool = True,
                 raise RepositoryError(f"{repo.text}: part {desc['digest']} is damaged")
             os.replace(tmp, dest)
 
-        return _fetch(repo, manifest_bytes, get_bytes, get_file, snapshots_root, t0, None)
+        return _fetch(repo, manifest_bytes, get_bytes, get_file, snapshots_root, t0, None, local)
     from agentenv.storage.blob import BlobLocation, RemoteLayerRef
     from agentenv.template.reference import parse_reference
     from agentenv.template.registry import Descriptor, RegistryClient
@@ -454,12 +482,13 @@ def fetch(ref: str, snapshots_root: Path, *, lazy: bool = True,
             RemoteLayerRef(d.digest, d.size, [location], d.media_type).save(dest)
 
         return _fetch(repo, manifest_bytes, get_bytes_oci, get_file_oci, snapshots_root, t0,
-                      describe if lazy else None)
+                      describe if lazy else None, local)
 
 
 def _fetch(repo: RepoRef, manifest_bytes: bytes, get_bytes: Callable[[dict[str, Any]], bytes],
            get_file: Callable[[dict[str, Any], Path], None], snapshots_root: Path, t0: float,
-           describe: Callable[[dict[str, Any], Path], None] | None) -> Fetched:
+           describe: Callable[[dict[str, Any], Path], None] | None,
+           local_files: list[Path]) -> Fetched:
     try:
         manifest = json.loads(manifest_bytes)
     except ValueError as exc:
@@ -485,8 +514,12 @@ def _fetch(repo: RepoRef, manifest_bytes: bytes, get_bytes: Callable[[dict[str, 
     snapshots_root.mkdir(parents=True, exist_ok=True)
     fetched = total = remote = 0
     lazy_types = {PART_TYPES[r] for r in LAZY_ROLES}
+    descs = list(manifest.get("layers", []))
+    copies = _local_copies(local_files, [d for d in descs
+                                         if d.get("mediaType") == PART_TYPES["file"]])
+    found: dict[str, Path] = {}
     try:
-        for desc in manifest.get("layers", []):
+        for desc in descs:
             name = (desc.get("annotations") or {}).get(TITLE, "")
             if not _NAME.match(name) or desc.get("mediaType") not in PART_TYPES.values():
                 raise RepositoryError(f"{repo.text}: bad part {name!r} ({desc.get('mediaType')})")
@@ -495,9 +528,12 @@ def _fetch(repo: RepoRef, manifest_bytes: bytes, get_bytes: Callable[[dict[str, 
                 describe(desc, work / name)
                 remote += 1
                 continue
+            if desc["mediaType"] == PART_TYPES["file"] and desc.get("digest") in copies:
+                found[name] = copies[desc["digest"]]
+                continue
             get_file(desc, work / name)
             fetched += int(desc["size"])
-        record = localise(portable, final)
+        record = localise(portable, final, found)
         # Written with the final paths, then the directory moves into place in one rename.
         record.save(work)
         fsync_dir(work)
