@@ -10,7 +10,8 @@ docker-registry on loopback):
   layers stay in the registry and the restore fetches what it touches (fewer bytes than the
   snapshot has) through blockd's and memfs's chunk stores; the sandbox made from it on B has
   the process that ran on A still running with its state, and A's files; its envd was re-keyed:
-  the token of A's sandbox (which the artifact carries) is refused, B's sandbox's own works.
+  the token of A's sandbox (which the artifact carries) is refused, B's sandbox's own works
+  (for a sandbox created `secure: false` too).
 """
 
 from __future__ import annotations
@@ -129,6 +130,23 @@ def _envd_token(node: NodeProcess, sandbox_id: str) -> str:
     return str(answer.json()["envdAccessToken"])
 
 
+def _create_plain(node: NodeProcess, template: str) -> dict[str, str]:
+    import httpx
+
+    answer = httpx.post(f"{node.url}/sandboxes", headers={"X-API-KEY": node.api_key},
+                        json={"templateID": template, "secure": False, "timeout": 300},
+                        timeout=600, trust_env=False)
+    assert answer.status_code == 201, answer.text
+    return dict(answer.json())
+
+
+def _kill(node: NodeProcess, sandbox_id: str) -> None:
+    import httpx
+
+    httpx.delete(f"{node.url}/sandboxes/{sandbox_id}", headers={"X-API-KEY": node.api_key},
+                 timeout=120, trust_env=False)
+
+
 def _envd_status(node: NodeProcess, sandbox_id: str, token: str) -> int:
     """envd's answer to GET /envs (token-protected) through B's sandbox proxy."""
     import httpx
@@ -190,6 +208,14 @@ def test_paused_snapshot_pushed_on_a_restores_lazily_on_b(
             print(f"lazy restore fetched {fetched / 1e6:.1f} MB of the snapshot's "
                   f"{total / 1e6:.1f} MB (+{background / 1e6:.1f} MB in the background)")
             assert 0 < fetched < total
+            # A sandbox that is not secure (E2B API v1 `secure: false`) is re-keyed too: to its
+            # own token, which the create answer gives the SDK.
+            plain = _create_plain(node_b, "from-a")
+            try:
+                assert _envd_status(node_b, plain["sandboxID"], old_token) == 401
+                assert _envd_status(node_b, plain["sandboxID"], plain["envdAccessToken"]) == 200
+            finally:
+                _kill(node_b, plain["sandboxID"])
         finally:
             moved.kill()
         # Pulling again finds the snapshot on B and registers no second copy of its files.
