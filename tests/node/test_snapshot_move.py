@@ -6,8 +6,12 @@ docker-registry on loopback):
 - node A publishes its template builds to a shared directory (AENV_SNAPSHOT_PUBLISH); node B
   pulls one from there and creates a sandbox from it;
 - a paused sandbox's snapshot pushed from node A (`aenv snapshot push`) and pulled on node B
-  (`aenv snapshot pull`, another process and state directory): the sandbox made from it on B
-  has the process that ran on A still running with its state, and A's files.
+  (`aenv snapshot pull`, another process and state directory) lazily: its memory and disk
+  layers stay in the registry and the restore fetches what it touches (fewer bytes than the
+  snapshot has) through blockd's and memfs's chunk stores; the sandbox made from it on B has
+  the process that ran on A still running with its state, and A's files; its envd was re-keyed:
+  the token of A's sandbox (which the artifact carries) is refused, B's sandbox's own works
+  (for a sandbox created `secure: false` too).
 """
 
 from __future__ import annotations
@@ -65,8 +69,10 @@ def node_a(tmp_path_factory: pytest.TempPathFactory, shared_dir: Path) -> Iterat
 @pytest.fixture(scope="module")
 def node_b(tmp_path_factory: pytest.TempPathFactory, node_a: NodeProcess) -> Iterator[NodeProcess]:
     base = tmp_path_factory.mktemp("node-b")
+    # A slow background completer: what a restore fetches stays apart from what it would
+    # fetch anyway (counted apart too).
     node = conftest.vm_node_process(base / "state", base / "node.log", NET_B, FIRST_SLOT_B,
-                                    conftest.NO_READY_POOLS)
+                                    {**conftest.NO_READY_POOLS, "AENV_REMOTE_BACKGROUND_BW": "1M"})
     with conftest.serving_vm_node(node, NET_B):
         yield node  # the tests name the node of each SDK call
 
@@ -115,10 +121,61 @@ def test_published_template_restores_on_b_from_the_shared_directory(
         sbx.kill()
 
 
-def test_paused_snapshot_pushed_on_a_restores_on_b(node_a: NodeProcess, node_b: NodeProcess,
-                                                   registry: Registry) -> None:
+def _envd_token(node: NodeProcess, sandbox_id: str) -> str:
+    import httpx
+
+    answer = httpx.get(f"{node.url}/sandboxes/{sandbox_id}", headers={"X-API-KEY": node.api_key},
+                       timeout=30, trust_env=False)
+    answer.raise_for_status()
+    return str(answer.json()["envdAccessToken"])
+
+
+def _create_plain(node: NodeProcess, template: str) -> dict[str, str]:
+    import httpx
+
+    answer = httpx.post(f"{node.url}/sandboxes", headers={"X-API-KEY": node.api_key},
+                        json={"templateID": template, "secure": False, "timeout": 300},
+                        timeout=600, trust_env=False)
+    assert answer.status_code == 201, answer.text
+    return dict(answer.json())
+
+
+def _kill(node: NodeProcess, sandbox_id: str) -> None:
+    import httpx
+
+    httpx.delete(f"{node.url}/sandboxes/{sandbox_id}", headers={"X-API-KEY": node.api_key},
+                 timeout=120, trust_env=False)
+
+
+def _envd_status(node: NodeProcess, sandbox_id: str, token: str) -> int:
+    """envd's answer to GET /envs (token-protected) through B's sandbox proxy."""
+    import httpx
+
+    answer = httpx.get(f"{node.url}/envs", timeout=30, trust_env=False, headers={
+        "E2b-Sandbox-Id": sandbox_id, "E2b-Sandbox-Port": "49983", "X-Access-Token": token})
+    return answer.status_code
+
+
+def _fetched(node: NodeProcess) -> tuple[int, int]:
+    """Bytes node's blockd and memfs fetched for reads, and for background completion."""
+    from agentenv.blockd.client import BlockdClient
+
+    time.sleep(2.5)  # memfs writes its counters every 2 s
+    with BlockdClient(Path(node.state_dir) / "vm-backend" / "blockd" / "blockd.sock") as client:
+        stats = client.call("remote_stats")
+    fetched = background = 0
+    for part in (stats, stats.get("memory") or {}):
+        fetched += sum(part.get("fetched_bytes", {}).values())
+        background += part.get("background_bytes", 0)
+    return fetched - background, background
+
+
+def test_paused_snapshot_pushed_on_a_restores_lazily_on_b(
+        node_a: NodeProcess, node_b: NodeProcess, registry: Registry) -> None:
+
     sbx = _sandbox(node_a, "moved-hostroot")
     try:
+        old_token = _envd_token(node_a, sbx.sandbox_id)
         sbx.files.write("/root/moved.txt", "written on node A\n")
         sbx.commands.run(COUNTER, background=True)
         at_pause = wait_counting(sbx)
@@ -126,17 +183,39 @@ def test_paused_snapshot_pushed_on_a_restores_on_b(node_a: NodeProcess, node_b: 
         ref = f"{registry.host}/aenv-move/snapshots:paused"
         pushed = _aenv(node_a, "snapshot", "push", sbx.sandbox_id, ref)
         print(f"\n{pushed}")
-        pulled = _aenv(node_b, "snapshot", "pull", ref, "--name", "from-a")
-        print(pulled)
-        assert "from-a" in pulled
+        out = _aenv(node_b, "snapshot", "pull", ref, "--name", "from-a")
+        print(out)
+        assert "from-a" in out and "layers left remote" in out
+        total = int(_registry_manifest_total(registry, "aenv-move/snapshots", "paused"))
+        before, _ = _fetched(node_b)
+        t0 = time.monotonic()
         moved = _sandbox(node_b, "from-a")
         try:
             # The counter that ran on A goes on counting on B from where it was paused.
             first = counter_value(moved)
+            print(f"lazy restore to first command: {time.monotonic() - t0:.1f} s")
             assert first >= at_pause
             time.sleep(1.0)
             assert counter_value(moved) > first
             assert moved.files.read("/root/moved.txt") == "written on node A\n"
+            # Re-keyed: the token the artifact carries does not open the restored sandbox.
+            new_token = _envd_token(node_b, moved.sandbox_id)
+            assert new_token != old_token
+            assert _envd_status(node_b, moved.sandbox_id, old_token) == 401
+            assert _envd_status(node_b, moved.sandbox_id, new_token) == 200
+            fetched, background = _fetched(node_b)
+            fetched -= before
+            print(f"lazy restore fetched {fetched / 1e6:.1f} MB of the snapshot's "
+                  f"{total / 1e6:.1f} MB (+{background / 1e6:.1f} MB in the background)")
+            assert 0 < fetched < total
+            # A sandbox that is not secure (E2B API v1 `secure: false`) is re-keyed too: to its
+            # own token, which the create answer gives the SDK.
+            plain = _create_plain(node_b, "from-a")
+            try:
+                assert _envd_status(node_b, plain["sandboxID"], old_token) == 401
+                assert _envd_status(node_b, plain["sandboxID"], plain["envdAccessToken"]) == 200
+            finally:
+                _kill(node_b, plain["sandboxID"])
         finally:
             moved.kill()
         # Pulling again finds the snapshot on B and registers no second copy of its files.
@@ -144,3 +223,13 @@ def test_paused_snapshot_pushed_on_a_restores_on_b(node_a: NodeProcess, node_b: 
         assert "0.0 MB fetched" in again
     finally:
         sbx.kill()
+
+
+def _registry_manifest_total(registry: Registry, repository: str, tag: str) -> int:
+    """The bytes of every part of a snapshot artifact, from its manifest."""
+    import httpx
+
+    answer = httpx.get(f"http://{registry.host}/v2/{repository}/manifests/{tag}", trust_env=False,
+                       headers={"Accept": "application/vnd.oci.image.manifest.v1+json"}, timeout=30)
+    answer.raise_for_status()
+    return sum(int(layer["size"]) for layer in answer.json()["layers"])

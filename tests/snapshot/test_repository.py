@@ -96,7 +96,7 @@ def test_push_fetch_round_trip(kind: str, registry: Registry, tmp_path: Path) ->
     assert again["bytes_sent"] < again["bytes"] - 300_000 - 200_000 - 50_000 + 1000
 
     node_b = tmp_path / "b" / "snapshots"
-    got = fetch(ref, node_b)
+    got = fetch(ref, node_b, lazy=False)  # the parts are random bytes, not layers
     assert got.meta == meta and got.directory == node_b / "snap-one"
     original = SnapshotRecord.load(source)
     assert got.record.id == original.id and got.record.machine == original.machine
@@ -133,3 +133,100 @@ def test_damaged_and_foreign_artifacts_are_refused(registry: Registry, tmp_path:
         parse_ref("UPPER:case")
     assert parse_ref(f"oci://{registry.host}/a/b:c").kind == "oci"
     assert ARTIFACT_TYPE.startswith("application/vnd.aenv")
+
+
+def _lsmt_snapshot(root: Path) -> tuple[Path, dict[str, bytes]]:
+    """A snapshot whose memory and disk layers are real sealed overlaybd layers (readable
+    through the chunk cache), and the bytes each stack must read as."""
+    from tests.blockd.conftest import build_stack
+
+    memory = build_stack(root / "memory", 2, 8 << 20, seed=3)
+    rootfs = build_stack(root / "rootfs", 1, 4 << 20, seed=4)
+    own = root / "snapshots" / "lazy"
+
+    def ref(path: Path) -> LayerRef:
+        return LayerRef(path=str(path), size=path.stat().st_size)
+
+    tools = _file(root / "assets" / "tools.img", 50_000)
+    record = SnapshotRecord(
+        id="snap-lazy", mode="tcg",
+        machine=MachineConfig(accel="tcg", kernel="/k", cmdline="c",
+                              disks=[DiskConfig(name="tools", read_only=True, size=50_000),
+                                     DiskConfig(name="rootfs", size=rootfs.size)]),
+        memory_layers=[ref(p) for p in memory.lowers],
+        device_state=str(_file(own / "devstate.bin", 80_000).path),
+        device_state_ram_block="ram0",
+        disks=[DiskSnapshot(name="tools", layers=[], read_only=True, file=tools.path),
+               DiskSnapshot(name="rootfs", layers=[ref(p) for p in rootfs.lowers])])
+    record.save(own)
+    (own / PACK_NAME).write_text(json.dumps({"version": 1, "chunk_size": 1 << 20, "memory": [1]}))
+    return own, {"memory": memory.expected, "rootfs": rootfs.expected}
+
+
+def _read_stack(layers: list[str], work: Path, offset: int, length: int) -> bytes:
+    from agentenv.blockd.images import open_image
+    from agentenv.storage.config import ImageConfig
+
+    config = ImageConfig(work / f"{len(list(work.glob('*.json')))}.json", [Path(p) for p in layers])
+    config.save()
+    image = open_image(config.path, writable=False)
+    try:
+        return bytes(image.read(offset, length))
+    finally:
+        image.close()
+
+
+def test_lazy_fetch_reads_layers_through_the_chunk_cache(registry: Registry, tmp_path: Path) -> None:
+    from agentenv.blockd.remote.store import RemoteConfig, RemoteStore
+    from agentenv.storage import blob
+    from agentenv.storage.layer import is_remote
+
+    source, expected = _lsmt_snapshot(tmp_path / "a")
+    ref = f"{registry.host}/aenv-snapshots/lazy:one"
+    sent = push(source, ref, {"guest_token": "tok"})
+    got = fetch(ref, tmp_path / "b" / "snapshots")
+    record = got.record
+    # Memory and disk layers stay in the registry; device state, pack and raw file come whole.
+    layer_paths = [x.path for x in record.memory_layers] + [x.path for x in record.disks[1].layers]
+    assert got.lazy_parts == len(layer_paths) == 3 and all(is_remote(Path(p)) for p in layer_paths)
+    assert not is_remote(Path(record.device_state)) and not is_remote(Path(record.disks[0].file or ""))
+    assert got.bytes_total == sent["bytes"]
+    assert got.bytes_fetched == 80_000 + 50_000 + (got.directory / PACK_NAME).stat().st_size
+    assert Path(record.device_state).read_bytes() == Path(
+        SnapshotRecord.load(source).device_state).read_bytes()
+
+    store = RemoteStore(RemoteConfig(tmp_path / "cache", capacity=64 << 20, chunk_size=1 << 20,
+                                     background_bw=0))
+    blob.set_remote_opener(store.open_blob)
+    try:
+        work = tmp_path / "configs"
+        work.mkdir()
+        for offset in (0, 3 << 20, (8 << 20) - 65536):
+            assert _read_stack([x.path for x in record.memory_layers], work, offset, 65536) == \
+                expected["memory"][offset : offset + 65536]
+        assert _read_stack(layer_paths[2:], work, 1 << 20, 8192) == \
+            expected["rootfs"][(1 << 20) : (1 << 20) + 8192]
+        fetched = store.snapshot_stats()["fetched_bytes"].get("registry", 0)
+        layer_bytes = sum(x.size for x in record.memory_layers) + record.disks[1].layers[0].size
+        assert 0 < fetched < layer_bytes, (fetched, layer_bytes)
+
+        # A lazily pulled snapshot publishes again: its remote parts read back and verified.
+        again = push(got.directory, f"dir://{tmp_path / 'shared' / 'lazy'}", {})
+        assert again["bytes"] == sent["bytes"]
+        whole = fetch(f"dir://{tmp_path / 'shared' / 'lazy'}", tmp_path / "c" / "snapshots")
+        _same_files(SnapshotRecord.load(source), whole.record)
+    finally:
+        blob.set_remote_opener(None)
+        store.close()
+    # --download: every part whole.
+    downloaded = fetch(ref, tmp_path / "d" / "snapshots", lazy=False)
+    assert downloaded.lazy_parts == 0 and downloaded.bytes_fetched == sent["bytes"]
+    _same_files(SnapshotRecord.load(source), downloaded.record)
+    # A node holding the raw disk file (its tools disk) names its own copy and fetches none.
+    tools = Path(SnapshotRecord.load(source).disks[0].file or "")
+    other = tmp_path / "e-tools.img"
+    other.write_bytes(os.urandom(50_000))  # same size, other content: not taken
+    mine = fetch(ref, tmp_path / "e" / "snapshots", local_files=[other, tools])
+    assert mine.record.disks[0].file == str(tools)
+    assert mine.bytes_fetched == got.bytes_fetched - 50_000
+    mine.record.check_files()

@@ -166,7 +166,7 @@ class Blockd:
 
         self.remote = remote_service.start(
             self.remote_config or remote_service.config_from_env(self.state_dir),
-            self.metrics.registry if self.metrics else None)
+            self.metrics.registry if self.metrics else None, self.state_dir)
         self.rpc.handlers = self.operations()
         if self.use_fuse:
             from agentenv.blockd.fuse import FuseFiles

@@ -16,6 +16,13 @@ device's first reads per CHUNK (page-cache misses: the order in which the first 
 memory) is appended to `STATE/memdev/<key>.trace` (uint32 chunk numbers), the startup pack's
 source.
 
+A memory layer may be remote (a snapshot pulled lazily: snapshot/repository.py). memfs reads
+it through a chunk store of its own (blockd/remote/store.py; `STATE/memfs-chunk-cache`, the
+AENV_CHUNK_CACHE_* and AENV_REMOTE_* settings, AENV_MEMORY_CHUNK_CACHE_SIZE for its capacity),
+not through blockd's: a guest page fault must not fail while blockd restarts, which is why memfs
+is a process of its own. Its counters are written to `STATE/memfs-remote.json` (blockd's
+`remote_stats` shows them as "memory").
+
     python -m agentenv.blockd.memfs STATE_DIR
 """
 
@@ -23,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import json
 import logging
 import os
 import signal
@@ -45,6 +53,7 @@ TRACE_SUFFIX = ".trace"
 CHUNK = 1 << 20
 PIDFILE = "memfs.pid"
 SWEEP_SECONDS = 2.0
+REMOTE_STATS = "memfs-remote.json"
 
 
 class _Open:
@@ -182,18 +191,76 @@ def _unmount(mountpoint: Path) -> None:
                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=False)
 
 
+class _RemoteLayers:
+    """memfs's reader of remote memory layers (module doc), made at the first one."""
+
+    def __init__(self, state_dir: Path) -> None:
+        self.state_dir = state_dir
+        self.store: Any = None
+        self.lock = threading.Lock()
+
+    def install(self) -> None:
+        from agentenv.storage import blob
+
+        blob.set_default_remote_opener(self._opener)
+
+    def _opener(self) -> Any:
+        from agentenv.blockd.remote.service import config_from_env, parse_size
+        from agentenv.blockd.remote.store import RemoteStore
+
+        with self.lock:
+            if self.store is None:
+                logging.getLogger("httpx").setLevel(logging.WARNING)
+                capacity = os.environ.get("AENV_MEMORY_CHUNK_CACHE_SIZE")
+                config = config_from_env(
+                    self.state_dir, cache_dir=self.state_dir / "memfs-chunk-cache", peers=[],
+                    capacity=parse_size(capacity) if capacity else None)
+                self.store = RemoteStore(config)
+                log.info("memfs chunk store ready", extra={"cache": str(config.cache_dir),
+                                                           "capacity": config.capacity})
+            return self.store.open_blob
+
+    def write_stats(self) -> None:
+        if self.store is None:
+            return
+        from agentenv.fsutil import atomic_write
+
+        with contextlib.suppress(OSError):
+            stats = self.store.snapshot_stats()
+            atomic_write(self.state_dir / REMOTE_STATS, json.dumps(stats), mode=0o600)
+
+    def close(self) -> None:
+        if self.store is not None:
+            self.write_stats()
+            with contextlib.suppress(Exception):
+                self.store.close()
+
+
+def remote_stats(state_dir: Path) -> dict[str, Any] | None:
+    """The counters of memfs's chunk store (written every SWEEP_SECONDS), None without one."""
+    try:
+        doc = json.loads((state_dir / REMOTE_STATS).read_text())
+    except (OSError, ValueError):
+        return None
+    return doc if isinstance(doc, dict) else None
+
+
 def serve(state_dir: Path) -> None:
     mountpoint = state_dir / "memfs"
     config_dir = state_dir / "memdev"
     config_dir.mkdir(mode=0o700, exist_ok=True)
     _unmount(mountpoint)  # a dead mount of a killed run ("transport endpoint is not connected")
     mountpoint.mkdir(exist_ok=True)
+    (state_dir / REMOTE_STATS).unlink(missing_ok=True)
+    remote = _RemoteLayers(state_dir)
+    remote.install()
     ops = MemoryFiles(config_dir, vm_gid())
     stop = threading.Event()
 
     def sweeper() -> None:
         while not stop.wait(SWEEP_SECONDS):
             ops.sweep()
+            remote.write_stats()
 
     threading.Thread(target=sweeper, name="memfs-sweep", daemon=True).start()
     (state_dir / PIDFILE).write_text(f"{os.getpid()}\n")
@@ -204,6 +271,7 @@ def serve(state_dir: Path) -> None:
                      attr_timeout=0, entry_timeout=0)
     finally:
         stop.set()
+        remote.close()
         # Only our own pid: a newer memfs that took the mount over has written its own.
         with contextlib.suppress(OSError, ValueError):
             if int((state_dir / PIDFILE).read_text().strip()) == os.getpid():

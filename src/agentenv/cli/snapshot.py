@@ -45,19 +45,28 @@ def snapshot_push(ctx: click.Context, snapshot: str, ref: str) -> None:
 @click.argument("ref")
 @click.option("--name", default=None, help="Name the node gives the snapshot (a template name).")
 @click.option("-q", "--quiet", is_flag=True, help="Print only the template id.")
+@click.option("--download", is_flag=True,
+              help="Download the memory and disk layers whole now (default from a registry: "
+                   "they stay remote and a restore fetches what it touches).")
 @click.pass_context
-def snapshot_pull(ctx: click.Context, ref: str, name: str | None, quiet: bool) -> None:
+def snapshot_pull(ctx: click.Context, ref: str, name: str | None, quiet: bool,
+                  download: bool) -> None:
     """Fetch the snapshot REF into the node; Sandbox.create(NAME or id) restores it."""
     api: Client = ctx.obj
     api.http.timeout = 3600
-    body = {"ref": ref, **({"name": name} if name else {})}
+    body: dict[str, object] = {"ref": ref, **({"name": name} if name else {})}
+    if download:
+        body["download"] = True
     out = api.call("POST", "/aenv/snapshots/pull", body).json()
     if quiet:
         click.echo(out["templateID"])
         return
+    lazy = (f", {out['lazy_parts']} layers left remote "
+            f"({out['bytes_total'] / 1e6:.1f} MB in all)") if out.get("lazy_parts") else ""
     click.echo(f"{ref} -> template {out['templateID']}"
                f"{' (' + ', '.join(out['names']) + ')' if out['names'] else ''}: snapshot "
-               f"{out['snapshot']}, {out['bytes_fetched'] / 1e6:.1f} MB fetched in {out['seconds']} s")
+               f"{out['snapshot']}, {out['bytes_fetched'] / 1e6:.1f} MB fetched in "
+               f"{out['seconds']} s{lazy}")
 
 
 COMMANDS: list[click.Command] = [snapshot_group]

@@ -81,6 +81,10 @@ class SandboxSpec:
     #: the sandbox runs) and who it is to the metadata service
     egress: EgressPolicy = field(default_factory=EgressPolicy)
     identity: SlotIdentity | None = None
+    #: the sandbox's envd token even when it is not secure (`access_token` None): a snapshot
+    #: whose envd holds another sandbox's token (a pulled one carries it in its artifact) is
+    #: re-keyed to this one, so that token never opens the copy
+    own_token: str | None = None
 
 
 @dataclass(frozen=True)

@@ -448,6 +448,7 @@ class Orchestrator:
             disk_size_mb=rec.disk_size_mb,
             env_vars=dict(rec.env_vars),
             access_token=rec.envd_access_token if rec.secure else None,
+            own_token=rec.envd_access_token,
             allow_internet_access=rec.allow_internet_access is not False,
             metadata=dict(rec.metadata),
             template_id=rec.template_id,

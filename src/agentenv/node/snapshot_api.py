@@ -1,13 +1,22 @@
 """Snapshots that move between nodes: the node's side of `aenv snapshot push/pull`.
 
     POST /aenv/snapshots/push {snapshot, ref}      -> {ref, snapshot, parts, bytes, bytes_sent, digest}
-    POST /aenv/snapshots/pull {ref, name?}         -> {templateID, names, snapshot, bytes_fetched}
+    POST /aenv/snapshots/pull {ref, name?, download?}
+                                                   -> {templateID, names, snapshot, bytes_fetched,
+                                                       bytes_total, lazy_parts}
 
 `snapshot` is a template (id, name or name:tag: its build snapshot), an API snapshot (its
 id or name) or a paused sandbox (its pause snapshot). `ref` is a registry reference
 (`host/repo:tag`) or a shared directory (`dir:///path/NAME`, or an absolute path); see
 snapshot/repository.py. A pulled snapshot is registered as a template of kind "snapshot", so
-`Sandbox.create(name or templateID)` restores it on this node (VM backend only).
+`Sandbox.create(name or templateID)` restores it on this node (VM backend only). From a
+registry, its memory and disk layers stay remote (blockd's chunk cache fetches what a restore
+touches) unless `download` is true.
+
+Tokens. The snapshot's envd holds the token of the sandbox it was taken from, and the artifact
+carries it (`guest_token` in its meta: the node needs it for the first /init, and the memory
+image holds it anyway). Every restore re-keys: envd's /init, authenticated with that token,
+sets the new sandbox's own, so the token read from the repository opens no restored sandbox.
 
 AENV_SNAPSHOT_PUBLISH=PREFIX publishes every template build once it is ready, to
 `PREFIX/<template name>:<build id>` (a registry repository prefix or a shared directory).
@@ -110,13 +119,19 @@ class SnapshotMoveApi:
         name = body.get("name")
         if name is not None and (not isinstance(name, str) or not name):
             raise BadRequest("'name' must be a non-empty string")
+        download = body.get("download", False)
+        if not isinstance(download, bool):
+            raise BadRequest("'download' must be true or false")
         backend = self._backend()
         if name is not None:
             owner = self.orchestrator.catalogue.name_owner(name)
             if owner is not None:
                 raise Conflict(f"name {name!r} is already used by {owner}")
         try:
-            fetched = await asyncio.to_thread(fetch, body["ref"], backend.snapshots.root)
+            # The tools disk of a snapshot is this node's own when the guest assets match.
+            fetched = await asyncio.to_thread(fetch, body["ref"], backend.snapshots.root,
+                                              lazy=not download,
+                                              local_files=[backend.assets.tools_image])
         except AgentEnvError as exc:
             raise BadRequest(f"pull of {body['ref']} failed: {exc}") from exc
         record = fetched.record
@@ -140,9 +155,11 @@ class SnapshotMoveApi:
         await self.orchestrator.catalogue.register(tpl)
         log.info("snapshot pulled", extra={"ref": body["ref"], "snapshot": record.id,
                                            "template_id": tpl.template_id,
-                                           "bytes": fetched.bytes_fetched})
+                                           "bytes": fetched.bytes_fetched,
+                                           "lazy_parts": fetched.lazy_parts})
         return JSONResponse({"templateID": tpl.template_id, "names": tpl.names,
                              "snapshot": record.id, "bytes_fetched": fetched.bytes_fetched,
+                             "bytes_total": fetched.bytes_total, "lazy_parts": fetched.lazy_parts,
                              "seconds": fetched.seconds, "existed": fetched.existed})
 
     def publish_build(self, template_name: str, build_id: str, template_id: str) -> None:

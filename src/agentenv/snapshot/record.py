@@ -29,6 +29,7 @@ from agentenv.fsutil import atomic_write
 
 RECORD_NAME = "snapshot.json"
 RECORD_VERSION = 1
+MAX_DESCRIPTOR_SIZE = 1 << 16  # a remote layer's descriptor file is far smaller
 
 
 class SnapshotRecordError(AgentEnvError):
@@ -133,5 +134,17 @@ def _check(path: Path, size: int, what: str) -> None:
         actual = path.stat().st_size
     except FileNotFoundError as exc:
         raise SnapshotRecordError(f"{what} {path} is missing") from exc
+    if actual != size and actual < MAX_DESCRIPTOR_SIZE:
+        # A layer pulled lazily is a remote layer's descriptor (storage/blob.py) naming the
+        # registry blob: its size is the blob's.
+        from agentenv.storage import blob
+
+        with open(path, "rb") as f:
+            head = f.read(512)
+        if blob.is_descriptor(head):
+            try:
+                actual = blob.load_descriptor(path).size
+            except AgentEnvError as exc:
+                raise SnapshotRecordError(f"{what} {path}: {exc}") from exc
     if actual != size:
         raise SnapshotRecordError(f"{what} {path} has {actual} bytes, the record says {size}")

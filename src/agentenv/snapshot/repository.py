@@ -17,10 +17,15 @@ Two kinds of repository, one artifact layout:
   `blobs/sha256/<hex>` (shared by every snapshot of the repository) and `NAME/manifest.json`
   in the same layout.
 
-Fetching downloads every part now (verified against its digest). This is the seam for lazy
-restores: the manifest already lists each part's digest and size, so a node with a remote chunk
-cache can hand blockd `(repository, digest)` instead of a local path and fetch the chunks the
-restore touches, in the order of the startup pack (part role "pack", runtime/memdev.py).
+Fetching from a registry is lazy by default: the memory and disk layers are not downloaded
+but written as remote layers' descriptors (storage/blob.py: digest, size, this registry and
+repository), so blockd reads them through its chunk cache (blockd/remote/) and a restore
+fetches only the chunks it touches, first in the order of the startup pack (part role "pack",
+runtime/memdev.py) when the snapshot has one; the background completer fetches the rest.
+The device state, the startup pack and raw disk files are small and downloaded whole (all
+verified against their digests). `lazy=False` (`aenv snapshot pull --download`) downloads
+every part, as does a shared directory (it is local). A lazily pulled snapshot can be pushed
+again: its remote parts are read through the chunk store (or found in the target already).
 
 `meta` carries what the node needs to register the snapshot as a template (names, sizes,
 envd version, and the envd token the snapshot's guest holds, needed for its first /init).
@@ -28,13 +33,15 @@ envd version, and the envd token the snapshot's guest holds, needed for its firs
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import re
 import shutil
+import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -63,13 +70,17 @@ class RepositoryError(AgentEnvError):
     pass
 
 
+LAZY_ROLES = ("memory", "disk")  # parts a lazy fetch leaves in the registry
+
+
 @dataclass
 class Part:
     role: str
     name: str  # file name inside a fetched snapshot directory
-    path: Path  # local file
+    path: Path  # local file, or a remote layer's descriptor (`remote`)
     size: int
     digest: str = ""
+    remote: Any = None  # the RemoteLayerRef of a part pulled lazily
 
     def descriptor(self) -> dict[str, Any]:
         return {"mediaType": PART_TYPES[self.role], "digest": self.digest, "size": self.size,
@@ -98,17 +109,28 @@ def collect(record_dir: Path) -> tuple[SnapshotRecord, list[Part], dict[str, Any
     portable = json.loads(record.model_dump_json())
 
     def add(role: str, name: str, path: str) -> str:
+        from agentenv.storage import blob
+
         p = Path(path)
-        parts.append(Part(role, name, p, p.stat().st_size))
+        with open(p, "rb") as f:
+            head = f.read(512)
+        if blob.is_descriptor(head):  # pulled lazily: the blob is known by its digest
+            ref = blob.load_descriptor(p)
+            parts.append(Part(role, name, p, ref.size, ref.digest, ref))
+        else:
+            parts.append(Part(role, name, p, p.stat().st_size))
         return name
 
-    for i, layer in enumerate(record.memory_layers):
-        portable["memory_layers"][i]["path"] = add("memory", f"memory-{i:03d}.layer", layer.path)
+    def add_layer(entry: dict[str, Any], role: str, name: str) -> None:
+        entry["path"] = add(role, name, entry["path"])
+        entry["size"] = parts[-1].size  # a remote layer's: its blob's, not its descriptor's
+
+    for i, layer in enumerate(portable["memory_layers"]):
+        add_layer(layer, "memory", f"memory-{i:03d}.layer")
     portable["device_state"] = add("devstate", "devstate.bin", record.device_state)
     for d, disk in enumerate(record.disks):
-        for i, layer in enumerate(disk.layers):
-            portable["disks"][d]["layers"][i]["path"] = add(
-                "disk", f"disk-{disk.name}-{i:03d}.layer", layer.path)
+        for i, layer in enumerate(portable["disks"][d]["layers"]):
+            add_layer(layer, "disk", f"disk-{disk.name}-{i:03d}.layer")
         if disk.file:
             portable["disks"][d]["file"] = add("file", f"disk-{disk.name}.file", disk.file)
     pack = Path(record.device_state).parent / PACK_NAME
@@ -117,14 +139,17 @@ def collect(record_dir: Path) -> tuple[SnapshotRecord, list[Part], dict[str, Any
     return record, parts, portable
 
 
-def localise(portable: dict[str, Any], directory: Path) -> SnapshotRecord:
-    """The record of a fetched snapshot, its part names made paths in `directory`."""
+def localise(portable: dict[str, Any], directory: Path,
+             found: dict[str, Path] | None = None) -> SnapshotRecord:
+    """The record of a fetched snapshot, its part names made paths in `directory` (or the
+    node's own copy of a part, `found`)."""
     doc = json.loads(json.dumps(portable))
+    found = found or {}
 
     def local(name: str) -> str:
         if not _NAME.match(name):
             raise RepositoryError(f"snapshot artifact names a bad part {name!r}")
-        return str(directory / name)
+        return str(found.get(name) or directory / name)
 
     for layer in doc["memory_layers"]:
         layer["path"] = local(layer["path"])
@@ -187,7 +212,8 @@ def push(record_dir: Path, ref: str, meta: dict[str, Any], **registry_options: A
     t0 = time.monotonic()
     record, parts, portable = collect(record_dir)
     for part in parts:
-        part.digest = file_digest(part.path)
+        if part.remote is None:
+            part.digest = file_digest(part.path)
     config = json.dumps({"record": portable}, sort_keys=True).encode()
     manifest = _manifest(parts, config, meta)
     sent = (_push_dir(repo, parts, config, manifest) if repo.kind == "dir"
@@ -223,7 +249,11 @@ def _push_dir(repo: RepoRef, parts: list[Part], config: bytes, manifest: bytes) 
 
     sent += put("sha256:" + hashlib.sha256(config).hexdigest(), config)
     for part in parts:
-        sent += put(part.digest, part.path)
+        if part.remote is not None and not (blobs / part.digest.removeprefix("sha256:")).exists():
+            with _materialised(part) as local:
+                sent += put(part.digest, local)
+        else:
+            sent += put(part.digest, part.path)
     fsync_dir(blobs)
     target.mkdir(parents=True, exist_ok=True)
     atomic_write(target / "manifest.json", manifest, mode=0o644)
@@ -238,7 +268,13 @@ def _push_oci(repo: RepoRef, parts: list[Part], config: bytes, manifest: bytes,
     with _Pusher(reference, **options) as pusher:
         sent = pusher.blob("sha256:" + hashlib.sha256(config).hexdigest(), config)
         for part in parts:
-            sent += pusher.blob(part.digest, part.path)
+            if part.remote is not None:
+                if pusher.has(part.digest):
+                    continue
+                with _materialised(part) as local:
+                    sent += pusher.blob(part.digest, local)
+            else:
+                sent += pusher.blob(part.digest, part.path)
         pusher.manifest(reference.tag or reference.selector, manifest)
     return sent
 
@@ -289,9 +325,12 @@ class _Pusher:
             raise RepositoryError(f"{what}: registry {self.client.registry} answered HTTP "
                                   f"{response.status_code} {response.text[:300]}")
 
+    def has(self, digest: str) -> bool:
+        return bool(self._send("HEAD", f"/v2/{self.repository}/blobs/{digest}").status_code == 200)
+
     def blob(self, digest: str, source: Path | bytes) -> int:
         base = f"/v2/{self.repository}/blobs"
-        if self._send("HEAD", f"{base}/{digest}").status_code == 200:
+        if self.has(digest):
             return 0
         start = self._send("POST", f"{base}/uploads/")
         self._check(start, f"starting the upload of {digest}")
@@ -318,6 +357,36 @@ class _Pusher:
         self._check(answer, f"putting the manifest {self.repository}:{tag}")
 
 
+@contextlib.contextmanager
+def _materialised(part: Part) -> Iterator[Path]:
+    """A lazily pulled part as a temporary local file, read through the remote layer reader
+    (its chunks checked as blockd's remote reads are) and verified against its digest."""
+    from agentenv.storage import blob
+
+    fd, name = tempfile.mkstemp(prefix=".aenv-part-", dir=part.path.parent)
+    tmp = Path(name)
+    try:
+        source = blob.open_remote(part.remote)
+        try:
+            with os.fdopen(fd, "wb") as out:
+                pos = 0
+                while pos < part.size:
+                    data = source.pread(min(_CHUNK * 8, part.size - pos), pos)
+                    if not data:
+                        raise RepositoryError(f"part {part.name} ({part.digest}) ended at {pos} "
+                                              f"of {part.size} bytes")
+                    out.write(data)
+                    pos += len(data)
+        finally:
+            source.close()
+        if file_digest(tmp) != part.digest:
+            raise RepositoryError(f"part {part.name} read back from its registry does not "
+                                  f"match {part.digest}")
+        yield tmp
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
 # --- fetch ---------------------------------------------------------------------------------
 
 
@@ -329,11 +398,41 @@ class Fetched:
     bytes_fetched: int
     seconds: float
     existed: bool = False
+    bytes_total: int = 0  # of every part
+    lazy_parts: int = 0  # parts left in the registry (remote layers)
 
 
-def fetch(ref: str, snapshots_root: Path, **registry_options: Any) -> Fetched:
-    """Download the snapshot named by `ref` into `snapshots_root/<id>` (whole, verified)."""
+_digests: dict[tuple[str, int, int], str] = {}
+
+
+def _local_copies(files: list[Path], descs: list[dict[str, Any]]) -> dict[str, Path]:
+    """digest -> one of `files` with that content, for the raw-file parts `descs` (a node's
+    tools disk is the same file on every node running the same guest assets)."""
+    sizes = {int(d["size"]) for d in descs}
+    out: dict[str, Path] = {}
+    for path in files:
+        try:
+            st = path.stat()
+        except OSError:
+            continue
+        if st.st_size not in sizes:
+            continue
+        key = (str(path), st.st_size, st.st_mtime_ns)
+        if key not in _digests:
+            _digests[key] = file_digest(path)
+        out[_digests[key]] = path
+    return out
+
+
+def fetch(ref: str, snapshots_root: Path, *, lazy: bool = True,
+          local_files: list[Path] | None = None, **registry_options: Any) -> Fetched:
+    """Fetch the snapshot named by `ref` into `snapshots_root/<id>`: from a registry with
+    `lazy`, its memory and disk layers as remote layers (module doc), else every part whole;
+    everything downloaded is verified against its digest. A raw disk file part with the
+    content of one of `local_files` (the node's tools disk) is not fetched: the record names
+    the local file, as the records of the node's own snapshots do."""
     repo = parse_ref(ref)
+    local = list(local_files or [])
     t0 = time.monotonic()
     if repo.kind == "dir":
         manifest_bytes = _read(Path(repo.location) / "manifest.json", repo.text)
@@ -356,7 +455,8 @@ def fetch(ref: str, snapshots_root: Path, **registry_options: Any) -> Fetched:
                 raise RepositoryError(f"{repo.text}: part {desc['digest']} is damaged")
             os.replace(tmp, dest)
 
-        return _fetch(repo, manifest_bytes, get_bytes, get_file, snapshots_root, t0, None)
+        return _fetch(repo, manifest_bytes, get_bytes, get_file, snapshots_root, t0, None, local)
+    from agentenv.storage.blob import BlobLocation, RemoteLayerRef
     from agentenv.template.reference import parse_reference
     from agentenv.template.registry import Descriptor, RegistryClient
 
@@ -373,12 +473,22 @@ def fetch(ref: str, snapshots_root: Path, **registry_options: Any) -> Fetched:
         def get_file_oci(desc: dict[str, Any], dest: Path) -> None:
             client.download_blob(reference.repository, descriptor(desc), dest)
 
-        return _fetch(repo, manifest_bytes, get_bytes_oci, get_file_oci, snapshots_root, t0, None)
+        location = BlobLocation(reference.registry, reference.repository,
+                                client.host if client.host != reference.registry else None,
+                                client.insecure)
+
+        def describe(desc: dict[str, Any], dest: Path) -> None:
+            d = descriptor(desc)
+            RemoteLayerRef(d.digest, d.size, [location], d.media_type).save(dest)
+
+        return _fetch(repo, manifest_bytes, get_bytes_oci, get_file_oci, snapshots_root, t0,
+                      describe if lazy else None, local)
 
 
 def _fetch(repo: RepoRef, manifest_bytes: bytes, get_bytes: Callable[[dict[str, Any]], bytes],
            get_file: Callable[[dict[str, Any], Path], None], snapshots_root: Path, t0: float,
-           _unused: Any) -> Fetched:
+           describe: Callable[[dict[str, Any], Path], None] | None,
+           local_files: list[Path]) -> Fetched:
     try:
         manifest = json.loads(manifest_bytes)
     except ValueError as exc:
@@ -402,15 +512,28 @@ def _fetch(repo: RepoRef, manifest_bytes: bytes, get_bytes: Callable[[dict[str, 
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
     snapshots_root.mkdir(parents=True, exist_ok=True)
-    fetched = 0
+    fetched = total = remote = 0
+    lazy_types = {PART_TYPES[r] for r in LAZY_ROLES}
+    descs = list(manifest.get("layers", []))
+    copies = _local_copies(local_files, [d for d in descs
+                                         if d.get("mediaType") == PART_TYPES["file"]])
+    found: dict[str, Path] = {}
     try:
-        for desc in manifest.get("layers", []):
+        for desc in descs:
             name = (desc.get("annotations") or {}).get(TITLE, "")
             if not _NAME.match(name) or desc.get("mediaType") not in PART_TYPES.values():
                 raise RepositoryError(f"{repo.text}: bad part {name!r} ({desc.get('mediaType')})")
+            total += int(desc["size"])
+            if describe is not None and desc["mediaType"] in lazy_types:
+                describe(desc, work / name)
+                remote += 1
+                continue
+            if desc["mediaType"] == PART_TYPES["file"] and desc.get("digest") in copies:
+                found[name] = copies[desc["digest"]]
+                continue
             get_file(desc, work / name)
             fetched += int(desc["size"])
-        record = localise(portable, final)
+        record = localise(portable, final, found)
         # Written with the final paths, then the directory moves into place in one rename.
         record.save(work)
         fsync_dir(work)
@@ -420,7 +543,8 @@ def _fetch(repo: RepoRef, manifest_bytes: bytes, get_bytes: Callable[[dict[str, 
         shutil.rmtree(work, ignore_errors=True)
         raise
     record.check_files()
-    return Fetched(record, meta, final, fetched, round(time.monotonic() - t0, 2))
+    return Fetched(record, meta, final, fetched, round(time.monotonic() - t0, 2),
+                   bytes_total=total, lazy_parts=remote)
 
 
 def _read(path: Path, what: str) -> bytes:

@@ -70,6 +70,7 @@ def config_from_env(state_dir: Path, **overrides: Any) -> RemoteConfig:
 class RemoteService:
     store: RemoteStore
     peer_server: PeerServer | None
+    state_dir: Path | None = None  # blockd's: where memfs writes its chunk store's counters
 
     def stop(self) -> None:
         blob.set_remote_opener(None)
@@ -82,6 +83,11 @@ class RemoteService:
     async def op_stats(self) -> dict[str, Any]:
         stats = self.store.snapshot_stats()
         stats["p2p"] = self.peer_server.address if self.peer_server else None
+        if self.state_dir is not None:
+            from agentenv.blockd.memfs import remote_stats
+
+            # Remote memory layers are read by memfs's own store (blockd/memfs.py).
+            stats["memory"] = remote_stats(self.state_dir)
         return stats
 
     async def op_peers(self, peers: list[str] | None = None,
@@ -125,7 +131,8 @@ class RemoteService:
                 "remote_held": self.op_held}
 
 
-def start(config: RemoteConfig, metrics_registry: Any = None) -> RemoteService:
+def start(config: RemoteConfig, metrics_registry: Any = None,
+          state_dir: Path | None = None) -> RemoteService:
     # One line per ranged GET would drown blockd's log; failures are logged by the store.
     logging.getLogger("httpx").setLevel(logging.WARNING)
     store = RemoteStore(config)
@@ -145,7 +152,7 @@ def start(config: RemoteConfig, metrics_registry: Any = None) -> RemoteService:
         "cache": str(config.cache_dir), "capacity": config.capacity,
         "chunk_size": config.chunk_size, "peers": config.peers, "timeout_s": config.timeout,
         "p2p": server.address if server else None})
-    return RemoteService(store, server)
+    return RemoteService(store, server, state_dir)
 
 
 class _Collector:

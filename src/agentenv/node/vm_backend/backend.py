@@ -306,15 +306,22 @@ class VmBackend(SandboxBackend, CrashRecovery, LayerAware, TemplateBuilding, Net
     def _pool_key(record: SnapshotRecord) -> str:
         return str(record_dir(record))
 
+    @staticmethod
+    def _token(spec: SandboxSpec, guest_token: str | None) -> str | None:
+        """The token envd gets at /init: the sandbox's; for a sandbox that is not secure, its
+        own token too when envd holds another's (re-keyed: SandboxSpec.own_token)."""
+        return spec.access_token or (spec.own_token if guest_token else None)
+
     async def _restore(self, spec: SandboxSpec, record: SnapshotRecord,
                        previous_token: str | None = None) -> Placement:
+        token = self._token(spec, previous_token)
         with vm_errors(f"starting the VM of {spec.sandbox_id} failed"):
             vm = await self.runtime.restore(record, env_vars=self._guest_env(spec),
-                                            access_token=spec.access_token,
+                                            access_token=token,
                                             egress=egress_of(spec),
                                             guest_token=previous_token)
         await self.egress.announce(spec.sandbox_id, vm, spec)
-        return self._placement(spec.sandbox_id, vm, spec.access_token)
+        return self._placement(spec.sandbox_id, vm, token)
 
     async def create(self, spec: SandboxSpec) -> Placement:
         await self.blockd.wait()
@@ -372,7 +379,8 @@ class VmBackend(SandboxBackend, CrashRecovery, LayerAware, TemplateBuilding, Net
                 await self.runtime.set_policy(vm, egress)
             await self.egress.announce(spec.sandbox_id, vm, spec)
             t1 = time.perf_counter()
-            await self.runtime.envd_init(vm, self._guest_env(spec), spec.access_token,
+            token = self._token(spec, guest_token)
+            await self.runtime.envd_init(vm, self._guest_env(spec), token,
                                          guest_token=guest_token)
         except (RuntimeError_, OSError) as exc:  # not an error of the create: it restores
             log.warning("pooled VM failed at create: restoring instead",
@@ -386,7 +394,7 @@ class VmBackend(SandboxBackend, CrashRecovery, LayerAware, TemplateBuilding, Net
         vm.timings = {"pooled": 1.0, "outbound_ms": (t1 - t0) * 1e3,
                       "envd_init_ms": (t2 - t1) * 1e3, "parked_s": time.time() - vm.started_at}
         # Writes the sandbox's manifest before the pool's goes.
-        placed = self._placement(spec.sandbox_id, vm, spec.access_token)
+        placed = self._placement(spec.sandbox_id, vm, token)
         self.pool.handed_over(vm)
         log.info("sandbox VM from the ready pool", extra={
             "sandbox_id": spec.sandbox_id, "vm": vm.id,
@@ -402,9 +410,12 @@ class VmBackend(SandboxBackend, CrashRecovery, LayerAware, TemplateBuilding, Net
             await self._sync_guest(sandbox_id, vm)
         with vm_errors(f"pausing {sandbox_id} failed", retryable=lambda: vm.state == "running"):
             record = await self.runtime.pause(vm, memory=memory)
+        token = self._tokens.get(sandbox_id)
         self._forget_vm(sandbox_id)
         await self.egress.forget(sandbox_id)
         ref = self.snapshots.ref(record, "paused")
+        if token and record.memory:  # what the resume's /init must show (a re-keyed guest's)
+            ref.data["guest_token"] = token
         self.snapshots.own(sandbox_id, Path(ref.data["record_dir"]))
         return PauseResult(snapshot=ref, memory=record.memory)
 
@@ -434,7 +445,7 @@ class VmBackend(SandboxBackend, CrashRecovery, LayerAware, TemplateBuilding, Net
         record = self.snapshots.load(snapshot)
         if not record.memory or not memory:
             return await self._cold_boot(spec, record)
-        return await self._restore(spec, record)
+        return await self._restore(spec, record, previous_token=snapshot.data.get("guest_token"))
 
     async def _cold_boot(self, spec: SandboxSpec, record: SnapshotRecord) -> Placement:
         """A VM booted from a filesystem-only snapshot's disks with the current guest assets
