@@ -305,6 +305,8 @@ def replay(policy: str, trace: list[Access], capacity_chunks: int) -> dict[str, 
                 states[blob] = cache.blob(hashlib.sha256(blob.encode()).hexdigest(), 1 << 30)
             state = states[blob]
             accesses += 1
+            # The reads of one access go forward through the chunk, as a guest's do.
+            step = cs // READS_PER_ACCESS
             hit = cache.read(state, idx, 0, buf)
             if hit:
                 hits += 1
@@ -319,8 +321,8 @@ def replay(policy: str, trace: list[Access], capacity_chunks: int) -> dict[str, 
             if blob == "hot":
                 hot_accesses += 1
                 hot_hits += hit
-            for _ in range(READS_PER_ACCESS - 1):
-                cache.read(state, idx, 0, buf)
+            for j in range(1, READS_PER_ACCESS):
+                cache.read(state, idx, j * step, buf)
         evictions = cache.stats.evictions
         cache.close()
     if peak > capacity_chunks * cs:
