@@ -229,6 +229,9 @@ def vm_first_command(image: bigimage.BigImage, descriptor: Path, registry_root: 
         emit("vm_first_command_ms", med["remote"][1], "ms", "local layer", med["local"][1],
              goal="<= 2x", rounds=rounds, stat="median",
              remote_boot_ms=round(med["remote"][0], 1), local_boot_ms=round(med["local"][0], 1),
+             # On a loaded host the noise only adds: the fastest rounds compare the costs.
+             min_ratio=round(min(a for _, a in results["remote"])
+                             / min(a for _, a in results["local"]), 3),
              remote_all=[round(a) for _, a in results["remote"]],
              local_all=[round(a) for _, a in results["local"]])
         # The guest boots from its initramfs: the disk is first read by the mount, so what
@@ -236,6 +239,8 @@ def vm_first_command(image: bigimage.BigImage, descriptor: Path, registry_root: 
         after = {side: statistics.median(a - b for b, a in v) for side, v in results.items()}
         emit("vm_first_command_after_boot_ms", after["remote"], "ms", "local layer",
              after["local"], rounds=rounds, stat="median",
+             min_ratio=round(min(a - b for b, a in results["remote"])
+                             / min(a - b for b, a in results["local"]), 3),
              remote_all=[round(a - b) for b, a in results["remote"]],
              local_all=[round(a - b) for b, a in results["local"]])
         emit("vm_bytes_fetched", statistics.median(remote_bytes), "bytes", "blob size",
