@@ -5,6 +5,8 @@ cache, where LRU loses it; both keep the capacity bound and count their eviction
 from __future__ import annotations
 
 import os
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -129,3 +131,52 @@ def test_policy_choice_and_bad_names(tmp_path: Path, monkeypatch: pytest.MonkeyP
         config_from_env(tmp_path)
     monkeypatch.delenv("AENV_CHUNK_CACHE_EVICTION")
     assert config_from_env(tmp_path).eviction == "2q"
+
+
+def test_concurrent_inserts_wait_for_holes_being_punched(tmp_path: Path,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """Evicted chunks keep their blocks until their holes are punched; inserts of other
+    threads meanwhile wait instead of writing past the capacity on disk. (Punching is made
+    slow here, the one fault injected: on an idle disk the window is too short to hit.)"""
+    from agentenv.blockd.remote import cache as cachemod
+
+    real_punch = cachemod._punch
+
+    def slow_punch(fd: int, offset: int, length: int) -> None:
+        time.sleep(0.02)
+        real_punch(fd, offset, length)
+
+    monkeypatch.setattr(cachemod, "_punch", slow_punch)
+    chunk = 64 * 1024
+    cap = 40  # a batch of victims: from 95 % down to 85 %, 4 chunks
+    cache = ChunkCache(tmp_path / "c", cap * chunk, chunk_size=chunk)
+    state = cache.blob("d4" * 32, 160 * chunk)
+    data = os.urandom(chunk)
+    path = cache.root / "blobs" / f"{state.hex}.data"
+    peak = 0
+    stop = threading.Event()
+
+    def watch() -> None:
+        nonlocal peak
+        while not stop.is_set():
+            peak = max(peak, os.stat(path).st_blocks * 512)
+
+    def fill(first: int) -> None:
+        for idx in range(first, 160, 4):
+            cache.insert(state, idx, data, VERIFIED)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        workers = [threading.Thread(target=fill, args=(k,)) for k in range(4)]
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join()
+    finally:
+        stop.set()
+        watcher.join()
+        cache.close()
+    assert cache.stats.evictions > 0
+    assert peak <= (cap + 1) * chunk, f"the data file held {peak} bytes"
+    assert sum(1 for m in state.present if m) * chunk == cache.size <= cap * chunk

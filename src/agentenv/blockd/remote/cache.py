@@ -265,7 +265,9 @@ class ChunkCache:
         self.policy = policy
         self._order = make_policy(policy, capacity, chunk_size)
         self._pins: dict[tuple[str, int], int] = {}
-        self._size = 0
+        self._size = 0  # bytes on disk: chunks present, being written, or evicted but not yet punched
+        self._freeing = 0  # of which evicted, their holes not punched yet
+        self._punched = threading.Condition(self._lock)
         self.on_complete: Callable[[BlobState], None] | None = None
         (self.root / "blobs").mkdir(parents=True, exist_ok=True)
         (self.root / "meta").mkdir(parents=True, exist_ok=True)
@@ -432,16 +434,25 @@ class ChunkCache:
         with self._lock:
             if state.present[idx] or (key in self._pins and self._pins[key] < 0):
                 return
-            victims = self._pick_victims(n) if self._size + n > self.high_bytes else []
-            self._size += n  # reserved
+            victims = (self._pick_victims(n) if self._size - self._freeing + n > self.high_bytes
+                       else [])
             self._pins[key] = -1  # being written: nobody evicts or writes it meanwhile
+        reserved = False
         try:
             self._drop(victims)
+            with self._lock:
+                # Other inserts' victims keep their blocks until punched: wait for those
+                # rather than pass the capacity on disk.
+                while self._size + n > self.capacity and self._freeing:
+                    self._punched.wait(1.0)
+                self._size += n  # reserved
+                reserved = True
             os.pwrite(state.fd, data, idx * self.chunk_size)
             os.pwrite(state.map_fd, bytes([mark]), idx)
         except BaseException:
             with self._lock:
-                self._size -= n
+                if reserved:
+                    self._size -= n
                 del self._pins[key]
             raise
         with self._lock:
@@ -458,10 +469,11 @@ class ChunkCache:
 
     def _pick_victims(self, incoming: int) -> list[tuple[BlobState, int, int]]:
         """Under the lock: unmark the policy's chunks until the cache plus `incoming` is at
-        the low watermark. Pinned chunks are skipped."""
+        the low watermark. Pinned chunks are skipped. Their bytes count until `_drop` has
+        punched them."""
         victims: list[tuple[BlobState, int, int]] = []
         target = self.low_bytes - incoming
-        for key, n in self._order.evict(self._size - target, self._pins):
+        for key, n in self._order.evict(self._size - self._freeing - target, self._pins):
             state = self._blobs[key[0]]
             state.present[key[1]] = ABSENT
             state.count -= 1
@@ -469,16 +481,26 @@ class ChunkCache:
                 state.complete = False
                 with contextlib.suppress(FileNotFoundError):
                     (self.root / "blobs" / f"{state.hex}.ok").unlink()
-            self._size -= n
+            self._freeing += n
             self.stats.evictions += 1
             self.stats.evicted_bytes += n
             victims.append((state, key[1], n))
         return victims
 
     def _drop(self, victims: list[tuple[BlobState, int, int]]) -> None:
-        for state, idx, n in victims:
-            os.pwrite(state.map_fd, b"\0", idx)
-            _punch(state.fd, idx * self.chunk_size, n)
+        """Punch the holes of unmarked chunks, then take them out of the byte count."""
+        if not victims:
+            return
+        try:
+            for state, idx, n in victims:
+                os.pwrite(state.map_fd, b"\0", idx)
+                _punch(state.fd, idx * self.chunk_size, n)
+        finally:
+            total = sum(n for _, _, n in victims)
+            with self._lock:
+                self._size -= total
+                self._freeing -= total
+                self._punched.notify_all()
 
     # -- whole blobs ---------------------------------------------------------------------
 
@@ -530,7 +552,7 @@ class ChunkCache:
                     n = self._order.remove(key) or state.chunk_len(idx)
                     state.present[idx] = ABSENT
                     state.count -= 1
-                    self._size -= n
+                    self._freeing += n
                     victims.append((state, idx, n))
             state.complete = False
         with contextlib.suppress(FileNotFoundError):
