@@ -38,6 +38,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -290,7 +291,7 @@ def scan_twice(chunks: int) -> list[Access]:
     return [("scan", i, True) for _ in range(2) for i in range(chunks)]
 
 
-def replay(policy: str, trace: list[Access], capacity_chunks: int) -> dict[str, float]:
+def replay(policy: str, trace: list[Access], capacity_chunks: int) -> dict[str, Any]:
     """Drive the real ChunkCache (4 KiB chunks standing for 1 MiB ones: the policy sees chunk
     counts only) the way the store does: a read that misses fetches and inserts the chunk."""
     from agentenv.blockd.remote.cache import VERIFIED, ChunkCache
@@ -332,8 +333,9 @@ def replay(policy: str, trace: list[Access], capacity_chunks: int) -> dict[str, 
         cache.close()
     if peak > capacity_chunks * cs:
         raise AssertionError(f"{policy}: cache held {peak} bytes, capacity {capacity_chunks * cs}")
-    return {"hit_ratio": hits / accesses, "hot_hit_ratio": hot_hits / hot_accesses
-            if hot_accesses else float("nan"), "fetched_mib": fetched,
+    return {"hit_ratio": hits / accesses,
+            "hot_hit_ratio": round(hot_hits / hot_accesses, 3) if hot_accesses else None,
+            "fetched_mib": fetched,
             "refetched_mib": fetched - len(seen), "evictions": evictions}
 
 
@@ -354,8 +356,7 @@ def eviction(quick: bool) -> None:
         emit("eviction_fetched_mib", twoq["fetched_mib"], "MiB", "lru", lru["fetched_mib"],
              case=name, hit_ratio_2q=round(twoq["hit_ratio"], 3),
              hit_ratio_lru=round(lru["hit_ratio"], 3),
-             hot_hit_ratio_2q=round(twoq["hot_hit_ratio"], 3),
-             hot_hit_ratio_lru=round(lru["hot_hit_ratio"], 3),
+             hot_hit_ratio_2q=twoq["hot_hit_ratio"], hot_hit_ratio_lru=lru["hot_hit_ratio"],
              refetched_mib_2q=twoq["refetched_mib"], refetched_mib_lru=lru["refetched_mib"],
              evictions_2q=twoq["evictions"], evictions_lru=lru["evictions"])
 
