@@ -35,6 +35,10 @@ _socket_option = click.option(
                    "AENV_CHUNK_CACHE_DIR).")
 @click.option("--chunk-cache-size", default=None,
               help="Chunk cache capacity (bytes or K/M/G/T; default 10G; env AENV_CHUNK_CACHE_SIZE).")
+@click.option("--chunk-cache-eviction", type=click.Choice(["2q", "lru"]), default=None,
+              help="Which chunks the chunk cache evicts first: 2q (default: scan resistant, a "
+                   "chunk read once goes before chunks read again) or lru; env "
+                   "AENV_CHUNK_CACHE_EVICTION.")
 @click.option("--remote-timeout", type=float, default=None,
               help="Seconds before a remote read nobody can serve fails with EIO (default 30; "
                    "env AENV_REMOTE_TIMEOUT).")
@@ -52,7 +56,7 @@ _socket_option = click.option(
 def blockd_command(state_dir: Path, socket_path: Path, metrics_port: int | None,
                    no_fuse: bool, inline_max: int | None,
                    upper_limit: str, chunk_cache_dir: Path | None, chunk_cache_size: str | None,
-                   remote_timeout: float | None, peers: tuple[str, ...], p2p_listen: str | None,
+                   chunk_cache_eviction: str | None, remote_timeout: float | None, peers: tuple[str, ...], p2p_listen: str | None,
                    cluster_secret_file: Path | None, remote_background_bw: str | None,
                    log_level: str) -> None:
     """Run the block daemon in the foreground: every disk over NBD (and FUSE)."""
@@ -70,7 +74,7 @@ def blockd_command(state_dir: Path, socket_path: Path, metrics_port: int | None,
         remote = config_from_env(
             state_dir, cache_dir=chunk_cache_dir,
             capacity=parse_size(chunk_cache_size) if chunk_cache_size else None,
-            timeout=remote_timeout, peers=list(peers) or None, p2p_listen=p2p_listen,
+            eviction=chunk_cache_eviction, timeout=remote_timeout, peers=list(peers) or None, p2p_listen=p2p_listen,
             secret=cluster_secret_file.read_text().strip() if cluster_secret_file else None,
             background_bw=parse_size(remote_background_bw) if remote_background_bw else None)
     except ValueError as exc:

@@ -11,9 +11,10 @@ Layout under the cache root:
                        metadata ranges read to open it (kept outside the byte budget)
 
 The byte budget counts stored chunks. Inserting a chunk that would take the cache above the
-high watermark first evicts least recently used chunks down to the low watermark (holes
-punched), so the cache never holds more than its capacity. A chunk being read is pinned and
-never evicted under the reader.
+high watermark first evicts chunks down to the low watermark (holes punched), so the cache
+never holds more than its capacity. A chunk being read is pinned and never evicted under the
+reader. Which chunks go is the eviction policy's choice: "lru" (least recently used) or "2q"
+(scan resistant, below).
 """
 
 from __future__ import annotations
@@ -68,6 +69,147 @@ def _libc() -> Any:
     return _LIBC
 
 
+Key = tuple[str, int]  # (blob hex, chunk index)
+POLICIES = ("lru", "2q")
+
+
+class LruPolicy:
+    """Least recently used first."""
+
+    def __init__(self) -> None:
+        self._order: OrderedDict[Key, int] = OrderedDict()
+
+    def add(self, key: Key, n: int) -> None:
+        self._order[key] = n
+
+    def hit(self, key: Key, offset: int, end: int) -> None:
+        if key in self._order:
+            self._order.move_to_end(key)
+
+    def remove(self, key: Key) -> int | None:
+        return self._order.pop(key, None)
+
+    def __contains__(self, key: Key) -> bool:
+        return key in self._order
+
+    def __len__(self) -> int:
+        return len(self._order)
+
+    def evict(self, amount: int, pinned: dict[Key, int]) -> list[tuple[Key, int]]:
+        """Take chunks out, least recently used first, until `amount` bytes are freed or
+        only pinned ones are left."""
+        out: list[tuple[Key, int]] = []
+        freed = 0
+        for key in list(self._order):
+            if freed >= amount:
+                break
+            if key in pinned:
+                continue
+            n = self._order.pop(key)
+            out.append((key, n))
+            freed += n
+        return out
+
+
+class TwoQPolicy:
+    """2Q (Johnson & Shasha, VLDB 1994), scan resistant. A new chunk enters a FIFO (`new`, a
+    quarter of the capacity); chunks read again go to `main`, an LRU; eviction takes from the
+    FIFO while it is above its share. So a one-off scan (an image read once, a background
+    completion) cycles through the FIFO and never evicts the chunks read again and again.
+
+    What counts as read again: a guest reads a fetched chunk in many small reads in a row, at
+    increasing offsets (NBD requests, ZFile 4 KiB blocks), which says nothing about reuse. A
+    hit in the FIFO promotes the chunk when it reads bytes of the chunk already read since it
+    was fetched (below the furthest offset read so far), and a chunk evicted from the FIFO
+    leaves its key in a ghost list: fetched again while its key is there, it goes straight to
+    `main`. The ghost list holds keys only and spans twice the capacity in chunks, so a
+    working set re-read after a scan twice the cache's size still counts as re-read."""
+
+    def __init__(self, capacity: int, chunk_size: int) -> None:
+        self.new_bytes_max = capacity // 4
+        self.ghost_max = max(16, 2 * capacity // chunk_size)
+        self._frontier: dict[Key, int] = {}  # FIFO chunks: the furthest byte read from each
+        self._new: OrderedDict[Key, int] = OrderedDict()
+        self._new_bytes = 0
+        self._main: OrderedDict[Key, int] = OrderedDict()
+        self._ghost: OrderedDict[Key, None] = OrderedDict()
+
+    def add(self, key: Key, n: int) -> None:
+        if key in self._ghost:
+            del self._ghost[key]
+            self._main[key] = n
+        else:
+            self._new[key] = n
+            self._new_bytes += n
+
+    def hit(self, key: Key, offset: int, end: int) -> None:
+        if key in self._main:
+            self._main.move_to_end(key)
+            return
+        if key not in self._new:
+            return
+        frontier = self._frontier.get(key, 0)
+        if offset < frontier:
+            del self._frontier[key]
+            n = self._new.pop(key)
+            self._new_bytes -= n
+            self._main[key] = n
+        else:
+            self._frontier[key] = end
+
+    def remove(self, key: Key) -> int | None:
+        n = self._new.pop(key, None)
+        if n is not None:
+            self._new_bytes -= n
+            self._frontier.pop(key, None)
+            return n
+        return self._main.pop(key, None)
+
+    def __contains__(self, key: Key) -> bool:
+        return key in self._new or key in self._main
+
+    def __len__(self) -> int:
+        return len(self._new) + len(self._main)
+
+    def evict(self, amount: int, pinned: dict[Key, int]) -> list[tuple[Key, int]]:
+        """From the FIFO while it is above its share (or `main` has nothing to give), else
+        from `main`'s least recently used end; pinned chunks are skipped."""
+        out: list[tuple[Key, int]] = []
+        freed = 0
+        new_keys, main_keys = iter(list(self._new)), iter(list(self._main))
+        new_done = main_done = False
+        while freed < amount and not (new_done and main_done):
+            from_new = not new_done and (self._new_bytes > self.new_bytes_max or main_done)
+            source = new_keys if from_new else main_keys
+            key = next((k for k in source if k not in pinned), None)
+            if key is None:
+                if from_new:
+                    new_done = True
+                else:
+                    main_done = True
+                continue
+            if from_new:
+                n = self._new.pop(key)
+                self._new_bytes -= n
+                self._frontier.pop(key, None)
+                self._ghost[key] = None
+                if len(self._ghost) > self.ghost_max:
+                    self._ghost.popitem(last=False)
+            else:
+                n = self._main.pop(key)
+            out.append((key, n))
+            freed += n
+        return out
+
+
+def make_policy(name: str, capacity: int, chunk_size: int) -> LruPolicy | TwoQPolicy:
+    if name == "lru":
+        return LruPolicy()
+    if name == "2q":
+        return TwoQPolicy(capacity, chunk_size)
+    raise ValueError(f"unknown chunk cache eviction policy {name!r} (one of {', '.join(POLICIES)})")
+
+
 @dataclass
 class CacheStats:
     hits: int = 0
@@ -104,7 +246,7 @@ class BlobState:
 
 class ChunkCache:
     def __init__(self, root: Path, capacity: int, *, chunk_size: int = 1 << 20,
-                 high: float = 0.95, low: float = 0.85) -> None:
+                 high: float = 0.95, low: float = 0.85, policy: str = "2q") -> None:
         if chunk_size < 4096 or chunk_size & (chunk_size - 1):
             raise ValueError(f"chunk size {chunk_size} must be a power of two of at least 4096")
         if capacity < 4 * chunk_size:
@@ -120,9 +262,12 @@ class ChunkCache:
         self.stats = CacheStats()
         self._lock = threading.Lock()
         self._blobs: dict[str, BlobState] = {}
-        self._lru: OrderedDict[tuple[str, int], int] = OrderedDict()
+        self.policy = policy
+        self._order = make_policy(policy, capacity, chunk_size)
         self._pins: dict[tuple[str, int], int] = {}
-        self._size = 0
+        self._size = 0  # bytes on disk: chunks present, being written, or evicted but not yet punched
+        self._freeing = 0  # of which evicted, their holes not punched yet
+        self._punched = threading.Condition(self._lock)
         self.on_complete: Callable[[BlobState], None] | None = None
         (self.root / "blobs").mkdir(parents=True, exist_ok=True)
         (self.root / "meta").mkdir(parents=True, exist_ok=True)
@@ -138,7 +283,7 @@ class ChunkCache:
 
     def _load(self) -> None:
         """Reopen what a previous run left: every blob with its present map (in map order:
-        the LRU order of the previous run is not kept)."""
+        the eviction order of the previous run is not kept)."""
         for data in sorted((self.root / "blobs").glob("*.data")):
             hex_ = data.stem
             try:
@@ -151,7 +296,7 @@ class ChunkCache:
             for idx, mark in enumerate(state.present):
                 if mark:
                     n = state.chunk_len(idx)
-                    self._lru[(hex_, idx)] = n
+                    self._order.add((hex_, idx), n)
                     self._size += n
                     state.count += 1
         if self._size > self.high_bytes:
@@ -213,7 +358,7 @@ class ChunkCache:
                 self.stats.misses += 1
                 return False
             self.stats.hits += 1
-            self._lru.move_to_end(key)
+            self._order.hit(key, offset, offset + len(buf))
             self._pins[key] = self._pins.get(key, 0) + 1
         try:
             got = os.preadv(state.fd, [buf], idx * self.chunk_size + offset)
@@ -237,7 +382,7 @@ class ChunkCache:
             if not state.present[idx]:
                 return None
             self.stats.hits += 1
-            self._lru.move_to_end(key)
+            self._order.hit(key, offset, offset + length)
             pins[key] = pins.get(key, 0) + 1
         try:
             data = os.pread(state.fd, length, idx * self.chunk_size + offset)
@@ -289,23 +434,32 @@ class ChunkCache:
         with self._lock:
             if state.present[idx] or (key in self._pins and self._pins[key] < 0):
                 return
-            victims = self._pick_victims(n) if self._size + n > self.high_bytes else []
-            self._size += n  # reserved
+            victims = (self._pick_victims(n) if self._size - self._freeing + n > self.high_bytes
+                       else [])
             self._pins[key] = -1  # being written: nobody evicts or writes it meanwhile
+        reserved = False
         try:
             self._drop(victims)
+            with self._lock:
+                # Other inserts' victims keep their blocks until punched: wait for those
+                # rather than pass the capacity on disk.
+                while self._size + n > self.capacity and self._freeing:
+                    self._punched.wait(1.0)
+                self._size += n  # reserved
+                reserved = True
             os.pwrite(state.fd, data, idx * self.chunk_size)
             os.pwrite(state.map_fd, bytes([mark]), idx)
         except BaseException:
             with self._lock:
-                self._size -= n
+                if reserved:
+                    self._size -= n
                 del self._pins[key]
             raise
         with self._lock:
             del self._pins[key]
             state.present[idx] = mark
             state.count += 1
-            self._lru[key] = n
+            self._order.add(key, n)
             self.stats.inserted_bytes += n
             done = state.count == state.nchunks and not state.complete and not state.verifying
             if done:
@@ -314,16 +468,12 @@ class ChunkCache:
             self.on_complete(state)
 
     def _pick_victims(self, incoming: int) -> list[tuple[BlobState, int, int]]:
-        """Under the lock: unmark least recently used chunks until the cache plus `incoming`
-        is at the low watermark. Pinned chunks are skipped."""
+        """Under the lock: unmark the policy's chunks until the cache plus `incoming` is at
+        the low watermark. Pinned chunks are skipped. Their bytes count until `_drop` has
+        punched them."""
         victims: list[tuple[BlobState, int, int]] = []
         target = self.low_bytes - incoming
-        for key in list(self._lru):
-            if self._size <= target:
-                break
-            if key in self._pins:
-                continue
-            n = self._lru.pop(key)
+        for key, n in self._order.evict(self._size - self._freeing - target, self._pins):
             state = self._blobs[key[0]]
             state.present[key[1]] = ABSENT
             state.count -= 1
@@ -331,16 +481,26 @@ class ChunkCache:
                 state.complete = False
                 with contextlib.suppress(FileNotFoundError):
                     (self.root / "blobs" / f"{state.hex}.ok").unlink()
-            self._size -= n
+            self._freeing += n
             self.stats.evictions += 1
             self.stats.evicted_bytes += n
             victims.append((state, key[1], n))
         return victims
 
     def _drop(self, victims: list[tuple[BlobState, int, int]]) -> None:
-        for state, idx, n in victims:
-            os.pwrite(state.map_fd, b"\0", idx)
-            _punch(state.fd, idx * self.chunk_size, n)
+        """Punch the holes of unmarked chunks, then take them out of the byte count."""
+        if not victims:
+            return
+        try:
+            for state, idx, n in victims:
+                os.pwrite(state.map_fd, b"\0", idx)
+                _punch(state.fd, idx * self.chunk_size, n)
+        finally:
+            total = sum(n for _, _, n in victims)
+            with self._lock:
+                self._size -= total
+                self._freeing -= total
+                self._punched.notify_all()
 
     # -- whole blobs ---------------------------------------------------------------------
 
@@ -389,10 +549,10 @@ class ChunkCache:
             for idx, mark in enumerate(state.present):
                 key = (state.hex, idx)
                 if mark and key not in self._pins:
-                    n = self._lru.pop(key, state.chunk_len(idx))
+                    n = self._order.remove(key) or state.chunk_len(idx)
                     state.present[idx] = ABSENT
                     state.count -= 1
-                    self._size -= n
+                    self._freeing += n
                     victims.append((state, idx, n))
             state.complete = False
         with contextlib.suppress(FileNotFoundError):

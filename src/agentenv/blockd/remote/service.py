@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from agentenv.blockd.errors import BlockdError
+from agentenv.blockd.remote.cache import POLICIES
 from agentenv.blockd.remote.p2p import PeerServer
 from agentenv.blockd.remote.store import (
     DEFAULT_CHUNK,
@@ -40,7 +41,7 @@ def parse_size(text: str) -> int:
 
 
 def config_from_env(state_dir: Path, **overrides: Any) -> RemoteConfig:
-    """Settings from the environment (AENV_CHUNK_CACHE_*, AENV_REMOTE_*, AENV_PEERS,
+    """Settings from the environment (AENV_CHUNK_CACHE_* (_DIR, _SIZE, _EVICTION), AENV_REMOTE_*, AENV_PEERS,
     AENV_P2P_LISTEN, AENV_CLUSTER_SECRET[_FILE]), then the given overrides (not None)."""
     env = os.environ
     secret = env.get("AENV_CLUSTER_SECRET") or None
@@ -56,12 +57,16 @@ def config_from_env(state_dir: Path, **overrides: Any) -> RemoteConfig:
         secret=secret,
         p2p_listen=env.get("AENV_P2P_LISTEN") or None,
         background_bw=parse_size(env.get("AENV_REMOTE_BACKGROUND_BW", "32M")),
+        eviction=env.get("AENV_CHUNK_CACHE_EVICTION", "2q"),
     )
     for key, value in overrides.items():
         if value is not None:
             setattr(config, key, value)
     if config.timeout <= 0:
         raise ValueError(f"remote timeout must be positive, got {config.timeout}")
+    if config.eviction not in POLICIES:
+        raise ValueError(f"unknown chunk cache eviction policy {config.eviction!r} "
+                         f"(AENV_CHUNK_CACHE_EVICTION: one of {', '.join(POLICIES)})")
     config.request_timeout = min(config.request_timeout, config.timeout)
     return config
 

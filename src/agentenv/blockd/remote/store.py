@@ -64,6 +64,7 @@ class RemoteConfig:
     background_bw: int = 32 << 20  # bytes/s for completing blobs in use; 0: off
     fetch_threads: int = 8
     docker_config: Path | None = None
+    eviction: str = "2q"  # the chunk cache's policy (cache.POLICIES)
 
 
 @dataclass
@@ -189,7 +190,7 @@ class RemoteStore:
     def __init__(self, config: RemoteConfig) -> None:
         self.config = config
         self.cache = ChunkCache(config.cache_dir, config.capacity, chunk_size=config.chunk_size,
-                                high=config.high, low=config.low)
+                                high=config.high, low=config.low, policy=config.eviction)
         self.cache.on_complete = self._on_complete
         self.stats = Stats()
         self.peers: list[str] = [p.rstrip("/") for p in config.peers]
