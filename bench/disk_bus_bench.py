@@ -158,6 +158,8 @@ def main() -> None:
         print(json.dumps({"metric": f"{metric}_virtio_scsi", "value": round(scsi, 1), "unit": unit,
                           "baseline": f"{metric}_virtio_blk", "baseline_value": round(blk, 1),
                           "ratio": round(scsi / blk, 3), "runs": len(by_bus["virtio-scsi"]),
+                          "samples": {bus: [round(v) for v in values]
+                                      for bus, values in by_bus.items()},
                           "loadavg_1m_start_end": [round(load_start, 2), round(load, 2)]}),
               flush=True)
 
