@@ -30,6 +30,7 @@ from typing import Literal
 
 from agentenv.blockd.client import AsyncBlockdClient
 from agentenv.runtime.config import RuntimeConfig
+from agentenv.runtime.errors import VMDiedError
 from agentenv.runtime.harness import BlockdProcess, LoopThread, make_ext4_layer, sh
 from agentenv.runtime.network import teardown_host
 from agentenv.runtime.testguest import build_test_guest
@@ -78,6 +79,7 @@ def main() -> None:
     loop = LoopThread()
     runtime: Runtime | None = None
     figures: dict[str, dict[Bus, list[float]]] = {}
+    failures: list[dict[str, str]] = []
 
     def add(metric: str, bus: Bus, value: float) -> None:
         figures.setdefault(metric, {"virtio-blk": [], "virtio-scsi": []})[bus].append(value)
@@ -99,9 +101,14 @@ def main() -> None:
         for round_ in range(args.boots):
             for bus in _order(round_):
                 t0 = time.monotonic()
-                vm = loop.run(runtime.boot(specs[bus]))
+                try:
+                    vm = loop.run(runtime.boot(specs[bus]))
+                except VMDiedError as exc:
+                    # Counted, not fatal: a QEMU dying at boot is itself a figure to compare.
+                    failures.append({"bus": bus, "phase": "boot", "error": str(exc)[-300:]})
+                    continue
                 add("boot_to_envd", bus, (time.monotonic() - t0) * 1000)
-                if round_ == 0:
+                if bus not in kept:
                     kept[bus] = vm
                 else:
                     loop.run(runtime.kill(vm))
@@ -140,7 +147,12 @@ def main() -> None:
                                         DiskSource("rootfs", 256 << 20, layers=[user_root],
                                                    bus=bus)])
                     t0 = time.monotonic()
-                    vm = loop.run(runtime.boot(real))
+                    try:
+                        vm = loop.run(runtime.boot(real))
+                    except VMDiedError as exc:
+                        failures.append({"bus": bus, "phase": "real guest boot",
+                                         "error": str(exc)[-300:]})
+                        continue
                     add("real_guest_boot_to_envd", bus, (time.monotonic() - t0) * 1000)
                     loop.run(runtime.kill(vm))
     finally:
@@ -152,8 +164,12 @@ def main() -> None:
         blockd.stop()
         shutil.rmtree(root, ignore_errors=True)
     load = os.getloadavg()[0]
+    for failure in failures:
+        print(json.dumps({"metric": "vm_died", **failure}), flush=True)
     for metric, by_bus in figures.items():
         unit = "ms" if metric.endswith("envd") else "IOPS"
+        if not by_bus["virtio-blk"] or not by_bus["virtio-scsi"]:
+            continue
         blk, scsi = statistics.median(by_bus["virtio-blk"]), statistics.median(by_bus["virtio-scsi"])
         print(json.dumps({"metric": f"{metric}_virtio_scsi", "value": round(scsi, 1), "unit": unit,
                           "baseline": f"{metric}_virtio_blk", "baseline_value": round(blk, 1),
