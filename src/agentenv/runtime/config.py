@@ -94,6 +94,10 @@ class RuntimeConfig(BaseModel):
     io_write_bps: int = Field(default=0, ge=0)
     io_read_iops: int = Field(default=0, ge=0)
     io_write_iops: int = Field(default=0, ge=0)
+    # Bus of a booted VM's writable blockd disk (a DiskSource may name its own). "virtio-scsi":
+    # the guest gets ENOSPC when the disk's upper reaches blockd's cap (and root is /dev/sda);
+    # "virtio-blk": it gets EIO. Restores keep the bus their snapshot was taken with.
+    disk_bus: Literal["virtio-blk", "virtio-scsi"] = "virtio-blk"
 
     @property
     def vm_dir(self) -> Path:
@@ -118,6 +122,7 @@ PRIVILEGE_ENV = {
     "AENV_IO_READ_BPS": "io_read_bps", "AENV_IO_WRITE_BPS": "io_write_bps",
     "AENV_IO_READ_IOPS": "io_read_iops", "AENV_IO_WRITE_IOPS": "io_write_iops",
     "AENV_MEMORY_DEVICE": "memory_device", "AENV_MEMORY_PREFETCH": "memory_prefetch",
+    "AENV_DISK_BUS": "disk_bus",
 }
 
 

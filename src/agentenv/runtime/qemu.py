@@ -9,7 +9,10 @@ migration stream requires):
   lazily from the shared page cache and copied into private memory on write.
 - virtio-blk disks at fixed PCI addresses, each `raw` format node over a swappable file child
   (`<name>-file`), so a pre-spawned QEMU can get its real disk (NBD from blockd) with
-  `blockdev-add` + `blockdev-reopen` when it is taken from the pool.
+  `blockdev-add` + `blockdev-reopen` when it is taken from the pool. A disk whose config says
+  `bus="virtio-scsi"` (at most one) is a `scsi-hd` on a virtio-scsi controller at its own fixed
+  PCI address instead: the guest then gets ENOSPC, not EIO, when blockd refuses a write at the
+  disk's upper cap (see build_argv).
 - virtio-net on `tap0` (QEMU runs inside the network slot's namespace), no option ROM.
 - virtio-balloon with free-page reporting; vmgenid with a fresh GUID for every process.
 - `-kernel`/`-initrd`/`-append` only for a boot: a restore (`-incoming defer`) has no use for
@@ -80,6 +83,7 @@ NBD_RECONNECT_DELAY = 60
 NBD_OPEN_TIMEOUT = 30
 NET_PCI_ADDR = 0x08
 BALLOON_PCI_ADDR = 0x09
+SCSI_PCI_ADDR = 0x0a
 
 
 @dataclass
@@ -270,6 +274,12 @@ def build_argv(
             "-device",
             f"virtio-net-pci,id=nic0,netdev=net0,mac={machine.mac},romfile=,addr={NET_PCI_ADDR:#x}",
         ]
+    scsi = [d.name for d in machine.disks if d.bus == "virtio-scsi"]
+    if len(scsi) > 1:
+        # sd probes asynchronously: two SCSI disks could swap sda/sdb from one boot to the next.
+        raise RuntimeError_(f"disks {scsi}: at most one disk can be on virtio-scsi")
+    if scsi:
+        argv += ["-device", f"virtio-scsi-pci,id=scsi0,addr={SCSI_PCI_ADDR:#x}"]
     for index, disk in enumerate(machine.disks):
         file_node_name = f"{disk.name}-file0"
         argv += [
@@ -277,13 +287,17 @@ def build_argv(
             "-blockdev",
             _blockdev_arg({"driver": "raw", "node-name": disk.name, "file": file_node_name,
                            "read-only": disk.read_only}),
-            # werror/rerror=report: an error (ENOSPC from a disk at its cap) goes to the guest
-            # as an I/O error (virtio-blk has no ENOSPC status: README, disk cap); QEMU's
-            # default for ENOSPC pauses the whole VM.
-            "-device",
-            f"virtio-blk-pci,id=dev-{disk.name},drive={disk.name},"
-            f"addr={DISK_PCI_BASE + index:#x},werror=report,rerror=report",
         ]
+        # werror/rerror=report: an error goes to the guest (QEMU's default for ENOSPC pauses
+        # the whole VM). virtio-blk has no ENOSPC status, so blockd's ENOSPC at a disk's cap
+        # becomes IOERR (EIO); scsi-hd reports it as sense DATA PROTECT / SPACE ALLOCATION
+        # FAILED (27/07), which Linux's SCSI layer completes as BLK_STS_NOSPC: ENOSPC.
+        if disk.bus == "virtio-scsi":
+            argv += ["-device", f"scsi-hd,id=dev-{disk.name},drive={disk.name},bus=scsi0.0,"
+                                "channel=0,scsi-id=0,lun=0,werror=report,rerror=report"]
+        else:
+            argv += ["-device", f"virtio-blk-pci,id=dev-{disk.name},drive={disk.name},"
+                                f"addr={DISK_PCI_BASE + index:#x},werror=report,rerror=report"]
     if incoming:
         argv += ["-incoming", "defer"]
     if sandbox:

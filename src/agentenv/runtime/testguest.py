@@ -35,7 +35,8 @@ KERNEL_SUITE = "bookworm-backports"
 
 # Modules the test guest loads (with their dependencies, from modules.dep); whichever the
 # kernel builds in are skipped.
-_MODULES = ["virtio_pci", "virtio_net", "virtio_blk", "virtio_balloon", "vmgenid"]
+_MODULES = ["virtio_pci", "virtio_net", "virtio_blk", "virtio_scsi", "sd_mod", "virtio_balloon",
+            "vmgenid"]
 
 
 def _module_order(modules_dir: Path) -> list[str]:

@@ -74,6 +74,7 @@ from agentenv.runtime.qemu import DiskAttachment, QemuProcess
 from agentenv.runtime.warm_pool import WarmPool, WarmProcess
 from agentenv.snapshot.record import (
     RECORD_NAME,
+    DiskBus,
     DiskConfig,
     DiskSnapshot,
     LayerRef,
@@ -97,6 +98,8 @@ class DiskSource:
     read_only: bool = False
     layers: list[Path] = field(default_factory=list)  # oldest first (blockd lowers)
     file: Path | None = None  # raw file, read-only disks only
+    # None: RuntimeConfig.disk_bus for a writable disk, virtio-blk for a read-only one.
+    bus: DiskBus | None = None
 
 
 @dataclass
@@ -156,8 +159,10 @@ class _SnapshotFrame:
     t_stop: float
 
 
-def _cmdline(spec: BootSpec, network: bool) -> str:
+def _cmdline(spec: BootSpec, network: bool, disks: list[DiskConfig]) -> str:
     parts = [spec.cmdline]
+    if any(d.name == "rootfs" and d.bus == "virtio-scsi" for d in disks):
+        parts.append("aenv.root=/dev/sda")  # the guest init's default is /dev/vdb
     if network:
         parts.append(f"aenv.ip={GUEST_IP}/30 aenv.gw=169.254.0.22")
         if spec.dns:
@@ -234,14 +239,17 @@ class Runtime:
     async def boot(self, spec: BootSpec, wait_ready: bool = True) -> VM:
         """Cold-boot a VM from a kernel and disks; returns once envd answers."""
         assert self.accel is not None, "Runtime.start() first"
+        disks = [DiskConfig(name=d.name, read_only=d.read_only, size=d.size,
+                            bus=d.bus or ("virtio-blk" if d.read_only or d.file
+                                          else self.config.disk_bus))
+                 for d in spec.disks]
         machine = MachineConfig(
             vcpus=spec.vcpus or self.config.default_vcpus,
             memory_mib=spec.memory_mib or self.config.default_memory_mib,
             accel=self.accel, kernel=str(spec.kernel),
             initramfs=str(spec.initramfs) if spec.initramfs else None,
-            cmdline=_cmdline(spec, self.config.network),
-            disks=[DiskConfig(name=d.name, read_only=d.read_only, size=d.size) for d in spec.disks],
-            network=self.config.network,
+            cmdline=_cmdline(spec, self.config.network, disks),
+            disks=disks, network=self.config.network,
         )
         with self._starting(machine.vcpus):
             return await self._boot(spec, machine, wait_ready)
@@ -258,10 +266,9 @@ class Runtime:
             elif slot is not None and not spec.outbound:
                 await slot.set_outbound(False)
             attachments = []
-            for source in spec.disks:
+            for source, cfg in zip(spec.disks, machine.disks, strict=True):
                 disk, attach = await self._attach_disk(
-                    source.name, source.size, source.read_only,
-                    [LayerRef(path=str(p), size=p.stat().st_size) for p in source.layers],
+                    cfg, [LayerRef(path=str(p), size=p.stat().st_size) for p in source.layers],
                     source.file, workdir)
                 disks.append(disk)
                 attachments.append(attach)
@@ -284,9 +291,9 @@ class Runtime:
         vm.state = "running"
         return vm
 
-    async def _attach_disk(self, name: str, size: int, read_only: bool, layers: list[LayerRef],
-                           file: Path | None, workdir: Path) -> tuple[AttachedDisk, DiskAttachment]:
-        config = DiskConfig(name=name, read_only=read_only, size=size)
+    async def _attach_disk(self, config: DiskConfig, layers: list[LayerRef], file: Path | None,
+                           workdir: Path) -> tuple[AttachedDisk, DiskAttachment]:
+        name, size, read_only = config.name, config.size, config.read_only
         if file is not None:
             if not read_only:
                 raise RuntimeError_(f"disk {name}: a raw file can only be a read-only disk")
@@ -816,8 +823,7 @@ class Runtime:
         for cfg in record.machine.disks:
             ds = snaps[cfg.name]
             disk, attach = await self._attach_disk(
-                cfg.name, cfg.size, cfg.read_only, ds.layers,
-                Path(ds.file) if ds.file else None, workdir)
+                cfg, ds.layers, Path(ds.file) if ds.file else None, workdir)
             disks.append(disk)
             attachments.append(attach)
         return await QemuProcess.spawn(

@@ -36,12 +36,19 @@ class SnapshotRecordError(AgentEnvError):
     pass
 
 
+DiskBus = Literal["virtio-blk", "virtio-scsi"]
+
+
 class DiskConfig(BaseModel):
-    """One virtio-blk disk of a machine, in PCI order (vda, vdb, ...)."""
+    """One disk of a machine, in PCI order: virtio-blk ones are vda, vdb, ... in the guest; a
+    virtio-scsi one (at most one per machine) is sda. The bus is part of the device state, so a
+    snapshot restores with the bus it was taken with (records from before the field: virtio-blk)."""
 
     name: str  # device id inside QEMU, stable across snapshots: "tools", "rootfs", "drive-x"
     read_only: bool = False
     size: int  # bytes, the virtual size the guest sees
+    # virtio-scsi carries blockd's ENOSPC (upper cap) to the guest as ENOSPC; virtio-blk as EIO.
+    bus: DiskBus = "virtio-blk"
 
 
 class MachineConfig(BaseModel):

@@ -31,6 +31,9 @@ OPTIONAL_MODULES = (
     "vmw_vsock_virtio_transport",  # host<->guest sockets without the network
     "crc32c_intel",  # fast checksums for ext4 metadata_csum
     "overlay",  # read-only roots with a tmpfs upper
+    # The root disk on virtio-scsi (AENV_DISK_BUS=virtio-scsi, /dev/sda): ENOSPC at the disk cap.
+    "virtio_scsi",
+    "sd_mod",
 )
 
 INIT_DIR = Path(__file__).resolve().parent.parent / "init"

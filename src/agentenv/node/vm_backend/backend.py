@@ -186,7 +186,10 @@ class VmBackend(SandboxBackend, CrashRecovery, LayerAware, TemplateBuilding, Net
                                slot_reuse_delay=SLOT_COOLDOWN,
                                # VMs outlive a node crash; the next start adopts them.
                                qemu_die_with_parent=False,
-                               **privilege_settings_from_env(os.environ))
+                               # The root disk on virtio-scsi: a guest at its disk cap gets
+                               # ENOSPC, not EIO (README, disk cap). AENV_DISK_BUS overrides.
+                               **{"disk_bus": "virtio-scsi",
+                                  **privilege_settings_from_env(os.environ)})
         self._let_qemu_reach(config)
         self._runtime = runtime = Runtime(config, blockd=self.blockd.client,
                                           on_vm_died=self._vm_died)
