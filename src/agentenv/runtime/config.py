@@ -75,11 +75,12 @@ class RuntimeConfig(BaseModel):
     # spawn=deny,resourcecontrol=deny) stacked on the punch-hole filter.
     qemu_user: str | None = "aenv-vm"
     qemu_sandbox: bool = True
-    # One cgroup per QEMU (runtime/cgroup.py). "auto": cgroup v2, else v1 controllers, else a
-    # logged warning and no limits; "on": fail at start without them; "off": none.
+    # One cgroup per QEMU (runtime/cgroup.py). "auto": cgroup v2, else v1 controllers (hybrid
+    # hosts), else a logged warning and no limits; "on": fail at start without them; "off":
+    # none; "v1": the same as "auto" (v1 used to be opt-in).
     cgroups: Literal["auto", "on", "off", "v1"] = "auto"
     # Parent of the VMs' cgroups: relative = under the node's own cgroup, absolute = from the
-    # hierarchy root. None: "<network_prefix>.slice".
+    # hierarchy root. None: "<network_prefix>-<hash of state_dir>.slice" (cgroup.default_parent).
     cgroup_parent: str | None = None
     # memory.max = guest memory + this (None: vm_memory_overhead(), measured under TCG).
     vm_memory_overhead_mib: int | None = Field(default=None, ge=0)
