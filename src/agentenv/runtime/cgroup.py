@@ -29,9 +29,10 @@ thread weighs one task. Over 39 s of the fork: the runtime's process waited 36 s
 and ran 0.17 s, blockd waited 27.5 s; every VM waited on them, the fork took 34.4 s and the test
 165 s, against 11.4 s / 24 s without cgroups. With the parent at its default weight (same
 run, nothing else changed): fork 9.6 s, test 15.6 s. Ruled out by the same sampling: the memory
-limit (memory.failcnt 0 in every group, page cache of the shared RAM file at most 164 MiB over
-all groups, charged to whichever VM faulted it first, never reclaimed under a limit), the CPU
-quota (nr_throttled 0), blkio (no throttle set by default), cpuset (not used).
+limit (memory.failcnt 0 in every group; the page cache of the shared RAM file is charged to
+whichever VM faults a page first: up to 83 MiB in one child, none in most, 151 MiB in the
+source's group, which peaked at 357 of its 392 MiB), the CPU quota (nr_throttled 0), blkio (no
+throttle set by default), cpuset (not used), swap (the host has none).
 
 When none is usable: `cgroups="auto"` (default) logs a warning once and VMs run without
 limits (`CgroupManager.enabled` is False); `"on"` fails at start with the missing controllers
