@@ -36,6 +36,10 @@ def test_limits_follow_the_machine_and_the_config() -> None:
         .cpu_quota_us is None
     assert limits_for(_machine(), RuntimeConfig(vm_memory_overhead_mib=10), None) \
         .memory_max == 522 << 20
+    # Single-threaded TCG: one host thread runs all vCPUs, so one task's weight; the CPU cap
+    # stays per vCPU.
+    single = limits_for(_machine(4, 1024), config, None, vcpu_threads=1)
+    assert single.cpu_weight == 100 and single.cpu_quota_us == 200_000
 
 
 def test_v2_layout_enables_controllers_and_writes_limits(tmp_path: Path) -> None:

@@ -90,7 +90,9 @@ def test_each_vm_has_its_cgroup_with_limits_removed_at_exit(env: Env,
         cpu_dir = next(d for d in group.dirs if "cpu" in d.parts or runtime.cgroups.version == 2)
         if runtime.cgroups.version == 1:
             assert int((cpu_dir / "cpu.cfs_quota_us").read_text()) == machine.vcpus * 100_000
-            assert int((cpu_dir / "cpu.shares").read_text()) == machine.vcpus * 1024
+            # One normal task's weight per host thread running vCPUs (1 with thread=single).
+            threads = 1 if "thread=single" in (vm.workdir / "argv").read_text() else machine.vcpus
+            assert int((cpu_dir / "cpu.shares").read_text()) == threads * 1024
             # Flat: a peer of the node's processes, not inside a parent whose weight would
             # count for every VM at once (runtime/cgroup.py).
             assert cpu_dir.parent == runtime.cgroups.parents["cpu"]
