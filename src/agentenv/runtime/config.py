@@ -84,8 +84,8 @@ class RuntimeConfig(BaseModel):
     cgroup_parent: str | None = None
     # memory.max = guest memory + this (None: vm_memory_overhead(), measured under TCG).
     vm_memory_overhead_mib: int | None = Field(default=None, ge=0)
-    # cpu.weight = cpu_weight_per_vcpu x vCPUs; cpu.max = cpu_max_per_vcpu host CPUs per vCPU
-    # (0: no cap).
+    # cpu.weight = cpu_weight_per_vcpu x the host threads running vCPUs (vCPUs, or 1 under
+    # single-threaded TCG); cpu.max = cpu_max_per_vcpu host CPUs per vCPU (0: no cap).
     cpu_weight_per_vcpu: int = Field(default=100, ge=1, le=10000)
     cpu_max_per_vcpu: float = Field(default=1.0, ge=0)
     qemu_pids_max: int = Field(default=512, ge=0)  # QEMU's threads (0: no limit)
