@@ -6,7 +6,12 @@ Per mode: restore of a snapshot to a running VM (cold: QEMU spawned on demand; w
 primed process) and to envd answering /init, and the host memory of idle restored VMs (PSS and
 RSS per VM, and the cgroup's charge when there is one). Prints one JSON object per line.
 
-    python bench/privilege_bench.py --quick
+`--cgroups-only`: both modes run QEMU as aenv-vm under -sandbox, only the per-VM cgroup differs
+("cgroups-off" vs "cgroups-on"), the cost of the cgroups alone. `--fork N` adds a fork of N
+children from a running restored VM per mode and round (time until every child's envd answered
+/init; the fork of 16 is the case that once missed its deadline with cgroups on).
+
+    python bench/privilege_bench.py --quick [--cgroups-only] [--fork 16]
 """
 
 from __future__ import annotations
@@ -44,14 +49,16 @@ def to_running_ms(vm: VM) -> float:
     return t["memory_file_ms"] + t["process_ms"] + t["load_ms"] + t["cont_ms"]
 
 
-def set_mode(rt: Runtime, hardened: bool, user: Any, cgroups: CgroupManager) -> None:
+def set_mode(rt: Runtime, mode: str, user: Any, cgroups: CgroupManager) -> None:
     """Switch what the next spawn uses (the runtime reads these per QEMU it starts)."""
-    rt.vm_user = user if hardened else None
-    rt.config.qemu_sandbox = hardened
-    rt.cgroups = cgroups if hardened else CgroupManager(None, {})
+    privileged = mode in ("plain",)
+    rt.vm_user = None if privileged else user
+    rt.config.qemu_sandbox = not privileged
+    rt.cgroups = cgroups if mode in ("hardened", "cgroups-on") else CgroupManager(None, {})
 
 
-async def main(quick: bool) -> None:
+async def main(quick: bool, cgroups_only: bool = False, fork: int = 0) -> None:
+    modes = ("cgroups-off", "cgroups-on") if cgroups_only else ("plain", "hardened")
     guest = build_test_guest()
     root = Path(tempfile.mkdtemp(prefix="pb", dir="/tmp"))
     root.chmod(0o711)  # QEMU runs as aenv-vm: it must reach the state dir
@@ -61,7 +68,6 @@ async def main(quick: bool) -> None:
     rt = Runtime(RuntimeConfig(state_dir=root / "state", network_prefix=PREFIX,
                                envd_init_path="/cgi-bin/init", slot_pool_low=4,
                                slot_pool_high=12, slot_first_index=SLOT_FIRST_INDEX,
-                               # AENV_CGROUPS=v1 on a host whose cgroup2 has no controllers
                                cgroups=os.environ.get("AENV_CGROUPS") or "auto"),
                  blockd=client)
     try:
@@ -81,10 +87,11 @@ async def main(quick: bool) -> None:
         rounds = 3 if quick else 10
         results: dict[str, dict[str, list[float]]] = {
             m: {"cold_running": [], "cold_init": [], "warm_running": [], "warm_init": []}
-            for m in ("plain", "hardened")}
-        for _ in range(rounds):
-            for mode in ("plain", "hardened"):
-                set_mode(rt, mode == "hardened", user, cgroups)
+            for m in modes}
+        for n in range(rounds):
+            # The order alternates per round: neither mode always runs after the other.
+            for mode in modes if n % 2 == 0 else modes[::-1]:
+                set_mode(rt, mode, user, cgroups)
                 for warm in (False, True):
                     if warm:
                         await rt.prime(base, 1)
@@ -101,12 +108,29 @@ async def main(quick: bool) -> None:
                 emit(f"restore_{name}_ms", mode=mode, p50=round(statistics.median(values), 1),
                      min=round(min(values), 1), max=round(max(values), 1), n=len(values))
 
+        if fork:
+            forks: dict[str, list[float]] = {m: [] for m in modes}
+            for n in range(2 if quick else 4):
+                for mode in modes if n % 2 == 0 else modes[::-1]:
+                    set_mode(rt, mode, user, cgroups)
+                    source = await rt.restore(base)
+                    t0 = time.perf_counter()
+                    _, children = await rt.fork(source, fork)
+                    forks[mode].append((time.perf_counter() - t0) * 1e3)
+                    for vm in (*children, source):
+                        await rt.kill(vm)
+            for mode, values in forks.items():
+                emit(f"fork_{fork}_ms", mode=mode, p50=round(statistics.median(values), 1),
+                     min=round(min(values), 1), max=round(max(values), 1), n=len(values))
+            off, on = (statistics.median(forks[m]) for m in modes)
+            emit(f"fork_{fork}_ratio", value=round(on / off, 3), baseline=modes[0])
+
         # Memory of idle VMs, both modes side by side.
         per_mode = 2 if quick else 4
-        vms: dict[str, list[VM]] = {"plain": [], "hardened": []}
+        vms: dict[str, list[VM]] = {m: [] for m in modes}
         for _ in range(per_mode):
-            for mode in ("plain", "hardened"):
-                set_mode(rt, mode == "hardened", user, cgroups)
+            for mode in modes:
+                set_mode(rt, mode, user, cgroups)
                 child = await rt.restore(base)
                 await sh(child, "echo warm")
                 vms[mode].append(child)
@@ -140,7 +164,13 @@ async def main(quick: bool) -> None:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--quick", action="store_true", help="3 rounds, 2 idle VMs per mode")
+    parser.add_argument("--cgroups-only", action="store_true",
+                        help="both modes hardened, only the per-VM cgroup differs")
+    parser.add_argument("--fork", type=int, default=0, metavar="N",
+                        help="also time a fork of N children per mode (1..16)")
     args = parser.parse_args()
     if os.geteuid() != 0:
         raise SystemExit("privilege_bench needs root (network namespaces, cgroups)")
-    asyncio.run(main(args.quick))
+    if not 0 <= args.fork <= 16:
+        parser.error(f"--fork must be 0..16, not {args.fork}")
+    asyncio.run(main(args.quick, args.cgroups_only, args.fork))

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from agentenv.runtime.cgroup import CgroupManager, vm_memory_overhead_mib
+from agentenv.runtime.cgroup import CgroupManager, default_parent, vm_memory_overhead_mib
 from agentenv.runtime.harness import alive, sh
 from agentenv.snapshot.record import SnapshotRecord
 
@@ -90,16 +90,21 @@ def test_each_vm_has_its_cgroup_with_limits_removed_at_exit(env: Env,
         cpu_dir = next(d for d in group.dirs if "cpu" in d.parts or runtime.cgroups.version == 2)
         if runtime.cgroups.version == 1:
             assert int((cpu_dir / "cpu.cfs_quota_us").read_text()) == machine.vcpus * 100_000
-            assert int((cpu_dir / "cpu.shares").read_text()) == machine.vcpus * 1024
-            parent = runtime.cgroups.parents["cpu"]
-            assert int((parent / "cpu.shares").read_text()) >= machine.vcpus * 1024
+            # One normal task's weight per host thread running vCPUs (1 with thread=single).
+            threads = 1 if "thread=single" in (vm.workdir / "argv").read_text() else machine.vcpus
+            assert int((cpu_dir / "cpu.shares").read_text()) == threads * 1024
+            # Flat: a peer of the node's processes, not inside a parent whose weight would
+            # count for every VM at once (runtime/cgroup.py).
+            assert cpu_dir.parent == runtime.cgroups.parents["cpu"]
+            assert cpu_dir.name == f"{runtime.cgroups.flat['cpu']}{group.name}"
         # A crashed runtime's leftover (empty) is removed at the next start; a cgroup with a
         # live QEMU (one a restarted node adopts) stays.
-        leftovers = [base / "leftover-of-a-crash" for base in runtime.cgroups.parents.values()]
+        leftovers = [base / f"{runtime.cgroups.flat.get(c, '')}leftover-of-a-crash"
+                     for c, base in runtime.cgroups.parents.items()]
         for leftover in leftovers:
             leftover.mkdir()
-        again = CgroupManager.detect(runtime.config.cgroups,
-                                     runtime.config.cgroup_parent or f"{PREFIX}.slice")
+        again = CgroupManager.detect(runtime.config.cgroups, runtime.config.cgroup_parent
+                                     or default_parent(PREFIX, runtime.config.state_dir))
         assert again.parents == runtime.cgroups.parents
         assert not any(leftover.exists() for leftover in leftovers)
         assert all(d.exists() for d in group.dirs)

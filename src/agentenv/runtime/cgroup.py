@@ -7,32 +7,39 @@
 Layout. cgroup v2 (`/sys/fs/cgroup` is cgroup2 with the memory, cpu, io and pids controllers):
 `<parent>/<vm>` with memory.max, cpu.weight, cpu.max, io.max, pids.max; the parent
 (default `<prefix>-<hash of the state dir>.slice`, default_parent) gets the controllers in its
-subtree_control and is removed at the runtime's close when empty. A relative parent lies under the node's own cgroup, an absolute one under the hierarchy's root.
+subtree_control and is removed at the runtime's close when empty. A relative parent lies under
+the node's own cgroup, an absolute one under the hierarchy's root. The v2 parent keeps the
+default weight (100), as systemd's machine.slice does for libvirt's VMs: all VMs together weigh
+what the node's own service group does, never more (see "CPU weight" below).
 A hybrid host (cgroup v1 controllers, an empty cgroup2 at `unified`, as on this build host)
 gets the same limits through v1: memory.limit_in_bytes, cpu.shares, cpu.cfs_quota_us,
-blkio.throttle.*, pids.max, one directory per controller hierarchy.
+blkio.throttle.*, pids.max, one directory per controller hierarchy: `<parent>/<vm>` in the
+memory, blkio and pids hierarchies, but in the cpu hierarchy each VM's group sits directly
+beside the parent's place (`<parent stem>-<vm>`, flat): a peer of the node's, blockd's and
+memfs's processes, as an uncontained QEMU is.
 
-cgroup v1 is used only when asked for (`cgroups="v1"`, AENV_CGROUPS=v1): with v1 limits a fork
-of 16 children missed its 30 s envd deadline on this hybrid host (passed in 43 s without them;
-neither a larger memory limit nor removing the CPU quota helped), so "auto" and "on" take
-cgroup2 only. Measured since (tests/runtime/test_lifecycle.py fork of 16 under v1, every VM
-group sampled each 0.5 s; host load 20-33): memory.failcnt 0 in all 17 groups (children
-~50 MiB charged, page cache of the shared RAM file at most 10 MiB in a child and 140 MiB in the
-source's group, against 392 MiB limits) and nr_throttled 0: neither the memory limit (nor
-page cache counted in it) nor the CPU quota was hit. One interference was found and removed:
-the parent was named after the network prefix alone, and cgroupfs is host-wide while a prefix
-is unique per network namespace only, so concurrent runtimes with one prefix (every checkout's
-tests/runtime: `aet`) shared `/sys/fs/cgroup/cpu/aet.slice` and overwrote each other's parent
-cpu.shares (17 VMs could end up weighing what one other runtime's VM did against the host's
-other tasks). The default parent is now per state directory (default_parent). Whether that was
-the whole cause is not verified (the fork of 16 did not finish in 300 s under load 33 in
-either run attempted; no quiet host to compare on), so v1 stays opt-in.
-When none is usable: `cgroups="auto"` logs a warning once and VMs run without limits
-(`CgroupManager.enabled` is False, `aenv vm accel`-style callers can report it); `"on"` fails
-at start with the missing controllers named; `"off"` never touches cgroups.
+CPU weight, the measured cause of "fork of 16 misses its envd deadline under v1" (2026-12-03,
+tests/runtime/test_lifecycle.py fork of 16, /proc/<pid>/task/*/schedstat of the test's process
+tree and every VM group's memory.stat/cpu.stat sampled each 0.5 s; bench/RESULTS.md "Per-VM
+cgroups on by default"). The parent used to weigh the SUM of its VMs' weights (17 VMs x 2 vCPUs:
+cpu.shares 34816, 34 normal tasks). A group's weight counts in full whenever ANY of its tasks
+is runnable, so 17 mostly idle VMs outweighed blockd (NBD disks), memfs (the RAM file, FUSE) and
+the runtime's event loop (QMP, envd /init) 17:1 per CPU, where uncontained each runnable QEMU
+thread weighs one task. Over 39 s of the fork: the runtime's process waited 36 s for a CPU
+and ran 0.17 s, blockd waited 27.5 s; every VM waited on them, the fork took 34.4 s and the test
+165 s, against 11.4 s / 24 s without cgroups. With the parent at its default weight (same
+run, nothing else changed): fork 9.6 s, test 15.6 s. Ruled out by the same sampling: the memory
+limit (memory.failcnt 0 in every group; the page cache of the shared RAM file is charged to
+whichever VM faults a page first: up to 83 MiB in one child, none in most, 151 MiB in the
+source's group, which peaked at 357 of its 392 MiB), the CPU quota (nr_throttled 0), blkio (no
+throttle set by default), cpuset (not used), swap (the host has none).
 
-Leftovers: at start every empty child of the parent is removed (a VM whose runtime crashed);
-a child with processes is a QEMU that outlived its runtime (adopt.py) and stays.
+When none is usable: `cgroups="auto"` (default) logs a warning once and VMs run without
+limits (`CgroupManager.enabled` is False); `"on"` fails at start with the missing controllers
+named; `"off"` never touches cgroups; `"v1"` (the former opt-in) is the same as "auto".
+
+Leftovers: at start every empty VM group of this runtime is removed (a VM whose runtime
+crashed); a group with processes is a QEMU that outlived its runtime (adopt.py) and stays.
 """
 
 from __future__ import annotations
@@ -43,7 +50,6 @@ import errno
 import hashlib
 import logging
 import os
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -95,9 +101,6 @@ class Cgroup:
 
     name: str
     dirs: list[Path] = field(default_factory=list)
-    cpu_weight: int = 0
-    # Called once when the cgroup is gone (the manager gives its CPU weight back).
-    on_removed: Callable[[Cgroup], None] | None = None
 
     @property
     def procs_files(self) -> list[str]:
@@ -134,14 +137,15 @@ def _write(path: Path, value: str) -> None:
 
 
 class CgroupManager:
-    def __init__(self, version: Literal[1, 2] | None, parents: dict[str, Path]) -> None:
-        """`parents`: hierarchy name ("" for v2) -> the parent directory of VM cgroups."""
+    def __init__(self, version: Literal[1, 2] | None, parents: dict[str, Path],
+                 flat: dict[str, str] | None = None) -> None:
+        """`parents`: hierarchy name ("" for v2) -> the directory holding the VM cgroups.
+        `flat`: hierarchy name -> name prefix, for the hierarchies whose VM groups sit flat in
+        that directory as `<prefix><vm>` (v1 cpu: module doc) instead of in a parent of
+        their own; the directory is then not this manager's to remove."""
         self.version = version
         self.parents = parents
-        # Sum of the live VMs' cpu weights: the parent gets it as its own weight, so under
-        # contention the VMs together weigh what their vCPU threads did without cgroups (one
-        # normal task each) instead of what one task does (the parent's default weight).
-        self._weight_sum = 0
+        self.flat = flat or {}
 
     @property
     def enabled(self) -> bool:
@@ -154,13 +158,11 @@ class CgroupManager:
             return cls(None, {})
         problems: list[str] = []
         manager = cls._try_v2(root, parent, problems)
-        if manager is None and mode == "v1":
+        if manager is None:
             manager = cls._try_v1(root, parent, problems)
-        elif manager is None:
-            problems.append("cgroup v1 only with AENV_CGROUPS=v1")
         if manager is not None:
             manager._clean_leftovers()
-            log.info("cgroups", extra={"version": manager.version,
+            log.info("cgroups", extra={"version": manager.version, "flat": manager.flat,
                                         "parents": {k: str(v) for k, v in manager.parents.items()}})
             return manager
         why = "; ".join(problems)
@@ -202,6 +204,7 @@ class CgroupManager:
     @classmethod
     def _try_v1(cls, root: Path, parent: str, problems: list[str]) -> CgroupManager | None:
         parents: dict[str, Path] = {}
+        flat: dict[str, str] = {}
         for controller in (*V1_REQUIRED, *V1_OPTIONAL):
             mount = root / controller
             if not (mount / "cgroup.procs").exists() or (mount / "cgroup.controllers").exists():
@@ -211,6 +214,10 @@ class CgroupManager:
                 continue
             base = mount / (parent.lstrip("/") if parent.startswith("/")
                             else f"{_own_cgroup(controller).strip('/')}/{parent}".lstrip("/"))
+            if controller == "cpu" and base != mount:
+                # Flat: the VMs' cpu groups are peers of the node's processes (module doc).
+                flat[controller] = f"{base.name.removesuffix('.slice')}-"
+                base = base.parent
             try:
                 base.mkdir(parents=True, exist_ok=True)
             except OSError as exc:
@@ -219,19 +226,21 @@ class CgroupManager:
                     return None
                 continue
             parents[controller] = base
-        return cls(1, parents)
+        return cls(1, parents, flat)
 
     def close(self) -> None:
         """At the runtime's end: its parent directories go when no VM group is left in them
         (a VM that outlives the runtime keeps its parent)."""
-        for base in self.parents.values():
-            with contextlib.suppress(OSError):
-                base.rmdir()
+        for controller, base in self.parents.items():
+            if controller not in self.flat:
+                with contextlib.suppress(OSError):
+                    base.rmdir()
 
     def _clean_leftovers(self) -> None:
-        for base in self.parents.values():
+        for controller, base in self.parents.items():
+            prefix = self.flat.get(controller, "")
             for child in base.iterdir():
-                if child.is_dir() and not _has_procs(child):
+                if child.is_dir() and child.name.startswith(prefix) and not _has_procs(child):
                     with contextlib.suppress(OSError):
                         child.rmdir()
 
@@ -241,7 +250,7 @@ class CgroupManager:
         """The VM's cgroup with its limits set (None when cgroups are off)."""
         if self.version is None:
             return None
-        group = Cgroup(name, cpu_weight=limits.cpu_weight, on_removed=self._removed)
+        group = Cgroup(name)
         try:
             if self.version == 2:
                 directory = self.parents[""] / name
@@ -261,32 +270,14 @@ class CgroupManager:
                            f" riops={io.read_iops or 'max'} wiops={io.write_iops or 'max'}")
             else:
                 for controller, base in self.parents.items():
-                    directory = base / name
+                    directory = base / f"{self.flat.get(controller, '')}{name}"
                     directory.mkdir(exist_ok=True)
                     group.dirs.append(directory)
                     self._set_v1(controller, directory, limits)
         except OSError as exc:
-            group.on_removed = None
             self.remove(group)
             raise CgroupError(f"cgroup {name}: cannot set limits: {exc}") from exc
-        self._adjust_parent_weight(limits.cpu_weight)
         return group
-
-    def _removed(self, group: Cgroup) -> None:
-        self._adjust_parent_weight(-group.cpu_weight)
-
-    def _adjust_parent_weight(self, delta: int) -> None:
-        self._weight_sum = max(0, self._weight_sum + delta)
-        weight = max(100, self._weight_sum)  # an idle parent weighs one normal task
-        for controller, base in self.parents.items():
-            try:
-                if self.version == 2:
-                    _write(base / "cpu.weight", str(min(10000, weight)))
-                elif controller == "cpu":
-                    _write(base / "cpu.shares", str(min(262144, weight * 1024 // 100)))
-            except OSError as exc:
-                log.warning("cannot set the VMs' parent cpu weight",
-                            extra={"cgroup": str(base), "error": str(exc)})
 
     @staticmethod
     def _set_v1(controller: str, directory: Path, limits: Limits) -> None:
@@ -345,9 +336,6 @@ def remove_cgroup(group: Cgroup | None) -> bool:
             if exc.errno != errno.EBUSY:
                 log.warning("cgroup not removed", extra={"cgroup": str(directory),
                                                          "error": str(exc)})
-    if done and group.on_removed is not None:
-        callback, group.on_removed = group.on_removed, None
-        callback(group)
     return done
 
 
@@ -374,13 +362,19 @@ def vm_memory_overhead_mib(machine: MachineConfig, config: RuntimeConfig) -> int
     return QEMU_BASE_OVERHEAD_MIB + tb + 4 * machine.vcpus
 
 
-def limits_for(machine: MachineConfig, config: RuntimeConfig, io: IOLimit | None) -> Limits:
-    """A VM's cgroup limits from its machine (vCPUs, memory) and the runtime's settings."""
+def limits_for(machine: MachineConfig, config: RuntimeConfig, io: IOLimit | None,
+               vcpu_threads: int | None = None) -> Limits:
+    """A VM's cgroup limits from its machine (vCPUs, memory) and the runtime's settings.
+    `vcpu_threads`: the host threads running its vCPUs when fewer than its vCPUs (1 under
+    single-threaded TCG): the weight is per such thread, as each weighed one task uncontained
+    (a weight per vCPU made such a VM twice the runtime's own process: a fork of 16 on a quiet
+    host took 10.0-10.7 s instead of 6.5-7.9 s). The CPU cap stays per vCPU."""
     quota = (int(machine.vcpus * config.cpu_max_per_vcpu * CPU_PERIOD_US)
              if config.cpu_max_per_vcpu > 0 else None)
     return Limits(
         memory_max=machine.memory_bytes + (vm_memory_overhead_mib(machine, config) << 20),
-        cpu_weight=config.cpu_weight_per_vcpu * machine.vcpus, cpu_quota_us=quota,
+        cpu_weight=config.cpu_weight_per_vcpu * min(machine.vcpus, vcpu_threads or machine.vcpus),
+        cpu_quota_us=quota,
         pids_max=config.qemu_pids_max or None, io=io)
 
 

@@ -75,16 +75,17 @@ class RuntimeConfig(BaseModel):
     # spawn=deny,resourcecontrol=deny) stacked on the punch-hole filter.
     qemu_user: str | None = "aenv-vm"
     qemu_sandbox: bool = True
-    # One cgroup per QEMU (runtime/cgroup.py). "auto": cgroup v2, else v1 controllers, else a
-    # logged warning and no limits; "on": fail at start without them; "off": none.
+    # One cgroup per QEMU (runtime/cgroup.py). "auto": cgroup v2, else v1 controllers (hybrid
+    # hosts), else a logged warning and no limits; "on": fail at start without them; "off":
+    # none; "v1": the same as "auto" (v1 used to be opt-in).
     cgroups: Literal["auto", "on", "off", "v1"] = "auto"
     # Parent of the VMs' cgroups: relative = under the node's own cgroup, absolute = from the
-    # hierarchy root. None: "<network_prefix>.slice".
+    # hierarchy root. None: "<network_prefix>-<hash of state_dir>.slice" (cgroup.default_parent).
     cgroup_parent: str | None = None
     # memory.max = guest memory + this (None: vm_memory_overhead(), measured under TCG).
     vm_memory_overhead_mib: int | None = Field(default=None, ge=0)
-    # cpu.weight = cpu_weight_per_vcpu x vCPUs; cpu.max = cpu_max_per_vcpu host CPUs per vCPU
-    # (0: no cap).
+    # cpu.weight = cpu_weight_per_vcpu x the host threads running vCPUs (vCPUs, or 1 under
+    # single-threaded TCG); cpu.max = cpu_max_per_vcpu host CPUs per vCPU (0: no cap).
     cpu_weight_per_vcpu: int = Field(default=100, ge=1, le=10000)
     cpu_max_per_vcpu: float = Field(default=1.0, ge=0)
     qemu_pids_max: int = Field(default=512, ge=0)  # QEMU's threads (0: no limit)

@@ -272,11 +272,12 @@ class Runtime:
                     source.file, workdir)
                 disks.append(disk)
                 attachments.append(attach)
+            tuning = self._qemu_tuning(boot=True)
             process = await QemuProcess.spawn(
                 machine, workdir, mem_path=str(mem_path), disks=attachments, incoming=False,
                 netns=slot.netns_path if slot else None, qemu_binary=self.config.qemu_binary,
                 die_with_parent=self.config.qemu_die_with_parent,
-                cgroup=self._cgroup(workdir.name, machine), **self._qemu_tuning(boot=True))
+                cgroup=self._cgroup(workdir.name, machine, tuning), **tuning)
         except BaseException:
             await self._release_resources(slot, disks, None)
             raise
@@ -331,9 +332,13 @@ class Runtime:
             return None
         return IOLimit(device, c.io_read_bps, c.io_write_bps, c.io_read_iops, c.io_write_iops)
 
-    def _cgroup(self, name: str, machine: MachineConfig) -> Cgroup | None:
-        """The cgroup a QEMU about to start joins (None when cgroups are off)."""
-        return self.cgroups.create(name, limits_for(machine, self.config, self._io_limit))
+    def _cgroup(self, name: str, machine: MachineConfig,
+                tuning: dict[str, Any]) -> Cgroup | None:
+        """The cgroup a QEMU about to start joins (None when cgroups are off). Its CPU weight
+        counts the host threads that run its vCPUs: one for single-threaded TCG."""
+        threads = 1 if machine.accel == "tcg" and tuning["tcg_single_thread"] else None
+        return self.cgroups.create(name, limits_for(machine, self.config, self._io_limit,
+                                                    vcpu_threads=threads))
 
     def tcg_single_thread(self, extra_vcpus: int = 0, *, boot: bool = False) -> bool:
         """Whether a TCG VM starting now runs its vCPUs on one host thread (config.tcg_threads).
@@ -826,11 +831,12 @@ class Runtime:
                 cfg, ds.layers, Path(ds.file) if ds.file else None, workdir)
             disks.append(disk)
             attachments.append(attach)
+        tuning = self._qemu_tuning(extra_vcpus)
         return await QemuProcess.spawn(
             record.machine, workdir, mem_path=str(mem_path), disks=attachments, incoming=True,
             netns=slot.netns_path if slot else None, qemu_binary=self.config.qemu_binary,
             die_with_parent=self.config.qemu_die_with_parent,
-            cgroup=self._cgroup(workdir.name, record.machine), **self._qemu_tuning(extra_vcpus))
+            cgroup=self._cgroup(workdir.name, record.machine, tuning), **tuning)
 
     # -- ending VMs -----------------------------------------------------------------------
 
