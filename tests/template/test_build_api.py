@@ -1,5 +1,5 @@
-"""The template build routes in-process on the process backend (no VM): what they refuse, and
-what a node restart does to a build that was running."""
+"""The template build routes in-process on the process backend (no VM; it builds from another
+template only): what they refuse, and what a node restart does to a build that was running."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ with warnings.catch_warnings():  # starlette 1.x nags about httpx here; TestClie
     from starlette.testclient import TestClient
 
 
-def test_builds_need_the_vm_backend_and_restarts_fail_running_builds(tmp_path: Path) -> None:
+def test_image_builds_need_the_vm_backend_and_restarts_fail_running_builds(tmp_path: Path) -> None:
     state = tmp_path / "state"
     build_id = str(uuid.uuid4())
     (state / "template-builds").mkdir(parents=True)
@@ -30,13 +30,19 @@ def test_builds_need_the_vm_backend_and_restarts_fail_running_builds(tmp_path: P
     app = build_app(ServeOptions(state_dir=state, backend="process"))
     key = (state / "secrets" / "api-key").read_text().strip()
     with TestClient(app, headers={"X-API-KEY": key}) as client:
-        refused = client.post("/v3/templates", json={"name": "anything"})
+        made = client.post("/v3/templates", json={"name": "anything"})
+        assert made.status_code == 202, made.text
+        template_id, image_build = made.json()["templateID"], made.json()["buildID"]
+        refused = client.post(f"/v2/templates/{template_id}/builds/{image_build}",
+                              json={"fromImage": "debian:bookworm", "steps": []})
         assert refused.status_code == 400 and "VM backend" in refused.json()["message"]
         unnamed = client.post("/v3/templates", json={})
         assert unnamed.status_code == 400 and "name is required" in unnamed.json()["message"]
         assert client.post("/v3/templates", json={"name": 7}).status_code == 422
-        # The deprecated `alias` spelling of the name is read too (then refused the same way).
-        assert "VM backend" in client.post("/v3/templates", json={"alias": "a"}).json()["message"]
+        # The deprecated `alias` spelling of the name is read too.
+        assert client.get("/templates/aliases/a").status_code == 404
+        assert client.post("/v3/templates", json={"alias": "a"}).status_code == 202
+        assert client.get("/templates/aliases/a").status_code != 404
 
         status = client.get(f"/templates/tinterrupted/builds/{build_id}/status").json()
         assert status["status"] == "error"

@@ -259,7 +259,10 @@ class LayerAware(Protocol):
 
 @runtime_checkable
 class TemplateBuilding(Protocol):
-    """Builds templates from images (node/template_api.py)."""
+    """Builds templates (node/template_api.py): from another template always, from images only
+    where `builds_from_images` (a build VM booted from the image's layers)."""
+
+    builds_from_images: bool
 
     async def boot_image(self, sandbox_id: str, lowers: list[Path], disk_bytes: int,
                          cpu_count: int, memory_mb: int) -> Placement:

@@ -143,6 +143,7 @@ class ProcessBackend(SandboxBackend, CrashRecovery, TemplateBuilding):
     collection, ready pools; the orchestrator checks envd's readiness itself)."""
 
     name = "process"
+    builds_from_images = False  # no VM to boot an image's layers in
 
     def __init__(
         self, state_dir: Path, host: str = "127.0.0.1", python: str = sys.executable

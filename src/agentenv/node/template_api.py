@@ -435,6 +435,11 @@ class TemplateBuildApi:
             raise BadRequest("give fromImage or fromTemplate, not both")
         if not body.fromImage and not body.fromTemplate:
             raise BadRequest("fromImage or fromTemplate is required")
+        builder = self.orchestrator.capabilities.templates
+        if body.fromImage and builder is not None and not builder.builds_from_images:
+            raise BadRequest(f"this node's {self.orchestrator.backend.name} backend builds "
+                             "templates from another template only (fromTemplate); a build "
+                             "from an image needs the VM backend")
         if body.fromImageRegistry and body.fromImageRegistry.get("type", "registry") != "registry":
             raise BadRequest(f"registry credentials of type {body.fromImageRegistry.get('type')!r} "
                              "are not supported yet (only type 'registry')")

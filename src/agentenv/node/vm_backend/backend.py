@@ -679,6 +679,8 @@ class VmBackend(SandboxBackend, CrashRecovery, LayerAware, TemplateBuilding, Net
 
     # --- template builds (TemplateBuilding: node/template_api.py) -----------------------------
 
+    builds_from_images = True
+
     async def boot_image(self, sandbox_id: str, lowers: list[Path], disk_bytes: int,
                          cpu_count: int, memory_mb: int) -> Placement:
         """Cold-boot a build VM whose root disk is the overlaybd stack `lowers` (a pulled image);
