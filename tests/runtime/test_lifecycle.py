@@ -316,7 +316,7 @@ def _kill_now(pid: int) -> None:
     while time.monotonic() < deadline:
         try:
             stat = Path(f"/proc/{pid}/stat").read_text()
-        except FileNotFoundError:
+        except (FileNotFoundError, ProcessLookupError):  # reaped between open and read
             return
         if stat[stat.rindex(")") + 2:].split()[0] in ("Z", "X"):
             return
