@@ -64,11 +64,12 @@ def drop_caches() -> None:
 
 async def fetched_bytes(client: AsyncBlockdClient, state: Path) -> int:
     """Bytes blockd's and memfs's chunk stores fetched so far."""
-    from agentenv.blockd.memfs import SWEEP_SECONDS, remote_stats
+    from agentenv.blockd.memfs import SWEEP_SECONDS
+    from agentenv.blockd.remote.service import memfs_remote_stats
 
     await asyncio.sleep(SWEEP_SECONDS + 0.5)  # memfs writes its counters on each sweep
     stats = await client.call("remote_stats")
-    memory = remote_stats(state) or {}
+    memory = memfs_remote_stats(state) or {}
     return sum(stats["fetched_bytes"].values()) + sum(memory.get("fetched_bytes", {}).values())
 
 

@@ -53,7 +53,6 @@ TRACE_SUFFIX = ".trace"
 CHUNK = 1 << 20
 PIDFILE = "memfs.pid"
 SWEEP_SECONDS = 2.0
-REMOTE_STATS = "memfs-remote.json"
 
 
 class _Open:
@@ -223,11 +222,12 @@ class _RemoteLayers:
     def write_stats(self) -> None:
         if self.store is None:
             return
+        from agentenv.blockd.remote.service import MEMFS_STATS
         from agentenv.fsutil import atomic_write
 
         with contextlib.suppress(OSError):
             stats = self.store.snapshot_stats()
-            atomic_write(self.state_dir / REMOTE_STATS, json.dumps(stats), mode=0o600)
+            atomic_write(self.state_dir / MEMFS_STATS, json.dumps(stats), mode=0o600)
 
     def close(self) -> None:
         if self.store is not None:
@@ -236,22 +236,15 @@ class _RemoteLayers:
                 self.store.close()
 
 
-def remote_stats(state_dir: Path) -> dict[str, Any] | None:
-    """The counters of memfs's chunk store (written every SWEEP_SECONDS), None without one."""
-    try:
-        doc = json.loads((state_dir / REMOTE_STATS).read_text())
-    except (OSError, ValueError):
-        return None
-    return doc if isinstance(doc, dict) else None
-
-
 def serve(state_dir: Path) -> None:
     mountpoint = state_dir / "memfs"
     config_dir = state_dir / "memdev"
     config_dir.mkdir(mode=0o700, exist_ok=True)
     _unmount(mountpoint)  # a dead mount of a killed run ("transport endpoint is not connected")
     mountpoint.mkdir(exist_ok=True)
-    (state_dir / REMOTE_STATS).unlink(missing_ok=True)
+    from agentenv.blockd.remote.service import MEMFS_STATS
+
+    (state_dir / MEMFS_STATS).unlink(missing_ok=True)
     remote = _RemoteLayers(state_dir)
     remote.install()
     ops = MemoryFiles(config_dir, vm_gid())

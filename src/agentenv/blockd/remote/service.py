@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 from collections.abc import Iterator
@@ -23,6 +24,19 @@ from agentenv.blockd.remote.store import (
 from agentenv.storage import blob
 
 log = logging.getLogger("agentenv.blockd.remote")
+
+
+#: memfs's chunk store writes its counters here (under blockd's state dir) every few seconds
+MEMFS_STATS = "memfs-remote.json"
+
+
+def memfs_remote_stats(state_dir: Path) -> dict[str, Any] | None:
+    """The counters of memfs's chunk store (blockd/memfs.py), None without one."""
+    try:
+        doc = json.loads((state_dir / MEMFS_STATS).read_text())
+    except (OSError, ValueError):
+        return None
+    return doc if isinstance(doc, dict) else None
 
 
 def parse_size(text: str) -> int:
@@ -89,10 +103,8 @@ class RemoteService:
         stats = self.store.snapshot_stats()
         stats["p2p"] = self.peer_server.address if self.peer_server else None
         if self.state_dir is not None:
-            from agentenv.blockd.memfs import remote_stats
-
             # Remote memory layers are read by memfs's own store (blockd/memfs.py).
-            stats["memory"] = remote_stats(self.state_dir)
+            stats["memory"] = memfs_remote_stats(self.state_dir)
         return stats
 
     async def op_peers(self, peers: list[str] | None = None,
