@@ -31,8 +31,7 @@ from typing import Literal
 from agentenv.blockd.client import AsyncBlockdClient
 from agentenv.runtime.config import RuntimeConfig
 from agentenv.runtime.errors import VMDiedError
-from agentenv.runtime.harness import BlockdProcess, LoopThread, make_ext4_layer, sh
-from agentenv.runtime.network import teardown_host
+from agentenv.runtime.harness import BlockdProcess, LoopThread, close_runtime, make_ext4_layer, sh
 from agentenv.runtime.testguest import build_test_guest
 from agentenv.runtime.vm import VM, BootSpec, DiskSource, Runtime
 
@@ -156,12 +155,7 @@ def main() -> None:
                     add("real_guest_boot_to_envd", bus, (time.monotonic() - t0) * 1000)
                     loop.run(runtime.kill(vm))
     finally:
-        if runtime is not None:
-            loop.run(runtime.close())
-            loop.run(runtime.blockd.close())
-        loop.run(teardown_host(PREFIX))
-        loop.close()
-        blockd.stop()
+        close_runtime(loop, runtime, PREFIX, blockd)
         shutil.rmtree(root, ignore_errors=True)
     load = os.getloadavg()[0]
     for failure in failures:

@@ -152,8 +152,7 @@ def vm_first_command(image: bigimage.BigImage, descriptor: Path, registry_root: 
     side by side, and time create -> first command's answer."""
     from agentenv.blockd.client import AsyncBlockdClient, BlockdClient
     from agentenv.runtime.config import RuntimeConfig, privilege_settings_from_env
-    from agentenv.runtime.harness import BlockdProcess, LoopThread, sh
-    from agentenv.runtime.network import teardown_host
+    from agentenv.runtime.harness import BlockdProcess, LoopThread, close_runtime, sh
     from agentenv.runtime.testguest import build_test_guest
     from agentenv.runtime.vm import BootSpec, DiskSource, Runtime
 
@@ -247,12 +246,7 @@ def vm_first_command(image: bigimage.BigImage, descriptor: Path, registry_root: 
         emit("vm_bytes_fetched", statistics.median(remote_bytes), "bytes", "blob size",
              image.blob_size, goal="<= 0.1", all=remote_bytes)
     finally:
-        if runtime is not None:
-            loop.run(runtime.close())
-            loop.run(runtime.blockd.close())  # type: ignore[union-attr]
-        loop.run(teardown_host(prefix))
-        loop.close()
-        blockd.stop()
+        close_runtime(loop, runtime, prefix, blockd)
         os.environ.pop("AENV_CHUNK_CACHE_DIR", None)
         os.environ.pop("AENV_REMOTE_BACKGROUND_BW", None)
 

@@ -14,8 +14,14 @@ from pathlib import Path
 import pytest
 
 from agentenv.runtime.config import RuntimeConfig, privilege_settings_from_env
-from agentenv.runtime.harness import BlockdProcess, LoopThread, alive, make_ext4_layer, sh
-from agentenv.runtime.network import teardown_host
+from agentenv.runtime.harness import (
+    BlockdProcess,
+    LoopThread,
+    alive,
+    close_runtime,
+    make_ext4_layer,
+    sh,
+)
 from agentenv.runtime.testguest import TestGuest, build_test_guest
 from agentenv.runtime.vm import VM, BootSpec, DiskSource, Runtime
 from agentenv.snapshot.record import SnapshotRecord
@@ -76,12 +82,7 @@ def env() -> Iterator[Env]:
         loop.run(runtime.start(kernel_for_probe=guest.kernel))
         yield Env(loop, runtime, guest, layer, root, blockd)
     finally:
-        if runtime is not None:
-            loop.run(runtime.close())
-            loop.run(runtime.blockd.close())
-        loop.run(teardown_host(PREFIX))
-        loop.close()
-        blockd.stop()
+        close_runtime(loop, runtime, PREFIX, blockd)
         shutil.rmtree(root, ignore_errors=True)
 
 

@@ -14,8 +14,7 @@ from pathlib import Path
 import pytest
 
 from agentenv.runtime.config import RuntimeConfig
-from agentenv.runtime.harness import BlockdProcess, LoopThread, make_ext4_layer, sh
-from agentenv.runtime.network import teardown_host
+from agentenv.runtime.harness import BlockdProcess, LoopThread, close_runtime, make_ext4_layer, sh
 from agentenv.runtime.testguest import build_test_guest
 from agentenv.runtime.vm import VM, BootSpec, DiskSource, Runtime
 
@@ -79,11 +78,7 @@ def setup() -> Iterator[tuple[LoopThread, Runtime, BlockdProcess, list[VM]]]:
         if runtime is not None:
             for vm in vms:
                 loop.run(runtime.kill(vm))
-            loop.run(runtime.close())
-            loop.run(runtime.blockd.close())
-        loop.run(teardown_host(PREFIX))
-        loop.close()
-        blockd.stop()
+        close_runtime(loop, runtime, PREFIX, blockd)
         shutil.rmtree(root, ignore_errors=True)
 
 

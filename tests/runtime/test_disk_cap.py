@@ -19,8 +19,7 @@ import pytest
 
 from agentenv.runtime.config import RuntimeConfig
 from agentenv.runtime.errors import RuntimeError_
-from agentenv.runtime.harness import BlockdProcess, LoopThread, make_ext4_layer, sh
-from agentenv.runtime.network import teardown_host
+from agentenv.runtime.harness import BlockdProcess, LoopThread, close_runtime, make_ext4_layer, sh
 from agentenv.runtime.qemu import DiskAttachment, build_argv
 from agentenv.runtime.testguest import build_test_guest
 from agentenv.runtime.vm import VM, BootSpec, DiskSource, Runtime
@@ -69,12 +68,7 @@ def capped() -> Iterator[Capped]:
         vm = loop.run(runtime.boot(spec))
         yield loop, runtime, blockd, vm
     finally:
-        if runtime is not None:
-            loop.run(runtime.close())
-            loop.run(runtime.blockd.close())
-        loop.run(teardown_host(PREFIX))
-        loop.close()
-        blockd.stop()
+        close_runtime(loop, runtime, PREFIX, blockd)
         shutil.rmtree(root, ignore_errors=True)
 
 

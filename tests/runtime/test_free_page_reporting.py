@@ -24,9 +24,8 @@ import pytest
 
 from agentenv.runtime.config import RuntimeConfig
 from agentenv.runtime.errors import RuntimeError_
-from agentenv.runtime.harness import LoopThread, pss_kib, sh
+from agentenv.runtime.harness import LoopThread, close_runtime, pss_kib, sh
 from agentenv.runtime.memory import PAGE, written_pages
-from agentenv.runtime.network import teardown_host
 from agentenv.runtime.qemu import (
     DiskAttachment,
     FileStamp,
@@ -172,10 +171,7 @@ def afr() -> Iterator[Afr]:
         loop.run(runtime.start(kernel_for_probe=guest.kernel))
         yield Afr(loop, runtime, guest)
     finally:
-        if runtime is not None:
-            loop.run(runtime.close())
-        loop.run(teardown_host(PREFIX))
-        loop.close()
+        close_runtime(loop, runtime, PREFIX)
         shutil.rmtree(root, ignore_errors=True)
 
 

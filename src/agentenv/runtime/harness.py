@@ -17,7 +17,8 @@ from typing import Any, TypeVar
 
 import httpx
 
-from agentenv.runtime.vm import VM
+from agentenv.runtime.network import teardown_host
+from agentenv.runtime.vm import VM, Runtime
 
 T = TypeVar("T")
 
@@ -95,6 +96,21 @@ class LoopThread:
         with contextlib.suppress(Exception):
             self.loop.run_until_complete(self.loop.shutdown_asyncgens())
         self.loop.close()
+
+
+def close_runtime(loop: LoopThread, runtime: Runtime | None, prefix: str,
+                  blockd: BlockdProcess | None = None) -> None:
+    """The one teardown of a runtime made on `loop`: the runtime and its blockd client, the
+    host's network set-up of `prefix` (also when the runtime never started), the loop, then
+    the blockd process."""
+    if runtime is not None:
+        loop.run(runtime.close())
+        if runtime.blockd is not None:
+            loop.run(runtime.blockd.close())
+    loop.run(teardown_host(prefix))
+    loop.close()
+    if blockd is not None:
+        blockd.stop()
 
 
 async def sh(vm: VM, script: str, timeout: float = 60, attempts: int = 3) -> str:
