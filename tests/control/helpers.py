@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterable
+import asyncio
+import time
+from collections.abc import AsyncIterator, Callable, Iterable
 from contextlib import asynccontextmanager
+from typing import Any
 
 from agentenv.control.proto import scheduler_pb2 as pb
 from agentenv.control.scheduler.client import SchedulerClient
@@ -70,3 +73,24 @@ async def scheduler(
     finally:
         await client.close()
         await server.stop(grace=0)
+
+
+def call(address: str, method: str, *args: Any, **kwargs: Any) -> Any:
+    """One SchedulerClient call from synchronous test code."""
+
+    async def once() -> Any:
+        async with SchedulerClient(address) as client:
+            return await getattr(client, method)(*args, **kwargs)
+
+    return asyncio.run(once())
+
+
+def wait_for(what: str, probe: Callable[[], Any], timeout: float = 20) -> Any:
+    """Poll `probe` until it returns something truthy; that value."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = probe()
+        if value:
+            return value
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what}")

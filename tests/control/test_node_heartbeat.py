@@ -4,35 +4,14 @@ killed, and it is down once it stops heartbeating."""
 
 from __future__ import annotations
 
-import asyncio
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 
-from agentenv.control.scheduler.client import SchedulerClient
 from tests.control.conftest import RedisServer, SchedulerProcess
+from tests.control.helpers import call, wait_for
 from tests.node.conftest import NodeProcess
-
-
-def call(address: str, method: str, *args: Any) -> Any:
-    async def once() -> Any:
-        async with SchedulerClient(address) as client:
-            return await getattr(client, method)(*args)
-
-    return asyncio.run(once())
-
-
-def wait_for(what: str, probe: Callable[[], Any], timeout: float = 20) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = probe()
-        if value:
-            return value
-        time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 @pytest.fixture

@@ -6,25 +6,23 @@ which asked the scheduler's Holders, which knew A's blobs from A's heartbeats.""
 
 from __future__ import annotations
 
-import asyncio
 import secrets
 import shutil
 import subprocess
 import tempfile
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
-from agentenv.control.scheduler.client import SchedulerClient
 from agentenv.storage.image import Image
 from agentenv.template.pull import pull_image
 from tests.blockd.conftest import Daemon
 from tests.blockd.nbdclient import NbdClient
 from tests.control.conftest import RedisServer, SchedulerProcess, free_port, prefix, redis_server
+from tests.control.helpers import call, wait_for
 from tests.node.conftest import NodeProcess
 from tests.template import helpers
 from tests.template.conftest import _start_registry, _stop
@@ -33,24 +31,6 @@ __all__ = ["prefix", "redis_server"]  # fixtures, used by name
 
 pytestmark = [pytest.mark.root, pytest.mark.slow]
 KiB = 1 << 10
-
-
-def _call(address: str, method: str, *args: Any, **kwargs: Any) -> Any:
-    async def once() -> Any:
-        async with SchedulerClient(address) as client:
-            return await getattr(client, method)(*args, **kwargs)
-
-    return asyncio.run(once())
-
-
-def _wait(what: str, probe: Callable[[], Any], timeout: float = 30) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = probe()
-        if value:
-            return value
-        time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 class Pair:
@@ -147,8 +127,8 @@ def test_node_b_reads_from_a_found_by_the_scheduler(cluster: tuple[Any, ...]) ->
     assert a.read(image_a, extents) == expected
     assert a.stats()["fetched_bytes"].get("registry", 0) > 0
     # A's heartbeats report the blob, whole once its background completion checked the digest.
-    holders = _wait("the scheduler to know A holds the blob whole", lambda: [
-        h for h in _call(sched.address, "holders", [digest], node_id="node-b")[digest]
+    holders = wait_for("the scheduler to know A holds the blob whole", lambda: [
+        h for h in call(sched.address, "holders", [digest], node_id="node-b")[digest]
         if h.complete], timeout=60)
     assert [(h.node_id, h.layer_address) for h in holders] == [("node-a", a.p2p)]
     # B's node answers its blockd: B serves its gateway only, so blockd sends the secret.
@@ -166,7 +146,7 @@ def test_node_b_reads_from_a_found_by_the_scheduler(cluster: tuple[Any, ...]) ->
     reply = httpx.get(f"{a.node.url}/cluster/holders", params={"digest": digest},
                       headers={"x-api-key": a.node.api_key}, trust_env=False)
     assert reply.status_code == 200 and reply.json()["holders"] == [], reply.text
-    _wait("node B's blockd to know its resolver", lambda: b.stats()["resolver"])
+    wait_for("node B's blockd to know its resolver", lambda: b.stats()["resolver"], timeout=30)
     assert b.stats()["peers"] == []  # no static peer
 
     _stop(registry)
@@ -176,7 +156,7 @@ def test_node_b_reads_from_a_found_by_the_scheduler(cluster: tuple[Any, ...]) ->
     assert stats["fetched_bytes"].get("peer", 0) > 0, stats
     assert stats["eio"] == 0 and stats["source_failures"].get("resolver", 0) == 0, stats
     # B now serves what it read: its heartbeats make it a holder for A, never for itself.
-    _wait("B to be a holder", lambda: _call(sched.address, "holders", [digest],
-                                            node_id="node-a")[digest])
-    assert [h.node_id for h in _call(sched.address, "holders", [digest],
+    wait_for("B to be a holder", lambda: call(sched.address, "holders", [digest],
+                                              node_id="node-a")[digest], timeout=30)
+    assert [h.node_id for h in call(sched.address, "holders", [digest],
                                      node_id="node-b")[digest]] == ["node-a"]
