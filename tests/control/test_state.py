@@ -183,23 +183,26 @@ def test_redis_restart_loses_nothing(redis_server: RedisServer, prefix: str) -> 
 
 
 def test_lookup_answers_while_redis_is_stalled(redis_server: RedisServer, prefix: str) -> None:
-    """Redis stopped (SIGSTOP, not gone): writes wait for it on their worker threads, Lookup
-    still answers from memory at once, and the writes complete when Redis resumes."""
+    """Redis stopped (SIGSTOP, not gone): writes wait for it (more of them than any thread pool
+    of the server holds), Lookup and Schedule still answer from memory at once, and the writes
+    complete when Redis resumes."""
     assert redis_server.proc is not None
 
     async def body() -> None:
         async with scheduler(redis_server.url, prefix) as (_, client):
-            await client.heartbeat(status("n1"))
+            await client.heartbeat(status("n1", cpu=256, mem=1 << 20))
             await client.record_assignment("s1", "n1")
             redis_server.proc.send_signal(signal.SIGSTOP)  # type: ignore[union-attr]
             try:
                 writes = [asyncio.create_task(client.record_assignment(f"w{i}", "n1"))
-                          for i in range(8)]
+                          for i in range(64)]
                 await asyncio.sleep(0.2)
                 began = time.monotonic()
                 for _ in range(20):
                     where = await client.lookup("s1", timeout=2)
                     assert where is not None and where.node_id == "n1"
+                    placed = await client.schedule(template_id="base", timeout=2)
+                    assert placed.node_id == "n1"
                 assert time.monotonic() - began < 2
                 assert not any(w.done() for w in writes)
                 # A write does not wait for ever: past the store's timeout it fails.
@@ -212,6 +215,6 @@ def test_lookup_answers_while_redis_is_stalled(redis_server: RedisServer, prefix
             finally:
                 redis_server.proc.send_signal(signal.SIGCONT)  # type: ignore[union-attr]
             await asyncio.gather(*writes)
-            assert all(await asyncio.gather(*(client.lookup(f"w{i}") for i in range(8))))
+            assert all(await asyncio.gather(*(client.lookup(f"w{i}") for i in range(64))))
 
     asyncio.run(body())

@@ -1,9 +1,13 @@
 """`aenv scheduler`: the gRPC server around SchedulerService, plus node discovery.
 
-The gRPC server is grpcio's threaded one, not grpc.aio: a unary call costs it ~130 us of CPU on
-this host against ~200-300 us under grpc.aio (bench/RESULTS.md), and the service's work is
-in-memory or one blocking Redis round trip. Discovery (file polling, the Kubernetes watch) runs
-on the asyncio loop of `run` and updates the service under its lock.
+One grpc.aio server on one event loop (discovery runs there too). Schedule, Lookup, Holders and
+ListNodes are answered from memory on the loop; RecordAssignment awaits the store's writer
+thread (group commit), and Heartbeat and Release, which wait for Redis themselves, run in a
+pool of threads. So no call holds the loop while Redis answers, and a stalled Redis delays writes only.
+grpcio's threaded server costs less per call with a few workers (~105 us vs ~185 us here) but
+then a handful of writes waiting for Redis hold every worker, Lookups queued behind them; with
+enough workers to avoid that, the workers' contention for the GIL costs more than the loop
+(bench/RESULTS.md).
 """
 
 from __future__ import annotations
@@ -12,12 +16,13 @@ import asyncio
 import logging
 import signal
 from collections.abc import Callable
-from concurrent import futures
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any, NoReturn, TypeVar
 
 import grpc
+import uvloop
 from redis.exceptions import RedisError
 
 from agentenv.control.proto import scheduler_pb2 as pb
@@ -30,69 +35,72 @@ from agentenv.errors import AgentEnvError
 
 log = logging.getLogger("agentenv.control.scheduler.server")
 
-
-# Worker threads of the gRPC server: concurrent calls beyond this queue in grpcio. Python runs
-# one at a time anyway; threads let Redis round trips overlap, and keep Lookup (memory only)
-# answering while writes wait for a Redis that is slow or stalled (REDIS_TIMEOUT_S at most).
-WORKERS = 32
 EMPTY = pb.Empty()
-
-
-def _abort(context: grpc.ServicerContext, exc: Exception) -> NoReturn:
-    if isinstance(exc, PlacementError):
-        context.abort(exc.code, exc.message)
-    log.warning("binding store unavailable: %s", exc)
-    context.abort(grpc.StatusCode.UNAVAILABLE, f"the scheduler's Redis is unavailable: {exc}")
-    raise AssertionError("unreachable")  # context.abort raises
-
-
+# Threads for Heartbeat and Release: while Redis stalls each holds one for up to the store's
+# timeout, so 100 nodes' heartbeats queue here and not in front of anything else.
+REDIS_CALL_THREADS = 16
+T = TypeVar("T")
+R = TypeVar("R")
 FAILURES = (PlacementError, RedisError, StoreError, OSError)
 
 
-class _Servicer(pb_grpc.SchedulerServicer):
-    def __init__(self, service: SchedulerService) -> None:
-        self.service = service
+async def _abort(context: grpc.aio.ServicerContext[Any, Any], exc: Exception) -> NoReturn:
+    if isinstance(exc, PlacementError):
+        await context.abort(exc.code, exc.message)
+    log.warning("binding store unavailable: %s", exc)
+    await context.abort(grpc.StatusCode.UNAVAILABLE,
+                        f"the scheduler's Redis is unavailable: {exc}")
+    raise AssertionError("unreachable")  # context.abort raises
 
-    def Schedule(self, request: pb.ScheduleRequest, context: Any) -> pb.ScheduleResponse:
+
+class _Servicer(pb_grpc.SchedulerServicer):
+    def __init__(self, service: SchedulerService, pool: ThreadPoolExecutor) -> None:
+        self.service = service
+        self.pool = pool  # for the calls that wait for Redis themselves
+
+    def _in_pool(self, fn: Callable[[T], R], request: T) -> asyncio.Future[R]:
+        return asyncio.get_running_loop().run_in_executor(self.pool, fn, request)
+
+    async def Schedule(self, request: pb.ScheduleRequest, context: Any) -> pb.ScheduleResponse:
         try:
             return self.service.schedule(request)
         except FAILURES as exc:
-            _abort(context, exc)
+            await _abort(context, exc)
 
-    def RecordAssignment(self, request: pb.Assignment, context: Any) -> pb.Empty:
+    async def RecordAssignment(self, request: pb.Assignment, context: Any) -> pb.Empty:
         try:
-            self.service.record(request)
+            await self.service.record(request)
         except FAILURES as exc:
-            _abort(context, exc)
+            await _abort(context, exc)
         return EMPTY
 
-    def Release(self, request: pb.ReleaseRequest, context: Any) -> pb.Empty:
+    async def Release(self, request: pb.ReleaseRequest, context: Any) -> pb.Empty:
         try:
-            self.service.release(request)
+            await self._in_pool(self.service.release, request)
         except FAILURES as exc:
-            _abort(context, exc)
+            await _abort(context, exc)
         return EMPTY
 
-    def Lookup(self, request: pb.LookupRequest, context: Any) -> pb.LookupResponse:
+    async def Lookup(self, request: pb.LookupRequest, context: Any) -> pb.LookupResponse:
         try:
             return self.service.lookup(request)
         except FAILURES as exc:
-            _abort(context, exc)
+            await _abort(context, exc)
 
-    def Heartbeat(self, request: pb.NodeStatus, context: Any) -> pb.HeartbeatResponse:
+    async def Heartbeat(self, request: pb.NodeStatus, context: Any) -> pb.HeartbeatResponse:
         try:
-            return self.service.heartbeat(request)
+            return await self._in_pool(self.service.heartbeat, request)
         except FAILURES as exc:
-            _abort(context, exc)
+            await _abort(context, exc)
 
-    def ListNodes(self, request: pb.Empty, context: Any) -> pb.NodeList:
+    async def ListNodes(self, request: pb.Empty, context: Any) -> pb.NodeList:
         return self.service.list_nodes()
 
-    def Holders(self, request: pb.HoldersRequest, context: Any) -> pb.HoldersResponse:
+    async def Holders(self, request: pb.HoldersRequest, context: Any) -> pb.HoldersResponse:
         try:
             return self.service.holders(request)
         except FAILURES as exc:
-            _abort(context, exc)
+            await _abort(context, exc)
 
 
 @dataclass
@@ -118,17 +126,16 @@ class SchedulerServer:
             nodes_file=options.nodes_file,
             k8s_service=options.k8s_service,
         )
-        self.server: grpc.Server | None = None
+        self.server: grpc.aio.Server | None = None
+        self.pool: ThreadPoolExecutor | None = None
         self.port = 0
 
     async def start(self) -> None:
         await asyncio.to_thread(self.service.start)
         await self.discovery.start()
-        server = grpc.server(
-            futures.ThreadPoolExecutor(max_workers=WORKERS, thread_name_prefix="scheduler-rpc"),
-            options=[("grpc.so_reuseport", 0)],
-        )
-        pb_grpc.add_SchedulerServicer_to_server(_Servicer(self.service), server)
+        server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+        self.pool = ThreadPoolExecutor(REDIS_CALL_THREADS, thread_name_prefix="scheduler-redis")
+        pb_grpc.add_SchedulerServicer_to_server(_Servicer(self.service, self.pool), server)
         try:
             self.port = server.add_insecure_port(self.options.listen)
         except RuntimeError as exc:
@@ -138,14 +145,16 @@ class SchedulerServer:
             await self.stop()
             raise AgentEnvError(f"cannot listen on {self.options.listen} (in use?)")
         self.server = server
-        server.start()
+        await server.start()
         log.info("scheduler listening", extra={"listen": self.options.listen, "port": self.port})
 
     async def stop(self, grace: float = 1.0) -> None:
         if self.server is not None:
-            stopped = self.server.stop(grace)
-            await asyncio.to_thread(stopped.wait)
+            await self.server.stop(grace)
             self.server = None
+        if self.pool is not None:
+            await asyncio.to_thread(self.pool.shutdown)
+            self.pool = None
         await self.discovery.stop()
         await asyncio.to_thread(self.service.close)
 
@@ -165,4 +174,5 @@ def run(options: SchedulerOptions, on_ready: Callable[[SchedulerServer], None] |
         await stop.wait()
         await server.stop()
 
-    asyncio.run(main())
+    # uvloop: ~10% less CPU per call than asyncio's loop for grpc.aio here (bench/RESULTS.md).
+    uvloop.run(main())

@@ -102,8 +102,9 @@ class SchedulerService:
         self.template_layers: dict[str, tuple[str, ...]] = {}
         self.holder_index = HolderIndex()  # blob digest -> nodes serving it to peers
         self.placer = Placer(min_disk_bytes=self.config.min_disk_free_mib << 20)
-        # Memory (views, bindings, the up cache) changes under this lock: the gRPC server calls
-        # in from its worker threads, discovery from the event loop. Redis is never waited for
+        # Memory (views, bindings, the up cache) changes under this lock: RPCs and discovery
+        # call in from the event loop, heartbeats and releases from worker threads (they wait
+        # for Redis), binding writes from the store's writer thread. Redis is never waited for
         # while holding it (Lookup, which reads without it, must not queue behind a write).
         self.lock = threading.RLock()
         self._sweeper: threading.Thread | None = None
@@ -288,7 +289,8 @@ class SchedulerService:
             )
         return view, "fork source"
 
-    def record(self, msg: pb.Assignment) -> None:
+    async def record(self, msg: pb.Assignment) -> None:
+        """Returns once Redis and memory have the binding (waits without holding a thread)."""
         check_id("sandbox_id", msg.sandbox_id)
         check_id("node_id", msg.node_id)
         check_id("team_id", msg.team_id, required=False)
@@ -311,7 +313,7 @@ class SchedulerService:
                 target.assigned(msg.sandbox_id, vcpus, memory)
 
         # Memory follows in Redis's order (two records of one sandbox racing end as in Redis).
-        self.store.record(binding, apply)
+        await self.store.record_async(binding, apply)
 
     def release(self, msg: pb.ReleaseRequest) -> None:
         check_id("sandbox_id", msg.sandbox_id)
@@ -454,7 +456,7 @@ class SchedulerService:
                 raise Invalid(f"digest {digest[:80]!r} is not sha256:<64 lowercase hex>")
         check_id("node_id", msg.node_id, required=False)
         limit = min(msg.limit or DEFAULT_LIMIT, MAX_HOLDER_LIMIT)
-        with self.lock:  # the index and the views change under heartbeats (worker threads)
+        with self.lock:  # the index and the views change under heartbeats (in threads)
             return self._holders(msg, limit)
 
     def _holders(self, msg: pb.HoldersRequest, limit: int) -> pb.HoldersResponse:

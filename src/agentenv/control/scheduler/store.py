@@ -17,9 +17,12 @@ Bindings change in Lua scripts, so a binding and its node's set never disagree, 
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import threading
 import time
 from collections.abc import Callable, Iterable
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 import redis
@@ -32,7 +35,7 @@ SEP = "\x1f"
 MAX_CONNECTIONS = 32
 POOL_TIMEOUT_S = 10.0
 # A Redis that stops answering (stalled, partitioned) fails a call after this long instead of
-# holding the gRPC worker thread forever: Lookup, served from memory, needs free workers.
+# holding its caller (and the writes queued behind it) forever.
 REDIS_TIMEOUT_S = 5.0
 DEFAULT_PREFIX = "aenv:sched:"
 
@@ -64,6 +67,10 @@ class Binding:
     def decode(cls, sandbox_id: str, raw: str) -> Binding:
         node, team, recorded, vcpus, memory = [*raw.split(SEP), "0", "0", "0"][:5]
         return cls(sandbox_id, node, team, int(recorded or 0), int(vcpus or 0), int(memory or 0))
+
+
+# Runs once Redis has a binding write, with the binding it replaced (None: there was none).
+Apply = Callable[[Binding | None], None]
 
 
 # KEYS: none (key names derive from the prefix; this is a single Redis, not a cluster).
@@ -174,83 +181,101 @@ def _slim(status: pb.NodeStatus) -> bytes:
     return slim.SerializeToString()
 
 
-class _Write:
-    """One caller's binding in a group commit: filled in by whoever sends the batch."""
+Waiter = Future[bytes] | asyncio.Future[bytes]
 
-    __slots__ = ("apply", "binding", "error", "lead", "old", "ready")
 
-    def __init__(self, binding: Binding, apply: Callable[[Binding | None], None] | None) -> None:
-        self.binding = binding
-        self.apply = apply
-        self.ready = threading.Event()
-        self.lead = False
-        self.old: bytes = b""
-        self.error: BaseException | None = None
+def _settle(outcomes: list[tuple[asyncio.Future[bytes], bytes | BaseException]]) -> None:
+    for fut, outcome in outcomes:
+        if fut.cancelled():
+            continue
+        if isinstance(outcome, BaseException):
+            fut.set_exception(outcome)
+        else:
+            fut.set_result(outcome)
 
 
 class _GroupCommit:
-    """Concurrent RecordAssignments share one Redis round trip (one script call for all).
+    """Binding writes from any thread or event loop, sent by one writer thread: each script
+    call carries everything queued while the previous one was out (up to `limit`), so
+    concurrent RecordAssignments share a Redis round trip. One script call costs redis-py the
+    same ~30 us whether it carries 1 binding or 30, which is where the saving is under load.
 
-    The first writer to find no batch in flight sends everything queued so far, itself
-    included; writers arriving meanwhile queue up, and when the batch is answered the first of
-    them is woken to send the next. Each caller returns only once Redis has answered the call
-    holding its binding (the same acknowledgement as a write of its own), and gets its own
-    previous binding or the batch's error. One script call costs redis-py the same ~30 us
-    whether it carries 1 binding or 30, which is where the saving is under load.
+    A write's waiter completes only once Redis has answered the call holding it (the same
+    acknowledgement as a write of its own), with its previous encoded binding (b"") or the
+    batch's error. An event loop's waiters are settled by one callback per batch, and an
+    asyncio server awaits them without holding a thread, so a stalled Redis holds nothing but
+    this writer.
     """
 
     def __init__(self, send: Callable[[list[Binding]], list[bytes]], limit: int = 256) -> None:
         self._send = send
         self._limit = limit
-        self._lock = threading.Lock()
-        self._queue: list[_Write] = []
-        self._busy = False
+        self._cond = threading.Condition()
+        self._queue: list[tuple[Binding, Apply | None, Waiter]] = []
+        self._thread: threading.Thread | None = None
+        self._closed = False
 
-    def write(
-        self, binding: Binding, apply: Callable[[Binding | None], None] | None = None
-    ) -> bytes:
-        item = _Write(binding, apply)
-        with self._lock:
-            self._queue.append(item)
-            lead = not self._busy
-            self._busy = True
-        if not lead:
-            item.ready.wait()
-        if item.lead or lead:
-            self._flush()
-        if item.error is not None:
-            raise item.error
-        return item.old
+    def submit(self, binding: Binding, apply: Apply | None, waiter: Waiter) -> None:
+        with self._cond:
+            if self._closed:
+                raise StoreError("the binding store is closed")
+            self._queue.append((binding, apply, waiter))
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=self._run, name="scheduler-redis-writer", daemon=True
+                )
+                self._thread.start()
+            self._cond.notify()
 
-    def _flush(self) -> None:
-        with self._lock:
-            batch, self._queue = self._queue[: self._limit], self._queue[self._limit :]
-        try:
-            olds = self._send([w.binding for w in batch])
-            for w, old in zip(batch, olds, strict=True):
-                w.old = old
-            # In Redis's order, before the next batch is sent: a copy of the table kept in
-            # memory sees the writes in the order Redis applied them.
-            for w in batch:
-                if w.apply is not None:
-                    b = w.binding
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify()
+            thread = self._thread
+        if thread is not None:
+            thread.join()
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._queue and not self._closed:
+                    self._cond.wait()
+                if not self._queue:
+                    return
+                batch, self._queue = self._queue[: self._limit], self._queue[self._limit :]
+            outcomes: list[bytes | BaseException]
+            try:
+                olds = self._send([binding for binding, _, _ in batch])
+                outcomes = list(olds)
+            except BaseException as exc:  # every writer of the batch learns why
+                outcomes = [exc] * len(batch)
+            else:
+                # In Redis's order, before the next batch is sent: a copy of the table kept in
+                # memory sees the writes in the order Redis applied them.
+                for i, ((binding, apply, _), old) in enumerate(zip(batch, olds, strict=True)):
                     try:
-                        w.apply(Binding.decode(b.sandbox_id, w.old.decode()) if w.old else None)
+                        if apply is not None:
+                            apply(Binding.decode(binding.sandbox_id, old.decode()) if old
+                                  else None)
                     except Exception as exc:
-                        w.error = exc
-        except BaseException as exc:  # every writer of the batch learns why
-            for w in batch:
-                w.error = exc
-        finally:
-            with self._lock:
-                if self._queue:
-                    nxt = self._queue[0]
-                    nxt.lead = True
-                    nxt.ready.set()
-                else:
-                    self._busy = False
-            for w in batch:
-                w.ready.set()
+                        outcomes[i] = exc
+            self._deliver(batch, outcomes)
+
+    @staticmethod
+    def _deliver(batch: list[tuple[Binding, Apply | None, Waiter]],
+                 outcomes: list[bytes | BaseException]) -> None:
+        loops: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Future[bytes],
+                                                          bytes | BaseException]]] = {}
+        for (_, _, waiter), outcome in zip(batch, outcomes, strict=True):
+            if isinstance(waiter, asyncio.Future):
+                loops.setdefault(waiter.get_loop(), []).append((waiter, outcome))
+            elif isinstance(outcome, BaseException):
+                waiter.set_exception(outcome)
+            else:
+                waiter.set_result(outcome)
+        for loop, settled in loops.items():
+            with contextlib.suppress(RuntimeError):  # a closed loop: nobody waits any more
+                loop.call_soon_threadsafe(_settle, settled)
 
 
 class Store:
@@ -288,17 +313,27 @@ class Store:
             raise StoreError(f"cannot reach Redis at {self.url}: {exc}") from exc
 
     def close(self) -> None:
+        self._group.close()
         self.redis.close()
         self.redis.connection_pool.disconnect()
 
     # --- bindings ---------------------------------------------------------------------------------
 
-    def record(
-        self, binding: Binding, apply: Callable[[Binding | None], None] | None = None
-    ) -> Binding | None:
+    def record(self, binding: Binding, apply: Apply | None = None) -> Binding | None:
         """Write a binding; returns the one it replaced. Batched with concurrent writers;
         `apply(replaced)` runs once Redis has it, in the order Redis applied the writes."""
-        old = self._group.write(binding, apply)
+        waiter: Future[bytes] = Future()
+        self._group.submit(binding, apply, waiter)
+        return self._decoded(binding, waiter.result())
+
+    async def record_async(self, binding: Binding, apply: Apply | None = None) -> Binding | None:
+        """`record` for an event loop: waits for Redis without holding a thread."""
+        waiter: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
+        self._group.submit(binding, apply, waiter)
+        return self._decoded(binding, await waiter)
+
+    @staticmethod
+    def _decoded(binding: Binding, old: bytes) -> Binding | None:
         return Binding.decode(binding.sandbox_id, old.decode()) if old else None
 
     def record_many(self, bindings: list[Binding]) -> list[bytes]:
