@@ -279,7 +279,8 @@ class _GroupCommit:
 
 
 class Store:
-    """Blocking access to the scheduler's keys, safe from many threads (the gRPC server's).
+    """Blocking access to the scheduler's keys, safe from many threads (the binding writer, the
+    server's pool for heartbeats and releases, tests).
     One connection pool; every call is one round trip. Blocking redis-py (with hiredis when
     installed) costs ~30-50 us of CPU per call here against ~75 us for redis.asyncio."""
 
