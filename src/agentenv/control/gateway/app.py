@@ -427,7 +427,7 @@ class GatewayApp:
             ("GET", "/v2/templates", self.list_templates),
             ("GET", f"/templates/aliases/{rest}", self.template_alias),
             ("GET", f"/templates/{sid}/files/{sid}", self.template_forward),
-            ("POST", f"/v2/templates/{sid}/builds/{sid}", self.template_forward),
+            ("POST", f"/v2/templates/{sid}/builds/{sid}", self.build_start),
             ("GET", f"/templates/{sid}/builds/{sid}/status", self.template_forward),
             ("GET", f"/templates/{sid}/tags", self.template_forward),
             ("GET", f"/templates/{rest}", self.template_forward),
@@ -792,7 +792,7 @@ class GatewayApp:
                 await self._refuse_shared_name(name)
             if await self.store.claim_name("template", name, team) != team:
                 raise ApiError(409, f"the template name {name!r} is taken by another team")
-            node = await self.scheduler.schedule(template=name, team=team)
+            node = await self._new_build_node(name, team, body)
         else:  # the node names what is wrong with the body
             node = (await self._up_nodes() or [None])[0]
             if node is None:
@@ -804,9 +804,68 @@ class GatewayApp:
             if template_id:
                 await self.store.own("template", template_id, team, node.node_id,
                                      [name] if name else [])
+                await self.store.note_build_node(team, node.node_id)
         if name and owned is None and not template_id:
             await self.store.release_name("template", name, team)
         await self._send(send, answer)
+
+    async def _new_build_node(self, name: str, team: str, body: dict[str, Any]) -> Node:
+        """Where a new template of `team` is built: next to the team's templates (the node it
+        last built one on that is up and has room), as the build's base (`fromTemplate`, sent
+        only later, in build_start) is most likely one of them; else the scheduler's choice."""
+        vcpus, memory = body.get("cpuCount") or 2, body.get("memoryMB") or 1024  # node defaults
+        if not isinstance(vcpus, int) or not isinstance(memory, int):
+            vcpus, memory = 2, 1024  # the node names what is wrong with them
+        homes = await self.store.build_nodes(team)
+        if homes:
+            nodes = {n.node_id: n for n in await self.scheduler.nodes()}
+            for node_id in homes:
+                node = nodes.get(node_id)
+                if node is not None and node.up and not self.scheduler.misfit(node_id, vcpus,
+                                                                                memory):
+                    return node
+        return await self.scheduler.schedule(template=name, team=team)
+
+    async def build_start(self, request: Request, send: Send, team: str, template_id: str,
+                          build_id: str) -> None:
+        """The trigger of a build (after the file uploads): its body names the base."""
+        node = await self._template_node(template_id, team)
+        raw = await self._body(request)
+        await self._check_build_base(raw, node, team)
+        await self._send(send, await self._call(node, request, raw))
+
+    async def _check_build_base(self, raw: bytes, node: Node, team: str) -> None:
+        """Refuse, before the node starts anything, a base (`fromTemplate`) the node building
+        the template cannot have: another team's template (400 as the node's "not found"), or
+        one of the team's own that sits on another node (409: a template's builds stay on the
+        node the build was placed on when the base was not known yet)."""
+        try:
+            body = json.loads(raw or b"{}")
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            return  # the node names what is wrong with the body
+        base = body.get("fromTemplate") if isinstance(body, dict) else None
+        if not isinstance(base, str) or not base:
+            return
+        bare = base.split("/")[-1].split(":")[0]
+        for kind in ("template", "snapshot"):
+            owned = await self.store.owned(kind, bare, team)
+            if owned is None:
+                continue
+            if owned.team != team:
+                raise ApiError(400, f"template '{base}' not found")
+            if owned.node != node.node_id:
+                # the team's next new template goes next to this base (build it again there)
+                await self.store.note_build_node(team, owned.node)
+                raise ApiError(409, (
+                    f"the base template '{base}' is on node {owned.node}, but this build was "
+                    f"placed on node {node.node_id} (a build is placed before its base is "
+                    f"known: node {owned.node} was down or full then) and a node builds only "
+                    f"from the templates it holds. Delete this template and build it again "
+                    f"once node {owned.node} is up with room (a new template of the team goes "
+                    f"to it), or build from a template on node {node.node_id}"))
+            return
+        if await self.store.name_holder("template", bare) not in (None, team):
+            raise ApiError(400, f"template '{base}' not found")  # another team's name
 
     async def _refuse_shared_name(self, name: str) -> None:
         """400 for the name of a template no team built (a node's `base`): no team may claim it,

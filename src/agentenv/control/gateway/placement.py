@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import grpc
 
-from agentenv.control.scheduler.client import SchedulerClient, SchedulerError
+from agentenv.control.scheduler.client import SchedulerClient, SchedulerError, pb
 
 LOOKUP_TTL = 1.0
 #: while the scheduler is unreachable, a binding seen this recently still routes (a sandbox
@@ -73,6 +73,7 @@ class SchedulerLink:
         self._client: SchedulerClient | None = None
         self._cache: dict[str, tuple[float, Binding]] = {}
         self._nodes: tuple[float, list[Node]] = (0.0, [])
+        self._status: dict[str, pb.NodeStatus] = {}
         self._reconnected = 0.0
         self._closing: set[asyncio.Task[None]] = set()
 
@@ -165,4 +166,20 @@ class SchedulerLink:
             raise _translated(exc) from exc
         nodes = [Node(n.node_id, n.address, n.up) for n in listed]
         self._nodes = (now + NODES_TTL, nodes)
+        self._status = {n.node_id: n.status for n in listed}
         return nodes
+
+    def misfit(self, node_id: str, vcpus: int, memory_mib: int) -> str:
+        """Why `vcpus` and `memory_mib` more do not fit on a node by its last heartbeat as of the
+        last `nodes()` ('' when they do). Only the node's own numbers: the scheduler's
+        placements of the last moments are not in them (Schedule decides exactly)."""
+        st = self._status.get(node_id)
+        if st is None:
+            return "not registered"
+        if st.max_sandboxes and st.running >= st.max_sandboxes:
+            return f"full ({st.max_sandboxes} sandboxes)"
+        if st.cpu_total and st.cpu_free < vcpus:
+            return f"{st.cpu_free} free vCPUs < {vcpus}"
+        if st.memory_total_mib and st.memory_free_mib < memory_mib:
+            return f"{st.memory_free_mib} MiB free < {memory_mib} MiB"
+        return ""

@@ -11,6 +11,8 @@ and `name:snapshot:{team}:{name}` -> id, `taken:template:{name}` -> the team who
 that name on the nodes, `idem:{team}:{sha256(key)}` -> a create under way
 (`pending:…`) or its answer, for IDEMPOTENCY_SECONDS. That answer holds the sandbox's envd
 token, as the node's memory does: whoever reads this Redis holds the cluster anyway (API keys).
+`buildnodes:{team}` (sorted set: node id, scored by when the team last built a template there):
+where the team's next new template is built, so a chain of templates stays on one node.
 """
 
 from __future__ import annotations
@@ -192,6 +194,19 @@ class GatewayStore:
             pipe.delete(PREFIX + f"name:{kind}:{team}:{name}")
             pipe.eval(_DELETE_IF, 1, PREFIX + f"taken:{kind}:{name}", team)
         await self._call(pipe.execute())
+
+    # --- build affinity ----------------------------------------------------------------------
+
+    async def note_build_node(self, team: str, node: str) -> None:
+        """`team` built (or wants to build) a template on `node`: its next new one goes there."""
+        await self._call(self.redis.zadd(PREFIX + f"buildnodes:{team}", {node: time.time()}))
+
+    async def build_nodes(self, team: str, limit: int = 16) -> list[str]:
+        """The nodes where `team` built templates, the latest first."""
+        found: list[str] = await self._call(
+            self.redis.zrevrange(PREFIX + f"buildnodes:{team}", 0, limit - 1)
+        )
+        return found
 
     # --- idempotent creates ------------------------------------------------------------------
 
