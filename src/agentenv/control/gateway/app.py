@@ -25,7 +25,7 @@ import os
 import re
 import secrets
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from datetime import datetime
 from typing import Any
 from urllib.parse import parse_qs, quote
@@ -194,7 +194,7 @@ def _limit(request: Request) -> int:
     return value
 
 
-def create_lease_seconds(env: dict[str, str] | None = None) -> float:
+def create_lease_seconds(env: Mapping[str, str] | None = None) -> float:
     raw = (os.environ if env is None else env).get(CREATE_LEASE_ENV, "")
     if not raw:
         return CREATE_LEASE_SECONDS
@@ -370,7 +370,7 @@ class GatewayApp:
             # the sandbox must still be bound to that node (a kill releases it at once)
             try:
                 binding = await self.scheduler.lookup(remembered.sandbox_id)
-            except SchedulerUnavailable:
+            except (SchedulerUnavailable, NoPlacement):
                 binding = None
             if binding is None or binding.node.node_id != remembered.node_id:
                 self.signature_owners.drop(key)
@@ -648,7 +648,7 @@ class GatewayApp:
                     log.warning("create lost its Idempotency-Key lease (the gateway stalled "
                                 "longer than the lease)", extra={"team": team})
                     return
-            except StoreUnavailable as exc:  # the next renewal may get through in time
+            except Exception as exc:  # the next renewal may get through in time
                 log.warning("cannot renew a create's lease: %s", exc)
 
     async def _settled(self, team: str, key: str, mark: str, node: Node,
