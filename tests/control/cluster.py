@@ -27,7 +27,7 @@ VM_FIRST_SLOT = 25501  # 25501-25700: disjoint from the other VM test modules an
 
 class GatewayProcess:
     def __init__(self, scheduler: str, redis_url: str, secret_file: Path, log: Path,
-                 domain: str | None = None) -> None:
+                 domain: str | None = None, env: dict[str, str] | None = None) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.argv = [*AENV, "gateway", "--host", "127.0.0.1", "--port", str(self.port),
@@ -36,11 +36,13 @@ class GatewayProcess:
         if domain:
             self.argv += ["--domain", domain]
         self.log = log
+        self.env = env or {}
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self) -> None:
         with self.log.open("ab") as out:
-            self.proc = subprocess.Popen(self.argv, stdout=out, stderr=out)
+            self.proc = subprocess.Popen(self.argv, stdout=out, stderr=out,
+                                         env={**os.environ, **self.env})
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

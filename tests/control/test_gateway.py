@@ -6,6 +6,11 @@ of the scheduler and of a node."""
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
+import json
+import os
+import signal
 import threading
 import time
 from collections.abc import Iterator
@@ -13,6 +18,7 @@ from typing import Any
 
 import httpx
 import pytest
+import redis
 from e2b import Sandbox, SandboxNotFoundException, SandboxQuery, SandboxState
 
 from tests.control.cluster import GatewayProcess, LocalCluster
@@ -353,6 +359,201 @@ def test_idempotent_creates_make_one_sandbox(cluster: LocalCluster) -> None:
         finally:
             for sandbox_id in made:
                 api.delete(f"/sandboxes/{sandbox_id}", headers=alpha)
+
+
+def gateway_metrics(url: str) -> dict[str, float]:
+    """The gateway's Prometheus counters, by name and labels as written."""
+    text = httpx.get(url + "/metrics", timeout=10).text
+    return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines() if line and not line.startswith("#")}
+
+
+OWNER_QUERIES = "aenv_gateway_signature_owner_queries_total"
+FROM_CACHE = 'aenv_gateway_signed_file_requests_total{owner="cache"}'
+
+
+def test_signed_url_owner_cached_until_its_sandbox_goes(sdk: LocalCluster) -> None:
+    """The second download of a signed URL asks no node who made it (the gateway remembers);
+    once the sandbox is killed (through the gateway, or on its node behind the gateway's
+    back) the URL is a 401 again, never served from the stale entry."""
+    made = [Sandbox.create(template="base", timeout=120) for _ in range(2)]
+    try:
+        with httpx.Client(timeout=30, trust_env=False) as client:
+            urls = []
+            for sbx in made:
+                sbx.files.write("/tmp/cached.txt", f"cached {sbx.sandbox_id}")
+                urls.append(sbx.download_url("/tmp/cached.txt", use_signature_expiration=300))
+            urls.append(made[0].download_url("/tmp/cached.txt"))  # no expiration: 60 s
+            for url, sbx in zip(urls, [*made, made[0]], strict=True):
+                before = gateway_metrics(sdk.url)
+                assert client.get(url).text == f"cached {sbx.sandbox_id}"
+                first = gateway_metrics(sdk.url)
+                assert first[OWNER_QUERIES] - before[OWNER_QUERIES] == len(sdk.nodes)
+                for _ in range(3):
+                    assert client.get(url).text == f"cached {sbx.sandbox_id}"
+                again = gateway_metrics(sdk.url)
+                assert again[OWNER_QUERIES] == first[OWNER_QUERIES]
+                assert again[FROM_CACHE] - first.get(FROM_CACHE, 0) == 3
+            # killed through the gateway: its binding is gone, the entry with it
+            made[0].kill()
+            gone = client.get(urls[0])
+            assert gone.status_code == 401 and gone.json()["message"] == "invalid signature"
+            # killed on its node, the gateway not told: the node's 502 for the remembered
+            # sandbox is not passed on, the nodes are asked again
+            node = sdk.node_of(holder(sdk, made[1].sandbox_id))
+            assert httpx.delete(f"{node.url}/sandboxes/{made[1].sandbox_id}", timeout=60,
+                                headers={"x-agentenv-cluster-secret": sdk.secret}
+                                ).status_code == 204
+            before = gateway_metrics(sdk.url)
+            gone = client.get(urls[1])
+            assert gone.status_code == 401 and gone.json()["message"] == "invalid signature"
+            after = gateway_metrics(sdk.url)
+            assert after[OWNER_QUERIES] > before[OWNER_QUERIES]
+            print("stale entry of a sandbox killed on its node:", "relayed, node's answer held"
+                  if after[FROM_CACHE] > before[FROM_CACHE] else "binding gone already")
+    finally:
+        for sbx in made:
+            with contextlib.suppress(SandboxNotFoundException):
+                sbx.kill()
+
+
+LEASE = 3.0
+
+
+def signal_nodes(cluster: LocalCluster, sig: signal.Signals) -> None:
+    for node in cluster.nodes:
+        if node.proc is not None:
+            os.kill(node.proc.pid, sig)
+
+
+def test_create_lease_lapses_with_a_dead_gateway_not_a_live_one(cluster: LocalCluster) -> None:
+    """An Idempotency-Key's claim is a lease its gateway renews: a create held up longer than
+    the lease (its nodes stopped) keeps its key, and a retry through another gateway waits and
+    gets the same sandbox; a gateway killed -9 mid-create holds the key only until the lease
+    lapses, then a retry through the other gateway takes over, on the same node, whose memory
+    of the key gives at most one sandbox."""
+    env = {"AENV_GATEWAY_CREATE_LEASE": str(LEASE)}
+    live, doomed = (GatewayProcess(cluster.scheduler.address, cluster.redis.url,
+                                   cluster.secret_file, cluster.root / f"gateway-{n}.log",
+                                   env=env) for n in ("live", "doomed"))
+    alpha = {"X-API-KEY": cluster.keys["alpha"]}
+    body = {"templateID": "base", "timeout": 120, "metadata": {"batch": "lease"}}
+    db = redis.Redis.from_url(cluster.redis.url, decode_responses=True)
+    answers: dict[str, httpx.Response | Exception] = {}
+
+    def create(name: str, url: str, key: str) -> threading.Thread:
+        def run() -> None:
+            try:
+                answers[name] = httpx.post(f"{url}/v2/sandboxes", json=body, timeout=120,
+                                           headers={**alpha, "Idempotency-Key": key})
+            except httpx.HTTPError as exc:
+                answers[name] = exc
+        thread = threading.Thread(target=run)
+        thread.start()
+        return thread
+
+    def held(key: str, kind: str = "idem") -> str | None:
+        digest = hashlib.sha256(key.encode()).hexdigest()
+        found: str | None = db.get(f"aenv:{kind}:alpha:{digest}")
+        return found
+
+    def wait_for(what: Any, timeout: float = 10) -> Any:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            found = what()
+            if found:
+                return found
+            time.sleep(0.02)
+        raise AssertionError("timed out")
+
+    made: set[str] = set()
+    live.start()
+    doomed.start()
+    try:
+        # a live gateway's create, held up for more than twice its lease, keeps its key
+        signal_nodes(cluster, signal.SIGSTOP)
+        started = time.monotonic()
+        first = create("first", live.url, "slow")
+        mark = wait_for(lambda: held("slow"))
+        assert mark.startswith("pending:")
+        retry = create("retry", doomed.url, "slow")
+        time.sleep(2.5 * LEASE)
+        assert held("slow") == mark and "retry" not in answers
+        signal_nodes(cluster, signal.SIGCONT)
+        first.join()
+        retry.join()
+        took = time.monotonic() - started
+        got = [answers["first"], answers["retry"]]
+        assert all(isinstance(a, httpx.Response) and a.status_code == 201 for a in got), got
+        slow_id = got[0].json()["sandboxID"]  # type: ignore[union-attr]
+        made.add(slow_id)
+        assert got[1].json()["sandboxID"] == slow_id  # type: ignore[union-attr]
+        assert took > 2.5 * LEASE
+        cluster.wait_nodes_up(len(cluster.nodes))
+
+        # a gateway stalled (SIGSTOP) past its lease: a retry takes over, and the stalled one,
+        # woken, does not overwrite the key: both answers name one sandbox
+        signal_nodes(cluster, signal.SIGSTOP)
+        stalled = create("stalled", doomed.url, "stall")
+        wait_for(lambda: held("stall", "idem-node"))
+        time.sleep(0.3)
+        assert doomed.proc is not None
+        doomed.proc.send_signal(signal.SIGSTOP)
+        signal_nodes(cluster, signal.SIGCONT)
+        cluster.wait_nodes_up(len(cluster.nodes))
+        took_over = httpx.post(f"{live.url}/v2/sandboxes", json=body, timeout=120,
+                               headers={**alpha, "Idempotency-Key": "stall"})
+        doomed.proc.send_signal(signal.SIGCONT)
+        stalled.join()
+        assert took_over.status_code == 201, took_over.text
+        made.add(took_over.json()["sandboxID"])
+        woken = answers["stalled"]
+        assert isinstance(woken, httpx.Response) and woken.status_code == 201, woken
+        assert woken.json()["sandboxID"] == took_over.json()["sandboxID"]
+        assert json.loads(held("stall") or "{}")["sandboxID"] == took_over.json()["sandboxID"]
+        assert "lost its Idempotency-Key lease" in doomed.log.read_text()
+
+        # a gateway killed -9 in the middle of a create: the retry waits for the lease only
+        signal_nodes(cluster, signal.SIGSTOP)
+        dead = create("dead", doomed.url, "orphan")
+        node_id = wait_for(lambda: held("orphan", "idem-node"))  # sent to that node
+        time.sleep(0.3)
+        assert doomed.proc is not None
+        doomed.proc.kill()
+        doomed.proc.wait()
+        killed = time.monotonic()
+        signal_nodes(cluster, signal.SIGCONT)
+        dead.join()
+        assert isinstance(answers["dead"], Exception)
+        cluster.wait_nodes_up(len(cluster.nodes))
+        taken = httpx.post(f"{live.url}/v2/sandboxes", json=body, timeout=120,
+                           headers={**alpha, "Idempotency-Key": "orphan"})
+        after_kill = time.monotonic() - killed
+        assert taken.status_code == 201, taken.text
+        orphan_id = taken.json()["sandboxID"]
+        made.add(orphan_id)
+        print(f"retry after kill -9 answered {after_kill:.1f} s after the kill "
+              f"(lease {LEASE:g} s)")
+        assert after_kill < LEASE + 15
+        assert holder(cluster, orphan_id) == node_id
+        # one sandbox per key on the nodes, whichever creates reached them
+        on_nodes = []
+        for node in cluster.nodes:
+            listed = httpx.get(f"{node.url}/v2/sandboxes", params={"metadata": "batch=lease"},
+                               headers={"x-agentenv-cluster-secret": cluster.secret},
+                               timeout=30)
+            on_nodes += [s["sandboxID"] for s in listed.json()]
+        assert sorted(on_nodes) == sorted(made)
+        again = httpx.post(f"{live.url}/v2/sandboxes", json=body, timeout=60,
+                           headers={**alpha, "Idempotency-Key": "orphan"})
+        assert again.status_code == 201 and again.json()["sandboxID"] == orphan_id
+    finally:
+        signal_nodes(cluster, signal.SIGCONT)
+        for sandbox_id in made:
+            httpx.delete(f"{cluster.url}/sandboxes/{sandbox_id}", headers=alpha, timeout=60)
+        live.stop()
+        doomed.stop()
+        db.close()
 
 
 def test_template_build_on_one_node_seen_cluster_wide(sdk: LocalCluster) -> None:

@@ -17,13 +17,15 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
+import contextlib
 import hashlib
 import json
 import logging
+import os
 import re
 import secrets
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from datetime import datetime
 from typing import Any
 from urllib.parse import parse_qs, quote
@@ -32,6 +34,7 @@ import httpx
 from starlette.requests import Request
 
 from agentenv import __version__
+from agentenv.control.gateway.metrics import GatewayMetrics
 from agentenv.control.gateway.placement import (
     BadPlacementRequest,
     Binding,
@@ -40,7 +43,9 @@ from agentenv.control.gateway.placement import (
     SchedulerLink,
     SchedulerUnavailable,
 )
+from agentenv.control.gateway.signed import SANDBOX_GONE, SignatureOwners, signature_key
 from agentenv.control.gateway.store import PENDING, GatewayStore, StoreUnavailable
+from agentenv.errors import AgentEnvError
 from agentenv.node.security import SIGNATURE_OWNER_PATH
 from agentenv.relay.server import request_target, target_problem
 from agentenv.relay.stream import (
@@ -61,9 +66,13 @@ ENVD_PORT = 49983
 MAX_BODY = 1 << 20
 MAX_PAGE = 100
 FILES_PATH = "/files"
-#: how long a create may hold its Idempotency-Key before a retry may try again (a create on a
-#: loaded host with the VM backend takes up to a minute or two)
+#: how long a retry waits for a create under way with its Idempotency-Key (a create on a
+#: loaded host with the VM backend takes up to a minute or two) before it answers 409
 CREATE_PENDING_SECONDS = 300.0
+#: the lease of a create on its Idempotency-Key: renewed every third of it while the create is
+#: in flight, so a retry takes the key over this long after its gateway died (kill -9)
+CREATE_LEASE_SECONDS = 15.0
+CREATE_LEASE_ENV = "AENV_GATEWAY_CREATE_LEASE"
 _HOST_ROUTE = re.compile(r"^(\d{1,5})-([a-z0-9]{1,63})\.[^:]+(:\d+)?$")
 _PORT = re.compile(r"^\d{1,5}$")
 _ID = re.compile(r"^[a-z0-9]{1,63}$")
@@ -185,6 +194,19 @@ def _limit(request: Request) -> int:
     return value
 
 
+def create_lease_seconds(env: Mapping[str, str] | None = None) -> float:
+    raw = (os.environ if env is None else env).get(CREATE_LEASE_ENV, "")
+    if not raw:
+        return CREATE_LEASE_SECONDS
+    try:
+        value = float(raw)
+    except ValueError:
+        value = 0.0
+    if not 1 <= value <= 300:
+        raise AgentEnvError(f"{CREATE_LEASE_ENV} must be 1-300 seconds, got {raw!r}")
+    return value
+
+
 class GatewayApp:
     """ASGI app of `aenv gateway`."""
 
@@ -195,6 +217,9 @@ class GatewayApp:
         self.secret = cluster_secret.encode()
         self.domain = domain
         self.limits = limits or RelayLimits.from_env()
+        self.create_lease = create_lease_seconds()
+        self.metrics = GatewayMetrics()
+        self.signature_owners = SignatureOwners()
         self.relay = Relay(self.limits, self._answer_gone, self._answer_unreachable,
                            limit_name="the gateway's")
         self.http = self.relay.client
@@ -318,6 +343,7 @@ class GatewayApp:
                    "query": scope.get("query_string", b"").decode("latin-1")}
 
         async def ask(node: Node) -> str | None:
+            self.metrics.owner_queries.inc()
             answer = await self.http.post(node.url + SIGNATURE_OWNER_PATH, json=payload,
                                           headers={"x-agentenv-cluster-secret":
                                                    self.secret.decode()}, timeout=10)
@@ -338,6 +364,34 @@ class GatewayApp:
         return f"node unavailable: {', '.join(silent)} did not answer" if silent else ""
 
     async def _signed_file(self, scope: Scope, receive: Any, send: Send) -> None:
+        key, expiration = signature_key(scope)
+        remembered = self.signature_owners.get(key)
+        if remembered is not None:
+            # the sandbox must still be bound to that node (a kill releases it at once)
+            try:
+                binding = await self.scheduler.lookup(remembered.sandbox_id)
+            except (SchedulerUnavailable, NoPlacement):
+                binding = None
+            if binding is None or binding.node.node_id != remembered.node_id:
+                self.signature_owners.drop(key)
+            elif not binding.node.up:
+                await send_json(send, 503, {"sandboxId": remembered.sandbox_id, "code": 503,
+                                            "message": "node unavailable"})
+                return
+            else:
+                self.metrics.signed_files.labels("cache").inc()
+                # a request without a body can go again: a stale owner's answer is not sent,
+                # the nodes are asked instead
+                again = not (header_values(scope, b"content-length")
+                             or header_values(scope, b"transfer-encoding"))
+                status = await self._relay_signed(scope, receive, send, binding.node,
+                                                  remembered.sandbox_id, again)
+                if status not in SANDBOX_GONE:
+                    return
+                self.signature_owners.drop(key)
+                if not again:
+                    return
+        self.metrics.signed_files.labels("lookup").inc()
         try:
             owner = await self._signature_owner(scope)
         except SchedulerUnavailable as exc:
@@ -350,11 +404,29 @@ class GatewayApp:
                 await send_json(send, 401, {"code": 401, "message": "invalid signature"})
             return
         node, sandbox_id = owner
+        self.signature_owners.put(key, node.node_id, sandbox_id, expiration)
+        if await self._relay_signed(scope, receive, send, node, sandbox_id,
+                                    False) in SANDBOX_GONE:
+            self.signature_owners.drop(key)
+
+    async def _relay_signed(self, scope: Scope, receive: Any, send: Send, node: Node,
+                            sandbox_id: str, hold_gone: bool) -> int:
+        """Relay a signed file request to its sandbox's node; returns the node's status. With
+        `hold_gone`, an answer in SANDBOX_GONE is not sent (the caller asks the nodes)."""
+        held = False
+
+        async def to_client(message: dict[str, Any]) -> None:
+            nonlocal held
+            if message["type"] == "http.response.start":
+                held = hold_gone and message["status"] in SANDBOX_GONE
+            if not held:
+                await send(message)
+
         # the node checks the signature (and its expiry) again before anything reaches envd
         url = httpx.URL(node.url + "/").copy_with(raw_path=request_target(scope))
-        await self.relay.http(scope, receive, send, url,
-                              self._to_node_headers(scope, sandbox_id, ENVD_PORT),
-                              Exchange(sandbox_id))
+        return await self.relay.http(scope, receive, to_client if hold_gone else send, url,
+                                     self._to_node_headers(scope, sandbox_id, ENVD_PORT),
+                                     Exchange(sandbox_id))
 
     async def _answer_gone(self, send: Send, exchange: Exchange) -> int:
         await send_json(send, 503, {"sandboxId": exchange.name, "message": "node unavailable",
@@ -374,6 +446,15 @@ class GatewayApp:
         path = request.url.path
         if path == "/health":
             await send_json(send, 200, {"status": "ok", "version": __version__})
+            return
+        if path == "/metrics" and request.method == "GET":
+            from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+            payload = generate_latest(self.metrics.registry)
+            await send({"type": "http.response.start", "status": 200, "headers": [
+                (b"content-type", CONTENT_TYPE_LATEST.encode()),
+                (b"content-length", str(len(payload)).encode())]})
+            await send({"type": "http.response.body", "body": payload})
             return
         if path == "/openapi.json":
             from agentenv.node.openapi import openapi_document
@@ -537,7 +618,7 @@ class GatewayApp:
         mark = secrets.token_hex(8)
         deadline = time.monotonic() + CREATE_PENDING_SECONDS
         while True:
-            found = await self.store.claim_create(team, key, mark, CREATE_PENDING_SECONDS)
+            found = await self.store.claim_create(team, key, mark, self.create_lease)
             if found is None:
                 break
             if not found.startswith(PENDING):
@@ -546,15 +627,60 @@ class GatewayApp:
             if time.monotonic() > deadline:
                 raise ApiError(409, "a create with this Idempotency-Key is still under way")
             await asyncio.sleep(0.05)
+        # the claim is a lease: a gateway that dies mid-create holds the key only until it
+        # lapses, then a retry takes it over (and goes to the same node: _create)
+        renewer = asyncio.create_task(self._renew_lease(team, key, mark))
         done = False
         try:
-            done = await self._create(request, send, team, raw, key)
+            done = await self._create(request, send, team, raw, key, mark)
         finally:
+            renewer.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await renewer
             if not done:  # failed: nothing was made, a retry may try again
                 await self.store.unclaim_create(team, key, mark)
 
+    async def _renew_lease(self, team: str, key: str, mark: str) -> None:
+        while True:
+            await asyncio.sleep(self.create_lease / 3)
+            try:
+                if not await self.store.renew_create(team, key, mark, self.create_lease):
+                    log.warning("create lost its Idempotency-Key lease (the gateway stalled "
+                                "longer than the lease)", extra={"team": team})
+                    return
+            except Exception as exc:  # the next renewal may get through in time
+                log.warning("cannot renew a create's lease: %s", exc)
+
+    async def _settled(self, team: str, key: str, mark: str, node: Node,
+                       created: dict[str, Any]) -> dict[str, Any]:
+        """The answer of a keyed create that made `created`: its own, unless its lease lapsed
+        and another create's answer holds the key (then ours is a duplicate: removed)."""
+        deadline = time.monotonic() + CREATE_PENDING_SECONDS
+        while True:
+            held = await self.store.finish_create(team, key, mark, json.dumps(created))
+            if held is None:
+                return created
+            if not held.startswith(PENDING):
+                theirs: dict[str, Any] = json.loads(held)
+                mine = created["sandboxID"]
+                if theirs.get("sandboxID") != mine:
+                    log.warning("removing a duplicate of a keyed create", extra={
+                        "sandbox_id": mine, "node": node.node_id})
+                    with contextlib.suppress(httpx.HTTPError):
+                        await self.http.delete(f"{node.url}/sandboxes/{mine}", timeout=60,
+                                               headers={"x-agentenv-cluster-secret":
+                                                        self.secret.decode()})
+                    await self.scheduler.release(mine)
+                    await self.store.forget_sandbox(mine)
+                return theirs
+            # a retry took the key over and is creating: it went to our node, whose memory of
+            # the key gives it our sandbox; wait for its answer
+            if time.monotonic() > deadline:
+                return created
+            await asyncio.sleep(0.05)
+
     async def _create(self, request: Request, send: Send, team: str, raw: bytes,
-                      key: str | None) -> bool:
+                      key: str | None, mark: str = "") -> bool:
         """Place and create; True once a sandbox was made (and recorded under `key`)."""
         try:
             body = json.loads(raw or b"{}")
@@ -575,15 +701,22 @@ class GatewayApp:
             raise ApiError(404, f"template '{template}' not found")
         if owned is None and await self.store.name_holder("template", bare) not in (None, team):
             raise ApiError(404, f"template '{template}' not found")  # another team's name
+        node = None
         if owned is not None:
             node = await self._node_by_id(owned.node)
-        else:
+        elif key is not None:
+            # a create that took over a lapsed lease goes where the dead gateway's went: that
+            # node's memory of the key answers with its sandbox, even one still being made
+            before = await self.store.create_node(team, key)
+            node = next((n for n in await self._up_nodes() if n.node_id == before), None)
+        if node is None:
             node = await self.scheduler.schedule(template=template, team=team)
         headers = None
         if key is not None:
             # the node's own Idempotency-Key memory has no teams: a key of the team's own
             digest = hashlib.sha256(f"{team}\0{key}".encode()).hexdigest()
             headers = [(b"idempotency-key", digest.encode())]
+            await self.store.create_sent_to(team, key, node.node_id)
         answer = await self._call(node, request, raw, headers=headers)
         if answer.status_code != 201:
             await self._send(send, answer)
@@ -593,7 +726,7 @@ class GatewayApp:
         await self.store.own_sandboxes(team, [sandbox_id])
         await self.scheduler.record(sandbox_id, node, team)
         if key is not None:
-            await self.store.created(team, key, json.dumps(created))
+            created = await self._settled(team, key, mark, node, created)
         await self._send_json(send, 201, self._with_domain(created))
         return True
 

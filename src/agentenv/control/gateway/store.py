@@ -8,9 +8,10 @@ Keys (prefix `aenv:`): `teams` (set of names), `team:{name}` (hash: name, create
 `apikey:{sha256}` -> team name, `own:sandbox` (hash: sandbox id -> team),
 `own:template:{id}` / `own:snapshot:{id}` (hash: team, node, id), `name:template:{team}:{name}`
 and `name:snapshot:{team}:{name}` -> id, `taken:template:{name}` -> the team whose template has
-that name on the nodes, `idem:{team}:{sha256(key)}` -> a create under way
-(`pending:…`) or its answer, for IDEMPOTENCY_SECONDS. That answer holds the sandbox's envd
-token, as the node's memory does: whoever reads this Redis holds the cluster anyway (API keys).
+that name on the nodes, `idem:{team}:{sha256(key)}` -> a create under way (`pending:…`, a
+lease its gateway renews) or its answer, for IDEMPOTENCY_SECONDS, and `idem-node:{team}:{sha256}`
+-> the node that create was sent to. That answer holds the sandbox's envd token, as the node's
+memory does: whoever reads this Redis holds the cluster anyway (API keys).
 `buildnodes:{team}` (sorted set: node id, scored by when the team last built a template there):
 where the team's next new template is built, so a chain of templates stays on one node.
 """
@@ -34,6 +35,17 @@ IDEMPOTENCY_SECONDS = 600
 PENDING = "pending:"
 #: delete a key only while it still holds this caller's value (its pending mark)
 _DELETE_IF = "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del', KEYS[1]) end return 0"
+#: extend a lease (ARGV[2] ms) only while the key still holds this caller's mark
+_RENEW_IF = ("if redis.call('get', KEYS[1]) == ARGV[1] then "
+             "return redis.call('pexpire', KEYS[1], ARGV[2]) end return 0")
+#: a create's answer replaces its own pending mark, or a lapsed (absent) one; otherwise (another
+#: create claimed the key after this one's lease lapsed) the key's value is returned untouched
+_FINISH_IF = ("local held = redis.call('get', KEYS[1]) "
+              "if held == ARGV[1] or not held then "
+              "redis.call('set', KEYS[1], ARGV[2], 'EX', ARGV[3]) return false end return held")
+#: a failed create gives back its key and forgets its node (the retry is placed anew)
+_UNCLAIM_IF = ("if redis.call('get', KEYS[1]) == ARGV[1] then redis.call('del', KEYS[2]) "
+               "return redis.call('del', KEYS[1]) end return 0")
 TEAM_NAME = re.compile(r"^[a-z0-9][a-z0-9-]{0,39}$")
 
 
@@ -214,26 +226,51 @@ class GatewayStore:
     def _idem_key(team: str, key: str) -> str:
         return PREFIX + f"idem:{team}:{hashlib.sha256(key.encode()).hexdigest()}"
 
-    async def claim_create(self, team: str, key: str, mark: str, pending_seconds: float
+    @staticmethod
+    def _idem_node_key(team: str, key: str) -> str:
+        return PREFIX + f"idem-node:{team}:{hashlib.sha256(key.encode()).hexdigest()}"
+
+    async def claim_create(self, team: str, key: str, mark: str, lease_seconds: float
                            ) -> str | None:
-        """Claim `team`'s Idempotency-Key `key` for a create (the pending `mark`, for
-        `pending_seconds`): None when claimed, else what the key holds (another caller's pending
-        mark, or the answer of the create that claimed it)."""
+        """Claim `team`'s Idempotency-Key `key` for a create (the pending `mark`, a lease of
+        `lease_seconds` that renew_create extends): None when claimed, else what the key holds
+        (another caller's pending mark, or the answer of the create that claimed it)."""
         name = self._idem_key(team, key)
         while True:
             claimed = await self._call(self.redis.set(name, PENDING + mark, nx=True,
-                                                      px=int(pending_seconds * 1000)))
+                                                      px=int(lease_seconds * 1000)))
             if claimed:
                 return None
             found: str | None = await self._call(self.redis.get(name))
-            if found is not None:  # else it expired or was given back just now: claim again
+            if found is not None:  # else it lapsed or was given back just now: claim again
                 return found
 
-    async def created(self, team: str, key: str, answer: str) -> None:
-        await self._call(self.redis.set(self._idem_key(team, key), answer,
+    async def renew_create(self, team: str, key: str, mark: str, lease_seconds: float) -> bool:
+        """Extend this caller's lease; False when the key no longer holds its mark (the lease
+        lapsed, and maybe another create claimed the key)."""
+        renewed = await self._call(self.redis.eval(_RENEW_IF, 1, self._idem_key(team, key),
+                                                   PENDING + mark, int(lease_seconds * 1000)))
+        return bool(renewed)
+
+    async def create_sent_to(self, team: str, key: str, node_id: str) -> None:
+        """Remember the node a keyed create went to: a create that takes over a lapsed lease
+        goes there too, where the node's own idempotency memory has the first one's sandbox."""
+        await self._call(self.redis.set(self._idem_node_key(team, key), node_id,
                                         ex=IDEMPOTENCY_SECONDS))
+
+    async def create_node(self, team: str, key: str) -> str | None:
+        found: str | None = await self._call(self.redis.get(self._idem_node_key(team, key)))
+        return found
+
+    async def finish_create(self, team: str, key: str, mark: str, answer: str) -> str | None:
+        """Record a create's answer under its key: None when recorded (the key held this
+        caller's mark, or nothing once it lapsed), else what the key holds instead."""
+        held: str | None = await self._call(self.redis.eval(
+            _FINISH_IF, 1, self._idem_key(team, key), PENDING + mark, answer,
+            IDEMPOTENCY_SECONDS))
+        return held
 
     async def unclaim_create(self, team: str, key: str, mark: str) -> None:
         """A create that failed gives its key back (a retry may try again)."""
-        await self._call(self.redis.eval(_DELETE_IF, 1, self._idem_key(team, key),
-                                         PENDING + mark))
+        await self._call(self.redis.eval(_UNCLAIM_IF, 2, self._idem_key(team, key),
+                                         self._idem_node_key(team, key), PENDING + mark))
