@@ -26,4 +26,8 @@ for link in $(ip -o link show 2>/dev/null | awk -F': ' '/ aenvc-n[0-9]+@/ {sub(/
   ip link delete "$link" 2>/dev/null || true
 done
 ip link delete aenvc-br 2>/dev/null || true
+nft delete table ip aenvc 2>/dev/null || true
+if mountpoint -q "$dir"; then  # cluster-up's shared bind mount of the cluster directory
+  umount "$dir" 2>/dev/null || { echo "$me: $dir still busy, detaching it" >&2; umount -l "$dir"; }
+fi
 echo "cluster down (state kept in $dir)"

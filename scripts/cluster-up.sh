@@ -35,6 +35,13 @@ command -v redis-server >/dev/null ||
   { echo "cluster-up: redis-server is missing (make system installs it)" >&2; exit 1; }
 mkdir -p "$dir" "$logs" "$dir/redis"
 chmod 0711 "$dir"
+# $dir as a shared mount of its own: what blockd mounts under it on the host (memfs) reaches the
+# nodes' mount namespaces, which are its slaves (a host whose / is private, as in a container,
+# propagates nothing otherwise). cluster-down unmounts it.
+if ! mountpoint -q "$dir"; then
+  mount --bind "$dir" "$dir"
+fi
+mount --make-shared "$dir"
 
 alive() { kill -0 "$(cat "$1" 2>/dev/null)" 2>/dev/null; }
 
@@ -71,6 +78,24 @@ if ! ip link show "$bridge" >/dev/null 2>&1; then
   ip addr add "$host_ip/24" dev "$bridge"
 fi
 ip link set "$bridge" up
+# The nodes reach the outside through the host (their sandboxes' egress, a template build's
+# downloads): forwarding and a masquerade of the nodes' /24, in a table of the cluster's own.
+sysctl -qw net.ipv4.ip_forward=1
+nft -f - <<NFT
+table ip aenvc
+delete table ip aenvc
+table ip aenvc {
+  chain forward {
+    type filter hook forward priority 0; policy accept;
+    iifname "$bridge" accept
+    oifname "$bridge" ct state established,related accept
+  }
+  chain postrouting {
+    type nat hook postrouting priority 100; policy accept;
+    ip saddr $net.0/24 oifname != "$bridge" masquerade
+  }
+}
+NFT
 
 if ! alive "$dir/scheduler.pid"; then
   setsid "$aenv" scheduler --listen "$host_ip:9090" --redis "$redis_url" \
@@ -83,6 +108,12 @@ echo "scheduler on $host_ip:9090"
 if [[ $backend == vm ]]; then
   echo "guest assets (kernel, initramfs, tools disk) in $assets:"
   "$aenv" guest build --state-dir "$assets"
+  # Every node builds its base template from one Debian root: debootstrap it once here (the
+  # nodes would each download it at the same time), into a cache they all read.
+  echo "Debian root of the base template (debootstrap on first use: 1-2 min):"
+  "$root/.venv/bin/python" -c 'import sys; from pathlib import Path
+from agentenv.guest.build import BASE_PACKAGES, debian_root_tarball
+print(" ", debian_root_tarball(BASE_PACKAGES, cache_dir=Path(sys.argv[1])))' "$assets/cache/debian"
 fi
 
 for ((i = 0; i < nodes; i++)); do
@@ -106,11 +137,13 @@ for ((i = 0; i < nodes; i++)); do
   fi
   if ! alive "$state/node.pid"; then
     # its own mount namespace with a private /run/netns: its sandbox slots' namespaces are its
-    # own, never another node's of the same names
+    # own, never another node's of the same names. A slave of the host's, not private: blockd
+    # mounts its memfs (the restored VMs' RAM files) on the host, maybe after the node started,
+    # and QEMU, in here, must see that mount (hence the shared $dir above)
     env -u AENV_API_KEY AENV_BLOCKD_SOCKET="$state/blockd/blockd.sock" \
       AENV_BLOCKD_STATE_DIR="$state/blockd/state" AENV_BLOCKD_LOG="$logs/blockd$i.log" \
       AENV_BLOCKD_PIDFILE="$state/blockd.pid" AENV_VM_ASSETS_DIR="$assets" \
-      setsid ip netns exec "$ns" unshare --mount --propagation private -- bash -c '
+      AENV_VM_DEBIAN_CACHE="$assets/cache/debian" setsid ip netns exec "$ns" unshare --mount --propagation slave -- bash -c '
         mkdir -p /run/netns && mount -t tmpfs -o mode=0755 tmpfs /run/netns && exec "$@"' node \
       "$aenv" serve --backend "$backend" --state-dir "$state" --host "$addr" --port 8000 \
       --scheduler "$host_ip:9090" --node-id "node$i" --advertise "$addr:8000" \
@@ -133,7 +166,14 @@ key=$(AENV_REDIS_URL=$redis_url "$aenv" team key "$team")
 
 echo "waiting for the nodes (a VM node's first start builds its base template: minutes)"
 nodes_up() {
-  local up
+  local up i
+  for ((i = 0; i < nodes; i++)); do  # a node that died will not come: say so at once
+    if ! alive "$dir/node$i/node.pid"; then
+      echo "cluster-up: node$i exited; the end of $logs/node$i.log:" >&2
+      tail -n 5 "$logs/node$i.log" | cut -c1-800 >&2
+      exit 1
+    fi
+  done
   up=$(curl -fsS --max-time 5 -H "X-API-KEY: $key" "http://127.0.0.1:$gw_port/nodes" |
     "$root/.venv/bin/python" -c \
       "import json,sys; print(sum(n.get('status')=='ready' for n in json.load(sys.stdin)))")
