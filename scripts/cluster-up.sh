@@ -6,7 +6,8 @@
 #
 # Settings (environment): AENV_CLUSTER_DIR (state of everything, default /var/lib/aenv-cluster),
 # CLUSTER_BACKEND (vm, the product; or process for a quick look without VMs),
-# AENV_VM_ASSETS_DIR (guest assets, default /var/lib/aenv: the single node's), AENV_GATEWAY_PORT
+# AENV_VM_ASSETS_DIR (guest assets, default /var/lib/aenv: the single node's), AENV_VM_DEBIAN_CACHE
+# (the base template's debootstrap tarball, default $AENV_VM_ASSETS_DIR/cache/debian), AENV_GATEWAY_PORT
 # (8080), AENV_CLUSTER_NET (first three octets of the nodes' /24, default 10.213.0),
 # AENV_CLUSTER_TEAM (the team the printed key belongs to, default "default").
 # `make cluster-down` stops it all and removes the namespaces and the bridge.
@@ -17,6 +18,7 @@ nodes=${NODES:-3}
 dir=${AENV_CLUSTER_DIR:-/var/lib/aenv-cluster}
 backend=${CLUSTER_BACKEND:-vm}
 assets=${AENV_VM_ASSETS_DIR:-/var/lib/aenv}
+debian_cache=${AENV_VM_DEBIAN_CACHE:-$assets/cache/debian}
 gw_port=${AENV_GATEWAY_PORT:-8080}
 net=${AENV_CLUSTER_NET:-10.213.0}
 team=${AENV_CLUSTER_TEAM:-default}
@@ -113,7 +115,7 @@ if [[ $backend == vm ]]; then
   echo "Debian root of the base template (debootstrap on first use: 1-2 min):"
   "$root/.venv/bin/python" -c 'import sys; from pathlib import Path
 from agentenv.guest.build import BASE_PACKAGES, debian_root_tarball
-print(" ", debian_root_tarball(BASE_PACKAGES, cache_dir=Path(sys.argv[1])))' "$assets/cache/debian"
+print(" ", debian_root_tarball(BASE_PACKAGES, cache_dir=Path(sys.argv[1])))' "$debian_cache"
 fi
 
 for ((i = 0; i < nodes; i++)); do
@@ -143,7 +145,7 @@ for ((i = 0; i < nodes; i++)); do
     env -u AENV_API_KEY AENV_BLOCKD_SOCKET="$state/blockd/blockd.sock" \
       AENV_BLOCKD_STATE_DIR="$state/blockd/state" AENV_BLOCKD_LOG="$logs/blockd$i.log" \
       AENV_BLOCKD_PIDFILE="$state/blockd.pid" AENV_VM_ASSETS_DIR="$assets" \
-      AENV_VM_DEBIAN_CACHE="$assets/cache/debian" setsid ip netns exec "$ns" unshare --mount --propagation slave -- bash -c '
+      AENV_VM_DEBIAN_CACHE="$debian_cache" setsid ip netns exec "$ns" unshare --mount --propagation slave -- bash -c '
         mkdir -p /run/netns && mount -t tmpfs -o mode=0755 tmpfs /run/netns && exec "$@"' node \
       "$aenv" serve --backend "$backend" --state-dir "$state" --host "$addr" --port 8000 \
       --scheduler "$host_ip:9090" --node-id "node$i" --advertise "$addr:8000" \
