@@ -48,6 +48,8 @@ def test_cluster_up_sdk_and_down(tmp_path: Path) -> None:
     net = "10.231.0"
     script = f"""
 set -euo pipefail
+# whatever fails, the cluster goes (the scheduler's and redis's command lines name no state dir)
+trap 'bash scripts/cluster-down.sh >/dev/null 2>&1 || true' EXIT
 eval "$(bash scripts/cluster-up.sh | sed -n 's/^ *export /export /p')"
 bash scripts/cluster-up.sh | grep -q "already up\\|cluster is up"
 NET={net} {sys.executable} {check}
@@ -64,7 +66,7 @@ echo "bridge: $(ip -o link show aenvc-br 2>/dev/null | wc -l)"
         done = subprocess.run(["bash", "scripts/isolated.sh", "bash", "-c", script], cwd=REPO,
                               env=env, capture_output=True, text=True, timeout=240)
     finally:
-        leftovers = _processes_under(state)
+        leftovers = _processes_under(state, "127.0.0.1:16480", f"{net}.1:9090")
         for pid in leftovers:
             os.kill(pid, signal.SIGKILL)
     logs = "".join(f"\n== {p.name}\n{p.read_text()[-2000:]}"
@@ -75,7 +77,9 @@ echo "bridge: $(ip -o link show aenvc-br 2>/dev/null | wc -l)"
     assert leftovers == [], f"cluster-down left processes running: {leftovers}"
 
 
-def _processes_under(state: Path) -> list[int]:
+def _processes_under(state: Path, *more: str) -> list[int]:
+    """Processes whose command line names `state` or any of `more`."""
+    needles = [str(state).encode(), *(m.encode() for m in more)]
     found = []
     for proc in Path("/proc").iterdir():
         if not proc.name.isdigit():
@@ -84,7 +88,7 @@ def _processes_under(state: Path) -> list[int]:
             cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ")
         except OSError:
             continue
-        if str(state).encode() in cmdline:
+        if any(needle in cmdline for needle in needles):
             found.append(int(proc.name))
     return found
 
@@ -148,6 +152,8 @@ def test_cluster_up_vm_nodes(tmp_path: Path) -> None:
     net = "10.232.0"
     script = f"""
 set -euo pipefail
+# whatever fails, the cluster goes (the scheduler's and redis's command lines name no state dir)
+trap 'bash scripts/cluster-down.sh >/dev/null 2>&1 || true' EXIT
 bash scripts/cluster-up.sh >{tmp_path}/up.out
 eval "$(sed -n 's/^ *export /export /p' {tmp_path}/up.out)"
 NET={net} {sys.executable} {check}
@@ -168,7 +174,8 @@ echo "mounts: $(grep -c {real} /proc/self/mountinfo || true)"
         done = subprocess.run(["bash", "scripts/isolated.sh", "bash", "-c", script], cwd=REPO,
                               env=env, capture_output=True, text=True, timeout=800)
     finally:
-        leftovers = _processes_under(state)
+        # redis and the scheduler are known by their addresses
+        leftovers = _processes_under(state, "127.0.0.1:16481", f"{net}.1:9090")
         for pid in leftovers:
             os.kill(pid, signal.SIGKILL)
         logs = "".join(f"\n== {p.name}\n{p.read_text()[-3000:]}"
