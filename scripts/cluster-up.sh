@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # `make cluster-up NODES=3`: a whole cluster on this host. Redis (AOF on), `aenv scheduler`,
 # `aenv gateway` and NODES nodes, each node in a network namespace of its own (its own address
-# on the bridge `aenvc-br`, its own /run/netns for its sandbox slots), with its own state directory and
-# blockd, all sharing the host's guest assets. Prints the gateway URL and a team key.
+# on the bridge `aenvc-br`; its sandbox slots' namespaces named aenvcN-sK), with its own state
+# directory and blockd, all sharing the host's guest assets. Prints the gateway URL and a team key.
 #
 # Settings (environment): AENV_CLUSTER_DIR (state of everything, default /var/lib/aenv-cluster),
 # CLUSTER_BACKEND (vm, the product; or process for a quick look without VMs),
@@ -37,13 +37,6 @@ command -v redis-server >/dev/null ||
   { echo "cluster-up: redis-server is missing (make system installs it)" >&2; exit 1; }
 mkdir -p "$dir" "$logs" "$dir/redis"
 chmod 0711 "$dir"
-# $dir as a shared mount of its own: what blockd mounts under it on the host (memfs) reaches the
-# nodes' mount namespaces, which are its slaves (a host whose / is private, as in a container,
-# propagates nothing otherwise). cluster-down unmounts it.
-if ! mountpoint -q "$dir"; then
-  mount --bind "$dir" "$dir"
-fi
-mount --make-shared "$dir"
 
 alive() { kill -0 "$(cat "$1" 2>/dev/null)" 2>/dev/null; }
 
@@ -138,15 +131,15 @@ for ((i = 0; i < nodes; i++)); do
     echo $! >"$state/blockd.pid"
   fi
   if ! alive "$state/node.pid"; then
-    # its own mount namespace with a private /run/netns: its sandbox slots' namespaces are its
-    # own, never another node's of the same names. A slave of the host's, not private: blockd
-    # mounts its memfs (the restored VMs' RAM files) on the host, maybe after the node started,
-    # and QEMU, in here, must see that mount (hence the shared $dir above)
+    # In its network namespace (nsenter, not `ip netns exec`: that one also gives it a mount
+    # namespace of its own, where blockd's memfs mount, made later on the host, never shows,
+    # and whose slot namespaces a restarted node could not find to adopt its running VMs);
+    # its slots' namespaces sit in the host's /run/netns under a prefix of its own (aenvcN-sK)
     env -u AENV_API_KEY AENV_BLOCKD_SOCKET="$state/blockd/blockd.sock" \
       AENV_BLOCKD_STATE_DIR="$state/blockd/state" AENV_BLOCKD_LOG="$logs/blockd$i.log" \
       AENV_BLOCKD_PIDFILE="$state/blockd.pid" AENV_VM_ASSETS_DIR="$assets" \
-      AENV_VM_DEBIAN_CACHE="$debian_cache" setsid ip netns exec "$ns" unshare --mount --propagation slave -- bash -c '
-        mkdir -p /run/netns && mount -t tmpfs -o mode=0755 tmpfs /run/netns && exec "$@"' node \
+      AENV_VM_DEBIAN_CACHE="$debian_cache" AENV_VM_NETWORK_PREFIX="aenvc$i" \
+      setsid nsenter --net="/run/netns/$ns" -- \
       "$aenv" serve --backend "$backend" --state-dir "$state" --host "$addr" --port 8000 \
       --scheduler "$host_ip:9090" --node-id "node$i" --advertise "$addr:8000" \
       --cluster-secret-file "$secret" >>"$logs/node$i.log" 2>&1 </dev/null &
