@@ -19,11 +19,13 @@ for pidfile in "$dir"/node*/blockd.pid; do
 done
 stop "$dir/scheduler.pid" scheduler scheduler
 stop "$dir/redis.pid" redis-server redis
-for ns in $(ip netns list 2>/dev/null | awk '/^aenvc-node[0-9]+/ {print $1}'); do
+# the nodes' namespaces, and their slots' (aenvcN-sK) that a node killed before it closed left
+for ns in $(ip netns list 2>/dev/null | awk '/^aenvc(-node[0-9]+|[0-9]+-s[0-9]+)/ {print $1}'); do
   ip netns delete "$ns"
 done
 for link in $(ip -o link show 2>/dev/null | awk -F': ' '/ aenvc-n[0-9]+@/ {sub(/@.*/, "", $2); print $2}'); do
   ip link delete "$link" 2>/dev/null || true
 done
 ip link delete aenvc-br 2>/dev/null || true
+nft delete table ip aenvc 2>/dev/null || true
 echo "cluster down (state kept in $dir)"

@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # `make cluster-up NODES=3`: a whole cluster on this host. Redis (AOF on), `aenv scheduler`,
 # `aenv gateway` and NODES nodes, each node in a network namespace of its own (its own address
-# on the bridge `aenvc-br`, its own /run/netns for its sandbox slots), with its own state directory and
-# blockd, all sharing the host's guest assets. Prints the gateway URL and a team key.
+# on the bridge `aenvc-br`; its sandbox slots' namespaces named aenvcN-sK), with its own state
+# directory and blockd, all sharing the host's guest assets. Prints the gateway URL and a team key.
 #
 # Settings (environment): AENV_CLUSTER_DIR (state of everything, default /var/lib/aenv-cluster),
 # CLUSTER_BACKEND (vm, the product; or process for a quick look without VMs),
-# AENV_VM_ASSETS_DIR (guest assets, default /var/lib/aenv: the single node's), AENV_GATEWAY_PORT
+# AENV_VM_ASSETS_DIR (guest assets, default /var/lib/aenv: the single node's), AENV_VM_DEBIAN_CACHE
+# (the base template's debootstrap tarball, default $AENV_VM_ASSETS_DIR/cache/debian), AENV_GATEWAY_PORT
 # (8080), AENV_CLUSTER_NET (first three octets of the nodes' /24, default 10.213.0),
 # AENV_CLUSTER_TEAM (the team the printed key belongs to, default "default").
 # `make cluster-down` stops it all and removes the namespaces and the bridge.
@@ -17,6 +18,7 @@ nodes=${NODES:-3}
 dir=${AENV_CLUSTER_DIR:-/var/lib/aenv-cluster}
 backend=${CLUSTER_BACKEND:-vm}
 assets=${AENV_VM_ASSETS_DIR:-/var/lib/aenv}
+debian_cache=${AENV_VM_DEBIAN_CACHE:-$assets/cache/debian}
 gw_port=${AENV_GATEWAY_PORT:-8080}
 net=${AENV_CLUSTER_NET:-10.213.0}
 team=${AENV_CLUSTER_TEAM:-default}
@@ -71,6 +73,24 @@ if ! ip link show "$bridge" >/dev/null 2>&1; then
   ip addr add "$host_ip/24" dev "$bridge"
 fi
 ip link set "$bridge" up
+# The nodes reach the outside through the host (their sandboxes' egress, a template build's
+# downloads): forwarding and a masquerade of the nodes' /24, in a table of the cluster's own.
+sysctl -qw net.ipv4.ip_forward=1
+nft -f - <<NFT
+table ip aenvc
+delete table ip aenvc
+table ip aenvc {
+  chain forward {
+    type filter hook forward priority 0; policy accept;
+    iifname "$bridge" accept
+    oifname "$bridge" ct state established,related accept
+  }
+  chain postrouting {
+    type nat hook postrouting priority 100; policy accept;
+    ip saddr $net.0/24 oifname != "$bridge" masquerade
+  }
+}
+NFT
 
 if ! alive "$dir/scheduler.pid"; then
   setsid "$aenv" scheduler --listen "$host_ip:9090" --redis "$redis_url" \
@@ -83,6 +103,12 @@ echo "scheduler on $host_ip:9090"
 if [[ $backend == vm ]]; then
   echo "guest assets (kernel, initramfs, tools disk) in $assets:"
   "$aenv" guest build --state-dir "$assets"
+  # Every node builds its base template from one Debian root: debootstrap it once here (the
+  # nodes would each download it at the same time), into a cache they all read.
+  echo "Debian root of the base template (debootstrap on first use: 1-2 min):"
+  "$root/.venv/bin/python" -c 'import sys; from pathlib import Path
+from agentenv.guest.build import BASE_PACKAGES, debian_root_tarball
+print(" ", debian_root_tarball(BASE_PACKAGES, cache_dir=Path(sys.argv[1])))' "$debian_cache"
 fi
 
 for ((i = 0; i < nodes; i++)); do
@@ -105,13 +131,15 @@ for ((i = 0; i < nodes; i++)); do
     echo $! >"$state/blockd.pid"
   fi
   if ! alive "$state/node.pid"; then
-    # its own mount namespace with a private /run/netns: its sandbox slots' namespaces are its
-    # own, never another node's of the same names
+    # In its network namespace (nsenter, not `ip netns exec`: that one also gives it a mount
+    # namespace of its own, where blockd's memfs mount, made later on the host, never shows,
+    # and whose slot namespaces a restarted node could not find to adopt its running VMs);
+    # its slots' namespaces sit in the host's /run/netns under a prefix of its own (aenvcN-sK)
     env -u AENV_API_KEY AENV_BLOCKD_SOCKET="$state/blockd/blockd.sock" \
       AENV_BLOCKD_STATE_DIR="$state/blockd/state" AENV_BLOCKD_LOG="$logs/blockd$i.log" \
       AENV_BLOCKD_PIDFILE="$state/blockd.pid" AENV_VM_ASSETS_DIR="$assets" \
-      setsid ip netns exec "$ns" unshare --mount --propagation private -- bash -c '
-        mkdir -p /run/netns && mount -t tmpfs -o mode=0755 tmpfs /run/netns && exec "$@"' node \
+      AENV_VM_DEBIAN_CACHE="$debian_cache" AENV_VM_NETWORK_PREFIX="aenvc$i" \
+      setsid nsenter --net="/run/netns/$ns" -- \
       "$aenv" serve --backend "$backend" --state-dir "$state" --host "$addr" --port 8000 \
       --scheduler "$host_ip:9090" --node-id "node$i" --advertise "$addr:8000" \
       --cluster-secret-file "$secret" >>"$logs/node$i.log" 2>&1 </dev/null &
@@ -133,7 +161,14 @@ key=$(AENV_REDIS_URL=$redis_url "$aenv" team key "$team")
 
 echo "waiting for the nodes (a VM node's first start builds its base template: minutes)"
 nodes_up() {
-  local up
+  local up i
+  for ((i = 0; i < nodes; i++)); do  # a node that died will not come: say so at once
+    if ! alive "$dir/node$i/node.pid"; then
+      echo "cluster-up: node$i exited; the end of $logs/node$i.log:" >&2
+      tail -n 5 "$logs/node$i.log" | cut -c1-800 >&2
+      exit 1
+    fi
+  done
   up=$(curl -fsS --max-time 5 -H "X-API-KEY: $key" "http://127.0.0.1:$gw_port/nodes" |
     "$root/.venv/bin/python" -c \
       "import json,sys; print(sum(n.get('status')=='ready' for n in json.load(sys.stdin)))")

@@ -4,7 +4,7 @@
 stop() {
   local pid
   pid=$(cat "$1" 2>/dev/null || true)
-  if [[ ! $pid =~ ^[0-9]+$ ]] || ! tr '\0' ' ' <"/proc/$pid/cmdline" 2>/dev/null | grep -qF -- "$2"
+  if [[ ! $pid =~ ^[0-9]+$ ]] || ! tr '\0' ' ' 2>/dev/null <"/proc/$pid/cmdline" | grep -qF -- "$2"
   then
     rm -f "$1"
     echo "$3 not running"
@@ -13,7 +13,7 @@ stop() {
   kill -TERM "$pid" 2>/dev/null || true
   local waited=0
   # A zombie's (or a gone process's) command line reads empty.
-  while [[ -n $(tr -d '\0' <"/proc/$pid/cmdline" 2>/dev/null) ]]; do
+  while [[ -n $(tr -d '\0' 2>/dev/null <"/proc/$pid/cmdline") ]]; do
     if (( waited >= timeout * 5 )); then
       echo "$me: $3 (pid $pid) still running after $timeout s, killing it" >&2
       kill -KILL "$pid" 2>/dev/null || true

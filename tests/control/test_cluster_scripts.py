@@ -7,9 +7,11 @@ cluster-down leaves no process, namespace or bridge behind."""
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -46,6 +48,8 @@ def test_cluster_up_sdk_and_down(tmp_path: Path) -> None:
     net = "10.231.0"
     script = f"""
 set -euo pipefail
+# whatever fails, the cluster goes (the scheduler's and redis's command lines name no state dir)
+trap 'bash scripts/cluster-down.sh >/dev/null 2>&1 || true' EXIT
 eval "$(bash scripts/cluster-up.sh | sed -n 's/^ *export /export /p')"
 bash scripts/cluster-up.sh | grep -q "already up\\|cluster is up"
 NET={net} {sys.executable} {check}
@@ -62,7 +66,7 @@ echo "bridge: $(ip -o link show aenvc-br 2>/dev/null | wc -l)"
         done = subprocess.run(["bash", "scripts/isolated.sh", "bash", "-c", script], cwd=REPO,
                               env=env, capture_output=True, text=True, timeout=240)
     finally:
-        leftovers = _processes_under(state)
+        leftovers = _processes_under(state, "127.0.0.1:16480", f"{net}.1:9090")
         for pid in leftovers:
             os.kill(pid, signal.SIGKILL)
     logs = "".join(f"\n== {p.name}\n{p.read_text()[-2000:]}"
@@ -73,7 +77,9 @@ echo "bridge: $(ip -o link show aenvc-br 2>/dev/null | wc -l)"
     assert leftovers == [], f"cluster-down left processes running: {leftovers}"
 
 
-def _processes_under(state: Path) -> list[int]:
+def _processes_under(state: Path, *more: str) -> list[int]:
+    """Processes whose command line names `state` or any of `more`."""
+    needles = [str(state).encode(), *(m.encode() for m in more)]
     found = []
     for proc in Path("/proc").iterdir():
         if not proc.name.isdigit():
@@ -82,6 +88,101 @@ def _processes_under(state: Path) -> list[int]:
             cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ")
         except OSError:
             continue
-        if str(state).encode() in cmdline:
+        if any(needle in cmdline for needle in needles):
             found.append(int(proc.name))
     return found
+
+
+VM_CHECK = """
+import httpx, os, time
+from e2b import Sandbox, SandboxState
+COUNTER = "i=0; while true; do i=$((i+1)); echo $i > /tmp/c.new; mv /tmp/c.new /tmp/c; sleep 0.1; done"
+def count(s):
+    return int(s.commands.run("cat /tmp/c").stdout)
+# least-loaded placement: the first two creates land on the two nodes
+made = [Sandbox.create(template="base", timeout=300) for _ in range(2)]
+for s in made:
+    s.commands.run(COUNTER, background=True)
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            if count(s) >= 2:
+                break
+        except Exception:
+            if time.monotonic() > deadline:
+                raise
+        time.sleep(0.3)
+    s.pause()
+    assert Sandbox.get_info(s.sandbox_id).state == SandboxState.PAUSED
+    back = Sandbox.connect(s.sandbox_id, timeout=300)
+    first = count(back)
+    time.sleep(1.5)
+    assert count(back) > first, "the counter stopped: the paused VM lost its memory"
+secret = open(os.environ["AENV_CLUSTER_DIR"] + "/cluster-secret").read().strip()
+homes = set()
+for s in made:
+    for i in range(2):
+        r = httpx.get(f"http://{os.environ['NET']}.{10 + i}:8000/sandboxes/{s.sandbox_id}",
+                      headers={"x-agentenv-cluster-secret": secret}, timeout=30)
+        if r.status_code == 200:
+            homes.add(i)
+print("homes", sorted(homes))
+for s in made:
+    s.kill()
+"""
+
+
+@pytest.mark.qemu
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_cluster_up_vm_nodes(tmp_path: Path) -> None:
+    """The default backend: two VM nodes, each in its namespace with its blockd, from the test
+    guest assets (never /var/lib/aenv); a create, a command and a pause/connect that keeps the
+    VM's memory on each node; cluster-down leaves no process, namespace, nft table or mount."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root (network namespaces, QEMU as aenv-vm)")
+    from tests.node.conftest import DEBIAN_CACHE, GUEST_STATE
+
+    # QEMU (aenv-vm) opens its files by path: pytest's directories are 0700
+    real = Path(tempfile.mkdtemp(prefix="aenv-vmcluster-", dir="/tmp"))
+    real.chmod(0o711)
+    state = real / "cluster"
+    check = tmp_path / "check.py"
+    check.write_text(VM_CHECK)
+    net = "10.232.0"
+    script = f"""
+set -euo pipefail
+# whatever fails, the cluster goes (the scheduler's and redis's command lines name no state dir)
+trap 'bash scripts/cluster-down.sh >/dev/null 2>&1 || true' EXIT
+bash scripts/cluster-up.sh >{tmp_path}/up.out
+eval "$(sed -n 's/^ *export /export /p' {tmp_path}/up.out)"
+NET={net} {sys.executable} {check}
+bash scripts/cluster-down.sh
+echo "netns: $(ip netns list | grep -c aenvc || true)"
+echo "bridge: $(ip -o link show aenvc-br 2>/dev/null | wc -l)"
+echo "nft: $(nft list tables | grep -c aenvc || true)"
+echo "mounts: $(grep -c {real} /proc/self/mountinfo || true)"
+"""
+    env = {**os.environ, "AENV_CLUSTER_DIR": str(state), "CLUSTER_BACKEND": "vm",
+           "NODES": "2", "AENV_CLUSTER_NET": net, "AENV_GATEWAY_PORT": "18481",
+           "AENV_CLUSTER_REDIS_PORT": "16481", "AENV_DOWN_TIMEOUT": "120",
+           "AENV_VM_ASSETS_DIR": str(GUEST_STATE), "AENV_VM_DEBIAN_CACHE": str(DEBIAN_CACHE),
+           "AENV_UP_TIMEOUT": "600"}
+    for name in ("E2B_API_URL", "E2B_SANDBOX_URL", "E2B_API_KEY"):
+        env.pop(name, None)
+    try:
+        done = subprocess.run(["bash", "scripts/isolated.sh", "bash", "-c", script], cwd=REPO,
+                              env=env, capture_output=True, text=True, timeout=800)
+    finally:
+        # redis and the scheduler are known by their addresses
+        leftovers = _processes_under(state, "127.0.0.1:16481", f"{net}.1:9090")
+        for pid in leftovers:
+            os.kill(pid, signal.SIGKILL)
+        logs = "".join(f"\n== {p.name}\n{p.read_text()[-3000:]}"
+                       for p in sorted((state / "logs").glob("*.log")))
+        shutil.rmtree(real, ignore_errors=True)
+    assert done.returncode == 0, done.stdout + done.stderr + logs
+    assert "homes [0, 1]" in done.stdout, done.stdout
+    for gone in ("netns: 0", "bridge: 0", "nft: 0", "mounts: 0"):
+        assert gone in done.stdout, done.stdout
+    assert leftovers == [], f"cluster-down left processes running: {leftovers}"

@@ -201,7 +201,14 @@ class NodeApp:
 
     @contextlib.asynccontextmanager
     async def _lifespan(self, app: Starlette) -> AsyncIterator[None]:
-        await self.orchestrator.start()
+        try:
+            await self.orchestrator.start()
+        except BaseException:
+            # a node that cannot start (its base template failed to build...) stops what it did
+            # start, or its egress proxy and slots outlive it
+            with contextlib.suppress(Exception):
+                await self.orchestrator.shutdown()
+            raise
         log.info("node ready", extra={"backend": self.orchestrator.backend.name})
         try:
             yield
