@@ -15,6 +15,7 @@ HTTP paths: `/` answers `host=<Host header> addr=<local address> sni=<name or ->
 streams BIG_BYTES bytes as fast as the client takes them; `/slow` streams them paced by the
 server (16 KiB every 20 ms), so a client reading it holds little unread data and answers every
 segment at once; `/bytes/<n>` streams n bytes. Every answer closes the connection.
+Host B also answers DNS (UDP 53): the three names -> host A (`DNS_NAME` only there).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ import httpx
 
 ALLOWED_NAME = "example-allowed.test"
 DENIED_NAME = "example-denied.test"
+DNS_NAME = "example-dns.test"  # only in the lab's DNS, never in a guest's /etc/hosts
 BIG_BYTES = 64 << 20
 
 SERVER = r'''
@@ -117,6 +119,34 @@ for addr in addrs:
 for s in servers:
     s.daemon_threads = True
     threading.Thread(target=s.serve_forever, daemon=True).start()
+
+def dns_serve(sock, records):
+    # A queries for `records` get their address, other types of those names no answer,
+    # other names NXDOMAIN. Enough for a guest's glibc resolver (no EDNS, no TCP).
+    while True:
+        query, peer = sock.recvfrom(512)
+        try:
+            i, labels = 12, []
+            while query[i]:
+                labels.append(query[i + 1:i + 1 + query[i]].decode().lower())
+                i += 1 + query[i]
+            qtype = int.from_bytes(query[i + 1:i + 3], "big")
+            question = query[12:i + 5]
+        except (IndexError, UnicodeDecodeError):
+            continue
+        ip = records.get(".".join(labels))
+        answer = b""
+        if ip and qtype == 1:
+            answer = b"\xc0\x0c\x00\x01\x00\x01\x00\x00\x00\x3c\x00\x04" + socket.inet_aton(ip)
+        flags = 0x8180 | (0 if ip else 3)
+        head = (query[:2] + flags.to_bytes(2, "big") + b"\x00\x01"
+                + (1 if answer else 0).to_bytes(2, "big") + b"\x00\x00\x00\x00")
+        sock.sendto(head + question + answer, peer)
+
+dns_addr, records = sys.argv[5], dict(r.split("=") for r in sys.argv[6].split(","))
+dns_sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+dns_sock.bind((dns_addr, 53))
+threading.Thread(target=dns_serve, args=(dns_sock, records), daemon=True).start()
 print("ready", flush=True)
 threading.Event().wait()
 '''
@@ -199,7 +229,8 @@ def internet(prefix: str, subnet: int, workdir: Path) -> Iterator[Internet]:
         net.server = subprocess.Popen(
             ["ip", "netns", "exec", net.netns, sys.executable, "-c", SERVER,
              f"{net.host_a},{net.host_b}", str(workdir), str(BIG_BYTES),
-             f"{ALLOWED_NAME},{DENIED_NAME}"],
+             f"{ALLOWED_NAME},{DENIED_NAME}", net.host_b,
+             ",".join(f"{n}={net.host_a}" for n in (ALLOWED_NAME, DENIED_NAME, DNS_NAME))],
             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + 30
         while True:

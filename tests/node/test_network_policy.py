@@ -18,7 +18,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.netlab import ALLOWED_NAME, DENIED_NAME, Internet, internet
+from tests.netlab import ALLOWED_NAME, DENIED_NAME, DNS_NAME, Internet, internet
 
 from . import conftest
 from .conftest import NodeProcess
@@ -40,8 +40,10 @@ def lab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Internet]:
 def vm_node(tmp_path_factory: pytest.TempPathFactory, lab: Internet) -> Iterator[NodeProcess]:
     base = tmp_path_factory.mktemp("netnode")
     # One parked VM: creates are pool handovers, which must get the create's policy.
+    # The guests' resolver is the lab's DNS server (the default, 8.8.8.8, is out of reach).
     node = conftest.vm_node_process(base / "state", base / "node.log", NET_PREFIX, FIRST_SLOT,
-                                    {"AENV_VM_POOL_LOW": "1", "AENV_VM_POOL_HIGH": "1"})
+                                    {"AENV_VM_POOL_LOW": "1", "AENV_VM_POOL_HIGH": "1",
+                                     "AENV_GUEST_DNS": lab.host_b})
     with conftest.serving_vm_node(node, NET_PREFIX):
         yield node
 
@@ -102,6 +104,28 @@ def test_default_reaches_both_hosts_and_deny_out_blocks_one(vm_node: NodeProcess
     finally:
         free.kill()
         denied.kill()
+
+
+def test_guest_resolver_and_the_dns_servers_a_policy_opens(vm_node: NodeProcess,
+                                                            lab: Internet) -> None:
+    """Guests resolve through the node's guest resolver (AENV_GUEST_DNS; 8.8.8.8 by default,
+    as on E2B), whatever resolv.conf the image has; with only names allowed, a resolver is
+    reachable only when the policy's `dnsServers` (default: 8.8.8.8) names it."""
+    free = new_sandbox(lab)
+    names_only = new_sandbox(lab, network={"allow_out": [ALLOWED_NAME],
+                                           "deny_out": ["0.0.0.0/0"]})
+    names_and_dns = new_sandbox(lab, network={"allow_out": [ALLOWED_NAME],
+                                              "deny_out": ["0.0.0.0/0"],
+                                              "dns_servers": [lab.host_b]})
+    lookup = f"getent hosts {DNS_NAME}; echo EXIT=$?"
+    try:
+        assert run(free, "cat /etc/resolv.conf").split() == ["nameserver", lab.host_b]
+        assert run(free, lookup).split()[:2] == [lab.host_a, DNS_NAME]
+        assert "EXIT=0" not in run(names_only, f"timeout 20 {lookup}")
+        assert run(names_and_dns, lookup).split()[:2] == [lab.host_a, DNS_NAME]
+    finally:
+        for sbx in (free, names_only, names_and_dns):
+            sbx.kill()
 
 
 def test_allow_internet_access_false_and_allow_beats_deny(vm_node: NodeProcess,

@@ -22,6 +22,7 @@ import shutil
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from ipaddress import IPv4Address
 from pathlib import Path
 
 from agentenv.fsutil import atomic_write_json
@@ -59,12 +60,14 @@ def _file_key(path: Path) -> str:
     return f"{path}:{st.st_size}:{st.st_mtime_ns}"
 
 
-def template_key(assets: GuestAssets, accel: str) -> str:
+def template_key(assets: GuestAssets, accel: str, dns: IPv4Address | None = None) -> str:
     parts = [
         str(TEMPLATE_FORMAT), accel, ",".join(sorted(BASE_PACKAGES)), str(BASE_DISK_BYTES),
         str(BASE_VCPUS), str(BASE_MEMORY_MIB),
         _file_key(assets.kernel), _file_key(assets.initramfs), _file_key(assets.tools_image),
         assets.cmdline_base,
+        # the boot snapshot keeps the resolv.conf of its boot (restores do not boot)
+        *([f"dns={dns}"] if dns else []),
     ]
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:24]
 
@@ -101,7 +104,7 @@ async def build_base_template(
 ) -> BaseTemplate:
     """Builds (or reuses) the base template's boot snapshot."""
     assert runtime.accel is not None
-    key = template_key(assets, runtime.accel)
+    key = template_key(assets, runtime.accel, runtime.config.guest_dns)
     cached = load_cached(template_dir, key)
     if cached is not None:
         log.info("base template reused", extra={"record_dir": str(cached.record_dir)})

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
+from ipaddress import IPv4Address
 from pathlib import Path
 from typing import Any, Literal
 
@@ -99,6 +100,12 @@ class RuntimeConfig(BaseModel):
     # the guest gets ENOSPC when the disk's upper reaches blockd's cap (and root is /dev/sda);
     # "virtio-blk": it gets EIO. Restores keep the bus their snapshot was taken with.
     disk_bus: Literal["virtio-blk", "virtio-scsi"] = "virtio-blk"
+    # The resolver a booted guest's /etc/resolv.conf names (init bind-mounts a tmpfs copy over
+    # the image's). An image's own resolv.conf is the build host's (debootstrap copies it) or
+    # empty (OCI images), and a host's resolver is usually on loopback or a private address,
+    # which the egress walls keep guests from. 8.8.8.8 is E2B's, and the address the network
+    # policy opens by default for DNS (`dnsServers`). None: leave the image's file alone.
+    guest_dns: IPv4Address | None = IPv4Address("8.8.8.8")
 
     @property
     def vm_dir(self) -> Path:
@@ -123,19 +130,20 @@ PRIVILEGE_ENV = {
     "AENV_IO_READ_BPS": "io_read_bps", "AENV_IO_WRITE_BPS": "io_write_bps",
     "AENV_IO_READ_IOPS": "io_read_iops", "AENV_IO_WRITE_IOPS": "io_write_iops",
     "AENV_MEMORY_DEVICE": "memory_device", "AENV_MEMORY_PREFETCH": "memory_prefetch",
-    "AENV_DISK_BUS": "disk_bus",
+    "AENV_DISK_BUS": "disk_bus", "AENV_GUEST_DNS": "guest_dns",
 }
 
 
 def privilege_settings_from_env(env: Mapping[str, str]) -> dict[str, Any]:
     """RuntimeConfig fields from the AENV_* variables that are set (pydantic checks the
-    values: a bad one names the field). AENV_QEMU_USER=root runs QEMU as root."""
+    values: a bad one names the field). AENV_QEMU_USER=root runs QEMU as root;
+    AENV_GUEST_DNS=none leaves the guest's resolv.conf as the image has it."""
     out: dict[str, Any] = {}
     for name, field_name in PRIVILEGE_ENV.items():
         raw = env.get(name, "").strip()
         if not raw:
             continue
-        if field_name == "qemu_user" and raw == "root":
+        if (field_name, raw.lower()) in (("qemu_user", "root"), ("guest_dns", "none")):
             out[field_name] = None
         elif field_name in ("qemu_sandbox", "memory_prefetch"):
             out[field_name] = raw.lower() not in ("0", "false", "no", "off")

@@ -26,6 +26,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
+from ipaddress import IPv4Address
 from pathlib import Path
 from typing import Any, Literal
 
@@ -112,7 +113,7 @@ class BootSpec:
     disks: list[DiskSource] = field(default_factory=list)
     hostname: str = "sandbox"
     outbound: bool = True
-    dns: str | None = None
+    dns: str | None = None  # the guest's resolver; None: RuntimeConfig.guest_dns
     egress: EgressPolicy | None = None  # the slot's policy (else `outbound`), before boot
 
 
@@ -159,14 +160,16 @@ class _SnapshotFrame:
     t_stop: float
 
 
-def _cmdline(spec: BootSpec, network: bool, disks: list[DiskConfig]) -> str:
+def _cmdline(spec: BootSpec, network: bool, disks: list[DiskConfig],
+             guest_dns: IPv4Address | None) -> str:
     parts = [spec.cmdline]
     if any(d.name == "rootfs" and d.bus == "virtio-scsi" for d in disks):
         parts.append("aenv.root=/dev/sda")  # the guest init's default is /dev/vdb
     if network:
         parts.append(f"aenv.ip={GUEST_IP}/30 aenv.gw=169.254.0.22")
-        if spec.dns:
-            parts.append(f"aenv.dns={spec.dns}")
+        dns = spec.dns or (str(guest_dns) if guest_dns else None)
+        if dns:
+            parts.append(f"aenv.dns={dns}")
     parts.append(f"aenv.hostname={spec.hostname}")
     return " ".join(parts)
 
@@ -248,7 +251,7 @@ class Runtime:
             memory_mib=spec.memory_mib or self.config.default_memory_mib,
             accel=self.accel, kernel=str(spec.kernel),
             initramfs=str(spec.initramfs) if spec.initramfs else None,
-            cmdline=_cmdline(spec, self.config.network, disks),
+            cmdline=_cmdline(spec, self.config.network, disks, self.config.guest_dns),
             disks=disks, network=self.config.network,
         )
         with self._starting(machine.vcpus):
