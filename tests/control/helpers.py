@@ -85,12 +85,13 @@ def call(address: str, method: str, *args: Any, **kwargs: Any) -> Any:
     return asyncio.run(once())
 
 
-def wait_for(what: str, probe: Callable[[], Any], timeout: float = 20) -> Any:
+def wait_for(what: str, probe: Callable[[], Any], timeout: float = 20,
+             interval: float = 0.1) -> Any:
     """Poll `probe` until it returns something truthy; that value."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         value = probe()
         if value:
             return value
-        time.sleep(0.1)
+        time.sleep(interval)
     raise AssertionError(f"timed out waiting for {what}")

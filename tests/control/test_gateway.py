@@ -23,6 +23,7 @@ from e2b import Sandbox, SandboxNotFoundException, SandboxQuery, SandboxState
 
 from tests.control.cluster import GatewayProcess, LocalCluster
 from tests.control.conftest import free_port
+from tests.control.helpers import wait_for
 from tests.node.conftest import environ_set
 
 pytestmark = pytest.mark.timeout(300)
@@ -457,15 +458,6 @@ def test_create_lease_lapses_with_a_dead_gateway_not_a_live_one(cluster: LocalCl
         found: str | None = db.get(f"aenv:{kind}:alpha:{digest}")
         return found
 
-    def wait_for(what: Any, timeout: float = 10) -> Any:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            found = what()
-            if found:
-                return found
-            time.sleep(0.02)
-        raise AssertionError("timed out")
-
     made: set[str] = set()
     live.start()
     doomed.start()
@@ -474,7 +466,7 @@ def test_create_lease_lapses_with_a_dead_gateway_not_a_live_one(cluster: LocalCl
         signal_nodes(cluster, signal.SIGSTOP)
         started = time.monotonic()
         first = create("first", live.url, "slow")
-        mark = wait_for(lambda: held("slow"))
+        mark = wait_for("the slow create's claim", lambda: held("slow"), 10, interval=0.02)
         assert mark.startswith("pending:")
         retry = create("retry", doomed.url, "slow")
         time.sleep(2.5 * LEASE)
@@ -495,7 +487,8 @@ def test_create_lease_lapses_with_a_dead_gateway_not_a_live_one(cluster: LocalCl
         # woken, does not overwrite the key: both answers name one sandbox
         signal_nodes(cluster, signal.SIGSTOP)
         stalled = create("stalled", doomed.url, "stall")
-        wait_for(lambda: held("stall", "idem-node"))
+        wait_for("the stalled create's node", lambda: held("stall", "idem-node"), 10,
+                 interval=0.02)
         time.sleep(0.3)
         assert doomed.proc is not None
         doomed.proc.send_signal(signal.SIGSTOP)
@@ -516,7 +509,8 @@ def test_create_lease_lapses_with_a_dead_gateway_not_a_live_one(cluster: LocalCl
         # a gateway killed -9 in the middle of a create: the retry waits for the lease only
         signal_nodes(cluster, signal.SIGSTOP)
         dead = create("dead", doomed.url, "orphan")
-        node_id = wait_for(lambda: held("orphan", "idem-node"))  # sent to that node
+        node_id = wait_for("the orphan's node", lambda: held("orphan", "idem-node"), 10,
+                           interval=0.02)  # sent to that node
         time.sleep(0.3)
         assert doomed.proc is not None
         doomed.proc.kill()
