@@ -135,7 +135,13 @@ def test_cluster_up_vm_nodes(tmp_path: Path) -> None:
     VM's memory on each node; cluster-down leaves no process, namespace, nft table or mount."""
     if os.geteuid() != 0:
         pytest.skip("needs root (network namespaces, QEMU as aenv-vm)")
+    from agentenv.guest.build import BASE_PACKAGES, build_assets, debian_root_tarball
     from tests.node.conftest import DEBIAN_CACHE, GUEST_STATE
+
+    # The cluster runs in a namespace without outside network: on a cold machine the guest
+    # assets and the base template's Debian root are fetched here first (cached after that).
+    build_assets(GUEST_STATE)
+    debian_root_tarball(BASE_PACKAGES, cache_dir=DEBIAN_CACHE)
 
     # QEMU (aenv-vm) opens its files by path: pytest's directories are 0700
     real = Path(tempfile.mkdtemp(prefix="aenv-vmcluster-", dir="/tmp"))
