@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+import agentenv.control  # noqa: F401  (first: it turns grpc's fork handlers off, see there)
 from agentenv.blockd.remote import install_private_store
 
 # In-process tests read remote layers as the CLI and the node do (a private chunk store).
