@@ -65,21 +65,31 @@ echo "bridge: $(ip -o link show aenvc-br 2>/dev/null | wc -l)"
     env = {**os.environ, "AENV_CLUSTER_DIR": str(state), "CLUSTER_BACKEND": "process",
            "NODES": "2", "AENV_CLUSTER_NET": net, "AENV_GATEWAY_PORT": "18480",
            "AENV_CLUSTER_REDIS_PORT": "16480", "AENV_DOWN_TIMEOUT": "60"}
-    env.pop("E2B_API_URL", None)
-    env.pop("E2B_SANDBOX_URL", None)
-    try:
-        done = subprocess.run(["bash", "scripts/isolated.sh", "bash", "-c", script], cwd=REPO,
-                              env=env, capture_output=True, text=True, timeout=240)
-    finally:
-        leftovers = _processes_under(state, "127.0.0.1:16480", f"{net}.1:9090")
-        for pid in leftovers:
-            os.kill(pid, signal.SIGKILL)
-    logs = "".join(f"\n== {p.name}\n{p.read_text()[-2000:]}"
-                   for p in sorted((state / "logs").glob("*.log")))
+    done, leftovers, logs = _run_cluster(script, env, state, net, 240)
     assert done.returncode == 0, done.stdout + done.stderr + logs
     assert "homes [0, 1]" in done.stdout, done.stdout
     assert "netns: 0" in done.stdout and "bridge: 0" in done.stdout, done.stdout
     assert leftovers == [], f"cluster-down left processes running: {leftovers}"
+
+
+def _run_cluster(script: str, env: dict[str, str], state: Path, net: str,
+                 timeout: float) -> tuple[subprocess.CompletedProcess[str], list[int], str]:
+    """Run `script` (cluster-up ... cluster-down) in a private namespace without the SDK
+    variables of the test run; then kill what is left of the cluster (redis and the
+    scheduler are known by their addresses) and read the cluster's logs."""
+    for name in ("E2B_API_URL", "E2B_SANDBOX_URL", "E2B_API_KEY"):
+        env.pop(name, None)
+    try:
+        done = subprocess.run(["bash", "scripts/isolated.sh", "bash", "-c", script], cwd=REPO,
+                              env=env, capture_output=True, text=True, timeout=timeout)
+    finally:
+        leftovers = _processes_under(
+            state, f"127.0.0.1:{env['AENV_CLUSTER_REDIS_PORT']}", f"{net}.1:9090")
+        for pid in leftovers:
+            os.kill(pid, signal.SIGKILL)
+    logs = "".join(f"\n== {p.name}\n{p.read_text()[-3000:]}"
+                   for p in sorted((state / "logs").glob("*.log")))
+    return done, leftovers, logs
 
 
 def _processes_under(state: Path, *more: str) -> list[int]:
@@ -168,18 +178,9 @@ echo "mounts: $(grep -c {real} /proc/self/mountinfo || true)"
            "AENV_CLUSTER_REDIS_PORT": "16481", "AENV_DOWN_TIMEOUT": "120",
            "AENV_VM_ASSETS_DIR": str(GUEST_STATE), "AENV_VM_DEBIAN_CACHE": str(DEBIAN_CACHE),
            "AENV_UP_TIMEOUT": "600"}
-    for name in ("E2B_API_URL", "E2B_SANDBOX_URL", "E2B_API_KEY"):
-        env.pop(name, None)
     try:
-        done = subprocess.run(["bash", "scripts/isolated.sh", "bash", "-c", script], cwd=REPO,
-                              env=env, capture_output=True, text=True, timeout=800)
+        done, leftovers, logs = _run_cluster(script, env, state, net, 800)
     finally:
-        # redis and the scheduler are known by their addresses
-        leftovers = _processes_under(state, "127.0.0.1:16481", f"{net}.1:9090")
-        for pid in leftovers:
-            os.kill(pid, signal.SIGKILL)
-        logs = "".join(f"\n== {p.name}\n{p.read_text()[-3000:]}"
-                       for p in sorted((state / "logs").glob("*.log")))
         shutil.rmtree(real, ignore_errors=True)
     assert done.returncode == 0, done.stdout + done.stderr + logs
     assert "homes [0, 1]" in done.stdout, done.stdout
