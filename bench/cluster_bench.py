@@ -5,7 +5,7 @@ the node, side by side: proxied `commands.run("true")` p50, 16 MiB download, cre
 1,000 concurrent streams held through one gateway.
 
 Suite `scheduler`: a real redis-server (private, unix socket, AOF) and `aenv scheduler` as its
-own process, with 100 registered nodes that keep heartbeating every 2 s (each listing its
+own process (every call authenticated, as in a cluster), with 100 registered nodes that keep heartbeating every 2 s (each listing its
 bindings, so reconciliation runs as in production) and 10,000 bindings:
 
 - schedule_record_per_s: Schedule + RecordAssignment pairs per second, CONCURRENCY callers over
@@ -28,6 +28,7 @@ import itertools
 import json
 import os
 import random
+import secrets
 import shutil
 import signal
 import socket
@@ -139,16 +140,17 @@ async def timed_loop(concurrency: int, seconds: float, op: Callable[[int], Await
 
 
 async def scheduler_suite_async(
-    address: str, redis_url: str, prefix: str, quick: bool, pids: dict[str, int]
+    address: str, secret: str, redis_url: str, prefix: str, quick: bool, pids: dict[str, int]
 ) -> None:
     import redis.asyncio as aioredis
 
-    from agentenv.control.scheduler.client import SchedulerClient, pb
+    from agentenv.control.scheduler.client import Credentials, SchedulerClient, pb
     from agentenv.control.scheduler.store import _RECORD, Binding
 
     timed = 3.0 if quick else 10.0
     lookups = 2000 if quick else 10000
-    client = SchedulerClient(address, timeout=30)
+    # Calls as the gateway makes them (its token on each call); heartbeats as each node.
+    client = SchedulerClient(address, Credentials.gateway(secret), timeout=30)
     raw = aioredis.Redis.from_url(redis_url)
     record_script = raw.register_script(_RECORD)
     owned: dict[str, list[str]] = {f"node-{n:03d}": [] for n in range(NODES)}
@@ -170,13 +172,14 @@ async def scheduler_suite_async(
         while True:
             for node_id in owned:
                 try:
-                    await client.heartbeat(status(node_id))
+                    await client.heartbeat(status(node_id), credentials=node_credentials[node_id])
                 except Exception as exc:  # keep beating; count what failed
                     failures.append(repr(exc))
                 await asyncio.sleep(2.0 / NODES)
 
+    node_credentials = {node_id: Credentials.node(secret, node_id) for node_id in owned}
     for node_id in owned:
-        await client.heartbeat(status(node_id))
+        await client.heartbeat(status(node_id), credentials=node_credentials[node_id])
     ids = [f"sbx-{i:06d}" for i in range(BINDINGS)]
     sem = asyncio.Semaphore(CONCURRENCY)
 
@@ -289,13 +292,18 @@ def scheduler_suite(args: argparse.Namespace, work: Path, procs: Processes) -> N
     port = free_port()
     address = f"127.0.0.1:{port}"
     prefix = "bench:"
+    secret = secrets.token_urlsafe(32)
+    secret_file = work / "cluster-secret"
+    secret_file.write_text(secret + "\n")
+    secret_file.chmod(0o600)
     sched_proc = procs.start([sys.executable, "-m", "agentenv.cli.main", "scheduler", "--listen", address,
+                 "--cluster-secret-file", str(secret_file),
                  "--redis", redis_url, "--redis-prefix", prefix, "--log-level", "warning"],
                 work / "scheduler.log")
     wait_until("the scheduler", lambda: connects(("127.0.0.1", port)))
     print(json.dumps({"suite": "scheduler", "load_avg_1m": round(os.getloadavg()[0], 2),
                       "cpus": os.cpu_count(), "appendfsync": args.appendfsync}), flush=True)
-    asyncio.run(scheduler_suite_async(address, redis_url, prefix, args.quick,
+    asyncio.run(scheduler_suite_async(address, secret, redis_url, prefix, args.quick,
                                       {"scheduler": sched_proc.pid, "redis": redis_proc.pid}))
 
 

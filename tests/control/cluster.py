@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import secrets
 import signal
 import subprocess
 import sys
@@ -17,6 +16,7 @@ from pathlib import Path
 import httpx
 
 from tests.control.conftest import RedisServer, SchedulerProcess, free_port
+from tests.control.helpers import SECRET
 from tests.node.conftest import NO_READY_POOLS, NodeProcess, vm_node_process
 
 AENV = [sys.executable, "-m", "agentenv.cli.main"]
@@ -73,7 +73,7 @@ class LocalCluster:
         root.mkdir(parents=True, exist_ok=True)
         self.redis = RedisServer(root)
         self.secret_file = root / "cluster-secret"
-        self.secret_file.write_text(secrets.token_urlsafe(32) + "\n")
+        self.secret_file.write_text(SECRET + "\n")  # the scheduler's too (SchedulerProcess)
         os.chmod(self.secret_file, 0o600)
         self.secret = self.secret_file.read_text().strip()
         self.scheduler = SchedulerProcess(

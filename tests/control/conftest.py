@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.control.helpers import SECRET
+
 REDIS_SERVER = shutil.which("redis-server") or "/usr/bin/redis-server"
 
 
@@ -94,14 +96,18 @@ def free_port() -> int:
 
 
 class SchedulerProcess:
-    """`aenv scheduler` as its own process (for kill -9)."""
+    """`aenv scheduler` as its own process (for kill -9), with the tests' cluster secret
+    (helpers.SECRET) in `secret_file`, beside its log."""
 
     def __init__(self, redis_url: str, prefix: str, log: Path, *args: str) -> None:
         self.port = free_port()
         self.address = f"127.0.0.1:{self.port}"
+        self.secret_file = log.with_name(log.stem + ".cluster-secret")
+        self.secret_file.write_text(SECRET + "\n")
+        self.secret_file.chmod(0o600)
         self.argv = [sys.executable, "-m", "agentenv.cli.main", "scheduler",
                      "--listen", self.address, "--redis", redis_url, "--redis-prefix", prefix,
-                     *args]
+                     "--cluster-secret-file", str(self.secret_file), *args]
         self.log = log
         self.proc: subprocess.Popen[bytes] | None = None
 

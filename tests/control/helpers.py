@@ -3,15 +3,41 @@
 from __future__ import annotations
 
 import asyncio
+import secrets
 import time
 from collections.abc import AsyncIterator, Callable, Iterable
 from contextlib import asynccontextmanager
 from typing import Any
 
 from agentenv.control.proto import scheduler_pb2 as pb
-from agentenv.control.scheduler.client import SchedulerClient
+from agentenv.control.scheduler.client import Credentials, Holder, SchedulerClient
 from agentenv.control.scheduler.server import SchedulerOptions, SchedulerServer
 from agentenv.control.scheduler.service import SchedulerConfig
+
+#: the cluster secret of the tests' schedulers, nodes and gateways (one per test session)
+SECRET = secrets.token_urlsafe(32)
+
+
+class ClusterClient(SchedulerClient):
+    """A client holding the cluster secret, as the tests' stand-in for the whole cluster: it
+    calls as the gateway, and sends each heartbeat (and Holders) as the node it is for."""
+
+    def __init__(self, target: str, secret: str = SECRET, timeout: float = 5.0) -> None:
+        super().__init__(target, Credentials.gateway(secret), timeout)
+        self.secret = secret
+
+    async def heartbeat(self, status: pb.NodeStatus, *, timeout: float | None = None,
+                        credentials: Credentials | None = None) -> float:
+        return await super().heartbeat(
+            status, timeout=timeout,
+            credentials=credentials or Credentials.node(self.secret, status.node_id))
+
+    async def holders(self, digests: Iterable[str], *, node_id: str = "", limit: int = 0,
+                      timeout: float | None = None,
+                      credentials: Credentials | None = None) -> dict[str, list[Holder]]:
+        return await super().holders(
+            list(digests), node_id=node_id, limit=limit, timeout=timeout,
+            credentials=credentials or Credentials.node(self.secret, node_id))
 
 
 def status(
@@ -55,10 +81,11 @@ def status(
 @asynccontextmanager
 async def scheduler(
     redis_url: str, prefix: str, **config: object
-) -> AsyncIterator[tuple[SchedulerServer, SchedulerClient]]:
+) -> AsyncIterator[tuple[SchedulerServer, ClusterClient]]:
     """An in-process scheduler on a loopback port and a client connected to it."""
     static = config.pop("static_nodes", [])
     options = SchedulerOptions(
+        cluster_secret=SECRET,
         listen="127.0.0.1:0",
         redis_url=redis_url,
         prefix=prefix,
@@ -67,7 +94,7 @@ async def scheduler(
     )
     server = SchedulerServer(options)
     await server.start()
-    client = SchedulerClient(f"127.0.0.1:{server.port}")
+    client = ClusterClient(f"127.0.0.1:{server.port}")
     try:
         yield server, client
     finally:
@@ -76,10 +103,10 @@ async def scheduler(
 
 
 def call(address: str, method: str, *args: Any, **kwargs: Any) -> Any:
-    """One SchedulerClient call from synchronous test code."""
+    """One ClusterClient call from synchronous test code."""
 
     async def once() -> Any:
-        async with SchedulerClient(address) as client:
+        async with ClusterClient(address) as client:
             return await getattr(client, method)(*args, **kwargs)
 
     return asyncio.run(once())

@@ -26,7 +26,8 @@ def sched(redis_server: RedisServer, prefix: str, tmp_path: Path) -> Iterator[Sc
 def test_node_heartbeats_register_and_reconcile(sched: SchedulerProcess, tmp_path: Path) -> None:
     node = NodeProcess(
         tmp_path / "state", tmp_path / "node.log",
-        extra_args=("--backend", "process", "--scheduler", sched.address, "--node-id", "node-a"),
+        extra_args=("--backend", "process", "--scheduler", sched.address, "--node-id", "node-a",
+                    "--cluster-secret-file", str(sched.secret_file)),
     )
     try:
         node.start()

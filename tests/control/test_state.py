@@ -12,10 +12,10 @@ import grpc
 import pytest
 from redis.exceptions import TimeoutError as RedisTimeout
 
-from agentenv.control.scheduler.client import SchedulerClient, SchedulerError
+from agentenv.control.scheduler.client import SchedulerError
 from agentenv.control.scheduler.store import Binding, Store
 from tests.control.conftest import RedisServer, SchedulerProcess
-from tests.control.helpers import scheduler, status
+from tests.control.helpers import ClusterClient, scheduler, status
 
 
 def test_reconciliation_both_ways(redis_server: RedisServer, prefix: str) -> None:
@@ -118,7 +118,7 @@ def test_scheduler_kill9_restart_keeps_every_binding(
                              "--heartbeat-interval", "1")
 
     async def fill() -> None:
-        async with SchedulerClient(sched.address) as client:
+        async with ClusterClient(sched.address) as client:
             for n in range(3):
                 await client.heartbeat(status(f"n{n}", templates=["base"]))
             await asyncio.gather(*(
@@ -130,7 +130,7 @@ def test_scheduler_kill9_restart_keeps_every_binding(
                     f"s{i}" for i in range(n, BINDINGS, 3)]))
 
     async def check() -> None:
-        async with SchedulerClient(sched.address) as client:
+        async with ClusterClient(sched.address) as client:
             found = await asyncio.gather(*(client.lookup(f"s{i}") for i in range(BINDINGS)))
             for i, where in enumerate(found):
                 assert where is not None, f"s{i} lost"

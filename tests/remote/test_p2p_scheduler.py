@@ -6,7 +6,6 @@ which asked the scheduler's Holders, which knew A's blobs from A's heartbeats.""
 
 from __future__ import annotations
 
-import secrets
 import shutil
 import subprocess
 import tempfile
@@ -37,7 +36,7 @@ class Pair:
     """A node: its blockd (chunk cache, chunk server) and a process-backend node beside it."""
 
     def __init__(self, name: str, root: Path, scheduler: str, secret_file: Path,
-                 background_bw: str, gateway_only: bool) -> None:
+                 background_bw: str) -> None:
         self.name = name
         self.daemon = Daemon(root / "blockd", fuse=False)
         self.p2p = f"127.0.0.1:{free_port()}"
@@ -49,9 +48,10 @@ class Pair:
         self.state = root / "aenv"  # the pulled image's descriptors
         self.node = NodeProcess(
             root / "node", root / "node.log",
+            # a cluster's node: its API (and so blockd's resolver) wants the secret, and the
+            # scheduler takes its heartbeats only with a token derived from it
             extra_args=("--backend", "process", "--scheduler", scheduler, "--node-id", name,
-                        # a cluster's node: its API (and so blockd's resolver) wants the secret
-                        *(("--cluster-secret-file", str(secret_file)) if gateway_only else ())),
+                        "--cluster-secret-file", str(secret_file)),
             extra_env={"AENV_BLOCKD_SOCKET": str(self.daemon.socket)},
         )
 
@@ -91,11 +91,10 @@ def cluster(redis_server: RedisServer, prefix: str,
     pairs: list[Pair] = []
     try:
         sched.start()
-        secret = root / "cluster-secret"
-        secret.write_text(secrets.token_hex(16))
+        secret = sched.secret_file
         # A completes the blobs it uses (so it holds it whole); B fetches only what it reads.
-        pairs += [Pair("node-a", root / "a", sched.address, secret, "64M", False),
-                  Pair("node-b", root / "b", sched.address, secret, "0", True)]
+        pairs += [Pair("node-a", root / "a", sched.address, secret, "64M"),
+                  Pair("node-b", root / "b", sched.address, secret, "0")]
         for pair in pairs:
             pair.start()
         yield registry, sched, pairs[0], pairs[1], root
@@ -132,7 +131,7 @@ def test_node_b_reads_from_a_found_by_the_scheduler(cluster: tuple[Any, ...]) ->
         if h.complete], timeout=60)
     assert [(h.node_id, h.layer_address) for h in holders] == [("node-a", a.p2p)]
     # B's node answers its blockd: B serves its gateway only, so blockd sends the secret.
-    cluster = {"x-agentenv-cluster-secret": (root / "cluster-secret").read_text()}
+    cluster = {"x-agentenv-cluster-secret": sched.secret_file.read_text().strip()}
     reply = httpx.get(f"{b.node.url}/cluster/holders", params={"digest": digest},
                       headers=cluster, trust_env=False)
     assert reply.status_code == 200, reply.text
@@ -142,9 +141,9 @@ def test_node_b_reads_from_a_found_by_the_scheduler(cluster: tuple[Any, ...]) ->
                      trust_env=False).status_code == 403
     assert httpx.get(f"{b.node.url}/cluster/holders", params={"digest": "sha256:x"},
                      headers=cluster, trust_env=False).status_code == 400
-    # A's node (no cluster secret) takes its API key.
+    # A's node answers for itself: it holds the blob, so no other holder.
     reply = httpx.get(f"{a.node.url}/cluster/holders", params={"digest": digest},
-                      headers={"x-api-key": a.node.api_key}, trust_env=False)
+                      headers=cluster, trust_env=False)
     assert reply.status_code == 200 and reply.json()["holders"] == [], reply.text
     wait_for("node B's blockd to know its resolver", lambda: b.stats()["resolver"], timeout=30)
     assert b.stats()["peers"] == []  # no static peer

@@ -10,6 +10,8 @@ from typing import Any
 
 import click
 
+from agentenv.cli.redis_options import redis_auth_options
+
 DEFAULT_REDIS = "redis://127.0.0.1:6379/0"
 
 
@@ -29,6 +31,7 @@ def _check_domain(ctx: Any, param: Any, value: str | None) -> str | None:
               envvar="AENV_SCHEDULER", help="host:port of `aenv scheduler` (gRPC).")
 @click.option("--redis", "redis_url", default=DEFAULT_REDIS, show_default=True,
               envvar="AENV_REDIS_URL", help="Redis with the teams, keys and ownership records.")
+@redis_auth_options
 @click.option("--cluster-secret-file", type=click.Path(dir_okay=False, path_type=Path),
               default=None,
               help="The secret every node of the cluster requires (default: "
@@ -38,11 +41,13 @@ def _check_domain(ctx: Any, param: Any, value: str | None) -> str | None:
               "through the gateway), e.g. localhost:8080.")
 @click.option("--log-level", default="info", show_default=True)
 def gateway_command(host: str, port: int, listen: str | None, scheduler: str, redis_url: str,
+                    redis_user: str | None, redis_password_file: Path | None,
                     cluster_secret_file: Path | None, domain: str | None,
                     log_level: str) -> None:
     """Run the gateway: the E2B API of a whole cluster, and its sandbox traffic."""
     from agentenv import logs
     from agentenv.control.gateway.server import GatewayOptions, serve
+    from agentenv.control.redis_auth import RedisAuth
 
     logs.setup(log_level)
     if listen is not None:
@@ -51,15 +56,17 @@ def gateway_command(host: str, port: int, listen: str | None, scheduler: str, re
             raise click.BadParameter(f"{listen!r} is not HOST:PORT", param_hint="--listen")
         host, port = found.group(1), int(found.group(2))
     serve(GatewayOptions(host=host, port=port, scheduler=scheduler, redis=redis_url,
+                         redis_auth=RedisAuth.load(redis_user, redis_password_file),
                          cluster_secret_file=cluster_secret_file, domain=domain))
 
 
 def _run(work: Any) -> Any:
     from agentenv.control.gateway.store import GatewayStore
 
+    url, auth = _REDIS[0]
+
     async def main() -> Any:
-        store = GatewayStore(os.environ.get("AENV_REDIS_URL", DEFAULT_REDIS)
-                             if _REDIS[0] is None else _REDIS[0])
+        store = GatewayStore(url, auth)
         try:
             return await work(store)
         finally:
@@ -68,15 +75,20 @@ def _run(work: Any) -> Any:
     return asyncio.run(main())
 
 
-_REDIS: list[str | None] = [None]
+_REDIS: list[Any] = [(DEFAULT_REDIS, None)]
 
 
 @click.group("team")
 @click.option("--redis", "redis_url", default=None,
               help=f"Redis of the cluster (default: $AENV_REDIS_URL or {DEFAULT_REDIS}).")
-def team_group(redis_url: str | None) -> None:
+@redis_auth_options
+def team_group(redis_url: str | None, redis_user: str | None,
+               redis_password_file: Path | None) -> None:
     """Teams of a cluster: each has API keys and sees only its own sandboxes."""
-    _REDIS[0] = redis_url
+    from agentenv.control.redis_auth import RedisAuth
+
+    _REDIS[0] = (redis_url or os.environ.get("AENV_REDIS_URL", DEFAULT_REDIS),
+                 RedisAuth.load(redis_user, redis_password_file))
 
 
 @team_group.command("create")

@@ -105,6 +105,10 @@ def serve_command(
             f"{node_id!r}: letters, digits, '.', '_', ':', '-' (at most 128)",
             param_hint="--node-id",
         )
+    cluster_secret = load_cluster_secret(cluster_secret_file)
+    if scheduler and cluster_secret is None:
+        raise click.UsageError("--scheduler needs the cluster secret (--cluster-secret-file or "
+                               "AENV_CLUSTER_SECRET): the scheduler answers only its cluster")
     secure_state_dir(state_dir)
     load_api_key(state_dir)
     if not os.environ.get("AENV_API_KEY"):
@@ -116,7 +120,7 @@ def serve_command(
             port=port,
             backend=backend,
             config=NodeConfig(domain=domain),
-            cluster_secret=load_cluster_secret(cluster_secret_file),
+            cluster_secret=cluster_secret,
             scheduler=scheduler or None,
             node_id=node_id or "",
             advertise=advertise or "",

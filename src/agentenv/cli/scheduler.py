@@ -1,4 +1,5 @@
-"""`aenv scheduler`: the control plane's placement and binding service (gRPC, default :9090)."""
+"""`aenv scheduler`: the control plane's placement and binding service (gRPC, default
+127.0.0.1:9090)."""
 
 from __future__ import annotations
 
@@ -7,16 +8,22 @@ from pathlib import Path
 
 import click
 
+from agentenv.cli.redis_options import redis_auth_options
 from agentenv.errors import AgentEnvError
 
 
 @click.command("scheduler")
-@click.option("--listen", default="0.0.0.0:9090", show_default=True,
-              help="gRPC address, HOST:PORT (or unix:PATH).")
+@click.option("--listen", default="127.0.0.1:9090", show_default=True,
+              help="gRPC address, HOST:PORT (or unix:PATH); a cluster names the address its "
+              "nodes and gateways reach.")
+@click.option("--cluster-secret-file", type=click.Path(dir_okay=False, path_type=Path),
+              default=None, help="The cluster secret: every caller's token is derived from it "
+              "(default: $AENV_CLUSTER_SECRET; required).")
 @click.option("--redis", "redis_url", envvar="AENV_REDIS_URL",
               default="redis://127.0.0.1:6379/0", show_default="$AENV_REDIS_URL or "
               "redis://127.0.0.1:6379/0",
               help="Where bindings and the node registry live (redis:// or unix://PATH).")
+@redis_auth_options
 @click.option("--redis-prefix", default="aenv:sched:", show_default=True,
               help="Key prefix (several clusters can share one Redis).")
 @click.option("--strategy", type=click.Choice(
@@ -41,22 +48,31 @@ from agentenv.errors import AgentEnvError
               "(and a released one from a heartbeat that still does).")
 @click.option("--log-level", default="info", show_default=True)
 def scheduler_command(
-    listen: str, redis_url: str, redis_prefix: str, strategy: str,
+    listen: str, cluster_secret_file: Path | None, redis_url: str, redis_user: str | None,
+    redis_password_file: Path | None, redis_prefix: str, strategy: str,
     static_nodes: tuple[str, ...], nodes_file: Path | None, k8s_service: str | None,
     heartbeat_interval: float, missed_heartbeats: int, self_registration: bool,
     min_disk_free_mib: int, reconcile_grace: float, log_level: str,
 ) -> None:
     """Run the scheduler: placement, the sandbox -> node bindings, node heartbeats."""
     from agentenv import logs
+    from agentenv.control.redis_auth import RedisAuth
     from agentenv.control.scheduler.server import SchedulerOptions, run
     from agentenv.control.scheduler.service import SchedulerConfig
+    from agentenv.node.security import load_cluster_secret
 
     logs.setup(log_level)
     if not redis_url.startswith(("redis://", "rediss://", "unix://")):
         raise AgentEnvError(f"--redis {redis_url!r}: expected redis://HOST:PORT/DB or unix://PATH")
+    secret = load_cluster_secret(cluster_secret_file)
+    if secret is None:
+        raise AgentEnvError("the scheduler needs the cluster secret: --cluster-secret-file or "
+                            "AENV_CLUSTER_SECRET (every caller's token is derived from it)")
     options = SchedulerOptions(
+        cluster_secret=secret,
         listen=listen,
         redis_url=redis_url,
+        redis_auth=RedisAuth.load(redis_user, redis_password_file),
         prefix=redis_prefix,
         config=SchedulerConfig(
             strategy=strategy,

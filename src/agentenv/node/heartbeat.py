@@ -25,7 +25,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from agentenv.control.scheduler.client import SchedulerClient, SchedulerError, pb
+from agentenv.control.scheduler.client import Credentials, SchedulerClient, SchedulerError, pb
 from agentenv.errors import AgentEnvError
 from agentenv.node.records import State
 
@@ -69,6 +69,7 @@ class HeartbeatSender:
         orchestrator: Orchestrator,
         state_dir: Path,
         scheduler: str,
+        credentials: Credentials,
         node_id: str,
         advertise: str,
         layer_address: str = "",
@@ -78,7 +79,8 @@ class HeartbeatSender:
     ) -> None:
         self.orchestrator = orchestrator
         self.state_dir = state_dir
-        self.client = SchedulerClient(scheduler, timeout=max(1.0, interval))
+        # the node's own identity: the scheduler takes heartbeats for `node_id` only with it
+        self.client = SchedulerClient(scheduler, credentials, timeout=max(1.0, interval))
         self.node_id = node_id
         self.advertise = advertise
         self.layer_address = layer_address

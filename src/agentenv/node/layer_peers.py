@@ -29,7 +29,7 @@ from starlette.routing import Route
 
 from agentenv.blockd.client import AsyncBlockdClient
 from agentenv.blockd.errors import BlockdError
-from agentenv.control.scheduler.client import SchedulerClient, SchedulerError, pb
+from agentenv.control.scheduler.client import Credentials, SchedulerClient, SchedulerError, pb
 
 log = logging.getLogger("agentenv.node.layer_peers")
 
@@ -52,12 +52,13 @@ def _host_port(address: str) -> tuple[str, str]:
 
 
 class LayerPeers:
-    def __init__(self, scheduler: str, node_id: str, api_url: str,
+    def __init__(self, scheduler: str, credentials: Credentials, node_id: str, api_url: str,
                  api_headers: dict[str, str], blockd_socket: Callable[[], Path | None],
                  advertise_host: str) -> None:
         """`api_url`: this node's API as blockd reaches it (loopback); `api_headers`: what
         passes its check; `advertise_host`: replaces a wildcard host of the chunk server."""
         self.scheduler = scheduler
+        self.credentials = credentials  # the node's own (Holders for its own id only)
         self.node_id = node_id
         self.resolver = {"url": api_url.rstrip("/") + HOLDERS_PATH, "headers": api_headers}
         self.blockd_socket = blockd_socket
@@ -76,7 +77,7 @@ class LayerPeers:
             return JSONResponse({"code": 400, "message":
                                  f"digest {digest[:80]!r} is not sha256:<64 lowercase hex>"}, 400)
         if self._client is None:  # made here: a grpc.aio channel belongs to the running loop
-            self._client = SchedulerClient(self.scheduler, timeout=2.0)
+            self._client = SchedulerClient(self.scheduler, self.credentials, timeout=2.0)
         self.asked += 1
         try:
             found = await self._client.holders([digest], node_id=self.node_id)

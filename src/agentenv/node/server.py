@@ -146,22 +146,26 @@ async def _serve_with_heartbeat(
 ) -> None:
     sender = None
     if options.scheduler:
+        from agentenv.control.scheduler.client import Credentials
         from agentenv.node.heartbeat import HeartbeatSender
         from agentenv.node.layer_peers import LayerPeers, blockd_socket_of
 
+        if not options.cluster_secret:
+            raise AgentEnvError("a node of a scheduler needs the cluster secret")
         node_id = options.node_id or socket.gethostname()
+        credentials = Credentials.node(options.cluster_secret, node_id)
         advertise = options.advertise or f"{options.host}:{options.port}"
         # blockd asks this node's API which peers hold a blob: on loopback, with what passes.
         local = {"0.0.0.0": "127.0.0.1", "::": "[::1]", "": "127.0.0.1"}.get(
             options.host, f"[{options.host}]" if ":" in options.host else options.host)
-        headers = ({CLUSTER_SECRET_HEADER.decode(): app.cluster_secret} if app.cluster_secret
-                   else {"x-api-key": app.api_key})
+        headers = {CLUSTER_SECRET_HEADER.decode(): options.cluster_secret}
         backend = app.orchestrator.backend
-        peers = LayerPeers(options.scheduler, node_id, f"http://{local}:{options.port}", headers,
+        peers = LayerPeers(options.scheduler, credentials, node_id,
+                           f"http://{local}:{options.port}", headers,
                            lambda: blockd_socket_of(backend), advertise.rpartition(":")[0])
         app.api.router.routes.insert(0, peers.route())
         sender = HeartbeatSender(
-            app.orchestrator, options.state_dir, options.scheduler,
+            app.orchestrator, options.state_dir, options.scheduler, credentials,
             node_id=node_id, advertise=advertise, ready=lambda: server.started, peers=peers,
         )
         sender.start()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import uvicorn
@@ -12,6 +12,8 @@ import uvicorn
 from agentenv.control.gateway.app import GatewayApp
 from agentenv.control.gateway.placement import SchedulerLink
 from agentenv.control.gateway.store import GatewayStore
+from agentenv.control.redis_auth import RedisAuth
+from agentenv.control.scheduler.client import Credentials
 from agentenv.errors import AgentEnvError
 from agentenv.relay.server import hardened_config, quiet_stream_aborts
 from agentenv.relay.stream import RelayLimits
@@ -25,6 +27,7 @@ class GatewayOptions:
     port: int = 8080
     scheduler: str = "127.0.0.1:9090"
     redis: str = "redis://127.0.0.1:6379/0"
+    redis_auth: RedisAuth = field(default_factory=RedisAuth)
     cluster_secret_file: Path | None = None
     domain: str | None = None
 
@@ -41,10 +44,11 @@ def read_cluster_secret(path: Path | None) -> str:
 
 
 def build_app(options: GatewayOptions) -> GatewayApp:
+    secret = read_cluster_secret(options.cluster_secret_file)
     return GatewayApp(
-        SchedulerLink(options.scheduler),
-        GatewayStore(options.redis),
-        read_cluster_secret(options.cluster_secret_file),
+        SchedulerLink(options.scheduler, Credentials.gateway(secret)),
+        GatewayStore(options.redis, options.redis_auth),
+        secret,
         domain=options.domain,
     )
 

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import redis.asyncio as aioredis
 import redis.exceptions
 
+from agentenv.control.redis_auth import RedisAuth
 from agentenv.errors import AgentEnvError
 
 PREFIX = "aenv:"
@@ -73,10 +74,11 @@ class Owned:
 
 
 class GatewayStore:
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, auth: RedisAuth | None = None) -> None:
         self.url = url
         self.redis = aioredis.Redis.from_url(
-            url, decode_responses=True, socket_connect_timeout=5, socket_timeout=20
+            url, decode_responses=True, socket_connect_timeout=5, socket_timeout=20,
+            **(auth or RedisAuth()).connect_kwargs(),
         )
 
     async def close(self) -> None:

@@ -3,7 +3,7 @@
 It imports nothing of agentenv but the generated code and the common error, so the node's
 heartbeat sender can use it without pulling in the rest of the control plane.
 
-    async with SchedulerClient("127.0.0.1:9090") as scheduler:
+    async with SchedulerClient("127.0.0.1:9090", Credentials.gateway(secret)) as scheduler:
         placement = await scheduler.schedule(template_id="base", vcpus=2, memory_mib=512)
         ...create the sandbox on placement.node_address...
         await scheduler.record_assignment(sandbox_id, placement.node_id, team_id="t1")
@@ -12,11 +12,18 @@ heartbeat sender can use it without pulling in the rest of the control plane.
 Every failure raises `SchedulerError` with the gRPC status (`code`) and the scheduler's message:
 INVALID_ARGUMENT (bad input), NOT_FOUND (no such source sandbox, snapshot or node),
 RESOURCE_EXHAUSTED (no node has room), UNAVAILABLE (no node up, the scheduler or its Redis
-unreachable), PERMISSION_DENIED (a node not allowed to register).
+unreachable), PERMISSION_DENIED (a node not allowed to register, or a caller asking for what its
+identity may not do), UNAUTHENTICATED (no or a wrong credential).
+
+Every call carries the caller's `Credentials`: an identity (`gateway`, or `node:ID`) and a token
+derived from the cluster secret for that identity (HMAC-SHA256), which the scheduler checks
+(control/scheduler/auth.py). The secret itself never goes over the wire.
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from types import TracebackType
@@ -28,6 +35,7 @@ from agentenv.control.proto import scheduler_pb2_grpc as pb_grpc
 from agentenv.errors import AgentEnvError
 
 __all__ = [
+    "Credentials",
     "Holder",
     "Location",
     "NodeInfo",
@@ -38,6 +46,41 @@ __all__ = [
 ]
 
 DEFAULT_TIMEOUT_S = 5.0
+#: call metadata: who is calling, and the token that proves it
+IDENTITY_KEY = "x-aenv-identity"
+TOKEN_KEY = "x-aenv-token"
+GATEWAY_IDENTITY = "gateway"
+NODE_IDENTITY_PREFIX = "node:"
+#: keeps these tokens apart from anything else ever derived from the cluster secret
+_TOKEN_CONTEXT = b"agentenv scheduler call v1\0"
+
+
+def derive_token(secret: str, identity: str) -> str:
+    """The token of `identity`: HMAC-SHA256(cluster secret, context + identity), hex."""
+    return hmac.new(secret.encode(), _TOKEN_CONTEXT + identity.encode(), hashlib.sha256).hexdigest()
+
+
+@dataclass(frozen=True)
+class Credentials:
+    """Who a client calls the scheduler as. The gateway's identity may place, record, release,
+    look up and list; a node's (`node:ID`) may only heartbeat and ask for blob holders, each for
+    its own id."""
+
+    identity: str
+    token: str
+
+    @classmethod
+    def gateway(cls, secret: str) -> Credentials:
+        return cls(GATEWAY_IDENTITY, derive_token(secret, GATEWAY_IDENTITY))
+
+    @classmethod
+    def node(cls, secret: str, node_id: str) -> Credentials:
+        identity = NODE_IDENTITY_PREFIX + node_id
+        return cls(identity, derive_token(secret, identity))
+
+    @property
+    def metadata(self) -> tuple[tuple[str, str], ...]:
+        return ((IDENTITY_KEY, self.identity), (TOKEN_KEY, self.token))
 
 
 class SchedulerError(AgentEnvError):
@@ -91,12 +134,15 @@ class NodeInfo:
 
 
 class SchedulerClient:
-    """One channel to the scheduler; `target` is host:port (or any gRPC target, e.g. unix:PATH)."""
+    """One channel to the scheduler; `target` is host:port (or any gRPC target, e.g. unix:PATH).
+    Every call carries `credentials` (a heartbeat may name others: tools acting for nodes)."""
 
-    def __init__(self, target: str, timeout: float = DEFAULT_TIMEOUT_S) -> None:
+    def __init__(self, target: str, credentials: Credentials,
+                 timeout: float = DEFAULT_TIMEOUT_S) -> None:
         if not target:
             raise AgentEnvError("no scheduler address (host:port)")
         self.target = target
+        self.credentials = credentials
         self.timeout = timeout
         # No proxy: the scheduler is always reached directly (the environment's proxy variables
         # are for the sandboxes' traffic).
@@ -114,10 +160,12 @@ class SchedulerClient:
     async def close(self) -> None:
         await self.channel.close()
 
-    async def _call(self, method: str, request: object, timeout: float | None) -> object:
+    async def _call(self, method: str, request: object, timeout: float | None,
+                    credentials: Credentials | None = None) -> object:
         try:
             return await getattr(self.stub, method)(
-                request, timeout=self.timeout if timeout is None else timeout
+                request, timeout=self.timeout if timeout is None else timeout,
+                metadata=(credentials or self.credentials).metadata,
             )
         except grpc.aio.AioRpcError as exc:
             raise SchedulerError(exc.code(), exc.details() or "", method) from None
@@ -183,20 +231,23 @@ class SchedulerClient:
             sandbox_id, answer.node_id, answer.node_address, answer.node_up, answer.team_id
         )
 
-    async def heartbeat(self, status: pb.NodeStatus, *, timeout: float | None = None) -> float:
-        """Send one NodeStatus; returns the interval (seconds) the scheduler asks for."""
-        answer = await self._call("Heartbeat", status, timeout)
+    async def heartbeat(self, status: pb.NodeStatus, *, timeout: float | None = None,
+                        credentials: Credentials | None = None) -> float:
+        """Send one NodeStatus; returns the interval (seconds) the scheduler asks for.
+        `credentials`: other than the client's (the node the status is for)."""
+        answer = await self._call("Heartbeat", status, timeout, credentials)
         assert isinstance(answer, pb.HeartbeatResponse)
         return answer.interval_ms / 1000
 
     async def holders(
         self, digests: Sequence[str], *, node_id: str = "", limit: int = 0,
-        timeout: float | None = None,
+        timeout: float | None = None, credentials: Credentials | None = None,
     ) -> dict[str, list[Holder]]:
-        """digest -> the up nodes serving it (whole holders first), `node_id` left out."""
+        """digest -> the up nodes serving it (whole holders first), `node_id` (the asking node,
+        whose credentials these must be) left out."""
         answer = await self._call(
             "Holders", pb.HoldersRequest(digests=list(digests), node_id=node_id, limit=limit),
-            timeout,
+            timeout, credentials,
         )
         assert isinstance(answer, pb.HoldersResponse)
         return {

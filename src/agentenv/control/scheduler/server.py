@@ -8,6 +8,9 @@ grpcio's threaded server costs less per call with a few workers (~105 us vs ~185
 then a handful of writes waiting for Redis hold every worker, Lookups queued behind them; with
 enough workers to avoid that, the workers' contention for the GIL costs more than the loop
 (bench/RESULTS.md).
+
+Every call passes ClusterAuth (control/scheduler/auth.py) first: no credential derived from the
+cluster secret, no answer.
 """
 
 from __future__ import annotations
@@ -27,6 +30,8 @@ from redis.exceptions import RedisError
 
 from agentenv.control.proto import scheduler_pb2 as pb
 from agentenv.control.proto import scheduler_pb2_grpc as pb_grpc
+from agentenv.control.redis_auth import RedisAuth
+from agentenv.control.scheduler.auth import ClusterAuth
 from agentenv.control.scheduler.discovery import Discovery
 from agentenv.control.scheduler.placement import PlacementError
 from agentenv.control.scheduler.service import SchedulerConfig, SchedulerService
@@ -103,10 +108,17 @@ class _Servicer(pb_grpc.SchedulerServicer):
             await _abort(context, exc)
 
 
+DEFAULT_LISTEN = "127.0.0.1:9090"
+
+
 @dataclass
 class SchedulerOptions:
-    listen: str = "0.0.0.0:9090"
+    #: the cluster secret: every caller's token is derived from it (required)
+    cluster_secret: str
+    #: loopback unless told otherwise: a cluster names the address its nodes reach
+    listen: str = DEFAULT_LISTEN
     redis_url: str = "redis://127.0.0.1:6379/0"
+    redis_auth: RedisAuth = field(default_factory=RedisAuth)
     prefix: str = DEFAULT_PREFIX
     config: SchedulerConfig = field(default_factory=SchedulerConfig)
     static_nodes: list[str] = field(default_factory=list)
@@ -118,8 +130,12 @@ class SchedulerServer:
     """Service + gRPC server + discovery, started and stopped together (tests use it in-process)."""
 
     def __init__(self, options: SchedulerOptions) -> None:
+        if not options.cluster_secret:
+            raise AgentEnvError("the scheduler needs the cluster secret (--cluster-secret-file "
+                                "or AENV_CLUSTER_SECRET): every caller proves it holds it")
         self.options = options
-        self.service = SchedulerService(Store(options.redis_url, options.prefix), options.config)
+        store = Store(options.redis_url, options.prefix, auth=options.redis_auth)
+        self.service = SchedulerService(store, options.config)
         self.discovery = Discovery(
             self.service,
             static=options.static_nodes,
@@ -133,7 +149,8 @@ class SchedulerServer:
     async def start(self) -> None:
         await asyncio.to_thread(self.service.start)
         await self.discovery.start()
-        server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+        server = grpc.aio.server(options=[("grpc.so_reuseport", 0)],
+                                 interceptors=[ClusterAuth(self.options.cluster_secret)])
         self.pool = ThreadPoolExecutor(REDIS_CALL_THREADS, thread_name_prefix="scheduler-redis")
         pb_grpc.add_SchedulerServicer_to_server(_Servicer(self.service, self.pool), server)
         try:

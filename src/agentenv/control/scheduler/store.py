@@ -29,6 +29,7 @@ import redis
 from redis.exceptions import RedisError
 
 from agentenv.control.proto import scheduler_pb2 as pb
+from agentenv.control.redis_auth import RedisAuth
 from agentenv.errors import AgentEnvError
 
 SEP = "\x1f"
@@ -285,7 +286,8 @@ class Store:
     installed) costs ~30-50 us of CPU per call here against ~75 us for redis.asyncio."""
 
     def __init__(
-        self, url: str, prefix: str = DEFAULT_PREFIX, timeout: float = REDIS_TIMEOUT_S
+        self, url: str, prefix: str = DEFAULT_PREFIX, timeout: float = REDIS_TIMEOUT_S,
+        auth: RedisAuth | None = None,
     ) -> None:
         self.url = url
         self.prefix = prefix
@@ -295,6 +297,7 @@ class Store:
             pool = redis.BlockingConnectionPool.from_url(
                 url, max_connections=MAX_CONNECTIONS, timeout=POOL_TIMEOUT_S,
                 socket_timeout=timeout, socket_connect_timeout=timeout,
+                **(auth or RedisAuth()).connect_kwargs(),
             )
             self.redis = redis.Redis(connection_pool=pool)
         except ValueError as exc:
