@@ -26,9 +26,10 @@ class RedisServer:
     """redis-server on a unix socket in a private directory, AOF fsynced on every write, so a
     kill -9 of Redis loses nothing that was acknowledged."""
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, *extra_args: str) -> None:
         self.root = root
         self.socket = root / "redis.sock"
+        self.extra_args = extra_args
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -40,7 +41,7 @@ class RedisServer:
             [REDIS_SERVER, "--port", "0", "--unixsocket", str(self.socket),
              "--unixsocketperm", "700", "--dir", str(self.root), "--appendonly", "yes",
              "--appendfsync", "always", "--save", "", "--daemonize", "no",
-             "--logfile", str(self.root / "redis.log")],
+             "--logfile", str(self.root / "redis.log"), *self.extra_args],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         )
         deadline = time.monotonic() + 10
@@ -51,7 +52,8 @@ class RedisServer:
                 with socket.socket(socket.AF_UNIX) as probe:
                     probe.connect(str(self.socket))
                     probe.sendall(b"PING\r\n")
-                    if probe.recv(64).startswith(b"+PONG"):
+                    # NOAUTH: up, and wants a password (an ACL file without `default`)
+                    if probe.recv(64).startswith((b"+PONG", b"-NOAUTH")):
                         return
             except OSError:
                 pass

@@ -1,7 +1,9 @@
-"""`aenv scheduler`: bad flags, an unreachable Redis and a taken port give one clear line."""
+"""`aenv scheduler`: bad flags, an unreachable Redis, a taken port and a missing cluster secret
+give one clear line."""
 
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
 import sys
@@ -10,11 +12,15 @@ from pathlib import Path
 import pytest
 
 from tests.control.conftest import RedisServer, free_port
+from tests.control.helpers import SECRET
 
 
-def aenv(*args: str) -> subprocess.CompletedProcess[str]:
+def aenv(*args: str, secret: str | None = SECRET) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if k != "AENV_CLUSTER_SECRET"}
+    if secret is not None:
+        env["AENV_CLUSTER_SECRET"] = secret
     return subprocess.run([sys.executable, "-m", "agentenv.cli.main", *args],
-                          capture_output=True, text=True, timeout=60)
+                          capture_output=True, text=True, timeout=60, env=env)
 
 
 @pytest.mark.parametrize(("args", "text"), [
@@ -45,3 +51,14 @@ def test_port_taken(redis_server: RedisServer, prefix: str) -> None:
                     "--redis-prefix", prefix)
     assert done.returncode == 1
     assert f"cannot listen on 127.0.0.1:{port}" in done.stderr, done.stderr
+
+
+def test_no_cluster_secret(tmp_path: Path) -> None:
+    """No scheduler, and no node of a scheduler, without the cluster secret."""
+    done = aenv("scheduler", "--redis", f"unix://{tmp_path}/none.sock", secret=None)
+    assert done.returncode != 0
+    assert "the scheduler needs the cluster secret" in done.stderr, done.stderr
+    done = aenv("serve", "--backend", "process", "--state-dir", str(tmp_path / "node"),
+                "--scheduler", "127.0.0.1:9", secret=None)
+    assert done.returncode != 0
+    assert "--scheduler needs the cluster secret" in done.stderr, done.stderr

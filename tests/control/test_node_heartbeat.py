@@ -7,10 +7,11 @@ from __future__ import annotations
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 
 from tests.control.conftest import RedisServer, SchedulerProcess
-from tests.control.helpers import call, wait_for
+from tests.control.helpers import SECRET, call, wait_for
 from tests.node.conftest import NodeProcess
 
 
@@ -39,7 +40,9 @@ def test_node_heartbeats_register_and_reconcile(sched: SchedulerProcess, tmp_pat
         assert info.status.cpu_total > 0 and info.status.memory_total_mib > 0
         assert info.status.disk_free_bytes > 0
 
-        with node.client() as api:
+        # a node of a cluster serves its gateway only: the cluster secret, as the gateway sends it
+        with httpx.Client(base_url=node.url, headers={"x-agentenv-cluster-secret": SECRET},
+                          timeout=60, trust_env=False) as api:
             created = api.post("/sandboxes", json={"templateID": "base", "timeout": 60})
             assert created.status_code == 201, created.text
             sandbox_id = created.json()["sandboxID"]

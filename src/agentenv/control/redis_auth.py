@@ -29,8 +29,9 @@ class RedisAuth:
         except OSError as exc:
             raise AgentEnvError(f"cannot read the Redis password file {password_file}: "
                                 f"{exc.strerror or exc}") from exc
-        if not password or "\n" in password:
-            raise AgentEnvError(f"the Redis password file {password_file} must hold one line")
+        if not password or any(c.isspace() for c in password):
+            raise AgentEnvError(f"the Redis password file {password_file} must hold one word "
+                                "(the password, no white space)")
         return cls(username or None, password)
 
     def connect_kwargs(self) -> dict[str, str]:

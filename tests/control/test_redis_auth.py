@@ -1,0 +1,144 @@
+"""The cluster's Redis as `make cluster-up` runs it (the ACL file of scripts/redis-acl.sh, one
+password per component, read from files): a client without the password can do nothing (no
+minting API keys, no reading idempotency records), and each component reaches only its keys."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import secrets
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import redis
+import redis.exceptions
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+from agentenv.control.gateway.store import GatewayStore, StoreUnavailable
+from agentenv.control.redis_auth import RedisAuth
+from agentenv.control.scheduler.server import SchedulerOptions, SchedulerServer
+from agentenv.control.scheduler.store import Store, StoreError
+from agentenv.errors import AgentEnvError
+from tests.control.conftest import RedisServer
+from tests.control.helpers import SECRET, ClusterClient, status
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+class AclRedis(RedisServer):
+    def __init__(self, root: Path) -> None:
+        self.passwords: dict[str, Path] = {}
+        for user in ("gateway", "scheduler"):  # as cluster-up makes them
+            path = self.passwords[user] = root / f"redis-{user}.password"
+            path.write_text(secrets.token_hex(32))
+            path.chmod(0o600)
+        acl = root / "users.acl"
+        made = subprocess.run(["bash", str(REPO / "scripts/redis-acl.sh"),
+                               str(self.passwords["gateway"]), str(self.passwords["scheduler"])],
+                              check=True, capture_output=True, text=True)
+        acl.write_text(made.stdout)
+        super().__init__(root, "--aclfile", str(acl))
+
+    def auth(self, user: str) -> RedisAuth:
+        return RedisAuth.load(user, self.passwords[user])
+
+    def raw(self, user: str | None = None, password: str | None = None) -> redis.Redis:
+        if user is not None and password is None:
+            password = self.passwords[user].read_text()
+        # no retries: redis-py retries a refused login (a ConnectionError) with back-off
+        return redis.Redis(unix_socket_path=str(self.socket), username=user, password=password,
+                           socket_timeout=10, retry=Retry(NoBackoff(), 0))
+
+
+@pytest.fixture(scope="module")
+def acl_redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[AclRedis]:
+    server = AclRedis(tmp_path_factory.mktemp("acl-redis"))
+    server.start()
+    yield server
+    server.stop()
+
+
+def test_redis_refuses_a_client_without_the_password(acl_redis: AclRedis) -> None:
+    for anonymous in (acl_redis.raw(), acl_redis.raw("gateway", "not-the-password"),
+                      acl_redis.raw("default", "")):
+        with pytest.raises(redis.exceptions.AuthenticationError):
+            anonymous.set("aenv:apikey:" + "0" * 64, "victim")  # minting an API key
+        with pytest.raises(redis.exceptions.AuthenticationError):
+            anonymous.keys("aenv:idem:*")  # the idempotency records hold envd tokens
+    with pytest.raises(StoreUnavailable, match="is unavailable: .*authenticated"):
+        asyncio.run(_create_team(GatewayStore(acl_redis.url), "intruders"))
+    with pytest.raises(StoreError):
+        Store(acl_redis.url).ping()
+    # `aenv team` too: no password, no team
+    aenv = [sys.executable, "-m", "agentenv.cli.main", "team", "--redis", acl_redis.url]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    env.pop("AENV_REDIS_PASSWORD_FILE", None)
+    refused = subprocess.run([*aenv, "create", "intruders"], capture_output=True, text=True,
+                             env=env)
+    assert refused.returncode != 0
+    assert "unavailable: HELLO must be called with the client already authenticated" in refused.stderr
+    done = subprocess.run([*aenv, "--redis-user", "gateway", "--redis-password-file",
+                           str(acl_redis.passwords["gateway"]), "create", "operators"],
+                          capture_output=True, text=True, env=env)
+    assert done.returncode == 0, done.stderr
+    assert acl_redis.raw("gateway").sismember("aenv:teams", "operators")
+
+
+async def _create_team(store: GatewayStore, name: str) -> None:
+    try:
+        await store.create_team(name)
+    finally:
+        await store.close()
+
+
+def test_each_component_reaches_only_its_keys(acl_redis: AclRedis) -> None:
+    async def gateway() -> str:
+        store = GatewayStore(acl_redis.url, acl_redis.auth("gateway"))
+        try:
+            await store.create_team("team-a")
+            return await store.new_key("team-a")
+        finally:
+            await store.close()
+
+    key = asyncio.run(gateway())
+    assert key.startswith("e2b_")
+
+    async def scheduler() -> None:
+        server = SchedulerServer(SchedulerOptions(
+            cluster_secret=SECRET, listen="127.0.0.1:0", redis_url=acl_redis.url,
+            redis_auth=acl_redis.auth("scheduler")))
+        await server.start()
+        try:
+            async with ClusterClient(f"127.0.0.1:{server.port}") as client:
+                await client.heartbeat(status("n1", sandboxes=["s1"]))
+                await client.record_assignment("s2", "n1")
+                assert (await client.lookup("s2")) is not None
+        finally:
+            await server.stop(grace=0)
+
+    asyncio.run(scheduler())
+    assert acl_redis.raw("gateway").hexists("aenv:sched:bindings", "s2")
+    sched = acl_redis.raw("scheduler")
+    with pytest.raises(redis.exceptions.NoPermissionError):
+        sched.get("aenv:apikey:" + "0" * 64)
+    with pytest.raises(redis.exceptions.NoPermissionError):
+        sched.set("aenv:apikey:" + "0" * 64, "team-a")
+    for user in ("gateway", "scheduler"):
+        with pytest.raises(redis.exceptions.NoPermissionError):
+            acl_redis.raw(user).config_get("requirepass")
+        with pytest.raises(redis.exceptions.NoPermissionError):
+            acl_redis.raw(user).flushall()
+
+
+def test_bad_password_files_are_named(tmp_path: Path) -> None:
+    with pytest.raises(AgentEnvError, match="cannot read the Redis password file"):
+        RedisAuth.load("gateway", tmp_path / "missing")
+    (tmp_path / "two").write_text("a b\n")
+    with pytest.raises(AgentEnvError, match="must hold one word"):
+        RedisAuth.load("gateway", tmp_path / "two")
+    with pytest.raises(AgentEnvError, match="without a password file"):
+        RedisAuth.load("gateway", None)

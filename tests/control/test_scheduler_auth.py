@@ -1,0 +1,161 @@
+"""The scheduler answers only its cluster (control/scheduler/auth.py): every RPC of the service
+(read from the proto's descriptor, so a new one cannot be left out) refuses a caller without the
+token derived from the cluster secret, and each identity may call only its own methods: a node
+may not heartbeat for another node (which would move that node's address and bindings to the
+sender), nor release, place or look up anything."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+
+import grpc
+import pytest
+
+from agentenv.control.proto import scheduler_pb2 as pb
+from agentenv.control.scheduler.client import Credentials, SchedulerError
+from tests.control.conftest import RedisServer
+from tests.control.helpers import SECRET, ClusterClient, scheduler, status
+
+SERVICE = pb.DESCRIPTOR.services_by_name["Scheduler"]
+METHODS = list(SERVICE.methods)
+VICTIM_ADDRESS = "127.0.0.1:8001"
+#: what each identity may call (the rule of docs/control-plane.md §1)
+GATEWAY_METHODS = {"Schedule", "RecordAssignment", "Release", "Lookup", "ListNodes"}
+NODE_METHODS = {"Heartbeat", "Holders"}
+DIGEST = "sha256:" + "ab" * 32
+
+
+def sample(method_name: str, caller: str = "n1") -> object:
+    """A request each method would act on (a stranger's would do harm); an empty message for a
+    method this table does not know yet, which is refused all the same."""
+    requests: dict[str, Callable[[], object]] = {
+        "Schedule": lambda: pb.ScheduleRequest(template_id="base", vcpus=1, memory_mib=1),
+        "RecordAssignment": lambda: pb.Assignment(sandbox_id="planted", node_id="n1"),
+        "Release": lambda: pb.ReleaseRequest(sandbox_id="s1"),
+        "Lookup": lambda: pb.LookupRequest(sandbox_id="s1"),
+        "Heartbeat": lambda: status(caller, address="127.0.0.1:6666"),
+        "ListNodes": pb.Empty,
+        "Holders": lambda: pb.HoldersRequest(digests=[DIGEST], node_id=caller),
+    }
+    method = SERVICE.methods_by_name[method_name]
+    return requests.get(method_name, getattr(pb, method.input_type.name))()
+
+
+async def raw_call(channel: grpc.aio.Channel, method_name: str, request: object,
+                   metadata: tuple[tuple[str, str], ...] | None) -> object:
+    method = SERVICE.methods_by_name[method_name]
+    rpc = channel.unary_unary(
+        f"/{SERVICE.full_name}/{method_name}",
+        request_serializer=lambda m: m.SerializeToString(),  # type: ignore[attr-defined]
+        response_deserializer=getattr(pb, method.output_type.name).FromString,
+    )
+    return await rpc(request, metadata=metadata, timeout=10)
+
+
+async def victim_unchanged(client: ClusterClient) -> None:
+    where = await client.lookup("s1")
+    assert where is not None and (where.node_id, where.node_address) == ("n1", VICTIM_ADDRESS)
+    (n1,) = [n for n in await client.list_nodes() if n.node_id == "n1"]
+    assert n1.address == VICTIM_ADDRESS and n1.status.running == 1
+    assert await client.lookup("planted") is None
+
+
+WRONG = {
+    "none": None,
+    "another-secret": Credentials.gateway("another-cluster-" + "x" * 32).metadata,
+    # a real token, of another identity
+    "another-identity": ((Credentials.gateway(SECRET).metadata[0]),
+                         Credentials.node(SECRET, "n1").metadata[1]),
+    "token-only": Credentials.gateway(SECRET).metadata[1:],
+    "garbage": (("x-aenv-identity", "gateway"), ("x-aenv-token", "0" * 64)),
+}
+
+
+@pytest.mark.parametrize("credential", list(WRONG), ids=list(WRONG))
+def test_every_rpc_is_refused_without_the_cluster_credential(
+    redis_server: RedisServer, prefix: str, credential: str
+) -> None:
+    async def body() -> None:
+        # grace 0: on a scheduler without this check, an empty heartbeat drops s1 at once
+        async with scheduler(redis_server.url, prefix, reconcile_grace_s=0.0) as (server, client):
+            await client.heartbeat(status("n1", address=VICTIM_ADDRESS, sandboxes=["s1"],
+                                          templates=["base"]))
+            await victim_unchanged(client)  # the right tokens pass (and are remembered)
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+                for method in METHODS:
+                    with pytest.raises(grpc.aio.AioRpcError) as caught:
+                        await raw_call(channel, method.name, sample(method.name),
+                                       WRONG[credential])
+                    assert caught.value.code() == grpc.StatusCode.UNAUTHENTICATED, method.name
+                    assert "credential" in (caught.value.details() or ""), method.name
+            await victim_unchanged(client)
+
+    asyncio.run(body())
+
+
+def test_a_node_cannot_heartbeat_for_another_node(redis_server: RedisServer, prefix: str) -> None:
+    async def body() -> None:
+        async with scheduler(redis_server.url, prefix, reconcile_grace_s=0.0) as (_, client):
+            await client.heartbeat(status("n1", address=VICTIM_ADDRESS, sandboxes=["s1"]))
+            intruder = Credentials.node(SECRET, "n2")  # a node of the cluster, or its token
+            for forged in (status("n1", address="127.0.0.1:6666", sandboxes=["s1"]),
+                           status("n1", address=VICTIM_ADDRESS)):  # empty: drops n1's bindings
+                with pytest.raises(SchedulerError) as caught:
+                    await client.heartbeat(forged, credentials=intruder)
+                assert caught.value.code == grpc.StatusCode.PERMISSION_DENIED
+                assert "node 'n2' may not call Heartbeat for node 'n1'" in caught.value.details
+            await victim_unchanged(client)
+            # its own heartbeat is taken
+            await client.heartbeat(status("n2", address="127.0.0.1:8002"), credentials=intruder)
+            with pytest.raises(SchedulerError) as caught:
+                await client.holders([DIGEST], node_id="n1", credentials=intruder)
+            assert caught.value.code == grpc.StatusCode.PERMISSION_DENIED
+
+    asyncio.run(body())
+
+
+@pytest.mark.parametrize("who", ["gateway", "node"])
+def test_each_identity_calls_only_its_methods(redis_server: RedisServer, prefix: str,
+                                              who: str) -> None:
+    """A node may not release (or place, record, look up, list); the gateway may not send
+    heartbeats. A method neither list names is refused to both."""
+    credentials = Credentials.gateway(SECRET) if who == "gateway" else Credentials.node(SECRET,
+                                                                                         "n2")
+    allowed = GATEWAY_METHODS if who == "gateway" else NODE_METHODS
+
+    async def body() -> None:
+        async with scheduler(redis_server.url, prefix, reconcile_grace_s=0.0) as (server, client):
+            await client.heartbeat(status("n1", address=VICTIM_ADDRESS, sandboxes=["s1"],
+                                          templates=["base"]))
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+                for method in METHODS:
+                    if method.name in allowed:
+                        continue
+                    with pytest.raises(grpc.aio.AioRpcError) as caught:
+                        await raw_call(channel, method.name, sample(method.name, "n2"),
+                                       credentials.metadata)
+                    assert caught.value.code() == grpc.StatusCode.PERMISSION_DENIED, method.name
+                for name in sorted(allowed):
+                    if name not in ("RecordAssignment", "Release"):  # those change the victim
+                        await raw_call(channel, name, sample(name, "n2"), credentials.metadata)
+            await victim_unchanged(client)
+
+    asyncio.run(body())
+
+
+def test_every_rpc_has_a_rule() -> None:
+    """The interceptor refuses a method without a rule to everyone: a new RPC must get one."""
+    from agentenv.control.scheduler.auth import RULES
+
+    assert set(RULES) == {f"/{SERVICE.full_name}/{m.name}" for m in METHODS}
+    assert {m.name for m in METHODS} == GATEWAY_METHODS | NODE_METHODS
+
+
+def test_no_scheduler_without_a_cluster_secret(redis_server: RedisServer, prefix: str) -> None:
+    from agentenv.control.scheduler.server import SchedulerOptions, SchedulerServer
+    from agentenv.errors import AgentEnvError
+
+    with pytest.raises(AgentEnvError, match="needs the cluster secret"):
+        SchedulerServer(SchedulerOptions(cluster_secret="", redis_url=redis_server.url,
+                                         prefix=prefix))
