@@ -69,7 +69,7 @@ def test_redis_refuses_a_client_without_the_password(acl_redis: AclRedis) -> Non
             anonymous.set("aenv:apikey:" + "0" * 64, "victim")  # minting an API key
         with pytest.raises(redis.exceptions.AuthenticationError):
             anonymous.keys("aenv:idem:*")  # the idempotency records hold envd tokens
-    with pytest.raises(StoreUnavailable, match="is unavailable: .*authenticated"):
+    with pytest.raises(StoreUnavailable, match=r"is unavailable: .*authenticated"):
         asyncio.run(_create_team(GatewayStore(acl_redis.url), "intruders"))
     with pytest.raises(StoreError):
         Store(acl_redis.url).ping()
