@@ -52,20 +52,35 @@ wait_for() {  # wait_for WHAT SECONDS CMD...: until CMD succeeds
   done
 }
 
-# the cluster secret: every node serves only requests that carry it (the gateway's)
+new_secret() {  # new_secret FILE: 32 random bytes as hex, readable by root only (kept if there)
+  [[ -s $1 ]] || (umask 077; head -c 32 /dev/urandom | od -An -tx1 | tr -d ' \n' >"$1")
+}
+# the cluster secret: every node serves only requests that carry it (the gateway's), and every
+# caller of the scheduler sends a token derived from it
 secret=$dir/cluster-secret
-if [[ ! -s $secret ]]; then
-  (umask 077; head -c 32 /dev/urandom | od -An -tx1 | tr -d ' \n' >"$secret")
-fi
+new_secret "$secret"
 
-# Redis: the scheduler's bindings and node registry, the gateway's teams and ownership records
+# Redis: the scheduler's bindings and node registry, the gateway's teams and ownership records.
+# No access without a password: an ACL user per component (scripts/redis-acl.sh), passwords in
+# files; the nodes never talk to Redis.
+redis_gateway_pw=$dir/redis-gateway.password
+redis_scheduler_pw=$dir/redis-scheduler.password
+new_secret "$redis_gateway_pw"
+new_secret "$redis_scheduler_pw"
+(umask 077; bash "$root/scripts/redis-acl.sh" "$redis_gateway_pw" "$redis_scheduler_pw" \
+  >"$dir/redis/users.acl")
+redis_gateway=(--redis "$redis_url" --redis-user gateway --redis-password-file "$redis_gateway_pw")
+redis_ping() {
+  [[ $(REDISCLI_AUTH=$(cat "$redis_gateway_pw") redis-cli --no-auth-warning --user gateway \
+    -p "$redis_port" ping) == PONG ]]
+}
 if ! alive "$dir/redis.pid"; then
   redis-server --bind 127.0.0.1 --port "$redis_port" --dir "$dir/redis" --appendonly yes \
     --appendfsync everysec --daemonize yes --pidfile "$dir/redis.pid" \
-    --logfile "$logs/redis.log" >/dev/null
-  wait_for redis 20 redis-cli -p "$redis_port" ping
+    --aclfile "$dir/redis/users.acl" --logfile "$logs/redis.log" >/dev/null
+  wait_for redis 20 redis_ping
 fi
-echo "redis on 127.0.0.1:$redis_port (AOF in $dir/redis)"
+echo "redis on 127.0.0.1:$redis_port (AOF in $dir/redis; users gateway, scheduler)"
 
 # The nodes' network: a bridge on the host, a veth into each node's namespace
 if ! ip link show "$bridge" >/dev/null 2>&1; then
@@ -93,7 +108,8 @@ table ip aenvc {
 NFT
 
 if ! alive "$dir/scheduler.pid"; then
-  setsid "$aenv" scheduler --listen "$host_ip:9090" --redis "$redis_url" \
+  setsid "$aenv" scheduler --listen "$host_ip:9090" --cluster-secret-file "$secret" \
+    --redis "$redis_url" --redis-user scheduler --redis-password-file "$redis_scheduler_pw" \
     >>"$logs/scheduler.log" 2>&1 </dev/null &
   echo $! >"$dir/scheduler.pid"
   wait_for scheduler 60 bash -c "exec 3<>/dev/tcp/$host_ip/9090"
@@ -150,14 +166,14 @@ done
 
 if ! alive "$dir/gateway.pid"; then
   setsid "$aenv" gateway --host 127.0.0.1 --port "$gw_port" --scheduler "$host_ip:9090" \
-    --redis "$redis_url" --cluster-secret-file "$secret" --domain "localhost:$gw_port" \
+    "${redis_gateway[@]}" --cluster-secret-file "$secret" --domain "localhost:$gw_port" \
     >>"$logs/gateway.log" 2>&1 </dev/null &
   echo $! >"$dir/gateway.pid"
   wait_for gateway 60 curl -fsS --max-time 2 -o /dev/null "http://127.0.0.1:$gw_port/health"
 fi
 
-AENV_REDIS_URL=$redis_url "$aenv" team create "$team" >/dev/null 2>&1 || true
-key=$(AENV_REDIS_URL=$redis_url "$aenv" team key "$team")
+"$aenv" team "${redis_gateway[@]}" create "$team" >/dev/null 2>&1 || true
+key=$("$aenv" team "${redis_gateway[@]}" key "$team")
 
 echo "waiting for the nodes (a VM node's first start builds its base template: minutes)"
 nodes_up() {
@@ -180,7 +196,8 @@ cat <<MSG
 
 agentenv cluster is up: $nodes $backend node(s), scheduler, gateway, redis (state in $dir)
   gateway:  http://127.0.0.1:$gw_port
-  team key: $key   (team "$team"; more: AENV_REDIS_URL=$redis_url aenv team ...)
+  redis:    127.0.0.1:$redis_port, users gateway and scheduler (passwords in $dir/redis-*.password)
+  team key: $key   (team "$team"; more: aenv team ${redis_gateway[*]} ...)
   logs:     $logs
 
 For the E2B SDK, export:

@@ -317,6 +317,21 @@ def test_restart_brings_back_disk_and_shared_devices(daemon: Daemon, stack: Stac
     nbd.close()
 
 
+def listening_addresses(port: int) -> set[str]:
+    """The local addresses TCP sockets listen on at `port` (/proc/net/tcp and tcp6)."""
+    found = set()
+    for table, family in (("tcp", socket.AF_INET), ("tcp6", socket.AF_INET6)):
+        for line in Path(f"/proc/net/{table}").read_text().splitlines()[1:]:
+            local, state = line.split()[1], line.split()[3]
+            address, _, hex_port = local.partition(":")
+            if state != "0A" or int(hex_port, 16) != port:  # 0A: LISTEN
+                continue
+            raw = bytes.fromhex(address)  # 32-bit words in host (little-endian) order
+            words = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
+            found.add(socket.inet_ntop(family, words))
+    return found
+
+
 def test_metrics_endpoint_counts_per_device(short_tmp: Path, stack: Stack) -> None:
     import urllib.request
 
@@ -335,6 +350,8 @@ def test_metrics_endpoint_counts_per_device(short_tmp: Path, stack: Stack) -> No
         nbd.write(0, bytes(4096))
         nbd.close()
         text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+        # loopback only, unless told (--metrics-bind): not the node's network's to read
+        assert listening_addresses(port) == {"127.0.0.1"}
     finally:
         d.stop()
     assert f'aenv_blockd_reads_total{{device="{info.id}"}} 5.0' in text

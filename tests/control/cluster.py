@@ -1,4 +1,5 @@
-"""A local cluster for the gateway's tests and bench: Debian's redis-server, `aenv scheduler`,
+"""A local cluster for the gateway's tests and bench: Debian's redis-server (with the ACL and
+passwords of `make cluster-up`), `aenv scheduler`,
 N nodes (process backend unless asked otherwise) and `aenv gateway`, each its own process on
 loopback, the nodes sharing one cluster secret. `make cluster-up` runs the same parts with each
 node in a network namespace of its own (scripts/cluster-up.sh)."""
@@ -15,7 +16,7 @@ from pathlib import Path
 
 import httpx
 
-from tests.control.conftest import RedisServer, SchedulerProcess, free_port
+from tests.control.conftest import AclRedis, SchedulerProcess, free_port
 from tests.control.helpers import SECRET
 from tests.node.conftest import NO_READY_POOLS, NodeProcess, vm_node_process
 
@@ -71,7 +72,7 @@ class LocalCluster:
         self.root = root
         self.vm_nodes = vm_nodes
         root.mkdir(parents=True, exist_ok=True)
-        self.redis = RedisServer(root)
+        self.redis = AclRedis(root)  # as cluster-up runs it: a password per component
         self.secret_file = root / "cluster-secret"
         self.secret_file.write_text(SECRET + "\n")  # the scheduler's too (SchedulerProcess)
         os.chmod(self.secret_file, 0o600)
@@ -79,7 +80,7 @@ class LocalCluster:
         self.scheduler = SchedulerProcess(
             self.redis.url, "aenv:sched:", root / "scheduler.log",
             "--heartbeat-interval", str(heartbeat), "--missed-heartbeats", "3",
-            "--strategy", strategy,
+            "--strategy", strategy, *self.redis.args("scheduler"),
         )
         self.nodes: list[NodeProcess] = []
         for i in range(nodes):
@@ -97,7 +98,7 @@ class LocalCluster:
             node.extra_env = {**node.extra_env, **(node_env or {})}
             self.nodes.append(node)
         self.gateway = GatewayProcess(self.scheduler.address, self.redis.url, self.secret_file,
-                                      root / "gateway.log")
+                                      root / "gateway.log", env=self.redis.env("gateway"))
         self.keys: dict[str, str] = {}
 
     @property
@@ -114,7 +115,7 @@ class LocalCluster:
 
     def team(self, name: str) -> str:
         """A new team with one key; returns the key."""
-        run = [*AENV, "team", "--redis", self.redis.url]
+        run = [*AENV, "team", "--redis", self.redis.url, *self.redis.args("gateway")]
         subprocess.run([*run, "create", name], check=True, capture_output=True)
         key = subprocess.run([*run, "key", name], check=True, capture_output=True, text=True)
         self.keys[name] = key.stdout.strip()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -16,10 +17,15 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
+from agentenv.control.redis_auth import RedisAuth
 from tests.control.helpers import SECRET
 
 REDIS_SERVER = shutil.which("redis-server") or "/usr/bin/redis-server"
+REPO = Path(__file__).resolve().parents[2]
 
 
 class RedisServer:
@@ -72,6 +78,41 @@ class RedisServer:
                 self.proc.wait(10)
             except subprocess.TimeoutExpired:
                 self.kill()
+
+
+class AclRedis(RedisServer):
+    """redis-server as `make cluster-up` runs it: the ACL of scripts/redis-acl.sh (no access
+    without a password), a user and a password file each for the gateway and the scheduler."""
+
+    def __init__(self, root: Path) -> None:
+        self.passwords: dict[str, Path] = {}
+        for user in ("gateway", "scheduler"):  # as cluster-up makes them
+            path = self.passwords[user] = root / f"redis-{user}.password"
+            path.write_text(secrets.token_hex(32))
+            path.chmod(0o600)
+        acl = root / "users.acl"
+        made = subprocess.run(["bash", str(REPO / "scripts/redis-acl.sh"),
+                               str(self.passwords["gateway"]), str(self.passwords["scheduler"])],
+                              check=True, capture_output=True, text=True)
+        acl.write_text(made.stdout)
+        super().__init__(root, "--aclfile", str(acl))
+
+    def auth(self, user: str) -> RedisAuth:
+        return RedisAuth.load(user, self.passwords[user])
+
+    def env(self, user: str) -> dict[str, str]:
+        """How `aenv gateway`/`team`/`scheduler` are told to log in as `user`."""
+        return {"AENV_REDIS_USER": user, "AENV_REDIS_PASSWORD_FILE": str(self.passwords[user])}
+
+    def args(self, user: str) -> tuple[str, ...]:
+        return ("--redis-user", user, "--redis-password-file", str(self.passwords[user]))
+
+    def raw(self, user: str | None = None, password: str | None = None) -> redis.Redis:
+        if user is not None and password is None:
+            password = self.passwords[user].read_text()
+        # no retries: redis-py retries a refused login (a ConnectionError) with back-off
+        return redis.Redis(unix_socket_path=str(self.socket), username=user, password=password,
+                           socket_timeout=10, retry=Retry(NoBackoff(), 0))
 
 
 @pytest.fixture(scope="session")

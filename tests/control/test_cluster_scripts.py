@@ -44,12 +44,34 @@ assert [s.commands.run("echo up").stdout for s in made] == ["up\\n"] * 4
 """
 
 
+# A stranger on the host: Redis and the scheduler answer it nothing (no password, no token).
+STRANGER_CHECK = """
+import grpc, redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+from agentenv.control.proto import scheduler_pb2 as pb, scheduler_pb2_grpc as pb_grpc
+try:
+    redis.Redis(port=int(os.environ["REDIS_PORT"]), retry=Retry(NoBackoff(), 0)).set(
+        "aenv:apikey:" + "0" * 64, "default")
+    print("redis: open")
+except redis.exceptions.AuthenticationError:
+    print("redis: refused")
+with grpc.insecure_channel(f"{os.environ['NET']}.1:9090",
+                           options=[("grpc.enable_http_proxy", 0)]) as channel:
+    try:
+        pb_grpc.SchedulerStub(channel).ListNodes(pb.Empty(), timeout=30)
+        print("scheduler: open")
+    except grpc.RpcError as exc:
+        print("scheduler:", exc.code().name)
+"""
+
+
 def test_cluster_up_sdk_and_down(tmp_path: Path) -> None:
     if os.geteuid() != 0:
         pytest.skip("needs root (network namespaces)")
     state = tmp_path / "cluster"
     check = tmp_path / "check.py"
-    check.write_text(SDK_CHECK + HOMES_AND_KILL)
+    check.write_text(SDK_CHECK + STRANGER_CHECK + HOMES_AND_KILL)
     net = "10.231.0"
     script = f"""
 set -euo pipefail
@@ -57,7 +79,7 @@ set -euo pipefail
 trap 'bash scripts/cluster-down.sh >/dev/null 2>&1 || true' EXIT
 eval "$(bash scripts/cluster-up.sh | sed -n 's/^ *export /export /p')"
 bash scripts/cluster-up.sh | grep -q "already up\\|cluster is up"
-NET={net} {sys.executable} {check}
+NET={net} REDIS_PORT=16480 {sys.executable} {check}
 bash scripts/cluster-down.sh
 echo "netns: $(ip netns list | grep -c aenvc || true)"
 echo "bridge: $(ip -o link show aenvc-br 2>/dev/null | wc -l)"
@@ -68,6 +90,8 @@ echo "bridge: $(ip -o link show aenvc-br 2>/dev/null | wc -l)"
     done, leftovers, logs = _run_cluster(script, env, state, net, 240)
     assert done.returncode == 0, done.stdout + done.stderr + logs
     assert "homes [0, 1]" in done.stdout, done.stdout
+    assert "redis: refused" in done.stdout and "scheduler: UNAUTHENTICATED" in done.stdout, (
+        done.stdout)
     assert "netns: 0" in done.stdout and "bridge: 0" in done.stdout, done.stdout
     assert leftovers == [], f"cluster-down left processes running: {leftovers}"
 

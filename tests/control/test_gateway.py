@@ -234,7 +234,7 @@ def test_two_gateways_serve_one_cluster(cluster: LocalCluster) -> None:
     an Idempotency-Key it claimed and a signed URL made against it (gateways keep nothing of
     their own; a load balancer may send each request to either)."""
     second = GatewayProcess(cluster.scheduler.address, cluster.redis.url, cluster.secret_file,
-                            cluster.root / "gateway2.log")
+                            cluster.root / "gateway2.log", env=cluster.redis.env("gateway"))
     second.start()
     try:
         key = cluster.keys["alpha"]
@@ -433,13 +433,14 @@ def test_create_lease_lapses_with_a_dead_gateway_not_a_live_one(cluster: LocalCl
     gets the same sandbox; a gateway killed -9 mid-create holds the key only until the lease
     lapses, then a retry through the other gateway takes over, on the same node, whose memory
     of the key gives at most one sandbox."""
-    env = {"AENV_GATEWAY_CREATE_LEASE": str(LEASE)}
+    env = {"AENV_GATEWAY_CREATE_LEASE": str(LEASE), **cluster.redis.env("gateway")}
     live, doomed = (GatewayProcess(cluster.scheduler.address, cluster.redis.url,
                                    cluster.secret_file, cluster.root / f"gateway-{n}.log",
                                    env=env) for n in ("live", "doomed"))
     alpha = {"X-API-KEY": cluster.keys["alpha"]}
     body = {"templateID": "base", "timeout": 120, "metadata": {"batch": "lease"}}
-    db = redis.Redis.from_url(cluster.redis.url, decode_responses=True)
+    db = redis.Redis.from_url(cluster.redis.url, decode_responses=True,
+                              **cluster.redis.auth("gateway").connect_kwargs())
     answers: dict[str, httpx.Response | Exception] = {}
 
     def create(name: str, url: str, key: str) -> threading.Thread:

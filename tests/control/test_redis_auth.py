@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import secrets
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -15,43 +14,14 @@ from pathlib import Path
 import pytest
 import redis
 import redis.exceptions
-from redis.backoff import NoBackoff
-from redis.retry import Retry
 
 from agentenv.control.gateway.store import GatewayStore, StoreUnavailable
 from agentenv.control.redis_auth import RedisAuth
 from agentenv.control.scheduler.server import SchedulerOptions, SchedulerServer
 from agentenv.control.scheduler.store import Store, StoreError
 from agentenv.errors import AgentEnvError
-from tests.control.conftest import RedisServer
+from tests.control.conftest import AclRedis
 from tests.control.helpers import SECRET, ClusterClient, status
-
-REPO = Path(__file__).resolve().parents[2]
-
-
-class AclRedis(RedisServer):
-    def __init__(self, root: Path) -> None:
-        self.passwords: dict[str, Path] = {}
-        for user in ("gateway", "scheduler"):  # as cluster-up makes them
-            path = self.passwords[user] = root / f"redis-{user}.password"
-            path.write_text(secrets.token_hex(32))
-            path.chmod(0o600)
-        acl = root / "users.acl"
-        made = subprocess.run(["bash", str(REPO / "scripts/redis-acl.sh"),
-                               str(self.passwords["gateway"]), str(self.passwords["scheduler"])],
-                              check=True, capture_output=True, text=True)
-        acl.write_text(made.stdout)
-        super().__init__(root, "--aclfile", str(acl))
-
-    def auth(self, user: str) -> RedisAuth:
-        return RedisAuth.load(user, self.passwords[user])
-
-    def raw(self, user: str | None = None, password: str | None = None) -> redis.Redis:
-        if user is not None and password is None:
-            password = self.passwords[user].read_text()
-        # no retries: redis-py retries a refused login (a ConnectionError) with back-off
-        return redis.Redis(unix_socket_path=str(self.socket), username=user, password=password,
-                           socket_timeout=10, retry=Retry(NoBackoff(), 0))
 
 
 @pytest.fixture(scope="module")

@@ -57,7 +57,7 @@ from agentenv.blockd.client import default_socket, default_state_dir
 from agentenv.blockd.device import INLINE_MAX, Device, tune_allocator
 from agentenv.blockd.errors import BlockdError, NotFound
 from agentenv.blockd.manager import DeviceManager, StateLayout
-from agentenv.blockd.metrics import Metrics
+from agentenv.blockd.metrics import LOOPBACK, Metrics
 from agentenv.blockd.results import Pong
 from agentenv.blockd.rpc import MAX_RPC_LINE, Handler, RpcServer
 from agentenv.fsutil import private_dir
@@ -79,6 +79,7 @@ class Blockd:
         *,
         fuse: bool = True,
         metrics_port: int | None = None,
+        metrics_bind: str = LOOPBACK,
         io_threads: int = 8,
         inline_max: int = INLINE_MAX,
         upper_limit: int | None = None,
@@ -92,6 +93,7 @@ class Blockd:
         self.socket_path = Path(socket_path)
         self.use_fuse = fuse
         self.metrics_port = metrics_port
+        self.metrics_bind = metrics_bind
         self.executor = ThreadPoolExecutor(io_threads, thread_name_prefix="blockd-io")
         self.layout = StateLayout(self.state_dir)
         self.manager = DeviceManager(self.layout, self.executor, inline_max=inline_max,
@@ -160,7 +162,7 @@ class Blockd:
             grant_vm_group_search(folder)
         if self.metrics_port is not None:
             self.metrics = Metrics()
-            self.metrics.serve(self.metrics_port)
+            self.metrics.serve(self.metrics_port, self.metrics_bind)
             self.manager.metrics = self.metrics
         from agentenv.blockd.remote import service as remote_service
 

@@ -1,11 +1,14 @@
 """blockd's Prometheus metrics: counters per device, registered only when a metrics port is
-asked for (`aenv blockd --metrics-port`)."""
+asked for (`aenv blockd --metrics-port`), served on loopback unless `--metrics-bind` names
+another address (device ids and traffic are the node's business, not its network's)."""
 
 from __future__ import annotations
 
 import contextlib
 
 from agentenv.blockd.device import Device
+
+LOOPBACK = "127.0.0.1"
 
 
 class Metrics:
@@ -26,10 +29,10 @@ class Metrics:
         )
         self.devices = Gauge("aenv_blockd_devices", "devices served", registry=self.registry)
 
-    def serve(self, port: int) -> None:
+    def serve(self, port: int, bind: str = LOOPBACK) -> None:
         from prometheus_client import start_http_server
 
-        start_http_server(port, registry=self.registry)
+        start_http_server(port, addr=bind, registry=self.registry)
 
     def count(self, device: Device, what: str, amount: int) -> None:
         counter = self.counters.get(what)

@@ -24,6 +24,9 @@ _socket_option = click.option(
               help="Where device records, NBD sockets, uppers and the FUSE mount live.")
 @_socket_option
 @click.option("--metrics-port", type=int, default=None, help="Serve Prometheus metrics on this port.")
+@click.option("--metrics-bind", default="127.0.0.1", show_default=True, envvar="AENV_BLOCKD_METRICS_BIND",
+              help="Address of the metrics port (env AENV_BLOCKD_METRICS_BIND); another than "
+                   "loopback shows every node's devices and traffic to its network.")
 @click.option("--no-fuse", is_flag=True, help="Do not expose devices as FUSE files.")
 @click.option("--inline-max", type=int, default=None,
               help="Largest read/write done on the event loop; larger ones go to I/O threads.")
@@ -54,7 +57,7 @@ _socket_option = click.option(
                    "(default 32M; env AENV_REMOTE_BACKGROUND_BW).")
 @click.option("--log-level", default="info", show_default=True)
 def blockd_command(state_dir: Path, socket_path: Path, metrics_port: int | None,
-                   no_fuse: bool, inline_max: int | None,
+                   metrics_bind: str, no_fuse: bool, inline_max: int | None,
                    upper_limit: str, chunk_cache_dir: Path | None, chunk_cache_size: str | None,
                    chunk_cache_eviction: str | None, remote_timeout: float | None, peers: tuple[str, ...], p2p_listen: str | None,
                    cluster_secret_file: Path | None, remote_background_bw: str | None,
@@ -80,7 +83,7 @@ def blockd_command(state_dir: Path, socket_path: Path, metrics_port: int | None,
     except ValueError as exc:
         raise click.BadParameter(str(exc), param_hint="remote layer settings") from None
     daemon = Blockd(state_dir, socket_path, fuse=not no_fuse, metrics_port=metrics_port,
-                    inline_max=INLINE_MAX if inline_max is None else inline_max,
+                    metrics_bind=metrics_bind, inline_max=INLINE_MAX if inline_max is None else inline_max,
                     upper_limit=limit or None, remote=remote)
     asyncio.run(daemon.run())
 
