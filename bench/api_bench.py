@@ -423,9 +423,10 @@ async def measure(op: Callable[[], Any], total: int, concurrency: int
     return results, time.perf_counter() - began
 
 
-def create_op_mean_ms(url: str) -> tuple[float, int]:
+def create_op_mean_ms(url: str, key: str) -> tuple[float, int]:
     """Sum (ms) and count of the orchestrator's create operations (Prometheus histogram)."""
-    text = httpx.get(url + "/metrics", timeout=10, trust_env=False).text
+    text = httpx.get(url + "/metrics", headers={"X-API-KEY": key}, timeout=10,
+                     trust_env=False).text
     total, count = 0.0, 0
     for line in text.splitlines():
         if 'op="create"' in line and 'outcome="ok"' in line:
@@ -548,10 +549,10 @@ async def vm_measurements(pool_node: VmNode, work: Path, quick: bool) -> None:
         # 1. The node with its ready pool (the default configuration).
         await asyncio.to_thread(pool_node.wait_pooled, low)
         await pooled.op()  # warm the API path and the connections once
-        sum0, n0 = await asyncio.to_thread(create_op_mean_ms, pool_node.url)
+        sum0, n0 = await asyncio.to_thread(create_op_mean_ms, pool_node.url, pool_node.key)
         taken0 = len(pool_node.log_lines("sandbox VM from the ready pool"))
         seq_pool = await pooled.sequential(sequential, low)
-        sum1, n1 = await asyncio.to_thread(create_op_mean_ms, pool_node.url)
+        sum1, n1 = await asyncio.to_thread(create_op_mean_ms, pool_node.url, pool_node.key)
         handovers = pool_node.log_lines("sandbox VM from the ready pool")[taken0:]
         await asyncio.to_thread(pool_node.wait_pooled, low)
         c8_pool, _ = await measure(pooled.op, 8 * rounds_c8, 8)

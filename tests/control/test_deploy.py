@@ -101,3 +101,83 @@ def test_container_commands_parse(kind: str, name: str) -> None:
 def test_containerfile_installs_the_project() -> None:
     text = (DEPLOY / "Containerfile").read_text()
     assert "scripts/install-system.sh" in text and "pip install" in text
+
+
+def env_of(container: dict[str, Any]) -> dict[str, Any]:
+    return {e["name"]: e.get("value", e.get("valueFrom")) for e in container.get("env", [])}
+
+
+def pod_spec(kind: str, name: str) -> dict[str, Any]:
+    return by_kind(kind, name)["spec"]["template"]["spec"]  # type: ignore[no-any-return]
+
+
+def test_redis_wants_a_password_per_component() -> None:
+    """No `--protected-mode no` Redis: the ACL file of scripts/redis-acl.sh (default user off),
+    written from the Secret aenv-redis; the gateway and the scheduler log in as their users with
+    their password files; every component takes the cluster secret from one Secret."""
+    redis = pod_spec("StatefulSet", "aenv-redis")
+    args = redis["containers"][0]["args"]
+    assert "--protected-mode" not in args
+    acl = args[args.index("--aclfile") + 1]
+    (init,) = redis["initContainers"]
+    script = " ".join(init["command"])
+    assert "scripts/redis-acl.sh" in script and script.endswith(f">{acl}")
+    assert (DEPLOY.parents[1] / "scripts" / "redis-acl.sh").is_file()
+    secrets = {v["name"]: v["secret"] for v in redis["volumes"] if "secret" in v}
+    assert secrets["passwords"]["secretName"] == "aenv-redis"
+    for user, kind, name in (("gateway", "Deployment", "aenv-gateway"),
+                             ("scheduler", "Deployment", "aenv-scheduler")):
+        assert f"/run/secrets/aenv-redis/{user}-password" in script  # the ACL's password
+        spec = pod_spec(kind, name)
+        container = spec["containers"][0]
+        env = env_of(container)
+        assert env["AENV_REDIS_USER"] == user
+        assert env["AENV_CLUSTER_SECRET"] == {"secretKeyRef": {"name": "aenv-cluster",
+                                                               "key": "secret"}}
+        mount = next(m for m in container["volumeMounts"]
+                     if env["AENV_REDIS_PASSWORD_FILE"].startswith(m["mountPath"] + "/"))
+        volume = next(v for v in spec["volumes"] if v["name"] == mount["name"])
+        assert volume["secret"]["secretName"] == "aenv-redis"
+        assert [i["key"] for i in volume["secret"]["items"]] == [f"{user}-password"]
+        assert env["AENV_REDIS_PASSWORD_FILE"].endswith(volume["secret"]["items"][0]["path"])
+        # group-readable file, read by the pod's non-root user through fsGroup
+        assert spec["securityContext"]["fsGroup"] == container["securityContext"]["runAsUser"]
+    node_env = env_of(pod_spec("DaemonSet", "aenv-node")["containers"][0])
+    assert node_env["AENV_CLUSTER_SECRET"] == {"secretKeyRef": {"name": "aenv-cluster",
+                                                                "key": "secret"}}
+    assert "AENV_REDIS_USER" not in node_env  # the nodes never talk to Redis
+
+
+def test_network_policies_let_only_the_gateway_and_scheduler_reach_redis() -> None:
+    policies = {doc["metadata"]["name"]: doc["spec"] for _, doc in DOCS
+                if doc["kind"] == "NetworkPolicy"}
+    deny = policies["aenv-default-deny"]
+    assert deny["podSelector"] == {} and deny["policyTypes"] == ["Ingress"]
+    assert "ingress" not in deny
+    labels = {name: pod_spec_labels(kind, name) for kind, name in (
+        ("Deployment", "aenv-gateway"), ("Deployment", "aenv-scheduler"),
+        ("StatefulSet", "aenv-redis"))}
+    redis = policies["aenv-redis"]
+    assert labels["aenv-redis"].items() >= redis["podSelector"]["matchLabels"].items()
+    (rule,) = redis["ingress"]
+    allowed = [peer["podSelector"]["matchLabels"] for peer in rule["from"]]
+    assert allowed == [{"app.kubernetes.io/name": "aenv-gateway"},
+                       {"app.kubernetes.io/name": "aenv-scheduler"}]
+    for selector, name in zip(allowed, ("aenv-gateway", "aenv-scheduler"), strict=True):
+        assert labels[name].items() >= selector.items()
+    # nothing else selects Redis pods with a wider rule
+    for name, spec in policies.items():
+        if name not in ("aenv-redis", "aenv-default-deny"):
+            assert not labels["aenv-redis"].items() >= spec["podSelector"]["matchLabels"].items()
+    # every pod on the pod network has its ports opened by some policy (none closed by mistake)
+    for kind, name in (("Deployment", "aenv-gateway"), ("Deployment", "aenv-scheduler"),
+                       ("StatefulSet", "aenv-redis")):
+        ports = {p["containerPort"] for p in pod_spec(kind, name)["containers"][0]["ports"]}
+        opened = {p["port"] for spec in policies.values() if "ingress" in spec
+                  and labels[name].items() >= spec["podSelector"]["matchLabels"].items()
+                  for rule in spec["ingress"] for p in rule.get("ports", [])}
+        assert ports == opened, (name, ports, opened)
+
+
+def pod_spec_labels(kind: str, name: str) -> dict[str, str]:
+    return by_kind(kind, name)["spec"]["template"]["metadata"]["labels"]  # type: ignore[no-any-return]

@@ -21,9 +21,10 @@ import pytest
 import redis
 from e2b import Sandbox, SandboxNotFoundException, SandboxQuery, SandboxState
 
+from agentenv.node.security import metrics_token
 from tests.control.cluster import GatewayProcess, LocalCluster
 from tests.control.conftest import free_port
-from tests.control.helpers import wait_for
+from tests.control.helpers import SECRET, wait_for
 from tests.node.conftest import environ_set
 
 pytestmark = pytest.mark.timeout(300)
@@ -363,8 +364,10 @@ def test_idempotent_creates_make_one_sandbox(cluster: LocalCluster) -> None:
 
 
 def gateway_metrics(url: str) -> dict[str, float]:
-    """The gateway's Prometheus counters, by name and labels as written."""
-    text = httpx.get(url + "/metrics", timeout=10).text
+    """The gateway's Prometheus counters, by name and labels as written (read as a scraper:
+    the cluster's metrics token)."""
+    text = httpx.get(url + "/metrics", timeout=10,
+                     headers={"Authorization": f"Bearer {metrics_token(SECRET)}"}).text
     return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
             for line in text.splitlines() if line and not line.startswith("#")}
 

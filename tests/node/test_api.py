@@ -57,11 +57,17 @@ def run(node: NodeProcess, sid: str, token: str, cmd: str) -> str:
     return out.decode()
 
 
-def test_health_and_metrics_need_no_key(node: NodeProcess) -> None:
+def test_health_needs_no_key_metrics_do(node: NodeProcess) -> None:
+    """/metrics (sandbox counts, operations, pools) is for the operator: the API key, as a
+    header or as a Prometheus bearer token, unless the node is told its metrics are public."""
     assert httpx.get(node.url + "/health").status_code == 200
-    metrics = httpx.get(node.url + "/metrics")
-    assert metrics.status_code == 200
-    assert "aenv_node_sandboxes" in metrics.text
+    assert_error(httpx.get(node.url + "/metrics"), 401, "X-API-KEY")
+    assert_error(httpx.get(node.url + "/metrics", headers={"Authorization": "Bearer e2b_00"}),
+                 401)
+    for given in ({"X-API-KEY": node.api_key}, {"Authorization": f"Bearer {node.api_key}"}):
+        metrics = httpx.get(node.url + "/metrics", headers=given)
+        assert metrics.status_code == 200
+        assert "aenv_node_sandboxes" in metrics.text
 
 
 def test_api_key_is_required_and_checked(node: NodeProcess) -> None:

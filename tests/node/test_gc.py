@@ -34,8 +34,9 @@ def vm_test(test: Any) -> Any:
     return pytest.mark.qemu(pytest.mark.root(pytest.mark.slow(test)))
 
 
-def _metric(node_url: str, name: str) -> float:
-    text = httpx.get(node_url + "/metrics", trust_env=False).text
+def _metric(node: NodeProcess, name: str) -> float:
+    text = httpx.get(node.url + "/metrics", headers={"X-API-KEY": node.api_key},
+                     trust_env=False).text
     for line in text.splitlines():
         if line.startswith(name + " "):
             return float(line.split()[1])
@@ -69,8 +70,8 @@ def test_startup_pass_deletes_orphans_and_keeps_what_is_referenced(tmp_path: Pat
         node.start()
         for ghost in ghosts:
             assert not ghost.exists(), ghost
-        assert _metric(node.url, "aenv_node_gc_reclaimed_files_total") >= 2
-        assert _metric(node.url, "aenv_node_gc_reclaimed_bytes_total") >= 2 << 20
+        assert _metric(node, "aenv_node_gc_reclaimed_files_total") >= 2
+        assert _metric(node, "aenv_node_gc_reclaimed_bytes_total") >= 2 << 20
         snapshot_dir = backend / "snapshots" / snap["snapshotID"]
         assert snapshot_dir.is_dir()
         for sid in (a["sandboxID"], b["sandboxID"]):
@@ -142,7 +143,8 @@ def _snapshot_dirs(node: NodeProcess) -> set[str]:
 
 
 def _gc_reclaimed(node: NodeProcess) -> float:
-    text = httpx.get(node.url + "/metrics", trust_env=False).text
+    text = httpx.get(node.url + "/metrics", headers={"X-API-KEY": node.api_key},
+                     trust_env=False).text
     for line in text.splitlines():
         if line.startswith("aenv_node_gc_reclaimed_files_total "):
             return float(line.split()[1])

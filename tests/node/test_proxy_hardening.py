@@ -429,7 +429,7 @@ def test_every_unauthenticated_route_is_health_metrics_or_openapi(
                 answer = client.request(method, path)
                 if answer.status_code != 401:
                     open_paths.append((method, route.path, answer.status_code))
-    public = {"/health", "/metrics", "/openapi.json"}
+    public = {"/health", "/openapi.json"}
     unexpected = [
         (m, p, s)
         for m, p, s in open_paths

@@ -85,7 +85,8 @@ def _wait_parked(node: NodeProcess, count: int = POOL_SIZE, timeout: float = 90)
 
 def _pool_metric(node: NodeProcess, sample: str) -> float:
     """The sum of the node's /metrics samples whose line starts with `sample`."""
-    text = httpx.get(node.url + "/metrics", trust_env=False).text
+    text = httpx.get(node.url + "/metrics", headers={"X-API-KEY": node.api_key},
+                     trust_env=False).text
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
                if line.startswith(sample))
 

@@ -39,11 +39,14 @@ def _check_domain(ctx: Any, param: Any, value: str | None) -> str | None:
 @click.option("--domain", default=None, envvar="AENV_DOMAIN", callback=_check_domain,
               help="Sandbox domain given to SDKs ({port}-{id}.DOMAIN reaches that sandbox port "
               "through the gateway), e.g. localhost:8080.")
+@click.option("--public-metrics/--no-public-metrics", envvar="AENV_PUBLIC_METRICS", default=False,
+              show_default=True, help="Serve /metrics without a credential (default: "
+              "`Authorization: Bearer $(aenv metrics-token)`).")
 @click.option("--log-level", default="info", show_default=True)
 def gateway_command(host: str, port: int, listen: str | None, scheduler: str, redis_url: str,
                     redis_user: str | None, redis_password_file: Path | None,
                     cluster_secret_file: Path | None, domain: str | None,
-                    log_level: str) -> None:
+                    public_metrics: bool, log_level: str) -> None:
     """Run the gateway: the E2B API of a whole cluster, and its sandbox traffic."""
     from agentenv import logs
     from agentenv.control.gateway.server import GatewayOptions, serve
@@ -57,7 +60,8 @@ def gateway_command(host: str, port: int, listen: str | None, scheduler: str, re
         host, port = found.group(1), int(found.group(2))
     serve(GatewayOptions(host=host, port=port, scheduler=scheduler, redis=redis_url,
                          redis_auth=RedisAuth.load(redis_user, redis_password_file),
-                         cluster_secret_file=cluster_secret_file, domain=domain))
+                         cluster_secret_file=cluster_secret_file, domain=domain,
+                         public_metrics=public_metrics))
 
 
 def _run(work: Any) -> Any:
@@ -113,4 +117,19 @@ def team_ls() -> None:
         click.echo(f"{team['name']}\tkeys={team['keys']}")
 
 
-COMMANDS = [gateway_command, team_group]
+@click.command("metrics-token")
+@click.option("--cluster-secret-file", type=click.Path(dir_okay=False, path_type=Path),
+              default=None, help="The cluster secret (default: $AENV_CLUSTER_SECRET).")
+def metrics_token_command(cluster_secret_file: Path | None) -> None:
+    """Print the token a Prometheus scraper of the cluster sends (`Authorization: Bearer`) to
+    the gateways' and nodes' /metrics: derived from the cluster secret, good for nothing else."""
+    from agentenv.errors import AgentEnvError
+    from agentenv.node.security import load_cluster_secret, metrics_token
+
+    secret = load_cluster_secret(cluster_secret_file)
+    if secret is None:
+        raise AgentEnvError("no cluster secret: --cluster-secret-file or AENV_CLUSTER_SECRET")
+    click.echo(metrics_token(secret))
+
+
+COMMANDS = [gateway_command, team_group, metrics_token_command]

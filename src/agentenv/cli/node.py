@@ -76,11 +76,15 @@ def _check_domain(value: str | None) -> str | None:
     help="Part of a cluster: serve only requests carrying this secret (the gateway's). "
     "Default: $AENV_CLUSTER_SECRET, else none (a standalone node).",
 )
+@click.option("--public-metrics/--no-public-metrics", envvar="AENV_PUBLIC_METRICS", default=False,
+              show_default=True,
+              help="Serve /metrics without a credential (default: the API key, or in a cluster "
+              "the cluster secret or `Authorization: Bearer $(aenv metrics-token)`).")
 @click.option("--log-level", default="info", show_default=True)
 def serve_command(
     state_dir: Path, host: str, port: int, backend: str, domain: str | None,
     scheduler: str | None, node_id: str | None, advertise: str | None,
-    cluster_secret_file: Path | None, log_level: str
+    cluster_secret_file: Path | None, public_metrics: bool, log_level: str
 ) -> None:
     """Run the node server: E2B-compatible API and sandbox proxy on one port."""
     from agentenv import logs
@@ -121,6 +125,7 @@ def serve_command(
             backend=backend,
             config=NodeConfig(domain=domain),
             cluster_secret=cluster_secret,
+            public_metrics=public_metrics,
             scheduler=scheduler or None,
             node_id=node_id or "",
             advertise=advertise or "",

@@ -42,7 +42,7 @@ from agentenv.node.openapi import openapi_document
 from agentenv.node.orchestrator import CreateParams, Orchestrator
 from agentenv.node.proxy import SandboxProxy, send_json
 from agentenv.node.records import SandboxRecord, State, TemplateRecord
-from agentenv.node.security import CLUSTER_SECRET_HEADER, same_secret
+from agentenv.node.security import CLUSTER_SECRET_HEADER, bearer_is, metrics_token, same_secret
 from agentenv.relay.server import request_target, target_problem
 
 log = logging.getLogger("agentenv.node.api")
@@ -51,7 +51,7 @@ M = TypeVar("M", bound=BaseModel)
 MAX_BODY_BYTES = 1 << 20
 MAX_PAGE = 100
 IDEMPOTENCY_SECONDS = 600.0
-PUBLIC_PATHS = {"/health", "/metrics", "/openapi.json"}
+PUBLIC_PATHS = {"/health", "/openapi.json"}
 #: Paths whose routes check a permission of their own instead of the API key (the signed upload
 #: URLs of template build files, node/template_api.py).
 SELF_AUTHENTICATED_PREFIXES = ("/template-files/",)
@@ -173,15 +173,20 @@ class NodeApp:
         node_id: str | None = None,
         extra_routes: list[Route] | None = None,
         cluster_secret: str | None = None,
+        public_metrics: bool = False,
     ) -> None:
         """`cluster_secret`: the node is part of a cluster and serves only its gateway: every
         request but /health must carry the secret (CLUSTER_SECRET_HEADER), which then stands in
-        for the API key. `extra_routes` (e.g. the template build API) are matched before the built-in ones,
+        for the API key. /metrics also takes `Authorization: Bearer` with the cluster's metrics
+        token (the API key on a standalone node), or nothing when `public_metrics`.
+        `extra_routes` (e.g. the template build API) are matched before the built-in ones,
         so they can claim paths under /templates/ that `GET /templates/{id}` would catch."""
         self.orchestrator = orchestrator
         self.catalogue = orchestrator.catalogue
         self.api_key = api_key
         self.cluster_secret = cluster_secret
+        self.public_metrics = public_metrics
+        self.metrics_token = metrics_token(cluster_secret) if cluster_secret else api_key
         self.metrics = metrics or NodeMetrics()
         self.metrics.watch_states(orchestrator.count_by_state)
         self.node_id = node_id or socket.gethostname()
@@ -230,8 +235,11 @@ class NodeApp:
             self.metrics.requests.labels("api", scope.get("method", "WEBSOCKET"), "400").inc()
             return
         route = self.proxy.route(scope)
+        scraper = route is None and scope["path"] == "/metrics" and (
+            self.public_metrics or bearer_is(scope["headers"], self.metrics_token))
         from_gateway = False
-        if self.cluster_secret is not None and (route is not None or scope["path"] != "/health"):
+        if (self.cluster_secret is not None and not scraper
+                and (route is not None or scope["path"] != "/health")):
             given = [v for n, v in scope["headers"] if n == CLUSTER_SECRET_HEADER]
             if len(given) != 1 or not same_secret(given[0].decode("latin-1"), self.cluster_secret):
                 if scope["type"] == "websocket":
@@ -255,6 +263,7 @@ class NodeApp:
             return
         if (
             not from_gateway
+            and not scraper
             and scope["path"] not in PUBLIC_PATHS
             and not scope["path"].startswith(SELF_AUTHENTICATED_PREFIXES)
         ):

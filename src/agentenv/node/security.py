@@ -111,6 +111,23 @@ CLUSTER_SECRET_HEADER = b"x-agentenv-cluster-secret"
 SIGNATURE_OWNER_PATH = "/cluster/file-signature-owner"
 
 
+#: what a Prometheus scraper of a cluster presents (`Authorization: Bearer TOKEN`): derived from
+#: the cluster secret, good for the nodes' and gateways' /metrics and nothing else
+METRICS_TOKEN_CONTEXT = b"agentenv metrics v1"
+
+
+def metrics_token(cluster_secret: str) -> str:
+    return hmac.new(cluster_secret.encode(), METRICS_TOKEN_CONTEXT, hashlib.sha256).hexdigest()
+
+
+def bearer_is(scope_headers: list[tuple[bytes, bytes]], token: str) -> bool:
+    """Whether the request carries exactly one `Authorization: Bearer token` (constant time)."""
+    given = [v for n, v in scope_headers if n == b"authorization"]
+    if len(given) != 1 or not given[0].startswith(b"Bearer "):
+        return False
+    return hmac.compare_digest(given[0][7:].strip(), token.encode())
+
+
 def load_cluster_secret(path: Path | None) -> str | None:
     """The cluster secret from `path`, else AENV_CLUSTER_SECRET, else None (no cluster: the
     node's own API key guards it). With one, a node serves only requests that carry it."""

@@ -50,6 +50,8 @@ class ServeOptions:
     graceful_seconds: float = 5.0
     #: set when the node is part of a cluster: it then serves only its gateway
     cluster_secret: str | None = None
+    #: /metrics without a credential (a scraper on a trusted network)
+    public_metrics: bool = False
     # The control plane (node/heartbeat.py): heartbeats go to this scheduler when set.
     scheduler: str | None = None
     node_id: str = ""
@@ -114,6 +116,7 @@ def build_app(
         metrics,
         extra_routes=[*(extra_routes or []), *builds.routes(), *moves.routes()],
         cluster_secret=options.cluster_secret,
+        public_metrics=options.public_metrics,
     )
 
 

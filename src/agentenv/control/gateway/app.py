@@ -46,7 +46,7 @@ from agentenv.control.gateway.placement import (
 from agentenv.control.gateway.signed import SANDBOX_GONE, SignatureOwners, signature_key
 from agentenv.control.gateway.store import PENDING, GatewayStore, StoreUnavailable
 from agentenv.errors import AgentEnvError
-from agentenv.node.security import SIGNATURE_OWNER_PATH
+from agentenv.node.security import SIGNATURE_OWNER_PATH, bearer_is, metrics_token
 from agentenv.relay.server import request_target, target_problem
 from agentenv.relay.stream import (
     Exchange,
@@ -211,10 +211,13 @@ class GatewayApp:
     """ASGI app of `aenv gateway`."""
 
     def __init__(self, scheduler: SchedulerLink, store: GatewayStore, cluster_secret: str,
-                 domain: str | None = None, limits: RelayLimits | None = None) -> None:
+                 domain: str | None = None, limits: RelayLimits | None = None,
+                 public_metrics: bool = False) -> None:
         self.scheduler = scheduler
         self.store = store
         self.secret = cluster_secret.encode()
+        # /metrics: for a scraper with the cluster's metrics token, or anyone when public
+        self.metrics_token = None if public_metrics else metrics_token(cluster_secret)
         self.domain = domain
         self.limits = limits or RelayLimits.from_env()
         self.create_lease = create_lease_seconds()
@@ -449,6 +452,10 @@ class GatewayApp:
             return
         if path == "/metrics" and request.method == "GET":
             from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+            if self.metrics_token and not bearer_is(request.scope["headers"], self.metrics_token):
+                raise ApiError(401, "/metrics needs Authorization: Bearer with the cluster's "
+                               "metrics token (aenv metrics-token)")
 
             payload = generate_latest(self.metrics.registry)
             await send({"type": "http.response.start", "status": 200, "headers": [

@@ -30,6 +30,7 @@ class GatewayOptions:
     redis_auth: RedisAuth = field(default_factory=RedisAuth)
     cluster_secret_file: Path | None = None
     domain: str | None = None
+    public_metrics: bool = False
 
 
 def read_cluster_secret(path: Path | None) -> str:
@@ -50,6 +51,7 @@ def build_app(options: GatewayOptions) -> GatewayApp:
         GatewayStore(options.redis, options.redis_auth),
         secret,
         domain=options.domain,
+        public_metrics=options.public_metrics,
     )
 
 
