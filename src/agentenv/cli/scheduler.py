@@ -64,12 +64,8 @@ def scheduler_command(
     logs.setup(log_level)
     if not redis_url.startswith(("redis://", "rediss://", "unix://")):
         raise AgentEnvError(f"--redis {redis_url!r}: expected redis://HOST:PORT/DB or unix://PATH")
-    secret = load_cluster_secret(cluster_secret_file)
-    if secret is None:
-        raise AgentEnvError("the scheduler needs the cluster secret: --cluster-secret-file or "
-                            "AENV_CLUSTER_SECRET (every caller's token is derived from it)")
     options = SchedulerOptions(
-        cluster_secret=secret,
+        cluster_secret=load_cluster_secret(cluster_secret_file) or "",  # required: the server says so
         listen=listen,
         redis_url=redis_url,
         redis_auth=RedisAuth.load(redis_user, redis_password_file),
