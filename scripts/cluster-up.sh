@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# `make cluster-up NODES=3`: a whole cluster on this host. Redis (AOF on), `aenv scheduler`,
+# `make cluster-up NODES=3`: a whole cluster on this host. Redis (AOF on; the ACL of
+# redis-acl.sh, a user and a generated password per component), `aenv scheduler`,
 # `aenv gateway` and NODES nodes, each node in a network namespace of its own (its own address
 # on the bridge `aenvc-br`; its sandbox slots' namespaces named aenvcN-sK), with its own state
 # directory and blockd, all sharing the host's guest assets. Prints the gateway URL and a team key.
@@ -37,6 +38,7 @@ command -v redis-server >/dev/null ||
   { echo "cluster-up: redis-server is missing (make system installs it)" >&2; exit 1; }
 mkdir -p "$dir" "$logs" "$dir/redis"
 chmod 0711 "$dir"
+chmod 0700 "$dir/redis"  # its AOF holds API key hashes and the envd tokens of idempotent creates
 
 alive() { kill -0 "$(cat "$1" 2>/dev/null)" 2>/dev/null; }
 

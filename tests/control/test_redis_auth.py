@@ -112,3 +112,15 @@ def test_bad_password_files_are_named(tmp_path: Path) -> None:
         RedisAuth.load("gateway", tmp_path / "two")
     with pytest.raises(AgentEnvError, match="without a password file"):
         RedisAuth.load("gateway", None)
+
+
+def test_a_password_in_the_url_is_never_shown(tmp_path: Path) -> None:
+    """Whoever puts the password in the URL after all: the gateway's 503 answers and the
+    scheduler's errors name Redis without it."""
+    url = f"unix://gateway:hunter2@{tmp_path}/none.sock"
+    with pytest.raises(StoreUnavailable) as caught:
+        asyncio.run(_create_team(GatewayStore(url), "team-a"))
+    assert "hunter2" not in str(caught.value) and "gateway:***@" in str(caught.value)
+    with pytest.raises(StoreError) as failed:
+        Store(url).ping()
+    assert "hunter2" not in str(failed.value) and "gateway:***@" in str(failed.value)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import urlsplit, urlunsplit
 
 from agentenv.errors import AgentEnvError
 
@@ -42,3 +43,17 @@ class RedisAuth:
         if self.password:
             out["password"] = self.password
         return out
+
+
+def shown_url(url: str) -> str:
+    """`url` fit for logs and error answers: a password in it (redis://user:PASSWORD@host)
+    replaced by `***`."""
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        return "(a Redis URL that does not parse)"
+    if parts.password is None:
+        return url
+    host = parts.netloc.rpartition("@")[2]
+    user = parts.username or ""
+    return urlunsplit(parts._replace(netloc=f"{user}:***@{host}"))

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import redis.asyncio as aioredis
 import redis.exceptions
 
-from agentenv.control.redis_auth import RedisAuth
+from agentenv.control.redis_auth import RedisAuth, shown_url
 from agentenv.errors import AgentEnvError
 
 PREFIX = "aenv:"
@@ -75,7 +75,7 @@ class Owned:
 
 class GatewayStore:
     def __init__(self, url: str, auth: RedisAuth | None = None) -> None:
-        self.url = url
+        self.url = shown_url(url)  # for messages (503 answers): no password
         self.redis = aioredis.Redis.from_url(
             url, decode_responses=True, socket_connect_timeout=5, socket_timeout=20,
             **(auth or RedisAuth()).connect_kwargs(),

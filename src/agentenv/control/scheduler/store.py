@@ -29,7 +29,7 @@ import redis
 from redis.exceptions import RedisError
 
 from agentenv.control.proto import scheduler_pb2 as pb
-from agentenv.control.redis_auth import RedisAuth
+from agentenv.control.redis_auth import RedisAuth, shown_url
 from agentenv.errors import AgentEnvError
 
 SEP = "\x1f"
@@ -289,7 +289,7 @@ class Store:
         self, url: str, prefix: str = DEFAULT_PREFIX, timeout: float = REDIS_TIMEOUT_S,
         auth: RedisAuth | None = None,
     ) -> None:
-        self.url = url
+        self.url = shown_url(url)  # for messages: no password
         self.prefix = prefix
         try:
             # A bounded pool that queues: a burst of concurrent RPCs waits for a connection
@@ -301,7 +301,7 @@ class Store:
             )
             self.redis = redis.Redis(connection_pool=pool)
         except ValueError as exc:
-            raise StoreError(f"bad Redis URL {url!r}: {exc}") from exc
+            raise StoreError(f"bad Redis URL {self.url!r}: {exc}") from exc
         self._record = self.redis.register_script(_RECORD)
         self._release = self.redis.register_script(_RELEASE)
         self._heartbeat = self.redis.register_script(_HEARTBEAT)
