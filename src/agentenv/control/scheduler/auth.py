@@ -105,6 +105,7 @@ class ClusterAuth(grpc.aio.ServerInterceptor):
     def __init__(self, secret: str) -> None:
         self._secret = secret
         self._verified: dict[str, bytes] = {}  # identity -> its token, once a call proved it
+        self.refused = 0  # calls with a wrong credential (logged the first, then every 1000th)
 
     def _valid(self, identity: str, token: str) -> bool:
         given = token.encode("utf-8", "surrogateescape")
@@ -134,8 +135,11 @@ class ClusterAuth(grpc.aio.ServerInterceptor):
         if not isinstance(identity, str) or not isinstance(token, str):
             return NO_CREDENTIAL
         if not self._valid(identity, token):
-            log.warning("refused a call with a wrong credential",
-                        extra={"method": details.method, "identity": identity[:MAX_IDENTITY]})
+            self.refused += 1
+            if self.refused % 1000 == 1:  # a stranger's flood is not a flood of logs
+                log.warning("refused a call with a wrong credential",
+                            extra={"method": details.method, "refused": self.refused,
+                                   "identity": identity[:MAX_IDENTITY]})
             return WRONG_CREDENTIAL
         method = details.method
         rule = RULES.get(method)
