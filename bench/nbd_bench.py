@@ -88,8 +88,15 @@ def fio_many(uris: list[str], rw: str, depth: int, runtime: float, root: Path,
          f"--iodepth={depth}", f"--runtime={runtime}", "--time_based", "--ramp_time=0.3",
          "--output-format=json", f"--output={root / f'fio{n}.json'}"],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for n, uri in enumerate(uris)]
+    # Serving threads end with their connection: sample them while fio runs.
+    seen: dict[str, float] = {}
+    while any(proc.poll() is None for proc in procs):
+        if len(server_pids) == 1:
+            for key, value in thread_cpu(server_pids[0]).items():
+                seen[key] = max(seen.get(key, 0.0), value)
+        time.sleep(0.1)
     for proc in procs:
-        if proc.wait() != 0:
+        if proc.returncode != 0:
             raise RuntimeError(f"fio failed: {proc.args}")
     cpu = sum(cpu_seconds(pid) for pid in server_pids) - cpu_before
     iops = ios = 0.0
@@ -98,11 +105,8 @@ def fio_many(uris: list[str], rw: str, depth: int, runtime: float, root: Path,
         side = job["write"] if "write" in rw else job["read"]
         iops += side["iops"]
         ios += side["total_ios"]
-    threads: dict[str, float] = {}
-    if len(server_pids) == 1:
-        after = thread_cpu(server_pids[0])
-        threads = {k: round(v - threads_before.get(k, 0.0), 3) for k, v in after.items()
-                   if v - threads_before.get(k, 0.0) > 0.01}
+    threads = {k: round(v - threads_before.get(k, 0.0), 3) for k, v in seen.items()
+               if v - threads_before.get(k, 0.0) > 0.01}
     return {"iops": iops, "cpu_us": cpu * 1e6 / max(1.0, ios), "threads": threads}
 
 
