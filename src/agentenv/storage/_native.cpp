@@ -20,7 +20,9 @@
 #include <poll.h>
 #include <pthread.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <sys/uio.h>
 #include <unistd.h>
 
@@ -164,6 +166,16 @@ struct Engine {
     std::string pending_log;
     std::map<int64_t, Extent> upper;  // key: start sector
 
+    // A read-only shared mapping of upper.data, larger than the file so appends land inside
+    // it: reads of the upper's pieces are a memcpy instead of a pread each (a 1 MiB read of
+    // a randomly written upper meets ~250 of them). Replaced (doubled) when the file outgrows
+    // it; replaced mappings stay until the next configure, as readers may still copy from
+    // them. Only bytes below data_eof are read, and upper.data is never truncated.
+    std::atomic<char*> umap{nullptr};
+    std::atomic<int64_t> umap_len{0};
+    std::mutex umap_lock;
+    std::vector<std::pair<char*, int64_t>> umaps;
+
     std::mutex wlock;           // serialises writers
     std::shared_mutex ilock;    // guards `upper` against readers
     Gate gate;
@@ -254,6 +266,33 @@ struct Engine {
         return 0;
     }
 
+    // The mapping when it covers [fpos, fpos + n), else a new bigger one, else nullptr.
+    const char* upper_view(int64_t fpos, int64_t n) {
+        if (fpos + n <= umap_len.load(std::memory_order_acquire)) return umap.load();
+        std::lock_guard<std::mutex> g(umap_lock);
+        int64_t len = umap_len.load();
+        if (fpos + n <= len) return umap.load();
+        struct stat st;
+        if (fstat(dfd, &st) < 0 || st.st_size < fpos + n) return nullptr;
+        int64_t want = std::max<int64_t>({int64_t(st.st_size) * 2, len * 2, 64 << 20});
+        void* p = mmap(nullptr, size_t(want), PROT_READ, MAP_SHARED, dfd, 0);
+        if (p == MAP_FAILED) return nullptr;
+        umaps.emplace_back(static_cast<char*>(p), want);
+        umap.store(static_cast<char*>(p));
+        umap_len.store(want, std::memory_order_release);
+        return static_cast<char*>(p);
+    }
+
+    void unmap_upper() {
+        std::lock_guard<std::mutex> g(umap_lock);
+        for (auto& m : umaps) munmap(m.first, size_t(m.second));
+        umaps.clear();
+        umap_len.store(0);
+        umap.store(nullptr);
+    }
+
+    ~Engine() { unmap_upper(); }
+
     int64_t read_foreign(int64_t slot, int64_t fpos, char* dst, int64_t n) {
         PyGILState_STATE st = PyGILState_Ensure();
         int64_t got = -EIO;
@@ -284,7 +323,13 @@ struct Engine {
             int64_t n = pe - ps;
             int64_t got = 0;
             if (kind == UPPER) {
-                got = pread_full(dfd, p, n, fpos);
+                const char* view = upper_view(fpos, n);
+                if (view != nullptr) {
+                    memcpy(p, view + fpos, size_t(n));
+                    got = n;
+                } else {
+                    got = pread_full(dfd, p, n, fpos);
+                }
             } else if (kind == LOWER) {
                 const Layer& L = layers[size_t(lay)];
                 got = L.foreign ? read_foreign(lay, fpos, p, n) : pread_full(L.fd, p, n, L.base + fpos);
@@ -911,6 +956,7 @@ PyObject* Core_configure(CoreObject* self, PyObject* args) {
             !load_array(PyTuple_GET_ITEM(uix, 2), um) || !load_array(PyTuple_GET_ITEM(uix, 3), ul))
             return nullptr;
     }
+    e->unmap_upper();  // paused: no reader holds a mapping
     std::lock_guard<std::mutex> g(e->wlock);
     std::unique_lock<std::shared_mutex> gi(e->ilock);
     e->vsize = vsize;
@@ -970,6 +1016,7 @@ PyObject* Core_export_upper(CoreObject* self, PyObject*) {
 PyObject* Core_close(CoreObject* self, PyObject*) {
     Py_BEGIN_ALLOW_THREADS std::lock_guard<std::mutex> g(self->e->wlock);
     self->e->closed = true;
+    self->e->unmap_upper();  // paused: no reader holds a mapping
     Py_END_ALLOW_THREADS Py_RETURN_NONE;
 }
 
