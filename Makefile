@@ -12,8 +12,8 @@ STATE_DIR ?= $(or $(AENV_HOME),/var/lib/aenv)
 system:
 	@bash scripts/install-system.sh
 
-# The editable install also compiles the native serving core (setup.py, docs/native.md).
-$(STAMP): pyproject.toml setup.py src/agentenv/storage/_native.cpp
+# The editable install also compiles the native serving core (pyproject.toml, docs/native.md).
+$(STAMP): pyproject.toml src/agentenv/storage/_native.cpp
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	@$(PY) -m pip install -q --upgrade pip
 	@$(PY) -m pip install -q -e .
