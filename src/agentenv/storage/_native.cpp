@@ -69,6 +69,10 @@ struct Full {
 
 enum PieceKind { HOLE, ZERO, UPPER, LOWER };
 
+// Set on threads running Core.serve: a failed foreign read there is logged and answered with
+// EIO; elsewhere (a Python caller) its exception is kept and raised to the caller.
+thread_local bool serving = false;
+
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 int pwrite_all(int fd, const char* p, int64_t n, int64_t pos) {
@@ -152,7 +156,7 @@ struct Engine {
     int64_t vsize = 0;
     std::vector<int64_t> rs, re, rm, rl;  // merged read-only index, sectors
     std::vector<Layer> layers;
-    PyObject* foreign_read = nullptr;  // callable(slot, pos, memoryview) -> int
+    PyObject* foreign_read = nullptr;  // callable(slot, pos, memoryview, serving) -> int
     PyObject* on_full = nullptr;       // callable(used, need, limit) -> exception
 
     bool has_upper = false;
@@ -298,8 +302,9 @@ struct Engine {
         int64_t got = -EIO;
         PyObject* mv = PyMemoryView_FromMemory(dst, n, PyBUF_WRITE);
         if (mv != nullptr) {
-            PyObject* r = PyObject_CallFunction(foreign_read, "LLO", (long long)slot,
-                                                (long long)fpos, mv);
+            PyObject* r = PyObject_CallFunction(foreign_read, "LLOO", (long long)slot,
+                                                (long long)fpos, mv,
+                                                serving ? Py_True : Py_False);
             if (r != nullptr) {
                 got = PyLong_AsLongLong(r);
                 Py_DECREF(r);
@@ -307,7 +312,9 @@ struct Engine {
             Py_DECREF(mv);
         }
         if (PyErr_Occurred()) {
-            PyErr_WriteUnraisable(foreign_read);
+            if (serving) PyErr_WriteUnraisable(foreign_read);  // the callable logs; never here
+            got = -EIO;
+        } else if (got < 0 || got > n) {
             got = -EIO;
         }
         PyGILState_Release(st);
@@ -851,6 +858,7 @@ struct CoreObject {
 };
 
 PyObject* raise_errno(Engine* e, int r, const Full& full) {
+    if (PyErr_Occurred()) return nullptr;  // a foreign layer's own error, for this caller
     if (r == -ENOSPC && e->on_full != nullptr && full.limit) {
         PyObject* exc = PyObject_CallFunction(e->on_full, "LLL", (long long)full.used,
                                               (long long)full.need, (long long)full.limit);
@@ -1171,8 +1179,10 @@ PyObject* Core_serve(CoreObject* self, PyObject* args) {
         pthread_setname_np(pthread_self(), comm);
     }
     std::string reason;
-    Py_BEGIN_ALLOW_THREADS Conn conn(*self->e, fd, pre, structured, base_alloc, readonly);
+    Py_BEGIN_ALLOW_THREADS serving = true;
+    Conn conn(*self->e, fd, pre, structured, base_alloc, readonly);
     reason = conn.run();
+    serving = false;
     Py_END_ALLOW_THREADS return PyUnicode_FromStringAndSize(reason.data(), Py_ssize_t(reason.size()));
 }
 

@@ -105,9 +105,19 @@ class NativeImage(Image):
         self._core.configure(v.vsize, _arrays(v.ro), layers, self._read_foreign, upper,
                              self._upper_full)
 
-    def _read_foreign(self, slot: int, pos: int, buf: memoryview) -> int:
-        """A ZFile or remote layer's bytes, for the core (called with the GIL)."""
-        return self._view.srcs[slot].readinto(pos, buf)  # type: ignore[union-attr]
+    def _read_foreign(self, slot: int, pos: int, buf: memoryview, serving: bool) -> int:
+        """A ZFile or remote layer's bytes, for the core (called with the GIL). On a native
+        serving thread a failure is logged here and answered with EIO; a Python caller gets
+        the exception itself."""
+        src = self._view.srcs[slot]
+        if not serving:
+            return src.readinto(pos, buf)  # type: ignore[union-attr]
+        try:
+            return src.readinto(pos, buf)  # type: ignore[union-attr]
+        except Exception as exc:
+            log.warning("layer read failed", extra={"layer": str(self._view.layers[slot].path),
+                                                    "offset": pos, "error": str(exc)})
+            return -1
 
     def _upper_full(self, used: int, need: int, limit: int) -> UpperFull:
         up = self._view.upper
