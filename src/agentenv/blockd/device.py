@@ -246,6 +246,11 @@ class Device:
         st.trims += trims
         st.zeroes += zeroes
         st.errors += errors
+        if errors > enospc:
+            # The native threads answered these with an NBD error (range, EPERM, EIO): say so
+            # here, as the Python path logs each.
+            log.warning("native requests failed", extra={"device": self.id,
+                                                         "failed": errors - enospc})
         for what, amount in (("reads", reads), ("writes", writes), ("bytes_read", bytes_read),
                              ("bytes_written", bytes_written), ("errors", errors)):
             if amount:

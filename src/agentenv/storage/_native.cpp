@@ -876,6 +876,17 @@ PyObject* raise_errno(Engine* e, int r, const Full& full) {
     return PyErr_SetFromErrno(PyExc_OSError);
 }
 
+// Python callers are checked by NativeImage already; this keeps a direct caller of the core
+// inside the disk too.
+bool in_range(Engine* e, long long offset, long long length) {
+    if (offset < 0 || length < 0 || offset > e->vsize || length > e->vsize - offset) {
+        PyErr_Format(PyExc_ValueError, "I/O at [%lld, +%lld) is outside the %lld-byte image",
+                     offset, length, (long long)e->vsize);
+        return false;
+    }
+    return true;
+}
+
 bool load_array(PyObject* obj, std::vector<int64_t>& out) {
     Py_buffer b;
     if (PyObject_GetBuffer(obj, &b, PyBUF_SIMPLE) < 0) return false;
@@ -1043,6 +1054,10 @@ PyObject* Core_readinto(CoreObject* self, PyObject* args) {
     Py_buffer b;
     if (!PyArg_ParseTuple(args, "Lw*", &offset, &b)) return nullptr;
     Engine* e = self->e;
+    if (!in_range(e, offset, b.len)) {
+        PyBuffer_Release(&b);
+        return nullptr;
+    }
     int r;
     Py_BEGIN_ALLOW_THREADS e->gate.enter();
     r = e->closed ? -ESHUTDOWN : e->fill(offset, offset + b.len, static_cast<char*>(b.buf));
@@ -1056,6 +1071,7 @@ PyObject* Core_readinto(CoreObject* self, PyObject* args) {
 PyObject* Core_read(CoreObject* self, PyObject* args) {
     long long offset, length;
     if (!PyArg_ParseTuple(args, "LL", &offset, &length)) return nullptr;
+    if (!in_range(self->e, offset, length)) return nullptr;
     PyObject* out = PyBytes_FromStringAndSize(nullptr, Py_ssize_t(length));
     if (out == nullptr) return nullptr;
     Engine* e = self->e;
@@ -1076,6 +1092,10 @@ PyObject* Core_write(CoreObject* self, PyObject* args) {
     Py_buffer b;
     if (!PyArg_ParseTuple(args, "Ly*", &offset, &b)) return nullptr;
     Engine* e = self->e;
+    if (!in_range(e, offset, b.len)) {
+        PyBuffer_Release(&b);
+        return nullptr;
+    }
     Full full;
     int r;
     Py_BEGIN_ALLOW_THREADS e->gate.enter();
@@ -1095,6 +1115,7 @@ PyObject* Core_zero(CoreObject* self, PyObject* args) {
     long long offset, length;
     if (!PyArg_ParseTuple(args, "LL", &offset, &length)) return nullptr;
     Engine* e = self->e;
+    if (!in_range(e, offset, length)) return nullptr;
     Full full;
     int r;
     Py_BEGIN_ALLOW_THREADS e->gate.enter();
@@ -1123,6 +1144,7 @@ PyObject* Core_allocation(CoreObject* self, PyObject* args) {
     long long offset, length, max_runs;
     if (!PyArg_ParseTuple(args, "LLL", &offset, &length, &max_runs)) return nullptr;
     Engine* e = self->e;
+    if (!in_range(e, offset, length)) return nullptr;
     std::vector<std::pair<int64_t, bool>> runs;
     Py_BEGIN_ALLOW_THREADS e->gate.enter();
     if (!e->closed) e->allocation(offset, offset + length, size_t(max_runs), runs);
