@@ -21,6 +21,7 @@ from agentenv.blockd.device import Device, DeviceRecord
 from agentenv.storage import native
 from tests.blockd.conftest import Daemon, Stack
 from tests.blockd.nbdclient import CMD_TRIM, CMD_WRITE_ZEROES, NbdClient
+from tests.blockd.test_lifecycle import seq_of, stamp
 
 pytestmark = pytest.mark.skipif(not native.available(),
                                 reason=f"native core not built: {native.unavailable_reason()}")
@@ -129,6 +130,61 @@ def test_two_devices_are_served_by_two_native_threads_at_once(daemon: Daemon, st
     assert by_name[f"nbd:{a.id}"][1] > 0 and by_name[f"nbd:{b.id}"][1] > 0
     for conn in conns:
         conn.close()
+
+
+@pytest.mark.slow
+def test_kill9_under_writes_on_several_devices_keeps_every_flushed_write(
+        daemon: Daemon, stack: Stack, short_tmp: Path) -> None:
+    """Two devices, two connections each, writing and flushing; blockd is killed (-9) once
+    every connection has flushed a few times; after a restart every block holds at least the
+    last write its connection had flushed."""
+    nblocks = 256
+    with daemon.client() as client:
+        infos = [client.create(lowers=stack.lowers, upper_dir=short_tmp / f"k{n}")
+                 for n in range(2)]
+    flushed: dict[int, int] = {}
+    flushes = {part: 0 for part in range(4)}
+    stop = threading.Event()
+
+    def writer(info: object, part: int) -> None:
+        conn = NbdClient(info.nbd, info.export)  # type: ignore[attr-defined]
+        seq = 0
+        try:
+            while not stop.is_set():
+                seq += 1
+                block = part % 2 + 2 * (seq % (nblocks // 2))  # the two connections interleave
+                conn.write(block * BLOCK, stamp(part * 10**6 + seq))
+                if seq % 20 == 0:
+                    conn.flush()
+                    flushed[part] = seq
+                    flushes[part] += 1
+        except (OSError, ConnectionError):
+            pass  # the daemon died under us
+        finally:
+            conn.sock.close()
+
+    threads = [threading.Thread(target=writer, args=(infos[part // 2], part)) for part in range(4)]
+    for t in threads:
+        t.start()
+    for _ in range(600):  # until every connection has flushed a few times
+        if all(n >= 3 for n in flushes.values()):
+            break
+        threading.Event().wait(0.05)
+    daemon.kill9()
+    stop.set()
+    for t in threads:
+        t.join(30)
+    assert all(n >= 3 for n in flushes.values()), flushes
+    daemon.start()
+    for n, info in enumerate(infos):
+        conn = NbdClient(info.nbd, info.export)
+        state = [seq_of(conn.read(b * BLOCK, BLOCK)) for b in range(nblocks)]
+        conn.close()
+        for part in (2 * n, 2 * n + 1):
+            last = flushed[part]
+            for seq in range(max(1, last - nblocks // 2 + 1), last + 1):
+                block = part % 2 + 2 * (seq % (nblocks // 2))
+                assert state[block] >= part * 10**6 + seq, (info.id, part, block, seq)
 
 
 _CLIENT = r"""

@@ -83,6 +83,7 @@ ops = st.lists(
                   st.just(0)),
         st.tuples(st.just("flush"), st.just(0), st.just(0), st.just(0)),
         st.tuples(st.just("seal"), st.just(0), st.just(0), st.just(0)),
+        st.tuples(st.just("reopen"), st.just(0), st.just(0), st.just(0)),
     ),
     min_size=1, max_size=60,
 )
@@ -122,6 +123,13 @@ def test_native_matches_the_reference_byte_for_byte(seed: int, sequence: list[tu
         ref.upper_limit = nat.upper_limit = limit
         seals = 0
         for op in sequence:
+            if op[0] == "reopen":  # what is on disk is the whole state
+                ref.close()
+                nat.close()
+                ref = Image.open(root / "ref")
+                nat = native.NativeImage.open(root / "nat")
+                ref.upper_limit = nat.upper_limit = limit
+                continue
             if op[0] == "seal":
                 seals += 1
             got_ref = _apply(ref, op, root / f"ref-{seals}.lsmt")
