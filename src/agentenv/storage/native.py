@@ -83,7 +83,12 @@ class NativeImage(Image):
 
     @property
     def native_core(self) -> Any:
-        """The core: blockd's NBD server runs connections on it (`serve`)."""
+        """The core, for blockd's NBD server to run connections on (`serve`); None for a
+        stack with remote layers: there a chunk miss waits for the network, and the Python
+        server keeps other requests going meanwhile (misses fetched in parallel on its I/O
+        threads), where one serving thread per connection would wait in line."""
+        if any(layer.source.blob is not None for layer in self._view.layers):
+            return None
         return self._core
 
     # -- handing state between the core and the reference code ------------------------------
