@@ -567,10 +567,22 @@ class Buf {
         n_ += k;
     }
     void truncate(size_t k) { n_ = k; }
+    // Drop the first k bytes (consumed input), keeping the rest at the front.
+    void consume(size_t k) {
+        memmove(v_.data(), v_.data() + k, n_ - k);
+        n_ -= k;
+    }
+    // Empty it, giving back the memory a rare big request (up to 32 MiB) made it take: a
+    // host has one buffer pair per connection.
+    void reset() {
+        n_ = 0;
+        if (v_.size() > KEEP) std::vector<char>(KEEP).swap(v_);
+    }
     size_t size() const { return n_; }
     char* data() { return v_.data(); }
 
    private:
+    static constexpr size_t KEEP = 1 << 20;
     std::vector<char> v_;
     size_t n_ = 0;
 };
@@ -600,7 +612,7 @@ class Conn {
     std::string run() {
         for (;;) {
             if (ipos_ == in_.size()) {  // all consumed: start the buffer over
-                in_.truncate(0);
+                in_.reset();
                 ipos_ = 0;
             }
             if (in_.size() - ipos_ < 28) {
@@ -799,6 +811,10 @@ class Conn {
 
     // Ensures `need` unread bytes are buffered.
     bool fill_in(size_t need) {
+        if (ipos_ > 0 && in_.size() - ipos_ < need) {  // a partial request: move it up front
+            in_.consume(ipos_);
+            ipos_ = 0;
+        }
         while (in_.size() - ipos_ < need) {
             size_t want = std::max<size_t>(need - (in_.size() - ipos_), 256 * 1024);
             ssize_t r = recv(fd_, in_.tail(want), want, 0);
@@ -835,10 +851,10 @@ class Conn {
                 continue;
             }
             err_ = std::string("error: send: ") + strerror(errno);
-            out_.truncate(0);
+            out_.reset();
             return false;
         }
-        out_.truncate(0);
+        out_.reset();
         return true;
     }
 
