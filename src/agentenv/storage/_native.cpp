@@ -309,6 +309,17 @@ struct Engine {
                 got = PyLong_AsLongLong(r);
                 Py_DECREF(r);
             }
+            // dst is ours only for this call: a view the callee kept must not reach it later.
+            PyObject *type, *value, *tb;
+            PyErr_Fetch(&type, &value, &tb);
+            PyObject* released = PyObject_CallMethod(mv, "release", nullptr);
+            if (released == nullptr) {
+                PyErr_Clear();  // a slice of it is still alive: refuse its bytes
+                if (type == nullptr) got = -EIO;
+            } else {
+                Py_DECREF(released);
+            }
+            PyErr_Restore(type, value, tb);
             Py_DECREF(mv);
         }
         if (PyErr_Occurred()) {
