@@ -293,3 +293,18 @@ def test_a_corrupt_zfile_layer_raises_the_reference_error(tmp_path: Path) -> Non
         with pytest.raises(type(expected.value)) as got:
             nat.read(0, 1 * MiB)
         assert str(got.value) == str(expected.value)
+
+
+def test_a_closed_image_is_freed(tmp_path: Path) -> None:
+    """The core holds the image's methods; close() lets go of them, so a released device's
+    image (and its index) does not stay in memory."""
+    import gc
+    import weakref
+
+    image = native.NativeImage.create([], tmp_path / "u", 4 * MiB)
+    image.write(0, b"x" * 4096)
+    ref = weakref.ref(image)
+    image.close()
+    del image
+    gc.collect()
+    assert ref() is None

@@ -1063,7 +1063,12 @@ PyObject* Core_close(CoreObject* self, PyObject*) {
     Py_BEGIN_ALLOW_THREADS std::lock_guard<std::mutex> g(self->e->wlock);
     self->e->closed = true;
     self->e->unmap_upper();  // paused: no reader holds a mapping
-    Py_END_ALLOW_THREADS Py_RETURN_NONE;
+    Py_END_ALLOW_THREADS
+    // The callables are the image's bound methods: dropping them breaks the reference cycle
+    // image -> core -> image. Nothing calls them once closed.
+    Py_CLEAR(self->e->foreign_read);
+    Py_CLEAR(self->e->on_full);
+    Py_RETURN_NONE;
 }
 
 PyObject* Core_pause(CoreObject* self, PyObject*) {
