@@ -11,14 +11,18 @@ import random
 import subprocess
 import sys
 import threading
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from agentenv.blockd import nbd
 from agentenv.blockd.device import Device, DeviceRecord
 from agentenv.storage import native
+from agentenv.storage.image import Image
 from tests.blockd.conftest import Daemon, Stack
 from tests.blockd.nbdclient import CMD_TRIM, CMD_WRITE_ZEROES, NbdClient
 from tests.blockd.test_lifecycle import seq_of, stamp
@@ -27,6 +31,7 @@ pytestmark = pytest.mark.skipif(not native.available(),
                                 reason=f"native core not built: {native.unavailable_reason()}")
 
 BLOCK = 4096
+MiB = 1 << 20
 
 
 def _native_threads(pid: int) -> dict[int, tuple[str, int]]:
@@ -207,25 +212,20 @@ finally:
 """
 
 
-def test_native_connection_is_served_while_python_holds_the_gil(stack: Stack,
-                                                                 short_tmp: Path) -> None:
-    """A connection keeps being served while this process's GIL is held by a blocking C
-    call: the request loop never needs Python. (On the Python path the client times out.)"""
-    image = native.NativeImage.create(stack.lowers, short_tmp / "up")
+@contextlib.contextmanager
+def _served(image: native.NativeImage, sock_path: str) -> Iterator[None]:
+    """Serve `image` over NBD at `sock_path` from an event loop on a thread of this process."""
     loop = asyncio.new_event_loop()
     executor = ThreadPoolExecutor(2)
-    sock_path = str(short_tmp / "disk.sock")
-    ready = threading.Event()
     servers: list[asyncio.AbstractServer] = []
 
-    async def main() -> None:
+    async def start() -> None:
         record = DeviceRecord(id="disk", kind="disk", socket=sock_path, source=None,
                               upper_dir=None, owns_upper=False, readonly=False,
                               size=image.virtual_size)
         device = Device(record, image, executor)
         servers.append(await nbd.start_unix_server(sock_path,
                                                    nbd.SingleExportTable("disk", device)))
-        ready.set()
 
     async def shutdown() -> None:
         for server in servers:
@@ -235,39 +235,108 @@ def test_native_connection_is_served_while_python_holds_the_gil(stack: Stack,
 
     loop_thread = threading.Thread(target=loop.run_forever, daemon=True)
     loop_thread.start()
-    asyncio.run_coroutine_threadsafe(main(), loop).result(30)
-    assert ready.is_set()
-    status_r, status_w = os.pipe()
-    root = str(Path(__file__).resolve().parents[2])
-    client = subprocess.Popen([sys.executable, "-c", _CLIENT, sock_path, str(status_w), root],
-                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, pass_fds=(status_w,))
     try:
-        assert client.stdout is not None and client.stdin is not None
-        assert client.stdout.readline() == b"ready\n"
-        # Wait for the hand-over: the core names its thread after the export right before it
-        # lets go of the GIL for good.
-        deadline = 300
-        while not any(name == "nbd:disk" for name, _ in _native_threads(os.getpid()).values()) \
-                and deadline:
-            deadline -= 1
-            threading.Event().wait(0.1)
-        assert deadline, "the connection was not handed to a native thread"
-        client.stdin.write(b"go\n")
-        client.stdin.flush()
-        buf = ctypes.create_string_buffer(1)
-        # PyDLL keeps the GIL across the call: nothing in Python runs until the client
-        # reports (it gives up after 15 s without replies).
-        got = ctypes.PyDLL(None).read(status_r, buf, 1)
-        assert got == 1
-        assert buf.raw == b"\x00", f"client status {buf.raw[0]}"
+        asyncio.run_coroutine_threadsafe(start(), loop).result(30)
+        yield
     finally:
-        client.kill()
-        client.wait(10)
-        os.close(status_r)
-        os.close(status_w)
-        asyncio.run_coroutine_threadsafe(shutdown(), loop).result(60)  # the client is gone
+        asyncio.run_coroutine_threadsafe(shutdown(), loop).result(60)  # clients are gone
         loop.call_soon_threadsafe(loop.stop)
         loop_thread.join(10)
         loop.close()
-        image.close()
         executor.shutdown()
+
+
+def test_native_connection_is_served_while_python_holds_the_gil(stack: Stack,
+                                                                 short_tmp: Path) -> None:
+    """A connection keeps being served while this process's GIL is held by a blocking C
+    call: the request loop never needs Python. (On the Python path the client times out.)"""
+    image = native.NativeImage.create(stack.lowers, short_tmp / "up")
+    sock_path = str(short_tmp / "disk.sock")
+    status_r, status_w = os.pipe()
+    root = str(Path(__file__).resolve().parents[2])
+    try:
+        with _served(image, sock_path):
+            client = subprocess.Popen(
+                [sys.executable, "-c", _CLIENT, sock_path, str(status_w), root],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, pass_fds=(status_w,))
+            try:
+                assert client.stdout is not None and client.stdin is not None
+                assert client.stdout.readline() == b"ready\n"
+                # Wait for the hand-over: the core names its thread after the export right
+                # before it lets go of the GIL for good.
+                deadline = 300
+                while deadline and not any(
+                        name == "nbd:disk" for name, _ in _native_threads(os.getpid()).values()):
+                    deadline -= 1
+                    threading.Event().wait(0.1)
+                assert deadline, "the connection was not handed to a native thread"
+                client.stdin.write(b"go\n")
+                client.stdin.flush()
+                buf = ctypes.create_string_buffer(1)
+                # PyDLL keeps the GIL across the call: nothing in Python runs until the
+                # client reports (it gives up after 15 s without replies).
+                got = ctypes.PyDLL(None).read(status_r, buf, 1)
+                assert got == 1
+                assert buf.raw == b"\x00", f"client status {buf.raw[0]}"
+            finally:
+                client.kill()
+                client.wait(10)
+    finally:
+        os.close(status_r)
+        os.close(status_w)
+        image.close()
+
+
+_nbd_ops = st.lists(
+    st.one_of(
+        st.tuples(st.sampled_from(["write", "write_fua"]), st.integers(0, 4 * MiB - 1),
+                  st.integers(1, 70 * 1024), st.integers(0, 255)),
+        st.tuples(st.sampled_from(["trim", "zeroes", "read"]), st.integers(0, 4 * MiB - 1),
+                  st.integers(1, 300 * 1024), st.just(0)),
+        st.tuples(st.just("flush"), st.just(0), st.just(0), st.just(0)),
+    ),
+    min_size=1, max_size=40,
+)
+
+
+def test_nbd_requests_on_the_native_loop_match_the_reference(stack: Stack,
+                                                             short_tmp: Path) -> None:
+    """Random NBD requests (unaligned writes, FUA, trims, write-zeroes, reads, flushes) sent
+    to the native loop read back exactly what the reference Image gives for the same
+    operations."""
+    image = native.NativeImage.create(stack.lowers, short_tmp / "nat")
+    reference = Image.create(stack.lowers, short_tmp / "ref")
+    sock_path = str(short_tmp / "disk.sock")
+    size = stack.size
+    try:
+        with _served(image, sock_path):
+            conn = NbdClient(sock_path, "disk")
+
+            @settings(max_examples=60, deadline=None,
+                      suppress_health_check=[HealthCheck.too_slow,
+                                             HealthCheck.function_scoped_fixture])
+            @given(sequence=_nbd_ops)
+            def run(sequence: list[tuple[str, int, int, int]]) -> None:
+                for kind, offset, length, fill in sequence:
+                    length = min(length, size - offset)
+                    if kind.startswith("write"):
+                        data = bytes([fill]) * length
+                        conn.write(offset, data, fua=kind == "write_fua")
+                        reference.write(offset, data)
+                    elif kind in ("trim", "zeroes"):
+                        error, _ = conn.request(CMD_TRIM if kind == "trim" else CMD_WRITE_ZEROES,
+                                                offset, length)
+                        assert error == 0
+                        reference.write_zeroes(offset, length)
+                    elif kind == "read":
+                        assert conn.read(offset, length) == reference.read(offset, length)
+                    else:
+                        conn.flush()
+
+            run()
+            disk = b"".join(conn.read(pos, MiB) for pos in range(0, size, MiB))
+            assert disk == reference.read(0, size)
+            conn.close()
+    finally:
+        image.close()
+        reference.close()

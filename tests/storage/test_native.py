@@ -78,7 +78,7 @@ ops = st.lists(
         st.tuples(st.just("write4k"), st.integers(0, SIZE // 4096 - 1), st.just(4096),
                   st.integers(0, 255)),
         st.tuples(st.just("zero"), st.integers(0, SIZE - 1), st.integers(1, 300 * KiB),
-                  st.just(0)),
+                  st.integers(0, 1)),
         st.tuples(st.just("read"), st.integers(0, SIZE - 1), st.integers(1, 200 * KiB),
                   st.just(0)),
         st.tuples(st.just("flush"), st.just(0), st.just(0), st.just(0)),
