@@ -512,7 +512,10 @@ class NbdConnection:
     async def _transmit_native(self, export: Export, core: Any) -> None:
         """Hand the connection to the native core: a thread runs the transmission loop with
         the GIL released until the client leaves or the socket is shut down (cut())."""
-        assert self._sock is not None
+        # The thread owns our duplicate of the socket from here and closes it when done, so
+        # its descriptor number cannot be reused under it.
+        sock, self._sock = self._sock, None
+        assert sock is not None
         self.writer.transport.pause_reading()
         # Requests the client sent right after negotiating may already sit in the reader.
         buffered = bytes(getattr(self.reader, "_buffer", b""))
@@ -520,7 +523,7 @@ class NbdConnection:
             self.reader._buffer.clear()  # type: ignore[attr-defined]
         loop = asyncio.get_running_loop()
         done: asyncio.Future[str] = loop.create_future()
-        fd = self._sock.fileno()
+        fd = sock.fileno()
 
         def finish(outcome: str | BaseException) -> None:
             if done.done():
@@ -537,6 +540,8 @@ class NbdConnection:
                     f"nbd:{self.export_name}")
             except BaseException as exc:
                 outcome = exc
+            finally:
+                sock.close()
             with contextlib.suppress(RuntimeError):  # the loop is gone: nobody waits
                 loop.call_soon_threadsafe(finish, outcome)
 
@@ -548,8 +553,8 @@ class NbdConnection:
                 if collect is not None:
                     collect()
         except asyncio.CancelledError:
-            with contextlib.suppress(OSError):
-                self._sock.shutdown(socket.SHUT_RDWR)
+            with contextlib.suppress(OSError):  # ends the thread (closed already: EBADF)
+                sock.shutdown(socket.SHUT_RDWR)
             raise
         reason = done.result()
         if reason.startswith("protocol"):
