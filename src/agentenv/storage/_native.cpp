@@ -34,6 +34,7 @@
 #include <mutex>
 #include <shared_mutex>
 #include <string>
+#include <thread>
 #include <vector>
 
 namespace {
@@ -176,6 +177,7 @@ struct Engine {
     int64_t vsize = 0;
     std::vector<int64_t> rs, re, rm, rl;  // merged read-only index, sectors
     std::vector<Layer> layers;
+    bool has_foreign = false;          // some layer is read through Python
     PyObject* foreign_read = nullptr;  // callable(slot, pos, memoryview, serving) -> int
     PyObject* on_full = nullptr;       // callable(used, need, limit) -> exception
 
@@ -642,6 +644,83 @@ void be64(Buf& o, uint64_t v) {
     be32(o, uint32_t(v));
 }
 
+// Splits one big read over a few threads (the caller plus helpers started on first use), so
+// a connection's 1 MiB reads of a fragmented upper use more than one core. Requests still run
+// one after another: only the pieces of one read run at once.
+class ReadSplitter {
+   public:
+    static constexpr int64_t MIN_SPLIT = 256 * 1024;
+
+    explicit ReadSplitter(Engine& e) : e_(e) {}
+    ~ReadSplitter() {
+        {
+            std::lock_guard<std::mutex> g(m_);
+            stop_ = true;
+        }
+        cv_.notify_all();
+        for (auto& t : threads_) t.join();
+    }
+
+    static int helpers_wanted() {
+        int cores = int(std::thread::hardware_concurrency());
+        return std::max(0, std::min(3, cores - 1));
+    }
+
+    int fill(int64_t pos, int64_t end, char* dst) {
+        // Helpers are not Python threads: pieces read through Python stay on the caller.
+        int parts = e_.has_foreign ? 1 : 1 + std::min<int>(helpers_wanted(),
+                                                            int((end - pos) / MIN_SPLIT) - 1);
+        if (parts <= 1) return e_.fill(pos, end, dst);
+        while (int(threads_.size()) < parts - 1) threads_.emplace_back([this] { run(); });
+        int64_t chunk = ((end - pos) / parts + 4095) & ~int64_t(4095);
+        {
+            std::lock_guard<std::mutex> g(m_);
+            jobs_.clear();
+            next_ = 0;
+            result_ = 0;
+            for (int64_t a = pos + chunk; a < end; a += chunk)
+                jobs_.push_back(Job{a, std::min(end, a + chunk), dst + (a - pos)});
+            pending_ = jobs_.size();
+        }
+        cv_.notify_all();
+        int r = e_.fill(pos, std::min(end, pos + chunk), dst);
+        std::unique_lock<std::mutex> g(m_);
+        done_.wait(g, [this] { return pending_ == 0; });
+        return r ? r : result_;
+    }
+
+   private:
+    struct Job {
+        int64_t a, b;
+        char* dst;
+    };
+
+    void run() {
+        for (;;) {
+            Job job;
+            {
+                std::unique_lock<std::mutex> g(m_);
+                cv_.wait(g, [this] { return stop_ || next_ < jobs_.size(); });
+                if (stop_) return;
+                job = jobs_[next_++];
+            }
+            int r = e_.fill(job.a, job.b, job.dst);
+            std::lock_guard<std::mutex> g(m_);
+            if (r && !result_) result_ = r;
+            if (--pending_ == 0) done_.notify_all();
+        }
+    }
+
+    Engine& e_;
+    std::mutex m_;
+    std::condition_variable cv_, done_;
+    std::vector<std::thread> threads_;
+    std::vector<Job> jobs_;
+    size_t next_ = 0, pending_ = 0;
+    int result_ = 0;
+    bool stop_ = false;
+};
+
 class Conn {
    public:
     Conn(Engine& e, int fd, const std::string& prefix, bool structured, bool base_alloc,
@@ -810,7 +889,7 @@ class Conn {
             reply(handle, 0);
         }
         char* dst = out_.tail(length);
-        int r = run_gated([&] { return e_.fill(int64_t(offset), int64_t(offset + length), dst); });
+        int r = run_gated([&] { return split_.fill(int64_t(offset), int64_t(offset + length), dst); });
         if (r) {
             out_.truncate(mark);
             error(handle, nbd_errno(r), true, offset);
@@ -901,6 +980,7 @@ class Conn {
     }
 
     Engine& e_;
+    ReadSplitter split_{e_};
     int fd_;
     Buf in_;
     size_t ipos_ = 0;
@@ -1044,6 +1124,8 @@ PyObject* Core_configure(CoreObject* self, PyObject* args) {
     e->rm.swap(rm);
     e->rl.swap(rl);
     e->layers.swap(layers);
+    e->has_foreign = std::any_of(e->layers.begin(), e->layers.end(),
+                                 [](const Layer& L) { return L.foreign; });
     Py_XINCREF(foreign);
     Py_XSETREF(e->foreign_read, foreign);
     Py_XINCREF(on_full);
