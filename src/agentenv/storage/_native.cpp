@@ -61,27 +61,7 @@ struct Layer {
     int fd;
     int64_t base;
     bool foreign;  // read through the Python callable (ZFile, remote)
-    // A read-only mapping of the whole (immutable) layer file, or nullptr: pread then.
-    const char* map = nullptr;
-    int64_t map_len = 0;
 };
-
-// Maps a plain layer's file (sealed layers never change); reads past its end stay zeros.
-void map_layer(Layer& L) {
-    struct stat st;
-    if (L.foreign || fstat(L.fd, &st) < 0 || st.st_size <= 0) return;
-    void* p = mmap(nullptr, size_t(st.st_size), PROT_READ, MAP_SHARED, L.fd, 0);
-    if (p == MAP_FAILED) return;
-    L.map = static_cast<const char*>(p);
-    L.map_len = st.st_size;
-}
-
-void unmap_layers(std::vector<Layer>& layers) {
-    for (Layer& L : layers) {
-        if (L.map != nullptr) munmap(const_cast<char*>(L.map), size_t(L.map_len));
-        L.map = nullptr;
-    }
-}
 
 // What a write refused for the cap reports (UpperFull's fields).
 struct Full {
@@ -317,10 +297,7 @@ struct Engine {
         umap.store(nullptr);
     }
 
-    ~Engine() {
-        unmap_upper();
-        unmap_layers(layers);
-    }
+    ~Engine() { unmap_upper(); }
 
     int64_t read_foreign(int64_t slot, int64_t fpos, char* dst, int64_t n) {
         PyGILState_STATE st = PyGILState_Ensure();
@@ -375,15 +352,7 @@ struct Engine {
                 }
             } else if (kind == LOWER) {
                 const Layer& L = layers[size_t(lay)];
-                int64_t at = L.base + fpos;
-                if (L.foreign) {
-                    got = read_foreign(lay, fpos, p, n);
-                } else if (L.map != nullptr) {
-                    got = std::max<int64_t>(0, std::min(n, L.map_len - at));
-                    if (got > 0) memcpy(p, L.map + at, size_t(got));
-                } else {
-                    got = pread_full(L.fd, p, n, at);
-                }
+                got = L.foreign ? read_foreign(lay, fpos, p, n) : pread_full(L.fd, p, n, L.base + fpos);
             }
             if (got < 0) return int(got);
             if (got < n) memset(p + got, 0, size_t(n - got));  // holes, zeroes, past a layer's EOF
@@ -1114,8 +1083,6 @@ PyObject* Core_configure(CoreObject* self, PyObject* args) {
             return nullptr;
     }
     e->unmap_upper();  // paused: no reader holds a mapping
-    unmap_layers(e->layers);
-    for (Layer& L : layers) map_layer(L);  // every check passed: nothing leaks
     std::lock_guard<std::mutex> g(e->wlock);
     std::unique_lock<std::shared_mutex> gi(e->ilock);
     e->vsize = vsize;
@@ -1178,7 +1145,6 @@ PyObject* Core_close(CoreObject* self, PyObject*) {
     Py_BEGIN_ALLOW_THREADS std::lock_guard<std::mutex> g(self->e->wlock);
     self->e->closed = true;
     self->e->unmap_upper();  // paused: no reader holds a mapping
-    unmap_layers(self->e->layers);
     Py_END_ALLOW_THREADS
     // The callables are the image's bound methods: dropping them breaks the reference cycle
     // image -> core -> image. Nothing calls them once closed.
