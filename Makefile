@@ -12,7 +12,8 @@ STATE_DIR ?= $(or $(AENV_HOME),/var/lib/aenv)
 system:
 	@bash scripts/install-system.sh
 
-$(STAMP): pyproject.toml
+# The editable install also compiles the native serving core (pyproject.toml, docs/native.md).
+$(STAMP): pyproject.toml src/agentenv/storage/_native.cpp
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	@$(PY) -m pip install -q --upgrade pip
 	@$(PY) -m pip install -q -e .
@@ -56,4 +57,4 @@ proto: $(TEST_STAMP)
 		src/agentenv/control/proto/*.proto
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis build src/agentenv/storage/_native*.so

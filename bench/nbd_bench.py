@@ -8,7 +8,13 @@ write IOPS at queue depth 1 and 16, and 1 MiB sequential read MB/s twice: on the
 (`seqread_1m_qd4`: the upper then holds tens of thousands of 4 KiB extents, so a 1 MiB read
 gathers ~250 pieces).
 
-    python bench/nbd_bench.py [--quick]
+With `--devices N` (N > 1) it also serves N devices at once: N fio processes run 4 KiB random
+read and write at QD16 against N blockd devices, then against N nbdkit processes (one per
+device, as nbdkit would be deployed), and prints the aggregate IOPS with the ratio, the server
+CPU per I/O, and blockd's per-thread CPU from /proc (`threads`: how many threads did the
+work). `--native 0` runs blockd with AENV_BLOCKD_NATIVE=0 (the Python data path).
+
+    python bench/nbd_bench.py [--quick] [--devices N] [--native 0|1]
 
 Prints one JSON object per line: metric, value, unit, baseline, baseline_value, ratio.
 """
@@ -59,6 +65,82 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def thread_cpu(pid: int) -> dict[str, float]:
+    """CPU seconds per thread (name/tid) of a process, from /proc/PID/task/*/schedstat."""
+    out = {}
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            name = Path(f"/proc/{pid}/task/{tid}/comm").read_text().strip()
+            ns = int(Path(f"/proc/{pid}/task/{tid}/schedstat").read_text().split()[0])
+        except FileNotFoundError:
+            continue  # the thread ended
+        out[f"{name}/{tid}"] = ns / 1e9
+    return out
+
+
+def fio_many(uris: list[str], rw: str, depth: int, runtime: float, root: Path,
+             server_pids: list[int]) -> dict[str, object]:
+    """One fio per URI at once; aggregate IOPS, server CPU per I/O, per-thread CPU."""
+    cpu_before = sum(cpu_seconds(pid) for pid in server_pids)
+    threads_before = thread_cpu(server_pids[0]) if len(server_pids) == 1 else {}
+    procs = [subprocess.Popen(
+        ["fio", "--name=bench", "--ioengine=nbd", f"--uri={uri}", f"--rw={rw}", "--bs=4k",
+         f"--iodepth={depth}", f"--runtime={runtime}", "--time_based", "--ramp_time=0.3",
+         "--output-format=json", f"--output={root / f'fio{n}.json'}"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for n, uri in enumerate(uris)]
+    # Serving threads end with their connection: sample them while fio runs.
+    seen: dict[str, float] = {}
+    while any(proc.poll() is None for proc in procs):
+        if len(server_pids) == 1:
+            for key, value in thread_cpu(server_pids[0]).items():
+                seen[key] = max(seen.get(key, 0.0), value)
+        time.sleep(0.1)
+    for proc in procs:
+        if proc.returncode != 0:
+            raise RuntimeError(f"fio failed: {proc.args}")
+    cpu = sum(cpu_seconds(pid) for pid in server_pids) - cpu_before
+    iops = ios = 0.0
+    for n in range(len(uris)):
+        job = json.loads((root / f"fio{n}.json").read_text())["jobs"][0]
+        side = job["write"] if "write" in rw else job["read"]
+        iops += side["iops"]
+        ios += side["total_ios"]
+    threads = {k: round(v - threads_before.get(k, 0.0), 3) for k, v in seen.items()
+               if v - threads_before.get(k, 0.0) > 0.01}
+    return {"iops": iops, "cpu_us": cpu * 1e6 / max(1.0, ios), "threads": threads}
+
+
+def bench_devices(client: BlockdClient, lowers: list[Path], flat: Path, root: Path,
+                  devices: int, runtime: float, blockd_pid: int) -> None:
+    """N devices at once against N nbdkit processes (see the module docstring)."""
+    uris = []
+    for n in range(devices):
+        info = client.create(lowers=lowers, upper_dir=root / f"multi{n}")
+        uris.append(f"nbd+unix:///{info.export}?socket={info.nbd}")
+    kits, kuris = [], []
+    try:
+        for n in range(devices):
+            sock = root / f"k{n}.sock"
+            kits.append(subprocess.Popen(["nbdkit", "-f", "-U", str(sock), "file", str(flat)]))
+            wait_for(sock, kits[-1])
+            kuris.append(f"nbd+unix:///?socket={sock}")
+        for rw, name in (("randread", "randread_4k_qd16"), ("randwrite", "randwrite_4k_qd16")):
+            ours = fio_many(uris, rw, 16, runtime, root, [blockd_pid])
+            base = fio_many(kuris, rw, 16, runtime, root, [k.pid for k in kits])
+            metric = f"blockd_{name}_devices{devices}"
+            emit(metric, ours["iops"], "IOPS", f"{devices} x nbdkit file", base["iops"])  # type: ignore[arg-type]
+            emit(f"{metric}_server_cpu_per_io", ours["cpu_us"], "us",  # type: ignore[arg-type]
+                 f"{devices} x nbdkit file", base["cpu_us"])  # type: ignore[arg-type]
+            busy = ours["threads"]
+            print(json.dumps({"metric": f"{metric}_thread_cpu_s", "threads": busy,
+                              "busy_threads": sum(1 for v in busy.values()  # type: ignore[attr-defined]
+                                                  if v > 0.1 * runtime)}), flush=True)
+    finally:
+        for kit in kits:
+            kit.send_signal(signal.SIGTERM)
+            kit.wait(20)
+
+
 def fio(uri: str, rw: str, bs: str, depth: int, runtime: float, out: Path,
         server_pid: int) -> dict[str, float]:
     cpu_before = cpu_seconds(server_pid)
@@ -97,7 +179,13 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="small disk, short runs (< 60 s)")
     parser.add_argument("--inline-max", type=int, default=None,
                         help="blockd --inline-max (largest I/O served on the event loop)")
+    parser.add_argument("--devices", type=int, default=1,
+                        help="also measure this many devices at once (vs as many nbdkits)")
+    parser.add_argument("--native", choices=("0", "1"), default=None,
+                        help="AENV_BLOCKD_NATIVE for blockd (default: its own default)")
     args = parser.parse_args()
+    if args.devices < 1:
+        parser.error("--devices must be at least 1")
     size = (128 if args.quick else 512) * MiB
     runtime = 1.5 if args.quick else 5.0
     rounds = 2 if args.quick else 3
@@ -113,7 +201,9 @@ def main() -> None:
         blockd = subprocess.Popen(
             [sys.executable, "-m", "agentenv.cli.main", "blockd", "--state-dir", str(root / "st"),
              "--socket", str(ctl), "--no-fuse", "--log-level", "warning",
-             *([] if args.inline_max is None else ["--inline-max", str(args.inline_max)])])
+             *([] if args.inline_max is None else ["--inline-max", str(args.inline_max)])],
+            env={**os.environ, **({} if args.native is None else
+                                  {"AENV_BLOCKD_NATIVE": args.native})})
         procs.append(blockd)
         ksock = root / "k.sock"
         nbdkit = subprocess.Popen(["nbdkit", "-f", "-U", str(ksock), "file", str(flat)])
@@ -164,6 +254,9 @@ def main() -> None:
         for _rw, _bs, _depth, name, _unit in fresh + cases:
             emit(f"blockd_{name}_server_cpu_per_io", cpu[("blockd", name)], "us",
                  "nbdkit file (flat raw)", cpu[("nbdkit", name)])
+
+        if args.devices > 1:
+            bench_devices(client, lowers, flat, root, args.devices, runtime, blockd.pid)
 
         # Device creation: a new device (socket, upper over the 10 layers in the caller's
         # folder), as the runtime makes one per writable disk of a boot or restore.

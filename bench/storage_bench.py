@@ -3,7 +3,9 @@
 Reads through a 10-layer stack (bottom layer covers the whole disk, nine layers above each
 overwrite random 64 KiB-1 MiB extents over ~15% of it), uncompressed and as zstd ZFiles, and
 4 KiB random writes to the upper. Baselines measured in the same run: os.pread of the same
-bytes from one flat raw file, and plain zstd decompression of the same 4 KiB blocks.
+bytes from one flat raw file, and plain zstd decompression of the same 4 KiB blocks. The
+`*_native` metrics run the same 4 KiB writes and plain reads on the native core
+(storage/native.py, when built) over the same stack.
 
 Prints one JSON object per line: metric, value, unit, baseline, baseline_value, ratio.
 """
@@ -23,6 +25,7 @@ from pathlib import Path
 import numpy as np
 import zstandard
 
+from agentenv.storage import native
 from agentenv.storage.builder import LayerBuilder
 from agentenv.storage.export import export_raw
 from agentenv.storage.image import Image
@@ -198,6 +201,37 @@ def main() -> int:
 
         ours, base = compare(img_write, flat_write, min_time)
         emit("rand_write_4k_upper", ours, "IOPS", "os.pwrite flat file", base)
+
+        # The same on the native core (storage/native.py), when it is built.
+        if native.available():
+            nimage = native.NativeImage.create(plain, root / "upper-native")
+
+            def nimg_write() -> int:
+                write = nimage.write
+                for off in offsets[:1024]:
+                    write(off, payload)
+                return 1024
+
+            def nimg_rand() -> int:
+                read = nimage.read
+                for off in offsets:
+                    read(off, BLOCK)
+                return len(offsets)
+
+            def nimg_seq() -> int:
+                readinto = nimage.readinto
+                for pos in range(0, vsize, seq):
+                    readinto(pos, mv)
+                return vsize // seq
+
+            ours, base = compare(nimg_write, flat_write, min_time)
+            emit("rand_write_4k_upper_native", ours, "IOPS", "os.pwrite flat file", base)
+            ours, base = compare(nimg_rand, flat_rand, min_time)
+            emit("rand_read_4k_10layers_native", ours, "IOPS", "os.pread flat file", base)
+            ours, base = compare(nimg_seq, flat_seq, min_time)
+            emit("seq_read_1m_10layers_native", ours * seq / 2**20, "MiB/s",
+                 "os.preadv flat file", base * seq / 2**20)
+            nimage.close()
         # Random reads again, now that the upper holds thousands of mappings.
         ours, base = compare(img_rand, flat_rand, min_time)
         emit("rand_read_4k_10layers_busy_upper", ours, "IOPS", "os.pread flat file", base)

@@ -154,6 +154,12 @@ class Blockd:
         from agentenv.storage.upper import Upper
 
         Upper.log_buffer = 0
+        # The data path: the native core unless switched off (AENV_BLOCKD_NATIVE=0) or not
+        # built; a bad value of the switch stops the daemon here, not at the first device.
+        from agentenv.storage import native
+
+        log.info("data path", extra={"native": native.enabled(),
+                                     "native_unavailable": native.unavailable_reason()})
         for folder in (self.layout.records, self.layout.nbd, self.layout.uppers):
             private_dir(folder)
         # QEMU (an unprivileged user) connects to the NBD sockets by path: it needs search

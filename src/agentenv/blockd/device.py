@@ -173,20 +173,20 @@ class Device:
         if hasattr(image, "upper_limit") and not getattr(image, "readonly", True):
             image.upper_limit = self.record.upper_limit  # type: ignore[attr-defined]
 
-    def _note_full(self, exc: OSError) -> None:
-        """Count a write refused for the cap; log the first one and then one a minute (a
+    def _note_full(self, exc: OSError, count: int = 1) -> None:
+        """Count writes refused for the cap; log the first one and then one a minute (a
         guest filling its disk sends thousands)."""
-        self.stats.enospc += 1
-        self._count("enospc", 1)
+        self.stats.enospc += count
+        self._count("enospc", count)
         now = time.monotonic()
         if now - self._full_logged >= FULL_LOG_INTERVAL:
             log.warning("disk full: write refused with ENOSPC",
                         extra={"device": self.id, "error": str(exc),
-                               "refused_since_last_log": self._full_unlogged + 1})
+                               "refused_since_last_log": self._full_unlogged + count})
             self._full_logged = now
             self._full_unlogged = 0
         else:
-            self._full_unlogged += 1
+            self._full_unlogged += count
 
     def _image_call(self, fn: Callable[..., T], *args: Any) -> T:
         try:
@@ -223,6 +223,42 @@ class Device:
     def count_error(self) -> None:
         self.stats.errors += 1
         self._count("errors", 1)
+
+    @property
+    def native_core(self) -> Any:
+        """The image's native core when it has one: the NBD server then runs this device's
+        connections on native threads (blockd/nbd.py)."""
+        return getattr(self.image, "native_core", None)
+
+    def collect_native_stats(self) -> None:
+        """Fold what the native threads counted into the stats and metrics."""
+        core = self.native_core
+        if core is None:
+            return
+        reads, writes, bytes_read, bytes_written, flushes, trims, zeroes, errors, enospc = (
+            core.take_stats())
+        st = self.stats
+        st.reads += reads
+        st.writes += writes
+        st.bytes_read += bytes_read
+        st.bytes_written += bytes_written
+        st.flushes += flushes
+        st.trims += trims
+        st.zeroes += zeroes
+        st.errors += errors
+        if errors > enospc:
+            # The native threads answered these with an NBD error (range, EPERM, EIO): say so
+            # here, as the Python path logs each.
+            log.warning("native requests failed", extra={"device": self.id,
+                                                         "failed": errors - enospc})
+        for what, amount in (("reads", reads), ("writes", writes), ("bytes_read", bytes_read),
+                             ("bytes_written", bytes_written), ("errors", errors)):
+            if amount:
+                self._count(what, amount)
+        if enospc:
+            self._note_full(OSError(errno.ENOSPC, f"{enospc} writes refused: the upper is at "
+                                                  f"its cap of {self.record.upper_limit} bytes"),
+                            enospc)
 
     def _count(self, what: str, amount: int) -> None:
         if self._on_stats is not None:
@@ -356,6 +392,7 @@ class Device:
             await self._loop.run_in_executor(self.executor, _flush_and_close, image)
 
     def info(self) -> DeviceInfo:
+        self.collect_native_stats()
         return DeviceInfo(
             id=self.id, nbd=self.record.socket, export=self.id,
             file=str(self.fuse_path) if self.fuse_path else None, size=self.size,
@@ -408,6 +445,9 @@ def _read_for_socket(image: ImageLike, offset: int, length: int) -> bytes | list
 def _allocation_runs(image: ImageLike, offset: int, length: int) -> list[tuple[int, bool]]:
     """(length, has_data) runs from `offset`, covering at most `length` bytes; adjacent runs
     of the same kind merged. Images without an extent map report all data."""
+    allocation = getattr(image, "allocation", None)
+    if allocation is not None:  # the native core walks its indexes itself
+        return allocation(offset, length, MAX_STATUS_RUNS)  # type: ignore[no-any-return]
     extents = getattr(image, "extents", None)
     end = offset + length
     if extents is None:

@@ -1,4 +1,5 @@
-"""How blockd opens and creates images: through agentenv.storage.image.Image."""
+"""How blockd opens and creates images: on the native core (agentenv.storage.native.NativeImage)
+unless it is switched off (AENV_BLOCKD_NATIVE=0) or not built; else agentenv.storage.image.Image."""
 
 from __future__ import annotations
 
@@ -11,9 +12,10 @@ from agentenv.blockd.errors import BlockdError
 
 
 def _image_class() -> Any:
+    from agentenv.storage import native
     from agentenv.storage.image import Image
 
-    return Image
+    return native.NativeImage if native.enabled() else Image
 
 
 def open_image(source: Path, *, writable: bool) -> ImageLike:

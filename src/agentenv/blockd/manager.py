@@ -183,7 +183,7 @@ class DeviceManager:
             device.server = None
         # Cut the clients still connected: their disk is going away.
         for writer in list(device.clients):
-            writer.transport.abort()
+            nbd.cut(writer)
         await device.close_image()
         with contextlib.suppress(FileNotFoundError):
             Path(device.record.socket).unlink()

@@ -25,7 +25,9 @@ ENOSPC (writes past the end), writes to a read-only export EPERM, a backend's EN
 (an upper at its cap, a full host disk) ENOSPC, other backend failures EIO;
 none of them drops the connection. Large READ replies may be a list of buffers (slices of the
 layers' mmaps, from Image.read_pieces): they leave in one scatter-gather sendmsg, so the data is
-copied once, by the kernel. A request with a bad magic, an unknown command with a
+copied once, by the kernel. An export with a native core (storage/native.py) gets its
+connections' transmission phase run by that core on a thread of its own, GIL released
+(`_transmit_native`): negotiation stays here. A request with a bad magic, an unknown command with a
 payload, or a write larger than MAX_REQUEST cannot be skipped safely: the server answers
 what it can and closes that connection only.
 """
@@ -39,8 +41,9 @@ import logging
 import os
 import socket
 import struct
+import threading
 from collections.abc import Callable, Iterable
-from typing import Protocol
+from typing import Any, Protocol
 
 log = logging.getLogger("agentenv.blockd.nbd")
 
@@ -506,9 +509,66 @@ class NbdConnection:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
+    async def _transmit_native(self, export: Export, core: Any) -> None:
+        """Hand the connection to the native core: a thread runs the transmission loop with
+        the GIL released until the client leaves or the socket is shut down (cut())."""
+        # The thread owns our duplicate of the socket from here and closes it when done, so
+        # its descriptor number cannot be reused under it.
+        sock, self._sock = self._sock, None
+        assert sock is not None
+        self.writer.transport.pause_reading()
+        # Requests the client sent right after negotiating may already sit in the reader.
+        buffered = bytes(getattr(self.reader, "_buffer", b""))
+        if buffered:
+            self.reader._buffer.clear()  # type: ignore[attr-defined]
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future[str] = loop.create_future()
+        fd = sock.fileno()
+
+        def finish(outcome: str | BaseException) -> None:
+            if done.done():
+                return
+            if isinstance(outcome, BaseException):
+                done.set_exception(outcome)
+            else:
+                done.set_result(outcome)
+
+        def run() -> None:
+            try:
+                outcome: str | BaseException = core.serve(
+                    fd, buffered, self._structured, self._base_allocation, export.readonly,
+                    f"nbd:{self.export_name}")
+            except BaseException as exc:
+                outcome = exc
+            finally:
+                sock.close()
+            with contextlib.suppress(RuntimeError):  # the loop is gone: nobody waits
+                loop.call_soon_threadsafe(finish, outcome)
+
+        threading.Thread(target=run, name=f"nbd:{self.export_name}", daemon=True).start()
+        collect = getattr(export, "collect_native_stats", None)
+        try:
+            while not done.done():
+                await asyncio.wait({done}, timeout=1.0)
+                if collect is not None:
+                    collect()
+        except asyncio.CancelledError:
+            with contextlib.suppress(OSError):  # ends the thread (closed already: EBADF)
+                sock.shutdown(socket.SHUT_RDWR)
+            raise
+        reason = done.result()
+        if reason.startswith("protocol"):
+            raise NbdProtocolError(reason)
+        if reason.startswith("error"):
+            raise ConnectionError(reason)
+
     async def transmit(self) -> None:
         export = self.export
         assert export is not None
+        core = getattr(export, "native_core", None)
+        if core is not None and self._sock is not None:
+            await self._transmit_native(export, core)
+            return
         reader = self.reader
         while True:
             header = await reader.readexactly(28)
@@ -641,6 +701,16 @@ class NbdConnection:
                 await self.writer.wait_closed()
             if self._sock is not None:
                 self._sock.close()
+
+
+def cut(writer: asyncio.StreamWriter) -> None:
+    """Close a client connection now, also when a native thread serves it (the shutdown
+    wakes that thread; closing our descriptor alone would not)."""
+    sock = writer.get_extra_info("socket")
+    if sock is not None:
+        with contextlib.suppress(OSError):
+            sock.shutdown(socket.SHUT_RDWR)
+    writer.transport.abort()
 
 
 class SingleExportTable:

@@ -1,0 +1,1372 @@
+// The native serving core of an overlaybd image (docs/native.md).
+//
+// One `Core` per open image: the merged read-only index (built once per stack in Python and
+// handed over as int64 arrays), the layers' file descriptors, and the writable upper (its
+// in-memory index, the append position of upper.data, the index log). It does the per-request
+// work without the GIL: index lookups, preadv/pwrite, zero and hole filling, upper appends and
+// index-log entries byte-identical to storage/upper.py (the reference). `serve` runs an NBD
+// transmission loop over a connected socket on the calling thread with the GIL released; the
+// rest of the core knows nothing of NBD, so another front end (ublk) can call the same paths.
+//
+// Python owns every file descriptor and the control plane: it quiesces the core (pause /
+// resume), takes the upper's state back (export_upper) for a seal, a resize or a close, and
+// binds the new stack (configure). Layers the core cannot read itself (ZFile, remote) are read
+// through a Python callable, with the GIL, for the pieces that need them.
+
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <errno.h>
+#include <poll.h>
+#include <pthread.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/uio.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <map>
+#include <mutex>
+#include <shared_mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+namespace {
+
+constexpr int64_t SECTOR = 512;
+constexpr int64_t ZEROED = -1;
+constexpr int64_t HT_BLOCK = 4096;
+constexpr int64_t MAX_IO_SIZE = 4 << 20;
+constexpr int64_t MAX_LENGTH = 16383;
+constexpr uint64_t M50 = (uint64_t(1) << 50) - 1;
+constexpr uint64_t M55 = (uint64_t(1) << 55) - 1;
+
+struct Extent {
+    int64_t end;
+    int64_t moffset;
+    int64_t layer;  // 0: upper data, ZEROED: zeroed
+};
+
+struct Mapping {
+    int64_t start, length, moffset, layer;
+};
+
+struct Layer {
+    int fd;
+    int64_t base;
+    bool foreign;  // read through the Python callable (ZFile, remote)
+};
+
+// What a write refused for the cap reports (UpperFull's fields).
+struct Full {
+    int64_t used = 0, need = 0, limit = 0;
+};
+
+enum PieceKind { HOLE, ZERO, UPPER, LOWER };
+
+// Set on threads running Core.serve: a failed foreign read there is logged and answered with
+// EIO; elsewhere (a Python caller) its exception is kept and raised to the caller.
+thread_local bool serving = false;
+
+int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+int pwrite_all(int fd, const char* p, int64_t n, int64_t pos) {
+    while (n > 0) {
+        ssize_t w = pwrite(fd, p, size_t(n), pos);
+        if (w < 0) {
+            if (errno == EINTR) continue;
+            return -errno;
+        }
+        p += w;
+        n -= w;
+        pos += w;
+    }
+    return 0;
+}
+
+// Reads up to n bytes; returns how many (short at EOF) or -errno.
+int64_t pread_full(int fd, char* p, int64_t n, int64_t pos) {
+    int64_t got = 0;
+    while (got < n) {
+        ssize_t r = pread(fd, p + got, size_t(n - got), pos + got);
+        if (r < 0) {
+            if (errno == EINTR) continue;
+            return -errno;
+        }
+        if (r == 0) break;
+        got += r;
+    }
+    return got;
+}
+
+void put_mapping(std::string& out, int64_t offset, int64_t length, int64_t moffset, bool zeroed,
+                 int tag) {
+    uint64_t lo = (uint64_t(offset) & M50) | (uint64_t(length) << 50);
+    uint64_t hi = (uint64_t(moffset) & M55) | (uint64_t(zeroed) << 55) | (uint64_t(tag & 0xFF) << 56);
+    char b[16];
+    for (int i = 0; i < 8; i++) b[i] = char((lo >> (8 * i)) & 0xFF);
+    for (int i = 0; i < 8; i++) b[8 + i] = char((hi >> (8 * i)) & 0xFF);
+    out.append(b, 16);
+}
+
+// Admits requests unless paused; pause() waits for the admitted ones.
+class Gate {
+   public:
+    void enter() {
+        std::unique_lock<std::mutex> g(m_);
+        cv_.wait(g, [this] { return !paused_; });
+        inflight_++;
+    }
+    void leave() {
+        std::lock_guard<std::mutex> g(m_);
+        if (--inflight_ == 0) cv_.notify_all();
+    }
+    void pause() {
+        std::unique_lock<std::mutex> g(m_);
+        cv_.wait(g, [this] { return !paused_; });
+        paused_ = true;
+        cv_.wait(g, [this] { return inflight_ == 0; });
+    }
+    void resume() {
+        std::lock_guard<std::mutex> g(m_);
+        paused_ = false;
+        cv_.notify_all();
+    }
+
+   private:
+    std::mutex m_;
+    std::condition_variable cv_;
+    int inflight_ = 0;
+    bool paused_ = false;
+};
+
+struct Stats {
+    std::atomic<int64_t> reads{0}, writes{0}, bytes_read{0}, bytes_written{0}, flushes{0},
+        trims{0}, zeroes{0}, errors{0}, enospc{0};
+};
+
+struct Engine {
+    // Configured while paused (configure), read by requests.
+    bool closed = true;
+    int64_t vsize = 0;
+    std::vector<int64_t> rs, re, rm, rl;  // merged read-only index, sectors
+    std::vector<Layer> layers;
+    bool has_foreign = false;          // some layer is read through Python
+    PyObject* foreign_read = nullptr;  // callable(slot, pos, memoryview, serving) -> int
+    PyObject* on_full = nullptr;       // callable(used, need, limit) -> exception
+
+    bool has_upper = false;
+    bool writable = false;
+    int dfd = -1, ifd = -1;
+    int64_t data_eof = 0, index_eof = 0, log_entries = 0;
+    int64_t limit = -1;
+    int rw_tag = 0;
+    bool reuse = true;
+    int64_t log_buffer = 0;
+    std::string pending_log;
+    std::map<int64_t, Extent> upper;  // key: start sector
+
+    // A read-only shared mapping of upper.data, larger than the file so appends land inside
+    // it: reads of the upper's pieces are a memcpy instead of a pread each (a 1 MiB read of
+    // a randomly written upper meets ~250 of them). Replaced (doubled) when the file outgrows
+    // it; replaced mappings stay until the next configure, as readers may still copy from
+    // them. Only bytes below data_eof are read, and upper.data is never truncated.
+    std::atomic<char*> umap{nullptr};
+    std::atomic<int64_t> umap_len{0};
+    std::mutex umap_lock;
+    std::vector<std::pair<char*, int64_t>> umaps;
+
+    std::mutex wlock;           // serialises writers
+    std::shared_mutex ilock;    // guards `upper` against readers
+    Gate gate;
+    Stats stats;
+
+    // -- upper index --------------------------------------------------------------------
+
+    void insert(int64_t start, int64_t end, int64_t moffset, int64_t layer) {
+        if (end <= start) return;
+        auto it = upper.upper_bound(start);
+        if (it != upper.begin()) {
+            auto prev = std::prev(it);
+            if (prev->second.end > start) it = prev;
+        }
+        while (it != upper.end() && it->first < end) {
+            int64_t s = it->first;
+            Extent x = it->second;
+            it = upper.erase(it);
+            if (s < start) upper.emplace(s, Extent{start, x.moffset, x.layer});
+            if (x.end > end) {
+                int64_t m = x.layer == ZEROED ? x.moffset : x.moffset + (end - s);
+                it = upper.emplace(end, Extent{x.end, m, x.layer}).first;
+                break;
+            }
+        }
+        upper[start] = Extent{end, moffset, layer};
+    }
+
+    void lookup(int64_t start, int64_t end, std::vector<Mapping>& out) const {
+        out.clear();
+        auto it = upper.upper_bound(start);
+        if (it != upper.begin()) {
+            auto prev = std::prev(it);
+            if (prev->second.end > start) it = prev;
+        }
+        for (; it != upper.end() && it->first < end; ++it) {
+            int64_t s = std::max(it->first, start);
+            int64_t e = std::min(it->second.end, end);
+            int64_t lay = it->second.layer;
+            int64_t m = lay == ZEROED ? it->second.moffset : it->second.moffset + (s - it->first);
+            out.push_back(Mapping{s, e - s, m, lay});
+        }
+    }
+
+    // -- reads ---------------------------------------------------------------------------
+
+    // Calls f(ps, pe, kind, layer, file_pos) for consecutive pieces covering [pos, end).
+    template <class F>
+    int walk_ro(int64_t pos, int64_t end, F& f) const {
+        size_t n = rs.size();
+        size_t i = size_t(std::upper_bound(re.begin(), re.end(), pos >> 9) - re.begin());
+        while (pos < end) {
+            if (i >= n || (rs[i] << 9) >= end) return f(pos, end, HOLE, 0, 0);
+            int64_t s = rs[i] << 9;
+            if (s > pos) {
+                if (int r = f(pos, s, HOLE, 0, 0)) return r;
+                pos = s;
+            }
+            int64_t e = std::min(re[i] << 9, end);
+            int64_t lay = rl[i];
+            int r = lay >= 0 ? f(pos, e, LOWER, lay, (rm[i] << 9) + pos - s) : f(pos, e, ZERO, 0, 0);
+            if (r) return r;
+            pos = e;
+            i++;
+        }
+        return 0;
+    }
+
+    template <class F>
+    int walk(int64_t pos, int64_t end, F& f) {
+        std::vector<Mapping> pieces;
+        if (has_upper) {
+            std::shared_lock<std::shared_mutex> g(ilock);
+            if (!upper.empty()) lookup(pos >> 9, (end + SECTOR - 1) >> 9, pieces);
+        }
+        for (const Mapping& p : pieces) {
+            int64_t ps = std::max(p.start << 9, pos);
+            int64_t pe = std::min((p.start + p.length) << 9, end);
+            if (ps > pos) {
+                if (int r = walk_ro(pos, ps, f)) return r;
+            }
+            int r = p.layer == ZEROED ? f(ps, pe, ZERO, 0, 0)
+                                      : f(ps, pe, UPPER, 0, (p.moffset << 9) + ps - (p.start << 9));
+            if (r) return r;
+            pos = pe;
+        }
+        if (pos < end) return walk_ro(pos, end, f);
+        return 0;
+    }
+
+    // The mapping when it covers [fpos, fpos + n), else a new bigger one, else nullptr.
+    const char* upper_view(int64_t fpos, int64_t n) {
+        if (fpos + n <= umap_len.load(std::memory_order_acquire)) return umap.load();
+        std::lock_guard<std::mutex> g(umap_lock);
+        int64_t len = umap_len.load();
+        if (fpos + n <= len) return umap.load();
+        struct stat st;
+        if (fstat(dfd, &st) < 0 || st.st_size < fpos + n) return nullptr;
+        int64_t want = std::max<int64_t>({int64_t(st.st_size) * 2, len * 2, 64 << 20});
+        void* p = mmap(nullptr, size_t(want), PROT_READ, MAP_SHARED, dfd, 0);
+        if (p == MAP_FAILED) return nullptr;
+        umaps.emplace_back(static_cast<char*>(p), want);
+        umap.store(static_cast<char*>(p));
+        umap_len.store(want, std::memory_order_release);
+        return static_cast<char*>(p);
+    }
+
+    void unmap_upper() {
+        std::lock_guard<std::mutex> g(umap_lock);
+        for (auto& m : umaps) munmap(m.first, size_t(m.second));
+        umaps.clear();
+        umap_len.store(0);
+        umap.store(nullptr);
+    }
+
+    ~Engine() { unmap_upper(); }
+
+    int64_t read_foreign(int64_t slot, int64_t fpos, char* dst, int64_t n) {
+        PyGILState_STATE st = PyGILState_Ensure();
+        int64_t got = -EIO;
+        PyObject* mv = PyMemoryView_FromMemory(dst, n, PyBUF_WRITE);
+        if (mv != nullptr) {
+            PyObject* r = PyObject_CallFunction(foreign_read, "LLOO", (long long)slot,
+                                                (long long)fpos, mv,
+                                                serving ? Py_True : Py_False);
+            if (r != nullptr) {
+                got = PyLong_AsLongLong(r);
+                Py_DECREF(r);
+            }
+            // dst is ours only for this call: a view the callee kept must not reach it later.
+            PyObject *type, *value, *tb;
+            PyErr_Fetch(&type, &value, &tb);
+            PyObject* released = PyObject_CallMethod(mv, "release", nullptr);
+            if (released == nullptr) {
+                PyErr_Clear();  // a slice of it is still alive: refuse its bytes
+                if (type == nullptr) got = -EIO;
+            } else {
+                Py_DECREF(released);
+            }
+            PyErr_Restore(type, value, tb);
+            Py_DECREF(mv);
+        }
+        if (PyErr_Occurred()) {
+            if (serving) PyErr_WriteUnraisable(foreign_read);  // the callable logs; never here
+            got = -EIO;
+        } else if (got < 0 || got > n) {
+            got = -EIO;
+        }
+        PyGILState_Release(st);
+        return got;
+    }
+
+    // Bytes [pos, end) into dst. The caller holds the gate; GIL released unless a foreign
+    // layer is read.
+    int fill(int64_t pos, int64_t end, char* dst) {
+        const int64_t start = pos;
+        auto f = [&](int64_t ps, int64_t pe, int kind, int64_t lay, int64_t fpos) -> int {
+            char* p = dst + (ps - start);
+            int64_t n = pe - ps;
+            int64_t got = 0;
+            if (kind == UPPER) {
+                const char* view = upper_view(fpos, n);
+                if (view != nullptr) {
+                    memcpy(p, view + fpos, size_t(n));
+                    got = n;
+                } else {
+                    got = pread_full(dfd, p, n, fpos);
+                }
+            } else if (kind == LOWER) {
+                const Layer& L = layers[size_t(lay)];
+                got = L.foreign ? read_foreign(lay, fpos, p, n) : pread_full(L.fd, p, n, L.base + fpos);
+            }
+            if (got < 0) return int(got);
+            if (got < n) memset(p + got, 0, size_t(n - got));  // holes, zeroes, past a layer's EOF
+            return 0;
+        };
+        return walk(pos, end, f);
+    }
+
+    // (length, has_data) runs over [pos, end), neighbours of one kind merged.
+    void allocation(int64_t pos, int64_t end, size_t max_runs,
+                    std::vector<std::pair<int64_t, bool>>& runs) {
+        runs.clear();
+        auto f = [&](int64_t ps, int64_t pe, int kind, int64_t, int64_t) -> int {
+            bool data = kind == UPPER || kind == LOWER;
+            if (!runs.empty() && runs.back().second == data) {
+                runs.back().first += pe - ps;
+            } else {
+                if (runs.size() >= max_runs) return 1;
+                runs.emplace_back(pe - ps, data);
+            }
+            return 0;
+        };
+        walk(pos, end, f);
+    }
+
+    // -- writes (the caller holds wlock) -------------------------------------------------
+
+    int64_t used_bytes() const { return data_eof - HT_BLOCK + 16 * log_entries; }
+
+    int reserve(int64_t data_bytes, int64_t entries, Full* full) {
+        if (limit >= 0) {
+            int64_t need = data_bytes + 16 * entries;
+            if (used_bytes() + need > limit) {
+                if (full) *full = Full{used_bytes(), need, limit};
+                return -ENOSPC;
+            }
+        }
+        return 0;
+    }
+
+    int write_log() {
+        if (pending_log.empty()) return 0;
+        int r = pwrite_all(ifd, pending_log.data(), int64_t(pending_log.size()), index_eof);
+        if (r) return r;
+        index_eof += int64_t(pending_log.size());
+        pending_log.clear();
+        return 0;
+    }
+
+    int append_log(const std::string& entries) {
+        pending_log += entries;
+        log_entries += int64_t(entries.size() / 16);
+        if (int64_t(pending_log.size()) >= log_buffer) return write_log();
+        return 0;
+    }
+
+    int append(int64_t sector, const char* data, int64_t n) {
+        std::string entries;
+        std::vector<Mapping> inserts;
+        int64_t pos = 0;
+        while (pos < n) {
+            int64_t k = std::min(n - pos, MAX_IO_SIZE);
+            int64_t at = data_eof;
+            if (int r = pwrite_all(dfd, data + pos, k, at)) return r;
+            data_eof = at + k;
+            int64_t s = sector + pos / SECTOR;
+            put_mapping(entries, s, k / SECTOR, at / SECTOR, false, rw_tag);
+            inserts.push_back(Mapping{s, k / SECTOR, at / SECTOR, 0});
+            pos += k;
+        }
+        int r = append_log(entries);
+        std::unique_lock<std::shared_mutex> g(ilock);
+        for (const Mapping& m : inserts) insert(m.start, m.start + m.length, m.moffset, 0);
+        return r;
+    }
+
+    // upper.py Upper.write_extent: sector-aligned data at `sector`.
+    int write_extent(int64_t sector, const char* data, int64_t n, Full* full) {
+        if (reuse) {
+            int64_t end = sector + n / SECTOR;
+            std::vector<Mapping> found, own;
+            lookup(sector, end, found);  // only writers change the index, and we are the one
+            for (const Mapping& m : found)
+                if (m.layer == 0) own.push_back(m);
+            if (!own.empty()) {
+                std::vector<std::pair<int64_t, int64_t>> gaps;
+                int64_t pos = sector;
+                for (const Mapping& m : own) {
+                    if (m.start > pos) gaps.emplace_back(pos, m.start - pos);
+                    pos = m.start + m.length;
+                }
+                if (pos < end) gaps.emplace_back(pos, end - pos);
+                int64_t bytes = 0, entries = 0;
+                for (auto& g : gaps) {
+                    bytes += g.second * SECTOR;
+                    entries += ceil_div(g.second * SECTOR, MAX_IO_SIZE);
+                }
+                if (int r = reserve(bytes, entries, full)) return r;
+                for (const Mapping& m : own) {
+                    int64_t rel = (m.start - sector) * SECTOR;
+                    if (int r = pwrite_all(dfd, data + rel, m.length * SECTOR, m.moffset * SECTOR))
+                        return r;
+                }
+                for (auto& g : gaps) {
+                    int64_t rel = (g.first - sector) * SECTOR;
+                    if (int r = append(g.first, data + rel, g.second * SECTOR)) return r;
+                }
+                return 0;
+            }
+        }
+        if (int r = reserve(n, ceil_div(n, MAX_IO_SIZE), full)) return r;
+        return append(sector, data, n);
+    }
+
+    // Image.write: any alignment; unaligned edges are read-modify-write.
+    int write(int64_t offset, const char* data, int64_t n, Full* full) {
+        if (n == 0) return 0;
+        int64_t end = offset + n;
+        int64_t a = offset & ~(SECTOR - 1);
+        int64_t b = (end + SECTOR - 1) & ~(SECTOR - 1);
+        if (a == offset && b == end) return write_extent(a >> 9, data, n, full);
+        std::vector<char> buf(size_t(b - a), 0);
+        if (a != offset) {
+            if (int r = fill(a, a + SECTOR, buf.data())) return r;
+        }
+        if (b != end && (b - SECTOR >= a + SECTOR || a == offset)) {
+            if (int r = fill(b - SECTOR, b, buf.data() + (b - SECTOR - a))) return r;
+        }
+        memcpy(buf.data() + (offset - a), data, size_t(n));
+        return write_extent(a >> 9, buf.data(), b - a, full);
+    }
+
+    int zero_extent(int64_t sector, int64_t count, Full* full) {
+        if (int r = reserve(0, ceil_div(count, MAX_LENGTH), full)) return r;
+        std::string entries;
+        std::vector<Mapping> inserts;
+        int64_t mo = data_eof / SECTOR;
+        while (count > 0) {
+            int64_t k = std::min(count, MAX_LENGTH);
+            put_mapping(entries, sector, k, mo, true, rw_tag);
+            inserts.push_back(Mapping{sector, k, mo, ZEROED});
+            sector += k;
+            count -= k;
+        }
+        int r = append_log(entries);
+        std::unique_lock<std::shared_mutex> g(ilock);
+        for (const Mapping& m : inserts) insert(m.start, m.start + m.length, m.moffset, ZEROED);
+        return r;
+    }
+
+    // Image._zero_range (discard and write-zeroes).
+    int zero(int64_t offset, int64_t length, Full* full) {
+        int64_t end = offset + length;
+        int64_t a = (offset + SECTOR - 1) & ~(SECTOR - 1);
+        int64_t b = end & ~(SECTOR - 1);
+        if (a >= b) {
+            if (!length) return 0;
+            std::vector<char> z(size_t(length), 0);
+            return write(offset, z.data(), length, full);
+        }
+        static const char zeros[SECTOR] = {0};
+        if (a > offset) {
+            if (int r = write(offset, zeros, a - offset, full)) return r;
+        }
+        if (end > b) {
+            if (int r = write(b, zeros, end - b, full)) return r;
+        }
+        return zero_extent(a >> 9, (b - a) >> 9, full);
+    }
+
+    // Data first, then the index log (upper.py Upper.flush).
+    int flush() {
+        if (!has_upper || !writable) return 0;
+        if (fsync(dfd) < 0) return -errno;
+        {
+            std::lock_guard<std::mutex> g(wlock);
+            if (int r = write_log()) return r;
+        }
+        if (fsync(ifd) < 0) return -errno;
+        return 0;
+    }
+};
+
+// -- NBD transmission (docs: blockd/nbd.py holds negotiation and the Python twin) ----------
+
+constexpr uint32_t REQUEST_MAGIC = 0x25609513;
+constexpr uint32_t SIMPLE_REPLY_MAGIC = 0x67446698;
+constexpr uint32_t STRUCTURED_REPLY_MAGIC = 0x668E33EF;
+constexpr int64_t MAX_REQUEST = 32 * 1024 * 1024;
+constexpr int64_t SEND_AT = 256 * 1024;
+constexpr size_t MAX_STATUS_RUNS = 4096;
+enum { CMD_READ, CMD_WRITE, CMD_DISC, CMD_FLUSH, CMD_TRIM, CMD_CACHE, CMD_WRITE_ZEROES,
+       CMD_BLOCK_STATUS };
+constexpr uint16_t FLAG_FUA = 1, FLAG_REQ_ONE = 1 << 3;
+constexpr uint16_t REPLY_FLAG_DONE = 1;
+constexpr uint16_t REPLY_TYPE_NONE = 0, REPLY_TYPE_OFFSET_DATA = 1, REPLY_TYPE_BLOCK_STATUS = 5,
+                   REPLY_TYPE_ERROR = (1 << 15) + 1;
+constexpr uint32_t NBD_EPERM = 1, NBD_EIO = 5, NBD_ENOMEM = 12, NBD_EINVAL = 22, NBD_ENOSPC = 28,
+                   NBD_EOVERFLOW = 75;
+constexpr uint32_t BASE_ALLOCATION_ID = 1;
+constexpr uint32_t STATE_HOLE_ZERO = 3;
+
+uint32_t nbd_errno(int r) {
+    if (r == -ENOSPC || r == -EDQUOT) return NBD_ENOSPC;
+    if (r == -ENOMEM) return NBD_ENOMEM;
+    return NBD_EIO;
+}
+
+uint16_t rd16(const unsigned char* p) { return uint16_t((p[0] << 8) | p[1]); }
+uint32_t rd32(const unsigned char* p) {
+    return (uint32_t(p[0]) << 24) | (uint32_t(p[1]) << 16) | (uint32_t(p[2]) << 8) | p[3];
+}
+uint64_t rd64(const unsigned char* p) { return (uint64_t(rd32(p)) << 32) | rd32(p + 4); }
+
+// A byte buffer that grows geometrically and never zero-fills what it hands out again.
+class Buf {
+   public:
+    char* tail(size_t k) {
+        if (v_.size() < n_ + k) v_.resize(std::max(v_.size() * 2, n_ + k));
+        return v_.data() + n_;
+    }
+    void grow(size_t k) { n_ += k; }
+    void put(const void* p, size_t k) {
+        memcpy(tail(k), p, k);
+        n_ += k;
+    }
+    void truncate(size_t k) { n_ = k; }
+    // Drop the first k bytes (consumed input), keeping the rest at the front.
+    void consume(size_t k) {
+        memmove(v_.data(), v_.data() + k, n_ - k);
+        n_ -= k;
+    }
+    // Empty it, giving back the memory a rare big request (up to 32 MiB) made it take: a
+    // host has one buffer pair per connection.
+    void reset() {
+        n_ = 0;
+        if (v_.size() > KEEP) std::vector<char>(KEEP).swap(v_);
+    }
+    size_t size() const { return n_; }
+    char* data() { return v_.data(); }
+
+   private:
+    static constexpr size_t KEEP = 1 << 20;
+    std::vector<char> v_;
+    size_t n_ = 0;
+};
+
+void be16(Buf& o, uint16_t v) {
+    char b[2] = {char(v >> 8), char(v)};
+    o.put(b, 2);
+}
+void be32(Buf& o, uint32_t v) {
+    char b[4] = {char(v >> 24), char(v >> 16), char(v >> 8), char(v)};
+    o.put(b, 4);
+}
+void be64(Buf& o, uint64_t v) {
+    be32(o, uint32_t(v >> 32));
+    be32(o, uint32_t(v));
+}
+
+// Splits one big read over a few threads (the caller plus helpers started on first use), so
+// a connection's 1 MiB reads of a fragmented upper use more than one core. Requests still run
+// one after another: only the pieces of one read run at once.
+class ReadSplitter {
+   public:
+    static constexpr int64_t MIN_SPLIT = 256 * 1024;
+
+    explicit ReadSplitter(Engine& e) : e_(e) {}
+    ~ReadSplitter() {
+        {
+            std::lock_guard<std::mutex> g(m_);
+            stop_ = true;
+        }
+        cv_.notify_all();
+        for (auto& t : threads_) t.join();
+    }
+
+    static int helpers_wanted() {
+        int cores = int(std::thread::hardware_concurrency());
+        return std::max(0, std::min(3, cores - 1));
+    }
+
+    int fill(int64_t pos, int64_t end, char* dst) {
+        // Helpers are not Python threads: pieces read through Python stay on the caller.
+        int parts = e_.has_foreign ? 1 : 1 + std::min<int>(helpers_wanted(),
+                                                            int((end - pos) / MIN_SPLIT) - 1);
+        if (parts <= 1) return e_.fill(pos, end, dst);
+        while (int(threads_.size()) < parts - 1) threads_.emplace_back([this] { run(); });
+        int64_t chunk = ((end - pos) / parts + 4095) & ~int64_t(4095);
+        {
+            std::lock_guard<std::mutex> g(m_);
+            jobs_.clear();
+            next_ = 0;
+            result_ = 0;
+            for (int64_t a = pos + chunk; a < end; a += chunk)
+                jobs_.push_back(Job{a, std::min(end, a + chunk), dst + (a - pos)});
+            pending_ = jobs_.size();
+        }
+        cv_.notify_all();
+        int r = e_.fill(pos, std::min(end, pos + chunk), dst);
+        std::unique_lock<std::mutex> g(m_);
+        done_.wait(g, [this] { return pending_ == 0; });
+        return r ? r : result_;
+    }
+
+   private:
+    struct Job {
+        int64_t a, b;
+        char* dst;
+    };
+
+    void run() {
+        for (;;) {
+            Job job;
+            {
+                std::unique_lock<std::mutex> g(m_);
+                cv_.wait(g, [this] { return stop_ || next_ < jobs_.size(); });
+                if (stop_) return;
+                job = jobs_[next_++];
+            }
+            int r = e_.fill(job.a, job.b, job.dst);
+            std::lock_guard<std::mutex> g(m_);
+            if (r && !result_) result_ = r;
+            if (--pending_ == 0) done_.notify_all();
+        }
+    }
+
+    Engine& e_;
+    std::mutex m_;
+    std::condition_variable cv_, done_;
+    std::vector<std::thread> threads_;
+    std::vector<Job> jobs_;
+    size_t next_ = 0, pending_ = 0;
+    int result_ = 0;
+    bool stop_ = false;
+};
+
+class Conn {
+   public:
+    Conn(Engine& e, int fd, const std::string& prefix, bool structured, bool base_alloc,
+         bool readonly)
+        : e_(e), fd_(fd), structured_(structured), base_alloc_(base_alloc), readonly_(readonly) {
+        in_.put(prefix.data(), prefix.size());
+    }
+
+    // Returns why the loop ended: "disc", "eof", "error: ..." or "protocol: ...".
+    std::string run() {
+        for (;;) {
+            if (ipos_ == in_.size()) {  // all consumed: start the buffer over
+                in_.reset();
+                ipos_ = 0;
+            }
+            if (in_.size() - ipos_ < 28) {
+                if (!send_out()) return err_;
+                if (!fill_in(28)) return err_;
+            }
+            const unsigned char* h = reinterpret_cast<const unsigned char*>(in_.data() + ipos_);
+            uint32_t magic = rd32(h);
+            uint16_t flags = rd16(h + 4), cmd = rd16(h + 6);
+            uint64_t handle = rd64(h + 8), offset = rd64(h + 16);
+            uint32_t length = rd32(h + 24);
+            ipos_ += 28;
+            if (magic != REQUEST_MAGIC) {
+                send_out();
+                return "protocol: bad request magic";
+            }
+            uint64_t size = uint64_t(e_.vsize);
+            bool beyond = offset > size || length > size - offset;
+            if (cmd == CMD_WRITE) {
+                if (length > MAX_REQUEST) {
+                    error(handle, NBD_EINVAL, false, 0);
+                    send_out();
+                    return "protocol: write larger than the maximum request";
+                }
+                if (!fill_in(length)) return err_;
+                const char* data = in_.data() + ipos_;
+                ipos_ += length;
+                if (readonly_) error(handle, NBD_EPERM, false, 0);
+                else if (beyond) error(handle, NBD_ENOSPC, false, 0);
+                else finish(handle, do_write(int64_t(offset), data, length, flags & FLAG_FUA), false, 0);
+            } else if (cmd == CMD_READ) {
+                if (length > MAX_REQUEST) error(handle, NBD_EOVERFLOW, true, offset);
+                else if (beyond) error(handle, NBD_EINVAL, true, offset);
+                else read(handle, offset, length);
+            } else if (cmd == CMD_BLOCK_STATUS && base_alloc_) {
+                if (beyond || length == 0) error(handle, NBD_EINVAL, true, 0);
+                else block_status(handle, offset, length, flags & FLAG_REQ_ONE);
+            } else if (cmd == CMD_FLUSH) {
+                int r = run_gated([&] { return e_.flush(); });
+                finish(handle, r, false, 0);
+                if (!r) e_.stats.flushes++;
+            } else if (cmd == CMD_TRIM || cmd == CMD_WRITE_ZEROES) {
+                if (readonly_) error(handle, NBD_EPERM, false, 0);
+                else if (beyond) error(handle, NBD_ENOSPC, false, 0);
+                else {
+                    int r = run_gated([&] {
+                        Full full;
+                        int r = 0;
+                        {
+                            std::lock_guard<std::mutex> g(e_.wlock);
+                            r = e_.zero(int64_t(offset), length, &full);
+                        }
+                        if (!r && (flags & FLAG_FUA)) r = e_.flush();
+                        return r;
+                    });
+                    finish(handle, r, false, 0);
+                    if (!r) (cmd == CMD_TRIM ? e_.stats.trims : e_.stats.zeroes)++;
+                }
+            } else if (cmd == CMD_CACHE) {
+                if (beyond) error(handle, NBD_EINVAL, false, 0);
+                else reply(handle, 0);
+            } else if (cmd == CMD_DISC) {
+                send_out();
+                return "disc";
+            } else {
+                error(handle, NBD_EINVAL, false, 0);
+            }
+            if (out_.size() >= size_t(SEND_AT) && !send_out()) return err_;
+        }
+    }
+
+   private:
+    template <class F>
+    int run_gated(F&& f) {
+        e_.gate.enter();
+        int r = e_.closed ? -ESHUTDOWN : f();
+        e_.gate.leave();
+        return r;
+    }
+
+    int do_write(int64_t offset, const char* data, int64_t n, bool fua) {
+        int r = run_gated([&] {
+            Full full;
+            int r;
+            {
+                std::lock_guard<std::mutex> g(e_.wlock);
+                r = e_.write(offset, data, n, &full);
+            }
+            if (!r && fua) r = e_.flush();
+            return r;
+        });
+        if (!r) {
+            e_.stats.writes++;
+            e_.stats.bytes_written += n;
+        }
+        return r;
+    }
+
+    void finish(uint64_t handle, int r, bool is_read, uint64_t offset) {
+        if (r) {
+            if (r == -ENOSPC || r == -EDQUOT) e_.stats.enospc++;
+            error(handle, nbd_errno(r), is_read, offset);
+        } else {
+            reply(handle, 0);
+        }
+    }
+
+    void reply(uint64_t handle, uint32_t error) {
+        be32(out_, SIMPLE_REPLY_MAGIC);
+        be32(out_, error);
+        be64(out_, handle);
+    }
+
+    void error(uint64_t handle, uint32_t code, bool is_read, uint64_t) {
+        e_.stats.errors++;
+        if (structured_ && is_read) {
+            static const char msg[] = "request failed";
+            be32(out_, STRUCTURED_REPLY_MAGIC);
+            be16(out_, REPLY_FLAG_DONE);
+            be16(out_, REPLY_TYPE_ERROR);
+            be64(out_, handle);
+            be32(out_, uint32_t(6 + sizeof(msg) - 1));
+            be32(out_, code);
+            be16(out_, uint16_t(sizeof(msg) - 1));
+            out_.put(msg, sizeof(msg) - 1);
+        } else {
+            reply(handle, code);
+        }
+    }
+
+    void read(uint64_t handle, uint64_t offset, uint32_t length) {
+        if (length == 0) {
+            if (structured_) {
+                be32(out_, STRUCTURED_REPLY_MAGIC);
+                be16(out_, REPLY_FLAG_DONE);
+                be16(out_, REPLY_TYPE_NONE);
+                be64(out_, handle);
+                be32(out_, 0);
+            } else {
+                reply(handle, 0);
+            }
+            return;
+        }
+        size_t mark = out_.size();
+        if (structured_) {
+            be32(out_, STRUCTURED_REPLY_MAGIC);
+            be16(out_, REPLY_FLAG_DONE);
+            be16(out_, REPLY_TYPE_OFFSET_DATA);
+            be64(out_, handle);
+            be32(out_, 8 + length);
+            be64(out_, offset);
+        } else {
+            reply(handle, 0);
+        }
+        char* dst = out_.tail(length);
+        int r = run_gated([&] { return split_.fill(int64_t(offset), int64_t(offset + length), dst); });
+        if (r) {
+            out_.truncate(mark);
+            error(handle, nbd_errno(r), true, offset);
+            return;
+        }
+        out_.grow(length);
+        e_.stats.reads++;
+        e_.stats.bytes_read += length;
+    }
+
+    void block_status(uint64_t handle, uint64_t offset, uint32_t length, bool one) {
+        std::vector<std::pair<int64_t, bool>> runs;
+        run_gated([&] {
+            e_.allocation(int64_t(offset), int64_t(offset + length), one ? 1 : MAX_STATUS_RUNS, runs);
+            return 0;
+        });
+        be32(out_, STRUCTURED_REPLY_MAGIC);
+        be16(out_, REPLY_FLAG_DONE);
+        be16(out_, REPLY_TYPE_BLOCK_STATUS);
+        be64(out_, handle);
+        be32(out_, uint32_t(4 + 8 * runs.size()));
+        be32(out_, BASE_ALLOCATION_ID);
+        for (auto& run : runs) {
+            be32(out_, uint32_t(run.first));
+            be32(out_, run.second ? 0 : STATE_HOLE_ZERO);
+        }
+    }
+
+    bool wait_fd(short events) {
+        struct pollfd p = {fd_, events, 0};
+        for (;;) {
+            int r = poll(&p, 1, -1);
+            if (r > 0) return true;
+            if (r < 0 && errno != EINTR) {
+                err_ = std::string("error: poll: ") + strerror(errno);
+                return false;
+            }
+        }
+    }
+
+    // Ensures `need` unread bytes are buffered.
+    bool fill_in(size_t need) {
+        if (ipos_ > 0 && in_.size() - ipos_ < need) {  // a partial request: move it up front
+            in_.consume(ipos_);
+            ipos_ = 0;
+        }
+        while (in_.size() - ipos_ < need) {
+            size_t want = std::max<size_t>(need - (in_.size() - ipos_), 256 * 1024);
+            ssize_t r = recv(fd_, in_.tail(want), want, 0);
+            if (r > 0) {
+                in_.grow(size_t(r));
+                continue;
+            }
+            if (r == 0) {
+                err_ = "eof";
+                return false;
+            }
+            if (errno == EINTR) continue;
+            if (errno == EAGAIN || errno == EWOULDBLOCK) {
+                if (!wait_fd(POLLIN)) return false;
+                continue;
+            }
+            err_ = std::string("error: recv: ") + strerror(errno);
+            return false;
+        }
+        return true;
+    }
+
+    bool send_out() {
+        size_t pos = 0;
+        while (pos < out_.size()) {
+            ssize_t r = send(fd_, out_.data() + pos, out_.size() - pos, MSG_NOSIGNAL);
+            if (r >= 0) {
+                pos += size_t(r);
+                continue;
+            }
+            if (errno == EINTR) continue;
+            if (errno == EAGAIN || errno == EWOULDBLOCK) {
+                if (!wait_fd(POLLOUT)) return false;
+                continue;
+            }
+            err_ = std::string("error: send: ") + strerror(errno);
+            out_.reset();
+            return false;
+        }
+        out_.reset();
+        return true;
+    }
+
+    Engine& e_;
+    ReadSplitter split_{e_};
+    int fd_;
+    Buf in_;
+    size_t ipos_ = 0;
+    Buf out_;
+    std::string err_;
+    bool structured_, base_alloc_, readonly_;
+};
+
+// -- Python binding ------------------------------------------------------------------------
+
+struct CoreObject {
+    PyObject_HEAD Engine* e;
+};
+
+PyObject* raise_errno(Engine* e, int r, const Full& full) {
+    if (PyErr_Occurred()) return nullptr;  // a foreign layer's own error, for this caller
+    if (r == -ENOSPC && e->on_full != nullptr && full.limit) {
+        PyObject* exc = PyObject_CallFunction(e->on_full, "LLL", (long long)full.used,
+                                              (long long)full.need, (long long)full.limit);
+        if (exc != nullptr) {
+            PyErr_SetObject(reinterpret_cast<PyObject*>(Py_TYPE(exc)), exc);
+            Py_DECREF(exc);
+        }
+        return nullptr;
+    }
+    if (r == -ESHUTDOWN) {
+        PyErr_SetString(PyExc_ValueError, "the native core is closed");
+        return nullptr;
+    }
+    errno = -r;
+    return PyErr_SetFromErrno(PyExc_OSError);
+}
+
+// Python callers are checked by NativeImage already; this keeps a direct caller of the core
+// inside the disk too.
+bool in_range(Engine* e, long long offset, long long length) {
+    if (offset < 0 || length < 0 || offset > e->vsize || length > e->vsize - offset) {
+        PyErr_Format(PyExc_ValueError, "I/O at [%lld, +%lld) is outside the %lld-byte image",
+                     offset, length, (long long)e->vsize);
+        return false;
+    }
+    return true;
+}
+
+bool load_array(PyObject* obj, std::vector<int64_t>& out) {
+    Py_buffer b;
+    if (PyObject_GetBuffer(obj, &b, PyBUF_SIMPLE) < 0) return false;
+    if (b.len % 8) {
+        PyBuffer_Release(&b);
+        PyErr_SetString(PyExc_ValueError, "index arrays are int64");
+        return false;
+    }
+    out.resize(size_t(b.len / 8));
+    memcpy(out.data(), b.buf, size_t(b.len));
+    PyBuffer_Release(&b);
+    return true;
+}
+
+PyObject* Core_new(PyTypeObject* type, PyObject*, PyObject*) {
+    CoreObject* self = reinterpret_cast<CoreObject*>(type->tp_alloc(type, 0));
+    if (self != nullptr) self->e = new Engine();
+    return reinterpret_cast<PyObject*>(self);
+}
+
+void Core_dealloc(CoreObject* self) {
+    if (self->e != nullptr) {
+        Py_XDECREF(self->e->foreign_read);
+        Py_XDECREF(self->e->on_full);
+        delete self->e;
+    }
+    Py_TYPE(self)->tp_free(reinterpret_cast<PyObject*>(self));
+}
+
+// configure(vsize, ro: (starts, ends, moffsets, layers), layers: [(fd, base, foreign)],
+//           foreign_read, upper: None | (data_fd, index_fd, data_eof, index_eof, log_entries,
+//           rw_tag, (starts, ends, moffsets, layers), limit, reuse, log_buffer, writable),
+//           on_full). Call while paused (or before serving).
+PyObject* Core_configure(CoreObject* self, PyObject* args) {
+    long long vsize;
+    PyObject *ro, *layer_list, *foreign, *up, *on_full;
+    if (!PyArg_ParseTuple(args, "LOOOOO", &vsize, &ro, &layer_list, &foreign, &up, &on_full))
+        return nullptr;
+    Engine* e = self->e;
+    std::vector<int64_t> rs, re, rm, rl;
+    if (!PyTuple_Check(ro) || PyTuple_GET_SIZE(ro) != 4) {
+        PyErr_SetString(PyExc_ValueError, "the merged index is a 4-tuple of arrays");
+        return nullptr;
+    }
+    if (!load_array(PyTuple_GET_ITEM(ro, 0), rs) || !load_array(PyTuple_GET_ITEM(ro, 1), re) ||
+        !load_array(PyTuple_GET_ITEM(ro, 2), rm) || !load_array(PyTuple_GET_ITEM(ro, 3), rl))
+        return nullptr;
+    std::vector<Layer> layers;
+    PyObject* seq = PySequence_Fast(layer_list, "layers must be a sequence");
+    if (seq == nullptr) return nullptr;
+    for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(seq); i++) {
+        int fd, is_foreign;
+        long long base;
+        if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(seq, i), "iLp", &fd, &base, &is_foreign)) {
+            Py_DECREF(seq);
+            return nullptr;
+        }
+        layers.push_back(Layer{fd, base, bool(is_foreign)});
+    }
+    Py_DECREF(seq);
+    for (int64_t lay : rl) {
+        if (lay != ZEROED && (lay < 0 || size_t(lay) >= layers.size())) {
+            PyErr_Format(PyExc_ValueError, "merged index names layer %lld of %zu", (long long)lay,
+                         layers.size());
+            return nullptr;
+        }
+    }
+    if (rs.size() != re.size() || rs.size() != rm.size() || rs.size() != rl.size()) {
+        PyErr_SetString(PyExc_ValueError, "merged index arrays differ in length");
+        return nullptr;
+    }
+    bool has_upper = up != Py_None;
+    int dfd = -1, ifd = -1, rw_tag = 0, reuse = 1, writable = 0;
+    long long data_eof = 0, index_eof = 0, log_entries = 0, limit = -1, log_buffer = 0;
+    std::vector<int64_t> us, ue, um, ul;
+    if (has_upper) {
+        PyObject* uix;
+        if (!PyArg_ParseTuple(up, "iiLLLiOLpLp", &dfd, &ifd, &data_eof, &index_eof, &log_entries,
+                              &rw_tag, &uix, &limit, &reuse, &log_buffer, &writable))
+            return nullptr;
+        if (!PyTuple_Check(uix) || PyTuple_GET_SIZE(uix) != 4) {
+            PyErr_SetString(PyExc_ValueError, "upper index is a 4-tuple of arrays");
+            return nullptr;
+        }
+        if (!load_array(PyTuple_GET_ITEM(uix, 0), us) || !load_array(PyTuple_GET_ITEM(uix, 1), ue) ||
+            !load_array(PyTuple_GET_ITEM(uix, 2), um) || !load_array(PyTuple_GET_ITEM(uix, 3), ul))
+            return nullptr;
+    }
+    e->unmap_upper();  // paused: no reader holds a mapping
+    std::lock_guard<std::mutex> g(e->wlock);
+    std::unique_lock<std::shared_mutex> gi(e->ilock);
+    e->vsize = vsize;
+    e->rs.swap(rs);
+    e->re.swap(re);
+    e->rm.swap(rm);
+    e->rl.swap(rl);
+    e->layers.swap(layers);
+    e->has_foreign = std::any_of(e->layers.begin(), e->layers.end(),
+                                 [](const Layer& L) { return L.foreign; });
+    Py_XINCREF(foreign);
+    Py_XSETREF(e->foreign_read, foreign);
+    Py_XINCREF(on_full);
+    Py_XSETREF(e->on_full, on_full);
+    e->has_upper = has_upper;
+    e->writable = has_upper && writable;
+    e->dfd = dfd;
+    e->ifd = ifd;
+    e->data_eof = data_eof;
+    e->index_eof = index_eof;
+    e->log_entries = log_entries;
+    e->rw_tag = rw_tag;
+    e->limit = limit;
+    e->reuse = reuse;
+    e->log_buffer = log_buffer;
+    e->pending_log.clear();
+    e->upper.clear();
+    for (size_t i = 0; i < us.size(); i++) e->upper.emplace_hint(e->upper.end(), us[i], Extent{ue[i], um[i], ul[i]});
+    e->closed = false;
+    Py_RETURN_NONE;
+}
+
+PyObject* bytes_of(const std::vector<int64_t>& v) {
+    return PyBytes_FromStringAndSize(reinterpret_cast<const char*>(v.data()),
+                                     Py_ssize_t(v.size() * 8));
+}
+
+// export_upper() -> (data_eof, index_eof, log_entries, (starts, ends, moffsets, layers)):
+// the upper's state for Python, after writing the queued index-log entries. Call while paused.
+PyObject* Core_export_upper(CoreObject* self, PyObject*) {
+    Engine* e = self->e;
+    std::vector<int64_t> s, en, m, l;
+    int r;
+    Py_BEGIN_ALLOW_THREADS std::lock_guard<std::mutex> g(e->wlock);
+    {
+        r = e->has_upper && e->writable ? e->write_log() : 0;
+        for (auto& kv : e->upper) {
+            s.push_back(kv.first);
+            en.push_back(kv.second.end);
+            m.push_back(kv.second.moffset);
+            l.push_back(kv.second.layer);
+        }
+    }
+    Py_END_ALLOW_THREADS if (r) return raise_errno(e, r, Full());
+    return Py_BuildValue("LLL(NNNN)", (long long)e->data_eof, (long long)e->index_eof,
+                         (long long)e->log_entries, bytes_of(s), bytes_of(en), bytes_of(m), bytes_of(l));
+}
+
+PyObject* Core_close(CoreObject* self, PyObject*) {
+    Py_BEGIN_ALLOW_THREADS std::lock_guard<std::mutex> g(self->e->wlock);
+    self->e->closed = true;
+    self->e->unmap_upper();  // paused: no reader holds a mapping
+    Py_END_ALLOW_THREADS
+    // The callables are the image's bound methods: dropping them breaks the reference cycle
+    // image -> core -> image. Nothing calls them once closed.
+    Py_CLEAR(self->e->foreign_read);
+    Py_CLEAR(self->e->on_full);
+    Py_RETURN_NONE;
+}
+
+PyObject* Core_pause(CoreObject* self, PyObject*) {
+    Py_BEGIN_ALLOW_THREADS self->e->gate.pause();
+    Py_END_ALLOW_THREADS Py_RETURN_NONE;
+}
+
+PyObject* Core_resume(CoreObject* self, PyObject*) {
+    self->e->gate.resume();
+    Py_RETURN_NONE;
+}
+
+PyObject* Core_readinto(CoreObject* self, PyObject* args) {
+    long long offset;
+    Py_buffer b;
+    if (!PyArg_ParseTuple(args, "Lw*", &offset, &b)) return nullptr;
+    Engine* e = self->e;
+    if (!in_range(e, offset, b.len)) {
+        PyBuffer_Release(&b);
+        return nullptr;
+    }
+    int r;
+    Py_BEGIN_ALLOW_THREADS e->gate.enter();
+    r = e->closed ? -ESHUTDOWN : e->fill(offset, offset + b.len, static_cast<char*>(b.buf));
+    e->gate.leave();
+    Py_END_ALLOW_THREADS Py_ssize_t n = b.len;
+    PyBuffer_Release(&b);
+    if (r) return raise_errno(e, r, Full());
+    return PyLong_FromSsize_t(n);
+}
+
+PyObject* Core_read(CoreObject* self, PyObject* args) {
+    long long offset, length;
+    if (!PyArg_ParseTuple(args, "LL", &offset, &length)) return nullptr;
+    if (!in_range(self->e, offset, length)) return nullptr;
+    PyObject* out = PyBytes_FromStringAndSize(nullptr, Py_ssize_t(length));
+    if (out == nullptr) return nullptr;
+    Engine* e = self->e;
+    char* dst = PyBytes_AS_STRING(out);
+    int r;
+    Py_BEGIN_ALLOW_THREADS e->gate.enter();
+    r = e->closed ? -ESHUTDOWN : e->fill(offset, offset + length, dst);
+    e->gate.leave();
+    Py_END_ALLOW_THREADS if (r) {
+        Py_DECREF(out);
+        return raise_errno(e, r, Full());
+    }
+    return out;
+}
+
+PyObject* Core_write(CoreObject* self, PyObject* args) {
+    long long offset;
+    Py_buffer b;
+    if (!PyArg_ParseTuple(args, "Ly*", &offset, &b)) return nullptr;
+    Engine* e = self->e;
+    if (!in_range(e, offset, b.len)) {
+        PyBuffer_Release(&b);
+        return nullptr;
+    }
+    Full full;
+    int r;
+    Py_BEGIN_ALLOW_THREADS e->gate.enter();
+    if (e->closed) {
+        r = -ESHUTDOWN;
+    } else {
+        std::lock_guard<std::mutex> g(e->wlock);
+        r = e->write(offset, static_cast<const char*>(b.buf), b.len, &full);
+    }
+    e->gate.leave();
+    Py_END_ALLOW_THREADS PyBuffer_Release(&b);
+    if (r) return raise_errno(e, r, full);
+    Py_RETURN_NONE;
+}
+
+PyObject* Core_zero(CoreObject* self, PyObject* args) {
+    long long offset, length;
+    if (!PyArg_ParseTuple(args, "LL", &offset, &length)) return nullptr;
+    Engine* e = self->e;
+    if (!in_range(e, offset, length)) return nullptr;
+    Full full;
+    int r;
+    Py_BEGIN_ALLOW_THREADS e->gate.enter();
+    if (e->closed) {
+        r = -ESHUTDOWN;
+    } else {
+        std::lock_guard<std::mutex> g(e->wlock);
+        r = e->zero(offset, length, &full);
+    }
+    e->gate.leave();
+    Py_END_ALLOW_THREADS if (r) return raise_errno(e, r, full);
+    Py_RETURN_NONE;
+}
+
+PyObject* Core_flush(CoreObject* self, PyObject*) {
+    Engine* e = self->e;
+    int r;
+    Py_BEGIN_ALLOW_THREADS e->gate.enter();
+    r = e->closed ? -ESHUTDOWN : e->flush();
+    e->gate.leave();
+    Py_END_ALLOW_THREADS if (r) return raise_errno(e, r, Full());
+    Py_RETURN_NONE;
+}
+
+PyObject* Core_allocation(CoreObject* self, PyObject* args) {
+    long long offset, length, max_runs;
+    if (!PyArg_ParseTuple(args, "LLL", &offset, &length, &max_runs)) return nullptr;
+    Engine* e = self->e;
+    if (!in_range(e, offset, length)) return nullptr;
+    std::vector<std::pair<int64_t, bool>> runs;
+    Py_BEGIN_ALLOW_THREADS e->gate.enter();
+    if (!e->closed) e->allocation(offset, offset + length, size_t(max_runs), runs);
+    e->gate.leave();
+    Py_END_ALLOW_THREADS PyObject* out = PyList_New(Py_ssize_t(runs.size()));
+    if (out == nullptr) return nullptr;
+    for (size_t i = 0; i < runs.size(); i++)
+        PyList_SET_ITEM(out, Py_ssize_t(i),
+                        Py_BuildValue("(LO)", (long long)runs[i].first, runs[i].second ? Py_True : Py_False));
+    return out;
+}
+
+PyObject* Core_set_limit(CoreObject* self, PyObject* args) {
+    long long limit;
+    if (!PyArg_ParseTuple(args, "L", &limit)) return nullptr;
+    Py_BEGIN_ALLOW_THREADS std::lock_guard<std::mutex> g(self->e->wlock);
+    self->e->limit = limit;
+    Py_END_ALLOW_THREADS Py_RETURN_NONE;
+}
+
+PyObject* Core_upper_used(CoreObject* self, void*) {
+    Engine* e = self->e;
+    long long used;
+    Py_BEGIN_ALLOW_THREADS std::lock_guard<std::mutex> g(e->wlock);
+    used = e->has_upper ? e->used_bytes() : 0;
+    Py_END_ALLOW_THREADS return PyLong_FromLongLong(used);
+}
+
+// take_stats() -> (reads, writes, bytes_read, bytes_written, flushes, trims, zeroes, errors,
+// enospc) counted by serve() since the last call.
+PyObject* Core_take_stats(CoreObject* self, PyObject*) {
+    Stats& s = self->e->stats;
+    return Py_BuildValue("(LLLLLLLLL)", (long long)s.reads.exchange(0), (long long)s.writes.exchange(0),
+                         (long long)s.bytes_read.exchange(0), (long long)s.bytes_written.exchange(0),
+                         (long long)s.flushes.exchange(0), (long long)s.trims.exchange(0),
+                         (long long)s.zeroes.exchange(0), (long long)s.errors.exchange(0),
+                         (long long)s.enospc.exchange(0));
+}
+
+// serve(fd, buffered, structured, base_allocation, readonly, thread_name) -> reason: run the
+// NBD transmission phase on this thread, GIL released, until the client disconnects or the
+// socket is shut down. `buffered` is input already read past the negotiation. fd stays open.
+PyObject* Core_serve(CoreObject* self, PyObject* args) {
+    int fd, structured, base_alloc, readonly;
+    Py_buffer prefix;
+    const char* name;
+    if (!PyArg_ParseTuple(args, "iy*pppz", &fd, &prefix, &structured, &base_alloc, &readonly, &name))
+        return nullptr;
+    std::string pre(static_cast<const char*>(prefix.buf), size_t(prefix.len));
+    PyBuffer_Release(&prefix);
+    if (name != nullptr) {
+        char comm[16];
+        snprintf(comm, sizeof(comm), "%s", name);
+        pthread_setname_np(pthread_self(), comm);
+    }
+    std::string reason;
+    Py_BEGIN_ALLOW_THREADS serving = true;
+    Conn conn(*self->e, fd, pre, structured, base_alloc, readonly);
+    reason = conn.run();
+    serving = false;
+    Py_END_ALLOW_THREADS return PyUnicode_FromStringAndSize(reason.data(), Py_ssize_t(reason.size()));
+}
+
+PyMethodDef Core_methods[] = {
+    {"configure", (PyCFunction)Core_configure, METH_VARARGS, "bind the stack (while paused)"},
+    {"export_upper", (PyCFunction)Core_export_upper, METH_NOARGS, "the upper's state"},
+    {"close", (PyCFunction)Core_close, METH_NOARGS, "refuse further requests"},
+    {"pause", (PyCFunction)Core_pause, METH_NOARGS, "wait for in-flight requests, hold new ones"},
+    {"resume", (PyCFunction)Core_resume, METH_NOARGS, "admit requests again"},
+    {"read", (PyCFunction)Core_read, METH_VARARGS, "read(offset, length) -> bytes"},
+    {"readinto", (PyCFunction)Core_readinto, METH_VARARGS, "readinto(offset, buffer) -> int"},
+    {"write", (PyCFunction)Core_write, METH_VARARGS, "write(offset, data)"},
+    {"zero", (PyCFunction)Core_zero, METH_VARARGS, "zero(offset, length): discard/write-zeroes"},
+    {"flush", (PyCFunction)Core_flush, METH_NOARGS, "fsync data, then the index log"},
+    {"allocation", (PyCFunction)Core_allocation, METH_VARARGS, "(length, has_data) runs"},
+    {"set_limit", (PyCFunction)Core_set_limit, METH_VARARGS, "cap on the upper (-1: none)"},
+    {"take_stats", (PyCFunction)Core_take_stats, METH_NOARGS, "serve() counters since last call"},
+    {"serve", (PyCFunction)Core_serve, METH_VARARGS, "NBD transmission loop on this thread"},
+    {nullptr, nullptr, 0, nullptr}};
+
+PyGetSetDef Core_getset[] = {
+    {"upper_used", (getter)Core_upper_used, nullptr, "bytes the cap counts", nullptr},
+    {nullptr, nullptr, nullptr, nullptr, nullptr}};
+
+PyTypeObject CoreType = {PyVarObject_HEAD_INIT(nullptr, 0)};
+
+PyModuleDef native_module = {PyModuleDef_HEAD_INIT, "_native",
+                             "The native serving core of an overlaybd image.", -1, nullptr};
+
+}  // namespace
+
+PyMODINIT_FUNC PyInit__native(void) {
+    CoreType.tp_name = "agentenv.storage._native.Core";
+    CoreType.tp_basicsize = sizeof(CoreObject);
+    CoreType.tp_flags = Py_TPFLAGS_DEFAULT;
+    CoreType.tp_doc = "One image's native serving core (see the module source).";
+    CoreType.tp_new = Core_new;
+    CoreType.tp_dealloc = (destructor)Core_dealloc;
+    CoreType.tp_methods = Core_methods;
+    CoreType.tp_getset = Core_getset;
+    if (PyType_Ready(&CoreType) < 0) return nullptr;
+    PyObject* m = PyModule_Create(&native_module);
+    if (m == nullptr) return nullptr;
+    Py_INCREF(&CoreType);
+    if (PyModule_AddObject(m, "Core", reinterpret_cast<PyObject*>(&CoreType)) < 0) {
+        Py_DECREF(&CoreType);
+        Py_DECREF(m);
+        return nullptr;
+    }
+    return m;
+}
