@@ -42,16 +42,19 @@ import ctypes
 import functools
 import logging
 import os
+import shutil
 import signal
 import socket
+import subprocess
 import tempfile
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from agentenv.runtime import privilege
+from agentenv.runtime import jail, privilege
 from agentenv.runtime.cgroup import Cgroup, remove_cgroup_async
 from agentenv.runtime.errors import QMPError, RuntimeError_, VMDiedError
 from agentenv.runtime.privilege import VMUser
@@ -74,7 +77,9 @@ _EXIT_SECCOMP = 122
 _EXIT_PREEXEC = 123  # anything else raised there (its message goes to qemu.stderr)
 _EXIT_CGROUP = 124
 _EXIT_PRIVILEGE = 125
-_PREEXEC_EXITS = (_EXIT_SETNS, _EXIT_SECCOMP, _EXIT_PREEXEC, _EXIT_CGROUP, _EXIT_PRIVILEGE)
+_EXIT_JAIL = 120
+_PREEXEC_EXITS = (_EXIT_SETNS, _EXIT_SECCOMP, _EXIT_PREEXEC, _EXIT_CGROUP, _EXIT_PRIVILEGE,
+                  _EXIT_JAIL)
 
 DISK_PCI_BASE = 0x10
 # Seconds QEMU holds a disk's I/O while it reconnects to blockd (restart within this or the
@@ -307,7 +312,8 @@ def build_argv(
 
 def _preexec(netns: str | None, die_with_parent: bool = True, thp: bool = True,
              seccomp: SeccompProgram | None = None, *, user: VMUser | None = None,
-             cgroup_procs: list[str] | None = None, tap_fd: int | None = None) -> Any:
+             cgroup_procs: list[str] | None = None, tap_fd: int | None = None,
+             jail_plan: jail.JailPlan | None = None) -> Any:
     def fail(code: int, what: str) -> None:
         # Runs between fork and exec: stderr is already qemu.stderr, where the parent reads it.
         with contextlib.suppress(OSError):
@@ -340,6 +346,14 @@ def _preexec(netns: str | None, die_with_parent: bool = True, thp: bool = True,
                     opened = privilege.open_tap()
                     os.dup2(opened, tap_fd)
                     os.close(opened)
+            except OSError as exc:
+                fail(_EXIT_PRIVILEGE, f"opening the TAP: {exc}")
+            if jail_plan is not None:
+                try:
+                    jail.enter(jail_plan)
+                except OSError as exc:
+                    fail(_EXIT_JAIL, f"entering the VM's jail: {exc}")
+            try:
                 privilege.drop_privileges(user)
             except OSError as exc:
                 fail(_EXIT_PRIVILEGE, f"becoming {user.name}: {exc}")
@@ -365,6 +379,81 @@ def _preexec(netns: str | None, die_with_parent: bool = True, thp: bool = True,
     return run
 
 
+class PidfdProcess:
+    """The parts of asyncio.subprocess.Process QemuProcess uses, for a process watched through
+    a pidfd: a jailed QEMU (our child, forked outside asyncio: jail.spawn_in_new_pid_namespace)
+    or one a restarted node adopts (runtime/adopt.py)."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.returncode: int | None = None
+        self._pidfd = os.pidfd_open(pid)
+        self._exited = asyncio.Event()
+        asyncio.get_running_loop().add_reader(self._pidfd, self._on_exit)
+
+    def _exit_status(self) -> int:
+        raise NotImplementedError
+
+    def _on_exit(self) -> None:
+        if self._exited.is_set():
+            return
+        asyncio.get_running_loop().remove_reader(self._pidfd)
+        self.returncode = self._exit_status()
+        os.close(self._pidfd)
+        self._exited.set()
+
+    async def wait(self) -> int:
+        await self._exited.wait()
+        assert self.returncode is not None
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        if self._exited.is_set():
+            raise ProcessLookupError(self.pid)
+        signal.pidfd_send_signal(self._pidfd, sig)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+
+class ChildProcess(PidfdProcess):
+    """A child started with subprocess.Popen: reaped here when it exits (with its status)."""
+
+    def __init__(self, popen: subprocess.Popen[bytes]) -> None:
+        self._popen = popen  # held so that subprocess never reaps it behind our back
+        super().__init__(popen.pid)
+
+    def _exit_status(self) -> int:
+        _, status = os.waitpid(self.pid, 0)
+        code = os.waitstatus_to_exitcode(status)
+        self._popen.returncode = code
+        return code
+
+
+def _jail_plan(mountpoint: Path, machine: MachineConfig, workdir: Path, mem_path: str,
+               disks: list[DiskAttachment], incoming: bool, qemu_binary: str) -> jail.JailPlan:
+    """What one QEMU opens by path: its workdir (QMP socket, serial log, device state), its RAM
+    file, its disks (a file, or the directory of the NBD socket: blockd makes it again there
+    after a restart), the kernel and initramfs of a boot, the binary if not under /usr."""
+    writable: list[str] = [str(workdir), mem_path]
+    read_only: list[str] = []
+    for disk in disks:
+        if disk.nbd_socket:
+            writable.append(os.path.dirname(disk.nbd_socket))
+        elif disk.file:
+            read_only.append(disk.file)
+    if not incoming:
+        read_only += [p for p in (machine.kernel, machine.initramfs) if p]
+    binary = shutil.which(qemu_binary) or qemu_binary
+    if not binary.startswith("/usr/"):
+        read_only.append(binary)
+    devices = [*jail.DEVICES, *(["/dev/kvm"] if machine.accel == "kvm" else [])]
+    return jail.plan_jail(mountpoint, writable=writable, read_only=read_only, devices=devices)
+
+
 @dataclass
 class QemuProcess:
     """A running QEMU; `died` is set when it exits (for whatever reason)."""
@@ -380,6 +469,8 @@ class QemuProcess:
     mem_stamp: FileStamp | None = None
     cgroup: Cgroup | None = None
     user: VMUser | None = None
+    # Called once QEMU has exited (the jail's uid lease goes back to the pool).
+    on_exit: Callable[[], None] | None = None
     died: asyncio.Event = field(default_factory=asyncio.Event)
     expected_exit: bool = False
     _watch: asyncio.Task[None] | None = None
@@ -407,12 +498,16 @@ class QemuProcess:
         user: VMUser | None = None,
         sandbox: bool = False,
         cgroup: Cgroup | None = None,
+        jail_root: Path | None = None,
+        on_exit: Callable[[], None] | None = None,
     ) -> QemuProcess:
         """die_with_parent=False: QEMU outlives a crash of this process, so a restarted node
         can take it over again (agentenv.runtime.adopt). return_free_memory: see build_argv;
         True runs QEMU under punch_hole_filter(). user: run QEMU as that unprivileged user
         (runtime/privilege.py); sandbox: QEMU's -sandbox; cgroup: QEMU starts inside it, and
-        it is removed once QEMU has exited (before `died` is set)."""
+        it is removed once QEMU has exited (before `died` is set). jail_root: run QEMU in a
+        jail (runtime/jail.py) whose tmpfs root is mounted on this empty directory (in its own
+        mount namespace); needs `user`. on_exit: called once a QEMU that started has exited."""
         seccomp = punch_hole_filter() if return_free_memory else None
         try:
             mem_stamp: FileStamp | None = FileStamp.of(mem_path)
@@ -421,13 +516,22 @@ class QemuProcess:
         workdir.mkdir(parents=True, exist_ok=True)
         if user is not None:
             privilege.group_searchable(workdir, user)
+            if jail_root is not None:
+                os.chmod(workdir, 0o710)  # its own uid's group only (bound into its jail)
             privilege.precreate(workdir / "serial.log", user)
             with contextlib.suppress(FileNotFoundError):
                 privilege.grant_ram_file(Path(mem_path), user, writable=return_free_memory)
         try:
+            plan = None
+            if jail_root is not None:
+                if user is None:
+                    raise RuntimeError_("a jailed QEMU needs an unprivileged user")
+                plan = _jail_plan(jail_root, machine, workdir, mem_path, disks, incoming,
+                                  qemu_binary)
             return await cls._spawn(machine, workdir, mem_path, mem_stamp, disks, incoming, netns,
                                     qemu_binary, die_with_parent, tb_size_mib, tcg_single_thread,
-                                    thp, return_free_memory, user, sandbox, cgroup, seccomp)
+                                    thp, return_free_memory, user, sandbox, cgroup, seccomp, plan,
+                                    on_exit)
         except BaseException:
             await remove_cgroup_async(cgroup)  # its QEMU never started or has exited
             raise
@@ -438,7 +542,9 @@ class QemuProcess:
                      netns: str | None, qemu_binary: str, die_with_parent: bool,
                      tb_size_mib: int, tcg_single_thread: bool, thp: bool,
                      return_free_memory: bool, user: VMUser | None, sandbox: bool,
-                     cgroup: Cgroup | None, seccomp: SeccompProgram | None) -> QemuProcess:
+                     cgroup: Cgroup | None, seccomp: SeccompProgram | None,
+                     plan: jail.JailPlan | None,
+                     on_exit: Callable[[], None] | None) -> QemuProcess:
         qmp_socket = workdir / "qmp.sock"
         vmgenid = str(uuid.uuid4())
         stderr_log = workdir / "qemu.stderr"
@@ -453,7 +559,7 @@ class QemuProcess:
                         if user is not None and netns and machine.network else None)
             preexec = _preexec(netns, die_with_parent, thp, seccomp, user=user,
                                cgroup_procs=cgroup.procs_files if cgroup else None,
-                               tap_fd=tap_slot)
+                               tap_fd=tap_slot, jail_plan=plan)
             keep = (listener.fileno(),) + ((tap_slot,) if tap_slot is not None else ())
             try:
                 argv = build_argv(
@@ -466,9 +572,15 @@ class QemuProcess:
                 (workdir / "argv").write_text("\n".join(argv) + "\n")
                 with open(stderr_log, "wb") as err:
                     # pass_fds keeps the listener open (same number) across exec.
-                    process = await asyncio.create_subprocess_exec(
-                        *argv, stdin=asyncio.subprocess.DEVNULL, stdout=err, stderr=err,
-                        preexec_fn=preexec, pass_fds=keep)
+                    popen_args: dict[str, Any] = dict(
+                        stdin=subprocess.DEVNULL, stdout=err, stderr=err, preexec_fn=preexec,
+                        pass_fds=keep, env=jail.ENVIRONMENT)
+                    process: asyncio.subprocess.Process | ChildProcess
+                    if plan is not None:
+                        process = ChildProcess(
+                            jail.spawn_in_new_pid_namespace(argv, **popen_args))
+                    else:
+                        process = await asyncio.create_subprocess_exec(*argv, **popen_args)
             finally:
                 listener.close()
                 if tap_slot is not None:
@@ -488,8 +600,8 @@ class QemuProcess:
                     process.kill()
                 await process.wait()
                 raise
-        vm = cls(machine, workdir, process, qmp, netns, vmgenid, stderr_log, mem_path, mem_stamp,
-                 cgroup, user)
+        vm = cls(machine, workdir, process, qmp, netns, vmgenid, stderr_log, mem_path,  # type: ignore[arg-type]
+                 mem_stamp, cgroup, user, on_exit)
         vm._watch = asyncio.create_task(vm._watch_exit())
         return vm
 
@@ -498,6 +610,8 @@ class QemuProcess:
         try:
             await remove_cgroup_async(self.cgroup)
         finally:
+            if self.on_exit is not None:
+                self.on_exit()
             self.died.set()
 
     def exit_reason(self) -> str:
@@ -578,6 +692,8 @@ def _status_meaning(code: int | None) -> str:
         return " (could not join its cgroup)"
     if code == _EXIT_PRIVILEGE:
         return " (could not drop to its unprivileged user)"
+    if code == _EXIT_JAIL:
+        return " (could not enter its jail)"
     return ""
 
 
