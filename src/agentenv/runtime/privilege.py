@@ -23,6 +23,7 @@ The runtime (root) still reads QEMU's memory (`process_vm_readv`, pagemap) with 
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import grp
 import os
@@ -134,6 +135,24 @@ def reach(user: VMUser, target: Path, base: Path) -> None:
         directory = directory / part if part else directory
         if directory.is_dir():
             group_searchable(directory, user)
+
+
+def unreach(user: VMUser, target: Path, base: Path) -> None:
+    """Undo `reach` above `target`: the directories from `base` down to target's parent lose
+    the VM group (jailed QEMUs need no path through them); `target` keeps what its owner
+    gave it (blockd's NBD directory stays searchable for the VM group)."""
+    try:
+        relative = target.relative_to(base)
+    except ValueError:
+        return
+    directory = base
+    for part in ("", *relative.parts[:-1]):
+        directory = directory / part if part else directory
+        with contextlib.suppress(FileNotFoundError):
+            st = directory.stat()
+            if st.st_gid == user.gid:
+                os.chown(directory, -1, os.getegid())
+                os.chmod(directory, stat.S_IMODE(st.st_mode) & ~stat.S_IRWXG)
 
 
 def prepare_dirs(user: VMUser, state_dir: Path, dirs: list[Path]) -> None:
