@@ -363,6 +363,24 @@ class Runtime:
             return self.vm_user
         return self.vm_user.jailed(self.uids.allocate(owner))
 
+    async def reown_disk_sockets(self) -> None:
+        """After blockd made its NBD sockets again (a restart), each writable disk's socket
+        is again its jailed QEMU's alone (see _attach_disk)."""
+        if self.uids is None or self.blockd is None:
+            return
+        sockets = {info.id: info.nbd for info in await self.blockd.list()}
+        for vm in list(self.vms.values()):
+            user = vm.process.user
+            if user is None or not self.uids.contains(user.uid):
+                continue
+            for disk in vm.disks:
+                if not disk.config.read_only and disk.device_id in sockets:
+                    try:
+                        privilege.own_socket(Path(sockets[disk.device_id]), user)
+                    except OSError as exc:
+                        log.warning("cannot hand an NBD socket back to its VM", extra={
+                            "vm": vm.id, "device": disk.device_id, "error": str(exc)})
+
     def uid_releaser(self, user: privilege.VMUser | None) -> Callable[[], None] | None:
         """What gives `user`'s uid back to the pool (None: not a leased uid)."""
         uids = self.uids
