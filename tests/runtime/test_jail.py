@@ -243,3 +243,36 @@ def test_uid_range_must_be_valid(tmp_path: Path) -> None:
     for bad in ("0-10", "10-5", "a-b"):
         with pytest.raises(Exception, match="VM uid range"):
             UidPool.parse(bad, tmp_path)
+
+
+# Runs under the jailed filter (as root, so only the filter can refuse): what it lets through.
+FILTERED = r"""
+import ctypes, errno, json, threading
+libc = ctypes.CDLL(None, use_errno=True)
+def call(fn, *args):
+    return "ok" if fn(*args) == 0 else errno.errorcode[ctypes.get_errno()]
+out = {
+    "user namespace": call(libc.unshare, 0x10000000),
+    "mount namespace": call(libc.unshare, 0x00020000),
+    "mount": call(libc.mount, b"none", b"/tmp", b"tmpfs", 0, None),
+    "clone3": errno.errorcode.get(ctypes.get_errno(), "ok")
+              if libc.syscall(435, None, 0) == -1 else "ok",
+}
+ran = []
+thread = threading.Thread(target=lambda: ran.append(1))
+thread.start()
+thread.join()
+out["thread"] = "ok" if ran else "no"
+print(json.dumps(out))
+"""
+
+
+def test_jailed_filter_refuses_namespaces_and_mounts_but_not_threads() -> None:
+    from agentenv.runtime.qemu import _preexec, qemu_filter
+
+    out = subprocess.run([SYSTEM_PYTHON, "-c", FILTERED], capture_output=True, text=True,
+                         timeout=60, preexec_fn=_preexec(None, die_with_parent=False,
+                                                         seccomp=qemu_filter(False, True)))
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout) == {"user namespace": "EPERM", "mount namespace": "EPERM",
+                                      "mount": "EPERM", "clone3": "ENOSYS", "thread": "ok"}

@@ -15,14 +15,18 @@ sockets, the NBD socket directory), which the jail shows only its own of. Its ow
 VM's QEMU cannot ptrace, signal or read another's (`/proc/PID/mem` needs the same uid).
 
 Root. `enter` runs in the child between fork and exec, as root, after the network namespace,
-the cgroup and the TAP fd (runtime/qemu.py `_preexec`): a new mount namespace (private
-propagation), a tmpfs as the new root, into which every path QEMU opens is bind-mounted at its
+the cgroup and the TAP fd (runtime/qemu.py `_preexec`): new IPC and UTS namespaces, a new
+mount namespace (private propagation), a tmpfs as the new root, into which every path QEMU opens is bind-mounted at its
 host path (so QMP commands that name files, /proc/PID/maps and adopt.py see the same paths),
 the read-only ones (kernel, initramfs, read-only disk files, /usr) read-only; the device nodes
 /dev/null, /dev/urandom (and /dev/kvm under KVM; the TAP is an fd opened before); a proc of the
 VM's PID namespace with only its process directories (`subset=pid`); then pivot_root, the old
 root detached, and the tmpfs made read-only. The node's state directory, database, logs and
 secrets are not in it.
+
+Seccomp. On top of QEMU's own `-sandbox`, a jailed QEMU's filter (runtime/qemu.py
+`qemu_filter`) refuses namespaces (no unprivileged user namespace), mounts, ptrace and
+process_vm_*, BPF, keyrings, userfaultfd, modules, and calls of another architecture.
 
 PID namespace. The runtime forks QEMU with the forking thread's PID namespace for children
 set to a fresh one (`spawn_in_new_pid_namespace`), so QEMU is PID 1 there while the runtime
@@ -49,6 +53,8 @@ _libc = ctypes.CDLL(None, use_errno=True)
 _libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong,
                         ctypes.c_char_p]
 CLONE_NEWNS = 0x00020000
+CLONE_NEWUTS = 0x04000000
+CLONE_NEWIPC = 0x08000000
 CLONE_NEWPID = 0x20000000
 MS_RDONLY = 0x1
 MS_NOSUID = 0x2
@@ -138,7 +144,9 @@ def _under_system_path(path: str) -> bool:
 def enter(plan: JailPlan) -> None:
     """Make the calling process's root the jail (module doc). In the child before exec, as
     root, in the VM's fresh PID namespace; raises OSError naming the step that failed."""
-    _check(_libc.unshare(CLONE_NEWNS), "unshare(CLONE_NEWNS)")
+    # Its own System V IPC and POSIX message queues, and its own host name.
+    _check(_libc.unshare(CLONE_NEWNS | CLONE_NEWIPC | CLONE_NEWUTS),
+           "unshare(CLONE_NEWNS|CLONE_NEWIPC|CLONE_NEWUTS)")
     # Nothing mounted from here on reaches the host (or another jail).
     _mount(None, "/", None, MS_REC | MS_PRIVATE)
     root = plan.mountpoint

@@ -39,6 +39,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
+import errno
 import functools
 import logging
 import os
@@ -136,13 +137,32 @@ class SeccompProgram:
     fprog: _SockFprog
 
 
+# What a jailed QEMU (runtime/jail.py) never does and a QEMU taken over by its guest would
+# need to widen its reach: namespaces (an unprivileged user namespace gives it capabilities
+# over new mounts), mounts, other processes' memory, kernel keyrings, BPF, modules.
+JAIL_DENIED = (
+    "unshare", "setns", "mount", "umount2", "pivot_root", "chroot", "fsopen", "fsmount",
+    "fsconfig", "fspick", "move_mount", "open_tree", "mount_setattr", "ptrace",
+    "process_vm_readv", "process_vm_writev", "bpf", "keyctl", "add_key", "request_key",
+    "userfaultfd", "perf_event_open", "kexec_load", "kexec_file_load", "init_module",
+    "finit_module", "delete_module", "open_by_handle_at", "name_to_handle_at", "acct",
+    "swapon", "swapoff", "reboot", "syslog",
+)
+_CLONE_NAMESPACES = (0x00020000, 0x02000000, 0x04000000, 0x08000000, 0x10000000, 0x20000000,
+                     0x40000000, 0x00000080)  # NEWNS CGROUP UTS IPC USER PID NET TIME
+
+
 @functools.cache
-def punch_hole_filter() -> SeccompProgram:
-    """The seccomp filter QEMU runs under: `fallocate` with FALLOC_FL_PUNCH_HOLE in its mode
-    returns 0 without running (SECCOMP_RET_ERRNO with errno 0 skips the call); every other
-    call, and any other architecture, is allowed. Compiled once by libseccomp (pyseccomp is
-    a ctypes binding to Debian's libseccomp2) and exported as BPF, so the child between fork
-    and exec only makes one prctl."""
+def qemu_filter(punch_hole: bool = True, jailed: bool = False) -> SeccompProgram | None:
+    """The seccomp filter QEMU runs under (None: none). punch_hole: `fallocate` with
+    FALLOC_FL_PUNCH_HOLE in its mode returns 0 without running (SECCOMP_RET_ERRNO with errno
+    0 skips the call). jailed: JAIL_DENIED and `clone` with a namespace flag fail with EPERM,
+    `clone3` (whose flags a filter cannot see) with ENOSYS (glibc then uses `clone`), and a
+    call of another architecture (i386's int 0x80) kills QEMU. Everything else is allowed.
+    Compiled once by libseccomp (pyseccomp is a ctypes binding to Debian's libseccomp2) and
+    exported as BPF, so the child between fork and exec only makes one prctl."""
+    if not (punch_hole or jailed):
+        return None
     try:
         import pyseccomp
     except (ImportError, RuntimeError) as exc:  # RuntimeError: libseccomp2 not installed
@@ -150,10 +170,19 @@ def punch_hole_filter() -> SeccompProgram:
             f"cannot build QEMU's seccomp filter ({exc}): install libseccomp2 "
             "(scripts/install-system.sh) and pyseccomp") from exc
     rules = pyseccomp.SyscallFilter(pyseccomp.ALLOW)
-    rules.set_attr(pyseccomp.Attr.ACT_BADARCH, pyseccomp.ALLOW)
-    rules.add_rule(pyseccomp.ERRNO(0), "fallocate",
-                   pyseccomp.Arg(1, pyseccomp.MASKED_EQ, _FALLOC_FL_PUNCH_HOLE,
-                                 _FALLOC_FL_PUNCH_HOLE))
+    rules.set_attr(pyseccomp.Attr.ACT_BADARCH,
+                   pyseccomp.KILL_PROCESS if jailed else pyseccomp.ALLOW)
+    if punch_hole:
+        rules.add_rule(pyseccomp.ERRNO(0), "fallocate",
+                       pyseccomp.Arg(1, pyseccomp.MASKED_EQ, _FALLOC_FL_PUNCH_HOLE,
+                                     _FALLOC_FL_PUNCH_HOLE))
+    if jailed:
+        for name in JAIL_DENIED:
+            rules.add_rule(pyseccomp.ERRNO(errno.EPERM), name)
+        rules.add_rule(pyseccomp.ERRNO(errno.ENOSYS), "clone3")
+        for flag in _CLONE_NAMESPACES:
+            rules.add_rule(pyseccomp.ERRNO(errno.EPERM), "clone",
+                           pyseccomp.Arg(0, pyseccomp.MASKED_EQ, flag, flag))
     with tempfile.TemporaryFile() as out:
         rules.export_bpf(out)
         out.seek(0)
@@ -216,11 +245,11 @@ def build_argv(
 
     qmp_fd: QMP on an inherited listening socket instead of binding `qmp_socket` (QEMU,
     running unprivileged, cannot create files in its workdir). sandbox: QEMU's own seccomp
-    filter (privilege.SANDBOX_ARG), stacked on punch_hole_filter(); both apply. tap_fd: the
+    filter (privilege.SANDBOX_ARG), stacked on qemu_filter(); both apply. tap_fd: the
     slot's tap0 already open (an unprivileged QEMU cannot open /dev/net/tun).
 
     return_free_memory: open the RAM file `readonly=off` so free-page reporting can drop
-    the guest's freed private pages; only safe under `punch_hole_filter()` (QemuProcess.spawn
+    the guest's freed private pages; only safe under `qemu_filter()` (QemuProcess.spawn
     installs it). False: `readonly=on`, QEMU refuses every discard (the RAM file is safe
     without a filter, freed memory stays with the process until it ends)."""
     if [d.name for d in disks] != [d.name for d in machine.disks]:
@@ -503,12 +532,12 @@ class QemuProcess:
     ) -> QemuProcess:
         """die_with_parent=False: QEMU outlives a crash of this process, so a restarted node
         can take it over again (agentenv.runtime.adopt). return_free_memory: see build_argv;
-        True runs QEMU under punch_hole_filter(). user: run QEMU as that unprivileged user
+        True runs QEMU under qemu_filter()'s punch-hole rule. user: run QEMU as that unprivileged user
         (runtime/privilege.py); sandbox: QEMU's -sandbox; cgroup: QEMU starts inside it, and
         it is removed once QEMU has exited (before `died` is set). jail_root: run QEMU in a
         jail (runtime/jail.py) whose tmpfs root is mounted on this empty directory (in its own
         mount namespace); needs `user`. on_exit: called once a QEMU that started has exited."""
-        seccomp = punch_hole_filter() if return_free_memory else None
+        seccomp = qemu_filter(return_free_memory, jail_root is not None)
         try:
             mem_stamp: FileStamp | None = FileStamp.of(mem_path)
         except FileNotFoundError:
