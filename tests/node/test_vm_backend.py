@@ -11,6 +11,7 @@ import concurrent.futures
 import contextlib
 import json
 import os
+import re
 import statistics
 import subprocess
 import time
@@ -469,6 +470,16 @@ def test_blockd_killed_is_restarted_under_running_sandboxes(vm_node: NodeProcess
                                    user="root").stdout.split()
         assert records[:last] == [f"rec-{i}" for i in range(1, last + 1)]
         assert sbx.get_info().state == SandboxState.RUNNING
+        # The remade NBD socket of its writable disk is again its jailed QEMU's alone.
+        pid = _qemu_pid(vm_node, sbx.sandbox_id)
+        manifest = vm_node.state_dir / "vm-backend" / "sandboxes" / f"{sbx.sandbox_id}.vm.json"
+        argv = (Path(json.loads(manifest.read_text())["workdir"]) / "argv").read_text()
+        writable = re.findall(r"server\.path=([^,\s]+),export=[^,]+,read-only=off", argv)
+        assert writable
+        for sock in writable:
+            st = os.stat(sock)
+            assert (st.st_uid, oct(st.st_mode & 0o777)) == \
+                (Path(f"/proc/{pid}").stat().st_uid, "0o600")
         print(f"\nblockd kill -9: healthy again after {healthy_s:.2f} s, a create begun during "
               f"the outage done after {create_s:.2f} s, {last} records acknowledged, none lost")
     finally:
