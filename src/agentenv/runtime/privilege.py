@@ -19,6 +19,11 @@ and the cgroup, which need root), and QEMU opens everything as that user:
 | /dev/kvm | the device's group is added as a supplementary group |
 
 The runtime (root) still reads QEMU's memory (`process_vm_readv`, pagemap) with CAP_SYS_PTRACE.
+
+With the jail (runtime/jail.py, `RuntimeConfig.qemu_jail`, the default) each QEMU runs as a
+uid of its own instead (`VMUser.jailed`), with this user's group as a supplementary group for
+the files shared by design, and reaches its files through its jail's bind mounts: the state
+directory then gives the VM group nothing (`withdraw`, `unreach`).
 """
 
 from __future__ import annotations
