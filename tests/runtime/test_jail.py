@@ -243,6 +243,9 @@ def test_uid_range_must_be_valid(tmp_path: Path) -> None:
     for bad in ("0-10", "10-5", "a-b"):
         with pytest.raises(Exception, match="VM uid range"):
             UidPool.parse(bad, tmp_path)
+    # A range holding a host user (here root's group 0 is excluded; the first user is 1).
+    with pytest.raises(Exception, match="holds user"):
+        UidPool.parse("1-1000", tmp_path)
 
 
 # Runs under the jailed filter (as root, so only the filter can refuse): what it lets through.

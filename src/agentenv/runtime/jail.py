@@ -38,8 +38,10 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
+import grp
 import os
 import platform
+import pwd
 import subprocess
 import threading
 from collections.abc import Iterable
@@ -220,10 +222,36 @@ class UidPool:
     def parse(cls, text: str, lease_dir: Path) -> UidPool:
         low, sep, high = text.partition("-")
         try:
-            return cls(int(low), int(high if sep else low), lease_dir)
+            pool = cls(int(low), int(high if sep else low), lease_dir)
         except ValueError:
             raise RuntimeError_(f"VM uid range {text!r} is not FIRST-LAST, e.g. 200000-265535") \
                 from None
+        pool.check_unused()
+        return pool
+
+    def check_unused(self) -> None:
+        """A VM must share its uid or gid with no one: refuse a range that holds a user or
+        group of the host, or a subordinate range of /etc/subuid or /etc/subgid (the ids of
+        user namespaces' containers)."""
+        for entry in pwd.getpwall():
+            if self.contains(entry.pw_uid):
+                raise RuntimeError_(f"VM uid range {self.low}-{self.high} holds user "
+                                    f"{entry.pw_name} ({entry.pw_uid}): pick a range no one uses")
+        for entry in grp.getgrall():
+            if self.contains(entry.gr_gid):
+                raise RuntimeError_(f"VM uid range {self.low}-{self.high} holds group "
+                                    f"{entry.gr_name} ({entry.gr_gid}): pick a range no one uses")
+        for table in ("/etc/subuid", "/etc/subgid"):
+            with contextlib.suppress(FileNotFoundError):
+                for line in Path(table).read_text().splitlines():
+                    fields = line.strip().split(":")
+                    if len(fields) != 3 or not (fields[1].isdigit() and fields[2].isdigit()):
+                        continue
+                    first, count = int(fields[1]), int(fields[2])
+                    if first <= self.high and self.low < first + count:
+                        raise RuntimeError_(
+                            f"VM uid range {self.low}-{self.high} overlaps {table}'s "
+                            f"{first}-{first + count - 1} of {fields[0]}: pick another range")
 
     def _lease(self, uid: int) -> Path:
         return self.lease_dir / str(uid)
