@@ -201,10 +201,16 @@ def spawn_in_new_pid_namespace(argv: list[str], **popen: Any) -> subprocess.Pope
         if _host_pid_ns is None:
             _host_pid_ns = os.open("/proc/self/ns/pid", os.O_RDONLY | os.O_CLOEXEC)
         _check(_libc.unshare(CLONE_NEWPID), "unshare(CLONE_NEWPID)")
+        child: subprocess.Popen[bytes] | None = None
         try:
-            return subprocess.Popen(argv, **popen)
+            child = subprocess.Popen(argv, **popen)
         finally:
-            _check(_libc.setns(_host_pid_ns, CLONE_NEWPID), "setns back to the node's PID namespace")
+            back = _libc.setns(_host_pid_ns, CLONE_NEWPID)
+            if back != 0 and child is not None:
+                child.kill()  # no QEMU we could not account for
+                child.wait()
+            _check(back, "setns back to the node's PID namespace")
+        return child
 
 
 class UidPool:
