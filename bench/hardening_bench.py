@@ -13,9 +13,17 @@
   through the API, the proxied command p50 and 16 MiB download, and the host memory of an idle
   sandbox's QEMU (PSS, RSS, the cgroup's charge when there is one), in alternating rounds.
 
-Prints JSON lines: metric, value (after / hardened), baseline (before / plain), ratio.
+- `jail` part (issue 24): two runtimes in this process on the test guest, QEMU in a jail per
+  VM (runtime/jail.py) against QEMU as the one shared VM user (AENV_QEMU_JAIL off, the code
+  before the jail): create (a template snapshot restored to running), restore of a paused VM,
+  a fork of 16 and the mean PSS of the 17 idle VMs, in alternating rounds. Goal: each within
+  5% of the shared-uid figure.
 
-Usage (root): scripts/isolated.sh .venv/bin/python bench/hardening_bench.py [--quick] [--part process|vm|all]
+Prints JSON lines: metric, value (after / hardened / jailed), baseline (before / plain /
+shared-uid), ratio.
+
+Usage (root): scripts/isolated.sh .venv/bin/python bench/hardening_bench.py [--quick]
+  [--part process|vm|jail|all]
 """
 
 from __future__ import annotations
@@ -315,16 +323,96 @@ def vm_part(args: argparse.Namespace) -> None:
         shutil.rmtree(work, ignore_errors=True)
 
 
+def jail_part(args: argparse.Namespace) -> None:
+    """The jail per VM (runtime/jail.py) against QEMU as the one shared VM user (the same
+    checkout, AENV_QEMU_JAIL off: the code before the jail), two runtimes in this process:
+    create (a template snapshot restored to running), restore of a paused VM, a fork of 16 and
+    the PSS of idle VMs, in alternating rounds."""
+    from agentenv.blockd.client import AsyncBlockdClient
+    from agentenv.runtime.config import RuntimeConfig
+    from agentenv.runtime.harness import (
+        BlockdProcess,
+        LoopThread,
+        close_runtime,
+        make_ext4_layer,
+        pss_kib,
+        sh,
+    )
+    from agentenv.runtime.testguest import build_test_guest
+    from agentenv.runtime.vm import BootSpec, DiskSource, Runtime
+
+    rounds, fork_count = (1, 4) if args.quick else (6, 16)
+    guest = build_test_guest()
+    work = Path(tempfile.mkdtemp(prefix="aenv-hardening-jail-", dir="/tmp"))
+    work.chmod(0o711)
+    setups: dict[str, tuple[LoopThread, Runtime, BlockdProcess, Any]] = {}
+    results: dict[str, dict[str, list[float]]] = {}
+    try:
+        for i, (label, jailed) in enumerate({"shared-uid": False, "jailed": True}.items()):
+            root = work / label
+            root.mkdir(mode=0o711)
+            blockd = BlockdProcess(root)
+            blockd.start()
+            loop = LoopThread()
+            runtime = Runtime(RuntimeConfig(
+                state_dir=root / "state", network_prefix=f"ajb{i}", envd_init_path="/cgi-bin/init",
+                slot_first_index=27001 + 200 * i, slot_pool_low=1, boot_timeout=300,
+                qemu_jail=jailed), blockd=AsyncBlockdClient(blockd.socket))
+            setups[label] = (loop, runtime, blockd, None)
+            loop.run(runtime.start(kernel_for_probe=guest.kernel))
+            layer = make_ext4_layer(root / "rootfs.layer", 64 << 20)
+            vm = loop.run(runtime.boot(BootSpec(
+                kernel=guest.kernel, initramfs=guest.initramfs, cmdline=guest.cmdline_base,
+                disks=[DiskSource("rootfs", 64 << 20, layers=[layer])], memory_mib=256)))
+            template = loop.run(runtime.pause(vm, wait_teardown=True))
+            setups[label] = (loop, runtime, blockd, template)
+            results[label] = {k: [] for k in ("create_ms", "restore_ms", "fork_ms", "idle_pss_mib")}
+        for i in range(rounds):
+            for label in (list(setups) if i % 2 == 0 else list(reversed(setups))):
+                loop, runtime, _, template = setups[label]
+                into = results[label]
+                began = time.perf_counter()
+                vm = loop.run(runtime.restore(template))
+                into["create_ms"].append((time.perf_counter() - began) * 1000)
+                loop.run(sh(vm, "echo ok"))
+                paused = loop.run(runtime.pause(vm, wait_teardown=True))
+                began = time.perf_counter()
+                vm = loop.run(runtime.restore(paused))
+                into["restore_ms"].append((time.perf_counter() - began) * 1000)
+                began = time.perf_counter()
+                _, children = loop.run(runtime.fork(vm, fork_count))
+                into["fork_ms"].append((time.perf_counter() - began) * 1000)
+                time.sleep(3)  # idle: the guests settle
+                everyone = [vm, *children]
+                into["idle_pss_mib"].append(statistics.mean(
+                    pss_kib(x.pid)["Pss"] for x in everyone) / 1024)
+                for x in everyone:
+                    loop.run(runtime.kill(x))
+        p50 = statistics.median
+        a, b = results["jailed"], results["shared-uid"]
+        for key, unit in (("create_ms", "ms"), ("restore_ms", "ms"), ("fork_ms", "ms"),
+                          ("idle_pss_mib", "MiB")):
+            emit(f"jail_{key.rsplit('_', 1)[0]}" + ("_p50" if unit == "ms" else ""),
+                 p50(a[key]), unit, "shared-uid", p50(b[key]), n=len(a[key]),
+                 **({"fork_count": fork_count} if key == "fork_ms" else {}))
+    finally:
+        for i, (loop, runtime, blockd, _) in enumerate(setups.values()):
+            close_runtime(loop, runtime, f"ajb{i}", blockd)
+        shutil.rmtree(work, ignore_errors=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--part", choices=["process", "vm", "all"], default="all")
+    parser.add_argument("--part", choices=["process", "vm", "jail", "all"], default="all")
     parser.add_argument("--before-rev", default="381c5c7")
     args = parser.parse_args()
     if args.part in ("process", "all"):
         process_part(args)
     if args.part in ("vm", "all"):
         vm_part(args)
+    if args.part in ("jail", "all"):
+        jail_part(args)
 
 
 if __name__ == "__main__":

@@ -8,7 +8,8 @@ list="$here/system-packages.txt"
 bp_sources=/etc/apt/sources.list.d/bookworm-backports.sources
 
 # QEMU runs as this unprivileged system user (runtime/privilege.py); created once, whatever
-# the packages' state.
+# the packages' state. Jailed QEMUs (runtime/jail.py, the default) run as uids of their own
+# from AENV_VM_UID_RANGE (no passwd entries) with this user's group as a supplementary group.
 vm_user=${AENV_QEMU_USER:-aenv-vm}
 if [[ "$vm_user" != root ]] && ! id -u "$vm_user" >/dev/null 2>&1; then
   if [[ $(id -u) -ne 0 ]]; then

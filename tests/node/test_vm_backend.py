@@ -11,6 +11,7 @@ import concurrent.futures
 import contextlib
 import json
 import os
+import re
 import statistics
 import subprocess
 import time
@@ -196,6 +197,52 @@ def _qemu_pid(node: NodeProcess, sandbox_id: str) -> int:
     return int(json.loads(manifest.read_text())["pid"])
 
 
+# Runs as a sandbox's QEMU (its uid, gid and groups, no capabilities): what it could open.
+_PROBE = r"""
+import json, sys
+out = {}
+for path in json.loads(sys.argv[1]):
+    try:
+        with open(path, "rb") as f:
+            f.read(1)
+        out[path] = "ok"
+    except OSError as exc:
+        out[path] = type(exc).__name__
+print(json.dumps(out))
+"""
+
+
+def _as_qemu(pid: int, argv: list[str]) -> str:
+    ids: dict[str, list[str]] = {}
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        key, _, value = line.partition(":")
+        ids[key] = value.split()
+    groups = ["--groups", ",".join(ids["Groups"])] if ids["Groups"] else ["--clear-groups"]
+    out = subprocess.run(["setpriv", "--reuid", ids["Uid"][0], "--regid", ids["Gid"][0],
+                          *groups, "--inh-caps=-all", "--bounding-set=-all", "--", *argv],
+                         capture_output=True, text=True, timeout=60, cwd="/")
+    assert out.returncode == 0, out.stderr
+    return out.stdout
+
+
+def test_a_sandboxs_qemu_reads_nothing_of_the_node(vm_node: NodeProcess) -> None:
+    """The node's database, secrets and logs are out of reach of a sandbox's QEMU uid."""
+    from e2b import Sandbox
+
+    sbx = Sandbox.create(template="base", timeout=300)
+    try:
+        pid = _qemu_pid(vm_node, sbx.sandbox_id)
+        state = vm_node.state_dir
+        targets = [state / "node.db", *sorted((state / "secrets").iterdir()),
+                   *sorted(p for p in state.rglob("*.log") if p.is_file()), vm_node.log_path]
+        assert len(targets) > 3
+        opened = json.loads(_as_qemu(pid, ["/usr/bin/python3", "-c", _PROBE,
+                                           json.dumps([str(t) for t in targets])]))
+        assert not [path for path, outcome in opened.items() if outcome == "ok"], opened
+    finally:
+        sbx.kill()
+
+
 def test_node_crash_readopts_running_vms(vm_node: NodeProcess) -> None:
     """kill -9 of the node leaves its QEMU processes running; the next start takes them over
     (QMP, network slot, blockd disks, memory lineage): the sandbox is listed, its files and
@@ -212,12 +259,16 @@ def test_node_crash_readopts_running_vms(vm_node: NodeProcess) -> None:
         paused.pause()
         pid = _qemu_pid(vm_node, running.sandbox_id)
 
+        uid = Path(f"/proc/{pid}").stat().st_uid
+        leases = Path("/run/aenv/vm-uids")  # RuntimeConfig.vm_uid_lease_dir
         vm_node.kill9()
         assert pid_alive(pid), "the sandbox's QEMU died with the node"
         t0 = time.monotonic()
         vm_node.start()
         restart_s = time.monotonic() - t0
         assert "VM adopted" in vm_node.log_path.read_text()
+        # The jailed QEMU's uid stays leased across the crash (no other VM gets it).
+        assert (leases / str(uid)).exists()
         assert pid_alive(pid)
         states = {s.sandbox_id: s.state for s in Sandbox.list().next_items()}
         assert states == {running.sandbox_id: SandboxState.RUNNING,
@@ -238,6 +289,10 @@ def test_node_crash_readopts_running_vms(vm_node: NodeProcess) -> None:
         deadline = time.monotonic() + 15
         while pid_alive(pid):  # QEMU quits right after the pause snapshot is durable
             assert time.monotonic() < deadline, "the adopted QEMU outlived its pause"
+            time.sleep(0.1)
+        deadline = time.monotonic() + 15
+        while (leases / str(uid)).exists():  # given back once the adopted QEMU is gone
+            assert time.monotonic() < deadline, "the adopted VM's uid stayed leased"
             time.sleep(0.1)
         resumed = Sandbox.connect(running.sandbox_id, timeout=300)
         assert counter_value(resumed) >= after
@@ -415,6 +470,16 @@ def test_blockd_killed_is_restarted_under_running_sandboxes(vm_node: NodeProcess
                                    user="root").stdout.split()
         assert records[:last] == [f"rec-{i}" for i in range(1, last + 1)]
         assert sbx.get_info().state == SandboxState.RUNNING
+        # The remade NBD socket of its writable disk is again its jailed QEMU's alone.
+        pid = _qemu_pid(vm_node, sbx.sandbox_id)
+        manifest = vm_node.state_dir / "vm-backend" / "sandboxes" / f"{sbx.sandbox_id}.vm.json"
+        argv = (Path(json.loads(manifest.read_text())["workdir"]) / "argv").read_text()
+        writable = re.findall(r"server\.path=([^,\s]+),export=[^,]+,read-only=off", argv)
+        assert writable
+        for sock in writable:
+            st = os.stat(sock)
+            assert (st.st_uid, oct(st.st_mode & 0o777)) == \
+                (Path(f"/proc/{pid}").stat().st_uid, "0o600")
         print(f"\nblockd kill -9: healthy again after {healthy_s:.2f} s, a create begun during "
               f"the outage done after {create_s:.2f} s, {last} records acknowledged, none lost")
     finally:

@@ -31,7 +31,7 @@ from agentenv.runtime.qemu import (
     FileStamp,
     _preexec,
     build_argv,
-    punch_hole_filter,
+    qemu_filter,
 )
 from agentenv.runtime.testguest import TestGuest as Guest
 from agentenv.runtime.testguest import build_test_guest
@@ -93,13 +93,13 @@ def test_filter_turns_punch_hole_into_a_no_op(tmp_path: Path) -> None:
     before, stamp = _sha256_file(data), FileStamp.of(data)
     filtered = subprocess.run(
         ["fallocate", "--punch-hole", "--keep-size", "-o", "0", "-l", "65536", str(data)],
-        preexec_fn=_preexec(None, die_with_parent=False, seccomp=punch_hole_filter()),
+        preexec_fn=_preexec(None, die_with_parent=False, seccomp=qemu_filter()),
         capture_output=True, text=True)
     assert filtered.returncode == 0, filtered.stderr
     assert _sha256_file(data) == before and FileStamp.of(data) == stamp
     grown = subprocess.run(["fallocate", "-o", str(MiB), "-l", "4096", str(data)],
                            preexec_fn=_preexec(None, die_with_parent=False,
-                                               seccomp=punch_hole_filter()))
+                                               seccomp=qemu_filter()))
     assert grown.returncode == 0 and data.stat().st_size == MiB + 4096
     subprocess.run(["fallocate", "--punch-hole", "-o", "0", "-l", "65536", str(data)], check=True)
     assert data.read_bytes()[:65536] == bytes(65536)

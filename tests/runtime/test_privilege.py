@@ -52,9 +52,16 @@ def test_qemu_runs_as_the_vm_user_under_both_seccomp_layers(env: Env,
     try:
         user = pwd.getpwnam(runtime.config.qemu_user or "")
         status = _status(vm.pid)
-        assert status["Uid"].split() == [str(user.pw_uid)] * 4
-        assert status["Gid"].split() == [str(user.pw_gid)] * 4
-        assert status["Groups"] == ""
+        uid, gid = str(user.pw_uid), str(user.pw_gid)
+        if runtime.uids is not None:
+            # Jailed (runtime/jail.py): a uid and gid of its own, the VM group besides.
+            uid = gid = status["Uid"].split()[0]
+            assert runtime.uids.contains(int(uid))
+            assert status["Groups"] == str(user.pw_gid)
+        else:
+            assert status["Groups"] == ""
+        assert status["Uid"].split() == [uid] * 4
+        assert status["Gid"].split() == [gid] * 4
         assert status["CapEff"] == "0000000000000000"
         assert status["Seccomp"] == "2"
         # Ours (punch-hole) and QEMU's own -sandbox.
@@ -65,7 +72,8 @@ def test_qemu_runs_as_the_vm_user_under_both_seccomp_layers(env: Env,
         # fork (device state read, NBD, TAP, RAM file), the child answers.
         _, children = env.loop.run(runtime.fork(vm, 1))
         assert "ok" in env.loop.run(sh(children[0], "echo ok"))
-        assert _status(children[0].pid)["Uid"].split()[0] == str(user.pw_uid)
+        child_uid = _status(children[0].pid)["Uid"].split()[0]
+        assert child_uid == uid if runtime.uids is None else child_uid != uid
         env.loop.run(runtime.kill(children[0]))
     finally:
         env.loop.run(runtime.kill(vm))

@@ -27,11 +27,12 @@ import signal
 from pathlib import Path
 from typing import Any
 
+from agentenv.runtime import privilege
 from agentenv.runtime.cgroup import Cgroup
 from agentenv.runtime.disks import AttachedDisk
 from agentenv.runtime.errors import QMPError, RuntimeError_
 from agentenv.runtime.privilege import VMUser
-from agentenv.runtime.qemu import QemuProcess
+from agentenv.runtime.qemu import PidfdProcess, QemuProcess
 from agentenv.runtime.qmp import QMPClient
 from agentenv.runtime.vm import VM, Runtime
 from agentenv.snapshot.record import DiskConfig, LayerRef, MachineConfig
@@ -97,55 +98,36 @@ def manifest_alive(manifest: dict[str, Any]) -> bool:
     return bool(workdir) and f"{workdir}/serial.log".encode() in argv
 
 
-class AdoptedProcess:
-    """The parts of asyncio.subprocess.Process QemuProcess uses, for a QEMU that is not our
-    child: its exit is seen through a pidfd; its exit status cannot be known."""
+class AdoptedProcess(PidfdProcess):
+    """A QEMU that is not our child: its exit status cannot be known."""
 
-    def __init__(self, pid: int) -> None:
-        self.pid = pid
-        self.returncode: int | None = None
-        self._pidfd = os.pidfd_open(pid)
-        self._exited = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        loop.add_reader(self._pidfd, self._on_exit)
-
-    def _on_exit(self) -> None:
-        if self._exited.is_set():
-            return
-        asyncio.get_running_loop().remove_reader(self._pidfd)
-        os.close(self._pidfd)
-        # Not our child: the status is the reaper's; -9 says "ended from outside".
-        self.returncode = -signal.SIGKILL
-        self._exited.set()
-
-    async def wait(self) -> int:
-        await self._exited.wait()
-        assert self.returncode is not None
-        return self.returncode
-
-    def send_signal(self, sig: int) -> None:
-        if self._exited.is_set():
-            raise ProcessLookupError(self.pid)
-        signal.pidfd_send_signal(self._pidfd, sig)
-
-    def kill(self) -> None:
-        self.send_signal(signal.SIGKILL)
-
-    def terminate(self) -> None:
-        self.send_signal(signal.SIGTERM)
+    def _exit_status(self) -> int:
+        return -signal.SIGKILL  # the status is the reaper's; -9 says "ended from outside"
 
 
-def _running_as(pid: int) -> VMUser | None:
-    """The unprivileged user a QEMU runs as (None: root): QEMU writes the device state of a
-    snapshot into files made for that user (runtime/privilege.py)."""
+def _running_as(pid: int, runtime: Runtime) -> VMUser | None:
+    """The unprivileged identity a QEMU runs as (None: root), from /proc: QEMU writes the
+    device state of a snapshot into files made for it (runtime/privilege.py). A jailed QEMU's
+    uid has no passwd entry; its shared group is the runtime's VM group."""
+    ids: dict[str, list[int]] = {}
     try:
         for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("Uid:"):
-                uid = int(line.split()[1])
-                return None if uid == 0 else VMUser.lookup(pwd.getpwuid(uid).pw_name)
-    except (OSError, KeyError, ValueError):
+            key, _, value = line.partition(":")
+            if key in ("Uid", "Gid", "Groups"):
+                ids[key] = [int(x) for x in value.split()]
+    except (OSError, ValueError):
         return None
-    return None
+    uid, gid = ids.get("Uid", [0])[0], ids.get("Gid", [0])[0]
+    if uid == 0:
+        return None
+    try:
+        name = pwd.getpwuid(uid).pw_name
+    except KeyError:
+        name = f"vm uid {uid}"
+    shared = privilege.vm_group(runtime.config.qemu_user)
+    groups = tuple(ids.get("Groups", []))
+    return VMUser(name, uid, gid, groups,
+                  shared_gid=shared if shared is not None and shared in groups else None)
 
 
 async def adopt_vm(runtime: Runtime, manifest: dict[str, Any]) -> VM:
@@ -170,6 +152,7 @@ async def adopt_vm(runtime: Runtime, manifest: dict[str, Any]) -> VM:
             raise AdoptError(f"blockd no longer serves the disks {sorted(wanted - served)} "
                              f"of VM {manifest['id']}")
     process = AdoptedProcess(int(manifest["pid"]))
+    user = _running_as(process.pid, runtime)
     try:
         qmp = await QMPClient.connect(Path(manifest["qmp_socket"]), timeout=5)
     except (QMPError, OSError, TimeoutError) as exc:
@@ -180,7 +163,7 @@ async def adopt_vm(runtime: Runtime, manifest: dict[str, Any]) -> VM:
                        Path(manifest["stderr_log"]),
                        cgroup=(Cgroup(str(manifest["id"]), [Path(d) for d in manifest["cgroup"]])
                                if manifest.get("cgroup") else None),
-                       user=_running_as(process.pid))
+                       user=user, on_exit=runtime.uid_releaser(user))
     qemu._watch = asyncio.create_task(qemu._watch_exit())
     try:
         status = await qemu.execute("query-status")

@@ -76,6 +76,13 @@ class RuntimeConfig(BaseModel):
     # spawn=deny,resourcecontrol=deny) stacked on the punch-hole filter.
     qemu_user: str | None = "aenv-vm"
     qemu_sandbox: bool = True
+    # A jail per VM (runtime/jail.py): each QEMU runs as a uid and gid of its own from
+    # vm_uid_range (no passwd entries; qemu_user's group as a supplementary group), as PID 1
+    # of its own PID namespace, in a mount namespace holding only its files. Needs qemu_user.
+    # Leases of the uids in use live in vm_uid_lease_dir (host-wide, survives a node crash).
+    qemu_jail: bool = True
+    vm_uid_range: str = Field(default="200000-265535", pattern=r"^\d+-\d+$")
+    vm_uid_lease_dir: Path = Path("/run/aenv/vm-uids")
     # One cgroup per QEMU (runtime/cgroup.py). "auto": cgroup v2, else v1 controllers (hybrid
     # hosts), else a logged warning and no limits; "on": fail at start without them; "off":
     # none; "v1": the same as "auto" (v1 used to be opt-in).
@@ -123,6 +130,7 @@ class RuntimeConfig(BaseModel):
 # Environment variables for the least-privilege and limit settings (the node's VM backend).
 PRIVILEGE_ENV = {
     "AENV_QEMU_USER": "qemu_user", "AENV_QEMU_SANDBOX": "qemu_sandbox",
+    "AENV_QEMU_JAIL": "qemu_jail", "AENV_VM_UID_RANGE": "vm_uid_range",
     "AENV_CGROUPS": "cgroups", "AENV_CGROUP_PARENT": "cgroup_parent",
     "AENV_VM_MEMORY_OVERHEAD_MB": "vm_memory_overhead_mib",
     "AENV_CPU_WEIGHT_PER_VCPU": "cpu_weight_per_vcpu", "AENV_CPU_MAX_PER_VCPU": "cpu_max_per_vcpu",
@@ -145,7 +153,7 @@ def privilege_settings_from_env(env: Mapping[str, str]) -> dict[str, Any]:
             continue
         if (field_name, raw.lower()) in (("qemu_user", "root"), ("guest_dns", "none")):
             out[field_name] = None
-        elif field_name in ("qemu_sandbox", "memory_prefetch"):
+        elif field_name in ("qemu_sandbox", "memory_prefetch", "qemu_jail"):
             out[field_name] = raw.lower() not in ("0", "false", "no", "off")
         else:
             out[field_name] = raw

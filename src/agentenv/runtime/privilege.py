@@ -19,10 +19,16 @@ and the cgroup, which need root), and QEMU opens everything as that user:
 | /dev/kvm | the device's group is added as a supplementary group |
 
 The runtime (root) still reads QEMU's memory (`process_vm_readv`, pagemap) with CAP_SYS_PTRACE.
+
+With the jail (runtime/jail.py, `RuntimeConfig.qemu_jail`, the default) each QEMU runs as a
+uid of its own instead (`VMUser.jailed`), with this user's group as a supplementary group for
+the files shared by design, and reaches its files through its jail's bind mounts: the state
+directory then gives the VM group nothing (`withdraw`, `unreach`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import grp
 import os
@@ -50,6 +56,19 @@ class VMUser:
     uid: int
     gid: int
     extra_groups: tuple[int, ...] = ()
+    # The group the files shared by design are granted to (a snapshot's RAM file): `gid` for
+    # the one shared VM user; the VM group for a jailed QEMU's own uid (runtime/jail.py).
+    shared_gid: int | None = None
+
+    @property
+    def file_gid(self) -> int:
+        return self.gid if self.shared_gid is None else self.shared_gid
+
+    def jailed(self, uid: int) -> VMUser:
+        """The identity of one jailed QEMU: uid and gid `uid` (no passwd entry), this user's
+        group and the KVM group as supplementary groups (runtime/jail.py)."""
+        return VMUser(f"vm uid {uid}", uid, uid, (self.gid, *self.extra_groups),
+                      shared_gid=self.gid)
 
     @classmethod
     def lookup(cls, name: str, *, kvm: bool = False) -> VMUser:
@@ -65,7 +84,7 @@ class VMUser:
         extra: tuple[int, ...] = ()
         if kvm:
             with_kvm = _device_group("/dev/kvm")
-            if with_kvm is not None and with_kvm != entry.pw_gid:
+            if with_kvm not in (None, 0, entry.pw_gid):
                 extra = (with_kvm,)
         return cls(name, entry.pw_uid, entry.pw_gid, extra)
 
@@ -123,6 +142,24 @@ def reach(user: VMUser, target: Path, base: Path) -> None:
             group_searchable(directory, user)
 
 
+def unreach(user: VMUser, target: Path, base: Path) -> None:
+    """Undo `reach` above `target`: the directories from `base` down to target's parent lose
+    the VM group (jailed QEMUs need no path through them); `target` keeps what its owner
+    gave it (blockd's NBD directory stays searchable for the VM group)."""
+    try:
+        relative = target.relative_to(base)
+    except ValueError:
+        return
+    directory = base
+    for part in ("", *relative.parts[:-1]):
+        directory = directory / part if part else directory
+        with contextlib.suppress(FileNotFoundError):
+            st = directory.stat()
+            if st.st_gid == user.gid:
+                os.chown(directory, -1, os.getegid())
+                os.chmod(directory, stat.S_IMODE(st.st_mode) & ~stat.S_IRWXG)
+
+
 def prepare_dirs(user: VMUser, state_dir: Path, dirs: list[Path]) -> None:
     """The directories QEMU reaches by path; fails clearly when an ancestor blocks it."""
     for directory in [state_dir, *dirs]:
@@ -133,13 +170,33 @@ def prepare_dirs(user: VMUser, state_dir: Path, dirs: list[Path]) -> None:
                             f"{why}")
 
 
+def withdraw(user: VMUser, state_dir: Path, dirs: list[Path]) -> None:
+    """Jailed QEMUs (runtime/jail.py) reach their files through bind mounts: take back the
+    group search `prepare_dirs` gave the VM group on the state directory and `dirs`, and make
+    the state directory the owner's alone."""
+    state_dir.mkdir(parents=True, exist_ok=True)
+    for directory in (state_dir, *(d for d in dirs if d.is_dir())):
+        st = directory.stat()
+        if st.st_gid == user.gid:
+            os.chown(directory, -1, os.getegid())
+            os.chmod(directory, stat.S_IMODE(st.st_mode) & ~stat.S_IRWXG)
+    os.chmod(state_dir, stat.S_IMODE(state_dir.stat().st_mode) & ~(stat.S_IRWXG | stat.S_IRWXO))
+
+
+def own_socket(path: Path, user: VMUser) -> None:
+    """A writable disk's NBD socket: its jailed QEMU's uid alone may connect (blockd made it
+    connectable for the whole VM group, which every jailed QEMU is in)."""
+    os.chown(path, user.uid, user.gid)
+    os.chmod(path, 0o600)
+
+
 def grant_ram_file(path: Path, user: VMUser, writable: bool) -> None:
     """The RAM file QEMU maps: group-readable (and writable when free-page reporting opens it
     read-write) for the VM group, nobody else."""
     st = path.stat()
     mode = 0o660 if writable else 0o640
-    if st.st_gid != user.gid:
-        os.chown(path, -1, user.gid)
+    if st.st_gid != user.file_gid:
+        os.chown(path, -1, user.file_gid)
     current = stat.S_IMODE(st.st_mode)
     # blockd's memory device (a FUSE file, no chmod) already is 0660 with the VM group.
     if (current & mode) != mode or current & 0o007:

@@ -39,19 +39,23 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
+import errno
 import functools
 import logging
 import os
+import shutil
 import signal
 import socket
+import subprocess
 import tempfile
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from agentenv.runtime import privilege
+from agentenv.runtime import jail, privilege
 from agentenv.runtime.cgroup import Cgroup, remove_cgroup_async
 from agentenv.runtime.errors import QMPError, RuntimeError_, VMDiedError
 from agentenv.runtime.privilege import VMUser
@@ -74,7 +78,9 @@ _EXIT_SECCOMP = 122
 _EXIT_PREEXEC = 123  # anything else raised there (its message goes to qemu.stderr)
 _EXIT_CGROUP = 124
 _EXIT_PRIVILEGE = 125
-_PREEXEC_EXITS = (_EXIT_SETNS, _EXIT_SECCOMP, _EXIT_PREEXEC, _EXIT_CGROUP, _EXIT_PRIVILEGE)
+_EXIT_JAIL = 120
+_PREEXEC_EXITS = (_EXIT_SETNS, _EXIT_SECCOMP, _EXIT_PREEXEC, _EXIT_CGROUP, _EXIT_PRIVILEGE,
+                  _EXIT_JAIL)
 
 DISK_PCI_BASE = 0x10
 # Seconds QEMU holds a disk's I/O while it reconnects to blockd (restart within this or the
@@ -131,13 +137,32 @@ class SeccompProgram:
     fprog: _SockFprog
 
 
+# What a jailed QEMU (runtime/jail.py) never does and a QEMU taken over by its guest would
+# need to widen its reach: namespaces (an unprivileged user namespace gives it capabilities
+# over new mounts), mounts, other processes' memory, kernel keyrings, BPF, modules.
+JAIL_DENIED = (
+    "unshare", "setns", "mount", "umount2", "pivot_root", "chroot", "fsopen", "fsmount",
+    "fsconfig", "fspick", "move_mount", "open_tree", "mount_setattr", "ptrace",
+    "process_vm_readv", "process_vm_writev", "bpf", "keyctl", "add_key", "request_key",
+    "userfaultfd", "perf_event_open", "kexec_load", "kexec_file_load", "init_module",
+    "finit_module", "delete_module", "open_by_handle_at", "name_to_handle_at", "acct",
+    "swapon", "swapoff", "reboot", "syslog",
+)
+_CLONE_NAMESPACES = (0x00020000, 0x02000000, 0x04000000, 0x08000000, 0x10000000, 0x20000000,
+                     0x40000000, 0x00000080)  # NEWNS CGROUP UTS IPC USER PID NET TIME
+
+
 @functools.cache
-def punch_hole_filter() -> SeccompProgram:
-    """The seccomp filter QEMU runs under: `fallocate` with FALLOC_FL_PUNCH_HOLE in its mode
-    returns 0 without running (SECCOMP_RET_ERRNO with errno 0 skips the call); every other
-    call, and any other architecture, is allowed. Compiled once by libseccomp (pyseccomp is
-    a ctypes binding to Debian's libseccomp2) and exported as BPF, so the child between fork
-    and exec only makes one prctl."""
+def qemu_filter(punch_hole: bool = True, jailed: bool = False) -> SeccompProgram | None:
+    """The seccomp filter QEMU runs under (None: none). punch_hole: `fallocate` with
+    FALLOC_FL_PUNCH_HOLE in its mode returns 0 without running (SECCOMP_RET_ERRNO with errno
+    0 skips the call). jailed: JAIL_DENIED and `clone` with a namespace flag fail with EPERM,
+    `clone3` (whose flags a filter cannot see) with ENOSYS (glibc then uses `clone`), and a
+    call of another architecture (i386's int 0x80) kills QEMU. Everything else is allowed.
+    Compiled once by libseccomp (pyseccomp is a ctypes binding to Debian's libseccomp2) and
+    exported as BPF, so the child between fork and exec only makes one prctl."""
+    if not (punch_hole or jailed):
+        return None
     try:
         import pyseccomp
     except (ImportError, RuntimeError) as exc:  # RuntimeError: libseccomp2 not installed
@@ -145,10 +170,19 @@ def punch_hole_filter() -> SeccompProgram:
             f"cannot build QEMU's seccomp filter ({exc}): install libseccomp2 "
             "(scripts/install-system.sh) and pyseccomp") from exc
     rules = pyseccomp.SyscallFilter(pyseccomp.ALLOW)
-    rules.set_attr(pyseccomp.Attr.ACT_BADARCH, pyseccomp.ALLOW)
-    rules.add_rule(pyseccomp.ERRNO(0), "fallocate",
-                   pyseccomp.Arg(1, pyseccomp.MASKED_EQ, _FALLOC_FL_PUNCH_HOLE,
-                                 _FALLOC_FL_PUNCH_HOLE))
+    rules.set_attr(pyseccomp.Attr.ACT_BADARCH,
+                   pyseccomp.KILL_PROCESS if jailed else pyseccomp.ALLOW)
+    if punch_hole:
+        rules.add_rule(pyseccomp.ERRNO(0), "fallocate",
+                       pyseccomp.Arg(1, pyseccomp.MASKED_EQ, _FALLOC_FL_PUNCH_HOLE,
+                                     _FALLOC_FL_PUNCH_HOLE))
+    if jailed:
+        for name in JAIL_DENIED:
+            rules.add_rule(pyseccomp.ERRNO(errno.EPERM), name)
+        rules.add_rule(pyseccomp.ERRNO(errno.ENOSYS), "clone3")
+        for flag in _CLONE_NAMESPACES:
+            rules.add_rule(pyseccomp.ERRNO(errno.EPERM), "clone",
+                           pyseccomp.Arg(0, pyseccomp.MASKED_EQ, flag, flag))
     with tempfile.TemporaryFile() as out:
         rules.export_bpf(out)
         out.seek(0)
@@ -211,11 +245,11 @@ def build_argv(
 
     qmp_fd: QMP on an inherited listening socket instead of binding `qmp_socket` (QEMU,
     running unprivileged, cannot create files in its workdir). sandbox: QEMU's own seccomp
-    filter (privilege.SANDBOX_ARG), stacked on punch_hole_filter(); both apply. tap_fd: the
+    filter (privilege.SANDBOX_ARG), stacked on qemu_filter(); both apply. tap_fd: the
     slot's tap0 already open (an unprivileged QEMU cannot open /dev/net/tun).
 
     return_free_memory: open the RAM file `readonly=off` so free-page reporting can drop
-    the guest's freed private pages; only safe under `punch_hole_filter()` (QemuProcess.spawn
+    the guest's freed private pages; only safe under `qemu_filter()` (QemuProcess.spawn
     installs it). False: `readonly=on`, QEMU refuses every discard (the RAM file is safe
     without a filter, freed memory stays with the process until it ends)."""
     if [d.name for d in disks] != [d.name for d in machine.disks]:
@@ -307,7 +341,8 @@ def build_argv(
 
 def _preexec(netns: str | None, die_with_parent: bool = True, thp: bool = True,
              seccomp: SeccompProgram | None = None, *, user: VMUser | None = None,
-             cgroup_procs: list[str] | None = None, tap_fd: int | None = None) -> Any:
+             cgroup_procs: list[str] | None = None, tap_fd: int | None = None,
+             jail_plan: jail.JailPlan | None = None) -> Any:
     def fail(code: int, what: str) -> None:
         # Runs between fork and exec: stderr is already qemu.stderr, where the parent reads it.
         with contextlib.suppress(OSError):
@@ -340,6 +375,14 @@ def _preexec(netns: str | None, die_with_parent: bool = True, thp: bool = True,
                     opened = privilege.open_tap()
                     os.dup2(opened, tap_fd)
                     os.close(opened)
+            except OSError as exc:
+                fail(_EXIT_PRIVILEGE, f"opening the TAP: {exc}")
+            if jail_plan is not None:
+                try:
+                    jail.enter(jail_plan)
+                except OSError as exc:
+                    fail(_EXIT_JAIL, f"entering the VM's jail: {exc}")
+            try:
                 privilege.drop_privileges(user)
             except OSError as exc:
                 fail(_EXIT_PRIVILEGE, f"becoming {user.name}: {exc}")
@@ -365,6 +408,81 @@ def _preexec(netns: str | None, die_with_parent: bool = True, thp: bool = True,
     return run
 
 
+class PidfdProcess:
+    """The parts of asyncio.subprocess.Process QemuProcess uses, for a process watched through
+    a pidfd: a jailed QEMU (our child, forked outside asyncio: jail.spawn_in_new_pid_namespace)
+    or one a restarted node adopts (runtime/adopt.py)."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.returncode: int | None = None
+        self._pidfd = os.pidfd_open(pid)
+        self._exited = asyncio.Event()
+        asyncio.get_running_loop().add_reader(self._pidfd, self._on_exit)
+
+    def _exit_status(self) -> int:
+        raise NotImplementedError
+
+    def _on_exit(self) -> None:
+        if self._exited.is_set():
+            return
+        asyncio.get_running_loop().remove_reader(self._pidfd)
+        self.returncode = self._exit_status()
+        os.close(self._pidfd)
+        self._exited.set()
+
+    async def wait(self) -> int:
+        await self._exited.wait()
+        assert self.returncode is not None
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        if self._exited.is_set():
+            raise ProcessLookupError(self.pid)
+        signal.pidfd_send_signal(self._pidfd, sig)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+
+class ChildProcess(PidfdProcess):
+    """A child started with subprocess.Popen: reaped here when it exits (with its status)."""
+
+    def __init__(self, popen: subprocess.Popen[bytes]) -> None:
+        self._popen = popen  # held so that subprocess never reaps it behind our back
+        super().__init__(popen.pid)
+
+    def _exit_status(self) -> int:
+        _, status = os.waitpid(self.pid, 0)
+        code = os.waitstatus_to_exitcode(status)
+        self._popen.returncode = code
+        return code
+
+
+def _jail_plan(mountpoint: Path, machine: MachineConfig, workdir: Path, mem_path: str,
+               disks: list[DiskAttachment], incoming: bool, qemu_binary: str) -> jail.JailPlan:
+    """What one QEMU opens by path: its workdir (QMP socket, serial log, device state), its RAM
+    file, its disks (a file, or the directory of the NBD socket: blockd makes it again there
+    after a restart), the kernel and initramfs of a boot, the binary if not under /usr."""
+    writable: list[str] = [str(workdir), mem_path]
+    read_only: list[str] = []
+    for disk in disks:
+        if disk.nbd_socket:
+            writable.append(os.path.dirname(disk.nbd_socket))
+        elif disk.file:
+            read_only.append(disk.file)
+    if not incoming:
+        read_only += [p for p in (machine.kernel, machine.initramfs) if p]
+    binary = shutil.which(qemu_binary) or qemu_binary
+    if not binary.startswith("/usr/"):
+        read_only.append(binary)
+    devices = [*jail.DEVICES, *(["/dev/kvm"] if machine.accel == "kvm" else [])]
+    return jail.plan_jail(mountpoint, writable=writable, read_only=read_only, devices=devices)
+
+
 @dataclass
 class QemuProcess:
     """A running QEMU; `died` is set when it exits (for whatever reason)."""
@@ -380,6 +498,8 @@ class QemuProcess:
     mem_stamp: FileStamp | None = None
     cgroup: Cgroup | None = None
     user: VMUser | None = None
+    # Called once QEMU has exited (the jail's uid lease goes back to the pool).
+    on_exit: Callable[[], None] | None = None
     died: asyncio.Event = field(default_factory=asyncio.Event)
     expected_exit: bool = False
     _watch: asyncio.Task[None] | None = None
@@ -407,13 +527,17 @@ class QemuProcess:
         user: VMUser | None = None,
         sandbox: bool = False,
         cgroup: Cgroup | None = None,
+        jail_root: Path | None = None,
+        on_exit: Callable[[], None] | None = None,
     ) -> QemuProcess:
         """die_with_parent=False: QEMU outlives a crash of this process, so a restarted node
         can take it over again (agentenv.runtime.adopt). return_free_memory: see build_argv;
-        True runs QEMU under punch_hole_filter(). user: run QEMU as that unprivileged user
+        True runs QEMU under qemu_filter()'s punch-hole rule. user: run QEMU as that unprivileged user
         (runtime/privilege.py); sandbox: QEMU's -sandbox; cgroup: QEMU starts inside it, and
-        it is removed once QEMU has exited (before `died` is set)."""
-        seccomp = punch_hole_filter() if return_free_memory else None
+        it is removed once QEMU has exited (before `died` is set). jail_root: run QEMU in a
+        jail (runtime/jail.py) whose tmpfs root is mounted on this empty directory (in its own
+        mount namespace); needs `user`. on_exit: called once a QEMU that started has exited."""
+        seccomp = qemu_filter(return_free_memory, jail_root is not None)
         try:
             mem_stamp: FileStamp | None = FileStamp.of(mem_path)
         except FileNotFoundError:
@@ -421,13 +545,22 @@ class QemuProcess:
         workdir.mkdir(parents=True, exist_ok=True)
         if user is not None:
             privilege.group_searchable(workdir, user)
+            if jail_root is not None:
+                os.chmod(workdir, 0o710)  # its own uid's group only (bound into its jail)
             privilege.precreate(workdir / "serial.log", user)
             with contextlib.suppress(FileNotFoundError):
                 privilege.grant_ram_file(Path(mem_path), user, writable=return_free_memory)
         try:
+            plan = None
+            if jail_root is not None:
+                if user is None:
+                    raise RuntimeError_("a jailed QEMU needs an unprivileged user")
+                plan = _jail_plan(jail_root, machine, workdir, mem_path, disks, incoming,
+                                  qemu_binary)
             return await cls._spawn(machine, workdir, mem_path, mem_stamp, disks, incoming, netns,
                                     qemu_binary, die_with_parent, tb_size_mib, tcg_single_thread,
-                                    thp, return_free_memory, user, sandbox, cgroup, seccomp)
+                                    thp, return_free_memory, user, sandbox, cgroup, seccomp, plan,
+                                    on_exit)
         except BaseException:
             await remove_cgroup_async(cgroup)  # its QEMU never started or has exited
             raise
@@ -438,7 +571,9 @@ class QemuProcess:
                      netns: str | None, qemu_binary: str, die_with_parent: bool,
                      tb_size_mib: int, tcg_single_thread: bool, thp: bool,
                      return_free_memory: bool, user: VMUser | None, sandbox: bool,
-                     cgroup: Cgroup | None, seccomp: SeccompProgram | None) -> QemuProcess:
+                     cgroup: Cgroup | None, seccomp: SeccompProgram | None,
+                     plan: jail.JailPlan | None,
+                     on_exit: Callable[[], None] | None) -> QemuProcess:
         qmp_socket = workdir / "qmp.sock"
         vmgenid = str(uuid.uuid4())
         stderr_log = workdir / "qemu.stderr"
@@ -453,7 +588,7 @@ class QemuProcess:
                         if user is not None and netns and machine.network else None)
             preexec = _preexec(netns, die_with_parent, thp, seccomp, user=user,
                                cgroup_procs=cgroup.procs_files if cgroup else None,
-                               tap_fd=tap_slot)
+                               tap_fd=tap_slot, jail_plan=plan)
             keep = (listener.fileno(),) + ((tap_slot,) if tap_slot is not None else ())
             try:
                 argv = build_argv(
@@ -466,9 +601,15 @@ class QemuProcess:
                 (workdir / "argv").write_text("\n".join(argv) + "\n")
                 with open(stderr_log, "wb") as err:
                     # pass_fds keeps the listener open (same number) across exec.
-                    process = await asyncio.create_subprocess_exec(
-                        *argv, stdin=asyncio.subprocess.DEVNULL, stdout=err, stderr=err,
-                        preexec_fn=preexec, pass_fds=keep)
+                    popen_args: dict[str, Any] = dict(
+                        stdin=subprocess.DEVNULL, stdout=err, stderr=err, preexec_fn=preexec,
+                        pass_fds=keep, env=jail.ENVIRONMENT)
+                    process: asyncio.subprocess.Process | ChildProcess
+                    if plan is not None:
+                        process = ChildProcess(
+                            jail.spawn_in_new_pid_namespace(argv, **popen_args))
+                    else:
+                        process = await asyncio.create_subprocess_exec(*argv, **popen_args)
             finally:
                 listener.close()
                 if tap_slot is not None:
@@ -488,8 +629,8 @@ class QemuProcess:
                     process.kill()
                 await process.wait()
                 raise
-        vm = cls(machine, workdir, process, qmp, netns, vmgenid, stderr_log, mem_path, mem_stamp,
-                 cgroup, user)
+        vm = cls(machine, workdir, process, qmp, netns, vmgenid, stderr_log, mem_path,  # type: ignore[arg-type]
+                 mem_stamp, cgroup, user, on_exit)
         vm._watch = asyncio.create_task(vm._watch_exit())
         return vm
 
@@ -498,6 +639,8 @@ class QemuProcess:
         try:
             await remove_cgroup_async(self.cgroup)
         finally:
+            if self.on_exit is not None:
+                self.on_exit()
             self.died.set()
 
     def exit_reason(self) -> str:
@@ -578,6 +721,8 @@ def _status_meaning(code: int | None) -> str:
         return " (could not join its cgroup)"
     if code == _EXIT_PRIVILEGE:
         return " (could not drop to its unprivileged user)"
+    if code == _EXIT_JAIL:
+        return " (could not enter its jail)"
     return ""
 
 

@@ -24,7 +24,7 @@ import os
 import shutil
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from ipaddress import IPv4Address
 from pathlib import Path
@@ -58,6 +58,7 @@ from agentenv.runtime.errors import (
     SnapshotError,
     VMDiedError,
 )
+from agentenv.runtime.jail import UidPool
 from agentenv.runtime.memdev import make_memory_store
 from agentenv.runtime.memory import (
     capture_memory_layer,
@@ -198,6 +199,9 @@ class Runtime:
         self._started = False
         self._background: set[asyncio.Task[None]] = set()
         self.vm_user: privilege.VMUser | None = None
+        # Per-VM uids of jailed QEMUs (runtime/jail.py); None: every QEMU runs as vm_user.
+        self.uids = (UidPool.parse(config.vm_uid_range, config.vm_uid_lease_dir)
+                     if config.qemu_jail and config.qemu_user else None)
         self.cgroups = CgroupManager(None, {})
         self._io_limit: IOLimit | None = None
 
@@ -209,8 +213,19 @@ class Runtime:
         self.accel = resolve_accel(self.config.accel, str(kernel_for_probe) if kernel_for_probe else None)
         if self.config.qemu_user:
             self.vm_user = privilege.VMUser.lookup(self.config.qemu_user, kvm=self.accel == "kvm")
-            privilege.prepare_dirs(self.vm_user, self.config.state_dir,
+            if self.uids is not None:
+                # A jailed QEMU reaches its files through its jail's bind mounts: no VM uid
+                # needs any way into the state directory.
+                privilege.withdraw(self.vm_user, self.config.state_dir,
                                    [self.config.vm_dir, self.config.memory_dir])
+                self.jail_root.mkdir(mode=0o700, exist_ok=True)
+                # After adoption (the node adopts before it starts the runtime).
+                freed = await asyncio.to_thread(self.uids.sweep)
+                if freed:
+                    log.info("VM uid leases of gone VMs dropped", extra={"uids": freed})
+            else:
+                privilege.prepare_dirs(self.vm_user, self.config.state_dir,
+                                       [self.config.vm_dir, self.config.memory_dir])
         self.cgroups = CgroupManager.detect(
             self.config.cgroups, self.config.cgroup_parent
             or default_parent(self.config.network_prefix, self.config.state_dir))
@@ -268,19 +283,18 @@ class Runtime:
                 await slot.set_policy(spec.egress)
             elif slot is not None and not spec.outbound:
                 await slot.set_outbound(False)
-            attachments = []
-            for source, cfg in zip(spec.disks, machine.disks, strict=True):
-                disk, attach = await self._attach_disk(
-                    cfg, [LayerRef(path=str(p), size=p.stat().st_size) for p in source.layers],
-                    source.file, workdir)
-                disks.append(disk)
-                attachments.append(attach)
-            tuning = self._qemu_tuning(boot=True)
-            process = await QemuProcess.spawn(
-                machine, workdir, mem_path=str(mem_path), disks=attachments, incoming=False,
-                netns=slot.netns_path if slot else None, qemu_binary=self.config.qemu_binary,
-                die_with_parent=self.config.qemu_die_with_parent,
-                cgroup=self._cgroup(workdir.name, machine, tuning), **tuning)
+
+            async def attach(user: privilege.VMUser | None) -> list[DiskAttachment]:
+                attachments = []
+                for source, cfg in zip(spec.disks, machine.disks, strict=True):
+                    disk, attachment = await self._attach_disk(
+                        cfg, [LayerRef(path=str(p), size=p.stat().st_size)
+                              for p in source.layers], source.file, workdir, user)
+                    disks.append(disk)
+                    attachments.append(attachment)
+                return attachments
+
+            process = await self._spawn_qemu(machine, workdir, mem_path, False, slot, attach)
         except BaseException:
             await self._release_resources(slot, disks, None)
             raise
@@ -296,7 +310,10 @@ class Runtime:
         return vm
 
     async def _attach_disk(self, config: DiskConfig, layers: list[LayerRef], file: Path | None,
-                           workdir: Path) -> tuple[AttachedDisk, DiskAttachment]:
+                           workdir: Path, user: privilege.VMUser | None = None,
+                           ) -> tuple[AttachedDisk, DiskAttachment]:
+        """A disk for one QEMU; a writable one's NBD socket becomes `user`'s alone when that
+        is a jailed QEMU's own uid (a read-only device may be shared by several VMs)."""
         name, size, read_only = config.name, config.size, config.read_only
         if file is not None:
             if not read_only:
@@ -313,7 +330,16 @@ class Runtime:
                                             upper_dir=upper, size=size, readonly=read_only)
         except BlockdError as exc:
             raise DiskError(f"disk {name}: {exc}") from exc
-        return (AttachedDisk(config, list(layers), device_id=info.id),
+        disk = AttachedDisk(config, list(layers), device_id=info.id)
+        if not read_only and user is not None and user is not self.vm_user:
+            try:
+                privilege.own_socket(Path(info.nbd), user)
+            except OSError as exc:
+                with contextlib.suppress(Exception):
+                    await self.blockd.release(info.id)
+                raise DiskError(f"disk {name}: cannot hand its NBD socket to {user.name}: "
+                                f"{exc}") from exc
+        return (disk,
                 DiskAttachment(name, read_only, nbd_socket=info.nbd, nbd_export=info.export))
 
     def _qemu_tuning(self, extra_vcpus: int = 0, *, boot: bool = False) -> dict[str, Any]:
@@ -323,6 +349,70 @@ class Runtime:
                 "return_free_memory": self.config.return_free_memory,
                 "tcg_single_thread": self.tcg_single_thread(extra_vcpus, boot=boot),
                 "user": self.vm_user, "sandbox": self.config.qemu_sandbox}
+
+    @property
+    def jail_root(self) -> Path:
+        """The empty directory each jailed QEMU's tmpfs root is mounted on, in its own mount
+        namespace (runtime/jail.py)."""
+        return self.config.state_dir / "jail-root"
+
+    def _identity(self, owner: str) -> privilege.VMUser | None:
+        """The user the next QEMU runs as: a uid of its own when jailed (leased here; given
+        back by uid_releaser once that QEMU has exited, or by the caller if it never starts)."""
+        if self.uids is None or self.vm_user is None:
+            return self.vm_user
+        return self.vm_user.jailed(self.uids.allocate(owner))
+
+    async def reown_disk_sockets(self) -> None:
+        """After blockd made its NBD sockets again (a restart), each writable disk's socket
+        is again its jailed QEMU's alone (see _attach_disk)."""
+        if self.uids is None or self.blockd is None:
+            return
+        sockets = {info.id: info.nbd for info in await self.blockd.list()}
+        for vm in list(self.vms.values()):
+            user = vm.process.user
+            if user is None or not self.uids.contains(user.uid):
+                continue
+            for disk in vm.disks:
+                if not disk.config.read_only and disk.device_id in sockets:
+                    try:
+                        privilege.own_socket(Path(sockets[disk.device_id]), user)
+                    except OSError as exc:
+                        log.warning("cannot hand an NBD socket back to its VM", extra={
+                            "vm": vm.id, "device": disk.device_id, "error": str(exc)})
+
+    def uid_releaser(self, user: privilege.VMUser | None) -> Callable[[], None] | None:
+        """What gives `user`'s uid back to the pool (None: not a leased uid)."""
+        uids = self.uids
+        if uids is None or user is None or not uids.contains(user.uid):
+            return None
+        uid = user.uid
+        return lambda: uids.release(uid)
+
+    async def _spawn_qemu(self, machine: MachineConfig, workdir: Path, mem_path: Path,
+                          incoming: bool, slot: NetworkSlot | None,
+                          attach: Callable[[privilege.VMUser | None],
+                                           Awaitable[list[DiskAttachment]]],
+                          extra_vcpus: int = 0) -> QemuProcess:
+        """A QEMU for `machine`, as the user (and in the jail) the config asks for; `attach`
+        makes its disks for that user."""
+        user = self._identity(workdir.name)
+        jailed = user is not None and user is not self.vm_user
+        try:
+            attachments = await attach(user)
+            tuning = {**self._qemu_tuning(extra_vcpus, boot=not incoming), "user": user}
+            return await QemuProcess.spawn(
+                machine, workdir, mem_path=str(mem_path), disks=attachments, incoming=incoming,
+                netns=slot.netns_path if slot else None, qemu_binary=self.config.qemu_binary,
+                die_with_parent=self.config.qemu_die_with_parent,
+                cgroup=self._cgroup(workdir.name, machine, tuning),
+                jail_root=self.jail_root if jailed else None,
+                on_exit=self.uid_releaser(user), **tuning)
+        except BaseException:
+            release = self.uid_releaser(user)
+            if release is not None:
+                release()  # its QEMU never started, or has exited
+            raise
 
     def _io_limit_config(self) -> IOLimit | None:
         c = self.config
@@ -826,20 +916,20 @@ class Runtime:
                                  extra_vcpus: int = 0) -> QemuProcess:
         """A QEMU in `-incoming defer` with the record's disks, each a new blockd device over
         the snapshot's layers (appended to `disks` as made, for the caller to release)."""
-        attachments = []
         snaps = {d.name: d for d in record.disks}
-        for cfg in record.machine.disks:
-            ds = snaps[cfg.name]
-            disk, attach = await self._attach_disk(
-                cfg, ds.layers, Path(ds.file) if ds.file else None, workdir)
-            disks.append(disk)
-            attachments.append(attach)
-        tuning = self._qemu_tuning(extra_vcpus)
-        return await QemuProcess.spawn(
-            record.machine, workdir, mem_path=str(mem_path), disks=attachments, incoming=True,
-            netns=slot.netns_path if slot else None, qemu_binary=self.config.qemu_binary,
-            die_with_parent=self.config.qemu_die_with_parent,
-            cgroup=self._cgroup(workdir.name, record.machine, tuning), **tuning)
+
+        async def attach(user: privilege.VMUser | None) -> list[DiskAttachment]:
+            attachments = []
+            for cfg in record.machine.disks:
+                ds = snaps[cfg.name]
+                disk, attachment = await self._attach_disk(
+                    cfg, ds.layers, Path(ds.file) if ds.file else None, workdir, user)
+                disks.append(disk)
+                attachments.append(attachment)
+            return attachments
+
+        return await self._spawn_qemu(record.machine, workdir, mem_path, True, slot, attach,
+                                      extra_vcpus)
 
     # -- ending VMs -----------------------------------------------------------------------
 

@@ -137,7 +137,7 @@ class VmBackend(SandboxBackend, CrashRecovery, LayerAware, TemplateBuilding, Net
         """QEMU runs as an unprivileged user (runtime/privilege.py) and opens by path: the
         runtime's state, the private blockd's NBD sockets and the guest assets. Each directory
         from the node's state directory down to them gets group search permission (only
-        search: nothing becomes listable or readable)."""
+        search: nothing becomes listable or readable); with the jail, none does."""
         if not config.qemu_user:
             return
         user = privilege.VMUser.lookup(config.qemu_user)
@@ -148,7 +148,12 @@ class VmBackend(SandboxBackend, CrashRecovery, LayerAware, TemplateBuilding, Net
             targets += [self._assets.kernel.parent, self._assets.initramfs.parent,
                         self._assets.tools_image.parent]
         for target in targets:
-            privilege.reach(user, target, self.state_dir)
+            if config.qemu_jail:
+                # A jailed QEMU gets its files bound into its jail (runtime/jail.py): no VM
+                # uid needs, or keeps from an earlier run, a way into the node's state.
+                privilege.unreach(user, target, self.state_dir)
+            else:
+                privilege.reach(user, target, self.state_dir)
 
     # --- lifecycle of the backend -------------------------------------------------------------
 
@@ -614,6 +619,7 @@ class VmBackend(SandboxBackend, CrashRecovery, LayerAware, TemplateBuilding, Net
         for vm in check.pooled_lost:
             with contextlib.suppress(Exception):
                 await self.runtime.kill(vm)
+        await self.runtime.reown_disk_sockets()
 
     # --- layer awareness (LayerAware: node/gc.py) ---------------------------------------------
 

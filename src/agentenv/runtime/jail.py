@@ -1,0 +1,335 @@
+"""A jail per VM, after Firecracker's jailer: QEMU runs as a uid and gid of its own, as PID 1
+of its own PID namespace, in a mount namespace whose root holds only that VM's files, with an
+environment that names nothing of the node's.
+
+Identity. Each QEMU gets a uid (gid = the same number) from `RuntimeConfig.vm_uid_range`; no
+/etc/passwd entry is needed. A uid is leased by a file `<vm_uid_lease_dir>/<uid>` (made with
+O_EXCL; on /run, so host-wide: two runtimes on one host never hand out the same uid) and
+given back when its QEMU has exited. Leases survive a crash of the node: the next start
+(`UidPool.sweep`) keeps every lease whose uid still runs a process (a QEMU the node adopts,
+runtime/adopt.py) or whose runtime is alive, and drops the rest. The only group a jailed QEMU
+shares with others is the VM group (`qemu_user`'s, e.g. aenv-vm) as a supplementary group: it
+opens the files that are shared by design (a snapshot's memory file, read-only disks' NBD
+sockets, the NBD socket directory), which the jail shows only its own of. Its own files
+(serial log, device state, workdir, writable disks' NBD sockets) are its uid's alone, so one
+VM's QEMU cannot ptrace, signal or read another's (`/proc/PID/mem` needs the same uid).
+
+Root. `enter` runs in the child between fork and exec, as root, after the network namespace,
+the cgroup and the TAP fd (runtime/qemu.py `_preexec`): new IPC and UTS namespaces, a new
+mount namespace (private propagation), a tmpfs as the new root, into which every path QEMU opens is bind-mounted at its
+host path (so QMP commands that name files, /proc/PID/maps and adopt.py see the same paths),
+the read-only ones (kernel, initramfs, read-only disk files, /usr) read-only; the device nodes
+/dev/null, /dev/urandom (and /dev/kvm under KVM; the TAP is an fd opened before); a proc of the
+VM's PID namespace with only its process directories (`subset=pid`); then pivot_root, the old
+root detached, and the tmpfs made read-only. The node's state directory, database, logs and
+secrets are not in it.
+
+Seccomp. On top of QEMU's own `-sandbox`, a jailed QEMU's filter (runtime/qemu.py
+`qemu_filter`) refuses namespaces (no unprivileged user namespace), mounts, ptrace and
+process_vm_*, BPF, keyrings, userfaultfd, modules, and calls of another architecture.
+
+PID namespace. The runtime forks QEMU with the forking thread's PID namespace for children
+set to a fresh one (`spawn_in_new_pid_namespace`), so QEMU is PID 1 there while the runtime
+keeps its host pid as its child (exit status, pidfd, process_vm_readv, adoption).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import errno
+import grp
+import os
+import platform
+import pwd
+import subprocess
+import threading
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from agentenv.runtime.errors import RuntimeError_
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong,
+                        ctypes.c_char_p]
+CLONE_NEWNS = 0x00020000
+CLONE_NEWUTS = 0x04000000
+CLONE_NEWIPC = 0x08000000
+CLONE_NEWPID = 0x20000000
+MS_RDONLY = 0x1
+MS_NOSUID = 0x2
+MS_NODEV = 0x4
+MS_NOEXEC = 0x8
+MS_REMOUNT = 0x20
+MS_BIND = 0x1000
+MS_REC = 0x4000
+MS_PRIVATE = 0x40000
+MNT_DETACH = 0x2
+_SYS_PIVOT_ROOT = {"x86_64": 155, "aarch64": 41}
+# What QEMU (a dynamically linked binary, its firmware and keymaps) needs of the host's root:
+# read-only, nothing of the node's in it.
+SYSTEM_PATHS = ("/usr", "/lib", "/lib64", "/etc/ld.so.cache")
+DEVICES = ("/dev/null", "/dev/urandom")
+# QEMU's environment: nothing of the node's (its secrets, its settings).
+ENVIRONMENT = {"PATH": "/usr/bin:/bin", "LANG": "C"}
+
+
+@dataclass(frozen=True)
+class Bind:
+    """A host path shown at the same path inside the jail; `link` (a symlink's target) is
+    recreated instead of bound (e.g. /lib -> usr/lib on a merged-/usr host)."""
+
+    path: str
+    read_only: bool
+    directory: bool
+    link: str | None = None
+
+
+@dataclass(frozen=True)
+class JailPlan:
+    """Everything `enter` mounts, prepared in the parent (the child only makes syscalls)."""
+
+    mountpoint: str  # an empty host directory the tmpfs root is mounted on (per namespace)
+    binds: tuple[Bind, ...]
+
+
+def plan_jail(mountpoint: Path, *, writable: Iterable[str | Path],
+              read_only: Iterable[str | Path], devices: Iterable[str]) -> JailPlan:
+    """The jail of one QEMU: `writable` and `read_only` host paths (files or directories) it
+    opens, the device nodes it needs, and the system's read-only parts (SYSTEM_PATHS)."""
+    binds: list[Bind] = []
+    seen: set[str] = set()
+
+    def add(path: str | Path, ro: bool) -> None:
+        text = os.path.abspath(str(path))
+        if text in seen:
+            return
+        seen.add(text)
+        if os.path.islink(text) and text in SYSTEM_PATHS:
+            binds.append(Bind(text, True, False, link=os.readlink(text)))
+            return
+        if not os.path.exists(text):
+            raise RuntimeError_(f"the VM's jail needs {text}, which does not exist")
+        binds.append(Bind(text, ro, os.path.isdir(text)))
+
+    for path in SYSTEM_PATHS:
+        if os.path.lexists(path):
+            add(path, True)
+    for path in writable:
+        add(path, False)
+    for path in read_only:
+        add(path, True)
+    for device in devices:
+        add(device, False)
+    return JailPlan(str(mountpoint), tuple(binds))
+
+
+def _check(result: int, what: str) -> None:
+    if result != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"{what}: {os.strerror(err)}")
+
+
+def _mount(source: str | None, target: str, fstype: str | None, flags: int,
+           data: str | None = None) -> None:
+    _check(_libc.mount(source.encode() if source else None, target.encode(),
+                       fstype.encode() if fstype else None, flags,
+                       data.encode() if data else None), f"mount {source or fstype} on {target}")
+
+
+def _under_system_path(path: str) -> bool:
+    return any(path.startswith(p + "/") for p in SYSTEM_PATHS)
+
+
+def enter(plan: JailPlan) -> None:
+    """Make the calling process's root the jail (module doc). In the child before exec, as
+    root, in the VM's fresh PID namespace; raises OSError naming the step that failed."""
+    # Its own System V IPC and POSIX message queues, and its own host name.
+    _check(_libc.unshare(CLONE_NEWNS | CLONE_NEWIPC | CLONE_NEWUTS),
+           "unshare(CLONE_NEWNS|CLONE_NEWIPC|CLONE_NEWUTS)")
+    # Nothing mounted from here on reaches the host (or another jail).
+    _mount(None, "/", None, MS_REC | MS_PRIVATE)
+    root = plan.mountpoint
+    _mount("tmpfs", root, "tmpfs", MS_NOSUID, "mode=0755,size=1m,nr_inodes=4096")
+    os.umask(0o022)
+    for bind in plan.binds:
+        target = root + bind.path
+        os.makedirs(os.path.dirname(target), mode=0o755, exist_ok=True)
+        if bind.link is not None:
+            os.symlink(bind.link, target)
+            continue
+        if bind.directory:
+            os.makedirs(target, mode=0o755, exist_ok=True)
+        elif not os.path.exists(target):
+            os.close(os.open(target, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o644))
+        # A directory under /usr etc. is already inside its read-only bind.
+        if _under_system_path(bind.path) and bind.read_only:
+            continue
+        _mount(bind.path, target, None, MS_BIND)
+        flags = MS_REMOUNT | MS_BIND | MS_NOSUID
+        if bind.read_only:
+            flags |= MS_RDONLY | MS_NODEV
+        elif not bind.path.startswith("/dev/"):
+            flags |= MS_NODEV
+        _mount(None, target, None, flags)
+    os.makedirs(root + "/proc", mode=0o555, exist_ok=True)
+    # This PID namespace's proc, its process directories only (no /proc/sys, no sysrq).
+    _mount("proc", root + "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, "subset=pid")
+    os.chdir(root)
+    number = _SYS_PIVOT_ROOT.get(platform.machine())
+    if number is None:
+        raise OSError(errno.ENOSYS, f"pivot_root: unknown architecture {platform.machine()}")
+    # pivot_root(".", "."): the old root ends up stacked on the new one; detach it.
+    _check(_libc.syscall(number, b".", b"."), "pivot_root")
+    _check(_libc.umount2(b".", MNT_DETACH), "detaching the host's root")
+    os.chdir("/")
+    _mount(None, "/", None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV)
+
+
+_fork_lock = threading.Lock()
+_host_pid_ns: int | None = None
+
+
+def spawn_in_new_pid_namespace(argv: list[str], **popen: Any) -> subprocess.Popen[bytes]:
+    """subprocess.Popen with the child as PID 1 of a new PID namespace. unshare(CLONE_NEWPID)
+    moves only the calling thread's future children; the thread is set back to the node's own
+    namespace right after the fork, so nothing else it forks lands there."""
+    global _host_pid_ns
+    with _fork_lock:
+        if _host_pid_ns is None:
+            _host_pid_ns = os.open("/proc/self/ns/pid", os.O_RDONLY | os.O_CLOEXEC)
+        _check(_libc.unshare(CLONE_NEWPID), "unshare(CLONE_NEWPID)")
+        child: subprocess.Popen[bytes] | None = None
+        try:
+            child = subprocess.Popen(argv, **popen)
+        finally:
+            back = _libc.setns(_host_pid_ns, CLONE_NEWPID)
+            if back != 0 and child is not None:
+                child.kill()  # no QEMU we could not account for
+                child.wait()
+            _check(back, "setns back to the node's PID namespace")
+        return child
+
+
+class UidPool:
+    """Per-VM uids from [low, high], leased by files in `lease_dir` (module doc)."""
+
+    def __init__(self, low: int, high: int, lease_dir: Path) -> None:
+        if not 0 < low <= high:
+            raise RuntimeError_(f"VM uid range {low}-{high} is empty or includes root")
+        self.low, self.high = low, high
+        self.lease_dir = Path(lease_dir)
+        self._next = low
+        self._lock = threading.Lock()
+
+    @classmethod
+    def parse(cls, text: str, lease_dir: Path) -> UidPool:
+        low, sep, high = text.partition("-")
+        try:
+            pool = cls(int(low), int(high if sep else low), lease_dir)
+        except ValueError:
+            raise RuntimeError_(f"VM uid range {text!r} is not FIRST-LAST, e.g. 200000-265535") \
+                from None
+        pool.check_unused()
+        return pool
+
+    def check_unused(self) -> None:
+        """A VM must share its uid or gid with no one: refuse a range that holds a user or
+        group of the host, or a subordinate range of /etc/subuid or /etc/subgid (the ids of
+        user namespaces' containers)."""
+        for entry in pwd.getpwall():
+            if self.contains(entry.pw_uid):
+                raise RuntimeError_(f"VM uid range {self.low}-{self.high} holds user "
+                                    f"{entry.pw_name} ({entry.pw_uid}): pick a range no one uses")
+        for entry in grp.getgrall():
+            if self.contains(entry.gr_gid):
+                raise RuntimeError_(f"VM uid range {self.low}-{self.high} holds group "
+                                    f"{entry.gr_name} ({entry.gr_gid}): pick a range no one uses")
+        for table in ("/etc/subuid", "/etc/subgid"):
+            with contextlib.suppress(FileNotFoundError):
+                for line in Path(table).read_text().splitlines():
+                    fields = line.strip().split(":")
+                    if len(fields) != 3 or not (fields[1].isdigit() and fields[2].isdigit()):
+                        continue
+                    first, count = int(fields[1]), int(fields[2])
+                    if first <= self.high and self.low < first + count:
+                        raise RuntimeError_(
+                            f"VM uid range {self.low}-{self.high} overlaps {table}'s "
+                            f"{first}-{first + count - 1} of {fields[0]}: pick another range")
+
+    def _lease(self, uid: int) -> Path:
+        return self.lease_dir / str(uid)
+
+    def allocate(self, owner: str) -> int:
+        """A uid no VM holds; round robin, so a uid given back is the last to be reused."""
+        self.lease_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        size = self.high - self.low + 1
+        with self._lock:
+            for step in range(size):
+                uid = self.low + (self._next - self.low + step) % size
+                try:
+                    fd = os.open(self._lease(uid), os.O_WRONLY | os.O_CREAT | os.O_EXCL
+                                 | os.O_CLOEXEC, 0o600)
+                except FileExistsError:
+                    continue
+                with os.fdopen(fd, "w") as f:
+                    f.write(f"{os.getpid()} {owner}\n")
+                self._next = uid + 1 if uid < self.high else self.low
+                return uid
+        raise RuntimeError_(f"no free VM uid in {self.low}-{self.high}: every one is leased "
+                            f"in {self.lease_dir}")
+
+    def release(self, uid: int) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            self._lease(uid).unlink()
+
+    def contains(self, uid: int) -> bool:
+        return self.low <= uid <= self.high
+
+    def leased(self) -> set[int]:
+        try:
+            names = os.listdir(self.lease_dir)
+        except FileNotFoundError:
+            return set()
+        return {int(n) for n in names if n.isdigit() and self.contains(int(n))}
+
+    def sweep(self) -> list[int]:
+        """Drop the leases of VMs that are gone (their uid runs nothing and the runtime that
+        leased it is dead); returns the uids freed."""
+        running = _uids_running()
+        freed = []
+        for uid in sorted(self.leased()):
+            if uid in running:
+                continue
+            try:
+                owner = int(self._lease(uid).read_text().split()[0])
+            except (OSError, ValueError, IndexError):
+                owner = 0
+            if owner > 0 and owner != os.getpid() and _pid_alive(owner):
+                continue  # another runtime on this host, between lease and QEMU start
+            self.release(uid)
+            freed.append(uid)
+        return freed
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _uids_running() -> set[int]:
+    """The real uids of every process on the host."""
+    uids: set[int] = set()
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        with contextlib.suppress(OSError):
+            uids.add(os.stat(f"/proc/{name}").st_uid)
+    return uids
