@@ -825,9 +825,11 @@ class TemplateBuildApi:
             # In memory for this pull only: no docker config file, nothing in the record.
             credentials = Credentials(str(creds.get("username", "")), str(creds.get("password", "")))
         try:
+            # Never the node's docker config: a team pulls with what its request carries only.
             pulled = await asyncio.to_thread(
                 pull_image, body.fromImage, state_dir=self.state_dir,
-                cache_dir=Path(cache) if cache else None, credentials=credentials)
+                cache_dir=Path(cache) if cache else None, credentials=credentials,
+                use_docker_config=False)
         except AgentEnvError as exc:
             raise BuildFailed(f"pulling {body.fromImage} failed: {exc}", BASE_STEP) from exc
         rec.log("info", f"pulled {pulled.reference} ({pulled.manifest_digest[:19]}): "
