@@ -20,7 +20,7 @@ from starlette.routing import Route
 
 from agentenv.blockd.remote import install_private_store
 from agentenv.errors import AgentEnvError
-from agentenv.node.admission import Admission
+from agentenv.node.admission import Admission, TeamQuotas
 from agentenv.node.api import NodeApp
 from agentenv.node.backend import Capabilities, SandboxBackend
 from agentenv.node.gc import LayerCollector
@@ -100,6 +100,8 @@ def build_app(
     )
     orchestrator.gc = LayerCollector(orchestrator, state, metrics)
     orchestrator.admission = Admission.from_env(state)
+    if not options.cluster_secret:  # a cluster's gateway counts a team over every node
+        orchestrator.admission.quotas = TeamQuotas.from_env()
     if (pools := capabilities.pools) is not None:
         metrics.watch_ready_pools(lambda: pools.pool)
     from agentenv.node.snapshot_api import SnapshotMoveApi

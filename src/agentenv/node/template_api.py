@@ -311,6 +311,8 @@ class TemplateBuildApi:
             memory = body.memoryMB or existing.memory_mb
         else:
             pending = self._pending_template(name)
+            if pending is None and self.orchestrator.admission is not None:
+                self.orchestrator.admission.check_quota("templates", self._template_count())
             template_id = pending.template_id if pending else new_id("t")
             cpu, memory = body.cpuCount or 2, body.memoryMB or 1024
         for other in self._builds_of(template_id):
@@ -335,6 +337,13 @@ class TemplateBuildApi:
                  extra={"template_id": template_id, "build_id": rec.build_id, "template_name": name})
         return JSONResponse({"templateID": template_id, "buildID": rec.build_id, "public": False,
                              "names": [name], "tags": tags, "aliases": [name]}, status_code=202)
+
+    def _template_count(self) -> int:
+        """Templates built through this API: registered, or requested and not failed."""
+        built = {t.template_id for t in self.catalogue.templates.values()
+                 if t.kind == "template" and not self._builtin(t)}
+        requested = {b.template_id for b in self.builds.values() if b.status in ACTIVE}
+        return len(built | requested)
 
     def _template_of_request(self, template_id: str) -> str:
         """A template id the API knows (built, or with a build requested)."""
