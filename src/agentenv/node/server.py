@@ -33,6 +33,7 @@ from agentenv.node.security import (
     secure_state_dir,
 )
 from agentenv.node.store import Store
+from agentenv.relay.concurrency import ConcurrencyCap, max_concurrent
 from agentenv.relay.server import hardened_config, quiet_stream_aborts
 
 log = logging.getLogger("agentenv.node.server")
@@ -182,7 +183,8 @@ def serve(options: ServeOptions) -> None:
     app = build_app(options)
     limits = app.proxy.limits
     quiet_stream_aborts()
-    config = hardened_config(app, options.host, options.port, limits.max_head_bytes,
+    capped = ConcurrencyCap(app, max_concurrent(), "the node")
+    config = hardened_config(capped, options.host, options.port, limits.max_head_bytes,
                              limits.head_timeout, options.graceful_seconds)
     server = uvicorn.Server(config)
     log.info(
