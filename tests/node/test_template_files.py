@@ -77,7 +77,10 @@ def test_uploads_no_build_needs_are_collected(node: tuple[TestClient, TemplateBu
     for name in ("used", "asked"):  # as a build's start makes them once it checked them
         os.replace(files / f"{name}.new", files / name)
     (files / ".unused.tmp123").write_bytes(b"half")  # a dead upload's temp file
+    flat = state / "template-files" / "used"  # the layout before teams: no build reads it
+    flat.write_bytes(b"old")
     old = time.time() - 3600
+    os.utime(flat, (old, old))
     for name in ("used", "unused.new", "asked", ".unused.tmp123"):
         os.utime(files / name, (old, old))
     # A running build whose steps name "used".
@@ -92,7 +95,8 @@ def test_uploads_no_build_needs_are_collected(node: tuple[TestClient, TemplateBu
     assert link.status_code == 201 and link.json() == {"present": True}, link.text
     report = client.portal.call(gc.collect, "test")
     assert sorted(p.name for p in files.iterdir()) == ["asked", "recent.new", "used"]
-    assert {Path(p).name for p in report.deleted} == {"unused.new", ".unused.tmp123"}
+    assert {Path(p).name for p in report.deleted} == {"unused.new", ".unused.tmp123", "used"}
+    assert not flat.exists()
     # The build is over: its upload goes too, once old enough.
     record["status"] = "ready"
     (state / "template-builds" / "b1.json").write_text(json.dumps(record))

@@ -325,6 +325,9 @@ class LayerCollector:
         wanted = self._files_wanted()
         if wanted is None:
             return
+        for path in sorted(files.iterdir()):
+            if not path.is_dir():  # an upload of the layout before teams: no build reads it
+                self._delete(path, report, now)
         for path in sorted(p for team in files.iterdir() if team.is_dir()
                            for p in team.iterdir()):  # a directory per team
             if path.name.startswith("."):  # an upload being written (or left by a dead node)
