@@ -221,8 +221,9 @@ class GatewayApp:
         self.create_lease = create_lease_seconds()
         self.metrics = GatewayMetrics()
         self.signature_owners = SignatureOwners()
-        self.quotas = GatewayQuotas(store, scheduler)  # control/gateway/limits.py
-        self.lookup_limiter = LookupLimiter.from_env()
+        # control/gateway/limits.py
+        self.quotas = GatewayQuotas(store, scheduler, self.metrics.limit_refusals)
+        self.lookup_limiter = LookupLimiter.from_env(self.metrics.limit_refusals)
         self.relay = Relay(self.limits, self._answer_gone, self._answer_unreachable,
                            limit_name="the gateway's")
         self.http = self.relay.client

@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
+from prometheus_client import Counter
 
 from agentenv.control.gateway.placement import SchedulerLink
 from agentenv.control.gateway.store import PREFIX, GatewayStore
@@ -47,9 +48,11 @@ _PENDING = "pending:"
 MAX_BUCKETS = 100_000
 
 
-def _api_error(exc: QuotaExceeded) -> Exception:
+def _api_error(exc: QuotaExceeded, refusals: Counter | None) -> Exception:
     from agentenv.control.gateway.app import ApiError  # the app imports this module
 
+    if refusals is not None:
+        refusals.labels(exc.limit).inc()
     return ApiError(429, exc.message)
 
 
@@ -81,9 +84,10 @@ def fork_count(raw: bytes) -> int:
 
 class GatewayQuotas:
     def __init__(self, store: GatewayStore, scheduler: SchedulerLink,
-                 quotas: TeamQuotas | None = None) -> None:
+                 refusals: Counter | None = None, quotas: TeamQuotas | None = None) -> None:
         self.store = store
         self.scheduler = scheduler
+        self.refusals = refusals
         self.quotas = quotas if quotas is not None else TeamQuotas.from_env()
 
     @contextlib.asynccontextmanager
@@ -107,7 +111,7 @@ class GatewayQuotas:
             try:
                 self.quotas.check("sandboxes", team, have, count)
             except QuotaExceeded as exc:
-                raise _api_error(exc) from None
+                raise _api_error(exc, self.refusals) from None
             yield made
         finally:
             pipe = redis.pipeline()
@@ -141,7 +145,7 @@ class GatewayQuotas:
         try:
             self.quotas.check(kind, team, have)
         except QuotaExceeded as exc:
-            raise _api_error(exc) from None
+            raise _api_error(exc, self.refusals) from None
 
 
     async def _keys(self, pattern: str) -> list[str]:
@@ -162,17 +166,18 @@ def _rate(env: Mapping[str, str], name: str, default: float) -> float:
 class LookupLimiter:
     """A token bucket per client address for the signed-URL owner lookup."""
 
-    def __init__(self, rate: float, burst: float) -> None:
+    def __init__(self, rate: float, burst: float, refusals: Counter | None = None) -> None:
         self.rate = rate
         self.burst = max(burst, 1.0)
         self._buckets: OrderedDict[str, tuple[float, float]] = OrderedDict()  # tokens, at
-        self.refused = 0
+        self.refusals = refusals
 
     @classmethod
-    def from_env(cls, env: Mapping[str, str] | None = None) -> LookupLimiter:
+    def from_env(cls, refusals: Counter | None = None,
+                 env: Mapping[str, str] | None = None) -> LookupLimiter:
         env = os.environ if env is None else env
         return cls(_rate(env, "AENV_SIGNED_LOOKUP_RATE", 20.0),
-                   _rate(env, "AENV_SIGNED_LOOKUP_BURST", 40.0))
+                   _rate(env, "AENV_SIGNED_LOOKUP_BURST", 40.0), refusals)
 
     def allow(self, address: str) -> bool:
         if not self.rate:
@@ -192,7 +197,8 @@ class LookupLimiter:
         address = client[0] if client else ""
         if self.allow(address):
             return False
-        self.refused += 1
+        if self.refusals is not None:
+            self.refusals.labels("signed_lookup").inc()
         log.info("signed URL lookup rate limited", extra={"client": address})
         payload = json.dumps({
             "code": 429, "message": "too many signed URL lookups from this address "
