@@ -404,9 +404,9 @@ class RegistryClient:
                 if reply.status_code != 200:
                     return reply.status_code, b""
                 return 200, read_capped(reply, MAX_TOKEN_BYTES,
-                                        f"token server answer from {realm}")
+                                        f"token server answer from {sanitized(realm)}")
         except httpx.TransportError as exc:
-            raise AuthError(f"token server {realm} unreachable: {exc}") from exc
+            raise AuthError(f"token server {sanitized(realm)} unreachable: {exc}") from exc
 
     def _token_by_refresh(self, realm: str, service: str, scope: str,
                           credentials: Credentials) -> str:
