@@ -38,7 +38,8 @@ class Server:
         return self.server.server_address[1]
 
 
-def _serve(answer: object) -> Server:
+def serve(answer: object) -> Server:
+    """An HTTP server on loopback answering GETs and POSTs with `answer(path)`."""
     holder: list[Server] = []
 
     class Handler(BaseHTTPRequestHandler):
@@ -66,7 +67,7 @@ def _serve(answer: object) -> Server:
 @pytest.fixture
 def target() -> Iterator[Server]:
     """Stands for whatever is on the node's network (a metadata service, an admin port)."""
-    made = _serve(lambda path: (200, {"Content-Type": "application/json"},
+    made = serve(lambda path: (200, {"Content-Type": "application/json"},
                                 b'{"token": "internal-secret", "errors": []}'))
     yield made
     made.server.shutdown()
@@ -89,7 +90,7 @@ def hostile(target: Server, monkeypatch: pytest.MonkeyPatch) -> Iterator[Server]
                 {"errors": [{"code": "DENIED", "message": message}]}).encode()
         return 404, {}, b""
 
-    made = _serve(answer)
+    made = serve(answer)
     # only the hostile registry itself is allowed (as an operator would list theirs)
     monkeypatch.setenv("AENV_REGISTRY_ALLOW_PRIVATE", f"127.0.0.1:{made.port}")
     yield made
