@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -11,6 +12,11 @@ from agentenv.blockd.remote import install_private_store
 
 # In-process tests read remote layers as the CLI and the node do (a private chunk store).
 install_private_store()
+
+# The test registries run on loopback, which a registry client refuses unless the operator
+# allows it (template/registry.py): allowed by name, as an operator would. Nodes the tests
+# start inherit it. The hostile-registry tests narrow it to the one registry they serve.
+os.environ.setdefault("AENV_REGISTRY_ALLOW_PRIVATE", "127.0.0.1,localhost,::1")
 
 REPO = Path(__file__).resolve().parent.parent
 TESTS = REPO / "tests"

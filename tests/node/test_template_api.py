@@ -270,7 +270,9 @@ def test_routes_files_tags_and_errors(build_node: NodeProcess, built: dict[str, 
             assert plain.put(url, content=b"not really a tar").status_code == 200
             assert plain.put(url.replace("signature=", "signature=0"),
                              content=b"x").status_code == 403
-        assert api.get(f"/templates/{tid}/files/{files_hash}").json() == {"present": True}
+        # kept, not verified: it counts as present only once a build's step matched it
+        # (tests/node/test_template_uploads.py)
+        assert api.get(f"/templates/{tid}/files/{files_hash}").json()["present"] is False
         assert api.get(f"/templates/{tid}/files/nope$").status_code in (400, 404)
         assert api.get("/templates/unknown-template/files/abc").status_code == 404
 
@@ -403,3 +405,33 @@ def test_templates_and_build_logs_survive_a_node_restart(build_node: NodeProcess
         assert sbx.commands.run(f"pgrep -f ^agentenv-startup-{built['startup']}").stdout.strip()
     finally:
         sbx.kill()
+
+
+def test_a_build_from_a_hostile_registry_reaches_nothing_inside(build_node: NodeProcess) -> None:
+    """fromImage names a registry that redirects into the node's own network (loopback by its
+    IPv4-mapped IPv6 address, which the test environment's AENV_REGISTRY_ALLOW_PRIVATE does not
+    name): the build fails naming the refusal, and nothing reached the target."""
+    from tests.template.test_registry_hostile import serve
+
+    target = serve(lambda path: (200, {}, b"inside"))
+    hostile = serve(lambda path: (200, {}, b"{}") if path == "/v2/" else (
+        307, {"Location": f"http://[::ffff:127.0.0.1]:{target.port}/latest/meta-data"}, b""))
+    try:
+        with httpx.Client(base_url=build_node.url, headers={"X-API-KEY": build_node.api_key},
+                          timeout=30) as api:
+            made = api.post("/v3/templates", json={"name": f"hostile-{uuid.uuid4().hex[:6]}"})
+            tid, bid = made.json()["templateID"], made.json()["buildID"]
+            start = api.post(f"/v2/templates/{tid}/builds/{bid}", json={
+                "fromImage": f"127.0.0.1:{hostile.port}/img:latest", "steps": []})
+            assert start.status_code == 202, start.text
+            deadline = time.monotonic() + 120
+            while (status := api.get(f"/templates/{tid}/builds/{bid}/status").json()
+                   )["status"] not in ("ready", "error") and time.monotonic() < deadline:
+                time.sleep(0.2)
+            assert status["status"] == "error", status
+            assert "refused to connect to ::ffff:127.0.0.1" in status["reason"]["message"]
+            assert target.hits == []
+            api.delete(f"/templates/{tid}")
+    finally:
+        hostile.server.shutdown()
+        target.server.shutdown()

@@ -14,7 +14,9 @@ from starlette.testclient import TestClient
 
 from agentenv.node.server import ServeOptions, build_app
 from agentenv.node.template_api import TemplateBuildApi
+from agentenv.node.template_files import team_dir
 from agentenv.node.template_models import UPLOAD_PREFIX
+from agentenv.node.tenancy import LOCAL_TEAM
 
 
 def _builds_api(app: object) -> TemplateBuildApi:
@@ -27,8 +29,8 @@ def _builds_api(app: object) -> TemplateBuildApi:
 
 def _upload_url(api: TemplateBuildApi, files_hash: str) -> str:
     expires = int(time.time()) + 600
-    return (f"{UPLOAD_PREFIX}t1/{files_hash}?expires={expires}"
-            f"&signature={api._signature('t1', files_hash, expires)}")
+    return (f"{UPLOAD_PREFIX}t1/{files_hash}?expires={expires}&team={LOCAL_TEAM}"
+            f"&signature={api._signature(LOCAL_TEAM, 't1', files_hash, expires)}")
 
 
 @pytest.fixture
@@ -43,9 +45,9 @@ def node(tmp_path: Path) -> Iterator[tuple[TestClient, TemplateBuildApi, Path]]:
 def test_uploads_are_refused_when_the_disk_cannot_take_them(
         node: tuple[TestClient, TemplateBuildApi, Path], monkeypatch: pytest.MonkeyPatch) -> None:
     client, api, state = node
-    files = state / "template-files"
+    files = team_dir(state / "template-files", LOCAL_TEAM)
     assert client.put(_upload_url(api, "small"), content=b"ok").status_code == 200
-    assert (files / "small").read_bytes() == b"ok"
+    assert (files / "small.new").read_bytes() == b"ok"  # not verified yet: no build named it
     # A reserve bigger than the disk: whatever is uploaded cannot fit.
     monkeypatch.setenv("AENV_DISK_RESERVE", str(1 << 60))
     declared = client.put(_upload_url(api, "big"), content=b"x" * 4096)
@@ -60,7 +62,7 @@ def test_uploads_are_refused_when_the_disk_cannot_take_them(
     streamed = client.put(_upload_url(api, "big"), content=endless())
     assert streamed.status_code == 507, streamed.text
     assert "upload stopped" in streamed.json()["message"]
-    assert sorted(p.name for p in files.iterdir()) == ["small"]  # nothing half-written
+    assert sorted(p.name for p in files.iterdir()) == ["small.new"]  # nothing half-written
 
 
 def test_uploads_no_build_needs_are_collected(node: tuple[TestClient, TemplateBuildApi, Path],
@@ -69,12 +71,17 @@ def test_uploads_no_build_needs_are_collected(node: tuple[TestClient, TemplateBu
     gc = api.orchestrator.gc
     gc.grace_seconds = 0
     gc.files_ttl = 600
-    files = state / "template-files"
+    files = team_dir(state / "template-files", LOCAL_TEAM)
     for name in ("used", "unused", "recent", "asked"):
         assert client.put(_upload_url(api, name), content=name.encode()).status_code == 200
+    for name in ("used", "asked"):  # as a build's start makes them once it checked them
+        os.replace(files / f"{name}.new", files / name)
     (files / ".unused.tmp123").write_bytes(b"half")  # a dead upload's temp file
+    flat = state / "template-files" / "used"  # the layout before teams: no build reads it
+    flat.write_bytes(b"old")
     old = time.time() - 3600
-    for name in ("used", "unused", "asked", ".unused.tmp123"):
+    os.utime(flat, (old, old))
+    for name in ("used", "unused.new", "asked", ".unused.tmp123"):
         os.utime(files / name, (old, old))
     # A running build whose steps name "used".
     record = {"template_id": "t1", "build_id": "b1", "name": "n", "cpu_count": 1,
@@ -87,10 +94,11 @@ def test_uploads_no_build_needs_are_collected(node: tuple[TestClient, TemplateBu
     link = client.get("/templates/base/files/asked")
     assert link.status_code == 201 and link.json() == {"present": True}, link.text
     report = client.portal.call(gc.collect, "test")
-    assert sorted(p.name for p in files.iterdir()) == ["asked", "recent", "used"]
-    assert {Path(p).name for p in report.deleted} == {"unused", ".unused.tmp123"}
+    assert sorted(p.name for p in files.iterdir()) == ["asked", "recent.new", "used"]
+    assert {Path(p).name for p in report.deleted} == {"unused.new", ".unused.tmp123", "used"}
+    assert not flat.exists()
     # The build is over: its upload goes too, once old enough.
     record["status"] = "ready"
     (state / "template-builds" / "b1.json").write_text(json.dumps(record))
     client.portal.call(gc.collect, "test")
-    assert sorted(p.name for p in files.iterdir()) == ["asked", "recent"]
+    assert sorted(p.name for p in files.iterdir()) == ["asked", "recent.new"]

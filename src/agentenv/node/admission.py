@@ -13,7 +13,19 @@ Limits (environment, read when the node starts):
 | `AENV_MIN_FREE_DISK_MB` | 1024 | 503 when the state directory's filesystem has less free |
 
 429 means "this node's quota is used up, retry once sandboxes end"; 503 means "the host itself
-is short right now". Paused sandboxes hold no VM and count for nothing here (their disk use
+is short right now".
+
+Team quotas (a shared service's limits per team; 0 = no limit), 429 naming the limit:
+
+| variable | default | what |
+|---|---|---|
+| `AENV_TEAM_MAX_SANDBOXES` | 100 | sandboxes a team runs at once (create, fork and resume count) |
+| `AENV_TEAM_MAX_TEMPLATES` | 100 | templates a team has (a new template's build request counts) |
+| `AENV_TEAM_MAX_SNAPSHOTS` | 500 | snapshots a team keeps |
+
+A standalone node has one team and applies them itself; a node of a cluster leaves them to
+the gateway, which counts a team's sandboxes, templates and snapshots over every node
+(control/gateway/limits.py). Paused sandboxes hold no VM and count for nothing here (their disk use
 does, through the free-disk check). VMs of the ready pool are the node's own and not counted.
 """
 
@@ -28,6 +40,7 @@ from pathlib import Path
 
 from agentenv.node.errors import ApiError
 from agentenv.node.records import SandboxRecord, State
+from agentenv.node.tenancy import LOCAL_TEAM
 from agentenv.runtime.cgroup import QEMU_BASE_OVERHEAD_MIB
 
 log = logging.getLogger("agentenv.node.admission")
@@ -65,6 +78,49 @@ def _env_number(env: Mapping[str, str], name: str, default: float | None,
     return value
 
 
+class QuotaExceeded(ApiError):
+    """A team quota would be passed (429); the message names the limit and its setting."""
+
+    def __init__(self, message: str, limit: str) -> None:
+        super().__init__(message, status=429)
+        self.limit = limit
+
+
+#: kind -> (setting, default, what one is called)
+QUOTA_SETTINGS = {
+    "sandboxes": ("AENV_TEAM_MAX_SANDBOXES", 100, "concurrent sandboxes"),
+    "templates": ("AENV_TEAM_MAX_TEMPLATES", 100, "templates"),
+    "snapshots": ("AENV_TEAM_MAX_SNAPSHOTS", 500, "snapshots"),
+}
+
+
+@dataclass(frozen=True)
+class TeamQuotas:
+    """The per-team limits (0: none)."""
+
+    sandboxes: int = QUOTA_SETTINGS["sandboxes"][1]
+    templates: int = QUOTA_SETTINGS["templates"][1]
+    snapshots: int = QUOTA_SETTINGS["snapshots"][1]
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> TeamQuotas:
+        env = os.environ if env is None else env
+        return cls(**{kind: int(_env_number(env, name, default) or 0)
+                      for kind, (name, default, _) in QUOTA_SETTINGS.items()})
+
+    def check(self, kind: str, team: str, have: int, adding: int = 1) -> None:
+        """Raise QuotaExceeded when `team`, holding `have`, may not get `adding` more."""
+        limit = getattr(self, kind)
+        if limit and have + adding > limit:
+            setting, _, what = QUOTA_SETTINGS[kind]
+            log.warning("team quota reached", extra={"team": team, "limit": kind,
+                                                     "have": have, "quota": limit})
+            raise QuotaExceeded(
+                f"team quota reached: {limit} {what} (the team has {have}, {adding} more "
+                f"asked; {setting}). Remove some, or ask the operator for a higher quota",
+                kind)
+
+
 @dataclass
 class Reservation:
     memory_mb: int
@@ -87,6 +143,8 @@ class Admission:
         self.min_free_disk_mb = min_free_disk_mb
         self._reserved: list[Reservation] = []
         self.refusals: dict[str, int] = {}
+        #: the team quotas of a standalone node (its one team); None on a cluster's node
+        self.quotas: TeamQuotas | None = None
 
     @classmethod
     def from_env(cls, state_dir: Path, env: Mapping[str, str] | None = None) -> Admission:
@@ -134,6 +192,12 @@ class Admission:
         sandboxes' records hold the VMs, or on failure)."""
         need = self.sandbox_mb(memory_mb, cpu_count) * count
         held_count, held_mb = self.holding(records)
+        if self.quotas is not None:  # a standalone node: every sandbox is its one team's
+            try:
+                self.quotas.check("sandboxes", LOCAL_TEAM, held_count, count)
+            except QuotaExceeded as exc:
+                self.refusals["team_sandboxes"] = self.refusals.get("team_sandboxes", 0) + 1
+                raise AdmissionRefused(exc.message, 429, "team_sandboxes") from None
         if self.max_sandboxes and held_count + count > self.max_sandboxes:
             self._refuse("max_sandboxes", 429,
                          f"cannot {what}: sandbox limit reached ({held_count} of "
@@ -158,6 +222,15 @@ class Admission:
         held = Reservation(need, count)
         self._reserved.append(held)
         return held
+
+    def check_quota(self, kind: str, have: int) -> None:
+        """A new template or snapshot of the standalone node's team (no-op in a cluster)."""
+        if self.quotas is not None:
+            try:
+                self.quotas.check(kind, LOCAL_TEAM, have)
+            except QuotaExceeded:
+                self.refusals[f"team_{kind}"] = self.refusals.get(f"team_{kind}", 0) + 1
+                raise
 
     def release(self, held: Reservation | None) -> None:
         if held is not None and not held.released:

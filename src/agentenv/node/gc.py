@@ -25,7 +25,7 @@ references (never while a template build runs). The built-in template's current 
 and layer are always marked.
 Process backend (<state>/process-backend/): directories of sandboxes that are gone and
 snapshot copies no template or sandbox names.
-Template build uploads (<state>/template-files/): an archive no waiting or running build's
+Template build uploads (<state>/template-files/<team>/): an archive no waiting or running build's
 steps name, once it has not been uploaded or asked about (`present`) for
 `AENV_TEMPLATE_FILES_TTL` seconds (default 3600, an upload URL's lifetime: the SDK may ask,
 upload the other files, then start); upload temp files left by a dead node after the grace.
@@ -48,6 +48,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from agentenv.node.backend import TemplateRef
+from agentenv.node.template_files import UNVERIFIED_SUFFIX
 
 if TYPE_CHECKING:
     from agentenv.node.metrics import NodeMetrics
@@ -325,9 +326,13 @@ class LayerCollector:
         if wanted is None:
             return
         for path in sorted(files.iterdir()):
+            if not path.is_dir():  # an upload of the layout before teams: no build reads it
+                self._delete(path, report, now)
+        for path in sorted(p for team in files.iterdir() if team.is_dir()
+                           for p in team.iterdir()):  # a directory per team
             if path.name.startswith("."):  # an upload being written (or left by a dead node)
                 self._delete(path, report, now)
-            elif path.name not in wanted:
+            elif path.name.removesuffix(UNVERIFIED_SUFFIX) not in wanted:
                 if now - _newest_mtime(path) >= self.files_ttl:
                     self._delete(path, report, now)
                 else:

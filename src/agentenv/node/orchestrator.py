@@ -833,6 +833,9 @@ class Orchestrator:
         owner = None if name is None else self.catalogue.name_owner(name)
         if owner is not None:
             raise Conflict(f"name {name!r} is already used by {owner}")
+        if self.admission is not None:  # the team quota of a standalone node
+            self.admission.check_quota("snapshots", sum(
+                t.kind == "snapshot" for t in self.catalogue.templates.values()))
         rec = await self._wait_running(sandbox_id, "be snapshotted")
         rec.state = State.SNAPSHOTTING
         return await self._launch(sandbox_id, "snapshot", self._do_snapshot(rec, name))

@@ -20,7 +20,7 @@ from starlette.routing import Route
 
 from agentenv.blockd.remote import install_private_store
 from agentenv.errors import AgentEnvError
-from agentenv.node.admission import Admission
+from agentenv.node.admission import Admission, TeamQuotas
 from agentenv.node.api import NodeApp
 from agentenv.node.backend import Capabilities, SandboxBackend
 from agentenv.node.gc import LayerCollector
@@ -33,6 +33,7 @@ from agentenv.node.security import (
     secure_state_dir,
 )
 from agentenv.node.store import Store
+from agentenv.relay.concurrency import ConcurrencyCap, max_concurrent
 from agentenv.relay.server import hardened_config, quiet_stream_aborts
 
 log = logging.getLogger("agentenv.node.server")
@@ -102,6 +103,8 @@ def build_app(
     )
     orchestrator.gc = LayerCollector(orchestrator, state, metrics)
     orchestrator.admission = Admission.from_env(state)
+    if not options.cluster_secret:  # a cluster's gateway counts a team over every node
+        orchestrator.admission.quotas = TeamQuotas.from_env()
     if (pools := capabilities.pools) is not None:
         metrics.watch_ready_pools(lambda: pools.pool)
     from agentenv.node.snapshot_api import SnapshotMoveApi
@@ -187,7 +190,8 @@ def serve(options: ServeOptions) -> None:
     app = build_app(options)
     limits = app.proxy.limits
     quiet_stream_aborts()
-    config = hardened_config(app, options.host, options.port, limits.max_head_bytes,
+    capped = ConcurrencyCap(app, max_concurrent(), "the node")
+    config = hardened_config(capped, options.host, options.port, limits.max_head_bytes,
                              limits.head_timeout, options.graceful_seconds)
     server = uvicorn.Server(config)
     log.info(

@@ -24,7 +24,8 @@ succeeds; the build no tag names any more is deleted (sandboxes made from it kee
 until they end).
 
 Build records (status, logs, the final user/workdir/env) are JSON files under
-<state>/template-builds/; uploaded build files are kept under <state>/template-files/<hash>.
+<state>/template-builds/; uploaded build files are kept per team under <state>/template-files/
+and a build uses one only once its content matched its hash (node/template_files.py).
 Builds run one at a time (AENV_TEMPLATE_BUILDS, default 1): TCG guests share few cores.
 """
 
@@ -45,6 +46,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlencode
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -64,6 +66,7 @@ from agentenv.node.errors import ApiError, BadRequest, Conflict, NotFound
 from agentenv.node.orchestrator import Orchestrator
 from agentenv.node.records import DEFAULT_TAG, BuildSnapshot, TemplateRecord
 from agentenv.node.security import new_id
+from agentenv.node.template_files import TeamFiles
 from agentenv.node.template_models import (
     UPLOAD_PREFIX,
     AssignTemplateTagsRequest,
@@ -72,6 +75,7 @@ from agentenv.node.template_models import (
     TemplateBuildStartV2,
 )
 from agentenv.node.template_tags import normalize_tags, split_tag
+from agentenv.node.tenancy import scope_team
 
 log = logging.getLogger("agentenv.node.template_api")
 
@@ -307,6 +311,8 @@ class TemplateBuildApi:
             memory = body.memoryMB or existing.memory_mb
         else:
             pending = self._pending_template(name)
+            if pending is None and self.orchestrator.admission is not None:
+                self.orchestrator.admission.check_quota("templates", self._template_count())
             template_id = pending.template_id if pending else new_id("t")
             cpu, memory = body.cpuCount or 2, body.memoryMB or 1024
         for other in self._builds_of(template_id):
@@ -332,6 +338,13 @@ class TemplateBuildApi:
         return JSONResponse({"templateID": template_id, "buildID": rec.build_id, "public": False,
                              "names": [name], "tags": tags, "aliases": [name]}, status_code=202)
 
+    def _template_count(self) -> int:
+        """Templates built through this API: registered, or requested and not failed."""
+        built = {t.template_id for t in self.catalogue.templates.values()
+                 if t.kind == "template" and not self._builtin(t)}
+        requested = {b.template_id for b in self.builds.values() if b.status in ACTIVE}
+        return len(built | requested)
+
     def _template_of_request(self, template_id: str) -> str:
         """A template id the API knows (built, or with a build requested)."""
         if template_id in self.catalogue or \
@@ -342,8 +355,9 @@ class TemplateBuildApi:
             return registered.template_id
         raise NotFound(f"template '{template_id}' not found")
 
-    def _signature(self, template_id: str, files_hash: str, expires: int) -> str:
-        message = f"{template_id}/{files_hash}/{expires}".encode()
+    def _signature(self, team: str, template_id: str, files_hash: str, expires: int) -> str:
+        # The URL is the only permission an upload carries: it names the team it stores for.
+        message = json.dumps([team, template_id, files_hash, expires]).encode()
         return hmac.new(self._signing_key, message, hashlib.sha256).hexdigest()
 
     async def file_link(self, request: Request) -> Response:
@@ -352,7 +366,8 @@ class TemplateBuildApi:
         files_hash = request.path_params["files_hash"]
         if not _HASH.match(files_hash):
             raise BadRequest(f"invalid files hash {files_hash!r}")
-        present = self.files_dir / files_hash
+        team = scope_team(request.scope)
+        present = TeamFiles(self.files_dir, team).verified(files_hash)
         if present.is_file():
             # The SDK skips the upload and starts a build with it soon: fresh again for the
             # garbage collector (node/gc.py keeps unused uploads AENV_TEMPLATE_FILES_TTL).
@@ -361,8 +376,9 @@ class TemplateBuildApi:
             return JSONResponse({"present": True}, status_code=201)
         expires = int(time.time()) + UPLOAD_URL_SECONDS
         base = str(request.base_url).rstrip("/")
-        url = (f"{base}{UPLOAD_PREFIX}{template_id}/{files_hash}?expires={expires}"
-               f"&signature={self._signature(template_id, files_hash, expires)}")
+        query = urlencode({"expires": expires, "team": team,
+                           "signature": self._signature(team, template_id, files_hash, expires)})
+        url = f"{base}{UPLOAD_PREFIX}{template_id}/{files_hash}?{query}"
         return JSONResponse({"present": False, "url": url}, status_code=201)
 
     async def upload(self, request: Request) -> Response:
@@ -375,22 +391,24 @@ class TemplateBuildApi:
         except ValueError:
             raise ApiError("upload URL without a valid expiry", status=403) from None
         given = request.query_params.get("signature", "")
+        team = request.query_params.get("team", "")
         if not _HASH.match(files_hash) or not hmac.compare_digest(
-                given, self._signature(template_id, files_hash, expires)):
+                given, self._signature(team, template_id, files_hash, expires)):
             raise ApiError("invalid upload signature", status=403)
         if expires < time.time():
             raise ApiError("the upload URL has expired; ask for a new one", status=403)
         declared = request.headers.get("content-length")
         if declared and declared.isdigit() and int(declared) > MAX_UPLOAD_BYTES:
             raise ApiError(f"upload over {MAX_UPLOAD_BYTES} bytes", status=413)
-        self.files_dir.mkdir(parents=True, exist_ok=True)
+        files = TeamFiles(self.files_dir, team)
+        files.dir.mkdir(parents=True, exist_ok=True)
         what = f"the upload of files {files_hash}"
         try:
             require_free_space(self.files_dir, int(declared) if declared and declared.isdigit()
                                else 0, what)
         except InsufficientSpace as exc:
             raise ApiError(str(exc), status=507) from None
-        fd, tmp_name = tempfile.mkstemp(prefix=f".{files_hash}.", dir=self.files_dir)
+        fd, tmp_name = tempfile.mkstemp(prefix=f".{files_hash}.", dir=files.dir)
         size = 0
         checked = 0
         try:
@@ -407,12 +425,13 @@ class TemplateBuildApi:
                                            "AENV_DISK_RESERVE left after "
                                            f"{size >> 20} MiB; upload stopped", status=507)
                     await asyncio.to_thread(out.write, chunk)
-            os.replace(tmp_name, self.files_dir / files_hash)
+            stored = files.store(Path(tmp_name), files_hash)
         except BaseException:
             with contextlib.suppress(OSError):
                 os.unlink(tmp_name)
             raise
-        log.info("build files uploaded", extra={"files_hash": files_hash, "bytes": size})
+        log.info("build files uploaded", extra={"files_hash": files_hash, "bytes": size,
+                                                "kept": stored})
         return Response(status_code=200)
 
     def _build_of(self, request: Request) -> BuildRecord:
@@ -448,8 +467,9 @@ class TemplateBuildApi:
                                 [step.model_dump(exclude_none=True) for step in body.steps])
         except BuildSpecError as exc:
             raise BadRequest(str(exc)) from exc
+        files = TeamFiles(self.files_dir, scope_team(request.scope))
         for step in steps:
-            if step.files_hash and not (self.files_dir / step.files_hash).is_file():
+            if step.files_hash and not files.uploaded(step.files_hash):
                 raise BadRequest(f"the files of step '{step.describe()}' (hash {step.files_hash}) "
                                  "were not uploaded")
         if body.fromTemplate:
@@ -460,11 +480,18 @@ class TemplateBuildApi:
                 raise BadRequest("a template cannot be built from itself")
         if rec.status != "waiting":
             raise BadRequest(f"build {build_id} is {rec.status}, not waiting")
+        for step in steps:
+            if step.files_hash:  # reads the archive: off the event loop
+                await asyncio.to_thread(files.verify, step.files_hash, step.args[0],
+                                        step.args[1], f"step '{step.describe()}'")
+        if rec.status != "waiting":  # started by another request while this one verified
+            raise BadRequest(f"build {build_id} is {rec.status}, not waiting")
         rec.status = "building"  # no await since the check: a second start gets the 400 above
         rec.request = _redacted(body.model_dump(exclude_none=True))
         rec.updated_at = time.time()
         self._save(rec)
-        task = asyncio.create_task(self._run(rec, steps, body), name=f"build:{build_id}")
+        task = asyncio.create_task(self._run(rec, steps, body, files.dir),
+                                   name=f"build:{build_id}")
         self._tasks[build_id] = task
         task.add_done_callback(lambda t: self._tasks.pop(build_id, None))
         return Response(status_code=202)
@@ -674,7 +701,8 @@ class TemplateBuildApi:
 
     # --- the build itself --------------------------------------------------------------------
 
-    async def _run(self, rec: BuildRecord, steps: list[Any], body: TemplateBuildStartV2) -> None:
+    async def _run(self, rec: BuildRecord, steps: list[Any], body: TemplateBuildStartV2,
+                   files_dir: Path) -> None:
         from agentenv.template.build import BASE_STEP, BuildFailed
 
         if self._slots is None:
@@ -684,7 +712,7 @@ class TemplateBuildApi:
             if self._slots.locked():
                 rec.log("info", "waiting for another build to finish", BASE_STEP)
             async with self._slots:
-                await self._build(rec, steps, body)
+                await self._build(rec, steps, body, files_dir)
         except BuildFailed as exc:
             self._fail(rec, exc.message, exc.step)
         except asyncio.CancelledError:
@@ -712,7 +740,8 @@ class TemplateBuildApi:
         log.warning("template build failed", extra={"template_id": rec.template_id,
                                                     "build_id": rec.build_id, "error": message})
 
-    async def _build(self, rec: BuildRecord, steps: list[Any], body: TemplateBuildStartV2) -> None:
+    async def _build(self, rec: BuildRecord, steps: list[Any], body: TemplateBuildStartV2,
+                     files_dir: Path) -> None:
         from agentenv.envd_client import EnvdClient
         from agentenv.template.build import BASE_STEP, BuildContext, StepRunner
 
@@ -753,7 +782,7 @@ class TemplateBuildApi:
                 rec.log("info", f"build VM up in {time.monotonic() - t0:.1f} s", BASE_STEP)
             rec.envd_version = placement.envd_version
             envd = EnvdClient(placement.envd_url)
-            runner = StepRunner(envd, context, rec.log, self.files_dir)
+            runner = StepRunner(envd, context, rec.log, files_dir)
             try:
                 await runner.prepare()
                 await runner.run_steps(steps)
@@ -805,9 +834,11 @@ class TemplateBuildApi:
             # In memory for this pull only: no docker config file, nothing in the record.
             credentials = Credentials(str(creds.get("username", "")), str(creds.get("password", "")))
         try:
+            # Never the node's docker config: a team pulls with what its request carries only.
             pulled = await asyncio.to_thread(
                 pull_image, body.fromImage, state_dir=self.state_dir,
-                cache_dir=Path(cache) if cache else None, credentials=credentials)
+                cache_dir=Path(cache) if cache else None, credentials=credentials,
+                use_docker_config=False)
         except AgentEnvError as exc:
             raise BuildFailed(f"pulling {body.fromImage} failed: {exc}", BASE_STEP) from exc
         rec.log("info", f"pulled {pulled.reference} ({pulled.manifest_digest[:19]}): "

@@ -23,6 +23,7 @@ import io
 import json
 import os
 import shlex
+import stat
 import tarfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -204,15 +205,18 @@ def _walk(paths: list[Path]) -> list[Path]:
 
 
 def files_hash(context: Path, copy: CopySource) -> str:
-    """sha256 over the step and every file's relative path, mode, size and content."""
+    """The E2B SDK's files hash (the node verifies the archive against it): sha256 over the
+    step and every path's relative name, st_mode, size (not a directory's) and content."""
     digest = hashlib.sha256(f"COPY {copy.src} {copy.dest}".encode())
     for path in _walk(_sources(context, copy.src)):
         st = path.lstat()
-        digest.update(f"{path.relative_to(context)}\0{st.st_mode}\0".encode())
+        digest.update(str(path.relative_to(context)).encode())
+        digest.update(str(st.st_mode).encode())
+        if not stat.S_ISDIR(st.st_mode):
+            digest.update(str(st.st_size).encode())
         if path.is_symlink():
             digest.update(os.readlink(path).encode())
         elif path.is_file():
-            digest.update(str(st.st_size).encode())
             with open(path, "rb") as f:
                 for chunk in iter(lambda: f.read(1 << 20), b""):
                     digest.update(chunk)

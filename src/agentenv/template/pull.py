@@ -220,6 +220,7 @@ def pull_image(
     cache_dir: Path | None = None,
     platform: str = "linux/amd64",
     docker_config: Path | None = None,
+    use_docker_config: bool = True,
     credentials: Credentials | None = None,
     blockd: Path | None = None,
     insecure: bool | None = None,
@@ -232,7 +233,8 @@ def pull_image(
 
     `blockd`: the control socket of the block daemon to convert with (default: the host's
     daemon if it answers, else a private one for this pull). `credentials`: used instead of the
-    docker config's, kept in memory only. `insecure`: allow plain http and
+    docker config's, kept in memory only; without `use_docker_config` (a team's build) no
+    credentials are looked up: only `credentials`, else anonymous. `insecure`: allow plain http and
     unverified TLS (default: only for loopback registries and AENV_INSECURE_REGISTRIES).
     `lazy`: an overlaybd image's layers stay in the registry (remote layers, read on demand
     through blockd's chunk cache; docs/remote-layers.md); only their metadata is fetched.
@@ -255,7 +257,8 @@ def pull_image(
     timings: dict[str, float] = {}
 
     with RegistryClient(reference.registry, api_host=reference.api_host, docker_config=docker_config,
-                        credentials=credentials, insecure=insecure, ca_file=ca_file) as client, \
+                        use_docker_config=use_docker_config, credentials=credentials,
+                        insecure=insecure, ca_file=ca_file) as client, \
             _Reporter(progress, console) as reporter:
         manifest = client.resolve_manifest(reference, wanted_platform)
         config_bytes = client.get_blob_bytes(reference.repository, manifest.config)

@@ -5,6 +5,15 @@ a GET to the realm, or with an identity token docker's OAuth refresh-token POST)
 using credentials from a Docker config file (looked up, and any credential helper run, only
 when the registry first asks for them). Every manifest and blob is checked against the
 sha256 digest that names it; blobs stream to disk and only a verified file gets its final name.
+
+Where it connects (the registry, a redirect, a token realm) is named by whoever chose the image,
+and it connects from the node's network: every connection is checked when it is made, against
+the address it is made to (resolved once, and that address is the one connected to, so a name
+that resolves again to something else is not followed). Loopback, link-local, private (RFC
+1918, IPv6 ULA), shared (100.64/10) and other special-purpose addresses are refused unless the
+host is listed in AENV_REGISTRY_ALLOW_PRIVATE ("host" or "host:port", comma-separated): an
+operator's registry on a private network. Error bodies are shown only as a short, sanitized
+line.
 """
 
 from __future__ import annotations
@@ -16,6 +25,7 @@ import json
 import logging
 import os
 import re
+import socket
 import ssl
 import threading
 import time
@@ -24,6 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import httpcore
 import httpx
 
 from agentenv.template.auth import Credentials, credentials_for
@@ -48,7 +59,7 @@ MANIFEST_TYPES = (OCI_MANIFEST, DOCKER_MANIFEST)
 ACCEPT = ", ".join((*MANIFEST_TYPES, *INDEX_TYPES))
 MAX_MANIFEST_BYTES = 4 << 20
 MAX_TOKEN_BYTES = 1 << 20  # a token server's answer (a JWT is a few KiB)
-MAX_ERROR_BYTES = 64 << 10  # an error body: only its first 300 bytes are shown anyway
+MAX_ERROR_BYTES = 64 << 10  # an error body: only its sanitized error messages are shown
 MAX_INDEX_DEPTH = 4
 _DIGEST_RE = re.compile(r"^sha256:[0-9a-f]{64}$")
 _CHUNK = 1 << 20
@@ -116,6 +127,94 @@ def sha256_digest(data: bytes) -> str:
     return "sha256:" + hashlib.sha256(data).hexdigest()
 
 
+ALLOW_PRIVATE_ENV = "AENV_REGISTRY_ALLOW_PRIVATE"
+_MAX_DETAIL = 200
+
+
+class ForbiddenAddressError(RegistryError):
+    """A registry, redirect or token realm on an address the node must not reach."""
+
+
+def private_allowed(host: str, port: int, env: str | None = None) -> bool:
+    """Whether the operator allows connections to `host` (any port) or `host:port` on
+    private addresses (AENV_REGISTRY_ALLOW_PRIVATE)."""
+    raw = os.environ.get(ALLOW_PRIVATE_ENV, "") if env is None else env
+    names = {n.strip().lower() for n in raw.split(",") if n.strip()}
+    host = host.strip("[]").lower()
+    return host in names or f"{host}:{port}" in names or f"[{host}]:{port}" in names
+
+
+def address_problem(address: ipaddress.IPv4Address | ipaddress.IPv6Address) -> str | None:
+    """Why the node must not connect to `address` on a team's behalf, or None."""
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        return address_problem(address.ipv4_mapped)
+    if address.is_loopback:
+        return "a loopback address"
+    if address.is_link_local:
+        return "a link-local address (cloud metadata lives there)"
+    if address in _SHARED_V4:
+        return "a shared (CGNAT, 100.64.0.0/10) address"
+    if address.is_private:
+        return "a private address"
+    if address.is_multicast or address.is_unspecified or address.is_reserved \
+            or not address.is_global:
+        return "a special-purpose address"
+    return None
+
+
+_SHARED_V4 = ipaddress.ip_network("100.64.0.0/10")
+
+
+class _GuardedBackend(httpcore.SyncBackend):
+    """Connects only to addresses address_problem() allows (or hosts the operator listed),
+    to the very address it checked: no second lookup between the check and the connect."""
+
+    def connect_tcp(self, host: str, port: int, timeout: float | None = None,
+                    local_address: str | None = None,
+                    socket_options: Iterable[Any] | None = None) -> httpcore.NetworkStream:
+        if private_allowed(host, port):
+            return super().connect_tcp(host, port, timeout, local_address, socket_options)
+        try:
+            infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        except (socket.gaierror, UnicodeError) as exc:
+            raise httpcore.ConnectError(f"cannot resolve {host}: {exc}") from exc
+        addresses = list(dict.fromkeys(ipaddress.ip_address(info[4][0].split("%")[0])
+                                       for info in infos))
+        for address in addresses:
+            problem = address_problem(address)
+            if problem is not None:
+                raise ForbiddenAddressError(
+                    f"refused to connect to {host}:{port}: it resolves to {address}, {problem}; "
+                    f"a registry on a private network must be allowed by the operator "
+                    f"({ALLOW_PRIVATE_ENV})")
+        last: Exception | None = None
+        for address in addresses:
+            try:
+                return super().connect_tcp(str(address), port, timeout, local_address,
+                                           socket_options)
+            except httpcore.ConnectError as exc:
+                last = exc
+        raise last or httpcore.ConnectError(f"{host} has no address")
+
+
+def _guarded_transport(verify: bool | ssl.SSLContext) -> httpx.HTTPTransport:
+    transport = httpx.HTTPTransport(verify=verify)
+    pool = transport._pool
+    assert isinstance(pool, httpcore.ConnectionPool)
+    # httpx has no parameter for it: the same pool, with the checking network backend
+    transport._pool = httpcore.ConnectionPool(
+        ssl_context=pool._ssl_context, max_connections=100, max_keepalive_connections=20,
+        keepalive_expiry=5.0, network_backend=_GuardedBackend())  # httpx's default limits
+    return transport
+
+
+def sanitized(text: str, limit: int = _MAX_DETAIL) -> str:
+    """A registry's text as it may be shown: printable ASCII, one line, short."""
+    clean = "".join(c if 32 <= ord(c) < 127 else " " for c in text)
+    clean = " ".join(clean.split())
+    return clean if len(clean) <= limit else clean[:limit - 3] + "..."
+
+
 def _is_loopback(host: str) -> bool:
     name = host.rsplit(":", 1)[0] if not host.endswith("]") else host
     name = name.strip("[]")
@@ -165,6 +264,7 @@ class RegistryClient:
         api_host: str | None = None,
         credentials: Credentials | None = None,
         docker_config: Path | None = None,
+        use_docker_config: bool = True,
         insecure: bool | None = None,
         ca_file: Path | None = None,
         timeout: float = 60.0,
@@ -172,7 +272,8 @@ class RegistryClient:
         self.registry = registry
         self.host = api_host or registry
         self._credentials = credentials
-        self._credentials_resolved = credentials is not None
+        # without the docker config (a team's build): only the credentials given, else none
+        self._credentials_resolved = credentials is not None or not use_docker_config
         self._docker_config = docker_config
         env_insecure = {h.strip() for h in os.environ.get("AENV_INSECURE_REGISTRIES", "").split(",")}
         # Docker's rule: loopback registries (and ones listed as insecure) may speak plain http.
@@ -185,8 +286,8 @@ class RegistryClient:
         if self.insecure:
             verify = False
         self._http = httpx.Client(
-            timeout=httpx.Timeout(timeout, connect=10.0), verify=verify, follow_redirects=True
-        )
+            timeout=httpx.Timeout(timeout, connect=10.0), follow_redirects=True,
+            transport=_guarded_transport(verify))
         self._scheme: str | None = None
         self._tokens: dict[str, str] = {}  # scope -> bearer token
         self._basic = False
@@ -278,7 +379,7 @@ class RegistryClient:
                 token = self._token_by_get(realm, service, wanted_scope, credentials)
             self._tokens[scope] = token
             return
-        raise AuthError(f"registry {self.registry} wants unsupported authentication {header!r}")
+        raise AuthError(f"registry {self.registry} wants unsupported authentication {sanitized(header)!r}")
 
     def _token_by_get(self, realm: str, service: str, scope: str,
                       credentials: Credentials | None) -> str:
@@ -303,9 +404,9 @@ class RegistryClient:
                 if reply.status_code != 200:
                     return reply.status_code, b""
                 return 200, read_capped(reply, MAX_TOKEN_BYTES,
-                                        f"token server answer from {realm}")
+                                        f"token server answer from {sanitized(realm)}")
         except httpx.TransportError as exc:
-            raise AuthError(f"token server {realm} unreachable: {exc}") from exc
+            raise AuthError(f"token server {sanitized(realm)} unreachable: {exc}") from exc
 
     def _token_by_refresh(self, realm: str, service: str, scope: str,
                           credentials: Credentials) -> str:
@@ -383,10 +484,12 @@ class RegistryClient:
         if status < 300:
             return
         try:
-            detail = read_capped(response, MAX_ERROR_BYTES, what, truncate=True).decode(
-                errors="replace")[:300]
-            errors = json.loads(detail).get("errors", [])
-            detail = "; ".join(f"{e.get('code')}: {e.get('message')}" for e in errors) or detail
+            body = read_capped(response, MAX_ERROR_BYTES, what, truncate=True).decode(
+                errors="replace")
+            # only the registry's error codes and messages, never a body as it came
+            errors = json.loads(body).get("errors", [])
+            detail = sanitized("; ".join(f"{e.get('code')}: {e.get('message')}"
+                                         for e in errors)) or ""
         except (json.JSONDecodeError, AttributeError, httpx.StreamError, httpx.TransportError,
                 RegistryError):
             detail = ""

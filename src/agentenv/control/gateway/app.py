@@ -34,6 +34,7 @@ import httpx
 from starlette.requests import Request
 
 from agentenv import __version__
+from agentenv.control.gateway.limits import GatewayQuotas, LookupLimiter, fork_count
 from agentenv.control.gateway.metrics import GatewayMetrics
 from agentenv.control.gateway.placement import (
     BadPlacementRequest,
@@ -223,6 +224,9 @@ class GatewayApp:
         self.create_lease = create_lease_seconds()
         self.metrics = GatewayMetrics()
         self.signature_owners = SignatureOwners()
+        # control/gateway/limits.py
+        self.quotas = GatewayQuotas(store, scheduler, self.metrics.limit_refusals)
+        self.lookup_limiter = LookupLimiter.from_env(self.metrics.limit_refusals)
         self.relay = Relay(self.limits, self._answer_gone, self._answer_unreachable,
                            limit_name="the gateway's")
         self.http = self.relay.client
@@ -394,6 +398,8 @@ class GatewayApp:
                 self.signature_owners.drop(key)
                 if not again:
                     return
+        if await self.lookup_limiter.refused_lookup(scope, send):
+            return
         self.metrics.signed_files.labels("lookup").inc()
         try:
             owner = await self._signature_owner(scope)
@@ -724,7 +730,9 @@ class GatewayApp:
             digest = hashlib.sha256(f"{team}\0{key}".encode()).hexdigest()
             headers = [(b"idempotency-key", digest.encode())]
             await self.store.create_sent_to(team, key, node.node_id)
-        answer = await self._call(node, request, raw, headers=headers)
+        async with self.quotas.new_sandboxes(team, 1) as made:
+            answer = await self._call(node, request, raw, headers=headers)
+            made.answer(answer)
         if answer.status_code != 201:
             await self._send(send, answer)
             return False
@@ -845,7 +853,10 @@ class GatewayApp:
     async def fork(self, request: Request, send: Send, team: str, sandbox_id: str) -> None:
         # a fork stays on its source's node (its memory and disk are there)
         binding = await self._own_binding(sandbox_id, team)
-        answer = await self._call(binding.node, request, await self._body(request))
+        raw = await self._body(request)
+        async with self.quotas.new_sandboxes(team, fork_count(raw)) as made:
+            answer = await self._call(binding.node, request, raw)
+            made.answer(answer)
         if answer.status_code != 201:
             await self._send(send, answer)
             return
@@ -861,6 +872,7 @@ class GatewayApp:
 
     async def snapshot(self, request: Request, send: Send, team: str, sandbox_id: str) -> None:
         binding = await self._own_binding(sandbox_id, team)
+        await self.quotas.check_new(team, "snapshots")
         answer = await self._call(binding.node, request, await self._body(request))
         if answer.status_code == 201:
             snap = answer.json()
@@ -930,6 +942,7 @@ class GatewayApp:
             holder = await self.store.name_holder("template", name)
             if holder is None:
                 await self._refuse_shared_name(name)
+            await self.quotas.check_new(team, "templates")
             if await self.store.claim_name("template", name, team) != team:
                 raise ApiError(409, f"the template name {name!r} is taken by another team")
             node = await self._new_build_node(name, team, body)

@@ -16,3 +16,7 @@ class GatewayMetrics:
             "aenv_gateway_signature_owner_queries",
             "Signature owner lookups sent to nodes (one per up node per uncached URL)",
             registry=self.registry)
+        self.limit_refusals = Counter(
+            "aenv_gateway_limit_refusals", "Requests refused by a team quota or the signed "
+            "URL lookup rate (control/gateway/limits.py), by limit", ["limit"],
+            registry=self.registry)

@@ -15,6 +15,7 @@ from agentenv.control.gateway.store import GatewayStore
 from agentenv.control.redis_auth import RedisAuth
 from agentenv.control.scheduler.client import Credentials
 from agentenv.errors import AgentEnvError
+from agentenv.relay.concurrency import ConcurrencyCap, max_concurrent
 from agentenv.relay.server import hardened_config, quiet_stream_aborts
 from agentenv.relay.stream import RelayLimits
 
@@ -59,7 +60,8 @@ def serve(options: GatewayOptions) -> None:
     app = build_app(options)
     limits: RelayLimits = app.limits
     quiet_stream_aborts()
-    config = hardened_config(app, options.host, options.port, limits.max_head_bytes,
+    capped = ConcurrencyCap(app, max_concurrent(), "the gateway")
+    config = hardened_config(capped, options.host, options.port, limits.max_head_bytes,
                              limits.head_timeout, 5, backlog=4096)
     server = uvicorn.Server(config)
     log.info("gateway starting", extra={"host": options.host, "port": options.port,

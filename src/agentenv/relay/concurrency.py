@@ -1,0 +1,74 @@
+"""A cap on the requests one server (a node, the gateway) serves at once.
+
+`AENV_MAX_CONCURRENT_REQUESTS` (default 4096; 0 = no cap): HTTP requests and WebSockets in
+progress, a long stream counting for as long as it lasts. One past the cap is answered at once
+with 503 and a JSON body that names the setting (a WebSocket is closed with 1013, "try again
+later"), instead of piling up until the process runs out of memory or file descriptors. Per
+connection the cap is one: the server speaks HTTP/1.1 (h11), which serves a connection's
+requests one after another (a pipelined request waits for the one before it).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Mapping
+from typing import Any
+
+log = logging.getLogger("agentenv.relay.concurrency")
+
+SETTING = "AENV_MAX_CONCURRENT_REQUESTS"
+DEFAULT_MAX = 4096
+
+
+def max_concurrent(env: Mapping[str, str] | None = None) -> int:
+    env = os.environ if env is None else env
+    raw = env.get(SETTING, "").strip()
+    try:
+        value = int(raw) if raw else DEFAULT_MAX
+    except ValueError:
+        raise ValueError(f"{SETTING}={raw!r} is not a whole number") from None
+    if value < 0:
+        raise ValueError(f"{SETTING}={raw!r} must not be negative")
+    return value
+
+
+class ConcurrencyCap:
+    """ASGI middleware: at most `limit` HTTP requests and WebSockets in progress."""
+
+    def __init__(self, app: Any, limit: int, server: str) -> None:
+        self.app = app
+        self.limit = limit
+        self.server = server
+        self.active = 0
+        self.refused = 0
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] not in ("http", "websocket") or not self.limit:
+            await self.app(scope, receive, send)
+            return
+        if self.active >= self.limit:
+            self.refused += 1
+            if self.refused == 1 or self.refused % 1000 == 0:
+                log.warning("concurrent request cap reached",
+                            extra={"limit": self.limit, "refused": self.refused})
+            await self._refuse(scope, send)
+            return
+        self.active += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.active -= 1
+
+    async def _refuse(self, scope: dict[str, Any], send: Any) -> None:
+        if scope["type"] == "websocket":
+            await send({"type": "websocket.close", "code": 1013})
+            return
+        payload = json.dumps({"code": 503, "message": (
+            f"{self.server} is serving its limit of {self.limit} concurrent requests "
+            f"({SETTING}); retry shortly")}).encode()
+        await send({"type": "http.response.start", "status": 503, "headers": [
+            (b"content-type", b"application/json; charset=utf-8"),
+            (b"content-length", str(len(payload)).encode()), (b"retry-after", b"1")]})
+        await send({"type": "http.response.body", "body": payload})

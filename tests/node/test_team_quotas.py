@@ -1,0 +1,58 @@
+"""Team quotas on a standalone node (node/admission.py): the N+1th sandbox, template or
+snapshot of the node's team is refused with a 429 that names the limit and its setting;
+nothing is made for it, and room comes back once one is gone."""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from agentenv.node.server import ServeOptions, build_app
+
+with warnings.catch_warnings():  # starlette 1.x nags about httpx here; TestClient still works
+    warnings.simplefilter("ignore")
+    from starlette.testclient import TestClient
+
+
+@pytest.fixture
+def client(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[TestClient]:
+    monkeypatch.setenv("AENV_TEAM_MAX_SANDBOXES", "2")
+    monkeypatch.setenv("AENV_TEAM_MAX_TEMPLATES", "1")
+    monkeypatch.setenv("AENV_TEAM_MAX_SNAPSHOTS", "1")
+    state = tmp_path / "state"
+    app = build_app(ServeOptions(state_dir=state, backend="process"))
+    key = (state / "secrets" / "api-key").read_text().strip()
+    with TestClient(app, headers={"X-API-KEY": key}) as made:
+        yield made
+
+
+def _refused(answer: object, setting: str) -> None:
+    assert answer.status_code == 429, answer.text  # type: ignore[attr-defined]
+    body = answer.json()  # type: ignore[attr-defined]
+    assert body["code"] == 429 and setting in body["message"], body
+    assert "team quota reached" in body["message"]
+
+
+def test_the_n_plus_first_of_each_is_refused_naming_its_limit(client: TestClient) -> None:
+    made = []
+    for _ in range(2):
+        answer = client.post("/sandboxes", json={"templateID": "base", "timeout": 60})
+        assert answer.status_code == 201, answer.text
+        made.append(answer.json()["sandboxID"])
+    _refused(client.post("/sandboxes", json={"templateID": "base"}), "AENV_TEAM_MAX_SANDBOXES")
+    assert len(client.get("/sandboxes").json()) == 2  # nothing made for the refused one
+
+    snap = client.post(f"/sandboxes/{made[0]}/snapshots", json={})
+    assert snap.status_code == 201, snap.text
+    _refused(client.post(f"/sandboxes/{made[1]}/snapshots", json={}), "AENV_TEAM_MAX_SNAPSHOTS")
+
+    assert client.delete(f"/sandboxes/{made[1]}").status_code == 204
+    again = client.post("/sandboxes", json={"templateID": "base", "timeout": 60})
+    assert again.status_code == 201, again.text  # room again once one ended
+
+    assert client.post("/v3/templates", json={"name": "first"}).status_code == 202
+    assert client.post("/v3/templates", json={"name": "first"}).status_code == 202  # a rebuild
+    _refused(client.post("/v3/templates", json={"name": "second"}), "AENV_TEAM_MAX_TEMPLATES")
