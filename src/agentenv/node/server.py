@@ -181,7 +181,8 @@ def serve(options: ServeOptions) -> None:
     limits = app.proxy.limits
     quiet_stream_aborts()
     config = hardened_config(app, options.host, options.port, limits.max_head_bytes,
-                             limits.head_timeout, options.graceful_seconds)
+                             limits.head_timeout, options.graceful_seconds,
+                             ws_max_bytes=limits.max_ws_message_bytes)
     server = uvicorn.Server(config)
     log.info(
         "node starting",

@@ -24,16 +24,22 @@ import os
 import shutil
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from ipaddress import IPv4Address
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import httpx
 
 from agentenv.blockd.errors import BlockdError
-from agentenv.envd_client import init_body, init_headers
+from agentenv.envd_client import (
+    GuestReplyError,
+    GuestReplyTimeout,
+    init_body,
+    init_headers,
+    read_reply,
+)
 from agentenv.fsutil import fsync_dir
 from agentenv.network.policy import ALL_TRAFFIC, EgressPolicy
 from agentenv.runtime import privilege
@@ -86,6 +92,7 @@ from agentenv.snapshot.record import (
 from agentenv.storage.export import import_raw
 
 log = logging.getLogger("agentenv.runtime")
+T = TypeVar("T")
 
 VMState = Literal["starting", "running", "pausing", "paused", "stopped", "error"]
 
@@ -396,10 +403,15 @@ class Runtime:
         while True:
             if vm.process.died.is_set():
                 raise VMDiedError(vm.process.exit_reason())
-            with contextlib.suppress(httpx.HTTPError):
-                answer = await self._http.get(url, timeout=1.0)
+            try:
+                answer = await read_reply(self._http, "GET", url, what=f"envd of VM {vm.id}",
+                                          timeout=1.0)
                 if answer.is_success:
                     return
+            except (httpx.HTTPError, GuestReplyTimeout):
+                pass  # not up yet (or slow under load): polled again until the deadline
+            except GuestReplyError as exc:
+                raise GuestNotReadyError(str(exc)) from None
             if time.monotonic() > deadline:
                 raise GuestNotReadyError(f"envd of VM {vm.id} did not answer within {timeout:.0f} s")
             await asyncio.sleep(0.02)
@@ -427,9 +439,12 @@ class Runtime:
                 # Connecting is retried quickly (envd may not listen yet), but once the request
                 # is in, the answer is awaited until the deadline: under TCG with many guests
                 # starting at once it takes seconds, and sending it again only adds work.
-                answer = await self._post_while_alive(
-                    vm, url, json=body, headers=headers,
-                    timeout=httpx.Timeout(remaining, connect=min(1.0, remaining)))
+                answer = await self._while_alive(vm, read_reply(
+                    self._http, "POST", url, what=f"envd /init of VM {vm.id}",
+                    timeout=remaining, connect_timeout=1.0, json=body, headers=headers))
+            except GuestReplyError as exc:
+                # what answers on envd's port is the guest's: an endless or dripping reply
+                raise GuestNotReadyError(str(exc)) from None
             except (httpx.ConnectError, httpx.ConnectTimeout, httpx.ReadError,
                     httpx.RemoteProtocolError):
                 await asyncio.sleep(0.005)
@@ -442,9 +457,9 @@ class Runtime:
                 return
             raise GuestNotReadyError(f"envd /init of VM {vm.id} answered {answer.status_code}")
 
-    async def _post_while_alive(self, vm: VM, url: str, **kwargs: Any) -> httpx.Response:
-        """POST, but give up as soon as the VM's QEMU exits (VMDiedError)."""
-        post = asyncio.ensure_future(self._http.post(url, **kwargs))
+    async def _while_alive(self, vm: VM, call: Awaitable[T]) -> T:
+        """`call`'s result, but give up as soon as the VM's QEMU exits (VMDiedError)."""
+        post = asyncio.ensure_future(call)
         died = asyncio.ensure_future(vm.process.died.wait())
         try:
             await asyncio.wait({post, died}, return_when=asyncio.FIRST_COMPLETED)

@@ -54,7 +54,8 @@ def serve(options: GatewayOptions) -> None:
     limits: RelayLimits = app.limits
     quiet_stream_aborts()
     config = hardened_config(app, options.host, options.port, limits.max_head_bytes,
-                             limits.head_timeout, 5, backlog=4096)
+                             limits.head_timeout, 5, backlog=4096,
+                             ws_max_bytes=limits.max_ws_message_bytes)
     server = uvicorn.Server(config)
     log.info("gateway starting", extra={"host": options.host, "port": options.port,
                                         "scheduler": options.scheduler})
