@@ -52,6 +52,8 @@ HOP_BY_HOP = frozenset(
 )
 #: frames of an upstream WebSocket buffered before reading it pauses (websockets' max_queue)
 WS_QUEUE_FRAMES = 4
+#: seconds an upstream WebSocket gets to complete a closing handshake
+WS_CLOSE_TIMEOUT = 5.0
 #: handshake headers the upstream WebSocket client makes itself
 WS_HANDSHAKE = frozenset(
     {
@@ -125,6 +127,25 @@ class Exchange:
     started: bool = False
     #: loop time of the last byte moved either way (the idle limit counts from it)
     progress: float = 0.0
+
+
+class _UpstreamWebSocket(ClientConnection):
+    """The connection to an upstream WebSocket, which ends its TCP connection once a closing
+    handshake is not completed within close_timeout. websockets, having failed the connection
+    itself (a message over max_size), otherwise waits for the peer to close: an upstream that
+    goes on sending would hold the exchange until the total time limit."""
+
+    _abort: asyncio.TimerHandle | None = None
+
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        if self._abort is None and self.close_deadline is not None:
+            self._abort = self.loop.call_at(self.close_deadline, self.transport.abort)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self._abort is not None:
+            self._abort.cancel()
+        super().connection_lost(exc)
 
 
 class _ClientGone(Exception):
@@ -439,6 +460,8 @@ class Relay:
                 # messages held while the client is slow to take them: a few, not 16 of
                 # max_size each (websockets' default)
                 max_queue=WS_QUEUE_FRAMES,
+                create_connection=_UpstreamWebSocket,
+                close_timeout=WS_CLOSE_TIMEOUT,
                 ping_interval=None,
                 proxy=None,
                 open_timeout=10,

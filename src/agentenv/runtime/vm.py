@@ -78,6 +78,8 @@ from agentenv.runtime.network import (
     setup_host,
 )
 from agentenv.runtime.qemu import DiskAttachment, QemuProcess
+from agentenv.runtime.serial import CHECK_INTERVAL as SERIAL_CHECK_INTERVAL
+from agentenv.runtime.serial import SERIAL_LOG, trim_serial_log
 from agentenv.runtime.warm_pool import WarmPool, WarmProcess
 from agentenv.snapshot.record import (
     RECORD_NAME,
@@ -204,6 +206,7 @@ class Runtime:
                              self._spawn_for_restore, self._release_resources)
         self._started = False
         self._background: set[asyncio.Task[None]] = set()
+        self._serial_trimmer: asyncio.Task[None] | None = None
         self.vm_user: privilege.VMUser | None = None
         self.cgroups = CgroupManager(None, {})
         self._io_limit: IOLimit | None = None
@@ -231,10 +234,16 @@ class Runtime:
         # After adoption (the node adopts before it starts the runtime): memory devices of an
         # earlier run that no adopted VM took over are released.
         await asyncio.to_thread(self.memory.drop_orphans)
+        if self.config.serial_log_max_bytes:
+            self._serial_trimmer = asyncio.create_task(self._trim_serial_logs())
         self._started = True
         log.info("runtime started", extra={"accel": self.accel})
 
     async def close(self) -> None:
+        if self._serial_trimmer is not None:
+            self._serial_trimmer.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._serial_trimmer
         await self.drain()
         await self.warm.close()
         for vm in list(self.vms.values()):
@@ -383,6 +392,22 @@ class Runtime:
         """Take over a VM this runtime did not start (runtime/adopt.py re-adopts the VMs of a
         crashed process): watched for its exit, killed and paused like any other."""
         self._adopt(vm)
+
+    async def _trim_serial_logs(self) -> None:
+        """Keeps every VM's serial console log within serial_log_max_bytes (runtime/serial.py)."""
+        cap = self.config.serial_log_max_bytes
+
+        def trim_all(logs: list[Path]) -> list[Path]:
+            return [log_path for log_path in logs if trim_serial_log(log_path, cap)]
+
+        while True:
+            logs = [vm.workdir / SERIAL_LOG for vm in list(self.vms.values())]
+            try:
+                for rotated in await asyncio.to_thread(trim_all, logs):
+                    log.debug("serial log rotated", extra={"vm": rotated.parent.name})
+            except OSError as exc:  # a full disk, say: tried again at the next look
+                log.warning("serial log not trimmed", extra={"error": str(exc)})
+            await asyncio.sleep(SERIAL_CHECK_INTERVAL)
 
     async def _watch(self, vm: VM) -> None:
         await vm.process.died.wait()
