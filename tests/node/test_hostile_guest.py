@@ -34,9 +34,11 @@ DEADLINE = 120.0
 WS_PORT = 8765
 
 # Root's server on envd's port: it kills envd (init restarts it within a second, so the port
-# is taken first, in a loop) and answers every request with a 200 whose body never ends.
+# is taken first, in a loop) and answers every request with a 200 whose body never ends: as
+# fast as it can ("endless"), or a byte a second ("drip").
 ENDLESS_ENVD = r'''
-import os, socket, threading, time
+import os, socket, sys, threading, time
+DRIP = sys.argv[1:] == ["drip"]
 def envd_pids():
     for entry in os.listdir("/proc"):
         if entry.isdigit() and int(entry) != os.getpid():
@@ -64,6 +66,11 @@ CHUNK = b"x" * 65536
 def answer(conn):
     try:
         conn.recv(65536)
+        if DRIP:
+            conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-length: 100000\r\n\r\n")
+            while True:
+                conn.sendall(b"x")
+                time.sleep(1)
         conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n\r\n")
         while True:
             conn.sendall(CHUNK)
@@ -187,11 +194,15 @@ def watchdog(vm_node: NodeProcess) -> Iterator[RssWatchdog]:
     dog.check()
 
 
-def start_as_root(sbx: Any, name: str, script: str) -> None:
+def start_as_root(sbx: Any, name: str, script: str, arg: str = "") -> None:
     """Run `script` (python3) as root in `sbx`, detached from envd (it outlives envd)."""
     sbx.files.write(f"/tmp/{name}.py", script, user="root")
-    sbx.commands.run(f"setsid -f python3 /tmp/{name}.py </dev/null >/tmp/{name}.log 2>&1",
+    sbx.commands.run(f"setsid -f python3 /tmp/{name}.py {arg} </dev/null >/tmp/{name}.log 2>&1",
                      user="root")
+
+
+def vm_dirs(node: NodeProcess) -> set[str]:
+    return {d.name for d in (node.state_dir / "vm-backend" / "runtime" / "vms").iterdir()}
 
 
 def serial_logs(node: NodeProcess) -> list[Path]:
@@ -296,3 +307,56 @@ def test_endless_envd_fails_that_sandbox_only(vm_node: NodeProcess, attacker: An
         assert bystander.commands.run("echo alive").stdout.strip() == "alive"
         assert timed(api, "DELETE", f"/sandboxes/{sid}").status_code == 204
     print(f"node RSS {watchdog.start >> 20} MiB at the start, {watchdog.peak >> 20} MiB at most")
+
+
+def test_delete_ends_a_resume_held_by_a_dripping_guest(vm_node: NodeProcess,
+                                                      watchdog: RssWatchdog) -> None:
+    """envd's port answers /init a byte a second: a resume would wait for the whole restore
+    timeout (30 s). Deleting the sandbox meanwhile ends the resume at once (its VM goes, the
+    resume's caller gets a 404 naming the sandbox) instead of waiting for it."""
+    from e2b import Sandbox
+
+    sbx = Sandbox.create(template="base", timeout=600)
+    sid = sbx.sandbox_id
+    try:
+        start_as_root(sbx, "drip_envd", ENDLESS_ENVD, "drip")
+        deadline = time.monotonic() + 30
+        while True:
+            with contextlib.suppress(httpx.HTTPError), httpx.stream(
+                    "GET", vm_node.url + "/health", headers={"E2b-Sandbox-Id": sid},
+                    timeout=10) as answer:
+                if answer.headers.get("content-length") == "100000":
+                    break
+            assert time.monotonic() < deadline, "the dripping server did not take envd's port"
+            time.sleep(0.2)
+        with vm_node.client() as api:
+            assert api.post(f"/sandboxes/{sid}/pause").status_code == 204
+            deadline = time.monotonic() + DEADLINE
+            before = vm_dirs(vm_node)
+            outcome: dict[str, Any] = {}
+
+            def resume() -> None:
+                with vm_node.client() as other:
+                    outcome["answer"] = other.post(f"/sandboxes/{sid}/connect",
+                                                   json={"timeout": 300}, timeout=DEADLINE)
+
+            resuming = threading.Thread(target=resume)
+            resuming.start()
+            while not vm_dirs(vm_node) - before:  # the resume's VM is starting
+                assert time.monotonic() < deadline, "the resume did not start a VM"
+                time.sleep(0.05)
+            t0 = time.monotonic()
+            deleted = api.delete(f"/sandboxes/{sid}", timeout=DEADLINE)
+            took = time.monotonic() - t0
+            resuming.join(DEADLINE)
+        assert deleted.status_code == 204, deleted.text
+        # without the cancel the delete waits out the resume: the restore timeout, 30 s
+        assert took < 15, f"the delete took {took:.1f} s"
+        answer = outcome["answer"]
+        assert answer.status_code == 404 and sid in answer.json()["message"], answer.text
+        while vm_dirs(vm_node) - before:
+            assert time.monotonic() < deadline, "the resume's VM was left behind"
+            time.sleep(0.1)
+    finally:
+        with contextlib.suppress(Exception):
+            sbx.kill()

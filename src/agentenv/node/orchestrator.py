@@ -141,6 +141,8 @@ class Orchestrator:
         self._background: set[asyncio.Task[Any]] = set()
         self._metric_history: dict[str, deque[MetricSample]] = {}
         self._closing = False
+        #: resumes cancelled by a delete (their callers get a 404, not a cancellation)
+        self._killed_while_resuming: set[str] = set()
         self._reaper: asyncio.Task[None] | None = None
         self._http: httpx.AsyncClient | None = None
         self._on_op = on_op or (lambda op, outcome, seconds: None)
@@ -690,6 +692,9 @@ class Orchestrator:
                 await self.store.put_sandbox(rec)
             if isinstance(exc, BackendError):
                 raise _backend_failure(f"failed to resume sandbox {sid}: {exc}", exc) from exc
+            if isinstance(exc, asyncio.CancelledError) and sid in self._killed_while_resuming:
+                self._killed_while_resuming.discard(sid)
+                raise ApiError(f"sandbox {sid} was deleted while it resumed", status=404) from None
             raise
         rec.placement = placement
         rec.pause_snapshot = None
@@ -731,6 +736,12 @@ class Orchestrator:
 
     async def kill(self, sandbox_id: str) -> None:
         self._check_open()
+        resuming = self._ops.get(sandbox_id)
+        if self.get(sandbox_id).state == State.RESUMING and resuming is not None:
+            # A resume may be waiting on what its guest answers (bounded, but for as long as
+            # the restore timeout): the delete ends it now, and the resume rolls back to paused.
+            self._killed_while_resuming.add(sandbox_id)
+            resuming.cancel()
         rec = await self._await_state(sandbox_id, {*_STABLE, State.KILLING})
         if rec.state == State.KILLING:
             # someone else's kill (or the reaper's): wait for it; then, like get_info,
