@@ -11,6 +11,8 @@ naming it, keep the serial log within its cap, and serve another sandbox all alo
 from __future__ import annotations
 
 import contextlib
+import signal
+import subprocess
 import threading
 import time
 from collections.abc import Iterator
@@ -309,54 +311,93 @@ def test_endless_envd_fails_that_sandbox_only(vm_node: NodeProcess, attacker: An
     print(f"node RSS {watchdog.start >> 20} MiB at the start, {watchdog.peak >> 20} MiB at most")
 
 
+def paused_with_dripping_envd(node: NodeProcess) -> str:
+    """A sandbox whose envd port answers a byte a second, paused; its id."""
+    from e2b import Sandbox
+
+    sbx = Sandbox.create(template="base", timeout=600)
+    sid = sbx.sandbox_id
+    start_as_root(sbx, "drip_envd", ENDLESS_ENVD, "drip")
+    deadline = time.monotonic() + 30
+    while True:
+        with contextlib.suppress(httpx.HTTPError), httpx.stream(
+                "GET", node.url + "/health", headers={"E2b-Sandbox-Id": sid},
+                timeout=10) as answer:
+            if answer.headers.get("content-length") == "100000":
+                break
+        assert time.monotonic() < deadline, "the dripping server did not take envd's port"
+        time.sleep(0.2)
+    with node.client() as api:
+        assert api.post(f"/sandboxes/{sid}/pause").status_code == 204
+    return sid
+
+
+def resume_in_background(node: NodeProcess, sid: str) -> tuple[threading.Thread, dict[str, Any],
+                                                                set[str]]:
+    """Start a resume of `sid` and return once its VM is starting: (thread, its outcome once
+    joined, the VM directories from before)."""
+    before = vm_dirs(node)
+    outcome: dict[str, Any] = {}
+
+    def resume() -> None:
+        with node.client() as api, contextlib.suppress(httpx.HTTPError):
+            outcome["answer"] = api.post(f"/sandboxes/{sid}/connect", json={"timeout": 300},
+                                         timeout=DEADLINE)
+
+    thread = threading.Thread(target=resume)
+    thread.start()
+    deadline = time.monotonic() + DEADLINE
+    while not vm_dirs(node) - before:
+        assert time.monotonic() < deadline, "the resume did not start a VM"
+        time.sleep(0.05)
+    return thread, outcome, before
+
+
 def test_delete_ends_a_resume_held_by_a_dripping_guest(vm_node: NodeProcess,
                                                       watchdog: RssWatchdog) -> None:
     """envd's port answers /init a byte a second: a resume would wait for the whole restore
     timeout (30 s). Deleting the sandbox meanwhile ends the resume at once (its VM goes, the
     resume's caller gets a 404 naming the sandbox) instead of waiting for it."""
-    from e2b import Sandbox
-
-    sbx = Sandbox.create(template="base", timeout=600)
-    sid = sbx.sandbox_id
+    sid = paused_with_dripping_envd(vm_node)
     try:
-        start_as_root(sbx, "drip_envd", ENDLESS_ENVD, "drip")
-        deadline = time.monotonic() + 30
-        while True:
-            with contextlib.suppress(httpx.HTTPError), httpx.stream(
-                    "GET", vm_node.url + "/health", headers={"E2b-Sandbox-Id": sid},
-                    timeout=10) as answer:
-                if answer.headers.get("content-length") == "100000":
-                    break
-            assert time.monotonic() < deadline, "the dripping server did not take envd's port"
-            time.sleep(0.2)
+        resuming, outcome, before = resume_in_background(vm_node, sid)
+        t0 = time.monotonic()
         with vm_node.client() as api:
-            assert api.post(f"/sandboxes/{sid}/pause").status_code == 204
-            deadline = time.monotonic() + DEADLINE
-            before = vm_dirs(vm_node)
-            outcome: dict[str, Any] = {}
-
-            def resume() -> None:
-                with vm_node.client() as other:
-                    outcome["answer"] = other.post(f"/sandboxes/{sid}/connect",
-                                                   json={"timeout": 300}, timeout=DEADLINE)
-
-            resuming = threading.Thread(target=resume)
-            resuming.start()
-            while not vm_dirs(vm_node) - before:  # the resume's VM is starting
-                assert time.monotonic() < deadline, "the resume did not start a VM"
-                time.sleep(0.05)
-            t0 = time.monotonic()
             deleted = api.delete(f"/sandboxes/{sid}", timeout=DEADLINE)
-            took = time.monotonic() - t0
-            resuming.join(DEADLINE)
+        took = time.monotonic() - t0
+        resuming.join(DEADLINE)
         assert deleted.status_code == 204, deleted.text
         # without the cancel the delete waits out the resume: the restore timeout, 30 s
         assert took < 15, f"the delete took {took:.1f} s"
         answer = outcome["answer"]
         assert answer.status_code == 404 and sid in answer.json()["message"], answer.text
+        deadline = time.monotonic() + DEADLINE
         while vm_dirs(vm_node) - before:
             assert time.monotonic() < deadline, "the resume's VM was left behind"
             time.sleep(0.1)
     finally:
-        with contextlib.suppress(Exception):
-            sbx.kill()
+        with vm_node.client() as api, contextlib.suppress(httpx.HTTPError):
+            api.delete(f"/sandboxes/{sid}")
+
+
+def test_sigterm_is_honoured_while_a_resume_waits_on_its_guest(vm_node: NodeProcess) -> None:
+    """Last (it stops the node): SIGTERM during a resume held by a dripping guest. The node
+    ends the resume (the sandbox stays paused), pauses what runs and exits well before the
+    resume's own 30 s timeout."""
+    sid = paused_with_dripping_envd(vm_node)
+    resuming, outcome, _ = resume_in_background(vm_node, sid)
+    assert vm_node.proc is not None
+    t0 = time.monotonic()
+    vm_node.proc.send_signal(signal.SIGTERM)
+    try:
+        code = vm_node.proc.wait(timeout=DEADLINE)
+    except subprocess.TimeoutExpired:
+        code = None
+    took = time.monotonic() - t0
+    resuming.join(DEADLINE)
+    assert code in (0, -15), f"the node did not exit within {DEADLINE:g} s"
+    vm_node.proc = None
+    assert took < 20, f"the node took {took:.1f} s to honour SIGTERM"
+    # the caller's request ends with the server (uvicorn cancels it) or with the node's 503
+    answer = outcome.get("answer")
+    assert answer is None or answer.status_code >= 500, answer.text
