@@ -9,6 +9,12 @@ makes to a guest's envd goes through here.
   `process.Process/Start` as a server stream of envelopes, unary `process.Process/List` and
   `filesystem.Filesystem/MakeDir`, `POST /files` (a file streamed as application/octet-stream).
   Users are chosen per call with `Authorization: Basic base64(user:)`, as the SDKs do.
+
+Whatever answers on a guest's envd port is the guest's: root in the VM can replace envd with a
+server of its own. So no answer is ever read whole: `read_reply` reads at most
+AENV_ENVD_MAX_REPLY_BYTES within a total deadline (a reply of endless bytes, or one dripping
+a byte a second, ends with GuestReplyError), and a Connect envelope is refused past the same
+size before its payload is buffered.
 """
 
 from __future__ import annotations
@@ -31,6 +37,8 @@ from agentenv.errors import AgentEnvError
 FLAG_END_STREAM = 0x02
 _HEADER = struct.Struct(">BI")
 _UPLOAD_CHUNK = 1 << 20
+#: bytes the host reads of one envd answer, or of one envelope of a stream (default 4 MiB)
+MAX_REPLY_BYTES_ENV = "AENV_ENVD_MAX_REPLY_BYTES"
 #: where envd takes its identity (env vars, token, defaults, clock); only the host may call it
 INIT_PATH = "/init"
 
@@ -96,6 +104,85 @@ class EnvdClientError(AgentEnvError):
     """envd refused a call or the connection to it broke."""
 
 
+class GuestReplyError(EnvdClientError):
+    """What answered on the guest's envd port broke a bound: an answer too large, not over in
+    time, or in an encoding the host did not ask for."""
+
+
+class GuestReplyTimeout(GuestReplyError):
+    """No complete answer within the call's total time (a poll may try again)."""
+
+
+def reply_limit() -> int:
+    """Bytes of one envd answer (and of one stream envelope) the host reads at most."""
+    raw = os.environ.get(MAX_REPLY_BYTES_ENV, "")
+    try:
+        value = int(raw) if raw else 4 << 20
+    except ValueError:
+        raise EnvdClientError(f"{MAX_REPLY_BYTES_ENV} must be a number of bytes, "
+                              f"got {raw!r}") from None
+    if value <= 0:
+        raise EnvdClientError(f"{MAX_REPLY_BYTES_ENV} must be positive, got {raw!r}")
+    return value
+
+
+@dataclass(frozen=True)
+class Reply:
+    """An envd answer read within its bounds."""
+
+    status_code: int
+    content: bytes
+
+    @property
+    def is_success(self) -> bool:
+        return 200 <= self.status_code < 300
+
+    @property
+    def text(self) -> str:
+        return self.content.decode(errors="replace")
+
+    def json(self) -> Any:
+        return json.loads(self.content)
+
+
+async def _read_limited(answer: httpx.Response, what: str, limit: int) -> bytes:
+    """The raw body of `answer`, refused past `limit` bytes (before they are all held)."""
+    encoding = answer.headers.get("content-encoding", "identity").strip().lower()
+    if encoding not in ("identity", ""):
+        raise GuestReplyError(f"{what}: the answer came with Content-Encoding {encoding!r} "
+                              "(only identity was accepted)")
+    declared = answer.headers.get("content-length", "").strip()
+    if declared.isdigit() and int(declared) > limit:
+        raise GuestReplyError(f"{what}: the answer announces {declared} bytes, over the "
+                              f"limit of {limit} ({MAX_REPLY_BYTES_ENV})")
+    body = bytearray()
+    async for chunk in answer.aiter_raw():
+        body += chunk
+        if len(body) > limit:
+            raise GuestReplyError(f"{what}: the answer is over the limit of {limit} bytes "
+                                  f"({MAX_REPLY_BYTES_ENV})")
+    return bytes(body)
+
+
+async def read_reply(http: httpx.AsyncClient, method: str, url: str, *, what: str,
+                     timeout: float, connect_timeout: float = 5.0,
+                     headers: dict[str, str] | None = None, **kwargs: Any) -> Reply:
+    """`method url` answered and read whole, but never more than reply_limit() bytes and never
+    longer than `timeout` seconds in all (a per-read timeout alone lets a slow drip go on
+    forever). Raises GuestReplyError naming `what` when a bound is hit, httpx.HTTPError when
+    the connection fails; nothing is held once it returns or raises."""
+    limit = reply_limit()
+    headers = {**(headers or {}), "Accept-Encoding": "identity"}
+    per_read = httpx.Timeout(timeout, connect=min(connect_timeout, timeout))
+    try:
+        async with asyncio.timeout(timeout):
+            async with http.stream(method, url, headers=headers, timeout=per_read,
+                                   **kwargs) as answer:
+                return Reply(answer.status_code, await _read_limited(answer, what, limit))
+    except TimeoutError:
+        raise GuestReplyTimeout(f"{what}: no complete answer within {timeout:g} s") from None
+
+
 @dataclass
 class ProcessResult:
     pid: int
@@ -120,14 +207,19 @@ def _basic(user: str | None) -> dict[str, str]:
 class _Envelopes:
     """Splits a byte stream into (flags, JSON message) envelopes."""
 
-    def __init__(self) -> None:
+    def __init__(self, limit: int) -> None:
         self._buffer = bytearray()
+        self._limit = limit
 
     def feed(self, chunk: bytes) -> list[tuple[int, dict[str, Any]]]:
         self._buffer += chunk
         out: list[tuple[int, dict[str, Any]]] = []
         while len(self._buffer) >= _HEADER.size:
             flags, size = _HEADER.unpack_from(self._buffer)
+            if size > self._limit:
+                # refused from its header: the payload is never gathered
+                raise GuestReplyError(f"envd sent a stream message of {size} bytes, over the "
+                                      f"limit of {self._limit} ({MAX_REPLY_BYTES_ENV})")
             if len(self._buffer) < _HEADER.size + size:
                 break
             payload = bytes(self._buffer[_HEADER.size:_HEADER.size + size])
@@ -147,6 +239,7 @@ class EnvdClient:
         self.base_url = base_url.rstrip("/")
         self.access_token = access_token
         self.extra_headers = dict(headers or {})
+        self.timeout = timeout
         self._own_http = http is None
         self._http = http or httpx.AsyncClient(timeout=httpx.Timeout(timeout, connect=5.0),
                                                trust_env=False)
@@ -169,12 +262,13 @@ class EnvdClient:
         last = "no answer"
         while True:
             try:
-                answer = await self._http.get(self.base_url + "/health", timeout=2.0,
-                                              headers=self.extra_headers)
+                answer = await read_reply(self._http, "GET", self.base_url + "/health",
+                                          what="envd /health", timeout=2.0,
+                                          headers=self.extra_headers)
                 if answer.is_success:
                     return
                 last = f"HTTP {answer.status_code}"
-            except httpx.HTTPError as exc:
+            except (httpx.HTTPError, GuestReplyTimeout) as exc:
                 last = str(exc) or type(exc).__name__
             if time.monotonic() > deadline:
                 raise EnvdClientError(f"envd at {self.base_url} is not healthy: {last}")
@@ -192,7 +286,9 @@ class EnvdClient:
                          default_user=default_user, default_workdir=default_workdir)
         headers = {**self.extra_headers, **init_headers(self.access_token)}
         try:
-            answer = await self._http.post(self.base_url + INIT_PATH, json=body, headers=headers)
+            answer = await read_reply(self._http, "POST", self.base_url + INIT_PATH,
+                                      what="envd /init", timeout=self.timeout, json=body,
+                                      headers=headers)
         except httpx.HTTPError as exc:
             raise EnvdClientError(f"envd /init failed: {exc!r}") from exc
         if not answer.is_success:
@@ -209,8 +305,9 @@ class EnvdClient:
         headers = {"Content-Type": "application/json", "Connect-Protocol-Version": "1",
                    **self._headers(user)}
         try:
-            answer = await self._http.post(f"{self.base_url}/{procedure}",
-                                           content=json.dumps(message), headers=headers)
+            answer = await read_reply(self._http, "POST", f"{self.base_url}/{procedure}",
+                                      what=f"envd {procedure}", timeout=self.timeout,
+                                      content=json.dumps(message), headers=headers)
         except httpx.HTTPError as exc:
             raise EnvdClientError(f"envd {procedure} failed: {exc}") from exc
         try:
@@ -241,9 +338,12 @@ class EnvdClient:
         params = {"path": path}
         if user:
             params["username"] = user
-        answer = await self._http.post(self.base_url + "/files", params=params,
-                                       files={"file": ("upload", data)},
-                                       headers=self._headers(), timeout=300.0)
+        try:
+            answer = await read_reply(self._http, "POST", self.base_url + "/files",
+                                      what=f"uploading {path}", timeout=300.0, params=params,
+                                      files={"file": ("upload", data)}, headers=self._headers())
+        except httpx.HTTPError as exc:
+            raise EnvdClientError(f"uploading {path}: {exc}") from exc
         if not answer.is_success:
             raise EnvdClientError(f"uploading {path}: envd answered {answer.status_code}: "
                                   f"{answer.text[:300]}")
@@ -264,8 +364,10 @@ class EnvdClient:
         headers = {**self._headers(), "Content-Type": "application/octet-stream",
                    "Content-Length": str(size)}
         try:
-            answer = await self._http.post(self.base_url + "/files", params=params,
-                                           content=chunks(), headers=headers, timeout=300.0)
+            # the whole exchange within a deadline: 300 s, plus a second per 256 KiB sent
+            answer = await read_reply(self._http, "POST", self.base_url + "/files",
+                                      what=f"uploading {path}", timeout=300.0 + (size >> 18),
+                                      params=params, content=chunks(), headers=headers)
         except httpx.HTTPError as exc:
             raise EnvdClientError(f"uploading {path}: {exc}") from exc
         if not answer.is_success:
@@ -305,24 +407,32 @@ class EnvdClient:
             message["pty"] = {"size": {"cols": pty_size[0], "rows": pty_size[1]}}
         headers = {"Content-Type": "application/connect+json", "Connect-Protocol-Version": "1",
                    "Connect-Content-Encoding": "identity",
-                   "Connect-Accept-Encoding": "identity", **self._headers(user)}
+                   "Connect-Accept-Encoding": "identity", "Accept-Encoding": "identity",
+                   **self._headers(user)}
         if timeout:
             headers["Connect-Timeout-Ms"] = str(int(timeout * 1000))
         pid = 0
         # Only the tail of each stream is kept (on_output sees everything as it comes).
         out, err = _Tail(output_limit()), _Tail(output_limit())
         end: dict[str, Any] | None = None
-        decoder = _Envelopes()
+        decoder = _Envelopes(reply_limit())
         # No read timeout: a build step may be silent for minutes (keepalives come every 90 s).
         stream_timeout = httpx.Timeout(None, connect=5.0)
+        # envd ends the process at Connect-Timeout-Ms; the host does not take its word for it
+        deadline = timeout + 30.0 if timeout else None
         try:
-            async with self._http.stream("POST", f"{self.base_url}/process.Process/Start",
+            async with asyncio.timeout(deadline), self._http.stream("POST", f"{self.base_url}/process.Process/Start",
                                          content=_envelope(message), headers=headers,
                                          timeout=stream_timeout) as answer:
                 if answer.status_code != 200:
-                    text = (await answer.aread()).decode(errors="replace")
+                    text = (await _read_limited(answer, "envd Start", reply_limit())).decode(
+                        errors="replace")
                     raise EnvdClientError(f"envd Start answered {answer.status_code}: {text[:300]}")
-                async for chunk in answer.aiter_bytes():
+                encoding = answer.headers.get("content-encoding", "identity").strip().lower()
+                if encoding not in ("identity", ""):
+                    raise GuestReplyError(f"envd Start answered with Content-Encoding "
+                                          f"{encoding!r} (only identity was accepted)")
+                async for chunk in answer.aiter_raw():
                     for flags, msg in decoder.feed(chunk):
                         if flags & FLAG_END_STREAM:
                             error = msg.get("error")
@@ -351,6 +461,9 @@ class EnvdClient:
                             end = event["end"]
         except httpx.HTTPError as exc:
             raise EnvdClientError(f"envd Start failed: {exc}") from exc
+        except TimeoutError:
+            raise GuestReplyError(f"process {pid} did not end within {deadline:g} s "
+                                  f"(its timeout was {timeout:g} s)") from None
         if end is None:
             raise EnvdClientError(f"process {pid} ended without an end event")
         return ProcessResult(pid, int(end.get("exitCode", end.get("exit_code", 0)) or 0),

@@ -9,6 +9,8 @@ import sys
 import urllib.request
 from pathlib import Path
 
+import pytest
+
 from .conftest import Daemon, MiB, Stack, nbd_uri, run
 from .nbdclient import CMD_WRITE, NbdClient
 
@@ -98,3 +100,40 @@ def test_bad_upper_limit_is_refused(daemon: Daemon, stack: Stack) -> None:
         capture_output=True, text=True, timeout=60,
     )
     assert bad_env.returncode != 0 and "is not a size" in bad_env.stderr
+
+
+def test_default_cap_is_a_share_of_the_state_filesystem(short_tmp: Path, stack: Stack) -> None:
+    """Without AENV_DISK_UPPER_LIMIT a writable disk is capped at 25% of the filesystem that
+    holds blockd's state (one guest filling its disk cannot fill the host's); "N%" sets the
+    share and 0 turns the cap off."""
+    import shutil
+
+    total = shutil.disk_usage(short_tmp).total
+    saved = os.environ.pop("AENV_DISK_UPPER_LIMIT", None)
+    try:
+        for setting, expected in ((None, total // 4), ("10%", total // 10), ("0", None)):
+            d = Daemon(short_tmp / f"d{len(str(setting))}{setting or ''}".replace("%", "p"),
+                       fuse=False)
+            d.root.mkdir()
+            if setting is not None:
+                d.extra_args = ["--upper-limit", setting]
+            d.start()
+            try:
+                with d.client() as client:
+                    made = client.call("create", lowers=[str(p) for p in stack.lowers])
+                    unlimited = client.create(lowers=stack.lowers, upper_limit=0)
+                    listed = {i["id"]: i for i in client.call("list")}
+                assert made["upper_limit"] == expected, setting
+                assert listed[unlimited.id]["upper_limit"] is None
+            finally:
+                d.kill9()
+    finally:
+        if saved is not None:
+            os.environ["AENV_DISK_UPPER_LIMIT"] = saved
+
+
+def test_a_bad_share_is_refused(short_tmp: Path) -> None:
+    d = Daemon(short_tmp, fuse=False)
+    d.extra_args = ["--upper-limit", "120%"]
+    with pytest.raises(RuntimeError, match="a percentage is between 0 and 100"):
+        d.start()

@@ -113,10 +113,13 @@ class BlockdClient:
         upper_dir: Path | None = None,
         size: int | None = None,
         readonly: bool = False,
+        upper_limit: int | None = None,
     ) -> DeviceInfo:
+        """upper_limit: cap on the upper's growth in bytes, 0 for none; None: the daemon's
+        default (--upper-limit)."""
         return DeviceInfo.from_json(
             self.call("create", image=image, lowers=lowers, upper_dir=upper_dir, size=size,
-                      readonly=readonly)
+                      readonly=readonly, upper_limit=upper_limit)
         )
 
     def create_blank(self, size: int, upper_dir: Path | None = None) -> DeviceInfo:

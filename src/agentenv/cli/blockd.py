@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import asyncio
 import json
+import shutil
 from pathlib import Path
 
 import click
 
 from agentenv.blockd.client import BlockdClient, default_socket, default_state_dir
+
+#: a writable disk's upper may take this share of the state filesystem unless told otherwise
+DEFAULT_UPPER_LIMIT = "25%"
 
 _socket_option = click.option(
     "--socket", "socket_path", type=click.Path(path_type=Path), default=default_socket,
@@ -30,9 +34,11 @@ _socket_option = click.option(
 @click.option("--no-fuse", is_flag=True, help="Do not expose devices as FUSE files.")
 @click.option("--inline-max", type=int, default=None,
               help="Largest read/write done on the event loop; larger ones go to I/O threads.")
-@click.option("--upper-limit", envvar="AENV_DISK_UPPER_LIMIT", default="0", show_default=True,
-              help="Default cap on a disk's upper growth (bytes, or with a K/M/G/T suffix; "
-                   "0: none). Writes past it get ENOSPC. Env: AENV_DISK_UPPER_LIMIT.")
+@click.option("--upper-limit", envvar="AENV_DISK_UPPER_LIMIT", default=DEFAULT_UPPER_LIMIT,
+              show_default=True,
+              help="Default cap on a disk's upper growth: bytes, with a K/M/G/T suffix, or N% of "
+                   "the size of the state directory's filesystem; 0: none. Writes past it get "
+                   "ENOSPC. Env: AENV_DISK_UPPER_LIMIT.")
 @click.option("--chunk-cache-dir", type=click.Path(path_type=Path), default=None,
               help="Chunk cache of remote layers (default STATE/chunk-cache; env "
                    "AENV_CHUNK_CACHE_DIR).")
@@ -70,7 +76,7 @@ def blockd_command(state_dir: Path, socket_path: Path, metrics_port: int | None,
 
     logs.setup(log_level)
     try:
-        limit = parse_size(upper_limit)
+        limit = upper_limit_bytes(upper_limit, state_dir)
     except ValueError as exc:
         raise click.BadParameter(str(exc), param_hint="--upper-limit / AENV_DISK_UPPER_LIMIT") from None
     try:
@@ -86,6 +92,26 @@ def blockd_command(state_dir: Path, socket_path: Path, metrics_port: int | None,
                     metrics_bind=metrics_bind, inline_max=INLINE_MAX if inline_max is None else inline_max,
                     upper_limit=limit or None, remote=remote)
     asyncio.run(daemon.run())
+
+
+def upper_limit_bytes(text: str, state_dir: Path) -> int:
+    """--upper-limit in bytes: a size, or "N%" of the filesystem holding `state_dir` (the
+    uppers live beside it): one guest filling its disk cannot fill the host's."""
+    from agentenv.blockd.remote.service import parse_size
+
+    raw = text.strip()
+    if not raw.endswith("%"):
+        return parse_size(raw)
+    try:
+        percent = float(raw[:-1])
+    except ValueError:
+        raise ValueError(f"{text!r} is not a size or a percentage") from None
+    if not 0 <= percent <= 100:
+        raise ValueError(f"{text!r}: a percentage is between 0 and 100")
+    existing = state_dir
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    return int(shutil.disk_usage(existing).total * percent / 100)
 
 
 @click.group("disk")

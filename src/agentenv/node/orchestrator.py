@@ -141,6 +141,8 @@ class Orchestrator:
         self._background: set[asyncio.Task[Any]] = set()
         self._metric_history: dict[str, deque[MetricSample]] = {}
         self._closing = False
+        #: resumes ended early (_end_resume), with what their callers get instead
+        self._resume_ended: dict[str, ApiError] = {}
         self._reaper: asyncio.Task[None] | None = None
         self._http: httpx.AsyncClient | None = None
         self._on_op = on_op or (lambda op, outcome, seconds: None)
@@ -322,6 +324,9 @@ class Orchestrator:
     async def shutdown(self) -> None:
         """Stop taking lifecycle calls, finish the ones under way, pause every running sandbox."""
         self._closing = True
+        for sid in list(self._ops):
+            self._end_resume(sid, Unavailable(
+                f"the node is shutting down: sandbox {sid} was not resumed (it stays paused)"))
         if self._reaper:
             self._reaper.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -690,6 +695,9 @@ class Orchestrator:
                 await self.store.put_sandbox(rec)
             if isinstance(exc, BackendError):
                 raise _backend_failure(f"failed to resume sandbox {sid}: {exc}", exc) from exc
+            ended = self._resume_ended.pop(sid, None)
+            if isinstance(exc, asyncio.CancelledError) and ended is not None:
+                raise ended from None
             raise
         rec.placement = placement
         rec.pause_snapshot = None
@@ -697,6 +705,16 @@ class Orchestrator:
         rec.state = State.RUNNING
         await self.store.put_sandbox(rec)
         log.info("sandbox resumed", extra={"sandbox_id": sid})
+
+    def _end_resume(self, sandbox_id: str, why: ApiError) -> None:
+        """End a resume under way now: it may be waiting on what its guest answers (bounded,
+        but for as long as the restore timeout). It rolls back to paused (_do_resume) and its
+        caller gets `why`."""
+        rec = self.sandboxes.get(sandbox_id)
+        task = self._ops.get(sandbox_id)
+        if rec is not None and rec.state == State.RESUMING and task is not None:
+            self._resume_ended[sandbox_id] = why
+            task.cancel()
 
     async def running_placement(self, sandbox_id: str) -> Placement | None:
         """For the proxy: where the sandbox runs, resuming it when autoResume allows; None if
@@ -731,6 +749,8 @@ class Orchestrator:
 
     async def kill(self, sandbox_id: str) -> None:
         self._check_open()
+        self._end_resume(sandbox_id, ApiError(
+            f"sandbox {sandbox_id} was deleted while it resumed", status=404))
         rec = await self._await_state(sandbox_id, {*_STABLE, State.KILLING})
         if rec.state == State.KILLING:
             # someone else's kill (or the reaper's): wait for it; then, like get_info,

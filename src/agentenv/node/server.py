@@ -192,7 +192,8 @@ def serve(options: ServeOptions) -> None:
     quiet_stream_aborts()
     capped = ConcurrencyCap(app, max_concurrent(), "the node")
     config = hardened_config(capped, options.host, options.port, limits.max_head_bytes,
-                             limits.head_timeout, options.graceful_seconds)
+                             limits.head_timeout, options.graceful_seconds,
+                             ws_max_bytes=limits.max_ws_message_bytes)
     server = uvicorn.Server(config)
     log.info(
         "node starting",

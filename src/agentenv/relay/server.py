@@ -86,9 +86,11 @@ def hardened_protocol(max_head_bytes: int, head_timeout: float) -> type[H11Proto
 
 
 def hardened_config(app: Any, host: str, port: int, max_head_bytes: int, head_timeout: float,
-                    graceful_seconds: float, backlog: int = 2048) -> uvicorn.Config:
+                    graceful_seconds: float, backlog: int = 2048, *,
+                    ws_max_bytes: int = 16 << 20) -> uvicorn.Config:
     """The uvicorn settings of every server that relays sandbox traffic (the node, the
-    gateway): the hardened HTTP/1.1 protocol, our own logs, WebSockets, no server header."""
+    gateway): the hardened HTTP/1.1 protocol, our own logs, WebSockets (messages of at most
+    `ws_max_bytes`), no server header."""
     return uvicorn.Config(
         app,
         host=host,
@@ -102,7 +104,7 @@ def hardened_config(app: Any, host: str, port: int, max_head_bytes: int, head_ti
         timeout_keep_alive=30,
         server_header=False,
         ws="websockets-sansio",
-        ws_max_size=64 << 20,
+        ws_max_size=ws_max_bytes,
         backlog=backlog,
     )
 

@@ -7,7 +7,8 @@ request headers go along (`forward_headers`). An `Exchange` carries what the cal
 while the relay runs: `gone` ends it at once (the sandbox stopped, the node went down).
 
 Limits (`RelayLimits`, AENV_PROXY_* variables): request body size, idle time either way, total
-time of one exchange; a streaming response that must end early is cut (`StreamAborted`), an
+time of one exchange, size of one WebSocket message either way (the sandbox's side is a guest's:
+an endless message is refused with close code 1009, never gathered); a streaming response that must end early is cut (`StreamAborted`), an
 exchange that has not answered yet gets a JSON error (`answer_gone` for the gone case).
 """
 
@@ -25,6 +26,7 @@ from typing import Any, ClassVar
 import httpx
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidURI
+from websockets.frames import CloseCode
 
 from agentenv.errors import AgentEnvError
 from agentenv.relay.server import StreamAborted
@@ -48,6 +50,10 @@ HOP_BY_HOP = frozenset(
         b"upgrade",
     }
 )
+#: frames of an upstream WebSocket buffered before reading it pauses (websockets' max_queue)
+WS_QUEUE_FRAMES = 4
+#: seconds an upstream WebSocket gets to complete a closing handshake
+WS_CLOSE_TIMEOUT = 5.0
 #: handshake headers the upstream WebSocket client makes itself
 WS_HANDSHAKE = frozenset(
     {
@@ -78,6 +84,8 @@ class RelayLimits:
     #: concurrent relayed requests and WebSockets per sandbox
     max_connections: int = 512
     connect_timeout: float = 5.0
+    #: bytes of one WebSocket message, either way (the client's side: uvicorn's ws_max_size)
+    max_ws_message_bytes: int = 16 << 20
 
     ENV: ClassVar[dict[str, str]] = {
         "max_head_bytes": "AENV_PROXY_MAX_HEAD_BYTES",
@@ -87,6 +95,7 @@ class RelayLimits:
         "total_timeout": "AENV_PROXY_TOTAL_TIMEOUT",
         "max_connections": "AENV_PROXY_MAX_CONNECTIONS",
         "connect_timeout": "AENV_PROXY_CONNECT_TIMEOUT",
+        "max_ws_message_bytes": "AENV_PROXY_MAX_WS_MESSAGE_BYTES",
     }
 
     @classmethod
@@ -118,6 +127,25 @@ class Exchange:
     started: bool = False
     #: loop time of the last byte moved either way (the idle limit counts from it)
     progress: float = 0.0
+
+
+class _UpstreamWebSocket(ClientConnection):
+    """The connection to an upstream WebSocket, which ends its TCP connection once a closing
+    handshake is not completed within close_timeout. websockets, having failed the connection
+    itself (a message over max_size), otherwise waits for the peer to close: an upstream that
+    goes on sending would hold the exchange until the total time limit."""
+
+    _abort: asyncio.TimerHandle | None = None
+
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        if self._abort is None and self.close_deadline is not None:
+            self._abort = self.loop.call_at(self.close_deadline, self.transport.abort)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self._abort is not None:
+            self._abort.cancel()
+        super().connection_lost(exc)
 
 
 class _ClientGone(Exception):
@@ -428,7 +456,12 @@ class Relay:
                 subprotocols=scope.get("subprotocols") or None,
                 user_agent_header=None,
                 compression=None,
-                max_size=None,
+                max_size=self.limits.max_ws_message_bytes,
+                # messages held while the client is slow to take them: a few, not 16 of
+                # max_size each (websockets' default)
+                max_queue=WS_QUEUE_FRAMES,
+                create_connection=_UpstreamWebSocket,
+                close_timeout=WS_CLOSE_TIMEOUT,
                 ping_interval=None,
                 proxy=None,
                 open_timeout=10,
@@ -440,7 +473,7 @@ class Relay:
             return
         await send({"type": "websocket.accept", "subprotocol": upstream.subprotocol})
         to_upstream = asyncio.create_task(self._ws_client_to_upstream(receive, upstream))
-        to_client = asyncio.create_task(self._ws_upstream_to_client(upstream, send))
+        to_client = asyncio.create_task(self._ws_upstream_to_client(upstream, send, exchange))
         gone = asyncio.create_task(exchange.gone.wait())
         try:
             done, _ = await asyncio.wait(
@@ -470,12 +503,23 @@ class Relay:
                 data = message.get("bytes")
                 await upstream.send(data if data is not None else message.get("text", ""))
 
-    @staticmethod
-    async def _ws_upstream_to_client(upstream: ClientConnection, send: Send) -> None:
+    async def _ws_upstream_to_client(
+        self, upstream: ClientConnection, send: Send, exchange: Exchange
+    ) -> None:
         with contextlib.suppress(ConnectionClosed):
             async for message in upstream:
                 key = "bytes" if isinstance(message, bytes) else "text"
                 await send({"type": "websocket.send", key: message})
+        sent = upstream.protocol.close_sent
+        if sent is not None and sent.code == CloseCode.MESSAGE_TOO_BIG:
+            # closed from here: a message of the upstream's went over the limit
+            log.info("websocket message from upstream over the limit",
+                     extra={"sandbox_id": exchange.name,
+                            "limit": self.limits.max_ws_message_bytes})
+            await send({"type": "websocket.close", "code": CloseCode.MESSAGE_TOO_BIG,
+                        "reason": f"a message from {exchange.name} is over "
+                                  f"{self.limits.max_ws_message_bytes} bytes"})
+            return
         await send(
             {
                 "type": "websocket.close",

@@ -113,6 +113,9 @@ class RuntimeConfig(BaseModel):
     # which the egress walls keep guests from. 8.8.8.8 is E2B's, and the address the network
     # policy opens by default for DNS (`dnsServers`). None: leave the image's file alone.
     guest_dns: IPv4Address | None = IPv4Address("8.8.8.8")
+    # Bytes of a VM's serial console log kept on disk (serial.log and its rotated tail
+    # serial.log.1, runtime/serial.py): a guest writes to ttyS0 without end. 0: no cap.
+    serial_log_max_bytes: int = Field(default=4 << 20, ge=0)
 
     @property
     def vm_dir(self) -> Path:
@@ -139,6 +142,7 @@ PRIVILEGE_ENV = {
     "AENV_IO_READ_IOPS": "io_read_iops", "AENV_IO_WRITE_IOPS": "io_write_iops",
     "AENV_MEMORY_DEVICE": "memory_device", "AENV_MEMORY_PREFETCH": "memory_prefetch",
     "AENV_DISK_BUS": "disk_bus", "AENV_GUEST_DNS": "guest_dns",
+    "AENV_SERIAL_LOG_MAX_BYTES": "serial_log_max_bytes",
 }
 
 

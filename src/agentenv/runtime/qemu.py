@@ -282,7 +282,9 @@ def build_argv(
         "-chardev", (f"socket,id=qmp,fd={qmp_fd},server=on,wait=off" if qmp_fd is not None
                      else f"socket,id=qmp,path={qmp_socket},server=on,wait=off"),
         "-mon", "chardev=qmp,mode=control",
-        "-chardev", f"file,id=serial0,path={serial_log}",
+        # append: the runtime trims the log from outside (runtime/serial.py), QEMU writes on
+        # at its new end
+        "-chardev", f"file,id=serial0,path={serial_log},append=on",
         "-serial", "chardev:serial0",
         "-device", f"vmgenid,id=vmgenid0,guid={vmgenid}",
         # page-poison=off: QEMU discards a reported page believing it then reads as zero, and a

@@ -28,12 +28,18 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from ipaddress import IPv4Address
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import httpx
 
 from agentenv.blockd.errors import BlockdError
-from agentenv.envd_client import init_body, init_headers
+from agentenv.envd_client import (
+    GuestReplyError,
+    GuestReplyTimeout,
+    init_body,
+    init_headers,
+    read_reply,
+)
 from agentenv.fsutil import fsync_dir
 from agentenv.network.policy import ALL_TRAFFIC, EgressPolicy
 from agentenv.runtime import privilege
@@ -73,6 +79,8 @@ from agentenv.runtime.network import (
     setup_host,
 )
 from agentenv.runtime.qemu import DiskAttachment, QemuProcess
+from agentenv.runtime.serial import CHECK_INTERVAL as SERIAL_CHECK_INTERVAL
+from agentenv.runtime.serial import SERIAL_LOG, trim_serial_log
 from agentenv.runtime.warm_pool import WarmPool, WarmProcess
 from agentenv.snapshot.record import (
     RECORD_NAME,
@@ -87,6 +95,7 @@ from agentenv.snapshot.record import (
 from agentenv.storage.export import import_raw
 
 log = logging.getLogger("agentenv.runtime")
+T = TypeVar("T")
 
 VMState = Literal["starting", "running", "pausing", "paused", "stopped", "error"]
 
@@ -198,6 +207,7 @@ class Runtime:
                              self._spawn_for_restore, self._release_resources)
         self._started = False
         self._background: set[asyncio.Task[None]] = set()
+        self._serial_trimmer: asyncio.Task[None] | None = None
         self.vm_user: privilege.VMUser | None = None
         # Per-VM uids of jailed QEMUs (runtime/jail.py); None: every QEMU runs as vm_user.
         self.uids = (UidPool.parse(config.vm_uid_range, config.vm_uid_lease_dir)
@@ -239,10 +249,16 @@ class Runtime:
         # After adoption (the node adopts before it starts the runtime): memory devices of an
         # earlier run that no adopted VM took over are released.
         await asyncio.to_thread(self.memory.drop_orphans)
+        if self.config.serial_log_max_bytes:
+            self._serial_trimmer = asyncio.create_task(self._trim_serial_logs())
         self._started = True
         log.info("runtime started", extra={"accel": self.accel})
 
     async def close(self) -> None:
+        if self._serial_trimmer is not None:
+            self._serial_trimmer.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._serial_trimmer
         await self.drain()
         await self.warm.close()
         for vm in list(self.vms.values()):
@@ -467,6 +483,22 @@ class Runtime:
         crashed process): watched for its exit, killed and paused like any other."""
         self._adopt(vm)
 
+    async def _trim_serial_logs(self) -> None:
+        """Keeps every VM's serial console log within serial_log_max_bytes (runtime/serial.py)."""
+        cap = self.config.serial_log_max_bytes
+
+        def trim_all(logs: list[Path]) -> list[Path]:
+            return [log_path for log_path in logs if trim_serial_log(log_path, cap)]
+
+        while True:
+            logs = [vm.workdir / SERIAL_LOG for vm in list(self.vms.values())]
+            try:
+                for rotated in await asyncio.to_thread(trim_all, logs):
+                    log.debug("serial log rotated", extra={"vm": rotated.parent.name})
+            except OSError as exc:  # a full disk, say: tried again at the next look
+                log.warning("serial log not trimmed", extra={"error": str(exc)})
+            await asyncio.sleep(SERIAL_CHECK_INTERVAL)
+
     async def _watch(self, vm: VM) -> None:
         await vm.process.died.wait()
         if vm.process.expected_exit:
@@ -486,10 +518,15 @@ class Runtime:
         while True:
             if vm.process.died.is_set():
                 raise VMDiedError(vm.process.exit_reason())
-            with contextlib.suppress(httpx.HTTPError):
-                answer = await self._http.get(url, timeout=1.0)
+            try:
+                answer = await read_reply(self._http, "GET", url, what=f"envd of VM {vm.id}",
+                                          timeout=1.0)
                 if answer.is_success:
                     return
+            except (httpx.HTTPError, GuestReplyTimeout):
+                pass  # not up yet (or slow under load): polled again until the deadline
+            except GuestReplyError as exc:
+                raise GuestNotReadyError(str(exc)) from None
             if time.monotonic() > deadline:
                 raise GuestNotReadyError(f"envd of VM {vm.id} did not answer within {timeout:.0f} s")
             await asyncio.sleep(0.02)
@@ -517,9 +554,12 @@ class Runtime:
                 # Connecting is retried quickly (envd may not listen yet), but once the request
                 # is in, the answer is awaited until the deadline: under TCG with many guests
                 # starting at once it takes seconds, and sending it again only adds work.
-                answer = await self._post_while_alive(
-                    vm, url, json=body, headers=headers,
-                    timeout=httpx.Timeout(remaining, connect=min(1.0, remaining)))
+                answer = await self._while_alive(vm, read_reply(
+                    self._http, "POST", url, what=f"envd /init of VM {vm.id}",
+                    timeout=remaining, connect_timeout=1.0, json=body, headers=headers))
+            except GuestReplyError as exc:
+                # what answers on envd's port is the guest's: an endless or dripping reply
+                raise GuestNotReadyError(str(exc)) from None
             except (httpx.ConnectError, httpx.ConnectTimeout, httpx.ReadError,
                     httpx.RemoteProtocolError):
                 await asyncio.sleep(0.005)
@@ -532,9 +572,9 @@ class Runtime:
                 return
             raise GuestNotReadyError(f"envd /init of VM {vm.id} answered {answer.status_code}")
 
-    async def _post_while_alive(self, vm: VM, url: str, **kwargs: Any) -> httpx.Response:
-        """POST, but give up as soon as the VM's QEMU exits (VMDiedError)."""
-        post = asyncio.ensure_future(self._http.post(url, **kwargs))
+    async def _while_alive(self, vm: VM, call: Awaitable[T]) -> T:
+        """`call`'s result, but give up as soon as the VM's QEMU exits (VMDiedError)."""
+        post = asyncio.ensure_future(call)
         died = asyncio.ensure_future(vm.process.died.wait())
         try:
             await asyncio.wait({post, died}, return_when=asyncio.FIRST_COMPLETED)

@@ -24,6 +24,10 @@ than gzip(1)) and hashes the stream ahead of the applier; tar headers are parsed
 path for the common case; a new file is created with O_EXCL first (no lookup unless something
 is in the way) and its metadata set through its descriptor; large files start writeback at
 once so a loop-mounted disk below sees the data while the apply goes on.
+
+Bounded: a layer's uncompressed stream may not exceed AENV_LAYER_MAX_UNCOMPRESSED_BYTES (a gzip
+of zeros expands a thousandfold): the worker counts what it inflates and stops the layer with an
+error naming it before the applier writes a byte past the limit.
 """
 
 from __future__ import annotations
@@ -62,6 +66,22 @@ _COPY_CHUNK = 1 << 20
 _MAX_SYMLINK_HOPS = 255
 T = TypeVar("T")
 _PIPELINE_DEPTH = 8  # uncompressed blocks decoded ahead of the applier
+#: bytes one layer may expand to (0: no limit but the 64 GiB filesystem it is applied onto)
+MAX_UNCOMPRESSED_ENV = "AENV_LAYER_MAX_UNCOMPRESSED_BYTES"
+DEFAULT_MAX_UNCOMPRESSED = 16 << 30
+
+
+def uncompressed_limit() -> int | None:
+    """AENV_LAYER_MAX_UNCOMPRESSED_BYTES (default 16 GiB); None for no limit."""
+    raw = os.environ.get(MAX_UNCOMPRESSED_ENV, "").strip()
+    try:
+        value = int(raw) if raw else DEFAULT_MAX_UNCOMPRESSED
+    except ValueError:
+        raise LayerApplyError(f"{MAX_UNCOMPRESSED_ENV} must be a number of bytes, "
+                              f"got {raw!r}") from None
+    if value < 0:
+        raise LayerApplyError(f"{MAX_UNCOMPRESSED_ENV} must be 0 or more, got {raw!r}")
+    return value or None
 
 # Layer media types this applier accepts, by compression ("" = plain tar).
 TAR_LAYER_TYPES: dict[str, str] = {
@@ -150,10 +170,11 @@ class _Pipeline(io.RawIOBase):
 
     _END = b""
 
-    def __init__(self, raw: BinaryIO, compression: str) -> None:
+    def __init__(self, raw: BinaryIO, compression: str, limit: int | None) -> None:
         self.hasher = hashlib.sha256()
         self._raw = raw
         self._compression = compression
+        self._limit = limit
         self._blocks: queue.Queue[bytes] = queue.Queue(_PIPELINE_DEPTH)
         self._current = memoryview(b"")
         self._error: BaseException | None = None
@@ -177,10 +198,16 @@ class _Pipeline(io.RawIOBase):
     def _produce(self) -> None:
         try:
             stream = _decompressed(self._raw, self._compression)
+            total = 0
             while not self._stopping:
                 block = stream.read(_COPY_CHUNK)
                 if not block:
                     break
+                total += len(block)
+                if self._limit is not None and total > self._limit:
+                    raise LayerApplyError(
+                        f"expands to more than {self._limit} bytes uncompressed "
+                        f"({MAX_UNCOMPRESSED_ENV})")
                 self.hasher.update(block)
                 if not self._put(block):
                     return
@@ -307,7 +334,7 @@ def open_uncompressed(blob: Path | BlobTap, compression: str,
         if compression and actual != compression:
             raise LayerApplyError(f"media type says {compression} but the blob is not "
                                   f"{compression} data")
-        pipeline = _Pipeline(raw, actual)
+        pipeline = _Pipeline(raw, actual, uncompressed_limit())
         try:
             yield pipeline
         finally:

@@ -183,7 +183,9 @@ def convert_tar_layer(
         raise ValueError("a tar layer is applied onto at least the base layer")
     upper = work / "upper"
     marks = [("start", time.perf_counter())]
-    device = client.create(lowers=list(lowers), upper_dir=upper)
+    # No cap on the upper: the layer's expansion is bounded already (apply.py), and a share of
+    # a small state disk would refuse layers that fit.
+    device = client.create(lowers=list(lowers), upper_dir=upper, upper_limit=0)
     try:
         if not device.file:
             raise PullError("blockd runs without FUSE files (--no-fuse); conversion needs them "

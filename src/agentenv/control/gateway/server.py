@@ -62,7 +62,8 @@ def serve(options: GatewayOptions) -> None:
     quiet_stream_aborts()
     capped = ConcurrencyCap(app, max_concurrent(), "the gateway")
     config = hardened_config(capped, options.host, options.port, limits.max_head_bytes,
-                             limits.head_timeout, 5, backlog=4096)
+                             limits.head_timeout, 5, backlog=4096,
+                             ws_max_bytes=limits.max_ws_message_bytes)
     server = uvicorn.Server(config)
     log.info("gateway starting", extra={"host": options.host, "port": options.port,
                                         "scheduler": options.scheduler})

@@ -16,6 +16,7 @@ from typing import Any
 import httpx
 
 from agentenv.blockd.client import DeviceInfo
+from agentenv.envd_client import GuestReplyError, read_reply
 from agentenv.guest.build.assets import GuestAssets, build_assets
 from agentenv.guest.envd import ENVD_VERSION
 from agentenv.network.control import SlotEntry, SlotIdentity
@@ -433,9 +434,14 @@ class VmBackend(SandboxBackend, CrashRecovery, LayerAware, TemplateBuilding, Net
         pause is refused otherwise and the sandbox keeps running."""
         token = self._tokens.get(sandbox_id)
         try:
-            async with httpx.AsyncClient(timeout=SYNC_TIMEOUT, trust_env=False) as client:
-                answer = await client.post(vm.envd_url + "/aenv/sync",
-                                           headers={"X-Access-Token": token} if token else None)
+            async with httpx.AsyncClient(trust_env=False) as client:
+                answer = await read_reply(client, "POST", vm.envd_url + "/aenv/sync",
+                                          what=f"envd /aenv/sync of {sandbox_id}",
+                                          timeout=SYNC_TIMEOUT,
+                                          headers={"X-Access-Token": token} if token else None)
+        except GuestReplyError as exc:
+            raise BackendError(f"a filesystem-only pause of {sandbox_id} needs its guest agent "
+                               f"(envd) to flush the disk: {exc}") from exc
         except httpx.HTTPError as exc:
             raise BackendError(
                 f"a filesystem-only pause of {sandbox_id} needs its guest agent (envd) to flush "
