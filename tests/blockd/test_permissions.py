@@ -91,3 +91,24 @@ def test_group_search_granted_by_the_privilege_setup_is_kept(tmp_path: Path) -> 
     assert _mode(d) == 0o710
     new = private_dir(tmp_path / "a" / "b")
     assert _mode(new) == 0o700
+
+
+def test_an_owned_disk_socket_is_its_owners_alone_from_the_start(daemon: Daemon,
+                                                                  stack: Stack) -> None:
+    """A jailed QEMU's writable disk: blockd answers the create with the socket already that
+    uid's alone (0600), so no other VM of the group can connect in between, and makes it so again
+    after a restart, from the device record. A read-only device is shared: no owner."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root to chown the socket")
+    owner = 212345
+    with daemon.client() as client:
+        info = client.create(lowers=stack.lowers, owner=owner)
+        plain = client.create(lowers=stack.lowers)
+        with pytest.raises(Exception, match="only for a writable device"):
+            client.create(image=stack.lowers[0], readonly=True, owner=owner)
+    sock = Path(info.nbd)
+    assert (sock.stat().st_uid, sock.stat().st_gid, _mode(sock)) == (owner, owner, 0o600)
+    assert _mode(Path(plain.nbd)) == (0o660 if _vm_gid() is not None else 0o600)
+    daemon.stop()
+    daemon.start()
+    assert (sock.stat().st_uid, sock.stat().st_gid, _mode(sock)) == (owner, owner, 0o600)

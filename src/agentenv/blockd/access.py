@@ -28,9 +28,14 @@ def grant_vm_group_search(folder: Path) -> None:
     os.chmod(folder, 0o710)
 
 
-def grant_nbd_socket(sock: Path) -> None:
-    """The socket is 0660 with the VM user's group, nobody else's; without that group it stays
-    0600 (root's QEMU only)."""
+def grant_nbd_socket(sock: Path, owner: int | None = None) -> None:
+    """`owner` (a jailed QEMU's uid, which is also its gid): the socket is 0600 and that uid's
+    alone, from before blockd answers the create, so no other VM can connect in between. Else
+    0660 with the VM user's group, nobody else's; without that group 0600 (root's QEMU only)."""
+    if owner is not None:
+        os.chown(sock, owner, owner)
+        os.chmod(sock, 0o600)
+        return
     gid = vm_gid()
     if gid is None:
         os.chmod(sock, 0o600)

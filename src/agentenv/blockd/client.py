@@ -114,12 +114,14 @@ class BlockdClient:
         size: int | None = None,
         readonly: bool = False,
         upper_limit: int | None = None,
+        owner: int | None = None,
     ) -> DeviceInfo:
         """upper_limit: cap on the upper's growth in bytes, 0 for none; None: the daemon's
-        default (--upper-limit)."""
+        default (--upper-limit). owner: the uid (= gid) alone allowed to connect (a writable
+        device of a jailed QEMU)."""
         return DeviceInfo.from_json(
             self.call("create", image=image, lowers=lowers, upper_dir=upper_dir, size=size,
-                      readonly=readonly, upper_limit=upper_limit)
+                      readonly=readonly, upper_limit=upper_limit, owner=owner)
         )
 
     def create_blank(self, size: int, upper_dir: Path | None = None) -> DeviceInfo:
@@ -190,9 +192,11 @@ class AsyncBlockdClient:
 
     async def create(self, image: Path | None = None, lowers: list[Path] | None = None,
                      upper_dir: Path | None = None, size: int | None = None,
-                     readonly: bool = False) -> DeviceInfo:
+                     readonly: bool = False, owner: int | None = None) -> DeviceInfo:
+        """owner: as BlockdClient.create."""
         return DeviceInfo.from_json(await self.call(
-            "create", image=image, lowers=lowers, upper_dir=upper_dir, size=size, readonly=readonly))
+            "create", image=image, lowers=lowers, upper_dir=upper_dir, size=size, readonly=readonly,
+            owner=owner))
 
     async def create_blank(self, size: int, upper_dir: Path | None = None) -> DeviceInfo:
         return DeviceInfo.from_json(await self.call("create_blank", size=size, upper_dir=upper_dir))

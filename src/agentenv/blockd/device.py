@@ -136,6 +136,8 @@ class DeviceRecord:
     refcount: int = 1
     snapshots: list[str] = field(default_factory=list)
     upper_limit: int | None = None  # cap on the upper's growth in bytes (None: no cap)
+    # uid (and gid) of the one client that may connect (a jailed QEMU's own); None: the VM group
+    owner: int | None = None
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)

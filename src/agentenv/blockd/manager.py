@@ -168,7 +168,7 @@ class DeviceManager:
         device.server = await nbd.start_unix_server(
             str(sock), nbd.SingleExportTable(record.id, device), device.clients
         )
-        grant_nbd_socket(sock)
+        grant_nbd_socket(sock, record.owner)
         self.devices[record.id] = device
         if self.fuse:
             device.fuse_path = self.layout.fuse / record.id
@@ -287,7 +287,13 @@ class DeviceManager:
         size: int | None = None,
         readonly: bool = False,
         upper_limit: int | None = -1,
+        owner: int | None = None,
     ) -> DeviceInfo:
+        """`owner`: the uid (= gid) whose client alone may connect to a writable device's socket
+        (a jailed QEMU's); a read-only device is shared by design and has none."""
+        if owner is not None and (readonly or isinstance(owner, bool) or not isinstance(owner, int)
+                                  or owner <= 0):
+            raise BlockdError(f"owner {owner!r}: a uid > 0, and only for a writable device")
         async with self._lock:
             if readonly:
                 return await self._create_shared(image, lowers, size)
@@ -297,7 +303,7 @@ class DeviceManager:
             record = DeviceRecord(
                 id=device_id, kind="disk", socket=self._socket_for(device_id),
                 source=str(images.config_path(upper)), upper_dir=str(upper), owns_upper=owns,
-                readonly=False, size=built.virtual_size, upper_limit=limit,
+                readonly=False, size=built.virtual_size, upper_limit=limit, owner=owner,
             )
             device = await self._start_device(record, built)
             log.info("device created", extra={"device": device_id, "image": image, "size": device.size})

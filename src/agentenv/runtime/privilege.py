@@ -183,13 +183,6 @@ def withdraw(user: VMUser, state_dir: Path, dirs: list[Path]) -> None:
     os.chmod(state_dir, stat.S_IMODE(state_dir.stat().st_mode) & ~(stat.S_IRWXG | stat.S_IRWXO))
 
 
-def own_socket(path: Path, user: VMUser) -> None:
-    """A writable disk's NBD socket: its jailed QEMU's uid alone may connect (blockd made it
-    connectable for the whole VM group, which every jailed QEMU is in)."""
-    os.chown(path, user.uid, user.gid)
-    os.chmod(path, 0o600)
-
-
 def grant_ram_file(path: Path, user: VMUser, writable: bool) -> None:
     """The RAM file QEMU maps: group-readable (and writable when free-page reporting opens it
     read-write) for the VM group, nobody else."""

@@ -341,20 +341,17 @@ class Runtime:
         upper = None if read_only else workdir / "disks" / name
         if upper is not None:
             upper.parent.mkdir(parents=True, exist_ok=True)
+        # blockd makes a jailed QEMU's writable disk socket that uid's alone as it makes it (and
+        # again after a restart, from its record): no moment where another VM could connect
+        owner = user.uid if not read_only and user is not None and user is not self.vm_user \
+            else None
         try:
             info = await self.blockd.create(lowers=[Path(x.path) for x in layers],
-                                            upper_dir=upper, size=size, readonly=read_only)
+                                            upper_dir=upper, size=size, readonly=read_only,
+                                            owner=owner)
         except BlockdError as exc:
             raise DiskError(f"disk {name}: {exc}") from exc
         disk = AttachedDisk(config, list(layers), device_id=info.id)
-        if not read_only and user is not None and user is not self.vm_user:
-            try:
-                privilege.own_socket(Path(info.nbd), user)
-            except OSError as exc:
-                with contextlib.suppress(Exception):
-                    await self.blockd.release(info.id)
-                raise DiskError(f"disk {name}: cannot hand its NBD socket to {user.name}: "
-                                f"{exc}") from exc
         return (disk,
                 DiskAttachment(name, read_only, nbd_socket=info.nbd, nbd_export=info.export))
 
@@ -378,24 +375,6 @@ class Runtime:
         if self.uids is None or self.vm_user is None:
             return self.vm_user
         return self.vm_user.jailed(self.uids.allocate(owner))
-
-    async def reown_disk_sockets(self) -> None:
-        """After blockd made its NBD sockets again (a restart), each writable disk's socket
-        is again its jailed QEMU's alone (see _attach_disk)."""
-        if self.uids is None or self.blockd is None:
-            return
-        sockets = {info.id: info.nbd for info in await self.blockd.list()}
-        for vm in list(self.vms.values()):
-            user = vm.process.user
-            if user is None or not self.uids.contains(user.uid):
-                continue
-            for disk in vm.disks:
-                if not disk.config.read_only and disk.device_id in sockets:
-                    try:
-                        privilege.own_socket(Path(sockets[disk.device_id]), user)
-                    except OSError as exc:
-                        log.warning("cannot hand an NBD socket back to its VM", extra={
-                            "vm": vm.id, "device": disk.device_id, "error": str(exc)})
 
     def uid_releaser(self, user: privilege.VMUser | None) -> Callable[[], None] | None:
         """What gives `user`'s uid back to the pool (None: not a leased uid)."""

@@ -625,7 +625,6 @@ class VmBackend(SandboxBackend, CrashRecovery, LayerAware, TemplateBuilding, Net
         for vm in check.pooled_lost:
             with contextlib.suppress(Exception):
                 await self.runtime.kill(vm)
-        await self.runtime.reown_disk_sockets()
 
     # --- layer awareness (LayerAware: node/gc.py) ---------------------------------------------
 
