@@ -44,6 +44,7 @@ from starlette.routing import Route
 from agentenv import __version__
 from agentenv.node import models, security
 from agentenv.node.errors import ApiError, BadRequest, sandbox_not_found
+from agentenv.node.layer_peers import HOLDERS_PATH
 from agentenv.node.metrics import NodeMetrics
 from agentenv.node.openapi import openapi_document
 from agentenv.node.orchestrator import CreateParams, Orchestrator
@@ -60,9 +61,10 @@ MAX_BODY_BYTES = 1 << 20
 MAX_PAGE = 100
 IDEMPOTENCY_SECONDS = 600.0
 PUBLIC_PATHS = {"/health", "/metrics", "/openapi.json"}
-#: what the gateway asks a node for no team: which sandbox made a file signature (the URL names
-#: no team; the answer names it), and the node's own state
-TEAMLESS_PATHS = PUBLIC_PATHS | {security.SIGNATURE_OWNER_PATH, "/nodes"}
+#: what a node is asked for no team, with the cluster secret: which sandbox made a file
+#: signature (the URL names no team; the answer names it), the node's own state, and which
+#: peers hold a layer (blockd's question, node/layer_peers.py)
+TEAMLESS_PATHS = PUBLIC_PATHS | {security.SIGNATURE_OWNER_PATH, "/nodes", HOLDERS_PATH}
 #: Paths whose routes check a permission of their own instead of the API key (the signed upload
 #: URLs of template build files, node/template_api.py).
 SELF_AUTHENTICATED_PREFIXES = ("/template-files/",)
