@@ -6,7 +6,10 @@ sandbox and a template of its own. Every request of these tests is sent as raw b
 (http.client sends the target as written: no client normalises the path). Between the gateway
 and the node sits a tap (a TCP relay that parses what the gateway sends with h11): the node's
 advertised address is the tap's, so every request the node gets is recorded, and no test may
-find one that names alpha's things for beta, or a path the gateway did not route.
+find one that names alpha's things for beta, or a path the gateway did not route. The fuzz
+passes: a hypothesis generator of hostile targets (dot segments, encodings, empty segments,
+absolute forms) over the routes of both teams' things, and schemathesis' requests of every
+operation with such a segment spliced in, at the gateway and at the node.
 """
 
 from __future__ import annotations
