@@ -121,6 +121,10 @@ class LocalCluster:
         self.keys[name] = key.stdout.strip()
         return self.keys[name]
 
+    def node_headers(self, team: str) -> dict[str, str]:
+        """What the gateway sends a node with a request of `team`: the secret and the team."""
+        return {"x-agentenv-cluster-secret": self.secret, "x-agentenv-team": team}
+
     def up_nodes(self) -> set[str]:
         """The nodes the gateway reports up (none while it cannot reach the scheduler)."""
         key = next(iter(self.keys.values()), None) or self.team("probe")

@@ -50,14 +50,15 @@ def sdk(cluster: LocalCluster) -> Iterator[LocalCluster]:
         yield cluster
 
 
-def holder(cluster: LocalCluster, sandbox_id: str) -> str:
-    """The node that has the sandbox, asked of every node directly (with the cluster secret)."""
+def holder(cluster: LocalCluster, sandbox_id: str, team: str = "alpha") -> str:
+    """The node that has the sandbox of `team`, asked of every node directly (as the gateway
+    would: the cluster secret and the team)."""
     found = []
     for i, node in enumerate(cluster.nodes):
         if node.proc is None:
             continue
         answer = httpx.get(f"{node.url}/sandboxes/{sandbox_id}", timeout=10,
-                           headers={"x-agentenv-cluster-secret": cluster.secret})
+                           headers=cluster.node_headers(team))
         if answer.status_code == 200:
             found.append(f"node{i}")
     assert len(found) == 1, (sandbox_id, found)
@@ -406,8 +407,7 @@ def test_signed_url_owner_cached_until_its_sandbox_goes(sdk: LocalCluster) -> No
             # sandbox is not passed on, the nodes are asked again
             node = sdk.node_of(holder(sdk, made[1].sandbox_id))
             assert httpx.delete(f"{node.url}/sandboxes/{made[1].sandbox_id}", timeout=60,
-                                headers={"x-agentenv-cluster-secret": sdk.secret}
-                                ).status_code == 204
+                                headers=sdk.node_headers("alpha")).status_code == 204
             before = gateway_metrics(sdk.url)
             gone = client.get(urls[1])
             assert gone.status_code == 401 and gone.json()["message"] == "invalid signature"
@@ -538,8 +538,7 @@ def test_create_lease_lapses_with_a_dead_gateway_not_a_live_one(cluster: LocalCl
         on_nodes = []
         for node in cluster.nodes:
             listed = httpx.get(f"{node.url}/v2/sandboxes", params={"metadata": "batch=lease"},
-                               headers={"x-agentenv-cluster-secret": cluster.secret},
-                               timeout=30)
+                               headers=cluster.node_headers("alpha"), timeout=30)
             on_nodes += [s["sandboxID"] for s in listed.json()]
         assert sorted(on_nodes) == sorted(made)
         again = httpx.post(f"{live.url}/v2/sandboxes", json=body, timeout=60,
@@ -569,7 +568,7 @@ def test_template_build_on_one_node_seen_cluster_wide(sdk: LocalCluster) -> None
     tid = info.template_id
     homes = [f"node{i}" for i, node in enumerate(sdk.nodes)
              if httpx.get(f"{node.url}/templates/{tid}", timeout=10,
-                          headers={"x-agentenv-cluster-secret": sdk.secret}).status_code == 200]
+                          headers=sdk.node_headers("alpha")).status_code == 200]
     assert len(homes) == 1, homes
     with httpx.Client(base_url=sdk.url, timeout=60) as api:
         for path in ("/templates", "/v2/templates"):
@@ -583,11 +582,15 @@ def test_template_build_on_one_node_seen_cluster_wide(sdk: LocalCluster) -> None
         assert api.get(f"/templates/{tid}/tags", headers=beta).status_code == 404
         for method, path, body in [("POST", "/templates/tags", {"target": f"{name}:v1",
                                                                 "tags": ["stolen"]}),
-                                   ("POST", "/v2/sandboxes", {"templateID": name}),
-                                   ("POST", "/v3/templates", {"name": name})]:
+                                   ("POST", "/v2/sandboxes", {"templateID": name})]:
             answer = api.request(method, path, json=body, headers=beta)
-            # the name is alpha's: beta can neither use, tag nor rebuild it
-            assert answer.status_code in (404, 409), (path, answer.text)
+            # the name is alpha's: beta can neither use nor tag it
+            assert answer.status_code == 404, (path, answer.text)
+        # names are per team: beta's template of that name is another template
+        own = api.post("/v3/templates", json={"name": name}, headers=beta)
+        assert own.status_code == 202 and own.json()["templateID"] != tid, own.text
+        assert api.delete(f"/templates/{own.json()['templateID']}", headers=beta
+                          ).status_code == 204
         builtin = api.post("/v3/templates", json={"name": "base"}, headers=beta)
         assert builtin.status_code == 400 and "built-in" in builtin.json()["message"]
         made = [Sandbox.create(template=ref, timeout=60) for ref in (name, f"{name}:prod", name)]

@@ -32,7 +32,7 @@ def vm_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluste
 
 def on_node(cluster: LocalCluster, sandbox_id: str, node: int) -> bool:
     answer = httpx.get(f"{cluster.nodes[node].url}/sandboxes/{sandbox_id}", timeout=30,
-                       headers={"x-agentenv-cluster-secret": cluster.secret})
+                       headers=cluster.node_headers("vm"))
     return answer.status_code == 200
 
 

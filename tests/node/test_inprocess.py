@@ -13,6 +13,7 @@ from starlette.routing import Route
 from agentenv.node.backend import TemplateRef
 from agentenv.node.records import TemplateRecord
 from agentenv.node.server import ServeOptions, build_app
+from agentenv.node.tenancy import LOCAL_TEAM
 
 with warnings.catch_warnings():  # starlette 1.x nags about httpx here; TestClient still works
     warnings.simplefilter("ignore")
@@ -30,7 +31,7 @@ def test_extra_routes_and_registered_templates(tmp_path: Path) -> None:
     with TestClient(app, headers={"X-API-KEY": key}) as client:
         answer = client.get("/templates/t1/builds/b1/status")
         assert answer.json() == {"templateID": "t1", "status": "ready"}
-        base_dir = app.orchestrator.catalogue.resolve("base").ref.data["dir"]
+        base_dir = app.orchestrator.catalogue.resolve("base", LOCAL_TEAM).ref.data["dir"]
         now = time.time()
         template = TemplateRecord(
             template_id="tpl1",

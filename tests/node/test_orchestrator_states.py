@@ -26,6 +26,7 @@ from agentenv.node.orchestrator import CreateParams, NodeConfig, Orchestrator
 from agentenv.node.records import SandboxRecord, State
 from agentenv.node.security import TokenIssuer
 from agentenv.node.store import Store
+from agentenv.node.tenancy import LOCAL_TEAM
 from tests.node.scripted import Crash, ScriptedBackend
 
 LIMIT = 20.0  # seconds one scenario may take; every one takes far less
@@ -278,7 +279,7 @@ def test_snapshot_and_its_failures(tmp_path: Path) -> None:
         orch = await start(tmp_path, backend)
         rec = await create(orch)
         tpl = await orch.snapshot(rec.sandbox_id, "snap-one")
-        assert orch.catalogue.resolve("snap-one") == tpl
+        assert orch.catalogue.resolve("snap-one", LOCAL_TEAM) == tpl
         stored = {t.template_id for t in await orch.store.load_templates()}
         assert tpl.template_id in stored
         await raises(Conflict, orch.snapshot(rec.sandbox_id, "snap-one"))  # name taken
@@ -290,7 +291,7 @@ def test_snapshot_and_its_failures(tmp_path: Path) -> None:
         backend.fail("snapshot", retryable=False)
         await raises(Internal, orch.snapshot(rec.sandbox_id, None))
         assert rec.sandbox_id not in orch.sandboxes
-        assert len(orch.catalogue.of_kind("snapshot")) == 1
+        assert len(orch.catalogue.of_kind("snapshot", LOCAL_TEAM)) == 1
         await settled(orch, backend)
         await orch.shutdown()
 

@@ -149,6 +149,55 @@ def test_migrates_version_1_forward_and_keeps_its_rows(tmp_path: Path) -> None:
     asyncio.run(scenario())
 
 
+def test_migrates_version_3_to_teams_the_old_rows_are_the_local_teams(tmp_path: Path) -> None:
+    """Schema 4 (tenancy): a template, its name and a sandbox written before teams were are the
+    API key holder's (`local`); after it, names are per team."""
+    from dataclasses import replace
+
+    from agentenv.node.store import MIGRATIONS
+    from agentenv.node.tenancy import LOCAL_TEAM, SHARED
+
+    path = tmp_path / "node.db"
+    conn = sqlite3.connect(path)
+    for step in MIGRATIONS[:3]:
+        conn.executescript(step)
+    conn.execute("CREATE TABLE schema_version (version INTEGER NOT NULL)")
+    conn.execute("INSERT INTO schema_version VALUES (3)")
+    old = template("sold", ["kept"])
+    conn.execute("INSERT INTO templates (id, kind, source_sandbox_id, created_at, doc) "
+                 "VALUES ('sold', 'snapshot', NULL, 1.0, ?)",
+                 (json.dumps({"names": ["kept"], "ref": old.ref.to_json(), "cpu_count": 1,
+                              "memory_mb": 128, "disk_size_mb": 1024, "envd_version": "0.6.4",
+                              "updated_at": 1.0}),))
+    conn.execute("INSERT INTO template_names (name, template_id) VALUES ('kept', 'sold')")
+    row = record("iold").to_row()
+    del row["team"]
+    conn.execute("INSERT INTO sandboxes (id, state, doc) VALUES ('iold', 'running', ?)",
+                 (json.dumps(row),))
+    conn.commit()
+    conn.close()
+
+    async def scenario() -> None:
+        store = Store(path)
+        await store.open()
+        assert await store.schema_version() == SCHEMA_VERSION >= 4
+        (tpl,) = await store.load_templates()
+        assert (tpl.template_id, tpl.names, tpl.team) == ("sold", ["kept"], LOCAL_TEAM)
+        assert [r.team for r in await store.load_sandboxes()] == [LOCAL_TEAM]
+        with pytest.raises(NameTaken):  # the name is still the local team's
+            await store.put_template(template("snew", ["kept"]))
+        # another team's of that name is another thing; a built-in's name is nobody's
+        await store.put_template(replace(template("sother", ["kept"]), team="beta"))
+        await store.put_template(replace(template("base", ["base"]), team=SHARED))
+        with pytest.raises(NameTaken):
+            await store.put_template(replace(template("smine", ["base"]), team="beta"))
+        teams = {t.template_id: t.team for t in await store.load_templates()}
+        assert teams == {"sold": LOCAL_TEAM, "sother": "beta", "base": SHARED}
+        await store.close()
+
+    asyncio.run(scenario())
+
+
 def test_pending_pause_and_its_finish_are_one_transaction(tmp_path: Path) -> None:
     async def scenario() -> None:
         store = Store(tmp_path / "node.db")

@@ -3,7 +3,14 @@
 `NodeApp` is the ASGI entry point. Only origin-form request targets are served (400 otherwise).
 Sandbox traffic (E2b-Sandbox-Id header, `{port}-{id}.{domain}` Host, or a signed file URL) goes
 to the proxy without an API key; everything else is the
-control plane, which needs `X-API-KEY` except for /health and /metrics. Every non-2xx answer of
+control plane, which needs `X-API-KEY` except for /health and /metrics. Paths with dot, empty or
+encoded-separator segments are refused before routing (relay/server.py path_problem).
+
+Teams (node/tenancy.py): a request with the API key is of LOCAL_TEAM; a node of a cluster
+serves only its gateway (the cluster secret), which names the team of each request in
+TEAM_HEADER, and every route applies that team's scope: another team's sandbox, template or
+snapshot is not found, by id or by name, and listings show the team's own. A gateway request
+without a team reaches only the team-less routes (TEAMLESS_PATHS). Every non-2xx answer of
 the control plane is JSON `{"code": <status>, "message": ...}` (docs/e2b-api.md §1.2),
 including unknown routes (404), wrong methods (405), bad bodies (400/422) and huge bodies (413).
 """
@@ -37,13 +44,15 @@ from starlette.routing import Route
 from agentenv import __version__
 from agentenv.node import models, security
 from agentenv.node.errors import ApiError, BadRequest, sandbox_not_found
+from agentenv.node.layer_peers import HOLDERS_PATH
 from agentenv.node.metrics import NodeMetrics
 from agentenv.node.openapi import openapi_document
 from agentenv.node.orchestrator import CreateParams, Orchestrator
 from agentenv.node.proxy import SandboxProxy, send_json
-from agentenv.node.records import SandboxRecord, State, TemplateRecord
+from agentenv.node.records import SandboxRecord, State
 from agentenv.node.security import CLUSTER_SECRET_HEADER, bearer_is, metrics_token, same_secret
-from agentenv.relay.server import request_target, target_problem
+from agentenv.node.tenancy import LOCAL_TEAM, SCOPE_KEY, TEAM_HEADER, TEAM_NAME, scope_team
+from agentenv.relay.server import path_problem, request_target, target_problem
 
 log = logging.getLogger("agentenv.node.api")
 M = TypeVar("M", bound=BaseModel)
@@ -52,6 +61,11 @@ MAX_BODY_BYTES = 1 << 20
 MAX_PAGE = 100
 IDEMPOTENCY_SECONDS = 600.0
 PUBLIC_PATHS = {"/health", "/openapi.json"}
+#: what a node is asked for no team, with the cluster secret: which sandbox made a file
+#: signature (the URL names no team; the answer names it), the node's own state and metrics,
+#: and which peers hold a layer (blockd's question, node/layer_peers.py)
+TEAMLESS_PATHS = PUBLIC_PATHS | {"/metrics", security.SIGNATURE_OWNER_PATH, "/nodes",
+                                 HOLDERS_PATH}
 #: Paths whose routes check a permission of their own instead of the API key (the signed upload
 #: URLs of template build files, node/template_api.py).
 SELF_AUTHENTICATED_PREFIXES = ("/template-files/",)
@@ -192,7 +206,8 @@ class NodeApp:
         self.node_id = node_id or socket.gethostname()
         self.client_id = hashlib.sha256(self.node_id.encode()).hexdigest()[:8]
         self.proxy = SandboxProxy(orchestrator, api_key, self.metrics)
-        self._idempotent: dict[str, tuple[float, asyncio.Task[SandboxRecord]]] = {}
+        #: (team, Idempotency-Key) -> when, and the create it started
+        self._idempotent: dict[tuple[str, str], tuple[float, asyncio.Task[SandboxRecord]]] = {}
         self._started = time.time()
         self.api = Starlette(
             routes=[*(extra_routes or []), *self._routes()],
@@ -228,13 +243,15 @@ class NodeApp:
             return
         problem = target_problem(request_target(scope))
         if problem is not None:  # the node is no forward proxy: only origin-form targets
-            if scope["type"] == "websocket":
-                await send({"type": "websocket.close", "code": 1008})
-            else:
-                await send_json(send, 400, {"code": 400, "message": problem})
-            self.metrics.requests.labels("api", scope.get("method", "WEBSOCKET"), "400").inc()
+            await self._refuse(scope, send, 400, problem)
             return
         route = self.proxy.route(scope)
+        # sandbox traffic may end in '/' (an app's directory); the control API never does
+        problem = path_problem(request_target(scope), trailing_slash=route is not None)
+        if problem is not None:
+            await self._refuse(scope, send, 400, problem)
+            return
+        scope[SCOPE_KEY] = LOCAL_TEAM
         scraper = route is None and scope["path"] == "/metrics" and (
             self.public_metrics or bearer_is(scope["headers"], self.metrics_token))
         from_gateway = False
@@ -242,14 +259,13 @@ class NodeApp:
                 and (route is not None or scope["path"] != "/health")):
             given = [v for n, v in scope["headers"] if n == CLUSTER_SECRET_HEADER]
             if len(given) != 1 or not same_secret(given[0].decode("latin-1"), self.cluster_secret):
-                if scope["type"] == "websocket":
-                    await send({"type": "websocket.close", "code": 1008})
-                else:
-                    message = "this node serves its cluster's gateway only"
-                    await send_json(send, 403, {"code": 403, "message": message})
-                self.metrics.requests.labels("api", scope.get("method", "WEBSOCKET"), "403").inc()
+                await self._refuse(scope, send, 403, "this node serves its cluster's gateway only")
                 return
             from_gateway = True
+            problem = self._team_problem(scope, route is None)
+            if problem is not None:
+                await self._refuse(scope, send, 403, problem)
+                return
         if scope["type"] == "websocket":
             if route is None:  # the control plane has no WebSocket routes
                 await send({"type": "websocket.close", "code": 1008})
@@ -284,6 +300,27 @@ class NodeApp:
             await self.api(scope, receive, tracking_send)
         finally:
             self.metrics.requests.labels("api", scope["method"], str(status_seen[0])).inc()
+
+    @staticmethod
+    def _team_problem(scope: dict[str, Any], control: bool) -> str | None:
+        """Record the team the gateway named (TEAM_HEADER) in the scope; or why the request is
+        refused: no team outside the team-less routes, more than one, or a malformed one."""
+        teams = [v.decode("latin-1") for n, v in scope["headers"] if n == TEAM_HEADER]
+        if not teams:
+            if control and scope["path"] in TEAMLESS_PATHS:
+                return None
+            return "a request of the gateway must name its team"
+        if len(teams) > 1 or not TEAM_NAME.match(teams[0]):
+            return "the gateway's team header must appear once, with a team's name"
+        scope[SCOPE_KEY] = teams[0]
+        return None
+
+    async def _refuse(self, scope: dict[str, Any], send: Any, status: int, message: str) -> None:
+        if scope["type"] == "websocket":
+            await send({"type": "websocket.close", "code": 1008})
+        else:
+            await send_json(send, status, {"code": status, "message": message})
+        self.metrics.requests.labels("api", scope.get("method", "WEBSOCKET"), str(status)).inc()
 
     # --- error handlers ----------------------------------------------------------------------
 
@@ -356,6 +393,14 @@ class NodeApp:
     async def prometheus(self, request: Request) -> Response:
         return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
+    def _sandbox_id(self, request: Request) -> str:
+        """The path's sandbox id, if that sandbox is of the request's team (else not found)."""
+        sandbox_id: str = request.path_params["sandbox_id"]
+        rec = self.orchestrator.sandboxes.get(sandbox_id)
+        if rec is None or rec.team != scope_team(request.scope):
+            raise sandbox_not_found(sandbox_id)
+        return sandbox_id
+
     def _sandbox(self, rec: SandboxRecord) -> dict[str, Any]:
         return models.sandbox_json(rec, self.client_id, self.orchestrator.config.domain)
 
@@ -373,6 +418,7 @@ class NodeApp:
             secure=body.secure is not False if v1 else True,
             allow_internet_access=body.allow_internet_access,
             network=body.network,
+            team=scope_team(request.scope),
         )
         key = request.headers.get("idempotency-key")
         if key is None:
@@ -388,10 +434,10 @@ class NodeApp:
             del self._idempotent[old]
         if not 1 <= len(key) <= 255:
             raise BadRequest("Idempotency-Key must be 1-255 characters")
-        entry = self._idempotent.get(key)
+        entry = self._idempotent.get((params.team, key))
         if entry is None or (entry[1].done() and entry[1].exception() is not None):
             task = asyncio.ensure_future(self.orchestrator.create(params))
-            self._idempotent[key] = (now, task)
+            self._idempotent[(params.team, key)] = (now, task)
         else:
             task = entry[1]
         return await asyncio.shield(task)
@@ -422,8 +468,9 @@ class NodeApp:
             except ValueError as exc:
                 raise BadRequest(f"startedAfter is not an RFC 3339 time: {after_raw!r}") from exc
         found = []
+        team = scope_team(request.scope)
         for rec in self.orchestrator.list_visible():
-            if rec.state.public not in states:
+            if rec.team != team or rec.state.public not in states:
                 continue
             if any(rec.metadata.get(k) != v for k, v in metadata.items()):
                 continue
@@ -454,7 +501,7 @@ class NodeApp:
     # one sandbox
 
     async def detail(self, request: Request) -> Response:
-        rec = self.orchestrator.get(request.path_params["sandbox_id"])
+        rec = self.orchestrator.get(self._sandbox_id(request))
         if rec.state == State.KILLING:  # killed, as far as clients are concerned
             raise sandbox_not_found(rec.sandbox_id)
         return JSONResponse(
@@ -462,31 +509,31 @@ class NodeApp:
         )
 
     async def kill(self, request: Request) -> Response:
-        await self.orchestrator.kill(request.path_params["sandbox_id"])
+        await self.orchestrator.kill(self._sandbox_id(request))
         return Response(status_code=204)
 
     async def set_timeout(self, request: Request) -> Response:
         body = await read_model(request, models.TimeoutRequest)
-        await self.orchestrator.set_timeout(request.path_params["sandbox_id"], body.timeout)
+        await self.orchestrator.set_timeout(self._sandbox_id(request), body.timeout)
         return Response(status_code=204)
 
     async def refresh(self, request: Request) -> Response:
         body = await read_model(request, models.RefreshRequest, optional=True)
         seconds = 15 if body.duration is None else body.duration
         await self.orchestrator.set_timeout(
-            request.path_params["sandbox_id"], seconds, shorten=False
+            self._sandbox_id(request), seconds, shorten=False
         )
         return Response(status_code=204)
 
     async def pause(self, request: Request) -> Response:
         body = await read_model(request, models.PauseRequest, optional=True)
-        await self.orchestrator.pause(request.path_params["sandbox_id"], body.memory is not False)
+        await self.orchestrator.pause(self._sandbox_id(request), body.memory is not False)
         return Response(status_code=204)
 
     async def resume(self, request: Request) -> Response:
         body = await read_model(request, models.ResumeRequest, optional=True)
         rec = await self.orchestrator.resume_legacy(
-            request.path_params["sandbox_id"], body.timeout, body.autoPause
+            self._sandbox_id(request), body.timeout, body.autoPause
         )
         return JSONResponse(self._sandbox(rec), status_code=201)
 
@@ -497,11 +544,11 @@ class NodeApp:
 
     async def connect_v1(self, request: Request) -> Response:
         body = await read_model(request, models.ConnectV1Request)
-        return await self._connect(request.path_params["sandbox_id"], body.timeout, body.memory)
+        return await self._connect(self._sandbox_id(request), body.timeout, body.memory)
 
     async def connect_v2(self, request: Request) -> Response:
         body = await read_model(request, models.ConnectV2Request, optional=True)
-        return await self._connect(request.path_params["sandbox_id"], body.timeout, body.memory)
+        return await self._connect(self._sandbox_id(request), body.timeout, body.memory)
 
     async def sandbox_metrics(self, request: Request) -> Response:
         bounds: list[float | None] = []
@@ -511,18 +558,18 @@ class NodeApp:
                 bounds.append(float(raw) if raw else None)
             except ValueError as exc:
                 raise BadRequest(f"{name} must be a unix time in seconds, got {raw!r}") from exc
-        samples = await self.orchestrator.metrics(request.path_params["sandbox_id"], *bounds)
+        samples = await self.orchestrator.metrics(self._sandbox_id(request), *bounds)
         return JSONResponse([models.metric_json(s) for s in samples])
 
     async def create_snapshot(self, request: Request) -> Response:
         body = await read_model(request, models.SnapshotRequest, optional=True)
-        tpl = await self.orchestrator.snapshot(request.path_params["sandbox_id"], body.name)
+        tpl = await self.orchestrator.snapshot(self._sandbox_id(request), body.name)
         return JSONResponse(models.snapshot_json(tpl), status_code=201)
 
     async def fork(self, request: Request) -> Response:
         body = await read_model(request, models.ForkRequest, optional=True)
         results = await self.orchestrator.fork(
-            request.path_params["sandbox_id"], body.count, body.timeout
+            self._sandbox_id(request), body.count, body.timeout
         )
         out = []
         for result in results:
@@ -536,16 +583,13 @@ class NodeApp:
         """Replaces the whole egress policy (node/network_policy.py); 400 names a bad entry."""
         body = await read_model(request, models.NetworkUpdate, optional=True)
         await self.orchestrator.update_network(
-            request.path_params["sandbox_id"], body.model_dump(exclude_none=True))
+            self._sandbox_id(request), body.model_dump(exclude_none=True))
         return Response(status_code=204)
 
     # snapshots and templates
 
-    def _snapshots(self) -> list[TemplateRecord]:
-        return self.catalogue.of_kind("snapshot")
-
     async def list_snapshots(self, request: Request) -> Response:
-        found = self._snapshots()
+        found = self.catalogue.of_kind("snapshot", scope_team(request.scope))
         source = request.query_params.get("sandboxID")
         name = request.query_params.get("name")
         if source:
@@ -558,35 +602,32 @@ class NodeApp:
         return JSONResponse([models.snapshot_json(t) for t in items], headers=headers)
 
     async def get_snapshot(self, request: Request) -> Response:
-        tpl = self.catalogue.resolve(request.path_params["snapshot_id"])
+        tpl = self.catalogue.resolve(request.path_params["snapshot_id"], scope_team(request.scope))
         if tpl.kind != "snapshot":
             raise ApiError(f"snapshot '{request.path_params['snapshot_id']}' not found", status=404)
         return JSONResponse(models.snapshot_json(tpl))
 
-    def _templates(self) -> list[TemplateRecord]:
-        return self.catalogue.of_kind("template")
-
     async def list_templates(self, request: Request) -> Response:
-        items = sorted(self._templates(), key=lambda t: (t.created_at, t.template_id))
+        items = sorted(self.catalogue.of_kind("template", scope_team(request.scope)),
+                       key=lambda t: (t.created_at, t.template_id))
         return JSONResponse([models.template_json(t) for t in items])
 
     async def list_templates_v2(self, request: Request) -> Response:
-        items, token = page(
-            self._templates(), lambda t: (t.created_at, t.template_id), request, True
-        )
+        items, token = page(self.catalogue.of_kind("template", scope_team(request.scope)),
+                            lambda t: (t.created_at, t.template_id), request, True)
         headers = {"X-Next-Token": token} if token else None
         return JSONResponse([models.template_json(t) for t in items], headers=headers)
 
     async def get_template(self, request: Request) -> Response:
-        tpl = self.catalogue.resolve(request.path_params["template_id"])
+        tpl = self.catalogue.resolve(request.path_params["template_id"], scope_team(request.scope))
         return JSONResponse(models.template_detail_json(tpl))
 
     async def delete_template(self, request: Request) -> Response:
-        await self.catalogue.delete(request.path_params["template_id"])
+        await self.catalogue.delete(request.path_params["template_id"], scope_team(request.scope))
         return Response(status_code=204)
 
     async def template_alias(self, request: Request) -> Response:
-        tpl = self.catalogue.resolve(request.path_params["alias"])
+        tpl = self.catalogue.resolve(request.path_params["alias"], scope_team(request.scope))
         return JSONResponse({"templateID": tpl.template_id, "public": True})
 
     # nodes
@@ -644,9 +685,11 @@ class NodeApp:
     async def signature_owner(self, request: Request) -> Response:
         body = await read_model(request, SignedFileRequest)
         sandbox_id = self.proxy.signature_owner(body.method, body.query)
-        if sandbox_id is None:
+        rec = self.orchestrator.sandboxes.get(sandbox_id) if sandbox_id is not None else None
+        if rec is None:
             raise ApiError("no sandbox of this node made this signature", status=404)
-        return JSONResponse({"sandboxID": sandbox_id})
+        # team-less: the gateway learns the team here, and relays the request for it
+        return JSONResponse({"sandboxID": rec.sandbox_id, "team": rec.team})
 
     async def nodes(self, request: Request) -> Response:
         return JSONResponse([self._node()])

@@ -3,7 +3,11 @@
 Templates (built, or provided by the backend) and snapshots (taken of sandboxes) are one kind of
 record (node/records.py `TemplateRecord`): a snapshot id works as a templateID. The catalogue
 keeps them in memory and in the store, keeps names unique, resolves "name:tag" through the tags
-(node/template_tags.py) and deletes a template's data when the template goes. The sandbox state
+(node/template_tags.py) and deletes a template's data when the template goes.
+
+Each record is of a team (node/tenancy.py), and names are per team: the same name in two teams
+names two things. A team sees its own records and the built-in templates (tenancy.SHARED, every
+team's), by id and by name; nobody's name may be a built-in's. The sandbox state
 machine (node/orchestrator.py) resolves templates here and registers the snapshots it takes; the
 API (node/api.py) and the template service (node/template_api.py) use it directly.
 """
@@ -19,6 +23,7 @@ from agentenv.node.errors import BadRequest, Conflict, NotFound
 from agentenv.node.records import TemplateRecord
 from agentenv.node.store import Store
 from agentenv.node.template_tags import TemplateTags
+from agentenv.node.tenancy import SHARED
 
 log = logging.getLogger("agentenv.node.catalogue")
 
@@ -37,7 +42,8 @@ class TemplateCatalogue:
         self.builtin_templates: set[str] = set()
         #: tags of the templates (E2B "name:tag")
         self.tags = TemplateTags(self)
-        self._names: dict[str, str] = {}
+        #: (team, name) -> id
+        self._names: dict[tuple[str, str], str] = {}
 
     # --- loading -----------------------------------------------------------------------------
 
@@ -48,10 +54,13 @@ class TemplateCatalogue:
         await self.tags.load()
         for default in defaults:
             existing = self.templates.get(default.name)
-            if existing is None and default.name in self._names:
+            if existing is None and any(name == default.name for _, name in self._names):
                 continue  # the name was given to another template: that one wins
             if existing is not None:
                 self.builtin_templates.add(existing.template_id)
+                if existing.team != SHARED:  # recorded before teams were: every team's
+                    existing.team = SHARED
+                    await self.save(existing)
                 sizes = (default.cpu_count, default.memory_mb, default.disk_size_mb)
                 if sizes != (existing.cpu_count, existing.memory_mb, existing.disk_size_mb):
                     # A rebuild with other sizes: the record must say what the VM gets.
@@ -74,6 +83,7 @@ class TemplateCatalogue:
                     envd_version=default.envd_version or default_envd_version,
                     created_at=now,
                     updated_at=now,
+                    team=SHARED,
                 )
             )
 
@@ -85,9 +95,14 @@ class TemplateCatalogue:
     def __contains__(self, template_id: object) -> bool:
         return template_id in self.templates
 
-    def of_kind(self, kind: str) -> list[TemplateRecord]:
-        """The templates ("template") or the snapshots ("snapshot")."""
-        return [t for t in self.templates.values() if t.kind == kind]
+    def of_kind(self, kind: str, team: str) -> list[TemplateRecord]:
+        """The templates ("template") or the snapshots ("snapshot") `team` sees."""
+        return [t for t in self.templates.values() if t.kind == kind and self.visible(t, team)]
+
+    @staticmethod
+    def visible(tpl: TemplateRecord, team: str) -> bool:
+        """Whether `team` may see and use `tpl`: its own, or a built-in."""
+        return tpl.team in (team, SHARED)
 
     def refs(self) -> Iterator[TemplateRef]:
         """The data of every template, snapshot and tagged build (what gc must keep)."""
@@ -96,21 +111,25 @@ class TemplateCatalogue:
         for build in self.tags.builds.values():
             yield build.ref
 
-    def name_owner(self, name: str) -> str | None:
-        """The id of the template or snapshot called `name`, if any."""
-        return self._names.get(name)
+    def name_owner(self, name: str, team: str) -> str | None:
+        """The id of the template or snapshot called `name` that `team` sees, if any."""
+        return self._names.get((team, name)) or self._names.get((SHARED, name))
 
     def is_builtin(self, template_id: str) -> bool:
         return template_id in self.builtin_templates
 
-    def resolve(self, id_or_name: str) -> TemplateRecord:
-        """A template or snapshot by id, name or "name:tag"; NotFound names what was asked."""
+    def resolve(self, id_or_name: str, team: str) -> TemplateRecord:
+        """A template or snapshot `team` sees, by id, name or "name:tag"; NotFound names what
+        was asked (another team's is not found either)."""
         tpl = self.templates.get(id_or_name)
-        if tpl is None and id_or_name in self._names:
-            tpl = self.templates.get(self._names[id_or_name])
+        if tpl is not None and not self.visible(tpl, team):
+            tpl = None
+        if tpl is None:
+            owner = self.name_owner(id_or_name, team)
+            tpl = self.templates.get(owner) if owner is not None else None
         if tpl is None and ":" in id_or_name:  # "name:tag": that build of the template
             base, tag = id_or_name.rsplit(":", 1)
-            return self.tags.resolve(self.resolve(base), tag, base)
+            return self.tags.resolve(self.resolve(base, team), tag, base)
         if tpl is None:
             raise NotFound(f"template '{id_or_name}' not found")
         return tpl
@@ -124,21 +143,21 @@ class TemplateCatalogue:
         old = self.templates.get(tpl.template_id)
         if old:
             for name in old.names:
-                self._names.pop(name, None)
+                self._names.pop((old.team, name), None)
         self._add(tpl)
         await self.store.set_layer_refs(tpl.kind, tpl.template_id, list(tpl.ref.layers))
 
     async def register(self, tpl: TemplateRecord) -> None:
         """Add or replace a template (template builds call this); its names must be free."""
         for name in tpl.names:
-            owner = self._names.get(name)
+            owner = self.name_owner(name, tpl.team)
             if owner is not None and owner != tpl.template_id:
                 raise Conflict(f"name {name!r} is already used by {owner}")
         await self.save(tpl)
 
-    async def delete(self, id_or_name: str) -> None:
-        """Delete a template or snapshot with its tagged builds and their data."""
-        tpl = self.resolve(id_or_name)
+    async def delete(self, id_or_name: str, team: str) -> None:
+        """Delete a template or snapshot of `team` with its tagged builds and their data."""
+        tpl = self.resolve(id_or_name, team)
         if tpl.template_id in self.builtin_templates:
             raise BadRequest(
                 f"template '{id_or_name}' is built into this node and cannot be deleted"
@@ -147,7 +166,7 @@ class TemplateCatalogue:
         await self.store.set_layer_refs(tpl.kind, tpl.template_id, [])
         self.templates.pop(tpl.template_id, None)
         for name in tpl.names:
-            self._names.pop(name, None)
+            self._names.pop((tpl.team, name), None)
         refs = [tpl.ref]
         for build in self.tags.forget(tpl.template_id):
             if build.ref not in refs:
@@ -165,4 +184,4 @@ class TemplateCatalogue:
     def _add(self, tpl: TemplateRecord) -> None:
         self.templates[tpl.template_id] = tpl
         for name in tpl.names:
-            self._names[name] = tpl.template_id
+            self._names[(tpl.team, name)] = tpl.template_id

@@ -59,6 +59,7 @@ from agentenv.node.errors import (
 from agentenv.node.records import SandboxRecord, State, TemplateRecord
 from agentenv.node.security import TokenIssuer, new_id
 from agentenv.node.store import NameTaken, PendingOp, Store
+from agentenv.node.tenancy import LOCAL_TEAM
 
 log = logging.getLogger("agentenv.node.orchestrator")
 T = TypeVar("T")
@@ -104,6 +105,8 @@ class CreateParams:
     secure: bool = True
     allow_internet_access: bool | None = None
     network: dict[str, Any] | None = None
+    #: the team the sandbox is made for: it sees only that team's templates and snapshots
+    team: str = LOCAL_TEAM
 
 
 @dataclass
@@ -498,7 +501,7 @@ class Orchestrator:
 
     async def create(self, params: CreateParams) -> SandboxRecord:
         self._check_open()
-        tpl = self.catalogue.resolve(params.template)
+        tpl = self.catalogue.resolve(params.template, params.team)
         if params.auto_resume and params.auto_pause and not params.auto_pause_memory:
             raise BadRequest("autoResume cannot be combined with a filesystem-only autoPause")
         policy = network_policy.parse(params.network, params.allow_internet_access)
@@ -532,6 +535,7 @@ class Orchestrator:
             allow_internet_access=params.allow_internet_access,
             network=network_policy.stored(params.network, policy),
             source=tpl.ref,
+            team=params.team,
         )
         # Nothing awaits between the check and the insertion: the record counts from then on.
         self._release(self._admit("create sandbox", tpl.memory_mb, tpl.cpu_count))
@@ -850,7 +854,8 @@ class Orchestrator:
 
     async def snapshot(self, sandbox_id: str, name: str | None) -> TemplateRecord:
         self._check_open()
-        owner = None if name is None else self.catalogue.name_owner(name)
+        team = self.get(sandbox_id).team
+        owner = None if name is None else self.catalogue.name_owner(name, team)
         if owner is not None:
             raise Conflict(f"name {name!r} is already used by {owner}")
         if self.admission is not None:  # the team quota of a standalone node
@@ -887,6 +892,7 @@ class Orchestrator:
             created_at=now,
             updated_at=now,
             source_sandbox_id=sid,
+            team=rec.team,
         )
         try:
             await self.catalogue.save(tpl)

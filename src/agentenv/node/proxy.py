@@ -41,6 +41,7 @@ from agentenv.node.metrics import NodeMetrics
 from agentenv.node.orchestrator import Orchestrator
 from agentenv.node.records import SandboxRecord, State
 from agentenv.node.security import CLUSTER_SECRET_HEADER, same_secret
+from agentenv.node.tenancy import TEAM_HEADER, scope_team
 from agentenv.relay.server import request_target, target_problem
 from agentenv.relay.stream import (
     Exchange,
@@ -66,6 +67,7 @@ _ROUTING = {
     b"host",
     b"expect",
     CLUSTER_SECRET_HEADER,
+    TEAM_HEADER,
 }
 FILES_PATH = "/files"
 
@@ -270,9 +272,9 @@ class SandboxProxy:
         problem = target_problem(request_target(scope))
         if problem is not None:
             return 400, {"code": 400, "message": problem}
-        if rec is None or rec.state == State.KILLING:
-            return 502, _not_found(sandbox_id)
-        if port == ENVD_PORT and scope["path"] == "/init":
+        if rec is None or rec.state == State.KILLING or rec.team != scope_team(scope):
+            return 502, _not_found(sandbox_id)  # another team's sandbox is not found either
+        if port == ENVD_PORT and scope["path"].rstrip("/") == "/init":
             # envd takes its token and env vars from /init; only the node may call it
             return 403, {"code": 403, "message": "/init is reserved to the node"}
         if port != ENVD_PORT and rec.traffic_access_token:

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from agentenv.node.backend import Placement, SnapshotRef, TemplateRef
+from agentenv.node.tenancy import LOCAL_TEAM
 
 
 class State(enum.StrEnum):
@@ -61,6 +62,8 @@ class SandboxRecord:
     #: on connect only, never by traffic; the process backend keeps no memory either way)
     pause_asked_memory: bool = True
     created_at: float = field(default_factory=time.time)
+    #: the team the sandbox is of (node/tenancy.py); only that team's requests reach it
+    team: str = LOCAL_TEAM
 
     def to_row(self) -> dict[str, Any]:
         return {
@@ -90,6 +93,7 @@ class SandboxRecord:
             "pause_mode": self.pause_mode,
             "pause_asked_memory": self.pause_asked_memory,
             "created_at": self.created_at,
+            "team": self.team,
         }
 
     @classmethod
@@ -123,6 +127,7 @@ class SandboxRecord:
             pause_mode=row["pause_mode"],
             pause_asked_memory=bool(row.get("pause_asked_memory", True)),
             created_at=row["created_at"],
+            team=row.get("team", LOCAL_TEAM),
         )
 
 
@@ -147,6 +152,8 @@ class TemplateRecord:
     #: the template build whose snapshot `ref` is (its "default" tag); None for snapshots,
     #: built-in templates and templates built before tags were kept
     build_id: str | None = None
+    #: the team that made it (node/tenancy.py); tenancy.SHARED for a built-in template
+    team: str = LOCAL_TEAM
 
 
 #: The tag every template build gets when it is built without tags (E2B's DEFAULT_TAG); a

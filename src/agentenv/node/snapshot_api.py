@@ -41,6 +41,7 @@ from agentenv.node.errors import ApiError, BadRequest, Conflict, NotFound
 from agentenv.node.orchestrator import Orchestrator
 from agentenv.node.records import TemplateRecord
 from agentenv.node.security import new_id
+from agentenv.node.tenancy import scope_team
 from agentenv.node.vm_backend import VmBackend
 
 log = logging.getLogger("agentenv.node.snapshot_api")
@@ -63,10 +64,11 @@ class SnapshotMoveApi:
             raise BadRequest("snapshots move between nodes with the VM backend only")
         return backend
 
-    def _resolve(self, name: str) -> tuple[TemplateRef, dict[str, Any]]:
-        """The snapshot behind a template, API snapshot or paused sandbox, and its metadata."""
+    def _resolve(self, name: str, team: str) -> tuple[TemplateRef, dict[str, Any]]:
+        """The snapshot behind a template, API snapshot or paused sandbox of `team`, and its
+        metadata."""
         rec = self.orchestrator.sandboxes.get(name)
-        if rec is not None:
+        if rec is not None and rec.team == team:
             if rec.pause_snapshot is None:
                 raise Conflict(f"sandbox {name!r} is not paused: pause it, or snapshot it "
                                "(POST /sandboxes/{id}/snapshots) and push the snapshot")
@@ -76,7 +78,7 @@ class SnapshotMoveApi:
                                         "envd_version": rec.envd_version, "names": [],
                                         "guest_token": rec.envd_access_token}
         try:
-            tpl = self.orchestrator.catalogue.resolve(name)
+            tpl = self.orchestrator.catalogue.resolve(name, team)
         except ApiError as exc:
             raise NotFound(f"no template, snapshot or paused sandbox {name!r}") from exc
         return tpl.ref, {"cpu_count": tpl.cpu_count, "memory_mb": tpl.memory_mb,
@@ -97,14 +99,15 @@ class SnapshotMoveApi:
 
     async def push(self, request: Request) -> Response:
         body = await self._body(request, "snapshot", "ref")
-        result = await self.push_snapshot(body["snapshot"], body["ref"])
+        result = await self.push_snapshot(body["snapshot"], body["ref"],
+                                          scope_team(request.scope))
         return JSONResponse(result)
 
-    async def push_snapshot(self, name: str, ref: str) -> dict[str, Any]:
+    async def push_snapshot(self, name: str, ref: str, team: str) -> dict[str, Any]:
         from agentenv.snapshot.repository import push
 
         backend = self._backend()
-        tref, meta = self._resolve(name)
+        tref, meta = self._resolve(name, team)
         record = backend.snapshots.load(tref)
         record_dir = Path(record.device_state).parent
         try:
@@ -123,8 +126,9 @@ class SnapshotMoveApi:
         if not isinstance(download, bool):
             raise BadRequest("'download' must be true or false")
         backend = self._backend()
+        team = scope_team(request.scope)
         if name is not None:
-            owner = self.orchestrator.catalogue.name_owner(name)
+            owner = self.orchestrator.catalogue.name_owner(name, team)
             if owner is not None:
                 raise Conflict(f"name {name!r} is already used by {owner}")
         try:
@@ -151,7 +155,7 @@ class SnapshotMoveApi:
             disk_size_mb=int(meta.get("disk_size_mb") or rootfs >> 20),
             envd_version=str(meta.get("envd_version")
                              or self.orchestrator.config.default_envd_version),
-            created_at=now, updated_at=now)
+            created_at=now, updated_at=now, team=team)
         await self.orchestrator.catalogue.register(tpl)
         log.info("snapshot pulled", extra={"ref": body["ref"], "snapshot": record.id,
                                            "template_id": tpl.template_id,
@@ -170,9 +174,13 @@ class SnapshotMoveApi:
         ref = f"{prefix}/{template_name}" + ("-" if prefix.startswith(("/", "dir://")) else ":") \
             + build_id
 
+        template = self.orchestrator.catalogue.get(template_id)
+        if template is None:
+            return
+
         async def run() -> None:
             try:
-                result = await self.push_snapshot(template_id, ref)
+                result = await self.push_snapshot(template_id, ref, template.team)
                 log.info("template published", extra={"template_id": template_id, **result})
             except Exception as exc:
                 log.warning("template not published", extra={"template_id": template_id,

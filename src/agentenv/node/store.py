@@ -20,6 +20,7 @@ from typing import Any, TypeVar
 from agentenv.errors import AgentEnvError
 from agentenv.node.backend import TemplateRef
 from agentenv.node.records import BuildSnapshot, SandboxRecord, TagAssignment, TemplateRecord
+from agentenv.node.tenancy import SHARED
 
 T = TypeVar("T")
 
@@ -78,6 +79,20 @@ MIGRATIONS: list[str] = [
         assigned_at REAL NOT NULL,
         PRIMARY KEY (template_id, tag)
     );
+    """,
+    # 4: tenancy (node/tenancy.py): the team of each template and snapshot, and names per team
+    # (the same name in two teams names two things). What was there is the API key holder's.
+    """
+    ALTER TABLE templates ADD COLUMN team TEXT NOT NULL DEFAULT 'local';
+    CREATE TABLE team_template_names (
+        team TEXT NOT NULL,
+        name TEXT NOT NULL,
+        template_id TEXT NOT NULL REFERENCES templates(id) ON DELETE CASCADE,
+        PRIMARY KEY (team, name)
+    );
+    INSERT INTO team_template_names (team, name, template_id)
+        SELECT 'local', name, template_id FROM template_names;
+    DROP TABLE template_names;
     """,
 ]
 
@@ -138,6 +153,7 @@ def _template_from(row: sqlite3.Row) -> TemplateRecord:
         last_spawned_at=doc.get("last_spawned_at"),
         build_status=doc.get("build_status", "ready"),
         build_id=doc.get("build_id"),
+        team=row["team"],
     )
 
 
@@ -238,20 +254,25 @@ class Store:
             c.execute("BEGIN IMMEDIATE")
             try:
                 for name in rec.names:
+                    # a name is the team's own, and no team's may be a built-in's
                     owner = c.execute(
-                        "SELECT template_id FROM template_names WHERE name = ?", (name,)
-                    ).fetchone()
-                    if owner and owner[0] != rec.template_id:
+                        "SELECT template_id FROM team_template_names WHERE name = ? AND "
+                        "team IN (?, ?) AND template_id != ?",
+                        (name, rec.team, SHARED, rec.template_id)).fetchone()
+                    if owner:
                         raise NameTaken(f"name {name!r} is already used by {owner[0]}")
                 c.execute(
-                    "INSERT INTO templates (id, kind, source_sandbox_id, created_at, doc) "
-                    "VALUES (?, ?, ?, ?, ?) ON CONFLICT(id) DO UPDATE SET doc = excluded.doc",
-                    (rec.template_id, rec.kind, rec.source_sandbox_id, rec.created_at, doc),
+                    "INSERT INTO templates (id, kind, source_sandbox_id, created_at, doc, team) "
+                    "VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT(id) DO UPDATE SET doc = excluded.doc, "
+                    "team = excluded.team",
+                    (rec.template_id, rec.kind, rec.source_sandbox_id, rec.created_at, doc,
+                     rec.team),
                 )
-                c.execute("DELETE FROM template_names WHERE template_id = ?", (rec.template_id,))
+                c.execute("DELETE FROM team_template_names WHERE template_id = ?",
+                          (rec.template_id,))
                 c.executemany(
-                    "INSERT INTO template_names (name, template_id) VALUES (?, ?)",
-                    [(n, rec.template_id) for n in rec.names],
+                    "INSERT INTO team_template_names (team, name, template_id) VALUES (?, ?, ?)",
+                    [(rec.team, n, rec.template_id) for n in rec.names],
                 )
                 c.execute("COMMIT")
             except BaseException:
@@ -271,7 +292,8 @@ class Store:
                     "(SELECT build_id FROM template_builds WHERE template_id = ?)",
                     (template_id,),
                 )
-                c.execute("DELETE FROM template_names WHERE template_id = ?", (template_id,))
+                c.execute("DELETE FROM team_template_names WHERE template_id = ?",
+                          (template_id,))
                 c.execute("DELETE FROM templates WHERE id = ?", (template_id,))
                 c.execute("COMMIT")
             except BaseException:
@@ -283,7 +305,7 @@ class Store:
     async def load_templates(self) -> list[TemplateRecord]:
         rows = await self._run(
             lambda c: c.execute(
-                "SELECT id, kind, source_sandbox_id, created_at, doc FROM templates"
+                "SELECT id, kind, source_sandbox_id, created_at, doc, team FROM templates"
             ).fetchall()
         )
         return [_template_from(r) for r in rows]

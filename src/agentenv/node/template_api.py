@@ -75,7 +75,7 @@ from agentenv.node.template_models import (
     TemplateBuildStartV2,
 )
 from agentenv.node.template_tags import normalize_tags, split_tag
-from agentenv.node.tenancy import scope_team
+from agentenv.node.tenancy import LOCAL_TEAM, scope_team
 
 log = logging.getLogger("agentenv.node.template_api")
 
@@ -123,6 +123,8 @@ class BuildRecord:
     #: log entries dropped from the front (only the tail is kept); offsets stay absolute
     logs_dropped: int = 0
     logs_bytes: int = 0
+    #: the team that asked for the build (node/tenancy.py): the template is that team's
+    team: str = LOCAL_TEAM
 
     def log(self, level: str, message: str, step: str | None = None) -> None:
         entry: dict[str, Any] = {"timestamp": time.time(), "level": level, "message": message}
@@ -244,17 +246,18 @@ class TemplateBuildApi:
                      key=lambda b: b.created_at)
         return tpl is None or newest is not rec
 
-    def _pending_template(self, id_or_name: str) -> BuildRecord | None:
-        """The newest build of a template that has never been ready (not registered yet)."""
+    def _pending_template(self, id_or_name: str, team: str) -> BuildRecord | None:
+        """The newest build of `team`'s template that has never been ready (not registered
+        yet)."""
         for rec in sorted(self.builds.values(), key=lambda b: b.created_at, reverse=True):
-            if id_or_name in (rec.template_id, rec.name) and \
+            if id_or_name in (rec.template_id, rec.name) and rec.team == team and \
                     rec.template_id not in self.catalogue:
                 return rec
         return None
 
-    def _registered(self, id_or_name: str) -> TemplateRecord | None:
+    def _registered(self, id_or_name: str, team: str) -> TemplateRecord | None:
         with contextlib.suppress(NotFound):
-            return self.catalogue.resolve(id_or_name)
+            return self.catalogue.resolve(id_or_name, team)
         return None
 
     def _context_of(self, template_id: str, build_id: str | None = None
@@ -301,7 +304,8 @@ class TemplateBuildApi:
         if self.orchestrator.capabilities.templates is None:
             raise BadRequest(f"template builds need the VM backend; this node runs the "
                              f"'{self.orchestrator.backend.name}' backend")
-        existing = self._registered(name)
+        team = scope_team(request.scope)
+        existing = self._registered(name, team)
         if existing is not None:
             if existing.kind != "template" or self._builtin(existing):
                 raise BadRequest(f"name {name!r} is taken by {existing.kind} "
@@ -310,9 +314,9 @@ class TemplateBuildApi:
             cpu = body.cpuCount or existing.cpu_count
             memory = body.memoryMB or existing.memory_mb
         else:
-            pending = self._pending_template(name)
+            pending = self._pending_template(name, team)
             if pending is None and self.orchestrator.admission is not None:
-                self.orchestrator.admission.check_quota("templates", self._template_count())
+                self.orchestrator.admission.check_quota("templates", self._template_count(team))
             template_id = pending.template_id if pending else new_id("t")
             cpu, memory = body.cpuCount or 2, body.memoryMB or 1024
         for other in self._builds_of(template_id):
@@ -330,7 +334,7 @@ class TemplateBuildApi:
         now = time.time()
         rec = BuildRecord(template_id=template_id, build_id=str(uuid.uuid4()), name=name,
                           cpu_count=cpu, memory_mb=memory, status="waiting", created_at=now,
-                          updated_at=now, tags=tags)
+                          updated_at=now, tags=tags, team=team)
         self.builds[rec.build_id] = rec
         self._save(rec)
         log.info("template build requested",
@@ -338,19 +342,19 @@ class TemplateBuildApi:
         return JSONResponse({"templateID": template_id, "buildID": rec.build_id, "public": False,
                              "names": [name], "tags": tags, "aliases": [name]}, status_code=202)
 
-    def _template_count(self) -> int:
-        """Templates built through this API: registered, or requested and not failed."""
+    def _template_count(self, team: str) -> int:
+        """`team`'s templates built through this API: registered, or requested and not failed."""
         built = {t.template_id for t in self.catalogue.templates.values()
-                 if t.kind == "template" and not self._builtin(t)}
-        requested = {b.template_id for b in self.builds.values() if b.status in ACTIVE}
+                 if t.kind == "template" and t.team == team and not self._builtin(t)}
+        requested = {b.template_id for b in self.builds.values()
+                     if b.status in ACTIVE and b.team == team}
         return len(built | requested)
 
-    def _template_of_request(self, template_id: str) -> str:
-        """A template id the API knows (built, or with a build requested)."""
-        if template_id in self.catalogue or \
-                any(b.template_id == template_id for b in self.builds.values()):
+    def _template_of_request(self, template_id: str, team: str) -> str:
+        """A template id of `team` the API knows (built, or with a build requested)."""
+        if any(b.template_id == template_id and b.team == team for b in self.builds.values()):
             return template_id
-        registered = self._registered(template_id)
+        registered = self._registered(template_id, team)
         if registered is not None:
             return registered.template_id
         raise NotFound(f"template '{template_id}' not found")
@@ -362,7 +366,7 @@ class TemplateBuildApi:
 
     async def file_link(self, request: Request) -> Response:
         self._load()
-        template_id = self._template_of_request(request.path_params["template_id"])
+        template_id = self._template_of_request(request.path_params["template_id"], scope_team(request.scope))
         files_hash = request.path_params["files_hash"]
         if not _HASH.match(files_hash):
             raise BadRequest(f"invalid files hash {files_hash!r}")
@@ -440,7 +444,7 @@ class TemplateBuildApi:
         template_id = request.path_params["template_id"]
         build_id = request.path_params["build_id"]
         rec = self.builds.get(build_id)
-        if rec is None or rec.template_id != template_id:
+        if rec is None or rec.template_id != template_id or rec.team != scope_team(request.scope):
             raise NotFound(f"build '{build_id}' of template '{template_id}' not found")
         return rec
 
@@ -473,7 +477,7 @@ class TemplateBuildApi:
                 raise BadRequest(f"the files of step '{step.describe()}' (hash {step.files_hash}) "
                                  "were not uploaded")
         if body.fromTemplate:
-            parent = self._registered(body.fromTemplate)
+            parent = self._registered(body.fromTemplate, rec.team)
             if parent is None:
                 raise BadRequest(f"template '{body.fromTemplate}' not found")
             if parent.template_id == template_id:
@@ -517,10 +521,10 @@ class TemplateBuildApi:
     async def alias(self, request: Request) -> Response:
         self._load()
         alias = request.path_params["alias"]
-        tpl = self._registered(alias)
+        tpl = self._registered(alias, scope_team(request.scope))
         if tpl is not None:
             return JSONResponse({"templateID": tpl.template_id, "public": False})
-        pending = self._pending_template(alias)
+        pending = self._pending_template(alias, scope_team(request.scope))
         if pending is not None and pending.status in ACTIVE:
             return JSONResponse({"templateID": pending.template_id, "public": False})
         raise NotFound(f"template alias '{alias}' not found")
@@ -548,15 +552,16 @@ class TemplateBuildApi:
             "envdVersion": latest.envd_version or "unknown", "buildStatus": latest.status,
         }
 
-    def _all_templates(self) -> list[tuple[float, str, dict[str, Any]]]:
+    def _all_templates(self, team: str) -> list[tuple[float, str, dict[str, Any]]]:
+        """The templates `team` sees, with the builds of its own under way or failed."""
         out = []
         for tpl in self.catalogue.templates.values():
-            if tpl.kind == "template":
+            if tpl.kind == "template" and self.catalogue.visible(tpl, team):
                 out.append((tpl.created_at, tpl.template_id,
                             self._template_json(tpl, self._builds_of(tpl.template_id))))
         seen = set(self.catalogue.templates)
         for rec in self.builds.values():
-            if rec.template_id not in seen:
+            if rec.template_id not in seen and rec.team == team:
                 seen.add(rec.template_id)
                 builds = self._builds_of(rec.template_id)
                 if builds and (any(b.status in ACTIVE for b in builds)
@@ -567,22 +572,22 @@ class TemplateBuildApi:
 
     async def list_v1(self, request: Request) -> Response:
         self._load()
-        return JSONResponse([body for _, _, body in sorted(self._all_templates(),
+        return JSONResponse([body for _, _, body in sorted(self._all_templates(scope_team(request.scope)),
                                                            key=lambda x: (x[0], x[1]))])
 
     async def list_v2(self, request: Request) -> Response:
         self._load()
-        items, token = page(self._all_templates(), lambda x: (x[0], x[1]), request, True)
+        items, token = page(self._all_templates(scope_team(request.scope)), lambda x: (x[0], x[1]), request, True)
         headers = {"X-Next-Token": token} if token else None
         return JSONResponse([body for _, _, body in items], headers=headers)
 
     async def detail(self, request: Request) -> Response:
         self._load()
         id_or_name = request.path_params["template_id"]
-        tpl = self._registered(id_or_name)
+        tpl = self._registered(id_or_name, scope_team(request.scope))
         builds = self._builds_of(tpl.template_id) if tpl else []
         if tpl is None:
-            pending = self._pending_template(id_or_name)
+            pending = self._pending_template(id_or_name, scope_team(request.scope))
             if pending is None:
                 raise NotFound(f"template '{id_or_name}' not found")
             builds = self._builds_of(pending.template_id)
@@ -602,10 +607,10 @@ class TemplateBuildApi:
     async def delete(self, request: Request) -> Response:
         self._load()
         id_or_name = request.path_params["template_id"]
-        tpl = self._registered(id_or_name)
+        tpl = self._registered(id_or_name, scope_team(request.scope))
         template_id = tpl.template_id if tpl else None
         if template_id is None:
-            pending = self._pending_template(id_or_name)
+            pending = self._pending_template(id_or_name, scope_team(request.scope))
             template_id = pending.template_id if pending else None
         if template_id is None:
             raise NotFound(f"template '{id_or_name}' not found")
@@ -621,7 +626,7 @@ class TemplateBuildApi:
                 with contextlib.suppress(BaseException):
                     await task
         if tpl is not None:
-            await self.catalogue.delete(template_id)
+            await self.catalogue.delete(template_id, scope_team(request.scope))
         for rec in self._builds_of(template_id, released=True):
             self.builds.pop(rec.build_id, None)
             (self.builds_dir / f"{rec.build_id}.json").unlink(missing_ok=True)
@@ -637,12 +642,13 @@ class TemplateBuildApi:
         return self.catalogue.is_builtin(tpl.template_id) or \
             bool(tpl.ref.data.get("builtin"))
 
-    async def _tagged_template(self, id_or_name: str, change: bool = True) -> TemplateRecord:
+    async def _tagged_template(self, id_or_name: str, team: str,
+                               change: bool = True) -> TemplateRecord:
         """A registered template built through this API (its tag records made if it predates
         them). Snapshots and built-in templates have no tags: 400 when `change`-ing them."""
-        tpl = self._registered(id_or_name)
+        tpl = self._registered(id_or_name, team)
         if tpl is None:
-            pending = self._pending_template(id_or_name)
+            pending = self._pending_template(id_or_name, team)
             if pending is not None:
                 raise NotFound(f"template '{id_or_name}' has no ready build yet ({pending.build_id}"
                                f" is {pending.status}): tags name ready builds")
@@ -663,7 +669,7 @@ class TemplateBuildApi:
         id_or_name = request.path_params["template_id"]
         if ":" in id_or_name:
             raise BadRequest(f"give a template id or name without a tag, not {id_or_name!r}")
-        tpl = await self._tagged_template(split_tag(id_or_name)[0], change=False)
+        tpl = await self._tagged_template(split_tag(id_or_name)[0], scope_team(request.scope), change=False)
         return JSONResponse([
             {"tag": t.tag, "buildID": t.build_id, "createdAt": models.iso(t.assigned_at)}
             for t in self.catalogue.tags.of(tpl.template_id)])
@@ -678,7 +684,7 @@ class TemplateBuildApi:
             raise BadRequest("tags must name at least one tag to assign")
         tags = normalize_tags(body.tags)
         source = DEFAULT_TAG if source is None or not source.strip() else source
-        tpl = await self._tagged_template(name)
+        tpl = await self._tagged_template(name, scope_team(request.scope))
         build = await self.catalogue.tags.assign(tpl.template_id, source, tags)
         log.info("template tags assigned", extra={"template_id": tpl.template_id,
                                                   "build_id": build.build_id, "tags": tags})
@@ -694,7 +700,7 @@ class TemplateBuildApi:
         if not body.tags:
             raise BadRequest("tags must name at least one tag to remove")
         tags = normalize_tags(body.tags)
-        tpl = await self._tagged_template(name)
+        tpl = await self._tagged_template(name, scope_team(request.scope))
         await self.catalogue.tags.remove(tpl.template_id, tags)
         log.info("template tags removed", extra={"template_id": tpl.template_id, "tags": tags})
         return Response(status_code=204)
@@ -753,7 +759,7 @@ class TemplateBuildApi:
         envd = None
         try:
             if body.fromTemplate:
-                parent = self.catalogue.resolve(body.fromTemplate)
+                parent = self.catalogue.resolve(body.fromTemplate, rec.team)
                 rec.log("info", f"FROM template {parent.names[0] if parent.names else parent.template_id}"
                         f" ({parent.template_id})", BASE_STEP)
                 if (rec.cpu_count, rec.memory_mb) != (parent.cpu_count, parent.memory_mb):
@@ -864,7 +870,8 @@ class TemplateBuildApi:
             envd_version=rec.envd_version or self.orchestrator.config.default_envd_version,
             created_at=old.created_at if old else now, updated_at=now,
             spawn_count=old.spawn_count if old else 0,
-            last_spawned_at=old.last_spawned_at if old else None, build_status="ready")
+            last_spawned_at=old.last_spawned_at if old else None, build_status="ready",
+            team=rec.team)
         build = BuildSnapshot(
             build_id=rec.build_id, template_id=rec.template_id, ref=ref, cpu_count=rec.cpu_count,
             memory_mb=rec.memory_mb, disk_size_mb=rec.disk_size_mb, envd_version=tpl.envd_version,

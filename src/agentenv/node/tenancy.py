@@ -8,6 +8,7 @@ team. The gateway strips the header from what clients send: only it sets the hea
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -15,8 +16,12 @@ from typing import Any
 TEAM_HEADER = b"x-agentenv-team"
 #: the ASGI scope key under which the node's app records the request's team
 SCOPE_KEY = "agentenv.team"
-#: the team of a standalone node's API-key holder
+#: the team of a standalone node's API-key holder (no cluster team may be called so)
 LOCAL_TEAM = "local"
+#: the "team" of what every team may use: a node's built-in templates (`base`)
+SHARED = ""
+#: a team's name, as the gateway makes them (and the only form TEAM_HEADER may carry)
+TEAM_NAME = re.compile(r"^[a-z0-9][a-z0-9-]{0,39}$")
 
 
 def scope_team(scope: Mapping[str, Any]) -> str:

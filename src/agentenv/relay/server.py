@@ -9,6 +9,11 @@ closes the connection. h11 passes any request target on, including absolute-form
 (`GET http://host/x`), authority-form (`CONNECT host:443`) and `@127.0.0.1:8000/x`:
 `target_problem` is what the node and the gateway check every request against; neither is
 ever a forward proxy, so only origin-form (`/path?query`) is served.
+
+`path_problem` refuses what makes one path mean two things to two parsers (the gateway routes
+one form, a node or envd would resolve another): dot segments (`.`, `..`, percent-encoded or
+not), empty segments (`//`) and encoded separators (`%2f`, `%5c`, a backslash), each decoded as
+often as a chain of servers might.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import json
 import logging
 import re
 from typing import Any
+from urllib.parse import unquote_to_bytes
 
 import h11
 import uvicorn
@@ -47,6 +53,36 @@ def target_problem(target: bytes) -> str | None:
     else:
         kind = "a byte outside printable ASCII or a '#'"
     return f"request target {shown!r} is {kind}: only '/path?query' is accepted"
+
+
+#: how many rounds of percent-decoding a segment is checked through (`%252e` is `.` after two)
+_DECODE_ROUNDS = 3
+
+
+def path_problem(target: bytes, trailing_slash: bool = False) -> str | None:
+    """Why the path of `target` (origin-form, see target_problem) is refused, or None: a dot
+    segment, an empty segment (a trailing '/' only with `trailing_slash`: sandbox traffic to
+    an app, which serves directories so), or an encoded '/' or '\\' in a segment."""
+    path = target.split(b"?", 1)[0]
+    if path == b"/":
+        return None
+    segments = path[1:].split(b"/")
+    if trailing_slash and len(segments) > 1 and segments[-1] == b"":
+        segments.pop()
+    shown = path[:80].decode("latin-1").encode("unicode_escape").decode("ascii")
+    for segment in segments:
+        if not segment:
+            return f"path {shown!r} has an empty segment ('//' or a trailing '/')"
+        decoded = segment
+        for _ in range(_DECODE_ROUNDS + 1):
+            if decoded in (b".", b".."):
+                return f"path {shown!r} has a dot segment ('.' or '..', maybe encoded)"
+            if b"/" in decoded or b"\\" in decoded or b"\0" in decoded:
+                return f"path {shown!r} has an encoded '/', a '\\' or a NUL in a segment"
+            if b"%" not in decoded:
+                break
+            decoded = unquote_to_bytes(decoded)
+    return None
 
 
 def request_target(scope: dict[str, Any]) -> bytes:

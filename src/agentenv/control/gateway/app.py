@@ -8,8 +8,12 @@ holding what it names (per-sandbox routes, snapshots, a team's templates); listi
 node's. A team sees only its own sandboxes, templates and snapshots (404 for the rest); templates
 no team built (a node's built-in `base`) are everybody's.
 
-Every request to a node carries the cluster secret (nodes of a cluster serve nothing else) and no
-client API key. Node down (missed heartbeats, or it does not answer): 503 "node unavailable".
+Every request to a node carries the cluster secret (nodes of a cluster serve nothing else), the
+team it is for (TEAM_HEADER, node/tenancy.py: the node applies that team's scope itself) and no
+client API key. Paths are checked before routing (relay/server.py path_problem: no dot, empty
+or encoded-separator segments) and what a node is sent is built from what was routed, never
+the client's raw target. Node down (missed heartbeats, or it does not answer): 503 "node
+unavailable".
 """
 
 from __future__ import annotations
@@ -48,7 +52,9 @@ from agentenv.control.gateway.signed import SANDBOX_GONE, SignatureOwners, signa
 from agentenv.control.gateway.store import PENDING, GatewayStore, StoreUnavailable
 from agentenv.errors import AgentEnvError
 from agentenv.node.security import SIGNATURE_OWNER_PATH, bearer_is, metrics_token
-from agentenv.relay.server import request_target, target_problem
+from agentenv.node.template_models import UPLOAD_PREFIX
+from agentenv.node.tenancy import TEAM_HEADER
+from agentenv.relay.server import path_problem, request_target, target_problem
 from agentenv.relay.stream import (
     Exchange,
     Relay,
@@ -77,12 +83,15 @@ CREATE_LEASE_ENV = "AENV_GATEWAY_CREATE_LEASE"
 _HOST_ROUTE = re.compile(r"^(\d{1,5})-([a-z0-9]{1,63})\.[^:]+(:\d+)?$")
 _PORT = re.compile(r"^\d{1,5}$")
 _ID = re.compile(r"^[a-z0-9]{1,63}$")
-#: never sent to a node: the client's team key, the cluster secret (the gateway sets its own)
-#: and the routing headers (the gateway sets the sandbox's own)
+#: what a path keeps unencoded when the gateway writes it again for a node (RFC 3986 pchar)
+_PATH_SAFE = "/!$&'()*+,;=:@~-._"
+#: never sent to a node: the client's team key, the cluster secret and team (the gateway sets
+#: its own) and the routing headers (the gateway sets the sandbox's own)
 _DROP_TO_NODE = frozenset(
     {
         b"x-api-key",
         CLUSTER_SECRET_HEADER,
+        TEAM_HEADER,
         b"e2b-sandbox-id",
         b"e2b-sandbox-port",
         b"x-agentenv-sandbox-id",
@@ -144,6 +153,14 @@ def is_signed_file_request(scope: Scope) -> bool:
         return False
     query = parse_qs(scope.get("query_string", b"").decode("latin-1"), keep_blank_values=True)
     return bool((query.get("signature") or [""])[0])
+
+
+def routed_target(scope: Scope, path: str | None = None) -> str:
+    """What a node is sent: the path the gateway routed (`path`, else the request's decoded
+    path, checked by path_problem) encoded again, and the query as received."""
+    target = quote(scope["path"] if path is None else path, safe=_PATH_SAFE)
+    query = scope.get("query_string", b"")
+    return target + ("?" + query.decode("latin-1") if query else "")
 
 
 def encode_cursor(key: tuple[float, str]) -> str:
@@ -251,6 +268,14 @@ class GatewayApp:
                 await send_json(send, 400, {"code": 400, "message": problem})
             return
         route = sandbox_route(scope)
+        # sandbox traffic may end in '/' (an app's directory); the control API never does
+        problem = path_problem(request_target(scope), trailing_slash=isinstance(route, tuple))
+        if problem is not None:
+            if scope["type"] == "websocket":
+                await send({"type": "websocket.close", "code": 1008})
+            else:
+                await send_json(send, 400, {"code": 400, "message": problem})
+            return
         if scope["type"] == "websocket":
             if route is None or isinstance(route, str):
                 await send({"type": "websocket.close", "code": 1008})
@@ -295,15 +320,27 @@ class GatewayApp:
 
     # --- sandbox traffic ---------------------------------------------------------------------
 
-    def _to_node_headers(self, scope: Scope, sandbox_id: str, port: int
+    def _node_headers(self, team: str | None) -> list[tuple[bytes, bytes]]:
+        """The gateway's own headers on a request to a node: the secret, and the team the
+        request is for (None: one of the few team-less routes, node/tenancy.py)."""
+        headers = [(CLUSTER_SECRET_HEADER, self.secret)]
+        if team is not None:
+            headers.append((TEAM_HEADER, team.encode()))
+        return headers
+
+    def _to_node_headers(self, scope: Scope, sandbox_id: str, port: int, team: str
                          ) -> list[tuple[bytes, bytes]]:
         headers = forward_headers(scope, _DROP_TO_NODE | {b"host"})
         headers += [
             (b"e2b-sandbox-id", sandbox_id.encode()),
             (b"e2b-sandbox-port", str(port).encode()),
-            (CLUSTER_SECRET_HEADER, self.secret),
+            *self._node_headers(team),
         ]
         return headers
+
+    def _node_url(self, node: Node, scope: Scope, path: str | None = None) -> httpx.URL:
+        return httpx.URL(node.url + "/").copy_with(
+            raw_path=routed_target(scope, path).encode("latin-1"))
 
     async def _binding_for_traffic(self, sandbox_id: str) -> tuple[Binding | None, int, str]:
         try:
@@ -323,9 +360,9 @@ class GatewayApp:
             await send_json(send, status, {"sandboxId": sandbox_id, "message": message,
                                            "code": status})
             return
-        url = httpx.URL(binding.node.url + "/").copy_with(raw_path=request_target(scope))
-        await self.relay.http(scope, receive, send, url,
-                              self._to_node_headers(scope, sandbox_id, port), Exchange(sandbox_id))
+        await self.relay.http(scope, receive, send, self._node_url(binding.node, scope),
+                              self._to_node_headers(scope, sandbox_id, port, binding.team),
+                              Exchange(sandbox_id))
 
     async def _sandbox_websocket(self, scope: Scope, receive: Any, send: Send,
                                  sandbox_id: str, port: int) -> None:
@@ -335,13 +372,13 @@ class GatewayApp:
         if binding is None:
             await send({"type": "websocket.close", "code": 1011 if status >= 503 else 1008})
             return
-        url = httpx.URL(binding.node.url + "/").copy_with(raw_path=request_target(scope))
-        await self.relay.websocket(scope, receive, send, url,
-                                   self._to_node_headers(scope, sandbox_id, port),
+        await self.relay.websocket(scope, receive, send, self._node_url(binding.node, scope),
+                                   self._to_node_headers(scope, sandbox_id, port, binding.team),
                                    Exchange(sandbox_id))
 
-    async def _signature_owner(self, scope: Scope) -> tuple[Node, str] | str:
-        """The node and sandbox whose envd token made a signed file URL, else why not. The URL
+    async def _signature_owner(self, scope: Scope) -> tuple[Node, str, str] | str:
+        """The node, sandbox and team whose envd token made a signed file URL, else why not. The
+        URL
         names no sandbox and nothing in it may be trusted before the signature is checked:
         every node that is up checks it against its own sandboxes' tokens
         (SIGNATURE_OWNER_PATH) and names the one that made it."""
@@ -349,24 +386,24 @@ class GatewayApp:
         payload = {"method": scope["method"],
                    "query": scope.get("query_string", b"").decode("latin-1")}
 
-        async def ask(node: Node) -> str | None:
+        async def ask(node: Node) -> tuple[str, str] | None:
             self.metrics.owner_queries.inc()
+            # team-less: the URL names no team, the node answers the sandbox's
             answer = await self.http.post(node.url + SIGNATURE_OWNER_PATH, json=payload,
-                                          headers={"x-agentenv-cluster-secret":
-                                                   self.secret.decode()}, timeout=10)
+                                          headers=self._node_headers(None), timeout=10)
             if answer.status_code == 200:
-                return str(answer.json()["sandboxID"])
+                return str(answer.json()["sandboxID"]), str(answer.json()["team"])
             return None
 
         found = await asyncio.gather(*(ask(n) for n in nodes), return_exceptions=True)
         silent = []
-        for node, sandbox_id in zip(nodes, found, strict=True):
-            if isinstance(sandbox_id, str) and _ID.match(sandbox_id):
-                return node, sandbox_id
-            if isinstance(sandbox_id, BaseException):
+        for node, owner in zip(nodes, found, strict=True):
+            if isinstance(owner, tuple) and _ID.match(owner[0]):
+                return node, *owner
+            if isinstance(owner, BaseException):
                 silent.append(node.node_id)
                 log.info("signature lookup skipped a node",
-                         extra={"node": node.node_id, "error": str(sandbox_id)})
+                         extra={"node": node.node_id, "error": str(owner)})
         # the sandbox may be on a node that did not answer: not (yet) an invalid signature
         return f"node unavailable: {', '.join(silent)} did not answer" if silent else ""
 
@@ -392,7 +429,7 @@ class GatewayApp:
                 again = not (header_values(scope, b"content-length")
                              or header_values(scope, b"transfer-encoding"))
                 status = await self._relay_signed(scope, receive, send, binding.node,
-                                                  remembered.sandbox_id, again)
+                                                  remembered.sandbox_id, binding.team, again)
                 if status not in SANDBOX_GONE:
                     return
                 self.signature_owners.drop(key)
@@ -412,14 +449,14 @@ class GatewayApp:
             else:  # as the node and envd answer a signature no token made
                 await send_json(send, 401, {"code": 401, "message": "invalid signature"})
             return
-        node, sandbox_id = owner
+        node, sandbox_id, team = owner
         self.signature_owners.put(key, node.node_id, sandbox_id, expiration)
-        if await self._relay_signed(scope, receive, send, node, sandbox_id,
+        if await self._relay_signed(scope, receive, send, node, sandbox_id, team,
                                     False) in SANDBOX_GONE:
             self.signature_owners.drop(key)
 
     async def _relay_signed(self, scope: Scope, receive: Any, send: Send, node: Node,
-                            sandbox_id: str, hold_gone: bool) -> int:
+                            sandbox_id: str, team: str, hold_gone: bool) -> int:
         """Relay a signed file request to its sandbox's node; returns the node's status. With
         `hold_gone`, an answer in SANDBOX_GONE is not sent (the caller asks the nodes)."""
         held = False
@@ -432,9 +469,9 @@ class GatewayApp:
                 await send(message)
 
         # the node checks the signature (and its expiry) again before anything reaches envd
-        url = httpx.URL(node.url + "/").copy_with(raw_path=request_target(scope))
-        return await self.relay.http(scope, receive, to_client if hold_gone else send, url,
-                                     self._to_node_headers(scope, sandbox_id, ENVD_PORT),
+        return await self.relay.http(scope, receive, to_client if hold_gone else send,
+                                     self._node_url(node, scope),
+                                     self._to_node_headers(scope, sandbox_id, ENVD_PORT, team),
                                      Exchange(sandbox_id))
 
     async def _answer_gone(self, send: Send, exchange: Exchange) -> int:
@@ -478,7 +515,7 @@ class GatewayApp:
         team = None
         if len(keys) == 1:
             team = await self.store.team_of_key(keys[0])
-        if team is None and not path.startswith("/template-files/"):
+        if team is None and not path.startswith(UPLOAD_PREFIX):
             message = "missing X-API-KEY header" if not keys else "invalid API key"
             raise ApiError(401, message)
         for method, pattern, handler in self._routes:
@@ -495,6 +532,8 @@ class GatewayApp:
     def _route_table(self) -> list[tuple[str, re.Pattern[str], Any]]:
         sid = r"([^/]+)"
         rest = r"(.+)"
+        # a build file upload: exactly what the node's signed URL names (template id, hash)
+        upload = UPLOAD_PREFIX + r"([a-z0-9]{1,63})/([A-Za-z0-9_-]{1,128})"
         table = [
             ("POST", "/sandboxes", self.create),
             ("GET", "/sandboxes", self.list_v1),
@@ -526,19 +565,17 @@ class GatewayApp:
             ("GET", f"/templates/{sid}/tags", self.template_forward),
             ("GET", f"/templates/{rest}", self.template_forward),
             ("DELETE", f"/templates/{rest}", self.delete_template),
-            ("PUT", f"/template-files/{sid}/{rest}", self.template_files),
-            ("POST", f"/template-files/{sid}/{rest}", self.template_files),
+            ("PUT", upload, self.template_files),
             ("GET", "/nodes", self.list_nodes),
             ("GET", f"/nodes/{sid}", self.node_detail),
         ]
         return [(m, re.compile(p), h) for m, p, h in table]
 
-    def _headers(self, request: Request) -> list[tuple[bytes, bytes]]:
+    def _headers(self, request: Request, team: str) -> list[tuple[bytes, bytes]]:
         # the client's Idempotency-Key is the gateway's to keep (create sends one of its own)
         headers = forward_headers(request.scope,
                                   _DROP_TO_NODE | {b"content-length", b"idempotency-key"})
-        headers.append((CLUSTER_SECRET_HEADER, self.secret))
-        return headers
+        return headers + self._node_headers(team)
 
     async def _body(self, request: Request) -> bytes:
         chunks, size = [], 0
@@ -549,24 +586,25 @@ class GatewayApp:
             chunks.append(chunk)
         return b"".join(chunks)
 
-    async def _call(self, node: Node, request: Request, body: bytes | None = None,
-                    path: str | None = None, params: Any = None,
+    async def _call(self, node: Node, request: Request, team: str, body: bytes | None = None,
                     headers: list[tuple[bytes, bytes]] | None = None) -> httpx.Response:
-        """One buffered exchange with a node (bodies of the control API are small)."""
-        target = request_target(request.scope).decode("latin-1") if path is None else path
+        """One buffered exchange with a node (bodies of the control API are small), for
+        `team`, to the path the gateway routed."""
         try:
             return await self.http.request(
-                request.method, node.url + target,
-                headers=self._headers(request) + (headers or []),
-                content=body, params=params, timeout=600,
+                request.method, self._node_url(node, request.scope),
+                headers=self._headers(request, team) + (headers or []),
+                content=body, timeout=600,
             )
         except httpx.HTTPError as exc:
             raise _node_unavailable(f"{node.node_id} at {node.address}: {exc}") from exc
 
-    async def _get(self, node: Node, path: str, params: Any = None) -> httpx.Response:
+    async def _get(self, node: Node, path: str, team: str | None, params: Any = None
+                   ) -> httpx.Response:
+        """A GET of the gateway's own making, for `team` (None: a team-less route)."""
         try:
             return await self.http.get(node.url + path, params=params, timeout=30,
-                                       headers={"x-agentenv-cluster-secret": self.secret.decode()})
+                                       headers=self._node_headers(team))
         except httpx.HTTPError as exc:
             raise _node_unavailable(f"{node.node_id} at {node.address}: {exc}") from exc
 
@@ -681,8 +719,7 @@ class GatewayApp:
                         "sandbox_id": mine, "node": node.node_id})
                     with contextlib.suppress(httpx.HTTPError):
                         await self.http.delete(f"{node.url}/sandboxes/{mine}", timeout=60,
-                                               headers={"x-agentenv-cluster-secret":
-                                                        self.secret.decode()})
+                                               headers=self._node_headers(team))
                     await self.scheduler.release(mine)
                     await self.store.forget_sandbox(mine)
                 return theirs
@@ -705,15 +742,15 @@ class GatewayApp:
             node = (await self._up_nodes() or [None])[0]
             if node is None:
                 raise NoPlacement("no node is up")
-            await self._send(send, await self._call(node, request, raw))
+            await self._send(send, await self._call(node, request, team, raw))
             return False
         bare = template.split(":")[0]
         owned = (await self.store.owned("snapshot", bare, team)
                  or await self.store.owned("template", bare, team))
         if owned is not None and owned.team != team:
             raise ApiError(404, f"template '{template}' not found")
-        if owned is None and await self.store.name_holder("template", bare) not in (None, team):
-            raise ApiError(404, f"template '{template}' not found")  # another team's name
+        # else a built-in template, or nothing of this team's: the node resolves the name in
+        # the team's scope (another team's of that name is not found)
         node = None
         if owned is not None:
             node = await self._node_by_id(owned.node)
@@ -731,7 +768,7 @@ class GatewayApp:
             headers = [(b"idempotency-key", digest.encode())]
             await self.store.create_sent_to(team, key, node.node_id)
         async with self.quotas.new_sandboxes(team, 1) as made:
-            answer = await self._call(node, request, raw, headers=headers)
+            answer = await self._call(node, request, team, raw, headers=headers)
             made.answer(answer)
         if answer.status_code != 201:
             await self._send(send, answer)
@@ -753,7 +790,7 @@ class GatewayApp:
                 return node
         raise _node_unavailable(f"{node_id} is not registered")
 
-    async def _all_pages(self, node: Node, path: str, params: list[tuple[str, str]]
+    async def _all_pages(self, node: Node, path: str, team: str, params: list[tuple[str, str]]
                          ) -> list[dict[str, Any]]:
         items: list[dict[str, Any]] = []
         token = None
@@ -761,7 +798,7 @@ class GatewayApp:
             query = [*params, ("limit", str(MAX_PAGE))]
             if token:
                 query.append(("nextToken", token))
-            answer = await self._get(node, path, query)
+            answer = await self._get(node, path, team, query)
             if answer.status_code != 200:
                 raise ApiError(answer.status_code if answer.status_code < 500 else 502,
                                answer.json().get("message", answer.text)
@@ -796,8 +833,8 @@ class GatewayApp:
 
         async def fetch(node: Node) -> list[Any]:
             if paged:
-                return await self._all_pages(node, path, params)
-            answer = await self._get(node, path, params)
+                return await self._all_pages(node, path, team, params)
+            answer = await self._get(node, path, team, params)
             if answer.status_code != 200:
                 raise ApiError(answer.status_code, answer.text)
             return list(answer.json())
@@ -829,7 +866,7 @@ class GatewayApp:
     async def sandbox_forward(self, request: Request, send: Send, team: str,
                               sandbox_id: str) -> None:
         binding = await self._own_binding(sandbox_id, team)
-        answer = await self._call(binding.node, request, await self._body(request))
+        answer = await self._call(binding.node, request, team, await self._body(request))
         if answer.status_code in (200, 201) and request.method == "POST" and (
             request.url.path.endswith(("/connect", "/resume"))
         ):
@@ -844,7 +881,7 @@ class GatewayApp:
 
     async def kill(self, request: Request, send: Send, team: str, sandbox_id: str) -> None:
         binding = await self._own_binding(sandbox_id, team)
-        answer = await self._call(binding.node, request)
+        answer = await self._call(binding.node, request, team)
         if answer.status_code in (204, 404):
             await self.scheduler.release(sandbox_id)
             await self.store.forget_sandbox(sandbox_id)
@@ -855,7 +892,7 @@ class GatewayApp:
         binding = await self._own_binding(sandbox_id, team)
         raw = await self._body(request)
         async with self.quotas.new_sandboxes(team, fork_count(raw)) as made:
-            answer = await self._call(binding.node, request, raw)
+            answer = await self._call(binding.node, request, team, raw)
             made.answer(answer)
         if answer.status_code != 201:
             await self._send(send, answer)
@@ -873,7 +910,7 @@ class GatewayApp:
     async def snapshot(self, request: Request, send: Send, team: str, sandbox_id: str) -> None:
         binding = await self._own_binding(sandbox_id, team)
         await self.quotas.check_new(team, "snapshots")
-        answer = await self._call(binding.node, request, await self._body(request))
+        answer = await self._call(binding.node, request, team, await self._body(request))
         if answer.status_code == 201:
             snap = answer.json()
             names = [n.split("/")[-1].split(":")[0] for n in snap.get("names", [])]
@@ -891,7 +928,7 @@ class GatewayApp:
         params = [(k, v) for k, v in request.query_params.multi_items()
                   if k not in ("limit", "nextToken")]
         items = await self._gather(await self._up_nodes(),
-                                   lambda n: self._all_pages(n, "/snapshots", params))
+                                   lambda n: self._all_pages(n, "/snapshots", team, params))
         owners = await self.store.owned_ids("snapshot", [i["snapshotID"] for i in items])
         mine = [i for i in items if owners.get(i["snapshotID"]) == team]
         page_items, next_token = merged_page(mine, "createdAt", "snapshotID", token, limit, True)
@@ -903,7 +940,7 @@ class GatewayApp:
         if owned is None or owned.team != team:
             raise ApiError(404, f"snapshot '{ref}' not found")
         node = await self._node_by_id(owned.node)
-        await self._send(send, await self._call(node, request))
+        await self._send(send, await self._call(node, request, team))
 
     # --- templates ---------------------------------------------------------------------------
 
@@ -916,10 +953,9 @@ class GatewayApp:
             if owned.team != team:
                 raise ApiError(404, f"template '{ref}' not found")
             return await self._node_by_id(owned.node)
-        holder = await self.store.name_holder("template", bare)
-        if own_only or (holder is not None and holder != team):
-            # another team's name: the node would answer with that team's template
+        if own_only:
             raise ApiError(404, f"template '{ref}' not found")
+        # a built-in template's name, or nothing: the node resolves it in the team's scope
         nodes = await self._up_nodes()
         if not nodes:
             raise NoPlacement("no node is up")
@@ -938,19 +974,15 @@ class GatewayApp:
         if owned is not None and owned.team == team:
             node = await self._node_by_id(owned.node)  # a rebuild: where the template is
         elif name:
-            # a node knows one template per name: a name is one team's in the whole cluster
-            holder = await self.store.name_holder("template", name)
-            if holder is None:
-                await self._refuse_shared_name(name)
+            # names are per team (the nodes keep them so): only a built-in's is no team's
+            await self._refuse_shared_name(name, team)
             await self.quotas.check_new(team, "templates")
-            if await self.store.claim_name("template", name, team) != team:
-                raise ApiError(409, f"the template name {name!r} is taken by another team")
             node = await self._new_build_node(name, team, body)
         else:  # the node names what is wrong with the body
             node = (await self._up_nodes() or [None])[0]
             if node is None:
                 raise NoPlacement("no node is up")
-        answer = await self._call(node, request, raw)
+        answer = await self._call(node, request, team, raw)
         template_id = None
         if answer.status_code in (200, 201, 202):
             template_id = answer.json().get("templateID")
@@ -958,8 +990,6 @@ class GatewayApp:
                 await self.store.own("template", template_id, team, node.node_id,
                                      [name] if name else [])
                 await self.store.note_build_node(team, node.node_id)
-        if name and owned is None and not template_id:
-            await self.store.release_name("template", name, team)
         await self._send(send, answer)
 
     async def _new_build_node(self, name: str, team: str, body: dict[str, Any]) -> Node:
@@ -985,7 +1015,7 @@ class GatewayApp:
         node = await self._template_node(template_id, team)
         raw = await self._body(request)
         await self._check_build_base(raw, node, team)
-        await self._send(send, await self._call(node, request, raw))
+        await self._send(send, await self._call(node, request, team, raw))
 
     async def _check_build_base(self, raw: bytes, node: Node, team: str) -> None:
         """Refuse, before the node starts anything, a base (`fromTemplate`) the node building
@@ -1017,16 +1047,15 @@ class GatewayApp:
                     f"once node {owned.node} is up with room (a new template of the team goes "
                     f"to it), or build from a template on node {node.node_id}"))
             return
-        if await self.store.name_holder("template", bare) not in (None, team):
-            raise ApiError(400, f"template '{base}' not found")  # another team's name
+        # else a built-in, or not the team's: the node resolves it in the team's scope
 
-    async def _refuse_shared_name(self, name: str) -> None:
+    async def _refuse_shared_name(self, name: str, team: str) -> None:
         """400 for the name of a template no team built (a node's `base`): no team may claim it,
         not even for the moment the node takes to refuse the build."""
         node = (await self._up_nodes() or [None])[0]
         if node is None:
             raise NoPlacement("no node is up")
-        probe = await self._get(node, f"/templates/aliases/{quote(name, safe='')}")
+        probe = await self._get(node, f"/templates/aliases/{quote(name, safe='')}", team)
         if probe.status_code == 200:
             template_id = str(probe.json().get("templateID", ""))
             if not await self.store.owned_ids("template", [template_id]):
@@ -1035,20 +1064,21 @@ class GatewayApp:
     async def template_forward(self, request: Request, send: Send, team: str, ref: str,
                                *_: str) -> None:
         node = await self._template_node(ref, team)
-        await self._send(send, await self._call(node, request, await self._body(request)))
+        await self._send(send, await self._call(node, request, team, await self._body(request)))
 
     async def template_files(self, request: Request, send: Send, team: str, template_id: str,
-                             rest: str) -> None:
-        # a signed upload URL: the node checks the signature; the file may be large
+                             files_hash: str) -> None:
+        """A signed upload URL (no API key: the node checks the signature; the file may be
+        large), relayed as exactly the `/template-files/{templateID}/{hash}` it was matched
+        as, for the team whose template it is."""
         owned = await self.store.owned("template", template_id)
         if owned is None:
             raise ApiError(404, f"template '{template_id}' not found")
         node = await self._node_by_id(owned.node)
-        url = httpx.URL(node.url + "/").copy_with(raw_path=request_target(request.scope))
+        url = self._node_url(node, request.scope, f"{UPLOAD_PREFIX}{template_id}/{files_hash}")
         headers = forward_headers(request.scope, _DROP_TO_NODE | {b"host"})
-        headers.append((CLUSTER_SECRET_HEADER, self.secret))
-        await self.relay.http(request.scope, request.receive, send, url, headers,
-                              Exchange(template_id))
+        await self.relay.http(request.scope, request.receive, send, url,
+                              headers + self._node_headers(owned.team), Exchange(template_id))
 
     async def tags_change(self, request: Request, send: Send, team: str) -> None:
         raw = await self._body(request)
@@ -1064,11 +1094,11 @@ class GatewayApp:
             (await self._up_nodes() or [None])[0])
         if node is None:
             raise NoPlacement("no node is up")
-        await self._send(send, await self._call(node, request, raw))
+        await self._send(send, await self._call(node, request, team, raw))
 
     async def template_alias(self, request: Request, send: Send, team: str, alias: str) -> None:
         node = await self._template_node(alias, team)
-        await self._send(send, await self._call(node, request))
+        await self._send(send, await self._call(node, request, team))
 
     async def delete_template(self, request: Request, send: Send, team: str, ref: str) -> None:
         bare = ref.split("/")[-1].split(":")[0]
@@ -1079,7 +1109,7 @@ class GatewayApp:
             # shared templates are not any team's to delete
             raise ApiError(404, f"template '{ref}' not found")
         node = await self._node_by_id(owned.node)
-        answer = await self._call(node, request)
+        answer = await self._call(node, request, team)
         if answer.status_code == 204:
             await self.store.disown(owned.kind, owned.id, team, [bare])
         await self._send(send, answer)
@@ -1089,7 +1119,7 @@ class GatewayApp:
         nodes = await self._up_nodes()
 
         async def fetch(node: Node) -> list[Any]:
-            answer = await self._get(node, "/templates")
+            answer = await self._get(node, "/templates", team)
             if answer.status_code != 200:
                 raise ApiError(answer.status_code, answer.text)
             return list(answer.json())
@@ -1121,7 +1151,7 @@ class GatewayApp:
         nodes = await self.scheduler.nodes()
 
         async def fetch(node: Node) -> list[Any]:
-            answer = await self._get(node, "/nodes")
+            answer = await self._get(node, "/nodes", None)
             found = list(answer.json()) if answer.status_code == 200 else []
             for item in found:  # the scheduler's name of the node, not its host name
                 item.update({"id": node.node_id, "nodeID": node.node_id})
@@ -1138,7 +1168,7 @@ class GatewayApp:
             if node.node_id == node_id:
                 if not node.up:
                     raise _node_unavailable(f"{node_id} missed its heartbeats")
-                answer = await self._get(node, "/nodes")
+                answer = await self._get(node, "/nodes", None)
                 if answer.status_code == 200 and answer.json():
                     body = answer.json()[0]
                     body.update({"id": node_id, "nodeID": node_id, "cachedBuilds": []})

@@ -7,8 +7,8 @@ of them serves any request. API keys are stored as their SHA-256 only.
 Keys (prefix `aenv:`): `teams` (set of names), `team:{name}` (hash: name, created),
 `apikey:{sha256}` -> team name, `own:sandbox` (hash: sandbox id -> team),
 `own:template:{id}` / `own:snapshot:{id}` (hash: team, node, id), `name:template:{team}:{name}`
-and `name:snapshot:{team}:{name}` -> id, `taken:template:{name}` -> the team whose template has
-that name on the nodes, `idem:{team}:{sha256(key)}` -> a create under way (`pending:…`, a
+and `name:snapshot:{team}:{name}` -> id (names are per team, as on the nodes: the same name in
+two teams names two things), `idem:{team}:{sha256(key)}` -> a create under way (`pending:…`, a
 lease its gateway renews) or its answer, for IDEMPOTENCY_SECONDS, and `idem-node:{team}:{sha256}`
 -> the node that create was sent to. That answer holds the sandbox's envd token, as the node's
 memory does: whoever reads this Redis holds the cluster anyway (API keys).
@@ -19,7 +19,6 @@ where the team's next new template is built, so a chain of templates stays on on
 from __future__ import annotations
 
 import hashlib
-import re
 import secrets
 import time
 from dataclasses import dataclass
@@ -29,13 +28,12 @@ import redis.exceptions
 
 from agentenv.control.redis_auth import RedisAuth, shown_url
 from agentenv.errors import AgentEnvError
+from agentenv.node.tenancy import LOCAL_TEAM, TEAM_NAME
 
 PREFIX = "aenv:"
 #: how long a create's Idempotency-Key names its sandbox (the node keeps its own as long)
 IDEMPOTENCY_SECONDS = 600
 PENDING = "pending:"
-#: delete a key only while it still holds this caller's value (its pending mark)
-_DELETE_IF = "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del', KEYS[1]) end return 0"
 #: extend a lease (ARGV[2] ms) only while the key still holds this caller's mark
 _RENEW_IF = ("if redis.call('get', KEYS[1]) == ARGV[1] then "
              "return redis.call('pexpire', KEYS[1], ARGV[2]) end return 0")
@@ -47,7 +45,6 @@ _FINISH_IF = ("local held = redis.call('get', KEYS[1]) "
 #: a failed create gives back its key and forgets its node (the retry is placed anew)
 _UNCLAIM_IF = ("if redis.call('get', KEYS[1]) == ARGV[1] then redis.call('del', KEYS[2]) "
                "return redis.call('del', KEYS[1]) end return 0")
-TEAM_NAME = re.compile(r"^[a-z0-9][a-z0-9-]{0,39}$")
 
 
 class StoreUnavailable(AgentEnvError):
@@ -97,6 +94,8 @@ class GatewayStore:
             raise AgentEnvError(
                 f"invalid team name {name!r}: 1-40 lowercase letters, digits and '-'"
             )
+        if name == LOCAL_TEAM:  # what a node records for its API key's holder (node/tenancy.py)
+            raise AgentEnvError(f"the team name {name!r} is reserved")
         created = await self._call(self.redis.sadd(PREFIX + "teams", name))
         if not created:
             raise AgentEnvError(f"team {name!r} exists already")
@@ -160,21 +159,6 @@ class GatewayStore:
             pipe.hset(key, f"name:{name}", "1")
         await self._call(pipe.execute())
 
-    async def claim_name(self, kind: str, name: str, team: str) -> str:
-        """Claim a template name for `team` cluster-wide (a node knows one template per name,
-        whatever team built it); returns the team that holds the name."""
-        key = PREFIX + f"taken:{kind}:{name}"
-        await self._call(self.redis.set(key, team, nx=True))
-        holder: str | None = await self._call(self.redis.get(key))
-        return holder or team
-
-    async def release_name(self, kind: str, name: str, team: str) -> None:
-        await self._call(self.redis.eval(_DELETE_IF, 1, PREFIX + f"taken:{kind}:{name}", team))
-
-    async def name_holder(self, kind: str, name: str) -> str | None:
-        found: str | None = await self._call(self.redis.get(PREFIX + f"taken:{kind}:{name}"))
-        return found
-
     async def owned(self, kind: str, ref: str, team: str | None = None) -> Owned | None:
         """The template or snapshot `ref` (an id, or a name of `team`'s), whoever owns it."""
         item_id = ref
@@ -206,7 +190,6 @@ class GatewayStore:
         pipe.delete(key)
         for name in set(names):
             pipe.delete(PREFIX + f"name:{kind}:{team}:{name}")
-            pipe.eval(_DELETE_IF, 1, PREFIX + f"taken:{kind}:{name}", team)
         await self._call(pipe.execute())
 
     # --- build affinity ----------------------------------------------------------------------
