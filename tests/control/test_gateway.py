@@ -24,7 +24,7 @@ from e2b import Sandbox, SandboxNotFoundException, SandboxQuery, SandboxState
 from agentenv.node.security import metrics_token
 from tests.control.cluster import GatewayProcess, LocalCluster
 from tests.control.conftest import free_port
-from tests.control.helpers import SECRET, wait_for
+from tests.control.helpers import SECRET, call, wait_for
 from tests.node.conftest import environ_set
 
 pytestmark = pytest.mark.timeout(300)
@@ -307,11 +307,24 @@ def test_signed_file_urls_through_the_gateway(sdk: LocalCluster) -> None:
             sbx.kill()
 
 
+def wait_idle(cluster: LocalCluster) -> None:
+    """Until every node's last heartbeat reports no sandbox holding a vCPU: the kills of earlier
+    tests have reached the scheduler, so placement starts from equal loads (a stale heartbeat
+    made a loaded node look busier than the one a test had just placed a sandbox on)."""
+    def idle() -> bool:
+        nodes = [n for n in call(cluster.scheduler.address, "list_nodes") if n.up]
+        running = sum(1 for node in cluster.nodes if node.proc is not None)
+        return len(nodes) >= running and all(
+            n.status.running == 0 and n.status.cpu_free == n.status.cpu_total for n in nodes)
+    wait_for("every node to report no running sandbox", idle, timeout=60, interval=0.2)
+
+
 def test_idempotent_creates_make_one_sandbox(cluster: LocalCluster) -> None:
     """A create retried with the same Idempotency-Key gets the first one's sandbox though
     least-loaded placement would put the retry on another node; concurrent duplicates make one
     sandbox; another team's same key is another create."""
     alpha = {"X-API-KEY": cluster.keys["alpha"]}
+    wait_idle(cluster)
     body = {"templateID": "base", "timeout": 120, "metadata": {"batch": "idem"}}
     made: set[str] = set()
     with httpx.Client(base_url=cluster.url, timeout=120) as api:
