@@ -7,7 +7,9 @@
   a slot namespace leaves with the slot's guest_address, as a guest's traffic does;
 - a host nft table with the egress redirects (metadata always; 80/443 of "web" sources; all TCP
   of "all" sources) to the proxy's port, as the node installs them;
-- the proxy process itself (EgressProxyProcess).
+- the proxy process itself (EgressProxyProcess), in a mount namespace of its own whose
+  /etc/hosts names the lab's servers (its getaddrinfo is the node's resolver: a name is let
+  out only to the addresses it resolves to).
 Sockets inside a namespace are made by a thread that entered it (setns): a socket stays in the
 namespace it was made in, whichever thread uses it later. Servers run as threads of the test.
 Used by tests/network and bench/egress_proxy_bench.py; needs root.
@@ -41,6 +43,7 @@ from agentenv.runtime import network as rtnet
 INET_HOST = "198.18.0.1"
 INET_SERVER = "198.18.0.2"
 INET_SOCKS = "198.18.0.3"
+INET_OTHER = "198.18.0.4"  # servers no name in the lab's hosts file points at
 OTHER_PORT = 8080  # a plain HTTP server on a port the "web" redirects leave alone
 NAMES = ("example-allowed.test", "example-denied.test")
 SOCKS_NAME = "socks.test"  # the certificate name of the TLS front of the SOCKS5 server
@@ -290,16 +293,19 @@ class Lab:
             "link set lo up\n"
             f"addr add {INET_SERVER}/24 dev eth0\n"
             f"addr add {INET_SOCKS}/24 dev eth0\n"
+            f"addr add {INET_OTHER}/24 dev eth0\n"
             "link set eth0 up\n"
             f"route add default via {INET_HOST}\n"))
         for slot in self.slots:
             self.loop.run_until_complete(slot.create())
         run("nft", "-f", "-", stdin=self.nft_rules())
         self.servers.append(serve(self.inet, INET_SERVER, 80))
+        self.servers.append(serve(self.inet, INET_OTHER, 80))
         self.servers.append(serve(self.inet, INET_SERVER, OTHER_PORT))
         if self.with_tls:
             self.certs = Certificates(self.tmp, (*NAMES, SOCKS_NAME))
             self.servers.append(serve(self.inet, INET_SERVER, 443, self.certs.server_context()))
+            self.servers.append(serve(self.inet, INET_OTHER, 443, self.certs.server_context()))
         self.start_proxy()
 
     def nft_rules(self) -> str:
@@ -316,10 +322,20 @@ class Lab:
             "  }\n"
             "}\n")
 
+    def hosts_file(self) -> Path:
+        """The proxy's /etc/hosts: the lab's names at the lab's servers."""
+        path = self.tmp / "hosts"
+        path.write_text("127.0.0.1 localhost\n"
+                        + "".join(f"{INET_SERVER} {name}\n" for name in NAMES)
+                        + f"{INET_SOCKS} {SOCKS_NAME}\n")
+        return path
+
     def start_proxy(self) -> dict[str, Any]:
+        launcher = ("unshare", "--mount", "--propagation", "private", "sh", "-c",
+                    'mount --bind "$0" /etc/hosts && exec "$@"', str(self.hosts_file()))
         self.proxy = EgressProxyProcess(self.tmp / "egress.sock", self.port,
                                         log_path=self.tmp / "egress.log",
-                                        extra_args=self.proxy_args)
+                                        extra_args=self.proxy_args, launcher=launcher)
         return self.loop.run_until_complete(self.proxy.start())
 
     def stop_proxy(self) -> None:

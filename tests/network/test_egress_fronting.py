@@ -1,0 +1,266 @@
+"""Attacks on name filtering, in the network lab (tests/network/lab.py): a name is let out only
+to the addresses it resolves to on the node (the proxy's /etc/hosts is the lab's); the DNS
+servers a policy opens are open on port 53 only; a connection whose name cannot be read
+(TLS without SNI, HTTP without Host, QUIC) follows the unnamed rule; a slot has no IPv6; one
+slot's idle connections leave capacity to the others and to the metadata service.
+Needs root (namespaces, nftables)."""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import functools
+import os
+import socket
+import ssl
+import subprocess
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from agentenv.network.policy import EgressPolicy
+from agentenv.runtime.network import GUEST_IP, TAP_IP
+from tests.network.lab import (
+    INET_OTHER,
+    INET_SERVER,
+    Lab,
+    http_get,
+    read_response,
+    serve,
+    socket_in,
+)
+from tests.network.test_egress_proxy import assert_reset, counters, wait_for
+
+pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root (namespaces, nftables)")
+
+ALLOWED, DENIED = "example-allowed.test", "example-denied.test"
+ONLY_ALLOWED = {"denyOut": ["0.0.0.0/0"], "allowOut": [ALLOWED]}
+DENY_NAME = {"denyOut": [DENIED]}
+MAX_CONNECTIONS = 30  # 3 slots: a fair share of 10 each
+
+
+@pytest.fixture(scope="module")
+def lab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Lab]:
+    tmp = tmp_path_factory.mktemp("fronting")
+    args = ("--max-connections", str(MAX_CONNECTIONS), "--max-per-slot", "1000")
+    with Lab(tmp, slots=3, proxy_args=args) as lab:
+        lab.servers.append(serve(lab.inet, INET_OTHER, 53))  # a "DNS server" speaking HTTP on TCP
+        yield lab
+
+
+def denials(lab: Lab) -> list[dict[str, Any]]:
+    return [line for line in lab.proxy_log() if line.get("event") == "denied"]
+
+
+def no_sni_context() -> ssl.SSLContext:
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    ctx.check_hostname = False
+    ctx.verify_mode = ssl.CERT_NONE
+    return ctx
+
+
+def test_allowed_name_at_another_address_is_refused_tls(lab: Lab) -> None:
+    """`curl --resolve allowed:443:ANY_IP`: the SNI is allowed, the address is not its own."""
+    slot = lab.slots[0]
+    lab.set_policy(slot, ONLY_ALLOWED)
+    before = counters(lab).get("denied_name_address", 0)
+    assert_reset(lambda: lab.tls(slot, ALLOWED, address=INET_OTHER))
+    with lab.tls(slot, ALLOWED) as tls:  # the name's real address: allowed
+        assert http_get(tls, ALLOWED, "/")[0] == 200
+    assert counters(lab)["denied_name_address"] == before + 1
+    line = denials(lab)[-1]
+    assert line["dst"] == f"{INET_OTHER}:443" and line["host"] == ALLOWED
+    assert line["answers"] == [INET_SERVER] and f"resolves here to {INET_SERVER}" in line["reason"]
+
+
+def test_allowed_host_at_another_address_is_refused_http(lab: Lab) -> None:
+    slot = lab.slots[0]
+    lab.set_policy(slot, ONLY_ALLOWED)
+    with lab.connect(slot, INET_OTHER, 80) as sock:
+        assert_reset(lambda: http_get(sock, ALLOWED, "/"))
+    with lab.connect(slot, INET_SERVER, 80) as sock:
+        assert http_get(sock, ALLOWED, "/")[0] == 200
+    assert f"{ALLOWED} resolves here to {INET_SERVER}, not to {INET_OTHER}" \
+        in denials(lab)[-1]["reason"]
+
+
+def test_innocent_name_cannot_front_for_a_deny_list(lab: Lab) -> None:
+    """With names in denyOut, a name not denied is still believed only where it points: an
+    unresolvable or foreign name cannot carry the guest to any address."""
+    slot = lab.slots[0]
+    lab.set_policy(slot, DENY_NAME)
+    assert_reset(lambda: lab.tls(slot, ALLOWED, address=INET_OTHER))
+    with lab.connect(slot, INET_OTHER, 80) as sock:
+        assert_reset(lambda: http_get(sock, "unknown-name.test", "/"))
+    with lab.tls(slot, ALLOWED) as tls:
+        assert http_get(tls, ALLOWED, "/")[0] == 200
+    assert_reset(lambda: lab.tls(slot, DENIED))
+
+
+def test_dns_servers_are_open_on_port_53_only(lab: Lab) -> None:
+    """The resolver a policy opens (here 198.18.0.4) is not a way out on 80/443 or any port."""
+    slot = lab.slots[0]
+    policy = {**ONLY_ALLOWED, "dnsServers": [INET_OTHER]}
+    lab.set_policy(slot, policy)
+    with lab.connect(slot, INET_OTHER, 80) as sock:
+        assert_reset(lambda: http_get(sock, DENIED, "/"))
+    assert_reset(lambda: lab.tls(slot, DENIED, address=INET_OTHER))
+    lab.set_policy(slot, policy, mode="all")  # every TCP port through the proxy
+    with lab.connect(slot, INET_OTHER, 53) as sock:  # port 53 stays open
+        assert http_get(sock, "dns", "/")[0] == 200
+    lab.set_policy(slot, {})
+
+
+def test_tls_without_sni_follows_the_deny_list(lab: Lab) -> None:
+    """No SNI cannot dodge a denied name: with names in denyOut, a connection whose name cannot
+    be read is refused unless its address is allowed."""
+    slot = lab.slots[0]
+    lab.set_policy(slot, DENY_NAME)
+    before = counters(lab).get("denied_unnamed", 0)
+
+    def no_sni() -> None:
+        raw = lab.connect(slot, INET_SERVER, 443)
+        with no_sni_context().wrap_socket(raw) as tls:  # server_hostname None: no SNI
+            http_get(tls, DENIED, "/")
+
+    assert_reset(no_sni)
+    with lab.connect(slot, INET_SERVER, 80) as sock:  # HTTP/1.0 without a Host
+        sock.sendall(b"GET / HTTP/1.0\r\n\r\n")
+        assert_reset(lambda: read_response(sock))
+    assert counters(lab)["denied_unnamed"] == before + 2
+    # An address in allowOut is allowed whatever its name.
+    lab.set_policy(slot, {"denyOut": [DENIED], "allowOut": [INET_SERVER]})
+    with no_sni_context().wrap_socket(lab.connect(slot, INET_SERVER, 443)) as tls:
+        assert http_get(tls, ALLOWED, "/")[0] == 200
+    lab.set_policy(slot, {})
+
+
+def _udp_echo(lab: Lab, address: str, port: int) -> socket.socket:
+    sock = socket_in(lab.inet, type_=socket.SOCK_DGRAM)
+    sock.bind((address, port))
+
+    def echo() -> None:
+        while True:
+            try:
+                data, peer = sock.recvfrom(2048)
+                sock.sendto(data, peer)
+            except OSError:
+                return
+
+    threading.Thread(target=echo, daemon=True).start()
+    return sock
+
+
+def _udp_answered(lab: Lab, netns: str, address: str, port: int) -> bool | None:
+    """One datagram out: its echo back (True), a refusal by the slot (ICMP admin-prohibited:
+    False), or the port unreachable at the server (it got out, nothing listens: None)."""
+    sock = socket_in(netns, type_=socket.SOCK_DGRAM)
+    sock.settimeout(10)
+    try:
+        sock.connect((address, port))
+        sock.send(b"quic?")
+        return sock.recv(2048) == b"quic?"
+    except ConnectionRefusedError:  # ICMP port unreachable
+        return None
+    except OSError as exc:
+        if exc.errno == errno.EACCES or exc.errno == errno.EHOSTUNREACH:
+            return False
+        raise
+    finally:
+        sock.close()
+
+
+@pytest.fixture
+def guest(lab: Lab) -> Iterator[str]:
+    """A namespace wired as the third slot's guest (a veth in place of its TAP device, the
+    guest's address and route): its traffic crosses the slot's own rules, as a VM's does."""
+    slot, ns = lab.slots[2], f"{lab.prefix}-guest"
+    subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+    run = functools.partial(subprocess.run, check=True, capture_output=True)
+    run(["ip", "netns", "add", ns])
+    try:
+        run(["ip", "-n", slot.netns_name, "link", "del", "tap0"])
+        run(["ip", "-n", slot.netns_name, "-batch", "-"], input=(
+            f"link add tap0 type veth peer name eth0 netns {ns}\n"
+            f"addr add {TAP_IP}/30 dev tap0\nlink set tap0 up\n").encode())
+        run(["ip", "-n", ns, "-batch", "-"], input=(
+            f"link set lo up\naddr add {GUEST_IP}/30 dev eth0\nlink set eth0 up\n"
+            f"route add default via {TAP_IP}\n").encode())
+        yield ns
+    finally:
+        subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+
+
+def test_quic_follows_the_deny_list(lab: Lab, guest: str) -> None:
+    slot = lab.slots[2]
+    echo = _udp_echo(lab, INET_SERVER, 443)
+    try:
+        assert _udp_answered(lab, guest, INET_SERVER, 443) is True  # default policy: passes
+        lab.loop.run_until_complete(slot.set_policy(EgressPolicy.from_wire(DENY_NAME)))
+        assert _udp_answered(lab, guest, INET_SERVER, 443) is False  # refused by the slot
+        assert _udp_answered(lab, guest, INET_SERVER, 443 + 1) is None  # other ports: by address
+        lab.loop.run_until_complete(slot.set_policy(EgressPolicy.from_wire(
+            {"denyOut": [DENIED], "allowOut": [INET_SERVER]})))
+        assert _udp_answered(lab, guest, INET_SERVER, 443) is True  # allowed by address
+    finally:
+        lab.loop.run_until_complete(slot.set_policy(EgressPolicy()))
+        echo.close()
+
+
+def test_slot_has_no_ipv6(lab: Lab) -> None:
+    ns = lab.slots[0].netns_name
+    for dev in ("all", "default", "lo", "vpeer", "tap0"):
+        out = subprocess.run(["ip", "netns", "exec", ns, "sysctl", "-n",
+                              f"net.ipv6.conf.{dev}.disable_ipv6"],
+                             capture_output=True, text=True, check=True).stdout
+        assert out.strip() == "1", dev
+    addresses = subprocess.run(["ip", "-n", ns, "-6", "addr", "show"], capture_output=True,
+                               text=True, check=True).stdout
+    assert addresses.strip() == ""  # not even link-local
+    assert not asyncio.run(asyncio.to_thread(
+        lambda: _ipv6_socket_works(ns)))
+
+
+def _ipv6_socket_works(ns: str) -> bool:
+    try:
+        sock = socket_in(ns, socket.AF_INET6, socket.SOCK_DGRAM)
+    except OSError:
+        return False
+    try:
+        sock.connect(("fe80::1%vpeer", 9))
+        return True
+    except OSError:
+        return False
+    finally:
+        sock.close()
+
+
+def test_idle_connections_of_one_slot_leave_room_for_the_others(lab: Lab) -> None:
+    """Slot A holds every egress connection it can and leaves them idle: it gets its share
+    (max_connections / slots), slot B still goes out, and A's metadata still answers."""
+    hog, other = lab.slots[1], lab.slots[0]
+    for slot in lab.slots:
+        lab.set_policy(slot, {}, mode="all")
+    wait_for(lambda: counters(lab)["connections"] == 0)
+    held: list[socket.socket] = []
+    try:
+        for _ in range(MAX_CONNECTIONS + 5):
+            try:
+                sock = lab.connect(hog, INET_SERVER, 80)
+                http_get(sock, ALLOWED, "/")  # connected through: counted by the proxy
+            except (ConnectionError, OSError):
+                break
+            held.append(sock)
+        share = counters(lab)["slot_share"]
+        assert len(held) == share < MAX_CONNECTIONS
+        with lab.connect(other, INET_SERVER, 80) as sock:
+            assert http_get(sock, ALLOWED, "/")[0] == 200
+        with lab.connect(hog, "169.254.169.254", 80) as sock:
+            assert http_get(sock, "169.254.169.254", "/")[0] == 200
+    finally:
+        for sock in held:
+            sock.close()
+        for slot in lab.slots:
+            lab.set_policy(slot, {})
