@@ -317,6 +317,8 @@ class Lab:
             "  chain pre {\n"
             "    type nat hook prerouting priority dstnat;\n"
             f'    iifname "{p}h*" ip daddr 169.254.169.254 tcp dport 80 redirect to :{self.port}\n'
+            f'    iifname "{p}h*" ip daddr 169.254.169.254 meta l4proto {{ tcp, udp }} th dport 53 '
+            f"redirect to :{self.port}\n"
             f'    iifname "{p}h*" ip saddr @web tcp dport {{ 80, 443 }} redirect to :{self.port}\n'
             f'    iifname "{p}h*" ip saddr @every meta l4proto tcp redirect to :{self.port}\n'
             "  }\n"

@@ -13,6 +13,7 @@ import functools
 import os
 import socket
 import ssl
+import struct
 import subprocess
 import threading
 from collections.abc import Iterator
@@ -20,6 +21,7 @@ from typing import Any
 
 import pytest
 
+from agentenv.network import dns
 from agentenv.network.policy import EgressPolicy
 from agentenv.runtime.network import GUEST_IP, TAP_IP
 from tests.network.lab import (
@@ -44,10 +46,81 @@ MAX_CONNECTIONS = 30  # 3 slots: a fair share of 10 each
 @pytest.fixture(scope="module")
 def lab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Lab]:
     tmp = tmp_path_factory.mktemp("fronting")
-    args = ("--max-connections", str(MAX_CONNECTIONS), "--max-per-slot", "1000")
+    args = ("--max-connections", str(MAX_CONNECTIONS), "--max-per-slot", "1000",
+            "--dns-upstream", f"{INET_OTHER}:53")
     with Lab(tmp, slots=3, proxy_args=args) as lab:
         lab.servers.append(serve(lab.inet, INET_OTHER, 53))  # a "DNS server" speaking HTTP on TCP
-        yield lab
+        upstream = _dns_upstream(lab)
+        try:
+            yield lab
+        finally:
+            upstream.close()
+
+
+def _dns_upstream(lab: Lab) -> socket.socket:
+    """The upstream resolver, UDP on 198.18.0.4:53: every name is 198.18.0.2."""
+    sock = socket_in(lab.inet, type_=socket.SOCK_DGRAM)
+    sock.bind((INET_OTHER, 53))
+
+    def answer() -> None:
+        while True:
+            try:
+                query, peer = sock.recvfrom(4096)
+            except OSError:
+                return
+            question = dns.parse_query(query)
+            head = struct.pack("!HHHHHH", question.id, 0x8180, 1, 1, 0, 0)
+            record = struct.pack("!HHHIH", 0xC00C, 1, 1, 60, 4) + socket.inet_aton(INET_SERVER)
+            sock.sendto(head + query[12:question.end] + record, peer)
+
+    threading.Thread(target=answer, daemon=True).start()
+    return sock
+
+
+def _query(name: str, qid: int = 0x1234) -> bytes:
+    labels = b"".join(bytes([len(part)]) + part.encode() for part in name.split("."))
+    return struct.pack("!HHHHHH", qid, 0x0100, 1, 0, 0, 0) + labels + b"\0" + struct.pack("!HH", 1, 1)
+
+
+def _ask_udp(lab: Lab, slot: Any, name: str) -> tuple[int, bytes]:
+    """(RCODE, the answer) of one query to 169.254.169.254:53 from the slot."""
+    sock = socket_in(slot.netns_name, type_=socket.SOCK_DGRAM)
+    sock.settimeout(10)
+    try:
+        sock.connect(("169.254.169.254", 53))
+        sock.send(_query(name))
+        answer = sock.recv(4096)
+    finally:
+        sock.close()
+    assert answer[:2] == b"\x12\x34"
+    return answer[3] & 0xF, answer
+
+
+def _ask_tcp(lab: Lab, slot: Any, name: str) -> int:
+    with lab.connect(slot, "169.254.169.254", 53) as sock:
+        query = _query(name)
+        sock.sendall(struct.pack("!H", len(query)) + query)
+        length = struct.unpack("!H", sock.recv(2))[0]
+        answer = b""
+        while len(answer) < length:
+            answer += sock.recv(length - len(answer))
+    return answer[3] & 0xF
+
+
+def test_filtering_resolver_answers_only_allowed_names(lab: Lab) -> None:
+    slot = lab.slots[0]
+    lab.set_policy(slot, ONLY_ALLOWED)
+    rcode, answer = _ask_udp(lab, slot, ALLOWED)
+    assert rcode == 0 and socket.inet_aton(INET_SERVER) in answer  # forwarded, answered
+    assert _ask_udp(lab, slot, "tunnel-data-0123.attacker.test")[0] == dns.RCODE_REFUSED
+    assert _ask_tcp(lab, slot, ALLOWED) == 0
+    assert _ask_tcp(lab, slot, "tunnel-data-0123.attacker.test") == dns.RCODE_REFUSED
+    lab.set_policy(slot, DENY_NAME)  # a deny-list: everything but the denied names
+    assert _ask_udp(lab, slot, "anything.test")[0] == 0
+    assert _ask_udp(lab, slot, DENIED)[0] == dns.RCODE_REFUSED
+    refused = [line for line in lab.proxy_log() if line.get("event") == "dns_refused"]
+    assert refused[-1]["qname"] == DENIED and refused[-1]["reason"] == "name not allowed by the policy"
+    lab.set_policy(slot, {})
 
 
 def denials(lab: Lab) -> list[dict[str, Any]]:

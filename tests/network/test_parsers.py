@@ -280,3 +280,22 @@ def test_fuzz_http_near_valid(tokens: list[bytes], step: int) -> None:
     if whole_out is not None:
         assert hosts == whole_hosts
         assert out == whole_out
+
+
+def test_dns_questions_are_read_and_bad_ones_named() -> None:
+    from agentenv.network import dns
+
+    query = bytes.fromhex("abcd01000001000000000000") + b"\x03WWW\x07example\x03com\x00" \
+        + bytes.fromhex("00010001")
+    question = dns.parse_query(query)
+    assert (question.id, question.name, question.qtype, question.end) == \
+        (0xABCD, "www.example.com", 1, len(query))
+    refused = dns.error_response(query, dns.RCODE_REFUSED, question)
+    assert refused[:2] == b"\xab\xcd" and refused[3] & 0xF == 5 and refused[2] & 0x80
+    assert refused[12:] == query[12:]
+    for bad, why in ((query[:11], "shorter"), (query[:20], "runs past"),
+                     (bytes.fromhex("abcd81000001000000000000"), "a response"),
+                     (bytes.fromhex("abcd01000002000000000000"), "2 questions"),
+                     (query[:12] + b"\xc0\x0c" + query[-4:], "compressed")):
+        with pytest.raises(dns.DnsFormatError, match=why):
+            dns.parse_query(bad)

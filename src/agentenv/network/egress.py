@@ -52,7 +52,7 @@ from ipaddress import IPv4Address, IPv4Network
 from pathlib import Path
 from typing import Any
 
-from agentenv.network import httphead, metadata, sni, socks5
+from agentenv.network import dns, httphead, metadata, sni, socks5
 from agentenv.network.control import SlotEntry, SlotIdentity
 from agentenv.network.policy import (
     WEB_PORTS,
@@ -84,6 +84,9 @@ WALLS = tuple(IPv4Network(n) for n in (
     "172.16.0.0/12", "192.168.0.0/16", "224.0.0.0/4", "240.0.0.0/4",
 ))
 METADATA = (IPv4Address(metadata.METADATA_ADDRESS), metadata.METADATA_PORT)
+RESOLVER = (IPv4Address(metadata.METADATA_ADDRESS), dns.DNS_PORT)  # the filtering resolver
+NODE_SERVICES = (METADATA, RESOLVER)  # answered here, with caps apart from egress
+MAX_DNS_INFLIGHT_PER_SLOT = 64
 
 
 class Refused(Exception):
@@ -195,6 +198,9 @@ class Counters:
     cut_by_update: int = 0
     idle_closed: int = 0
     metadata_requests: int = 0
+    dns_answered: int = 0  # forwarded to the upstream resolver and answered
+    dns_refused: int = 0  # a name the policy does not let the sandbox resolve
+    dns_failed: int = 0  # malformed, over the slot's cap, or the upstream did not answer
     bytes_up: int = 0  # guest -> destination
     bytes_down: int = 0
 
@@ -203,7 +209,8 @@ class Counters:
 class Slot:
     entry: SlotEntry
     conns: set[Conn] = field(default_factory=set)  # egress connections
-    metadata: set[Conn] = field(default_factory=set)  # metadata-service connections
+    metadata: set[Conn] = field(default_factory=set)  # metadata and resolver connections
+    dns_inflight: int = 0  # UDP queries being forwarded
 
 
 def _rst(sock: socket.socket) -> None:
@@ -531,7 +538,8 @@ class EgressProxyServer:
                  max_metadata_per_slot: int = MAX_METADATA_PER_SLOT,
                  idle_timeout: float = IDLE_TIMEOUT, peek_timeout: float = PEEK_TIMEOUT,
                  connect_timeout: float = CONNECT_TIMEOUT, splice: bool = True,
-                 resolve_ttl: float = RESOLVE_TTL) -> None:
+                 resolve_ttl: float = RESOLVE_TTL,
+                 dns_upstream: tuple[str, int] | None = None) -> None:
         self.control_path = str(control_path)
         self.port, self.bind = port, bind
         self.metrics_port, self.metrics_bind = metrics_port, metrics_bind
@@ -549,6 +557,8 @@ class EgressProxyServer:
         self.view = memoryview(self.buffer)
         self.local = _LocalAddresses()
         self.names = NameAnswers(resolve_ttl)
+        self.dns_upstream = dns_upstream  # None: no filtering resolver
+        self._dns_sock: socket.socket | None = None
         self._listener: socket.socket | None = None
         self._servers: list[asyncio.base_events.Server] = []
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -568,6 +578,14 @@ class EgressProxyServer:
         self._listener = listener
         self.port = listener.getsockname()[1]
         self.loop.add_reader(listener.fileno(), self._on_accept)
+        if self.dns_upstream is not None:
+            # The filtering resolver's UDP side, on the same port number (the host redirects
+            # the slots' UDP to 169.254.169.254:53 here).
+            udp = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+            udp.bind((self.bind, self.port))
+            udp.setblocking(False)
+            self._dns_sock = udp
+            self.loop.add_reader(udp.fileno(), self._on_dns_datagram)
         path = Path(self.control_path)
         path.parent.mkdir(parents=True, exist_ok=True)
         with contextlib.suppress(FileNotFoundError):
@@ -599,6 +617,10 @@ class EgressProxyServer:
             self.loop.remove_reader(self._listener.fileno())
             self._listener.close()
             self._listener = None
+        if self._dns_sock is not None:
+            self.loop.remove_reader(self._dns_sock.fileno())
+            self._dns_sock.close()
+            self._dns_sock = None
         for server in self._servers:
             server.close()
         for conn in list(self.conns):
@@ -659,7 +681,7 @@ class EgressProxyServer:
                 "event": "no_original_dst", "source": source, "error": str(exc)})
             _rst(sock)
             return
-        is_metadata = (dst_ip, dst_port) == METADATA
+        is_metadata = (dst_ip, dst_port) in NODE_SERVICES
         if is_metadata:
             # Metadata has caps of its own: a slot's egress connections never deny it.
             over = len(slot.metadata) >= self.max_metadata_per_slot
@@ -698,7 +720,7 @@ class EgressProxyServer:
     def unregister(self, conn: Conn) -> None:
         if conn in self.conns:
             self.conns.discard(conn)
-            if (conn.dst_ip, conn.dst_port) == METADATA:
+            if (conn.dst_ip, conn.dst_port) in NODE_SERVICES:
                 self.metadata_connections -= 1
         if conn.slot is not None:
             conn.slot.conns.discard(conn)
@@ -743,6 +765,9 @@ class EgressProxyServer:
         try:
             if (conn.dst_ip, conn.dst_port) == METADATA:
                 await self._metadata(conn)
+                return
+            if (conn.dst_ip, conn.dst_port) == RESOLVER:
+                await self._dns_tcp(conn)
                 return
             if self._walled(conn.dst_ip):
                 raise Refused("destination behind the walls")
@@ -980,6 +1005,91 @@ class EgressProxyServer:
             return
         conn.close()
 
+    # -- the filtering resolver (dns.py) ------------------------------------------------------
+
+    def _dns_decide(self, source: str, message: bytes) -> tuple[bytes | None, Slot | None]:
+        """(an answer to send now, or None to forward; the slot) for one query from `source`."""
+        slot = self.slots.get(source)
+        try:
+            question = dns.parse_query(message)
+        except dns.DnsFormatError as exc:
+            self.counters.dns_failed += 1
+            log.info("dns query malformed", extra={"event": "dns_malformed", "source": source,
+                                                     "error": str(exc)})
+            return dns.error_response(message, dns.RCODE_FORMERR, None), slot
+        if slot is None or not slot.entry.policy.resolves(question.name):
+            self.counters.dns_refused += 1
+            log.info("dns query refused", extra={
+                "event": "dns_refused", "source": source, "qname": question.name,
+                "reason": "unknown source" if slot is None else "name not allowed by the policy"})
+            return dns.error_response(message, dns.RCODE_REFUSED, question), slot
+        return None, slot
+
+    async def _dns_forward(self, message: bytes, source: str) -> bytes:
+        assert self.dns_upstream is not None
+        try:
+            answer = await dns.forward_udp(message, self.dns_upstream)
+        except (OSError, TimeoutError) as exc:
+            self.counters.dns_failed += 1
+            log.info("dns upstream failed", extra={"event": "dns_upstream_failed",
+                                                    "source": source, "error": str(exc)
+                                                    or type(exc).__name__})
+            return dns.error_response(message, dns.RCODE_SERVFAIL, dns.parse_query(message))
+        self.counters.dns_answered += 1
+        return answer
+
+    def _on_dns_datagram(self) -> None:
+        assert self._dns_sock is not None
+        for _ in range(64):  # a burst per wake-up, then let the others run
+            try:
+                message, (source, port) = self._dns_sock.recvfrom(dns.MAX_MESSAGE + 1)
+            except OSError:  # (BlockingIOError: nothing more to read)
+                return
+            now, slot = self._dns_decide(source, message)
+            if now is not None:
+                self._dns_reply(now, (source, port))
+            elif slot is not None and slot.dns_inflight < MAX_DNS_INFLIGHT_PER_SLOT:
+                slot.dns_inflight += 1
+                self._spawn(self._dns_udp(message, slot, (source, port)))
+            else:
+                self.counters.dns_failed += 1  # over the slot's cap: dropped, the stub retries
+
+    async def _dns_udp(self, message: bytes, slot: Slot, to: tuple[str, int]) -> None:
+        try:
+            self._dns_reply(await self._dns_forward(message, to[0]), to)
+        finally:
+            slot.dns_inflight -= 1
+
+    def _dns_reply(self, answer: bytes, to: tuple[str, int]) -> None:
+        if self._dns_sock is not None:
+            with contextlib.suppress(OSError):
+                self._dns_sock.sendto(answer, to)
+
+    async def _dns_tcp(self, conn: Conn) -> None:
+        """DNS over TCP (two-byte length, then the message), one query at a time."""
+        if self.dns_upstream is None:
+            raise Refused("no filtering resolver on this node")
+        reader, writer = await asyncio.open_connection(sock=conn.guest)
+        conn.transports.append(writer.transport)
+        try:
+            while True:
+                async with asyncio.timeout(metadata.IDLE_TIMEOUT):
+                    try:
+                        (length,) = struct.unpack("!H", await reader.readexactly(2))
+                    except asyncio.IncompleteReadError:
+                        break
+                    message = await reader.readexactly(length)
+                conn.last_active = self.loop.time()
+                answer, _ = self._dns_decide(conn.source, message)
+                if answer is None:
+                    answer = await self._dns_forward(message, conn.source)
+                writer.write(struct.pack("!H", len(answer)) + answer)
+                await writer.drain()
+        except (OSError, TimeoutError, asyncio.IncompleteReadError):
+            conn.reset()
+            return
+        conn.close()
+
     async def _sweep(self) -> None:
         """Close connections idle (no byte either way) for longer than idle_timeout."""
         interval = max(0.5, min(30.0, self.idle_timeout / 4))
@@ -1116,6 +1226,10 @@ class EgressProxyServer:
                         "upstream_failed", "cut_by_update", "idle_closed"):
             lines.append(f'aenv_egress_connections_total{{verdict="{verdict}"}} '
                          f"{getattr(c, verdict)}")
+        lines.append("# TYPE aenv_egress_dns_queries_total counter")
+        for verdict in ("answered", "refused", "failed"):
+            lines.append(f'aenv_egress_dns_queries_total{{verdict="{verdict}"}} '
+                         f"{getattr(c, 'dns_' + verdict)}")
         lines += [
             "# TYPE aenv_egress_metadata_requests_total counter",
             f"aenv_egress_metadata_requests_total {c.metadata_requests}",
@@ -1200,6 +1314,12 @@ def _slot_entry(raw: Any, where: str = "slot") -> SlotEntry:
         raise ValueError(f"{where}.policy: {exc}") from None
 
 
+def _dns_upstream(text: str | None) -> tuple[str, int] | None:
+    if not text:
+        return None
+    return dns.system_upstream() if text == "system" else dns.parse_upstream(text)
+
+
 _statm_fd = -1
 
 
@@ -1260,6 +1380,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-metadata-per-slot", type=int, default=MAX_METADATA_PER_SLOT)
     parser.add_argument("--idle-timeout", type=float, default=IDLE_TIMEOUT)
     parser.add_argument("--peek-timeout", type=float, default=PEEK_TIMEOUT)
+    parser.add_argument("--dns-upstream", default=os.environ.get("AENV_DNS_FILTER_UPSTREAM"),
+                        help="serve the filtering resolver (169.254.169.254:53), forwarding "
+                             "allowed names to this IPv4[:port], or 'system' (the node's "
+                             "resolv.conf); default $AENV_DNS_FILTER_UPSTREAM, else off")
     parser.add_argument("--resolve-ttl", type=float, default=RESOLVE_TTL,
                         help="seconds a name's addresses (getaddrinfo) are kept")
     parser.add_argument("--copy", action="store_true",
@@ -1274,7 +1398,7 @@ def server_from_args(args: argparse.Namespace) -> EgressProxyServer:
         max_connections=args.max_connections, max_per_slot=args.max_per_slot,
         max_metadata_per_slot=args.max_metadata_per_slot,
         idle_timeout=args.idle_timeout, peek_timeout=args.peek_timeout, splice=not args.copy,
-        resolve_ttl=args.resolve_ttl)
+        resolve_ttl=args.resolve_ttl, dns_upstream=_dns_upstream(args.dns_upstream))
 
 
 def main(argv: list[str] | None = None) -> None:

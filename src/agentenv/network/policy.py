@@ -405,6 +405,18 @@ class EgressPolicy:
             return False
         return self.allows_unnamed(address, port)
 
+    def resolves(self, name: str) -> bool:
+        """Whether the node's filtering resolver (network/dns.py) answers `name` for this
+        sandbox: a name in allowOut, else not a name in denyOut and not a policy that denies
+        every address (`denyOut: ["0.0.0.0/0"]`: only allowOut names are worth resolving)."""
+        host = name.lower().rstrip(".")
+        lookup = self._lookup
+        if lookup.allow_names.matches(host):
+            return True
+        if lookup.deny_names.matches(host):
+            return False
+        return ALL_TRAFFIC not in self.deny_nets
+
     @property
     def filters_quic(self) -> bool:
         """UDP 443 (QUIC) carries names the proxy cannot read: with names in denyOut it follows

@@ -233,6 +233,8 @@ class NetworkSlot:
             "    }\n"
             "    chain egress {\n"
             f"        ip daddr {METADATA_IP} tcp dport 80 accept\n"
+            # The node's filtering resolver (network/dns.py), when it runs.
+            f"        ip daddr {METADATA_IP} meta l4proto {{ tcp, udp }} th dport 53 accept\n"
             "        ip daddr @walls meta l4proto tcp reject with tcp reset\n"
             "        ip daddr @walls reject with icmp type admin-prohibited\n"
             "        ip daddr @allow accept\n"
@@ -454,10 +456,12 @@ def host_ruleset(prefix: str, proxy_port: int | None) -> str:
         to = f"redirect to :{proxy_port}"
         redirects = (
             f'        iifname "{prefix}h*" ip daddr {METADATA_IP} tcp dport 80 {to}\n'
+            f'        iifname "{prefix}h*" ip daddr {METADATA_IP} meta l4proto {{ tcp, udp }} '
+            f'th dport 53 {to}\n'
             f'        iifname "{prefix}h*" ip saddr @all_src meta l4proto tcp {to}\n'
             f'        iifname "{prefix}h*" ip saddr @web_src tcp dport {{ {WEB_PORTS} }} {to}\n')
-        proxy_accept = (f'        iifname "{prefix}h*" tcp dport {proxy_port} ct status dnat '
-                        "accept\n")
+        proxy_accept = (f'        iifname "{prefix}h*" meta l4proto {{ tcp, udp }} '
+                        f"th dport {proxy_port} ct status dnat accept\n")
     return HOST_RULES.format(table=f"{prefix}_host", prefix=prefix, redirects=redirects,
                              proxy_accept=proxy_accept, web=WEB_PORTS, keep_mark=KEEP_MARK)
 
