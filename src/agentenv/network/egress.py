@@ -15,7 +15,10 @@ Per connection:
 - else, on ports 80/443 only, the first bytes are read (at most PEEK_MAX, PEEK_TIMEOUT): a TLS
   ClientHello gives the SNI, an HTTP/1.x request head the Host; other ports are decided by
   address alone (a server-speaks-first protocol would wait forever for a client byte);
-- `policy.allows(address, name)` decides. Denied: reset (SO_LINGER 0), one log line, counted.
+- `policy.decide(address, port, name)` decides; a name that decides it must resolve to the
+  destination here (NameAnswers: the node's getaddrinfo), and on 80/443 a connection without
+  a readable name follows the unnamed rule. Denied: reset (SO_LINGER 0), one log line with
+  the reason, counted.
   Header `rules` are for plain HTTP only (a policy whose rules would cover HTTPS is refused
   by policy.py: the headers cannot be set without decrypting), so TLS is never transformed;
 - allowed: a connection to the original destination, directly or through the slot's SOCKS5
@@ -24,6 +27,8 @@ Per connection:
   again (a keep-alive connection may ask another Host) and gets the rules' headers.
 A `set` that changes a slot's policy resets every live connection of that slot the new policy
 denies (or whose SOCKS5 route changed); `remove` resets all of them.
+
+With --dns-upstream it is also the filtering resolver at 169.254.169.254:53 (dns.py).
 
 Run it as `python -m agentenv.network.egress --control SOCK --port PORT` (what process.py
 does: it imports only this package, which keeps the process small) or `aenv egress-proxy`.
