@@ -416,7 +416,6 @@ class RemoteStore:
         self.stats.add("fetched", _kind(name), len(data))
         for idx in range(first, last + 1):
             if not digests.matches(idx, data[idx * cs - lo : min(size, (idx + 1) * cs) - lo]):
-                self.stats.add("corrupt", _kind(name))
                 raise LayerFormatError(name, idx * cs, "a chunk does not match the blob's "
                                                        "chunk table")
         return data[offset - lo : offset - lo + length]
