@@ -92,6 +92,7 @@ METADATA = (IPv4Address(metadata.METADATA_ADDRESS), metadata.METADATA_PORT)
 RESOLVER = (IPv4Address(metadata.METADATA_ADDRESS), dns.DNS_PORT)  # the filtering resolver
 NODE_SERVICES = (METADATA, RESOLVER)  # answered here, with caps apart from egress
 MAX_DNS_INFLIGHT_PER_SLOT = 64
+MAX_LOOKUPS_PER_SLOT = 8
 
 
 class Refused(Exception):
@@ -156,6 +157,10 @@ class NameAnswers:
         entry = self._answers.get(name)
         return entry[1] if entry is not None else None
 
+    def fresh(self, name: str) -> bool:
+        entry = self._answers.get(name)
+        return entry is not None and entry[0] > asyncio.get_running_loop().time()
+
     async def answers(self, name: str) -> frozenset[IPv4Address]:
         loop = asyncio.get_running_loop()
         entry = self._answers.get(name)
@@ -216,6 +221,7 @@ class Slot:
     conns: set[Conn] = field(default_factory=set)  # egress connections
     metadata: set[Conn] = field(default_factory=set)  # metadata and resolver connections
     dns_inflight: int = 0  # UDP queries being forwarded
+    lookups: int = 0  # name lookups (NameAnswers) its connections wait for
 
 
 def _rst(sock: socket.socket) -> None:
@@ -740,10 +746,20 @@ class EgressProxyServer:
     async def _decide(self, conn: Conn, name: str | None) -> EgressPolicy:
         """Raises Refused unless the slot's current policy lets this connection out; a name
         that decides it must resolve to the destination here (NameAnswers)."""
-        policy = self._current(conn).entry.policy
-        decision = self._decision(conn, policy, name)
-        answers = await self.names.answers(name) \
-            if decision.verdict == "bind" and name is not None else None
+        slot = self._current(conn)
+        decision = self._decision(conn, slot.entry.policy, name)
+        answers = None
+        if decision.verdict == "bind" and name is not None:
+            if not self.names.fresh(name) and slot.lookups >= MAX_LOOKUPS_PER_SLOT:
+                # A guest spraying names (each a lookup that may wait seconds) must not take
+                # the lookup threads every other slot's decisions need.
+                raise Refused("too many name lookups in flight for this sandbox",
+                              "over_capacity")
+            slot.lookups += 1
+            try:
+                answers = await self.names.answers(name)
+            finally:
+                slot.lookups -= 1
         _judge(conn, decision, name, answers)
         return self._current(conn).entry.policy  # (the lookup may have waited)
 
