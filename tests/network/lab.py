@@ -8,8 +8,9 @@
 - a host nft table with the egress redirects (metadata always; 80/443 of "web" sources; all TCP
   of "all" sources) to the proxy's port, as the node installs them;
 - the proxy process itself (EgressProxyProcess), in a mount namespace of its own whose
-  /etc/hosts names the lab's servers (its getaddrinfo is the node's resolver: a name is let
-  out only to the addresses it resolves to).
+  /etc/hosts names the lab's servers and whose resolv.conf names a lab address (its
+  getaddrinfo is the node's resolver: a name is let out only to the addresses it resolves
+  to; no lookup leaves the lab).
 Sockets inside a namespace are made by a thread that entered it (setns): a socket stays in the
 namespace it was made in, whichever thread uses it later. Servers run as threads of the test.
 Used by tests/network and bench/egress_proxy_bench.py; needs root.
@@ -44,6 +45,7 @@ INET_HOST = "198.18.0.1"
 INET_SERVER = "198.18.0.2"
 INET_SOCKS = "198.18.0.3"
 INET_OTHER = "198.18.0.4"  # servers no name in the lab's hosts file points at
+LAB_RESOLVER = INET_SOCKS  # the proxy's nameserver (its resolv.conf), port 53
 OTHER_PORT = 8080  # a plain HTTP server on a port the "web" redirects leave alone
 NAMES = ("example-allowed.test", "example-denied.test")
 SOCKS_NAME = "socks.test"  # the certificate name of the TLS front of the SOCKS5 server
@@ -332,9 +334,17 @@ class Lab:
                         + f"{INET_SOCKS} {SOCKS_NAME}\n")
         return path
 
+    def resolv_conf(self) -> Path:
+        """The proxy's resolv.conf: a lab address (no lookup leaves the lab). Nothing answers
+        there unless a test listens (198.18.0.3:53): a name not in the hosts file fails fast."""
+        path = self.tmp / "resolv.conf"
+        path.write_text(f"nameserver {LAB_RESOLVER}\noptions timeout:5 attempts:1\n")
+        return path
+
     def start_proxy(self) -> dict[str, Any]:
         launcher = ("unshare", "--mount", "--propagation", "private", "sh", "-c",
-                    'mount --bind "$0" /etc/hosts && exec "$@"', str(self.hosts_file()))
+                    'mount --bind "$0" /etc/hosts && mount --bind "$1" /etc/resolv.conf && '
+                    'shift && exec "$@"', str(self.hosts_file()), str(self.resolv_conf()))
         self.proxy = EgressProxyProcess(self.tmp / "egress.sock", self.port,
                                         log_path=self.tmp / "egress.log",
                                         extra_args=self.proxy_args, launcher=launcher)

@@ -8,6 +8,7 @@ Needs root (namespaces, nftables)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import functools
 import os
@@ -27,6 +28,7 @@ from agentenv.runtime.network import GUEST_IP, TAP_IP
 from tests.network.lab import (
     INET_OTHER,
     INET_SERVER,
+    LAB_RESOLVER,
     Lab,
     http_get,
     read_response,
@@ -337,3 +339,40 @@ def test_idle_connections_of_one_slot_leave_room_for_the_others(lab: Lab) -> Non
             sock.close()
         for slot in lab.slots:
             lab.set_policy(slot, {})
+
+
+def _client_hello(name: str) -> bytes:
+    """The first flight of a TLS client for `name` (a ClientHello with that SNI)."""
+    out = ssl.MemoryBIO()
+    tls = ssl.create_default_context().wrap_bio(ssl.MemoryBIO(), out, server_hostname=name)
+    with contextlib.suppress(ssl.SSLWantReadError):
+        tls.do_handshake()
+    return out.read()
+
+
+def test_a_slot_spraying_names_cannot_stall_the_others_lookups(lab: Lab) -> None:
+    """With a resolver that never answers, a slot sending a new SNI per connection gets a few
+    lookups in flight and the rest refused at once; another slot's names still resolve."""
+    spraying, other = lab.slots[0], lab.slots[1]
+    lab.set_policy(spraying, DENY_NAME)  # every name not denied is looked up (bound)
+    lab.set_policy(other, DENY_NAME)
+    black_hole = socket_in(lab.inet, type_=socket.SOCK_DGRAM)
+    black_hole.bind((LAB_RESOLVER, 53))  # receives the lookups, answers none
+    held: list[socket.socket] = []
+    try:
+        before = counters(lab)["over_capacity"]
+        for i in range(30):
+            sock = lab.connect(spraying, INET_SERVER, 443)
+            sock.sendall(_client_hello(f"spray-{i}.example-sprayed.test"))
+            held.append(sock)
+        wait_for(lambda: counters(lab)["over_capacity"] >= before + 10, timeout=30)
+        with lab.tls(other, ALLOWED) as tls:  # in the hosts file: answered at once
+            assert http_get(tls, ALLOWED, "/")[0] == 200
+        assert "too many name lookups in flight for this sandbox" in \
+            [line["reason"] for line in denials(lab)]
+    finally:
+        for sock in held:
+            sock.close()
+        black_hole.close()
+        lab.set_policy(spraying, {})
+        lab.set_policy(other, {})

@@ -52,6 +52,7 @@ import ssl
 import struct
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from ipaddress import IPv4Address, IPv4Network
 from pathlib import Path
@@ -146,8 +147,11 @@ class NameAnswers:
 
     MAX_NAMES = 4096
 
+    LOOKUP_THREADS = 64  # lookups block (getaddrinfo): threads of their own, not the loop's few
+
     def __init__(self, ttl: float) -> None:
         self.ttl = ttl
+        self._threads = ThreadPoolExecutor(self.LOOKUP_THREADS, thread_name_prefix="lookup")
         self._answers: dict[str, tuple[float, frozenset[IPv4Address]]] = {}
         self._pending: dict[str, asyncio.Task[frozenset[IPv4Address]]] = {}
 
@@ -185,11 +189,11 @@ class NameAnswers:
         self._answers[name] = (loop.time() + self.ttl, found)
         return found
 
-    @staticmethod
-    async def _lookup(loop: asyncio.AbstractEventLoop, name: str) -> frozenset[IPv4Address]:
+    async def _lookup(self, loop: asyncio.AbstractEventLoop,
+                      name: str) -> frozenset[IPv4Address]:
         try:
-            infos = await loop.getaddrinfo(name, None, family=socket.AF_INET,
-                                           type=socket.SOCK_STREAM)
+            infos = await loop.run_in_executor(self._threads, functools.partial(
+                socket.getaddrinfo, name, None, socket.AF_INET, socket.SOCK_STREAM))
         except (socket.gaierror, UnicodeError):
             return frozenset()
         return frozenset(IPv4Address(info[4][0]) for info in infos)
