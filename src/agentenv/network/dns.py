@@ -129,3 +129,52 @@ def parse_upstream(text: str) -> tuple[str, int]:
     if not port.isdigit() or not 0 < int(port) < 65536:
         raise ValueError(f"DNS upstream {text!r}: bad port")
     return host, int(port)
+
+
+def a_query(name: str, qid: int) -> bytes:
+    """A recursive query for `name`'s A records."""
+    labels = b"".join(bytes([len(part)]) + part.encode("ascii")
+                      for part in name.rstrip(".").split(".") if part)
+    return HEADER.pack(qid, 0x0100, 1, 0, 0, 0) + labels + b"\0" + struct.pack("!HH", 1, 1)
+
+
+def _skip_name(message: bytes, pos: int) -> int:
+    while True:
+        if pos >= len(message):
+            raise DnsFormatError("a name runs past the message")
+        length = message[pos]
+        if length & 0xC0 == 0xC0:
+            return pos + 2  # a pointer ends the name
+        if length & 0xC0:
+            raise DnsFormatError("an extended label")
+        pos += 1 + length
+        if length == 0:
+            return pos
+
+
+def a_answers(message: bytes, qid: int) -> frozenset[str]:
+    """The IPv4 addresses in the answer section of a response to query `qid` (every A record:
+    a CNAME chain's target records are there too); empty for an error response."""
+    if len(message) < HEADER.size:
+        raise DnsFormatError("shorter than a DNS header")
+    rid, flags, qdcount, ancount, _, _ = HEADER.unpack_from(message)
+    if rid != qid or not flags & 0x8000:
+        raise DnsFormatError("not the response to this query")
+    if flags & 0xF:
+        return frozenset()
+    pos = HEADER.size
+    for _ in range(qdcount):
+        pos = _skip_name(message, pos) + 4
+    found: set[str] = set()
+    for _ in range(ancount):
+        pos = _skip_name(message, pos)
+        if pos + 10 > len(message):
+            raise DnsFormatError("a record runs past the message")
+        rtype, rclass, _, rdlength = struct.unpack_from("!HHIH", message, pos)
+        pos += 10
+        if pos + rdlength > len(message):
+            raise DnsFormatError("a record's data runs past the message")
+        if rtype == 1 and rclass == 1 and rdlength == 4:
+            found.add(socket.inet_ntoa(message[pos:pos + 4]))
+        pos += rdlength
+    return frozenset(found)

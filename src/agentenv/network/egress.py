@@ -149,8 +149,11 @@ class NameAnswers:
 
     LOOKUP_THREADS = 64  # lookups block (getaddrinfo): threads of their own, not the loop's few
 
-    def __init__(self, ttl: float) -> None:
+    def __init__(self, ttl: float, name_server: tuple[str, int] | None = None) -> None:
         self.ttl = ttl
+        # Set: A queries to this server instead of getaddrinfo (the guests' resolver, so that
+        # the proxy and the guests see the same answers).
+        self.name_server = name_server
         self._threads = ThreadPoolExecutor(self.LOOKUP_THREADS, thread_name_prefix="lookup")
         self._answers: dict[str, tuple[float, frozenset[IPv4Address]]] = {}
         self._pending: dict[str, asyncio.Task[frozenset[IPv4Address]]] = {}
@@ -191,6 +194,13 @@ class NameAnswers:
 
     async def _lookup(self, loop: asyncio.AbstractEventLoop,
                       name: str) -> frozenset[IPv4Address]:
+        if self.name_server is not None:
+            qid = int.from_bytes(os.urandom(2), "big")
+            try:
+                answer = await dns.forward_udp(dns.a_query(name, qid), self.name_server)
+                return frozenset(map(IPv4Address, dns.a_answers(answer, qid)))
+            except (OSError, TimeoutError, UnicodeError, dns.DnsFormatError):
+                return frozenset()
         try:
             infos = await loop.run_in_executor(self._threads, functools.partial(
                 socket.getaddrinfo, name, None, socket.AF_INET, socket.SOCK_STREAM))
@@ -554,7 +564,8 @@ class EgressProxyServer:
                  idle_timeout: float = IDLE_TIMEOUT, peek_timeout: float = PEEK_TIMEOUT,
                  connect_timeout: float = CONNECT_TIMEOUT, splice: bool = True,
                  resolve_ttl: float = RESOLVE_TTL,
-                 dns_upstream: tuple[str, int] | None = None) -> None:
+                 dns_upstream: tuple[str, int] | None = None,
+                 name_server: tuple[str, int] | None = None) -> None:
         self.control_path = str(control_path)
         self.port, self.bind = port, bind
         self.metrics_port, self.metrics_bind = metrics_port, metrics_bind
@@ -571,7 +582,7 @@ class EgressProxyServer:
         self.buffer = bytearray(COPY_CHUNK)
         self.view = memoryview(self.buffer)
         self.local = _LocalAddresses()
-        self.names = NameAnswers(resolve_ttl)
+        self.names = NameAnswers(resolve_ttl, name_server)
         self.dns_upstream = dns_upstream  # None: no filtering resolver
         self._dns_sock: socket.socket | None = None
         self._listener: socket.socket | None = None
@@ -1409,6 +1420,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="serve the filtering resolver (169.254.169.254:53), forwarding "
                              "allowed names to this IPv4[:port], or 'system' (the node's "
                              "resolv.conf); default $AENV_DNS_FILTER_UPSTREAM, else off")
+    parser.add_argument("--name-server", default=os.environ.get("AENV_EGRESS_NAME_SERVER"),
+                        help="IPv4[:port] of the DNS server names are bound with (A queries), "
+                             "instead of the node's getaddrinfo; default "
+                             "$AENV_EGRESS_NAME_SERVER")
     parser.add_argument("--resolve-ttl", type=float, default=RESOLVE_TTL,
                         help="seconds a name's addresses (getaddrinfo) are kept")
     parser.add_argument("--copy", action="store_true",
@@ -1423,7 +1438,8 @@ def server_from_args(args: argparse.Namespace) -> EgressProxyServer:
         max_connections=args.max_connections, max_per_slot=args.max_per_slot,
         max_metadata_per_slot=args.max_metadata_per_slot,
         idle_timeout=args.idle_timeout, peek_timeout=args.peek_timeout, splice=not args.copy,
-        resolve_ttl=args.resolve_ttl, dns_upstream=_dns_upstream(args.dns_upstream))
+        resolve_ttl=args.resolve_ttl, dns_upstream=_dns_upstream(args.dns_upstream),
+        name_server=dns.parse_upstream(args.name_server) if args.name_server else None)
 
 
 def main(argv: list[str] | None = None) -> None:
