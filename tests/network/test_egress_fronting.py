@@ -172,6 +172,11 @@ def test_innocent_name_cannot_front_for_a_deny_list(lab: Lab) -> None:
     with lab.tls(slot, ALLOWED) as tls:
         assert http_get(tls, ALLOWED, "/")[0] == 200
     assert_reset(lambda: lab.tls(slot, DENIED))
+    # An address as the Host is its own answer (as getaddrinfo has it): true, or refused.
+    with lab.connect(slot, INET_OTHER, 80) as sock:
+        assert http_get(sock, INET_OTHER, "/")[0] == 200
+    with lab.connect(slot, INET_OTHER, 80) as sock:
+        assert_reset(lambda: http_get(sock, INET_SERVER, "/"))
 
 
 def test_dns_servers_are_open_on_port_53_only(lab: Lab) -> None:

@@ -161,14 +161,20 @@ class NameAnswers:
     def known(self, name: str) -> frozenset[IPv4Address] | None:
         """The last answers for `name` (however old), or None: for decisions that cannot wait
         (a keep-alive request head, a policy update over live connections)."""
+        if (literal := _literal(name)) is not None:
+            return literal
         entry = self._answers.get(name)
         return entry[1] if entry is not None else None
 
     def fresh(self, name: str) -> bool:
+        if _literal(name) is not None:
+            return True
         entry = self._answers.get(name)
         return entry is not None and entry[0] > asyncio.get_running_loop().time()
 
     async def answers(self, name: str) -> frozenset[IPv4Address]:
+        if (literal := _literal(name)) is not None:
+            return literal
         loop = asyncio.get_running_loop()
         entry = self._answers.get(name)
         if entry is not None and entry[0] > loop.time():
@@ -207,6 +213,14 @@ class NameAnswers:
         except (socket.gaierror, UnicodeError):
             return frozenset()
         return frozenset(IPv4Address(info[4][0]) for info in infos)
+
+
+def _literal(name: str) -> frozenset[IPv4Address] | None:
+    """An address written as a name (`Host: 192.0.2.1`) is its own answer, as in getaddrinfo."""
+    try:
+        return frozenset((IPv4Address(name),))
+    except ValueError:
+        return None
 
 
 @dataclass
