@@ -7,6 +7,8 @@ From inside a real slot namespace (tests/network/lab.py: slots, host nft redirec
 - connection setup p50: TCP connect, and connect + a small GET until the response arrives;
 - the proxy's RSS idle, with 32 slots known, with 32 slots holding 4 open connections each,
   and its peak while a curl in each of the 32 slot namespaces downloads through it at once.
+- the same through the proxy with the name bound to its addresses (a name policy: the name's
+  answers looked up and checked) against a policy that allows the address itself (issue 24).
 Goals (issue 13): proxied throughput >= 0.7 of direct; proxied connect p50 within +2 ms.
 
 Usage (root): scripts/isolated.sh .venv/bin/python bench/egress_proxy_bench.py [--quick]
@@ -134,6 +136,27 @@ def main() -> None:
              delta_ms=round(p_req - d_req, 3))
         emit("egress_connect_get_min_proxied", p_min, "ms", "direct", d_min,
              delta_ms=round(p_min - d_min, 3))
+
+        # Names bound to addresses (issue 24): the same proxied path, the name's answers
+        # checked (the node's getaddrinfo, cached --resolve-ttl) against a policy that allows
+        # the address itself (decided without a lookup): throughput and connection setup.
+        by_address = {"denyOut": ["0.0.0.0/0"], "allowOut": [INET_SERVER, NAME]}
+        unbound_speed = bound_speed = 0.0
+        for _ in range(reps):
+            lab.set_policy(proxied, by_address)
+            unbound_speed = max(unbound_speed, curl_mib_s(lab, proxied.netns_name, 1))
+            lab.set_policy(proxied, NAME_POLICY)
+            bound_speed = max(bound_speed, curl_mib_s(lab, proxied.netns_name, 1))
+        emit("egress_get_64mib_bound_name", bound_speed, "MiB/s", "address_allowed",
+             unbound_speed, mode=mode)
+        lab.set_policy(proxied, by_address)
+        _, u_req, u_min = connect_ms(lab, proxied, count)
+        lab.set_policy(proxied, NAME_POLICY)
+        _, b_req, b_min = connect_ms(lab, proxied, count)
+        emit("egress_connect_get_p50_bound_name", b_req, "ms", "address_allowed", u_req,
+             delta_ms=round(b_req - u_req, 3))
+        emit("egress_connect_get_min_bound_name", b_min, "ms", "address_allowed", u_min,
+             delta_ms=round(b_min - u_min, 3))
 
         # A policy update: the control round trip (new connections see it once it returns).
         big = {"denyOut": ["0.0.0.0/0"], "allowOut": [

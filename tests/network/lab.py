@@ -7,7 +7,10 @@
   a slot namespace leaves with the slot's guest_address, as a guest's traffic does;
 - a host nft table with the egress redirects (metadata always; 80/443 of "web" sources; all TCP
   of "all" sources) to the proxy's port, as the node installs them;
-- the proxy process itself (EgressProxyProcess).
+- the proxy process itself (EgressProxyProcess), in a mount namespace of its own whose
+  /etc/hosts names the lab's servers and whose resolv.conf names a lab address (its
+  getaddrinfo is the node's resolver: a name is let out only to the addresses it resolves
+  to; no lookup leaves the lab).
 Sockets inside a namespace are made by a thread that entered it (setns): a socket stays in the
 namespace it was made in, whichever thread uses it later. Servers run as threads of the test.
 Used by tests/network and bench/egress_proxy_bench.py; needs root.
@@ -41,6 +44,8 @@ from agentenv.runtime import network as rtnet
 INET_HOST = "198.18.0.1"
 INET_SERVER = "198.18.0.2"
 INET_SOCKS = "198.18.0.3"
+INET_OTHER = "198.18.0.4"  # servers no name in the lab's hosts file points at
+LAB_RESOLVER = INET_SOCKS  # the proxy's nameserver (its resolv.conf), port 53
 OTHER_PORT = 8080  # a plain HTTP server on a port the "web" redirects leave alone
 NAMES = ("example-allowed.test", "example-denied.test")
 SOCKS_NAME = "socks.test"  # the certificate name of the TLS front of the SOCKS5 server
@@ -290,16 +295,19 @@ class Lab:
             "link set lo up\n"
             f"addr add {INET_SERVER}/24 dev eth0\n"
             f"addr add {INET_SOCKS}/24 dev eth0\n"
+            f"addr add {INET_OTHER}/24 dev eth0\n"
             "link set eth0 up\n"
             f"route add default via {INET_HOST}\n"))
         for slot in self.slots:
             self.loop.run_until_complete(slot.create())
         run("nft", "-f", "-", stdin=self.nft_rules())
         self.servers.append(serve(self.inet, INET_SERVER, 80))
+        self.servers.append(serve(self.inet, INET_OTHER, 80))
         self.servers.append(serve(self.inet, INET_SERVER, OTHER_PORT))
         if self.with_tls:
             self.certs = Certificates(self.tmp, (*NAMES, SOCKS_NAME))
             self.servers.append(serve(self.inet, INET_SERVER, 443, self.certs.server_context()))
+            self.servers.append(serve(self.inet, INET_OTHER, 443, self.certs.server_context()))
         self.start_proxy()
 
     def nft_rules(self) -> str:
@@ -311,15 +319,35 @@ class Lab:
             "  chain pre {\n"
             "    type nat hook prerouting priority dstnat;\n"
             f'    iifname "{p}h*" ip daddr 169.254.169.254 tcp dport 80 redirect to :{self.port}\n'
+            f'    iifname "{p}h*" ip daddr 169.254.169.254 meta l4proto {{ tcp, udp }} th dport 53 '
+            f"redirect to :{self.port}\n"
             f'    iifname "{p}h*" ip saddr @web tcp dport {{ 80, 443 }} redirect to :{self.port}\n'
             f'    iifname "{p}h*" ip saddr @every meta l4proto tcp redirect to :{self.port}\n'
             "  }\n"
             "}\n")
 
+    def hosts_file(self) -> Path:
+        """The proxy's /etc/hosts: the lab's names at the lab's servers."""
+        path = self.tmp / "hosts"
+        path.write_text("127.0.0.1 localhost\n"
+                        + "".join(f"{INET_SERVER} {name}\n" for name in NAMES)
+                        + f"{INET_SOCKS} {SOCKS_NAME}\n")
+        return path
+
+    def resolv_conf(self) -> Path:
+        """The proxy's resolv.conf: a lab address (no lookup leaves the lab). Nothing answers
+        there unless a test listens (198.18.0.3:53): a name not in the hosts file fails fast."""
+        path = self.tmp / "resolv.conf"
+        path.write_text(f"nameserver {LAB_RESOLVER}\noptions timeout:5 attempts:1\n")
+        return path
+
     def start_proxy(self) -> dict[str, Any]:
+        launcher = ("unshare", "--mount", "--propagation", "private", "sh", "-c",
+                    'mount --bind "$0" /etc/hosts && mount --bind "$1" /etc/resolv.conf && '
+                    'shift && exec "$@"', str(self.hosts_file()), str(self.resolv_conf()))
         self.proxy = EgressProxyProcess(self.tmp / "egress.sock", self.port,
                                         log_path=self.tmp / "egress.log",
-                                        extra_args=self.proxy_args)
+                                        extra_args=self.proxy_args, launcher=launcher)
         return self.loop.run_until_complete(self.proxy.start())
 
     def stop_proxy(self) -> None:

@@ -32,6 +32,7 @@ ONLY_ALLOWED = {"denyOut": ["0.0.0.0/0"], "allowOut": [ALLOWED]}
 ONLY_DENIED_NAME = {"denyOut": ["0.0.0.0/0"], "allowOut": [DENIED]}
 METRICS_PORT = 15002
 MAX_PER_SLOT = 40
+MAX_METADATA = 16  # the default
 
 
 @pytest.fixture(scope="module")
@@ -105,7 +106,7 @@ def test_other_name_on_the_same_address_is_reset(lab: Lab) -> None:
     # No name at all (TLS by address): only addresses decide, and 0.0.0.0/0 is denied.
     assert_reset(lambda: lab.tls(slot, INET_SERVER))
     assert counters(lab)["denied"] == before + 3
-    assert f"policy (name {DENIED})" in denied_reasons(lab)
+    assert f"policy: address in denyOut (name {DENIED} not in allowOut)" in denied_reasons(lab)
 
 
 def test_keepalive_request_for_another_host_is_reset(lab: Lab) -> None:
@@ -304,13 +305,14 @@ def test_socks5_over_tls(lab: Lab) -> None:
         lab.set_policy(slot, {})
 
 
-def test_connection_cap_per_slot(lab: Lab) -> None:
+def test_metadata_connection_cap_per_slot(lab: Lab) -> None:
+    """The metadata service has a cap of its own per slot (egress connections do not count)."""
     slot = lab.slots[1]
     lab.set_policy(slot, {})
-    wait_for(lambda: counters(lab)["connections"] == 0)  # what earlier tests closed is gone
-    socks = [lab.connect(slot, "169.254.169.254", 80) for _ in range(MAX_PER_SLOT)]
+    wait_for(lambda: counters(lab)["metadata_connections"] == 0)  # earlier tests' are gone
+    socks = [lab.connect(slot, "169.254.169.254", 80) for _ in range(MAX_METADATA)]
     try:
-        wait_for(lambda: counters(lab)["connections"] == MAX_PER_SLOT)
+        wait_for(lambda: counters(lab)["metadata_connections"] == MAX_METADATA)
         request_is_reset(lab, slot, "169.254.169.254", 80, "169.254.169.254")
         assert http_get(socks[0], "169.254.169.254", "/")[0] == 200
     finally:

@@ -29,6 +29,7 @@ pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root (namespace
 
 IDLE, PEEK = 2.0, 1.0
 DENY_NAME = {"denyOut": [DENIED]}  # names matter: 80/443 redirected, everything else allowed
+ADDRESS_ALLOWED = {"denyOut": [DENIED], "allowOut": [INET_SERVER]}  # whatever the name
 
 
 @pytest.fixture(scope="module")
@@ -82,15 +83,21 @@ def test_half_close_is_passed_on(lab: Lab) -> None:
     wait_for(lambda: counters(lab)["connections"] == 0)
 
 
-def test_garbage_on_web_ports_is_decided_by_address(lab: Lab) -> None:
+def test_garbage_on_web_ports_is_decided_as_unnamed(lab: Lab) -> None:
+    """Bytes that carry no name pass only where every name would (policy.allows_unnamed)."""
     slot = lab.slots[0]
     junk = bytes(range(256)) * 4
-    lab.set_policy(slot, DENY_NAME)  # addresses allowed: opaque bytes pass
+    lab.set_policy(slot, ADDRESS_ALLOWED)  # the address allowed: opaque bytes pass
     with lab.connect(slot, INET_SERVER, 80) as sock:
         sock.sendall(junk)
         answer = sock.recv(4096)
         assert b"400" in answer  # the real server's verdict on the junk: it got there
-    lab.set_policy(slot, ONLY_ALLOWED)  # no name, address denied: reset
+    for policy in (DENY_NAME, ONLY_ALLOWED):  # a name could be denied / the address is: reset
+        lab.set_policy(slot, policy)
+        with lab.connect(slot, INET_SERVER, 80) as sock:
+            sock.sendall(junk)
+            assert_reset(lambda: sock.recv(1024) or (_ for _ in ()).throw(ConnectionError("eof")))
+    lab.set_policy(slot, ONLY_ALLOWED)
     with lab.connect(slot, INET_SERVER, 80) as sock:
         sock.sendall(junk)
         assert_reset(lambda: sock.recv(1024) or (_ for _ in ()).throw(ConnectionError("eof")))
@@ -101,11 +108,11 @@ def test_garbage_on_web_ports_is_decided_by_address(lab: Lab) -> None:
         assert_reset(lambda: sock.recv(1024) or (_ for _ in ()).throw(ConnectionError("eof")))
 
 
-def test_silent_client_is_decided_by_address_after_the_peek_timeout(lab: Lab) -> None:
+def test_silent_client_is_decided_as_unnamed_after_the_peek_timeout(lab: Lab) -> None:
     slot = lab.slots[0]
-    lab.set_policy(slot, DENY_NAME)
+    lab.set_policy(slot, ADDRESS_ALLOWED)
     with lab.connect(slot, INET_SERVER, 80) as sock:
-        time.sleep(PEEK + 0.5)  # nothing sent: decided by address (allowed), then spliced
+        time.sleep(PEEK + 0.5)  # nothing sent: no name, the address allowed, then spliced
         assert http_get(sock, ALLOWED, "/late")[0] == 200
     lab.set_policy(slot, ONLY_ALLOWED)
     with lab.connect(slot, INET_SERVER, 80) as sock:

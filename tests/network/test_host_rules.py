@@ -43,7 +43,8 @@ def test_docker_style_forward_drop_gets_accept_rules_and_loses_them() -> None:
         asyncio.run(rtnet.setup_host(PREFIX, 15999))
         assert nft("list", "chain", "ip", "nhrdocker", "FORWARD").count("aenv-slots") == 2
         host = nft("list", "table", "ip", f"{PREFIX}_host")
-        assert "redirect to :15999" in host and f'iifname "{PREFIX}h*" tcp dport 15999' in host
+        assert "redirect to :15999" in host
+        assert f'iifname "{PREFIX}h*" meta l4proto {{ tcp, udp }} th dport 15999' in host
     finally:
         asyncio.run(rtnet.teardown_host(PREFIX))
         left = nft("list", "chain", "ip", "nhrdocker", "FORWARD")

@@ -280,3 +280,71 @@ def test_fuzz_http_near_valid(tokens: list[bytes], step: int) -> None:
     if whole_out is not None:
         assert hosts == whole_hosts
         assert out == whole_out
+
+
+def test_dns_questions_are_read_and_bad_ones_named() -> None:
+    from agentenv.network import dns
+
+    query = bytes.fromhex("abcd01000001000000000000") + b"\x03WWW\x07example\x03com\x00" \
+        + bytes.fromhex("00010001")
+    question = dns.parse_query(query)
+    assert (question.id, question.name, question.qtype, question.end) == \
+        (0xABCD, "www.example.com", 1, len(query))
+    refused = dns.error_response(query, dns.RCODE_REFUSED, question)
+    assert refused[:2] == b"\xab\xcd" and refused[3] & 0xF == 5 and refused[2] & 0x80
+    assert refused[12:] == query[12:]
+    for bad, why in ((query[:11], "shorter"), (query[:20], "runs past"),
+                     (bytes.fromhex("abcd81000001000000000000"), "a response"),
+                     (bytes.fromhex("abcd01000002000000000000"), "2 questions"),
+                     (query[:12] + b"\xc0\x0c" + query[-4:], "compressed")):
+        with pytest.raises(dns.DnsFormatError, match=why):
+            dns.parse_query(bad)
+
+
+def test_names_bound_through_a_name_server() -> None:
+    """NameAnswers with a name server: A queries to it, every A record of the answer kept
+    (a CNAME chain's target too); an error answer is no address."""
+    import asyncio
+    import socket
+    import struct
+    import threading
+    from ipaddress import IPv4Address
+
+    from agentenv.network import dns
+    from agentenv.network.egress import NameAnswers
+
+    server = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    server.bind(("127.0.0.1", 0))
+
+    def answer() -> None:
+        while True:
+            try:
+                query, peer = server.recvfrom(4096)
+            except OSError:
+                return
+            question = dns.parse_query(query)
+            if question.name == "missing.test":
+                head = struct.pack("!HHHHHH", question.id, 0x8183, 1, 0, 0, 0)
+                server.sendto(head + query[12:question.end], peer)
+                continue
+            head = struct.pack("!HHHHHH", question.id, 0x8180, 1, 3, 0, 0)
+            cname = struct.pack("!HHHIH", 0xC00C, 5, 1, 60, 2) + b"\xc0\x0c"
+            records = b"".join(struct.pack("!HHHIH", 0xC00C, 1, 1, 60, 4)
+                               + socket.inet_aton(ip) for ip in ("192.0.2.1", "192.0.2.2"))
+            server.sendto(head + query[12:question.end] + cname + records, peer)
+
+    threading.Thread(target=answer, daemon=True).start()
+
+    async def scenario() -> None:
+        names = NameAnswers(30.0, server.getsockname())
+        assert await names.answers("www.example.test") == \
+            {IPv4Address("192.0.2.1"), IPv4Address("192.0.2.2")}
+        assert await names.answers("missing.test") == frozenset()
+        assert names.fresh("www.example.test") and not names.fresh("other.test")
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        server.close()
+    with pytest.raises(dns.DnsFormatError, match="not the response"):
+        dns.a_answers(dns.a_query("a.test", 1), 1)

@@ -157,3 +157,27 @@ def test_address_decision_matches_e2b(allow: list[str], deny: list[str],
     in_allow = any(address in IPv4Network(n, strict=False) for n in allow)
     in_deny = any(address in IPv4Network(n, strict=False) for n in deny)
     assert policy.allows(address) == (in_allow or not in_deny)
+
+
+def test_decisions_bind_names_to_addresses() -> None:
+    only = EgressPolicy.from_wire({"allowOut": ["a.test", "1.2.3.4"], "denyOut": ["0.0.0.0/0"],
+                                   "dnsServers": ["9.9.9.9"]})
+    assert only.decide("5.5.5.5", 443, "a.test").verdict == "bind"  # if a.test is 5.5.5.5
+    assert only.decide("1.2.3.4", 443, "b.test").verdict == "allow"  # the address: any name
+    assert only.decide("5.5.5.5", 443, "b.test").verdict == "deny"
+    # The DNS server is open on port 53 only.
+    assert only.decide("9.9.9.9", 53).verdict == "allow"
+    assert only.decide("9.9.9.9", 443, "b.test").verdict == "deny"
+    assert not only.allows_unnamed("9.9.9.9", 443) and only.allows_unnamed("9.9.9.9", 53)
+    deny_list = EgressPolicy.from_wire({"denyOut": ["bad.test"]})
+    assert deny_list.decide("5.5.5.5", 443, "bad.test").verdict == "deny"
+    assert deny_list.decide("5.5.5.5", 443, "good.test").verdict == "bind"
+    # No readable name on a web port: refused while a name could be denied.
+    assert deny_list.decide("5.5.5.5", 443, unnamed=True).verdict == "deny"
+    assert deny_list.decide("5.5.5.5", 8080).verdict == "allow"  # other ports: by address
+    assert deny_list.filters_quic and not only.filters_quic
+    # Nothing denied: a name changes nothing, so it is not bound either.
+    rules = EgressPolicy.from_wire({"allowOut": ["a.test"],
+                                    "rules": {"http://a.test": [{"transform": {"headers": {}}}]}})
+    assert rules.decide("5.5.5.5", 80, "a.test").verdict == "allow"
+    assert rules.decide("5.5.5.5", 80, unnamed=True).verdict == "allow"

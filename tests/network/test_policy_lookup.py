@@ -13,9 +13,9 @@ from hypothesis import strategies as st
 from agentenv.network.policy import EgressPolicy, name_matches
 
 
-def reference(policy: EgressPolicy, ip: IPv4Address, name: str | None) -> bool:
+def reference(policy: EgressPolicy, ip: IPv4Address, name: str | None, port: int) -> bool:
     host = name.lower().rstrip(".") if name else None
-    if any(ip in n for n in policy.allow_nets) or ip in policy.dns_allowed():
+    if any(ip in n for n in policy.allow_nets) or (port == 53 and ip in policy.dns_allowed()):
         return True
     if host and any(name_matches(p, host) for p in policy.allow_names):
         return True
@@ -39,10 +39,12 @@ ENTRIES = st.lists(st.one_of(NETS, PATTERNS), max_size=12)
                                                  min_size=1, max_size=10))
 def test_allows_agrees_with_the_rules(allow: list[str], deny: list[str], deny_all: bool,
                                       probes: list[tuple[IPv4Address, str | None]]) -> None:
-    policy = EgressPolicy.from_wire({"allowOut": allow, "denyOut": deny},
+    policy = EgressPolicy.from_wire({"allowOut": allow, "denyOut": deny,
+                                     "dnsServers": ["198.18.0.16"]},
                                     allow_internet_access=not deny_all)
     for ip, name in probes:
-        assert policy.allows(ip, name) == reference(policy, ip, name), (ip, name)
+        for port in (53, 443):
+            assert policy.allows(ip, name, port) == reference(policy, ip, name, port), (ip, name)
         assert policy.allows(str(ip), name) == policy.allows(ip, name)
 
 

@@ -43,7 +43,9 @@ def vm_node(tmp_path_factory: pytest.TempPathFactory, lab: Internet) -> Iterator
     # The guests' resolver is the lab's DNS server (the default, 8.8.8.8, is out of reach).
     node = conftest.vm_node_process(base / "state", base / "node.log", NET_PREFIX, FIRST_SLOT,
                                     {"AENV_VM_POOL_LOW": "1", "AENV_VM_POOL_HIGH": "1",
-                                     "AENV_GUEST_DNS": lab.host_b})
+                                     "AENV_GUEST_DNS": lab.host_b,
+                                     # The egress proxy binds names with the same server.
+                                     "AENV_EGRESS_NAME_SERVER": lab.host_b})
     with conftest.serving_vm_node(node, NET_PREFIX):
         yield node
 

@@ -4,6 +4,8 @@ hello-world overlaybd image (a real containerd conversion), small caches to forc
 from __future__ import annotations
 
 import hashlib
+import io
+import itertools
 import json
 import os
 import socketserver
@@ -16,7 +18,8 @@ from urllib.parse import parse_qs, urlsplit
 import pytest
 
 from agentenv.blockd.remote.cache import VERIFIED, ChunkCache
-from agentenv.blockd.remote.layout import parse
+from agentenv.blockd.remote.chunkdigests import ChunkDigests
+from agentenv.blockd.remote.layout import _MASK, _SALT_INV, _std_crc32c, parse
 from agentenv.blockd.remote.p2p import PeerServer
 from agentenv.blockd.remote.store import RemoteConfig, RemoteStore, Resolver
 from agentenv.storage import blob as blobmod
@@ -47,8 +50,13 @@ def store(tmp_path: Path, registry: Registry) -> Iterator[RemoteStore]:
     s.close()
 
 
-def _ref(registry: Registry, digest: str, size: int) -> RemoteLayerRef:
-    return RemoteLayerRef(digest, size, [BlobLocation(registry.host, "hello-world")])
+def _ref(registry: Registry, digest: str, size: int, data: bytes | None = None) -> RemoteLayerRef:
+    """The blob's descriptor; with `data`, carrying its chunk table (what a manifest with the
+    chunkdigests annotation gives), so that peers may be asked for it."""
+    table = None if data is None else \
+        ChunkDigests.compute(io.BytesIO(data).read, len(data), CHUNK)[0].encode()
+    return RemoteLayerRef(digest, size, [BlobLocation(registry.host, "hello-world")],
+                          chunk_sha256=table)
 
 
 def test_lazy_pull_records_a_remote_layer(registry: Registry, hello: tuple[str, bytes],
@@ -260,7 +268,7 @@ class _Resolver:
 def test_peers_from_a_resolver_spread_skip_self_and_fall_back(
         tmp_path: Path, registry: Registry, hello: tuple[str, bytes]) -> None:
     digest, data = hello
-    ref = _ref(registry, digest, len(data))
+    ref = _ref(registry, digest, len(data), data)
     secret = "s3cret"
     resolver = _Resolver()
     made: list[tuple[RemoteStore, PeerServer | None]] = []
@@ -304,7 +312,7 @@ def test_peers_from_a_resolver_spread_skip_self_and_fall_back(
         resolver.holders = [{"address": dead, "complete": False}]
         other = node("other", False)
         other.set_resolver(Resolver(resolver.url))
-        source = other.open_blob(_ref(registry, digest, len(data)))
+        source = other.open_blob(ref)
         assert source.pread(len(data), 0) == data
         source.close()
         assert other.stats.fetched["registry"] > 0 and other.stats.fetched.get("peer", 0) == 0
@@ -312,7 +320,7 @@ def test_peers_from_a_resolver_spread_skip_self_and_fall_back(
         resolver.stop()
         last = node("last", False)
         last.set_resolver(Resolver(resolver.url))
-        source = last.open_blob(_ref(registry, digest, len(data)))
+        source = last.open_blob(ref)
         assert source.pread(CHUNK, 2 * CHUNK) == data[2 * CHUNK : 3 * CHUNK]
         source.close()
         assert last.stats.failures["resolver"] >= 1 and last.stats.fetched["registry"] > 0
@@ -322,3 +330,100 @@ def test_peers_from_a_resolver_spread_skip_self_and_fall_back(
             if server is not None:
                 server.stop()
             s.close()
+
+
+class _ForgingPeer:
+    """A hostile peer (it has the cluster secret): it serves the blob with every ZFile block
+    changed and its CRC-32C recomputed, so each block passes the CRC check with other content."""
+
+    def __init__(self, digest: str, data: bytes, offsets: list[int]) -> None:
+        forged = bytearray(data)
+        for a, z in itertools.pairwise(offsets):
+            forged[a + (z - a) // 2] ^= 0x5A
+            crc = (~_std_crc32c(memoryview(forged)[a : z - 4], _SALT_INV)) & _MASK
+            forged[z - 4 : z] = crc.to_bytes(4, "little")
+        self.data = bytes(forged)
+        self.served = 0
+        outer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+            def do_GET(self) -> None:
+                if self.path != f"/blobs/{digest}":
+                    self.send_response(404)
+                    self.send_header("Content-Length", "0")
+                    self.end_headers()
+                    return
+                a, b = self.headers["Range"].removeprefix("bytes=").split("-")
+                body = outer.data[int(a) : int(b) + 1]
+                outer.served += len(body)
+                self.send_response(206)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+        class Server(ThreadingHTTPServer):
+            daemon_threads = True
+
+            def server_bind(self) -> None:  # no reverse DNS lookup (docs/network.md)
+                socketserver.TCPServer.server_bind(self)
+                self.server_name, self.server_port = "127.0.0.1", self.server_address[1]
+
+        self.server = Server(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def stop(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def test_a_peer_cannot_forge_chunks_with_valid_crcs(tmp_path: Path, registry: Registry,
+                                                     hello: tuple[str, bytes]) -> None:
+    """Crafted blocks with valid CRCs from a peer never reach the reader: each chunk is checked
+    against the blob's chunk table (SHA-256) and fetched from the registry instead."""
+    digest, data = hello
+    layout = parse(lambda n, off: data[off : off + n], len(data), "hello")
+    assert layout.offsets is not None
+    peer = _ForgingPeer(digest, data, [int(o) for o in layout.offsets])
+    # The attack is real: the forged chunks pass the CRC check.
+    lo, hi = layout.fetch_range(4 * CHUNK, 5 * CHUNK)
+    assert peer.data[lo:hi] != data[lo:hi] and layout.check(4 * CHUNK, 5 * CHUNK,
+                                                             peer.data[lo:hi], lo) is None
+    s = RemoteStore(RemoteConfig(tmp_path / "me", capacity=64 * CHUNK, chunk_size=CHUNK,
+                                 background_bw=0, timeout=5, request_timeout=2,
+                                 peers=[peer.url], secret="s3cret"))
+    try:
+        source = s.open_blob(_ref(registry, digest, len(data), data))
+        assert source.pread(len(data), 0) == data
+        source.close()
+        assert peer.served > 0  # it was asked, and every answer refused
+        assert s.stats.corrupt.get("peer", 0) >= 1 and s.stats.fetched["registry"] > 0
+        # What was stored (and is served onward) is the registry's.
+        hex_ = digest.split(":", 1)[1]
+        assert s.serve_range(hex_, 4 * CHUNK, 5 * CHUNK) == data[4 * CHUNK : 5 * CHUNK]
+    finally:
+        s.close()
+        peer.stop()
+
+
+def test_blobs_without_a_chunk_table_are_not_asked_from_peers(
+        tmp_path: Path, registry: Registry, hello: tuple[str, bytes]) -> None:
+    digest, data = hello
+    layout = parse(lambda n, off: data[off : off + n], len(data), "hello")
+    assert layout.offsets is not None
+    peer = _ForgingPeer(digest, data, [int(o) for o in layout.offsets])
+    s = RemoteStore(RemoteConfig(tmp_path / "me", capacity=64 * CHUNK, chunk_size=CHUNK,
+                                 background_bw=0, timeout=5, peers=[peer.url], secret="s3cret"))
+    try:
+        source = s.open_blob(_ref(registry, digest, len(data)))
+        assert source.pread(len(data), 0) == data
+        source.close()
+        assert peer.served == 0 and s.stats.fetched.get("peer", 0) == 0
+    finally:
+        s.close()
+        peer.stop()

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from agentenv.blockd.remote.chunkdigests import ChunkDigests
 from agentenv.snapshot.record import (
     DiskConfig,
     DiskSnapshot,
@@ -20,7 +21,9 @@ from agentenv.snapshot.record import (
 )
 from agentenv.snapshot.repository import (
     ARTIFACT_TYPE,
+    CHUNK_SHA256,
     PACK_NAME,
+    PART_TYPES,
     RepositoryError,
     fetch,
     parse_ref,
@@ -194,6 +197,15 @@ def test_lazy_fetch_reads_layers_through_the_chunk_cache(registry: Registry, tmp
     assert got.bytes_fetched == 80_000 + 50_000 + (got.directory / PACK_NAME).stat().st_size
     assert Path(record.device_state).read_bytes() == Path(
         SnapshotRecord.load(source).device_state).read_bytes()
+    # Each layer's chunk table was published with it and travels in its descriptor: the
+    # table blockd checks peers' chunks against (blockd/remote/chunkdigests.py).
+    source_layers = [x.path for x in SnapshotRecord.load(source).memory_layers] + \
+        [x.path for x in SnapshotRecord.load(source).disks[1].layers]
+    for remote_path, local_path in zip(layer_paths, source_layers, strict=True):
+        desc = blob.load_descriptor(Path(remote_path))
+        with open(local_path, "rb") as f:
+            want, _ = ChunkDigests.compute(f.read, desc.size)
+        assert desc.chunk_sha256 == want.encode()
 
     store = RemoteStore(RemoteConfig(tmp_path / "cache", capacity=64 << 20, chunk_size=1 << 20,
                                      background_bw=0))
@@ -214,6 +226,10 @@ def test_lazy_fetch_reads_layers_through_the_chunk_cache(registry: Registry, tmp
         again = push(got.directory, f"dir://{tmp_path / 'shared' / 'lazy'}", {})
         assert again["bytes"] == sent["bytes"]
         whole = fetch(f"dir://{tmp_path / 'shared' / 'lazy'}", tmp_path / "c" / "snapshots")
+        republished = json.loads((tmp_path / "shared" / "lazy" / "manifest.json").read_text())
+        tables = [d["annotations"].get(CHUNK_SHA256) for d in republished["layers"]
+                  if d["mediaType"] in (PART_TYPES["memory"], PART_TYPES["disk"])]
+        assert len(tables) == 3 and all(tables)  # carried over from the first push
         _same_files(SnapshotRecord.load(source), whole.record)
     finally:
         blob.set_remote_opener(None)

@@ -15,7 +15,10 @@ Per connection:
 - else, on ports 80/443 only, the first bytes are read (at most PEEK_MAX, PEEK_TIMEOUT): a TLS
   ClientHello gives the SNI, an HTTP/1.x request head the Host; other ports are decided by
   address alone (a server-speaks-first protocol would wait forever for a client byte);
-- `policy.allows(address, name)` decides. Denied: reset (SO_LINGER 0), one log line, counted.
+- `policy.decide(address, port, name)` decides; a name that decides it must resolve to the
+  destination here (NameAnswers: the node's getaddrinfo), and on 80/443 a connection without
+  a readable name follows the unnamed rule. Denied: reset (SO_LINGER 0), one log line with
+  the reason, counted.
   Header `rules` are for plain HTTP only (a policy whose rules would cover HTTPS is refused
   by policy.py: the headers cannot be set without decrypting), so TLS is never transformed;
 - allowed: a connection to the original destination, directly or through the slot's SOCKS5
@@ -24,6 +27,8 @@ Per connection:
   again (a keep-alive connection may ask another Host) and gets the rules' headers.
 A `set` that changes a slot's policy resets every live connection of that slot the new policy
 denies (or whose SOCKS5 route changed); `remove` resets all of them.
+
+With --dns-upstream it is also the filtering resolver at 169.254.169.254:53 (dns.py).
 
 Run it as `python -m agentenv.network.egress --control SOCK --port PORT` (what process.py
 does: it imports only this package, which keeps the process small) or `aenv egress-proxy`.
@@ -47,14 +52,21 @@ import ssl
 import struct
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from ipaddress import IPv4Address, IPv4Network
 from pathlib import Path
 from typing import Any
 
-from agentenv.network import httphead, metadata, sni, socks5
+from agentenv.network import dns, httphead, metadata, sni, socks5
 from agentenv.network.control import SlotEntry, SlotIdentity
-from agentenv.network.policy import WEB_PORTS, EgressPolicy, EgressProxy, PolicyError
+from agentenv.network.policy import (
+    WEB_PORTS,
+    Decision,
+    EgressPolicy,
+    EgressProxy,
+    PolicyError,
+)
 
 log = logging.getLogger("agentenv.egress")
 
@@ -63,8 +75,11 @@ PEEK_TIMEOUT = 10.0
 PEEK_MAX = 64 << 10
 CONNECT_TIMEOUT = 10.0
 IDLE_TIMEOUT = 900.0
+RESOLVE_TTL = 30.0
 MAX_CONNECTIONS = 8192
 MAX_CONNECTIONS_PER_SLOT = 1024
+MIN_SLOT_SHARE = 8  # a slot's share of max_connections never falls below this
+MAX_METADATA_PER_SLOT = 16
 COPY_CHUNK = 256 << 10
 CONTROL_LINE_MAX = 64 << 20
 
@@ -75,10 +90,21 @@ WALLS = tuple(IPv4Network(n) for n in (
     "172.16.0.0/12", "192.168.0.0/16", "224.0.0.0/4", "240.0.0.0/4",
 ))
 METADATA = (IPv4Address(metadata.METADATA_ADDRESS), metadata.METADATA_PORT)
+RESOLVER = (IPv4Address(metadata.METADATA_ADDRESS), dns.DNS_PORT)  # the filtering resolver
+NODE_SERVICES = (METADATA, RESOLVER)  # answered here, with caps apart from egress
+MAX_DNS_INFLIGHT_PER_SLOT = 64
+MAX_LOOKUPS_PER_SLOT = 8
 
 
 class Refused(Exception):
-    """A connection the proxy will not carry; the message is the logged reason."""
+    """A connection the proxy will not carry; the message is the logged reason, `kind` the
+    Counters field that counts it besides `denied` (if any)."""
+
+    def __init__(self, reason: str, kind: str | None = None,
+                 fields: dict[str, Any] | None = None) -> None:
+        super().__init__(reason)
+        self.kind = kind
+        self.fields = fields or {}
 
 
 class _LocalAddresses:
@@ -113,17 +139,106 @@ class _LocalAddresses:
         return frozenset(found)
 
 
+class NameAnswers:
+    """A name's IPv4 answers from the node's resolver (getaddrinfo: /etc/hosts, then DNS, as
+    the node's nsswitch says), kept `ttl` seconds. getaddrinfo gives no record TTL, so the
+    cache time is fixed (--resolve-ttl): short, so a name that moves is followed soon. One
+    lookup per name at a time; a failed lookup is an empty answer, kept as long."""
+
+    MAX_NAMES = 4096
+
+    LOOKUP_THREADS = 64  # lookups block (getaddrinfo): threads of their own, not the loop's few
+
+    def __init__(self, ttl: float, name_server: tuple[str, int] | None = None) -> None:
+        self.ttl = ttl
+        # Set: A queries to this server instead of getaddrinfo (the guests' resolver, so that
+        # the proxy and the guests see the same answers).
+        self.name_server = name_server
+        self._threads = ThreadPoolExecutor(self.LOOKUP_THREADS, thread_name_prefix="lookup")
+        self._answers: dict[str, tuple[float, frozenset[IPv4Address]]] = {}
+        self._pending: dict[str, asyncio.Task[frozenset[IPv4Address]]] = {}
+
+    def known(self, name: str) -> frozenset[IPv4Address] | None:
+        """The last answers for `name` (however old), or None: for decisions that cannot wait
+        (a keep-alive request head, a policy update over live connections)."""
+        if (literal := _literal(name)) is not None:
+            return literal
+        entry = self._answers.get(name)
+        return entry[1] if entry is not None else None
+
+    def fresh(self, name: str) -> bool:
+        if _literal(name) is not None:
+            return True
+        entry = self._answers.get(name)
+        return entry is not None and entry[0] > asyncio.get_running_loop().time()
+
+    async def answers(self, name: str) -> frozenset[IPv4Address]:
+        if (literal := _literal(name)) is not None:
+            return literal
+        loop = asyncio.get_running_loop()
+        entry = self._answers.get(name)
+        if entry is not None and entry[0] > loop.time():
+            return entry[1]
+        task = self._pending.get(name)
+        if task is None:
+            task = self._pending[name] = loop.create_task(self._refresh(loop, name))
+        return await asyncio.shield(task)  # a cancelled caller leaves the lookup to the others
+
+    async def _refresh(self, loop: asyncio.AbstractEventLoop,
+                       name: str) -> frozenset[IPv4Address]:
+        try:
+            found = await self._lookup(loop, name)
+        finally:
+            del self._pending[name]
+        if len(self._answers) >= self.MAX_NAMES:
+            now = loop.time()
+            stale = [k for k, (until, _) in self._answers.items() if until <= now]
+            for old in stale or list(self._answers)[: self.MAX_NAMES // 4]:
+                del self._answers[old]
+        self._answers[name] = (loop.time() + self.ttl, found)
+        return found
+
+    async def _lookup(self, loop: asyncio.AbstractEventLoop,
+                      name: str) -> frozenset[IPv4Address]:
+        if self.name_server is not None:
+            qid = int.from_bytes(os.urandom(2), "big")
+            try:
+                answer = await dns.forward_udp(dns.a_query(name, qid), self.name_server)
+                return frozenset(map(IPv4Address, dns.a_answers(answer, qid)))
+            except (OSError, TimeoutError, UnicodeError, dns.DnsFormatError):
+                return frozenset()
+        try:
+            infos = await loop.run_in_executor(self._threads, functools.partial(
+                socket.getaddrinfo, name, None, socket.AF_INET, socket.SOCK_STREAM))
+        except (socket.gaierror, UnicodeError):
+            return frozenset()
+        return frozenset(IPv4Address(info[4][0]) for info in infos)
+
+
+def _literal(name: str) -> frozenset[IPv4Address] | None:
+    """An address written as a name (`Host: 192.0.2.1`) is its own answer, as in getaddrinfo."""
+    try:
+        return frozenset((IPv4Address(name),))
+    except ValueError:
+        return None
+
+
 @dataclass
 class Counters:
     accepted: int = 0
     allowed: int = 0
     denied: int = 0
+    denied_name_address: int = 0  # a name allowed, but the destination is not one of its addresses
+    denied_unnamed: int = 0  # on a web port without a readable name (no SNI, no Host)
     unknown_source: int = 0
     over_capacity: int = 0
     upstream_failed: int = 0
     cut_by_update: int = 0
     idle_closed: int = 0
     metadata_requests: int = 0
+    dns_answered: int = 0  # forwarded to the upstream resolver and answered
+    dns_refused: int = 0  # a name the policy does not let the sandbox resolve
+    dns_failed: int = 0  # malformed, over the slot's cap, or the upstream did not answer
     bytes_up: int = 0  # guest -> destination
     bytes_down: int = 0
 
@@ -131,7 +246,10 @@ class Counters:
 @dataclass
 class Slot:
     entry: SlotEntry
-    conns: set[Conn] = field(default_factory=set)
+    conns: set[Conn] = field(default_factory=set)  # egress connections
+    metadata: set[Conn] = field(default_factory=set)  # metadata and resolver connections
+    dns_inflight: int = 0  # UDP queries being forwarded
+    lookups: int = 0  # name lookups (NameAnswers) its connections wait for
 
 
 def _rst(sock: socket.socket) -> None:
@@ -204,7 +322,7 @@ class _Pump:
             try:
                 data = self.transform(bytes(data))
             except Refused as exc:
-                self.conn.refuse(str(exc))
+                self.conn.refuse(str(exc), exc.kind, exc.fields)
                 return
             except httphead.HttpError as exc:
                 self.conn.refuse(f"HTTP: {exc}")
@@ -413,12 +531,17 @@ class Conn:
         if self.upstream is not None:
             _rst(self.upstream)
 
-    def refuse(self, reason: str) -> None:
+    def refuse(self, reason: str, kind: str | None = None,
+               fields: dict[str, Any] | None = None) -> None:
         """Denied (now or by a later request head or policy): reset, log, count."""
         if self.closed:
             return
-        self.proxy.counters.denied += 1
-        log.info("egress denied", extra={"event": "denied", "reason": reason, **self.describe()})
+        counters = self.proxy.counters
+        counters.denied += 1
+        if kind is not None:
+            setattr(counters, kind, getattr(counters, kind) + 1)
+        log.info("egress denied", extra={"event": "denied", "reason": reason,
+                                         **(fields or {}), **self.describe()})
         self.reset()
 
     def close(self) -> None:
@@ -451,22 +574,31 @@ class EgressProxyServer:
                  open_ranges: tuple[IPv4Network, ...] = (),
                  max_connections: int = MAX_CONNECTIONS,
                  max_per_slot: int = MAX_CONNECTIONS_PER_SLOT,
+                 max_metadata_per_slot: int = MAX_METADATA_PER_SLOT,
                  idle_timeout: float = IDLE_TIMEOUT, peek_timeout: float = PEEK_TIMEOUT,
-                 connect_timeout: float = CONNECT_TIMEOUT, splice: bool = True) -> None:
+                 connect_timeout: float = CONNECT_TIMEOUT, splice: bool = True,
+                 resolve_ttl: float = RESOLVE_TTL,
+                 dns_upstream: tuple[str, int] | None = None,
+                 name_server: tuple[str, int] | None = None) -> None:
         self.control_path = str(control_path)
         self.port, self.bind = port, bind
         self.metrics_port, self.metrics_bind = metrics_port, metrics_bind
         self.open_ranges = open_ranges
         self.max_connections, self.max_per_slot = max_connections, max_per_slot
+        self.max_metadata_per_slot = max_metadata_per_slot
         self.idle_timeout, self.peek_timeout = idle_timeout, peek_timeout
         self.connect_timeout = connect_timeout
         self.splice = splice and hasattr(os, "splice")
         self.slots: dict[str, Slot] = {}
-        self.conns: set[Conn] = set()
+        self.conns: set[Conn] = set()  # every connection, metadata ones included
+        self.metadata_connections = 0
         self.counters = Counters()
         self.buffer = bytearray(COPY_CHUNK)
         self.view = memoryview(self.buffer)
         self.local = _LocalAddresses()
+        self.names = NameAnswers(resolve_ttl, name_server)
+        self.dns_upstream = dns_upstream  # None: no filtering resolver
+        self._dns_sock: socket.socket | None = None
         self._listener: socket.socket | None = None
         self._servers: list[asyncio.base_events.Server] = []
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -486,6 +618,14 @@ class EgressProxyServer:
         self._listener = listener
         self.port = listener.getsockname()[1]
         self.loop.add_reader(listener.fileno(), self._on_accept)
+        if self.dns_upstream is not None:
+            # The filtering resolver's UDP side, on the same port number (the host redirects
+            # the slots' UDP to 169.254.169.254:53 here).
+            udp = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+            udp.bind((self.bind, self.port))
+            udp.setblocking(False)
+            self._dns_sock = udp
+            self.loop.add_reader(udp.fileno(), self._on_dns_datagram)
         path = Path(self.control_path)
         path.parent.mkdir(parents=True, exist_ok=True)
         with contextlib.suppress(FileNotFoundError):
@@ -517,6 +657,10 @@ class EgressProxyServer:
             self.loop.remove_reader(self._listener.fileno())
             self._listener.close()
             self._listener = None
+        if self._dns_sock is not None:
+            self.loop.remove_reader(self._dns_sock.fileno())
+            self._dns_sock.close()
+            self._dns_sock = None
         for server in self._servers:
             server.close()
         for conn in list(self.conns):
@@ -577,24 +721,50 @@ class EgressProxyServer:
                 "event": "no_original_dst", "source": source, "error": str(exc)})
             _rst(sock)
             return
-        if len(self.conns) >= self.max_connections or len(slot.conns) >= self.max_per_slot:
+        is_metadata = (dst_ip, dst_port) in NODE_SERVICES
+        if is_metadata:
+            # Metadata has caps of its own: a slot's egress connections never deny it.
+            over = len(slot.metadata) >= self.max_metadata_per_slot
+            held, limit = len(slot.metadata), self.max_metadata_per_slot
+        else:
+            limit = self.slot_share()
+            held = len(slot.conns)
+            over = self.egress_connections >= self.max_connections or held >= limit
+        if over:
             self.counters.over_capacity += 1
             log.warning("egress connection cap reached", extra={
-                "event": "over_capacity", "source": source, "total": len(self.conns),
-                "slot_total": len(slot.conns)})
+                "event": "over_capacity", "source": source, "metadata": is_metadata,
+                "total": self.egress_connections, "slot_total": held, "slot_limit": limit})
             _rst(sock)
             return
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         conn = Conn(self, sock, source, dst_ip, dst_port)
         conn.slot = slot
-        slot.conns.add(conn)
+        (slot.metadata if is_metadata else slot.conns).add(conn)
         self.conns.add(conn)
+        if is_metadata:
+            self.metadata_connections += 1
         conn.task = self.loop.create_task(self._handle(conn))
 
+    def slot_share(self) -> int:
+        """How many egress connections one slot may hold: an equal share of max_connections
+        among the known slots (at least MIN_SLOT_SHARE), at most max_per_slot. So a few guests
+        holding connections open cannot take the capacity every other slot needs."""
+        share = max(MIN_SLOT_SHARE, self.max_connections // max(1, len(self.slots)))
+        return min(self.max_per_slot, share)
+
+    @property
+    def egress_connections(self) -> int:
+        return len(self.conns) - self.metadata_connections
+
     def unregister(self, conn: Conn) -> None:
-        self.conns.discard(conn)
+        if conn in self.conns:
+            self.conns.discard(conn)
+            if (conn.dst_ip, conn.dst_port) in NODE_SERVICES:
+                self.metadata_connections -= 1
         if conn.slot is not None:
             conn.slot.conns.discard(conn)
+            conn.slot.metadata.discard(conn)
 
     def _current(self, conn: Conn) -> Slot:
         slot = self.slots.get(conn.source)
@@ -602,12 +772,39 @@ class EgressProxyServer:
             raise Refused("the slot was removed")
         return slot
 
-    def _decide(self, conn: Conn, name: str | None) -> EgressPolicy:
-        """Raises Refused unless the slot's current policy lets this connection out."""
-        policy = self._current(conn).entry.policy
-        if not policy.allows(conn.dst_ip, name):
-            raise Refused("policy" if name is None else f"policy (name {name})")
-        return policy
+    async def _decide(self, conn: Conn, name: str | None) -> EgressPolicy:
+        """Raises Refused unless the slot's current policy lets this connection out; a name
+        that decides it must resolve to the destination here (NameAnswers)."""
+        slot = self._current(conn)
+        decision = self._decision(conn, slot.entry.policy, name)
+        answers = None
+        if decision.verdict == "bind" and name is not None:
+            if not self.names.fresh(name) and slot.lookups >= MAX_LOOKUPS_PER_SLOT:
+                # A guest spraying names (each a lookup that may wait seconds) must not take
+                # the lookup threads every other slot's decisions need.
+                raise Refused("too many name lookups in flight for this sandbox",
+                              "over_capacity")
+            slot.lookups += 1
+            try:
+                answers = await self.names.answers(name)
+            finally:
+                slot.lookups -= 1
+        _judge(conn, decision, name, answers)
+        return self._current(conn).entry.policy  # (the lookup may have waited)
+
+    def _decide_now(self, conn: Conn, policy: EgressPolicy, name: str | None) -> None:
+        """_decide for a decision that cannot wait for a lookup (a keep-alive request head, a
+        policy update over live connections): a name is checked against its last answers."""
+        decision = self._decision(conn, policy, name)
+        answers = self.names.known(name) \
+            if decision.verdict == "bind" and name is not None else None
+        _judge(conn, decision, name, answers)
+
+    @staticmethod
+    def _decision(conn: Conn, policy: EgressPolicy, name: str | None) -> Decision:
+        # On a web port a connection without a readable name could carry any name.
+        return policy.decide(conn.dst_ip, conn.dst_port, name,
+                             unnamed=name is None and conn.dst_port in WEB_PORTS)
 
     def _walled(self, ip: IPv4Address) -> bool:
         if any(ip in net for net in self.open_ranges):
@@ -619,6 +816,9 @@ class EgressProxyServer:
             if (conn.dst_ip, conn.dst_port) == METADATA:
                 await self._metadata(conn)
                 return
+            if (conn.dst_ip, conn.dst_port) == RESOLVER:
+                await self._dns_tcp(conn)
+                return
             if self._walled(conn.dst_ip):
                 raise Refused("destination behind the walls")
             data, name, kind = b"", None, "opaque"
@@ -628,7 +828,7 @@ class EgressProxyServer:
                     conn.close()
                     return
             conn.name = name
-            self._decide(conn, name)
+            await self._decide(conn, name)
             transform: Callable[[bytes], bytes] | None = None
             if kind == "http":
                 stream = httphead.RequestStream(lambda head: self._on_http_head(conn, head))
@@ -636,7 +836,7 @@ class EgressProxyServer:
                 data = stream.feed(data)
             await self._connect(conn)
             # The policy may have changed while connecting: decide again with the current one.
-            policy = self._decide(conn, conn.name)
+            policy = await self._decide(conn, conn.name)
             if policy.egress_proxy != conn.via:
                 raise Refused("the egress proxy changed while connecting")
             conn.decided = True
@@ -657,7 +857,7 @@ class EgressProxyServer:
             else:
                 await self._tls_tunnel_relay(conn, data, transform)
         except Refused as exc:
-            conn.refuse(str(exc))
+            conn.refuse(str(exc), exc.kind, exc.fields)
         except (httphead.HttpError, sni.NotClientHello) as exc:
             conn.refuse(f"malformed request: {exc}")
         except asyncio.CancelledError:
@@ -687,7 +887,8 @@ class EgressProxyServer:
     def _on_http_head(self, conn: Conn, head: httphead.RequestHead) -> bytes:
         name = head.host()
         conn.name = name
-        policy = self._decide(conn, name)
+        policy = self._current(conn).entry.policy
+        self._decide_now(conn, policy, name)
         return httphead.with_headers(head, policy.header_rules(name) if name else ())
 
     async def _peek(self, conn: Conn) -> tuple[bytes, str | None, str]:
@@ -824,7 +1025,9 @@ class EgressProxyServer:
             for task in done:
                 if task.exception() is not None:
                     raise task.exception()  # type: ignore[misc]
-        except (Refused, httphead.HttpError) as exc:
+        except Refused as exc:
+            conn.refuse(str(exc), exc.kind, exc.fields)
+        except httphead.HttpError as exc:
             conn.refuse(str(exc))
         except (OSError, asyncio.CancelledError):
             conn.reset()
@@ -848,6 +1051,91 @@ class EgressProxyServer:
         try:
             await metadata.serve(reader, writer, lookup)
         except (OSError, asyncio.CancelledError):
+            conn.reset()
+            return
+        conn.close()
+
+    # -- the filtering resolver (dns.py) ------------------------------------------------------
+
+    def _dns_decide(self, source: str, message: bytes) -> tuple[bytes | None, Slot | None]:
+        """(an answer to send now, or None to forward; the slot) for one query from `source`."""
+        slot = self.slots.get(source)
+        try:
+            question = dns.parse_query(message)
+        except dns.DnsFormatError as exc:
+            self.counters.dns_failed += 1
+            log.info("dns query malformed", extra={"event": "dns_malformed", "source": source,
+                                                     "error": str(exc)})
+            return dns.error_response(message, dns.RCODE_FORMERR, None), slot
+        if slot is None or not slot.entry.policy.resolves(question.name):
+            self.counters.dns_refused += 1
+            log.info("dns query refused", extra={
+                "event": "dns_refused", "source": source, "qname": question.name,
+                "reason": "unknown source" if slot is None else "name not allowed by the policy"})
+            return dns.error_response(message, dns.RCODE_REFUSED, question), slot
+        return None, slot
+
+    async def _dns_forward(self, message: bytes, source: str) -> bytes:
+        assert self.dns_upstream is not None
+        try:
+            answer = await dns.forward_udp(message, self.dns_upstream)
+        except (OSError, TimeoutError) as exc:
+            self.counters.dns_failed += 1
+            log.info("dns upstream failed", extra={"event": "dns_upstream_failed",
+                                                    "source": source, "error": str(exc)
+                                                    or type(exc).__name__})
+            return dns.error_response(message, dns.RCODE_SERVFAIL, dns.parse_query(message))
+        self.counters.dns_answered += 1
+        return answer
+
+    def _on_dns_datagram(self) -> None:
+        assert self._dns_sock is not None
+        for _ in range(64):  # a burst per wake-up, then let the others run
+            try:
+                message, (source, port) = self._dns_sock.recvfrom(dns.MAX_MESSAGE + 1)
+            except OSError:  # (BlockingIOError: nothing more to read)
+                return
+            now, slot = self._dns_decide(source, message)
+            if now is not None:
+                self._dns_reply(now, (source, port))
+            elif slot is not None and slot.dns_inflight < MAX_DNS_INFLIGHT_PER_SLOT:
+                slot.dns_inflight += 1
+                self._spawn(self._dns_udp(message, slot, (source, port)))
+            else:
+                self.counters.dns_failed += 1  # over the slot's cap: dropped, the stub retries
+
+    async def _dns_udp(self, message: bytes, slot: Slot, to: tuple[str, int]) -> None:
+        try:
+            self._dns_reply(await self._dns_forward(message, to[0]), to)
+        finally:
+            slot.dns_inflight -= 1
+
+    def _dns_reply(self, answer: bytes, to: tuple[str, int]) -> None:
+        if self._dns_sock is not None:
+            with contextlib.suppress(OSError):
+                self._dns_sock.sendto(answer, to)
+
+    async def _dns_tcp(self, conn: Conn) -> None:
+        """DNS over TCP (two-byte length, then the message), one query at a time."""
+        if self.dns_upstream is None:
+            raise Refused("no filtering resolver on this node")
+        reader, writer = await asyncio.open_connection(sock=conn.guest)
+        conn.transports.append(writer.transport)
+        try:
+            while True:
+                async with asyncio.timeout(metadata.IDLE_TIMEOUT):
+                    try:
+                        (length,) = struct.unpack("!H", await reader.readexactly(2))
+                    except asyncio.IncompleteReadError:
+                        break
+                    message = await reader.readexactly(length)
+                conn.last_active = self.loop.time()
+                answer, _ = self._dns_decide(conn.source, message)
+                if answer is None:
+                    answer = await self._dns_forward(message, conn.source)
+                writer.write(struct.pack("!H", len(answer)) + answer)
+                await writer.drain()
+        except (OSError, TimeoutError, asyncio.IncompleteReadError):
             conn.reset()
             return
         conn.close()
@@ -881,12 +1169,16 @@ class EgressProxyServer:
         old.entry = entry
         cut = 0
         policy = entry.policy
-        for conn in list(old.conns):
-            if (conn.dst_ip, conn.dst_port) == METADATA:
-                continue  # answers the current identity at each request
+        for conn in list(old.conns):  # (metadata answers the current identity at each request)
             if not conn.decided:
                 continue  # decides with the current policy when it knows its name
-            if not policy.allows(conn.dst_ip, conn.name) or policy.egress_proxy != conn.via:
+            try:
+                self._decide_now(conn, policy, conn.name)
+            except Refused:
+                allowed = False
+            else:
+                allowed = policy.egress_proxy == conn.via
+            if not allowed:
                 cut += 1
                 self.counters.cut_by_update += 1
                 log.info("egress connection cut by a policy update", extra={
@@ -898,7 +1190,7 @@ class EgressProxyServer:
         slot = self.slots.pop(source, None)
         if slot is None:
             return 0
-        conns = list(slot.conns)
+        conns = [*slot.conns, *slot.metadata]
         for conn in conns:
             conn.reset()
         return len(conns)
@@ -911,7 +1203,9 @@ class EgressProxyServer:
             self.set_slot(entry)
 
     def stats(self) -> dict[str, Any]:
-        return {"slots": len(self.slots), "connections": len(self.conns), "port": self.port,
+        return {"slots": len(self.slots), "connections": len(self.conns),
+                "metadata_connections": self.metadata_connections,
+                "slot_share": self.slot_share(), "port": self.port,
                 "pid": os.getpid(),
                 "rss_bytes": rss_bytes(), **vars(self.counters)}
 
@@ -972,13 +1266,20 @@ class EgressProxyServer:
         lines = [
             "# TYPE aenv_egress_slots gauge", f"aenv_egress_slots {len(self.slots)}",
             "# TYPE aenv_egress_connections gauge", f"aenv_egress_connections {len(self.conns)}",
+            "# TYPE aenv_egress_metadata_connections gauge",
+            f"aenv_egress_metadata_connections {self.metadata_connections}",
             "# TYPE aenv_egress_rss_bytes gauge", f"aenv_egress_rss_bytes {rss_bytes()}",
             "# TYPE aenv_egress_connections_total counter",
         ]
-        for verdict in ("allowed", "denied", "unknown_source", "over_capacity",
+        for verdict in ("allowed", "denied", "denied_name_address", "denied_unnamed",
+                        "unknown_source", "over_capacity",
                         "upstream_failed", "cut_by_update", "idle_closed"):
             lines.append(f'aenv_egress_connections_total{{verdict="{verdict}"}} '
                          f"{getattr(c, verdict)}")
+        lines.append("# TYPE aenv_egress_dns_queries_total counter")
+        for verdict in ("answered", "refused", "failed"):
+            lines.append(f'aenv_egress_dns_queries_total{{verdict="{verdict}"}} '
+                         f"{getattr(c, 'dns_' + verdict)}")
         lines += [
             "# TYPE aenv_egress_metadata_requests_total counter",
             f"aenv_egress_metadata_requests_total {c.metadata_requests}",
@@ -1019,6 +1320,25 @@ def _writer_write(writer: asyncio.StreamWriter) -> Callable[[bytes], Any]:
     return write
 
 
+def _judge(conn: Conn, decision: Decision, name: str | None,
+           answers: frozenset[IPv4Address] | None) -> None:
+    """Raises Refused (saying why) unless `decision` lets `conn` out; a "bind" decision only
+    when the destination is among `answers`, the name's addresses here (None: not known)."""
+    if decision.verdict == "allow":
+        return
+    if decision.verdict == "deny":
+        kind = "denied_unnamed" if name is None and conn.dst_port in WEB_PORTS else None
+        raise Refused(f"policy: {decision.reason}", kind)
+    if answers is not None and conn.dst_ip in answers:
+        return
+    found = "is not resolved here yet" if answers is None else (
+        f"resolves here to {', '.join(sorted(map(str, answers)))}" if answers
+        else "does not resolve here")
+    raise Refused(f"policy: {decision.reason}, but {name} {found}, not to {conn.dst_ip}",
+                  "denied_name_address",
+                  {"answers": sorted(map(str, answers)) if answers is not None else None})
+
+
 def _source(text: str) -> str:
     try:
         return str(IPv4Address(text))
@@ -1042,6 +1362,12 @@ def _slot_entry(raw: Any, where: str = "slot") -> SlotEntry:
         raise ValueError(f"{where}.identity: {exc}") from None
     except PolicyError as exc:
         raise ValueError(f"{where}.policy: {exc}") from None
+
+
+def _dns_upstream(text: str | None) -> tuple[str, int] | None:
+    if not text:
+        return None
+    return dns.system_upstream() if text == "system" else dns.parse_upstream(text)
 
 
 _statm_fd = -1
@@ -1098,9 +1424,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--open-range", action="append", default=[], type=IPv4Network,
                         help="a walled range to open anyway (a lab's private network)")
     parser.add_argument("--max-connections", type=int, default=MAX_CONNECTIONS)
-    parser.add_argument("--max-per-slot", type=int, default=MAX_CONNECTIONS_PER_SLOT)
+    parser.add_argument("--max-per-slot", type=int, default=MAX_CONNECTIONS_PER_SLOT,
+                        help="a slot's egress connections at most (its fair share of "
+                             "--max-connections may be less)")
+    parser.add_argument("--max-metadata-per-slot", type=int, default=MAX_METADATA_PER_SLOT)
     parser.add_argument("--idle-timeout", type=float, default=IDLE_TIMEOUT)
     parser.add_argument("--peek-timeout", type=float, default=PEEK_TIMEOUT)
+    parser.add_argument("--dns-upstream", default=os.environ.get("AENV_DNS_FILTER_UPSTREAM"),
+                        help="serve the filtering resolver (169.254.169.254:53), forwarding "
+                             "allowed names to this IPv4[:port], or 'system' (the node's "
+                             "resolv.conf); default $AENV_DNS_FILTER_UPSTREAM, else off")
+    parser.add_argument("--name-server", default=os.environ.get("AENV_EGRESS_NAME_SERVER"),
+                        help="IPv4[:port] of the DNS server names are bound with (A queries), "
+                             "instead of the node's getaddrinfo; default "
+                             "$AENV_EGRESS_NAME_SERVER")
+    parser.add_argument("--resolve-ttl", type=float, default=RESOLVE_TTL,
+                        help="seconds a name's addresses (getaddrinfo) are kept")
     parser.add_argument("--copy", action="store_true",
                         help="copy bytes through the process instead of splice(2) (to compare)")
     parser.add_argument("--log-level", default="info")
@@ -1111,7 +1450,10 @@ def server_from_args(args: argparse.Namespace) -> EgressProxyServer:
         args.control, args.port, args.bind, metrics_port=args.metrics_port,
         metrics_bind=args.metrics_bind, open_ranges=tuple(args.open_range),
         max_connections=args.max_connections, max_per_slot=args.max_per_slot,
-        idle_timeout=args.idle_timeout, peek_timeout=args.peek_timeout, splice=not args.copy)
+        max_metadata_per_slot=args.max_metadata_per_slot,
+        idle_timeout=args.idle_timeout, peek_timeout=args.peek_timeout, splice=not args.copy,
+        resolve_ttl=args.resolve_ttl, dns_upstream=_dns_upstream(args.dns_upstream),
+        name_server=dns.parse_upstream(args.name_server) if args.name_server else None)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -24,13 +24,23 @@ import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from ipaddress import IPv4Address, IPv4Network
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 MAX_ENTRIES = 1000  # allowOut + denyOut together
 MAX_DNS_SERVERS = 10
 ALL_TRAFFIC = IPv4Network("0.0.0.0/0")
 DEFAULT_DNS_SERVERS = (IPv4Address("8.8.8.8"),)
 WEB_PORTS = (80, 443)
+DNS_PORT = 53
+QUIC_PORT = 443
+
+
+class Decision(NamedTuple):
+    """`verdict`: allow, deny, or bind (allowed only if the destination address is among the
+    name's current answers); `reason`: what decided it, for the proxy's log."""
+
+    verdict: Literal["allow", "deny", "bind"]
+    reason: str
 
 _LABEL = re.compile(r"^[a-z0-9_]([a-z0-9_-]{0,61}[a-z0-9_])?$")
 _HEADER_NAME = re.compile(r"^[!#$%&'*+.^_`|~0-9A-Za-z-]+$")
@@ -329,38 +339,89 @@ class EgressPolicy:
         return "none"
 
     def dns_allowed(self) -> tuple[IPv4Address, ...]:
-        """Resolvers opened (all traffic to them) because allowOut names a domain."""
+        """Resolvers opened (port 53, UDP and TCP) because allowOut names a domain."""
         if not self.allow_names:
             return ()
         return DEFAULT_DNS_SERVERS if self.dns_servers is None else self.dns_servers
 
-    def allows(self, address: IPv4Address | str, name: str | None = None) -> bool:
-        """The decision for one connection: to `address`, for host `name` (HTTP Host or TLS
-        SNI) when known. An allow (by address or by name) beats a deny."""
+    def decide(self, address: IPv4Address | str, port: int | None = None,
+               name: str | None = None, *, unnamed: bool = False) -> Decision:
+        """The decision for one connection to `address`:`port`. `name` is the HTTP Host or TLS
+        SNI when one was read; `unnamed` says the connection is on a web port and no name could
+        be read (TLS without SNI, bytes that are neither TLS nor HTTP, QUIC): such a connection
+        could carry any name, so it is allowed only when every name would be (`allows_unnamed`).
+        An allow by address beats everything; an allow by name is "bind": allowed only when
+        the address is among the name's current answers (the caller resolves it). The DNS
+        servers are opened on port 53 only."""
         ip = int(ipaddress.IPv4Address(address) if isinstance(address, str) else address)
         host = name.lower().rstrip(".") if name else None
         lookup = self._lookup
-        if lookup.allow_nets.contains(ip) or ip in lookup.dns:
-            return True
-        if host and lookup.allow_names.matches(host):
-            return True
-        if lookup.deny_nets.contains(ip):
-            return False
-        return not (host and lookup.deny_names.matches(host))
+        if lookup.allow_nets.contains(ip):
+            return Decision("allow", "address in allowOut")
+        if port == DNS_PORT and ip in lookup.dns:
+            return Decision("allow", "DNS server")
+        denied_by_address = lookup.deny_nets.contains(ip)
+        if host is None:
+            if denied_by_address:
+                return Decision("deny", "address in denyOut")
+            if unnamed and self.deny_names:
+                return Decision("deny", "no name to check against the names in denyOut")
+            return Decision("allow", "not denied")
+        if lookup.allow_names.matches(host):
+            if denied_by_address or self.deny_names:  # the name is what lets it out
+                return Decision("bind", f"name {host} in allowOut")
+            return Decision("allow", "not denied")
+        if denied_by_address:
+            return Decision("deny", f"address in denyOut (name {host} not in allowOut)")
+        if lookup.deny_names.matches(host):
+            return Decision("deny", f"name {host} in denyOut")
+        if self.deny_names:
+            # A deny-list: a name is believed only where it really points, else any denied
+            # name's address could be reached under an innocent one.
+            return Decision("bind", f"name {host} not in denyOut")
+        return Decision("allow", "not denied")
 
-    def allows_every_name(self, address: IPv4Address | str, port: int) -> bool:
-        """Whether a TCP connection to `address`:`port` is allowed whatever host name it
-        carries: the decision for a flow the egress proxy never read (opened directly before
-        names were filtered), which the kernel keeps only when this is true. An allow by
-        address beats every name; else a deny by address, a name that could be denied, or
-        header rules its plain-HTTP requests would miss mean it cannot be kept."""
+    def allows(self, address: IPv4Address | str, name: str | None = None,
+               port: int | None = None) -> bool:
+        """Whether the policy lets the connection out, taking a name at its word (the egress
+        proxy checks a "bind" decision against the name's answers; `decide`)."""
+        return self.decide(address, port, name).verdict != "deny"
+
+    def allows_unnamed(self, address: IPv4Address | str, port: int) -> bool:
+        """Whether a connection to `address`:`port` is allowed whatever host name it carries:
+        an allow by address beats every name; else a deny by address or a name that could be
+        denied refuses it."""
         ip = int(ipaddress.IPv4Address(address) if isinstance(address, str) else address)
-        if port == 80 and self.rules:
-            return False
         lookup = self._lookup
-        if lookup.allow_nets.contains(ip) or ip in lookup.dns:
+        if lookup.allow_nets.contains(ip) or (port == DNS_PORT and ip in lookup.dns):
             return True
         return not self.deny_names and not lookup.deny_nets.contains(ip)
+
+    def allows_every_name(self, address: IPv4Address | str, port: int) -> bool:
+        """Whether a TCP flow the egress proxy never read (opened directly before names were
+        filtered) may be kept: allowed whatever its name (`allows_unnamed`), and on port 80
+        no header rules its plain-HTTP requests would miss."""
+        if port == 80 and self.rules:
+            return False
+        return self.allows_unnamed(address, port)
+
+    def resolves(self, name: str) -> bool:
+        """Whether the node's filtering resolver (network/dns.py) answers `name` for this
+        sandbox: a name in allowOut, else not a name in denyOut and not a policy that denies
+        every address (`denyOut: ["0.0.0.0/0"]`: only allowOut names are worth resolving)."""
+        host = name.lower().rstrip(".")
+        lookup = self._lookup
+        if lookup.allow_names.matches(host):
+            return True
+        if lookup.deny_names.matches(host):
+            return False
+        return ALL_TRAFFIC not in self.deny_nets
+
+    @property
+    def filters_quic(self) -> bool:
+        """UDP 443 (QUIC) carries names the proxy cannot read: with names in denyOut it follows
+        the unnamed rule (allowed only to addresses in allowOut) instead of passing."""
+        return bool(self.deny_names)
 
     @functools.cached_property
     def _lookup(self) -> _Lookup:

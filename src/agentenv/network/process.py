@@ -19,15 +19,18 @@ class EgressProxyProcess:
     answers ping; stop() ends it (SIGTERM, then SIGKILL). Its stderr (JSON log lines) goes to
     `log_path` when given. start(adopt=True) takes over a proxy already answering on the control
     socket (left running by a node that crashed or restarted: its live connections survive;
-    the node then sends `sync`)."""
+    the node then sends `sync`). `launcher` is put before the command (it must exec it: a
+    test's `unshare --mount` that gives the proxy its own /etc/hosts)."""
 
     def __init__(self, control_path: Path | str, port: int, *, bind: str = "0.0.0.0",
                  metrics_port: int | None = None, log_path: Path | str | None = None,
-                 extra_args: tuple[str, ...] = (), start_timeout: float = 15.0) -> None:
+                 extra_args: tuple[str, ...] = (), start_timeout: float = 15.0,
+                 launcher: tuple[str, ...] = ()) -> None:
         self.control_path = Path(control_path)
         self.port, self.bind, self.metrics_port = port, bind, metrics_port
         self.log_path = Path(log_path) if log_path is not None else None
         self.extra_args = extra_args
+        self.launcher = launcher
         self.start_timeout = start_timeout
         self.proc: subprocess.Popen[bytes] | None = None
         self.adopted_pid: int | None = None
@@ -36,7 +39,7 @@ class EgressProxyProcess:
 
     @property
     def argv(self) -> list[str]:
-        argv = [sys.executable, "-m", "agentenv.network.egress", "--control",
+        argv = [*self.launcher, sys.executable, "-m", "agentenv.network.egress", "--control",
                 str(self.control_path), "--port", str(self.port), "--bind", self.bind]
         if self.metrics_port is not None:
             argv += ["--metrics-port", str(self.metrics_port)]

@@ -72,7 +72,7 @@ from dataclasses import dataclass, field
 from ipaddress import IPv4Network
 from pathlib import Path
 
-from agentenv.network.policy import ALL_TRAFFIC, EgressPolicy
+from agentenv.network.policy import ALL_TRAFFIC, QUIC_PORT, EgressPolicy
 from agentenv.runtime.errors import NetworkError
 
 GUEST_IP = "169.254.0.21"
@@ -210,6 +210,7 @@ class NetworkSlot:
             "    set deny { type ipv4_addr; flags interval; }\n"
             "    set dns { type ipv4_addr; }\n"
             "    set proxied { type inet_service; flags interval; }\n"
+            "    set unnamed_udp { type inet_service; }\n"
             "    chain slot_pre {\n"
             "        type nat hook prerouting priority dstnat;\n"
             f'        iifname "vpeer" ip daddr {self.guest_address} dnat to {GUEST_IP}\n'
@@ -232,12 +233,17 @@ class NetworkSlot:
             "    }\n"
             "    chain egress {\n"
             f"        ip daddr {METADATA_IP} tcp dport 80 accept\n"
+            # The node's filtering resolver (network/dns.py), when it runs.
+            f"        ip daddr {METADATA_IP} meta l4proto {{ tcp, udp }} th dport 53 accept\n"
             "        ip daddr @walls meta l4proto tcp reject with tcp reset\n"
             "        ip daddr @walls reject with icmp type admin-prohibited\n"
             "        ip daddr @allow accept\n"
             "        ip daddr @dns udp dport 53 accept\n"
             "        ip daddr @dns tcp dport 53 accept\n"
             "        tcp dport @proxied accept\n"
+            # QUIC carries a name no one reads here: with names in denyOut it is refused
+            # (EgressPolicy.filters_quic), as TLS without SNI is by the egress proxy.
+            "        udp dport @unnamed_udp reject with icmp type admin-prohibited\n"
             "        ip daddr @deny meta l4proto tcp reject with tcp reset\n"
             "        ip daddr @deny reject with icmp type admin-prohibited\n"
             "        accept\n"
@@ -252,7 +258,8 @@ class NetworkSlot:
         return (_set_ops("aenv", "allow", _nets(policy.allow_nets))
                 + _set_ops("aenv", "deny", _nets(policy.deny_nets))
                 + _set_ops("aenv", "dns", [str(a) for a in policy.dns_allowed()])
-                + _set_ops("aenv", "proxied", proxied_ports(policy)))
+                + _set_ops("aenv", "proxied", proxied_ports(policy))
+                + _set_ops("aenv", "unnamed_udp", [str(QUIC_PORT)] if policy.filters_quic else []))
 
     async def _nft(self, text: str) -> None:
         # nsenter enters only the network namespace (`ip netns exec` also remounts /sys): a
@@ -285,7 +292,13 @@ class NetworkSlot:
                     f"route add default via {self.host_address}\n"
                 ),
             )
-            await _run("ip", "netns", "exec", ns, "sysctl", "-qw", "net.ipv4.ip_forward=1")
+            # No IPv6 in the slot: the rules are IPv4 only, so a route that appeared later
+            # (a router advertisement, a link-local path) must find no address to use.
+            no_ipv6 = [f"net.ipv6.conf.{dev}.disable_ipv6=1"
+                       for dev in ("all", "default", "lo", "vpeer", "tap0")] \
+                if os.path.exists("/proc/sys/net/ipv6") else []  # (a kernel without IPv6)
+            await _run("ip", "netns", "exec", ns, "sysctl", "-qw", "net.ipv4.ip_forward=1",
+                       *no_ipv6)
             await self._nft(self._ruleset())
             if not self.policy.is_default:
                 await _host_sources(self.prefix, self.guest_address, self.policy.proxied_ports)
@@ -443,10 +456,12 @@ def host_ruleset(prefix: str, proxy_port: int | None) -> str:
         to = f"redirect to :{proxy_port}"
         redirects = (
             f'        iifname "{prefix}h*" ip daddr {METADATA_IP} tcp dport 80 {to}\n'
+            f'        iifname "{prefix}h*" ip daddr {METADATA_IP} meta l4proto {{ tcp, udp }} '
+            f'th dport 53 {to}\n'
             f'        iifname "{prefix}h*" ip saddr @all_src meta l4proto tcp {to}\n'
             f'        iifname "{prefix}h*" ip saddr @web_src tcp dport {{ {WEB_PORTS} }} {to}\n')
-        proxy_accept = (f'        iifname "{prefix}h*" tcp dport {proxy_port} ct status dnat '
-                        "accept\n")
+        proxy_accept = (f'        iifname "{prefix}h*" meta l4proto {{ tcp, udp }} '
+                        f"th dport {proxy_port} ct status dnat accept\n")
     return HOST_RULES.format(table=f"{prefix}_host", prefix=prefix, redirects=redirects,
                              proxy_accept=proxy_accept, web=WEB_PORTS, keep_mark=KEEP_MARK)
 

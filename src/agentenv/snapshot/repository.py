@@ -46,6 +46,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from agentenv.blockd.remote.chunkdigests import ANNOTATION as CHUNK_SHA256
+from agentenv.blockd.remote.chunkdigests import ChunkDigests
 from agentenv.errors import AgentEnvError
 from agentenv.fsutil import atomic_write, fsync_dir
 from agentenv.snapshot.record import RECORD_NAME, SnapshotRecord
@@ -81,10 +83,14 @@ class Part:
     size: int
     digest: str = ""
     remote: Any = None  # the RemoteLayerRef of a part pulled lazily
+    chunk_sha256: str | None = None  # its per-chunk SHA-256 table (blockd/remote/chunkdigests)
 
     def descriptor(self) -> dict[str, Any]:
+        annotations = {TITLE: self.name}
+        if self.chunk_sha256 is not None:
+            annotations[CHUNK_SHA256] = self.chunk_sha256
         return {"mediaType": PART_TYPES[self.role], "digest": self.digest, "size": self.size,
-                "annotations": {TITLE: self.name}}
+                "annotations": annotations}
 
 
 def file_digest(path: Path) -> str:
@@ -93,6 +99,13 @@ def file_digest(path: Path) -> str:
         while chunk := f.read(_CHUNK):
             h.update(chunk)
     return "sha256:" + h.hexdigest()
+
+
+def _digest_and_chunk_table(path: Path, size: int) -> tuple[str, str]:
+    """A layer file's digest and its chunk table (chunkdigests.py), from one read of it."""
+    with open(path, "rb") as f:
+        table, digest = ChunkDigests.compute(f.read, size)
+    return digest, table.encode()
 
 
 def collect(record_dir: Path) -> tuple[SnapshotRecord, list[Part], dict[str, Any]]:
@@ -212,7 +225,12 @@ def push(record_dir: Path, ref: str, meta: dict[str, Any], **registry_options: A
     t0 = time.monotonic()
     record, parts, portable = collect(record_dir)
     for part in parts:
-        if part.remote is None:
+        if part.remote is not None:
+            part.chunk_sha256 = part.remote.chunk_sha256  # as its own manifest published it
+        elif part.role in LAZY_ROLES:
+            # Published with the layer so that nodes can take its chunks from each other.
+            part.digest, part.chunk_sha256 = _digest_and_chunk_table(part.path, part.size)
+        else:
             part.digest = file_digest(part.path)
     config = json.dumps({"record": portable}, sort_keys=True).encode()
     manifest = _manifest(parts, config, meta)
@@ -479,7 +497,8 @@ def fetch(ref: str, snapshots_root: Path, *, lazy: bool = True,
 
         def describe(desc: dict[str, Any], dest: Path) -> None:
             d = descriptor(desc)
-            RemoteLayerRef(d.digest, d.size, [location], d.media_type).save(dest)
+            RemoteLayerRef(d.digest, d.size, [location], d.media_type,
+                           chunk_sha256=d.annotations.get(CHUNK_SHA256)).save(dest)
 
         return _fetch(repo, manifest_bytes, get_bytes_oci, get_file_oci, snapshots_root, t0,
                       describe if lazy else None, local)

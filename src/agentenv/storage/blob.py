@@ -26,7 +26,7 @@ from agentenv.storage.errors import LayerFormatError
 
 DESCRIPTOR_KEY = "aenvRemoteLayer"
 DESCRIPTOR_VERSION = 1
-MAX_DESCRIPTOR_BYTES = 1 << 20
+MAX_DESCRIPTOR_BYTES = 4 << 20  # (a chunk table: 43 KiB per GiB of blob)
 
 
 class WouldBlock(Exception):
@@ -106,11 +106,17 @@ class RemoteLayerRef:
     media_type: str = ""
     facts: dict[str, Any] = field(default_factory=dict)  # inspect_layer's answer, at pull
     path: Path | None = None
+    # The blob's per-chunk SHA-256 table, as its manifest published it (the layer annotation
+    # blockd/remote/chunkdigests.ANNOTATION): what lets blockd take its chunks from peers.
+    chunk_sha256: str | None = None
 
     def to_json(self) -> dict[str, Any]:
-        return {DESCRIPTOR_KEY: DESCRIPTOR_VERSION, "digest": self.digest, "size": self.size,
-                "mediaType": self.media_type, "sources": [s.to_json() for s in self.sources],
-                "facts": self.facts}
+        doc = {DESCRIPTOR_KEY: DESCRIPTOR_VERSION, "digest": self.digest, "size": self.size,
+               "mediaType": self.media_type, "sources": [s.to_json() for s in self.sources],
+               "facts": self.facts}
+        if self.chunk_sha256 is not None:
+            doc["chunkSha256"] = self.chunk_sha256
+        return doc
 
     def save(self, path: Path) -> None:
         from agentenv.fsutil import atomic_write
@@ -142,7 +148,9 @@ def load_descriptor(path: Path) -> RemoteLayerRef:
         raise LayerFormatError(path, None, f"remote layer size {size!r} is not a byte count")
     sources = [BlobLocation.from_json(s, str(path)) for s in doc.get("sources") or []]
     facts = doc.get("facts") if isinstance(doc.get("facts"), dict) else {}
-    return RemoteLayerRef(digest, size, sources, str(doc.get("mediaType") or ""), facts, path)
+    table = doc.get("chunkSha256")
+    return RemoteLayerRef(digest, size, sources, str(doc.get("mediaType") or ""), facts, path,
+                          table if isinstance(table, str) else None)
 
 
 RemoteOpener = Callable[[RemoteLayerRef], BlobSource]

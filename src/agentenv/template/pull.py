@@ -40,6 +40,7 @@ from rich.progress import (
 )
 
 from agentenv.blockd.client import BlockdClient
+from agentenv.blockd.remote.chunkdigests import ANNOTATION as CHUNK_SHA256_ANNOTATION
 from agentenv.fsutil import require_free_space
 from agentenv.storage.blob import BlobLocation, RemoteLayerRef, load_descriptor
 from agentenv.template.apply import compression_of
@@ -424,7 +425,8 @@ def _pull_remote(manifest: Manifest,
                 staged = work / "entry"
                 staged.mkdir()
                 RemoteLayerRef(layer.digest, layer.size, [location], layer.media_type,
-                               facts).save(staged / LAYER_FILE)
+                               facts, chunk_sha256=layer.annotations.get(CHUNK_SHA256_ANNOTATION)
+                               ).save(staged / LAYER_FILE)
                 path = puller.cache.publish(REMOTE_KIND, layer.digest, staged, {
                     "kind": "overlaybd-remote", "sourceDigest": layer.digest,
                     "size": layer.size, "mediaType": layer.media_type,

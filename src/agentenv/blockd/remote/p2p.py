@@ -7,6 +7,10 @@
 Every request carries `Authorization: Bearer <cluster secret>`; anything else gets 401. A
 range is served only from chunks that passed their check (ZFile CRCs), from a blob whose
 sha256 matched, or from the metadata ranges that were checked when the blob was opened.
+
+A peer is not trusted with blockd's threads and descriptors: every socket read or write waits
+at most `idle_timeout` (an idle keep-alive connection is closed after it), and at most
+`max_connections` are served at once (one thread each); one more is closed at once.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ import os
 import re
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from agentenv.blockd.remote.store import RemoteStore
@@ -28,12 +32,36 @@ log = logging.getLogger("agentenv.blockd.remote.p2p")
 _RANGE = re.compile(r"^bytes=(\d+)-(\d+)$")
 _BLOB = re.compile(r"^/blobs/sha256:([0-9a-f]{64})$")
 MAX_RANGE = 64 << 20
+IDLE_TIMEOUT = 30.0
+MAX_CONNECTIONS = 64
 
 
 class _Server(ThreadingHTTPServer):
     daemon_threads = True
     store: RemoteStore
     secret: bytes
+    idle_timeout: float
+    slots: threading.BoundedSemaphore  # max_connections
+    refused = 0  # connections closed at once: over max_connections
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if not self.slots.acquire(blocking=False):
+            self.refused += 1
+            log.warning("p2p connection cap reached", extra={
+                "event": "over_capacity", "peer": str(client_address[0])})
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self.slots.release()
+            raise
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self.slots.release()
 
     def server_bind(self) -> None:
         # HTTPServer.server_bind looks the host name up (getfqdn): with an unreachable DNS
@@ -49,6 +77,11 @@ class _Server(ThreadingHTTPServer):
 class _Handler(BaseHTTPRequestHandler):
     server: _Server
     protocol_version = "HTTP/1.1"
+    timeout = IDLE_TIMEOUT  # replaced per server (PeerServer); socket.settimeout in setup()
+
+    def setup(self) -> None:
+        self.timeout = self.server.idle_timeout
+        super().setup()
 
     def log_message(self, format: str, *args: object) -> None:
         log.debug("p2p " + format, *args)
@@ -95,7 +128,8 @@ class _Handler(BaseHTTPRequestHandler):
 
 
 class PeerServer:
-    def __init__(self, store: RemoteStore, listen: str, secret: str) -> None:
+    def __init__(self, store: RemoteStore, listen: str, secret: str, *,
+                 idle_timeout: float = IDLE_TIMEOUT, max_connections: int = MAX_CONNECTIONS) -> None:
         host, _, port = listen.rpartition(":")
         if not host or not port.isdigit():
             raise ValueError(f"p2p listen address {listen!r} is not host:port")
@@ -104,6 +138,8 @@ class PeerServer:
         self.server = _Server((host.strip("[]"), int(port)), _Handler)
         self.server.store = store
         self.server.secret = secret.encode()
+        self.server.idle_timeout = idle_timeout
+        self.server.slots = threading.BoundedSemaphore(max_connections)
         self.address = f"{host}:{self.server.server_address[1]}"
         self._thread = threading.Thread(target=self.server.serve_forever, name="remote-p2p",
                                         daemon=True)

@@ -33,6 +33,7 @@ from typing import Any
 import httpx
 
 from agentenv.blockd.remote.cache import UNVERIFIED, VERIFIED, BlobState, ChunkCache
+from agentenv.blockd.remote.chunkdigests import ChunkDigests, ChunkDigestsError
 from agentenv.blockd.remote.layout import Layout, parse
 from agentenv.storage.blob import BlobLocation, RemoteLayerRef, WouldBlock, blocking_allowed
 from agentenv.storage.errors import LayerFormatError
@@ -92,6 +93,9 @@ class BlobInfo:
     hex: str
     state: BlobState
     layout: Layout
+    # The per-chunk SHA-256 table from the blob's manifest (chunkdigests.py), when it has one
+    # for the cache's chunk size: only then are chunks (and metadata) taken from peers.
+    digests: ChunkDigests | None = None
     users: int = 0
     # Readahead (docs/remote-layers.md §2): the last chunk read and the current window,
     # grown while misses follow each other, reset by a jump.
@@ -237,16 +241,17 @@ class RemoteStore:
                 info.users += 1
                 info.state.users += 1
                 return RemoteBlob(self, info)
+        digests = self._chunk_digests(ref)
         state = self.cache.blob(hex_, ref.size)
         meta_path = self.cache.meta_path(hex_)
         layout = Layout.load(meta_path, ref.size)
         if layout is None:
-            layout = self._fetch_layout(ref, hex_)
+            layout = self._fetch_layout(ref, hex_, digests)
             layout.save(meta_path)
         with self._lock:
             info = self._infos.get(hex_)
             if info is None:
-                info = self._infos[hex_] = BlobInfo(ref, hex_, state, layout)
+                info = self._infos[hex_] = BlobInfo(ref, hex_, state, layout, digests)
             else:
                 self._merge_sources(info, ref)
             info.users += 1
@@ -256,23 +261,46 @@ class RemoteStore:
                                               "cached_chunks": state.count})
         return RemoteBlob(self, info)
 
-    @staticmethod
-    def _merge_sources(info: BlobInfo, ref: RemoteLayerRef) -> None:
+    def _merge_sources(self, info: BlobInfo, ref: RemoteLayerRef) -> None:
         for src in ref.sources:
             if src not in info.ref.sources:
                 info.ref.sources.append(src)
+        if info.digests is None and ref.chunk_sha256 is not None:
+            info.digests = self._chunk_digests(ref)
+
+    def _chunk_digests(self, ref: RemoteLayerRef) -> ChunkDigests | None:
+        """The blob's chunk table if it has a usable one (its descriptor carries what its
+        manifest published); else None: its chunks come from its registries only."""
+        if ref.chunk_sha256 is None:
+            return None
+        try:
+            digests = ChunkDigests.decode(ref.chunk_sha256, ref.size)
+        except ChunkDigestsError as exc:
+            log.warning("a remote blob's chunk table is unusable: peers are not asked for it",
+                        extra={"blob": ref.digest, "error": str(exc)})
+            return None
+        if digests.chunk_size != self.cache.chunk_size:
+            log.info("a remote blob's chunk table is for another chunk size: peers are not "
+                     "asked for it", extra={"blob": ref.digest, "table": digests.chunk_size,
+                                            "cache": self.cache.chunk_size})
+            return None
+        return digests
 
     def release(self, info: BlobInfo) -> None:
         with self._lock:
             info.users -= 1
             info.state.users -= 1
 
-    def _fetch_layout(self, ref: RemoteLayerRef, hex_: str) -> Layout:
+    def _fetch_layout(self, ref: RemoteLayerRef, hex_: str,
+                      digests: ChunkDigests | None) -> Layout:
         deadline = time.monotonic() + self.config.timeout
         problems: list[str] = []
         while True:
-            for name, fetch in self._sources_for(ref, hex_, 0, checkable=True):
+            for name, fetch in self._sources_for(ref, hex_, 0, peers=digests is not None):
                 def read(length: int, offset: int, fetch: Any = fetch, name: str = name) -> bytes:
+                    if name.startswith("peer ") and digests is not None:
+                        return self._peer_checked_read(fetch, name, digests, ref.size,
+                                                       offset, length)
                     data: bytes = fetch(offset, offset + length)
                     self.stats.add("fetched", _kind(name), len(data))
                     return data
@@ -377,11 +405,27 @@ class RemoteStore:
                 out += group[first:] + group[:first]
         return out
 
+    def _peer_checked_read(self, fetch: Any, name: str, digests: ChunkDigests, size: int,
+                           offset: int, length: int) -> bytes:
+        """Bytes [offset, offset + length) from a peer, read as the whole chunks holding them,
+        each checked against the blob's chunk table (a metadata read at open)."""
+        cs = digests.chunk_size
+        first, last = offset // cs, (offset + length - 1) // cs
+        lo, hi = first * cs, min(size, (last + 1) * cs)
+        data: bytes = fetch(lo, hi)
+        self.stats.add("fetched", _kind(name), len(data))
+        for idx in range(first, last + 1):
+            if not digests.matches(idx, data[idx * cs - lo : min(size, (idx + 1) * cs) - lo]):
+                raise LayerFormatError(name, idx * cs, "a chunk does not match the blob's "
+                                                       "chunk table")
+        return data[offset - lo : offset - lo + length]
+
     def _sources_for(self, ref: RemoteLayerRef, hex_: str, idx: int,
-                     checkable: bool) -> Iterator[tuple[str, Any]]:
-        """(name, fetch(start, end)) in the order to try: peers first (only for blobs whose
-        chunks can be checked; _peer_order), then every registry location."""
-        if checkable:
+                     peers: bool) -> Iterator[tuple[str, Any]]:
+        """(name, fetch(start, end)) in the order to try: peers first (only for blobs with a
+        chunk table: what a peer sends is checked against it; _peer_order), then every
+        registry location."""
+        if peers:
             for peer in self._peer_order(hex_, idx):
                 yield f"peer {peer}", lambda a, b, peer=peer: self._peer_get(peer, ref.digest, a, b)
         for loc in ref.sources:
@@ -498,24 +542,30 @@ class RemoteStore:
         problems: list[str] = []
         delay = 0.2
         while not self._stop.is_set():
-            for name, fetch in self._sources_for(info.ref, info.hex, idx, layout.checkable):
+            digests = info.digests
+            for name, fetch in self._sources_for(info.ref, info.hex, idx, digests is not None):
                 try:
                     data = fetch(lo, hi)
                 except SourceError as exc:
                     problems.append(f"{name}: {exc}")
                     continue
                 self.stats.add("fetched", _kind(name), len(data))
-                if layout.checkable:
+                wrong = None
+                if digests is not None and not digests.matches(idx, data[start - lo : end - lo]):
+                    # The trusted table decides (a CRC can be forged; a SHA-256 cannot).
+                    wrong = "the chunk does not match the blob's chunk table (SHA-256)"
+                elif layout.checkable:
                     wrong = layout.check(start, end, data, lo)
-                    if wrong is not None:
-                        self.stats.add("corrupt", _kind(name))
-                        problems.append(f"{name}: {wrong}")
-                        log.warning("remote chunk failed its check; trying another source",
-                                    extra={"blob": info.ref.digest, "chunk": idx, "source": name,
-                                           "problem": wrong})
-                        continue
+                if wrong is not None:
+                    self.stats.add("corrupt", _kind(name))
+                    problems.append(f"{name}: {wrong}")
+                    log.warning("remote chunk failed its check; trying another source",
+                                extra={"blob": info.ref.digest, "chunk": idx, "source": name,
+                                       "problem": wrong})
+                    continue
                 chunk = data[start - lo : end - lo]
-                cache.insert(info.state, idx, chunk, VERIFIED if layout.checkable else UNVERIFIED)
+                checked = layout.checkable or digests is not None
+                cache.insert(info.state, idx, chunk, VERIFIED if checked else UNVERIFIED)
                 return chunk
             left = deadline - time.monotonic()
             if left <= 0:
