@@ -39,7 +39,7 @@ QUOTAS = {"AENV_TEAM_MAX_SANDBOXES": "2", "AENV_TEAM_MAX_TEMPLATES": "2",
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
     made = LocalCluster(tmp_path_factory.mktemp("limits"), nodes=1,
                         node_env={"AENV_NODE_VCPUS": "64", "AENV_MEMORY_BUDGET_MB": "100000"})
-    made.gateway.env = dict(QUOTAS)
+    made.gateway.env = {**made.gateway.env, **QUOTAS}
     try:
         made.start()
         for team in ("quota", "other", "planter", "victim", "signer"):

@@ -24,7 +24,8 @@ MESSAGE = 4 << 20  # under the node's 16 MiB default, over the gateway's limit
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
     made = LocalCluster(Path(tmp_path_factory.mktemp("wscluster")), nodes=1)
-    made.gateway.env = {"AENV_PROXY_MAX_WS_MESSAGE_BYTES": str(GATEWAY_LIMIT)}
+    made.gateway.env = {**made.gateway.env,
+                        "AENV_PROXY_MAX_WS_MESSAGE_BYTES": str(GATEWAY_LIMIT)}
     try:
         made.start()
         made.team("alpha")

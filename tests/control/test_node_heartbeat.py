@@ -40,8 +40,10 @@ def test_node_heartbeats_register_and_reconcile(sched: SchedulerProcess, tmp_pat
         assert info.status.cpu_total > 0 and info.status.memory_total_mib > 0
         assert info.status.disk_free_bytes > 0
 
-        # a node of a cluster serves its gateway only: the cluster secret, as the gateway sends it
-        with httpx.Client(base_url=node.url, headers={"x-agentenv-cluster-secret": SECRET},
+        # a node of a cluster serves its gateway only: the cluster secret and the team, as the
+        # gateway sends them
+        with httpx.Client(base_url=node.url, headers={"x-agentenv-cluster-secret": SECRET,
+                                                      "x-agentenv-team": "alpha"},
                           timeout=60, trust_env=False) as api:
             created = api.post("/sandboxes", json={"templateID": "base", "timeout": 60})
             assert created.status_code == 201, created.text

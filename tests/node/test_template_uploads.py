@@ -120,26 +120,16 @@ def test_sdk_builds_pass_and_wrong_content_is_refused_with_nothing_kept(
     assert files_hash  # the SDK's own upload went through the same check
 
 
-class _TeamFromHeader:
-    """What the node's app does for a cluster (node/tenancy.py): the request's team in the
-    ASGI scope. Here from a test header, so one in-process node serves two teams."""
-
-    def __init__(self, app: Any) -> None:
-        self.app = app
-
-    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
-        if scope["type"] == "http":
-            for name, value in scope["headers"]:
-                if name == b"x-test-team":
-                    scope[tenancy.SCOPE_KEY] = value.decode()
-        await self.app(scope, receive, send)
+CLUSTER_SECRET = "s" * 40  # a node of a cluster: its gateway names the team
 
 
 class _Team:
     """One team's requests to the shared in-process node."""
 
     def __init__(self, client: TestClient, team: str) -> None:
-        self.client, self.headers = client, {"x-test-team": team}
+        self.client = client
+        # what the gateway sends a node of its cluster (node/tenancy.py)
+        self.headers = {"x-agentenv-cluster-secret": CLUSTER_SECRET, "x-agentenv-team": team}
 
     def __getattr__(self, method: str) -> Any:
         return lambda url, **kw: getattr(self.client, method)(url, headers=self.headers, **kw)
@@ -148,9 +138,8 @@ class _Team:
 @pytest.fixture
 def two_teams(tmp_path: Path) -> Iterator[tuple[_Team, _Team, Path]]:
     state = tmp_path / "state"
-    app = build_app(ServeOptions(state_dir=state, backend="process"))
-    key = (state / "secrets" / "api-key").read_text().strip()
-    with TestClient(_TeamFromHeader(app), headers={"X-API-KEY": key}) as client:
+    app = build_app(ServeOptions(state_dir=state, backend="process", cluster_secret=CLUSTER_SECRET))
+    with TestClient(app) as client:
         yield _Team(client, "team-a"), _Team(client, "team-b"), state
 
 
