@@ -17,13 +17,16 @@ bindings, so reconciliation runs as in production) and 10,000 bindings:
 
 Goals (issue 14): >= 2,000 schedules/s, Lookup p99 <= 2 ms. Prints one JSON object per line
 (`goal_met` where the issue sets a goal). `--quick` shortens the timed phases.
-Run it inside scripts/isolated.sh beside other work.
+Run it inside scripts/isolated.sh beside other work. `--before-rev REV [--rounds N]` runs REV's own
+copy of this bench alternating with this checkout's and prints the after/before ratio of
+each figure (issue 23: the tenancy checks may cost no more than 5%).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import itertools
 import json
 import os
@@ -322,13 +325,72 @@ SUITES: dict[str, Callable[[argparse.Namespace, Path, Processes], None]] = {
 }
 
 
+#: the figures compared between trees, and whether more is better
+COMPARED = {
+    "schedule_record_per_s": True, "lookup_p99_ms": False, "lookup_per_s": True,
+    "proxied_run_true_p50_ms": False, "create_p50_ms": False, "download_16mib_mib_s": True,
+}
+
+
+def _run_tree(tree: Path, args: argparse.Namespace) -> list[dict[str, Any]]:
+    """One run of `tree`'s own bench (its code on PYTHONPATH); its JSON lines."""
+    argv = [sys.executable, str(tree / "bench" / "cluster_bench.py"), "--suite", args.suite,
+            "--appendfsync", args.appendfsync, *(["--quick"] if args.quick else [])]
+    env = {**os.environ, "PYTHONPATH": str(tree / "src")}
+    done = subprocess.run(argv, cwd=tree, env=env, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise SystemExit(f"the bench of {tree} failed ({done.returncode}):\n{done.stderr[-3000:]}")
+    lines = []
+    for line in done.stdout.splitlines():
+        with contextlib.suppress(ValueError):
+            lines.append(json.loads(line))
+    return lines
+
+
+def compare_trees(args: argparse.Namespace) -> None:
+    """This checkout against --before-rev, alternating runs (this host is noisy): each figure's
+    median per tree and the after/before ratio, oriented so that < 1 is worse."""
+    old = Path(tempfile.mkdtemp(prefix="aenv-cluster-bench-before-"))
+    try:
+        archive = subprocess.run(["git", "-C", str(ROOT), "archive", args.before_rev],
+                                 capture_output=True, check=True).stdout
+        subprocess.run(["tar", "-x", "-C", str(old)], input=archive, check=True)
+        values: dict[str, dict[str, list[float]]] = {"before": {}, "after": {}}
+        for _ in range(args.rounds):
+            for label, tree in (("before", old), ("after", ROOT)):
+                for line in _run_tree(tree, args):
+                    if line.get("metric") in COMPARED:
+                        values[label].setdefault(line["metric"], []).append(float(line["value"]))
+                        print(json.dumps({"tree": label, **line}), flush=True)
+        for metric, more_is_better in COMPARED.items():
+            before, after = values["before"].get(metric), values["after"].get(metric)
+            if not before or not after:
+                continue
+            b, a = statistics.median(before), statistics.median(after)
+            ratio = (a / b) if more_is_better else (b / a)
+            print(json.dumps({"metric": metric, "before": round(b, 3), "after": round(a, 3),
+                              "before_rev": args.before_rev, "runs": len(after),
+                              "after_vs_before": round(ratio, 3), "goal": 0.95,
+                              "goal_met": ratio >= 0.95}), flush=True)
+    finally:
+        shutil.rmtree(old, ignore_errors=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--suite", choices=[*SUITES, "all"], default="all")
     parser.add_argument("--quick", action="store_true", help="shorter timed phases")
     parser.add_argument("--appendfsync", choices=["always", "everysec"], default="everysec",
                         help="Redis AOF fsync policy (deploy/kubernetes uses everysec)")
+    parser.add_argument("--before-rev", default=None, metavar="REV",
+                        help="also run REV's own copy of this bench (its tree exported with git "
+                             "archive), alternating with this checkout's, ROUNDS times each, and "
+                             "print after/before ratios (issue 23: the checks cost <= 5%%)")
+    parser.add_argument("--rounds", type=int, default=2, help="rounds of each tree, --before-rev")
     args = parser.parse_args()
+    if args.before_rev:
+        compare_trees(args)
+        return
     for name, suite in SUITES.items():
         if args.suite not in ("all", name):
             continue
