@@ -227,6 +227,21 @@ def test_background_completion_fetches_a_blob_in_use_and_checks_its_digest(
         s.close()
 
 
+class _LoopbackServer(ThreadingHTTPServer):
+    daemon_threads = True
+
+    def server_bind(self) -> None:  # no reverse DNS lookup (docs/network.md)
+        socketserver.TCPServer.server_bind(self)
+        self.server_name, self.server_port = "127.0.0.1", self.server_address[1]
+
+
+def _serve(handler: type[BaseHTTPRequestHandler]) -> _LoopbackServer:
+    """`handler` served on a loopback port from a thread of its own."""
+    server = _LoopbackServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server
+
+
 class _Resolver:
     """What a node's /cluster/holders answers (node/layer_peers.py), from a list the test sets;
     counts the questions."""
@@ -249,16 +264,8 @@ class _Resolver:
                 self.end_headers()
                 self.wfile.write(body)
 
-        class Server(ThreadingHTTPServer):
-            daemon_threads = True
-
-            def server_bind(self) -> None:  # no reverse DNS lookup (docs/network.md)
-                socketserver.TCPServer.server_bind(self)
-                self.server_name, self.server_port = "127.0.0.1", self.server_address[1]
-
-        self.server = Server(("127.0.0.1", 0), Handler)
+        self.server = _serve(Handler)
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}/cluster/holders"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
 
     def stop(self) -> None:
         self.server.shutdown()
@@ -366,16 +373,8 @@ class _ForgingPeer:
                 self.end_headers()
                 self.wfile.write(body)
 
-        class Server(ThreadingHTTPServer):
-            daemon_threads = True
-
-            def server_bind(self) -> None:  # no reverse DNS lookup (docs/network.md)
-                socketserver.TCPServer.server_bind(self)
-                self.server_name, self.server_port = "127.0.0.1", self.server_address[1]
-
-        self.server = Server(("127.0.0.1", 0), Handler)
+        self.server = _serve(Handler)
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
 
     def stop(self) -> None:
         self.server.shutdown()
