@@ -423,15 +423,17 @@ def _install_fault(stage: str, env: Env, monkeypatch: pytest.MonkeyPatch) -> lis
         monkeypatch.setattr(QemuProcess, "execute", execute_with_death)
     elif stage == "envd-init":
         http = env.runtime._http
-        post = http.post
+        stream = http.stream
         victims: list[int] = []
-        real_post_while_alive = env.runtime._post_while_alive
+        real_while_alive = env.runtime._while_alive
 
-        async def note_victim(vm: VM, url: str, **kwargs: Any) -> Any:
+        async def note_victim(vm: VM, call: Any) -> Any:
             victims.append(vm.pid)
-            return await real_post_while_alive(vm, url, **kwargs)
+            return await real_while_alive(vm, call)
 
-        async def post_and_die(url: str, **kwargs: Any) -> Any:
+        def stream_and_die(method: str, url: str, **kwargs: Any) -> Any:
+            if method != "POST" or not url.endswith("/init"):
+                return stream(method, url, **kwargs)
             body = json.dumps(kwargs.pop("json")).encode()
             # With its length announced, the guest's CGI waits for the whole body.
             kwargs["headers"] = {**(kwargs.get("headers") or {}), "Content-Length": str(len(body))}
@@ -444,10 +446,10 @@ def _install_fault(stage: str, env: Env, monkeypatch: pytest.MonkeyPatch) -> lis
                 await asyncio.sleep(60)
                 yield body[8:]
 
-            return await post(url, content=chunks(), **kwargs)
+            return stream(method, url, content=chunks(), **kwargs)
 
-        monkeypatch.setattr(env.runtime, "_post_while_alive", note_victim)
-        monkeypatch.setattr(http, "post", post_and_die)
+        monkeypatch.setattr(env.runtime, "_while_alive", note_victim)
+        monkeypatch.setattr(http, "stream", stream_and_die)
     else:
         raise AssertionError(stage)
     return killed
