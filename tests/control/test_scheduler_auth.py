@@ -7,6 +7,7 @@ sender), nor release, place or look up anything."""
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable
 
 import grpc
@@ -111,6 +112,34 @@ def test_a_node_cannot_heartbeat_for_another_node(redis_server: RedisServer, pre
             with pytest.raises(SchedulerError) as caught:
                 await client.holders([DIGEST], node_id="n1", credentials=intruder)
             assert caught.value.code == grpc.StatusCode.PERMISSION_DENIED
+
+    asyncio.run(body())
+
+
+def test_a_node_cannot_claim_another_up_nodes_sandbox(redis_server: RedisServer,
+                                                     prefix: str) -> None:
+    """A node, with its own credential, lists another node's sandbox in its heartbeat: while the
+    sandbox's node is up the binding stays there (the gateway keeps sending its traffic, and its
+    users' tokens, to the node that has it); once that node is down the sandbox may move."""
+    async def body() -> None:
+        async with scheduler(redis_server.url, prefix, reconcile_grace_s=0.0,
+                             heartbeat_interval_s=0.2, missed_heartbeats=1) as (_, client):
+            await client.heartbeat(status("n1", address=VICTIM_ADDRESS, sandboxes=["s1"]))
+            intruder = Credentials.node(SECRET, "n2")
+            claim = status("n2", address="127.0.0.1:6666", sandboxes=["s1"])
+            await client.heartbeat(claim, credentials=intruder)
+            await victim_unchanged(client)
+            # n1 stops beating: down after 1.5 intervals (0.3 s); then the next reconciling
+            # heartbeat (its list changed) moves it
+            deadline = time.monotonic() + 30
+            extra = 0
+            while (await client.lookup("s1")).node_id != "n2":  # type: ignore[union-attr]
+                assert time.monotonic() < deadline, "the sandbox of a down node never moved"
+                await asyncio.sleep(0.2)
+                extra += 1
+                await client.heartbeat(status("n2", address="127.0.0.1:6666",
+                                              sandboxes=["s1", f"own{extra}"]),
+                                       credentials=intruder)
 
     asyncio.run(body())
 

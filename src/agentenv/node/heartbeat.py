@@ -105,8 +105,9 @@ class HeartbeatSender:
             msg.sandboxes.add(
                 sandbox_id=rec.sandbox_id,
                 state="paused" if paused else "running",
-                # set once the gateway's teams reach the node; empty until then
-                team_id=str(getattr(rec, "team_id", "") or ""),
+                # the team the gateway named when it was made (node/tenancy.py): a binding the
+                # scheduler re-adds from this list keeps it
+                team_id=rec.team,
             )
             if paused:
                 msg.paused += 1

@@ -22,6 +22,7 @@ import asyncio
 import base64
 import binascii
 import contextlib
+import dataclasses
 import hashlib
 import json
 import logging
@@ -342,9 +343,19 @@ class GatewayApp:
         return httpx.URL(node.url + "/").copy_with(
             raw_path=routed_target(scope, path).encode("latin-1"))
 
+    async def _traffic_lookup(self, sandbox_id: str) -> Binding | None:
+        """The binding of a sandbox whose traffic is relayed, with its team: a binding the
+        scheduler re-added from a node's heartbeat may lack it, and then the ownership record
+        names it (no team at all: not found, never relayed team-less)."""
+        binding = await self.scheduler.lookup(sandbox_id)
+        if binding is None or binding.team:
+            return binding
+        team = await self.store.sandbox_team(sandbox_id)
+        return dataclasses.replace(binding, team=team) if team else None
+
     async def _binding_for_traffic(self, sandbox_id: str) -> tuple[Binding | None, int, str]:
         try:
-            binding = await self.scheduler.lookup(sandbox_id)
+            binding = await self._traffic_lookup(sandbox_id)
         except SchedulerUnavailable as exc:
             return None, 503, f"scheduler unavailable: {exc}"
         if binding is None:
@@ -413,7 +424,7 @@ class GatewayApp:
         if remembered is not None:
             # the sandbox must still be bound to that node (a kill releases it at once)
             try:
-                binding = await self.scheduler.lookup(remembered.sandbox_id)
+                binding = await self._traffic_lookup(remembered.sandbox_id)
             except (SchedulerUnavailable, NoPlacement):
                 binding = None
             if binding is None or binding.node.node_id != remembered.node_id:

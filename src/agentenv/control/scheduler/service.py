@@ -417,7 +417,8 @@ class SchedulerService:
                     raise Invalid(f"sandbox {sandbox.sandbox_id!r} is listed twice")
                 seen.add(sandbox.sandbox_id)
             try:
-                added, dropped = self.store.heartbeat(msg, grace, at)
+                added, dropped = self.store.heartbeat(
+                    msg, grace, int(self.config.down_after_ms), at)
             except Exception:
                 self._alive_anyway(msg, at)
                 raise
