@@ -50,7 +50,8 @@ def test_node_heartbeats_register_and_reconcile(sched: SchedulerProcess, tmp_pat
             sandbox_id = created.json()["sandboxID"]
             # Created on the node directly (no gateway): the heartbeat's list adds the binding.
             where = wait_for("the binding", lambda: call(sched.address, "lookup", sandbox_id))
-            assert (where.node_id, where.node_up) == ("node-a", True)
+            # with the team the gateway named (a binding made from a heartbeat keeps it)
+            assert (where.node_id, where.node_up, where.team_id) == ("node-a", True, "alpha")
             assert where.node_address == info.address
             counted = wait_for("the running count", lambda: [
                 n for n in call(sched.address, "list_nodes") if n.status.running == 1])
