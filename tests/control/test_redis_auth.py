@@ -91,7 +91,13 @@ def test_each_component_reaches_only_its_keys(acl_redis: AclRedis) -> None:
             await server.stop(grace=0)
 
     asyncio.run(scheduler())
-    assert acl_redis.raw("gateway").hexists("aenv:sched:bindings", "s2")
+    assert acl_redis.raw("scheduler").hexists("aenv:sched:bindings", "s2")
+    # the gateway reads and writes its own keys, not the scheduler's bindings or node addresses
+    gate = acl_redis.raw("gateway")
+    with pytest.raises(redis.exceptions.NoPermissionError):
+        gate.hget("aenv:sched:bindings", "s2")
+    with pytest.raises(redis.exceptions.NoPermissionError):
+        gate.hset("aenv:sched:nodes", "n1", b"forged")
     sched = acl_redis.raw("scheduler")
     with pytest.raises(redis.exceptions.NoPermissionError):
         sched.get("aenv:apikey:" + "0" * 64)
