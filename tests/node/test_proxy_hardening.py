@@ -367,6 +367,33 @@ def test_hop_by_hop_headers_are_dropped_both_ways(
     assert answer.headers["x-end-to-end"] == "1"
 
 
+def test_a_stranger_cannot_hold_a_secure_sandboxs_envd_connections(
+    hard_node: NodeProcess, sandbox: dict[str, Any]
+) -> None:
+    """Requests to a secure sandbox's envd without its access token are refused by the node
+    before they take one of the sandbox's proxied connections: a stranger who knew only the id
+    held them all with bodies that never end and locked the owner out (429 for the owner)."""
+    sid, token = sandbox["sandboxID"], sandbox["envdAccessToken"]
+    held: list[socket.socket] = []
+    try:
+        for _ in range(MAX_CONNECTIONS + 2):
+            conn = socket.create_connection(("127.0.0.1", hard_node.port), timeout=30)
+            held.append(conn)
+            conn.sendall(f"POST /files?path=/tmp/x HTTP/1.1\r\nHost: localhost\r\n"
+                         f"E2b-Sandbox-Id: {sid}\r\nE2b-Sandbox-Port: 49983\r\n"
+                         "Content-Length: 100000000\r\n\r\nx".encode())
+            answer = conn.recv(4096)
+            assert answer.startswith(b"HTTP/1.1 401"), answer
+        with httpx.Client(base_url=hard_node.url, timeout=30, headers={
+                "E2b-Sandbox-Id": sid, "E2b-Sandbox-Port": "49983"}) as client:
+            assert client.get("/envs", headers={"X-Access-Token": token}).status_code == 200
+            assert client.get("/envs").status_code == 401
+            assert client.get("/health").status_code < 300  # a body-less probe needs no token
+    finally:
+        for conn in held:
+            conn.close()
+
+
 def test_body_idle_and_connection_limits(
     hard_node: NodeProcess, sandbox: dict[str, Any], listeners: dict[str, _Recorder]
 ) -> None:

@@ -87,6 +87,13 @@ class ProxyRoute:
     by_signature: bool = False
 
 
+def _has_body(scope: Scope) -> bool:
+    """Whether the request announces a body (a length above 0, or chunks)."""
+    lengths = _header(scope, b"content-length")
+    return bool(_header(scope, b"transfer-encoding")) or any(v.strip() not in (b"", b"0")
+                                                             for v in lengths)
+
+
 def _header(scope: Scope, name: bytes) -> list[bytes]:
     return [v for n, v in scope["headers"] if n == name]
 
@@ -288,22 +295,23 @@ class SandboxProxy:
             message = signed.problem(rec.envd_access_token)
             if message is not None:
                 return 401, {"code": 401, "message": message}
-        if (
-            rec.state != State.RUNNING
-            and rec.auto_resume
-            and port == ENVD_PORT
-            and rec.envd_access_token
-            and signed is None
-        ):
+        if port == ENVD_PORT and rec.envd_access_token and signed is None:
+            # envd checks the token itself, but a request it would refuse must neither hold one
+            # of the sandbox's proxied connections (a stranger who knew the id filled them with
+            # bodies that never end) nor resume it. Only a body-less /health goes without.
             tokens = _header(scope, b"x-access-token")
             if len(tokens) != 1 or not same_secret(
                 tokens[0].decode("latin-1"), rec.envd_access_token
             ):
-                return 401, {
-                    "code": 401,
-                    "message": f"sandbox {sandbox_id} is paused: traffic resumes it only with its "
-                    "access token (X-Access-Token) or a signed file URL",
-                }
+                if rec.state != State.RUNNING and rec.auto_resume:
+                    return 401, {
+                        "code": 401,
+                        "message": f"sandbox {sandbox_id} is paused: traffic resumes it only "
+                        "with its access token (X-Access-Token) or a signed file URL",
+                    }
+                if rec.secure and (scope["path"].rstrip("/") != "/health" or _has_body(scope)):
+                    return 401, {"code": 401, "message": "missing or invalid X-Access-Token "
+                                 "(envd of a secure sandbox)"}
         if self.connections(sandbox_id) > self.limits.max_connections:
             return 429, {
                 "code": 429,
