@@ -270,6 +270,41 @@ print(json.dumps(out))
 """
 
 
+SHARED_MAP = r"""
+import json, mmap, os, sys
+fd = os.open(sys.argv[1], os.O_RDWR)
+out = {}
+for name, flags in (("shared", mmap.MAP_SHARED), ("private", mmap.MAP_PRIVATE)):
+    try:
+        mapped = mmap.mmap(fd, 4096, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        mapped[:4] = b"evil"
+        out[name] = "ok"
+    except OSError as exc:
+        out[name] = os.strerror(exc.errno)
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.parametrize("punch_hole, jailed", [(True, False), (False, True), (True, True)])
+def test_qemus_filter_allows_no_shared_mapping(tmp_path: Path, punch_hole: bool,
+                                               jailed: bool) -> None:
+    """A QEMU taken over maps the snapshot's memory file (opened read-write for free-page
+    reporting) shared and writable, and its writes change the page cache every VM restored
+    from that snapshot reads: the red team poisoned siblings and new sandboxes this way. Under
+    QEMU's filter a shared mapping fails; the private one guest RAM uses works."""
+    from agentenv.runtime.qemu import _preexec, qemu_filter
+
+    target = tmp_path / "ram"
+    target.write_bytes(b"\0" * 4096)
+    out = subprocess.run([SYSTEM_PYTHON, "-c", SHARED_MAP, str(target)], capture_output=True,
+                         text=True, timeout=60,
+                         preexec_fn=_preexec(None, die_with_parent=False,
+                                             seccomp=qemu_filter(punch_hole, jailed)))
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout) == {"shared": "Operation not permitted", "private": "ok"}
+    assert target.read_bytes()[:4] == b"\0" * 4
+
+
 def test_jailed_filter_refuses_namespaces_and_mounts_but_not_threads() -> None:
     from agentenv.runtime.qemu import _preexec, qemu_filter
 

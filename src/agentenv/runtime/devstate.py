@@ -20,13 +20,21 @@ from pathlib import Path
 from agentenv.runtime.errors import SnapshotError
 
 QEVM_MAGIC = b"QEVM"
+#: a device-state stream (RAM is not in it) of our VMs is kilobytes to a few MiB
+DEVICE_STATE_MAX = 64 << 20
 QEMU_VM_CONFIGURATION = 0x07
 QEMU_VM_VMDESCRIPTION = 0x06
 QEMU_VM_EOF = 0x00
 
 
 def finish_device_state(raw: Path, out: Path, machine_type: str) -> int:
-    """Turn a `xen-save-devices-state` file into a loadable stream at `out`; returns its size."""
+    """Turn a `xen-save-devices-state` file into a loadable stream at `out`; returns its size.
+    The file is QEMU's (a QEMU taken over can make it any size): one past DEVICE_STATE_MAX
+    bytes is refused unread."""
+    size = raw.stat().st_size
+    if size > DEVICE_STATE_MAX:
+        raise SnapshotError(f"device state {raw} is {size} bytes, more than any VM's "
+                            f"({DEVICE_STATE_MAX}): refused")
     data = raw.read_bytes()
     if data[:4] != QEVM_MAGIC or len(data) < 9:
         raise SnapshotError(f"device state {raw} is not a QEMU migration stream")

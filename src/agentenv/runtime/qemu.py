@@ -148,6 +148,7 @@ JAIL_DENIED = (
     "finit_module", "delete_module", "open_by_handle_at", "name_to_handle_at", "acct",
     "swapon", "swapoff", "reboot", "syslog",
 )
+_MAP_SHARED = 0x01  # also set in MAP_SHARED_VALIDATE (0x03)
 _CLONE_NAMESPACES = (0x00020000, 0x02000000, 0x04000000, 0x08000000, 0x10000000, 0x20000000,
                      0x40000000, 0x00000080)  # NEWNS CGROUP UTS IPC USER PID NET TIME
 
@@ -158,7 +159,8 @@ def qemu_filter(punch_hole: bool = True, jailed: bool = False) -> SeccompProgram
     FALLOC_FL_PUNCH_HOLE in its mode returns 0 without running (SECCOMP_RET_ERRNO with errno
     0 skips the call). jailed: JAIL_DENIED and `clone` with a namespace flag fail with EPERM,
     `clone3` (whose flags a filter cannot see) with ENOSYS (glibc then uses `clone`), and a
-    call of another architecture (i386's int 0x80) kills QEMU. Everything else is allowed.
+    call of another architecture (i386's int 0x80) kills QEMU. Always: no shared mapping (mmap
+    with MAP_SHARED fails with EPERM). Everything else is allowed.
     Compiled once by libseccomp (pyseccomp is a ctypes binding to Debian's libseccomp2) and
     exported as BPF, so the child between fork and exec only makes one prctl."""
     if not (punch_hole or jailed):
@@ -176,6 +178,14 @@ def qemu_filter(punch_hole: bool = True, jailed: bool = False) -> SeccompProgram
         rules.add_rule(pyseccomp.ERRNO(0), "fallocate",
                        pyseccomp.Arg(1, pyseccomp.MASKED_EQ, _FALLOC_FL_PUNCH_HOLE,
                                      _FALLOC_FL_PUNCH_HOLE))
+    # No shared mapping at all: QEMU maps guest RAM (and everything else here) private. A
+    # shared writable mapping of the snapshot's memory file, which QEMU opens read-write for
+    # free-page reporting, would change the page cache every VM of that snapshot reads (memfs
+    # refuses the write-back, but the cached page is already changed). Without a shared
+    # mapping, mprotect and remap_file_pages have nothing to widen either.
+    rules.add_rule(pyseccomp.ERRNO(errno.EPERM), "mmap",
+                   pyseccomp.Arg(3, pyseccomp.MASKED_EQ, _MAP_SHARED, _MAP_SHARED))
+    rules.add_rule(pyseccomp.ERRNO(errno.EPERM), "remap_file_pages")
     if jailed:
         for name in JAIL_DENIED:
             rules.add_rule(pyseccomp.ERRNO(errno.EPERM), name)
@@ -191,6 +201,16 @@ def qemu_filter(punch_hole: bool = True, jailed: bool = False) -> SeccompProgram
         raise RuntimeError_(f"libseccomp exported a malformed filter ({len(program)} bytes)")
     code = ctypes.create_string_buffer(program, len(program))
     return SeccompProgram(code, _SockFprog(len(program) // 8, ctypes.addressof(code)))
+
+
+def file_tail(path: Path, limit: int) -> str:
+    """The last `limit` characters (about) of a file QEMU writes, stripped: read from the end,
+    never whole (QEMU's uid owns the file descriptor: a QEMU taken over can make the file any
+    size, sparse, at no cost)."""
+    with open(path, "rb") as f:
+        size = f.seek(0, os.SEEK_END)
+        f.seek(max(0, size - 4 * limit))
+        return f.read(4 * limit).decode(errors="replace").strip()[-limit:]
 
 
 @dataclass(frozen=True)
@@ -647,7 +667,7 @@ class QemuProcess:
 
     def exit_reason(self) -> str:
         try:
-            tail = self.stderr_log.read_text(errors="replace").strip()[-500:]
+            tail = file_tail(self.stderr_log, 500)
         except OSError:
             tail = ""
         code = self.process.returncode
@@ -736,7 +756,7 @@ async def _connect_or_fail(
     deadline = time.monotonic() + 30
     while True:
         if process.returncode is not None:
-            tail = stderr_log.read_text(errors="replace").strip()[-800:]
+            tail = file_tail(stderr_log, 800)
             raise VMDiedError(f"QEMU exited at start with status {process.returncode}"
                               f"{_status_meaning(process.returncode)}: {tail}")
         if qmp_socket.exists():
