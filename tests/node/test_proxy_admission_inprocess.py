@@ -98,6 +98,11 @@ class Node:
         rec = await self.orch.create(CreateParams(**({"template": "base"} | params)))
         return rec.sandbox_id
 
+    def envd(self, sandbox_id: str) -> dict[str, str]:
+        """What the SDK sends envd of a secure sandbox: its access token (the node refuses a
+        request without it before it takes a proxied connection)."""
+        return {"X-Access-Token": self.orch.sandboxes[sandbox_id].envd_access_token or ""}
+
 
 @asynccontextmanager
 async def node(tmp_path: Path, admission: Admission | None = None) -> AsyncIterator[Node]:
@@ -130,13 +135,13 @@ def test_routes_by_host_and_by_headers(tmp_path: Path) -> None:
         async with node(tmp_path) as n:
             sid = await n.create()
             answer = await n.client.post(at(sid) + "/files?path=/a", content=b"data",
-                                         headers={"X-API-KEY": API_KEY, "X-Access-Token": "t"})
+                                         headers={"X-API-KEY": API_KEY, **n.envd(sid)})
             assert answer.status_code == 200, answer.text
             seen = answer.json()
             assert (seen["method"], seen["path"], seen["query"], seen["body"]) == \
                 ("POST", "/files", "path=/a", "data")
             assert "x-api-key" not in seen["headers"]  # the node's key stays with the node
-            assert seen["headers"]["x-access-token"] == "t"
+            assert seen["headers"]["x-access-token"] == n.envd(sid)["X-Access-Token"]
             assert seen["headers"]["x-forwarded-host"] == f"{ENVD_PORT}-{sid}.node.test"
             answer = await n.client.get("/some/path", headers={
                 "E2b-Sandbox-Id": sid, "E2b-Sandbox-Port": str(n.port)})
@@ -199,7 +204,8 @@ def test_pausing_closes_the_sandboxes_streams(tmp_path: Path) -> None:
     async def scenario() -> None:
         async with node(tmp_path) as n:
             sid = await n.create()
-            stream = asyncio.create_task(n.client.get(at(sid) + f"/stream?{sid}"))
+            stream = asyncio.create_task(n.client.get(at(sid) + f"/stream?{sid}",
+                                                      headers=n.envd(sid)))
             while sid not in STREAMING:
                 assert not stream.done(), stream
                 await asyncio.sleep(0.01)
