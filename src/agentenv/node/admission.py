@@ -63,7 +63,7 @@ def mem_available_mb(meminfo: Path = Path("/proc/meminfo")) -> int:
     raise RuntimeError(f"{meminfo} has no MemAvailable")
 
 
-def _env_number(env: Mapping[str, str], name: str, default: float | None,
+def env_number(env: Mapping[str, str], name: str, default: float | None,
                 kind: type = int, minimum: float = 0) -> float | None:
     raw = env.get(name, "").strip()
     if not raw:
@@ -105,7 +105,7 @@ class TeamQuotas:
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> TeamQuotas:
         env = os.environ if env is None else env
-        return cls(**{kind: int(_env_number(env, name, default) or 0)
+        return cls(**{kind: int(env_number(env, name, default) or 0)
                       for kind, (name, default, _) in QUOTA_SETTINGS.items()})
 
     def check(self, kind: str, team: str, have: int, adding: int = 1) -> None:
@@ -149,17 +149,17 @@ class Admission:
     @classmethod
     def from_env(cls, state_dir: Path, env: Mapping[str, str] | None = None) -> Admission:
         env = os.environ if env is None else env
-        budget = _env_number(env, "AENV_MEMORY_BUDGET_MB", None)
-        overhead = _env_number(env, "AENV_SANDBOX_OVERHEAD_MB", None)
+        budget = env_number(env, "AENV_MEMORY_BUDGET_MB", None)
+        overhead = env_number(env, "AENV_SANDBOX_OVERHEAD_MB", None)
         admission = cls(
             state_dir,
-            max_sandboxes=int(_env_number(env, "AENV_MAX_SANDBOXES", 0) or 0),
+            max_sandboxes=int(env_number(env, "AENV_MAX_SANDBOXES", 0) or 0),
             memory_budget_mb=int(budget) if budget is not None else None,
-            memory_overcommit=float(_env_number(env, "AENV_MEMORY_OVERCOMMIT", 1.0, float,
+            memory_overcommit=float(env_number(env, "AENV_MEMORY_OVERCOMMIT", 1.0, float,
                                                 minimum=0.1) or 1.0),
-            memory_reserve_mb=int(_env_number(env, "AENV_MEMORY_RESERVE_MB", 256) or 0),
+            memory_reserve_mb=int(env_number(env, "AENV_MEMORY_RESERVE_MB", 256) or 0),
             overhead_mb=int(overhead) if overhead is not None else None,
-            min_free_disk_mb=int(_env_number(env, "AENV_MIN_FREE_DISK_MB", 1024) or 0),
+            min_free_disk_mb=int(env_number(env, "AENV_MIN_FREE_DISK_MB", 1024) or 0),
         )
         log.info("admission limits", extra={
             "max_sandboxes": admission.max_sandboxes, "memory_budget_mb": admission.memory_budget_mb,

@@ -38,7 +38,7 @@ from prometheus_client import Counter
 
 from agentenv.control.gateway.placement import SchedulerLink
 from agentenv.control.gateway.store import PREFIX, GatewayStore
-from agentenv.node.admission import QuotaExceeded, TeamQuotas
+from agentenv.node.admission import QuotaExceeded, TeamQuotas, env_number
 
 log = logging.getLogger("agentenv.control.gateway.limits")
 
@@ -152,17 +152,6 @@ class GatewayQuotas:
         return [k async for k in self.store.redis.scan_iter(match=pattern, count=1000)]
 
 
-def _rate(env: Mapping[str, str], name: str, default: float) -> float:
-    raw = env.get(name, "").strip()
-    try:
-        value = float(raw) if raw else default
-    except ValueError:
-        raise ValueError(f"{name}={raw!r} is not a number") from None
-    if value < 0:
-        raise ValueError(f"{name}={raw!r} must not be negative")
-    return value
-
-
 class LookupLimiter:
     """A token bucket per client address for the signed-URL owner lookup."""
 
@@ -176,8 +165,8 @@ class LookupLimiter:
     def from_env(cls, refusals: Counter | None = None,
                  env: Mapping[str, str] | None = None) -> LookupLimiter:
         env = os.environ if env is None else env
-        return cls(_rate(env, "AENV_SIGNED_LOOKUP_RATE", 20.0),
-                   _rate(env, "AENV_SIGNED_LOOKUP_BURST", 40.0), refusals)
+        return cls(env_number(env, "AENV_SIGNED_LOOKUP_RATE", 20.0, float) or 0.0,
+                   env_number(env, "AENV_SIGNED_LOOKUP_BURST", 40.0, float) or 0.0, refusals)
 
     def allow(self, address: str) -> bool:
         if not self.rate:
