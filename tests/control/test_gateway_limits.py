@@ -11,9 +11,6 @@ and a process-backend node (control/gateway/limits.py, node/template_files.py):
 
 from __future__ import annotations
 
-import io
-import tarfile
-import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -26,6 +23,7 @@ from e2b.template.utils import calculate_files_hash
 from tests.control.cluster import LocalCluster
 from tests.control.helpers import wait_for
 from tests.node.conftest import environ_set
+from tests.node.test_template_uploads import tar_of
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -116,15 +114,6 @@ def test_signed_url_lookups_are_rate_limited_per_client_but_not_cached_owners(
         sbx.kill()
 
 
-def _tar(name: str, content: bytes) -> bytes:
-    buf = io.BytesIO()
-    with tarfile.open(fileobj=buf, mode="w:gz") as tar:
-        info = tarfile.TarInfo(name)
-        info.size, info.mode, info.mtime = len(content), 0o644, int(time.time())
-        tar.addfile(info, io.BytesIO(content))
-    return buf.getvalue()
-
-
 def test_a_file_planted_under_another_team_hash_is_not_used(cluster: LocalCluster,
                                                             tmp_path: Path) -> None:
     ctx = tmp_path / "ctx"
@@ -137,7 +126,7 @@ def test_a_file_planted_under_another_team_hash_is_not_used(cluster: LocalCluste
         link = planter.get(f"/templates/{made.json()['templateID']}/files/{files_hash}")
         assert link.status_code == 201 and link.json()["present"] is False, link.text
         with httpx.Client(timeout=30, trust_env=False) as plain:
-            planted = plain.put(link.json()["url"], content=_tar("note.txt", b"planted\n"))
+            planted = plain.put(link.json()["url"], content=tar_of("note.txt", b"planted\n"))
             assert planted.status_code == 200, planted.text
     with environ_set({"E2B_API_URL": cluster.url, "E2B_SANDBOX_URL": cluster.url,
                       "E2B_API_KEY": cluster.keys["victim"]}):

@@ -41,7 +41,8 @@ def _context(tmp: Path, text: str) -> tuple[Path, str]:
     return ctx, calculate_files_hash("note.txt", "/tmp/note.txt", str(ctx), [], False, None)
 
 
-def _tar(name: str, content: bytes) -> bytes:
+def tar_of(name: str, content: bytes) -> bytes:
+    """A gzipped tar of one file, as the SDK uploads a COPY step's files."""
     buf = io.BytesIO()
     with tarfile.open(fileobj=buf, mode="w:gz") as tar:
         info = tarfile.TarInfo(name)
@@ -87,7 +88,7 @@ def test_sdk_builds_pass_and_wrong_content_is_refused_with_nothing_kept(
         # content that is a fine archive, but not the one the hash names
         url = urlsplit(link.json()["url"])
         target = f"{url.path}?{url.query}"
-        assert plain.put(target, content=_tar("note.txt", b"planted\n")).status_code == 200
+        assert plain.put(target, content=tar_of("note.txt", b"planted\n")).status_code == 200
         start = f"/v2/templates/{tid}/builds/{bid}"
         refused = api.post(start, json={"fromTemplate": "base", "steps": [_copy_step(other_hash)]})
         assert refused.status_code == 400, refused.text
@@ -104,12 +105,12 @@ def test_sdk_builds_pass_and_wrong_content_is_refused_with_nothing_kept(
 
         # the right content passes; once verified, a re-upload cannot replace it
         right = (other_ctx / "note.txt").read_bytes()
-        assert plain.put(target, content=_tar("note.txt", right)).status_code == 200
+        assert plain.put(target, content=tar_of("note.txt", right)).status_code == 200
         accepted = api.post(start, json={"fromTemplate": "base",
                                          "steps": [_copy_step(other_hash)]})
         assert accepted.status_code == 202, accepted.text
-        assert plain.put(target, content=_tar("note.txt", b"planted\n")).status_code == 200
-        assert (local / other_hash).read_bytes() != _tar("note.txt", b"planted\n")
+        assert plain.put(target, content=tar_of("note.txt", b"planted\n")).status_code == 200
+        assert (local / other_hash).read_bytes() != tar_of("note.txt", b"planted\n")
         assert _wait_build(api, tid, bid)["status"] == "ready"
         sbx_id = api.post("/sandboxes", json={"templateID": tid}).json()["sandboxID"]
         try:
@@ -150,7 +151,7 @@ def test_one_team_upload_is_neither_present_nor_used_for_another(
     a_tid = a.post("/v3/templates", json={"name": "a-tpl"}).json()["templateID"]
     link = a.get(f"/templates/{a_tid}/files/{files_hash}").json()
     url = urlsplit(link["url"])
-    assert a.put(f"{url.path}?{url.query}", content=_tar("note.txt", b"planted\n")
+    assert a.put(f"{url.path}?{url.query}", content=tar_of("note.txt", b"planted\n")
                  ).status_code == 200
     made = b.post("/v3/templates", json={"name": "b-tpl"}).json()
     answer = b.get(f"/templates/{made['templateID']}/files/{files_hash}")
