@@ -49,6 +49,7 @@ from agentenv.relay.stream import (
     RelayLimits,
     Send,
     forward_headers,
+    request_has_body,
     send_json,
 )
 
@@ -85,13 +86,6 @@ class ProxyRoute:
     problem: str | None = None
     #: found by its file signature (no id or host named the sandbox)
     by_signature: bool = False
-
-
-def _has_body(scope: Scope) -> bool:
-    """Whether the request announces a body (a length above 0, or chunks)."""
-    lengths = _header(scope, b"content-length")
-    return bool(_header(scope, b"transfer-encoding")) or any(v.strip() not in (b"", b"0")
-                                                             for v in lengths)
 
 
 def _header(scope: Scope, name: bytes) -> list[bytes]:
@@ -309,7 +303,7 @@ class SandboxProxy:
                         "message": f"sandbox {sandbox_id} is paused: traffic resumes it only "
                         "with its access token (X-Access-Token) or a signed file URL",
                     }
-                if rec.secure and (scope["path"].rstrip("/") != "/health" or _has_body(scope)):
+                if rec.secure and (scope["path"].rstrip("/") != "/health" or request_has_body(scope)):
                     return 401, {"code": 401, "message": "missing or invalid X-Access-Token "
                                  "(envd of a secure sandbox)"}
         if self.connections(sandbox_id) > self.limits.max_connections:

@@ -165,6 +165,15 @@ def header_values(scope: Scope, name: bytes) -> list[bytes]:
     return [v for n, v in scope["headers"] if n == name]
 
 
+def request_has_body(scope: Scope) -> bool:
+    """Whether a request announces a body: chunks (Transfer-Encoding wins, RFC 9112 6.3) or a
+    Content-Length other than 0."""
+    if header_values(scope, b"transfer-encoding"):
+        return True
+    lengths = header_values(scope, b"content-length")
+    return bool(lengths) and lengths[0].strip() != b"0"
+
+
 def forward_headers(
     scope: Scope,
     drop: frozenset[bytes] | set[bytes],
@@ -261,15 +270,11 @@ class Relay:
         name = exchange.name
         limits = self.limits
         lengths = header_values(scope, b"content-length")
+        has_body = request_has_body(scope)
         if header_values(scope, b"transfer-encoding"):
             # RFC 9112 6.3: Transfer-Encoding wins, a proxy must drop Content-Length
             headers = [(n, v) for n, v in headers if n != b"content-length"]
             lengths = []
-            has_body = True
-        else:
-            has_body = bool(lengths)
-        if lengths and lengths[0].strip() == b"0":
-            has_body = False
         if lengths and lengths[0].strip().isdigit() and int(lengths[0]) > limits.max_body_bytes:
             await send_json(send, 413, self.body_limit_body())
             return 413
