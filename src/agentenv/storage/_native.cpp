@@ -31,6 +31,7 @@
 #include <condition_variable>
 #include <cstdint>
 #include <map>
+#include <memory>
 #include <mutex>
 #include <shared_mutex>
 #include <string>
@@ -567,12 +568,14 @@ uint32_t rd32(const unsigned char* p) {
 }
 uint64_t rd64(const unsigned char* p) { return (uint64_t(rd32(p)) << 32) | rd32(p + 4); }
 
-// A byte buffer that grows geometrically and never zero-fills what it hands out again.
+// A byte buffer that grows geometrically and never zero-fills: a 1 MiB read reply is written
+// over by the read itself, so clearing it first (std::vector's resize) would only add a
+// memset and, on growth, a copy of the whole capacity.
 class Buf {
    public:
     char* tail(size_t k) {
-        if (v_.size() < n_ + k) v_.resize(std::max(v_.size() * 2, n_ + k));
-        return v_.data() + n_;
+        if (cap_ < n_ + k) regrow(std::max(cap_ * 2, n_ + k));
+        return p_.get() + n_;
     }
     void grow(size_t k) { n_ += k; }
     void put(const void* p, size_t k) {
@@ -582,21 +585,32 @@ class Buf {
     void truncate(size_t k) { n_ = k; }
     // Drop the first k bytes (consumed input), keeping the rest at the front.
     void consume(size_t k) {
-        memmove(v_.data(), v_.data() + k, n_ - k);
+        memmove(p_.get(), p_.get() + k, n_ - k);
         n_ -= k;
     }
     // Empty it, giving back the memory a rare big request (up to 32 MiB) made it take: a
-    // host has one buffer pair per connection.
+    // host has one buffer pair per connection. KEEP holds a common 4 MiB read and its header,
+    // so the usual sizes never reallocate.
     void reset() {
         n_ = 0;
-        if (v_.size() > KEEP) std::vector<char>(KEEP).swap(v_);
+        if (cap_ > KEEP) {
+            p_.reset(new char[KEEP]);
+            cap_ = KEEP;
+        }
     }
     size_t size() const { return n_; }
-    char* data() { return v_.data(); }
+    char* data() { return p_.get(); }
 
    private:
-    static constexpr size_t KEEP = 1 << 20;
-    std::vector<char> v_;
+    static constexpr size_t KEEP = (4 << 20) + 4096;
+    void regrow(size_t cap) {
+        std::unique_ptr<char[]> q(new char[cap]);  // default-initialised: not cleared
+        if (n_) memcpy(q.get(), p_.get(), n_);
+        p_ = std::move(q);
+        cap_ = cap;
+    }
+    std::unique_ptr<char[]> p_;
+    size_t cap_ = 0;
     size_t n_ = 0;
 };
 
