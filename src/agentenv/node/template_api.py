@@ -844,7 +844,7 @@ class TemplateBuildApi:
             pulled = await asyncio.to_thread(
                 pull_image, body.fromImage, state_dir=self.state_dir,
                 cache_dir=Path(cache) if cache else None, credentials=credentials,
-                use_docker_config=False)
+                use_docker_config=False, team=rec.team)
         except AgentEnvError as exc:
             raise BuildFailed(f"pulling {body.fromImage} failed: {exc}", BASE_STEP) from exc
         rec.log("info", f"pulled {pulled.reference} ({pulled.manifest_digest[:19]}): "
