@@ -10,10 +10,7 @@ test's own (a real registry refuses a manifest naming blobs its repository lacks
 from __future__ import annotations
 
 import json
-import threading
 from collections.abc import Iterator
-from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
@@ -23,69 +20,17 @@ from agentenv.template.layeraccess import LayerAccessError
 from agentenv.template.pull import pull_image
 from tests.template import helpers
 from tests.template.conftest import Registry, needs_root
+from tests.template.helpers import TeamRegistry, start_team_registry
 
 pytestmark = pytest.mark.timeout(300)
 
 
-@dataclass
-class TeamRegistry:
-    """Serves one repository's manifests and blobs; HEAD of any blob says 200."""
-
-    server: ThreadingHTTPServer
-    manifests: dict[str, bytes] = field(default_factory=dict)
-    blobs: dict[str, bytes] = field(default_factory=dict)
-    hits: list[str] = field(default_factory=list)
-
-    @property
-    def host(self) -> str:
-        return f"127.0.0.1:{self.server.server_address[1]}"
-
-
 @pytest.fixture
 def team_b_registry(registry: Registry, monkeypatch: pytest.MonkeyPatch) -> Iterator[TeamRegistry]:
-    holder: list[TeamRegistry] = []
-
-    class Handler(BaseHTTPRequestHandler):
-        def _answer(self, body: bool) -> None:
-            reg = holder[0]
-            reg.hits.append(f"{self.command} {self.path}")
-            status, headers, data = 404, {}, b'{"errors": [{"code": "BLOB_UNKNOWN"}]}'
-            if self.path == "/v2/":
-                status, data = 200, b"{}"
-            elif "/manifests/" in self.path:
-                tag = self.path.rsplit("/", 1)[1]
-                if tag in reg.manifests:
-                    status, data = 200, reg.manifests[tag]
-                    headers["Content-Type"] = helpers.OCI_MANIFEST
-            elif "/blobs/" in self.path:
-                digest = self.path.rsplit("/", 1)[1]
-                if digest in reg.blobs:
-                    status, data = 200, reg.blobs[digest]
-                elif self.command == "HEAD":
-                    status, data = 200, b""  # lies: "yes, this team may read that blob"
-            self.send_response(status)
-            for name, value in headers.items():
-                self.send_header(name, value)
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            if body:
-                self.wfile.write(data)
-
-        def do_GET(self) -> None:
-            self._answer(True)
-
-        def do_HEAD(self) -> None:
-            self._answer(False)
-
-        def log_message(self, *args: object) -> None:
-            pass
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    holder.append(TeamRegistry(server))
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    monkeypatch.setenv("AENV_REGISTRY_ALLOW_PRIVATE", f"{registry.host},{holder[0].host}")
-    yield holder[0]
-    server.shutdown()
+    made = start_team_registry()
+    monkeypatch.setenv("AENV_REGISTRY_ALLOW_PRIVATE", f"{registry.host},{made.host}")
+    yield made
+    made.server.shutdown()
 
 
 def _naming(image: helpers.BuiltImage, layers_of: helpers.BuiltImage,

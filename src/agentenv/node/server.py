@@ -111,7 +111,7 @@ def build_app(
     from agentenv.node.template_api import TemplateBuildApi
 
     builds = TemplateBuildApi(orchestrator, state, api_key)
-    moves = SnapshotMoveApi(orchestrator)  # aenv snapshot push/pull (snapshot/repository.py)
+    moves = SnapshotMoveApi(orchestrator, state)  # aenv snapshot push/pull (snapshot/repository.py)
     builds.on_published = moves.publish_build
     return NodeApp(
         orchestrator,
