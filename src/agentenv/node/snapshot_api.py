@@ -121,10 +121,15 @@ class SnapshotMoveApi:
         body = await self._body(request, "snapshot", "ref")
         team = scope_team(request.scope)
         self._check_repository(body["ref"], team)
-        result = await self.push_snapshot(body["snapshot"], body["ref"], team)
+        result = await self.push_snapshot(body["snapshot"], body["ref"], team,
+                                          node_credentials=team == LOCAL_TEAM)
         return JSONResponse(result)
 
-    async def push_snapshot(self, name: str, ref: str, team: str) -> dict[str, Any]:
+    async def push_snapshot(self, name: str, ref: str, team: str, *,
+                            node_credentials: bool = True) -> dict[str, Any]:
+        """`node_credentials`: the node's Docker credentials may be used (the standalone
+        node's own team, the operator's AENV_SNAPSHOT_PUBLISH); a cluster's team pushes with
+        none, as its builds pull (one team must not write with what the operator configured)."""
         from agentenv.snapshot.repository import push
 
         backend = self._backend()
@@ -133,7 +138,8 @@ class SnapshotMoveApi:
         record_dir = Path(record.device_state).parent
         try:
             return await asyncio.to_thread(push, record_dir, ref, meta, team=team,
-                                           access=self.access)
+                                           access=self.access,
+                                           use_docker_config=node_credentials)
         except AgentEnvError as exc:
             raise BadRequest(f"push of {name} to {ref} failed: {exc}") from exc
 
@@ -159,7 +165,9 @@ class SnapshotMoveApi:
             fetched = await asyncio.to_thread(fetch, body["ref"], backend.snapshots.root,
                                               lazy=not download,
                                               local_files=[backend.assets.tools_image],
-                                              team=team, access=self.access)
+                                              team=team, access=self.access,
+                                              # a cluster's team: no node credentials
+                                              use_docker_config=team == LOCAL_TEAM)
         except AgentEnvError as exc:
             raise BadRequest(f"pull of {body['ref']} failed: {exc}") from exc
         record = fetched.record
