@@ -5,6 +5,7 @@ unless the operator says the cluster is a development one."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -62,6 +63,15 @@ def test_the_proxy_relays_only_ports_of_the_sandboxs_own_processes(
                                                      "E2b-Sandbox-Port": str(process_node.port)})
                 assert own.status_code == 502, own.text
                 assert "not listened on by a process of sandbox" in own.json()["message"]
+
+                # envd's own port, named by its number: not a way around the envd port's
+                # guards (/init is the node's only).
+                run_json = process_node.state_dir / "process-backend" / "sandboxes" / sid / "run.json"
+                envd_port = json.loads(run_json.read_text())["envd_port"]
+                alias = client.post("/init", json={}, headers={"E2b-Sandbox-Id": sid,
+                                                               "E2b-Sandbox-Port": str(envd_port)})
+                assert alias.status_code == 502, alias.text
+                assert "envd is reached as port 49983" in alias.json()["message"]
 
                 # A server the sandbox runs is relayed.
                 port = free_port()
