@@ -133,6 +133,20 @@ def test_a_team_naming_another_teams_converted_layers_gets_an_error(
                    blockd=blockd, use_docker_config=False)
     assert own_layer in str(caught.value) and "image config says" in str(caught.value)
 
+    # A team with the same content in another compression shows it by downloading its own
+    # blob (its diff_id checked), then uses the converted layer; its next pull asks nothing.
+    tar = helpers.TarBuilder().file("secret.txt", b"team A only\n").bytes()
+    zstd = helpers.build_image([tar], ["zstd"])
+    [zstd_layer] = json.loads(zstd.manifest)["layers"]
+    registry.push("team-c/same", "v1", zstd)
+    for downloaded in (zstd_layer["size"], 0):
+        mark = registry.log_mark()
+        got = pull_image(f"{registry.host}/team-c/same:v1", state_dir=state, team="team-c",
+                         blockd=blockd, use_docker_config=False)
+        assert (got.layers_cached, got.layers_converted) == (1, 0)
+        assert got.bytes_downloaded == downloaded
+        assert len(_layer_requests(registry, mark, zstd)) == (1 if downloaded else 0)
+
     # Team A's own second pull converts and downloads nothing.
     mark = registry.log_mark()
     again = pull_image(f"{registry.host}/team-a/private:v1", state_dir=state, team="team-a",

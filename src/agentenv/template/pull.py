@@ -261,9 +261,13 @@ def _diff_id_of(blob: Path, media_type: str) -> str:
 
 def _claim_converted(puller: _Puller, layer: Descriptor, key: str, diff_id: str) -> None:
     """Let the team use the cached converted layer `key` for its `layer`: the layer must be
-    the blob it was made from, or decompress to the same diff_id (template/layeraccess.py)."""
+    the blob it was made from, or decompress to the same diff_id (template/layeraccess.py).
+    Once shown, the team holds a grant of the converted layer itself (by its key)."""
+    if puller.team is None or puller.access.granted(puller.team, key):
+        return
     made_from = puller.cache.meta(CONVERTER_KIND, key).get("sourceDigest")
     puller.claim(layer, None if made_from == layer.digest else (layer.media_type, diff_id))
+    puller.access.grant(puller.team, key, puller.repository)
 
 
 def _validate_name(name: str) -> str:
@@ -442,13 +446,13 @@ def _pull_overlaybd(manifest: Manifest, puller: _Puller,
                 puller.client.download_blob(puller.ref.repository, layer, staged / LAYER_FILE,
                                             puller.reporter.advancer(task))
                 puller.bytes_downloaded += layer.size
-                puller.fetched(layer)
                 if is_remote(staged / LAYER_FILE):
                     # A blob that reads as a remote layer's descriptor would open whatever
                     # digest it names through the node's chunk cache.
                     raise UnsupportedImageError(f"layer {layer.digest} is a remote layer "
                                                 "descriptor, not a layer")
                 inspect_layer(staged / LAYER_FILE)  # raises a LayerFormatError naming the problem
+                puller.fetched(layer)
                 path = puller.cache.publish(NATIVE_KIND, layer.digest, staged, {
                     "kind": "overlaybd-blob", "sourceDigest": layer.digest, "size": layer.size,
                     "mediaType": layer.media_type, "annotations": layer.annotations,
@@ -615,6 +619,7 @@ def _pull_and_convert(
                         raise
                     if future is not None:
                         future.result()  # the bytes applied are the verified ones
+                    puller.access.grant(puller.team, key, puller.repository)  # its own
                     path = cache.publish(CONVERTER_KIND, key, staged, {
                         "kind": "oci-layer", "chainId": chain, "diffId": stats.diff_id,
                         "baseDigest": base[1],
