@@ -93,6 +93,33 @@ def test_a_team_naming_another_teams_overlaybd_layer_gets_an_error(
     assert _layer_requests(registry, mark, image) == [f"HEAD /v2/{repo}/blobs/{layer}"]
 
 
+def test_a_team_first_to_describe_a_layer_does_not_choose_what_others_read(
+        registry: Registry, team_b_registry: TeamRegistry, tmp_path: Path,
+        no_docker_config: Path) -> None:
+    """Team B records a remote layer under the digest of A's layer first, from its own
+    registry, with a chunk table of its choosing (so blockd would check chunks against B's
+    table). Team A, showing it may read the layer by downloading it, uses that download, a
+    whole blob checked against the digest, never B's descriptor."""
+    state = tmp_path / "state"
+    image = helpers.fixture_image("amd64-converted")
+    [layer] = json.loads(image.manifest)["layers"]
+    manifest, blobs = _naming(image, image)
+    forged = json.loads(manifest)
+    forged["layers"][0].setdefault("annotations", {})["io.agentenv.chunk-sha256"] = \
+        "1048576:" + "A" * 44 * (1 + layer["size"] // (1 << 20))
+    team_b_registry.manifests["first"] = json.dumps(forged).encode()
+    team_b_registry.blobs = blobs
+    pull_image(f"{team_b_registry.host}/team-b/app:first", state_dir=state, team="team-b",
+               use_docker_config=False)
+
+    registry.push("team-a/app", "v1", image)
+    pulled = pull_image(f"{registry.host}/team-a/app:v1", state_dir=state, team="team-a",
+                        use_docker_config=False)
+    [lower] = pulled.lowers
+    assert lower.parent.parent.name == "overlaybd"  # the whole blob, not a remote descriptor
+    assert lower.read_bytes() == image.blobs[layer["digest"]]
+
+
 @pytest.fixture(scope="module")
 def blockd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     needs_root()

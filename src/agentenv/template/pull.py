@@ -185,14 +185,51 @@ class _Puller:
         """This pull got `layer` from its repository: a source, and the team's."""
         self.access.fetched(self.team, layer.digest, self.repository)
 
-    def claim(self, layer: Descriptor, media_type_diff_id: tuple[str, str] | None = None) -> None:
+    def download_whole(self, layer: Descriptor) -> Path:
+        """Download an overlaybd blob whole into the layer cache (`overlaybd/`), checked; the
+        caller holds its entry lock."""
+        from agentenv.storage.layer import inspect_layer, is_remote  # the engine checks it
+
+        with self.cache.workspace() as work:
+            staged = work / "entry"
+            staged.mkdir()
+            task = self.reporter.task(f"download {_short(layer.digest)}", layer.size)
+            self.client.download_blob(self.ref.repository, layer, staged / LAYER_FILE,
+                                      self.reporter.advancer(task))
+            self.bytes_downloaded += layer.size
+            if is_remote(staged / LAYER_FILE):
+                # A blob that reads as a remote layer's descriptor would open whatever
+                # digest it names through the node's chunk cache.
+                raise UnsupportedImageError(f"layer {layer.digest} is a remote layer "
+                                            "descriptor, not a layer")
+            inspect_layer(staged / LAYER_FILE)  # raises a LayerFormatError naming the problem
+            path = self.cache.publish(NATIVE_KIND, layer.digest, staged, {
+                "kind": "overlaybd-blob", "sourceDigest": layer.digest, "size": layer.size,
+                "mediaType": layer.media_type, "annotations": layer.annotations,
+            })
+        self.fetched(layer)
+        return path
+
+    def claim(self, layer: Descriptor, media_type_diff_id: tuple[str, str] | None = None,
+              whole: bool = False) -> Path | None:
         """Let this pull's team use the node's copy of `layer` (template/layeraccess.py), else
         raise naming the layer. `media_type_diff_id`: the layer is used as a converted layer
-        made from another blob; the team's own blob must then decompress to that diff_id."""
+        made from another blob; the team's own blob must then decompress to that diff_id.
+        `whole`: an overlaybd blob the node holds as a remote layer; when the team shows it by
+        downloading it, the download becomes the whole blob in the cache, returned, and the
+        pull uses it (what other pulls put in the chunk caches under this digest, with chunk
+        tables of their manifests, is then never read for this team)."""
+        kept: list[Path] = []
+
         def head() -> bool:
             return self.client.blob_exists(self.ref.repository, layer.digest)
 
         def prove() -> None:
+            if whole:
+                with self.cache.entry_lock(NATIVE_KIND, layer.digest):
+                    if self.cache.lookup(NATIVE_KIND, layer.digest) is None:
+                        kept.append(self.download_whole(layer))
+                        return
             with self.cache.workspace() as work:
                 self.client.download_blob(self.ref.repository, layer, work / "proof")
                 self.bytes_downloaded += layer.size
@@ -213,11 +250,12 @@ class _Puller:
                     f"config names, and {self.repository} did not give this team that content "
                     f"({exc})") from exc
             self.fetched(layer)
-            return
+            return None
         how = self.access.claim(self.team, layer.digest, self.repository, "layer", head, prove)
         if how != "operator":
             log.info("cached layer claimed", extra={"digest": layer.digest, "team": self.team,
                                                     "repository": self.repository, "how": how})
+        return kept[0] if kept else None
 
     def download(self, layer: Descriptor, kind: str | None, key: str,
                  tap: BlobTap | None = None) -> Path | None:
@@ -422,8 +460,6 @@ def _lower_record(path: Path, digest: str) -> dict[str, Any]:
 
 def _pull_overlaybd(manifest: Manifest, puller: _Puller,
                     lazy: bool = True) -> tuple[list[tuple[Path, str]], tuple[int, int]]:
-    from agentenv.storage.layer import inspect_layer, is_remote  # the engine checks the format
-
     if lazy:
         return _pull_remote(manifest, puller)
     lowers: list[tuple[Path, str]] = []
@@ -439,24 +475,7 @@ def _pull_overlaybd(manifest: Manifest, puller: _Puller,
                 cached += 1
                 lowers.append((found, layer.digest))
                 continue
-            with puller.cache.workspace() as work:
-                staged = work / "entry"
-                staged.mkdir()
-                task = puller.reporter.task(f"download {_short(layer.digest)}", layer.size)
-                puller.client.download_blob(puller.ref.repository, layer, staged / LAYER_FILE,
-                                            puller.reporter.advancer(task))
-                puller.bytes_downloaded += layer.size
-                if is_remote(staged / LAYER_FILE):
-                    # A blob that reads as a remote layer's descriptor would open whatever
-                    # digest it names through the node's chunk cache.
-                    raise UnsupportedImageError(f"layer {layer.digest} is a remote layer "
-                                                "descriptor, not a layer")
-                inspect_layer(staged / LAYER_FILE)  # raises a LayerFormatError naming the problem
-                puller.fetched(layer)
-                path = puller.cache.publish(NATIVE_KIND, layer.digest, staged, {
-                    "kind": "overlaybd-blob", "sourceDigest": layer.digest, "size": layer.size,
-                    "mediaType": layer.media_type, "annotations": layer.annotations,
-                })
+            path = puller.download_whole(layer)
             fetched += 1
             lowers.append((path, layer.digest))
     return lowers, (cached, fetched)
@@ -487,7 +506,11 @@ def _pull_remote(manifest: Manifest,
             found = puller.cache.lookup(REMOTE_KIND, layer.digest)
             if found is not None or puller.access.held(layer.digest):
                 # blockd's chunk cache may hold its chunks even where no descriptor is left
-                puller.claim(layer)
+                proved = puller.claim(layer, whole=True)
+                if proved is not None:
+                    fetched += 1
+                    lowers.append((proved, layer.digest))
+                    continue
             if found is not None:
                 ref = load_descriptor(found)
                 if location not in ref.sources:  # one more place to fetch it from
