@@ -6,7 +6,8 @@
 # directory and blockd, all sharing the host's guest assets. Prints the gateway URL and a team key.
 #
 # Settings (environment): AENV_CLUSTER_DIR (state of everything, default /var/lib/aenv-cluster),
-# CLUSTER_BACKEND (vm, the product; or process for a quick look without VMs),
+# CLUSTER_BACKEND (vm, the product; or process for a quick look without VMs: no isolation
+# between teams, so it sets AENV_ALLOW_PROCESS_BACKEND_IN_CLUSTER=1 for its nodes),
 # AENV_VM_ASSETS_DIR (guest assets, default /var/lib/aenv: the single node's), AENV_VM_DEBIAN_CACHE
 # (the base template's debootstrap tarball, default $AENV_VM_ASSETS_DIR/cache/debian), AENV_GATEWAY_PORT
 # (8080), AENV_CLUSTER_NET (first three octets of the nodes' /24, default 10.213.0),
@@ -157,6 +158,7 @@ for ((i = 0; i < nodes; i++)); do
       AENV_BLOCKD_STATE_DIR="$state/blockd/state" AENV_BLOCKD_LOG="$logs/blockd$i.log" \
       AENV_BLOCKD_PIDFILE="$state/blockd.pid" AENV_VM_ASSETS_DIR="$assets" \
       AENV_VM_DEBIAN_CACHE="$debian_cache" AENV_VM_NETWORK_PREFIX="aenvc$i" \
+      AENV_ALLOW_PROCESS_BACKEND_IN_CLUSTER="$([[ $backend == process ]] && echo 1)" \
       setsid nsenter --net="/run/netns/$ns" -- \
       "$aenv" serve --backend "$backend" --state-dir "$state" --host "$addr" --port 8000 \
       --scheduler "$host_ip:9090" --node-id "node$i" --advertise "$addr:8000" \

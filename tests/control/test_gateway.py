@@ -23,9 +23,8 @@ from e2b import Sandbox, SandboxNotFoundException, SandboxQuery, SandboxState
 
 from agentenv.node.security import metrics_token
 from tests.control.cluster import GatewayProcess, LocalCluster
-from tests.control.conftest import free_port
 from tests.control.helpers import SECRET, call, wait_for
-from tests.node.conftest import environ_set
+from tests.node.conftest import environ_set, free_host_port
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -172,7 +171,7 @@ def test_user_port_by_host_and_websocket(cluster: LocalCluster) -> None:
             return connection.respond(200, f"port says {request.path}\n")
         return None
 
-    port = free_port()
+    port = free_host_port()  # opened to process sandboxes (tests/node/conftest.py)
     key = {"X-API-KEY": cluster.keys["alpha"]}
     with serve(echo, "127.0.0.1", port, process_request=http) as server:
         threading.Thread(target=server.serve_forever, daemon=True).start()

@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from tests.control.cluster import LocalCluster
-from tests.control.conftest import free_port
+from tests.node.conftest import free_host_port
 
 pytestmark = pytest.mark.timeout(300)
 GATEWAY_LIMIT = 1 << 20
@@ -44,7 +44,7 @@ def test_a_message_over_the_gateways_limit_closes_with_1009(cluster: LocalCluste
         ws.send(b"z" * MESSAGE)
         ws.recv()  # held open: only the gateway ends this exchange
 
-    port = free_port()
+    port = free_host_port()  # opened to process sandboxes (tests/node/conftest.py)
     key = {"X-API-KEY": cluster.keys["alpha"]}
     with serve(big, "127.0.0.1", port, max_size=None) as server:
         threading.Thread(target=server.serve_forever, daemon=True).start()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -25,6 +26,23 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+#: Host ports a test node's process sandboxes may reach as their own
+#: (AENV_PROCESS_BACKEND_HOST_PORTS): servers a test runs on the host stand in for a sandbox's.
+TEST_HOST_PORTS = range(24000, 25000)
+
+
+def free_host_port() -> int:
+    """A free port of TEST_HOST_PORTS, for a host server standing in for a sandbox's."""
+    for port in random.sample(TEST_HOST_PORTS, len(TEST_HOST_PORTS)):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port in {TEST_HOST_PORTS}")
 
 
 def _pids_using(state_dir: Path) -> list[int]:
@@ -76,7 +94,11 @@ class NodeProcess:
                 ],
                 stdout=log,
                 stderr=log,
-                env={k: v for k, v in os.environ.items() if k != "AENV_API_KEY"} | self.extra_env,
+                # a process-backend node of a test cluster is a development cluster
+                env={k: v for k, v in os.environ.items() if k != "AENV_API_KEY"}
+                | {"AENV_ALLOW_PROCESS_BACKEND_IN_CLUSTER": "1",
+                   "AENV_PROCESS_BACKEND_HOST_PORTS":
+                   f"{TEST_HOST_PORTS.start}-{TEST_HOST_PORTS.stop - 1}"} | self.extra_env,
             )
         deadline = time.monotonic() + self.start_timeout
         while time.monotonic() < deadline:

@@ -358,9 +358,9 @@ def test_websocket_is_bridged_to_the_sandbox_port(api: httpx.Client, node: NodeP
     from websockets.exceptions import InvalidStatus
     from websockets.sync.client import connect
 
-    from tests.node.conftest import free_port
+    from tests.node.conftest import free_host_port
 
-    port = free_port()
+    port = free_host_port()  # opened to the node's process sandboxes (tests/node/conftest.py)
     ready = threading.Event()
     stop: list[asyncio.Future[None]] = []
 

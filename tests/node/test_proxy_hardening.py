@@ -27,7 +27,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from agentenv.relay.server import target_problem
-from tests.node.conftest import NodeProcess, environ_set
+from tests.node.conftest import NodeProcess, environ_set, free_host_port
 
 HEAD_TIMEOUT = 2
 IDLE_TIMEOUT = 8
@@ -114,7 +114,8 @@ def hard_node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NodeProcess]
 @pytest.fixture(scope="module")
 def listeners() -> Iterator[dict[str, _Recorder]]:
     made = {
-        "port": _serve(_Recorder(("127.0.0.1", 0), _SandboxPortHandler)),
+        # the sandbox's port: a host port the node lets its process sandboxes reach
+        "port": _serve(_Recorder(("127.0.0.1", free_host_port()), _SandboxPortHandler)),
         "other_host": _serve(_Recorder(("127.0.0.2", 0), _Canary)),
         "other_port": _serve(_Recorder(("127.0.0.1", 0), _Canary)),
     }

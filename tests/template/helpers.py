@@ -11,8 +11,10 @@ import shutil
 import stat
 import subprocess
 import tarfile
+import threading
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -375,3 +377,66 @@ def debian_like_layers() -> tuple[bytes, bytes]:
     top.dir("zero-length", mode=0o711)  # a file replaced by a directory
     top.file("dev/null", b"not a device any more")  # device replaced by a file
     return base.bytes(), top.bytes()
+
+
+# -- a team's own registry ----------------------------------------------------------------------
+
+@dataclass
+class TeamRegistry:
+    """A registry a team controls, on loopback: serves the manifests and blobs it is given, and
+    answers HEAD of any other blob 200 (it lies, as a hostile one would). A real registry
+    refuses a manifest naming blobs its repository lacks; this one serves it."""
+
+    server: ThreadingHTTPServer
+    manifests: dict[str, bytes] = field(default_factory=dict)
+    blobs: dict[str, bytes] = field(default_factory=dict)
+    hits: list[str] = field(default_factory=list)
+
+    @property
+    def host(self) -> str:
+        return f"127.0.0.1:{self.server.server_address[1]}"
+
+
+def start_team_registry() -> TeamRegistry:
+    """A TeamRegistry serving in a thread; stop it with `.server.shutdown()`."""
+    holder: list[TeamRegistry] = []
+
+    class Handler(BaseHTTPRequestHandler):
+        def _answer(self, body: bool) -> None:
+            reg = holder[0]
+            reg.hits.append(f"{self.command} {self.path}")
+            status, headers, data = 404, {}, b'{"errors": [{"code": "BLOB_UNKNOWN"}]}'
+            if self.path == "/v2/":
+                status, data = 200, b"{}"
+            elif "/manifests/" in self.path:
+                tag = self.path.rsplit("/", 1)[1]
+                if tag in reg.manifests:
+                    status, data = 200, reg.manifests[tag]
+                    headers["Content-Type"] = json.loads(data).get("mediaType", OCI_MANIFEST)
+            elif "/blobs/" in self.path:
+                digest = self.path.rsplit("/", 1)[1]
+                if digest in reg.blobs:
+                    status, data = 200, reg.blobs[digest]
+                elif self.command == "HEAD":
+                    status, data = 200, b""  # "yes, this team may read that blob"
+            self.send_response(status)
+            for name, value in headers.items():
+                self.send_header(name, value)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            if body:
+                self.wfile.write(data)
+
+        def do_GET(self) -> None:
+            self._answer(True)
+
+        def do_HEAD(self) -> None:
+            self._answer(False)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    holder.append(TeamRegistry(server))
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return holder[0]

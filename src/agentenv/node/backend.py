@@ -306,6 +306,16 @@ class HealthReport(Protocol):
 
 
 @runtime_checkable
+class SharedHostPorts(Protocol):
+    """A backend whose sandboxes' ports are ports of the node's own host (the process
+    backend): the proxy must not relay to a port no process of the sandbox listens on."""
+
+    def port_problem(self, sandbox_id: str, placement: Placement, port: int) -> str | None:
+        """Why sandbox port `port` (as the SDK names it) may not be relayed; None: it may."""
+        ...
+
+
+@runtime_checkable
 class ReadyPools(Protocol):
     """Keeps pre-started sandboxes ready (node/ready_pool.py; its figures are in /metrics)."""
 
@@ -323,6 +333,7 @@ class Capabilities:
     network: NetworkPolicies | None = None
     health: HealthReport | None = None
     pools: ReadyPools | None = None
+    host_ports: SharedHostPorts | None = None
     initialises_envd: bool = False
 
     @property
@@ -338,6 +349,7 @@ class Capabilities:
             network=backend if isinstance(backend, NetworkPolicies) else None,
             health=backend if isinstance(backend, HealthReport) else None,
             pools=backend if isinstance(backend, ReadyPools) else None,
+            host_ports=backend if isinstance(backend, SharedHostPorts) else None,
             initialises_envd=isinstance(backend, InitialisesEnvd)
             and backend.initialises_envd is True,
         )

@@ -8,7 +8,12 @@ it starts into DIR. It is honest about what it cannot do:
   Resume starts a new envd on the same directory: files are back, processes are not.
   The VM backend does real pauses (memory kept).
 - Snapshot and fork copy the directory while the sandbox runs: files only, no processes.
-- There is no network isolation: every port of a sandbox is a port of this host.
+- There is no network isolation: every port of a sandbox is a port of this host. The proxy
+  relays a sandbox port only to a listening socket one of the sandbox's own processes holds
+  (`port_problem`), never to another service of the host (the node's API, Redis, blockd),
+  except ports the operator opens to every sandbox (AENV_PROCESS_BACKEND_HOST_PORTS); a
+  node of a cluster refuses this backend unless AENV_ALLOW_PROCESS_BACKEND_IN_CLUSTER=1
+  (node/server.py).
 
 Each running sandbox writes `sandboxes/<id>/run.json` (pid, port); after a node restart
 adopt() finds the envd processes that still run from those files.
@@ -30,6 +35,7 @@ import time
 from pathlib import Path
 
 from agentenv.node.backend import (
+    ENVD_PORT,
     BackendError,
     CrashRecovery,
     DefaultTemplate,
@@ -115,6 +121,46 @@ def _is_envd(pid: int, root: Path) -> bool:
     return ENVD_MODULE.encode() in argv and str(root).encode() in argv
 
 
+_TCP_LISTEN = "0A"
+_V4_ANY = "00000000"
+_V6_ANY = "0" * 32
+
+
+def _listeners(host: str, port: int) -> set[str]:
+    """Socket inodes that accept a connection to host:port (an IPv4 address): the sockets
+    bound to that very address if any, else the wildcard ones (/proc/net/tcp, tcp6)."""
+    exact_v4 = socket.inet_aton(host)[::-1].hex().upper()
+    exact = {exact_v4, "0000000000000000FFFF0000" + exact_v4}
+    bound: dict[bool, set[str]] = {True: set(), False: set()}
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(table) as f:
+                lines = f.read().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            fields = line.split()
+            address, _, hex_port = fields[1].rpartition(":")
+            if fields[3] != _TCP_LISTEN or int(hex_port, 16) != port:
+                continue
+            if address in exact:
+                bound[True].add(fields[9])
+            elif address in (_V4_ANY, _V6_ANY):
+                bound[False].add(fields[9])
+    return bound[True] or bound[False]
+
+
+def _socket_inodes(pid: int) -> set[str]:
+    inodes = set()
+    with contextlib.suppress(OSError):
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            with contextlib.suppress(OSError):
+                link = os.readlink(f"/proc/{pid}/fd/{fd}")
+                if link.startswith("socket:["):
+                    inodes.add(link[8:-1])
+    return inodes
+
+
 def _copy_tree(src: Path, dst: Path) -> None:
     dst.parent.mkdir(parents=True, exist_ok=True)
     result = subprocess.run(
@@ -137,10 +183,29 @@ def _dir_usage(path: Path) -> int:
     return total
 
 
+HOST_PORTS_ENV = "AENV_PROCESS_BACKEND_HOST_PORTS"
+
+
+def host_ports_from_env() -> frozenset[int]:
+    """AENV_PROCESS_BACKEND_HOST_PORTS: ports of this host every process sandbox may reach
+    as if its own (`A-B` ranges and single ports, comma-separated; default none). For
+    development: a server run on the host standing in for one in a sandbox."""
+    raw = os.environ.get(HOST_PORTS_ENV, "").strip()
+    ports: set[int] = set()
+    for item in filter(None, (part.strip() for part in raw.split(","))):
+        low, _, high = item.partition("-")
+        if not low.isdigit() or (high and not high.isdigit()) or \
+                not 0 < int(low) <= int(high or low) < 65536:
+            raise BackendError(f"{HOST_PORTS_ENV}={raw!r}: {item!r} is no port or A-B range")
+        ports.update(range(int(low), int(high or low) + 1))
+    return frozenset(ports)
+
+
 class ProcessBackend(SandboxBackend, CrashRecovery, TemplateBuilding):
     """Capabilities: crash recovery, and template builds from another template (the build
     sandbox's files become the template's; no network policies, image builds, layer-aware
-    collection, ready pools; the orchestrator checks envd's readiness itself)."""
+    collection, ready pools; the orchestrator checks envd's readiness itself), and a guard on
+    the ports the proxy relays to (SharedHostPorts)."""
 
     name = "process"
     builds_from_images = False  # no VM to boot an image's layers in
@@ -151,6 +216,7 @@ class ProcessBackend(SandboxBackend, CrashRecovery, TemplateBuilding):
         self.base = state_dir / "process-backend"
         self.host = host
         self.python = python
+        self.host_ports = host_ports_from_env()
         self._procs: dict[str, subprocess.Popen[bytes]] = {}
         self._cpu_seen: dict[str, tuple[float, int]] = {}
         #: adopt() takes every envd that still runs: no sandbox is refused for a reason of its own
@@ -284,6 +350,31 @@ class ProcessBackend(SandboxBackend, CrashRecovery, TemplateBuilding):
         with contextlib.suppress(FileNotFoundError):
             (self._sandbox_dir(sandbox_id) / "run.json").unlink()
         self._cpu_seen.pop(sandbox_id, None)
+
+    def port_problem(self, sandbox_id: str, placement: Placement, port: int) -> str | None:
+        """A sandbox port is relayed to this host's `port` only when every socket listening
+        there is held by a process of the sandbox (envd's children, or processes chrooted into
+        its root): no other service of the host is reachable through the proxy."""
+        if port == ENVD_PORT:
+            return None
+        if port == placement.envd_port:
+            return f"envd is reached as port {ENVD_PORT}"
+        if port in self.host_ports:
+            return None
+        listeners = _listeners(placement.host, port)
+        if not listeners:
+            return f"nothing listens on port {port}"
+        root = self._root(sandbox_id)
+        envd = placement.handle.get("pid")
+        pids = set(_chrooted_into(root))
+        if isinstance(envd, int) and _is_envd(envd, root):
+            pids.update(_descendants(envd, _proc_table()))
+        held: set[str] = set()
+        for pid in pids:
+            held |= _socket_inodes(pid)
+        if not listeners <= held:
+            return f"port {port} is not listened on by a process of sandbox {sandbox_id}"
+        return None
 
     # --- the backend port --------------------------------------------------------------------
 

@@ -24,6 +24,7 @@ envd access token (or a valid file signature) on the envd port of a secure sandb
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import hashlib
 import logging
@@ -325,6 +326,16 @@ class SandboxProxy:
         placement = await self.orchestrator.running_placement(route.sandbox_id)
         if placement is None:
             return None, 502, _not_found(route.sandbox_id)
+        host_ports = self.orchestrator.capabilities.host_ports
+        if host_ports is not None:
+            problem = await asyncio.to_thread(host_ports.port_problem, route.sandbox_id,
+                                              placement, route.port)
+            if problem is not None:
+                log.warning("proxy port refused", extra={"sandbox_id": route.sandbox_id,
+                                                         "port": route.port, "reason": problem})
+                return None, 502, {"sandboxId": route.sandbox_id, "code": 502,
+                                   "message": f"The sandbox is running but port is not open "
+                                   f"({problem})"}
         exchange.gone.clear()  # running now: only a departure from here on ends the exchange
         host, port = placement.address(route.port)
         url = httpx.URL(scheme="http", host=host, port=port, raw_path=request_target(scope))

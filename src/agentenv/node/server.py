@@ -111,7 +111,7 @@ def build_app(
     from agentenv.node.template_api import TemplateBuildApi
 
     builds = TemplateBuildApi(orchestrator, state, api_key)
-    moves = SnapshotMoveApi(orchestrator)  # aenv snapshot push/pull (snapshot/repository.py)
+    moves = SnapshotMoveApi(orchestrator, state)  # aenv snapshot push/pull (snapshot/repository.py)
     builds.on_published = moves.publish_build
     return NodeApp(
         orchestrator,
@@ -182,8 +182,26 @@ async def _serve_with_heartbeat(
             await sender.stop()
 
 
+ALLOW_PROCESS_IN_CLUSTER_ENV = "AENV_ALLOW_PROCESS_BACKEND_IN_CLUSTER"
+
+
+def check_backend_allowed(options: ServeOptions) -> None:
+    """The process backend runs sandboxes as processes of the node's host, with no isolation
+    between teams: a node of a cluster refuses it unless the operator says it is a
+    development cluster."""
+    in_cluster = bool(options.cluster_secret or options.scheduler)
+    if options.backend == "process" and in_cluster and \
+            os.environ.get(ALLOW_PROCESS_IN_CLUSTER_ENV, "") != "1":
+        raise AgentEnvError(
+            "the process backend (development only: sandboxes are processes of this host, "
+            "not VMs) is refused on a node of a cluster (a scheduler or cluster secret is "
+            f"set): use --backend vm, or set {ALLOW_PROCESS_IN_CLUSTER_ENV}=1 for a "
+            "development cluster")
+
+
 def serve(options: ServeOptions) -> None:
     """Run the node until SIGTERM/SIGINT."""
+    check_backend_allowed(options)
     install_private_store()  # a remote layer read in the node itself (not through blockd)
     lock_state_dir(options.state_dir)
     check_port_free(options.host, options.port)

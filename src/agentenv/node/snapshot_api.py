@@ -41,7 +41,7 @@ from agentenv.node.errors import ApiError, BadRequest, Conflict, NotFound
 from agentenv.node.orchestrator import Orchestrator
 from agentenv.node.records import TemplateRecord
 from agentenv.node.security import new_id
-from agentenv.node.tenancy import scope_team
+from agentenv.node.tenancy import LOCAL_TEAM, scope_team
 from agentenv.node.vm_backend import VmBackend
 
 log = logging.getLogger("agentenv.node.snapshot_api")
@@ -50,8 +50,13 @@ PUBLISH_ENV = "AENV_SNAPSHOT_PUBLISH"
 
 
 class SnapshotMoveApi:
-    def __init__(self, orchestrator: Orchestrator) -> None:
+    def __init__(self, orchestrator: Orchestrator, state_dir: Path) -> None:
+        from agentenv.template.layeraccess import LayerAccess
+        from agentenv.template.layercache import layer_cache_dir
+
         self.orchestrator = orchestrator
+        #: which team may use which blob the node holds (template/layeraccess.py)
+        self.access = LayerAccess(layer_cache_dir(state_dir))
         self._publishing: set[asyncio.Task[None]] = set()
 
     def routes(self) -> list[Route]:
@@ -85,6 +90,21 @@ class SnapshotMoveApi:
                          "disk_size_mb": tpl.disk_size_mb, "envd_version": tpl.envd_version,
                          "names": list(tpl.names), "guest_token": tpl.ref.data.get("guest_token")}
 
+    @staticmethod
+    def _check_repository(ref: str, team: str) -> None:
+        """A shared directory is a path on this node, open to whoever names it: only the
+        standalone node's own team (`local`) may push to or pull from one."""
+        from agentenv.snapshot.repository import parse_ref
+
+        try:
+            kind = parse_ref(ref).kind
+        except AgentEnvError as exc:
+            raise BadRequest(str(exc)) from exc
+        if kind == "dir" and team != LOCAL_TEAM:
+            raise BadRequest(f"{ref!r}: shared-directory repositories are not open to the teams "
+                             "of a cluster (every team of the node could read and write them): "
+                             "use a registry")
+
     async def _body(self, request: Request, *required: str) -> dict[str, Any]:
         try:
             body = await request.json()
@@ -99,11 +119,17 @@ class SnapshotMoveApi:
 
     async def push(self, request: Request) -> Response:
         body = await self._body(request, "snapshot", "ref")
-        result = await self.push_snapshot(body["snapshot"], body["ref"],
-                                          scope_team(request.scope))
+        team = scope_team(request.scope)
+        self._check_repository(body["ref"], team)
+        result = await self.push_snapshot(body["snapshot"], body["ref"], team,
+                                          node_credentials=team == LOCAL_TEAM)
         return JSONResponse(result)
 
-    async def push_snapshot(self, name: str, ref: str, team: str) -> dict[str, Any]:
+    async def push_snapshot(self, name: str, ref: str, team: str, *,
+                            node_credentials: bool = True) -> dict[str, Any]:
+        """`node_credentials`: the node's Docker credentials may be used (the standalone
+        node's own team, the operator's AENV_SNAPSHOT_PUBLISH); a cluster's team pushes with
+        none, as its builds pull (one team must not write with what the operator configured)."""
         from agentenv.snapshot.repository import push
 
         backend = self._backend()
@@ -111,7 +137,9 @@ class SnapshotMoveApi:
         record = backend.snapshots.load(tref)
         record_dir = Path(record.device_state).parent
         try:
-            return await asyncio.to_thread(push, record_dir, ref, meta)
+            return await asyncio.to_thread(push, record_dir, ref, meta, team=team,
+                                           access=self.access,
+                                           use_docker_config=node_credentials)
         except AgentEnvError as exc:
             raise BadRequest(f"push of {name} to {ref} failed: {exc}") from exc
 
@@ -125,8 +153,9 @@ class SnapshotMoveApi:
         download = body.get("download", False)
         if not isinstance(download, bool):
             raise BadRequest("'download' must be true or false")
-        backend = self._backend()
         team = scope_team(request.scope)
+        self._check_repository(body["ref"], team)
+        backend = self._backend()
         if name is not None:
             owner = self.orchestrator.catalogue.name_owner(name, team)
             if owner is not None:
@@ -135,7 +164,10 @@ class SnapshotMoveApi:
             # The tools disk of a snapshot is this node's own when the guest assets match.
             fetched = await asyncio.to_thread(fetch, body["ref"], backend.snapshots.root,
                                               lazy=not download,
-                                              local_files=[backend.assets.tools_image])
+                                              local_files=[backend.assets.tools_image],
+                                              team=team, access=self.access,
+                                              # a cluster's team: no node credentials
+                                              use_docker_config=team == LOCAL_TEAM)
         except AgentEnvError as exc:
             raise BadRequest(f"pull of {body['ref']} failed: {exc}") from exc
         record = fetched.record

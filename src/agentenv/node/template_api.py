@@ -827,11 +827,11 @@ class TemplateBuildApi:
     async def _pull(self, rec: BuildRecord, body: TemplateBuildStartV2) -> tuple[list[Path], int, dict[str, Any]]:
         from agentenv.template.build import BASE_STEP, BuildFailed
         from agentenv.template.convert import VIRTUAL_SIZE
+        from agentenv.template.layercache import layer_cache_dir
         from agentenv.template.pull import pull_image
 
         assert body.fromImage is not None
         rec.log("info", f"FROM image {body.fromImage}: pulling", BASE_STEP)
-        cache = os.environ.get("AENV_LAYER_CACHE")
         credentials = None
         creds = body.fromImageRegistry or {}
         if creds.get("username") or creds.get("password"):
@@ -843,8 +843,8 @@ class TemplateBuildApi:
             # Never the node's docker config: a team pulls with what its request carries only.
             pulled = await asyncio.to_thread(
                 pull_image, body.fromImage, state_dir=self.state_dir,
-                cache_dir=Path(cache) if cache else None, credentials=credentials,
-                use_docker_config=False)
+                cache_dir=layer_cache_dir(self.state_dir), credentials=credentials,
+                use_docker_config=False, team=rec.team)
         except AgentEnvError as exc:
             raise BuildFailed(f"pulling {body.fromImage} failed: {exc}", BASE_STEP) from exc
         rec.log("info", f"pulled {pulled.reference} ({pulled.manifest_digest[:19]}): "

@@ -51,6 +51,7 @@ from agentenv.blockd.remote.chunkdigests import ChunkDigests
 from agentenv.errors import AgentEnvError
 from agentenv.fsutil import atomic_write, fsync_dir
 from agentenv.snapshot.record import RECORD_NAME, SnapshotRecord
+from agentenv.template.layeraccess import LayerAccess
 
 ARTIFACT_TYPE = "application/vnd.aenv.snapshot.v1"
 CONFIG_TYPE = "application/vnd.aenv.snapshot.config.v1+json"
@@ -73,6 +74,17 @@ class RepositoryError(AgentEnvError):
 
 
 LAZY_ROLES = ("memory", "disk")  # parts a lazy fetch leaves in the registry
+#: in a snapshot directory: the identity (`_identity`) of the artifact it was fetched from or
+#: pushed as; a fetch finds an existing directory of the same id usable only with this
+IDENTITY_FILE = ".artifact-identity"
+
+
+def _identity(manifest: dict[str, Any]) -> str:
+    """What an artifact holds: its config (the record) and every part's name and digest."""
+    parts = sorted(((d.get("annotations") or {}).get(TITLE, ""), d.get("digest", ""))
+                   for d in manifest.get("layers", []))
+    doc = {"config": manifest.get("config", {}).get("digest", ""), "parts": parts}
+    return "sha256:" + hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()
 
 
 @dataclass
@@ -219,8 +231,10 @@ def _manifest(parts: list[Part], config: bytes, meta: dict[str, Any]) -> bytes:
     return json.dumps(doc, indent=2).encode()
 
 
-def push(record_dir: Path, ref: str, meta: dict[str, Any], **registry_options: Any) -> dict[str, Any]:
-    """Publish the snapshot in `record_dir` under `ref`; returns what was sent."""
+def push(record_dir: Path, ref: str, meta: dict[str, Any], *, team: str | None = None,
+         access: LayerAccess | None = None, **registry_options: Any) -> dict[str, Any]:
+    """Publish the snapshot in `record_dir` under `ref`; returns what was sent. `access`
+    records that `team` may use the parts pushed (template/layeraccess.py)."""
     repo = parse_ref(ref)
     t0 = time.monotonic()
     record, parts, portable = collect(record_dir)
@@ -236,6 +250,13 @@ def push(record_dir: Path, ref: str, meta: dict[str, Any], **registry_options: A
     manifest = _manifest(parts, config, meta)
     sent = (_push_dir(repo, parts, config, manifest) if repo.kind == "dir"
             else _push_oci(repo, parts, config, manifest, **registry_options))
+    atomic_write(record_dir / IDENTITY_FILE, _identity(json.loads(manifest)) + "\n", mode=0o600)
+    if access is not None and repo.kind == "oci":
+        from agentenv.template.reference import parse_reference
+
+        reference = parse_reference(repo.location)
+        for part in parts:  # the registry holds them now: a source, and the team's
+            access.fetched(team, part.digest, f"{reference.registry}/{reference.repository}")
     return {"ref": repo.text, "snapshot": record.id, "parts": len(parts),
             "bytes": sum(p.size for p in parts), "bytes_sent": sent,
             "digest": "sha256:" + hashlib.sha256(manifest).hexdigest(),
@@ -443,12 +464,19 @@ def _local_copies(files: list[Path], descs: list[dict[str, Any]]) -> dict[str, P
 
 
 def fetch(ref: str, snapshots_root: Path, *, lazy: bool = True,
-          local_files: list[Path] | None = None, **registry_options: Any) -> Fetched:
+          local_files: list[Path] | None = None, team: str | None = None,
+          access: LayerAccess | None = None, **registry_options: Any) -> Fetched:
     """Fetch the snapshot named by `ref` into `snapshots_root/<id>`: from a registry with
     `lazy`, its memory and disk layers as remote layers (module doc), else every part whole;
     everything downloaded is verified against its digest. A raw disk file part with the
     content of one of `local_files` (the node's tools disk) is not fetched: the record names
-    the local file, as the records of the node's own snapshots do."""
+    the local file, as the records of the node's own snapshots do.
+
+    `team` and `access`: a team's pull (template/layeraccess.py). A part the node holds
+    already (by digest: blockd's chunk caches, another snapshot) is left remote only when the
+    team may use the node's copy (else it is downloaded whole from the team's repository,
+    which fails for a blob it cannot read); a snapshot directory of the same id is reused only
+    when it holds this very artifact and the team may use every part of it."""
     repo = parse_ref(ref)
     local = list(local_files or [])
     t0 = time.monotonic()
@@ -473,7 +501,8 @@ def fetch(ref: str, snapshots_root: Path, *, lazy: bool = True,
                 raise RepositoryError(f"{repo.text}: part {desc['digest']} is damaged")
             os.replace(tmp, dest)
 
-        return _fetch(repo, manifest_bytes, get_bytes, get_file, snapshots_root, t0, None, local)
+        return _fetch(repo, manifest_bytes, get_bytes, get_file, snapshots_root, t0, None, local,
+                      None)
     from agentenv.storage.blob import BlobLocation, RemoteLayerRef
     from agentenv.template.reference import parse_reference
     from agentenv.template.registry import Descriptor, RegistryClient
@@ -488,26 +517,53 @@ def fetch(ref: str, snapshots_root: Path, *, lazy: bool = True,
         def get_bytes_oci(desc: dict[str, Any]) -> bytes:
             return bytes(client.get_blob_bytes(reference.repository, descriptor(desc)))
 
+        repository = f"{reference.registry}/{reference.repository}"
+
         def get_file_oci(desc: dict[str, Any], dest: Path) -> None:
             client.download_blob(reference.repository, descriptor(desc), dest)
+            if access is not None:
+                access.fetched(team, desc["digest"], repository)
+
+        def claim(desc: dict[str, Any], prove: Callable[[], None]) -> str:
+            """Let the team use the node's copy of a part (LayerAccess.claim)."""
+            assert access is not None
+            name = (desc.get("annotations") or {}).get(TITLE, "")
+            return access.claim(team, desc["digest"], repository, f"snapshot part {name}",
+                                lambda: client.blob_exists(reference.repository, desc["digest"]),
+                                prove)
+
+        def reuse(desc: dict[str, Any]) -> None:
+            def prove() -> None:
+                with tempfile.TemporaryDirectory(dir=snapshots_root.parent) as tmp:
+                    client.download_blob(reference.repository, descriptor(desc), Path(tmp) / "p")
+            claim(desc, prove)
 
         location = BlobLocation(reference.registry, reference.repository,
                                 client.host if client.host != reference.registry else None,
                                 client.insecure)
 
-        def describe(desc: dict[str, Any], dest: Path) -> None:
+        def describe(desc: dict[str, Any], dest: Path) -> int:
             d = descriptor(desc)
+            if access is not None and team is not None and access.held(d.digest) and \
+                    claim(desc, lambda: get_file_oci(desc, dest)) == "proved":
+                return d.size  # downloaded whole to show it could be: used as it is
             RemoteLayerRef(d.digest, d.size, [location], d.media_type,
                            chunk_sha256=d.annotations.get(CHUNK_SHA256)).save(dest)
+            if access is not None:
+                access.fetched(team, d.digest, repository)
+            return 0
 
+        checked = access is not None and team is not None
         return _fetch(repo, manifest_bytes, get_bytes_oci, get_file_oci, snapshots_root, t0,
-                      describe if lazy else None, local)
+                      describe if lazy else None, local, reuse if checked else None)
 
 
 def _fetch(repo: RepoRef, manifest_bytes: bytes, get_bytes: Callable[[dict[str, Any]], bytes],
            get_file: Callable[[dict[str, Any], Path], None], snapshots_root: Path, t0: float,
-           describe: Callable[[dict[str, Any], Path], None] | None,
-           local_files: list[Path]) -> Fetched:
+           describe: Callable[[dict[str, Any], Path], int] | None,
+           local_files: list[Path], reuse: Callable[[dict[str, Any]], None] | None) -> Fetched:
+    """`describe`: write a lazy part's descriptor (returns 0), or download it whole (returns
+    its size); `reuse`: when given, raises unless the team may use a part the node holds."""
     try:
         manifest = json.loads(manifest_bytes)
     except ValueError as exc:
@@ -523,7 +579,19 @@ def _fetch(repo: RepoRef, manifest_bytes: bytes, get_bytes: Callable[[dict[str, 
     if not _NAME.match(snapshot_id):
         raise RepositoryError(f"{repo.text}: bad snapshot id {snapshot_id!r}")
     final = snapshots_root / snapshot_id
+    identity = _identity(manifest)
     if (final / RECORD_NAME).is_file():
+        if reuse is not None:
+            # The id is the artifact's word: the directory may be another snapshot's.
+            try:
+                held = (final / IDENTITY_FILE).read_text().strip()
+            except FileNotFoundError:
+                held = ""
+            if held != identity:
+                raise RepositoryError(f"{repo.text}: snapshot {snapshot_id} is on this node "
+                                      "already, and not as this artifact")
+            for desc in manifest.get("layers", []):
+                reuse(desc)
         record = SnapshotRecord.load(final)
         return Fetched(record, meta, final, 0, round(time.monotonic() - t0, 2), existed=True)
     # Beside the snapshot root, not in it: the node's GC sweeps what no record marks there.
@@ -544,15 +612,23 @@ def _fetch(repo: RepoRef, manifest_bytes: bytes, get_bytes: Callable[[dict[str, 
                 raise RepositoryError(f"{repo.text}: bad part {name!r} ({desc.get('mediaType')})")
             total += int(desc["size"])
             if describe is not None and desc["mediaType"] in lazy_types:
-                describe(desc, work / name)
-                remote += 1
-                continue
-            if desc["mediaType"] == PART_TYPES["file"] and desc.get("digest") in copies:
+                whole = describe(desc, work / name)
+                if not whole:
+                    remote += 1
+                    continue
+                fetched += whole
+            elif desc["mediaType"] == PART_TYPES["file"] and desc.get("digest") in copies:
                 found[name] = copies[desc["digest"]]
                 continue
-            get_file(desc, work / name)
-            fetched += int(desc["size"])
+            else:
+                get_file(desc, work / name)
+                fetched += int(desc["size"])
+            if desc["mediaType"] in lazy_types and _is_descriptor_file(work / name):
+                # it would open whatever blob it names through the node's chunk caches
+                raise RepositoryError(f"{repo.text}: part {name} is a remote layer "
+                                      "descriptor, not a layer")
         record = localise(portable, final, found)
+        atomic_write(work / IDENTITY_FILE, identity + "\n", mode=0o600)
         # Written with the final paths, then the directory moves into place in one rename.
         record.save(work)
         fsync_dir(work)
@@ -564,6 +640,13 @@ def _fetch(repo: RepoRef, manifest_bytes: bytes, get_bytes: Callable[[dict[str, 
     record.check_files()
     return Fetched(record, meta, final, fetched, round(time.monotonic() - t0, 2),
                    bytes_total=total, lazy_parts=remote)
+
+
+def _is_descriptor_file(path: Path) -> bool:
+    from agentenv.storage.blob import is_descriptor
+
+    with open(path, "rb") as f:
+        return is_descriptor(f.read(512))
 
 
 def _read(path: Path, what: str) -> bytes:

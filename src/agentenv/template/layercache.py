@@ -41,6 +41,12 @@ LAYER_FILE = "layer"
 META_FILE = "meta.json"
 
 
+def layer_cache_dir(state_dir: Path) -> Path:
+    """The node's layer cache: $AENV_LAYER_CACHE, else <state>/layer-cache."""
+    configured = os.environ.get("AENV_LAYER_CACHE")
+    return Path(configured) if configured else Path(state_dir) / "layer-cache"
+
+
 def chain_ids(diff_ids: list[str]) -> list[str]:
     """OCI chain IDs: ChainID(L0) = DiffID(L0), ChainID(Ln) = sha256(ChainID(Ln-1) + " " + DiffID(Ln))."""
     chains: list[str] = []

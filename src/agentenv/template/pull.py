@@ -16,7 +16,9 @@ config: `lowers` bottom to top, plus the image's name, digests and run settings)
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
+import logging
 import os
 import re
 import shutil
@@ -43,7 +45,7 @@ from agentenv.blockd.client import BlockdClient
 from agentenv.blockd.remote.chunkdigests import ANNOTATION as CHUNK_SHA256_ANNOTATION
 from agentenv.fsutil import require_free_space
 from agentenv.storage.blob import BlobLocation, RemoteLayerRef, load_descriptor
-from agentenv.template.apply import compression_of
+from agentenv.template.apply import compression_of, open_uncompressed
 from agentenv.template.auth import Credentials
 from agentenv.template.blobtap import BlobTap
 from agentenv.template.convert import (
@@ -54,7 +56,13 @@ from agentenv.template.convert import (
     convert_tar_layer,
     make_base_layer,
 )
-from agentenv.template.errors import PullError, RegistryError, UnsupportedImageError
+from agentenv.template.errors import (
+    DigestMismatchError,
+    PullError,
+    RegistryError,
+    UnsupportedImageError,
+)
+from agentenv.template.layeraccess import LayerAccess, LayerAccessError
 from agentenv.template.layercache import (
     BASE_KIND,
     CONVERTER_KIND,
@@ -68,6 +76,8 @@ from agentenv.template.layercache import (
 )
 from agentenv.template.reference import Reference, parse_reference
 from agentenv.template.registry import Descriptor, Manifest, Platform, RegistryClient
+
+log = logging.getLogger("agentenv.template.pull")
 
 DEFAULT_STATE_DIR = Path("/var/lib/aenv")
 OVERLAYBD_DIGEST_ANNOTATION = "containerd.io/snapshot/overlaybd/blob-digest"
@@ -160,13 +170,92 @@ def _is_overlaybd(manifest: Manifest) -> bool:
 
 class _Puller:
     def __init__(self, ref: Reference, client: RegistryClient, cache: LayerCache,
-                 reporter: _Reporter) -> None:
+                 reporter: _Reporter, team: str | None) -> None:
         self.ref = ref
         self.client = client
         self.cache = cache
         self.reporter = reporter
+        self.team = team
+        self.access = LayerAccess(cache.root)
+        self.repository = f"{ref.registry}/{ref.repository}"
         self.bytes_downloaded = 0
         self.downloaded_blobs: set[Path] = set()
+
+    def fetched(self, layer: Descriptor) -> None:
+        """This pull got `layer` from its repository: a source, and the team's."""
+        self.access.fetched(self.team, layer.digest, self.repository)
+
+    def download_whole(self, layer: Descriptor) -> Path:
+        """Download an overlaybd blob whole into the layer cache (`overlaybd/`), checked; the
+        caller holds its entry lock."""
+        from agentenv.storage.layer import inspect_layer, is_remote  # the engine checks it
+
+        with self.cache.workspace() as work:
+            staged = work / "entry"
+            staged.mkdir()
+            task = self.reporter.task(f"download {_short(layer.digest)}", layer.size)
+            self.client.download_blob(self.ref.repository, layer, staged / LAYER_FILE,
+                                      self.reporter.advancer(task))
+            self.bytes_downloaded += layer.size
+            if is_remote(staged / LAYER_FILE):
+                # A blob that reads as a remote layer's descriptor would open whatever
+                # digest it names through the node's chunk cache.
+                raise UnsupportedImageError(f"layer {layer.digest} is a remote layer "
+                                            "descriptor, not a layer")
+            inspect_layer(staged / LAYER_FILE)  # raises a LayerFormatError naming the problem
+            path = self.cache.publish(NATIVE_KIND, layer.digest, staged, {
+                "kind": "overlaybd-blob", "sourceDigest": layer.digest, "size": layer.size,
+                "mediaType": layer.media_type, "annotations": layer.annotations,
+            })
+        self.fetched(layer)
+        return path
+
+    def claim(self, layer: Descriptor, media_type_diff_id: tuple[str, str] | None = None,
+              whole: bool = False) -> Path | None:
+        """Let this pull's team use the node's copy of `layer` (template/layeraccess.py), else
+        raise naming the layer. `media_type_diff_id`: the layer is used as a converted layer
+        made from another blob; the team's own blob must then decompress to that diff_id.
+        `whole`: an overlaybd blob the node holds as a remote layer; when the team shows it by
+        downloading it, the download becomes the whole blob in the cache, returned, and the
+        pull uses it (what other pulls put in the chunk caches under this digest, with chunk
+        tables of their manifests, is then never read for this team)."""
+        kept: list[Path] = []
+
+        def head() -> bool:
+            return self.client.blob_exists(self.ref.repository, layer.digest)
+
+        def prove() -> None:
+            if whole:
+                with self.cache.entry_lock(NATIVE_KIND, layer.digest):
+                    if self.cache.lookup(NATIVE_KIND, layer.digest) is None:
+                        kept.append(self.download_whole(layer))
+                        return
+            with self.cache.workspace() as work:
+                self.client.download_blob(self.ref.repository, layer, work / "proof")
+                self.bytes_downloaded += layer.size
+                if media_type_diff_id is not None:
+                    media_type, diff_id = media_type_diff_id
+                    actual = _diff_id_of(work / "proof", media_type)
+                    if actual != diff_id:
+                        raise DigestMismatchError(f"its uncompressed content has digest {actual}, "
+                                                  f"the image config says {diff_id}")
+
+        if media_type_diff_id is not None and self.team is not None:
+            # A grant of this blob says nothing of the converted layer made from another one.
+            try:
+                prove()
+            except PullError as exc:
+                raise LayerAccessError(
+                    f"layer {layer.digest}: this node holds a layer of the content its image "
+                    f"config names, and {self.repository} did not give this team that content "
+                    f"({exc})") from exc
+            self.fetched(layer)
+            return None
+        how = self.access.claim(self.team, layer.digest, self.repository, "layer", head, prove)
+        if how != "operator":
+            log.info("cached layer claimed", extra={"digest": layer.digest, "team": self.team,
+                                                    "repository": self.repository, "how": how})
+        return kept[0] if kept else None
 
     def download(self, layer: Descriptor, kind: str | None, key: str,
                  tap: BlobTap | None = None) -> Path | None:
@@ -178,7 +267,8 @@ class _Puller:
                 if tap is not None:
                     tap.finish(None)
                 return None
-            if path.exists():
+            if path.exists():  # another pull's download
+                self.claim(layer)
                 if tap is not None:
                     tap.start(path)
                     tap.advance(path.stat().st_size)
@@ -187,6 +277,7 @@ class _Puller:
             task = self.reporter.task(f"download {_short(layer.digest)}", layer.size)
             self.client.download_blob(self.ref.repository, layer, path,
                                       self.reporter.advancer(task), tap)
+            self.fetched(layer)
             self.downloaded_blobs.add(path)
             self.bytes_downloaded += layer.size
             self.reporter.done(task)
@@ -195,6 +286,26 @@ class _Puller:
     def cleanup_blobs(self) -> None:
         for path in self.downloaded_blobs:
             path.unlink(missing_ok=True)
+
+
+def _diff_id_of(blob: Path, media_type: str) -> str:
+    """The sha256 of a tar layer blob's uncompressed stream."""
+    hasher = hashlib.sha256()
+    with open_uncompressed(blob, compression_of(media_type)) as stream:
+        while data := stream.read(1 << 20):
+            hasher.update(data)
+    return "sha256:" + hasher.hexdigest()
+
+
+def _claim_converted(puller: _Puller, layer: Descriptor, key: str, diff_id: str) -> None:
+    """Let the team use the cached converted layer `key` for its `layer`: the layer must be
+    the blob it was made from, or decompress to the same diff_id (template/layeraccess.py).
+    Once shown, the team holds a grant of the converted layer itself (by its key)."""
+    if puller.team is None or puller.access.granted(puller.team, key):
+        return
+    made_from = puller.cache.meta(CONVERTER_KIND, key).get("sourceDigest")
+    puller.claim(layer, None if made_from == layer.digest else (layer.media_type, diff_id))
+    puller.access.grant(puller.team, key, puller.repository)
 
 
 def _validate_name(name: str) -> str:
@@ -229,6 +340,7 @@ def pull_image(
     progress: bool = False,
     console: Console | None = None,
     lazy: bool = True,
+    team: str | None = None,
 ) -> PulledImage:
     """Pull `ref` and record it under `state_dir/images/<name or sha256-HEX>/`.
 
@@ -240,7 +352,8 @@ def pull_image(
     `lazy`: an overlaybd image's layers stay in the registry (remote layers, read on demand
     through blockd's chunk cache; docs/remote-layers.md); only their metadata is fetched.
     False downloads them whole, as does a pull with explicit `credentials`. Tar-layer images are
-    always downloaded and converted.
+    always downloaded and converted. `team`: the pull is a team's (a template build): a layer
+    the node already holds is used only when the team may (template/layeraccess.py).
     """
     started = time.perf_counter()
     if credentials is not None:
@@ -270,7 +383,7 @@ def pull_image(
         if not isinstance(config, dict):
             raise RegistryError(f"{reference}: image config is not a JSON object")
         timings["resolve"] = time.perf_counter() - started
-        puller = _Puller(reference, client, cache, reporter)
+        puller = _Puller(reference, client, cache, reporter, team)
         try:
             # counts: (cached, converted, fetched as they are)
             if _is_overlaybd(manifest):
@@ -347,8 +460,6 @@ def _lower_record(path: Path, digest: str) -> dict[str, Any]:
 
 def _pull_overlaybd(manifest: Manifest, puller: _Puller,
                     lazy: bool = True) -> tuple[list[tuple[Path, str]], tuple[int, int]]:
-    from agentenv.storage.layer import inspect_layer  # the storage engine checks the format
-
     if lazy:
         return _pull_remote(manifest, puller)
     lowers: list[tuple[Path, str]] = []
@@ -360,21 +471,11 @@ def _pull_overlaybd(manifest: Manifest, puller: _Puller,
         with puller.cache.entry_lock(NATIVE_KIND, layer.digest):
             found = puller.cache.lookup(NATIVE_KIND, layer.digest)
             if found is not None:
+                puller.claim(layer)
                 cached += 1
                 lowers.append((found, layer.digest))
                 continue
-            with puller.cache.workspace() as work:
-                staged = work / "entry"
-                staged.mkdir()
-                task = puller.reporter.task(f"download {_short(layer.digest)}", layer.size)
-                puller.client.download_blob(puller.ref.repository, layer, staged / LAYER_FILE,
-                                            puller.reporter.advancer(task))
-                puller.bytes_downloaded += layer.size
-                inspect_layer(staged / LAYER_FILE)  # raises a LayerFormatError naming the problem
-                path = puller.cache.publish(NATIVE_KIND, layer.digest, staged, {
-                    "kind": "overlaybd-blob", "sourceDigest": layer.digest, "size": layer.size,
-                    "mediaType": layer.media_type, "annotations": layer.annotations,
-                })
+            path = puller.download_whole(layer)
             fetched += 1
             lowers.append((path, layer.digest))
     return lowers, (cached, fetched)
@@ -397,11 +498,19 @@ def _pull_remote(manifest: Manifest,
     for layer in manifest.layers:
         whole = puller.cache.lookup(NATIVE_KIND, layer.digest)
         if whole is not None:
+            puller.claim(layer)
             cached += 1
             lowers.append((whole, layer.digest))
             continue
         with puller.cache.entry_lock(REMOTE_KIND, layer.digest):
             found = puller.cache.lookup(REMOTE_KIND, layer.digest)
+            if found is not None or puller.access.held(layer.digest):
+                # blockd's chunk cache may hold its chunks even where no descriptor is left
+                proved = puller.claim(layer, whole=True)
+                if proved is not None:
+                    fetched += 1
+                    lowers.append((proved, layer.digest))
+                    continue
             if found is not None:
                 ref = load_descriptor(found)
                 if location not in ref.sources:  # one more place to fetch it from
@@ -432,6 +541,7 @@ def _pull_remote(manifest: Manifest,
                     "size": layer.size, "mediaType": layer.media_type,
                     "annotations": layer.annotations, "metadataBytes": reader.fetched,
                 })
+            puller.fetched(layer)
             fetched += 1
             lowers.append((path, layer.digest))
     return lowers, (cached, fetched)
@@ -478,6 +588,8 @@ def _pull_and_convert(
     require_free_space(cache.root, download * CONVERT_SPACE_FACTOR,
                        f"pulling {puller.ref} ({_mib(download)} to download and convert)")
     if not missing:
+        for layer, key, diff_id in zip(layers, keys, diff_ids, strict=True):
+            _claim_converted(puller, layer, key, str(diff_id))
         return [base] + [(cache.lookup(CONVERTER_KIND, k), c) for k, c in zip(keys, chains, strict=True)], \
             (len(chains), 0)  # type: ignore[list-item]
     converted = 0
@@ -498,6 +610,7 @@ def _pull_and_convert(
             with cache.entry_lock(CONVERTER_KIND, key):
                 found = cache.lookup(CONVERTER_KIND, key)
                 if found is not None:
+                    _claim_converted(puller, layer, key, str(diff_ids[i]))
                     lowers.append((found, chain))
                     continue
                 future = downloads.get(i)
@@ -529,6 +642,7 @@ def _pull_and_convert(
                         raise
                     if future is not None:
                         future.result()  # the bytes applied are the verified ones
+                    puller.access.grant(puller.team, key, puller.repository)  # its own
                     path = cache.publish(CONVERTER_KIND, key, staged, {
                         "kind": "oci-layer", "chainId": chain, "diffId": stats.diff_id,
                         "baseDigest": base[1],

@@ -604,6 +604,16 @@ class RegistryClient:
             )
         return data
 
+    def blob_exists(self, repository: str, digest: str) -> bool:
+        """Whether the registry shows this client the blob in `repository` (HEAD, 200); a
+        404, 401 or 403 is False, other failures raise."""
+        response = self._request("HEAD", f"/v2/{repository}/blobs/{digest}", repository)
+        response.close()
+        if response.status_code in (401, 403, 404):
+            return False
+        self._fail(response, f"blob {repository}@{digest}")
+        return True
+
     def get_blob_range(self, repository: str, digest: str, start: int, end: int) -> bytes:
         """Bytes [start, end) of a blob with an HTTP Range request; exactly that many or an
         error. Not verified here: the caller checks what it gets (blockd/remote)."""
