@@ -152,6 +152,7 @@ async def _serve_with_heartbeat(
 ) -> None:
     sender = None
     if options.scheduler:
+        from agentenv.cluster_keys import node_key
         from agentenv.control.scheduler.client import Credentials
         from agentenv.node.heartbeat import HeartbeatSender
         from agentenv.node.layer_peers import LayerPeers, blockd_socket_of
@@ -159,7 +160,7 @@ async def _serve_with_heartbeat(
         if not options.cluster_secret:
             raise AgentEnvError("a node of a scheduler needs the cluster secret")
         node_id = options.node_id or socket.gethostname()
-        credentials = Credentials.node(options.cluster_secret, node_id)
+        credentials = Credentials.node(node_key(options.cluster_secret, node_id), node_id)
         advertise = options.advertise or f"{options.host}:{options.port}"
         # blockd asks this node's API which peers hold a blob: on loopback, with what passes.
         local = {"0.0.0.0": "127.0.0.1", "::": "[::1]", "": "127.0.0.1"}.get(

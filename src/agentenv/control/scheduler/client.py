@@ -16,8 +16,8 @@ unreachable), PERMISSION_DENIED (a node not allowed to register, or a caller ask
 identity may not do), UNAUTHENTICATED (no or a wrong credential).
 
 Every call carries the caller's `Credentials`: an identity (`gateway`, or `node:ID`) and a token
-derived from the cluster secret for that identity (HMAC-SHA256), which the scheduler checks
-(control/scheduler/auth.py). The secret itself never goes over the wire.
+for that identity (HMAC-SHA256 of the cluster secret for the gateway, of the node's own key for
+a node), which the scheduler checks (control/scheduler/auth.py). No key goes over the wire.
 """
 
 from __future__ import annotations
@@ -56,7 +56,8 @@ _TOKEN_CONTEXT = b"agentenv scheduler call v1\0"
 
 
 def derive_token(secret: str, identity: str) -> str:
-    """The token of `identity`: HMAC-SHA256(cluster secret, context + identity), hex."""
+    """The token of `identity`: HMAC-SHA256(key, context + identity), hex; the key is the cluster
+    secret for the gateway, the node's key for a node."""
     return hmac.new(secret.encode(), _TOKEN_CONTEXT + identity.encode(), hashlib.sha256).hexdigest()
 
 
@@ -74,9 +75,10 @@ class Credentials:
         return cls(GATEWAY_IDENTITY, derive_token(secret, GATEWAY_IDENTITY))
 
     @classmethod
-    def node(cls, secret: str, node_id: str) -> Credentials:
+    def node(cls, key: str, node_id: str) -> Credentials:
+        """`key`: the node's own key (agentenv.cluster_keys.node_key), not the cluster secret."""
         identity = NODE_IDENTITY_PREFIX + node_id
-        return cls(identity, derive_token(secret, identity))
+        return cls(identity, derive_token(key, identity))
 
     @property
     def metadata(self) -> tuple[tuple[str, str], ...]:

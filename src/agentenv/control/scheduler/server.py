@@ -9,8 +9,8 @@ then a handful of writes waiting for Redis hold every worker, Lookups queued beh
 enough workers to avoid that, the workers' contention for the GIL costs more than the loop
 (bench/RESULTS.md).
 
-Every call passes ClusterAuth (control/scheduler/auth.py) first: no credential derived from the
-cluster secret, no answer.
+Every method checks its caller first (ClusterAuth, control/scheduler/auth.py, wraps each when
+the server is built): no credential derived from the cluster secret, no answer.
 """
 
 from __future__ import annotations
@@ -149,10 +149,11 @@ class SchedulerServer:
     async def start(self) -> None:
         await asyncio.to_thread(self.service.start)
         await self.discovery.start()
-        server = grpc.aio.server(options=[("grpc.so_reuseport", 0)],
-                                 interceptors=[ClusterAuth(self.options.cluster_secret)])
+        server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
         self.pool = ThreadPoolExecutor(REDIS_CALL_THREADS, thread_name_prefix="scheduler-redis")
-        pb_grpc.add_SchedulerServicer_to_server(_Servicer(self.service, self.pool), server)
+        auth = ClusterAuth(self.options.cluster_secret)
+        pb_grpc.add_SchedulerServicer_to_server(auth.guard(_Servicer(self.service, self.pool)),
+                                                server)
         try:
             self.port = server.add_insecure_port(self.options.listen)
         except RuntimeError as exc:
