@@ -94,7 +94,7 @@ def gateway_suite(args: argparse.Namespace, work: Path, procs: Any = None) -> No
         cluster.start()
         key = cluster.team("bench")
         node = cluster.nodes[0]
-        node_key = cluster.node_headers("bench")
+        node_key = cluster.node_headers(node, "bench")
         print(json.dumps({"suite": "gateway", "load_avg_1m": round(os.getloadavg()[0], 2),
                           "cpus": os.cpu_count()}), flush=True)
         via = {"api_key": key, "api_url": cluster.url, "sandbox_url": cluster.url}
@@ -204,7 +204,7 @@ def _direct(sbx: Any, node_url: str, secret: str) -> Any:
     from e2b import ConnectionConfig, Sandbox
 
     headers = {"E2b-Sandbox-Id": sbx.sandbox_id, "E2b-Sandbox-Port": "49983",
-               "x-agentenv-cluster-secret": secret, "x-agentenv-team": "bench"}
+               "x-agentenv-node-key": secret, "x-agentenv-team": "bench"}
     token = sbx._envd_access_token
     if token:
         headers["X-Access-Token"] = token

@@ -28,7 +28,7 @@ homes = set()
 for s in made:
     for i in range(2):
         r = httpx.get(f"http://{os.environ['NET']}.{10 + i}:8000/sandboxes/{s.sandbox_id}",
-                      headers={"x-agentenv-cluster-secret": secret,
+                      headers={"x-agentenv-node-key": secret,
                                "x-agentenv-team": os.environ.get("AENV_CLUSTER_TEAM", "default")},
                       timeout=30)
         if r.status_code == 200:
