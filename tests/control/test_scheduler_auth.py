@@ -207,3 +207,25 @@ def test_a_node_key_proves_only_its_own_node(redis_server: RedisServer, prefix: 
                                    credentials=Credentials.node(n2_key, "n2"))
 
     asyncio.run(body())
+
+
+def test_a_method_without_a_rule_is_closed(redis_server: RedisServer, prefix: str,
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """A new RPC nobody gave a rule is refused to every identity, however well proven."""
+    from agentenv.control.scheduler import auth
+
+    lookup = f"/{SERVICE.full_name}/Lookup"
+    monkeypatch.setattr(auth, "RULES", {m: r for m, r in auth.RULES.items() if m != lookup})
+
+    async def body() -> None:
+        async with scheduler(redis_server.url, prefix) as (server, _), \
+                grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+            for credentials in (Credentials.gateway(SECRET), node_credentials("n1")):
+                with pytest.raises(grpc.aio.AioRpcError) as caught:
+                    await raw_call(channel, "Lookup", sample("Lookup"), credentials.metadata)
+                assert caught.value.code() == grpc.StatusCode.PERMISSION_DENIED
+            with pytest.raises(grpc.aio.AioRpcError) as caught:
+                await raw_call(channel, "Lookup", sample("Lookup"), None)
+            assert caught.value.code() == grpc.StatusCode.UNAUTHENTICATED
+
+    asyncio.run(body())

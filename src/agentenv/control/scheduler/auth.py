@@ -105,54 +105,66 @@ class ClusterAuth:
         self._verified[identity] = expected
         return True
 
-    async def _caller(self, context: Context, method: str) -> str:
-        """The identity that proved itself on this call; aborts the call otherwise."""
+    def _authenticate(self, metadata: Any, method: str) -> str | None:
+        """The identity that proved itself with this call's metadata; None: refused (why:
+        `_refusal`). Synchronous: a call that passes costs no extra coroutine."""
         identity = token = None
-        for key, value in context.invocation_metadata() or ():
+        for key, value in metadata or ():
             if key == IDENTITY_KEY:
                 identity = value
             elif key == TOKEN_KEY:
                 token = value
         if not isinstance(identity, str) or not isinstance(token, str):
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED, NO_CREDENTIAL)
-        assert isinstance(identity, str) and isinstance(token, str)  # abort raised otherwise
-        if not self._valid(identity, token):
-            self.refused += 1
-            if self.refused % 1000 == 1:  # a stranger's flood is not a flood of logs
-                log.warning("refused a call with a wrong credential",
-                            extra={"method": method, "refused": self.refused,
-                                   "identity": identity[:MAX_IDENTITY]})
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED, WRONG_CREDENTIAL)
-        return identity
+            return None
+        if self._valid(identity, token):
+            return identity
+        self.refused += 1
+        if self.refused % 1000 == 1:  # a stranger's flood is not a flood of logs
+            log.warning("refused a call with a wrong credential",
+                        extra={"method": method, "refused": self.refused,
+                               "identity": identity[:MAX_IDENTITY]})
+        return None
+
+    @staticmethod
+    def _refusal(metadata: Any) -> str:
+        keys = {key for key, _ in metadata or ()}
+        return WRONG_CREDENTIAL if {IDENTITY_KEY, TOKEN_KEY} <= keys else NO_CREDENTIAL
 
     def _checked(self, name: str, inner: Method) -> Method:
         """`inner` behind the check of method `name`'s rule."""
         method = f"/{SERVICE.full_name}/{name}"
         rule = RULES.get(method)
-        caller = self._caller
+        authenticate = self._authenticate
 
-        async def refuse(request: Any, context: Context) -> Any:
-            identity = await caller(context, method)
+        async def refuse(context: Context, metadata: Any, identity: str | None) -> None:
+            if identity is None:
+                await context.abort(grpc.StatusCode.UNAUTHENTICATED, self._refusal(metadata))
             await context.abort(grpc.StatusCode.PERMISSION_DENIED,
                                 f"{identity!r} may not call {method}")
 
         if rule is None:
-            return refuse
-        field = rule.node_field
+            async def closed(request: Any, context: Context) -> Any:
+                metadata = context.invocation_metadata()
+                await refuse(context, metadata, authenticate(metadata, method))
+
+            return closed
+        gateway, field = rule.gateway, rule.node_field
 
         async def checked(request: Any, context: Context) -> Any:
-            identity = await caller(context, method)
-            if identity == GATEWAY_IDENTITY and rule.gateway:
-                return await inner(request, context)
-            if field is not None and identity.startswith(NODE_IDENTITY_PREFIX):
-                node_id = identity[len(NODE_IDENTITY_PREFIX):]
-                claimed = getattr(request, field)
-                if claimed == node_id:
+            metadata = context.invocation_metadata()
+            identity = authenticate(metadata, method)
+            if identity is not None:
+                if identity == GATEWAY_IDENTITY and gateway:
                     return await inner(request, context)
-                await context.abort(grpc.StatusCode.PERMISSION_DENIED,
-                                    f"node {node_id!r} may not call {name} for node {claimed!r}")
-            await context.abort(grpc.StatusCode.PERMISSION_DENIED,
-                                f"{identity!r} may not call {method}")
+                if field is not None and identity.startswith(NODE_IDENTITY_PREFIX):
+                    node_id = identity[len(NODE_IDENTITY_PREFIX):]
+                    claimed = getattr(request, field)
+                    if claimed == node_id:
+                        return await inner(request, context)
+                    await context.abort(
+                        grpc.StatusCode.PERMISSION_DENIED,
+                        f"node {node_id!r} may not call {name} for node {claimed!r}")
+            await refuse(context, metadata, identity)
 
         return checked
 
