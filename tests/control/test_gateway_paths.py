@@ -340,7 +340,7 @@ def test_names_are_per_team(world: World) -> None:
 
 
 def test_the_node_applies_the_team_scope_itself(world: World) -> None:
-    """As if the gateway had a bug: requests with the cluster secret, for team beta, naming
+    """As if the gateway had a bug: requests with the node's key, for team beta, naming
     alpha's things, straight to the node. None of alpha's is found; without a team only the
     team-less routes answer."""
     node, victim = world.cluster.nodes[0], world.victim
@@ -376,7 +376,7 @@ def test_the_node_applies_the_team_scope_itself(world: World) -> None:
         # alpha's, for alpha: found (the scope is the team's, not a wall around everything)
         assert api.get(f"/sandboxes/{victim['sandbox']}",
                        headers={TEAM: "alpha"}).status_code == 200
-    secret = {"x-agentenv-node-key": world.cluster.secret}
+    secret = {"x-agentenv-node-key": beta["x-agentenv-node-key"]}  # the node's key, no team
     for headers in (secret, {**secret, TEAM: "Not A Team"}):
         for extra in ({}, {"E2b-Sandbox-Id": victim["sandbox"]}):
             answer = httpx.get(f"{node.url}/sandboxes/{victim['sandbox']}", timeout=30,
