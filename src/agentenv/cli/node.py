@@ -125,11 +125,16 @@ def serve_command(
             param_hint="--node-id",
         )
     node_id = node_id or socket.gethostname()
+    cluster_secret = load_cluster_secret(cluster_secret_file)
     try:
-        node_key, metrics_token = cluster_credentials(
-            node_id, node_key_file, load_cluster_secret(cluster_secret_file), metrics_token_file)
+        node_key, metrics_token = cluster_credentials(node_id, node_key_file, cluster_secret,
+                                                      metrics_token_file)
     except AgentEnvError as exc:
         raise click.UsageError(str(exc)) from None
+    if cluster_secret is not None:
+        click.echo("this node holds the cluster secret (a one-machine development cluster): "
+                   "anyone who takes it can act as the gateway to every node; give a node of "
+                   "a real cluster only its key (--node-key-file, `aenv node-key`)", err=True)
     if scheduler and node_key is None:
         raise click.UsageError(
             "--scheduler needs the cluster secret (--cluster-secret-file, a one-machine cluster) "
