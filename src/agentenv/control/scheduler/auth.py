@@ -52,7 +52,7 @@ MAX_IDENTITY = 200
 NO_CREDENTIAL = (f"no credential: every call needs {IDENTITY_KEY} and {TOKEN_KEY} metadata "
                  "derived from the cluster secret")
 WRONG_CREDENTIAL = (f"wrong credential: {TOKEN_KEY} is not the token of the identity in "
-                    f"{IDENTITY_KEY} (another cluster secret?)")
+                    f"{IDENTITY_KEY} (another cluster secret, or another node's key?)")
 
 
 @dataclass(frozen=True)
