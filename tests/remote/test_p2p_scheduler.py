@@ -154,8 +154,12 @@ def test_node_b_reads_from_a_found_by_the_scheduler(cluster: tuple[Any, ...]) ->
     assert httpx.get(f"{b.node.url}/cluster/holders", params={"digest": "sha256:x"},
                      headers=cluster, trust_env=False).status_code == 400
     # A's node answers for itself: it holds the blob, so no other holder.
+    as_a = {"x-agentenv-node-key": node_key(sched.secret_file.read_text().strip(), "node-a")}
+    # B's key is not A's: each node holds a key good for itself only
+    assert httpx.get(f"{a.node.url}/cluster/holders", params={"digest": digest},
+                     headers=cluster, trust_env=False).status_code == 403
     reply = httpx.get(f"{a.node.url}/cluster/holders", params={"digest": digest},
-                      headers=cluster, trust_env=False)
+                      headers=as_a, trust_env=False)
     assert reply.status_code == 200 and reply.json()["holders"] == [], reply.text
     wait_for("node B's blockd to know its resolver", lambda: b.stats()["resolver"], timeout=30)
     assert b.stats()["peers"] == []  # no static peer
