@@ -147,6 +147,7 @@ async def scheduler_suite_async(
 ) -> None:
     import redis.asyncio as aioredis
 
+    from agentenv.cluster_keys import node_key
     from agentenv.control.scheduler.client import Credentials, SchedulerClient, pb
     from agentenv.control.scheduler.store import _RECORD, Binding
 
@@ -180,7 +181,8 @@ async def scheduler_suite_async(
                     failures.append(repr(exc))
                 await asyncio.sleep(2.0 / NODES)
 
-    node_credentials = {node_id: Credentials.node(secret, node_id) for node_id in owned}
+    node_credentials = {node_id: Credentials.node(node_key(secret, node_id), node_id)
+                        for node_id in owned}
     for node_id in owned:
         await client.heartbeat(status(node_id), credentials=node_credentials[node_id])
     ids = [f"sbx-{i:06d}" for i in range(BINDINGS)]

@@ -4,7 +4,7 @@
 A local cluster (tests/control/cluster.py: redis-server, `aenv scheduler`, one process-backend
 node, `aenv gateway`); every figure is measured through the gateway and, side by side in the
 same run (interleaved), directly against the node that holds the sandbox (the requests
-the gateway would send, cluster secret included), which is the baseline:
+the gateway would send, the node's key included), which is the baseline:
 
 - proxied_run_true_p50_ms: `commands.run("true")` by the official SDK (a Connect stream to envd).
 - download_16mib_mib_s: `files.read` of a 16 MiB file (best of N), and the ratio to direct.
@@ -94,12 +94,12 @@ def gateway_suite(args: argparse.Namespace, work: Path, procs: Any = None) -> No
         cluster.start()
         key = cluster.team("bench")
         node = cluster.nodes[0]
-        node_key = cluster.node_headers("bench")
+        node_key = cluster.node_headers(node, "bench")
         print(json.dumps({"suite": "gateway", "load_avg_1m": round(os.getloadavg()[0], 2),
                           "cpus": os.cpu_count()}), flush=True)
         via = {"api_key": key, "api_url": cluster.url, "sandbox_url": cluster.url}
         sbx = Sandbox.create(template="base", timeout=900, **via)
-        direct = _direct(sbx, node.url, cluster.secret)
+        direct = _direct(sbx, node.url, node_key)
         # proxied request p50, interleaved
         rounds = 60 if args.quick else 300
         gw_ms: list[float] = []
@@ -198,13 +198,13 @@ def gateway_suite(args: argparse.Namespace, work: Path, procs: Any = None) -> No
         cluster.stop()
 
 
-def _direct(sbx: Any, node_url: str, secret: str) -> Any:
-    """The same sandbox, its envd reached at the node with the cluster secret: what the SDK
-    builds in Sandbox.connect, with one more header (connect() has no way to add it)."""
+def _direct(sbx: Any, node_url: str, as_gateway: dict[str, str]) -> Any:
+    """The same sandbox, its envd reached at the node with the gateway's headers (the node's
+    key and the team): what the SDK builds in Sandbox.connect, with more headers (connect() has
+    no way to add them)."""
     from e2b import ConnectionConfig, Sandbox
 
-    headers = {"E2b-Sandbox-Id": sbx.sandbox_id, "E2b-Sandbox-Port": "49983",
-               "x-agentenv-cluster-secret": secret, "x-agentenv-team": "bench"}
+    headers = {"E2b-Sandbox-Id": sbx.sandbox_id, "E2b-Sandbox-Port": "49983", **as_gateway}
     token = sbx._envd_access_token
     if token:
         headers["X-Access-Token"] = token

@@ -65,12 +65,12 @@ class Bench:
         self.root = root
         self.daemons: list[Daemon] = []
         self.secret = root / "secret"
-        self.secret.write_text(secrets.token_hex(16))
+        self.secret.write_text(secrets.token_hex(32))  # a peer key (`aenv peer-key`)
 
     def node(self, name: str, peers: list[str] = (), serve: str | None = None) -> Daemon:  # type: ignore[assignment]
         d = Daemon(Path(tempfile.mkdtemp(prefix=f"rb{name}", dir="/tmp")))
         d.extra_args = ["--chunk-cache-size", "4G", "--remote-background-bw", "0",
-                        "--cluster-secret-file", str(self.secret)]
+                        "--peer-key-file", str(self.secret)]
         for p in peers:
             d.extra_args += ["--peer", f"http://{p}"]
         if serve:

@@ -58,8 +58,9 @@ wait_for() {  # wait_for WHAT SECONDS CMD...: until CMD succeeds
 new_secret() {  # new_secret FILE: 32 random bytes as hex, readable by root only (kept if there)
   [[ -s $1 ]] || (umask 077; head -c 32 /dev/urandom | od -An -tx1 | tr -d ' \n' >"$1")
 }
-# the cluster secret: every node serves only requests that carry it (the gateway's), and every
-# caller of the scheduler sends a token derived from it
+# the cluster secret: only the scheduler and the gateway hold it. Each node is given a key of its
+# own derived from it (`aenv node-key`): it serves only requests that carry that key (the
+# gateway derives it) and calls the scheduler with a token made from it.
 secret=$dir/cluster-secret
 new_secret "$secret"
 
@@ -135,6 +136,9 @@ for ((i = 0; i < nodes; i++)); do
   addr=$net.$((10 + i))
   state=$dir/node$i
   mkdir -p "$state"
+  node_key=$state/node-key
+  [[ -s $node_key ]] || (umask 077; "$aenv" node-key --node-id "node$i" \
+    --cluster-secret-file "$secret" >"$node_key")
   if ! ip netns list | grep -qw "$ns"; then
     ip netns add "$ns"
     ip link add "aenvc-n$i" type veth peer name eth0 netns "$ns"
@@ -162,7 +166,7 @@ for ((i = 0; i < nodes; i++)); do
       setsid nsenter --net="/run/netns/$ns" -- \
       "$aenv" serve --backend "$backend" --state-dir "$state" --host "$addr" --port 8000 \
       --scheduler "$host_ip:9090" --node-id "node$i" --advertise "$addr:8000" \
-      --cluster-secret-file "$secret" >>"$logs/node$i.log" 2>&1 </dev/null &
+      --node-key-file "$node_key" >>"$logs/node$i.log" 2>&1 </dev/null &
     echo $! >"$state/node.pid"
     echo "node$i starting on $addr:8000 (namespace $ns, state $state)"
   fi

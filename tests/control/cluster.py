@@ -1,8 +1,9 @@
 """A local cluster for the gateway's tests and bench: Debian's redis-server (with the ACL and
 passwords of `make cluster-up`), `aenv scheduler`,
 N nodes (process backend unless asked otherwise) and `aenv gateway`, each its own process on
-loopback, the nodes sharing one cluster secret. `make cluster-up` runs the same parts with each
-node in a network namespace of its own (scripts/cluster-up.sh)."""
+loopback. Only the scheduler and the gateway hold the cluster secret: each node is given its
+own key (agentenv.cluster_keys, `aenv node-key`), as `make cluster-up` does, which runs the same
+parts with each node in a network namespace of its own (scripts/cluster-up.sh)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from pathlib import Path
 
 import httpx
 
+from agentenv.cluster_keys import node_key
 from tests.control.conftest import AclRedis, SchedulerProcess, free_port
 from tests.control.helpers import SECRET
 from tests.node.conftest import NO_READY_POOLS, NodeProcess, vm_node_process
@@ -92,9 +94,12 @@ class LocalCluster:
                                        VM_NET_PREFIX, VM_FIRST_SLOT + 100 * i, NO_READY_POOLS)
             else:
                 node = NodeProcess(root / f"node{i}", root / f"node{i}.log")
+            key_file = root / f"node{i}.key"
+            key_file.write_text(node_key(SECRET, f"node{i}") + "\n")
+            os.chmod(key_file, 0o600)
             node.extra_args = ("--backend", backend, "--scheduler", self.scheduler.address,
                                "--node-id", f"node{i}", "--advertise", f"127.0.0.1:{node.port}",
-                               "--cluster-secret-file", str(self.secret_file))
+                               "--node-key-file", str(key_file))
             node.extra_env = {**node.extra_env, **(node_env or {})}
             self.nodes.append(node)
         self.gateway = GatewayProcess(self.scheduler.address, self.redis.url, self.secret_file,
@@ -121,9 +126,11 @@ class LocalCluster:
         self.keys[name] = key.stdout.strip()
         return self.keys[name]
 
-    def node_headers(self, team: str) -> dict[str, str]:
-        """What the gateway sends a node with a request of `team`: the secret and the team."""
-        return {"x-agentenv-cluster-secret": self.secret, "x-agentenv-team": team}
+    def node_headers(self, node: NodeProcess, team: str) -> dict[str, str]:
+        """What the gateway sends `node` with a request of `team`: that node's key and the
+        team."""
+        return {"x-agentenv-node-key": node_key(self.secret, f"node{self.nodes.index(node)}"),
+                "x-agentenv-team": team}
 
     def up_nodes(self) -> set[str]:
         """The nodes the gateway reports up (none while it cannot reach the scheduler)."""

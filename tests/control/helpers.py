@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator, Callable, Iterable
 from contextlib import asynccontextmanager
 from typing import Any
 
+from agentenv.cluster_keys import node_key
 from agentenv.control.proto import scheduler_pb2 as pb
 from agentenv.control.scheduler.client import Credentials, Holder, SchedulerClient
 from agentenv.control.scheduler.server import SchedulerOptions, SchedulerServer
@@ -16,6 +17,11 @@ from agentenv.control.scheduler.service import SchedulerConfig
 
 #: the cluster secret of the tests' schedulers, nodes and gateways (one per test session)
 SECRET = secrets.token_urlsafe(32)
+
+
+def node_credentials(node_id: str, secret: str = SECRET) -> Credentials:
+    """What node `node_id` of the cluster calls the scheduler with (from its node key)."""
+    return Credentials.node(node_key(secret, node_id), node_id)
 
 
 class ClusterClient(SchedulerClient):
@@ -30,14 +36,14 @@ class ClusterClient(SchedulerClient):
                         credentials: Credentials | None = None) -> float:
         return await super().heartbeat(
             status, timeout=timeout,
-            credentials=credentials or Credentials.node(self.secret, status.node_id))
+            credentials=credentials or node_credentials(status.node_id, self.secret))
 
     async def holders(self, digests: Iterable[str], *, node_id: str = "", limit: int = 0,
                       timeout: float | None = None,
                       credentials: Credentials | None = None) -> dict[str, list[Holder]]:
         return await super().holders(
             list(digests), node_id=node_id, limit=limit, timeout=timeout,
-            credentials=credentials or Credentials.node(self.secret, node_id))
+            credentials=credentials or node_credentials(node_id, self.secret))
 
 
 def status(

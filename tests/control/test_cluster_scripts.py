@@ -21,14 +21,14 @@ pytestmark = [pytest.mark.timeout(300)]
 REPO = Path(__file__).resolve().parents[2]
 
 # The end of both checks: which of the 2 nodes hold the sandboxes `made` (asked of each node
-# with the cluster secret), then kill them.
+# with its key, which cluster-up wrote next to its state), then kill them.
 HOMES_AND_KILL = """
-secret = open(os.environ["AENV_CLUSTER_DIR"] + "/cluster-secret").read().strip()
 homes = set()
 for s in made:
     for i in range(2):
+        key = open(f"{os.environ['AENV_CLUSTER_DIR']}/node{i}/node-key").read().strip()
         r = httpx.get(f"http://{os.environ['NET']}.{10 + i}:8000/sandboxes/{s.sandbox_id}",
-                      headers={"x-agentenv-cluster-secret": secret,
+                      headers={"x-agentenv-node-key": key,
                                "x-agentenv-team": os.environ.get("AENV_CLUSTER_TEAM", "default")},
                       timeout=30)
         if r.status_code == 200:

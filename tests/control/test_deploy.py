@@ -3,6 +3,7 @@ kubernetes-validate ships (no network), and the pieces agree with each other and
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -69,7 +70,7 @@ def test_pieces_agree() -> None:
     node = by_kind("DaemonSet", "aenv-node")["spec"]["template"]["spec"]
     assert node["hostNetwork"] and node["containers"][0]["securityContext"]["privileged"]
     assert {"path": "/var/lib/aenv", "type": "DirectoryOrCreate"} in [
-        v["hostPath"] for v in node["volumes"]]
+        v["hostPath"] for v in node["volumes"] if "hostPath" in v]
     scheduler = by_kind("Deployment", "aenv-scheduler")["spec"]["template"]["spec"]
     args = scheduler["containers"][0]["args"]
     assert args[args.index("--k8s-service") + 1] == "aenv/aenv-node"
@@ -143,9 +144,26 @@ def test_redis_wants_a_password_per_component() -> None:
         # group-readable file, read by the pod's non-root user through fsGroup
         assert spec["securityContext"]["fsGroup"] == container["securityContext"]["runAsUser"]
     node_env = env_of(pod_spec("DaemonSet", "aenv-node")["containers"][0])
-    assert node_env["AENV_CLUSTER_SECRET"] == {"secretKeyRef": {"name": "aenv-cluster",
-                                                                "key": "secret"}}
     assert "AENV_REDIS_USER" not in node_env  # the nodes never talk to Redis
+
+
+def test_nodes_never_hold_the_cluster_secret() -> None:
+    """A node gets its own key from its host (/etc/aenv/node-key), the peer key and metrics
+    token from a Secret of their own: nothing of the node's pod names the cluster secret."""
+    spec = pod_spec("DaemonSet", "aenv-node")
+    container = spec["containers"][0]
+    env = env_of(container)
+    assert "aenv-cluster" not in json.dumps(spec)
+    assert not any(name.startswith("AENV_CLUSTER_SECRET") for name in env)
+    mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
+    volumes = {v["name"]: v for v in spec["volumes"]}
+    assert volumes[mounts[env["AENV_NODE_KEY_FILE"]]]["hostPath"] == {
+        "path": "/etc/aenv/node-key", "type": "File"}
+    for setting, item in (("AENV_PEER_KEY_FILE", "peer-key"),
+                          ("AENV_METRICS_TOKEN_FILE", "metrics-token")):
+        directory, _, name = env[setting].rpartition("/")
+        assert name == item
+        assert volumes[mounts[directory]]["secret"]["secretName"] == "aenv-node-shared"
 
 
 def test_network_policies_let_only_the_gateway_and_scheduler_reach_redis() -> None:

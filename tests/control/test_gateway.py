@@ -57,7 +57,7 @@ def holder(cluster: LocalCluster, sandbox_id: str, team: str = "alpha") -> str:
         if node.proc is None:
             continue
         answer = httpx.get(f"{node.url}/sandboxes/{sandbox_id}", timeout=10,
-                           headers=cluster.node_headers(team))
+                           headers=cluster.node_headers(node, team))
         if answer.status_code == 200:
             found.append(f"node{i}")
     assert len(found) == 1, (sandbox_id, found)
@@ -222,12 +222,31 @@ def test_teams_see_and_control_only_their_own(cluster: LocalCluster) -> None:
 def test_nodes_serve_only_the_gateway(cluster: LocalCluster) -> None:
     node = cluster.nodes[0]
     assert httpx.get(node.url + "/health", timeout=10).status_code == 200
-    for headers in ({"X-API-KEY": node.api_key}, {"x-agentenv-cluster-secret": "x" * 40}):
+    for headers in ({"X-API-KEY": node.api_key}, {"x-agentenv-node-key": "x" * 40}):
         answer = httpx.get(node.url + "/v2/sandboxes", headers=headers, timeout=10)
         assert answer.status_code == 403, answer.text
         proxied = httpx.get(node.url + "/health", timeout=10,
                             headers={**headers, "E2b-Sandbox-Id": "whatever"})
         assert proxied.status_code == 403
+
+
+def test_a_nodes_key_opens_that_node_only(cluster: LocalCluster) -> None:
+    """Each node holds only its own key (not the cluster secret): what node0 holds, sent to
+    node1 as the gateway would send it, is refused, and so is the cluster secret itself (the
+    gateway derives each node's key; no node has a credential that passes at another)."""
+    node0, node1 = cluster.nodes[0], cluster.nodes[1]
+    own = cluster.node_headers(node1, "alpha")
+    assert httpx.get(node1.url + "/v2/sandboxes", headers=own, timeout=10).status_code == 200
+    for posing in ({**cluster.node_headers(node0, "alpha")},
+                   {**own, "x-agentenv-node-key": cluster.secret}):
+        answer = httpx.get(node1.url + "/v2/sandboxes", headers=posing, timeout=10)
+        assert answer.status_code == 403, answer.text
+        proxied = httpx.get(node1.url + "/health", timeout=10,
+                            headers={**posing, "E2b-Sandbox-Id": "whatever"})
+        assert proxied.status_code == 403
+    # node0 knows its own key only: it is not in its arguments or environment, just a file
+    assert "--cluster-secret-file" not in node0.extra_args
+    assert cluster.secret not in " ".join(node0.extra_args)
 
 
 def test_two_gateways_serve_one_cluster(cluster: LocalCluster) -> None:
@@ -419,7 +438,7 @@ def test_signed_url_owner_cached_until_its_sandbox_goes(sdk: LocalCluster) -> No
             # sandbox is not passed on, the nodes are asked again
             node = sdk.node_of(holder(sdk, made[1].sandbox_id))
             assert httpx.delete(f"{node.url}/sandboxes/{made[1].sandbox_id}", timeout=60,
-                                headers=sdk.node_headers("alpha")).status_code == 204
+                                headers=sdk.node_headers(node, "alpha")).status_code == 204
             before = gateway_metrics(sdk.url)
             gone = client.get(urls[1])
             assert gone.status_code == 401 and gone.json()["message"] == "invalid signature"
@@ -550,7 +569,7 @@ def test_create_lease_lapses_with_a_dead_gateway_not_a_live_one(cluster: LocalCl
         on_nodes = []
         for node in cluster.nodes:
             listed = httpx.get(f"{node.url}/v2/sandboxes", params={"metadata": "batch=lease"},
-                               headers=cluster.node_headers("alpha"), timeout=30)
+                               headers=cluster.node_headers(node, "alpha"), timeout=30)
             on_nodes += [s["sandboxID"] for s in listed.json()]
         assert sorted(on_nodes) == sorted(made)
         again = httpx.post(f"{live.url}/v2/sandboxes", json=body, timeout=60,
@@ -580,7 +599,7 @@ def test_template_build_on_one_node_seen_cluster_wide(sdk: LocalCluster) -> None
     tid = info.template_id
     homes = [f"node{i}" for i, node in enumerate(sdk.nodes)
              if httpx.get(f"{node.url}/templates/{tid}", timeout=10,
-                          headers=sdk.node_headers("alpha")).status_code == 200]
+                          headers=sdk.node_headers(node, "alpha")).status_code == 200]
     assert len(homes) == 1, homes
     with httpx.Client(base_url=sdk.url, timeout=60) as api:
         for path in ("/templates", "/v2/templates"):

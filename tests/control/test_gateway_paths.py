@@ -282,7 +282,7 @@ def test_init_is_the_nodes_however_it_is_spelled(world: World) -> None:
     sandbox = {"E2b-Sandbox-Id": world.own["sandbox"], "content-type": "application/json"}
     init = b'{"accessToken": "planted", "envVars": {"PLANTED": "1"}}'
     node = world.cluster.nodes[0]
-    as_gateway = {**sandbox, **world.cluster.node_headers("beta")}
+    as_gateway = {**sandbox, **world.cluster.node_headers(node, "beta")}
     for base, headers in ((world.cluster.url, sandbox), (node.url, as_gateway)):
         for target in ("/./init", "/%2e/init", "/%2E/init", "/x/../init", "/x/%2e%2e/init"):
             status, body = raw(base, "POST", target, headers, init)
@@ -340,11 +340,11 @@ def test_names_are_per_team(world: World) -> None:
 
 
 def test_the_node_applies_the_team_scope_itself(world: World) -> None:
-    """As if the gateway had a bug: requests with the cluster secret, for team beta, naming
+    """As if the gateway had a bug: requests with the node's key, for team beta, naming
     alpha's things, straight to the node. None of alpha's is found; without a team only the
     team-less routes answer."""
     node, victim = world.cluster.nodes[0], world.victim
-    beta = world.cluster.node_headers("beta")
+    beta = world.cluster.node_headers(node, "beta")
     with httpx.Client(base_url=node.url, timeout=60, headers=beta) as api:
         for method, path in [("GET", f"/sandboxes/{victim['sandbox']}"),
                              ("POST", f"/sandboxes/{victim['sandbox']}/connect"),
@@ -376,7 +376,7 @@ def test_the_node_applies_the_team_scope_itself(world: World) -> None:
         # alpha's, for alpha: found (the scope is the team's, not a wall around everything)
         assert api.get(f"/sandboxes/{victim['sandbox']}",
                        headers={TEAM: "alpha"}).status_code == 200
-    secret = {"x-agentenv-cluster-secret": world.cluster.secret}
+    secret = {"x-agentenv-node-key": beta["x-agentenv-node-key"]}  # the node's key, no team
     for headers in (secret, {**secret, TEAM: "Not A Team"}):
         for extra in ({}, {"E2b-Sandbox-Id": victim["sandbox"]}):
             answer = httpx.get(f"{node.url}/sandboxes/{victim['sandbox']}", timeout=30,
@@ -449,7 +449,7 @@ def test_fuzzed_paths_reach_no_route_the_gateway_did_not_authorise(world: World)
     senders = [(world.cluster.url, {"X-API-KEY": world.beta}),
                (world.cluster.url, {}),
                (world.cluster.url, {"E2b-Sandbox-Id": world.own["sandbox"]}),
-               (node.url, world.cluster.node_headers("beta"))]
+               (node.url, world.cluster.node_headers(node, "beta"))]
     checked = [0]
 
     @settings(max_examples=60, deadline=None, derandomize=True, database=None,
@@ -497,7 +497,7 @@ def test_every_operation_with_a_spliced_path_is_400_at_gateway_and_node(
         target = f"/{head}{splice}{tail}"
         for base, headers in ((world.cluster.url, {"X-API-KEY": world.beta}),
                               (world.cluster.url, {}),
-                              (node.url, world.cluster.node_headers("beta"))):
+                              (node.url, world.cluster.node_headers(node, "beta"))):
             status, body = raw(base, case.method.upper(), target, headers)
             assert status == 400, (case.method, target, base, status, body)
     assert world.tap.seen[since:] == []

@@ -45,7 +45,7 @@ def home(cluster: LocalCluster, template_id: str) -> str:
     """The one node that has the template (asked of every node with the cluster secret)."""
     found = [f"node{i}" for i, node in enumerate(cluster.nodes)
              if httpx.get(f"{node.url}/templates/{template_id}", timeout=10,
-                          headers=cluster.node_headers("tee")).status_code == 200]
+                          headers=cluster.node_headers(node, "tee")).status_code == 200]
     assert len(found) == 1, (template_id, found)
     return found[0]
 
@@ -96,7 +96,7 @@ def test_a_build_placed_away_from_its_base_is_refused_then_built_next_to_it(
         assert home(cluster, b) == far
         # the node never started the build: its only build is still waiting
         detail = httpx.get(f"{cluster.nodes[int(far[-1])].url}/templates/{b}", timeout=10,
-                           headers=cluster.node_headers("tee")).json()
+                           headers=cluster.node_headers(cluster.nodes[int(far[-1])], "tee")).json()
         assert [x["status"] for x in detail["builds"]] == ["waiting"], detail
         # as the message says: delete it, make room, build it again: it goes to the base
         deleted = httpx.delete(f"{cluster.url}/templates/{b}", timeout=30,

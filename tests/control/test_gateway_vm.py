@@ -32,7 +32,7 @@ def vm_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluste
 
 def on_node(cluster: LocalCluster, sandbox_id: str, node: int) -> bool:
     answer = httpx.get(f"{cluster.nodes[node].url}/sandboxes/{sandbox_id}", timeout=30,
-                       headers=cluster.node_headers("vm"))
+                       headers=cluster.node_headers(cluster.nodes[node], "vm"))
     return answer.status_code == 200
 
 

@@ -10,6 +10,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from agentenv.cluster_keys import node_key
 from tests.control.conftest import RedisServer, SchedulerProcess
 from tests.control.helpers import SECRET, call, wait_for
 from tests.node.conftest import NodeProcess
@@ -40,9 +41,10 @@ def test_node_heartbeats_register_and_reconcile(sched: SchedulerProcess, tmp_pat
         assert info.status.cpu_total > 0 and info.status.memory_total_mib > 0
         assert info.status.disk_free_bytes > 0
 
-        # a node of a cluster serves its gateway only: the cluster secret and the team, as the
+        # a node of a cluster serves its gateway only: the node's key and the team, as the
         # gateway sends them
-        with httpx.Client(base_url=node.url, headers={"x-agentenv-cluster-secret": SECRET,
+        with httpx.Client(base_url=node.url, headers={"x-agentenv-node-key": node_key(SECRET,
+                                                                                      "node-a"),
                                                       "x-agentenv-team": "alpha"},
                           timeout=60, trust_env=False) as api:
             created = api.post("/sandboxes", json={"templateID": "base", "timeout": 60})

@@ -13,10 +13,11 @@ from collections.abc import Callable
 import grpc
 import pytest
 
+from agentenv.cluster_keys import node_key
 from agentenv.control.proto import scheduler_pb2 as pb
 from agentenv.control.scheduler.client import Credentials, SchedulerError
 from tests.control.conftest import RedisServer
-from tests.control.helpers import SECRET, ClusterClient, scheduler, status
+from tests.control.helpers import SECRET, ClusterClient, node_credentials, scheduler, status
 
 SERVICE = pb.DESCRIPTOR.services_by_name["Scheduler"]
 METHODS = list(SERVICE.methods)
@@ -67,7 +68,7 @@ WRONG = {
     "another-secret": Credentials.gateway("another-cluster-" + "x" * 32).metadata,
     # a real token, of another identity
     "another-identity": ((Credentials.gateway(SECRET).metadata[0]),
-                         Credentials.node(SECRET, "n1").metadata[1]),
+                         node_credentials("n1").metadata[1]),
     "token-only": Credentials.gateway(SECRET).metadata[1:],
     "garbage": (("x-aenv-identity", "gateway"), ("x-aenv-token", "0" * 64)),
 }
@@ -99,7 +100,7 @@ def test_a_node_cannot_heartbeat_for_another_node(redis_server: RedisServer, pre
     async def body() -> None:
         async with scheduler(redis_server.url, prefix, reconcile_grace_s=0.0) as (_, client):
             await client.heartbeat(status("n1", address=VICTIM_ADDRESS, sandboxes=["s1"]))
-            intruder = Credentials.node(SECRET, "n2")  # a node of the cluster, or its token
+            intruder = node_credentials("n2")  # a node of the cluster, or its token
             for forged in (status("n1", address="127.0.0.1:6666", sandboxes=["s1"]),
                            status("n1", address=VICTIM_ADDRESS)):  # empty: drops n1's bindings
                 with pytest.raises(SchedulerError) as caught:
@@ -125,7 +126,7 @@ def test_a_node_cannot_claim_another_up_nodes_sandbox(redis_server: RedisServer,
         async with scheduler(redis_server.url, prefix, reconcile_grace_s=0.0,
                              heartbeat_interval_s=0.2, missed_heartbeats=1) as (_, client):
             await client.heartbeat(status("n1", address=VICTIM_ADDRESS, sandboxes=["s1"]))
-            intruder = Credentials.node(SECRET, "n2")
+            intruder = node_credentials("n2")
             claim = status("n2", address="127.0.0.1:6666", sandboxes=["s1"])
             await client.heartbeat(claim, credentials=intruder)
             await victim_unchanged(client)
@@ -149,8 +150,7 @@ def test_each_identity_calls_only_its_methods(redis_server: RedisServer, prefix:
                                               who: str) -> None:
     """A node may not release (or place, record, look up, list); the gateway may not send
     heartbeats. A method neither list names is refused to both."""
-    credentials = Credentials.gateway(SECRET) if who == "gateway" else Credentials.node(SECRET,
-                                                                                         "n2")
+    credentials = Credentials.gateway(SECRET) if who == "gateway" else node_credentials("n2")
     allowed = GATEWAY_METHODS if who == "gateway" else NODE_METHODS
 
     async def body() -> None:
@@ -174,7 +174,7 @@ def test_each_identity_calls_only_its_methods(redis_server: RedisServer, prefix:
 
 
 def test_every_rpc_has_a_rule() -> None:
-    """The interceptor refuses a method without a rule to everyone: a new RPC must get one."""
+    """A method without a rule is refused to everyone: a new RPC must get one."""
     from agentenv.control.scheduler.auth import RULES
 
     assert set(RULES) == {f"/{SERVICE.full_name}/{m.name}" for m in METHODS}
@@ -188,3 +188,44 @@ def test_no_scheduler_without_a_cluster_secret(redis_server: RedisServer, prefix
     with pytest.raises(AgentEnvError, match="needs the cluster secret"):
         SchedulerServer(SchedulerOptions(cluster_secret="", redis_url=redis_server.url,
                                          prefix=prefix))
+
+
+def test_a_node_key_proves_only_its_own_node(redis_server: RedisServer, prefix: str) -> None:
+    """A node holds only its key (agentenv.cluster_keys): the token it makes with it for another
+    node's identity is refused, so a node taken over cannot heartbeat as another."""
+    async def body() -> None:
+        async with scheduler(redis_server.url, prefix, reconcile_grace_s=0.0) as (_, client):
+            await client.heartbeat(status("n1", address=VICTIM_ADDRESS, sandboxes=["s1"]))
+            n2_key = node_key(SECRET, "n2")
+            posing = Credentials.node(n2_key, "n1")
+            with pytest.raises(SchedulerError) as caught:
+                await client.heartbeat(status("n1", address="127.0.0.1:6666"), credentials=posing)
+            assert caught.value.code == grpc.StatusCode.UNAUTHENTICATED
+            await victim_unchanged(client)
+            # with its own key, as itself: taken
+            await client.heartbeat(status("n2", address="127.0.0.1:8002"),
+                                   credentials=Credentials.node(n2_key, "n2"))
+
+    asyncio.run(body())
+
+
+def test_a_method_without_a_rule_is_closed(redis_server: RedisServer, prefix: str,
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """A new RPC nobody gave a rule is refused to every identity, however well proven."""
+    from agentenv.control.scheduler import auth
+
+    lookup = f"/{SERVICE.full_name}/Lookup"
+    monkeypatch.setattr(auth, "RULES", {m: r for m, r in auth.RULES.items() if m != lookup})
+
+    async def body() -> None:
+        async with scheduler(redis_server.url, prefix) as (server, _), \
+                grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+            for credentials in (Credentials.gateway(SECRET), node_credentials("n1")):
+                with pytest.raises(grpc.aio.AioRpcError) as caught:
+                    await raw_call(channel, "Lookup", sample("Lookup"), credentials.metadata)
+                assert caught.value.code() == grpc.StatusCode.PERMISSION_DENIED
+            with pytest.raises(grpc.aio.AioRpcError) as caught:
+                await raw_call(channel, "Lookup", sample("Lookup"), None)
+            assert caught.value.code() == grpc.StatusCode.UNAUTHENTICATED
+
+    asyncio.run(body())

@@ -1,4 +1,4 @@
-"""Who reads /metrics, in-process: on a node of a cluster, its gateway (the cluster secret) or a
+"""Who reads /metrics, in-process: on a node of a cluster, its gateway (the node's key) or a
 scraper with the cluster's metrics token (derived from the secret, good for /metrics only); on
 a standalone node, the API key; anyone only when the node is told its metrics are public. The
 gateway's /metrics takes the same metrics token."""
@@ -9,6 +9,7 @@ import secrets
 import warnings
 from pathlib import Path
 
+from agentenv.cluster_keys import node_key
 from agentenv.control.gateway.app import GatewayApp
 from agentenv.control.gateway.placement import SchedulerLink
 from agentenv.control.gateway.store import GatewayStore
@@ -22,17 +23,19 @@ with warnings.catch_warnings():  # starlette 1.x nags about httpx here; TestClie
 
 SECRET = secrets.token_urlsafe(32)
 TOKEN = metrics_token(SECRET)
+NODE_KEY = node_key(SECRET, "n1")
 
 
-def test_cluster_node_metrics_need_the_secret_or_the_metrics_token(tmp_path: Path) -> None:
+def test_cluster_node_metrics_need_the_node_key_or_the_metrics_token(tmp_path: Path) -> None:
     app = build_app(ServeOptions(state_dir=tmp_path / "state", backend="process",
-                                 cluster_secret=SECRET))
+                                 node_key=NODE_KEY, metrics_token=TOKEN))
     client = TestClient(app)
     for refused in ({}, {"Authorization": f"Bearer {SECRET}"}, {"Authorization": "Bearer x"},
+                    {"Authorization": f"Bearer {NODE_KEY}"}, {"x-agentenv-node-key": SECRET},
                     {"Authorization": f"Basic {TOKEN}"},
                     [("Authorization", f"Bearer {TOKEN}")] * 2):
         assert client.get("/metrics", headers=refused).status_code == 403, refused
-    for allowed in ({"Authorization": f"Bearer {TOKEN}"}, {"x-agentenv-cluster-secret": SECRET}):
+    for allowed in ({"Authorization": f"Bearer {TOKEN}"}, {"x-agentenv-node-key": NODE_KEY}):
         answer = client.get("/metrics", headers=allowed)
         assert answer.status_code == 200 and "aenv_node_sandboxes" in answer.text
     # the metrics token opens /metrics and nothing else
@@ -41,9 +44,9 @@ def test_cluster_node_metrics_need_the_secret_or_the_metrics_token(tmp_path: Pat
 
 
 def test_public_metrics_when_told(tmp_path: Path) -> None:
-    for secret in (None, SECRET):
-        app = build_app(ServeOptions(state_dir=tmp_path / f"state-{bool(secret)}",
-                                     backend="process", cluster_secret=secret,
+    for key in (None, NODE_KEY):
+        app = build_app(ServeOptions(state_dir=tmp_path / f"state-{bool(key)}",
+                                     backend="process", node_key=key,
                                      public_metrics=True))
         client = TestClient(app)
         assert client.get("/metrics").status_code == 200

@@ -121,7 +121,7 @@ def test_sdk_builds_pass_and_wrong_content_is_refused_with_nothing_kept(
     assert files_hash  # the SDK's own upload went through the same check
 
 
-CLUSTER_SECRET = "s" * 40  # a node of a cluster: its gateway names the team
+NODE_KEY = "0f" * 32  # a node of a cluster: its gateway names the team
 
 
 class _Team:
@@ -130,7 +130,7 @@ class _Team:
     def __init__(self, client: TestClient, team: str) -> None:
         self.client = client
         # what the gateway sends a node of its cluster (node/tenancy.py)
-        self.headers = {"x-agentenv-cluster-secret": CLUSTER_SECRET, "x-agentenv-team": team}
+        self.headers = {"x-agentenv-node-key": NODE_KEY, "x-agentenv-team": team}
 
     def __getattr__(self, method: str) -> Any:
         return lambda url, **kw: getattr(self.client, method)(url, headers=self.headers, **kw)
@@ -139,7 +139,7 @@ class _Team:
 @pytest.fixture
 def two_teams(tmp_path: Path) -> Iterator[tuple[_Team, _Team, Path]]:
     state = tmp_path / "state"
-    app = build_app(ServeOptions(state_dir=state, backend="process", cluster_secret=CLUSTER_SECRET))
+    app = build_app(ServeOptions(state_dir=state, backend="process", node_key=NODE_KEY))
     with TestClient(app) as client:
         yield _Team(client, "team-a"), _Team(client, "team-b"), state
 

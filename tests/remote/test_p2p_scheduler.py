@@ -18,6 +18,7 @@ from typing import Any
 import httpx
 import pytest
 
+from agentenv.cluster_keys import node_key, peer_key
 from agentenv.storage.image import Image
 from agentenv.template.pull import pull_image
 from tests.blockd.conftest import Daemon
@@ -38,23 +39,27 @@ KiB = 1 << 10
 class Pair:
     """A node: its blockd (chunk cache, chunk server) and a process-backend node beside it."""
 
-    def __init__(self, name: str, root: Path, scheduler: str, secret_file: Path,
+    def __init__(self, name: str, root: Path, scheduler: str, secret: str,
                  background_bw: str) -> None:
         self.name = name
+        root.mkdir(parents=True, exist_ok=True)
+        peer_key_file, node_key_file = root / "peer-key", root / "node-key"
+        peer_key_file.write_text(peer_key(secret))
+        node_key_file.write_text(node_key(secret, name))
         self.daemon = Daemon(root / "blockd", fuse=False)
         self.p2p = f"127.0.0.1:{free_port()}"
         self.daemon.extra_args = [
             "--chunk-cache-size", "64M", "--remote-timeout", "10",
-            "--remote-background-bw", background_bw, "--cluster-secret-file", str(secret_file),
+            "--remote-background-bw", background_bw, "--peer-key-file", str(peer_key_file),
             "--p2p-listen", self.p2p,
         ]
         self.state = root / "aenv"  # the pulled image's descriptors
         self.node = NodeProcess(
             root / "node", root / "node.log",
-            # a cluster's node: its API (and so blockd's resolver) wants the secret, and the
+            # a cluster's node: its API (and so blockd's resolver) wants its key, and the
             # scheduler takes its heartbeats only with a token derived from it
             extra_args=("--backend", "process", "--scheduler", scheduler, "--node-id", name,
-                        "--cluster-secret-file", str(secret_file)),
+                        "--node-key-file", str(node_key_file)),
             extra_env={"AENV_BLOCKD_SOCKET": str(self.daemon.socket)},
         )
 
@@ -94,7 +99,7 @@ def cluster(redis_server: RedisServer, prefix: str,
     pairs: list[Pair] = []
     try:
         sched.start()
-        secret = sched.secret_file
+        secret = sched.secret_file.read_text().strip()
         # A completes the blobs it uses (so it holds it whole); B fetches only what it reads.
         pairs += [Pair("node-a", root / "a", sched.address, secret, "64M"),
                   Pair("node-b", root / "b", sched.address, secret, "0")]
@@ -137,8 +142,8 @@ def test_node_b_reads_from_a_found_by_the_scheduler(cluster: tuple[Any, ...]) ->
         h for h in call(sched.address, "holders", [digest], node_id="node-b")[digest]
         if h.complete], timeout=60)
     assert [(h.node_id, h.layer_address) for h in holders] == [("node-a", a.p2p)]
-    # B's node answers its blockd: B serves its gateway only, so blockd sends the secret.
-    cluster = {"x-agentenv-cluster-secret": sched.secret_file.read_text().strip()}
+    # B's node answers its blockd: B serves its gateway only, so blockd sends B's key.
+    cluster = {"x-agentenv-node-key": node_key(sched.secret_file.read_text().strip(), "node-b")}
     reply = httpx.get(f"{b.node.url}/cluster/holders", params={"digest": digest},
                       headers=cluster, trust_env=False)
     assert reply.status_code == 200, reply.text
@@ -149,8 +154,12 @@ def test_node_b_reads_from_a_found_by_the_scheduler(cluster: tuple[Any, ...]) ->
     assert httpx.get(f"{b.node.url}/cluster/holders", params={"digest": "sha256:x"},
                      headers=cluster, trust_env=False).status_code == 400
     # A's node answers for itself: it holds the blob, so no other holder.
+    as_a = {"x-agentenv-node-key": node_key(sched.secret_file.read_text().strip(), "node-a")}
+    # B's key is not A's: each node holds a key good for itself only
+    assert httpx.get(f"{a.node.url}/cluster/holders", params={"digest": digest},
+                     headers=cluster, trust_env=False).status_code == 403
     reply = httpx.get(f"{a.node.url}/cluster/holders", params={"digest": digest},
-                      headers=cluster, trust_env=False)
+                      headers=as_a, trust_env=False)
     assert reply.status_code == 200 and reply.json()["holders"] == [], reply.text
     wait_for("node B's blockd to know its resolver", lambda: b.stats()["resolver"], timeout=30)
     assert b.stats()["peers"] == []  # no static peer

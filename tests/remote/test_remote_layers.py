@@ -77,7 +77,7 @@ class World:
         p2p = f"127.0.0.1:{_port()}" if serve else None
         daemon.extra_args = ["--chunk-cache-size", cache, "--remote-timeout", str(timeout),
                              "--remote-background-bw", "0",
-                             "--cluster-secret-file", str(self.secret_file)]
+                             "--peer-key-file", str(self.secret_file)]
         for peer in peers:
             daemon.extra_args += ["--peer", f"http://{peer.p2p}"]
         if p2p:
@@ -104,8 +104,8 @@ def world() -> Iterator[World]:
     root = Path(tempfile.mkdtemp(prefix="remote-layers-"))
     (root / "registry").mkdir()
     registry = _start_registry(root / "registry", None)
-    secret_file = root / "cluster-secret"
-    secret_file.write_text(secrets.token_hex(16))
+    secret_file = root / "peer-key"  # what `aenv peer-key` prints: 64 hex digits
+    secret_file.write_text(secrets.token_hex(32))
     w = World(root, registry, image, secret_file, [])
     old_docker = os.environ.get("DOCKER_CONFIG")
     os.environ["DOCKER_CONFIG"] = str(root / "docker")  # the host's credentials never leak in
@@ -351,8 +351,8 @@ def test_registry_down_peer_serves_then_eio(world: World) -> None:
     assert "remote read failed" in log and world.image.blob_digest in log
 
 
-def test_p2p_needs_the_cluster_secret(world: World) -> None:
-    # A fresh serving node: without the secret it answers 401.
+def test_p2p_needs_the_peer_key(world: World) -> None:
+    # A fresh serving node: without the peer key it answers 401.
     f = world.node("f")
     reply = httpx.get(f"http://{f.p2p}/blobs")
     assert reply.status_code == 401

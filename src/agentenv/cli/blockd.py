@@ -56,8 +56,9 @@ _socket_option = click.option(
                    "comma-separated).")
 @click.option("--p2p-listen", default=None,
               help="host:port to serve verified chunks to peers on (env AENV_P2P_LISTEN).")
-@click.option("--cluster-secret-file", type=click.Path(path_type=Path, exists=True), default=None,
-              help="The cluster secret peers authenticate with (env AENV_CLUSTER_SECRET[_FILE]).")
+@click.option("--peer-key-file", type=click.Path(path_type=Path, exists=True), default=None,
+              help="The key layer peers present to each other (`aenv peer-key`; env "
+                   "AENV_PEER_KEY[_FILE]).")
 @click.option("--remote-background-bw", default=None,
               help="Bytes/s for completing remote blobs in use in the background; 0: off "
                    "(default 32M; env AENV_REMOTE_BACKGROUND_BW).")
@@ -66,13 +67,14 @@ def blockd_command(state_dir: Path, socket_path: Path, metrics_port: int | None,
                    metrics_bind: str, no_fuse: bool, inline_max: int | None,
                    upper_limit: str, chunk_cache_dir: Path | None, chunk_cache_size: str | None,
                    chunk_cache_eviction: str | None, remote_timeout: float | None, peers: tuple[str, ...], p2p_listen: str | None,
-                   cluster_secret_file: Path | None, remote_background_bw: str | None,
+                   peer_key_file: Path | None, remote_background_bw: str | None,
                    log_level: str) -> None:
     """Run the block daemon in the foreground: every disk over NBD (and FUSE)."""
     from agentenv import logs
     from agentenv.blockd.daemon import Blockd
     from agentenv.blockd.device import INLINE_MAX
     from agentenv.blockd.remote.service import config_from_env, parse_size
+    from agentenv.cluster_keys import load_key
 
     logs.setup(log_level)
     try:
@@ -84,7 +86,7 @@ def blockd_command(state_dir: Path, socket_path: Path, metrics_port: int | None,
             state_dir, cache_dir=chunk_cache_dir,
             capacity=parse_size(chunk_cache_size) if chunk_cache_size else None,
             eviction=chunk_cache_eviction, timeout=remote_timeout, peers=list(peers) or None, p2p_listen=p2p_listen,
-            secret=cluster_secret_file.read_text().strip() if cluster_secret_file else None,
+            secret=load_key(peer_key_file, "AENV_PEER_KEY", "peer key") if peer_key_file else None,
             background_bw=parse_size(remote_background_bw) if remote_background_bw else None)
     except ValueError as exc:
         raise click.BadParameter(str(exc), param_hint="remote layer settings") from None

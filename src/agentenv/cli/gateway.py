@@ -123,13 +123,43 @@ def team_ls() -> None:
 def metrics_token_command(cluster_secret_file: Path | None) -> None:
     """Print the token a Prometheus scraper of the cluster sends (`Authorization: Bearer`) to
     the gateways' and nodes' /metrics: derived from the cluster secret, good for nothing else."""
-    from agentenv.errors import AgentEnvError
-    from agentenv.node.security import load_cluster_secret, metrics_token
+    from agentenv.node.security import metrics_token
 
-    secret = load_cluster_secret(cluster_secret_file)
+    click.echo(metrics_token(_cluster_secret(cluster_secret_file)))
+
+
+def _cluster_secret(path: Path | None) -> str:
+    from agentenv.errors import AgentEnvError
+    from agentenv.node.security import load_cluster_secret
+
+    secret = load_cluster_secret(path)
     if secret is None:
         raise AgentEnvError("no cluster secret: --cluster-secret-file or AENV_CLUSTER_SECRET")
-    click.echo(metrics_token(secret))
+    return secret
 
 
-COMMANDS = [gateway_command, team_group, metrics_token_command]
+@click.command("node-key")
+@click.option("--node-id", required=True, help="The node's id (its --node-id).")
+@click.option("--cluster-secret-file", type=click.Path(dir_okay=False, path_type=Path),
+              default=None, help="The cluster secret (default: $AENV_CLUSTER_SECRET).")
+def node_key_command(node_id: str, cluster_secret_file: Path | None) -> None:
+    """Print the key of node NODE_ID (its --node-key-file): derived from the cluster secret,
+    good for that node only (the gateway's requests to it, its calls to the scheduler)."""
+    from agentenv.cluster_keys import node_key
+
+    click.echo(node_key(_cluster_secret(cluster_secret_file), node_id))
+
+
+@click.command("peer-key")
+@click.option("--cluster-secret-file", type=click.Path(dir_okay=False, path_type=Path),
+              default=None, help="The cluster secret (default: $AENV_CLUSTER_SECRET).")
+def peer_key_command(cluster_secret_file: Path | None) -> None:
+    """Print the key the nodes' blockds present to each other for layer chunks (blockd's
+    --peer-key-file): derived from the cluster secret, good for nothing else."""
+    from agentenv.cluster_keys import peer_key
+
+    click.echo(peer_key(_cluster_secret(cluster_secret_file)))
+
+
+COMMANDS = [gateway_command, team_group, metrics_token_command, node_key_command,
+            peer_key_command]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import socket
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -70,21 +71,35 @@ def _check_domain(value: str | None) -> str | None:
               help="HOST:PORT the gateway reaches this node at. Default: --host:--port "
               "(required when --host is 0.0.0.0 or ::).")
 @click.option(
+    "--node-key-file",
+    type=click.Path(dir_okay=False, path_type=Path),
+    envvar="AENV_NODE_KEY_FILE",
+    default=None,
+    help="Part of a cluster: this node's key (`aenv node-key --node-id ID`): serve only "
+    "requests carrying it (the gateway's), and call the scheduler with it. "
+    "Default: $AENV_NODE_KEY_FILE, $AENV_NODE_KEY, else none (a standalone node).",
+)
+@click.option(
     "--cluster-secret-file",
     type=click.Path(dir_okay=False, path_type=Path),
     default=None,
-    help="Part of a cluster: serve only requests carrying this secret (the gateway's). "
-    "Default: $AENV_CLUSTER_SECRET, else none (a standalone node).",
+    help="A one-machine development cluster only: derive this node's key (and the metrics "
+    "token) from the cluster secret itself. Default: $AENV_CLUSTER_SECRET.",
 )
+@click.option("--metrics-token-file", type=click.Path(dir_okay=False, path_type=Path),
+              envvar="AENV_METRICS_TOKEN_FILE", default=None,
+              help="The cluster's metrics token (`aenv metrics-token`): /metrics for a scraper "
+              "with `Authorization: Bearer` it. Default: $AENV_METRICS_TOKEN_FILE.")
 @click.option("--public-metrics/--no-public-metrics", envvar="AENV_PUBLIC_METRICS", default=False,
               show_default=True,
               help="Serve /metrics without a credential (default: the API key, or in a cluster "
-              "the cluster secret or `Authorization: Bearer $(aenv metrics-token)`).")
+              "the node key or the metrics token).")
 @click.option("--log-level", default="info", show_default=True)
 def serve_command(
     state_dir: Path, host: str, port: int, backend: str, domain: str | None,
     scheduler: str | None, node_id: str | None, advertise: str | None,
-    cluster_secret_file: Path | None, public_metrics: bool, log_level: str
+    node_key_file: Path | None, cluster_secret_file: Path | None,
+    metrics_token_file: Path | None, public_metrics: bool, log_level: str
 ) -> None:
     """Run the node server: E2B-compatible API and sandbox proxy on one port."""
     from agentenv import logs
@@ -95,7 +110,7 @@ def serve_command(
         load_cluster_secret,
         secure_state_dir,
     )
-    from agentenv.node.server import ServeOptions, serve
+    from agentenv.node.server import ServeOptions, cluster_credentials, serve
 
     logs.setup(log_level)
     if scheduler and not advertise and host in ("0.0.0.0", "::", ""):
@@ -109,10 +124,22 @@ def serve_command(
             f"{node_id!r}: letters, digits, '.', '_', ':', '-' (at most 128)",
             param_hint="--node-id",
         )
+    node_id = node_id or socket.gethostname()
     cluster_secret = load_cluster_secret(cluster_secret_file)
-    if scheduler and cluster_secret is None:
-        raise click.UsageError("--scheduler needs the cluster secret (--cluster-secret-file or "
-                               "AENV_CLUSTER_SECRET): the scheduler answers only its cluster")
+    try:
+        node_key, metrics_token = cluster_credentials(node_id, node_key_file, cluster_secret,
+                                                      metrics_token_file)
+    except AgentEnvError as exc:
+        raise click.UsageError(str(exc)) from None
+    if cluster_secret is not None:
+        click.echo("this node holds the cluster secret (a one-machine development cluster): "
+                   "anyone who takes it can act as the gateway to every node; give a node of "
+                   "a real cluster only its key (--node-key-file, `aenv node-key`)", err=True)
+    if scheduler and node_key is None:
+        raise click.UsageError(
+            "--scheduler needs the cluster secret (--cluster-secret-file, a one-machine cluster) "
+            "or this node's key (--node-key-file, AENV_NODE_KEY[_FILE]; `aenv node-key "
+            "--node-id ID` prints it): the scheduler answers only its cluster")
     secure_state_dir(state_dir)
     load_api_key(state_dir)
     if not os.environ.get("AENV_API_KEY"):
@@ -124,10 +151,11 @@ def serve_command(
             port=port,
             backend=backend,
             config=NodeConfig(domain=domain),
-            cluster_secret=cluster_secret,
+            node_key=node_key,
+            metrics_token=metrics_token,
             public_metrics=public_metrics,
             scheduler=scheduler or None,
-            node_id=node_id or "",
+            node_id=node_id,
             advertise=advertise or "",
         )
     )

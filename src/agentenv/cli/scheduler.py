@@ -19,6 +19,17 @@ from agentenv.errors import AgentEnvError
 @click.option("--cluster-secret-file", type=click.Path(dir_okay=False, path_type=Path),
               default=None, help="The cluster secret: every caller's token is derived from it "
               "(default: $AENV_CLUSTER_SECRET; required).")
+@click.option("--tls-cert", envvar="AENV_SCHEDULER_TLS_CERT", default=None,
+              type=click.Path(dir_okay=False),
+              help="Serve TLS with this certificate (PEM; with --tls-key). Default: "
+              "$AENV_SCHEDULER_TLS_CERT, else plaintext.")
+@click.option("--tls-key", envvar="AENV_SCHEDULER_TLS_KEY", default=None,
+              type=click.Path(dir_okay=False),
+              help="The key of --tls-cert (PEM). Default: $AENV_SCHEDULER_TLS_KEY.")
+@click.option("--tls-client-ca", envvar="AENV_SCHEDULER_TLS_CLIENT_CA", default=None,
+              type=click.Path(dir_okay=False),
+              help="mTLS: every client must show a certificate this CA signed (PEM). Default: "
+              "$AENV_SCHEDULER_TLS_CLIENT_CA, else none.")
 @click.option("--redis", "redis_url", envvar="AENV_REDIS_URL",
               default="redis://127.0.0.1:6379/0", show_default="$AENV_REDIS_URL or "
               "redis://127.0.0.1:6379/0",
@@ -48,7 +59,8 @@ from agentenv.errors import AgentEnvError
               "(and a released one from a heartbeat that still does).")
 @click.option("--log-level", default="info", show_default=True)
 def scheduler_command(
-    listen: str, cluster_secret_file: Path | None, redis_url: str, redis_user: str | None,
+    listen: str, cluster_secret_file: Path | None, tls_cert: str | None, tls_key: str | None,
+    tls_client_ca: str | None, redis_url: str, redis_user: str | None,
     redis_password_file: Path | None, redis_prefix: str, strategy: str,
     static_nodes: tuple[str, ...], nodes_file: Path | None, k8s_service: str | None,
     heartbeat_interval: float, missed_heartbeats: int, self_registration: bool,
@@ -57,7 +69,7 @@ def scheduler_command(
     """Run the scheduler: placement, the sandbox -> node bindings, node heartbeats."""
     from agentenv import logs
     from agentenv.control.redis_auth import RedisAuth
-    from agentenv.control.scheduler.server import SchedulerOptions, run
+    from agentenv.control.scheduler.server import SchedulerOptions, ServerTls, run
     from agentenv.control.scheduler.service import SchedulerConfig
     from agentenv.node.security import load_cluster_secret
 
@@ -81,6 +93,7 @@ def scheduler_command(
         static_nodes=list(static_nodes),
         nodes_file=nodes_file,
         k8s_service=k8s_service or os.environ.get("AENV_K8S_SERVICE") or None,
+        tls=ServerTls.load(tls_cert, tls_key, tls_client_ca),
     )
 
     def ready(server: object) -> None:

@@ -7,7 +7,7 @@ control plane, which needs `X-API-KEY` except for /health and /metrics. Paths wi
 encoded-separator segments are refused before routing (relay/server.py path_problem).
 
 Teams (node/tenancy.py): a request with the API key is of LOCAL_TEAM; a node of a cluster
-serves only its gateway (the cluster secret), which names the team of each request in
+serves only its gateway (its node key), which names the team of each request in
 TEAM_HEADER, and every route applies that team's scope: another team's sandbox, template or
 snapshot is not found, by id or by name, and listings show the team's own. A gateway request
 without a team reaches only the team-less routes (TEAMLESS_PATHS). Every non-2xx answer of
@@ -50,7 +50,7 @@ from agentenv.node.openapi import openapi_document
 from agentenv.node.orchestrator import CreateParams, Orchestrator
 from agentenv.node.proxy import SandboxProxy, send_json
 from agentenv.node.records import SandboxRecord, State
-from agentenv.node.security import CLUSTER_SECRET_HEADER, bearer_is, metrics_token, same_secret
+from agentenv.node.security import NODE_KEY_HEADER, bearer_is, same_secret
 from agentenv.node.tenancy import LOCAL_TEAM, SCOPE_KEY, TEAM_HEADER, TEAM_NAME, scope_team
 from agentenv.relay.server import path_problem, request_target, target_problem
 
@@ -61,7 +61,7 @@ MAX_BODY_BYTES = 1 << 20
 MAX_PAGE = 100
 IDEMPOTENCY_SECONDS = 600.0
 PUBLIC_PATHS = {"/health", "/openapi.json"}
-#: what a node is asked for no team, with the cluster secret: which sandbox made a file
+#: what a node is asked for no team, with the node key: which sandbox made a file
 #: signature (the URL names no team; the answer names it), the node's own state and metrics,
 #: and which peers hold a layer (blockd's question, node/layer_peers.py)
 TEAMLESS_PATHS = PUBLIC_PATHS | {"/metrics", security.SIGNATURE_OWNER_PATH, "/nodes",
@@ -186,21 +186,23 @@ class NodeApp:
         metrics: NodeMetrics | None = None,
         node_id: str | None = None,
         extra_routes: list[Route] | None = None,
-        cluster_secret: str | None = None,
+        node_key: str | None = None,
+        metrics_token: str | None = None,
         public_metrics: bool = False,
     ) -> None:
-        """`cluster_secret`: the node is part of a cluster and serves only its gateway: every
-        request but /health must carry the secret (CLUSTER_SECRET_HEADER), which then stands in
-        for the API key. /metrics also takes `Authorization: Bearer` with the cluster's metrics
-        token (the API key on a standalone node), or nothing when `public_metrics`.
+        """`node_key`: the node is part of a cluster and serves only its gateway: every
+        request but /health must carry this node's key (NODE_KEY_HEADER; the gateway derives
+        it from the cluster secret, which the node does not hold), which then stands in for
+        the API key. /metrics also takes `Authorization: Bearer` with the cluster's
+        `metrics_token` (the API key on a standalone node), or nothing when `public_metrics`.
         `extra_routes` (e.g. the template build API) are matched before the built-in ones,
         so they can claim paths under /templates/ that `GET /templates/{id}` would catch."""
         self.orchestrator = orchestrator
         self.catalogue = orchestrator.catalogue
         self.api_key = api_key
-        self.cluster_secret = cluster_secret
+        self.node_key = node_key
         self.public_metrics = public_metrics
-        self.metrics_token = metrics_token(cluster_secret) if cluster_secret else api_key
+        self.metrics_token = metrics_token if node_key else api_key
         self.metrics = metrics or NodeMetrics()
         self.metrics.watch_states(orchestrator.count_by_state)
         self.node_id = node_id or socket.gethostname()
@@ -253,12 +255,13 @@ class NodeApp:
             return
         scope[SCOPE_KEY] = LOCAL_TEAM
         scraper = route is None and scope["path"] == "/metrics" and (
-            self.public_metrics or bearer_is(scope["headers"], self.metrics_token))
+            self.public_metrics or (self.metrics_token is not None
+                                    and bearer_is(scope["headers"], self.metrics_token)))
         from_gateway = False
-        if (self.cluster_secret is not None and not scraper
+        if (self.node_key is not None and not scraper
                 and (route is not None or scope["path"] != "/health")):
-            given = [v for n, v in scope["headers"] if n == CLUSTER_SECRET_HEADER]
-            if len(given) != 1 or not same_secret(given[0].decode("latin-1"), self.cluster_secret):
+            given = [v for n, v in scope["headers"] if n == NODE_KEY_HEADER]
+            if len(given) != 1 or not same_secret(given[0].decode("latin-1"), self.node_key):
                 await self._refuse(scope, send, 403, "this node serves its cluster's gateway only")
                 return
             from_gateway = True

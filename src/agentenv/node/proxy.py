@@ -41,7 +41,7 @@ from agentenv.node.backend import ENVD_PORT
 from agentenv.node.metrics import NodeMetrics
 from agentenv.node.orchestrator import Orchestrator
 from agentenv.node.records import SandboxRecord, State
-from agentenv.node.security import CLUSTER_SECRET_HEADER, same_secret
+from agentenv.node.security import NODE_KEY_HEADER, same_secret
 from agentenv.node.tenancy import TEAM_HEADER, scope_team
 from agentenv.relay.server import request_target, target_problem
 from agentenv.relay.stream import (
@@ -68,7 +68,7 @@ _ROUTING = {
     b"e2b-traffic-access-token",
     b"host",
     b"expect",
-    CLUSTER_SECRET_HEADER,
+    NODE_KEY_HEADER,
     TEAM_HEADER,
 }
 FILES_PATH = "/files"

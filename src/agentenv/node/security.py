@@ -105,8 +105,9 @@ def same_secret(given: str | None, expected: str) -> bool:
     return given is not None and hmac.compare_digest(given.encode(), expected.encode())
 
 
-#: the header a gateway sends every request to a node with, when the cluster has a secret
-CLUSTER_SECRET_HEADER = b"x-agentenv-cluster-secret"
+#: the header a gateway sends every request to a node of a cluster with: that node's key
+#: (agentenv.cluster_keys.node_key), which no other node's key passes
+NODE_KEY_HEADER = b"x-agentenv-node-key"
 #: a node route only its gateway calls: which sandbox of the node made a file signature
 SIGNATURE_OWNER_PATH = "/cluster/file-signature-owner"
 

@@ -27,7 +27,7 @@ from agentenv.node.gc import LayerCollector
 from agentenv.node.metrics import NodeMetrics
 from agentenv.node.orchestrator import NodeConfig, Orchestrator
 from agentenv.node.security import (
-    CLUSTER_SECRET_HEADER,
+    NODE_KEY_HEADER,
     TokenIssuer,
     load_api_key,
     secure_state_dir,
@@ -49,8 +49,11 @@ class ServeOptions:
     backend: str = "vm"  # the product; "process" is for development and tests
     config: NodeConfig = field(default_factory=NodeConfig)
     graceful_seconds: float = 5.0
-    #: set when the node is part of a cluster: it then serves only its gateway
-    cluster_secret: str | None = None
+    #: set when the node is part of a cluster: it then serves only its gateway, which sends
+    #: this key (agentenv.cluster_keys.node_key), and calls the scheduler with it
+    node_key: str | None = None
+    #: the cluster's metrics token (`aenv metrics-token`), for scrapers of /metrics
+    metrics_token: str | None = None
     #: /metrics without a credential (a scraper on a trusted network)
     public_metrics: bool = False
     # The control plane (node/heartbeat.py): heartbeats go to this scheduler when set.
@@ -103,7 +106,7 @@ def build_app(
     )
     orchestrator.gc = LayerCollector(orchestrator, state, metrics)
     orchestrator.admission = Admission.from_env(state)
-    if not options.cluster_secret:  # a cluster's gateway counts a team over every node
+    if not options.node_key:  # a cluster's gateway counts a team over every node
         orchestrator.admission.quotas = TeamQuotas.from_env()
     if (pools := capabilities.pools) is not None:
         metrics.watch_ready_pools(lambda: pools.pool)
@@ -118,9 +121,27 @@ def build_app(
         api_key,
         metrics,
         extra_routes=[*(extra_routes or []), *builds.routes(), *moves.routes()],
-        cluster_secret=options.cluster_secret,
+        node_key=options.node_key,
+        metrics_token=options.metrics_token,
         public_metrics=options.public_metrics,
     )
+
+
+def cluster_credentials(node_id: str, node_key_file: Path | None, cluster_secret: str | None,
+                        metrics_token_file: Path | None) -> tuple[str | None, str | None]:
+    """The node key and metrics token of a node of a cluster, (None, None) for a standalone
+    node. A node is given its own key (a file, or AENV_NODE_KEY); the cluster secret itself
+    (a one-machine development cluster) derives both."""
+    from agentenv.cluster_keys import load_key, node_key
+    from agentenv.node.security import metrics_token
+
+    key = load_key(node_key_file, "AENV_NODE_KEY", "node key")
+    token = load_key(metrics_token_file, "AENV_METRICS_TOKEN", "metrics token")
+    if cluster_secret is None:
+        return key, token
+    if key is not None:
+        raise AgentEnvError("give a node its key or the cluster secret, not both")
+    return node_key(cluster_secret, node_id), token or metrics_token(cluster_secret)
 
 
 def lock_state_dir(state_dir: Path) -> int:
@@ -156,15 +177,15 @@ async def _serve_with_heartbeat(
         from agentenv.node.heartbeat import HeartbeatSender
         from agentenv.node.layer_peers import LayerPeers, blockd_socket_of
 
-        if not options.cluster_secret:
-            raise AgentEnvError("a node of a scheduler needs the cluster secret")
+        if not options.node_key:
+            raise AgentEnvError("a node of a scheduler needs its node key")
         node_id = options.node_id or socket.gethostname()
-        credentials = Credentials.node(options.cluster_secret, node_id)
+        credentials = Credentials.node(options.node_key, node_id)
         advertise = options.advertise or f"{options.host}:{options.port}"
         # blockd asks this node's API which peers hold a blob: on loopback, with what passes.
         local = {"0.0.0.0": "127.0.0.1", "::": "[::1]", "": "127.0.0.1"}.get(
             options.host, f"[{options.host}]" if ":" in options.host else options.host)
-        headers = {CLUSTER_SECRET_HEADER.decode(): options.cluster_secret}
+        headers = {NODE_KEY_HEADER.decode(): options.node_key}
         backend = app.orchestrator.backend
         peers = LayerPeers(options.scheduler, credentials, node_id,
                            f"http://{local}:{options.port}", headers,

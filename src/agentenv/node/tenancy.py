@@ -1,7 +1,7 @@
 """Which team a request to the node acts for.
 
 A standalone node has one team, `LOCAL_TEAM`: whoever holds its API key. A node of a cluster
-serves only its gateway (the cluster secret), and the gateway names the team it authorised in
+serves only its gateway (its node key), and the gateway names the team it authorised in
 `TEAM_HEADER`; the node applies that team's scope itself, so one gateway bug does not open every
 team. The gateway strips the header from what clients send: only it sets the header.
 """
@@ -12,7 +12,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-#: set by the gateway on every request it relays, next to the cluster secret
+#: set by the gateway on every request it relays, next to the node key
 TEAM_HEADER = b"x-agentenv-team"
 #: the ASGI scope key under which the node's app records the request's team
 SCOPE_KEY = "agentenv.team"

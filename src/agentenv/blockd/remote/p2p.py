@@ -4,7 +4,8 @@
     GET /blobs/<digest>         with `Range: bytes=a-b`: 206 and exactly those bytes when every
                                 one of them is held and verified here, else 404
 
-Every request carries `Authorization: Bearer <cluster secret>`; anything else gets 401. A
+Every request carries `Authorization: Bearer <peer key>` (agentenv.cluster_keys.peer_key, derived
+from the cluster secret, which nodes do not hold); anything else gets 401. A
 range is served only from chunks that passed their check (ZFile CRCs), from a blob whose
 sha256 matched, or from the metadata ranges that were checked when the blob was opened.
 
@@ -101,7 +102,7 @@ class _Handler(BaseHTTPRequestHandler):
         got = self.headers.get("Authorization", "")
         want = b"Bearer " + self.server.secret
         if not self.server.secret or not hmac.compare_digest(got.encode(), want):
-            self._send(401, b"cluster secret required\n")
+            self._send(401, b"peer key required\n")
             return
         store = self.server.store
         if self.path == "/blobs":
@@ -134,7 +135,7 @@ class PeerServer:
         if not host or not port.isdigit():
             raise ValueError(f"p2p listen address {listen!r} is not host:port")
         if not secret:
-            raise ValueError("serving peers needs the cluster secret")
+            raise ValueError("serving peers needs the peer key (AENV_PEER_KEY[_FILE])")
         self.server = _Server((host.strip("[]"), int(port)), _Handler)
         self.server.store = store
         self.server.secret = secret.encode()

@@ -21,6 +21,7 @@ from agentenv.blockd.remote.store import (
     RemoteStore,
     Resolver,
 )
+from agentenv.cluster_keys import load_key
 from agentenv.storage import blob
 
 log = logging.getLogger("agentenv.blockd.remote")
@@ -56,12 +57,10 @@ def parse_size(text: str) -> int:
 
 def config_from_env(state_dir: Path, **overrides: Any) -> RemoteConfig:
     """Settings from the environment (AENV_CHUNK_CACHE_* (_DIR, _SIZE, _EVICTION), AENV_REMOTE_*, AENV_PEERS,
-    AENV_P2P_LISTEN, AENV_CLUSTER_SECRET[_FILE]), then the given overrides (not None)."""
+    AENV_P2P_LISTEN, AENV_PEER_KEY[_FILE]), then the given overrides (not None)."""
     env = os.environ
-    secret = env.get("AENV_CLUSTER_SECRET") or None
-    secret_file = env.get("AENV_CLUSTER_SECRET_FILE")
-    if secret_file and not secret:
-        secret = Path(secret_file).read_text().strip() or None
+    key_file = env.get("AENV_PEER_KEY_FILE")
+    secret = load_key(Path(key_file) if key_file else None, "AENV_PEER_KEY", "peer key")
     config = RemoteConfig(
         cache_dir=Path(env.get("AENV_CHUNK_CACHE_DIR") or Path(state_dir) / "chunk-cache"),
         capacity=parse_size(env.get("AENV_CHUNK_CACHE_SIZE", "10G")),

@@ -60,7 +60,7 @@ class RemoteConfig:
     timeout: float = DEFAULT_TIMEOUT  # a guest read fails with EIO after this long
     request_timeout: float = 10.0  # one HTTP request to one source
     peers: list[str] = field(default_factory=list)  # http://host:port of other nodes' blockd
-    secret: str | None = None  # the cluster secret peers authenticate with
+    secret: str | None = None  # the peer key (agentenv.cluster_keys.peer_key) peers present
     p2p_listen: str | None = None  # host:port to serve chunks to peers
     background_bw: int = 32 << 20  # bytes/s for completing blobs in use; 0: off
     fetch_threads: int = 8

@@ -8,7 +8,8 @@ holding what it names (per-sandbox routes, snapshots, a team's templates); listi
 node's. A team sees only its own sandboxes, templates and snapshots (404 for the rest); templates
 no team built (a node's built-in `base`) are everybody's.
 
-Every request to a node carries the cluster secret (nodes of a cluster serve nothing else), the
+Every request to a node carries that node's key (agentenv.cluster_keys, derived from the cluster
+secret: nodes of a cluster serve nothing else, and a node's key is good for that node only), the
 team it is for (TEAM_HEADER, node/tenancy.py: the node applies that team's scope itself) and no
 client API key. Paths are checked before routing (relay/server.py path_problem: no dot, empty
 or encoded-separator segments) and what a node is sent is built from what was routed, never
@@ -39,6 +40,7 @@ import httpx
 from starlette.requests import Request
 
 from agentenv import __version__
+from agentenv.cluster_keys import node_key
 from agentenv.control.gateway.limits import GatewayQuotas, LookupLimiter, fork_count
 from agentenv.control.gateway.metrics import GatewayMetrics
 from agentenv.control.gateway.placement import (
@@ -52,7 +54,7 @@ from agentenv.control.gateway.placement import (
 from agentenv.control.gateway.signed import SANDBOX_GONE, SignatureOwners, signature_key
 from agentenv.control.gateway.store import PENDING, GatewayStore, StoreUnavailable
 from agentenv.errors import AgentEnvError
-from agentenv.node.security import SIGNATURE_OWNER_PATH, bearer_is, metrics_token
+from agentenv.node.security import NODE_KEY_HEADER, SIGNATURE_OWNER_PATH, bearer_is, metrics_token
 from agentenv.node.template_models import UPLOAD_PREFIX
 from agentenv.node.tenancy import TEAM_HEADER
 from agentenv.relay.server import path_problem, request_target, target_problem
@@ -69,7 +71,8 @@ from agentenv.relay.stream import (
 log = logging.getLogger("agentenv.control.gateway")
 
 Scope = dict[str, Any]
-CLUSTER_SECRET_HEADER = b"x-agentenv-cluster-secret"
+#: node keys remembered (then forgotten and derived again): clusters have hundreds of nodes
+MAX_NODE_KEYS = 10_000
 ENVD_PORT = 49983
 MAX_BODY = 1 << 20
 MAX_PAGE = 100
@@ -86,12 +89,12 @@ _PORT = re.compile(r"^\d{1,5}$")
 _ID = re.compile(r"^[a-z0-9]{1,63}$")
 #: what a path keeps unencoded when the gateway writes it again for a node (RFC 3986 pchar)
 _PATH_SAFE = "/!$&'()*+,;=:@~-._"
-#: never sent to a node: the client's team key, the cluster secret and team (the gateway sets
+#: never sent to a node: the client's team key, a node key and team (the gateway sets
 #: its own) and the routing headers (the gateway sets the sandbox's own)
 _DROP_TO_NODE = frozenset(
     {
         b"x-api-key",
-        CLUSTER_SECRET_HEADER,
+        NODE_KEY_HEADER,
         TEAM_HEADER,
         b"e2b-sandbox-id",
         b"e2b-sandbox-port",
@@ -234,7 +237,8 @@ class GatewayApp:
                  public_metrics: bool = False) -> None:
         self.scheduler = scheduler
         self.store = store
-        self.secret = cluster_secret.encode()
+        self.secret = cluster_secret
+        self._node_keys: dict[str, bytes] = {}  # node id -> its key (derived once)
         # /metrics: for a scraper with the cluster's metrics token, or anyone when public
         self.metrics_token = None if public_metrics else metrics_token(cluster_secret)
         self.domain = domain
@@ -321,21 +325,26 @@ class GatewayApp:
 
     # --- sandbox traffic ---------------------------------------------------------------------
 
-    def _node_headers(self, team: str | None) -> list[tuple[bytes, bytes]]:
-        """The gateway's own headers on a request to a node: the secret, and the team the
+    def _node_headers(self, node: Node, team: str | None) -> list[tuple[bytes, bytes]]:
+        """The gateway's own headers on a request to a node: that node's key, and the team the
         request is for (None: one of the few team-less routes, node/tenancy.py)."""
-        headers = [(CLUSTER_SECRET_HEADER, self.secret)]
+        key = self._node_keys.get(node.node_id)
+        if key is None:
+            if len(self._node_keys) >= MAX_NODE_KEYS:
+                self._node_keys.clear()
+            key = self._node_keys[node.node_id] = node_key(self.secret, node.node_id).encode()
+        headers = [(NODE_KEY_HEADER, key)]
         if team is not None:
             headers.append((TEAM_HEADER, team.encode()))
         return headers
 
-    def _to_node_headers(self, scope: Scope, sandbox_id: str, port: int, team: str
+    def _to_node_headers(self, scope: Scope, node: Node, sandbox_id: str, port: int, team: str
                          ) -> list[tuple[bytes, bytes]]:
         headers = forward_headers(scope, _DROP_TO_NODE | {b"host"})
         headers += [
             (b"e2b-sandbox-id", sandbox_id.encode()),
             (b"e2b-sandbox-port", str(port).encode()),
-            *self._node_headers(team),
+            *self._node_headers(node, team),
         ]
         return headers
 
@@ -372,7 +381,8 @@ class GatewayApp:
                                            "code": status})
             return
         await self.relay.http(scope, receive, send, self._node_url(binding.node, scope),
-                              self._to_node_headers(scope, sandbox_id, port, binding.team),
+                              self._to_node_headers(scope, binding.node, sandbox_id, port,
+                                                    binding.team),
                               Exchange(sandbox_id))
 
     async def _sandbox_websocket(self, scope: Scope, receive: Any, send: Send,
@@ -384,7 +394,8 @@ class GatewayApp:
             await send({"type": "websocket.close", "code": 1011 if status >= 503 else 1008})
             return
         await self.relay.websocket(scope, receive, send, self._node_url(binding.node, scope),
-                                   self._to_node_headers(scope, sandbox_id, port, binding.team),
+                                   self._to_node_headers(scope, binding.node, sandbox_id, port,
+                                                    binding.team),
                                    Exchange(sandbox_id))
 
     async def _signature_owner(self, scope: Scope) -> tuple[Node, str, str] | str:
@@ -401,7 +412,7 @@ class GatewayApp:
             self.metrics.owner_queries.inc()
             # team-less: the URL names no team, the node answers the sandbox's
             answer = await self.http.post(node.url + SIGNATURE_OWNER_PATH, json=payload,
-                                          headers=self._node_headers(None), timeout=10)
+                                          headers=self._node_headers(node, None), timeout=10)
             if answer.status_code == 200:
                 return str(answer.json()["sandboxID"]), str(answer.json()["team"])
             return None
@@ -482,7 +493,7 @@ class GatewayApp:
         # the node checks the signature (and its expiry) again before anything reaches envd
         return await self.relay.http(scope, receive, to_client if hold_gone else send,
                                      self._node_url(node, scope),
-                                     self._to_node_headers(scope, sandbox_id, ENVD_PORT, team),
+                                     self._to_node_headers(scope, node, sandbox_id, ENVD_PORT, team),
                                      Exchange(sandbox_id))
 
     async def _answer_gone(self, send: Send, exchange: Exchange) -> int:
@@ -582,11 +593,11 @@ class GatewayApp:
         ]
         return [(m, re.compile(p), h) for m, p, h in table]
 
-    def _headers(self, request: Request, team: str) -> list[tuple[bytes, bytes]]:
+    def _headers(self, request: Request, node: Node, team: str) -> list[tuple[bytes, bytes]]:
         # the client's Idempotency-Key is the gateway's to keep (create sends one of its own)
         headers = forward_headers(request.scope,
                                   _DROP_TO_NODE | {b"content-length", b"idempotency-key"})
-        return headers + self._node_headers(team)
+        return headers + self._node_headers(node, team)
 
     async def _body(self, request: Request) -> bytes:
         chunks, size = [], 0
@@ -604,7 +615,7 @@ class GatewayApp:
         try:
             return await self.http.request(
                 request.method, self._node_url(node, request.scope),
-                headers=self._headers(request, team) + (headers or []),
+                headers=self._headers(request, node, team) + (headers or []),
                 content=body, timeout=600,
             )
         except httpx.HTTPError as exc:
@@ -615,7 +626,7 @@ class GatewayApp:
         """A GET of the gateway's own making, for `team` (None: a team-less route)."""
         try:
             return await self.http.get(node.url + path, params=params, timeout=30,
-                                       headers=self._node_headers(team))
+                                       headers=self._node_headers(node, team))
         except httpx.HTTPError as exc:
             raise _node_unavailable(f"{node.node_id} at {node.address}: {exc}") from exc
 
@@ -730,7 +741,7 @@ class GatewayApp:
                         "sandbox_id": mine, "node": node.node_id})
                     with contextlib.suppress(httpx.HTTPError):
                         await self.http.delete(f"{node.url}/sandboxes/{mine}", timeout=60,
-                                               headers=self._node_headers(team))
+                                               headers=self._node_headers(node, team))
                     await self.scheduler.release(mine)
                     await self.store.forget_sandbox(mine)
                 return theirs
@@ -1089,7 +1100,8 @@ class GatewayApp:
         url = self._node_url(node, request.scope, f"{UPLOAD_PREFIX}{template_id}/{files_hash}")
         headers = forward_headers(request.scope, _DROP_TO_NODE | {b"host"})
         await self.relay.http(request.scope, request.receive, send, url,
-                              headers + self._node_headers(owned.team), Exchange(template_id))
+                              headers + self._node_headers(node, owned.team),
+                              Exchange(template_id))
 
     async def tags_change(self, request: Request, send: Send, team: str) -> None:
         raw = await self._body(request)

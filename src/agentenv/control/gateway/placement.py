@@ -16,7 +16,13 @@ from dataclasses import dataclass
 
 import grpc
 
-from agentenv.control.scheduler.client import Credentials, SchedulerClient, SchedulerError, pb
+from agentenv.control.scheduler.client import (
+    ClientTls,
+    Credentials,
+    SchedulerClient,
+    SchedulerError,
+    pb,
+)
 
 LOOKUP_TTL = 1.0
 #: while the scheduler is unreachable, a binding seen this recently still routes (a sandbox
@@ -68,9 +74,11 @@ def _translated(exc: SchedulerError) -> Exception:
 
 
 class SchedulerLink:
-    def __init__(self, address: str, credentials: Credentials) -> None:
+    def __init__(self, address: str, credentials: Credentials,
+                 tls: ClientTls | None = None) -> None:
         self.address = address
         self.credentials = credentials  # the gateway's (scheduler auth, control/scheduler/auth.py)
+        self.tls = tls
         self._client: SchedulerClient | None = None
         self._cache: dict[str, tuple[float, Binding]] = {}
         self._nodes: tuple[float, list[Node]] = (0.0, [])
@@ -82,7 +90,7 @@ class SchedulerLink:
     def client(self) -> SchedulerClient:
         # made on first use: a grpc.aio channel belongs to the event loop it was made in
         if self._client is None:
-            self._client = SchedulerClient(self.address, self.credentials)
+            self._client = SchedulerClient(self.address, self.credentials, tls=self.tls)
         return self._client
 
     def _reconnect_later(self, exc: SchedulerError) -> None:

@@ -13,7 +13,7 @@ from agentenv.control.gateway.app import GatewayApp
 from agentenv.control.gateway.placement import SchedulerLink
 from agentenv.control.gateway.store import GatewayStore
 from agentenv.control.redis_auth import RedisAuth
-from agentenv.control.scheduler.client import Credentials
+from agentenv.control.scheduler.client import ClientTls, Credentials
 from agentenv.errors import AgentEnvError
 from agentenv.relay.concurrency import ConcurrencyCap, max_concurrent
 from agentenv.relay.server import hardened_config, quiet_stream_aborts
@@ -48,7 +48,8 @@ def read_cluster_secret(path: Path | None) -> str:
 def build_app(options: GatewayOptions) -> GatewayApp:
     secret = read_cluster_secret(options.cluster_secret_file)
     return GatewayApp(
-        SchedulerLink(options.scheduler, Credentials.gateway(secret)),
+        # TLS settings read (and checked) at start: a bad file fails the gateway, not a request
+        SchedulerLink(options.scheduler, Credentials.gateway(secret), ClientTls.from_env()),
         GatewayStore(options.redis, options.redis_auth),
         secret,
         domain=options.domain,

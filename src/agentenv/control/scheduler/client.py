@@ -16,16 +16,18 @@ unreachable), PERMISSION_DENIED (a node not allowed to register, or a caller ask
 identity may not do), UNAUTHENTICATED (no or a wrong credential).
 
 Every call carries the caller's `Credentials`: an identity (`gateway`, or `node:ID`) and a token
-derived from the cluster secret for that identity (HMAC-SHA256), which the scheduler checks
-(control/scheduler/auth.py). The secret itself never goes over the wire.
+for that identity (HMAC-SHA256 of the cluster secret for the gateway, of the node's own key for
+a node), which the scheduler checks (control/scheduler/auth.py). No key goes over the wire.
 """
 
 from __future__ import annotations
 
 import hashlib
 import hmac
-from collections.abc import Iterable, Sequence
+import os
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from types import TracebackType
 
 import grpc
@@ -35,6 +37,7 @@ from agentenv.control.proto import scheduler_pb2_grpc as pb_grpc
 from agentenv.errors import AgentEnvError
 
 __all__ = [
+    "ClientTls",
     "Credentials",
     "Holder",
     "Location",
@@ -56,7 +59,8 @@ _TOKEN_CONTEXT = b"agentenv scheduler call v1\0"
 
 
 def derive_token(secret: str, identity: str) -> str:
-    """The token of `identity`: HMAC-SHA256(cluster secret, context + identity), hex."""
+    """The token of `identity`: HMAC-SHA256(key, context + identity), hex; the key is the cluster
+    secret for the gateway, the node's key for a node."""
     return hmac.new(secret.encode(), _TOKEN_CONTEXT + identity.encode(), hashlib.sha256).hexdigest()
 
 
@@ -74,13 +78,61 @@ class Credentials:
         return cls(GATEWAY_IDENTITY, derive_token(secret, GATEWAY_IDENTITY))
 
     @classmethod
-    def node(cls, secret: str, node_id: str) -> Credentials:
+    def node(cls, key: str, node_id: str) -> Credentials:
+        """`key`: the node's own key (agentenv.cluster_keys.node_key), not the cluster secret."""
         identity = NODE_IDENTITY_PREFIX + node_id
-        return cls(identity, derive_token(secret, identity))
+        return cls(identity, derive_token(key, identity))
 
     @property
     def metadata(self) -> tuple[tuple[str, str], ...]:
         return ((IDENTITY_KEY, self.identity), (TOKEN_KEY, self.token))
+
+
+#: the settings of TLS to the scheduler (files, PEM): what its clients trust, and what they show
+TLS_CA_ENV = "AENV_SCHEDULER_TLS_CA"
+TLS_CLIENT_CERT_ENV = "AENV_SCHEDULER_TLS_CLIENT_CERT"
+TLS_CLIENT_KEY_ENV = "AENV_SCHEDULER_TLS_CLIENT_KEY"
+#: the name the scheduler's certificate is checked against when it is not the target's host
+TLS_SERVER_NAME_ENV = "AENV_SCHEDULER_TLS_SERVER_NAME"
+
+
+def read_pem(path: str, setting: str) -> bytes:
+    try:
+        data = Path(path).read_bytes()
+    except OSError as exc:
+        raise AgentEnvError(f"{setting}: cannot read {path}: {exc}") from exc
+    if b"-----BEGIN " not in data:
+        raise AgentEnvError(f"{setting}: {path} holds no PEM")
+    return data
+
+
+@dataclass(frozen=True)
+class ClientTls:
+    """TLS to the scheduler: the CA its certificate is checked against, and for a scheduler
+    that wants one (mTLS), the client's certificate and key."""
+
+    ca: bytes
+    cert: bytes | None = None
+    key: bytes | None = None
+    server_name: str | None = None
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] = os.environ) -> ClientTls | None:
+        """From AENV_SCHEDULER_TLS_CA (+ _CLIENT_CERT and _CLIENT_KEY, _SERVER_NAME); None
+        without a CA: plaintext."""
+        ca, cert, key = (env.get(name, "").strip() for name in (
+            TLS_CA_ENV, TLS_CLIENT_CERT_ENV, TLS_CLIENT_KEY_ENV))
+        if bool(cert) != bool(key):
+            raise AgentEnvError(f"{TLS_CLIENT_CERT_ENV} and {TLS_CLIENT_KEY_ENV} go together")
+        if not ca:
+            if cert:
+                raise AgentEnvError(f"{TLS_CLIENT_CERT_ENV} needs {TLS_CA_ENV} (the CA of the "
+                                    "scheduler's certificate)")
+            return None
+        return cls(read_pem(ca, TLS_CA_ENV),
+                   read_pem(cert, TLS_CLIENT_CERT_ENV) if cert else None,
+                   read_pem(key, TLS_CLIENT_KEY_ENV) if key else None,
+                   env.get(TLS_SERVER_NAME_ENV, "").strip() or None)
 
 
 class SchedulerError(AgentEnvError):
@@ -135,10 +187,11 @@ class NodeInfo:
 
 class SchedulerClient:
     """One channel to the scheduler; `target` is host:port (or any gRPC target, e.g. unix:PATH).
-    Every call carries `credentials` (a heartbeat may name others: tools acting for nodes)."""
+    Every call carries `credentials` (a heartbeat may name others: tools acting for nodes).
+    `tls`: given, else from the environment (ClientTls.from_env); none there: plaintext."""
 
     def __init__(self, target: str, credentials: Credentials,
-                 timeout: float = DEFAULT_TIMEOUT_S) -> None:
+                 timeout: float = DEFAULT_TIMEOUT_S, tls: ClientTls | None = None) -> None:
         if not target:
             raise AgentEnvError("no scheduler address (host:port)")
         self.target = target
@@ -146,7 +199,16 @@ class SchedulerClient:
         self.timeout = timeout
         # No proxy: the scheduler is always reached directly (the environment's proxy variables
         # are for the sandboxes' traffic).
-        self.channel = grpc.aio.insecure_channel(target, options=[("grpc.enable_http_proxy", 0)])
+        options: list[tuple[str, str | int]] = [("grpc.enable_http_proxy", 0)]
+        tls = tls or ClientTls.from_env()
+        if tls is None:
+            self.channel = grpc.aio.insecure_channel(target, options=options)
+        else:
+            if tls.server_name:
+                options.append(("grpc.ssl_target_name_override", tls.server_name))
+            self.channel = grpc.aio.secure_channel(target, grpc.ssl_channel_credentials(
+                root_certificates=tls.ca, private_key=tls.key, certificate_chain=tls.cert),
+                options=options)
         self.stub = pb_grpc.SchedulerStub(self.channel)
 
     async def __aenter__(self) -> SchedulerClient:

@@ -9,8 +9,8 @@ then a handful of writes waiting for Redis hold every worker, Lookups queued beh
 enough workers to avoid that, the workers' contention for the GIL costs more than the loop
 (bench/RESULTS.md).
 
-Every call passes ClusterAuth (control/scheduler/auth.py) first: no credential derived from the
-cluster secret, no answer.
+Every method checks its caller first (ClusterAuth, control/scheduler/auth.py, wraps each when
+the server is built): no credential derived from the cluster secret, no answer.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from agentenv.control.proto import scheduler_pb2 as pb
 from agentenv.control.proto import scheduler_pb2_grpc as pb_grpc
 from agentenv.control.redis_auth import RedisAuth
 from agentenv.control.scheduler.auth import ClusterAuth
+from agentenv.control.scheduler.client import read_pem
 from agentenv.control.scheduler.discovery import Discovery
 from agentenv.control.scheduler.placement import PlacementError
 from agentenv.control.scheduler.service import SchedulerConfig, SchedulerService
@@ -109,6 +110,38 @@ class _Servicer(pb_grpc.SchedulerServicer):
 
 
 DEFAULT_LISTEN = "127.0.0.1:9090"
+TLS_CERT_ENV = "AENV_SCHEDULER_TLS_CERT"
+TLS_KEY_ENV = "AENV_SCHEDULER_TLS_KEY"
+TLS_CLIENT_CA_ENV = "AENV_SCHEDULER_TLS_CLIENT_CA"
+
+
+@dataclass(frozen=True)
+class ServerTls:
+    """The scheduler's certificate and key (PEM); with `client_ca`, every client must show a
+    certificate that CA signed (mTLS) before any call."""
+
+    cert: bytes
+    key: bytes
+    client_ca: bytes | None = None
+
+    @classmethod
+    def load(cls, cert: str | None, key: str | None, client_ca: str | None) -> ServerTls | None:
+        """From file paths (--tls-cert, --tls-key, --tls-client-ca); None without any: plaintext."""
+        if not cert and not key:
+            if client_ca:
+                raise AgentEnvError(f"{TLS_CLIENT_CA_ENV} (--tls-client-ca) needs the server's "
+                                    f"certificate and key ({TLS_CERT_ENV}, {TLS_KEY_ENV})")
+            return None
+        if not cert or not key:
+            raise AgentEnvError(f"{TLS_CERT_ENV} (--tls-cert) and {TLS_KEY_ENV} (--tls-key) go "
+                                "together")
+        return cls(read_pem(cert, TLS_CERT_ENV), read_pem(key, TLS_KEY_ENV),
+                   read_pem(client_ca, TLS_CLIENT_CA_ENV) if client_ca else None)
+
+    def credentials(self) -> grpc.ServerCredentials:
+        return grpc.ssl_server_credentials(
+            [(self.key, self.cert)], root_certificates=self.client_ca,
+            require_client_auth=self.client_ca is not None)
 
 
 @dataclass
@@ -124,6 +157,8 @@ class SchedulerOptions:
     static_nodes: list[str] = field(default_factory=list)
     nodes_file: Path | None = None
     k8s_service: str | None = None
+    #: TLS (and mTLS with a client CA) when set; plaintext otherwise
+    tls: ServerTls | None = None
 
 
 class SchedulerServer:
@@ -149,12 +184,17 @@ class SchedulerServer:
     async def start(self) -> None:
         await asyncio.to_thread(self.service.start)
         await self.discovery.start()
-        server = grpc.aio.server(options=[("grpc.so_reuseport", 0)],
-                                 interceptors=[ClusterAuth(self.options.cluster_secret)])
+        server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
         self.pool = ThreadPoolExecutor(REDIS_CALL_THREADS, thread_name_prefix="scheduler-redis")
-        pb_grpc.add_SchedulerServicer_to_server(_Servicer(self.service, self.pool), server)
+        auth = ClusterAuth(self.options.cluster_secret)
+        pb_grpc.add_SchedulerServicer_to_server(auth.guard(_Servicer(self.service, self.pool)),
+                                                server)
         try:
-            self.port = server.add_insecure_port(self.options.listen)
+            tls = self.options.tls
+            if tls is None:
+                self.port = server.add_insecure_port(self.options.listen)
+            else:
+                self.port = server.add_secure_port(self.options.listen, tls.credentials())
         except RuntimeError as exc:
             await self.stop()
             raise AgentEnvError(f"cannot listen on {self.options.listen}: {exc}") from exc
@@ -163,7 +203,9 @@ class SchedulerServer:
             raise AgentEnvError(f"cannot listen on {self.options.listen} (in use?)")
         self.server = server
         await server.start()
-        log.info("scheduler listening", extra={"listen": self.options.listen, "port": self.port})
+        log.info("scheduler listening", extra={
+            "listen": self.options.listen, "port": self.port,
+            "tls": "off" if tls is None else "mtls" if tls.client_ca else "on"})
 
     async def stop(self, grace: float = 1.0) -> None:
         if self.server is not None:
