@@ -3,7 +3,7 @@ and a process-backend node (control/gateway/limits.py, node/template_files.py):
 
 - team quotas over the cluster: the N+1th sandbox (create or fork), template or snapshot of a
   team is a 429 naming its limit, another team is not affected, and room comes back once a
-  sandbox is gone;
+  sandbox is gone; a burst of concurrent creates gets exactly the quota;
 - the signed-URL owner lookup (unauthenticated, asks every node) is rate limited per client
   address, a URL whose owner is cached is not;
 - a file one team uploads under the hash of another team's COPY is not what the other team's
@@ -11,8 +11,10 @@ and a process-backend node (control/gateway/limits.py, node/template_files.py):
 
 from __future__ import annotations
 
+import threading
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -40,7 +42,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
     made.gateway.env = {**made.gateway.env, **QUOTAS}
     try:
         made.start()
-        for team in ("quota", "other", "planter", "victim", "signer"):
+        for team in ("quota", "other", "planter", "victim", "signer", "burst"):
             made.team(team)
         yield made
     finally:
@@ -139,3 +141,47 @@ def test_a_file_planted_under_another_team_hash_is_not_used(cluster: LocalCluste
             assert sbx.files.read("/tmp/note.txt") == "the victim's note\n"
         finally:
             sbx.kill()
+
+
+def _at_once(cluster: LocalCluster, team: str, count: int,
+             request: Callable[[httpx.Client, int], httpx.Response]) -> list[httpx.Response]:
+    """`count` requests of `team` sent at once, each on its own connection."""
+    start = threading.Barrier(count)
+
+    def one(i: int) -> httpx.Response:
+        with api(cluster, team) as client:
+            start.wait()
+            return request(client, i)
+
+    with ThreadPoolExecutor(count) as pool:
+        return list(pool.map(one, range(count)))
+
+
+def _exactly(answers: list[httpx.Response], made: int, status: int, setting: str) -> None:
+    assert sorted(a.status_code for a in answers) == sorted(
+        [status] * made + [429] * (len(answers) - made)), [a.text for a in answers]
+    for answer in answers:
+        if answer.status_code == 429:
+            _refused(answer, setting)
+
+
+def test_a_burst_of_creates_gets_exactly_the_quota(cluster: LocalCluster) -> None:
+    """Sandboxes, snapshots and templates are reserved in Redis before a node is asked: N
+    concurrent creates against a quota of K make exactly K, the rest are 429 naming it."""
+    _exactly(_at_once(cluster, "burst", 6, lambda c, _: c.post(
+        "/sandboxes", json={"templateID": "base", "timeout": 120})), 2, 201,
+        "AENV_TEAM_MAX_SANDBOXES")
+    with api(cluster, "burst") as team:
+        sid = team.get("/sandboxes").json()[0]["sandboxID"]
+        _exactly(_at_once(cluster, "burst", 5, lambda c, _: c.post(
+            f"/sandboxes/{sid}/snapshots", json={})), 1, 201, "AENV_TEAM_MAX_SNAPSHOTS")
+        assert len(team.get("/snapshots").json()) == 1
+        _exactly(_at_once(cluster, "burst", 6, lambda c, i: c.post(
+            "/v3/templates", json={"name": f"burst-{i}"})), 2, 202, "AENV_TEAM_MAX_TEMPLATES")
+        templates = [t for t in team.get("/templates").json()
+                     if any(a.startswith("burst-") for a in t.get("aliases", []))]
+        assert len(templates) == 2, templates
+        # a deleted template gives its place back
+        assert team.delete(f"/templates/{templates[0]['templateID']}").status_code == 204
+        again = team.post("/v3/templates", json={"name": "burst-again"})
+        assert again.status_code == 202, again.text

@@ -31,10 +31,11 @@ does, through the free-disk check). VMs of the ready pool are the node's own and
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -145,6 +146,8 @@ class Admission:
         self.refusals: dict[str, int] = {}
         #: the team quotas of a standalone node (its one team); None on a cluster's node
         self.quotas: TeamQuotas | None = None
+        #: templates or snapshots being made under hold_quota, by kind
+        self._quota_held: dict[str, int] = {}
 
     @classmethod
     def from_env(cls, state_dir: Path, env: Mapping[str, str] | None = None) -> Admission:
@@ -224,13 +227,26 @@ class Admission:
         return held
 
     def check_quota(self, kind: str, have: int) -> None:
-        """A new template or snapshot of the standalone node's team (no-op in a cluster)."""
+        """A new template or snapshot of the standalone node's team (no-op in a cluster); for
+        a caller that records it before it next awaits (else hold_quota)."""
         if self.quotas is not None:
             try:
-                self.quotas.check(kind, LOCAL_TEAM, have)
+                self.quotas.check(kind, LOCAL_TEAM, have + self._quota_held.get(kind, 0))
             except QuotaExceeded:
                 self.refusals[f"team_{kind}"] = self.refusals.get(f"team_{kind}", 0) + 1
                 raise
+
+    @contextlib.contextmanager
+    def hold_quota(self, kind: str, have: int) -> Iterator[None]:
+        """Check and hold a place of the standalone node's team quota of `kind` while one is
+        made (a snapshot, a pull: they await long before the catalogue counts them), so
+        concurrent requests cannot all take the last place."""
+        self.check_quota(kind, have)
+        self._quota_held[kind] = self._quota_held.get(kind, 0) + 1
+        try:
+            yield
+        finally:
+            self._quota_held[kind] -= 1
 
     def release(self, held: Reservation | None) -> None:
         if held is not None and not held.released:

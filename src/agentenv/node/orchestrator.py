@@ -858,12 +858,18 @@ class Orchestrator:
         owner = None if name is None else self.catalogue.name_owner(name, team)
         if owner is not None:
             raise Conflict(f"name {name!r} is already used by {owner}")
-        if self.admission is not None:  # the team quota of a standalone node
-            self.admission.check_quota("snapshots", sum(
-                t.kind == "snapshot" for t in self.catalogue.templates.values()))
-        rec = await self._wait_running(sandbox_id, "be snapshotted")
-        rec.state = State.SNAPSHOTTING
-        return await self._launch(sandbox_id, "snapshot", self._do_snapshot(rec, name))
+        with self.hold_snapshot_quota():
+            rec = await self._wait_running(sandbox_id, "be snapshotted")
+            rec.state = State.SNAPSHOTTING
+            return await self._launch(sandbox_id, "snapshot", self._do_snapshot(rec, name))
+
+    def hold_snapshot_quota(self) -> contextlib.AbstractContextManager[None]:
+        """A place of a standalone node's team quota of snapshots, held until the new
+        snapshot is in the catalogue (or was not made)."""
+        if self.admission is None:
+            return contextlib.nullcontext()
+        return self.admission.hold_quota("snapshots", sum(
+            t.kind == "snapshot" for t in self.catalogue.templates.values()))
 
     async def _do_snapshot(self, rec: SandboxRecord, name: str | None) -> TemplateRecord:
         sid = rec.sandbox_id

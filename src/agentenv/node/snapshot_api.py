@@ -116,8 +116,6 @@ class SnapshotMoveApi:
             raise BadRequest(f"push of {name} to {ref} failed: {exc}") from exc
 
     async def pull(self, request: Request) -> Response:
-        from agentenv.snapshot.repository import fetch
-
         body = await self._body(request, "ref")
         name = body.get("name")
         if name is not None and (not isinstance(name, str) or not name):
@@ -131,13 +129,20 @@ class SnapshotMoveApi:
             owner = self.orchestrator.catalogue.name_owner(name, team)
             if owner is not None:
                 raise Conflict(f"name {name!r} is already used by {owner}")
+        with self.orchestrator.hold_snapshot_quota():  # a pulled snapshot is the team's
+            return await self._pull(body["ref"], name, download, team, backend)
+
+    async def _pull(self, ref: str, name: str | None, download: bool, team: str,
+                    backend: VmBackend) -> Response:
+        from agentenv.snapshot.repository import fetch
+
         try:
             # The tools disk of a snapshot is this node's own when the guest assets match.
-            fetched = await asyncio.to_thread(fetch, body["ref"], backend.snapshots.root,
+            fetched = await asyncio.to_thread(fetch, ref, backend.snapshots.root,
                                               lazy=not download,
                                               local_files=[backend.assets.tools_image])
         except AgentEnvError as exc:
-            raise BadRequest(f"pull of {body['ref']} failed: {exc}") from exc
+            raise BadRequest(f"pull of {ref} failed: {exc}") from exc
         record = fetched.record
         if record.mode != backend.runtime.accel:
             raise BadRequest(f"snapshot {record.id} was taken under {record.mode} and this node "
@@ -157,7 +162,7 @@ class SnapshotMoveApi:
                              or self.orchestrator.config.default_envd_version),
             created_at=now, updated_at=now, team=team)
         await self.orchestrator.catalogue.register(tpl)
-        log.info("snapshot pulled", extra={"ref": body["ref"], "snapshot": record.id,
+        log.info("snapshot pulled", extra={"ref": ref, "snapshot": record.id,
                                            "template_id": tpl.template_id,
                                            "bytes": fetched.bytes_fetched,
                                            "lazy_parts": fetched.lazy_parts})
