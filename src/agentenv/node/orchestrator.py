@@ -118,8 +118,23 @@ class ForkResult:
 
 @dataclass
 class NodeCounters:
+    """Creates the node finished, in all and per team (a team's /nodes shows its own)."""
+
     create_successes: int = 0
     create_fails: int = 0
+    #: team -> [successes, fails]
+    teams: dict[str, list[int]] = field(default_factory=dict)
+
+    def count_create(self, team: str, ok: bool) -> None:
+        if ok:
+            self.create_successes += 1
+        else:
+            self.create_fails += 1
+        self.teams.setdefault(team, [0, 0])[0 if ok else 1] += 1
+
+    def of_team(self, team: str) -> tuple[int, int]:
+        successes, fails = self.teams.get(team, (0, 0))
+        return successes, fails
 
 
 class Orchestrator:
@@ -566,7 +581,7 @@ class Orchestrator:
             rec.placement = placement
             await self._envd_ready(rec, placement)
         except BaseException as exc:
-            self.counters.create_fails += 1
+            self.counters.count_create(rec.team, False)
             log.warning("sandbox create failed", extra={"sandbox_id": sid, "error": str(exc)})
             self.sandboxes.pop(sid, None)
             with contextlib.suppress(Exception):
@@ -583,7 +598,7 @@ class Orchestrator:
         rec.started_at, rec.end_at = now, now + timeout  # the TTL starts once envd is ready
         rec.state = State.RUNNING
         await self.store.put_sandbox(rec)
-        self.counters.create_successes += 1
+        self.counters.count_create(rec.team, True)
         tpl.spawn_count += 1
         tpl.last_spawned_at = now
         # Statistics only: written in the background, off the create's latency.

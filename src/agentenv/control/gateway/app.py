@@ -1170,10 +1170,12 @@ class GatewayApp:
     # --- nodes -------------------------------------------------------------------------------
 
     async def list_nodes(self, request: Request, send: Send, team: str) -> None:
+        """Every node of the cluster, with the figures of `team`'s own sandboxes on it (the
+        node answers for the team the gateway names: no other team's load)."""
         nodes = await self.scheduler.nodes()
 
         async def fetch(node: Node) -> list[Any]:
-            answer = await self._get(node, "/nodes", None)
+            answer = await self._get(node, "/nodes", team)
             found = list(answer.json()) if answer.status_code == 200 else []
             for item in found:  # the scheduler's name of the node, not its host name
                 item.update({"id": node.node_id, "nodeID": node.node_id})
@@ -1190,7 +1192,7 @@ class GatewayApp:
             if node.node_id == node_id:
                 if not node.up:
                     raise _node_unavailable(f"{node_id} missed its heartbeats")
-                answer = await self._get(node, "/nodes", None)
+                answer = await self._get(node, "/nodes", team)
                 if answer.status_code == 200 and answer.json():
                     body = answer.json()[0]
                     body.update({"id": node_id, "nodeID": node_id, "cachedBuilds": []})
