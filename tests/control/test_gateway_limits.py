@@ -175,6 +175,11 @@ def test_a_burst_of_creates_gets_exactly_the_quota(cluster: LocalCluster) -> Non
     _exactly(_at_once(cluster, "burst", 6, lambda c, _: c.post(
         "/sandboxes", json={"templateID": "base", "timeout": 120})), 2, 201,
         "AENV_TEAM_MAX_SANDBOXES")
+    # what was made keeps its place until it is gone, however long it runs (only the places
+    # of creates under way lapse)
+    held = cluster.redis.raw("gateway").zrange("aenv:quota:sandboxes:burst", 0, -1,
+                                               withscores=True)
+    assert len(held) == 2 and all(score == float("inf") for _, score in held), held
     with api(cluster, "burst") as team:
         sid = team.get("/sandboxes").json()[0]["sandboxID"]
         _exactly(_at_once(cluster, "burst", 5, lambda c, _: c.post(
