@@ -79,3 +79,23 @@ def test_concurrent_snapshots_get_exactly_the_quota(client: TestClient) -> None:
         if answer.status_code == 429:
             _refused(answer, "AENV_TEAM_MAX_SNAPSHOTS")
     assert len(client.get("/snapshots").json()) == 1
+
+
+def test_a_cluster_node_refusal_shows_no_other_teams_load(tmp_path: Path,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """A node of a cluster serves several teams: its refusals name the limit and its setting,
+    not its figures (sandboxes running, memory in use: every team's load)."""
+    monkeypatch.setenv("AENV_MAX_SANDBOXES", "1")
+    secret = "s" * 40
+    app = build_app(ServeOptions(state_dir=tmp_path / "state", backend="process",
+                                 cluster_secret=secret))
+    with TestClient(app, headers={"x-agentenv-cluster-secret": secret}) as node:
+        made = node.post("/sandboxes", json={"templateID": "base", "timeout": 60},
+                         headers={"x-agentenv-team": "alpha"})
+        assert made.status_code == 201, made.text
+        refused = node.post("/sandboxes", json={"templateID": "base", "timeout": 60},
+                            headers={"x-agentenv-team": "beta"})
+        assert refused.status_code == 429, refused.text
+        message = refused.json()["message"]
+        assert "sandbox limit reached" in message and "AENV_MAX_SANDBOXES" in message
+        assert "1 of 1" not in message and "running" not in message, message
