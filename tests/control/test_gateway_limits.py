@@ -3,16 +3,21 @@ and a process-backend node (control/gateway/limits.py, node/template_files.py):
 
 - team quotas over the cluster: the N+1th sandbox (create or fork), template or snapshot of a
   team is a 429 naming its limit, another team is not affected, and room comes back once a
-  sandbox is gone;
+  sandbox is gone; a burst of concurrent creates gets exactly the quota;
 - the signed-URL owner lookup (unauthenticated, asks every node) is rate limited per client
-  address, a URL whose owner is cached is not;
+  address, a URL whose owner is cached is not; the address is the peer's unless the peer is a
+  trusted proxy (AENV_TRUSTED_PROXIES), never one a client names in a header;
+- `/nodes` shows a team its own sandboxes' figures only;
 - a file one team uploads under the hash of another team's COPY is not what the other team's
   build uses."""
 
 from __future__ import annotations
 
+import contextlib
+import threading
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -20,7 +25,7 @@ import pytest
 from e2b import Sandbox, Template
 from e2b.template.utils import calculate_files_hash
 
-from tests.control.cluster import LocalCluster
+from tests.control.cluster import GatewayProcess, LocalCluster
 from tests.control.helpers import wait_for
 from tests.node.conftest import environ_set
 from tests.node.test_template_uploads import tar_of
@@ -40,7 +45,8 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
     made.gateway.env = {**made.gateway.env, **QUOTAS}
     try:
         made.start()
-        for team in ("quota", "other", "planter", "victim", "signer"):
+        for team in ("quota", "other", "planter", "victim", "signer", "burst", "viewer",
+                     "stranger"):
             made.team(team)
         yield made
     finally:
@@ -139,3 +145,141 @@ def test_a_file_planted_under_another_team_hash_is_not_used(cluster: LocalCluste
             assert sbx.files.read("/tmp/note.txt") == "the victim's note\n"
         finally:
             sbx.kill()
+
+
+def _at_once(cluster: LocalCluster, team: str, count: int,
+             request: Callable[[httpx.Client, int], httpx.Response]) -> list[httpx.Response]:
+    """`count` requests of `team` sent at once, each on its own connection."""
+    start = threading.Barrier(count)
+
+    def one(i: int) -> httpx.Response:
+        with api(cluster, team) as client:
+            start.wait()
+            return request(client, i)
+
+    with ThreadPoolExecutor(count) as pool:
+        return list(pool.map(one, range(count)))
+
+
+def _exactly(answers: list[httpx.Response], made: int, status: int, setting: str) -> None:
+    assert sorted(a.status_code for a in answers) == sorted(
+        [status] * made + [429] * (len(answers) - made)), [a.text for a in answers]
+    for answer in answers:
+        if answer.status_code == 429:
+            _refused(answer, setting)
+
+
+def test_a_burst_of_creates_gets_exactly_the_quota(cluster: LocalCluster) -> None:
+    """Sandboxes, snapshots and templates are reserved in Redis before a node is asked: N
+    concurrent creates against a quota of K make exactly K, the rest are 429 naming it."""
+    _exactly(_at_once(cluster, "burst", 6, lambda c, _: c.post(
+        "/sandboxes", json={"templateID": "base", "timeout": 120})), 2, 201,
+        "AENV_TEAM_MAX_SANDBOXES")
+    # what was made keeps its place until it is gone, however long it runs (only the places
+    # of creates under way lapse)
+    held = cluster.redis.raw("gateway").zrange("aenv:quota:sandboxes:burst", 0, -1,
+                                               withscores=True)
+    assert len(held) == 2 and all(score == float("inf") for _, score in held), held
+    with api(cluster, "burst") as team:
+        sid = team.get("/sandboxes").json()[0]["sandboxID"]
+        _exactly(_at_once(cluster, "burst", 5, lambda c, _: c.post(
+            f"/sandboxes/{sid}/snapshots", json={})), 1, 201, "AENV_TEAM_MAX_SNAPSHOTS")
+        assert len(team.get("/snapshots").json()) == 1
+        _exactly(_at_once(cluster, "burst", 6, lambda c, i: c.post(
+            "/v3/templates", json={"name": f"burst-{i}"})), 2, 202, "AENV_TEAM_MAX_TEMPLATES")
+        templates = [t for t in team.get("/templates").json()
+                     if any(a.startswith("burst-") for a in t.get("aliases", []))]
+        assert len(templates) == 2, templates
+        # a deleted template gives its place back
+        assert team.delete(f"/templates/{templates[0]['templateID']}").status_code == 204
+        again = team.post("/v3/templates", json={"name": "burst-again"})
+        assert again.status_code == 202, again.text
+
+
+def test_nodes_show_a_team_only_its_own_load(cluster: LocalCluster) -> None:
+    """`/nodes` (E2B's admin route; a team key may call it, as the E2B-compatible API lets it)
+    shows each node with the figures of the caller's own sandboxes: another team's sandboxes,
+    creates and allocations, and the host's use they make up, are not shown."""
+    with api(cluster, "viewer") as viewer, api(cluster, "stranger") as stranger:
+        made = [viewer.post("/sandboxes", json={"templateID": "base", "timeout": 120})
+                for _ in range(2)]
+        assert [m.status_code for m in made] == [201, 201], [m.text for m in made]
+        listed = viewer.get("/sandboxes").json()
+        cpus, mib = sum(s["cpuCount"] for s in listed), sum(s["memoryMB"] for s in listed)
+        for client, count in ((viewer, 2), (stranger, 0)):
+            nodes = client.get("/nodes")
+            assert nodes.status_code == 200, nodes.text
+            assert [n["nodeID"] for n in nodes.json()] == ["node0"]
+            for node in (nodes.json()[0], client.get("/nodes/node0").json()):
+                assert node["sandboxCount"] == count and node["createSuccesses"] == count, node
+                metrics = node["metrics"]
+                assert metrics["allocatedCPU"] == (cpus if count else 0), metrics
+                assert metrics["allocatedMemoryBytes"] == (mib << 20 if count else 0), metrics
+                # the host's use is every team's load
+                assert "cpuPercent" not in metrics and "memoryUsedBytes" not in metrics
+                assert all("usedBytes" not in d for d in metrics["disks"])
+    # the node answers no team-less `/nodes`: its figures are always some team's view
+    node = cluster.nodes[0]
+    teamless = httpx.get(node.url + "/nodes", timeout=30, trust_env=False,
+                         headers={"x-agentenv-cluster-secret": cluster.secret})
+    assert teamless.status_code == 403, teamless.text
+
+
+@contextlib.contextmanager
+def another_gateway(cluster: LocalCluster, tmp_path: Path, **env: str) -> Iterator[str]:
+    """One more gateway of the cluster (its own lookup buckets) with `env`; yields its URL."""
+    gateway = GatewayProcess(cluster.scheduler.address, cluster.redis.url, cluster.secret_file,
+                             tmp_path / "gateway.log",
+                             env={**cluster.redis.env("gateway"), **QUOTAS, **env})
+    gateway.start()
+    try:
+        yield gateway.url
+    finally:
+        gateway.stop()
+
+
+#: a signed file URL no sandbox's token made: every request of it is a lookup (then 401)
+FORGED = "/files?path=%2Ftmp%2Fx&username=user&signature=v1_forged"
+
+
+def _lookups(url: str, forwarded_for: str) -> list[int]:
+    with httpx.Client(base_url=url, timeout=30, trust_env=False) as client:
+        return [client.get(FORGED, headers={"X-Forwarded-For": forwarded_for}).status_code
+                for _ in range(4)]
+
+
+def test_a_client_cannot_pick_its_lookup_bucket_with_a_header(cluster: LocalCluster,
+                                                              tmp_path: Path) -> None:
+    """With no trusted proxy, X-Forwarded-For is the client's claim: every value it sends is
+    one bucket, the peer's (uvicorn alone trusts loopback's header)."""
+    with another_gateway(cluster, tmp_path) as url, httpx.Client(
+            base_url=url, timeout=30, trust_env=False) as client:
+        answers = [client.get(FORGED, headers={"X-Forwarded-For": f"198.51.100.{i}"})
+                   for i in range(4)]
+        assert [a.status_code for a in answers] == [401, 401, 401, 429], [
+            a.text for a in answers]
+
+
+def test_behind_a_trusted_proxy_each_client_has_its_own_bucket(cluster: LocalCluster,
+                                                               tmp_path: Path) -> None:
+    """Behind a load balancer every client comes from its address: with that address trusted
+    (AENV_TRUSTED_PROXIES) the client is the one it forwarded for, so one stranger does not
+    starve everyone; and what a client put in the header before the proxy does not count."""
+    with another_gateway(cluster, tmp_path, AENV_TRUSTED_PROXIES="127.0.0.0/8") as url:
+        assert _lookups(url, "203.0.113.5") == [401, 401, 401, 429]
+        # the proxy appends the peer it saw to what the client sent: that one is the client
+        assert _lookups(url, "198.51.100.77, 203.0.113.5") == [429] * 4
+        assert _lookups(url, "203.0.113.6") == [401, 401, 401, 429]
+
+
+def test_a_malformed_trusted_proxy_is_refused_naming_the_setting(cluster: LocalCluster,
+                                                                 tmp_path: Path) -> None:
+    gateway = GatewayProcess(cluster.scheduler.address, cluster.redis.url, cluster.secret_file,
+                             tmp_path / "gateway.log", env={
+                                 **cluster.redis.env("gateway"),
+                                 "AENV_TRUSTED_PROXIES": "10.0.0.0/8,lb.example"})
+    try:
+        with pytest.raises(RuntimeError, match=r"AENV_TRUSTED_PROXIES: 'lb\.example' is not"):
+            gateway.start()
+    finally:
+        gateway.stop()

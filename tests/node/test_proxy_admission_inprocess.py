@@ -135,7 +135,9 @@ def test_routes_by_host_and_by_headers(tmp_path: Path) -> None:
         async with node(tmp_path) as n:
             sid = await n.create()
             answer = await n.client.post(at(sid) + "/files?path=/a", content=b"data",
-                                         headers={"X-API-KEY": API_KEY, **n.envd(sid)})
+                                         headers={"X-API-KEY": API_KEY, **n.envd(sid),
+                                                  "X-Forwarded-For": "192.0.2.66",
+                                                  "X-Real-IP": "192.0.2.66"})
             assert answer.status_code == 200, answer.text
             seen = answer.json()
             assert (seen["method"], seen["path"], seen["query"], seen["body"]) == \
@@ -143,6 +145,9 @@ def test_routes_by_host_and_by_headers(tmp_path: Path) -> None:
             assert "x-api-key" not in seen["headers"]  # the node's key stays with the node
             assert seen["headers"]["x-access-token"] == n.envd(sid)["X-Access-Token"]
             assert seen["headers"]["x-forwarded-host"] == f"{ENVD_PORT}-{sid}.node.test"
+            # who the client is, the node says (its peer: no proxy is trusted), not the client
+            assert seen["headers"]["x-forwarded-for"] == "127.0.0.1"
+            assert "x-real-ip" not in seen["headers"]
             answer = await n.client.get("/some/path", headers={
                 "E2b-Sandbox-Id": sid, "E2b-Sandbox-Port": str(n.port)})
             assert answer.status_code == 200 and answer.json()["path"] == "/some/path"

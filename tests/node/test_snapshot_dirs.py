@@ -12,20 +12,20 @@ from starlette.testclient import TestClient
 
 from agentenv.node.server import ServeOptions, build_app
 
-CLUSTER_SECRET = "c" * 40
+CLUSTER_SECRET = "0c" * 32  # the node key of a cluster node
 
 
 @pytest.fixture
 def client(tmp_path: Path) -> Iterator[TestClient]:
     app = build_app(ServeOptions(state_dir=tmp_path / "state", backend="process",
-                                 cluster_secret=CLUSTER_SECRET))
+                                 node_key=CLUSTER_SECRET))
     with TestClient(app) as made:
         yield made
 
 
 @pytest.mark.parametrize("ref", ["dir:///srv/shared/snapshots/one", "/srv/shared/one"])
 def test_a_cluster_team_gets_no_shared_directory_repository(client: TestClient, ref: str) -> None:
-    team = {"x-agentenv-cluster-secret": CLUSTER_SECRET, "x-agentenv-team": "team-b"}
+    team = {"x-agentenv-node-key": CLUSTER_SECRET, "x-agentenv-team": "team-b"}
     for route, body in (("/aenv/snapshots/pull", {"ref": ref}),
                         ("/aenv/snapshots/push", {"snapshot": "base", "ref": ref})):
         answer = client.post(route, json=body, headers=team)

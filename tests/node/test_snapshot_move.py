@@ -108,7 +108,7 @@ def test_pull_with_name_registers_a_template(node_a: NodeProcess, image: str) ->
 def test_published_template_restores_on_b_from_the_shared_directory(
         node_a: NodeProcess, node_b: NodeProcess, shared_dir: Path) -> None:
     deadline = time.monotonic() + 120
-    while not (published := sorted(shared_dir.glob("moved-hostroot-*/manifest.json"))):
+    while not (published := sorted(shared_dir.glob("local/moved-hostroot-*/manifest.json"))):
         assert time.monotonic() < deadline, "node A did not publish its template build"
         time.sleep(0.5)
     ref = f"dir://{published[0].parent}"

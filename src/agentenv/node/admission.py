@@ -31,10 +31,11 @@ does, through the free-disk check). VMs of the ready pool are the node's own and
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -145,6 +146,11 @@ class Admission:
         self.refusals: dict[str, int] = {}
         #: the team quotas of a standalone node (its one team); None on a cluster's node
         self.quotas: TeamQuotas | None = None
+        #: templates or snapshots being made under hold_quota, by kind
+        self._quota_held: dict[str, int] = {}
+        #: the node serves several teams (a cluster's): a refusal names the limit but not the
+        #: node's figures (sandboxes running, memory in use), which are every team's load
+        self.shared = False
 
     @classmethod
     def from_env(cls, state_dir: Path, env: Mapping[str, str] | None = None) -> Admission:
@@ -199,45 +205,61 @@ class Admission:
                 self.refusals["team_sandboxes"] = self.refusals.get("team_sandboxes", 0) + 1
                 raise AdmissionRefused(exc.message, 429, "team_sandboxes") from None
         if self.max_sandboxes and held_count + count > self.max_sandboxes:
-            self._refuse("max_sandboxes", 429,
-                         f"cannot {what}: sandbox limit reached ({held_count} of "
-                         f"{self.max_sandboxes} running, {count} more asked; AENV_MAX_SANDBOXES)")
+            self._refuse("max_sandboxes", 429, f"cannot {what}: sandbox limit reached", (
+                f"{held_count} of {self.max_sandboxes} running, {count} more asked; "),
+                "AENV_MAX_SANDBOXES")
         if held_mb + need > self.memory_budget_mb:
             source = ("AENV_MEMORY_BUDGET_MB" if self.explicit_budget else
                       f"{self.memory_overcommit:g} x MemAvailable at start, "
                       "AENV_MEMORY_OVERCOMMIT")
-            self._refuse("memory_budget", 429,
-                         f"cannot {what}: memory budget exhausted ({held_mb} MiB of "
-                         f"{self.memory_budget_mb} MiB in use, {need} MiB more asked; {source})")
+            self._refuse("memory_budget", 429, f"cannot {what}: memory budget exhausted", (
+                f"{held_mb} MiB of {self.memory_budget_mb} MiB in use, {need} MiB more "
+                "asked; "), source)
         available = mem_available_mb()
         if available < self.memory_reserve_mb:
-            self._refuse("host_memory", 503,
-                         f"cannot {what}: host memory low (MemAvailable {available} MiB, "
-                         f"reserve {self.memory_reserve_mb} MiB; AENV_MEMORY_RESERVE_MB)")
+            self._refuse("host_memory", 503, f"cannot {what}: host memory low", (
+                f"MemAvailable {available} MiB, reserve {self.memory_reserve_mb} MiB; "),
+                "AENV_MEMORY_RESERVE_MB")
         free_mb = shutil.disk_usage(self.state_dir).free >> 20
         if free_mb < self.min_free_disk_mb:
-            self._refuse("disk", 503,
-                         f"cannot {what}: free disk low under {self.state_dir} ({free_mb} MiB "
-                         f"free, {self.min_free_disk_mb} MiB required; AENV_MIN_FREE_DISK_MB)")
+            self._refuse("disk", 503, f"cannot {what}: free disk low", (
+                f"under {self.state_dir}: {free_mb} MiB free, {self.min_free_disk_mb} MiB "
+                "required; "), "AENV_MIN_FREE_DISK_MB")
         held = Reservation(need, count)
         self._reserved.append(held)
         return held
 
     def check_quota(self, kind: str, have: int) -> None:
-        """A new template or snapshot of the standalone node's team (no-op in a cluster)."""
+        """A new template or snapshot of the standalone node's team (no-op in a cluster); for
+        a caller that records it before it next awaits (else hold_quota)."""
         if self.quotas is not None:
             try:
-                self.quotas.check(kind, LOCAL_TEAM, have)
+                self.quotas.check(kind, LOCAL_TEAM, have + self._quota_held.get(kind, 0))
             except QuotaExceeded:
                 self.refusals[f"team_{kind}"] = self.refusals.get(f"team_{kind}", 0) + 1
                 raise
+
+    @contextlib.contextmanager
+    def hold_quota(self, kind: str, have: int) -> Iterator[None]:
+        """Check and hold a place of the standalone node's team quota of `kind` while one is
+        made (a snapshot, a pull: they await long before the catalogue counts them), so
+        concurrent requests cannot all take the last place."""
+        self.check_quota(kind, have)
+        self._quota_held[kind] = self._quota_held.get(kind, 0) + 1
+        try:
+            yield
+        finally:
+            self._quota_held[kind] -= 1
 
     def release(self, held: Reservation | None) -> None:
         if held is not None and not held.released:
             held.released = True
             self._reserved.remove(held)
 
-    def _refuse(self, limit: str, status: int, message: str) -> None:
+    def _refuse(self, limit: str, status: int, reason: str, figures: str, setting: str) -> None:
+        """Refuse naming the limit and its setting; with the node's figures unless the node is
+        `shared` (they are in the node's log either way)."""
         self.refusals[limit] = self.refusals.get(limit, 0) + 1
-        log.warning("admission refused", extra={"limit": limit, "reason": message})
-        raise AdmissionRefused(message, status, limit)
+        full = f"{reason} ({figures}{setting})"
+        log.warning("admission refused", extra={"limit": limit, "reason": full})
+        raise AdmissionRefused(f"{reason} ({setting})" if self.shared else full, status, limit)

@@ -62,10 +62,10 @@ MAX_PAGE = 100
 IDEMPOTENCY_SECONDS = 600.0
 PUBLIC_PATHS = {"/health", "/openapi.json"}
 #: what a node is asked for no team, with the node key: which sandbox made a file
-#: signature (the URL names no team; the answer names it), the node's own state and metrics,
-#: and which peers hold a layer (blockd's question, node/layer_peers.py)
-TEAMLESS_PATHS = PUBLIC_PATHS | {"/metrics", security.SIGNATURE_OWNER_PATH, "/nodes",
-                                 HOLDERS_PATH}
+#: signature (the URL names no team; the answer names it), the node's metrics, and which peers
+#: hold a layer (blockd's question, node/layer_peers.py). Not `/nodes`: a node's figures are
+#: always some team's view (_node)
+TEAMLESS_PATHS = PUBLIC_PATHS | {"/metrics", security.SIGNATURE_OWNER_PATH, HOLDERS_PATH}
 #: Paths whose routes check a permission of their own instead of the API key (the signed upload
 #: URLs of template build files, node/template_api.py).
 SELF_AUTHENTICATED_PREFIXES = ("/template-files/",)
@@ -635,15 +635,36 @@ class NodeApp:
 
     # nodes
 
-    def _node(self) -> dict[str, Any]:
-        counts = self.orchestrator.count_by_state()
+    def _node(self, team: str) -> dict[str, Any]:
+        """This node as `team` may see it: its own sandboxes' counts and allocations, never
+        another team's. A standalone node's one team sees the host's use too; on a node of a
+        cluster the host's use (CPU load, memory and disk used) is every team's load: left out."""
+        mine = [r for r in self.orchestrator.sandboxes.values() if r.team == team]
+        counts = {s.value: 0 for s in State}
+        for rec in mine:
+            counts[rec.state.value] += 1
         busy = ("running", "pausing", "snapshotting", "forking", "killing")
-        live = [r for r in self.orchestrator.sandboxes.values() if r.state != State.PAUSED]
-        paused = [r for r in self.orchestrator.sandboxes.values() if r.state == State.PAUSED]
-        load = os.getloadavg()[0]
+        live = [r for r in mine if r.state != State.PAUSED]
+        paused = [r for r in mine if r.state == State.PAUSED]
+        successes, fails = self.orchestrator.counters.of_team(team)
         mem_total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-        mem_free = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
-        disk = os.statvfs(str(self.orchestrator.store.path.parent))
+        state_dir = str(self.orchestrator.store.path.parent)
+        disk = os.statvfs(state_dir)
+        metrics: dict[str, Any] = {
+            "allocatedCPU": sum(r.cpu_count for r in live),
+            "allocatedMemoryBytes": sum(r.memory_mb for r in live) << 20,
+            "pausedAllocatedCPU": sum(r.cpu_count for r in paused),
+            "pausedAllocatedMemoryBytes": sum(r.memory_mb for r in paused) << 20,
+            "cpuCount": os.cpu_count() or 1,
+            "memoryTotalBytes": mem_total,
+            "disks": [{"mountPoint": state_dir, "device": "", "filesystemType": "",
+                       "totalBytes": disk.f_blocks * disk.f_frsize}],
+        }
+        if self.node_key is None:
+            mem_free = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+            metrics["cpuPercent"] = round(100 * os.getloadavg()[0] / (os.cpu_count() or 1), 1)
+            metrics["memoryUsedBytes"] = mem_total - mem_free
+            metrics["disks"][0]["usedBytes"] = (disk.f_blocks - disk.f_bfree) * disk.f_frsize
         return {
             "id": self.node_id,
             "nodeID": self.node_id,
@@ -662,27 +683,9 @@ class NodeApp:
             "sandboxCount": sum(counts[s] for s in busy),
             "sandboxStartingCount": counts["creating"] + counts["resuming"],
             "sandboxPausedCount": counts["paused"],
-            "createSuccesses": self.orchestrator.counters.create_successes,
-            "createFails": self.orchestrator.counters.create_fails,
-            "metrics": {
-                "allocatedCPU": sum(r.cpu_count for r in live),
-                "allocatedMemoryBytes": sum(r.memory_mb for r in live) << 20,
-                "pausedAllocatedCPU": sum(r.cpu_count for r in paused),
-                "pausedAllocatedMemoryBytes": sum(r.memory_mb for r in paused) << 20,
-                "cpuPercent": round(100 * load / (os.cpu_count() or 1), 1),
-                "cpuCount": os.cpu_count() or 1,
-                "memoryUsedBytes": mem_total - mem_free,
-                "memoryTotalBytes": mem_total,
-                "disks": [
-                    {
-                        "mountPoint": str(self.orchestrator.store.path.parent),
-                        "device": "",
-                        "filesystemType": "",
-                        "usedBytes": (disk.f_blocks - disk.f_bfree) * disk.f_frsize,
-                        "totalBytes": disk.f_blocks * disk.f_frsize,
-                    }
-                ],
-            },
+            "createSuccesses": successes,
+            "createFails": fails,
+            "metrics": metrics,
         }
 
     async def signature_owner(self, request: Request) -> Response:
@@ -695,11 +698,11 @@ class NodeApp:
         return JSONResponse({"sandboxID": rec.sandbox_id, "team": rec.team})
 
     async def nodes(self, request: Request) -> Response:
-        return JSONResponse([self._node()])
+        return JSONResponse([self._node(scope_team(request.scope))])
 
     async def node_detail(self, request: Request) -> Response:
         if request.path_params["node_id"] != self.node_id:
             raise ApiError(f"node {request.path_params['node_id']!r} not found", status=404)
-        body = self._node()
+        body = self._node(scope_team(request.scope))
         body["cachedBuilds"] = []
         return JSONResponse(body)

@@ -118,8 +118,23 @@ class ForkResult:
 
 @dataclass
 class NodeCounters:
+    """Creates the node finished, in all and per team (a team's /nodes shows its own)."""
+
     create_successes: int = 0
     create_fails: int = 0
+    #: team -> [successes, fails]
+    teams: dict[str, list[int]] = field(default_factory=dict)
+
+    def count_create(self, team: str, ok: bool) -> None:
+        if ok:
+            self.create_successes += 1
+        else:
+            self.create_fails += 1
+        self.teams.setdefault(team, [0, 0])[0 if ok else 1] += 1
+
+    def of_team(self, team: str) -> tuple[int, int]:
+        successes, fails = self.teams.get(team, (0, 0))
+        return successes, fails
 
 
 class Orchestrator:
@@ -566,7 +581,7 @@ class Orchestrator:
             rec.placement = placement
             await self._envd_ready(rec, placement)
         except BaseException as exc:
-            self.counters.create_fails += 1
+            self.counters.count_create(rec.team, False)
             log.warning("sandbox create failed", extra={"sandbox_id": sid, "error": str(exc)})
             self.sandboxes.pop(sid, None)
             with contextlib.suppress(Exception):
@@ -583,7 +598,7 @@ class Orchestrator:
         rec.started_at, rec.end_at = now, now + timeout  # the TTL starts once envd is ready
         rec.state = State.RUNNING
         await self.store.put_sandbox(rec)
-        self.counters.create_successes += 1
+        self.counters.count_create(rec.team, True)
         tpl.spawn_count += 1
         tpl.last_spawned_at = now
         # Statistics only: written in the background, off the create's latency.
@@ -858,12 +873,18 @@ class Orchestrator:
         owner = None if name is None else self.catalogue.name_owner(name, team)
         if owner is not None:
             raise Conflict(f"name {name!r} is already used by {owner}")
-        if self.admission is not None:  # the team quota of a standalone node
-            self.admission.check_quota("snapshots", sum(
-                t.kind == "snapshot" for t in self.catalogue.templates.values()))
-        rec = await self._wait_running(sandbox_id, "be snapshotted")
-        rec.state = State.SNAPSHOTTING
-        return await self._launch(sandbox_id, "snapshot", self._do_snapshot(rec, name))
+        with self.hold_snapshot_quota():
+            rec = await self._wait_running(sandbox_id, "be snapshotted")
+            rec.state = State.SNAPSHOTTING
+            return await self._launch(sandbox_id, "snapshot", self._do_snapshot(rec, name))
+
+    def hold_snapshot_quota(self) -> contextlib.AbstractContextManager[None]:
+        """A place of a standalone node's team quota of snapshots, held until the new
+        snapshot is in the catalogue (or was not made)."""
+        if self.admission is None:
+            return contextlib.nullcontext()
+        return self.admission.hold_quota("snapshots", sum(
+            t.kind == "snapshot" for t in self.catalogue.templates.values()))
 
     async def _do_snapshot(self, rec: SandboxRecord, name: str | None) -> TemplateRecord:
         sid = rec.sandbox_id

@@ -108,6 +108,8 @@ def build_app(
     orchestrator.admission = Admission.from_env(state)
     if not options.node_key:  # a cluster's gateway counts a team over every node
         orchestrator.admission.quotas = TeamQuotas.from_env()
+    else:  # the node's figures are every team's load: not in a team's answers
+        orchestrator.admission.shared = True
     if (pools := capabilities.pools) is not None:
         metrics.watch_ready_pools(lambda: pools.pool)
     from agentenv.node.snapshot_api import SnapshotMoveApi

@@ -19,7 +19,11 @@ image holds it anyway). Every restore re-keys: envd's /init, authenticated with 
 sets the new sandbox's own, so the token read from the repository opens no restored sandbox.
 
 AENV_SNAPSHOT_PUBLISH=PREFIX publishes every template build once it is ready, to
-`PREFIX/<template name>:<build id>` (a registry repository prefix or a shared directory).
+`PREFIX/<team>/<template name>:<build id>` (a registry repository prefix) or
+`PREFIX/<team>/<template name>-<build id>` (a shared directory): template names are per team,
+so the team is part of the repository's name, and under PREFIX a team pushes and pulls only
+its own (`PREFIX/<team>/...`; anything else under PREFIX is another team's: 404 for a pull,
+400 for a push).
 """
 
 from __future__ import annotations
@@ -47,6 +51,38 @@ from agentenv.node.vm_backend import VmBackend
 log = logging.getLogger("agentenv.node.snapshot_api")
 
 PUBLISH_ENV = "AENV_SNAPSHOT_PUBLISH"
+
+
+def published_ref(prefix: str, team: str, template_name: str, build_id: str) -> str:
+    """Where a team's template build is published under PREFIX (AENV_SNAPSHOT_PUBLISH)."""
+    prefix = prefix.rstrip("/")
+    tag = "-" if prefix.startswith(("/", "dir://")) else ":"
+    return f"{prefix}/{team}/{template_name}{tag}{build_id}"
+
+
+def _location(ref: str) -> str:
+    """A repository reference in one form, to compare with the publish prefix: a directory's
+    normalised path (no `..` left to climb out of a team's directory), a registry's lowercase
+    `host/repository` (OCI repositories are lowercase)."""
+    ref = ref.strip()
+    if ref.startswith(("dir://", "/")):
+        return "dir:" + os.path.normpath(ref.removeprefix("dir://"))
+    return "oci:" + ref.removeprefix("oci://").lower()
+
+
+def outside_team_scope(ref: str, team: str) -> str | None:
+    """Why `team` may not push to or pull from `ref`: it is under the publish prefix but not
+    in the team's own part of it (PREFIX/<team>/); None otherwise."""
+    prefix = os.environ.get(PUBLISH_ENV, "").strip().rstrip("/")
+    if not prefix:
+        return None
+    base, where = _location(prefix), _location(ref)
+    if where != base and not where.startswith(base + "/"):
+        return None  # not a published snapshot: the caller's own repository
+    if where.startswith(f"{base}/{team}/"):
+        return None
+    return (f"{ref!r} is under the published snapshots ({PUBLISH_ENV}) but not this team's: "
+            f"a team's are under {prefix}/{team}/")
 
 
 class SnapshotMoveApi:
@@ -121,6 +157,9 @@ class SnapshotMoveApi:
         body = await self._body(request, "snapshot", "ref")
         team = scope_team(request.scope)
         self._check_repository(body["ref"], team)
+        problem = outside_team_scope(body["ref"], team)
+        if problem is not None:  # another team's published repository is not to overwrite
+            raise BadRequest(problem)
         result = await self.push_snapshot(body["snapshot"], body["ref"], team,
                                           node_credentials=team == LOCAL_TEAM)
         return JSONResponse(result)
@@ -144,8 +183,6 @@ class SnapshotMoveApi:
             raise BadRequest(f"push of {name} to {ref} failed: {exc}") from exc
 
     async def pull(self, request: Request) -> Response:
-        from agentenv.snapshot.repository import fetch
-
         body = await self._body(request, "ref")
         name = body.get("name")
         if name is not None and (not isinstance(name, str) or not name):
@@ -155,21 +192,31 @@ class SnapshotMoveApi:
             raise BadRequest("'download' must be true or false")
         team = scope_team(request.scope)
         self._check_repository(body["ref"], team)
+        problem = outside_team_scope(body["ref"], team)
+        if problem is not None:  # another team's published snapshot is not found
+            raise NotFound(problem)
         backend = self._backend()
         if name is not None:
             owner = self.orchestrator.catalogue.name_owner(name, team)
             if owner is not None:
                 raise Conflict(f"name {name!r} is already used by {owner}")
+        with self.orchestrator.hold_snapshot_quota():  # a pulled snapshot is the team's
+            return await self._pull(body["ref"], name, download, team, backend)
+
+    async def _pull(self, ref: str, name: str | None, download: bool, team: str,
+                    backend: VmBackend) -> Response:
+        from agentenv.snapshot.repository import fetch
+
         try:
             # The tools disk of a snapshot is this node's own when the guest assets match.
-            fetched = await asyncio.to_thread(fetch, body["ref"], backend.snapshots.root,
+            fetched = await asyncio.to_thread(fetch, ref, backend.snapshots.root,
                                               lazy=not download,
                                               local_files=[backend.assets.tools_image],
                                               team=team, access=self.access,
                                               # a cluster's team: no node credentials
                                               use_docker_config=team == LOCAL_TEAM)
         except AgentEnvError as exc:
-            raise BadRequest(f"pull of {body['ref']} failed: {exc}") from exc
+            raise BadRequest(f"pull of {ref} failed: {exc}") from exc
         record = fetched.record
         if record.mode != backend.runtime.accel:
             raise BadRequest(f"snapshot {record.id} was taken under {record.mode} and this node "
@@ -189,7 +236,7 @@ class SnapshotMoveApi:
                              or self.orchestrator.config.default_envd_version),
             created_at=now, updated_at=now, team=team)
         await self.orchestrator.catalogue.register(tpl)
-        log.info("snapshot pulled", extra={"ref": body["ref"], "snapshot": record.id,
+        log.info("snapshot pulled", extra={"ref": ref, "snapshot": record.id,
                                            "template_id": tpl.template_id,
                                            "bytes": fetched.bytes_fetched,
                                            "lazy_parts": fetched.lazy_parts})
@@ -203,12 +250,10 @@ class SnapshotMoveApi:
         prefix = os.environ.get(PUBLISH_ENV, "").strip().rstrip("/")
         if not prefix:
             return
-        ref = f"{prefix}/{template_name}" + ("-" if prefix.startswith(("/", "dir://")) else ":") \
-            + build_id
-
         template = self.orchestrator.catalogue.get(template_id)
         if template is None:
             return
+        ref = published_ref(prefix, template.team, template_name, build_id)
 
         async def run() -> None:
             try:

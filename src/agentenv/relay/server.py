@@ -14,14 +14,23 @@ ever a forward proxy, so only origin-form (`/path?query`) is served.
 one form, a node or envd would resolve another): dot segments (`.`, `..`, percent-encoded or
 not), empty segments (`//`) and encoded separators (`%2f`, `%5c`, a backslash), each decoded as
 often as a chain of servers might.
+
+The client's address (rate limits, logs) is the peer's, unless the peer is a proxy the operator
+trusts (`AENV_TRUSTED_PROXIES`, addresses and CIDRs): then it is what that proxy put in
+`X-Forwarded-For` (uvicorn's proxy-headers middleware: the right-most address no trusted proxy
+added). Nothing else is trusted, not even loopback (uvicorn's default): a client that may name
+its own address picks its own rate limit bucket.
 """
 
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import json
 import logging
+import os
 import re
+from collections.abc import Mapping
 from typing import Any
 from urllib.parse import unquote_to_bytes
 
@@ -29,7 +38,28 @@ import h11
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from agentenv.errors import AgentEnvError
+
 log = logging.getLogger("agentenv.relay.server")
+
+TRUSTED_PROXIES_ENV = "AENV_TRUSTED_PROXIES"
+
+
+def trusted_proxies(env: Mapping[str, str] | None = None) -> list[str]:
+    """The proxies whose X-Forwarded-For names the client (AENV_TRUSTED_PROXIES: addresses or
+    CIDRs, comma-separated; empty: none, the peer is the client)."""
+    raw = (os.environ if env is None else env).get(TRUSTED_PROXIES_ENV, "")
+    found = []
+    for item in (i.strip() for i in raw.split(",")):
+        if not item:
+            continue
+        try:  # uvicorn would take a malformed entry as a host name: refuse it here
+            found.append(str(ipaddress.ip_network(item, strict=False)) if "/" in item
+                         else str(ipaddress.ip_address(item)))
+        except ValueError:
+            raise AgentEnvError(f"{TRUSTED_PROXIES_ENV}: {item!r} is not an IP address or "
+                                "CIDR (e.g. 10.0.0.0/8,192.0.2.7)") from None
+    return found
 
 #: origin-form (RFC 9112 3.2.1): an absolute path and an optional query. Only printable ASCII
 #: other than '#': llhttp already refuses spaces and control bytes, this also refuses a fragment,
@@ -126,7 +156,8 @@ def hardened_config(app: Any, host: str, port: int, max_head_bytes: int, head_ti
                     ws_max_bytes: int = 16 << 20) -> uvicorn.Config:
     """The uvicorn settings of every server that relays sandbox traffic (the node, the
     gateway): the hardened HTTP/1.1 protocol, our own logs, WebSockets (messages of at most
-    `ws_max_bytes`), no server header."""
+    `ws_max_bytes`), no server header, the client's address as AENV_TRUSTED_PROXIES says."""
+    proxies = trusted_proxies()
     return uvicorn.Config(
         app,
         host=host,
@@ -142,6 +173,8 @@ def hardened_config(app: Any, host: str, port: int, max_head_bytes: int, head_ti
         ws="websockets-sansio",
         ws_max_size=ws_max_bytes,
         backlog=backlog,
+        proxy_headers=bool(proxies),
+        forwarded_allow_ips=proxies or None,
     )
 
 

@@ -37,6 +37,9 @@ Scope = dict[str, Any]
 Send = Callable[[dict[str, Any]], Awaitable[None]]
 
 #: RFC 9110 7.6.1: hop-by-hop fields, plus the ones a `Connection` header names
+#: who the client is and how it came, as the client tells it: replaced by the relay's own
+CLIENT_CLAIMS = frozenset({b"x-forwarded-for", b"x-forwarded-host", b"x-forwarded-proto",
+                           b"forwarded", b"x-real-ip"})
 HOP_BY_HOP = frozenset(
     {
         b"connection",
@@ -180,18 +183,23 @@ def forward_headers(
     keep: Callable[[bytes, bytes], bool] | None = None,
 ) -> list[tuple[bytes, bytes]]:
     """The request's headers without hop-by-hop ones, those named by `Connection`, `drop`, and
-    those `keep(name, value)` refuses; plus X-Forwarded-Host/-Proto."""
+    those `keep(name, value)` refuses; plus X-Forwarded-For/-Host/-Proto of this server's own
+    (the client's address as relay/server.py determined it): never what the client claims."""
     connection_named = set()
     for name, value in scope["headers"]:
         if name == b"connection":
             connection_named.update(v.strip().lower() for v in value.split(b","))
     out = []
     for name, value in scope["headers"]:
-        if name in HOP_BY_HOP or name in drop or name in connection_named:
+        if (name in HOP_BY_HOP or name in drop or name in connection_named
+                or name in CLIENT_CLAIMS):
             continue
         if keep is not None and not keep(name, value):
             continue
         out.append((name, value))
+    client = scope.get("client")
+    if client:
+        out.append((b"x-forwarded-for", str(client[0]).encode("latin-1")))
     hosts = header_values(scope, b"host")
     out.append((b"x-forwarded-host", hosts[0] if hosts else b""))
     out.append((b"x-forwarded-proto", scope.get("scheme", "http").encode()))

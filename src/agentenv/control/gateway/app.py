@@ -41,7 +41,12 @@ from starlette.requests import Request
 
 from agentenv import __version__
 from agentenv.cluster_keys import node_key
-from agentenv.control.gateway.limits import GatewayQuotas, LookupLimiter, fork_count
+from agentenv.control.gateway.limits import (
+    GatewayQuotas,
+    LookupLimiter,
+    NewItems,
+    fork_count,
+)
 from agentenv.control.gateway.metrics import GatewayMetrics
 from agentenv.control.gateway.placement import (
     BadPlacementRequest,
@@ -931,13 +936,15 @@ class GatewayApp:
 
     async def snapshot(self, request: Request, send: Send, team: str, sandbox_id: str) -> None:
         binding = await self._own_binding(sandbox_id, team)
-        await self.quotas.check_new(team, "snapshots")
-        answer = await self._call(binding.node, request, team, await self._body(request))
-        if answer.status_code == 201:
-            snap = answer.json()
-            names = [n.split("/")[-1].split(":")[0] for n in snap.get("names", [])]
-            await self.store.own("snapshot", snap["snapshotID"], team, binding.node.node_id,
-                                 names)
+        raw = await self._body(request)
+        async with self.quotas.new_item(team, "snapshots") as made:
+            answer = await self._call(binding.node, request, team, raw)
+            if answer.status_code == 201:
+                snap = answer.json()
+                names = [n.split("/")[-1].split(":")[0] for n in snap.get("names", [])]
+                await self.store.own("snapshot", snap["snapshotID"], team,
+                                     binding.node.node_id, names)
+                made.ids.append(snap["snapshotID"])
         await self._send(send, answer)
 
     # --- snapshots ---------------------------------------------------------------------------
@@ -993,25 +1000,29 @@ class GatewayApp:
         if isinstance(body, dict):
             name = str(body.get("name") or body.get("alias") or "").split(":")[0]
         owned = await self.store.owned("template", name, team) if name else None
+        new_template = False
         if owned is not None and owned.team == team:
             node = await self._node_by_id(owned.node)  # a rebuild: where the template is
         elif name:
             # names are per team (the nodes keep them so): only a built-in's is no team's
             await self._refuse_shared_name(name, team)
-            await self.quotas.check_new(team, "templates")
             node = await self._new_build_node(name, team, body)
+            new_template = True
         else:  # the node names what is wrong with the body
             node = (await self._up_nodes() or [None])[0]
             if node is None:
                 raise NoPlacement("no node is up")
-        answer = await self._call(node, request, team, raw)
-        template_id = None
-        if answer.status_code in (200, 201, 202):
-            template_id = answer.json().get("templateID")
-            if template_id:
-                await self.store.own("template", template_id, team, node.node_id,
-                                     [name] if name else [])
-                await self.store.note_build_node(team, node.node_id)
+        # a new template holds a place of the team's quota from before the node is asked
+        async with (self.quotas.new_item(team, "templates") if new_template
+                    else contextlib.nullcontext(NewItems())) as made:
+            answer = await self._call(node, request, team, raw)
+            if answer.status_code in (200, 201, 202):
+                template_id = answer.json().get("templateID")
+                if template_id:
+                    await self.store.own("template", template_id, team, node.node_id,
+                                         [name] if name else [])
+                    await self.store.note_build_node(team, node.node_id)
+                    made.ids.append(template_id)
         await self._send(send, answer)
 
     async def _new_build_node(self, name: str, team: str, body: dict[str, Any]) -> Node:
@@ -1171,10 +1182,12 @@ class GatewayApp:
     # --- nodes -------------------------------------------------------------------------------
 
     async def list_nodes(self, request: Request, send: Send, team: str) -> None:
+        """Every node of the cluster, with the figures of `team`'s own sandboxes on it (the
+        node answers for the team the gateway names: no other team's load)."""
         nodes = await self.scheduler.nodes()
 
         async def fetch(node: Node) -> list[Any]:
-            answer = await self._get(node, "/nodes", None)
+            answer = await self._get(node, "/nodes", team)
             found = list(answer.json()) if answer.status_code == 200 else []
             for item in found:  # the scheduler's name of the node, not its host name
                 item.update({"id": node.node_id, "nodeID": node.node_id})
@@ -1191,7 +1204,7 @@ class GatewayApp:
             if node.node_id == node_id:
                 if not node.up:
                     raise _node_unavailable(f"{node_id} missed its heartbeats")
-                answer = await self._get(node, "/nodes", None)
+                answer = await self._get(node, "/nodes", team)
                 if answer.status_code == 200 and answer.json():
                     body = answer.json()[0]
                     body.update({"id": node_id, "nodeID": node_id, "cachedBuilds": []})

@@ -5,18 +5,19 @@ Quotas (node/admission.py's settings, `AENV_TEAM_MAX_SANDBOXES`, `_TEMPLATES`, `
 0 = no limit) are counted over the whole cluster, so the gateway holds them (a cluster's nodes
 leave them alone). A refused request is a 429 that names the limit, before any node is asked.
 
-- Sandboxes: Redis keeps, per team, the sorted set `aenv:quota:sandboxes:{team}` of the
-  sandboxes it created (create and fork) and of creates under way (`pending:…`, scored by when
-  they started: a gateway that dies mid-create leaves one that lapses after PENDING_SECONDS).
-  A pending entry is added before the node is asked and counted at once, so concurrent
-  creates through any gateway cannot all pass the last free place. The set is pruned only
-  when a create would pass the limit: a sandbox the scheduler no longer binds (ended by kill,
-  timeout or its node) leaves it. A paused sandbox keeps its binding and counts.
-- Templates and snapshots: counted from the ownership records (`aenv:own:{kind}:*`) when a
-  team asks for a new one (rare next to creates).
+Redis keeps, per team and kind, the sorted set `aenv:quota:{sandboxes|templates|snapshots}:
+{team}` of what the team has (sandboxes it created or forked, templates and snapshots it owns;
+scored +inf) and of creates under way (`pending:…`, scored by when they started: a gateway that
+dies mid-create leaves one that lapses after PENDING_SECONDS). A create is reserved in one
+Redis script (_RESERVE: count and add together) before the node is asked, so concurrent creates
+through any gateway get exactly the free places; what the node made replaces the reservation,
+a failed create gives it back, a deleted template or snapshot leaves the set (store.disown).
+The set is pruned only when a create would pass the limit: a sandbox the scheduler no longer
+binds (ended by kill, timeout or its node) and a template or snapshot without an ownership
+record leave it. A paused sandbox keeps its binding and counts.
 
 The signed-URL lookup (`/files?signature=…` with no cached owner) asks every node: each client
-address gets a token bucket (`AENV_SIGNED_LOOKUP_RATE` per second, bursts of
+address (the peer, or what a trusted proxy forwarded for: relay/server.py) gets a token bucket (`AENV_SIGNED_LOOKUP_RATE` per second, bursts of
 `AENV_SIGNED_LOOKUP_BURST`; 0 = no limit). A URL whose owner is cached is not limited.
 """
 
@@ -37,7 +38,7 @@ import httpx
 from prometheus_client import Counter
 
 from agentenv.control.gateway.placement import SchedulerLink
-from agentenv.control.gateway.store import PREFIX, GatewayStore
+from agentenv.control.gateway.store import PREFIX, GatewayStore, quota_key
 from agentenv.node.admission import QuotaExceeded, TeamQuotas, env_number
 
 log = logging.getLogger("agentenv.control.gateway.limits")
@@ -46,6 +47,17 @@ log = logging.getLogger("agentenv.control.gateway.limits")
 PENDING_SECONDS = 600.0
 _PENDING = "pending:"
 MAX_BUCKETS = 100_000
+#: KEYS[1] a team's quota set; ARGV: lapse-before, limit, now, marks. Drops lapsed creates
+#: (pending marks scored by when they started; what exists scores +inf), then adds the marks
+#: only when they fit: -1; else the count held. One step, so concurrent creates through any
+#: gateway get exactly the free places.
+_RESERVE = """
+redis.call('zremrangebyscore', KEYS[1], '-inf', ARGV[1])
+local have = redis.call('zcard', KEYS[1])
+if have + #ARGV - 3 > tonumber(ARGV[2]) then return have end
+for i = 4, #ARGV do redis.call('zadd', KEYS[1], ARGV[3], ARGV[i]) end
+return -1
+"""
 
 
 def _api_error(exc: QuotaExceeded, refusals: Counter | None) -> Exception:
@@ -57,8 +69,8 @@ def _api_error(exc: QuotaExceeded, refusals: Counter | None) -> Exception:
 
 
 @dataclass
-class NewSandboxes:
-    """What a create or fork made: the ids its node's answer names."""
+class NewItems:
+    """What a create, fork, snapshot or new template made: the ids that keep their places."""
 
     ids: list[str] = field(default_factory=list)
 
@@ -91,65 +103,87 @@ class GatewayQuotas:
         self.quotas = quotas if quotas is not None else TeamQuotas.from_env()
 
     @contextlib.asynccontextmanager
-    async def new_sandboxes(self, team: str, count: int) -> AsyncIterator[NewSandboxes]:
+    async def new_sandboxes(self, team: str, count: int) -> AsyncIterator[NewItems]:
         """Hold `count` places of `team`'s sandbox quota for a create or fork (429 when they
         are not free); the sandboxes its answer names keep them."""
-        if not self.quotas.sandboxes:
-            yield NewSandboxes()
+        async with self._reserved(team, "sandboxes", count) as made:
+            yield made
+
+    @contextlib.asynccontextmanager
+    async def new_item(self, team: str, kind: str) -> AsyncIterator[NewItems]:
+        """Hold a place of `team`'s template or snapshot quota (`kind`: "templates",
+        "snapshots") while the node makes one; the id it names (`made.ids`) keeps it, until
+        the ownership record goes (GatewayStore.disown)."""
+        async with self._reserved(team, kind, 1) as made:
+            yield made
+
+    @contextlib.asynccontextmanager
+    async def _reserved(self, team: str, kind: str, count: int) -> AsyncIterator[NewItems]:
+        limit = getattr(self.quotas, kind)
+        made = NewItems()
+        if not limit:
+            yield made
             return
-        key = PREFIX + f"quota:sandboxes:{team}"
+        key = quota_key(kind, team)
+        if kind != "sandboxes":
+            await self._seed(key, team, kind)
         marks = [f"{_PENDING}{secrets.token_hex(8)}" for _ in range(count)]
-        now = time.time()
-        redis = self.store.redis
-        await self.store._call(redis.zremrangebyscore(key, "-inf", now - PENDING_SECONDS))
-        await self.store._call(redis.zadd(key, dict.fromkeys(marks, now)))
-        made = NewSandboxes()
-        try:
-            have = await self.store._call(redis.zcard(key)) - count
-            if have + count > self.quotas.sandboxes:
-                have = await self._prune(key) - count
+        have = await self._reserve(key, limit, marks)
+        if have is not None:  # the set may name things that are gone: prune, then again
+            await self._prune(key, kind)
+            have = await self._reserve(key, limit, marks)
+        if have is not None:
             try:
-                self.quotas.check("sandboxes", team, have, count)
+                self.quotas.check(kind, team, have, count)
             except QuotaExceeded as exc:
                 raise _api_error(exc, self.refusals) from None
+        try:
             yield made
         finally:
-            pipe = redis.pipeline()
+            pipe = self.store.redis.pipeline()
             pipe.zrem(key, *marks)
-            if made.ids:
-                pipe.zadd(key, dict.fromkeys(made.ids, time.time()))
+            if made.ids:  # kept until they are gone: never lapse
+                pipe.zadd(key, dict.fromkeys(made.ids, "+inf"))
             await self.store._call(pipe.execute())
 
-    async def _prune(self, key: str) -> int:
-        """Drop the sandboxes the scheduler no longer binds; the count left."""
-        members = await self.store._call(self.store.redis.zrange(key, 0, -1))
-        gone = [m for m in members if not m.startswith(_PENDING)
-                and await self.scheduler.lookup(m) is None]
+    async def _reserve(self, key: str, limit: int, marks: list[str]) -> int | None:
+        """Add `marks` to the set in one step when they fit under `limit` (None); else the
+        count the set holds."""
+        have = await self.store._call(self.store.redis.eval(
+            _RESERVE, 1, key, time.time() - PENDING_SECONDS, limit, time.time(), *marks))
+        return None if have < 0 else int(have)
+
+    async def _prune(self, key: str, kind: str) -> None:
+        """Drop what no longer exists: sandboxes the scheduler no longer binds, templates and
+        snapshots whose ownership record is gone."""
+        members = [m for m in await self.store._call(self.store.redis.zrange(key, 0, -1))
+                   if not m.startswith(_PENDING)]
+        if kind == "sandboxes":
+            gone = [m for m in members if await self.scheduler.lookup(m) is None]
+        else:
+            owned = await self.store.owned_ids(kind.removesuffix("s"), members)
+            gone = [m for m in members if m not in owned]
         if gone:
             await self.store._call(self.store.redis.zrem(key, *gone))
-        return len(members) - len(gone)
 
-    async def check_new(self, team: str, kind: str) -> None:
-        """429 when `team` may not get one more template or snapshot."""
-        if not getattr(self.quotas, kind):
-            return
-        have = 0
+    async def _seed(self, key: str, team: str, kind: str) -> None:
+        """A team's set starts with what it owns already (a cluster that kept ownership
+        records before the sets existed); a set that exists is not scanned again."""
         redis = self.store.redis
-        singular = kind.removesuffix("s")
-        keys = await self.store._call(self._keys(PREFIX + f"own:{singular}:*"))
-        if keys:
-            pipe = redis.pipeline()
-            for k in keys:
-                pipe.hget(k, "team")
-            have = sum(1 for owner in await self.store._call(pipe.execute()) if owner == team)
-        try:
-            self.quotas.check(kind, team, have)
-        except QuotaExceeded as exc:
-            raise _api_error(exc, self.refusals) from None
-
-
-    async def _keys(self, pattern: str) -> list[str]:
-        return [k async for k in self.store.redis.scan_iter(match=pattern, count=1000)]
+        if await self.store._call(redis.exists(key)):
+            return
+        keys = [k async for k in redis.scan_iter(match=PREFIX + f"own:{kind.removesuffix('s')}:*",
+                                                 count=1000)]
+        if not keys:
+            return
+        pipe = redis.pipeline()
+        for k in keys:
+            pipe.hget(k, "team")
+        owners = await self.store._call(pipe.execute())
+        mine = [k.rsplit(":", 1)[1] for k, owner in zip(keys, owners, strict=True)
+                if owner == team]
+        if mine:
+            await self.store._call(redis.zadd(key, dict.fromkeys(mine, "+inf")))
 
 
 class LookupLimiter:

@@ -14,6 +14,8 @@ lease its gateway renews) or its answer, for IDEMPOTENCY_SECONDS, and `idem-node
 memory does: whoever reads this Redis holds the cluster anyway (API keys).
 `buildnodes:{team}` (sorted set: node id, scored by when the team last built a template there):
 where the team's next new template is built, so a chain of templates stays on one node.
+`quota:{sandboxes|templates|snapshots}:{team}` (sorted sets): what counts for the team's quotas
+(control/gateway/limits.py).
 """
 
 from __future__ import annotations
@@ -45,6 +47,12 @@ _FINISH_IF = ("local held = redis.call('get', KEYS[1]) "
 #: a failed create gives back its key and forgets its node (the retry is placed anew)
 _UNCLAIM_IF = ("if redis.call('get', KEYS[1]) == ARGV[1] then redis.call('del', KEYS[2]) "
                "return redis.call('del', KEYS[1]) end return 0")
+
+
+def quota_key(kind: str, team: str) -> str:
+    """The set of what counts for `team`'s quota of `kind` ("sandboxes", "templates",
+    "snapshots"; control/gateway/limits.py)."""
+    return PREFIX + f"quota:{kind}:{team}"
 
 
 class StoreUnavailable(AgentEnvError):
@@ -188,6 +196,7 @@ class GatewayStore:
         names = [*names, *(f.removeprefix("name:") for f in fields if f.startswith("name:"))]
         pipe = self.redis.pipeline()
         pipe.delete(key)
+        pipe.zrem(quota_key(f"{kind}s", team), item_id)  # its place in the team's quota
         for name in set(names):
             pipe.delete(PREFIX + f"name:{kind}:{team}:{name}")
         await self._call(pipe.execute())
