@@ -212,12 +212,12 @@ def check_backend_allowed(options: ServeOptions) -> None:
     """The process backend runs sandboxes as processes of the node's host, with no isolation
     between teams: a node of a cluster refuses it unless the operator says it is a
     development cluster."""
-    in_cluster = bool(options.cluster_secret or options.scheduler)
+    in_cluster = bool(options.node_key or options.scheduler)
     if options.backend == "process" and in_cluster and \
             os.environ.get(ALLOW_PROCESS_IN_CLUSTER_ENV, "") != "1":
         raise AgentEnvError(
             "the process backend (development only: sandboxes are processes of this host, "
-            "not VMs) is refused on a node of a cluster (a scheduler or cluster secret is "
+            "not VMs) is refused on a node of a cluster (a scheduler or a node key is "
             f"set): use --backend vm, or set {ALLOW_PROCESS_IN_CLUSTER_ENV}=1 for a "
             "development cluster")
 

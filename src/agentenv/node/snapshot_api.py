@@ -156,10 +156,10 @@ class SnapshotMoveApi:
     async def push(self, request: Request) -> Response:
         body = await self._body(request, "snapshot", "ref")
         team = scope_team(request.scope)
-        self._check_repository(body["ref"], team)
         problem = outside_team_scope(body["ref"], team)
         if problem is not None:  # another team's published repository is not to overwrite
             raise BadRequest(problem)
+        self._check_repository(body["ref"], team)
         result = await self.push_snapshot(body["snapshot"], body["ref"], team,
                                           node_credentials=team == LOCAL_TEAM)
         return JSONResponse(result)
@@ -191,10 +191,10 @@ class SnapshotMoveApi:
         if not isinstance(download, bool):
             raise BadRequest("'download' must be true or false")
         team = scope_team(request.scope)
-        self._check_repository(body["ref"], team)
         problem = outside_team_scope(body["ref"], team)
         if problem is not None:  # another team's published snapshot is not found
             raise NotFound(problem)
+        self._check_repository(body["ref"], team)
         backend = self._backend()
         if name is not None:
             owner = self.orchestrator.catalogue.name_owner(name, team)
