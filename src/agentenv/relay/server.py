@@ -29,6 +29,8 @@ import h11
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from agentenv.relay.websocket import FragmentingWebSocketProtocol
+
 log = logging.getLogger("agentenv.relay.server")
 
 #: origin-form (RFC 9112 3.2.1): an absolute path and an optional query. Only printable ASCII
@@ -126,7 +128,7 @@ def hardened_config(app: Any, host: str, port: int, max_head_bytes: int, head_ti
                     ws_max_bytes: int = 16 << 20) -> uvicorn.Config:
     """The uvicorn settings of every server that relays sandbox traffic (the node, the
     gateway): the hardened HTTP/1.1 protocol, our own logs, WebSockets (messages of at most
-    `ws_max_bytes`), no server header."""
+    `ws_max_bytes`; fragments relayed as they come, relay/websocket.py), no server header."""
     return uvicorn.Config(
         app,
         host=host,
@@ -139,7 +141,7 @@ def hardened_config(app: Any, host: str, port: int, max_head_bytes: int, head_ti
         timeout_graceful_shutdown=graceful_seconds,
         timeout_keep_alive=30,
         server_header=False,
-        ws="websockets-sansio",
+        ws=FragmentingWebSocketProtocol,
         ws_max_size=ws_max_bytes,
         backlog=backlog,
     )
