@@ -32,6 +32,7 @@ from typing import Any
 
 import httpx
 
+from agentenv import boundedjson
 from agentenv.errors import AgentEnvError
 
 FLAG_END_STREAM = 0x02
@@ -142,7 +143,7 @@ class Reply:
         return self.content.decode(errors="replace")
 
     def json(self) -> Any:
-        return json.loads(self.content)
+        return boundedjson.loads(self.content, "envd's answer")
 
 
 async def _read_limited(answer: httpx.Response, what: str, limit: int) -> bytes:
@@ -224,7 +225,17 @@ class _Envelopes:
                 break
             payload = bytes(self._buffer[_HEADER.size:_HEADER.size + size])
             del self._buffer[:_HEADER.size + size]
-            out.append((flags, json.loads(payload) if payload else {}))
+            message: Any = {}
+            if payload:
+                try:
+                    message = boundedjson.loads(payload, "envd's stream message")
+                except ValueError as exc:
+                    raise GuestReplyError(f"envd sent a stream message that is not JSON: "
+                                          f"{str(exc)[:200]}") from exc
+                if not isinstance(message, dict):
+                    raise GuestReplyError("envd sent a stream message that is not a JSON "
+                                          "object")
+            out.append((flags, message))
         return out
 
 
@@ -312,9 +323,14 @@ class EnvdClient:
             raise EnvdClientError(f"envd {procedure} failed: {exc}") from exc
         try:
             body = answer.json()
-        except ValueError:
+        except ValueError as exc:
+            if answer.status_code == 200:
+                raise EnvdClientError(f"envd {procedure}: the answer is not JSON: "
+                                      f"{str(exc)[:200]}") from exc
             body = {"message": answer.text[:300]}
         if answer.status_code != 200:
+            if not isinstance(body, dict):
+                body = {"message": answer.text[:300]}
             raise EnvdClientError(f"envd {procedure}: {body.get('code', answer.status_code)}: "
                                   f"{body.get('message', '')}")
         return body if isinstance(body, dict) else {}

@@ -17,6 +17,7 @@ import pytest
 
 from agentenv.envd_client import (
     EnvdClient,
+    EnvdClientError,
     GuestReplyError,
     GuestReplyTimeout,
     read_reply,
@@ -160,6 +161,47 @@ def test_a_process_stream_ends_at_its_timeout_whatever_the_guest_says() -> None:
                 with pytest.raises(GuestReplyError, match=r"did not end within 30\.5 s"):
                     await client.run("sleep", ["1"], timeout=0.5)
                 assert time.monotonic() - t0 < 60
+            finally:
+                await client.close()
+
+    asyncio.run(main())
+
+
+NESTED = b"[" * 100_000 + b"]" * 100_000
+
+
+async def nested_answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    await _head(reader)
+    writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n"
+                 b"\r\n" % len(NESTED) + NESTED)
+    await writer.drain()
+
+
+async def nested_envelope(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    await _head(reader)
+    writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/connect+json\r\n\r\n")
+    writer.write(struct.pack(">BI", 0, len(NESTED)) + NESTED)
+    await writer.drain()
+    await asyncio.sleep(60)
+
+
+def test_deeply_nested_json_is_an_error_of_that_call() -> None:
+    """`[[[[...]]]]` 100,000 deep from the guest made the stdlib parser raise RecursionError,
+    which no `except ValueError` around a parse catches: the call fails with a clear error."""
+
+    async def main() -> None:
+        async for url in _serve(nested_answer):
+            client = EnvdClient(url, timeout=10.0)
+            try:
+                with pytest.raises(EnvdClientError, match="deeper than 64 levels"):
+                    await client.make_dir("/tmp/x")
+            finally:
+                await client.close()
+        async for url in _serve(nested_envelope):
+            client = EnvdClient(url)
+            try:
+                with pytest.raises(GuestReplyError, match="deeper than 64 levels"):
+                    await asyncio.wait_for(client.run("true", []), 30)
             finally:
                 await client.close()
 

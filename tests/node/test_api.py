@@ -102,6 +102,19 @@ def test_bad_requests_get_json_errors(api: httpx.Client) -> None:
     assert_error(api.post("/v2/sandboxes", json={"templateID": "nope"}), 404, "nope")
 
 
+def test_deeply_nested_json_gets_400(api: httpx.Client) -> None:
+    """`[[[[...]]]]` 100,000 deep made the stdlib parser raise RecursionError, which went past
+    the body's `except JSONDecodeError` (500): it is a 400 naming the nesting, as is a next
+    token that decodes to such JSON."""
+    nested = b"[" * 100_000 + b"]" * 100_000
+    assert_error(api.post("/v2/sandboxes", content=nested), 400, "deeper than 64 levels")
+    deep = b"[" * 5000 + b"]" * 5000
+    assert_error(api.post("/v2/sandboxes", content=deep), 400, "deeper than 64 levels")
+    assert_error(api.post("/aenv/snapshots/push", content=deep), 400, "deeper than 64 levels")
+    token = base64.urlsafe_b64encode(deep).decode()
+    assert_error(api.get("/v2/sandboxes", params={"nextToken": token}), 400, "token")
+
+
 def test_unknown_sandbox_everywhere(api: httpx.Client, node: NodeProcess) -> None:
     sid = "inosuchsandbox000000"
     assert_error(api.get(f"/sandboxes/{sid}"), 404, sid)

@@ -41,7 +41,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from agentenv import __version__
+from agentenv import __version__, boundedjson
 from agentenv.node import models, security
 from agentenv.node.errors import ApiError, BadRequest, sandbox_not_found
 from agentenv.node.layer_peers import HOLDERS_PATH
@@ -77,6 +77,19 @@ def error(status: int, message: str, headers: dict[str, str] | None = None) -> J
 
 async def read_model(request: Request, model: type[M], *, optional: bool = False) -> M:
     """Parse and validate the JSON body; empty bodies count as `{}` when `optional`."""
+    data = await read_json(request, optional=optional)
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in e['loc']) or 'body'}: {e['msg']}" for e in exc.errors()
+        )
+        raise ApiError(f"invalid request body: {problems}", status=422) from exc
+
+
+async def read_json(request: Request, *, optional: bool = False) -> Any:
+    """The JSON body, read up to MAX_BODY_BYTES and parsed with its nesting bounded
+    (boundedjson); empty bodies count as `{}` when `optional`."""
     declared = request.headers.get("content-length")
     if declared and declared.isdigit() and int(declared) > MAX_BODY_BYTES:
         raise ApiError(f"request body over {MAX_BODY_BYTES} bytes", status=413)
@@ -93,16 +106,10 @@ async def read_model(request: Request, model: type[M], *, optional: bool = False
         data: Any = {}
     else:
         try:
-            data = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            data = boundedjson.loads(raw, "the request body")
+        except ValueError as exc:
             raise BadRequest(f"request body is not valid JSON: {exc}") from exc
-    try:
-        return model.model_validate(data)
-    except ValidationError as exc:
-        problems = "; ".join(
-            f"{'.'.join(str(p) for p in e['loc']) or 'body'}: {e['msg']}" for e in exc.errors()
-        )
-        raise ApiError(f"invalid request body: {problems}", status=422) from exc
+    return data
 
 
 class SignedFileRequest(BaseModel):
@@ -121,7 +128,7 @@ def _encode_cursor(ts: float, item_id: str) -> str:
 
 def _decode_cursor(token: str) -> tuple[float, str]:
     try:
-        ts, item_id = json.loads(base64.urlsafe_b64decode(token.encode()))
+        ts, item_id = boundedjson.loads(base64.urlsafe_b64decode(token.encode()))
         return float(ts), str(item_id)
     except (ValueError, TypeError, binascii.Error) as exc:
         raise BadRequest(f"invalid next token: {token!r}") from exc

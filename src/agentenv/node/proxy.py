@@ -50,6 +50,7 @@ from agentenv.relay.stream import (
     RelayLimits,
     Send,
     forward_headers,
+    refuse_websocket,
     request_has_body,
     send_json,
 )
@@ -249,9 +250,12 @@ class SandboxProxy:
     def connections(self, sandbox_id: str) -> int:
         return len(self._exchanges.get(sandbox_id, ()))
 
+    def websockets(self, sandbox_id: str) -> int:
+        return sum(exchange.websocket for exchange in self._exchanges.get(sandbox_id, ()))
+
     @contextlib.contextmanager
-    def _registered(self, sandbox_id: str) -> Any:
-        exchange = Exchange(sandbox_id)
+    def _registered(self, sandbox_id: str, websocket: bool = False) -> Any:
+        exchange = Exchange(sandbox_id, websocket=websocket)
         self._exchanges.setdefault(sandbox_id, set()).add(exchange)
         try:
             yield exchange
@@ -312,6 +316,12 @@ class SandboxProxy:
                 "code": 429,
                 "message": f"sandbox {sandbox_id} has {self.limits.max_connections} proxied "
                 "connections open already, the node's limit (AENV_PROXY_MAX_CONNECTIONS)",
+            }
+        if scope["type"] == "websocket" and self.websockets(sandbox_id) > self.limits.max_websockets:
+            return 429, {
+                "code": 429,
+                "message": f"sandbox {sandbox_id} has {self.limits.max_websockets} proxied "
+                "WebSockets open already, the node's limit (AENV_PROXY_MAX_WEBSOCKETS)",
             }
         return None
 
@@ -395,10 +405,12 @@ class SandboxProxy:
         closes, the sandbox stops running or the total time limit is reached."""
         if (await receive())["type"] != "websocket.connect":
             return
-        with self._registered(route.sandbox_id) as exchange:
-            url, status, _ = await self._admit(scope, route, exchange)
+        with self._registered(route.sandbox_id, websocket=True) as exchange:
+            url, status, body = await self._admit(scope, route, exchange)
             if url is None:
-                await send({"type": "websocket.close", "code": 1008 if status < 500 else 1011})
+                if status == 429:
+                    log.warning("proxy connection limit", extra={"sandbox_id": route.sandbox_id})
+                await refuse_websocket(send, status, body)
                 return
             await self.relay.websocket(
                 scope, receive, send, url, self._upstream_headers(scope), exchange

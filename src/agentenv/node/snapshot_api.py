@@ -40,6 +40,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from agentenv.errors import AgentEnvError
+from agentenv.node.api import read_json
 from agentenv.node.backend import TemplateRef
 from agentenv.node.errors import ApiError, BadRequest, Conflict, NotFound
 from agentenv.node.orchestrator import Orchestrator
@@ -142,10 +143,7 @@ class SnapshotMoveApi:
                              "use a registry")
 
     async def _body(self, request: Request, *required: str) -> dict[str, Any]:
-        try:
-            body = await request.json()
-        except ValueError as exc:
-            raise BadRequest(f"the body must be JSON: {exc}") from exc
+        body = await read_json(request)
         if not isinstance(body, dict):
             raise BadRequest("the body must be a JSON object")
         for key in required:

@@ -39,6 +39,7 @@ import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from agentenv.errors import AgentEnvError
+from agentenv.relay.websocket import FragmentingWebSocketProtocol
 
 log = logging.getLogger("agentenv.relay.server")
 
@@ -156,7 +157,8 @@ def hardened_config(app: Any, host: str, port: int, max_head_bytes: int, head_ti
                     ws_max_bytes: int = 16 << 20) -> uvicorn.Config:
     """The uvicorn settings of every server that relays sandbox traffic (the node, the
     gateway): the hardened HTTP/1.1 protocol, our own logs, WebSockets (messages of at most
-    `ws_max_bytes`), no server header, the client's address as AENV_TRUSTED_PROXIES says."""
+    `ws_max_bytes`; fragments relayed as they come, relay/websocket.py), no server header, the
+    client's address as AENV_TRUSTED_PROXIES says."""
     proxies = trusted_proxies()
     return uvicorn.Config(
         app,
@@ -170,7 +172,7 @@ def hardened_config(app: Any, host: str, port: int, max_head_bytes: int, head_ti
         timeout_graceful_shutdown=graceful_seconds,
         timeout_keep_alive=30,
         server_header=False,
-        ws="websockets-sansio",
+        ws=FragmentingWebSocketProtocol,
         ws_max_size=ws_max_bytes,
         backlog=backlog,
         proxy_headers=bool(proxies),

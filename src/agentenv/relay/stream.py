@@ -8,7 +8,8 @@ while the relay runs: `gone` ends it at once (the sandbox stopped, the node went
 
 Limits (`RelayLimits`, AENV_PROXY_* variables): request body size, idle time either way, total
 time of one exchange, size of one WebSocket message either way (the sandbox's side is a guest's:
-an endless message is refused with close code 1009, never gathered); a streaming response that must end early is cut (`StreamAborted`), an
+its messages are relayed by fragments of a small window, relay/websocket.py, and an endless one
+is refused with close code 1009, never gathered); a streaming response that must end early is cut (`StreamAborted`), an
 exchange that has not answered yet gets a JSON error (`answer_gone` for the gone case).
 """
 
@@ -24,12 +25,18 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import httpx
-from websockets.asyncio.client import ClientConnection, connect
-from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidURI
 from websockets.frames import CloseCode
 
 from agentenv.errors import AgentEnvError
 from agentenv.relay.server import StreamAborted
+from agentenv.relay.websocket import (
+    FRAGMENTS,
+    Closed,
+    UpstreamRefused,
+    UpstreamViolation,
+    UpstreamWebSocket,
+    wire_close_code,
+)
 
 log = logging.getLogger("agentenv.relay")
 
@@ -53,10 +60,8 @@ HOP_BY_HOP = frozenset(
         b"upgrade",
     }
 )
-#: frames of an upstream WebSocket buffered before reading it pauses (websockets' max_queue)
-WS_QUEUE_FRAMES = 4
-#: seconds an upstream WebSocket gets to complete a closing handshake
-WS_CLOSE_TIMEOUT = 5.0
+#: seconds an upstream WebSocket gets to answer its opening handshake
+WS_OPEN_TIMEOUT = 10.0
 #: handshake headers the upstream WebSocket client makes itself
 WS_HANDSHAKE = frozenset(
     {
@@ -86,6 +91,8 @@ class RelayLimits:
     total_timeout: float = 24 * 3600.0
     #: concurrent relayed requests and WebSockets per sandbox
     max_connections: int = 512
+    #: concurrent WebSockets per sandbox (each holds a window of its bytes, relay/websocket.py)
+    max_websockets: int = 128
     connect_timeout: float = 5.0
     #: bytes of one WebSocket message, either way (the client's side: uvicorn's ws_max_size)
     max_ws_message_bytes: int = 16 << 20
@@ -97,6 +104,7 @@ class RelayLimits:
         "idle_timeout": "AENV_PROXY_IDLE_TIMEOUT",
         "total_timeout": "AENV_PROXY_TOTAL_TIMEOUT",
         "max_connections": "AENV_PROXY_MAX_CONNECTIONS",
+        "max_websockets": "AENV_PROXY_MAX_WEBSOCKETS",
         "connect_timeout": "AENV_PROXY_CONNECT_TIMEOUT",
         "max_ws_message_bytes": "AENV_PROXY_MAX_WS_MESSAGE_BYTES",
     }
@@ -125,30 +133,12 @@ class Exchange:
 
     #: the sandbox (or other upstream) this exchange talks to, for logs
     name: str
+    websocket: bool = False
     #: set when the upstream goes away while this exchange talks to it
     gone: asyncio.Event = field(default_factory=asyncio.Event)
     started: bool = False
     #: loop time of the last byte moved either way (the idle limit counts from it)
     progress: float = 0.0
-
-
-class _UpstreamWebSocket(ClientConnection):
-    """The connection to an upstream WebSocket, which ends its TCP connection once a closing
-    handshake is not completed within close_timeout. websockets, having failed the connection
-    itself (a message over max_size), otherwise waits for the peer to close: an upstream that
-    goes on sending would hold the exchange until the total time limit."""
-
-    _abort: asyncio.TimerHandle | None = None
-
-    def data_received(self, data: bytes) -> None:
-        super().data_received(data)
-        if self._abort is None and self.close_deadline is not None:
-            self._abort = self.loop.call_at(self.close_deadline, self.transport.abort)
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        if self._abort is not None:
-            self._abort.cancel()
-        super().connection_lost(exc)
 
 
 class _ClientGone(Exception):
@@ -219,6 +209,15 @@ async def send_json(send: Send, status: int, body: dict[str, Any]) -> None:
         }
     )
     await send({"type": "http.response.body", "body": payload})
+
+
+async def refuse_websocket(send: Send, status: int, body: dict[str, Any]) -> None:
+    """Answer a WebSocket request with an HTTP status and a JSON body instead of the upgrade
+    (ASGI's websocket.http.response), so the client learns why."""
+    payload = json.dumps(body).encode()
+    await send({"type": "websocket.http.response.start", "status": status, "headers": [
+        (b"content-type", b"application/json; charset=utf-8")]})
+    await send({"type": "websocket.http.response.body", "body": payload})
 
 
 class Relay:
@@ -457,29 +456,18 @@ class Relay:
         exchange: Exchange,
     ) -> None:
         """Bridge an accepted-for-relay WebSocket (its websocket.connect already received) to
-        `url`, message by message, until either side closes, the exchange is gone or the total
-        time limit is reached."""
-        upstream_headers = [
-            (n.decode("latin-1"), v.decode("latin-1")) for n, v in headers if n not in WS_HANDSHAKE
-        ]
+        `url` until either side closes, the exchange is gone or the total time limit is
+        reached: the upstream's messages by fragments (relay/websocket.py), the client's whole
+        (uvicorn gathers them, each within the message limit)."""
+        if FRAGMENTS not in scope.get("extensions", {}):
+            raise RuntimeError("the server's WebSocket protocol must be "
+                               "relay.websocket.FragmentingWebSocketProtocol")
+        upstream_headers = [(n, v) for n, v in headers if n not in WS_HANDSHAKE]
         try:
-            upstream = await connect(
-                str(url.copy_with(scheme="ws")),
-                additional_headers=upstream_headers,
-                subprotocols=scope.get("subprotocols") or None,
-                user_agent_header=None,
-                compression=None,
-                max_size=self.limits.max_ws_message_bytes,
-                # messages held while the client is slow to take them: a few, not 16 of
-                # max_size each (websockets' default)
-                max_queue=WS_QUEUE_FRAMES,
-                create_connection=_UpstreamWebSocket,
-                close_timeout=WS_CLOSE_TIMEOUT,
-                ping_interval=None,
-                proxy=None,
-                open_timeout=10,
-            )
-        except (OSError, InvalidHandshake, InvalidURI, TimeoutError) as exc:
+            upstream = await UpstreamWebSocket.open(
+                url, upstream_headers, scope.get("subprotocols") or (),
+                self.limits.connect_timeout, WS_OPEN_TIMEOUT)
+        except UpstreamRefused as exc:
             log.info("websocket upstream refused", extra={"sandbox_id": exchange.name,
                                                           "error": str(exc)})
             await send({"type": "websocket.close", "code": 1011})
@@ -503,40 +491,43 @@ class Relay:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError, Exception):
                     await task
-            await upstream.close()
+            await upstream.close(CloseCode.GOING_AWAY)
 
     @staticmethod
-    async def _ws_client_to_upstream(receive: Any, upstream: ClientConnection) -> None:
+    async def _ws_client_to_upstream(receive: Any, upstream: UpstreamWebSocket) -> None:
         while True:
             message = await receive()
             if message["type"] == "websocket.disconnect":
-                await upstream.close(message.get("code") or 1000)
+                await upstream.close(wire_close_code(message.get("code")))
                 return
             if message["type"] == "websocket.receive":
                 data = message.get("bytes")
                 await upstream.send(data if data is not None else message.get("text", ""))
 
     async def _ws_upstream_to_client(
-        self, upstream: ClientConnection, send: Send, exchange: Exchange
+        self, upstream: UpstreamWebSocket, send: Send, exchange: Exchange
     ) -> None:
-        with contextlib.suppress(ConnectionClosed):
-            async for message in upstream:
-                key = "bytes" if isinstance(message, bytes) else "text"
-                await send({"type": "websocket.send", key: message})
-        sent = upstream.protocol.close_sent
-        if sent is not None and sent.code == CloseCode.MESSAGE_TOO_BIG:
-            # closed from here: a message of the upstream's went over the limit
-            log.info("websocket message from upstream over the limit",
-                     extra={"sandbox_id": exchange.name,
-                            "limit": self.limits.max_ws_message_bytes})
-            await send({"type": "websocket.close", "code": CloseCode.MESSAGE_TOO_BIG,
-                        "reason": f"a message from {exchange.name} is over "
-                                  f"{self.limits.max_ws_message_bytes} bytes"})
+        limit = self.limits.max_ws_message_bytes
+        try:
+            async for item in upstream.receive(limit):
+                if isinstance(item, Closed):
+                    await upstream.close(wire_close_code(item.code))
+                    await send({"type": "websocket.close", "code": wire_close_code(item.code),
+                                "reason": item.reason})
+                    return
+                await send({"type": FRAGMENTS, "data": item.data, "text": item.text,
+                            "first": item.first, "fin": item.fin})
+        except UpstreamViolation as exc:
+            log.info("websocket upstream broke the protocol or a limit",
+                     extra={"sandbox_id": exchange.name, "error": exc.reason, "limit": limit})
+            await upstream.close(exc.code, exc.reason)
+            reason = (f"a message from {exchange.name} is over {limit} bytes"
+                      if exc.code == CloseCode.MESSAGE_TOO_BIG
+                      else f"{exchange.name} broke the WebSocket protocol: {exc.reason}")
+            await send({"type": "websocket.close", "code": exc.code, "reason": reason[:120]})
             return
-        await send(
-            {
-                "type": "websocket.close",
-                "code": upstream.close_code or 1000,
-                "reason": upstream.close_reason or "",
-            }
-        )
+        except (asyncio.IncompleteReadError, OSError):
+            pass
+        # the upstream's connection ended without a close frame
+        await send({"type": "websocket.close", "code": CloseCode.INTERNAL_ERROR,
+                    "reason": f"{exchange.name} ended the connection without closing"[:120]})

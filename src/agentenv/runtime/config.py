@@ -10,6 +10,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, Field
 
 from agentenv.envd_client import INIT_PATH
+from agentenv.runtime.jail import ProcessLimits
 
 
 class RuntimeConfig(BaseModel):
@@ -116,6 +117,16 @@ class RuntimeConfig(BaseModel):
     # Bytes of a VM's serial console log kept on disk (serial.log and its rotated tail
     # serial.log.1, runtime/serial.py): a guest writes to ttyS0 without end. 0: no cap.
     serial_log_max_bytes: int = Field(default=4 << 20, ge=0)
+    # QEMU's RLIMIT_FSIZE (runtime/jail.py ProcessLimits): the most bytes of any file it writes
+    # or grows (qemu.stderr, serial.log, a snapshot's device state, ~100 KB); never below the
+    # serial log's cap, so the log reaches its trim size. RLIMIT_NOFILE: its descriptors.
+    qemu_max_file_bytes: int = Field(default=64 << 20, ge=1 << 20)
+    qemu_max_open_files: int = Field(default=4096, ge=256)
+
+    @property
+    def qemu_limits(self) -> ProcessLimits:
+        return ProcessLimits(max(self.qemu_max_file_bytes, self.serial_log_max_bytes),
+                             self.qemu_max_open_files)
 
     @property
     def vm_dir(self) -> Path:
@@ -143,6 +154,8 @@ PRIVILEGE_ENV = {
     "AENV_MEMORY_DEVICE": "memory_device", "AENV_MEMORY_PREFETCH": "memory_prefetch",
     "AENV_DISK_BUS": "disk_bus", "AENV_GUEST_DNS": "guest_dns",
     "AENV_SERIAL_LOG_MAX_BYTES": "serial_log_max_bytes",
+    "AENV_QEMU_MAX_FILE_BYTES": "qemu_max_file_bytes",
+    "AENV_QEMU_MAX_OPEN_FILES": "qemu_max_open_files",
 }
 
 

@@ -28,6 +28,13 @@ Seccomp. On top of QEMU's own `-sandbox`, a jailed QEMU's filter (runtime/qemu.p
 `qemu_filter`) refuses namespaces (no unprivileged user namespace), mounts, ptrace and
 process_vm_*, BPF, keyrings, userfaultfd, modules, and calls of another architecture.
 
+Resource limits (`ProcessLimits`, set by `apply_limits` in the child before it drops root,
+soft = hard so QEMU cannot raise them): RLIMIT_FSIZE bounds every file QEMU writes or grows
+(`qemu.stderr`, `serial.log`, a snapshot's device state; a `fallocate` or write past it fails
+with EFBIG, SIGXFSZ being ignored, instead of filling the host's disk), RLIMIT_NOFILE is a fixed
+number of descriptors whatever the node's own limit, and no core dumps (a QEMU's core is its
+guest's memory, on the host's disk).
+
 PID namespace. The runtime forks QEMU with the forking thread's PID namespace for children
 set to a fresh one (`spawn_in_new_pid_namespace`), so QEMU is PID 1 there while the runtime
 keeps its host pid as its child (exit status, pidfd, process_vm_readv, adoption).
@@ -42,6 +49,8 @@ import grp
 import os
 import platform
 import pwd
+import resource
+import signal
 import subprocess
 import threading
 from collections.abc import Iterable
@@ -74,6 +83,25 @@ SYSTEM_PATHS = ("/usr", "/lib", "/lib64", "/etc/ld.so.cache")
 DEVICES = ("/dev/null", "/dev/urandom")
 # QEMU's environment: nothing of the node's (its secrets, its settings).
 ENVIRONMENT = {"PATH": "/usr/bin:/bin", "LANG": "C"}
+
+
+@dataclass(frozen=True)
+class ProcessLimits:
+    """The rlimits of one QEMU (module doc): `file_size` bytes of any file it writes,
+    `open_files` descriptors."""
+
+    file_size: int
+    open_files: int
+
+
+def apply_limits(limits: ProcessLimits) -> None:
+    """Set `limits` (soft = hard) and no core dumps on the calling process; a write past the
+    file size then fails with EFBIG rather than killing it with SIGXFSZ (ignored signals stay
+    ignored across exec). In the child before exec, as root (raising a hard limit needs it)."""
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limits.file_size, limits.file_size))
+    resource.setrlimit(resource.RLIMIT_NOFILE, (limits.open_files, limits.open_files))
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
 
 
 @dataclass(frozen=True)

@@ -160,7 +160,10 @@ def qemu_filter(punch_hole: bool = True, jailed: bool = False) -> SeccompProgram
     0 skips the call). jailed: JAIL_DENIED and `clone` with a namespace flag fail with EPERM,
     `clone3` (whose flags a filter cannot see) with ENOSYS (glibc then uses `clone`), and a
     call of another architecture (i386's int 0x80) kills QEMU. Always: no shared mapping (mmap
-    with MAP_SHARED fails with EPERM). Everything else is allowed.
+    with MAP_SHARED fails with EPERM), and no `fallocate` that allocates (a mode without
+    PUNCH_HOLE fails with EOPNOTSUPP: QEMU needs none, and one on a sparse file it holds open,
+    such as the RAM file, would take host disk within the file's size, where RLIMIT_FSIZE does
+    not reach). Everything else is allowed.
     Compiled once by libseccomp (pyseccomp is a ctypes binding to Debian's libseccomp2) and
     exported as BPF, so the child between fork and exec only makes one prctl."""
     if not (punch_hole or jailed):
@@ -178,6 +181,8 @@ def qemu_filter(punch_hole: bool = True, jailed: bool = False) -> SeccompProgram
         rules.add_rule(pyseccomp.ERRNO(0), "fallocate",
                        pyseccomp.Arg(1, pyseccomp.MASKED_EQ, _FALLOC_FL_PUNCH_HOLE,
                                      _FALLOC_FL_PUNCH_HOLE))
+    rules.add_rule(pyseccomp.ERRNO(errno.EOPNOTSUPP), "fallocate",
+                   pyseccomp.Arg(1, pyseccomp.MASKED_EQ, _FALLOC_FL_PUNCH_HOLE, 0))
     # No shared mapping at all: QEMU maps guest RAM (and everything else here) private. A
     # shared writable mapping of the snapshot's memory file, which QEMU opens read-write for
     # free-page reporting, would change the page cache every VM of that snapshot reads (memfs
@@ -364,7 +369,8 @@ def build_argv(
 def _preexec(netns: str | None, die_with_parent: bool = True, thp: bool = True,
              seccomp: SeccompProgram | None = None, *, user: VMUser | None = None,
              cgroup_procs: list[str] | None = None, tap_fd: int | None = None,
-             jail_plan: jail.JailPlan | None = None) -> Any:
+             jail_plan: jail.JailPlan | None = None,
+             limits: jail.ProcessLimits | None = None) -> Any:
     def fail(code: int, what: str) -> None:
         # Runs between fork and exec: stderr is already qemu.stderr, where the parent reads it.
         with contextlib.suppress(OSError):
@@ -404,6 +410,14 @@ def _preexec(netns: str | None, die_with_parent: bool = True, thp: bool = True,
                     jail.enter(jail_plan)
                 except OSError as exc:
                     fail(_EXIT_JAIL, f"entering the VM's jail: {exc}")
+        # After the TAP's dup2 (its number may be above the new descriptor limit), before the
+        # drop (raising a hard limit needs root).
+        if limits is not None:
+            try:
+                jail.apply_limits(limits)
+            except (OSError, ValueError) as exc:
+                fail(_EXIT_PRIVILEGE, f"setting QEMU's resource limits: {exc}")
+        if user is not None:
             try:
                 privilege.drop_privileges(user)
             except OSError as exc:
@@ -551,6 +565,7 @@ class QemuProcess:
         cgroup: Cgroup | None = None,
         jail_root: Path | None = None,
         on_exit: Callable[[], None] | None = None,
+        limits: jail.ProcessLimits | None = None,
     ) -> QemuProcess:
         """die_with_parent=False: QEMU outlives a crash of this process, so a restarted node
         can take it over again (agentenv.runtime.adopt). return_free_memory: see build_argv;
@@ -558,7 +573,8 @@ class QemuProcess:
         (runtime/privilege.py); sandbox: QEMU's -sandbox; cgroup: QEMU starts inside it, and
         it is removed once QEMU has exited (before `died` is set). jail_root: run QEMU in a
         jail (runtime/jail.py) whose tmpfs root is mounted on this empty directory (in its own
-        mount namespace); needs `user`. on_exit: called once a QEMU that started has exited."""
+        mount namespace); needs `user`. on_exit: called once a QEMU that started has exited.
+        limits: QEMU's rlimits (runtime/jail.py ProcessLimits)."""
         seccomp = qemu_filter(return_free_memory, jail_root is not None)
         try:
             mem_stamp: FileStamp | None = FileStamp.of(mem_path)
@@ -582,7 +598,7 @@ class QemuProcess:
             return await cls._spawn(machine, workdir, mem_path, mem_stamp, disks, incoming, netns,
                                     qemu_binary, die_with_parent, tb_size_mib, tcg_single_thread,
                                     thp, return_free_memory, user, sandbox, cgroup, seccomp, plan,
-                                    on_exit)
+                                    on_exit, limits)
         except BaseException:
             await remove_cgroup_async(cgroup)  # its QEMU never started or has exited
             raise
@@ -595,7 +611,8 @@ class QemuProcess:
                      return_free_memory: bool, user: VMUser | None, sandbox: bool,
                      cgroup: Cgroup | None, seccomp: SeccompProgram | None,
                      plan: jail.JailPlan | None,
-                     on_exit: Callable[[], None] | None) -> QemuProcess:
+                     on_exit: Callable[[], None] | None,
+                     limits: jail.ProcessLimits | None) -> QemuProcess:
         qmp_socket = workdir / "qmp.sock"
         vmgenid = str(uuid.uuid4())
         stderr_log = workdir / "qemu.stderr"
@@ -610,7 +627,7 @@ class QemuProcess:
                         if user is not None and netns and machine.network else None)
             preexec = _preexec(netns, die_with_parent, thp, seccomp, user=user,
                                cgroup_procs=cgroup.procs_files if cgroup else None,
-                               tap_fd=tap_slot, jail_plan=plan)
+                               tap_fd=tap_slot, jail_plan=plan, limits=limits)
             keep = (listener.fileno(),) + ((tap_slot,) if tap_slot is not None else ())
             try:
                 argv = build_argv(

@@ -361,7 +361,8 @@ class Runtime:
         return {"tb_size_mib": self.config.tcg_tb_size_mib, "thp": self.config.qemu_thp,
                 "return_free_memory": self.config.return_free_memory,
                 "tcg_single_thread": self.tcg_single_thread(extra_vcpus, boot=boot),
-                "user": self.vm_user, "sandbox": self.config.qemu_sandbox}
+                "user": self.vm_user, "sandbox": self.config.qemu_sandbox,
+                "limits": self.config.qemu_limits}
 
     @property
     def jail_root(self) -> Path:

@@ -46,6 +46,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from agentenv import boundedjson
 from agentenv.blockd.remote.chunkdigests import ANNOTATION as CHUNK_SHA256
 from agentenv.blockd.remote.chunkdigests import ChunkDigests
 from agentenv.errors import AgentEnvError
@@ -565,15 +566,16 @@ def _fetch(repo: RepoRef, manifest_bytes: bytes, get_bytes: Callable[[dict[str, 
     """`describe`: write a lazy part's descriptor (returns 0), or download it whole (returns
     its size); `reuse`: when given, raises unless the team may use a part the node holds."""
     try:
-        manifest = json.loads(manifest_bytes)
+        manifest = boundedjson.loads(manifest_bytes, "the manifest")
     except ValueError as exc:
         raise RepositoryError(f"{repo.text}: the manifest is not JSON: {exc}") from exc
     if manifest.get("artifactType") != ARTIFACT_TYPE or \
             manifest.get("config", {}).get("mediaType") != CONFIG_TYPE:
         raise RepositoryError(f"{repo.text} is not an agentenv snapshot (artifactType "
                               f"{manifest.get('artifactType')!r})")
-    meta = json.loads(manifest.get("annotations", {}).get("io.agentenv.snapshot.meta", "{}"))
-    config = json.loads(get_bytes(manifest["config"]))
+    meta = boundedjson.loads(manifest.get("annotations", {}).get("io.agentenv.snapshot.meta", "{}"),
+                             "the snapshot's annotation")
+    config = boundedjson.loads(get_bytes(manifest["config"]), "the snapshot's config")
     portable = config["record"]
     snapshot_id = str(portable.get("id", ""))
     if not _NAME.match(snapshot_id):

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+from agentenv import boundedjson
 from agentenv.storage.errors import LayerFormatError
 
 DESCRIPTOR_KEY = "aenvRemoteLayer"
@@ -135,7 +136,7 @@ def load_descriptor(path: Path) -> RemoteLayerRef:
     path = Path(path)
     try:
         raw = path.read_bytes()[:MAX_DESCRIPTOR_BYTES]
-        doc = json.loads(raw)
+        doc = boundedjson.loads(raw, "the descriptor")
     except (OSError, ValueError) as exc:
         raise LayerFormatError(path, None, f"unreadable remote layer descriptor: {exc}") from exc
     if not isinstance(doc, dict) or doc.get(DESCRIPTOR_KEY) != DESCRIPTOR_VERSION:

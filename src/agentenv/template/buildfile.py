@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from agentenv import boundedjson
 from agentenv.errors import AgentEnvError
 
 
@@ -105,7 +106,7 @@ def _command(rest: str) -> str:
     """Shell form as written; JSON (exec) form joined into a shell command."""
     if rest.startswith("["):
         try:
-            parts = json.loads(rest)
+            parts = boundedjson.loads(rest, "the exec form")
         except json.JSONDecodeError as exc:
             raise BuildFileError(f"{rest!r} is not a JSON list: {exc}") from exc
         if not isinstance(parts, list) or not all(isinstance(p, str) for p in parts):

@@ -41,6 +41,7 @@ from rich.progress import (
     TransferSpeedColumn,
 )
 
+from agentenv import boundedjson
 from agentenv.blockd.client import BlockdClient
 from agentenv.blockd.remote.chunkdigests import ANNOTATION as CHUNK_SHA256_ANNOTATION
 from agentenv.fsutil import require_free_space
@@ -377,7 +378,7 @@ def pull_image(
         manifest = client.resolve_manifest(reference, wanted_platform)
         config_bytes = client.get_blob_bytes(reference.repository, manifest.config)
         try:
-            config = json.loads(config_bytes)
+            config = boundedjson.loads(config_bytes, "the image config")
         except json.JSONDecodeError as exc:
             raise RegistryError(f"{reference}: image config {manifest.config.digest} is not JSON") from exc
         if not isinstance(config, dict):

@@ -37,6 +37,7 @@ from typing import Any
 import httpcore
 import httpx
 
+from agentenv import boundedjson
 from agentenv.template.auth import Credentials, credentials_for
 from agentenv.template.blobtap import BlobTap
 from agentenv.template.errors import (
@@ -440,7 +441,7 @@ class RegistryClient:
 
     def _token_from(self, raw: bytes) -> str:
         try:
-            body = json.loads(raw)
+            body = boundedjson.loads(raw, "the token server's answer")
             token = body.get("access_token") or body.get("token")
         except (ValueError, AttributeError):
             token = None
@@ -487,7 +488,7 @@ class RegistryClient:
             body = read_capped(response, MAX_ERROR_BYTES, what, truncate=True).decode(
                 errors="replace")
             # only the registry's error codes and messages, never a body as it came
-            errors = json.loads(body).get("errors", [])
+            errors = boundedjson.loads(body, "the registry's error").get("errors", [])
             detail = sanitized("; ".join(f"{e.get('code')}: {e.get('message')}"
                                          for e in errors)) or ""
         except (json.JSONDecodeError, AttributeError, httpx.StreamError, httpx.TransportError,
@@ -525,7 +526,7 @@ class RegistryClient:
             )
         media_type = response.headers.get("content-type", "").split(";")[0].strip()
         try:
-            parsed = json.loads(data)
+            parsed = boundedjson.loads(data, what)
         except json.JSONDecodeError as exc:
             raise RegistryError(f"{what}: not valid JSON ({exc})") from exc
         if isinstance(parsed, dict) and parsed.get("mediaType"):
@@ -542,7 +543,7 @@ class RegistryClient:
         selector = reference.selector
         for _depth in range(MAX_INDEX_DEPTH + 1):
             media_type, data, digest = self.get_manifest_bytes(repository, selector)
-            body = json.loads(data)
+            body = boundedjson.loads(data, f"manifest of {reference}")
             if media_type in INDEX_TYPES:
                 selector = self._select_platform(body, platform, f"{reference}")
                 continue

@@ -39,7 +39,7 @@ from urllib.parse import parse_qs, quote
 import httpx
 from starlette.requests import Request
 
-from agentenv import __version__
+from agentenv import __version__, boundedjson
 from agentenv.cluster_keys import node_key
 from agentenv.control.gateway.limits import (
     GatewayQuotas,
@@ -178,7 +178,7 @@ def encode_cursor(key: tuple[float, str]) -> str:
 
 def decode_cursor(token: str) -> tuple[float, str]:
     try:
-        ts, item_id = json.loads(base64.urlsafe_b64decode(token.encode()))
+        ts, item_id = boundedjson.loads(base64.urlsafe_b64decode(token.encode()))
         return float(ts), str(item_id)
     except (ValueError, TypeError, binascii.Error) as exc:
         raise ApiError(400, f"invalid next token: {token!r}") from exc
@@ -760,7 +760,7 @@ class GatewayApp:
                       key: str | None, mark: str = "") -> bool:
         """Place and create; True once a sandbox was made (and recorded under `key`)."""
         try:
-            body = json.loads(raw or b"{}")
+            body = boundedjson.loads(raw or b"{}", "the request body")
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise ApiError(400, f"request body is not valid JSON: {exc}") from exc
         template = body.get("templateID") if isinstance(body, dict) else None
@@ -993,7 +993,7 @@ class GatewayApp:
     async def build_template(self, request: Request, send: Send, team: str) -> None:
         raw = await self._body(request)
         try:
-            body = json.loads(raw or b"{}")
+            body = boundedjson.loads(raw or b"{}", "the request body")
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise ApiError(400, f"request body is not valid JSON: {exc}") from exc
         name = ""
@@ -1056,7 +1056,7 @@ class GatewayApp:
         one of the team's own that sits on another node (409: a template's builds stay on the
         node the build was placed on when the base was not known yet)."""
         try:
-            body = json.loads(raw or b"{}")
+            body = boundedjson.loads(raw or b"{}", "the request body")
         except (json.JSONDecodeError, UnicodeDecodeError):
             return  # the node names what is wrong with the body
         base = body.get("fromTemplate") if isinstance(body, dict) else None
@@ -1117,7 +1117,7 @@ class GatewayApp:
     async def tags_change(self, request: Request, send: Send, team: str) -> None:
         raw = await self._body(request)
         try:
-            body = json.loads(raw or b"{}")
+            body = boundedjson.loads(raw or b"{}", "the request body")
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise ApiError(400, f"request body is not valid JSON: {exc}") from exc
         target = ""
