@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
-import functools
 import os
 import socket
 import ssl
@@ -24,7 +23,6 @@ import pytest
 
 from agentenv.network import dns
 from agentenv.network.policy import EgressPolicy
-from agentenv.runtime.network import GUEST_IP, TAP_IP
 from tests.network.lab import (
     INET_OTHER,
     INET_SERVER,
@@ -86,7 +84,7 @@ def _query(name: str, qid: int = 0x1234) -> bytes:
 
 def _ask_udp(lab: Lab, slot: Any, name: str) -> tuple[int, bytes]:
     """(RCODE, the answer) of one query to 169.254.169.254:53 from the slot."""
-    sock = socket_in(slot.netns_name, type_=socket.SOCK_DGRAM)
+    sock = socket_in(lab.guest_ns(slot), type_=socket.SOCK_DGRAM)
     sock.settimeout(10)
     try:
         sock.connect(("169.254.169.254", 53))
@@ -253,24 +251,9 @@ def _udp_answered(lab: Lab, netns: str, address: str, port: int) -> bool | None:
 
 
 @pytest.fixture
-def guest(lab: Lab) -> Iterator[str]:
-    """A namespace wired as the third slot's guest (a veth in place of its TAP device, the
-    guest's address and route): its traffic crosses the slot's own rules, as a VM's does."""
-    slot, ns = lab.slots[2], f"{lab.prefix}-guest"
-    subprocess.run(["ip", "netns", "del", ns], capture_output=True)
-    run = functools.partial(subprocess.run, check=True, capture_output=True)
-    run(["ip", "netns", "add", ns])
-    try:
-        run(["ip", "-n", slot.netns_name, "link", "del", "tap0"])
-        run(["ip", "-n", slot.netns_name, "-batch", "-"], input=(
-            f"link add tap0 type veth peer name eth0 netns {ns}\n"
-            f"addr add {TAP_IP}/30 dev tap0\nlink set tap0 up\n").encode())
-        run(["ip", "-n", ns, "-batch", "-"], input=(
-            f"link set lo up\naddr add {GUEST_IP}/30 dev eth0\nlink set eth0 up\n"
-            f"route add default via {TAP_IP}\n").encode())
-        yield ns
-    finally:
-        subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+def guest(lab: Lab) -> str:
+    """The third slot's guest namespace (Lab.wire_guest)."""
+    return lab.guest_ns(lab.slots[2])
 
 
 def test_quic_follows_the_deny_list(lab: Lab, guest: str) -> None:

@@ -28,13 +28,21 @@ its ACK for them is what gets reset):
      proxy, which decides by name: 80/443 or all), `deny` (rejected: TCP reset, else ICMP
      admin-prohibited); what none names is accepted.
 
+What the slot's namespace sends itself (its output hook: QEMU runs there, and a QEMU taken over
+can open sockets) is not forwarded from tap0, so none of the above sees it: the slot's `inet
+aenv_guard` table drops all of it but the kernel's own answers (`_guard_ops`), and IPv6 forwarding.
+
 On the host, one table per runtime (`<prefix>_host`, rules scoped to `<prefix>h*` interfaces):
+  - prerouting (raw): a packet from a slot interface whose source is not routed back through
+    that interface (another slot's address, any other) is dropped: the host and the egress
+    proxy know a sandbox by its source address;
   - prerouting: TCP to 169.254.169.254:80 from any slot, TCP 80/443 from sources in set `web`,
     all TCP from sources in set `all` -> `redirect` to the egress proxy's port;
   - input: nothing from a slot interface reaches the host (node API, blockd metrics, SSH,
     anything bound to 0.0.0.0) except the redirected proxy port; replies of connections the
     host opened pass;
-  - forward: no slot-to-slot traffic, no 169.254/16, and a TCP flow of a `web_src`/`all_src` source
+  - forward: no slot-to-slot traffic, the walls again (minus the opened ranges) whatever the
+    slot's own rules did, and a TCP flow of a `web_src`/`all_src` source
     that reaches forward was opened before names were filtered (or the SOCKS5 tunnel was set):
     it is reset, except a `web_src` flow the node marked KEEP_MARK because the new policy
     allows it whatever its name (keep_direct_flows: the kernel cannot know its name);
