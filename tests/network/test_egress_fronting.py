@@ -29,6 +29,7 @@ from tests.network.lab import (
     LAB_RESOLVER,
     Lab,
     http_get,
+    in_netns,
     read_response,
     serve,
     socket_in,
@@ -267,6 +268,44 @@ def test_quic_follows_the_deny_list(lab: Lab, guest: str) -> None:
         lab.loop.run_until_complete(slot.set_policy(EgressPolicy.from_wire(
             {"denyOut": [DENIED], "allowOut": [INET_SERVER]})))
         assert _udp_answered(lab, guest, INET_SERVER, 443) is True  # allowed by address
+    finally:
+        lab.loop.run_until_complete(slot.set_policy(EgressPolicy()))
+        echo.close()
+
+
+def _ping(netns: str, address: str) -> int:
+    """The ICMP type of the first answer to one echo request (0: a reply; 3: unreachable)."""
+    body = struct.pack("!BBHHH", 8, 0, 0, 0x4145, 1) + b"aenv"
+    total = sum(struct.unpack(f"!{len(body) // 2}H", body))
+    while total >> 16:
+        total = (total & 0xFFFF) + (total >> 16)
+    packet = body[:2] + struct.pack("!H", ~total & 0xFFFF) + body[4:]
+    sock = in_netns(netns, lambda: socket.socket(socket.AF_INET, socket.SOCK_RAW,
+                                                 socket.IPPROTO_ICMP))
+    sock.settimeout(10)
+    try:
+        sock.sendto(packet, (address, 0))
+        while True:
+            reply = sock.recv(2048)
+            icmp = reply[(reply[0] & 0xF) * 4:]
+            if icmp[0] != 8:  # our own request, seen on the way out
+                return icmp[0]
+    finally:
+        sock.close()
+
+
+def test_nothing_leaves_beside_a_socks5_tunnel(lab: Lab, guest: str) -> None:
+    """With an egressProxy every TCP connection goes through the tunnel; UDP (but DNS) and
+    ICMP must not leave beside it, directly."""
+    slot = lab.slots[2]
+    echo = _udp_echo(lab, INET_SERVER, 4433)
+    tunnel = {"egressProxy": {"address": "198.18.0.3:1080"}}
+    try:
+        assert _udp_answered(lab, guest, INET_SERVER, 4433) is True  # default policy: passes
+        lab.loop.run_until_complete(slot.set_policy(EgressPolicy.from_wire(tunnel)))
+        assert _udp_answered(lab, guest, INET_SERVER, 4433) is False  # refused by the slot
+        assert _udp_answered(lab, guest, INET_SERVER, 53) is None  # DNS: by the policy
+        assert _ping(guest, INET_SERVER) == 3  # ICMP: destination unreachable, not a reply
     finally:
         lab.loop.run_until_complete(slot.set_policy(EgressPolicy()))
         echo.close()

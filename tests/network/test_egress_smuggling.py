@@ -104,3 +104,16 @@ def test_an_upgrade_the_server_accepts_still_works(lab: Lab) -> None:
                 assert chunk, "closed"
                 got += chunk
             assert got == payload
+
+
+def test_an_upgrade_to_h2c_is_taken_out(lab: Lab) -> None:
+    """After a switch to HTTP/2 in clear text the client could ask for any host in frames the
+    proxy does not read: the offer is removed, the server answers in HTTP/1.1."""
+    with lab.connect(lab.slots[0], INET_SERVER, 80) as sock:
+        status, _, body = http_get(sock, ALLOWED, "/", {
+            "Connection": "Upgrade, HTTP2-Settings", "Upgrade": "h2c",
+            "HTTP2-Settings": "AAMAAABkAARAAAAAAAIAAAAA"})
+        assert status == 200
+        seen = {k.lower() for k, _ in json.loads(body)["headers"]}
+        assert "upgrade" not in seen and "http2-settings" not in seen, seen
+        assert http_get(sock, ALLOWED, "/again")[0] == 200  # still HTTP/1.1, still read

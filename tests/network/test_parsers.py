@@ -294,6 +294,17 @@ def test_stream_upgrade_limits() -> None:
         stream.feed(FRAME)
 
 
+def test_h2c_offers_are_taken_out() -> None:
+    head = parse_request_head(b"GET / HTTP/1.1\r\nHost: a\r\nUpgrade: h2c\r\n"
+                              b"HTTP2-Settings: AAMA\r\nAccept: */*\r\n\r\n")
+    assert httphead.without_h2c(head).raw == b"GET / HTTP/1.1\r\nHost: a\r\nAccept: */*\r\n\r\n"
+    mixed = parse_request_head(b"GET / HTTP/1.1\r\nHost: a\r\nUpgrade: websocket, h2c\r\n\r\n")
+    with pytest.raises(HttpError, match="h2c with other"):
+        httphead.without_h2c(mixed)
+    plain = parse_request_head(WS)
+    assert httphead.without_h2c(plain) is plain
+
+
 def test_connect_is_decided_by_its_target() -> None:
     head = parse_request_head(b"CONNECT b.test:443 HTTP/1.1\r\n\r\n")
     assert head.host() == "b.test"

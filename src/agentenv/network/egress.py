@@ -925,7 +925,8 @@ class EgressProxyServer:
         conn.name = name
         policy = self._current(conn).entry.policy
         self._decide_now(conn, policy, name)
-        return httphead.with_headers(head, policy.header_rules(name) if name else ())
+        return httphead.with_headers(httphead.without_h2c(head),
+                                     policy.header_rules(name) if name else ())
 
     async def _peek(self, conn: Conn) -> tuple[bytes, str | None, str]:
         """The first bytes and what they say: (data, name, kind), kind one of tls, http,

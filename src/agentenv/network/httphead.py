@@ -167,6 +167,22 @@ def parse_response_head(data: bytes) -> ResponseHead:
     return ResponseHead(int(match.group(1)), headers, end + 4)
 
 
+def without_h2c(head: RequestHead) -> RequestHead:
+    """The head without an upgrade to HTTP/2 in clear text (`Upgrade: h2c` and its
+    HTTP2-Settings): the server answers in HTTP/1.1 and the connection stays one the proxy can
+    read. After a switch to h2c the client could ask the server for any host in HTTP/2 frames
+    the proxy does not parse. An Upgrade offering h2c among other protocols is refused."""
+    offers = [t.strip().lower() for v in head.get_all("upgrade") for t in v.split(",")]
+    if "h2c" not in offers:
+        return head
+    if set(offers) != {"h2c"}:
+        raise HttpError("an Upgrade offering h2c with other protocols")
+    kept = [line for line, (name, _) in zip(head.lines, head.headers, strict=True)
+            if name not in ("upgrade", "http2-settings")]
+    return parse_request_head(head.request_line + b"\r\n"
+                              + b"".join(x + b"\r\n" for x in kept) + b"\r\n")
+
+
 def with_headers(head: RequestHead, set_headers: tuple[tuple[str, str], ...]) -> bytes:
     """The head's bytes with each of `set_headers` set (an existing header of that name, in any
     case, is replaced); other lines stay byte for byte."""

@@ -26,7 +26,8 @@ its ACK for them is what gets reset):
      are replaced in one `nft -f` transaction on update: `allow` (accepted), `dns` (port 53
      only), `proxied` (TCP ports accepted here because the host redirects them to the egress
      proxy, which decides by name: 80/443 or all), `deny` (rejected: TCP reset, else ICMP
-     admin-prohibited); what none names is accepted.
+     admin-prohibited); what none names is accepted. With a SOCKS5 `egressProxy` (`tunnelled`)
+     every TCP connection goes through the tunnel and nothing else leaves but DNS (UDP 53).
 
 What the slot's namespace sends itself (its output hook: QEMU runs there, and a QEMU taken over
 can open sockets) is not forwarded from tap0, so none of the above sees it: the slot's `inet
@@ -219,6 +220,7 @@ class NetworkSlot:
             "    set dns { type ipv4_addr; }\n"
             "    set proxied { type inet_service; flags interval; }\n"
             "    set unnamed_udp { type inet_service; }\n"
+            "    set tunnelled { type ipv4_addr; flags interval; }\n"
             "    chain slot_pre {\n"
             "        type nat hook prerouting priority dstnat;\n"
             f'        iifname "vpeer" ip daddr {self.guest_address} dnat to {GUEST_IP}\n'
@@ -245,6 +247,12 @@ class NetworkSlot:
             f"        ip daddr {METADATA_IP} meta l4proto {{ tcp, udp }} th dport 53 accept\n"
             "        ip daddr @walls meta l4proto tcp reject with tcp reset\n"
             "        ip daddr @walls reject with icmp type admin-prohibited\n"
+            # A SOCKS5 egressProxy carries every TCP connection (the host redirects them to the
+            # egress proxy); other protocols would leave beside the tunnel: only DNS may, and
+            # then by the rules below.
+            "        ip daddr @tunnelled udp dport != 53 reject with icmp type admin-prohibited\n"
+            "        ip daddr @tunnelled meta l4proto != { tcp, udp } "
+            "reject with icmp type admin-prohibited\n"
             "        ip daddr @allow accept\n"
             "        ip daddr @dns udp dport 53 accept\n"
             "        ip daddr @dns tcp dport 53 accept\n"
@@ -291,7 +299,9 @@ class NetworkSlot:
                 + _set_ops("aenv", "deny", _nets(policy.deny_nets))
                 + _set_ops("aenv", "dns", [str(a) for a in policy.dns_allowed()])
                 + _set_ops("aenv", "proxied", proxied_ports(policy))
-                + _set_ops("aenv", "unnamed_udp", [str(QUIC_PORT)] if policy.filters_quic else []))
+                + _set_ops("aenv", "unnamed_udp", [str(QUIC_PORT)] if policy.filters_quic else [])
+                + _set_ops("aenv", "tunnelled",
+                           [str(ALL_TRAFFIC)] if policy.egress_proxy is not None else []))
 
     async def _nft(self, text: str) -> None:
         # nsenter enters only the network namespace (`ip netns exec` also remounts /sys): a
