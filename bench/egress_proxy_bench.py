@@ -114,12 +114,12 @@ def main() -> None:
         emit("egress_proxy_rss_32_slots", rss_mib(pid), "MiB", slots=32)
 
         # Interleaved, so that load from the other tenants of the host hits both alike.
-        curl_mib_s(lab, direct.netns_name, 1)  # warm-up (the server's file, caches)
+        curl_mib_s(lab, lab.guest_ns(direct), 1)  # warm-up (the server's file, caches)
         direct_speed = proxied_speed = proxy_cpu = 0.0
         for _ in range(reps):
-            direct_speed = max(direct_speed, curl_mib_s(lab, direct.netns_name, 1))
+            direct_speed = max(direct_speed, curl_mib_s(lab, lab.guest_ns(direct), 1))
             before = cpu_seconds(pid)
-            proxied_speed = max(proxied_speed, curl_mib_s(lab, proxied.netns_name, 1))
+            proxied_speed = max(proxied_speed, curl_mib_s(lab, lab.guest_ns(proxied), 1))
             proxy_cpu += cpu_seconds(pid) - before
         mode = "copy" if args.copy else "splice"
         emit("egress_get_64mib_proxied", proxied_speed, "MiB/s", "direct", direct_speed, mode=mode)
@@ -144,9 +144,9 @@ def main() -> None:
         unbound_speed = bound_speed = 0.0
         for _ in range(reps):
             lab.set_policy(proxied, by_address)
-            unbound_speed = max(unbound_speed, curl_mib_s(lab, proxied.netns_name, 1))
+            unbound_speed = max(unbound_speed, curl_mib_s(lab, lab.guest_ns(proxied), 1))
             lab.set_policy(proxied, NAME_POLICY)
-            bound_speed = max(bound_speed, curl_mib_s(lab, proxied.netns_name, 1))
+            bound_speed = max(bound_speed, curl_mib_s(lab, lab.guest_ns(proxied), 1))
         emit("egress_get_64mib_bound_name", bound_speed, "MiB/s", "address_allowed",
              unbound_speed, mode=mode)
         lab.set_policy(proxied, by_address)
@@ -199,7 +199,7 @@ def main() -> None:
         lab.set_policy(direct, NAME_POLICY)
         size, rate = (8 << 20, "1M") if args.quick else (32 << 20, "2M")
         curls = [subprocess.Popen(
-            ["ip", "netns", "exec", slot.netns_name, "curl", "-sS", "-o", "/dev/null",
+            ["ip", "netns", "exec", lab.guest_ns(slot), "curl", "-sS", "-o", "/dev/null",
              "--limit-rate", rate, "-H", f"Host: {NAME}", "-w", "%{size_download}",
              f"http://{INET_SERVER}/blob?size={size}"],
             stdout=subprocess.PIPE, text=True) for slot in lab.slots]

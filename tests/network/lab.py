@@ -3,8 +3,9 @@
 - an "internet" namespace (198.18.0.2 and 198.18.0.3, the benchmarking range) behind a veth
   from the host (198.18.0.1), with a plain HTTP server on 198.18.0.2:80 and a TLS server on
   198.18.0.2:443 that presents a certificate for each of two names (SNI);
-- real slots (runtime.network.NetworkSlot under a test prefix): what a client sends from inside
-  a slot namespace leaves with the slot's guest_address, as a guest's traffic does;
+- real slots (runtime.network.NetworkSlot under a test prefix), each with a "guest" namespace
+  wired in place of its TAP device (`guest_ns`): what a client sends from there crosses the
+  slot's rules and leaves with the slot's guest_address, as a VM's traffic does;
 - a host nft table with the egress redirects (metadata always; 80/443 of "web" sources; all TCP
   of "all" sources) to the proxy's port, as the node installs them;
 - the proxy process itself (EgressProxyProcess), in a mount namespace of its own whose
@@ -152,7 +153,8 @@ class Certificates:
 
 
 class _Handler(http.server.BaseHTTPRequestHandler):
-    """/blob?size=N: N deterministic bytes; anything else: JSON of what the server saw."""
+    """/blob?size=N: N deterministic bytes; /echo with Upgrade: 101, then an echo of what
+    follows; anything else (an Upgrade too: declined): JSON of what the server saw."""
 
     protocol_version = "HTTP/1.1"
     timeout = 120
@@ -163,6 +165,17 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             self.connection.do_handshake()
 
     def do_GET(self) -> None:
+        if self.path == "/echo" and self.headers.get("Upgrade"):
+            # Agrees to switch (101), then echoes raw bytes until the client ends.
+            self.send_response(101)
+            self.send_header("Upgrade", self.headers["Upgrade"])
+            self.send_header("Connection", "Upgrade")
+            self.end_headers()
+            self.wfile.flush()
+            self.close_connection = True
+            while data := self.connection.recv(65536):
+                self.connection.sendall(data)
+            return
         if self.path.startswith("/blob"):
             size = int(self.path.partition("size=")[2] or 0)
             self.send_response(200)
@@ -300,6 +313,7 @@ class Lab:
             f"route add default via {INET_HOST}\n"))
         for slot in self.slots:
             self.loop.run_until_complete(slot.create())
+            self.wire_guest(slot)
         run("nft", "-f", "-", stdin=self.nft_rules())
         self.servers.append(serve(self.inet, INET_SERVER, 80))
         self.servers.append(serve(self.inet, INET_OTHER, 80))
@@ -309,6 +323,29 @@ class Lab:
             self.servers.append(serve(self.inet, INET_SERVER, 443, self.certs.server_context()))
             self.servers.append(serve(self.inet, INET_OTHER, 443, self.certs.server_context()))
         self.start_proxy()
+
+    def guest_ns(self, slot: rtnet.NetworkSlot) -> str:
+        """The namespace standing for the slot's VM (`wire_guest`)."""
+        return f"{self.prefix}-g{slot.index}"
+
+    def wire_guest(self, slot: rtnet.NetworkSlot) -> None:
+        """A namespace wired as the slot's guest: a veth in place of its TAP device, the
+        guest's address and route. Its traffic crosses the slot's own rules, as a VM's does
+        (what the slot's namespace sends itself does not leave it: its output guard)."""
+        ns = self.guest_ns(slot)
+        run("ip", "netns", "del", ns, check=False)
+        run("ip", "netns", "add", ns)
+        run("ip", "-n", slot.netns_name, "link", "del", "tap0")
+        run("ip", "-n", slot.netns_name, "-batch", "-", stdin=(
+            f"link add tap0 type veth peer name eth0 netns {ns}\n"
+            f"link set tap0 address {rtnet.TAP_MAC}\n"
+            f"addr add {rtnet.TAP_IP}/30 dev tap0\n"
+            "link set tap0 up\n"))
+        run("ip", "-n", ns, "-batch", "-", stdin=(
+            "link set lo up\n"
+            f"addr add {rtnet.GUEST_IP}/30 dev eth0\n"
+            "link set eth0 up\n"
+            f"route add default via {rtnet.TAP_IP}\n"))
 
     def nft_rules(self) -> str:
         p = self.prefix
@@ -372,6 +409,7 @@ class Lab:
         for slot in self.slots:
             with contextlib.suppress(Exception):
                 self.loop.run_until_complete(slot.destroy())
+            run("ip", "netns", "del", self.guest_ns(slot), check=False)
         run("ip", "netns", "del", self.inet, check=False)
         run("ip", "link", "del", f"{self.prefix}i0", check=False)
         self.loop.run_until_complete(rtnet.teardown_host(self.prefix))
@@ -486,7 +524,7 @@ class Lab:
 
     def connect(self, slot: rtnet.NetworkSlot, address: str, port: int,
                 timeout: float = 10.0) -> socket.socket:
-        sock = socket_in(slot.netns_name)
+        sock = socket_in(self.guest_ns(slot))
         sock.settimeout(timeout)
         sock.connect((address, port))
         return sock

@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
-import functools
 import os
 import socket
 import ssl
@@ -24,13 +23,13 @@ import pytest
 
 from agentenv.network import dns
 from agentenv.network.policy import EgressPolicy
-from agentenv.runtime.network import GUEST_IP, TAP_IP
 from tests.network.lab import (
     INET_OTHER,
     INET_SERVER,
     LAB_RESOLVER,
     Lab,
     http_get,
+    in_netns,
     read_response,
     serve,
     socket_in,
@@ -86,7 +85,7 @@ def _query(name: str, qid: int = 0x1234) -> bytes:
 
 def _ask_udp(lab: Lab, slot: Any, name: str) -> tuple[int, bytes]:
     """(RCODE, the answer) of one query to 169.254.169.254:53 from the slot."""
-    sock = socket_in(slot.netns_name, type_=socket.SOCK_DGRAM)
+    sock = socket_in(lab.guest_ns(slot), type_=socket.SOCK_DGRAM)
     sock.settimeout(10)
     try:
         sock.connect(("169.254.169.254", 53))
@@ -253,24 +252,9 @@ def _udp_answered(lab: Lab, netns: str, address: str, port: int) -> bool | None:
 
 
 @pytest.fixture
-def guest(lab: Lab) -> Iterator[str]:
-    """A namespace wired as the third slot's guest (a veth in place of its TAP device, the
-    guest's address and route): its traffic crosses the slot's own rules, as a VM's does."""
-    slot, ns = lab.slots[2], f"{lab.prefix}-guest"
-    subprocess.run(["ip", "netns", "del", ns], capture_output=True)
-    run = functools.partial(subprocess.run, check=True, capture_output=True)
-    run(["ip", "netns", "add", ns])
-    try:
-        run(["ip", "-n", slot.netns_name, "link", "del", "tap0"])
-        run(["ip", "-n", slot.netns_name, "-batch", "-"], input=(
-            f"link add tap0 type veth peer name eth0 netns {ns}\n"
-            f"addr add {TAP_IP}/30 dev tap0\nlink set tap0 up\n").encode())
-        run(["ip", "-n", ns, "-batch", "-"], input=(
-            f"link set lo up\naddr add {GUEST_IP}/30 dev eth0\nlink set eth0 up\n"
-            f"route add default via {TAP_IP}\n").encode())
-        yield ns
-    finally:
-        subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+def guest(lab: Lab) -> str:
+    """The third slot's guest namespace (Lab.wire_guest)."""
+    return lab.guest_ns(lab.slots[2])
 
 
 def test_quic_follows_the_deny_list(lab: Lab, guest: str) -> None:
@@ -284,6 +268,44 @@ def test_quic_follows_the_deny_list(lab: Lab, guest: str) -> None:
         lab.loop.run_until_complete(slot.set_policy(EgressPolicy.from_wire(
             {"denyOut": [DENIED], "allowOut": [INET_SERVER]})))
         assert _udp_answered(lab, guest, INET_SERVER, 443) is True  # allowed by address
+    finally:
+        lab.loop.run_until_complete(slot.set_policy(EgressPolicy()))
+        echo.close()
+
+
+def _ping(netns: str, address: str) -> int:
+    """The ICMP type of the first answer to one echo request (0: a reply; 3: unreachable)."""
+    body = struct.pack("!BBHHH", 8, 0, 0, 0x4145, 1) + b"aenv"
+    total = sum(struct.unpack(f"!{len(body) // 2}H", body))
+    while total >> 16:
+        total = (total & 0xFFFF) + (total >> 16)
+    packet = body[:2] + struct.pack("!H", ~total & 0xFFFF) + body[4:]
+    sock = in_netns(netns, lambda: socket.socket(socket.AF_INET, socket.SOCK_RAW,
+                                                 socket.IPPROTO_ICMP))
+    sock.settimeout(10)
+    try:
+        sock.sendto(packet, (address, 0))
+        while True:
+            reply = sock.recv(2048)
+            icmp = reply[(reply[0] & 0xF) * 4:]
+            if icmp[0] != 8:  # our own request, seen on the way out
+                return icmp[0]
+    finally:
+        sock.close()
+
+
+def test_nothing_leaves_beside_a_socks5_tunnel(lab: Lab, guest: str) -> None:
+    """With an egressProxy every TCP connection goes through the tunnel; UDP (but DNS) and
+    ICMP must not leave beside it, directly."""
+    slot = lab.slots[2]
+    echo = _udp_echo(lab, INET_SERVER, 4433)
+    tunnel = {"egressProxy": {"address": "198.18.0.3:1080"}}
+    try:
+        assert _udp_answered(lab, guest, INET_SERVER, 4433) is True  # default policy: passes
+        lab.loop.run_until_complete(slot.set_policy(EgressPolicy.from_wire(tunnel)))
+        assert _udp_answered(lab, guest, INET_SERVER, 4433) is False  # refused by the slot
+        assert _udp_answered(lab, guest, INET_SERVER, 53) is None  # DNS: by the policy
+        assert _ping(guest, INET_SERVER) == 3  # ICMP: destination unreachable, not a reply
     finally:
         lab.loop.run_until_complete(slot.set_policy(EgressPolicy()))
         echo.close()

@@ -228,18 +228,89 @@ def test_stream_refuses_smuggling() -> None:
         stream.feed(b"POST / HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n")
 
 
-def test_stream_after_upgrade() -> None:
+WS = b"GET /ws HTTP/1.1\r\nHost: a.test\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n\r\n"
+FRAME = b"\x81\x85\x37\xfa\x21\x3d\x7f\x9f\x4d\x51\x58"
+
+
+def test_stream_after_an_accepted_upgrade_is_raw() -> None:
     hosts, stream = _seen_hosts()
-    ws = b"GET /ws HTTP/1.1\r\nHost: a.test\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n\r\n"
-    frame = b"\x81\x85\x37\xfa\x21\x3d\x7f\x9f\x4d\x51\x58"
-    assert stream.feed(ws) == ws
-    assert stream.feed(frame) == frame  # the server switched: not ours to frame
+    released: list[bytes] = []
+    stream.release = released.append
+    responses = stream.responses()
+    assert stream.feed(WS) == WS
+    assert stream.feed(FRAME) == b""  # held: the server has not answered yet
+    answer = b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\n\r\n\x81\x02hi"
+    assert responses.feed(answer) == answer
+    assert released == [FRAME]  # the server switched: not ours to frame
     assert stream.feed(b"GET / HTTP/1.1\r\nHost: b.test\r\n\r\n").startswith(b"GET")
     assert hosts == ["a.test"]  # raw from then on
-    # A declined upgrade: the next request is still read (and decided).
+
+
+@pytest.mark.parametrize("step", [1, 5, 1000])
+def test_stream_after_a_declined_upgrade_reads_requests_again(step: int) -> None:
+    """The answer to earlier pipelined requests (chunked, HEAD, 100 Continue) comes first;
+    the one to the Upgrade declines it: the held bytes are requests, each decided."""
     hosts, stream = _seen_hosts()
-    stream.feed(ws + b"GET / HTTP/1.1\r\nHost: b.test\r\n\r\n")
-    assert hosts == ["a.test", "b.test"]
+    released: list[bytes] = []
+    stream.release = released.append
+    responses = stream.responses()
+    first = b"HEAD /h HTTP/1.1\r\nHost: a.test\r\n\r\n" + \
+        b"POST /p HTTP/1.1\r\nHost: a.test\r\nContent-Length: 2\r\n\r\nhi"
+    smuggled = b"GET\t/\tHTTP/1.1\r\nHost: evil.test\r\n\r\n"
+    out = stream.feed(first + WS + smuggled)
+    assert out == first + WS and hosts == ["a.test"] * 3
+    answers = (b"HTTP/1.1 200 OK\r\nContent-Length: 99\r\n\r\n"  # HEAD: no body
+               b"HTTP/1.1 100 Continue\r\n\r\n"
+               b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
+               b"3\r\nHTT\r\n0\r\n\r\n")
+    for i in range(0, len(answers), step):
+        responses.feed(answers[i:i + step])
+    assert released == []
+    with pytest.raises(HttpError, match=r"not an HTTP/1\.x request line"):
+        responses.feed(b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n")  # declined
+    # A declined upgrade followed by a proper request: it is decided and passed.
+    hosts, stream = _seen_hosts()
+    stream.release = released.append
+    responses = stream.responses()
+    stream.feed(WS + b"GET / HTTP/1.1\r\nHost: b.test\r\n\r\n")
+    responses.feed(b"HTTP/1.1 426 Upgrade Required\r\nContent-Length: 0\r\n\r\n")
+    assert hosts == ["a.test", "b.test"] and released == [b"GET / HTTP/1.1\r\nHost: b.test\r\n\r\n"]
+
+
+def test_stream_upgrade_limits() -> None:
+    _, stream = _seen_hosts()
+    stream.feed(WS)
+    with pytest.raises(HttpError, match="held back"):
+        stream.feed(b"x" * (httphead.MAX_HEAD + 8))
+    _, stream = _seen_hosts()
+    with pytest.raises(HttpError, match="a body with a request to switch"):
+        stream.feed(b"POST / HTTP/1.1\r\nHost: a\r\nUpgrade: h2c\r\nContent-Length: 1\r\n\r\n")
+    # A server whose answers cannot be framed: no upgrade is let through after that.
+    _, stream = _seen_hosts()
+    responses = stream.responses()
+    stream.feed(WS)
+    assert responses.feed(b"garbage\r\n\r\n") == b"garbage\r\n\r\n"
+    with pytest.raises(HttpError):
+        stream.feed(FRAME)
+
+
+def test_h2c_offers_are_taken_out() -> None:
+    head = parse_request_head(b"GET / HTTP/1.1\r\nHost: a\r\nUpgrade: h2c\r\n"
+                              b"HTTP2-Settings: AAMA\r\nAccept: */*\r\n\r\n")
+    assert httphead.without_h2c(head).raw == b"GET / HTTP/1.1\r\nHost: a\r\nAccept: */*\r\n\r\n"
+    mixed = parse_request_head(b"GET / HTTP/1.1\r\nHost: a\r\nUpgrade: websocket, h2c\r\n\r\n")
+    with pytest.raises(HttpError, match="h2c with other"):
+        httphead.without_h2c(mixed)
+    plain = parse_request_head(WS)
+    assert httphead.without_h2c(plain) is plain
+
+
+def test_connect_is_decided_by_its_target() -> None:
+    head = parse_request_head(b"CONNECT b.test:443 HTTP/1.1\r\n\r\n")
+    assert head.host() == "b.test"
+    head = parse_request_head(b"CONNECT b.test:443 HTTP/1.1\r\nHost: a.test\r\n\r\n")
+    with pytest.raises(HttpError, match="CONNECT target"):
+        head.host()
 
 
 @settings(max_examples=1000, deadline=None)

@@ -235,6 +235,7 @@ class Counters:
     upstream_failed: int = 0
     cut_by_update: int = 0
     idle_closed: int = 0
+    evicted: int = 0  # closed because its slot held more than its share and another needed one
     metadata_requests: int = 0
     dns_answered: int = 0  # forwarded to the upstream resolver and answered
     dns_refused: int = 0  # a name the policy does not let the sandbox resolve
@@ -363,6 +364,16 @@ class _Pump:
         assert self.pending is not None
         self.conn.last_active = self.loop.time()
         self._send(self.pending, from_reader=False)
+
+    def inject(self, data: bytes) -> None:
+        """Send bytes read earlier that the transform held back until the other direction
+        told what they are (httphead.RequestStream.release)."""
+        if self.conn.closed:
+            return
+        if self.pending is not None:
+            self.pending = memoryview(bytes(self.pending) + data)
+            return
+        self._send(data, from_reader=True)
 
     def _finish(self) -> None:
         """The source ended: pass the end on (half-close) once everything is sent."""
@@ -729,7 +740,8 @@ class EgressProxyServer:
         else:
             limit = self.slot_share()
             held = len(slot.conns)
-            over = self.egress_connections >= self.max_connections or held >= limit
+            over = held >= limit or (self.egress_connections >= self.max_connections
+                                     and not self._evict_over_share(limit, source))
         if over:
             self.counters.over_capacity += 1
             log.warning("egress connection cap reached", extra={
@@ -752,6 +764,22 @@ class EgressProxyServer:
         holding connections open cannot take the capacity every other slot needs."""
         share = max(MIN_SLOT_SHARE, self.max_connections // max(1, len(self.slots)))
         return min(self.max_per_slot, share)
+
+    def _evict_over_share(self, share: int, wanted_by: str) -> bool:
+        """All egress connections are taken and a slot under its share wants one: the slot
+        holding the most beyond the share (it opened them while it had the proxy to itself)
+        gives back its longest idle one. False when no slot is over its share."""
+        hog = max(self.slots.values(), key=lambda s: len(s.conns), default=None)
+        if hog is None or len(hog.conns) <= share:
+            return False
+        victim = min(hog.conns, key=lambda c: c.last_active)
+        self.counters.evicted += 1
+        log.info("egress connection evicted", extra={
+            "event": "evicted", "reason": "over its fair share while another slot needs one",
+            "slot_total": len(hog.conns), "slot_share": share, "wanted_by": wanted_by,
+            **victim.describe()})
+        victim.reset()
+        return True
 
     @property
     def egress_connections(self) -> int:
@@ -830,9 +858,14 @@ class EgressProxyServer:
             conn.name = name
             await self._decide(conn, name)
             transform: Callable[[bytes], bytes] | None = None
+            responses: Callable[[bytes], bytes] | None = None
+            stream: httphead.RequestStream | None = None
             if kind == "http":
                 stream = httphead.RequestStream(lambda head: self._on_http_head(conn, head))
                 transform = stream.feed
+                # The responses are read too (not spliced): an upgrade counts only if the
+                # server agrees (httphead.RequestStream).
+                responses = stream.responses().feed
                 data = stream.feed(data)
             await self._connect(conn)
             # The policy may have changed while connecting: decide again with the current one.
@@ -850,12 +883,15 @@ class EgressProxyServer:
                     data = b""
                     if conn.closed:  # cut by an update meanwhile
                         return
-                conn.pumps = (self._pump(conn, True, transform, data),
-                              self._pump(conn, False, None, b""))
+                up = self._pump(conn, True, transform, data)
+                conn.pumps = (up, self._pump(conn, False, responses, b""))
+                if stream is not None:
+                    assert isinstance(up, _Pump)
+                    stream.release = up.inject
                 for pump in conn.pumps:
                     pump.start()
             else:
-                await self._tls_tunnel_relay(conn, data, transform)
+                await self._tls_tunnel_relay(conn, data, stream, transform, responses)
         except Refused as exc:
             conn.refuse(str(exc), exc.kind, exc.fields)
         except (httphead.HttpError, sni.NotClientHello) as exc:
@@ -889,7 +925,8 @@ class EgressProxyServer:
         conn.name = name
         policy = self._current(conn).entry.policy
         self._decide_now(conn, policy, name)
-        return httphead.with_headers(head, policy.header_rules(name) if name else ())
+        return httphead.with_headers(httphead.without_h2c(head),
+                                     policy.header_rules(name) if name else ())
 
     async def _peek(self, conn: Conn) -> tuple[bytes, str | None, str]:
         """The first bytes and what they say: (data, name, kind), kind one of tls, http,
@@ -993,18 +1030,23 @@ class EgressProxyServer:
         return sock
 
     async def _tls_tunnel_relay(self, conn: Conn, data: bytes,
-                                transform: Callable[[bytes], bytes] | None) -> None:
+                                stream: httphead.RequestStream | None,
+                                transform: Callable[[bytes], bytes] | None,
+                                responses: Callable[[bytes], bytes] | None) -> None:
         """Relay through a TLS connection to the SOCKS5 proxy (streams; the rarer, slower path)."""
         tunnel = conn.tunnel
         assert tunnel is not None
         reader, writer = await asyncio.open_connection(sock=conn.guest, limit=COPY_CHUNK)
         conn.transports.append(writer.transport)
+        if stream is not None:
+            stream.release = tunnel.writer.write
 
         async def copy(src: asyncio.StreamReader, dst: asyncio.StreamWriter, up: bool) -> None:
+            change = transform if up else responses
             while chunk := await src.read(COPY_CHUNK):
                 conn.last_active = self.loop.time()
-                if up and transform is not None:
-                    chunk = transform(chunk)
+                if change is not None:
+                    chunk = change(chunk)
                 dst.write(chunk)
                 await dst.drain()
                 if up:
@@ -1273,7 +1315,7 @@ class EgressProxyServer:
         ]
         for verdict in ("allowed", "denied", "denied_name_address", "denied_unnamed",
                         "unknown_source", "over_capacity",
-                        "upstream_failed", "cut_by_update", "idle_closed"):
+                        "upstream_failed", "cut_by_update", "idle_closed", "evicted"):
             lines.append(f'aenv_egress_connections_total{{verdict="{verdict}"}} '
                          f"{getattr(c, verdict)}")
         lines.append("# TYPE aenv_egress_dns_queries_total counter")

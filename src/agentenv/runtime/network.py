@@ -26,15 +26,24 @@ its ACK for them is what gets reset):
      are replaced in one `nft -f` transaction on update: `allow` (accepted), `dns` (port 53
      only), `proxied` (TCP ports accepted here because the host redirects them to the egress
      proxy, which decides by name: 80/443 or all), `deny` (rejected: TCP reset, else ICMP
-     admin-prohibited); what none names is accepted.
+     admin-prohibited); what none names is accepted. With a SOCKS5 `egressProxy` (`tunnelled`)
+     every TCP connection goes through the tunnel and nothing else leaves but DNS (UDP 53).
+
+What the slot's namespace sends itself (its output hook: QEMU runs there, and a QEMU taken over
+can open sockets) is not forwarded from tap0, so none of the above sees it: the slot's `inet
+aenv_guard` table drops all of it but the kernel's own answers (`_guard_ops`), and IPv6 forwarding.
 
 On the host, one table per runtime (`<prefix>_host`, rules scoped to `<prefix>h*` interfaces):
+  - prerouting (raw): a packet from a slot interface whose source is not routed back through
+    that interface (another slot's address, any other) is dropped: the host and the egress
+    proxy know a sandbox by its source address;
   - prerouting: TCP to 169.254.169.254:80 from any slot, TCP 80/443 from sources in set `web`,
     all TCP from sources in set `all` -> `redirect` to the egress proxy's port;
   - input: nothing from a slot interface reaches the host (node API, blockd metrics, SSH,
     anything bound to 0.0.0.0) except the redirected proxy port; replies of connections the
     host opened pass;
-  - forward: no slot-to-slot traffic, no 169.254/16, and a TCP flow of a `web_src`/`all_src` source
+  - forward: no slot-to-slot traffic, the walls again (minus the opened ranges) whatever the
+    slot's own rules did, and a TCP flow of a `web_src`/`all_src` source
     that reaches forward was opened before names were filtered (or the SOCKS5 tunnel was set):
     it is reset, except a `web_src` flow the node marked KEEP_MARK because the new policy
     allows it whatever its name (keep_direct_flows: the kernel cannot know its name);
@@ -211,6 +220,7 @@ class NetworkSlot:
             "    set dns { type ipv4_addr; }\n"
             "    set proxied { type inet_service; flags interval; }\n"
             "    set unnamed_udp { type inet_service; }\n"
+            "    set tunnelled { type ipv4_addr; flags interval; }\n"
             "    chain slot_pre {\n"
             "        type nat hook prerouting priority dstnat;\n"
             f'        iifname "vpeer" ip daddr {self.guest_address} dnat to {GUEST_IP}\n'
@@ -237,6 +247,12 @@ class NetworkSlot:
             f"        ip daddr {METADATA_IP} meta l4proto {{ tcp, udp }} th dport 53 accept\n"
             "        ip daddr @walls meta l4proto tcp reject with tcp reset\n"
             "        ip daddr @walls reject with icmp type admin-prohibited\n"
+            # A SOCKS5 egressProxy carries every TCP connection (the host redirects them to the
+            # egress proxy); other protocols would leave beside the tunnel: only DNS may, and
+            # then by the rules below.
+            "        ip daddr @tunnelled udp dport != 53 reject with icmp type admin-prohibited\n"
+            "        ip daddr @tunnelled meta l4proto != { tcp, udp } "
+            "reject with icmp type admin-prohibited\n"
             "        ip daddr @allow accept\n"
             "        ip daddr @dns udp dport 53 accept\n"
             "        ip daddr @dns tcp dport 53 accept\n"
@@ -253,13 +269,39 @@ class NetworkSlot:
         )
 
     @staticmethod
-    def _policy_ops(policy: EgressPolicy) -> str:
-        """One transaction's worth of set updates: the policy's elements replace the old."""
-        return (_set_ops("aenv", "allow", _nets(policy.allow_nets))
+    def _guard_ops() -> str:
+        """The slot's `inet aenv_guard` table, asserted whole in any transaction (flush then
+        add: idempotent, so every policy update also puts it on a slot made by an older
+        runtime). Output: nothing the namespace itself sends leaves it (QEMU runs here and
+        needs no IP socket: its TAP is an fd, QMP and NBD are unix sockets), except the
+        kernel's own answers: resets and ICMP errors of the walls to the guest (tap0), ICMP
+        errors about the host's traffic (ct related) to the host. Forward: no IPv6."""
+        table = "inet aenv_guard"
+        return (f"add table {table}\n"
+                f"add chain {table} output {{ type filter hook output priority filter; "
+                "policy drop; }\n"
+                f"add chain {table} forward {{ type filter hook forward priority filter; "
+                "policy accept; }\n"
+                f"flush chain {table} output\n"
+                f"flush chain {table} forward\n"
+                f'add rule {table} output oifname "lo" accept\n'
+                f'add rule {table} output oifname "tap0" meta nfproto ipv4 accept\n'
+                f'add rule {table} output oifname "vpeer" meta l4proto icmp ct state related '
+                "accept\n"
+                f"add rule {table} forward meta nfproto ipv6 drop\n")
+
+    @classmethod
+    def _policy_ops(cls, policy: EgressPolicy) -> str:
+        """One transaction's worth of set updates: the policy's elements replace the old (and
+        the output guard is asserted, `_guard_ops`)."""
+        return (cls._guard_ops()
+                + _set_ops("aenv", "allow", _nets(policy.allow_nets))
                 + _set_ops("aenv", "deny", _nets(policy.deny_nets))
                 + _set_ops("aenv", "dns", [str(a) for a in policy.dns_allowed()])
                 + _set_ops("aenv", "proxied", proxied_ports(policy))
-                + _set_ops("aenv", "unnamed_udp", [str(QUIC_PORT)] if policy.filters_quic else []))
+                + _set_ops("aenv", "unnamed_udp", [str(QUIC_PORT)] if policy.filters_quic else [])
+                + _set_ops("aenv", "tunnelled",
+                           [str(ALL_TRAFFIC)] if policy.egress_proxy is not None else []))
 
     async def _nft(self, text: str) -> None:
         # nsenter enters only the network namespace (`ip netns exec` also remounts /sys): a
@@ -426,6 +468,11 @@ async def _host_sources(prefix: str, address: str, mode: str, also: str = "none"
 HOST_RULES = """table ip {table} {{
     set web_src {{ type ipv4_addr; }}
     set all_src {{ type ipv4_addr; }}
+    set walls {{ type ipv4_addr; flags interval; elements = {{ {walls} }} }}
+    chain slots_spoof {{
+        type filter hook prerouting priority raw; policy accept;
+        iifname "{prefix}h*" fib saddr . iif oif missing drop
+    }}
     chain slots_pre {{
         type nat hook prerouting priority dstnat;
 {redirects}    }}
@@ -438,7 +485,7 @@ HOST_RULES = """table ip {table} {{
     chain slots_forward {{
         type filter hook forward priority filter; policy accept;
         iifname "{prefix}h*" oifname "{prefix}h*" drop
-        iifname "{prefix}h*" ip daddr 169.254.0.0/16 drop
+        iifname "{prefix}h*" ip daddr @walls drop
         iifname "{prefix}h*" ip saddr @all_src meta l4proto tcp ct status != dnat reject with tcp reset
         iifname "{prefix}h*" ip saddr @web_src tcp dport {{ {web} }} ct status != dnat ct mark != {keep_mark:#x} reject with tcp reset
     }}
@@ -450,7 +497,8 @@ HOST_RULES = """table ip {table} {{
 """
 
 
-def host_ruleset(prefix: str, proxy_port: int | None) -> str:
+def host_ruleset(prefix: str, proxy_port: int | None,
+                 open_ranges: Iterable[IPv4Network] = ()) -> str:
     redirects, proxy_accept = "", ""
     if proxy_port is not None:
         to = f"redirect to :{proxy_port}"
@@ -463,7 +511,8 @@ def host_ruleset(prefix: str, proxy_port: int | None) -> str:
         proxy_accept = (f'        iifname "{prefix}h*" meta l4proto {{ tcp, udp }} '
                         f"th dport {proxy_port} ct status dnat accept\n")
     return HOST_RULES.format(table=f"{prefix}_host", prefix=prefix, redirects=redirects,
-                             proxy_accept=proxy_accept, web=WEB_PORTS, keep_mark=KEEP_MARK)
+                             proxy_accept=proxy_accept, web=WEB_PORTS, keep_mark=KEEP_MARK,
+                             walls=_elements(walls(open_ranges)))
 
 
 def require_tools() -> None:
@@ -552,7 +601,8 @@ async def _host_set_elements(table: str, name: str) -> list[str]:
 
 
 async def setup_host(prefix: str = "aenv", proxy_port: int | None = None,
-                     keep_sources: Iterable[str] = ()) -> None:
+                     keep_sources: Iterable[str] = (),
+                     open_ranges: Iterable[IPv4Network] = ()) -> None:
     """Host side, once per runtime: forwarding on, the redirects to the egress proxy (when
     `proxy_port` is given), the input wall, masquerade, no slot-to-slot traffic.
 
@@ -571,7 +621,7 @@ async def setup_host(prefix: str = "aenv", proxy_port: int | None = None,
             carried += f"add element ip {table} {name} {{ {', '.join(kept)} }}\n"
     await close_foreign_forward(prefix)
     await _run("nft", "-f", "-", stdin=f"add table ip {table}\ndelete table ip {table}\n"
-               + host_ruleset(prefix, proxy_port) + carried)
+               + host_ruleset(prefix, proxy_port, open_ranges) + carried)
     await open_foreign_forward(prefix)
 
 

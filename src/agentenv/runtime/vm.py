@@ -244,7 +244,8 @@ class Runtime:
             # Refused before anything is touched when another runtime uses this prefix.
             self.slots.acquire_prefix()
             await setup_host(self.config.network_prefix, self.config.egress_proxy_port,
-                             keep_sources=self.slots.in_use_addresses())
+                             keep_sources=self.slots.in_use_addresses(),
+                             open_ranges=self.slots.open_ranges)
             await self.slots.fill(self.config.slot_pool_low)
         # After adoption (the node adopts before it starts the runtime): memory devices of an
         # earlier run that no adopted VM took over are released.
