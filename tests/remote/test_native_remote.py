@@ -312,3 +312,37 @@ def _close_cache() -> Iterator[None]:
     if store is not None:
         store.close()
         shutil.rmtree(store.config.cache_dir, ignore_errors=True)
+
+
+def test_a_converted_lz4_zfile_layer_hits_without_python(registry: Registry,
+                                                         tmp_path: Path) -> None:
+    """hello-world converted by containerd's overlaybd converter (an LZ4 ZFile with CRCs,
+    tar-wrapped): its extents read natively, cold through the Python fetcher, warm without
+    any call into Python; the bytes are the reference's over the whole blob as a file."""
+    image = helpers.fixture_image("amd64-converted")
+    registry.push("hello-world", "amd64-converted", image)
+    digest = next(d for d in image.blobs if d.startswith("sha256:0222"))
+    local = tmp_path / "hello.layer"
+    local.write_bytes(image.blobs[digest])
+    desc = tmp_path / "remote" / "layer"
+    desc.parent.mkdir()
+    RemoteLayerRef(digest, len(image.blobs[digest]),
+                   [BlobLocation(registry.host, "hello-world")]).save(desc)
+    store = RemoteStore(RemoteConfig(tmp_path / "cache", capacity=64 * MiB, chunk_size=CHUNK,
+                                     background_bw=0, timeout=10))
+    blobmod.set_remote_opener(store.open_blob)
+    try:
+        with Image.create([local], None) as ref, native.NativeImage.create([desc], None) as nat:
+            extents = [(start, min(length, 256 * KiB)) for start, length, data in ref.extents()
+                       if data][:40]
+            assert extents
+            for offset, length in extents:
+                assert nat.read(offset, length) == ref.read(offset, length)
+            cold = _python_reads(nat)
+            assert cold > 0
+            for offset, length in extents:
+                assert nat.read(offset, length) == ref.read(offset, length)
+            assert _python_reads(nat) == cold
+    finally:
+        blobmod.set_remote_opener(None)
+        store.close()

@@ -59,12 +59,14 @@ struct Mapping {
 };
 
 struct RemoteLayer;
+struct ZLayer;
 
 struct Layer {
     int fd;
     int64_t base;
-    bool foreign;  // read through the Python callable (ZFile, a remote layer without a map)
-    std::shared_ptr<RemoteLayer> remote;  // a plain remote layer read from the chunk cache
+    bool foreign;  // read through the Python callable (ZSTD ZFile, a remote layer without a map)
+    std::shared_ptr<RemoteLayer> remote;  // a remote layer's blob in the chunk cache
+    std::shared_ptr<ZLayer> z;            // an LZ4 ZFile layer (local, or remote with `remote`)
 };
 
 // What a write refused for the cap reports (UpperFull's fields).
@@ -330,6 +332,135 @@ bool read_cached_chunk(const RemoteLayer& R, size_t idx, int64_t co, int64_t bpo
     return true;
 }
 
+// Blob bytes [bpos, bpos + n) from the cache when every chunk they touch is held (and none
+// was evicted meanwhile); false otherwise, dst then partly filled.
+bool read_blob(const RemoteLayer& R, int64_t bpos, char* dst, int64_t n) {
+    for (int64_t done = 0; done < n;) {
+        int64_t at = bpos + done;
+        int64_t idx = at / R.chunk_size, co = at - idx * R.chunk_size;
+        int64_t take = std::min(n - done, R.chunk_size - co);
+        if (!read_cached_chunk(R, size_t(idx), co, at, dst + done, take)) return false;
+        done += take;
+    }
+    return true;
+}
+
+// -- ZFile layers (LZ4) ------------------------------------------------------------------
+//
+// storage/zfile.py is the reference: blocks of `block_size` bytes, each LZ4-compressed and
+// followed, when the file verifies, by the raw CRC-32C (salt 100007) of its compressed
+// bytes; a jump table gives where each starts (`offs`, absolute in the file or blob). The
+// core decodes LZ4 layers itself (local files, and remote blobs whose chunks the cache
+// holds). Anything unexpected (a CRC or a block that does not decode to its size, a remote
+// chunk missing) hands the rest of the piece to Python's ZFileReader, which fetches what is
+// missing or raises the reference's error. ZSTD layers are read through Python.
+
+constexpr uint32_t ZF_BLOCK_SALT = 100007;
+constexpr int64_t ZF_READ_BATCH = 1 << 20;  // compressed bytes read per pread, as zfile.py
+
+struct ZLayer {
+    std::vector<int64_t> offs;  // nblocks + 1 block starts (the last: the jump table's start)
+    int64_t block_size;
+    int64_t size;  // uncompressed stream bytes
+    bool verify;
+};
+
+uint32_t crc32c_table[8][256];
+
+void crc32c_init() {
+    for (uint32_t i = 0; i < 256; i++) {
+        uint32_t c = i;
+        for (int k = 0; k < 8; k++) c = (c >> 1) ^ (0x82F63B78u & (0u - (c & 1)));
+        crc32c_table[0][i] = c;
+    }
+    for (int t = 1; t < 8; t++)
+        for (uint32_t i = 0; i < 256; i++)
+            crc32c_table[t][i] = (crc32c_table[t - 1][i] >> 8) ^ crc32c_table[0][crc32c_table[t - 1][i] & 0xFF];
+}
+
+// The raw CRC-32C (no inversions) of p[0, n) from register `crc` (slicing by 8).
+uint32_t crc32c_soft(uint32_t crc, const unsigned char* p, size_t n) {
+    while (n >= 8) {
+        uint32_t lo = crc ^ (uint32_t(p[0]) | uint32_t(p[1]) << 8 | uint32_t(p[2]) << 16 | uint32_t(p[3]) << 24);
+        crc = crc32c_table[7][lo & 0xFF] ^ crc32c_table[6][(lo >> 8) & 0xFF] ^
+              crc32c_table[5][(lo >> 16) & 0xFF] ^ crc32c_table[4][lo >> 24] ^
+              crc32c_table[3][p[4]] ^ crc32c_table[2][p[5]] ^ crc32c_table[1][p[6]] ^
+              crc32c_table[0][p[7]];
+        p += 8;
+        n -= 8;
+    }
+    while (n--) crc = (crc >> 8) ^ crc32c_table[0][(crc ^ *p++) & 0xFF];
+    return crc;
+}
+
+#if defined(__x86_64__)
+__attribute__((target("sse4.2"))) uint32_t crc32c_hw(uint32_t crc, const unsigned char* p, size_t n) {
+    uint64_t c = crc;
+    while (n >= 8) {
+        uint64_t v;
+        memcpy(&v, p, 8);
+        c = __builtin_ia32_crc32di(c, v);
+        p += 8;
+        n -= 8;
+    }
+    uint32_t c32 = uint32_t(c);
+    while (n--) c32 = __builtin_ia32_crc32qi(c32, *p++);
+    return c32;
+}
+const bool crc32c_has_hw = __builtin_cpu_supports("sse4.2");
+#endif
+
+uint32_t crc32c_raw(uint32_t crc, const char* p, size_t n) {
+    const unsigned char* u = reinterpret_cast<const unsigned char*>(p);
+#if defined(__x86_64__)
+    if (crc32c_has_hw) return crc32c_hw(crc, u, n);
+#endif
+    return crc32c_soft(crc, u, n);
+}
+
+// Decodes one LZ4 block (the block format: sequences of literals and back-references) into
+// exactly `want` bytes; false when the input is malformed or does not decode to exactly that.
+bool lz4_decode(const char* src, int64_t n, char* dst, int64_t want) {
+    const unsigned char* ip = reinterpret_cast<const unsigned char*>(src);
+    const unsigned char* const iend = ip + n;
+    int64_t op = 0;
+    auto more = [&](int64_t& len) -> bool {  // a length's extension bytes
+        unsigned char b;
+        do {
+            if (ip >= iend) return false;
+            b = *ip++;
+            len += b;
+        } while (b == 255);
+        return true;
+    };
+    while (ip < iend) {
+        unsigned token = *ip++;
+        int64_t lit = token >> 4;
+        if (lit == 15 && !more(lit)) return false;
+        if (lit > iend - ip || lit > want - op) return false;
+        memcpy(dst + op, ip, size_t(lit));
+        ip += lit;
+        op += lit;
+        if (ip == iend) break;  // the last sequence has literals only
+        if (iend - ip < 2) return false;
+        int64_t off = int64_t(ip[0]) | int64_t(ip[1]) << 8;
+        ip += 2;
+        int64_t len = token & 15;
+        if (len == 15 && !more(len)) return false;
+        len += 4;
+        if (off == 0 || off > op || len > want - op) return false;
+        char* d = dst + op;
+        const char* m = d - off;
+        if (off >= len) {
+            memcpy(d, m, size_t(len));
+        } else {
+            for (int64_t i = 0; i < len; i++) d[i] = m[i];  // overlapping: a repeated pattern
+        }
+        op += len;
+    }
+    return op == want;
+}
+
 struct Stats {
     std::atomic<int64_t> reads{0}, writes{0}, bytes_read{0}, bytes_written{0}, flushes{0},
         trims{0}, zeroes{0}, errors{0}, enospc{0};
@@ -542,6 +673,50 @@ struct Engine {
         return std::max<int64_t>(end - fpos, 0);
     }
 
+    // An LZ4 ZFile layer's stream bytes [pos, pos + n), decoded here; from the first thing
+    // that is not plainly right (a remote chunk missing, a CRC, a block), the rest through
+    // Python. Returns the bytes filled (short past the stream's end) or -errno.
+    int64_t read_zfile(int64_t slot, const Layer& L, int64_t pos, char* dst, int64_t n) {
+        const ZLayer& Z = *L.z;
+        const int64_t end = std::min(pos + n, Z.size), bs = Z.block_size;
+        if (pos >= end) return 0;
+        static thread_local std::vector<char> comp, block;
+        int64_t out = 0;
+        for (int64_t b = pos / bs, last = (end - 1) / bs; b <= last;) {
+            int64_t stop = b;
+            while (stop < last && Z.offs[size_t(stop) + 2] - Z.offs[size_t(b)] <= ZF_READ_BATCH) stop++;
+            int64_t a = Z.offs[size_t(b)], nbytes = Z.offs[size_t(stop) + 1] - a;
+            if (comp.size() < size_t(nbytes)) comp.resize(size_t(nbytes));
+            bool got = L.remote ? read_blob(*L.remote, a, comp.data(), nbytes)
+                                : pread_full(L.fd, comp.data(), nbytes, a) == nbytes;
+            for (int64_t k = b; got && k <= stop; k++) {
+                const char* c = comp.data() + (Z.offs[size_t(k)] - a);
+                int64_t clen = Z.offs[size_t(k) + 1] - Z.offs[size_t(k)];
+                if (Z.verify) {
+                    if (clen < 5) break;
+                    clen -= 4;
+                    uint32_t stored;
+                    memcpy(&stored, c + clen, 4);  // little-endian, as the hosts we build for
+                    if (crc32c_raw(ZF_BLOCK_SALT, c, size_t(clen)) != stored) break;
+                }
+                int64_t bstart = k * bs, blen = std::min(bs, Z.size - bstart);
+                int64_t s = std::max<int64_t>(pos - bstart, 0), e = std::min(end - bstart, blen);
+                bool whole = s == 0 && e == blen;
+                if (!whole && block.size() < size_t(bs)) block.resize(size_t(bs));
+                char* target = whole ? dst + out : block.data();
+                if (!lz4_decode(c, clen, target, blen)) break;
+                if (!whole) memcpy(dst + out, target + s, size_t(e - s));
+                out += e - s;
+                b = k + 1;
+            }
+            if (b <= stop) {  // stopped early: the rest through the reference reader
+                int64_t r = read_foreign(slot, pos + out, dst + out, end - pos - out);
+                return r < 0 ? r : out + r;
+            }
+        }
+        return out;
+    }
+
     // Bytes [pos, end) into dst. The caller holds the gate; GIL released unless a foreign
     // layer is read (or a remote chunk missed).
     int fill(int64_t pos, int64_t end, char* dst) {
@@ -561,7 +736,8 @@ struct Engine {
                 }
             } else if (kind == LOWER) {
                 const Layer& L = layers[size_t(lay)];
-                if (L.remote) got = read_remote(lay, L, fpos, p, n);
+                if (L.z) got = read_zfile(lay, L, fpos, p, n);
+                else if (L.remote) got = read_remote(lay, L, fpos, p, n);
                 else if (L.foreign) got = read_foreign(lay, fpos, p, n);
                 else return batch.add(L.fd, L.base + fpos, p, n);
             }
@@ -1362,6 +1538,28 @@ bool load_array(PyObject* obj, std::vector<int64_t>& out) {
     return true;
 }
 
+// A layer tuple's optional ZFile part: (block starts as int64 bytes, block size, stream
+// size, verify).
+bool load_zfile(PyObject* spec, std::shared_ptr<ZLayer>& out) {
+    PyObject* offs;
+    long long block_size, size;
+    int verify;
+    if (!PyArg_ParseTuple(spec, "OLLp", &offs, &block_size, &size, &verify)) return false;
+    auto z = std::make_shared<ZLayer>();
+    if (!load_array(offs, z->offs)) return false;
+    int64_t blocks = block_size > 0 ? (size + block_size - 1) / block_size : -1;
+    if (block_size <= 0 || size < 0 || int64_t(z->offs.size()) != blocks + 1 ||
+        !std::is_sorted(z->offs.begin(), z->offs.end())) {
+        PyErr_SetString(PyExc_ValueError, "a ZFile layer needs one start per block and the end");
+        return false;
+    }
+    z->block_size = block_size;
+    z->size = size;
+    z->verify = verify;
+    out = std::move(z);
+    return true;
+}
+
 PyObject* Core_new(PyTypeObject* type, PyObject*, PyObject*) {
     CoreObject* self = reinterpret_cast<CoreObject*>(type->tp_alloc(type, 0));
     if (self != nullptr) self->e = new Engine();
@@ -1401,14 +1599,15 @@ PyObject* Core_configure(CoreObject* self, PyObject* args) {
     for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(seq); i++) {
         int fd, is_foreign;
         long long base;
-        PyObject* remote = Py_None;
-        if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(seq, i), "iLp|O", &fd, &base, &is_foreign,
-                              &remote)) {
+        PyObject *remote = Py_None, *zf = Py_None;
+        if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(seq, i), "iLp|OO", &fd, &base, &is_foreign,
+                              &remote, &zf)) {
             Py_DECREF(seq);
             return nullptr;
         }
-        Layer layer{fd, base, bool(is_foreign), nullptr};
-        if (remote != Py_None && !load_remote(remote, layer.remote)) {
+        Layer layer{fd, base, bool(is_foreign), nullptr, nullptr};
+        if ((remote != Py_None && !load_remote(remote, layer.remote)) ||
+            (zf != Py_None && !load_zfile(zf, layer.z))) {
             Py_DECREF(seq);
             return nullptr;
         }
@@ -1728,6 +1927,7 @@ PyMODINIT_FUNC PyInit__native(void) {
     CoreType.tp_methods = Core_methods;
     CoreType.tp_getset = Core_getset;
     if (PyType_Ready(&CoreType) < 0) return nullptr;
+    crc32c_init();
     ChunkMapType.tp_name = "agentenv.storage._native.ChunkMap";
     ChunkMapType.tp_basicsize = sizeof(ChunkMapObject);
     ChunkMapType.tp_flags = Py_TPFLAGS_DEFAULT;

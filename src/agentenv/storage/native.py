@@ -10,10 +10,10 @@ reference code, and binds the resulting stack to the core again. The files the c
 are byte-identical to what `Upper` writes for the same operations (tests/storage/
 test_native.py checks it).
 
-ZFile layers are read through Python (their `readinto`, with the GIL) for the pieces that
-need them. A plain remote layer is read by the core from the chunk cache (its `ChunkMap`),
-and through Python only for the chunks it misses; everything else never enters Python per
-request.
+LZ4 ZFile layers are decoded by the core; ZSTD ones are read through Python (their
+`readinto`, with the GIL) for the pieces that need them. A remote layer is read by the core
+from the chunk cache (its `ChunkMap`), and through Python only for the chunks it misses;
+everything else never enters Python per request.
 
 `AENV_BLOCKD_NATIVE=0` turns the native core off (blockd then opens plain `Image`s); so does
 a build without the extension (`available()` says why).
@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import weakref
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -32,9 +33,9 @@ import numpy as np
 
 from agentenv.storage.errors import ImageUsageError
 from agentenv.storage.image import Image
-from agentenv.storage.layer import StreamSource
 from agentenv.storage.lsmt import FlatIndex
 from agentenv.storage.upper import UpperFull
+from agentenv.storage.zfile import ALGO_LZ4, ZFileReader
 
 log = logging.getLogger("agentenv.storage.native")
 
@@ -69,6 +70,30 @@ def chunk_map(marks: bytes) -> Any:
     """The chunk cache's presence marks of one blob (blockd/remote/cache.py): a ChunkMap
     the cores read without the GIL when the core is built, else a bytearray."""
     return bytearray(marks) if _native is None else _native.ChunkMap(marks)
+
+
+def _remote_spec(source: Any, stream_size: int) -> tuple[Any, int, int, int] | None:
+    """(chunk map, cache fd, chunk size, stream size) of a remote blob whose cache the core
+    can read (blockd/remote/store.py RemoteBlob.native_view), else None."""
+    view = getattr(source, "native_view", None)
+    got = view() if view is not None else None
+    if got is None:
+        return None
+    chunks, fd, chunk_size = got
+    return chunks, fd, chunk_size, stream_size
+
+
+_ZFILE_SPECS: weakref.WeakKeyDictionary[ZFileReader, tuple[bytes, int, int, bool]] = \
+    weakref.WeakKeyDictionary()
+
+
+def _zfile_spec(reader: ZFileReader) -> tuple[bytes, int, int, bool]:
+    """The jump table as the core reads it (made once per open layer, not at every bind)."""
+    spec = _ZFILE_SPECS.get(reader)
+    if spec is None:
+        spec = _ZFILE_SPECS[reader] = (np.asarray(reader.offsets, dtype=np.int64).tobytes(),
+                                       reader.block_size, reader.size, reader.verify)
+    return spec
 
 
 def _arrays(index: FlatIndex) -> tuple[bytes, bytes, bytes, bytes]:
@@ -115,18 +140,25 @@ class NativeImage(Image):
 
     @staticmethod
     def _layer_spec(src: Any, base: int) -> tuple[Any, ...]:
-        """How the core reads a layer slot: (fd, base, through Python?[, remote]). A plain
-        remote layer on a chunk cache with a ChunkMap is read by the core from the cache
-        (remote: (map, cache fd, chunk size, stream size)); its misses and ZFile layers go
-        through `_read_foreign`."""
+        """How the core reads a layer slot: (fd, base, through Python?[, remote[, zfile]]).
+
+        A remote layer on a chunk cache with a ChunkMap is read by the core from the cache
+        (remote: (map, cache fd, chunk size, stream size)); an LZ4 ZFile layer, local or
+        remote, is decoded by the core (zfile: (block starts, block size, stream size,
+        verify)). ZSTD layers, and what the core misses or cannot check, go through
+        `_read_foreign`."""
         if type(src) is int:
             return (src, base, False)
-        view = getattr(src.blob, "native_view", None) if isinstance(src, StreamSource) else None
-        remote = view() if view is not None else None
-        if remote is None:
-            return (-1, 0, True)
-        chunks, fd, chunk_size = remote
-        return (-1, base, False, (chunks, fd, chunk_size, src.size))
+        if isinstance(src, ZFileReader):
+            if src.algo != ALGO_LZ4:
+                return (-1, 0, True)
+            zf = _zfile_spec(src)
+            if src.blob is None:
+                return (src.fd, 0, False, None, zf)
+            remote = _remote_spec(src.blob, src.blob.size)
+            return (-1, 0, True) if remote is None else (-1, 0, False, remote, zf)
+        remote = _remote_spec(src.blob, src.size)
+        return (-1, 0, True) if remote is None else (-1, base, False, remote)
 
     def _read_foreign(self, slot: int, pos: int, buf: memoryview, serving: bool) -> int:
         """A ZFile or remote layer's bytes, for the core (called with the GIL). On a native
