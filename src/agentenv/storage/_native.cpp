@@ -10,8 +10,9 @@
 //
 // Python owns every file descriptor and the control plane: it quiesces the core (pause /
 // resume), takes the upper's state back (export_upper) for a seal, a resize or a close, and
-// binds the new stack (configure). Layers the core cannot read itself (ZFile, remote) are read
-// through a Python callable, with the GIL, for the pieces that need them.
+// binds the new stack (configure). The core reads plain and LZ4 ZFile layers, local or remote
+// (from the node's chunk cache); what it cannot read itself (ZSTD ZFile pieces, remote chunk
+// misses, a ZFile block that fails its check) goes through a Python callable, with the GIL.
 
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
