@@ -159,7 +159,8 @@ class Gate {
 // short runs of a lower between the upper's 4 KiB pieces, and those runs lie close together
 // in the lower's file. `LowerBatch` reads such neighbours with one preadv: each piece straight
 // to its place in the caller's buffer, the gaps between them (at most COALESCE_GAP bytes
-// each) into a scratch sink.
+// each) into a scratch sink. `LowerBatches` keeps one per file for the lowers a read
+// interleaves.
 
 constexpr int64_t COALESCE_GAP = 32 * 1024;
 constexpr size_t COALESCE_IOV = 256;
@@ -222,6 +223,7 @@ class LowerBatch {
     }
 
     int64_t preads() const { return preads_; }
+    int fd() const { return pieces_.empty() ? -1 : fd_; }
 
    private:
     struct Piece {
@@ -242,6 +244,41 @@ class LowerBatch {
     int64_t start_ = 0, end_ = 0, preads_ = 0;
     std::vector<iovec> iov_;
     std::vector<Piece> pieces_;
+};
+
+// One batch per lower file a read meets (a stack's layers interleave: the bottom layer's runs
+// between the pieces of the layers above), up to LOWER_BATCHES files at once.
+constexpr size_t LOWER_BATCHES = 4;
+
+class LowerBatches {
+   public:
+    int add(int fd, int64_t fpos, char* dst, int64_t n) {
+        LowerBatch* idle = nullptr;
+        for (LowerBatch& b : batches_) {
+            if (b.fd() == fd) return b.add(fd, fpos, dst, n);
+            if (idle == nullptr && b.fd() < 0) idle = &b;
+        }
+        if (idle == nullptr) {  // all busy with other files: read the oldest one's pieces
+            idle = &batches_[next_];
+            next_ = (next_ + 1) % LOWER_BATCHES;
+            if (int r = idle->flush()) return r;
+        }
+        return idle->add(fd, fpos, dst, n);
+    }
+    int flush() {
+        for (LowerBatch& b : batches_)
+            if (int r = b.flush()) return r;
+        return 0;
+    }
+    int64_t preads() const {
+        int64_t n = 0;
+        for (const LowerBatch& b : batches_) n += b.preads();
+        return n;
+    }
+
+   private:
+    LowerBatch batches_[LOWER_BATCHES];
+    size_t next_ = 0;
 };
 
 // -- remote layers: the chunk cache's presence map ------------------------------------------
@@ -722,7 +759,7 @@ struct Engine {
     // layer is read (or a remote chunk missed).
     int fill(int64_t pos, int64_t end, char* dst) {
         const int64_t start = pos;
-        LowerBatch batch;
+        LowerBatches batch;
         auto f = [&](int64_t ps, int64_t pe, int kind, int64_t lay, int64_t fpos) -> int {
             char* p = dst + (ps - start);
             int64_t n = pe - ps;
