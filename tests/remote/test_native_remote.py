@@ -346,3 +346,37 @@ def test_a_converted_lz4_zfile_layer_hits_without_python(registry: Registry,
     finally:
         blobmod.set_remote_opener(None)
         store.close()
+
+
+def test_a_miss_no_source_serves_is_eio_on_the_native_loop(layers: Layers, tmp_path: Path,
+                                                          caplog: pytest.LogCaptureFixture) -> None:
+    """The registry loses the blobs after the device opened: a cold read over NBD on the
+    native thread gets EIO within the remote timeout (logged why), and the connection goes
+    on serving."""
+    short = Path(tempfile.mkdtemp(prefix="nr", dir="/tmp"))
+    store = RemoteStore(RemoteConfig(tmp_path / "cache", capacity=64 * CHUNK, chunk_size=CHUNK,
+                                     background_bw=0, timeout=1))
+    blobmod.set_remote_opener(store.open_blob)
+    try:
+        nat = native.NativeImage.create(_descriptors(layers, tmp_path / "d"), tmp_path / "nat",
+                                        SIZE)
+        for ref in layers.refs:  # the same BlobInfo the device reads through
+            handle = store.open_blob(ref)
+            handle.info.ref.sources[:] = [BlobLocation(ref.sources[0].registry, "gone")]
+            handle.close()
+        with _served(nat, str(short / "disk.sock")):
+            client = NbdClient(str(short / "disk.sock"), "disk")
+            try:
+                error, _ = client.request(0, 0, 256 * KiB)  # CMD_READ
+                assert error == 5
+                client.write(0, b"\x42" * 4096)
+                assert client.read(0, 4096) == b"\x42" * 4096
+            finally:
+                client.close()
+        assert store.stats.eio >= 1
+        assert any("the guest gets EIO" in r.getMessage() for r in caplog.records)
+        nat.close()
+    finally:
+        blobmod.set_remote_opener(None)
+        store.close()
+        shutil.rmtree(short, ignore_errors=True)
