@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 from agentenv.storage import native
 from agentenv.storage.builder import LayerBuilder
+from agentenv.storage.crc import BLOCK_SALT, raw_crc32c
 from agentenv.storage.image import Image
 
 if not native.available():  # the project's build compiles it (make venv): not built is a failure
@@ -104,3 +105,53 @@ def test_a_corrupt_lz4_block_raises_the_reference_error(tmp_path: Path) -> None:
         assert str(got.value) == str(expected.value)
         assert nat.native_core.io_counts()[1] == 1
         assert nat.read(0, 64 * KiB) == ref.read(0, 64 * KiB)
+
+
+_HOSTILE: dict[str, bytes] = {}
+
+
+@settings(max_examples=200, deadline=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@given(block=st.integers(0, 63), edits=st.lists(
+    st.tuples(st.integers(0, 5000), st.integers(0, 255)), min_size=1, max_size=6),
+    cut=st.integers(0, 3))
+def test_forged_lz4_blocks_with_valid_crcs_read_like_the_reference(
+        tmp_path: Path, block: int, edits: list[tuple[int, int]], cut: int) -> None:
+    """A hostile layer: LZ4 blocks changed (bytes replaced, the block shortened) with their
+    CRCs made valid again. The core never reads or writes out of bounds, and reads what the
+    reference reads, or fails as it does."""
+    if "layer" not in _HOSTILE:
+        rng = random.Random(9)
+        source = tmp_path / "src.lsmt"
+        with LayerBuilder(source, 256 * KiB, compress="lz4") as builder:
+            unit = rng.randbytes(40)
+            builder.add(0, (unit * 4000)[: 128 * KiB])
+            builder.add(128 * KiB, rng.randbytes(128 * KiB))
+        _HOSTILE["layer"] = source.read_bytes()
+    raw = bytearray(_HOSTILE["layer"])
+    probe = tmp_path / "probe.lsmt"
+    probe.write_bytes(raw)
+    with Image.create([probe], None) as image:
+        reader = image._view.layers[0].source.zreader
+        assert reader is not None
+        offsets = list(reader.offsets)
+    k = min(block, len(offsets) - 2)
+    a, z = offsets[k], offsets[k + 1] - 4
+    comp = bytearray(raw[a:z])
+    for at, value in edits:
+        comp[at % len(comp)] = value
+    comp = comp[: max(1, len(comp) - cut)] + bytes(cut)  # shorter stream, same stored length
+    raw[a:z] = comp
+    raw[z : z + 4] = raw_crc32c(bytes(comp), BLOCK_SALT).to_bytes(4, "little")
+    layer = tmp_path / "hostile.lsmt"
+    layer.write_bytes(bytes(raw))
+    assert _outcome(native.NativeImage, layer) == _outcome(Image, layer)
+
+
+def _outcome(kind: type[Image], layer: Path) -> bytes | str:
+    """The whole disk, or the error opening or reading it."""
+    try:
+        with kind.create([layer], None) as image:
+            return image.read(0, 256 * KiB)
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
