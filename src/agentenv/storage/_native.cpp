@@ -394,7 +394,9 @@ bool read_blob(const RemoteLayer& R, int64_t bpos, char* dst, int64_t n) {
 // missing or raises the reference's error. ZSTD layers are read through Python.
 
 constexpr uint32_t ZF_BLOCK_SALT = 100007;
-constexpr int64_t ZF_READ_BATCH = 1 << 20;  // compressed bytes read per pread, as zfile.py
+// Compressed bytes read per pread: enough to amortise the call, small because each serving
+// thread keeps its buffer (a host has hundreds of connections).
+constexpr int64_t ZF_READ_BATCH = 128 << 10;
 
 struct ZLayer {
     std::vector<int64_t> offs;  // nblocks + 1 block starts (the last: the jump table's start)
