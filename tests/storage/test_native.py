@@ -308,3 +308,27 @@ def test_a_closed_image_is_freed(tmp_path: Path) -> None:
     del image
     gc.collect()
     assert ref() is None
+
+
+def test_a_shredded_upper_reads_its_lowers_in_few_preadv_calls(tmp_path: Path) -> None:
+    """4 KiB writes scattered over a plain lower: a 1 MiB read meets ~200 runs of the lower
+    between the upper's pieces, close together in its file, and reads them with a few preadv
+    calls (gaps into a sink), the bytes equal to the reference's."""
+    lower = tmp_path / "lower.lsmt"
+    rng = random.Random(7)
+    with LayerBuilder(lower, 8 * MiB) as builder:
+        builder.add(0, rng.randbytes(8 * MiB))
+    ref = Image.create([lower], tmp_path / "ref", 8 * MiB)
+    nat = native.NativeImage.create([lower], tmp_path / "nat", 8 * MiB)
+    for block in rng.sample(range(8 * MiB // 4096), 900):
+        for image in (ref, nat):
+            image.write(block * 4096, bytes([block % 251]) * 4096)
+    before = nat.native_core.io_counts()[0]
+    for offset in range(0, 8 * MiB, MiB):
+        assert nat.read(offset, MiB) == ref.read(offset, MiB)
+    preads = nat.native_core.io_counts()[0] - before
+    runs = sum(1 for start, length, _ in ref.extents() if length)  # upper and lower pieces
+    assert preads <= 8 * 8, (preads, runs)  # a preadv per 32 KiB gap at most, not per run
+    assert runs > 8 * 100
+    nat.close()
+    ref.close()

@@ -10,8 +10,9 @@
 //
 // Python owns every file descriptor and the control plane: it quiesces the core (pause /
 // resume), takes the upper's state back (export_upper) for a seal, a resize or a close, and
-// binds the new stack (configure). Layers the core cannot read itself (ZFile, remote) are read
-// through a Python callable, with the GIL, for the pieces that need them.
+// binds the new stack (configure). The core reads plain and LZ4 ZFile layers, local or remote
+// (from the node's chunk cache); what it cannot read itself (ZSTD ZFile pieces, remote chunk
+// misses, a ZFile block that fails its check) goes through a Python callable, with the GIL.
 
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -58,10 +59,15 @@ struct Mapping {
     int64_t start, length, moffset, layer;
 };
 
+struct RemoteLayer;
+struct ZLayer;
+
 struct Layer {
     int fd;
     int64_t base;
-    bool foreign;  // read through the Python callable (ZFile, remote)
+    bool foreign;  // read through the Python callable (ZSTD ZFile, a remote layer without a map)
+    std::shared_ptr<RemoteLayer> remote;  // a remote layer's blob in the chunk cache
+    std::shared_ptr<ZLayer> z;            // an LZ4 ZFile layer (local, or remote with `remote`)
 };
 
 // What a write refused for the cap reports (UpperFull's fields).
@@ -147,6 +153,354 @@ class Gate {
     bool paused_ = false;
 };
 
+// -- coalesced lower reads -----------------------------------------------------------------
+//
+// A sequential read of a stack whose upper random writes shredded meets, per MiB, hundreds of
+// short runs of a lower between the upper's 4 KiB pieces, and those runs lie close together
+// in the lower's file. `LowerBatch` reads such neighbours with one preadv: each piece straight
+// to its place in the caller's buffer, the gaps between them (at most COALESCE_GAP bytes
+// each) into a scratch sink. `LowerBatches` keeps one per file for the lowers a read
+// interleaves.
+
+constexpr int64_t COALESCE_GAP = 32 * 1024;
+constexpr size_t COALESCE_IOV = 256;
+
+class LowerBatch {
+   public:
+    // Queue `n` bytes of `fd` at `fpos` for `dst`; what was queued is read first when this
+    // piece cannot join it (another file, backwards, too far, too many pieces).
+    int add(int fd, int64_t fpos, char* dst, int64_t n) {
+        if (!pieces_.empty() && (fd != fd_ || fpos < end_ || fpos - end_ > COALESCE_GAP ||
+                                 iov_.size() + 2 > COALESCE_IOV)) {
+            if (int r = flush()) return r;
+        }
+        if (pieces_.empty()) {
+            fd_ = fd;
+            start_ = end_ = fpos;
+        }
+        if (fpos > end_) iov_.push_back(iovec{sink(), size_t(fpos - end_)});
+        iov_.push_back(iovec{dst, size_t(n)});
+        pieces_.push_back(Piece{dst, fpos, n});
+        end_ = fpos + n;
+        return 0;
+    }
+
+    // Read what is queued; bytes past the file's end read as zeros (like pread_full's users).
+    int flush() {
+        if (pieces_.empty()) return 0;
+        int64_t total = end_ - start_, got = 0;
+        size_t first = 0;
+        while (got < total) {
+            ssize_t r = preadv(fd_, iov_.data() + first, int(iov_.size() - first), start_ + got);
+            if (r < 0) {
+                if (errno == EINTR) continue;
+                int err = -errno;
+                clear();
+                return err;
+            }
+            if (r == 0) break;
+            got += r;
+            for (size_t k = size_t(r); k > 0;) {  // step over what this call filled
+                if (k >= iov_[first].iov_len) {
+                    k -= iov_[first].iov_len;
+                    first++;
+                } else {
+                    iov_[first].iov_base = static_cast<char*>(iov_[first].iov_base) + k;
+                    iov_[first].iov_len -= k;
+                    k = 0;
+                }
+            }
+        }
+        if (got < total) {
+            for (const Piece& p : pieces_) {
+                int64_t have = std::min(std::max<int64_t>(start_ + got - p.fpos, 0), p.n);
+                if (have < p.n) memset(p.dst + have, 0, size_t(p.n - have));
+            }
+        }
+        preads_ += 1;
+        clear();
+        return 0;
+    }
+
+    int64_t preads() const { return preads_; }
+    int fd() const { return pieces_.empty() ? -1 : fd_; }
+
+   private:
+    struct Piece {
+        char* dst;
+        int64_t fpos, n;
+    };
+    // Where gap bytes go: shared by every gap of every batch on this thread (never read).
+    static char* sink() {
+        static thread_local std::vector<char> s = std::vector<char>(size_t(COALESCE_GAP));
+        return s.data();
+    }
+    void clear() {
+        iov_.clear();
+        pieces_.clear();
+    }
+
+    int fd_ = -1;
+    int64_t start_ = 0, end_ = 0, preads_ = 0;
+    std::vector<iovec> iov_;
+    std::vector<Piece> pieces_;
+};
+
+// One batch per lower file a read meets (a stack's layers interleave: the bottom layer's runs
+// between the pieces of the layers above), up to LOWER_BATCHES files at once.
+constexpr size_t LOWER_BATCHES = 4;
+
+class LowerBatches {
+   public:
+    int add(int fd, int64_t fpos, char* dst, int64_t n) {
+        LowerBatch* idle = nullptr;
+        for (LowerBatch& b : batches_) {
+            if (b.fd() == fd) return b.add(fd, fpos, dst, n);
+            if (idle == nullptr && b.fd() < 0) idle = &b;
+        }
+        if (idle == nullptr) {  // all busy with other files: read the oldest one's pieces
+            idle = &batches_[next_];
+            next_ = (next_ + 1) % LOWER_BATCHES;
+            if (int r = idle->flush()) return r;
+        }
+        return idle->add(fd, fpos, dst, n);
+    }
+    int flush() {
+        for (LowerBatch& b : batches_)
+            if (int r = b.flush()) return r;
+        return 0;
+    }
+    int64_t preads() const {
+        int64_t n = 0;
+        for (const LowerBatch& b : batches_) n += b.preads();
+        return n;
+    }
+
+   private:
+    LowerBatch batches_[LOWER_BATCHES];
+    size_t next_ = 0;
+};
+
+// -- remote layers: the chunk cache's presence map ------------------------------------------
+//
+// A remote layer's bytes live in the node's chunk cache (blockd/remote/cache.py): the blob's
+// sparse data file, and one mark per chunk (0 absent, else present). The cache keeps the
+// marks in a `ChunkMap` (this file's Python type): atomics both sides read and write without
+// the GIL. The core reads a present chunk's bytes itself and calls Python only for a miss.
+//
+// Python marks a chunk present only after its bytes are written to the data file, and an
+// eviction clears the mark and bumps the chunk's generation before it punches the hole. A
+// reader takes the generation, checks the mark, preads, and checks the generation again: if
+// an eviction ran meanwhile its bytes may be a punched hole, and the read is a miss after all
+// (the Python path pins the chunk instead). So no native read returns evicted bytes, and the
+// eviction never waits for a native reader.
+//
+// Native hits are told to the eviction policy afterwards (`take_hits`, folded under the
+// cache's lock before it picks victims): per chunk the lowest offset and furthest end read
+// since the last fold, and whether a read went back below the furthest end (a re-read: 2Q
+// promotes such a chunk).
+
+struct ChunkMapData {
+    explicit ChunkMapData(size_t count)
+        : n(count),
+          marks(new std::atomic<uint8_t>[count]),
+          gen(new std::atomic<uint32_t>[count]),
+          lo(new std::atomic<int32_t>[count]),
+          hi(new std::atomic<int32_t>[count]),
+          reread(new std::atomic<uint8_t>[count]) {
+        for (size_t i = 0; i < n; i++) {
+            marks[i].store(0, std::memory_order_relaxed);
+            gen[i].store(0, std::memory_order_relaxed);
+            lo[i].store(INT32_MAX, std::memory_order_relaxed);
+            hi[i].store(-1, std::memory_order_relaxed);
+            reread[i].store(0, std::memory_order_relaxed);
+        }
+    }
+
+    void set(size_t i, uint8_t mark) {
+        if (mark == 0) {
+            marks[i].store(0, std::memory_order_seq_cst);
+            gen[i].fetch_add(1, std::memory_order_seq_cst);
+        } else {
+            marks[i].store(mark, std::memory_order_seq_cst);
+        }
+    }
+
+    // A native read of [o, e) inside chunk i.
+    void note_hit(size_t i, int32_t o, int32_t e) {
+        hits.fetch_add(1, std::memory_order_relaxed);
+        int32_t old = hi[i].load(std::memory_order_relaxed);
+        while (old < e && !hi[i].compare_exchange_weak(old, e, std::memory_order_relaxed)) {
+        }
+        if (o < old) reread[i].store(1, std::memory_order_relaxed);
+        int32_t low = lo[i].load(std::memory_order_relaxed);
+        while (o < low && !lo[i].compare_exchange_weak(low, o, std::memory_order_relaxed)) {
+        }
+    }
+
+    const size_t n;
+    std::unique_ptr<std::atomic<uint8_t>[]> marks;
+    std::unique_ptr<std::atomic<uint32_t>[]> gen;
+    std::unique_ptr<std::atomic<int32_t>[]> lo, hi;
+    std::unique_ptr<std::atomic<uint8_t>[]> reread;
+    std::atomic<int64_t> hits{0};
+};
+
+// A plain (not ZFile) remote layer: its LSMT stream is bytes [base, base + stream_size) of
+// the blob (Layer.base), held chunk by chunk in `fd` (the cache's data file, Python's).
+struct RemoteLayer {
+    std::shared_ptr<ChunkMapData> map;
+    int fd;
+    int64_t chunk_size;
+    int64_t stream_size;
+};
+
+// Reads chunk `idx`'s bytes [co, co + n) at blob offset `bpos` into dst when present and not
+// evicted meanwhile; false for a miss.
+bool read_cached_chunk(const RemoteLayer& R, size_t idx, int64_t co, int64_t bpos, char* dst,
+                       int64_t n) {
+    ChunkMapData& m = *R.map;
+    if (idx >= m.n) return false;
+    uint32_t g = m.gen[idx].load(std::memory_order_seq_cst);
+    if (m.marks[idx].load(std::memory_order_seq_cst) == 0) return false;
+    int64_t got = pread_full(R.fd, dst, n, bpos);
+    std::atomic_thread_fence(std::memory_order_seq_cst);
+    if (got != n || m.gen[idx].load(std::memory_order_seq_cst) != g) return false;
+    m.note_hit(idx, int32_t(co), int32_t(co + n));
+    return true;
+}
+
+// Blob bytes [bpos, bpos + n) from the cache when every chunk they touch is held (and none
+// was evicted meanwhile); false otherwise, dst then partly filled.
+bool read_blob(const RemoteLayer& R, int64_t bpos, char* dst, int64_t n) {
+    for (int64_t done = 0; done < n;) {
+        int64_t at = bpos + done;
+        int64_t idx = at / R.chunk_size, co = at - idx * R.chunk_size;
+        int64_t take = std::min(n - done, R.chunk_size - co);
+        if (!read_cached_chunk(R, size_t(idx), co, at, dst + done, take)) return false;
+        done += take;
+    }
+    return true;
+}
+
+// -- ZFile layers (LZ4) ------------------------------------------------------------------
+//
+// storage/zfile.py is the reference: blocks of `block_size` bytes, each LZ4-compressed and
+// followed, when the file verifies, by the raw CRC-32C (salt 100007) of its compressed
+// bytes; a jump table gives where each starts (`offs`, absolute in the file or blob). The
+// core decodes LZ4 layers itself (local files, and remote blobs whose chunks the cache
+// holds). Anything unexpected (a CRC or a block that does not decode to its size, a remote
+// chunk missing) hands the rest of the piece to Python's ZFileReader, which fetches what is
+// missing or raises the reference's error. ZSTD layers are read through Python.
+
+constexpr uint32_t ZF_BLOCK_SALT = 100007;
+// Compressed bytes read per pread: enough to amortise the call, small because each serving
+// thread keeps its buffer (a host has hundreds of connections).
+constexpr int64_t ZF_READ_BATCH = 128 << 10;
+
+struct ZLayer {
+    std::vector<int64_t> offs;  // nblocks + 1 block starts (the last: the jump table's start)
+    int64_t block_size;
+    int64_t size;  // uncompressed stream bytes
+    bool verify;
+};
+
+uint32_t crc32c_table[8][256];
+
+void crc32c_init() {
+    for (uint32_t i = 0; i < 256; i++) {
+        uint32_t c = i;
+        for (int k = 0; k < 8; k++) c = (c >> 1) ^ (0x82F63B78u & (0u - (c & 1)));
+        crc32c_table[0][i] = c;
+    }
+    for (int t = 1; t < 8; t++)
+        for (uint32_t i = 0; i < 256; i++)
+            crc32c_table[t][i] = (crc32c_table[t - 1][i] >> 8) ^ crc32c_table[0][crc32c_table[t - 1][i] & 0xFF];
+}
+
+// The raw CRC-32C (no inversions) of p[0, n) from register `crc` (slicing by 8).
+uint32_t crc32c_soft(uint32_t crc, const unsigned char* p, size_t n) {
+    while (n >= 8) {
+        uint32_t lo = crc ^ (uint32_t(p[0]) | uint32_t(p[1]) << 8 | uint32_t(p[2]) << 16 | uint32_t(p[3]) << 24);
+        crc = crc32c_table[7][lo & 0xFF] ^ crc32c_table[6][(lo >> 8) & 0xFF] ^
+              crc32c_table[5][(lo >> 16) & 0xFF] ^ crc32c_table[4][lo >> 24] ^
+              crc32c_table[3][p[4]] ^ crc32c_table[2][p[5]] ^ crc32c_table[1][p[6]] ^
+              crc32c_table[0][p[7]];
+        p += 8;
+        n -= 8;
+    }
+    while (n--) crc = (crc >> 8) ^ crc32c_table[0][(crc ^ *p++) & 0xFF];
+    return crc;
+}
+
+#if defined(__x86_64__)
+__attribute__((target("sse4.2"))) uint32_t crc32c_hw(uint32_t crc, const unsigned char* p, size_t n) {
+    uint64_t c = crc;
+    while (n >= 8) {
+        uint64_t v;
+        memcpy(&v, p, 8);
+        c = __builtin_ia32_crc32di(c, v);
+        p += 8;
+        n -= 8;
+    }
+    uint32_t c32 = uint32_t(c);
+    while (n--) c32 = __builtin_ia32_crc32qi(c32, *p++);
+    return c32;
+}
+const bool crc32c_has_hw = __builtin_cpu_supports("sse4.2");
+#endif
+
+uint32_t crc32c_raw(uint32_t crc, const char* p, size_t n) {
+    const unsigned char* u = reinterpret_cast<const unsigned char*>(p);
+#if defined(__x86_64__)
+    if (crc32c_has_hw) return crc32c_hw(crc, u, n);
+#endif
+    return crc32c_soft(crc, u, n);
+}
+
+// Decodes one LZ4 block (the block format: sequences of literals and back-references) into
+// exactly `want` bytes; false when the input is malformed or does not decode to exactly that.
+bool lz4_decode(const char* src, int64_t n, char* dst, int64_t want) {
+    const unsigned char* ip = reinterpret_cast<const unsigned char*>(src);
+    const unsigned char* const iend = ip + n;
+    int64_t op = 0;
+    auto more = [&](int64_t& len) -> bool {  // a length's extension bytes
+        unsigned char b;
+        do {
+            if (ip >= iend) return false;
+            b = *ip++;
+            len += b;
+        } while (b == 255);
+        return true;
+    };
+    while (ip < iend) {
+        unsigned token = *ip++;
+        int64_t lit = token >> 4;
+        if (lit == 15 && !more(lit)) return false;
+        if (lit > iend - ip || lit > want - op) return false;
+        memcpy(dst + op, ip, size_t(lit));
+        ip += lit;
+        op += lit;
+        if (ip == iend) break;  // the last sequence has literals only
+        if (iend - ip < 2) return false;
+        int64_t off = int64_t(ip[0]) | int64_t(ip[1]) << 8;
+        ip += 2;
+        int64_t len = token & 15;
+        if (len == 15 && !more(len)) return false;
+        len += 4;
+        if (off == 0 || off > op || len > want - op) return false;
+        char* d = dst + op;
+        const char* m = d - off;
+        if (off >= len) {
+            memcpy(d, m, size_t(len));
+        } else {
+            for (int64_t i = 0; i < len; i++) d[i] = m[i];  // overlapping: a repeated pattern
+        }
+        op += len;
+    }
+    return op == want;
+}
+
 struct Stats {
     std::atomic<int64_t> reads{0}, writes{0}, bytes_read{0}, bytes_written{0}, flushes{0},
         trims{0}, zeroes{0}, errors{0}, enospc{0};
@@ -182,6 +536,10 @@ struct Engine {
     std::atomic<int64_t> umap_len{0};
     std::mutex umap_lock;
     std::vector<std::pair<char*, int64_t>> umaps;
+
+    // What reads cost: preadv calls on lowers (coalesced), and calls into Python for layer
+    // bytes (ZFile pieces, remote chunk misses). Read by tests and benchmarks (io_counts).
+    std::atomic<int64_t> lower_preads{0}, python_reads{0};
 
     std::mutex wlock;           // serialises writers
     std::shared_mutex ilock;    // guards `upper` against readers
@@ -301,6 +659,7 @@ struct Engine {
     ~Engine() { unmap_upper(); }
 
     int64_t read_foreign(int64_t slot, int64_t fpos, char* dst, int64_t n) {
+        python_reads.fetch_add(1, std::memory_order_relaxed);
         PyGILState_STATE st = PyGILState_Ensure();
         int64_t got = -EIO;
         PyObject* mv = PyMemoryView_FromMemory(dst, n, PyBUF_WRITE);
@@ -335,10 +694,74 @@ struct Engine {
         return got;
     }
 
+    // A remote layer's stream bytes [fpos, fpos + n): present chunks from the cache file,
+    // and from the first miss on, the rest through Python (which fetches every chunk it
+    // misses at once). Returns the bytes filled (short past the stream's end) or -errno.
+    int64_t read_remote(int64_t slot, const Layer& L, int64_t fpos, char* dst, int64_t n) {
+        const RemoteLayer& R = *L.remote;
+        int64_t end = std::min(fpos + n, R.stream_size);
+        for (int64_t pos = fpos; pos < end;) {
+            int64_t bpos = L.base + pos;
+            int64_t idx = bpos / R.chunk_size, co = bpos - idx * R.chunk_size;
+            int64_t take = std::min(end - pos, R.chunk_size - co);
+            if (!read_cached_chunk(R, size_t(idx), co, bpos, dst + (pos - fpos), take)) {
+                int64_t got = read_foreign(slot, pos, dst + (pos - fpos), end - pos);
+                return got < 0 ? got : pos - fpos + got;
+            }
+            pos += take;
+        }
+        return std::max<int64_t>(end - fpos, 0);
+    }
+
+    // An LZ4 ZFile layer's stream bytes [pos, pos + n), decoded here; from the first thing
+    // that is not plainly right (a remote chunk missing, a CRC, a block), the rest through
+    // Python. Returns the bytes filled (short past the stream's end) or -errno.
+    int64_t read_zfile(int64_t slot, const Layer& L, int64_t pos, char* dst, int64_t n) {
+        const ZLayer& Z = *L.z;
+        const int64_t end = std::min(pos + n, Z.size), bs = Z.block_size;
+        if (pos >= end) return 0;
+        static thread_local std::vector<char> comp, block;
+        int64_t out = 0;
+        for (int64_t b = pos / bs, last = (end - 1) / bs; b <= last;) {
+            int64_t stop = b;
+            while (stop < last && Z.offs[size_t(stop) + 2] - Z.offs[size_t(b)] <= ZF_READ_BATCH) stop++;
+            int64_t a = Z.offs[size_t(b)], nbytes = Z.offs[size_t(stop) + 1] - a;
+            if (comp.size() < size_t(nbytes)) comp.resize(size_t(nbytes));
+            bool got = L.remote ? read_blob(*L.remote, a, comp.data(), nbytes)
+                                : pread_full(L.fd, comp.data(), nbytes, a) == nbytes;
+            for (int64_t k = b; got && k <= stop; k++) {
+                const char* c = comp.data() + (Z.offs[size_t(k)] - a);
+                int64_t clen = Z.offs[size_t(k) + 1] - Z.offs[size_t(k)];
+                if (Z.verify) {
+                    if (clen < 5) break;
+                    clen -= 4;
+                    uint32_t stored;
+                    memcpy(&stored, c + clen, 4);  // little-endian, as the hosts we build for
+                    if (crc32c_raw(ZF_BLOCK_SALT, c, size_t(clen)) != stored) break;
+                }
+                int64_t bstart = k * bs, blen = std::min(bs, Z.size - bstart);
+                int64_t s = std::max<int64_t>(pos - bstart, 0), e = std::min(end - bstart, blen);
+                bool whole = s == 0 && e == blen;
+                if (!whole && block.size() < size_t(bs)) block.resize(size_t(bs));
+                char* target = whole ? dst + out : block.data();
+                if (!lz4_decode(c, clen, target, blen)) break;
+                if (!whole) memcpy(dst + out, target + s, size_t(e - s));
+                out += e - s;
+                b = k + 1;
+            }
+            if (b <= stop) {  // stopped early: the rest through the reference reader
+                int64_t r = read_foreign(slot, pos + out, dst + out, end - pos - out);
+                return r < 0 ? r : out + r;
+            }
+        }
+        return out;
+    }
+
     // Bytes [pos, end) into dst. The caller holds the gate; GIL released unless a foreign
-    // layer is read.
+    // layer is read (or a remote chunk missed).
     int fill(int64_t pos, int64_t end, char* dst) {
         const int64_t start = pos;
+        LowerBatches batch;
         auto f = [&](int64_t ps, int64_t pe, int kind, int64_t lay, int64_t fpos) -> int {
             char* p = dst + (ps - start);
             int64_t n = pe - ps;
@@ -353,13 +776,19 @@ struct Engine {
                 }
             } else if (kind == LOWER) {
                 const Layer& L = layers[size_t(lay)];
-                got = L.foreign ? read_foreign(lay, fpos, p, n) : pread_full(L.fd, p, n, L.base + fpos);
+                if (L.z) got = read_zfile(lay, L, fpos, p, n);
+                else if (L.remote) got = read_remote(lay, L, fpos, p, n);
+                else if (L.foreign) got = read_foreign(lay, fpos, p, n);
+                else return batch.add(L.fd, L.base + fpos, p, n);
             }
             if (got < 0) return int(got);
             if (got < n) memset(p + got, 0, size_t(n - got));  // holes, zeroes, past a layer's EOF
             return 0;
         };
-        return walk(pos, end, f);
+        int r = walk(pos, end, f);
+        if (!r) r = batch.flush();
+        lower_preads.fetch_add(batch.preads(), std::memory_order_relaxed);
+        return r;
     }
 
     // (length, has_data) runs over [pos, end), neighbours of one kind merged.
@@ -650,7 +1079,9 @@ class ReadSplitter {
     }
 
     int fill(int64_t pos, int64_t end, char* dst) {
-        // Helpers are not Python threads: pieces read through Python stay on the caller.
+        // A stack with ZFile layers is read on the caller alone: each of their pieces takes
+        // the GIL, so helpers would only queue for it. (A remote layer's misses may go to
+        // Python from a helper: they wait for the network, not for the GIL.)
         int parts = e_.has_foreign ? 1 : 1 + std::min<int>(helpers_wanted(),
                                                             int((end - pos) / MIN_SPLIT) - 1);
         if (parts <= 1) return e_.fill(pos, end, dst);
@@ -679,6 +1110,7 @@ class ReadSplitter {
     };
 
     void run() {
+        serving = true;  // a remote miss read through Python here is the connection's
         for (;;) {
             Job job;
             {
@@ -974,6 +1406,143 @@ class Conn {
 
 // -- Python binding ------------------------------------------------------------------------
 
+// -- ChunkMap: the chunk cache's presence marks, shared with the cores --------------------
+//
+// A sequence of one small int per chunk (0 absent, 1 verified, 2 unverified; cache.py):
+// `m[i]`, `m[i] = mark` (0 clears it and bumps the chunk's generation), `m[a:b]` (bytes),
+// `len(m)`, `mark in m`, iteration; `take_hits()` gives the native hits since the last call.
+
+struct ChunkMapObject {
+    PyObject_HEAD std::shared_ptr<ChunkMapData>* d;
+};
+
+PyTypeObject ChunkMapType = {PyVarObject_HEAD_INIT(nullptr, 0)};
+
+PyObject* ChunkMap_new(PyTypeObject* type, PyObject* args, PyObject*) {
+    Py_buffer b;
+    if (!PyArg_ParseTuple(args, "y*", &b)) return nullptr;
+    ChunkMapObject* self = reinterpret_cast<ChunkMapObject*>(type->tp_alloc(type, 0));
+    if (self != nullptr) {
+        auto data = std::make_shared<ChunkMapData>(size_t(b.len));
+        const unsigned char* src = static_cast<const unsigned char*>(b.buf);
+        for (Py_ssize_t i = 0; i < b.len; i++) data->marks[i].store(src[i]);
+        self->d = new std::shared_ptr<ChunkMapData>(std::move(data));
+    }
+    PyBuffer_Release(&b);
+    return reinterpret_cast<PyObject*>(self);
+}
+
+void ChunkMap_dealloc(ChunkMapObject* self) {
+    delete self->d;  // the cores reading it keep their own reference
+    Py_TYPE(self)->tp_free(reinterpret_cast<PyObject*>(self));
+}
+
+Py_ssize_t ChunkMap_len(ChunkMapObject* self) { return Py_ssize_t((*self->d)->n); }
+
+PyObject* ChunkMap_item(ChunkMapObject* self, Py_ssize_t i) {
+    ChunkMapData& m = **self->d;
+    if (i < 0 || size_t(i) >= m.n) {
+        PyErr_SetString(PyExc_IndexError, "chunk index out of range");
+        return nullptr;
+    }
+    return PyLong_FromLong(m.marks[i].load());
+}
+
+PyObject* ChunkMap_subscript(ChunkMapObject* self, PyObject* key) {
+    ChunkMapData& m = **self->d;
+    if (PySlice_Check(key)) {
+        Py_ssize_t start, stop, step;
+        if (PySlice_Unpack(key, &start, &stop, &step) < 0) return nullptr;
+        Py_ssize_t count = PySlice_AdjustIndices(Py_ssize_t(m.n), &start, &stop, step);
+        PyObject* out = PyBytes_FromStringAndSize(nullptr, count);
+        if (out == nullptr) return nullptr;
+        char* o = PyBytes_AS_STRING(out);
+        for (Py_ssize_t k = 0, i = start; k < count; k++, i += step) o[k] = char(m.marks[i].load());
+        return out;
+    }
+    Py_ssize_t i = PyNumber_AsSsize_t(key, PyExc_IndexError);
+    if (i == -1 && PyErr_Occurred()) return nullptr;
+    if (i < 0) i += Py_ssize_t(m.n);
+    return ChunkMap_item(self, i);
+}
+
+int ChunkMap_ass_subscript(ChunkMapObject* self, PyObject* key, PyObject* value) {
+    ChunkMapData& m = **self->d;
+    if (value == nullptr) {
+        PyErr_SetString(PyExc_TypeError, "chunk marks cannot be deleted");
+        return -1;
+    }
+    Py_ssize_t i = PyNumber_AsSsize_t(key, PyExc_IndexError);
+    if (i == -1 && PyErr_Occurred()) return -1;
+    long mark = PyLong_AsLong(value);
+    if (mark == -1 && PyErr_Occurred()) return -1;
+    if (i < 0 || size_t(i) >= m.n || mark < 0 || mark > 255) {
+        PyErr_Format(PyExc_ValueError, "chunk %zd mark %ld: index or mark out of range", i, mark);
+        return -1;
+    }
+    m.set(size_t(i), uint8_t(mark));
+    return 0;
+}
+
+int ChunkMap_contains(ChunkMapObject* self, PyObject* value) {
+    long mark = PyLong_AsLong(value);
+    if (mark == -1 && PyErr_Occurred()) return -1;
+    ChunkMapData& m = **self->d;
+    for (size_t i = 0; i < m.n; i++)
+        if (m.marks[i].load(std::memory_order_relaxed) == mark) return 1;
+    return 0;
+}
+
+// take_hits() -> (hits, [(chunk, lowest offset, furthest end, reread), ...]): what native
+// reads hit since the last call.
+PyObject* ChunkMap_take_hits(ChunkMapObject* self, PyObject*) {
+    ChunkMapData& m = **self->d;
+    PyObject* touched = PyList_New(0);
+    if (touched == nullptr) return nullptr;
+    for (size_t i = 0; i < m.n; i++) {
+        if (m.hi[i].load(std::memory_order_relaxed) < 0) continue;
+        int32_t hi = m.hi[i].exchange(-1);
+        int32_t lo = m.lo[i].exchange(INT32_MAX);
+        int reread = m.reread[i].exchange(0);
+        PyObject* t = Py_BuildValue("(niiO)", Py_ssize_t(i), lo, hi, reread ? Py_True : Py_False);
+        if (t == nullptr || PyList_Append(touched, t) < 0) {
+            Py_XDECREF(t);
+            Py_DECREF(touched);
+            return nullptr;
+        }
+        Py_DECREF(t);
+    }
+    return Py_BuildValue("(LN)", (long long)m.hits.exchange(0), touched);
+}
+
+PyMethodDef ChunkMap_methods[] = {
+    {"take_hits", (PyCFunction)ChunkMap_take_hits, METH_NOARGS, "native hits since last call"},
+    {nullptr, nullptr, 0, nullptr}};
+
+PySequenceMethods ChunkMap_as_sequence = {
+    (lenfunc)ChunkMap_len, nullptr, nullptr, (ssizeargfunc)ChunkMap_item, nullptr, nullptr,
+    nullptr, (objobjproc)ChunkMap_contains, nullptr, nullptr};
+
+PyMappingMethods ChunkMap_as_mapping = {(lenfunc)ChunkMap_len, (binaryfunc)ChunkMap_subscript,
+                                        (objobjargproc)ChunkMap_ass_subscript};
+
+// A layer tuple's optional remote part: (ChunkMap, cache data fd, chunk size, stream size).
+bool load_remote(PyObject* spec, std::shared_ptr<RemoteLayer>& out) {
+    PyObject* map;
+    int fd;
+    long long chunk, stream_size;
+    if (!PyArg_ParseTuple(spec, "O!iLL", &ChunkMapType, &map, &fd, &chunk, &stream_size))
+        return false;
+    if (chunk <= 0 || stream_size < 0 || fd < 0) {
+        PyErr_SetString(PyExc_ValueError, "a remote layer needs a chunk size, a stream size "
+                                          "and the cache file");
+        return false;
+    }
+    out = std::make_shared<RemoteLayer>(
+        RemoteLayer{*reinterpret_cast<ChunkMapObject*>(map)->d, fd, chunk, stream_size});
+    return true;
+}
+
 struct CoreObject {
     PyObject_HEAD Engine* e;
 };
@@ -1022,6 +1591,28 @@ bool load_array(PyObject* obj, std::vector<int64_t>& out) {
     return true;
 }
 
+// A layer tuple's optional ZFile part: (block starts as int64 bytes, block size, stream
+// size, verify).
+bool load_zfile(PyObject* spec, std::shared_ptr<ZLayer>& out) {
+    PyObject* offs;
+    long long block_size, size;
+    int verify;
+    if (!PyArg_ParseTuple(spec, "OLLp", &offs, &block_size, &size, &verify)) return false;
+    auto z = std::make_shared<ZLayer>();
+    if (!load_array(offs, z->offs)) return false;
+    int64_t blocks = block_size > 0 ? (size + block_size - 1) / block_size : -1;
+    if (block_size <= 0 || size < 0 || int64_t(z->offs.size()) != blocks + 1 ||
+        !std::is_sorted(z->offs.begin(), z->offs.end())) {
+        PyErr_SetString(PyExc_ValueError, "a ZFile layer needs one start per block and the end");
+        return false;
+    }
+    z->block_size = block_size;
+    z->size = size;
+    z->verify = verify;
+    out = std::move(z);
+    return true;
+}
+
 PyObject* Core_new(PyTypeObject* type, PyObject*, PyObject*) {
     CoreObject* self = reinterpret_cast<CoreObject*>(type->tp_alloc(type, 0));
     if (self != nullptr) self->e = new Engine();
@@ -1061,11 +1652,19 @@ PyObject* Core_configure(CoreObject* self, PyObject* args) {
     for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(seq); i++) {
         int fd, is_foreign;
         long long base;
-        if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(seq, i), "iLp", &fd, &base, &is_foreign)) {
+        PyObject *remote = Py_None, *zf = Py_None;
+        if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(seq, i), "iLp|OO", &fd, &base, &is_foreign,
+                              &remote, &zf)) {
             Py_DECREF(seq);
             return nullptr;
         }
-        layers.push_back(Layer{fd, base, bool(is_foreign)});
+        Layer layer{fd, base, bool(is_foreign), nullptr, nullptr};
+        if ((remote != Py_None && !load_remote(remote, layer.remote)) ||
+            (zf != Py_None && !load_zfile(zf, layer.z))) {
+            Py_DECREF(seq);
+            return nullptr;
+        }
+        layers.push_back(std::move(layer));
     }
     Py_DECREF(seq);
     for (int64_t lay : rl) {
@@ -1312,6 +1911,12 @@ PyObject* Core_take_stats(CoreObject* self, PyObject*) {
                          (long long)s.enospc.exchange(0));
 }
 
+// io_counts() -> (lower preadv calls, calls into Python for layer bytes) since the start.
+PyObject* Core_io_counts(CoreObject* self, PyObject*) {
+    return Py_BuildValue("(LL)", (long long)self->e->lower_preads.load(),
+                         (long long)self->e->python_reads.load());
+}
+
 // serve(fd, buffered, structured, base_allocation, readonly, thread_name) -> reason: run the
 // NBD transmission phase on this thread, GIL released, until the client disconnects or the
 // socket is shut down. `buffered` is input already read past the negotiation. fd stays open.
@@ -1351,6 +1956,7 @@ PyMethodDef Core_methods[] = {
     {"set_limit", (PyCFunction)Core_set_limit, METH_VARARGS, "cap on the upper (-1: none)"},
     {"take_stats", (PyCFunction)Core_take_stats, METH_NOARGS, "serve() counters since last call"},
     {"serve", (PyCFunction)Core_serve, METH_VARARGS, "NBD transmission loop on this thread"},
+    {"io_counts", (PyCFunction)Core_io_counts, METH_NOARGS, "(lower preadv, Python reads)"},
     {nullptr, nullptr, 0, nullptr}};
 
 PyGetSetDef Core_getset[] = {
@@ -1374,8 +1980,25 @@ PyMODINIT_FUNC PyInit__native(void) {
     CoreType.tp_methods = Core_methods;
     CoreType.tp_getset = Core_getset;
     if (PyType_Ready(&CoreType) < 0) return nullptr;
+    crc32c_init();
+    ChunkMapType.tp_name = "agentenv.storage._native.ChunkMap";
+    ChunkMapType.tp_basicsize = sizeof(ChunkMapObject);
+    ChunkMapType.tp_flags = Py_TPFLAGS_DEFAULT;
+    ChunkMapType.tp_doc = "A chunk cache blob's presence marks, shared with the cores.";
+    ChunkMapType.tp_new = ChunkMap_new;
+    ChunkMapType.tp_dealloc = (destructor)ChunkMap_dealloc;
+    ChunkMapType.tp_methods = ChunkMap_methods;
+    ChunkMapType.tp_as_sequence = &ChunkMap_as_sequence;
+    ChunkMapType.tp_as_mapping = &ChunkMap_as_mapping;
+    if (PyType_Ready(&ChunkMapType) < 0) return nullptr;
     PyObject* m = PyModule_Create(&native_module);
     if (m == nullptr) return nullptr;
+    Py_INCREF(&ChunkMapType);
+    if (PyModule_AddObject(m, "ChunkMap", reinterpret_cast<PyObject*>(&ChunkMapType)) < 0) {
+        Py_DECREF(&ChunkMapType);
+        Py_DECREF(m);
+        return nullptr;
+    }
     Py_INCREF(&CoreType);
     if (PyModule_AddObject(m, "Core", reinterpret_cast<PyObject*>(&CoreType)) < 0) {
         Py_DECREF(&CoreType);

@@ -10,8 +10,10 @@ reference code, and binds the resulting stack to the core again. The files the c
 are byte-identical to what `Upper` writes for the same operations (tests/storage/
 test_native.py checks it).
 
-ZFile and remote layers are read through Python (their `readinto`, with the GIL) for the
-pieces that need them; everything else never enters Python per request.
+LZ4 ZFile layers are decoded by the core; ZSTD ones are read through Python (their
+`readinto`, with the GIL) for the pieces that need them. A remote layer is read by the core
+from the chunk cache (its `ChunkMap`), and through Python only for the chunks it misses;
+everything else never enters Python per request.
 
 `AENV_BLOCKD_NATIVE=0` turns the native core off (blockd then opens plain `Image`s); so does
 a build without the extension (`available()` says why).
@@ -22,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import weakref
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -32,6 +35,7 @@ from agentenv.storage.errors import ImageUsageError
 from agentenv.storage.image import Image
 from agentenv.storage.lsmt import FlatIndex
 from agentenv.storage.upper import UpperFull
+from agentenv.storage.zfile import ALGO_LZ4, ZFileReader
 
 log = logging.getLogger("agentenv.storage.native")
 
@@ -62,6 +66,36 @@ def enabled() -> bool:
     return available() and switch not in ("0", "false", "no", "off")
 
 
+def chunk_map(marks: bytes) -> Any:
+    """The chunk cache's presence marks of one blob (blockd/remote/cache.py): a ChunkMap
+    the cores read without the GIL when the core is built, else a bytearray."""
+    return bytearray(marks) if _native is None else _native.ChunkMap(marks)
+
+
+def _remote_spec(source: Any, stream_size: int) -> tuple[Any, int, int, int] | None:
+    """(chunk map, cache fd, chunk size, stream size) of a remote blob whose cache the core
+    can read (blockd/remote/store.py RemoteBlob.native_view), else None."""
+    view = getattr(source, "native_view", None)
+    got = view() if view is not None else None
+    if got is None:
+        return None
+    chunks, fd, chunk_size = got
+    return chunks, fd, chunk_size, stream_size
+
+
+_ZFILE_SPECS: weakref.WeakKeyDictionary[ZFileReader, tuple[bytes, int, int, bool]] = \
+    weakref.WeakKeyDictionary()
+
+
+def _zfile_spec(reader: ZFileReader) -> tuple[bytes, int, int, bool]:
+    """The jump table as the core reads it (made once per open layer, not at every bind)."""
+    spec = _ZFILE_SPECS.get(reader)
+    if spec is None:
+        spec = _ZFILE_SPECS[reader] = (np.asarray(reader.offsets, dtype=np.int64).tobytes(),
+                                       reader.block_size, reader.size, reader.verify)
+    return spec
+
+
 def _arrays(index: FlatIndex) -> tuple[bytes, bytes, bytes, bytes]:
     return tuple(np.asarray(column, dtype=np.int64).tobytes()  # type: ignore[return-value]
                  for column in (index.starts, index.ends, index.moffsets, index.layers))
@@ -83,12 +117,7 @@ class NativeImage(Image):
 
     @property
     def native_core(self) -> Any:
-        """The core, for blockd's NBD server to run connections on (`serve`); None for a
-        stack with remote layers: there a chunk miss waits for the network, and the Python
-        server keeps other requests going meanwhile (misses fetched in parallel on its I/O
-        threads), where one serving thread per connection would wait in line."""
-        if any(layer.source.blob is not None for layer in self._view.layers):
-            return None
+        """The core, for blockd's NBD server to run connections on (`serve`)."""
         return self._core
 
     # -- handing state between the core and the reference code ------------------------------
@@ -96,8 +125,7 @@ class NativeImage(Image):
     def _bind(self) -> None:
         """Give the core the current view: merged index, layer sources, upper state."""
         v = self._view
-        layers = [(src, base, False) if type(src) is int else (-1, 0, True)
-                  for src, base in zip(v.srcs, v.bases, strict=True)]
+        layers = [self._layer_spec(src, base) for src, base in zip(v.srcs, v.bases, strict=True)]
         up = v.upper
         upper = None
         if up is not None:
@@ -109,6 +137,28 @@ class NativeImage(Image):
                      -1 if up.limit is None else up.limit, up.reuse, up.log_buffer, writable)
         self._core.configure(v.vsize, _arrays(v.ro), layers, self._read_foreign, upper,
                              self._upper_full)
+
+    @staticmethod
+    def _layer_spec(src: Any, base: int) -> tuple[Any, ...]:
+        """How the core reads a layer slot: (fd, base, through Python?[, remote[, zfile]]).
+
+        A remote layer on a chunk cache with a ChunkMap is read by the core from the cache
+        (remote: (map, cache fd, chunk size, stream size)); an LZ4 ZFile layer, local or
+        remote, is decoded by the core (zfile: (block starts, block size, stream size,
+        verify)). ZSTD layers, and what the core misses or cannot check, go through
+        `_read_foreign`."""
+        if type(src) is int:
+            return (src, base, False)
+        if isinstance(src, ZFileReader):
+            if src.algo != ALGO_LZ4:
+                return (-1, 0, True)
+            zf = _zfile_spec(src)
+            if src.blob is None:
+                return (src.fd, 0, False, None, zf)
+            remote = _remote_spec(src.blob, src.blob.size)
+            return (-1, 0, True) if remote is None else (-1, 0, False, remote, zf)
+        remote = _remote_spec(src.blob, src.size)
+        return (-1, 0, True) if remote is None else (-1, base, False, remote)
 
     def _read_foreign(self, slot: int, pos: int, buf: memoryview, serving: bool) -> int:
         """A ZFile or remote layer's bytes, for the core (called with the GIL). On a native

@@ -15,6 +15,12 @@ high watermark first evicts chunks down to the low watermark (holes punched), so
 never holds more than its capacity. A chunk being read is pinned and never evicted under the
 reader. Which chunks go is the eviction policy's choice: "lru" (least recently used) or "2q"
 (scan resistant, below).
+
+With the native core built, a blob's marks are a `ChunkMap` (storage/_native.cpp) the cores
+read without the GIL: they serve present chunks from the data file themselves, never return
+the bytes of a chunk evicted under them (a mark cleared bumps the chunk's generation, which a
+native reader checks after its pread), and report their hits, which are folded into the
+policy before it picks victims (`_fold_native_hits`). Python readers pin as before.
 """
 
 from __future__ import annotations
@@ -31,6 +37,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from agentenv.storage.native import chunk_map
 
 log = logging.getLogger("agentenv.blockd.remote")
 
@@ -229,7 +237,7 @@ class BlobState:
     chunk_size: int
     fd: int
     map_fd: int
-    present: bytearray
+    present: Any  # per chunk ABSENT, VERIFIED or UNVERIFIED: a ChunkMap, else a bytearray
     complete: bool = False
     verifying: bool = False
     count: int = 0  # chunks present
@@ -312,7 +320,7 @@ class ChunkCache:
         n = (size + self.chunk_size - 1) // self.chunk_size
         map_fd = os.open(f"{base}.map", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         raw = os.pread(map_fd, n, 0)
-        present = bytearray(raw) + bytearray(n - len(raw))
+        present = chunk_map(raw + bytes(n - len(raw)))
         if len(raw) != n:
             os.ftruncate(map_fd, n)
         state = BlobState(hex_, size, self.chunk_size, fd, map_fd, present)
@@ -467,11 +475,31 @@ class ChunkCache:
         if done and self.on_complete is not None:
             self.on_complete(state)
 
+    def _fold_native_hits(self) -> None:
+        """Under the lock: count the chunks the native cores read, and tell the policy, as
+        one read of the range they spanned, and a second when they read some bytes again."""
+        for state in self._blobs.values():
+            take = getattr(state.present, "take_hits", None)
+            if take is None:
+                continue
+            hits, touched = take()
+            self.stats.hits += hits
+            for idx, lo, hi, reread in touched:
+                key = (state.hex, idx)
+                self._order.hit(key, lo, hi)
+                if reread:
+                    self._order.hit(key, lo, hi)
+
+    def fold_native_hits(self) -> None:
+        with self._lock:
+            self._fold_native_hits()
+
     def _pick_victims(self, incoming: int) -> list[tuple[BlobState, int, int]]:
         """Under the lock: unmark the policy's chunks until the cache plus `incoming` is at
         the low watermark. Pinned chunks are skipped. Their bytes count until `_drop` has
         punched them."""
         victims: list[tuple[BlobState, int, int]] = []
+        self._fold_native_hits()
         target = self.low_bytes - incoming
         for key, n in self._order.evict(self._size - self._freeing - target, self._pins):
             state = self._blobs[key[0]]

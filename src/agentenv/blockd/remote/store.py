@@ -184,6 +184,15 @@ class RemoteBlob:
                 buf[at : at + take] = data[co : co + take]
         return n
 
+    def native_view(self) -> tuple[Any, int, int] | None:
+        """(chunk map, cache data fd, chunk size) for the native core, which reads present
+        chunks itself and calls `readinto` for misses only; None without a ChunkMap (the
+        extension is not built)."""
+        state = self.info.state
+        if not hasattr(state.present, "take_hits"):
+            return None
+        return state.present, state.fd, self.store.cache.chunk_size
+
     def close(self) -> None:
         if not self._closed:
             self._closed = True
@@ -646,6 +655,7 @@ class RemoteStore:
         return out
 
     def snapshot_stats(self) -> dict[str, Any]:
+        self.cache.fold_native_hits()
         cs = self.cache.stats
         with self.stats.lock:
             return {
