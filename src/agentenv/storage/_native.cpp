@@ -31,6 +31,7 @@
 #include <condition_variable>
 #include <cstdint>
 #include <map>
+#include <memory>
 #include <mutex>
 #include <shared_mutex>
 #include <string>
@@ -1345,8 +1346,161 @@ PyGetSetDef Core_getset[] = {
 
 PyTypeObject CoreType = {PyVarObject_HEAD_INIT(nullptr, 0)};
 
+// -- memfs: FUSE reads of memory stacks (blockd/memfs.py, docs/native.md) ------------------
+//
+// memfs mounts with libfuse's high-level API (through mfusepy) and keeps every operation in
+// Python except `read`, the one on the page-fault path: its slot in the operations table is
+// `memfs_read` (address from `memfs_read_address()`), called on libfuse's worker threads
+// without the GIL. Python registers each opened stack under its path ("/<key>") with its core,
+// size and trace file, and unregisters it before closing the image. A read looks the path up,
+// records the 1 MiB chunks it touches for the first time (uint32 LE chunk numbers appended to
+// the trace file: the startup pack's source) and fills libfuse's buffer from the core.
+
+constexpr int64_t MEMFS_CHUNK = 1 << 20;
+
+struct MemoryFile {
+    CoreObject* core;  // a reference, dropped at unregister once no read uses it
+    int64_t size;
+    int trace_fd;      // Python's: O_APPEND, or -1
+    std::unique_ptr<std::atomic<uint8_t>[]> seen;  // per chunk: touched by a read
+    std::mutex trace_lock;
+    int inflight = 0;  // reads using this entry, guarded by memfs_lock
+    std::condition_variable idle;
+    std::atomic<int64_t> reads{0}, bytes{0}, errors{0};
+};
+
+std::mutex memfs_lock;
+std::map<std::string, MemoryFile*> memfs_files;
+
+void memfs_trace(MemoryFile* f, const char* entries, int count) {
+    if (count == 0 || f->trace_fd < 0) return;
+    std::lock_guard<std::mutex> g(f->trace_lock);
+    (void)!write(f->trace_fd, entries, size_t(4 * count));  // best effort, like the Python twin
+}
+
+void memfs_note(MemoryFile* f, int64_t pos, int64_t n) {
+    char fresh[4 * 16];
+    int count = 0;
+    for (int64_t c = pos / MEMFS_CHUNK; c <= (pos + n - 1) / MEMFS_CHUNK; c++) {
+        std::atomic<uint8_t>& seen = f->seen[size_t(c)];
+        if (seen.load(std::memory_order_relaxed) || seen.exchange(1)) continue;
+        for (int i = 0; i < 4; i++) fresh[4 * count + i] = char((uint32_t(c) >> (8 * i)) & 0xFF);
+        if (++count == 16) {
+            memfs_trace(f, fresh, count);
+            count = 0;
+        }
+    }
+    memfs_trace(f, fresh, count);
+}
+
+// libfuse 3 high-level `read`: bytes read, or -errno.
+int memfs_read(const char* path, char* buf, size_t size, off_t offset, void* /*fuse_file_info*/) {
+    MemoryFile* f = nullptr;
+    {
+        std::lock_guard<std::mutex> g(memfs_lock);
+        auto it = path ? memfs_files.find(path) : memfs_files.end();
+        if (it == memfs_files.end()) return -ENOENT;
+        f = it->second;
+        f->inflight++;
+    }
+    int64_t pos = offset, end = std::min<int64_t>(int64_t(offset) + int64_t(size), f->size);
+    int r = 0;
+    if (pos < 0) {
+        r = -EINVAL;
+    } else if (pos < end) {
+        memfs_note(f, pos, end - pos);
+        Engine* e = f->core->e;
+        serving = true;  // a failed foreign (remote) piece is logged and answered with EIO
+        e->gate.enter();
+        r = e->closed ? -EIO : e->fill(pos, end, buf);
+        e->gate.leave();
+        serving = false;
+        if (r) {
+            f->errors++;
+        } else {
+            f->reads++;
+            f->bytes += end - pos;
+        }
+    }
+    {
+        std::lock_guard<std::mutex> g(memfs_lock);
+        if (--f->inflight == 0) f->idle.notify_all();
+    }
+    if (r) return r == -ENOSPC ? -EIO : r;
+    return pos < end ? int(end - pos) : 0;
+}
+
+// memfs_register(path, core, size, trace_fd): serve reads of `path` from `core`.
+PyObject* memfs_register(PyObject*, PyObject* args) {
+    const char* path;
+    PyObject* core;
+    long long size;
+    int trace_fd;
+    if (!PyArg_ParseTuple(args, "sO!Li", &path, &CoreType, &core, &size, &trace_fd)) return nullptr;
+    if (size < 0 || size > reinterpret_cast<CoreObject*>(core)->e->vsize) {
+        PyErr_Format(PyExc_ValueError, "memory file size %lld is outside the core's image", size);
+        return nullptr;
+    }
+    auto* f = new MemoryFile();
+    f->core = reinterpret_cast<CoreObject*>(core);
+    f->size = size;
+    f->trace_fd = trace_fd;
+    size_t chunks = size_t(ceil_div(std::max<int64_t>(size, 1), MEMFS_CHUNK));
+    f->seen.reset(new std::atomic<uint8_t>[chunks]);
+    for (size_t i = 0; i < chunks; i++) f->seen[i].store(0);
+    bool taken;
+    {
+        std::lock_guard<std::mutex> g(memfs_lock);
+        taken = !memfs_files.emplace(path, f).second;
+    }
+    if (taken) {
+        delete f;
+        PyErr_Format(PyExc_ValueError, "memory file %s is registered already", path);
+        return nullptr;
+    }
+    Py_INCREF(core);
+    Py_RETURN_NONE;
+}
+
+// memfs_unregister(path) -> (reads, bytes, errors) | None: stop serving `path`; returns once
+// no read uses its core any more.
+PyObject* memfs_unregister(PyObject*, PyObject* args) {
+    const char* path;
+    if (!PyArg_ParseTuple(args, "s", &path)) return nullptr;
+    MemoryFile* f = nullptr;
+    Py_BEGIN_ALLOW_THREADS {
+        std::unique_lock<std::mutex> g(memfs_lock);
+        auto it = memfs_files.find(path);
+        if (it != memfs_files.end()) {
+            f = it->second;
+            memfs_files.erase(it);
+            f->idle.wait(g, [f] { return f->inflight == 0; });
+        }
+    }
+    Py_END_ALLOW_THREADS if (f == nullptr) Py_RETURN_NONE;
+    PyObject* out = Py_BuildValue("(LLL)", (long long)f->reads.load(), (long long)f->bytes.load(),
+                                  (long long)f->errors.load());
+    Py_DECREF(reinterpret_cast<PyObject*>(f->core));
+    delete f;
+    return out;
+}
+
+PyObject* memfs_read_address(PyObject*, PyObject*) {
+    return PyLong_FromVoidPtr(reinterpret_cast<void*>(&memfs_read));
+}
+
+PyMethodDef module_methods[] = {
+    {"memfs_register", (PyCFunction)memfs_register, METH_VARARGS,
+     "memfs_register(path, core, size, trace_fd): serve FUSE reads of path from core"},
+    {"memfs_unregister", (PyCFunction)memfs_unregister, METH_VARARGS,
+     "memfs_unregister(path) -> (reads, bytes, errors) | None, once no read uses it"},
+    {"memfs_read_address", (PyCFunction)memfs_read_address, METH_NOARGS,
+     "address of the libfuse 3 high-level read callback serving registered paths"},
+    {nullptr, nullptr, 0, nullptr}};
+
 PyModuleDef native_module = {PyModuleDef_HEAD_INIT, "_native",
-                             "The native serving core of an overlaybd image.", -1, nullptr};
+                             "The native serving core of an overlaybd image.", -1,
+                             module_methods};
 
 }  // namespace
 
