@@ -58,6 +58,7 @@ TRACE_SUFFIX = ".trace"
 CHUNK = 1 << 20
 PIDFILE = "memfs.pid"
 SWEEP_SECONDS = 2.0
+FUSE_CAP_AUTO_INVAL_DATA = 1 << 12  # libfuse 3's fuse_common.h
 
 
 class _Open:
@@ -107,7 +108,9 @@ class MemoryFiles(mfusepy.Operations):
         self.uid, self.gid = os.geteuid(), os.getegid()
         self.started = time.time_ns()
         self.open_stacks: dict[str, _Open] = {}
-        self.lock = threading.Lock()
+        # Not `lock`: mfusepy takes every attribute named like a FUSE operation as that
+        # operation (libfuse calls `lock` at every close).
+        self.stacks_lock = threading.Lock()
 
     def _config(self, key: str) -> Path:
         return self.config_dir / f"{key}{MEMORY_SUFFIX}"
@@ -116,7 +119,7 @@ class MemoryFiles(mfusepy.Operations):
         key = path.lstrip("/")
         if not key or "/" in key:
             raise mfusepy.FuseOSError(errno.ENOENT)
-        with self.lock:
+        with self.stacks_lock:
             stack = self.open_stacks.get(key)
             if stack is not None:
                 return stack
@@ -148,7 +151,7 @@ class MemoryFiles(mfusepy.Operations):
 
     def sweep(self) -> None:
         """Close the stacks whose config is gone (their device was released)."""
-        with self.lock:
+        with self.stacks_lock:
             gone = [k for k in self.open_stacks if not self._config(k).exists()]
             closing = [self.open_stacks.pop(k) for k in gone]
         for key, stack in zip(gone, closing, strict=True):
@@ -159,6 +162,12 @@ class MemoryFiles(mfusepy.Operations):
                              key, *served, extra={"key": key, "reads": served[0],
                                                   "bytes": served[1], "errors": served[2]})
             stack.close()
+
+    def init_with_config(self, conn: Any, config: Any) -> None:
+        """No auto_inval_data (libfuse's default): the files never change, and with it the
+        kernel asks for the attributes (a GETATTR here, attr_timeout being 0) at every read(2)."""
+        if conn is not None:
+            conn.want &= ~FUSE_CAP_AUTO_INVAL_DATA
 
     def getattr(self, path: str, fh: Any = None) -> dict[str, Any]:
         times = {"st_atime": self.started, "st_mtime": self.started, "st_ctime": self.started}
