@@ -1424,10 +1424,11 @@ class Capture {
             CaptureBatch& b = batches_[k];
             b.buf = bufs_[k % bufs_.size()];
             double t0 = now_s();
-            int r = read_batch(b);
+            std::string what;
+            int r = read_batch(b, what);
             double t1 = now_s();
             if (r) {
-                fail(r, error);
+                fail(r, what);
                 break;
             }
             classify(b);
@@ -1476,7 +1477,7 @@ class Capture {
         return !err;
     }
 
-    int read_batch(CaptureBatch& b) {
+    int read_batch(CaptureBatch& b, std::string& what) {
         std::vector<struct iovec> remote;
         int64_t done = 0;
         auto flush = [&]() -> int {
@@ -1490,7 +1491,7 @@ class Capture {
                 char msg[200];
                 snprintf(msg, sizeof(msg), "process_vm_readv from QEMU pid %d read %lld of %lld bytes: %s",
                          pid_, (long long)got, (long long)total, got < 0 ? strerror(e) : "short read");
-                error = msg;
+                what = msg;
                 return -e;
             }
             done += total;
