@@ -149,14 +149,6 @@ def test_memfs_mount_serves_the_stack(stack: list[Path], reference: bytes, tmp_p
     ImageConfig(state / "memdev" / f"k{memfs.MEMORY_SUFFIX}", stack).save()
     mount = memfs.ensure_running(state)
     try:
-        # The mount pages in like a raw file on the state directory's disk would.
-        wanted = memfs._device_read_ahead_kb(state)
-        dev = os.stat(mount).st_dev
-        bdi = Path(f"/sys/class/bdi/{os.major(dev)}:{os.minor(dev)}/read_ahead_kb")
-        deadline = time.monotonic() + 30
-        while wanted is not None and int(bdi.read_text()) != wanted and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert wanted is None or int(bdi.read_text()) == wanted
         path = mount / "k"
         assert path.stat().st_size == SIZE
         fd = os.open(path, os.O_RDONLY)

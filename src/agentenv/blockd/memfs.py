@@ -58,7 +58,6 @@ TRACE_SUFFIX = ".trace"
 CHUNK = 1 << 20
 PIDFILE = "memfs.pid"
 SWEEP_SECONDS = 2.0
-READ_AHEAD_ENV = "AENV_MEMFS_READ_AHEAD_KB"
 FUSE_CAP_AUTO_INVAL_DATA = 1 << 12  # libfuse 3's fuse_common.h
 
 
@@ -265,52 +264,6 @@ def _mount(ops: MemoryFiles, mountpoint: Path) -> None:
         mfusepy.fuse_main_real = fuse_main_real
 
 
-def _device_read_ahead_kb(path: Path) -> int | None:
-    """The read-ahead (KiB) of the block device holding `path`: what a raw file there gets."""
-    dev = os.stat(path).st_dev
-    name = f"{os.major(dev)}:{os.minor(dev)}"
-    # A whole disk or a mapped device has a bdi of its own; a partition uses its disk's queue.
-    for candidate in (f"/sys/class/bdi/{name}/read_ahead_kb", f"/sys/dev/block/{name}/../queue/read_ahead_kb"):
-        with contextlib.suppress(OSError, ValueError):
-            return int(Path(candidate).read_text())
-    return None
-
-
-def _match_read_ahead(mountpoint: Path, state_dir: Path, timeout: float = 15.0) -> None:
-    """Give the mount the read-ahead of the state directory's disk (or AENV_MEMFS_READ_AHEAD_KB).
-    The kernel starts a FUSE mount at 128 KiB, and a page fault on a file mapping reads that
-    much around the faulting page: a raw memory file on a disk with a larger read-ahead pages in
-    with fewer, bigger reads, and this makes memfs do the same. Needs root (sysfs)."""
-    deadline = time.monotonic() + timeout
-    while not os.path.ismount(mountpoint):
-        if time.monotonic() > deadline:
-            return
-        time.sleep(0.02)
-    wanted: int | None
-    raw = os.environ.get(READ_AHEAD_ENV, "").strip()
-    if raw:
-        try:
-            wanted = int(raw)
-            if wanted < 0:
-                raise ValueError
-        except ValueError:
-            log.error("%s=%r is not a number of KiB: the mount keeps the kernel's read-ahead",
-                      READ_AHEAD_ENV, raw)
-            return
-    else:
-        wanted = _device_read_ahead_kb(state_dir)
-    if wanted is None:
-        return
-    dev = os.stat(mountpoint).st_dev
-    bdi = Path(f"/sys/class/bdi/{os.major(dev)}:{os.minor(dev)}/read_ahead_kb")
-    try:
-        bdi.write_text(f"{wanted}\n")
-    except OSError as exc:
-        log.info("memfs read-ahead left at the kernel's", extra={"wanted_kb": wanted, "error": str(exc)})
-        return
-    log.info("memfs read-ahead %s KiB", wanted)
-
-
 def _unmount(mountpoint: Path) -> None:
     subprocess.run(["fusermount3", "-u", "-z", "-q", str(mountpoint)],
                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=False)
@@ -377,7 +330,6 @@ def serve(state_dir: Path) -> None:
     stop = threading.Event()
 
     def sweeper() -> None:
-        _match_read_ahead(mountpoint, state_dir)
         while not stop.wait(SWEEP_SECONDS):
             ops.sweep()
             remote.write_stats()
