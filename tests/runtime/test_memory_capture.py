@@ -6,11 +6,15 @@ from __future__ import annotations
 import errno
 import json
 import random
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import agentenv.runtime.memory as memory_mod
 from agentenv.runtime.errors import SnapshotError
@@ -22,6 +26,7 @@ from agentenv.runtime.memory import (
     find_ram_mapping,
     materialise,
 )
+from agentenv.storage import native
 from agentenv.storage.builder import BULK_MAX_SECTORS, LayerBuilder
 from agentenv.storage.export import import_raw
 from agentenv.storage.layer import open_layer
@@ -104,9 +109,12 @@ BIG_PAGES = BIG // PAGE
 
 
 def _capture_and_compare(tmp_path: Path, spec: list[list[object]], top: Path | None = None,
+                         *, use_native: bool | None = None,
                          ) -> tuple[CaptureStats, list[tuple[int, int, int, int]]]:
     """Run the pattern child over a 0xAA file, capture, materialise lower + capture and
-    compare with the child's memory byte for byte; returns the stats and the layer's index."""
+    compare with the child's memory byte for byte; returns the stats and the layer's index.
+    By default (use_native None) the capture runs on the native core and again on the Python
+    reference pipeline, and the two layers must be identical byte for byte."""
     lower_raw = tmp_path / "lower.raw"
     lower_raw.write_bytes(b"\xaa" * BIG)
     lower = import_raw(lower_raw, tmp_path / "lower.layer")
@@ -118,7 +126,14 @@ def _capture_and_compare(tmp_path: Path, spec: list[list[object]], top: Path | N
         assert child.stdout is not None and child.stdout.readline().strip() == b"ready"
         addr = find_ram_mapping(child.pid, str(lower_raw), BIG)
         top = top or tmp_path / "top.layer"
-        stats = capture_memory_layer(child.pid, addr, BIG, top)
+        stats = capture_memory_layer(child.pid, addr, BIG, top, use_native=use_native)
+        if use_native is None and native.enabled():
+            reference = tmp_path / "reference.layer"
+            ref_stats = capture_memory_layer(child.pid, addr, BIG, reference, use_native=False)
+            assert (ref_stats.written_pages, ref_stats.zero_pages) == (stats.written_pages,
+                                                                       stats.zero_pages)
+            assert reference.read_bytes() == top.read_bytes()
+            reference.unlink()
         layer = open_layer(top)  # the C++ open checks
         try:
             index = layer.index.entries()
@@ -180,7 +195,8 @@ def test_capture_failure_leaves_nothing_and_next_capture_works(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fault: str) -> None:
     """A read from QEMU failing (QEMU died) or a write failing (disk full) in the middle of
     the pipeline: SnapshotError, no layer or temp file left, and the next capture is whole.
-    (Injected: neither fault can be made to happen at a chosen batch otherwise.)"""
+    (Injected into the Python pipeline: neither fault can be made to happen at a chosen batch
+    otherwise. The native pipeline's faults: test_native_capture_*.)"""
     spec: list[list[object]] = [[0, (12 << 20) // PAGE, "rand"]]  # 3 batches
     calls = {"n": 0}
     real_read, real_write = memory_mod._read_remote, LayerBuilder.write_data
@@ -205,7 +221,56 @@ def test_capture_failure_leaves_nothing_and_next_capture_works(
     out_dir = tmp_path / "snap"
     out_dir.mkdir()
     with pytest.raises(SnapshotError, match="No such process" if fault == "read" else "No space"):
-        _capture_and_compare(tmp_path, spec, out_dir / "top.layer")
+        _capture_and_compare(tmp_path, spec, out_dir / "top.layer", use_native=False)
     assert list(out_dir.iterdir()) == []
     monkeypatch.undo()
+    _capture_and_compare(tmp_path, spec, use_native=False)
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(spec=st.lists(st.tuples(st.integers(0, BIG_PAGES - 1), st.integers(1, 3000),
+                               st.sampled_from(["rand", "data", "zero", "byte"])),
+                     min_size=0, max_size=25))
+def test_native_capture_matches_the_reference(spec: list[tuple[int, int, str]]) -> None:
+    """Random runs of data, zero and barely changed pages (across batch boundaries, zero
+    stretches around MIN_ZERO_PAGES): the native capture writes the reference's bytes."""
+    if not native.enabled():
+        pytest.skip("native core not built")
+    folder = Path(tempfile.mkdtemp(prefix="capnat"))
+    try:
+        _capture_and_compare(folder, [[first, min(count, BIG_PAGES - first), kind]
+                                      for first, count, kind in spec])
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def test_native_capture_of_a_gone_process_fails_cleanly(tmp_path: Path) -> None:
+    if not native.enabled():
+        pytest.skip("native core not built")
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait(10)
+    with pytest.raises(SnapshotError, match=f"memory layer {tmp_path}"):
+        capture_memory_layer(child.pid, 0x7F0000000000, SIZE, tmp_path / "top.layer", use_native=True)
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.root
+def test_native_capture_disk_full_leaves_nothing(tmp_path: Path) -> None:
+    """ENOSPC while the native writers write the layer's data (a 4 MiB tmpfs for a 12 MiB
+    capture): SnapshotError, nothing left there, and the next capture is whole."""
+    if not native.enabled():
+        pytest.skip("native core not built")
+    small = tmp_path / "small"
+    small.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(small)],
+                             capture_output=True, check=False)
+    if mounted.returncode:
+        pytest.skip(f"cannot mount a tmpfs: {mounted.stderr.decode().strip()}")
+    try:
+        spec: list[list[object]] = [[0, (12 << 20) // PAGE, "rand"]]
+        with pytest.raises(SnapshotError, match="No space"):
+            _capture_and_compare(tmp_path, spec, small / "top.layer", use_native=True)
+        assert list(small.iterdir()) == []
+    finally:
+        subprocess.run(["umount", str(small)], check=False)
     _capture_and_compare(tmp_path, spec)

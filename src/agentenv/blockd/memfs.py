@@ -16,6 +16,11 @@ device's first reads per CHUNK (page-cache misses: the order in which the first 
 memory) is appended to `STATE/memdev/<key>.trace` (uint32 chunk numbers), the startup pack's
 source.
 
+Reads, the page-fault path, run in the native core (storage/_native.cpp, docs/native.md) on
+libfuse's worker threads without the GIL: `read`'s slot in libfuse's operations table is the
+core's `memfs_read`, which serves the stacks registered at open. Every other operation stays
+here. Without the core (not built, or AENV_BLOCKD_NATIVE=0) `MemoryFiles.read` serves them.
+
 A memory layer may be remote (a snapshot pulled lazily: snapshot/repository.py). memfs reads
 it through a chunk store of its own (blockd/remote/store.py; `STATE/memfs-chunk-cache`, the
 AENV_CHUNK_CACHE_* and AENV_REMOTE_* settings, AENV_MEMORY_CHUNK_CACHE_SIZE for its capacity),
@@ -53,16 +58,20 @@ TRACE_SUFFIX = ".trace"
 CHUNK = 1 << 20
 PIDFILE = "memfs.pid"
 SWEEP_SECONDS = 2.0
+FUSE_CAP_AUTO_INVAL_DATA = 1 << 12  # libfuse 3's fuse_common.h
 
 
 class _Open:
-    """One memory stack opened for reads, with its first-read trace."""
+    """One memory stack opened for reads, with its first-read trace (appended through
+    `trace_fd`, by `note` here or by the native reader)."""
 
     def __init__(self, image: Any, trace_path: Path) -> None:
         self.image = image
         self.size = int(image.virtual_size)
         self.seen = bytearray((self.size + CHUNK - 1) // CHUNK)
         self.trace_path = trace_path
+        self.trace_fd = os.open(trace_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC,
+                                0o600)
         self.lock = threading.Lock()
         # The first open of a newly opened stack drops what the kernel may still cache under
         # this name from an earlier device of the same key (keep_cache=0 once).
@@ -77,20 +86,31 @@ class _Open:
                     self.seen[chunk] = 1
                     new.append(chunk)
             if new:
-                with contextlib.suppress(OSError), open(self.trace_path, "ab") as f:
-                    f.write(b"".join(c.to_bytes(4, "little") for c in new))
+                with contextlib.suppress(OSError):
+                    os.write(self.trace_fd, b"".join(c.to_bytes(4, "little") for c in new))
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            self.image.close()
+        os.close(self.trace_fd)
+        self.trace_path.unlink(missing_ok=True)
 
 
 class MemoryFiles(mfusepy.Operations):
     use_ns = True
 
-    def __init__(self, config_dir: Path, vm_gid: int | None) -> None:
+    def __init__(self, config_dir: Path, vm_gid: int | None, *, native: Any = None) -> None:
         self.config_dir = config_dir
         self.vm_gid = vm_gid
+        # The native core's module when it serves the reads (module doc): every opened stack
+        # is registered with it.
+        self.native = native
         self.uid, self.gid = os.geteuid(), os.getegid()
         self.started = time.time_ns()
         self.open_stacks: dict[str, _Open] = {}
-        self.lock = threading.Lock()
+        # Not `lock`: mfusepy takes every attribute named like a FUSE operation as that
+        # operation (libfuse calls `lock` at every close).
+        self.stacks_lock = threading.Lock()
 
     def _config(self, key: str) -> Path:
         return self.config_dir / f"{key}{MEMORY_SUFFIX}"
@@ -99,7 +119,7 @@ class MemoryFiles(mfusepy.Operations):
         key = path.lstrip("/")
         if not key or "/" in key:
             raise mfusepy.FuseOSError(errno.ENOENT)
-        with self.lock:
+        with self.stacks_lock:
             stack = self.open_stacks.get(key)
             if stack is not None:
                 return stack
@@ -113,19 +133,41 @@ class MemoryFiles(mfusepy.Operations):
             except Exception as exc:
                 log.warning("memory stack cannot be opened", extra={"key": key, "error": str(exc)})
                 raise mfusepy.FuseOSError(errno.EIO) from exc
-            stack = _Open(image, self.config_dir / f"{key}{TRACE_SUFFIX}")
+            try:
+                stack = _Open(image, self.config_dir / f"{key}{TRACE_SUFFIX}")
+            except OSError as exc:
+                image.close()
+                log.warning("memory trace cannot be opened", extra={"key": key, "error": str(exc)})
+                raise mfusepy.FuseOSError(errno.EIO) from exc
+            if self.native is not None:
+                try:
+                    self.native.memfs_register(f"/{key}", image.reading_core, stack.size, stack.trace_fd)
+                except Exception as exc:
+                    stack.close()
+                    log.warning("memory stack cannot be served", extra={"key": key, "error": str(exc)})
+                    raise mfusepy.FuseOSError(errno.EIO) from exc
             self.open_stacks[key] = stack
             return stack
 
     def sweep(self) -> None:
         """Close the stacks whose config is gone (their device was released)."""
-        with self.lock:
+        with self.stacks_lock:
             gone = [k for k in self.open_stacks if not self._config(k).exists()]
             closing = [self.open_stacks.pop(k) for k in gone]
-        for stack in closing:
-            with contextlib.suppress(Exception):
-                stack.image.close()
-            stack.trace_path.unlink(missing_ok=True)
+        for key, stack in zip(gone, closing, strict=True):
+            if self.native is not None:
+                served = self.native.memfs_unregister(f"/{key}")  # returns once no read uses it
+                if served is not None:  # in the message too: memfs.log prints no extras
+                    log.info("memory stack %s closed: %d native reads, %d bytes, %d errors",
+                             key, *served, extra={"key": key, "reads": served[0],
+                                                  "bytes": served[1], "errors": served[2]})
+            stack.close()
+
+    def init_with_config(self, conn: Any, config: Any) -> None:
+        """No auto_inval_data (libfuse's default): the files never change, and with it the
+        kernel asks for the attributes (a GETATTR here, attr_timeout being 0) at every read(2)."""
+        if conn is not None:
+            conn.want &= ~FUSE_CAP_AUTO_INVAL_DATA
 
     def getattr(self, path: str, fh: Any = None) -> dict[str, Any]:
         times = {"st_atime": self.started, "st_mtime": self.started, "st_ctime": self.started}
@@ -183,6 +225,43 @@ class MemoryFiles(mfusepy.Operations):
 
     def statfs(self, path: str) -> dict[str, int]:
         return {"f_bsize": 4096, "f_frsize": 4096, "f_namemax": 255}
+
+
+def _native_reader() -> Any:
+    """The native core's module when it should serve reads (module doc), else None."""
+    from agentenv.storage import native
+
+    if not native.enabled():
+        log.info("memfs reads in Python", extra={"reason": native.unavailable_reason() or "switched off"})
+        return None
+    from agentenv.storage import _native
+
+    return _native
+
+
+def _mount(ops: MemoryFiles, mountpoint: Path) -> None:
+    """Mount and serve until unmounted or signalled: libfuse's multi-threaded loop."""
+    options: dict[str, Any] = dict(
+        foreground=True, raw_fi=True, fsname="aenv-memfs", allow_other=os.geteuid() == 0,
+        default_permissions=True, attr_timeout=0, entry_timeout=0)
+    if ops.native is None:
+        mfusepy.FUSE(ops, str(mountpoint), **options)
+        return
+    # mfusepy fills libfuse's operations table with Python callbacks and hands it to
+    # fuse_main_real; read's slot gets the native reader instead, just before that call.
+    read_slot = dict(field[:2] for field in mfusepy.fuse_operations._fields_)["read"]
+    native_read = read_slot(ops.native.memfs_read_address())
+    fuse_main_real = mfusepy.fuse_main_real
+
+    def main_with_native_read(argc: int, argv: Any, operations: Any, size: int, data: Any) -> int:
+        operations.contents.read = native_read
+        return fuse_main_real(argc, argv, operations, size, data)  # type: ignore[no-any-return]
+
+    mfusepy.fuse_main_real = main_with_native_read
+    try:
+        mfusepy.FUSE(ops, str(mountpoint), **options)
+    finally:
+        mfusepy.fuse_main_real = fuse_main_real
 
 
 def _unmount(mountpoint: Path) -> None:
@@ -247,7 +326,7 @@ def serve(state_dir: Path) -> None:
     (state_dir / MEMFS_STATS).unlink(missing_ok=True)
     remote = _RemoteLayers(state_dir)
     remote.install()
-    ops = MemoryFiles(config_dir, vm_gid())
+    ops = MemoryFiles(config_dir, vm_gid(), native=_native_reader())
     stop = threading.Event()
 
     def sweeper() -> None:
@@ -259,9 +338,7 @@ def serve(state_dir: Path) -> None:
     (state_dir / PIDFILE).write_text(f"{os.getpid()}\n")
     # SIGTERM is left at its default: libfuse then handles it (leaves its loop, unmounts).
     try:
-        mfusepy.FUSE(ops, str(mountpoint), foreground=True, raw_fi=True, fsname="aenv-memfs",
-                     allow_other=os.geteuid() == 0, default_permissions=True,
-                     attr_timeout=0, entry_timeout=0)
+        _mount(ops, mountpoint)
     finally:
         stop.set()
         remote.close()

@@ -9,7 +9,11 @@ and written, in address order, as one sealed overlaybd layer: all-zero pages as 
 mappings (they must hide older data in lower layers), the rest as data. Cost follows the
 number of written pages, not the memory size (pagemap is 8 bytes per page). Reading,
 classifying and writing run as a pipeline (`capture_memory_layer`); the data goes from
-QEMU into a reused buffer and from there with O_DIRECT into the layer file.
+QEMU into a reused buffer and from there with O_DIRECT into the layer file. The pipeline runs
+in the native core (storage/_native.cpp `capture_pages`: pagemap scan, process_vm_readv,
+zero-page classification and pwritev on threads without the GIL) when it is built and not
+switched off (AENV_BLOCKD_NATIVE=0); the Python pipeline here is its reference, and both
+write the same bytes (tests/runtime/test_memory_capture.py).
 
 Materialise. A snapshot's memory stack (oldest layer first) is exported once as a sparse
 read-only raw file; every VM restored from the snapshot maps that file privately, so clean
@@ -32,6 +36,7 @@ from pathlib import Path
 import numpy as np
 
 from agentenv.runtime.errors import SnapshotError
+from agentenv.storage import native
 from agentenv.storage.builder import LayerBuilder
 from agentenv.storage.errors import StorageError
 from agentenv.storage.export import export_raw
@@ -195,9 +200,59 @@ class _Batch:
 
 
 def capture_memory_layer(
-    pid: int, addr: int, size: int, out: Path, *, parent_uuid: str | None = None
+    pid: int, addr: int, size: int, out: Path, *, parent_uuid: str | None = None,
+    use_native: bool | None = None,
 ) -> CaptureStats:
-    """Write the pages QEMU pid wrote into its RAM mapping as a sealed layer at `out`.
+    """Write the pages QEMU pid wrote into its RAM mapping as a sealed layer at `out`, on
+    the native core (`use_native`, by default when it is enabled) or in Python."""
+    if use_native if use_native is not None else native.enabled():
+        return _capture_native(pid, addr, size, out, parent_uuid)
+    return _capture_python(pid, addr, size, out, parent_uuid)
+
+
+def _capture_native(pid: int, addr: int, size: int, out: Path, parent_uuid: str | None
+                    ) -> CaptureStats:
+    """The pipeline of `_capture_python` in one native call without the GIL; LayerBuilder
+    then records the extents it returns (their data is already in place) and closes."""
+    from agentenv.storage import _native
+
+    t0 = time.perf_counter()
+    buffers = _buffers.take()
+    try:
+        with LayerBuilder(out, size, parent_uuid=parent_uuid, direct=True) as builder:
+            pos, direct_fd, buffered_fd = builder.data_target()
+            pagemap = os.open(f"/proc/{pid}/pagemap", os.O_RDONLY | os.O_CLOEXEC)
+            try:
+                (offsets, lengths, zeroed, written, zero, data_bytes, direct_bytes, buffered_bytes,
+                 (scan, read, classify, write)) = _native.capture_pages(
+                    pid, addr, size, pagemap, buffers, BATCH_BYTES // PAGE, MIN_ZERO_PAGES, pos,
+                    -1 if direct_fd is None else direct_fd, buffered_fd, WRITERS)
+            finally:
+                os.close(pagemap)
+            t_pipeline = time.perf_counter()
+            placed = builder.reserve_extents(np.frombuffer(offsets, dtype=np.int64),
+                                             np.frombuffer(lengths, dtype=np.int64),
+                                             np.frombuffer(zeroed, dtype=np.int64).astype(bool))
+            if placed != (pos, data_bytes):
+                raise SnapshotError(f"memory layer {out}: data written at {pos}+{data_bytes}, "
+                                    f"the index places it at {placed[0]}+{placed[1]}")
+            builder.direct_bytes += direct_bytes
+            builder.buffered_bytes += buffered_bytes
+        t_end = time.perf_counter()
+    except OSError as exc:
+        raise SnapshotError(f"cannot write memory layer {out}: {exc.strerror or exc}") from exc
+    finally:
+        _buffers.give(buffers)
+    phases = {"pagemap": scan, "read": read, "classify": classify, "write": write,
+              "pipeline": t_pipeline - t0 - scan, "close": t_end - t_pipeline,
+              "total": t_end - t0}
+    return CaptureStats(written, zero, out.stat().st_size,
+                        {k: round(v * 1e3, 1) for k, v in phases.items()})
+
+
+def _capture_python(pid: int, addr: int, size: int, out: Path, parent_uuid: str | None
+                    ) -> CaptureStats:
+    """The reference pipeline.
 
     A pipeline over batches of BATCH_BYTES in PIPELINE_DEPTH page-aligned buffers: a reader
     thread fills a buffer with process_vm_readv (one call per IOV_MAX runs) and classifies it

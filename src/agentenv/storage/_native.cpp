@@ -18,6 +18,7 @@
 #include <Python.h>
 
 #include <errno.h>
+#include <fcntl.h>
 #include <poll.h>
 #include <pthread.h>
 #include <string.h>
@@ -25,6 +26,7 @@
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/uio.h>
+#include <time.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -1965,8 +1967,497 @@ PyGetSetDef Core_getset[] = {
 
 PyTypeObject CoreType = {PyVarObject_HEAD_INIT(nullptr, 0)};
 
+// -- memory capture: written pages of QEMU's guest RAM into a layer (runtime/memory.py) ----
+//
+// `capture_pages` does the per-page work of a pause on threads without the GIL: scan
+// /proc/PID/pagemap for pages written since the mapping was made, read them out of QEMU with
+// process_vm_readv into the caller's buffers batch by batch, classify zero pages (runs shorter
+// than min_zero_pages among data are kept as data), and pwritev each batch's data densely
+// from `pos` on writer threads (O_DIRECT fd, or the buffered fd where O_DIRECT is refused).
+// It returns the extents; Python's LayerBuilder records them (reserve_extents lays the data
+// out densely in the same order) and writes index and trailer: the format stays Python's.
+// The batching is runtime/memory.py's reference pipeline's, so the layers are byte-identical.
+
+constexpr int64_t CAP_PAGE = 4096;
+constexpr size_t CAP_IOV_MAX = 1024;
+
+double now_s() {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return double(ts.tv_sec) + double(ts.tv_nsec) * 1e-9;
+}
+
+// Page numbers (ascending, from the mapping's start) of pages present and not file-backed
+// (an anonymous copy-on-write copy), or swapped.
+int capture_scan(int pagemap_fd, uint64_t addr, int64_t npages, std::vector<int64_t>& out) {
+    std::vector<uint64_t> buf(size_t(std::min<int64_t>(npages, 1 << 16)));
+    int64_t first = int64_t(addr / CAP_PAGE);
+    for (int64_t i = 0; i < npages;) {
+        int64_t n = std::min<int64_t>(npages - i, int64_t(buf.size()));
+        int64_t got = pread_full(pagemap_fd, reinterpret_cast<char*>(buf.data()), n * 8, (first + i) * 8);
+        if (got < 0) return int(got);
+        if (got < n * 8) return -EIO;
+        for (int64_t j = 0; j < n; j++) {
+            uint64_t e = buf[size_t(j)];
+            if ((((e >> 63) & 1) && !((e >> 61) & 1)) || ((e >> 62) & 1)) out.push_back(i + j);
+        }
+        i += n;
+    }
+    return 0;
+}
+
+struct CaptureBatch {
+    size_t first = 0, end = 0;  // indexes into the page list
+    char* buf = nullptr;
+    int64_t pos = 0;            // file byte position of its data
+    std::vector<std::pair<int64_t, int64_t>> runs;  // data runs: [lo, hi) bytes of buf
+    bool written = false;
+};
+
+class Capture {
+   public:
+    Capture(int pid, uint64_t addr, const std::vector<int64_t>& pages, std::vector<char*> bufs,
+            int64_t batch_pages, int64_t min_zero_pages, int direct_fd, int buffered_fd)
+        : pid_(pid), addr_(addr), pages_(pages), bufs_(std::move(bufs)), batch_pages_(batch_pages),
+          min_zero_(min_zero_pages), direct_fd_(direct_fd), buffered_fd_(buffered_fd) {}
+
+    std::vector<int64_t> offsets, lengths, zeroed;
+    int64_t zero_pages = 0, direct_bytes = 0, buffered_bytes = 0;
+    double busy_read = 0, busy_classify = 0, busy_write = 0;
+    std::string error;
+    int err = 0;
+
+    int run(int64_t pos, int writers) {
+        size_t n = pages_.size();
+        for (size_t i = 0; i < n; i += size_t(batch_pages_)) {
+            CaptureBatch b;
+            b.first = i;
+            b.end = std::min(n, i + size_t(batch_pages_));
+            batches_.push_back(std::move(b));
+        }
+        std::vector<std::thread> threads;
+        for (int w = 0; w < writers && size_t(w) < batches_.size(); w++)
+            threads.emplace_back([this] { write_loop(); });
+        for (size_t k = 0; k < batches_.size(); k++) {
+            if (k >= bufs_.size() && !wait_written(k - bufs_.size())) break;  // its buffer is free
+            CaptureBatch& b = batches_[k];
+            b.buf = bufs_[k % bufs_.size()];
+            double t0 = now_s();
+            std::string what;
+            int r = read_batch(b, what);
+            double t1 = now_s();
+            if (r) {
+                fail(r, what);
+                break;
+            }
+            classify(b);
+            b.pos = pos;
+            for (auto& run : b.runs) pos += run.second - run.first;
+            busy_read += t1 - t0;
+            busy_classify += now_s() - t1;
+            std::lock_guard<std::mutex> g(m_);
+            queue_.push_back(k);
+            cv_.notify_all();
+        }
+        {
+            std::lock_guard<std::mutex> g(m_);
+            done_ = true;
+            cv_.notify_all();
+        }
+        for (auto& t : threads) t.join();
+        return err;
+    }
+
+   private:
+    int pid_;
+    uint64_t addr_;
+    const std::vector<int64_t>& pages_;
+    std::vector<char*> bufs_;
+    int64_t batch_pages_, min_zero_;
+    int direct_fd_, buffered_fd_;
+    std::vector<CaptureBatch> batches_;
+    std::vector<size_t> queue_;
+    bool done_ = false;
+    std::mutex m_;
+    std::condition_variable cv_;
+
+    void fail(int r, const std::string& what) {
+        std::lock_guard<std::mutex> g(m_);
+        if (!err) {
+            err = r;
+            error = what;
+        }
+        cv_.notify_all();
+    }
+
+    bool wait_written(size_t k) {
+        std::unique_lock<std::mutex> g(m_);
+        cv_.wait(g, [&] { return batches_[k].written || err; });
+        return !err;
+    }
+
+    int read_batch(CaptureBatch& b, std::string& what) {
+        std::vector<struct iovec> remote;
+        int64_t done = 0;
+        auto flush = [&]() -> int {
+            if (remote.empty()) return 0;
+            int64_t total = 0;
+            for (auto& v : remote) total += int64_t(v.iov_len);
+            struct iovec local = {b.buf + done, size_t(total)};
+            ssize_t got = process_vm_readv(pid_, &local, 1, remote.data(), remote.size(), 0);
+            if (got != total) {
+                int e = got < 0 ? errno : EIO;
+                char msg[200];
+                snprintf(msg, sizeof(msg), "process_vm_readv from QEMU pid %d read %lld of %lld bytes: %s",
+                         pid_, (long long)got, (long long)total, got < 0 ? strerror(e) : "short read");
+                what = msg;
+                return -e;
+            }
+            done += total;
+            remote.clear();
+            return 0;
+        };
+        size_t i = b.first;
+        while (i < b.end) {
+            size_t j = i + 1;
+            while (j < b.end && pages_[j] == pages_[j - 1] + 1) j++;
+            remote.push_back({reinterpret_cast<void*>(addr_ + uint64_t(pages_[i]) * CAP_PAGE),
+                              size_t(int64_t(j - i) * CAP_PAGE)});
+            if (remote.size() == CAP_IOV_MAX) {
+                if (int r = flush()) return r;
+            }
+            i = j;
+        }
+        return flush();
+    }
+
+    bool page_nonzero(const char* p) const {
+        const uint64_t* w = reinterpret_cast<const uint64_t*>(p);
+        if (w[0]) return true;
+        for (size_t i = 1; i < CAP_PAGE / 8; i++)
+            if (w[i]) return true;
+        return false;
+    }
+
+    // memory.py: _nonzero_pages, _with_short_zero_gaps, then runs of one kind.
+    void classify(CaptureBatch& b) {
+        size_t n = b.end - b.first;
+        std::vector<uint8_t> data(n);
+        for (size_t i = 0; i < n; i++) data[i] = page_nonzero(b.buf + int64_t(i) * CAP_PAGE);
+        auto run_end = [&](size_t i, const std::vector<uint8_t>& kind) {
+            size_t j = i + 1;
+            while (j < n && pages_[b.first + j] == pages_[b.first + j - 1] + 1 && kind[j] == kind[i]) j++;
+            return j;
+        };
+        std::vector<uint8_t> keep(data);
+        for (size_t i = 0; i < n;) {
+            size_t j = run_end(i, data);
+            if (!data[i] && int64_t(j - i) < min_zero_) std::fill(keep.begin() + long(i), keep.begin() + long(j), 1);
+            i = j;
+        }
+        for (size_t i = 0; i < n;) {
+            size_t j = run_end(i, keep);
+            offsets.push_back(pages_[b.first + i] * CAP_PAGE);
+            lengths.push_back(int64_t(j - i) * CAP_PAGE);
+            zeroed.push_back(!keep[i]);
+            if (keep[i]) b.runs.emplace_back(int64_t(i) * CAP_PAGE, int64_t(j) * CAP_PAGE);
+            else zero_pages += int64_t(j - i);
+            i = j;
+        }
+    }
+
+    // Positional writes of a batch's runs (IOV_MAX at a time); -errno on failure.
+    static int pwritev_all(int fd, const char* buf, const std::vector<std::pair<int64_t, int64_t>>& runs,
+                           int64_t pos) {
+        std::vector<struct iovec> iov;
+        for (auto& r : runs) iov.push_back({const_cast<char*>(buf + r.first), size_t(r.second - r.first)});
+        size_t at = 0;
+        while (at < iov.size()) {
+            int cnt = int(std::min(iov.size() - at, CAP_IOV_MAX));
+            ssize_t w = pwritev(fd, iov.data() + at, cnt, pos);
+            if (w < 0) {
+                if (errno == EINTR) continue;
+                return -errno;
+            }
+            pos += w;
+            while (at < iov.size() && size_t(w) >= iov[at].iov_len) w -= ssize_t(iov[at++].iov_len);
+            if (at < iov.size() && w > 0) {
+                iov[at].iov_base = static_cast<char*>(iov[at].iov_base) + w;
+                iov[at].iov_len -= size_t(w);
+            }
+        }
+        return 0;
+    }
+
+    void write_loop() {
+        for (;;) {
+            size_t k;
+            {
+                std::unique_lock<std::mutex> g(m_);
+                cv_.wait(g, [&] { return !queue_.empty() || done_ || err; });
+                if (err || queue_.empty()) return;
+                k = queue_.front();
+                queue_.erase(queue_.begin());
+            }
+            CaptureBatch& b = batches_[k];
+            int64_t bytes = 0;
+            for (auto& r : b.runs) bytes += r.second - r.first;
+            double t0 = now_s();
+            int r = -EINVAL;
+            bool direct = direct_fd_ >= 0;
+            if (direct) r = pwritev_all(direct_fd_, b.buf, b.runs, b.pos);
+            if (r == -EINVAL) {  // no O_DIRECT for this write: through the page cache
+                direct = false;
+                r = pwritev_all(buffered_fd_, b.buf, b.runs, b.pos);
+                if (!r) sync_file_range(buffered_fd_, 0, 0, SYNC_FILE_RANGE_WRITE);
+            }
+            std::lock_guard<std::mutex> g(m_);
+            busy_write += now_s() - t0;
+            if (r) {
+                if (!err) {
+                    err = r;
+                    error = std::string("writing the layer's data: ") + strerror(-r);
+                }
+            } else {
+                (direct ? direct_bytes : buffered_bytes) += bytes;
+            }
+            b.written = true;
+            cv_.notify_all();
+        }
+    }
+};
+
+// capture_pages(pid, addr, size, pagemap_fd, buffers, batch_pages, min_zero_pages, pos,
+//               direct_fd, buffered_fd, writers)
+//   -> (offsets, lengths, zeroed: int64 arrays as bytes, written_pages, zero_pages,
+//       data_bytes, direct_bytes, buffered_bytes, (scan, read, classify, write) seconds)
+PyObject* capture_pages(PyObject*, PyObject* args) {
+    int pid, pagemap_fd, direct_fd, buffered_fd, writers;
+    unsigned long long addr;
+    long long size, batch_pages, min_zero, pos;
+    PyObject* buffer_list;
+    if (!PyArg_ParseTuple(args, "iKLiOLLLiii", &pid, &addr, &size, &pagemap_fd, &buffer_list,
+                          &batch_pages, &min_zero, &pos, &direct_fd, &buffered_fd, &writers))
+        return nullptr;
+    if (size < 0 || size % CAP_PAGE || addr % CAP_PAGE || batch_pages <= 0 || writers <= 0 || pos < 0) {
+        PyErr_SetString(PyExc_ValueError, "capture_pages: size and addr page aligned, batch_pages, "
+                                          "writers and pos positive");
+        return nullptr;
+    }
+    PyObject* seq = PySequence_Fast(buffer_list, "buffers must be a sequence");
+    if (seq == nullptr) return nullptr;
+    Py_ssize_t nbufs = PySequence_Fast_GET_SIZE(seq);
+    std::vector<Py_buffer> views(static_cast<size_t>(nbufs));
+    std::vector<char*> bufs;
+    bool ok = nbufs > 0;
+    if (!ok) PyErr_SetString(PyExc_ValueError, "capture_pages needs buffers");
+    for (Py_ssize_t i = 0; ok && i < nbufs; i++) {
+        Py_buffer& v = views[size_t(i)];
+        if (PyObject_GetBuffer(PySequence_Fast_GET_ITEM(seq, i), &v, PyBUF_WRITABLE) < 0) {
+            ok = false;
+            break;
+        }
+        bufs.push_back(static_cast<char*>(v.buf));  // acquired: released below
+        if (v.len < batch_pages * CAP_PAGE) {
+            PyErr_SetString(PyExc_ValueError, "a capture buffer is smaller than a batch");
+            ok = false;
+        }
+    }
+    PyObject* out = nullptr;
+    if (ok) {
+        std::vector<int64_t> pages;
+        int r;
+        double t0 = now_s(), t1 = t0;
+        Capture* cap = nullptr;
+        int64_t start = pos;
+        Py_BEGIN_ALLOW_THREADS r = capture_scan(pagemap_fd, addr, size / CAP_PAGE, pages);
+        t1 = now_s();
+        if (!r) {
+            cap = new Capture(pid, addr, pages, bufs, batch_pages, min_zero, direct_fd, buffered_fd);
+            r = cap->run(start, writers);
+        }
+        Py_END_ALLOW_THREADS if (r) {
+            std::string what = cap && !cap->error.empty() ? cap->error
+                                                          : std::string("reading /proc/pid/pagemap: ") + strerror(-r);
+            PyObject* exc = Py_BuildValue("(is)", -r, what.c_str());
+            if (exc != nullptr) {
+                PyErr_SetObject(PyExc_OSError, exc);
+                Py_DECREF(exc);
+            }
+        } else {
+            int64_t data_bytes = 0;
+            for (size_t i = 0; i < cap->lengths.size(); i++)
+                if (!cap->zeroed[i]) data_bytes += cap->lengths[i];
+            out = Py_BuildValue("(NNNLLLLL(dddd))", bytes_of(cap->offsets), bytes_of(cap->lengths),
+                                bytes_of(cap->zeroed), (long long)pages.size(), (long long)cap->zero_pages,
+                                (long long)data_bytes, (long long)cap->direct_bytes,
+                                (long long)cap->buffered_bytes, t1 - t0, cap->busy_read,
+                                cap->busy_classify, cap->busy_write);
+        }
+        delete cap;
+    }
+    for (size_t i = 0; i < bufs.size(); i++) PyBuffer_Release(&views[i]);
+    Py_DECREF(seq);
+    return out;
+}
+
+// -- memfs: FUSE reads of memory stacks (blockd/memfs.py, docs/native.md) ------------------
+//
+// memfs mounts with libfuse's high-level API (through mfusepy) and keeps every operation in
+// Python except `read`, the one on the page-fault path: its slot in the operations table is
+// `memfs_read` (address from `memfs_read_address()`), called on libfuse's worker threads
+// without the GIL. Python registers each opened stack under its path ("/<key>") with its core,
+// size and trace file, and unregisters it before closing the image. A read looks the path up,
+// records the 1 MiB chunks it touches for the first time (uint32 LE chunk numbers appended to
+// the trace file: the startup pack's source) and fills libfuse's buffer from the core.
+
+constexpr int64_t MEMFS_CHUNK = 1 << 20;
+
+struct MemoryFile {
+    CoreObject* core;  // a reference, dropped at unregister once no read uses it
+    int64_t size;
+    int trace_fd;      // Python's: O_APPEND, or -1
+    std::unique_ptr<std::atomic<uint8_t>[]> seen;  // per chunk: touched by a read
+    std::mutex trace_lock;
+    int inflight = 0;  // reads using this entry, guarded by memfs_lock
+    std::condition_variable idle;
+    std::atomic<int64_t> reads{0}, bytes{0}, errors{0};
+};
+
+std::mutex memfs_lock;
+std::map<std::string, MemoryFile*> memfs_files;
+
+void memfs_trace(MemoryFile* f, const char* entries, int count) {
+    if (count == 0 || f->trace_fd < 0) return;
+    std::lock_guard<std::mutex> g(f->trace_lock);
+    (void)!write(f->trace_fd, entries, size_t(4 * count));  // best effort, like the Python twin
+}
+
+void memfs_note(MemoryFile* f, int64_t pos, int64_t n) {
+    char fresh[4 * 16];
+    int count = 0;
+    for (int64_t c = pos / MEMFS_CHUNK; c <= (pos + n - 1) / MEMFS_CHUNK; c++) {
+        std::atomic<uint8_t>& seen = f->seen[size_t(c)];
+        if (seen.load(std::memory_order_relaxed) || seen.exchange(1)) continue;
+        for (int i = 0; i < 4; i++) fresh[4 * count + i] = char((uint32_t(c) >> (8 * i)) & 0xFF);
+        if (++count == 16) {
+            memfs_trace(f, fresh, count);
+            count = 0;
+        }
+    }
+    memfs_trace(f, fresh, count);
+}
+
+// libfuse 3 high-level `read`: bytes read, or -errno.
+int memfs_read(const char* path, char* buf, size_t size, off_t offset, void* /*fuse_file_info*/) {
+    MemoryFile* f = nullptr;
+    {
+        std::lock_guard<std::mutex> g(memfs_lock);
+        auto it = path ? memfs_files.find(path) : memfs_files.end();
+        if (it == memfs_files.end()) return -ENOENT;
+        f = it->second;
+        f->inflight++;
+    }
+    int64_t pos = offset, end = std::min<int64_t>(int64_t(offset) + int64_t(size), f->size);
+    int r = 0;
+    if (pos < 0) {
+        r = -EINVAL;
+    } else if (pos < end) {
+        memfs_note(f, pos, end - pos);
+        Engine* e = f->core->e;
+        serving = true;  // a failed foreign (remote) piece is logged and answered with EIO
+        e->gate.enter();
+        r = e->closed ? -EIO : e->fill(pos, end, buf);
+        e->gate.leave();
+        serving = false;
+        if (r) {
+            f->errors++;
+        } else {
+            f->reads++;
+            f->bytes += end - pos;
+        }
+    }
+    {
+        std::lock_guard<std::mutex> g(memfs_lock);
+        if (--f->inflight == 0) f->idle.notify_all();
+    }
+    if (r) return r == -ENOSPC ? -EIO : r;
+    return pos < end ? int(end - pos) : 0;
+}
+
+// memfs_register(path, core, size, trace_fd): serve reads of `path` from `core`.
+PyObject* memfs_register(PyObject*, PyObject* args) {
+    const char* path;
+    PyObject* core;
+    long long size;
+    int trace_fd;
+    if (!PyArg_ParseTuple(args, "sO!Li", &path, &CoreType, &core, &size, &trace_fd)) return nullptr;
+    if (size < 0 || size > reinterpret_cast<CoreObject*>(core)->e->vsize) {
+        PyErr_Format(PyExc_ValueError, "memory file size %lld is outside the core's image", size);
+        return nullptr;
+    }
+    auto* f = new MemoryFile();
+    f->core = reinterpret_cast<CoreObject*>(core);
+    f->size = size;
+    f->trace_fd = trace_fd;
+    size_t chunks = size_t(ceil_div(std::max<int64_t>(size, 1), MEMFS_CHUNK));
+    f->seen.reset(new std::atomic<uint8_t>[chunks]);
+    for (size_t i = 0; i < chunks; i++) f->seen[i].store(0);
+    bool taken;
+    {
+        std::lock_guard<std::mutex> g(memfs_lock);
+        taken = !memfs_files.emplace(path, f).second;
+    }
+    if (taken) {
+        delete f;
+        PyErr_Format(PyExc_ValueError, "memory file %s is registered already", path);
+        return nullptr;
+    }
+    Py_INCREF(core);
+    Py_RETURN_NONE;
+}
+
+// memfs_unregister(path) -> (reads, bytes, errors) | None: stop serving `path`; returns once
+// no read uses its core any more.
+PyObject* memfs_unregister(PyObject*, PyObject* args) {
+    const char* path;
+    if (!PyArg_ParseTuple(args, "s", &path)) return nullptr;
+    MemoryFile* f = nullptr;
+    Py_BEGIN_ALLOW_THREADS {
+        std::unique_lock<std::mutex> g(memfs_lock);
+        auto it = memfs_files.find(path);
+        if (it != memfs_files.end()) {
+            f = it->second;
+            memfs_files.erase(it);
+            f->idle.wait(g, [f] { return f->inflight == 0; });
+        }
+    }
+    Py_END_ALLOW_THREADS if (f == nullptr) Py_RETURN_NONE;
+    PyObject* out = Py_BuildValue("(LLL)", (long long)f->reads.load(), (long long)f->bytes.load(),
+                                  (long long)f->errors.load());
+    Py_DECREF(reinterpret_cast<PyObject*>(f->core));
+    delete f;
+    return out;
+}
+
+PyObject* memfs_read_address(PyObject*, PyObject*) {
+    return PyLong_FromVoidPtr(reinterpret_cast<void*>(&memfs_read));
+}
+
+PyMethodDef module_methods[] = {
+    {"memfs_register", (PyCFunction)memfs_register, METH_VARARGS,
+     "memfs_register(path, core, size, trace_fd): serve FUSE reads of path from core"},
+    {"memfs_unregister", (PyCFunction)memfs_unregister, METH_VARARGS,
+     "memfs_unregister(path) -> (reads, bytes, errors) | None, once no read uses it"},
+    {"memfs_read_address", (PyCFunction)memfs_read_address, METH_NOARGS,
+     "address of the libfuse 3 high-level read callback serving registered paths"},
+    {"capture_pages", (PyCFunction)capture_pages, METH_VARARGS,
+     "a pause's written pages of QEMU's RAM into a layer's data (see the source)"},
+    {nullptr, nullptr, 0, nullptr}};
+
 PyModuleDef native_module = {PyModuleDef_HEAD_INIT, "_native",
-                             "The native serving core of an overlaybd image.", -1, nullptr};
+                             "The native serving core of an overlaybd image.", -1,
+                             module_methods};
 
 }  // namespace
 

@@ -290,6 +290,18 @@ class LayerBuilder:
         with self._count_lock:
             self.buffered_bytes += nbytes
 
+    def data_target(self) -> tuple[int, int | None, int]:
+        """(file byte position of the next data, the O_DIRECT descriptor or None, the
+        buffered descriptor), for a writer that puts extents' data there itself (the native
+        memory capture) and then records those extents with reserve_extents, which lays
+        their data out densely from that same position. Buffered bytes are flushed first."""
+        if self._closed:
+            raise ValueError("layer builder is closed")
+        if self.sink is not self.file or self.tar:
+            raise ValueError("data_target writes raw data; not with compression or tar")
+        self.file.flush()
+        return self.dest * SECTOR, self._bulk_fd, self.file.fileno()
+
     @property
     def direct(self) -> bool:
         """Whether bulk data can go out with O_DIRECT (asked for, and the file system has it)."""

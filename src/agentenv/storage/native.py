@@ -120,6 +120,12 @@ class NativeImage(Image):
         """The core, for blockd's NBD server to run connections on (`serve`)."""
         return self._core
 
+    @property
+    def reading_core(self) -> Any:
+        """The core, for readers on threads of their own that may wait for a remote piece
+        (memfs's FUSE workers, blockd/memfs.py): every stack, remote layers included."""
+        return self._core
+
     # -- handing state between the core and the reference code ------------------------------
 
     def _bind(self) -> None:
