@@ -25,7 +25,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.node.conftest import NodeProcess
+from tests.node.conftest import NodeProcess, free_host_port
 from tests.node.test_hostile_guest import RssWatchdog
 
 K = 32
@@ -62,7 +62,7 @@ class _EndlessGuest(socketserver.ThreadingTCPServer):
         self.frame = b"\x82\x7f" + MESSAGE.to_bytes(8, "big") + self.payload
         self.sent: dict[int, int] = {}
         self.endless = True
-        super().__init__(("127.0.0.1", 0), _EndlessGuestHandler)
+        super().__init__(("127.0.0.1", free_host_port()), _EndlessGuestHandler)
 
 
 class _EndlessGuestHandler(socketserver.BaseRequestHandler):
