@@ -38,19 +38,24 @@ def peer_key(cluster_secret: str) -> str:
     return hmac.new(cluster_secret.encode(), _PEER_KEY_CONTEXT, hashlib.sha256).hexdigest()
 
 
-def load_key(path: Path | None, env_var: str, what: str) -> str | None:
-    """A derived key from `path`, else from the environment variable `env_var`, else None."""
+def read_credential(path: Path | None, env_var: str, what: str) -> tuple[str, str] | None:
+    """(value, where it came from) from `path`, else from the environment variable `env_var`,
+    else None; a file that cannot be read is an error naming it."""
     if path is not None:
         try:
-            key = path.read_text().strip()
+            return path.read_text().strip(), str(path)
         except OSError as exc:
             raise AgentEnvError(f"cannot read the {what} file {path}: {exc}") from exc
-        source = str(path)
-    else:
-        key = os.environ.get(env_var, "").strip()
-        source = env_var
-        if not key:
-            return None
+    value = os.environ.get(env_var, "").strip()
+    return (value, env_var) if value else None
+
+
+def load_key(path: Path | None, env_var: str, what: str) -> str | None:
+    """A derived key from `path`, else from the environment variable `env_var`, else None."""
+    found = read_credential(path, env_var, what)
+    if found is None:
+        return None
+    key, source = found
     if not KEY_RE.match(key):
         raise AgentEnvError(f"the {what} from {source} is not 64 hex digits (print it with "
                             f"`aenv {what.replace(' ', '-')}`)")

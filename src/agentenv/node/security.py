@@ -16,6 +16,7 @@ import stat
 import string
 from pathlib import Path
 
+from agentenv.cluster_keys import read_credential
 from agentenv.errors import AgentEnvError
 from agentenv.fsutil import private_dir, write_private
 
@@ -132,17 +133,10 @@ def bearer_is(scope_headers: list[tuple[bytes, bytes]], token: str) -> bool:
 def load_cluster_secret(path: Path | None) -> str | None:
     """The cluster secret from `path`, else AENV_CLUSTER_SECRET, else None (no cluster: the
     node's own API key guards it). With one, a node serves only requests that carry it."""
-    if path is not None:
-        try:
-            secret = path.read_text().strip()
-        except OSError as exc:
-            raise AgentEnvError(f"cannot read the cluster secret file {path}: {exc}") from exc
-        source = str(path)
-    else:
-        secret = os.environ.get("AENV_CLUSTER_SECRET", "").strip()
-        source = "AENV_CLUSTER_SECRET"
-        if not secret:
-            return None
+    found = read_credential(path, "AENV_CLUSTER_SECRET", "cluster secret")
+    if found is None:
+        return None
+    secret, source = found
     if not API_KEY_RE.match(secret) or len(secret) < 32:
         raise AgentEnvError(f"cluster secret from {source} must be 32-256 chars of "
                             "[A-Za-z0-9._~-]")
