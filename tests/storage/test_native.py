@@ -277,16 +277,22 @@ def test_upper_log_buffer_zero_writes_each_entry_at_once(tmp_path: Path) -> None
         Upper.log_buffer = old
 
 
-def test_a_corrupt_zfile_layer_raises_the_reference_error(tmp_path: Path) -> None:
-    """A ZFile piece read through Python fails in the caller with the reference's own error
-    (not a bare EIO)."""
-    layer = tmp_path / "z.lsmt"
-    with LayerBuilder(layer, 1 * MiB, compress="zstd") as builder:
+def corrupt_zfile_layer(folder: Path, compress: str) -> Path:
+    """A 1 MiB ZFile layer with 64 bytes zeroed in the middle of its data."""
+    layer = folder / "z.lsmt"
+    with LayerBuilder(layer, 1 * MiB, compress=compress) as builder:  # type: ignore[arg-type]
         builder.add(0, random.Random(5).randbytes(1 * MiB))
     raw = bytearray(layer.read_bytes())
     middle = len(raw) // 2
     raw[middle : middle + 64] = bytes(64)
     layer.write_bytes(bytes(raw))
+    return layer
+
+
+def test_a_corrupt_zfile_layer_raises_the_reference_error(tmp_path: Path) -> None:
+    """A ZFile piece read through Python fails in the caller with the reference's own error
+    (not a bare EIO)."""
+    layer = corrupt_zfile_layer(tmp_path, "zstd")
     with Image.create([layer], None) as ref, native.NativeImage.create([layer], None) as nat:
         with pytest.raises(Exception) as expected:
             ref.read(0, 1 * MiB)

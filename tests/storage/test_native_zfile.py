@@ -15,6 +15,7 @@ from agentenv.storage import native
 from agentenv.storage.builder import LayerBuilder
 from agentenv.storage.crc import BLOCK_SALT, raw_crc32c
 from agentenv.storage.image import Image
+from tests.storage.test_native import corrupt_zfile_layer
 
 if not native.available():  # the project's build compiles it (make venv): not built is a failure
     pytest.fail(f"native core not built: {native.unavailable_reason()}", pytrace=False)
@@ -90,13 +91,7 @@ def test_whole_stack_and_writes_over_it(stacks: dict[int, list[Path]], tmp_path:
 def test_a_corrupt_lz4_block_raises_the_reference_error(tmp_path: Path) -> None:
     """A block whose CRC does not match goes to the reference reader, which raises its own
     error in the caller (and the bytes before it were read natively)."""
-    layer = tmp_path / "z.lsmt"
-    with LayerBuilder(layer, 1 * MiB, compress="lz4") as builder:
-        builder.add(0, random.Random(5).randbytes(1 * MiB))
-    raw = bytearray(layer.read_bytes())
-    middle = len(raw) // 2
-    raw[middle : middle + 64] = bytes(64)
-    layer.write_bytes(bytes(raw))
+    layer = corrupt_zfile_layer(tmp_path, "lz4")
     with Image.create([layer], None) as ref, native.NativeImage.create([layer], None) as nat:
         with pytest.raises(Exception) as expected:
             ref.read(0, 1 * MiB)

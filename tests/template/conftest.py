@@ -15,6 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from agentenv.template.convert import PrivateBlockd
 from tests.template import helpers
 from tests.template.tokenserver import SERVICE, TokenServer
 
@@ -162,3 +163,12 @@ def no_docker_config(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 def needs_root() -> None:
     if os.geteuid() != 0:
         pytest.skip("needs root (loop devices, mounts)")
+
+
+@pytest.fixture(scope="module")
+def blockd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """A private blockd of the test module (layer conversion needs one); needs root."""
+    needs_root()
+    daemon = PrivateBlockd(tmp_path_factory.mktemp("blockd"))
+    yield daemon.start()
+    daemon.stop()

@@ -15,11 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from agentenv.template.convert import PrivateBlockd
 from agentenv.template.layeraccess import LayerAccessError
 from agentenv.template.pull import pull_image
 from tests.template import helpers
-from tests.template.conftest import Registry, needs_root
+from tests.template.conftest import Registry
 from tests.template.helpers import TeamRegistry, start_team_registry
 
 pytestmark = pytest.mark.timeout(300)
@@ -118,14 +117,6 @@ def test_a_team_first_to_describe_a_layer_does_not_choose_what_others_read(
     [lower] = pulled.lowers
     assert lower.parent.parent.name == "overlaybd"  # the whole blob, not a remote descriptor
     assert lower.read_bytes() == image.blobs[layer["digest"]]
-
-
-@pytest.fixture(scope="module")
-def blockd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
-    needs_root()
-    daemon = PrivateBlockd(tmp_path_factory.mktemp("blockd"))
-    yield daemon.start()
-    daemon.stop()
 
 
 @pytest.mark.root

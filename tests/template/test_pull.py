@@ -18,7 +18,7 @@ import pytest
 
 from agentenv.storage.export import export_raw
 from agentenv.storage.image import Image
-from agentenv.template.convert import PrivateBlockd, loop_mount
+from agentenv.template.convert import loop_mount
 from agentenv.template.errors import (
     DigestMismatchError,
     LayerApplyError,
@@ -28,17 +28,9 @@ from agentenv.template.errors import (
 from agentenv.template.layercache import CONVERTER_KIND
 from agentenv.template.pull import PulledImage, pull_image
 from tests.template import helpers
-from tests.template.conftest import Registry, needs_root
+from tests.template.conftest import Registry
 
 pytestmark = [pytest.mark.root, pytest.mark.slow]
-
-
-@pytest.fixture(scope="module")
-def blockd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
-    needs_root()
-    daemon = PrivateBlockd(tmp_path_factory.mktemp("blockd"))
-    yield daemon.start()
-    daemon.stop()
 
 
 @pytest.fixture
