@@ -306,10 +306,16 @@ class GatewayApp:
             await self._control(request, send)
         except ApiError as exc:
             await send_json(send, exc.status, {"code": exc.status, "message": exc.message})
-        except (SchedulerUnavailable, StoreUnavailable) as exc:
-            log.warning("control plane dependency unavailable: %s", exc)
+        except SchedulerUnavailable as exc:
+            log.warning("control plane dependency unavailable: %s", exc.detail)
             await send_json(send, 503, {"code": 503, "message": str(exc)})
+        except StoreUnavailable as exc:
+            # its text names Redis's address: the log's, not the team's
+            log.warning("control plane dependency unavailable: %s", exc)
+            await send_json(send, 503, {"code": 503,
+                                        "message": "the cluster's store is unavailable"})
         except NoPlacement as exc:
+            log.info("no placement: %s", exc.detail, extra={"path": scope["path"]})
             await send_json(send, 503, {"code": 503, "message": f"no node available: {exc}"})
         except BadPlacementRequest as exc:
             await send_json(send, 400, {"code": 400, "message": str(exc)})
@@ -371,7 +377,7 @@ class GatewayApp:
         try:
             binding = await self._traffic_lookup(sandbox_id)
         except SchedulerUnavailable as exc:
-            return None, 503, f"scheduler unavailable: {exc}"
+            return None, 503, str(exc)
         if binding is None:
             return None, 502, "The sandbox was not found"
         if not binding.node.up:
@@ -468,7 +474,7 @@ class GatewayApp:
         try:
             owner = await self._signature_owner(scope)
         except SchedulerUnavailable as exc:
-            await send_json(send, 503, {"code": 503, "message": f"scheduler unavailable: {exc}"})
+            await send_json(send, 503, {"code": 503, "message": str(exc)})
             return
         if isinstance(owner, str):
             if owner:

@@ -32,15 +32,25 @@ NODES_TTL = 0.5
 RECONNECT_S = 0.5
 
 
-class SchedulerUnavailable(Exception):
+class PlacementFailure(Exception):
+    """A scheduler call failed. str() is what the team is told; `detail` (the scheduler's own
+    words: every node's free vCPUs and memory, down reasons, Redis errors) is for the gateway's
+    log only, since it describes other teams' load and the cluster's insides."""
+
+    def __init__(self, public: str, detail: str = "") -> None:
+        super().__init__(public)
+        self.detail = detail or public
+
+
+class SchedulerUnavailable(PlacementFailure):
     """The scheduler did not answer (the gateway answers 503)."""
 
 
-class NoPlacement(Exception):
-    """The scheduler answered but found no node (every node full or down): 503 with its reason."""
+class NoPlacement(PlacementFailure):
+    """The scheduler answered but found no node (every node full or down): 503."""
 
 
-class BadPlacementRequest(Exception):
+class BadPlacementRequest(PlacementFailure):
     """The scheduler refused the request as invalid (400 with its reason)."""
 
 
@@ -62,15 +72,21 @@ class Binding:
     team: str
 
 
-def _translated(exc: SchedulerError) -> Exception:
-    if exc.code == grpc.StatusCode.INVALID_ARGUMENT:
-        return BadPlacementRequest(exc.details or str(exc))
-    if exc.unavailable and "no node" not in exc.details.lower():
-        return SchedulerUnavailable(str(exc))
-    if exc.code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED,
-                    grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION):
-        return NoPlacement(exc.details or str(exc))
-    return SchedulerUnavailable(str(exc))
+def _translated(exc: SchedulerError) -> PlacementFailure:
+    """The scheduler's refusal in words a team may read. INVALID_ARGUMENT and NOT_FOUND name
+    only what the caller sent (an id, a size); "no room" and "no node up" name every node's
+    free capacity or state, so the team gets a summary and the gateway's log the rest."""
+    detail = str(exc)
+    if exc.code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND):
+        cls = BadPlacementRequest if exc.code == grpc.StatusCode.INVALID_ARGUMENT else NoPlacement
+        return cls(exc.details or detail, detail)
+    fork = exc.details.startswith("fork source")
+    if exc.code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+        return NoPlacement("the fork source's node has no room for the fork now" if fork
+                           else "no node has room for the sandbox now; try again later", detail)
+    if exc.code == grpc.StatusCode.UNAVAILABLE and (fork or exc.details.startswith("no node")):
+        return NoPlacement("the fork source's node is down" if fork else "no node is up", detail)
+    return SchedulerUnavailable("the scheduler is unavailable", detail)
 
 
 class SchedulerLink:
