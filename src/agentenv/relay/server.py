@@ -31,6 +31,7 @@ import logging
 import os
 import re
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 from urllib.parse import unquote_to_bytes
 
@@ -154,11 +155,13 @@ def hardened_protocol(max_head_bytes: int, head_timeout: float) -> type[H11Proto
 
 def hardened_config(app: Any, host: str, port: int, max_head_bytes: int, head_timeout: float,
                     graceful_seconds: float, backlog: int = 2048, *,
-                    ws_max_bytes: int = 16 << 20) -> uvicorn.Config:
+                    ws_max_bytes: int = 16 << 20,
+                    tls_files: tuple[Path, Path] | None = None) -> uvicorn.Config:
     """The uvicorn settings of every server that relays sandbox traffic (the node, the
     gateway): the hardened HTTP/1.1 protocol, our own logs, WebSockets (messages of at most
     `ws_max_bytes`; fragments relayed as they come, relay/websocket.py), no server header, the
-    client's address as AENV_TRUSTED_PROXIES says."""
+    client's address as AENV_TRUSTED_PROXIES says; TLS only where `tls_files` (certificate,
+    key) are given (relay/tls.py)."""
     proxies = trusted_proxies()
     return uvicorn.Config(
         app,
@@ -177,6 +180,8 @@ def hardened_config(app: Any, host: str, port: int, max_head_bytes: int, head_ti
         backlog=backlog,
         proxy_headers=bool(proxies),
         forwarded_allow_ips=proxies or None,
+        ssl_certfile=tls_files[0] if tls_files else None,
+        ssl_keyfile=tls_files[1] if tls_files else None,
     )
 
 

@@ -19,6 +19,7 @@ import errno
 import logging
 import os
 import shutil
+import ssl
 import tempfile
 import threading
 import time
@@ -76,6 +77,7 @@ class Resolver:
 
     url: str
     headers: dict[str, str] = field(default_factory=dict)
+    ca: str | None = None  # PEM file the node's certificate is checked with (https)
 
 
 class RemoteUnavailable(OSError):
@@ -334,6 +336,14 @@ class RemoteStore:
         self.peers = [p.rstrip("/") for p in peers]
 
     def set_resolver(self, resolver: Resolver | None) -> None:
+        if resolver is not None and resolver.ca:
+            try:
+                verify = ssl.create_default_context(cafile=resolver.ca)
+            except (OSError, ssl.SSLError) as exc:
+                raise SourceError(f"resolver CA {resolver.ca}: {exc}") from exc
+            # the old client is left to the collector: a fetch thread may be using it
+            self._resolver_http = httpx.Client(timeout=RESOLVER_TIMEOUT_S, trust_env=False,
+                                               verify=verify)
         self.resolver = resolver
         with self._holders_lock:
             self._holders.clear()

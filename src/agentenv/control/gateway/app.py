@@ -30,6 +30,7 @@ import logging
 import os
 import re
 import secrets
+import ssl
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from datetime import datetime
@@ -239,7 +240,9 @@ class GatewayApp:
 
     def __init__(self, scheduler: SchedulerLink, store: GatewayStore, cluster_secret: str,
                  domain: str | None = None, limits: RelayLimits | None = None,
-                 public_metrics: bool = False) -> None:
+                 public_metrics: bool = False, node_tls: ssl.SSLContext | None = None) -> None:
+        """`node_tls`: what the nodes' certificates are checked with where they serve TLS
+        (relay/tls.py; the scheduler link's node scheme is then https)."""
         self.scheduler = scheduler
         self.store = store
         self.secret = cluster_secret
@@ -255,7 +258,7 @@ class GatewayApp:
         self.quotas = GatewayQuotas(store, scheduler, self.metrics.limit_refusals)
         self.lookup_limiter = LookupLimiter.from_env(self.metrics.limit_refusals)
         self.relay = Relay(self.limits, self._answer_gone, self._answer_unreachable,
-                           limit_name="the gateway's")
+                           limit_name="the gateway's", tls=node_tls)
         self.http = self.relay.client
         self._routes = self._route_table()
 

@@ -59,10 +59,11 @@ class Node:
     node_id: str
     address: str
     up: bool = True
+    scheme: str = "http"  # https where nodes serve TLS (relay/tls.py)
 
     @property
     def url(self) -> str:
-        return f"http://{self.address}"
+        return f"{self.scheme}://{self.address}"
 
 
 @dataclass(frozen=True)
@@ -91,8 +92,10 @@ def _translated(exc: SchedulerError) -> PlacementFailure:
 
 class SchedulerLink:
     def __init__(self, address: str, credentials: Credentials,
-                 tls: ClientTls | None = None) -> None:
+                 tls: ClientTls | None = None, node_scheme: str = "http") -> None:
+        """`tls`: to the scheduler; `node_scheme`: how the nodes it names are reached."""
         self.address = address
+        self.node_scheme = node_scheme
         self.credentials = credentials  # the gateway's (scheduler auth, control/scheduler/auth.py)
         self.tls = tls
         self._client: SchedulerClient | None = None
@@ -134,7 +137,7 @@ class SchedulerLink:
         except SchedulerError as exc:
             self._reconnect_later(exc)
             raise _translated(exc) from exc
-        return Node(placed.node_id, placed.node_address)
+        return Node(placed.node_id, placed.node_address, scheme=self.node_scheme)
 
     async def record(self, sandbox_id: str, node: Node, team: str) -> None:
         try:
@@ -166,7 +169,8 @@ class SchedulerLink:
             raise _translated(exc) from exc
         found = None
         if where is not None:
-            found = Binding(sandbox_id, Node(where.node_id, where.node_address, where.node_up),
+            found = Binding(sandbox_id, Node(where.node_id, where.node_address, where.node_up,
+                                             self.node_scheme),
                             where.team_id)
         if len(self._cache) > 100_000:
             self._cache.clear()
@@ -189,7 +193,7 @@ class SchedulerLink:
         except SchedulerError as exc:
             self._reconnect_later(exc)
             raise _translated(exc) from exc
-        nodes = [Node(n.node_id, n.address, n.up) for n in listed]
+        nodes = [Node(n.node_id, n.address, n.up, self.node_scheme) for n in listed]
         self._nodes = (now + NODES_TTL, nodes)
         self._status = {n.node_id: n.status for n in listed}
         return nodes
