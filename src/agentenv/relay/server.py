@@ -40,9 +40,12 @@ import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from agentenv.errors import AgentEnvError
+from agentenv.logs import Sampled
 from agentenv.relay.websocket import FragmentingWebSocketProtocol
 
 log = logging.getLogger("agentenv.relay.server")
+#: connections that sent no request head in time, process-wide (logged sampled)
+HEAD_TIMEOUTS = Sampled()
 
 TRUSTED_PROXIES_ENV = "AENV_TRUSTED_PROXIES"
 
@@ -211,7 +214,9 @@ class _HardenedBase(H11Protocol):
     def _head_timed_out(self) -> None:
         self._head_timer = None
         if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
-            log.info("request head not received in time", extra={"client": str(self.client)})
+            if HEAD_TIMEOUTS.tick():  # anyone can open connections and send nothing
+                log.info("request head not received in time",
+                         extra={"client": str(self.client), "count": HEAD_TIMEOUTS.count})
             self._reply(408, f"request head not received within {self.head_timeout:g} s")
 
     def _reply(self, status: int, message: str) -> None:

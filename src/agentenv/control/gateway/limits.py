@@ -24,6 +24,7 @@ address (the peer, or what a trusted proxy forwarded for: relay/server.py) gets 
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 import json
 import logging
 import os
@@ -39,6 +40,7 @@ from prometheus_client import Counter
 
 from agentenv.control.gateway.placement import SchedulerLink
 from agentenv.control.gateway.store import PREFIX, GatewayStore, quota_key
+from agentenv.logs import Sampled
 from agentenv.node.admission import QuotaExceeded, TeamQuotas, env_number
 
 log = logging.getLogger("agentenv.control.gateway.limits")
@@ -186,6 +188,20 @@ class GatewayQuotas:
             await self.store._call(redis.zadd(key, dict.fromkeys(mine, "+inf")))
 
 
+def client_key(address: str) -> str:
+    """Whose bucket a client address fills: an IPv6 client's /64 (a host holds a whole /64 and
+    could take a fresh address per request), an IPv4 one's own address."""
+    try:
+        ip = ipaddress.ip_address(address)
+    except ValueError:
+        return address
+    if isinstance(ip, ipaddress.IPv6Address):
+        if ip.ipv4_mapped is not None:
+            return str(ip.ipv4_mapped)
+        return str(ipaddress.IPv6Network((ip, 64), strict=False))
+    return address
+
+
 class LookupLimiter:
     """A token bucket per client address for the signed-URL owner lookup."""
 
@@ -194,6 +210,7 @@ class LookupLimiter:
         self.burst = max(burst, 1.0)
         self._buckets: OrderedDict[str, tuple[float, float]] = OrderedDict()  # tokens, at
         self.refusals = refusals
+        self.refused = Sampled()
 
     @classmethod
     def from_env(cls, refusals: Counter | None = None,
@@ -206,6 +223,7 @@ class LookupLimiter:
         if not self.rate:
             return True
         now = time.monotonic()
+        address = client_key(address)
         tokens, at = self._buckets.pop(address, (self.burst, now))
         tokens = min(self.burst, tokens + (now - at) * self.rate)
         allowed = tokens >= 1.0
@@ -222,7 +240,9 @@ class LookupLimiter:
             return False
         if self.refusals is not None:
             self.refusals.labels("signed_lookup").inc()
-        log.info("signed URL lookup rate limited", extra={"client": address})
+        if self.refused.tick():  # a stranger's flood of refusals is counted, not logged
+            log.info("signed URL lookup rate limited",
+                     extra={"client": address, "refused": self.refused.count})
         payload = json.dumps({
             "code": 429, "message": "too many signed URL lookups from this address "
             f"(AENV_SIGNED_LOOKUP_RATE {self.rate:g}/s, AENV_SIGNED_LOOKUP_BURST "
