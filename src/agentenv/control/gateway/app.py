@@ -46,6 +46,8 @@ from agentenv.control.gateway.limits import (
     GatewayQuotas,
     LookupLimiter,
     NewItems,
+    TeamBusy,
+    TeamShares,
     fork_count,
 )
 from agentenv.control.gateway.metrics import GatewayMetrics
@@ -222,6 +224,21 @@ def _limit(request: Request) -> int:
     return value
 
 
+BODY_SECONDS_SETTING = "AENV_CONTROL_BODY_SECONDS"
+
+
+def control_body_seconds(env: Mapping[str, str] | None = None) -> float:
+    """How long the body of a control request may take to arrive (default 60 s)."""
+    raw = (os.environ if env is None else env).get(BODY_SECONDS_SETTING, "").strip()
+    try:
+        value = float(raw) if raw else 60.0
+    except ValueError:
+        value = 0.0
+    if not 0.1 <= value <= 3600:
+        raise AgentEnvError(f"{BODY_SECONDS_SETTING} must be 0.1-3600 seconds, got {raw!r}")
+    return value
+
+
 def create_lease_seconds(env: Mapping[str, str] | None = None) -> float:
     raw = (os.environ if env is None else env).get(CREATE_LEASE_ENV, "")
     if not raw:
@@ -257,6 +274,8 @@ class GatewayApp:
         # control/gateway/limits.py
         self.quotas = GatewayQuotas(store, scheduler, self.metrics.limit_refusals)
         self.lookup_limiter = LookupLimiter.from_env(self.metrics.limit_refusals)
+        self.team_shares = TeamShares.from_env(self.metrics.limit_refusals)
+        self.body_seconds = control_body_seconds()
         self.relay = Relay(self.limits, self._answer_gone, self._answer_unreachable,
                            limit_name="the gateway's", tls=node_tls)
         self.http = self.relay.client
@@ -309,6 +328,8 @@ class GatewayApp:
             await self._control(request, send)
         except ApiError as exc:
             await send_json(send, exc.status, {"code": exc.status, "message": exc.message})
+        except TeamBusy as exc:
+            await send_json(send, 429, {"code": 429, "message": str(exc)})
         except SchedulerUnavailable as exc:
             log.warning("control plane dependency unavailable: %s", exc.detail)
             await send_json(send, 503, {"code": 503, "message": str(exc)})
@@ -394,10 +415,15 @@ class GatewayApp:
             await send_json(send, status, {"sandboxId": sandbox_id, "message": message,
                                            "code": status})
             return
-        await self.relay.http(scope, receive, send, self._node_url(binding.node, scope),
-                              self._to_node_headers(scope, binding.node, sandbox_id, port,
-                                                    binding.team),
-                              Exchange(sandbox_id))
+        try:
+            with self.team_shares.hold(binding.team):
+                await self.relay.http(scope, receive, send, self._node_url(binding.node, scope),
+                                      self._to_node_headers(scope, binding.node, sandbox_id,
+                                                            port, binding.team),
+                                      Exchange(sandbox_id))
+        except TeamBusy as exc:
+            await send_json(send, 429, {"sandboxId": sandbox_id, "message": str(exc),
+                                        "code": 429})
 
     async def _sandbox_websocket(self, scope: Scope, receive: Any, send: Send,
                                  sandbox_id: str, port: int) -> None:
@@ -407,10 +433,14 @@ class GatewayApp:
         if binding is None:
             await send({"type": "websocket.close", "code": 1011 if status >= 503 else 1008})
             return
-        await self.relay.websocket(scope, receive, send, self._node_url(binding.node, scope),
-                                   self._to_node_headers(scope, binding.node, sandbox_id, port,
-                                                    binding.team),
-                                   Exchange(sandbox_id))
+        try:
+            with self.team_shares.hold(binding.team):
+                await self.relay.websocket(
+                    scope, receive, send, self._node_url(binding.node, scope),
+                    self._to_node_headers(scope, binding.node, sandbox_id, port, binding.team),
+                    Exchange(sandbox_id))
+        except TeamBusy:
+            await send({"type": "websocket.close", "code": 1013})  # try again later
 
     async def _signature_owner(self, scope: Scope) -> tuple[Node, str, str] | str:
         """The node, sandbox and team whose envd token made a signed file URL, else why not. The
@@ -505,10 +535,17 @@ class GatewayApp:
                 await send(message)
 
         # the node checks the signature (and its expiry) again before anything reaches envd
-        return await self.relay.http(scope, receive, to_client if hold_gone else send,
-                                     self._node_url(node, scope),
-                                     self._to_node_headers(scope, node, sandbox_id, ENVD_PORT, team),
-                                     Exchange(sandbox_id))
+        try:
+            with self.team_shares.hold(team):
+                return await self.relay.http(
+                    scope, receive, to_client if hold_gone else send,
+                    self._node_url(node, scope),
+                    self._to_node_headers(scope, node, sandbox_id, ENVD_PORT, team),
+                    Exchange(sandbox_id))
+        except TeamBusy as exc:
+            await send_json(send, 429, {"sandboxId": sandbox_id, "message": str(exc),
+                                        "code": 429})
+            return 429
 
     async def _answer_gone(self, send: Send, exchange: Exchange) -> int:
         await send_json(send, 503, {"sandboxId": exchange.name, "message": "node unavailable",
@@ -559,7 +596,8 @@ class GatewayApp:
             if match:
                 if request.method != method:
                     continue
-                await handler(request, send, team or "", *match.groups())
+                with self.team_shares.hold(team or ""):  # an upload: its template's team
+                    await handler(request, send, team or "", *match.groups())
                 return
         if any(p.fullmatch(path) for _, p, _ in self._routes):
             raise ApiError(405, f"method {request.method} not allowed on {path}")
@@ -614,12 +652,19 @@ class GatewayApp:
         return headers + self._node_headers(node, team)
 
     async def _body(self, request: Request) -> bytes:
+        """The whole body of a control request (small JSON), within its time: uvicorn bounds
+        only the head, and a body that never ends would hold a place for ever."""
         chunks, size = [], 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > MAX_BODY:
-                raise ApiError(413, f"request body over {MAX_BODY} bytes")
-            chunks.append(chunk)
+        try:
+            async with asyncio.timeout(self.body_seconds):
+                async for chunk in request.stream():
+                    size += len(chunk)
+                    if size > MAX_BODY:
+                        raise ApiError(413, f"request body over {MAX_BODY} bytes")
+                    chunks.append(chunk)
+        except TimeoutError:
+            raise ApiError(408, f"request body not received within {self.body_seconds:g} s "
+                           f"({BODY_SECONDS_SETTING})") from None
         return b"".join(chunks)
 
     async def _call(self, node: Node, request: Request, team: str, body: bytes | None = None,
@@ -1119,9 +1164,10 @@ class GatewayApp:
         node = await self._node_by_id(owned.node)
         url = self._node_url(node, request.scope, f"{UPLOAD_PREFIX}{template_id}/{files_hash}")
         headers = forward_headers(request.scope, _DROP_TO_NODE | {b"host"})
-        await self.relay.http(request.scope, request.receive, send, url,
-                              headers + self._node_headers(node, owned.team),
-                              Exchange(template_id))
+        with self.team_shares.hold(owned.team):
+            await self.relay.http(request.scope, request.receive, send, url,
+                                  headers + self._node_headers(node, owned.team),
+                                  Exchange(template_id))
 
     async def tags_change(self, request: Request, send: Send, team: str) -> None:
         raw = await self._body(request)
