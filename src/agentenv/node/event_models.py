@@ -71,3 +71,24 @@ class SandboxEvent(Response):
 
 class SandboxesWithMetrics(Response):
     sandboxes: dict[str, SandboxMetric]
+
+
+class SandboxLog(Response):
+    timestamp: DateTime
+    line: str
+
+
+class SandboxLogEntry(Response):
+    timestamp: DateTime
+    message: str
+    level: Literal["debug", "info", "warn", "error"]
+    fields: dict[str, str]
+
+
+class SandboxLogs(Response):
+    logs: list[SandboxLog]
+    logEntries: list[SandboxLogEntry]
+
+
+class SandboxLogsV2(Response):
+    logs: list[SandboxLogEntry]

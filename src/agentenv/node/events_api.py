@@ -18,7 +18,7 @@ MAX_EVENTS_PAGE = 100
 MAX_ATTEMPTS_PAGE = 1000
 
 
-def _int(request: Request, name: str, default: int, low: int, high: int) -> int:
+def query_int(request: Request, name: str, default: int, low: int, high: int) -> int:
     raw = request.query_params.get(name)
     if raw is None:
         return default
@@ -61,9 +61,9 @@ class EventsApi:
             raise BadRequest(f"orderAsc must be true or false, got {order!r}")
         found = await self.events.query(
             scope_team(request.scope), sandbox_id=request.path_params.get("sandbox_id"),
-            types=types, after=_int(request, "after", 0, 0, 2**62),
-            offset=_int(request, "offset", 0, 0, 2**31),
-            limit=_int(request, "limit", 10, 1, MAX_EVENTS_PAGE), ascending=order == "true")
+            types=types, after=query_int(request, "after", 0, 0, 2**62),
+            offset=query_int(request, "offset", 0, 0, 2**31),
+            limit=query_int(request, "limit", 10, 1, MAX_EVENTS_PAGE), ascending=order == "true")
         return JSONResponse([em.SandboxEvent(**e.to_json()).body() for e in found])
 
     def _hook(self, request: Request) -> Webhook:
@@ -104,6 +104,6 @@ class EventsApi:
     async def deliveries(self, request: Request) -> Response:
         """The webhook's delivery log, newest attempt first (this node's, not E2B's)."""
         hook = self._hook(request)
-        limit = _int(request, "limit", 100, 1, MAX_ATTEMPTS_PAGE)
+        limit = query_int(request, "limit", 100, 1, MAX_ATTEMPTS_PAGE)
         return JSONResponse([em.WebhookAttempt(**a).body()
                              for a in await self.webhooks.store.webhook_attempts(hook.id, limit)])

@@ -29,10 +29,9 @@ import contextlib
 import logging
 import os
 import time
-from collections import deque
 from collections.abc import Awaitable, Callable, Collection, Mapping
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import httpx
 
@@ -42,7 +41,6 @@ from agentenv.node.admission import Admission, Reservation
 from agentenv.node.backend import (
     BackendError,
     Capabilities,
-    MetricSample,
     Placement,
     SandboxBackend,
     SandboxSpec,
@@ -80,7 +78,6 @@ T = TypeVar("T")
 #: How long a call waits for another operation on the same sandbox before giving up with 409.
 WAIT_TRANSITION_SECONDS = 60.0
 MAX_FORK_COUNT = 16
-METRIC_HISTORY = 120
 #: Fault injection for tests only: when this variable names a crash point, the node process
 #: ends with os._exit there (as a kill -9 would), e.g. "pause-snapshot-written": right after
 #: the backend wrote a pause snapshot, before the node recorded it.
@@ -104,6 +101,12 @@ class NodeConfig:
     envd_ready_timeout: float = 60.0
     domain: str | None = None
     default_envd_version: str = "0.5.7"
+
+
+class Companion(Protocol):
+    async def start(self) -> None: ...
+
+    async def stop(self) -> None: ...
 
 
 @dataclass
@@ -170,7 +173,6 @@ class Orchestrator:
         self.counters = NodeCounters()
         self._ops: dict[str, asyncio.Task[Any]] = {}
         self._background: set[asyncio.Task[Any]] = set()
-        self._metric_history: dict[str, deque[MetricSample]] = {}
         self._closing = False
         #: resumes ended early (_end_resume), with what their callers get instead
         self._resume_ended: dict[str, ApiError] = {}
@@ -186,11 +188,19 @@ class Orchestrator:
         self._leave_listeners: list[Callable[[str, str], None]] = []
         #: where lifecycle events go (node/events.py), set by the server; None: nowhere
         self.events: EventLog | None = None
+        #: services over the running node (node/observer.py), started once it runs and
+        #: stopped first at shutdown
+        self.companions: list[Companion] = []
 
     def on_leave_running(self, listener: Callable[[str, str], None]) -> None:
         """Call `listener(sandbox_id, why)` synchronously whenever a running sandbox stops being
         reachable (paused, killed, timed out, lost): the proxy closes its streams to it at once."""
         self._leave_listeners.append(listener)
+
+    @property
+    def http(self) -> httpx.AsyncClient | None:
+        """The node's client for calls to envd (None before start)."""
+        return self._http
 
     def emit(self, kind: str, rec: SandboxRecord, **data: Any) -> None:
         """Record a lifecycle event of `rec` (never waits: node/events.py)."""
@@ -227,6 +237,8 @@ class Orchestrator:
             except Exception:  # never keeps the node from starting; the next pass retries
                 log.exception("garbage collection at startup failed")
         self._reaper = asyncio.create_task(self._reap_forever(), name="reaper")
+        for companion in self.companions:
+            await companion.start()
 
     async def _reconcile(self) -> None:
         """Match the records of the last run with what the backend still runs."""
@@ -370,6 +382,8 @@ class Orchestrator:
     async def shutdown(self) -> None:
         """Stop taking lifecycle calls, finish the ones under way, pause every running sandbox."""
         self._closing = True
+        for companion in self.companions:
+            await companion.stop()
         for sid in list(self._ops):
             self._end_resume(sid, Unavailable(
                 f"the node is shutting down: sandbox {sid} was not resumed (it stays paused)"))
@@ -690,7 +704,6 @@ class Orchestrator:
         rec.pause_mode = "full" if result.memory else "filesystem"
         rec.pause_asked_memory = memory
         rec.state = State.PAUSED
-        self._metric_history.pop(sid, None)
         await self.store.finish_pause(rec, [*rec.source.layers, *result.snapshot.layers])
         self.emit(PAUSED, rec, pause_mode=rec.pause_mode, reason=why, execution=_execution(rec))
         log.info("sandbox paused", extra={"sandbox_id": sid, "mode": rec.pause_mode})
@@ -841,7 +854,6 @@ class Orchestrator:
 
     async def _forget(self, rec: SandboxRecord) -> None:
         self.sandboxes.pop(rec.sandbox_id, None)
-        self._metric_history.pop(rec.sandbox_id, None)
         await self.store.delete_sandbox(rec.sandbox_id)
         await self.store.set_layer_refs("sandbox", rec.sandbox_id, [])
         self._collect_soon()
@@ -1053,24 +1065,6 @@ class Orchestrator:
             return ForkResult(record=child, status=201)
 
         return list(await asyncio.gather(*(finish(c) for c in children)))
-
-    # --- metrics -----------------------------------------------------------------------------
-
-    async def metrics(
-        self, sandbox_id: str, start: float | None, end: float | None
-    ) -> list[MetricSample]:
-        rec = self.get(sandbox_id)
-        history = self._metric_history.setdefault(sandbox_id, deque(maxlen=METRIC_HISTORY))
-        if rec.state == State.RUNNING and rec.placement is not None:
-            try:
-                history.append(await self.backend.metrics(sandbox_id, rec.placement))
-            except BackendError as exc:
-                log.warning("metrics failed", extra={"sandbox_id": sandbox_id, "error": str(exc)})
-        return [
-            s
-            for s in history
-            if (start is None or s.timestamp >= start) and (end is None or s.timestamp <= end)
-        ]
 
     # --- node info ---------------------------------------------------------------------------
 

@@ -20,6 +20,7 @@ from starlette.routing import Route
 
 from agentenv.blockd.remote import install_private_store
 from agentenv.errors import AgentEnvError
+from agentenv.node import unsupported
 from agentenv.node.admission import Admission, TeamQuotas
 from agentenv.node.api import NodeApp
 from agentenv.node.backend import Capabilities, SandboxBackend
@@ -27,6 +28,8 @@ from agentenv.node.events import EventLog, retention_from_env
 from agentenv.node.events_api import EventsApi
 from agentenv.node.gc import LayerCollector
 from agentenv.node.metrics import NodeMetrics
+from agentenv.node.observe_api import ObserveApi
+from agentenv.node.observer import Observer, ObserverConfig
 from agentenv.node.orchestrator import NodeConfig, Orchestrator
 from agentenv.node.security import (
     NODE_KEY_HEADER,
@@ -113,6 +116,8 @@ def build_app(
     webhooks = Webhooks(orchestrator.store, DeliveryPolicy.from_env(), allow_private=(
         not options.node_key or os.environ.get(ALLOW_PRIVATE_ENV, "") == "1"))
     orchestrator.events.sinks.append(webhooks)
+    observer = Observer(orchestrator, ObserverConfig.from_env())
+    orchestrator.companions.append(observer)
     orchestrator.admission = Admission.from_env(state)
     if not options.node_key:  # a cluster's gateway counts a team over every node
         orchestrator.admission.quotas = TeamQuotas.from_env()
@@ -131,8 +136,10 @@ def build_app(
         api_key,
         metrics,
         node_id=node_id,
-        extra_routes=[*(extra_routes or []), *builds.routes(), *moves.routes(),
-                      *EventsApi(orchestrator.events, webhooks).routes()],
+        extra_routes=[*(extra_routes or []), *unsupported.routes(), *builds.routes(),
+                      *moves.routes(),
+                      *EventsApi(orchestrator.events, webhooks).routes(),
+                      *ObserveApi(observer).routes()],
         node_key=options.node_key,
         metrics_token=options.metrics_token,
         public_metrics=options.public_metrics,
