@@ -104,11 +104,12 @@ class EventSink(Protocol):
 
 
 def retention_from_env() -> float:
-    """Seconds events are kept (AENV_EVENTS_RETENTION_DAYS, default 7 days as E2B)."""
+    """Seconds events are kept (AENV_EVENTS_RETENTION_DAYS, default 7 days as E2B; 0: none
+    are recorded, nor delivered to webhooks)."""
     raw = os.environ.get(RETENTION_ENV, "")
     days = float(raw) if raw else DEFAULT_RETENTION_DAYS
-    if days <= 0:
-        raise ValueError(f"{RETENTION_ENV} must be positive, got {raw!r}")
+    if days < 0:
+        raise ValueError(f"{RETENTION_ENV} must be 0 (keep none) or more, got {raw!r}")
     return days * 86400
 
 
@@ -128,6 +129,8 @@ class EventLog:
 
     def record(self, event: Event) -> None:
         """Queue `event` for storing; returns at once (lifecycle code calls this inline)."""
+        if not self.retention:
+            return
         event.node_id = self.node_id
         if len(self._pending) >= MAX_UNSTORED:
             self._pending.pop(0)
