@@ -19,7 +19,9 @@ import pytest
 
 from agentenv.node.errors import BadRequest
 from agentenv.node.events import Event, EventLog
+from agentenv.node.security import NODE_KEY_HEADER
 from agentenv.node.server import ServeOptions, build_app
+from agentenv.node.tenancy import TEAM_HEADER
 from agentenv.node.webhooks import check_destination
 
 with warnings.catch_warnings():
@@ -259,3 +261,39 @@ def test_a_node_of_a_cluster_refuses_non_public_destinations(url: str) -> None:
     with pytest.raises(BadRequest):
         check_destination(url, allow_private=False)
     check_destination(url, allow_private=True)
+
+
+def test_teams_see_only_their_own_events_and_webhooks(tmp_path: Path) -> None:
+    """A node of a cluster: each request names its team (the gateway's header)."""
+    secret = "node-key-for-tests"
+    app = build_app(ServeOptions(state_dir=tmp_path / "state", backend="process",
+                                 node_key=secret))
+    with TestClient(app) as client:
+        def as_team(team: str) -> dict[str, str]:
+            return {NODE_KEY_HEADER.decode(): secret, TEAM_HEADER.decode(): team}
+
+        created = client.post("/v2/sandboxes", json={"templateID": "base"},
+                              headers=as_team("team-a"))
+        assert created.status_code == 201, created.text
+        sid = created.json()["sandboxID"]
+        mine = client.get(f"/events/sandboxes/{sid}", headers=as_team("team-a")).json()
+        assert [e["sandboxTeamId"] for e in mine] == ["team-a"]
+        assert client.get(f"/events/sandboxes/{sid}", headers=as_team("team-b")).json() == []
+        assert client.get("/events/sandboxes", headers=as_team("team-b")).json() == []
+        # a node of a cluster posts only to public addresses
+        refused = client.post("/events/webhooks", headers=as_team("team-a"), json={
+            "url": "http://127.0.0.1:9/", "signatureSecret": SECRET,
+            "events": ["sandbox.lifecycle.created"]})
+        assert refused.status_code == 400 and "non-public" in refused.json()["message"]
+        # a public literal address (no DNS), disabled: nothing is ever posted to it
+        hooks = app.orchestrator.events.sinks[0]  # type: ignore[union-attr]
+        hook = client.portal.call(hooks.register, "team-a", "a", "http://1.1.1.1/",  # type: ignore[union-attr]
+                                  ["sandbox.lifecycle.killed"], False, SECRET)
+        assert client.get(f"/events/webhooks/{hook.id}", headers=as_team("team-b")
+                          ).status_code == 404
+        assert client.get("/events/webhooks", headers=as_team("team-b")).json() == []
+        assert client.delete(f"/events/webhooks/{hook.id}", headers=as_team("team-b")
+                             ).status_code == 404
+        assert client.get(f"/events/webhooks/{hook.id}", headers=as_team("team-a")
+                          ).json()["teamID"] == "team-a"
+        client.delete(f"/sandboxes/{sid}", headers=as_team("team-a"))

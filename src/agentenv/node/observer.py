@@ -94,6 +94,9 @@ class Observer:
         self.orchestrator = orchestrator
         self.config = config
         self.histories: dict[str, History] = {}
+        #: sandboxes being looked at now (a request's look and the interval's never overlap:
+        #: both would read the same new log bytes)
+        self._busy: set[str] = set()
         self._task: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
@@ -134,6 +137,15 @@ class Observer:
 
     async def observe(self, sandbox_id: str) -> None:
         """Sample one running sandbox and read its new log lines."""
+        if sandbox_id in self._busy:
+            return
+        self._busy.add(sandbox_id)
+        try:
+            await self._observe(sandbox_id)
+        finally:
+            self._busy.discard(sandbox_id)
+
+    async def _observe(self, sandbox_id: str) -> None:
         rec = self.orchestrator.sandboxes.get(sandbox_id)
         if rec is None or rec.state != State.RUNNING or rec.placement is None:
             return
