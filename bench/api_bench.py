@@ -831,7 +831,7 @@ def observe_measurements(state_dir: Path, quick: bool) -> None:
     """Issue 28: create/pause/resume p50 with events, a slow webhook and metrics sampling on,
     against all of them off, on the same node state in one run (off, on, off again: the
     baseline is both off phases together, so drift over the run shows in neither alone)."""
-    rounds = 3 if quick else 8
+    rounds = 3 if quick else 15
     receiver = SlowReceiver(5.0)
     phases: dict[str, dict[str, list[float]]] = {"off": {}, "on": {}}
     try:

@@ -17,12 +17,13 @@ from typing import Any
 
 import pytest
 
+from agentenv.node import webhooks
 from agentenv.node.errors import BadRequest
 from agentenv.node.events import Event, EventLog
 from agentenv.node.security import NODE_KEY_HEADER
 from agentenv.node.server import ServeOptions, build_app
 from agentenv.node.tenancy import TEAM_HEADER
-from agentenv.node.webhooks import check_destination
+from agentenv.node.webhooks import check_destination, pinned
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")
@@ -297,3 +298,47 @@ def test_teams_see_only_their_own_events_and_webhooks(tmp_path: Path) -> None:
         assert client.get(f"/events/webhooks/{hook.id}", headers=as_team("team-a")
                           ).json()["teamID"] == "team-a"
         client.delete(f"/sandboxes/{sid}", headers=as_team("team-a"))
+
+
+def test_pinned_aims_at_the_checked_address() -> None:
+    assert pinned("http://1.1.1.1:8080/hook?x=1") == (
+        "http://1.1.1.1:8080/hook?x=1", {"host": "1.1.1.1:8080"}, {})
+    url, host, extensions = pinned("https://[2606:4700:4700::1111]/h")
+    assert url == "https://[2606:4700:4700::1111]/h" and extensions == {
+        "sni_hostname": "2606:4700:4700::1111"} and host == {"host": "[2606:4700:4700::1111]"}
+    with pytest.raises(BadRequest):
+        pinned("http://localhost:8080/")  # /etc/hosts: loopback
+
+
+def test_a_cluster_node_checks_the_address_again_at_each_delivery(node: TestClient) -> None:
+    """A destination allowed at registration that is not public at delivery (a name that now
+    resolves elsewhere) gets nothing: every attempt is refused and logged."""
+    receiver = Receiver()
+    try:
+        hook = register(node, receiver.url, ["sandbox.lifecycle.created"])
+        node.app_state.orchestrator.events.sinks[0].allow_private = False  # type: ignore
+        create(node)
+        wait_for(lambda: len(node.get(f"/events/webhooks/{hook}/deliveries").json()) == 4,
+                 "four refused attempts")
+        attempts = node.get(f"/events/webhooks/{hook}/deliveries").json()
+        assert all(not a["delivered"] and "non-public" in a["error"] for a in attempts)
+        assert receiver.requests == []
+    finally:
+        receiver.close()
+
+
+def test_a_pinned_delivery_reaches_the_checked_address_with_the_name_as_host(
+        node: TestClient, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`hooks.example` stands for a public name (resolved here without DNS): the delivery
+    connects to the address the check returned, and says the name in Host."""
+    receiver = Receiver()
+    port = receiver.server.server_address[1]
+    monkeypatch.setattr(webhooks, "public_address", lambda host: "127.0.0.1")
+    try:
+        node.app_state.orchestrator.events.sinks[0].allow_private = False  # type: ignore
+        register(node, f"http://hooks.example:{port}/hook", ["sandbox.lifecycle.created"])
+        create(node)
+        wait_for(lambda: len(receiver.requests) == 1, "the delivery")
+        assert receiver.requests[0][0]["host"] == f"hooks.example:{port}"
+    finally:
+        receiver.close()

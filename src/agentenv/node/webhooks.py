@@ -16,8 +16,9 @@ other webhook's. Every attempt is a row of the delivery log (`GET
 
 Destinations: http(s) only. A node of a cluster serves many teams, so there a URL whose host
 is (or resolves to) a loopback, private, link-local or otherwise non-global address is refused
-at registration unless AENV_WEBHOOK_ALLOW_PRIVATE=1; a standalone node's API key holder owns
-the host and may aim at it.
+at registration unless AENV_WEBHOOK_ALLOW_PRIVATE=1, and each delivery resolves the host again,
+checks every address and connects to the one checked (`pinned`; TLS still checks the name). A
+standalone node's API key holder owns the host and may aim at it.
 """
 
 from __future__ import annotations
@@ -82,17 +83,37 @@ def check_destination(url: str, allow_private: bool) -> None:
     parts = urlsplit(url)
     if parts.scheme not in ("http", "https") or not parts.hostname:
         raise BadRequest(f"webhook url must be an http or https URL, got {url!r}")
-    if allow_private:
-        return
+    if not allow_private:
+        public_address(parts.hostname)
+
+
+def public_address(host: str) -> str:
+    """An address of `host`, if every address it resolves to is a public one (else 400)."""
     try:
-        infos = socket.getaddrinfo(parts.hostname, parts.port or 443, type=socket.SOCK_STREAM)
+        infos = socket.getaddrinfo(host, 443, type=socket.SOCK_STREAM)
     except (OSError, UnicodeError) as exc:
-        raise BadRequest(f"webhook host {parts.hostname!r} does not resolve: {exc}") from exc
-    for info in infos:
-        address = ipaddress.ip_address(str(info[4][0]).split("%")[0])
+        raise BadRequest(f"webhook host {host!r} does not resolve: {exc}") from exc
+    addresses = [ipaddress.ip_address(str(info[4][0]).split("%")[0]) for info in infos]
+    for address in addresses:
         if not address.is_global:
-            raise BadRequest(f"webhook host {parts.hostname!r} is a non-public address "
-                             f"({address}): not allowed on a node of a cluster")
+            raise BadRequest(f"webhook host {host!r} is a non-public address ({address}): "
+                             "not allowed on a node of a cluster")
+    return str(addresses[0])
+
+
+def pinned(url: str) -> tuple[str, dict[str, str], dict[str, Any]]:
+    """`url` aimed at a public address of its host, checked now (blocking: it resolves):
+    (the URL with that address, the Host header, httpx extensions naming the host for TLS).
+    The connection then goes where the check looked, whatever the name resolves to next (a
+    name that answers a public address at registration and a private one later gets nowhere)."""
+    parts = urlsplit(url)
+    assert parts.hostname is not None  # check_destination at registration
+    address = public_address(parts.hostname)
+    literal = f"[{address}]" if ":" in address else address
+    netloc = literal if parts.port is None else f"{literal}:{parts.port}"
+    extensions = {"sni_hostname": parts.hostname} if parts.scheme == "https" else {}
+    return parts._replace(netloc=netloc).geturl(), {"host": parts.netloc.rpartition("@")[2]}, \
+        extensions
 
 
 @dataclass
@@ -227,12 +248,18 @@ class Webhooks:
             status: int | None = None
             error: str | None = None
             try:
-                answer = await client.post(hook.url, content=body, headers=headers)
+                url, host, extensions = hook.url, {}, {}
+                if not self.allow_private:
+                    url, host, extensions = await asyncio.to_thread(pinned, hook.url)
+                answer = await client.post(url, content=body, headers={**headers, **host},
+                                           extensions=extensions)
                 status = answer.status_code
                 if not 200 <= status < 300:
                     error = f"HTTP {status}"
             except httpx.HTTPError as exc:
                 error = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+            except BadRequest as exc:  # the host resolves to a non-public address now
+                error = exc.message
             with contextlib.suppress(Exception):
                 await self.store.add_webhook_attempt(hook.id, began, {
                     "deliveryId": delivery_id, "eventId": event.id, "eventType": event.type,
