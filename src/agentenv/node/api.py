@@ -371,7 +371,6 @@ class NodeApp:
             r("/sandboxes/{sandbox_id}/resume", self.resume, methods=["POST"]),
             r("/sandboxes/{sandbox_id}/connect", self.connect_v1, methods=["POST"]),
             r("/v2/sandboxes/{sandbox_id}/connect", self.connect_v2, methods=["POST"]),
-            r("/sandboxes/{sandbox_id}/metrics", self.sandbox_metrics, methods=["GET"]),
             r("/sandboxes/{sandbox_id}/snapshots", self.create_snapshot, methods=["POST"]),
             r("/sandboxes/{sandbox_id}/fork", self.fork, methods=["POST"]),
             r("/sandboxes/{sandbox_id}/network", self.update_network, methods=["PUT"]),
@@ -559,17 +558,6 @@ class NodeApp:
     async def connect_v2(self, request: Request) -> Response:
         body = await read_model(request, models.ConnectV2Request, optional=True)
         return await self._connect(self._sandbox_id(request), body.timeout, body.memory)
-
-    async def sandbox_metrics(self, request: Request) -> Response:
-        bounds: list[float | None] = []
-        for name in ("start", "end"):
-            raw = request.query_params.get(name)
-            try:
-                bounds.append(float(raw) if raw else None)
-            except ValueError as exc:
-                raise BadRequest(f"{name} must be a unix time in seconds, got {raw!r}") from exc
-        samples = await self.orchestrator.metrics(self._sandbox_id(request), *bounds)
-        return JSONResponse([models.metric_json(s) for s in samples])
 
     async def create_snapshot(self, request: Request) -> Response:
         body = await read_model(request, models.SnapshotRequest, optional=True)

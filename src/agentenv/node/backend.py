@@ -227,6 +227,15 @@ class SandboxBackend(Protocol):
 
 
 @runtime_checkable
+class SandboxLogs(Protocol):
+    """Where a running sandbox's output lands on the host (node/observer.py tails it)."""
+
+    def log_files(self, sandbox_id: str) -> list[tuple[str, Path]]:
+        """(source, file) pairs, e.g. ("console", the VM's serial log); [] when unknown."""
+        ...
+
+
+@runtime_checkable
 class CrashRecovery(Protocol):
     """Finishes what a node killed in the middle of things left behind (Orchestrator._reconcile)."""
 
@@ -334,6 +343,7 @@ class Capabilities:
     health: HealthReport | None = None
     pools: ReadyPools | None = None
     host_ports: SharedHostPorts | None = None
+    logs: SandboxLogs | None = None
     initialises_envd: bool = False
 
     @property
@@ -350,6 +360,7 @@ class Capabilities:
             health=backend if isinstance(backend, HealthReport) else None,
             pools=backend if isinstance(backend, ReadyPools) else None,
             host_ports=backend if isinstance(backend, SharedHostPorts) else None,
+            logs=backend if isinstance(backend, SandboxLogs) else None,
             initialises_envd=isinstance(backend, InitialisesEnvd)
             and backend.initialises_envd is True,
         )

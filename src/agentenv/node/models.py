@@ -194,6 +194,8 @@ class SandboxMetric(Response):
     memCache: int
     diskUsed: int
     diskTotal: int
+    #: the host-side resident memory of the sandbox's VM or processes (this node's field)
+    memUsedHost: int | Omitted = absent()
 
 
 class SnapshotInfo(Response):
@@ -325,7 +327,7 @@ def detail_json(rec: SandboxRecord, client_id: str, domain: str | None) -> dict[
     ).body()
 
 
-def metric_json(sample: MetricSample) -> dict[str, Any]:
+def metric_json(sample: MetricSample, mem_used_host: int) -> dict[str, Any]:
     return SandboxMetric(
         timestamp=iso(sample.timestamp),
         timestampUnix=int(sample.timestamp),
@@ -336,6 +338,7 @@ def metric_json(sample: MetricSample) -> dict[str, Any]:
         memCache=sample.mem_cache,
         diskUsed=sample.disk_used,
         diskTotal=sample.disk_total,
+        memUsedHost=mem_used_host,
     ).body()
 
 

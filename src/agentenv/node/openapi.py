@@ -17,8 +17,10 @@ from pydantic import BaseModel
 from pydantic.json_schema import JsonSchemaMode, JsonSchemaValue, models_json_schema
 
 from agentenv import __version__
+from agentenv.node import event_models as em
 from agentenv.node import models
 from agentenv.node import template_models as tpl
+from agentenv.node.events import TYPES
 
 REF = "#/components/schemas/{model}"
 
@@ -45,6 +47,13 @@ _SANDBOX_FILTERS = [
     _query("state", _STR, "comma-separated running,paused"),
     _query("template", _STR),
     _query("startedAfter", {"type": "string", "format": "date-time"}),
+]
+_EVENT_QUERY = [
+    _query("offset", {"type": "integer", "minimum": 0}),
+    _query("limit", {"type": "integer", "minimum": 1, "maximum": 100}),
+    _query("orderAsc", {"type": "boolean"}),
+    _query("types", {"type": "array", "items": {"enum": list(TYPES)}}, "repeated"),
+    _query("after", {"type": "integer", "minimum": 0}, "only events with a greater seq"),
 ]
 
 
@@ -182,6 +191,24 @@ ROUTES: list[Operation] = [
         {200: [models.SandboxMetric], 400: models.Error, **_NF},
         query=[_query("start", _INT, "unix seconds"), _query("end", _INT, "unix seconds")],
     ),
+    Operation("get", "/sandboxes/metrics", "getSandboxesMetrics",
+              "The latest sample of each named sandbox (node/observer.py)",
+              {200: em.SandboxesWithMetrics, 400: models.Error, **_E},
+              query=[{**_query("sandbox_ids", {"type": "string", "minLength": 1},
+                               "comma-separated, at most 100"), "required": True}]),
+    Operation("get", "/sandboxes/{sandboxID}/logs", "getSandboxLogs",
+              "Console or envd lines from start (unix ms), oldest first",
+              {200: em.SandboxLogs, 400: models.Error, **_NF},
+              query=[_query("start", {"type": "integer", "minimum": 0}),
+                     _query("limit", {"type": "integer", "minimum": 0, "maximum": 1000})]),
+    Operation("get", "/v2/sandboxes/{sandboxID}/logs", "getSandboxLogsV2",
+              "Console or envd lines from cursor (unix ms), either direction, filtered",
+              {200: em.SandboxLogsV2, 400: models.Error, **_NF},
+              query=[_query("cursor", {"type": "integer", "minimum": 0}),
+                     _query("limit", {"type": "integer", "minimum": 0, "maximum": 1000}),
+                     _query("direction", {"enum": ["forward", "backward"]}),
+                     _query("level", {"enum": ["debug", "info", "warn", "error"]}),
+                     _query("search", {"type": "string", "maxLength": 256})]),
     Operation(
         "post",
         "/sandboxes/{sandboxID}/snapshots",
@@ -323,6 +350,29 @@ ROUTES: list[Operation] = [
         body=tpl.DeleteTemplateTagsRequest,
         body_required=True,
     ),
+    # Lifecycle events and webhooks (node/events_api.py), E2B's /events API.
+    Operation("get", "/events/sandboxes", "listSandboxEvents",
+              "The team's lifecycle events, newest first unless orderAsc",
+              {200: [em.SandboxEvent], 400: models.Error, **_E}, query=_EVENT_QUERY),
+    Operation("get", "/events/sandboxes/{sandboxID}", "listSandboxEventsOfSandbox",
+              "One sandbox's lifecycle events (kept for the retention after it ended)",
+              {200: [em.SandboxEvent], 400: models.Error, **_E}, query=_EVENT_QUERY),
+    Operation("get", "/events/webhooks", "listWebhooks", "The team's webhooks",
+              {200: [em.Webhook], **_E}),
+    Operation("post", "/events/webhooks", "createWebhook",
+              "Register a webhook: events POSTed to url, signed with signatureSecret",
+              {201: em.Webhook, **_E, **_BODY_ERRORS}, body=em.NewWebhook, body_required=True),
+    Operation("get", "/events/webhooks/{webhookID}", "getWebhook", "One webhook",
+              {200: em.Webhook, **_NF}),
+    Operation("patch", "/events/webhooks/{webhookID}", "updateWebhook",
+              "Change the fields given", {200: em.Webhook, **_NF, **_BODY_ERRORS},
+              body=em.WebhookUpdate, body_required=True),
+    Operation("delete", "/events/webhooks/{webhookID}", "deleteWebhook", "Unregister",
+              {200: None, **_NF}),
+    Operation("get", "/events/webhooks/{webhookID}/deliveries", "listWebhookDeliveries",
+              "The webhook's delivery attempts, newest first",
+              {200: [em.WebhookAttempt], 400: models.Error, **_NF},
+              query=[_query("limit", {"type": "integer", "minimum": 1, "maximum": 1000})]),
     Operation("get", "/nodes", "listNodes", "This node", {200: [models.Node], **_E}),
     Operation("get", "/nodes/{nodeID}", "getNode", "This node by id", {200: models.Node, **_NF}),
 ]

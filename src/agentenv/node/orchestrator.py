@@ -29,10 +29,9 @@ import contextlib
 import logging
 import os
 import time
-from collections import deque
 from collections.abc import Awaitable, Callable, Collection, Mapping
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import httpx
 
@@ -42,7 +41,6 @@ from agentenv.node.admission import Admission, Reservation
 from agentenv.node.backend import (
     BackendError,
     Capabilities,
-    MetricSample,
     Placement,
     SandboxBackend,
     SandboxSpec,
@@ -56,6 +54,19 @@ from agentenv.node.errors import (
     Unavailable,
     sandbox_not_found,
 )
+from agentenv.node.events import (
+    CHECKPOINTED,
+    CREATED,
+    FAILED,
+    FORKED,
+    KILLED,
+    PAUSED,
+    RESUMED,
+    UPDATED,
+    Event,
+    EventLog,
+)
+from agentenv.node.models import iso
 from agentenv.node.records import SandboxRecord, State, TemplateRecord
 from agentenv.node.security import TokenIssuer, new_id
 from agentenv.node.store import NameTaken, PendingOp, Store
@@ -67,7 +78,6 @@ T = TypeVar("T")
 #: How long a call waits for another operation on the same sandbox before giving up with 409.
 WAIT_TRANSITION_SECONDS = 60.0
 MAX_FORK_COUNT = 16
-METRIC_HISTORY = 120
 #: Fault injection for tests only: when this variable names a crash point, the node process
 #: ends with os._exit there (as a kill -9 would), e.g. "pause-snapshot-written": right after
 #: the backend wrote a pause snapshot, before the node recorded it.
@@ -91,6 +101,12 @@ class NodeConfig:
     envd_ready_timeout: float = 60.0
     domain: str | None = None
     default_envd_version: str = "0.5.7"
+
+
+class Companion(Protocol):
+    async def start(self) -> None: ...
+
+    async def stop(self) -> None: ...
 
 
 @dataclass
@@ -157,7 +173,6 @@ class Orchestrator:
         self.counters = NodeCounters()
         self._ops: dict[str, asyncio.Task[Any]] = {}
         self._background: set[asyncio.Task[Any]] = set()
-        self._metric_history: dict[str, deque[MetricSample]] = {}
         self._closing = False
         #: resumes ended early (_end_resume), with what their callers get instead
         self._resume_ended: dict[str, ApiError] = {}
@@ -171,11 +186,31 @@ class Orchestrator:
         #: limits on what the node takes on (node/admission.py), set by the server; None: none
         self.admission: Admission | None = None
         self._leave_listeners: list[Callable[[str, str], None]] = []
+        #: where lifecycle events go (node/events.py), set by the server; None: nowhere
+        self.events: EventLog | None = None
+        #: services over the running node (node/observer.py), started once it runs and
+        #: stopped first at shutdown
+        self.companions: list[Companion] = []
 
     def on_leave_running(self, listener: Callable[[str, str], None]) -> None:
         """Call `listener(sandbox_id, why)` synchronously whenever a running sandbox stops being
         reachable (paused, killed, timed out, lost): the proxy closes its streams to it at once."""
         self._leave_listeners.append(listener)
+
+    @property
+    def http(self) -> httpx.AsyncClient | None:
+        """The node's client for calls to envd (None before start)."""
+        return self._http
+
+    def emit(self, kind: str, rec: SandboxRecord, **data: Any) -> None:
+        """Record a lifecycle event of `rec` (never waits: node/events.py)."""
+        if self.events is None:
+            return
+        self.events.record(Event(
+            type=kind, team=rec.team, sandbox_id=rec.sandbox_id, template_id=rec.template_id,
+            build_id=rec.source.layers[-1] if rec.source.layers else "",
+            execution_id=f"{rec.sandbox_id}-{int(rec.started_at * 1000)}",
+            data={"sandbox_metadata": dict(rec.metadata), **data}))
 
     def _left_running(self, sandbox_id: str, why: str) -> None:
         for listener in self._leave_listeners:
@@ -189,6 +224,8 @@ class Orchestrator:
     async def start(self) -> None:
         self._http = httpx.AsyncClient(timeout=httpx.Timeout(10.0, connect=2.0), trust_env=False)
         await self.store.open()
+        if self.events is not None:
+            await self.events.start()
         await self.backend.start()
         await self.catalogue.load(await self.backend.default_templates(),
                                   self.config.default_envd_version)
@@ -200,6 +237,8 @@ class Orchestrator:
             except Exception:  # never keeps the node from starting; the next pass retries
                 log.exception("garbage collection at startup failed")
         self._reaper = asyncio.create_task(self._reap_forever(), name="reaper")
+        for companion in self.companions:
+            await companion.start()
 
     async def _reconcile(self) -> None:
         """Match the records of the last run with what the backend still runs."""
@@ -334,7 +373,8 @@ class Orchestrator:
         log.error("sandbox lost", extra={"sandbox_id": sandbox_id, "reason": reason})
         rec.state = State.KILLING
         self._left_running(sandbox_id, "lost")
-        work = self._start_op(sandbox_id, "kill", self._do_kill(rec, State.RUNNING))
+        work = self._start_op(sandbox_id, "kill",
+                              self._do_kill(rec, State.RUNNING, f"lost: {reason}"))
         task = asyncio.create_task(self._log_reap(sandbox_id, work, "sandbox removed"))
         self._background.add(task)
         task.add_done_callback(self._background.discard)
@@ -342,6 +382,8 @@ class Orchestrator:
     async def shutdown(self) -> None:
         """Stop taking lifecycle calls, finish the ones under way, pause every running sandbox."""
         self._closing = True
+        for companion in self.companions:
+            await companion.stop()
         for sid in list(self._ops):
             self._end_resume(sid, Unavailable(
                 f"the node is shutting down: sandbox {sid} was not resumed (it stays paused)"))
@@ -364,7 +406,8 @@ class Orchestrator:
             for rec in running:
                 rec.state = State.PAUSING
                 self._left_running(rec.sandbox_id, "paused")
-                tasks.append(self._start_op(rec.sandbox_id, "pause", self._do_pause(rec, True)))
+                tasks.append(self._start_op(rec.sandbox_id, "pause",
+                                            self._do_pause(rec, True, "shutdown")))
             results = await asyncio.gather(*tasks, return_exceptions=True)
             for rec, result in zip(running, results, strict=True):
                 if isinstance(result, BaseException):
@@ -375,6 +418,8 @@ class Orchestrator:
         if self.gc is not None:
             await self.gc.close()
         await self.backend.close()
+        if self.events is not None:
+            await self.events.stop()
         await self.store.close()
         if self._http:
             await self._http.aclose()
@@ -583,6 +628,7 @@ class Orchestrator:
         except BaseException as exc:
             self.counters.count_create(rec.team, False)
             log.warning("sandbox create failed", extra={"sandbox_id": sid, "error": str(exc)})
+            self.emit(FAILED, rec, operation="create", reason=_reason(exc))
             self.sandboxes.pop(sid, None)
             with contextlib.suppress(Exception):
                 await self.backend.kill(sid, placement)
@@ -599,6 +645,7 @@ class Orchestrator:
         rec.state = State.RUNNING
         await self.store.put_sandbox(rec)
         self.counters.count_create(rec.team, True)
+        self.emit(CREATED, rec)
         tpl.spawn_count += 1
         tpl.last_spawned_at = now
         # Statistics only: written in the background, off the create's latency.
@@ -628,7 +675,7 @@ class Orchestrator:
         self._left_running(sandbox_id, "paused")
         await self._launch(sandbox_id, "pause", self._do_pause(rec, memory))
 
-    async def _do_pause(self, rec: SandboxRecord, memory: bool) -> None:
+    async def _do_pause(self, rec: SandboxRecord, memory: bool, why: str = "request") -> None:
         rec.state = State.PAUSING
         sid = rec.sandbox_id
         assert rec.placement is not None
@@ -643,11 +690,13 @@ class Orchestrator:
         except BackendError as exc:
             with contextlib.suppress(Exception):
                 await self.store.delete_pending(sid)
+            self.emit(FAILED, rec, operation="pause", reason=str(exc))
             if exc.retryable:
                 rec.state = State.RUNNING
                 await self.store.put_sandbox(rec)
                 raise Internal(f"failed to pause sandbox {sid}: {exc}") from exc
             await self._forget(rec)
+            self.emit(KILLED, rec, kill_reason="lost while pausing")
             raise Internal(f"sandbox {sid} was lost while pausing: {exc}") from exc
         _crash_point("pause-snapshot-written")
         rec.placement = None
@@ -655,8 +704,8 @@ class Orchestrator:
         rec.pause_mode = "full" if result.memory else "filesystem"
         rec.pause_asked_memory = memory
         rec.state = State.PAUSED
-        self._metric_history.pop(sid, None)
         await self.store.finish_pause(rec, [*rec.source.layers, *result.snapshot.layers])
+        self.emit(PAUSED, rec, pause_mode=rec.pause_mode, reason=why, execution=_execution(rec))
         log.info("sandbox paused", extra={"sandbox_id": sid, "mode": rec.pause_mode})
 
     async def connect(self, sandbox_id: str, timeout: int | None,
@@ -712,6 +761,7 @@ class Orchestrator:
             rec.state = State.PAUSED
             with contextlib.suppress(Exception):
                 await self.store.put_sandbox(rec)
+            self.emit(FAILED, rec, operation="resume", reason=_reason(exc))
             if isinstance(exc, BackendError):
                 raise _backend_failure(f"failed to resume sandbox {sid}: {exc}", exc) from exc
             ended = self._resume_ended.pop(sid, None)
@@ -723,6 +773,7 @@ class Orchestrator:
         rec.end_at = time.time() + timeout
         rec.state = State.RUNNING
         await self.store.put_sandbox(rec)
+        self.emit(RESUMED, rec, cold_boot=not memory)
         log.info("sandbox resumed", extra={"sandbox_id": sid})
 
     def _end_resume(self, sandbox_id: str, why: ApiError) -> None:
@@ -783,7 +834,7 @@ class Orchestrator:
         self._left_running(sandbox_id, "killed")
         await self._launch(sandbox_id, "kill", self._do_kill(rec, previous))
 
-    async def _do_kill(self, rec: SandboxRecord, previous: State) -> None:
+    async def _do_kill(self, rec: SandboxRecord, previous: State, why: str = "request") -> None:
         sid = rec.sandbox_id
         try:
             await self.store.put_sandbox(rec)
@@ -794,13 +845,15 @@ class Orchestrator:
         except BackendError as exc:
             rec.state = previous
             await self.store.put_sandbox(rec)
+            self.emit(FAILED, rec, operation="kill", reason=str(exc))
             raise Internal(f"failed to kill sandbox {sid}: {exc}") from exc
         await self._forget(rec)
+        ran = {"execution": _execution(rec)} if previous == State.RUNNING else {}
+        self.emit(KILLED, rec, kill_reason=why, **ran)
         log.info("sandbox killed", extra={"sandbox_id": sid})
 
     async def _forget(self, rec: SandboxRecord) -> None:
         self.sandboxes.pop(rec.sandbox_id, None)
-        self._metric_history.pop(rec.sandbox_id, None)
         await self.store.delete_sandbox(rec.sandbox_id)
         await self.store.set_layer_refs("sandbox", rec.sandbox_id, [])
         self._collect_soon()
@@ -816,6 +869,7 @@ class Orchestrator:
         end = time.time() + self._clamp_timeout(seconds, 0)
         rec.end_at = end if shorten else max(rec.end_at, end)
         await self.store.put_sandbox(rec)
+        self.emit(UPDATED, rec, set_timeout=iso(rec.end_at))
 
     async def _reap_forever(self) -> None:
         while True:
@@ -837,11 +891,12 @@ class Orchestrator:
             if rec.auto_pause:
                 rec.state = State.PAUSING
                 self._left_running(sid, "paused")
-                work = self._start_op(sid, "pause", self._do_pause(rec, rec.auto_pause_memory))
+                work = self._start_op(sid, "pause",
+                                      self._do_pause(rec, rec.auto_pause_memory, "timeout"))
             else:
                 rec.state = State.KILLING
                 self._left_running(sid, "killed")
-                work = self._start_op(sid, "kill", self._do_kill(rec, State.RUNNING))
+                work = self._start_op(sid, "kill", self._do_kill(rec, State.RUNNING, "timeout"))
             task = asyncio.create_task(self._log_reap(sid, work, "sandbox timed out"))
             self._background.add(task)
             task.add_done_callback(self._background.discard)
@@ -894,8 +949,10 @@ class Orchestrator:
             ref = await self.backend.snapshot(sid, rec.placement, snapshot_id)
         except BackendError as exc:
             rec.state = State.RUNNING
+            self.emit(FAILED, rec, operation="snapshot", reason=str(exc))
             if not exc.retryable:
                 await self._forget(rec)
+                self.emit(KILLED, rec, kill_reason="lost while snapshotting")
             raise Internal(f"failed to snapshot sandbox {sid}: {exc}") from exc
         finally:
             if rec.state == State.SNAPSHOTTING:
@@ -921,6 +978,7 @@ class Orchestrator:
             with contextlib.suppress(BackendError):
                 await self.backend.delete_snapshot(ref)
             raise Conflict(str(exc)) from exc
+        self.emit(CHECKPOINTED, rec, snapshot_id=snapshot_id, names=tpl.names)
         return tpl
 
     async def fork(self, sandbox_id: str, count: int, timeout: int | None) -> list[ForkResult]:
@@ -969,9 +1027,11 @@ class Orchestrator:
                 with contextlib.suppress(Exception):
                     await self.store.delete_sandbox(child.sandbox_id)
             rec.state = State.RUNNING
+            self.emit(FAILED, rec, operation="fork", reason=_reason(exc))
             if isinstance(exc, BackendError):
                 if not exc.retryable:
                     await self._forget(rec)
+                    self.emit(KILLED, rec, kill_reason="lost while forking")
                 raise _backend_failure(f"failed to fork sandbox {rec.sandbox_id}: {exc}", exc) from exc
             raise
         finally:
@@ -993,33 +1053,18 @@ class Orchestrator:
                 with contextlib.suppress(Exception):
                     await self.backend.kill(child.sandbox_id, child.placement)
                 await self.store.delete_sandbox(child.sandbox_id)
+                self.emit(FAILED, child, operation="fork", reason=error,
+                          source_sandbox_id=rec.sandbox_id)
                 return ForkResult(error=f"fork failed: {error}", status=500)
             ready = time.time()
             child.started_at, child.end_at = ready, ready + timeout
             child.state = State.RUNNING
             await self.store.put_sandbox(child)
+            self.emit(FORKED, child, source_sandbox_id=rec.sandbox_id)
             await self.store.set_layer_refs("sandbox", child.sandbox_id, list(child.source.layers))
             return ForkResult(record=child, status=201)
 
         return list(await asyncio.gather(*(finish(c) for c in children)))
-
-    # --- metrics -----------------------------------------------------------------------------
-
-    async def metrics(
-        self, sandbox_id: str, start: float | None, end: float | None
-    ) -> list[MetricSample]:
-        rec = self.get(sandbox_id)
-        history = self._metric_history.setdefault(sandbox_id, deque(maxlen=METRIC_HISTORY))
-        if rec.state == State.RUNNING and rec.placement is not None:
-            try:
-                history.append(await self.backend.metrics(sandbox_id, rec.placement))
-            except BackendError as exc:
-                log.warning("metrics failed", extra={"sandbox_id": sandbox_id, "error": str(exc)})
-        return [
-            s
-            for s in history
-            if (start is None or s.timestamp >= start) and (end is None or s.timestamp <= end)
-        ]
 
     # --- node info ---------------------------------------------------------------------------
 
@@ -1041,3 +1086,14 @@ def _gone(rec: SandboxRecord) -> ApiError:
 def _backend_failure(message: str, exc: BackendError) -> ApiError:
     """503 when the host cannot serve right now (blockd down: retry later), else 500."""
     return Unavailable(message) if getattr(exc, "unavailable", False) else Internal(message)
+
+
+def _reason(exc: BaseException) -> str:
+    return "cancelled" if isinstance(exc, asyncio.CancelledError) else str(exc) or type(exc).__name__
+
+
+def _execution(rec: SandboxRecord) -> dict[str, Any]:
+    """E2B's eventData.execution of a paused or killed sandbox: the run that just ended."""
+    return {"started_at": iso(rec.started_at), "vcpu_count": rec.cpu_count,
+            "memory_mb": rec.memory_mb,
+            "execution_time": int((time.time() - rec.started_at) * 1000)}

@@ -20,11 +20,16 @@ from starlette.routing import Route
 
 from agentenv.blockd.remote import install_private_store
 from agentenv.errors import AgentEnvError
+from agentenv.node import unsupported
 from agentenv.node.admission import Admission, TeamQuotas
 from agentenv.node.api import NodeApp
 from agentenv.node.backend import Capabilities, SandboxBackend
+from agentenv.node.events import EventLog, retention_from_env
+from agentenv.node.events_api import EventsApi
 from agentenv.node.gc import LayerCollector
 from agentenv.node.metrics import NodeMetrics
+from agentenv.node.observe_api import ObserveApi
+from agentenv.node.observer import Observer, ObserverConfig
 from agentenv.node.orchestrator import NodeConfig, Orchestrator
 from agentenv.node.security import (
     NODE_KEY_HEADER,
@@ -33,6 +38,7 @@ from agentenv.node.security import (
     secure_state_dir,
 )
 from agentenv.node.store import Store
+from agentenv.node.webhooks import ALLOW_PRIVATE_ENV, DeliveryPolicy, Webhooks
 from agentenv.relay.concurrency import ConcurrencyCap, max_concurrent
 from agentenv.relay.server import hardened_config, quiet_stream_aborts
 from agentenv.relay.tls import CA_ENV, NodeTls
@@ -106,6 +112,13 @@ def build_app(
         capabilities=capabilities,
     )
     orchestrator.gc = LayerCollector(orchestrator, state, metrics)
+    node_id = options.node_id or socket.gethostname()
+    orchestrator.events = EventLog(orchestrator.store, node_id, retention_from_env())
+    webhooks = Webhooks(orchestrator.store, DeliveryPolicy.from_env(), allow_private=(
+        not options.node_key or os.environ.get(ALLOW_PRIVATE_ENV, "") == "1"))
+    orchestrator.events.sinks.append(webhooks)
+    observer = Observer(orchestrator, ObserverConfig.from_env())
+    orchestrator.companions.append(observer)
     orchestrator.admission = Admission.from_env(state)
     if not options.node_key:  # a cluster's gateway counts a team over every node
         orchestrator.admission.quotas = TeamQuotas.from_env()
@@ -123,7 +136,11 @@ def build_app(
         orchestrator,
         api_key,
         metrics,
-        extra_routes=[*(extra_routes or []), *builds.routes(), *moves.routes()],
+        node_id=node_id,
+        extra_routes=[*(extra_routes or []), *unsupported.routes(), *builds.routes(),
+                      *moves.routes(),
+                      *EventsApi(orchestrator.events, webhooks).routes(),
+                      *ObserveApi(observer).routes()],
         node_key=options.node_key,
         metrics_token=options.metrics_token,
         public_metrics=options.public_metrics,

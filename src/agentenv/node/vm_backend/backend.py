@@ -58,6 +58,7 @@ from agentenv.node.vm_backend.snapshots import SnapshotStore, record_dir, record
 from agentenv.runtime import privilege
 from agentenv.runtime.config import RuntimeConfig, privilege_settings_from_env
 from agentenv.runtime.errors import RuntimeError_
+from agentenv.runtime.serial import SERIAL_LOG
 from agentenv.runtime.vm import VM, BootSpec, DiskSource, Runtime
 from agentenv.snapshot.record import SnapshotRecord
 
@@ -557,6 +558,12 @@ class VmBackend(SandboxBackend, CrashRecovery, LayerAware, TemplateBuilding, Net
         """The VMs start() took over from the previous run (see the package doc)."""
         adopted, self._adopted = self._adopted, {}
         return adopted
+
+    def log_files(self, sandbox_id: str) -> list[tuple[str, Path]]:
+        """The guest's serial console (kernel, init and envd write there; runtime/serial.py
+        keeps it bounded)."""
+        vm = self._vms.get(sandbox_id)
+        return [] if vm is None else [("console", Path(vm.workdir) / SERIAL_LOG)]
 
     async def metrics(self, sandbox_id: str, placement: Placement) -> MetricSample:
         vm = self._vm(sandbox_id)
