@@ -199,6 +199,28 @@ class ScriptedBackend:
             out.append(ForkOutcome(child.sandbox_id, self.running[child.sandbox_id]))
         return out
 
+    # --- optional: snapshot branching (fork of a paused sandbox, rollback) --------------------
+
+    async def fork_snapshot(self, snapshot: SnapshotRef,
+                            children: list[SandboxSpec]) -> list[ForkOutcome]:
+        await self._enter("fork_snapshot", str(snapshot.data["key"]))
+        if snapshot.data["key"] not in self.snapshots:
+            raise BackendError(f"snapshot {snapshot.data['key']} is gone", retryable=False)
+        for child in children:
+            self.running[child.sandbox_id] = self._placement(child.sandbox_id)
+        return [ForkOutcome(c.sandbox_id, self.running[c.sandbox_id]) for c in children]
+
+    async def rollback(self, spec: SandboxSpec, placement: Placement | None,
+                       snapshot: SnapshotRef) -> Placement:
+        """A new "VM" (another placement) from the snapshot; a failure leaves the old one."""
+        await self._enter("rollback", spec.sandbox_id)
+        if snapshot.data["key"] not in self.snapshots:
+            raise BackendError(f"snapshot {snapshot.data['key']} is gone")
+        self.running[spec.sandbox_id] = new = Placement(
+            self.envd_host, self.envd_port, {"vm": spec.sandbox_id, "n": next(self._ids)},
+            "0.5.7")
+        return new
+
     async def kill(self, sandbox_id: str, placement: Placement | None) -> None:
         await self._enter("kill", sandbox_id)
         self.running.pop(sandbox_id, None)
