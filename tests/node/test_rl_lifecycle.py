@@ -100,12 +100,19 @@ def test_three_level_fork_tree_keeps_layers_while_descendants_need_them(
                     api.delete(f"/sandboxes/{sid}")
 
 
+#: what a restore adds beside a snapshot's state: the pages its guest touched first, read ahead
+#: by later restores (runtime/memdev.py); not the snapshot's memory, disks or devices
+RESTORE_CACHE = {"startup-pack.json"}
+
+
 def _tree_files(path: Path) -> dict[str, str]:
-    """sha256 of every file under `path` (a pause snapshot directory)."""
+    """sha256 of every file of a snapshot directory's state (memory and disk layers, device
+    state, record)."""
     import hashlib
 
     out = {}
-    for file in sorted(p for p in path.rglob("*") if p.is_file()):
+    for file in sorted(p for p in path.rglob("*") if p.is_file()
+                       and p.name not in RESTORE_CACHE):
         digest = hashlib.sha256()
         with open(file, "rb") as f:
             for block in iter(lambda: f.read(1 << 20), b""):
@@ -147,8 +154,11 @@ def test_fork_of_a_paused_sandbox_leaves_it_paused_and_untouched(rl_node: NodePr
             assert any(name.startswith("disk-") for name in hashes), hashes
 
             t0 = time.perf_counter()
-            children = _fork(api, parent.sandbox_id, 3)
+            # The SDK's class-level fork takes a sandbox id: here, of a paused sandbox.
+            forked = Sandbox.fork(parent.sandbox_id, count=3, timeout=300)
             paused_fork_s = time.perf_counter() - t0
+            assert not [f for f in forked if isinstance(f, Exception)], forked
+            children = [f.sandbox_id for f in forked]
             made.extend(children)
             assert api.get(f"/sandboxes/{parent.sandbox_id}").json()["state"] == "paused"
             kids = [Sandbox.connect(cid, timeout=300) for cid in children]
@@ -204,7 +214,7 @@ def test_rollback_restores_a_snapshot_in_place(rl_node: NodeProcess) -> None:
             sbx.commands.run("python3 -m http.server 8000 --directory /home/user",
                              background=True)
             sbx.files.write("/home/user/state.txt", "before")
-            _wait(lambda: sbx.commands.run("curl -s localhost:8000/state.txt").stdout
+            _wait(lambda: sbx.commands.run("curl -s localhost:8000/state.txt || true").stdout
                   == "before", what="the guest's web server")
             assert api.post(f"/sandboxes/{sid}/rollback", json={}).status_code == 409  # no pause
             snap = api.post(f"/sandboxes/{sid}/snapshots", json={}).json()["snapshotID"]
@@ -291,3 +301,34 @@ def test_batch_from_a_snapshot_on_the_vm_backend(rl_node: NodeProcess) -> None:
             for sid in made:
                 with contextlib.suppress(Exception):
                     api.delete(f"/sandboxes/{sid}")
+
+
+def test_rollout_pool_branches_a_paused_trajectory_and_rolls_back(rl_node: NodeProcess) -> None:
+    """agentenv.rollout on the VM backend: set up, pause, branch 2 from the paused root (it
+    stays paused), step each, roll one back to its last pause; the pool cleans up."""
+    import asyncio
+
+    from agentenv.rollout import RolloutPool
+
+    async def scenario() -> None:
+        async with RolloutPool(api_url=rl_node.url, api_key=rl_node.api_key,
+                               timeout=300) as pool:
+            root = await pool.create()
+            await root.write("/home/user/env.txt", "set up")
+            await root.pause()
+            branches = await root.branch(2)
+            for i, branch in enumerate(branches):
+                assert await branch.read("/home/user/env.txt") == "set up"
+                await branch.step(f"echo {i} > /home/user/step.txt")
+            with rl_node.client() as api:
+                assert api.get(f"/sandboxes/{root.sandbox_id}").json()["state"] == "paused"
+            await branches[0].pause()
+            await branches[0].resume()
+            await branches[0].step("echo later > /home/user/step.txt")
+            await branches[0].rollback()
+            assert (await branches[0].read("/home/user/step.txt")).strip() == "0"
+            assert (await branches[1].read("/home/user/step.txt")).strip() == "1"
+        with rl_node.client() as api:
+            assert api.get("/v2/sandboxes").json() == []
+
+    asyncio.run(scenario())
