@@ -989,6 +989,8 @@ class Orchestrator:
         paused = rec.state == State.PAUSED
         if paused:
             self._branching("fork a paused sandbox (resume it and fork the running one)")
+            if rec.pause_snapshot is None:
+                raise Conflict(f"paused sandbox {sandbox_id!r} has no pause snapshot")
         # Held until the children's records exist (_new_children), which count from then on.
         held = self._admit(f"fork sandbox {sandbox_id} into {count}", rec.memory_mb,
                            rec.cpu_count, count)
@@ -1057,10 +1059,9 @@ class Orchestrator:
         """Children start from the parent's pause snapshot, which is only read: the parent
         is never resumed (BRANCHING keeps its kill or resume waiting until they run)."""
         snapshot = rec.pause_snapshot
+        assert snapshot is not None  # fork() checked
         children = self._new_children(rec, count, timeout, held)
         try:
-            if snapshot is None:
-                raise Conflict(f"paused sandbox {rec.sandbox_id!r} has no pause snapshot")
             for child in children:
                 # Its source is the snapshot it starts from: the node's GC keeps that
                 # snapshot's files while the child (or a fork of it) needs them.
