@@ -100,6 +100,41 @@ def test_three_level_fork_tree_keeps_layers_while_descendants_need_them(
                     api.delete(f"/sandboxes/{sid}")
 
 
+def test_a_tree_forked_from_pauses_keeps_and_frees_its_layers(rl_node: NodeProcess) -> None:
+    """Fork of a paused root, then of that child once paused: killing the root and the middle
+    leaves the leaf running on their pause snapshots (it pauses and resumes with every level's
+    files); killing the leaf frees every layer of the tree."""
+    from e2b import Sandbox
+
+    before = _snapshot_dirs(rl_node)
+    made: list[str] = []
+    try:
+        root = Sandbox.create(template="base", timeout=300)
+        made.append(root.sandbox_id)
+        root.files.write("/home/user/level0.txt", "root")
+        root.pause()
+        (middle,) = Sandbox.fork(root.sandbox_id, count=1, timeout=300)
+        made.append(middle.sandbox_id)
+        middle.files.write("/home/user/level1.txt", "middle")
+        middle.pause()
+        (leaf,) = Sandbox.fork(middle.sandbox_id, count=1, timeout=300)
+        made.append(leaf.sandbox_id)
+        Sandbox.kill(root.sandbox_id)
+        Sandbox.kill(middle.sandbox_id)
+        time.sleep(2.5)  # a debounced collection runs after each kill
+        leaf.files.write("/home/user/level2.txt", "leaf")
+        leaf.pause()
+        again = Sandbox.connect(leaf.sandbox_id, timeout=300)
+        assert [again.files.read(f"/home/user/level{i}.txt") for i in range(3)] == [
+            "root", "middle", "leaf"]
+        again.kill()
+        _wait(lambda: _snapshot_dirs(rl_node) == before, what="every layer of the tree freed")
+    finally:
+        for sid in made:
+            with contextlib.suppress(Exception):
+                Sandbox.kill(sid)
+
+
 #: what a restore adds beside a snapshot's state: the pages its guest touched first, read ahead
 #: by later restores (runtime/memdev.py); not the snapshot's memory, disks or devices
 RESTORE_CACHE = {"startup-pack.json"}
