@@ -73,6 +73,8 @@ class ScriptedBackend:
         #: children (by position) a fork fails to start, with the reason
         self.fork_child_errors: dict[int, str] = {}
         self.adopt_failures: dict[str, str] = {}
+        #: the envd token each rollback's new "VM" was given
+        self.rolled_back_tokens: dict[str, str | None] = {}
         self.on_sandbox_lost: Callable[[str, str], None] | None = None
         #: called when a scripted crash happens: the test stops the node's writes there
         self.on_crash: Callable[[], None] = lambda: None
@@ -213,12 +215,15 @@ class ScriptedBackend:
     async def rollback(self, spec: SandboxSpec, placement: Placement | None,
                        snapshot: SnapshotRef) -> Placement:
         """A new "VM" (another placement) from the snapshot; a failure leaves the old one."""
-        await self._enter("rollback", spec.sandbox_id)
         if snapshot.data["key"] not in self.snapshots:
             raise BackendError(f"snapshot {snapshot.data['key']} is gone")
+        fault = await self._enter("rollback", spec.sandbox_id)
+        self.rolled_back_tokens[spec.sandbox_id] = spec.access_token
         self.running[spec.sandbox_id] = new = Placement(
-            self.envd_host, self.envd_port, {"vm": spec.sandbox_id, "n": next(self._ids)},
+            self.envd_host, self.envd_port, {"vm": spec.sandbox_id,
+                                             "vm_id": f"{spec.sandbox_id}-{next(self._ids)}"},
             "0.5.7")
+        self._leave(fault)  # after: the new VM runs, the node did not record it
         return new
 
     async def kill(self, sandbox_id: str, placement: Placement | None) -> None:

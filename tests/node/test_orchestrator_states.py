@@ -676,3 +676,34 @@ def test_rollback_rekeys_and_a_failed_one_changes_nothing(tmp_path: Path) -> Non
         await orch.shutdown()
 
     run(scenario)
+
+
+@pytest.mark.parametrize("after", [False, True])
+def test_crash_mid_rollback_keeps_the_token_of_the_vm_found(tmp_path: Path, after: bool) -> None:
+    """A node killed during a rollback: the VM the next start finds decides the token (the old
+    VM: the old token; the rollback's VM: the new one), so the sandbox answers to its token."""
+    backend = ScriptedBackend()
+    ids: list[str] = []
+    tokens: list[str] = []
+
+    async def first_life() -> None:
+        orch = await start(tmp_path, backend)
+        rec = await create(orch)
+        ids.append(rec.sandbox_id)
+        tokens.append(rec.envd_access_token)
+        tpl = await orch.snapshot(rec.sandbox_id, None)
+        backend.crash("rollback", after=after)
+        await crashed(orch, orch.rollback(rec.sandbox_id, tpl.template_id, None))
+
+    async def second_life() -> None:
+        orch = await start(tmp_path, backend)
+        stored = await settled(orch, backend)
+        rec = stored[ids[0]]
+        assert rec.state == State.RUNNING
+        expected = backend.rolled_back_tokens[ids[0]] if after else tokens[0]
+        assert rec.envd_access_token == expected
+        assert (rec.envd_access_token != tokens[0]) is after
+        await orch.shutdown()
+
+    run(first_life)
+    run(second_life)

@@ -695,7 +695,7 @@ class NodeApp:
         counts = {s.value: 0 for s in State}
         for rec in mine:
             counts[rec.state.value] += 1
-        busy = ("running", "pausing", "snapshotting", "forking", "killing")
+        busy = ("running", "pausing", "snapshotting", "forking", "rolling-back", "killing")
         live = [r for r in mine if r.state.holds_vm]
         paused = [r for r in mine if not r.state.holds_vm]
         successes, fails = self.orchestrator.counters.of_team(team)

@@ -224,6 +224,10 @@ class Orchestrator:
                 continue
             live = adopted.get(sid)
             if live is not None and rec.state not in (State.CREATING, State.KILLING):
+                if rec.state == State.ROLLING_BACK and op is not None and op.op == "rollback" \
+                        and not _same_vm(live, rec.placement):
+                    # The rollback's VM was up (it holds the new token): the rollback is done.
+                    rec.envd_access_token = str(op.doc["token"])
                 # Also a pause cut short before its snapshot was complete: the VM goes on.
                 rec.state, rec.placement, rec.pause_snapshot = State.RUNNING, live, None
                 self.sandboxes[sid] = rec
@@ -1151,15 +1155,21 @@ class Orchestrator:
                            target: SnapshotRef, previous: State, timeout: int) -> None:
         sid = rec.sandbox_id
         old_token = rec.envd_access_token
-        rec.envd_access_token = self.tokens.fresh_envd_token()
         try:
+            # The record keeps the old token until the new VM runs; the new one waits in the
+            # pending operation, for a node killed meanwhile (_reconcile: whichever VM it
+            # finds decides which token the sandbox has).
             await self.store.put_sandbox(rec)
+            new_token = self.tokens.fresh_envd_token()
+            await self.store.put_pending(sid, "rollback", time.time(), {"token": new_token})
+            rec.envd_access_token = new_token
             placement = await branching.rollback(self._spec(rec), rec.placement, target)
         except BaseException as exc:
             # The backend left the sandbox as it was: so is its record.
             rec.envd_access_token, rec.state = old_token, previous
             with contextlib.suppress(Exception):
                 await self.store.put_sandbox(rec)
+                await self.store.delete_pending(sid)
             if isinstance(exc, BackendError):
                 raise _backend_failure(f"failed to roll sandbox {sid} back: {exc}", exc) from exc
             raise
@@ -1168,6 +1178,7 @@ class Orchestrator:
         rec.state = State.RUNNING
         self._metric_history.pop(sid, None)
         await self.store.put_sandbox(rec)
+        await self.store.delete_pending(sid)
         log.info("sandbox rolled back", extra={"sandbox_id": sid})
 
     # --- metrics -----------------------------------------------------------------------------
@@ -1198,6 +1209,11 @@ class Orchestrator:
 
 
 _STABLE = frozenset({State.RUNNING, State.PAUSED})
+
+
+def _same_vm(live: Placement, recorded: Placement | None) -> bool:
+    """Whether an adopted VM is the one the record names (backends name VMs by `vm_id`)."""
+    return recorded is not None and live.handle.get("vm_id") == recorded.handle.get("vm_id")
 
 
 def _gone(rec: SandboxRecord) -> ApiError:
