@@ -328,7 +328,7 @@ class Orchestrator:
         rec.pause_snapshot = result.snapshot
         rec.pause_mode = "full" if result.memory else "filesystem"
         rec.pause_asked_memory = bool(op.doc.get("memory", True))
-        rec.last_pause, rec.last_pause_memory = result.snapshot, result.memory
+        rec.last_pause = result.snapshot
         rec.state = State.PAUSED
         self.sandboxes[rec.sandbox_id] = rec
         await self.store.finish_pause(rec, [*rec.source.layers, *result.snapshot.layers])
@@ -700,7 +700,7 @@ class Orchestrator:
         rec.pause_snapshot = result.snapshot
         rec.pause_mode = "full" if result.memory else "filesystem"
         rec.pause_asked_memory = memory
-        rec.last_pause, rec.last_pause_memory = result.snapshot, result.memory
+        rec.last_pause = result.snapshot
         rec.state = State.PAUSED
         self._metric_history.pop(sid, None)
         await self.store.finish_pause(rec, [*rec.source.layers, *result.snapshot.layers])

@@ -79,8 +79,6 @@ class SandboxRecord:
     source_snapshot_id: str | None = None
     #: the snapshot of its last pause, kept after it resumed: a rollback target
     last_pause: SnapshotRef | None = None
-    #: whether that pause kept memory ("full")
-    last_pause_memory: bool = True
 
     def to_row(self) -> dict[str, Any]:
         return {
@@ -114,7 +112,6 @@ class SandboxRecord:
             "parent_sandbox_id": self.parent_sandbox_id,
             "source_snapshot_id": self.source_snapshot_id,
             "last_pause": self.last_pause.to_json() if self.last_pause else None,
-            "last_pause_memory": self.last_pause_memory,
         }
 
     @classmethod
@@ -153,7 +150,6 @@ class SandboxRecord:
             source_snapshot_id=row.get("source_snapshot_id"),
             last_pause=(TemplateRef.from_json(row["last_pause"]) if row.get("last_pause")
                         else None),
-            last_pause_memory=bool(row.get("last_pause_memory", True)),
         )
 
 
