@@ -308,6 +308,25 @@ class NetworkPolicies(Protocol):
 
 
 @runtime_checkable
+class SnapshotBranching(Protocol):
+    """Starts sandboxes from a snapshot without touching it (a paused sandbox's pause snapshot:
+    fork with no parent running), and restores a sandbox in place to one of its snapshots."""
+
+    async def fork_snapshot(self, snapshot: SnapshotRef,
+                            children: list[SandboxSpec]) -> list[ForkOutcome]:
+        """Start len(children) sandboxes from `snapshot`, which stays as it is; an outcome
+        per child (a child's failure is its own)."""
+        ...
+
+    async def rollback(self, spec: SandboxSpec, placement: Placement | None,
+                       snapshot: SnapshotRef) -> Placement:
+        """Sandbox `spec` (running at `placement`; None: paused) runs from `snapshot` instead,
+        with spec's identity (a new envd token). The old VM ends only once the new one runs:
+        a failure leaves the sandbox as it was."""
+        ...
+
+
+@runtime_checkable
 class HealthReport(Protocol):
     def health_problem(self) -> str | None:
         """Why the backend cannot serve sandboxes fully right now (/health: 503); None: fine."""
@@ -344,6 +363,7 @@ class Capabilities:
     pools: ReadyPools | None = None
     host_ports: SharedHostPorts | None = None
     logs: SandboxLogs | None = None
+    branching: SnapshotBranching | None = None
     initialises_envd: bool = False
 
     @property
@@ -361,6 +381,7 @@ class Capabilities:
             pools=backend if isinstance(backend, ReadyPools) else None,
             host_ports=backend if isinstance(backend, SharedHostPorts) else None,
             logs=backend if isinstance(backend, SandboxLogs) else None,
+            branching=backend if isinstance(backend, SnapshotBranching) else None,
             initialises_envd=isinstance(backend, InitialisesEnvd)
             and backend.initialises_envd is True,
         )

@@ -34,11 +34,12 @@ UPDATED = "sandbox.lifecycle.updated"
 CHECKPOINTED = "sandbox.lifecycle.checkpointed"  # a snapshot
 FORKED = "sandbox.lifecycle.forked"  # a fork's child; eventData.source_sandbox_id
 FAILED = "sandbox.lifecycle.failed"  # eventData.operation and .reason
+ROLLED_BACK = "sandbox.lifecycle.rolled_back"  # restored in place to one of its snapshots
 BUILD_STARTED = "template.build.started"
 BUILD_FINISHED = "template.build.finished"
 BUILD_FAILED = "template.build.failed"
 TEMPLATE_PREFIX = "template."
-TYPES = (CREATED, KILLED, PAUSED, RESUMED, UPDATED, CHECKPOINTED, FORKED, FAILED,
+TYPES = (CREATED, KILLED, PAUSED, RESUMED, UPDATED, CHECKPOINTED, FORKED, FAILED, ROLLED_BACK,
          BUILD_STARTED, BUILD_FINISHED, BUILD_FAILED)
 
 DEFAULT_RETENTION_DAYS = 7.0

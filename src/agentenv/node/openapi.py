@@ -28,8 +28,10 @@ REF = "#/components/schemas/{model}"
 _STR = {"type": "string"}
 _INT = {"type": "integer"}
 
-#: a response body: a model, a JSON array of one model ([Model]), or none
-Body = type[BaseModel] | list[type[BaseModel]] | None
+#: a response body: a model, a JSON array of one model ([Model]), one of several of those
+#: (a tuple: the request decides which), or none
+One = type[BaseModel] | list[type[BaseModel]]
+Body = One | tuple[One, ...] | None
 #: (model, "validation" for a request or "serialization" for a response) -> its $ref
 Refs = dict[tuple[Any, JsonSchemaMode], JsonSchemaValue]
 
@@ -86,8 +88,9 @@ ROUTES: list[Operation] = [
         "post",
         "/v2/sandboxes",
         "createSandboxV2",
-        "Create a sandbox (SDK 2.46+, TS 2.x)",
-        {201: models.Sandbox, **_NF, **_BODY_ERRORS, **_ADMISSION},
+        "Create a sandbox (SDK 2.46+, TS 2.x); with count (extension) a batch: a "
+        "SandboxForkResult per sandbox",
+        {201: (models.Sandbox, [models.ForkResult]), **_NF, **_BODY_ERRORS, **_ADMISSION},
         body=models.NewSandbox,
         body_required=True,
     ),
@@ -95,8 +98,8 @@ ROUTES: list[Operation] = [
         "post",
         "/sandboxes",
         "createSandbox",
-        "Create a sandbox (legacy, SDK 2.0-2.45)",
-        {201: models.Sandbox, **_NF, **_BODY_ERRORS, **_ADMISSION},
+        "Create a sandbox (legacy, SDK 2.0-2.45); with count (extension) a batch",
+        {201: (models.Sandbox, [models.ForkResult]), **_NF, **_BODY_ERRORS, **_ADMISSION},
         body=models.NewSandbox,
         body_required=True,
     ),
@@ -221,9 +224,26 @@ ROUTES: list[Operation] = [
         "post",
         "/sandboxes/{sandboxID}/fork",
         "forkSandbox",
-        "Fork a running sandbox into count children",
+        "Fork a sandbox into count children: a running one from a checkpoint in place, a "
+        "paused one from its pause snapshot (it stays paused)",
         {201: [models.ForkResult], **_NF, **_BODY_ERRORS, 409: models.Error, **_ADMISSION},
         body=models.ForkRequest,
+    ),
+    Operation(
+        "post",
+        "/sandboxes/{sandboxID}/rollback",
+        "rollbackSandbox",
+        "Restore a sandbox in place to one of its snapshots (or its last pause); it runs "
+        "afterwards with a new envd token (extension)",
+        {200: models.Sandbox, **_NF, **_BODY_ERRORS, 409: models.Error, **_ADMISSION},
+        body=models.RollbackRequest,
+    ),
+    Operation(
+        "get",
+        "/sandboxes/{sandboxID}/children",
+        "listSandboxChildren",
+        "Sandboxes forked from this one (extension: lineage)",
+        {200: [models.ListedSandbox], **_NF},
     ),
     Operation(
         "put",
@@ -241,6 +261,21 @@ ROUTES: list[Operation] = [
         {200: [models.SnapshotInfo], 400: models.Error, **_E},
         query=[_query("sandboxID", _STR), _query("name", _STR), _LIMIT, _NEXT],
         headers={200: ["X-Next-Token"]},
+    ),
+    Operation(
+        "post",
+        "/snapshots/{snapshotID}/fork",
+        "forkSnapshot",
+        "count sandboxes from a snapshot, a result each (extension: batch create)",
+        {201: [models.ForkResult], **_NF, **_BODY_ERRORS, **_ADMISSION},
+        body=models.ForkRequest,
+    ),
+    Operation(
+        "get",
+        "/snapshots/{snapshotID}/children",
+        "listSnapshotChildren",
+        "Sandboxes made from this snapshot (extension: lineage)",
+        {200: [models.ListedSandbox], **_NF},
     ),
     Operation(
         "get",
@@ -378,11 +413,22 @@ ROUTES: list[Operation] = [
 ]
 
 
+def _one_schema(body: One, refs: Refs) -> dict[str, Any]:
+    return ({"type": "array", "items": refs[(body[0], "serialization")]}
+            if isinstance(body, list) else refs[(body, "serialization")])
+
+
+def _models(body: Body) -> list[type[BaseModel]]:
+    """The models a response body is made of."""
+    ones = body if isinstance(body, tuple) else () if body is None else (body,)
+    return [one[0] if isinstance(one, list) else one for one in ones]
+
+
 def _response(status: int, body: Body, headers: list[str], refs: Refs) -> dict[str, Any]:
     out: dict[str, Any] = {"description": str(status)}
     if body is not None:
-        schema = ({"type": "array", "items": refs[(body[0], "serialization")]}
-                  if isinstance(body, list) else refs[(body, "serialization")])
+        schema = ({"oneOf": [_one_schema(one, refs) for one in body]}
+                  if isinstance(body, tuple) else _one_schema(body, refs))
         out["content"] = {"application/json": {"schema": schema}}
     if headers:
         out["headers"] = {h: {"schema": _STR} for h in headers}
@@ -433,8 +479,8 @@ def _schemas() -> tuple[Refs, dict[str, Any]]:
         if op.body is not None:
             used[(op.body, "validation")] = None
         for body in op.responses.values():
-            if body is not None:
-                used[(body[0] if isinstance(body, list) else body, "serialization")] = None
+            for model in _models(body):
+                used[(model, "serialization")] = None
     refs, top = models_json_schema(list(used), ref_template=REF)
     return dict(refs), dict(top.get("$defs", {}))
 

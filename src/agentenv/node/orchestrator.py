@@ -41,9 +41,12 @@ from agentenv.node.admission import Admission, Reservation
 from agentenv.node.backend import (
     BackendError,
     Capabilities,
+    ForkOutcome,
     Placement,
     SandboxBackend,
     SandboxSpec,
+    SnapshotBranching,
+    SnapshotRef,
 )
 from agentenv.node.catalogue import TemplateCatalogue
 from agentenv.node.errors import (
@@ -62,6 +65,7 @@ from agentenv.node.events import (
     KILLED,
     PAUSED,
     RESUMED,
+    ROLLED_BACK,
     UPDATED,
     Event,
     EventLog,
@@ -77,7 +81,8 @@ T = TypeVar("T")
 
 #: How long a call waits for another operation on the same sandbox before giving up with 409.
 WAIT_TRANSITION_SECONDS = 60.0
-MAX_FORK_COUNT = 16
+#: children of one fork or batch create (E2B's limit; the seed's 16 was the floor)
+MAX_FORK_COUNT = 100
 #: Fault injection for tests only: when this variable names a crash point, the node process
 #: ends with os._exit there (as a kill -9 would), e.g. "pause-snapshot-written": right after
 #: the backend wrote a pause snapshot, before the node recorded it.
@@ -259,6 +264,10 @@ class Orchestrator:
                 continue
             live = adopted.get(sid)
             if live is not None and rec.state not in (State.CREATING, State.KILLING):
+                if rec.state == State.ROLLING_BACK and op is not None and op.op == "rollback" \
+                        and not _same_vm(live, rec.placement):
+                    # The rollback's VM was up (it holds the new token): the rollback is done.
+                    rec.envd_access_token = str(op.doc["token"])
                 # Also a pause cut short before its snapshot was complete: the VM goes on.
                 rec.state, rec.placement, rec.pause_snapshot = State.RUNNING, live, None
                 self.sandboxes[sid] = rec
@@ -266,7 +275,8 @@ class Orchestrator:
                 log.info("adopted running sandbox", extra={"sandbox_id": sid})
             elif live is None and rec.state == State.PAUSING and await self._recover_pause(rec, op):
                 log.info("pause completed after a node crash", extra={"sandbox_id": sid})
-            elif live is None and rec.state == State.RESUMING and rec.pause_snapshot:
+            elif live is None and rec.state in (State.RESUMING, State.ROLLING_BACK) \
+                    and rec.pause_snapshot:
                 rec.state, rec.placement = State.PAUSED, None
                 self.sandboxes[sid] = rec
                 await self.store.put_sandbox(rec)
@@ -358,6 +368,7 @@ class Orchestrator:
         rec.pause_snapshot = result.snapshot
         rec.pause_mode = "full" if result.memory else "filesystem"
         rec.pause_asked_memory = bool(op.doc.get("memory", True))
+        rec.last_pause = result.snapshot
         rec.state = State.PAUSED
         self.sandboxes[rec.sandbox_id] = rec
         await self.store.finish_pause(rec, [*rec.source.layers, *result.snapshot.layers])
@@ -439,6 +450,16 @@ class Orchestrator:
     def list_visible(self) -> list[SandboxRecord]:
         """Sandboxes the API lists: everything except those being killed."""
         return [r for r in self.sandboxes.values() if r.state != State.KILLING]
+
+    def children(self, sandbox_id: str) -> list[SandboxRecord]:
+        """The sandboxes forked from (or made from a snapshot of) `sandbox_id`, oldest first."""
+        return sorted((r for r in self.list_visible() if r.parent_sandbox_id == sandbox_id),
+                      key=lambda r: (r.created_at, r.sandbox_id))
+
+    def made_from_snapshot(self, snapshot_id: str) -> list[SandboxRecord]:
+        """The sandboxes made from catalogue snapshot `snapshot_id`, oldest first."""
+        return sorted((r for r in self.list_visible() if r.source_snapshot_id == snapshot_id),
+                      key=lambda r: (r.created_at, r.sandbox_id))
 
     async def _launch(self, sandbox_id: str, op: str, work: Awaitable[T]) -> T:
         """Run `work` as this sandbox's one operation; the caller may go away, the work won't."""
@@ -596,6 +617,9 @@ class Orchestrator:
             network=network_policy.stored(params.network, policy),
             source=tpl.ref,
             team=params.team,
+            # lineage: a snapshot's sandbox descends from the sandbox the snapshot was taken of
+            parent_sandbox_id=tpl.source_sandbox_id if tpl.kind == "snapshot" else None,
+            source_snapshot_id=tpl.template_id if tpl.kind == "snapshot" else None,
         )
         # Nothing awaits between the check and the insertion: the record counts from then on.
         self._release(self._admit("create sandbox", tpl.memory_mb, tpl.cpu_count))
@@ -655,6 +679,29 @@ class Orchestrator:
         log.info("sandbox created", extra={"sandbox_id": sid, "template_id": rec.template_id})
         return rec
 
+    async def create_many(self, params: CreateParams, count: int) -> list[ForkResult]:
+        """`count` sandboxes of one template or snapshot (an extension: a batch create), a
+        result each: every one is admitted, made and cleaned up on its own (creates are
+        admitted in turn, so those past a limit get its 429 and nothing of them is made).
+        When none is made, the first refusal is the answer (e.g. 429 naming the limit)."""
+        self._check_count(count)
+        made = await asyncio.gather(*(self.create(params) for _ in range(count)),
+                                    return_exceptions=True)
+        results: list[ForkResult] = []
+        for one in made:
+            if isinstance(one, SandboxRecord):
+                results.append(ForkResult(record=one, status=201))
+            elif isinstance(one, ApiError):
+                results.append(ForkResult(error=one.message, status=one.status))
+            elif isinstance(one, Exception):
+                results.append(ForkResult(error=f"create failed: {one}", status=500))
+            else:
+                raise one
+        if not any(r.record for r in results):
+            first = next(m for m in made if isinstance(m, BaseException))
+            raise first
+        return results
+
     async def _save_quietly(self, tpl: TemplateRecord) -> None:
         with contextlib.suppress(Exception):
             await self.store.put_template(tpl)
@@ -703,6 +750,7 @@ class Orchestrator:
         rec.pause_snapshot = result.snapshot
         rec.pause_mode = "full" if result.memory else "filesystem"
         rec.pause_asked_memory = memory
+        rec.last_pause = result.snapshot
         rec.state = State.PAUSED
         await self.store.finish_pause(rec, [*rec.source.layers, *result.snapshot.layers])
         self.emit(PAUSED, rec, pause_mode=rec.pause_mode, reason=why, execution=_execution(rec))
@@ -981,24 +1029,46 @@ class Orchestrator:
         self.emit(CHECKPOINTED, rec, snapshot_id=snapshot_id, names=tpl.names)
         return tpl
 
-    async def fork(self, sandbox_id: str, count: int, timeout: int | None) -> list[ForkResult]:
-        self._check_open()
+    def _check_count(self, count: int) -> None:
         if not 1 <= count <= MAX_FORK_COUNT:
             raise BadRequest(f"count must be between 1 and {MAX_FORK_COUNT}, got {count}: "
-                             f"{MAX_FORK_COUNT} children per fork is this node's limit")
+                             f"{MAX_FORK_COUNT} children per call is this node's limit")
+
+    def _branching(self, what: str) -> SnapshotBranching:
+        """The backend's SnapshotBranching, or 400 naming what it cannot do."""
+        branching = self.capabilities.branching
+        if branching is None:
+            raise BadRequest(f"the {self.backend.name} backend cannot {what}: the VM backend can")
+        return branching
+
+    async def fork(self, sandbox_id: str, count: int, timeout: int | None) -> list[ForkResult]:
+        """`count` running children: of a running sandbox (checkpoint in place, it goes on
+        running), or of a paused one from its pause snapshot (it stays paused, untouched)."""
+        self._check_open()
+        self._check_count(count)
         seconds = self._clamp_timeout(timeout, self.config.fork_default_timeout)
-        rec = await self._wait_running(sandbox_id, "be forked")
-        # Held until the children's records exist (_do_fork), which count from then on.
+        rec = await self._await_state(sandbox_id, _STABLE, {State.KILLING: lambda rec: Conflict(
+            f"sandbox {sandbox_id!r} cannot be forked while in '{rec.state.value}' state")})
+        paused = rec.state == State.PAUSED
+        if paused:
+            self._branching("fork a paused sandbox (resume it and fork the running one)")
+            if rec.pause_snapshot is None:
+                raise Conflict(f"paused sandbox {sandbox_id!r} has no pause snapshot")
+        # Held until the children's records exist (_new_children), which count from then on.
         held = self._admit(f"fork sandbox {sandbox_id} into {count}", rec.memory_mb,
                            rec.cpu_count, count)
-        rec.state = State.FORKING
+        rec.state = State.BRANCHING if paused else State.FORKING
+        work = (self._do_fork_paused(rec, count, seconds, held) if paused
+                else self._do_fork(rec, count, seconds, held))
         try:
-            return await self._launch(sandbox_id, "fork", self._do_fork(rec, count, seconds, held))
+            return await self._launch(sandbox_id, "fork", work)
         finally:
             self._release(held)
 
-    async def _do_fork(self, rec: SandboxRecord, count: int, timeout: int,
-                       held: Reservation | None = None) -> list[ForkResult]:
+    def _new_children(self, rec: SandboxRecord, count: int, timeout: int,
+                      held: Reservation | None) -> list[SandboxRecord]:
+        """Records of `count` children of `rec` (its settings, their own ids and tokens),
+        counted from now on (the admission reservation goes)."""
         now = time.time()
         children: list[SandboxRecord] = []
         for _ in range(count):
@@ -1010,10 +1080,23 @@ class Orchestrator:
             if rec.traffic_access_token:
                 child.traffic_access_token = self.tokens.traffic_token(cid)
             child.placement, child.pause_snapshot, child.pause_mode = None, None, None
+            child.parent_sandbox_id, child.source_snapshot_id = rec.sandbox_id, None
+            child.last_pause = None
             child.started_at, child.end_at, child.created_at = now, now + timeout, now
             children.append(child)
             self.sandboxes[cid] = child
         self._release(held)
+        return children
+
+    async def _drop_children(self, children: list[SandboxRecord]) -> None:
+        for child in children:
+            self.sandboxes.pop(child.sandbox_id, None)
+            with contextlib.suppress(Exception):
+                await self.store.delete_sandbox(child.sandbox_id)
+
+    async def _do_fork(self, rec: SandboxRecord, count: int, timeout: int,
+                       held: Reservation | None = None) -> list[ForkResult]:
+        children = self._new_children(rec, count, timeout, held)
         assert rec.placement is not None
         try:
             for child in children:
@@ -1022,10 +1105,7 @@ class Orchestrator:
                 self._spec(rec), rec.placement, [self._spec(c) for c in children]
             )
         except BaseException as exc:
-            for child in children:
-                self.sandboxes.pop(child.sandbox_id, None)
-                with contextlib.suppress(Exception):
-                    await self.store.delete_sandbox(child.sandbox_id)
+            await self._drop_children(children)
             rec.state = State.RUNNING
             self.emit(FAILED, rec, operation="fork", reason=_reason(exc))
             if isinstance(exc, BackendError):
@@ -1037,6 +1117,36 @@ class Orchestrator:
         finally:
             if rec.state == State.FORKING:
                 rec.state = State.RUNNING
+        return await self._finish_children(children, outcomes, timeout)
+
+    async def _do_fork_paused(self, rec: SandboxRecord, count: int, timeout: int,
+                              held: Reservation | None) -> list[ForkResult]:
+        """Children start from the parent's pause snapshot, which is only read: the parent
+        is never resumed (BRANCHING keeps its kill or resume waiting until they run)."""
+        snapshot = rec.pause_snapshot
+        assert snapshot is not None  # fork() checked
+        children = self._new_children(rec, count, timeout, held)
+        try:
+            for child in children:
+                # Its source is the snapshot it starts from: the node's GC keeps that
+                # snapshot's files while the child (or a fork of it) needs them.
+                child.source = snapshot
+                await self.store.put_sandbox(child)
+            outcomes = await self._branching("fork a paused sandbox").fork_snapshot(
+                snapshot, [self._spec(c) for c in children])
+        except BaseException as exc:
+            await self._drop_children(children)
+            if isinstance(exc, BackendError):
+                raise _backend_failure(f"failed to fork paused sandbox {rec.sandbox_id}: {exc}",
+                                       exc) from exc
+            raise
+        finally:
+            rec.state = State.PAUSED
+        return await self._finish_children(children, outcomes, timeout)
+
+    async def _finish_children(self, children: list[SandboxRecord], outcomes: list[ForkOutcome],
+                               timeout: int) -> list[ForkResult]:
+        """Each child runs (recorded with its layers) or is gone, whatever the others do."""
         by_id = {o.sandbox_id: o for o in outcomes}
 
         async def finish(child: SandboxRecord) -> ForkResult:
@@ -1054,17 +1164,86 @@ class Orchestrator:
                     await self.backend.kill(child.sandbox_id, child.placement)
                 await self.store.delete_sandbox(child.sandbox_id)
                 self.emit(FAILED, child, operation="fork", reason=error,
-                          source_sandbox_id=rec.sandbox_id)
+                          source_sandbox_id=child.parent_sandbox_id)
                 return ForkResult(error=f"fork failed: {error}", status=500)
             ready = time.time()
             child.started_at, child.end_at = ready, ready + timeout
             child.state = State.RUNNING
             await self.store.put_sandbox(child)
-            self.emit(FORKED, child, source_sandbox_id=rec.sandbox_id)
+            self.emit(FORKED, child, source_sandbox_id=child.parent_sandbox_id)
             await self.store.set_layer_refs("sandbox", child.sandbox_id, list(child.source.layers))
             return ForkResult(record=child, status=201)
 
         return list(await asyncio.gather(*(finish(c) for c in children)))
+
+    # --- rollback ----------------------------------------------------------------------------
+
+    def _rollback_target(self, rec: SandboxRecord, snapshot_id: str | None) -> SnapshotRef:
+        """A snapshot of the sandbox's own: a catalogue snapshot taken of it, or (None) its
+        current or last pause."""
+        if snapshot_id is None:
+            target = rec.pause_snapshot if rec.state == State.PAUSED else rec.last_pause
+            if target is None:
+                raise Conflict(f"sandbox {rec.sandbox_id!r} was never paused: name a snapshot "
+                               "of it (snapshotID) to roll back to")
+            return target
+        tpl = self.catalogue.resolve(snapshot_id, rec.team)
+        if tpl.kind != "snapshot" or tpl.source_sandbox_id != rec.sandbox_id:
+            raise BadRequest(f"{snapshot_id!r} is not a snapshot of sandbox {rec.sandbox_id!r}: "
+                             "a sandbox rolls back to its own snapshots only")
+        return tpl.ref
+
+    async def rollback(self, sandbox_id: str, snapshot_id: str | None,
+                       timeout: int | None) -> SandboxRecord:
+        """Restore a running or paused sandbox in place to one of its snapshots: same id,
+        network policy and lineage; memory, processes and disk as at the snapshot; a new envd
+        token (the old one opens nothing). It runs afterwards, at least `timeout` seconds."""
+        self._check_open()
+        branching = self._branching("roll a sandbox back")
+        seconds = self._clamp_timeout(timeout, self.config.default_timeout)
+        rec = await self._await_state(sandbox_id, _STABLE, {State.KILLING: lambda rec: Conflict(
+            f"sandbox {sandbox_id!r} is being killed")})
+        target = self._rollback_target(rec, snapshot_id)
+        previous = rec.state
+        if previous == State.PAUSED:  # it gets a VM again
+            self._release(self._admit(f"roll back sandbox {sandbox_id}", rec.memory_mb,
+                                      rec.cpu_count))
+        else:
+            self._left_running(sandbox_id, "rolled back")
+        rec.state = State.ROLLING_BACK
+        await self._launch(sandbox_id, "rollback",
+                           self._do_rollback(rec, branching, target, previous, seconds))
+        return rec
+
+    async def _do_rollback(self, rec: SandboxRecord, branching: SnapshotBranching,
+                           target: SnapshotRef, previous: State, timeout: int) -> None:
+        sid = rec.sandbox_id
+        old_token = rec.envd_access_token
+        try:
+            # The record keeps the old token until the new VM runs; the new one waits in the
+            # pending operation, for a node killed meanwhile (_reconcile: whichever VM it
+            # finds decides which token the sandbox has).
+            await self.store.put_sandbox(rec)
+            new_token = self.tokens.fresh_envd_token()
+            await self.store.put_pending(sid, "rollback", time.time(), {"token": new_token})
+            rec.envd_access_token = new_token
+            placement = await branching.rollback(self._spec(rec), rec.placement, target)
+        except BaseException as exc:
+            # The backend left the sandbox as it was: so is its record.
+            rec.envd_access_token, rec.state = old_token, previous
+            with contextlib.suppress(Exception):
+                await self.store.put_sandbox(rec)
+                await self.store.delete_pending(sid)
+            if isinstance(exc, BackendError):
+                raise _backend_failure(f"failed to roll sandbox {sid} back: {exc}", exc) from exc
+            raise
+        rec.placement, rec.pause_snapshot = placement, None
+        rec.end_at = max(rec.end_at, time.time() + timeout)
+        rec.state = State.RUNNING
+        await self.store.put_sandbox(rec)
+        await self.store.delete_pending(sid)
+        self.emit(ROLLED_BACK, rec)
+        log.info("sandbox rolled back", extra={"sandbox_id": sid})
 
     # --- node info ---------------------------------------------------------------------------
 
@@ -1076,6 +1255,11 @@ class Orchestrator:
 
 
 _STABLE = frozenset({State.RUNNING, State.PAUSED})
+
+
+def _same_vm(live: Placement, recorded: Placement | None) -> bool:
+    """Whether an adopted VM is the one the record names (backends name VMs by `vm_id`)."""
+    return recorded is not None and live.handle.get("vm_id") == recorded.handle.get("vm_id")
 
 
 def _gone(rec: SandboxRecord) -> ApiError:

@@ -624,9 +624,13 @@ class GatewayApp:
             ("GET", f"/sandboxes/{sid}/metrics", self.sandbox_forward),
             ("POST", f"/sandboxes/{sid}/snapshots", self.snapshot),
             ("POST", f"/sandboxes/{sid}/fork", self.fork),
+            ("POST", f"/sandboxes/{sid}/rollback", self.sandbox_forward),
+            ("GET", f"/sandboxes/{sid}/children", self.sandbox_forward),
             ("PUT", f"/sandboxes/{sid}/network", self.sandbox_forward),
             ("GET", "/snapshots", self.list_snapshots),
-            ("GET", f"/snapshots/{rest}", self.get_snapshot),
+            ("POST", f"/snapshots/{rest}/fork", self.snapshot_fork),
+            ("GET", f"/snapshots/{rest}/children", self.snapshot_forward),
+            ("GET", f"/snapshots/{rest}", self.snapshot_forward),
             ("POST", "/v3/templates", self.build_template),
             ("POST", "/templates/tags", self.tags_change),
             ("DELETE", "/templates/tags", self.tags_change),
@@ -842,6 +846,11 @@ class GatewayApp:
             node = next((n for n in await self._up_nodes() if n.node_id == before), None)
         if node is None:
             node = await self.scheduler.schedule(template=template, team=team)
+        if isinstance(body, dict) and "count" in body:  # a batch create (an extension)
+            if key is not None:
+                raise ApiError(400, "a batch create (count) takes no Idempotency-Key")
+            await self._batch(request, send, team, node, raw)
+            return True
         headers = None
         if key is not None:
             # the node's own Idempotency-Key memory has no teams: a key of the team's own
@@ -949,7 +958,7 @@ class GatewayApp:
         binding = await self._own_binding(sandbox_id, team)
         answer = await self._call(binding.node, request, team, await self._body(request))
         if answer.status_code in (200, 201) and request.method == "POST" and (
-            request.url.path.endswith(("/connect", "/resume"))
+            request.url.path.endswith(("/connect", "/resume", "/rollback"))
         ):
             await self._send_json(send, answer.status_code, self._with_domain(answer.json()))
             return
@@ -969,11 +978,22 @@ class GatewayApp:
         await self._send(send, answer)
 
     async def fork(self, request: Request, send: Send, team: str, sandbox_id: str) -> None:
-        # a fork stays on its source's node (its memory and disk are there)
+        # a fork stays on its source's node (its memory and disk are there), running or paused
         binding = await self._own_binding(sandbox_id, team)
-        raw = await self._body(request)
+        await self._batch(request, send, team, binding.node, await self._body(request))
+
+    async def snapshot_fork(self, request: Request, send: Send, team: str, ref: str) -> None:
+        """A batch create from a snapshot, on the node that holds it (its layers are there)."""
+        await self._batch(request, send, team, await self._snapshot_node(ref, team),
+                          await self._body(request))
+
+    async def _batch(self, request: Request, send: Send, team: str, node: Node,
+                     raw: bytes) -> None:
+        """Forward a request that makes `count` sandboxes on `node` (a fork, a batch create),
+        answered with a SandboxForkResult each: the team's quota holds their places, and every
+        child made is the team's, bound to `node`."""
         async with self.quotas.new_sandboxes(team, fork_count(raw)) as made:
-            answer = await self._call(binding.node, request, team, raw)
+            answer = await self._call(node, request, team, raw)
             made.answer(answer)
         if answer.status_code != 201:
             await self._send(send, answer)
@@ -982,7 +1002,7 @@ class GatewayApp:
         children = [r["sandbox"]["sandboxID"] for r in results if r.get("sandbox")]
         await self.store.own_sandboxes(team, children)
         for child in children:
-            await self.scheduler.record(child, binding.node, team)
+            await self.scheduler.record(child, node, team)
         for r in results:
             if r.get("sandbox"):
                 self._with_domain(r["sandbox"])
@@ -1018,12 +1038,17 @@ class GatewayApp:
         headers = {"X-Next-Token": next_token} if next_token else None
         await self._send_json(send, 200, page_items, headers)
 
-    async def get_snapshot(self, request: Request, send: Send, team: str, ref: str) -> None:
+    async def _snapshot_node(self, ref: str, team: str) -> Node:
+        """The node holding a snapshot of `team` (404 for another team's or an unknown one)."""
         owned = await self.store.owned("snapshot", ref.split("/")[-1].split(":")[0], team)
         if owned is None or owned.team != team:
             raise ApiError(404, f"snapshot '{ref}' not found")
-        node = await self._node_by_id(owned.node)
-        await self._send(send, await self._call(node, request, team))
+        return await self._node_by_id(owned.node)
+
+    async def snapshot_forward(self, request: Request, send: Send, team: str, ref: str) -> None:
+        """A snapshot, or the sandboxes made from it, as the node holding it knows them."""
+        await self._send(send, await self._call(await self._snapshot_node(ref, team), request,
+                                                team))
 
     # --- templates ---------------------------------------------------------------------------
 
