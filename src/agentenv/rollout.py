@@ -206,8 +206,10 @@ class RolloutPool:
         url = self.config.api_url or os.environ.get("E2B_API_URL")
         if url:
             opts["api_url"] = url
-            opts["sandbox_url"] = (self.config.sandbox_url or os.environ.get("E2B_SANDBOX_URL")
-                                   or url)
+            # E2B_SANDBOX_URL goes with E2B_API_URL: a pool given its own API URL does not
+            # send its sandboxes' traffic where the environment points another API's
+            from_env = None if self.config.api_url else os.environ.get("E2B_SANDBOX_URL")
+            opts["sandbox_url"] = self.config.sandbox_url or from_env or url
         if self.config.api_key:
             opts["api_key"] = self.config.api_key
         return opts
