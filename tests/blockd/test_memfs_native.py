@@ -5,7 +5,6 @@ through a real FUSE mount of the memfs process (native and Python reads)."""
 from __future__ import annotations
 
 import ctypes
-import mmap
 import os
 import random
 import re
@@ -152,12 +151,6 @@ def test_memfs_mount_serves_the_stack(stack: list[Path], reference: bytes, tmp_p
     try:
         path = mount / "k"
         assert path.stat().st_size == SIZE
-        # The mount reads ahead like a raw file on the state directory's disk would.
-        disk_kb = memfs._disk_read_ahead_kb(state)
-        dev = path.stat().st_dev
-        bdi = Path(f"/sys/class/bdi/{os.major(dev)}:{os.minor(dev)}/read_ahead_kb")
-        if disk_kb is not None:
-            assert int(bdi.read_text()) == disk_kb
         fd = os.open(path, os.O_RDONLY)
         try:
             pages = list(range(SIZE // PAGE))
@@ -193,55 +186,3 @@ def test_memfs_mount_serves_the_stack(stack: list[Path], reference: bytes, tmp_p
             assert "memfs reads in Python" in log.read_text()
     finally:
         memfs.stop(state)
-
-
-def _resident_pages(path: Path) -> int:
-    """Pages of `path` in the page cache (mincore over a mapping of the file)."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.mmap.restype = ctypes.c_void_p
-    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int,
-                          ctypes.c_long]
-    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
-    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-    size = path.stat().st_size
-    vec = ctypes.create_string_buffer((size + PAGE - 1) // PAGE)
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        addr = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
-        assert addr not in (None, ctypes.c_void_p(-1).value), os.strerror(ctypes.get_errno())
-        try:
-            assert libc.mincore(addr, size, vec) == 0, os.strerror(ctypes.get_errno())
-        finally:
-            libc.munmap(addr, size)
-    finally:
-        os.close(fd)
-    return sum(b & 1 for b in vec.raw)
-
-
-def test_memfs_reads_its_layers_without_read_ahead(tmp_path: Path) -> None:
-    """memfs's stacks read exactly the layer bytes asked for: the kernel already reads ahead
-    on the FUSE file, and a second read-ahead on the layer files read up to twice the bytes
-    from disk per restore. Sequential 4 KiB reads of a cold layer leave only those pages
-    cached."""
-    layer = tmp_path / "memory.layer"
-    data = random.Random(5).randbytes(4 * MiB)
-    with LayerBuilder(layer, 8 * MiB) as builder:
-        builder.add(0, data)
-    config_dir = tmp_path / "memdev"
-    config_dir.mkdir()
-    ImageConfig(config_dir / f"k{memfs.MEMORY_SUFFIX}", [layer]).save()
-    stack = memfs.MemoryFiles(config_dir, None)._stack("/k")
-    try:
-        fd = os.open(layer, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
-        if _resident_pages(layer):  # e.g. tmpfs: the page cache is the file
-            pytest.skip("the file system under tmp_path keeps its pages in memory")
-        for n in range(8):
-            assert stack.image.read(n * PAGE, PAGE) == data[n * PAGE:(n + 1) * PAGE]
-        assert _resident_pages(layer) == 8
-    finally:
-        stack.close()

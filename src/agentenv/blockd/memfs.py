@@ -133,11 +133,6 @@ class MemoryFiles(mfusepy.Operations):
             except Exception as exc:
                 log.warning("memory stack cannot be opened", extra={"key": key, "error": str(exc)})
                 raise mfusepy.FuseOSError(errno.EIO) from exc
-            # No read-ahead on the layer files: the kernel already reads ahead on the FUSE
-            # file (_match_read_ahead), and a second read-ahead below it read up to twice
-            # the bytes from disk per restore (bench/RESULTS.md, 2026-12-05).
-            with contextlib.suppress(OSError):
-                image.advise_lowers(os.POSIX_FADV_RANDOM)
             try:
                 stack = _Open(image, self.config_dir / f"{key}{TRACE_SUFFIX}")
             except OSError as exc:
@@ -269,38 +264,6 @@ def _mount(ops: MemoryFiles, mountpoint: Path) -> None:
         mfusepy.fuse_main_real = fuse_main_real
 
 
-def _disk_read_ahead_kb(path: Path) -> int | None:
-    """The read-ahead (KiB) of the block device holding `path`: what a raw file there gets."""
-    dev = os.stat(path).st_dev
-    name = f"{os.major(dev)}:{os.minor(dev)}"
-    # A whole disk or a mapped device has a bdi of its own; a partition uses its disk's queue.
-    for candidate in (f"/sys/class/bdi/{name}/read_ahead_kb", f"/sys/dev/block/{name}/../queue/read_ahead_kb"):
-        with contextlib.suppress(OSError, ValueError):
-            return int(Path(candidate).read_text())
-    return None
-
-
-def _match_read_ahead(mountpoint: Path, state_dir: Path) -> None:
-    """Give the mount the read-ahead of the state directory's disk, where the layers are and
-    where a raw memory file would be. The kernel starts a FUSE mount at 128 KiB; a page fault
-    on a file mapping reads that much around the faulting page, and once a file's faults
-    missed the page cache 100 times more than they hit it, the faulting page alone. A raw file
-    on a disk with more read-ahead covers more of a restore's memory before that; so does
-    memfs with the same. Needs root (sysfs)."""
-    wanted = _disk_read_ahead_kb(state_dir)
-    if wanted is None:
-        return
-    # The stat (a request) waits for FUSE's INIT, whose reply clamps a value written before it.
-    dev = os.stat(mountpoint).st_dev
-    bdi = Path(f"/sys/class/bdi/{os.major(dev)}:{os.minor(dev)}/read_ahead_kb")
-    try:
-        bdi.write_text(f"{wanted}\n")
-    except OSError as exc:
-        log.info("memfs read-ahead left at the kernel's", extra={"wanted_kb": wanted, "error": str(exc)})
-        return
-    log.info("memfs read-ahead %d KiB", wanted)
-
-
 def _unmount(mountpoint: Path) -> None:
     subprocess.run(["fusermount3", "-u", "-z", "-q", str(mountpoint)],
                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=False)
@@ -427,7 +390,6 @@ def ensure_running(state_dir: Path, timeout: float = 15.0) -> Path:
             tail = log_path.read_text(errors="replace")[-600:]
             raise RuntimeError(f"memory device mount at {mountpoint} did not come up: {tail}")
         time.sleep(0.02)
-    _match_read_ahead(mountpoint, state_dir)
     return mountpoint
 
 

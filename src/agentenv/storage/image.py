@@ -265,13 +265,6 @@ class Image:
         """Lower layer paths, bottom -> top."""
         return [layer.path for layer in self._view.layers]
 
-    def advise_lowers(self, advice: int) -> None:
-        """posix_fadvise(advice) on the whole file of every local lower (remote ones have no
-        file here). The advice holds for this image's descriptors only."""
-        for layer in self._view.layers:
-            if layer.source.fd >= 0:
-                os.posix_fadvise(layer.source.fd, 0, 0, advice)
-
     @property
     def upper_dir(self) -> Path | None:
         up = self._view.upper
