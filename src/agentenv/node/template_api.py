@@ -76,6 +76,7 @@ from agentenv.node.template_models import (
 )
 from agentenv.node.template_tags import normalize_tags, split_tag
 from agentenv.node.tenancy import LOCAL_TEAM, scope_team
+from agentenv.registry.auth import Credentials
 
 log = logging.getLogger("agentenv.node.template_api")
 
@@ -835,8 +836,6 @@ class TemplateBuildApi:
         credentials = None
         creds = body.fromImageRegistry or {}
         if creds.get("username") or creds.get("password"):
-            from agentenv.template.auth import Credentials
-
             # In memory for this pull only: no docker config file, nothing in the record.
             credentials = Credentials(str(creds.get("username", "")), str(creds.get("password", "")))
         try:

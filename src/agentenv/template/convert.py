@@ -29,9 +29,9 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from agentenv.blockd.client import BlockdClient
+from agentenv.registry.blobtap import BlobTap
+from agentenv.registry.errors import PullError
 from agentenv.template.apply import ApplyStats, apply_layer
-from agentenv.template.blobtap import BlobTap
-from agentenv.template.errors import PullError
 
 VIRTUAL_SIZE = 64 << 30  # 64 GiB, as containerd's converter (docs/templates.md §2)
 # No discard (it would punch the FUSE file for nothing); inode tables and the journal are left
