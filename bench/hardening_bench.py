@@ -329,10 +329,11 @@ def jail_part(args: argparse.Namespace) -> None:
     create (a template snapshot restored to running), restore of a paused VM, a fork of 16 and
     the PSS of idle VMs, in alternating rounds."""
     from agentenv.blockd.client import AsyncBlockdClient
+    from agentenv.blockd.launch import BlockdProcess
     from agentenv.runtime.config import RuntimeConfig
     from agentenv.runtime.harness import (
-        BlockdProcess,
         LoopThread,
+        blockd_in,
         close_runtime,
         make_ext4_layer,
         pss_kib,
@@ -351,7 +352,7 @@ def jail_part(args: argparse.Namespace) -> None:
         for i, (label, jailed) in enumerate({"shared-uid": False, "jailed": True}.items()):
             root = work / label
             root.mkdir(mode=0o711)
-            blockd = BlockdProcess(root)
+            blockd = blockd_in(root)
             blockd.start()
             loop = LoopThread()
             runtime = Runtime(RuntimeConfig(

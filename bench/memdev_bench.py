@@ -34,7 +34,7 @@ from typing import Any
 
 from agentenv.blockd.client import AsyncBlockdClient
 from agentenv.runtime.config import RuntimeConfig
-from agentenv.runtime.harness import BlockdProcess, make_ext4_layer, mapping_kib, sh
+from agentenv.runtime.harness import blockd_in, make_ext4_layer, mapping_kib, sh
 from agentenv.runtime.memdev import PACK_NAME, SharedMemoryDevices
 from agentenv.runtime.network import teardown_host
 from agentenv.runtime.testguest import build_test_guest
@@ -143,7 +143,7 @@ async def main(quick: bool) -> None:
     guest = build_test_guest()
     root = Path(tempfile.mkdtemp(prefix="mdb", dir="/tmp"))
     root.chmod(0o711)  # QEMU runs as aenv-vm: it must reach the state dirs
-    blockd = BlockdProcess(root)  # with FUSE files: the memory devices
+    blockd = blockd_in(root)  # with FUSE files: the memory devices
     blockd.start()
     client = AsyncBlockdClient(blockd.socket)
     rts: dict[str, Runtime] = {}

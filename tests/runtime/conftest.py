@@ -13,11 +13,12 @@ from pathlib import Path
 
 import pytest
 
+from agentenv.blockd.launch import BlockdProcess
 from agentenv.runtime.config import RuntimeConfig, privilege_settings_from_env
 from agentenv.runtime.harness import (
-    BlockdProcess,
     LoopThread,
     alive,
+    blockd_in,
     close_runtime,
     make_ext4_layer,
     sh,
@@ -64,7 +65,7 @@ def env() -> Iterator[Env]:
     guest = build_test_guest()
     root = Path(tempfile.mkdtemp(prefix="rt", dir="/tmp"))
     root.chmod(0o711)  # QEMU runs as the unprivileged aenv-vm and must reach <root>/state
-    blockd = BlockdProcess(root)
+    blockd = blockd_in(root)
     blockd.start()
     loop = LoopThread()
     runtime: Runtime | None = None
