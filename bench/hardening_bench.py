@@ -248,7 +248,7 @@ def process_part(args: argparse.Namespace) -> None:
 
 def qemu_memory(node: Node, sid: str) -> tuple[float, float, float | None]:
     """PSS and RSS of the sandbox's QEMU (MiB), and its cgroup's charge if it has one."""
-    from agentenv.runtime.harness import pss_kib
+    from agentenv.testing.harness import pss_kib
 
     manifest = json.loads((node.state / "vm-backend" / "sandboxes" / f"{sid}.vm.json")
                           .read_text())
@@ -331,7 +331,9 @@ def jail_part(args: argparse.Namespace) -> None:
     from agentenv.blockd.client import AsyncBlockdClient
     from agentenv.blockd.launch import BlockdProcess
     from agentenv.runtime.config import RuntimeConfig
-    from agentenv.runtime.harness import (
+    from agentenv.runtime.vm import BootSpec, DiskSource, Runtime
+    from agentenv.testing.guest import build_test_guest
+    from agentenv.testing.harness import (
         LoopThread,
         blockd_in,
         close_runtime,
@@ -339,8 +341,6 @@ def jail_part(args: argparse.Namespace) -> None:
         pss_kib,
         sh,
     )
-    from agentenv.runtime.testguest import build_test_guest
-    from agentenv.runtime.vm import BootSpec, DiskSource, Runtime
 
     rounds, fork_count = (1, 4) if args.quick else (6, 16)
     guest = build_test_guest()

@@ -25,10 +25,10 @@ from typing import Any
 
 from agentenv.blockd.client import AsyncBlockdClient
 from agentenv.runtime.config import RuntimeConfig
-from agentenv.runtime.harness import blockd_in, make_ext4_layer, pss_kib, sh
 from agentenv.runtime.network import teardown_host
-from agentenv.runtime.testguest import build_test_guest
 from agentenv.runtime.vm import VM, BootSpec, DiskSource, Runtime
+from agentenv.testing.guest import build_test_guest
+from agentenv.testing.harness import blockd_in, make_ext4_layer, pss_kib, sh
 
 PREFIX = "aeb"
 # Slot addresses far from the ones tests/runtime and a node use (from slot 1). The runtime skips

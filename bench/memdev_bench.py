@@ -34,11 +34,11 @@ from typing import Any
 
 from agentenv.blockd.client import AsyncBlockdClient
 from agentenv.runtime.config import RuntimeConfig
-from agentenv.runtime.harness import blockd_in, make_ext4_layer, mapping_kib, sh
 from agentenv.runtime.memdev import PACK_NAME, SharedMemoryDevices
 from agentenv.runtime.network import teardown_host
-from agentenv.runtime.testguest import build_test_guest
 from agentenv.runtime.vm import VM, BootSpec, DiskSource, Runtime
+from agentenv.testing.guest import build_test_guest
+from agentenv.testing.harness import blockd_in, make_ext4_layer, mapping_kib, sh
 
 PREFIXES = {"device": "amd", "file": "amf"}
 SLOTS = {"device": 29501, "file": 29601}  # far from tests/runtime (1) and other benches

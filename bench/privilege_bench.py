@@ -30,10 +30,10 @@ from typing import Any
 from agentenv.blockd.client import AsyncBlockdClient
 from agentenv.runtime.cgroup import CgroupManager
 from agentenv.runtime.config import RuntimeConfig
-from agentenv.runtime.harness import blockd_in, make_ext4_layer, pss_kib, sh
 from agentenv.runtime.network import teardown_host
-from agentenv.runtime.testguest import build_test_guest
 from agentenv.runtime.vm import VM, BootSpec, DiskSource, Runtime
+from agentenv.testing.guest import build_test_guest
+from agentenv.testing.harness import blockd_in, make_ext4_layer, pss_kib, sh
 
 PREFIX = "aep"
 SLOT_FIRST_INDEX = 27001  # away from tests/runtime (1..) and lifecycle_bench (29001..)

@@ -152,9 +152,9 @@ def vm_first_command(image: bigimage.BigImage, descriptor: Path, registry_root: 
     side by side, and time create -> first command's answer."""
     from agentenv.blockd.client import AsyncBlockdClient, BlockdClient
     from agentenv.runtime.config import RuntimeConfig, privilege_settings_from_env
-    from agentenv.runtime.harness import LoopThread, blockd_in, close_runtime, sh
-    from agentenv.runtime.testguest import build_test_guest
     from agentenv.runtime.vm import BootSpec, DiskSource, Runtime
+    from agentenv.testing.guest import build_test_guest
+    from agentenv.testing.harness import LoopThread, blockd_in, close_runtime, sh
 
     if os.geteuid() != 0:
         raise SystemExit("the VM figure needs root (network namespaces): run it as root, "

@@ -37,11 +37,11 @@ from tests.template.conftest import _start_registry, _stop
 from agentenv.blockd.client import AsyncBlockdClient
 from agentenv.blockd.remote import install_private_store
 from agentenv.runtime.config import RuntimeConfig
-from agentenv.runtime.harness import blockd_in, make_ext4_layer, sh
 from agentenv.runtime.network import teardown_host
-from agentenv.runtime.testguest import build_test_guest
 from agentenv.runtime.vm import BootSpec, DiskSource, Runtime
 from agentenv.snapshot.repository import fetch, push
+from agentenv.testing.guest import build_test_guest
+from agentenv.testing.harness import blockd_in, make_ext4_layer, sh
 
 PREFIXES = {"lazy": "asl", "whole": "asw"}
 SLOTS = {"lazy": 29701, "whole": 29801}  # far from tests/runtime and the other benches

@@ -15,7 +15,10 @@ import pytest
 
 from agentenv.blockd.launch import BlockdProcess
 from agentenv.runtime.config import RuntimeConfig, privilege_settings_from_env
-from agentenv.runtime.harness import (
+from agentenv.runtime.vm import VM, BootSpec, DiskSource, Runtime
+from agentenv.snapshot.record import SnapshotRecord
+from agentenv.testing.guest import TestGuest, build_test_guest
+from agentenv.testing.harness import (
     LoopThread,
     alive,
     blockd_in,
@@ -23,9 +26,6 @@ from agentenv.runtime.harness import (
     make_ext4_layer,
     sh,
 )
-from agentenv.runtime.testguest import TestGuest, build_test_guest
-from agentenv.runtime.vm import VM, BootSpec, DiskSource, Runtime
-from agentenv.snapshot.record import SnapshotRecord
 
 ROOTFS_SIZE = 64 << 20
 PREFIX = "aet"

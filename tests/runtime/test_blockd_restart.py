@@ -15,9 +15,9 @@ import pytest
 
 from agentenv.blockd.launch import BlockdProcess
 from agentenv.runtime.config import RuntimeConfig
-from agentenv.runtime.harness import LoopThread, blockd_in, close_runtime, make_ext4_layer, sh
-from agentenv.runtime.testguest import build_test_guest
 from agentenv.runtime.vm import VM, BootSpec, DiskSource, Runtime
+from agentenv.testing.guest import build_test_guest
+from agentenv.testing.harness import LoopThread, blockd_in, close_runtime, make_ext4_layer, sh
 
 pytestmark = [pytest.mark.qemu, pytest.mark.root]
 

@@ -20,11 +20,11 @@ import pytest
 from agentenv.blockd.launch import BlockdProcess
 from agentenv.runtime.config import RuntimeConfig
 from agentenv.runtime.errors import RuntimeError_
-from agentenv.runtime.harness import LoopThread, blockd_in, close_runtime, make_ext4_layer, sh
 from agentenv.runtime.qemu import DiskAttachment, build_argv
-from agentenv.runtime.testguest import build_test_guest
 from agentenv.runtime.vm import VM, BootSpec, DiskSource, Runtime
 from agentenv.snapshot.record import DiskConfig, MachineConfig
+from agentenv.testing.guest import build_test_guest
+from agentenv.testing.harness import LoopThread, blockd_in, close_runtime, make_ext4_layer, sh
 
 PREFIX = "aec"
 DISK = 64 << 20

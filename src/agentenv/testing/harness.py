@@ -1,4 +1,4 @@
-"""Helpers shared by the runtime's tests and benchmark: a blockd process, an ext4 rootfs
+"""Helpers shared by the runtime's tests and benchmarks: a blockd process, an ext4 rootfs
 layer, a runtime on a private event loop, and running shell commands in the test guest."""
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import httpx
 from agentenv.blockd.launch import BlockdProcess
 from agentenv.runtime.network import teardown_host
 from agentenv.runtime.vm import VM, Runtime
+from agentenv.storage.export import import_raw
 
 T = TypeVar("T")
 
@@ -29,8 +30,6 @@ def blockd_in(root: Path, *, fuse: bool = False) -> BlockdProcess:
 
 def make_ext4_layer(out: Path, size: int) -> Path:
     """An empty ext4 filesystem of `size` bytes as a sealed overlaybd layer."""
-    from agentenv.storage.export import import_raw
-
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         raw = Path(tmp) / "rootfs.raw"
         with open(raw, "wb") as f:
