@@ -34,11 +34,11 @@ from typing import Any
 
 from agentenv.blockd.client import AsyncBlockdClient
 from agentenv.runtime.config import RuntimeConfig
-from agentenv.runtime.harness import BlockdProcess, make_ext4_layer, mapping_kib, sh
 from agentenv.runtime.memdev import PACK_NAME, SharedMemoryDevices
 from agentenv.runtime.network import teardown_host
-from agentenv.runtime.testguest import build_test_guest
 from agentenv.runtime.vm import VM, BootSpec, DiskSource, Runtime
+from agentenv.testing.guest import build_test_guest
+from agentenv.testing.harness import blockd_in, make_ext4_layer, mapping_kib, sh
 
 PREFIXES = {"device": "amd", "file": "amf"}
 SLOTS = {"device": 29501, "file": 29601}  # far from tests/runtime (1) and other benches
@@ -143,7 +143,7 @@ async def main(quick: bool) -> None:
     guest = build_test_guest()
     root = Path(tempfile.mkdtemp(prefix="mdb", dir="/tmp"))
     root.chmod(0o711)  # QEMU runs as aenv-vm: it must reach the state dirs
-    blockd = BlockdProcess(root)  # with FUSE files: the memory devices
+    blockd = blockd_in(root)  # with FUSE files: the memory devices
     blockd.start()
     client = AsyncBlockdClient(blockd.socket)
     rts: dict[str, Runtime] = {}

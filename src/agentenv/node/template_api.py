@@ -77,6 +77,7 @@ from agentenv.node.template_models import (
 )
 from agentenv.node.template_tags import normalize_tags, split_tag
 from agentenv.node.tenancy import LOCAL_TEAM, scope_team
+from agentenv.registry.auth import Credentials
 
 log = logging.getLogger("agentenv.node.template_api")
 
@@ -845,8 +846,6 @@ class TemplateBuildApi:
         credentials = None
         creds = body.fromImageRegistry or {}
         if creds.get("username") or creds.get("password"):
-            from agentenv.template.auth import Credentials
-
             # In memory for this pull only: no docker config file, nothing in the record.
             credentials = Credentials(str(creds.get("username", "")), str(creds.get("password", "")))
         try:

@@ -36,6 +36,8 @@ import httpx
 from agentenv.blockd.remote.cache import UNVERIFIED, VERIFIED, BlobState, ChunkCache
 from agentenv.blockd.remote.chunkdigests import ChunkDigests, ChunkDigestsError
 from agentenv.blockd.remote.layout import Layout, parse
+from agentenv.registry.client import RegistryClient
+from agentenv.registry.errors import PullError
 from agentenv.storage.blob import BlobLocation, RemoteLayerRef, WouldBlock, blocking_allowed
 from agentenv.storage.errors import LayerFormatError
 
@@ -222,7 +224,7 @@ class RemoteStore:
         self._lock = threading.Lock()
         self._infos: dict[str, BlobInfo] = {}
         self._inflight: dict[tuple[str, int], Future[bytes]] = {}
-        self._registries: dict[tuple[str, str | None, bool | None], Any] = {}
+        self._registries: dict[tuple[str, str | None, bool | None], RegistryClient] = {}
         self._registry_lock = threading.Lock()
         self._pool = ThreadPoolExecutor(config.fetch_threads, thread_name_prefix="remote-fetch")
         self._verifier = ThreadPoolExecutor(1, thread_name_prefix="remote-digest")
@@ -469,8 +471,6 @@ class RemoteStore:
         return reply.content
 
     def _registry_get(self, loc: BlobLocation, digest: str, start: int, end: int) -> bytes:
-        from agentenv.template.errors import PullError
-
         self.stats.add("requests", "registry")
         client = self._registry(loc)
         try:
@@ -479,9 +479,7 @@ class RemoteStore:
             self.stats.add("failures", "registry")
             raise SourceError(str(exc)) from exc
 
-    def _registry(self, loc: BlobLocation) -> Any:
-        from agentenv.template.registry import RegistryClient
-
+    def _registry(self, loc: BlobLocation) -> RegistryClient:
         key = (loc.registry, loc.api_host, loc.insecure)
         with self._registry_lock:
             client = self._registries.get(key)
