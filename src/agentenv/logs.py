@@ -68,18 +68,22 @@ class PerKeyLimit:
     """Log lines a guest (or any client) can cause at will, limited per key (its slot's
     address): the first `burst` lines of each `window` seconds are written whole, the rest only
     counted by kind and written as one summary line (`log_suppressed`, counts per kind) when
-    the window is over: at flush(), called periodically, or at the key's next line. Counters
-    (metrics) still count every event: this only bounds what reaches the log file."""
+    the window is over: at flush() (called by a periodic task, and by log() once a window),
+    or at the key's next line. Counters (metrics) still count every event: this only bounds
+    what reaches the log file."""
 
     def __init__(self, logger: logging.Logger, burst: int = 20, window: float = 60.0,
                  max_keys: int = 4096, clock: Callable[[], float] = time.monotonic) -> None:
         self.logger, self.burst, self.window = logger, burst, window
         self.max_keys, self.clock = max_keys, clock
         self._windows: dict[str, _Window] = {}
+        self._flushed = clock()
 
     def log(self, key: str, kind: str, level: int, msg: str, extra: dict[str, Any]) -> None:
         """`msg` with `extra`, unless `key` wrote `burst` lines in this window already."""
         now = self.clock()
+        if now - self._flushed >= self.window:  # (the summaries of keys gone quiet)
+            self.flush()
         if key not in self._windows and len(self._windows) >= self.max_keys:
             key = "*"  # (so many keys at once: the new ones share a window)
         window = self._windows.get(key)
@@ -97,7 +101,7 @@ class PerKeyLimit:
     def flush(self, everything: bool = False) -> None:
         """Write the summaries of the windows that are over (every window's, at a stop), and
         forget them."""
-        now = self.clock()
+        now = self._flushed = self.clock()
         for key in [k for k, w in self._windows.items()
                     if everything or now - w.start >= self.window]:
             self._summarize(key, self._windows.pop(key))
