@@ -48,7 +48,8 @@ MAX_CONNECTIONS = 30  # 3 slots: a fair share of 10 each
 def lab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Lab]:
     tmp = tmp_path_factory.mktemp("fronting")
     args = ("--max-connections", str(MAX_CONNECTIONS), "--max-per-slot", "1000",
-            "--dns-upstream", f"{INET_OTHER}:53")
+            "--dns-upstream", f"{INET_OTHER}:53",
+            "--log-burst", "100000")  # the tests read the refusals' lines: every one written
     with Lab(tmp, slots=3, proxy_args=args) as lab:
         lab.servers.append(serve(lab.inet, INET_OTHER, 53))  # a "DNS server" speaking HTTP on TCP
         upstream = _dns_upstream(lab)

@@ -38,7 +38,8 @@ MAX_METADATA = 16  # the default
 @pytest.fixture(scope="module")
 def lab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Lab]:
     tmp = tmp_path_factory.mktemp("egress")
-    args = ("--metrics-port", str(METRICS_PORT), "--max-per-slot", str(MAX_PER_SLOT))
+    args = ("--metrics-port", str(METRICS_PORT), "--max-per-slot", str(MAX_PER_SLOT),
+            "--log-burst", "100000")  # the tests read the refusals' lines: every one written
     with Lab(tmp, slots=3, proxy_args=args) as lab:
         yield lab
 

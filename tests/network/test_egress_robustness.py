@@ -15,7 +15,17 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.network.lab import INET_SERVER, OTHER_PORT, Lab, blob, http_get, read_response
+from agentenv.network import egress
+from tests.network.lab import (
+    INET_OTHER,
+    INET_SERVER,
+    OTHER_PORT,
+    Lab,
+    blob,
+    http_get,
+    in_netns,
+    read_response,
+)
 from tests.network.test_egress_proxy import (
     ALLOWED,
     DENIED,
@@ -159,6 +169,35 @@ def test_many_connections_at_once(lab: Lab) -> None:
         thread.join(60)
     assert not errors, errors[:3]
     wait_for(lambda: counters(lab)["connections"] == 0)
+
+
+def _refused_with_long_names(count: int) -> None:
+    host = ("a" * 60 + ".") * 4 + "evil.test"  # 253 characters, in each refusal's line
+    request = f"GET / HTTP/1.1\r\nHost: {host}\r\n\r\n".encode()
+    for _ in range(count):
+        try:
+            with socket.create_connection((INET_OTHER, 80), timeout=10) as sock:
+                sock.sendall(request)
+                sock.recv(1)
+        except OSError:
+            pass  # reset: refused
+
+
+def test_a_flood_of_refusals_is_logged_within_limits(lab: Lab) -> None:
+    slot = lab.slots[1]
+    lab.set_policy(slot, ONLY_ALLOWED)
+    log_path = lab.tmp / "egress.log"
+    start, denied = log_path.stat().st_size, counters(lab)["denied"]
+    in_netns(lab.guest_ns(slot), lambda: _refused_with_long_names(1000))
+    wait_for(lambda: counters(lab)["denied"] == denied + 1000, timeout=60)  # each counted
+    with log_path.open("rb") as f:
+        f.seek(start)
+        lines = [json.loads(line) for line in f.read().splitlines()]
+    # Only the slot's first lines of the window are written whole (the rest go into a
+    # summary when the window is over): not a line per refusal.
+    assert len([line for line in lines if line.get("source") == slot.guest_address]) \
+        <= egress.LOG_BURST
+    lab.set_policy(slot, {})
 
 
 def _cpu_seconds(pid: int) -> float:

@@ -70,6 +70,64 @@ def test_process_lifecycle_and_control(tmp_path: Path) -> None:
     asyncio.run(scenario())
 
 
+def _refused(port: int, count: int) -> None:
+    """`count` connections from loopback (an unknown source: each reset, each an event)."""
+    for _ in range(count):
+        try:  # (the reset may already meet connect())
+            with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
+                sock.sendall(b"GET / HTTP/1.1\r\nHost: " + b"a" * 200 + b"\r\n\r\n")
+                sock.recv(1)
+        except OSError:
+            pass  # reset: refused
+
+
+def test_what_a_client_causes_at_will_is_logged_within_limits(tmp_path: Path) -> None:
+    log_path = tmp_path / "egress.log"
+
+    async def scenario() -> None:
+        proc = EgressProxyProcess(tmp_path / "egress.sock", 0, bind="127.0.0.1",
+                                  log_path=log_path, extra_args=("--log-burst", "5"))
+        port = (await proc.start())["port"]
+        try:
+            await asyncio.to_thread(_refused, port, 300)
+            assert (await proc.client.ping())["unknown_source"] == 300  # counted, every one
+        finally:
+            assert await proc.stop() == 0
+
+    asyncio.run(scenario())
+    lines = [json.loads(line) for line in log_path.read_text().splitlines()]
+    written = [line for line in lines if line.get("event") == "unknown_source"]
+    summaries = [line for line in lines if line.get("event") == "log_suppressed"]
+    # 5 lines whole in the window (60 s), then one summary with the count (at the stop).
+    assert len(written) == 5
+    assert [(s["key"], s["suppressed"]) for s in summaries] == \
+        [("127.0.0.1", {"unknown_source": 295})]
+
+
+def test_the_log_file_is_kept_within_its_cap(tmp_path: Path) -> None:
+    log_path = tmp_path / "egress.log"
+    log_path.write_bytes((b"x" * 99 + b"\n") * 2600)  # 260 KB a previous run left
+
+    async def scenario() -> None:
+        proc = EgressProxyProcess(tmp_path / "egress.sock", 0, bind="127.0.0.1",
+                                  log_path=log_path, extra_args=("--log-max-bytes", "65536"))
+        await proc.start()
+        try:
+            rotated = tmp_path / "egress.log.1"
+            deadline = time.monotonic() + 30
+            while not rotated.exists():
+                assert time.monotonic() < deadline, "the log was not rotated"
+                await asyncio.sleep(0.05)
+            assert rotated.stat().st_size == 32768  # the tail: half the cap
+            assert log_path.stat().st_size < 32768
+        finally:
+            assert await proc.stop() == 0
+        last = log_path.read_text().splitlines()[-1]  # appended at the new start, no hole
+        assert json.loads(last)["event"] == "stopped"
+
+    asyncio.run(scenario())
+
+
 def test_start_fails_clearly_when_the_port_is_taken(tmp_path: Path) -> None:
     taken = socket.socket()
     taken.bind(("127.0.0.1", 0))

@@ -434,6 +434,25 @@ def test_body_idle_and_connection_limits(
             time.sleep(0.2)
 
 
+def test_requests_to_a_closed_port_are_logged_within_limits(
+    hard_node: NodeProcess, sandbox: dict[str, Any]
+) -> None:
+    """Anyone with a sandbox's URL can ask for a port nothing listens on as fast as the node
+    answers: the node's log gets the first lines of the window, not one per request."""
+    sid = sandbox["sandboxID"]
+    route = {"E2b-Sandbox-Id": sid, "E2b-Sandbox-Port": str(free_host_port())}
+    start = hard_node.log_path.stat().st_size
+    with httpx.Client(base_url=hard_node.url, headers=route, timeout=30) as client:
+        for _ in range(200):
+            assert client.get("/").status_code == 502
+    with hard_node.log_path.open("rb") as f:
+        f.seek(start)
+        lines = [json.loads(line) for line in f.read().splitlines() if line.startswith(b"{")]
+    about = [line for line in lines if line.get("sandbox_id") == sid
+             and line["msg"] in ("sandbox port not answering", "proxy port refused")]
+    assert 0 < len(about) <= 20, len(about)
+
+
 def test_every_unauthenticated_route_is_health_metrics_or_openapi(
     hard_node: NodeProcess, tmp_path: Path
 ) -> None:

@@ -1,5 +1,7 @@
 """The P2P chunk server does not let peers hold blockd's threads and descriptors: an idle
-connection is closed after the idle timeout, and connections over the cap are closed at once."""
+connection is closed after the idle timeout, a request head must arrive whole within it,
+connections over the cap are closed at once, and connections without the peer key cannot
+take the places of keyed peers."""
 
 from __future__ import annotations
 
@@ -87,4 +89,50 @@ def test_connections_over_the_cap_are_closed_at_once(store: RemoteStore) -> None
     finally:
         for sock in held:
             sock.close()
+        server.stop()
+
+
+def test_strangers_holding_sockets_do_not_keep_a_keyed_peer_out(store: RemoteStore) -> None:
+    server, address = serving(store, max_connections=2, max_unkeyed=2, idle_timeout=120.0)
+    strangers = [socket.create_connection(address, timeout=10) for _ in range(5)]
+    try:
+        for sock in strangers:  # no key, not even a whole request line
+            sock.sendall(b"G")
+        # The peer's connection comes after them (the listen queue is in order): it closes
+        # the oldest key-less one, and its head, sent at once, presents the key.
+        assert blobs_answer(address).startswith(b"HTTP/1.1 200")
+        for sock in strangers[:4]:  # closed for newer ones (the last of them for the peer)
+            assert closed_by_server(sock, within=30)
+        with socket.create_connection(address, timeout=10) as keyless:
+            keyless.sendall(b"GET /blobs HTTP/1.1\r\nHost: p\r\n\r\n")
+            keyless.settimeout(10)
+            answer = b""
+            while chunk := keyless.recv(65536):  # 401, then the server closes it
+                answer += chunk
+            assert answer.startswith(b"HTTP/1.1 401")
+    finally:
+        for sock in strangers:
+            sock.close()
+        server.stop()
+
+
+def test_a_head_sent_a_byte_at_a_time_is_cut_at_the_deadline(store: RemoteStore) -> None:
+    server, address = serving(store, idle_timeout=1.0)
+    try:
+        with socket.create_connection(address, timeout=10) as drip:
+            closed = False
+            for byte in b"GET /blobs HTTP/1.1\r\nX-Pad: " + b"a" * 200:
+                # Each byte well within the idle timeout of the one before: only a deadline for
+                # the whole head ends this.
+                try:
+                    drip.sendall(bytes([byte]))
+                except (BrokenPipeError, ConnectionResetError):
+                    closed = True
+                    break
+                if closed_by_server(drip, within=0.1):
+                    closed = True
+                    break
+            assert closed, "a head sent a byte at a time held its thread past the deadline"
+        assert blobs_answer(address).startswith(b"HTTP/1.1 200")
+    finally:
         server.stop()

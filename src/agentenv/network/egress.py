@@ -49,6 +49,7 @@ import resource
 import signal
 import socket
 import ssl
+import stat
 import struct
 import time
 from collections.abc import Callable
@@ -58,6 +59,7 @@ from ipaddress import IPv4Address, IPv4Network
 from pathlib import Path
 from typing import Any
 
+from agentenv.logs import PerKeyLimit, trim_log
 from agentenv.network import dns, httphead, metadata, sni, socks5
 from agentenv.network.control import SlotEntry, SlotIdentity
 from agentenv.network.policy import (
@@ -82,6 +84,11 @@ MIN_SLOT_SHARE = 8  # a slot's share of max_connections never falls below this
 MAX_METADATA_PER_SLOT = 16
 COPY_CHUNK = 256 << 10
 CONTROL_LINE_MAX = 64 << 20
+#: bytes of the log (this process's stderr, when a file) and its rotated tail kept on disk
+LOG_MAX_BYTES = 16 << 20
+LOG_CHECK_INTERVAL = 1.0
+#: per slot: lines written whole in each window of seconds (the rest counted, summarized)
+LOG_BURST, LOG_WINDOW = 20, 60.0
 
 # Never reached through the proxy, whatever a policy says (the same walls the slot's own
 # ruleset holds; here again because the proxy connects from the host, where they would not).
@@ -551,8 +558,8 @@ class Conn:
         counters.denied += 1
         if kind is not None:
             setattr(counters, kind, getattr(counters, kind) + 1)
-        log.info("egress denied", extra={"event": "denied", "reason": reason,
-                                         **(fields or {}), **self.describe()})
+        self.proxy.events.log(self.source, kind or "denied", logging.INFO, "egress denied", {
+            "event": "denied", "reason": reason, **(fields or {}), **self.describe()})
         self.reset()
 
     def close(self) -> None:
@@ -568,8 +575,10 @@ class Conn:
     def broken(self, exc: OSError, side: str) -> None:
         """A side failed (usually a reset by its peer): pass it on as a reset."""
         if exc.errno not in (errno.ECONNRESET, errno.EPIPE, errno.ETIMEDOUT):
-            log.info("egress connection failed", extra={"event": "broken", "side": side,
-                                                         "error": str(exc), **self.describe()})
+            self.proxy.events.log(self.source, "broken", logging.INFO,
+                                  "egress connection failed", {
+                                      "event": "broken", "side": side, "error": str(exc),
+                                      **self.describe()})
         self.reset()
 
     def half_closed(self) -> None:
@@ -590,7 +599,9 @@ class EgressProxyServer:
                  connect_timeout: float = CONNECT_TIMEOUT, splice: bool = True,
                  resolve_ttl: float = RESOLVE_TTL,
                  dns_upstream: tuple[str, int] | None = None,
-                 name_server: tuple[str, int] | None = None) -> None:
+                 name_server: tuple[str, int] | None = None,
+                 log_max_bytes: int = LOG_MAX_BYTES, log_burst: int = LOG_BURST,
+                 log_window: float = LOG_WINDOW) -> None:
         self.control_path = str(control_path)
         self.port, self.bind = port, bind
         self.metrics_port, self.metrics_bind = metrics_port, metrics_bind
@@ -604,6 +615,10 @@ class EgressProxyServer:
         self.conns: set[Conn] = set()  # every connection, metadata ones included
         self.metadata_connections = 0
         self.counters = Counters()
+        # What a guest causes at will (refusals, DNS queries, failures) is logged per slot
+        # within limits; the counters count every event.
+        self.events = PerKeyLimit(log, log_burst, log_window)
+        self.log_max_bytes = log_max_bytes
         self.buffer = bytearray(COPY_CHUNK)
         self.view = memoryview(self.buffer)
         self.local = _LocalAddresses()
@@ -651,6 +666,8 @@ class EgressProxyServer:
             self._servers.append(await asyncio.start_server(
                 self._metrics_client, self.metrics_bind, self.metrics_port))
         self._spawn(self._sweep())
+        if self.log_max_bytes:
+            self._spawn(self._trim_log())
         log.info("egress proxy listening", extra={
             "event": "started", "port": self.port, "bind": self.bind,
             "control": self.control_path, "metrics_port": self.metrics_port})
@@ -684,6 +701,7 @@ class EgressProxyServer:
         self._servers.clear()
         with contextlib.suppress(FileNotFoundError):
             Path(self.control_path).unlink()
+        self.events.flush(everything=True)  # (the counts of the last windows are not lost)
 
     def _spawn(self, coro: Any) -> asyncio.Task[Any]:
         task = self.loop.create_task(coro)
@@ -721,15 +739,17 @@ class EgressProxyServer:
         slot = self.slots.get(source)
         if slot is None:
             self.counters.unknown_source += 1
-            log.info("egress from an unknown source", extra={"event": "unknown_source",
-                                                             "source": source})
+            self.events.log(source, "unknown_source", logging.INFO,
+                            "egress from an unknown source",
+                            {"event": "unknown_source", "source": source})
             _rst(sock)
             return
         try:
             dst_ip, dst_port = original_destination(sock)
         except OSError as exc:
-            log.warning("egress: no original destination", extra={
-                "event": "no_original_dst", "source": source, "error": str(exc)})
+            self.events.log(source, "no_original_dst", logging.WARNING,
+                            "egress: no original destination",
+                            {"event": "no_original_dst", "source": source, "error": str(exc)})
             _rst(sock)
             return
         is_metadata = (dst_ip, dst_port) in NODE_SERVICES
@@ -744,9 +764,11 @@ class EgressProxyServer:
                                      and not self._evict_over_share(limit, source))
         if over:
             self.counters.over_capacity += 1
-            log.warning("egress connection cap reached", extra={
-                "event": "over_capacity", "source": source, "metadata": is_metadata,
-                "total": self.egress_connections, "slot_total": held, "slot_limit": limit})
+            self.events.log(source, "over_capacity", logging.WARNING,
+                            "egress connection cap reached", {
+                                "event": "over_capacity", "source": source,
+                                "metadata": is_metadata, "total": self.egress_connections,
+                                "slot_total": held, "slot_limit": limit})
             _rst(sock)
             return
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -774,7 +796,7 @@ class EgressProxyServer:
             return False
         victim = min(hog.conns, key=lambda c: c.last_active)
         self.counters.evicted += 1
-        log.info("egress connection evicted", extra={
+        self.events.log(wanted_by, "evicted", logging.INFO, "egress connection evicted", {
             "event": "evicted", "reason": "over its fair share while another slot needs one",
             "slot_total": len(hog.conns), "slot_share": share, "wanted_by": wanted_by,
             **victim.describe()})
@@ -900,10 +922,12 @@ class EgressProxyServer:
             conn.reset()
         except (OSError, socks5.SocksError, TimeoutError, ssl.SSLError) as exc:
             self.counters.upstream_failed += 1
-            log.info("egress upstream failed", extra={"event": "upstream_failed",
-                                                      "error": str(exc) or type(exc).__name__,
-                                                      "via": str(conn.via) if conn.via else None,
-                                                      **conn.describe()})
+            self.events.log(conn.source, "upstream_failed", logging.INFO,
+                            "egress upstream failed", {
+                                "event": "upstream_failed",
+                                "error": str(exc) or type(exc).__name__,
+                                "via": str(conn.via) if conn.via else None,
+                                **conn.describe()})
             conn.reset()
         except Exception:
             log.exception("egress connection crashed", extra={"event": "crash", **conn.describe()})
@@ -1106,12 +1130,12 @@ class EgressProxyServer:
             question = dns.parse_query(message)
         except dns.DnsFormatError as exc:
             self.counters.dns_failed += 1
-            log.info("dns query malformed", extra={"event": "dns_malformed", "source": source,
-                                                     "error": str(exc)})
+            self.events.log(source, "dns_malformed", logging.INFO, "dns query malformed",
+                            {"event": "dns_malformed", "source": source, "error": str(exc)})
             return dns.error_response(message, dns.RCODE_FORMERR, None), slot
         if slot is None or not slot.entry.policy.resolves(question.name):
             self.counters.dns_refused += 1
-            log.info("dns query refused", extra={
+            self.events.log(source, "dns_refused", logging.INFO, "dns query refused", {
                 "event": "dns_refused", "source": source, "qname": question.name,
                 "reason": "unknown source" if slot is None else "name not allowed by the policy"})
             return dns.error_response(message, dns.RCODE_REFUSED, question), slot
@@ -1123,9 +1147,10 @@ class EgressProxyServer:
             answer = await dns.forward_udp(message, self.dns_upstream)
         except (OSError, TimeoutError) as exc:
             self.counters.dns_failed += 1
-            log.info("dns upstream failed", extra={"event": "dns_upstream_failed",
-                                                    "source": source, "error": str(exc)
-                                                    or type(exc).__name__})
+            self.events.log(source, "dns_upstream_failed", logging.INFO,
+                            "dns upstream failed", {"event": "dns_upstream_failed",
+                                                    "source": source,
+                                                    "error": str(exc) or type(exc).__name__})
             return dns.error_response(message, dns.RCODE_SERVFAIL, dns.parse_query(message))
         self.counters.dns_answered += 1
         return answer
@@ -1190,8 +1215,26 @@ class EgressProxyServer:
             cutoff = self.loop.time() - self.idle_timeout
             for conn in [c for c in self.conns if c.last_active < cutoff]:
                 self.counters.idle_closed += 1
-                log.info("egress connection idle", extra={"event": "idle", **conn.describe()})
+                self.events.log(conn.source, "idle", logging.INFO, "egress connection idle",
+                                {"event": "idle", **conn.describe()})
                 conn.reset()
+            self.events.flush()
+
+    async def _trim_log(self) -> None:
+        """Keep this process's log (its stderr, when a file: the node's
+        `<state>/logs/egress-proxy.log`) and its rotated tail within log_max_bytes, as the
+        runtime keeps a VM's serial log (agentenv.logs.trim_log): the limits above bound what a
+        guest makes it write, this bounds the file whatever writes it."""
+        if not stat.S_ISREG(os.fstat(2).st_mode):
+            return
+        path = Path(os.readlink("/proc/self/fd/2"))
+        while True:
+            try:
+                await asyncio.to_thread(trim_log, path, self.log_max_bytes)
+            except OSError as exc:  # a full disk, say: tried again at the next look
+                log.warning("log not trimmed", extra={"event": "log_not_trimmed",
+                                                      "error": str(exc)})
+            await asyncio.sleep(LOG_CHECK_INTERVAL)
 
     # -- slots (the control protocol, control.py) --------------------------------------------
 
@@ -1485,6 +1528,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--copy", action="store_true",
                         help="copy bytes through the process instead of splice(2) (to compare)")
     parser.add_argument("--log-level", default="info")
+    parser.add_argument("--log-max-bytes", type=int, default=LOG_MAX_BYTES,
+                        help="bytes of the log (stderr, when a file) and its rotated tail "
+                             "<log>.1 kept on disk; 0: no bound")
+    parser.add_argument("--log-burst", type=int, default=LOG_BURST,
+                        help="lines a slot's refusals, DNS queries and failures write whole in "
+                             "each --log-window; the rest are counted in a summary line")
+    parser.add_argument("--log-window", type=float, default=LOG_WINDOW, help="seconds")
 
 
 def server_from_args(args: argparse.Namespace) -> EgressProxyServer:
@@ -1495,7 +1545,9 @@ def server_from_args(args: argparse.Namespace) -> EgressProxyServer:
         max_metadata_per_slot=args.max_metadata_per_slot,
         idle_timeout=args.idle_timeout, peek_timeout=args.peek_timeout, splice=not args.copy,
         resolve_ttl=args.resolve_ttl, dns_upstream=_dns_upstream(args.dns_upstream),
-        name_server=dns.parse_upstream(args.name_server) if args.name_server else None)
+        name_server=dns.parse_upstream(args.name_server) if args.name_server else None,
+        log_max_bytes=args.log_max_bytes, log_burst=args.log_burst,
+        log_window=args.log_window)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -37,6 +37,7 @@ from urllib.parse import parse_qs
 
 import httpx
 
+from agentenv.logs import PerKeyLimit
 from agentenv.node.backend import ENVD_PORT
 from agentenv.node.metrics import NodeMetrics
 from agentenv.node.orchestrator import Orchestrator
@@ -56,6 +57,8 @@ from agentenv.relay.stream import (
 )
 
 log = logging.getLogger("agentenv.node.proxy")
+#: what a client causes at will (a request to a closed port, over a cap), per sandbox
+EVENTS = PerKeyLimit(log)
 
 Scope = dict[str, Any]
 
@@ -341,8 +344,9 @@ class SandboxProxy:
             problem = await asyncio.to_thread(host_ports.port_problem, route.sandbox_id,
                                               placement, route.port)
             if problem is not None:
-                log.warning("proxy port refused", extra={"sandbox_id": route.sandbox_id,
-                                                         "port": route.port, "reason": problem})
+                EVENTS.log(route.sandbox_id, "port_refused", logging.WARNING,
+                           "proxy port refused", {"sandbox_id": route.sandbox_id,
+                                                  "port": route.port, "reason": problem})
                 return None, 502, {"sandboxId": route.sandbox_id, "code": 502,
                                    "message": f"The sandbox is running but port is not open "
                                    f"({problem})"}
@@ -360,7 +364,8 @@ class SandboxProxy:
             url, status, body = await self._admit(scope, route, exchange)
             if url is None:
                 if status == 429:
-                    log.warning("proxy connection limit", extra={"sandbox_id": route.sandbox_id})
+                    EVENTS.log(route.sandbox_id, "connection_limit", logging.WARNING,
+                               "proxy connection limit", {"sandbox_id": route.sandbox_id})
                 await send_json(send, status, body)
                 return status
             return await self._relay(scope, receive, send, url, exchange)
@@ -389,7 +394,8 @@ class SandboxProxy:
     @staticmethod
     async def _port_not_open(send: Send, exchange: Exchange, exc: Exception) -> int:
         sandbox_id = exchange.name
-        log.info("sandbox port not answering", extra={"sandbox_id": sandbox_id, "error": str(exc)})
+        EVENTS.log(sandbox_id, "port_not_answering", logging.INFO,
+                   "sandbox port not answering", {"sandbox_id": sandbox_id, "error": str(exc)})
         body = {
             "sandboxId": sandbox_id,
             "message": "The sandbox is running but port is not open",
@@ -409,7 +415,8 @@ class SandboxProxy:
             url, status, body = await self._admit(scope, route, exchange)
             if url is None:
                 if status == 429:
-                    log.warning("proxy connection limit", extra={"sandbox_id": route.sandbox_id})
+                    EVENTS.log(route.sandbox_id, "connection_limit", logging.WARNING,
+                               "proxy connection limit", {"sandbox_id": route.sandbox_id})
                 await refuse_websocket(send, status, body)
                 return
             await self.relay.websocket(

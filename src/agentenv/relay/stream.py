@@ -29,6 +29,7 @@ import httpx
 from websockets.frames import CloseCode
 
 from agentenv.errors import AgentEnvError
+from agentenv.logs import PerKeyLimit
 from agentenv.relay.server import StreamAborted
 from agentenv.relay.websocket import (
     FRAGMENTS,
@@ -40,6 +41,8 @@ from agentenv.relay.websocket import (
 )
 
 log = logging.getLogger("agentenv.relay")
+#: what a client or a sandbox's server causes at will, logged per sandbox within limits
+EVENTS = PerKeyLimit(log)
 
 Scope = dict[str, Any]
 Send = Callable[[dict[str, Any]], Awaitable[None]]
@@ -351,7 +354,8 @@ class Relay:
                 self._on_aborted(scope)
                 raise StreamAborted(f"{name} went away")
             if guard in done:
-                log.info("relay idle time limit", extra={"sandbox_id": name})
+                EVENTS.log(name, "idle_limit", logging.INFO, "relay idle time limit",
+                           {"sandbox_id": name})
                 if exchange.started:
                     raise StreamAborted(f"exchange with {name} idle {limits.idle_timeout:g} s")
                 if not body_done.is_set():
@@ -364,7 +368,8 @@ class Relay:
                 )
                 await send_json(send, 504, {"code": 504, "message": message})
                 return 504
-            log.info("relay total time limit", extra={"sandbox_id": name})
+            EVENTS.log(name, "total_limit", logging.INFO, "relay total time limit",
+                       {"sandbox_id": name})
             if not exchange.started:
                 message = (
                     f"the exchange with sandbox {name} went over {self._whose} limit of "
@@ -473,8 +478,9 @@ class Relay:
                 url, upstream_headers, scope.get("subprotocols") or (),
                 self.limits.connect_timeout, WS_OPEN_TIMEOUT, self.tls)
         except UpstreamRefused as exc:
-            log.info("websocket upstream refused", extra={"sandbox_id": exchange.name,
-                                                          "error": str(exc)})
+            EVENTS.log(exchange.name, "ws_refused", logging.INFO,
+                       "websocket upstream refused",
+                       {"sandbox_id": exchange.name, "error": str(exc)})
             await send({"type": "websocket.close", "code": 1011})
             return
         await send({"type": "websocket.accept", "subprotocol": upstream.subprotocol})
@@ -523,8 +529,9 @@ class Relay:
                 await send({"type": FRAGMENTS, "data": item.data, "text": item.text,
                             "first": item.first, "fin": item.fin})
         except UpstreamViolation as exc:
-            log.info("websocket upstream broke the protocol or a limit",
-                     extra={"sandbox_id": exchange.name, "error": exc.reason, "limit": limit})
+            EVENTS.log(exchange.name, "ws_violation", logging.INFO,
+                       "websocket upstream broke the protocol or a limit",
+                       {"sandbox_id": exchange.name, "error": exc.reason, "limit": limit})
             await upstream.close(exc.code, exc.reason)
             reason = (f"a message from {exchange.name} is over {limit} bytes"
                       if exc.code == CloseCode.MESSAGE_TOO_BIG

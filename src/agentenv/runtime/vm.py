@@ -41,6 +41,7 @@ from agentenv.envd_client import (
     read_reply,
 )
 from agentenv.fsutil import fsync_dir
+from agentenv.logs import trim_log
 from agentenv.network.policy import ALL_TRAFFIC, EgressPolicy
 from agentenv.runtime import privilege
 from agentenv.runtime.accel import resolve_accel
@@ -80,7 +81,7 @@ from agentenv.runtime.network import (
 )
 from agentenv.runtime.qemu import DiskAttachment, QemuProcess
 from agentenv.runtime.serial import CHECK_INTERVAL as SERIAL_CHECK_INTERVAL
-from agentenv.runtime.serial import SERIAL_LOG, trim_serial_log
+from agentenv.runtime.serial import SERIAL_LOG
 from agentenv.runtime.warm_pool import WarmPool, WarmProcess
 from agentenv.snapshot.record import (
     RECORD_NAME,
@@ -470,7 +471,7 @@ class Runtime:
         cap = self.config.serial_log_max_bytes
 
         def trim_all(logs: list[Path]) -> list[Path]:
-            return [log_path for log_path in logs if trim_serial_log(log_path, cap)]
+            return [log_path for log_path in logs if trim_log(log_path, cap)]
 
         while True:
             logs = [vm.workdir / SERIAL_LOG for vm in list(self.vms.values())]
