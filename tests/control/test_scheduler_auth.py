@@ -49,7 +49,7 @@ async def raw_call(channel: grpc.aio.Channel, method_name: str, request: object,
     method = SERVICE.methods_by_name[method_name]
     rpc = channel.unary_unary(
         f"/{SERVICE.full_name}/{method_name}",
-        request_serializer=lambda m: m.SerializeToString(),  # type: ignore[attr-defined]
+        request_serializer=lambda m: m if isinstance(m, bytes) else m.SerializeToString(),
         response_deserializer=getattr(pb, method.output_type.name).FromString,
     )
     return await rpc(request, metadata=metadata, timeout=10)
@@ -227,5 +227,50 @@ def test_a_method_without_a_rule_is_closed(redis_server: RedisServer, prefix: st
             with pytest.raises(grpc.aio.AioRpcError) as caught:
                 await raw_call(channel, "Lookup", sample("Lookup"), None)
             assert caught.value.code() == grpc.StatusCode.UNAUTHENTICATED
+
+    asyncio.run(body())
+
+
+def largest_heartbeat(node_id: str) -> pb.NodeStatus:
+    """The heartbeat the scheduler's MAX_MESSAGE_BYTES is sized for (control/scheduler/server.py)."""
+    msg = status(node_id, address="127.0.0.1:8002")
+    for i in range(4096):
+        msg.sandboxes.add(sandbox_id=f"i{i:019d}", state="running", team_id="t" * 40)
+    for i in range(1024):
+        names = [f"t{i:019d}", f"{i:04d}" + "n" * 124, f"{i:04d}" + "m" * 124]
+        msg.templates.extend(names)
+        for name in names:
+            msg.template_layers.add(template_id=name, layers=[DIGEST] * 8)
+    for field in (msg.layers, msg.blobs, msg.partial_blobs):
+        field.extend([DIGEST] * 8192)
+    return msg
+
+
+def test_requests_are_parsed_after_the_credential_and_bounded(redis_server: RedisServer,
+                                                              prefix: str) -> None:
+    """A stranger's bytes are refused for their credential, not parsed first; a request over
+    MAX_MESSAGE_BYTES is refused; the heartbeat of a very large node fits."""
+    from agentenv.control.scheduler.server import MAX_MESSAGE_BYTES
+
+    async def body() -> None:
+        async with scheduler(redis_server.url, prefix) as (server, client), \
+                grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+            garbage = b"\xff" * 64  # no protobuf message
+            for credentials in (None, WRONG["garbage"]):
+                with pytest.raises(grpc.aio.AioRpcError) as caught:
+                    await raw_call(channel, "Heartbeat", garbage, credentials)
+                assert caught.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            with pytest.raises(grpc.aio.AioRpcError) as caught:  # the right caller: a 400
+                await raw_call(channel, "Heartbeat", garbage, node_credentials("n2").metadata)
+            assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            large = largest_heartbeat("n2")
+            assert 4 << 20 < large.ByteSize() < MAX_MESSAGE_BYTES
+            await client.heartbeat(large, credentials=node_credentials("n2"))
+            where = await client.lookup(f"i{4095:019d}")
+            assert where is not None and where.node_id == "n2"
+            too_large = pb.NodeStatus(node_id="n2", layers=[DIGEST] * (MAX_MESSAGE_BYTES // 70))
+            with pytest.raises(grpc.aio.AioRpcError) as caught:
+                await raw_call(channel, "Heartbeat", too_large, node_credentials("n2").metadata)
+            assert caught.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
 
     asyncio.run(body())
