@@ -117,11 +117,12 @@ def test_a_node_cannot_heartbeat_for_another_node(redis_server: RedisServer, pre
     asyncio.run(body())
 
 
-def test_a_node_cannot_claim_another_up_nodes_sandbox(redis_server: RedisServer,
-                                                     prefix: str) -> None:
-    """A node, with its own credential, lists another node's sandbox in its heartbeat: while the
-    sandbox's node is up the binding stays there (the gateway keeps sending its traffic, and its
-    users' tokens, to the node that has it); once that node is down the sandbox may move."""
+def test_a_node_cannot_claim_another_nodes_sandbox(redis_server: RedisServer,
+                                                  prefix: str) -> None:
+    """A node, with its own credential, lists another node's sandbox in its heartbeat: the
+    binding stays with the node the gateway recorded, up or down (else, once that node is down,
+    the gateway would send the sandbox's traffic and its users' envd tokens to the claimant).
+    Only the gateway's RecordAssignment moves it."""
     async def body() -> None:
         async with scheduler(redis_server.url, prefix, reconcile_grace_s=0.0,
                              heartbeat_interval_s=0.2, missed_heartbeats=1) as (_, client):
@@ -130,17 +131,21 @@ def test_a_node_cannot_claim_another_up_nodes_sandbox(redis_server: RedisServer,
             claim = status("n2", address="127.0.0.1:6666", sandboxes=["s1"])
             await client.heartbeat(claim, credentials=intruder)
             await victim_unchanged(client)
-            # n1 stops beating: down after 1.5 intervals (0.3 s); then the next reconciling
-            # heartbeat (its list changed) moves it
+            # n1 stops beating: down after 1.5 intervals (0.3 s)
             deadline = time.monotonic() + 30
-            extra = 0
-            while (await client.lookup("s1")).node_id != "n2":  # type: ignore[union-attr]
-                assert time.monotonic() < deadline, "the sandbox of a down node never moved"
-                await asyncio.sleep(0.2)
-                extra += 1
+            while (await client.lookup("s1")).node_up:  # type: ignore[union-attr]
+                assert time.monotonic() < deadline, "n1 never went down"
+                await asyncio.sleep(0.1)
+            for extra in range(3):  # reconciling heartbeats (the list changes each time)
                 await client.heartbeat(status("n2", address="127.0.0.1:6666",
                                               sandboxes=["s1", f"own{extra}"]),
                                        credentials=intruder)
+            where = await client.lookup("s1")
+            assert where is not None and (where.node_id, where.node_up) == ("n1", False)
+            # the gateway placed it on n2 (a resume there): that moves it
+            await client.record_assignment("s1", "n2")
+            where = await client.lookup("s1")
+            assert where is not None and where.node_id == "n2"
 
     asyncio.run(body())
 
