@@ -426,7 +426,7 @@ class TemplateBuildApi:
         replaced = files.unverified(files_hash)  # a newer upload of a hash replaces the older
         held = files.held_bytes(skip=(replaced,))
         files.check_budget(held, length)
-        reserve, setting = self._upload_reserve()
+        reserve, setting = self._space_reserve()
         try:
             require_free_space(self.files_dir, length, what, reserve=reserve, setting=setting)
         except InsufficientSpace as exc:
@@ -461,9 +461,10 @@ class TemplateBuildApi:
                                                 "kept": stored})
         return Response(status_code=200)
 
-    def _upload_reserve(self) -> tuple[int, str]:
-        """(bytes, setting) an upload leaves free: never less than what the node needs to
-        admit a create (AENV_MIN_FREE_DISK_MB), so uploads cannot refuse other teams' creates."""
+    def _space_reserve(self) -> tuple[int, str]:
+        """(bytes, setting) a team's upload or pull leaves free: never less than what the node
+        needs to admit a create (AENV_MIN_FREE_DISK_MB), so they cannot refuse other teams'
+        creates."""
         reserve, setting = disk_reserve(), "AENV_DISK_RESERVE"
         admission = self.orchestrator.admission
         if admission is not None and admission.min_free_disk_mb << 20 > reserve:
@@ -885,7 +886,7 @@ class TemplateBuildApi:
             pulled = await asyncio.to_thread(
                 pull_image, body.fromImage, state_dir=self.state_dir,
                 cache_dir=layer_cache_dir(self.state_dir), credentials=credentials,
-                use_docker_config=False, team=rec.team)
+                use_docker_config=False, team=rec.team, reserve=self._space_reserve())
         except AgentEnvError as exc:
             raise BuildFailed(f"pulling {body.fromImage} failed: {exc}", BASE_STEP) from exc
         rec.log("info", f"pulled {pulled.reference} ({pulled.manifest_digest[:19]}): "
