@@ -127,17 +127,19 @@ def free_bytes(path: Path) -> int:
     return st.f_bavail * st.f_frsize
 
 
-def require_free_space(path: Path, need: int, what: str) -> None:
+def require_free_space(path: Path, need: int, what: str, *, reserve: int | None = None,
+                       setting: str = "AENV_DISK_RESERVE") -> None:
     """Raise InsufficientSpace unless `need` bytes fit under `path` with the reserve left
-    (nothing to write, nothing to refuse)."""
+    (nothing to write, nothing to refuse). A caller with a higher floor than
+    AENV_DISK_RESERVE passes it as `reserve`, with the `setting` that names it."""
     if need <= 0:
         return
-    reserve = disk_reserve()
+    reserve = disk_reserve() if reserve is None else reserve
     free = free_bytes(path)
     if free < need + reserve:
         raise InsufficientSpace(
             f"not enough free disk space for {what}: it needs about {_mib(need)}, "
-            f"{_mib(reserve)} must stay free (AENV_DISK_RESERVE), and {path} has "
+            f"{_mib(reserve)} must stay free ({setting}), and {path} has "
             f"{_mib(free)} free")
 
 

@@ -49,7 +49,7 @@ async def raw_call(channel: grpc.aio.Channel, method_name: str, request: object,
     method = SERVICE.methods_by_name[method_name]
     rpc = channel.unary_unary(
         f"/{SERVICE.full_name}/{method_name}",
-        request_serializer=lambda m: m.SerializeToString(),  # type: ignore[attr-defined]
+        request_serializer=lambda m: m if isinstance(m, bytes) else m.SerializeToString(),
         response_deserializer=getattr(pb, method.output_type.name).FromString,
     )
     return await rpc(request, metadata=metadata, timeout=10)
@@ -117,11 +117,12 @@ def test_a_node_cannot_heartbeat_for_another_node(redis_server: RedisServer, pre
     asyncio.run(body())
 
 
-def test_a_node_cannot_claim_another_up_nodes_sandbox(redis_server: RedisServer,
-                                                     prefix: str) -> None:
-    """A node, with its own credential, lists another node's sandbox in its heartbeat: while the
-    sandbox's node is up the binding stays there (the gateway keeps sending its traffic, and its
-    users' tokens, to the node that has it); once that node is down the sandbox may move."""
+def test_a_node_cannot_claim_another_nodes_sandbox(redis_server: RedisServer,
+                                                  prefix: str) -> None:
+    """A node, with its own credential, lists another node's sandbox in its heartbeat: the
+    binding stays with the node the gateway recorded, up or down (else, once that node is down,
+    the gateway would send the sandbox's traffic and its users' envd tokens to the claimant).
+    Only the gateway's RecordAssignment moves it."""
     async def body() -> None:
         async with scheduler(redis_server.url, prefix, reconcile_grace_s=0.0,
                              heartbeat_interval_s=0.2, missed_heartbeats=1) as (_, client):
@@ -130,17 +131,21 @@ def test_a_node_cannot_claim_another_up_nodes_sandbox(redis_server: RedisServer,
             claim = status("n2", address="127.0.0.1:6666", sandboxes=["s1"])
             await client.heartbeat(claim, credentials=intruder)
             await victim_unchanged(client)
-            # n1 stops beating: down after 1.5 intervals (0.3 s); then the next reconciling
-            # heartbeat (its list changed) moves it
+            # n1 stops beating: down after 1.5 intervals (0.3 s)
             deadline = time.monotonic() + 30
-            extra = 0
-            while (await client.lookup("s1")).node_id != "n2":  # type: ignore[union-attr]
-                assert time.monotonic() < deadline, "the sandbox of a down node never moved"
-                await asyncio.sleep(0.2)
-                extra += 1
+            while (await client.lookup("s1")).node_up:  # type: ignore[union-attr]
+                assert time.monotonic() < deadline, "n1 never went down"
+                await asyncio.sleep(0.1)
+            for extra in range(3):  # reconciling heartbeats (the list changes each time)
                 await client.heartbeat(status("n2", address="127.0.0.1:6666",
                                               sandboxes=["s1", f"own{extra}"]),
                                        credentials=intruder)
+            where = await client.lookup("s1")
+            assert where is not None and (where.node_id, where.node_up) == ("n1", False)
+            # the gateway placed it on n2 (a resume there): that moves it
+            await client.record_assignment("s1", "n2")
+            where = await client.lookup("s1")
+            assert where is not None and where.node_id == "n2"
 
     asyncio.run(body())
 
@@ -227,5 +232,50 @@ def test_a_method_without_a_rule_is_closed(redis_server: RedisServer, prefix: st
             with pytest.raises(grpc.aio.AioRpcError) as caught:
                 await raw_call(channel, "Lookup", sample("Lookup"), None)
             assert caught.value.code() == grpc.StatusCode.UNAUTHENTICATED
+
+    asyncio.run(body())
+
+
+def largest_heartbeat(node_id: str) -> pb.NodeStatus:
+    """The heartbeat the scheduler's MAX_MESSAGE_BYTES is sized for (control/scheduler/server.py)."""
+    msg = status(node_id, address="127.0.0.1:8002")
+    for i in range(4096):
+        msg.sandboxes.add(sandbox_id=f"i{i:019d}", state="running", team_id="t" * 40)
+    for i in range(1024):
+        names = [f"t{i:019d}", f"{i:04d}" + "n" * 124, f"{i:04d}" + "m" * 124]
+        msg.templates.extend(names)
+        for name in names:
+            msg.template_layers.add(template_id=name, layers=[DIGEST] * 8)
+    for field in (msg.layers, msg.blobs, msg.partial_blobs):
+        field.extend([DIGEST] * 8192)
+    return msg
+
+
+def test_requests_are_parsed_after_the_credential_and_bounded(redis_server: RedisServer,
+                                                              prefix: str) -> None:
+    """A stranger's bytes are refused for their credential, not parsed first; a request over
+    MAX_MESSAGE_BYTES is refused; the heartbeat of a very large node fits."""
+    from agentenv.control.scheduler.server import MAX_MESSAGE_BYTES
+
+    async def body() -> None:
+        async with scheduler(redis_server.url, prefix) as (server, client), \
+                grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+            garbage = b"\xff" * 64  # no protobuf message
+            for credentials in (None, WRONG["garbage"]):
+                with pytest.raises(grpc.aio.AioRpcError) as caught:
+                    await raw_call(channel, "Heartbeat", garbage, credentials)
+                assert caught.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            with pytest.raises(grpc.aio.AioRpcError) as caught:  # the right caller: a 400
+                await raw_call(channel, "Heartbeat", garbage, node_credentials("n2").metadata)
+            assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            large = largest_heartbeat("n2")
+            assert 4 << 20 < large.ByteSize() < MAX_MESSAGE_BYTES
+            await client.heartbeat(large, credentials=node_credentials("n2"))
+            where = await client.lookup(f"i{4095:019d}")
+            assert where is not None and where.node_id == "n2"
+            too_large = pb.NodeStatus(node_id="n2", layers=[DIGEST] * (MAX_MESSAGE_BYTES // 70))
+            with pytest.raises(grpc.aio.AioRpcError) as caught:
+                await raw_call(channel, "Heartbeat", too_large, node_credentials("n2").metadata)
+            assert caught.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
 
     asyncio.run(body())

@@ -38,8 +38,8 @@ def test_reconciliation_both_ways(redis_server: RedisServer, prefix: str) -> Non
             assert new is not None and (new.node_id, new.team_id) == ("n1", "team-b")
             assert await client.lookup("fresh") is not None  # within the grace: kept
             assert await client.lookup("released") is None  # released within the grace
-            # Another node's claim on it (older than the grace) moves nothing while n1 is up
-            # (tests/control/test_scheduler_auth.py: it moves once n1 is down).
+            # Another node's claim on it (older than the grace) moves nothing (nor once n1 is
+            # down: tests/control/test_scheduler_auth.py); only RecordAssignment moves.
             await client.heartbeat(status("n2", sandboxes=["moved"]))
             moved = await client.lookup("moved")
             assert moved is not None and (moved.node_id, moved.team_id) == ("n1", "t")

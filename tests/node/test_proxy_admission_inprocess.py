@@ -18,6 +18,7 @@ import httpx
 import pytest
 import uvicorn
 
+from agentenv.node import proxy
 from agentenv.node.admission import Admission, AdmissionRefused
 from agentenv.node.api import NodeApp
 from agentenv.node.backend import ENVD_PORT
@@ -105,13 +106,14 @@ class Node:
 
 
 @asynccontextmanager
-async def node(tmp_path: Path, admission: Admission | None = None) -> AsyncIterator[Node]:
+async def node(tmp_path: Path, admission: Admission | None = None,
+               node_key: str | None = None) -> AsyncIterator[Node]:
     async with upstream() as port:
         backend = ScriptedBackend(envd=("127.0.0.1", port))
         orch = Orchestrator(Store(tmp_path / "node.db"), backend, TokenIssuer(tmp_path),
                             NodeConfig(reaper_interval=3600.0))
         orch.admission = admission
-        app = NodeApp(orch, API_KEY, NodeMetrics(), node_id="node-test")
+        app = NodeApp(orch, API_KEY, NodeMetrics(), node_id="node-test", node_key=node_key)
         await orch.start()
         transport = httpx.ASGITransport(app=app)  # type: ignore[arg-type]
         async with httpx.AsyncClient(transport=transport, base_url="http://node.test") as client:
@@ -180,6 +182,36 @@ def test_refusals(tmp_path: Path) -> None:
             assert (await n.client.get(app_port, headers=right)).status_code == 200
             await n.orch.kill(sid)
             assert (await n.client.get(at(sid) + "/health")).status_code == 502
+
+    run(scenario)
+
+
+def test_a_cluster_node_checks_its_key_before_any_signature_work(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A signed /files URL names no sandbox: the node finds it by trying every sandbox's token
+    (a SHA-256 each). A node of a cluster does that only for its gateway (the node key)."""
+    key = "0f" * 32
+    computed: list[tuple[Any, ...]] = []
+    real = proxy.file_signature
+
+    def counted(*args: Any) -> str:
+        computed.append(args)
+        return real(*args)
+
+    monkeypatch.setattr(proxy, "file_signature", counted)
+    signed = "/files?path=%2Fx&username=user&signature=v1_forged"
+
+    async def scenario() -> None:
+        async with node(tmp_path, node_key=key) as n:
+            for _ in range(3):
+                await n.create()
+            refused = await n.client.get(signed)
+            assert refused.status_code == 403, refused.text
+            assert computed == []  # no work for a caller without the key
+            checked = await n.client.get(signed, headers={"x-agentenv-node-key": key,
+                                                          "x-agentenv-team": "team-a"})
+            assert checked.status_code == 401 and checked.json()["message"] == "invalid signature"
+            assert len(computed) == 3  # the gateway's request is still checked
 
     run(scenario)
 

@@ -102,3 +102,64 @@ def test_uploads_no_build_needs_are_collected(node: tuple[TestClient, TemplateBu
     (state / "template-builds" / "b1.json").write_text(json.dumps(record))
     client.portal.call(gc.collect, "test")
     assert sorted(p.name for p in files.iterdir()) == ["asked", "recent.new"]
+
+
+def _upload_url_of(api: TemplateBuildApi, team: str, files_hash: str) -> str:
+    expires = int(time.time()) + 600
+    return (f"{UPLOAD_PREFIX}t1/{files_hash}?expires={expires}&team={team}"
+            f"&signature={api._signature(team, 't1', files_hash, expires)}")
+
+
+def test_a_teams_uploads_stay_within_its_budget(
+        node: tuple[TestClient, TemplateBuildApi, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    client, api, state = node
+    monkeypatch.setenv("AENV_TEAM_TEMPLATE_FILES_MB", "1")
+    files = team_dir(state / "template-files", LOCAL_TEAM)
+    assert client.put(_upload_url(api, "first"), content=b"a" * (600 << 10)).status_code == 200
+    # A second hash past the budget: refused up front by its length...
+    declared = client.put(_upload_url(api, "second"), content=b"b" * (600 << 10))
+    assert declared.status_code == 429, declared.text
+    assert "AENV_TEAM_TEMPLATE_FILES_MB" in declared.json()["message"]
+
+    def endless() -> Iterator[bytes]:  # ...and without one, while it streams
+        for _ in range(8):
+            yield b"c" * (256 << 10)
+
+    streamed = client.put(_upload_url(api, "second"), content=endless())
+    assert streamed.status_code == 429, streamed.text
+    assert sorted(p.name for p in files.iterdir()) == ["first.new"]  # nothing half-written
+    # A new upload of the same hash replaces the old one: it fits again.
+    assert client.put(_upload_url(api, "first"), content=b"d" * (700 << 10)).status_code == 200
+    # Another team's budget is its own.
+    other = client.put(_upload_url_of(api, "team-other", "second"), content=b"e" * (600 << 10))
+    assert other.status_code == 200, other.text
+
+
+def test_uploads_leave_what_creates_need_free(
+        node: tuple[TestClient, TemplateBuildApi, Path]) -> None:
+    client, api, state = node
+    admission = api.orchestrator.admission
+    assert admission is not None
+    free_mb = os.statvfs(state).f_bavail * os.statvfs(state).f_frsize >> 20
+    # The node admits creates only with this much free: an upload may not take it lower,
+    # even though AENV_DISK_RESERVE (256 MiB) would let it.
+    admission.min_free_disk_mb = free_mb + 1
+    refused = client.put(_upload_url(api, "fill"), content=b"x" * 4096)
+    assert refused.status_code == 507, refused.text
+    assert "AENV_MIN_FREE_DISK_MB" in refused.json()["message"]
+
+
+def test_finished_build_records_are_bounded_per_team(
+        node: tuple[TestClient, TemplateBuildApi, Path]) -> None:
+    from agentenv.node.template_api import KEEP_FINISHED_BUILDS
+
+    client, api, state = node
+    # Every request supersedes the one before (it fails, never started): records that would
+    # pile up without end, each read on every later build request.
+    for _ in range(KEEP_FINISHED_BUILDS + 10):
+        made = client.post("/v3/templates", json={"name": "churn"})
+        assert made.status_code == 202, made.text
+    latest = made.json()["buildID"]
+    assert len(api.builds) == KEEP_FINISHED_BUILDS + 1
+    assert len(list((state / "template-builds").glob("*.json"))) == KEEP_FINISHED_BUILDS + 1
+    assert api.builds[latest].status == "waiting"  # the one under way is kept

@@ -60,3 +60,26 @@ def test_pull_that_cannot_fit_is_refused_before_downloading(
     # cache entry every conversion starts from) may have been made.
     left = [f for f in _files(small_state) if not f.startswith("state/layer-cache/base/")]
     assert left == [], left
+
+
+def test_a_teams_pull_leaves_what_creates_need(
+        registry: Registry, small_state: Path, tmp_path_factory: pytest.TempPathFactory,
+        no_docker_config: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A build's pull (node/template_api.py) leaves the node's create threshold free, not only
+    AENV_DISK_RESERVE: a layer that fits above the reserve but not above the threshold is
+    refused before it is downloaded."""
+    monkeypatch.setenv("AENV_DISK_RESERVE", str(1 << 20))
+    layer = helpers.TarBuilder().file("noise", os.urandom(4 << 20)).bytes()
+    image = helpers.build_image([layer], ["gzip"])
+    registry.push("space/team", "v1", image)
+    layer_digest = json.loads(image.manifest)["layers"][0]["digest"]
+    mark = registry.log_mark()
+    blockd = private_blockd(tmp_path_factory.mktemp("bd"))
+    try:
+        with pytest.raises(InsufficientSpace, match="AENV_MIN_FREE_DISK_MB"):
+            pull_image(f"{registry.host}/space/team:v1", state_dir=small_state / "state",
+                       blockd=start_private(blockd), team="t", use_docker_config=False,
+                       reserve=(40 << 20, "AENV_MIN_FREE_DISK_MB"))
+    finally:
+        blockd.stop()
+    assert not [r for r in registry.requests_since(mark) if layer_digest in r]

@@ -48,7 +48,7 @@ from agentenv.node.layer_peers import HOLDERS_PATH
 from agentenv.node.metrics import NodeMetrics
 from agentenv.node.openapi import openapi_document
 from agentenv.node.orchestrator import CreateParams, ForkResult, Orchestrator
-from agentenv.node.proxy import SandboxProxy, send_json
+from agentenv.node.proxy import SandboxProxy, route_of, send_json
 from agentenv.node.records import SandboxRecord, State, TemplateRecord
 from agentenv.node.security import NODE_KEY_HEADER, bearer_is, same_secret
 from agentenv.node.tenancy import LOCAL_TEAM, SCOPE_KEY, TEAM_HEADER, TEAM_NAME, scope_team
@@ -254,24 +254,30 @@ class NodeApp:
         if problem is not None:  # the node is no forward proxy: only origin-form targets
             await self._refuse(scope, send, 400, problem)
             return
-        route = self.proxy.route(scope)
+        # Before the route: a signed /files URL names no sandbox, and finding its sandbox costs
+        # a SHA-256 per sandbox (SandboxProxy.route); on a cluster's node only its gateway may
+        # have that work done. /health and /metrics are no /files: route_of (headers and Host
+        # only, no signature) says whether they are sandbox traffic.
+        named = route_of(scope)
+        scraper = named is None and scope["path"] == "/metrics" and (
+            self.public_metrics or (self.metrics_token is not None
+                                    and bearer_is(scope["headers"], self.metrics_token)))
+        from_gateway = False
+        if (self.node_key is not None and not scraper
+                and (named is not None or scope["path"] != "/health")):
+            given = [v for n, v in scope["headers"] if n == NODE_KEY_HEADER]
+            if len(given) != 1 or not same_secret(given[0].decode("latin-1"), self.node_key):
+                await self._refuse(scope, send, 403, "this node serves its cluster's gateway only")
+                return
+            from_gateway = True
+        route = named or self.proxy.route(scope)
         # sandbox traffic may end in '/' (an app's directory); the control API never does
         problem = path_problem(request_target(scope), trailing_slash=route is not None)
         if problem is not None:
             await self._refuse(scope, send, 400, problem)
             return
         scope[SCOPE_KEY] = LOCAL_TEAM
-        scraper = route is None and scope["path"] == "/metrics" and (
-            self.public_metrics or (self.metrics_token is not None
-                                    and bearer_is(scope["headers"], self.metrics_token)))
-        from_gateway = False
-        if (self.node_key is not None and not scraper
-                and (route is not None or scope["path"] != "/health")):
-            given = [v for n, v in scope["headers"] if n == NODE_KEY_HEADER]
-            if len(given) != 1 or not same_secret(given[0].decode("latin-1"), self.node_key):
-                await self._refuse(scope, send, 403, "this node serves its cluster's gateway only")
-                return
-            from_gateway = True
+        if from_gateway:
             problem = self._team_problem(scope, route is None)
             if problem is not None:
                 await self._refuse(scope, send, 403, problem)

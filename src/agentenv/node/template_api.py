@@ -85,6 +85,10 @@ UPLOAD_URL_SECONDS = 3600
 MAX_UPLOAD_BYTES = 8 << 30
 UPLOAD_SPACE_CHECK = 16 << 20
 MAX_LOG_ENTRIES = 20_000
+#: finished build records kept per team beyond those still needed (failed builds, ready ones
+#: no tag names any more): the oldest go, so requests that fail cannot grow the records (each
+#: up to AENV_BUILD_LOG_TAIL of logs, in memory and on disk) or the scans over them forever
+KEEP_FINISHED_BUILDS = 50
 
 
 def log_tail_bytes() -> int:
@@ -339,10 +343,20 @@ class TemplateBuildApi:
                           updated_at=now, tags=tags, team=team)
         self.builds[rec.build_id] = rec
         self._save(rec)
+        self._purge_finished(team)
         log.info("template build requested",
                  extra={"template_id": template_id, "build_id": rec.build_id, "template_name": name})
         return JSONResponse({"templateID": template_id, "buildID": rec.build_id, "public": False,
                              "names": [name], "tags": tags, "aliases": [name]}, status_code=202)
+
+    def _purge_finished(self, team: str) -> None:
+        """Drop `team`'s oldest finished build records past KEEP_FINISHED_BUILDS."""
+        finished = sorted((b for b in self.builds.values() if b.team == team and (
+            b.status == "error" or self._released(b))), key=lambda b: b.created_at,
+            reverse=True)
+        for rec in finished[KEEP_FINISHED_BUILDS:]:
+            self.builds.pop(rec.build_id, None)
+            (self.builds_dir / f"{rec.build_id}.json").unlink(missing_ok=True)
 
     def _template_count(self, team: str) -> int:
         """`team`'s templates built through this API: registered, or requested and not failed."""
@@ -409,9 +423,13 @@ class TemplateBuildApi:
         files = TeamFiles(self.files_dir, team)
         files.dir.mkdir(parents=True, exist_ok=True)
         what = f"the upload of files {files_hash}"
+        length = int(declared) if declared and declared.isdigit() else 0
+        replaced = files.unverified(files_hash)  # a newer upload of a hash replaces the older
+        held = files.held_bytes(skip=(replaced,))
+        files.check_budget(held, length)
+        reserve, setting = self._space_reserve()
         try:
-            require_free_space(self.files_dir, int(declared) if declared and declared.isdigit()
-                               else 0, what)
+            require_free_space(self.files_dir, length, what, reserve=reserve, setting=setting)
         except InsufficientSpace as exc:
             raise ApiError(str(exc), status=507) from None
         fd, tmp_name = tempfile.mkstemp(prefix=f".{files_hash}.", dir=files.dir)
@@ -423,12 +441,16 @@ class TemplateBuildApi:
                     size += len(chunk)
                     if size > MAX_UPLOAD_BYTES:
                         raise ApiError(f"upload over {MAX_UPLOAD_BYTES} bytes", status=413)
+                    files.check_budget(held, size)
                     if size - checked >= UPLOAD_SPACE_CHECK:
-                        # No length given (or a wrong one): look again every few MiB.
+                        # No length given (or a wrong one), and the team's other uploads
+                        # grow too: look again every few MiB.
                         checked = size
-                        if free_bytes(self.files_dir) < disk_reserve():
+                        held = files.held_bytes(skip=(replaced, Path(tmp_name)))
+                        files.check_budget(held, size)
+                        if free_bytes(self.files_dir) < reserve:
                             raise ApiError(f"not enough free disk space for {what}: less than "
-                                           "AENV_DISK_RESERVE left after "
+                                           f"{setting} left after "
                                            f"{size >> 20} MiB; upload stopped", status=507)
                     await asyncio.to_thread(out.write, chunk)
             stored = files.store(Path(tmp_name), files_hash)
@@ -439,6 +461,16 @@ class TemplateBuildApi:
         log.info("build files uploaded", extra={"files_hash": files_hash, "bytes": size,
                                                 "kept": stored})
         return Response(status_code=200)
+
+    def _space_reserve(self) -> tuple[int, str]:
+        """(bytes, setting) a team's upload or pull leaves free: never less than what the node
+        needs to admit a create (AENV_MIN_FREE_DISK_MB), so they cannot refuse other teams'
+        creates."""
+        reserve, setting = disk_reserve(), "AENV_DISK_RESERVE"
+        admission = self.orchestrator.admission
+        if admission is not None and admission.min_free_disk_mb << 20 > reserve:
+            reserve, setting = admission.min_free_disk_mb << 20, "AENV_MIN_FREE_DISK_MB"
+        return reserve, setting
 
     def _build_of(self, request: Request) -> BuildRecord:
         """The build named by the path's template_id and build_id (404 if they don't match)."""
@@ -853,7 +885,7 @@ class TemplateBuildApi:
             pulled = await asyncio.to_thread(
                 pull_image, body.fromImage, state_dir=self.state_dir,
                 cache_dir=layer_cache_dir(self.state_dir), credentials=credentials,
-                use_docker_config=False, team=rec.team)
+                use_docker_config=False, team=rec.team, reserve=self._space_reserve())
         except AgentEnvError as exc:
             raise BuildFailed(f"pulling {body.fromImage} failed: {exc}", BASE_STEP) from exc
         rec.log("info", f"pulled {pulled.reference} ({pulled.manifest_digest[:19]}): "

@@ -13,6 +13,10 @@ in it `<hash>.new`, an upload not verified yet (a newer upload replaces it), and
 verified one. A verified file is never replaced (what its hash names cannot change), and
 `present` is answered only for a verified file of the asking team: a team never learns
 whether another team uploaded something, nor uses what another team uploaded.
+
+What a team holds here (verified, unverified and being written) is bounded by
+AENV_TEAM_TEMPLATE_FILES_MB (`team_files_budget`): one team's uploads cannot take the node's
+disk from the others.
 """
 
 from __future__ import annotations
@@ -24,12 +28,17 @@ import stat
 import tarfile
 from pathlib import Path
 
+from agentenv.node.admission import QuotaExceeded, env_number
 from agentenv.node.errors import BadRequest
 
 UNVERIFIED_SUFFIX = ".new"
 #: bytes of file content read to verify one archive (a gzip bomb stops here)
 MAX_VERIFIED_BYTES = 32 << 30
 _CHUNK = 1 << 20
+#: the least one file counts for (a block): a flood of empty uploads costs too
+_MIN_FILE_BYTES = 4096
+BUDGET_SETTING = "AENV_TEAM_TEMPLATE_FILES_MB"
+DEFAULT_BUDGET_MB = 16 << 10  # two of the largest uploads (template_api.MAX_UPLOAD_BYTES)
 
 _TYPE_BITS = {
     tarfile.REGTYPE: stat.S_IFREG, tarfile.AREGTYPE: stat.S_IFREG,
@@ -38,6 +47,12 @@ _TYPE_BITS = {
     tarfile.CHRTYPE: stat.S_IFCHR, tarfile.BLKTYPE: stat.S_IFBLK,
     tarfile.FIFOTYPE: stat.S_IFIFO,
 }
+
+
+def team_files_budget() -> int:
+    """Bytes of build files one team may hold on a node, verified or not
+    (AENV_TEAM_TEMPLATE_FILES_MB, default 16 GiB; 0: no limit). Read per upload."""
+    return int(env_number(os.environ, BUDGET_SETTING, DEFAULT_BUDGET_MB) or 0) << 20
 
 
 class FilesMismatch(BadRequest):
@@ -110,6 +125,32 @@ class TeamFiles:
 
     def uploaded(self, files_hash: str) -> bool:
         return self.present(files_hash) or self.unverified(files_hash).is_file()
+
+    def held_bytes(self, skip: tuple[Path, ...] = ()) -> int:
+        """Disk the team's files take (every name in its directory, a hard-linked file once),
+        but for `skip`."""
+        skipped = {os.path.abspath(p) for p in skip}
+        seen: set[int] = set()
+        total = 0
+        with contextlib.suppress(FileNotFoundError):
+            for entry in os.scandir(self.dir):
+                with contextlib.suppress(FileNotFoundError):
+                    st = entry.stat(follow_symlinks=False)
+                    if entry.path in skipped or st.st_ino in seen:
+                        continue
+                    seen.add(st.st_ino)
+                    total += max(st.st_blocks * 512, _MIN_FILE_BYTES)
+        return total
+
+    def check_budget(self, held: int, adding: int) -> None:
+        """429 (QuotaExceeded) when holding `held` bytes the team may not add `adding`."""
+        budget = team_files_budget()
+        if budget and held + adding > budget:
+            raise QuotaExceeded(
+                f"team quota reached: {budget >> 20} MiB of template build files on this node "
+                f"(the team holds {held >> 20} MiB, {adding >> 20} MiB more sent; "
+                f"{BUDGET_SETTING}). Unused uploads are removed after AENV_TEMPLATE_FILES_TTL; "
+                f"or ask the operator for a higher quota", "template_files")
 
     def store(self, received: Path, files_hash: str) -> bool:
         """Give a received upload its name (atomically); False (and `received` removed) when

@@ -171,7 +171,8 @@ def _is_overlaybd(manifest: Manifest) -> bool:
 
 class _Puller:
     def __init__(self, ref: Reference, client: RegistryClient, cache: LayerCache,
-                 reporter: _Reporter, team: str | None) -> None:
+                 reporter: _Reporter, team: str | None,
+                 reserve: tuple[int, str] | None = None) -> None:
         self.ref = ref
         self.client = client
         self.cache = cache
@@ -181,6 +182,12 @@ class _Puller:
         self.repository = f"{ref.registry}/{ref.repository}"
         self.bytes_downloaded = 0
         self.downloaded_blobs: set[Path] = set()
+        self.reserve = reserve
+
+    def require_space(self, need: int, what: str) -> None:
+        """InsufficientSpace unless `need` bytes fit in the layer cache with the reserve left."""
+        reserve, setting = self.reserve or (None, "AENV_DISK_RESERVE")
+        require_free_space(self.cache.root, need, what, reserve=reserve, setting=setting)
 
     def fetched(self, layer: Descriptor) -> None:
         """This pull got `layer` from its repository: a source, and the team's."""
@@ -342,6 +349,7 @@ def pull_image(
     console: Console | None = None,
     lazy: bool = True,
     team: str | None = None,
+    reserve: tuple[int, str] | None = None,
 ) -> PulledImage:
     """Pull `ref` and record it under `state_dir/images/<name or sha256-HEX>/`.
 
@@ -355,6 +363,8 @@ def pull_image(
     False downloads them whole, as does a pull with explicit `credentials`. Tar-layer images are
     always downloaded and converted. `team`: the pull is a team's (a template build): a layer
     the node already holds is used only when the team may (template/layeraccess.py).
+    `reserve`: (bytes, setting) the pull must leave free instead of AENV_DISK_RESERVE (a
+    team's build: what the node needs to admit creates, node/template_api.py).
     """
     started = time.perf_counter()
     if credentials is not None:
@@ -384,7 +394,7 @@ def pull_image(
         if not isinstance(config, dict):
             raise RegistryError(f"{reference}: image config is not a JSON object")
         timings["resolve"] = time.perf_counter() - started
-        puller = _Puller(reference, client, cache, reporter, team)
+        puller = _Puller(reference, client, cache, reporter, team, reserve)
         try:
             # counts: (cached, converted, fetched as they are)
             if _is_overlaybd(manifest):
@@ -467,7 +477,7 @@ def _pull_overlaybd(manifest: Manifest, puller: _Puller,
     cached = fetched = 0
     need = sum(layer.size for layer in manifest.layers
                if puller.cache.lookup(NATIVE_KIND, layer.digest) is None)
-    require_free_space(puller.cache.root, need, f"pulling {puller.ref} ({_mib(need)} of layers)")
+    puller.require_space(need, f"pulling {puller.ref} ({_mib(need)} of layers)")
     for layer in manifest.layers:
         with puller.cache.entry_lock(NATIVE_KIND, layer.digest):
             found = puller.cache.lookup(NATIVE_KIND, layer.digest)
@@ -586,8 +596,8 @@ def _pull_and_convert(
     # Checked before any download: the blobs, plus the converted layers (the uncompressed
     # files in ext4; a gzip layer inflates about 3x).
     download = sum(layers[i].size for i in missing)
-    require_free_space(cache.root, download * CONVERT_SPACE_FACTOR,
-                       f"pulling {puller.ref} ({_mib(download)} to download and convert)")
+    puller.require_space(download * CONVERT_SPACE_FACTOR,
+                         f"pulling {puller.ref} ({_mib(download)} to download and convert)")
     if not missing:
         for layer, key, diff_id in zip(layers, keys, diff_ids, strict=True):
             _claim_converted(puller, layer, key, str(diff_id))

@@ -45,6 +45,15 @@ EMPTY = pb.Empty()
 # Threads for Heartbeat and Release: while Redis stalls each holds one for up to the store's
 # timeout, so 100 nodes' heartbeats queue here and not in front of anything else.
 REDIS_CALL_THREADS = 16
+#: The largest request the scheduler receives (grpc's default is 4 MiB). The largest message is
+#: a node's heartbeat (NodeStatus); serialized, for a node far larger than any we run, with
+#: 4,096 sandboxes (20-character ids, 40-character teams: 75 bytes each, 0.3 MB), 1,024
+#: templates each under its id and two 128-character names with 8 layers per name (2.1 MB in
+#: templates and template_layers), and 8,192 digests in each of layers, blobs and
+#: partial_blobs (73 bytes each, 1.8 MB): 4.3 MB (tests/control/test_scheduler_auth.py builds
+#: it). Twice that, rounded: 8 MiB. A request is parsed only after its caller's credential
+#: passed (control/scheduler/auth.py); this bounds what a stranger makes grpc buffer.
+MAX_MESSAGE_BYTES = 8 << 20
 T = TypeVar("T")
 R = TypeVar("R")
 FAILURES = (PlacementError, RedisError, StoreError, OSError)
@@ -184,11 +193,11 @@ class SchedulerServer:
     async def start(self) -> None:
         await asyncio.to_thread(self.service.start)
         await self.discovery.start()
-        server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+        server = grpc.aio.server(options=[("grpc.so_reuseport", 0),
+                                          ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)])
         self.pool = ThreadPoolExecutor(REDIS_CALL_THREADS, thread_name_prefix="scheduler-redis")
         auth = ClusterAuth(self.options.cluster_secret)
-        pb_grpc.add_SchedulerServicer_to_server(auth.guard(_Servicer(self.service, self.pool)),
-                                                server)
+        server.add_generic_rpc_handlers((auth.handler(_Servicer(self.service, self.pool)),))
         try:
             tls = self.options.tls
             if tls is None:

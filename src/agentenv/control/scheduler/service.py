@@ -350,7 +350,7 @@ class SchedulerService:
             s.team_id and s.sandbox_id in self.bindings and not self.bindings[s.sandbox_id].team_id
             for s in msg.sandboxes
         ):
-            # Added, moved or given a team by the script: read back what it wrote.
+            # Added or given a team by the script: read back what it wrote.
             changed = [s.sandbox_id for s in msg.sandboxes]
             written = self.store.lookup_many(changed)
             with self.lock:
@@ -417,8 +417,7 @@ class SchedulerService:
                     raise Invalid(f"sandbox {sandbox.sandbox_id!r} is listed twice")
                 seen.add(sandbox.sandbox_id)
             try:
-                added, dropped = self.store.heartbeat(
-                    msg, grace, int(self.config.down_after_ms), at)
+                added, dropped = self.store.heartbeat(msg, grace, at)
             except Exception:
                 self._alive_anyway(msg, at)
                 raise

@@ -111,16 +111,15 @@ return old
 """
 
 # Stores the node's status and reconciles its bindings both ways, atomically.
-# ARGV: prefix, node, status bytes, now ms, grace ms, down ms, then sandbox/team pairs the node
-# reports. A sandbox bound to another node moves to the reporting one only when that node is down
-# (no heartbeat for `down` ms): an up node keeps its bindings whatever another node claims, so a
-# node cannot draw another node's traffic (and its users' tokens) to itself.
+# ARGV: prefix, node, status bytes, now ms, grace ms, then sandbox/team pairs the node reports.
+# A heartbeat never moves a binding from another node, up or down: only RecordAssignment (the
+# gateway, which placed the sandbox there) does. A node's claim alone would draw another node's
+# traffic and its users' envd tokens to the claimant once the other node is down.
 # A binding younger than the grace is never dropped (the node's list may predate its creation),
 # and a sandbox released within the grace is never re-added (the list may predate its kill).
 # Returns {added ids, dropped ids}.
 _HEARTBEAT = """
 local p, node, now, grace = ARGV[1], ARGV[2], tonumber(ARGV[4]), tonumber(ARGV[5])
-local down = tonumber(ARGV[6])
 local function split(s)
   local out = {}
   for field in string.gmatch(s..'\\31', '([^\\31]*)\\31') do out[#out+1] = field end
@@ -130,7 +129,7 @@ redis.call('HSET', p..'nodes', node, ARGV[3])
 redis.call('HSET', p..'seen', node, ARGV[4])
 local setkey = p..'node:'..node..':sandboxes'
 local reported, added, dropped = {}, {}, {}
-for i = 7, #ARGV, 2 do
+for i = 6, #ARGV, 2 do
   local sid, team = ARGV[i], ARGV[i+1]
   reported[sid] = true
   local cur = redis.call('HGET', p..'bindings', sid)
@@ -142,19 +141,9 @@ for i = 7, #ARGV, 2 do
       added[#added+1] = sid
     end
   else
+    -- Its own binding gets the team it lacked; another node's stays there (see above).
     local f = split(cur)
-    if f[1] ~= node then
-      -- Bound elsewhere but this node has it: it moved, unless the binding is brand new or
-      -- its node is up.
-      local seen = tonumber(redis.call('HGET', p..'seen', f[1]) or '0')
-      if now - tonumber(f[3]) > grace and now - seen > down then
-        redis.call('SREM', p..'node:'..f[1]..':sandboxes', sid)
-        if f[2] == '' then f[2] = team end
-        redis.call('HSET', p..'bindings', sid, node..'\\31'..f[2]..'\\31'..ARGV[4]..'\\31'..f[4]..'\\31'..f[5])
-        redis.call('SADD', setkey, sid)
-        added[#added+1] = sid
-      end
-    elseif f[2] == '' and team ~= '' then
+    if f[1] == node and f[2] == '' and team ~= '' then
       redis.call('HSET', p..'bindings', sid, node..'\\31'..team..'\\31'..f[3]..'\\31'..f[4]..'\\31'..f[5])
     end
   end
@@ -392,12 +381,12 @@ class Store:
     # --- nodes ------------------------------------------------------------------------------------
 
     def heartbeat(
-        self, status: pb.NodeStatus, grace_ms: int, down_ms: int, at_ms: int | None = None
+        self, status: pb.NodeStatus, grace_ms: int, at_ms: int | None = None
     ) -> tuple[list[str], list[str]]:
         """Store the status (without its sandbox list) and reconcile; returns (added, dropped).
-        `down_ms`: a binding moves here from another node only when that one is down."""
+        A sandbox bound to another node is never moved here (only RecordAssignment moves)."""
         args: list[str | bytes | int] = [
-            self.prefix, status.node_id, _slim(status), at_ms or now_ms(), grace_ms, down_ms,
+            self.prefix, status.node_id, _slim(status), at_ms or now_ms(), grace_ms,
         ]
         for sandbox in status.sandboxes:
             args += [sandbox.sandbox_id, sandbox.team_id]
