@@ -43,12 +43,15 @@ cluster-up: system venv
 cluster-down:
 	@bash scripts/cluster-down.sh
 
+# lint-imports: the layering rule of docs/architecture.md §3 ([tool.importlinter] in pyproject.toml).
 test: system $(TEST_STAMP)
 	@$(VENV)/bin/ruff check src tests bench
+	@$(VENV)/bin/lint-imports
 	@$(VENV)/bin/pytest $(PYTEST_ARGS)
 
 lint: $(TEST_STAMP)
 	@$(VENV)/bin/ruff check src tests bench
+	@$(VENV)/bin/lint-imports
 
 # Regenerates the gRPC code in src/agentenv/control/proto/ from its .proto files (committed;
 # tests/control/test_proto.py checks that they match).

@@ -9,7 +9,10 @@ warmed itself (what a pooled create leaves to do, so the API's overhead shows). 
 where a pooled create's time goes (node log timings and the create-op histogram) and what a
 pool fill costs per VM. `--suite pause` (part of `all`): a filesystem-only pause and its
 connect (a cold boot from the disk) against a memory pause and its connect, p50 of each and the
-disk each pause snapshot keeps. `--backend process`:
+disk each pause snapshot keeps. `--suite observe` (not in `all`): create, pause and resume p50
+with lifecycle events, a webhook to a receiver taking 5 s per delivery and metrics sampled every
+second, against all of them off (node/events.py, node/webhooks.py, node/observer.py).
+`--backend process`:
 
 - proxy_*: the same envd request through the node's proxy (E2b-Sandbox-Id routing) and straight
   to the sandbox's envd port (baseline). The ratio is the proxy's overhead.
@@ -310,9 +313,11 @@ class VmNode:
     """`aenv serve --backend vm` on a kept state directory (the base template is built on the
     first run only) and a free loopback port."""
 
-    def __init__(self, state_dir: Path, pool_low: int = 0, pool_high: int = 0) -> None:
+    def __init__(self, state_dir: Path, pool_low: int = 0, pool_high: int = 0,
+                 extra_env: dict[str, str] | None = None) -> None:
         self.state_dir = state_dir
         self.pool_low, self.pool_high = pool_low, max(pool_high, pool_low)
+        self.extra_env = extra_env or {}
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = state_dir / "bench-node.log"
@@ -330,7 +335,8 @@ class VmNode:
         self.state_dir.mkdir(parents=True, exist_ok=True)
         env = {k: v for k, v in os.environ.items() if k != "AENV_API_KEY"}
         env |= {"AENV_VM_NETWORK_PREFIX": NODE_PREFIX, "AENV_VM_FIRST_SLOT": str(NODE_FIRST_SLOT),
-                "AENV_VM_POOL_LOW": str(self.pool_low), "AENV_VM_POOL_HIGH": str(self.pool_high)}
+                "AENV_VM_POOL_LOW": str(self.pool_low), "AENV_VM_POOL_HIGH": str(self.pool_high),
+                **self.extra_env}
         if TEST_ASSETS.is_dir() and "AENV_VM_ASSETS_DIR" not in env:
             env |= {"AENV_VM_ASSETS_DIR": str(TEST_ASSETS),
                     "AENV_VM_DEBIAN_CACHE": str(TEST_DEBIAN)}
@@ -750,6 +756,105 @@ async def pause_measurements(node: VmNode, quick: bool) -> None:
                       "layers), p50, after 16 MiB written to the disk", "rounds": rounds}), flush=True)
 
 
+class SlowReceiver:
+    """A webhook receiver on loopback that takes `delay` seconds to answer each POST."""
+
+    def __init__(self, delay: float) -> None:
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+        from threading import Thread
+
+        self.received = 0
+        outer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                self.rfile.read(int(self.headers["content-length"]))
+                time.sleep(delay)
+                outer.received += 1
+                self.send_response(204)
+                self.end_headers()
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/hook"
+        Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+#: events and metrics off, then on (events, metrics sampled every second, a webhook whose
+#: receiver takes 5 s per delivery, for every event type)
+OBSERVE_OFF = {"AENV_EVENTS_RETENTION_DAYS": "0", "AENV_METRICS_INTERVAL": "0"}
+OBSERVE_ON = {"AENV_EVENTS_RETENTION_DAYS": "7", "AENV_METRICS_INTERVAL": "1"}
+
+
+async def lifecycle_rounds(node: VmNode, rounds: int, hook_url: str | None
+                           ) -> dict[str, list[float]]:
+    """create, pause (memory), connect (a restore), kill: `rounds` times, one at a time."""
+    api = httpx.AsyncClient(base_url=node.url, headers={"X-API-KEY": node.key}, timeout=600,
+                            trust_env=False)
+    rows: dict[str, list[float]] = {"create": [], "pause": [], "resume": []}
+    try:
+        if hook_url is not None:
+            from agentenv.node.events import TYPES
+
+            (await api.post("/events/webhooks", json={
+                "name": "slow", "url": hook_url, "events": list(TYPES),
+                "signatureSecret": "bench"})).raise_for_status()
+        for _ in range(rounds):
+            t0 = time.perf_counter()
+            answer = await api.post("/v2/sandboxes", json={"templateID": "base", "timeout": 600})
+            answer.raise_for_status()
+            rows["create"].append((time.perf_counter() - t0) * 1e3)
+            sid = answer.json()["sandboxID"]
+            try:
+                await asyncio.sleep(2)  # a sample or two of the running sandbox
+                t0 = time.perf_counter()
+                (await api.post(f"/sandboxes/{sid}/pause", json={})).raise_for_status()
+                rows["pause"].append((time.perf_counter() - t0) * 1e3)
+                t0 = time.perf_counter()
+                (await api.post(f"/v2/sandboxes/{sid}/connect",
+                                json={"timeout": 600})).raise_for_status()
+                rows["resume"].append((time.perf_counter() - t0) * 1e3)
+            finally:
+                await api.delete(f"/sandboxes/{sid}")
+    finally:
+        await api.aclose()
+    return rows
+
+
+def observe_measurements(state_dir: Path, quick: bool) -> None:
+    """Issue 28: create/pause/resume p50 with events, a slow webhook and metrics sampling on,
+    against all of them off, on the same node state in one run (off, on, off again: the
+    baseline is both off phases together, so drift over the run shows in neither alone)."""
+    rounds = 3 if quick else 15
+    receiver = SlowReceiver(5.0)
+    phases: dict[str, dict[str, list[float]]] = {"off": {}, "on": {}}
+    try:
+        for phase in ("off", "on", "off"):
+            node = VmNode(state_dir, extra_env=OBSERVE_ON if phase == "on" else OBSERVE_OFF)
+            node.start()
+            try:
+                rows = asyncio.run(lifecycle_rounds(
+                    node, rounds, receiver.url if phase == "on" else None))
+            finally:
+                node.stop()
+            for op, values in rows.items():
+                phases[phase].setdefault(op, []).extend(values)
+    finally:
+        receiver.close()
+    for op in ("create", "pause", "resume"):
+        emit(f"vm_{op}_p50_ms_observed", statistics.median(phases["on"][op]), "ms",
+             f"{op} p50 with events, webhooks and metrics sampling off",
+             statistics.median(phases["off"][op]))
+    print(json.dumps({"metric": "slow_webhook_deliveries", "value": receiver.received,
+                      "rounds": rounds}), flush=True)
+
+
 def vm_main(args: argparse.Namespace) -> None:
     if os.geteuid() != 0:
         raise SystemExit("the VM backend needs root (network namespaces, nftables, blockd)")
@@ -758,6 +863,13 @@ def vm_main(args: argparse.Namespace) -> None:
     # The pause suite alone runs without a ready pool: parked VMs would only take CPU from it.
     pool = (0, 0) if args.suite == "pause" else (args.pool_low, args.pool_high)
     node = VmNode(args.state_dir, *pool)
+    if args.suite == "observe":
+        try:
+            observe_measurements(args.state_dir, args.quick)
+        finally:
+            remove_network(NODE_PREFIX)
+            shutil.rmtree(work, ignore_errors=True)
+        return
     try:
         started = node.start()
         print(json.dumps({"info": "vm node ready", "seconds": round(started, 1),
@@ -788,9 +900,10 @@ def main() -> None:
                         help="vm: the ready pool's low watermark for the pooled phase")
     parser.add_argument("--pool-high", type=int, default=4,
                         help="vm: the ready pool's high watermark for the pooled phase")
-    parser.add_argument("--suite", choices=["all", "create", "pause"], default="all",
+    parser.add_argument("--suite", choices=["all", "create", "pause", "observe"], default="all",
                         help="vm: create = the create/run/kill measurements, pause = memory vs "
-                        "filesystem-only pause and connect, all = both")
+                        "filesystem-only pause and connect, all = both; observe = create/pause/"
+                        "resume with events, a slow webhook and metrics sampling on vs off")
     args = parser.parse_args()
     if args.backend == "process":
         process_main(args)

@@ -31,9 +31,9 @@ from typing import Literal
 from agentenv.blockd.client import AsyncBlockdClient
 from agentenv.runtime.config import RuntimeConfig
 from agentenv.runtime.errors import VMDiedError
-from agentenv.runtime.harness import BlockdProcess, LoopThread, close_runtime, make_ext4_layer, sh
-from agentenv.runtime.testguest import build_test_guest
 from agentenv.runtime.vm import VM, BootSpec, DiskSource, Runtime
+from agentenv.testing.guest import build_test_guest
+from agentenv.testing.harness import LoopThread, blockd_in, close_runtime, make_ext4_layer, sh
 
 Bus = Literal["virtio-blk", "virtio-scsi"]
 BUSES: tuple[Bus, Bus] = ("virtio-blk", "virtio-scsi")
@@ -73,7 +73,7 @@ def main() -> None:
     guest = build_test_guest()
     root = Path(tempfile.mkdtemp(prefix="dbb", dir="/tmp"))
     root.chmod(0o711)
-    blockd = BlockdProcess(root)
+    blockd = blockd_in(root)
     blockd.start()
     loop = LoopThread()
     runtime: Runtime | None = None

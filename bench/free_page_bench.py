@@ -28,10 +28,10 @@ from pathlib import Path
 from typing import Any
 
 from agentenv.runtime.config import RuntimeConfig
-from agentenv.runtime.harness import pss_kib, sh
 from agentenv.runtime.network import teardown_host
-from agentenv.runtime.testguest import build_test_guest
 from agentenv.runtime.vm import VM, BootSpec, Runtime
+from agentenv.testing.guest import build_test_guest
+from agentenv.testing.harness import pss_kib, sh
 
 PREFIX = "afb"
 # Slot addresses apart from the other tests' and benches' (1, 24001, 26001, 27001, 28001, 29001, ...).

@@ -248,7 +248,7 @@ def process_part(args: argparse.Namespace) -> None:
 
 def qemu_memory(node: Node, sid: str) -> tuple[float, float, float | None]:
     """PSS and RSS of the sandbox's QEMU (MiB), and its cgroup's charge if it has one."""
-    from agentenv.runtime.harness import pss_kib
+    from agentenv.testing.harness import pss_kib
 
     manifest = json.loads((node.state / "vm-backend" / "sandboxes" / f"{sid}.vm.json")
                           .read_text())
@@ -329,17 +329,18 @@ def jail_part(args: argparse.Namespace) -> None:
     create (a template snapshot restored to running), restore of a paused VM, a fork of 16 and
     the PSS of idle VMs, in alternating rounds."""
     from agentenv.blockd.client import AsyncBlockdClient
+    from agentenv.blockd.launch import BlockdProcess
     from agentenv.runtime.config import RuntimeConfig
-    from agentenv.runtime.harness import (
-        BlockdProcess,
+    from agentenv.runtime.vm import BootSpec, DiskSource, Runtime
+    from agentenv.testing.guest import build_test_guest
+    from agentenv.testing.harness import (
         LoopThread,
+        blockd_in,
         close_runtime,
         make_ext4_layer,
         pss_kib,
         sh,
     )
-    from agentenv.runtime.testguest import build_test_guest
-    from agentenv.runtime.vm import BootSpec, DiskSource, Runtime
 
     rounds, fork_count = (1, 4) if args.quick else (6, 16)
     guest = build_test_guest()
@@ -351,7 +352,7 @@ def jail_part(args: argparse.Namespace) -> None:
         for i, (label, jailed) in enumerate({"shared-uid": False, "jailed": True}.items()):
             root = work / label
             root.mkdir(mode=0o711)
-            blockd = BlockdProcess(root)
+            blockd = blockd_in(root)
             blockd.start()
             loop = LoopThread()
             runtime = Runtime(RuntimeConfig(

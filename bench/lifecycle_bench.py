@@ -25,10 +25,10 @@ from typing import Any
 
 from agentenv.blockd.client import AsyncBlockdClient
 from agentenv.runtime.config import RuntimeConfig
-from agentenv.runtime.harness import BlockdProcess, make_ext4_layer, pss_kib, sh
 from agentenv.runtime.network import teardown_host
-from agentenv.runtime.testguest import build_test_guest
 from agentenv.runtime.vm import VM, BootSpec, DiskSource, Runtime
+from agentenv.testing.guest import build_test_guest
+from agentenv.testing.harness import blockd_in, make_ext4_layer, pss_kib, sh
 
 PREFIX = "aeb"
 # Slot addresses far from the ones tests/runtime and a node use (from slot 1). The runtime skips
@@ -104,7 +104,7 @@ async def main(quick: bool) -> None:
     guest = build_test_guest()
     root = Path(tempfile.mkdtemp(prefix="rb", dir="/tmp"))
     root.chmod(0o711)  # QEMU runs as aenv-vm: it must reach the state dir
-    blockd = BlockdProcess(root)
+    blockd = blockd_in(root)
     blockd.start()
     client = AsyncBlockdClient(blockd.socket)
     rt = Runtime(RuntimeConfig(state_dir=root / "state", network_prefix=PREFIX,

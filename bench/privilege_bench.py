@@ -30,10 +30,10 @@ from typing import Any
 from agentenv.blockd.client import AsyncBlockdClient
 from agentenv.runtime.cgroup import CgroupManager
 from agentenv.runtime.config import RuntimeConfig
-from agentenv.runtime.harness import BlockdProcess, make_ext4_layer, pss_kib, sh
 from agentenv.runtime.network import teardown_host
-from agentenv.runtime.testguest import build_test_guest
 from agentenv.runtime.vm import VM, BootSpec, DiskSource, Runtime
+from agentenv.testing.guest import build_test_guest
+from agentenv.testing.harness import blockd_in, make_ext4_layer, pss_kib, sh
 
 PREFIX = "aep"
 SLOT_FIRST_INDEX = 27001  # away from tests/runtime (1..) and lifecycle_bench (29001..)
@@ -62,7 +62,7 @@ async def main(quick: bool, cgroups_only: bool = False, fork: int = 0) -> None:
     guest = build_test_guest()
     root = Path(tempfile.mkdtemp(prefix="pb", dir="/tmp"))
     root.chmod(0o711)  # QEMU runs as aenv-vm: it must reach the state dir
-    blockd = BlockdProcess(root)
+    blockd = blockd_in(root)
     blockd.start()
     client = AsyncBlockdClient(blockd.socket)
     rt = Runtime(RuntimeConfig(state_dir=root / "state", network_prefix=PREFIX,

@@ -90,15 +90,15 @@ async def run(args: argparse.Namespace) -> None:
     from agentenv.guest.build.assets import CMDLINE_BASE, build_assets
     from agentenv.guest.build.rootfs import busybox_root, make_rootfs_image
     from agentenv.runtime.config import RuntimeConfig
-    from agentenv.runtime.harness import BlockdProcess, make_ext4_layer
     from agentenv.runtime.network import teardown_host
     from agentenv.runtime.vm import BootSpec, DiskSource, Runtime
     from agentenv.storage.export import import_raw
+    from agentenv.testing.harness import blockd_in, make_ext4_layer
 
     assets = build_assets(args.state)
     root = Path(tempfile.mkdtemp(prefix="realguest", dir="/tmp"))
     root.chmod(0o711)  # QEMU runs as aenv-vm: it must reach the state dir
-    blockd = BlockdProcess(root)
+    blockd = blockd_in(root)
     blockd.start()
     runtime: Runtime | None = None
     try:
@@ -112,7 +112,7 @@ async def run(args: argparse.Namespace) -> None:
                 base_dir / "vmlinuz", base_dir / "initramfs.img", base_dir / "tools.ext4", user_layer,
                 CMDLINE_BASE))
         else:
-            from agentenv.runtime.testguest import build_test_guest
+            from agentenv.testing.guest import build_test_guest
 
             test_guest = build_test_guest()
             layer = make_ext4_layer(root / "test.layer", ROOTFS_SIZE)

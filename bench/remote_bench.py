@@ -152,9 +152,9 @@ def vm_first_command(image: bigimage.BigImage, descriptor: Path, registry_root: 
     side by side, and time create -> first command's answer."""
     from agentenv.blockd.client import AsyncBlockdClient, BlockdClient
     from agentenv.runtime.config import RuntimeConfig, privilege_settings_from_env
-    from agentenv.runtime.harness import BlockdProcess, LoopThread, close_runtime, sh
-    from agentenv.runtime.testguest import build_test_guest
     from agentenv.runtime.vm import BootSpec, DiskSource, Runtime
+    from agentenv.testing.guest import build_test_guest
+    from agentenv.testing.harness import LoopThread, blockd_in, close_runtime, sh
 
     if os.geteuid() != 0:
         raise SystemExit("the VM figure needs root (network namespaces): run it as root, "
@@ -168,7 +168,7 @@ def vm_first_command(image: bigimage.BigImage, descriptor: Path, registry_root: 
     cache_dir = vmroot / "chunk-cache"
     os.environ["AENV_CHUNK_CACHE_DIR"] = str(cache_dir)
     os.environ["AENV_REMOTE_BACKGROUND_BW"] = "0"  # what is fetched is what the boot read
-    blockd = BlockdProcess(vmroot, fuse=False)
+    blockd = blockd_in(vmroot, fuse=False)
     loop = LoopThread()
     runtime: Runtime | None = None
 

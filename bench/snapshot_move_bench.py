@@ -37,11 +37,11 @@ from tests.template.conftest import _start_registry, _stop
 from agentenv.blockd.client import AsyncBlockdClient
 from agentenv.blockd.remote import install_private_store
 from agentenv.runtime.config import RuntimeConfig
-from agentenv.runtime.harness import BlockdProcess, make_ext4_layer, sh
 from agentenv.runtime.network import teardown_host
-from agentenv.runtime.testguest import build_test_guest
 from agentenv.runtime.vm import BootSpec, DiskSource, Runtime
 from agentenv.snapshot.repository import fetch, push
+from agentenv.testing.guest import build_test_guest
+from agentenv.testing.harness import blockd_in, make_ext4_layer, sh
 
 PREFIXES = {"lazy": "asl", "whole": "asw"}
 SLOTS = {"lazy": 29701, "whole": 29801}  # far from tests/runtime and the other benches
@@ -79,7 +79,7 @@ async def main(quick: bool) -> None:
     root = Path(tempfile.mkdtemp(prefix="smb", dir="/tmp"))
     root.chmod(0o711)  # QEMU runs as aenv-vm: it must reach the state dirs
     os.environ["AENV_REMOTE_BACKGROUND_BW"] = "0"  # bytes fetched = what the restore touched
-    blockd = BlockdProcess(root)
+    blockd = blockd_in(root)
     blockd.start()
     (root / "registry").mkdir()
     registry = _start_registry(root / "registry", None)
@@ -108,14 +108,14 @@ async def main(quick: bool) -> None:
             t0 = time.perf_counter()
             got = await asyncio.to_thread(fetch, ref, root / f"pulled-{kind}", lazy=kind == "lazy")
             t1 = time.perf_counter()
-            before = await fetched_bytes(client, blockd.root / "state")
+            before = await fetched_bytes(client, blockd.state_dir)
             drop_caches()
             t2 = time.perf_counter()
             child = await rts[kind].restore(got.record)
             await sh(child, "ls -R /bin /etc > /dev/null 2>&1; cat /tmp/fill > /dev/null; echo ok",
                      timeout=300)
             t3 = time.perf_counter()
-            after = await fetched_bytes(client, blockd.root / "state")
+            after = await fetched_bytes(client, blockd.state_dir)
             await rts[kind].kill(child)
             results[kind] = {"pull_ms": (t1 - t0) * 1e3, "restore_first_command_ms": (t3 - t2) * 1e3,
                              "pulled_bytes": got.bytes_fetched, "restore_bytes": after - before}

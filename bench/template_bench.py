@@ -38,7 +38,13 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "src"))
 
 from agentenv.template.apply import apply_layer  # noqa: E402
-from agentenv.template.convert import MKFS_ARGS, VIRTUAL_SIZE, PrivateBlockd, loop_mount  # noqa: E402
+from agentenv.template.convert import (  # noqa: E402
+    MKFS_ARGS,
+    VIRTUAL_SIZE,
+    loop_mount,
+    private_blockd,
+    start_private,
+)
 from agentenv.template.layercache import CONVERTER_KIND, LayerCache  # noqa: E402
 from agentenv.template.pull import _base_layer, pull_image  # noqa: E402
 
@@ -256,7 +262,7 @@ def main() -> None:
     rounds = args.rounds or (2 if args.quick else 3)
     work = Path(tempfile.mkdtemp(prefix="aenv-template-bench-", dir="/var/tmp"))
     registry = Registry(work)
-    blockd = PrivateBlockd(work)
+    blockd = private_blockd(work)
     try:
         layers = rootfs_layers(args.rootfs_tar) if args.rootfs_tar else build_layers(total_mib)
         blobs, configs, manifest = make_image(layers)
@@ -267,7 +273,7 @@ def main() -> None:
             path.write_bytes(blob)
             blob_files.append(path)
         diff_ids = [_digest(x) for x in layers]
-        socket_path = blockd.start()
+        socket_path = start_private(blockd)
         ref = f"127.0.0.1:{registry.port}/bench/rootfs:v1"
         state = work / "state"
         cache = LayerCache(state / "layer-cache")

@@ -14,7 +14,7 @@ from agentenv.blockd.remote import install_private_store
 install_private_store()
 
 # The test registries run on loopback, which a registry client refuses unless the operator
-# allows it (template/registry.py): allowed by name, as an operator would. Nodes the tests
+# allows it (registry/client.py): allowed by name, as an operator would. Nodes the tests
 # start inherit it. The hostile-registry tests narrow it to the one registry they serve.
 os.environ.setdefault("AENV_REGISTRY_ALLOW_PRIVATE", "127.0.0.1,localhost,::1")
 

@@ -305,6 +305,24 @@ class EnvdClient:
         if not answer.is_success:
             raise EnvdClientError(f"envd /init answered {answer.status_code}: {answer.text[:300]}")
 
+    async def metrics(self, timeout: float = 2.0) -> dict[str, Any]:
+        """envd's `GET /metrics`: the guest's own view (memory used and cached, its disk)."""
+        try:
+            answer = await read_reply(self._http, "GET", self.base_url + "/metrics",
+                                      what="envd /metrics", timeout=timeout,
+                                      headers=self._headers())
+        except httpx.HTTPError as exc:
+            raise EnvdClientError(f"envd /metrics failed: {exc!r}") from exc
+        if not answer.is_success:
+            raise EnvdClientError(f"envd /metrics answered {answer.status_code}")
+        try:
+            body = answer.json()
+        except ValueError as exc:
+            raise EnvdClientError(f"envd /metrics answered no JSON: {exc}") from exc
+        if not isinstance(body, dict):
+            raise EnvdClientError("envd /metrics answered no object")
+        return body
+
     async def send_pty(self, pid: int, data: bytes) -> None:
         """Type `data` into the terminal of process `pid` (started with a pty)."""
         await self._unary("process.Process/SendInput",

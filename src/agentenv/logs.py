@@ -35,3 +35,17 @@ def setup(level: str = "info") -> None:
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
     logging.Formatter.converter = time.gmtime
+
+
+class Sampled:
+    """Which of a run of like events to log: the first, then every `every`th (with the count in
+    the line). What a stranger can cause as fast as it can send is counted, never written once
+    per event: a flood of refusals is not a flood of log lines."""
+
+    def __init__(self, every: int = 1000) -> None:
+        self.every = every
+        self.count = 0
+
+    def tick(self) -> bool:
+        self.count += 1
+        return self.count == 1 or self.count % self.every == 0

@@ -5,11 +5,8 @@ from __future__ import annotations
 import os
 import random
 import shutil
-import signal
 import subprocess
-import sys
 import tempfile
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from agentenv.blockd.client import BlockdClient
-from agentenv.blockd.errors import BlockdUnavailable
+from agentenv.blockd.launch import BlockdProcess
 
 MiB = 1 << 20
 
@@ -85,60 +82,15 @@ def stack(short_tmp: Path) -> Stack:
     return build_stack(short_tmp / "layers", 4, 16 * MiB)
 
 
-class Daemon:
-    """`aenv blockd` running as a real process."""
+class Daemon(BlockdProcess):
+    """`aenv blockd` running as a real process, its state, socket and log under `root`."""
 
     def __init__(self, root: Path, fuse: bool = True) -> None:
+        super().__init__(root / "state", root / "ctl.sock", root / "blockd.log", fuse=fuse)
         self.root = root
-        self.state_dir = root / "state"
-        self.socket = root / "ctl.sock"
-        self.fuse = fuse
-        self.proc: subprocess.Popen[bytes] | None = None
-        self.log_path = root / "blockd.log"
-        self.extra_args: list[str] = []
-
-    def start(self) -> None:
-        args = [sys.executable, "-m", "agentenv.cli.main", "blockd", "--state-dir", str(self.state_dir),
-                "--socket", str(self.socket)]
-        if not self.fuse:
-            args.append("--no-fuse")
-        args += self.extra_args
-        log = open(self.log_path, "ab")  # noqa: SIM115 - the process keeps it
-        self.proc = subprocess.Popen(args, stdout=log, stderr=log)
-        log.close()
-        deadline = time.monotonic() + 20
-        while True:
-            try:
-                with BlockdClient(self.socket, timeout=5) as client:
-                    client.ping()
-                return
-            except BlockdUnavailable:
-                if self.proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"blockd did not start:\n{self.log_path.read_text()}") from None
-                time.sleep(0.05)
 
     def client(self) -> BlockdClient:
         return BlockdClient(self.socket)
-
-    def kill9(self) -> None:
-        assert self.proc is not None
-        self.proc.send_signal(signal.SIGKILL)
-        self.proc.wait(10)
-        self.proc = None
-
-    def stop(self) -> None:
-        if self.proc is None:
-            return
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            self.proc.wait(20)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(5)
-        self.proc = None
-
-    def alive(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
 
 
 @pytest.fixture

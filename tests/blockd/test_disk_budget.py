@@ -95,4 +95,4 @@ def test_disks_never_take_the_filesystem_below_the_reserve(small_fs: Path, nativ
         assert _free(small_fs) >= RESERVE
     finally:
         daemon.stop()
-    assert "disk full: write refused with ENOSPC" in daemon.log_path.read_text()
+    assert "disk full: write refused with ENOSPC" in daemon.log_file.read_text()

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from agentenv.blockd.errors import BlockdError
+from agentenv.blockd.launch import BlockdStartFailed
 from agentenv.blockd.results import Sealed
 
 from .conftest import Daemon, MiB, Stack, nbd_uri, run
@@ -81,7 +82,7 @@ def test_capped_disk_refuses_growth_with_enospc_and_keeps_serving(short_tmp: Pat
         run(["qemu-io", "-f", "raw", "-c", "read -P 0x44 8M 512k", uri])
     finally:
         d.stop()
-    log = d.log_path.read_text()
+    log = d.log_file.read_text()
     assert "disk full: write refused with ENOSPC" in log
     # Logged once a minute at most, not per refused request.
     assert log.count("disk full: write refused") <= 4
@@ -136,7 +137,7 @@ def test_default_cap_is_a_share_of_the_state_filesystem(short_tmp: Path, stack: 
 def test_a_bad_share_is_refused(short_tmp: Path) -> None:
     d = Daemon(short_tmp, fuse=False)
     d.extra_args = ["--upper-limit", "120%"]
-    with pytest.raises(RuntimeError, match="a percentage is between 0 and 100"):
+    with pytest.raises(BlockdStartFailed, match="a percentage is between 0 and 100"):
         d.start()
 
 

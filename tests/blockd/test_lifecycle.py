@@ -349,6 +349,10 @@ def test_metrics_endpoint_counts_per_device(short_tmp: Path, stack: Stack) -> No
             nbd.read(i * 4096, 4096)
         nbd.write(0, bytes(4096))
         nbd.close()
+        # The native core's counters reach the metrics every second or when a device's info
+        # is read: read it, so the scrape does not race the fold.
+        with d.client() as client:
+            client.list()
         text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
         # loopback only, unless told (--metrics-bind): not the node's network's to read
         assert listening_addresses(port) == {"127.0.0.1"}

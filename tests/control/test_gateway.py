@@ -110,6 +110,51 @@ def test_fork_of_four_stays_on_the_source_node(sdk: LocalCluster) -> None:
         source.kill()
 
 
+def test_batch_from_a_snapshot_and_lineage_through_the_gateway(sdk: LocalCluster) -> None:
+    """POST /snapshots/{id}/fork goes to the node holding the snapshot; every child is the
+    team's (another team's snapshot is not found); lineage and rollback are forwarded."""
+    key = {"X-API-KEY": sdk.keys["alpha"]}
+    source = Sandbox.create(template="base", timeout=120)
+    made: list[str] = []
+    try:
+        source.files.write("/tmp/seed", "seed")
+        snap = httpx.post(f"{sdk.url}/sandboxes/{source.sandbox_id}/snapshots", json={},
+                          headers=key, timeout=120).json()["snapshotID"]
+        answer = httpx.post(f"{sdk.url}/snapshots/{snap}/fork", json={"count": 3, "timeout": 120},
+                            headers=key, timeout=120)
+        assert answer.status_code == 201, answer.text
+        made = [r["sandbox"]["sandboxID"] for r in answer.json()]
+        assert len(made) == 3
+        home = holder(sdk, source.sandbox_id)
+        for child_id in made:
+            assert holder(sdk, child_id) == home
+            info = httpx.get(f"{sdk.url}/sandboxes/{child_id}", headers=key, timeout=30).json()
+            assert info["sourceSnapshotID"] == snap
+            assert info["parentSandboxID"] == source.sandbox_id
+            assert Sandbox.connect(child_id).files.read("/tmp/seed") == "seed"
+        listed = httpx.get(f"{sdk.url}/snapshots/{snap}/children", headers=key, timeout=30)
+        assert {s["sandboxID"] for s in listed.json()} == set(made)
+        children = httpx.get(f"{sdk.url}/sandboxes/{source.sandbox_id}/children", headers=key,
+                             timeout=30)
+        assert {s["sandboxID"] for s in children.json()} == set(made)
+        beta = {"X-API-KEY": sdk.keys["beta"]}
+        assert httpx.post(f"{sdk.url}/snapshots/{snap}/fork", json={"count": 1}, headers=beta,
+                          timeout=30).status_code == 404
+        rollback = httpx.post(f"{sdk.url}/sandboxes/{source.sandbox_id}/rollback", json={},
+                              headers=key, timeout=30)
+        assert rollback.status_code == 400  # reached the node: a process node cannot
+        batch = httpx.post(f"{sdk.url}/v2/sandboxes", headers=key, timeout=120,
+                           json={"templateID": "base", "timeout": 60, "count": 2})
+        assert batch.status_code == 201, batch.text
+        made += [r["sandbox"]["sandboxID"] for r in batch.json()]
+        assert len(made) == 5
+    finally:
+        for child_id in made:
+            with contextlib.suppress(Exception):
+                Sandbox.kill(child_id)
+        source.kill()
+
+
 def test_snapshot_then_create_from_it(sdk: LocalCluster) -> None:
     source = Sandbox.create(template="base", timeout=120)
     try:

@@ -25,6 +25,7 @@ import pytest
 from e2b import Sandbox, Template
 from e2b.template.utils import calculate_files_hash
 
+from agentenv.control.gateway.limits import LookupLimiter, client_key
 from tests.control.cluster import GatewayProcess, LocalCluster
 from tests.control.helpers import wait_for
 from tests.node.conftest import environ_set
@@ -118,6 +119,27 @@ def test_signed_url_lookups_are_rate_limited_per_client_but_not_cached_owners(
             assert cached.status_code == 200 and cached.text == "signed"
     finally:
         sbx.kill()
+
+
+def test_a_strangers_refused_lookups_are_counted_not_each_logged(cluster: LocalCluster) -> None:
+    """Found by the red team: each refused lookup wrote a line to the gateway's log, so a
+    stranger with no key wrote the gateway's disk at will."""
+    logged = lambda: cluster.gateway.log.read_bytes().count(b"signed URL lookup rate limited")  # noqa: E731
+    before = logged()
+    with httpx.Client(base_url=cluster.url, trust_env=False, timeout=10) as stranger:
+        statuses = [stranger.get("/files", params={"path": "/x", "signature": f"v1_{i}"})
+                    .status_code for i in range(300)]
+    assert statuses.count(429) >= 290
+    assert logged() - before <= 2
+
+
+def test_one_ipv6_prefix_shares_one_lookup_bucket() -> None:
+    """Found by the red team: a bucket per exact address let a client with a /64 (every IPv6
+    host) take a fresh burst per request."""
+    limiter = LookupLimiter(rate=0.001, burst=3)  # 3 lookups, no refill during the test
+    assert sum(limiter.allow(f"2001:db8:1:2::{i:x}") for i in range(1000)) == 3
+    assert limiter.allow("2001:db8:1:3::1")  # another /64 is another client
+    assert client_key("::ffff:192.0.2.7") == client_key("192.0.2.7") == "192.0.2.7"
 
 
 def test_a_file_planted_under_another_team_hash_is_not_used(cluster: LocalCluster,

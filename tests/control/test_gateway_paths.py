@@ -407,7 +407,9 @@ def test_a_clients_team_header_is_not_passed_on(world: World) -> None:
 #: the routes of the gateway and the node, with the ids the fuzzer fills in
 ROUTES = ["/sandboxes/{s}", "/sandboxes/{s}/connect", "/v2/sandboxes/{s}/connect",
           "/sandboxes/{s}/pause", "/sandboxes/{s}/fork", "/sandboxes/{s}/snapshots",
-          "/sandboxes/{s}/network", "/snapshots/{n}", "/templates/{t}", "/templates/aliases/{t}",
+          "/sandboxes/{s}/network", "/sandboxes/{s}/rollback", "/sandboxes/{s}/children",
+          "/snapshots/{n}", "/snapshots/{n}/fork", "/snapshots/{n}/children",
+          "/templates/{t}", "/templates/aliases/{t}",
           "/templates/{t}/builds/{b}/status", "/templates/{t}/tags", "/template-files/{t}/{h}",
           "/v2/templates/{t}/builds/{b}", "/init", "/files", "/nodes/{s}",
           "/aenv/snapshots/push"]

@@ -4,6 +4,7 @@ still running (the process backend keeps files only)."""
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Iterator
 
@@ -62,3 +63,52 @@ def test_vm_sandbox_pauses_with_memory_through_the_gateway(vm_cluster: LocalClus
     finally:
         for sandbox in made:
             sandbox.kill()
+
+
+def test_paused_fork_rollback_and_batch_through_the_gateway(vm_cluster: LocalCluster) -> None:
+    """On the VM node, through the gateway: the SDK's fork of a paused sandbox (children on its
+    node, the parent stays paused), a batch from its snapshot (on the snapshot's node), and a
+    rollback answered with the new token."""
+    key = {"X-API-KEY": vm_cluster.keys["vm"]}
+    made: list[str] = []
+    try:
+        sbx = None
+        for _ in range(4):
+            candidate = Sandbox.create(template="base", timeout=300)
+            made.append(candidate.sandbox_id)
+            if on_node(vm_cluster, candidate.sandbox_id, 0):
+                sbx = candidate
+                break
+        assert sbx is not None, "no create was placed on the VM node"
+        sbx.files.write("/home/user/mark.txt", "before")
+        snap = httpx.post(f"{vm_cluster.url}/sandboxes/{sbx.sandbox_id}/snapshots", json={},
+                          headers=key, timeout=120).json()["snapshotID"]
+        sbx.files.write("/home/user/mark.txt", "after")
+        sbx.pause()
+        forked = Sandbox.fork(sbx.sandbox_id, count=2, timeout=300)
+        assert not [f for f in forked if isinstance(f, Exception)], forked
+        made += [f.sandbox_id for f in forked]
+        for child in forked:
+            assert on_node(vm_cluster, child.sandbox_id, 0)
+            assert child.files.read("/home/user/mark.txt") == "after"
+        assert Sandbox.get_info(sbx.sandbox_id).state == SandboxState.PAUSED
+
+        batch = httpx.post(f"{vm_cluster.url}/snapshots/{snap}/fork", headers=key, timeout=300,
+                           json={"count": 2, "timeout": 300})
+        assert batch.status_code == 201, batch.text
+        ids = [r["sandbox"]["sandboxID"] for r in batch.json()]
+        made += ids
+        for cid in ids:
+            assert on_node(vm_cluster, cid, 0)
+            assert Sandbox.connect(cid).files.read("/home/user/mark.txt") == "before"
+
+        rolled = httpx.post(f"{vm_cluster.url}/sandboxes/{sbx.sandbox_id}/rollback",
+                            json={"snapshotID": snap}, headers=key, timeout=300)
+        assert rolled.status_code == 200, rolled.text
+        assert rolled.json()["envdAccessToken"] != sbx._envd_access_token
+        back = Sandbox.connect(sbx.sandbox_id, timeout=300)
+        assert back.files.read("/home/user/mark.txt") == "before"
+    finally:
+        for sid in made:
+            with contextlib.suppress(Exception):
+                Sandbox.kill(sid)

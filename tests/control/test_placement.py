@@ -8,9 +8,10 @@ from collections import Counter
 import grpc
 import pytest
 
-from agentenv.control.scheduler.client import SchedulerError
+from agentenv.control.gateway.placement import NoPlacement, SchedulerLink
+from agentenv.control.scheduler.client import Credentials, SchedulerError
 from tests.control.conftest import RedisServer
-from tests.control.helpers import scheduler, status
+from tests.control.helpers import SECRET, scheduler, status
 
 
 def test_round_robin_cycles_over_fitting_nodes(redis_server: RedisServer, prefix: str) -> None:
@@ -131,5 +132,34 @@ def test_fork_goes_to_source_and_snapshot_to_holder(redis_server: RedisServer, p
                 await client.schedule(source_sandbox_id="src", vcpus=2)
             assert caught.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
             assert "on node c, which cannot take 2 vCPUs" in caught.value.details
+
+    asyncio.run(body())
+
+
+def test_the_gateway_tells_a_team_no_other_nodes_load(redis_server: RedisServer, prefix: str) -> None:
+    """"No room" names every node's free vCPUs and memory (other teams' load) and "no node up"
+    every node's state: the scheduler's callers may read that, a team through the gateway may
+    not. It gets a summary; the detail stays for the gateway's log."""
+    async def body() -> None:
+        async with scheduler(redis_server.url, prefix) as (server, client):
+            link = SchedulerLink(f"127.0.0.1:{server.port}", Credentials.gateway(SECRET))
+            try:
+                await client.heartbeat(status("victim-node", templates=["base"], mem_free=100))
+                with pytest.raises(NoPlacement) as full:
+                    await link.schedule(template="base")
+                await client.record_assignment("src", "victim-node")
+                with pytest.raises(NoPlacement) as fork:
+                    await link.schedule(template="base", source="src")
+                with pytest.raises(NoPlacement) as snapshot:
+                    await link.schedule(snapshot="snap-x")
+            finally:
+                await link.close()
+            for refused in (full.value, fork.value):
+                assert "victim-node" not in str(refused) and "MiB" not in str(refused)
+                assert "victim-node" in refused.detail and "MiB free" in refused.detail
+            assert str(full.value) == "no node has room for the sandbox now; try again later"
+            assert str(fork.value) == "the fork source's node has no room for the fork now"
+            # what names only the caller's own ids stays as the scheduler said it
+            assert str(snapshot.value) == "no node holds snapshot 'snap-x'"
 
     asyncio.run(body())

@@ -8,6 +8,7 @@ import os
 import random
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import tempfile
@@ -72,8 +73,21 @@ class NodeProcess:
         self.extra_env = extra_env or {}
         self.start_timeout = start_timeout
         self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
         self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def tls_ca(self) -> str | None:
+        """The CA this node's certificate is checked with, where it serves TLS (relay/tls.py)."""
+        return self.extra_env.get("AENV_NODE_TLS_CA") \
+            if self.extra_env.get("AENV_NODE_TLS_CERT") else None
+
+    @property
+    def url(self) -> str:
+        return f"{'https' if self.tls_ca else 'http'}://127.0.0.1:{self.port}"
+
+    @property
+    def verify(self) -> ssl.SSLContext | bool:
+        return ssl.create_default_context(cafile=self.tls_ca) if self.tls_ca else True
 
     @property
     def api_key(self) -> str:
@@ -101,11 +115,12 @@ class NodeProcess:
                    f"{TEST_HOST_PORTS.start}-{TEST_HOST_PORTS.stop - 1}"} | self.extra_env,
             )
         deadline = time.monotonic() + self.start_timeout
+        verify = self.verify
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"node exited: {self.log_path.read_text()[-3000:]}")
             with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
+                if httpx.get(self.url + "/health", timeout=1, verify=verify).status_code == 200:
                     return
             time.sleep(0.05)
         raise RuntimeError(f"node did not start: {self.log_path.read_text()[-3000:]}")
@@ -130,6 +145,7 @@ class NodeProcess:
             headers={"X-API-KEY": key if key is not None else self.api_key},
             timeout=60,
             trust_env=False,
+            verify=self.verify,
         )
 
     def cleanup(self) -> None:

@@ -73,6 +73,8 @@ class ScriptedBackend:
         #: children (by position) a fork fails to start, with the reason
         self.fork_child_errors: dict[int, str] = {}
         self.adopt_failures: dict[str, str] = {}
+        #: the envd token each rollback's new "VM" was given
+        self.rolled_back_tokens: dict[str, str | None] = {}
         self.on_sandbox_lost: Callable[[str, str], None] | None = None
         #: called when a scripted crash happens: the test stops the node's writes there
         self.on_crash: Callable[[], None] = lambda: None
@@ -198,6 +200,31 @@ class ScriptedBackend:
             self.running[child.sandbox_id] = self._placement(child.sandbox_id)
             out.append(ForkOutcome(child.sandbox_id, self.running[child.sandbox_id]))
         return out
+
+    # --- optional: snapshot branching (fork of a paused sandbox, rollback) --------------------
+
+    async def fork_snapshot(self, snapshot: SnapshotRef,
+                            children: list[SandboxSpec]) -> list[ForkOutcome]:
+        await self._enter("fork_snapshot", str(snapshot.data["key"]))
+        if snapshot.data["key"] not in self.snapshots:
+            raise BackendError(f"snapshot {snapshot.data['key']} is gone", retryable=False)
+        for child in children:
+            self.running[child.sandbox_id] = self._placement(child.sandbox_id)
+        return [ForkOutcome(c.sandbox_id, self.running[c.sandbox_id]) for c in children]
+
+    async def rollback(self, spec: SandboxSpec, placement: Placement | None,
+                       snapshot: SnapshotRef) -> Placement:
+        """A new "VM" (another placement) from the snapshot; a failure leaves the old one."""
+        if snapshot.data["key"] not in self.snapshots:
+            raise BackendError(f"snapshot {snapshot.data['key']} is gone")
+        fault = await self._enter("rollback", spec.sandbox_id)
+        self.rolled_back_tokens[spec.sandbox_id] = spec.access_token
+        self.running[spec.sandbox_id] = new = Placement(
+            self.envd_host, self.envd_port, {"vm": spec.sandbox_id,
+                                             "vm_id": f"{spec.sandbox_id}-{next(self._ids)}"},
+            "0.5.7")
+        self._leave(fault)  # after: the new VM runs, the node did not record it
+        return new
 
     async def kill(self, sandbox_id: str, placement: Placement | None) -> None:
         await self._enter("kill", sandbox_id)

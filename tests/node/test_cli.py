@@ -78,6 +78,9 @@ def test_exec_fork_snapshot_auth(node: NodeProcess) -> None:
         assert len(child_ids) == 2 and sid not in child_ids
         for child in child_ids:
             assert aenv_inline(node, "sandbox", "kill", child).exit_code == 0
+        # the process backend cannot roll back (test_rl_lifecycle.py: the VM backend does)
+        rolled = aenv(node, "rollback", sid)
+        assert rolled.returncode == 1 and "VM backend" in rolled.stderr, rolled.stderr
         unknown = aenv(node, "sandbox", "exec", "nosuchsandbox", "true")
         assert unknown.returncode == 1 and "404" in unknown.stderr
     finally:

@@ -75,7 +75,7 @@ def test_requests_past_the_cap_get_503_naming_it(served: tuple[str, Held, Concur
     assert refused.status_code == 503
     assert "AENV_MAX_CONCURRENT_REQUESTS" in refused.json()["message"]
     assert "the node is serving its limit of 2" in refused.json()["message"]
-    assert capped.refused == 1
+    assert capped.refused.count == 1
     app.release.set()
     for thread in held:
         thread.join(30)

@@ -12,8 +12,6 @@ import contextlib
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,6 +21,7 @@ import httpx
 import pytest
 from starlette.testclient import TestClient
 
+from agentenv.blockd.launch import BlockdProcess
 from agentenv.node.server import ServeOptions, build_app
 from tests.node import conftest
 from tests.node.conftest import COUNTER, NodeProcess, counter_value, pid_alive, wait_counting
@@ -307,12 +306,8 @@ def test_blockd_restart_under_running_vms_keeps_them(gc_node: NodeProcess) -> No
     old = int((root / "blockd.pid").read_text())
     os.kill(old, signal.SIGKILL)
     _wait(lambda: not pid_alive(old), what="blockd gone")
-    log = open(root / "blockd.log", "ab")  # noqa: SIM115 - the new blockd's output
-    new = subprocess.Popen(
-        [sys.executable, "-m", "agentenv.cli.main", "blockd", "--state-dir", str(root / "state"),
-         "--socket", str(root / "blockd.sock"), "--no-fuse"], stdout=log, stderr=log,
-        start_new_session=True)
-    log.close()
+    new = BlockdProcess(root / "state", root / "blockd.sock", root / "blockd.log", fuse=False,
+                        detach=True).spawn()
     try:
         def answers() -> bool:
             try:

@@ -68,6 +68,9 @@ def live_sandbox(openapi_node: NodeProcess) -> LiveSandbox:
 schema = schemathesis.openapi.from_dict(openapi_document())
 # Each create starts a sandbox (a copied root and an envd process): fewer examples for those.
 CREATE_OPERATIONS = ["createSandboxV2", "createSandbox"]
+# A webhook the fuzzer registered would be posted to at the next lifecycle event: to a made-up
+# host, outside loopback. tests/node/test_events.py covers these two routes.
+WEBHOOK_WRITES = ["createWebhook", "updateWebhook"]
 # operationId -> statuses seen, for the coverage check at the end of the module.
 SEEN: dict[str, set[int]] = {}
 
@@ -93,6 +96,8 @@ def _check(case: schemathesis.Case, node: NodeProcess, live: LiveSandbox | None 
         if live.uses % 2:  # every other example aims at a real sandbox
             params["sandboxID"] = live.current()
     response = case.call(base_url=node.url, headers={"X-API-KEY": node.api_key})
+    if response.status_code == 501 and "not supported" in response.json()["message"]:
+        return  # a route the SDK knows and the node refuses on purpose (node/unsupported.py)
     assert response.status_code < 500, (
         f"server error {response.status_code} for {case.method} {case.formatted_path}: "
         f"{response.text[:500]}\nrepro: {case.as_curl_command()}"
@@ -117,7 +122,7 @@ def _bounded(examples: int, explicit: bool = True) -> settings:
     )
 
 
-@schema.exclude(operation_id=CREATE_OPERATIONS).parametrize()
+@schema.exclude(operation_id=CREATE_OPERATIONS + WEBHOOK_WRITES).parametrize()
 @_bounded(EXAMPLES_PER_OPERATION)
 def test_api_conforms_to_its_openapi_document(
     case: schemathesis.Case, openapi_node: NodeProcess, live_sandbox: LiveSandbox

@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 
-from agentenv.node.errors import ApiError, Conflict, Internal, NotFound, Unavailable
+from agentenv.node.errors import ApiError, BadRequest, Conflict, Internal, NotFound, Unavailable
 from agentenv.node.orchestrator import CreateParams, NodeConfig, Orchestrator
 from agentenv.node.records import SandboxRecord, State
 from agentenv.node.security import TokenIssuer
@@ -614,3 +614,96 @@ def test_a_transitional_state_without_an_operation_is_refused(tmp_path: Path) ->
         await orch.shutdown()
 
     run(scenario)
+
+
+# --- fork of a paused sandbox, rollback (issue 27) -------------------------------------------
+
+
+def test_fork_of_a_paused_sandbox_keeps_it_paused_and_its_kill_waits(tmp_path: Path) -> None:
+    async def scenario() -> None:
+        backend = ScriptedBackend()
+        orch = await start(tmp_path, backend)
+        rec = await create(orch)
+        await orch.pause(rec.sandbox_id)
+        snapshot = rec.pause_snapshot
+        held = backend.hold("fork_snapshot")
+        forking = asyncio.create_task(orch.fork(rec.sandbox_id, 2, 60))
+        await held.entered.wait()
+        assert rec.state == State.BRANCHING and rec.state.public == "paused"
+        killing = asyncio.create_task(orch.kill(rec.sandbox_id))
+        await asyncio.sleep(0.05)
+        assert not killing.done()  # the children read its pause snapshot: the kill waits
+        held.release()
+        results = await forking
+        assert [r.status for r in results] == [201, 201]
+        assert "resume" not in [op for op, _ in backend.calls]  # the parent never ran
+        for result in results:
+            assert result.record is not None
+            assert result.record.parent_sandbox_id == rec.sandbox_id
+            assert result.record.source == snapshot  # GC keeps the snapshot for the child
+            assert result.record.sandbox_id in backend.running
+        await killing
+        assert rec.sandbox_id not in orch.sandboxes
+        assert len(backend.running) == 2
+        await orch.shutdown()
+
+    run(scenario)
+
+
+def test_rollback_rekeys_and_a_failed_one_changes_nothing(tmp_path: Path) -> None:
+    async def scenario() -> None:
+        backend = ScriptedBackend()
+        orch = await start(tmp_path, backend)
+        rec = await create(orch)
+        await raises(Conflict, orch.rollback(rec.sandbox_id, None, None))  # never paused
+        tpl = await orch.snapshot(rec.sandbox_id, None)
+        token, placement = rec.envd_access_token, rec.placement
+        backend.fail("rollback")
+        await raises(Internal, orch.rollback(rec.sandbox_id, tpl.template_id, None))
+        assert (rec.state, rec.envd_access_token, rec.placement) == (State.RUNNING, token,
+                                                                     placement)
+        await orch.rollback(rec.sandbox_id, tpl.template_id, None)
+        assert rec.state == State.RUNNING and rec.envd_access_token != token
+        assert rec.placement != placement and backend.running[rec.sandbox_id] == rec.placement
+        # A paused sandbox rolls back to its pause and runs, re-keyed again.
+        await orch.pause(rec.sandbox_id)
+        token = rec.envd_access_token
+        await orch.rollback(rec.sandbox_id, None, None)
+        assert rec.state == State.RUNNING and rec.envd_access_token != token
+        other = await create(orch)
+        await raises(BadRequest, orch.rollback(other.sandbox_id, tpl.template_id, None))
+        await settled(orch, backend)
+        await orch.shutdown()
+
+    run(scenario)
+
+
+@pytest.mark.parametrize("after", [False, True])
+def test_crash_mid_rollback_keeps_the_token_of_the_vm_found(tmp_path: Path, after: bool) -> None:
+    """A node killed during a rollback: the VM the next start finds decides the token (the old
+    VM: the old token; the rollback's VM: the new one), so the sandbox answers to its token."""
+    backend = ScriptedBackend()
+    ids: list[str] = []
+    tokens: list[str] = []
+
+    async def first_life() -> None:
+        orch = await start(tmp_path, backend)
+        rec = await create(orch)
+        ids.append(rec.sandbox_id)
+        tokens.append(rec.envd_access_token)
+        tpl = await orch.snapshot(rec.sandbox_id, None)
+        backend.crash("rollback", after=after)
+        await crashed(orch, orch.rollback(rec.sandbox_id, tpl.template_id, None))
+
+    async def second_life() -> None:
+        orch = await start(tmp_path, backend)
+        stored = await settled(orch, backend)
+        rec = stored[ids[0]]
+        assert rec.state == State.RUNNING
+        expected = backend.rolled_back_tokens[ids[0]] if after else tokens[0]
+        assert rec.envd_access_token == expected
+        assert (rec.envd_access_token != tokens[0]) is after
+        await orch.shutdown()
+
+    run(first_life)
+    run(second_life)

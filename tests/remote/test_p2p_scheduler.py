@@ -1,8 +1,9 @@
 """P2P peers found through the scheduler: two blockd + process-backend node pairs heartbeat to a
 real scheduler (Debian's redis-server behind it), a real docker-registry on loopback serves the
 hello-world overlaybd image. Node A reads the remote layer (and completes it), the registry is
-stopped, and node B, with no static peer, reads the same layer from A: its blockd asked node B,
-which asked the scheduler's Holders, which knew A's blobs from A's heartbeats."""
+stopped, and node B, with no static peer, reads the same layer from A: its blockd asked node B
+(over TLS: B's API serves it, relay/tls.py), which asked the scheduler's Holders, which knew A's
+blobs from A's heartbeats."""
 
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ from tests.blockd.conftest import Daemon
 from tests.blockd.nbdclient import NbdClient
 from tests.control.conftest import RedisServer, SchedulerProcess, free_port, prefix, redis_server
 from tests.control.helpers import call, wait_for
+from tests.control.pki import Authority
 from tests.node.conftest import NodeProcess
 from tests.remote import chunktables
 from tests.template import helpers
@@ -40,7 +42,7 @@ class Pair:
     """A node: its blockd (chunk cache, chunk server) and a process-backend node beside it."""
 
     def __init__(self, name: str, root: Path, scheduler: str, secret: str,
-                 background_bw: str) -> None:
+                 background_bw: str, tls: dict[str, str] | None = None) -> None:
         self.name = name
         root.mkdir(parents=True, exist_ok=True)
         peer_key_file, node_key_file = root / "peer-key", root / "node-key"
@@ -60,8 +62,10 @@ class Pair:
             # scheduler takes its heartbeats only with a token derived from it
             extra_args=("--backend", "process", "--scheduler", scheduler, "--node-id", name,
                         "--node-key-file", str(node_key_file)),
-            extra_env={"AENV_BLOCKD_SOCKET": str(self.daemon.socket)},
+            extra_env={"AENV_BLOCKD_SOCKET": str(self.daemon.socket), **(tls or {})},
         )
+        if tls:  # its certificate names the address it advertises
+            self.node.extra_args += ("--advertise", f"127.0.0.1:{self.node.port}")
 
     def start(self) -> None:
         self.daemon.root.mkdir(parents=True, exist_ok=True)
@@ -101,8 +105,13 @@ def cluster(redis_server: RedisServer, prefix: str,
         sched.start()
         secret = sched.secret_file.read_text().strip()
         # A completes the blobs it uses (so it holds it whole); B fetches only what it reads.
+        # B's API serves TLS (relay/tls.py): its blockd asks it by https, checked with the CA.
+        ca = Authority(root / "pki", "nodes")
+        cert, key = ca.issue("node-b", "IP:127.0.0.1")
+        tls = {"AENV_NODE_TLS_CERT": str(cert), "AENV_NODE_TLS_KEY": str(key),
+               "AENV_NODE_TLS_CA": str(ca.cert)}
         pairs += [Pair("node-a", root / "a", sched.address, secret, "64M"),
-                  Pair("node-b", root / "b", sched.address, secret, "0")]
+                  Pair("node-b", root / "b", sched.address, secret, "0", tls)]
         for pair in pairs:
             pair.start()
         yield registry, sched, pairs[0], pairs[1], root
@@ -145,14 +154,14 @@ def test_node_b_reads_from_a_found_by_the_scheduler(cluster: tuple[Any, ...]) ->
     # B's node answers its blockd: B serves its gateway only, so blockd sends B's key.
     cluster = {"x-agentenv-node-key": node_key(sched.secret_file.read_text().strip(), "node-b")}
     reply = httpx.get(f"{b.node.url}/cluster/holders", params={"digest": digest},
-                      headers=cluster, trust_env=False)
+                      headers=cluster, trust_env=False, verify=b.node.verify)
     assert reply.status_code == 200, reply.text
     assert reply.json()["holders"] == [
         {"address": f"http://{a.p2p}", "complete": True, "node_id": "node-a"}]
     assert httpx.get(f"{b.node.url}/cluster/holders", params={"digest": digest},
-                     trust_env=False).status_code == 403
+                     trust_env=False, verify=b.node.verify).status_code == 403
     assert httpx.get(f"{b.node.url}/cluster/holders", params={"digest": "sha256:x"},
-                     headers=cluster, trust_env=False).status_code == 400
+                     headers=cluster, trust_env=False, verify=b.node.verify).status_code == 400
     # A's node answers for itself: it holds the blob, so no other holder.
     as_a = {"x-agentenv-node-key": node_key(sched.secret_file.read_text().strip(), "node-a")}
     # B's key is not A's: each node holds a key good for itself only

@@ -347,7 +347,7 @@ def test_registry_down_peer_serves_then_eio(world: World) -> None:
         client.close()
     assert raised.value.errno == 5 and waited < 3 + 2, waited
     assert c.stats()["eio"] >= 1
-    log = c.daemon.log_path.read_text()
+    log = c.daemon.log_file.read_text()
     assert "remote read failed" in log and world.image.blob_digest in log
 
 

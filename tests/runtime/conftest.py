@@ -13,18 +13,19 @@ from pathlib import Path
 
 import pytest
 
+from agentenv.blockd.launch import BlockdProcess
 from agentenv.runtime.config import RuntimeConfig, privilege_settings_from_env
-from agentenv.runtime.harness import (
-    BlockdProcess,
+from agentenv.runtime.vm import VM, BootSpec, DiskSource, Runtime
+from agentenv.snapshot.record import SnapshotRecord
+from agentenv.testing.guest import TestGuest, build_test_guest
+from agentenv.testing.harness import (
     LoopThread,
     alive,
+    blockd_in,
     close_runtime,
     make_ext4_layer,
     sh,
 )
-from agentenv.runtime.testguest import TestGuest, build_test_guest
-from agentenv.runtime.vm import VM, BootSpec, DiskSource, Runtime
-from agentenv.snapshot.record import SnapshotRecord
 
 ROOTFS_SIZE = 64 << 20
 PREFIX = "aet"
@@ -64,7 +65,7 @@ def env() -> Iterator[Env]:
     guest = build_test_guest()
     root = Path(tempfile.mkdtemp(prefix="rt", dir="/tmp"))
     root.chmod(0o711)  # QEMU runs as the unprivileged aenv-vm and must reach <root>/state
-    blockd = BlockdProcess(root)
+    blockd = blockd_in(root)
     blockd.start()
     loop = LoopThread()
     runtime: Runtime | None = None

@@ -13,10 +13,11 @@ from pathlib import Path
 
 import pytest
 
+from agentenv.blockd.launch import BlockdProcess
 from agentenv.runtime.config import RuntimeConfig
-from agentenv.runtime.harness import BlockdProcess, LoopThread, close_runtime, make_ext4_layer, sh
-from agentenv.runtime.testguest import build_test_guest
 from agentenv.runtime.vm import VM, BootSpec, DiskSource, Runtime
+from agentenv.testing.guest import build_test_guest
+from agentenv.testing.harness import LoopThread, blockd_in, close_runtime, make_ext4_layer, sh
 
 pytestmark = [pytest.mark.qemu, pytest.mark.root]
 
@@ -54,7 +55,7 @@ def setup() -> Iterator[tuple[LoopThread, Runtime, BlockdProcess, list[VM]]]:
     guest = build_test_guest()
     root = Path(tempfile.mkdtemp(prefix="brt", dir="/tmp"))
     root.chmod(0o711)  # QEMU runs as the unprivileged aenv-vm and must reach <root>/state
-    blockd = BlockdProcess(root)
+    blockd = blockd_in(root)
     blockd.start()
     loop = LoopThread()
     runtime: Runtime | None = None

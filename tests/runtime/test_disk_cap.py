@@ -17,13 +17,14 @@ from pathlib import Path
 
 import pytest
 
+from agentenv.blockd.launch import BlockdProcess
 from agentenv.runtime.config import RuntimeConfig
 from agentenv.runtime.errors import RuntimeError_
-from agentenv.runtime.harness import BlockdProcess, LoopThread, close_runtime, make_ext4_layer, sh
 from agentenv.runtime.qemu import DiskAttachment, build_argv
-from agentenv.runtime.testguest import build_test_guest
 from agentenv.runtime.vm import VM, BootSpec, DiskSource, Runtime
 from agentenv.snapshot.record import DiskConfig, MachineConfig
+from agentenv.testing.guest import build_test_guest
+from agentenv.testing.harness import LoopThread, blockd_in, close_runtime, make_ext4_layer, sh
 
 PREFIX = "aec"
 DISK = 64 << 20
@@ -45,7 +46,7 @@ def capped() -> Iterator[Capped]:
     guest = build_test_guest()
     root = Path(tempfile.mkdtemp(prefix="cap", dir="/tmp"))
     root.chmod(0o711)  # QEMU runs as the unprivileged aenv-vm and must reach <root>/state
-    blockd = BlockdProcess(root)
+    blockd = blockd_in(root)
     os.environ["AENV_DISK_UPPER_LIMIT"] = str(CAP)  # the node-wide default, as `make up` sets it
     try:
         blockd.start()
@@ -109,7 +110,7 @@ def test_guest_filling_its_disk_gets_enospc_and_keeps_running(capped: Capped) ->
                           " grep ' /mnt/disk ' /proc/mounts", timeout=120))
     assert "hello" in out and "/dev/sda /mnt/disk ext4 rw" in out, out
     assert _enospc_count(blockd) >= 2
-    assert "disk full: write refused with ENOSPC" in blockd.log.read_text()
+    assert "disk full: write refused with ENOSPC" in blockd.log_file.read_text()
 
 
 @pytest.mark.qemu

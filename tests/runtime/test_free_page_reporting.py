@@ -24,7 +24,6 @@ import pytest
 
 from agentenv.runtime.config import RuntimeConfig
 from agentenv.runtime.errors import RuntimeError_
-from agentenv.runtime.harness import LoopThread, close_runtime, pss_kib, sh
 from agentenv.runtime.memory import PAGE, written_pages
 from agentenv.runtime.qemu import (
     DiskAttachment,
@@ -33,10 +32,11 @@ from agentenv.runtime.qemu import (
     build_argv,
     qemu_filter,
 )
-from agentenv.runtime.testguest import TestGuest as Guest
-from agentenv.runtime.testguest import build_test_guest
 from agentenv.runtime.vm import VM, BootSpec, Runtime
 from agentenv.snapshot.record import DiskConfig, MachineConfig, SnapshotRecord
+from agentenv.testing.guest import TestGuest as Guest
+from agentenv.testing.guest import build_test_guest
+from agentenv.testing.harness import LoopThread, close_runtime, pss_kib, sh
 
 PREFIX = "afr"
 SLOT_FIRST_INDEX = 28001

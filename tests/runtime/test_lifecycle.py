@@ -20,10 +20,10 @@ import pytest
 
 from agentenv.errors import AgentEnvError
 from agentenv.runtime.errors import ModeMismatchError, SnapshotError, VMDiedError
-from agentenv.runtime.harness import pss_kib, sh
 from agentenv.runtime.qemu import QemuProcess
 from agentenv.runtime.vm import VM
 from agentenv.snapshot.record import SnapshotRecord
+from agentenv.testing.harness import pss_kib, sh
 
 from .conftest import Env, count
 

@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 
 from agentenv.blockd.client import BlockdClient
-from agentenv.runtime.harness import mapping_kib, pss_kib, sh
 from agentenv.runtime.memdev import PACK_NAME, PACK_WINDOW, SharedMemoryDevices
 from agentenv.snapshot.record import SnapshotRecord
+from agentenv.testing.harness import mapping_kib, pss_kib, sh
 
 from .conftest import Env, count
 

@@ -10,8 +10,8 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from agentenv.runtime.harness import sh
 from agentenv.snapshot.record import SnapshotRecord
+from agentenv.testing.harness import sh
 
 from .conftest import Env
 

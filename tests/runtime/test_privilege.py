@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from agentenv.runtime.cgroup import CgroupManager, default_parent, vm_memory_overhead_mib
-from agentenv.runtime.harness import alive, sh
 from agentenv.snapshot.record import SnapshotRecord
+from agentenv.testing.harness import alive, sh
 
 from .conftest import PREFIX, Env
 

@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from agentenv.runtime.harness import sh
 from agentenv.runtime.jail import ProcessLimits
 from agentenv.snapshot.record import SnapshotRecord
+from agentenv.testing.harness import sh
 
 from .conftest import Env, count
 

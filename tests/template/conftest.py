@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from agentenv.template.convert import PrivateBlockd
+from agentenv.template.convert import private_blockd, start_private
 from tests.template import helpers
 from tests.template.tokenserver import SERVICE, TokenServer
 
@@ -169,6 +169,6 @@ def needs_root() -> None:
 def blockd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     """A private blockd of the test module (layer conversion needs one); needs root."""
     needs_root()
-    daemon = PrivateBlockd(tmp_path_factory.mktemp("blockd"))
-    yield daemon.start()
+    daemon = private_blockd(tmp_path_factory.mktemp("blockd"))
+    yield start_private(daemon)
     daemon.stop()

@@ -14,10 +14,11 @@ from pathlib import Path
 
 import pytest
 
+from agentenv.registry.blobtap import BlobTap
+from agentenv.registry.errors import DigestMismatchError, UnsupportedImageError
 from agentenv.template.apply import _TarInfo, apply_layer
-from agentenv.template.blobtap import BlobTap
 from agentenv.template.convert import loop_mount
-from agentenv.template.errors import DigestMismatchError, LayerApplyError, UnsupportedImageError
+from agentenv.template.errors import LayerApplyError
 from tests.template import helpers
 from tests.template.conftest import needs_root
 

@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from agentenv.template.auth import credentials_for, run_credential_helper
-from agentenv.template.errors import AuthError
-from agentenv.template.reference import parse_reference
-from agentenv.template.registry import RegistryClient
+from agentenv.registry.auth import credentials_for, run_credential_helper
+from agentenv.registry.client import RegistryClient
+from agentenv.registry.errors import AuthError
+from agentenv.registry.reference import parse_reference
 from tests.template import helpers
 from tests.template.conftest import Registry
 

@@ -16,15 +16,11 @@ from pathlib import Path
 
 import pytest
 
+from agentenv.registry.errors import DigestMismatchError, NotFoundError, UnsupportedImageError
 from agentenv.storage.export import export_raw
 from agentenv.storage.image import Image
 from agentenv.template.convert import loop_mount
-from agentenv.template.errors import (
-    DigestMismatchError,
-    LayerApplyError,
-    NotFoundError,
-    UnsupportedImageError,
-)
+from agentenv.template.errors import LayerApplyError
 from agentenv.template.layercache import CONVERTER_KIND
 from agentenv.template.pull import PulledImage, pull_image
 from tests.template import helpers

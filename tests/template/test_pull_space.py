@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from agentenv.fsutil import InsufficientSpace
-from agentenv.template.convert import PrivateBlockd
+from agentenv.template.convert import private_blockd, start_private
 from agentenv.template.pull import pull_image
 from tests.template import helpers
 from tests.template.conftest import Registry, needs_root
@@ -47,12 +47,12 @@ def test_pull_that_cannot_fit_is_refused_before_downloading(
     registry.push("space/big", "v1", image)
     layer_digest = json.loads(image.manifest)["layers"][0]["digest"]
     mark = registry.log_mark()
-    blockd = PrivateBlockd(tmp_path_factory.mktemp("bd"))
+    blockd = private_blockd(tmp_path_factory.mktemp("bd"))
     try:
         with pytest.raises(InsufficientSpace, match=r"not enough free disk space for pulling .*"
                            r"space/big:v1 \(16\.\d MiB to download and convert\)"):
             pull_image(f"{registry.host}/space/big:v1", state_dir=small_state / "state",
-                       blockd=blockd.start())
+                       blockd=start_private(blockd))
     finally:
         blockd.stop()
     assert not [r for r in registry.requests_since(mark) if layer_digest in r]

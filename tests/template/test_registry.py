@@ -8,8 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from agentenv.template.auth import credentials_for
-from agentenv.template.errors import (
+from agentenv.registry.auth import credentials_for
+from agentenv.registry.client import Platform, RegistryClient
+from agentenv.registry.errors import (
     AuthError,
     DigestMismatchError,
     NotFoundError,
@@ -17,8 +18,7 @@ from agentenv.template.errors import (
     RegistryError,
     UnsupportedImageError,
 )
-from agentenv.template.reference import parse_reference
-from agentenv.template.registry import Platform, RegistryClient
+from agentenv.registry.reference import parse_reference
 from tests.template import helpers
 from tests.template.conftest import Registry
 

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from agentenv.template.errors import PullError
+from agentenv.registry.errors import PullError
 from agentenv.template.pull import pull_image
 from tests.template import helpers
 from tests.template.conftest import Registry
@@ -142,14 +142,14 @@ def test_error_bodies_come_back_short_and_sanitized(hostile: Server, tmp_path: P
     "224.0.0.1", "192.0.2.1", "198.18.0.1", "240.0.0.1",
 ])
 def test_special_addresses_are_refused(address: str) -> None:
-    from agentenv.template.registry import address_problem
+    from agentenv.registry.client import address_problem
 
     assert address_problem(ipaddress.ip_address(address)) is not None
 
 
 @pytest.mark.parametrize("address", ["8.8.8.8", "2606:4700::1111", "151.101.1.1"])
 def test_public_addresses_are_allowed(address: str) -> None:
-    from agentenv.template.registry import address_problem
+    from agentenv.registry.client import address_problem
 
     assert address_problem(ipaddress.ip_address(address)) is None
 
@@ -158,10 +158,10 @@ def test_a_team_pull_does_not_use_the_node_docker_config(auth_registry: Registry
                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     """The node's docker config holds credentials (the operator's, for another team's private
     registry): a team's build pulls only with what its request carries."""
-    from agentenv.template.auth import Credentials
-    from agentenv.template.errors import AuthError
-    from agentenv.template.reference import parse_reference
-    from agentenv.template.registry import RegistryClient
+    from agentenv.registry.auth import Credentials
+    from agentenv.registry.client import RegistryClient
+    from agentenv.registry.errors import AuthError
+    from agentenv.registry.reference import parse_reference
 
     image = helpers.build_image([helpers.TarBuilder().file("f", b"x").bytes()])
     auth_registry.push("private/img", "v1", image)

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from agentenv.template.errors import DigestMismatchError, RegistryError
-from agentenv.template.registry import MAX_MANIFEST_BYTES, Descriptor, RegistryClient
+from agentenv.registry.client import MAX_MANIFEST_BYTES, Descriptor, RegistryClient
+from agentenv.registry.errors import DigestMismatchError, RegistryError
 
 CHUNK = 64 << 10
 ENDLESS = 512 << 20  # what the server would send if the client let it

@@ -367,10 +367,11 @@ def sandbox_timeout(ctx: click.Context, sandbox_id: str, seconds: int) -> None:
 
 @sandbox_group.command("fork")
 @click.argument("sandbox_id")
-@click.option("--count", "-n", type=click.IntRange(1, 16), default=1, show_default=True)
+@click.option("--count", "-n", type=click.IntRange(1, 100), default=1, show_default=True)
 @click.pass_context
 def sandbox_fork(ctx: click.Context, sandbox_id: str, count: int) -> None:
-    """Fork a running sandbox into COUNT children; prints one child id per line."""
+    """Fork a sandbox into COUNT children (a paused one stays paused); prints one child id
+    per line."""
     results = _client(ctx).call("POST", f"/sandboxes/{sandbox_id}/fork", {"count": count}).json()
     failed = [r["error"] for r in results if "error" in r]
     for result in results:
@@ -378,6 +379,19 @@ def sandbox_fork(ctx: click.Context, sandbox_id: str, count: int) -> None:
             click.echo(result["sandbox"]["sandboxID"])
     if failed:
         raise AgentEnvError(f"{len(failed)} of {count} children failed: {failed[0]['message']}")
+
+
+@sandbox_group.command("rollback")
+@click.argument("sandbox_id")
+@click.option("--snapshot", "snapshot_id", default=None,
+              help="A snapshot of this sandbox (default: its last pause).")
+@click.pass_context
+def sandbox_rollback(ctx: click.Context, sandbox_id: str, snapshot_id: str | None) -> None:
+    """Restore a sandbox in place to one of its snapshots (or its last pause): same id, a new
+    envd token; what it wrote or started after the snapshot is gone. It runs afterwards."""
+    _client(ctx).call("POST", f"/sandboxes/{sandbox_id}/rollback",
+                      {"snapshotID": snapshot_id} if snapshot_id else {})
+    click.echo(f"rolled back {sandbox_id}")
 
 
 @sandbox_group.command("snapshot")
@@ -546,7 +560,7 @@ class _Shortcut(click.Command):
 
 _SHORTCUTS = {"ls": sandbox_ls, "start": sandbox_start, "exec": sandbox_exec, "pause": sandbox_pause,
               "resume": sandbox_resume, "timeout": sandbox_timeout, "rm": sandbox_kill,
-              "fork": sandbox_fork, "snapshot": sandbox_snapshot}
+              "fork": sandbox_fork, "rollback": sandbox_rollback, "snapshot": sandbox_snapshot}
 
 COMMANDS: list[click.Command] = [
     serve_command, sandbox_group, auth_command,

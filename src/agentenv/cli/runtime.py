@@ -49,10 +49,10 @@ def snapshot_info(path: Path) -> None:
 def smoke(memory_mib: int) -> None:
     """Boot the busybox test guest, pause it, restore it, fork it twice; print timings."""
     from agentenv.runtime.config import RuntimeConfig
-    from agentenv.runtime.harness import sh
     from agentenv.runtime.network import teardown_host
-    from agentenv.runtime.testguest import build_test_guest
     from agentenv.runtime.vm import BootSpec, Runtime
+    from agentenv.testing.guest import build_test_guest
+    from agentenv.testing.harness import sh
 
     async def run() -> None:
         guest = build_test_guest()

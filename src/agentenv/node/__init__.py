@@ -7,7 +7,7 @@ Modules, outside in:
   requests carrying `E2b-Sandbox-Id` or a `{port}-{id}.{domain}` Host, the `proxy`.
 - `proxy`: streams HTTP (and WebSocket) traffic to a sandbox port without buffering.
 - `orchestrator`: the state machine (creating, running, pausing, paused, resuming,
-  snapshotting, forking, killing), the reaper, restarts and adoption.
+  snapshotting, forking, branching, rolling-back, killing), the reaper, restarts and adoption.
 - `store`: SQLite records (sandboxes, templates/snapshots, names, layer references).
 - `backend`: the port a sandbox runtime implements (`SandboxBackend`); `process_backend` is the
   VM-less implementation (envd processes on this host), the VM runtime is the other one.

@@ -42,7 +42,7 @@ from pathlib import Path
 
 from agentenv.fsutil import DEFAULT_RESERVE
 from agentenv.node.errors import ApiError
-from agentenv.node.records import SandboxRecord, State
+from agentenv.node.records import SandboxRecord
 from agentenv.node.tenancy import LOCAL_TEAM
 from agentenv.runtime.cgroup import QEMU_BASE_OVERHEAD_MIB
 
@@ -189,7 +189,7 @@ class Admission:
         """(count, MiB) of the sandboxes that hold a VM, plus outstanding reservations."""
         count, memory = 0, 0
         for rec in records:
-            if rec.state != State.PAUSED:
+            if rec.state.holds_vm:
                 count += 1
                 memory += self.sandbox_mb(rec.memory_mb, rec.cpu_count)
         for held in self._reserved:

@@ -47,9 +47,9 @@ from agentenv.node.errors import ApiError, BadRequest, sandbox_not_found
 from agentenv.node.layer_peers import HOLDERS_PATH
 from agentenv.node.metrics import NodeMetrics
 from agentenv.node.openapi import openapi_document
-from agentenv.node.orchestrator import CreateParams, Orchestrator
+from agentenv.node.orchestrator import CreateParams, ForkResult, Orchestrator
 from agentenv.node.proxy import SandboxProxy, send_json
-from agentenv.node.records import SandboxRecord, State
+from agentenv.node.records import SandboxRecord, State, TemplateRecord
 from agentenv.node.security import NODE_KEY_HEADER, bearer_is, same_secret
 from agentenv.node.tenancy import LOCAL_TEAM, SCOPE_KEY, TEAM_HEADER, TEAM_NAME, scope_team
 from agentenv.relay.server import path_problem, request_target, target_problem
@@ -371,11 +371,15 @@ class NodeApp:
             r("/sandboxes/{sandbox_id}/resume", self.resume, methods=["POST"]),
             r("/sandboxes/{sandbox_id}/connect", self.connect_v1, methods=["POST"]),
             r("/v2/sandboxes/{sandbox_id}/connect", self.connect_v2, methods=["POST"]),
-            r("/sandboxes/{sandbox_id}/metrics", self.sandbox_metrics, methods=["GET"]),
             r("/sandboxes/{sandbox_id}/snapshots", self.create_snapshot, methods=["POST"]),
             r("/sandboxes/{sandbox_id}/fork", self.fork, methods=["POST"]),
+            r("/sandboxes/{sandbox_id}/children", self.children, methods=["GET"]),
+            r("/sandboxes/{sandbox_id}/rollback", self.rollback, methods=["POST"]),
             r("/sandboxes/{sandbox_id}/network", self.update_network, methods=["PUT"]),
             r("/snapshots", self.list_snapshots, methods=["GET"]),
+            r("/snapshots/{snapshot_id:path}/children", self.snapshot_children,
+              methods=["GET"]),
+            r("/snapshots/{snapshot_id:path}/fork", self.fork_snapshot, methods=["POST"]),
             r("/snapshots/{snapshot_id:path}", self.get_snapshot, methods=["GET"]),
             r("/templates", self.list_templates, methods=["GET"]),
             r("/v2/templates", self.list_templates_v2, methods=["GET"]),
@@ -431,6 +435,10 @@ class NodeApp:
             team=scope_team(request.scope),
         )
         key = request.headers.get("idempotency-key")
+        if body.count is not None:
+            if key is not None:
+                raise BadRequest("a batch create (count) takes no Idempotency-Key")
+            return self._fork_results(await self.orchestrator.create_many(params, body.count))
         if key is None:
             rec = await self.orchestrator.create(params)
         else:
@@ -560,27 +568,13 @@ class NodeApp:
         body = await read_model(request, models.ConnectV2Request, optional=True)
         return await self._connect(self._sandbox_id(request), body.timeout, body.memory)
 
-    async def sandbox_metrics(self, request: Request) -> Response:
-        bounds: list[float | None] = []
-        for name in ("start", "end"):
-            raw = request.query_params.get(name)
-            try:
-                bounds.append(float(raw) if raw else None)
-            except ValueError as exc:
-                raise BadRequest(f"{name} must be a unix time in seconds, got {raw!r}") from exc
-        samples = await self.orchestrator.metrics(self._sandbox_id(request), *bounds)
-        return JSONResponse([models.metric_json(s) for s in samples])
-
     async def create_snapshot(self, request: Request) -> Response:
         body = await read_model(request, models.SnapshotRequest, optional=True)
         tpl = await self.orchestrator.snapshot(self._sandbox_id(request), body.name)
         return JSONResponse(models.snapshot_json(tpl), status_code=201)
 
-    async def fork(self, request: Request) -> Response:
-        body = await read_model(request, models.ForkRequest, optional=True)
-        results = await self.orchestrator.fork(
-            self._sandbox_id(request), body.count, body.timeout
-        )
+    def _fork_results(self, results: list[ForkResult]) -> Response:
+        """201 with a SandboxForkResult per child: its sandbox or its own error."""
         out = []
         for result in results:
             if result.record is not None:
@@ -588,6 +582,26 @@ class NodeApp:
             else:
                 out.append({"error": {"code": result.status, "message": result.error or ""}})
         return JSONResponse(out, status_code=201)
+
+    async def fork(self, request: Request) -> Response:
+        """A running sandbox forks from a checkpoint in place; a paused one from its pause
+        snapshot (it stays paused)."""
+        body = await read_model(request, models.ForkRequest, optional=True)
+        return self._fork_results(await self.orchestrator.fork(
+            self._sandbox_id(request), body.count, body.timeout))
+
+    async def rollback(self, request: Request) -> Response:
+        """An extension: the sandbox restored in place to one of its snapshots; the answer
+        carries its new envd token."""
+        body = await read_model(request, models.RollbackRequest, optional=True)
+        rec = await self.orchestrator.rollback(self._sandbox_id(request), body.snapshotID,
+                                               body.timeout)
+        return JSONResponse(self._sandbox(rec))
+
+    async def children(self, request: Request) -> Response:
+        """The sandboxes forked from this one (an extension: lineage)."""
+        found = self.orchestrator.children(self._sandbox_id(request))
+        return JSONResponse([models.listed_json(r, self.client_id) for r in found])
 
     async def update_network(self, request: Request) -> Response:
         """Replaces the whole egress policy (node/network_policy.py); 400 names a bad entry."""
@@ -611,11 +625,30 @@ class NodeApp:
         headers = {"X-Next-Token": token} if token else None
         return JSONResponse([models.snapshot_json(t) for t in items], headers=headers)
 
-    async def get_snapshot(self, request: Request) -> Response:
-        tpl = self.catalogue.resolve(request.path_params["snapshot_id"], scope_team(request.scope))
+    def _snapshot(self, request: Request) -> TemplateRecord:
+        """The path's snapshot, of the request's team (404 otherwise, templates too)."""
+        raw = request.path_params["snapshot_id"]
+        tpl = self.catalogue.resolve(raw, scope_team(request.scope))
         if tpl.kind != "snapshot":
-            raise ApiError(f"snapshot '{request.path_params['snapshot_id']}' not found", status=404)
-        return JSONResponse(models.snapshot_json(tpl))
+            raise ApiError(f"snapshot '{raw}' not found", status=404)
+        return tpl
+
+    async def fork_snapshot(self, request: Request) -> Response:
+        """An extension: `count` sandboxes made from the snapshot, a SandboxForkResult each."""
+        body = await read_model(request, models.ForkRequest, optional=True)
+        tpl = self._snapshot(request)
+        params = CreateParams(template=tpl.template_id, team=scope_team(request.scope),
+                              timeout=body.timeout if body.timeout is not None
+                              else self.orchestrator.config.fork_default_timeout)
+        return self._fork_results(await self.orchestrator.create_many(params, body.count))
+
+    async def snapshot_children(self, request: Request) -> Response:
+        """The sandboxes made from this snapshot (an extension: lineage)."""
+        found = self.orchestrator.made_from_snapshot(self._snapshot(request).template_id)
+        return JSONResponse([models.listed_json(r, self.client_id) for r in found])
+
+    async def get_snapshot(self, request: Request) -> Response:
+        return JSONResponse(models.snapshot_json(self._snapshot(request)))
 
     async def list_templates(self, request: Request) -> Response:
         items = sorted(self.catalogue.of_kind("template", scope_team(request.scope)),
@@ -650,9 +683,9 @@ class NodeApp:
         counts = {s.value: 0 for s in State}
         for rec in mine:
             counts[rec.state.value] += 1
-        busy = ("running", "pausing", "snapshotting", "forking", "killing")
-        live = [r for r in mine if r.state != State.PAUSED]
-        paused = [r for r in mine if r.state == State.PAUSED]
+        busy = ("running", "pausing", "snapshotting", "forking", "rolling-back", "killing")
+        live = [r for r in mine if r.state.holds_vm]
+        paused = [r for r in mine if not r.state.holds_vm]
         successes, fails = self.orchestrator.counters.of_team(team)
         mem_total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
         state_dir = str(self.orchestrator.store.path.parent)

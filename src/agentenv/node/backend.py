@@ -227,6 +227,15 @@ class SandboxBackend(Protocol):
 
 
 @runtime_checkable
+class SandboxLogs(Protocol):
+    """Where a running sandbox's output lands on the host (node/observer.py tails it)."""
+
+    def log_files(self, sandbox_id: str) -> list[tuple[str, Path]]:
+        """(source, file) pairs, e.g. ("console", the VM's serial log); [] when unknown."""
+        ...
+
+
+@runtime_checkable
 class CrashRecovery(Protocol):
     """Finishes what a node killed in the middle of things left behind (Orchestrator._reconcile)."""
 
@@ -299,6 +308,25 @@ class NetworkPolicies(Protocol):
 
 
 @runtime_checkable
+class SnapshotBranching(Protocol):
+    """Starts sandboxes from a snapshot without touching it (a paused sandbox's pause snapshot:
+    fork with no parent running), and restores a sandbox in place to one of its snapshots."""
+
+    async def fork_snapshot(self, snapshot: SnapshotRef,
+                            children: list[SandboxSpec]) -> list[ForkOutcome]:
+        """Start len(children) sandboxes from `snapshot`, which stays as it is; an outcome
+        per child (a child's failure is its own)."""
+        ...
+
+    async def rollback(self, spec: SandboxSpec, placement: Placement | None,
+                       snapshot: SnapshotRef) -> Placement:
+        """Sandbox `spec` (running at `placement`; None: paused) runs from `snapshot` instead,
+        with spec's identity (a new envd token). The old VM ends only once the new one runs:
+        a failure leaves the sandbox as it was."""
+        ...
+
+
+@runtime_checkable
 class HealthReport(Protocol):
     def health_problem(self) -> str | None:
         """Why the backend cannot serve sandboxes fully right now (/health: 503); None: fine."""
@@ -334,6 +362,8 @@ class Capabilities:
     health: HealthReport | None = None
     pools: ReadyPools | None = None
     host_ports: SharedHostPorts | None = None
+    logs: SandboxLogs | None = None
+    branching: SnapshotBranching | None = None
     initialises_envd: bool = False
 
     @property
@@ -350,6 +380,8 @@ class Capabilities:
             health=backend if isinstance(backend, HealthReport) else None,
             pools=backend if isinstance(backend, ReadyPools) else None,
             host_ports=backend if isinstance(backend, SharedHostPorts) else None,
+            logs=backend if isinstance(backend, SandboxLogs) else None,
+            branching=backend if isinstance(backend, SnapshotBranching) else None,
             initialises_envd=isinstance(backend, InitialisesEnvd)
             and backend.initialises_envd is True,
         )

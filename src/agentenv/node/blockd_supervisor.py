@@ -25,14 +25,16 @@ import contextlib
 import logging
 import os
 import subprocess
-import sys
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from agentenv.blockd.client import AsyncBlockdClient
+from agentenv.blockd.launch import BlockdProcess
 from agentenv.fsutil import atomic_write
+from agentenv.runtime.adopt import process_start_time
 
 log = logging.getLogger("agentenv.node.blockd_supervisor")
 
@@ -43,16 +45,16 @@ MAX_BACKOFF = 30.0
 
 @dataclass(frozen=True)
 class BlockdLaunch:
-    """How to start this node's blockd: `aenv blockd --state-dir STATE --socket SOCKET`."""
+    """How to start this node's blockd: on STATE, serving SOCKET (blockd/launch.py)."""
 
     state_dir: Path
     socket: Path
     log_file: Path
     pidfile: Path
 
-    def argv(self) -> list[str]:
-        return [sys.executable, "-m", "agentenv.cli.main", "blockd", "--state-dir",
-                str(self.state_dir), "--socket", str(self.socket), "--no-fuse"]
+    def process(self) -> BlockdProcess:
+        # Its own session: it outlives the node, as the blockd `make up` starts does.
+        return BlockdProcess(self.state_dir, self.socket, self.log_file, fuse=False, detach=True)
 
 
 def _alive(pid: int) -> bool:
@@ -213,9 +215,6 @@ class BlockdSupervisor:
         self._up.clear()
 
     async def _ping(self) -> tuple[dict[str, Any] | None, str]:
-        from agentenv.blockd.client import AsyncBlockdClient
-        from agentenv.runtime.adopt import process_start_time
-
         client = AsyncBlockdClient(self.socket)
         try:
             answer = await asyncio.wait_for(client.call("ping"), PING_TIMEOUT)
@@ -238,26 +237,17 @@ class BlockdSupervisor:
         log.error("blockd is not running: starting it", extra={"socket": str(self.socket),
                                                                 "state_dir": str(launch.state_dir)})
         began = time.monotonic()
-        launch.log_file.parent.mkdir(parents=True, exist_ok=True)
-        with open(launch.log_file, "ab") as out:
-            # Its own session: it outlives the node, as the blockd `make up` starts does.
-            self._child = subprocess.Popen(launch.argv(), stdout=out, stderr=out,
-                                           stdin=subprocess.DEVNULL, start_new_session=True)
+        process = launch.process()
+        self._child = process.spawn()
         atomic_write(launch.pidfile, f"{self._child.pid}\n", mode=0o644)
         if again:
             self.restarts += 1
-        deadline = began + START_TIMEOUT
-        while time.monotonic() < deadline:
-            await asyncio.sleep(0.1)
-            identity, _ = await self._ping()
-            if identity is not None:
-                log.info("blockd started again", extra={
-                    "pid": identity["pid"], "seconds": round(time.monotonic() - began, 2)})
-                self.state = "down"  # check() marks it up and runs on_new_blockd
-                await self.check()
-                return
-            if self._child.poll() is not None:
-                break
+        if await process.wait_ready_async(START_TIMEOUT):
+            log.info("blockd started again", extra={
+                "pid": self._child.pid, "seconds": round(time.monotonic() - began, 2)})
+            self.state = "down"  # check() marks it up and runs on_new_blockd
+            await self.check()
+            return
         self.state = "down"
         tail = ""
         with contextlib.suppress(OSError):

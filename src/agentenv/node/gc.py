@@ -4,7 +4,10 @@ Mark: everything something still needs.
 - every template and snapshot record (their snapshot directories and the files those name),
 - every template build a tag still names (node/template_tags.py; "default" is the template
   record's own snapshot): a build no tag names is left to the sweep once no sandbox uses it,
-- every sandbox, running or paused: its source template's files and its pause snapshot,
+- every sandbox, running or paused: its source template's files (a fork child of a paused
+  sandbox: that sandbox's pause snapshot), its pause snapshot and its last pause (a rollback
+  target); a snapshot's files name the files of those it grew from, so a fork tree's layers
+  stay while any descendant needs them,
 - what the backend's live VMs use (sandboxes, template-build VMs, ready-pool VMs): memory
   and disk layers, work directories, RAM files with a reference, built-in templates,
 - what blockd has open (every device's upper and the lowers of its image config),
@@ -248,6 +251,8 @@ class LayerCollector:
             refs.append(rec.source)
             if rec.pause_snapshot is not None:
                 refs.append(rec.pause_snapshot)
+            if rec.last_pause is not None:  # a rollback target after the sandbox resumed
+                refs.append(rec.last_pause)
         in_use = {_resolve(p) for p in layers.files_in_use()} if layers else set()
         device_uppers: dict[str, Path] = {}
         device_files: set[Path] = set()

@@ -27,7 +27,6 @@ from typing import TYPE_CHECKING
 
 from agentenv.control.scheduler.client import Credentials, SchedulerClient, SchedulerError, pb
 from agentenv.errors import AgentEnvError
-from agentenv.node.records import State
 
 if TYPE_CHECKING:
     from agentenv.node.layer_peers import LayerPeers
@@ -101,7 +100,7 @@ class HeartbeatSender:
         held_mib = 0
         admission = orch.admission
         for rec in list(orch.sandboxes.values()):
-            paused = rec.state in (State.PAUSED, State.PAUSING)
+            paused = rec.state.public == "paused"
             msg.sandboxes.add(
                 sandbox_id=rec.sandbox_id,
                 state="paused" if paused else "running",

@@ -54,13 +54,17 @@ def _host_port(address: str) -> tuple[str, str]:
 class LayerPeers:
     def __init__(self, scheduler: str, credentials: Credentials, node_id: str, api_url: str,
                  api_headers: dict[str, str], blockd_socket: Callable[[], Path | None],
-                 advertise_host: str) -> None:
-        """`api_url`: this node's API as blockd reaches it (loopback); `api_headers`: what
-        passes its check; `advertise_host`: replaces a wildcard host of the chunk server."""
+                 advertise_host: str, api_ca: Path | None = None) -> None:
+        """`api_url`: this node's API as blockd reaches it; `api_headers`: what passes its
+        check; `api_ca`: what its certificate is checked with where it serves TLS;
+        `advertise_host`: replaces a wildcard host of the chunk server."""
         self.scheduler = scheduler
         self.credentials = credentials  # the node's own (Holders for its own id only)
         self.node_id = node_id
-        self.resolver = {"url": api_url.rstrip("/") + HOLDERS_PATH, "headers": api_headers}
+        self.resolver: dict[str, Any] = {"url": api_url.rstrip("/") + HOLDERS_PATH,
+                                         "headers": api_headers}
+        if api_ca is not None:
+            self.resolver["ca"] = str(api_ca)
         self.blockd_socket = blockd_socket
         self.advertise_host = advertise_host
         self._client: SchedulerClient | None = None

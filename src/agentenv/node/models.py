@@ -44,6 +44,8 @@ class NewSandbox(_Request):
     secure: bool | None = None
     mcp: dict[str, Any] | None = None
     volumeMounts: list[dict[str, Any]] | None = None
+    #: an extension: this many sandboxes, answered as a list of ForkResult (as a fork is)
+    count: int | None = None
 
 
 class NetworkUpdate(_Request):
@@ -98,6 +100,14 @@ class SnapshotRequest(_Request):
 class ForkRequest(_Request):
     timeout: int | None = None
     count: int = 1
+
+
+class RollbackRequest(_Request):
+    """`POST /sandboxes/{id}/rollback` (an extension): a snapshot of the sandbox's own, or
+    none for its last pause; it runs afterwards for at least `timeout` seconds."""
+
+    snapshotID: str | None = Field(default=None, min_length=1, max_length=256)
+    timeout: int | None = None
 
 
 # --- responses ---------------------------------------------------------------------------------
@@ -168,6 +178,10 @@ class ListedSandbox(Response):
     diskSizeMB: int
     state: Literal["running", "paused"]
     metadata: dict[str, str] | Omitted = absent()
+    #: lineage (an extension; the SDKs ignore it): the sandbox this one was forked from or
+    #: whose snapshot it was made from, and the catalogue snapshot it was made from
+    parentSandboxID: str | None = None
+    sourceSnapshotID: str | None = None
 
 
 class Lifecycle(Response):
@@ -194,6 +208,8 @@ class SandboxMetric(Response):
     memCache: int
     diskUsed: int
     diskTotal: int
+    #: the host-side resident memory of the sandbox's VM or processes (this node's field)
+    memUsedHost: int | Omitted = absent()
 
 
 class SnapshotInfo(Response):
@@ -298,6 +314,8 @@ def _listed_fields(rec: SandboxRecord, client_id: str) -> dict[str, Any]:
         "diskSizeMB": rec.disk_size_mb,
         "state": rec.state.public,
         "metadata": rec.metadata,
+        "parentSandboxID": rec.parent_sandbox_id,
+        "sourceSnapshotID": rec.source_snapshot_id,
         **({"alias": rec.alias} if rec.alias else {}),
     }
 
@@ -325,7 +343,7 @@ def detail_json(rec: SandboxRecord, client_id: str, domain: str | None) -> dict[
     ).body()
 
 
-def metric_json(sample: MetricSample) -> dict[str, Any]:
+def metric_json(sample: MetricSample, mem_used_host: int) -> dict[str, Any]:
     return SandboxMetric(
         timestamp=iso(sample.timestamp),
         timestampUnix=int(sample.timestamp),
@@ -336,6 +354,7 @@ def metric_json(sample: MetricSample) -> dict[str, Any]:
         memCache=sample.mem_cache,
         diskUsed=sample.disk_used,
         diskTotal=sample.disk_total,
+        memUsedHost=mem_used_host,
     ).body()
 
 

@@ -17,8 +17,10 @@ from pydantic import BaseModel
 from pydantic.json_schema import JsonSchemaMode, JsonSchemaValue, models_json_schema
 
 from agentenv import __version__
+from agentenv.node import event_models as em
 from agentenv.node import models
 from agentenv.node import template_models as tpl
+from agentenv.node.events import TYPES
 
 REF = "#/components/schemas/{model}"
 
@@ -26,8 +28,10 @@ REF = "#/components/schemas/{model}"
 _STR = {"type": "string"}
 _INT = {"type": "integer"}
 
-#: a response body: a model, a JSON array of one model ([Model]), or none
-Body = type[BaseModel] | list[type[BaseModel]] | None
+#: a response body: a model, a JSON array of one model ([Model]), one of several of those
+#: (a tuple: the request decides which), or none
+One = type[BaseModel] | list[type[BaseModel]]
+Body = One | tuple[One, ...] | None
 #: (model, "validation" for a request or "serialization" for a response) -> its $ref
 Refs = dict[tuple[Any, JsonSchemaMode], JsonSchemaValue]
 
@@ -45,6 +49,13 @@ _SANDBOX_FILTERS = [
     _query("state", _STR, "comma-separated running,paused"),
     _query("template", _STR),
     _query("startedAfter", {"type": "string", "format": "date-time"}),
+]
+_EVENT_QUERY = [
+    _query("offset", {"type": "integer", "minimum": 0}),
+    _query("limit", {"type": "integer", "minimum": 1, "maximum": 100}),
+    _query("orderAsc", {"type": "boolean"}),
+    _query("types", {"type": "array", "items": {"enum": list(TYPES)}}, "repeated"),
+    _query("after", {"type": "integer", "minimum": 0}, "only events with a greater seq"),
 ]
 
 
@@ -77,8 +88,9 @@ ROUTES: list[Operation] = [
         "post",
         "/v2/sandboxes",
         "createSandboxV2",
-        "Create a sandbox (SDK 2.46+, TS 2.x)",
-        {201: models.Sandbox, **_NF, **_BODY_ERRORS, **_ADMISSION},
+        "Create a sandbox (SDK 2.46+, TS 2.x); with count (extension) a batch: a "
+        "SandboxForkResult per sandbox",
+        {201: (models.Sandbox, [models.ForkResult]), **_NF, **_BODY_ERRORS, **_ADMISSION},
         body=models.NewSandbox,
         body_required=True,
     ),
@@ -86,8 +98,8 @@ ROUTES: list[Operation] = [
         "post",
         "/sandboxes",
         "createSandbox",
-        "Create a sandbox (legacy, SDK 2.0-2.45)",
-        {201: models.Sandbox, **_NF, **_BODY_ERRORS, **_ADMISSION},
+        "Create a sandbox (legacy, SDK 2.0-2.45); with count (extension) a batch",
+        {201: (models.Sandbox, [models.ForkResult]), **_NF, **_BODY_ERRORS, **_ADMISSION},
         body=models.NewSandbox,
         body_required=True,
     ),
@@ -182,6 +194,24 @@ ROUTES: list[Operation] = [
         {200: [models.SandboxMetric], 400: models.Error, **_NF},
         query=[_query("start", _INT, "unix seconds"), _query("end", _INT, "unix seconds")],
     ),
+    Operation("get", "/sandboxes/metrics", "getSandboxesMetrics",
+              "The latest sample of each named sandbox (node/observer.py)",
+              {200: em.SandboxesWithMetrics, 400: models.Error, **_E},
+              query=[{**_query("sandbox_ids", {"type": "string", "minLength": 1},
+                               "comma-separated, at most 100"), "required": True}]),
+    Operation("get", "/sandboxes/{sandboxID}/logs", "getSandboxLogs",
+              "Console or envd lines from start (unix ms), oldest first",
+              {200: em.SandboxLogs, 400: models.Error, **_NF},
+              query=[_query("start", {"type": "integer", "minimum": 0}),
+                     _query("limit", {"type": "integer", "minimum": 0, "maximum": 1000})]),
+    Operation("get", "/v2/sandboxes/{sandboxID}/logs", "getSandboxLogsV2",
+              "Console or envd lines from cursor (unix ms), either direction, filtered",
+              {200: em.SandboxLogsV2, 400: models.Error, **_NF},
+              query=[_query("cursor", {"type": "integer", "minimum": 0}),
+                     _query("limit", {"type": "integer", "minimum": 0, "maximum": 1000}),
+                     _query("direction", {"enum": ["forward", "backward"]}),
+                     _query("level", {"enum": ["debug", "info", "warn", "error"]}),
+                     _query("search", {"type": "string", "maxLength": 256})]),
     Operation(
         "post",
         "/sandboxes/{sandboxID}/snapshots",
@@ -194,9 +224,26 @@ ROUTES: list[Operation] = [
         "post",
         "/sandboxes/{sandboxID}/fork",
         "forkSandbox",
-        "Fork a running sandbox into count children",
+        "Fork a sandbox into count children: a running one from a checkpoint in place, a "
+        "paused one from its pause snapshot (it stays paused)",
         {201: [models.ForkResult], **_NF, **_BODY_ERRORS, 409: models.Error, **_ADMISSION},
         body=models.ForkRequest,
+    ),
+    Operation(
+        "post",
+        "/sandboxes/{sandboxID}/rollback",
+        "rollbackSandbox",
+        "Restore a sandbox in place to one of its snapshots (or its last pause); it runs "
+        "afterwards with a new envd token (extension)",
+        {200: models.Sandbox, **_NF, **_BODY_ERRORS, 409: models.Error, **_ADMISSION},
+        body=models.RollbackRequest,
+    ),
+    Operation(
+        "get",
+        "/sandboxes/{sandboxID}/children",
+        "listSandboxChildren",
+        "Sandboxes forked from this one (extension: lineage)",
+        {200: [models.ListedSandbox], **_NF},
     ),
     Operation(
         "put",
@@ -214,6 +261,21 @@ ROUTES: list[Operation] = [
         {200: [models.SnapshotInfo], 400: models.Error, **_E},
         query=[_query("sandboxID", _STR), _query("name", _STR), _LIMIT, _NEXT],
         headers={200: ["X-Next-Token"]},
+    ),
+    Operation(
+        "post",
+        "/snapshots/{snapshotID}/fork",
+        "forkSnapshot",
+        "count sandboxes from a snapshot, a result each (extension: batch create)",
+        {201: [models.ForkResult], **_NF, **_BODY_ERRORS, **_ADMISSION},
+        body=models.ForkRequest,
+    ),
+    Operation(
+        "get",
+        "/snapshots/{snapshotID}/children",
+        "listSnapshotChildren",
+        "Sandboxes made from this snapshot (extension: lineage)",
+        {200: [models.ListedSandbox], **_NF},
     ),
     Operation(
         "get",
@@ -323,16 +385,50 @@ ROUTES: list[Operation] = [
         body=tpl.DeleteTemplateTagsRequest,
         body_required=True,
     ),
+    # Lifecycle events and webhooks (node/events_api.py), E2B's /events API.
+    Operation("get", "/events/sandboxes", "listSandboxEvents",
+              "The team's lifecycle events, newest first unless orderAsc",
+              {200: [em.SandboxEvent], 400: models.Error, **_E}, query=_EVENT_QUERY),
+    Operation("get", "/events/sandboxes/{sandboxID}", "listSandboxEventsOfSandbox",
+              "One sandbox's lifecycle events (kept for the retention after it ended)",
+              {200: [em.SandboxEvent], 400: models.Error, **_E}, query=_EVENT_QUERY),
+    Operation("get", "/events/webhooks", "listWebhooks", "The team's webhooks",
+              {200: [em.Webhook], **_E}),
+    Operation("post", "/events/webhooks", "createWebhook",
+              "Register a webhook: events POSTed to url, signed with signatureSecret",
+              {201: em.Webhook, **_E, **_BODY_ERRORS}, body=em.NewWebhook, body_required=True),
+    Operation("get", "/events/webhooks/{webhookID}", "getWebhook", "One webhook",
+              {200: em.Webhook, **_NF}),
+    Operation("patch", "/events/webhooks/{webhookID}", "updateWebhook",
+              "Change the fields given", {200: em.Webhook, **_NF, **_BODY_ERRORS},
+              body=em.WebhookUpdate, body_required=True),
+    Operation("delete", "/events/webhooks/{webhookID}", "deleteWebhook", "Unregister",
+              {200: None, **_NF}),
+    Operation("get", "/events/webhooks/{webhookID}/deliveries", "listWebhookDeliveries",
+              "The webhook's delivery attempts, newest first",
+              {200: [em.WebhookAttempt], 400: models.Error, **_NF},
+              query=[_query("limit", {"type": "integer", "minimum": 1, "maximum": 1000})]),
     Operation("get", "/nodes", "listNodes", "This node", {200: [models.Node], **_E}),
     Operation("get", "/nodes/{nodeID}", "getNode", "This node by id", {200: models.Node, **_NF}),
 ]
 
 
+def _one_schema(body: One, refs: Refs) -> dict[str, Any]:
+    return ({"type": "array", "items": refs[(body[0], "serialization")]}
+            if isinstance(body, list) else refs[(body, "serialization")])
+
+
+def _models(body: Body) -> list[type[BaseModel]]:
+    """The models a response body is made of."""
+    ones = body if isinstance(body, tuple) else () if body is None else (body,)
+    return [one[0] if isinstance(one, list) else one for one in ones]
+
+
 def _response(status: int, body: Body, headers: list[str], refs: Refs) -> dict[str, Any]:
     out: dict[str, Any] = {"description": str(status)}
     if body is not None:
-        schema = ({"type": "array", "items": refs[(body[0], "serialization")]}
-                  if isinstance(body, list) else refs[(body, "serialization")])
+        schema = ({"oneOf": [_one_schema(one, refs) for one in body]}
+                  if isinstance(body, tuple) else _one_schema(body, refs))
         out["content"] = {"application/json": {"schema": schema}}
     if headers:
         out["headers"] = {h: {"schema": _STR} for h in headers}
@@ -383,8 +479,8 @@ def _schemas() -> tuple[Refs, dict[str, Any]]:
         if op.body is not None:
             used[(op.body, "validation")] = None
         for body in op.responses.values():
-            if body is not None:
-                used[(body[0] if isinstance(body, list) else body, "serialization")] = None
+            for model in _models(body):
+                used[(model, "serialization")] = None
     refs, top = models_json_schema(list(used), ref_template=REF)
     return dict(refs), dict(top.get("$defs", {}))
 

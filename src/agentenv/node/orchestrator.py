@@ -29,10 +29,9 @@ import contextlib
 import logging
 import os
 import time
-from collections import deque
 from collections.abc import Awaitable, Callable, Collection, Mapping
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import httpx
 
@@ -42,10 +41,12 @@ from agentenv.node.admission import Admission, Reservation
 from agentenv.node.backend import (
     BackendError,
     Capabilities,
-    MetricSample,
+    ForkOutcome,
     Placement,
     SandboxBackend,
     SandboxSpec,
+    SnapshotBranching,
+    SnapshotRef,
 )
 from agentenv.node.catalogue import TemplateCatalogue
 from agentenv.node.errors import (
@@ -56,6 +57,20 @@ from agentenv.node.errors import (
     Unavailable,
     sandbox_not_found,
 )
+from agentenv.node.events import (
+    CHECKPOINTED,
+    CREATED,
+    FAILED,
+    FORKED,
+    KILLED,
+    PAUSED,
+    RESUMED,
+    ROLLED_BACK,
+    UPDATED,
+    Event,
+    EventLog,
+)
+from agentenv.node.models import iso
 from agentenv.node.records import SandboxRecord, State, TemplateRecord
 from agentenv.node.security import TokenIssuer, new_id
 from agentenv.node.store import NameTaken, PendingOp, Store
@@ -66,8 +81,8 @@ T = TypeVar("T")
 
 #: How long a call waits for another operation on the same sandbox before giving up with 409.
 WAIT_TRANSITION_SECONDS = 60.0
-MAX_FORK_COUNT = 16
-METRIC_HISTORY = 120
+#: children of one fork or batch create (E2B's limit; the seed's 16 was the floor)
+MAX_FORK_COUNT = 100
 #: Fault injection for tests only: when this variable names a crash point, the node process
 #: ends with os._exit there (as a kill -9 would), e.g. "pause-snapshot-written": right after
 #: the backend wrote a pause snapshot, before the node recorded it.
@@ -91,6 +106,12 @@ class NodeConfig:
     envd_ready_timeout: float = 60.0
     domain: str | None = None
     default_envd_version: str = "0.5.7"
+
+
+class Companion(Protocol):
+    async def start(self) -> None: ...
+
+    async def stop(self) -> None: ...
 
 
 @dataclass
@@ -157,7 +178,6 @@ class Orchestrator:
         self.counters = NodeCounters()
         self._ops: dict[str, asyncio.Task[Any]] = {}
         self._background: set[asyncio.Task[Any]] = set()
-        self._metric_history: dict[str, deque[MetricSample]] = {}
         self._closing = False
         #: resumes ended early (_end_resume), with what their callers get instead
         self._resume_ended: dict[str, ApiError] = {}
@@ -171,11 +191,31 @@ class Orchestrator:
         #: limits on what the node takes on (node/admission.py), set by the server; None: none
         self.admission: Admission | None = None
         self._leave_listeners: list[Callable[[str, str], None]] = []
+        #: where lifecycle events go (node/events.py), set by the server; None: nowhere
+        self.events: EventLog | None = None
+        #: services over the running node (node/observer.py), started once it runs and
+        #: stopped first at shutdown
+        self.companions: list[Companion] = []
 
     def on_leave_running(self, listener: Callable[[str, str], None]) -> None:
         """Call `listener(sandbox_id, why)` synchronously whenever a running sandbox stops being
         reachable (paused, killed, timed out, lost): the proxy closes its streams to it at once."""
         self._leave_listeners.append(listener)
+
+    @property
+    def http(self) -> httpx.AsyncClient | None:
+        """The node's client for calls to envd (None before start)."""
+        return self._http
+
+    def emit(self, kind: str, rec: SandboxRecord, **data: Any) -> None:
+        """Record a lifecycle event of `rec` (never waits: node/events.py)."""
+        if self.events is None:
+            return
+        self.events.record(Event(
+            type=kind, team=rec.team, sandbox_id=rec.sandbox_id, template_id=rec.template_id,
+            build_id=rec.source.layers[-1] if rec.source.layers else "",
+            execution_id=f"{rec.sandbox_id}-{int(rec.started_at * 1000)}",
+            data={"sandbox_metadata": dict(rec.metadata), **data}))
 
     def _left_running(self, sandbox_id: str, why: str) -> None:
         for listener in self._leave_listeners:
@@ -189,6 +229,8 @@ class Orchestrator:
     async def start(self) -> None:
         self._http = httpx.AsyncClient(timeout=httpx.Timeout(10.0, connect=2.0), trust_env=False)
         await self.store.open()
+        if self.events is not None:
+            await self.events.start()
         await self.backend.start()
         await self.catalogue.load(await self.backend.default_templates(),
                                   self.config.default_envd_version)
@@ -200,6 +242,8 @@ class Orchestrator:
             except Exception:  # never keeps the node from starting; the next pass retries
                 log.exception("garbage collection at startup failed")
         self._reaper = asyncio.create_task(self._reap_forever(), name="reaper")
+        for companion in self.companions:
+            await companion.start()
 
     async def _reconcile(self) -> None:
         """Match the records of the last run with what the backend still runs."""
@@ -220,6 +264,10 @@ class Orchestrator:
                 continue
             live = adopted.get(sid)
             if live is not None and rec.state not in (State.CREATING, State.KILLING):
+                if rec.state == State.ROLLING_BACK and op is not None and op.op == "rollback" \
+                        and not _same_vm(live, rec.placement):
+                    # The rollback's VM was up (it holds the new token): the rollback is done.
+                    rec.envd_access_token = str(op.doc["token"])
                 # Also a pause cut short before its snapshot was complete: the VM goes on.
                 rec.state, rec.placement, rec.pause_snapshot = State.RUNNING, live, None
                 self.sandboxes[sid] = rec
@@ -227,7 +275,8 @@ class Orchestrator:
                 log.info("adopted running sandbox", extra={"sandbox_id": sid})
             elif live is None and rec.state == State.PAUSING and await self._recover_pause(rec, op):
                 log.info("pause completed after a node crash", extra={"sandbox_id": sid})
-            elif live is None and rec.state == State.RESUMING and rec.pause_snapshot:
+            elif live is None and rec.state in (State.RESUMING, State.ROLLING_BACK) \
+                    and rec.pause_snapshot:
                 rec.state, rec.placement = State.PAUSED, None
                 self.sandboxes[sid] = rec
                 await self.store.put_sandbox(rec)
@@ -319,6 +368,7 @@ class Orchestrator:
         rec.pause_snapshot = result.snapshot
         rec.pause_mode = "full" if result.memory else "filesystem"
         rec.pause_asked_memory = bool(op.doc.get("memory", True))
+        rec.last_pause = result.snapshot
         rec.state = State.PAUSED
         self.sandboxes[rec.sandbox_id] = rec
         await self.store.finish_pause(rec, [*rec.source.layers, *result.snapshot.layers])
@@ -334,7 +384,8 @@ class Orchestrator:
         log.error("sandbox lost", extra={"sandbox_id": sandbox_id, "reason": reason})
         rec.state = State.KILLING
         self._left_running(sandbox_id, "lost")
-        work = self._start_op(sandbox_id, "kill", self._do_kill(rec, State.RUNNING))
+        work = self._start_op(sandbox_id, "kill",
+                              self._do_kill(rec, State.RUNNING, f"lost: {reason}"))
         task = asyncio.create_task(self._log_reap(sandbox_id, work, "sandbox removed"))
         self._background.add(task)
         task.add_done_callback(self._background.discard)
@@ -342,6 +393,8 @@ class Orchestrator:
     async def shutdown(self) -> None:
         """Stop taking lifecycle calls, finish the ones under way, pause every running sandbox."""
         self._closing = True
+        for companion in self.companions:
+            await companion.stop()
         for sid in list(self._ops):
             self._end_resume(sid, Unavailable(
                 f"the node is shutting down: sandbox {sid} was not resumed (it stays paused)"))
@@ -364,7 +417,8 @@ class Orchestrator:
             for rec in running:
                 rec.state = State.PAUSING
                 self._left_running(rec.sandbox_id, "paused")
-                tasks.append(self._start_op(rec.sandbox_id, "pause", self._do_pause(rec, True)))
+                tasks.append(self._start_op(rec.sandbox_id, "pause",
+                                            self._do_pause(rec, True, "shutdown")))
             results = await asyncio.gather(*tasks, return_exceptions=True)
             for rec, result in zip(running, results, strict=True):
                 if isinstance(result, BaseException):
@@ -375,6 +429,8 @@ class Orchestrator:
         if self.gc is not None:
             await self.gc.close()
         await self.backend.close()
+        if self.events is not None:
+            await self.events.stop()
         await self.store.close()
         if self._http:
             await self._http.aclose()
@@ -394,6 +450,16 @@ class Orchestrator:
     def list_visible(self) -> list[SandboxRecord]:
         """Sandboxes the API lists: everything except those being killed."""
         return [r for r in self.sandboxes.values() if r.state != State.KILLING]
+
+    def children(self, sandbox_id: str) -> list[SandboxRecord]:
+        """The sandboxes forked from (or made from a snapshot of) `sandbox_id`, oldest first."""
+        return sorted((r for r in self.list_visible() if r.parent_sandbox_id == sandbox_id),
+                      key=lambda r: (r.created_at, r.sandbox_id))
+
+    def made_from_snapshot(self, snapshot_id: str) -> list[SandboxRecord]:
+        """The sandboxes made from catalogue snapshot `snapshot_id`, oldest first."""
+        return sorted((r for r in self.list_visible() if r.source_snapshot_id == snapshot_id),
+                      key=lambda r: (r.created_at, r.sandbox_id))
 
     async def _launch(self, sandbox_id: str, op: str, work: Awaitable[T]) -> T:
         """Run `work` as this sandbox's one operation; the caller may go away, the work won't."""
@@ -551,6 +617,9 @@ class Orchestrator:
             network=network_policy.stored(params.network, policy),
             source=tpl.ref,
             team=params.team,
+            # lineage: a snapshot's sandbox descends from the sandbox the snapshot was taken of
+            parent_sandbox_id=tpl.source_sandbox_id if tpl.kind == "snapshot" else None,
+            source_snapshot_id=tpl.template_id if tpl.kind == "snapshot" else None,
         )
         # Nothing awaits between the check and the insertion: the record counts from then on.
         self._release(self._admit("create sandbox", tpl.memory_mb, tpl.cpu_count))
@@ -583,6 +652,7 @@ class Orchestrator:
         except BaseException as exc:
             self.counters.count_create(rec.team, False)
             log.warning("sandbox create failed", extra={"sandbox_id": sid, "error": str(exc)})
+            self.emit(FAILED, rec, operation="create", reason=_reason(exc))
             self.sandboxes.pop(sid, None)
             with contextlib.suppress(Exception):
                 await self.backend.kill(sid, placement)
@@ -599,6 +669,7 @@ class Orchestrator:
         rec.state = State.RUNNING
         await self.store.put_sandbox(rec)
         self.counters.count_create(rec.team, True)
+        self.emit(CREATED, rec)
         tpl.spawn_count += 1
         tpl.last_spawned_at = now
         # Statistics only: written in the background, off the create's latency.
@@ -607,6 +678,29 @@ class Orchestrator:
         counted.add_done_callback(self._background.discard)
         log.info("sandbox created", extra={"sandbox_id": sid, "template_id": rec.template_id})
         return rec
+
+    async def create_many(self, params: CreateParams, count: int) -> list[ForkResult]:
+        """`count` sandboxes of one template or snapshot (an extension: a batch create), a
+        result each: every one is admitted, made and cleaned up on its own (creates are
+        admitted in turn, so those past a limit get its 429 and nothing of them is made).
+        When none is made, the first refusal is the answer (e.g. 429 naming the limit)."""
+        self._check_count(count)
+        made = await asyncio.gather(*(self.create(params) for _ in range(count)),
+                                    return_exceptions=True)
+        results: list[ForkResult] = []
+        for one in made:
+            if isinstance(one, SandboxRecord):
+                results.append(ForkResult(record=one, status=201))
+            elif isinstance(one, ApiError):
+                results.append(ForkResult(error=one.message, status=one.status))
+            elif isinstance(one, Exception):
+                results.append(ForkResult(error=f"create failed: {one}", status=500))
+            else:
+                raise one
+        if not any(r.record for r in results):
+            first = next(m for m in made if isinstance(m, BaseException))
+            raise first
+        return results
 
     async def _save_quietly(self, tpl: TemplateRecord) -> None:
         with contextlib.suppress(Exception):
@@ -628,7 +722,7 @@ class Orchestrator:
         self._left_running(sandbox_id, "paused")
         await self._launch(sandbox_id, "pause", self._do_pause(rec, memory))
 
-    async def _do_pause(self, rec: SandboxRecord, memory: bool) -> None:
+    async def _do_pause(self, rec: SandboxRecord, memory: bool, why: str = "request") -> None:
         rec.state = State.PAUSING
         sid = rec.sandbox_id
         assert rec.placement is not None
@@ -643,20 +737,23 @@ class Orchestrator:
         except BackendError as exc:
             with contextlib.suppress(Exception):
                 await self.store.delete_pending(sid)
+            self.emit(FAILED, rec, operation="pause", reason=str(exc))
             if exc.retryable:
                 rec.state = State.RUNNING
                 await self.store.put_sandbox(rec)
                 raise Internal(f"failed to pause sandbox {sid}: {exc}") from exc
             await self._forget(rec)
+            self.emit(KILLED, rec, kill_reason="lost while pausing")
             raise Internal(f"sandbox {sid} was lost while pausing: {exc}") from exc
         _crash_point("pause-snapshot-written")
         rec.placement = None
         rec.pause_snapshot = result.snapshot
         rec.pause_mode = "full" if result.memory else "filesystem"
         rec.pause_asked_memory = memory
+        rec.last_pause = result.snapshot
         rec.state = State.PAUSED
-        self._metric_history.pop(sid, None)
         await self.store.finish_pause(rec, [*rec.source.layers, *result.snapshot.layers])
+        self.emit(PAUSED, rec, pause_mode=rec.pause_mode, reason=why, execution=_execution(rec))
         log.info("sandbox paused", extra={"sandbox_id": sid, "mode": rec.pause_mode})
 
     async def connect(self, sandbox_id: str, timeout: int | None,
@@ -712,6 +809,7 @@ class Orchestrator:
             rec.state = State.PAUSED
             with contextlib.suppress(Exception):
                 await self.store.put_sandbox(rec)
+            self.emit(FAILED, rec, operation="resume", reason=_reason(exc))
             if isinstance(exc, BackendError):
                 raise _backend_failure(f"failed to resume sandbox {sid}: {exc}", exc) from exc
             ended = self._resume_ended.pop(sid, None)
@@ -723,6 +821,7 @@ class Orchestrator:
         rec.end_at = time.time() + timeout
         rec.state = State.RUNNING
         await self.store.put_sandbox(rec)
+        self.emit(RESUMED, rec, cold_boot=not memory)
         log.info("sandbox resumed", extra={"sandbox_id": sid})
 
     def _end_resume(self, sandbox_id: str, why: ApiError) -> None:
@@ -783,7 +882,7 @@ class Orchestrator:
         self._left_running(sandbox_id, "killed")
         await self._launch(sandbox_id, "kill", self._do_kill(rec, previous))
 
-    async def _do_kill(self, rec: SandboxRecord, previous: State) -> None:
+    async def _do_kill(self, rec: SandboxRecord, previous: State, why: str = "request") -> None:
         sid = rec.sandbox_id
         try:
             await self.store.put_sandbox(rec)
@@ -794,13 +893,15 @@ class Orchestrator:
         except BackendError as exc:
             rec.state = previous
             await self.store.put_sandbox(rec)
+            self.emit(FAILED, rec, operation="kill", reason=str(exc))
             raise Internal(f"failed to kill sandbox {sid}: {exc}") from exc
         await self._forget(rec)
+        ran = {"execution": _execution(rec)} if previous == State.RUNNING else {}
+        self.emit(KILLED, rec, kill_reason=why, **ran)
         log.info("sandbox killed", extra={"sandbox_id": sid})
 
     async def _forget(self, rec: SandboxRecord) -> None:
         self.sandboxes.pop(rec.sandbox_id, None)
-        self._metric_history.pop(rec.sandbox_id, None)
         await self.store.delete_sandbox(rec.sandbox_id)
         await self.store.set_layer_refs("sandbox", rec.sandbox_id, [])
         self._collect_soon()
@@ -816,6 +917,7 @@ class Orchestrator:
         end = time.time() + self._clamp_timeout(seconds, 0)
         rec.end_at = end if shorten else max(rec.end_at, end)
         await self.store.put_sandbox(rec)
+        self.emit(UPDATED, rec, set_timeout=iso(rec.end_at))
 
     async def _reap_forever(self) -> None:
         while True:
@@ -837,11 +939,12 @@ class Orchestrator:
             if rec.auto_pause:
                 rec.state = State.PAUSING
                 self._left_running(sid, "paused")
-                work = self._start_op(sid, "pause", self._do_pause(rec, rec.auto_pause_memory))
+                work = self._start_op(sid, "pause",
+                                      self._do_pause(rec, rec.auto_pause_memory, "timeout"))
             else:
                 rec.state = State.KILLING
                 self._left_running(sid, "killed")
-                work = self._start_op(sid, "kill", self._do_kill(rec, State.RUNNING))
+                work = self._start_op(sid, "kill", self._do_kill(rec, State.RUNNING, "timeout"))
             task = asyncio.create_task(self._log_reap(sid, work, "sandbox timed out"))
             self._background.add(task)
             task.add_done_callback(self._background.discard)
@@ -894,8 +997,10 @@ class Orchestrator:
             ref = await self.backend.snapshot(sid, rec.placement, snapshot_id)
         except BackendError as exc:
             rec.state = State.RUNNING
+            self.emit(FAILED, rec, operation="snapshot", reason=str(exc))
             if not exc.retryable:
                 await self._forget(rec)
+                self.emit(KILLED, rec, kill_reason="lost while snapshotting")
             raise Internal(f"failed to snapshot sandbox {sid}: {exc}") from exc
         finally:
             if rec.state == State.SNAPSHOTTING:
@@ -921,26 +1026,49 @@ class Orchestrator:
             with contextlib.suppress(BackendError):
                 await self.backend.delete_snapshot(ref)
             raise Conflict(str(exc)) from exc
+        self.emit(CHECKPOINTED, rec, snapshot_id=snapshot_id, names=tpl.names)
         return tpl
 
-    async def fork(self, sandbox_id: str, count: int, timeout: int | None) -> list[ForkResult]:
-        self._check_open()
+    def _check_count(self, count: int) -> None:
         if not 1 <= count <= MAX_FORK_COUNT:
             raise BadRequest(f"count must be between 1 and {MAX_FORK_COUNT}, got {count}: "
-                             f"{MAX_FORK_COUNT} children per fork is this node's limit")
+                             f"{MAX_FORK_COUNT} children per call is this node's limit")
+
+    def _branching(self, what: str) -> SnapshotBranching:
+        """The backend's SnapshotBranching, or 400 naming what it cannot do."""
+        branching = self.capabilities.branching
+        if branching is None:
+            raise BadRequest(f"the {self.backend.name} backend cannot {what}: the VM backend can")
+        return branching
+
+    async def fork(self, sandbox_id: str, count: int, timeout: int | None) -> list[ForkResult]:
+        """`count` running children: of a running sandbox (checkpoint in place, it goes on
+        running), or of a paused one from its pause snapshot (it stays paused, untouched)."""
+        self._check_open()
+        self._check_count(count)
         seconds = self._clamp_timeout(timeout, self.config.fork_default_timeout)
-        rec = await self._wait_running(sandbox_id, "be forked")
-        # Held until the children's records exist (_do_fork), which count from then on.
+        rec = await self._await_state(sandbox_id, _STABLE, {State.KILLING: lambda rec: Conflict(
+            f"sandbox {sandbox_id!r} cannot be forked while in '{rec.state.value}' state")})
+        paused = rec.state == State.PAUSED
+        if paused:
+            self._branching("fork a paused sandbox (resume it and fork the running one)")
+            if rec.pause_snapshot is None:
+                raise Conflict(f"paused sandbox {sandbox_id!r} has no pause snapshot")
+        # Held until the children's records exist (_new_children), which count from then on.
         held = self._admit(f"fork sandbox {sandbox_id} into {count}", rec.memory_mb,
                            rec.cpu_count, count)
-        rec.state = State.FORKING
+        rec.state = State.BRANCHING if paused else State.FORKING
+        work = (self._do_fork_paused(rec, count, seconds, held) if paused
+                else self._do_fork(rec, count, seconds, held))
         try:
-            return await self._launch(sandbox_id, "fork", self._do_fork(rec, count, seconds, held))
+            return await self._launch(sandbox_id, "fork", work)
         finally:
             self._release(held)
 
-    async def _do_fork(self, rec: SandboxRecord, count: int, timeout: int,
-                       held: Reservation | None = None) -> list[ForkResult]:
+    def _new_children(self, rec: SandboxRecord, count: int, timeout: int,
+                      held: Reservation | None) -> list[SandboxRecord]:
+        """Records of `count` children of `rec` (its settings, their own ids and tokens),
+        counted from now on (the admission reservation goes)."""
         now = time.time()
         children: list[SandboxRecord] = []
         for _ in range(count):
@@ -952,10 +1080,23 @@ class Orchestrator:
             if rec.traffic_access_token:
                 child.traffic_access_token = self.tokens.traffic_token(cid)
             child.placement, child.pause_snapshot, child.pause_mode = None, None, None
+            child.parent_sandbox_id, child.source_snapshot_id = rec.sandbox_id, None
+            child.last_pause = None
             child.started_at, child.end_at, child.created_at = now, now + timeout, now
             children.append(child)
             self.sandboxes[cid] = child
         self._release(held)
+        return children
+
+    async def _drop_children(self, children: list[SandboxRecord]) -> None:
+        for child in children:
+            self.sandboxes.pop(child.sandbox_id, None)
+            with contextlib.suppress(Exception):
+                await self.store.delete_sandbox(child.sandbox_id)
+
+    async def _do_fork(self, rec: SandboxRecord, count: int, timeout: int,
+                       held: Reservation | None = None) -> list[ForkResult]:
+        children = self._new_children(rec, count, timeout, held)
         assert rec.placement is not None
         try:
             for child in children:
@@ -964,19 +1105,48 @@ class Orchestrator:
                 self._spec(rec), rec.placement, [self._spec(c) for c in children]
             )
         except BaseException as exc:
-            for child in children:
-                self.sandboxes.pop(child.sandbox_id, None)
-                with contextlib.suppress(Exception):
-                    await self.store.delete_sandbox(child.sandbox_id)
+            await self._drop_children(children)
             rec.state = State.RUNNING
+            self.emit(FAILED, rec, operation="fork", reason=_reason(exc))
             if isinstance(exc, BackendError):
                 if not exc.retryable:
                     await self._forget(rec)
+                    self.emit(KILLED, rec, kill_reason="lost while forking")
                 raise _backend_failure(f"failed to fork sandbox {rec.sandbox_id}: {exc}", exc) from exc
             raise
         finally:
             if rec.state == State.FORKING:
                 rec.state = State.RUNNING
+        return await self._finish_children(children, outcomes, timeout)
+
+    async def _do_fork_paused(self, rec: SandboxRecord, count: int, timeout: int,
+                              held: Reservation | None) -> list[ForkResult]:
+        """Children start from the parent's pause snapshot, which is only read: the parent
+        is never resumed (BRANCHING keeps its kill or resume waiting until they run)."""
+        snapshot = rec.pause_snapshot
+        assert snapshot is not None  # fork() checked
+        children = self._new_children(rec, count, timeout, held)
+        try:
+            for child in children:
+                # Its source is the snapshot it starts from: the node's GC keeps that
+                # snapshot's files while the child (or a fork of it) needs them.
+                child.source = snapshot
+                await self.store.put_sandbox(child)
+            outcomes = await self._branching("fork a paused sandbox").fork_snapshot(
+                snapshot, [self._spec(c) for c in children])
+        except BaseException as exc:
+            await self._drop_children(children)
+            if isinstance(exc, BackendError):
+                raise _backend_failure(f"failed to fork paused sandbox {rec.sandbox_id}: {exc}",
+                                       exc) from exc
+            raise
+        finally:
+            rec.state = State.PAUSED
+        return await self._finish_children(children, outcomes, timeout)
+
+    async def _finish_children(self, children: list[SandboxRecord], outcomes: list[ForkOutcome],
+                               timeout: int) -> list[ForkResult]:
+        """Each child runs (recorded with its layers) or is gone, whatever the others do."""
         by_id = {o.sandbox_id: o for o in outcomes}
 
         async def finish(child: SandboxRecord) -> ForkResult:
@@ -993,33 +1163,87 @@ class Orchestrator:
                 with contextlib.suppress(Exception):
                     await self.backend.kill(child.sandbox_id, child.placement)
                 await self.store.delete_sandbox(child.sandbox_id)
+                self.emit(FAILED, child, operation="fork", reason=error,
+                          source_sandbox_id=child.parent_sandbox_id)
                 return ForkResult(error=f"fork failed: {error}", status=500)
             ready = time.time()
             child.started_at, child.end_at = ready, ready + timeout
             child.state = State.RUNNING
             await self.store.put_sandbox(child)
+            self.emit(FORKED, child, source_sandbox_id=child.parent_sandbox_id)
             await self.store.set_layer_refs("sandbox", child.sandbox_id, list(child.source.layers))
             return ForkResult(record=child, status=201)
 
         return list(await asyncio.gather(*(finish(c) for c in children)))
 
-    # --- metrics -----------------------------------------------------------------------------
+    # --- rollback ----------------------------------------------------------------------------
 
-    async def metrics(
-        self, sandbox_id: str, start: float | None, end: float | None
-    ) -> list[MetricSample]:
-        rec = self.get(sandbox_id)
-        history = self._metric_history.setdefault(sandbox_id, deque(maxlen=METRIC_HISTORY))
-        if rec.state == State.RUNNING and rec.placement is not None:
-            try:
-                history.append(await self.backend.metrics(sandbox_id, rec.placement))
-            except BackendError as exc:
-                log.warning("metrics failed", extra={"sandbox_id": sandbox_id, "error": str(exc)})
-        return [
-            s
-            for s in history
-            if (start is None or s.timestamp >= start) and (end is None or s.timestamp <= end)
-        ]
+    def _rollback_target(self, rec: SandboxRecord, snapshot_id: str | None) -> SnapshotRef:
+        """A snapshot of the sandbox's own: a catalogue snapshot taken of it, or (None) its
+        current or last pause."""
+        if snapshot_id is None:
+            target = rec.pause_snapshot if rec.state == State.PAUSED else rec.last_pause
+            if target is None:
+                raise Conflict(f"sandbox {rec.sandbox_id!r} was never paused: name a snapshot "
+                               "of it (snapshotID) to roll back to")
+            return target
+        tpl = self.catalogue.resolve(snapshot_id, rec.team)
+        if tpl.kind != "snapshot" or tpl.source_sandbox_id != rec.sandbox_id:
+            raise BadRequest(f"{snapshot_id!r} is not a snapshot of sandbox {rec.sandbox_id!r}: "
+                             "a sandbox rolls back to its own snapshots only")
+        return tpl.ref
+
+    async def rollback(self, sandbox_id: str, snapshot_id: str | None,
+                       timeout: int | None) -> SandboxRecord:
+        """Restore a running or paused sandbox in place to one of its snapshots: same id,
+        network policy and lineage; memory, processes and disk as at the snapshot; a new envd
+        token (the old one opens nothing). It runs afterwards, at least `timeout` seconds."""
+        self._check_open()
+        branching = self._branching("roll a sandbox back")
+        seconds = self._clamp_timeout(timeout, self.config.default_timeout)
+        rec = await self._await_state(sandbox_id, _STABLE, {State.KILLING: lambda rec: Conflict(
+            f"sandbox {sandbox_id!r} is being killed")})
+        target = self._rollback_target(rec, snapshot_id)
+        previous = rec.state
+        if previous == State.PAUSED:  # it gets a VM again
+            self._release(self._admit(f"roll back sandbox {sandbox_id}", rec.memory_mb,
+                                      rec.cpu_count))
+        else:
+            self._left_running(sandbox_id, "rolled back")
+        rec.state = State.ROLLING_BACK
+        await self._launch(sandbox_id, "rollback",
+                           self._do_rollback(rec, branching, target, previous, seconds))
+        return rec
+
+    async def _do_rollback(self, rec: SandboxRecord, branching: SnapshotBranching,
+                           target: SnapshotRef, previous: State, timeout: int) -> None:
+        sid = rec.sandbox_id
+        old_token = rec.envd_access_token
+        try:
+            # The record keeps the old token until the new VM runs; the new one waits in the
+            # pending operation, for a node killed meanwhile (_reconcile: whichever VM it
+            # finds decides which token the sandbox has).
+            await self.store.put_sandbox(rec)
+            new_token = self.tokens.fresh_envd_token()
+            await self.store.put_pending(sid, "rollback", time.time(), {"token": new_token})
+            rec.envd_access_token = new_token
+            placement = await branching.rollback(self._spec(rec), rec.placement, target)
+        except BaseException as exc:
+            # The backend left the sandbox as it was: so is its record.
+            rec.envd_access_token, rec.state = old_token, previous
+            with contextlib.suppress(Exception):
+                await self.store.put_sandbox(rec)
+                await self.store.delete_pending(sid)
+            if isinstance(exc, BackendError):
+                raise _backend_failure(f"failed to roll sandbox {sid} back: {exc}", exc) from exc
+            raise
+        rec.placement, rec.pause_snapshot = placement, None
+        rec.end_at = max(rec.end_at, time.time() + timeout)
+        rec.state = State.RUNNING
+        await self.store.put_sandbox(rec)
+        await self.store.delete_pending(sid)
+        self.emit(ROLLED_BACK, rec)
+        log.info("sandbox rolled back", extra={"sandbox_id": sid})
 
     # --- node info ---------------------------------------------------------------------------
 
@@ -1033,6 +1257,11 @@ class Orchestrator:
 _STABLE = frozenset({State.RUNNING, State.PAUSED})
 
 
+def _same_vm(live: Placement, recorded: Placement | None) -> bool:
+    """Whether an adopted VM is the one the record names (backends name VMs by `vm_id`)."""
+    return recorded is not None and live.handle.get("vm_id") == recorded.handle.get("vm_id")
+
+
 def _gone(rec: SandboxRecord) -> ApiError:
     """404, as E2B answers for a sandbox this call cannot act on (paused, being killed)."""
     return sandbox_not_found(rec.sandbox_id)
@@ -1041,3 +1270,14 @@ def _gone(rec: SandboxRecord) -> ApiError:
 def _backend_failure(message: str, exc: BackendError) -> ApiError:
     """503 when the host cannot serve right now (blockd down: retry later), else 500."""
     return Unavailable(message) if getattr(exc, "unavailable", False) else Internal(message)
+
+
+def _reason(exc: BaseException) -> str:
+    return "cancelled" if isinstance(exc, asyncio.CancelledError) else str(exc) or type(exc).__name__
+
+
+def _execution(rec: SandboxRecord) -> dict[str, Any]:
+    """E2B's eventData.execution of a paused or killed sandbox: the run that just ended."""
+    return {"started_at": iso(rec.started_at), "vcpu_count": rec.cpu_count,
+            "memory_mb": rec.memory_mb,
+            "execution_time": int((time.time() - rec.started_at) * 1000)}

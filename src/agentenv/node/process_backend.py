@@ -474,6 +474,10 @@ class ProcessBackend(SandboxBackend, CrashRecovery, TemplateBuilding):
                 found[sid] = placement
         return found
 
+    def log_files(self, sandbox_id: str) -> list[tuple[str, Path]]:
+        """envd's own output (the process backend has no console)."""
+        return [("envd", self._sandbox_dir(sandbox_id) / "envd.log")]
+
     async def metrics(self, sandbox_id: str, placement: Placement) -> MetricSample:
         return await asyncio.to_thread(self._sample, sandbox_id, placement)
 

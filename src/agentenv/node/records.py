@@ -19,6 +19,10 @@ class State(enum.StrEnum):
     RESUMING = "resuming"
     SNAPSHOTTING = "snapshotting"
     FORKING = "forking"
+    #: a paused sandbox whose pause snapshot children are starting from (it stays paused)
+    BRANCHING = "branching"
+    #: being restored in place to one of its snapshots (it runs afterwards)
+    ROLLING_BACK = "rolling-back"
     KILLING = "killing"
 
     @property
@@ -28,7 +32,12 @@ class State(enum.StrEnum):
     @property
     def public(self) -> str:
         """The state as the E2B API shows it: only "running" or "paused"."""
-        return "paused" if self in (State.PAUSING, State.PAUSED) else "running"
+        return "paused" if self in (State.PAUSING, State.PAUSED, State.BRANCHING) else "running"
+
+    @property
+    def holds_vm(self) -> bool:
+        """Whether a sandbox in this state has (or is getting) a VM of its own."""
+        return self not in (State.PAUSED, State.BRANCHING)
 
 
 @dataclass
@@ -64,6 +73,12 @@ class SandboxRecord:
     created_at: float = field(default_factory=time.time)
     #: the team the sandbox is of (node/tenancy.py); only that team's requests reach it
     team: str = LOCAL_TEAM
+    #: lineage: the sandbox this one was forked from (or whose snapshot it was made from)...
+    parent_sandbox_id: str | None = None
+    #: ...and the catalogue snapshot it was made from (None: a template, or a fork point)
+    source_snapshot_id: str | None = None
+    #: the snapshot of its last pause, kept after it resumed: a rollback target
+    last_pause: SnapshotRef | None = None
 
     def to_row(self) -> dict[str, Any]:
         return {
@@ -94,6 +109,9 @@ class SandboxRecord:
             "pause_asked_memory": self.pause_asked_memory,
             "created_at": self.created_at,
             "team": self.team,
+            "parent_sandbox_id": self.parent_sandbox_id,
+            "source_snapshot_id": self.source_snapshot_id,
+            "last_pause": self.last_pause.to_json() if self.last_pause else None,
         }
 
     @classmethod
@@ -128,6 +146,10 @@ class SandboxRecord:
             pause_asked_memory=bool(row.get("pause_asked_memory", True)),
             created_at=row["created_at"],
             team=row.get("team", LOCAL_TEAM),
+            parent_sandbox_id=row.get("parent_sandbox_id"),
+            source_snapshot_id=row.get("source_snapshot_id"),
+            last_pause=(TemplateRef.from_json(row["last_pause"]) if row.get("last_pause")
+                        else None),
         )
 
 

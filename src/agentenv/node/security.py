@@ -90,6 +90,12 @@ class TokenIssuer:
     def envd_token(self, sandbox_id: str) -> str:
         return hmac.new(self._seed, sandbox_id.encode(), hashlib.sha256).hexdigest()
 
+    @staticmethod
+    def fresh_envd_token() -> str:
+        """A random envd token (a rollback re-keys a sandbox: its first token stops working),
+        shaped as the derived ones."""
+        return secrets.token_hex(32)
+
     def traffic_token(self, sandbox_id: str) -> str:
         return hmac.new(
             self._seed, b"sandbox-traffic-" + sandbox_id.encode(), hashlib.sha256

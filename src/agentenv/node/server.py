@@ -20,11 +20,16 @@ from starlette.routing import Route
 
 from agentenv.blockd.remote import install_private_store
 from agentenv.errors import AgentEnvError
+from agentenv.node import unsupported
 from agentenv.node.admission import Admission, TeamQuotas
 from agentenv.node.api import NodeApp
 from agentenv.node.backend import Capabilities, SandboxBackend
+from agentenv.node.events import EventLog, retention_from_env
+from agentenv.node.events_api import EventsApi
 from agentenv.node.gc import LayerCollector
 from agentenv.node.metrics import NodeMetrics
+from agentenv.node.observe_api import ObserveApi
+from agentenv.node.observer import Observer, ObserverConfig
 from agentenv.node.orchestrator import NodeConfig, Orchestrator
 from agentenv.node.security import (
     NODE_KEY_HEADER,
@@ -33,8 +38,10 @@ from agentenv.node.security import (
     secure_state_dir,
 )
 from agentenv.node.store import Store
+from agentenv.node.webhooks import ALLOW_PRIVATE_ENV, DeliveryPolicy, Webhooks
 from agentenv.relay.concurrency import ConcurrencyCap, max_concurrent
 from agentenv.relay.server import hardened_config, quiet_stream_aborts
+from agentenv.relay.tls import CA_ENV, NodeTls
 
 log = logging.getLogger("agentenv.node.server")
 
@@ -105,6 +112,13 @@ def build_app(
         capabilities=capabilities,
     )
     orchestrator.gc = LayerCollector(orchestrator, state, metrics)
+    node_id = options.node_id or socket.gethostname()
+    orchestrator.events = EventLog(orchestrator.store, node_id, retention_from_env())
+    webhooks = Webhooks(orchestrator.store, DeliveryPolicy.from_env(), allow_private=(
+        not options.node_key or os.environ.get(ALLOW_PRIVATE_ENV, "") == "1"))
+    orchestrator.events.sinks.append(webhooks)
+    observer = Observer(orchestrator, ObserverConfig.from_env())
+    orchestrator.companions.append(observer)
     orchestrator.admission = Admission.from_env(state)
     if not options.node_key:  # a cluster's gateway counts a team over every node
         orchestrator.admission.quotas = TeamQuotas.from_env()
@@ -122,7 +136,11 @@ def build_app(
         orchestrator,
         api_key,
         metrics,
-        extra_routes=[*(extra_routes or []), *builds.routes(), *moves.routes()],
+        node_id=node_id,
+        extra_routes=[*(extra_routes or []), *unsupported.routes(), *builds.routes(),
+                      *moves.routes(),
+                      *EventsApi(orchestrator.events, webhooks).routes(),
+                      *ObserveApi(observer).routes()],
         node_key=options.node_key,
         metrics_token=options.metrics_token,
         public_metrics=options.public_metrics,
@@ -171,7 +189,7 @@ def check_port_free(host: str, port: int) -> None:
 
 
 async def _serve_with_heartbeat(
-    server: uvicorn.Server, app: NodeApp, options: ServeOptions
+    server: uvicorn.Server, app: NodeApp, options: ServeOptions, tls: NodeTls
 ) -> None:
     sender = None
     if options.scheduler:
@@ -187,11 +205,17 @@ async def _serve_with_heartbeat(
         # blockd asks this node's API which peers hold a blob: on loopback, with what passes.
         local = {"0.0.0.0": "127.0.0.1", "::": "[::1]", "": "127.0.0.1"}.get(
             options.host, f"[{options.host}]" if ":" in options.host else options.host)
+        api_url = f"http://{local}:{options.port}"
+        if tls.serves:  # by the advertised name: the one its certificate names
+            if tls.ca is None:
+                raise AgentEnvError(f"a node of a scheduler that serves TLS needs {CA_ENV} "
+                                    "(the CA of the nodes' certificates) for its blockd")
+            api_url = f"https://{advertise}"
         headers = {NODE_KEY_HEADER.decode(): options.node_key}
         backend = app.orchestrator.backend
-        peers = LayerPeers(options.scheduler, credentials, node_id,
-                           f"http://{local}:{options.port}", headers,
-                           lambda: blockd_socket_of(backend), advertise.rpartition(":")[0])
+        peers = LayerPeers(options.scheduler, credentials, node_id, api_url, headers,
+                           lambda: blockd_socket_of(backend), advertise.rpartition(":")[0],
+                           api_ca=tls.ca if tls.serves else None)
         app.api.router.routes.insert(0, peers.route())
         sender = HeartbeatSender(
             app.orchestrator, options.state_dir, options.scheduler, credentials,
@@ -228,19 +252,21 @@ def serve(options: ServeOptions) -> None:
     install_private_store()  # a remote layer read in the node itself (not through blockd)
     lock_state_dir(options.state_dir)
     check_port_free(options.host, options.port)
+    tls = NodeTls.from_env()  # read and checked before anything starts
     app = build_app(options)
     limits = app.proxy.limits
     quiet_stream_aborts()
     capped = ConcurrencyCap(app, max_concurrent(), "the node")
     config = hardened_config(capped, options.host, options.port, limits.max_head_bytes,
                              limits.head_timeout, options.graceful_seconds,
-                             ws_max_bytes=limits.max_ws_message_bytes)
+                             ws_max_bytes=limits.max_ws_message_bytes,
+                             tls_files=(tls.cert, tls.key) if tls.serves else None)  # type: ignore[arg-type]
     server = uvicorn.Server(config)
     log.info(
         "node starting",
         extra={"host": options.host, "port": options.port, "state_dir": str(options.state_dir)},
     )
-    asyncio.run(_serve_with_heartbeat(server, app, options))
+    asyncio.run(_serve_with_heartbeat(server, app, options, tls))
     if not server.started:
         raise AgentEnvError(
             f"node server did not start on {options.host}:{options.port} (see the log above)"

@@ -94,6 +94,35 @@ MIGRATIONS: list[str] = [
         SELECT 'local', name, template_id FROM template_names;
     DROP TABLE template_names;
     """,
+    # 5: lifecycle events (node/events.py) with their node-wide order (seq), the teams'
+    # webhooks (node/webhooks.py) and one row per delivery attempt. Events and attempts past
+    # the retention are pruned.
+    """
+    CREATE TABLE events (
+        seq INTEGER PRIMARY KEY AUTOINCREMENT,
+        ts REAL NOT NULL,
+        type TEXT NOT NULL,
+        team TEXT NOT NULL,
+        sandbox_id TEXT NOT NULL,
+        doc TEXT NOT NULL
+    );
+    CREATE INDEX events_team ON events(team, seq);
+    CREATE INDEX events_sandbox ON events(sandbox_id, seq);
+    CREATE INDEX events_ts ON events(ts);
+    CREATE TABLE webhooks (
+        id TEXT PRIMARY KEY,
+        team TEXT NOT NULL,
+        doc TEXT NOT NULL
+    );
+    CREATE TABLE webhook_attempts (
+        seq INTEGER PRIMARY KEY AUTOINCREMENT,
+        webhook_id TEXT NOT NULL,
+        ts REAL NOT NULL,
+        doc TEXT NOT NULL
+    );
+    CREATE INDEX webhook_attempts_hook ON webhook_attempts(webhook_id, seq);
+    CREATE INDEX webhook_attempts_ts ON webhook_attempts(ts);
+    """,
 ]
 
 SCHEMA_VERSION = len(MIGRATIONS)
@@ -469,3 +498,80 @@ class Store:
                 raise
 
         await self._run(write)
+
+    # --- lifecycle events and webhooks (node/events.py, node/webhooks.py) ---------------------
+
+    async def add_events(self, rows: list[tuple[float, str, str, str, str]]) -> list[int]:
+        """Append (ts, type, team, sandbox_id, doc) rows in one transaction; their seqs."""
+
+        def write(c: sqlite3.Connection) -> list[int]:
+            c.execute("BEGIN IMMEDIATE")
+            try:
+                seqs = [c.execute("INSERT INTO events (ts, type, team, sandbox_id, doc) "
+                                  "VALUES (?, ?, ?, ?, ?)", row).lastrowid or 0 for row in rows]
+                c.execute("COMMIT")
+            except BaseException:
+                c.execute("ROLLBACK")
+                raise
+            return seqs
+
+        return await self._run(write)
+
+    async def query_events(self, team: str, *, sandbox_id: str | None, types: list[str],
+                           exclude_prefix: str | None, after: int, offset: int, limit: int,
+                           ascending: bool) -> list[tuple[int, str]]:
+        """(seq, doc) of the team's events, in seq order, filtered and paged."""
+        where, args = ["team = ?", "seq > ?"], [team, after]
+        if sandbox_id is not None:
+            where.append("sandbox_id = ?")
+            args.append(sandbox_id)
+        if types:
+            where.append(f"type IN ({', '.join('?' * len(types))})")
+            args.extend(types)
+        elif exclude_prefix:
+            where.append("type NOT LIKE ?")
+            args.append(exclude_prefix + "%")
+        sql = (f"SELECT seq, doc FROM events WHERE {' AND '.join(where)} "
+               f"ORDER BY seq {'ASC' if ascending else 'DESC'} LIMIT ? OFFSET ?")
+        rows = await self._run(lambda c: c.execute(sql, (*args, limit, offset)).fetchall())
+        return [(r["seq"], r["doc"]) for r in rows]
+
+    async def prune_events(self, before: float) -> int:
+        """Delete events and webhook attempts older than `before`; how many events went."""
+
+        def write(c: sqlite3.Connection) -> int:
+            gone = c.execute("DELETE FROM events WHERE ts < ?", (before,)).rowcount
+            c.execute("DELETE FROM webhook_attempts WHERE ts < ?", (before,))
+            return gone
+
+        return await self._run(write)
+
+    async def put_webhook(self, webhook_id: str, team: str, doc: dict[str, Any]) -> None:
+        text = json.dumps(doc)
+        await self._run(lambda c: c.execute(
+            "INSERT INTO webhooks (id, team, doc) VALUES (?, ?, ?) "
+            "ON CONFLICT(id) DO UPDATE SET doc = excluded.doc", (webhook_id, team, text)))
+
+    async def delete_webhook(self, webhook_id: str) -> None:
+        def write(c: sqlite3.Connection) -> None:
+            c.execute("DELETE FROM webhooks WHERE id = ?", (webhook_id,))
+            c.execute("DELETE FROM webhook_attempts WHERE webhook_id = ?", (webhook_id,))
+
+        await self._run(write)
+
+    async def load_webhooks(self) -> list[dict[str, Any]]:
+        rows = await self._run(lambda c: c.execute("SELECT doc FROM webhooks").fetchall())
+        return [json.loads(r["doc"]) for r in rows]
+
+    async def add_webhook_attempt(self, webhook_id: str, ts: float, doc: dict[str, Any]) -> None:
+        text = json.dumps(doc)
+        await self._run(lambda c: c.execute(
+            "INSERT INTO webhook_attempts (webhook_id, ts, doc) VALUES (?, ?, ?)",
+            (webhook_id, ts, text)))
+
+    async def webhook_attempts(self, webhook_id: str, limit: int) -> list[dict[str, Any]]:
+        """The webhook's newest attempts first."""
+        rows = await self._run(lambda c: c.execute(
+            "SELECT doc FROM webhook_attempts WHERE webhook_id = ? ORDER BY seq DESC LIMIT ?",
+            (webhook_id, limit)).fetchall())
+        return [json.loads(r["doc"]) for r in rows]

@@ -63,6 +63,7 @@ from agentenv.node import models
 from agentenv.node.api import page, read_model
 from agentenv.node.backend import BackendError, SandboxSpec
 from agentenv.node.errors import ApiError, BadRequest, Conflict, NotFound
+from agentenv.node.events import BUILD_FAILED, BUILD_FINISHED, BUILD_STARTED, Event
 from agentenv.node.orchestrator import Orchestrator
 from agentenv.node.records import DEFAULT_TAG, BuildSnapshot, TemplateRecord
 from agentenv.node.security import new_id
@@ -76,6 +77,7 @@ from agentenv.node.template_models import (
 )
 from agentenv.node.template_tags import normalize_tags, split_tag
 from agentenv.node.tenancy import LOCAL_TEAM, scope_team
+from agentenv.registry.auth import Credentials
 
 log = logging.getLogger("agentenv.node.template_api")
 
@@ -714,6 +716,7 @@ class TemplateBuildApi:
         if self._slots is None:
             self._slots = asyncio.Semaphore(self.concurrency)
         t0 = time.monotonic()
+        self._build_event(BUILD_STARTED, rec)
         try:
             if self._slots.locked():
                 rec.log("info", "waiting for another build to finish", BASE_STEP)
@@ -730,6 +733,7 @@ class TemplateBuildApi:
             log.exception("template build crashed", extra={"build_id": rec.build_id})
             self._fail(rec, f"internal error: {type(exc).__name__}: {exc}", None)
         else:
+            self._build_event(BUILD_FINISHED, rec, seconds=round(time.monotonic() - t0, 1))
             rec.log("info", f"build ready in {time.monotonic() - t0:.1f} s", None)
             log.info("template built", extra={"template_id": rec.template_id,
                                               "build_id": rec.build_id,
@@ -738,11 +742,18 @@ class TemplateBuildApi:
             self._save(rec)
             self.catalogue.collect_soon()  # its uploads may be unused now (node/gc.py)
 
+    def _build_event(self, kind: str, rec: BuildRecord, **data: Any) -> None:
+        if self.orchestrator.events is not None:
+            self.orchestrator.events.record(Event(
+                type=kind, team=rec.team, template_id=rec.template_id, build_id=rec.build_id,
+                data={"name": rec.name, **data}))
+
     def _fail(self, rec: BuildRecord, message: str, step: str | None) -> None:
         rec.status = "error"
         rec.reason = {"message": message, "step": step}
         rec.log("error", message, step)
         rec.finished_at = rec.updated_at = time.time()
+        self._build_event(BUILD_FAILED, rec, reason=rec.reason)
         log.warning("template build failed", extra={"template_id": rec.template_id,
                                                     "build_id": rec.build_id, "error": message})
 
@@ -835,8 +846,6 @@ class TemplateBuildApi:
         credentials = None
         creds = body.fromImageRegistry or {}
         if creds.get("username") or creds.get("password"):
-            from agentenv.template.auth import Credentials
-
             # In memory for this pull only: no docker config file, nothing in the record.
             credentials = Credentials(str(creds.get("username", "")), str(creds.get("password", "")))
         try:

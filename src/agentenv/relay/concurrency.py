@@ -16,6 +16,8 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
+from agentenv.logs import Sampled
+
 log = logging.getLogger("agentenv.relay.concurrency")
 
 SETTING = "AENV_MAX_CONCURRENT_REQUESTS"
@@ -42,17 +44,16 @@ class ConcurrencyCap:
         self.limit = limit
         self.server = server
         self.active = 0
-        self.refused = 0
+        self.refused = Sampled()
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] not in ("http", "websocket") or not self.limit:
             await self.app(scope, receive, send)
             return
         if self.active >= self.limit:
-            self.refused += 1
-            if self.refused == 1 or self.refused % 1000 == 0:
+            if self.refused.tick():
                 log.warning("concurrent request cap reached",
-                            extra={"limit": self.limit, "refused": self.refused})
+                            extra={"limit": self.limit, "refused": self.refused.count})
             await self._refuse(scope, send)
             return
         self.active += 1

@@ -31,6 +31,7 @@ import logging
 import os
 import re
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 from urllib.parse import unquote_to_bytes
 
@@ -39,9 +40,12 @@ import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from agentenv.errors import AgentEnvError
+from agentenv.logs import Sampled
 from agentenv.relay.websocket import FragmentingWebSocketProtocol
 
 log = logging.getLogger("agentenv.relay.server")
+#: connections that sent no request head in time, process-wide (logged sampled)
+HEAD_TIMEOUTS = Sampled()
 
 TRUSTED_PROXIES_ENV = "AENV_TRUSTED_PROXIES"
 
@@ -154,11 +158,13 @@ def hardened_protocol(max_head_bytes: int, head_timeout: float) -> type[H11Proto
 
 def hardened_config(app: Any, host: str, port: int, max_head_bytes: int, head_timeout: float,
                     graceful_seconds: float, backlog: int = 2048, *,
-                    ws_max_bytes: int = 16 << 20) -> uvicorn.Config:
+                    ws_max_bytes: int = 16 << 20,
+                    tls_files: tuple[Path, Path] | None = None) -> uvicorn.Config:
     """The uvicorn settings of every server that relays sandbox traffic (the node, the
     gateway): the hardened HTTP/1.1 protocol, our own logs, WebSockets (messages of at most
     `ws_max_bytes`; fragments relayed as they come, relay/websocket.py), no server header, the
-    client's address as AENV_TRUSTED_PROXIES says."""
+    client's address as AENV_TRUSTED_PROXIES says; TLS only where `tls_files` (certificate,
+    key) are given (relay/tls.py)."""
     proxies = trusted_proxies()
     return uvicorn.Config(
         app,
@@ -177,6 +183,8 @@ def hardened_config(app: Any, host: str, port: int, max_head_bytes: int, head_ti
         backlog=backlog,
         proxy_headers=bool(proxies),
         forwarded_allow_ips=proxies or None,
+        ssl_certfile=tls_files[0] if tls_files else None,
+        ssl_keyfile=tls_files[1] if tls_files else None,
     )
 
 
@@ -206,7 +214,9 @@ class _HardenedBase(H11Protocol):
     def _head_timed_out(self) -> None:
         self._head_timer = None
         if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
-            log.info("request head not received in time", extra={"client": str(self.client)})
+            if HEAD_TIMEOUTS.tick():  # anyone can open connections and send nothing
+                log.info("request head not received in time",
+                         extra={"client": str(self.client), "count": HEAD_TIMEOUTS.count})
             self._reply(408, f"request head not received within {self.head_timeout:g} s")
 
     def _reply(self, status: int, message: str) -> None:

@@ -20,6 +20,7 @@ import contextlib
 import json
 import logging
 import os
+import ssl
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -235,8 +236,11 @@ class Relay:
         count: Callable[[str, int], None] | None = None,
         on_aborted: Callable[[Scope], None] | None = None,
         limit_name: str = "the node's",
+        tls: ssl.SSLContext | None = None,
     ) -> None:
+        """`tls`: what an https:// or wss:// upstream is verified with (relay/tls.py)."""
         self.limits = limits
+        self.tls = tls
         self._answer_gone = answer_gone
         self._answer_unreachable = answer_unreachable
         self._count = count or (lambda direction, n: None)
@@ -249,6 +253,7 @@ class Relay:
             limits=httpx.Limits(max_connections=None, max_keepalive_connections=200),
             trust_env=False,
             follow_redirects=False,
+            verify=tls if tls is not None else True,
         )
 
     async def close(self) -> None:
@@ -466,7 +471,7 @@ class Relay:
         try:
             upstream = await UpstreamWebSocket.open(
                 url, upstream_headers, scope.get("subprotocols") or (),
-                self.limits.connect_timeout, WS_OPEN_TIMEOUT)
+                self.limits.connect_timeout, WS_OPEN_TIMEOUT, self.tls)
         except UpstreamRefused as exc:
             log.info("websocket upstream refused", extra={"sandbox_id": exchange.name,
                                                           "error": str(exc)})

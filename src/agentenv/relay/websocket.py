@@ -19,6 +19,7 @@ then frames read and written here (no extensions offered, so none accepted; ping
 from __future__ import annotations
 
 import asyncio
+import ssl
 import struct
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
@@ -87,13 +88,18 @@ class UpstreamWebSocket:
     @classmethod
     async def open(cls, url: httpx.URL, headers: Sequence[tuple[bytes, bytes]],
                    subprotocols: Sequence[str], connect_timeout: float,
-                   open_timeout: float) -> UpstreamWebSocket:
-        """Connect and complete the opening handshake (`headers`: the client's, forwarded)."""
-        port = url.port or 80
+                   open_timeout: float, tls: ssl.SSLContext | None = None) -> UpstreamWebSocket:
+        """Connect and complete the opening handshake (`headers`: the client's, forwarded).
+        An https:// or wss:// `url` is TLS, verified with `tls` (the system's CAs if None)."""
+        secure = url.scheme in ("https", "wss")
+        port = url.port or (443 if secure else 80)
+        context = (tls or ssl.create_default_context()) if secure else None
         try:
             async with asyncio.timeout(connect_timeout):
-                reader, writer = await asyncio.open_connection(url.host, port, limit=WS_WINDOW)
-        except (OSError, TimeoutError) as exc:
+                reader, writer = await asyncio.open_connection(
+                    url.host, port, limit=WS_WINDOW, ssl=context,
+                    server_hostname=url.host if secure else None)
+        except (OSError, TimeoutError) as exc:  # ssl.SSLError is an OSError
             raise UpstreamRefused(f"connect to port {port}: {exc or 'timed out'}") from exc
         try:
             async with asyncio.timeout(open_timeout):

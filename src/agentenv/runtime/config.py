@@ -114,6 +114,10 @@ class RuntimeConfig(BaseModel):
     # which the egress walls keep guests from. 8.8.8.8 is E2B's, and the address the network
     # policy opens by default for DNS (`dnsServers`). None: leave the image's file alone.
     guest_dns: IPv4Address | None = IPv4Address("8.8.8.8")
+    # Each slot's network bandwidth, each way, in Mbit/s (runtime/network.py: a token bucket on
+    # the slot's veth, so one guest's bulk transfer or flood of flows cannot take the host's
+    # link from the others; traffic through the egress proxy included). 0: not shaped.
+    slot_rate_mbit: int = Field(default=0, ge=0, le=400_000)
     # Bytes of a VM's serial console log kept on disk (serial.log and its rotated tail
     # serial.log.1, runtime/serial.py): a guest writes to ttyS0 without end. 0: no cap.
     serial_log_max_bytes: int = Field(default=4 << 20, ge=0)
@@ -154,6 +158,7 @@ PRIVILEGE_ENV = {
     "AENV_MEMORY_DEVICE": "memory_device", "AENV_MEMORY_PREFETCH": "memory_prefetch",
     "AENV_DISK_BUS": "disk_bus", "AENV_GUEST_DNS": "guest_dns",
     "AENV_SERIAL_LOG_MAX_BYTES": "serial_log_max_bytes",
+    "AENV_SLOT_RATE_MBIT": "slot_rate_mbit",
     "AENV_QEMU_MAX_FILE_BYTES": "qemu_max_file_bytes",
     "AENV_QEMU_MAX_OPEN_FILES": "qemu_max_open_files",
 }

@@ -179,6 +179,8 @@ class NetworkSlot:
     outbound: bool = True
     open_ranges: tuple[IPv4Network, ...] = ()
     policy: EgressPolicy = field(default_factory=EgressPolicy)
+    #: bandwidth each way in Mbit/s (0: not shaped): a token bucket on each end of the veth
+    rate_mbit: int = 0
 
     def __post_init__(self) -> None:
         if not self.outbound and self.policy.is_default:
@@ -342,12 +344,27 @@ class NetworkSlot:
             await _run("ip", "netns", "exec", ns, "sysctl", "-qw", "net.ipv4.ip_forward=1",
                        *no_ipv6)
             await self._nft(self._ruleset())
+            if self.rate_mbit:
+                await self._shape()
             if not self.policy.is_default:
                 await _host_sources(self.prefix, self.guest_address, self.policy.proxied_ports)
         except BaseException:
             with contextlib.suppress(NetworkError):
                 await self.destroy()
             raise
+
+    def _token_bucket(self) -> str:
+        # a burst of 10 ms at the rate (at least 64 KiB, what one TSO segment may carry), and
+        # packets wait at most 50 ms for tokens before they are dropped (TCP backs off)
+        burst = max(64 << 10, self.rate_mbit * 1_000_000 // 8 // 100)
+        return f"tbf rate {self.rate_mbit}mbit burst {burst} latency 50ms"
+
+    async def _shape(self) -> None:
+        """To the guest: the host end's egress; from it: the slot end's (vpeer)."""
+        bucket = self._token_bucket()
+        await _run("tc", "qdisc", "replace", "dev", self.host_veth, "root", *bucket.split())
+        await _run("nsenter", f"--net={self.netns_path}", "tc", "qdisc", "replace", "dev",
+                   "vpeer", "root", *bucket.split())
 
     async def set_policy(self, policy: EgressPolicy) -> None:
         """Replace the slot's egress policy. Safe in every order of events: the host first
@@ -705,12 +722,14 @@ class SlotPool:
 
     def __init__(self, prefix: str = "aenv", low: int = 2, high: int = 8,
                  first_index: int = 1, max_slots: int = 32767, reuse_delay: float = 0.0,
-                 open_ranges: tuple[IPv4Network, ...] = ()) -> None:
+                 open_ranges: tuple[IPv4Network, ...] = (), rate_mbit: int = 0) -> None:
         """`reuse_delay` > 0: a freed slot is destroyed and its index (its addresses) serves no
         VM for that many seconds, so connections a proxy still pools to the dead VM expire
-        instead of reaching the next guest at the same address."""
+        instead of reaching the next guest at the same address. `rate_mbit`: each slot's
+        bandwidth each way (0: not shaped)."""
         self.prefix = prefix
         self.open_ranges = open_ranges
+        self.rate_mbit = rate_mbit
         self.low, self.high = low, high
         self._free: list[NetworkSlot] = []
         self._next = first_index
@@ -743,7 +762,8 @@ class SlotPool:
     async def _build(self) -> NetworkSlot:
         self.acquire_prefix()
         while True:
-            slot = NetworkSlot(self._new_index(), self.prefix, open_ranges=self.open_ranges)
+            slot = NetworkSlot(self._new_index(), self.prefix, open_ranges=self.open_ranges,
+                               rate_mbit=self.rate_mbit)
             with contextlib.suppress(NetworkError):  # leftovers of a crashed run of ours
                 if Path(slot.netns_path).exists():
                     await slot.destroy()
@@ -773,7 +793,8 @@ class SlotPool:
         earlier runtime (runtime/adopt.py). Call it before the pool builds slots: the indices
         below it that nobody claims are reused later (their leftovers are rebuilt)."""
         self.acquire_prefix()
-        slot = NetworkSlot(index, self.prefix, outbound, open_ranges=self.open_ranges)
+        slot = NetworkSlot(index, self.prefix, outbound, open_ranges=self.open_ranges,
+                           rate_mbit=self.rate_mbit)
         self._in_use[index] = slot
         if index >= self._next:
             self._released.extend(range(self._next, index))

@@ -197,7 +197,8 @@ class Runtime:
         self.slots = SlotPool(config.network_prefix, config.slot_pool_low, config.slot_pool_high,
                               first_index=config.slot_first_index,
                               reuse_delay=config.slot_reuse_delay,
-                              open_ranges=parse_open_ranges(config.network_open_ranges))
+                              open_ranges=parse_open_ranges(config.network_open_ranges),
+                              rate_mbit=config.slot_rate_mbit)
         self.accel: Literal["kvm", "tcg"] | None = None
         # No keep-alive: a restored guest carries the TCP state of its snapshot, so a pooled
         # connection to a reused slot address belongs to another incarnation of the guest and

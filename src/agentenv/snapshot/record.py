@@ -26,6 +26,7 @@ from pydantic import BaseModel, Field
 
 from agentenv.errors import AgentEnvError
 from agentenv.fsutil import atomic_write
+from agentenv.storage import blob
 
 RECORD_NAME = "snapshot.json"
 RECORD_VERSION = 1
@@ -147,8 +148,6 @@ def _check(path: Path, size: int, what: str) -> None:
     if actual != size and actual < MAX_DESCRIPTOR_SIZE:
         # A layer pulled lazily is a remote layer's descriptor (storage/blob.py) naming the
         # registry blob: its size is the blob's.
-        from agentenv.storage import blob
-
         with open(path, "rb") as f:
             head = f.read(512)
         if blob.is_descriptor(head):

@@ -51,7 +51,10 @@ from agentenv.blockd.remote.chunkdigests import ANNOTATION as CHUNK_SHA256
 from agentenv.blockd.remote.chunkdigests import ChunkDigests
 from agentenv.errors import AgentEnvError
 from agentenv.fsutil import atomic_write, fsync_dir
+from agentenv.registry.client import Descriptor, RegistryClient
+from agentenv.registry.reference import parse_reference
 from agentenv.snapshot.record import RECORD_NAME, SnapshotRecord
+from agentenv.storage import blob
 from agentenv.template.layeraccess import LayerAccess
 
 ARTIFACT_TYPE = "application/vnd.aenv.snapshot.v1"
@@ -135,8 +138,6 @@ def collect(record_dir: Path) -> tuple[SnapshotRecord, list[Part], dict[str, Any
     portable = json.loads(record.model_dump_json())
 
     def add(role: str, name: str, path: str) -> str:
-        from agentenv.storage import blob
-
         p = Path(path)
         with open(p, "rb") as f:
             head = f.read(512)
@@ -208,8 +209,6 @@ def parse_ref(text: str) -> RepoRef:
     if text.startswith("/"):
         return RepoRef("dir", text, text)
     location = text.removeprefix("oci://")
-    from agentenv.template.reference import parse_reference
-
     try:
         parse_reference(location)
     except AgentEnvError as exc:
@@ -253,8 +252,6 @@ def push(record_dir: Path, ref: str, meta: dict[str, Any], *, team: str | None =
             else _push_oci(repo, parts, config, manifest, **registry_options))
     atomic_write(record_dir / IDENTITY_FILE, _identity(json.loads(manifest)) + "\n", mode=0o600)
     if access is not None and repo.kind == "oci":
-        from agentenv.template.reference import parse_reference
-
         reference = parse_reference(repo.location)
         for part in parts:  # the registry holds them now: a source, and the team's
             access.fetched(team, part.digest, f"{reference.registry}/{reference.repository}")
@@ -302,8 +299,6 @@ def _push_dir(repo: RepoRef, parts: list[Part], config: bytes, manifest: bytes) 
 
 def _push_oci(repo: RepoRef, parts: list[Part], config: bytes, manifest: bytes,
               **options: Any) -> int:
-    from agentenv.template.reference import parse_reference
-
     reference = parse_reference(repo.location)
     with _Pusher(reference, **options) as pusher:
         sent = pusher.blob("sha256:" + hashlib.sha256(config).hexdigest(), config)
@@ -324,8 +319,6 @@ class _Pusher:
     what the registry holds), on the pull client's transport and auth."""
 
     def __init__(self, reference: Any, **options: Any) -> None:
-        from agentenv.template.registry import RegistryClient
-
         self.reference = reference
         self.repository = reference.repository
         self.client = RegistryClient(reference.registry, api_host=reference.api_host, **options)
@@ -401,8 +394,6 @@ class _Pusher:
 def _materialised(part: Part) -> Iterator[Path]:
     """A lazily pulled part as a temporary local file, read through the remote layer reader
     (its chunks checked as blockd's remote reads are) and verified against its digest."""
-    from agentenv.storage import blob
-
     fd, name = tempfile.mkstemp(prefix=".aenv-part-", dir=part.path.parent)
     tmp = Path(name)
     try:
@@ -504,9 +495,6 @@ def fetch(ref: str, snapshots_root: Path, *, lazy: bool = True,
 
         return _fetch(repo, manifest_bytes, get_bytes, get_file, snapshots_root, t0, None, local,
                       None)
-    from agentenv.storage.blob import BlobLocation, RemoteLayerRef
-    from agentenv.template.reference import parse_reference
-    from agentenv.template.registry import Descriptor, RegistryClient
 
     reference = parse_reference(repo.location)
     with RegistryClient(reference.registry, api_host=reference.api_host, **registry_options) as client:
@@ -539,17 +527,17 @@ def fetch(ref: str, snapshots_root: Path, *, lazy: bool = True,
                     client.download_blob(reference.repository, descriptor(desc), Path(tmp) / "p")
             claim(desc, prove)
 
-        location = BlobLocation(reference.registry, reference.repository,
-                                client.host if client.host != reference.registry else None,
-                                client.insecure)
+        location = blob.BlobLocation(reference.registry, reference.repository,
+                                     client.host if client.host != reference.registry else None,
+                                     client.insecure)
 
         def describe(desc: dict[str, Any], dest: Path) -> int:
             d = descriptor(desc)
             if access is not None and team is not None and access.held(d.digest) and \
                     claim(desc, lambda: get_file_oci(desc, dest)) == "proved":
                 return d.size  # downloaded whole to show it could be: used as it is
-            RemoteLayerRef(d.digest, d.size, [location], d.media_type,
-                           chunk_sha256=d.annotations.get(CHUNK_SHA256)).save(dest)
+            blob.RemoteLayerRef(d.digest, d.size, [location], d.media_type,
+                                chunk_sha256=d.annotations.get(CHUNK_SHA256)).save(dest)
             if access is not None:
                 access.fetched(team, d.digest, repository)
             return 0
@@ -645,10 +633,8 @@ def _fetch(repo: RepoRef, manifest_bytes: bytes, get_bytes: Callable[[dict[str, 
 
 
 def _is_descriptor_file(path: Path) -> bool:
-    from agentenv.storage.blob import is_descriptor
-
     with open(path, "rb") as f:
-        return is_descriptor(f.read(512))
+        return blob.is_descriptor(f.read(512))
 
 
 def _read(path: Path, what: str) -> bytes:

@@ -57,8 +57,9 @@ from typing import BinaryIO, TypeVar
 import zstandard
 from isal import igzip, isal_zlib
 
-from agentenv.template.blobtap import BlobTap
-from agentenv.template.errors import LayerApplyError, UnsupportedImageError
+from agentenv.registry.blobtap import BlobTap
+from agentenv.registry.errors import UnsupportedImageError
+from agentenv.template.errors import LayerApplyError
 
 WHITEOUT_PREFIX = ".wh."
 OPAQUE_WHITEOUT = ".wh..wh..opq"

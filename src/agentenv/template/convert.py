@@ -12,26 +12,24 @@ the applier), the applier's system calls, and every block ext4 writes passing lo
 blockd -> upper file. The applier starts writeback of each large file as soon as it is written
 (see apply.py), so that last part overlaps the apply instead of piling up at unmount.
 
-blockd is the daemon at the given socket, or (`PrivateBlockd`) one started for the pull.
+blockd is the daemon at the given socket, or (`private_blockd`) one started for the pull.
 """
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import hashlib
 import os
-import signal
 import subprocess
-import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from agentenv.blockd.client import BlockdClient
+from agentenv.blockd.launch import BlockdProcess, BlockdStartFailed
+from agentenv.registry.blobtap import BlobTap
+from agentenv.registry.errors import PullError
 from agentenv.template.apply import ApplyStats, apply_layer
-from agentenv.template.blobtap import BlobTap
-from agentenv.template.errors import PullError
 
 VIRTUAL_SIZE = 64 << 30  # 64 GiB, as containerd's converter (docs/templates.md §2)
 # No discard (it would punch the FUSE file for nothing); inode tables and the journal are left
@@ -87,54 +85,20 @@ def _unmount(mountpoint: Path) -> None:
     raise PullError(f"cannot unmount {mountpoint}: {result.stderr.strip()}")
 
 
-def _die_with_parent() -> None:
-    """In the child: get SIGTERM when the puller dies, so no private blockd is left behind."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+def private_blockd(work_dir: Path) -> BlockdProcess:
+    """A blockd for one pull (when no daemon runs), with its own state and socket under
+    `work_dir`; it dies with the puller."""
+    return BlockdProcess(work_dir / "blockd", work_dir / "blockd.sock", work_dir / "blockd.log",
+                         extra_args=("--log-level", "warning"), die_with_parent=True)
 
 
-class PrivateBlockd:
-    """A blockd started for one pull (when no daemon runs), with its own state and socket."""
-
-    def __init__(self, work_dir: Path) -> None:
-        self.state_dir = work_dir / "blockd"
-        self.socket = work_dir / "blockd.sock"
-        self._process: subprocess.Popen[bytes] | None = None
-        self._log = work_dir / "blockd.log"
-
-    def start(self, timeout: float = 20.0) -> Path:
-        with open(self._log, "wb") as log:
-            self._process = subprocess.Popen(
-                [sys.executable, "-m", "agentenv.cli.main", "blockd", "--state-dir",
-                 str(self.state_dir), "--socket", str(self.socket), "--log-level", "warning"],
-                stdout=log, stderr=log, stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent,
-            )
-        deadline = time.monotonic() + timeout
-        while True:
-            if self._process.poll() is not None:
-                tail = self._log.read_text(errors="replace").strip().splitlines()[-3:]
-                raise PullError(f"private blockd exited with {self._process.returncode}: "
-                                + " | ".join(tail))
-            if self.socket.exists():
-                with contextlib.suppress(Exception), BlockdClient(self.socket, timeout=2) as client:
-                    client.ping()
-                    return self.socket
-            if time.monotonic() > deadline:
-                self.stop()
-                raise PullError(f"private blockd did not start within {timeout} s")
-            time.sleep(0.05)
-
-    def stop(self) -> None:
-        if self._process is None:
-            return
-        if self._process.poll() is None:
-            self._process.terminate()
-            try:
-                self._process.wait(15)
-            except subprocess.TimeoutExpired:
-                self._process.kill()
-                self._process.wait()
-        self._process = None
+def start_private(blockd: BlockdProcess, timeout: float = 20.0) -> Path:
+    """Start a `private_blockd`; its socket once it answers."""
+    try:
+        blockd.start(timeout)
+    except BlockdStartFailed as exc:
+        raise PullError(f"private {exc}") from exc
+    return blockd.socket
 
 
 @contextlib.contextmanager
@@ -144,9 +108,9 @@ def blockd_socket(socket: Path | None, work_dir: Path) -> Iterator[Path]:
     if socket is not None:
         yield socket
         return
-    private = PrivateBlockd(work_dir)
+    private = private_blockd(work_dir)
     try:
-        yield private.start()
+        yield start_private(private)
     finally:
         private.stop()
 

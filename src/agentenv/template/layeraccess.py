@@ -33,7 +33,7 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
-from agentenv.template.errors import PullError
+from agentenv.registry.errors import PullError
 
 log = logging.getLogger("agentenv.template.layeraccess")
 

@@ -45,10 +45,18 @@ from agentenv import boundedjson
 from agentenv.blockd.client import BlockdClient
 from agentenv.blockd.remote.chunkdigests import ANNOTATION as CHUNK_SHA256_ANNOTATION
 from agentenv.fsutil import require_free_space
+from agentenv.registry.auth import Credentials
+from agentenv.registry.blobtap import BlobTap
+from agentenv.registry.client import Descriptor, Manifest, Platform, RegistryClient
+from agentenv.registry.errors import (
+    DigestMismatchError,
+    PullError,
+    RegistryError,
+    UnsupportedImageError,
+)
+from agentenv.registry.reference import Reference, parse_reference
 from agentenv.storage.blob import BlobLocation, RemoteLayerRef, load_descriptor
 from agentenv.template.apply import compression_of, open_uncompressed
-from agentenv.template.auth import Credentials
-from agentenv.template.blobtap import BlobTap
 from agentenv.template.convert import (
     BASE_KEY,
     BASE_MKFS_ARGS,
@@ -56,12 +64,6 @@ from agentenv.template.convert import (
     blockd_socket,
     convert_tar_layer,
     make_base_layer,
-)
-from agentenv.template.errors import (
-    DigestMismatchError,
-    PullError,
-    RegistryError,
-    UnsupportedImageError,
 )
 from agentenv.template.layeraccess import LayerAccess, LayerAccessError
 from agentenv.template.layercache import (
@@ -75,8 +77,6 @@ from agentenv.template.layercache import (
     converted_key,
     file_digest,
 )
-from agentenv.template.reference import Reference, parse_reference
-from agentenv.template.registry import Descriptor, Manifest, Platform, RegistryClient
 
 log = logging.getLogger("agentenv.template.pull")
 

@@ -20,6 +20,7 @@ from agentenv.blockd.remote.store import (
     RemoteConfig,
     RemoteStore,
     Resolver,
+    SourceError,
 )
 from agentenv.cluster_keys import load_key
 from agentenv.storage import blob
@@ -110,7 +111,8 @@ class RemoteService:
                        resolver: dict[str, Any] | None = None,
                        clear_resolver: bool = False) -> dict[str, Any]:
         """Replace the static peer list, and/or set where to ask which peers hold a blob
-        (`resolver` {url, headers?}: the node, which asks its scheduler; store.Resolver)."""
+        (`resolver` {url, headers?, ca?}: the node, which asks its scheduler;
+        store.Resolver)."""
         if peers is not None:
             if not isinstance(peers, list) or not all(isinstance(p, str) for p in peers):
                 raise BlockdError("peers must be a list of http://host:port strings")
@@ -118,14 +120,20 @@ class RemoteService:
         if resolver is not None:
             url = resolver.get("url") if isinstance(resolver, dict) else None
             headers = resolver.get("headers") or {} if isinstance(resolver, dict) else None
+            ca = resolver.get("ca") if isinstance(resolver, dict) else None
             if not isinstance(url, str) or not url.startswith(("http://", "https://")):
                 raise BlockdError("resolver.url must be an http(s):// URL")
             if not isinstance(headers, dict) or not all(
                     isinstance(k, str) and isinstance(v, str) for k, v in headers.items()):
                 raise BlockdError("resolver.headers must map header names to strings")
+            if ca is not None and not isinstance(ca, str):
+                raise BlockdError("resolver.ca must be the path of a PEM file")
             current = self.store.resolver
-            if current is None or (current.url, current.headers) != (url, headers):
-                self.store.set_resolver(Resolver(url, dict(headers)))
+            if current is None or (current.url, current.headers, current.ca) != (url, headers, ca):
+                try:
+                    self.store.set_resolver(Resolver(url, dict(headers), ca))
+                except SourceError as exc:
+                    raise BlockdError(str(exc)) from exc
                 log.info("peers of a blob are asked from a resolver", extra={"url": url})
         elif clear_resolver:
             self.store.set_resolver(None)

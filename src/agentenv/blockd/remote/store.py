@@ -19,6 +19,7 @@ import errno
 import logging
 import os
 import shutil
+import ssl
 import tempfile
 import threading
 import time
@@ -35,6 +36,8 @@ import httpx
 from agentenv.blockd.remote.cache import UNVERIFIED, VERIFIED, BlobState, ChunkCache
 from agentenv.blockd.remote.chunkdigests import ChunkDigests, ChunkDigestsError
 from agentenv.blockd.remote.layout import Layout, parse
+from agentenv.registry.client import RegistryClient
+from agentenv.registry.errors import PullError
 from agentenv.storage.blob import BlobLocation, RemoteLayerRef, WouldBlock, blocking_allowed
 from agentenv.storage.errors import LayerFormatError
 
@@ -76,6 +79,7 @@ class Resolver:
 
     url: str
     headers: dict[str, str] = field(default_factory=dict)
+    ca: str | None = None  # PEM file the node's certificate is checked with (https)
 
 
 class RemoteUnavailable(OSError):
@@ -220,7 +224,7 @@ class RemoteStore:
         self._lock = threading.Lock()
         self._infos: dict[str, BlobInfo] = {}
         self._inflight: dict[tuple[str, int], Future[bytes]] = {}
-        self._registries: dict[tuple[str, str | None, bool | None], Any] = {}
+        self._registries: dict[tuple[str, str | None, bool | None], RegistryClient] = {}
         self._registry_lock = threading.Lock()
         self._pool = ThreadPoolExecutor(config.fetch_threads, thread_name_prefix="remote-fetch")
         self._verifier = ThreadPoolExecutor(1, thread_name_prefix="remote-digest")
@@ -334,6 +338,14 @@ class RemoteStore:
         self.peers = [p.rstrip("/") for p in peers]
 
     def set_resolver(self, resolver: Resolver | None) -> None:
+        if resolver is not None and resolver.ca:
+            try:
+                verify = ssl.create_default_context(cafile=resolver.ca)
+            except (OSError, ssl.SSLError) as exc:
+                raise SourceError(f"resolver CA {resolver.ca}: {exc}") from exc
+            # the old client is left to the collector: a fetch thread may be using it
+            self._resolver_http = httpx.Client(timeout=RESOLVER_TIMEOUT_S, trust_env=False,
+                                               verify=verify)
         self.resolver = resolver
         with self._holders_lock:
             self._holders.clear()
@@ -459,8 +471,6 @@ class RemoteStore:
         return reply.content
 
     def _registry_get(self, loc: BlobLocation, digest: str, start: int, end: int) -> bytes:
-        from agentenv.template.errors import PullError
-
         self.stats.add("requests", "registry")
         client = self._registry(loc)
         try:
@@ -469,9 +479,7 @@ class RemoteStore:
             self.stats.add("failures", "registry")
             raise SourceError(str(exc)) from exc
 
-    def _registry(self, loc: BlobLocation) -> Any:
-        from agentenv.template.registry import RegistryClient
-
+    def _registry(self, loc: BlobLocation) -> RegistryClient:
         key = (loc.registry, loc.api_host, loc.insecure)
         with self._registry_lock:
             client = self._registries.get(key)

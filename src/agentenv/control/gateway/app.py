@@ -30,6 +30,7 @@ import logging
 import os
 import re
 import secrets
+import ssl
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from datetime import datetime
@@ -45,6 +46,8 @@ from agentenv.control.gateway.limits import (
     GatewayQuotas,
     LookupLimiter,
     NewItems,
+    TeamBusy,
+    TeamShares,
     fork_count,
 )
 from agentenv.control.gateway.metrics import GatewayMetrics
@@ -221,6 +224,21 @@ def _limit(request: Request) -> int:
     return value
 
 
+BODY_SECONDS_SETTING = "AENV_CONTROL_BODY_SECONDS"
+
+
+def control_body_seconds(env: Mapping[str, str] | None = None) -> float:
+    """How long the body of a control request may take to arrive (default 60 s)."""
+    raw = (os.environ if env is None else env).get(BODY_SECONDS_SETTING, "").strip()
+    try:
+        value = float(raw) if raw else 60.0
+    except ValueError:
+        value = 0.0
+    if not 0.1 <= value <= 3600:
+        raise AgentEnvError(f"{BODY_SECONDS_SETTING} must be 0.1-3600 seconds, got {raw!r}")
+    return value
+
+
 def create_lease_seconds(env: Mapping[str, str] | None = None) -> float:
     raw = (os.environ if env is None else env).get(CREATE_LEASE_ENV, "")
     if not raw:
@@ -239,7 +257,9 @@ class GatewayApp:
 
     def __init__(self, scheduler: SchedulerLink, store: GatewayStore, cluster_secret: str,
                  domain: str | None = None, limits: RelayLimits | None = None,
-                 public_metrics: bool = False) -> None:
+                 public_metrics: bool = False, node_tls: ssl.SSLContext | None = None) -> None:
+        """`node_tls`: what the nodes' certificates are checked with where they serve TLS
+        (relay/tls.py; the scheduler link's node scheme is then https)."""
         self.scheduler = scheduler
         self.store = store
         self.secret = cluster_secret
@@ -254,8 +274,10 @@ class GatewayApp:
         # control/gateway/limits.py
         self.quotas = GatewayQuotas(store, scheduler, self.metrics.limit_refusals)
         self.lookup_limiter = LookupLimiter.from_env(self.metrics.limit_refusals)
+        self.team_shares = TeamShares.from_env(self.metrics.limit_refusals)
+        self.body_seconds = control_body_seconds()
         self.relay = Relay(self.limits, self._answer_gone, self._answer_unreachable,
-                           limit_name="the gateway's")
+                           limit_name="the gateway's", tls=node_tls)
         self.http = self.relay.client
         self._routes = self._route_table()
 
@@ -306,10 +328,18 @@ class GatewayApp:
             await self._control(request, send)
         except ApiError as exc:
             await send_json(send, exc.status, {"code": exc.status, "message": exc.message})
-        except (SchedulerUnavailable, StoreUnavailable) as exc:
-            log.warning("control plane dependency unavailable: %s", exc)
+        except TeamBusy as exc:
+            await send_json(send, 429, {"code": 429, "message": str(exc)})
+        except SchedulerUnavailable as exc:
+            log.warning("control plane dependency unavailable: %s", exc.detail)
             await send_json(send, 503, {"code": 503, "message": str(exc)})
+        except StoreUnavailable as exc:
+            # its text names Redis's address: the log's, not the team's
+            log.warning("control plane dependency unavailable: %s", exc)
+            await send_json(send, 503, {"code": 503,
+                                        "message": "the cluster's store is unavailable"})
         except NoPlacement as exc:
+            log.info("no placement: %s", exc.detail, extra={"path": scope["path"]})
             await send_json(send, 503, {"code": 503, "message": f"no node available: {exc}"})
         except BadPlacementRequest as exc:
             await send_json(send, 400, {"code": 400, "message": str(exc)})
@@ -371,7 +401,7 @@ class GatewayApp:
         try:
             binding = await self._traffic_lookup(sandbox_id)
         except SchedulerUnavailable as exc:
-            return None, 503, f"scheduler unavailable: {exc}"
+            return None, 503, str(exc)
         if binding is None:
             return None, 502, "The sandbox was not found"
         if not binding.node.up:
@@ -385,10 +415,15 @@ class GatewayApp:
             await send_json(send, status, {"sandboxId": sandbox_id, "message": message,
                                            "code": status})
             return
-        await self.relay.http(scope, receive, send, self._node_url(binding.node, scope),
-                              self._to_node_headers(scope, binding.node, sandbox_id, port,
-                                                    binding.team),
-                              Exchange(sandbox_id))
+        try:
+            with self.team_shares.hold(binding.team):
+                await self.relay.http(scope, receive, send, self._node_url(binding.node, scope),
+                                      self._to_node_headers(scope, binding.node, sandbox_id,
+                                                            port, binding.team),
+                                      Exchange(sandbox_id))
+        except TeamBusy as exc:
+            await send_json(send, 429, {"sandboxId": sandbox_id, "message": str(exc),
+                                        "code": 429})
 
     async def _sandbox_websocket(self, scope: Scope, receive: Any, send: Send,
                                  sandbox_id: str, port: int) -> None:
@@ -398,10 +433,14 @@ class GatewayApp:
         if binding is None:
             await send({"type": "websocket.close", "code": 1011 if status >= 503 else 1008})
             return
-        await self.relay.websocket(scope, receive, send, self._node_url(binding.node, scope),
-                                   self._to_node_headers(scope, binding.node, sandbox_id, port,
-                                                    binding.team),
-                                   Exchange(sandbox_id))
+        try:
+            with self.team_shares.hold(binding.team):
+                await self.relay.websocket(
+                    scope, receive, send, self._node_url(binding.node, scope),
+                    self._to_node_headers(scope, binding.node, sandbox_id, port, binding.team),
+                    Exchange(sandbox_id))
+        except TeamBusy:
+            await send({"type": "websocket.close", "code": 1013})  # try again later
 
     async def _signature_owner(self, scope: Scope) -> tuple[Node, str, str] | str:
         """The node, sandbox and team whose envd token made a signed file URL, else why not. The
@@ -468,7 +507,7 @@ class GatewayApp:
         try:
             owner = await self._signature_owner(scope)
         except SchedulerUnavailable as exc:
-            await send_json(send, 503, {"code": 503, "message": f"scheduler unavailable: {exc}"})
+            await send_json(send, 503, {"code": 503, "message": str(exc)})
             return
         if isinstance(owner, str):
             if owner:
@@ -496,10 +535,17 @@ class GatewayApp:
                 await send(message)
 
         # the node checks the signature (and its expiry) again before anything reaches envd
-        return await self.relay.http(scope, receive, to_client if hold_gone else send,
-                                     self._node_url(node, scope),
-                                     self._to_node_headers(scope, node, sandbox_id, ENVD_PORT, team),
-                                     Exchange(sandbox_id))
+        try:
+            with self.team_shares.hold(team):
+                return await self.relay.http(
+                    scope, receive, to_client if hold_gone else send,
+                    self._node_url(node, scope),
+                    self._to_node_headers(scope, node, sandbox_id, ENVD_PORT, team),
+                    Exchange(sandbox_id))
+        except TeamBusy as exc:
+            await send_json(send, 429, {"sandboxId": sandbox_id, "message": str(exc),
+                                        "code": 429})
+            return 429
 
     async def _answer_gone(self, send: Send, exchange: Exchange) -> int:
         await send_json(send, 503, {"sandboxId": exchange.name, "message": "node unavailable",
@@ -550,7 +596,8 @@ class GatewayApp:
             if match:
                 if request.method != method:
                     continue
-                await handler(request, send, team or "", *match.groups())
+                with self.team_shares.hold(team or ""):  # an upload: its template's team
+                    await handler(request, send, team or "", *match.groups())
                 return
         if any(p.fullmatch(path) for _, p, _ in self._routes):
             raise ApiError(405, f"method {request.method} not allowed on {path}")
@@ -577,9 +624,13 @@ class GatewayApp:
             ("GET", f"/sandboxes/{sid}/metrics", self.sandbox_forward),
             ("POST", f"/sandboxes/{sid}/snapshots", self.snapshot),
             ("POST", f"/sandboxes/{sid}/fork", self.fork),
+            ("POST", f"/sandboxes/{sid}/rollback", self.sandbox_forward),
+            ("GET", f"/sandboxes/{sid}/children", self.sandbox_forward),
             ("PUT", f"/sandboxes/{sid}/network", self.sandbox_forward),
             ("GET", "/snapshots", self.list_snapshots),
-            ("GET", f"/snapshots/{rest}", self.get_snapshot),
+            ("POST", f"/snapshots/{rest}/fork", self.snapshot_fork),
+            ("GET", f"/snapshots/{rest}/children", self.snapshot_forward),
+            ("GET", f"/snapshots/{rest}", self.snapshot_forward),
             ("POST", "/v3/templates", self.build_template),
             ("POST", "/templates/tags", self.tags_change),
             ("DELETE", "/templates/tags", self.tags_change),
@@ -605,12 +656,19 @@ class GatewayApp:
         return headers + self._node_headers(node, team)
 
     async def _body(self, request: Request) -> bytes:
+        """The whole body of a control request (small JSON), within its time: uvicorn bounds
+        only the head, and a body that never ends would hold a place for ever."""
         chunks, size = [], 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > MAX_BODY:
-                raise ApiError(413, f"request body over {MAX_BODY} bytes")
-            chunks.append(chunk)
+        try:
+            async with asyncio.timeout(self.body_seconds):
+                async for chunk in request.stream():
+                    size += len(chunk)
+                    if size > MAX_BODY:
+                        raise ApiError(413, f"request body over {MAX_BODY} bytes")
+                    chunks.append(chunk)
+        except TimeoutError:
+            raise ApiError(408, f"request body not received within {self.body_seconds:g} s "
+                           f"({BODY_SECONDS_SETTING})") from None
         return b"".join(chunks)
 
     async def _call(self, node: Node, request: Request, team: str, body: bytes | None = None,
@@ -788,6 +846,11 @@ class GatewayApp:
             node = next((n for n in await self._up_nodes() if n.node_id == before), None)
         if node is None:
             node = await self.scheduler.schedule(template=template, team=team)
+        if isinstance(body, dict) and "count" in body:  # a batch create (an extension)
+            if key is not None:
+                raise ApiError(400, "a batch create (count) takes no Idempotency-Key")
+            await self._batch(request, send, team, node, raw)
+            return True
         headers = None
         if key is not None:
             # the node's own Idempotency-Key memory has no teams: a key of the team's own
@@ -895,7 +958,7 @@ class GatewayApp:
         binding = await self._own_binding(sandbox_id, team)
         answer = await self._call(binding.node, request, team, await self._body(request))
         if answer.status_code in (200, 201) and request.method == "POST" and (
-            request.url.path.endswith(("/connect", "/resume"))
+            request.url.path.endswith(("/connect", "/resume", "/rollback"))
         ):
             await self._send_json(send, answer.status_code, self._with_domain(answer.json()))
             return
@@ -915,11 +978,22 @@ class GatewayApp:
         await self._send(send, answer)
 
     async def fork(self, request: Request, send: Send, team: str, sandbox_id: str) -> None:
-        # a fork stays on its source's node (its memory and disk are there)
+        # a fork stays on its source's node (its memory and disk are there), running or paused
         binding = await self._own_binding(sandbox_id, team)
-        raw = await self._body(request)
+        await self._batch(request, send, team, binding.node, await self._body(request))
+
+    async def snapshot_fork(self, request: Request, send: Send, team: str, ref: str) -> None:
+        """A batch create from a snapshot, on the node that holds it (its layers are there)."""
+        await self._batch(request, send, team, await self._snapshot_node(ref, team),
+                          await self._body(request))
+
+    async def _batch(self, request: Request, send: Send, team: str, node: Node,
+                     raw: bytes) -> None:
+        """Forward a request that makes `count` sandboxes on `node` (a fork, a batch create),
+        answered with a SandboxForkResult each: the team's quota holds their places, and every
+        child made is the team's, bound to `node`."""
         async with self.quotas.new_sandboxes(team, fork_count(raw)) as made:
-            answer = await self._call(binding.node, request, team, raw)
+            answer = await self._call(node, request, team, raw)
             made.answer(answer)
         if answer.status_code != 201:
             await self._send(send, answer)
@@ -928,7 +1002,7 @@ class GatewayApp:
         children = [r["sandbox"]["sandboxID"] for r in results if r.get("sandbox")]
         await self.store.own_sandboxes(team, children)
         for child in children:
-            await self.scheduler.record(child, binding.node, team)
+            await self.scheduler.record(child, node, team)
         for r in results:
             if r.get("sandbox"):
                 self._with_domain(r["sandbox"])
@@ -964,12 +1038,17 @@ class GatewayApp:
         headers = {"X-Next-Token": next_token} if next_token else None
         await self._send_json(send, 200, page_items, headers)
 
-    async def get_snapshot(self, request: Request, send: Send, team: str, ref: str) -> None:
+    async def _snapshot_node(self, ref: str, team: str) -> Node:
+        """The node holding a snapshot of `team` (404 for another team's or an unknown one)."""
         owned = await self.store.owned("snapshot", ref.split("/")[-1].split(":")[0], team)
         if owned is None or owned.team != team:
             raise ApiError(404, f"snapshot '{ref}' not found")
-        node = await self._node_by_id(owned.node)
-        await self._send(send, await self._call(node, request, team))
+        return await self._node_by_id(owned.node)
+
+    async def snapshot_forward(self, request: Request, send: Send, team: str, ref: str) -> None:
+        """A snapshot, or the sandboxes made from it, as the node holding it knows them."""
+        await self._send(send, await self._call(await self._snapshot_node(ref, team), request,
+                                                team))
 
     # --- templates ---------------------------------------------------------------------------
 
@@ -1110,9 +1189,10 @@ class GatewayApp:
         node = await self._node_by_id(owned.node)
         url = self._node_url(node, request.scope, f"{UPLOAD_PREFIX}{template_id}/{files_hash}")
         headers = forward_headers(request.scope, _DROP_TO_NODE | {b"host"})
-        await self.relay.http(request.scope, request.receive, send, url,
-                              headers + self._node_headers(node, owned.team),
-                              Exchange(template_id))
+        with self.team_shares.hold(owned.team):
+            await self.relay.http(request.scope, request.receive, send, url,
+                                  headers + self._node_headers(node, owned.team),
+                                  Exchange(template_id))
 
     async def tags_change(self, request: Request, send: Send, team: str) -> None:
         raw = await self._body(request)

@@ -16,6 +16,12 @@ The set is pruned only when a create would pass the limit: a sandbox the schedul
 binds (ended by kill, timeout or its node) and a template or snapshot without an ownership
 record leave it. A paused sandbox keeps its binding and counts.
 
+Places at once (TeamShares): the gateway serves at most AENV_MAX_CONCURRENT_REQUESTS requests
+at once (relay/concurrency.py), and one team may hold at most AENV_TEAM_MAX_CONCURRENT_REQUESTS
+of them (default a quarter; 0 = no share): its control requests once its key is known, its
+upload URLs, and the traffic to its sandboxes. Past its share a team gets 429 (a WebSocket 1013)
+naming the setting, so slow bodies of one team cannot deny every other team the gateway.
+
 The signed-URL lookup (`/files?signature=…` with no cached owner) asks every node: each client
 address (the peer, or what a trusted proxy forwarded for: relay/server.py) gets a token bucket (`AENV_SIGNED_LOOKUP_RATE` per second, bursts of
 `AENV_SIGNED_LOOKUP_BURST`; 0 = no limit). A URL whose owner is cached is not limited.
@@ -24,13 +30,14 @@ address (the peer, or what a trusted proxy forwarded for: relay/server.py) gets 
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 import json
 import logging
 import os
 import secrets
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,7 +46,9 @@ from prometheus_client import Counter
 
 from agentenv.control.gateway.placement import SchedulerLink
 from agentenv.control.gateway.store import PREFIX, GatewayStore, quota_key
+from agentenv.logs import Sampled
 from agentenv.node.admission import QuotaExceeded, TeamQuotas, env_number
+from agentenv.relay.concurrency import max_concurrent
 
 log = logging.getLogger("agentenv.control.gateway.limits")
 
@@ -186,6 +195,20 @@ class GatewayQuotas:
             await self.store._call(redis.zadd(key, dict.fromkeys(mine, "+inf")))
 
 
+def client_key(address: str) -> str:
+    """Whose bucket a client address fills: an IPv6 client's /64 (a host holds a whole /64 and
+    could take a fresh address per request), an IPv4 one's own address."""
+    try:
+        ip = ipaddress.ip_address(address)
+    except ValueError:
+        return address
+    if isinstance(ip, ipaddress.IPv6Address):
+        if ip.ipv4_mapped is not None:
+            return str(ip.ipv4_mapped)
+        return str(ipaddress.IPv6Network((ip, 64), strict=False))
+    return address
+
+
 class LookupLimiter:
     """A token bucket per client address for the signed-URL owner lookup."""
 
@@ -194,6 +217,7 @@ class LookupLimiter:
         self.burst = max(burst, 1.0)
         self._buckets: OrderedDict[str, tuple[float, float]] = OrderedDict()  # tokens, at
         self.refusals = refusals
+        self.refused = Sampled()
 
     @classmethod
     def from_env(cls, refusals: Counter | None = None,
@@ -206,6 +230,7 @@ class LookupLimiter:
         if not self.rate:
             return True
         now = time.monotonic()
+        address = client_key(address)
         tokens, at = self._buckets.pop(address, (self.burst, now))
         tokens = min(self.burst, tokens + (now - at) * self.rate)
         allowed = tokens >= 1.0
@@ -222,7 +247,9 @@ class LookupLimiter:
             return False
         if self.refusals is not None:
             self.refusals.labels("signed_lookup").inc()
-        log.info("signed URL lookup rate limited", extra={"client": address})
+        if self.refused.tick():  # a stranger's flood of refusals is counted, not logged
+            log.info("signed URL lookup rate limited",
+                     extra={"client": address, "refused": self.refused.count})
         payload = json.dumps({
             "code": 429, "message": "too many signed URL lookups from this address "
             f"(AENV_SIGNED_LOOKUP_RATE {self.rate:g}/s, AENV_SIGNED_LOOKUP_BURST "
@@ -232,3 +259,57 @@ class LookupLimiter:
             (b"content-length", str(len(payload)).encode()), (b"retry-after", b"1")]})
         await send({"type": "http.response.body", "body": payload})
         return True
+
+
+TEAM_SHARE_SETTING = "AENV_TEAM_MAX_CONCURRENT_REQUESTS"
+
+
+class TeamBusy(Exception):
+    """A team holds its share of the gateway's places (429)."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(
+            f"this team has {limit} requests in progress at the gateway, its share "
+            f"({TEAM_SHARE_SETTING}); retry when some have finished")
+
+
+class TeamShares:
+    """How many requests each team has in progress; `hold(team)` is one more of them for as
+    long as the `with` lasts, or TeamBusy past the team's share."""
+
+    def __init__(self, limit: int, refusals: Counter | None = None) -> None:
+        self.limit = limit
+        self.active: dict[str, int] = {}
+        self.refusals = refusals
+        self.refused = Sampled()
+
+    @classmethod
+    def from_env(cls, refusals: Counter | None = None,
+                 env: Mapping[str, str] | None = None) -> TeamShares:
+        env = os.environ if env is None else env
+        default = max_concurrent(env) // 4
+        return cls(int(env_number(env, TEAM_SHARE_SETTING, default, int) or 0), refusals)
+
+    @contextlib.contextmanager
+    def hold(self, team: str) -> Iterator[None]:
+        if not self.limit or not team:
+            yield
+            return
+        held = self.active.get(team, 0)
+        if held >= self.limit:
+            if self.refusals is not None:
+                self.refusals.labels("team_concurrency").inc()
+            if self.refused.tick():
+                log.warning("a team reached its share of the gateway",
+                            extra={"team": team, "limit": self.limit,
+                                   "refused": self.refused.count})
+            raise TeamBusy(self.limit)
+        self.active[team] = held + 1
+        try:
+            yield
+        finally:
+            left = self.active[team] - 1
+            if left:
+                self.active[team] = left
+            else:
+                del self.active[team]

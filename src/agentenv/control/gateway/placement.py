@@ -32,15 +32,25 @@ NODES_TTL = 0.5
 RECONNECT_S = 0.5
 
 
-class SchedulerUnavailable(Exception):
+class PlacementFailure(Exception):
+    """A scheduler call failed. str() is what the team is told; `detail` (the scheduler's own
+    words: every node's free vCPUs and memory, down reasons, Redis errors) is for the gateway's
+    log only, since it describes other teams' load and the cluster's insides."""
+
+    def __init__(self, public: str, detail: str = "") -> None:
+        super().__init__(public)
+        self.detail = detail or public
+
+
+class SchedulerUnavailable(PlacementFailure):
     """The scheduler did not answer (the gateway answers 503)."""
 
 
-class NoPlacement(Exception):
-    """The scheduler answered but found no node (every node full or down): 503 with its reason."""
+class NoPlacement(PlacementFailure):
+    """The scheduler answered but found no node (every node full or down): 503."""
 
 
-class BadPlacementRequest(Exception):
+class BadPlacementRequest(PlacementFailure):
     """The scheduler refused the request as invalid (400 with its reason)."""
 
 
@@ -49,10 +59,11 @@ class Node:
     node_id: str
     address: str
     up: bool = True
+    scheme: str = "http"  # https where nodes serve TLS (relay/tls.py)
 
     @property
     def url(self) -> str:
-        return f"http://{self.address}"
+        return f"{self.scheme}://{self.address}"
 
 
 @dataclass(frozen=True)
@@ -62,21 +73,29 @@ class Binding:
     team: str
 
 
-def _translated(exc: SchedulerError) -> Exception:
-    if exc.code == grpc.StatusCode.INVALID_ARGUMENT:
-        return BadPlacementRequest(exc.details or str(exc))
-    if exc.unavailable and "no node" not in exc.details.lower():
-        return SchedulerUnavailable(str(exc))
-    if exc.code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED,
-                    grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION):
-        return NoPlacement(exc.details or str(exc))
-    return SchedulerUnavailable(str(exc))
+def _translated(exc: SchedulerError) -> PlacementFailure:
+    """The scheduler's refusal in words a team may read. INVALID_ARGUMENT and NOT_FOUND name
+    only what the caller sent (an id, a size); "no room" and "no node up" name every node's
+    free capacity or state, so the team gets a summary and the gateway's log the rest."""
+    detail = str(exc)
+    if exc.code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND):
+        cls = BadPlacementRequest if exc.code == grpc.StatusCode.INVALID_ARGUMENT else NoPlacement
+        return cls(exc.details or detail, detail)
+    fork = exc.details.startswith("fork source")
+    if exc.code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+        return NoPlacement("the fork source's node has no room for the fork now" if fork
+                           else "no node has room for the sandbox now; try again later", detail)
+    if exc.code == grpc.StatusCode.UNAVAILABLE and (fork or exc.details.startswith("no node")):
+        return NoPlacement("the fork source's node is down" if fork else "no node is up", detail)
+    return SchedulerUnavailable("the scheduler is unavailable", detail)
 
 
 class SchedulerLink:
     def __init__(self, address: str, credentials: Credentials,
-                 tls: ClientTls | None = None) -> None:
+                 tls: ClientTls | None = None, node_scheme: str = "http") -> None:
+        """`tls`: to the scheduler; `node_scheme`: how the nodes it names are reached."""
         self.address = address
+        self.node_scheme = node_scheme
         self.credentials = credentials  # the gateway's (scheduler auth, control/scheduler/auth.py)
         self.tls = tls
         self._client: SchedulerClient | None = None
@@ -118,7 +137,7 @@ class SchedulerLink:
         except SchedulerError as exc:
             self._reconnect_later(exc)
             raise _translated(exc) from exc
-        return Node(placed.node_id, placed.node_address)
+        return Node(placed.node_id, placed.node_address, scheme=self.node_scheme)
 
     async def record(self, sandbox_id: str, node: Node, team: str) -> None:
         try:
@@ -150,7 +169,8 @@ class SchedulerLink:
             raise _translated(exc) from exc
         found = None
         if where is not None:
-            found = Binding(sandbox_id, Node(where.node_id, where.node_address, where.node_up),
+            found = Binding(sandbox_id, Node(where.node_id, where.node_address, where.node_up,
+                                             self.node_scheme),
                             where.team_id)
         if len(self._cache) > 100_000:
             self._cache.clear()
@@ -173,7 +193,7 @@ class SchedulerLink:
         except SchedulerError as exc:
             self._reconnect_later(exc)
             raise _translated(exc) from exc
-        nodes = [Node(n.node_id, n.address, n.up) for n in listed]
+        nodes = [Node(n.node_id, n.address, n.up, self.node_scheme) for n in listed]
         self._nodes = (now + NODES_TTL, nodes)
         self._status = {n.node_id: n.status for n in listed}
         return nodes

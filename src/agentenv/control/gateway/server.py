@@ -18,6 +18,7 @@ from agentenv.errors import AgentEnvError
 from agentenv.relay.concurrency import ConcurrencyCap, max_concurrent
 from agentenv.relay.server import hardened_config, quiet_stream_aborts
 from agentenv.relay.stream import RelayLimits
+from agentenv.relay.tls import NodeTls
 
 log = logging.getLogger("agentenv.control.gateway.server")
 
@@ -47,13 +48,16 @@ def read_cluster_secret(path: Path | None) -> str:
 
 def build_app(options: GatewayOptions) -> GatewayApp:
     secret = read_cluster_secret(options.cluster_secret_file)
+    # TLS settings read (and checked) at start: a bad file fails the gateway, not a request
+    nodes_tls = NodeTls.from_env()
     return GatewayApp(
-        # TLS settings read (and checked) at start: a bad file fails the gateway, not a request
-        SchedulerLink(options.scheduler, Credentials.gateway(secret), ClientTls.from_env()),
+        SchedulerLink(options.scheduler, Credentials.gateway(secret), ClientTls.from_env(),
+                      node_scheme=nodes_tls.scheme),
         GatewayStore(options.redis, options.redis_auth),
         secret,
         domain=options.domain,
         public_metrics=options.public_metrics,
+        node_tls=nodes_tls.client_context(),
     )
 
 

@@ -80,7 +80,7 @@ class Owned:
 
 class GatewayStore:
     def __init__(self, url: str, auth: RedisAuth | None = None) -> None:
-        self.url = shown_url(url)  # for messages (503 answers): no password
+        self.url = shown_url(url)  # for messages (the log, the CLI): no password
         self.redis = aioredis.Redis.from_url(
             url, decode_responses=True, socket_connect_timeout=5, socket_timeout=20,
             **(auth or RedisAuth()).connect_kwargs(),

@@ -40,6 +40,7 @@ from agentenv.control.scheduler.client import (
     TOKEN_KEY,
     derive_token,
 )
+from agentenv.logs import Sampled
 
 log = logging.getLogger("agentenv.control.scheduler.auth")
 
@@ -80,7 +81,7 @@ class ClusterAuth:
     def __init__(self, secret: str) -> None:
         self._secret = secret
         self._verified: dict[str, bytes] = {}  # identity -> its token, once a call proved it
-        self.refused = 0  # calls with a wrong credential (logged the first, then every 1000th)
+        self.refused = Sampled()  # calls with a wrong credential
 
     def expected_token(self, identity: str) -> str:
         """The token `identity` must present: a node's is derived from its node key."""
@@ -118,10 +119,9 @@ class ClusterAuth:
             return None
         if self._valid(identity, token):
             return identity
-        self.refused += 1
-        if self.refused % 1000 == 1:  # a stranger's flood is not a flood of logs
+        if self.refused.tick():
             log.warning("refused a call with a wrong credential",
-                        extra={"method": method, "refused": self.refused,
+                        extra={"method": method, "refused": self.refused.count,
                                "identity": identity[:MAX_IDENTITY]})
         return None
 

@@ -9,7 +9,7 @@ import contextlib
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +37,7 @@ from agentenv.node.backend import (
     ReadyPools,
     SandboxBackend,
     SandboxSpec,
+    SnapshotBranching,
     SnapshotRef,
     TemplateBuilding,
     TemplateRef,
@@ -58,6 +59,7 @@ from agentenv.node.vm_backend.snapshots import SnapshotStore, record_dir, record
 from agentenv.runtime import privilege
 from agentenv.runtime.config import RuntimeConfig, privilege_settings_from_env
 from agentenv.runtime.errors import RuntimeError_
+from agentenv.runtime.serial import SERIAL_LOG
 from agentenv.runtime.vm import VM, BootSpec, DiskSource, Runtime
 from agentenv.snapshot.record import SnapshotRecord
 
@@ -68,7 +70,7 @@ SYNC_TIMEOUT = 30.0  # seconds envd gets to flush the guest before a filesystem-
 
 
 class VmBackend(SandboxBackend, CrashRecovery, LayerAware, TemplateBuilding, NetworkPolicies,
-                HealthReport, ReadyPools, InitialisesEnvd):
+                HealthReport, ReadyPools, InitialisesEnvd, SnapshotBranching):
     name = "vm"
     #: create/resume/fork return after envd's /init with the spec's env vars and token
     #: (Runtime.restore does it), so the orchestrator skips its own readiness round trip.
@@ -524,15 +526,28 @@ class VmBackend(SandboxBackend, CrashRecovery, LayerAware, TemplateBuilding, Net
         self._save_vm(spec.sandbox_id, vm)
         # The fork point belongs to the parent: deleted with it once no child needs it.
         self.snapshots.own(spec.sandbox_id, record_dir(record))
+        return await _each_child(children, lambda child: self._restore(
+            child, record, previous_token=spec.access_token))
 
-        async def one(child: SandboxSpec) -> ForkOutcome:
-            try:
-                placed = await self._restore(child, record, previous_token=spec.access_token)
-            except BackendError as exc:
-                return ForkOutcome(child.sandbox_id, error=str(exc))
-            return ForkOutcome(child.sandbox_id, placement=placed)
+    async def fork_snapshot(self, snapshot: SnapshotRef,
+                            children: list[SandboxSpec]) -> list[ForkOutcome]:
+        """Each child is a resume of `snapshot` as itself: a restore (memory kept) or a cold
+        boot (filesystem-only), on new disk uppers and a private copy of memory, each in its
+        own QEMU (a new vmgenid: the guest reseeds its RNG). The snapshot is only read."""
+        return await _each_child(children, lambda child: self.resume(child, snapshot))
 
-        return list(await asyncio.gather(*(one(c) for c in children)))
+    async def rollback(self, spec: SandboxSpec, placement: Placement | None,
+                       snapshot: SnapshotRef) -> Placement:
+        """A resume of `snapshot` as `spec`; then the sandbox's old VM (if it ran) ends. The
+        new VM gets a fresh network slot: the old slot's address cools down first
+        (SLOT_COOLDOWN), as every freed one does, so no connection the proxy pools to the old
+        guest can reach the new one. The slot's policy is the sandbox's (spec.egress)."""
+        old = self._vms.get(spec.sandbox_id)
+        placed = await self.resume(spec, snapshot)  # _placement: the sandbox's VM is the new one
+        if old is not None:
+            with contextlib.suppress(Exception):
+                await self.runtime.kill(old)
+        return placed
 
     async def kill(self, sandbox_id: str, placement: Placement | None) -> None:
         self.blockd.lost.pop(sandbox_id, None)
@@ -560,6 +575,12 @@ class VmBackend(SandboxBackend, CrashRecovery, LayerAware, TemplateBuilding, Net
         """The VMs start() took over from the previous run (see the package doc)."""
         adopted, self._adopted = self._adopted, {}
         return adopted
+
+    def log_files(self, sandbox_id: str) -> list[tuple[str, Path]]:
+        """The guest's serial console (kernel, init and envd write there; runtime/serial.py
+        keeps it bounded)."""
+        vm = self._vms.get(sandbox_id)
+        return [] if vm is None else [("console", Path(vm.workdir) / SERIAL_LOG)]
 
     async def metrics(self, sandbox_id: str, placement: Placement) -> MetricSample:
         vm = self._vm(sandbox_id)
@@ -721,3 +742,16 @@ class VmBackend(SandboxBackend, CrashRecovery, LayerAware, TemplateBuilding, Net
             if vm.state != "running":
                 self._forget_vm(sandbox_id)
         return self.snapshots.ref(record, "template")
+
+
+async def _each_child(children: list[SandboxSpec],
+                      start: Callable[[SandboxSpec], Awaitable[Placement]]
+                      ) -> list[ForkOutcome]:
+    """Start every child at once; a child that fails is its own outcome, not the batch's."""
+    async def one(child: SandboxSpec) -> ForkOutcome:
+        try:
+            return ForkOutcome(child.sandbox_id, placement=await start(child))
+        except BackendError as exc:
+            return ForkOutcome(child.sandbox_id, error=str(exc))
+
+    return list(await asyncio.gather(*(one(c) for c in children)))

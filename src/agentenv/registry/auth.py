@@ -29,8 +29,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from agentenv.template.errors import AuthError
-from agentenv.template.reference import DOCKER_HUB
+from agentenv.registry.errors import AuthError
+from agentenv.registry.reference import DOCKER_HUB
 
 _DOCKER_HUB_KEYS = ("docker.io", "index.docker.io", "registry-1.docker.io")
 # What docker passes to a helper (and uses as the config key) for Docker Hub.

@@ -1,4 +1,4 @@
-"""Helpers shared by the runtime's tests and benchmark: a blockd process, an ext4 rootfs
+"""Helpers shared by the runtime's tests and benchmarks: a blockd process, an ext4 rootfs
 layer, a runtime on a private event loop, and running shell commands in the test guest."""
 
 from __future__ import annotations
@@ -6,74 +6,30 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import signal
 import subprocess
-import sys
 import tempfile
-import time
 from collections.abc import Coroutine
 from pathlib import Path
 from typing import Any, TypeVar
 
 import httpx
 
+from agentenv.blockd.launch import BlockdProcess
 from agentenv.runtime.network import teardown_host
 from agentenv.runtime.vm import VM, Runtime
+from agentenv.storage.export import import_raw
 
 T = TypeVar("T")
 
 
-class BlockdProcess:
-    """A real blockd daemon (`aenv blockd`) in a private state directory."""
-
-    def __init__(self, root: Path, *, fuse: bool = False) -> None:
-        self.root = root
-        self.fuse = fuse  # disks as FUSE files too (memory devices have their own mount)
-        self.socket = root / "blockd.sock"
-        self.log = root / "blockd.log"
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    def start(self) -> None:
-        from agentenv.blockd.client import BlockdClient
-        from agentenv.blockd.errors import BlockdUnavailable
-
-        with open(self.log, "ab") as log:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "agentenv.cli.main", "blockd", "--state-dir",
-                 str(self.root / "state"), "--socket", str(self.socket),
-                 *([] if self.fuse else ["--no-fuse"])],
-                stdout=log, stderr=log)
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                with BlockdClient(self.socket, timeout=5) as client:
-                    client.ping()
-                return
-            except BlockdUnavailable:
-                if self.proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"blockd did not start: {self.log.read_text()[-800:]}") from None
-                time.sleep(0.05)
-
-    def stop(self) -> None:
-        if self.proc is None:
-            return
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            self.proc.wait(20)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(5)
-        self.proc = None
-        # A graceful blockd stop ends its memfs; one killed on the way leaves it: end it here.
-        from agentenv.blockd import memfs
-
-        memfs.stop(self.root / "state")
+def blockd_in(root: Path, *, fuse: bool = False) -> BlockdProcess:
+    """A real blockd with its state, socket and log under `root`; fuse: disks as FUSE files
+    too (memory devices have their own mount)."""
+    return BlockdProcess(root / "state", root / "blockd.sock", root / "blockd.log", fuse=fuse)
 
 
 def make_ext4_layer(out: Path, size: int) -> Path:
     """An empty ext4 filesystem of `size` bytes as a sealed overlaybd layer."""
-    from agentenv.storage.export import import_raw
-
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         raw = Path(tmp) / "rootfs.raw"
         with open(raw, "wb") as f:

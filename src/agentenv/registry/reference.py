@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from agentenv.template.errors import ReferenceFormatError
+from agentenv.registry.errors import ReferenceFormatError
 
 DOCKER_HUB = "docker.io"
 DOCKER_HUB_API = "registry-1.docker.io"

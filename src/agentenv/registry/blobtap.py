@@ -14,7 +14,7 @@ import os
 import threading
 from pathlib import Path
 
-from agentenv.template.errors import PullError
+from agentenv.registry.errors import PullError
 
 
 class BlobTap:

@@ -27,6 +27,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from agentenv.errors import AgentEnvError
+from agentenv.guest.build import apt
+from agentenv.guest.build import kernel as guest_kernel
+from agentenv.guest.build.errors import GuestBuildError
 
 DEFAULT_CACHE = Path("/var/cache/aenv-test/runtime")
 # The same kernel as the real guest's default (agentenv.guest.build.kernel.DEFAULT_SUITE):
@@ -131,10 +134,6 @@ def build_test_guest(cache_dir: Path = DEFAULT_CACHE, kernel_suite: str | None =
                      ) -> TestGuest:
     """Build (or reuse) the busybox test guest; returns paths to kernel and initramfs.
     kernel_suite None takes the host's default release (bookworm's 6.1)."""
-    from agentenv.guest.build import apt
-    from agentenv.guest.build import kernel as guest_kernel
-    from agentenv.guest.build.errors import GuestBuildError
-
     busybox = Path("/bin/busybox")
     if not busybox.exists():
         raise TestGuestError("busybox-static is not installed (/bin/busybox missing)")

@@ -38,16 +38,16 @@ import httpcore
 import httpx
 
 from agentenv import boundedjson
-from agentenv.template.auth import Credentials, credentials_for
-from agentenv.template.blobtap import BlobTap
-from agentenv.template.errors import (
+from agentenv.registry.auth import Credentials, credentials_for
+from agentenv.registry.blobtap import BlobTap
+from agentenv.registry.errors import (
     AuthError,
     DigestMismatchError,
     NotFoundError,
     RegistryError,
     UnsupportedImageError,
 )
-from agentenv.template.reference import Reference
+from agentenv.registry.reference import Reference
 
 log = logging.getLogger(__name__)
 

@@ -1,0 +1,83 @@
+"""One team cannot take every place of the gateway (found by the red team): its requests in
+progress are capped at its share (AENV_TEAM_MAX_CONCURRENT_REQUESTS) below the gateway's cap,
+and a control request's body must arrive within AENV_CONTROL_BODY_SECONDS. So unfinished bodies
+of one team get that team 429s and end, while another team is served. The caps are lowered
+here so the test opens a few sockets, not thousands; the mechanism is the same."""
+
+from __future__ import annotations
+
+import socket
+import time
+from collections.abc import Iterator
+
+import httpx
+import pytest
+
+from tests.control.cluster import LocalCluster
+
+pytestmark = pytest.mark.timeout(180)
+
+CAP, SHARE = 6, 3
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
+    made = LocalCluster(tmp_path_factory.mktemp("shares"), nodes=1)
+    made.gateway.env = {**made.gateway.env, "AENV_MAX_CONCURRENT_REQUESTS": str(CAP),
+                        "AENV_TEAM_MAX_CONCURRENT_REQUESTS": str(SHARE),
+                        "AENV_CONTROL_BODY_SECONDS": "4"}
+    try:
+        made.start()
+        made.team("attacker")
+        made.team("victim")
+        yield made
+    finally:
+        made.stop()
+
+
+def _held_create(cluster: LocalCluster, key: str) -> socket.socket:
+    """A `POST /sandboxes` whose body never finishes."""
+    sock = socket.create_connection(("127.0.0.1", cluster.gateway.port))
+    sock.sendall(b"POST /sandboxes HTTP/1.1\r\nHost: gw\r\nX-API-KEY: " + key.encode()
+                 + b"\r\nContent-Type: application/json\r\nContent-Length: 100000\r\n\r\n{")
+    return sock
+
+
+def _answer(sock: socket.socket, timeout: float) -> bytes:
+    """The gateway's answer (a JSON body ends in '}'), or what came before the timeout."""
+    sock.settimeout(timeout)
+    got = b""
+    try:
+        while not got.endswith(b"}"):
+            chunk = sock.recv(4096)
+            if not chunk:
+                break
+            got += chunk
+    except TimeoutError:
+        pass
+    return got
+
+
+def test_a_team_past_its_share_gets_429_and_others_are_served(cluster: LocalCluster) -> None:
+    held = [_held_create(cluster, cluster.keys["attacker"]) for _ in range(CAP)]
+    try:
+        # the attacker's places past its share are refused at once
+        refused = [_answer(sock, 10) for sock in held[SHARE:]]
+        assert all(a.startswith(b"HTTP/1.1 429") for a in refused), refused
+        assert b"AENV_TEAM_MAX_CONCURRENT_REQUESTS" in refused[0]
+        with httpx.Client(base_url=cluster.url, trust_env=False, timeout=10,
+                          headers={"X-API-KEY": cluster.keys["victim"]}) as victim:
+            statuses = [victim.get("/sandboxes").status_code for _ in range(5)]
+        assert statuses == [200] * 5
+        # and the held ones end with 408 when their body is not there in time
+        began = time.monotonic()
+        timed_out = [_answer(sock, 30) for sock in held[:SHARE]]
+        assert all(a.startswith(b"HTTP/1.1 408") for a in timed_out), timed_out
+        assert time.monotonic() - began < 30
+    finally:
+        for sock in held:
+            sock.close()
+    # the attacker's share is free again
+    with httpx.Client(base_url=cluster.url, trust_env=False, timeout=10,
+                      headers={"X-API-KEY": cluster.keys["attacker"]}) as attacker:
+        assert attacker.get("/sandboxes").status_code == 200
