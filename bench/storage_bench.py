@@ -5,7 +5,8 @@ overwrite random 64 KiB-1 MiB extents over ~15% of it), uncompressed and as zstd
 4 KiB random writes to the upper. Baselines measured in the same run: os.pread of the same
 bytes from one flat raw file, and plain zstd decompression of the same 4 KiB blocks. The
 `*_native` metrics run the same 4 KiB writes and plain reads on the native core
-(storage/native.py, when built) over the same stack.
+(storage/native.py, when built) over the same stack. `rand_write_4k_upper_growing*_budget`:
+4 KiB writes that each grow the upper, with the node's disk budget on vs off.
 
 Prints one JSON object per line: metric, value, unit, baseline, baseline_value, ratio.
 """
@@ -25,7 +26,7 @@ from pathlib import Path
 import numpy as np
 import zstandard
 
-from agentenv.storage import native
+from agentenv.storage import budget, native
 from agentenv.storage.builder import LayerBuilder
 from agentenv.storage.export import export_raw
 from agentenv.storage.image import Image
@@ -79,6 +80,36 @@ def compare(ours: Callable[[], int], base: Callable[[], int], min_time: float,
         best_base = max(best_base, _rate(base, min_time / rounds))
         best_ours = max(best_ours, _rate(ours, min_time / rounds))
     return best_ours, best_base
+
+
+def budget_rates(opener: type[Image], folder: Path, payload: bytes,
+                 rounds: int = 10, per_round: int = 8192) -> tuple[float, float]:
+    """Append rates of 4 KiB writes with the node's disk budget on (a reserve of 1 MiB: never
+    reached, so every grant is given) and off: two new uppers under `folder`, one per side,
+    the same writes in the same order, each round timed on both (order alternating), best
+    round of each. Equal counts keep both uppers' indexes the same size round by round (the
+    Python index's inserts slow down as it grows)."""
+    vsize = 1 << 40
+    images = {side: opener.create([], folder / side, vsize) for side in ("on", "off")}
+    best = {"on": 0.0, "off": 0.0}
+    try:
+        for r in range(rounds):
+            blocks = [(i * 2654435761) % (vsize // BLOCK) * BLOCK  # scattered, all fresh
+                      for i in range(r * per_round, (r + 1) * per_round)]
+            for side in (("on", "off") if r % 2 else ("off", "on")):
+                budget.configure(1 << 20 if side == "on" else None)
+                write = images[side].write
+                start = time.perf_counter()
+                for pos in blocks:
+                    write(pos, payload)
+                best[side] = max(best[side], per_round / (time.perf_counter() - start))
+    finally:
+        budget.configure(None)
+        for side, image in images.items():
+            image.close()
+            for name in ("upper.data", "upper.index"):
+                (folder / side / name).unlink()
+    return best["on"], best["off"]
 
 
 def emit(metric: str, value: float, unit: str, baseline: str, baseline_value: float) -> None:
@@ -232,6 +263,16 @@ def main() -> int:
             emit("seq_read_1m_10layers_native", ours * seq / 2**20, "MiB/s",
                  "os.preadv flat file", base * seq / 2**20)
             nimage.close()
+        # 4 KiB writes that each grow an upper (fresh blocks of a blank 1 TiB disk, so every
+        # write appends) with the node's disk budget (storage/budget.py) on vs off, rounds
+        # alternating: what the budget costs the write path, on both data paths.
+        payload_grow = os.urandom(BLOCK)
+        for suffix, opener in (("", Image), ("_native", native.NativeImage)):
+            if suffix and not native.available():
+                continue
+            ours, base = budget_rates(opener, root / f"grow{suffix}", payload_grow)
+            emit(f"rand_write_4k_upper_growing{suffix}_budget", ours, "IOPS",
+                 "the same appends, budget off", base)
         # Random reads again, now that the upper holds thousands of mappings.
         ours, base = compare(img_rand, flat_rand, min_time)
         emit("rand_read_4k_10layers_busy_upper", ours, "IOPS", "os.pread flat file", base)

@@ -11,7 +11,9 @@ from pathlib import Path
 
 import pytest
 
+from agentenv.blockd.errors import BlockdError
 from agentenv.blockd.launch import BlockdStartFailed
+from agentenv.blockd.results import Sealed
 
 from .conftest import Daemon, MiB, Stack, nbd_uri, run
 from .nbdclient import CMD_WRITE, NbdClient
@@ -87,8 +89,6 @@ def test_capped_disk_refuses_growth_with_enospc_and_keeps_serving(short_tmp: Pat
 
 
 def test_bad_upper_limit_is_refused(daemon: Daemon, stack: Stack) -> None:
-    from agentenv.blockd.errors import BlockdError
-
     with daemon.client() as client:
         for bad in (-5, "1G", 1.5):
             try:
@@ -139,3 +139,62 @@ def test_a_bad_share_is_refused(short_tmp: Path) -> None:
     d.extra_args = ["--upper-limit", "120%"]
     with pytest.raises(BlockdStartFailed, match="a percentage is between 0 and 100"):
         d.start()
+
+
+@pytest.mark.parametrize("native", ["1", "0"], ids=["native", "python"])
+def test_the_cap_bounds_the_disks_own_chain_across_seals_and_resumes(
+        short_tmp: Path, stack: Stack, native: str) -> None:
+    """A seal (a fork point, a pause) must not renew the cap: the disk's own sealed uppers stay
+    counted, on the device that keeps serving, after a daemon restart, and on the device a
+    resume makes over the sealed layers (create's chain_used, from the seal's answer)."""
+    d = Daemon(short_tmp, fuse=False)
+    d.extra_args = ["--upper-limit", "4M"]
+    os.environ["AENV_BLOCKD_NATIVE"] = native
+    try:
+        d.start()
+    finally:
+        del os.environ["AENV_BLOCKD_NATIVE"]
+    try:
+        with d.client() as client:
+            disk = client.create(lowers=stack.lowers)
+        uri = nbd_uri(disk)
+        run(["qemu-io", "-f", "raw", "-c", "write -P 0x11 0 2M", "-c", "flush", uri])
+        with d.client() as client:
+            first = Sealed.from_json(client.call(  # a fork point
+                "snapshot", id=disk.id, output=str(short_tmp / "fork.layer")))
+        assert 2 * MiB < first.chain_used < 2 * MiB + 4096, first
+        # The device serves on, with what is left of its 4 MiB: 1 MiB fits, 2 more do not.
+        run(["qemu-io", "-f", "raw", "-c", "write -P 0x22 4M 1M", "-c", "flush", uri])
+        out = _qemu_io(uri, "write -P 0x33 8M 2M")
+        assert "No space left on device" in out.stdout + out.stderr, out
+        d.stop()  # the chain is in the device record
+        d.start()
+        out = _qemu_io(uri, "write -P 0x33 8M 2M")
+        assert "No space left on device" in out.stdout + out.stderr, out
+        with d.client() as client:
+            info = {i.id: i for i in client.list()}[disk.id]
+            assert info.chain_used == first.chain_used and info.upper_used > MiB
+            # A pause: seal, release; the resume stacks a new upper on the sealed layers and
+            # says what they hold of the cap.
+            paused = Sealed.from_json(client.call("snapshot", id=disk.id,
+                                                  output=str(short_tmp / "paused.layer")))
+            assert paused.chain_used == first.chain_used + info.upper_used
+            client.release(disk.id)
+            resumed = client.create(lowers=[*stack.lowers, Path(first.layer), Path(paused.layer)],
+                                    upper_dir=short_tmp / "resumed", chain_used=paused.chain_used)
+            fresh = client.create(lowers=[*stack.lowers, Path(first.layer), Path(paused.layer)],
+                                  upper_dir=short_tmp / "child")
+        assert resumed.chain_used == paused.chain_used
+        out = _qemu_io(nbd_uri(resumed), "write -P 0x44 12M 2M")
+        assert "No space left on device" in out.stdout + out.stderr, out
+        run(["qemu-io", "-f", "raw", "-c", "read -P 0x11 0 2M", "-c", "read -P 0x22 4M 1M",
+             "-c", "write -P 0x55 0 4k", nbd_uri(resumed)])  # blocks of the chain: readable
+        # A fork child or a create from a template (no chain_used) has the whole cap.
+        run(["qemu-io", "-f", "raw", "-c", "write -P 0x66 12M 3M", nbd_uri(fresh)])
+        with d.client() as client:  # chain_used is bytes, and only for a writable disk
+            with pytest.raises(BlockdError, match="chain_used"):
+                client.call("create", lowers=[str(p) for p in stack.lowers], chain_used=-1)
+            with pytest.raises(BlockdError, match="chain_used"):
+                client.call("create", image=str(paused.layer), readonly=True, chain_used=1)
+    finally:
+        d.stop()

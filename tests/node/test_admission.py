@@ -92,6 +92,24 @@ def test_free_disk_limit_answers_503(tmp_path: Path) -> None:
         node.cleanup()
 
 
+def test_disk_reserve_refuses_create_with_503_naming_the_disk(tmp_path: Path) -> None:
+    """Below AENV_DISK_RESERVE blockd refuses every disk's growth (storage/budget.py): a node
+    whose own free-disk floor is lower still refuses the create, naming the reserve."""
+    node = NodeProcess(tmp_path / "state", tmp_path / "node.log",
+                       extra_env={"AENV_MIN_FREE_DISK_MB": "0",
+                                  "AENV_DISK_RESERVE": str(1 << 60)})
+    node.start()
+    try:
+        with node.client() as api:
+            before = _files(node.state_dir)
+            _error(api.post("/v2/sandboxes", json={"templateID": "base"}), 503,
+                   "free disk", "state filesystem", str(node.state_dir), "AENV_DISK_RESERVE")
+            assert api.get("/v2/sandboxes").json() == []
+            assert _files(node.state_dir) == before
+    finally:
+        node.cleanup()
+
+
 class _Rec:
     def __init__(self, state: State, memory_mb: int = 512, cpu_count: int = 2) -> None:
         self.state, self.memory_mb, self.cpu_count = state, memory_mb, cpu_count

@@ -85,6 +85,7 @@ def test_create_run_files_pause_connect_kill(vm_node: NodeProcess) -> None:
             time.sleep(0.2)
         before = counter_value(sbx)
 
+        charged = _charged_disks(vm_node)
         t0 = time.perf_counter()
         sbx.pause()
         timings["pause_s"] = time.perf_counter() - t0
@@ -103,6 +104,9 @@ def test_create_run_files_pause_connect_kill(vm_node: NodeProcess) -> None:
             time.sleep(0.2)
         assert again.files.read("/home/user/notes.txt") == "kept across pause"
         assert again.commands.run("echo $GREETING").stdout.strip() == "hello"
+        # The resumed disk's cap still counts what the sandbox wrote before the pause (its
+        # sealed upper): the node's resume passed it to blockd.
+        assert _charged_disks(vm_node) == charged + 1
 
         sample = again.get_metrics()
         assert sample, "no metrics"
@@ -120,6 +124,14 @@ def test_create_run_files_pause_connect_kill(vm_node: NodeProcess) -> None:
     timings["create_p50_s"] = statistics.median(creates)
     timings["create_max_s"] = max(creates)
     print("\nvm backend timings:", json.dumps({k: round(v, 3) for k, v in timings.items()}))
+
+
+def _charged_disks(node: NodeProcess) -> int:
+    """The node's writable blockd devices whose cap counts sealed uppers of their own."""
+    from agentenv.blockd.client import BlockdClient
+
+    with BlockdClient(node.state_dir / "vm-backend" / "blockd" / "blockd.sock") as client:
+        return sum(1 for d in client.list() if not d.readonly and d.chain_used)
 
 
 def test_fork_children_share_memory_and_files(vm_node: NodeProcess) -> None:

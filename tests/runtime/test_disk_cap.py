@@ -133,6 +133,45 @@ def test_restore_keeps_the_scsi_disk_and_its_cap(capped: Capped) -> None:
         loop.run(runtime.kill(restored))
 
 
+@pytest.mark.qemu
+@pytest.mark.root
+@pytest.mark.slow
+def test_pause_and_resume_do_not_renew_the_cap(capped: Capped) -> None:
+    """A pause seals the disk's upper and the resume stacks a new one on it: the new upper has
+    only what is left of the cap (the sandbox's own sealed upper stays counted), so a guest
+    cannot write its cap again after every pause. The guest gets ENOSPC and keeps running."""
+    loop, runtime, _blockd, _vm = capped
+    guest = build_test_guest()
+    layer = runtime.config.state_dir.parent / "disk.layer"  # the fixture's
+    spec = BootSpec(kernel=guest.kernel, initramfs=guest.initramfs, cmdline=guest.cmdline_base,
+                    disks=[DiskSource("rootfs", DISK, layers=[layer])], memory_mib=256)
+    vm = loop.run(runtime.boot(spec))
+    resumed: VM | None = None
+    try:
+        loop.run(sh(vm, MOUNT, timeout=120))
+        # Two thirds of the cap, past the page cache: in the upper before the pause.
+        out = loop.run(sh(vm, "dd if=/dev/urandom of=/mnt/disk/first bs=1M count=8 oflag=direct"
+                              " 2>&1; echo rc=$?; md5sum /mnt/disk/first", timeout=240))
+        assert "rc=0" in out, out
+        digest = out.split()[-2]
+        record = loop.run(runtime.pause(vm, wait_teardown=True))
+        (rootfs,) = [d for d in record.disks if d.name == "rootfs"]
+        assert rootfs.chain_used > 8 << 20, rootfs
+        resumed = loop.run(runtime.restore(record, own_disks=True))
+        # Another two thirds: more than the cap in all, so the guest gets ENOSPC part way.
+        out = loop.run(sh(resumed, "md5sum /mnt/disk/first; dd if=/dev/zero of=/mnt/disk/second"
+                                   " bs=1M count=8 oflag=direct 2>&1; echo rc=$?", timeout=300))
+        assert digest in out and ENOSPC_TEXT in out and "rc=0" not in out, out
+        status = loop.run(resumed.process.qmp.execute("query-status"))
+        assert status["status"] == "running", status
+        out = loop.run(sh(resumed, "rm -f /mnt/disk/second; echo alive", timeout=120))
+        assert "alive" in out, out
+    finally:
+        for machine in (resumed, vm):
+            if machine is not None and machine.state != "paused":
+                loop.run(runtime.kill(machine))
+
+
 def test_disk_bus_on_the_command_line_and_in_old_records(tmp_path: Path) -> None:
     common = {"mem_path": str(tmp_path / "mem"), "qmp_socket": tmp_path / "qmp",
               "serial_log": tmp_path / "serial", "vmgenid": "0", "incoming": True}

@@ -60,16 +60,32 @@ def test_a_write_past_the_cap_is_enospc_and_changes_nothing(tmp_path: Path) -> N
         assert image.read(4 * MiB, 2 * MiB) == b"\x02" * (2 * MiB)
 
 
-def test_the_cap_carries_over_a_snapshot(tmp_path: Path) -> None:
+def test_a_snapshot_does_not_renew_the_cap(tmp_path: Path) -> None:
+    """The cap bounds the disk's own writes in all: a sealed upper stays counted (a pause and
+    resume must not hand the guest a fresh allowance), and so does a reopen that says what
+    its earlier sealed uppers hold (blockd's chain_used)."""
     with Image.create([], tmp_path / "u", 16 * MiB) as image:
         image.upper_limit = MiB
-        image.write(0, b"\x01" * (MiB - 4096))
+        image.write(0, b"\x01" * (MiB - 8192))
+        sealed_used = image.upper_used  # data plus one index entry
         image.snapshot_and_restack(tmp_path / "u" / "sealed-1.lsmt")
-        assert image.upper_used == 0
-        image.write(0, b"\x05" * (MiB - 4096))  # the new upper has room again
-        with pytest.raises(UpperFull):
+        assert image.upper_used == 0 and image.chain_used == sealed_used
+        image.write(0, b"\x05" * 4096)  # what is left of the cap still fits
+        with pytest.raises(UpperFull) as err:
             image.write(2 * MiB, b"\x06" * 8192)
+        assert "cap is" in str(err.value)
         assert image.read(0, 4096) == b"\x05" * 4096
+        image.flush()
+    with Image.open(tmp_path / "u" / "image.json") as again:
+        again.chain_used = sealed_used
+        again.upper_limit = MiB
+        with pytest.raises(UpperFull):
+            again.write(4 * MiB, b"\x07" * 8192)
+        again.chain_used = MiB  # the chain alone holds the whole cap: nothing more appends
+        with pytest.raises(UpperFull):
+            again.write(6 * MiB, b"\x08" * 512)
+        again.write(0, b"\x09" * 4096)  # its own blocks are still rewritten in place
+        assert again.read(0, 4096) == b"\x09" * 4096
 
 
 def test_reuse_keeps_the_index_log_consistent_across_a_reopen(tmp_path: Path) -> None:

@@ -115,13 +115,16 @@ class BlockdClient:
         readonly: bool = False,
         upper_limit: int | None = None,
         owner: int | None = None,
+        chain_used: int | None = None,
     ) -> DeviceInfo:
-        """upper_limit: cap on the upper's growth in bytes, 0 for none; None: the daemon's
+        """upper_limit: cap on the disk's own writes in bytes, 0 for none; None: the daemon's
         default (--upper-limit). owner: the uid (= gid) alone allowed to connect (a writable
-        device of a jailed QEMU)."""
+        device of a jailed QEMU). chain_used: bytes of the disk's own sealed uppers among
+        `lowers` (Sealed.chain_used of its last seal), counted against the cap (None: none)."""
         return DeviceInfo.from_json(
             self.call("create", image=image, lowers=lowers, upper_dir=upper_dir, size=size,
-                      readonly=readonly, upper_limit=upper_limit, owner=owner)
+                      readonly=readonly, upper_limit=upper_limit, owner=owner,
+                      chain_used=chain_used)
         )
 
     def create_blank(self, size: int, upper_dir: Path | None = None) -> DeviceInfo:
@@ -192,17 +195,24 @@ class AsyncBlockdClient:
 
     async def create(self, image: Path | None = None, lowers: list[Path] | None = None,
                      upper_dir: Path | None = None, size: int | None = None,
-                     readonly: bool = False, owner: int | None = None) -> DeviceInfo:
-        """owner: as BlockdClient.create."""
+                     readonly: bool = False, owner: int | None = None,
+                     chain_used: int | None = None) -> DeviceInfo:
+        """owner: as BlockdClient.create. chain_used: bytes of the disk's own sealed uppers
+        among `lowers` (Sealed.chain_used of its last seal), counted against its cap (None:
+        none)."""
         return DeviceInfo.from_json(await self.call(
             "create", image=image, lowers=lowers, upper_dir=upper_dir, size=size, readonly=readonly,
-            owner=owner))
+            owner=owner, chain_used=chain_used))
 
     async def create_blank(self, size: int, upper_dir: Path | None = None) -> DeviceInfo:
         return DeviceInfo.from_json(await self.call("create_blank", size=size, upper_dir=upper_dir))
 
     async def snapshot(self, id: str, output: Path | None = None) -> Path:
-        return Path(Sealed.from_json(await self.call("snapshot", id=id, output=output)).layer)
+        return Path((await self.seal(id, output)).layer)
+
+    async def seal(self, id: str, output: Path | None = None) -> Sealed:
+        """`snapshot`, with what the disk's own sealed uppers now hold."""
+        return Sealed.from_json(await self.call("snapshot", id=id, output=output))
 
     async def resize(self, id: str, size: int) -> DeviceInfo:
         return DeviceInfo.from_json(await self.call("resize", id=id, size=size))

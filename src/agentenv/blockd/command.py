@@ -39,6 +39,11 @@ socket_option = click.option(
               help="Default cap on a disk's upper growth: bytes, with a K/M/G/T suffix, or N% of "
                    "the size of the state directory's filesystem; 0: none. Writes past it get "
                    "ENOSPC. Env: AENV_DISK_UPPER_LIMIT.")
+@click.option("--disk-reserve", envvar="AENV_DISK_RESERVE", default=None,
+              show_default="256M",
+              help="Bytes the uppers' filesystem keeps free (bytes, or K/M/G/T): a write that "
+                   "would take it lower gets ENOSPC, whichever disk it is for (the node's disk "
+                   "budget). Env: AENV_DISK_RESERVE, as the node's own free-space checks.")
 @click.option("--chunk-cache-dir", type=click.Path(path_type=Path), default=None,
               help="Chunk cache of remote layers (default STATE/chunk-cache; env "
                    "AENV_CHUNK_CACHE_DIR).")
@@ -65,7 +70,7 @@ socket_option = click.option(
 @click.option("--log-level", default="info", show_default=True)
 def blockd_command(state_dir: Path, socket_path: Path, metrics_port: int | None,
                    metrics_bind: str, no_fuse: bool, inline_max: int | None,
-                   upper_limit: str, chunk_cache_dir: Path | None, chunk_cache_size: str | None,
+                   upper_limit: str, disk_reserve: str | None, chunk_cache_dir: Path | None, chunk_cache_size: str | None,
                    chunk_cache_eviction: str | None, remote_timeout: float | None, peers: tuple[str, ...], p2p_listen: str | None,
                    peer_key_file: Path | None, remote_background_bw: str | None,
                    log_level: str) -> None:
@@ -75,12 +80,17 @@ def blockd_command(state_dir: Path, socket_path: Path, metrics_port: int | None,
     from agentenv.blockd.device import INLINE_MAX
     from agentenv.blockd.remote.service import config_from_env, parse_size
     from agentenv.cluster_keys import load_key
+    from agentenv.fsutil import DEFAULT_RESERVE
 
     logs.setup(log_level)
     try:
         limit = upper_limit_bytes(upper_limit, state_dir)
     except ValueError as exc:
         raise click.BadParameter(str(exc), param_hint="--upper-limit / AENV_DISK_UPPER_LIMIT") from None
+    try:
+        reserve = parse_size(disk_reserve) if disk_reserve else DEFAULT_RESERVE
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--disk-reserve / AENV_DISK_RESERVE") from None
     try:
         remote = config_from_env(
             state_dir, cache_dir=chunk_cache_dir,
@@ -92,7 +102,7 @@ def blockd_command(state_dir: Path, socket_path: Path, metrics_port: int | None,
         raise click.BadParameter(str(exc), param_hint="remote layer settings") from None
     daemon = Blockd(state_dir, socket_path, fuse=not no_fuse, metrics_port=metrics_port,
                     metrics_bind=metrics_bind, inline_max=INLINE_MAX if inline_max is None else inline_max,
-                    upper_limit=limit or None, remote=remote)
+                    upper_limit=limit or None, disk_reserve=reserve, remote=remote)
     asyncio.run(daemon.run())
 
 

@@ -11,17 +11,23 @@ Control RPC (unix socket, default $AENV_HOME/blockd/blockd.sock; framing and err
 rpc.py). Operations:
 
     ping                                       -> {"pid", "devices"}
-    create {image?, lowers?, upper_dir?, size?, readonly?, upper_limit?}   -> device
+    create {image?, lowers?, upper_dir?, size?, readonly?, upper_limit?, chain_used?} -> device
         readonly: image (config JSON or layer) exported read-only, shared by refcount
         (creating it again returns the same device with refcount+1);
         else a new writable upper (in upper_dir, or one the daemon owns) over the image's
         layers (or `lowers`), grown to `size` if given. upper_limit: cap in bytes on the
         upper's growth (default: the daemon's --upper-limit, env AENV_DISK_UPPER_LIMIT; 0 or
-        null: none); a write past it gets NBD ENOSPC, the device keeps serving, and the
-        refusal is counted (stats.enospc, aenv_blockd_enospc) and logged.
+        null: none); it bounds the disk's own writes in all: its current upper plus
+        `chain_used?`, what its earlier sealed uppers among `lowers` hold (a resume passes
+        the `chain_used` its pause's snapshot answered). A write past it, or one that would
+        take the uppers' filesystem below the daemon's --disk-reserve (the node's disk budget),
+        gets NBD ENOSPC, the device keeps serving, and the refusal is counted (stats.enospc,
+        aenv_blockd_enospc) and logged.
     create_blank {size, upper_dir?}            -> device (a new empty disk)
-    snapshot {id, output?}                     -> {"layer": PATH} sealed layer; the device keeps
-                                                  serving, on a new empty upper
+    snapshot {id, output?}                     -> {"layer": PATH, "chain_used": N} sealed layer
+                                                  and what the disk's own sealed uppers now
+                                                  hold; the device keeps serving, on a new
+                                                  empty upper (with what is left of its cap)
     resize {id, size}                          -> device
     release {id}                               -> {"released": id, "refcount": N}
     list                                       -> [device, ...] with per-device stats
@@ -31,7 +37,7 @@ rpc.py). Operations:
     memory_trace {id}                          -> {"chunk_size", "chunks"}: first-read order
 
 A device is results.DeviceInfo: {"id", "nbd", "export", "file", "size", "readonly", "kind",
-"source", "upper_dir", "refcount", "upper_limit", "upper_used", "stats": {reads, writes,
+"source", "upper_dir", "refcount", "upper_limit", "chain_used", "upper_used", "stats": {reads, writes,
 bytes_read, bytes_written, flushes, trims, zeroes, errors, connections, enospc}}.
 QEMU attaches a device as `nbd+unix:///<id>?socket=STATE/nbd/<id>.sock`.
 
@@ -83,8 +89,11 @@ class Blockd:
         io_threads: int = 8,
         inline_max: int = INLINE_MAX,
         upper_limit: int | None = None,
+        disk_reserve: int | None = None,
         remote: Any = None,
     ) -> None:
+        """disk_reserve: bytes every upper's filesystem keeps free (the node's disk budget,
+        storage/budget.py; None: off)."""
         # Remote layers and the chunk cache (blockd/remote/service.py): a RemoteConfig, else
         # settings from the environment.
         self.remote_config = remote
@@ -94,6 +103,7 @@ class Blockd:
         self.use_fuse = fuse
         self.metrics_port = metrics_port
         self.metrics_bind = metrics_bind
+        self.disk_reserve = disk_reserve
         self.executor = ThreadPoolExecutor(io_threads, thread_name_prefix="blockd-io")
         self.layout = StateLayout(self.state_dir)
         self.manager = DeviceManager(self.layout, self.executor, inline_max=inline_max,
@@ -160,6 +170,9 @@ class Blockd:
 
         log.info("data path", extra={"native": native.enabled(),
                                      "native_unavailable": native.unavailable_reason()})
+        from agentenv.storage import budget
+
+        budget.configure(self.disk_reserve)
         for folder in (self.layout.records, self.layout.nbd, self.layout.uppers):
             private_dir(folder)
         # QEMU (an unprivileged user) connects to the NBD sockets by path: it needs search

@@ -77,7 +77,7 @@ class DeviceStats:
     zeroes: int = 0
     errors: int = 0
     connections: int = 0
-    enospc: int = 0  # writes refused because the upper reached its cap
+    enospc: int = 0  # writes refused: the disk at its cap, or the node's disk at its reserve
 
 
 class Gate:
@@ -135,7 +135,9 @@ class DeviceRecord:
     size: int
     refcount: int = 1
     snapshots: list[str] = field(default_factory=list)
-    upper_limit: int | None = None  # cap on the upper's growth in bytes (None: no cap)
+    upper_limit: int | None = None  # cap on the disk's own writes in bytes (None: no cap)
+    # bytes of the disk's own sealed uppers (earlier pauses, snapshots) counted against the cap
+    chain_used: int = 0
     # uid (and gid) of the one client that may connect (a jailed QEMU's own); None: the VM group
     owner: int | None = None
 
@@ -171,8 +173,10 @@ class Device:
         self.apply_limit(image)
 
     def apply_limit(self, image: ImageLike) -> None:
-        """Give `image` the record's upper cap (images without an upper have nothing to cap)."""
+        """Give `image` the record's cap and what its earlier sealed uppers already took of it
+        (images without an upper have nothing to cap)."""
         if hasattr(image, "upper_limit") and not getattr(image, "readonly", True):
+            image.chain_used = self.record.chain_used  # type: ignore[attr-defined]
             image.upper_limit = self.record.upper_limit  # type: ignore[attr-defined]
 
     def _note_full(self, exc: OSError, count: int = 1) -> None:
@@ -258,9 +262,10 @@ class Device:
             if amount:
                 self._count(what, amount)
         if enospc:
-            self._note_full(OSError(errno.ENOSPC, f"{enospc} writes refused: the upper is at "
-                                                  f"its cap of {self.record.upper_limit} bytes"),
-                            enospc)
+            self._note_full(OSError(errno.ENOSPC, f"{enospc} writes refused: the disk is at its "
+                                                  f"cap of {self.record.upper_limit} bytes, or "
+                                                  "the node's disk at its reserve "
+                                                  "(AENV_DISK_RESERVE)"), enospc)
 
     def _count(self, what: str, amount: int) -> None:
         if self._on_stats is not None:
@@ -379,9 +384,11 @@ class Device:
     async def snapshot(self, sealed_path: Path) -> Path:
         async with self.gate.closed():
             image = self.image
-            return await self._loop.run_in_executor(
+            layer = await self._loop.run_in_executor(
                 self.executor, image.snapshot_and_restack, sealed_path
             )
+            self.record.chain_used = getattr(image, "chain_used", 0)
+            return layer
 
     async def resize(self, new_size: int) -> None:
         async with self.gate.closed():
@@ -400,7 +407,7 @@ class Device:
             file=str(self.fuse_path) if self.fuse_path else None, size=self.size,
             readonly=self.readonly, kind=self.record.kind, source=self.record.source,
             upper_dir=self.record.upper_dir, refcount=self.record.refcount,
-            upper_limit=self.record.upper_limit,
+            upper_limit=self.record.upper_limit, chain_used=self.record.chain_used,
             upper_used=getattr(self.image, "upper_used", 0), stats=asdict(self.stats),
         )
 

@@ -288,12 +288,19 @@ class DeviceManager:
         readonly: bool = False,
         upper_limit: int | None = -1,
         owner: int | None = None,
+        chain_used: int = 0,
     ) -> DeviceInfo:
         """`owner`: the uid (= gid) whose client alone may connect to a writable device's socket
-        (a jailed QEMU's); a read-only device is shared by design and has none."""
+        (a jailed QEMU's); a read-only device is shared by design and has none. `chain_used`:
+        bytes of the disk's own earlier sealed uppers among `lowers` (its pauses: a resume
+        passes what the pause's `snapshot` answered), counted against the cap."""
         if owner is not None and (readonly or isinstance(owner, bool) or not isinstance(owner, int)
                                   or owner <= 0):
             raise BlockdError(f"owner {owner!r}: a uid > 0, and only for a writable device")
+        if isinstance(chain_used, bool) or not isinstance(chain_used, int) or chain_used < 0 \
+                or (readonly and chain_used):
+            raise BlockdError(f"chain_used {chain_used!r}: bytes >= 0, and only for a writable "
+                              "device")
         async with self._lock:
             if readonly:
                 return await self._create_shared(image, lowers, size)
@@ -304,6 +311,7 @@ class DeviceManager:
                 id=device_id, kind="disk", socket=self._socket_for(device_id),
                 source=str(images.config_path(upper)), upper_dir=str(upper), owns_upper=owns,
                 readonly=False, size=built.virtual_size, upper_limit=limit, owner=owner,
+                chain_used=chain_used,
             )
             device = await self._start_device(record, built)
             log.info("device created", extra={"device": device_id, "image": image, "size": device.size})
@@ -350,7 +358,7 @@ class DeviceManager:
             "device snapshotted",
             extra={"device": id, "layer": str(layer), "ms": round((time.perf_counter() - started) * 1e3, 2)},
         )
-        return Sealed(layer=str(layer))
+        return Sealed(layer=str(layer), chain_used=device.record.chain_used)
 
     async def resize(self, id: str, size: int) -> DeviceInfo:
         device = self.get(id)

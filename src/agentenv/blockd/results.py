@@ -40,8 +40,9 @@ class DeviceInfo(Result):
     source: str | None = None  # image config (writable) or image/layer (read-only) it reopens
     upper_dir: str | None = None
     refcount: int = 1
-    upper_limit: int | None = None  # cap on the upper's growth in bytes (None: none)
-    upper_used: int = 0
+    upper_limit: int | None = None  # cap on the disk's own writes in bytes (None: none)
+    chain_used: int = 0  # bytes of its own sealed uppers, counted against upper_limit
+    upper_used: int = 0  # bytes of its current upper
     stats: dict[str, int] = field(default_factory=dict)  # device.DeviceStats as a dict
 
     @property
@@ -65,6 +66,7 @@ class Released(Result):
 @dataclass(frozen=True)
 class Sealed(Result):
     layer: str  # the sealed layer's path
+    chain_used: int = 0  # the disk's own sealed uppers, this one included (a resume's charge)
 
 
 def to_wire(result: Any) -> Any:

@@ -11,6 +11,7 @@ Limits (environment, read when the node starts):
 | `AENV_MEMORY_RESERVE_MB` | 256 | 503 when the host's MemAvailable is below this right now |
 | `AENV_SANDBOX_OVERHEAD_MB` | 64 + 64 + 4 per vCPU (runtime/cgroup.py, measured under TCG) | QEMU's memory beside the guest's |
 | `AENV_MIN_FREE_DISK_MB` | 1024 | 503 when the state directory's filesystem has less free |
+| `AENV_DISK_RESERVE` | 256 MiB (fsutil.py) | the same 503 when it is larger: blockd refuses upper growth below it (storage/budget.py), so a sandbox admitted without it could not write |
 
 429 means "this node's quota is used up, retry once sandboxes end"; 503 means "the host itself
 is short right now".
@@ -39,6 +40,7 @@ from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from agentenv.fsutil import DEFAULT_RESERVE
 from agentenv.node.errors import ApiError
 from agentenv.node.records import SandboxRecord
 from agentenv.node.tenancy import LOCAL_TEAM
@@ -132,7 +134,8 @@ class Reservation:
 class Admission:
     def __init__(self, state_dir: Path, *, max_sandboxes: int = 0, memory_budget_mb: int | None = None,
                  memory_overcommit: float = 1.0, memory_reserve_mb: int = 256,
-                 overhead_mb: int | None = None, min_free_disk_mb: int = 1024) -> None:
+                 overhead_mb: int | None = None, min_free_disk_mb: int = 1024,
+                 disk_reserve: int = 0) -> None:
         self.state_dir = state_dir
         self.max_sandboxes = max_sandboxes
         self.memory_overcommit = memory_overcommit
@@ -142,6 +145,7 @@ class Admission:
         self.memory_reserve_mb = memory_reserve_mb
         self.overhead_mb = overhead_mb
         self.min_free_disk_mb = min_free_disk_mb
+        self.disk_reserve = disk_reserve  # bytes blockd keeps free (AENV_DISK_RESERVE)
         self._reserved: list[Reservation] = []
         self.refusals: dict[str, int] = {}
         #: the team quotas of a standalone node (its one team); None on a cluster's node
@@ -166,11 +170,13 @@ class Admission:
             memory_reserve_mb=int(env_number(env, "AENV_MEMORY_RESERVE_MB", 256) or 0),
             overhead_mb=int(overhead) if overhead is not None else None,
             min_free_disk_mb=int(env_number(env, "AENV_MIN_FREE_DISK_MB", 1024) or 0),
+            disk_reserve=int(env_number(env, "AENV_DISK_RESERVE", DEFAULT_RESERVE) or 0),
         )
         log.info("admission limits", extra={
             "max_sandboxes": admission.max_sandboxes, "memory_budget_mb": admission.memory_budget_mb,
             "memory_reserve_mb": admission.memory_reserve_mb,
-            "min_free_disk_mb": admission.min_free_disk_mb})
+            "min_free_disk_mb": admission.min_free_disk_mb,
+            "disk_reserve": admission.disk_reserve})
         return admission
 
     def sandbox_mb(self, memory_mb: int, cpu_count: int) -> int:
@@ -220,14 +226,22 @@ class Admission:
             self._refuse("host_memory", 503, f"cannot {what}: host memory low", (
                 f"MemAvailable {available} MiB, reserve {self.memory_reserve_mb} MiB; "),
                 "AENV_MEMORY_RESERVE_MB")
-        free_mb = shutil.disk_usage(self.state_dir).free >> 20
-        if free_mb < self.min_free_disk_mb:
-            self._refuse("disk", 503, f"cannot {what}: free disk low", (
-                f"under {self.state_dir}: {free_mb} MiB free, {self.min_free_disk_mb} MiB "
-                "required; "), "AENV_MIN_FREE_DISK_MB")
+        self._check_disk(what)
         held = Reservation(need, count)
         self._reserved.append(held)
         return held
+
+    def _check_disk(self, what: str) -> None:
+        """503 below the larger of AENV_MIN_FREE_DISK_MB and AENV_DISK_RESERVE: under the
+        reserve blockd refuses every disk's growth, so a new sandbox could not write."""
+        free = shutil.disk_usage(self.state_dir).free
+        floor, setting = self.min_free_disk_mb << 20, "AENV_MIN_FREE_DISK_MB"
+        if self.disk_reserve > floor:
+            floor, setting = self.disk_reserve, "AENV_DISK_RESERVE"
+        if free < floor:
+            self._refuse("disk", 503, f"cannot {what}: free disk low", (
+                f"the state filesystem under {self.state_dir} has {free >> 20} MiB free, "
+                f"{floor >> 20} MiB must stay free; "), setting)
 
     def check_quota(self, kind: str, have: int) -> None:
         """A new template or snapshot of the standalone node's team (no-op in a cluster); for

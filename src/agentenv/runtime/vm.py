@@ -110,6 +110,7 @@ class DiskSource:
     read_only: bool = False
     layers: list[Path] = field(default_factory=list)  # oldest first (blockd lowers)
     file: Path | None = None  # raw file, read-only disks only
+    chain_used: int = 0  # bytes of its own sealed uppers among `layers` (DiskSnapshot's)
     # None: RuntimeConfig.disk_bus for a writable disk, virtio-blk for a read-only one.
     bus: DiskBus | None = None
 
@@ -308,7 +309,8 @@ class Runtime:
                 for source, cfg in zip(spec.disks, machine.disks, strict=True):
                     disk, attachment = await self._attach_disk(
                         cfg, [LayerRef(path=str(p), size=p.stat().st_size)
-                              for p in source.layers], source.file, workdir, user)
+                              for p in source.layers], source.file, workdir, user,
+                        source.chain_used)
                     disks.append(disk)
                     attachments.append(attachment)
                 return attachments
@@ -330,9 +332,10 @@ class Runtime:
 
     async def _attach_disk(self, config: DiskConfig, layers: list[LayerRef], file: Path | None,
                            workdir: Path, user: privilege.VMUser | None = None,
-                           ) -> tuple[AttachedDisk, DiskAttachment]:
+                           chain_used: int = 0) -> tuple[AttachedDisk, DiskAttachment]:
         """A disk for one QEMU; a writable one's NBD socket becomes `user`'s alone when that
-        is a jailed QEMU's own uid (a read-only device may be shared by several VMs)."""
+        is a jailed QEMU's own uid (a read-only device may be shared by several VMs).
+        `chain_used`: what the disk's own sealed uppers among `layers` took of its cap."""
         name, size, read_only = config.name, config.size, config.read_only
         if file is not None:
             if not read_only:
@@ -351,7 +354,8 @@ class Runtime:
         try:
             info = await self.blockd.create(lowers=[Path(x.path) for x in layers],
                                             upper_dir=upper, size=size, readonly=read_only,
-                                            owner=owner)
+                                            owner=owner,
+                                            chain_used=None if read_only else chain_used or None)
         except BlockdError as exc:
             raise DiskError(f"disk {name}: {exc}") from exc
         disk = AttachedDisk(config, list(layers), device_id=info.id)
@@ -705,9 +709,12 @@ class Runtime:
                                         read_only=True, file=str(disk.file) if disk.file else None))
                 continue
             assert self.blockd is not None and disk.device_id is not None
-            sealed = await self.blockd.snapshot(disk.device_id, snap_dir / f"disk-{disk.config.name}.layer")
-            disk.layers = [*disk.layers, LayerRef(path=str(sealed), size=sealed.stat().st_size)]
-            out.append(DiskSnapshot(name=disk.config.name, layers=list(disk.layers)))
+            sealed = await self.blockd.seal(disk.device_id,
+                                            snap_dir / f"disk-{disk.config.name}.layer")
+            layer = Path(sealed.layer)
+            disk.layers = [*disk.layers, LayerRef(path=str(layer), size=layer.stat().st_size)]
+            out.append(DiskSnapshot(name=disk.config.name, layers=list(disk.layers),
+                                    chain_used=sealed.chain_used))
         return out
 
     async def _after_failed_snapshot(self, vm: VM, exc: BaseException) -> None:
@@ -787,11 +794,15 @@ class Runtime:
 
     async def restore(self, record: SnapshotRecord, *, env_vars: dict[str, str] | None = None,
                       access_token: str | None = None, outbound: bool = True,
-                      guest_token: str | None = None, egress: EgressPolicy | None = None) -> VM:
+                      guest_token: str | None = None, egress: EgressPolicy | None = None,
+                      own_disks: bool = False) -> VM:
         """Start a new running VM from a snapshot (resume, or create-from-template).
 
         `guest_token` is the envd access token the snapshot's guest holds, if any (see envd_init).
         `egress` (else `outbound`) is the slot's policy, in force before the guest runs.
+        `own_disks`: the snapshot is the same sandbox's (a resume of its pause): what its disks'
+        sealed uppers hold stays counted against their caps (a fork child, a create from a
+        template start with the whole cap). Never from a warm process (its disks count nothing).
         """
         if egress is None and not outbound:
             egress = EgressPolicy(deny_nets=(ALL_TRAFFIC,))
@@ -805,14 +816,15 @@ class Runtime:
             # _restore_with_memory owns the memory reference from here: it gives it back if
             # the restore fails before the VM exists, the VM's kill does after (never both).
             vm = await self._restore_with_memory(record, mem_path, env_vars, access_token,
-                                                 egress, guest_token)
+                                                 egress, guest_token, own_disks)
         vm.timings["memory_file_ms"] = (t1 - t0) * 1e3
         return vm
 
     async def _restore_with_memory(self, record: SnapshotRecord, mem_path: Path,
                                    env_vars: dict[str, str] | None, access_token: str | None,
                                    egress: EgressPolicy | None,
-                                   guest_token: str | None = None) -> VM:
+                                   guest_token: str | None = None,
+                                   own_disks: bool = False) -> VM:
         vm_id = uuid.uuid4().hex[:12]
         t0 = time.perf_counter()
         warm: WarmProcess | None = None
@@ -822,7 +834,7 @@ class Runtime:
         workdir = self.config.vm_dir / vm_id
         stage = "starting"  # what the restore was doing, for the error if QEMU dies
         try:
-            warm = await self.warm.take(record.id)
+            warm = None if own_disks else await self.warm.take(record.id)
             if warm is not None:
                 process, slot, workdir, disks = warm.process, warm.slot, warm.workdir, warm.disks
             else:
@@ -830,7 +842,8 @@ class Runtime:
             if slot is not None and egress is not None and egress != slot.policy:
                 await slot.set_policy(egress)
             if process is None:
-                process = await self._spawn_for_restore(record, mem_path, workdir, slot, disks)
+                process = await self._spawn_for_restore(record, mem_path, workdir, slot, disks,
+                                                        own_disks=own_disks)
             t1 = time.perf_counter()
             try:
                 await self._load_device_state(process, Path(record.device_state))
@@ -936,9 +949,10 @@ class Runtime:
 
     async def _spawn_for_restore(self, record: SnapshotRecord, mem_path: Path, workdir: Path,
                                  slot: NetworkSlot | None, disks: list[AttachedDisk],
-                                 extra_vcpus: int = 0) -> QemuProcess:
+                                 extra_vcpus: int = 0, *, own_disks: bool = False) -> QemuProcess:
         """A QEMU in `-incoming defer` with the record's disks, each a new blockd device over
-        the snapshot's layers (appended to `disks` as made, for the caller to release)."""
+        the snapshot's layers (appended to `disks` as made, for the caller to release);
+        `own_disks` as in `restore`."""
         snaps = {d.name: d for d in record.disks}
 
         async def attach(user: privilege.VMUser | None) -> list[DiskAttachment]:
@@ -946,7 +960,8 @@ class Runtime:
             for cfg in record.machine.disks:
                 ds = snaps[cfg.name]
                 disk, attachment = await self._attach_disk(
-                    cfg, ds.layers, Path(ds.file) if ds.file else None, workdir, user)
+                    cfg, ds.layers, Path(ds.file) if ds.file else None, workdir, user,
+                    ds.chain_used if own_disks else 0)
                 disks.append(disk)
                 attachments.append(attachment)
             return attachments

@@ -84,6 +84,9 @@ class DiskSnapshot(BaseModel):
     layers: list[LayerRef]  # oldest first
     read_only: bool = False
     file: str | None = None  # a read-only raw-file disk (e.g. the tools disk)
+    #: bytes of the disk's own sealed uppers among `layers` (its sandbox's pauses and
+    #: snapshots since it was made): a resume of that sandbox counts them against its cap
+    chain_used: int = 0
 
 
 class SnapshotRecord(BaseModel):

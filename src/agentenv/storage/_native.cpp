@@ -25,6 +25,7 @@
 #include <sys/mman.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
+#include <sys/statvfs.h>
 #include <sys/uio.h>
 #include <time.h>
 #include <unistd.h>
@@ -36,6 +37,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <set>
 #include <shared_mutex>
 #include <string>
 #include <thread>
@@ -72,9 +74,11 @@ struct Layer {
     std::shared_ptr<ZLayer> z;            // an LZ4 ZFile layer (local, or remote with `remote`)
 };
 
-// What a write refused for the cap reports (UpperFull's fields).
+// What a write refused for space reports: the disk's cap (UpperFull's fields), or the node's
+// budget (node: `used` is the filesystem's free bytes, `limit` the reserve; NodeDiskFull's).
 struct Full {
     int64_t used = 0, need = 0, limit = 0;
+    bool set = false, node = false;
 };
 
 enum PieceKind { HOLE, ZERO, UPPER, LOWER };
@@ -516,13 +520,17 @@ struct Engine {
     std::vector<Layer> layers;
     bool has_foreign = false;          // some layer is read through Python
     PyObject* foreign_read = nullptr;  // callable(slot, pos, memoryview, serving) -> int
-    PyObject* on_full = nullptr;       // callable(used, need, limit) -> exception
+    PyObject* on_full = nullptr;       // callable(used, need, limit, node) -> exception
 
     bool has_upper = false;
     bool writable = false;
     int dfd = -1, ifd = -1;
     int64_t data_eof = 0, index_eof = 0, log_entries = 0;
     int64_t limit = -1;
+    // Bytes of upper growth the node's disk budget (below) granted and this upper has not used
+    // yet: appends within it cost no filesystem check. Written by the one writer (wlock),
+    // read by other engines' grants.
+    std::atomic<int64_t> grant_left{0};
     int rw_tag = 0;
     bool reuse = true;
     int64_t log_buffer = 0;
@@ -658,7 +666,8 @@ struct Engine {
         umap.store(nullptr);
     }
 
-    ~Engine() { unmap_upper(); }
+    Engine();
+    ~Engine();
 
     int64_t read_foreign(int64_t slot, int64_t fpos, char* dst, int64_t n) {
         python_reads.fetch_add(1, std::memory_order_relaxed);
@@ -815,15 +824,21 @@ struct Engine {
     int64_t used_bytes() const { return data_eof - HT_BLOCK + 16 * log_entries; }
 
     int reserve(int64_t data_bytes, int64_t entries, Full* full) {
-        if (limit >= 0) {
-            int64_t need = data_bytes + 16 * entries;
-            if (used_bytes() + need > limit) {
-                if (full) *full = Full{used_bytes(), need, limit};
-                return -ENOSPC;
-            }
+        int64_t need = data_bytes + 16 * entries;
+        if (need == 0) return 0;  // an in-place rewrite: no growth, nothing to refuse
+        if (limit >= 0 && used_bytes() + need > limit) {
+            if (full) *full = Full{used_bytes(), need, limit, true, false};
+            return -ENOSPC;
         }
-        return 0;
+        int64_t left = grant_left.load(std::memory_order_relaxed);
+        if (need <= left) {
+            grant_left.store(left - need, std::memory_order_relaxed);
+            return 0;
+        }
+        return take_grant(need, full);
     }
+
+    int take_grant(int64_t need, Full* full);
 
     int write_log() {
         if (pending_log.empty()) return 0;
@@ -967,6 +982,56 @@ struct Engine {
         return 0;
     }
 };
+
+// -- the node's disk budget (storage/budget.py is the Python path's twin) ---------------------
+//
+// One per process (blockd): while on, an upper grows only within a grant, and a grant is given
+// only while the upper's filesystem keeps `reserve` bytes free after every grant outstanding
+// (fstatvfs once per grant, not per write). A grant is `grant` bytes (or the request, if
+// larger); when that would cut into the reserve, only the request. A write that cannot be
+// granted gets ENOSPC: the guest sees a full disk, the host filesystem never fills past the
+// reserve. Other writers on that filesystem (the node's memory layers, pulls) check the reserve
+// themselves before they write.
+struct Budget {
+    std::mutex m;
+    std::atomic<int64_t> reserve{-1};  // -1: off
+    int64_t grant = 0;
+    std::set<Engine*> engines;
+};
+
+Budget budget;
+
+Engine::Engine() {
+    std::lock_guard<std::mutex> g(budget.m);
+    budget.engines.insert(this);
+}
+
+Engine::~Engine() {
+    unmap_upper();
+    std::lock_guard<std::mutex> g(budget.m);
+    budget.engines.erase(this);
+}
+
+int Engine::take_grant(int64_t need, Full* full) {
+    int64_t reserve = budget.reserve.load(std::memory_order_relaxed);
+    if (reserve < 0) return 0;
+    std::lock_guard<std::mutex> g(budget.m);
+    struct statvfs st;
+    if (fstatvfs(dfd, &st) < 0) return -errno;
+    int64_t free_bytes = int64_t(st.f_bavail) * int64_t(st.f_frsize);
+    int64_t outstanding = 0;
+    for (Engine* other : budget.engines)
+        if (other != this) outstanding += other->grant_left.load(std::memory_order_relaxed);
+    int64_t room = free_bytes - outstanding - reserve;
+    if (room < need) {
+        grant_left.store(0, std::memory_order_relaxed);
+        if (full) *full = Full{free_bytes, need, reserve, true, true};
+        return -ENOSPC;
+    }
+    grant_left.store(std::min(std::max(budget.grant, need), room) - need,
+                     std::memory_order_relaxed);
+    return 0;
+}
 
 // -- NBD transmission (docs: blockd/nbd.py holds negotiation and the Python twin) ----------
 
@@ -1551,9 +1616,10 @@ struct CoreObject {
 
 PyObject* raise_errno(Engine* e, int r, const Full& full) {
     if (PyErr_Occurred()) return nullptr;  // a foreign layer's own error, for this caller
-    if (r == -ENOSPC && e->on_full != nullptr && full.limit) {
-        PyObject* exc = PyObject_CallFunction(e->on_full, "LLL", (long long)full.used,
-                                              (long long)full.need, (long long)full.limit);
+    if (r == -ENOSPC && e->on_full != nullptr && full.set) {
+        PyObject* exc = PyObject_CallFunction(e->on_full, "LLLO", (long long)full.used,
+                                              (long long)full.need, (long long)full.limit,
+                                              full.node ? Py_True : Py_False);
         if (exc != nullptr) {
             PyErr_SetObject(reinterpret_cast<PyObject*>(Py_TYPE(exc)), exc);
             Py_DECREF(exc);
@@ -1721,6 +1787,7 @@ PyObject* Core_configure(CoreObject* self, PyObject* args) {
     e->log_entries = log_entries;
     e->rw_tag = rw_tag;
     e->limit = limit;
+    e->grant_left.store(0, std::memory_order_relaxed);  // a new upper asks anew
     e->reuse = reuse;
     e->log_buffer = log_buffer;
     e->pending_log.clear();
@@ -1759,6 +1826,7 @@ PyObject* Core_export_upper(CoreObject* self, PyObject*) {
 PyObject* Core_close(CoreObject* self, PyObject*) {
     Py_BEGIN_ALLOW_THREADS std::lock_guard<std::mutex> g(self->e->wlock);
     self->e->closed = true;
+    self->e->grant_left.store(0, std::memory_order_relaxed);  // back to the node's budget
     self->e->unmap_upper();  // paused: no reader holds a mapping
     Py_END_ALLOW_THREADS
     // The callables are the image's bound methods: dropping them breaks the reference cycle
@@ -1966,6 +2034,23 @@ PyGetSetDef Core_getset[] = {
     {nullptr, nullptr, nullptr, nullptr, nullptr}};
 
 PyTypeObject CoreType = {PyVarObject_HEAD_INIT(nullptr, 0)};
+
+// set_disk_budget(reserve, grant): turn the node's disk budget on for every core of this
+// process (reserve < 0: off). Grants already given stand.
+PyObject* set_disk_budget(PyObject*, PyObject* args) {
+    long long reserve, grant;
+    if (!PyArg_ParseTuple(args, "LL", &reserve, &grant)) return nullptr;
+    if (grant <= 0) {
+        PyErr_SetString(PyExc_ValueError, "a grant is a positive number of bytes");
+        return nullptr;
+    }
+    {
+        std::lock_guard<std::mutex> g(budget.m);
+        budget.grant = grant;
+    }
+    budget.reserve.store(reserve < 0 ? -1 : reserve);
+    Py_RETURN_NONE;
+}
 
 // -- memory capture: written pages of QEMU's guest RAM into a layer (runtime/memory.py) ----
 //
@@ -2453,6 +2538,8 @@ PyMethodDef module_methods[] = {
      "address of the libfuse 3 high-level read callback serving registered paths"},
     {"capture_pages", (PyCFunction)capture_pages, METH_VARARGS,
      "a pause's written pages of QEMU's RAM into a layer's data (see the source)"},
+    {"set_disk_budget", (PyCFunction)set_disk_budget, METH_VARARGS,
+     "set_disk_budget(reserve, grant): the node's disk budget for every core (reserve < 0: off)"},
     {nullptr, nullptr, 0, nullptr}};
 
 PyModuleDef native_module = {PyModuleDef_HEAD_INIT, "_native",

@@ -177,6 +177,7 @@ class Image:
         vsize = vsize or virtual_size or _stack_vsize(layers)
         self._view = _View(layers, ro, upper, vsize)
         self._upper_limit: int | None = None
+        self._chain_used = 0
 
     # -- construction ---------------------------------------------------------------------
 
@@ -276,9 +277,10 @@ class Image:
 
     @property
     def upper_limit(self) -> int | None:
-        """Cap in bytes on the upper's growth (data appended plus index log; None: no cap).
-        Writes that would pass it raise UpperFull (ENOSPC); a snapshot starts a new upper
-        with the same cap."""
+        """Cap in bytes on what this disk's writes may take (None: no cap): the current upper's
+        growth (data appended plus index log) plus `chain_used`, the sealed uppers of its
+        earlier snapshots. Writes that would pass it raise UpperFull (ENOSPC); a snapshot
+        starts a new upper with what is left, so a pause and resume never renews it."""
         return self._upper_limit
 
     @upper_limit.setter
@@ -287,8 +289,32 @@ class Image:
             raise ImageUsageError(f"upper limit must be a positive number of bytes, got {limit!r}")
         with self._wlock:
             self._upper_limit = limit
-            if self._view.upper is not None:
-                self._view.upper.limit = limit
+            self._apply_upper_cap()
+
+    @property
+    def chain_used(self) -> int:
+        """Bytes this disk's own sealed uppers hold (counted against `upper_limit`): what the
+        caller said at open (its earlier pauses) plus each snapshot_and_restack since."""
+        return self._chain_used
+
+    @chain_used.setter
+    def chain_used(self, used: int) -> None:
+        if not isinstance(used, int) or used < 0:
+            raise ImageUsageError(f"chain_used must be a non-negative number of bytes, got {used!r}")
+        with self._wlock:
+            self._chain_used = used
+            self._apply_upper_cap()
+
+    def _upper_cap(self) -> int | None:
+        """What the current upper may grow to (None: no cap; 0: nothing more)."""
+        if self._upper_limit is None:
+            return None
+        return max(0, self._upper_limit - self._chain_used)
+
+    def _apply_upper_cap(self) -> None:
+        """Give the current upper its cap (the caller holds the write lock)."""
+        if self._view.upper is not None:
+            self._view.upper.limit = self._upper_cap()
 
     @property
     def upper_used(self) -> int:
@@ -643,6 +669,7 @@ class Image:
                 raise ImageUsageError(f"{sealed_path} is not on the upper's filesystem")
             upper_dir = up.data_path.parent
             up.flush()
+            sealed_used = up.used_bytes
             trailer = up.seal_in_place()
             os.link(up.data_path, sealed_path)
             try:
@@ -661,11 +688,12 @@ class Image:
             except BaseException:
                 sealed_path.unlink(missing_ok=True)
                 raise
+            self._chain_used += sealed_used  # the sealed upper is the chain's from here on
             try:
                 fsync_dir(config.path.parent)
                 new_upper = Upper.create(upper_dir, v.vsize, parent_uuid=trailer.uuid,
                                          rw_tag=slot + 1)
-                new_upper.limit = self._upper_limit
+                new_upper.limit = self._upper_cap()
             except BaseException:
                 # On disk the restack is committed; the next open finishes it. Here the
                 # image goes read-only over the new stack.

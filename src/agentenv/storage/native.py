@@ -31,6 +31,7 @@ from typing import Any
 
 import numpy as np
 
+from agentenv.storage.budget import NodeDiskFull
 from agentenv.storage.errors import ImageUsageError
 from agentenv.storage.image import Image
 from agentenv.storage.lsmt import FlatIndex
@@ -64,6 +65,12 @@ def enabled() -> bool:
     if switch not in ("0", "1", "false", "true", "no", "yes", "off", "on", ""):
         raise ImageUsageError(f"{ENV_SWITCH}={switch!r}: use 1 (native core) or 0 (Python)")
     return available() and switch not in ("0", "false", "no", "off")
+
+
+def set_disk_budget(reserve: int, grant: int) -> None:
+    """The node's disk budget for every core of this process (storage/budget.py)."""
+    assert _native is not None
+    _native.set_disk_budget(reserve, grant)
 
 
 def chunk_map(marks: bytes) -> Any:
@@ -180,7 +187,11 @@ class NativeImage(Image):
                                                     "offset": pos, "error": str(exc)})
             return -1
 
-    def _upper_full(self, used: int, need: int, limit: int) -> UpperFull:
+    def _upper_full(self, used: int, need: int, limit: int, node: bool) -> OSError:
+        """The core's ENOSPC as the Python path raises it: the node's budget (used: the free
+        bytes, limit: the reserve) or the disk's cap."""
+        if node:
+            return NodeDiskFull(used, need, limit)
         up = self._view.upper
         assert up is not None
         return UpperFull(up.data_path, used, need, limit)
@@ -263,10 +274,10 @@ class NativeImage(Image):
     def upper_used(self) -> int:
         return self._core.upper_used  # type: ignore[no-any-return]
 
-    @Image.upper_limit.setter  # type: ignore[attr-defined,misc]
-    def upper_limit(self, limit: int | None) -> None:
-        Image.upper_limit.fset(self, limit)  # type: ignore[attr-defined]
-        self._core.set_limit(-1 if limit is None else limit)
+    def _apply_upper_cap(self) -> None:
+        super()._apply_upper_cap()
+        cap = self._upper_cap()
+        self._core.set_limit(-1 if cap is None else cap)
 
     def resize(self, new_size: int) -> None:
         with self._handoff():

@@ -11,7 +11,8 @@ over that data in place (no append, no log entry), so a guest rewriting the same
 log file, a database page) does not grow the upper; the file stays a valid overlaybd upper.
 Anything else appends, and `limit` (bytes of data plus index log, None = no cap) refuses an
 append that would pass it with `UpperFull` (an OSError with ENOSPC: blockd answers the NBD
-request with ENOSPC, the upper stays as it was).
+request with ENOSPC, the upper stays as it was). Appends also stay within the node's disk
+budget when one is configured (storage/budget.py: `NodeDiskFull`, ENOSPC too).
 
 Concurrency: the caller serialises writers; readers look up `index` while holding
 `index_lock`, which writers take only while mutating the in-memory index. A reader that
@@ -27,6 +28,7 @@ import threading
 from pathlib import Path
 
 from agentenv.fsutil import fsync_dir
+from agentenv.storage import budget
 from agentenv.storage.errors import LayerFormatError
 from agentenv.storage.lsmt import (
     FLAG_DATA,
@@ -122,6 +124,7 @@ class Upper:
         self.pending_log: list[bytes] = []
         self.pending_bytes = 0
         self.limit: int | None = None  # cap on used_bytes for appends (see module docstring)
+        self.grant_left = 0  # growth the node's disk budget granted, not used yet (budget.py)
         self.reuse = True  # overwrite fully mapped ranges in place
 
     # -- creation and opening ------------------------------------------------------------
@@ -233,12 +236,19 @@ class Upper:
         return self.data_eof - HT_BLOCK + 16 * self.log_entries
 
     def _reserve(self, data_bytes: int, entries: int) -> None:
+        """Room for an append: within the cap, then within the node's disk budget."""
+        need = data_bytes + 16 * entries
+        if not need:  # an in-place rewrite: no growth, nothing to refuse
+            return
         limit = self.limit
         if limit is not None:
-            need = data_bytes + 16 * entries
             used = self.used_bytes
             if used + need > limit:
                 raise UpperFull(self.data_path, used, need, limit)
+        if need <= self.grant_left:
+            self.grant_left -= need
+        else:
+            budget.take(self, need)
 
     # -- mutation (caller serialises writers) -----------------------------------------------
 
@@ -392,3 +402,4 @@ class Upper:
                 os.close(fd)
         self.data_fd = -1
         self.index_fd = None
+        self.grant_left = 0  # back to the node's budget

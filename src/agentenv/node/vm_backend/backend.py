@@ -324,13 +324,14 @@ class VmBackend(SandboxBackend, CrashRecovery, LayerAware, TemplateBuilding, Net
         return spec.access_token or (spec.own_token if guest_token else None)
 
     async def _restore(self, spec: SandboxSpec, record: SnapshotRecord,
-                       previous_token: str | None = None) -> Placement:
+                       previous_token: str | None = None, *, own: bool = False) -> Placement:
+        """own: `record` is this sandbox's pause (its disks' caps keep what they used)."""
         token = self._token(spec, previous_token)
         with vm_errors(f"starting the VM of {spec.sandbox_id} failed"):
             vm = await self.runtime.restore(record, env_vars=self._guest_env(spec),
                                             access_token=token,
                                             egress=egress_of(spec),
-                                            guest_token=previous_token)
+                                            guest_token=previous_token, own_disks=own)
         await self.egress.announce(spec.sandbox_id, vm, spec)
         return self._placement(spec.sandbox_id, vm, token)
 
@@ -461,7 +462,8 @@ class VmBackend(SandboxBackend, CrashRecovery, LayerAware, TemplateBuilding, Net
         record = self.snapshots.load(snapshot)
         if not record.memory or not memory:
             return await self._cold_boot(spec, record)
-        return await self._restore(spec, record, previous_token=snapshot.data.get("guest_token"))
+        return await self._restore(spec, record, previous_token=snapshot.data.get("guest_token"),
+                                   own=True)
 
     async def _cold_boot(self, spec: SandboxSpec, record: SnapshotRecord) -> Placement:
         """A VM booted from a filesystem-only snapshot's disks with the current guest assets
@@ -478,7 +480,8 @@ class VmBackend(SandboxBackend, CrashRecovery, LayerAware, TemplateBuilding, Net
             else:
                 disks.append(DiskSource(cfg.name, cfg.size, read_only=cfg.read_only,
                                         layers=[Path(x.path) for x in snap.layers],
-                                        file=Path(snap.file) if snap.file else None))
+                                        file=Path(snap.file) if snap.file else None,
+                                        chain_used=snap.chain_used))
         boot = BootSpec(kernel=assets.kernel, initramfs=assets.initramfs,
                         cmdline=assets.cmdline_base, vcpus=record.machine.vcpus,
                         memory_mib=record.machine.memory_mib,
