@@ -269,11 +269,11 @@ class Lab:
 
     def __init__(self, tmp: Path, slots: int = 2, prefix: str = "eptest", port: int = 15001,
                  tls: bool = True, proxy_args: tuple[str, ...] = (),
-                 slot_rate_mbit: int = 0) -> None:
+                 slot_rate_mbit: int = 0, slot_max_flows: int = 0) -> None:
         self.tmp, self.prefix, self.port = tmp, prefix, port
         self.inet = f"{prefix}-inet"
-        self.slots = [rtnet.NetworkSlot(i + 1, prefix=prefix, rate_mbit=slot_rate_mbit)
-                      for i in range(slots)]
+        self.slots = [rtnet.NetworkSlot(i + 1, prefix=prefix, rate_mbit=slot_rate_mbit,
+                                        max_flows=slot_max_flows) for i in range(slots)]
         self.table = f"{prefix}_egress"
         self.with_tls = tls
         self.proxy_args = proxy_args

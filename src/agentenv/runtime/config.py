@@ -118,6 +118,9 @@ class RuntimeConfig(BaseModel):
     # the slot's veth, so one guest's bulk transfer or flood of flows cannot take the host's
     # link from the others; traffic through the egress proxy included). 0: not shaped.
     slot_rate_mbit: int = Field(default=0, ge=0, le=400_000)
+    # A guest's live flows at most (its connection-tracking entries: the host has one table for
+    # every slot and the node itself, ~262144 entries). 0: no limit.
+    slot_max_flows: int = Field(default=4096, ge=0)
     # Bytes of a VM's serial console log kept on disk (serial.log and its rotated tail
     # serial.log.1, runtime/serial.py): a guest writes to ttyS0 without end. 0: no cap.
     serial_log_max_bytes: int = Field(default=4 << 20, ge=0)
@@ -159,6 +162,7 @@ PRIVILEGE_ENV = {
     "AENV_DISK_BUS": "disk_bus", "AENV_GUEST_DNS": "guest_dns",
     "AENV_SERIAL_LOG_MAX_BYTES": "serial_log_max_bytes",
     "AENV_SLOT_RATE_MBIT": "slot_rate_mbit",
+    "AENV_SLOT_MAX_FLOWS": "slot_max_flows",
     "AENV_QEMU_MAX_FILE_BYTES": "qemu_max_file_bytes",
     "AENV_QEMU_MAX_OPEN_FILES": "qemu_max_open_files",
 }

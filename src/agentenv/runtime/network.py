@@ -181,6 +181,8 @@ class NetworkSlot:
     policy: EgressPolicy = field(default_factory=EgressPolicy)
     #: bandwidth each way in Mbit/s (0: not shaped): a token bucket on each end of the veth
     rate_mbit: int = 0
+    #: the guest's live flows (conntrack entries) at most (0: no limit)
+    max_flows: int = 0
 
     def __post_init__(self) -> None:
         if not self.outbound and self.policy.is_default:
@@ -241,7 +243,12 @@ class NetworkSlot:
             "        ct direction reply accept\n"
             "        ct state related accept\n"
             f'        iifname "vpeer" oifname "tap0" ip saddr {self.host_address} ct status dnat accept\n'
-            '        iifname "tap0" oifname "vpeer" goto egress\n'
+            # Each flow is an entry of the host's one conntrack table: a guest opening flows
+            # as fast as it can would fill it for every slot and the node (new flows dropped
+            # host-wide). Its live flows are counted here, past max_flows new ones are refused.
+            + (f'        iifname "tap0" ct state new ct count over {self.max_flows} '
+               "reject with icmp type admin-prohibited\n" if self.max_flows else "")
+            + '        iifname "tap0" oifname "vpeer" goto egress\n'
             "    }\n"
             "    chain egress {\n"
             f"        ip daddr {METADATA_IP} tcp dport 80 accept\n"
@@ -722,14 +729,16 @@ class SlotPool:
 
     def __init__(self, prefix: str = "aenv", low: int = 2, high: int = 8,
                  first_index: int = 1, max_slots: int = 32767, reuse_delay: float = 0.0,
-                 open_ranges: tuple[IPv4Network, ...] = (), rate_mbit: int = 0) -> None:
+                 open_ranges: tuple[IPv4Network, ...] = (), rate_mbit: int = 0,
+                 max_flows: int = 0) -> None:
         """`reuse_delay` > 0: a freed slot is destroyed and its index (its addresses) serves no
         VM for that many seconds, so connections a proxy still pools to the dead VM expire
         instead of reaching the next guest at the same address. `rate_mbit`: each slot's
-        bandwidth each way (0: not shaped)."""
+        bandwidth each way (0: not shaped); `max_flows`: its guest's live flows."""
         self.prefix = prefix
         self.open_ranges = open_ranges
         self.rate_mbit = rate_mbit
+        self.max_flows = max_flows
         self.low, self.high = low, high
         self._free: list[NetworkSlot] = []
         self._next = first_index
@@ -763,7 +772,7 @@ class SlotPool:
         self.acquire_prefix()
         while True:
             slot = NetworkSlot(self._new_index(), self.prefix, open_ranges=self.open_ranges,
-                               rate_mbit=self.rate_mbit)
+                               rate_mbit=self.rate_mbit, max_flows=self.max_flows)
             with contextlib.suppress(NetworkError):  # leftovers of a crashed run of ours
                 if Path(slot.netns_path).exists():
                     await slot.destroy()
@@ -794,7 +803,7 @@ class SlotPool:
         below it that nobody claims are reused later (their leftovers are rebuilt)."""
         self.acquire_prefix()
         slot = NetworkSlot(index, self.prefix, outbound, open_ranges=self.open_ranges,
-                           rate_mbit=self.rate_mbit)
+                           rate_mbit=self.rate_mbit, max_flows=self.max_flows)
         self._in_use[index] = slot
         if index >= self._next:
             self._released.extend(range(self._next, index))

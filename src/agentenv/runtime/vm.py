@@ -199,7 +199,8 @@ class Runtime:
                               first_index=config.slot_first_index,
                               reuse_delay=config.slot_reuse_delay,
                               open_ranges=parse_open_ranges(config.network_open_ranges),
-                              rate_mbit=config.slot_rate_mbit)
+                              rate_mbit=config.slot_rate_mbit,
+                              max_flows=config.slot_max_flows)
         self.accel: Literal["kvm", "tcg"] | None = None
         # No keep-alive: a restored guest carries the TCP state of its snapshot, so a pooled
         # connection to a reused slot address belongs to another incarnation of the guest and
