@@ -1,12 +1,13 @@
 """The E2B Code Interpreter SDK, unchanged, against a VM node's built-in `code-interpreter-v1`
 template (issue 29): stateful Python kernel, streamed output, rich results, errors, interrupts,
-contexts, per-call env vars, pause and connect.
+contexts, per-call env vars, pause and connect, fork, snapshots, concurrent async clients.
 
 Run under flock /tmp/aenv-vmtest.lock (it starts QEMU). The node's first start builds the
 template (debootstrap of the Jupyter packages is cached in conftest.DEBIAN_CACHE)."""
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import re
 import time
@@ -14,7 +15,7 @@ from collections.abc import Iterator
 
 import pytest
 from e2b import TimeoutException
-from e2b_code_interpreter import Sandbox
+from e2b_code_interpreter import AsyncSandbox, Sandbox
 
 from tests.node import conftest
 from tests.node.conftest import NodeProcess
@@ -144,3 +145,40 @@ def test_pause_and_connect_keep_the_kernel_state(ci_node: NodeProcess) -> None:
         assert again.run_code("kept").text == "'before pause'"
     finally:
         sandbox.kill()
+
+
+def test_fork_children_keep_the_kernel_state_and_diverge(sbx: Sandbox) -> None:
+    sbx.run_code("shared = [1]")
+    forked = sbx.fork(count=3, timeout=600)
+    assert all(isinstance(c, Sandbox) for c in forked), forked
+    children = [Sandbox.connect(c.sandbox_id, timeout=600) for c in forked]
+    try:
+        for i, child in enumerate(children):
+            child.run_code(f"shared.append({i})")
+        assert [c.run_code("shared").text for c in children] == ["[1, 0]", "[1, 1]", "[1, 2]"]
+        assert sbx.run_code("shared").text == "[1]"
+    finally:
+        for child in children:
+            child.kill()
+
+
+def test_a_snapshot_keeps_the_kernel_state(sbx: Sandbox) -> None:
+    sbx.run_code("snapped = 'in the snapshot'")
+    snap = sbx.create_snapshot()
+    fresh = Sandbox.create(snap.snapshot_id, timeout=600)
+    try:
+        assert fresh.run_code("snapped").text == "'in the snapshot'"
+    finally:
+        fresh.kill()
+
+
+def test_async_client_on_concurrent_sandboxes(ci_node: NodeProcess) -> None:
+    async def main() -> list[str | None]:
+        boxes = await asyncio.gather(*(AsyncSandbox.create(timeout=600) for _ in range(8)))
+        try:
+            runs = await asyncio.gather(*(b.run_code(f"{i} * 10") for i, b in enumerate(boxes)))
+            return [r.text for r in runs]
+        finally:
+            await asyncio.gather(*(b.kill() for b in boxes))
+
+    assert asyncio.run(main()) == [str(i * 10) for i in range(8)]
