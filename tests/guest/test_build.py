@@ -99,6 +99,7 @@ def test_tools_image_layout(guest_assets: GuestAssets) -> None:
     for path in ("/init", "/bin/busybox", "/bin/envd", "/bin/python3", "/manifest.json",
                  "/usr/bin/python3.11", "/lib/x86_64-linux-gnu/ld-linux-x86-64.so.2",
                  "/python/agentenv/__init__.py", "/python/agentenv/guest/envd/__main__.py",
+                 "/python/agentenv/guest/codeint/__main__.py",
                  "/python/envd-main.py", "/usr/lib/python3.11/os.py"):
         assert "Type: regular" in _debugfs(image, f"stat {path}"), path
     assert _debugfs(image, "cat /python/agentenv/__init__.py") == ""

@@ -264,12 +264,15 @@ def _remove_reachable_roots() -> Iterator[None]:
 
 def vm_node_process(state_dir: Path, log_path: Path, net_prefix: str, first_slot: int,
                     extra_env: dict[str, str] | None = None) -> NodeProcess:
-    """The node subprocess with --backend vm (its first start builds the base template).
+    """The node subprocess with --backend vm (its first start builds the base template, and
+    code-interpreter-v1 where extra_env sets AENV_VM_CODE_INTERPRETER=1).
     Each test module uses its own slot prefix and addresses: teardown deletes its namespaces."""
     return NodeProcess(
         reachable_state_dir(state_dir), log_path, extra_args=("--backend", "vm"),
         extra_env={"AENV_VM_ASSETS_DIR": str(GUEST_STATE), "AENV_VM_DEBIAN_CACHE": str(DEBIAN_CACHE),
                    "AENV_VM_NETWORK_PREFIX": net_prefix, "AENV_VM_FIRST_SLOT": str(first_slot),
+                   # only the modules that test it pay for the code-interpreter-v1 build
+                   "AENV_VM_CODE_INTERPRETER": "0",
                    **(extra_env or {})},
         start_timeout=600,  # guest assets + debootstrap on a cold cache
     )

@@ -1,15 +1,22 @@
-"""The VM backend's built-in `base` template: Debian bookworm with what E2B's base image has
-(rootfs.BASE_PACKAGES: python, pip, sudo, git, curl...) and the `user` account with sudo.
+"""The VM backend's built-in templates:
 
-Built once per node and cached under <state>/templates/base/:
+- `base`: Debian bookworm with what E2B's base image has (rootfs.BASE_PACKAGES: python, pip,
+  sudo, git, curl...) and the `user` account with sudo;
+- `code-interpreter-v1`: base plus Debian's Jupyter kernel and data stack
+  (CODE_INTERPRETER_PACKAGES), with the code-interpreter server (agentenv.guest.codeint, from
+  the tools disk) started and its default Python kernel warm before the snapshot, so that the
+  E2B Code Interpreter SDK's first run_code pays no kernel start.
+
+Each is built once per node and cached under <state>/templates/<name>/:
 
     Debian root (debootstrap, cached tarball)  ->  ext4 image (sparse, BASE_DISK_BYTES)
-    ->  overlaybd layer (import_raw)  ->  cold boot through the runtime  ->  pause
-    ->  the boot snapshot every `create` restores.
+    ->  overlaybd layer (import_raw)  ->  cold boot through the runtime
+    ->  (start command, until its health answers)  ->  pause  ->  the boot snapshot every
+    `create` restores.
 
 template.json records the boot snapshot's directory and a key of everything the snapshot
-depends on (guest assets, accelerator, machine size, package list); a restart with the same key
-reuses the snapshot, a different key rebuilds it.
+depends on (guest assets, accelerator, machine size, package list, start command); a restart
+with the same key reuses the snapshot, a different key rebuilds it.
 """
 
 from __future__ import annotations
@@ -25,10 +32,14 @@ from dataclasses import dataclass
 from ipaddress import IPv4Address
 from pathlib import Path
 
+import httpx
+
+from agentenv.envd_client import EnvdClient
 from agentenv.fsutil import atomic_write_json
 from agentenv.guest.build import GuestAssets
 from agentenv.guest.build.rootfs import (
     BASE_PACKAGES,
+    BASE_USER,
     add_base_user,
     debian_root,
     make_rootfs_image,
@@ -45,6 +56,42 @@ BASE_INODES = 262_144  # room for pip installs (mkfs -d would size inodes to the
 BASE_VCPUS = 2
 BASE_MEMORY_MIB = 512
 
+# What the code-interpreter-v1 image has on top of base: Debian's Jupyter kernel and the data
+# stack a user of E2B's code-interpreter template reaches for first.
+CODE_INTERPRETER_PACKAGES = (
+    "python3-ipykernel", "python3-jupyter-client", "python3-numpy", "python3-pandas",
+    "python3-matplotlib", "python3-scipy", "python3-sklearn", "python3-seaborn",
+    "python3-openpyxl", "python3-bs4", "python3-requests", "python3-sympy", "python3-pil",
+    # debootstrap does not resolve virtual packages: the real providers of what pyzmq
+    # (python3-cffi-backend-api-*) and gdb, via ipykernel's debugpy (libboost-regex...-icu72),
+    # depend on
+    "python3-cffi-backend", "libboost-regex1.74.0",
+)
+CODE_INTERPRETER_PORT = 49999
+CODE_INTERPRETER_START = (
+    f"cd /home/user && PYTHONPATH=/agentenv/python exec python3 -m agentenv.guest.codeint"
+    f" --port {CODE_INTERPRETER_PORT} --cwd /home/user >>/tmp/.aenv-codeint.log 2>&1"
+)
+READY_TIMEOUT_SECONDS = 180.0
+
+
+@dataclass(frozen=True)
+class BuiltinSpec:
+    """What a built-in template is made of."""
+
+    name: str
+    packages: tuple[str, ...]
+    memory_mib: int
+    vcpus: int = BASE_VCPUS
+    start_cmd: str | None = None  # run as `user` (bash -l) in the booted VM before the pause
+    ready_port: int | None = None  # its GET /health must answer 200 before the pause
+
+
+BASE = BuiltinSpec("base", BASE_PACKAGES, BASE_MEMORY_MIB)
+CODE_INTERPRETER = BuiltinSpec(
+    "code-interpreter-v1", BASE_PACKAGES + CODE_INTERPRETER_PACKAGES, 1024,
+    start_cmd=CODE_INTERPRETER_START, ready_port=CODE_INTERPRETER_PORT)
+
 
 @dataclass(frozen=True)
 class BaseTemplate:
@@ -60,10 +107,13 @@ def _file_key(path: Path) -> str:
     return f"{path}:{st.st_size}:{st.st_mtime_ns}"
 
 
-def template_key(assets: GuestAssets, accel: str, dns: IPv4Address | None = None) -> str:
+def template_key(assets: GuestAssets, accel: str, dns: IPv4Address | None = None,
+                 spec: BuiltinSpec = BASE) -> str:
     parts = [
-        str(TEMPLATE_FORMAT), accel, ",".join(sorted(BASE_PACKAGES)), str(BASE_DISK_BYTES),
-        str(BASE_VCPUS), str(BASE_MEMORY_MIB),
+        str(TEMPLATE_FORMAT), accel, ",".join(sorted(spec.packages)), str(BASE_DISK_BYTES),
+        str(spec.vcpus), str(spec.memory_mib),
+        # (base's key has no such part, so that its existing builds stay valid)
+        *([f"start={spec.start_cmd}", f"ready={spec.ready_port}"] if spec.start_cmd else []),
         _file_key(assets.kernel), _file_key(assets.initramfs), _file_key(assets.tools_image),
         assets.cmdline_base,
         # the boot snapshot keeps the resolv.conf of its boot (restores do not boot)
@@ -92,7 +142,8 @@ def load_cached(template_dir: Path, key: str) -> BaseTemplate | None:
         record = SnapshotRecord.load(record_dir)
         record.check_files()
     except Exception as exc:  # any damage means: rebuild
-        log.warning("cached base template unusable, rebuilding", extra={"error": str(exc)})
+        log.warning("cached built-in template unusable, rebuilding",
+                    extra={"dir": str(template_dir), "error": str(exc)})
         return None
     return BaseTemplate(record_dir, snapshot_layers(record), record.machine.vcpus,
                         record.machine.memory_mib, BASE_DISK_BYTES)
@@ -100,18 +151,18 @@ def load_cached(template_dir: Path, key: str) -> BaseTemplate | None:
 
 async def build_base_template(
     runtime: Runtime, assets: GuestAssets, template_dir: Path, *, debian_cache: Path,
-    on_progress: Callable[[str], None] | None = None,
+    on_progress: Callable[[str], None] | None = None, spec: BuiltinSpec = BASE,
 ) -> BaseTemplate:
-    """Builds (or reuses) the base template's boot snapshot."""
+    """Builds (or reuses) a built-in template's boot snapshot (`base` unless `spec` says)."""
     assert runtime.accel is not None
-    key = template_key(assets, runtime.accel, runtime.config.guest_dns)
+    key = template_key(assets, runtime.accel, runtime.config.guest_dns, spec)
     cached = load_cached(template_dir, key)
     if cached is not None:
-        log.info("base template reused", extra={"record_dir": str(cached.record_dir)})
+        log.info(f"{spec.name} template reused", extra={"record_dir": str(cached.record_dir)})
         return cached
 
     def step(message: str) -> None:
-        log.info("base template: " + message)
+        log.info(f"{spec.name} template: " + message)
         if on_progress is not None:
             on_progress(message)
 
@@ -120,9 +171,9 @@ async def build_base_template(
     work = template_dir / "work"
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir()
-    step(f"unpacking a Debian bookworm root with {', '.join(BASE_PACKAGES)}"
-         " (debootstrap on first use: 1-2 min)")
-    root = await asyncio.to_thread(debian_root, work / "root", BASE_PACKAGES,
+    step(f"unpacking a Debian bookworm root with {', '.join(spec.packages)}"
+         " (debootstrap on first use: 1-5 min)")
+    root = await asyncio.to_thread(debian_root, work / "root", spec.packages,
                                    cache_dir=debian_cache)
     await asyncio.to_thread(add_base_user, root)
     step(f"making a {BASE_DISK_BYTES >> 30} GiB sparse ext4 image")
@@ -136,12 +187,15 @@ async def build_base_template(
     step("booting the template VM (under TCG this takes a while)")
     vm = await runtime.boot(BootSpec(
         kernel=assets.kernel, initramfs=assets.initramfs, cmdline=assets.cmdline_base,
-        vcpus=BASE_VCPUS, memory_mib=BASE_MEMORY_MIB, outbound=True,
+        vcpus=spec.vcpus, memory_mib=spec.memory_mib, outbound=True,
         disks=[DiskSource("tools", assets.tools_image.stat().st_size, read_only=True,
                           file=assets.tools_image),
                DiskSource("rootfs", BASE_DISK_BYTES, layers=[layer])]))
-    step("pausing it into the boot snapshot")
     try:
+        if spec.start_cmd:
+            step(f"starting {spec.start_cmd!r} and waiting for its health")
+            await start_and_wait(vm.envd_url, vm.envd_url.rsplit(":", 1)[0], spec)
+        step("pausing it into the boot snapshot")
         record = await runtime.pause(vm, wait_teardown=True)
     except BaseException:
         await runtime.kill(vm)
@@ -153,9 +207,38 @@ async def build_base_template(
     shutil.rmtree(work, ignore_errors=True)
     # Older rootfs layers stay: paused sandboxes and snapshots made from an earlier build of
     # the template name them in their records.
-    step(f"base template ready in {time.monotonic() - t0:.0f} s")
+    step(f"{spec.name} template ready in {time.monotonic() - t0:.0f} s")
     return BaseTemplate(record_dir, snapshot_layers(record), record.machine.vcpus,
                         record.machine.memory_mib, BASE_DISK_BYTES)
+
+
+async def start_and_wait(envd_url: str, guest_url: str, spec: BuiltinSpec) -> None:
+    """Starts spec.start_cmd in the guest (through envd, as `user`, left running) and waits
+    until http://guest:ready_port/health answers 200."""
+    assert spec.start_cmd is not None and spec.ready_port is not None
+    envd = EnvdClient(envd_url)
+    try:
+        await envd.wait_healthy()
+        await envd.run("/bin/bash", ["-l", "-c", spec.start_cmd], user=BASE_USER,
+                       cwd=f"/home/{BASE_USER}", background=True, tag="aenv-start-cmd")
+        deadline = time.monotonic() + READY_TIMEOUT_SECONDS
+        last = "no answer yet"
+        async with httpx.AsyncClient(trust_env=False, timeout=5) as http:
+            while time.monotonic() < deadline:
+                try:
+                    answer = await http.get(f"{guest_url}:{spec.ready_port}/health")
+                    if answer.status_code == 200:
+                        return
+                    last = f"status {answer.status_code}"
+                except httpx.HTTPError as exc:
+                    last = repr(exc)
+                await asyncio.sleep(0.5)
+        log_tail = await envd.run("/bin/sh", ["-c", "tail -c 3000 /tmp/.aenv-codeint.log"],
+                                  user="root", timeout=10)
+        raise RuntimeError(f"{spec.name}: port {spec.ready_port} not healthy after "
+                           f"{READY_TIMEOUT_SECONDS:.0f} s ({last}): {log_tail.stdout}")
+    finally:
+        await envd.close()
 
 
 def load_previous(template_dir: Path) -> dict[str, object] | None:

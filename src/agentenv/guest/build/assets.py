@@ -249,15 +249,17 @@ def build_assets(state_dir: Path, *, progress: bool = False, cache_dir: Path | N
 
         steps.step("tools disk")
         envd_digest = tools.tree_digest(tools.ENVD_SOURCE)
+        codeint_digest = tools.tree_digest(tools.CODEINT_SOURCE)
         versions = {
             "python": pkgs["python3.11-minimal"].version,
             "busybox": pkgs[tools.BUSYBOX_PACKAGE].version,
             "libc6": pkgs["libc6"].version,
             "envd_digest": envd_digest,
+            "codeint_digest": codeint_digest,
             "site_packages": site_packages,
         }
         tools_key = _key(python_key, site_key, pkgs[tools.BUSYBOX_PACKAGE].sha256, envd_digest,
-                         init_digest, builder_digest)
+                         codeint_digest, init_digest, builder_digest)
         if _fresh(old.get("tools"), tools_key, tools_path):
             tools_entry = old["tools"]
         else:

@@ -7,7 +7,9 @@ Layout inside the image (mounted at /agentenv):
   bin/envd, bin/python3  launchers that run Python through the disk's own dynamic loader
   lib/, usr/             Debian's python3.11-minimal, libpython3.11-stdlib, libc6 and the
                          libraries they need, unpacked from .debs, with precompiled .pyc
-  python/agentenv/...    the envd package (empty agentenv/ and agentenv/guest/ parents)
+  python/agentenv/...    the envd package (empty agentenv/ and agentenv/guest/ parents) and the
+                         code-interpreter server (agentenv.guest.codeint), which the
+                         code-interpreter-v1 template runs on its image's own python3
   site-packages/         envd's third-party Python dependencies (pip install --target)
   manifest.json          versions of what is inside
 """
@@ -51,6 +53,7 @@ PRUNE = (
 )
 
 ENVD_SOURCE = Path(__file__).resolve().parent.parent / "envd"
+CODEINT_SOURCE = Path(__file__).resolve().parent.parent / "codeint"
 STAGE2_INIT = Path(__file__).resolve().parent.parent / "init" / "init"
 
 ENVD_MAIN = '''"""Starts envd from the tools disk: its dependencies first on sys.path, then the package."""
@@ -217,10 +220,11 @@ def stage_tools(*, python_dir: Path, site_dir: Path, busybox: Path, stage: Path,
     (pkg_root / "agentenv" / "guest").mkdir(parents=True)
     (pkg_root / "agentenv" / "__init__.py").write_text("")
     (pkg_root / "agentenv" / "guest" / "__init__.py").write_text("")
-    if not ENVD_SOURCE.is_dir():
-        raise GuestBuildError(f"the envd package is missing: {ENVD_SOURCE}")
-    shutil.copytree(ENVD_SOURCE, pkg_root / "agentenv" / "guest" / "envd",
-                    ignore=shutil.ignore_patterns("__pycache__", "*.pyc", "tests"))
+    for source in (ENVD_SOURCE, CODEINT_SOURCE):
+        if not source.is_dir():
+            raise GuestBuildError(f"the guest package is missing: {source}")
+        shutil.copytree(source, pkg_root / "agentenv" / "guest" / source.name,
+                        ignore=shutil.ignore_patterns("__pycache__", "*.pyc", "tests"))
     (pkg_root / "envd-main.py").write_text(ENVD_MAIN)
     shutil.copy2(STAGE2_INIT, stage / "init")
     os.chmod(stage / "init", 0o755)

@@ -2,7 +2,8 @@
 
 - start(): a block daemon (blockd.py), the guest assets (kernel, initramfs, tools disk), the
   egress proxy (egress.py), the runtime; VMs of a crashed run are taken over (adoption.py).
-- default_templates(): the built-in `base` template (node/base_template.py), built on first start.
+- default_templates(): the built-in `base` and `code-interpreter-v1` templates
+  (node/base_template.py), built on first start (AENV_VM_CODE_INTERPRETER=0: base only).
 - create = a ready-pool VM of the template + `/init`, else a restore of its boot snapshot;
   pause = runtime.pause (memory kept), or with memory=False a filesystem-only pause (envd's
   /aenv/sync, then only the disks are sealed);

@@ -42,7 +42,13 @@ from agentenv.node.backend import (
     TemplateBuilding,
     TemplateRef,
 )
-from agentenv.node.base_template import build_base_template, load_previous
+from agentenv.node.base_template import (
+    BASE,
+    CODE_INTERPRETER,
+    BuiltinSpec,
+    build_base_template,
+    load_previous,
+)
 from agentenv.node.ready_pool import ReadyPool, ReadyPoolConfig
 from agentenv.node.vm_backend.adoption import (
     Leftovers,
@@ -109,6 +115,11 @@ class VmBackend(SandboxBackend, CrashRecovery, LayerAware, TemplateBuilding, Net
         self.egress = EgressGlue(self.base, state_dir)
         self.sampler = MetricsSampler()
         self.pool_config = pool_config or ReadyPoolConfig.from_env()
+        # code-interpreter-v1 is built at the first start (a few minutes once, then cached);
+        # AENV_VM_CODE_INTERPRETER=0 leaves it out (nodes that never serve it, most tests).
+        self.builtin_specs: tuple[BuiltinSpec, ...] = (
+            (BASE,) if env.get("AENV_VM_CODE_INTERPRETER", "1") == "0"
+            else (BASE, CODE_INTERPRETER))
         self.pool: ReadyPool | None = None  # made in start() once the runtime exists
         #: why a VM of the previous run was not adopted, by sandbox id
         self.adopt_failures: dict[str, str] = {}
@@ -233,31 +244,34 @@ class VmBackend(SandboxBackend, CrashRecovery, LayerAware, TemplateBuilding, Net
         await self.blockd.close()
 
     async def default_templates(self) -> list[DefaultTemplate]:
-        template_dir = self.state_dir / "templates" / "base"
+        return [await self._builtin_template(spec) for spec in self.builtin_specs]
+
+    async def _builtin_template(self, spec: BuiltinSpec) -> DefaultTemplate:
+        template_dir = self.state_dir / "templates" / spec.name
         previous = load_previous(template_dir)
         try:
-            base = await build_base_template(self.runtime, self.assets, template_dir,
-                                             debian_cache=self.debian_cache)
+            built = await build_base_template(self.runtime, self.assets, template_dir,
+                                              debian_cache=self.debian_cache, spec=spec)
         except Exception as exc:
-            raise BackendError(f"building the base template failed: {exc}",
+            raise BackendError(f"building the {spec.name} template failed: {exc}",
                                retryable=False) from exc
-        self.snapshots.builtin["base"] = base.record_dir
+        self.snapshots.builtin[spec.name] = built.record_dir
         if self.pool is not None:
             with contextlib.suppress(Exception):
                 record = self.snapshots.load(TemplateRef(kind="template",
-                                                         data={"builtin": "base"}))
+                                                         data={"builtin": spec.name}))
                 self.pool.want(self._pool_key(record), record, pinned=True)
-        if previous and str(previous.get("record_dir")) != str(base.record_dir):
+        if previous and str(previous.get("record_dir")) != str(built.record_dir):
             # A rebuild (new guest assets, accelerator...): the old boot snapshot goes once
             # no paused sandbox or snapshot made from it needs its files.
             await self._release([str(previous.get("record_dir"))])
         # The node stores this ref once and keeps it across restarts: it names the built-in
         # template, resolved to the current build at every create.
-        return [DefaultTemplate(
-            name="base",
-            ref=TemplateRef(kind="template", data={"builtin": "base"}, layers=base.layers),
-            cpu_count=base.vcpus, memory_mb=base.memory_mib,
-            disk_size_mb=base.disk_bytes >> 20, envd_version=ENVD_VERSION)]
+        return DefaultTemplate(
+            name=spec.name,
+            ref=TemplateRef(kind="template", data={"builtin": spec.name}, layers=built.layers),
+            cpu_count=built.vcpus, memory_mb=built.memory_mib,
+            disk_size_mb=built.disk_bytes >> 20, envd_version=ENVD_VERSION)
 
     # --- VMs ----------------------------------------------------------------------------------
 

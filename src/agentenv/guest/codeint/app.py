@@ -1,0 +1,178 @@
+"""The code-interpreter protocol as an ASGI app (served by envd's HttpServer):
+
+    GET    /health                   200 once the default Python context is up
+    POST   /execute                  {code, language?, context_id?, env_vars?, timeout?}:
+                                     NDJSON lines stdout/stderr/result/error/
+                                     number_of_executions, then end_of_execution
+    POST   /contexts                 {language?, cwd?} -> {id, language, cwd}
+    GET    /contexts                 [{id, language, cwd}...]
+    POST   /contexts/{id}/restart
+    DELETE /contexts/{id}
+
+A cell is interrupted when its `timeout` (seconds) runs out or the client goes away (the SDKs
+close the connection at their own execution timeout); the context stays usable.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from agentenv.guest.codeint.kernels import KERNELS, Context, dumps
+
+log = logging.getLogger("codeint")
+
+MAX_BODY_BYTES = 16 << 20
+DEFAULT_LANGUAGE = "python"
+
+Receive = Callable[[], Awaitable[dict[str, Any]]]
+Send = Callable[[dict[str, Any]], Awaitable[None]]
+
+
+class HttpError(Exception):
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+async def read_json(receive: Receive) -> Any:
+    body = bytearray()
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise HttpError(400, "client went away")
+        body += message.get("body", b"")
+        if len(body) > MAX_BODY_BYTES:
+            raise HttpError(413, "request body too large")
+        if not message.get("more_body", False):
+            break
+    if not body.strip():
+        return {}
+    try:
+        return json.loads(body)
+    except ValueError as exc:
+        raise HttpError(400, f"invalid JSON: {exc}") from exc
+
+
+async def respond(send: Send, status: int, payload: Any = None) -> None:
+    body = b"" if payload is None else json.dumps(payload).encode()
+    headers = [(b"content-length", str(len(body)).encode())]
+    if payload is not None:
+        headers.append((b"content-type", b"application/json"))
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
+
+
+class CodeApp:
+    def __init__(self, default_cwd: str) -> None:
+        self.default_cwd = default_cwd
+        self.contexts: dict[str, Context] = {}
+        self.defaults: dict[str, Context] = {}  # language -> its default context
+
+    async def start(self) -> None:
+        await self._default(DEFAULT_LANGUAGE)
+
+    async def close(self) -> None:
+        for ctx in list(self.contexts.values()):
+            with contextlib.suppress(Exception):
+                await ctx.shutdown()
+
+    async def _new_context(self, language: str, cwd: str, context_id: str | None = None) -> Context:
+        try:
+            ctx = Context(language, cwd, context_id)
+        except ValueError as exc:
+            raise HttpError(400, str(exc)) from exc
+        await ctx.start()
+        self.contexts[ctx.id] = ctx
+        return ctx
+
+    async def _default(self, language: str) -> Context:
+        ctx = self.defaults.get(language)
+        if ctx is None:
+            ctx = self.defaults[language] = await self._new_context(language, self.default_cwd,
+                                                                    language)
+        return ctx
+
+    def _context(self, context_id: str) -> Context:
+        ctx = self.contexts.get(context_id)
+        if ctx is None:
+            raise HttpError(404, f"context {context_id} not found")
+        return ctx
+
+    async def __call__(self, scope: dict[str, Any], receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return
+        try:
+            await self._route(scope["method"], scope["path"].rstrip("/") or "/", receive, send)
+        except HttpError as exc:
+            await respond(send, exc.status, {"error": str(exc)})
+
+    async def _route(self, method: str, path: str, receive: Receive, send: Send) -> None:
+        parts = path.strip("/").split("/")
+        if path == "/health" and method == "GET":
+            await respond(send, 200, {"status": "ok"})
+        elif path == "/execute" and method == "POST":
+            await self._execute(await read_json(receive), receive, send)
+        elif path == "/contexts" and method == "POST":
+            body = await read_json(receive)
+            language = (body.get("language") or DEFAULT_LANGUAGE).lower()
+            ctx = await self._new_context(language, body.get("cwd") or self.default_cwd)
+            await respond(send, 200, ctx.describe())
+        elif path == "/contexts" and method == "GET":
+            await respond(send, 200, [c.describe() for c in self.contexts.values()])
+        elif len(parts) == 3 and parts[0] == "contexts" and parts[2] == "restart" \
+                and method == "POST":
+            await self._context(parts[1]).restart()
+            await respond(send, 204)
+        elif len(parts) == 2 and parts[0] == "contexts" and method == "DELETE":
+            ctx = self._context(parts[1])
+            del self.contexts[ctx.id]
+            self.defaults = {k: v for k, v in self.defaults.items() if v is not ctx}
+            await ctx.shutdown()
+            await respond(send, 204)
+        else:
+            raise HttpError(404, f"no route for {method} {path}")
+
+    async def _execute(self, body: dict[str, Any], receive: Receive, send: Send) -> None:
+        code = body.get("code")
+        if not isinstance(code, str):
+            raise HttpError(400, "code must be a string")
+        if body.get("context_id") and body.get("language"):
+            raise HttpError(400, "give context_id or language, not both")
+        if body.get("context_id"):
+            ctx = self._context(body["context_id"])
+        else:
+            language = (body.get("language") or DEFAULT_LANGUAGE).lower()
+            if language not in KERNELS:
+                raise HttpError(400, f"language {language!r} is not supported")
+            ctx = await self._default(language)
+        env_vars = body.get("env_vars") or None
+        timeout = body.get("timeout")
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-type", b"application/x-ndjson")]})
+
+        async def pump() -> None:
+            async for line in ctx.execute(code, env_vars):
+                await send({"type": "http.response.body", "body": dumps(line), "more_body": True})
+
+        running = asyncio.create_task(pump())
+        gone = asyncio.create_task(receive())  # completes when the client disconnects
+        try:
+            done, _ = await asyncio.wait({running, gone}, timeout=timeout or None,
+                                         return_when=asyncio.FIRST_COMPLETED)
+            if running not in done:
+                # Timed out or the client left: interrupt the cell, and let it run to the
+                # kernel's idle so the context is ready for the next one.
+                log.info("interrupting a cell (%s)", "client gone" if gone in done else "timeout")
+                await ctx.interrupt()
+            await running
+        finally:
+            gone.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await gone
+        await send({"type": "http.response.body", "body": dumps({"type": "end_of_execution"}),
+                    "more_body": False})

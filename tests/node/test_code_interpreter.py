@@ -1,0 +1,184 @@
+"""The E2B Code Interpreter SDK, unchanged, against a VM node's built-in `code-interpreter-v1`
+template (issue 29): stateful Python kernel, streamed output, rich results, errors, interrupts,
+contexts, per-call env vars, pause and connect, fork, snapshots, concurrent async clients.
+
+Run under flock /tmp/aenv-vmtest.lock (it starts QEMU). The node's first start builds the
+template (debootstrap of the Jupyter packages is cached in conftest.DEBIAN_CACHE)."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import re
+import time
+from collections.abc import Iterator
+
+import pytest
+from e2b import TimeoutException
+from e2b_code_interpreter import AsyncSandbox, Sandbox
+
+from tests.node import conftest
+from tests.node.conftest import NodeProcess
+
+NET_PREFIX = "aci"  # unique: a test teardown deletes every {NET_PREFIX}-s* namespace
+FIRST_SLOT = 22001  # 22001-22400
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+@pytest.fixture(scope="module")
+def ci_node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NodeProcess]:
+    base = tmp_path_factory.mktemp("codeint")
+    node = conftest.vm_node_process(
+        base / "state", base / "node.log", NET_PREFIX, FIRST_SLOT,
+        {**conftest.NO_READY_POOLS, "AENV_VM_CODE_INTERPRETER": "1"})
+    node.start_timeout = 1200  # a cold debootstrap of the Jupyter stack, then the template boot
+    with conftest.serving_vm_node(node, NET_PREFIX):
+        yield node
+
+
+@pytest.fixture(scope="module")
+def sbx(ci_node: NodeProcess) -> Iterator[Sandbox]:
+    t0 = time.monotonic()
+    sandbox = Sandbox.create(timeout=600)
+    first = sandbox.run_code("1 + 1")
+    print(f"\ncreate to first result: {time.monotonic() - t0:.2f} s")
+    assert first.text == "2"
+    yield sandbox
+    sandbox.kill()
+
+
+def test_state_is_kept_between_calls(sbx: Sandbox) -> None:
+    first = sbx.run_code("x = 1")
+    assert first.error is None and first.results == []
+    second = sbx.run_code("x + 1")
+    assert second.text == "2"
+    assert second.execution_count == first.execution_count + 1
+
+
+def test_stdout_and_stderr_stream_in_order(sbx: Sandbox) -> None:
+    seen: list[tuple[str, str]] = []
+    execution = sbx.run_code(
+        "import sys\nprint('one')\nprint('two', file=sys.stderr)\nsys.stderr.flush()\n"
+        "print('three')",
+        on_stdout=lambda m: seen.append(("out", m.line)),
+        on_stderr=lambda m: seen.append(("err", m.line)))
+    assert "".join(execution.logs.stdout) == "one\nthree\n"
+    assert "".join(execution.logs.stderr) == "two\n"
+    assert [line for kind, line in seen if kind == "out"] == execution.logs.stdout
+    assert [line for kind, line in seen if kind == "err"] == execution.logs.stderr
+
+
+def test_rich_results(sbx: Sandbox) -> None:
+    execution = sbx.run_code(
+        "import matplotlib.pyplot as plt\nplt.plot([1, 2, 3], [1, 4, 9])\nplt.show()")
+    assert execution.error is None, execution.error
+    pngs = [r.png for r in execution.results if r.png]
+    assert len(pngs) == 1
+    assert base64.b64decode(pngs[0]).startswith(PNG_MAGIC)
+    html = sbx.run_code("import pandas as pd\npd.DataFrame({'a': [1, 2]})")
+    assert html.results[0].is_main_result
+    assert "<table" in (html.results[0].html or "")
+    shown = sbx.run_code("from IPython.display import Markdown, display\n"
+                         "display(Markdown('# hi'))\n{'k': 1}")
+    assert shown.results[0].markdown == "# hi" and not shown.results[0].is_main_result
+    assert shown.text == "{'k': 1}"
+
+
+def test_exception_gives_name_value_traceback(sbx: Sandbox) -> None:
+    execution = sbx.run_code("def f():\n    raise ValueError('bad value')\nf()")
+    assert execution.error is not None
+    assert execution.error.name == "ValueError"
+    assert execution.error.value == "bad value"
+    plain = ANSI.sub("", execution.error.traceback)  # IPython colours it, as E2B's does
+    assert "raise ValueError('bad value')" in plain and "ValueError: bad value" in plain
+
+
+def test_timeout_interrupts_and_the_next_call_works(sbx: Sandbox) -> None:
+    sbx.run_code("y = 41")
+    with pytest.raises(TimeoutException):
+        sbx.run_code("while True:\n    pass", timeout=3)
+    assert sbx.run_code("y + 1").text == "42"
+
+
+def test_env_vars_per_call(sbx: Sandbox) -> None:
+    code = "import os\nstr(os.environ.get('AENV_CI_VAR'))"
+    assert sbx.run_code(code, envs={"AENV_CI_VAR": "set"}).text == "'set'"
+    assert sbx.run_code(code).text == "'None'"
+
+
+def test_contexts(sbx: Sandbox) -> None:
+    ctx = sbx.create_code_context(cwd="/tmp")
+    assert ctx.cwd == "/tmp" and ctx.language == "python"
+    assert sbx.run_code("import os\nos.getcwd()", context=ctx).text == "'/tmp'"
+    sbx.run_code("z = 7", context=ctx)
+    assert sbx.run_code("z", context=ctx).text == "7"
+    assert sbx.run_code("'z' in globals()").text == "False"  # the default context is another
+    assert ctx.id in {c.id for c in sbx.list_code_contexts()}
+    sbx.restart_code_context(ctx)
+    assert sbx.run_code("z", context=ctx).error.name == "NameError"
+    sbx.remove_code_context(ctx)
+    assert ctx.id not in {c.id for c in sbx.list_code_contexts()}
+
+
+def test_trivial_run_code_against_a_command(sbx: Sandbox) -> None:
+    """Timings for the report (no assertion on them)."""
+    runs, cmds = [], []
+    for _ in range(10):
+        t0 = time.monotonic()
+        sbx.run_code("1")
+        runs.append(time.monotonic() - t0)
+        t0 = time.monotonic()
+        sbx.commands.run("true")
+        cmds.append(time.monotonic() - t0)
+    print(f"\nrun_code('1') p50 {sorted(runs)[5] * 1000:.1f} ms; "
+          f"commands.run('true') p50 {sorted(cmds)[5] * 1000:.1f} ms")
+
+
+def test_pause_and_connect_keep_the_kernel_state(ci_node: NodeProcess) -> None:
+    sandbox = Sandbox.create(timeout=600)
+    try:
+        sandbox.run_code("kept = 'before pause'")
+        sandbox.pause()
+        again = Sandbox.connect(sandbox.sandbox_id, timeout=600)
+        assert again.run_code("kept").text == "'before pause'"
+    finally:
+        sandbox.kill()
+
+
+def test_fork_children_keep_the_kernel_state_and_diverge(sbx: Sandbox) -> None:
+    sbx.run_code("shared = [1]")
+    forked = sbx.fork(count=3, timeout=600)
+    assert all(isinstance(c, Sandbox) for c in forked), forked
+    children = [Sandbox.connect(c.sandbox_id, timeout=600) for c in forked]
+    try:
+        for i, child in enumerate(children):
+            child.run_code(f"shared.append({i})")
+        assert [c.run_code("shared").text for c in children] == ["[1, 0]", "[1, 1]", "[1, 2]"]
+        assert sbx.run_code("shared").text == "[1]"
+    finally:
+        for child in children:
+            child.kill()
+
+
+def test_a_snapshot_keeps_the_kernel_state(sbx: Sandbox) -> None:
+    sbx.run_code("snapped = 'in the snapshot'")
+    snap = sbx.create_snapshot()
+    fresh = Sandbox.create(snap.snapshot_id, timeout=600)
+    try:
+        assert fresh.run_code("snapped").text == "'in the snapshot'"
+    finally:
+        fresh.kill()
+
+
+def test_async_client_on_concurrent_sandboxes(ci_node: NodeProcess) -> None:
+    async def main() -> list[str | None]:
+        boxes = await asyncio.gather(*(AsyncSandbox.create(timeout=600) for _ in range(8)))
+        try:
+            runs = await asyncio.gather(*(b.run_code(f"{i} * 10") for i, b in enumerate(boxes)))
+            return [r.text for r in runs]
+        finally:
+            await asyncio.gather(*(b.kill() for b in boxes))
+
+    assert asyncio.run(main()) == [str(i * 10) for i in range(8)]
