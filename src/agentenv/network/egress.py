@@ -69,6 +69,7 @@ from agentenv.network.policy import (
     EgressProxy,
     PolicyError,
 )
+from agentenv.network.walls import WALL_NETS, extra_walls
 
 log = logging.getLogger("agentenv.egress")
 
@@ -90,12 +91,6 @@ LOG_CHECK_INTERVAL = 1.0
 #: per slot: lines written whole in each window of seconds (the rest counted, summarized)
 LOG_BURST, LOG_WINDOW = 20, 60.0
 
-# Never reached through the proxy, whatever a policy says (the same walls the slot's own
-# ruleset holds; here again because the proxy connects from the host, where they would not).
-WALLS = tuple(IPv4Network(n) for n in (
-    "0.0.0.0/8", "10.0.0.0/8", "100.64.0.0/10", "127.0.0.0/8", "169.254.0.0/16",
-    "172.16.0.0/12", "192.168.0.0/16", "224.0.0.0/4", "240.0.0.0/4",
-))
 METADATA = (IPv4Address(metadata.METADATA_ADDRESS), metadata.METADATA_PORT)
 RESOLVER = (IPv4Address(metadata.METADATA_ADDRESS), dns.DNS_PORT)  # the filtering resolver
 NODE_SERVICES = (METADATA, RESOLVER)  # answered here, with caps apart from egress
@@ -622,6 +617,7 @@ class EgressProxyServer:
         self.buffer = bytearray(COPY_CHUNK)
         self.view = memoryview(self.buffer)
         self.local = _LocalAddresses()
+        self.walls = (*WALL_NETS, *extra_walls())
         self.names = NameAnswers(resolve_ttl, name_server)
         self.dns_upstream = dns_upstream  # None: no filtering resolver
         self._dns_sock: socket.socket | None = None
@@ -857,9 +853,11 @@ class EgressProxyServer:
                              unnamed=name is None and conn.dst_port in WEB_PORTS)
 
     def _walled(self, ip: IPv4Address) -> bool:
+        # the walls the slot's own ruleset holds (network/walls.py); here again because the
+        # proxy connects from the host, where they would not apply
         if any(ip in net for net in self.open_ranges):
             return False
-        return any(ip in net for net in WALLS) or ip in self.local
+        return any(ip in net for net in self.walls) or ip in self.local
 
     async def _handle(self, conn: Conn) -> None:
         try:

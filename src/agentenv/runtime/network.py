@@ -82,6 +82,7 @@ from ipaddress import IPv4Network
 from pathlib import Path
 
 from agentenv.network.policy import ALL_TRAFFIC, QUIC_PORT, EgressPolicy
+from agentenv.network.walls import WALL_NETS, extra_walls
 from agentenv.runtime.errors import NetworkError
 
 GUEST_IP = "169.254.0.21"
@@ -95,10 +96,6 @@ NETNS_DIR = Path("/run/netns")
 INTERNAL_NETS = tuple(IPv4Network(n) for n in (
     "10.11.0.0/16", "10.12.0.0/16", "127.0.0.0/8", "169.254.0.0/16", "0.0.0.0/8",
     "224.0.0.0/4", "240.0.0.0/4"))
-#: Always denied to guests, whatever their policy (see the module doc).
-WALL_NETS = tuple(IPv4Network(n) for n in (
-    "0.0.0.0/8", "10.0.0.0/8", "100.64.0.0/10", "127.0.0.0/8", "169.254.0.0/16",
-    "172.16.0.0/12", "192.168.0.0/16", "224.0.0.0/4", "240.0.0.0/4"))
 WEB_PORTS = "80, 443"
 #: Host conntrack mark of a direct TCP 80/443 flow that a name-filtering policy still allows
 #: whatever its name (see keep_direct_flows); "aenv" in ASCII, unlikely to be anyone else's.
@@ -140,8 +137,9 @@ def parse_open_ranges(raw: Iterable[str] | str | None) -> tuple[IPv4Network, ...
 
 
 def walls(open_ranges: Iterable[IPv4Network] = ()) -> list[IPv4Network]:
-    """WALL_NETS minus the opened ranges, as disjoint CIDRs."""
-    nets = list(WALL_NETS)
+    """WALL_NETS and the node's own networks (network/walls.py) minus the opened ranges, as
+    disjoint CIDRs."""
+    nets = [*WALL_NETS, *extra_walls()]
     for hole in open_ranges:
         next_nets: list[IPv4Network] = []
         for net in nets:
