@@ -42,6 +42,10 @@ _UPLOAD_CHUNK = 1 << 20
 MAX_REPLY_BYTES_ENV = "AENV_ENVD_MAX_REPLY_BYTES"
 #: where envd takes its identity (env vars, token, defaults, clock); only the host may call it
 INIT_PATH = "/init"
+#: seconds of silence after which envd sends a process stream a keepalive (asked per call)
+KEEPALIVE_SECONDS = 30
+#: seconds a process stream may bring nothing, not even a keepalive: the guest stopped answering
+IDLE_READ_SECONDS = 120.0
 
 
 def init_body(*, env_vars: dict[str, str] | None = None, access_token: str | None = None,
@@ -450,8 +454,11 @@ class EnvdClient:
         out, err = _Tail(output_limit()), _Tail(output_limit())
         end: dict[str, Any] | None = None
         decoder = _Envelopes(reply_limit())
-        # No read timeout: a build step may be silent for minutes (keepalives come every 90 s).
-        stream_timeout = httpx.Timeout(None, connect=5.0)
+        # A process may print nothing for hours (a build step, a terminal): envd sends a
+        # keepalive every KEEPALIVE_SECONDS of silence, so a stream with nothing for
+        # IDLE_READ_SECONDS is a guest that stopped answering, and no call waits on it forever.
+        headers["Keepalive-Ping-Interval"] = str(KEEPALIVE_SECONDS)
+        stream_timeout = httpx.Timeout(None, read=IDLE_READ_SECONDS, connect=5.0)
         # envd ends the process at Connect-Timeout-Ms; the host does not take its word for it
         deadline = timeout + 30.0 if timeout else None
         try:
@@ -493,6 +500,9 @@ class EnvdClient:
                                         on_output(stream, text)
                         elif "end" in event:
                             end = event["end"]
+        except httpx.ReadTimeout:
+            raise GuestReplyTimeout(f"process {pid}: envd sent nothing, not even a keepalive, "
+                                    f"for {IDLE_READ_SECONDS:g} s") from None
         except httpx.HTTPError as exc:
             raise EnvdClientError(f"envd Start failed: {exc}") from exc
         except TimeoutError:

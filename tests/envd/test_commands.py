@@ -190,3 +190,25 @@ def test_spawn_without_busybox_and_with_supplementary_groups(fresh_envd) -> None
     with open(fast.root / "etc" / "group", "a") as group:
         group.write("extra:x:2000:user\n")
     assert fast_sandbox.commands.run("id -G").stdout == "1000 2000\n"
+
+
+def test_a_quiet_process_outlives_the_idle_bound_thanks_to_keepalives(
+        envd, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The host's client ends a stream silent for IDLE_READ_SECONDS; it asks envd for a
+    keepalive every KEEPALIVE_SECONDS, so a process quiet for longer is still followed."""
+    import asyncio
+
+    import agentenv.envd_client as envd_client
+
+    monkeypatch.setattr(envd_client, "KEEPALIVE_SECONDS", 1)
+    monkeypatch.setattr(envd_client, "IDLE_READ_SECONDS", 3.0)
+
+    async def main() -> envd_client.ProcessResult:
+        client = envd_client.EnvdClient(envd.url)
+        try:
+            return await client.run("/bin/sh", ["-c", "sleep 6; echo done"], user="root")
+        finally:
+            await client.close()
+
+    result = asyncio.run(main())
+    assert result.exit_code == 0 and result.stdout == "done\n"

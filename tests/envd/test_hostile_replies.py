@@ -138,20 +138,21 @@ def test_a_stream_message_over_the_limit_ends_the_call() -> None:
     asyncio.run(main())
 
 
+async def silent_after_start(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    """A start event, then nothing at all (no keepalive, whatever was asked)."""
+    await _head(reader)
+    writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/connect+json\r\n\r\n")
+    start = json.dumps({"event": {"start": {"pid": 9}}}).encode()
+    writer.write(struct.pack(">BI", 0, len(start)) + start)
+    await writer.drain()
+    while True:
+        writer.write(b"")
+        await asyncio.sleep(1)
+
+
 def test_a_process_stream_ends_at_its_timeout_whatever_the_guest_says() -> None:
     """envd enforces Connect-Timeout-Ms; a server that ignores it is cut 30 s later by the
     host (here: a start event, then keepalive-free silence would hang without the deadline)."""
-
-    async def silent_after_start(reader: asyncio.StreamReader,
-                                 writer: asyncio.StreamWriter) -> None:
-        await _head(reader)
-        writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/connect+json\r\n\r\n")
-        start = json.dumps({"event": {"start": {"pid": 9}}}).encode()
-        writer.write(struct.pack(">BI", 0, len(start)) + start)
-        await writer.drain()
-        while True:
-            writer.write(b"")
-            await asyncio.sleep(1)
 
     async def main() -> None:
         async for url in _serve(silent_after_start):
@@ -161,6 +162,28 @@ def test_a_process_stream_ends_at_its_timeout_whatever_the_guest_says() -> None:
                 with pytest.raises(GuestReplyError, match=r"did not end within 30\.5 s"):
                     await client.run("sleep", ["1"], timeout=0.5)
                 assert time.monotonic() - t0 < 60
+            finally:
+                await client.close()
+
+    asyncio.run(main())
+
+
+def test_a_process_stream_without_a_timeout_ends_when_the_guest_goes_silent(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A call with no timeout (a start command followed for its output) asks envd for
+    keepalives; a stream that brings none for IDLE_READ_SECONDS ends instead of waiting
+    forever (a build guest can go silent)."""
+    import agentenv.envd_client as envd_client
+
+    monkeypatch.setattr(envd_client, "IDLE_READ_SECONDS", 1.0)
+
+    async def main() -> None:
+        async for url in _serve(silent_after_start):
+            client = EnvdClient(url)
+            try:
+                with pytest.raises(GuestReplyTimeout, match="not even a keepalive, for 1 s"):
+                    # bounded here too: the old client waited forever
+                    await asyncio.wait_for(client.run("sleep", ["infinity"]), 60)
             finally:
                 await client.close()
 

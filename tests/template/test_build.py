@@ -255,3 +255,43 @@ def test_step_runner_failures(envd: EnvdProcess, tmp_path: Path) -> None:
     assert crashed.step == "finalize" and "exited with code 3" in crashed.message
     never = asyncio.run(run([], start=None, ready="exit 1", timeout=1.5))
     assert never.step == "finalize" and "did not succeed" in never.message
+
+
+def test_a_guest_that_never_ends_the_user_switch_fails_its_step(
+        tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The team's RUN steps run as root: they can replace the tools' shell with one whose
+    `-c :` (the user switch) never ends. The switch has a deadline of its own."""
+    if os.geteuid() != 0:
+        pytest.skip("envd chroots into its root and switches users: run as root")
+    import agentenv.template.build as build
+
+    monkeypatch.setattr(build, "GUEST_CALL_TIMEOUT_SECONDS", 2.0)
+    root = make_busybox_root(tmp_path_factory.mktemp("silent") / "root")
+    tools = root / "agentenv" / "bin"
+    tools.mkdir(parents=True)
+    shutil.copy2(root / "bin" / "busybox", tools / "busybox")
+    (tools / "sh").write_text('#!/agentenv/bin/busybox sh\n'
+                              'if [ "$*" = "-c :" ]; then exec /agentenv/bin/busybox sleep 100000; fi\n'
+                              'exec /agentenv/bin/busybox sh "$@"\n')
+    (tools / "sh").chmod(0o755)
+    (root / "home").chmod(0o755)
+    server = start_envd(root, tmp_path_factory.mktemp("silent-logs"))
+
+    async def scenario() -> BuildFailed:
+        client = EnvdClient(server.url)
+        runner = StepRunner(client, BuildContext(user="root"), lambda *e: None, tmp_path_factory.mktemp("f"))
+        try:
+            # Bounded here too, so the old code fails instead of hanging the run.
+            async with asyncio.timeout(60):
+                with pytest.raises(BuildFailed) as raised:
+                    await runner.run_steps(parse_steps([{"type": "USER", "args": ["worker"]}]))
+            return raised.value
+        finally:
+            await client.close()
+
+    try:
+        failed = asyncio.run(scenario())
+    finally:
+        server.stop()
+    assert failed.step == "1"
+    assert "step 1: cannot switch to user 'worker'" in failed.message, failed.message

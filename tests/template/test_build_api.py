@@ -9,6 +9,8 @@ import uuid
 import warnings
 from pathlib import Path
 
+import pytest
+
 from agentenv.node.server import ServeOptions, build_app
 
 with warnings.catch_warnings():  # starlette 1.x nags about httpx here; TestClient still works
@@ -70,3 +72,30 @@ def test_image_builds_need_the_vm_backend_and_restarts_fail_running_builds(tmp_p
         assert client.delete("/templates/interrupted").status_code == 204
         assert client.get(f"/templates/tinterrupted/builds/{build_id}/status").status_code == 404
         assert not (state / "template-builds" / f"{build_id}.json").exists()
+
+
+def test_a_build_past_its_deadline_fails_and_its_sandbox_goes(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """AENV_BUILD_TIMEOUT_SECONDS bounds a whole build: the guest is the team's, and a build
+    holds its VM until it ends (a RUN step's own timeout is an hour)."""
+    monkeypatch.setenv("AENV_BUILD_TIMEOUT_SECONDS", "3")
+    state = tmp_path / "state"
+    app = build_app(ServeOptions(state_dir=state, backend="process"))
+    key = (state / "secrets" / "api-key").read_text().strip()
+    with TestClient(app, headers={"X-API-KEY": key}) as client:
+        made = client.post("/v3/templates", json={"name": "endless"}).json()
+        status_url = f"/templates/{made['templateID']}/builds/{made['buildID']}/status"
+        started = client.post(f"/v2/templates/{made['templateID']}/builds/{made['buildID']}",
+                              json={"fromTemplate": "base",
+                                    "steps": [{"type": "RUN", "args": ["sleep 100000"]}]})
+        assert started.status_code == 202, started.text
+        status: dict = {}
+        for _ in range(120):  # a bound for the old code, which never ends the build
+            status = client.get(status_url).json()
+            if status["status"] != "building":
+                break
+            time.sleep(0.5)
+        assert status["status"] == "error", status
+        assert "AENV_BUILD_TIMEOUT_SECONDS" in status["reason"]["message"]
+        # The build's sandbox (its envd and the `sleep`) was killed and its files removed.
+        assert list((state / "process-backend" / "sandboxes").glob("b*")) == []

@@ -89,6 +89,7 @@ MAX_LOG_ENTRIES = 20_000
 #: no tag names any more): the oldest go, so requests that fail cannot grow the records (each
 #: up to AENV_BUILD_LOG_TAIL of logs, in memory and on disk) or the scans over them forever
 KEEP_FINISHED_BUILDS = 50
+BUILD_TIMEOUT_ENV = "AENV_BUILD_TIMEOUT_SECONDS"
 
 
 def log_tail_bytes() -> int:
@@ -99,6 +100,20 @@ def log_tail_bytes() -> int:
         return max(int(raw), 4096) if raw else 1 << 20
     except ValueError:
         raise AgentEnvError(f"AENV_BUILD_LOG_TAIL must be a number of bytes, got {raw!r}") from None
+
+
+def build_timeout_seconds() -> float:
+    """Seconds a build may run once it has its slot (AENV_BUILD_TIMEOUT_SECONDS, default 3600,
+    0 = no limit): the guest is the team's, and a build holds a VM until it ends."""
+    raw = os.environ.get(BUILD_TIMEOUT_ENV, "")
+    try:
+        seconds = float(raw) if raw else 3600.0
+    except ValueError:
+        seconds = -1.0
+    if not seconds >= 0:  # also NaN
+        raise AgentEnvError(f"{BUILD_TIMEOUT_ENV} must be a number of seconds (0 = no limit), "
+                            f"got {raw!r}")
+    return seconds
 
 
 LOGS_PER_CALL = 100  # the SDK keeps polling until a call returns no entries
@@ -199,6 +214,7 @@ class TemplateBuildApi:
         self._loaded = False
         self._slots: asyncio.Semaphore | None = None
         self.concurrency = max(1, int(os.environ.get("AENV_TEMPLATE_BUILDS") or 1))
+        self.build_timeout = build_timeout_seconds()
 
     # --- records -----------------------------------------------------------------------------
 
@@ -753,7 +769,7 @@ class TemplateBuildApi:
             if self._slots.locked():
                 rec.log("info", "waiting for another build to finish", BASE_STEP)
             async with self._slots:
-                await self._build(rec, steps, body, files_dir)
+                await self._build_in_time(rec, steps, body, files_dir)
         except BuildFailed as exc:
             self._fail(rec, exc.message, exc.step)
         except asyncio.CancelledError:
@@ -773,6 +789,21 @@ class TemplateBuildApi:
         finally:
             self._save(rec)
             self.catalogue.collect_soon()  # its uploads may be unused now (node/gc.py)
+
+    async def _build_in_time(self, rec: BuildRecord, steps: list[Any],
+                             body: TemplateBuildStartV2, files_dir: Path) -> None:
+        """`_build` within the build deadline; past it, the build is cancelled (which kills
+        its VM) and fails."""
+        from agentenv.template.build import BuildFailed
+
+        try:
+            async with asyncio.timeout(self.build_timeout or None) as limit:
+                await self._build(rec, steps, body, files_dir)
+        except TimeoutError:
+            if not limit.expired():
+                raise
+            raise BuildFailed(f"the build did not finish within {self.build_timeout:g} s "
+                              f"({BUILD_TIMEOUT_ENV}); its VM was stopped", None) from None
 
     def _build_event(self, kind: str, rec: BuildRecord, **data: Any) -> None:
         if self.orchestrator.events is not None:

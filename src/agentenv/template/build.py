@@ -40,6 +40,11 @@ DEFAULT_READY_CMD = "sleep 20"
 READY_POLL_SECONDS = 1.0
 READY_TIMEOUT_SECONDS = 600.0
 STEP_TIMEOUT_SECONDS = 3600.0
+#: the build's own commands in the guest (a user switch, a WORKDIR) take a moment; the guest is
+#: the team's, so one that never answers fails its step instead of holding the build VM
+GUEST_CALL_TIMEOUT_SECONDS = 30.0
+#: a COPY unpacks an upload (up to gigabytes) in the guest
+COPY_TIMEOUT_SECONDS = 600.0
 OUTPUT_TAIL = 2000  # characters of output quoted in a failed step's reason
 BUSYBOX = "/agentenv/bin/busybox"  # on the tools disk of every VM: works in any image
 TOOLS_SHELL = "/agentenv/bin/sh"
@@ -253,10 +258,11 @@ class StepRunner:
         emit.flush = lambda: [self.log("info", p, step) for p in pending.values() if p]  # type: ignore[attr-defined]
         return emit
 
-    async def _root_script(self, script: str, args: list[str], step: str, what: str) -> None:
+    async def _root_script(self, script: str, args: list[str], step: str, what: str,
+                           timeout: float) -> None:
         try:
             result = await self.envd.run(TOOLS_SHELL, ["-c", script, "aenv-build", *args],
-                                         user="root", cwd="/", timeout=STEP_TIMEOUT_SECONDS)
+                                         user="root", cwd="/", timeout=timeout)
         except EnvdClientError as exc:
             raise BuildFailed(f"{what} failed: {exc}", step) from exc
         if result.exit_code != 0 or not result.exited:
@@ -265,13 +271,17 @@ class StepRunner:
 
     async def _materialize_user(self, user: str, step: str) -> None:
         """envd creates its default user on first use; make `user` the default and use it."""
+        what = f"step {step}: cannot switch to user {user!r}"
         try:
             await self.envd.init(default_user=user)
-            result = await self.envd.run(TOOLS_SHELL, ["-c", ":"], user=user, cwd="/")
+            result = await self.envd.run(TOOLS_SHELL, ["-c", ":"], user=user, cwd="/",
+                                         timeout=GUEST_CALL_TIMEOUT_SECONDS)
         except EnvdClientError as exc:
-            raise BuildFailed(f"cannot switch to user {user!r}: {exc}", step) from exc
-        if result.exit_code != 0:
-            raise BuildFailed(f"cannot switch to user {user!r}: {result.stderr.strip()}", step)
+            raise BuildFailed(f"{what}: {exc}", step) from exc
+        if result.exit_code != 0 or not result.exited:
+            raise BuildFailed(f"{what}: `{TOOLS_SHELL} -c :` ended with "
+                              f"{result.status or result.exit_code} (its timeout is "
+                              f"{GUEST_CALL_TIMEOUT_SECONDS:g} s): {result.stderr.strip()}", step)
 
     def _owner(self, user: str) -> str:
         return user if user == "root" else f"{user}:{user}"
@@ -312,7 +322,7 @@ class StepRunner:
         elif step.type == "WORKDIR":
             path = posixpath.normpath(posixpath.join(ctx.workdir or "/", step.args[0]))
             await self._root_script(_WORKDIR_SCRIPT, [path, self._owner(ctx.user)], name,
-                                    f"WORKDIR {path}")
+                                    f"WORKDIR {path}", GUEST_CALL_TIMEOUT_SECONDS)
             ctx.workdir = path
         elif step.type == "USER":
             ctx.user = step.args[0]
@@ -348,7 +358,7 @@ class StepRunner:
             raise BuildFailed(f"uploading the files of {step.describe()} failed: {exc}",
                               name) from exc
         await self._root_script(_COPY_SCRIPT, [remote, flags, src, absolute, owner, mode],
-                                name, step.describe())
+                                name, step.describe(), COPY_TIMEOUT_SECONDS)
 
     # --- start, ready, finish ----------------------------------------------------------------
 
