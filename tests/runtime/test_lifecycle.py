@@ -302,6 +302,29 @@ def test_deep_memory_stack_is_compacted(env: Env, counting: SnapshotRecord) -> N
             env.loop.run(rt.kill(vm))
 
 
+def test_pause_cycles_keep_the_memory_stack_within_ram(env: Env,
+                                                       counting: SnapshotRecord) -> None:
+    """Each pause adds a layer of the pages dirtied since the restore: with compaction by depth
+    alone (32), four cycles each dirtying about half the RAM stacked ~2.5x the RAM of layers.
+    The stack's bytes stay within max_memory_stack_ratio (default 1.5) x RAM, and the
+    compacted stack still restores the guest's memory."""
+    rt = env.runtime
+    ram = counting.machine.memory_bytes
+    vm = env.loop.run(rt.restore(counting))
+    try:
+        for _ in range(4):
+            digest = env.loop.run(sh(vm, "dd if=/dev/urandom of=/tmp/dirty bs=1M count=120"
+                                         " 2>/dev/null; md5sum /tmp/dirty")).split()[0]
+            record = env.loop.run(rt.pause(vm))
+            stack = sum(x.size for x in record.memory_layers)
+            assert stack <= rt.config.max_memory_stack_ratio * ram, (
+                f"{len(record.memory_layers)} layers of {stack >> 20} MiB for {ram >> 20} MiB RAM")
+            vm = env.loop.run(rt.restore(record))
+            assert env.loop.run(sh(vm, "md5sum /tmp/dirty")).split()[0] == digest
+    finally:
+        env.loop.run(rt.kill(vm))
+
+
 # -- QEMU dying during a restore ------------------------------------------------------------
 # The faults below are real (a real QEMU gets SIGKILL); only the moment is chosen by wrapping
 # the runtime's own step (spawn, QMP command, the /init request), since nothing else can time

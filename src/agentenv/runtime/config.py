@@ -69,6 +69,11 @@ class RuntimeConfig(BaseModel):
     snapshot_root: Path | None = None  # default: <state_dir>/snapshots
     # A memory stack deeper than this is compacted into one layer when a snapshot is taken.
     max_memory_layers: int = Field(default=32, ge=1, le=255)
+    # ... and so is a stack whose layers hold more bytes than this times the VM's RAM: each
+    # pause adds a layer of the pages dirtied since the last restore, so by depth alone one
+    # sandbox's memory snapshots could reach 32x its RAM. Compacting keeps them within RAM +
+    # one layer's worth (the merged layer holds at most RAM).
+    max_memory_stack_ratio: float = Field(default=1.5, ge=1.0)
     # False: QEMU processes survive a crash of the runtime's process (no PDEATHSIG), so a
     # restarted process can re-adopt them (runtime/adopt.py).
     qemu_die_with_parent: bool = True

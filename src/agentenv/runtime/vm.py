@@ -598,7 +598,7 @@ class Runtime:
             t_capture = time.perf_counter()
             memory_layers = [*vm.memory_layers,
                              LayerRef(path=str(layer_path), size=layer_path.stat().st_size)]
-            if len(memory_layers) > self.config.max_memory_layers:
+            if self._memory_stack_too_big(memory_layers, vm.machine.memory_bytes):
                 memory_layers = [await asyncio.to_thread(
                     _compact_memory, memory_layers, snap_dir, vm.machine.memory_bytes)]
             t_mem = time.perf_counter()
@@ -630,6 +630,12 @@ class Runtime:
             await vm.process.execute("cont")
             vm.state = "running"
         return record
+
+    def _memory_stack_too_big(self, layers: list[LayerRef], memory_bytes: int) -> bool:
+        """Whether a snapshot's memory stack must be merged: too deep (restore cost,
+        overlaybd's layer cap) or too many bytes for the VM's RAM (a node's disk)."""
+        return (len(layers) > self.config.max_memory_layers
+                or sum(x.size for x in layers) > self.config.max_memory_stack_ratio * memory_bytes)
 
     async def snapshot_disks(self, vm: VM) -> SnapshotRecord:
         """Stop the VM and seal each writable disk's upper into a layer: a filesystem-only
