@@ -846,7 +846,7 @@ class GatewayApp:
             node = next((n for n in await self._up_nodes() if n.node_id == before), None)
         if node is None:
             node = await self.scheduler.schedule(template=template, team=team)
-        if isinstance(body, dict) and "count" in body:  # a batch create (an extension)
+        if isinstance(body, dict) and body.get("count") is not None:  # a batch (an extension)
             if key is not None:
                 raise ApiError(400, "a batch create (count) takes no Idempotency-Key")
             await self._batch(request, send, team, node, raw)
