@@ -145,3 +145,15 @@ def require_free_space(path: Path, need: int, what: str, *, reserve: int | None 
 
 def _mib(n: int) -> str:
     return f"{n / (1 << 20):.1f} MiB"
+
+
+def read_pem(path: str | Path, setting: str) -> bytes:
+    """A PEM file named by `setting` (a certificate, key or CA), read and checked at start: a
+    bad file stops the component with the setting named, not a later connection."""
+    try:
+        data = Path(path).read_bytes()
+    except OSError as exc:
+        raise AgentEnvError(f"{setting}: cannot read {path}: {exc.strerror or exc}") from exc
+    if b"-----BEGIN " not in data:
+        raise AgentEnvError(f"{setting}: {path} holds no PEM")
+    return data

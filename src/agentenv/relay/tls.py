@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from agentenv.errors import AgentEnvError
+from agentenv.fsutil import read_pem
 
 CERT_ENV = "AENV_NODE_TLS_CERT"
 KEY_ENV = "AENV_NODE_TLS_KEY"
@@ -29,14 +30,8 @@ CA_ENV = "AENV_NODE_TLS_CA"
 
 
 def _pem_file(value: str, setting: str) -> Path:
-    path = Path(value)
-    try:
-        head = path.read_bytes()[:1 << 20]
-    except OSError as exc:
-        raise AgentEnvError(f"{setting}: cannot read {path}: {exc.strerror or exc}") from exc
-    if b"-----BEGIN " not in head:
-        raise AgentEnvError(f"{setting}: {path} holds no PEM")
-    return path
+    read_pem(value, setting)
+    return Path(value)
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,6 @@ import hmac
 import os
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from types import TracebackType
 
 import grpc
@@ -35,6 +34,7 @@ import grpc
 from agentenv.control.proto import scheduler_pb2 as pb
 from agentenv.control.proto import scheduler_pb2_grpc as pb_grpc
 from agentenv.errors import AgentEnvError
+from agentenv.fsutil import read_pem
 
 __all__ = [
     "ClientTls",
@@ -94,16 +94,6 @@ TLS_CLIENT_CERT_ENV = "AENV_SCHEDULER_TLS_CLIENT_CERT"
 TLS_CLIENT_KEY_ENV = "AENV_SCHEDULER_TLS_CLIENT_KEY"
 #: the name the scheduler's certificate is checked against when it is not the target's host
 TLS_SERVER_NAME_ENV = "AENV_SCHEDULER_TLS_SERVER_NAME"
-
-
-def read_pem(path: str, setting: str) -> bytes:
-    try:
-        data = Path(path).read_bytes()
-    except OSError as exc:
-        raise AgentEnvError(f"{setting}: cannot read {path}: {exc}") from exc
-    if b"-----BEGIN " not in data:
-        raise AgentEnvError(f"{setting}: {path} holds no PEM")
-    return data
 
 
 @dataclass(frozen=True)

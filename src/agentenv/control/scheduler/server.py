@@ -32,12 +32,12 @@ from agentenv.control.proto import scheduler_pb2 as pb
 from agentenv.control.proto import scheduler_pb2_grpc as pb_grpc
 from agentenv.control.redis_auth import RedisAuth
 from agentenv.control.scheduler.auth import ClusterAuth
-from agentenv.control.scheduler.client import read_pem
 from agentenv.control.scheduler.discovery import Discovery
 from agentenv.control.scheduler.placement import PlacementError
 from agentenv.control.scheduler.service import SchedulerConfig, SchedulerService
 from agentenv.control.scheduler.store import DEFAULT_PREFIX, Store, StoreError
 from agentenv.errors import AgentEnvError
+from agentenv.fsutil import read_pem
 
 log = logging.getLogger("agentenv.control.scheduler.server")
 
