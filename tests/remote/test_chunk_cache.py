@@ -170,6 +170,26 @@ def test_unreachable_sources_give_eio_within_the_timeout(tmp_path: Path, registr
         s.close()
 
 
+def test_a_reader_never_waits_behind_queued_fetches(tmp_path: Path, registry: Registry,
+                                                    hello: tuple[str, bytes]) -> None:
+    """Readahead can fill the fetch pool's queue; a guest read's own chunk is then fetched by
+    the reader, not failed with EIO when the queue does not drain within the timeout."""
+    digest, data = hello
+    s = RemoteStore(RemoteConfig(tmp_path / "cache", capacity=8 * CHUNK, chunk_size=CHUNK,
+                                 background_bw=0, timeout=30, fetch_threads=1))
+    gate = threading.Event()
+    try:
+        source = s.open_blob(_ref(registry, digest, len(data)))
+        s._pool.submit(gate.wait)  # the only fetch thread is busy until the read is done
+        assert source.pread(CHUNK, 5 * CHUNK) == data[5 * CHUNK : 6 * CHUNK]
+        assert s.stats.eio == 0
+        gate.set()
+        source.close()
+    finally:
+        gate.set()
+        s.close()
+
+
 def test_layout_parse_rejects_a_bad_jump_table(hello: tuple[str, bytes]) -> None:
     digest, data = hello
     bad = bytearray(data)

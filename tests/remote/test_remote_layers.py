@@ -115,6 +115,9 @@ def world() -> Iterator[World]:
     finally:
         for node in w.nodes:
             node.daemon.stop()
+            log = node.daemon.root / "blockd.log"  # shown by pytest only when a test failed
+            if log.exists():
+                print(f"--- {node.name}: {log}\n" + "\n".join(log.read_text().splitlines()[-60:]))
             subprocess.run(["fusermount3", "-u", "-z", "-q", str(node.daemon.state_dir / "fuse")],
                            stderr=subprocess.DEVNULL, check=False)
             shutil.rmtree(node.daemon.root, ignore_errors=True)

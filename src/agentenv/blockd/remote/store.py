@@ -524,10 +524,11 @@ class RemoteStore:
 
     def wait_chunk(self, info: BlobInfo, idx: int, future: Future[bytes], *,
                    background: bool = False) -> bytes:
-        started = time.monotonic()
+        # A fetch still queued (behind readahead, say) is run here, by the reader that
+        # needs it: the timeout bounds a fetch, never a wait in the pool's queue.
+        self._fetch_into(info, idx, future)
         try:
-            return future.result(timeout=max(0.1, self.config.timeout -
-                                             (time.monotonic() - started)))
+            return future.result(timeout=self.config.timeout)
         except FutureTimeout:
             message = (f"remote read of {info.ref.digest} chunk {idx} not served within "
                        f"{self.config.timeout:g} s (registry and peers unreachable?)")
@@ -540,6 +541,11 @@ class RemoteStore:
         raise RemoteUnavailable(message)
 
     def _fetch_into(self, info: BlobInfo, idx: int, future: Future[bytes]) -> None:
+        """Fetch chunk `idx` into `future` unless a pool thread or a reader already took it."""
+        with self._lock:
+            if future.running() or future.done():
+                return
+            future.set_running_or_notify_cancel()
         try:
             future.set_result(self._fetch_chunk(info, idx))
         except BaseException as exc:
