@@ -226,6 +226,14 @@ class ScriptedBackend:
         self._leave(fault)  # after: the new VM runs, the node did not record it
         return new
 
+    async def release_snapshots(self, sandbox_id: str, keep: list[SnapshotRef]) -> None:
+        """Releases the sandbox's pauses (this backend owns no fork points) not in `keep`."""
+        kept = {str(ref.data.get("key")) for ref in keep}
+        for key in [k for k in self.snapshots if k.startswith(f"pause-{sandbox_id}-")]:
+            if key not in kept:
+                await self._enter("release", key)
+                self.snapshots.pop(key, None)
+
     async def kill(self, sandbox_id: str, placement: Placement | None) -> None:
         await self._enter("kill", sandbox_id)
         self.running.pop(sandbox_id, None)

@@ -151,6 +151,53 @@ def test_pause_and_resume(tmp_path: Path) -> None:
     run(scenario)
 
 
+def test_a_pause_releases_the_earlier_ones_no_record_names(tmp_path: Path) -> None:
+    """Only the last pause is a resume or rollback target: a pause releases the earlier ones,
+    except one a child forked from it names as its source (released at a later pause, once
+    the child is gone). A failure to release costs disk, not the pause."""
+    async def scenario() -> None:
+        backend = ScriptedBackend()
+        orch = await start(tmp_path, backend)
+        sid = (await create(orch)).sandbox_id
+
+        async def pause() -> str:
+            await orch.pause(sid)
+            await orch.wait_idle(5.0)  # (settled's layer count: a fork child's is its source)
+            while orch._background:  # the release runs once the pause has answered
+                await asyncio.wait(list(orch._background))
+            snapshot = orch.sandboxes[sid].pause_snapshot
+            assert snapshot is not None
+            return str(snapshot.data["key"])
+
+        async def resume() -> None:
+            await orch.connect(sid, 60)
+            await orch.wait_idle(5.0)
+
+        first = await pause()
+        [child] = [r.record for r in await orch.fork(sid, 1, 60)]
+        assert child is not None
+        await resume()
+        second = await pause()
+        assert backend.called("release") == []  # the child's source
+        await resume()
+        third = await pause()
+        assert backend.called("release") == [second]
+        await orch.kill(child.sandbox_id)
+        await resume()
+        backend.fail("release")
+        kept = await pause()
+        assert backend.called("release") == [second, first]
+        assert first in backend.snapshots and third in backend.snapshots
+        await resume()
+        fourth = await pause()
+        assert backend.called("release") == [second, first, first, third, kept]
+        assert fourth in backend.snapshots
+        assert not {first, second, third, kept} & set(backend.snapshots)
+        await orch.shutdown()
+
+    run(scenario)
+
+
 def test_pause_retryable_failure_keeps_it_running(tmp_path: Path) -> None:
     async def scenario() -> None:
         backend = ScriptedBackend()

@@ -5,6 +5,7 @@ paused sandbox, rollback, batch creates from a snapshot. Counts are kept small (
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -399,3 +400,82 @@ def test_fork_of_a_filesystem_only_pause_cold_boots_the_children(rl_node: NodePr
             for sid in made:
                 with contextlib.suppress(Exception):
                     api.delete(f"/sandboxes/{sid}")
+
+
+def _owned(node: NodeProcess, sandbox_id: str) -> list[str]:
+    import json
+
+    path = node.state_dir / "vm-backend" / "sandboxes" / f"{sandbox_id}.json"
+    return list(json.loads(path.read_text())) if path.exists() else []
+
+
+def _named_by(record_dir: Path) -> set[Path]:
+    """The layer files a snapshot record names (its memory and disk stacks)."""
+    import json
+
+    record = json.loads((record_dir / "snapshot.json").read_text())
+    layers = [*record["memory_layers"], *(x for d in record["disks"] for x in d["layers"])]
+    return {Path(x["path"]).resolve() for x in layers}
+
+
+def _leftovers(earlier: list[Path], named: set[Path]) -> list[str]:
+    """Files of earlier pause directories the latest pause does not name."""
+    return [str(f) for d in earlier if d.exists() for f in d.iterdir()
+            if f.is_file() and f.name != ".released" and f.resolve() not in named]
+
+
+def _only_the_last_pause(node: NodeProcess, sandbox_id: str, pauses: list[Path],
+                         named: set[Path]) -> bool:
+    return (_owned(node, sandbox_id) == [str(pauses[-1])]
+            and not _leftovers(pauses[:-1], named))
+
+
+def test_pause_cycles_keep_only_the_last_pause_and_what_it_grew_from(
+        rl_node: NodeProcess) -> None:
+    """A sandbox paused again and again, each cycle dirtying a third of its RAM: only its last
+    pause is a resume or rollback target, so the earlier ones keep nothing but the layers the
+    last one names (its disk chain, its memory stack until compacted). Once the stack is
+    compacted, no earlier pause holds memory: the sandbox's state on disk stops growing with
+    the number of cycles (before, every cycle's memory stayed until the sandbox was deleted)."""
+    from e2b import Sandbox
+
+    before = _snapshot_dirs(rl_node)
+    sbx = Sandbox.create(template="base", timeout=600)
+    sid = sbx.sandbox_id
+    try:
+        with rl_node.client() as api:
+            ram_mib = api.get(f"/sandboxes/{sid}").json()["memoryMB"]
+        pauses: list[Path] = []
+        compacted = False
+        for cycle in range(7):
+            out = sbx.commands.run(
+                f"dd if=/dev/urandom of=/dev/shm/dirty bs=1M count={ram_mib // 3} 2>/dev/null"
+                " && md5sum /dev/shm/dirty", timeout=300).stdout
+            digest = out.split()[0]
+            sbx.pause()
+            owned = _owned(rl_node, sid)
+            pauses.append(Path(owned[-1]))
+            latest, earlier = pauses[-1], pauses[:-1]
+            named = _named_by(latest)
+            # The release runs once the pause has answered.
+            _wait(functools.partial(_only_the_last_pause, rl_node, sid, pauses, named),
+                  seconds=120, what=f"earlier pauses released after cycle {cycle}")
+            memory = [p for p in named if p.name.startswith("memory")]
+            if cycle and len(memory) == 1 and memory[0].parent == latest.resolve():
+                compacted = True  # the whole stack is this pause's own layer
+                assert not any(f.name.startswith("memory") for d in earlier if d.exists()
+                               for f in d.iterdir())
+            sbx = Sandbox.connect(sid, timeout=600)
+            again = sbx.commands.run("md5sum /dev/shm/dirty", timeout=120).stdout
+            assert again.split()[0] == digest, f"memory lost after cycle {cycle}"
+            if compacted:
+                break
+        assert compacted, "the memory stack was never compacted: raise the cycles"
+    finally:
+        with contextlib.suppress(Exception):
+            Sandbox.kill(sid)
+    # Only this test's directories: an earlier test's may still be on their way out.
+    deadline = time.monotonic() + 60
+    while left := _snapshot_dirs(rl_node) - before:
+        assert time.monotonic() < deadline, f"pauses not freed with the sandbox: {left}"
+        time.sleep(0.2)

@@ -325,6 +325,13 @@ class SnapshotBranching(Protocol):
         a failure leaves the sandbox as it was."""
         ...
 
+    async def release_snapshots(self, sandbox_id: str, keep: list[SnapshotRef]) -> None:
+        """Release the snapshots the sandbox made for itself (earlier pauses, fork points)
+        except those in `keep` (what a record still names: its current and last pause, a
+        child's source). Their files go, but those a later snapshot grew from or a running
+        VM (a child forked from one) still reads."""
+        ...
+
 
 @runtime_checkable
 class HealthReport(Protocol):

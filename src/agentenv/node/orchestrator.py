@@ -386,7 +386,11 @@ class Orchestrator:
         self._left_running(sandbox_id, "lost")
         work = self._start_op(sandbox_id, "kill",
                               self._do_kill(rec, State.RUNNING, f"lost: {reason}"))
-        task = asyncio.create_task(self._log_reap(sandbox_id, work, "sandbox removed"))
+        self._in_background(self._log_reap(sandbox_id, work, "sandbox removed"))
+
+    def _in_background(self, work: Awaitable[Any]) -> None:
+        """Run `work` beside the callers; shutdown waits for it."""
+        task = asyncio.ensure_future(work)
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
@@ -673,9 +677,7 @@ class Orchestrator:
         tpl.spawn_count += 1
         tpl.last_spawned_at = now
         # Statistics only: written in the background, off the create's latency.
-        counted = asyncio.create_task(self._save_quietly(tpl))
-        self._background.add(counted)
-        counted.add_done_callback(self._background.discard)
+        self._in_background(self._save_quietly(tpl))
         log.info("sandbox created", extra={"sandbox_id": sid, "template_id": rec.template_id})
         return rec
 
@@ -755,6 +757,33 @@ class Orchestrator:
         await self.store.finish_pause(rec, [*rec.source.layers, *result.snapshot.layers])
         self.emit(PAUSED, rec, pause_mode=rec.pause_mode, reason=why, execution=_execution(rec))
         log.info("sandbox paused", extra={"sandbox_id": sid, "mode": rec.pause_mode})
+        self._in_background(self._release_unnamed(rec, self._ops.get(sid)))
+
+    async def _release_unnamed(self, rec: SandboxRecord, pausing: asyncio.Task[Any] | None
+                               ) -> None:
+        """Once the pause `pausing` is over (its caller has its answer): the sandbox's earlier
+        pauses and fork points that no record names any more are released (only the last
+        pause is a resume or rollback target; a child names the pause it was forked from as
+        its source). Without this, every pause cycle kept the memory it dirtied on disk until
+        the sandbox was deleted. Skipped when another operation began meanwhile (a snapshot it
+        makes may not be named yet); the next pause does it. A failure costs disk: logged."""
+        branching = self.capabilities.branching
+        if branching is None:
+            return
+        if pausing is not None:
+            await asyncio.wait([pausing])
+        sid = rec.sandbox_id
+        if self.sandboxes.get(sid) is not rec or rec.state != State.PAUSED or sid in self._ops:
+            return
+        # No await from here to the backend's reading of what the sandbox owns.
+        named = [ref for other in self.sandboxes.values()
+                 for ref in (other.source, other.pause_snapshot, other.last_pause)
+                 if ref is not None]
+        try:
+            await branching.release_snapshots(sid, named)
+        except Exception as exc:
+            log.warning("earlier snapshots of a sandbox not released",
+                        extra={"sandbox_id": sid, "error": str(exc)})
 
     async def connect(self, sandbox_id: str, timeout: int | None,
                       memory: bool = True) -> tuple[SandboxRecord, bool]:
@@ -945,9 +974,7 @@ class Orchestrator:
                 rec.state = State.KILLING
                 self._left_running(sid, "killed")
                 work = self._start_op(sid, "kill", self._do_kill(rec, State.RUNNING, "timeout"))
-            task = asyncio.create_task(self._log_reap(sid, work, "sandbox timed out"))
-            self._background.add(task)
-            task.add_done_callback(self._background.discard)
+            self._in_background(self._log_reap(sid, work, "sandbox timed out"))
         return count
 
     async def _log_reap(self, sandbox_id: str, work: Awaitable[None], done: str) -> None:

@@ -578,6 +578,18 @@ class VmBackend(SandboxBackend, CrashRecovery, LayerAware, TemplateBuilding, Net
     async def discard_paused(self, sandbox_id: str, snapshot: SnapshotRef) -> None:
         await self.kill(sandbox_id, None)
 
+    async def release_snapshots(self, sandbox_id: str, keep: list[SnapshotRef]) -> None:
+        kept = {str(Path(ref.data["record_dir"])) for ref in keep if ref.data.get("record_dir")}
+        unnamed = [d for d in self.snapshots.owned(sandbox_id) if str(Path(d)) not in kept]
+        if not unnamed:
+            return
+        # The VM that wrote the pause ends in the background; until it has, its layers count
+        # as in use and nothing of the snapshot it ran from could go.
+        await self.runtime.drain()
+        for directory in unnamed:
+            self.snapshots.disown(sandbox_id, directory)
+        await self._release(unnamed)
+
     async def delete_snapshot(self, ref: SnapshotRef) -> None:
         if ref.data.get("builtin"):
             return  # rebuilt at the next start anyway; its boot snapshot is kept
@@ -610,16 +622,18 @@ class VmBackend(SandboxBackend, CrashRecovery, LayerAware, TemplateBuilding, Net
             await self._collect()
 
     async def _collect(self) -> None:
-        # Files of running VMs (they name the snapshot they came from), read on the loop.
-        in_use: set[Path] = set()
+        # Layer files of running VMs (from the snapshots they came from), read on the loop;
+        # whole directories creates are restoring from.
+        files: set[Path] = set()
         vms = list(self._runtime.vms.values()) if self._runtime is not None else []
         for vm in vms + list(self._vms.values()):
-            in_use.update(Path(ref.path).parent for ref in vm.memory_layers)
+            files.update(Path(ref.path) for ref in vm.memory_layers)
             for disk in vm.disks:
-                in_use.update(Path(x.path).parent for x in disk.layers)
+                files.update(Path(x.path) for x in disk.layers)
+        directories: set[Path] = set()
         for sources in self._create_sources:
-            in_use.update(sources)
-        await self.snapshots.collect(in_use)
+            directories.update(sources)
+        await self.snapshots.collect(files, directories)
 
     async def _drop_pools(self, directories: list[str]) -> None:
         """Snapshots no longer used as templates take their ready VMs with them."""

@@ -60,8 +60,15 @@ class SnapshotStore:
         owned.append(str(directory))
         atomic_write_json(self._owned_file(sandbox_id), owned)
 
-    def disown(self, sandbox_id: str) -> None:
-        self._owned_file(sandbox_id).unlink(missing_ok=True)
+    def disown(self, sandbox_id: str, directory: str | None = None) -> None:
+        """Forget one of the sandbox's snapshot directories (None: all of them)."""
+        if directory is None:
+            self._owned_file(sandbox_id).unlink(missing_ok=True)
+            return
+        owned = self.owned(sandbox_id)
+        if directory in owned:
+            owned.remove(directory)
+            atomic_write_json(self._owned_file(sandbox_id), owned)
 
     # --- records and refs -----------------------------------------------------------------------
 
@@ -119,15 +126,17 @@ class SnapshotStore:
                 marked += 1
         return marked
 
-    async def collect(self, in_use: set[Path]) -> None:
-        """Delete the released directories no snapshot names and `in_use` does not hold."""
+    async def collect(self, files_in_use: set[Path], dirs_in_use: set[Path]) -> None:
+        """Delete the released directories: whole when no snapshot names a file in them and
+        no running VM reads one (`files_in_use`), else every file but those; `dirs_in_use`
+        (restores under way) are kept whole."""
         async with self._lock:
-            await asyncio.to_thread(self._collect, in_use)
+            await asyncio.to_thread(self._collect, files_in_use, dirs_in_use)
 
-    def _collect(self, in_use: set[Path]) -> None:
+    def _collect(self, files_in_use: set[Path], dirs_in_use: set[Path]) -> None:
         if not self.root.is_dir():
             return
-        needed: set[Path] = set()
+        needed: set[Path] = {p.resolve() for p in files_in_use}
         released: list[Path] = []
         for snap in self.root.iterdir():
             if not snap.is_dir():
@@ -139,8 +148,23 @@ class SnapshotStore:
                 record = SnapshotRecord.load(snap)
             except Exception:  # a half-written snapshot pins nothing
                 continue
-            needed.update(record_dirs(record))
+            needed.update(Path(p).resolve() for p in snapshot_layers(record))
+        needed_dirs = {p.parent for p in needed}
+        kept_whole = {p.resolve() for p in dirs_in_use}
         for snap in released:
-            if snap not in needed and snap not in in_use:
+            where = snap.resolve()
+            if where in kept_whole:
+                continue
+            if where not in needed_dirs:
                 shutil.rmtree(snap, ignore_errors=True)
                 log.info("snapshot deleted", extra={"snapshot_dir": str(snap)})
+                continue
+            # A later snapshot grew from some of its layers (a sealed disk upper, memory not
+            # yet compacted): those stay, its own memory, device state and record go.
+            trimmed = [f for f in snap.iterdir() if f.is_file() and f.name != RELEASED_MARK
+                       and f.resolve() not in needed]
+            for f in trimmed:
+                f.unlink(missing_ok=True)
+            if trimmed:
+                log.info("released snapshot trimmed to the layers still named", extra={
+                    "snapshot_dir": str(snap), "deleted": [f.name for f in trimmed]})
