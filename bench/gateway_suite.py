@@ -26,7 +26,6 @@ import resource
 import shutil
 import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -133,7 +132,7 @@ def gateway_suite(args: argparse.Namespace, work: Path, procs: Any = None) -> No
         # process-backend sandbox's envd listens on a host port, in its run.json)
         run = next(node.state_dir.rglob(f"{sbx.sandbox_id}/run.json"))
         placement = json.loads(run.read_text())
-        envd = _direct(sbx, f"http://{placement['host']}:{placement['envd_port']}", "")
+        envd = _direct(sbx, f"http://{placement['host']}:{placement['envd_port']}", {})
         envd_s, proxy_s = [], []
         for _ in range(reps):
             for target, samples in ((direct, proxy_s), (envd, envd_s)):
@@ -169,9 +168,11 @@ def gateway_suite(args: argparse.Namespace, work: Path, procs: Any = None) -> No
 
         # concurrent streams held through the gateway
         hold = 120.0  # longer than opening 1,000 streams takes on a loaded host
-        # A process-backend sandbox's ports are this host's ports (node/process_backend.py):
-        # the server runs beside it, started here, and is reached as the sandbox's port.
-        server = subprocess.Popen([sys.executable, "-c", STREAM_SERVER, str(hold)])
+        # The server runs as the sandbox's own process (the node relays only ports its
+        # processes listen on); a process-backend sandbox's ports are this host's.
+        sbx.files.write("/tmp/stream_server.py", STREAM_SERVER)
+        server = sbx.commands.run(f"ulimit -n 8192; exec python3 /tmp/stream_server.py {hold}",
+                                  background=True, timeout=0)
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
             with socket.socket() as probe:
@@ -188,7 +189,6 @@ def gateway_suite(args: argparse.Namespace, work: Path, procs: Any = None) -> No
                 _streams(cluster.url, headers, STREAMS, hold))
         finally:
             server.kill()
-            server.wait()
         emit("streams_held", held, "streams", "streams asked for", STREAMS,
              open_all_s=round(opened_s, 2), finished=finished, hold_s=hold,
              goal=STREAMS, goal_met=held == STREAMS and finished == STREAMS,

@@ -5,7 +5,8 @@ overwrite random 64 KiB-1 MiB extents over ~15% of it), uncompressed and as zstd
 4 KiB random writes to the upper. Baselines measured in the same run: os.pread of the same
 bytes from one flat raw file, and plain zstd decompression of the same 4 KiB blocks. The
 `*_native` metrics run the same 4 KiB writes and plain reads on the native core
-(storage/native.py, when built) over the same stack. `rand_write_4k_upper_growing*_budget`:
+(storage/native.py, when built) over the same stack; `*_zstd_native` the zstd stack's reads
+there against the Python path. `rand_write_4k_upper_growing*_budget`:
 4 KiB writes that each grow the upper, with the node's disk budget on vs off.
 
 Prints one JSON object per line: metric, value, unit, baseline, baseline_value, ratio.
@@ -213,6 +214,31 @@ def main() -> int:
         ours, base = compare(zimg_rand, plain_decompress_rand, min_time)
         emit("rand_read_4k_10layers_zstd", ours, "IOPS", "zstd decompress of one 4 KiB block",
              base)
+
+        # The same reads of the zstd stack on the native core (libzstd, no Python per read)
+        # against the Python path.
+        if native.available():
+            nzimage = native.NativeImage.create(zstd_layers, None)
+
+            def nzimg_seq() -> int:
+                readinto = nzimage.readinto
+                for pos in range(0, span, seq):
+                    readinto(pos, mv)
+                return span // seq
+
+            def nzimg_rand() -> int:
+                read = nzimage.read
+                for off in offsets[:1024]:
+                    read(off, BLOCK)
+                return 1024
+
+            ours, base = compare(nzimg_seq, zimg_seq, min_time)
+            emit("seq_read_1m_10layers_zstd_native", ours * seq / 2**20, "MiB/s",
+                 "the Python path (zfile.py)", base * seq / 2**20)
+            ours, base = compare(nzimg_rand, zimg_rand, min_time)
+            emit("rand_read_4k_10layers_zstd_native", ours, "IOPS",
+                 "the Python path (zfile.py)", base)
+            nzimage.close()
 
         # 4 KiB random writes to the upper (no flush) vs pwrite to a flat file.
         wflat = os.open(root / "wflat.raw", os.O_RDWR | os.O_CREAT)

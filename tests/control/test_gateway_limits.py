@@ -25,7 +25,8 @@ import pytest
 from e2b import Sandbox, Template
 from e2b.template.utils import calculate_files_hash
 
-from agentenv.control.gateway.limits import LookupLimiter, client_key
+from agentenv.control.gateway.limits import LookupLimiter
+from agentenv.relay.connections import client_key
 from tests.control.cluster import GatewayProcess, LocalCluster
 from tests.control.helpers import wait_for
 from tests.node.conftest import environ_set

@@ -1,6 +1,6 @@
-"""LZ4 ZFile layers decoded by the native core (storage/_native.cpp `read_zfile`) against the
-reference reader (storage/zfile.py): the same bytes, no call into Python for a healthy
-layer, and a corrupt block still fails with the reference's own error."""
+"""ZFile layers (LZ4 and ZSTD) decoded by the native core (storage/_native.cpp `read_zfile`)
+against the reference reader (storage/zfile.py): the same bytes, no call into Python for a
+healthy layer, and a corrupt or forged block still fails with the reference's own error."""
 
 from __future__ import annotations
 
@@ -25,14 +25,18 @@ MiB = 1 << 20
 SIZE = 3 * MiB + 5 * KiB  # the last ZFile block is short
 
 
+#: the layers of a stack: (compression, tar-wrapped, block size)
+_LAYERS = (("lz4", True, 4096), (None, False, 4096), ("lz4", False, 16384),
+           ("zstd", True, 4096), ("zstd", False, 16384))
+
+
 def _build(folder: Path, seed: int) -> list[Path]:
-    """An LZ4 ZFile layer with CRCs (tar-wrapped), a plain one, and an LZ4 ZFile of 16 KiB
-    blocks; data of every compressibility (random, repeated patterns, zeros) and zeroed
+    """ZFile layers of both codecs (4 KiB blocks with CRCs, tar-wrapped; 16 KiB blocks) and a
+    plain one; data of every compressibility (random, repeated patterns, zeros) and zeroed
     extents."""
     rng = random.Random(seed)
     paths = []
-    for n, (compress, tar, block) in enumerate((("lz4", True, 4096), (None, False, 4096),
-                                                ("lz4", False, 16384))):
+    for n, (compress, tar, block) in enumerate(_LAYERS):
         path = folder / f"z{seed}-{n}.lsmt"
         with LayerBuilder(path, SIZE, compress=compress, tar=tar,  # type: ignore[arg-type]
                           block_size=block) as builder:
@@ -60,13 +64,15 @@ def stacks(tmp_path_factory: pytest.TempPathFactory) -> dict[int, list[Path]]:
 
 @settings(max_examples=60, deadline=None,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
-@given(seed=st.integers(0, 1), order=st.permutations([0, 1, 2]),
+@given(seed=st.integers(0, 1), order=st.permutations(range(len(_LAYERS))),
+       depth=st.integers(1, len(_LAYERS)),
        reads=st.lists(st.tuples(st.integers(0, SIZE - 1), st.integers(1, 600 * KiB)),
                       min_size=1, max_size=12))
-def test_lz4_layers_read_natively_match_the_reference(stacks: dict[int, list[Path]],
-                                                      seed: int, order: list[int],
-                                                      reads: list[tuple[int, int]]) -> None:
-    lowers = [stacks[seed][i] for i in order]
+def test_zfile_layers_read_natively_match_the_reference(stacks: dict[int, list[Path]],
+                                                        seed: int, order: list[int],
+                                                        depth: int,
+                                                        reads: list[tuple[int, int]]) -> None:
+    lowers = [stacks[seed][i] for i in order[:depth]]
     with Image.create(lowers, None, SIZE) as ref, \
             native.NativeImage.create(lowers, None, SIZE) as nat:
         for offset, length in reads:
@@ -88,10 +94,11 @@ def test_whole_stack_and_writes_over_it(stacks: dict[int, list[Path]], tmp_path:
     ref.close()
 
 
-def test_a_corrupt_lz4_block_raises_the_reference_error(tmp_path: Path) -> None:
+@pytest.mark.parametrize("algo", ["lz4", "zstd"])
+def test_a_corrupt_block_raises_the_reference_error(tmp_path: Path, algo: str) -> None:
     """A block whose CRC does not match goes to the reference reader, which raises its own
     error in the caller (and the bytes before it were read natively)."""
-    layer = corrupt_zfile_layer(tmp_path, "lz4")
+    layer = corrupt_zfile_layer(tmp_path, algo)
     with Image.create([layer], None) as ref, native.NativeImage.create([layer], None) as nat:
         with pytest.raises(Exception) as expected:
             ref.read(0, 1 * MiB)
@@ -107,23 +114,23 @@ _HOSTILE: dict[str, bytes] = {}
 
 @settings(max_examples=200, deadline=None,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
-@given(block=st.integers(0, 63), edits=st.lists(
+@given(algo=st.sampled_from(["lz4", "zstd"]), block=st.integers(0, 63), edits=st.lists(
     st.tuples(st.integers(0, 5000), st.integers(0, 255)), min_size=1, max_size=6),
     cut=st.integers(0, 3))
-def test_forged_lz4_blocks_with_valid_crcs_read_like_the_reference(
-        tmp_path: Path, block: int, edits: list[tuple[int, int]], cut: int) -> None:
-    """A hostile layer: LZ4 blocks changed (bytes replaced, the block shortened) with their
-    CRCs made valid again. The core never reads or writes out of bounds, and reads what the
-    reference reads, or fails as it does."""
-    if "layer" not in _HOSTILE:
+def test_forged_blocks_with_valid_crcs_read_like_the_reference(
+        tmp_path: Path, algo: str, block: int, edits: list[tuple[int, int]], cut: int) -> None:
+    """A hostile layer: LZ4 blocks or ZSTD frames changed (bytes replaced, the block
+    shortened) with their CRCs made valid again. The core never reads or writes out of
+    bounds, and reads what the reference reads, or fails as it does."""
+    if algo not in _HOSTILE:
         rng = random.Random(9)
         source = tmp_path / "src.lsmt"
-        with LayerBuilder(source, 256 * KiB, compress="lz4") as builder:
+        with LayerBuilder(source, 256 * KiB, compress=algo) as builder:  # type: ignore[arg-type]
             unit = rng.randbytes(40)
             builder.add(0, (unit * 4000)[: 128 * KiB])
             builder.add(128 * KiB, rng.randbytes(128 * KiB))
-        _HOSTILE["layer"] = source.read_bytes()
-    raw = bytearray(_HOSTILE["layer"])
+        _HOSTILE[algo] = source.read_bytes()
+    raw = bytearray(_HOSTILE[algo])
     probe = tmp_path / "probe.lsmt"
     probe.write_bytes(raw)
     with Image.create([probe], None) as image:

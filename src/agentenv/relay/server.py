@@ -25,6 +25,7 @@ its own address picks its own rate limit bucket.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ipaddress
 import json
 import logging
@@ -41,6 +42,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from agentenv.errors import AgentEnvError
 from agentenv.logs import Sampled
+from agentenv.relay.connections import ConnectionLimits
 from agentenv.relay.websocket import FragmentingWebSocketProtocol
 
 log = logging.getLogger("agentenv.relay.server")
@@ -145,32 +147,39 @@ def quiet_stream_aborts() -> None:
     logging.getLogger("uvicorn.error").addFilter(_QuietAborts())
 
 
-def hardened_protocol(max_head_bytes: int, head_timeout: float) -> type[H11Protocol]:
-    """The protocol class for uvicorn's `http=` with these limits."""
+def hardened_protocol(max_head_bytes: int, head_timeout: float,
+                      connections: ConnectionLimits | None = None) -> type[H11Protocol]:
+    """The protocol class for uvicorn's `http=` with these limits (`connections`: the bounds
+    on open connections of relay/connections.py, shared by every connection of the server)."""
 
     class HardenedH11Protocol(_HardenedBase):
         pass
 
     HardenedH11Protocol.max_head_bytes = max_head_bytes
     HardenedH11Protocol.head_timeout = head_timeout
+    HardenedH11Protocol.connection_limits = connections
     return HardenedH11Protocol
 
 
 def hardened_config(app: Any, host: str, port: int, max_head_bytes: int, head_timeout: float,
                     graceful_seconds: float, backlog: int = 2048, *,
                     ws_max_bytes: int = 16 << 20,
-                    tls_files: tuple[Path, Path] | None = None) -> uvicorn.Config:
+                    tls_files: tuple[Path, Path] | None = None,
+                    connections: ConnectionLimits | None = None) -> uvicorn.Config:
     """The uvicorn settings of every server that relays sandbox traffic (the node, the
     gateway): the hardened HTTP/1.1 protocol, our own logs, WebSockets (messages of at most
     `ws_max_bytes`; fragments relayed as they come, relay/websocket.py), no server header, the
-    client's address as AENV_TRUSTED_PROXIES says; TLS only where `tls_files` (certificate,
+    client's address as AENV_TRUSTED_PROXIES says, bounded open connections (`connections`,
+    else from the environment: relay/connections.py); TLS only where `tls_files` (certificate,
     key) are given (relay/tls.py)."""
     proxies = trusted_proxies()
+    if connections is None:
+        connections = ConnectionLimits.from_env(proxies)
     return uvicorn.Config(
         app,
         host=host,
         port=port,
-        http=hardened_protocol(max_head_bytes, head_timeout),
+        http=hardened_protocol(max_head_bytes, head_timeout, connections),
         h11_max_incomplete_event_size=max_head_bytes + 1,
         log_config=None,
         access_log=False,
@@ -191,16 +200,47 @@ def hardened_config(app: Any, host: str, port: int, max_head_bytes: int, head_ti
 class _HardenedBase(H11Protocol):
     max_head_bytes = 64 << 10
     head_timeout = 30.0
+    connection_limits: ConnectionLimits | None = None
 
     _head_timer: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
+        if self.connection_limits is not None:
+            refused = self.connection_limits.admit(self, str(self.client[0]) if self.client else "")
+            if refused:
+                self._reply(503, refused)
+                return
         self._arm_head_timer()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._stop_head_timer()
+        if self.connection_limits is not None:
+            self.connection_limits.release(self)
         super().connection_lost(exc)
+
+    def is_idle(self) -> bool:
+        """Serving no request: none received yet, kept alive after one, or a head arriving."""
+        return ((self.cycle is None or self.cycle.response_complete)
+                and not self.transport.is_closing())
+
+    def close_idle(self) -> None:
+        """Close this idle connection to make room (as its keep-alive timeout would)."""
+        self._stop_head_timer()
+        self._unset_keepalive_if_required()
+        with contextlib.suppress(h11.LocalProtocolError):
+            self.conn.send(h11.ConnectionClosed())
+        self.transport.close()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        if self.connection_limits is not None:
+            self.connection_limits.active(self)
+
+    def handle_websocket_upgrade(self, event: h11.Request) -> None:
+        if self.connection_limits is not None:  # a session now, counted by the request cap
+            self.connection_limits.release(self)
+        super().handle_websocket_upgrade(event)
 
     def _arm_head_timer(self) -> None:
         if self._head_timer is None and self.head_timeout > 0:
@@ -221,7 +261,8 @@ class _HardenedBase(H11Protocol):
 
     def _reply(self, status: int, message: str) -> None:
         body = json.dumps({"code": status, "message": message}).encode()
-        reason = {408: b"Request Timeout", 431: b"Request Header Fields Too Large"}
+        reason = {408: b"Request Timeout", 431: b"Request Header Fields Too Large",
+                  503: b"Service Unavailable"}
         self.transport.write(
             b"HTTP/1.1 %d %s\r\ncontent-type: application/json; charset=utf-8\r\n"
             b"content-length: %d\r\nconnection: close\r\n\r\n%s"

@@ -10,9 +10,10 @@
 //
 // Python owns every file descriptor and the control plane: it quiesces the core (pause /
 // resume), takes the upper's state back (export_upper) for a seal, a resize or a close, and
-// binds the new stack (configure). The core reads plain and LZ4 ZFile layers, local or remote
-// (from the node's chunk cache); what it cannot read itself (ZSTD ZFile pieces, remote chunk
-// misses, a ZFile block that fails its check) goes through a Python callable, with the GIL.
+// binds the new stack (configure). The core reads plain and ZFile layers (LZ4 decoded here,
+// ZSTD through libzstd), local or remote (from the node's chunk cache); what it cannot read
+// itself (remote chunk misses, a ZFile block that fails its check) goes through a Python
+// callable, with the GIL.
 
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -29,6 +30,7 @@
 #include <sys/uio.h>
 #include <time.h>
 #include <unistd.h>
+#include <zstd.h>
 
 #include <algorithm>
 #include <atomic>
@@ -69,9 +71,9 @@ struct ZLayer;
 struct Layer {
     int fd;
     int64_t base;
-    bool foreign;  // read through the Python callable (ZSTD ZFile, a remote layer without a map)
+    bool foreign;  // read through the Python callable (a remote layer without a map)
     std::shared_ptr<RemoteLayer> remote;  // a remote layer's blob in the chunk cache
-    std::shared_ptr<ZLayer> z;            // an LZ4 ZFile layer (local, or remote with `remote`)
+    std::shared_ptr<ZLayer> z;            // a ZFile layer (local, or remote with `remote`)
 };
 
 // What a write refused for space reports: the disk's cap (UpperFull's fields), or the node's
@@ -389,15 +391,16 @@ bool read_blob(const RemoteLayer& R, int64_t bpos, char* dst, int64_t n) {
     return true;
 }
 
-// -- ZFile layers (LZ4) ------------------------------------------------------------------
+// -- ZFile layers (LZ4, ZSTD) ------------------------------------------------------------
 //
-// storage/zfile.py is the reference: blocks of `block_size` bytes, each LZ4-compressed and
-// followed, when the file verifies, by the raw CRC-32C (salt 100007) of its compressed
-// bytes; a jump table gives where each starts (`offs`, absolute in the file or blob). The
-// core decodes LZ4 layers itself (local files, and remote blobs whose chunks the cache
-// holds). Anything unexpected (a CRC or a block that does not decode to its size, a remote
-// chunk missing) hands the rest of the piece to Python's ZFileReader, which fetches what is
-// missing or raises the reference's error. ZSTD layers are read through Python.
+// storage/zfile.py is the reference: blocks of `block_size` bytes, each compressed (an LZ4
+// block, or one ZSTD frame) and followed, when the file verifies, by the raw CRC-32C (salt
+// 100007) of its compressed bytes; a jump table gives where each starts (`offs`, absolute in
+// the file or blob). The core decodes both itself (local files, and remote blobs whose chunks
+// the cache holds): LZ4 with its own decoder, ZSTD with libzstd (one decompression context per
+// serving thread). Anything unexpected (a CRC or a block that does not decode to its size, a
+// remote chunk missing) hands the rest of the piece to Python's ZFileReader, which fetches
+// what is missing or raises the reference's error.
 
 constexpr uint32_t ZF_BLOCK_SALT = 100007;
 // Compressed bytes read per pread: enough to amortise the call, small because each serving
@@ -409,6 +412,7 @@ struct ZLayer {
     int64_t block_size;
     int64_t size;  // uncompressed stream bytes
     bool verify;
+    bool zstd;  // blocks are ZSTD frames (else LZ4 blocks)
 };
 
 uint32_t crc32c_table[8][256];
@@ -462,6 +466,20 @@ uint32_t crc32c_raw(uint32_t crc, const char* p, size_t n) {
     if (crc32c_has_hw) return crc32c_hw(crc, u, n);
 #endif
     return crc32c_soft(crc, u, n);
+}
+
+// Decodes one ZSTD frame into exactly `want` bytes; false when it is malformed or does not
+// decode to exactly that. One context per thread: a context is not shareable and costs
+// about 100 KiB, created once per serving thread.
+bool zstd_decode(const char* src, int64_t n, char* dst, int64_t want) {
+    struct Free {
+        void operator()(ZSTD_DCtx* c) const { ZSTD_freeDCtx(c); }
+    };
+    static thread_local std::unique_ptr<ZSTD_DCtx, Free> ctx(ZSTD_createDCtx());
+    // exactly one frame, filling the block: anything else is for the reference to judge
+    if (!ctx || ZSTD_findFrameCompressedSize(src, size_t(n)) != size_t(n)) return false;
+    size_t got = ZSTD_decompressDCtx(ctx.get(), dst, size_t(want), src, size_t(n));
+    return !ZSTD_isError(got) && got == size_t(want);
 }
 
 // Decodes one LZ4 block (the block format: sequences of literals and back-references) into
@@ -724,7 +742,7 @@ struct Engine {
         return std::max<int64_t>(end - fpos, 0);
     }
 
-    // An LZ4 ZFile layer's stream bytes [pos, pos + n), decoded here; from the first thing
+    // A ZFile layer's stream bytes [pos, pos + n), decoded here; from the first thing
     // that is not plainly right (a remote chunk missing, a CRC, a block), the rest through
     // Python. Returns the bytes filled (short past the stream's end) or -errno.
     int64_t read_zfile(int64_t slot, const Layer& L, int64_t pos, char* dst, int64_t n) {
@@ -755,7 +773,9 @@ struct Engine {
                 bool whole = s == 0 && e == blen;
                 if (!whole && block.size() < size_t(bs)) block.resize(size_t(bs));
                 char* target = whole ? dst + out : block.data();
-                if (!lz4_decode(c, clen, target, blen)) break;
+                if (!(Z.zstd ? zstd_decode(c, clen, target, blen)
+                             : lz4_decode(c, clen, target, blen)))
+                    break;
                 if (!whole) memcpy(dst + out, target + s, size_t(e - s));
                 out += e - s;
                 b = k + 1;
@@ -1146,9 +1166,9 @@ class ReadSplitter {
     }
 
     int fill(int64_t pos, int64_t end, char* dst) {
-        // A stack with ZFile layers is read on the caller alone: each of their pieces takes
-        // the GIL, so helpers would only queue for it. (A remote layer's misses may go to
-        // Python from a helper: they wait for the network, not for the GIL.)
+        // A stack with a layer read through Python is read on the caller alone: each of its
+        // pieces takes the GIL, so helpers would only queue for it. (A remote layer's misses
+        // may go to Python from a helper: they wait for the network, not for the GIL.)
         int parts = e_.has_foreign ? 1 : 1 + std::min<int>(helpers_wanted(),
                                                             int((end - pos) / MIN_SPLIT) - 1);
         if (parts <= 1) return e_.fill(pos, end, dst);
@@ -1660,12 +1680,12 @@ bool load_array(PyObject* obj, std::vector<int64_t>& out) {
 }
 
 // A layer tuple's optional ZFile part: (block starts as int64 bytes, block size, stream
-// size, verify).
+// size, verify, zstd).
 bool load_zfile(PyObject* spec, std::shared_ptr<ZLayer>& out) {
     PyObject* offs;
     long long block_size, size;
-    int verify;
-    if (!PyArg_ParseTuple(spec, "OLLp", &offs, &block_size, &size, &verify)) return false;
+    int verify, zstd;
+    if (!PyArg_ParseTuple(spec, "OLLpp", &offs, &block_size, &size, &verify, &zstd)) return false;
     auto z = std::make_shared<ZLayer>();
     if (!load_array(offs, z->offs)) return false;
     int64_t blocks = block_size > 0 ? (size + block_size - 1) / block_size : -1;
@@ -1677,6 +1697,7 @@ bool load_zfile(PyObject* spec, std::shared_ptr<ZLayer>& out) {
     z->block_size = block_size;
     z->size = size;
     z->verify = verify;
+    z->zstd = zstd;
     out = std::move(z);
     return true;
 }

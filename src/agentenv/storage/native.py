@@ -10,10 +10,9 @@ reference code, and binds the resulting stack to the core again. The files the c
 are byte-identical to what `Upper` writes for the same operations (tests/storage/
 test_native.py checks it).
 
-LZ4 ZFile layers are decoded by the core; ZSTD ones are read through Python (their
-`readinto`, with the GIL) for the pieces that need them. A remote layer is read by the core
-from the chunk cache (its `ChunkMap`), and through Python only for the chunks it misses;
-everything else never enters Python per request.
+ZFile layers are decoded by the core (LZ4 by its own decoder, ZSTD by libzstd). A remote
+layer is read by the core from the chunk cache (its `ChunkMap`), and through Python only for
+the chunks it misses; everything else never enters Python per request.
 
 `AENV_BLOCKD_NATIVE=0` turns the native core off (blockd then opens plain `Image`s); so does
 a build without the extension (`available()` says why).
@@ -36,7 +35,7 @@ from agentenv.storage.errors import ImageUsageError
 from agentenv.storage.image import Image
 from agentenv.storage.lsmt import FlatIndex
 from agentenv.storage.upper import UpperFull
-from agentenv.storage.zfile import ALGO_LZ4, ZFileReader
+from agentenv.storage.zfile import ALGO_LZ4, ALGO_ZSTD, ZFileReader
 
 log = logging.getLogger("agentenv.storage.native")
 
@@ -94,12 +93,13 @@ _ZFILE_SPECS: weakref.WeakKeyDictionary[ZFileReader, tuple[bytes, int, int, bool
     weakref.WeakKeyDictionary()
 
 
-def _zfile_spec(reader: ZFileReader) -> tuple[bytes, int, int, bool]:
+def _zfile_spec(reader: ZFileReader) -> tuple[bytes, int, int, bool, bool]:
     """The jump table as the core reads it (made once per open layer, not at every bind)."""
     spec = _ZFILE_SPECS.get(reader)
     if spec is None:
         spec = _ZFILE_SPECS[reader] = (np.asarray(reader.offsets, dtype=np.int64).tobytes(),
-                                       reader.block_size, reader.size, reader.verify)
+                                       reader.block_size, reader.size, reader.verify,
+                                       reader.algo == ALGO_ZSTD)
     return spec
 
 
@@ -156,14 +156,14 @@ class NativeImage(Image):
         """How the core reads a layer slot: (fd, base, through Python?[, remote[, zfile]]).
 
         A remote layer on a chunk cache with a ChunkMap is read by the core from the cache
-        (remote: (map, cache fd, chunk size, stream size)); an LZ4 ZFile layer, local or
-        remote, is decoded by the core (zfile: (block starts, block size, stream size,
-        verify)). ZSTD layers, and what the core misses or cannot check, go through
+        (remote: (map, cache fd, chunk size, stream size)); a ZFile layer (LZ4 or ZSTD),
+        local or remote, is decoded by the core (zfile: (block starts, block size, stream
+        size, verify, zstd?)). What the core misses or cannot check goes through
         `_read_foreign`."""
         if type(src) is int:
             return (src, base, False)
         if isinstance(src, ZFileReader):
-            if src.algo != ALGO_LZ4:
+            if src.algo not in (ALGO_LZ4, ALGO_ZSTD):
                 return (-1, 0, True)
             zf = _zfile_spec(src)
             if src.blob is None:

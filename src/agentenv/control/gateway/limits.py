@@ -30,7 +30,6 @@ address (the peer, or what a trusted proxy forwarded for: relay/server.py) gets 
 from __future__ import annotations
 
 import contextlib
-import ipaddress
 import json
 import logging
 import os
@@ -49,6 +48,7 @@ from agentenv.control.gateway.store import PREFIX, GatewayStore, quota_key
 from agentenv.logs import Sampled
 from agentenv.node.admission import QuotaExceeded, TeamQuotas, env_number
 from agentenv.relay.concurrency import max_concurrent
+from agentenv.relay.connections import client_key
 
 log = logging.getLogger("agentenv.control.gateway.limits")
 
@@ -193,20 +193,6 @@ class GatewayQuotas:
                 if owner == team]
         if mine:
             await self.store._call(redis.zadd(key, dict.fromkeys(mine, "+inf")))
-
-
-def client_key(address: str) -> str:
-    """Whose bucket a client address fills: an IPv6 client's /64 (a host holds a whole /64 and
-    could take a fresh address per request), an IPv4 one's own address."""
-    try:
-        ip = ipaddress.ip_address(address)
-    except ValueError:
-        return address
-    if isinstance(ip, ipaddress.IPv6Address):
-        if ip.ipv4_mapped is not None:
-            return str(ip.ipv4_mapped)
-        return str(ipaddress.IPv6Network((ip, 64), strict=False))
-    return address
 
 
 class LookupLimiter:
