@@ -26,6 +26,7 @@ import resource
 import shutil
 import socket
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -88,7 +89,8 @@ def gateway_suite(args: argparse.Namespace, work: Path, procs: Any = None) -> No
     # on a loaded 2-core host, 1,000 connections at once take longer than 5 s to accept
     os.environ["AENV_PROXY_CONNECT_TIMEOUT"] = "60"
     cluster = LocalCluster(work / "cluster", nodes=1,
-                           node_env={"AENV_NODE_VCPUS": "256", "AENV_MEMORY_BUDGET_MB": "100000"})
+                           node_env={"AENV_NODE_VCPUS": "256", "AENV_MEMORY_BUDGET_MB": "100000",
+                                     "AENV_PROCESS_BACKEND_HOST_PORTS": str(STREAM_PORT)})
     try:
         cluster.start()
         key = cluster.team("bench")
@@ -168,11 +170,10 @@ def gateway_suite(args: argparse.Namespace, work: Path, procs: Any = None) -> No
 
         # concurrent streams held through the gateway
         hold = 120.0  # longer than opening 1,000 streams takes on a loaded host
-        # The server runs as the sandbox's own process (the node relays only ports its
-        # processes listen on); a process-backend sandbox's ports are this host's.
-        sbx.files.write("/tmp/stream_server.py", STREAM_SERVER)
-        server = sbx.commands.run(f"ulimit -n 8192; exec python3 /tmp/stream_server.py {hold}",
-                                  background=True, timeout=0)
+        # A process-backend sandbox's ports are this host's ports (node/process_backend.py):
+        # the server runs beside it, started here, on a port the node opens to its sandboxes
+        # (AENV_PROCESS_BACKEND_HOST_PORTS; otherwise only the sandbox's own listeners).
+        server = subprocess.Popen([sys.executable, "-c", STREAM_SERVER, str(hold)])
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
             with socket.socket() as probe:
@@ -189,6 +190,7 @@ def gateway_suite(args: argparse.Namespace, work: Path, procs: Any = None) -> No
                 _streams(cluster.url, headers, STREAMS, hold))
         finally:
             server.kill()
+            server.wait()
         emit("streams_held", held, "streams", "streams asked for", STREAMS,
              open_all_s=round(opened_s, 2), finished=finished, hold_s=hold,
              goal=STREAMS, goal_met=held == STREAMS and finished == STREAMS,
