@@ -21,6 +21,7 @@ from typing import Any
 
 import pytest
 
+from agentenv.node.admission import Admission, AdmissionRefused
 from agentenv.node.errors import ApiError, BadRequest, Conflict, Internal, NotFound, Unavailable
 from agentenv.node.orchestrator import CreateParams, NodeConfig, Orchestrator
 from agentenv.node.records import SandboxRecord, State
@@ -719,6 +720,39 @@ def test_rollback_rekeys_and_a_failed_one_changes_nothing(tmp_path: Path) -> Non
         assert rec.state == State.RUNNING and rec.envd_access_token != token
         other = await create(orch)
         await raises(BadRequest, orch.rollback(other.sandbox_id, tpl.template_id, None))
+        await settled(orch, backend)
+        await orch.shutdown()
+
+    run(scenario)
+
+
+def test_a_running_sandboxs_rollback_is_admitted_for_its_second_vm(tmp_path: Path) -> None:
+    """The new VM of a running sandbox's rollback starts before the old one stops: for that
+    time the node holds two, and admission counts the second (refused when the node is full,
+    held until the rollback ends)."""
+    async def scenario() -> None:
+        backend = ScriptedBackend()
+        orch = await start(tmp_path, backend)
+        orch.admission = Admission(tmp_path, max_sandboxes=2, memory_budget_mb=100_000,
+                                   memory_reserve_mb=0, min_free_disk_mb=0)
+        rec = await create(orch)
+        tpl = await orch.snapshot(rec.sandbox_id, None)
+        other = await create(orch)
+        refused = await raises(AdmissionRefused, orch.rollback(rec.sandbox_id, tpl.template_id,
+                                                               None))
+        assert isinstance(refused, AdmissionRefused)
+        assert refused.limit == "max_sandboxes" and rec.state == State.RUNNING
+        await orch.kill(other.sandbox_id)
+        held = backend.hold("rollback")
+        rolling = asyncio.create_task(orch.rollback(rec.sandbox_id, tpl.template_id, None))
+        await held.entered.wait()
+        # two VMs now: no room for a create until the rollback is over
+        await raises(AdmissionRefused, create(orch))
+        held.release()
+        await rolling
+        assert rec.state == State.RUNNING
+        third = await create(orch)  # the reservation went with the old VM
+        await orch.kill(third.sandbox_id)
         await settled(orch, backend)
         await orch.shutdown()
 

@@ -1232,14 +1232,22 @@ class Orchestrator:
             f"sandbox {sandbox_id!r} is being killed")})
         target = self._rollback_target(rec, snapshot_id)
         previous = rec.state
-        if previous == State.PAUSED:  # it gets a VM again
-            self._release(self._admit(f"roll back sandbox {sandbox_id}", rec.memory_mb,
-                                      rec.cpu_count))
+        # It gets a VM: a paused sandbox's only one (its record counts it from here on), a
+        # running one's second, beside the old until that stops (held until the rollback ends).
+        held = self._admit(f"roll back sandbox {sandbox_id}", rec.memory_mb, rec.cpu_count)
+        if previous == State.PAUSED:
+            self._release(held)
         else:
             self._left_running(sandbox_id, "rolled back")
         rec.state = State.ROLLING_BACK
-        await self._launch(sandbox_id, "rollback",
-                           self._do_rollback(rec, branching, target, previous, seconds))
+
+        async def rolling_back() -> None:  # the work outlives a caller that goes away
+            try:
+                await self._do_rollback(rec, branching, target, previous, seconds)
+            finally:
+                self._release(held)
+
+        await self._launch(sandbox_id, "rollback", rolling_back())
         return rec
 
     async def _do_rollback(self, rec: SandboxRecord, branching: SnapshotBranching,
