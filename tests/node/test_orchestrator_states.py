@@ -726,6 +726,45 @@ def test_rollback_rekeys_and_a_failed_one_changes_nothing(tmp_path: Path) -> Non
     run(scenario)
 
 
+def test_a_node_that_died_before_the_release_releases_at_its_next_start(
+        tmp_path: Path) -> None:
+    """The release runs after the pause has answered; a node that dies in between releases
+    the earlier pauses when it starts again, not only at the sandbox's next pause."""
+    backend = ScriptedBackend()
+    keys: list[str] = []
+
+    async def first_life() -> None:
+        orch = await start(tmp_path, backend)
+        rec = await create(orch)
+        for second in (False, True):
+            if second:
+                held = backend.hold("release")  # the node dies while the release waits
+            await orch.pause(rec.sandbox_id)
+            assert rec.pause_snapshot is not None
+            keys.append(str(rec.pause_snapshot.data["key"]))
+            if not second:
+                await orch.wait_idle(5.0)
+                await orch.connect(rec.sandbox_id, 60)
+        await held.entered.wait()
+        assert set(keys) <= set(backend.snapshots)  # nothing released yet
+        store = orch.store
+        assert isinstance(store, MortalStore)
+        store.die()
+
+    async def second_life() -> None:
+        orch = await start(tmp_path, backend)
+        while orch._background:
+            await asyncio.wait(list(orch._background))
+        assert keys[0] not in backend.snapshots and keys[1] in backend.snapshots
+        rec = orch.sandboxes[next(iter(orch.sandboxes))]
+        assert rec.state == State.PAUSED and rec.pause_snapshot is not None
+        assert rec.pause_snapshot.data["key"] == keys[1]
+        await orch.shutdown()
+
+    run(first_life)
+    run(second_life)
+
+
 def test_a_running_sandboxs_rollback_is_admitted_for_its_second_vm(tmp_path: Path) -> None:
     """The new VM of a running sandbox's rollback starts before the old one stops: for that
     time the node holds two, and admission counts the second (refused when the node is full,

@@ -236,6 +236,9 @@ class Orchestrator:
                                   self.config.default_envd_version)
         await self._reconcile()
         await self._reapply_network()
+        # A node that died between a pause's record and its release left earlier pauses
+        # behind: released now, one sandbox after another (the pause path's own work).
+        self._in_background(self._release_all_unnamed())
         if self.gc is not None:
             try:
                 await self.gc.collect("startup")
@@ -784,6 +787,10 @@ class Orchestrator:
         except Exception as exc:
             log.warning("earlier snapshots of a sandbox not released",
                         extra={"sandbox_id": sid, "error": str(exc)})
+
+    async def _release_all_unnamed(self) -> None:
+        for rec in [r for r in self.sandboxes.values() if r.state == State.PAUSED]:
+            await self._release_unnamed(rec, None)
 
     async def connect(self, sandbox_id: str, timeout: int | None,
                       memory: bool = True) -> tuple[SandboxRecord, bool]:
