@@ -39,7 +39,8 @@ class Held:
             while not self.release.is_set():
                 await asyncio.sleep(0.02)
             self.waiting -= 1
-        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-length", b"2")]})
         await send({"type": "http.response.body", "body": b"ok"})
 
 

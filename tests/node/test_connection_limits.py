@@ -7,12 +7,10 @@ trusted proxy has no per-client bound. Clients are told apart by their loopback 
 
 from __future__ import annotations
 
-import asyncio
 import json
 import socket
 import threading
 from collections.abc import Callable, Iterator
-from typing import Any
 
 import pytest
 import uvicorn
@@ -21,31 +19,9 @@ from agentenv.relay.connections import ConnectionLimits, client_key
 from agentenv.relay.server import hardened_config
 from tests.control.helpers import wait_for
 from tests.node.conftest import free_port
+from tests.node.test_concurrency_cap import Held
 
 pytestmark = pytest.mark.timeout(120)
-
-
-class Held:
-    """An app whose /hold requests wait until released."""
-
-    def __init__(self) -> None:
-        self.release = threading.Event()
-        self.waiting = 0
-
-    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
-        if scope["type"] == "lifespan":
-            while (await receive())["type"] != "lifespan.shutdown":
-                await send({"type": "lifespan.startup.complete"})
-            await send({"type": "lifespan.shutdown.complete"})
-            return
-        if scope["path"] == "/hold":
-            self.waiting += 1
-            while not self.release.is_set():
-                await asyncio.sleep(0.02)
-            self.waiting -= 1
-        await send({"type": "http.response.start", "status": 200,
-                    "headers": [(b"content-length", b"2")]})
-        await send({"type": "http.response.body", "body": b"ok"})
 
 
 Serve = Callable[..., tuple[int, Held, ConnectionLimits]]

@@ -24,16 +24,20 @@ SETTING = "AENV_MAX_CONCURRENT_REQUESTS"
 DEFAULT_MAX = 4096
 
 
-def max_concurrent(env: Mapping[str, str] | None = None) -> int:
-    env = os.environ if env is None else env
-    raw = env.get(SETTING, "").strip()
+def whole_number_setting(env: Mapping[str, str], name: str, default: int) -> int:
+    """A setting that is a whole number, 0 or more (unset: `default`); a clear error else."""
+    raw = env.get(name, "").strip()
     try:
-        value = int(raw) if raw else DEFAULT_MAX
+        value = int(raw) if raw else default
     except ValueError:
-        raise ValueError(f"{SETTING}={raw!r} is not a whole number") from None
+        raise ValueError(f"{name}={raw!r} is not a whole number") from None
     if value < 0:
-        raise ValueError(f"{SETTING}={raw!r} must not be negative")
+        raise ValueError(f"{name}={raw!r} must not be negative")
     return value
+
+
+def max_concurrent(env: Mapping[str, str] | None = None) -> int:
+    return whole_number_setting(os.environ if env is None else env, SETTING, DEFAULT_MAX)
 
 
 class ConcurrencyCap:

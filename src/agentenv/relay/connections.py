@@ -31,6 +31,7 @@ from collections.abc import Mapping
 from typing import Protocol
 
 from agentenv.logs import Sampled
+from agentenv.relay.concurrency import whole_number_setting
 
 log = logging.getLogger("agentenv.relay.connections")
 
@@ -60,17 +61,6 @@ def client_key(address: str) -> str:
             return str(ip.ipv4_mapped)
         return str(ipaddress.IPv6Network((ip, 64), strict=False))
     return address
-
-
-def _whole_number(env: Mapping[str, str], name: str, default: int) -> int:
-    raw = env.get(name, "").strip()
-    try:
-        value = int(raw) if raw else default
-    except ValueError:
-        raise ValueError(f"{name}={raw!r} is not a whole number") from None
-    if value < 0:
-        raise ValueError(f"{name}={raw!r} must not be negative")
-    return value
 
 
 def raise_open_files() -> int:
@@ -105,8 +95,8 @@ class ConnectionLimits:
     def from_env(cls, trusted: list[str] | None = None,
                  env: Mapping[str, str] | None = None) -> ConnectionLimits:
         env = os.environ if env is None else env
-        per_client = _whole_number(env, PER_CLIENT_SETTING, DEFAULT_IDLE_PER_CLIENT)
-        total = _whole_number(env, TOTAL_SETTING,
+        per_client = whole_number_setting(env, PER_CLIENT_SETTING, DEFAULT_IDLE_PER_CLIENT)
+        total = whole_number_setting(env, TOTAL_SETTING,
                               min(raise_open_files() // 2, MAX_DEFAULT_TOTAL))
         return cls(per_client, total, trusted)
 
