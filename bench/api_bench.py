@@ -800,7 +800,7 @@ async def lifecycle_rounds(node: VmNode, rounds: int, hook_url: str | None
     rows: dict[str, list[float]] = {"create": [], "pause": [], "resume": []}
     try:
         if hook_url is not None:
-            from agentenv.node.events import TYPES
+            from agentenv.api.event_models import TYPES
 
             (await api.post("/events/webhooks", json={
                 "name": "slow", "url": hook_url, "events": list(TYPES),

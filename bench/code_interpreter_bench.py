@@ -72,12 +72,22 @@ def run(node: conftest.NodeProcess, rounds: int, calls: int) -> None:
     from e2b_code_interpreter import Sandbox
 
     pooled, cold, base_cmd = [], [], []
+    # where a pooled create-to-first-result goes: the create, the first run_code, a second one
+    parts: dict[str, list[float]] = {"create": [], "first": [], "second": [],
+                                     "base_create": [], "base_first": []}
     for _ in range(rounds):
         wait_parked(node, 2)
         t0 = time.perf_counter()
         first = Sandbox.create(timeout=300)
+        t1 = time.perf_counter()
         assert first.run_code("1 + 1").text == "2"
-        pooled.append((time.perf_counter() - t0) * 1000)
+        t2 = time.perf_counter()
+        pooled.append((t2 - t0) * 1000)
+        parts["create"].append((t1 - t0) * 1000)
+        parts["first"].append((t2 - t1) * 1000)
+        t0 = time.perf_counter()
+        first.run_code("1 + 1")
+        parts["second"].append((time.perf_counter() - t0) * 1000)
         # the pool is empty now: the next create restores the boot snapshot
         t0 = time.perf_counter()
         second = Sandbox.create(timeout=300)
@@ -88,11 +98,20 @@ def run(node: conftest.NodeProcess, rounds: int, calls: int) -> None:
         wait_parked(node, 2)
         t0 = time.perf_counter()
         base = BaseSandbox.create(timeout=300)
+        t1 = time.perf_counter()
         base.commands.run("true")
-        base_cmd.append((time.perf_counter() - t0) * 1000)
+        t2 = time.perf_counter()
+        base_cmd.append((t2 - t0) * 1000)
+        parts["base_create"].append((t1 - t0) * 1000)
+        parts["base_first"].append((t2 - t1) * 1000)
         base.kill()
     emit("create_to_first_result_pooled", pooled, "pooled base create + commands.run('true')",
          base_cmd)
+    emit("pooled_create_alone", parts["create"], "pooled base create alone",
+         parts["base_create"])
+    emit("first_run_code_after_pooled_create", parts["first"],
+         "first commands.run('true') after a pooled base create", parts["base_first"])
+    emit("second_run_code", parts["second"])
     emit("create_to_first_result_cold", cold, "pooled base create + commands.run('true')",
          base_cmd)
 

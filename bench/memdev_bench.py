@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import random
@@ -33,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from agentenv.blockd.client import AsyncBlockdClient
+from agentenv.blockd.memfs import live_pid
 from agentenv.runtime.config import RuntimeConfig
 from agentenv.runtime.memdev import PACK_NAME, SharedMemoryDevices
 from agentenv.runtime.network import teardown_host
@@ -109,8 +111,17 @@ def data_pages(path: Path) -> list[int]:
     return pages
 
 
-async def page_in(rts: dict[str, Runtime], snap: Any, quick: bool) -> None:
-    """Cold page-in throughput of the memfs file against the raw file (issue 25)."""
+def pin_threads(pid: int, cpus: set[int]) -> None:
+    """Every thread of process `pid` onto `cpus`."""
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        with contextlib.suppress(OSError):  # a thread that ended meanwhile
+            os.sched_setaffinity(int(tid), cpus)
+
+
+async def page_in(rts: dict[str, Runtime], snap: Any, quick: bool, memfs_pid: int) -> None:
+    """Cold page-in throughput of the memfs file against the raw file (issue 25). The random
+    reads also with the reader and memfs on one CPU ("one_cpu"): the same reads without the
+    wake-ups of an idle CPU per FUSE round trip (bench/RESULTS.md, 2026-12-06)."""
     layers = [Path(x.path) for x in snap.memory_layers]
     size = snap.machine.memory_bytes
     device = rts["device"].memory
@@ -123,10 +134,26 @@ async def page_in(rts: dict[str, Runtime], snap: Any, quick: bool) -> None:
         random_pages = random.Random(1).sample(pages, min(len(pages), 2048 if quick else 8192))
         sequential = list(range(0, size, PAGE))
         rates: dict[str, dict[str, list[float]]] = {"sequential": {}, "random": {}}
+        one_cpu: dict[str, list[float]] = {}
+        every_cpu = os.sched_getaffinity(0)
         for _ in range(2 if quick else 5):
             for kind in ("file", "device"):
                 rates["sequential"].setdefault(kind, []).append(page_in_mib_s(files[kind], sequential))
                 rates["random"].setdefault(kind, []).append(page_in_mib_s(files[kind], random_pages))
+            cpu = {min(every_cpu)}
+            os.sched_setaffinity(0, cpu)
+            pin_threads(memfs_pid, cpu)
+            try:
+                for kind in ("file", "device"):
+                    one_cpu.setdefault(kind, []).append(page_in_mib_s(files[kind], random_pages))
+            finally:
+                os.sched_setaffinity(0, every_cpu)
+                pin_threads(memfs_pid, every_cpu)
+        emit("page_in_random_4k_cold_device_one_cpu", statistics.median(one_cpu["device"]), "MiB/s",
+             "page_in_random_4k_cold_file_one_cpu", statistics.median(one_cpu["file"]),
+             higher_is_better=True, samples=[round(x) for x in one_cpu["device"]],
+             baseline_samples=[round(x) for x in one_cpu["file"]], pages=len(random_pages),
+             note="diagnostic: reader and memfs pinned to one CPU")
         for pattern, by_kind in rates.items():
             emit(f"page_in_{pattern}_4k_cold_device", statistics.median(by_kind["device"]), "MiB/s",
                  f"page_in_{pattern}_4k_cold_file", statistics.median(by_kind["file"]),
@@ -225,12 +252,14 @@ async def main(quick: bool) -> None:
         #     runs throughout; the kinds alternate (and which goes first), so the host's load
         #     drifting during the run weighs on both alike.
         cold_second: dict[str, list[float]] = {"file": [], "device": []}
+        cold_phases: dict[str, list[dict[str, float]]] = {"file": [], "device": []}
         first_vms = {kind: await rts[kind].restore(snap) for kind in ("file", "device")}
         for rep in range(max(reps, 6)):
             for kind in ("file", "device") if rep % 2 == 0 else ("device", "file"):
                 drop_caches()
                 b = await rts[kind].restore(snap)
                 cold_second[kind].append(to_running_ms(b))
+                cold_phases[kind].append(b.timings)
                 await rts[kind].kill(b)
         for kind, a in first_vms.items():
             await rts[kind].kill(a)
@@ -238,10 +267,14 @@ async def main(quick: bool) -> None:
             emit(f"restore_second_cold_cache_to_running_p50_{kind}",
                  statistics.median(cold_second[kind]), "ms",
                  "restore_second_cold_cache_to_running_p50_file", statistics.median(cold_second["file"]),
-                 samples=[round(x) for x in cold_second[kind]], goal="device ratio >= 1.0")
+                 samples=[round(x) for x in cold_second[kind]], goal="device ratio >= 1.0",
+                 phases_p50={k: round(statistics.median(t[k] for t in cold_phases[kind]), 1)
+                             for k in ("memory_file_ms", "process_ms", "load_ms", "cont_ms")})
 
         # 2c. Page-in throughput, cold (no VM maps the file meanwhile).
-        await page_in(rts, snap, quick)
+        memfs_pid = live_pid(root / "state")
+        assert memfs_pid is not None
+        await page_in(rts, snap, quick, memfs_pid)
 
         # 3. From an empty page cache: restore + a first command that reads the guest's files
         #    and its 96 MiB tmpfs file; the device with and without the startup pack.

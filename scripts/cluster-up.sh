@@ -9,7 +9,9 @@
 # CLUSTER_BACKEND (vm, the product; or process for a quick look without VMs: no isolation
 # between teams, so it sets AENV_ALLOW_PROCESS_BACKEND_IN_CLUSTER=1 for its nodes),
 # AENV_VM_ASSETS_DIR (guest assets, default /var/lib/aenv: the single node's), AENV_VM_DEBIAN_CACHE
-# (the base template's debootstrap tarball, default $AENV_VM_ASSETS_DIR/cache/debian), AENV_GATEWAY_PORT
+# (the base template's debootstrap tarball, default $AENV_VM_ASSETS_DIR/cache/debian),
+# AENV_VM_TEMPLATE_CACHE (the built-in templates, built once and shared by the nodes, default
+# $AENV_CLUSTER_DIR/template-cache), AENV_GATEWAY_PORT
 # (8080), AENV_CLUSTER_NET (first three octets of the nodes' /24, default 10.213.0),
 # AENV_CLUSTER_TEAM (the team the printed key belongs to, default "default").
 # `make cluster-down` stops it all and removes the namespaces and the bridge.
@@ -21,9 +23,11 @@ dir=${AENV_CLUSTER_DIR:-/var/lib/aenv-cluster}
 backend=${CLUSTER_BACKEND:-vm}
 assets=${AENV_VM_ASSETS_DIR:-/var/lib/aenv}
 debian_cache=${AENV_VM_DEBIAN_CACHE:-$assets/cache/debian}
+template_cache=${AENV_VM_TEMPLATE_CACHE:-$dir/template-cache}
 gw_port=${AENV_GATEWAY_PORT:-8080}
 net=${AENV_CLUSTER_NET:-10.213.0}
 team=${AENV_CLUSTER_TEAM:-default}
+strategy=${AENV_CLUSTER_STRATEGY:-cache-aware}  # the scheduler's placement (docs/control-plane.md §4)
 bridge=aenvc-br
 host_ip=$net.1
 redis_port=${AENV_CLUSTER_REDIS_PORT:-6390}
@@ -114,7 +118,7 @@ NFT
 if ! alive "$dir/scheduler.pid"; then
   setsid "$aenv" scheduler --listen "$host_ip:9090" --cluster-secret-file "$secret" \
     --redis "$redis_url" --redis-user scheduler --redis-password-file "$redis_scheduler_pw" \
-    >>"$logs/scheduler.log" 2>&1 </dev/null &
+    --strategy "$strategy" >>"$logs/scheduler.log" 2>&1 </dev/null &
   echo $! >"$dir/scheduler.pid"
   wait_for scheduler 60 bash -c "exec 3<>/dev/tcp/$host_ip/9090"
 fi
@@ -161,7 +165,8 @@ for ((i = 0; i < nodes; i++)); do
     env -u AENV_API_KEY AENV_BLOCKD_SOCKET="$state/blockd/blockd.sock" \
       AENV_BLOCKD_STATE_DIR="$state/blockd/state" AENV_BLOCKD_LOG="$logs/blockd$i.log" \
       AENV_BLOCKD_PIDFILE="$state/blockd.pid" AENV_VM_ASSETS_DIR="$assets" \
-      AENV_VM_DEBIAN_CACHE="$debian_cache" AENV_VM_NETWORK_PREFIX="aenvc$i" \
+      AENV_VM_DEBIAN_CACHE="$debian_cache" AENV_VM_TEMPLATE_CACHE="$template_cache" \
+      AENV_VM_NETWORK_PREFIX="aenvc$i" \
       AENV_ALLOW_PROCESS_BACKEND_IN_CLUSTER="$([[ $backend == process ]] && echo 1)" \
       setsid nsenter --net="/run/netns/$ns" -- \
       "$aenv" serve --backend "$backend" --state-dir "$state" --host "$addr" --port 8000 \

@@ -2,7 +2,8 @@
 # redis-acl.sh GATEWAY_PASSWORD_FILE SCHEDULER_PASSWORD_FILE [SCHEDULER_PREFIX]
 # Prints the ACL file of a cluster's Redis (redis-server --aclfile FILE): the `default` user is
 # off, so a connection without a password can do nothing; `gateway` (and `aenv team`) reaches
-# its own keys under aenv: (teams, API keys, ownership, names, idempotency records, quotas) and
+# its own keys under aenv: (teams, API keys, ownership, names, idempotency records, quotas,
+# events and webhooks) and
 # not the scheduler's; `scheduler` only its own, under SCHEDULER_PREFIX (default aenv:sched:). Neither may run the dangerous commands
 # (CONFIG, KEYS, FLUSHALL, DEBUG, ACL, ...). The file holds the passwords' SHA-256 only.
 # Used by scripts/cluster-up.sh and deploy/kubernetes/redis.yaml.
@@ -26,6 +27,6 @@ echo "user default off resetkeys resetchannels -@all"
 # The gateway's own key families (control/gateway/store.py, limits.py), named one by one: a
 # pattern of all of aenv:* would also open the scheduler's bindings and node addresses to it.
 gateway_keys="~aenv:teams ~aenv:team:* ~aenv:apikey:* ~aenv:own:* ~aenv:name:* ~aenv:idem:*"
-gateway_keys+=" ~aenv:idem-node:* ~aenv:buildnodes:* ~aenv:quota:*"
+gateway_keys+=" ~aenv:idem-node:* ~aenv:buildnodes:* ~aenv:volumehome:* ~aenv:quota:* ~aenv:events:*"
 echo "user gateway on #$gateway $gateway_keys resetchannels +@all -@dangerous"
 echo "user scheduler on #$scheduler ~$prefix* resetchannels +@all -@dangerous"

@@ -72,8 +72,9 @@ agentenv node is up (pid $1, VM backend, template "base": Debian 12 with python3
 For the E2B SDK (Python or TypeScript), export:
   export E2B_API_URL=$url
   export E2B_SANDBOX_URL=$url
+  export E2B_VOLUME_API_URL=$url
   export E2B_API_KEY=$key
-Sandbox ports: http://{port}-{sandbox id}.$domain (sandbox.get_host(port); see README.md)
+Sandbox ports: http://{port}-{sandbox id}.$domain (sandbox.get_host(port); see docs/e2b-api.md §5)
 
 Stop it with: make down (running sandboxes are paused, not lost)
 MSG

@@ -7,8 +7,16 @@ own so no key is another's):
   for the scheduler is derived from it (the scheduler derives the same from the secret). A
   node taken over can act as that node, never as the gateway to another node, nor as another
   node to the scheduler.
-- the layer peers' key, `peer_key(secret)`: what blockds present to each other for layer
-  chunks (`aenv peer-key`); it opens nothing else.
+- a node's peer serving key, `peer_serve_key(node key)`: what its blockd checks the
+  credentials of nodes asking it for layer chunks with. The scheduler, which authenticates
+  every node, issues node X a credential for holder P with every Holders answer:
+  `peer_credential(serve key of P, X, expires)`, naming X and good for P alone until it
+  expires. X cannot make one for another id or another peer (it holds neither P's node key
+  nor the secret), and a node the scheduler no longer counts gets no new one
+  (docs/security.md §5).
+- the layer peers' shared key, `peer_key(secret)` (`aenv peer-key`): only for static peers
+  without a scheduler (every holder of it is every node); a blockd given a serving key
+  refuses it.
 
 Only the gateway and the scheduler hold the cluster secret itself.
 """
@@ -17,14 +25,19 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import os
 import re
 from pathlib import Path
 
 from agentenv.errors import AgentEnvError
+from agentenv.settings import setting_text
 
 _NODE_KEY_CONTEXT = b"agentenv node key v1\0"
 _PEER_KEY_CONTEXT = b"agentenv layer peer v1"
+_PEER_SERVE_CONTEXT = b"agentenv peer serve v1"
+_PEER_CREDENTIAL_CONTEXT = b"agentenv peer credential v1\0"
+#: `Authorization: AenvPeer <credential>`, the credential `v1/<node id>/<expiry>/<mac>`
+PEER_SCHEME = "AenvPeer"
+_PEER_CREDENTIAL_RE = re.compile(r"v1/([A-Za-z0-9][A-Za-z0-9._:-]{0,127})/(\d{1,12})/([0-9a-f]{64})")
 #: what a derived key looks like (hex HMAC-SHA256)
 KEY_RE = re.compile(r"^[0-9a-f]{64}$")
 
@@ -38,6 +51,35 @@ def peer_key(cluster_secret: str) -> str:
     return hmac.new(cluster_secret.encode(), _PEER_KEY_CONTEXT, hashlib.sha256).hexdigest()
 
 
+def peer_serve_key(node_key: str) -> str:
+    return hmac.new(node_key.encode(), _PEER_SERVE_CONTEXT, hashlib.sha256).hexdigest()
+
+
+def _peer_mac(serve_key: str, node_id: str, expires: int) -> str:
+    message = _PEER_CREDENTIAL_CONTEXT + node_id.encode() + b"\0" + str(expires).encode()
+    return hmac.new(serve_key.encode(), message, hashlib.sha256).hexdigest()
+
+
+def peer_credential(serve_key: str, node_id: str, expires: int) -> str:
+    """What node `node_id` presents to the peer whose serving key is `serve_key`, until
+    `expires` (unix seconds)."""
+    return f"v1/{node_id}/{expires}/{_peer_mac(serve_key, node_id, expires)}"
+
+
+def check_peer_credential(serve_key: str, credential: str, now: float) -> tuple[str | None, str]:
+    """(the node id a credential names, "") when it was made with `serve_key` and has not
+    expired at `now` (unix seconds); else (None, why not)."""
+    match = _PEER_CREDENTIAL_RE.fullmatch(credential)
+    if match is None:
+        return None, "not a peer credential"
+    node_id, expires, mac = match.group(1), int(match.group(2)), match.group(3)
+    if not hmac.compare_digest(mac, _peer_mac(serve_key, node_id, expires)):
+        return None, "not issued for this peer"
+    if expires <= now:
+        return None, "expired"
+    return node_id, ""
+
+
 def read_credential(path: Path | None, env_var: str, what: str) -> tuple[str, str] | None:
     """(value, where it came from) from `path`, else from the environment variable `env_var`,
     else None; a file that cannot be read is an error naming it."""
@@ -46,7 +88,7 @@ def read_credential(path: Path | None, env_var: str, what: str) -> tuple[str, st
             return path.read_text().strip(), str(path)
         except OSError as exc:
             raise AgentEnvError(f"cannot read the {what} file {path}: {exc}") from exc
-    value = os.environ.get(env_var, "").strip()
+    value = setting_text(env_var).strip()
     return (value, env_var) if value else None
 
 
@@ -60,3 +102,20 @@ def load_key(path: Path | None, env_var: str, what: str) -> str | None:
         raise AgentEnvError(f"the {what} from {source} is not 64 hex digits (print it with "
                             f"`aenv {what.replace(' ', '-')}`)")
     return key
+
+
+#: what a cluster secret (and an API key) may be made of
+SECRET_RE = re.compile(r"^[A-Za-z0-9._~-]{16,256}$")
+
+
+def load_cluster_secret(path: Path | None) -> str | None:
+    """The cluster secret from `path`, else AENV_CLUSTER_SECRET, else None (no cluster: the
+    node's own API key guards it). With one, a node serves only requests that carry it."""
+    found = read_credential(path, "AENV_CLUSTER_SECRET", "cluster secret")
+    if found is None:
+        return None
+    secret, source = found
+    if not SECRET_RE.match(secret) or len(secret) < 32:
+        raise AgentEnvError(f"cluster secret from {source} must be 32-256 chars of "
+                            "[A-Za-z0-9._~-]")
+    return secret

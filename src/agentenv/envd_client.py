@@ -5,6 +5,9 @@ makes to a guest's envd goes through here.
   after it starts a sandbox (node/orchestrator.py), template builds (template/build.py), and,
   for the body and headers of `/init`, the VM runtime (runtime/vm.py, which sends it itself
   because it races the request against its QEMU's exit).
+- `/aenv/reclaim`: a template's cold-memory setting (`ColdMemory`: a DAMON scheme in the guest
+  kernel that pages out what no one touches; guest/envd/reclaim.py), set by template builds
+  before their snapshot.
 - what the SDKs speak (docs/e2b-api.md §3), for template builds and the CLI:
   `process.Process/Start` as a server stream of envelopes, unary `process.Process/List` and
   `filesystem.Filesystem/MakeDir`, `POST /files` (a file streamed as application/octet-stream).
@@ -22,7 +25,6 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
-import os
 import struct
 import time
 from collections.abc import AsyncIterator, Callable
@@ -31,9 +33,11 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from agentenv import boundedjson
 from agentenv.errors import AgentEnvError
+from agentenv.settings import setting_text
 
 FLAG_END_STREAM = 0x02
 _HEADER = struct.Struct(">BI")
@@ -50,9 +54,11 @@ IDLE_READ_SECONDS = 120.0
 
 def init_body(*, env_vars: dict[str, str] | None = None, access_token: str | None = None,
               default_user: str | None = None, default_workdir: str | None = None,
-              now: float | None = None) -> dict[str, Any]:
+              now: float | None = None,
+              volume_mounts: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     """The JSON body of `POST /init`; the timestamp (ms) sets the guest's clock, which stood
-    still while a snapshot slept."""
+    still while a snapshot slept. `volume_mounts` (our extension, docs/volumes.md §6): the
+    volume disks envd mounts before it answers, `[{serial, path, readOnly}]`."""
     now = time.time() if now is None else now
     body: dict[str, Any] = {
         "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(now))
@@ -66,7 +72,75 @@ def init_body(*, env_vars: dict[str, str] | None = None, access_token: str | Non
         body["defaultUser"] = default_user
     if default_workdir:
         body["defaultWorkdir"] = default_workdir
+    if volume_mounts:
+        body["volumeMounts"] = volume_mounts
     return body
+
+
+class Watermarks(BaseModel):
+    """Free memory (per mille of the guest's RAM) between which the reclaim works: it stops
+    above `high` and below `low` (where the kernel's own reclaim is at work), and starts again
+    once free memory falls under `mid`. The default keeps it always on: the point is the host's
+    memory, not the guest's pressure."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+    high: int = Field(default=1000, ge=0, le=1000)
+    mid: int = Field(default=999, ge=0, le=1000)
+    low: int = Field(default=0, ge=0, le=1000)
+
+    @model_validator(mode="after")
+    def _ordered(self) -> Watermarks:
+        if not self.high >= self.mid >= self.low:
+            raise ValueError(f"watermarks must be high >= mid >= low, got {self.high}, "
+                             f"{self.mid}, {self.low}")
+        return self
+
+
+class ColdMemory(BaseModel):
+    """A template's cold-memory setting: a DAMON scheme in the guest kernel pages out memory no
+    one touched for `minAgeSeconds` (page cache; anonymous memory when the guest has swap) and
+    free-page reporting returns the freed pages to the host (docs/templates.md, "Cold
+    memory"). Set in the template's VM before its snapshot, so every sandbox restored from it
+    runs with it. `reclaim: false` keeps every page the guest cached (a workload that needs
+    its cache hot)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+    reclaim: bool = True
+    minAgeSeconds: float = Field(default=30.0, ge=1, le=86400)
+    #: at most this much memory paged out per second...
+    quotaMBPerSecond: int = Field(default=256, ge=1, le=65536)
+    #: ...and at most this much guest CPU time spent on it per second (ms; DAMON turns it
+    #: into a size quota from the throughput it measures)
+    quotaCpuMsPerSecond: int = Field(default=100, ge=1, le=1000)
+    watermarks: Watermarks = Field(default_factory=Watermarks)
+    #: how often DAMON checks a region for access, and how often it ages and re-splits them.
+    #: Each sample wakes the guest: an idle TCG guest's QEMU uses 1.4-1.7% of a core without
+    #: reclaim, 2.4-2.6% at 100/2000 ms, 3.4-3.7% at 50/1000, 9.2% at DAMON's 5/100
+    #: (bench/RESULTS.md).
+    sampleMs: int = Field(default=100, ge=1, le=60_000)
+    aggregationMs: int = Field(default=2000, ge=1, le=600_000)
+
+    @model_validator(mode="after")
+    def _intervals(self) -> ColdMemory:
+        if self.aggregationMs < self.sampleMs:
+            raise ValueError(f"aggregationMs ({self.aggregationMs}) must be at least sampleMs "
+                             f"({self.sampleMs})")
+        if self.minAgeSeconds * 1000 < self.aggregationMs:
+            raise ValueError(f"minAgeSeconds ({self.minAgeSeconds:g}) must be at least one "
+                             f"aggregation interval ({self.aggregationMs} ms)")
+        return self
+
+    @classmethod
+    def off(cls) -> ColdMemory:
+        return cls(reclaim=False)
+
+    def wire(self) -> dict[str, Any]:
+        """The body of envd's `POST /aenv/reclaim`."""
+        return {"enabled": self.reclaim, "minAgeSeconds": self.minAgeSeconds,
+                "quotaMBPerSecond": self.quotaMBPerSecond,
+                "quotaCpuMsPerSecond": self.quotaCpuMsPerSecond,
+                "watermarks": self.watermarks.model_dump(), "sampleMs": self.sampleMs,
+                "aggregationMs": self.aggregationMs}
 
 
 def init_headers(current_token: str | None) -> dict[str, str]:
@@ -78,7 +152,7 @@ def init_headers(current_token: str | None) -> dict[str, str]:
 def output_limit() -> int:
     """Characters of a process's stdout (and of its stderr) kept: the last ones. A build step
     may print gigabytes; its end is what explains a failure. AENV_BUILD_OUTPUT_TAIL, 1 MiB."""
-    raw = os.environ.get("AENV_BUILD_OUTPUT_TAIL", "")
+    raw = setting_text("AENV_BUILD_OUTPUT_TAIL")
     try:
         value = int(raw) if raw else 1 << 20
     except ValueError:
@@ -109,6 +183,10 @@ class EnvdClientError(AgentEnvError):
     """envd refused a call or the connection to it broke."""
 
 
+class EnvdUnsupported(EnvdClientError):
+    """envd cannot do what was asked: 501 (e.g. its kernel lacks it) or 404 (an older envd)."""
+
+
 class GuestReplyError(EnvdClientError):
     """What answered on the guest's envd port broke a bound: an answer too large, not over in
     time, or in an encoding the host did not ask for."""
@@ -120,7 +198,7 @@ class GuestReplyTimeout(GuestReplyError):
 
 def reply_limit() -> int:
     """Bytes of one envd answer (and of one stream envelope) the host reads at most."""
-    raw = os.environ.get(MAX_REPLY_BYTES_ENV, "")
+    raw = setting_text(MAX_REPLY_BYTES_ENV)
     try:
         value = int(raw) if raw else 4 << 20
     except ValueError:
@@ -309,6 +387,32 @@ class EnvdClient:
         if not answer.is_success:
             raise EnvdClientError(f"envd /init answered {answer.status_code}: {answer.text[:300]}")
 
+    async def set_cold_memory(self, setting: ColdMemory) -> dict[str, Any]:
+        """`POST /aenv/reclaim`: the guest kernel's reclaim of cold memory as `setting` says;
+        returns the kernel's view (the scheme, what it reclaimed so far). EnvdUnsupported when
+        the guest cannot (a kernel without DAMON, an envd that is not in a VM, or one from
+        before the route: a template built from an old template)."""
+        return await self._reclaim("POST", setting.wire())
+
+    async def cold_memory(self) -> dict[str, Any]:
+        """`GET /aenv/reclaim`: the reclaim scheme and its counters in the guest."""
+        return await self._reclaim("GET", None)
+
+    async def _reclaim(self, method: str, body: dict[str, Any] | None) -> dict[str, Any]:
+        try:
+            answer = await read_reply(self._http, method, self.base_url + "/aenv/reclaim",
+                                      what="envd /aenv/reclaim", timeout=self.timeout,
+                                      json=body, headers=self._headers())
+        except httpx.HTTPError as exc:
+            raise EnvdClientError(f"envd /aenv/reclaim failed: {exc!r}") from exc
+        if answer.status_code in (404, 501):  # 404: an envd older than the route
+            raise EnvdUnsupported(f"envd /aenv/reclaim answered {answer.status_code}: "
+                                  f"{answer.text[:300]}")
+        if not answer.is_success:
+            raise EnvdClientError(f"envd /aenv/reclaim answered {answer.status_code}: "
+                                  f"{answer.text[:300]}")
+        return _json_object(answer, "envd /aenv/reclaim")
+
     async def metrics(self, timeout: float = 2.0) -> dict[str, Any]:
         """envd's `GET /metrics`: the guest's own view (memory used and cached, its disk)."""
         try:
@@ -319,13 +423,7 @@ class EnvdClient:
             raise EnvdClientError(f"envd /metrics failed: {exc!r}") from exc
         if not answer.is_success:
             raise EnvdClientError(f"envd /metrics answered {answer.status_code}")
-        try:
-            body = answer.json()
-        except ValueError as exc:
-            raise EnvdClientError(f"envd /metrics answered no JSON: {exc}") from exc
-        if not isinstance(body, dict):
-            raise EnvdClientError("envd /metrics answered no object")
-        return body
+        return _json_object(answer, "envd /metrics")
 
     async def send_pty(self, pid: int, data: bytes) -> None:
         """Type `data` into the terminal of process `pid` (started with a pty)."""
@@ -411,6 +509,35 @@ class EnvdClient:
         if not answer.is_success:
             raise EnvdClientError(f"uploading {path}: envd answered {answer.status_code}: "
                                   f"{answer.text[:300]}")
+
+    async def download_file(self, path: str, dest: Path, limit: int,
+                            user: str | None = None) -> int:
+        """Stream the guest file `path` (GET /files) into the host file `dest`; its size.
+        What the guest sends is bounded: past `limit` bytes the download stops
+        (EnvdClientError), and it ends within a deadline (300 s plus a second per 256 KiB of
+        `limit`) whatever the guest does."""
+        params = {"path": path, **({"username": user} if user else {})}
+        size = 0
+        try:
+            async with asyncio.timeout(300.0 + (limit >> 18)), self._http.stream(
+                    "GET", self.base_url + "/files", params=params, headers=self._headers(),
+                    timeout=httpx.Timeout(None, read=IDLE_READ_SECONDS, connect=5.0)) as answer:
+                if answer.status_code != 200:
+                    text = (await _read_limited(answer, f"downloading {path}", 4096)).decode(
+                        errors="replace")
+                    raise EnvdClientError(f"downloading {path}: envd answered "
+                                          f"{answer.status_code}: {text[:300]}")
+                with open(dest, "wb") as out:
+                    async for chunk in answer.aiter_bytes():  # counted as decoded
+                        size += len(chunk)
+                        if size > limit:
+                            raise EnvdClientError(f"downloading {path}: more than {limit} bytes")
+                        await asyncio.to_thread(out.write, chunk)
+        except TimeoutError:
+            raise GuestReplyError(f"downloading {path} did not end in time") from None
+        except httpx.HTTPError as exc:
+            raise EnvdClientError(f"downloading {path}: {exc}") from exc
+        return size
 
     async def run(
         self,
@@ -513,3 +640,14 @@ class EnvdClient:
         return ProcessResult(pid, int(end.get("exitCode", end.get("exit_code", 0)) or 0),
                              bool(end.get("exited", False)), str(end.get("status", "")),
                              out.text(), err.text())
+
+
+def _json_object(answer: httpx.Response, what: str) -> dict[str, Any]:
+    """The JSON object an envd route answered, else an error naming the route."""
+    try:
+        body = answer.json()
+    except ValueError as exc:
+        raise EnvdClientError(f"{what} answered no JSON: {exc}") from exc
+    if not isinstance(body, dict):
+        raise EnvdClientError(f"{what} answered no object")
+    return body

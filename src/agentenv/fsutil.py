@@ -10,7 +10,10 @@ runtime/privilege.py, gives the VM user's group search on the directories QEMU r
 path, such as blockd's NBD sockets).
 `write_private` is `atomic_write` with mode 0600 (or first-writer-wins with `exclusive`).
 `require_free_space` refuses a pull or an upload up front when it would leave less than the
-reserve free.
+reserve free; `SpaceGuard` checks again while it writes (every few MiB), so that writers that
+each found room before they started (concurrent pulls, uploads, a body longer than announced)
+cannot together take the reserve: the writer stops with an error naming the reserve and
+removes what it wrote.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from agentenv.errors import AgentEnvError
+from agentenv.settings import setting_text
 
 
 def private_dir(path: Path) -> Path:
@@ -104,13 +108,14 @@ DEFAULT_RESERVE = 256 << 20
 
 
 class InsufficientSpace(AgentEnvError):
-    """Not enough free disk space for an operation (checked before it writes anything)."""
+    """Not enough free disk space for an operation (checked before it writes anything, and
+    while it writes: SpaceGuard)."""
 
 
 def disk_reserve() -> int:
     """Bytes that must stay free on the state filesystem after a pull or an upload
     (AENV_DISK_RESERVE, default 256 MiB): running sandboxes' uppers and records need room."""
-    raw = os.environ.get("AENV_DISK_RESERVE", "")
+    raw = setting_text("AENV_DISK_RESERVE")
     try:
         return int(raw) if raw else DEFAULT_RESERVE
     except ValueError:
@@ -141,6 +146,41 @@ def require_free_space(path: Path, need: int, what: str, *, reserve: int | None 
             f"not enough free disk space for {what}: it needs about {_mib(need)}, "
             f"{_mib(reserve)} must stay free ({setting}), and {path} has "
             f"{_mib(free)} free")
+
+
+#: bytes a SpaceGuard lets be written between two looks at the free space
+SPACE_CHECK_BYTES = 16 << 20
+
+
+class SpaceGuard:
+    """The reserve kept while a writer writes under `path`: `wrote(n)` after each write looks
+    at the free space every `every` bytes and raises InsufficientSpace (naming `what` and the
+    `setting` of the reserve) once less than `reserve` is free. The writer then removes what
+    it wrote: nothing half-written stays (its temporary file is never renamed into place)."""
+
+    def __init__(self, path: Path, what: str, *, reserve: int | None = None,
+                 setting: str = "AENV_DISK_RESERVE", every: int = SPACE_CHECK_BYTES) -> None:
+        self.path = Path(path)
+        self.what = what
+        self.reserve = disk_reserve() if reserve is None else reserve
+        self.setting = setting
+        self.every = every
+        self.written = 0
+        self._checked = 0
+
+    def wrote(self, n: int) -> None:
+        self.written += n
+        if self.written - self._checked >= self.every:
+            self._checked = self.written
+            self.check()
+
+    def check(self) -> None:
+        free = free_bytes(self.path)
+        if free < self.reserve:
+            raise InsufficientSpace(
+                f"not enough free disk space for {self.what}: {self.path} has {_mib(free)} "
+                f"free after {_mib(self.written)} written, under the {_mib(self.reserve)} "
+                f"that must stay free ({self.setting}); stopped, nothing of it kept")
 
 
 def _mib(n: int) -> str:

@@ -7,7 +7,9 @@ sandbox side of that with bounded concurrency; a `Trajectory` is one sandbox:
     async with RolloutPool(template="base", concurrency=16) as pool:
         root = await pool.create()
         await root.step("pip install -e .")
-        await root.pause()                      # the policy thinks; the VM gives memory back
+        # The policy thinks: after `idle_pause_after` seconds (30) without a step the node
+        # pauses the VM itself, and the next step resumes it (node/idle.py). Or explicitly:
+        await root.pause()
         branches = await root.branch(8)         # from the paused checkpoint; root stays paused
         results = await pool.map(lambda t: t.step("python rollout.py"), branches)
         await branches[0].rollback()            # back to its last pause, in place
@@ -30,6 +32,8 @@ from typing import Any, TypeVar
 
 import httpx
 
+from agentenv.node.idle import IDLE_PAUSE_METADATA
+
 T = TypeVar("T")
 
 #: exception class names of the SDK that mean "not now": the node is full or busy
@@ -50,6 +54,11 @@ class RolloutConfig:
     #: attempts after a 429/503 beyond the SDK's own, and the first wait (doubled each time)
     retries: int = 5
     backoff: float = 0.5
+    #: seconds a trajectory may go without a step before the node pauses it (memory kept;
+    #: the next step resumes it transparently): a policy's thinking time holds no host
+    #: memory. Sent as the metadata key aenv.idlePauseAfter (the SDK has no field for it);
+    #: branches inherit it. 0: never; None: the template's or node's default.
+    idle_pause_after: int | None = 30
     #: the node or gateway (else E2B_API_URL); sandbox traffic goes to `sandbox_url` (else
     #: E2B_SANDBOX_URL, else the API URL: an AgentENV node or gateway serves both)
     api_url: str | None = None
@@ -171,6 +180,9 @@ class RolloutPool:
     async def create(self, template: str | None = None, **kwargs: Any) -> Trajectory:
         """A new trajectory from a template or snapshot (the SDK's AsyncSandbox.create)."""
         chosen = template or self.config.template
+        if self.config.idle_pause_after is not None:
+            kwargs["metadata"] = {IDLE_PAUSE_METADATA: str(self.config.idle_pause_after),
+                                  **(kwargs.get("metadata") or {})}
         sandbox = await self._call(f"create from {chosen}", lambda: self._sdk().create(
             template=chosen, timeout=self.config.timeout, **self._opts(), **kwargs))
         return self._adopt(sandbox)

@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -168,3 +169,19 @@ class LocalCluster:
             asyncio.run(remove_leftovers(VM_NET_PREFIX))
         self.scheduler.stop()
         self.redis.stop()
+
+
+#: node sizes admission never refuses: for tests whose subject is not admission
+ROOMY_NODES = {"AENV_NODE_VCPUS": "64", "AENV_MEMORY_BUDGET_MB": "100000"}
+
+
+@contextlib.contextmanager
+def running(cluster: LocalCluster, *teams: str) -> Iterator[LocalCluster]:
+    """`cluster` started, with an API key for each of `teams`; stopped whatever happens."""
+    try:
+        cluster.start()
+        for team in teams:
+            cluster.team(team)
+        yield cluster
+    finally:
+        cluster.stop()

@@ -61,6 +61,10 @@ def status(
     template_layers: dict[str, list[str]] | None = None,
     max_sandboxes: int = 0,
     address: str | None = None,
+    overhead: tuple[int, int] = (0, 0),
+    disk_floor: int = 0,
+    bounds: tuple[str, str] = ("", ""),
+    template_sizes: dict[str, tuple[int, int]] | None = None,
 ) -> pb.NodeStatus:
     msg = pb.NodeStatus(
         node_id=node_id,
@@ -74,7 +78,14 @@ def status(
         snapshots=list(snapshots),
         layers=list(layers),
         max_sandboxes=max_sandboxes,
+        sandbox_overhead_mib=overhead[0],
+        sandbox_overhead_per_vcpu_mib=overhead[1],
+        disk_floor_bytes=disk_floor,
+        cpu_bound=bounds[0],
+        memory_bound=bounds[1],
     )
+    for tpl, (vcpus, mib) in (template_sizes or {}).items():
+        msg.template_sizes.add(template_id=tpl, vcpus=vcpus, memory_mib=mib)
     for item in sandboxes:
         sid, team = (item, "") if isinstance(item, str) else item
         msg.sandboxes.add(sandbox_id=sid, state="running", team_id=team)

@@ -87,7 +87,8 @@ echo "netns: $(ip netns list | grep -c aenvc || true)"
 echo "bridge: $(ip -o link show aenvc-br 2>/dev/null | wc -l)"
 """
     env = {**os.environ, "AENV_CLUSTER_DIR": str(state), "CLUSTER_BACKEND": "process",
-           "NODES": "2", "AENV_CLUSTER_NET": net, "AENV_GATEWAY_PORT": "18480",
+           "NODES": "2", "AENV_CLUSTER_STRATEGY": "round-robin", "AENV_CLUSTER_NET": net,
+           "AENV_GATEWAY_PORT": "18480",
            "AENV_CLUSTER_REDIS_PORT": "16480", "AENV_DOWN_TIMEOUT": "60"}
     done, leftovers, logs = _run_cluster(script, env, state, net, 240)
     assert done.returncode == 0, done.stdout + done.stderr + logs
@@ -140,7 +141,7 @@ from e2b import Sandbox, SandboxState
 COUNTER = "i=0; while true; do i=$((i+1)); echo $i > /tmp/c.new; mv /tmp/c.new /tmp/c; sleep 0.1; done"
 def count(s):
     return int(s.commands.run("cat /tmp/c").stdout)
-# least-loaded placement: the first two creates land on the two nodes
+# round-robin placement (AENV_CLUSTER_STRATEGY): the first two creates land on the two nodes
 made = [Sandbox.create(template="base", timeout=300) for _ in range(2)]
 for s in made:
     s.commands.run(COUNTER, background=True)
@@ -172,7 +173,7 @@ def test_cluster_up_vm_nodes(tmp_path: Path) -> None:
     if os.geteuid() != 0:
         pytest.skip("needs root (network namespaces, QEMU as aenv-vm)")
     from agentenv.guest.build import BASE_PACKAGES, build_assets, debian_root_tarball
-    from tests.node.conftest import DEBIAN_CACHE, GUEST_STATE
+    from tests.node.conftest import DEBIAN_CACHE, GUEST_STATE, template_cache
 
     # The cluster runs in a namespace without outside network: on a cold machine the guest
     # assets and the base template's Debian root are fetched here first (cached after that).
@@ -200,10 +201,11 @@ echo "nft: $(nft list tables | grep -c aenvc || true)"
 echo "mounts: $(grep -c {real} /proc/self/mountinfo || true)"
 """
     env = {**os.environ, "AENV_CLUSTER_DIR": str(state), "CLUSTER_BACKEND": "vm",
-           "NODES": "2", "AENV_CLUSTER_NET": net, "AENV_GATEWAY_PORT": "18481",
+           "NODES": "2", "AENV_CLUSTER_STRATEGY": "round-robin", "AENV_CLUSTER_NET": net,
+           "AENV_GATEWAY_PORT": "18481",
            "AENV_CLUSTER_REDIS_PORT": "16481", "AENV_DOWN_TIMEOUT": "120",
            "AENV_VM_ASSETS_DIR": str(GUEST_STATE), "AENV_VM_DEBIAN_CACHE": str(DEBIAN_CACHE),
-           "AENV_UP_TIMEOUT": "600"}
+           "AENV_VM_TEMPLATE_CACHE": str(template_cache()), "AENV_UP_TIMEOUT": "600"}
     try:
         done, leftovers, logs = _run_cluster(script, env, state, net, 800)
     finally:

@@ -148,8 +148,9 @@ def test_redis_wants_a_password_per_component() -> None:
 
 
 def test_nodes_never_hold_the_cluster_secret() -> None:
-    """A node gets its own key from its host (/etc/aenv/node-key), the peer key and metrics
-    token from a Secret of their own: nothing of the node's pod names the cluster secret."""
+    """A node gets its own key from its host (/etc/aenv/node-key), the metrics token from a
+    Secret of its own, and no shared peer key (its peers take the credentials the scheduler
+    issues it): nothing of the node's pod names the cluster secret."""
     spec = pod_spec("DaemonSet", "aenv-node")
     container = spec["containers"][0]
     env = env_of(container)
@@ -159,11 +160,10 @@ def test_nodes_never_hold_the_cluster_secret() -> None:
     volumes = {v["name"]: v for v in spec["volumes"]}
     assert volumes[mounts[env["AENV_NODE_KEY_FILE"]]]["hostPath"] == {
         "path": "/etc/aenv/node-key", "type": "File"}
-    for setting, item in (("AENV_PEER_KEY_FILE", "peer-key"),
-                          ("AENV_METRICS_TOKEN_FILE", "metrics-token")):
-        directory, _, name = env[setting].rpartition("/")
-        assert name == item
-        assert volumes[mounts[directory]]["secret"]["secretName"] == "aenv-node-shared"
+    assert "AENV_PEER_KEY_FILE" not in env and "AENV_PEER_KEY" not in env
+    directory, _, name = env["AENV_METRICS_TOKEN_FILE"].rpartition("/")
+    assert name == "metrics-token"
+    assert volumes[mounts[directory]]["secret"]["secretName"] == "aenv-node-shared"
 
 
 def test_network_policies_let_only_the_gateway_and_scheduler_reach_redis() -> None:

@@ -14,6 +14,7 @@ and a process-backend node (control/gateway/limits.py, node/template_files.py):
 from __future__ import annotations
 
 import contextlib
+import socket
 import threading
 import uuid
 from collections.abc import Callable, Iterator
@@ -27,7 +28,7 @@ from e2b.template.utils import calculate_files_hash
 
 from agentenv.control.gateway.limits import LookupLimiter
 from agentenv.relay.connections import client_key
-from tests.control.cluster import GatewayProcess, LocalCluster
+from tests.control.cluster import ROOMY_NODES, GatewayProcess, LocalCluster, running
 from tests.control.helpers import wait_for
 from tests.node.conftest import environ_set
 from tests.node.test_template_uploads import tar_of
@@ -43,16 +44,11 @@ QUOTAS = {"AENV_TEAM_MAX_SANDBOXES": "2", "AENV_TEAM_MAX_TEMPLATES": "2",
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
     made = LocalCluster(tmp_path_factory.mktemp("limits"), nodes=1,
-                        node_env={"AENV_NODE_VCPUS": "64", "AENV_MEMORY_BUDGET_MB": "100000"})
+                        node_env=ROOMY_NODES)
     made.gateway.env = {**made.gateway.env, **QUOTAS}
-    try:
-        made.start()
-        for team in ("quota", "other", "planter", "victim", "signer", "burst", "viewer",
-                     "stranger"):
-            made.team(team)
-        yield made
-    finally:
-        made.stop()
+    with running(made, "quota", "other", "planter", "victim", "signer", "burst", "viewer",
+                 "stranger") as started:
+        yield started
 
 
 def api(cluster: LocalCluster, team: str) -> httpx.Client:
@@ -168,6 +164,30 @@ def test_a_file_planted_under_another_team_hash_is_not_used(cluster: LocalCluste
             assert sbx.files.read("/tmp/note.txt") == "the victim's note\n"
         finally:
             sbx.kill()
+
+
+def test_an_upload_sent_slowly_through_the_gateway_is_cut(cluster: LocalCluster,
+                                                          tmp_path: Path) -> None:
+    """`/template-files/{templateID}/{hash}` needs no key (the node checks the signature, but
+    the relay sends the body before it reads the 403): a stranger who knows a template id and
+    sends a body a byte at a time held a place of the owning team's share at the gateway for
+    the relay's idle timeout (600 s). The gateway cuts it with 408 once no byte came for
+    AENV_BODY_TIMEOUT."""
+    with api(cluster, "viewer") as owner:
+        made = owner.post("/v3/templates", json={"name": f"slow-{uuid.uuid4().hex[:6]}"})
+        assert made.status_code == 202, made.text
+    template_id = made.json()["templateID"]
+    with another_gateway(cluster, tmp_path, AENV_BODY_TIMEOUT="2") as url:
+        port = httpx.URL(url).port
+        with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+            sock.sendall(f"PUT /template-files/{template_id}/{'a' * 64}?expires=1&signature=x "
+                         "HTTP/1.1\r\nhost: x\r\ncontent-length: 1000\r\n\r\nx".encode())
+            answer = b""
+            with contextlib.suppress(ConnectionResetError):
+                while chunk := sock.recv(65536):
+                    answer += chunk
+    assert answer.startswith(b"HTTP/1.1 408"), answer
+    assert b"AENV_BODY_TIMEOUT" in answer
 
 
 def _at_once(cluster: LocalCluster, team: str, count: int,

@@ -12,7 +12,7 @@ import pytest
 import schemathesis
 from hypothesis import HealthCheck, Phase, settings
 
-from agentenv.node.openapi import openapi_document
+from agentenv.api.openapi import openapi_document
 from tests.control.cluster import LocalCluster
 
 EXAMPLES = int(os.environ.get("AENV_GATEWAY_OPENAPI_EXAMPLES", "5"))
@@ -62,6 +62,8 @@ def _check(case: schemathesis.Case, cluster: LocalCluster, live: str | None) -> 
                               headers=key, timeout=60)
         # 404: a create with a timeout of a second or so may be gone already
         assert killed.status_code in (204, 404), killed.text
+    if response.status_code == 501 and "not supported" in response.json()["message"]:
+        return  # a route the SDK knows and nothing serves, on purpose (api/routes.py)
     assert response.status_code < 500, (
         f"server error {response.status_code} for {case.method} {case.formatted_path}: "
         f"{response.text[:500]}\nrepro: {case.as_curl_command()}"

@@ -13,7 +13,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.control.cluster import LocalCluster
+from tests.control.cluster import LocalCluster, running
 from tests.node.conftest import free_host_port
 
 pytestmark = pytest.mark.timeout(300)
@@ -26,12 +26,8 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
     made = LocalCluster(Path(tmp_path_factory.mktemp("wscluster")), nodes=1)
     made.gateway.env = {**made.gateway.env,
                         "AENV_PROXY_MAX_WS_MESSAGE_BYTES": str(GATEWAY_LIMIT)}
-    try:
-        made.start()
-        made.team("alpha")
-        yield made
-    finally:
-        made.stop()
+    with running(made, "alpha") as started:
+        yield started
 
 
 def test_a_message_over_the_gateways_limit_closes_with_1009(cluster: LocalCluster) -> None:

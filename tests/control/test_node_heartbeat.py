@@ -11,6 +11,7 @@ import httpx
 import pytest
 
 from agentenv.cluster_keys import node_key
+from agentenv.node.host_use import HostProbe
 from tests.control.conftest import RedisServer, SchedulerProcess
 from tests.control.helpers import SECRET, call, wait_for
 from tests.node.conftest import NodeProcess
@@ -38,8 +39,22 @@ def test_node_heartbeats_register_and_reconcile(sched: SchedulerProcess, tmp_pat
         info = nodes[0]
         assert info.address == f"127.0.0.1:{node.port}"
         assert "base" in info.status.templates
-        assert info.status.cpu_total > 0 and info.status.memory_total_mib > 0
         assert info.status.disk_free_bytes > 0
+        # the node's own admission figures (node/admission.py room): its ceilings at the
+        # default ratios of the host it reports, what it counts per sandbox, its disk floor
+        st = info.status
+        host = HostProbe().sample()
+        assert (st.host_cpus, st.host_memory_mib) == (host.cpus, host.memory_total_mib)
+        assert (st.cpu_total, st.memory_total_mib) == (14 * host.cpus,
+                                                      5 * host.memory_total_mib)
+        assert st.cpu_free == st.cpu_total
+        assert st.cpu_bound == f"14 x {host.cpus} host CPUs, AENV_CPU_REQUEST_RATIO"
+        assert 0 < st.memory_free_mib <= st.memory_total_mib and st.memory_bound
+        assert (st.sandbox_overhead_mib, st.sandbox_overhead_per_vcpu_mib) == (128, 4)
+        assert st.disk_floor_bytes == 1 << 30 and st.memory_available_mib > 0
+        assert st.HasField("cpu_pressure") == (host.cpu_pressure is not None)
+        sizes = {t.template_id: (t.vcpus, t.memory_mib) for t in st.template_sizes}
+        assert sizes["base"] == (2, 512)
 
         # a node of a cluster serves its gateway only: the node's key and the team, as the
         # gateway sends them
@@ -57,7 +72,7 @@ def test_node_heartbeats_register_and_reconcile(sched: SchedulerProcess, tmp_pat
             assert where.node_address == info.address
             counted = wait_for("the running count", lambda: [
                 n for n in call(sched.address, "list_nodes") if n.status.running == 1])
-            assert counted[0].status.cpu_free < info.status.cpu_free
+            assert counted[0].status.cpu_free == info.status.cpu_free - 2
             assert api.delete(f"/sandboxes/{sandbox_id}").status_code == 204
         wait_for("the binding to go", lambda: call(sched.address, "lookup", sandbox_id) is None)
 

@@ -16,7 +16,7 @@ import pytest
 
 from agentenv.errors import AgentEnvError
 from agentenv.relay.tls import NodeTls
-from tests.control.cluster import GatewayProcess, LocalCluster
+from tests.control.cluster import GatewayProcess, LocalCluster, running
 from tests.control.pki import Authority
 from tests.node.conftest import free_host_port
 
@@ -37,12 +37,8 @@ def cluster(tmp_path_factory: pytest.TempPathFactory, pki: dict[str, Path]) -> I
         "AENV_NODE_TLS_CERT": str(pki["cert"]), "AENV_NODE_TLS_KEY": str(pki["key"]),
         "AENV_NODE_TLS_CA": str(pki["ca"])})
     made.gateway.env = {**made.gateway.env, "AENV_NODE_TLS_CA": str(pki["ca"])}
-    try:
-        made.start()
-        made.team("alpha")
-        yield made
-    finally:
-        made.stop()
+    with running(made, "alpha") as started:
+        yield started
 
 
 def test_the_node_speaks_tls_only(cluster: LocalCluster) -> None:

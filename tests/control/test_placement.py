@@ -61,8 +61,9 @@ def test_least_loaded_counts_placements_between_heartbeats(
             with pytest.raises(SchedulerError) as caught:
                 await client.schedule(template_id="base", vcpus=4)
             assert caught.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
-            assert "busy: 0 free vCPUs < 4" in caught.value.details
-            assert "idle: 0 free vCPUs < 4" in caught.value.details
+            assert "busy: cpu: 0 free vCPUs < 4" in caught.value.details
+            assert "idle: cpu: 0 free vCPUs < 4" in caught.value.details
+            assert caught.value.refused == {"cpu": 2}
 
     asyncio.run(body())
 
@@ -104,9 +105,10 @@ def test_never_a_full_node_by_count_memory_or_disk(redis_server: RedisServer, pr
             with pytest.raises(SchedulerError) as caught:
                 await client.schedule(template_id="base")
             text = caught.value.details
-            assert "count: full (1 sandboxes)" in text
-            assert "memory: 100 MiB free < 512 MiB" in text
-            assert "disk: 10 MiB disk free < 512 MiB" in text
+            assert "count: sandboxes: full (1 sandboxes)" in text
+            assert "memory: memory: 100 MiB free < 512 MiB" in text
+            assert "disk: disk: 10 MiB free < 512 MiB" in text
+            assert caught.value.refused == {"sandboxes": 1, "memory": 1, "disk": 1}
             await client.heartbeat(status("ok"))
             assert (await client.schedule(template_id="base")).node_id == "ok"
 
@@ -155,11 +157,124 @@ def test_the_gateway_tells_a_team_no_other_nodes_load(redis_server: RedisServer,
             finally:
                 await link.close()
             for refused in (full.value, fork.value):
-                assert "victim-node" not in str(refused) and "MiB" not in str(refused)
+                assert "victim-node" not in str(refused) and "MiB free" not in str(refused)
                 assert "victim-node" in refused.detail and "MiB free" in refused.detail
-            assert str(full.value) == "no node has room for the sandbox now; try again later"
-            assert str(fork.value) == "the fork source's node has no room for the fork now"
+            # the resource and the size asked (the team's own), not which node or how full
+            assert str(full.value) == ("no node has room for 2 vCPUs and 512 MiB now (memory: "
+                                       "1 node); try again later")
+            assert str(fork.value) == ("the fork source's node has no room for 2 vCPUs and "
+                                       "512 MiB now (memory: 1 node)")
             # what names only the caller's own ids stays as the scheduler said it
             assert str(snapshot.value) == "no node holds snapshot 'snap-x'"
+
+    asyncio.run(body())
+
+
+def test_a_node_fits_as_it_admits_overhead_disk_floor_and_template_size(
+    redis_server: RedisServer, prefix: str
+) -> None:
+    """A node's free figures are in its own units (node/admission.py room): its per-sandbox
+    memory overhead counts beside the guest's, its free-disk floor beside the scheduler's, a
+    template's size as its holders report it; the refusal names what bounds the node."""
+    async def body() -> None:
+        async with scheduler(redis_server.url, prefix) as (_, client):
+            # 1000 MiB free: 512 + 64 + 2 x 4 = 584 fits once, not twice
+            await client.heartbeat(status(
+                "n1", mem=1000, overhead=(64, 4),
+                bounds=("14 x 2 host CPUs, AENV_CPU_REQUEST_RATIO",
+                        "5 x 200 MiB host memory, AENV_MEMORY_REQUEST_RATIO")))
+            await client.schedule(template_id="base")
+            with pytest.raises(SchedulerError) as caught:
+                await client.schedule(template_id="base")
+            assert caught.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert ("n1: memory: 416 MiB free < 584 MiB (5 x 200 MiB host memory, "
+                    "AENV_MEMORY_REQUEST_RATIO)") in caught.value.details
+            assert (caught.value.refused, caught.value.request) == (
+                {"memory": 1}, "2 vCPUs and 512 MiB")
+            # a floor above the scheduler's --min-disk-free-mib is the node's
+            await client.heartbeat(status("n2", disk_free=800 << 20, disk_floor=1 << 30))
+            with pytest.raises(SchedulerError) as caught:
+                await client.schedule(template_id="base", strategy="least-loaded")
+            assert "n2: disk: 800 MiB free < 1024 MiB" in caught.value.details
+            # a template's size as its holders report it, when the request names none
+            await client.heartbeat(status("n3", cpu=16, cpu_free=6, templates=["big"],
+                                          template_sizes={"big": (8, 1024)}))
+            with pytest.raises(SchedulerError) as caught:
+                await client.schedule(template_id="big")
+            assert "n3: cpu: 6 free vCPUs < 8" in caught.value.details
+            assert caught.value.request == "8 vCPUs and 1024 MiB"
+            assert (await client.schedule(template_id="big", vcpus=2)).node_id == "n3"
+
+    asyncio.run(body())
+
+
+def test_reservations_are_named_cancelled_and_tried_nodes_left_out(
+    redis_server: RedisServer, prefix: str
+) -> None:
+    """Schedule holds room under a reservation: RecordAssignment names it (that placement
+    becomes the sandbox), Release(reservation) gives it back at once (the create failed), and a
+    retry leaves out the nodes that refused (exclude_nodes)."""
+    async def body() -> None:
+        async with scheduler(redis_server.url, prefix, strategy="least-loaded") as (_, client):
+            await client.heartbeat(status("a", cpu=4))
+            await client.heartbeat(status("b", cpu=4))
+            first = await client.schedule(template_id="base")
+            second = await client.schedule(template_id="base")
+            assert {first.node_id, second.node_id} == {"a", "b"}
+            assert first.reservation.startswith(f"{first.node_id}/")
+            # both hold 2 of 4 vCPUs; one more each fits, then nothing
+            await client.release(reservation=first.reservation)  # its create failed
+            again = await client.schedule(template_id="base")
+            assert again.node_id == first.node_id  # its room came back: the least loaded
+            await client.record_assignment("s1", again.node_id, reservation=again.reservation)
+            await client.release(reservation=again.reservation)  # recorded: nothing to give
+            # a holds s1 (recorded), b its reservation: equal loads, by id
+            assert [(await client.schedule(template_id="base")).node_id
+                    for _ in range(2)] == ["a", "b"]
+            with pytest.raises(SchedulerError) as full:
+                await client.schedule(template_id="base")
+            assert full.value.refused == {"cpu": 2}
+
+            await client.heartbeat(status("c", cpu=4))
+            await client.heartbeat(status("d", cpu=4))
+            chosen = await client.schedule(template_id="base", exclude_nodes=["c"])
+            assert chosen.node_id == "d"
+            await client.release(reservation=chosen.reservation)
+            with pytest.raises(SchedulerError) as tried:
+                await client.schedule(template_id="base", exclude_nodes=["c", "d"])
+            assert tried.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "c: tried (it refused the sandbox)" in tried.value.details
+            assert tried.value.refused == {"cpu": 2, "tried": 2}
+            for bad in ("x", "c/zz", "nope/0123456789abcdef"):
+                with pytest.raises(SchedulerError) as refused:
+                    await client.record_assignment("s2", "c", reservation=bad)
+                assert refused.value.code == grpc.StatusCode.INVALID_ARGUMENT
+            with pytest.raises(SchedulerError) as refused:
+                await client.release(reservation="no such thing")
+            assert refused.value.code == grpc.StatusCode.INVALID_ARGUMENT
+
+    asyncio.run(body())
+
+
+def test_a_heartbeat_listing_a_new_sandbox_takes_over_its_reservation(
+    redis_server: RedisServer, prefix: str
+) -> None:
+    """Between the node's heartbeat that lists a sandbox being made and the gateway's
+    RecordAssignment, the sandbox is counted once (by the node), not also by its reservation:
+    a burst at the node's last room fits exactly."""
+    async def body() -> None:
+        async with scheduler(redis_server.url, prefix) as (_, client):
+            await client.heartbeat(status("a", cpu=6, templates=["base"]))
+            placed = [await client.schedule(template_id="base") for _ in range(3)]
+            assert {p.node_id for p in placed} == {"a"}
+            # the node made the first one and counts it: 4 of 6 vCPUs free by its figures
+            await client.heartbeat(status("a", cpu=6, cpu_free=4, templates=["base"],
+                                          sandboxes=["s1"]))
+            with pytest.raises(SchedulerError) as full:
+                await client.schedule(template_id="base")
+            assert "a: cpu: 0 free vCPUs < 2" in full.value.details  # not "-2"
+            await client.record_assignment("s1", "a", reservation=placed[0].reservation)
+            await client.release(reservation=placed[2].reservation)  # its create failed
+            assert (await client.schedule(template_id="base")).node_id == "a"
 
     asyncio.run(body())

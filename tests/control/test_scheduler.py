@@ -56,7 +56,7 @@ def test_every_rpc(redis_server: RedisServer, prefix: str) -> None:
         ({"source_sandbox_id": "nope"}, grpc.StatusCode.NOT_FOUND, "has no binding"),
         ({"snapshot_id": "snap-x"}, grpc.StatusCode.NOT_FOUND, "no node holds snapshot"),
         ({"template_id": "base", "vcpus": 64}, grpc.StatusCode.RESOURCE_EXHAUSTED,
-         "n1: 16 free vCPUs < 64"),
+         "n1: cpu: 16 free vCPUs < 64"),
     ],
 )
 def test_schedule_errors(
@@ -177,26 +177,29 @@ def test_holders(redis_server: RedisServer, prefix: str) -> None:
             no_p2p = blobs("n3", [a, b], [])
             no_p2p.layer_address = ""
             await client.heartbeat(no_p2p)
-            got = await client.holders([a, b, c], node_id="n9")
+            got = await client.holders([a, b, c], node_id="n3")
             assert [(h.node_id, h.complete) for h in got[a]] == [("n1", True), ("n2", False)]
             assert got[a][0].layer_address == "127.0.0.1:9101"
             assert [h.node_id for h in got[b]] == ["n1"] and got[c] == []
             assert [h.node_id for h in (await client.holders([a], node_id="n1"))[a]] == ["n2"]
+            # a node the scheduler never heard from is told of no holder
+            assert (await client.holders([a, b], node_id="n9")) == {a: [], b: []}
             # n1 now holds b whole and no longer a: the index follows the difference.
             await client.heartbeat(blobs("n1", [b], []))
-            got = await client.holders([a, b])
+            got = await client.holders([a, b], node_id="n3")
             assert [h.node_id for h in got[a]] == ["n2"]
             assert [(h.node_id, h.complete) for h in got[b]] == [("n1", True)]
             # n2 stops heartbeating: down after 1.5 intervals, and no longer offered.
             for _ in range(8):
                 await asyncio.sleep(0.1)
                 await client.heartbeat(blobs("n1", [b], []))
-            assert (await client.holders([a]))[a] == []
+            assert (await client.holders([a], node_id="n1"))[a] == []
             with pytest.raises(SchedulerError) as caught:
                 await client.holders(["sha256:xyz"])
             assert "is not sha256:<64 lowercase hex>" in caught.value.details
         async with scheduler(redis_server.url, prefix) as (_, client):
-            got = await client.holders([b])
+            await client.heartbeat(blobs("n3", [], []))
+            got = await client.holders([b], node_id="n3")
             assert [(h.node_id, h.complete) for h in got[b]] == [("n1", True)]
 
     asyncio.run(body())

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from agentenv.control.gateway.app import CREATE_LEASE_SECONDS, create_lease_seconds
+from agentenv.control.gateway.create import CREATE_LEASE_SECONDS, create_lease_seconds
 from agentenv.control.gateway.signed import SignatureOwners, signature_key
 from agentenv.errors import AgentEnvError
 

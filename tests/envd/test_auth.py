@@ -126,3 +126,18 @@ def test_sync_saves_defaults_for_the_next_start(fresh_envd) -> None:
         assert sbx.commands.run("pwd; whoami").stdout.split() == ["/tmp", "root"]
     finally:
         again.stop()
+
+
+def test_init_volume_mounts_are_checked_and_refused_outside_a_vm(fresh_envd) -> None:
+    """/init's volumeMounts (our extension, docs/volumes.md §6): malformed ones are a 400; an
+    envd that is not in a VM (a root other than `/`) mounts nothing and says so."""
+    server = fresh_envd()
+    for bad in ({"volumeMounts": "x"}, {"volumeMounts": [{"serial": "aenv-vol0"}]},
+                {"volumeMounts": [{"serial": "aenv-vol0", "path": "rel", "readOnly": True}]},
+                {"volumeMounts": [{"serial": "a/b", "path": "/mnt", "readOnly": True}]}):
+        reply = httpx.post(f"{server.url}/init", json=bad)
+        assert reply.status_code == 400 and "volume" in reply.json()["message"].lower(), bad
+    reply = httpx.post(f"{server.url}/init", json={"volumeMounts": [
+        {"serial": "aenv-vol0", "path": "/mnt/data", "readOnly": True}]})
+    assert reply.status_code == 400 and "does not run in a VM" in reply.json()["message"]
+    assert httpx.post(f"{server.url}/init", json={"volumeMounts": []}).status_code == 204

@@ -3,9 +3,11 @@ test asks for the VM backend, which is the CLI's default)."""
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
 import random
+import shutil
 import signal
 import socket
 import ssl
@@ -13,7 +15,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -66,8 +68,11 @@ class NodeProcess:
 
     def __init__(self, state_dir: Path, log_path: Path, *,
                  extra_args: tuple[str, ...] = ("--backend", "process"),
-                 extra_env: dict[str, str] | None = None, start_timeout: float = 90) -> None:
+                 extra_env: dict[str, str] | None = None, start_timeout: float = 90,
+                 cpus: set[int] | None = None) -> None:
+        """`cpus`: the CPUs the node (and its process sandboxes) may run on, as `taskset`."""
         self.state_dir = state_dir
+        self.cpus = cpus
         self.log_path = log_path
         self.extra_args = extra_args
         self.extra_env = extra_env or {}
@@ -113,6 +118,8 @@ class NodeProcess:
                 | {"AENV_ALLOW_PROCESS_BACKEND_IN_CLUSTER": "1",
                    "AENV_PROCESS_BACKEND_HOST_PORTS":
                    f"{TEST_HOST_PORTS.start}-{TEST_HOST_PORTS.stop - 1}"} | self.extra_env,
+                preexec_fn=(None if self.cpus is None
+                            else lambda: os.sched_setaffinity(0, self.cpus or ())),
             )
         deadline = time.monotonic() + self.start_timeout
         verify = self.verify
@@ -197,7 +204,7 @@ def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NodeProcess]:
 def sdk_pointed_at(node: NodeProcess) -> Iterator[NodeProcess]:
     """Point the official e2b SDK at `node` (as a user would, by environment); restore after."""
     with environ_set({"E2B_API_URL": node.url, "E2B_SANDBOX_URL": node.url,
-                      "E2B_API_KEY": node.api_key}):
+                      "E2B_VOLUME_API_URL": node.url, "E2B_API_KEY": node.api_key}):
         yield node
 
 
@@ -233,6 +240,19 @@ NO_READY_POOLS = {"AENV_VM_POOL_LOW": "0", "AENV_VM_POOL_HIGH": "0"}
 
 
 _REACHABLE_ROOTS: list[Path] = []
+_TEMPLATE_CACHE: list[Path] = []
+
+
+def template_cache() -> Path:
+    """The built-in templates' cache every VM node of this session shares
+    (AENV_VM_TEMPLATE_CACHE): the first node to need base (or code-interpreter-v1) builds it,
+    the others take it. A new one per session, so every run still builds each once; under /tmp,
+    beside the nodes' state, so that publishing a build is a rename."""
+    if not _TEMPLATE_CACHE:
+        root = Path(tempfile.mkdtemp(prefix="aenv-templates-", dir="/tmp"))
+        atexit.register(shutil.rmtree, root, True)
+        _TEMPLATE_CACHE.append(root / "cache")
+    return _TEMPLATE_CACHE[0]
 
 
 def reachable_state_dir(state_dir: Path) -> Path:
@@ -256,7 +276,6 @@ def reachable_state_dir(state_dir: Path) -> Path:
 @pytest.fixture(scope="session", autouse=True)
 def _remove_reachable_roots() -> Iterator[None]:
     yield
-    import shutil
 
     for root in _REACHABLE_ROOTS:
         shutil.rmtree(root, ignore_errors=True)
@@ -270,6 +289,7 @@ def vm_node_process(state_dir: Path, log_path: Path, net_prefix: str, first_slot
     return NodeProcess(
         reachable_state_dir(state_dir), log_path, extra_args=("--backend", "vm"),
         extra_env={"AENV_VM_ASSETS_DIR": str(GUEST_STATE), "AENV_VM_DEBIAN_CACHE": str(DEBIAN_CACHE),
+                   "AENV_VM_TEMPLATE_CACHE": str(template_cache()),
                    "AENV_VM_NETWORK_PREFIX": net_prefix, "AENV_VM_FIRST_SLOT": str(first_slot),
                    # only the modules that test it pay for the code-interpreter-v1 build
                    "AENV_VM_CODE_INTERPRETER": "0",
@@ -285,7 +305,6 @@ def serving_vm_node(node: NodeProcess, net_prefix: str,
     a graceful stop (which must succeed), then its files and its network slots are removed
     whatever happened."""
     import asyncio
-    import shutil
 
     from agentenv.runtime.network import remove_leftovers
 
@@ -378,3 +397,62 @@ def registry(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Registry]:
     reg = _start_registry(tmp_path_factory.mktemp("registry"), None)
     yield reg
     _stop(reg)
+
+
+def ws_echo_server(port: int) -> Callable[[], None]:
+    """A WebSocket echo server on a host port the process backend's sandboxes own (it
+    stands in for a server in the sandbox); returns its stop()."""
+    import asyncio
+    import threading
+
+    from websockets.asyncio.server import serve
+
+    ready = threading.Event()
+    stop: list[asyncio.Future[None]] = []
+
+    async def echo(ws: Any) -> None:
+        async for message in ws:
+            await ws.send(message)
+
+    async def server() -> None:
+        async with serve(echo, "127.0.0.1", port):
+            stop.append(asyncio.get_running_loop().create_future())
+            ready.set()
+            await stop[0]
+
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_until_complete, args=(server(),), daemon=True)
+    thread.start()
+    assert ready.wait(10)
+
+    def stopped() -> None:
+        loop.call_soon_threadsafe(stop[0].set_result, None)
+        thread.join(10)
+
+    return stopped
+
+
+# --- a process node whose proxy takes WS_CLIENTS WebSockets, and a sandbox on it -------------
+# (the WebSocket relay's tests: test_ws_backpressure.py, test_ws_client_stream.py)
+WS_CLIENTS = 32
+
+
+@pytest.fixture(scope="module")
+def ws_node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NodeProcess]:
+    base = tmp_path_factory.mktemp("ws-node")
+    node = NodeProcess(base / "state", base / "node.log")
+    node.extra_args = ("--backend", "process")
+    node.extra_env = {"AENV_PROXY_MAX_WEBSOCKETS": str(WS_CLIENTS)}
+    node.start()
+    yield node
+    node.cleanup()
+
+
+@pytest.fixture(scope="module")
+def ws_sandbox_id(ws_node: NodeProcess) -> Iterator[str]:
+    with ws_node.client() as api:
+        created = api.post("/v2/sandboxes", json={"templateID": "base", "timeout": 600})
+        assert created.status_code == 201, created.text
+        sid = created.json()["sandboxID"]
+        yield sid
+        api.delete(f"/sandboxes/{sid}")

@@ -6,7 +6,6 @@ import base64
 import gzip
 import json
 from collections.abc import Iterator
-from typing import Any
 
 import httpx
 import pytest
@@ -364,33 +363,13 @@ def test_idempotency_key_returns_the_first_sandbox(api: httpx.Client) -> None:
 def test_websocket_is_bridged_to_the_sandbox_port(api: httpx.Client, node: NodeProcess) -> None:
     """The process backend maps sandbox ports to host ports, so a host echo server stands in
     for a WebSocket server inside the sandbox."""
-    import asyncio
-    import threading
-
-    from websockets.asyncio.server import serve
     from websockets.exceptions import InvalidStatus
     from websockets.sync.client import connect
 
-    from tests.node.conftest import free_host_port
+    from tests.node.conftest import free_host_port, ws_echo_server
 
     port = free_host_port()  # opened to the node's process sandboxes (tests/node/conftest.py)
-    ready = threading.Event()
-    stop: list[asyncio.Future[None]] = []
-
-    async def echo(ws: Any) -> None:
-        async for message in ws:
-            await ws.send(message)
-
-    async def server() -> None:
-        async with serve(echo, "127.0.0.1", port):
-            stop.append(asyncio.get_running_loop().create_future())
-            ready.set()
-            await stop[0]
-
-    loop = asyncio.new_event_loop()
-    thread = threading.Thread(target=loop.run_until_complete, args=(server(),), daemon=True)
-    thread.start()
-    assert ready.wait(10)
+    stop = ws_echo_server(port)
     sid = api.post("/v2/sandboxes", json={"timeout": 60}).json()["sandboxID"]
     try:
         route = {"E2b-Sandbox-Id": sid, "E2b-Sandbox-Port": str(port)}
@@ -407,5 +386,4 @@ def test_websocket_is_bridged_to_the_sandbox_port(api: httpx.Client, node: NodeP
             pass
     finally:
         api.delete(f"/sandboxes/{sid}")
-        loop.call_soon_threadsafe(stop[0].set_result, None)
-        thread.join(10)
+        stop()

@@ -1,6 +1,7 @@
 """The E2B Code Interpreter SDK, unchanged, against a VM node's built-in `code-interpreter-v1`
-template (issue 29): stateful Python kernel, streamed output, rich results, errors, interrupts,
-contexts, per-call env vars, pause and connect, fork, snapshots, concurrent async clients.
+template (issue 29): stateful Python, JavaScript and Bash kernels, streamed output, rich results
+and chart data, errors, interrupts, contexts, per-call env vars, pause and connect, fork,
+snapshots, concurrent async clients.
 
 Run under flock /tmp/aenv-vmtest.lock (it starts QEMU). The node's first start builds the
 template (debootstrap of the Jupyter packages is cached in conftest.DEBIAN_CACHE)."""
@@ -16,9 +17,12 @@ from collections.abc import Iterator
 import pytest
 from e2b import TimeoutException
 from e2b_code_interpreter import AsyncSandbox, Sandbox
+from e2b_code_interpreter.charts import BarChart, ChartType, LineChart
 
 from tests.node import conftest
 from tests.node.conftest import NodeProcess
+
+pytestmark = pytest.mark.qemu  # boots VMs
 
 NET_PREFIX = "aci"  # unique: a test teardown deletes every {NET_PREFIX}-s* namespace
 FIRST_SLOT = 22001  # 22001-22400
@@ -72,11 +76,26 @@ def test_stdout_and_stderr_stream_in_order(sbx: Sandbox) -> None:
 
 def test_rich_results(sbx: Sandbox) -> None:
     execution = sbx.run_code(
-        "import matplotlib.pyplot as plt\nplt.plot([1, 2, 3], [1, 4, 9])\nplt.show()")
+        "import matplotlib.pyplot as plt\nplt.plot([1, 2, 3], [1, 4, 9], label='squares')\n"
+        "plt.title('Squares')\nplt.xlabel('Time (s)')\nplt.show()")
     assert execution.error is None, execution.error
-    pngs = [r.png for r in execution.results if r.png]
-    assert len(pngs) == 1
-    assert base64.b64decode(pngs[0]).startswith(PNG_MAGIC)
+    [figure] = execution.results
+    assert base64.b64decode(figure.png).startswith(PNG_MAGIC)
+    line = figure.chart  # the chart data E2B's e2b-charts would give, as the SDK parses it
+    assert isinstance(line, LineChart) and line.type == ChartType.LINE
+    assert (line.title, line.x_label, line.x_unit, line.x_scale) == (
+        "Squares", "Time (s)", "s", "linear")
+    [squares] = line.elements
+    assert squares.label == "squares" and squares.points == [(1, 1), (2, 4), (3, 9)]
+    assert line.x_ticks and all(isinstance(t, float) for t in line.x_ticks)
+    bars = sbx.run_code(
+        "plt.bar(['a', 'b', 'c'], [3, 1, 2], label='counts')\nplt.ylabel('n')\nplt.show()")
+    [figure] = bars.results
+    assert base64.b64decode(figure.png).startswith(PNG_MAGIC)
+    assert isinstance(figure.chart, BarChart) and figure.chart.type == ChartType.BAR
+    assert figure.chart.y_label == "n" and figure.chart.title is None
+    assert [(b.label, b.value, b.group) for b in figure.chart.elements] == [
+        ("a", 3, "counts"), ("b", 1, "counts"), ("c", 2, "counts")]
     html = sbx.run_code("import pandas as pd\npd.DataFrame({'a': [1, 2]})")
     assert html.results[0].is_main_result
     assert "<table" in (html.results[0].html or "")
@@ -104,14 +123,15 @@ def test_timeout_interrupts_and_the_next_call_works(sbx: Sandbox) -> None:
 
 def test_env_vars_per_call(sbx: Sandbox) -> None:
     code = "import os\nstr(os.environ.get('AENV_CI_VAR'))"
-    assert sbx.run_code(code, envs={"AENV_CI_VAR": "set"}).text == "'set'"
-    assert sbx.run_code(code).text == "'None'"
+    # (a string's repr comes as the string, as from E2B's server)
+    assert sbx.run_code(code, envs={"AENV_CI_VAR": "set"}).text == "set"
+    assert sbx.run_code(code).text == "None"
 
 
 def test_contexts(sbx: Sandbox) -> None:
     ctx = sbx.create_code_context(cwd="/tmp")
     assert ctx.cwd == "/tmp" and ctx.language == "python"
-    assert sbx.run_code("import os\nos.getcwd()", context=ctx).text == "'/tmp'"
+    assert sbx.run_code("import os\nos.getcwd()", context=ctx).text == "/tmp"
     sbx.run_code("z = 7", context=ctx)
     assert sbx.run_code("z", context=ctx).text == "7"
     assert sbx.run_code("'z' in globals()").text == "False"  # the default context is another
@@ -120,6 +140,66 @@ def test_contexts(sbx: Sandbox) -> None:
     assert sbx.run_code("z", context=ctx).error.name == "NameError"
     sbx.remove_code_context(ctx)
     assert ctx.id not in {c.id for c in sbx.list_code_contexts()}
+
+
+def test_bash(sbx: Sandbox) -> None:
+    """One bash per context: state and cwd kept, output streamed, a failing status an error,
+    an interrupted command leaves the shell as it was, env vars for one call."""
+    seen: list[tuple[str, str]] = []
+    first = sbx.run_code(
+        "n=41; greet() { echo \"hi $1\"; }; cd /tmp\necho one; echo two >&2; echo three",
+        language="bash", on_stdout=lambda m: seen.append(("out", m.line)),
+        on_stderr=lambda m: seen.append(("err", m.line)))
+    assert first.error is None, first.error
+    assert "".join(first.logs.stdout) == "one\nthree\n" and first.logs.stderr == ["two\n"]
+    assert [line for kind, line in seen if kind == "out"] == first.logs.stdout
+    again = sbx.run_code("greet $((n + 1)); pwd", language="bash")
+    assert "".join(again.logs.stdout) == "hi 42\n/tmp\n"
+    failed = sbx.run_code("ls /nonexistent", language="bash")
+    assert failed.error is not None and failed.error.value == "2"
+    assert "nonexistent" in failed.error.traceback
+    with pytest.raises(TimeoutException):
+        sbx.run_code("sleep 600; echo never", language="bash", timeout=3)
+    assert sbx.run_code("echo $n", language="bash").logs.stdout == ["41\n"]
+    assert sbx.run_code("echo $FOO", language="bash", envs={"FOO": "b a r"}).logs.stdout == [
+        "b a r\n"]
+    assert sbx.run_code("echo ${FOO:-unset}", language="bash").logs.stdout == ["unset\n"]
+    ctx = sbx.create_code_context(cwd="/var", language="bash")
+    assert ctx.language == "bash"
+    # two commands' output: one chunk or two, as the shell's writes reach the kernel
+    assert "".join(sbx.run_code("pwd; echo ${n:-fresh}", context=ctx).logs.stdout) == \
+        "/var\nfresh\n"
+    sbx.remove_code_context(ctx)
+
+
+def test_javascript(sbx: Sandbox) -> None:
+    """One Node.js per context: declarations kept, console streamed, the last expression the
+    result, top-level await and imports, errors, interrupts, env vars for one call."""
+    seen: list[str] = []
+    first = sbx.run_code(
+        "let total = 40; function add(a, b) { return a + b }\n"
+        "console.log('one'); console.error('two'); console.log('three')\nadd(total, 2)",
+        language="js", on_stdout=lambda m: seen.append(m.line))
+    assert first.error is None, first.error
+    assert "".join(first.logs.stdout) == "one\nthree\n" and first.logs.stderr == ["two\n"]
+    assert seen == first.logs.stdout and first.text == "42"
+    assert sbx.run_code("add(total, 1)", language="javascript").text == "41"
+    assert sbx.run_code("await Promise.resolve('done')", language="js").text == "done"
+    imported = sbx.run_code(
+        "import { readFileSync } from 'fs'\nconst os = await import('os')\n"
+        "console.log(typeof readFileSync, typeof os.cpus)\nprocess.cwd()", language="js")
+    assert imported.logs.stdout == ["function function\n"] and imported.text == "/home/user"
+    assert sbx.run_code("typeof readFileSync", language="js").text == "function"
+    failed = sbx.run_code("function f() { throw new RangeError('too far') }\nf()",
+                          language="js")
+    assert failed.error is not None
+    assert (failed.error.name, failed.error.value) == ("RangeError", "too far")
+    assert "RangeError: too far" in failed.error.traceback and "at f" in failed.error.traceback
+    with pytest.raises(TimeoutException):
+        sbx.run_code("while (true) {}", language="js", timeout=3)
+    assert sbx.run_code("total", language="js").text == "40"
+    assert sbx.run_code("process.env.FOO", language="js", envs={"FOO": "bar"}).text == "bar"
+    assert sbx.run_code("process.env.FOO || 'unset'", language="js").text == "unset"
 
 
 def test_trivial_run_code_against_a_command(sbx: Sandbox) -> None:
@@ -142,7 +222,7 @@ def test_pause_and_connect_keep_the_kernel_state(ci_node: NodeProcess) -> None:
         sandbox.run_code("kept = 'before pause'")
         sandbox.pause()
         again = Sandbox.connect(sandbox.sandbox_id, timeout=600)
-        assert again.run_code("kept").text == "'before pause'"
+        assert again.run_code("kept").text == "before pause"
     finally:
         sandbox.kill()
 
@@ -167,7 +247,7 @@ def test_a_snapshot_keeps_the_kernel_state(sbx: Sandbox) -> None:
     snap = sbx.create_snapshot()
     fresh = Sandbox.create(snap.snapshot_id, timeout=600)
     try:
-        assert fresh.run_code("snapped").text == "'in the snapshot'"
+        assert fresh.run_code("snapped").text == "in the snapshot"
     finally:
         fresh.kill()
 

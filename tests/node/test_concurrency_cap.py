@@ -21,8 +21,13 @@ from tests.node.conftest import free_port
 pytestmark = pytest.mark.timeout(120)
 
 
+#: the body of /big: a client that does not read it fills its socket buffers in a few answers
+BIG = b"x" * (1 << 20)
+
+
 class Held:
-    """An app whose /hold requests wait until released."""
+    """An app whose /hold requests wait until released, /big answers `BIG`, a POST reads its
+    body (after the wait) and answers its size, others "ok"."""
 
     def __init__(self) -> None:
         self.release = threading.Event()
@@ -39,9 +44,20 @@ class Held:
             while not self.release.is_set():
                 await asyncio.sleep(0.02)
             self.waiting -= 1
+        body = BIG if scope["path"] == "/big" else b"ok"
+        if scope["method"] == "POST":
+            size = 0
+            while True:
+                message = await receive()
+                if message["type"] == "http.disconnect":
+                    return
+                size += len(message.get("body", b""))
+                if not message.get("more_body"):
+                    break
+            body = str(size).encode()
         await send({"type": "http.response.start", "status": 200,
-                    "headers": [(b"content-length", b"2")]})
-        await send({"type": "http.response.body", "body": b"ok"})
+                    "headers": [(b"content-length", str(len(body)).encode())]})
+        await send({"type": "http.response.body", "body": body})
 
 
 @pytest.fixture

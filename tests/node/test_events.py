@@ -17,12 +17,12 @@ from typing import Any
 
 import pytest
 
+from agentenv.api.auth import NODE_KEY_HEADER
+from agentenv.api.errors import BadRequest
+from agentenv.api.tenancy import TEAM_HEADER
 from agentenv.node import webhooks
-from agentenv.node.errors import BadRequest
 from agentenv.node.events import Event, EventLog
-from agentenv.node.security import NODE_KEY_HEADER
 from agentenv.node.server import ServeOptions, build_app
-from agentenv.node.tenancy import TEAM_HEADER
 from agentenv.node.webhooks import check_destination, pinned
 
 with warnings.catch_warnings():
@@ -38,6 +38,7 @@ class Receiver:
 
     def __init__(self, statuses: list[int] | None = None) -> None:
         self.requests: list[tuple[dict[str, str], bytes]] = []
+        self.arrived = 0  # requests read, answered or not
         self.statuses = list(statuses or [])
         self.hold = threading.Event()
         self.hold.set()
@@ -46,6 +47,7 @@ class Receiver:
         class Handler(BaseHTTPRequestHandler):
             def do_POST(self) -> None:
                 body = self.rfile.read(int(self.headers["content-length"]))
+                receiver.arrived += 1
                 receiver.hold.wait(60)
                 receiver.requests.append(({k.lower(): v for k, v in self.headers.items()}, body))
                 status = receiver.statuses.pop(0) if receiver.statuses else 200
@@ -248,6 +250,11 @@ def test_a_slow_receiver_blocks_nothing_but_its_own_bounded_queue(node: TestClie
         fast.close()
 
 
+def test_a_standalone_node_serves_no_cluster_events(node: TestClient) -> None:
+    create(node)
+    assert node.get("/cluster/events").status_code == 404
+
+
 def test_webhook_bodies_are_validated(node: TestClient) -> None:
     base = {"url": "http://127.0.0.1:9/x", "signatureSecret": SECRET,
             "events": ["sandbox.lifecycle.created"]}
@@ -281,22 +288,22 @@ def test_teams_see_only_their_own_events_and_webhooks(tmp_path: Path) -> None:
         assert [e["sandboxTeamId"] for e in mine] == ["team-a"]
         assert client.get(f"/events/sandboxes/{sid}", headers=as_team("team-b")).json() == []
         assert client.get("/events/sandboxes", headers=as_team("team-b")).json() == []
-        # a node of a cluster posts only to public addresses
+        # the gateway delivers a cluster's webhooks (control/gateway/events.py): its node
+        # registers none, and its events go to no sink of its own
         refused = client.post("/events/webhooks", headers=as_team("team-a"), json={
-            "url": "http://127.0.0.1:9/", "signatureSecret": SECRET,
+            "url": "http://1.1.1.1/", "signatureSecret": SECRET,
             "events": ["sandbox.lifecycle.created"]})
-        assert refused.status_code == 400 and "non-public" in refused.json()["message"]
-        # a public literal address (no DNS), disabled: nothing is ever posted to it
-        hooks = app.orchestrator.events.sinks[0]  # type: ignore[union-attr]
-        hook = client.portal.call(hooks.register, "team-a", "a", "http://1.1.1.1/",  # type: ignore[union-attr]
-                                  ["sandbox.lifecycle.killed"], False, SECRET)
-        assert client.get(f"/events/webhooks/{hook.id}", headers=as_team("team-b")
-                          ).status_code == 404
-        assert client.get("/events/webhooks", headers=as_team("team-b")).json() == []
-        assert client.delete(f"/events/webhooks/{hook.id}", headers=as_team("team-b")
-                             ).status_code == 404
-        assert client.get(f"/events/webhooks/{hook.id}", headers=as_team("team-a")
-                          ).json()["teamID"] == "team-a"
+        assert refused.status_code == 409 and "gateway" in refused.json()["message"]
+        assert app.orchestrator.events.sinks == []  # type: ignore[union-attr]
+        # every team's events, for the gateway only (its node key)
+        collected = client.get("/cluster/events", headers={NODE_KEY_HEADER.decode(): secret})
+        assert collected.status_code == 200, collected.text
+        assert [e["sandboxId"] for e in collected.json()["events"]] == [sid]
+        assert collected.json()["last"] == collected.json()["events"][-1]["seq"]
+        last = collected.json()["last"]
+        assert client.get(f"/cluster/events?after={last}", headers={
+            NODE_KEY_HEADER.decode(): secret}).json() == {"events": [], "last": last}
+        assert client.get("/cluster/events").status_code == 403
         client.delete(f"/sandboxes/{sid}", headers=as_team("team-a"))
 
 
@@ -342,3 +349,18 @@ def test_a_pinned_delivery_reaches_the_checked_address_with_the_name_as_host(
         assert receiver.requests[0][0]["host"] == f"hooks.example:{port}"
     finally:
         receiver.close()
+
+
+@pytest.mark.parametrize("url", [
+    "http://[64:ff9b::a9fe:a9fe]/latest",  # NAT64 of 169.254.169.254
+    "http://[64:ff9b::7f00:1]:6379/",  # NAT64 of 127.0.0.1 (a Redis)
+    "http://[2002:a00:1::1]/",  # 6to4 of 10.0.0.1
+    "http://[64:ff9b:1::a00:1]/",  # a network's own NAT64 (RFC 8215)
+    "http://[fec0::1]/",  # site-local
+])
+def test_ipv6_forms_of_private_addresses_are_refused_too(url: str) -> None:
+    """Red team (2026-12-06): the check was `is_global`, which holds for these; behind an
+    IPv6-only network's NAT64 the first is the cloud's metadata service. The registry client's
+    guard (registry/client.py address_problem) now judges both."""
+    with pytest.raises(BadRequest, match="non-public"):
+        check_destination(url, allow_private=False)

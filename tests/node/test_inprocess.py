@@ -10,10 +10,10 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from agentenv.api.tenancy import LOCAL_TEAM
 from agentenv.node.backend import TemplateRef
 from agentenv.node.records import TemplateRecord
 from agentenv.node.server import ServeOptions, build_app
-from agentenv.node.tenancy import LOCAL_TEAM
 
 with warnings.catch_warnings():  # starlette 1.x nags about httpx here; TestClient still works
     warnings.simplefilter("ignore")

@@ -9,12 +9,12 @@ import secrets
 import warnings
 from pathlib import Path
 
+from agentenv.api.auth import metrics_token
 from agentenv.cluster_keys import node_key
 from agentenv.control.gateway.app import GatewayApp
 from agentenv.control.gateway.placement import SchedulerLink
 from agentenv.control.gateway.store import GatewayStore
 from agentenv.control.scheduler.client import Credentials
-from agentenv.node.security import metrics_token
 from agentenv.node.server import ServeOptions, build_app
 
 with warnings.catch_warnings():  # starlette 1.x nags about httpx here; TestClient still works

@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import time
 
+import pytest
 from e2b import Sandbox
 
 from .conftest import NodeProcess, sdk_pointed_at
+
+pytestmark = pytest.mark.qemu  # boots VMs
 
 
 def test_vm_metrics_are_real_and_console_lines_reach_the_logs(

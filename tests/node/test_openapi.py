@@ -22,7 +22,7 @@ from schemathesis.specs.openapi.checks import (
     status_code_conformance,
 )
 
-from agentenv.node.openapi import openapi_document
+from agentenv.api.openapi import openapi_document
 from tests.node.conftest import NodeProcess
 
 # AENV_OPENAPI_EXAMPLES raises the budget for a deeper run than CI's.
@@ -64,6 +64,30 @@ def live_sandbox(openapi_node: NodeProcess) -> LiveSandbox:
     return LiveSandbox(openapi_node)
 
 
+class LiveVolume:
+    """A volume for the fuzzer to aim at, with its content token: the content API answers
+    2xx too (and takes made-up paths, owners and bodies), not only 401."""
+
+    def __init__(self, node: NodeProcess) -> None:
+        self.node = node
+        self.volume: dict[str, str] | None = None
+        self.uses = 0
+
+    def current(self) -> dict[str, str]:
+        with self.node.client() as api:
+            if self.volume and api.get(f"/volumes/{self.volume['volumeID']}").status_code == 200:
+                return self.volume
+            created = api.post("/volumes", json={"name": f"fuzz-{self.uses}"})
+            assert created.status_code == 201, created.text
+            self.volume = created.json()
+            return self.volume
+
+
+@pytest.fixture(scope="module")
+def live_volume(openapi_node: NodeProcess) -> LiveVolume:
+    return LiveVolume(openapi_node)
+
+
 # Loaded from the module the node serves; test_openapi_document_is_served checks they are equal.
 schema = schemathesis.openapi.from_dict(openapi_document())
 # Each create starts a sandbox (a copied root and an envd process): fewer examples for those.
@@ -89,15 +113,23 @@ def _error_body_matches_status(response: schemathesis.Response) -> None:
     assert isinstance(body.get("message"), str) and body["message"], f"no message: {body!r}"
 
 
-def _check(case: schemathesis.Case, node: NodeProcess, live: LiveSandbox | None = None) -> None:
+def _check(case: schemathesis.Case, node: NodeProcess, live: LiveSandbox | None = None,
+           volume: LiveVolume | None = None) -> None:
     params = case.path_parameters or {}
+    headers = {"X-API-KEY": node.api_key}
     if live is not None and "sandboxID" in params:
         live.uses += 1
         if live.uses % 2:  # every other example aims at a real sandbox
             params["sandboxID"] = live.current()
-    response = case.call(base_url=node.url, headers={"X-API-KEY": node.api_key})
+    if volume is not None and "volumeID" in params:
+        volume.uses += 1
+        if volume.uses % 2:  # every other example aims at a real volume, with its token
+            real = volume.current()
+            params["volumeID"] = real["volumeID"]
+            headers["Authorization"] = f"Bearer {real['token']}"
+    response = case.call(base_url=node.url, headers=headers)
     if response.status_code == 501 and "not supported" in response.json()["message"]:
-        return  # a route the SDK knows and the node refuses on purpose (node/unsupported.py)
+        return  # a route the SDK knows and the node refuses on purpose (api/routes.py, `unsupported`)
     assert response.status_code < 500, (
         f"server error {response.status_code} for {case.method} {case.formatted_path}: "
         f"{response.text[:500]}\nrepro: {case.as_curl_command()}"
@@ -125,9 +157,10 @@ def _bounded(examples: int, explicit: bool = True) -> settings:
 @schema.exclude(operation_id=CREATE_OPERATIONS + WEBHOOK_WRITES).parametrize()
 @_bounded(EXAMPLES_PER_OPERATION)
 def test_api_conforms_to_its_openapi_document(
-    case: schemathesis.Case, openapi_node: NodeProcess, live_sandbox: LiveSandbox
+    case: schemathesis.Case, openapi_node: NodeProcess, live_sandbox: LiveSandbox,
+    live_volume: LiveVolume
 ) -> None:
-    _check(case, openapi_node, live_sandbox)
+    _check(case, openapi_node, live_sandbox, live_volume)
 
 
 @schema.include(operation_id=CREATE_OPERATIONS).parametrize()
@@ -169,6 +202,13 @@ def test_openapi_document_is_served_and_covers_the_sdk_routes(openapi_node: Node
         ("get", "/v2/templates"),
         ("get", "/templates/{templateID}"),
         ("delete", "/templates/{templateID}"),
+        # the volume API (SDK Volume) and its content API
+        ("get", "/volumes"),
+        ("post", "/volumes"),
+        ("get", "/volumes/{volumeID}"),
+        ("delete", "/volumes/{volumeID}"),
+        ("get", "/volumecontent/{volumeID}/path"),
+        ("put", "/volumecontent/{volumeID}/file"),
     ]:
         assert method in paths.get(path, {}), f"{method.upper()} {path} missing"
     assert doc["components"]["securitySchemes"]["ApiKeyAuth"]["name"] == "X-API-KEY"
@@ -179,7 +219,8 @@ def test_fuzzing_reached_success_answers() -> None:
     only 404s for made-up ids, so their success bodies were checked against the schemas."""
     print({op: sorted(codes) for op, codes in sorted(SEEN.items())})
     succeeded = {op for op, codes in SEEN.items() if any(c < 300 for c in codes)}
-    for op in ("getSandbox", "killSandbox", "pauseSandbox", "connectSandboxV2", "listSandboxesV2"):
+    for op in ("getSandbox", "killSandbox", "pauseSandbox", "connectSandboxV2", "listSandboxesV2",
+               "getVolume", "listVolumeDir", "makeVolumeDir", "statVolumePath"):
         assert op in succeeded, f"{op} never answered 2xx: {SEEN.get(op)}"
 
 

@@ -21,13 +21,13 @@ from typing import Any
 
 import pytest
 
+from agentenv.api.errors import ApiError, BadRequest, Conflict, Internal, NotFound, Unavailable
+from agentenv.api.tenancy import LOCAL_TEAM
 from agentenv.node.admission import Admission, AdmissionRefused
-from agentenv.node.errors import ApiError, BadRequest, Conflict, Internal, NotFound, Unavailable
 from agentenv.node.orchestrator import CreateParams, NodeConfig, Orchestrator
 from agentenv.node.records import SandboxRecord, State
 from agentenv.node.security import TokenIssuer
 from agentenv.node.store import Store
-from agentenv.node.tenancy import LOCAL_TEAM
 from tests.node.scripted import Crash, ScriptedBackend
 
 LIMIT = 20.0  # seconds one scenario may take; every one takes far less
@@ -773,7 +773,8 @@ def test_a_running_sandboxs_rollback_is_admitted_for_its_second_vm(tmp_path: Pat
         backend = ScriptedBackend()
         orch = await start(tmp_path, backend)
         orch.admission = Admission(tmp_path, max_sandboxes=2, memory_budget_mb=100_000,
-                                   memory_reserve_mb=0, min_free_disk_mb=0)
+                                   memory_reserve_mb=0, min_free_disk_mb=0,
+                                   cpu_pressure_max=0, memory_pressure_max=0)
         rec = await create(orch)
         tpl = await orch.snapshot(rec.sandbox_id, None)
         other = await create(orch)

@@ -18,11 +18,11 @@ import httpx
 import pytest
 import uvicorn
 
+from agentenv.api.errors import Internal
 from agentenv.node import proxy
 from agentenv.node.admission import Admission, AdmissionRefused
 from agentenv.node.api import NodeApp
 from agentenv.node.backend import ENVD_PORT
-from agentenv.node.errors import Internal
 from agentenv.node.metrics import NodeMetrics
 from agentenv.node.orchestrator import CreateParams, NodeConfig, Orchestrator
 from agentenv.node.records import State
@@ -262,7 +262,8 @@ def test_pausing_closes_the_sandboxes_streams(tmp_path: Path) -> None:
 
 def limits(tmp_path: Path, **kwargs: Any) -> Admission:
     options: dict[str, Any] = {"memory_budget_mb": 1 << 20, "memory_reserve_mb": 0,
-                               "min_free_disk_mb": 0}
+                               "min_free_disk_mb": 0, "cpu_pressure_max": 0,
+                               "memory_pressure_max": 0}
     return Admission(tmp_path, **(options | kwargs))
 
 
@@ -313,7 +314,7 @@ def test_memory_budget_and_released_reservations(tmp_path: Path) -> None:
             await n.orch.fork(first, 1, 60)
             with pytest.raises(AdmissionRefused) as refused:
                 await n.create()
-            assert refused.value.limit == "memory_budget" and "AENV_MEMORY_BUDGET_MB" in str(
+            assert refused.value.limit == "memory_requested" and "AENV_MEMORY_BUDGET_MB" in str(
                 refused.value)
             assert len(n.orch.sandboxes) == 2
 

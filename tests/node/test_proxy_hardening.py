@@ -33,6 +33,8 @@ HEAD_TIMEOUT = 2
 IDLE_TIMEOUT = 8
 MAX_CONNECTIONS = 6
 MAX_BODY = 1 << 20
+BODY_TIMEOUT = 3
+BODY_PER_CLIENT = 3  # under MAX_CONNECTIONS: one client cannot hold all of a sandbox's places
 
 
 class _Recorder(socketserver.ThreadingTCPServer):
@@ -105,6 +107,8 @@ def hard_node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NodeProcess]
         "AENV_PROXY_IDLE_TIMEOUT": str(IDLE_TIMEOUT),
         "AENV_PROXY_MAX_CONNECTIONS": str(MAX_CONNECTIONS),
         "AENV_PROXY_MAX_BODY_BYTES": str(MAX_BODY),
+        "AENV_BODY_TIMEOUT": str(BODY_TIMEOUT),
+        "AENV_BODY_CONNECTIONS_PER_CLIENT": str(BODY_PER_CLIENT),
     }
     node.start()
     yield node
@@ -432,6 +436,50 @@ def test_body_idle_and_connection_limits(
         while client.get("/x").status_code != 200:
             assert time.monotonic() < deadline, "the connection limit was not released"
             time.sleep(0.2)
+
+
+def test_a_stranger_sending_bodies_slowly_holds_few_places_briefly(
+    hard_node: NodeProcess, sandbox: dict[str, Any], listeners: dict[str, _Recorder]
+) -> None:
+    """Bodies sent slowly on purpose to a public sandbox port: one client holds at most
+    AENV_BODY_CONNECTIONS_PER_CLIENT of them (429 past it, before its body is read), so others
+    still reach the sandbox; each is cut with 408 once no byte came for AENV_BODY_TIMEOUT."""
+    port = listeners["port"].server_address[1]
+    head = (f"POST /upload HTTP/1.1\r\nHost: x\r\nE2b-Sandbox-Id: {sandbox['sandboxID']}\r\n"
+            f"E2b-Sandbox-Port: {port}\r\ncontent-length: 1000\r\n\r\n").encode()
+
+    def slow_post() -> socket.socket:
+        sock = socket.socket()
+        sock.bind(("127.0.0.2", 0))  # the stranger: another client than the test's own
+        sock.settimeout(BODY_TIMEOUT + 30)
+        sock.connect(("127.0.0.1", hard_node.port))
+        sock.sendall(head + b"x")  # one byte of 1000, then nothing
+        return sock
+
+    def answer(sock: socket.socket) -> bytes:
+        data = b""
+        with contextlib.suppress(ConnectionResetError):
+            while chunk := sock.recv(65536):
+                data += chunk
+        sock.close()
+        return data
+
+    seen = len(listeners["port"].seen)
+    slow = [slow_post() for _ in range(BODY_PER_CLIENT)]
+    deadline = time.monotonic() + 30
+    while len(listeners["port"].seen) < seen + BODY_PER_CLIENT:  # relayed, bodies pending
+        assert time.monotonic() < deadline, "the slow requests did not reach the sandbox"
+        time.sleep(0.05)
+    refused = answer(slow_post())
+    assert refused.startswith(b"HTTP/1.1 429"), refused
+    assert b"AENV_BODY_CONNECTIONS_PER_CLIENT" in refused
+    route = {"E2b-Sandbox-Id": sandbox["sandboxID"], "E2b-Sandbox-Port": str(port)}
+    with httpx.Client(base_url=hard_node.url, headers=route, timeout=30) as client:
+        assert client.post("/upload", content=b"x" * 1000).status_code == 200
+    for sock in slow:
+        cut = answer(sock)
+        assert cut.startswith(b"HTTP/1.1 408"), cut
+        assert b"AENV_BODY_TIMEOUT" in cut
 
 
 def test_requests_to_a_closed_port_are_logged_within_limits(

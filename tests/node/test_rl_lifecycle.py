@@ -38,11 +38,25 @@ def _snapshot_dirs(node: NodeProcess) -> set[str]:
     return {p.name for p in root.iterdir()} if root.is_dir() else set()
 
 
-def _wait(predicate: Any, seconds: float = 30.0, what: str = "condition") -> None:
+def _wait(predicate: Any, seconds: float = 120.0, what: str = "condition",
+          explain: Any = None) -> None:
+    """Wait for `predicate`; on a timeout the failure carries `explain()` (what the guest saw)."""
     deadline = time.monotonic() + seconds
     while not predicate():
-        assert time.monotonic() < deadline, f"{what} not reached in {seconds} s"
+        if time.monotonic() >= deadline:
+            detail = ""
+            if explain is not None:
+                try:
+                    detail = explain()
+                except Exception as exc:  # the explanation must not hide the failure
+                    detail = f"(no explanation: {exc!r})"
+            raise AssertionError(f"{what} not reached in {seconds} s\n{detail}")
         time.sleep(0.2)
+
+
+# What a guest whose background counter stopped shows (processes, the kernel's last words).
+_COUNTER_DIAGNOSIS = ("date; cat /proc/uptime /proc/loadavg /tmp/count; "
+                      "ps -eo pid,stat,wchan:24,etime,cmd; free -m; dmesg | tail -n 30")
 
 
 def _fork(api: httpx.Client, sandbox_id: str, count: int) -> list[str]:
@@ -209,7 +223,9 @@ def test_fork_of_a_paused_sandbox_leaves_it_paused_and_untouched(rl_node: NodePr
                 assert kid.files.read("/home/user/origin.txt") == "from the parent"
                 first = conftest.counter_value(kid)  # the parent's process runs on in it
                 _wait(lambda kid=kid, first=first: conftest.counter_value(kid) > first,
-                      what="the parent's counter running in the child")
+                      what="the parent's counter running in the child",
+                      explain=lambda kid=kid: kid.commands.run(
+                          _COUNTER_DIAGNOSIS, user="root", timeout=30).stdout)
                 seen_random.add(_random_hex(kid))
                 kid.files.write("/home/user/mine.txt", f"child {i}")
             assert len(seen_random) == len(kids), "children share their RNG state"

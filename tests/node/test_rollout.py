@@ -47,6 +47,10 @@ def test_trajectories_step_pause_resume_branch_and_close(two_node: NodeProcess) 
             (child,) = await root.branch(1)  # a running root: a checkpoint in place
             outs = await pool.map(lambda t: t.step("cat /tmp/state"), [root, child])
             assert [o.stdout for o in outs] == ["root", "root"]
+            with two_node.client() as api:  # they pause themselves when idle, branches too
+                for t in (root, child):
+                    detail = api.get(f"/sandboxes/{t.sandbox_id}").json()
+                    assert detail["lifecycle"]["idlePauseAfter"] == 30
             assert {t.sandbox_id for t in pool.live} == {root.sandbox_id, child.sandbox_id}
             with pytest.raises(RolloutError, match="AENV_MAX_SANDBOXES"):
                 await _pool(two_node, retries=0).create()

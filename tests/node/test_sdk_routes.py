@@ -8,13 +8,14 @@ import re
 from pathlib import Path
 
 import e2b
+import httpx
 from e2b import Sandbox
 
 from tests.node.conftest import NodeProcess
 
 CLIENT_API = Path(e2b.__file__).parent / "api" / "client" / "api"
 #: what this node answers 501 to, on purpose (the message says why)
-UNSUPPORTED = ("/volumes", "/secrets", "/default-templates", "/templates/x", "/v2/templates/x")
+UNSUPPORTED = ("/secrets", "/default-templates", "/templates/x", "/v2/templates/x")
 
 
 def sdk_routes() -> list[tuple[str, str]]:
@@ -36,23 +37,29 @@ def test_the_sdk_client_has_the_routes_we_expect() -> None:
 
 
 def test_every_sdk_route_is_served_or_says_it_is_not(node: NodeProcess) -> None:
-    missing, unsupported = [], []
     with node.client() as api:
-        for method, path in sdk_routes():
-            answer = api.request(method, path, json={} if method in ("POST", "PATCH", "PUT")
-                                 else None)
-            body = answer.json() if answer.content else {}
-            if answer.status_code == 501:
-                assert path.startswith(UNSUPPORTED), (method, path, body)
-                assert "not supported" in body["message"] and body["code"] == 501, body
-                unsupported.append((method, path))
-            elif answer.status_code == 405 or (answer.status_code == 404 and str(
-                    body.get("message", "")).startswith("route not found")):
-                missing.append((method, path, answer.status_code))
-            assert answer.status_code < 500 or answer.status_code == 501, (method, path, body)
+        check_every_sdk_route(api)
+
+
+def check_every_sdk_route(api: httpx.Client) -> None:
+    """Each route of the SDK's client is served, or answers 501 naming it unsupported: never
+    "route not found", 405 or another 5xx (a node's or a gateway's `api`)."""
+    missing, unsupported = [], []
+    for method, path in sdk_routes():
+        answer = api.request(method, path, json={} if method in ("POST", "PATCH", "PUT")
+                             else None)
+        body = answer.json() if answer.content else {}
+        if answer.status_code == 501:
+            assert path.startswith(UNSUPPORTED), (method, path, body)
+            assert "not supported" in body["message"] and body["code"] == 501, body
+            unsupported.append((method, path))
+        elif answer.status_code == 405 or (answer.status_code == 404 and str(
+                body.get("message", "")).startswith("route not found")):
+            missing.append((method, path, answer.status_code))
+        assert answer.status_code < 500 or answer.status_code == 501, (method, path, body)
     assert missing == [], "\n".join(map(str, missing))
-    # 4 volume and 5 secret routes, default templates, PATCH of a template (v1, v2)
-    assert len(unsupported) == 12, unsupported
+    # 5 secret routes, default templates, PATCH of a template (v1, v2)
+    assert len(unsupported) == 8, unsupported
 
 
 def test_sdk_get_metrics_returns_real_numbers(sdk_env: NodeProcess) -> None:

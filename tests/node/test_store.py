@@ -154,8 +154,8 @@ def test_migrates_version_3_to_teams_the_old_rows_are_the_local_teams(tmp_path: 
     API key holder's (`local`); after it, names are per team."""
     from dataclasses import replace
 
+    from agentenv.api.tenancy import LOCAL_TEAM, SHARED
     from agentenv.node.store import MIGRATIONS
-    from agentenv.node.tenancy import LOCAL_TEAM, SHARED
 
     path = tmp_path / "node.db"
     conn = sqlite3.connect(path)

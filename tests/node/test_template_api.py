@@ -181,8 +181,17 @@ def test_sandbox_from_built_template(built: dict[str, str]) -> None:
         assert out[1] == "user 644" and out[2] == "user 755"
         assert out[3] == "payload-ran"
         assert out[4].split()[0] == hashlib.md5(bytes(range(256)) * 64).hexdigest()
+        # The SDK names no cold-memory setting: the node's (30 s) came with the snapshot.
+        assert _damon(sbx) == ["on", "15"]
     finally:
         sbx.kill()
+
+
+def _damon(sbx: object) -> list[str]:
+    """The guest's DAMON pageout scheme: its state and minimum age (2 s aggregations)."""
+    return sbx.commands.run(  # type: ignore[attr-defined]
+        "cd /sys/kernel/mm/damon/admin/kdamonds/0; cat state"
+        " contexts/0/schemes/0/access_pattern/age/min", user="root").stdout.split()[:2]
 
 
 def test_failing_run_step_fails_the_build(build_node: NodeProcess, built: dict[str, str]) -> None:
@@ -341,7 +350,8 @@ def test_cli_build_rebuild_and_failure(build_node: NodeProcess, built: dict[str,
     assert "uploaded" in first.stderr
 
     again = _aenv(build_node, "build", name, "-f", str(tmp_path / "aenv.build"),
-                  "--env", "CLI_VERSION=2", "--run", 'printf "$CLI_VERSION" > cli/version')
+                  "--env", "CLI_VERSION=2", "--run", 'printf "$CLI_VERSION" > cli/version',
+                  "--reclaim-after", "0")
     assert again.returncode == 0, again.stderr
     assert again.stdout.strip().splitlines()[-1] == template_id  # same template, new build
     assert "already on the node" in again.stderr  # the COPY files were not uploaded twice
@@ -356,6 +366,8 @@ def test_cli_build_rebuild_and_failure(build_node: NodeProcess, built: dict[str,
         result = _retry_run(sbx, f"cat {built['workdir']}/cli/version; echo;"
                                  f" cat {built['workdir']}/cli/notes.txt; echo $CLI_VERSION")
         assert result.stdout.splitlines() == ["2", "copied by the cli", "2"]
+        # --reclaim-after 0: this template keeps its page cache (its base reclaims).
+        assert _damon(sbx)[0] == "off"
     finally:
         sbx.kill()
 

@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 from starlette.testclient import TestClient
 
+from agentenv.api.template_models import UPLOAD_PREFIX
+from agentenv.api.tenancy import LOCAL_TEAM
 from agentenv.node.server import ServeOptions, build_app
 from agentenv.node.template_api import TemplateBuildApi
 from agentenv.node.template_files import team_dir
-from agentenv.node.template_models import UPLOAD_PREFIX
-from agentenv.node.tenancy import LOCAL_TEAM
 
 
 def _builds_api(app: object) -> TemplateBuildApi:
@@ -30,7 +30,7 @@ def _builds_api(app: object) -> TemplateBuildApi:
 def _upload_url(api: TemplateBuildApi, files_hash: str) -> str:
     expires = int(time.time()) + 600
     return (f"{UPLOAD_PREFIX}t1/{files_hash}?expires={expires}&team={LOCAL_TEAM}"
-            f"&signature={api._signature(LOCAL_TEAM, 't1', files_hash, expires)}")
+            f"&signature={api.uploads.signature(LOCAL_TEAM, 't1', files_hash, expires)}")
 
 
 @pytest.fixture
@@ -61,7 +61,7 @@ def test_uploads_are_refused_when_the_disk_cannot_take_them(
 
     streamed = client.put(_upload_url(api, "big"), content=endless())
     assert streamed.status_code == 507, streamed.text
-    assert "upload stopped" in streamed.json()["message"]
+    assert "stopped, nothing of it kept" in streamed.json()["message"]
     assert sorted(p.name for p in files.iterdir()) == ["small.new"]  # nothing half-written
 
 
@@ -107,7 +107,7 @@ def test_uploads_no_build_needs_are_collected(node: tuple[TestClient, TemplateBu
 def _upload_url_of(api: TemplateBuildApi, team: str, files_hash: str) -> str:
     expires = int(time.time()) + 600
     return (f"{UPLOAD_PREFIX}t1/{files_hash}?expires={expires}&team={team}"
-            f"&signature={api._signature(team, 't1', files_hash, expires)}")
+            f"&signature={api.uploads.signature(team, 't1', files_hash, expires)}")
 
 
 def test_a_teams_uploads_stay_within_its_budget(
@@ -151,7 +151,7 @@ def test_uploads_leave_what_creates_need_free(
 
 def test_finished_build_records_are_bounded_per_team(
         node: tuple[TestClient, TemplateBuildApi, Path]) -> None:
-    from agentenv.node.template_api import KEEP_FINISHED_BUILDS
+    from agentenv.node.build_records import KEEP_FINISHED_BUILDS
 
     client, api, state = node
     # Every request supersedes the one before (it fails, never started): records that would
@@ -160,6 +160,6 @@ def test_finished_build_records_are_bounded_per_team(
         made = client.post("/v3/templates", json={"name": "churn"})
         assert made.status_code == 202, made.text
     latest = made.json()["buildID"]
-    assert len(api.builds) == KEEP_FINISHED_BUILDS + 1
+    assert len(api.records.builds) == KEEP_FINISHED_BUILDS + 1
     assert len(list((state / "template-builds").glob("*.json"))) == KEEP_FINISHED_BUILDS + 1
-    assert api.builds[latest].status == "waiting"  # the one under way is kept
+    assert api.records.builds[latest].status == "waiting"  # the one under way is kept

@@ -22,7 +22,7 @@ import pytest
 from e2b import Sandbox, Template
 from e2b.template.utils import calculate_files_hash
 
-from agentenv.node import tenancy
+from agentenv.api import tenancy
 from agentenv.node.server import ServeOptions, build_app
 from tests.node.conftest import NodeProcess, sdk_pointed_at
 

@@ -72,6 +72,12 @@ def test_create_run_files_pause_connect_kill(vm_node: NodeProcess) -> None:
         assert (detail.cpu_count, detail.memory_mb) == (2, 512)
         size = sbx.commands.run("nproc; grep MemTotal /proc/meminfo").stdout.split()
         assert int(size[0]) == 2 and 400 << 10 < int(size[2]) <= 512 << 10
+        # The template's cold-memory reclaim came with its snapshot (docs/templates.md §7):
+        # DAMON's pageout scheme runs, for pages untouched 30 s (15 aggregations of 2 s).
+        damon = sbx.commands.run(
+            "cd /sys/kernel/mm/damon/admin/kdamonds/0; cat state contexts/0/schemes/0/action"
+            " contexts/0/schemes/0/access_pattern/age/min", user="root").stdout.split()
+        assert damon == ["on", "pageout", "15"], damon
         sbx.files.write("/home/user/notes.txt", "kept across pause")
         assert sbx.files.read("/home/user/notes.txt") == "kept across pause"
 
@@ -204,6 +210,29 @@ def test_node_restart_keeps_paused_sandboxes_and_the_template(vm_node: NodeProce
             Sandbox.kill(sbx.sandbox_id)
 
 
+def test_a_second_node_of_the_host_takes_the_base_template_from_its_cache(
+        vm_node: NodeProcess, tmp_path: Path) -> None:
+    """The nodes of one host share the built-in templates (AENV_VM_TEMPLATE_CACHE): a second
+    node boots no template VM, and its sandboxes restore the shared boot snapshot in place."""
+    from e2b import Sandbox
+
+    other = conftest.vm_node_process(tmp_path / "state", tmp_path / "node.log", "avs", 24401,
+                                     extra_env=conftest.NO_READY_POOLS)
+    with conftest.serving_vm_node(other, "avs"):
+        log = other.log_path.read_text()
+        assert "base template taken from the host's cache" in log, log[-3000:]
+        assert "booting the template VM" not in log
+        template = json.loads((other.state_dir / "templates" / "base" / "template.json")
+                              .read_text())
+        assert Path(template["record_dir"]).parent == conftest.template_cache()
+        sbx = Sandbox.create(template="base", timeout=120)
+        try:
+            assert sbx.commands.run("echo from the shared template").stdout.strip() == \
+                "from the shared template"
+        finally:
+            sbx.kill()
+
+
 def _qemu_pid(node: NodeProcess, sandbox_id: str) -> int:
     manifest = node.state_dir / "vm-backend" / "sandboxes" / f"{sandbox_id}.vm.json"
     return int(json.loads(manifest.read_text())["pid"])
@@ -238,7 +267,8 @@ def _as_qemu(pid: int, argv: list[str]) -> str:
 
 
 def test_a_sandboxs_qemu_reads_nothing_of_the_node(vm_node: NodeProcess) -> None:
-    """The node's database, secrets and logs are out of reach of a sandbox's QEMU uid."""
+    """The node's database, secrets and logs, and the host's template cache, are out of reach
+    of a sandbox's QEMU uid."""
     from e2b import Sandbox
 
     sbx = Sandbox.create(template="base", timeout=300)
@@ -246,8 +276,9 @@ def test_a_sandboxs_qemu_reads_nothing_of_the_node(vm_node: NodeProcess) -> None
         pid = _qemu_pid(vm_node, sbx.sandbox_id)
         state = vm_node.state_dir
         targets = [state / "node.db", *sorted((state / "secrets").iterdir()),
-                   *sorted(p for p in state.rglob("*.log") if p.is_file()), vm_node.log_path]
-        assert len(targets) > 3
+                   *sorted(p for p in state.rglob("*.log") if p.is_file()), vm_node.log_path,
+                   *sorted(p for p in conftest.template_cache().rglob("*") if p.is_file())]
+        assert len(targets) > 6
         opened = json.loads(_as_qemu(pid, ["/usr/bin/python3", "-c", _PROBE,
                                            json.dumps([str(t) for t in targets])]))
         assert not [path for path, outcome in opened.items() if outcome == "ok"], opened
@@ -328,7 +359,9 @@ def test_killed_sandboxes_leave_only_template_snapshots(vm_node: NodeProcess) ->
     assert Sandbox.list().next_items() == []
     template = json.loads((vm_node.state_dir / "templates" / "base" / "template.json").read_text())
     snapshots = vm_node.state_dir / "vm-backend" / "runtime" / "snapshots"
-    assert {str(p) for p in snapshots.iterdir()} == {template["record_dir"]}
+    # the boot snapshot is the host's (AENV_VM_TEMPLATE_CACHE), not among the node's own
+    assert Path(template["record_dir"]).parent == conftest.template_cache()
+    assert [str(p) for p in snapshots.iterdir()] == []
 
 
 def test_dead_vm_leaves_running_and_the_proxy_answers_502(vm_node: NodeProcess) -> None:
@@ -551,10 +584,13 @@ def test_make_up_and_down(vm_node: NodeProcess) -> None:
         assert vm_node.stop() in (0, -15)
     port = free_port()
     env = {k: v for k, v in os.environ.items()
-           if k not in ("AENV_API_KEY", "E2B_API_URL", "E2B_SANDBOX_URL", "E2B_API_KEY")}
+           if k not in ("AENV_API_KEY", "E2B_API_URL", "E2B_SANDBOX_URL", "E2B_VOLUME_API_URL",
+                        "E2B_API_KEY")}
     env |= {"AENV_HOME": str(state), "AENV_PORT": str(port),
             "AENV_VM_ASSETS_DIR": str(conftest.GUEST_STATE),
             "AENV_VM_DEBIAN_CACHE": str(conftest.DEBIAN_CACHE),
+            # make up builds code-interpreter-v1 too: the session's other nodes may have
+            "AENV_VM_TEMPLATE_CACHE": str(conftest.template_cache()),
             "AENV_VM_NETWORK_PREFIX": NET_PREFIX, "AENV_VM_FIRST_SLOT": str(FIRST_SLOT)}
 
     def script(name: str) -> tuple[subprocess.CompletedProcess[str], float]:
@@ -568,6 +604,7 @@ def test_make_up_and_down(vm_node: NodeProcess) -> None:
     exports = dict(re.findall(r"export (E2B_\w+)=(\S+)", up.stdout))
     assert exports == {"E2B_API_URL": f"http://127.0.0.1:{port}",
                        "E2B_SANDBOX_URL": f"http://127.0.0.1:{port}",
+                       "E2B_VOLUME_API_URL": f"http://127.0.0.1:{port}",
                        "E2B_API_KEY": vm_node.api_key}
     node_pid = int((state / "node.pid").read_text())
     blockd_pid = int((state / "blockd.pid").read_text())

@@ -25,10 +25,10 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.node.conftest import NodeProcess, free_host_port
+from tests.node.conftest import WS_CLIENTS, NodeProcess, free_host_port
 from tests.node.test_hostile_guest import RssWatchdog
 
-K = 32
+K = WS_CLIENTS  # the node's WebSocket limit (conftest.ws_node)
 RSS_BOUND = 100 << 20
 MESSAGE = 8 << 20  # under the node's 16 MiB message limit
 #: the guest counts as blocked once no connection moved a byte for this many polls of 1 s
@@ -50,6 +50,15 @@ def _read_head(sock: socket.socket) -> bytes:
     return head
 
 
+def _answer_upgrade(sock: socket.socket) -> None:
+    """A guest's side of the WebSocket handshake: read the request, answer 101."""
+    head = _read_head(sock)
+    key = next(line.split(b":", 1)[1].strip() for line in head.split(b"\r\n")
+               if line.lower().startswith(b"sec-websocket-key:"))
+    sock.sendall(b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\n"
+                 b"Connection: Upgrade\r\nSec-WebSocket-Accept: " + _accept(key) + b"\r\n\r\n")
+
+
 class _EndlessGuest(socketserver.ThreadingTCPServer):
     """The guest's WebSocket server: after the handshake, one MESSAGE-byte binary message after
     another (the same bytes, `payload`), counting what each connection got out."""
@@ -69,11 +78,7 @@ class _EndlessGuestHandler(socketserver.BaseRequestHandler):
     def handle(self) -> None:
         server: _EndlessGuest = self.server  # type: ignore[assignment]
         sock: socket.socket = self.request
-        head = _read_head(sock)
-        key = next(line.split(b":", 1)[1].strip() for line in head.split(b"\r\n")
-                   if line.lower().startswith(b"sec-websocket-key:"))
-        sock.sendall(b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\n"
-                     b"Connection: Upgrade\r\nSec-WebSocket-Accept: " + _accept(key) + b"\r\n\r\n")
+        _answer_upgrade(sock)
         me = id(self)
         server.sent[me] = 0
         view = memoryview(server.frame)
@@ -98,27 +103,6 @@ def guest() -> Iterator[_EndlessGuest]:
     server.server_close()
 
 
-@pytest.fixture(scope="module")
-def ws_node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NodeProcess]:
-    base = tmp_path_factory.mktemp("ws-node")
-    node = NodeProcess(base / "state", base / "node.log")
-    node.extra_args = ("--backend", "process")
-    node.extra_env = {"AENV_PROXY_MAX_WEBSOCKETS": str(K)}
-    node.start()
-    yield node
-    node.cleanup()
-
-
-@pytest.fixture(scope="module")
-def sandbox_id(ws_node: NodeProcess) -> Iterator[str]:
-    with ws_node.client() as api:
-        created = api.post("/v2/sandboxes", json={"templateID": "base", "timeout": 600})
-        assert created.status_code == 201, created.text
-        sid = created.json()["sandboxID"]
-        yield sid
-        api.delete(f"/sandboxes/{sid}")
-
-
 def open_non_reader(node: NodeProcess, sid: str, port: int) -> tuple[socket.socket, bytes]:
     """A WebSocket through the node that is never read (small receive buffer); returns the
     socket and the node's answer head."""
@@ -133,7 +117,7 @@ def open_non_reader(node: NodeProcess, sid: str, port: int) -> tuple[socket.sock
     return sock, _read_head(sock)
 
 
-def test_clients_that_never_read_hold_a_window_each(ws_node: NodeProcess, sandbox_id: str,
+def test_clients_that_never_read_hold_a_window_each(ws_node: NodeProcess, ws_sandbox_id: str,
                                                      guest: _EndlessGuest) -> None:
     dog = RssWatchdog(ws_node, RSS_BOUND)
     sockets: list[socket.socket] = []
@@ -141,14 +125,14 @@ def test_clients_that_never_read_hold_a_window_each(ws_node: NodeProcess, sandbo
         port = guest.server_address[1]
         for _ in range(K):
             try:
-                sock, head = open_non_reader(ws_node, sandbox_id, port)
+                sock, head = open_non_reader(ws_node, ws_sandbox_id, port)
             except OSError:
                 dog.check()  # the watchdog killed the node: say so
                 raise
             sockets.append(sock)
             assert head.startswith(b"HTTP/1.1 101"), head
         # one more is over the sandbox's cap: 429, naming the setting
-        extra, head = open_non_reader(ws_node, sandbox_id, port)
+        extra, head = open_non_reader(ws_node, ws_sandbox_id, port)
         with extra:
             extra.settimeout(10)
             body = b""
@@ -182,13 +166,13 @@ def test_clients_that_never_read_hold_a_window_each(ws_node: NodeProcess, sandbo
     dog.check()
 
 
-def test_a_reading_client_gets_every_byte_in_order(ws_node: NodeProcess, sandbox_id: str,
+def test_a_reading_client_gets_every_byte_in_order(ws_node: NodeProcess, ws_sandbox_id: str,
                                                    guest: _EndlessGuest) -> None:
     from websockets.sync.client import connect
 
     guest.endless = False
     url = ws_node.url.replace("http://", "ws://") + "/"
-    headers: dict[str, Any] = {"E2b-Sandbox-Id": sandbox_id,
+    headers: dict[str, Any] = {"E2b-Sandbox-Id": ws_sandbox_id,
                                "E2b-Sandbox-Port": str(guest.server_address[1])}
     with connect(url, additional_headers=headers, max_size=None, open_timeout=30) as ws:
         message = ws.recv(timeout=120)

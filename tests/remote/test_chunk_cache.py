@@ -10,17 +10,19 @@ import json
 import os
 import socketserver
 import threading
+import time
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from urllib.parse import parse_qs, urlsplit
 
+import httpx
 import pytest
 
 from agentenv.blockd.remote.cache import VERIFIED, ChunkCache
-from agentenv.blockd.remote.chunkdigests import ChunkDigests
+from agentenv.blockd.remote.chunkdigests import PROOF_HEADER, ChunkDigests, proof
 from agentenv.blockd.remote.layout import _MASK, _SALT_INV, _std_crc32c, parse
-from agentenv.blockd.remote.p2p import PeerServer
+from agentenv.blockd.remote.p2p import ByteBudget, PeerServer
 from agentenv.blockd.remote.store import RemoteConfig, RemoteStore, Resolver
 from agentenv.storage import blob as blobmod
 from agentenv.storage.blob import BlobLocation, RemoteLayerRef
@@ -313,7 +315,7 @@ def test_peers_from_a_resolver_spread_skip_self_and_fall_back(
     try:
         holders = [node("h1", True), node("h2", True)]
         for h in holders:  # each holds the whole blob, checked chunk by chunk
-            source = h.open_blob(_ref(registry, digest, len(data)))
+            source = h.open_blob(_ref(registry, digest, len(data), data))
             assert source.pread(len(data), 0) == data
             source.close()
         addresses = [f"http://{server.address}" for _, server in made if server]
@@ -357,6 +359,103 @@ def test_peers_from_a_resolver_spread_skip_self_and_fall_back(
             if server is not None:
                 server.stop()
             s.close()
+
+
+def test_a_peer_serves_only_a_node_that_holds_the_chunk_table(
+        tmp_path: Path, registry: Registry, hello: tuple[str, bytes]) -> None:
+    """The peer key names no team: a node taken over (it has the key) that knows a blob's
+    digest but not its chunk table gets nothing, nor a piece short enough to guess."""
+    digest, data = hello
+    secret = "s3cret"
+    holder = RemoteStore(RemoteConfig(tmp_path / "holder", capacity=64 * CHUNK, chunk_size=CHUNK,
+                                      background_bw=0, timeout=5, secret=secret))
+    server = PeerServer(holder, "127.0.0.1:0", secret)
+    server.start()
+    try:
+        source = holder.open_blob(_ref(registry, digest, len(data), data))
+        assert source.pread(len(data), 0) == data
+        source.close()
+        table = ChunkDigests.compute(io.BytesIO(data).read, len(data), CHUNK)[0]
+        url = f"http://{server.address}/blobs/{digest}"
+
+        def get(start: int, end: int, claimed: str | None) -> int:
+            headers = {"Authorization": f"Bearer {secret}", "Range": f"bytes={start}-{end - 1}"}
+            if claimed is not None:
+                headers[PROOF_HEADER] = claimed
+            with httpx.Client() as client:
+                reply = client.get(url, headers=headers)
+            if reply.status_code == 206:
+                assert reply.content == data[start:end]
+            return reply.status_code
+
+        whole = (2 * CHUNK, 4 * CHUNK)
+        assert get(*whole, proof(table, *whole)) == 206  # a node with the table
+        assert get(*whole, None) == 400  # the digest alone
+        assert get(*whole, ",".join(["0" * 64] * 2)) == 404  # a guess: as if not held
+        wrong = proof(table, 3 * CHUNK, 4 * CHUNK) + "," + proof(table, 2 * CHUNK, 3 * CHUNK)
+        assert get(*whole, wrong) == 404  # right digests in the wrong places
+        # a piece of a chunk, its hash known (one byte: 256 guesses), is never served
+        one = hashlib.sha256(data[2 * CHUNK : 2 * CHUNK + 1]).hexdigest()
+        assert get(2 * CHUNK, 2 * CHUNK + 1, one) == 404
+        # the blob's last chunk ends at the blob's end
+        last = (len(data) - 1) // CHUNK * CHUNK
+        assert get(last, len(data), proof(table, last, len(data))) == 206
+    finally:
+        server.stop()
+        holder.close()
+
+
+def test_what_peers_are_served_at_once_is_bounded_in_bytes(
+        tmp_path: Path, registry: Registry, hello: tuple[str, bytes]) -> None:
+    """Each answer's range is read whole into memory before its claim is checked: the bytes
+    read for answers at once are bounded (MAX_BYTES_IN_FLIGHT), and a range over what is free
+    waits for it, then is refused with 503."""
+    digest, data = hello
+    secret = "s3cret"
+    holder = RemoteStore(RemoteConfig(tmp_path / "holder", capacity=64 * CHUNK, chunk_size=CHUNK,
+                                      background_bw=0, timeout=5, secret=secret))
+    server = PeerServer(holder, "127.0.0.1:0", secret, idle_timeout=2,
+                        max_bytes_in_flight=2 * CHUNK)
+    server.start()
+    try:
+        source = holder.open_blob(_ref(registry, digest, len(data), data))
+        assert source.pread(len(data), 0) == data
+        source.close()
+        table = ChunkDigests.compute(io.BytesIO(data).read, len(data), CHUNK)[0]
+
+        def get(start: int, end: int) -> int:
+            with httpx.Client() as client:
+                return client.get(f"http://{server.address}/blobs/{digest}", headers={
+                    "Authorization": f"Bearer {secret}", "Range": f"bytes={start}-{end - 1}",
+                    PROOF_HEADER: proof(table, start, end)}).status_code
+
+        assert get(0, 2 * CHUNK) == 206
+        assert get(0, 3 * CHUNK) == 503  # more than the whole budget
+        budget = server.server.budget
+        assert budget.take(2 * CHUNK, 0)  # as if two chunks were being answered
+        assert get(0, CHUNK) == 503  # waited for the idle timeout: nothing came free
+        budget.give(2 * CHUNK)
+        assert get(0, CHUNK) == 206
+        # (the server gives its share back after the answer went out)
+        deadline = time.monotonic() + 30
+        while budget.used and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert budget.used == 0
+    finally:
+        server.stop()
+        holder.close()
+
+
+def test_a_byte_budget_lets_a_waiter_in_when_bytes_come_back() -> None:
+    budget = ByteBudget(10)
+    assert budget.take(7, 0) and not budget.take(4, 0)
+    got: list[bool] = []
+    waiter = threading.Thread(target=lambda: got.append(budget.take(4, 30)))
+    waiter.start()
+    budget.give(7)
+    waiter.join(30)
+    assert got == [True] and budget.used == 4
+    assert not budget.take(11, 30)  # never fits: refused at once
 
 
 class _ForgingPeer:

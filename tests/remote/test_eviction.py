@@ -180,3 +180,117 @@ def test_concurrent_inserts_wait_for_holes_being_punched(tmp_path: Path,
     assert cache.stats.evictions > 0
     assert peak <= (cap + 1) * chunk, f"the data file held {peak} bytes"
     assert sum(1 for m in state.present if m) * chunk == cache.size <= cap * chunk
+
+
+def test_a_chunk_stored_again_before_its_hole_is_punched_keeps_its_bytes(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An insert's victims are unmarked under the lock and punched after it: a reader that
+    misses the victim then (a native read whose generation moved) fetches it again at once.
+    Its bytes must not be stored before the punch, or the punch leaves the chunk marked
+    present as zeros (a guest's EIO: "ZFile block N CRC mismatch"). The interleaving is
+    forced: the evicting insert is held inside its punch while the victim is stored again."""
+    from agentenv.blockd.remote import cache as cachemod
+
+    real_punch = cachemod._punch
+    punching, release = threading.Event(), threading.Event()
+
+    def held_punch(fd: int, offset: int, length: int) -> None:
+        punching.set()
+        assert release.wait(30)
+        real_punch(fd, offset, length)
+
+    chunk = 4096
+    cache = ChunkCache(tmp_path / "c", 4 * chunk, chunk_size=chunk, policy="lru")
+    state = cache.blob("e5" * 32, 8 * chunk)
+
+    def data(i: int) -> bytes:
+        return bytes([i + 1]) * chunk
+
+    for i in range(3):
+        cache.insert(state, i, data(i), VERIFIED)
+    monkeypatch.setattr(cachemod, "_punch", held_punch)
+    evicting = threading.Thread(target=cache.insert, args=(state, 3, data(3), VERIFIED))
+    evicting.start()
+    try:
+        assert punching.wait(30)
+        assert not state.present[0]  # chunk 0 is the victim, its hole not punched yet
+        cache.insert(state, 0, data(0), VERIFIED)  # the reader's fetch of it, stored
+    finally:
+        release.set()
+        evicting.join()
+    buf = memoryview(bytearray(chunk))
+    if cache.read(state, 0, 0, buf):
+        assert bytes(buf) == data(0), "chunk 0 is marked present but holds other bytes"
+    marks = os.pread(state.map_fd, 8, 0)
+    assert list(marks) == [state.present[i] for i in range(8)], "the map file disagrees"
+    assert sum(1 for m in state.present if m) * chunk == cache.size <= cache.capacity
+    cache.close()
+
+
+def test_inserts_deciding_together_stay_within_the_capacity(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each insert decides under the lock whether victims are needed; one deciding while
+    others have decided but not written yet must count their chunks. Forced: three inserts
+    all decide before any goes on (a barrier where they punch their victims)."""
+    chunk = 4096
+    cache = ChunkCache(tmp_path / "c", 8 * chunk, chunk_size=chunk)  # high 7.6 chunks
+    state = cache.blob("f6" * 32, 16 * chunk)
+    data = os.urandom(chunk)
+    for i in range(6):
+        cache.insert(state, i, data, VERIFIED)
+    together = threading.Barrier(3, timeout=30)
+    real_drop = cache._drop
+
+    def drop_together(victims: list[tuple[BlobState, int, int]]) -> None:
+        together.wait()
+        real_drop(victims)
+
+    monkeypatch.setattr(cache, "_drop", drop_together)
+    inserts = [threading.Thread(target=cache.insert, args=(state, i, data, VERIFIED))
+               for i in (6, 7, 8)]
+    for t in inserts:
+        t.start()
+    for t in inserts:
+        t.join()
+    assert all(state.present[i] for i in (6, 7, 8))
+    assert sum(1 for m in state.present if m) * chunk == cache.size <= cache.capacity
+    blocks = os.stat(cache.root / "blobs" / f"{state.hex}.data").st_blocks * 512
+    assert blocks <= cache.capacity, f"the data file holds {blocks} bytes"
+    cache.close()
+
+
+def test_concurrent_readers_of_a_tiny_cache_read_their_bytes(tmp_path: Path) -> None:
+    """Readers that insert on a miss, over a working set larger than the cache: every hit
+    reads the chunk's own bytes and the data file stays within the capacity. (Before the
+    fixes the two tests above force, this found a zeroed chunk or an overfull file at once.)"""
+    chunk = 4096
+    cache = ChunkCache(tmp_path / "c", 8 * chunk, chunk_size=chunk)
+    nchunks = 12
+    state = cache.blob("a7" * 32, nchunks * chunk)
+    data_file = cache.root / "blobs" / f"{state.hex}.data"
+    wrong: list[str] = []
+
+    def reader(seed: int) -> None:
+        import random
+
+        rnd = random.Random(seed)
+        buf = memoryview(bytearray(chunk))
+        for _ in range(3000):
+            i = rnd.randrange(nchunks)
+            if not cache.read(state, i, 0, buf):
+                cache.insert(state, i, bytes([i + 1]) * chunk, VERIFIED)
+            elif bytes(buf) != bytes([i + 1]) * chunk:
+                wrong.append(f"chunk {i} read {bytes(buf[:1])!r}...")
+            held = os.stat(data_file).st_blocks * 512
+            if held > cache.capacity:
+                wrong.append(f"the data file holds {held} bytes")
+
+    readers = [threading.Thread(target=reader, args=(k,)) for k in range(6)]
+    for t in readers:
+        t.start()
+    for t in readers:
+        t.join()
+    assert not wrong, wrong[:5]
+    assert cache.stats.evictions > 0
+    assert sum(1 for m in state.present if m) * chunk == cache.size <= cache.capacity
+    cache.close()

@@ -42,7 +42,8 @@ def closed_by_server(sock: socket.socket, within: float) -> bool:
         return False
 
 
-def blobs_answer(address: tuple[str, int]) -> bytes:
+def keyed_answer(address: tuple[str, int]) -> bytes:
+    """The answer to a keyed request (for a path that is not a blob's: 404, a whole answer)."""
     with socket.create_connection(address, timeout=10) as sock:
         sock.sendall(f"GET /blobs HTTP/1.1\r\nHost: p\r\nAuthorization: Bearer {SECRET}\r\n"
                      "Connection: close\r\n\r\n".encode())
@@ -62,7 +63,7 @@ def test_idle_peer_connection_is_closed(store: RemoteStore) -> None:
         with socket.create_connection(address, timeout=10) as half:
             half.sendall(b"GET /blobs HTTP/1.1\r\n")  # a head that never ends
             assert closed_by_server(half, within=30)
-        assert blobs_answer(address).startswith(b"HTTP/1.1 200")
+        assert keyed_answer(address).startswith(b"HTTP/1.1 404")
     finally:
         server.stop()
 
@@ -74,18 +75,18 @@ def test_connections_over_the_cap_are_closed_at_once(store: RemoteStore) -> None
         for sock in held:  # each is being served (its thread waits for a request)
             sock.sendall(b"GET /blobs HTTP/1.1\r\nHost: p\r\nAuthorization: Bearer "
                          + SECRET.encode() + b"\r\n\r\n")
-            assert sock.recv(12) == b"HTTP/1.1 200"
+            assert sock.recv(12) == b"HTTP/1.1 404"
         with socket.create_connection(address, timeout=10) as extra:
             assert closed_by_server(extra, within=30)
         for sock in held:
             sock.close()
         deadline = time.monotonic() + 30
         while True:  # the held connections' threads notice the close and free their places
-            answer = blobs_answer(address)
-            if answer.startswith(b"HTTP/1.1 200") or time.monotonic() > deadline:
+            answer = keyed_answer(address)
+            if answer.startswith(b"HTTP/1.1 404") or time.monotonic() > deadline:
                 break
             time.sleep(0.05)
-        assert answer.startswith(b"HTTP/1.1 200")
+        assert answer.startswith(b"HTTP/1.1 404")
     finally:
         for sock in held:
             sock.close()
@@ -100,7 +101,7 @@ def test_strangers_holding_sockets_do_not_keep_a_keyed_peer_out(store: RemoteSto
             sock.sendall(b"G")
         # The peer's connection comes after them (the listen queue is in order): it closes
         # the oldest key-less one, and its head, sent at once, presents the key.
-        assert blobs_answer(address).startswith(b"HTTP/1.1 200")
+        assert keyed_answer(address).startswith(b"HTTP/1.1 404")
         for sock in strangers[:4]:  # closed for newer ones (the last of them for the peer)
             assert closed_by_server(sock, within=30)
         with socket.create_connection(address, timeout=10) as keyless:
@@ -133,6 +134,6 @@ def test_a_head_sent_a_byte_at_a_time_is_cut_at_the_deadline(store: RemoteStore)
                     closed = True
                     break
             assert closed, "a head sent a byte at a time held its thread past the deadline"
-        assert blobs_answer(address).startswith(b"HTTP/1.1 200")
+        assert keyed_answer(address).startswith(b"HTTP/1.1 404")
     finally:
         server.stop()

@@ -19,7 +19,7 @@ from typing import Any
 import httpx
 import pytest
 
-from agentenv.cluster_keys import node_key, peer_key
+from agentenv.cluster_keys import node_key
 from agentenv.storage.image import Image
 from agentenv.template.pull import pull_image
 from tests.blockd.conftest import Daemon
@@ -45,15 +45,14 @@ class Pair:
                  background_bw: str, tls: dict[str, str] | None = None) -> None:
         self.name = name
         root.mkdir(parents=True, exist_ok=True)
-        peer_key_file, node_key_file = root / "peer-key", root / "node-key"
-        peer_key_file.write_text(peer_key(secret))
+        # no shared peer key: its peers take the credentials the scheduler issues its node
+        node_key_file = root / "node-key"
         node_key_file.write_text(node_key(secret, name))
         self.daemon = Daemon(root / "blockd", fuse=False)
         self.p2p = f"127.0.0.1:{free_port()}"
         self.daemon.extra_args = [
             "--chunk-cache-size", "64M", "--remote-timeout", "10",
-            "--remote-background-bw", background_bw, "--peer-key-file", str(peer_key_file),
-            "--p2p-listen", self.p2p,
+            "--remote-background-bw", background_bw, "--p2p-listen", self.p2p,
         ]
         self.state = root / "aenv"  # the pulled image's descriptors
         self.node = NodeProcess(
@@ -156,8 +155,10 @@ def test_node_b_reads_from_a_found_by_the_scheduler(cluster: tuple[Any, ...]) ->
     reply = httpx.get(f"{b.node.url}/cluster/holders", params={"digest": digest},
                       headers=cluster, trust_env=False, verify=b.node.verify)
     assert reply.status_code == 200, reply.text
-    assert reply.json()["holders"] == [
-        {"address": f"http://{a.p2p}", "complete": True, "node_id": "node-a"}]
+    [holder] = reply.json()["holders"]
+    # with the credential the scheduler issued node-b for node-a's chunk server
+    assert holder.pop("credential").startswith("v1/node-b/")
+    assert holder == {"address": f"http://{a.p2p}", "complete": True, "node_id": "node-a"}
     assert httpx.get(f"{b.node.url}/cluster/holders", params={"digest": digest},
                      trust_env=False, verify=b.node.verify).status_code == 403
     assert httpx.get(f"{b.node.url}/cluster/holders", params={"digest": "sha256:x"},

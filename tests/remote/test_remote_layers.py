@@ -355,10 +355,10 @@ def test_registry_down_peer_serves_then_eio(world: World) -> None:
 
 
 def test_p2p_needs_the_peer_key(world: World) -> None:
-    # A fresh serving node: without the peer key it answers 401.
+    # A fresh serving node: without the peer key it answers 401; it lists nothing it holds.
     f = world.node("f")
     reply = httpx.get(f"http://{f.p2p}/blobs")
     assert reply.status_code == 401
     reply = httpx.get(f"http://{f.p2p}/blobs", headers={
         "Authorization": f"Bearer {world.secret_file.read_text().strip()}"})
-    assert reply.status_code == 200 and reply.json() == []
+    assert reply.status_code == 404

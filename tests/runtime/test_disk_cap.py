@@ -5,7 +5,7 @@ machine config, so a restore of the VM's snapshot has the same SCSI disk and the
 
 Why SCSI: virtio-blk has no "no space" status (OK, IOERR, UNSUPP), so QEMU's werror=report
 answers IOERR (EIO) whatever the errno; scsi-hd reports ENOSPC as sense DATA PROTECT / SPACE
-ALLOCATION FAILED (27/07), which Linux completes as BLK_STS_NOSPC. See README (disk cap)."""
+ALLOCATION FAILED (27/07), which Linux completes as BLK_STS_NOSPC. See docs/running.md §4 (disk cap)."""
 
 from __future__ import annotations
 

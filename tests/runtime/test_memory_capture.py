@@ -109,7 +109,7 @@ BIG_PAGES = BIG // PAGE
 
 
 def _capture_and_compare(tmp_path: Path, spec: list[list[object]], top: Path | None = None,
-                         *, use_native: bool | None = None,
+                         *, use_native: bool | None = None, keep_free: int | None = None,
                          ) -> tuple[CaptureStats, list[tuple[int, int, int, int]]]:
     """Run the pattern child over a 0xAA file, capture, materialise lower + capture and
     compare with the child's memory byte for byte; returns the stats and the layer's index.
@@ -126,7 +126,8 @@ def _capture_and_compare(tmp_path: Path, spec: list[list[object]], top: Path | N
         assert child.stdout is not None and child.stdout.readline().strip() == b"ready"
         addr = find_ram_mapping(child.pid, str(lower_raw), BIG)
         top = top or tmp_path / "top.layer"
-        stats = capture_memory_layer(child.pid, addr, BIG, top, use_native=use_native)
+        stats = capture_memory_layer(child.pid, addr, BIG, top, use_native=use_native,
+                                     keep_free=keep_free)
         if use_native is None and native.enabled():
             reference = tmp_path / "reference.layer"
             ref_stats = capture_memory_layer(child.pid, addr, BIG, reference, use_native=False)
@@ -268,9 +269,37 @@ def test_native_capture_disk_full_leaves_nothing(tmp_path: Path) -> None:
         pytest.skip(f"cannot mount a tmpfs: {mounted.stderr.decode().strip()}")
     try:
         spec: list[list[object]] = [[0, (12 << 20) // PAGE, "rand"]]
-        with pytest.raises(SnapshotError, match="No space"):
-            _capture_and_compare(tmp_path, spec, small / "top.layer", use_native=True)
+        with pytest.raises(SnapshotError, match="No space"):  # no reserve: the writers fail
+            _capture_and_compare(tmp_path, spec, small / "top.layer", use_native=True,
+                                 keep_free=0)
         assert list(small.iterdir()) == []
     finally:
         subprocess.run(["umount", str(small)], check=False)
     _capture_and_compare(tmp_path, spec)
+
+
+@pytest.mark.root
+@pytest.mark.parametrize("use_native", [True, False])
+def test_a_capture_keeps_the_disk_reserve(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                          use_native: bool) -> None:
+    """A capture whose written pages (12 MiB) fit the filesystem (24 MiB) but not above the
+    reserve (AENV_DISK_RESERVE, 16 MiB) is refused before it writes, naming the setting,
+    nothing left; with the reserve lower it is whole."""
+    if use_native and not native.enabled():
+        pytest.skip("native core not built")
+    small = tmp_path / "small"
+    small.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=24m", "tmpfs", str(small)],
+                             capture_output=True, check=False)
+    if mounted.returncode:
+        pytest.skip(f"cannot mount a tmpfs: {mounted.stderr.decode().strip()}")
+    try:
+        spec: list[list[object]] = [[0, (12 << 20) // PAGE, "rand"]]
+        monkeypatch.setenv("AENV_DISK_RESERVE", str(16 << 20))
+        with pytest.raises(SnapshotError, match="AENV_DISK_RESERVE"):
+            _capture_and_compare(tmp_path, spec, small / "top.layer", use_native=use_native)
+        assert list(small.iterdir()) == []
+        monkeypatch.setenv("AENV_DISK_RESERVE", str(4 << 20))
+        _capture_and_compare(tmp_path, spec, small / "top.layer", use_native=use_native)
+    finally:
+        subprocess.run(["umount", str(small)], check=False)

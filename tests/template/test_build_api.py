@@ -99,3 +99,62 @@ def test_a_build_past_its_deadline_fails_and_its_sandbox_goes(
         assert "AENV_BUILD_TIMEOUT_SECONDS" in status["reason"]["message"]
         # The build's sandbox (its envd and the `sleep`) was killed and its files removed.
         assert list((state / "process-backend" / "sandboxes").glob("b*")) == []
+
+
+def _wait_built(client: TestClient, made: dict) -> dict:
+    status_url = f"/templates/{made['templateID']}/builds/{made['buildID']}/status"
+    status: dict = {}
+    for _ in range(240):
+        status = client.get(status_url).json()
+        if status["status"] != "building":
+            break
+        time.sleep(0.5)
+    return status
+
+
+def test_cold_memory_setting_of_a_build(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`coldMemory` of the create request: checked (4xx naming the field), handed to the build
+    VM's envd before the steps (an envd that is no VM answers 501: the build logs it and goes
+    on), kept in the build's context, and kept by a rebuild that names none. A template built
+    from it inherits it, as its user and env. The guest side is tests/runtime/test_cold_memory.py."""
+    monkeypatch.setenv("AENV_RECLAIM_MIN_AGE_SECONDS", "45")
+    state = tmp_path / "state"
+    app = build_app(ServeOptions(state_dir=state, backend="process"))
+    key = (state / "secrets" / "api-key").read_text().strip()
+    builds = state / "template-builds"
+    with TestClient(app, headers={"X-API-KEY": key}) as client:
+        for bad in ({"minAgeSeconds": 0}, {"reclaim": "no"}, {"sampleMs": 100, "aggregationMs": 10},
+                    {"watermarks": {"high": 1, "mid": 2, "low": 0}}, {"nope": 1}):
+            refused = client.post("/v3/templates", json={"name": "cold", "coldMemory": bad})
+            assert 400 <= refused.status_code < 500, (bad, refused.text)
+            assert "coldMemory" in refused.text, refused.text
+
+        def build(name: str, body: dict, parent: str = "base") -> dict:
+            made = client.post("/v3/templates", json={"name": name, **body}).json()
+            started = client.post(f"/v2/templates/{made['templateID']}/builds/{made['buildID']}",
+                                  json={"fromTemplate": parent,
+                                        "steps": [{"type": "RUN", "args": ["true"]}]})
+            assert started.status_code == 202, started.text
+            status = _wait_built(client, made)
+            assert status["status"] == "ready", status
+            record = json.loads((builds / f"{made['buildID']}.json").read_text())
+            messages = [e["message"] for e in status["logEntries"]]
+            assert any("cold memory stays in the guest" in m for m in messages), messages
+            return record["context"]["coldMemory"]
+
+        assert build("cold", {"coldMemory": {"reclaim": False}})["reclaim"] is False
+        assert build("cold", {})["reclaim"] is False  # a rebuild keeps the template's setting
+        assert build("cold-child", {}, parent="cold")["reclaim"] is False  # inherited
+        # none named anywhere: the node's (AENV_RECLAIM_MIN_AGE_SECONDS)
+        default = build("warm", {})
+        assert default["reclaim"] is True and default["minAgeSeconds"] == 45
+
+
+def test_the_nodes_cold_memory_default() -> None:
+    from agentenv.node.base_template import default_cold_memory
+
+    assert default_cold_memory({}).minAgeSeconds == 30
+    assert default_cold_memory({"AENV_RECLAIM_MIN_AGE_SECONDS": "0"}).reclaim is False
+    for bad in ("soon", "-5", "1"):  # 1 s: shorter than one of DAMON's aggregation intervals
+        with pytest.raises(ValueError, match="AENV_RECLAIM_MIN_AGE_SECONDS"):
+            default_cold_memory({"AENV_RECLAIM_MIN_AGE_SECONDS": bad})

@@ -101,7 +101,7 @@ def test_run_output_is_kept_as_a_bounded_tail(envd: EnvdProcess, tmp_path: Path,
 
 
 def test_build_record_keeps_the_log_tail_with_stable_offsets(monkeypatch: pytest.MonkeyPatch) -> None:
-    from agentenv.node.template_api import BuildRecord
+    from agentenv.node.build_records import BuildRecord
 
     monkeypatch.setenv("AENV_BUILD_LOG_TAIL", str(64 * 1024))
     rec = BuildRecord("t", "b", "n", 1, 512, "building", 0.0, 0.0)

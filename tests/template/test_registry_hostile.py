@@ -178,3 +178,15 @@ def test_a_team_pull_does_not_use_the_node_docker_config(auth_registry: Registry
     given = Credentials("aenv", "s3cret-pw")  # the request's own (fromImageRegistry)
     with RegistryClient(auth_registry.host, use_docker_config=False, credentials=given) as team:
         assert team.resolve_manifest(ref).digest == image.digest
+
+
+@pytest.mark.parametrize("address", ["64:ff9b::a9fe:a9fe", "64:ff9b::a00:1", "2002:a00:1::1",
+                                     "2001:0:4136:e378:8000:63bf:f5ff:fffe", "64:ff9b:1::1",
+                                     "fec0::1"])
+def test_ipv6_forms_of_private_ipv4_are_refused(address: str) -> None:
+    """NAT64, 6to4 and Teredo carry an IPv4 address a translator delivers to (red team of
+    2026-12-06); site-local is a private range."""
+    from agentenv.registry.client import address_problem
+
+    assert address_problem(ipaddress.ip_address(address)) is not None
+

@@ -9,10 +9,12 @@ import grp
 import os
 from pathlib import Path
 
+from agentenv.settings import setting_text
+
 
 def vm_gid() -> int | None:
     """The group of the user QEMU runs as (AENV_QEMU_USER, default aenv-vm), if it exists."""
-    name = os.environ.get("AENV_QEMU_USER", "aenv-vm")
+    name = setting_text("AENV_QEMU_USER") or "aenv-vm"
     try:
         return grp.getgrnam(name).gr_gid if name and name != "root" else None
     except KeyError:

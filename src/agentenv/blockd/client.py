@@ -5,24 +5,24 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import socket
 from pathlib import Path
 from typing import Any
 
 from agentenv.blockd.errors import BlockdError, BlockdUnavailable
 from agentenv.blockd.results import DeviceInfo, Released, Sealed
+from agentenv.settings import get_settings
 
 
 def aenv_home() -> Path:
     """The state directory: $AENV_HOME (older name $AENV_STATE_DIR), else /var/lib/aenv."""
-    return Path(os.environ.get("AENV_HOME") or os.environ.get("AENV_STATE_DIR") or "/var/lib/aenv")
+    return get_settings().state_home
 
 
 def default_socket() -> Path:
     """Where `make up` (scripts/up.sh) starts blockd's control socket: <home>/blockd/blockd.sock
     ($AENV_BLOCKD_SOCKET overrides). The one default of every `aenv` blockd command."""
-    return Path(os.environ.get("AENV_BLOCKD_SOCKET") or aenv_home() / "blockd" / "blockd.sock")
+    return get_settings().blockd_socket or aenv_home() / "blockd" / "blockd.sock"
 
 
 def default_state_dir() -> Path:

@@ -10,6 +10,7 @@ from pathlib import Path
 import click
 
 from agentenv.blockd.client import default_socket, default_state_dir
+from agentenv.settings import get_settings, warn_unknown
 
 #: a writable disk's upper may take this share of the state filesystem unless told otherwise
 DEFAULT_UPPER_LIMIT = "25%"
@@ -28,18 +29,19 @@ socket_option = click.option(
               help="Where device records, NBD sockets, uppers and the FUSE mount live.")
 @socket_option
 @click.option("--metrics-port", type=int, default=None, help="Serve Prometheus metrics on this port.")
-@click.option("--metrics-bind", default="127.0.0.1", show_default=True, envvar="AENV_BLOCKD_METRICS_BIND",
+@click.option("--metrics-bind", default=lambda: get_settings().blockd_metrics_bind,
+              show_default="$AENV_BLOCKD_METRICS_BIND or 127.0.0.1",
               help="Address of the metrics port (env AENV_BLOCKD_METRICS_BIND); another than "
                    "loopback shows every node's devices and traffic to its network.")
 @click.option("--no-fuse", is_flag=True, help="Do not expose devices as FUSE files.")
 @click.option("--inline-max", type=int, default=None,
               help="Largest read/write done on the event loop; larger ones go to I/O threads.")
-@click.option("--upper-limit", envvar="AENV_DISK_UPPER_LIMIT", default=DEFAULT_UPPER_LIMIT,
-              show_default=True,
+@click.option("--upper-limit", default=lambda: get_settings().disk_upper_limit,
+              show_default=f"$AENV_DISK_UPPER_LIMIT or {DEFAULT_UPPER_LIMIT}",
               help="Default cap on a disk's upper growth: bytes, with a K/M/G/T suffix, or N% of "
                    "the size of the state directory's filesystem; 0: none. Writes past it get "
                    "ENOSPC. Env: AENV_DISK_UPPER_LIMIT.")
-@click.option("--disk-reserve", envvar="AENV_DISK_RESERVE", default=None,
+@click.option("--disk-reserve", default=lambda: get_settings().disk_reserve or None,
               show_default="256M",
               help="Bytes the uppers' filesystem keeps free (bytes, or K/M/G/T): a write that "
                    "would take it lower gets ENOSPC, whichever disk it is for (the node's disk "
@@ -83,6 +85,7 @@ def blockd_command(state_dir: Path, socket_path: Path, metrics_port: int | None,
     from agentenv.fsutil import DEFAULT_RESERVE
 
     logs.setup(log_level)
+    warn_unknown("blockd")  # a mistyped AENV_ name would be ignored silently
     try:
         limit = upper_limit_bytes(upper_limit, state_dir)
     except ValueError as exc:

@@ -50,6 +50,7 @@ from typing import Any
 import mfusepy
 
 from agentenv.blockd.access import vm_gid
+from agentenv.settings import get_settings
 
 log = logging.getLogger("agentenv.blockd.memfs")
 
@@ -289,7 +290,7 @@ class _RemoteLayers:
         with self.lock:
             if self.store is None:
                 logging.getLogger("httpx").setLevel(logging.WARNING)
-                capacity = os.environ.get("AENV_MEMORY_CHUNK_CACHE_SIZE")
+                capacity = get_settings().memory_chunk_cache_size
                 config = config_from_env(
                     self.state_dir, cache_dir=self.state_dir / "memfs-chunk-cache", peers=[],
                     capacity=parse_size(capacity) if capacity else None)

@@ -30,9 +30,9 @@ class Metrics:
         self.devices = Gauge("aenv_blockd_devices", "devices served", registry=self.registry)
 
     def serve(self, port: int, bind: str = LOOPBACK) -> None:
-        from prometheus_client import start_http_server
+        from agentenv import metrics_http
 
-        start_http_server(port, addr=bind, registry=self.registry)
+        metrics_http.serve(port, bind, self.registry)
 
     def count(self, device: Device, what: str, amount: int) -> None:
         counter = self.counters.get(what)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import os
 import re
 from pathlib import Path
 from typing import Any
@@ -11,6 +10,7 @@ from typing import Any
 import click
 
 from agentenv.cli.redis_options import redis_auth_options
+from agentenv.settings import get_settings, warn_unknown
 
 DEFAULT_REDIS = "redis://127.0.0.1:6379/0"
 
@@ -27,20 +27,22 @@ def _check_domain(ctx: Any, param: Any, value: str | None) -> str | None:
 @click.option("--listen", default=None, metavar="HOST:PORT",
               help="Address and port in one (as `aenv scheduler --listen`); overrides "
               "--host/--port.")
-@click.option("--scheduler", "scheduler", default="127.0.0.1:9090", show_default=True,
-              envvar="AENV_SCHEDULER", help="host:port of `aenv scheduler` (gRPC).")
-@click.option("--redis", "redis_url", default=DEFAULT_REDIS, show_default=True,
-              envvar="AENV_REDIS_URL", help="Redis with the teams, keys and ownership records.")
+@click.option("--scheduler", "scheduler",
+              default=lambda: get_settings().scheduler or "127.0.0.1:9090",
+              show_default="$AENV_SCHEDULER or 127.0.0.1:9090", help="host:port of `aenv scheduler` (gRPC).")
+@click.option("--redis", "redis_url", default=lambda: get_settings().redis_url or DEFAULT_REDIS,
+              show_default=f"$AENV_REDIS_URL or {DEFAULT_REDIS}", help="Redis with the teams, keys and ownership records.")
 @redis_auth_options
 @click.option("--cluster-secret-file", type=click.Path(dir_okay=False, path_type=Path),
               default=None,
               help="The secret every node of the cluster requires (default: "
               "$AENV_CLUSTER_SECRET).")
-@click.option("--domain", default=None, envvar="AENV_DOMAIN", callback=_check_domain,
+@click.option("--domain", default=lambda: get_settings().domain or None, callback=_check_domain,
               help="Sandbox domain given to SDKs ({port}-{id}.DOMAIN reaches that sandbox port "
               "through the gateway), e.g. localhost:8080.")
-@click.option("--public-metrics/--no-public-metrics", envvar="AENV_PUBLIC_METRICS", default=False,
-              show_default=True, help="Serve /metrics without a credential (default: "
+@click.option("--public-metrics/--no-public-metrics",
+              default=lambda: get_settings().public_metrics, show_default="$AENV_PUBLIC_METRICS",
+              help="Serve /metrics without a credential (default: "
               "`Authorization: Bearer $(aenv metrics-token)`).")
 @click.option("--log-level", default="info", show_default=True)
 def gateway_command(host: str, port: int, listen: str | None, scheduler: str, redis_url: str,
@@ -53,6 +55,7 @@ def gateway_command(host: str, port: int, listen: str | None, scheduler: str, re
     from agentenv.control.redis_auth import RedisAuth
 
     logs.setup(log_level)
+    warn_unknown("gateway")  # a mistyped AENV_ name would be ignored silently
     if listen is not None:
         found = re.fullmatch(r"\[?([0-9A-Za-z.:_-]+?)\]?:(\d{1,5})", listen)
         if not found:
@@ -91,7 +94,7 @@ def team_group(redis_url: str | None, redis_user: str | None,
     """Teams of a cluster: each has API keys and sees only its own sandboxes."""
     from agentenv.control.redis_auth import RedisAuth
 
-    _REDIS[0] = (redis_url or os.environ.get("AENV_REDIS_URL", DEFAULT_REDIS),
+    _REDIS[0] = (redis_url or get_settings().redis_url or DEFAULT_REDIS,
                  RedisAuth.load(redis_user, redis_password_file))
 
 
@@ -123,14 +126,14 @@ def team_ls() -> None:
 def metrics_token_command(cluster_secret_file: Path | None) -> None:
     """Print the token a Prometheus scraper of the cluster sends (`Authorization: Bearer`) to
     the gateways' and nodes' /metrics: derived from the cluster secret, good for nothing else."""
-    from agentenv.node.security import metrics_token
+    from agentenv.api.auth import metrics_token
 
     click.echo(metrics_token(_cluster_secret(cluster_secret_file)))
 
 
 def _cluster_secret(path: Path | None) -> str:
+    from agentenv.cluster_keys import load_cluster_secret
     from agentenv.errors import AgentEnvError
-    from agentenv.node.security import load_cluster_secret
 
     secret = load_cluster_secret(path)
     if secret is None:

@@ -13,10 +13,11 @@ import click
 
 from agentenv import __version__
 from agentenv.errors import AgentEnvError
+from agentenv.settings import SettingsError
 
 SUBSYSTEMS = (
     "storage", "blockd", "envd", "guest", "runtime", "template", "node", "network", "scheduler",
-    "gateway", "snapshot",
+    "gateway", "snapshot", "volume", "settings",
 )
 
 
@@ -43,7 +44,7 @@ def main() -> None:
     except click.ClickException as exc:
         exc.show()
         sys.exit(exc.exit_code)
-    except AgentEnvError as exc:
+    except (AgentEnvError, SettingsError) as exc:
         click.echo(f"aenv: error: {exc}", err=True)
         sys.exit(1)
     except OSError as exc:

@@ -15,6 +15,7 @@ from rich.console import Console
 from rich.table import Table
 
 from agentenv.errors import AgentEnvError
+from agentenv.settings import get_settings, warn_unknown
 
 F = TypeVar("F", bound=Any)
 DEFAULT_URL = "http://127.0.0.1:8000"
@@ -35,7 +36,7 @@ def _check_domain(value: str | None) -> str | None:
 @click.option(
     "--state-dir",
     type=click.Path(file_okay=False, path_type=Path),
-    default=lambda: os.environ.get("AENV_HOME", "/var/lib/aenv"),
+    default=lambda: str(get_settings().state_home),
     show_default="$AENV_HOME or /var/lib/aenv",
     help="Where records, sandboxes, templates and the API key live.",
 )
@@ -52,29 +53,26 @@ def _check_domain(value: str | None) -> str | None:
 )
 @click.option(
     "--domain",
-    default=None,
-    envvar="AENV_DOMAIN",
+    default=lambda: get_settings().domain or None,
     callback=lambda ctx, param, value: _check_domain(value),
     help="Sandbox domain returned to SDKs as `domain` ({port}-{id}.DOMAIN is then routed to "
     "that sandbox port), e.g. localhost:8000. Default: $AENV_DOMAIN, else none.",
 )
 @click.option(
     "--scheduler",
-    envvar="AENV_SCHEDULER",
-    default=None,
+    default=lambda: get_settings().scheduler or None,
     help="HOST:PORT of the control plane's scheduler: heartbeats go there every 2 s. "
     "Default: $AENV_SCHEDULER, else none (a standalone node).",
 )
-@click.option("--node-id", envvar="AENV_NODE_ID", default=None,
+@click.option("--node-id", default=lambda: get_settings().node_id or None,
               help="This node's id for the scheduler. Default: the host name.")
-@click.option("--advertise", envvar="AENV_ADVERTISE", default=None,
+@click.option("--advertise", default=lambda: get_settings().advertise or None,
               help="HOST:PORT the gateway reaches this node at. Default: --host:--port "
               "(required when --host is 0.0.0.0 or ::).")
 @click.option(
     "--node-key-file",
     type=click.Path(dir_okay=False, path_type=Path),
-    envvar="AENV_NODE_KEY_FILE",
-    default=None,
+    default=lambda: get_settings().node_key_file,
     help="Part of a cluster: this node's key (`aenv node-key --node-id ID`): serve only "
     "requests carrying it (the gateway's), and call the scheduler with it. "
     "Default: $AENV_NODE_KEY_FILE, $AENV_NODE_KEY, else none (a standalone node).",
@@ -87,32 +85,36 @@ def _check_domain(value: str | None) -> str | None:
     "token) from the cluster secret itself. Default: $AENV_CLUSTER_SECRET.",
 )
 @click.option("--metrics-token-file", type=click.Path(dir_okay=False, path_type=Path),
-              envvar="AENV_METRICS_TOKEN_FILE", default=None,
+              default=lambda: get_settings().metrics_token_file,
               help="The cluster's metrics token (`aenv metrics-token`): /metrics for a scraper "
               "with `Authorization: Bearer` it. Default: $AENV_METRICS_TOKEN_FILE.")
-@click.option("--public-metrics/--no-public-metrics", envvar="AENV_PUBLIC_METRICS", default=False,
-              show_default=True,
+@click.option("--public-metrics/--no-public-metrics",
+              default=lambda: get_settings().public_metrics, show_default="$AENV_PUBLIC_METRICS",
               help="Serve /metrics without a credential (default: the API key, or in a cluster "
               "the node key or the metrics token).")
+@click.option("--idle-pause-after", type=click.IntRange(0, 30 * 24 * 3600),
+              default=lambda: get_settings().idle_pause_after,
+              show_default="$AENV_IDLE_PAUSE_AFTER or 0",
+              help="Pause a sandbox after this many seconds without traffic (the next request "
+              "resumes it), unless its create or template says otherwise; 0: never (E2B's "
+              "behaviour).")
 @click.option("--log-level", default="info", show_default=True)
 def serve_command(
     state_dir: Path, host: str, port: int, backend: str, domain: str | None,
     scheduler: str | None, node_id: str | None, advertise: str | None,
     node_key_file: Path | None, cluster_secret_file: Path | None,
-    metrics_token_file: Path | None, public_metrics: bool, log_level: str
+    metrics_token_file: Path | None, public_metrics: bool, idle_pause_after: int,
+    log_level: str
 ) -> None:
     """Run the node server: E2B-compatible API and sandbox proxy on one port."""
     from agentenv import logs
+    from agentenv.cluster_keys import load_cluster_secret
     from agentenv.node.orchestrator import NodeConfig
-    from agentenv.node.security import (
-        api_key_path,
-        load_api_key,
-        load_cluster_secret,
-        secure_state_dir,
-    )
+    from agentenv.node.security import api_key_path, load_api_key, secure_state_dir
     from agentenv.node.server import ServeOptions, cluster_credentials, serve
 
     logs.setup(log_level)
+    warn_unknown("node")  # a mistyped AENV_ name would be ignored silently
     if scheduler and not advertise and host in ("0.0.0.0", "::", ""):
         raise click.UsageError(
             f"--host {host} is no address the gateway can reach: give --advertise HOST:PORT"
@@ -142,7 +144,7 @@ def serve_command(
             "--node-id ID` prints it): the scheduler answers only its cluster")
     secure_state_dir(state_dir)
     load_api_key(state_dir)
-    if not os.environ.get("AENV_API_KEY"):
+    if not get_settings().api_key:
         click.echo(f"API key in {api_key_path(state_dir)}", err=True)
     serve(
         ServeOptions(
@@ -150,7 +152,7 @@ def serve_command(
             host=host,
             port=port,
             backend=backend,
-            config=NodeConfig(domain=domain),
+            config=NodeConfig(domain=domain, idle_pause_after=idle_pause_after),
             node_key=node_key,
             metrics_token=metrics_token,
             public_metrics=public_metrics,
@@ -187,7 +189,7 @@ class Client:
 
 
 def resolve_api_key(explicit: str | None, state_dir: Path) -> str:
-    for candidate in (explicit, os.environ.get("E2B_API_KEY"), os.environ.get("AENV_API_KEY")):
+    for candidate in (explicit, os.environ.get("E2B_API_KEY"), get_settings().api_key):
         if candidate:
             return candidate
     path = state_dir / "secrets" / "api-key"
@@ -208,7 +210,7 @@ def node_api_options(command: F) -> F:
         click.option("--api-key", default=None,
                      help="Defaults to $E2B_API_KEY or the state dir's key."),
         click.option("--state-dir", type=click.Path(file_okay=False, path_type=Path),
-                     default=lambda: os.environ.get("AENV_HOME", "/var/lib/aenv"),
+                     default=lambda: str(get_settings().state_home),
                      show_default="$AENV_HOME or /var/lib/aenv", help="Where to find the API key."),
     )):
         command = option(command)
@@ -225,7 +227,7 @@ def node_api_options(command: F) -> F:
 @click.option(
     "--state-dir",
     type=click.Path(file_okay=False, path_type=Path),
-    default=lambda: os.environ.get("AENV_HOME", "/var/lib/aenv"),
+    default=lambda: str(get_settings().state_home),
 )
 @click.pass_context
 def sandbox_group(ctx: click.Context, api_url: str, api_key: str | None, state_dir: Path) -> None:
@@ -240,7 +242,7 @@ def _client(ctx: click.Context) -> Client:
     if client is None:
         client = Client(
             os.environ.get("E2B_API_URL", DEFAULT_URL),
-            resolve_api_key(None, Path(os.environ.get("AENV_HOME", "/var/lib/aenv"))))
+            resolve_api_key(None, get_settings().state_home))
         ctx.obj = client
     return client
 
@@ -278,12 +280,20 @@ def sandbox_ls(ctx: click.Context, states: tuple[str, ...], as_json: bool) -> No
     Console().print(table)
 
 
+#: the CLI's sandboxes pause while nobody uses them (the node's own default is off, as E2B's)
+IDLE_PAUSE_OPTION = click.option(
+    "--idle-pause-after", type=click.IntRange(0, 30 * 24 * 3600), default=60, show_default=True,
+    help="Seconds without traffic before the node pauses the sandbox (memory kept); the next "
+    "command, file access or request to one of its ports resumes it. 0: never.")
+
+
 @sandbox_group.command("create")
 @click.argument("template", default="base")
 @click.option("--timeout", type=int, default=None, help="Seconds to live (server default 300).")
 @click.option("--metadata", "-m", multiple=True, help="KEY=VALUE, repeatable.")
 @click.option("--env", "-e", multiple=True, help="KEY=VALUE, repeatable.")
 @click.option("--auto-pause", is_flag=True, help="Pause instead of kill at the timeout.")
+@IDLE_PAUSE_OPTION
 @click.pass_context
 def sandbox_create(
     ctx: click.Context,
@@ -292,6 +302,7 @@ def sandbox_create(
     metadata: tuple[str, ...],
     env: tuple[str, ...],
     auto_pause: bool,
+    idle_pause_after: int,
 ) -> None:
     """Create a sandbox from TEMPLATE and print its id."""
 
@@ -308,6 +319,7 @@ def sandbox_create(
         "templateID": template,
         "metadata": pairs(metadata, "--metadata"),
         "envVars": pairs(env, "--env"),
+        "idlePauseAfter": idle_pause_after,
     }
     if timeout is not None:
         body["timeout"] = timeout
@@ -449,15 +461,16 @@ def sandbox_exec(ctx: click.Context, sandbox_id: str, command: tuple[str, ...],
 @click.option("--detach", "-d", is_flag=True, help="Print the new sandbox's id instead of attaching.")
 @click.option("--timeout", type=int, default=None, help="Seconds to live (server default 300).")
 @click.option("--keep", is_flag=True, help="Leave the sandbox running when the shell exits.")
+@IDLE_PAUSE_OPTION
 @click.pass_context
 def sandbox_start(ctx: click.Context, template: str, detach: bool, timeout: int | None,
-                  keep: bool) -> None:
+                  keep: bool, idle_pause_after: int) -> None:
     """Start a sandbox from TEMPLATE and attach an interactive shell (envd's PTY).
 
     The sandbox is killed when the shell exits, unless --keep; the shell's exit code is
     passed through."""
     client = _client(ctx)
-    body: dict[str, Any] = {"templateID": template}
+    body: dict[str, Any] = {"templateID": template, "idlePauseAfter": idle_pause_after}
     if timeout is not None:
         body["timeout"] = timeout
     created = client.call("POST", "/v2/sandboxes", body).json()
@@ -538,7 +551,7 @@ def _attach_shell(client: Client, sandbox_id: str, token: str | None) -> int:
 
 @click.command("auth")
 @click.option("--state-dir", type=click.Path(file_okay=False, path_type=Path),
-              default=lambda: os.environ.get("AENV_HOME", "/var/lib/aenv"),
+              default=lambda: str(get_settings().state_home),
               show_default="$AENV_HOME or /var/lib/aenv")
 @click.option("--api-url", default=lambda: os.environ.get("E2B_API_URL", DEFAULT_URL),
               show_default="$E2B_API_URL or " + DEFAULT_URL)

@@ -8,17 +8,19 @@ from typing import TypeVar
 
 import click
 
+from agentenv.settings import get_settings
+
 F = TypeVar("F", bound=Callable[..., object])
 
 
 def redis_auth_options(fn: F) -> F:
     fn = click.option(
-        "--redis-password-file", type=click.Path(dir_okay=False, path_type=Path), default=None,
-        envvar="AENV_REDIS_PASSWORD_FILE",
+        "--redis-password-file", type=click.Path(dir_okay=False, path_type=Path),
+        default=lambda: get_settings().redis_password_file,
         help="File holding the Redis password of --redis-user (env AENV_REDIS_PASSWORD_FILE).",
     )(fn)
     return click.option(
-        "--redis-user", default=None, envvar="AENV_REDIS_USER",
+        "--redis-user", default=lambda: get_settings().redis_user or None,
         help="Redis ACL user to log in as (env AENV_REDIS_USER; default: Redis's `default` "
         "user, i.e. requirepass).",
     )(fn)

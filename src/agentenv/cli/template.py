@@ -15,6 +15,7 @@ from rich.table import Table
 
 from agentenv.cli.node import DEFAULT_URL, Client, node_api_options, resolve_api_key
 from agentenv.errors import AgentEnvError
+from agentenv.settings import get_settings
 from agentenv.template.pull import DEFAULT_STATE_DIR
 
 LEVEL_STYLES = {"debug": "dim", "info": "", "warn": "yellow", "error": "bold red"}
@@ -69,7 +70,7 @@ def pull_command(reference: str, name: str | None, state_dir: Path, platform: st
     if register is None:
         register = name is not None and _node_answers(api_url)
     if register:
-        key = resolve_api_key(api_key, Path(os.environ.get("AENV_HOME", "/var/lib/aenv")))
+        key = resolve_api_key(api_key, get_settings().state_home)
         template_name = name or _template_name(reference)
         console = Console(stderr=True, quiet=quiet)
         api = Client(api_url, key)
@@ -183,6 +184,9 @@ def _pairs(items: tuple[str, ...], what: str) -> list[str]:
 @click.option("--ready-cmd", default=None, help="Ready command (polled until it exits 0).")
 @click.option("--cpu", "cpu_count", type=int, default=None, help="vCPUs (default 2).")
 @click.option("--memory", "memory_mb", type=int, default=None, help="Memory in MiB (default 1024).")
+@click.option("--reclaim-after", "reclaim_after", type=click.IntRange(min=0), default=None,
+              help="Seconds a page sits untouched before the guest gives it back to the host "
+                   "(0: keep the page cache hot; default: the node's, 30).")
 @click.option("-d", "--detach", is_flag=True, help="Start the build and return at once.")
 @click.option("-q", "--quiet", is_flag=True, help="No build log; print only the template id.")
 @click.pass_context
@@ -191,7 +195,7 @@ def template_build(ctx: click.Context, name: str, build_file: Path | None,
                    envs: tuple[str, ...], workdir: str | None, user: str | None,
                    copies: tuple[str, ...], runs: tuple[str, ...], start_cmd: str | None,
                    ready_cmd: str | None, cpu_count: int | None, memory_mb: int | None,
-                   detach: bool, quiet: bool) -> None:
+                   reclaim_after: int | None, detach: bool, quiet: bool) -> None:
     """Build template NAME on the node (a VM runs the steps; sandboxes restore its snapshot).
 
     \b
@@ -244,7 +248,10 @@ def template_build(ctx: click.Context, name: str, build_file: Path | None,
     console = Console(stderr=True, quiet=quiet)
     created = api.call("POST", "/v3/templates", {
         "name": name, **({"cpuCount": cpu_count} if cpu_count else {}),
-        **({"memoryMB": memory_mb} if memory_mb else {})}).json()
+        **({"memoryMB": memory_mb} if memory_mb else {}),
+        **({} if reclaim_after is None else {"coldMemory": (
+            {"reclaim": True, "minAgeSeconds": reclaim_after} if reclaim_after
+            else {"reclaim": False})})}).json()
     tid, bid = created["templateID"], created["buildID"]
     console.print(f"template [bold]{name}[/] ({tid}), build {bid}")
     for index, copy in plan.copies.items():

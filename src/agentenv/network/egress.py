@@ -70,6 +70,7 @@ from agentenv.network.policy import (
     PolicyError,
 )
 from agentenv.network.walls import WALL_NETS, extra_walls
+from agentenv.settings import get_settings
 
 log = logging.getLogger("agentenv.egress")
 
@@ -1513,11 +1514,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-metadata-per-slot", type=int, default=MAX_METADATA_PER_SLOT)
     parser.add_argument("--idle-timeout", type=float, default=IDLE_TIMEOUT)
     parser.add_argument("--peek-timeout", type=float, default=PEEK_TIMEOUT)
-    parser.add_argument("--dns-upstream", default=os.environ.get("AENV_DNS_FILTER_UPSTREAM"),
+    parser.add_argument("--dns-upstream", default=get_settings().dns_filter_upstream or None,
                         help="serve the filtering resolver (169.254.169.254:53), forwarding "
                              "allowed names to this IPv4[:port], or 'system' (the node's "
                              "resolv.conf); default $AENV_DNS_FILTER_UPSTREAM, else off")
-    parser.add_argument("--name-server", default=os.environ.get("AENV_EGRESS_NAME_SERVER"),
+    parser.add_argument("--name-server", default=get_settings().egress_name_server or None,
                         help="IPv4[:port] of the DNS server names are bound with (A queries), "
                              "instead of the node's getaddrinfo; default "
                              "$AENV_EGRESS_NAME_SERVER")

@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import functools
 import json
-import os
 import subprocess
 from ipaddress import IPv4Network, collapse_addresses
+
+from agentenv.settings import setting_text
 
 WALL_RANGES_ENV = "AENV_NET_WALL_RANGES"
 
@@ -57,7 +58,7 @@ def uplink_networks(netns: str | None = None) -> tuple[IPv4Network, ...]:
 
 def configured_wall_ranges(raw: str | None = None) -> tuple[IPv4Network, ...]:
     """AENV_NET_WALL_RANGES: the cluster's ranges to wall besides the uplink's."""
-    raw = os.environ.get(WALL_RANGES_ENV, "") if raw is None else raw
+    raw = setting_text(WALL_RANGES_ENV) if raw is None else raw
     out: list[IPv4Network] = []
     for item in (x.strip() for x in raw.split(",")):
         if not item:

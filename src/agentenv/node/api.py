@@ -3,10 +3,11 @@
 `NodeApp` is the ASGI entry point. Only origin-form request targets are served (400 otherwise).
 Sandbox traffic (E2b-Sandbox-Id header, `{port}-{id}.{domain}` Host, or a signed file URL) goes
 to the proxy without an API key; everything else is the
-control plane, which needs `X-API-KEY` except for /health and /metrics. Paths with dot, empty or
-encoded-separator segments are refused before routing (relay/server.py path_problem).
+control plane, which needs `X-API-KEY` except for /health and /metrics, and the web console's
+static files (agentenv.console at /console: what they show needs the key). Paths with dot,
+empty or encoded-separator segments are refused before routing (relay/server.py path_problem).
 
-Teams (node/tenancy.py): a request with the API key is of LOCAL_TEAM; a node of a cluster
+Teams (api/tenancy.py): a request with the API key is of LOCAL_TEAM; a node of a cluster
 serves only its gateway (its node key), which names the team of each request in
 TEAM_HEADER, and every route applies that team's scope: another team's sandbox, template or
 snapshot is not found, by id or by name, and listings show the team's own. A gateway request
@@ -18,151 +19,69 @@ including unknown routes (404), wrong methods (405), bad bodies (400/422) and hu
 from __future__ import annotations
 
 import asyncio
-import base64
-import binascii
 import contextlib
 import hashlib
-import json
 import logging
 import os
 import platform
 import socket
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Mapping
 from datetime import datetime
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal
 from urllib.parse import unquote_plus
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from pydantic import BaseModel, Field, ValidationError
+from pydantic import BaseModel, Field
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from agentenv import __version__, boundedjson
-from agentenv.node import models, security
-from agentenv.node.errors import ApiError, BadRequest, sandbox_not_found
+from agentenv import __version__, console
+from agentenv.api import models, paging
+from agentenv.api.auth import NODE_KEY_HEADER, bearer_is, same_secret
+from agentenv.api.bodies import Endpoint, error, read_model
+from agentenv.api.errors import ApiError, BadRequest, sandbox_not_found
+from agentenv.api.openapi import openapi_document
+from agentenv.api.routes import ROUTES, Auth, Operation
+from agentenv.api.serve import bind, starlette_path
+from agentenv.api.tenancy import LOCAL_TEAM, SCOPE_KEY, TEAM_HEADER, TEAM_NAME, scope_team
+from agentenv.node import views
 from agentenv.node.layer_peers import HOLDERS_PATH
 from agentenv.node.metrics import NodeMetrics
-from agentenv.node.openapi import openapi_document
 from agentenv.node.orchestrator import CreateParams, ForkResult, Orchestrator
 from agentenv.node.proxy import SandboxProxy, route_of, send_json
 from agentenv.node.records import SandboxRecord, State, TemplateRecord
-from agentenv.node.security import NODE_KEY_HEADER, bearer_is, same_secret
-from agentenv.node.tenancy import LOCAL_TEAM, SCOPE_KEY, TEAM_HEADER, TEAM_NAME, scope_team
 from agentenv.relay.server import path_problem, request_target, target_problem
 
 log = logging.getLogger("agentenv.node.api")
-M = TypeVar("M", bound=BaseModel)
 
-MAX_BODY_BYTES = 1 << 20
-MAX_PAGE = 100
 IDEMPOTENCY_SECONDS = 600.0
-PUBLIC_PATHS = {"/health", "/openapi.json"}
+
+
+def _paths(*kinds: Auth) -> set[str]:
+    return {op.path for op in ROUTES if op.auth in kinds and "{" not in op.path}
+
+
+PUBLIC_PATHS = _paths(Auth.PUBLIC)
 #: what a node is asked for no team, with the node key: which sandbox made a file
 #: signature (the URL names no team; the answer names it), the node's metrics, and which peers
-#: hold a layer (blockd's question, node/layer_peers.py). Not `/nodes`: a node's figures are
-#: always some team's view (_node)
-TEAMLESS_PATHS = PUBLIC_PATHS | {"/metrics", security.SIGNATURE_OWNER_PATH, HOLDERS_PATH}
+#: hold a layer (blockd's question, node/layer_peers.py), every team's events for the gateway's
+#: collector (node/events_api.py). Not `/nodes`: a node's figures are always some team's view
+#: (_node)
+TEAMLESS_PATHS = _paths(Auth.PUBLIC, Auth.METRICS, Auth.NODE) | {HOLDERS_PATH}
 #: Paths whose routes check a permission of their own instead of the API key (the signed upload
-#: URLs of template build files, node/template_api.py).
-SELF_AUTHENTICATED_PREFIXES = ("/template-files/",)
-
-
-def error(status: int, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
-    return JSONResponse({"code": status, "message": message}, status_code=status, headers=headers)
-
-
-async def read_model(request: Request, model: type[M], *, optional: bool = False) -> M:
-    """Parse and validate the JSON body; empty bodies count as `{}` when `optional`."""
-    data = await read_json(request, optional=optional)
-    try:
-        return model.model_validate(data)
-    except ValidationError as exc:
-        problems = "; ".join(
-            f"{'.'.join(str(p) for p in e['loc']) or 'body'}: {e['msg']}" for e in exc.errors()
-        )
-        raise ApiError(f"invalid request body: {problems}", status=422) from exc
-
-
-async def read_json(request: Request, *, optional: bool = False) -> Any:
-    """The JSON body, read up to MAX_BODY_BYTES and parsed with its nesting bounded
-    (boundedjson); empty bodies count as `{}` when `optional`."""
-    declared = request.headers.get("content-length")
-    if declared and declared.isdigit() and int(declared) > MAX_BODY_BYTES:
-        raise ApiError(f"request body over {MAX_BODY_BYTES} bytes", status=413)
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > MAX_BODY_BYTES:
-            raise ApiError(f"request body over {MAX_BODY_BYTES} bytes", status=413)
-        chunks.append(chunk)
-    raw = b"".join(chunks)
-    if not raw.strip():
-        if not optional:
-            raise ApiError("request body is required", status=400)
-        data: Any = {}
-    else:
-        try:
-            data = boundedjson.loads(raw, "the request body")
-        except ValueError as exc:
-            raise BadRequest(f"request body is not valid JSON: {exc}") from exc
-    return data
-
-
+#: URLs of template build files, node/template_api.py; the volume content API, which takes the
+#: volume's bearer token, node/volume_api.py): what comes before their first parameter.
+SELF_AUTHENTICATED_PREFIXES = tuple(sorted({
+    op.path.split("{")[0] for op in ROUTES if op.auth in (Auth.SIGNED, Auth.VOLUME_TOKEN)}))
 class SignedFileRequest(BaseModel):
-    """A signed file URL's method and raw query string (`POST security.SIGNATURE_OWNER_PATH`)."""
+    """A signed file URL's method and raw query string (`POST SIGNATURE_OWNER_PATH`)."""
 
     method: Literal["GET", "POST"]
     query: str = Field(max_length=16384)
-
-
-# --- paging ------------------------------------------------------------------------------------
-
-
-def _encode_cursor(ts: float, item_id: str) -> str:
-    return base64.urlsafe_b64encode(json.dumps([ts, item_id]).encode()).decode()
-
-
-def _decode_cursor(token: str) -> tuple[float, str]:
-    try:
-        ts, item_id = boundedjson.loads(base64.urlsafe_b64decode(token.encode()))
-        return float(ts), str(item_id)
-    except (ValueError, TypeError, binascii.Error) as exc:
-        raise BadRequest(f"invalid next token: {token!r}") from exc
-
-
-def _limit(request: Request) -> int:
-    raw = request.query_params.get("limit")
-    if raw is None:
-        return MAX_PAGE
-    try:
-        value = int(raw)
-    except ValueError as exc:
-        raise BadRequest(f"limit must be an integer, got {raw!r}") from exc
-    if not 1 <= value <= MAX_PAGE:
-        raise BadRequest(f"limit must be between 1 and {MAX_PAGE}, got {value}")
-    return value
-
-
-T = TypeVar("T")
-
-
-def page(
-    items: list[T], key: Callable[[T], tuple[float, str]], request: Request, descending: bool
-) -> tuple[list[T], str | None]:
-    """One page of items ordered by key, after the cursor in `nextToken`; and the next token."""
-    ordered = sorted(items, key=key, reverse=descending)
-    token = request.query_params.get("nextToken")
-    if token:
-        cursor = _decode_cursor(token)
-        ordered = [i for i in ordered if (key(i) < cursor if descending else key(i) > cursor)]
-    limit = _limit(request)
-    chunk = ordered[:limit]
-    more = len(ordered) > limit
-    return chunk, (_encode_cursor(*key(chunk[-1])) if more and chunk else None)
 
 
 def parse_metadata_filter(raw: str | None) -> dict[str, str]:
@@ -196,14 +115,16 @@ class NodeApp:
         node_key: str | None = None,
         metrics_token: str | None = None,
         public_metrics: bool = False,
+        handlers: Mapping[str, Endpoint] | None = None,
     ) -> None:
         """`node_key`: the node is part of a cluster and serves only its gateway: every
         request but /health must carry this node's key (NODE_KEY_HEADER; the gateway derives
         it from the cluster secret, which the node does not hold), which then stands in for
         the API key. /metrics also takes `Authorization: Bearer` with the cluster's
         `metrics_token` (the API key on a standalone node), or nothing when `public_metrics`.
-        `extra_routes` (e.g. the template build API) are matched before the built-in ones,
-        so they can claim paths under /templates/ that `GET /templates/{id}` would catch."""
+        The routes are the route table's (agentenv.api.routes): `handlers` serve the operations
+        of the node's other parts (template builds, volumes, events...) by operationId, this
+        class the rest; `extra_routes` (tests) are matched before them."""
         self.orchestrator = orchestrator
         self.catalogue = orchestrator.catalogue
         self.api_key = api_key
@@ -212,14 +133,17 @@ class NodeApp:
         self.metrics_token = metrics_token if node_key else api_key
         self.metrics = metrics or NodeMetrics()
         self.metrics.watch_states(orchestrator.count_by_state)
+        counters = orchestrator.counters
+        self.metrics.watch_idle(lambda: (counters.idle_pauses, counters.idle_resumes))
         self.node_id = node_id or socket.gethostname()
         self.client_id = hashlib.sha256(self.node_id.encode()).hexdigest()[:8]
         self.proxy = SandboxProxy(orchestrator, api_key, self.metrics)
+        self.console = console.Console()
         #: (team, Idempotency-Key) -> when, and the create it started
         self._idempotent: dict[tuple[str, str], tuple[float, asyncio.Task[SandboxRecord]]] = {}
         self._started = time.time()
         self.api = Starlette(
-            routes=[*(extra_routes or []), *self._routes()],
+            routes=[*(extra_routes or []), *self._routes(handlers or {})],
             exception_handlers={
                 HTTPException: self._http_exception,
                 ApiError: self._api_error,
@@ -293,6 +217,9 @@ class NodeApp:
             status = await self.proxy(scope, receive, send, route)
             self.metrics.requests.labels("proxy", scope["method"], str(status)).inc()
             return
+        if console.claims(scope["path"]):  # files only: what they show needs the API key
+            await self.console(scope, receive, send)
+            return
         if (
             not from_gateway
             and not scraper
@@ -351,7 +278,7 @@ class NodeApp:
 
     async def _api_error(self, request: Request, exc: Exception) -> Response:
         assert isinstance(exc, ApiError)
-        return error(exc.status, exc.message)
+        return error(exc.status, exc.message, headers=exc.headers)
 
     async def _unexpected(self, request: Request, exc: Exception) -> Response:
         log.error("unexpected error", exc_info=exc, extra={"path": request.url.path})
@@ -359,43 +286,37 @@ class NodeApp:
 
     # --- routes ------------------------------------------------------------------------------
 
-    def _routes(self) -> list[Route]:
-        r = Route
-        return [
-            r("/health", self.health, methods=["GET"]),
-            r("/metrics", self.prometheus, methods=["GET"]),
-            r("/openapi.json", self.openapi, methods=["GET"]),
-            r("/sandboxes", self.create_v1, methods=["POST"]),
-            r("/sandboxes", self.list_v1, methods=["GET"]),
-            r("/v2/sandboxes", self.create_v2, methods=["POST"]),
-            r("/v2/sandboxes", self.list_v2, methods=["GET"]),
-            r("/sandboxes/{sandbox_id}", self.detail, methods=["GET"]),
-            r("/sandboxes/{sandbox_id}", self.kill, methods=["DELETE"]),
-            r("/sandboxes/{sandbox_id}/timeout", self.set_timeout, methods=["POST"]),
-            r("/sandboxes/{sandbox_id}/refreshes", self.refresh, methods=["POST"]),
-            r("/sandboxes/{sandbox_id}/pause", self.pause, methods=["POST"]),
-            r("/sandboxes/{sandbox_id}/resume", self.resume, methods=["POST"]),
-            r("/sandboxes/{sandbox_id}/connect", self.connect_v1, methods=["POST"]),
-            r("/v2/sandboxes/{sandbox_id}/connect", self.connect_v2, methods=["POST"]),
-            r("/sandboxes/{sandbox_id}/snapshots", self.create_snapshot, methods=["POST"]),
-            r("/sandboxes/{sandbox_id}/fork", self.fork, methods=["POST"]),
-            r("/sandboxes/{sandbox_id}/children", self.children, methods=["GET"]),
-            r("/sandboxes/{sandbox_id}/rollback", self.rollback, methods=["POST"]),
-            r("/sandboxes/{sandbox_id}/network", self.update_network, methods=["PUT"]),
-            r("/snapshots", self.list_snapshots, methods=["GET"]),
-            r("/snapshots/{snapshot_id:path}/children", self.snapshot_children,
-              methods=["GET"]),
-            r("/snapshots/{snapshot_id:path}/fork", self.fork_snapshot, methods=["POST"]),
-            r("/snapshots/{snapshot_id:path}", self.get_snapshot, methods=["GET"]),
-            r("/templates", self.list_templates, methods=["GET"]),
-            r("/v2/templates", self.list_templates_v2, methods=["GET"]),
-            r("/templates/aliases/{alias:path}", self.template_alias, methods=["GET"]),
-            r("/templates/{template_id:path}", self.get_template, methods=["GET"]),
-            r("/templates/{template_id:path}", self.delete_template, methods=["DELETE"]),
-            r("/nodes", self.nodes, methods=["GET"]),
-            r("/nodes/{node_id}", self.node_detail, methods=["GET"]),
-            r(security.SIGNATURE_OWNER_PATH, self.signature_owner, methods=["POST"]),
-        ]
+    def _own_handlers(self) -> dict[str, Endpoint]:
+        """The operations this class serves (agentenv.api.routes, by operationId)."""
+        return {
+            "health": self.health, "metrics": self.prometheus, "openapi": self.openapi,
+            "createSandbox": self.create_v1, "listSandboxes": self.list_v1,
+            "createSandboxV2": self.create_v2, "listSandboxesV2": self.list_v2,
+            "getSandbox": self.detail, "killSandbox": self.kill,
+            "setSandboxTimeout": self.set_timeout, "refreshSandbox": self.refresh,
+            "pauseSandbox": self.pause, "resumeSandbox": self.resume,
+            "connectSandbox": self.connect_v1, "connectSandboxV2": self.connect_v2,
+            "createSnapshot": self.create_snapshot, "forkSandbox": self.fork,
+            "listSandboxChildren": self.children, "rollbackSandbox": self.rollback,
+            "updateSandboxNetwork": self.update_network, "listSnapshots": self.list_snapshots,
+            "listSnapshotChildren": self.snapshot_children, "forkSnapshot": self.fork_snapshot,
+            "getSnapshot": self.get_snapshot, "listNodes": self.nodes,
+            "getNode": self.node_detail, "signatureOwner": self.signature_owner,
+        }
+
+    def _routes(self, handlers: Mapping[str, Endpoint]) -> list[Route]:
+        """The route table's operations with their handlers, in its order; an operation no
+        part serves is left out (a node built by hand, in tests: build_app serves them all)."""
+        served, self.unserved = bind({**self._own_handlers(), **handlers}, node=True)
+        return [Route(starlette_path(op.path), handler or self._unsupported(op),
+                      methods=[op.method.upper()]) for op, handler in served]
+
+    @staticmethod
+    def _unsupported(op: Operation) -> Endpoint:
+        async def endpoint(request: Request) -> Response:
+            return error(501, op.unsupported or "")
+
+        return endpoint
 
     async def health(self, request: Request) -> Response:
         # The node is not healthy while its backend cannot serve (blockd down or restarting,
@@ -422,7 +343,7 @@ class NodeApp:
         return sandbox_id
 
     def _sandbox(self, rec: SandboxRecord) -> dict[str, Any]:
-        return models.sandbox_json(rec, self.client_id, self.orchestrator.config.domain)
+        return views.sandbox_json(rec, self.client_id, self.orchestrator.config.domain)
 
     # create
 
@@ -439,6 +360,8 @@ class NodeApp:
             allow_internet_access=body.allow_internet_access,
             network=body.network,
             team=scope_team(request.scope),
+            idle_pause_after=body.idlePauseAfter,
+            volume_mounts=[(m.name, m.path, m.mode) for m in body.volumeMounts or []],
         )
         key = request.headers.get("idempotency-key")
         if body.count is not None:
@@ -508,7 +431,7 @@ class NodeApp:
     async def list_v1(self, request: Request) -> Response:
         found = self._filtered(request, {"running"})
         return JSONResponse(
-            [models.listed_json(r, self.client_id) for r in found if r.state == State.RUNNING]
+            [views.listed_json(r, self.client_id) for r in found if r.state == State.RUNNING]
         )
 
     async def list_v2(self, request: Request) -> Response:
@@ -516,11 +439,13 @@ class NodeApp:
         if order not in ("asc", "desc"):
             raise BadRequest(f"order must be asc or desc, got {order!r}")
         found = self._filtered(request, {"running", "paused"})
-        items, token = page(found, lambda r: (r.started_at, r.sandbox_id), request, order == "desc")
+        items, token = paging.page(found, lambda r: (r.started_at, r.sandbox_id),
+                                   request.query_params.get("nextToken"),
+                                   paging.page_limit(request.query_params), order == "desc")
         headers = {"X-Total-Running": str(sum(r.state == State.RUNNING for r in found))}
         if token:
             headers["X-Next-Token"] = token
-        return JSONResponse([models.listed_json(r, self.client_id) for r in items], headers=headers)
+        return JSONResponse([views.listed_json(r, self.client_id) for r in items], headers=headers)
 
     # one sandbox
 
@@ -529,7 +454,7 @@ class NodeApp:
         if rec.state == State.KILLING:  # killed, as far as clients are concerned
             raise sandbox_not_found(rec.sandbox_id)
         return JSONResponse(
-            models.detail_json(rec, self.client_id, self.orchestrator.config.domain)
+            views.detail_json(rec, self.client_id, self.orchestrator.config.domain)
         )
 
     async def kill(self, request: Request) -> Response:
@@ -577,7 +502,7 @@ class NodeApp:
     async def create_snapshot(self, request: Request) -> Response:
         body = await read_model(request, models.SnapshotRequest, optional=True)
         tpl = await self.orchestrator.snapshot(self._sandbox_id(request), body.name)
-        return JSONResponse(models.snapshot_json(tpl), status_code=201)
+        return JSONResponse(views.snapshot_json(tpl), status_code=201)
 
     def _fork_results(self, results: list[ForkResult]) -> Response:
         """201 with a SandboxForkResult per child: its sandbox or its own error."""
@@ -607,7 +532,7 @@ class NodeApp:
     async def children(self, request: Request) -> Response:
         """The sandboxes forked from this one (an extension: lineage)."""
         found = self.orchestrator.children(self._sandbox_id(request))
-        return JSONResponse([models.listed_json(r, self.client_id) for r in found])
+        return JSONResponse([views.listed_json(r, self.client_id) for r in found])
 
     async def update_network(self, request: Request) -> Response:
         """Replaces the whole egress policy (node/network_policy.py); 400 names a bad entry."""
@@ -627,9 +552,11 @@ class NodeApp:
         if name:
             bare = name.split("/")[-1].split(":")[0]
             found = [t for t in found if name in t.names or bare in t.names]
-        items, token = page(found, lambda t: (t.created_at, t.template_id), request, True)
+        items, token = paging.page(found, lambda t: (t.created_at, t.template_id),
+                                   request.query_params.get("nextToken"),
+                                   paging.page_limit(request.query_params), True)
         headers = {"X-Next-Token": token} if token else None
-        return JSONResponse([models.snapshot_json(t) for t in items], headers=headers)
+        return JSONResponse([views.snapshot_json(t) for t in items], headers=headers)
 
     def _snapshot(self, request: Request) -> TemplateRecord:
         """The path's snapshot, of the request's team (404 otherwise, templates too)."""
@@ -651,33 +578,10 @@ class NodeApp:
     async def snapshot_children(self, request: Request) -> Response:
         """The sandboxes made from this snapshot (an extension: lineage)."""
         found = self.orchestrator.made_from_snapshot(self._snapshot(request).template_id)
-        return JSONResponse([models.listed_json(r, self.client_id) for r in found])
+        return JSONResponse([views.listed_json(r, self.client_id) for r in found])
 
     async def get_snapshot(self, request: Request) -> Response:
-        return JSONResponse(models.snapshot_json(self._snapshot(request)))
-
-    async def list_templates(self, request: Request) -> Response:
-        items = sorted(self.catalogue.of_kind("template", scope_team(request.scope)),
-                       key=lambda t: (t.created_at, t.template_id))
-        return JSONResponse([models.template_json(t) for t in items])
-
-    async def list_templates_v2(self, request: Request) -> Response:
-        items, token = page(self.catalogue.of_kind("template", scope_team(request.scope)),
-                            lambda t: (t.created_at, t.template_id), request, True)
-        headers = {"X-Next-Token": token} if token else None
-        return JSONResponse([models.template_json(t) for t in items], headers=headers)
-
-    async def get_template(self, request: Request) -> Response:
-        tpl = self.catalogue.resolve(request.path_params["template_id"], scope_team(request.scope))
-        return JSONResponse(models.template_detail_json(tpl))
-
-    async def delete_template(self, request: Request) -> Response:
-        await self.catalogue.delete(request.path_params["template_id"], scope_team(request.scope))
-        return Response(status_code=204)
-
-    async def template_alias(self, request: Request) -> Response:
-        tpl = self.catalogue.resolve(request.path_params["alias"], scope_team(request.scope))
-        return JSONResponse({"templateID": tpl.template_id, "public": True})
+        return JSONResponse(views.snapshot_json(self._snapshot(request)))
 
     # nodes
 

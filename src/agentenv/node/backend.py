@@ -65,6 +65,17 @@ SnapshotRef = TemplateRef
 
 
 @dataclass(frozen=True)
+class VolumeMount:
+    """A volume in a sandbox (docs/volumes.md §6): the volume disk `slot` of its machine holds
+    `layer` (a sealed version of the volume), mounted at `path`, read-only or copy-on-write."""
+
+    slot: int
+    path: str
+    read_only: bool
+    layer: str
+
+
+@dataclass(frozen=True)
 class SandboxSpec:
     sandbox_id: str
     source: TemplateRef
@@ -85,6 +96,10 @@ class SandboxSpec:
     #: whose envd holds another sandbox's token (a pulled one carries it in its artifact) is
     #: re-keyed to this one, so that token never opens the copy
     own_token: str | None = None
+    #: volumes the sandbox mounts (backends with the VolumeMounting capability): a create
+    #: puts each in its slot unless its source snapshot has it there already; every start
+    #: mounts them all before it returns
+    volume_mounts: tuple[VolumeMount, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -334,6 +349,16 @@ class SnapshotBranching(Protocol):
 
 
 @runtime_checkable
+class VolumeMounting(Protocol):
+    """Mounts volumes in sandboxes (SandboxSpec.volume_mounts; docs/volumes.md §6)."""
+
+    def free_volume_slots(self, source: TemplateRef) -> list[int]:
+        """The volume disks of `source`'s machine that hold no volume yet ([]: it has none,
+        a template built before volumes)."""
+        ...
+
+
+@runtime_checkable
 class HealthReport(Protocol):
     def health_problem(self) -> str | None:
         """Why the backend cannot serve sandboxes fully right now (/health: 503); None: fine."""
@@ -371,6 +396,7 @@ class Capabilities:
     host_ports: SharedHostPorts | None = None
     logs: SandboxLogs | None = None
     branching: SnapshotBranching | None = None
+    volumes: VolumeMounting | None = None
     initialises_envd: bool = False
 
     @property
@@ -389,6 +415,7 @@ class Capabilities:
             host_ports=backend if isinstance(backend, SharedHostPorts) else None,
             logs=backend if isinstance(backend, SandboxLogs) else None,
             branching=backend if isinstance(backend, SnapshotBranching) else None,
+            volumes=backend if isinstance(backend, VolumeMounting) else None,
             initialises_envd=isinstance(backend, InitialisesEnvd)
             and backend.initialises_envd is True,
         )

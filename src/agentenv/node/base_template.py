@@ -2,10 +2,10 @@
 
 - `base`: Debian bookworm with what E2B's base image has (rootfs.BASE_PACKAGES: python, pip,
   sudo, git, curl...) and the `user` account with sudo;
-- `code-interpreter-v1`: base plus Debian's Jupyter kernel and data stack
+- `code-interpreter-v1`: base plus Debian's Jupyter kernel, data stack and Node.js
   (CODE_INTERPRETER_PACKAGES), with the code-interpreter server (agentenv.guest.codeint, from
-  the tools disk) started and its default Python kernel warm before the snapshot, so that the
-  E2B Code Interpreter SDK's first run_code pays no kernel start.
+  the tools disk) started and its default Python, JavaScript and Bash kernels warm before the
+  snapshot, so that the E2B Code Interpreter SDK's first run_code pays no kernel start.
 
 Each is built once per node and cached under <state>/templates/<name>/:
 
@@ -15,26 +15,34 @@ Each is built once per node and cached under <state>/templates/<name>/:
     `create` restores.
 
 template.json records the boot snapshot's directory and a key of everything the snapshot
-depends on (guest assets, accelerator, machine size, package list, start command); a restart
-with the same key reuses the snapshot, a different key rebuilds it.
+depends on (guest assets, accelerator, machine size, package list, start command, cold-memory
+setting); a restart with the same key reuses the snapshot, a different key rebuilds it.
+
+The node's cold-memory setting (`default_cold_memory`, AENV_RECLAIM_MIN_AGE_SECONDS) is set in
+the template's guest before the pause, so sandboxes of the built-in templates give their cold
+page cache back to the host (docs/templates.md §7); templates built through the API take it
+when their request names none.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import fcntl
 import hashlib
 import json
 import logging
+import os
 import shutil
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
 from ipaddress import IPv4Address
 from pathlib import Path
 
 import httpx
 
-from agentenv.envd_client import EnvdClient
+from agentenv.envd_client import ColdMemory, EnvdClient, EnvdUnsupported
 from agentenv.fsutil import atomic_write_json
 from agentenv.guest.build import GuestAssets
 from agentenv.guest.build.rootfs import (
@@ -44,13 +52,16 @@ from agentenv.guest.build.rootfs import (
     debian_root,
     make_rootfs_image,
 )
+from agentenv.relay.concurrency import whole_number_setting
 from agentenv.runtime.vm import BootSpec, DiskSource, Runtime
 from agentenv.snapshot.record import SnapshotRecord
 from agentenv.storage.export import import_raw
 
 log = logging.getLogger("agentenv.node.base_template")
 
-TEMPLATE_FORMAT = 2  # 2: the `user` account with sudo, pip.conf (rootfs.add_base_user)
+# 2: the `user` account with sudo, pip.conf (rootfs.add_base_user); 3: the machine has volume
+# disks (docs/volumes.md §6)
+TEMPLATE_FORMAT = 3
 BASE_DISK_BYTES = 4 << 30  # virtual size; the image file and the layer stay sparse
 BASE_INODES = 262_144  # room for pip installs (mkfs -d would size inodes to the tree only)
 BASE_VCPUS = 2
@@ -62,6 +73,9 @@ CODE_INTERPRETER_PACKAGES = (
     "python3-ipykernel", "python3-jupyter-client", "python3-numpy", "python3-pandas",
     "python3-matplotlib", "python3-scipy", "python3-sklearn", "python3-seaborn",
     "python3-openpyxl", "python3-bs4", "python3-requests", "python3-sympy", "python3-pil",
+    # the JavaScript kernel's runtime (Debian's Node.js 18; its parser, node-acorn, comes with
+    # it as a dependency of libnode)
+    "nodejs",
     # debootstrap does not resolve virtual packages: the real providers of what pyzmq
     # (python3-cffi-backend-api-*) and gdb, via ipykernel's debugpy (libboost-regex...-icu72),
     # depend on
@@ -73,6 +87,22 @@ CODE_INTERPRETER_START = (
     f" --port {CODE_INTERPRETER_PORT} --cwd /home/user >>/tmp/.aenv-codeint.log 2>&1"
 )
 READY_TIMEOUT_SECONDS = 180.0
+#: seconds a page must sit untouched before the guest gives it back (0: keep it; docs/templates.md)
+RECLAIM_ENV = "AENV_RECLAIM_MIN_AGE_SECONDS"
+RECLAIM_DEFAULT_SECONDS = 30
+
+
+def default_cold_memory(env: Mapping[str, str] | None = None) -> ColdMemory:
+    """The node's cold-memory setting: for the built-in templates and for builds whose request
+    names none. ValueError naming the variable when it is not a whole number."""
+    seconds = whole_number_setting(env, RECLAIM_ENV,
+                                   RECLAIM_DEFAULT_SECONDS)
+    if not seconds:
+        return ColdMemory.off()
+    try:
+        return ColdMemory(minAgeSeconds=seconds)
+    except ValueError as exc:  # pydantic's, e.g. shorter than DAMON's aggregation interval
+        raise ValueError(f"{RECLAIM_ENV}={seconds}: {exc}") from None
 
 
 @dataclass(frozen=True)
@@ -108,7 +138,7 @@ def _file_key(path: Path) -> str:
 
 
 def template_key(assets: GuestAssets, accel: str, dns: IPv4Address | None = None,
-                 spec: BuiltinSpec = BASE) -> str:
+                 spec: BuiltinSpec = BASE, cold_memory: ColdMemory | None = None) -> str:
     parts = [
         str(TEMPLATE_FORMAT), accel, ",".join(sorted(spec.packages)), str(BASE_DISK_BYTES),
         str(spec.vcpus), str(spec.memory_mib),
@@ -118,6 +148,8 @@ def template_key(assets: GuestAssets, accel: str, dns: IPv4Address | None = None
         assets.cmdline_base,
         # the boot snapshot keeps the resolv.conf of its boot (restores do not boot)
         *([f"dns={dns}"] if dns else []),
+        # ...and its kernel's cold-memory reclaim
+        *([f"cold={cold_memory.model_dump_json()}"] if cold_memory else []),
     ]
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:24]
 
@@ -152,15 +184,96 @@ def load_cached(template_dir: Path, key: str) -> BaseTemplate | None:
 async def build_base_template(
     runtime: Runtime, assets: GuestAssets, template_dir: Path, *, debian_cache: Path,
     on_progress: Callable[[str], None] | None = None, spec: BuiltinSpec = BASE,
+    cold_memory: ColdMemory | None = None, shared_cache: Path | None = None,
 ) -> BaseTemplate:
-    """Builds (or reuses) a built-in template's boot snapshot (`base` unless `spec` says)."""
+    """Builds (or reuses) a built-in template's boot snapshot (`base` unless `spec` says);
+    `cold_memory` is set in its guest before the pause (None: the node's default).
+    `shared_cache` (AENV_VM_TEMPLATE_CACHE): the host's cache of built-in templates, shared by
+    its nodes; a build there is used in place (the node never deletes it)."""
     assert runtime.accel is not None
-    key = template_key(assets, runtime.accel, runtime.config.guest_dns, spec)
+    cold_memory = cold_memory or default_cold_memory()
+    key = template_key(assets, runtime.accel, runtime.config.guest_dns, spec, cold_memory)
     cached = load_cached(template_dir, key)
     if cached is not None:
         log.info(f"{spec.name} template reused", extra={"record_dir": str(cached.record_dir)})
         return cached
+    if shared_cache is None:
+        return await _build(runtime, assets, template_dir, key, debian_cache, on_progress, spec,
+                            cold_memory)
+    # One build per key on the host: the other nodes wait for it, then use its files in place.
+    entry = shared_cache / f"{spec.name}-{key}"
+    async with _host_lock(shared_cache / f".{spec.name}-{key}.lock"):
+        shared = load_cached(entry, key)
+        if shared is None:
+            built = await _build(runtime, assets, template_dir, key, debian_cache, on_progress,
+                                 spec, cold_memory)
+            shared = await asyncio.to_thread(publish, built, template_dir, key, entry)
+            log.info(f"{spec.name} template shared", extra={"entry": str(entry)})
+        else:
+            log.info(f"{spec.name} template taken from the host's cache",
+                     extra={"entry": str(entry)})
+    template_dir.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(template_dir / "template.json",
+                      {"format": TEMPLATE_FORMAT, "key": key, "record_dir": str(shared.record_dir),
+                       "shared": str(entry), "built_at": time.time()}, indent=1)
+    return shared
 
+
+@contextlib.asynccontextmanager
+async def _host_lock(path: Path) -> AsyncIterator[None]:
+    """An exclusive lock on `path` across the host's processes (flock, freed if we die)."""
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)  # a layer cache: root's only
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        await asyncio.to_thread(fcntl.flock, fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # closing the only descriptor releases the lock
+
+
+def publish(built: BaseTemplate, template_dir: Path, key: str, entry: Path) -> BaseTemplate:
+    """Moves a node's fresh build into the host's cache as `entry`: the base rootfs layer and
+    the boot snapshot's own files (not the guest assets it names, which are shared already),
+    the record rewritten to name them there. The node's emptied snapshot directory goes."""
+    record = SnapshotRecord.load(built.record_dir)
+    base_layer = template_dir / f"rootfs-{key}.layer"
+    staging = entry.with_name(entry.name + ".partial")
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    moved: dict[Path, Path] = {}
+
+    def move(raw: str) -> str:
+        path = Path(raw)
+        if path.parent != built.record_dir and path != base_layer:
+            return raw
+        if path not in moved:
+            if (staging / path.name).exists():
+                raise RuntimeError(f"publishing {entry}: two files named {path.name}")
+            shutil.move(path, staging / path.name)
+            moved[path] = entry / path.name
+        return str(moved[path])
+
+    for ref in record.memory_layers:
+        ref.path = move(ref.path)
+    for disk in record.disks:
+        for ref in disk.layers:
+            ref.path = move(ref.path)
+    record.device_state = move(record.device_state)
+    record.save(staging)
+    atomic_write_json(staging / "template.json",
+                      {"format": TEMPLATE_FORMAT, "key": key, "record_dir": str(entry),
+                       "layer": str(moved.get(base_layer, "")), "built_at": time.time()},
+                      indent=1)
+    shutil.rmtree(entry, ignore_errors=True)  # a damaged entry load_cached refused
+    os.rename(staging, entry)
+    shutil.rmtree(built.record_dir, ignore_errors=True)
+    return BaseTemplate(entry, snapshot_layers(record), built.vcpus, built.memory_mib,
+                        built.disk_bytes)
+
+
+async def _build(runtime: Runtime, assets: GuestAssets, template_dir: Path, key: str,
+                 debian_cache: Path, on_progress: Callable[[str], None] | None,
+                 spec: BuiltinSpec, cold_memory: ColdMemory) -> BaseTemplate:
     def step(message: str) -> None:
         log.info(f"{spec.name} template: " + message)
         if on_progress is not None:
@@ -195,6 +308,7 @@ async def build_base_template(
         if spec.start_cmd:
             step(f"starting {spec.start_cmd!r} and waiting for its health")
             await start_and_wait(vm.envd_url, vm.envd_url.rsplit(":", 1)[0], spec)
+        await set_cold_memory(vm.envd_url, cold_memory)
         step("pausing it into the boot snapshot")
         record = await runtime.pause(vm, wait_teardown=True)
     except BaseException:
@@ -237,6 +351,18 @@ async def start_and_wait(envd_url: str, guest_url: str, spec: BuiltinSpec) -> No
                                   user="root", timeout=10)
         raise RuntimeError(f"{spec.name}: port {spec.ready_port} not healthy after "
                            f"{READY_TIMEOUT_SECONDS:.0f} s ({last}): {log_tail.stdout}")
+    finally:
+        await envd.close()
+
+
+async def set_cold_memory(envd_url: str, setting: ColdMemory) -> None:
+    """The cold-memory setting into a built-in template's guest kernel before its snapshot."""
+    envd = EnvdClient(envd_url)
+    try:
+        await envd.wait_healthy()
+        await envd.set_cold_memory(setting)
+    except EnvdUnsupported as exc:  # a guest kernel without DAMON: it still works
+        log.warning("built-in template keeps its cold memory", extra={"error": str(exc)})
     finally:
         await envd.close()
 

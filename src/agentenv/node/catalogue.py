@@ -5,7 +5,7 @@ record (node/records.py `TemplateRecord`): a snapshot id works as a templateID. 
 keeps them in memory and in the store, keeps names unique, resolves "name:tag" through the tags
 (node/template_tags.py) and deletes a template's data when the template goes.
 
-Each record is of a team (node/tenancy.py), and names are per team: the same name in two teams
+Each record is of a team (api/tenancy.py), and names are per team: the same name in two teams
 names two things. A team sees its own records and the built-in templates (tenancy.SHARED, every
 team's), by id and by name; nobody's name may be a built-in's. The sandbox state
 machine (node/orchestrator.py) resolves templates here and registers the snapshots it takes; the
@@ -18,12 +18,12 @@ import logging
 import time
 from collections.abc import Callable, Iterator
 
+from agentenv.api.errors import BadRequest, Conflict, NotFound
+from agentenv.api.tenancy import SHARED
 from agentenv.node.backend import BackendError, DefaultTemplate, SandboxBackend, TemplateRef
-from agentenv.node.errors import BadRequest, Conflict, NotFound
 from agentenv.node.records import TemplateRecord
 from agentenv.node.store import Store
 from agentenv.node.template_tags import TemplateTags
-from agentenv.node.tenancy import SHARED
 
 log = logging.getLogger("agentenv.node.catalogue")
 

@@ -14,35 +14,18 @@ import asyncio
 import contextlib
 import json
 import logging
-import os
 import time
 import uuid
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from agentenv.node.models import iso
+from agentenv.api.event_models import TEMPLATE_PREFIX
+from agentenv.api.models import iso
 from agentenv.node.store import Store
+from agentenv.settings import get_settings
 
 log = logging.getLogger("agentenv.node.events")
 
-# E2B's types (packages/shared/pkg/events in e2b-dev/infra), then this node's own.
-CREATED = "sandbox.lifecycle.created"
-KILLED = "sandbox.lifecycle.killed"
-PAUSED = "sandbox.lifecycle.paused"
-RESUMED = "sandbox.lifecycle.resumed"
-UPDATED = "sandbox.lifecycle.updated"
-CHECKPOINTED = "sandbox.lifecycle.checkpointed"  # a snapshot
-FORKED = "sandbox.lifecycle.forked"  # a fork's child; eventData.source_sandbox_id
-FAILED = "sandbox.lifecycle.failed"  # eventData.operation and .reason
-ROLLED_BACK = "sandbox.lifecycle.rolled_back"  # restored in place to one of its snapshots
-BUILD_STARTED = "template.build.started"
-BUILD_FINISHED = "template.build.finished"
-BUILD_FAILED = "template.build.failed"
-TEMPLATE_PREFIX = "template."
-TYPES = (CREATED, KILLED, PAUSED, RESUMED, UPDATED, CHECKPOINTED, FORKED, FAILED, ROLLED_BACK,
-         BUILD_STARTED, BUILD_FINISHED, BUILD_FAILED)
-
-DEFAULT_RETENTION_DAYS = 7.0
 RETENTION_ENV = "AENV_EVENTS_RETENTION_DAYS"
 PRUNE_INTERVAL = 3600.0
 #: events recorded and not yet stored; past this the oldest unstored are dropped (logged):
@@ -107,10 +90,9 @@ class EventSink(Protocol):
 def retention_from_env() -> float:
     """Seconds events are kept (AENV_EVENTS_RETENTION_DAYS, default 7 days as E2B; 0: none
     are recorded, nor delivered to webhooks)."""
-    raw = os.environ.get(RETENTION_ENV, "")
-    days = float(raw) if raw else DEFAULT_RETENTION_DAYS
+    days = get_settings().events_retention_days
     if days < 0:
-        raise ValueError(f"{RETENTION_ENV} must be 0 (keep none) or more, got {raw!r}")
+        raise ValueError(f"{RETENTION_ENV} must be 0 (keep none) or more, got {days!r}")
     return days * 86400
 
 
@@ -210,3 +192,9 @@ class EventLog:
             team, sandbox_id=sandbox_id, types=types or [], exclude_prefix=TEMPLATE_PREFIX,
             after=after, offset=offset, limit=limit, ascending=ascending)
         return [Event.from_doc(seq, doc) for seq, doc in rows]
+
+    async def since(self, after: int, limit: int) -> tuple[list[Event], int]:
+        """Every team's stored events after seq `after`, in seq order, and the last seq this
+        node's store ever gave (below `after`: the store was made anew)."""
+        rows, last = await self.store.events_after(after, limit)
+        return [Event.from_doc(seq, doc) for seq, doc in rows], last

@@ -1,21 +1,30 @@
 """Routes of the lifecycle events (E2B's `/events/sandboxes`) and the teams' webhooks
-(`/events/webhooks`); node/events.py and node/webhooks.py do the work."""
+(`/events/webhooks`); node/events.py and node/webhooks.py do the work.
+
+A node of a cluster serves its events to the gateway (CLUSTER_EVENTS_PATH, every team's, its
+node key only), which stores them in the cluster's Redis and answers `/events/*` itself and
+delivers the webhooks (control/gateway/events.py): such a node registers no webhook.
+"""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
-from starlette.routing import Route
 
-from agentenv.node import event_models as em
-from agentenv.node.api import read_model
-from agentenv.node.errors import BadRequest, NotFound
-from agentenv.node.events import TYPES, EventLog
-from agentenv.node.tenancy import scope_team
+from agentenv.api import event_models as em
+from agentenv.api.bodies import Endpoint, read_model
+from agentenv.api.errors import BadRequest, Conflict, NotFound
+from agentenv.api.event_models import TYPES
+from agentenv.api.routes import CLUSTER_EVENTS_PATH
+from agentenv.api.tenancy import LOCAL_TEAM, scope_team
+from agentenv.node.events import EventLog
 from agentenv.node.webhooks import Webhook, Webhooks
 
 MAX_EVENTS_PAGE = 100
 MAX_ATTEMPTS_PAGE = 1000
+MAX_CLUSTER_PAGE = 1000
 
 
 def query_int(request: Request, name: str, default: int, low: int, high: int) -> int:
@@ -31,27 +40,20 @@ def query_int(request: Request, name: str, default: int, low: int, high: int) ->
     return value
 
 
-class EventsApi:
-    def __init__(self, events: EventLog, webhooks: Webhooks) -> None:
-        self.events = events
-        self.webhooks = webhooks
+@dataclass(frozen=True)
+class EventQuery:
+    """The filters and paging of `GET /events/sandboxes[/{id}]`: E2B's (offset, limit 1-100
+    default 10, orderAsc, repeated types), and `after` (a seq: only newer events) for a poller
+    that must not miss or repeat any. The node and the gateway parse them here."""
 
-    def routes(self) -> list[Route]:
-        r = Route
-        return [
-            r("/events/sandboxes", self.list_events, methods=["GET"]),
-            r("/events/sandboxes/{sandbox_id}", self.list_events, methods=["GET"]),
-            r("/events/webhooks", self.list_webhooks, methods=["GET"]),
-            r("/events/webhooks", self.create_webhook, methods=["POST"]),
-            r("/events/webhooks/{webhook_id}", self.get_webhook, methods=["GET"]),
-            r("/events/webhooks/{webhook_id}", self.update_webhook, methods=["PATCH"]),
-            r("/events/webhooks/{webhook_id}", self.delete_webhook, methods=["DELETE"]),
-            r("/events/webhooks/{webhook_id}/deliveries", self.deliveries, methods=["GET"]),
-        ]
+    types: list[str]
+    after: int
+    offset: int
+    limit: int
+    ascending: bool
 
-    async def list_events(self, request: Request) -> Response:
-        """E2B's paging (offset, limit 1-100 default 10, orderAsc, repeated types), and `after`
-        (a seq: only newer events) for a poller that must not miss or repeat any."""
+    @classmethod
+    def parse(cls, request: Request) -> EventQuery:
         types = request.query_params.getlist("types")
         unknown = sorted(set(types) - set(TYPES))
         if unknown:
@@ -59,12 +61,50 @@ class EventsApi:
         order = request.query_params.get("orderAsc", "false").lower()
         if order not in ("true", "false"):
             raise BadRequest(f"orderAsc must be true or false, got {order!r}")
+        return cls(types=types, after=query_int(request, "after", 0, 0, 2**62),
+                   offset=query_int(request, "offset", 0, 0, 2**31),
+                   limit=query_int(request, "limit", 10, 1, MAX_EVENTS_PAGE),
+                   ascending=order == "true")
+
+
+class EventsApi:
+    def __init__(self, events: EventLog, webhooks: Webhooks, cluster: bool = False) -> None:
+        """`cluster`: a node of a cluster (its gateway delivers the webhooks)."""
+        self.events = events
+        self.webhooks = webhooks
+        self.cluster = cluster
+
+    def handlers(self) -> dict[str, Endpoint]:
+        """The operations of the route table (agentenv.api.routes) this serves."""
+        return {
+            "listSandboxEvents": self.list_events, "listSandboxEventsOfSandbox": self.list_events,
+            "listWebhooks": self.list_webhooks, "createWebhook": self.create_webhook,
+            "getWebhook": self.get_webhook, "updateWebhook": self.update_webhook,
+            "deleteWebhook": self.delete_webhook, "listWebhookDeliveries": self.deliveries,
+            "clusterEvents": self.cluster_events,
+        }
+
+    async def list_events(self, request: Request) -> Response:
+        q = EventQuery.parse(request)
         found = await self.events.query(
             scope_team(request.scope), sandbox_id=request.path_params.get("sandbox_id"),
-            types=types, after=query_int(request, "after", 0, 0, 2**62),
-            offset=query_int(request, "offset", 0, 0, 2**31),
-            limit=query_int(request, "limit", 10, 1, MAX_EVENTS_PAGE), ascending=order == "true")
+            types=q.types, after=q.after, offset=q.offset, limit=q.limit, ascending=q.ascending)
         return JSONResponse([em.SandboxEvent(**e.to_json()).body() for e in found])
+
+    async def cluster_events(self, request: Request) -> Response:
+        """Every team's events after `after`, oldest first, and `last`, the last seq the
+        node's store ever gave: for the gateway's collector (control/gateway/events.py). A
+        team-less route that only the node key opens (node/api.py); a standalone node has no
+        gateway, and no such route."""
+        if not self.cluster or scope_team(request.scope) != LOCAL_TEAM:
+            # a request that names a team is some team's: never every team's events (a relay
+            # of the gateway that passed this path on with a team's header would open them)
+            raise NotFound(f"route not found: GET {CLUSTER_EVENTS_PATH}")
+        found, last = await self.events.since(
+            query_int(request, "after", 0, 0, 2**62),
+            query_int(request, "limit", 100, 1, MAX_CLUSTER_PAGE))
+        return JSONResponse({"events": [{**e.to_json(), "ts": e.timestamp} for e in found],
+                             "last": last})
 
     def _hook(self, request: Request) -> Webhook:
         webhook_id = request.path_params["webhook_id"]
@@ -82,6 +122,9 @@ class EventsApi:
                              for h in self.webhooks.of_team(scope_team(request.scope))])
 
     async def create_webhook(self, request: Request) -> Response:
+        if self.cluster:
+            raise Conflict("a node of a cluster delivers no webhooks: the gateway does "
+                           "(register them through it)")
         body = await read_model(request, em.NewWebhook)
         hook = await self.webhooks.register(
             scope_team(request.scope), body.name, body.url, list(dict.fromkeys(body.events)),

@@ -28,6 +28,8 @@ references (never while a template build runs). The built-in template's current 
 and layer are always marked.
 Process backend (<state>/process-backend/): directories of sandboxes that are gone and
 snapshot copies no template or sandbox names.
+Volumes (<state>/volumes/layers/): sealed versions that are no volume's current one and that
+no sandbox mounts and no snapshot names (docs/volumes.md §6).
 Template build uploads (<state>/template-files/<team>/): an archive no waiting or running build's
 steps name, once it has not been uploaded or asked about (`present`) for
 `AENV_TEMPLATE_FILES_TTL` seconds (default 3600, an upload URL's lifetime: the SDK may ask,
@@ -52,6 +54,7 @@ from typing import TYPE_CHECKING, Any
 
 from agentenv.node.backend import TemplateRef
 from agentenv.node.template_files import UNVERIFIED_SUFFIX
+from agentenv.settings import get_settings
 
 if TYPE_CHECKING:
     from agentenv.node.metrics import NodeMetrics
@@ -59,8 +62,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("agentenv.node.gc")
 
-DEFAULT_GRACE_SECONDS = 60.0
-DEFAULT_FILES_TTL_SECONDS = 3600.0
 DEFAULT_DEBOUNCE_SECONDS = 1.0
 BUSY_WAIT_SECONDS = 30.0
 RELEASED_MARK = ".released"  # vm_backend's own marker; not a reason to keep or to delete
@@ -169,14 +170,11 @@ class LayerCollector:
         self.orchestrator = orchestrator
         self.state_dir = state_dir
         self.metrics = metrics
-        env_grace = os.environ.get("AENV_GC_GRACE_SECONDS")
-        self.grace_seconds = (
-            grace_seconds if grace_seconds is not None
-            else float(env_grace) if env_grace else DEFAULT_GRACE_SECONDS
-        )
+        settings = get_settings()
+        self.grace_seconds = (grace_seconds if grace_seconds is not None
+                              else settings.gc_grace_seconds)
         self.debounce_seconds = debounce_seconds
-        env_ttl = os.environ.get("AENV_TEMPLATE_FILES_TTL")
-        self.files_ttl = float(env_ttl) if env_ttl else DEFAULT_FILES_TTL_SECONDS
+        self.files_ttl = settings.template_files_ttl
         self.last: GcReport | None = None
         self._lock = asyncio.Lock()
         self._wanted = asyncio.Event()
@@ -267,6 +265,12 @@ class LayerCollector:
                     device_files.add(_resolve(source))
                     if source.suffix == ".json":
                         device_files.update(_resolve(p) for p in _config_lowers(source))
+        # volumes: every volume's current version, and what sandboxes mount (a create that
+        # sealed one may not run its VM yet); older versions go (node/volumes.py)
+        if orch.volumes is not None:
+            in_use.update(_resolve(p) for p in orch.volumes.current_layers())
+        for rec in orch.sandboxes.values():
+            in_use.update(_resolve(m.layer) for m in rec.volume_mounts)
         current_layer = None
         with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
             meta = json.loads((self.state_dir / "templates" / "base" / "template.json").read_text())
@@ -301,11 +305,22 @@ class LayerCollector:
 
     def _sweep(self, marks: _Marks, report: GcReport) -> None:
         now = time.time()
+        files = set(marks.in_use)
         if (self.state_dir / "vm-backend").is_dir():
-            self._sweep_vm(marks, report, now)
+            files = self._sweep_vm(marks, report, now)
         if (self.state_dir / "process-backend").is_dir():
             self._sweep_process(marks, report, now)
         self._sweep_template_files(report, now)
+        self._sweep_volume_layers(files, report, now)
+
+    def _sweep_volume_layers(self, files: set[Path], report: GcReport, now: float) -> None:
+        """Sealed versions of volumes no volume, sandbox or snapshot names (an older version,
+        or every version of a deleted volume, once nothing mounts it)."""
+        layers = self.state_dir / "volumes" / "layers"
+        if layers.is_dir():
+            for layer in sorted(layers.glob("*.layer")):
+                if _resolve(layer) not in files:
+                    self._delete(layer, report, now)
 
     def _files_wanted(self) -> set[str] | None:
         """filesHash of every step of a waiting or running build (None: a record could not
@@ -376,7 +391,8 @@ class LayerCollector:
         dirs.update(p for p in files if p.is_dir())
         return files, dirs
 
-    def _sweep_vm(self, marks: _Marks, report: GcReport, now: float) -> None:
+    def _sweep_vm(self, marks: _Marks, report: GcReport, now: float) -> set[Path]:
+        """Sweeps the VM backend's files; what is in use (the files the marks pin)."""
         base = self.state_dir / "vm-backend"
         files, dirs = self._live_vm_files(marks)
         snapshots = base / "runtime" / "snapshots"
@@ -403,6 +419,7 @@ class LayerCollector:
                 if path not in files and path != marks.current_base_layer:
                     self._delete(layer, report, now)
         self._sweep_layer_cache(files, report, now)
+        return files
 
     def _builds_running(self) -> bool:
         for path in (self.state_dir / "template-builds").glob("*.json"):

@@ -6,9 +6,12 @@ full sandbox list (the scheduler reconciles its binding table against it), and w
 locally: templates and their names, snapshots, and overlaybd layer ids (cache-aware placement),
 and the blobs its blockd serves to peers with the address it serves them at (node/layer_peers.py).
 
-Capacity: vCPUs offered are `AENV_NODE_VCPUS` (default 4 x the host's CPUs: sandboxes mostly
-wait on the model); memory is the admission budget (node/admission.py) when there is one, else
-the host's MemTotal/MemAvailable; the sandbox count limit is AENV_MAX_SANDBOXES.
+Capacity is the node's own admission's (node/admission.py `room()`): cpu_free and memory_free_mib
+are what the node would admit now (the smaller of its ceilings on what sandboxes request and of
+its real headroom: MemAvailable, PSI), the totals its ceilings, with the per-sandbox memory
+overhead and the free-disk floor it counts, so the scheduler places by the figures the node
+admits by; also the host's CPUs, memory and pressure as they are. The sandbox count limit is
+AENV_MAX_SANDBOXES.
 
 This module imports only the scheduler's client from the control plane (docs/architecture.md §3).
 """
@@ -16,17 +19,13 @@ This module imports only the scheduler's client from the control plane (docs/arc
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
-import os
-import shutil
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from agentenv.control.scheduler.client import Credentials, SchedulerClient, SchedulerError, pb
-from agentenv.errors import AgentEnvError
 
 if TYPE_CHECKING:
     from agentenv.node.layer_peers import LayerPeers
@@ -35,31 +34,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("agentenv.node.heartbeat")
 
 DEFAULT_INTERVAL_S = 2.0
-VCPU_OVERCOMMIT = 4
-
-
-def _meminfo() -> dict[str, int]:
-    out: dict[str, int] = {}
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            name, _, rest = line.partition(":")
-            parts = rest.split()
-            if parts:
-                out[name] = int(parts[0]) // 1024
-    return out
-
-
-def offered_vcpus() -> int:
-    raw = os.environ.get("AENV_NODE_VCPUS", "").strip()
-    if raw:
-        try:
-            value = int(raw)
-        except ValueError:
-            raise AgentEnvError(f"AENV_NODE_VCPUS={raw!r} is not a whole number") from None
-        if value < 1:
-            raise AgentEnvError(f"AENV_NODE_VCPUS={raw!r} must be at least 1")
-        return value
-    return VCPU_OVERCOMMIT * (os.cpu_count() or 1)
 
 
 class HeartbeatSender:
@@ -86,7 +60,6 @@ class HeartbeatSender:
         self.interval = interval
         self.ready = ready
         self.peers = peers  # adds blockd's chunk server and held blobs (node/layer_peers.py)
-        self.vcpus = offered_vcpus()
         self.sent = 0
         self.failures = 0
         self._task: asyncio.Task[None] | None = None
@@ -96,15 +69,12 @@ class HeartbeatSender:
         msg = pb.NodeStatus(
             node_id=self.node_id, address=self.advertise, layer_address=self.layer_address
         )
-        cpu_used = 0
-        held_mib = 0
-        admission = orch.admission
         for rec in list(orch.sandboxes.values()):
             paused = rec.state.public == "paused"
             msg.sandboxes.add(
                 sandbox_id=rec.sandbox_id,
                 state="paused" if paused else "running",
-                # the team the gateway named when it was made (node/tenancy.py): a binding the
+                # the team the gateway named when it was made (api/tenancy.py): a binding the
                 # scheduler re-adds from this list keeps it
                 team_id=rec.team,
             )
@@ -112,33 +82,39 @@ class HeartbeatSender:
                 msg.paused += 1
             else:
                 msg.running += 1
-                cpu_used += rec.cpu_count
-                held_mib += (admission.sandbox_mb(rec.memory_mb, rec.cpu_count)
-                             if admission else rec.memory_mb)
-        msg.cpu_total = self.vcpus
-        msg.cpu_free = max(0, self.vcpus - cpu_used)
-        if admission is not None:
-            msg.memory_total_mib = admission.memory_budget_mb
-            msg.memory_free_mib = max(0, admission.memory_budget_mb - held_mib)
-            msg.max_sandboxes = admission.max_sandboxes
-        else:
-            info = _meminfo()
-            msg.memory_total_mib = info.get("MemTotal", 0)
-            msg.memory_free_mib = info.get("MemAvailable", 0)
-        with contextlib.suppress(OSError):
-            msg.disk_free_bytes = shutil.disk_usage(self.state_dir).free
+        admission = orch.admission
+        assert admission is not None, "the node's server sets the admission before heartbeats"
+        room = admission.room(orch.sandboxes.values())
+        msg.cpu_total, msg.cpu_free = room.cpu_ceiling, room.cpu_free
+        msg.memory_total_mib, msg.memory_free_mib = room.memory_ceiling_mib, room.memory_free_mib
+        msg.max_sandboxes = admission.max_sandboxes
+        msg.sandbox_overhead_mib, msg.sandbox_overhead_per_vcpu_mib = admission.overhead
+        msg.disk_free_bytes, msg.disk_floor_bytes = room.disk_free, room.disk_floor
+        msg.cpu_bound = admission.bound(room.cpu_limit, room)
+        msg.memory_bound = admission.bound(room.memory_limit, room)
+        use = room.use
+        msg.host_cpus, msg.host_memory_mib = use.cpus, use.memory_total_mib
+        msg.memory_available_mib = use.memory_available_mib
+        if use.cpu_pressure is not None:
+            msg.cpu_pressure = use.cpu_pressure
+        if use.memory_pressure is not None:
+            msg.memory_pressure = use.memory_pressure
+        msg.cpu_busy = use.cpu_busy
         layers: set[str] = set()
         for tpl in list(orch.catalogue.templates.values()):
             layers.update(tpl.ref.layers)
+            names = (tpl.template_id, *tpl.names)
             if tpl.kind == "snapshot":
-                msg.snapshots.append(tpl.template_id)
-                msg.snapshots.extend(tpl.names)
+                msg.snapshots.extend(names)
             else:
-                msg.templates.append(tpl.template_id)
-                msg.templates.extend(tpl.names)
+                msg.templates.extend(names)
                 if tpl.ref.layers:
-                    for name in (tpl.template_id, *tpl.names):
+                    for name in names:
                         msg.template_layers.add(template_id=name, layers=list(tpl.ref.layers))
+            # what a sandbox of it asks: the scheduler sizes a request that names none by it
+            for name in names:
+                msg.template_sizes.add(template_id=name, vcpus=tpl.cpu_count,
+                                       memory_mib=tpl.memory_mb)
         msg.layers.extend(sorted(layers))
         return msg
 

@@ -7,9 +7,12 @@ heartbeats, and blockd learns from the node which peers hold a blob (docs/remote
 - The node serves `GET /cluster/holders?digest=sha256:...` (behind the API key or the cluster
   secret, like any control route): it asks the scheduler's Holders for the up nodes holding the
   blob, this node left out, and answers {"holders": [{"address", "complete"}]}.
-- Each heartbeat also tells blockd (`remote_peers {resolver}`) to ask that route, with the
-  headers that pass the node's check, so a blockd that was restarted learns it again. blockd
-  caches the answers briefly, asks the holders before the registry and falls back to it.
+- Each heartbeat also tells blockd (`remote_peers {resolver, serve_key}`) to ask that route,
+  with the headers that pass the node's check, and the key its chunk server checks peers'
+  credentials with (derived from this node's key: agentenv.cluster_keys), so a blockd that was
+  restarted learns both again. blockd caches the answers briefly, asks the holders before the
+  registry (each with the credential the scheduler issued this node for it) and falls back to
+  the registry.
 
 blockd never imports the control plane: the node is the one that talks to the scheduler.
 """
@@ -17,7 +20,6 @@ blockd never imports the control plane: the node is the one that talks to the sc
 from __future__ import annotations
 
 import logging
-import os
 import re
 from collections.abc import Callable
 from pathlib import Path
@@ -30,6 +32,7 @@ from starlette.routing import Route
 from agentenv.blockd.client import AsyncBlockdClient
 from agentenv.blockd.errors import BlockdError
 from agentenv.control.scheduler.client import Credentials, SchedulerClient, SchedulerError, pb
+from agentenv.settings import get_settings
 
 log = logging.getLogger("agentenv.node.layer_peers")
 
@@ -42,7 +45,7 @@ def blockd_socket_of(backend: object) -> Path | None:
     """The blockd this node's remote layers go through: the VM backend's (private or shared),
     else the one named by AENV_BLOCKD_SOCKET (a process-backend node beside a blockd)."""
     link = getattr(backend, "blockd", None)
-    sock = getattr(link, "socket", None) or os.environ.get("AENV_BLOCKD_SOCKET")
+    sock = getattr(link, "socket", None) or get_settings().blockd_socket
     return Path(sock) if sock else None
 
 
@@ -54,10 +57,13 @@ def _host_port(address: str) -> tuple[str, str]:
 class LayerPeers:
     def __init__(self, scheduler: str, credentials: Credentials, node_id: str, api_url: str,
                  api_headers: dict[str, str], blockd_socket: Callable[[], Path | None],
-                 advertise_host: str, api_ca: Path | None = None) -> None:
+                 advertise_host: str, api_ca: Path | None = None,
+                 serve_key: str | None = None) -> None:
         """`api_url`: this node's API as blockd reaches it; `api_headers`: what passes its
         check; `api_ca`: what its certificate is checked with where it serves TLS;
-        `advertise_host`: replaces a wildcard host of the chunk server."""
+        `advertise_host`: replaces a wildcard host of the chunk server; `serve_key`: what
+        blockd's chunk server checks peers' credentials with (cluster_keys.peer_serve_key)."""
+        self.serve_key = serve_key
         self.scheduler = scheduler
         self.credentials = credentials  # the node's own (Holders for its own id only)
         self.node_id = node_id
@@ -88,7 +94,8 @@ class LayerPeers:
         except SchedulerError as exc:
             return JSONResponse({"code": 503, "message": str(exc)}, 503)
         return JSONResponse({"holders": [
-            {"address": f"http://{h.layer_address}", "complete": h.complete, "node_id": h.node_id}
+            {"address": f"http://{h.layer_address}", "complete": h.complete,
+             "node_id": h.node_id, "credential": h.credential}
             for h in found.get(digest, [])
         ]})
 
@@ -102,7 +109,11 @@ class LayerPeers:
             self._blockd = AsyncBlockdClient(sock)
         try:
             held: dict[str, Any] = await self._blockd.call("remote_held")
-            await self._blockd.call("remote_peers", resolver=self.resolver)
+            if self.serve_key is not None:
+                await self._blockd.call("remote_peers", resolver=self.resolver,
+                                        serve_key=self.serve_key)
+            else:
+                await self._blockd.call("remote_peers", resolver=self.resolver)
         except (BlockdError, OSError) as exc:
             if not self._failed:  # once per outage: blockd restarting is no news every 2 s
                 log.warning("cannot report the blobs blockd holds: %s", exc)

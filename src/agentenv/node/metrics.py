@@ -10,6 +10,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from agentenv.node.admission import RESOURCE
+
 OP_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
 
@@ -24,6 +26,22 @@ class _StateCollector(Collector):
         for state, count in sorted(self._counts().items()):
             family.add_metric([state], count)
         yield family
+
+
+class _IdleCollector(Collector):
+    """Idle pauses (node/idle.py), counted by the orchestrator and read at scrape time."""
+
+    def __init__(self, counts: Callable[[], tuple[int, int]]) -> None:
+        self._counts = counts
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        pauses, resumes = self._counts()
+        yield CounterMetricFamily(
+            "aenv_node_idle_pauses", "Sandboxes the node paused after their idlePauseAfter "
+            "without traffic", value=pauses)
+        yield CounterMetricFamily(
+            "aenv_node_idle_resumes", "Resumes of sandboxes the node had paused for idleness "
+            "(by traffic, a connect, or a call that needs them running)", value=resumes)
 
 
 class _ReadyPoolCollector(Collector):
@@ -54,6 +72,65 @@ class _ReadyPoolCollector(Collector):
         yield parked
         yield target
         yield events
+
+
+class _AdmissionCollector(Collector):
+    """Admission by use (node/admission.py), read at scrape time: refusals by resource and
+    limit, what is requested against the ceilings and what the node would admit now, the
+    host's pressure and available memory, and what the running sandboxes use (their latest
+    samples, node/observer.py): requested/used is the overcommit actually reached."""
+
+    def __init__(self, admission: Callable[[], Any], records: Callable[[], Any],
+                 usage: Callable[[], tuple[float, int] | None]) -> None:
+        self._admission = admission
+        self._records = records
+        self._usage = usage
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        admission = self._admission()
+        if admission is None:
+            return
+        refusals = CounterMetricFamily(
+            "aenv_node_admission_refusals", "Creates, resumes and forks refused (429), by "
+            "resource and limit", labels=["resource", "limit"])
+        for limit, count in sorted(admission.refusals.items()):
+            refusals.add_metric([RESOURCE.get(limit, limit.removeprefix("team_")), limit],
+                                count)
+        yield refusals
+        room = admission.room(list(self._records()))
+        for name, what, values in (
+            ("ceiling", "The ceiling on what sandboxes request (vCPUs; MiB with overhead)",
+             (room.cpu_ceiling, room.memory_ceiling_mib)),
+            ("requested", "What the sandboxes holding a VM request (vCPUs; MiB)",
+             (room.cpu_requested, room.memory_requested_mib)),
+            ("free", "What the node would admit now, the smaller of the ceiling's room and "
+             "the real headroom's (vCPUs; MiB)", (room.cpu_free, room.memory_free_mib)),
+        ):
+            family = GaugeMetricFamily(f"aenv_node_admission_{name}", what, labels=["resource"])
+            family.add_metric(["cpu"], values[0])
+            family.add_metric(["memory"], values[1])
+            yield family
+        use = room.use
+        pressure = GaugeMetricFamily(
+            "aenv_node_host_pressure", "PSI some avg10 of the host, percent (none without "
+            "PSI)", labels=["resource"])
+        for resource, value in (("cpu", use.cpu_pressure), ("memory", use.memory_pressure)):
+            if value is not None:
+                pressure.add_metric([resource], value)
+        yield pressure
+        yield GaugeMetricFamily("aenv_node_host_memory_available_bytes",
+                                "The host's MemAvailable", value=use.memory_available_mib << 20)
+        yield GaugeMetricFamily("aenv_node_host_cpu_busy_ratio",
+                                "Share of the host's CPU time busy over the last ~10 s",
+                                value=use.cpu_busy / 100)
+        used = self._usage()
+        if used is not None:
+            family = GaugeMetricFamily(
+                "aenv_node_sandbox_usage", "What the running sandboxes use by their latest "
+                "samples: CPUs busy, resident bytes", labels=["resource"])
+            family.add_metric(["cpu"], used[0])
+            family.add_metric(["memory"], used[1])
+            yield family
 
 
 class NodeMetrics:
@@ -110,8 +187,16 @@ class NodeMetrics:
     def watch_states(self, counts: Callable[[], dict[str, int]]) -> None:
         self.registry.register(_StateCollector(counts))
 
+    def watch_idle(self, counts: Callable[[], tuple[int, int]]) -> None:
+        """`counts()`: (idle pauses, resumes of idle-paused sandboxes) so far."""
+        self.registry.register(_IdleCollector(counts))
+
     def watch_ready_pools(self, pool: Callable[[], Any]) -> None:
         self.registry.register(_ReadyPoolCollector(pool))
+
+    def watch_admission(self, admission: Callable[[], Any], records: Callable[[], Any],
+                        usage: Callable[[], tuple[float, int] | None]) -> None:
+        self.registry.register(_AdmissionCollector(admission, records, usage))
 
     def record_op(self, op: str, outcome: str, seconds: float) -> None:
         self.ops.labels(op, outcome).observe(seconds)

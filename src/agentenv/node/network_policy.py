@@ -26,11 +26,12 @@ import signal
 from pathlib import Path
 from typing import Any
 
+from agentenv.api.errors import BadRequest
 from agentenv.network.control import EgressControlError, SlotEntry, SlotIdentity
 from agentenv.network.policy import ALL_TRAFFIC, EgressPolicy, PolicyError
-from agentenv.node.errors import BadRequest
 from agentenv.node.records import SandboxRecord
 from agentenv.node.security import TokenIssuer
+from agentenv.settings import get_settings
 
 log = logging.getLogger("agentenv.node.network_policy")
 
@@ -66,7 +67,7 @@ def _walls() -> list[ipaddress.IPv4Network]:
     from agentenv.runtime.network import parse_open_ranges, walls
 
     try:
-        opened = parse_open_ranges(os.environ.get("AENV_NET_OPEN_RANGES") or "")
+        opened = parse_open_ranges(get_settings().net_open_ranges)
     except Exception:  # the backend refuses a bad setting at start
         opened = ()
     return walls(opened)

@@ -10,21 +10,22 @@ from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
-from starlette.routing import Route
 
-from agentenv.node import models
-from agentenv.node.errors import BadRequest, sandbox_not_found
+from agentenv.api import models
+from agentenv.api.bodies import Endpoint
+from agentenv.api.errors import BadRequest, sandbox_not_found
+from agentenv.api.event_models import MAX_METRICS_BATCH
+from agentenv.api.tenancy import scope_team
+from agentenv.node import views
 from agentenv.node.events_api import query_int
 from agentenv.node.observer import LEVELS, History, LogLine, Observer, Sample
 from agentenv.node.records import State
-from agentenv.node.tenancy import scope_team
 
-MAX_BATCH = 100
 MAX_LOGS = 1000
 
 
 def metric_json(sample: Sample) -> dict[str, Any]:
-    return models.metric_json(sample.metric, sample.mem_used_host)
+    return views.metric_json(sample.metric, sample.mem_used_host)
 
 
 def _entry(line: LogLine) -> dict[str, Any]:
@@ -36,14 +37,10 @@ class ObserveApi:
     def __init__(self, observer: Observer) -> None:
         self.observer = observer
 
-    def routes(self) -> list[Route]:
-        r = Route
-        return [
-            r("/sandboxes/metrics", self.batch_metrics, methods=["GET"]),
-            r("/sandboxes/{sandbox_id}/metrics", self.metrics, methods=["GET"]),
-            r("/sandboxes/{sandbox_id}/logs", self.logs_v1, methods=["GET"]),
-            r("/v2/sandboxes/{sandbox_id}/logs", self.logs_v2, methods=["GET"]),
-        ]
+    def handlers(self) -> dict[str, Endpoint]:
+        """The operations of the route table (agentenv.api.routes) this serves."""
+        return {"getSandboxesMetrics": self.batch_metrics, "getSandboxMetrics": self.metrics,
+                "getSandboxLogs": self.logs_v1, "getSandboxLogsV2": self.logs_v2}
 
     async def _history(self, request: Request) -> History:
         """The sandbox's history, freshly sampled when it runs and the last sample is older
@@ -85,8 +82,8 @@ class ObserveApi:
         if not raw:
             raise BadRequest("sandbox_ids is required: comma-separated sandbox ids")
         ids = list(dict.fromkeys(i.strip() for i in raw.split(",") if i.strip()))
-        if len(ids) > MAX_BATCH:
-            raise BadRequest(f"at most {MAX_BATCH} sandbox_ids, got {len(ids)}")
+        if len(ids) > MAX_METRICS_BATCH:
+            raise BadRequest(f"at most {MAX_METRICS_BATCH} sandbox_ids, got {len(ids)}")
         team = scope_team(request.scope)
         out = {}
         for sid in ids:

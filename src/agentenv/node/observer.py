@@ -29,6 +29,7 @@ from agentenv.envd_client import EnvdClient, EnvdClientError
 from agentenv.node.backend import BackendError, MetricSample
 from agentenv.node.orchestrator import Orchestrator
 from agentenv.node.records import State
+from agentenv.settings import get_settings
 
 log = logging.getLogger("agentenv.node.observer")
 
@@ -46,11 +47,9 @@ class ObserverConfig:
 
     @classmethod
     def from_env(cls) -> ObserverConfig:
-        env = os.environ.get
-        return cls(interval=float(env("AENV_METRICS_INTERVAL", "5")),
-                   grace=float(env("AENV_METRICS_GRACE", "600")),
-                   max_samples=int(env("AENV_METRICS_MAX_SAMPLES", "2880")),
-                   max_log_bytes=int(env("AENV_LOGS_MAX_BYTES", str(256 * 1024))))
+        s = get_settings()
+        return cls(interval=s.metrics_interval, grace=s.metrics_grace,
+                   max_samples=s.metrics_max_samples, max_log_bytes=s.logs_max_bytes)
 
 
 @dataclass(frozen=True)
@@ -117,6 +116,20 @@ class Observer:
                 await self.observe_once()
             except Exception:
                 log.exception("observer pass failed")
+
+    def usage(self) -> tuple[float, int] | None:
+        """(CPUs busy, resident bytes) of the running sandboxes by their latest host-side
+        samples; None when sampling is off."""
+        if self.config.interval <= 0:
+            return None
+        cpus, resident = 0.0, 0
+        for sandbox_id, rec in list(self.orchestrator.sandboxes.items()):
+            history = self.histories.get(sandbox_id)
+            if rec.state == State.RUNNING and history is not None and history.samples:
+                last = history.samples[-1]
+                cpus += last.metric.cpu_used_pct * last.metric.cpu_count / 100
+                resident += last.mem_used_host
+        return cpus, resident
 
     def of(self, sandbox_id: str, team: str) -> History | None:
         history = self.histories.get(sandbox_id)

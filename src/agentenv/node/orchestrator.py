@@ -35,6 +35,27 @@ from typing import Any, Protocol, TypeVar
 
 import httpx
 
+from agentenv.api.errors import (
+    ApiError,
+    BadRequest,
+    Conflict,
+    Internal,
+    Unavailable,
+    sandbox_not_found,
+)
+from agentenv.api.event_models import (
+    CHECKPOINTED,
+    CREATED,
+    FAILED,
+    FORKED,
+    KILLED,
+    PAUSED,
+    RESUMED,
+    ROLLED_BACK,
+    UPDATED,
+)
+from agentenv.api.models import iso
+from agentenv.api.tenancy import LOCAL_TEAM
 from agentenv.envd_client import EnvdClient, EnvdClientError
 from agentenv.node import network_policy
 from agentenv.node.admission import Admission, Reservation
@@ -47,34 +68,16 @@ from agentenv.node.backend import (
     SandboxSpec,
     SnapshotBranching,
     SnapshotRef,
+    VolumeMount,
 )
 from agentenv.node.catalogue import TemplateCatalogue
-from agentenv.node.errors import (
-    ApiError,
-    BadRequest,
-    Conflict,
-    Internal,
-    Unavailable,
-    sandbox_not_found,
-)
-from agentenv.node.events import (
-    CHECKPOINTED,
-    CREATED,
-    FAILED,
-    FORKED,
-    KILLED,
-    PAUSED,
-    RESUMED,
-    ROLLED_BACK,
-    UPDATED,
-    Event,
-    EventLog,
-)
-from agentenv.node.models import iso
-from agentenv.node.records import SandboxRecord, State, TemplateRecord
+from agentenv.node.events import Event, EventLog
+from agentenv.node.idle import IDLE_REASON, IdleTracker, idle_setting
+from agentenv.node.records import MountRecord, SandboxRecord, State, TemplateRecord
 from agentenv.node.security import TokenIssuer, new_id
 from agentenv.node.store import NameTaken, PendingOp, Store
-from agentenv.node.tenancy import LOCAL_TEAM
+from agentenv.node.volumes import PlannedMount, Volumes
+from agentenv.settings import get_settings
 
 log = logging.getLogger("agentenv.node.orchestrator")
 T = TypeVar("T")
@@ -91,7 +94,7 @@ CRASH_EXIT_CODE = 86
 
 
 def _crash_point(name: str) -> None:
-    if os.environ.get(CRASH_POINT_ENV) == name:
+    if get_settings().test_crash_at == name:
         log.error("test crash point reached: exiting at once", extra={"crash_point": name})
         os._exit(CRASH_EXIT_CODE)
 
@@ -106,6 +109,8 @@ class NodeConfig:
     envd_ready_timeout: float = 60.0
     domain: str | None = None
     default_envd_version: str = "0.5.7"
+    #: idlePauseAfter of sandboxes whose create and template name none (node/idle.py); 0: off
+    idle_pause_after: int = 0
 
 
 class Companion(Protocol):
@@ -128,6 +133,10 @@ class CreateParams:
     network: dict[str, Any] | None = None
     #: the team the sandbox is made for: it sees only that team's templates and snapshots
     team: str = LOCAL_TEAM
+    #: the create body's idlePauseAfter (None: from its metadata, template or the node)
+    idle_pause_after: int | None = None
+    #: volumes to mount: (name, path, mode or None), as the API took them (docs/volumes.md §6)
+    volume_mounts: list[tuple[str, str, str | None]] = field(default_factory=list)
 
 
 @dataclass
@@ -145,6 +154,9 @@ class NodeCounters:
     create_fails: int = 0
     #: team -> [successes, fails]
     teams: dict[str, list[int]] = field(default_factory=dict)
+    #: pauses the node made of idle sandboxes, and resumes of sandboxes so paused
+    idle_pauses: int = 0
+    idle_resumes: int = 0
 
     def count_create(self, team: str, ok: bool) -> None:
         if ok:
@@ -196,6 +208,10 @@ class Orchestrator:
         #: services over the running node (node/observer.py), started once it runs and
         #: stopped first at shutdown
         self.companions: list[Companion] = []
+        #: how long each running sandbox has been without traffic (the proxy touches it)
+        self.activity = IdleTracker()
+        #: the teams' volumes (node/volumes.py), set by the server; None: no volumes
+        self.volumes: Volumes | None = None
 
     def on_leave_running(self, listener: Callable[[str, str], None]) -> None:
         """Call `listener(sandbox_id, why)` synchronously whenever a running sandbox stops being
@@ -218,6 +234,7 @@ class Orchestrator:
             data={"sandbox_metadata": dict(rec.metadata), **data}))
 
     def _left_running(self, sandbox_id: str, why: str) -> None:
+        self.activity.restart(sandbox_id)
         for listener in self._leave_listeners:
             try:
                 listener(sandbox_id, why)
@@ -229,6 +246,8 @@ class Orchestrator:
     async def start(self) -> None:
         self._http = httpx.AsyncClient(timeout=httpx.Timeout(10.0, connect=2.0), trust_env=False)
         await self.store.open()
+        if self.volumes is not None:  # before the garbage collector looks at their layers
+            await self.volumes.start()
         if self.events is not None:
             await self.events.start()
         await self.backend.start()
@@ -371,6 +390,7 @@ class Orchestrator:
         rec.pause_snapshot = result.snapshot
         rec.pause_mode = "full" if result.memory else "filesystem"
         rec.pause_asked_memory = bool(op.doc.get("memory", True))
+        rec.pause_reason = str(op.doc.get("reason", "request"))
         rec.last_pause = result.snapshot
         rec.state = State.PAUSED
         self.sandboxes[rec.sandbox_id] = rec
@@ -420,12 +440,7 @@ class Orchestrator:
             ]
             if not running:
                 break
-            tasks = []
-            for rec in running:
-                rec.state = State.PAUSING
-                self._left_running(rec.sandbox_id, "paused")
-                tasks.append(self._start_op(rec.sandbox_id, "pause",
-                                            self._do_pause(rec, True, "shutdown")))
+            tasks = [self._begin_pause(rec, True, "shutdown") for rec in running]
             results = await asyncio.gather(*tasks, return_exceptions=True)
             for rec, result in zip(running, results, strict=True):
                 if isinstance(result, BaseException):
@@ -509,16 +524,18 @@ class Orchestrator:
 
     async def _await_state(
         self, sandbox_id: str, proceed: Collection[State],
-        refuse: Mapping[State, Callable[[SandboxRecord], ApiError]] | None = None,
+        refuse: Mapping[State, Callable[[SandboxRecord], ApiError | None]] | None = None,
     ) -> SandboxRecord:
-        """The record once its state is in `proceed`; in a state of `refuse`, that error; in
-        any other (another operation under way), wait for that operation and look again."""
+        """The record once its state is in `proceed`; in a state of `refuse`, that error (None:
+        wait after all); in any other (another operation under way), wait for that operation
+        and look again."""
         while True:
             rec = self.get(sandbox_id)
             if rec.state in proceed:
                 return rec
-            if refuse and rec.state in refuse:
-                raise refuse[rec.state](rec)
+            error = refuse[rec.state](rec) if refuse and rec.state in refuse else None
+            if error is not None:
+                raise error
             await self._wait_op(sandbox_id, rec.state)
 
     async def wait_idle(self, timeout: float) -> None:
@@ -548,7 +565,35 @@ class Orchestrator:
             allow_internet_access=rec.allow_internet_access is not False,
             metadata=dict(rec.metadata),
             template_id=rec.template_id,
+            volume_mounts=tuple(VolumeMount(m.slot, m.path, m.mode == "ro", m.layer)
+                                for m in rec.volume_mounts),
         )
+
+    def _plan_mounts(self, params: CreateParams, tpl: TemplateRecord
+                     ) -> tuple[list[MountRecord], list[PlannedMount]]:
+        """The volumes a create mounts: those its snapshot mounted already (inherited, in
+        their disks) and those it asks for, checked before anything is made (4xx)."""
+        inherited = [MountRecord.from_json(m) for m in tpl.ref.data.get("volume_mounts", [])]
+        if not params.volume_mounts:
+            return inherited, []
+        if self.volumes is None:
+            raise BadRequest("volumeMounts: this node has no volumes")
+        mounting = self.capabilities.volumes
+        return inherited, self.volumes.plan_mounts(
+            params.team, params.volume_mounts, inherited,
+            None if mounting is None else mounting.free_volume_slots(tpl.ref),
+            self.backend.name)
+
+    def volume_writers(self) -> dict[str, str]:
+        """The volumes a sandbox mounts read-write (exclusively), by volume id: its id."""
+        return {m.volume_id: rec.sandbox_id for rec in self.sandboxes.values()
+                for m in rec.volume_mounts if m.mode == "rw"}
+
+    async def _mount(self, rec: SandboxRecord, planned: list[PlannedMount]) -> None:
+        """The planned mounts with their volumes' sealed layers (sealed now if changed)."""
+        if planned:
+            assert self.volumes is not None
+            rec.volume_mounts += [await self.volumes.mount(p) for p in planned]
 
     async def _envd_ready(self, rec: SandboxRecord, placement: Placement) -> None:
         """Return once envd answers /health and has taken the sandbox's env vars and token."""
@@ -594,9 +639,12 @@ class Orchestrator:
             raise BadRequest("autoResume cannot be combined with a filesystem-only autoPause")
         policy = network_policy.parse(params.network, params.allow_internet_access)
         self._check_enforced(policy)
+        inherited, planned = self._plan_mounts(params, tpl)
         sid = new_id("i")
         now = time.time()
         timeout = self._clamp_timeout(params.timeout, self.config.default_timeout)
+        idle_after = idle_setting(params.idle_pause_after, params.metadata, tpl.idle_pause_after,
+                                  self.config.idle_pause_after, self.config.max_timeout)
         rec = SandboxRecord(
             sandbox_id=sid,
             template_id=tpl.template_id,
@@ -627,25 +675,30 @@ class Orchestrator:
             # lineage: a snapshot's sandbox descends from the sandbox the snapshot was taken of
             parent_sandbox_id=tpl.source_sandbox_id if tpl.kind == "snapshot" else None,
             source_snapshot_id=tpl.template_id if tpl.kind == "snapshot" else None,
+            idle_pause_after=idle_after,
+            volume_mounts=inherited,
         )
         # Nothing awaits between the check and the insertion: the record counts from then on.
         self._release(self._admit("create sandbox", tpl.memory_mb, tpl.cpu_count))
         self.sandboxes[sid] = rec
         # A "name:tag" gives a copy with that build's snapshot: statistics go to the record.
         counted = self.catalogue.get(tpl.template_id) or tpl
-        return await self._launch(sid, "create", self._do_create(rec, counted, timeout))
+        return await self._launch(sid, "create", self._do_create(rec, counted, timeout, planned))
 
     async def _do_create(
-        self, rec: SandboxRecord, tpl: TemplateRecord, timeout: int
+        self, rec: SandboxRecord, tpl: TemplateRecord, timeout: int,
+        planned: list[PlannedMount] | None = None,
     ) -> SandboxRecord:
         sid = rec.sandbox_id
         placement: Placement | None = None
 
         async def persist() -> None:
             await self.store.put_sandbox(rec)
-            await self.store.set_layer_refs("sandbox", sid, list(rec.source.layers))
+            await self.store.set_layer_refs(
+                "sandbox", sid, [*rec.source.layers, *(m.layer for m in rec.volume_mounts)])
 
         try:
+            await self._mount(rec, planned or [])
             # The record is written while the backend starts the sandbox (both take long on
             # a busy host); a crash in between leaves a CREATING record or an orphan, both
             # cleaned up at the next start.
@@ -720,12 +773,33 @@ class Orchestrator:
             return Conflict(
                 f"sandbox {sandbox_id!r} cannot be paused while in '{rec.state.value}' state")
 
-        rec = await self._await_state(sandbox_id, {State.RUNNING}, {
-            State.PAUSED: lambda rec: Conflict(f"sandbox {sandbox_id!r} is already paused"),
-            State.PAUSING: busy, State.KILLING: busy})
-        rec.state = State.PAUSING
-        self._left_running(sandbox_id, "paused")
-        await self._launch(sandbox_id, "pause", self._do_pause(rec, memory))
+        rec = await self._await_state(sandbox_id, {State.RUNNING, State.PAUSED}, {
+            State.PAUSING: _unless_idle(busy), State.KILLING: busy})
+        if rec.state == State.PAUSED:
+            if rec.pause_reason != IDLE_REASON:
+                raise Conflict(f"sandbox {sandbox_id!r} is already paused")
+            # Running as far as the caller knew: the node's pause becomes the caller's, which
+            # traffic resumes only with autoResume (and a memory pause asked for).
+            await self._repurpose_idle_pause(rec, "request", memory)
+            return
+        await asyncio.shield(self._begin_pause(rec, memory, "request"))
+
+    def _begin_pause(self, rec: SandboxRecord, memory: bool, why: str) -> asyncio.Task[None]:
+        """The pause of a running sandbox as its one operation, PAUSING from now on with its
+        reason (no await in between: a call that looks sees both)."""
+        rec.state, rec.pause_reason = State.PAUSING, why
+        self._left_running(rec.sandbox_id, "paused")
+        return self._start_op(rec.sandbox_id, "pause", self._do_pause(rec, memory, why))
+
+    def _repurpose_idle_pause(self, rec: SandboxRecord, why: str, memory: bool
+                              ) -> Awaitable[None]:
+        """An idle pause becomes a pause for `why` ("request", "timeout"), as if the sandbox
+        had been running until now (its snapshot serves as it is); returns the record's write.
+        The change is made at once; the store writes in call order, so a transition begun
+        meanwhile (a resume) writes its record after this one."""
+        rec.pause_reason, rec.pause_asked_memory = why, memory
+        self.emit(PAUSED, rec, pause_mode=rec.pause_mode, reason=why)
+        return self.store.put_sandbox(rec)
 
     async def _do_pause(self, rec: SandboxRecord, memory: bool, why: str = "request") -> None:
         rec.state = State.PAUSING
@@ -735,9 +809,8 @@ class Orchestrator:
             await self.store.put_sandbox(rec)
             # Before the backend writes anything: a crash between its snapshot and the paused
             # record below is then repaired at the next start (_recover_pause).
-            await self.store.put_pending(
-                sid, "pause", time.time(), {"memory": memory, "placement": rec.placement.to_json()}
-            )
+            await self.store.put_pending(sid, "pause", time.time(), {
+                "memory": memory, "placement": rec.placement.to_json(), "reason": why})
             result = await self.backend.pause(sid, rec.placement, memory)
         except BackendError as exc:
             with contextlib.suppress(Exception):
@@ -758,6 +831,8 @@ class Orchestrator:
         rec.last_pause = result.snapshot
         rec.state = State.PAUSED
         await self.store.finish_pause(rec, [*rec.source.layers, *result.snapshot.layers])
+        if why == IDLE_REASON:
+            self.counters.idle_pauses += 1
         self.emit(PAUSED, rec, pause_mode=rec.pause_mode, reason=why, execution=_execution(rec))
         log.info("sandbox paused", extra={"sandbox_id": sid, "mode": rec.pause_mode})
         self._in_background(self._release_unnamed(rec, self._ops.get(sid)))
@@ -802,6 +877,7 @@ class Orchestrator:
         rec = await self._await_state(sandbox_id, _STABLE, {
             State.KILLING: lambda rec: Conflict(f"sandbox {sandbox_id!r} is being killed")})
         if rec.state == State.RUNNING:
+            self.activity.touch(sandbox_id)  # an SDK's connect: it is in use
             rec.end_at = max(rec.end_at, time.time() + seconds)
             await self.store.put_sandbox(rec)
             return rec, False
@@ -830,6 +906,9 @@ class Orchestrator:
     async def _do_resume(self, rec: SandboxRecord, timeout: int, memory: bool = True) -> None:
         rec.state = State.RESUMING
         sid = rec.sandbox_id
+        # A sandbox the node paused for idleness was running as far as its caller knew: its
+        # endAt goes on (a connect may extend it, as it would a running one's).
+        idle = rec.pause_reason == IDLE_REASON
         assert rec.pause_snapshot is not None
         placement: Placement | None = None
         try:
@@ -854,10 +933,13 @@ class Orchestrator:
             raise
         rec.placement = placement
         rec.pause_snapshot = None
-        rec.end_at = time.time() + timeout
+        end = time.time() + timeout
+        rec.end_at = max(rec.end_at, end) if idle else end
         rec.state = State.RUNNING
         await self.store.put_sandbox(rec)
-        self.emit(RESUMED, rec, cold_boot=not memory)
+        if idle:
+            self.counters.idle_resumes += 1
+        self.emit(RESUMED, rec, cold_boot=not memory, **({"idle_pause": True} if idle else {}))
         log.info("sandbox resumed", extra={"sandbox_id": sid})
 
     def _end_resume(self, sandbox_id: str, why: ApiError) -> None:
@@ -871,8 +953,10 @@ class Orchestrator:
             task.cancel()
 
     async def running_placement(self, sandbox_id: str) -> Placement | None:
-        """For the proxy: where the sandbox runs, resuming it when autoResume allows; None if
-        the sandbox is unknown, killed, or paused without autoResume."""
+        """For the proxy: where the sandbox runs, resuming it when autoResume (or an idle
+        pause) allows; None if the sandbox is unknown, killed, or paused otherwise. A resume
+        the node cannot take on now (429/503: full, shutting down) raises that ApiError: the
+        sandbox is there, the caller may try again."""
         rec = self.sandboxes.get(sandbox_id)
         for _ in range(3):
             if rec is None or rec.state == State.KILLING:
@@ -882,16 +966,25 @@ class Orchestrator:
             if rec.state == State.PAUSED:
                 # A filesystem-only pause asked for resumes on connect only (a cold boot: the
                 # request would reach a sandbox that rebooted under it).
-                if not rec.auto_resume or not rec.pause_asked_memory or self._closing:
+                if not rec.resumes_on_traffic or not rec.pause_asked_memory or self._closing:
                     return None
                 try:
-                    await self.connect(sandbox_id, self.config.auto_resume_min_timeout)
+                    # after an idle pause, the endAt it had (_do_resume)
+                    await self.connect(sandbox_id, 0 if rec.pause_reason == IDLE_REASON
+                                       else self.config.auto_resume_min_timeout)
+                except ApiError as exc:
+                    if exc.status in (429, 503):
+                        raise
+                    log.warning(
+                        "auto-resume failed", extra={"sandbox_id": sandbox_id, "error": str(exc)}
+                    )
+                    return None
                 except Exception as exc:
                     log.warning(
                         "auto-resume failed", extra={"sandbox_id": sandbox_id, "error": str(exc)}
                     )
                     return None
-            elif rec.state == State.PAUSING and not rec.auto_resume:
+            elif rec.state == State.PAUSING and not rec.resumes_on_traffic:
                 return None
             else:
                 with contextlib.suppress(Conflict):
@@ -945,11 +1038,14 @@ class Orchestrator:
     # --- timeouts ----------------------------------------------------------------------------
 
     async def set_timeout(self, sandbox_id: str, seconds: int, shorten: bool = True) -> None:
-        """`endAt = now + seconds` (may shorten unless `shorten` is False); running only."""
+        """`endAt = now + seconds` (may shorten unless `shorten` is False); running only (a
+        sandbox paused for idleness counts as running: its endAt goes on)."""
         self._check_open()
         rec = await self._await_state(
-            sandbox_id, {State.RUNNING, State.SNAPSHOTTING, State.FORKING},
-            dict.fromkeys((State.PAUSED, State.PAUSING, State.KILLING), _gone))
+            sandbox_id, {State.RUNNING, State.SNAPSHOTTING, State.FORKING, State.PAUSED},
+            {State.PAUSING: _unless_idle(_gone), State.KILLING: _gone})
+        if rec.state == State.PAUSED and rec.pause_reason != IDLE_REASON:
+            raise _gone(rec)
         end = time.time() + self._clamp_timeout(seconds, 0)
         rec.end_at = end if shorten else max(rec.end_at, end)
         await self.store.put_sandbox(rec)
@@ -964,25 +1060,49 @@ class Orchestrator:
                 log.exception("reaper pass failed")
 
     def reap_once(self) -> int:
-        """Pause (autoPause) or kill every running sandbox past its endAt; returns how many."""
+        """Pause (autoPause) or kill every running sandbox past its endAt, and every one paused
+        for idleness (its endAt goes on); pause those idle for their idlePauseAfter. Returns
+        how many timed out."""
         now = time.time()
         count = 0
+        self.activity.retain(self.sandboxes)
         for rec in list(self.sandboxes.values()):
-            if rec.state != State.RUNNING or rec.end_at > now or rec.sandbox_id in self._ops:
+            sid = rec.sandbox_id
+            if sid in self._ops:
+                continue
+            if rec.state == State.PAUSED and rec.pause_reason == IDLE_REASON and rec.end_at <= now:
+                count += 1
+                self._expire_idle_pause(rec)
+                continue
+            if rec.state != State.RUNNING:
+                continue
+            if rec.end_at > now:
+                if rec.idle_pause_after and not self._closing \
+                        and self.activity.idle_for(sid) >= rec.idle_pause_after:
+                    work = self._begin_pause(rec, True, IDLE_REASON)
+                    self._in_background(self._log_reap(sid, work, "idle sandbox paused"))
                 continue
             count += 1
-            sid = rec.sandbox_id
             if rec.auto_pause:
-                rec.state = State.PAUSING
-                self._left_running(sid, "paused")
-                work = self._start_op(sid, "pause",
-                                      self._do_pause(rec, rec.auto_pause_memory, "timeout"))
+                work = self._begin_pause(rec, rec.auto_pause_memory, "timeout")
             else:
                 rec.state = State.KILLING
                 self._left_running(sid, "killed")
                 work = self._start_op(sid, "kill", self._do_kill(rec, State.RUNNING, "timeout"))
             self._in_background(self._log_reap(sid, work, "sandbox timed out"))
         return count
+
+    def _expire_idle_pause(self, rec: SandboxRecord) -> None:
+        """A sandbox paused for idleness reached its endAt: what its timeout does to a running
+        one, it does now (autoPause: the pause it has becomes a timeout's; else a kill)."""
+        sid = rec.sandbox_id
+        if rec.auto_pause:
+            work = self._repurpose_idle_pause(rec, "timeout", rec.auto_pause_memory)
+        else:
+            rec.state = State.KILLING
+            self._left_running(sid, "killed")
+            work = self._start_op(sid, "kill", self._do_kill(rec, State.PAUSED, "timeout"))
+        self._in_background(self._log_reap(sid, work, "sandbox timed out while idle"))
 
     async def _log_reap(self, sandbox_id: str, work: Awaitable[None], done: str) -> None:
         try:
@@ -1000,9 +1120,14 @@ class Orchestrator:
             return Conflict(
                 f"sandbox {sandbox_id!r} cannot {what} while in '{rec.state.value}' state")
 
-        return await self._await_state(
-            sandbox_id, {State.RUNNING},
-            dict.fromkeys((State.PAUSED, State.PAUSING, State.KILLING), refuse))
+        while True:
+            rec = await self._await_state(sandbox_id, {State.RUNNING, State.PAUSED}, {
+                State.PAUSING: _unless_idle(refuse), State.KILLING: refuse})
+            if rec.state == State.RUNNING:
+                return rec
+            if rec.pause_reason != IDLE_REASON:
+                raise refuse(rec)
+            await self.connect(sandbox_id, 0)  # paused for idleness: woken, as traffic would
 
     async def snapshot(self, sandbox_id: str, name: str | None) -> TemplateRecord:
         self._check_open()
@@ -1039,6 +1164,8 @@ class Orchestrator:
         finally:
             if rec.state == State.SNAPSHOTTING:
                 rec.state = State.RUNNING
+        if rec.volume_mounts:  # a sandbox made from the snapshot mounts them too
+            ref.data["volume_mounts"] = [m.shared().to_json() for m in rec.volume_mounts]
         now = time.time()
         tpl = TemplateRecord(
             template_id=snapshot_id,
@@ -1053,6 +1180,8 @@ class Orchestrator:
             updated_at=now,
             source_sandbox_id=sid,
             team=rec.team,
+            # sandboxes made from it idle as their source did, unless told otherwise
+            idle_pause_after=rec.idle_pause_after,
         )
         try:
             await self.catalogue.save(tpl)
@@ -1116,6 +1245,8 @@ class Orchestrator:
             child.placement, child.pause_snapshot, child.pause_mode = None, None, None
             child.parent_sandbox_id, child.source_snapshot_id = rec.sandbox_id, None
             child.last_pause = None
+            # a read-write volume stays the parent's: a child has its writes copy-on-write
+            child.volume_mounts = [m.shared() for m in child.volume_mounts]
             child.started_at, child.end_at, child.created_at = now, now + timeout, now
             children.append(child)
             self.sandboxes[cid] = child
@@ -1302,6 +1433,13 @@ _STABLE = frozenset({State.RUNNING, State.PAUSED})
 def _same_vm(live: Placement, recorded: Placement | None) -> bool:
     """Whether an adopted VM is the one the record names (backends name VMs by `vm_id`)."""
     return recorded is not None and live.handle.get("vm_id") == recorded.handle.get("vm_id")
+
+
+def _unless_idle(refusal: Callable[[SandboxRecord], ApiError]
+                 ) -> Callable[[SandboxRecord], ApiError | None]:
+    """`refusal`, except for a sandbox being paused for idleness: running as far as the
+    caller knows, so the call waits for the pause and goes on (_await_state)."""
+    return lambda rec: None if rec.pause_reason == IDLE_REASON else refusal(rec)
 
 
 def _gone(rec: SandboxRecord) -> ApiError:

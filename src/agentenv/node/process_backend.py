@@ -50,6 +50,7 @@ from agentenv.node.backend import (
     TemplateRef,
 )
 from agentenv.node.host_template import build_host_rootfs
+from agentenv.settings import get_settings
 
 log = logging.getLogger("agentenv.node.process_backend")
 
@@ -190,7 +191,7 @@ def host_ports_from_env() -> frozenset[int]:
     """AENV_PROCESS_BACKEND_HOST_PORTS: ports of this host every process sandbox may reach
     as if its own (`A-B` ranges and single ports, comma-separated; default none). For
     development: a server run on the host standing in for one in a sandbox."""
-    raw = os.environ.get(HOST_PORTS_ENV, "").strip()
+    raw = get_settings().process_backend_host_ports.strip()
     ports: set[int] = set()
     for item in filter(None, (part.strip() for part in raw.split(","))):
         low, _, high = item.partition("-")

@@ -17,7 +17,8 @@ probes /health, gets the 502 and raises "The sandbox was killed or reached its e
 
 Limits (`ProxyLimits`, AENV_PROXY_* variables): request head size and time (relay/server.py),
 request body size, idle time either way, total time of one exchange, concurrent exchanges per
-sandbox. A paused sandbox with autoResume is resumed by traffic only when the request carries
+sandbox. A paused sandbox with autoResume (or paused by the node for idleness, node/idle.py: every
+exchange is counted there) is resumed by traffic only when the request carries
 what the running sandbox would ask for: the traffic token on a non-public sandbox's ports, the
 envd access token (or a valid file signature) on the envd port of a secure sandbox.
 """
@@ -31,20 +32,21 @@ import logging
 import re
 import time
 from base64 import b64encode
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import parse_qs
 
 import httpx
 
+from agentenv.api.auth import NODE_KEY_HEADER, same_secret
+from agentenv.api.errors import ApiError
+from agentenv.api.tenancy import TEAM_HEADER, scope_team
 from agentenv.logs import PerKeyLimit
 from agentenv.node.backend import ENVD_PORT
 from agentenv.node.metrics import NodeMetrics
 from agentenv.node.orchestrator import Orchestrator
 from agentenv.node.records import SandboxRecord, State
-from agentenv.node.security import NODE_KEY_HEADER, same_secret
-from agentenv.node.tenancy import TEAM_HEADER, scope_team
-from agentenv.relay.server import request_target, target_problem
+from agentenv.relay.server import request_has_body, request_target, target_problem
 from agentenv.relay.stream import (
     Exchange,
     Relay,
@@ -52,7 +54,6 @@ from agentenv.relay.stream import (
     Send,
     forward_headers,
     refuse_websocket,
-    request_has_body,
     send_json,
 )
 
@@ -82,6 +83,12 @@ FILES_PATH = "/files"
 ProxyLimits = RelayLimits
 
 
+@dataclass(eq=False)
+class SandboxExchange(Exchange):
+    #: let through to the sandbox: its end is the sandbox's activity (node/idle.py)
+    admitted: bool = field(default=False)
+
+
 @dataclass
 class ProxyRoute:
     """Which sandbox and port a request is for; `problem` when the routing headers are bad."""
@@ -91,6 +98,18 @@ class ProxyRoute:
     problem: str | None = None
     #: found by its file signature (no id or host named the sandbox)
     by_signature: bool = False
+
+
+
+def _envd_token_given(scope: Scope, rec: SandboxRecord) -> bool:
+    """Whether the request carries the sandbox's envd token (X-Access-Token) or a valid signed
+    file URL of it."""
+    signed = _signed_request(scope)
+    if signed is not None:
+        return bool(rec.envd_access_token) and signed.problem(rec.envd_access_token) is None
+    tokens = _header(scope, b"x-access-token")
+    return len(tokens) == 1 and bool(rec.envd_access_token) and same_secret(
+        tokens[0].decode("latin-1"), rec.envd_access_token)
 
 
 def _header(scope: Scope, name: bytes) -> list[bytes]:
@@ -176,6 +195,24 @@ def _signed_request(scope: Scope) -> _SignedRequest | None:
     )
 
 
+#: A signed file URL is served on the API's own origin (E2B_SANDBOX_URL is the node's or the
+#: gateway's address), the web console's: a file of the sandbox (an .html envd calls text/html)
+#: opened there must be no document of that origin, or its script reads the key the console
+#: keeps in the tab's sessionStorage, or registers a service worker over the whole origin.
+#: `sandbox` gives it an opaque origin and no script; the bytes are unchanged.
+INERT_HEADERS = [(b"content-security-policy", b"sandbox"),
+                 (b"x-content-type-options", b"nosniff")]
+
+
+def _inert(send: Send) -> Send:
+    """`send` with INERT_HEADERS added to the response's head."""
+    async def inert(message: dict[str, Any]) -> None:
+        if message["type"] == "http.response.start":
+            message = {**message, "headers": [*message.get("headers", []), *INERT_HEADERS]}
+        await send(message)
+    return inert
+
+
 def _not_found(sandbox_id: str) -> dict[str, Any]:
     return {"sandboxId": sandbox_id, "message": "The sandbox was not found", "code": 502}
 
@@ -258,11 +295,16 @@ class SandboxProxy:
 
     @contextlib.contextmanager
     def _registered(self, sandbox_id: str, websocket: bool = False) -> Any:
-        exchange = Exchange(sandbox_id, websocket=websocket)
+        exchange = SandboxExchange(sandbox_id, websocket=websocket)
         self._exchanges.setdefault(sandbox_id, set()).add(exchange)
+        # Busy from its first byte to its last (a command stream, a WebSocket): no idle pause
+        # can come between its admission and its relay.
+        activity = self.orchestrator.activity
+        activity.opened(sandbox_id)
         try:
             yield exchange
         finally:
+            activity.closed(sandbox_id, active=exchange.admitted)
             held = self._exchanges.get(sandbox_id)
             if held is not None:
                 held.discard(exchange)
@@ -297,30 +339,31 @@ class SandboxProxy:
             message = signed.problem(rec.envd_access_token)
             if message is not None:
                 return 401, {"code": 401, "message": message}
-        if port == ENVD_PORT and rec.envd_access_token and signed is None:
-            # envd checks the token itself, but a request it would refuse must neither hold one
-            # of the sandbox's proxied connections (a stranger who knew the id filled them with
-            # bodies that never end) nor resume it. Only a body-less /health goes without.
-            tokens = _header(scope, b"x-access-token")
-            if len(tokens) != 1 or not same_secret(
-                tokens[0].decode("latin-1"), rec.envd_access_token
-            ):
-                if rec.state != State.RUNNING and rec.auto_resume:
-                    return 401, {
-                        "code": 401,
-                        "message": f"sandbox {sandbox_id} is paused: traffic resumes it only "
-                        "with its access token (X-Access-Token) or a signed file URL",
-                    }
-                if rec.secure and (scope["path"].rstrip("/") != "/health" or request_has_body(scope)):
-                    return 401, {"code": 401, "message": "missing or invalid X-Access-Token "
-                                 "(envd of a secure sandbox)"}
+        # envd checks the token itself, but a request it would refuse must neither hold one
+        # of the sandbox's proxied connections (a stranger who knew the id filled them with
+        # bodies that never end) nor resume it. Only a body-less /health goes without.
+        if port == ENVD_PORT and rec.envd_access_token and signed is None \
+                and not _envd_token_given(scope, rec):
+            if rec.state != State.RUNNING and rec.resumes_on_traffic:
+                return 401, {
+                    "code": 401,
+                    "message": f"sandbox {sandbox_id} is paused: traffic resumes it only "
+                    "with its access token (X-Access-Token) or a signed file URL",
+                }
+            if rec.secure and (scope["path"].rstrip("/") != "/health" or request_has_body(scope)):
+                return 401, {"code": 401, "message": "missing or invalid X-Access-Token "
+                             "(envd of a secure sandbox)"}
         if self.connections(sandbox_id) > self.limits.max_connections:
+            EVENTS.log(sandbox_id, "connection_limit", logging.WARNING,
+                       "proxy connection limit", {"sandbox_id": sandbox_id})
             return 429, {
                 "code": 429,
                 "message": f"sandbox {sandbox_id} has {self.limits.max_connections} proxied "
                 "connections open already, the node's limit (AENV_PROXY_MAX_CONNECTIONS)",
             }
         if scope["type"] == "websocket" and self.websockets(sandbox_id) > self.limits.max_websockets:
+            EVENTS.log(sandbox_id, "connection_limit", logging.WARNING,
+                       "proxy connection limit", {"sandbox_id": sandbox_id})
             return 429, {
                 "code": 429,
                 "message": f"sandbox {sandbox_id} has {self.limits.max_websockets} proxied "
@@ -329,14 +372,18 @@ class SandboxProxy:
         return None
 
     async def _admit(
-        self, scope: Scope, route: ProxyRoute, exchange: Exchange
+        self, scope: Scope, route: ProxyRoute, exchange: SandboxExchange
     ) -> tuple[httpx.URL | None, int, dict[str, Any]]:
         """(upstream URL, 0, {}) when the request may go through, else (None, status, body)."""
         rec = self.orchestrator.sandboxes.get(route.sandbox_id)
         refused = self._refusal(scope, route, rec)
         if refused is not None:
             return None, *refused
-        placement = await self.orchestrator.running_placement(route.sandbox_id)
+        try:
+            placement = await self.orchestrator.running_placement(route.sandbox_id)
+        except ApiError as exc:  # its resume cannot be taken on now (429, 503)
+            return None, exc.status, {"sandboxId": route.sandbox_id, "code": exc.status,
+                                      "message": exc.message}
         if placement is None:
             return None, 502, _not_found(route.sandbox_id)
         host_ports = self.orchestrator.capabilities.host_ports
@@ -351,6 +398,10 @@ class SandboxProxy:
                                    "message": f"The sandbox is running but port is not open "
                                    f"({problem})"}
         exchange.gone.clear()  # running now: only a departure from here on ends the exchange
+        # a secure sandbox's token-less /health (let through: _refusal) is anyone's, not the
+        # sandbox's activity: a stranger polling it would keep it from ever idling out
+        exchange.admitted = not (route.port == ENVD_PORT and rec is not None and rec.secure
+                                 and not _envd_token_given(scope, rec))
         host, port = placement.address(route.port)
         url = httpx.URL(scheme="http", host=host, port=port, raw_path=request_target(scope))
         return url, 0, {}
@@ -363,9 +414,6 @@ class SandboxProxy:
         with self._registered(route.sandbox_id) as exchange:
             url, status, body = await self._admit(scope, route, exchange)
             if url is None:
-                if status == 429:
-                    EVENTS.log(route.sandbox_id, "connection_limit", logging.WARNING,
-                               "proxy connection limit", {"sandbox_id": route.sandbox_id})
                 await send_json(send, status, body)
                 return status
             return await self._relay(scope, receive, send, url, exchange)
@@ -382,6 +430,8 @@ class SandboxProxy:
     async def _relay(
         self, scope: Scope, receive: Any, send: Any, url: httpx.URL, exchange: Exchange
     ) -> int:
+        if _signed_request(scope) is not None:
+            send = _inert(send)
         return await self.relay.http(
             scope, receive, send, url, self._upstream_headers(scope), exchange
         )
@@ -414,9 +464,6 @@ class SandboxProxy:
         with self._registered(route.sandbox_id, websocket=True) as exchange:
             url, status, body = await self._admit(scope, route, exchange)
             if url is None:
-                if status == 429:
-                    EVENTS.log(route.sandbox_id, "connection_limit", logging.WARNING,
-                               "proxy connection limit", {"sandbox_id": route.sandbox_id})
                 await refuse_websocket(send, status, body)
                 return
             await self.relay.websocket(

@@ -30,7 +30,6 @@ import asyncio
 import contextlib
 import json
 import logging
-import os
 import time
 from collections import deque
 from collections.abc import Callable, Mapping
@@ -43,6 +42,7 @@ from pydantic import BaseModel, Field
 
 from agentenv.errors import AgentEnvError
 from agentenv.fsutil import atomic_write_json
+from agentenv.settings import setting_text
 
 log = logging.getLogger("agentenv.node.ready_pool")
 
@@ -68,13 +68,12 @@ class ReadyPoolConfig(BaseModel):
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> ReadyPoolConfig:
-        env = os.environ if env is None else env
         names = {"low": "AENV_VM_POOL_LOW", "high": "AENV_VM_POOL_HIGH",
                  "max_templates": "AENV_VM_POOL_TEMPLATES", "idle_seconds": "AENV_VM_POOL_IDLE"}
         raw: dict[str, Any] = {}
         for key, name in names.items():
-            value = env.get(name)
-            if value is None or value == "":
+            value = setting_text(name, env)
+            if not value:
                 continue
             try:
                 raw[key] = float(value) if key == "idle_seconds" else int(value)
@@ -100,6 +99,8 @@ class _Pool:
     pinned: bool
     target: int
     guest_token: str | None = None  # the envd token the snapshot's guest holds, if any
+    # a port whose server (a built-in template's, the code interpreter's) has POST /aenv/warm
+    warm_port: int | None = None
     ready: deque[Any] = field(default_factory=deque)  # runtime VMs, oldest first
     filling: int = 0  # restores under way for this pool
     task: asyncio.Task[None] | None = None
@@ -153,19 +154,21 @@ class ReadyPool:
             self._janitor = asyncio.create_task(self._janitor_loop(), name="ready-pool-janitor")
 
     def want(self, key: str, record: Any, *, pinned: bool = False,
-             guest_token: str | None = None) -> None:
+             guest_token: str | None = None, warm_port: int | None = None) -> None:
         """Keep VMs of `record` ready under `key` (its snapshot directory); called for the
-        pinned templates at start and by every create (a use makes a template hot)."""
+        pinned templates at start and by every create (a use makes a template hot).
+        `warm_port`: see _Pool."""
         if self._closed or not self.config.enabled:
             return
         pool = self._pools.get(key)
         if pool is None:
-            pool = _Pool(key, record, pinned, self.config.low, guest_token)
+            pool = _Pool(key, record, pinned, self.config.low, guest_token, warm_port)
             self._pools[key] = pool
             self._evict_beyond_limit()
             log.info("ready pool added", extra={"pool": key, "target": pool.target,
                                                 "pinned": pinned})
         pool.pinned = pool.pinned or pinned
+        pool.warm_port = pool.warm_port or warm_port
         pool.last_used = time.monotonic()
         self._kick(pool)
 
@@ -314,7 +317,7 @@ class ReadyPool:
         t1 = time.perf_counter()
         try:
             self._write_manifest(vm)
-            await self._warm(vm, pool.guest_token)
+            await self._warm(vm, pool.guest_token, pool.warm_port)
         except BaseException:
             self._discard(vm, "warming failed")
             raise
@@ -325,12 +328,15 @@ class ReadyPool:
             "warm_ms": round(vm.timings["pool_warm_ms"], 1)})
         return vm
 
-    async def _warm(self, vm: Any, guest_token: str | None) -> None:
-        """Requests shaped like a sandbox's first ones, so TCG has translated their paths:
-        `/health`, a filesystem RPC, a command start (`bash -l -c true`, as the SDK starts
-        commands; no trace left, envd forgets ended processes) and another `/init` (nothing
-        but the clock). A template's envd holds no access token; a snapshot of a secure
-        sandbox holds that sandbox's (`guest_token`)."""
+    async def _warm(self, vm: Any, guest_token: str | None, warm_port: int | None) -> None:
+        """Requests shaped like a sandbox's first ones, so TCG has translated their paths and
+        the restored memory they touch is faulted in: `/health`, a filesystem RPC, a command
+        start (`bash -l -c true`, as the SDK starts commands; no trace left, envd forgets
+        ended processes), `POST /aenv/warm` on `warm_port` if the pool has one (the code
+        interpreter: a first run_code in a pooled VM was ~0.5 s slower than the next, where
+        envd's first command was not) and another `/init` (nothing but the clock). A
+        template's envd holds no access token; a snapshot of a secure sandbox holds that
+        sandbox's (`guest_token`)."""
         url = vm.envd_url
         auth = {"X-Access-Token": guest_token} if guest_token else {}
         rpc_headers = {"Content-Type": "application/json", "Connect-Protocol-Version": "1", **auth}
@@ -346,6 +352,10 @@ class ReadyPool:
             headers={"Content-Type": "application/connect+json",
                      "Connect-Protocol-Version": "1", **auth})
         answer.raise_for_status()
+        if warm_port is not None:
+            guest = url.rsplit(":", 1)[0]
+            answer = await self._http.post(f"{guest}:{warm_port}/aenv/warm")
+            answer.raise_for_status()
         await self.runtime.envd_init(vm, guest_token=guest_token)
 
     # --- ending VMs and pools ----------------------------------------------------------------

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from agentenv.api.tenancy import LOCAL_TEAM
 from agentenv.node.backend import Placement, SnapshotRef, TemplateRef
-from agentenv.node.tenancy import LOCAL_TEAM
+from agentenv.node.idle import IDLE_REASON
 
 
 class State(enum.StrEnum):
@@ -38,6 +40,36 @@ class State(enum.StrEnum):
     def holds_vm(self) -> bool:
         """Whether a sandbox in this state has (or is getting) a VM of its own."""
         return self not in (State.PAUSED, State.BRANCHING)
+
+
+@dataclass(frozen=True)
+class MountRecord:
+    """A volume mounted in a sandbox (docs/volumes.md §6): which volume (its name and id when
+    it was mounted), where, how (`ro` or `cow`), in which volume disk of the machine, and the
+    sealed version of the volume the disk holds. `rw` is `cow` held by one sandbox alone:
+    the volume changes through it (a commit), nowhere else."""
+
+    name: str
+    volume_id: str
+    path: str
+    mode: str
+    slot: int
+    layer: str
+
+    def shared(self) -> MountRecord:
+        """This mount in another sandbox (a fork child, a sandbox made from a snapshot): a
+        read-write mount is one sandbox's, so theirs is copy-on-write."""
+        return dataclasses.replace(self, mode="cow") if self.mode == "rw" else self
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.name, "volume_id": self.volume_id, "path": self.path,
+                "mode": self.mode, "slot": self.slot, "layer": self.layer}
+
+    @classmethod
+    def from_json(cls, raw: dict[str, Any]) -> MountRecord:
+        return cls(name=str(raw["name"]), volume_id=str(raw["volume_id"]),
+                   path=str(raw["path"]), mode=str(raw["mode"]), slot=int(raw["slot"]),
+                   layer=str(raw["layer"]))
 
 
 @dataclass
@@ -71,7 +103,7 @@ class SandboxRecord:
     #: on connect only, never by traffic; the process backend keeps no memory either way)
     pause_asked_memory: bool = True
     created_at: float = field(default_factory=time.time)
-    #: the team the sandbox is of (node/tenancy.py); only that team's requests reach it
+    #: the team the sandbox is of (api/tenancy.py); only that team's requests reach it
     team: str = LOCAL_TEAM
     #: lineage: the sandbox this one was forked from (or whose snapshot it was made from)...
     parent_sandbox_id: str | None = None
@@ -79,6 +111,18 @@ class SandboxRecord:
     source_snapshot_id: str | None = None
     #: the snapshot of its last pause, kept after it resumed: a rollback target
     last_pause: SnapshotRef | None = None
+    #: seconds without traffic after which the node pauses it (node/idle.py); 0: never
+    idle_pause_after: int = 0
+    #: why its last pause began: "request", "timeout", "shutdown" or "idle" (node/idle.py)
+    pause_reason: str | None = None
+
+    @property
+    def resumes_on_traffic(self) -> bool:
+        """Whether a request to it resumes it while paused: autoResume, or an idle pause
+        (which the caller never asked for and must not notice)."""
+        return self.auto_resume or self.pause_reason == IDLE_REASON
+    #: the volumes it mounts (kept through pauses, forks and its snapshots)
+    volume_mounts: list[MountRecord] = field(default_factory=list)
 
     def to_row(self) -> dict[str, Any]:
         return {
@@ -112,6 +156,9 @@ class SandboxRecord:
             "parent_sandbox_id": self.parent_sandbox_id,
             "source_snapshot_id": self.source_snapshot_id,
             "last_pause": self.last_pause.to_json() if self.last_pause else None,
+            "idle_pause_after": self.idle_pause_after,
+            "pause_reason": self.pause_reason,
+            "volume_mounts": [m.to_json() for m in self.volume_mounts],
         }
 
     @classmethod
@@ -150,6 +197,9 @@ class SandboxRecord:
             source_snapshot_id=row.get("source_snapshot_id"),
             last_pause=(TemplateRef.from_json(row["last_pause"]) if row.get("last_pause")
                         else None),
+            idle_pause_after=int(row.get("idle_pause_after", 0)),
+            pause_reason=row.get("pause_reason"),
+            volume_mounts=[MountRecord.from_json(m) for m in row.get("volume_mounts") or []],
         )
 
 
@@ -174,8 +224,11 @@ class TemplateRecord:
     #: the template build whose snapshot `ref` is (its "default" tag); None for snapshots,
     #: built-in templates and templates built before tags were kept
     build_id: str | None = None
-    #: the team that made it (node/tenancy.py); tenancy.SHARED for a built-in template
+    #: the team that made it (api/tenancy.py); tenancy.SHARED for a built-in template
     team: str = LOCAL_TEAM
+    #: idlePauseAfter of the sandboxes made from it that name none (node/idle.py); None:
+    #: the node's default
+    idle_pause_after: int | None = None
 
 
 #: The tag every template build gets when it is built without tags (E2B's DEFAULT_TAG); a
@@ -218,3 +271,32 @@ class TagAssignment:
     tag: str
     build_id: str
     assigned_at: float
+
+
+@dataclass
+class VolumeRecord:
+    """A team's volume (node/volumes.py): its content is the directory
+    `<state>/volumes/<volume_id>/data`."""
+
+    volume_id: str
+    team: str
+    name: str
+    #: what its content may count (node/volume_files.py `charge`)
+    size_bytes: int
+    created_at: float = field(default_factory=time.time)
+    #: its latest sealed version (an overlaybd layer mounts use) and that version's number
+    layer: str | None = None
+    version: int = 0
+    #: the content changed since `layer` was sealed (set before a change is made)
+    dirty: bool = True
+
+    def to_doc(self) -> dict[str, Any]:
+        return {"size_bytes": self.size_bytes, "layer": self.layer, "version": self.version,
+                "dirty": self.dirty}
+
+    @classmethod
+    def from_row(cls, volume_id: str, team: str, name: str, created_at: float,
+                 doc: dict[str, Any]) -> VolumeRecord:
+        return cls(volume_id=volume_id, team=team, name=name, created_at=created_at,
+                   size_bytes=int(doc["size_bytes"]), layer=doc.get("layer"),
+                   version=int(doc.get("version", 0)), dirty=bool(doc.get("dirty", True)))

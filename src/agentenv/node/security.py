@@ -16,13 +16,13 @@ import stat
 import string
 from pathlib import Path
 
-from agentenv.cluster_keys import read_credential
+from agentenv.cluster_keys import SECRET_RE
 from agentenv.errors import AgentEnvError
 from agentenv.fsutil import private_dir, write_private
+from agentenv.settings import get_settings
 
 _ALPHABET = string.ascii_lowercase + string.digits
 ID_RE = re.compile(r"^[a-z0-9]{1,63}$")
-API_KEY_RE = re.compile(r"^[A-Za-z0-9._~-]{16,256}$")
 SEED_BYTES = 32  # HMAC-SHA256 key for the sandbox tokens: at least its output size
 
 
@@ -56,11 +56,11 @@ def load_api_key(state_dir: Path) -> str:
 
     The `e2b_<hex>` form is what Python SDK 2.25-2.45 insist on before sending anything.
     """
-    from_env = os.environ.get("AENV_API_KEY", "").strip()
+    from_env = get_settings().api_key.strip()
     key = from_env or _read_or_create_secret(
         state_dir / "secrets" / "api-key", "e2b_" + secrets.token_hex(20)
     )
-    if not API_KEY_RE.match(key):
+    if not SECRET_RE.match(key):
         source = "AENV_API_KEY" if from_env else str(state_dir / "secrets" / "api-key")
         raise AgentEnvError(f"API key from {source} must be 16-256 chars of [A-Za-z0-9._~-]")
     return key
@@ -71,7 +71,8 @@ def api_key_path(state_dir: Path) -> Path:
 
 
 class TokenIssuer:
-    """Derives the envd access token and the traffic token of a sandbox from the node's seed."""
+    """Derives the envd access token and the traffic token of a sandbox, and the content token
+    of a volume, from the node's seed."""
 
     def __init__(self, state_dir: Path) -> None:
         path = state_dir / "secrets" / "sandbox-token-seed"
@@ -101,49 +102,12 @@ class TokenIssuer:
             self._seed, b"sandbox-traffic-" + sandbox_id.encode(), hashlib.sha256
         ).hexdigest()
 
+    def volume_token(self, volume_id: str) -> str:
+        """The bearer token of a volume's content API (E2B hands it out with the volume)."""
+        return hmac.new(self._seed, b"volume-" + volume_id.encode(), hashlib.sha256).hexdigest()
+
     def instance_token(self, sandbox_id: str) -> str:
         """What the metadata service tells the guest as its instance token."""
         return hmac.new(
             self._seed, b"sandbox-instance-" + sandbox_id.encode(), hashlib.sha256
         ).hexdigest()
-
-
-def same_secret(given: str | None, expected: str) -> bool:
-    return given is not None and hmac.compare_digest(given.encode(), expected.encode())
-
-
-#: the header a gateway sends every request to a node of a cluster with: that node's key
-#: (agentenv.cluster_keys.node_key), which no other node's key passes
-NODE_KEY_HEADER = b"x-agentenv-node-key"
-#: a node route only its gateway calls: which sandbox of the node made a file signature
-SIGNATURE_OWNER_PATH = "/cluster/file-signature-owner"
-
-
-#: what a Prometheus scraper of a cluster presents (`Authorization: Bearer TOKEN`): derived from
-#: the cluster secret, good for the nodes' and gateways' /metrics and nothing else
-METRICS_TOKEN_CONTEXT = b"agentenv metrics v1"
-
-
-def metrics_token(cluster_secret: str) -> str:
-    return hmac.new(cluster_secret.encode(), METRICS_TOKEN_CONTEXT, hashlib.sha256).hexdigest()
-
-
-def bearer_is(scope_headers: list[tuple[bytes, bytes]], token: str) -> bool:
-    """Whether the request carries exactly one `Authorization: Bearer token` (constant time)."""
-    given = [v for n, v in scope_headers if n == b"authorization"]
-    if len(given) != 1 or not given[0].startswith(b"Bearer "):
-        return False
-    return hmac.compare_digest(given[0][7:].strip(), token.encode())
-
-
-def load_cluster_secret(path: Path | None) -> str | None:
-    """The cluster secret from `path`, else AENV_CLUSTER_SECRET, else None (no cluster: the
-    node's own API key guards it). With one, a node serves only requests that carry it."""
-    found = read_credential(path, "AENV_CLUSTER_SECRET", "cluster secret")
-    if found is None:
-        return None
-    secret, source = found
-    if not API_KEY_RE.match(secret) or len(secret) < 32:
-        raise AgentEnvError(f"cluster secret from {source} must be 32-256 chars of "
-                            "[A-Za-z0-9._~-]")
-    return secret

@@ -18,10 +18,10 @@ from pathlib import Path
 import uvicorn
 from starlette.routing import Route
 
+from agentenv.api.auth import NODE_KEY_HEADER
 from agentenv.blockd.remote import install_private_store
 from agentenv.errors import AgentEnvError
-from agentenv.node import unsupported
-from agentenv.node.admission import Admission, TeamQuotas
+from agentenv.node.admission import Admission, TeamQuotas, space_reserve
 from agentenv.node.api import NodeApp
 from agentenv.node.backend import Capabilities, SandboxBackend
 from agentenv.node.events import EventLog, retention_from_env
@@ -31,26 +31,23 @@ from agentenv.node.metrics import NodeMetrics
 from agentenv.node.observe_api import ObserveApi
 from agentenv.node.observer import Observer, ObserverConfig
 from agentenv.node.orchestrator import NodeConfig, Orchestrator
-from agentenv.node.security import (
-    NODE_KEY_HEADER,
-    TokenIssuer,
-    load_api_key,
-    secure_state_dir,
-)
+from agentenv.node.security import TokenIssuer, load_api_key, secure_state_dir
 from agentenv.node.store import Store
-from agentenv.node.webhooks import ALLOW_PRIVATE_ENV, DeliveryPolicy, Webhooks
+from agentenv.node.volume_api import VolumeApi
+from agentenv.node.volumes import VolumeLimits, Volumes
+from agentenv.node.webhooks import DeliveryPolicy, Webhooks
 from agentenv.relay.concurrency import ConcurrencyCap, max_concurrent
 from agentenv.relay.server import hardened_config, quiet_stream_aborts
 from agentenv.relay.tls import CA_ENV, NodeTls
+from agentenv.settings import get_settings
 
 log = logging.getLogger("agentenv.node.server")
 
-DEFAULT_STATE_DIR = Path(os.environ.get("AENV_HOME", "/var/lib/aenv"))
 
 
 @dataclass
 class ServeOptions:
-    state_dir: Path = DEFAULT_STATE_DIR
+    state_dir: Path = field(default_factory=lambda: get_settings().state_home)
     host: str = "127.0.0.1"
     port: int = 8000
     backend: str = "vm"  # the product; "process" is for development and tests
@@ -115,8 +112,9 @@ def build_app(
     node_id = options.node_id or socket.gethostname()
     orchestrator.events = EventLog(orchestrator.store, node_id, retention_from_env())
     webhooks = Webhooks(orchestrator.store, DeliveryPolicy.from_env(), allow_private=(
-        not options.node_key or os.environ.get(ALLOW_PRIVATE_ENV, "") == "1"))
-    orchestrator.events.sinks.append(webhooks)
+        not options.node_key or get_settings().webhook_allow_private))
+    if not options.node_key:  # in a cluster the gateway delivers (control/gateway/events.py)
+        orchestrator.events.sinks.append(webhooks)
     observer = Observer(orchestrator, ObserverConfig.from_env())
     orchestrator.companions.append(observer)
     orchestrator.admission = Admission.from_env(state)
@@ -124,27 +122,40 @@ def build_app(
         orchestrator.admission.quotas = TeamQuotas.from_env()
     else:  # the node's figures are every team's load: not in a team's answers
         orchestrator.admission.shared = True
+    volumes = Volumes(orchestrator.store, state, orchestrator.tokens, VolumeLimits.from_env(),
+                      lambda: space_reserve(orchestrator.admission),
+                      sealed=lambda: orchestrator.gc.request(),
+                      writers=lambda: orchestrator.volume_writers())
+    orchestrator.volumes = volumes
     if (pools := capabilities.pools) is not None:
         metrics.watch_ready_pools(lambda: pools.pool)
+    metrics.watch_admission(lambda: orchestrator.admission, orchestrator.sandboxes.values,
+                            observer.usage)
     from agentenv.node.snapshot_api import SnapshotMoveApi
     from agentenv.node.template_api import TemplateBuildApi
 
     builds = TemplateBuildApi(orchestrator, state, api_key)
     moves = SnapshotMoveApi(orchestrator, state)  # aenv snapshot push/pull (snapshot/repository.py)
-    builds.on_published = moves.publish_build
-    return NodeApp(
+    builds.runner.on_published = moves.publish_build
+    app = NodeApp(
         orchestrator,
         api_key,
         metrics,
         node_id=node_id,
-        extra_routes=[*(extra_routes or []), *unsupported.routes(), *builds.routes(),
-                      *moves.routes(),
-                      *EventsApi(orchestrator.events, webhooks).routes(),
-                      *ObserveApi(observer).routes()],
+        extra_routes=extra_routes,
+        handlers={**builds.handlers(), **moves.handlers(),
+                  **VolumeApi(volumes, orchestrator).handlers(),
+                  **EventsApi(orchestrator.events, webhooks,
+                              cluster=bool(options.node_key)).handlers(),
+                  **ObserveApi(observer).handlers()},
         node_key=options.node_key,
         metrics_token=options.metrics_token,
         public_metrics=options.public_metrics,
     )
+    if app.unserved:  # every operation of the route table has its handler on a node
+        raise AgentEnvError("the node serves no handler for "
+                            + ", ".join(op.operation_id for op in app.unserved))
+    return app
 
 
 def cluster_credentials(node_id: str, node_key_file: Path | None, cluster_secret: str | None,
@@ -152,8 +163,8 @@ def cluster_credentials(node_id: str, node_key_file: Path | None, cluster_secret
     """The node key and metrics token of a node of a cluster, (None, None) for a standalone
     node. A node is given its own key (a file, or AENV_NODE_KEY); the cluster secret itself
     (a one-machine development cluster) derives both."""
+    from agentenv.api.auth import metrics_token
     from agentenv.cluster_keys import load_key, node_key
-    from agentenv.node.security import metrics_token
 
     key = load_key(node_key_file, "AENV_NODE_KEY", "node key")
     token = load_key(metrics_token_file, "AENV_METRICS_TOKEN", "metrics token")
@@ -193,6 +204,7 @@ async def _serve_with_heartbeat(
 ) -> None:
     sender = None
     if options.scheduler:
+        from agentenv.cluster_keys import peer_serve_key
         from agentenv.control.scheduler.client import Credentials
         from agentenv.node.heartbeat import HeartbeatSender
         from agentenv.node.layer_peers import LayerPeers, blockd_socket_of
@@ -215,7 +227,8 @@ async def _serve_with_heartbeat(
         backend = app.orchestrator.backend
         peers = LayerPeers(options.scheduler, credentials, node_id, api_url, headers,
                            lambda: blockd_socket_of(backend), advertise.rpartition(":")[0],
-                           api_ca=tls.ca if tls.serves else None)
+                           api_ca=tls.ca if tls.serves else None,
+                           serve_key=peer_serve_key(options.node_key))
         app.api.router.routes.insert(0, peers.route())
         sender = HeartbeatSender(
             app.orchestrator, options.state_dir, options.scheduler, credentials,
@@ -238,7 +251,7 @@ def check_backend_allowed(options: ServeOptions) -> None:
     development cluster."""
     in_cluster = bool(options.node_key or options.scheduler)
     if options.backend == "process" and in_cluster and \
-            os.environ.get(ALLOW_PROCESS_IN_CLUSTER_ENV, "") != "1":
+            not get_settings().allow_process_backend_in_cluster:
         raise AgentEnvError(
             "the process backend (development only: sandboxes are processes of this host, "
             "not VMs) is refused on a node of a cluster (a scheduler or a node key is "
@@ -264,7 +277,8 @@ def serve(options: ServeOptions) -> None:
     server = uvicorn.Server(config)
     log.info(
         "node starting",
-        extra={"host": options.host, "port": options.port, "state_dir": str(options.state_dir)},
+        extra={"host": options.host, "port": options.port, "state_dir": str(options.state_dir),
+               "tls": tls.serves},  # uvicorn's own line says http: it does not see our TLS
     )
     asyncio.run(_serve_with_heartbeat(server, app, options, tls))
     if not server.started:

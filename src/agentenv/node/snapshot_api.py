@@ -37,17 +37,17 @@ from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
-from starlette.routing import Route
 
+from agentenv.api.bodies import Endpoint, read_json
+from agentenv.api.errors import ApiError, BadRequest, Conflict, NotFound
+from agentenv.api.tenancy import LOCAL_TEAM, scope_team
 from agentenv.errors import AgentEnvError
-from agentenv.node.api import read_json
 from agentenv.node.backend import TemplateRef
-from agentenv.node.errors import ApiError, BadRequest, Conflict, NotFound
 from agentenv.node.orchestrator import Orchestrator
 from agentenv.node.records import TemplateRecord
 from agentenv.node.security import new_id
-from agentenv.node.tenancy import LOCAL_TEAM, scope_team
 from agentenv.node.vm_backend import VmBackend
+from agentenv.settings import get_settings
 
 log = logging.getLogger("agentenv.node.snapshot_api")
 
@@ -74,7 +74,7 @@ def _location(ref: str) -> str:
 def outside_team_scope(ref: str, team: str) -> str | None:
     """Why `team` may not push to or pull from `ref`: it is under the publish prefix but not
     in the team's own part of it (PREFIX/<team>/); None otherwise."""
-    prefix = os.environ.get(PUBLISH_ENV, "").strip().rstrip("/")
+    prefix = get_settings().snapshot_publish.strip().rstrip("/")
     if not prefix:
         return None
     base, where = _location(prefix), _location(ref)
@@ -96,9 +96,9 @@ class SnapshotMoveApi:
         self.access = LayerAccess(layer_cache_dir(state_dir))
         self._publishing: set[asyncio.Task[None]] = set()
 
-    def routes(self) -> list[Route]:
-        return [Route("/aenv/snapshots/push", self.push, methods=["POST"]),
-                Route("/aenv/snapshots/pull", self.pull, methods=["POST"])]
+    def handlers(self) -> dict[str, Endpoint]:
+        """The operations of the route table (agentenv.api.routes) this serves."""
+        return {"pushSnapshot": self.push, "pullSnapshot": self.pull}
 
     def _backend(self) -> VmBackend:
         backend = self.orchestrator.backend
@@ -245,7 +245,7 @@ class SnapshotMoveApi:
 
     def publish_build(self, template_name: str, build_id: str, template_id: str) -> None:
         """Publish a ready template build when AENV_SNAPSHOT_PUBLISH names a repository."""
-        prefix = os.environ.get(PUBLISH_ENV, "").strip().rstrip("/")
+        prefix = get_settings().snapshot_publish.strip().rstrip("/")
         if not prefix:
             return
         template = self.orchestrator.catalogue.get(template_id)

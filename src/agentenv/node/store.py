@@ -17,10 +17,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
+from agentenv.api.tenancy import SHARED
 from agentenv.errors import AgentEnvError
 from agentenv.node.backend import TemplateRef
-from agentenv.node.records import BuildSnapshot, SandboxRecord, TagAssignment, TemplateRecord
-from agentenv.node.tenancy import SHARED
+from agentenv.node.records import (
+    BuildSnapshot,
+    SandboxRecord,
+    TagAssignment,
+    TemplateRecord,
+    VolumeRecord,
+)
 
 T = TypeVar("T")
 
@@ -80,7 +86,7 @@ MIGRATIONS: list[str] = [
         PRIMARY KEY (template_id, tag)
     );
     """,
-    # 4: tenancy (node/tenancy.py): the team of each template and snapshot, and names per team
+    # 4: tenancy (api/tenancy.py): the team of each template and snapshot, and names per team
     # (the same name in two teams names two things). What was there is the API key holder's.
     """
     ALTER TABLE templates ADD COLUMN team TEXT NOT NULL DEFAULT 'local';
@@ -123,6 +129,17 @@ MIGRATIONS: list[str] = [
     CREATE INDEX webhook_attempts_hook ON webhook_attempts(webhook_id, seq);
     CREATE INDEX webhook_attempts_ts ON webhook_attempts(ts);
     """,
+    # 6: volumes (node/volumes.py), named per team (the same name in two teams names two)
+    """
+    CREATE TABLE volumes (
+        id TEXT PRIMARY KEY,
+        team TEXT NOT NULL,
+        name TEXT NOT NULL,
+        created_at REAL NOT NULL,
+        doc TEXT NOT NULL,
+        UNIQUE (team, name)
+    );
+    """,
 ]
 
 SCHEMA_VERSION = len(MIGRATIONS)
@@ -160,6 +177,7 @@ def _template_doc(rec: TemplateRecord) -> str:
             "last_spawned_at": rec.last_spawned_at,
             "build_status": rec.build_status,
             "build_id": rec.build_id,
+            "idle_pause_after": rec.idle_pause_after,
         }
     )
 
@@ -183,6 +201,7 @@ def _template_from(row: sqlite3.Row) -> TemplateRecord:
         build_status=doc.get("build_status", "ready"),
         build_id=doc.get("build_id"),
         team=row["team"],
+        idle_pause_after=doc.get("idle_pause_after"),
     )
 
 
@@ -499,6 +518,32 @@ class Store:
 
         await self._run(write)
 
+    # --- volumes (node/volumes.py) -------------------------------------------------------------
+
+    async def put_volume(self, rec: VolumeRecord) -> None:
+        """Insert or update a volume; NameTaken when its team has another of its name."""
+        doc = json.dumps(rec.to_doc())
+
+        def write(c: sqlite3.Connection) -> None:
+            try:
+                c.execute(
+                    "INSERT INTO volumes (id, team, name, created_at, doc) VALUES (?, ?, ?, ?, ?) "
+                    "ON CONFLICT(id) DO UPDATE SET doc = excluded.doc",
+                    (rec.volume_id, rec.team, rec.name, rec.created_at, doc))
+            except sqlite3.IntegrityError:
+                raise NameTaken(f"volume name {rec.name!r} is already used") from None
+
+        await self._run(write)
+
+    async def delete_volume(self, volume_id: str) -> None:
+        await self._run(lambda c: c.execute("DELETE FROM volumes WHERE id = ?", (volume_id,)))
+
+    async def load_volumes(self) -> list[VolumeRecord]:
+        rows = await self._run(lambda c: c.execute(
+            "SELECT id, team, name, created_at, doc FROM volumes").fetchall())
+        return [VolumeRecord.from_row(r["id"], r["team"], r["name"], r["created_at"],
+                                      json.loads(r["doc"])) for r in rows]
+
     # --- lifecycle events and webhooks (node/events.py, node/webhooks.py) ---------------------
 
     async def add_events(self, rows: list[tuple[float, str, str, str, str]]) -> list[int]:
@@ -535,6 +580,19 @@ class Store:
                f"ORDER BY seq {'ASC' if ascending else 'DESC'} LIMIT ? OFFSET ?")
         rows = await self._run(lambda c: c.execute(sql, (*args, limit, offset)).fetchall())
         return [(r["seq"], r["doc"]) for r in rows]
+
+    async def events_after(self, after: int, limit: int) -> tuple[list[tuple[int, str]], int]:
+        """(seq, doc) of every team's events after `after`, in seq order, at most `limit`; and
+        the last seq this store ever gave (AUTOINCREMENT: never reused, even once pruned), so a
+        reader whose cursor is past it knows the store was made anew."""
+
+        def read(c: sqlite3.Connection) -> tuple[list[tuple[int, str]], int]:
+            rows = c.execute("SELECT seq, doc FROM events WHERE seq > ? ORDER BY seq LIMIT ?",
+                             (after, limit)).fetchall()
+            last = c.execute("SELECT seq FROM sqlite_sequence WHERE name = 'events'").fetchone()
+            return [(r["seq"], r["doc"]) for r in rows], int(last["seq"]) if last else 0
+
+        return await self._run(read)
 
     async def prune_events(self, before: float) -> int:
         """Delete events and webhook attempts older than `before`; how many events went."""

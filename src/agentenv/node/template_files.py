@@ -28,8 +28,8 @@ import stat
 import tarfile
 from pathlib import Path
 
+from agentenv.api.errors import BadRequest
 from agentenv.node.admission import QuotaExceeded, env_number
-from agentenv.node.errors import BadRequest
 
 UNVERIFIED_SUFFIX = ".new"
 #: bytes of file content read to verify one archive (a gzip bomb stops here)
@@ -52,7 +52,7 @@ _TYPE_BITS = {
 def team_files_budget() -> int:
     """Bytes of build files one team may hold on a node, verified or not
     (AENV_TEAM_TEMPLATE_FILES_MB, default 16 GiB; 0: no limit). Read per upload."""
-    return int(env_number(os.environ, BUDGET_SETTING, DEFAULT_BUDGET_MB) or 0) << 20
+    return int(env_number(None, BUDGET_SETTING, DEFAULT_BUDGET_MB) or 0) << 20
 
 
 class FilesMismatch(BadRequest):

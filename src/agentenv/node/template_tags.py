@@ -23,8 +23,8 @@ import time
 import uuid
 from typing import Protocol
 
+from agentenv.api.errors import BadRequest, NotFound
 from agentenv.node.backend import BackendError, SandboxBackend
-from agentenv.node.errors import BadRequest, NotFound
 from agentenv.node.records import DEFAULT_TAG, BuildSnapshot, TagAssignment, TemplateRecord
 from agentenv.node.store import Store
 

@@ -14,7 +14,8 @@ exponential back-off. A slow or dead receiver therefore costs its own queue and 
 other webhook's. Every attempt is a row of the delivery log (`GET
 /events/webhooks/{id}/deliveries`): status code or error, duration.
 
-Destinations: http(s) only. A node of a cluster serves many teams, so there a URL whose host
+Destinations: http(s) only. A cluster's gateway (which delivers a cluster's webhooks with
+`deliver`: control/gateway/events.py) serves many teams, so there a URL whose host
 is (or resolves to) a loopback, private, link-local or otherwise non-global address is refused
 at registration unless AENV_WEBHOOK_ALLOW_PRIVATE=1, and each delivery resolves the host again,
 checks every address and connects to the one checked (`pinned`; TLS still checks the name). A
@@ -31,20 +32,22 @@ import hmac
 import ipaddress
 import json
 import logging
-import os
 import socket
 import time
 import uuid
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
 import httpx
 
-from agentenv.node.errors import BadRequest
+from agentenv.api.errors import BadRequest
+from agentenv.api.models import iso
 from agentenv.node.events import Event
-from agentenv.node.models import iso
 from agentenv.node.store import Store
+from agentenv.registry.client import address_problem
+from agentenv.settings import get_settings
 
 log = logging.getLogger("agentenv.node.webhooks")
 
@@ -61,11 +64,9 @@ class DeliveryPolicy:
 
     @classmethod
     def from_env(cls) -> DeliveryPolicy:
-        env = os.environ.get
-        return cls(queue_size=int(env("AENV_WEBHOOK_QUEUE", "1000")),
-                   attempts=int(env("AENV_WEBHOOK_ATTEMPTS", "4")),
-                   backoff=float(env("AENV_WEBHOOK_BACKOFF", "2")),
-                   timeout=float(env("AENV_WEBHOOK_TIMEOUT", "10")))
+        s = get_settings()
+        return cls(queue_size=s.webhook_queue, attempts=s.webhook_attempts,
+                   backoff=s.webhook_backoff, timeout=s.webhook_timeout)
 
 
 def e2b_signature(secret: str, body: bytes) -> str:
@@ -95,9 +96,12 @@ def public_address(host: str) -> str:
         raise BadRequest(f"webhook host {host!r} does not resolve: {exc}") from exc
     addresses = [ipaddress.ip_address(str(info[4][0]).split("%")[0]) for info in infos]
     for address in addresses:
-        if not address.is_global:
-            raise BadRequest(f"webhook host {host!r} is a non-public address ({address}): "
-                             "not allowed on a node of a cluster")
+        # the registry client's guard: is_global alone admits NAT64 and 6to4 forms of
+        # private IPv4 addresses and site-local IPv6
+        problem = address_problem(address)
+        if problem is not None:
+            raise BadRequest(f"webhook host {host!r} is a non-public address ({address}, "
+                             f"{problem}): not allowed on a node of a cluster")
     return str(addresses[0])
 
 
@@ -237,38 +241,56 @@ class Webhooks:
                     log.exception("webhook delivery crashed", extra={"webhook_id": hook.id})
 
     async def _deliver(self, client: httpx.AsyncClient, hook: Webhook, event: Event) -> None:
-        body = json.dumps(event.to_json(), separators=(",", ":")).encode()
-        delivery_id = str(uuid.uuid5(uuid.NAMESPACE_URL, f"{hook.id}/{event.id}"))
-        headers = {"content-type": "application/json", "e2b-webhook-id": hook.id,
-                   "e2b-delivery-id": delivery_id, "e2b-signature-version": "v1",
-                   "e2b-signature": e2b_signature(hook.secret, body),
-                   "aenv-signature": hmac_signature(hook.secret, body)}
-        for attempt in range(1, self.policy.attempts + 1):
-            began = time.time()
-            status: int | None = None
-            error: str | None = None
-            try:
-                url, host, extensions = hook.url, {}, {}
-                if not self.allow_private:
-                    url, host, extensions = await asyncio.to_thread(pinned, hook.url)
-                answer = await client.post(url, content=body, headers={**headers, **host},
-                                           extensions=extensions)
-                status = answer.status_code
-                if not 200 <= status < 300:
-                    error = f"HTTP {status}"
-            except httpx.HTTPError as exc:
-                error = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
-            except BadRequest as exc:  # the host resolves to a non-public address now
-                error = exc.message
-            with contextlib.suppress(Exception):
-                await self.store.add_webhook_attempt(hook.id, began, {
-                    "deliveryId": delivery_id, "eventId": event.id, "eventType": event.type,
-                    "attempt": attempt, "timestamp": iso(began), "status": status,
-                    "error": error, "seconds": round(time.time() - began, 3),
-                    "delivered": error is None})
-            if error is None:
-                return
-            if attempt < self.policy.attempts:
-                await asyncio.sleep(self.policy.backoff * 2 ** (attempt - 1))
-        log.warning("webhook delivery failed", extra={"webhook_id": hook.id,
-                                                      "event_id": event.id})
+        async def record(began: float, attempt: dict[str, Any]) -> None:
+            await self.store.add_webhook_attempt(hook.id, began, attempt)
+
+        await deliver(client, self.policy, self.allow_private, hook.id, hook.url, hook.secret,
+                      event, record)
+
+
+#: where an attempt of a delivery is logged: (when it began, the attempt's row)
+AttemptLog = Callable[[float, dict[str, Any]], Awaitable[None]]
+
+
+async def deliver(client: httpx.AsyncClient, policy: DeliveryPolicy, allow_private: bool,
+                  webhook_id: str, url: str, secret: str, event: Event,
+                  record: AttemptLog) -> bool:
+    """POST `event` to a webhook, signed (module doc), retried with back-off per `policy`,
+    each attempt logged with `record`; True once delivered. Used by the node's webhooks and by
+    a cluster's gateway (control/gateway/events.py)."""
+    body = json.dumps(event.to_json(), separators=(",", ":")).encode()
+    delivery_id = str(uuid.uuid5(uuid.NAMESPACE_URL, f"{webhook_id}/{event.id}"))
+    headers = {"content-type": "application/json", "e2b-webhook-id": webhook_id,
+               "e2b-delivery-id": delivery_id, "e2b-signature-version": "v1",
+               "e2b-signature": e2b_signature(secret, body),
+               "aenv-signature": hmac_signature(secret, body)}
+    for attempt in range(1, policy.attempts + 1):
+        began = time.time()
+        status: int | None = None
+        error: str | None = None
+        try:
+            target, host, extensions = url, {}, {}
+            if not allow_private:
+                target, host, extensions = await asyncio.to_thread(pinned, url)
+            answer = await client.post(target, content=body, headers={**headers, **host},
+                                       extensions=extensions)
+            status = answer.status_code
+            if not 200 <= status < 300:
+                error = f"HTTP {status}"
+        except httpx.HTTPError as exc:
+            error = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+        except BadRequest as exc:  # the host resolves to a non-public address now
+            error = exc.message
+        with contextlib.suppress(Exception):
+            await record(began, {
+                "deliveryId": delivery_id, "eventId": event.id, "eventType": event.type,
+                "attempt": attempt, "timestamp": iso(began), "status": status,
+                "error": error, "seconds": round(time.time() - began, 3),
+                "delivered": error is None})
+        if error is None:
+            return True
+        if attempt < policy.attempts:
+            await asyncio.sleep(policy.backoff * 2 ** (attempt - 1))
+    log.warning("webhook delivery failed", extra={"webhook_id": webhook_id,
+                                                  "event_id": event.id})
+    return False

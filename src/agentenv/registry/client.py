@@ -38,6 +38,7 @@ import httpcore
 import httpx
 
 from agentenv import boundedjson
+from agentenv.fsutil import SpaceGuard
 from agentenv.registry.auth import Credentials, credentials_for
 from agentenv.registry.blobtap import BlobTap
 from agentenv.registry.errors import (
@@ -48,6 +49,7 @@ from agentenv.registry.errors import (
     UnsupportedImageError,
 )
 from agentenv.registry.reference import Reference
+from agentenv.settings import get_settings, setting_text
 
 log = logging.getLogger(__name__)
 
@@ -139,7 +141,7 @@ class ForbiddenAddressError(RegistryError):
 def private_allowed(host: str, port: int, env: str | None = None) -> bool:
     """Whether the operator allows connections to `host` (any port) or `host:port` on
     private addresses (AENV_REGISTRY_ALLOW_PRIVATE)."""
-    raw = os.environ.get(ALLOW_PRIVATE_ENV, "") if env is None else env
+    raw = setting_text(ALLOW_PRIVATE_ENV) if env is None else env
     names = {n.strip().lower() for n in raw.split(",") if n.strip()}
     host = host.strip("[]").lower()
     return host in names or f"{host}:{port}" in names or f"[{host}]:{port}" in names
@@ -147,8 +149,16 @@ def private_allowed(host: str, port: int, env: str | None = None) -> bool:
 
 def address_problem(address: ipaddress.IPv4Address | ipaddress.IPv6Address) -> str | None:
     """Why the node must not connect to `address` on a team's behalf, or None."""
-    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
-        return address_problem(address.ipv4_mapped)
+    if isinstance(address, ipaddress.IPv6Address):
+        # IPv6 forms that carry an IPv4 address a translator or relay delivers to: judged by
+        # that address (NAT64's 64:ff9b::a9fe:a9fe is 169.254.169.254 in an IPv6-only network)
+        embedded = address.ipv4_mapped or address.sixtofour or (
+            address.teredo[1] if address.teredo else None) or (
+            ipaddress.IPv4Address(int(address) & 0xFFFFFFFF) if address in _NAT64 else None)
+        if embedded is not None and address_problem(embedded) is not None:
+            return address_problem(embedded)
+        if address in _LOCAL_NAT64 or address.is_site_local:
+            return "a private address"
     if address.is_loopback:
         return "a loopback address"
     if address.is_link_local:
@@ -164,6 +174,8 @@ def address_problem(address: ipaddress.IPv4Address | ipaddress.IPv6Address) -> s
 
 
 _SHARED_V4 = ipaddress.ip_network("100.64.0.0/10")
+_NAT64 = ipaddress.ip_network("64:ff9b::/96")  # RFC 6052: the low 32 bits are the IPv4
+_LOCAL_NAT64 = ipaddress.ip_network("64:ff9b:1::/48")  # RFC 8215: a network's own translators
 
 
 class _GuardedBackend(httpcore.SyncBackend):
@@ -276,7 +288,7 @@ class RegistryClient:
         # without the docker config (a team's build): only the credentials given, else none
         self._credentials_resolved = credentials is not None or not use_docker_config
         self._docker_config = docker_config
-        env_insecure = {h.strip() for h in os.environ.get("AENV_INSECURE_REGISTRIES", "").split(",")}
+        env_insecure = {h.strip() for h in get_settings().insecure_registries.split(",")}
         # Docker's rule: loopback registries (and ones listed as insecure) may speak plain http.
         self.insecure = (
             insecure if insecure is not None else (_is_loopback(self.host) or self.host in env_insecure)
@@ -647,10 +659,16 @@ class RegistryClient:
         return data
 
     def download_blob(self, repository: str, descriptor: Descriptor, dest: Path,
-                      progress: ProgressCallback | None = None, tap: BlobTap | None = None) -> Path:
+                      progress: ProgressCallback | None = None, tap: BlobTap | None = None,
+                      reserve: tuple[int, str] | None = None) -> Path:
         """Stream a blob to `dest` (written as dest.partial, renamed once verified). A `tap`
-        lets a reader follow the download; it learns the outcome when the download ends."""
+        lets a reader follow the download; it learns the outcome when the download ends.
+        `reserve` (bytes, the setting naming it; default AENV_DISK_RESERVE) stays free on
+        dest's filesystem while it is written, else InsufficientSpace and nothing is kept."""
         what = f"blob {repository}@{descriptor.digest}"
+        bytes_reserve, setting = reserve or (None, "AENV_DISK_RESERVE")
+        guard = SpaceGuard(dest.parent, f"the download of {what}", reserve=bytes_reserve,
+                           setting=setting)
         partial = dest.with_name(dest.name + f".partial.{os.getpid()}.{threading.get_ident()}")
         dest.parent.mkdir(parents=True, exist_ok=True)
         try:
@@ -673,6 +691,7 @@ class RegistryClient:
                     while view:
                         view = view[out.write(view) or 0:]
                     size += len(chunk)
+                    guard.wrote(len(chunk))
                     if size > descriptor.size:
                         raise DigestMismatchError(f"{what}: more than the {descriptor.size} bytes "
                                                   "the manifest says; download stopped")

@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 from collections.abc import Mapping
 from typing import Any
 
 from agentenv.logs import Sampled
+from agentenv.settings import setting_text
 
 log = logging.getLogger("agentenv.relay.concurrency")
 
@@ -24,9 +24,10 @@ SETTING = "AENV_MAX_CONCURRENT_REQUESTS"
 DEFAULT_MAX = 4096
 
 
-def whole_number_setting(env: Mapping[str, str], name: str, default: int) -> int:
-    """A setting that is a whole number, 0 or more (unset: `default`); a clear error else."""
-    raw = env.get(name, "").strip()
+def whole_number_setting(env: Mapping[str, str] | None, name: str, default: int) -> int:
+    """A setting of `env` (None: the process's) that is a whole number, 0 or more (unset:
+    `default`); a clear error else."""
+    raw = setting_text(name, env).strip()
     try:
         value = int(raw) if raw else default
     except ValueError:
@@ -37,7 +38,7 @@ def whole_number_setting(env: Mapping[str, str], name: str, default: int) -> int
 
 
 def max_concurrent(env: Mapping[str, str] | None = None) -> int:
-    return whole_number_setting(os.environ if env is None else env, SETTING, DEFAULT_MAX)
+    return whole_number_setting(env, SETTING, DEFAULT_MAX)
 
 
 class ConcurrencyCap:

@@ -1,5 +1,6 @@
 """The HTTP/1.1 protocol of the node and the gateway: uvicorn's h11 protocol with limits on
-the request head.
+the request head, the connection bounds and send timeout of relay/connections.py (it tells them
+each connection's state), and TLS set up by the protocol itself (`_HardenedBase`).
 
 uvicorn's h11 protocol sets no deadline for receiving a request head (a client that sends one
 byte a minute holds its connection forever, and so does one that connects and sends nothing)
@@ -26,11 +27,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import ipaddress
 import json
 import logging
-import os
 import re
+import socket
+import ssl
+import struct
+import termios
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -38,12 +43,16 @@ from urllib.parse import unquote_to_bytes
 
 import h11
 import uvicorn
+from uvicorn.protocols.http.flow_control import FlowControl
 from uvicorn.protocols.http.h11_impl import H11Protocol
+from uvicorn.protocols.utils import get_remote_addr
 
 from agentenv.errors import AgentEnvError
 from agentenv.logs import Sampled
-from agentenv.relay.connections import ConnectionLimits
+from agentenv.relay.connections import BODY_TIMEOUT_SETTING, ConnectionLimits, State
+from agentenv.relay.tls import NodeTls
 from agentenv.relay.websocket import FragmentingWebSocketProtocol
+from agentenv.settings import setting_text
 
 log = logging.getLogger("agentenv.relay.server")
 #: connections that sent no request head in time, process-wide (logged sampled)
@@ -55,7 +64,7 @@ TRUSTED_PROXIES_ENV = "AENV_TRUSTED_PROXIES"
 def trusted_proxies(env: Mapping[str, str] | None = None) -> list[str]:
     """The proxies whose X-Forwarded-For names the client (AENV_TRUSTED_PROXIES: addresses or
     CIDRs, comma-separated; empty: none, the peer is the client)."""
-    raw = (os.environ if env is None else env).get(TRUSTED_PROXIES_ENV, "")
+    raw = setting_text(TRUSTED_PROXIES_ENV, env)
     found = []
     for item in (i.strip() for i in raw.split(",")):
         if not item:
@@ -122,6 +131,18 @@ def path_problem(target: bytes, trailing_slash: bool = False) -> str | None:
     return None
 
 
+def request_has_body(scope: dict[str, Any]) -> bool:
+    """Whether a request announces a body: chunks (Transfer-Encoding wins, RFC 9112 6.3) or a
+    Content-Length other than 0."""
+    lengths = []
+    for name, value in scope["headers"]:
+        if name == b"transfer-encoding":
+            return True
+        if name == b"content-length":
+            lengths.append(value)
+    return bool(lengths) and lengths[0].strip() != b"0"
+
+
 def request_target(scope: dict[str, Any]) -> bytes:
     """The request target of an ASGI scope as the client sent it (path and query)."""
     target: bytes = scope.get("raw_path") or scope["path"].encode()
@@ -147,10 +168,11 @@ def quiet_stream_aborts() -> None:
     logging.getLogger("uvicorn.error").addFilter(_QuietAborts())
 
 
-def hardened_protocol(max_head_bytes: int, head_timeout: float,
-                      connections: ConnectionLimits | None = None) -> type[H11Protocol]:
+def hardened_protocol(max_head_bytes: int, head_timeout: float, connections: ConnectionLimits,
+                      tls: ssl.SSLContext | None = None) -> type[H11Protocol]:
     """The protocol class for uvicorn's `http=` with these limits (`connections`: the bounds
-    on open connections of relay/connections.py, shared by every connection of the server)."""
+    on open connections of relay/connections.py, shared by every connection of the server;
+    `tls`: the server's TLS, set up by the protocol itself, see `_HardenedBase`)."""
 
     class HardenedH11Protocol(_HardenedBase):
         pass
@@ -158,6 +180,7 @@ def hardened_protocol(max_head_bytes: int, head_timeout: float,
     HardenedH11Protocol.max_head_bytes = max_head_bytes
     HardenedH11Protocol.head_timeout = head_timeout
     HardenedH11Protocol.connection_limits = connections
+    HardenedH11Protocol.tls = tls
     return HardenedH11Protocol
 
 
@@ -175,39 +198,125 @@ def hardened_config(app: Any, host: str, port: int, max_head_bytes: int, head_ti
     proxies = trusted_proxies()
     if connections is None:
         connections = ConnectionLimits.from_env(proxies)
+    tls = NodeTls(cert=tls_files[0], key=tls_files[1]).server_context() if tls_files else None
     return uvicorn.Config(
         app,
         host=host,
         port=port,
-        http=hardened_protocol(max_head_bytes, head_timeout, connections),
+        http=hardened_protocol(max_head_bytes, head_timeout, connections, tls),
         h11_max_incomplete_event_size=max_head_bytes + 1,
         log_config=None,
         access_log=False,
         lifespan="on",
+        loop="asyncio",  # as the node's and the gateway's asyncio.run; TLS relies on it
         timeout_graceful_shutdown=graceful_seconds,
         timeout_keep_alive=30,
         server_header=False,
         ws=FragmentingWebSocketProtocol,
         ws_max_size=ws_max_bytes,
+        ws_per_message_deflate=False,  # frames are relayed as they come: relay/websocket.py
         backlog=backlog,
         proxy_headers=bool(proxies),
         forwarded_allow_ips=proxies or None,
-        ssl_certfile=tls_files[0] if tls_files else None,
-        ssl_keyfile=tls_files[1] if tls_files else None,
     )
 
 
 class _HardenedBase(H11Protocol):
+    """uvicorn's h11 protocol with the head limits, the connection bounds and the send timeout
+    of relay/connections.py, and TLS.
+
+    TLS is set up here (`loop.start_tls` once the TCP connection is made), not by the listening
+    socket (uvicorn's `ssl_certfile`): there asyncio runs the handshake before this protocol
+    sees the connection, so a client that connects and never sends a ClientHello held a
+    descriptor for asyncio's fixed 60 s, uncounted by the connection bounds (uvicorn exposes no
+    handshake timeout, and a failed handshake never reaches the protocol at all). Here the
+    connection is admitted at its TCP accept, idle (evictable like any idle one) until its
+    request head, and its handshake has its own deadline."""
+
     max_head_bytes = 64 << 10
     head_timeout = 30.0
-    connection_limits: ConnectionLimits | None = None
+    connection_limits: ConnectionLimits
+    tls: ssl.SSLContext | None = None
 
     _head_timer: asyncio.TimerHandle | None = None
+    _send_timer: asyncio.TimerHandle | None = None
+    _send_left = 0  # bytes queued when the send timer was armed
+    _handshake: asyncio.Transport | None = None  # the TCP transport while TLS is set up
+    _early = b""  # what came with the end of the handshake, before this protocol was told
+    _upgraded = False
+    _tls_task: asyncio.Task[None] | None = None
+    _receiving = False  # a request body is arriving (connections.py's body bounds)
+    _body_timer: asyncio.TimerHandle | None = None
+    _body_last = 0.0  # loop time of the body's last byte, or of the server's last ask
+
+    # uvicorn reads `self.app` once per request, as soon as the request head is parsed and
+    # before any of its body: where a request with a body is counted (or refused)
+    @property
+    def app(self) -> Any:
+        if not request_has_body(self.scope):
+            return self._app
+        refused = self.connection_limits.begin_body(self)
+        if refused is not None:
+            return _refusal(429, refused)
+        self._receiving = True
+        self._body_last = self.loop.time()
+        if self.connection_limits.body_timeout > 0:
+            self._arm_body_timer(self.connection_limits.body_timeout)
+        return self._app
+
+    @app.setter
+    def app(self, app: Any) -> None:
+        self._app = app
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        self._bound_unacknowledged(transport)
+        if self.tls is None:
+            self._serve(transport)
+            return
+        peer = get_remote_addr(transport)
+        if self.connection_limits.admit(self, peer[0] if peer else ""):
+            transport.abort()  # refused: nothing can be said to it before TLS is up
+            return
+        transport.pause_reading()  # not one byte to this protocol before TLS is up
+        self._handshake = transport
+        self._arm_head_timer()  # the head deadline counts from the accept
+        self._tls_task = self.loop.create_task(self._accept_tls(transport))
+
+    async def _accept_tls(self, raw: asyncio.Transport) -> None:
+        assert self.tls is not None
+        limits = self.connection_limits
+        try:
+            secured = await self.loop.start_tls(
+                raw, self, self.tls, server_side=True,
+                ssl_handshake_timeout=limits.handshake_timeout or None)
+            if secured is None:  # closed with no error (our abort: room, the head deadline):
+                raise ConnectionAbortedError("closed during the handshake")  # done, no transport
+        except BaseException as exc:  # start_tls closed it; connection_lost is not called
+            self._handshake = None
+            self._stop_head_timer()
+            failed = limits.state(self) is not None  # else closed to make room
+            limits.release(self)
+            if not isinstance(exc, Exception):
+                raise
+            if failed and limits.handshake_failures.tick():
+                log.info("TLS handshake failed or not done in time",
+                         extra={"client": str(get_remote_addr(raw)), "error": str(exc),
+                                "count": limits.handshake_failures.count})
+            return
+        self._handshake = None
+        if secured.is_closing():  # lost as soon as made (connection_lost releases it)
+            return
+        self._serve(secured, admitted=True)
+        if self._early:
+            early, self._early = self._early, b""
+            self.data_received(early)
+
+    def _serve(self, transport: asyncio.Transport, admitted: bool = False) -> None:
         super().connection_made(transport)
-        if self.connection_limits is not None:
-            refused = self.connection_limits.admit(self, str(self.client[0]) if self.client else "")
+        self.flow = _AskingFlow(transport, self._body_asked)
+        if not admitted:
+            refused = self.connection_limits.admit(self, str(self.client[0]) if self.client
+                                                   else "")
             if refused:
                 self._reply(503, refused)
                 return
@@ -215,32 +324,174 @@ class _HardenedBase(H11Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._stop_head_timer()
-        if self.connection_limits is not None:
-            self.connection_limits.release(self)
-        super().connection_lost(exc)
-
-    def is_idle(self) -> bool:
-        """Serving no request: none received yet, kept alive after one, or a head arriving."""
-        return ((self.cycle is None or self.cycle.response_complete)
-                and not self.transport.is_closing())
+        self._stop_send_timer()
+        self._stop_body_timer()
+        if isinstance(exc, TimeoutError):  # the kernel's send timeout (TCP_USER_TIMEOUT)
+            self._count_send_timeout(None)
+        self.connection_limits.release(self)
+        if self.transport is not None:  # else lost before _accept_tls saw TLS up
+            super().connection_lost(exc)
 
     def close_idle(self) -> None:
         """Close this idle connection to make room (as its keep-alive timeout would)."""
         self._stop_head_timer()
+        if self._handshake is not None:
+            self._handshake.abort()  # _accept_tls ends
+            return
         self._unset_keepalive_if_required()
         with contextlib.suppress(h11.LocalProtocolError):
             self.conn.send(h11.ConnectionClosed())
         self.transport.close()
+        self._update()  # what its client has not taken yet is still bounded in time
+
+    def abort(self) -> None:
+        """Drop this stalled connection (its client does not read what it asked for)."""
+        (self._handshake or self.transport).abort()
+
+    def handle_events(self) -> None:
+        super().handle_events()
+        self._update()
 
     def on_response_complete(self) -> None:
         super().on_response_complete()
-        if self.connection_limits is not None:
-            self.connection_limits.active(self)
+        self._update()
+
+    def pause_writing(self) -> None:
+        super().pause_writing()
+        self._update()
+
+    def resume_writing(self) -> None:
+        super().resume_writing()
+        self._update()
 
     def handle_websocket_upgrade(self, event: h11.Request) -> None:
-        if self.connection_limits is not None:  # a session now, counted by the request cap
-            self.connection_limits.release(self)
+        self._upgraded = True  # the WebSocket protocol has the transport now
+        self._stop_send_timer()
+        self.connection_limits.release(self)  # a session now, counted by the request cap
         super().handle_websocket_upgrade(event)
+
+    def _update(self) -> None:
+        """Tell the limits this connection's state, and run the send timer while bytes are
+        queued for the client and nothing is added to them (writes paused, or no request
+        writing): a client that takes none of them for the send timeout is cut."""
+        if self.transport is None or self._handshake is not None or self._upgraded:
+            return
+        serving = self.cycle is not None and not self.cycle.response_complete
+        body_done = self.conn.their_state is not h11.SEND_BODY
+        if body_done:
+            self._stop_body_timer()
+        if self._receiving and (body_done or not serving):
+            # answered early, what comes of the body is discarded (within its timeout): an
+            # idle connection, no longer one of its client's bodies arriving
+            self._receiving = False
+            self.connection_limits.end_body(self)
+        paused = self.flow.write_paused
+        queued = self.transport.get_write_buffer_size()
+        closing = self.transport.is_closing()
+        # closing with bytes queued: an answer still being delivered, not a connection to reuse
+        self.connection_limits.set_state(
+            self, State.STALLED if paused else State.BUSY if serving or (closing and queued)
+            else State.IDLE)
+        writing = serving and not paused and not closing
+        if writing or not queued:
+            self._stop_send_timer()
+        elif self._send_timer is None and self.connection_limits.send_timeout > 0:
+            self._arm_send_timer()
+
+    def _arm_send_timer(self) -> None:
+        self._send_left = self._unacknowledged()
+        self._send_timer = self.loop.call_later(self.connection_limits.send_timeout,
+                                                self._send_timed_out)
+
+    def _stop_send_timer(self) -> None:
+        if self._send_timer is not None:
+            self._send_timer.cancel()
+            self._send_timer = None
+
+    def _unacknowledged(self) -> int:
+        """Bytes for the client it has not acknowledged: the transport's and the kernel's. The
+        kernel's matter: it holds megabytes (autotuned send buffer) and takes more from the
+        transport only once a third of them is gone, so a slow reader may leave the transport's
+        alone for a long time while it reads."""
+        queued = self.transport.get_write_buffer_size()
+        sock = self.transport.get_extra_info("socket")
+        if sock is not None:
+            with contextlib.suppress(OSError, ValueError):
+                raw = fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, b"\0\0\0\0")
+                queued += struct.unpack("i", raw)[0]
+        return queued
+
+    def _send_timed_out(self) -> None:
+        self._send_timer = None
+        if not self.transport.get_write_buffer_size():  # the kernel has the rest
+            return
+        left = self._unacknowledged()
+        if left < self._send_left:  # it took some: a slow reader, given another period
+            self._arm_send_timer()
+            return
+        self._count_send_timeout(left)
+        self.abort()
+
+    def _count_send_timeout(self, queued: int | None) -> None:
+        timeouts = self.connection_limits.send_timeouts
+        if timeouts.tick():  # anyone can ask for answers and never read them
+            log.info("connection cut: its client took nothing of its answers in time",
+                     extra={"client": str(self.client), "queued": queued,
+                            "seconds": self.connection_limits.send_timeout,
+                            "count": timeouts.count})
+
+    def _bound_unacknowledged(self, transport: asyncio.Transport) -> None:
+        """The kernel's own send timeout on the socket (TCP_USER_TIMEOUT: data unacknowledged,
+        or a zero window, for that long ends the connection; Linux 5.11 and later count a zero
+        window right). It covers what this protocol no longer sees: a WebSocket after its
+        upgrade, and a connection closed with bytes still queued (asyncio waits for ever to
+        flush them), whichever protocol closed it."""
+        sock = transport.get_extra_info("socket")
+        timeout = self.connection_limits.send_timeout
+        if sock is not None and timeout > 0:
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT,
+                                int(timeout * 1000))
+
+    def _body_asked(self) -> None:
+        """The app asked for more of the body (or the server resumed reading): the client's
+        period starts again."""
+        self._body_last = self.loop.time()
+
+    def _arm_body_timer(self, delay: float) -> None:
+        self._stop_body_timer()
+        self._body_timer = self.loop.call_later(delay, self._body_check)
+
+    def _stop_body_timer(self) -> None:
+        if self._body_timer is not None:
+            self._body_timer.cancel()
+            self._body_timer = None
+
+    def _body_check(self) -> None:
+        self._body_timer = None
+        if self.conn.their_state is not h11.SEND_BODY or self.transport.is_closing():
+            return
+        timeout = self.connection_limits.body_timeout
+        cycle = self.cycle
+        if self.flow.read_paused or (cycle is not None and cycle.waiting_for_100_continue):
+            self._arm_body_timer(timeout)  # the server is not waiting for the client
+            return
+        waited = self.loop.time() - self._body_last
+        if waited < timeout:
+            self._arm_body_timer(timeout - waited)
+            return
+        limits = self.connection_limits
+        if limits.body_timeouts.tick():  # anyone can send a body slowly
+            log.info("request body cut: nothing of it came in time",
+                     extra={"client": str(self.client), "seconds": timeout,
+                            "count": limits.body_timeouts.count})
+        if cycle is None or cycle.response_started:
+            self.abort()
+            return
+        cycle.disconnected = True  # what the app sends now is dropped: the 408 is the answer
+        cycle.message_event.set()
+        self._reply(408, f"request body: nothing of it came for {timeout:g} s "
+                         f"({BODY_TIMEOUT_SETTING})")
 
     def _arm_head_timer(self) -> None:
         if self._head_timer is None and self.head_timeout > 0:
@@ -253,6 +504,9 @@ class _HardenedBase(H11Protocol):
 
     def _head_timed_out(self) -> None:
         self._head_timer = None
+        if self._handshake is not None:  # the head deadline covers the handshake too
+            self._handshake.abort()
+            return
         if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
             if HEAD_TIMEOUTS.tick():  # anyone can open connections and send nothing
                 log.info("request head not received in time",
@@ -271,6 +525,17 @@ class _HardenedBase(H11Protocol):
         self.transport.close()
 
     def data_received(self, data: bytes) -> None:
+        self._body_last = self.loop.time()  # what the body's timer counts from (_body_check)
+        if self.transport is None:
+            raw = self._handshake
+            if raw is not None and raw.get_protocol() is self:
+                # TLS bytes before start_tls took the transport: a loop that starts reading
+                # despite the pause in connection_made (uvloop does)
+                log.error("TLS needs asyncio's event loop (the read before the handshake)")
+                raw.abort()
+                return
+            self._early += data  # decrypted: TLS is up, _accept_tls not yet resumed
+            return
         if self.conn.their_state is not h11.IDLE:
             super().data_received(data)
             return
@@ -291,3 +556,30 @@ class _HardenedBase(H11Protocol):
         self.handle_events()
         if self.conn.their_state is not h11.IDLE:
             self._stop_head_timer()
+
+
+class _AskingFlow(FlowControl):
+    """uvicorn's read flow control that also tells when reading resumes: the server asks for
+    more of a body (each app `receive`, or a pause ending)."""
+
+    def __init__(self, transport: asyncio.Transport, asked: Any) -> None:
+        super().__init__(transport)
+        self._asked = asked
+
+    def resume_reading(self) -> None:
+        self._asked()
+        super().resume_reading()
+
+
+def _refusal(status: int, message: str) -> Any:
+    """An ASGI app that answers `status` with `message` and closes the connection (its
+    request's body is never read)."""
+    payload = json.dumps({"code": status, "message": message}).encode()
+
+    async def refuse(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        await send({"type": "http.response.start", "status": status, "headers": [
+            (b"content-type", b"application/json; charset=utf-8"),
+            (b"content-length", str(len(payload)).encode()), (b"connection", b"close")]})
+        await send({"type": "http.response.body", "body": payload})
+
+    return refuse

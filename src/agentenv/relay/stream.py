@@ -7,10 +7,11 @@ request headers go along (`forward_headers`). An `Exchange` carries what the cal
 while the relay runs: `gone` ends it at once (the sandbox stopped, the node went down).
 
 Limits (`RelayLimits`, AENV_PROXY_* variables): request body size, idle time either way, total
-time of one exchange, size of one WebSocket message either way (the sandbox's side is a guest's:
-its messages are relayed by fragments of a small window, relay/websocket.py, and an endless one
-is refused with close code 1009, never gathered); a streaming response that must end early is cut (`StreamAborted`), an
-exchange that has not answered yet gets a JSON error (`answer_gone` for the gone case).
+time of one exchange, size of one WebSocket message either way (messages are relayed by
+fragments of a small window both ways, relay/websocket.py, and one over the limit is refused
+with close code 1009, never gathered); a streaming response that must end early is cut
+(`StreamAborted`), an exchange that has not answered yet gets a JSON error (`answer_gone` for
+the gone case).
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ import asyncio
 import contextlib
 import json
 import logging
-import os
 import ssl
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
@@ -30,15 +30,18 @@ from websockets.frames import CloseCode
 
 from agentenv.errors import AgentEnvError
 from agentenv.logs import PerKeyLimit
-from agentenv.relay.server import StreamAborted
+from agentenv.relay.server import StreamAborted, request_has_body
 from agentenv.relay.websocket import (
     FRAGMENTS,
+    RECEIVED_FRAGMENT,
     Closed,
+    FrameViolation,
+    Piece,
     UpstreamRefused,
-    UpstreamViolation,
     UpstreamWebSocket,
     wire_close_code,
 )
+from agentenv.settings import setting_text
 
 log = logging.getLogger("agentenv.relay")
 #: what a client or a sandbox's server causes at will, logged per sandbox within limits
@@ -114,11 +117,11 @@ class RelayLimits:
     }
 
     @classmethod
-    def from_env(cls, env: Mapping[str, str] = os.environ) -> RelayLimits:
+    def from_env(cls, env: Mapping[str, str] | None = None) -> RelayLimits:
         values: dict[str, Any] = {}
         for name, var in cls.ENV.items():
-            raw = env.get(var)
-            if raw is None or raw == "":
+            raw = setting_text(var, env)
+            if not raw:
                 continue
             kind = type(getattr(cls, name))
             try:
@@ -160,15 +163,6 @@ class _ClientError(Exception):
 
 def header_values(scope: Scope, name: bytes) -> list[bytes]:
     return [v for n, v in scope["headers"] if n == name]
-
-
-def request_has_body(scope: Scope) -> bool:
-    """Whether a request announces a body: chunks (Transfer-Encoding wins, RFC 9112 6.3) or a
-    Content-Length other than 0."""
-    if header_values(scope, b"transfer-encoding"):
-        return True
-    lengths = header_values(scope, b"content-length")
-    return bool(lengths) and lengths[0].strip() != b"0"
 
 
 def forward_headers(
@@ -467,9 +461,10 @@ class Relay:
     ) -> None:
         """Bridge an accepted-for-relay WebSocket (its websocket.connect already received) to
         `url` until either side closes, the exchange is gone or the total time limit is
-        reached: the upstream's messages by fragments (relay/websocket.py), the client's whole
-        (uvicorn gathers them, each within the message limit)."""
-        if FRAGMENTS not in scope.get("extensions", {}):
+        reached: the messages of both by fragments, each side read only as fast as the other
+        takes what was read (relay/websocket.py)."""
+        extensions = scope.get("extensions", {})
+        if FRAGMENTS not in extensions or RECEIVED_FRAGMENT not in extensions:
             raise RuntimeError("the server's WebSocket protocol must be "
                                "relay.websocket.FragmentingWebSocketProtocol")
         upstream_headers = [(n, v) for n, v in headers if n not in WS_HANDSHAKE]
@@ -483,7 +478,8 @@ class Relay:
                        {"sandbox_id": exchange.name, "error": str(exc)})
             await send({"type": "websocket.close", "code": 1011})
             return
-        await send({"type": "websocket.accept", "subprotocol": upstream.subprotocol})
+        await send({"type": "websocket.accept", "subprotocol": upstream.subprotocol,
+                    "fragments": True})
         to_upstream = asyncio.create_task(self._ws_client_to_upstream(receive, upstream))
         to_client = asyncio.create_task(self._ws_upstream_to_client(upstream, send, exchange))
         gone = asyncio.create_task(exchange.gone.wait())
@@ -511,9 +507,9 @@ class Relay:
             if message["type"] == "websocket.disconnect":
                 await upstream.close(wire_close_code(message.get("code")))
                 return
-            if message["type"] == "websocket.receive":
-                data = message.get("bytes")
-                await upstream.send(data if data is not None else message.get("text", ""))
+            if message["type"] == RECEIVED_FRAGMENT:
+                await upstream.send_piece(Piece(message["data"], message["text"],
+                                                message["first"], message["fin"]))
 
     async def _ws_upstream_to_client(
         self, upstream: UpstreamWebSocket, send: Send, exchange: Exchange
@@ -528,7 +524,7 @@ class Relay:
                     return
                 await send({"type": FRAGMENTS, "data": item.data, "text": item.text,
                             "first": item.first, "fin": item.fin})
-        except UpstreamViolation as exc:
+        except FrameViolation as exc:
             EVENTS.log(exchange.name, "ws_violation", logging.INFO,
                        "websocket upstream broke the protocol or a limit",
                        {"sandbox_id": exchange.name, "error": exc.reason, "limit": limit})

@@ -15,7 +15,6 @@ Files are read and checked when the process starts: a bad file stops it, not a r
 
 from __future__ import annotations
 
-import os
 import ssl
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -23,6 +22,7 @@ from pathlib import Path
 
 from agentenv.errors import AgentEnvError
 from agentenv.fsutil import read_pem
+from agentenv.settings import setting_text
 
 CERT_ENV = "AENV_NODE_TLS_CERT"
 KEY_ENV = "AENV_NODE_TLS_KEY"
@@ -41,8 +41,8 @@ class NodeTls:
     ca: Path | None = None
 
     @classmethod
-    def from_env(cls, env: Mapping[str, str] = os.environ) -> NodeTls:
-        cert, key, ca = (env.get(name, "").strip() for name in (CERT_ENV, KEY_ENV, CA_ENV))
+    def from_env(cls, env: Mapping[str, str] | None = None) -> NodeTls:
+        cert, key, ca = (setting_text(name, env).strip() for name in (CERT_ENV, KEY_ENV, CA_ENV))
         if bool(cert) != bool(key):
             raise AgentEnvError(f"{CERT_ENV} and {KEY_ENV} go together: set both or neither")
         tls = cls(_pem_file(cert, CERT_ENV) if cert else None,

@@ -11,6 +11,7 @@ from pydantic import BaseModel, Field
 
 from agentenv.envd_client import INIT_PATH
 from agentenv.runtime.jail import ProcessLimits
+from agentenv.settings import setting_text
 
 
 class RuntimeConfig(BaseModel):
@@ -113,6 +114,10 @@ class RuntimeConfig(BaseModel):
     # the guest gets ENOSPC when the disk's upper reaches blockd's cap (and root is /dev/sda);
     # "virtio-blk": it gets EIO. Restores keep the bus their snapshot was taken with.
     disk_bus: Literal["virtio-blk", "virtio-scsi"] = "virtio-blk"
+    # Volume disks every booted machine gets (DiskConfig.volume_slot, `vol0`...): empty null
+    # devices until a restore or boot gives one a volume's layers, so a snapshot's device
+    # state already has them (a restore cannot add devices). Each is VOLUME_DISK_BYTES big.
+    volume_slots: int = Field(default=0, ge=0, le=8)
     # The resolver a booted guest's /etc/resolv.conf names (init bind-mounts a tmpfs copy over
     # the image's). An image's own resolv.conf is the build host's (debootstrap copies it) or
     # empty (OCI images), and a host's resolver is usually on loopback or a private address,
@@ -173,13 +178,13 @@ PRIVILEGE_ENV = {
 }
 
 
-def privilege_settings_from_env(env: Mapping[str, str]) -> dict[str, Any]:
+def privilege_settings_from_env(env: Mapping[str, str] | None = None) -> dict[str, Any]:
     """RuntimeConfig fields from the AENV_* variables that are set (pydantic checks the
     values: a bad one names the field). AENV_QEMU_USER=root runs QEMU as root;
     AENV_GUEST_DNS=none leaves the guest's resolv.conf as the image has it."""
     out: dict[str, Any] = {}
     for name, field_name in PRIVILEGE_ENV.items():
-        raw = env.get(name, "").strip()
+        raw = setting_text(name, env).strip()
         if not raw:
             continue
         if (field_name, raw.lower()) in (("qemu_user", "root"), ("guest_dns", "none")):

@@ -35,6 +35,7 @@ from pathlib import Path
 
 import numpy as np
 
+from agentenv.fsutil import InsufficientSpace, SpaceGuard, require_free_space
 from agentenv.runtime.errors import SnapshotError
 from agentenv.storage import native
 from agentenv.storage.builder import LayerBuilder
@@ -201,13 +202,39 @@ class _Batch:
 
 def capture_memory_layer(
     pid: int, addr: int, size: int, out: Path, *, parent_uuid: str | None = None,
-    use_native: bool | None = None,
+    use_native: bool | None = None, keep_free: int | None = None,
 ) -> CaptureStats:
     """Write the pages QEMU pid wrote into its RAM mapping as a sealed layer at `out`, on
-    the native core (`use_native`, by default when it is enabled) or in Python."""
+    the native core (`use_native`, by default when it is enabled) or in Python.
+
+    `keep_free` (bytes; default AENV_DISK_RESERVE, 0: none) stays free on out's filesystem,
+    which running sandboxes' disks write to: a capture whose written pages would not fit above
+    it is refused before a byte is written, and one that finds it taken when it is done (by
+    another writer meanwhile: the native pipeline cannot stop half-way) is removed. Either way
+    a SnapshotError names the setting and nothing is left."""
+    what = f"the memory layer {out}"
+    if keep_free != 0:
+        try:
+            need = int(written_pages(pid, addr, size).size) * PAGE
+            require_free_space(out.parent, need, what, reserve=keep_free)
+        except InsufficientSpace as exc:
+            raise SnapshotError(str(exc)) from None
+        except OSError as exc:  # QEMU gone
+            raise SnapshotError(f"cannot write memory layer {out}: {exc.strerror or exc}"
+                                ) from exc
     if use_native if use_native is not None else native.enabled():
-        return _capture_native(pid, addr, size, out, parent_uuid)
-    return _capture_python(pid, addr, size, out, parent_uuid)
+        stats = _capture_native(pid, addr, size, out, parent_uuid)
+    else:
+        stats = _capture_python(pid, addr, size, out, parent_uuid)
+    if keep_free != 0:
+        guard = SpaceGuard(out.parent, what, reserve=keep_free)
+        guard.written = stats.layer_bytes
+        try:
+            guard.check()
+        except InsufficientSpace as exc:
+            out.unlink(missing_ok=True)
+            raise SnapshotError(str(exc)) from None
+    return stats
 
 
 def _capture_native(pid: int, addr: int, size: int, out: Path, parent_uuid: str | None

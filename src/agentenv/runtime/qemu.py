@@ -13,6 +13,9 @@ migration stream requires):
   `bus="virtio-scsi"` (at most one) is a `scsi-hd` on a virtio-scsi controller at its own fixed
   PCI address instead: the guest then gets ENOSPC, not EIO, when blockd refuses a write at the
   disk's upper cap (see build_argv).
+- volume disks (`DiskConfig.volume_slot`, docs/volumes.md §6) are virtio-blk disks like the
+  others, with a serial the guest finds them by; an empty one is a `null-co` node reading
+  zeros, so every snapshot has them and a restore can put a volume's device in their place.
 - virtio-net on `tap0` (QEMU runs inside the network slot's namespace), no option ROM.
 - virtio-balloon with free-page reporting; vmgenid with a fresh GUID for every process.
 - `-kernel`/`-initrd`/`-append` only for a boot: a restore (`-incoming defer`) has no use for
@@ -50,17 +53,17 @@ import subprocess
 import tempfile
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from agentenv.runtime import jail, privilege
 from agentenv.runtime.cgroup import Cgroup, remove_cgroup_async
 from agentenv.runtime.errors import QMPError, RuntimeError_, VMDiedError
 from agentenv.runtime.privilege import VMUser
 from agentenv.runtime.qmp import QMPClient
-from agentenv.snapshot.record import MachineConfig
+from agentenv.snapshot.record import VOLUME_SERIAL_PREFIX, MachineConfig
 
 log = logging.getLogger(__name__)
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -101,6 +104,9 @@ class DiskAttachment:
     nbd_socket: str | None = None
     nbd_export: str | None = None
     file: str | None = None
+    #: an empty volume slot: a null device of this many bytes reading zeros (no file, no
+    #: export), writable like the volume disk a later restore puts in its place
+    null_size: int | None = None
 
     def file_node(self, node_name: str) -> dict[str, Any]:
         if self.nbd_socket:
@@ -120,6 +126,9 @@ class DiskAttachment:
                 "driver": "file", "node-name": node_name, "filename": self.file,
                 "read-only": self.read_only,
             }
+        if self.null_size is not None:
+            return {"driver": "null-co", "node-name": node_name, "size": self.null_size,
+                    "read-zeroes": True}
         raise ValueError(f"disk {self.name}: neither an NBD export nor a file")
 
 
@@ -357,8 +366,11 @@ def build_argv(
             argv += ["-device", f"scsi-hd,id=dev-{disk.name},drive={disk.name},bus=scsi0.0,"
                                 "channel=0,scsi-id=0,lun=0,werror=report,rerror=report"]
         else:
+            # a volume disk is found by its serial in the guest (envd mounts it)
+            serial = f",serial={VOLUME_SERIAL_PREFIX}{disk.name}" if disk.volume_slot else ""
             argv += ["-device", f"virtio-blk-pci,id=dev-{disk.name},drive={disk.name},"
-                                f"addr={DISK_PCI_BASE + index:#x},werror=report,rerror=report"]
+                                f"addr={DISK_PCI_BASE + index:#x},werror=report,rerror=report"
+                                f"{serial}"]
     if incoming:
         argv += ["-incoming", "defer"]
     if sandbox:
@@ -765,6 +777,33 @@ def _status_meaning(code: int | None) -> str:
     return ""
 
 
+T = TypeVar("T")
+
+
+class _Exited(Exception):
+    pass
+
+
+async def _unless_exited(process: asyncio.subprocess.Process, call: Awaitable[T]) -> T:
+    """`call`, unless the process exits first (_Exited): a connection the kernel accepted for
+    a QEMU that then died before exec would wait for a greeting until its timeout."""
+    work = asyncio.ensure_future(call)
+    exited = asyncio.ensure_future(process.wait())
+    try:
+        await asyncio.wait({work, exited}, return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:
+        work.cancel()
+        raise
+    finally:
+        exited.cancel()
+    if work.done():
+        return work.result()
+    work.cancel()
+    with contextlib.suppress(asyncio.CancelledError, Exception):
+        await work
+    raise _Exited
+
+
 async def _connect_or_fail(
     qmp_socket: Path, process: asyncio.subprocess.Process, stderr_log: Path
 ) -> QMPClient:
@@ -778,8 +817,10 @@ async def _connect_or_fail(
                               f"{_status_meaning(process.returncode)}: {tail}")
         if qmp_socket.exists():
             try:
-                return await QMPClient.connect(
-                    qmp_socket, timeout=max(1.0, deadline - time.monotonic()))
+                return await _unless_exited(process, QMPClient.connect(
+                    qmp_socket, timeout=max(1.0, deadline - time.monotonic())))
+            except _Exited:
+                continue  # reported by the check above
             except (QMPError, OSError, TimeoutError):
                 # A QEMU that died is reported by the check above on the next turn.
                 if process.returncode is not None or time.monotonic() < deadline:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import os
 import shutil
@@ -85,6 +86,7 @@ from agentenv.runtime.serial import SERIAL_LOG
 from agentenv.runtime.warm_pool import WarmPool, WarmProcess
 from agentenv.snapshot.record import (
     RECORD_NAME,
+    VOLUME_DISK_BYTES,
     DiskBus,
     DiskConfig,
     DiskSnapshot,
@@ -92,6 +94,7 @@ from agentenv.snapshot.record import (
     MachineConfig,
     SnapshotRecord,
     SnapshotRecordError,
+    volume_slot_name,
 )
 from agentenv.storage.export import import_raw
 
@@ -113,6 +116,41 @@ class DiskSource:
     chain_used: int = 0  # bytes of its own sealed uppers among `layers` (DiskSnapshot's)
     # None: RuntimeConfig.disk_bus for a writable disk, virtio-blk for a read-only one.
     bus: DiskBus | None = None
+    volume_slot: bool = False  # DiskConfig.volume_slot: empty without layers
+
+
+@dataclass(frozen=True)
+class VolumeDisk:
+    """A volume for an empty volume slot of a restored machine (docs/volumes.md §6): its
+    sealed layers (oldest first), read-only (one blockd device shared by every VM that mounts
+    them) or copy-on-write (a device of its own, with a private upper)."""
+
+    layers: list[Path]
+    read_only: bool
+
+
+def _with_volumes(machine: MachineConfig, volumes: dict[str, VolumeDisk]) -> MachineConfig:
+    """`machine` with the slots `volumes` fills read-only where their volume is: QEMU's node
+    for such a disk is read-only (the device state does not record it, so a snapshot of the
+    machine with empty slots restores)."""
+    if not volumes:
+        return machine
+    slots = {d.name for d in machine.disks if d.volume_slot}
+    if not set(volumes) <= slots:
+        raise RuntimeError_(f"disks {sorted(set(volumes) - slots)} are not volume slots of "
+                            f"this machine (it has {sorted(slots)})")
+    disks = [d.model_copy(update={"read_only": volumes[d.name].read_only})
+             if d.name in volumes else d for d in machine.disks]
+    return machine.model_copy(update={"disks": disks})
+
+
+def volume_slot_sources(config: RuntimeConfig, disks: list[DiskSource]) -> list[DiskSource]:
+    """The empty volume slots a booted machine gets beside `disks` (those it has already,
+    a cold boot from a snapshot's disks, are kept as they are)."""
+    have = {d.name for d in disks}
+    return [DiskSource(volume_slot_name(i), VOLUME_DISK_BYTES, bus="virtio-blk",
+                       volume_slot=True)
+            for i in range(config.volume_slots) if volume_slot_name(i) not in have]
 
 
 @dataclass
@@ -278,9 +316,12 @@ class Runtime:
     async def boot(self, spec: BootSpec, wait_ready: bool = True) -> VM:
         """Cold-boot a VM from a kernel and disks; returns once envd answers."""
         assert self.accel is not None, "Runtime.start() first"
+        spec = dataclasses.replace(
+            spec, disks=[*spec.disks, *volume_slot_sources(self.config, spec.disks)])
         disks = [DiskConfig(name=d.name, read_only=d.read_only, size=d.size,
                             bus=d.bus or ("virtio-blk" if d.read_only or d.file
-                                          else self.config.disk_bus))
+                                          else self.config.disk_bus),
+                            volume_slot=d.volume_slot)
                  for d in spec.disks]
         machine = MachineConfig(
             vcpus=spec.vcpus or self.config.default_vcpus,
@@ -338,6 +379,8 @@ class Runtime:
         is a jailed QEMU's own uid (a read-only device may be shared by several VMs).
         `chain_used`: what the disk's own sealed uppers among `layers` took of its cap."""
         name, size, read_only = config.name, config.size, config.read_only
+        if config.volume_slot and not layers:  # an empty volume slot
+            return AttachedDisk(config, []), DiskAttachment(name, False, null_size=size)
         if file is not None:
             if not read_only:
                 raise RuntimeError_(f"disk {name}: a raw file can only be a read-only disk")
@@ -353,10 +396,18 @@ class Runtime:
         owner = user.uid if not read_only and user is not None and user is not self.vm_user \
             else None
         try:
-            info = await self.blockd.create(lowers=[Path(x.path) for x in layers],
-                                            upper_dir=upper, size=size, readonly=read_only,
-                                            owner=owner,
-                                            chain_used=None if read_only else chain_used or None)
+            if read_only:
+                # one shared, refcounted device per layer for every VM (a volume mounted
+                # read-only: docs/volumes.md §6)
+                if len(layers) != 1:
+                    raise RuntimeError_(f"disk {name}: a read-only blockd disk is one layer, "
+                                        f"not {len(layers)}")
+                info = await self.blockd.create(image=Path(layers[0].path), size=size,
+                                                readonly=True)
+            else:
+                info = await self.blockd.create(lowers=[Path(x.path) for x in layers],
+                                                upper_dir=upper, size=size, owner=owner,
+                                                chain_used=chain_used or None)
         except BlockdError as exc:
             raise DiskError(f"disk {name}: {exc}") from exc
         disk = AttachedDisk(config, list(layers), device_id=info.id)
@@ -521,11 +572,13 @@ class Runtime:
 
     async def envd_init(self, vm: VM, env_vars: dict[str, str] | None = None,
                         access_token: str | None = None, *,
-                        guest_token: str | None = None) -> None:
+                        guest_token: str | None = None,
+                        mounts: list[dict[str, Any]] | None = None) -> None:
         """POST /init: env vars, access token, and the host's time (the guest clock stood still).
 
         `guest_token` is the token envd already holds in the snapshot (a fork child wakes up
         with its parent's): envd takes a new token only when the current one comes along.
+        `mounts`: volume disks envd mounts before it answers (docs/volumes.md §6).
         """
         # The request is envd_client's; sent from here because it races QEMU's exit.
         headers = init_headers(guest_token) or None
@@ -537,7 +590,8 @@ class Runtime:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise GuestNotReadyError(f"envd of VM {vm.id} unreachable after restore")
-            body = init_body(env_vars=env_vars, access_token=access_token)
+            body = init_body(env_vars=env_vars, access_token=access_token,
+                             volume_mounts=mounts)
             try:
                 # Connecting is retried quickly (envd may not listen yet), but once the request
                 # is in, the answer is awaited until the deadline: under TCG with many guests
@@ -558,7 +612,10 @@ class Runtime:
                     f"{self.config.restore_timeout:.0f} s: {exc!r}") from None
             if answer.is_success:
                 return
-            raise GuestNotReadyError(f"envd /init of VM {vm.id} answered {answer.status_code}")
+            # envd's message says why (a volume it could not mount): bounded, one line
+            why = "".join(c if c.isprintable() else " " for c in answer.text[:300]).strip()
+            raise GuestNotReadyError(
+                f"envd /init of VM {vm.id} answered {answer.status_code}: {why}")
 
     async def _while_alive(self, vm: VM, call: Awaitable[T]) -> T:
         """`call`'s result, but give up as soon as the VM's QEMU exits (VMDiedError)."""
@@ -711,9 +768,11 @@ class Runtime:
     async def _snapshot_disks(self, vm: VM, snap_dir: Path) -> list[DiskSnapshot]:
         out: list[DiskSnapshot] = []
         for disk in vm.disks:
-            if disk.file is not None or disk.config.read_only:
+            if disk.file is not None or disk.config.read_only or disk.device_id is None:
+                # read-only, or an empty volume slot (no layers: it stays empty)
                 out.append(DiskSnapshot(name=disk.config.name, layers=disk.layers,
-                                        read_only=True, file=str(disk.file) if disk.file else None))
+                                        read_only=disk.config.read_only or disk.file is not None,
+                                        file=str(disk.file) if disk.file else None))
                 continue
             assert self.blockd is not None and disk.device_id is not None
             sealed = await self.blockd.seal(disk.device_id,
@@ -802,7 +861,8 @@ class Runtime:
     async def restore(self, record: SnapshotRecord, *, env_vars: dict[str, str] | None = None,
                       access_token: str | None = None, outbound: bool = True,
                       guest_token: str | None = None, egress: EgressPolicy | None = None,
-                      own_disks: bool = False) -> VM:
+                      own_disks: bool = False, volumes: dict[str, VolumeDisk] | None = None,
+                      mounts: list[dict[str, Any]] | None = None) -> VM:
         """Start a new running VM from a snapshot (resume, or create-from-template).
 
         `guest_token` is the envd access token the snapshot's guest holds, if any (see envd_init).
@@ -810,6 +870,9 @@ class Runtime:
         `own_disks`: the snapshot is the same sandbox's (a resume of its pause): what its disks'
         sealed uppers hold stays counted against their caps (a fork child, a create from a
         template start with the whole cap). Never from a warm process (its disks count nothing).
+        `volumes`: volume disks for empty volume slots of the snapshot, by slot name (never
+        from a warm process either: its slots are empty); `mounts`: what envd's /init mounts
+        where (docs/volumes.md §6).
         """
         if egress is None and not outbound:
             egress = EgressPolicy(deny_nets=(ALL_TRAFFIC,))
@@ -823,7 +886,8 @@ class Runtime:
             # _restore_with_memory owns the memory reference from here: it gives it back if
             # the restore fails before the VM exists, the VM's kill does after (never both).
             vm = await self._restore_with_memory(record, mem_path, env_vars, access_token,
-                                                 egress, guest_token, own_disks)
+                                                 egress, guest_token, own_disks, volumes or {},
+                                                 mounts)
         vm.timings["memory_file_ms"] = (t1 - t0) * 1e3
         return vm
 
@@ -831,8 +895,11 @@ class Runtime:
                                    env_vars: dict[str, str] | None, access_token: str | None,
                                    egress: EgressPolicy | None,
                                    guest_token: str | None = None,
-                                   own_disks: bool = False) -> VM:
+                                   own_disks: bool = False,
+                                   volumes: dict[str, VolumeDisk] | None = None,
+                                   mounts: list[dict[str, Any]] | None = None) -> VM:
         vm_id = uuid.uuid4().hex[:12]
+        machine = _with_volumes(record.machine, volumes or {})
         t0 = time.perf_counter()
         warm: WarmProcess | None = None
         slot: NetworkSlot | None = None
@@ -841,7 +908,7 @@ class Runtime:
         workdir = self.config.vm_dir / vm_id
         stage = "starting"  # what the restore was doing, for the error if QEMU dies
         try:
-            warm = None if own_disks else await self.warm.take(record.id)
+            warm = None if own_disks or volumes else await self.warm.take(record.id)
             if warm is not None:
                 process, slot, workdir, disks = warm.process, warm.slot, warm.workdir, warm.disks
             else:
@@ -850,7 +917,7 @@ class Runtime:
                 await slot.set_policy(egress)
             if process is None:
                 process = await self._spawn_for_restore(record, mem_path, workdir, slot, disks,
-                                                        own_disks=own_disks)
+                                                        own_disks=own_disks, volumes=volumes)
             t1 = time.perf_counter()
             try:
                 await self._load_device_state(process, Path(record.device_state))
@@ -867,7 +934,7 @@ class Runtime:
                 raise VMDiedError(
                     f"restore of snapshot {record.id}: QEMU died {stage}: {exc}") from exc
             raise
-        vm = VM(vm_id, record.machine, process, slot, workdir, list(record.memory_layers),
+        vm = VM(vm_id, machine, process, slot, workdir, list(record.memory_layers),
                 record.id, mem_path, disks, parent_snapshot=record.id)
         self._adopt(vm)
         t2 = time.perf_counter()
@@ -878,7 +945,8 @@ class Runtime:
             t3 = time.perf_counter()
             if slot is not None:
                 stage = "while envd /init was in flight"
-                await self.envd_init(vm, env_vars, access_token, guest_token=guest_token)
+                await self.envd_init(vm, env_vars, access_token, guest_token=guest_token,
+                                     mounts=mounts)
             # the startup pack (runtime/memdev.py)
             self.memory.after_restore(record.id, Path(record.device_state).parent)
         except BaseException as exc:
@@ -956,24 +1024,34 @@ class Runtime:
 
     async def _spawn_for_restore(self, record: SnapshotRecord, mem_path: Path, workdir: Path,
                                  slot: NetworkSlot | None, disks: list[AttachedDisk],
-                                 extra_vcpus: int = 0, *, own_disks: bool = False) -> QemuProcess:
+                                 extra_vcpus: int = 0, *, own_disks: bool = False,
+                                 volumes: dict[str, VolumeDisk] | None = None) -> QemuProcess:
         """A QEMU in `-incoming defer` with the record's disks, each a new blockd device over
         the snapshot's layers (appended to `disks` as made, for the caller to release);
-        `own_disks` as in `restore`."""
+        `own_disks` and `volumes` as in `restore`."""
         snaps = {d.name: d for d in record.disks}
+        volumes = volumes or {}
+        machine = _with_volumes(record.machine, volumes)
 
         async def attach(user: privilege.VMUser | None) -> list[DiskAttachment]:
             attachments = []
-            for cfg in record.machine.disks:
+            for cfg in machine.disks:
                 ds = snaps[cfg.name]
+                layers = ds.layers
+                if cfg.name in volumes:
+                    if ds.layers:
+                        raise RuntimeError_(f"volume slot {cfg.name} of snapshot {record.id} "
+                                            "holds a volume already")
+                    layers = [LayerRef(path=str(p), size=p.stat().st_size)
+                              for p in volumes[cfg.name].layers]
                 disk, attachment = await self._attach_disk(
-                    cfg, ds.layers, Path(ds.file) if ds.file else None, workdir, user,
+                    cfg, layers, Path(ds.file) if ds.file else None, workdir, user,
                     ds.chain_used if own_disks else 0)
                 disks.append(disk)
                 attachments.append(attachment)
             return attachments
 
-        return await self._spawn_qemu(record.machine, workdir, mem_path, True, slot, attach,
+        return await self._spawn_qemu(machine, workdir, mem_path, True, slot, attach,
                                       extra_vcpus)
 
     # -- ending VMs -----------------------------------------------------------------------

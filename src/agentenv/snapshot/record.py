@@ -38,6 +38,16 @@ class SnapshotRecordError(AgentEnvError):
 
 
 DiskBus = Literal["virtio-blk", "virtio-scsi"]
+#: the virtual size of every volume disk (DiskConfig.volume_slot): a volume's layers are made
+#: this big whatever its file system's size (node/volumes.py), so any volume fits any slot
+VOLUME_DISK_BYTES = 64 << 30
+#: what the guest reads in /sys/block/<dev>/serial for the volume disk `name`
+VOLUME_SERIAL_PREFIX = "aenv-"
+
+
+def volume_slot_name(index: int) -> str:
+    """The name (QEMU's device id) of a machine's volume disk number `index`."""
+    return f"vol{index}"
 
 
 class DiskConfig(BaseModel):
@@ -50,6 +60,10 @@ class DiskConfig(BaseModel):
     size: int  # bytes, the virtual size the guest sees
     # virtio-scsi carries blockd's ENOSPC (upper cap) to the guest as ENOSPC; virtio-blk as EIO.
     bus: DiskBus = "virtio-blk"
+    #: a volume disk (docs/volumes.md §6): in every machine, empty (a null device reading
+    #: zeros) until a restore or boot gives it a volume's layers; its guest serial is
+    #: `aenv-<name>`
+    volume_slot: bool = False
 
 
 class MachineConfig(BaseModel):
@@ -81,7 +95,8 @@ class LayerRef(BaseModel):
 
 class DiskSnapshot(BaseModel):
     name: str
-    layers: list[LayerRef]  # oldest first
+    layers: list[LayerRef]  # oldest first (a volume slot without layers: empty)
+    #: a volume slot's: the volume mounted read-only (a shared device, no upper)
     read_only: bool = False
     file: str | None = None  # a read-only raw-file disk (e.g. the tools disk)
     #: bytes of the disk's own sealed uppers among `layers` (its sandbox's pauses and

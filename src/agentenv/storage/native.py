@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import weakref
 from collections.abc import Iterator
 from pathlib import Path
@@ -30,6 +29,7 @@ from typing import Any
 
 import numpy as np
 
+from agentenv.settings import setting_text
 from agentenv.storage.budget import NodeDiskFull
 from agentenv.storage.errors import ImageUsageError
 from agentenv.storage.image import Image
@@ -60,7 +60,7 @@ def unavailable_reason() -> str | None:
 
 def enabled() -> bool:
     """Whether blockd should open images on the native core: built, and not switched off."""
-    switch = os.environ.get(ENV_SWITCH, "1").strip().lower()
+    switch = setting_text(ENV_SWITCH).strip().lower()
     if switch not in ("0", "1", "false", "true", "no", "yes", "off", "on", ""):
         raise ImageUsageError(f"{ENV_SWITCH}={switch!r}: use 1 (native core) or 0 (Python)")
     return available() and switch not in ("0", "false", "no", "off")

@@ -59,6 +59,7 @@ from isal import igzip, isal_zlib
 
 from agentenv.registry.blobtap import BlobTap
 from agentenv.registry.errors import UnsupportedImageError
+from agentenv.settings import setting_text
 from agentenv.template.errors import LayerApplyError
 
 WHITEOUT_PREFIX = ".wh."
@@ -74,7 +75,7 @@ DEFAULT_MAX_UNCOMPRESSED = 16 << 30
 
 def uncompressed_limit() -> int | None:
     """AENV_LAYER_MAX_UNCOMPRESSED_BYTES (default 16 GiB); None for no limit."""
-    raw = os.environ.get(MAX_UNCOMPRESSED_ENV, "").strip()
+    raw = setting_text(MAX_UNCOMPRESSED_ENV).strip()
     try:
         value = int(raw) if raw else DEFAULT_MAX_UNCOMPRESSED
     except ValueError:

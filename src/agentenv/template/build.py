@@ -16,6 +16,8 @@ Then the start command (if any) is spawned in the background and the ready comma
 it exits 0 (`sleep 20` when only a start command is given; docs/templates.md §3); envd takes the
 final user, workdir and env as its defaults, and the caller pauses the VM into the template's
 boot snapshot, so every sandbox made from the template wakes up with the start process running.
+The template's cold-memory setting (`BuildContext.cold_memory`) is set in the guest kernel
+before the first step, so the snapshot carries it.
 
 The E2B defaults: the build user is `user` (home /home/user), unless the image's config names one.
 """
@@ -32,7 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from agentenv.envd_client import EnvdClient, EnvdClientError
+from agentenv.envd_client import ColdMemory, EnvdClient, EnvdClientError, EnvdUnsupported
 from agentenv.errors import AgentEnvError
 
 DEFAULT_USER = "user"
@@ -148,16 +150,21 @@ class BuildContext:
     env: dict[str, str] = field(default_factory=dict)
     start_cmd: str | None = None
     ready_cmd: str | None = None
+    #: the guest kernel's cold-memory reclaim (None: a template built before it was kept)
+    cold_memory: ColdMemory | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {"user": self.user, "workdir": self.workdir, "env": self.env,
-                "startCmd": self.start_cmd, "readyCmd": self.ready_cmd}
+                "startCmd": self.start_cmd, "readyCmd": self.ready_cmd,
+                "coldMemory": self.cold_memory.model_dump() if self.cold_memory else None}
 
     @classmethod
     def from_json(cls, raw: dict[str, Any]) -> BuildContext:
+        cold = raw.get("coldMemory")
         return cls(user=str(raw.get("user") or DEFAULT_USER), workdir=raw.get("workdir"),
                    env={str(k): str(v) for k, v in (raw.get("env") or {}).items()},
-                   start_cmd=raw.get("startCmd"), ready_cmd=raw.get("readyCmd"))
+                   start_cmd=raw.get("startCmd"), ready_cmd=raw.get("readyCmd"),
+                   cold_memory=ColdMemory.model_validate(cold) if cold else None)
 
     @classmethod
     def from_image_config(cls, config: dict[str, Any]) -> BuildContext:
@@ -289,7 +296,25 @@ class StepRunner:
     # --- the steps ---------------------------------------------------------------------------
 
     async def prepare(self) -> None:
+        await self._set_cold_memory()
         await self._materialize_user(self.context.user, BASE_STEP)
+
+    async def _set_cold_memory(self) -> None:
+        """The template's cold-memory setting into the guest kernel: from here on it reclaims
+        (the build's own cold page cache too), and the snapshot carries it to every sandbox."""
+        setting = self.context.cold_memory
+        if setting is None:
+            return
+        try:
+            await self.envd.set_cold_memory(setting)
+        except EnvdUnsupported as exc:  # no DAMON in the kernel, no VM, or an older envd
+            self.log("warn", f"cold memory stays in the guest: {exc}", BASE_STEP)
+            return
+        except EnvdClientError as exc:
+            raise BuildFailed(f"setting the cold-memory reclaim failed: {exc}", BASE_STEP) from exc
+        self.log("info", "cold memory: " + (
+            f"pages untouched for {setting.minAgeSeconds:g} s go back to the host"
+            if setting.reclaim else "reclaim off (the guest keeps its page cache)"), BASE_STEP)
 
     async def run_steps(self, steps: list[Step]) -> None:
         for index, step in enumerate(steps, start=1):

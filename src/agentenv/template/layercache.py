@@ -32,6 +32,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from agentenv.settings import get_settings
+
 CONVERTER_KIND = "ext4-v2"  # bump when the conversion (mkfs options, applier rules) changes
 # v2: PAX times applied to the nanosecond (v1 rounded them through a float)
 NATIVE_KIND = "overlaybd"
@@ -43,8 +45,7 @@ META_FILE = "meta.json"
 
 def layer_cache_dir(state_dir: Path) -> Path:
     """The node's layer cache: $AENV_LAYER_CACHE, else <state>/layer-cache."""
-    configured = os.environ.get("AENV_LAYER_CACHE")
-    return Path(configured) if configured else Path(state_dir) / "layer-cache"
+    return get_settings().layer_cache or Path(state_dir) / "layer-cache"
 
 
 def chain_ids(diff_ids: list[str]) -> list[str]:

@@ -203,7 +203,7 @@ class _Puller:
             staged.mkdir()
             task = self.reporter.task(f"download {_short(layer.digest)}", layer.size)
             self.client.download_blob(self.ref.repository, layer, staged / LAYER_FILE,
-                                      self.reporter.advancer(task))
+                                      self.reporter.advancer(task), reserve=self.reserve)
             self.bytes_downloaded += layer.size
             if is_remote(staged / LAYER_FILE):
                 # A blob that reads as a remote layer's descriptor would open whatever
@@ -239,7 +239,8 @@ class _Puller:
                         kept.append(self.download_whole(layer))
                         return
             with self.cache.workspace() as work:
-                self.client.download_blob(self.ref.repository, layer, work / "proof")
+                self.client.download_blob(self.ref.repository, layer, work / "proof",
+                                          reserve=self.reserve)
                 self.bytes_downloaded += layer.size
                 if media_type_diff_id is not None:
                     media_type, diff_id = media_type_diff_id
@@ -284,7 +285,7 @@ class _Puller:
                 return path
             task = self.reporter.task(f"download {_short(layer.digest)}", layer.size)
             self.client.download_blob(self.ref.repository, layer, path,
-                                      self.reporter.advancer(task), tap)
+                                      self.reporter.advancer(task), tap, reserve=self.reserve)
             self.fetched(layer)
             self.downloaded_blobs.add(path)
             self.bytes_downloaded += layer.size

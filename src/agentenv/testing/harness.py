@@ -1,5 +1,6 @@
 """Helpers shared by the runtime's tests and benchmarks: a blockd process, an ext4 rootfs
-layer, a runtime on a private event loop, and running shell commands in the test guest."""
+layer, a runtime on a private event loop, running shell commands in the test guest, and the
+project's real guest (its disks, root shell commands through its envd)."""
 
 from __future__ import annotations
 
@@ -15,8 +16,11 @@ from typing import Any, TypeVar
 import httpx
 
 from agentenv.blockd.launch import BlockdProcess
+from agentenv.envd_client import EnvdClient
+from agentenv.guest.build.assets import GuestAssets
+from agentenv.guest.build.rootfs import busybox_root, make_rootfs_image
 from agentenv.runtime.network import teardown_host
-from agentenv.runtime.vm import VM, Runtime
+from agentenv.runtime.vm import VM, DiskSource, Runtime
 from agentenv.storage.export import import_raw
 
 T = TypeVar("T")
@@ -37,6 +41,31 @@ def make_ext4_layer(out: Path, size: int) -> Path:
         subprocess.run(["mkfs.ext4", "-q", "-F", "-E", "lazy_itable_init=0,lazy_journal_init=0",
                         str(raw)], check=True, capture_output=True)
         return import_raw(raw, out)
+
+
+def real_guest_disks(assets: GuestAssets, work: Path, size: int) -> list[DiskSource]:
+    """The real guest's disks: the tools disk and a user root of `size` bytes (busybox only,
+    sparse) as a sealed overlaybd layer made under `work`."""
+    raw = make_rootfs_image(busybox_root(work / "bbroot"), work / "user.ext4", size)
+    layer = import_raw(raw, work / "user.layer")
+    raw.unlink()
+    return [DiskSource("tools", assets.tools_image.stat().st_size, read_only=True,
+                       file=assets.tools_image),
+            DiskSource("rootfs", size, layers=[layer])]
+
+
+async def guest_sh(vm: VM, script: str, timeout: float = 300) -> str:
+    """A root shell command in the real guest (through its envd, with the tools disk's shell);
+    its stdout. A command that fails raises AssertionError with its output."""
+    envd = EnvdClient(vm.envd_url)
+    try:
+        result = await envd.run("/agentenv/bin/sh", ["-c", script], user="root", timeout=timeout)
+    finally:
+        await envd.close()
+    if result.exit_code != 0:
+        raise AssertionError(f"{script!r} exited {result.exit_code}: "
+                             f"{(result.stdout + result.stderr)[-2000:]}")
+    return result.stdout
 
 
 class LoopThread:
@@ -88,12 +117,13 @@ async def sh(vm: VM, script: str, timeout: float = 60, attempts: int = 3) -> str
 
 
 def pss_kib(pid: int) -> dict[str, int]:
-    """Rss, Pss, Shared_Clean, Private_Dirty (KiB) of a process."""
+    """Rss, Pss, Shared_Clean, Private_Dirty, Private_Clean, Anonymous (KiB) of a process."""
     out: dict[str, int] = {}
     with open(f"/proc/{pid}/smaps_rollup") as f:
         for line in f:
             key, _, rest = line.partition(":")
-            if key in ("Rss", "Pss", "Shared_Clean", "Private_Dirty", "Private_Clean"):
+            if key in ("Rss", "Pss", "Shared_Clean", "Private_Dirty", "Private_Clean",
+                       "Anonymous"):
                 out[key] = int(rest.split()[0])
     return out
 

@@ -273,6 +273,9 @@ class ChunkCache:
         self.policy = policy
         self._order = make_policy(policy, capacity, chunk_size)
         self._pins: dict[tuple[str, int], int] = {}
+        # Chunks unmarked whose holes are not punched yet: not stored again until they are
+        # (a punch after the new bytes' write would leave the chunk marked present as zeros).
+        self._punching: set[Key] = set()
         self._size = 0  # bytes on disk: chunks present, being written, or evicted but not yet punched
         self._freeing = 0  # of which evicted, their holes not punched yet
         self._punched = threading.Condition(self._lock)
@@ -440,27 +443,29 @@ class ChunkCache:
             raise ValueError(f"chunk {idx} of {state.hex} is {n} bytes, got {len(data)}")
         key = (state.hex, idx)
         with self._lock:
-            if state.present[idx] or (key in self._pins and self._pins[key] < 0):
+            if (state.present[idx] or (key in self._pins and self._pins[key] < 0)
+                    or key in self._punching):
+                # Present, being written, or its hole still to be punched (the caller has
+                # the bytes; a later read fetches the chunk again).
                 return
             victims = (self._pick_victims(n) if self._size - self._freeing + n > self.high_bytes
                        else [])
             self._pins[key] = -1  # being written: nobody evicts or writes it meanwhile
-        reserved = False
+            # Reserved in the same step as the choice, so that inserts deciding meanwhile
+            # count this chunk (reserved later, each saw room for itself alone).
+            self._size += n
         try:
             self._drop(victims)
             with self._lock:
                 # Other inserts' victims keep their blocks until punched: wait for those
                 # rather than pass the capacity on disk.
-                while self._size + n > self.capacity and self._freeing:
+                while self._size > self.capacity and self._freeing:
                     self._punched.wait(1.0)
-                self._size += n  # reserved
-                reserved = True
             os.pwrite(state.fd, data, idx * self.chunk_size)
             os.pwrite(state.map_fd, bytes([mark]), idx)
         except BaseException:
             with self._lock:
-                if reserved:
-                    self._size -= n
+                self._size -= n
                 del self._pins[key]
             raise
         with self._lock:
@@ -510,6 +515,7 @@ class ChunkCache:
                 with contextlib.suppress(FileNotFoundError):
                     (self.root / "blobs" / f"{state.hex}.ok").unlink()
             self._freeing += n
+            self._punching.add(key)
             self.stats.evictions += 1
             self.stats.evicted_bytes += n
             victims.append((state, key[1], n))
@@ -528,6 +534,7 @@ class ChunkCache:
             with self._lock:
                 self._size -= total
                 self._freeing -= total
+                self._punching.difference_update((state.hex, idx) for state, idx, _ in victims)
                 self._punched.notify_all()
 
     # -- whole blobs ---------------------------------------------------------------------
@@ -581,6 +588,7 @@ class ChunkCache:
                     state.present[idx] = ABSENT
                     state.count -= 1
                     self._freeing += n
+                    self._punching.add(key)
                     victims.append((state, idx, n))
             state.complete = False
         with contextlib.suppress(FileNotFoundError):

@@ -11,6 +11,12 @@ chunk size) is fetched from its registry only.
 
 Wire form: `<chunk size>:<base64 of the concatenated 32-byte digests>` (a 1 GiB layer in
 1 MiB chunks: 43 KiB of annotation).
+
+The table is also what a node shows a peer to be given chunks (PROOF_HEADER): the SHA-256 of
+each whole chunk it asks for. The peer key alone names no team, so a node taken over could
+otherwise read any chunk a peer holds by its blob digest; with the proof it gets only chunks
+whose table it already has, which came with a manifest from a registry that let it pull the
+blob. Only whole chunks are proven (a short piece's hash could be guessed byte by byte).
 """
 
 from __future__ import annotations
@@ -18,10 +24,13 @@ from __future__ import annotations
 import base64
 import binascii
 import hashlib
+import hmac
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
 ANNOTATION = "io.agentenv.chunk-sha256"
+PROOF_HEADER = "X-Chunk-SHA256"
 TABLE_CHUNK_SIZE = 1 << 20  # what pushes compute with (the chunk cache's default chunk size)
 _DIGEST = 32
 
@@ -87,3 +96,43 @@ class ChunkDigests:
             out += hashlib.sha256(data).digest()
             left -= len(data)
         return cls(chunk_size, bytes(out)), "sha256:" + whole.hexdigest()
+
+
+def proof(digests: ChunkDigests, start: int, end: int) -> str:
+    """PROOF_HEADER's value for the whole chunks [start, end) of a blob: their SHA-256 digests
+    from its table, in hex, comma-separated."""
+    cs = digests.chunk_size
+    return ",".join(digests.digests[i * _DIGEST : (i + 1) * _DIGEST].hex()
+                    for i in range(start // cs, (end - 1) // cs + 1))
+
+
+_HEX_DIGEST = re.compile(r"[0-9a-f]{64}")
+
+
+def claimed_digests(claimed: str, start: int, end: int, chunk_size: int) -> bytes | None:
+    """The digests PROOF_HEADER claims for the chunks of bytes [start, end) (whole chunks: the
+    range starts at a chunk, one digest per chunk it touches), concatenated; None when the
+    claim cannot be right whatever is held. Decided from the request alone (not the blob's
+    size nor whether it is held), so such a claim gets the answer, and the time, of a range
+    not held (a non-ASCII one made compare_digest raise on held bytes only: an oracle)."""
+    if end <= start or start % chunk_size:
+        return None
+    parts = [part.strip().lower() for part in claimed.split(",")]
+    if len(parts) != -(-(end - start) // chunk_size) \
+            or not all(_HEX_DIGEST.fullmatch(part) for part in parts):
+        return None
+    return bytes.fromhex("".join(parts))
+
+
+def claim_matches(table: ChunkDigests | None, start: int, claimed: bytes) -> bool:
+    """Whether `claimed` (claimed_digests) names the table's digests of the chunks from the
+    one at `start`: one constant-time compare of as many bytes whether or not the table is
+    known here or covers the range, so the time says nothing of what this node holds."""
+    want = b""
+    if table is not None:
+        first = start // table.chunk_size * _DIGEST
+        want = table.digests[first : first + len(claimed)]
+    known = len(want) == len(claimed)
+    if not known:
+        want = bytes(len(claimed))
+    return hmac.compare_digest(want, claimed) and known

@@ -1,13 +1,27 @@
 """Serving this node's verified chunks to its peers over HTTP (docs/remote-layers.md §4).
 
-    GET /blobs                  JSON: the blobs held ({digest, size, chunks, complete})
-    GET /blobs/<digest>         with `Range: bytes=a-b`: 206 and exactly those bytes when every
-                                one of them is held and verified here, else 404
+    GET /blobs/<digest>         with `Range: bytes=a-b` (whole chunks of this cache's chunk
+                                size) and `X-Chunk-SHA256` (each chunk's SHA-256 from the
+                                blob's table: chunkdigests.proof): 206 and exactly those bytes
+                                when every one is held and verified here and the claim is the
+                                blob's table's, else 404 (the same answer: no oracle for what
+                                is held)
 
-Every request carries `Authorization: Bearer <peer key>` (agentenv.cluster_keys.peer_key, derived
-from the cluster secret, which nodes do not hold); anything else gets 401. A
-range is served only from chunks that passed their check (ZFile CRCs), from a blob whose
-sha256 matched, or from the metadata ranges that were checked when the blob was opened.
+Who may ask: a node with the credential the scheduler issued it for this peer
+(`Authorization: AenvPeer <credential>`, agentenv.cluster_keys.peer_credential: it names the
+asking node, is made with this node's serving key, which the node gives blockd with
+`remote_peers`, and expires), or, on a blockd without a serving key (static peers, no
+scheduler), the shared peer key (`Authorization: Bearer <peer key>`). Anything else gets 401,
+and a blockd with a serving key refuses the shared key. The node a request came from is in
+its log lines, and holds at most `max_per_node` of the keyed connections.
+
+The claim is compared with the blob's chunk table (kept by the store for every blob opened
+here) before anything is read: a wrong claim, for a range held or not, is one compare of as
+many bytes and a 404, and takes nothing of the byte budget; only a right claim is read. So a
+node without a blob's table learns nothing, by answer or by time, of whether this node holds
+it. A range is served only from chunks that passed their check (ZFile CRCs or the table),
+from a blob whose sha256 matched, or from the metadata ranges checked when the blob was
+opened.
 
 A peer is not trusted with blockd's threads and descriptors, and a stranger (anyone on the
 cluster network, no key) is trusted with less:
@@ -15,12 +29,12 @@ cluster network, no key) is trusted with less:
 - a request head must arrive whole within `idle_timeout` of the server starting to wait for it
   (a deadline for the head, not for each read: a head sent one byte at a time is cut at it;
   an idle keep-alive connection is closed after it); a write waits at most `idle_timeout`;
-- `max_connections` counts only connections that presented the peer key (one thread each):
+- `max_connections` counts only connections that presented a credential (one thread each):
   while that many are served, one more connection is closed at once;
-- a connection that has not yet presented the key is one of at most `max_unkeyed`; one more
+- a connection that has not yet presented one is one of at most `max_unkeyed`; one more
   closes the oldest of them (a peer sends its whole head at once, a stranger holding sockets
-  does not), so strangers cannot keep a keyed peer out. A head without the key gets 401 and
-  the connection is closed.
+  does not), so strangers cannot keep a keyed peer out. A head without a credential gets 401
+  and the connection is closed.
 """
 
 from __future__ import annotations
@@ -28,7 +42,6 @@ from __future__ import annotations
 import contextlib
 import hmac
 import io
-import json
 import logging
 import os
 import re
@@ -38,6 +51,8 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import TYPE_CHECKING, Any
 
+from agentenv.blockd.remote.chunkdigests import PROOF_HEADER, claim_matches, claimed_digests
+from agentenv.cluster_keys import PEER_SCHEME, check_peer_credential
 from agentenv.logs import Sampled
 
 if TYPE_CHECKING:
@@ -50,25 +65,78 @@ _BLOB = re.compile(r"^/blobs/sha256:([0-9a-f]{64})$")
 MAX_RANGE = 64 << 20
 IDLE_TIMEOUT = 30.0
 MAX_CONNECTIONS = 64
+MAX_PER_NODE = 16  # of MAX_CONNECTIONS: one node cannot take them all
 MAX_UNKEYED = 16
+STATIC_PEER = "static peer"  # who presented the shared peer key (it names no node)
+#: bytes of ranges read for answers at once, over all connections: without it, 64 keyed
+#: connections asking for 64 MiB each (with right claims: a wrong one reads nothing) would
+#: hold 4 GiB of blockd's memory
+MAX_BYTES_IN_FLIGHT = 256 << 20
+# keyed requests whose claims were not the blob's table (a node without the table)
+UNPROVEN = Sampled()
+
+
+class ByteBudget:
+    """Bytes that threads take before they read and give back after they answered; a taker
+    waits at most `timeout` for its share."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.used = 0
+        self._cond = threading.Condition()
+
+    def take(self, amount: int, timeout: float) -> bool:
+        if amount > self.limit:
+            return False
+        with self._cond:
+            return self._cond.wait_for(lambda: self.used + amount <= self.limit, timeout) \
+                and self._add(amount)
+
+    def _add(self, amount: int) -> bool:
+        self.used += amount
+        return True
+
+    def give(self, amount: int) -> None:
+        with self._cond:
+            self.used -= amount
+            self._cond.notify_all()
 
 
 class _Server(ThreadingHTTPServer):
     daemon_threads = True
     store: RemoteStore
-    secret: bytes
+    secret: bytes  # the shared peer key (static peers); b"": none
+    serve_key: str | None = None  # what peers' credentials are checked with (set by the node)
     idle_timeout: float
+    budget: ByteBudget
     refused = 0  # connections closed: over max_connections
     evicted = 0  # connections without the key closed for a newer one (over max_unkeyed)
 
     def __init__(self, address: tuple[str, int], max_connections: int,
-                 max_unkeyed: int) -> None:
+                 max_unkeyed: int, max_per_node: int) -> None:
         self.max_connections, self.max_unkeyed = max_connections, max_unkeyed
+        self.max_per_node = max_per_node
         self.lock = threading.Lock()
         self.unkeyed: dict[socket.socket, None] = {}  # oldest first
-        self.keyed: set[socket.socket] = set()  # each holds one of max_connections
+        self.keyed: dict[socket.socket, str] = {}  # each holds one of max_connections: its node
+        self.per_node: dict[str, int] = {}  # keyed connections per node
         self.over_capacity = Sampled()
+        self.unauthorised = Sampled()
         super().__init__(address, _Handler)
+
+    def authenticate(self, header: str) -> tuple[str | None, str]:
+        """(the node an Authorization header proves, "") or (None, why not)."""
+        scheme, _, value = header.partition(" ")
+        serve_key = self.serve_key
+        if scheme == PEER_SCHEME and serve_key:
+            return check_peer_credential(serve_key, value.strip(), time.time())
+        if scheme == "Bearer" and self.secret and not serve_key:
+            if hmac.compare_digest(value.encode("utf-8", "surrogateescape"), self.secret):
+                return STATIC_PEER, ""
+            return None, "wrong peer key"
+        if scheme == "Bearer" and serve_key:
+            return None, "the shared peer key is not taken here: a node's credential is"
+        return None, "no peer credential"
 
     def handle_error(self, request: Any, client_address: Any) -> None:
         # A peer or stranger that resets mid-answer: not a traceback on stderr per connection.
@@ -110,18 +178,27 @@ class _Server(ThreadingHTTPServer):
     def _forget(self, request: socket.socket) -> None:
         with self.lock:
             self.unkeyed.pop(request, None)
-            self.keyed.discard(request)
+            node = self.keyed.pop(request, None)
+            if node is not None:
+                left = self.per_node[node] - 1
+                if left:
+                    self.per_node[node] = left
+                else:
+                    del self.per_node[node]
 
-    def admit(self, request: socket.socket) -> bool:
-        """A connection presented the key: it takes one of max_connections (False: none is
-        free, or it was closed for a newer one meanwhile)."""
+    def admit(self, request: socket.socket, node: str) -> bool:
+        """A connection presented `node`'s credential: it takes one of max_connections, and
+        of its node's max_per_node (False: none is free, or it was closed for a newer one
+        meanwhile). It stays its first node's."""
         with self.lock:
             if request in self.keyed:
                 return True
-            if request not in self.unkeyed or len(self.keyed) >= self.max_connections:
+            if request not in self.unkeyed or len(self.keyed) >= self.max_connections \
+                    or self.per_node.get(node, 0) >= self.max_per_node:
                 return False
             del self.unkeyed[request]
-            self.keyed.add(request)
+            self.keyed[request] = node
+            self.per_node[node] = self.per_node.get(node, 0) + 1
             return True
 
     def server_bind(self) -> None:
@@ -158,6 +235,7 @@ class _HeadReader(io.RawIOBase):
 class _Handler(BaseHTTPRequestHandler):
     server: _Server
     protocol_version = "HTTP/1.1"
+    node = ""  # who the request's credential names (parse_request)
     timeout = IDLE_TIMEOUT  # replaced per server (PeerServer); socket.settimeout in setup()
 
     def setup(self) -> None:
@@ -175,15 +253,23 @@ class _Handler(BaseHTTPRequestHandler):
         if not super().parse_request():
             return False
         self.connection.settimeout(self.server.idle_timeout)  # for the writes
-        got = self.headers.get("Authorization", "")
-        want = b"Bearer " + self.server.secret
-        if not self.server.secret or not hmac.compare_digest(got.encode(), want):
+        server = self.server
+        node, why = server.authenticate(self.headers.get("Authorization", ""))
+        if node is None:
             self.close_connection = True
-            self._send(401, b"peer key required\n")
+            if server.unauthorised.tick():
+                log.warning("a peer request without a valid credential", extra={
+                    "event": "unauthorised", "peer": self.client_address[0], "reason": why,
+                    "count": server.unauthorised.count})
+            self._send(401, b"a peer credential is required (the scheduler's, or the peer key "
+                            b"of static peers)\n")
             return False
-        if not self.server.admit(self.connection):
+        if node == STATIC_PEER:  # the shared key names no node: its address does
+            node = f"{STATIC_PEER} {self.client_address[0]}"
+        self.node = node
+        if not server.admit(self.connection, node):
             self.close_connection = True
-            self.server.refuse(str(self.client_address[0]))
+            server.refuse(f"{self.client_address[0]} ({node})")
             self._send(503, b"too many peer connections\n")
             return False
         return True
@@ -202,11 +288,8 @@ class _Handler(BaseHTTPRequestHandler):
         if body and self.command != "HEAD":
             self.wfile.write(body)
 
-    def do_GET(self) -> None:  # (parse_request checked the key)
+    def do_GET(self) -> None:  # (parse_request checked the credential)
         store = self.server.store
-        if self.path == "/blobs":
-            self._send(200, json.dumps(store.held()).encode(), "application/json")
-            return
         match = _BLOB.match(self.path)
         if match is None:
             self._send(404, b"no such path\n")
@@ -219,30 +302,69 @@ class _Handler(BaseHTTPRequestHandler):
         if end <= start or end - start > MAX_RANGE:
             self._send(416, b"bad or too large range\n")
             return
-        data = store.serve_range(match.group(1), start, end)
-        if data is None:
+        claimed = self.headers.get(PROOF_HEADER)
+        if claimed is None:
+            self._send(400, f"the chunks' SHA-256 ({PROOF_HEADER}) are required\n".encode())
+            return
+        hex_ = match.group(1)
+        chunk_size = store.cache.chunk_size
+        # The claim against the blob's table before anything is read or looked up: the same
+        # work whether the blob is known here, held, or neither (chunkdigests.claim_matches).
+        digests = claimed_digests(claimed, start, end, chunk_size)
+        if digests is None or not claim_matches(store.chunk_table(hex_), start, digests):
+            if digests is not None and UNPROVEN.tick():
+                log.warning("a peer asked for chunks without their digests",
+                            extra={"peer": self.client_address[0], "node": self.node,
+                                   "blob": hex_, "count": UNPROVEN.count})
             self._send(404, b"not held (or not verified) here\n")
             return
-        self._send(206, data, "application/octet-stream",
-                   {"Content-Range": f"bytes {start}-{end - 1}/{store.blob_size(match.group(1))}"})
+        size = store.blob_size(hex_)
+        if end > size or (end % chunk_size and end != size):  # whole chunks only
+            self._send(404, b"not held (or not verified) here\n")
+            return
+        budget = self.server.budget
+        if not budget.take(end - start, self.server.idle_timeout):
+            self._send(503, b"too many bytes being served; try again\n")
+            return
+        try:
+            data = store.serve_range(hex_, start, end)
+            if data is None:
+                self._send(404, b"not held (or not verified) here\n")
+                return
+            self._send(206, data, "application/octet-stream",
+                       {"Content-Range": f"bytes {start}-{end - 1}/{size}"})
+        finally:
+            budget.give(end - start)
 
 
 class PeerServer:
-    def __init__(self, store: RemoteStore, listen: str, secret: str, *,
+    def __init__(self, store: RemoteStore, listen: str, secret: str | None = None, *,
+                 serve_key: str | None = None,
                  idle_timeout: float = IDLE_TIMEOUT, max_connections: int = MAX_CONNECTIONS,
-                 max_unkeyed: int = MAX_UNKEYED) -> None:
+                 max_unkeyed: int = MAX_UNKEYED, max_per_node: int = MAX_PER_NODE,
+                 max_bytes_in_flight: int = MAX_BYTES_IN_FLIGHT) -> None:
+        """`secret`: the shared peer key of static peers; `serve_key`: what the credentials
+        the scheduler issues are checked with (set_serve_key: the node gives it). With
+        neither, every request is 401 until the node gives the serving key."""
         host, _, port = listen.rpartition(":")
         if not host or not port.isdigit():
             raise ValueError(f"p2p listen address {listen!r} is not host:port")
-        if not secret:
-            raise ValueError("serving peers needs the peer key (AENV_PEER_KEY[_FILE])")
-        self.server = _Server((host.strip("[]"), int(port)), max_connections, max_unkeyed)
+        self.server = _Server((host.strip("[]"), int(port)), max_connections, max_unkeyed,
+                              max_per_node)
         self.server.store = store
-        self.server.secret = secret.encode()
+        self.server.secret = (secret or "").encode()
+        self.server.serve_key = serve_key
         self.server.idle_timeout = idle_timeout
+        self.server.budget = ByteBudget(max_bytes_in_flight)
         self.address = f"{host}:{self.server.server_address[1]}"
         self._thread = threading.Thread(target=self.server.serve_forever, name="remote-p2p",
                                         daemon=True)
+
+    def set_serve_key(self, key: str) -> None:
+        if key != self.server.serve_key:
+            self.server.serve_key = key
+            log.info("peers are served on their nodes' credentials from the scheduler",
+                     extra={"address": self.address})
 
     def start(self) -> None:
         self._thread.start()

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,14 +14,13 @@ from agentenv.blockd.errors import BlockdError
 from agentenv.blockd.remote.cache import POLICIES
 from agentenv.blockd.remote.p2p import PeerServer
 from agentenv.blockd.remote.store import (
-    DEFAULT_CHUNK,
-    DEFAULT_TIMEOUT,
     RemoteConfig,
     RemoteStore,
     Resolver,
     SourceError,
 )
-from agentenv.cluster_keys import load_key
+from agentenv.cluster_keys import KEY_RE, load_key
+from agentenv.settings import get_settings
 from agentenv.storage import blob
 
 log = logging.getLogger("agentenv.blockd.remote")
@@ -59,19 +57,18 @@ def parse_size(text: str) -> int:
 def config_from_env(state_dir: Path, **overrides: Any) -> RemoteConfig:
     """Settings from the environment (AENV_CHUNK_CACHE_* (_DIR, _SIZE, _EVICTION), AENV_REMOTE_*, AENV_PEERS,
     AENV_P2P_LISTEN, AENV_PEER_KEY[_FILE]), then the given overrides (not None)."""
-    env = os.environ
-    key_file = env.get("AENV_PEER_KEY_FILE")
-    secret = load_key(Path(key_file) if key_file else None, "AENV_PEER_KEY", "peer key")
+    settings = get_settings()
+    secret = load_key(settings.peer_key_file, "AENV_PEER_KEY", "peer key")
     config = RemoteConfig(
-        cache_dir=Path(env.get("AENV_CHUNK_CACHE_DIR") or Path(state_dir) / "chunk-cache"),
-        capacity=parse_size(env.get("AENV_CHUNK_CACHE_SIZE", "10G")),
-        chunk_size=parse_size(env.get("AENV_CHUNK_SIZE", str(DEFAULT_CHUNK))),
-        timeout=float(env.get("AENV_REMOTE_TIMEOUT", str(DEFAULT_TIMEOUT))),
-        peers=[p.strip() for p in env.get("AENV_PEERS", "").split(",") if p.strip()],
+        cache_dir=settings.chunk_cache_dir or Path(state_dir) / "chunk-cache",
+        capacity=parse_size(settings.chunk_cache_size),
+        chunk_size=parse_size(settings.chunk_size),
+        timeout=settings.remote_timeout,
+        peers=[p.strip() for p in settings.peers.split(",") if p.strip()],
         secret=secret,
-        p2p_listen=env.get("AENV_P2P_LISTEN") or None,
-        background_bw=parse_size(env.get("AENV_REMOTE_BACKGROUND_BW", "32M")),
-        eviction=env.get("AENV_CHUNK_CACHE_EVICTION", "2q"),
+        p2p_listen=settings.p2p_listen or None,
+        background_bw=parse_size(settings.remote_background_bw),
+        eviction=settings.chunk_cache_eviction,
     )
     for key, value in overrides.items():
         if value is not None:
@@ -109,10 +106,18 @@ class RemoteService:
 
     async def op_peers(self, peers: list[str] | None = None,
                        resolver: dict[str, Any] | None = None,
-                       clear_resolver: bool = False) -> dict[str, Any]:
+                       clear_resolver: bool = False,
+                       serve_key: str | None = None) -> dict[str, Any]:
         """Replace the static peer list, and/or set where to ask which peers hold a blob
         (`resolver` {url, headers?, ca?}: the node, which asks its scheduler;
-        store.Resolver)."""
+        store.Resolver), and/or the key the chunk server checks the credentials the
+        scheduler issues with (`serve_key`: cluster_keys.peer_serve_key of the node's key;
+        from then on the shared peer key is refused)."""
+        if serve_key is not None:
+            if not isinstance(serve_key, str) or not KEY_RE.fullmatch(serve_key):
+                raise BlockdError("serve_key must be 64 hex digits (cluster_keys.peer_serve_key)")
+            if self.peer_server is not None:
+                self.peer_server.set_serve_key(serve_key)
         if peers is not None:
             if not isinstance(peers, list) or not all(isinstance(p, str) for p in peers):
                 raise BlockdError("peers must be a list of http://host:port strings")
@@ -143,7 +148,10 @@ class RemoteService:
     async def op_held(self) -> dict[str, Any]:
         """What a node's heartbeat reports: the chunk server's address and the blobs it
         can serve, whole and in part."""
-        held = sorted(self.store.held(), key=lambda b: str(b["digest"]))  # same set, same list
+        # only blobs whose chunk table is known here: a peer serves no other (p2p.py)
+        held = sorted((b for b in self.store.held()
+                       if self.store.chunk_table(str(b["digest"])[7:]) is not None),
+                      key=lambda b: str(b["digest"]))  # same set, same list
         return {
             "p2p": self.peer_server.address if self.peer_server else None,
             "blobs": [b["digest"] for b in held if b["complete"]],
@@ -163,7 +171,7 @@ def start(config: RemoteConfig, metrics_registry: Any = None,
     server = None
     try:
         if config.p2p_listen:
-            server = PeerServer(store, config.p2p_listen, config.secret or "")
+            server = PeerServer(store, config.p2p_listen, config.secret)
             server.start()
             store.own_addresses.add(f"http://{server.address}")
     except BaseException:

@@ -34,10 +34,17 @@ from typing import Any
 import httpx
 
 from agentenv.blockd.remote.cache import UNVERIFIED, VERIFIED, BlobState, ChunkCache
-from agentenv.blockd.remote.chunkdigests import ChunkDigests, ChunkDigestsError
+from agentenv.blockd.remote.chunkdigests import (
+    PROOF_HEADER,
+    ChunkDigests,
+    ChunkDigestsError,
+    proof,
+)
 from agentenv.blockd.remote.layout import Layout, parse
+from agentenv.cluster_keys import PEER_SCHEME
 from agentenv.registry.client import RegistryClient
 from agentenv.registry.errors import PullError
+from agentenv.settings import get_settings
 from agentenv.storage.blob import BlobLocation, RemoteLayerRef, WouldBlock, blocking_allowed
 from agentenv.storage.errors import LayerFormatError
 
@@ -223,6 +230,11 @@ class RemoteStore:
         self.own_addresses: set[str] = set()
         self._lock = threading.Lock()
         self._infos: dict[str, BlobInfo] = {}
+        # The chunk tables of the blobs opened here (kept beside their layouts, so a restart
+        # knows them): what a peer's claim is compared with before anything is read.
+        self._tables: dict[str, ChunkDigests] = self._load_tables()
+        # The credential the scheduler issued this node for each peer (Holders answers)
+        self._peer_credentials: dict[str, str] = {}
         self._inflight: dict[tuple[str, int], Future[bytes]] = {}
         self._registries: dict[tuple[str, str | None, bool | None], RegistryClient] = {}
         self._registry_lock = threading.Lock()
@@ -255,6 +267,8 @@ class RemoteStore:
                 info.state.users += 1
                 return RemoteBlob(self, info)
         digests = self._chunk_digests(ref)
+        if digests is not None:
+            self._remember_table(hex_, ref.size, digests)
         state = self.cache.blob(hex_, ref.size)
         meta_path = self.cache.meta_path(hex_)
         layout = Layout.load(meta_path, ref.size)
@@ -280,6 +294,8 @@ class RemoteStore:
                 info.ref.sources.append(src)
         if info.digests is None and ref.chunk_sha256 is not None:
             info.digests = self._chunk_digests(ref)
+            if info.digests is not None:
+                self._remember_table(info.hex, ref.size, info.digests)
 
     def _chunk_digests(self, ref: RemoteLayerRef) -> ChunkDigests | None:
         """The blob's chunk table if it has a usable one (its descriptor carries what its
@@ -299,6 +315,39 @@ class RemoteStore:
             return None
         return digests
 
+    def _remember_table(self, hex_: str, size: int, digests: ChunkDigests) -> None:
+        if hex_ in self._tables:
+            return
+        from agentenv.fsutil import atomic_write
+
+        try:
+            atomic_write(self.cache.root / "meta" / f"{hex_}.chunks",
+                         f"{size}\n{digests.encode()}", mode=0o600)
+        except OSError as exc:  # peers are then served this blob until a restart only
+            log.warning("cannot keep a blob's chunk table", extra={"blob": hex_,
+                                                                    "error": str(exc)})
+        self._tables[hex_] = digests
+
+    def _load_tables(self) -> dict[str, ChunkDigests]:
+        tables: dict[str, ChunkDigests] = {}
+        for path in (self.cache.root / "meta").glob("*.chunks"):
+            try:
+                size, text = path.read_text().split("\n", 1)
+                table = ChunkDigests.decode(text.strip(), int(size))
+            except (OSError, ValueError) as exc:
+                log.warning("a kept chunk table is unreadable, dropped",
+                            extra={"path": str(path), "error": str(exc)})
+                with contextlib.suppress(OSError):
+                    path.unlink()
+                continue
+            if table.chunk_size == self.cache.chunk_size:
+                tables[path.stem] = table
+        return tables
+
+    def chunk_table(self, hex_: str) -> ChunkDigests | None:
+        """The chunk table of a blob opened here (now or before a restart), if it has one."""
+        return self._tables.get(hex_)
+
     def release(self, info: BlobInfo) -> None:
         with self._lock:
             info.users -= 1
@@ -309,7 +358,7 @@ class RemoteStore:
         deadline = time.monotonic() + self.config.timeout
         problems: list[str] = []
         while True:
-            for name, fetch in self._sources_for(ref, hex_, 0, peers=digests is not None):
+            for name, fetch in self._sources_for(ref, hex_, 0, digests):
                 def read(length: int, offset: int, fetch: Any = fetch, name: str = name) -> bytes:
                     if name.startswith("peer ") and digests is not None:
                         return self._peer_checked_read(fetch, name, digests, ref.size,
@@ -396,6 +445,10 @@ class RemoteStore:
                 if not address.startswith(("http://", "https://")):
                     address = "http://" + address
                 found.append((address, bool(holder.get("complete"))))
+                credential = holder.get("credential")
+                if isinstance(credential, str) and credential:
+                    # this node's for that peer, whatever the blob (the newest lasts longest)
+                    self._peer_credentials[address] = credential
             self._resolver_failing = False
         except (httpx.HTTPError, httpx.InvalidURL, SourceError, ValueError, KeyError,
                 TypeError, AttributeError) as exc:
@@ -442,22 +495,27 @@ class RemoteStore:
         return data[offset - lo : offset - lo + length]
 
     def _sources_for(self, ref: RemoteLayerRef, hex_: str, idx: int,
-                     peers: bool) -> Iterator[tuple[str, Any]]:
+                     digests: ChunkDigests | None) -> Iterator[tuple[str, Any]]:
         """(name, fetch(start, end)) in the order to try: peers first (only for blobs with a
-        chunk table: what a peer sends is checked against it; _peer_order), then every
-        registry location."""
-        if peers:
+        chunk table: what a peer sends is checked against it, and it is asked for whole chunks
+        only, with their proof; _peer_order), then every registry location."""
+        if digests is not None:
             for peer in self._peer_order(hex_, idx):
-                yield f"peer {peer}", lambda a, b, peer=peer: self._peer_get(peer, ref.digest, a, b)
+                yield f"peer {peer}", lambda a, b, peer=peer: self._peer_get(
+                    peer, ref.digest, a, b, digests)
         for loc in ref.sources:
             yield (f"registry {loc.registry}/{loc.repository}",
                    lambda a, b, loc=loc: self._registry_get(loc, ref.digest, a, b))
 
-    def _peer_get(self, peer: str, digest: str, start: int, end: int) -> bytes:
+    def _peer_get(self, peer: str, digest: str, start: int, end: int,
+                  digests: ChunkDigests) -> bytes:
         self.stats.add("requests", "peer")
+        headers = {"Range": f"bytes={start}-{end - 1}", PROOF_HEADER: proof(digests, start, end)}
+        credential = self._peer_credentials.get(peer)
+        if credential is not None:  # a holder the scheduler named (else a static peer: the key)
+            headers["Authorization"] = f"{PEER_SCHEME} {credential}"
         try:
-            reply = self._peer_http.get(f"{peer}/blobs/{digest}",
-                                        headers={"Range": f"bytes={start}-{end - 1}"})
+            reply = self._peer_http.get(f"{peer}/blobs/{digest}", headers=headers)
         except httpx.HTTPError as exc:
             self._peer_down[peer] = time.monotonic() + PEER_BACKOFF_S
             self.stats.add("failures", "peer")
@@ -566,19 +624,23 @@ class RemoteStore:
         delay = 0.2
         while not self._stop.is_set():
             digests = info.digests
-            for name, fetch in self._sources_for(info.ref, info.hex, idx, digests is not None):
+            for name, fetch in self._sources_for(info.ref, info.hex, idx, digests):
+                # with a chunk table, the chunk alone (what a peer's proof covers, and what the
+                # table checks); without, the whole ZFile blocks around it, for their CRCs
+                a, b = (lo, hi) if digests is None else (start, end)
                 try:
-                    data = fetch(lo, hi)
+                    data = fetch(a, b)
                 except SourceError as exc:
                     problems.append(f"{name}: {exc}")
                     continue
                 self.stats.add("fetched", _kind(name), len(data))
                 wrong = None
-                if digests is not None and not digests.matches(idx, data[start - lo : end - lo]):
+                if digests is not None:
                     # The trusted table decides (a CRC can be forged; a SHA-256 cannot).
-                    wrong = "the chunk does not match the blob's chunk table (SHA-256)"
+                    if not digests.matches(idx, data[start - a : end - a]):
+                        wrong = "the chunk does not match the blob's chunk table (SHA-256)"
                 elif layout.checkable:
-                    wrong = layout.check(start, end, data, lo)
+                    wrong = layout.check(start, end, data, a)
                 if wrong is not None:
                     self.stats.add("corrupt", _kind(name))
                     problems.append(f"{name}: {wrong}")
@@ -586,7 +648,7 @@ class RemoteStore:
                                 extra={"blob": info.ref.digest, "chunk": idx, "source": name,
                                        "problem": wrong})
                     continue
-                chunk = data[start - lo : end - lo]
+                chunk = data[start - a : end - a]
                 checked = layout.checkable or digests is not None
                 cache.insert(info.state, idx, chunk, VERIFIED if checked else UNVERIFIED)
                 return chunk
@@ -636,7 +698,10 @@ class RemoteStore:
 
     def blob_size(self, hex_: str) -> int:
         state = self.cache.find(hex_)
-        return state.size if state is not None else 0
+        if state is not None:
+            return state.size
+        info = self._infos.get(hex_)
+        return info.ref.size if info is not None else 0
 
     def serve_range(self, hex_: str, start: int, end: int) -> bytes | None:
         """Bytes [start, end) of a blob if every one of them is verified here, else None."""
@@ -713,7 +778,7 @@ def private_store() -> RemoteStore:
     with _private_lock:
         if _private is None:
             root = Path(tempfile.mkdtemp(prefix="aenv-remote-"))
-            capacity = int(os.environ.get("AENV_PRIVATE_CHUNK_CACHE", str(1 << 30)))
+            capacity = get_settings().private_chunk_cache
             _private = RemoteStore(RemoteConfig(root, capacity=capacity, background_bw=0))
 
             def cleanup(store: RemoteStore = _private, root: Path = root) -> None:

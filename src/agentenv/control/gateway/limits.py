@@ -32,7 +32,6 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import os
 import secrets
 import time
 from collections import OrderedDict
@@ -43,6 +42,7 @@ from typing import Any
 import httpx
 from prometheus_client import Counter
 
+from agentenv.control.gateway.nodes import GatewayError
 from agentenv.control.gateway.placement import SchedulerLink
 from agentenv.control.gateway.store import PREFIX, GatewayStore, quota_key
 from agentenv.logs import Sampled
@@ -70,11 +70,9 @@ return -1
 
 
 def _api_error(exc: QuotaExceeded, refusals: Counter | None) -> Exception:
-    from agentenv.control.gateway.app import ApiError  # the app imports this module
-
     if refusals is not None:
         refusals.labels(exc.limit).inc()
-    return ApiError(429, exc.message)
+    return GatewayError(429, exc.message)
 
 
 @dataclass
@@ -208,7 +206,6 @@ class LookupLimiter:
     @classmethod
     def from_env(cls, refusals: Counter | None = None,
                  env: Mapping[str, str] | None = None) -> LookupLimiter:
-        env = os.environ if env is None else env
         return cls(env_number(env, "AENV_SIGNED_LOOKUP_RATE", 20.0, float) or 0.0,
                    env_number(env, "AENV_SIGNED_LOOKUP_BURST", 40.0, float) or 0.0, refusals)
 
@@ -272,7 +269,6 @@ class TeamShares:
     @classmethod
     def from_env(cls, refusals: Counter | None = None,
                  env: Mapping[str, str] | None = None) -> TeamShares:
-        env = os.environ if env is None else env
         default = max_concurrent(env) // 4
         return cls(int(env_number(env, TEAM_SHARE_SETTING, default, int) or 0), refusals)
 

@@ -20,3 +20,22 @@ class GatewayMetrics:
             "aenv_gateway_limit_refusals", "Requests refused by a team quota or the signed "
             "URL lookup rate (control/gateway/limits.py), by limit", ["limit"],
             registry=self.registry)
+        # control/gateway/events.py
+        self.events_collected = Counter(
+            "aenv_gateway_events_collected", "Lifecycle events moved from the nodes into the "
+            "cluster's Redis by this gateway's collector", registry=self.registry)
+        self.webhook_attempts = Counter(
+            "aenv_gateway_webhook_attempts", "Webhook delivery attempts by this gateway, by "
+            "result (delivered, failed: an error or a non-2xx answer)", ["result"],
+            registry=self.registry)
+        self.webhook_dropped = Counter(
+            "aenv_gateway_webhook_dropped", "Events a webhook skipped: its receiver was more "
+            "than AENV_WEBHOOK_QUEUE events of its team behind", registry=self.registry)
+        self.capacity_refusals = Counter(
+            "aenv_gateway_capacity_refusals", "Creates refused for room (429): no node would "
+            "take them, by the resource (cpu, memory, disk, sandboxes) most nodes refused for",
+            ["resource"], registry=self.registry)
+        self.placement_retries = Counter(
+            "aenv_gateway_placement_retries", "Creates a node refused for room (its own "
+            "admission) that the gateway handed on to the next node, by that resource",
+            ["resource"], registry=self.registry)

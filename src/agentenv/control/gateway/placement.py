@@ -11,6 +11,7 @@ seconds keep routing. The node list is cached the same way (`NODES_TTL`).
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from dataclasses import dataclass
 
@@ -23,6 +24,8 @@ from agentenv.control.scheduler.client import (
     SchedulerError,
     pb,
 )
+
+log = logging.getLogger("agentenv.control.gateway.placement")
 
 LOOKUP_TTL = 1.0
 #: while the scheduler is unreachable, a binding seen this recently still routes (a sandbox
@@ -47,7 +50,22 @@ class SchedulerUnavailable(PlacementFailure):
 
 
 class NoPlacement(PlacementFailure):
-    """The scheduler answered but found no node (every node full or down): 503."""
+    """The scheduler answered but found no node up (or none holding what was asked): 503."""
+
+
+class NoRoom(NoPlacement):
+    """Every node up refused for room (cpu, memory, disk, sandboxes): 429 naming the
+    resources. `refused`: resource -> how many nodes refused for it (no node named)."""
+
+    def __init__(self, public: str, detail: str, refused: dict[str, int]) -> None:
+        super().__init__(public, detail)
+        self.refused = refused
+
+    @property
+    def resource(self) -> str:
+        """The resource most nodes refused for (the X-Agentenv-Refused header)."""
+        room = {r: n for r, n in self.refused.items() if r not in ("down", "tried")}
+        return max(sorted(room), key=lambda r: room[r]) if room else "capacity"
 
 
 class BadPlacementRequest(PlacementFailure):
@@ -67,6 +85,15 @@ class Node:
 
 
 @dataclass(frozen=True)
+class Placed:
+    """Where the scheduler placed a sandbox, and the room it holds there until the sandbox is
+    recorded (SchedulerLink.record) or the placement given up (SchedulerLink.cancel)."""
+
+    node: Node
+    reservation: str = ""
+
+
+@dataclass(frozen=True)
 class Binding:
     sandbox_id: str
     node: Node
@@ -83,8 +110,15 @@ def _translated(exc: SchedulerError) -> PlacementFailure:
         return cls(exc.details or detail, detail)
     fork = exc.details.startswith("fork source")
     if exc.code == grpc.StatusCode.RESOURCE_EXHAUSTED:
-        return NoPlacement("the fork source's node has no room for the fork now" if fork
-                           else "no node has room for the sandbox now; try again later", detail)
+        # the resources and how many nodes refused for each, the size asked: never which
+        # node or how full it is
+        summary = ", ".join(f"{r}: {n} node{'s' if n > 1 else ''}"
+                            for r, n in sorted(exc.refused.items()))
+        summary = f" ({summary})" if summary else ""
+        size = f" for {exc.request}" if exc.request else ""
+        return NoRoom(f"the fork source's node has no room{size} now{summary}" if fork
+                      else f"no node has room{size} now{summary}; try again later", detail,
+                      exc.refused)
     if exc.code == grpc.StatusCode.UNAVAILABLE and (fork or exc.details.startswith("no node")):
         return NoPlacement("the fork source's node is down" if fork else "no node is up", detail)
     return SchedulerUnavailable("the scheduler is unavailable", detail)
@@ -130,22 +164,38 @@ class SchedulerLink:
             await self._client.close()
 
     async def schedule(self, *, template: str = "", snapshot: str = "", team: str = "",
-                       source: str = "") -> Node:
+                       source: str = "", exclude: tuple[str, ...] = ()) -> Placed:
+        """A node for a new sandbox, none of `exclude` (nodes that refused it already)."""
         try:
             placed = await self.client.schedule(template_id=template, snapshot_id=snapshot,
-                                                team_id=team, source_sandbox_id=source)
+                                                team_id=team, source_sandbox_id=source,
+                                                exclude_nodes=exclude)
         except SchedulerError as exc:
             self._reconnect_later(exc)
             raise _translated(exc) from exc
-        return Node(placed.node_id, placed.node_address, scheme=self.node_scheme)
+        return Placed(Node(placed.node_id, placed.node_address, scheme=self.node_scheme),
+                      placed.reservation)
 
-    async def record(self, sandbox_id: str, node: Node, team: str) -> None:
+    async def record(self, sandbox_id: str, node: Node, team: str,
+                     reservation: str = "") -> None:
         try:
-            await self.client.record_assignment(sandbox_id, node.node_id, team_id=team)
+            await self.client.record_assignment(sandbox_id, node.node_id, team_id=team,
+                                                reservation=reservation)
         except SchedulerError as exc:
             self._reconnect_later(exc)
             raise _translated(exc) from exc
         self._cache[sandbox_id] = (time.monotonic() + LOOKUP_TTL, Binding(sandbox_id, node, team))
+
+    async def cancel(self, reservation: str) -> None:
+        """Give a placement's room back: no sandbox will use it (the create failed or the node
+        refused it). Best effort: an unused reservation lapses after 60 s anyway."""
+        if not reservation:
+            return
+        try:
+            await self.client.release(reservation=reservation)
+        except SchedulerError as exc:
+            self._reconnect_later(exc)
+            log.info("reservation not cancelled: %s", exc)
 
     async def release(self, sandbox_id: str) -> None:
         self._cache.pop(sandbox_id, None)
@@ -206,9 +256,10 @@ class SchedulerLink:
         if st is None:
             return "not registered"
         if st.max_sandboxes and st.running >= st.max_sandboxes:
-            return f"full ({st.max_sandboxes} sandboxes)"
+            return f"sandboxes: full ({st.max_sandboxes} sandboxes)"
         if st.cpu_total and st.cpu_free < vcpus:
-            return f"{st.cpu_free} free vCPUs < {vcpus}"
-        if st.memory_total_mib and st.memory_free_mib < memory_mib:
-            return f"{st.memory_free_mib} MiB free < {memory_mib} MiB"
+            return f"cpu: {st.cpu_free} free vCPUs < {vcpus}"
+        need = memory_mib + st.sandbox_overhead_mib + st.sandbox_overhead_per_vcpu_mib * vcpus
+        if st.memory_total_mib and st.memory_free_mib < need:
+            return f"memory: {st.memory_free_mib} MiB free < {need} MiB"
         return ""

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import uvicorn
 
+from agentenv.cluster_keys import load_cluster_secret
 from agentenv.control.gateway.app import GatewayApp
 from agentenv.control.gateway.placement import SchedulerLink
 from agentenv.control.gateway.store import GatewayStore
@@ -36,8 +37,6 @@ class GatewayOptions:
 
 
 def read_cluster_secret(path: Path | None) -> str:
-    from agentenv.node.security import load_cluster_secret
-
     secret = load_cluster_secret(path)
     if secret is None:
         raise AgentEnvError(

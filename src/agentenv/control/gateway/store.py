@@ -1,5 +1,5 @@
 """What the gateway keeps in Redis: teams and their API keys, and which team owns each sandbox,
-template and snapshot (and on which node a template or snapshot lives).
+template, snapshot and volume (and on which node a template, snapshot or volume lives).
 
 The gateway holds nothing else: every gateway process of a cluster reads the same keys, so any
 of them serves any request. API keys are stored as their SHA-256 only.
@@ -15,7 +15,9 @@ memory does: whoever reads this Redis holds the cluster anyway (API keys).
 `buildnodes:{team}` (sorted set: node id, scored by when the team last built a template there):
 where the team's next new template is built, so a chain of templates stays on one node.
 `quota:{sandboxes|templates|snapshots}:{team}` (sorted sets): what counts for the team's quotas
-(control/gateway/limits.py).
+(control/gateway/limits.py). Volumes: `own:volume:{id}` and `name:volume:{team}:{name}` as
+templates', and `volumehome:{team}` -> the node that holds all the team's volumes
+(control/gateway/volumes.py).
 """
 
 from __future__ import annotations
@@ -28,9 +30,9 @@ from dataclasses import dataclass
 import redis.asyncio as aioredis
 import redis.exceptions
 
+from agentenv.api.tenancy import LOCAL_TEAM, TEAM_NAME
 from agentenv.control.redis_auth import RedisAuth, shown_url
 from agentenv.errors import AgentEnvError
-from agentenv.node.tenancy import LOCAL_TEAM, TEAM_NAME
 
 PREFIX = "aenv:"
 #: how long a create's Idempotency-Key names its sandbox (the node keeps its own as long)
@@ -102,7 +104,7 @@ class GatewayStore:
             raise AgentEnvError(
                 f"invalid team name {name!r}: 1-40 lowercase letters, digits and '-'"
             )
-        if name == LOCAL_TEAM:  # what a node records for its API key's holder (node/tenancy.py)
+        if name == LOCAL_TEAM:  # what a node records for its API key's holder (api/tenancy.py)
             raise AgentEnvError(f"the team name {name!r} is reserved")
         created = await self._call(self.redis.sadd(PREFIX + "teams", name))
         if not created:
@@ -200,6 +202,17 @@ class GatewayStore:
         for name in set(names):
             pipe.delete(PREFIX + f"name:{kind}:{team}:{name}")
         await self._call(pipe.execute())
+
+    # --- volumes -------------------------------------------------------------------------------
+
+    async def volume_home(self, team: str, node: str | None = None) -> str | None:
+        """The node that holds `team`'s volumes; with `node`, made that node unless the team
+        has one already (the first create's placement wins a race): the one it has."""
+        key = PREFIX + f"volumehome:{team}"
+        if node is not None:
+            await self._call(self.redis.set(key, node, nx=True))
+        found: str | None = await self._call(self.redis.get(key))
+        return found
 
     # --- build affinity ----------------------------------------------------------------------
 

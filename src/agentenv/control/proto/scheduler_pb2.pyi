@@ -11,7 +11,7 @@ class Empty(_message.Message):
     def __init__(self) -> None: ...
 
 class ScheduleRequest(_message.Message):
-    __slots__ = ("template_id", "snapshot_id", "vcpus", "memory_mib", "source_sandbox_id", "team_id", "strategy", "layers")
+    __slots__ = ("template_id", "snapshot_id", "vcpus", "memory_mib", "source_sandbox_id", "team_id", "strategy", "layers", "exclude_nodes")
     TEMPLATE_ID_FIELD_NUMBER: _ClassVar[int]
     SNAPSHOT_ID_FIELD_NUMBER: _ClassVar[int]
     VCPUS_FIELD_NUMBER: _ClassVar[int]
@@ -20,6 +20,7 @@ class ScheduleRequest(_message.Message):
     TEAM_ID_FIELD_NUMBER: _ClassVar[int]
     STRATEGY_FIELD_NUMBER: _ClassVar[int]
     LAYERS_FIELD_NUMBER: _ClassVar[int]
+    EXCLUDE_NODES_FIELD_NUMBER: _ClassVar[int]
     template_id: str
     snapshot_id: str
     vcpus: int
@@ -28,37 +29,44 @@ class ScheduleRequest(_message.Message):
     team_id: str
     strategy: str
     layers: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, template_id: _Optional[str] = ..., snapshot_id: _Optional[str] = ..., vcpus: _Optional[int] = ..., memory_mib: _Optional[int] = ..., source_sandbox_id: _Optional[str] = ..., team_id: _Optional[str] = ..., strategy: _Optional[str] = ..., layers: _Optional[_Iterable[str]] = ...) -> None: ...
+    exclude_nodes: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, template_id: _Optional[str] = ..., snapshot_id: _Optional[str] = ..., vcpus: _Optional[int] = ..., memory_mib: _Optional[int] = ..., source_sandbox_id: _Optional[str] = ..., team_id: _Optional[str] = ..., strategy: _Optional[str] = ..., layers: _Optional[_Iterable[str]] = ..., exclude_nodes: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ScheduleResponse(_message.Message):
-    __slots__ = ("node_id", "node_address", "reason")
+    __slots__ = ("node_id", "node_address", "reason", "reservation")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     NODE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
+    RESERVATION_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     node_address: str
     reason: str
-    def __init__(self, node_id: _Optional[str] = ..., node_address: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
+    reservation: str
+    def __init__(self, node_id: _Optional[str] = ..., node_address: _Optional[str] = ..., reason: _Optional[str] = ..., reservation: _Optional[str] = ...) -> None: ...
 
 class Assignment(_message.Message):
-    __slots__ = ("sandbox_id", "node_id", "team_id", "vcpus", "memory_mib")
+    __slots__ = ("sandbox_id", "node_id", "team_id", "vcpus", "memory_mib", "reservation")
     SANDBOX_ID_FIELD_NUMBER: _ClassVar[int]
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     TEAM_ID_FIELD_NUMBER: _ClassVar[int]
     VCPUS_FIELD_NUMBER: _ClassVar[int]
     MEMORY_MIB_FIELD_NUMBER: _ClassVar[int]
+    RESERVATION_FIELD_NUMBER: _ClassVar[int]
     sandbox_id: str
     node_id: str
     team_id: str
     vcpus: int
     memory_mib: int
-    def __init__(self, sandbox_id: _Optional[str] = ..., node_id: _Optional[str] = ..., team_id: _Optional[str] = ..., vcpus: _Optional[int] = ..., memory_mib: _Optional[int] = ...) -> None: ...
+    reservation: str
+    def __init__(self, sandbox_id: _Optional[str] = ..., node_id: _Optional[str] = ..., team_id: _Optional[str] = ..., vcpus: _Optional[int] = ..., memory_mib: _Optional[int] = ..., reservation: _Optional[str] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
-    __slots__ = ("sandbox_id",)
+    __slots__ = ("sandbox_id", "reservation")
     SANDBOX_ID_FIELD_NUMBER: _ClassVar[int]
+    RESERVATION_FIELD_NUMBER: _ClassVar[int]
     sandbox_id: str
-    def __init__(self, sandbox_id: _Optional[str] = ...) -> None: ...
+    reservation: str
+    def __init__(self, sandbox_id: _Optional[str] = ..., reservation: _Optional[str] = ...) -> None: ...
 
 class LookupRequest(_message.Message):
     __slots__ = ("sandbox_id",)
@@ -91,7 +99,7 @@ class SandboxState(_message.Message):
     def __init__(self, sandbox_id: _Optional[str] = ..., state: _Optional[str] = ..., team_id: _Optional[str] = ...) -> None: ...
 
 class NodeStatus(_message.Message):
-    __slots__ = ("node_id", "address", "layer_address", "cpu_total", "cpu_free", "memory_total_mib", "memory_free_mib", "disk_free_bytes", "running", "paused", "sandboxes", "templates", "snapshots", "layers", "max_sandboxes", "template_layers", "blobs", "partial_blobs")
+    __slots__ = ("node_id", "address", "layer_address", "cpu_total", "cpu_free", "memory_total_mib", "memory_free_mib", "disk_free_bytes", "running", "paused", "sandboxes", "templates", "snapshots", "layers", "max_sandboxes", "template_layers", "blobs", "partial_blobs", "sandbox_overhead_mib", "sandbox_overhead_per_vcpu_mib", "disk_floor_bytes", "cpu_bound", "memory_bound", "host_cpus", "host_memory_mib", "memory_available_mib", "cpu_pressure", "memory_pressure", "cpu_busy", "template_sizes")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     LAYER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -110,6 +118,18 @@ class NodeStatus(_message.Message):
     TEMPLATE_LAYERS_FIELD_NUMBER: _ClassVar[int]
     BLOBS_FIELD_NUMBER: _ClassVar[int]
     PARTIAL_BLOBS_FIELD_NUMBER: _ClassVar[int]
+    SANDBOX_OVERHEAD_MIB_FIELD_NUMBER: _ClassVar[int]
+    SANDBOX_OVERHEAD_PER_VCPU_MIB_FIELD_NUMBER: _ClassVar[int]
+    DISK_FLOOR_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CPU_BOUND_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_BOUND_FIELD_NUMBER: _ClassVar[int]
+    HOST_CPUS_FIELD_NUMBER: _ClassVar[int]
+    HOST_MEMORY_MIB_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_AVAILABLE_MIB_FIELD_NUMBER: _ClassVar[int]
+    CPU_PRESSURE_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_PRESSURE_FIELD_NUMBER: _ClassVar[int]
+    CPU_BUSY_FIELD_NUMBER: _ClassVar[int]
+    TEMPLATE_SIZES_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     address: str
     layer_address: str
@@ -128,7 +148,29 @@ class NodeStatus(_message.Message):
     template_layers: _containers.RepeatedCompositeFieldContainer[TemplateLayers]
     blobs: _containers.RepeatedScalarFieldContainer[str]
     partial_blobs: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., layer_address: _Optional[str] = ..., cpu_total: _Optional[int] = ..., cpu_free: _Optional[int] = ..., memory_total_mib: _Optional[int] = ..., memory_free_mib: _Optional[int] = ..., disk_free_bytes: _Optional[int] = ..., running: _Optional[int] = ..., paused: _Optional[int] = ..., sandboxes: _Optional[_Iterable[_Union[SandboxState, _Mapping]]] = ..., templates: _Optional[_Iterable[str]] = ..., snapshots: _Optional[_Iterable[str]] = ..., layers: _Optional[_Iterable[str]] = ..., max_sandboxes: _Optional[int] = ..., template_layers: _Optional[_Iterable[_Union[TemplateLayers, _Mapping]]] = ..., blobs: _Optional[_Iterable[str]] = ..., partial_blobs: _Optional[_Iterable[str]] = ...) -> None: ...
+    sandbox_overhead_mib: int
+    sandbox_overhead_per_vcpu_mib: int
+    disk_floor_bytes: int
+    cpu_bound: str
+    memory_bound: str
+    host_cpus: int
+    host_memory_mib: int
+    memory_available_mib: int
+    cpu_pressure: float
+    memory_pressure: float
+    cpu_busy: float
+    template_sizes: _containers.RepeatedCompositeFieldContainer[TemplateSize]
+    def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., layer_address: _Optional[str] = ..., cpu_total: _Optional[int] = ..., cpu_free: _Optional[int] = ..., memory_total_mib: _Optional[int] = ..., memory_free_mib: _Optional[int] = ..., disk_free_bytes: _Optional[int] = ..., running: _Optional[int] = ..., paused: _Optional[int] = ..., sandboxes: _Optional[_Iterable[_Union[SandboxState, _Mapping]]] = ..., templates: _Optional[_Iterable[str]] = ..., snapshots: _Optional[_Iterable[str]] = ..., layers: _Optional[_Iterable[str]] = ..., max_sandboxes: _Optional[int] = ..., template_layers: _Optional[_Iterable[_Union[TemplateLayers, _Mapping]]] = ..., blobs: _Optional[_Iterable[str]] = ..., partial_blobs: _Optional[_Iterable[str]] = ..., sandbox_overhead_mib: _Optional[int] = ..., sandbox_overhead_per_vcpu_mib: _Optional[int] = ..., disk_floor_bytes: _Optional[int] = ..., cpu_bound: _Optional[str] = ..., memory_bound: _Optional[str] = ..., host_cpus: _Optional[int] = ..., host_memory_mib: _Optional[int] = ..., memory_available_mib: _Optional[int] = ..., cpu_pressure: _Optional[float] = ..., memory_pressure: _Optional[float] = ..., cpu_busy: _Optional[float] = ..., template_sizes: _Optional[_Iterable[_Union[TemplateSize, _Mapping]]] = ...) -> None: ...
+
+class TemplateSize(_message.Message):
+    __slots__ = ("template_id", "vcpus", "memory_mib")
+    TEMPLATE_ID_FIELD_NUMBER: _ClassVar[int]
+    VCPUS_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_MIB_FIELD_NUMBER: _ClassVar[int]
+    template_id: str
+    vcpus: int
+    memory_mib: int
+    def __init__(self, template_id: _Optional[str] = ..., vcpus: _Optional[int] = ..., memory_mib: _Optional[int] = ...) -> None: ...
 
 class TemplateLayers(_message.Message):
     __slots__ = ("template_id", "layers")
@@ -155,14 +197,16 @@ class HoldersRequest(_message.Message):
     def __init__(self, digests: _Optional[_Iterable[str]] = ..., node_id: _Optional[str] = ..., limit: _Optional[int] = ...) -> None: ...
 
 class Holder(_message.Message):
-    __slots__ = ("node_id", "layer_address", "complete")
+    __slots__ = ("node_id", "layer_address", "complete", "credential")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     LAYER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     COMPLETE_FIELD_NUMBER: _ClassVar[int]
+    CREDENTIAL_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     layer_address: str
     complete: bool
-    def __init__(self, node_id: _Optional[str] = ..., layer_address: _Optional[str] = ..., complete: _Optional[bool] = ...) -> None: ...
+    credential: str
+    def __init__(self, node_id: _Optional[str] = ..., layer_address: _Optional[str] = ..., complete: _Optional[bool] = ..., credential: _Optional[str] = ...) -> None: ...
 
 class BlobHolders(_message.Message):
     __slots__ = ("digest", "holders")

@@ -15,8 +15,8 @@ No credential or a wrong one: UNAUTHENTICATED; a right the identity does not hav
 PERMISSION_DENIED. A verified token is remembered per identity, so a call costs a dict lookup
 and one compare_digest, no HMAC.
 
-`ClusterAuth.handler(servicer)` wraps each of the servicer's methods once, when the server is
-built: the check runs in the handler itself. (A grpc.aio server interceptor did the same at
+`ClusterAuth.install(server, servicer)` wraps each of the servicer's methods once, when the
+server is built: the check runs in the handler itself. (A grpc.aio server interceptor did the same at
 ~30 us per call of grpc's machinery against 0.6 us for the check: Lookup lost 12-15%.) The
 handlers take the request's bytes unparsed: a caller's message is parsed only once its
 credential passed (a stranger's costs no protobuf parse; grpc still receives it, at most the
@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import hmac
 import logging
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -83,9 +84,19 @@ Method = Callable[[Any, Context], Awaitable[Any]]
 Parse = Callable[[bytes], Any]
 
 
+#: what is told of every call: (method, gRPC status code name, service time in seconds of a
+#: call that passed the check, else None)
+Observe = Callable[[str, str, "float | None"], None]
+
+
+def _ignore(method: str, code: str, seconds: float | None) -> None:
+    pass
+
+
 class ClusterAuth:
-    def __init__(self, secret: str) -> None:
+    def __init__(self, secret: str, observe: Observe | None = None) -> None:
         self._secret = secret
+        self._observe = observe or _ignore
         self._verified: dict[str, bytes] = {}  # identity -> its token, once a call proved it
         self.refused = Sampled()  # calls with a wrong credential
 
@@ -149,43 +160,62 @@ class ClusterAuth:
             await context.abort(grpc.StatusCode.PERMISSION_DENIED,
                                 f"{identity!r} may not call {method}")
 
-        async def parsed(raw: bytes, context: Context) -> Any:
-            try:
-                return parse(raw)
-            except DecodeError:
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                    f"the request is not a {name} request message")
+        observe = self._observe
+        perf_counter = time.perf_counter
+
+        async def refused(context: Context, metadata: Any, identity: str | None) -> None:
+            observe(name, "UNAUTHENTICATED" if identity is None else "PERMISSION_DENIED", None)
+            await refuse(context, metadata, identity)
 
         if rule is None:
             async def closed(raw: bytes, context: Context) -> Any:
                 metadata = context.invocation_metadata()
-                await refuse(context, metadata, authenticate(metadata, method))
+                await refused(context, metadata, authenticate(metadata, method))
 
             return closed
         gateway, field = rule.gateway, rule.node_field
 
+        # One coroutine per call: the check, the parse and the timing inline (three chained
+        # coroutines and prometheus_client's locked counters cost ~13 us a call more;
+        # bench/RESULTS.md, 2026-12-06).
         async def checked(raw: bytes, context: Context) -> Any:
             metadata = context.invocation_metadata()
             identity = authenticate(metadata, method)
-            if identity is not None:
-                if identity == GATEWAY_IDENTITY and gateway:
-                    return await inner(await parsed(raw, context), context)
-                if field is not None and identity.startswith(NODE_IDENTITY_PREFIX):
-                    node_id = identity[len(NODE_IDENTITY_PREFIX):]
-                    request = await parsed(raw, context)
-                    claimed = getattr(request, field)
-                    if claimed == node_id:
-                        return await inner(request, context)
+            if identity is None or not (
+                    (gateway and identity == GATEWAY_IDENTITY)
+                    or (field is not None and identity.startswith(NODE_IDENTITY_PREFIX))):
+                await refused(context, metadata, identity)
+            try:
+                request = parse(raw)
+            except DecodeError:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                    f"the request is not a {name} request message")
+            if identity != GATEWAY_IDENTITY or not gateway:
+                node_id = identity[len(NODE_IDENTITY_PREFIX):]
+                claimed = getattr(request, field)  # type: ignore[arg-type]
+                if claimed != node_id:
+                    observe(name, "PERMISSION_DENIED", None)
                     await context.abort(
                         grpc.StatusCode.PERMISSION_DENIED,
                         f"node {node_id!r} may not call {name} for node {claimed!r}")
-            await refuse(context, metadata, identity)
+            began = perf_counter()
+            try:
+                answer = await inner(request, context)
+            except BaseException:
+                code = context.code()
+                observe(name, code.name if code is not None else "UNKNOWN",
+                        perf_counter() - began)
+                raise
+            observe(name, "OK", perf_counter() - began)
+            return answer
 
         return checked
 
-    def handler(self, servicer: pb_grpc.SchedulerServicer) -> grpc.GenericRpcHandler:
-        """The service's handlers (every method of the proto): each checks the caller first
-        and only then parses the request."""
+    def install(self, server: grpc.aio.Server, servicer: pb_grpc.SchedulerServicer) -> None:
+        """Serve the service's methods (every method of the proto) on `server`: each checks
+        the caller first and only then parses the request. Registered as the generated
+        `add_SchedulerServicer_to_server` registers them (registered methods, and the generic
+        handler beside them)."""
         handlers = {}
         for method in SERVICE.methods:
             request = getattr(pb, method.input_type.name)
@@ -194,4 +224,6 @@ class ClusterAuth:
                 self._checked(method.name, getattr(servicer, method.name), request.FromString),
                 request_deserializer=None,  # the bytes as they came: parsed after the check
                 response_serializer=response.SerializeToString)
-        return grpc.method_handlers_generic_handler(SERVICE.full_name, handlers)
+        server.add_generic_rpc_handlers(
+            (grpc.method_handlers_generic_handler(SERVICE.full_name, handlers),))
+        server.add_registered_method_handlers(SERVICE.full_name, handlers)

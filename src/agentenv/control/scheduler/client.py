@@ -22,9 +22,9 @@ a node), which the scheduler checks (control/scheduler/auth.py). No key goes ove
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import hmac
-import os
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from types import TracebackType
@@ -35,6 +35,7 @@ from agentenv.control.proto import scheduler_pb2 as pb
 from agentenv.control.proto import scheduler_pb2_grpc as pb_grpc
 from agentenv.errors import AgentEnvError
 from agentenv.fsutil import read_pem
+from agentenv.settings import setting_text
 
 __all__ = [
     "ClientTls",
@@ -87,6 +88,11 @@ class Credentials:
     def metadata(self) -> tuple[tuple[str, str], ...]:
         return ((IDENTITY_KEY, self.identity), (TOKEN_KEY, self.token))
 
+    @functools.cached_property
+    def call_metadata(self) -> grpc.aio.Metadata:
+        """The same, built once: grpc.aio makes a Metadata of a tuple on every call."""
+        return grpc.aio.Metadata(*self.metadata)
+
 
 #: the settings of TLS to the scheduler (files, PEM): what its clients trust, and what they show
 TLS_CA_ENV = "AENV_SCHEDULER_TLS_CA"
@@ -107,10 +113,10 @@ class ClientTls:
     server_name: str | None = None
 
     @classmethod
-    def from_env(cls, env: Mapping[str, str] = os.environ) -> ClientTls | None:
+    def from_env(cls, env: Mapping[str, str] | None = None) -> ClientTls | None:
         """From AENV_SCHEDULER_TLS_CA (+ _CLIENT_CERT and _CLIENT_KEY, _SERVER_NAME); None
         without a CA: plaintext."""
-        ca, cert, key = (env.get(name, "").strip() for name in (
+        ca, cert, key = (setting_text(name, env).strip() for name in (
             TLS_CA_ENV, TLS_CLIENT_CERT_ENV, TLS_CLIENT_KEY_ENV))
         if bool(cert) != bool(key):
             raise AgentEnvError(f"{TLS_CLIENT_CERT_ENV} and {TLS_CLIENT_KEY_ENV} go together")
@@ -122,15 +128,27 @@ class ClientTls:
         return cls(read_pem(ca, TLS_CA_ENV),
                    read_pem(cert, TLS_CLIENT_CERT_ENV) if cert else None,
                    read_pem(key, TLS_CLIENT_KEY_ENV) if key else None,
-                   env.get(TLS_SERVER_NAME_ENV, "").strip() or None)
+                   setting_text(TLS_SERVER_NAME_ENV, env).strip() or None)
+
+
+#: trailing metadata of a Schedule no node could take (server.py sends them): resource=nodes,...
+#: and the size asked, for a caller that may not pass the message on (it names other teams' load)
+REFUSED_KEY = "x-aenv-refused"
+REQUEST_KEY = "x-aenv-request"
 
 
 class SchedulerError(AgentEnvError):
-    def __init__(self, code: grpc.StatusCode, message: str, method: str) -> None:
+    """`refused` (a Schedule no node could take): resource (cpu, memory, disk, sandboxes,
+    down, tried) -> how many nodes refused for it; `request` the size that was asked."""
+
+    def __init__(self, code: grpc.StatusCode, message: str, method: str,
+                 refused: dict[str, int] | None = None, request: str = "") -> None:
         super().__init__(f"scheduler {method}: {code.name}: {message}")
         self.code = code
         self.details = message
         self.method = method
+        self.refused = refused or {}
+        self.request = request
 
     @property
     def unavailable(self) -> bool:
@@ -142,6 +160,9 @@ class Placement:
     node_id: str
     node_address: str
     reason: str
+    #: the room held on the node: name it in record_assignment, or cancel it with
+    #: release(reservation=...) when no sandbox will use it
+    reservation: str = ""
 
 
 @dataclass(frozen=True)
@@ -162,6 +183,8 @@ class Holder:
     node_id: str
     layer_address: str
     complete: bool
+    #: what the asking node presents to this holder (agentenv.cluster_keys.peer_credential)
+    credential: str = ""
 
 
 @dataclass(frozen=True)
@@ -217,10 +240,17 @@ class SchedulerClient:
         try:
             return await getattr(self.stub, method)(
                 request, timeout=self.timeout if timeout is None else timeout,
-                metadata=(credentials or self.credentials).metadata,
+                metadata=(credentials or self.credentials).call_metadata,
             )
         except grpc.aio.AioRpcError as exc:
-            raise SchedulerError(exc.code(), exc.details() or "", method) from None
+            trailing = dict(exc.trailing_metadata() or ())
+            refused: dict[str, int] = {}
+            for item in str(trailing.get(REFUSED_KEY, "")).split(","):
+                name, _, count = item.partition("=")
+                if name and count.isdigit():
+                    refused[name] = int(count)
+            raise SchedulerError(exc.code(), exc.details() or "", method, refused,
+                                 str(trailing.get(REQUEST_KEY, ""))) from None
 
     async def schedule(
         self,
@@ -233,6 +263,7 @@ class SchedulerClient:
         team_id: str = "",
         strategy: str = "",
         layers: Sequence[str] = (),
+        exclude_nodes: Sequence[str] = (),
         timeout: float | None = None,
     ) -> Placement:
         answer = await self._call(
@@ -246,11 +277,12 @@ class SchedulerClient:
                 team_id=team_id,
                 strategy=strategy,
                 layers=list(layers),
+                exclude_nodes=list(exclude_nodes),
             ),
             timeout,
         )
         assert isinstance(answer, pb.ScheduleResponse)
-        return Placement(answer.node_id, answer.node_address, answer.reason)
+        return Placement(answer.node_id, answer.node_address, answer.reason, answer.reservation)
 
     async def record_assignment(
         self,
@@ -260,19 +292,24 @@ class SchedulerClient:
         team_id: str = "",
         vcpus: int = 0,
         memory_mib: int = 0,
+        reservation: str = "",
         timeout: float | None = None,
     ) -> None:
         await self._call(
             "RecordAssignment",
             pb.Assignment(
                 sandbox_id=sandbox_id, node_id=node_id, team_id=team_id, vcpus=vcpus,
-                memory_mib=memory_mib,
+                memory_mib=memory_mib, reservation=reservation,
             ),
             timeout,
         )
 
-    async def release(self, sandbox_id: str, *, timeout: float | None = None) -> None:
-        await self._call("Release", pb.ReleaseRequest(sandbox_id=sandbox_id), timeout)
+    async def release(self, sandbox_id: str = "", *, reservation: str = "",
+                      timeout: float | None = None) -> None:
+        """Remove a binding; with `reservation` (and no sandbox), give a Schedule answer's
+        room back (its create failed)."""
+        await self._call("Release", pb.ReleaseRequest(sandbox_id=sandbox_id,
+                                                      reservation=reservation), timeout)
 
     async def lookup(self, sandbox_id: str, *, timeout: float | None = None) -> Location | None:
         answer = await self._call("Lookup", pb.LookupRequest(sandbox_id=sandbox_id), timeout)
@@ -303,7 +340,8 @@ class SchedulerClient:
         )
         assert isinstance(answer, pb.HoldersResponse)
         return {
-            b.digest: [Holder(h.node_id, h.layer_address, h.complete) for h in b.holders]
+            b.digest: [Holder(h.node_id, h.layer_address, h.complete, h.credential)
+                          for h in b.holders]
             for b in answer.blobs
         }
 

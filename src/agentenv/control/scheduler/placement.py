@@ -4,6 +4,11 @@ A `NodeView` is the scheduler's in-memory picture of one node: its last heartbea
 placed on it since (sandboxes scheduled but not yet recorded, recorded but not yet in a
 heartbeat), so a burst of creates between two heartbeats does not land on one node.
 
+A node's heartbeat reports what it would admit now (node/admission.py `room()`: free vCPUs and
+MiB by its ceilings on what sandboxes request and by its real headroom) with the memory
+overhead it counts per sandbox and its free-disk floor: a request fits here exactly when the
+node would admit it, less what was placed here since (docs/control-plane.md §12).
+
 Strategies choose among the nodes that are up and fit the request:
 - ``round-robin`` and ``random`` (the reference's);
 - ``least-loaded``: the lowest load (the largest used fraction of vCPUs, memory or sandbox slots);
@@ -17,8 +22,9 @@ the snapshot (neither can move between nodes yet).
 from __future__ import annotations
 
 import random
+import re
+import secrets
 import time
-from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -34,12 +40,18 @@ PENDING_TTL_S = 60.0
 
 
 class PlacementError(Exception):
-    """No node fits; `code` is the gRPC status to answer with, the message names why."""
+    """No node fits; `code` is the gRPC status to answer with, the message names why.
+    `refused`: resource (cpu, memory, disk, sandboxes; down, tried) -> how many nodes refused
+    for it, and `request` the size asked, for a caller that may not read the message (the
+    gateway: it names other teams' load)."""
 
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+    def __init__(self, code: grpc.StatusCode, message: str,
+                 refused: dict[str, int] | None = None, request: str = "") -> None:
         super().__init__(message)
         self.code = code
         self.message = message
+        self.refused = refused or {}
+        self.request = request
 
 
 @dataclass
@@ -49,6 +61,10 @@ class Request:
     vcpus: int = 2
     memory_mib: int = 512
     layers: tuple[str, ...] = ()
+
+    @property
+    def text(self) -> str:
+        return f"{self.vcpus} vCPUs and {self.memory_mib} MiB"
 
 
 @dataclass
@@ -65,9 +81,10 @@ class NodeView:
     snapshots: frozenset[str] = frozenset()
     layers: frozenset[str] = frozenset()
     # Placed here since the last heartbeat counted them, with running totals (Schedule looks at
-    # every node: no sums over lists there).
+    # every node: no sums over lists there). MiB as the node counts them (with its overhead).
     recorded: dict[str, tuple[int, int]] = field(default_factory=dict)  # id -> (vCPUs, MiB)
-    pending: deque[tuple[float, int, int]] = field(default_factory=deque)  # (monotonic, cpu, MiB)
+    # reservation id -> (monotonic, vCPUs, MiB), oldest first (dicts keep insertion order)
+    pending: dict[str, tuple[float, int, int]] = field(default_factory=dict)
     _cpu: int = 0
     _mem: int = 0
     # Reconciliation can be skipped while nothing changes: the (id, team) list at the last full
@@ -77,8 +94,9 @@ class NodeView:
     changed_ms: float = 0.0
     # The status's numbers as plain ints, for Schedule's loop over every node (a protobuf field
     # read costs several times a tuple's): cpu_free, memory_free_mib, disk_free_bytes,
-    # cpu_total, memory_total_mib, max_sandboxes, running.
-    numbers: tuple[int, int, int, int, int, int, int] = (0, 0, 0, 0, 0, 0, 0)
+    # cpu_total, memory_total_mib, max_sandboxes, running, the per-sandbox and per-vCPU memory
+    # overhead, disk_floor_bytes.
+    numbers: tuple[int, int, int, int, int, int, int, int, int, int] = (0,) * 10
 
     def __post_init__(self) -> None:
         if self.status is not None:
@@ -88,7 +106,13 @@ class NodeView:
         self.numbers = (
             status.cpu_free, status.memory_free_mib, status.disk_free_bytes, status.cpu_total,
             status.memory_total_mib, status.max_sandboxes, status.running,
+            status.sandbox_overhead_mib, status.sandbox_overhead_per_vcpu_mib,
+            status.disk_floor_bytes,
         )
+
+    def need_mib(self, vcpus: int, memory_mib: int) -> int:
+        """What a sandbox of this size takes of the node's memory as the node counts it."""
+        return memory_mib + self.numbers[7] + self.numbers[8] * vcpus
 
     def update(self, status: pb.NodeStatus, seen_ms: float, reported: set[str] | None) -> None:
         self.status = status
@@ -100,9 +124,17 @@ class NodeView:
         self.snapshots = frozenset(status.snapshots)
         self.layers = frozenset(status.layers)
         if reported is not None:
+            fresh = len(reported - self.reported - self.recorded.keys())
             self.reported = reported
             for sandbox_id in reported & self.recorded.keys():
                 self._forget(sandbox_id)
+            # Sandboxes listed for the first time and not recorded yet: placed here, their
+            # create under way. The node's figures count them now; so would their
+            # reservations until RecordAssignment, and a burst at the node's last room would
+            # be refused for room counted twice. Their reservations go (oldest first: which
+            # is whose is not known; a wrong guess only lasts until the records arrive).
+            for _ in range(min(fresh, len(self.pending))):
+                self.unreserve(next(iter(self.pending)))
 
     def _forget(self, sandbox_id: str) -> None:
         cpu, mem = self.recorded.pop(sandbox_id)
@@ -125,10 +157,12 @@ class NodeView:
 
     def _expire_pending(self, now: float) -> None:
         cutoff = now - PENDING_TTL_S
-        while self.pending and self.pending[0][0] < cutoff:
-            _, cpu, mem = self.pending.popleft()
-            self._cpu -= cpu
-            self._mem -= mem
+        pending = self.pending
+        while pending:
+            oldest = next(iter(pending))
+            if pending[oldest][0] >= cutoff:
+                return
+            self.unreserve(oldest)
 
     def capacity(self, now: float) -> tuple[int, int, int | None, float]:
         """Free vCPUs, free MiB, free sandbox slots (None: no count limit), and the load: the
@@ -153,42 +187,67 @@ class NodeView:
         return self.capacity(time.monotonic() if now is None else now)[3]
 
     def fit(self, req: Request, min_disk_bytes: int, now: float) -> tuple[str, float]:
-        """(why the request does not fit here, '' when it does; the node's load)."""
+        """(why the request does not fit here, '' when it does; the node's load). A reason
+        starts with its resource (count_resources), then the node's own words for what bounds
+        it."""
         st = self.status
         assert st is not None
         cpu_free, mem_free, slots, load = self.capacity(now)
         if slots is not None and slots <= 0:
-            return f"full ({st.max_sandboxes} sandboxes)", load
+            return f"sandboxes: full ({st.max_sandboxes} sandboxes)", load
         if cpu_free < req.vcpus:
-            return f"{max(cpu_free, 0)} free vCPUs < {req.vcpus}", load
-        if mem_free < req.memory_mib:
-            return f"{max(mem_free, 0)} MiB free < {req.memory_mib} MiB", load
-        if st.disk_free_bytes < min_disk_bytes:
-            return (f"{st.disk_free_bytes >> 20} MiB disk free < {min_disk_bytes >> 20} MiB",
-                    load)
+            bound = f" ({st.cpu_bound})" if st.cpu_bound else ""
+            return f"cpu: {max(cpu_free, 0)} free vCPUs < {req.vcpus}{bound}", load
+        need = self.need_mib(req.vcpus, req.memory_mib)
+        if mem_free < need:
+            bound = f" ({st.memory_bound})" if st.memory_bound else ""
+            return f"memory: {max(mem_free, 0)} MiB free < {need} MiB{bound}", load
+        floor = max(min_disk_bytes, st.disk_floor_bytes)
+        if st.disk_free_bytes < floor:
+            return f"disk: {st.disk_free_bytes >> 20} MiB free < {floor >> 20} MiB", load
         return "", load
 
     def misfit(self, req: Request, min_disk_bytes: int, now: float | None = None) -> str:
         """Why the request does not fit here ('' when it does)."""
         return self.fit(req, min_disk_bytes, time.monotonic() if now is None else now)[0]
 
-    def reserve(self, req: Request) -> None:
-        self.pending.append((time.monotonic(), req.vcpus, req.memory_mib))
+    def reserve(self, req: Request) -> str:
+        """Hold room for `req` until it is recorded or cancelled; the reservation's id names
+        this node (`node/token`), so a Release finds it without a table of its own."""
+        reservation = f"{self.node_id}/{secrets.token_hex(8)}"
+        mem = self.need_mib(req.vcpus, req.memory_mib)
+        self.pending[reservation] = (time.monotonic(), req.vcpus, mem)
         self._cpu += req.vcpus
-        self._mem += req.memory_mib
+        self._mem += mem
+        return reservation
 
-    def assigned(self, sandbox_id: str, vcpus: int, memory_mib: int) -> None:
-        """RecordAssignment: the oldest pending placement becomes a recorded sandbox."""
-        if self.pending:
-            _, cpu, mem = self.pending.popleft()
-            self._cpu -= cpu
-            self._mem -= mem
+    def unreserve(self, reservation: str) -> tuple[int, int] | None:
+        """Cancel a reservation; its (vCPUs, MiB), None when it is not (or no longer) held."""
+        held = self.pending.pop(reservation, None)
+        if held is None:
+            return None
+        _, cpu, mem = held
+        self._cpu -= cpu
+        self._mem -= mem
+        return cpu, mem
+
+    def assigned(self, sandbox_id: str, vcpus: int, memory_mib: int, reservation: str = "",
+                 default: tuple[int, int] = (2, 512)) -> None:
+        """RecordAssignment: the reservation (without one, the oldest) becomes a recorded
+        sandbox, counted with the size given, else the reservation's, else `default`."""
+        if not reservation and self.pending:
+            reservation = next(iter(self.pending))
+        held = self.unreserve(reservation) if reservation else None
+        if vcpus and memory_mib:
+            size = (vcpus, self.need_mib(vcpus, memory_mib))
+        else:
+            size = held or (default[0], self.need_mib(*default))
         if sandbox_id in self.recorded:
             self._forget(sandbox_id)
         if sandbox_id not in self.reported:
-            self.recorded[sandbox_id] = (vcpus, memory_mib)
-            self._cpu += vcpus
-            self._mem += memory_mib
+            self.recorded[sandbox_id] = size
+            self._cpu += size[0]
+            self._mem += size[1]
 
     def released(self, sandbox_id: str) -> None:
         if sandbox_id in self.recorded:
@@ -225,7 +284,8 @@ class Placer:
         template_layers: dict[str, tuple[str, ...]],
     ) -> tuple[NodeView, str]:
         """The chosen node and why. `candidates` are the up nodes allowed for this request;
-        `down` maps the others to why they are down (for the error message)."""
+        `down` maps the others to why they are not (for the error message): "down (...)" or
+        "tried (...)", the word first."""
         now = time.monotonic()
         wanted = req.snapshot_id or req.template_id
         if strategy == "cache-aware" and wanted:
@@ -241,10 +301,11 @@ class Placer:
         fitting = self._fitting(candidates, req, now)
         if not fitting:
             misfits = {v.node_id: v.fit(req, self.min_disk_bytes, now)[0] for v in candidates}
+            why = {**misfits, **down}
             raise PlacementError(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"no node can take {req.vcpus} vCPUs and {req.memory_mib} MiB: "
-                + describe({**misfits, **{n: f"down ({w})" for n, w in down.items()}}),
+                f"no node can take {req.text}: " + describe(why),
+                refused=count_resources(why.values()), request=req.text,
             )
         if strategy == "round-robin":
             fitting.sort(key=lambda f: f[0].node_id)
@@ -278,12 +339,14 @@ class Placer:
         fitting: list[tuple[NodeView, float]] = []
         for view in views:
             pending = view.pending
-            if pending and pending[0][0] < cutoff:
+            if pending and next(iter(pending.values()))[0] < cutoff:
                 view._expire_pending(now)
-            cpu, mem, disk, cpu_total, mem_total, limit, running = view.numbers
+            (cpu, mem, disk, cpu_total, mem_total, limit, running, overhead, per_vcpu,
+             floor) = view.numbers
             cpu_free = cpu - view._cpu
             mem_free = mem - view._mem
-            if cpu_free < vcpus or mem_free < memory or disk < min_disk:
+            if (cpu_free < vcpus or mem_free < memory + overhead + per_vcpu * vcpus
+                    or disk < min_disk or disk < floor):
                 continue
             load = 0.0
             if cpu_total:
@@ -301,6 +364,16 @@ class Placer:
                     load = used
             fitting.append((view, load))
         return fitting
+
+
+def count_resources(reasons: Iterable[str]) -> dict[str, int]:
+    """resource -> how many of `reasons` name it."""
+    counts: dict[str, int] = {}
+    for why in reasons:
+        word = re.match(r"[a-z]+", why)  # "memory: ...", "down (...)"
+        resource = word.group() if word else "other"
+        counts[resource] = counts.get(resource, 0) + 1
+    return counts
 
 
 def describe(why: dict[str, str], limit: int = 8) -> str:

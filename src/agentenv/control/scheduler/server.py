@@ -32,7 +32,9 @@ from agentenv.control.proto import scheduler_pb2 as pb
 from agentenv.control.proto import scheduler_pb2_grpc as pb_grpc
 from agentenv.control.redis_auth import RedisAuth
 from agentenv.control.scheduler.auth import ClusterAuth
+from agentenv.control.scheduler.client import REFUSED_KEY, REQUEST_KEY
 from agentenv.control.scheduler.discovery import Discovery
+from agentenv.control.scheduler.metrics import LOOPBACK, SchedulerMetrics
 from agentenv.control.scheduler.placement import PlacementError
 from agentenv.control.scheduler.service import SchedulerConfig, SchedulerService
 from agentenv.control.scheduler.store import DEFAULT_PREFIX, Store, StoreError
@@ -61,7 +63,11 @@ FAILURES = (PlacementError, RedisError, StoreError, OSError)
 
 async def _abort(context: grpc.aio.ServicerContext[Any, Any], exc: Exception) -> NoReturn:
     if isinstance(exc, PlacementError):
-        await context.abort(exc.code, exc.message)
+        trailing: tuple[tuple[str, str], ...] = ()
+        if exc.refused:
+            trailing = ((REFUSED_KEY, ",".join(f"{r}={n}" for r, n in exc.refused.items())),
+                        (REQUEST_KEY, exc.request))
+        await context.abort(exc.code, exc.message, trailing_metadata=trailing)
     log.warning("binding store unavailable: %s", exc)
     await context.abort(grpc.StatusCode.UNAVAILABLE,
                         f"the scheduler's Redis is unavailable: {exc}")
@@ -168,6 +174,9 @@ class SchedulerOptions:
     k8s_service: str | None = None
     #: TLS (and mTLS with a client CA) when set; plaintext otherwise
     tls: ServerTls | None = None
+    #: Prometheus metrics on this port (control/scheduler/metrics.py); None: not served
+    metrics_port: int | None = None
+    metrics_bind: str = LOOPBACK
 
 
 class SchedulerServer:
@@ -179,13 +188,15 @@ class SchedulerServer:
                                 "or AENV_CLUSTER_SECRET): every caller proves it holds it")
         self.options = options
         store = Store(options.redis_url, options.prefix, auth=options.redis_auth)
-        self.service = SchedulerService(store, options.config)
+        self.service = SchedulerService(store, options.config, options.cluster_secret)
         self.discovery = Discovery(
             self.service,
             static=options.static_nodes,
             nodes_file=options.nodes_file,
             k8s_service=options.k8s_service,
         )
+        self.metrics = SchedulerMetrics()
+        self.metrics.watch(self.service)
         self.server: grpc.aio.Server | None = None
         self.pool: ThreadPoolExecutor | None = None
         self.port = 0
@@ -196,8 +207,8 @@ class SchedulerServer:
         server = grpc.aio.server(options=[("grpc.so_reuseport", 0),
                                           ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)])
         self.pool = ThreadPoolExecutor(REDIS_CALL_THREADS, thread_name_prefix="scheduler-redis")
-        auth = ClusterAuth(self.options.cluster_secret)
-        server.add_generic_rpc_handlers((auth.handler(_Servicer(self.service, self.pool)),))
+        auth = ClusterAuth(self.options.cluster_secret, self.metrics.observe)
+        auth.install(server, _Servicer(self.service, self.pool))
         try:
             tls = self.options.tls
             if tls is None:
@@ -212,6 +223,8 @@ class SchedulerServer:
             raise AgentEnvError(f"cannot listen on {self.options.listen} (in use?)")
         self.server = server
         await server.start()
+        if self.options.metrics_port is not None:
+            self.metrics.serve(self.options.metrics_port, self.options.metrics_bind)
         log.info("scheduler listening", extra={
             "listen": self.options.listen, "port": self.port,
             "tls": "off" if tls is None else "mtls" if tls.client_ca else "on"})
@@ -224,6 +237,7 @@ class SchedulerServer:
             await asyncio.to_thread(self.pool.shutdown)
             self.pool = None
         await self.discovery.stop()
+        await asyncio.to_thread(self.metrics.close)
         await asyncio.to_thread(self.service.close)
 
 

@@ -14,11 +14,13 @@ from __future__ import annotations
 import logging
 import re
 import threading
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 
 import grpc
 
+from agentenv.cluster_keys import node_key, peer_credential, peer_serve_key
 from agentenv.control.proto import scheduler_pb2 as pb
 from agentenv.control.scheduler.holders import DEFAULT_LIMIT, HolderIndex
 from agentenv.control.scheduler.placement import (
@@ -28,6 +30,7 @@ from agentenv.control.scheduler.placement import (
     PlacementError,
     Placer,
     Request,
+    count_resources,
     describe,
     learn_template_layers,
 )
@@ -43,6 +46,8 @@ MAX_HOLDER_DIGESTS = 256
 MAX_HOLDER_LIMIT = 64
 ADDRESS_RE = re.compile(r"(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9._-]+):\d{1,5}")
 MAX_VCPUS = 1024
+RESERVATION_RE = re.compile(r"([A-Za-z0-9][A-Za-z0-9._:-]{0,127})/[0-9a-f]{16}")
+MAX_EXCLUDED = 256
 MAX_MEMORY_MIB = 16 << 20
 UP_CACHE_MS = 100
 
@@ -56,6 +61,9 @@ class SchedulerConfig:
     default_memory_mib: int = 512
     min_disk_free_mib: int = 512
     self_registration: bool = True
+    # How long a peer credential of a Holders answer is good for (agentenv.cluster_keys): a
+    # node no longer up (removed from discovery, stopped) is refused by its peers after this.
+    peer_credential_ttl_s: float = 120.0
     # A binding younger than this is not dropped by a heartbeat that does not list it, and a
     # released sandbox is not re-added by one that does (the node's list may be that old).
     reconcile_grace_s: float = 5.0
@@ -89,10 +97,32 @@ def check_address(what: str, value: str) -> str:
     return value
 
 
+class PeerIssuer:
+    """The peer credentials of Holders answers: node X's for holder P, made with P's serving
+    key (derived from the cluster secret and P's id; kept per holder)."""
+
+    def __init__(self, cluster_secret: str, ttl_s: float) -> None:
+        self._secret = cluster_secret
+        self.ttl_s = ttl_s
+        self._serve_keys: dict[str, str] = {}
+
+    def issue(self, asker: str, holder: str, now_s: float) -> str:
+        key = self._serve_keys.get(holder)
+        if key is None:
+            if len(self._serve_keys) >= 10_000:  # ids of nodes long gone
+                self._serve_keys.clear()
+            key = self._serve_keys[holder] = peer_serve_key(node_key(self._secret, holder))
+        return peer_credential(key, asker, int(now_s + self.ttl_s))
+
+
 class SchedulerService:
-    def __init__(self, store: Store, config: SchedulerConfig | None = None) -> None:
+    def __init__(self, store: Store, config: SchedulerConfig | None = None,
+                 cluster_secret: str | None = None) -> None:
         self.store = store
         self.config = config or SchedulerConfig()
+        # Without the secret (tests of the logic alone) Holders answers carry no credentials.
+        self.issuer = (PeerIssuer(cluster_secret, self.config.peer_credential_ttl_s)
+                       if cluster_secret else None)
         if self.config.strategy not in STRATEGIES:
             raise ValueError(
                 f"unknown strategy {self.config.strategy!r}: one of {', '.join(STRATEGIES)}"
@@ -100,6 +130,9 @@ class SchedulerService:
         self.views: dict[str, NodeView] = {}
         self.bindings: dict[str, Binding] = {}
         self.template_layers: dict[str, tuple[str, ...]] = {}
+        #: template or snapshot (id or name) -> (vCPUs, MiB) a sandbox of it asks, as its
+        #: holders report: a request that names no size is placed by it
+        self.template_sizes: dict[str, tuple[int, int]] = {}
         self.holder_index = HolderIndex()  # blob digest -> nodes serving it to peers
         self.placer = Placer(min_disk_bytes=self.config.min_disk_free_mib << 20)
         # Memory (views, bindings, the up cache) changes under this lock: RPCs and discovery
@@ -133,6 +166,8 @@ class SchedulerService:
                 view.sources.add("heartbeat")
                 self.holder_index.update(node_id, status.blobs, status.partial_blobs)
             learn_template_layers(self.template_layers, (s for s, _ in nodes.values()))
+            for status, _ in nodes.values():
+                self._learn_sizes(status)
         log.info(
             "scheduler state loaded",
             extra={"nodes": len(nodes), "bindings": len(self.bindings),
@@ -222,13 +257,23 @@ class SchedulerService:
             raise Invalid(f"vcpus {msg.vcpus} is more than {MAX_VCPUS}")
         if msg.memory_mib > MAX_MEMORY_MIB:
             raise Invalid(f"memory_mib {msg.memory_mib} is more than {MAX_MEMORY_MIB}")
+        if len(msg.exclude_nodes) > MAX_EXCLUDED:
+            raise Invalid(f"at most {MAX_EXCLUDED} exclude_nodes, got {len(msg.exclude_nodes)}")
+        for node_id in msg.exclude_nodes:
+            check_id("exclude_nodes[]", node_id)
+        vcpus, memory = self.template_sizes.get(msg.snapshot_id or msg.template_id, (0, 0))
         return Request(
             template_id=msg.template_id,
             snapshot_id=msg.snapshot_id,
-            vcpus=msg.vcpus or self.config.default_vcpus,
-            memory_mib=msg.memory_mib or self.config.default_memory_mib,
+            vcpus=msg.vcpus or vcpus or self.config.default_vcpus,
+            memory_mib=msg.memory_mib or memory or self.config.default_memory_mib,
             layers=tuple(msg.layers),
         )
+
+    def _learn_sizes(self, status: pb.NodeStatus) -> None:
+        for entry in status.template_sizes:
+            if entry.vcpus and entry.memory_mib:
+                self.template_sizes[entry.template_id] = (entry.vcpus, entry.memory_mib)
 
     def schedule(self, msg: pb.ScheduleRequest) -> pb.ScheduleResponse:
         req = self._request(msg)
@@ -242,6 +287,12 @@ class SchedulerService:
             view, reason = self._fork_node(msg.source_sandbox_id, req, at)
         else:
             candidates, down = self.up_nodes(at)
+            down = {n: f"down ({w})" for n, w in down.items()}
+            if msg.exclude_nodes:
+                tried = set(msg.exclude_nodes)
+                down.update((v.node_id, "tried (it refused the sandbox)")
+                            for v in candidates if v.node_id in tried)
+                candidates = [v for v in candidates if v.node_id not in tried]
             holders = len(self.views)
             if req.snapshot_id:
                 # A snapshot cannot move between nodes yet: only its holders are candidates.
@@ -252,20 +303,20 @@ class SchedulerService:
                 raise PlacementError(
                     grpc.StatusCode.NOT_FOUND, f"no node holds snapshot {req.snapshot_id!r}"
                 )
-            if not candidates:
+            if not candidates and not any(w.startswith("tried") for w in down.values()):
                 what = f"holding snapshot {req.snapshot_id!r} " if req.snapshot_id else ""
                 raise PlacementError(
-                    grpc.StatusCode.UNAVAILABLE,
-                    f"no node {what}is up: "
-                    + describe({n: f"down ({w})" for n, w in down.items()}),
+                    grpc.StatusCode.UNAVAILABLE, f"no node {what}is up: " + describe(down),
+                    refused=count_resources(down.values()), request=req.text,
                 )
             view, reason = self.placer.choose(
                 strategy, req, candidates, down, self.template_layers
             )
             if req.snapshot_id:
                 reason = f"holds the snapshot; {reason}"
-        view.reserve(req)
-        return pb.ScheduleResponse(node_id=view.node_id, node_address=view.address, reason=reason)
+        reservation = view.reserve(req)
+        return pb.ScheduleResponse(node_id=view.node_id, node_address=view.address, reason=reason,
+                                   reservation=reservation)
 
     def _fork_node(self, source: str, req: Request, at: float) -> tuple[NodeView, str]:
         binding = self.bindings.get(source)
@@ -285,7 +336,8 @@ class SchedulerService:
             raise PlacementError(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
                 f"fork source {source!r} is on node {binding.node_id}, which cannot take "
-                f"{req.vcpus} vCPUs and {req.memory_mib} MiB more: {misfit}",
+                f"{req.text} more: {misfit}", refused=count_resources([misfit]),
+                request=req.text,
             )
         return view, "fork source"
 
@@ -294,11 +346,14 @@ class SchedulerService:
         check_id("sandbox_id", msg.sandbox_id)
         check_id("node_id", msg.node_id)
         check_id("team_id", msg.team_id, required=False)
+        if msg.reservation:
+            self._check_reservation(msg.reservation, msg.node_id)
         view = self.views.get(msg.node_id)
         if view is None:
             raise PlacementError(grpc.StatusCode.NOT_FOUND, f"unknown node {msg.node_id!r}")
-        vcpus = msg.vcpus or self.config.default_vcpus
-        memory = msg.memory_mib or self.config.default_memory_mib
+        default = (self.config.default_vcpus, self.config.default_memory_mib)
+        vcpus = msg.vcpus or default[0]
+        memory = msg.memory_mib or default[1]
         binding = Binding(msg.sandbox_id, msg.node_id, msg.team_id, now_ms(), vcpus, memory)
         target: NodeView = view
 
@@ -310,12 +365,29 @@ class SchedulerService:
                     self._changed(old.node_id, binding.recorded_ms)
                 if old and old.node_id != msg.node_id and old.node_id in self.views:
                     self.views[old.node_id].released(msg.sandbox_id)
-                target.assigned(msg.sandbox_id, vcpus, memory)
+                target.assigned(msg.sandbox_id, msg.vcpus, msg.memory_mib, msg.reservation,
+                                default)
 
         # Memory follows in Redis's order (two records of one sandbox racing end as in Redis).
         await self.store.record_async(binding, apply)
 
+    def _check_reservation(self, reservation: str, node_id: str = "") -> str:
+        """The node a reservation names (Schedule made it `node/token`)."""
+        match = RESERVATION_RE.fullmatch(reservation)
+        if match is None or (node_id and match.group(1) != node_id):
+            raise Invalid(f"reservation {reservation[:80]!r} is not one this scheduler made"
+                          + (f" for node {node_id!r}" if node_id else ""))
+        return match.group(1)
+
     def release(self, msg: pb.ReleaseRequest) -> None:
+        if msg.reservation:
+            node_id = self._check_reservation(msg.reservation)
+            with self.lock:
+                view = self.views.get(node_id)
+                if view is not None:
+                    view.unreserve(msg.reservation)
+            if not msg.sandbox_id:
+                return
         check_id("sandbox_id", msg.sandbox_id)
         old = self.store.release(msg.sandbox_id)
         with self.lock:
@@ -434,6 +506,7 @@ class SchedulerService:
             view.sources.add("heartbeat")
             view.update(msg, at, seen)
             learn_template_layers(self.template_layers, (msg,))
+            self._learn_sizes(msg)
             self.holder_index.update(msg.node_id, msg.blobs, msg.partial_blobs)
             if was_down:
                 self._up = None
@@ -447,7 +520,9 @@ class SchedulerService:
 
     def holders(self, msg: pb.HoldersRequest) -> pb.HoldersResponse:
         """The up nodes with a layer address that hold each digest (NodeStatus.blobs and
-        partial_blobs), the asking node left out."""
+        partial_blobs), the asking node left out, each with the asker's credential for it.
+        An asker that is not up here (never heard from, stopped, removed from discovery) is
+        told of no holder."""
         if len(msg.digests) > MAX_HOLDER_DIGESTS:
             raise Invalid(f"at most {MAX_HOLDER_DIGESTS} digests per Holders call, "
                           f"got {len(msg.digests)}")
@@ -468,15 +543,21 @@ class SchedulerService:
                     and bool(view.status.layer_address))
 
         out = pb.HoldersResponse()
+        asker = msg.node_id
+        answer = asker in self.views and asker not in down
+        issuer, now_s = self.issuer, time.time()
         for digest in msg.digests:
             entry = out.blobs.add(digest=digest)
+            if not answer:
+                continue
             for node_id, complete in self.holder_index.holders(
-                digest, exclude=msg.node_id, limit=limit, usable=usable
+                digest, exclude=asker, limit=limit, usable=usable
             ):
                 status = self.views[node_id].status
                 assert status is not None
                 entry.holders.add(node_id=node_id, layer_address=status.layer_address,
-                                  complete=complete)
+                                  complete=complete,
+                                  credential=issuer.issue(asker, node_id, now_s) if issuer else "")
         return out
 
     def list_nodes(self) -> pb.NodeList:

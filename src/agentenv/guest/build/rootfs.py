@@ -35,10 +35,12 @@ def image_size_for(src_dir: Path, *, free: int = 64 * MiB) -> int:
 
 
 def make_rootfs_image(src_dir: Path, out: Path, size: int | None = None, *, label: str = "aenv-root",
-                      read_only: bool = False, inodes: int | None = None) -> Path:
+                      read_only: bool = False, inodes: int | None = None,
+                      root: tuple[int, int, int] = (0, 0, 0o755)) -> Path:
     """Makes an ext4 image of `size` bytes (default: fits the tree with 64 MiB spare) holding
     src_dir's contents, owners and modes, without mounting anything. read_only drops the journal
-    (for disks no VM ever writes, like the tools disk)."""
+    (for disks no VM ever writes, like the tools disk). `root`: the root directory's uid, gid
+    and mode (mkfs -d does not take them from src_dir)."""
     if not src_dir.is_dir():
         raise GuestBuildError(f"root source {src_dir} is not a directory")
     if size is None:
@@ -51,13 +53,17 @@ def make_rootfs_image(src_dir: Path, out: Path, size: int | None = None, *, labe
     tmp.unlink(missing_ok=True)
     with tmp.open("wb") as f:
         f.truncate(size)
+    uid, gid, mode = root
     cmd = ["mkfs.ext4", "-q", "-F", "-b", "4096", "-m", "0", "-L", label,
-           "-E", "root_owner=0:0", "-d", str(src_dir)]
+           "-E", f"root_owner={uid}:{gid}", "-d", str(src_dir)]
     if read_only:
         cmd += ["-O", "^has_journal"]
     cmd += ["-N", str(inodes or max(count * 2 + 4096, 16384))]
     cmd.append(str(tmp))
     apt.run(cmd, what=f"making the ext4 image {out.name}")
+    if mode != 0o755:  # mkfs's own
+        apt.run(["debugfs", "-w", "-R", f"sif <2> mode 0{0o40000 | mode:o}", str(tmp)],
+                what=f"setting the root directory's mode of {out.name}")
     tmp.rename(out)
     return out
 

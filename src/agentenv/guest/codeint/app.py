@@ -1,6 +1,10 @@
 """The code-interpreter protocol as an ASGI app (served by envd's HttpServer):
 
-    GET    /health                   200 once the default Python context is up
+    GET    /health                   200 once the default contexts are up
+    POST   /aenv/warm                204 after a hidden cell in each default context (ours, not
+                                     E2B's: the node's ready pool calls it on a restored VM, so
+                                     that a create's first run_code does not fault in the
+                                     server's and the kernels' memory)
     POST   /execute                  {code, language?, context_id?, env_vars?, timeout?}:
                                      NDJSON lines stdout/stderr/result/error/
                                      number_of_executions, then end_of_execution
@@ -22,12 +26,14 @@ import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from agentenv.guest.codeint.kernels import KERNELS, Context, dumps
+from agentenv.guest.codeint.kernels import LANGUAGES, Context, dumps, normalize_language
 
 log = logging.getLogger("codeint")
 
 MAX_BODY_BYTES = 16 << 20
 DEFAULT_LANGUAGE = "python"
+# Started with the server, before its port opens (so they are warm in the template's snapshot).
+WARM_LANGUAGES = ("python", "javascript", "bash")
 
 Receive = Callable[[], Awaitable[dict[str, Any]]]
 Send = Callable[[dict[str, Any]], Awaitable[None]]
@@ -67,6 +73,13 @@ async def respond(send: Send, status: int, payload: Any = None) -> None:
     await send({"type": "http.response.body", "body": body})
 
 
+def language_of(body: dict[str, Any]) -> str:
+    try:
+        return normalize_language(body.get("language") or DEFAULT_LANGUAGE)
+    except ValueError as exc:
+        raise HttpError(400, str(exc)) from exc
+
+
 class CodeApp:
     def __init__(self, default_cwd: str) -> None:
         self.default_cwd = default_cwd
@@ -74,7 +87,8 @@ class CodeApp:
         self.defaults: dict[str, Context] = {}  # language -> its default context
 
     async def start(self) -> None:
-        await self._default(DEFAULT_LANGUAGE)
+        contexts = await asyncio.gather(*(self._default(lang) for lang in WARM_LANGUAGES))
+        await asyncio.gather(*(ctx.warm() for ctx in contexts))
 
     async def close(self) -> None:
         for ctx in list(self.contexts.values()):
@@ -115,12 +129,14 @@ class CodeApp:
         parts = path.strip("/").split("/")
         if path == "/health" and method == "GET":
             await respond(send, 200, {"status": "ok"})
+        elif path == "/aenv/warm" and method == "POST":
+            await asyncio.gather(*(ctx.warm() for ctx in list(self.defaults.values())))
+            await respond(send, 204)
         elif path == "/execute" and method == "POST":
             await self._execute(await read_json(receive), receive, send)
         elif path == "/contexts" and method == "POST":
             body = await read_json(receive)
-            language = (body.get("language") or DEFAULT_LANGUAGE).lower()
-            ctx = await self._new_context(language, body.get("cwd") or self.default_cwd)
+            ctx = await self._new_context(language_of(body), body.get("cwd") or self.default_cwd)
             await respond(send, 200, ctx.describe())
         elif path == "/contexts" and method == "GET":
             await respond(send, 200, [c.describe() for c in self.contexts.values()])
@@ -146,11 +162,16 @@ class CodeApp:
         if body.get("context_id"):
             ctx = self._context(body["context_id"])
         else:
-            language = (body.get("language") or DEFAULT_LANGUAGE).lower()
-            if language not in KERNELS:
-                raise HttpError(400, f"language {language!r} is not supported")
-            ctx = await self._default(language)
+            ctx = await self._default(language_of(body))
         env_vars = body.get("env_vars") or None
+        if env_vars is not None:
+            if not isinstance(env_vars, dict) or not all(
+                    isinstance(k, str) and isinstance(v, str) for k, v in env_vars.items()):
+                raise HttpError(400, "env_vars must map names to strings")
+            try:
+                LANGUAGES[ctx.language].check_env(env_vars)
+            except ValueError as exc:
+                raise HttpError(400, str(exc)) from exc
         timeout = body.get("timeout")
         await send({"type": "http.response.start", "status": 200,
                     "headers": [(b"content-type", b"application/x-ndjson")]})

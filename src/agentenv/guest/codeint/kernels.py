@@ -1,46 +1,159 @@
 """Contexts: one Jupyter kernel each, run through jupyter_client, and the translation of a cell's
-kernel messages into the code-interpreter protocol's output lines."""
+kernel messages into the code-interpreter protocol's output lines.
+
+The languages and their kernels (specs made here, not looked up in Jupyter's kernel dirs):
+python is IPython (ipykernel, the image's), with pystartup.py run at its start (the chart
+format); bash and javascript are our own kernels (bashkernel.py, jskernel.py), run from the
+tools disk with the image's python3 and ipykernel."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 import os
+import re
+import shlex
+import sys
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
+from jupyter_client.kernelspec import KernelSpec, KernelSpecManager
 from jupyter_client.manager import AsyncKernelManager
 
 KERNEL_READY_SECONDS = 120.0
-# Which kernel runs each language this server offers.
-KERNELS = {"python": "python3"}
+HERE = Path(__file__).resolve().parent
+TOOLS_PYTHON = str(HERE.parents[2])  # the directory that holds the agentenv package
 
 # MIME type of a display bundle -> the key the SDK's Result reads it from.
 MIME_KEYS = {
     "text/plain": "text", "text/html": "html", "text/markdown": "markdown",
     "image/svg+xml": "svg", "image/png": "png", "image/jpeg": "jpeg", "application/pdf": "pdf",
     "text/latex": "latex", "application/json": "json", "application/javascript": "javascript",
+    "e2b/chart": "chart", "e2b/data": "data",
 }
 
 # Per-call environment variables: set before the cell, put back after it (hidden executions,
-# not in the history or the execution count).
-ENV_SET = """import os as _aenv_os
+# not in the history or the execution count), in each language's own terms.
+PYTHON_ENV_SET = """import os as _aenv_os
 _aenv_saved_env = {{k: _aenv_os.environ.get(k) for k in {names!r}}}
 _aenv_os.environ.update({values!r})
 """
-ENV_RESTORE = """for _aenv_k, _aenv_v in _aenv_saved_env.items():
+PYTHON_ENV_RESTORE = """for _aenv_k, _aenv_v in _aenv_saved_env.items():
     if _aenv_v is None:
         _aenv_os.environ.pop(_aenv_k, None)
     else:
         _aenv_os.environ[_aenv_k] = _aenv_v
 del _aenv_saved_env
 """
+JS_ENV_SET = """(() => {{ const values = {values};
+  globalThis[Symbol.for('agentenv.env')] = Object.fromEntries(
+    Object.keys(values).map((k) => [k, process.env[k]]));
+  Object.assign(process.env, values); }})()"""
+JS_ENV_RESTORE = """(() => { const saved = globalThis[Symbol.for('agentenv.env')] || {};
+  for (const [k, v] of Object.entries(saved)) {
+    if (v === undefined) delete process.env[k]; else process.env[k] = v; }
+  delete globalThis[Symbol.for('agentenv.env')]; })()"""
+SHELL_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+def bash_env_set(env: dict[str, str]) -> str:
+    lines = []
+    for i, (name, value) in enumerate(env.items()):
+        lines.append(f"__aenv_had_{i}=${{{name}+1}} __aenv_old_{i}=${{{name}-}}; "
+                     f"export {name}={shlex.quote(value)}")
+    return "\n".join(lines)
+
+
+def bash_env_restore(env: dict[str, str]) -> str:
+    return "\n".join(
+        f'if [ -n "$__aenv_had_{i}" ]; then export {name}="$__aenv_old_{i}"; '
+        f"else unset {name}; fi; unset __aenv_had_{i} __aenv_old_{i}"
+        for i, name in enumerate(env))
+
+
+def check_shell_names(env: dict[str, str]) -> None:
+    bad = [name for name in env if not SHELL_NAME.fullmatch(name)]
+    if bad:
+        raise ValueError(f"env var names not usable in bash: {', '.join(map(repr, bad))}")
+
+
+@dataclass(frozen=True)
+class Language:
+    name: str
+    argv: tuple[str, ...]  # {connection_file} is Jupyter's
+    env_set: Callable[[dict[str, str]], str]
+    env_restore: Callable[[dict[str, str]], str]
+    # a hidden cell run once the kernel is up: a kernel's first cell pays for what its
+    # language loads lazily (IPython's compiler and display formatters), and the template's
+    # snapshot is better taken after that than before
+    warm_code: str
+    ours: bool = False  # our own kernel module: run with the tools disk on PYTHONPATH
+    check_env: Callable[[dict[str, str]], None] = lambda env: None
+
+    @property
+    def kernel_name(self) -> str:
+        # (not the language: jupyter_client renames a kernel named "python" to "python3")
+        return f"aenv-{self.name}"
+
+    def spec(self) -> KernelSpec:
+        return KernelSpec(argv=list(self.argv), display_name=self.name, language=self.name,
+                          resource_dir=str(HERE),
+                          env={"PYTHONPATH": TOOLS_PYTHON} if self.ours else {})
+
+
+def _our_kernel(module: str) -> tuple[str, ...]:
+    return (sys.executable, "-m", f"agentenv.guest.codeint.{module}", "-f", "{connection_file}")
+
+
+LANGUAGES = {
+    "python": Language(
+        "python",
+        (sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}",
+         f"--IPKernelApp.exec_files={HERE / 'pystartup.py'}"),
+        lambda env: PYTHON_ENV_SET.format(names=list(env), values=dict(env)),
+        lambda env: PYTHON_ENV_RESTORE,
+        "get_ipython().display_formatter.format(1 + 1)"),
+    "javascript": Language(
+        "javascript", _our_kernel("jskernel"),
+        lambda env: JS_ENV_SET.format(values=json.dumps(env)), lambda env: JS_ENV_RESTORE,
+        "1 + 1", ours=True),
+    "bash": Language("bash", _our_kernel("bashkernel"), bash_env_set, bash_env_restore,
+                     "true", ours=True, check_env=check_shell_names),
+}
+# Other names the SDKs and E2B's server accept for a language.
+ALIASES = {"js": "javascript"}
+
+
+def normalize_language(language: str | None) -> str:
+    """The language a request names (python when none), ValueError for one not served."""
+    name = (language or "python").strip().lower()
+    name = ALIASES.get(name, name)
+    if name not in LANGUAGES:
+        raise ValueError(f"language {language!r} is not supported (supported: "
+                         f"{', '.join(sorted([*LANGUAGES, *ALIASES]))})")
+    return name
+
+
+class Specs(KernelSpecManager):  # type: ignore[misc]
+    """Kernel specs from LANGUAGES, whatever Jupyter kernels the image has installed."""
+
+    def get_kernel_spec(self, kernel_name: str) -> KernelSpec:
+        return LANGUAGES[kernel_name.removeprefix("aenv-")].spec()
 
 
 def now_ns() -> int:
     return time.time_ns()
+
+
+def unquote(text: str) -> str:
+    """A string's repr as the string, as E2B's server gives it ('a' -> a)."""
+    if len(text) >= 2 and text[0] == text[-1] and text[0] in "'\"":
+        return text[1:-1]
+    return text
 
 
 def result_line(content: dict[str, Any], main: bool) -> dict[str, Any]:
@@ -51,7 +164,7 @@ def result_line(content: dict[str, Any], main: bool) -> dict[str, Any]:
         if key is None:
             extra[mime] = value
         else:
-            out[key] = value
+            out[key] = unquote(value) if key == "text" else value
     if extra:
         out["extra"] = extra
     return out
@@ -61,14 +174,12 @@ class Context:
     """A kernel with its own state and working directory. One cell runs at a time (`lock`)."""
 
     def __init__(self, language: str, cwd: str, context_id: str | None = None) -> None:
-        if language not in KERNELS:
-            raise ValueError(f"language {language!r} is not supported (supported: "
-                             f"{', '.join(sorted(KERNELS))})")
+        self.language = normalize_language(language)
         self.id = context_id or str(uuid.uuid4())
-        self.language = language
         self.cwd = cwd
         self.lock = asyncio.Lock()
-        self.manager = AsyncKernelManager(kernel_name=KERNELS[language])
+        self.manager = AsyncKernelManager(kernel_name=LANGUAGES[self.language].kernel_name,
+                                          kernel_spec_manager=Specs())
         self.client: Any = None
 
     def describe(self) -> dict[str, str]:
@@ -107,6 +218,10 @@ class Context:
                 return
             yield msg
 
+    async def warm(self) -> None:
+        async with self.lock:
+            await self._hidden(LANGUAGES[self.language].warm_code)
+
     async def _hidden(self, code: str) -> None:
         msg_id = self.client.execute(code, silent=True, store_history=False, allow_stdin=False)
         async for _ in self._messages(msg_id):
@@ -116,9 +231,10 @@ class Context:
                       ) -> AsyncIterator[dict[str, Any]]:
         """Runs a cell; yields the protocol's lines (without the closing end_of_execution).
         Must be consumed to its end (the lock is held until the kernel is idle again)."""
+        language = LANGUAGES[self.language]
         async with self.lock:
             if env_vars:
-                await self._hidden(ENV_SET.format(names=list(env_vars), values=dict(env_vars)))
+                await self._hidden(language.env_set(env_vars))
             try:
                 msg_id = self.client.execute(code, allow_stdin=False, stop_on_error=False)
                 async for msg in self._messages(msg_id):
@@ -127,7 +243,7 @@ class Context:
                         yield line
             finally:
                 if env_vars:
-                    await self._hidden(ENV_RESTORE)
+                    await self._hidden(language.env_restore(env_vars))
 
 
 def translate(msg: dict[str, Any]) -> dict[str, Any] | None:

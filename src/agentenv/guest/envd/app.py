@@ -20,7 +20,7 @@ from datetime import datetime
 from typing import Any
 from urllib.parse import parse_qs
 
-from agentenv.guest.envd import ENVD_VERSION
+from agentenv.guest.envd import ENVD_VERSION, mounts
 from agentenv.guest.envd.asgi import (
     Receive,
     Request,
@@ -34,6 +34,7 @@ from agentenv.guest.envd.asgi import (
 from agentenv.guest.envd.files import FilesApi, HttpError
 from agentenv.guest.envd.filesystem import FilesystemService
 from agentenv.guest.envd.process import ProcessManager, ProcessSpec
+from agentenv.guest.envd.reclaim import Reclaim, ReclaimError
 from agentenv.guest.envd.rootfs import RootFs, UnknownUser, User
 from agentenv.guest.envd.rpc import (
     FLAG_END_STREAM,
@@ -87,6 +88,8 @@ class EnvdState:
     env_vars: dict[str, str] = field(default_factory=dict)
     default_user: str = "user"
     default_workdir: str | None = None
+    #: the last cold-memory setting applied (POST /aenv/reclaim), saved with the defaults
+    cold_memory: dict[str, Any] | None = None
 
 
 class RpcContext:
@@ -139,9 +142,10 @@ class Envd:
         self.config = config
         self.state = EnvdState(default_user=config.default_user)
         self.rootfs = RootFs(config.root)
-        self._load_defaults()
         # Only an envd that owns the whole machine (root `/`, in a VM) may set its clock and name.
         self.system_changes = config.system_changes and self.rootfs.is_host_root
+        self.reclaim = Reclaim()
+        self._load_defaults()
         self.processes = ProcessManager(
             self.rootfs,
             lambda: self.state.env_vars,
@@ -281,6 +285,14 @@ class Envd:
                 return
             await self.handle_sync(send)
             return
+        if path == "/aenv/reclaim":
+            if method == "GET":
+                await send_json(send, 200, self._reclaim_status())
+            elif method == "POST":
+                await self.handle_reclaim(request, send)
+            else:
+                await send_http_error(send, 405, f"method {method} not allowed on {path}")
+            return
         if path == "/envs" and method == "GET":
             await send_json(send, 200, self.state.env_vars)
             return
@@ -318,6 +330,13 @@ class Envd:
             hostname = as_str(body.get("hostname"), "hostname")
             if new_token is not None and not isinstance(new_token, str):
                 raise RpcError("invalid_argument", "accessToken must be a string")
+            try:
+                volume_mounts = mounts.parse(body.get("volumeMounts"))
+            except ValueError as exc:
+                raise RpcError("invalid_argument", str(exc)) from None
+            if volume_mounts and not self.system_changes:
+                raise RpcError("invalid_argument", "volumeMounts: this envd does not run in a "
+                               "VM, it mounts nothing")
         except RpcError as exc:
             await send_json(send, 400, {"code": 400, "message": exc.message}, extra)
             return
@@ -336,6 +355,13 @@ class Envd:
                 socket.sethostname(hostname)
             except OSError as exc:
                 log.warning("setting the hostname failed", extra={"error": str(exc)})
+        if volume_mounts:  # before the answer: the sandbox is handed over with them in place
+            try:
+                await asyncio.to_thread(mounts.mount_all, volume_mounts)
+            except mounts.MountError as exc:
+                log.error("volume mount failed", extra={"error": str(exc)})
+                await send_json(send, 500, {"code": 500, "message": str(exc)}, extra)
+                return
         # Answer first: the runtime waits for this on every resume and fork; the console is slow.
         try:
             await send_empty(send, 204, extra)
@@ -355,12 +381,42 @@ class Envd:
             await asyncio.to_thread(os.sync)
         await send_empty(send, 204)
 
+    def _reclaim_status(self) -> dict[str, Any]:
+        if not self.system_changes:
+            return {"available": False}
+        return self.reclaim.status()
+
+    async def handle_reclaim(self, request: Request, send: Send) -> None:
+        """Cold memory back to the host (not in E2B's envd; reclaim.py): the guest kernel's
+        DAMON pageout scheme. 501 where it cannot be (a kernel without DAMON; an envd that does
+        not own the machine)."""
+        try:
+            body = json.loads(await request.body(MAX_UNARY_BYTES) or b"null")
+        except (ValueError, RpcError) as exc:
+            await send_http_error(send, 400, f"malformed /aenv/reclaim body: {exc}")
+            return
+        if not self.system_changes:
+            await send_http_error(send, 501, "cold-memory reclaim needs an envd that owns the "
+                                             "machine (a VM), not one serving a directory")
+            return
+        try:
+            status = await asyncio.to_thread(self.reclaim.apply, body)
+        except ReclaimError as exc:
+            await send_http_error(send, exc.status, exc.message)
+            return
+        self.state.cold_memory = body
+        log.info("cold-memory reclaim set", extra={"setting": body})
+        await send_json(send, 200, status)
+
     def _save_defaults(self) -> None:
         path = self.rootfs.host_path(DEFAULTS_FILE)
         os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
-        body = json.dumps({"defaultUser": self.state.default_user,
-                           "defaultWorkdir": self.state.default_workdir,
-                           "envVars": self.state.env_vars})
+        saved: dict[str, Any] = {"defaultUser": self.state.default_user,
+                                 "defaultWorkdir": self.state.default_workdir,
+                                 "envVars": self.state.env_vars}
+        if self.state.cold_memory is not None:
+            saved["coldMemory"] = self.state.cold_memory
+        body = json.dumps(saved)
         tmp = path + ".tmp"
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
         with os.fdopen(fd, "w") as f:
@@ -387,6 +443,15 @@ class Envd:
         if workdir:
             self.state.default_workdir = workdir
         log.info("defaults of the previous boot loaded", extra={"env_vars": len(env_vars)})
+        # A cold boot of a filesystem-only pause: the kernel starts without the sandbox's
+        # setting, which lived in the memory the pause did not keep.
+        cold_memory = saved.get("coldMemory")
+        if cold_memory is not None and self.system_changes:
+            try:
+                self.reclaim.apply(cold_memory)
+                self.state.cold_memory = cold_memory
+            except ReclaimError as exc:
+                log.warning("saved cold-memory setting not applied", extra={"error": exc.message})
 
     @staticmethod
     def _set_clock(timestamp: Any) -> None:

@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -41,6 +40,7 @@ from agentenv.node.backend import (
     SnapshotRef,
     TemplateBuilding,
     TemplateRef,
+    VolumeMounting,
 )
 from agentenv.node.base_template import (
     BASE,
@@ -62,12 +62,14 @@ from agentenv.node.vm_backend.egress import EgressGlue, egress_of
 from agentenv.node.vm_backend.errors import vm_errors
 from agentenv.node.vm_backend.metrics import MetricsSampler
 from agentenv.node.vm_backend.snapshots import SnapshotStore, record_dir, record_dirs
+from agentenv.node.volumes import VOLUME_SLOTS
 from agentenv.runtime import privilege
 from agentenv.runtime.config import RuntimeConfig, privilege_settings_from_env
 from agentenv.runtime.errors import RuntimeError_
 from agentenv.runtime.serial import SERIAL_LOG
-from agentenv.runtime.vm import VM, BootSpec, DiskSource, Runtime
-from agentenv.snapshot.record import SnapshotRecord
+from agentenv.runtime.vm import VM, BootSpec, DiskSource, Runtime, VolumeDisk
+from agentenv.settings import get_settings
+from agentenv.snapshot.record import VOLUME_SERIAL_PREFIX, SnapshotRecord, volume_slot_name
 
 log = logging.getLogger("agentenv.node.vm_backend")
 
@@ -76,7 +78,7 @@ SYNC_TIMEOUT = 30.0  # seconds envd gets to flush the guest before a filesystem-
 
 
 class VmBackend(SandboxBackend, CrashRecovery, LayerAware, TemplateBuilding, NetworkPolicies,
-                HealthReport, ReadyPools, InitialisesEnvd, SnapshotBranching):
+                HealthReport, ReadyPools, InitialisesEnvd, SnapshotBranching, VolumeMounting):
     name = "vm"
     #: create/resume/fork return after envd's /init with the spec's env vars and token
     #: (Runtime.restore does it), so the orchestrator skips its own readiness round trip.
@@ -97,18 +99,19 @@ class VmBackend(SandboxBackend, CrashRecovery, LayerAware, TemplateBuilding, Net
     ) -> None:
         """`on_sandbox_lost(sandbox_id, reason)` is called when a sandbox's VM dies on its own
         (QEMU killed, crashed): the orchestrator then removes the sandbox."""
-        env = os.environ
+        settings = get_settings()
         self.base = state_dir / "vm-backend"
         self.state_dir = state_dir
-        sock = blockd_socket or env.get("AENV_BLOCKD_SOCKET")
+        sock = blockd_socket or settings.blockd_socket
         self.blockd = BlockdLink(self.base, Path(sock) if sock else None)
-        self.assets_dir = assets_dir or Path(env.get("AENV_VM_ASSETS_DIR") or state_dir)
-        self.debian_cache = debian_cache or Path(
-            env.get("AENV_VM_DEBIAN_CACHE") or state_dir / "cache" / "debian")
-        self.network_prefix = network_prefix or env.get("AENV_VM_NETWORK_PREFIX") or "aenv"
-        self.accel = accel or env.get("AENV_VM_ACCEL") or "auto"
+        self.assets_dir = assets_dir or settings.vm_assets_dir or state_dir
+        self.debian_cache = (debian_cache or settings.vm_debian_cache
+                             or state_dir / "cache" / "debian")
+        self.template_cache = settings.vm_template_cache
+        self.network_prefix = network_prefix or settings.vm_network_prefix
+        self.accel = accel or settings.vm_accel
         # Two runtimes on one host need disjoint slot index ranges (see RuntimeConfig).
-        self.first_slot = first_slot or int(env.get("AENV_VM_FIRST_SLOT") or 1)
+        self.first_slot = first_slot or settings.vm_first_slot
         self.on_sandbox_lost = on_sandbox_lost
         self.snapshots = SnapshotStore(self.base)
         self.manifests = VmManifests(self.base / "sandboxes")
@@ -118,7 +121,7 @@ class VmBackend(SandboxBackend, CrashRecovery, LayerAware, TemplateBuilding, Net
         # code-interpreter-v1 is built at the first start (a few minutes once, then cached);
         # AENV_VM_CODE_INTERPRETER=0 leaves it out (nodes that never serve it, most tests).
         self.builtin_specs: tuple[BuiltinSpec, ...] = (
-            (BASE,) if env.get("AENV_VM_CODE_INTERPRETER", "1") == "0"
+            (BASE,) if not settings.vm_code_interpreter
             else (BASE, CODE_INTERPRETER))
         self.pool: ReadyPool | None = None  # made in start() once the runtime exists
         #: why a VM of the previous run was not adopted, by sandbox id
@@ -205,10 +208,12 @@ class VmBackend(SandboxBackend, CrashRecovery, LayerAware, TemplateBuilding, Net
                                slot_reuse_delay=SLOT_COOLDOWN,
                                # VMs outlive a node crash; the next start adopts them.
                                qemu_die_with_parent=False,
+                               # every machine can mount volumes (docs/volumes.md §6)
+                               volume_slots=VOLUME_SLOTS,
                                # The root disk on virtio-scsi: a guest at its disk cap gets
-                               # ENOSPC, not EIO (README, disk cap). AENV_DISK_BUS overrides.
+                               # ENOSPC, not EIO (docs/running.md §4). AENV_DISK_BUS overrides.
                                **{"disk_bus": "virtio-scsi",
-                                  **privilege_settings_from_env(os.environ)})
+                                  **privilege_settings_from_env()})
         self._let_qemu_reach(config)
         self._runtime = runtime = Runtime(config, blockd=self.blockd.client,
                                           on_vm_died=self._vm_died)
@@ -251,7 +256,8 @@ class VmBackend(SandboxBackend, CrashRecovery, LayerAware, TemplateBuilding, Net
         previous = load_previous(template_dir)
         try:
             built = await build_base_template(self.runtime, self.assets, template_dir,
-                                              debian_cache=self.debian_cache, spec=spec)
+                                              debian_cache=self.debian_cache, spec=spec,
+                                              shared_cache=self.template_cache)
         except Exception as exc:
             raise BackendError(f"building the {spec.name} template failed: {exc}",
                                retryable=False) from exc
@@ -260,7 +266,8 @@ class VmBackend(SandboxBackend, CrashRecovery, LayerAware, TemplateBuilding, Net
             with contextlib.suppress(Exception):
                 record = self.snapshots.load(TemplateRef(kind="template",
                                                          data={"builtin": spec.name}))
-                self.pool.want(self._pool_key(record), record, pinned=True)
+                self.pool.want(self._pool_key(record), record, pinned=True,
+                               warm_port=spec.ready_port)
         if previous and str(previous.get("record_dir")) != str(built.record_dir):
             # A rebuild (new guest assets, accelerator...): the old boot snapshot goes once
             # no paused sandbox or snapshot made from it needs its files.
@@ -337,15 +344,41 @@ class VmBackend(SandboxBackend, CrashRecovery, LayerAware, TemplateBuilding, Net
         own token too when envd holds another's (re-keyed: SandboxSpec.own_token)."""
         return spec.access_token or (spec.own_token if guest_token else None)
 
+    @staticmethod
+    def _mounts(spec: SandboxSpec) -> list[dict[str, Any]]:
+        """What envd's /init mounts (guest/envd/mounts.py): every volume of the sandbox."""
+        return [{"serial": VOLUME_SERIAL_PREFIX + volume_slot_name(m.slot), "path": m.path,
+                 "readOnly": m.read_only} for m in spec.volume_mounts]
+
+    @staticmethod
+    def _new_volumes(spec: SandboxSpec, record: SnapshotRecord) -> dict[str, VolumeDisk]:
+        """The volumes a create puts in empty slots of its snapshot (those the snapshot holds
+        already were mounted by the sandbox it was taken of)."""
+        empty = {d.name for d in record.disks if not d.layers}
+        return {volume_slot_name(m.slot): VolumeDisk([Path(m.layer)], m.read_only)
+                for m in spec.volume_mounts if volume_slot_name(m.slot) in empty}
+
+    def free_volume_slots(self, source: TemplateRef) -> list[int]:
+        try:
+            record = self.snapshots.load(source)
+        except BackendError:
+            return []
+        empty = {d.name for d in record.disks if not d.layers}
+        slots = [d.name for d in record.machine.disks if d.volume_slot]
+        return [i for i in range(len(slots)) if volume_slot_name(i) in empty]
+
     async def _restore(self, spec: SandboxSpec, record: SnapshotRecord,
-                       previous_token: str | None = None, *, own: bool = False) -> Placement:
-        """own: `record` is this sandbox's pause (its disks' caps keep what they used)."""
+                       previous_token: str | None = None, *, own: bool = False,
+                       volumes: dict[str, VolumeDisk] | None = None) -> Placement:
+        """own: `record` is this sandbox's pause (its disks' caps keep what they used);
+        `volumes`: volumes a create puts in empty slots."""
         token = self._token(spec, previous_token)
         with vm_errors(f"starting the VM of {spec.sandbox_id} failed"):
             vm = await self.runtime.restore(record, env_vars=self._guest_env(spec),
                                             access_token=token,
                                             egress=egress_of(spec),
-                                            guest_token=previous_token, own_disks=own)
+                                            guest_token=previous_token, own_disks=own,
+                                            volumes=volumes, mounts=self._mounts(spec))
         await self.egress.announce(spec.sandbox_id, vm, spec)
         return self._placement(spec.sandbox_id, vm, token)
 
@@ -371,6 +404,10 @@ class VmBackend(SandboxBackend, CrashRecovery, LayerAware, TemplateBuilding, Net
     async def _create(self, spec: SandboxSpec, record: SnapshotRecord) -> Placement:
         # A snapshot of a secure sandbox wakes up with that sandbox's envd token.
         guest_token = spec.source.data.get("guest_token")
+        volumes = self._new_volumes(spec, record)
+        if volumes:  # a pooled VM's volume disks are empty: restored with the volumes
+            return await self._restore(spec, record, previous_token=guest_token,
+                                       volumes=volumes)
         if self.pool is not None and self.pool_config.enabled:
             key = self._pool_key(record)
             vm: VM | None = self.pool.take(key)
@@ -407,7 +444,7 @@ class VmBackend(SandboxBackend, CrashRecovery, LayerAware, TemplateBuilding, Net
             t1 = time.perf_counter()
             token = self._token(spec, guest_token)
             await self.runtime.envd_init(vm, self._guest_env(spec), token,
-                                         guest_token=guest_token)
+                                         guest_token=guest_token, mounts=self._mounts(spec))
         except (RuntimeError_, OSError) as exc:  # not an error of the create: it restores
             log.warning("pooled VM failed at create: restoring instead",
                         extra={"sandbox_id": spec.sandbox_id, "vm": vm.id, "error": str(exc)})
@@ -495,7 +532,9 @@ class VmBackend(SandboxBackend, CrashRecovery, LayerAware, TemplateBuilding, Net
                 disks.append(DiskSource(cfg.name, cfg.size, read_only=cfg.read_only,
                                         layers=[Path(x.path) for x in snap.layers],
                                         file=Path(snap.file) if snap.file else None,
-                                        chain_used=snap.chain_used))
+                                        chain_used=snap.chain_used,
+                                        bus=cfg.bus if cfg.volume_slot else None,
+                                        volume_slot=cfg.volume_slot))
         boot = BootSpec(kernel=assets.kernel, initramfs=assets.initramfs,
                         cmdline=assets.cmdline_base, vcpus=record.machine.vcpus,
                         memory_mib=record.machine.memory_mib,
@@ -506,7 +545,8 @@ class VmBackend(SandboxBackend, CrashRecovery, LayerAware, TemplateBuilding, Net
             with vm_errors(f"cold-booting {spec.sandbox_id} from its disk failed"):
                 vm = await self.runtime.boot(boot)
                 try:
-                    await self.runtime.envd_init(vm, self._guest_env(spec), spec.access_token)
+                    await self.runtime.envd_init(vm, self._guest_env(spec), spec.access_token,
+                                                 mounts=self._mounts(spec))
                 except BaseException:
                     await self.runtime.kill(vm)
                     raise

@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,6 +26,7 @@ from agentenv.blockd.errors import BlockdUnavailable
 from agentenv.node.backend import BackendError
 from agentenv.node.blockd_supervisor import BlockdLaunch, BlockdSupervisor
 from agentenv.runtime.vm import VM
+from agentenv.settings import get_settings
 
 log = logging.getLogger("agentenv.node.vm_backend")
 
@@ -53,17 +53,16 @@ def live_blockd(root: Path) -> int | None:
 def blockd_launch(socket: Path | None, private_root: Path) -> BlockdLaunch | None:
     """How the supervisor starts blockd again: the private one (no `socket`), or the one
     `make up` starts (AENV_BLOCKD_STATE_DIR names its state directory); None: only watched."""
-    env = os.environ
+    settings = get_settings()
     if socket is None:
         return BlockdLaunch(private_root / "state", private_root / "blockd.sock",
                             private_root / "blockd.log", private_root / "blockd.pid")
-    state = env.get("AENV_BLOCKD_STATE_DIR")
+    state = settings.blockd_state_dir
     if not state:
         return None
-    home = Path(state).parent
-    return BlockdLaunch(Path(state), socket,
-                        Path(env.get("AENV_BLOCKD_LOG") or home / "blockd.log"),
-                        Path(env.get("AENV_BLOCKD_PIDFILE") or home / "blockd.pid"))
+    home = state.parent
+    return BlockdLaunch(state, socket, settings.blockd_log or home / "blockd.log",
+                        settings.blockd_pidfile or home / "blockd.pid")
 
 
 @dataclass
@@ -149,7 +148,7 @@ class BlockdLink:
         """Wait (briefly) for blockd; a create must never get a VM whose disks are gone."""
         if self.supervisor is None:
             return
-        wait = float(os.environ.get("AENV_BLOCKD_WAIT") or BLOCKD_WAIT)
+        wait = get_settings().blockd_wait
         if not await self.supervisor.wait_up(wait):
             raise BackendError(f"blockd is unavailable (waited {wait:g} s): "
                                f"{self.supervisor.problem()}", unavailable=True)

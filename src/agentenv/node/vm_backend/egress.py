@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 from pathlib import Path
 
 from agentenv.network.control import SlotEntry, SlotIdentity
@@ -15,6 +14,7 @@ from agentenv.node.backend import SandboxSpec
 from agentenv.node.network_policy import EgressProxySupervisor
 from agentenv.runtime.network import parse_open_ranges, require_tools
 from agentenv.runtime.vm import VM
+from agentenv.settings import get_settings
 
 log = logging.getLogger("agentenv.node.vm_backend")
 
@@ -29,15 +29,15 @@ def egress_of(spec: SandboxSpec) -> EgressPolicy:
 
 class EgressGlue:
     def __init__(self, base: Path, state_dir: Path) -> None:
-        env = os.environ
+        settings = get_settings()
         self._control = base / "egress" / "control.sock"
         self._log = state_dir / "logs" / "egress-proxy.log"
         #: the node-wide egress proxy (made in start()); AENV_EGRESS_PROXY=0 runs without it
         #: (then names in policies cannot be allowed: their TCP 80/443 is reset)
         self.proxy: EgressProxySupervisor | None = None
-        self.port = int(env.get("AENV_EGRESS_PROXY_PORT") or 0)
-        self.enabled = env.get("AENV_EGRESS_PROXY", "1") != "0"
-        self.open_ranges = [x for x in (env.get("AENV_NET_OPEN_RANGES") or "").split(",") if x]
+        self.port = settings.egress_proxy_port
+        self.enabled = settings.egress_proxy
+        self.open_ranges = [x for x in settings.net_open_ranges.split(",") if x]
         self._sources: dict[str, str] = {}  # sandbox id -> its slot's source address
 
     def leftover_pids(self) -> list[int]:

@@ -2,7 +2,7 @@
 
 Requests are validated with pydantic in strict mode: a string where an int belongs is a 422, not
 a silent conversion. Unknown fields are ignored, as newer SDKs send fields older servers lack.
-Responses are pydantic models too (the `Response` classes below): node/openapi.py generates the
+Responses are pydantic models too (the `Response` classes below): api/openapi.py generates the
 document's schemas from them, and the functions at the end build the bodies through them. A
 field that may be left out (rather than sent as null, where the SDKs would choke) is `Omitted`:
 it is not set unless it has a value, and bodies are dumped without unset fields.
@@ -16,10 +16,6 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema
 from pydantic.json_schema import SkipJsonSchema
 
-from agentenv.node.backend import MetricSample
-from agentenv.node.network_policy import public_network
-from agentenv.node.records import SandboxRecord, State, TemplateRecord
-
 
 class _Request(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True, populate_by_name=True)
@@ -27,6 +23,15 @@ class _Request(BaseModel):
 
 class AutoResume(_Request):
     enabled: bool = False
+
+
+class VolumeMountRequest(_Request):
+    """One of `volumeMounts` (E2B SandboxVolumeMount: `name`, `path`); `mode` is our extension
+    (`ro`, the default, `cow` or `rw`), also given as `name:mode` (docs/volumes.md §6)."""
+
+    name: str = Field(min_length=1, max_length=140)
+    path: str = Field(min_length=1, max_length=1024)
+    mode: str | None = None
 
 
 class NewSandbox(_Request):
@@ -43,9 +48,12 @@ class NewSandbox(_Request):
     network: dict[str, Any] | None = None
     secure: bool | None = None
     mcp: dict[str, Any] | None = None
-    volumeMounts: list[dict[str, Any]] | None = None
+    volumeMounts: list[VolumeMountRequest] | None = Field(default=None, max_length=16)
     #: an extension: this many sandboxes, answered as a list of ForkResult (as a fork is)
     count: int | None = None
+    #: an extension: seconds without traffic after which the node pauses it, 0 off (also the
+    #: metadata key aenv.idlePauseAfter; default: the template's, node/idle.py)
+    idlePauseAfter: int | None = None
 
 
 class NetworkUpdate(_Request):
@@ -165,6 +173,14 @@ class Sandbox(Response):
     alias: str | Omitted = absent()
 
 
+class SandboxVolumeMount(Response):
+    name: str
+    path: str
+    #: an extension: "ro" (read-only, shared), "cow" (copy-on-write, the sandbox's own) or
+    #: "rw" (read-write, this sandbox's alone: docs/volumes.md §6)
+    mode: Literal["ro", "cow", "rw"]
+
+
 class ListedSandbox(Response):
     templateID: str
     sandboxID: str
@@ -182,11 +198,14 @@ class ListedSandbox(Response):
     #: whose snapshot it was made from, and the catalogue snapshot it was made from
     parentSandboxID: str | None = None
     sourceSnapshotID: str | None = None
+    volumeMounts: list[SandboxVolumeMount] | Omitted = absent()
 
 
 class Lifecycle(Response):
     autoResume: bool
     onTimeout: Literal["kill", "pause"]
+    #: an extension, present when on: seconds without traffic before the node pauses it
+    idlePauseAfter: int | Omitted = absent()
 
 
 class SandboxDetail(ListedSandbox):
@@ -247,6 +266,8 @@ class Template(Response):
     buildCount: int
     envdVersion: str | None
     buildStatus: str
+    #: an extension, present when set: its sandboxes' default idlePauseAfter (node/idle.py)
+    idlePauseAfter: int | Omitted = absent()
 
 
 class TemplateBuild(Response):
@@ -286,125 +307,3 @@ def iso(ts: float) -> str:
     whole = int(ts)
     millis = int((ts - whole) * 1000)
     return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(whole)) + f".{millis:03d}Z"
-
-
-def sandbox_json(rec: SandboxRecord, client_id: str, domain: str | None) -> dict[str, Any]:
-    return Sandbox(
-        templateID=rec.template_id,
-        sandboxID=rec.sandbox_id,
-        clientID=client_id,
-        envdVersion=rec.envd_version,
-        envdAccessToken=rec.envd_access_token,
-        trafficAccessToken=rec.traffic_access_token,
-        domain=domain,
-        **({"alias": rec.alias} if rec.alias else {}),
-    ).body()
-
-
-def _listed_fields(rec: SandboxRecord, client_id: str) -> dict[str, Any]:
-    return {
-        "templateID": rec.template_id,
-        "sandboxID": rec.sandbox_id,
-        "clientID": client_id,
-        "startedAt": iso(rec.started_at),
-        "endAt": iso(rec.end_at),
-        "envdVersion": rec.envd_version,
-        "cpuCount": rec.cpu_count,
-        "memoryMB": rec.memory_mb,
-        "diskSizeMB": rec.disk_size_mb,
-        "state": rec.state.public,
-        "metadata": rec.metadata,
-        "parentSandboxID": rec.parent_sandbox_id,
-        "sourceSnapshotID": rec.source_snapshot_id,
-        **({"alias": rec.alias} if rec.alias else {}),
-    }
-
-
-def listed_json(rec: SandboxRecord, client_id: str) -> dict[str, Any]:
-    return ListedSandbox(**_listed_fields(rec, client_id)).body()
-
-
-def detail_json(rec: SandboxRecord, client_id: str, domain: str | None) -> dict[str, Any]:
-    extra: dict[str, Any] = {}
-    network = public_network(rec.network)
-    if network is not None:
-        extra["network"] = network
-    if rec.pause_mode is not None and rec.state == State.PAUSED:
-        # only once the pause finished: while pausing, pause_mode is the previous pause's
-        extra["pauseMode"] = rec.pause_mode
-    return SandboxDetail(
-        **_listed_fields(rec, client_id),
-        envdAccessToken=rec.envd_access_token,
-        allowInternetAccess=rec.allow_internet_access,
-        domain=domain,
-        lifecycle=Lifecycle(autoResume=rec.auto_resume,
-                            onTimeout="pause" if rec.auto_pause else "kill"),
-        **extra,
-    ).body()
-
-
-def metric_json(sample: MetricSample, mem_used_host: int) -> dict[str, Any]:
-    return SandboxMetric(
-        timestamp=iso(sample.timestamp),
-        timestampUnix=int(sample.timestamp),
-        cpuCount=sample.cpu_count,
-        cpuUsedPct=sample.cpu_used_pct,
-        memUsed=sample.mem_used,
-        memTotal=sample.mem_total,
-        memCache=sample.mem_cache,
-        diskUsed=sample.disk_used,
-        diskTotal=sample.disk_total,
-        memUsedHost=mem_used_host,
-    ).body()
-
-
-def snapshot_json(tpl: TemplateRecord) -> dict[str, Any]:
-    return SnapshotInfo(
-        snapshotID=tpl.template_id,
-        names=list(tpl.names),
-        sandboxID=tpl.source_sandbox_id,
-        cpuCount=tpl.cpu_count,
-        memoryMB=tpl.memory_mb,
-        diskSizeMB=tpl.disk_size_mb,
-        createdAt=iso(tpl.created_at),
-        updatedAt=iso(tpl.updated_at),
-    ).body()
-
-
-def _template_fields(tpl: TemplateRecord) -> dict[str, Any]:
-    return {
-        "templateID": tpl.template_id,
-        "buildID": tpl.template_id,
-        "cpuCount": tpl.cpu_count,
-        "memoryMB": tpl.memory_mb,
-        "diskSizeMB": tpl.disk_size_mb,
-        "public": True,
-        "aliases": list(tpl.names),
-        "names": list(tpl.names) or [tpl.template_id],
-        "createdAt": iso(tpl.created_at),
-        "updatedAt": iso(tpl.updated_at),
-        "createdBy": None,
-        "lastSpawnedAt": iso(tpl.last_spawned_at) if tpl.last_spawned_at else None,
-        "spawnCount": tpl.spawn_count,
-        "buildCount": 1,
-        "envdVersion": tpl.envd_version,
-        "buildStatus": tpl.build_status,
-    }
-
-
-def template_json(tpl: TemplateRecord) -> dict[str, Any]:
-    return Template(**_template_fields(tpl)).body()
-
-
-def template_detail_json(tpl: TemplateRecord) -> dict[str, Any]:
-    build = TemplateBuild(
-        buildID=tpl.template_id,
-        status=tpl.build_status,
-        createdAt=iso(tpl.created_at),
-        updatedAt=iso(tpl.updated_at),
-        cpuCount=tpl.cpu_count,
-        memoryMB=tpl.memory_mb,
-        diskSizeMB=tpl.disk_size_mb,
-        envdVersion=tpl.envd_version,
-    )
-    return TemplateDetail(**_template_fields(tpl), builds=[build]).body()

@@ -1,6 +1,6 @@
 """Bodies of the events, webhooks, metrics and logs routes (node/events_api.py): requests are
 validated with these models and answers built through them, so the OpenAPI document
-(node/openapi.py) describes what the node does."""
+(api/openapi.py) describes what the node does."""
 
 from __future__ import annotations
 
@@ -8,8 +8,24 @@ from typing import Any, Literal
 
 from pydantic import Field
 
-from agentenv.node.events import TYPES
-from agentenv.node.models import DateTime, Response, SandboxMetric, _Request
+from agentenv.api.models import DateTime, Response, SandboxMetric, _Request
+
+# E2B's types (packages/shared/pkg/events in e2b-dev/infra), then this node's own.
+CREATED = "sandbox.lifecycle.created"
+KILLED = "sandbox.lifecycle.killed"
+PAUSED = "sandbox.lifecycle.paused"
+RESUMED = "sandbox.lifecycle.resumed"
+UPDATED = "sandbox.lifecycle.updated"
+CHECKPOINTED = "sandbox.lifecycle.checkpointed"  # a snapshot
+FORKED = "sandbox.lifecycle.forked"  # a fork's child; eventData.source_sandbox_id
+FAILED = "sandbox.lifecycle.failed"  # eventData.operation and .reason
+ROLLED_BACK = "sandbox.lifecycle.rolled_back"  # restored in place to one of its snapshots
+BUILD_STARTED = "template.build.started"
+BUILD_FINISHED = "template.build.finished"
+BUILD_FAILED = "template.build.failed"
+TEMPLATE_PREFIX = "template."
+TYPES = (CREATED, KILLED, PAUSED, RESUMED, UPDATED, CHECKPOINTED, FORKED, FAILED, ROLLED_BACK,
+         BUILD_STARTED, BUILD_FINISHED, BUILD_FAILED)
 
 EventType = Literal[TYPES]  # type: ignore[valid-type]
 
@@ -67,6 +83,10 @@ class SandboxEvent(Response):
     sandboxTemplateId: str
     nodeId: str
     timestamp: DateTime
+
+
+#: how many sandboxes GET /sandboxes/metrics names at the most
+MAX_METRICS_BATCH = 100
 
 
 class SandboxesWithMetrics(Response):

@@ -7,6 +7,8 @@ from agentenv.errors import AgentEnvError
 
 class ApiError(AgentEnvError):
     status = 500
+    #: headers the answer carries besides the JSON body's (e.g. an admission refusal's)
+    headers: dict[str, str] | None = None
 
     def __init__(self, message: str, *, status: int | None = None) -> None:
         super().__init__(message)

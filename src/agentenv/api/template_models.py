@@ -1,21 +1,26 @@
 """Request and response bodies of the E2B template build API (node/template_api.py), with E2B's
 field names (the SDK's models are the contract, docs/e2b-api.md §1.7). Kept apart from the routes
-so that node/openapi.py can describe them without importing the server."""
+so that api/openapi.py can describe them without importing the server."""
 
 from __future__ import annotations
 
+import re
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from agentenv.node.models import DateTime, Omitted, Response, absent
+from agentenv.api.models import DateTime, Omitted, Response, absent
+from agentenv.envd_client import ColdMemory
 
 UPLOAD_PREFIX = "/template-files/"  # the signed upload URLs handed out for COPY files
+#: what a build file's hash (the name of its tar) may be, in the upload URL and its link
+FILES_HASH = re.compile(r"[A-Za-z0-9_-]{1,128}")
 
 
 class TemplateBuildRequestV3(BaseModel):
     """`POST /v3/templates` (E2B TemplateBuildRequestV3). `alias` is the deprecated spelling of
-    `name`; `teamID` is ignored (one team per node)."""
+    `name`; `teamID` is ignored (one team per node). `coldMemory` is ours (not E2B's): the
+    template's cold-memory reclaim (docs/templates.md §7)."""
 
     model_config = ConfigDict(extra="ignore", strict=True)
     name: str | None = Field(default=None, min_length=1, max_length=128)
@@ -25,6 +30,10 @@ class TemplateBuildRequestV3(BaseModel):
     cpuCount: int | None = Field(default=None, ge=1, le=64)
     memoryMB: int | None = Field(default=None, ge=128, le=256 * 1024)
     minFreeDiskMb: int | None = None
+    #: an extension: the default idlePauseAfter of the template's sandboxes (node/idle.py);
+    #: a build without it keeps the template's
+    idlePauseAfter: int | None = None
+    coldMemory: ColdMemory | None = None
 
 
 class TemplateStep(BaseModel):
@@ -67,7 +76,7 @@ class DeleteTemplateTagsRequest(BaseModel):
     tags: list[str] = Field(max_length=100)
 
 
-# --- responses (node/openapi.py's schemas) -----------------------------------------------------
+# --- responses (api/openapi.py's schemas) -----------------------------------------------------
 
 
 class TemplateRequestResponseV3(Response):

@@ -1,28 +1,51 @@
-"""The node's OpenAPI 3.1 document, served at `GET /openapi.json`.
+"""The E2B contract, once: every route the node and the gateway serve, as one table.
 
-Every schema is generated from the pydantic models (`models.py`, `template_models.py`): request
-bodies from those the API validates with, responses from the `Response` models the bodies are
-built through, so the document and the code cannot drift apart; the route table is here.
-tests/node/test_openapi.py checks every answer of a live node against the document (schemathesis). Sandbox traffic (envd behind the proxy) is not described:
-it is the envd protocol (docs/e2b-api.md §3), not REST.
+Each `Operation` names its method, its path (OpenAPI's form; `{name:path}` marks a parameter
+that may hold '/'), the handler that serves it (its operationId: the node and the gateway each
+map operationIds to handlers of their own, agentenv.api.serve), who may call it (`Auth`), and
+what it takes and answers (pydantic models of agentenv.api: api/openapi.py generates the
+document from this table, so the document and the servers cannot drift apart). A route the SDK
+knows and no server supports is in the table too (`unsupported`: both answer 501 saying why).
+
+Order matters where paths overlap: the first operation whose path and method match serves a
+request (specific paths before the `:path` ones that would swallow them).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from functools import lru_cache
+from enum import StrEnum
 from typing import Any
 
 from pydantic import BaseModel
-from pydantic.json_schema import JsonSchemaMode, JsonSchemaValue, models_json_schema
 
-from agentenv import __version__
-from agentenv.node import event_models as em
-from agentenv.node import models
-from agentenv.node import template_models as tpl
-from agentenv.node.events import TYPES
+from agentenv.api import event_models as em
+from agentenv.api import models
+from agentenv.api import template_models as tpl
+from agentenv.api import volume_models as vm
+from agentenv.api.auth import SIGNATURE_OWNER_PATH
+from agentenv.api.event_models import TYPES
 
-REF = "#/components/schemas/{model}"
+#: every team's events after a seq, for a cluster's gateway (its node key only; the gateway
+#: stores them in the cluster's Redis: control/gateway/events.py)
+CLUSTER_EVENTS_PATH = "/cluster/events"
+
+
+class Auth(StrEnum):
+    """Who may call an operation."""
+
+    #: anyone (/health, /openapi.json)
+    PUBLIC = "public"
+    #: a team's X-API-KEY (on a node of a cluster: its gateway's node key, naming the team)
+    API_KEY = "api-key"
+    #: a scraper's bearer metrics token (agentenv.api.auth), or anyone where metrics are public
+    METRICS = "metrics"
+    #: a signed, expiring URL the route checks itself (template build file uploads)
+    SIGNED = "signed"
+    #: the volume's bearer token, checked by the route (the volume content API)
+    VOLUME_TOKEN = "volume-token"
+    #: a node's cluster-internal routes: its gateway's node key, no team (node/api.py)
+    NODE = "node"
 
 
 _STR = {"type": "string"}
@@ -32,8 +55,7 @@ _INT = {"type": "integer"}
 #: (a tuple: the request decides which), or none
 One = type[BaseModel] | list[type[BaseModel]]
 Body = One | tuple[One, ...] | None
-#: (model, "validation" for a request or "serialization" for a response) -> its $ref
-Refs = dict[tuple[Any, JsonSchemaMode], JsonSchemaValue]
+
 
 def _query(name: str, schema: dict[str, Any], description: str = "") -> dict[str, Any]:
     param: dict[str, Any] = {"name": name, "in": "query", "required": False, "schema": schema}
@@ -63,27 +85,64 @@ _EVENT_QUERY = [
 class Operation:
     method: str
     path: str
+    #: the operationId, and the name the node's and the gateway's handlers are registered by
     operation_id: str
     summary: str
     responses: dict[int, Body]  # status -> what the answer's body is
     body: type[BaseModel] | None = None
     body_required: bool = False
     query: list[dict[str, Any]] = field(default_factory=list)
-    public: bool = False
+    auth: Auth = Auth.API_KEY
     headers: dict[int, list[str]] = field(default_factory=dict)
     raw_body: str | None = None  # a request body of this media type, not JSON (uploads)
+    raw_answer: str | None = None  # a 200 body of this media type, not JSON (downloads)
+    #: in the OpenAPI document (not: the internal and the unsupported routes)
+    documented: bool = True
+    #: served by a node only: its cluster-internal routes, and the node-local `aenv` ones
+    node_only: bool = False
+    #: the SDK has this route and nothing here serves it: 501 with this reason
+    unsupported: str | None = None
+
+    @property
+    def handler(self) -> str:
+        return self.operation_id
 
 
 _E = {401: models.Error}
 _NF = {401: models.Error, 404: models.Error}
 _BODY_ERRORS = {400: models.Error, 413: models.Error, 422: models.Error}
-# Admission control (node/admission.py): 429 node limits, 503 host short.
+# Admission control (node/admission.py): 429 no room (the resource named, Should-Retry: false);
+# 503 the node cannot serve now (shutting down, its request cap).
 _ADMISSION = {429: models.Error, 503: models.Error}
+# The volume content API: a bad path (400), no or another volume's token (401), nothing there
+# (404), a file where a directory belongs or an entry in the way (409).
+_CONTENT = {400: models.Error, 401: models.Error, 404: models.Error, 409: models.Error}
+_PATH = {**_query("path", _STR, "inside the volume; '..' is refused"), "required": True}
+_OWNER = [_query("uid", {"type": "integer", "minimum": 0}),
+          _query("gid", {"type": "integer", "minimum": 0}),
+          _query("mode", {"type": "integer", "minimum": 0, "maximum": 4095})]
+
+SECRETS = ("secrets (E2B's header injection into a sandbox's egress requests) are not "
+           "supported: this node does not rewrite egress requests; pass values as envVars")
+DEFAULT_TEMPLATES = ("default templates are not supported: this node has no public template "
+                     "gallery; GET /templates lists the ones you can use")
+TEMPLATE_PATCH = ("updating a template (its public flag) is not supported: templates are "
+                  "private to their team on this node")
+#: E2B routes the SDK can call that nothing here serves (tests/node/test_sdk_routes.py walks
+#: the SDK's generated client and checks every route is served or here): 501 naming why, never
+#: a fake success
+_UNSUPPORTED = [
+    ("/secrets", ["get", "post"], SECRETS),
+    ("/secrets/{secretID}", ["get", "post", "delete"], SECRETS),
+    ("/default-templates", ["get"], DEFAULT_TEMPLATES),
+    ("/templates/{templateID}", ["patch"], TEMPLATE_PATCH),
+    ("/v2/templates/{templateID}", ["patch"], TEMPLATE_PATCH),
+]
 
 ROUTES: list[Operation] = [
     Operation("get", "/health", "health", "Liveness (503 with the reason: blockd down)",
-              {200: models.Health, 503: models.Unhealthy}, public=True),
-    Operation("get", "/openapi.json", "openapi", "This document", {200: None}, public=True),
+              {200: models.Health, 503: models.Unhealthy}, auth=Auth.PUBLIC),
+    Operation("get", "/openapi.json", "openapi", "This document", {200: None}, auth=Auth.PUBLIC),
     Operation(
         "post",
         "/v2/sandboxes",
@@ -120,6 +179,12 @@ ROUTES: list[Operation] = [
         {200: [models.ListedSandbox], 400: models.Error, **_E},
         query=_SANDBOX_FILTERS,
     ),
+    # before getSandbox, whose path would take it
+    Operation("get", "/sandboxes/metrics", "getSandboxesMetrics",
+              "The latest sample of each named sandbox (node/observer.py)",
+              {200: em.SandboxesWithMetrics, 400: models.Error, **_E},
+              query=[{**_query("sandbox_ids", {"type": "string", "minLength": 1},
+                               "comma-separated, at most 100"), "required": True}]),
     Operation(
         "get",
         "/sandboxes/{sandboxID}",
@@ -194,11 +259,6 @@ ROUTES: list[Operation] = [
         {200: [models.SandboxMetric], 400: models.Error, **_NF},
         query=[_query("start", _INT, "unix seconds"), _query("end", _INT, "unix seconds")],
     ),
-    Operation("get", "/sandboxes/metrics", "getSandboxesMetrics",
-              "The latest sample of each named sandbox (node/observer.py)",
-              {200: em.SandboxesWithMetrics, 400: models.Error, **_E},
-              query=[{**_query("sandbox_ids", {"type": "string", "minLength": 1},
-                               "comma-separated, at most 100"), "required": True}]),
     Operation("get", "/sandboxes/{sandboxID}/logs", "getSandboxLogs",
               "Console or envd lines from start (unix ms), oldest first",
               {200: em.SandboxLogs, 400: models.Error, **_NF},
@@ -264,7 +324,7 @@ ROUTES: list[Operation] = [
     ),
     Operation(
         "post",
-        "/snapshots/{snapshotID}/fork",
+        "/snapshots/{snapshotID:path}/fork",
         "forkSnapshot",
         "count sandboxes from a snapshot, a result each (extension: batch create)",
         {201: [models.ForkResult], **_NF, **_BODY_ERRORS, **_ADMISSION},
@@ -272,14 +332,14 @@ ROUTES: list[Operation] = [
     ),
     Operation(
         "get",
-        "/snapshots/{snapshotID}/children",
+        "/snapshots/{snapshotID:path}/children",
         "listSnapshotChildren",
         "Sandboxes made from this snapshot (extension: lineage)",
         {200: [models.ListedSandbox], **_NF},
     ),
     Operation(
         "get",
-        "/snapshots/{snapshotID}",
+        "/snapshots/{snapshotID:path}",
         "getSnapshot",
         "One snapshot",
         {200: models.SnapshotInfo, **_NF},
@@ -296,24 +356,10 @@ ROUTES: list[Operation] = [
     ),
     Operation(
         "get",
-        "/templates/aliases/{alias}",
+        "/templates/aliases/{alias:path}",
         "getTemplateByAlias",
         "Resolve a template alias",
         {200: models.TemplateAlias, **_NF},
-    ),
-    Operation(
-        "get",
-        "/templates/{templateID}",
-        "getTemplate",
-        "One template or snapshot",
-        {200: models.TemplateDetail, **_NF},
-    ),
-    Operation(
-        "delete",
-        "/templates/{templateID}",
-        "deleteTemplate",
-        "Delete a template or snapshot; 409 while sandboxes use it",
-        {204: None, **_NF, 400: models.Error, 409: models.Error},
     ),
     # The E2B template build API (node/template_api.py; docs/e2b-api.md §1.7). A node whose
     # backend cannot boot build VMs (the process backend) refuses createTemplateV3 with 400.
@@ -340,7 +386,7 @@ ROUTES: list[Operation] = [
         "The upload URL handed out above: a signed, expiring URL (no API key)",
         {200: None, 403: models.Error, 413: models.Error},
         query=[_query("expires", _INT, "unix seconds"), _query("signature", _STR)],
-        public=True,
+        auth=Auth.SIGNED,
         raw_body="application/octet-stream",
     ),
     Operation(
@@ -385,6 +431,21 @@ ROUTES: list[Operation] = [
         body=tpl.DeleteTemplateTagsRequest,
         body_required=True,
     ),
+    # after the routes under /templates/ that their paths would take
+    Operation(
+        "get",
+        "/templates/{templateID:path}",
+        "getTemplate",
+        "One template or snapshot",
+        {200: models.TemplateDetail, **_NF},
+    ),
+    Operation(
+        "delete",
+        "/templates/{templateID:path}",
+        "deleteTemplate",
+        "Delete a template or snapshot; 409 while sandboxes use it",
+        {204: None, **_NF, 400: models.Error, 409: models.Error},
+    ),
     # Lifecycle events and webhooks (node/events_api.py), E2B's /events API.
     Operation("get", "/events/sandboxes", "listSandboxEvents",
               "The team's lifecycle events, newest first unless orderAsc",
@@ -408,105 +469,66 @@ ROUTES: list[Operation] = [
               "The webhook's delivery attempts, newest first",
               {200: [em.WebhookAttempt], 400: models.Error, **_NF},
               query=[_query("limit", {"type": "integer", "minimum": 1, "maximum": 1000})]),
+    # Volumes (node/volume_api.py; docs/volumes.md): the volume API with the API key...
+    Operation("get", "/volumes", "listVolumes", "The team's volumes", {200: [vm.Volume], **_E}),
+    Operation("post", "/volumes", "createVolume",
+              "Create a volume (sizeMB: our extension); the answer carries its content token",
+              {201: vm.VolumeAndToken, **_E, **_BODY_ERRORS, 409: models.Error},
+              body=vm.NewVolume, body_required=True),
+    Operation("get", "/volumes/{volumeID}", "getVolume", "One volume, with its content token",
+              {200: vm.VolumeAndToken, **_NF}),
+    Operation("delete", "/volumes/{volumeID}", "deleteVolume", "Delete a volume and its content",
+              {204: None, **_NF}),
+    Operation("post", "/volumes/{volumeID}/commit", "commitVolume",
+              "The volume's content becomes a running sandbox's copy-on-write mount of it "
+              "(extension)", {200: vm.Volume, **_NF, **_BODY_ERRORS, 409: models.Error,
+                              502: models.Error}, body=vm.VolumeCommit, body_required=True),
+    # ...and the content API, at E2B_VOLUME_API_URL, with the volume's token
+    Operation("get", vm.CONTENT_PREFIX + "{volumeID}/path", "statVolumePath",
+              "An entry's type, size, mode, owner and times (a link is not followed)",
+              {200: vm.VolumeEntryStat, **_CONTENT}, query=[_PATH], auth=Auth.VOLUME_TOKEN),
+    Operation("patch", vm.CONTENT_PREFIX + "{volumeID}/path", "updateVolumePath",
+              "Change an entry's owner or mode", {200: vm.VolumeEntryStat, **_CONTENT,
+                                                  413: models.Error, 422: models.Error},
+              query=[_PATH], body=vm.VolumeMetadataUpdate, auth=Auth.VOLUME_TOKEN),
+    Operation("delete", vm.CONTENT_PREFIX + "{volumeID}/path", "removeVolumePath",
+              "Remove a file, link or directory (with what it holds)",
+              {204: None, **_CONTENT}, query=[_PATH], auth=Auth.VOLUME_TOKEN),
+    Operation("get", vm.CONTENT_PREFIX + "{volumeID}/dir", "listVolumeDir",
+              "A directory's entries, depth levels down",
+              {200: [vm.VolumeEntryStat], **_CONTENT}, auth=Auth.VOLUME_TOKEN,
+              query=[_PATH, _query("depth", {"type": "integer", "minimum": 0, "maximum": 100})]),
+    Operation("post", vm.CONTENT_PREFIX + "{volumeID}/dir", "makeVolumeDir",
+              "Create a directory (force: its parents too, and no error when it exists)",
+              {201: vm.VolumeEntryStat, **_CONTENT, 413: models.Error}, auth=Auth.VOLUME_TOKEN,
+              query=[_PATH, *_OWNER, _query("force", {"type": "boolean"})]),
+    Operation("get", vm.CONTENT_PREFIX + "{volumeID}/file", "readVolumeFile",
+              "A file's bytes", {200: None, **_CONTENT}, query=[_PATH], auth=Auth.VOLUME_TOKEN,
+              raw_answer="application/octet-stream"),
+    Operation("put", vm.CONTENT_PREFIX + "{volumeID}/file", "writeVolumeFile",
+              "Write a file (force: replace one there); its parent must exist",
+              {201: vm.VolumeEntryStat, **_CONTENT, 413: models.Error, 507: models.Error},
+              query=[_PATH, *_OWNER, _query("force", {"type": "boolean"})], auth=Auth.VOLUME_TOKEN,
+              raw_body="application/octet-stream"),
     Operation("get", "/nodes", "listNodes", "This node", {200: [models.Node], **_E}),
     Operation("get", "/nodes/{nodeID}", "getNode", "This node by id", {200: models.Node, **_NF}),
+    # Not in the document: Prometheus, a node's cluster-internal routes, the node-local `aenv`
+    # extensions, and the SDK's routes nothing here serves.
+    Operation("get", "/metrics", "metrics", "Prometheus metrics", {200: None}, auth=Auth.METRICS,
+              documented=False),
+    Operation("post", SIGNATURE_OWNER_PATH, "signatureOwner",
+              "Which sandbox of the node made a signed file URL (the gateway asks)",
+              {200: None, **_NF}, auth=Auth.NODE, documented=False, node_only=True),
+    Operation("get", CLUSTER_EVENTS_PATH, "clusterEvents",
+              "Every team's events after a seq (the gateway's collector)", {200: None},
+              auth=Auth.NODE, documented=False, node_only=True),
+    Operation("post", "/aenv/snapshots/push", "pushSnapshot",
+              "aenv snapshot push: a snapshot to an OCI registry", {200: None},
+              documented=False, node_only=True),
+    Operation("post", "/aenv/snapshots/pull", "pullSnapshot",
+              "aenv snapshot pull: a snapshot from an OCI registry", {201: None},
+              documented=False, node_only=True),
+    *(Operation(method, path, f"unsupported{method.title()}{path}", why, {501: models.Error},
+                documented=False, unsupported=why)
+      for path, methods, why in _UNSUPPORTED for method in methods),
 ]
-
-
-def _one_schema(body: One, refs: Refs) -> dict[str, Any]:
-    return ({"type": "array", "items": refs[(body[0], "serialization")]}
-            if isinstance(body, list) else refs[(body, "serialization")])
-
-
-def _models(body: Body) -> list[type[BaseModel]]:
-    """The models a response body is made of."""
-    ones = body if isinstance(body, tuple) else () if body is None else (body,)
-    return [one[0] if isinstance(one, list) else one for one in ones]
-
-
-def _response(status: int, body: Body, headers: list[str], refs: Refs) -> dict[str, Any]:
-    out: dict[str, Any] = {"description": str(status)}
-    if body is not None:
-        schema = ({"oneOf": [_one_schema(one, refs) for one in body]}
-                  if isinstance(body, tuple) else _one_schema(body, refs))
-        out["content"] = {"application/json": {"schema": schema}}
-    if headers:
-        out["headers"] = {h: {"schema": _STR} for h in headers}
-    return out
-
-
-def _operation(op: Operation, refs: Refs) -> dict[str, Any]:
-    params = list(op.query)
-    for name in (p[1:-1] for p in op.path.split("/") if p.startswith("{")):
-        params.append(
-            {
-                "name": name,
-                "in": "path",
-                "required": True,
-                "schema": {"type": "string", "minLength": 1},
-            }
-        )
-    out: dict[str, Any] = {
-        "operationId": op.operation_id,
-        "summary": op.summary,
-        "responses": {
-            str(status): _response(status, body, op.headers.get(status, []), refs)
-            for status, body in sorted(op.responses.items())
-        },
-    }
-    if params:
-        out["parameters"] = params
-    if op.public:
-        out["security"] = []
-    if op.raw_body is not None:
-        out["requestBody"] = {
-            "required": True,
-            "content": {op.raw_body: {"schema": {"type": "string", "format": "binary"}}},
-        }
-    if op.body is not None:
-        out["requestBody"] = {
-            "required": op.body_required,
-            "content": {"application/json": {"schema": refs[(op.body, "validation")]}},
-        }
-    return out
-
-
-def _schemas() -> tuple[Refs, dict[str, Any]]:
-    """Every model the routes name, with the models they nest, as components/schemas (one
-    pydantic run, so that a nested model is one schema however many bodies use it)."""
-    used: dict[tuple[type[BaseModel], JsonSchemaMode], None] = {}  # ordered set
-    for op in ROUTES:
-        if op.body is not None:
-            used[(op.body, "validation")] = None
-        for body in op.responses.values():
-            for model in _models(body):
-                used[(model, "serialization")] = None
-    refs, top = models_json_schema(list(used), ref_template=REF)
-    return dict(refs), dict(top.get("$defs", {}))
-
-
-@lru_cache(maxsize=1)
-def openapi_document() -> dict[str, Any]:
-    refs, schemas = _schemas()
-    paths: dict[str, dict[str, Any]] = {}
-    for op in ROUTES:
-        paths.setdefault(op.path, {})[op.method] = _operation(op, refs)
-    return {
-        "openapi": "3.1.0",
-        "info": {
-            "title": "agentenv node API (E2B-compatible control plane)",
-            "version": __version__,
-            "description": (
-                "Every non-2xx answer is JSON {code, message} with code equal to the HTTP status. "
-                "Sandbox traffic (requests with an E2b-Sandbox-Id header) goes to envd instead."
-            ),
-        },
-        "security": [{"ApiKeyAuth": []}],
-        "paths": paths,
-        "components": {
-            "securitySchemes": {
-                "ApiKeyAuth": {"type": "apiKey", "in": "header", "name": "X-API-KEY"}
-            },
-            "schemas": schemas,
-        },
-    }

@@ -1,0 +1,597 @@
+"""A cluster's lifecycle events and webhooks, in its Redis, answered and delivered by the gateway.
+
+Nodes hold no Redis credential, so the gateways collect: each gateway runs a collector that,
+for every node that is up, takes the node's lease in Redis (one collector per node at a time,
+whatever the number of gateways), asks the node for every team's events after the node's
+cursor (`GET /cluster/events?after=`, node/events_api.py, with the node's key and no team) and
+appends them to the streams of their teams. One Lua script checks the lease and that the cursor
+is still the one read, appends and advances the cursor: a batch is in Redis once, with its
+cursor, or not at all, so a gateway killed at any point (or two gateways racing for a node)
+neither loses nor repeats an event. A node whose store was made anew (its last seq below the
+cursor) is read again from its start.
+
+Each event gets a cluster-wide `seq` for its team: max(last + 1, now in ms x 1000), so it is
+both increasing and a time (the stream entry id is `seq // 1000`-`seq % 1000`, which retention
+trims by: XADD MINID), and stays below 2**53 (exact in JSON for JavaScript) until 2255.
+`GET /events/sandboxes[/{id}]` answers from these streams the node's JSON, filters and paging
+(EventQuery: `after` is this seq), for the caller's team only.
+
+Webhooks (`/events/webhooks`) are a team's, in Redis; the gateways deliver them (a node of a
+cluster registers none: node/events_api.py). Each gateway's supervisor takes the lease of each
+webhook it can and runs a worker per webhook held, which reads the team's stream after the
+webhook's cursor and posts each wanted event with the node's signing and retries
+(node/webhooks.py `deliver`), logging every attempt (`/events/webhooks/{id}/deliveries`). A
+worker's cursor advances after each event, so a gateway that dies mid-delivery makes the next
+one post that event again, with the same `e2b-delivery-id` (at least once). A slow or dead
+receiver holds only its own worker; one more than AENV_WEBHOOK_QUEUE events of its team behind
+skips to the newest ones (counted in `dropped`).
+
+Keys (prefix `aenv:events:`; the gateway's ACL, scripts/redis-acl.sh): `team:{team}` and
+`sandbox:{team}:{id}` (streams, entry fields `e` the event, `n` the team's event count),
+`seq` and `count` (hashes: team -> last seq, event count), `cursor:{node}`, `lease:{node}`,
+`hooks` (set of every webhook id), `hooks:{team}` (set), `hook:{id}` (hash: doc, cursor,
+cursor_n, queued, dropped), `hooklease:{id}`, `attempts:{id}` (stream).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import secrets
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import httpx
+import redis.asyncio as aioredis
+import redis.exceptions
+from starlette.requests import Request
+
+from agentenv import boundedjson
+from agentenv.api import event_models as em
+from agentenv.api.bodies import parse_model
+from agentenv.api.errors import ApiError as NodeApiError
+from agentenv.api.errors import BadRequest, NotFound
+from agentenv.api.event_models import TEMPLATE_PREFIX
+from agentenv.api.models import iso
+from agentenv.api.routes import CLUSTER_EVENTS_PATH
+from agentenv.api.tenancy import TEAM_NAME
+from agentenv.control.gateway.metrics import GatewayMetrics
+from agentenv.control.gateway.placement import Node
+from agentenv.control.gateway.store import StoreUnavailable
+from agentenv.errors import AgentEnvError
+from agentenv.node.events import Event, retention_from_env
+from agentenv.node.events_api import MAX_ATTEMPTS_PAGE, EventQuery, query_int
+from agentenv.node.webhooks import (
+    MAX_WEBHOOKS_PER_TEAM,
+    DeliveryPolicy,
+    check_destination,
+    deliver,
+)
+from agentenv.relay.stream import Send
+from agentenv.settings import get_settings, setting_text
+
+log = logging.getLogger("agentenv.control.gateway.events")
+
+K = "aenv:events:"
+POLL_ENV = "AENV_GATEWAY_EVENTS_POLL"
+LEASE_ENV = "AENV_GATEWAY_EVENTS_LEASE"
+#: events asked of a node at once, and pages of one node per round
+NODE_PAGE = 500
+NODE_PAGES_PER_ROUND = 20
+STREAM_CHUNK = 200
+ATTEMPTS_KEPT = 1000
+
+#: take or renew a lease (KEYS[1]) for ARGV[1] (ms ARGV[2]); 1 when held
+_LEASE = """
+local held = redis.call('get', KEYS[1])
+if not held then redis.call('set', KEYS[1], ARGV[1], 'PX', ARGV[2]) return 1 end
+if held == ARGV[1] then redis.call('pexpire', KEYS[1], ARGV[2]) return 1 end
+return 0
+"""
+_RELEASE = "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del', KEYS[1]) end"
+#: a webhook's new doc, unless it was deleted meanwhile (0)
+_REPLACE = "if redis.call('exists', KEYS[1]) == 1 then redis.call('hset', KEYS[1], 'doc', " \
+    "ARGV[1]) return 1 end return 0"
+#: a new webhook's place in its team's set, while the team has fewer than ARGV[2] (0: full).
+#: One script, so that creates sent at once cannot all pass the count
+_RESERVE = "if redis.call('scard', KEYS[1]) >= tonumber(ARGV[2]) then return 0 end " \
+    "return redis.call('sadd', KEYS[1], ARGV[1])"
+#: append a node's batch. KEYS: lease, cursor, seq hash, count hash, then per event its team's
+#: stream and its sandbox's (or the team's again). ARGV: mark, cursor read, new cursor,
+#: retention ms, then per event team, '1' when it has a sandbox, doc. -1: lease lost; -2: the
+#: cursor moved (another collector did this batch)
+_APPEND = """
+if redis.call('get', KEYS[1]) ~= ARGV[1] then return -1 end
+if (redis.call('get', KEYS[2]) or '0') ~= ARGV[2] then return -2 end
+local t = redis.call('time')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local minid = string.format('%.0f', math.max(now - tonumber(ARGV[4]), 0))
+local n = (#ARGV - 4) / 3
+for i = 0, n - 1 do
+  local team, has, doc = ARGV[5 + 3 * i], ARGV[6 + 3 * i], ARGV[7 + 3 * i]
+  local seq = math.max(tonumber(redis.call('hget', KEYS[3], team) or '0') + 1, now * 1000)
+  redis.call('hset', KEYS[3], team, string.format('%.0f', seq))
+  local count = redis.call('hincrby', KEYS[4], team, 1)
+  local id = string.format('%.0f-%.0f', math.floor(seq / 1000), seq % 1000)
+  redis.call('xadd', KEYS[5 + 2 * i], 'MINID', '~', minid, id, 'e', doc, 'n', count)
+  if has == '1' then
+    redis.call('xadd', KEYS[6 + 2 * i], 'MINID', '~', minid, id, 'e', doc, 'n', count)
+    redis.call('pexpire', KEYS[6 + 2 * i], ARGV[4])
+  end
+end
+redis.call('set', KEYS[2], ARGV[3])
+return n
+"""
+#: a webhook worker's progress (ARGV: mark, seq, the team's count at it, queued, dropped),
+#: only while it holds the lease and the webhook exists
+_ADVANCE = """
+if redis.call('get', KEYS[1]) ~= ARGV[1] or redis.call('exists', KEYS[2]) == 0 then return 0 end
+redis.call('hset', KEYS[2], 'cursor', ARGV[2], 'cursor_n', ARGV[3], 'queued', ARGV[4])
+if ARGV[5] ~= '0' then redis.call('hincrby', KEYS[2], 'dropped', ARGV[5]) end
+return 1
+"""
+
+
+def seconds_setting(name: str, default: float, low: float, high: float) -> float:
+    raw = setting_text(name).strip()
+    try:
+        value = float(raw) if raw else default
+    except ValueError:
+        value = -1.0
+    if not low <= value <= high:
+        raise AgentEnvError(f"{name} must be {low:g}-{high:g} seconds, got {raw!r}")
+    return value
+
+
+def stream_id(seq: int) -> str:
+    return f"{seq // 1000}-{seq % 1000}"
+
+
+def seq_of(entry_id: str) -> int:
+    ms, _, part = entry_id.partition("-")
+    return int(ms) * 1000 + int(part)
+
+
+def team_stream(team: str) -> str:
+    return f"{K}team:{team}"
+
+
+def sandbox_stream(team: str, sandbox_id: str) -> str:
+    return f"{K}sandbox:{team}:{sandbox_id}"
+
+
+def _event(entry_id: str, fields: dict[str, str]) -> Event:
+    return Event.from_doc(seq_of(entry_id), fields["e"])
+
+
+class ClusterEvents:
+    """The gateway's collector, events routes and webhook delivery (module doc)."""
+
+    def __init__(self, redis: aioredis.Redis, nodes: Callable[[], Awaitable[list[Node]]],
+                 http: httpx.AsyncClient,
+                 node_headers: Callable[[Node], list[tuple[bytes, bytes]]],
+                 read_body: Callable[[Request], Awaitable[bytes]],
+                 metrics: GatewayMetrics) -> None:
+        self.redis = redis
+        self.metrics = metrics
+        self.nodes = nodes
+        self.http = http
+        self.node_headers = node_headers
+        self.read_body = read_body
+        self.retention = retention_from_env()
+        self.poll = seconds_setting(POLL_ENV, 1.0, 0.05, 60)
+        self.lease = seconds_setting(LEASE_ENV, 15.0, 1, 300)
+        self.policy = DeliveryPolicy.from_env()
+        self.allow_private = get_settings().webhook_allow_private
+        self.mark = secrets.token_hex(8)  # this gateway's name on its leases
+        self._append = redis.register_script(_APPEND)
+        self._take = redis.register_script(_LEASE)
+        self._release = redis.register_script(_RELEASE)
+        self._advance = redis.register_script(_ADVANCE)
+        self._replace = redis.register_script(_REPLACE)
+        self._reserve = redis.register_script(_RESERVE)
+        self._held: set[str] = set()  # lease keys this gateway holds
+        self._workers: dict[str, asyncio.Task[None]] = {}
+        self._tasks: list[asyncio.Task[None]] = []
+
+    # --- life ----------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        if not self.retention:  # AENV_EVENTS_RETENTION_DAYS=0: none kept, none delivered
+            return
+        self._tasks = [asyncio.create_task(self._collect_forever(), name="events-collector"),
+                       asyncio.create_task(self._supervise_forever(), name="webhooks")]
+
+    async def stop(self) -> None:
+        for task in [*self._tasks, *self._workers.values()]:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        self._tasks, self._workers = [], {}
+        # another gateway takes over at once, not after the lease lapses (a Redis that does
+        # not answer does not hold the gateway's exit: the leases lapse then)
+        with contextlib.suppress(Exception):
+            async with asyncio.timeout(2):
+                for key in list(self._held):
+                    await self._release(keys=[key], args=[self.mark])
+        self._held.clear()
+
+    async def _leased(self, key: str) -> bool:
+        held = bool(await self._take(keys=[key], args=[self.mark, int(self.lease * 1000)]))
+        (self._held.add if held else self._held.discard)(key)
+        return held
+
+    # --- the collector -------------------------------------------------------------------
+
+    async def _collect_forever(self) -> None:
+        while True:
+            try:
+                nodes = [n for n in await self.nodes() if n.up]
+                done = await asyncio.gather(*(self.collect(n) for n in nodes),
+                                            return_exceptions=True)
+                for node, result in zip(nodes, done, strict=True):
+                    if isinstance(result, Exception):
+                        log.info("events not collected from a node",
+                                 extra={"node": node.node_id, "error": str(result)})
+            except Exception as exc:
+                log.warning("event collection failed: %s", exc)
+            await asyncio.sleep(self.poll)
+
+    async def collect(self, node: Node) -> int:
+        """Move `node`'s new events into Redis, if this gateway holds its lease; how many."""
+        lease, cursor_key = f"{K}lease:{node.node_id}", f"{K}cursor:{node.node_id}"
+        if not await self._leased(lease):
+            return 0
+        moved = 0
+        for _ in range(NODE_PAGES_PER_ROUND):
+            cursor = int(await self.redis.get(cursor_key) or 0)
+            answer = await self.http.get(node.url + CLUSTER_EVENTS_PATH, timeout=30,
+                                         params={"after": cursor, "limit": NODE_PAGE},
+                                         headers=self.node_headers(node))
+            answer.raise_for_status()
+            page = answer.json()
+            events, last = page["events"], int(page["last"])
+            if not events and last < cursor:
+                log.warning("a node's events start again (its store was made anew)",
+                            extra={"node": node.node_id, "cursor": cursor, "last": last})
+                await self._append(keys=[lease, cursor_key, f"{K}seq", f"{K}count"],
+                                   args=[self.mark, str(cursor), "0", self._retention_ms()])
+                continue
+            if not events:
+                return moved
+            keys, args = [lease, cursor_key, f"{K}seq", f"{K}count"], [
+                self.mark, str(cursor), str(events[-1]["seq"]), self._retention_ms()]
+            for doc in events:
+                team, sandbox = doc["sandboxTeamId"], doc["sandboxId"]
+                if not TEAM_NAME.match(team):  # no team of the cluster's: nobody's to see
+                    team = "-"
+                doc = {**doc, "nodeId": node.node_id, "nodeSeq": doc["seq"]}
+                keys += [team_stream(team),
+                         sandbox_stream(team, sandbox) if sandbox else team_stream(team)]
+                args += [team, "1" if sandbox else "0", json.dumps(doc)]
+            if int(await self._append(keys=keys, args=args)) < 0:
+                return moved  # the lease lapsed, or another collector did this batch
+            moved += len(events)
+            self.metrics.events_collected.inc(len(events))
+            if len(events) < NODE_PAGE:
+                return moved
+        return moved
+
+    def _retention_ms(self) -> str:
+        return str(int(self.retention * 1000))
+
+    # --- reading -------------------------------------------------------------------------
+
+    async def query(self, team: str, sandbox_id: str | None, q: EventQuery) -> list[Event]:
+        """The team's events as the node's EventLog.query answers them."""
+        key = team_stream(team) if sandbox_id is None else sandbox_stream(team, sandbox_id)
+        bound = f"({stream_id(q.after)}" if q.after else None
+        low, high = (bound or "-", "+") if q.ascending else ("+", bound or "-")
+        skip, found = q.offset, []
+        while True:
+            if q.ascending:
+                chunk = await self.redis.xrange(key, low, high, count=STREAM_CHUNK)
+            else:
+                chunk = await self.redis.xrevrange(key, low, high, count=STREAM_CHUNK)
+            for entry_id, fields in chunk:
+                event = _event(entry_id, fields)
+                if (event.type not in q.types) if q.types else event.type.startswith(
+                        TEMPLATE_PREFIX):
+                    continue
+                if skip:
+                    skip -= 1
+                    continue
+                found.append(event)
+                if len(found) == q.limit:
+                    return found
+            if len(chunk) < STREAM_CHUNK:
+                return found
+            low = f"({chunk[-1][0]}"  # XRANGE's min, XREVRANGE's max: past what was read
+
+    # --- routes --------------------------------------------------------------------------
+
+    def handlers(self) -> dict[str, Any]:
+        """The operations of the route table (agentenv.api.routes) this serves (app.py)."""
+        return {
+            "listSandboxEvents": self.list_events, "listSandboxEventsOfSandbox": self.list_events,
+            "listWebhooks": self.list_webhooks, "createWebhook": self.create_webhook,
+            "getWebhook": self.get_webhook, "updateWebhook": self.update_webhook,
+            "deleteWebhook": self.delete_webhook, "listWebhookDeliveries": self.deliveries,
+        }
+
+    @staticmethod
+    async def _json(send: Send, status: int, body: Any) -> None:
+        payload = json.dumps(body).encode()
+        await send({"type": "http.response.start", "status": status, "headers": [
+            (b"content-type", b"application/json"),
+            (b"content-length", str(len(payload)).encode())]})
+        await send({"type": "http.response.body", "body": payload})
+
+    async def _answer(self, send: Send, work: Awaitable[tuple[int, Any]]) -> None:
+        """Send what `work` answers (None: an empty body); the node's errors (the shared
+        validation) as the node sends them; Redis away as the gateway's store being away."""
+        try:
+            status, body = await work
+        except NodeApiError as exc:
+            status, body = exc.status, {"code": exc.status, "message": exc.message}
+        except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError) as exc:
+            raise StoreUnavailable(f"Redis is unavailable: {exc}") from exc
+        if body is None:
+            await send({"type": "http.response.start", "status": status,
+                        "headers": [(b"content-length", b"0")]})
+            await send({"type": "http.response.body", "body": b""})
+            return
+        await self._json(send, status, body)
+
+    async def list_events(self, request: Request, send: Send, team: str,
+                          sandbox_id: str | None = None) -> None:
+        async def work() -> tuple[int, Any]:
+            q = EventQuery.parse(request)
+            found = await self.query(team, sandbox_id, q)
+            return 200, [em.SandboxEvent(**e.to_json()).body() for e in found]
+
+        await self._answer(send, work())
+
+    # --- webhooks: registration ----------------------------------------------------------
+
+    async def _hook(self, team: str, webhook_id: str) -> dict[str, Any]:
+        raw = await self.redis.hgetall(f"{K}hook:{webhook_id}")
+        if not raw or raw.get("team") != team:
+            raise NotFound(f"webhook {webhook_id!r} not found")
+        return {**json.loads(raw["doc"]), "queued": int(raw.get("queued", 0)),
+                "dropped": int(raw.get("dropped", 0))}
+
+    @staticmethod
+    def _public(hook: dict[str, Any]) -> dict[str, Any]:
+        """E2B's webhook answer: never the secret."""
+        return em.Webhook(id=hook["id"], teamID=hook["team"], name=hook["name"],
+                          createdAt=iso(hook["created_at"]), enabled=hook["enabled"],
+                          url=hook["url"], events=hook["events"], queued=hook["queued"],
+                          dropped=hook["dropped"]).body()
+
+    async def _body(self, request: Request) -> Any:
+        raw = await self.read_body(request)
+        if not raw.strip():
+            raise BadRequest("request body is required")
+        try:
+            return boundedjson.loads(raw, "the request body")
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise BadRequest(f"request body is not valid JSON: {exc}") from exc
+
+    async def list_webhooks(self, request: Request, send: Send, team: str) -> None:
+        async def work() -> tuple[int, Any]:
+            hooks = []
+            for webhook_id in await self.redis.smembers(f"{K}hooks:{team}"):
+                with contextlib.suppress(NotFound):  # deleted meanwhile
+                    hooks.append(await self._hook(team, webhook_id))
+            hooks.sort(key=lambda h: (h["created_at"], h["id"]))
+            return 200, [self._public(h) for h in hooks]
+
+        await self._answer(send, work())
+
+    async def create_webhook(self, request: Request, send: Send, team: str) -> None:
+        async def work() -> tuple[int, Any]:
+            body = parse_model(em.NewWebhook, await self._body(request))
+            await asyncio.to_thread(check_destination, body.url, self.allow_private)
+            hook = {"id": str(uuid.uuid4()), "team": team, "name": body.name, "url": body.url,
+                    "events": list(dict.fromkeys(body.events)), "enabled": body.enabled,
+                    "secret": body.signatureSecret, "created_at": time.time()}
+            team_set = f"{K}hooks:{team}"
+            if not await self._reserve(keys=[team_set], args=[hook["id"],
+                                                              MAX_WEBHOOKS_PER_TEAM]):
+                raise BadRequest(f"a team has at most {MAX_WEBHOOKS_PER_TEAM} webhooks")
+            try:
+                # deliveries start with the team's next event
+                seq, count = await self._team_position(team)
+                pipe = self.redis.pipeline()
+                pipe.hset(f"{K}hook:{hook['id']}", mapping={
+                    "team": team, "doc": json.dumps(hook), "cursor": seq, "cursor_n": count,
+                    "queued": 0, "dropped": 0})
+                pipe.sadd(f"{K}hooks", hook["id"])
+                await pipe.execute()
+            except BaseException:
+                with contextlib.suppress(Exception):  # its place goes back
+                    await self.redis.srem(team_set, hook["id"])
+                raise
+            return 201, self._public({**hook, "queued": 0, "dropped": 0})
+
+        await self._answer(send, work())
+
+    async def _team_position(self, team: str) -> tuple[int, int]:
+        seq, count = await self.redis.hget(f"{K}seq", team), await self.redis.hget(
+            f"{K}count", team)
+        return int(seq or 0), int(count or 0)
+
+    async def get_webhook(self, request: Request, send: Send, team: str,
+                          webhook_id: str) -> None:
+        async def work() -> tuple[int, Any]:
+            return 200, self._public(await self._hook(team, webhook_id))
+
+        await self._answer(send, work())
+
+    async def update_webhook(self, request: Request, send: Send, team: str,
+                             webhook_id: str) -> None:
+        async def work() -> tuple[int, Any]:
+            hook = await self._hook(team, webhook_id)
+            changes = parse_model(em.WebhookUpdate, await self._body(request)).model_dump(
+                exclude_none=True)
+            if "url" in changes:
+                await asyncio.to_thread(check_destination, changes["url"], self.allow_private)
+            for key in ("name", "url", "events", "enabled"):
+                if key in changes:
+                    hook[key] = changes[key]
+            if "signatureSecret" in changes:
+                hook["secret"] = changes["signatureSecret"]
+            doc = {k: hook[k] for k in ("id", "team", "name", "url", "events", "enabled",
+                                        "secret", "created_at")}
+            if not await self._replace(keys=[f"{K}hook:{webhook_id}"], args=[json.dumps(doc)]):
+                raise NotFound(f"webhook {webhook_id!r} not found")
+            return 200, self._public(hook)
+
+        await self._answer(send, work())
+
+    async def delete_webhook(self, request: Request, send: Send, team: str,
+                             webhook_id: str) -> None:
+        async def work() -> tuple[int, Any]:
+            await self._hook(team, webhook_id)
+            pipe = self.redis.pipeline()
+            pipe.delete(f"{K}hook:{webhook_id}", f"{K}attempts:{webhook_id}",
+                        f"{K}hooklease:{webhook_id}")
+            pipe.srem(f"{K}hooks:{team}", webhook_id)
+            pipe.srem(f"{K}hooks", webhook_id)
+            await pipe.execute()
+            return 200, None
+
+        await self._answer(send, work())
+
+    async def deliveries(self, request: Request, send: Send, team: str,
+                         webhook_id: str) -> None:
+        """The webhook's delivery log, newest attempt first."""
+        async def work() -> tuple[int, Any]:
+            await self._hook(team, webhook_id)
+            limit = query_int(request, "limit", 100, 1, MAX_ATTEMPTS_PAGE)
+            found = await self.redis.xrevrange(f"{K}attempts:{webhook_id}", count=limit)
+            return 200, [em.WebhookAttempt(**json.loads(f["a"])).body() for _, f in found]
+
+        await self._answer(send, work())
+
+    # --- webhooks: delivery --------------------------------------------------------------
+
+    async def _supervise_forever(self) -> None:
+        """Hold the lease of every webhook this gateway can, and a worker for each held."""
+        while True:
+            try:
+                ids = sorted(await self.redis.smembers(f"{K}hooks"))
+                for webhook_id in set(self._workers) - set(ids):  # deleted
+                    self._stop_worker(webhook_id)
+                pipe = self.redis.pipeline(transaction=False)  # one round trip for them all
+                for webhook_id in ids:
+                    await self._take(keys=[f"{K}hooklease:{webhook_id}"],
+                                     args=[self.mark, int(self.lease * 1000)], client=pipe)
+                for webhook_id, held in zip(ids, await pipe.execute(), strict=True):
+                    key = f"{K}hooklease:{webhook_id}"
+                    (self._held.add if held else self._held.discard)(key)
+                    if held:
+                        worker = self._workers.get(webhook_id)
+                        if worker is None or worker.done():
+                            self._workers[webhook_id] = asyncio.create_task(
+                                self._deliver_forever(webhook_id), name=f"webhook:{webhook_id}")
+                    else:
+                        self._stop_worker(webhook_id)
+            except Exception as exc:
+                log.warning("webhook supervision failed: %s", exc)
+            await asyncio.sleep(self.poll)
+
+    def _stop_worker(self, webhook_id: str) -> None:
+        worker = self._workers.pop(webhook_id, None)
+        if worker is not None:
+            worker.cancel()
+
+    async def _deliver_forever(self, webhook_id: str) -> None:
+        async with httpx.AsyncClient(timeout=self.policy.timeout, trust_env=False,
+                                     follow_redirects=False) as client:
+            while True:
+                try:
+                    if not await self._deliver_batch(client, webhook_id):
+                        await asyncio.sleep(self.poll)
+                except asyncio.CancelledError:
+                    raise
+                except Exception as exc:
+                    log.warning("webhook delivery failed: %s", exc,
+                                extra={"webhook_id": webhook_id})
+                    await asyncio.sleep(self.poll)
+
+    async def _deliver_batch(self, client: httpx.AsyncClient, webhook_id: str) -> bool:
+        """Post the next events after the webhook's cursor; False when there were none (or
+        the webhook went, or another gateway holds it now)."""
+        key = f"{K}hook:{webhook_id}"
+        raw = await self.redis.hgetall(key)
+        if "doc" not in raw:
+            return False
+        hook = json.loads(raw["doc"])
+        if not hook["enabled"]:
+            return False
+        stream = team_stream(hook["team"])
+        cursor, cursor_n = int(raw.get("cursor", 0)), int(raw.get("cursor_n", 0))
+        entries = await self.redis.xrange(stream, f"({stream_id(cursor)}", "+",
+                                          count=STREAM_CHUNK)
+        passed = None  # the last entry gone over without a delivery
+        for entry_id, fields in entries:
+            event, n = _event(entry_id, fields), int(fields["n"])
+            if event.type not in hook["events"]:
+                passed = event.seq, n
+                continue
+            _, count = await self._team_position(hook["team"])
+            if count - n + 1 > self.policy.queue_size:  # the receiver is behind
+                return await self._skip_ahead(webhook_id, stream, cursor_n)
+            await deliver(client, self.policy, self.allow_private, webhook_id, hook["url"],
+                          hook["secret"], event, self._recorder(webhook_id))
+            passed = None
+            cursor_n = n
+            if not await self._move(webhook_id, event.seq, n, count - n):
+                return False
+        if passed is not None:
+            _, count = await self._team_position(hook["team"])
+            return await self._move(webhook_id, *passed, count - passed[1])
+        return bool(entries)
+
+    async def _move(self, webhook_id: str, seq: int, n: int, queued: int,
+                    dropped: int = 0) -> bool:
+        """Move the webhook's cursor past the event (`seq`, the team's `n`th), while this
+        gateway holds its lease and it exists."""
+        return bool(await self._advance(
+            keys=[f"{K}hooklease:{webhook_id}", f"{K}hook:{webhook_id}"],
+            args=[self.mark, seq, n, max(queued, 0), dropped]))
+
+    async def _skip_ahead(self, webhook_id: str, stream: str, cursor_n: int) -> bool:
+        """Keep the newest AENV_WEBHOOK_QUEUE events of the team for the webhook, drop the
+        rest (counted)."""
+        newest = await self.redis.xrevrange(stream, count=self.policy.queue_size + 1)
+        if len(newest) <= self.policy.queue_size:
+            return True
+        entry_id, fields = newest[-1]
+        skipped = int(fields["n"]) - cursor_n
+        log.warning("webhook behind: events dropped", extra={"webhook_id": webhook_id,
+                                                             "dropped": skipped})
+        self.metrics.webhook_dropped.inc(skipped)
+        return await self._move(webhook_id, seq_of(entry_id), int(fields["n"]),
+                                self.policy.queue_size, skipped)
+
+    def _recorder(self, webhook_id: str) -> Callable[[float, dict[str, Any]], Awaitable[None]]:
+        async def record(began: float, attempt: dict[str, Any]) -> None:
+            self.metrics.webhook_attempts.labels(
+                "delivered" if attempt["delivered"] else "failed").inc()
+            key = f"{K}attempts:{webhook_id}"
+            pipe = self.redis.pipeline(transaction=False)
+            pipe.xadd(key, {"a": json.dumps(attempt)}, maxlen=ATTEMPTS_KEPT, approximate=True)
+            pipe.xtrim(key, minid=int((time.time() - self.retention) * 1000), approximate=True)
+            # the log of a webhook deleted during the attempt goes too
+            pipe.pexpire(key, int(self.retention * 1000))
+            await pipe.execute()
+
+        return record
+

@@ -1,0 +1,169 @@
+"""Per-node peer credentials (docs/security.md §5): a real scheduler (in process, real Redis)
+issues node X, with each Holders answer, a credential for holder P that names X, is made with
+P's serving key and expires; a real chunk server with P's serving key serves X on it and
+refuses a credential for another peer or another id, an expired or forged one, the shared
+peer key, and, once X is removed, X gets no new one and its last stops at its expiry."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from agentenv.blockd.remote.chunkdigests import PROOF_HEADER, ChunkDigests, proof
+from agentenv.blockd.remote.p2p import PeerServer
+from agentenv.blockd.remote.store import RemoteConfig, RemoteStore
+from agentenv.cluster_keys import (
+    PEER_SCHEME,
+    check_peer_credential,
+    node_key,
+    peer_credential,
+    peer_key,
+    peer_serve_key,
+)
+from tests.control.conftest import RedisServer, prefix, redis_server  # noqa: F401 (fixtures)
+from tests.control.helpers import SECRET, scheduler, status
+from tests.remote.test_chunk_cache import CHUNK, _ref, hello  # noqa: F401 (fixture)
+from tests.template.conftest import Registry
+
+
+def serve_key(node_id: str) -> str:
+    return peer_serve_key(node_key(SECRET, node_id))
+
+
+@pytest.fixture
+def peers(tmp_path: Path, registry: Registry,
+          hello: tuple[str, bytes]) -> Iterator[dict[str, Any]]:  # noqa: F811
+    """Two chunk servers, nodes "p1" and "p2", each holding the whole `hello` blob, with the
+    serving keys their nodes would give them (and the shared peer key configured too)."""
+    digest, data = hello
+    servers, stores = {}, []
+    try:
+        for name in ("p1", "p2"):
+            store = RemoteStore(RemoteConfig(tmp_path / name, capacity=64 * CHUNK,
+                                             chunk_size=CHUNK, background_bw=0, timeout=5))
+            stores.append(store)
+            server = PeerServer(store, "127.0.0.1:0", peer_key(SECRET), max_per_node=2)
+            server.set_serve_key(serve_key(name))
+            server.start()
+            servers[name] = server
+            source = store.open_blob(_ref(registry, digest, len(data), data))
+            assert source.pread(len(data), 0) == data
+            source.close()
+        yield {"servers": servers, "digest": digest, "data": data,
+               "table": ChunkDigests.compute(io.BytesIO(data).read, len(data), CHUNK)[0]}
+    finally:
+        for server in servers.values():
+            server.stop()
+        for store in stores:
+            store.close()
+
+
+def get(peers: dict[str, Any], name: str, authorization: str) -> httpx.Response:
+    """Chunk 0 of the blob from peer `name`, with a right claim."""
+    url = f"http://{peers['servers'][name].address}/blobs/{peers['digest']}"
+    with httpx.Client(timeout=30) as client:
+        return client.get(url, headers={"Authorization": authorization,
+                                        "Range": f"bytes=0-{CHUNK - 1}",
+                                        PROOF_HEADER: proof(peers["table"], 0, CHUNK)})
+
+
+def as_peer(credential: str) -> str:
+    return f"{PEER_SCHEME} {credential}"
+
+
+def test_a_credential_is_the_asking_nodes_for_one_peer_until_it_expires(
+        peers: dict[str, Any]) -> None:
+    now = int(time.time())
+    good = peer_credential(serve_key("p1"), "x", now + 60)
+    reply = get(peers, "p1", as_peer(good))
+    assert reply.status_code == 206 and reply.content == peers["data"][:CHUNK]
+    assert check_peer_credential(serve_key("p1"), good, now) == ("x", "")
+    # for another peer: refused there
+    assert get(peers, "p2", as_peer(good)).status_code == 401
+    # the same credential naming another node (or another expiry): its MAC no longer fits
+    _, _, expires, mac = good.split("/")
+    for forged in (f"v1/y/{expires}/{mac}", f"v1/x/{int(expires) + 3600}/{mac}",
+                   f"v1/x/{expires}/{'0' * 64}", "v1/x", good + "0"):
+        assert get(peers, "p1", as_peer(forged)).status_code == 401, forged
+    # made with a key that is not p1's serving key: another node's key, the shared peer key,
+    # a node's own key
+    for key in (serve_key("p2"), peer_key(SECRET), node_key(SECRET, "p1")):
+        assert get(peers, "p1", as_peer(peer_credential(key, "x", now + 60))).status_code == 401
+    # expired
+    expired = peer_credential(serve_key("p1"), "x", now - 1)
+    assert get(peers, "p1", as_peer(expired)).status_code == 401
+    assert check_peer_credential(serve_key("p1"), expired, now)[1] == "expired"
+    # the shared peer key: not taken by a chunk server its node gave a serving key
+    assert get(peers, "p1", f"Bearer {peer_key(SECRET)}").status_code == 401
+
+
+def test_one_node_holds_at_most_its_share_of_the_connections(peers: dict[str, Any]) -> None:
+    """max_per_node (2 here) keyed connections per node: a third of x's is refused with 503
+    while y still gets in."""
+    server = peers["servers"]["p1"]
+    now = int(time.time())
+    url = f"http://{server.address}/blobs/{peers['digest']}"
+    headers = {"Range": f"bytes=0-{CHUNK - 1}", PROOF_HEADER: proof(peers["table"], 0, CHUNK)}
+    clients = [httpx.Client(timeout=30) for _ in range(4)]
+    try:
+        x = as_peer(peer_credential(serve_key("p1"), "x", now + 60))
+        y = as_peer(peer_credential(serve_key("p1"), "y", now + 60))
+        # two kept-alive connections of x hold its share
+        for client in clients[:2]:
+            assert client.get(url, headers={**headers, "Authorization": x}).status_code == 206
+        assert clients[2].get(url, headers={**headers, "Authorization": x}).status_code == 503
+        assert clients[3].get(url, headers={**headers, "Authorization": y}).status_code == 206
+    finally:
+        for client in clients:
+            client.close()
+
+
+def test_the_scheduler_issues_credentials_to_up_nodes_only(
+        peers: dict[str, Any], redis_server: RedisServer, prefix: str) -> None:  # noqa: F811
+    """Holders answers carry the asker's credential for each holder; the holder's chunk server
+    serves on it. A node removed from discovery gets no holder and no credential, and the last
+    credential it had stops working when it expires (a TTL of 5 s here)."""
+    digest = peers["digest"]
+    addresses = {name: server.address for name, server in peers["servers"].items()}
+
+    def holding(node: str) -> Any:
+        msg = status(node)
+        msg.layer_address = addresses[node]
+        msg.blobs.append(digest)
+        return msg
+
+    async def body() -> None:
+        async with scheduler(redis_server.url, prefix, peer_credential_ttl_s=5,
+                             self_registration=False,
+                             static_nodes=["x=127.0.0.1:1", "p1=127.0.0.1:2",
+                                           "p2=127.0.0.1:3"]) as (server, client):
+            for node in ("p1", "p2"):
+                await client.heartbeat(holding(node))
+            await client.heartbeat(status("x"))
+            got = (await client.holders([digest], node_id="x"))[digest]
+            assert {h.node_id for h in got} == {"p1", "p2"}
+            for holder in got:
+                assert holder.credential.startswith("v1/x/")
+                assert get(peers, holder.node_id, as_peer(holder.credential)).status_code == 206
+            last = next(h.credential for h in got if h.node_id == "p1")
+            # a credential for p1 opens p1 only
+            assert get(peers, "p2", as_peer(last)).status_code == 401
+            # x is removed from the cluster's node list: it is told of no holder any more
+            server.service.set_discovered("static", {
+                "p1": ("127.0.0.1:2", True), "p2": ("127.0.0.1:3", True)})
+            await client.heartbeat(status("x"))
+            assert (await client.holders([digest], node_id="x"))[digest] == []
+            # and what it has stops at its expiry (read from the credential itself)
+            expires = int(last.split("/")[2])
+            assert get(peers, "p1", as_peer(last)).status_code == 206
+            await asyncio.sleep(max(0.0, expires - time.time()) + 0.05)
+            assert get(peers, "p1", as_peer(last)).status_code == 401
+
+    asyncio.run(body())
