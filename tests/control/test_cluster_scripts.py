@@ -144,7 +144,7 @@ def count(s):
 # round-robin placement (AENV_CLUSTER_STRATEGY): the first two creates land on the two nodes
 made = [Sandbox.create(template="base", timeout=300) for _ in range(2)]
 for s in made:
-    s.commands.run(COUNTER, background=True)
+    s.commands.run(COUNTER, background=True, timeout=0)
     deadline = time.monotonic() + 60
     while True:
         try:

@@ -52,7 +52,7 @@ def test_vm_sandbox_pauses_with_memory_through_the_gateway(vm_cluster: LocalClus
                 sbx = candidate
                 break
         assert sbx is not None, "no create was placed on the VM node"
-        sbx.commands.run(COUNTER, background=True)
+        sbx.commands.run(COUNTER, background=True, timeout=0)
         before = wait_counting(sbx)
         sbx.pause()
         assert Sandbox.get_info(sbx.sandbox_id).state == SandboxState.PAUSED

@@ -363,6 +363,9 @@ def shared_vm_node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NodePro
 
 # --- helpers for tests that watch a guest process ------------------------------------------
 # A background counter: /tmp/count goes up every 100 ms while the process runs.
+# Run it with `commands.run(COUNTER, background=True, timeout=0)`: the SDK's default command
+# timeout (60 s) is the process's lifetime in envd, which kills it then; a fork child or a
+# resumed sandbox checked later than that would see a counter that stopped.
 COUNTER = (
     "i=0; while true; do i=$((i+1)); echo $i > /tmp/count.new; mv /tmp/count.new /tmp/count;"
     " sleep 0.1; done"

@@ -85,6 +85,14 @@ def test_bad_requests_get_json_errors(api: httpx.Client) -> None:
     assert_error(api.post("/v2/sandboxes", content=b"{not json"), 400, "not valid JSON")
     assert_error(api.post("/v2/sandboxes", json={"timeout": "soon"}), 422, "timeout")
     assert_error(api.post("/v2/sandboxes", json={"metadata": {"a": 1}}), 422, "metadata")
+    # bounded: stored with the sandbox and listed with it (docs/security.md)
+    assert_error(api.post("/v2/sandboxes", json={"metadata": {f"k{i}": "v" for i in range(300)}}),
+                 422, "metadata: 300 entries")
+    assert_error(api.post("/v2/sandboxes", json={"metadata": {"k": "v" * (65 << 10)}}),
+                 422, "metadata")
+    assert_error(api.post("/v2/sandboxes", json={"metadata": {"k" * 300: "v"}}), 422, "metadata")
+    assert_error(api.post("/v2/sandboxes", json={"envVars": {"A": "v" * (600 << 10)}}),
+                 422, "envVars")
     assert_error(api.post("/v2/sandboxes", json=[1, 2]), 422)
     assert_error(api.post("/v2/sandboxes", content=b"x" * (2 << 20)), 413)
 

@@ -257,7 +257,7 @@ def test_node_killed_right_after_the_pause_snapshot_loses_nothing(gc_node: NodeP
         gc_node.start()
         sbx = Sandbox.create(template="base", timeout=300)
         sbx.files.write("/home/user/crash.txt", "kept")
-        sbx.commands.run(COUNTER, background=True)
+        sbx.commands.run(COUNTER, background=True, timeout=0)
         before = wait_counting(sbx)
         with gc_node.client() as api, pytest.raises(httpx.HTTPError):
             api.post(f"/sandboxes/{sbx.sandbox_id}/pause", json={})

@@ -56,7 +56,7 @@ def _wait(predicate: Any, seconds: float = 120.0, what: str = "condition",
 
 # What a guest whose background counter stopped shows (processes, the kernel's last words).
 _COUNTER_DIAGNOSIS = ("date; cat /proc/uptime /proc/loadavg /tmp/count; "
-                      "ps -eo pid,stat,wchan:24,etime,cmd; free -m; dmesg | tail -n 30")
+                      "ps -eo pid,stat,wchan:24,etime,cmd | grep -v ' \\['; free -m; dmesg | tail -n 30")
 
 
 def _fork(api: httpx.Client, sandbox_id: str, count: int) -> list[str]:
@@ -199,7 +199,7 @@ def test_fork_of_a_paused_sandbox_leaves_it_paused_and_untouched(rl_node: NodePr
             parent = Sandbox.create(template="base", timeout=300)
             made.append(parent.sandbox_id)
             parent.files.write("/home/user/origin.txt", "from the parent")
-            parent.commands.run(conftest.COUNTER, background=True)
+            parent.commands.run(conftest.COUNTER, background=True, timeout=0)
             conftest.wait_counting(parent)
             parent.pause()
             pause_dir = _pause_dir(rl_node, parent.sandbox_id)

@@ -177,7 +177,7 @@ def test_paused_snapshot_pushed_on_a_restores_lazily_on_b(
     try:
         old_token = _envd_token(node_a, sbx.sandbox_id)
         sbx.files.write("/root/moved.txt", "written on node A\n")
-        sbx.commands.run(COUNTER, background=True)
+        sbx.commands.run(COUNTER, background=True, timeout=0)
         at_pause = wait_counting(sbx)
         assert sbx.pause() is True
         ref = f"{registry.host}/aenv-move/snapshots:paused"

@@ -81,7 +81,7 @@ def test_create_run_files_pause_connect_kill(vm_node: NodeProcess) -> None:
         sbx.files.write("/home/user/notes.txt", "kept across pause")
         assert sbx.files.read("/home/user/notes.txt") == "kept across pause"
 
-        sbx.commands.run(COUNTER, background=True)
+        sbx.commands.run(COUNTER, background=True, timeout=0)
         deadline = time.monotonic() + 30
         while True:
             with contextlib.suppress(Exception):
@@ -147,7 +147,7 @@ def test_fork_children_share_memory_and_files(vm_node: NodeProcess) -> None:
     children: list[Sandbox] = []
     try:
         parent.files.write("/home/user/origin.txt", "from the parent")
-        parent.commands.run(COUNTER, background=True)
+        parent.commands.run(COUNTER, background=True, timeout=0)
         deadline = time.monotonic() + 30
         while True:
             with contextlib.suppress(Exception):
@@ -188,7 +188,7 @@ def test_node_restart_keeps_paused_sandboxes_and_the_template(vm_node: NodeProce
 
     sbx = Sandbox.create(template="base", timeout=300)
     try:
-        sbx.commands.run(COUNTER, background=True)
+        sbx.commands.run(COUNTER, background=True, timeout=0)
         deadline = time.monotonic() + 30
         while True:
             with contextlib.suppress(Exception):
@@ -296,7 +296,7 @@ def test_node_crash_readopts_running_vms(vm_node: NodeProcess) -> None:
     paused = Sandbox.create(template="base", timeout=300)
     try:
         running.files.write("/home/user/before-crash.txt", "still here")
-        running.commands.run(COUNTER, background=True)
+        running.commands.run(COUNTER, background=True, timeout=0)
         before = wait_counting(running)
         paused.files.write("/home/user/paused.txt", "paused before the crash")
         paused.pause()

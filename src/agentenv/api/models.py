@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema
+from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, field_validator
 from pydantic.json_schema import SkipJsonSchema
 
 
@@ -32,6 +32,34 @@ class VolumeMountRequest(_Request):
     name: str = Field(min_length=1, max_length=140)
     path: str = Field(min_length=1, max_length=1024)
     mode: str | None = None
+
+
+#: Bounds of a sandbox's `metadata` and `envVars`. Both are stored with the sandbox and
+#: metadata comes back in every listing of its team: unbounded, one create of a 1 MiB map per
+#: sandbox makes each list of thousands of sandboxes gigabytes (the red team's finding 4).
+MAX_METADATA_ENTRIES = 256
+MAX_METADATA_BYTES = 64 << 10
+MAX_METADATA_KEY = 256
+MAX_ENV_VARS_ENTRIES = 4096
+MAX_ENV_VARS_BYTES = 512 << 10
+
+
+def _bounded_map(value: dict[str, str] | None, what: str, entries: int, total: int,
+                 key_chars: int | None = None) -> dict[str, str] | None:
+    if value is None:
+        return None
+    if len(value) > entries:
+        raise ValueError(f"{what}: {len(value)} entries, at most {entries}")
+    size = 0
+    for key, item in value.items():
+        if not key:
+            raise ValueError(f"{what}: an empty key")
+        if key_chars is not None and len(key) > key_chars:
+            raise ValueError(f"{what}: key {key[:40]!r}... over {key_chars} characters")
+        size += len(key.encode()) + len(item.encode())
+    if size > total:
+        raise ValueError(f"{what}: {size} bytes of keys and values, at most {total}")
+    return value
 
 
 class NewSandbox(_Request):
@@ -54,6 +82,17 @@ class NewSandbox(_Request):
     #: an extension: seconds without traffic after which the node pauses it, 0 off (also the
     #: metadata key aenv.idlePauseAfter; default: the template's, node/idle.py)
     idlePauseAfter: int | None = None
+
+    @field_validator("metadata")
+    @classmethod
+    def _metadata_bounded(cls, value: dict[str, str] | None) -> dict[str, str] | None:
+        return _bounded_map(value, "metadata", MAX_METADATA_ENTRIES, MAX_METADATA_BYTES,
+                            MAX_METADATA_KEY)
+
+    @field_validator("envVars")
+    @classmethod
+    def _env_vars_bounded(cls, value: dict[str, str] | None) -> dict[str, str] | None:
+        return _bounded_map(value, "envVars", MAX_ENV_VARS_ENTRIES, MAX_ENV_VARS_BYTES)
 
 
 class NetworkUpdate(_Request):
