@@ -93,3 +93,35 @@ def test_a_team_past_its_share_gets_429_and_others_are_served(cluster: LocalClus
     with httpx.Client(base_url=cluster.url, trust_env=False, timeout=10,
                       headers={"X-API-KEY": cluster.keys["attacker"]}) as attacker:
         assert attacker.get("/sandboxes").status_code == 200
+
+
+def _held_traffic(cluster: LocalCluster, sandbox_id: str) -> socket.socket:
+    """An upload to a sandbox's envd, with no key (sandbox traffic needs none at the
+    gateway), whose body never finishes."""
+    sock = socket.create_connection(("127.0.0.1", cluster.gateway.port))
+    sock.sendall(b"POST /files?path=/tmp/x HTTP/1.1\r\nHost: gw\r\nE2b-Sandbox-Id: "
+                 + sandbox_id.encode() + b"\r\nE2b-Sandbox-Port: 49983\r\n"
+                 b"Content-Type: application/octet-stream\r\nContent-Length: 100000\r\n\r\nx")
+    return sock
+
+
+def test_a_strangers_traffic_to_a_teams_sandbox_does_not_take_its_control_share(
+        cluster: LocalCluster) -> None:
+    """Found by the red team: traffic to a sandbox was charged to its team's share, so a
+    stranger with a sandbox id and slow bodies made every control request of the team 429."""
+    key = {"X-API-KEY": cluster.keys["victim"]}
+    with httpx.Client(base_url=cluster.url, trust_env=False, timeout=60, headers=key) as victim:
+        made = victim.post("/v2/sandboxes", json={"templateID": "base", "timeout": 300})
+        assert made.status_code == 201, made.text
+        sandbox_id = made.json()["sandboxID"]
+        held = [_held_traffic(cluster, sandbox_id) for _ in range(SHARE + 1)]
+        try:
+            # one past the traffic share is refused: the others hold its places now
+            (refused,) = _first_answers(held, 1).values()
+            assert refused.startswith(b"HTTP/1.1 429"), refused
+            assert victim.get("/sandboxes").status_code == 200
+            assert victim.get(f"/sandboxes/{sandbox_id}").status_code == 200
+        finally:
+            for sock in held:
+                sock.close()
+            victim.delete(f"/sandboxes/{sandbox_id}")

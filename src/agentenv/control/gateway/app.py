@@ -63,6 +63,10 @@ class GatewayApp:
         # control/gateway/limits.py
         quotas = GatewayQuotas(store, scheduler, self.metrics.limit_refusals)
         team_shares = TeamShares.from_env(self.metrics.limit_refusals)
+        # Traffic to a team's sandboxes and its signed file URLs need no key: anyone who
+        # knows a sandbox id sends it. Its own share, so a stranger's slow requests cannot
+        # hold the places of the team's control requests (the red team's finding 3).
+        traffic_shares = TeamShares.from_env(self.metrics.limit_refusals)
         self.relay = Relay(self.limits, answer_gone, answer_unreachable(scheduler),
                            limit_name="the gateway's", tls=node_tls)
         self.link = NodeLink(scheduler, store, cluster_secret, self.relay, domain,
@@ -78,8 +82,8 @@ class GatewayApp:
                                     self.link.body, self.metrics)
         self.signed_files = SignedFiles(self.link, self.metrics,
                                         LookupLimiter.from_env(self.metrics.limit_refusals),
-                                        team_shares)
-        self.dispatch = Dispatch(self._handlers(), store, SandboxRelay(self.link, team_shares),
+                                        traffic_shares)
+        self.dispatch = Dispatch(self._handlers(), store, SandboxRelay(self.link, traffic_shares),
                                  self.signed_files, team_shares, self.metrics)
         if self.dispatch.unserved:  # every operation of the table but the nodes' own
             raise AgentEnvError("the gateway serves no handler for "

@@ -18,9 +18,11 @@ record leave it. A paused sandbox keeps its binding and counts.
 
 Places at once (TeamShares): the gateway serves at most AENV_MAX_CONCURRENT_REQUESTS requests
 at once (relay/concurrency.py), and one team may hold at most AENV_TEAM_MAX_CONCURRENT_REQUESTS
-of them (default a quarter; 0 = no share): its control requests once its key is known, its
-upload URLs, and the traffic to its sandboxes. Past its share a team gets 429 (a WebSocket 1013)
-naming the setting, so slow bodies of one team cannot deny every other team the gateway.
+of them (default a quarter; 0 = no share): its control requests once its key is known and its
+upload URLs. The traffic to its sandboxes and its signed file URLs, which need no key, hold a
+second share of the same size, so a stranger who knows a sandbox id cannot take the places of
+the team's control requests. Past its share a team gets 429 (a WebSocket 1013) naming the
+setting, so slow bodies of one team cannot deny every other team the gateway.
 
 The signed-URL lookup (`/files?signature=…` with no cached owner) asks every node: each client
 address (the peer, or what a trusted proxy forwarded for: relay/server.py) gets a token bucket (`AENV_SIGNED_LOOKUP_RATE` per second, bursts of
