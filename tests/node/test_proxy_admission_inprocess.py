@@ -257,6 +257,50 @@ def test_pausing_closes_the_sandboxes_streams(tmp_path: Path) -> None:
     run(scenario)
 
 
+def test_a_secure_sandboxs_code_interpreter_runs_cells_only_with_its_token(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Port 49999 (the code-interpreter server, which checks envd's token on the routes that run
+    code): a cell without the token is refused at the node, before a connection or a resume."""
+    async def scenario() -> None:
+        async with node(tmp_path) as n:
+            # the echo server stands for the code-interpreter port (raising=False: a proxy
+            # without the check has no such name, and must fail this test)
+            monkeypatch.setattr(proxy, "CODE_INTERPRETER_PORT", n.port, raising=False)
+            sid = await n.create()  # secure, as the SDK creates by default
+            plain = await n.create(secure=False)
+            paused = await n.create(auto_pause=True, auto_resume=True)
+            url, cell = at(sid, n.port), {"code": "import os; os.system('id')"}
+            for headers in ({}, {"X-Access-Token": "wrong"}, {"X-Access-Token": ""}):
+                answer = await n.client.post(url + "/execute", json=cell, headers=headers)
+                assert answer.status_code == 401, (headers, answer.text)
+                assert "X-Access-Token" in answer.json()["message"]
+            assert (await n.client.post(url + "/execute/", json=cell)).status_code == 401
+            assert (await n.client.post(url + "/aenv/warm")).status_code == 401
+            by_headers = {"E2b-Sandbox-Id": sid, "E2b-Sandbox-Port": str(n.port)}
+            answer = await n.client.post("/execute", json=cell, headers=by_headers)
+            assert answer.status_code == 401
+            ok = await n.client.post(url + "/execute", json=cell, headers=n.envd(sid))
+            assert ok.status_code == 200 and ok.json()["path"] == "/execute"
+            assert ok.json()["headers"]["x-access-token"] == n.envd(sid)["X-Access-Token"]
+            # the SDKs' context calls carry no token: the server decides (it checks one given)
+            assert (await n.client.post(url + "/contexts", json={})).status_code == 200
+            assert (await n.client.get(url + "/health")).status_code == 200
+            # secure=False: envd has no token, nor has the code interpreter
+            answer = await n.client.post(at(plain, n.port) + "/execute", json=cell)
+            assert answer.status_code == 200
+            # a stranger's cell does not wake a paused sandbox
+            await n.orch.pause(paused)
+            answer = await n.client.post(at(paused, n.port) + "/execute", json=cell)
+            assert answer.status_code == 401
+            assert n.orch.sandboxes[paused].state == State.PAUSED
+            assert not n.backend.called("resume")
+            # any other port of a secure sandbox is as before: the token is not its business
+            monkeypatch.setattr(proxy, "CODE_INTERPRETER_PORT", 49999, raising=False)
+            assert (await n.client.post(url + "/execute", json=cell)).status_code == 200
+
+    run(scenario)
+
+
 # --- admission ---------------------------------------------------------------------------------
 
 

@@ -30,6 +30,8 @@ if TYPE_CHECKING:  # for annotations only: the process backend never loads block
 
 #: The port envd listens on inside a sandbox, as the SDKs address it (E2b-Sandbox-Port).
 ENVD_PORT = 49983
+#: The code-interpreter server's port (E2B's JUPYTER_PORT; agentenv.guest.codeint).
+CODE_INTERPRETER_PORT = 49999
 
 
 class BackendError(Exception):

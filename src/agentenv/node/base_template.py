@@ -52,6 +52,7 @@ from agentenv.guest.build.rootfs import (
     debian_root,
     make_rootfs_image,
 )
+from agentenv.node.backend import CODE_INTERPRETER_PORT
 from agentenv.relay.concurrency import whole_number_setting
 from agentenv.runtime.vm import BootSpec, DiskSource, Runtime
 from agentenv.snapshot.record import SnapshotRecord
@@ -81,7 +82,6 @@ CODE_INTERPRETER_PACKAGES = (
     # depend on
     "python3-cffi-backend", "libboost-regex1.74.0",
 )
-CODE_INTERPRETER_PORT = 49999
 CODE_INTERPRETER_START = (
     f"cd /home/user && PYTHONPATH=/agentenv/python exec python3 -m agentenv.guest.codeint"
     f" --port {CODE_INTERPRETER_PORT} --cwd /home/user >>/tmp/.aenv-codeint.log 2>&1"

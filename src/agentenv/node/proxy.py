@@ -42,7 +42,7 @@ from agentenv.api.auth import NODE_KEY_HEADER, same_secret
 from agentenv.api.errors import ApiError
 from agentenv.api.tenancy import TEAM_HEADER, scope_team
 from agentenv.logs import PerKeyLimit
-from agentenv.node.backend import ENVD_PORT
+from agentenv.node.backend import CODE_INTERPRETER_PORT, ENVD_PORT
 from agentenv.node.metrics import NodeMetrics
 from agentenv.node.orchestrator import Orchestrator
 from agentenv.node.records import SandboxRecord, State
@@ -77,6 +77,9 @@ _ROUTING = {
     TEAM_HEADER,
 }
 FILES_PATH = "/files"
+#: what runs code on the code-interpreter server, which takes envd's token there
+#: (guest/codeint/app.py; its context routes do not require it: the SDKs send none with them)
+CODE_RUN_ROUTES = {("POST", "/execute"), ("POST", "/aenv/warm")}
 
 
 #: the proxy's limits are the relay's (AENV_PROXY_* variables)
@@ -107,6 +110,11 @@ def _envd_token_given(scope: Scope, rec: SandboxRecord) -> bool:
     signed = _signed_request(scope)
     if signed is not None:
         return bool(rec.envd_access_token) and signed.problem(rec.envd_access_token) is None
+    return _access_token_given(scope, rec)
+
+
+def _access_token_given(scope: Scope, rec: SandboxRecord) -> bool:
+    """Whether the request carries the sandbox's envd token in X-Access-Token, once."""
     tokens = _header(scope, b"x-access-token")
     return len(tokens) == 1 and bool(rec.envd_access_token) and same_secret(
         tokens[0].decode("latin-1"), rec.envd_access_token)
@@ -353,6 +361,13 @@ class SandboxProxy:
             if rec.secure and (scope["path"].rstrip("/") != "/health" or request_has_body(scope)):
                 return 401, {"code": 401, "message": "missing or invalid X-Access-Token "
                              "(envd of a secure sandbox)"}
+        # The same for a cell on the code-interpreter server, which checks it too: refused
+        # here, a stranger's run_code neither holds a proxied connection nor resumes the sandbox.
+        if port == CODE_INTERPRETER_PORT and rec.secure and rec.envd_access_token \
+                and (scope["method"], scope["path"].rstrip("/")) in CODE_RUN_ROUTES \
+                and not _access_token_given(scope, rec):
+            return 401, {"code": 401, "message": "missing or invalid X-Access-Token "
+                         "(the code interpreter of a secure sandbox)"}
         if self.connections(sandbox_id) > self.limits.max_connections:
             EVENTS.log(sandbox_id, "connection_limit", logging.WARNING,
                        "proxy connection limit", {"sandbox_id": sandbox_id})

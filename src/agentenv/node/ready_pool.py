@@ -354,7 +354,8 @@ class ReadyPool:
         answer.raise_for_status()
         if warm_port is not None:
             guest = url.rsplit(":", 1)[0]
-            answer = await self._http.post(f"{guest}:{warm_port}/aenv/warm")
+            # the code-interpreter server takes envd's token (guest/codeint/app.py)
+            answer = await self._http.post(f"{guest}:{warm_port}/aenv/warm", headers=auth)
             answer.raise_for_status()
         await self.runtime.envd_init(vm, guest_token=guest_token)
 

@@ -15,18 +15,28 @@
 
 A cell is interrupted when its `timeout` (seconds) runs out or the client goes away (the SDKs
 close the connection at their own execution timeout); the context stays usable.
+
+In a secure sandbox (envd has an access token) the server takes envd's token too, in
+X-Access-Token: /execute and /aenv/warm need it (401 without); the context routes check one
+that is given but let a request without it through, since the E2B Code Interpreter SDKs send
+it with run_code only; GET /health is open. The server learns the token as a SHA-256 envd
+writes at /init (envd.ACCESS_TOKEN_DIGEST_FILE), read at each request: a fork's or a
+snapshot's new token holds from its /init on.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
+import hmac
 import json
 import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 from agentenv.guest.codeint.kernels import LANGUAGES, Context, dumps, normalize_language
+from agentenv.guest.envd import ACCESS_TOKEN_DIGEST_FILE
 
 log = logging.getLogger("codeint")
 
@@ -37,6 +47,10 @@ WARM_LANGUAGES = ("python", "javascript", "bash")
 
 Receive = Callable[[], Awaitable[dict[str, Any]]]
 Send = Callable[[dict[str, Any]], Awaitable[None]]
+
+#: (method, path) that run code: a secure sandbox's token is required there
+TOKEN_REQUIRED = {("POST", "/execute"), ("POST", "/aenv/warm")}
+UNAUTHORIZED = "unauthorized access, please provide a valid access token (X-Access-Token)"
 
 
 class HttpError(Exception):
@@ -73,6 +87,44 @@ async def respond(send: Send, status: int, payload: Any = None) -> None:
     await send({"type": "http.response.body", "body": body})
 
 
+class AccessToken:
+    """envd's access token as this server checks it: by the SHA-256 envd writes at /init."""
+
+    def __init__(self, digest_file: str) -> None:
+        self.digest_file = digest_file
+
+    def digest(self) -> bytes | None:
+        """The token's SHA-256, None when the sandbox has none (no file). Read each time: a
+        tmpfs file of 65 bytes, and /init may change it under a running server."""
+        try:
+            with open(self.digest_file, encoding="ascii") as f:
+                text = f.read(200).strip()
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError) as exc:
+            # there is a token but it cannot be known: refuse rather than run anyone's code
+            log.error("access token digest unreadable: %s", exc)
+            raise HttpError(503, "the access token cannot be checked") from None
+        try:
+            digest = bytes.fromhex(text)
+        except ValueError:
+            digest = b""
+        if len(digest) != hashlib.sha256().digest_size:
+            log.error("access token digest malformed in %s", self.digest_file)
+            raise HttpError(503, "the access token cannot be checked")
+        return digest
+
+    def check(self, given: list[bytes], required: bool) -> bool:
+        """Whether a request with these X-Access-Token values may go on: with no token set,
+        always; else with exactly one value, the token (a missing one only if not required)."""
+        digest = self.digest()
+        if digest is None or (not given and not required):
+            return True
+        if len(given) != 1:
+            return False
+        return hmac.compare_digest(hashlib.sha256(given[0]).digest(), digest)
+
+
 def language_of(body: dict[str, Any]) -> str:
     try:
         return normalize_language(body.get("language") or DEFAULT_LANGUAGE)
@@ -85,6 +137,7 @@ class CodeApp:
         self.default_cwd = default_cwd
         self.contexts: dict[str, Context] = {}
         self.defaults: dict[str, Context] = {}  # language -> its default context
+        self.access = AccessToken(ACCESS_TOKEN_DIGEST_FILE)
 
     async def start(self) -> None:
         contexts = await asyncio.gather(*(self._default(lang) for lang in WARM_LANGUAGES))
@@ -120,8 +173,15 @@ class CodeApp:
     async def __call__(self, scope: dict[str, Any], receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return
+        method, path = scope["method"], scope["path"].rstrip("/") or "/"
         try:
-            await self._route(scope["method"], scope["path"].rstrip("/") or "/", receive, send)
+            if (method, path) != ("GET", "/health"):
+                given = [v for k, v in scope["headers"] if k.lower() == b"x-access-token"]
+                if not self.access.check(given, (method, path) in TOKEN_REQUIRED):
+                    # envd's answer to the same refusal, so a client reads one shape
+                    await respond(send, 401, {"code": 401, "message": UNAUTHORIZED})
+                    return
+            await self._route(method, path, receive, send)
         except HttpError as exc:
             await respond(send, exc.status, {"error": str(exc)})
 

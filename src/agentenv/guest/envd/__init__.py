@@ -13,3 +13,9 @@ default user handled here, stdin control, close_stdin, octet-stream and gzip upl
 metadata (xattrs), watch events with entries and the network-mount flag."""
 
 DEFAULT_PORT = 49983
+
+ACCESS_TOKEN_DIGEST_FILE = "/run/aenv/envd-token.sha256"
+"""Where /init leaves the SHA-256 (hex) of the access token, for the code-interpreter server
+(agentenv.guest.codeint, port 49999), which takes the same token: world-readable, on the guest's
+/run tmpfs, so it never outlives the boot or the memory snapshot that holds the token. No file:
+no token (a sandbox created with secure=False)."""

@@ -20,7 +20,7 @@ from datetime import datetime
 from typing import Any
 from urllib.parse import parse_qs
 
-from agentenv.guest.envd import ENVD_VERSION, mounts
+from agentenv.guest.envd import ACCESS_TOKEN_DIGEST_FILE, ENVD_VERSION, mounts
 from agentenv.guest.envd.asgi import (
     Receive,
     Request,
@@ -68,6 +68,17 @@ CLOCK_AHEAD_TOLERANCE = 1.5
 #: only pause cold-boots it): root-only, on the user disk, without the access token.
 DEFAULTS_FILE = "/var/lib/aenv/envd-defaults.json"
 _RPC_PATH = re.compile(r"^/([A-Za-z_][\w.]*)\.([A-Za-z_]\w*)/([A-Za-z_]\w*)$")
+
+
+def token_digest(token: str) -> str:
+    """SHA-256 (hex) of an access token, by Python's own SHA-256 where there is one: hashlib
+    would map OpenSSL's libcrypto into envd at every secure sandbox's first /init."""
+    try:
+        from _sha256 import sha256  # the tools disk's Python 3.11
+    except ImportError:
+        from hashlib import sha256
+    return sha256(token.encode()).hexdigest()
+
 
 @dataclass
 class EnvdConfig:
@@ -340,6 +351,17 @@ class Envd:
         except RpcError as exc:
             await send_json(send, 400, {"code": 400, "message": exc.message}, extra)
             return
+        if new_token and not (self.state.access_token is not None
+                              and same_secret(new_token, self.state.access_token)):
+            # Before the token takes effect: a code-interpreter server that could not learn it
+            # would run anyone's code, so a failure fails the /init (and the create).
+            try:
+                self._publish_token(new_token)
+            except (OSError, RpcError) as exc:
+                log.error("publishing the access token failed", extra={"error": str(exc)})
+                await send_json(send, 500, {"code": 500, "message": "publishing the access "
+                                            f"token for the code interpreter: {exc}"}, extra)
+                return
         self.state.env_vars.update(env_vars)
         if new_token:
             self.state.access_token = new_token
@@ -421,6 +443,20 @@ class Envd:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
         with os.fdopen(fd, "w") as f:
             f.write(body)
+        os.replace(tmp, path)
+
+    def _publish_token(self, token: str) -> None:
+        """The token's SHA-256 where the code-interpreter server reads it (envd's
+        ACCESS_TOKEN_DIGEST_FILE): that server runs as the sandbox's user, so it gets a digest
+        to check X-Access-Token against, not the token. Replaced whole (a reader sees the old
+        digest or the new one)."""
+        path = self.rootfs.host_path(ACCESS_TOKEN_DIGEST_FILE)
+        os.makedirs(os.path.dirname(path), mode=0o755, exist_ok=True)
+        tmp = path + ".tmp"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+        with os.fdopen(fd, "w") as f:
+            os.fchmod(f.fileno(), 0o644)  # whatever the umask
+            f.write(token_digest(token) + "\n")
         os.replace(tmp, path)
 
     def _load_defaults(self) -> None:
