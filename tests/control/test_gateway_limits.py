@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import socket
 import threading
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -29,7 +30,7 @@ import pytest
 from e2b import Sandbox, Template
 from e2b.template.utils import calculate_files_hash
 
-from agentenv.control.gateway.limits import LookupLimiter
+from agentenv.control.gateway.limits import UNKNOWN_SANDBOXES, LookupLimiter
 from agentenv.relay.connections import client_key
 from tests.control.cluster import ROOMY_NODES, GatewayProcess, LocalCluster, running
 from tests.control.conftest import free_port
@@ -194,6 +195,21 @@ def test_one_ipv6_prefix_shares_one_lookup_bucket() -> None:
     assert sum(limiter.allow(f"2001:db8:1:2::{i:x}") for i in range(1000)) == 3
     assert limiter.allow("2001:db8:1:3::1")  # another /64 is another client
     assert client_key("::ffff:192.0.2.7") == client_key("192.0.2.7") == "192.0.2.7"
+
+
+def test_misses_are_charged_after_the_lookup_and_concurrent_ones_are_owed() -> None:
+    """The unknown-sandbox bucket: `ready` takes nothing (a lookup that finds a sandbox costs
+    no token), `charge` after a miss may go below zero (misses that ran at once found a token
+    each), so the client waits until they are paid back."""
+    limiter = LookupLimiter(rate=10.0, burst=2, kind=UNKNOWN_SANDBOXES)
+    assert all(limiter.ready("192.0.2.1") for _ in range(10))
+    for _ in range(5):
+        limiter.charge("192.0.2.1")
+    assert not limiter.ready("192.0.2.1")  # 2 - 5 = -3: 0.4 s to a token at 10/s
+    assert limiter.ready("192.0.2.2")
+    assert "AENV_UNKNOWN_SANDBOX_RATE 10/s" in limiter.refusal("192.0.2.1")
+    time.sleep(0.45)
+    assert limiter.ready("192.0.2.1")
 
 
 def test_a_file_planted_under_another_team_hash_is_not_used(cluster: LocalCluster,
