@@ -371,6 +371,9 @@ class Settings(BaseSettings):
     signed_lookup_rate: str = _s("20", "gateway", "A client address's signed-URL owner "
                                  "lookups (0: off).", "per second")
     signed_lookup_burst: str = _s("40", "gateway", "Burst of those lookups.", "count")
+    unknown_sandbox_rate: str = _s("20", "gateway", "A client address's sandbox traffic "
+                                   "lookups that find no sandbox (0: off).", "per second")
+    unknown_sandbox_burst: str = _s("40", "gateway", "Burst of those lookups.", "count")
     redis_url: str = _s("", "gateway, scheduler", "Redis of the cluster (default "
                         "redis://127.0.0.1:6379/0).", "URL")
     redis_user: str = _s("", "gateway, scheduler", "Redis ACL user (default Redis's "

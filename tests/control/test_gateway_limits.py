@@ -7,6 +7,9 @@ and a process-backend node (control/gateway/limits.py, node/template_files.py):
 - the signed-URL owner lookup (unauthenticated, asks every node) is rate limited per client
   address, a URL whose owner is cached is not; the address is the peer's unless the peer is a
   trusted proxy (AENV_TRUSTED_PROXIES), never one a client names in a header;
+- sandbox traffic for ids the scheduler does not know (no key needed) costs the scheduler a
+  lookup only within a client's budget (AENV_UNKNOWN_SANDBOX_RATE), a miss is cached, and a
+  real sandbox stays reachable meanwhile;
 - `/nodes` shows a team its own sandboxes' figures only;
 - a file one team uploads under the hash of another team's COPY is not what the other team's
   build uses."""
@@ -16,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import socket
 import threading
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -26,9 +30,10 @@ import pytest
 from e2b import Sandbox, Template
 from e2b.template.utils import calculate_files_hash
 
-from agentenv.control.gateway.limits import LookupLimiter
+from agentenv.control.gateway.limits import UNKNOWN_SANDBOXES, LookupLimiter
 from agentenv.relay.connections import client_key
 from tests.control.cluster import ROOMY_NODES, GatewayProcess, LocalCluster, running
+from tests.control.conftest import free_port
 from tests.control.helpers import wait_for
 from tests.node.conftest import environ_set
 from tests.node.test_template_uploads import tar_of
@@ -38,7 +43,11 @@ pytestmark = pytest.mark.timeout(300)
 QUOTAS = {"AENV_TEAM_MAX_SANDBOXES": "2", "AENV_TEAM_MAX_TEMPLATES": "2",
           "AENV_TEAM_MAX_SNAPSHOTS": "1",
           # one token per 1000 s: the bucket does not refill during the test
-          "AENV_SIGNED_LOOKUP_RATE": "0.001", "AENV_SIGNED_LOOKUP_BURST": "3"}
+          "AENV_SIGNED_LOOKUP_RATE": "0.001", "AENV_SIGNED_LOOKUP_BURST": "3",
+          "AENV_UNKNOWN_SANDBOX_RATE": "0.001", "AENV_UNKNOWN_SANDBOX_BURST": "5"}
+#: the loopback address the unknown-id flood comes from: the other tests' clients (127.0.0.1)
+#: keep their own buckets
+FLOODER = "127.0.0.3"
 
 
 @pytest.fixture(scope="module")
@@ -46,8 +55,10 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
     made = LocalCluster(tmp_path_factory.mktemp("limits"), nodes=1,
                         node_env=ROOMY_NODES)
     made.gateway.env = {**made.gateway.env, **QUOTAS}
+    made.scheduler_metrics = free_port()  # type: ignore[attr-defined]
+    made.scheduler.argv += ["--metrics-port", str(made.scheduler_metrics)]  # type: ignore[attr-defined]
     with running(made, "quota", "other", "planter", "victim", "signer", "burst", "viewer",
-                 "stranger") as started:
+                 "stranger", "prober") as started:
         yield started
 
 
@@ -130,6 +141,53 @@ def test_a_strangers_refused_lookups_are_counted_not_each_logged(cluster: LocalC
     assert logged() - before <= 2
 
 
+def _scheduler_lookups(cluster: LocalCluster) -> float:
+    text = httpx.get(f"http://127.0.0.1:{cluster.scheduler_metrics}/metrics",  # type: ignore[attr-defined]
+                     timeout=10, trust_env=False).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("aenv_scheduler_calls_total{")
+               and 'method="Lookup"' in line)
+
+
+def test_unknown_sandbox_ids_cost_the_scheduler_a_bounded_number_of_lookups(
+        cluster: LocalCluster) -> None:
+    """Found by the red team (finding 5): a miss was not cached, so a stranger with no key
+    sending traffic for made-up sandbox ids made one scheduler lookup per request."""
+    with environ_set({"E2B_API_URL": cluster.url, "E2B_SANDBOX_URL": cluster.url,
+                      "E2B_API_KEY": cluster.keys["prober"]}):
+        sbx = Sandbox.create(template="base", timeout=120)
+    try:
+        before = _scheduler_lookups(cluster)
+        flooder = httpx.Client(base_url=cluster.url, timeout=30, trust_env=False,
+                               transport=httpx.HTTPTransport(local_address=FLOODER))
+        with flooder:
+            statuses = []
+            for i in range(200):
+                # made-up ids, and the same id again (a cached miss)
+                sid = f"nosuch{i}" if i % 2 else "nosuchatall"
+                statuses.append(flooder.get("/health", headers={"E2b-Sandbox-Id": sid,
+                                                                "E2b-Sandbox-Port": "49983"})
+                                .status_code)
+                if i == 100:  # another client's real sandbox is served during the flood
+                    sbx.files.write("/tmp/during.txt", "during")
+                    assert sbx.files.read("/tmp/during.txt") == "during"
+            limited = flooder.get("/health", headers={"E2b-Sandbox-Id": "nosuchother"})
+            # a cached sandbox is never limited, even for the flooder
+            assert sbx.files.read("/tmp/during.txt") == "during"  # (cached again)
+            known = flooder.get("/health", headers={"E2b-Sandbox-Id": sbx.sandbox_id})
+        lookups = _scheduler_lookups(cluster) - before
+        # the flood's misses within the burst (5) and the few cached misses' renewals, plus the
+        # real sandbox's lookups (its cache lapses each second); before, one per request
+        assert lookups <= 30, lookups
+        assert limited.status_code == 429, limited.text
+        assert "AENV_UNKNOWN_SANDBOX_RATE" in limited.json()["message"]
+        assert limited.headers["retry-after"] == "1"
+        assert set(statuses) == {502, 429} and statuses.count(429) >= 90, statuses
+        assert known.status_code != 429, known.text
+    finally:
+        sbx.kill()
+
+
 def test_one_ipv6_prefix_shares_one_lookup_bucket() -> None:
     """Found by the red team: a bucket per exact address let a client with a /64 (every IPv6
     host) take a fresh burst per request."""
@@ -137,6 +195,21 @@ def test_one_ipv6_prefix_shares_one_lookup_bucket() -> None:
     assert sum(limiter.allow(f"2001:db8:1:2::{i:x}") for i in range(1000)) == 3
     assert limiter.allow("2001:db8:1:3::1")  # another /64 is another client
     assert client_key("::ffff:192.0.2.7") == client_key("192.0.2.7") == "192.0.2.7"
+
+
+def test_misses_are_charged_after_the_lookup_and_concurrent_ones_are_owed() -> None:
+    """The unknown-sandbox bucket: `ready` takes nothing (a lookup that finds a sandbox costs
+    no token), `charge` after a miss may go below zero (misses that ran at once found a token
+    each), so the client waits until they are paid back."""
+    limiter = LookupLimiter(rate=10.0, burst=2, kind=UNKNOWN_SANDBOXES)
+    assert all(limiter.ready("192.0.2.1") for _ in range(10))
+    for _ in range(5):
+        limiter.charge("192.0.2.1")
+    assert not limiter.ready("192.0.2.1")  # 2 - 5 = -3: 0.4 s to a token at 10/s
+    assert limiter.ready("192.0.2.2")
+    assert "AENV_UNKNOWN_SANDBOX_RATE 10/s" in limiter.refusal("192.0.2.1")
+    time.sleep(0.45)
+    assert limiter.ready("192.0.2.1")
 
 
 def test_a_file_planted_under_another_team_hash_is_not_used(cluster: LocalCluster,

@@ -8,7 +8,8 @@ from collections import Counter
 import grpc
 import pytest
 
-from agentenv.control.gateway.placement import NoPlacement, SchedulerLink
+from agentenv.control.gateway import placement
+from agentenv.control.gateway.placement import Binding, Node, NoPlacement, SchedulerLink
 from agentenv.control.scheduler.client import Credentials, SchedulerError
 from tests.control.conftest import RedisServer
 from tests.control.helpers import SECRET, scheduler, status
@@ -276,5 +277,45 @@ def test_a_heartbeat_listing_a_new_sandbox_takes_over_its_reservation(
             await client.record_assignment("s1", "a", reservation=placed[0].reservation)
             await client.release(reservation=placed[2].reservation)  # its create failed
             assert (await client.schedule(template_id="base")).node_id == "a"
+
+    asyncio.run(body())
+
+
+def test_a_miss_is_cached_briefly_and_a_recorded_sandbox_replaces_it(
+        redis_server: RedisServer, prefix: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A lookup that finds nothing is cached (red team finding 5: made-up ids cost the
+    scheduler a call each), apart from the bindings and bounded; a sandbox this gateway
+    records is routable at once, and one the scheduler binds otherwise after MISS_TTL."""
+    monkeypatch.setattr(placement, "MAX_MISSES", 50)
+
+    async def body() -> None:
+        async with scheduler(redis_server.url, prefix) as (server, client):
+            link = SchedulerLink(f"127.0.0.1:{server.port}", Credentials.gateway(SECRET))
+            asked: list[str] = []
+            lookup = link.client.lookup
+
+            async def counted(sandbox_id: str, **kw: object) -> object:
+                asked.append(sandbox_id)
+                return await lookup(sandbox_id, **kw)  # type: ignore[arg-type]
+
+            link.client.lookup = counted  # type: ignore[method-assign]
+            try:
+                await client.heartbeat(status("n1", address="127.0.0.1:8001"))
+                assert [await link.lookup("ghost") for _ in range(20)] == [None] * 20
+                assert asked == ["ghost"] and link.cached("ghost")
+                node = Node("n1", "127.0.0.1:8001")
+                await link.record("ghost", node, "team")  # created here: routable at once
+                assert (await link.lookup("ghost")) == Binding("ghost", node, "team")
+                assert asked == ["ghost"]
+                assert await link.lookup("later") is None
+                await client.record_assignment("later", "n1", team_id="team")  # elsewhere
+                assert await link.lookup("later") is None  # the miss, for MISS_TTL at most
+                await asyncio.sleep(placement.MISS_TTL + 0.1)
+                assert (await link.lookup("later")) is not None
+                for i in range(200):  # made-up ids: the misses stay bounded
+                    await link.lookup(f"made{i}")
+                assert len(link._misses) == 50 and link.cached("later")  # the binding kept
+            finally:
+                await link.close()
 
     asyncio.run(body())

@@ -24,6 +24,7 @@ import pytest
 from agentenv.network import dns
 from agentenv.network.policy import EgressPolicy
 from tests.network.lab import (
+    INET_HOST,
     INET_OTHER,
     INET_SERVER,
     LAB_RESOLVER,
@@ -404,3 +405,19 @@ def test_a_slot_spraying_names_cannot_stall_the_others_lookups(lab: Lab) -> None
         black_hole.close()
         lab.set_policy(spraying, {})
         lab.set_policy(other, {})
+
+
+def test_a_stranger_gets_no_dns_answer_from_the_proxy_port(lab: Lab) -> None:
+    """Found by the red team (finding 6): the resolver's UDP side listens on every address, so
+    anyone on the node's network got an answer (a REFUSED one: a reflector for spoofed
+    sources). The host table drops what no redirect sent to the proxy's port."""
+    sock = socket_in(lab.inet, type_=socket.SOCK_DGRAM)
+    sock.settimeout(2)
+    try:
+        sock.sendto(_query(ALLOWED), (INET_HOST, lab.port))
+        with pytest.raises(TimeoutError):
+            sock.recv(4096)
+    finally:
+        sock.close()
+    lab.set_policy(lab.slots[0], ONLY_ALLOWED)  # a guest's redirected query is answered
+    assert _ask_udp(lab, lab.slots[0], ALLOWED)[0] == 0

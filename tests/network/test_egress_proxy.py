@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import ssl
 import time
 import urllib.request
@@ -23,6 +24,7 @@ from tests.network.lab import (
     blob,
     http_get,
     identity,
+    socket_in,
 )
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root (namespaces, nftables)")
@@ -396,3 +398,21 @@ def test_name_filtering_keeps_only_the_direct_flows_it_allows(lab: Lab) -> None:
         request_is_reset(lab, slot, INET_SERVER, 80, DENIED)
     finally:
         apply({})
+
+
+def test_the_proxy_port_takes_only_redirected_guest_flows(lab: Lab) -> None:
+    """Found by the red team (finding 6): the proxy listens on every address (a redirect goes
+    to the receiving slot interface's), so anyone on the node's network, or a process of the
+    node, reached it directly. The host table refuses what no redirect sent to its port."""
+    for where, target in ((None, "127.0.0.1"), (lab.inet, INET_HOST)):
+        sock = socket_in(where) if where else socket.socket()
+        sock.settimeout(5)
+        try:
+            with pytest.raises(ConnectionRefusedError):
+                sock.connect((target, lab.port))
+        finally:
+            sock.close()
+    # a guest's redirected flows still arrive
+    lab.set_policy(lab.slots[0], {})
+    with lab.connect(lab.slots[0], "169.254.169.254", 80) as sock:
+        assert http_get(sock, "169.254.169.254", "/")[0] == 200

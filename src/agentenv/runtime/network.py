@@ -41,7 +41,8 @@ On the host, one table per runtime (`<prefix>_host`, rules scoped to `<prefix>h*
     all TCP from sources in set `all` -> `redirect` to the egress proxy's port;
   - input: nothing from a slot interface reaches the host (node API, blockd metrics, SSH,
     anything bound to 0.0.0.0) except the redirected proxy port; replies of connections the
-    host opened pass;
+    host opened pass; the proxy's port takes only redirected flows, from any interface
+    (nothing reaches it directly: not the node's network, not a local process);
   - forward: no slot-to-slot traffic, the walls again (minus the opened ranges) whatever the
     slot's own rules did, and a TCP flow of a `web_src`/`all_src` source
     that reaches forward was opened before names were filtered (or the SOCKS5 tunnel was set):
@@ -530,7 +531,15 @@ def host_ruleset(prefix: str, proxy_port: int | None,
             f'th dport 53 {to}\n'
             f'        iifname "{prefix}h*" ip saddr @all_src meta l4proto tcp {to}\n'
             f'        iifname "{prefix}h*" ip saddr @web_src tcp dport {{ {WEB_PORTS} }} {to}\n')
-        proxy_accept = (f'        iifname "{prefix}h*" meta l4proto {{ tcp, udp }} '
+        # Only what a redirect above sent reaches the proxy's port, from whatever interface:
+        # it listens on every address (a redirect goes to the receiving interface's), and a
+        # stranger on the node's network or a local process must not reach it directly (the
+        # red team's finding 6). `& dnat == 0`, a bit test: nft's `ct status != dnat`
+        # compares the whole status word.
+        not_redirected = f"th dport {proxy_port} ct status & dnat == 0"
+        proxy_accept = (f"        meta l4proto tcp {not_redirected} reject with tcp reset\n"
+                        f"        meta l4proto udp {not_redirected} drop\n"
+                        f'        iifname "{prefix}h*" meta l4proto {{ tcp, udp }} '
                         f"th dport {proxy_port} ct status dnat accept\n")
     return HOST_RULES.format(table=f"{prefix}_host", prefix=prefix, redirects=redirects,
                              proxy_accept=proxy_accept, web=WEB_PORTS, keep_mark=KEEP_MARK,

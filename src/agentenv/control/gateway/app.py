@@ -25,7 +25,12 @@ from agentenv.api.openapi import openapi_document
 from agentenv.control.gateway.create import Creates
 from agentenv.control.gateway.dispatch import Dispatch, Handler
 from agentenv.control.gateway.events import ClusterEvents
-from agentenv.control.gateway.limits import GatewayQuotas, LookupLimiter, TeamShares
+from agentenv.control.gateway.limits import (
+    UNKNOWN_SANDBOXES,
+    GatewayQuotas,
+    LookupLimiter,
+    TeamShares,
+)
 from agentenv.control.gateway.listing import Listings
 from agentenv.control.gateway.metrics import GatewayMetrics
 from agentenv.control.gateway.nodes import (
@@ -83,7 +88,11 @@ class GatewayApp:
         self.signed_files = SignedFiles(self.link, self.metrics,
                                         LookupLimiter.from_env(self.metrics.limit_refusals),
                                         traffic_shares)
-        self.dispatch = Dispatch(self._handlers(), store, SandboxRelay(self.link, traffic_shares),
+        # a stranger's traffic for made-up sandbox ids: each a scheduler lookup, so limited
+        # per client (the red team's finding 5)
+        misses = LookupLimiter.from_env(self.metrics.limit_refusals, kind=UNKNOWN_SANDBOXES)
+        self.dispatch = Dispatch(self._handlers(), store,
+                                 SandboxRelay(self.link, traffic_shares, misses),
                                  self.signed_files, team_shares, self.metrics)
         if self.dispatch.unserved:  # every operation of the table but the nodes' own
             raise AgentEnvError("the gateway serves no handler for "

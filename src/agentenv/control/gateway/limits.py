@@ -25,8 +25,15 @@ the team's control requests. Past its share a team gets 429 (a WebSocket 1013) n
 setting, so slow bodies of one team cannot deny every other team the gateway.
 
 The signed-URL lookup (`/files?signature=…` with no cached owner) asks every node: each client
-address (the peer, or what a trusted proxy forwarded for: relay/server.py) gets a token bucket (`AENV_SIGNED_LOOKUP_RATE` per second, bursts of
+address (the peer, or what a trusted proxy forwarded for: relay/server.py; an IPv6 client's
+/64) gets a token bucket (`AENV_SIGNED_LOOKUP_RATE` per second, bursts of
 `AENV_SIGNED_LOOKUP_BURST`; 0 = no limit). A URL whose owner is cached is not limited.
+
+Sandbox traffic needs no key either, and an id the gateway has not cached costs a scheduler
+call: a client's lookups that find no sandbox get a bucket of their own
+(`AENV_UNKNOWN_SANDBOX_RATE`, `AENV_UNKNOWN_SANDBOX_BURST`; the red team's finding 5). Past it,
+an uncached id is a 429 without asking the scheduler; a lookup that finds a sandbox costs no
+token, and a cached sandbox is never limited.
 """
 
 from __future__ import annotations
@@ -195,55 +202,105 @@ class GatewayQuotas:
             await self.store._call(redis.zadd(key, dict.fromkeys(mine, "+inf")))
 
 
-class LookupLimiter:
-    """A token bucket per client address for the signed-URL owner lookup."""
+@dataclass(frozen=True)
+class LookupKind:
+    """What a LookupLimiter limits: its words, settings (with defaults) and metrics label."""
 
-    def __init__(self, rate: float, burst: float, refusals: Counter | None = None) -> None:
+    what: str
+    logged: str
+    rate_setting: str
+    burst_setting: str
+    label: str
+    rate: float = 20.0
+    burst: float = 40.0
+
+
+SIGNED_LOOKUPS = LookupKind("signed URL lookups", "signed URL lookup rate limited",
+                            "AENV_SIGNED_LOOKUP_RATE",
+                            "AENV_SIGNED_LOOKUP_BURST", "signed_lookup")
+UNKNOWN_SANDBOXES = LookupKind("lookups of unknown sandboxes",
+                               "unknown sandbox lookup rate limited", "AENV_UNKNOWN_SANDBOX_RATE",
+                               "AENV_UNKNOWN_SANDBOX_BURST", "unknown_sandbox")
+
+
+class LookupLimiter:
+    """A token bucket per client address for a lookup a stranger may cause: the signed-URL
+    owner lookup (`allow`: each takes a token), the scheduler's lookup of a sandbox id it
+    does not know (`ready` before, `charge` after a miss: a lookup that finds a sandbox costs
+    nothing)."""
+
+    def __init__(self, rate: float, burst: float, refusals: Counter | None = None,
+                 kind: LookupKind = SIGNED_LOOKUPS) -> None:
         self.rate = rate
         self.burst = max(burst, 1.0)
+        self.kind = kind
         self._buckets: OrderedDict[str, tuple[float, float]] = OrderedDict()  # tokens, at
         self.refusals = refusals
         self.refused = Sampled()
 
     @classmethod
-    def from_env(cls, refusals: Counter | None = None,
-                 env: Mapping[str, str] | None = None) -> LookupLimiter:
-        return cls(env_number(env, "AENV_SIGNED_LOOKUP_RATE", 20.0, float) or 0.0,
-                   env_number(env, "AENV_SIGNED_LOOKUP_BURST", 40.0, float) or 0.0, refusals)
+    def from_env(cls, refusals: Counter | None = None, env: Mapping[str, str] | None = None,
+                 kind: LookupKind = SIGNED_LOOKUPS) -> LookupLimiter:
+        return cls(env_number(env, kind.rate_setting, kind.rate, float) or 0.0,
+                   env_number(env, kind.burst_setting, kind.burst, float) or 0.0, refusals,
+                   kind)
 
-    def allow(self, address: str) -> bool:
-        if not self.rate:
-            return True
+    def _take(self, address: str, cost: float, floor: float) -> bool:
+        """Refill `address`'s bucket, then take `cost` from it when that leaves at least
+        `floor`; whether it did."""
         now = time.monotonic()
         address = client_key(address)
         tokens, at = self._buckets.pop(address, (self.burst, now))
         tokens = min(self.burst, tokens + (now - at) * self.rate)
-        allowed = tokens >= 1.0
-        self._buckets[address] = (tokens - 1.0 if allowed else tokens, now)
+        allowed = tokens - cost >= floor
+        self._buckets[address] = (tokens - cost if allowed else tokens, now)
         while len(self._buckets) > MAX_BUCKETS:  # the least recently seen go first
             self._buckets.popitem(last=False)
         return allowed
 
+    def allow(self, address: str) -> bool:
+        """Take a token for a lookup about to be made; False when there is none."""
+        return not self.rate or self._take(address, 1.0, 0.0)
+
+    def ready(self, address: str) -> bool:
+        """Whether `address` has a token (none taken: `charge` takes it after a miss)."""
+        return not self.rate or self._take(address, 0.0, 1.0)
+
+    def charge(self, address: str) -> None:
+        """Take a token for a lookup that missed. Concurrent lookups may all have found a
+        token ready: the bucket goes below zero and the client waits that much longer, so
+        its misses stay within the rate over time."""
+        if self.rate:
+            self._take(address, 1.0, float("-inf"))
+
+    def refusal(self, address: str) -> str:
+        """Count a refused lookup; what the client is told."""
+        if self.refusals is not None:
+            self.refusals.labels(self.kind.label).inc()
+        if self.refused.tick():  # a stranger's flood of refusals is counted, not logged
+            log.info(self.kind.logged,
+                     extra={"client": address, "refused": self.refused.count})
+        return (f"too many {self.kind.what} from this address ({self.kind.rate_setting} "
+                f"{self.rate:g}/s, {self.kind.burst_setting} {self.burst:g}); retry shortly")
+
     async def refused_lookup(self, scope: Mapping[str, Any], send: Any) -> bool:
         """Answer 429 (and True) when the client is over its rate of uncached lookups."""
-        client = scope.get("client")
-        address = client[0] if client else ""
+        address = client_address(scope)
         if self.allow(address):
             return False
-        if self.refusals is not None:
-            self.refusals.labels("signed_lookup").inc()
-        if self.refused.tick():  # a stranger's flood of refusals is counted, not logged
-            log.info("signed URL lookup rate limited",
-                     extra={"client": address, "refused": self.refused.count})
-        payload = json.dumps({
-            "code": 429, "message": "too many signed URL lookups from this address "
-            f"(AENV_SIGNED_LOOKUP_RATE {self.rate:g}/s, AENV_SIGNED_LOOKUP_BURST "
-            f"{self.burst:g}); retry shortly"}).encode()
+        payload = json.dumps({"code": 429, "message": self.refusal(address)}).encode()
         await send({"type": "http.response.start", "status": 429, "headers": [
             (b"content-type", b"application/json; charset=utf-8"),
             (b"content-length", str(len(payload)).encode()), (b"retry-after", b"1")]})
         await send({"type": "http.response.body", "body": payload})
         return True
+
+
+def client_address(scope: Mapping[str, Any]) -> str:
+    """The client's address: the peer's, or what a trusted proxy forwarded for (relay/server.py
+    has uvicorn put it in the scope)."""
+    client = scope.get("client")
+    return str(client[0]) if client else ""
 
 
 TEAM_SHARE_SETTING = "AENV_TEAM_MAX_CONCURRENT_REQUESTS"

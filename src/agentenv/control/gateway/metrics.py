@@ -17,8 +17,8 @@ class GatewayMetrics:
             "Signature owner lookups sent to nodes (one per up node per uncached URL)",
             registry=self.registry)
         self.limit_refusals = Counter(
-            "aenv_gateway_limit_refusals", "Requests refused by a team quota or the signed "
-            "URL lookup rate (control/gateway/limits.py), by limit", ["limit"],
+            "aenv_gateway_limit_refusals", "Requests refused by a team quota or a lookup "
+            "rate (control/gateway/limits.py), by limit", ["limit"],
             registry=self.registry)
         # control/gateway/events.py
         self.events_collected = Counter(

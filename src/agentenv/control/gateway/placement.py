@@ -6,6 +6,13 @@ trip each time. A cached entry is dropped when the node it names does not answer
 a cache: the binding table is the scheduler's (in Redis), so gateways stay stateless. While the
 scheduler cannot be reached (restarting after kill -9), bindings seen in the last `STALE_TTL`
 seconds keep routing. The node list is cached the same way (`NODES_TTL`).
+
+A miss is cached too, for `MISS_TTL`, apart from the bindings and bounded (`MAX_MISSES`, the
+oldest go first): a stranger sending traffic for made-up ids must not cost the scheduler a call
+each (the red team's finding 5; how many uncached misses a client may cause: limits.py). A
+sandbox this gateway creates replaces its miss at once (`record`); one created through another
+gateway is routable here within `MISS_TTL` at worst, and only if its id was asked for before it
+existed.
 """
 
 from __future__ import annotations
@@ -13,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import grpc
@@ -32,6 +40,9 @@ LOOKUP_TTL = 1.0
 #: does not move without the gateway: create, fork and kill all go through it)
 STALE_TTL = 600.0
 NODES_TTL = 0.5
+MISS_TTL = 1.0
+#: misses cached at most (made-up ids never push out the bindings of real sandboxes)
+MAX_MISSES = 10_000
 RECONNECT_S = 0.5
 
 
@@ -134,6 +145,7 @@ class SchedulerLink:
         self.tls = tls
         self._client: SchedulerClient | None = None
         self._cache: dict[str, tuple[float, Binding]] = {}
+        self._misses: OrderedDict[str, float] = OrderedDict()  # sandbox id -> until
         self._nodes: tuple[float, list[Node]] = (0.0, [])
         self._status: dict[str, pb.NodeStatus] = {}
         self._reconnected = 0.0
@@ -184,6 +196,7 @@ class SchedulerLink:
         except SchedulerError as exc:
             self._reconnect_later(exc)
             raise _translated(exc) from exc
+        self._misses.pop(sandbox_id, None)
         self._cache[sandbox_id] = (time.monotonic() + LOOKUP_TTL, Binding(sandbox_id, node, team))
 
     async def cancel(self, reservation: str) -> None:
@@ -205,11 +218,22 @@ class SchedulerLink:
             self._reconnect_later(exc)
             raise _translated(exc) from exc
 
+    def cached(self, sandbox_id: str) -> bool:
+        """Whether `lookup(sandbox_id)` answers without asking the scheduler (a binding or a
+        miss seen within its TTL)."""
+        now = time.monotonic()
+        cached = self._cache.get(sandbox_id)
+        if cached is not None and cached[0] > now:
+            return True
+        return self._misses.get(sandbox_id, 0.0) > now
+
     async def lookup(self, sandbox_id: str) -> Binding | None:
         now = time.monotonic()
         cached = self._cache.get(sandbox_id)
         if cached is not None and cached[0] > now:
             return cached[1]
+        if self._misses.get(sandbox_id, 0.0) > now:
+            return None
         try:
             where = await self.client.lookup(sandbox_id)
         except SchedulerError as exc:
@@ -217,22 +241,25 @@ class SchedulerLink:
             if exc.unavailable and cached is not None and cached[0] + STALE_TTL > now:
                 return cached[1]
             raise _translated(exc) from exc
-        found = None
-        if where is not None:
-            found = Binding(sandbox_id, Node(where.node_id, where.node_address, where.node_up,
-                                             self.node_scheme),
-                            where.team_id)
+        if where is None:
+            self._cache.pop(sandbox_id, None)
+            self._misses.pop(sandbox_id, None)
+            self._misses[sandbox_id] = now + MISS_TTL
+            while len(self._misses) > MAX_MISSES:
+                self._misses.popitem(last=False)
+            return None
+        found = Binding(sandbox_id, Node(where.node_id, where.node_address, where.node_up,
+                                         self.node_scheme),
+                        where.team_id)
         if len(self._cache) > 100_000:
             self._cache.clear()
-        # a miss is not cached: a sandbox created through another gateway is routable at once
-        if found is not None:
-            self._cache[sandbox_id] = (now + LOOKUP_TTL, found)
-        else:
-            self._cache.pop(sandbox_id, None)
+        self._cache[sandbox_id] = (now + LOOKUP_TTL, found)
+        self._misses.pop(sandbox_id, None)
         return found
 
     def forget(self, sandbox_id: str) -> None:
         self._cache.pop(sandbox_id, None)
+        self._misses.pop(sandbox_id, None)
 
     async def nodes(self) -> list[Node]:
         now = time.monotonic()

@@ -1,7 +1,11 @@
 """Sandbox traffic through the gateway: a request or WebSocket naming a sandbox (E2b-Sandbox-Id
 / X-Agentenv-Sandbox-Id header, or a `{port}-{id}.{domain}` Host) is relayed to the node
 holding the sandbox (agentenv.relay, the node proxy's relay), which relays it on to the
-sandbox. Node down (missed heartbeats, or it does not answer): 503 "node unavailable"."""
+sandbox. Node down (missed heartbeats, or it does not answer): 503 "node unavailable".
+
+An id the gateway has not cached costs a scheduler lookup, and the traffic needs no key: a
+client's lookups that find nothing are limited (control/gateway/limits.py, UNKNOWN_SANDBOXES);
+past its budget an uncached id is a 429 (a WebSocket 1013) without asking the scheduler."""
 
 from __future__ import annotations
 
@@ -9,7 +13,8 @@ import logging
 import re
 from typing import Any
 
-from agentenv.control.gateway.limits import TeamBusy, TeamShares
+from agentenv.control.gateway import nodes
+from agentenv.control.gateway.limits import LookupLimiter, TeamBusy, TeamShares, client_address
 from agentenv.control.gateway.nodes import ENVD_PORT, NodeLink, Scope
 from agentenv.control.gateway.placement import Binding, SchedulerLink, SchedulerUnavailable
 from agentenv.relay.stream import Exchange, Send, header_values, send_json
@@ -68,16 +73,24 @@ def answer_unreachable(scheduler: SchedulerLink) -> Any:
 
 
 class SandboxRelay:
-    def __init__(self, link: NodeLink, team_shares: TeamShares) -> None:
+    def __init__(self, link: NodeLink, team_shares: TeamShares,
+                 misses: LookupLimiter | None = None) -> None:
         self.link = link
         self.team_shares = team_shares
+        self.misses = misses or LookupLimiter(0.0, 0.0)  # 0: no limit
 
-    async def _binding(self, sandbox_id: str) -> tuple[Binding | None, int, str]:
+    async def _binding(self, scope: Scope, sandbox_id: str) -> tuple[Binding | None, int, str]:
+        cached = self.link.scheduler.cached(sandbox_id)
+        address = client_address(scope)
+        if not cached and not self.misses.ready(address):
+            return None, 429, self.misses.refusal(address)
         try:
             binding = await self.link.traffic_lookup(sandbox_id)
         except SchedulerUnavailable as exc:
             return None, 503, str(exc)
         if binding is None:
+            if not cached:
+                self.misses.charge(address)
             return None, 502, "The sandbox was not found"
         if not binding.node.up:
             return None, 503, "node unavailable"
@@ -85,10 +98,13 @@ class SandboxRelay:
 
     async def http(self, scope: Scope, receive: Any, send: Send, sandbox_id: str,
                    port: int) -> None:
-        binding, status, message = await self._binding(sandbox_id)
+        binding, status, message = await self._binding(scope, sandbox_id)
         if binding is None:
-            await send_json(send, status, {"sandboxId": sandbox_id, "message": message,
-                                           "code": status})
+            body = {"sandboxId": sandbox_id, "message": message, "code": status}
+            if status == 429:
+                await nodes.send_json(send, status, body, {"retry-after": "1"})
+            else:
+                await send_json(send, status, body)
             return
         link = self.link
         try:
@@ -105,9 +121,11 @@ class SandboxRelay:
                         port: int) -> None:
         if (await receive())["type"] != "websocket.connect":
             return
-        binding, status, _ = await self._binding(sandbox_id)
+        binding, status, _ = await self._binding(scope, sandbox_id)
         if binding is None:
-            await send({"type": "websocket.close", "code": 1011 if status >= 503 else 1008})
+            # 1013: try again later
+            code = 1013 if status == 429 else 1011 if status >= 503 else 1008
+            await send({"type": "websocket.close", "code": code})
             return
         link = self.link
         try:
