@@ -6,8 +6,10 @@ client that does not read what it asked for), and refuses (503 naming the settin
 every connection is serving a request; a stalled connection that takes nothing for the send
 timeout is cut, and a client holds a bounded number of stalled ones; over TLS a connection is
 counted from its TCP accept (a handshake never finished is bounded like an idle connection)
-and the handshake has a deadline; a trusted proxy has no per-client bound. Clients are told
-apart by their loopback address (127.0.0.2, 127.0.0.3: Linux answers the whole 127/8 on lo)."""
+and the handshake has a deadline; a trusted proxy has no per-client bound; a body relayed by a
+trusted proxy or by a node's gateway (its node key) counts against the client X-Forwarded-For
+names, and that header from anyone else counts for nothing. Clients are told apart by their
+loopback address (127.0.0.2, 127.0.0.3: Linux answers the whole 127/8 on lo)."""
 
 from __future__ import annotations
 
