@@ -22,7 +22,8 @@ NODE = Node("node0", "127.0.0.1:8000")
 
 
 def _link() -> NodeLink:
-    return NodeLink(None, None, SECRET, SimpleNamespace(client=None), None, 60)  # type: ignore[arg-type]
+    relay: Any = SimpleNamespace(client=None)  # the headers need no scheduler, store or relay
+    return NodeLink(None, None, SECRET, relay, None, 60)  # type: ignore[arg-type]
 
 
 def _scope(client: str, *headers: tuple[bytes, bytes]) -> dict[str, Any]:

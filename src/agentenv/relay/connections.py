@@ -57,8 +57,10 @@ gateway's, which writes that header itself and drops the client's). Else, and fo
 own requests (no such header), the peer: a trusted proxy's unbounded. Without this every
 request reached a node of a cluster from its gateway, one client to the node, and a stranger
 sending slow bodies through the gateway had every team's requests with a body on that node
-refused. What anyone else writes in X-Forwarded-For counts for nothing. An idle connection closed so is what a client already handles: the server
-closing a kept-alive connection (HTTP clients open a new one). WebSocket connections leave this
+refused. What anyone else writes in X-Forwarded-For counts for nothing.
+
+An idle connection closed so is what a client already handles: the server closing a
+kept-alive connection (HTTP clients open a new one). WebSocket connections leave this
 accounting when they upgrade (they serve a session; the concurrent request cap counts them, and
 relay/websocket.py bounds what one holds).
 
