@@ -161,8 +161,12 @@ for ((i = 0; i < nodes; i++)); do
     # In its network namespace (nsenter, not `ip netns exec`: that one also gives it a mount
     # namespace of its own, where blockd's memfs mount, made later on the host, never shows,
     # and whose slot namespaces a restarted node could not find to adopt its running VMs);
-    # its slots' namespaces sit in the host's /run/netns under a prefix of its own (aenvcN-sK)
+    # its slots' namespaces sit in the host's /run/netns under a prefix of its own (aenvcN-sK).
+    # The gateway reaches it from $host_ip: a trusted proxy, so the node's per-client
+    # connection bounds do not count every client of the gateway as one, and its clients'
+    # addresses (X-Forwarded-For) reach the node's logs and the sandboxes
     env -u AENV_API_KEY AENV_BLOCKD_SOCKET="$state/blockd/blockd.sock" \
+      AENV_TRUSTED_PROXIES="$host_ip" \
       AENV_BLOCKD_STATE_DIR="$state/blockd/state" AENV_BLOCKD_LOG="$logs/blockd$i.log" \
       AENV_BLOCKD_PIDFILE="$state/blockd.pid" AENV_VM_ASSETS_DIR="$assets" \
       AENV_VM_DEBIAN_CACHE="$debian_cache" AENV_VM_TEMPLATE_CACHE="$template_cache" \

@@ -343,13 +343,16 @@ class Settings(BaseSettings):
                            "this long while it is read gets 408 (0: none).", "seconds")
     body_connections_per_client: str = _s("256", "node, gateway", "A client address's "
                                           "connections whose request body is still arriving "
-                                          "(0: no bound; past it, 429).", "count")
+                                          "(0: no bound; past it, 429); relayed by a trusted "
+                                          "proxy or a node's gateway: the client it names.",
+                                          "count")
     max_connections: str = _s("", "node, gateway", "Open connections (default half the "
                               "open-file limit, at most 16384; 0: no bound).", "count")
     tls_handshake_timeout: str = _s("10", "node", "A TLS handshake not done by then ends the "
                                     "connection (0: asyncio's 60).", "seconds")
     trusted_proxies: str = _s("", "node, gateway", "Proxies (addresses/CIDRs, comma-separated) "
-                              "whose X-Forwarded-For names the client.", "CIDR list")
+                              "whose X-Forwarded-For names the client; not bounded as one "
+                              "client (a node: its gateways).", "CIDR list")
     node_tls_cert: str = _s("", "node", "The node's API serves TLS with this certificate "
                             "(PEM).", "path")
     node_tls_key: str = _s("", "node", "The key of AENV_NODE_TLS_CERT (PEM).", "path")

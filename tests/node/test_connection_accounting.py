@@ -10,6 +10,9 @@ make room, and when they refuse, must be what the rules say:
   loses its least recently active idle one;
 - a client (not a trusted proxy) with more stalled connections than its bound loses its longest
   stalled one;
+- a request body counts against the client X-Forwarded-For names when a trusted proxy sends it
+  or the request is vouched for (a node's gateway), else against the peer; one past the
+  client's bound is refused, a trusted proxy's own are not bounded;
 - nothing else is ever closed, and the counts are the model's.
 
 The limits keep idle and stalled connections in their own ordered structures, so none of this
@@ -26,6 +29,9 @@ from agentenv.relay.connections import ConnectionLimits, State, client_key
 
 TRUSTED = "127.0.0.9"
 ADDRESSES = ["127.0.0.1", "127.0.0.2", TRUSTED, "2001:db8::1", "2001:db8::2"]
+#: clients a proxy may name (one shares 2001:db8::1's /64, one is a direct client)
+FORWARDED = [None, "198.51.100.1", "127.0.0.1", "2001:db8::5"]
+VOUCHER = (b"x-vouched", b"yes")
 
 
 class Fake:
@@ -53,12 +59,14 @@ class Entry:
         self.key = client_key(address)
         self.state = State.IDLE
         self.since = since  # when it last became idle or stalled
+        self.body: str | None = None  # whose body it receives
 
 
 class Accounting(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
-        self.limits = ConnectionLimits(2, 6, [TRUSTED], stalled_per_client=2)
+        self.limits = ConnectionLimits(2, 6, [TRUSTED], stalled_per_client=2, body_per_client=2,
+                                       vouch=lambda headers: VOUCHER in headers)
         self.model: dict[Fake, Entry] = {}
         self.tick = 0
         self.made = 0
@@ -138,11 +146,42 @@ class Accounting(RuleBasedStateMachine):
         self.limits.release(conn)
         self.limits.release(conn)  # idempotent
 
+    @precondition(lambda self: self.model)
+    @rule(data=st.data(), forwarded=st.sampled_from(FORWARDED), vouched=st.booleans())
+    def begin_body(self, data: st.DataObject, forwarded: str | None, vouched: bool) -> None:
+        conn = data.draw(st.sampled_from(sorted(self.model, key=lambda c: c.number)))
+        entry = self.model[conn]
+        headers = [(b"x-forwarded-for", b"203.0.113.1, " + forwarded.encode())] \
+            if forwarded else []
+        if vouched:
+            headers.append(VOUCHER)
+        refused = self.limits.begin_body(conn, headers)
+        if entry.body is not None:  # already receiving: nothing changes
+            assert refused is None
+            return
+        if forwarded and (vouched or entry.address == TRUSTED):
+            key, bounded = client_key(forwarded), True
+        else:
+            key, bounded = entry.key, entry.address != TRUSTED
+        arriving = sum(1 for e in self.model.values() if e.body == key)
+        assert (refused is not None) == (bounded and arriving >= 2), (key, arriving)
+        if refused is None:
+            entry.body = key
+
+    @precondition(lambda self: self.model)
+    @rule(data=st.data())
+    def end_body(self, data: st.DataObject) -> None:
+        conn = data.draw(st.sampled_from(sorted(self.model, key=lambda c: c.number)))
+        self.limits.end_body(conn)
+        self.limits.end_body(conn)  # idempotent
+        self.model[conn].body = None
+
     @invariant()
     def counts_agree(self) -> None:
         assert len(self.limits) == len(self.model)
         assert self.limits.stalled == len(self._in(State.STALLED))
         assert self.limits.idle == len(self._in(State.IDLE))
+        assert self.limits.receiving == sum(1 for e in self.model.values() if e.body)
         for conn, entry in self.model.items():
             assert self.limits.state(conn) is entry.state
             assert conn.ended is None

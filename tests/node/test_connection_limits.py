@@ -6,8 +6,10 @@ client that does not read what it asked for), and refuses (503 naming the settin
 every connection is serving a request; a stalled connection that takes nothing for the send
 timeout is cut, and a client holds a bounded number of stalled ones; over TLS a connection is
 counted from its TCP accept (a handshake never finished is bounded like an idle connection)
-and the handshake has a deadline; a trusted proxy has no per-client bound. Clients are told
-apart by their loopback address (127.0.0.2, 127.0.0.3: Linux answers the whole 127/8 on lo)."""
+and the handshake has a deadline; a trusted proxy has no per-client bound; a body relayed by a
+trusted proxy or by a node's gateway (its node key) counts against the client X-Forwarded-For
+names, and that header from anyone else counts for nothing. Clients are told apart by their
+loopback address (127.0.0.2, 127.0.0.3: Linux answers the whole 127/8 on lo)."""
 
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ from typing import Any
 import pytest
 import uvicorn
 
+from agentenv.node.server import connection_limits as node_connection_limits
 from agentenv.relay.connections import ConnectionLimits, client_key
 from agentenv.relay.server import hardened_config
 from tests.control.helpers import wait_for
@@ -41,11 +44,13 @@ Serve = Callable[..., tuple[int, Held, ConnectionLimits]]
 def serve() -> Iterator[Serve]:
     stops: list[tuple[uvicorn.Server, threading.Thread, Held]] = []
 
-    def start(idle_per_client: int, total: int, trusted: list[str] | None = None,
+    def start(idle_per_client: int = 0, total: int = 0, trusted: list[str] | None = None,
               tls_files: tuple[Path, Path] | None = None, head_timeout: float = 30,
-              **bounds: float) -> tuple[int, Held, ConnectionLimits]:
+              connections: ConnectionLimits | None = None,
+              **bounds: Any) -> tuple[int, Held, ConnectionLimits]:
         app = Held()
-        limits = ConnectionLimits(idle_per_client, total, trusted, **bounds)  # type: ignore[arg-type]
+        limits = connections if connections is not None else ConnectionLimits(
+            idle_per_client, total, trusted, **bounds)
         port = free_port()
         server = uvicorn.Server(hardened_config(app, "127.0.0.1", port, 64 << 10, head_timeout,
                                                 1, connections=limits, tls_files=tls_files))
@@ -420,6 +425,128 @@ def test_a_client_holds_a_bounded_number_of_bodies_arriving(
         sock.sendall(b"x" * 99)
         assert _read_response(sock).endswith(b"\r\n\r\n100")
     assert limits.receiving == 0 and limits.body_refused.count == 1
+
+
+#: the key a node of a cluster is given (its gateway sends it with every request), a stranger
+#: through that gateway, another team's client, and a test's "gateway" (its peer address)
+NODE_KEY = "k" * 43
+STRANGER, OTHER_TEAM, GATEWAY = "198.51.100.7", "203.0.113.9", "127.0.0.5"
+
+
+def _via_gateway(length: int, client: str | None, key: str | None = NODE_KEY) -> bytes:
+    """A POST head as a gateway sends it to a node: the node's key (`key`) and the address of
+    the client it relays for (`client`, X-Forwarded-For)."""
+    lines = ["POST /upload HTTP/1.1", "host: x", f"content-length: {length}"]
+    if key is not None:
+        lines.append(f"x-agentenv-node-key: {key}")
+    if client is not None:
+        lines.append(f"x-forwarded-for: {client}")
+    return ("\r\n".join(lines) + "\r\n\r\n").encode()
+
+
+def _slow_bodies(sock_of: Callable[[], socket.socket], heads: list[bytes]) -> list[socket.socket]:
+    """Start a body on a new connection per head, one byte of it sent."""
+    started = []
+    for head in heads:
+        sock = sock_of()
+        sock.sendall(head + b"x")
+        started.append(sock)
+    return started
+
+
+def _refused_body(sock: socket.socket, head: bytes) -> bool:
+    sock.sendall(head + b"x")
+    answer = _read_response(sock)
+    return answer.startswith(b"HTTP/1.1 429") and "AENV_BODY_CONNECTIONS_PER_CLIENT" in \
+        _json_message(answer)
+
+
+def _finish(socks: list[socket.socket], length: int = 100) -> None:
+    for sock in socks:
+        sock.sendall(b"x" * (length - 1))
+        assert _read_response(sock).endswith(b"\r\n\r\n%d" % length)
+
+
+def test_bodies_relayed_by_the_gateway_count_against_the_client_it_names(
+        serve: Serve, clients: Callable[[int, str], Client],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The red team's finding: every request reaches a node of a cluster from its gateway, so a
+    stranger's slow bodies through the gateway used up the gateway's bound at the node and
+    every team's creates and commands on that node got 429. A request carrying the node's key
+    is its gateway's: its body counts against the client the gateway names (X-Forwarded-For,
+    which the gateway always writes itself), the gateway's own requests against the gateway."""
+    monkeypatch.setenv("AENV_BODY_CONNECTIONS_PER_CLIENT", "2")
+    port, _, limits = serve(connections=node_connection_limits(NODE_KEY))
+    gateway = clients(port, GATEWAY)
+    slow = _slow_bodies(gateway.connect, [_via_gateway(100, STRANGER)] * 2)
+    wait_for("the stranger's two bodies arriving", lambda: limits.receiving == 2, timeout=10)
+    assert _refused_body(gateway.connect(), _via_gateway(100, STRANGER))  # its own bound
+
+    theirs = gateway.connect()  # another team's command, through the same gateway
+    theirs.sendall(_via_gateway(3, OTHER_TEAM) + b"abc")
+    answer = _read_response(theirs)
+    assert answer.startswith(b"HTTP/1.1 200") and answer.endswith(b"\r\n\r\n3"), answer
+    own = _slow_bodies(gateway.connect, [_via_gateway(100, None)] * 2)  # the gateway's own
+    wait_for("four bodies arriving", lambda: limits.receiving == 4, timeout=10)
+    assert _refused_body(gateway.connect(), _via_gateway(100, None))
+    _finish(slow + own)
+    assert limits.receiving == 0 and limits.body_refused.count == 2
+
+
+def test_a_forwarded_address_from_anyone_else_is_ignored(
+        serve: Serve, clients: Callable[[int, str], Client],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A peer that is neither a trusted proxy nor carries the node's key cannot pick its own
+    bound by naming a client: its bodies count against its own address, whatever it writes."""
+    monkeypatch.setenv("AENV_BODY_CONNECTIONS_PER_CLIENT", "2")
+    monkeypatch.setenv("AENV_TRUSTED_PROXIES", "127.0.0.4")
+    port, _, limits = serve(connections=node_connection_limits(NODE_KEY))
+    stranger = clients(port, "127.0.0.3")
+    slow = _slow_bodies(stranger.connect, [_via_gateway(100, "192.0.2.1", key=None),
+                                           _via_gateway(100, "192.0.2.2", key="k" * 42 + "x")])
+    wait_for("two bodies arriving", lambda: limits.receiving == 2, timeout=10)
+    assert _refused_body(stranger.connect(), _via_gateway(100, "192.0.2.3", key=None))
+    assert _refused_body(stranger.connect(), _via_gateway(100, "192.0.2.4", key="wrong"))
+    assert _refused_body(stranger.connect(), _via_gateway(100, "127.0.0.4, 192.0.2.5",
+                                                          key=NODE_KEY[:-1]))
+    _finish(slow)
+    assert limits.body_refused.count == 3
+
+
+def test_bodies_through_a_trusted_proxy_count_against_the_client_it_names(
+        serve: Serve, clients: Callable[[int, str], Client]) -> None:
+    """A proxy in AENV_TRUSTED_PROXIES (a load balancer before the gateway, the gateway before
+    a node) has no bound of its own, but what it relays for a client counts against that
+    client: the right-most address of X-Forwarded-For no trusted proxy added, as uvicorn's
+    proxy-headers middleware names the client to the app."""
+    port, _, limits = serve(body_per_client=2, trusted=["127.0.0.4", "10.1.0.0/16"])
+    proxy = clients(port, "127.0.0.4")
+    slow = _slow_bodies(proxy.connect, [_via_gateway(100, STRANGER, key=None),
+                                        _via_gateway(100, f"192.0.2.1, {STRANGER}, 10.1.2.3",
+                                                     key=None)])
+    wait_for("two bodies arriving", lambda: limits.receiving == 2, timeout=10)
+    assert _refused_body(proxy.connect(), _via_gateway(100, f"{STRANGER}:4711", key=None))
+    theirs = _slow_bodies(proxy.connect, [_via_gateway(100, OTHER_TEAM, key=None)] * 2)
+    own = _slow_bodies(proxy.connect, [_via_gateway(100, None, key=None)] * 3)  # unbounded
+    wait_for("seven bodies arriving", lambda: limits.receiving == 7, timeout=10)
+    _finish(slow + theirs + own)
+    assert limits.receiving == 0 and limits.body_refused.count == 1
+
+
+def test_the_forwarded_client_is_the_one_uvicorn_names() -> None:
+    limits = ConnectionLimits(0, 0, ["10.0.0.0/8"])
+
+    def named(*values: str) -> str | None:
+        return limits.forwarded_client([(b"x-forwarded-for", v.encode()) for v in values])
+
+    assert named("192.0.2.1") == "192.0.2.1"
+    assert named("192.0.2.1, 192.0.2.2") == "192.0.2.2"
+    assert named("192.0.2.1", "192.0.2.2, 10.0.0.1") == "192.0.2.2"
+    assert named("10.0.0.2, 10.0.0.1") == "10.0.0.2"  # all trusted: the first
+    assert named("192.0.2.1:8080") == "192.0.2.1"
+    assert named("[2001:db8::1]:8080") == "2001:db8::1"
+    assert named("2001:db8::1") == "2001:db8::1"
+    assert named("192.0.2.1, ") is None and named() is None
 
 
 class Chatty:

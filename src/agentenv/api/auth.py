@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+from collections.abc import Sequence
 
 
 def same_secret(given: str | None, expected: str) -> bool:
@@ -19,6 +20,15 @@ def same_secret(given: str | None, expected: str) -> bool:
 #: the header a gateway sends every request to a node of a cluster with: that node's key
 #: (agentenv.cluster_keys.node_key), which no other node's key passes
 NODE_KEY_HEADER = b"x-agentenv-node-key"
+
+
+def carries_node_key(scope_headers: Sequence[tuple[bytes, bytes]], node_key: str) -> bool:
+    """Whether a request carries exactly one NODE_KEY_HEADER, and it is `node_key` (constant
+    time): a request of the node's gateway."""
+    given = [v for n, v in scope_headers if n == NODE_KEY_HEADER]
+    return len(given) == 1 and same_secret(given[0].decode("latin-1"), node_key)
+
+
 #: a node route only its gateway calls: which sandbox of the node made a file signature
 SIGNATURE_OWNER_PATH = "/cluster/file-signature-owner"
 

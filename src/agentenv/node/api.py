@@ -41,7 +41,7 @@ from starlette.routing import Route
 
 from agentenv import __version__, console
 from agentenv.api import models, paging
-from agentenv.api.auth import NODE_KEY_HEADER, bearer_is, same_secret
+from agentenv.api.auth import bearer_is, carries_node_key, same_secret
 from agentenv.api.bodies import Endpoint, error, read_model
 from agentenv.api.errors import ApiError, BadRequest, sandbox_not_found
 from agentenv.api.openapi import openapi_document
@@ -189,8 +189,7 @@ class NodeApp:
         from_gateway = False
         if (self.node_key is not None and not scraper
                 and (named is not None or scope["path"] != "/health")):
-            given = [v for n, v in scope["headers"] if n == NODE_KEY_HEADER]
-            if len(given) != 1 or not same_secret(given[0].decode("latin-1"), self.node_key):
+            if not carries_node_key(scope["headers"], self.node_key):
                 await self._refuse(scope, send, 403, "this node serves its cluster's gateway only")
                 return
             from_gateway = True

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import fcntl
+import functools
 import logging
 import os
 import socket
@@ -18,7 +19,7 @@ from pathlib import Path
 import uvicorn
 from starlette.routing import Route
 
-from agentenv.api.auth import NODE_KEY_HEADER
+from agentenv.api.auth import NODE_KEY_HEADER, carries_node_key
 from agentenv.blockd.remote import install_private_store
 from agentenv.errors import AgentEnvError
 from agentenv.node.admission import Admission, TeamQuotas, space_reserve
@@ -37,7 +38,8 @@ from agentenv.node.volume_api import VolumeApi
 from agentenv.node.volumes import VolumeLimits, Volumes
 from agentenv.node.webhooks import DeliveryPolicy, Webhooks
 from agentenv.relay.concurrency import ConcurrencyCap, max_concurrent
-from agentenv.relay.server import hardened_config, quiet_stream_aborts
+from agentenv.relay.connections import ConnectionLimits
+from agentenv.relay.server import hardened_config, quiet_stream_aborts, trusted_proxies
 from agentenv.relay.tls import CA_ENV, NodeTls
 from agentenv.settings import get_settings
 
@@ -259,6 +261,16 @@ def check_backend_allowed(options: ServeOptions) -> None:
             "development cluster")
 
 
+def connection_limits(node_key: str | None) -> ConnectionLimits:
+    """The node's bounds on open connections (relay/connections.py, from the environment). A
+    node of a cluster sees every request come from its gateway: one that carries the node's key
+    is the gateway's, and its body counts against the client the gateway names
+    (X-Forwarded-For, which the gateway writes itself), else one stranger's slow bodies
+    through the gateway would have every team's refused on this node."""
+    vouch = functools.partial(carries_node_key, node_key=node_key) if node_key else None
+    return ConnectionLimits.from_env(trusted_proxies(), vouch=vouch)
+
+
 def serve(options: ServeOptions) -> None:
     """Run the node until SIGTERM/SIGINT."""
     check_backend_allowed(options)
@@ -273,7 +285,8 @@ def serve(options: ServeOptions) -> None:
     config = hardened_config(capped, options.host, options.port, limits.max_head_bytes,
                              limits.head_timeout, options.graceful_seconds,
                              ws_max_bytes=limits.max_ws_message_bytes,
-                             tls_files=(tls.cert, tls.key) if tls.serves else None)  # type: ignore[arg-type]
+                             tls_files=(tls.cert, tls.key) if tls.serves else None,  # type: ignore[arg-type]
+                             connections=connection_limits(options.node_key))
     server = uvicorn.Server(config)
     log.info(
         "node starting",

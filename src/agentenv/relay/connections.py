@@ -48,8 +48,19 @@ Bounds, nginx's `limit_conn` and `send_timeout` and Go's idle-connection evictio
   of its team's share at the gateway) per connection for as long as it kept a body coming.
 
 A proxy the operator trusts (AENV_TRUSTED_PROXIES) speaks for many clients and has no
-per-client bound. An idle connection closed so is what a client already handles: the server
-closing a kept-alive connection (HTTP clients open a new one). WebSocket connections leave this
+per-client bound of its own. The connection bounds apply at the TCP accept, before any header,
+so they know only the peer; a request body is counted once its head is read, against the
+client a proxy relays it for: the address in X-Forwarded-For (the right-most no trusted proxy
+added, as uvicorn names the client to the app) when the peer is a trusted proxy or the request
+is vouched for (`vouch`: a node of a cluster takes a request carrying its node key as its
+gateway's, which writes that header itself and drops the client's). Else, and for a proxy's
+own requests (no such header), the peer: a trusted proxy's unbounded. Without this every
+request reached a node of a cluster from its gateway, one client to the node, and a stranger
+sending slow bodies through the gateway had every team's requests with a body on that node
+refused. What anyone else writes in X-Forwarded-For counts for nothing.
+
+An idle connection closed so is what a client already handles: the server closing a
+kept-alive connection (HTTP clients open a new one). WebSocket connections leave this
 accounting when they upgrade (they serve a session; the concurrent request cap counts them, and
 relay/websocket.py bounds what one holds).
 
@@ -65,7 +76,7 @@ import ipaddress
 import logging
 import resource
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Protocol
 
 from agentenv.logs import Sampled
@@ -87,6 +98,11 @@ DEFAULT_SEND_TIMEOUT = 60
 DEFAULT_HANDSHAKE_TIMEOUT = 10
 DEFAULT_BODY_TIMEOUT = 60
 DEFAULT_BODY_PER_CLIENT = 256
+FORWARDED_FOR = b"x-forwarded-for"
+
+#: whether a request's headers show it comes from a proxy that names its client (a node of a
+#: cluster: its gateway's node key)
+Vouch = Callable[[Sequence[tuple[bytes, bytes]]], bool]
 
 
 class State(enum.Enum):
@@ -133,16 +149,24 @@ def raise_open_files() -> int:
     return soft
 
 
+def _forwarded_host(item: str) -> str:
+    """The address of one X-Forwarded-For item: `host`, `ipv4:port` or `[ipv6]:port`."""
+    if item.startswith("["):
+        return item[1:item.find("]")] if "]" in item else item
+    if item.count(":") == 1:
+        return item.rsplit(":", 1)[0]
+    return item
+
+
 class _Client:
     """One client's idle connections (least recently active first) and stalled ones (longest
-    stalled first), how many are receiving a request body, and how many it has in all."""
+    stalled first), and how many it has in all."""
 
-    __slots__ = ("count", "idle", "receiving", "stalled")
+    __slots__ = ("count", "idle", "stalled")
 
     def __init__(self) -> None:
         self.idle: OrderedDict[Connection, None] = OrderedDict()
         self.stalled: OrderedDict[Connection, None] = OrderedDict()
-        self.receiving = 0
         self.count = 0
 
 
@@ -171,13 +195,13 @@ class _Ranking:
 
 
 class _Entry:
-    __slots__ = ("key", "receiving", "state", "trusted")
+    __slots__ = ("body", "key", "state", "trusted")
 
     def __init__(self, key: str, trusted: bool) -> None:
         self.key = key
         self.state = State.IDLE
         self.trusted = trusted
-        self.receiving = False
+        self.body: str | None = None  # whose body it is receiving (a client key), if any
 
 
 class ConnectionLimits:
@@ -188,7 +212,8 @@ class ConnectionLimits:
                  send_timeout: float = DEFAULT_SEND_TIMEOUT,
                  handshake_timeout: float = DEFAULT_HANDSHAKE_TIMEOUT,
                  body_timeout: float = DEFAULT_BODY_TIMEOUT,
-                 body_per_client: int = DEFAULT_BODY_PER_CLIENT) -> None:
+                 body_per_client: int = DEFAULT_BODY_PER_CLIENT,
+                 vouch: Vouch | None = None) -> None:
         self.idle_per_client = idle_per_client
         self.stalled_per_client = stalled_per_client
         self.total = total
@@ -197,6 +222,8 @@ class ConnectionLimits:
         self.body_timeout = body_timeout
         self.body_per_client = body_per_client
         self._trusted = [ipaddress.ip_network(t, strict=False) for t in trusted or []]
+        self.vouch = vouch
+        self._bodies: dict[str, int] = {}  # client key -> its bodies arriving
         self._open: dict[Connection, _Entry] = {}
         self._clients: dict[str, _Client] = {}
         self._stalled: OrderedDict[Connection, None] = OrderedDict()  # longest stalled first
@@ -213,7 +240,8 @@ class ConnectionLimits:
 
     @classmethod
     def from_env(cls, trusted: list[str] | None = None,
-                 env: Mapping[str, str] | None = None) -> ConnectionLimits:
+                 env: Mapping[str, str] | None = None,
+                 vouch: Vouch | None = None) -> ConnectionLimits:
         return cls(
             whole_number_setting(env, PER_CLIENT_SETTING, DEFAULT_IDLE_PER_CLIENT),
             whole_number_setting(env, TOTAL_SETTING,
@@ -226,7 +254,8 @@ class ConnectionLimits:
                                                    DEFAULT_HANDSHAKE_TIMEOUT),
             body_timeout=whole_number_setting(env, BODY_TIMEOUT_SETTING, DEFAULT_BODY_TIMEOUT),
             body_per_client=whole_number_setting(env, BODY_PER_CLIENT_SETTING,
-                                                 DEFAULT_BODY_PER_CLIENT))
+                                                 DEFAULT_BODY_PER_CLIENT),
+            vouch=vouch)
 
     def __len__(self) -> int:
         return len(self._open)
@@ -256,6 +285,29 @@ class ConnectionLimits:
         except ValueError:
             return False
         return any(ip in net for net in self._trusted)
+
+    def forwarded_client(self, headers: Sequence[tuple[bytes, bytes]]) -> str | None:
+        """The client X-Forwarded-For names (its items in order, every such header joined):
+        the right-most address no trusted proxy added, else the first; None when there is none
+        or that item is empty. Only for a request from a proxy that may name it."""
+        values = [value for name, value in headers if name == FORWARDED_FOR]
+        if not values:
+            return None
+        items = [i.strip() for i in b",".join(values).decode("latin-1").split(",")]
+        for item in reversed(items):
+            host = _forwarded_host(item)
+            if not self._is_trusted(host):
+                return host or None
+        return _forwarded_host(items[0]) or None
+
+    def _body_client(self, entry: _Entry, headers: Sequence[tuple[bytes, bytes]]
+                     ) -> tuple[str, bool]:
+        """Whose bound a request body on `entry` counts against, and whether it is bounded."""
+        if entry.trusted or (self.vouch is not None and self.vouch(headers)):
+            forwarded = self.forwarded_client(headers)
+            if forwarded is not None:
+                return client_key(forwarded), True
+        return entry.key, not entry.trusted
 
     def admit(self, conn: Connection, address: str) -> str | None:
         """Track a new connection from `address` (idle), making room by closing idle or
@@ -303,33 +355,39 @@ class ConnectionLimits:
             self._abort(next(iter(client.stalled)), "the client's stalled connection limit",
                         entry.key)
 
-    def begin_body(self, conn: Connection) -> str | None:
-        """`conn` starts receiving a request body; the reason it may not (the caller answers
-        429 and closes it), or None."""
+    def begin_body(self, conn: Connection,
+                   headers: Sequence[tuple[bytes, bytes]] = ()) -> str | None:
+        """`conn` starts receiving the body of a request with these `headers`; the reason it
+        may not (the caller answers 429 and closes it), or None."""
         entry = self._open.get(conn)
-        if entry is None or entry.receiving:
+        if entry is None or entry.body is not None:
             return None
-        client = self._clients[entry.key]
-        if (self.body_per_client and not entry.trusted
-                and client.receiving >= self.body_per_client):
+        key, bounded = self._body_client(entry, headers)
+        arriving = self._bodies.get(key, 0)
+        if self.body_per_client and bounded and arriving >= self.body_per_client:
             if self.body_refused.tick():
                 log.info("request refused: its client has its bound of bodies arriving",
-                         extra={"client": entry.key, "limit": self.body_per_client,
+                         extra={"client": key, "peer": entry.key,
+                                "limit": self.body_per_client,
                                 "refused": self.body_refused.count})
             return (f"this client has {self.body_per_client} requests whose bodies are still "
                     f"arriving, the server's bound ({BODY_PER_CLIENT_SETTING}); finish one "
                     "first")
-        entry.receiving = True
-        client.receiving += 1
+        entry.body = key
+        self._bodies[key] = arriving + 1
         self._receiving += 1
         return None
 
     def end_body(self, conn: Connection) -> None:
         """`conn` has received its request body (or will not); idempotent."""
         entry = self._open.get(conn)
-        if entry is not None and entry.receiving:
-            entry.receiving = False
-            self._clients[entry.key].receiving -= 1
+        if entry is not None and entry.body is not None:
+            key, entry.body = entry.body, None
+            left = self._bodies[key] - 1
+            if left:
+                self._bodies[key] = left
+            else:
+                del self._bodies[key]
             self._receiving -= 1
 
     def release(self, conn: Connection) -> None:

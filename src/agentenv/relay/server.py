@@ -20,7 +20,9 @@ The client's address (rate limits, logs) is the peer's, unless the peer is a pro
 trusts (`AENV_TRUSTED_PROXIES`, addresses and CIDRs): then it is what that proxy put in
 `X-Forwarded-For` (uvicorn's proxy-headers middleware: the right-most address no trusted proxy
 added). Nothing else is trusted, not even loopback (uvicorn's default): a client that may name
-its own address picks its own rate limit bucket.
+its own address picks its own rate limit bucket. The bounds on request bodies arriving
+(relay/connections.py) name the client so too, or as a proxy the server authenticates some
+other way names it (`vouch`: a node of a cluster, its gateway).
 """
 
 from __future__ import annotations
@@ -250,12 +252,13 @@ class _HardenedBase(H11Protocol):
     _body_last = 0.0  # loop time of the body's last byte, or of the server's last ask
 
     # uvicorn reads `self.app` once per request, as soon as the request head is parsed and
-    # before any of its body: where a request with a body is counted (or refused)
+    # before any of its body: where a request with a body is counted (or refused), against the
+    # client its headers name when a proxy that may name it relays it
     @property
     def app(self) -> Any:
         if not request_has_body(self.scope):
             return self._app
-        refused = self.connection_limits.begin_body(self)
+        refused = self.connection_limits.begin_body(self, self.scope["headers"])
         if refused is not None:
             return _refusal(429, refused)
         self._receiving = True
