@@ -174,13 +174,13 @@ def test_sixteen_at_once_through_the_gateway_on_two_nodes(tmp_path: Path) -> Non
 
 def test_a_node_refusing_for_room_hands_the_create_to_the_next(tmp_path: Path) -> None:
     """The scheduler's view of a node is its last heartbeat's: when the node has filled since
-    (here: sandboxes made on it directly, with heartbeats 60 s apart so the view stays stale),
+    (here: sandboxes made on it directly, with heartbeats 300 s apart so the view stays stale),
     it refuses the gateway's create with its own 429 and the gateway asks the scheduler for the
     next node. With every node full the last refusal is the answer: 429 naming cpu."""
     env = ceiling_env(1)
     # round-robin: the first placement of a fresh scheduler is the first node by id (by load,
     # two empty nodes on one host tie but for the MemAvailable each sampled)
-    with running_cluster(tmp_path / "cluster", 2, node_env=env, heartbeat=60.0,
+    with running_cluster(tmp_path / "cluster", 2, node_env=env, heartbeat=300.0,
                          strategy="round-robin") as cluster, gateway(cluster) as api:
         node0 = cluster.nodes[0]
         with httpx.Client(base_url=node0.url, timeout=300, trust_env=False,
