@@ -1,7 +1,7 @@
 """Creates through the gateway: placement (the scheduler's choice, the next node's when one
 refuses for room), the team's quota, and a create's Idempotency-Key claimed in Redis as a lease,
-so that retries through any gateway make one sandbox; batch creates and forks (`count`
-sandboxes on one node, a result each)."""
+so that retries through any gateway make one sandbox (or one batch); batch creates and forks
+(`count` sandboxes, a result each, spilling over to other nodes: batch.py)."""
 
 from __future__ import annotations
 
