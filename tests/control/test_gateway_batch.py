@@ -141,6 +141,12 @@ def test_a_snapshot_fork_without_repository_says_spill_over_needs_it(
     for r in results[len(made):]:
         assert r["error"]["code"] == 429
         assert "AENV_SNAPSHOT_REPOSITORY" in r["error"]["message"], r
+    # a create with count from the snapshot is a fork of it: its node full, the whole 429
+    # names the setting too
+    full = api.post("/v2/sandboxes", json={"templateID": snapshot, "timeout": 120, "count": 2})
+    assert full.status_code == 429, full.text
+    assert "AENV_SNAPSHOT_REPOSITORY" in full.json()["message"], full.text
+    assert full.headers["x-agentenv-refused"] == "sandboxes"
 
 
 def test_a_snapshot_fork_whose_push_fails_keeps_its_refusals(

@@ -218,7 +218,6 @@ class Batches:
                 resource = answer.headers.get(REFUSED_HEADER)
                 if answer.status_code == 429 and resource:
                     children.refusal = answer
-                    self.metrics.placement_retries.labels(resource).inc()
                 elif first:
                     return answer
                 else:
@@ -230,6 +229,10 @@ class Batches:
                 break
             tried.append(node.node_id)
             placed = await next_node(tried)
+            if placed is not None and answer is not None and answer.status_code == 429:
+                # handed on, as a create a node refused for room
+                self.metrics.placement_retries.labels(
+                    answer.headers.get(REFUSED_HEADER, "sandboxes")).inc()
         return None
 
     async def _keep(self, team: str, node: Node, reservation: str, pending: list[int],

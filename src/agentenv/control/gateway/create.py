@@ -205,8 +205,12 @@ class Creates:
                   else await self.scheduler.schedule(template=template, team=team))
         if isinstance(body, dict) and body.get("count") is not None:  # a batch (an extension)
             async with self.placing(placed):
-                answer = await self.batches.from_template(request, team, placed, raw,
-                                                          template if node is None else None)
+                if owned is not None and owned.kind == "snapshot":  # spills as a snapshot's
+                    answer = await self.batches.from_snapshot(request, team, placed.node,
+                                                              owned.id, raw)
+                else:
+                    answer = await self.batches.from_template(
+                        request, team, placed, raw, template if node is None else None)
             return await self._batch_answer(send, team, answer, key, mark)
         headers = None
         sent_to = None
