@@ -53,8 +53,9 @@ class FakeNode:
     def handle(self, method: str, path: str, body: dict[str, Any]) -> httpx.Response:
         if method == "GET" and path.startswith("/sandboxes/"):
             sid = path.rsplit("/", 1)[1]
-            return httpx.Response(200, json={"sandboxID": sid, "state": "paused"
-                                             if sid in self.paused else "running"})
+            return httpx.Response(200, json={"sandboxID": sid, "templateID": "base",
+                                             "state": "paused" if sid in self.paused
+                                             else "running"})
         if path == "/aenv/snapshots/push":
             self.pushed.append(body["ref"])
             return httpx.Response(200, json={"ref": body["ref"]})
@@ -73,6 +74,7 @@ class Cluster:
         self.nodes = {n.node_id: FakeNode(n, r, paused) for n, r in zip(NODES, rooms,
                                                                           strict=False)}
         self.recorded: dict[str, str] = {}
+        self.scheduled: list[str] = []
         self.hashes: dict[str, dict[str, str]] = {}
         self.http = httpx.AsyncClient(transport=httpx.MockTransport(self._transport))
 
@@ -97,6 +99,7 @@ class Cluster:
     # the SchedulerLink
     async def schedule(self, *, template: str = "", team: str = "",
                        exclude: tuple[str, ...] = ()) -> Placed:
+        self.scheduled.append(template)
         for node_id, fake in self.nodes.items():
             if node_id not in exclude and fake.room:
                 return Placed(fake.node, f"r-{node_id}")
@@ -213,6 +216,7 @@ def test_a_paused_sandbox_s_fork_goes_elsewhere_a_running_one_s_does_not(
     assert [r["sandbox"]["sandboxID"] for r in results] == ["n1-c0", "n1-c1", "n2-c0"]
     (ref,) = cluster.nodes["n0"].pushed
     assert ref.startswith("registry.local/aenv/alpha/spill:ipaused-")
+    assert set(cluster.scheduled) == {"base"}  # placed by the paused sandbox's template
     refused = run(batches(cluster).fork(FakeRequest("/sandboxes/irunning/fork"), "alpha",
                                         NODES[0], "irunning", raw))
     assert isinstance(refused, httpx.Response) and refused.status_code == 429

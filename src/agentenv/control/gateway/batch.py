@@ -156,7 +156,7 @@ class Batches:
                 return first
             if children.pending:
                 await self._through_repository(team, children, home, snapshot, snapshot, raw,
-                                               made, cache=True)
+                                               made, "snapshot", cache=True)
         return self._finish(children, "snapshot")
 
     async def fork(self, request: Request, team: str, home: Node, sandbox_id: str,
@@ -173,9 +173,10 @@ class Batches:
             first = await self._spread(team, children, Placed(home), ask, _nowhere, made, "fork")
             if first is not None:
                 return first
-            if children.pending and await self._paused(home, sandbox_id, team):
-                await self._through_repository(team, children, home, sandbox_id, sandbox_id,
-                                               raw, made, cache=False)
+            template = await self._paused(home, sandbox_id, team) if children.pending else None
+            if template is not None:  # placed by its template's size
+                await self._through_repository(team, children, home, sandbox_id, template,
+                                               raw, made, "fork", cache=False)
         return self._finish(children, "fork")
 
     # --- the spreading ---------------------------------------------------------------------
@@ -247,7 +248,13 @@ class Batches:
         made.ids += ids  # they keep their quota places from now on, whatever follows
         await self.store.own_sandboxes(team, ids)
         for child in ids:  # the placement's room becomes the first child
-            await self.scheduler.record(child, node, team, reservation)
+            try:
+                await self.scheduler.record(child, node, team, reservation)
+            except PlacementFailure as exc:
+                # made and the team's (own_sandboxes): the node's next heartbeat binds it, so
+                # the answer names it rather than failing the batch over it
+                log.warning("a batch's child not recorded: %s", exc.detail, extra={
+                    "sandbox_id": child, "node": node.node_id})
             reservation = ""
         await self.scheduler.cancel(reservation)
         if ids:
@@ -291,11 +298,12 @@ class Batches:
     # --- through the snapshot repository ---------------------------------------------------
 
     async def _through_repository(self, team: str, children: Children, home: Node, name: str,
-                                  snapshot: str, raw: bytes, made: NewItems, *,
+                                  snapshot: str, raw: bytes, made: NewItems, kind: str, *,
                                   cache: bool) -> None:
         """The pending children on other nodes, from `name` (a snapshot, or a paused
-        sandbox's pause snapshot) pushed to the repository by `home`. Without a repository,
-        or when the push fails, they stay refused and say why."""
+        sandbox's pause snapshot) pushed to the repository by `home`; `snapshot`: what the
+        scheduler sizes them by (and, with `cache`, the snapshot remembered as pushed).
+        Without a repository, or when the push fails, they stay refused and say why."""
         prefix = repository()
         if not prefix:
             self._note(children, SPILL_HINT)
@@ -327,7 +335,7 @@ class Batches:
         placed = await next_node([])
         if placed is None:
             return
-        await self._spread(team, children, placed, ask, next_node, made, "snapshot", spill=True)
+        await self._spread(team, children, placed, ask, next_node, made, kind, spill=True)
 
     def _note(self, children: Children, note: str) -> None:
         children.noted(note)
@@ -391,11 +399,13 @@ class Batches:
         await self.store._call(self.store.redis.hdel(self._memory(team, snapshot),
                                                      f"node:{node.node_id}"))
 
-    async def _paused(self, node: Node, sandbox_id: str, team: str) -> bool:
+    async def _paused(self, node: Node, sandbox_id: str, team: str) -> str | None:
+        """The template of the sandbox when it is paused (None: running, or not known)."""
         with contextlib.suppress(GatewayError, ValueError):
             answer = await self.link.get(node, f"/sandboxes/{sandbox_id}", team)
-            return answer.status_code == 200 and answer.json().get("state") == "paused"
-        return False
+            if answer.status_code == 200 and answer.json().get("state") == "paused":
+                return str(answer.json().get("templateID") or sandbox_id)
+        return None
 
 
 async def _nowhere(tried: list[str]) -> Placed | None:
