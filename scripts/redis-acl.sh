@@ -28,5 +28,6 @@ echo "user default off resetkeys resetchannels -@all"
 # pattern of all of aenv:* would also open the scheduler's bindings and node addresses to it.
 gateway_keys="~aenv:teams ~aenv:team:* ~aenv:apikey:* ~aenv:own:* ~aenv:name:* ~aenv:idem:*"
 gateway_keys+=" ~aenv:idem-node:* ~aenv:buildnodes:* ~aenv:volumehome:* ~aenv:quota:* ~aenv:events:*"
+gateway_keys+=" ~aenv:spill:*"
 echo "user gateway on #$gateway $gateway_keys resetchannels +@all -@dangerous"
 echo "user scheduler on #$scheduler ~$prefix* resetchannels +@all -@dangerous"

@@ -1,7 +1,7 @@
 """Creates through the gateway: placement (the scheduler's choice, the next node's when one
 refuses for room), the team's quota, and a create's Idempotency-Key claimed in Redis as a lease,
-so that retries through any gateway make one sandbox; batch creates and forks (`count`
-sandboxes on one node, a result each)."""
+so that retries through any gateway make one sandbox (or one batch); batch creates and forks
+(`count` sandboxes, a result each, spilling over to other nodes: batch.py)."""
 
 from __future__ import annotations
 
@@ -18,11 +18,13 @@ from typing import Any
 import httpx
 from starlette.requests import Request
 
-from agentenv.control.gateway.limits import GatewayQuotas, fork_count
+from agentenv.control.gateway.batch import Answer, Batches
+from agentenv.control.gateway.limits import GatewayQuotas
 from agentenv.control.gateway.metrics import GatewayMetrics
 from agentenv.control.gateway.nodes import (
     GatewayError,
     NodeLink,
+    bare_name,
     json_body,
     send_answer,
     send_json,
@@ -72,16 +74,29 @@ class Creates:
         self.quotas = quotas
         self.metrics = metrics
         self.create_lease = create_lease_seconds()
+        self.batches = Batches(link, scheduler, store, quotas, metrics)
 
     async def create(self, request: Request, send: Send, team: str) -> None:
         raw = await self.link.body(request)
-        keys = request.headers.getlist("idempotency-key")
-        if not keys:
+        key = self._key(request)
+        if key is None:
             await self._create(request, send, team, raw, None)
             return
+        await self._once(send, team, key, lambda mark: self._create(request, send, team, raw,
+                                                                    key, mark))
+
+    @staticmethod
+    def _key(request: Request) -> str | None:
+        keys = request.headers.getlist("idempotency-key")
+        if not keys:
+            return None
         if len(keys) > 1 or not 1 <= len(keys[0]) <= 255:
             raise GatewayError(400, "Idempotency-Key must appear once, 1-255 characters")
-        key = keys[0]
+        return keys[0]
+
+    async def _once(self, send: Send, team: str, key: str,
+                    run: Callable[[str], Awaitable[bool]]) -> None:
+        """`run(mark)` once for `team`'s Idempotency-Key `key`; a retry gets its answer."""
         # A retry of a create (same team, same key) gets the first one's sandbox wherever the
         # scheduler would place the retry: the key is claimed in Redis, so concurrent duplicates
         # through any gateway make one sandbox and the others wait for its answer.
@@ -92,7 +107,7 @@ class Creates:
             if found is None:
                 break
             if not found.startswith(PENDING):
-                await send_json(send, 201, self.link.with_domain(json.loads(found)))
+                await send_json(send, 201, self._domained(json.loads(found)))
                 return
             if time.monotonic() > deadline:
                 raise GatewayError(409, "a create with this Idempotency-Key is still under way")
@@ -102,13 +117,22 @@ class Creates:
         renewer = asyncio.create_task(self._renew_lease(team, key, mark))
         done = False
         try:
-            done = await self._create(request, send, team, raw, key, mark)
+            done = await run(mark)
         finally:
             renewer.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await renewer
             if not done:  # failed: nothing was made, a retry may try again
                 await self.store.unclaim_create(team, key, mark)
+
+    def _domained(self, answer: Any) -> Any:
+        """A sandbox, or a batch's results, as this gateway's clients reach them."""
+        if isinstance(answer, list):
+            for r in answer:
+                if isinstance(r, dict) and r.get("sandbox"):
+                    self.link.with_domain(r["sandbox"])
+            return answer
+        return self.link.with_domain(answer)
 
     async def _renew_lease(self, team: str, key: str, mark: str) -> None:
         while True:
@@ -180,12 +204,14 @@ class Creates:
         placed = (Placed(node) if node is not None
                   else await self.scheduler.schedule(template=template, team=team))
         if isinstance(body, dict) and body.get("count") is not None:  # a batch (an extension)
-            if key is not None:
-                await self.scheduler.cancel(placed.reservation)
-                raise GatewayError(400, "a batch create (count) takes no Idempotency-Key")
-            await self.batch(request, send, team, placed, raw,
-                              template if node is None else None)
-            return True
+            async with self.placing(placed):
+                if owned is not None and owned.kind == "snapshot":  # spills as a snapshot's
+                    answer = await self.batches.from_snapshot(request, team, placed.node,
+                                                              owned.id, raw)
+                else:
+                    answer = await self.batches.from_template(
+                        request, team, placed, raw, template if node is None else None)
+            return await self._batch_answer(send, team, answer, key, mark)
         headers = None
         sent_to = None
         if key is not None:
@@ -273,39 +299,75 @@ class Creates:
                 return placed, answer
 
     async def fork(self, request: Request, send: Send, team: str, sandbox_id: str) -> None:
-        # a fork stays on its source's node (its memory and disk are there), running or paused
+        """A fork on its source's node (its memory and disk are there), running or paused; a
+        paused one's children that node has no room for spill over (batch.py)."""
         binding = await self.link.own_binding(sandbox_id, team)
-        await self.batch(request, send, team, Placed(binding.node), await self.link.body(request))
+        raw = await self.link.body(request)
+
+        async def run(mark: str) -> bool:
+            answer = await self.batches.fork(request, team, binding.node, sandbox_id, raw)
+            return await self._batch_answer(send, team, answer, key, mark)
+
+        key = self._key(request)
+        if key is None:
+            await run("")
+            return
+        key = f"fork:{sandbox_id}\0{key}"  # not a create's key of the same name
+        await self._once(send, team, key, run)
 
     async def snapshot_fork(self, request: Request, send: Send, team: str, ref: str) -> None:
-        """A batch create from a snapshot, on the node that holds it (its layers are there)."""
-        await self.batch(request, send, team, Placed(await self.link.snapshot_node(ref, team)),
-                          await self.link.body(request))
+        """A batch create from a snapshot, on the node that holds it (its layers are there);
+        the children it has no room for spill over (batch.py)."""
+        home = await self.link.snapshot_node(ref, team)
+        raw = await self.link.body(request)
+        owned = await self.store.owned("snapshot", bare_name(ref), team)
+        snapshot = owned.id if owned is not None else bare_name(ref)
 
-    async def batch(self, request: Request, send: Send, team: str, placed: Placed,
-                     raw: bytes, template: str | None = None) -> None:
-        """Forward a request that makes `count` sandboxes on the placed node (a fork, a batch
-        create), answered with a SandboxForkResult each: the team's quota holds their places,
-        and every child made is the team's, bound to that node. A batch create the scheduler
-        placed (`template`) goes on to the next node when one refuses it whole for room."""
-        async with self.placing(placed), \
-                self.quotas.new_sandboxes(team, fork_count(raw)) as made:
-            placed, answer = await self.place(request, team, raw, placed, template)
-            made.answer(answer)
-        if answer.status_code != 201:
-            await send_answer(send, answer)
+        async def run(mark: str) -> bool:
+            answer = await self.batches.from_snapshot(request, team, home, snapshot, raw)
+            return await self._batch_answer(send, team, answer, key, mark)
+
+        key = self._key(request)
+        if key is None:
+            await run("")
             return
-        node = placed.node
-        results = answer.json()
-        children = [r["sandbox"]["sandboxID"] for r in results if r.get("sandbox")]
-        await self.store.own_sandboxes(team, children)
-        reservation = placed.reservation  # the placement's room becomes the first child
-        for child in children:
-            await self.scheduler.record(child, node, team, reservation)
-            reservation = ""
-        if reservation:
-            await self.scheduler.cancel(reservation)
+        key = f"snapshot-fork:{snapshot}\0{key}"
+        await self._once(send, team, key, run)
+
+    async def _batch_answer(self, send: Send, team: str, answer: Answer, key: str | None,
+                            mark: str) -> bool:
+        """Send a batch's answer (recorded under `key` when it made children); True when it
+        made some."""
+        if isinstance(answer, httpx.Response):
+            await send_answer(send, answer)
+            return False
+        if key is not None:
+            answer = await self._settled_batch(team, key, mark, answer)
+        await send_json(send, 201, self._domained(answer))
+        return True
+
+    async def _settled_batch(self, team: str, key: str, mark: str,
+                             results: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """A keyed batch's answer: its own, unless its lease lapsed and another batch's
+        answer holds the key (then its children are duplicates: removed)."""
+        held = await self.store.finish_create(team, key, mark, json.dumps(results))
+        if held is None or held.startswith(PENDING):
+            return results
+        theirs: list[dict[str, Any]] = json.loads(held)
         for r in results:
-            if r.get("sandbox"):
-                self.link.with_domain(r["sandbox"])
-        await send_json(send, 201, results)
+            sandbox = r.get("sandbox") if isinstance(r, dict) else None
+            if not sandbox:
+                continue
+            child = sandbox["sandboxID"]
+            binding = await self.scheduler.lookup(child)
+            log.warning("removing a duplicate child of a keyed batch",
+                        extra={"sandbox_id": child})
+            if binding is not None:
+                with contextlib.suppress(httpx.HTTPError):
+                    await self.link.http.delete(f"{binding.node.url}/sandboxes/{child}",
+                                                timeout=60,
+                                                headers=self.link.node_headers(binding.node,
+                                                                               team))
+            await self.scheduler.release(child)
+            await self.store.forget_sandbox(child)
+        return theirs

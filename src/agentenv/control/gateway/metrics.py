@@ -39,3 +39,8 @@ class GatewayMetrics:
             "aenv_gateway_placement_retries", "Creates a node refused for room (its own "
             "admission) that the gateway handed on to the next node, by that resource",
             ["resource"], registry=self.registry)
+        self.batch_spilled = Counter(
+            "aenv_gateway_batch_spilled", "Children of a batch (a create with count, a fork) "
+            "made on another node than the first asked, because that one had no room for them "
+            "(control/gateway/batch.py), by kind (template, snapshot, fork)", ["kind"],
+            registry=self.registry)

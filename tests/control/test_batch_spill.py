@@ -1,0 +1,234 @@
+"""The gateway's spill-over of a fork through the snapshot repository (control/gateway/batch.py),
+in process: snapshots move between nodes with the VM backend only, so the cluster tests
+(test_gateway_batch.py) reach the push and stop there. Here the nodes are fakes answering as
+nodes do (per-child 429s, a whole 429 naming the resource, push, lazy pull, a fork of the
+pulled copy), the scheduler and Redis too: the order of the children, one push per snapshot,
+one pull per node, a paused sandbox's fork placed elsewhere whole, a running one's left."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+import pytest
+
+from agentenv.control.gateway import batch as batch_module
+from agentenv.control.gateway.batch import Batches
+from agentenv.control.gateway.limits import NewItems
+from agentenv.control.gateway.metrics import GatewayMetrics
+from agentenv.control.gateway.placement import Node, Placed, PlacementFailure
+from agentenv.node.admission import REFUSED_HEADER
+
+NODES = [Node(f"n{i}", f"10.0.0.{i}:1") for i in range(3)]
+
+
+class FakeNode:
+    def __init__(self, node: Node, room: int, paused: set[str] | None = None) -> None:
+        self.node = node
+        self.room = room
+        self.paused = paused or set()
+        self.made: list[str] = []
+        self.pushed: list[str] = []
+        self.pulled: list[str] = []
+
+    def children(self, count: int, whole: bool) -> httpx.Response:
+        if (whole and count > self.room) or self.room == 0:
+            return httpx.Response(429, headers={REFUSED_HEADER: "sandboxes"}, json={
+                "code": 429, "message": "sandbox limit reached (AENV_MAX_SANDBOXES)"})
+        out = []
+        for _ in range(count):
+            if self.room:
+                self.room -= 1
+                sid = f"{self.node.node_id}-c{len(self.made)}"
+                self.made.append(sid)
+                out.append({"sandbox": {"sandboxID": sid, "domain": None}})
+            else:
+                out.append({"error": {"code": 429, "message": "sandbox limit reached"}})
+        return httpx.Response(201, json=out)
+
+    def handle(self, method: str, path: str, body: dict[str, Any]) -> httpx.Response:
+        if method == "GET" and path.startswith("/sandboxes/"):
+            sid = path.rsplit("/", 1)[1]
+            return httpx.Response(200, json={"sandboxID": sid, "templateID": "base",
+                                             "state": "paused" if sid in self.paused
+                                             else "running"})
+        if path == "/aenv/snapshots/push":
+            self.pushed.append(body["ref"])
+            return httpx.Response(200, json={"ref": body["ref"]})
+        if path == "/aenv/snapshots/pull":
+            self.pulled.append(body["ref"])
+            return httpx.Response(201, json={"templateID": f"copy-{self.node.node_id}"})
+        if path.startswith("/sandboxes/") and path.endswith("/fork"):  # admitted whole
+            return self.children(body.get("count", 1), whole=True)
+        if path.endswith("/fork"):  # a snapshot's: per child
+            return self.children(body.get("count", 1), whole=False)
+        return httpx.Response(404, json={"code": 404, "message": path})
+
+
+class Cluster:
+    def __init__(self, rooms: list[int], paused: set[str] | None = None) -> None:
+        self.nodes = {n.node_id: FakeNode(n, r, paused) for n, r in zip(NODES, rooms,
+                                                                          strict=False)}
+        self.recorded: dict[str, str] = {}
+        self.scheduled: list[str] = []
+        self.hashes: dict[str, dict[str, str]] = {}
+        self.http = httpx.AsyncClient(transport=httpx.MockTransport(self._transport))
+
+    def _transport(self, request: httpx.Request) -> httpx.Response:
+        node = next(n for n in self.nodes.values() if n.node.address == request.url.netloc
+                    .decode())
+        body = json.loads(request.content or b"{}")
+        return node.handle(request.method, request.url.path, body)
+
+    # the NodeLink the batches use
+    async def call(self, node: Node, request: Any, team: str, body: bytes | None = None
+                   ) -> httpx.Response:
+        return self.nodes[node.node_id].handle("POST", request.url.path,
+                                               json.loads(body or b"{}"))
+
+    def node_headers(self, node: Node, team: str | None) -> dict[str, str]:
+        return {}
+
+    async def get(self, node: Node, path: str, team: str | None) -> httpx.Response:
+        return self.nodes[node.node_id].handle("GET", path, {})
+
+    # the SchedulerLink
+    async def schedule(self, *, template: str = "", team: str = "",
+                       exclude: tuple[str, ...] = ()) -> Placed:
+        self.scheduled.append(template)
+        for node_id, fake in self.nodes.items():
+            if node_id not in exclude and fake.room:
+                return Placed(fake.node, f"r-{node_id}")
+        raise PlacementFailure("no node has room")
+
+    async def record(self, sandbox_id: str, node: Node, team: str, reservation: str = ""
+                     ) -> None:
+        self.recorded[sandbox_id] = node.node_id
+
+    async def cancel(self, reservation: str) -> None:
+        pass
+
+    # the GatewayStore (and its Redis: the few hash commands used)
+    @property
+    def redis(self) -> Cluster:
+        return self
+
+    async def _call(self, value: Any) -> Any:
+        return await value
+
+    async def hget(self, key: str, field: str) -> str | None:
+        return self.hashes.get(key, {}).get(field)
+
+    async def hset(self, key: str, field: str, value: str) -> None:
+        self.hashes.setdefault(key, {})[field] = value
+
+    async def hdel(self, key: str, field: str) -> None:
+        self.hashes.get(key, {}).pop(field, None)
+
+    async def expire(self, key: str, seconds: int) -> None:
+        pass
+
+    async def own_sandboxes(self, team: str, ids: list[str]) -> None:
+        pass
+
+    # the GatewayQuotas
+    @contextlib.asynccontextmanager
+    async def new_sandboxes(self, team: str, count: int) -> AsyncIterator[NewItems]:
+        yield NewItems()
+
+
+class FakeRequest:
+    def __init__(self, path: str) -> None:
+        self.url = httpx.URL("http://gateway" + path)
+
+
+def batches(cluster: Cluster) -> Batches:
+    made = Batches(cluster, cluster, cluster, cluster, GatewayMetrics())  # type: ignore[arg-type]
+    return made
+
+
+def run(coro: Any) -> Any:
+    return asyncio.run(coro)
+
+
+def test_snapshot_fork_spills_through_the_repository_once(monkeypatch: pytest.MonkeyPatch
+                                                          ) -> None:
+    monkeypatch.setenv(batch_module.REPOSITORY_ENV, "registry.local/aenv/")
+    cluster = Cluster([2, 1, 5])
+    home = NODES[0]
+    raw = json.dumps({"count": 6, "timeout": 30}).encode()
+
+    async def both() -> tuple[Any, Any]:
+        b = batches(cluster)
+        first = await b.from_snapshot(FakeRequest("/snapshots/snap1/fork"), "alpha", home,
+                                      "snap1", raw)
+        cluster.nodes["n1"].room = 1  # room again: the second batch reuses push and pull
+        second = await b.from_snapshot(FakeRequest("/snapshots/snap1/fork"), "alpha", home,
+                                       "snap1", json.dumps({"count": 2}).encode())
+        return first, second
+
+    first, second = run(both())
+    ids = [r["sandbox"]["sandboxID"] for r in first]
+    assert ids == ["n0-c0", "n0-c1", "n1-c0", "n2-c0", "n2-c1", "n2-c2"]
+    assert {cluster.recorded[i] for i in ids[2:]} == {"n1", "n2"}
+    ref = "registry.local/aenv/alpha/spill:snap1"
+    assert cluster.nodes["n0"].pushed == [ref]
+    assert cluster.nodes["n1"].pulled == [ref] and cluster.nodes["n2"].pulled == [ref]
+    assert [r["sandbox"]["sandboxID"] for r in second] == ["n1-c1", "n2-c3"]
+
+
+def test_without_room_anywhere_the_refused_children_keep_their_429(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(batch_module.REPOSITORY_ENV, "registry.local/aenv")
+    cluster = Cluster([1, 1, 0])
+    results = run(batches(cluster).from_snapshot(
+        FakeRequest("/snapshots/snap1/fork"), "alpha", NODES[0], "snap1",
+        json.dumps({"count": 4}).encode()))
+    assert [bool(r.get("sandbox")) for r in results] == [True, True, False, False]
+    assert [r["error"]["code"] for r in results[2:]] == [429, 429]
+
+
+def test_without_repository_the_refused_children_name_the_setting(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(batch_module.REPOSITORY_ENV, raising=False)
+    cluster = Cluster([1, 5, 5])
+    results = run(batches(cluster).from_snapshot(
+        FakeRequest("/snapshots/snap1/fork"), "alpha", NODES[0], "snap1",
+        json.dumps({"count": 3}).encode()))
+    assert results[0]["sandbox"]["sandboxID"] == "n0-c0"
+    for r in results[1:]:
+        assert r["error"]["code"] == 429
+        assert batch_module.REPOSITORY_ENV in r["error"]["message"]
+    assert not cluster.nodes["n1"].made and not cluster.nodes["n0"].pushed
+
+
+def test_a_paused_sandbox_s_fork_goes_elsewhere_a_running_one_s_does_not(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(batch_module.REPOSITORY_ENV, "registry.local/aenv")
+    cluster = Cluster([1, 2, 2], paused={"ipaused"})
+    raw = json.dumps({"count": 3}).encode()
+    results = run(batches(cluster).fork(FakeRequest("/sandboxes/ipaused/fork"), "alpha",
+                                        NODES[0], "ipaused", raw))
+    assert [r["sandbox"]["sandboxID"] for r in results] == ["n1-c0", "n1-c1", "n2-c0"]
+    (ref,) = cluster.nodes["n0"].pushed
+    assert ref.startswith("registry.local/aenv/alpha/spill:ipaused-")
+    assert set(cluster.scheduled) == {"base"}  # placed by the paused sandbox's template
+    refused = run(batches(cluster).fork(FakeRequest("/sandboxes/irunning/fork"), "alpha",
+                                        NODES[0], "irunning", raw))
+    assert isinstance(refused, httpx.Response) and refused.status_code == 429
+    assert len(cluster.nodes["n0"].pushed) == 1
+
+
+def test_a_paused_fork_without_repository_is_the_node_s_429_naming_the_setting(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(batch_module.REPOSITORY_ENV, raising=False)
+    cluster = Cluster([1, 2, 2], paused={"ipaused"})
+    refused = run(batches(cluster).fork(FakeRequest("/sandboxes/ipaused/fork"), "alpha",
+                                        NODES[0], "ipaused", json.dumps({"count": 3}).encode()))
+    assert isinstance(refused, httpx.Response) and refused.status_code == 429
+    assert refused.headers[REFUSED_HEADER] == "sandboxes"
+    assert batch_module.REPOSITORY_ENV in refused.json()["message"]
