@@ -206,29 +206,40 @@ def test_without_repository_the_refused_children_name_the_setting(
     assert not cluster.nodes["n1"].made and not cluster.nodes["n0"].pushed
 
 
-def test_a_paused_sandbox_s_fork_goes_elsewhere_a_running_one_s_does_not(
+def test_a_fork_of_a_paused_or_running_sandbox_does_not_spill(
         monkeypatch: pytest.MonkeyPatch) -> None:
+    """A copy's children are made with a count and a timeout only: a paused parent's network
+    policy, traffic token and settings would not reach them (found by the red team)."""
     monkeypatch.setenv(batch_module.REPOSITORY_ENV, "registry.local/aenv")
     cluster = Cluster([1, 2, 2], paused={"ipaused"})
     raw = json.dumps({"count": 3}).encode()
-    results = run(batches(cluster).fork(FakeRequest("/sandboxes/ipaused/fork"), "alpha",
-                                        NODES[0], "ipaused", raw))
-    assert [r["sandbox"]["sandboxID"] for r in results] == ["n1-c0", "n1-c1", "n2-c0"]
-    (ref,) = cluster.nodes["n0"].pushed
-    assert ref.startswith("registry.local/aenv/alpha/spill:ipaused-")
-    assert set(cluster.scheduled) == {"base"}  # placed by the paused sandbox's template
-    refused = run(batches(cluster).fork(FakeRequest("/sandboxes/irunning/fork"), "alpha",
-                                        NODES[0], "irunning", raw))
-    assert isinstance(refused, httpx.Response) and refused.status_code == 429
-    assert len(cluster.nodes["n0"].pushed) == 1
+    for sid in ("ipaused", "irunning"):
+        refused = run(batches(cluster).fork(FakeRequest(f"/sandboxes/{sid}/fork"), "alpha",
+                                            NODES[0], sid, raw))
+        assert isinstance(refused, httpx.Response) and refused.status_code == 429
+        assert refused.headers[REFUSED_HEADER] == "sandboxes"
+    assert "network policy" in refused_message(cluster, "ipaused", raw)
+    assert not cluster.nodes["n0"].pushed
+    assert not cluster.nodes["n1"].made and not cluster.nodes["n2"].made
 
 
-def test_a_paused_fork_without_repository_is_the_node_s_429_naming_the_setting(
+def refused_message(cluster: Cluster, sid: str, raw: bytes) -> str:
+    refused = run(batches(cluster).fork(FakeRequest(f"/sandboxes/{sid}/fork"), "alpha",
+                                        NODES[0], sid, raw))
+    return str(refused.json()["message"])
+
+
+def test_a_batch_from_a_snapshot_with_settings_of_its_own_does_not_spill(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv(batch_module.REPOSITORY_ENV, raising=False)
-    cluster = Cluster([1, 2, 2], paused={"ipaused"})
-    refused = run(batches(cluster).fork(FakeRequest("/sandboxes/ipaused/fork"), "alpha",
-                                        NODES[0], "ipaused", json.dumps({"count": 3}).encode()))
-    assert isinstance(refused, httpx.Response) and refused.status_code == 429
-    assert refused.headers[REFUSED_HEADER] == "sandboxes"
-    assert batch_module.REPOSITORY_ENV in refused.json()["message"]
+    monkeypatch.setenv(batch_module.REPOSITORY_ENV, "registry.local/aenv")
+    cluster = Cluster([1, 5, 5])
+    raw = json.dumps({"count": 3, "templateID": "snap1", "envVars": {"A": "1"},
+                      "network": {"allowPublicTraffic": False}}).encode()
+    results = run(batches(cluster).from_snapshot(
+        FakeRequest("/snapshots/snap1/fork"), "alpha", NODES[0], "snap1", raw))
+    assert results[0]["sandbox"]["sandboxID"] == "n0-c0"
+    for r in results[1:]:
+        assert r["error"]["code"] == 429
+        assert "not spilled over" in r["error"]["message"]
+        assert "envVars, network" in r["error"]["message"]
+    assert not cluster.nodes["n0"].pushed and not cluster.nodes["n1"].made

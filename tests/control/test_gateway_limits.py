@@ -19,7 +19,6 @@ from __future__ import annotations
 import contextlib
 import socket
 import threading
-import time
 import uuid
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -197,19 +196,19 @@ def test_one_ipv6_prefix_shares_one_lookup_bucket() -> None:
     assert client_key("::ffff:192.0.2.7") == client_key("192.0.2.7") == "192.0.2.7"
 
 
-def test_misses_are_charged_after_the_lookup_and_concurrent_ones_are_owed() -> None:
-    """The unknown-sandbox bucket: `ready` takes nothing (a lookup that finds a sandbox costs
-    no token), `charge` after a miss may go below zero (misses that ran at once found a token
-    each), so the client waits until they are paid back."""
-    limiter = LookupLimiter(rate=10.0, burst=2, kind=UNKNOWN_SANDBOXES)
-    assert all(limiter.ready("192.0.2.1") for _ in range(10))
-    for _ in range(5):
-        limiter.charge("192.0.2.1")
-    assert not limiter.ready("192.0.2.1")  # 2 - 5 = -3: 0.4 s to a token at 10/s
-    assert limiter.ready("192.0.2.2")
-    assert "AENV_UNKNOWN_SANDBOX_RATE 10/s" in limiter.refusal("192.0.2.1")
-    time.sleep(0.45)
-    assert limiter.ready("192.0.2.1")
+def test_an_unknown_id_takes_a_token_and_a_found_sandbox_gives_it_back() -> None:
+    """The unknown-sandbox bucket: a lookup takes a token before it runs (concurrent ones
+    stop at the burst), and one that found a sandbox gives it back: only misses cost."""
+    limiter = LookupLimiter(rate=0.001, burst=2, kind=UNKNOWN_SANDBOXES)
+    assert limiter.allow("192.0.2.1") and limiter.allow("192.0.2.1")
+    assert not limiter.allow("192.0.2.1")
+    assert limiter.allow("192.0.2.2")  # another client's bucket
+    assert "AENV_UNKNOWN_SANDBOX_RATE 0.001/s" in limiter.refusal("192.0.2.1")
+    limiter.refund("192.0.2.1")  # that lookup found a sandbox
+    assert limiter.allow("192.0.2.1")
+    for _ in range(5):  # refunds never fill the bucket past its burst
+        limiter.refund("192.0.2.3")
+    assert sum(limiter.allow("192.0.2.3") for _ in range(10)) == 2
 
 
 def test_a_file_planted_under_another_team_hash_is_not_used(cluster: LocalCluster,

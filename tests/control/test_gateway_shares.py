@@ -95,10 +95,15 @@ def test_a_team_past_its_share_gets_429_and_others_are_served(cluster: LocalClus
         assert attacker.get("/sandboxes").status_code == 200
 
 
+#: the stranger's own address (the team's clients come from 127.0.0.1)
+STRANGER = "127.0.0.2"
+
+
 def _held_traffic(cluster: LocalCluster, sandbox_id: str) -> socket.socket:
     """An upload to a sandbox's envd, with no key (sandbox traffic needs none at the
     gateway), whose body never finishes."""
-    sock = socket.create_connection(("127.0.0.1", cluster.gateway.port))
+    sock = socket.create_connection(("127.0.0.1", cluster.gateway.port),
+                                    source_address=(STRANGER, 0))
     sock.sendall(b"POST /files?path=/tmp/x HTTP/1.1\r\nHost: gw\r\nE2b-Sandbox-Id: "
                  + sandbox_id.encode() + b"\r\nE2b-Sandbox-Port: 49983\r\n"
                  b"Content-Type: application/octet-stream\r\nContent-Length: 100000\r\n\r\nx")
@@ -108,7 +113,9 @@ def _held_traffic(cluster: LocalCluster, sandbox_id: str) -> socket.socket:
 def test_a_strangers_traffic_to_a_teams_sandbox_does_not_take_its_control_share(
         cluster: LocalCluster) -> None:
     """Found by the red team: traffic to a sandbox was charged to its team's share, so a
-    stranger with a sandbox id and slow bodies made every control request of the team 429."""
+    stranger with a sandbox id and slow bodies made every control request of the team 429;
+    then, with a traffic share per team, every request of the team's own clients to its
+    sandboxes. The stranger fills only its own share."""
     key = {"X-API-KEY": cluster.keys["victim"]}
     with httpx.Client(base_url=cluster.url, trust_env=False, timeout=60, headers=key) as victim:
         made = victim.post("/v2/sandboxes", json={"templateID": "base", "timeout": 300})
@@ -121,6 +128,9 @@ def test_a_strangers_traffic_to_a_teams_sandbox_does_not_take_its_control_share(
             assert refused.startswith(b"HTTP/1.1 429"), refused
             assert victim.get("/sandboxes").status_code == 200
             assert victim.get(f"/sandboxes/{sandbox_id}").status_code == 200
+            own = victim.get("/health", headers={"E2b-Sandbox-Id": sandbox_id,
+                                                 "E2b-Sandbox-Port": "49983"})
+            assert own.status_code in (200, 204), own.text
         finally:
             for sock in held:
                 sock.close()

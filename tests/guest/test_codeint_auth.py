@@ -170,6 +170,27 @@ def test_context_routes_check_a_token_that_is_given(
     run(scenario)
 
 
+def test_contexts_are_capped(server: Callable[[Path], codeint.CodeApp], tmp_path: Path,
+                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """Context routes take no token from the SDKs: a stranger's creates (a kernel each) stop
+    at the cap instead of filling the guest's memory (found by the red team)."""
+    monkeypatch.setattr(codeint, "MAX_CONTEXTS", 5)
+    app = server(digest_file(tmp_path, TOKEN))
+
+    async def scenario() -> None:
+        async with await client(app) as http:
+            made = []
+            while (answer := await http.post("/contexts", json={})).status_code == 200:
+                made.append(answer.json()["id"])
+                assert len(made) <= 5
+            assert answer.status_code == 429 and "at most 5" in answer.json()["error"]
+            assert len(app.contexts) == 5
+            assert (await http.delete(f"/contexts/{made[0]}")).status_code == 204
+            assert (await http.post("/contexts", json={})).status_code == 200
+
+    run(scenario)
+
+
 def test_without_a_token_nothing_changes(
         server: Callable[[Path], codeint.CodeApp], tmp_path: Path) -> None:
     """A sandbox created with secure=False: envd has no token, nor has the server."""

@@ -284,7 +284,13 @@ def test_a_secure_sandboxs_code_interpreter_runs_cells_only_with_its_token(
             assert ok.json()["headers"]["x-access-token"] == n.envd(sid)["X-Access-Token"]
             # the SDKs' context calls carry no token: the server decides (it checks one given)
             assert (await n.client.post(url + "/contexts", json={})).status_code == 200
+            # token-less calls there are anyone's: not the sandbox's activity, or a stranger's
+            # polls would keep it from idling out (red team, 2026-12-06)
+            last = n.orch.activity._last.get(sid)
             assert (await n.client.get(url + "/health")).status_code == 200
+            assert n.orch.activity._last.get(sid) == last
+            await n.client.get(url + "/health", headers=n.envd(sid))
+            assert n.orch.activity._last.get(sid) != last
             # secure=False: envd has no token, nor has the code interpreter
             answer = await n.client.post(at(plain, n.port) + "/execute", json=cell)
             assert answer.status_code == 200

@@ -413,10 +413,12 @@ class SandboxProxy:
                                    "message": f"The sandbox is running but port is not open "
                                    f"({problem})"}
         exchange.gone.clear()  # running now: only a departure from here on ends the exchange
-        # a secure sandbox's token-less /health (let through: _refusal) is anyone's, not the
-        # sandbox's activity: a stranger polling it would keep it from ever idling out
-        exchange.admitted = not (route.port == ENVD_PORT and rec is not None and rec.secure
-                                 and not _envd_token_given(scope, rec))
+        # a secure sandbox's token-less /health (let through: _refusal), or the code
+        # interpreter's token-less /health and context calls, are anyone's, not the sandbox's
+        # activity: a stranger polling them would keep it from ever idling out
+        exchange.admitted = not (rec is not None and rec.secure and (
+            (route.port == ENVD_PORT and not _envd_token_given(scope, rec))
+            or (route.port == CODE_INTERPRETER_PORT and not _access_token_given(scope, rec))))
         host, port = placement.address(route.port)
         url = httpx.URL(scheme="http", host=host, port=port, raw_path=request_target(scope))
         return url, 0, {}

@@ -5,13 +5,17 @@ room (its admission's 429, per child or for the whole request) are asked of othe
 ("spill-over") until all are placed or no node has room:
 
 - a create from a template: the next node the scheduler offers, the full ones left out;
-- a fork from a snapshot, or of a paused sandbox: another node can only restore a snapshot of
+- a fork from a snapshot: another node can only restore a snapshot of
   the cluster's snapshot repository (AENV_SNAPSHOT_REPOSITORY, a registry prefix): the holding
   node pushes it there once (`/aenv/snapshots/push`, to PREFIX/<team>/spill:<id>), the others
   pull it lazily (`/aenv/snapshots/pull`: its layers come as the restore touches them) and
   make the refused children from their copy. Without the setting the refused children stay
   429, their message naming it;
-- a fork of a running sandbox does not spill: its memory is live on its node.
+- a fork of a running sandbox does not spill: its memory is live on its node; nor does a fork
+  of a paused one, nor a create with settings of its own (network, envVars, metadata, ...) from
+  a snapshot: a copy's children are made with a count and a timeout only, so they would lack
+  the parent's network policy and traffic token, or the body's settings (found by the red
+  team). Their refused children stay 429, saying so.
 
 The team's quota holds a place for every child while the batch is under way; those made keep
 theirs, the refused ones give theirs back (GatewayQuotas). Every child made is the team's and
@@ -23,7 +27,6 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import secrets
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -46,6 +49,10 @@ SPILL_HINT = (f"spilling a batch over to other nodes needs the cluster's snapsho
               f"({REPOSITORY_ENV} on the gateway)")
 #: how long the gateway remembers a snapshot it pushed and the nodes' copies of it
 SPILL_MEMORY_SECONDS = 7 * 24 * 3600
+#: what a batch from a snapshot may carry and still spill (a copy's children get only these)
+SPILLABLE_FIELDS = frozenset({"count", "timeout", "templateID"})
+NOT_SPILLABLE = ("not spilled over to other nodes: children made there from a copy of the "
+                 "snapshot would not carry {what}")
 
 #: a batch's answer: its results (201), or a node's answer as it is (an error before any
 #: child was made)
@@ -155,8 +162,12 @@ class Batches:
             if first is not None:
                 return first
             if children.pending:
-                await self._through_repository(team, children, home, snapshot, snapshot, raw,
-                                               made, "snapshot", cache=True)
+                extra = sorted(set(_body(raw)) - SPILLABLE_FIELDS)
+                if extra:
+                    self._note(children, NOT_SPILLABLE.format(
+                        what="the request's " + ", ".join(extra)))
+                else:
+                    await self._through_repository(team, children, home, snapshot, raw, made)
         return self._finish(children, "snapshot")
 
     async def fork(self, request: Request, team: str, home: Node, sandbox_id: str,
@@ -173,10 +184,9 @@ class Batches:
             first = await self._spread(team, children, Placed(home), ask, _nowhere, made, "fork")
             if first is not None:
                 return first
-            template = await self._paused(home, sandbox_id, team) if children.pending else None
-            if template is not None:  # placed by its template's size
-                await self._through_repository(team, children, home, sandbox_id, template,
-                                               raw, made, "fork", cache=False)
+            if children.pending and await self._paused(home, sandbox_id, team):
+                self._note(children, NOT_SPILLABLE.format(
+                    what="the paused sandbox's network policy, tokens and settings"))
         return self._finish(children, "fork")
 
     # --- the spreading ---------------------------------------------------------------------
@@ -297,32 +307,30 @@ class Batches:
 
     # --- through the snapshot repository ---------------------------------------------------
 
-    async def _through_repository(self, team: str, children: Children, home: Node, name: str,
-                                  snapshot: str, raw: bytes, made: NewItems, kind: str, *,
-                                  cache: bool) -> None:
-        """The pending children on other nodes, from `name` (a snapshot, or a paused
-        sandbox's pause snapshot) pushed to the repository by `home`; `snapshot`: what the
-        scheduler sizes them by (and, with `cache`, the snapshot remembered as pushed).
-        Without a repository, or when the push fails, they stay refused and say why."""
+    async def _through_repository(self, team: str, children: Children, home: Node,
+                                  snapshot: str, raw: bytes, made: NewItems) -> None:
+        """The pending children on other nodes, from `snapshot` pushed to the repository by
+        `home` (once: a snapshot does not change). Without a repository, or when the push
+        fails, they stay refused and say why."""
         prefix = repository()
         if not prefix:
             self._note(children, SPILL_HINT)
             return
         try:
-            ref = await self._pushed(team, home, name, prefix, cache)
+            ref = await self._pushed(team, home, snapshot, prefix)
         except Exception as exc:  # the children made on `home` are the answer still
             why = exc.message if isinstance(exc, GatewayError) else f"{type(exc).__name__}"
             log.warning("batch not spilled: the push failed", extra={
-                "team": team, "snapshot": name, "node": home.node_id, "error": str(exc)})
+                "team": team, "snapshot": snapshot, "node": home.node_id, "error": str(exc)})
             self._note(children, f"spill-over to other nodes failed: {why}")
             return
         timeout = _timeout(raw)
 
         async def ask(node: Node, n: int) -> httpx.Response:
-            copy = await self._pulled(team, node, ref, snapshot if cache else "")
+            copy = await self._pulled(team, node, ref, snapshot)
             answer = await self._post(node, f"/snapshots/{copy}/fork", team,
                                       {"count": n, **timeout})
-            if answer.status_code == 404 and cache:  # the copy is gone: pull it again
+            if answer.status_code == 404:  # the copy is gone: pull it again
                 await self._forget_copy(team, snapshot, node)
                 copy = await self._pulled(team, node, ref, snapshot)
                 answer = await self._post(node, f"/snapshots/{copy}/fork", team,
@@ -335,7 +343,7 @@ class Batches:
         placed = await next_node([])
         if placed is None:
             return
-        await self._spread(team, children, placed, ask, next_node, made, kind, spill=True)
+        await self._spread(team, children, placed, ask, next_node, made, "snapshot", spill=True)
 
     def _note(self, children: Children, note: str) -> None:
         children.noted(note)
@@ -357,55 +365,48 @@ class Batches:
     def _memory(self, team: str, snapshot: str) -> str:
         return f"{PREFIX}spill:{team}:{snapshot}"
 
-    async def _pushed(self, team: str, home: Node, name: str, prefix: str, cache: bool) -> str:
-        """The repository reference of `name`, pushed by `home` (once for a snapshot: it does
-        not change; a paused sandbox's pause snapshot may, so it is pushed each time)."""
-        if cache:
-            known = await self.store._call(self.store.redis.hget(self._memory(team, name), "ref"))
-            if known:
-                return str(known)
-        tag = name if cache else f"{name}-{secrets.token_hex(4)}"
-        ref = f"{prefix}/{team}/spill:{tag}"
+    async def _pushed(self, team: str, home: Node, name: str, prefix: str) -> str:
+        """The repository reference of snapshot `name`, pushed by `home` once."""
+        key = self._memory(team, name)
+        known = await self.store._call(self.store.redis.hget(key, "ref"))
+        if known:
+            return str(known)
+        ref = f"{prefix}/{team}/spill:{name}"
         answer = await self._post(home, "/aenv/snapshots/push", team,
                                   {"snapshot": name, "ref": ref})
         if answer.status_code != 200:
             raise GatewayError(answer.status_code, message_of(answer))
         log.info("snapshot pushed for a batch's spill-over", extra={
             "team": team, "snapshot": name, "node": home.node_id, "ref": ref})
-        if cache:
-            key = self._memory(team, name)
-            await self.store._call(self.store.redis.hset(key, "ref", ref))
-            await self.store._call(self.store.redis.expire(key, SPILL_MEMORY_SECONDS))
+        await self.store._call(self.store.redis.hset(key, "ref", ref))
+        await self.store._call(self.store.redis.expire(key, SPILL_MEMORY_SECONDS))
         return ref
 
     async def _pulled(self, team: str, node: Node, ref: str, snapshot: str) -> str:
         """The id of `node`'s copy of `ref` (pulled lazily: its layers come as restores touch
-        them), remembered per snapshot when `snapshot` names one."""
-        key = self._memory(team, snapshot) if snapshot else ""
-        if key:
-            known = await self.store._call(self.store.redis.hget(key, f"node:{node.node_id}"))
-            if known:
-                return str(known)
+        them), remembered per snapshot."""
+        key = self._memory(team, snapshot)
+        known = await self.store._call(self.store.redis.hget(key, f"node:{node.node_id}"))
+        if known:
+            return str(known)
         answer = await self._post(node, "/aenv/snapshots/pull", team, {"ref": ref})
         if answer.status_code != 201:
             raise GatewayError(answer.status_code, message_of(answer))
         copy = str(answer.json()["templateID"])
-        if key:
-            await self.store._call(self.store.redis.hset(key, f"node:{node.node_id}", copy))
-            await self.store._call(self.store.redis.expire(key, SPILL_MEMORY_SECONDS))
+        await self.store._call(self.store.redis.hset(key, f"node:{node.node_id}", copy))
+        await self.store._call(self.store.redis.expire(key, SPILL_MEMORY_SECONDS))
         return copy
 
     async def _forget_copy(self, team: str, snapshot: str, node: Node) -> None:
         await self.store._call(self.store.redis.hdel(self._memory(team, snapshot),
                                                      f"node:{node.node_id}"))
 
-    async def _paused(self, node: Node, sandbox_id: str, team: str) -> str | None:
-        """The template of the sandbox when it is paused (None: running, or not known)."""
+    async def _paused(self, node: Node, sandbox_id: str, team: str) -> bool:
+        """Whether the sandbox is paused (False: running, or not known)."""
         with contextlib.suppress(GatewayError, ValueError):
             answer = await self.link.get(node, f"/sandboxes/{sandbox_id}", team)
-            if answer.status_code == 200 and answer.json().get("state") == "paused":
-                return str(answer.json().get("templateID") or sandbox_id)
-        return None
+            return answer.status_code == 200 and answer.json().get("state") == "paused"
+        return False
 
 
 async def _nowhere(tried: list[str]) -> Placed | None:
@@ -424,6 +425,10 @@ def _with_count(raw: bytes, count: int) -> bytes:
 
 
 def _timeout(raw: bytes) -> dict[str, Any]:
-    body = json_body(raw)
-    timeout = body.get("timeout") if isinstance(body, dict) else None
+    timeout = _body(raw).get("timeout")
     return {} if timeout is None else {"timeout": timeout}
+
+
+def _body(raw: bytes) -> dict[str, Any]:
+    body = json_body(raw)
+    return body if isinstance(body, dict) else {}

@@ -20,8 +20,9 @@ Places at once (TeamShares): the gateway serves at most AENV_MAX_CONCURRENT_REQU
 at once (relay/concurrency.py), and one team may hold at most AENV_TEAM_MAX_CONCURRENT_REQUESTS
 of them (default a quarter; 0 = no share): its control requests once its key is known and its
 upload URLs. The traffic to its sandboxes and its signed file URLs, which need no key, hold a
-second share of the same size, so a stranger who knows a sandbox id cannot take the places of
-the team's control requests. Past its share a team gets 429 (a WebSocket 1013) naming the
+second share of the same size per client address (`traffic_holder`), so a stranger who knows
+a sandbox id takes neither the places of the team's control requests nor those of the team's
+own traffic. Past its share a team gets 429 (a WebSocket 1013) naming the
 setting, so slow bodies of one team cannot deny every other team the gateway.
 
 The signed-URL lookup (`/files?signature=…` with no cached owner) asks every node: each client
@@ -226,8 +227,8 @@ UNKNOWN_SANDBOXES = LookupKind("lookups of unknown sandboxes",
 class LookupLimiter:
     """A token bucket per client address for a lookup a stranger may cause: the signed-URL
     owner lookup (`allow`: each takes a token), the scheduler's lookup of a sandbox id it
-    does not know (`ready` before, `charge` after a miss: a lookup that finds a sandbox costs
-    nothing)."""
+    does not know (`allow` before it, `refund` when it found a sandbox: only misses cost, and
+    concurrent lookups of one client never pass its burst)."""
 
     def __init__(self, rate: float, burst: float, refusals: Counter | None = None,
                  kind: LookupKind = SIGNED_LOOKUPS) -> None:
@@ -246,14 +247,14 @@ class LookupLimiter:
                    kind)
 
     def _take(self, address: str, cost: float, floor: float) -> bool:
-        """Refill `address`'s bucket, then take `cost` from it when that leaves at least
-        `floor`; whether it did."""
+        """Refill `address`'s bucket, then take `cost` from it (a negative cost gives back; the
+        bucket holds at most `burst`) when that leaves at least `floor`; whether it did."""
         now = time.monotonic()
         address = client_key(address)
         tokens, at = self._buckets.pop(address, (self.burst, now))
         tokens = min(self.burst, tokens + (now - at) * self.rate)
         allowed = tokens - cost >= floor
-        self._buckets[address] = (tokens - cost if allowed else tokens, now)
+        self._buckets[address] = (min(self.burst, tokens - cost) if allowed else tokens, now)
         while len(self._buckets) > MAX_BUCKETS:  # the least recently seen go first
             self._buckets.popitem(last=False)
         return allowed
@@ -262,16 +263,10 @@ class LookupLimiter:
         """Take a token for a lookup about to be made; False when there is none."""
         return not self.rate or self._take(address, 1.0, 0.0)
 
-    def ready(self, address: str) -> bool:
-        """Whether `address` has a token (none taken: `charge` takes it after a miss)."""
-        return not self.rate or self._take(address, 0.0, 1.0)
-
-    def charge(self, address: str) -> None:
-        """Take a token for a lookup that missed. Concurrent lookups may all have found a
-        token ready: the bucket goes below zero and the client waits that much longer, so
-        its misses stay within the rate over time."""
+    def refund(self, address: str) -> None:
+        """Give back the token `allow` took, for a lookup that found what it looked for."""
         if self.rate:
-            self._take(address, 1.0, float("-inf"))
+            self._take(address, -1.0, float("-inf"))
 
     def refusal(self, address: str) -> str:
         """Count a refused lookup; what the client is told."""
@@ -301,6 +296,14 @@ def client_address(scope: Mapping[str, Any]) -> str:
     has uvicorn put it in the scope)."""
     client = scope.get("client")
     return str(client[0]) if client else ""
+
+
+def traffic_holder(team: str, scope: Mapping[str, Any]) -> str:
+    """Whose traffic share a request to a team's sandbox (or signed file URL) takes: the team's
+    from this client address (an IPv6 client's /64). Such traffic needs no key, so a stranger
+    holding slow requests to one public sandbox port must fill only its own share, not the
+    team's SDK traffic to every other sandbox (found by the red team)."""
+    return f"{team} from {client_key(client_address(scope))}"
 
 
 TEAM_SHARE_SETTING = "AENV_TEAM_MAX_CONCURRENT_REQUESTS"

@@ -227,6 +227,12 @@ class SchedulerLink:
             return True
         return self._misses.get(sandbox_id, 0.0) > now
 
+    def known(self, sandbox_id: str) -> bool:
+        """Whether a binding of `sandbox_id` was seen within STALE_TTL: a real sandbox, whose
+        lookups no client's budget for unknown ids may refuse."""
+        cached = self._cache.get(sandbox_id)
+        return cached is not None and cached[0] + STALE_TTL > time.monotonic()
+
     async def lookup(self, sandbox_id: str) -> Binding | None:
         now = time.monotonic()
         cached = self._cache.get(sandbox_id)

@@ -14,7 +14,13 @@ import re
 from typing import Any
 
 from agentenv.control.gateway import nodes
-from agentenv.control.gateway.limits import LookupLimiter, TeamBusy, TeamShares, client_address
+from agentenv.control.gateway.limits import (
+    LookupLimiter,
+    TeamBusy,
+    TeamShares,
+    client_address,
+    traffic_holder,
+)
 from agentenv.control.gateway.nodes import ENVD_PORT, NodeLink, Scope
 from agentenv.control.gateway.placement import Binding, SchedulerLink, SchedulerUnavailable
 from agentenv.relay.stream import Exchange, Send, header_values, send_json
@@ -80,18 +86,25 @@ class SandboxRelay:
         self.misses = misses or LookupLimiter(0.0, 0.0)  # 0: no limit
 
     async def _binding(self, scope: Scope, sandbox_id: str) -> tuple[Binding | None, int, str]:
-        cached = self.link.scheduler.cached(sandbox_id)
+        scheduler = self.link.scheduler
         address = client_address(scope)
-        if not cached and not self.misses.ready(address):
+        # An id neither cached nor seen bound lately costs a token before its lookup (so one
+        # client's concurrent made-up ids stop at its burst), given back if it is a sandbox.
+        # A sandbox seen lately is real: a stranger behind the same address (a NAT, a proxy)
+        # spending the budget on made-up ids must not refuse its team's traffic.
+        charged = not scheduler.cached(sandbox_id) and not scheduler.known(sandbox_id)
+        if charged and not self.misses.allow(address):
             return None, 429, self.misses.refusal(address)
         try:
             binding = await self.link.traffic_lookup(sandbox_id)
         except SchedulerUnavailable as exc:
+            if charged:
+                self.misses.refund(address)
             return None, 503, str(exc)
         if binding is None:
-            if not cached:
-                self.misses.charge(address)
             return None, 502, "The sandbox was not found"
+        if charged:
+            self.misses.refund(address)
         if not binding.node.up:
             return None, 503, "node unavailable"
         return binding, 0, ""
@@ -108,7 +121,7 @@ class SandboxRelay:
             return
         link = self.link
         try:
-            with self.team_shares.hold(binding.team):
+            with self.team_shares.hold(traffic_holder(binding.team, scope)):
                 await link.relay.http(scope, receive, send, link.node_url(binding.node, scope),
                                       link.to_sandbox_headers(scope, binding.node, sandbox_id,
                                                               port, binding.team),
@@ -129,7 +142,7 @@ class SandboxRelay:
             return
         link = self.link
         try:
-            with self.team_shares.hold(binding.team):
+            with self.team_shares.hold(traffic_holder(binding.team, scope)):
                 await link.relay.websocket(
                     scope, receive, send, link.node_url(binding.node, scope),
                     link.to_sandbox_headers(scope, binding.node, sandbox_id, port, binding.team),

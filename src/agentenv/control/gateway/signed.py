@@ -19,7 +19,7 @@ from typing import Any
 from urllib.parse import parse_qs
 
 from agentenv.api.auth import SIGNATURE_OWNER_PATH
-from agentenv.control.gateway.limits import LookupLimiter, TeamBusy, TeamShares
+from agentenv.control.gateway.limits import LookupLimiter, TeamBusy, TeamShares, traffic_holder
 from agentenv.control.gateway.metrics import GatewayMetrics
 from agentenv.control.gateway.nodes import ENVD_PORT, NodeLink, Scope
 from agentenv.control.gateway.placement import Node, NoPlacement, SchedulerUnavailable
@@ -217,7 +217,7 @@ class SignedFiles:
         # the node checks the signature (and its expiry) again before anything reaches envd
         link = self.link
         try:
-            with self.team_shares.hold(team):
+            with self.team_shares.hold(traffic_holder(team, scope)):
                 return await link.relay.http(
                     scope, receive, to_client if hold_gone else send,
                     link.node_url(node, scope),

@@ -48,6 +48,9 @@ WARM_LANGUAGES = ("python", "javascript", "bash")
 Receive = Callable[[], Awaitable[dict[str, Any]]]
 Send = Callable[[dict[str, Any]], Awaitable[None]]
 
+#: contexts a client may create (each is a kernel process): the context routes take no token
+#: from the SDKs, so without a cap anyone who knows a sandbox id could fill its memory
+MAX_CONTEXTS = 64
 #: (method, path) that run code: a secure sandbox's token is required there
 TOKEN_REQUIRED = {("POST", "/execute"), ("POST", "/aenv/warm")}
 UNAUTHORIZED = "unauthorized access, please provide a valid access token (X-Access-Token)"
@@ -196,6 +199,9 @@ class CodeApp:
             await self._execute(await read_json(receive), receive, send)
         elif path == "/contexts" and method == "POST":
             body = await read_json(receive)
+            if len(self.contexts) >= MAX_CONTEXTS:
+                raise HttpError(429, f"{len(self.contexts)} contexts exist, at most "
+                                     f"{MAX_CONTEXTS}: remove one first")
             ctx = await self._new_context(language_of(body), body.get("cwd") or self.default_cwd)
             await respond(send, 200, ctx.describe())
         elif path == "/contexts" and method == "GET":
