@@ -85,6 +85,43 @@ def _logs(client: TestClient, sid: str, v2: bool = False, **params: Any) -> Any:
     return answer.json()
 
 
+def test_a_request_during_the_intervals_look_waits_for_its_sample(node: TestClient) -> None:
+    """The SDK's get_metrics right after a connect, while the interval's look at the sandbox
+    was under way, answered [] (the request's own look stepped aside for it and returned at
+    once, before any sample existed): it waits for that look now."""
+    import asyncio
+
+    sid = create(node)
+    orchestrator = node.app_state.orchestrator  # type: ignore[attr-defined]
+    observer = orchestrator.companions[0]
+    backend = orchestrator.backend
+    sampled = backend.metrics
+
+    async def both() -> int:
+        entered, release = asyncio.Event(), asyncio.Event()
+
+        async def slow_metrics(sandbox_id: str, placement: Any) -> Any:
+            entered.set()
+            await release.wait()
+            return await sampled(sandbox_id, placement)
+
+        backend.metrics = slow_metrics
+        try:
+            interval = asyncio.create_task(observer.observe_once())
+            await entered.wait()  # the interval's look is sampling
+            request = asyncio.create_task(observer.observe(sid))
+            await asyncio.sleep(0.05)
+            release.set()
+            await request
+            count = len(observer.histories[sid].samples)
+            await interval
+            return count
+        finally:
+            backend.metrics = sampled
+
+    assert node.portal.call(both) == 1
+
+
 def test_logs_v1_and_v2_are_bounded_and_filtered(node: TestClient) -> None:
     sid = create(node)
     backend = node.app_state.orchestrator.backend  # type: ignore[attr-defined]

@@ -93,9 +93,9 @@ class Observer:
         self.orchestrator = orchestrator
         self.config = config
         self.histories: dict[str, History] = {}
-        #: sandboxes being looked at now (a request's look and the interval's never overlap:
-        #: both would read the same new log bytes)
-        self._busy: set[str] = set()
+        #: sandboxes being looked at now, with when that look ends (a request's look and the
+        #: interval's never overlap: both would read the same new log bytes)
+        self._busy: dict[str, asyncio.Future[None]] = {}
         self._task: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
@@ -149,14 +149,20 @@ class Observer:
         await asyncio.gather(*(self.observe(r.sandbox_id) for r in running))
 
     async def observe(self, sandbox_id: str) -> None:
-        """Sample one running sandbox and read its new log lines."""
-        if sandbox_id in self._busy:
+        """Sample one running sandbox and read its new log lines. A look already under way
+        (the interval's, when a request asks) is waited for: its sample is this one's, and a
+        request returning before it would answer with none."""
+        under_way = self._busy.get(sandbox_id)
+        if under_way is not None:
+            await asyncio.shield(under_way)
             return
-        self._busy.add(sandbox_id)
+        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._busy[sandbox_id] = done
         try:
             await self._observe(sandbox_id)
         finally:
-            self._busy.discard(sandbox_id)
+            del self._busy[sandbox_id]
+            done.set_result(None)
 
     async def _observe(self, sandbox_id: str) -> None:
         rec = self.orchestrator.sandboxes.get(sandbox_id)
