@@ -127,12 +127,17 @@ echo "scheduler on $host_ip:9090"
 if [[ $backend == vm ]]; then
   echo "guest assets (kernel, initramfs, tools disk) in $assets:"
   "$aenv" guest build --state-dir "$assets"
-  # Every node builds its base template from one Debian root: debootstrap it once here (the
-  # nodes would each download it at the same time), into a cache they all read.
-  echo "Debian root of the base template (debootstrap on first use: 1-2 min):"
+  # Every node builds its built-in templates (base, and code-interpreter-v1 unless
+  # AENV_VM_CODE_INTERPRETER=0) from Debian roots: debootstrap them once here, into a cache
+  # they all read. The nodes could not: each runs in a namespace without outside network.
+  echo "Debian roots of the built-in templates (debootstrap on first use: 1-2 min each):"
   "$root/.venv/bin/python" -c 'import sys; from pathlib import Path
-from agentenv.guest.build import BASE_PACKAGES, debian_root_tarball
-print(" ", debian_root_tarball(BASE_PACKAGES, cache_dir=Path(sys.argv[1])))' "$debian_cache"
+from agentenv.guest.build import debian_root_tarball
+from agentenv.node.base_template import BASE, CODE_INTERPRETER
+from agentenv.settings import get_settings
+for spec in (BASE, CODE_INTERPRETER) if get_settings().vm_code_interpreter else (BASE,):
+    print(" ", spec.name, debian_root_tarball(spec.packages, cache_dir=Path(sys.argv[1])))' \
+    "$debian_cache"
 fi
 
 for ((i = 0; i < nodes; i++)); do
