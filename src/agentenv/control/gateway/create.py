@@ -266,7 +266,7 @@ class Creates:
                      template: str | None, headers: list[tuple[bytes, bytes]] | None = None,
                      sent_to: Callable[[Node], Awaitable[None]] | None = None
                      ) -> tuple[Placed, httpx.Response]:
-        """Send a create (or a batch) to its node; the node's answer and where it went. A node
+        """Send a create to its node; the node's answer and where it went. A node
         that refuses it for room (429 naming the resource: its own admission, which may see
         more than its last heartbeat said) when the scheduler chose it (`template` given) hands
         it on: the scheduler names the next node, the refusing ones left out, until one takes
