@@ -20,6 +20,7 @@ from agentenv.control.gateway import batch as batch_module
 from agentenv.control.gateway.batch import Batches
 from agentenv.control.gateway.limits import NewItems
 from agentenv.control.gateway.metrics import GatewayMetrics
+from agentenv.control.gateway.nodes import GatewayError
 from agentenv.control.gateway.placement import Node, Placed, PlacementFailure
 from agentenv.node.admission import REFUSED_HEADER
 
@@ -34,6 +35,7 @@ class FakeNode:
         self.made: list[str] = []
         self.pushed: list[str] = []
         self.pulled: list[str] = []
+        self.deleted: list[str] = []
 
     def children(self, count: int, whole: bool) -> httpx.Response:
         if (whole and count > self.room) or self.room == 0:
@@ -59,6 +61,9 @@ class FakeNode:
         if path == "/aenv/snapshots/push":
             self.pushed.append(body["ref"])
             return httpx.Response(200, json={"ref": body["ref"]})
+        if method == "DELETE" and path.startswith("/templates/"):
+            self.deleted.append(path.rsplit("/", 1)[1])
+            return httpx.Response(204)
         if path == "/aenv/snapshots/pull":
             self.pulled.append(body["ref"])
             return httpx.Response(201, json={"templateID": f"copy-{self.node.node_id}"})
@@ -76,6 +81,7 @@ class Cluster:
         self.recorded: dict[str, str] = {}
         self.scheduled: list[str] = []
         self.hashes: dict[str, dict[str, str]] = {}
+        self.down: set[str] = set()
         self.http = httpx.AsyncClient(transport=httpx.MockTransport(self._transport))
 
     def _transport(self, request: httpx.Request) -> httpx.Response:
@@ -92,6 +98,11 @@ class Cluster:
 
     def node_headers(self, node: Node, team: str | None) -> dict[str, str]:
         return {}
+
+    async def node_by_id(self, node_id: str) -> Node:
+        if node_id not in self.nodes or node_id in self.down:
+            raise GatewayError(503, f"node unavailable: {node_id}")
+        return self.nodes[node_id].node
 
     async def get(self, node: Node, path: str, team: str | None) -> httpx.Response:
         return self.nodes[node.node_id].handle("GET", path, {})
@@ -131,6 +142,12 @@ class Cluster:
 
     async def expire(self, key: str, seconds: int) -> None:
         pass
+
+    async def hgetall(self, key: str) -> dict[str, str]:
+        return dict(self.hashes.get(key, {}))
+
+    async def delete(self, key: str) -> None:
+        self.hashes.pop(key, None)
 
     async def own_sandboxes(self, team: str, ids: list[str]) -> None:
         pass
@@ -179,6 +196,13 @@ def test_snapshot_fork_spills_through_the_repository_once(monkeypatch: pytest.Mo
     assert cluster.nodes["n0"].pushed == [ref]
     assert cluster.nodes["n1"].pulled == [ref] and cluster.nodes["n2"].pulled == [ref]
     assert [r["sandbox"]["sandboxID"] for r in second] == ["n1-c1", "n2-c3"]
+
+    # the team deletes the snapshot: the nodes' copies go, and the gateway's memory of them
+    # (a node that cannot be asked keeps its copy)
+    cluster.down.add("n2")
+    run(batches(cluster).drop_copies("alpha", "snap1"))
+    assert cluster.nodes["n1"].deleted == ["copy-n1"] and cluster.nodes["n2"].deleted == []
+    assert not cluster.hashes
 
 
 def test_without_room_anywhere_the_refused_children_keep_their_429(

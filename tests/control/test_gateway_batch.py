@@ -172,6 +172,28 @@ def test_a_snapshot_fork_whose_push_fails_keeps_its_refusals(
         assert "VM backend" in r["error"]["message"], r
 
 
+def test_a_deleted_snapshots_spill_over_copies_go_with_it(
+        cluster: LocalCluster, api: httpx.Client) -> None:
+    """The gateway remembers the nodes' copies of a snapshot it spilled (Redis
+    aenv:spill:{team}:{snapshot}, node:<id> -> the copy); when the team deletes the snapshot,
+    the copies are deleted on their nodes and the memory goes. Process nodes cannot push, so
+    the copy here is another snapshot of the team, recorded as one."""
+    source = api.post("/v2/sandboxes", json={"templateID": "base", "timeout": 120}).json()
+    snapshot, copy = (api.post(f"/sandboxes/{source['sandboxID']}/snapshots",
+                               json={}).json()["snapshotID"] for _ in range(2))
+    home = 0 if source["sandboxID"] in _on_node(cluster, 0) else 1
+    node = cluster.nodes[home]
+    redis = cluster.redis.raw("gateway")
+    key = f"aenv:spill:{TEAM}:{snapshot}"
+    redis.hset(key, mapping={"ref": "registry/x", f"node:node{home}": copy})
+    api.delete(f"/sandboxes/{source['sandboxID']}")
+    assert api.delete(f"/templates/{snapshot}").status_code == 204
+    on_node = httpx.get(f"{node.url}/templates/{copy}", timeout=30, trust_env=False,
+                        headers=cluster.node_headers(node, TEAM))
+    assert on_node.status_code == 404, on_node.text
+    assert not redis.exists(key)
+
+
 def test_a_keyed_batch_retried_gets_the_first_answer(cluster: LocalCluster,
                                                      api: httpx.Client) -> None:
     body = {"templateID": "base", "timeout": 120, "count": 2}

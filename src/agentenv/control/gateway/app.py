@@ -79,7 +79,8 @@ class GatewayApp:
         self.creates = Creates(self.link, scheduler, store, quotas, self.metrics)
         self.listings = Listings(self.link, scheduler, store)
         self.sandboxes = Sandboxes(self.link, scheduler, store, quotas)
-        self.templates = Templates(self.link, scheduler, store, quotas, team_shares)
+        self.templates = Templates(self.link, scheduler, store, quotas, team_shares,
+                                   self.creates.batches.drop_copies)
         self.volumes = Volumes(self.link, scheduler, store, team_shares)
         # events and webhooks in Redis, collected from the nodes (control/gateway/events.py)
         self.events = ClusterEvents(store.redis, scheduler.nodes, self.link.http,

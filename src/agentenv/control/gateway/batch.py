@@ -9,8 +9,8 @@ room (its admission's 429, per child or for the whole request) are asked of othe
   the cluster's snapshot repository (AENV_SNAPSHOT_REPOSITORY, a registry prefix): the holding
   node pushes it there once (`/aenv/snapshots/push`, to PREFIX/<team>/spill:<id>), the others
   pull it lazily (`/aenv/snapshots/pull`: its layers come as the restore touches them) and
-  make the refused children from their copy. Without the setting the refused children stay
-  429, their message naming it;
+  make the refused children from their copy (deleted with the snapshot: `drop_copies`).
+  Without the setting the refused children stay 429, their message naming it;
 - a fork of a running sandbox does not spill: its memory is live on its node; nor does a fork
   of a paused one, nor a create with settings of its own (network, envVars, metadata, ...) from
   a snapshot: a copy's children are made with a count and a timeout only, so they would lack
@@ -396,6 +396,32 @@ class Batches:
         await self.store._call(self.store.redis.hset(key, f"node:{node.node_id}", copy))
         await self.store._call(self.store.redis.expire(key, SPILL_MEMORY_SECONDS))
         return copy
+
+    async def drop_copies(self, team: str, snapshot: str) -> None:
+        """`snapshot` is gone (its team deleted it): the nodes' copies pulled for its spill-overs
+        go too, and what the gateway remembered of them. A node that cannot be asked keeps its
+        copy (its own snapshot, deletable by the team like any)."""
+        key = self._memory(team, snapshot)
+        held = await self.store._call(self.store.redis.hgetall(key))
+        for field_name, copy in (held or {}).items():
+            if not field_name.startswith("node:"):
+                continue
+            node_id = field_name.removeprefix("node:")
+            try:
+                node = await self.link.node_by_id(node_id)
+                answer = await self.link.http.delete(
+                    f"{node.url}/templates/{copy}", timeout=60,
+                    headers=self.link.node_headers(node, team))
+            except (GatewayError, httpx.HTTPError) as exc:
+                log.warning("a spill-over copy not removed", extra={
+                    "team": team, "snapshot": snapshot, "node": node_id, "copy": copy,
+                    "error": str(exc)})
+                continue
+            if answer.status_code not in (204, 404):
+                log.warning("a spill-over copy not removed", extra={
+                    "team": team, "snapshot": snapshot, "node": node_id, "copy": copy,
+                    "status": answer.status_code})
+        await self.store._call(self.store.redis.delete(key))
 
     async def _forget_copy(self, team: str, snapshot: str, node: Node) -> None:
         await self.store._call(self.store.redis.hdel(self._memory(team, snapshot),

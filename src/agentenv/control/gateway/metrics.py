@@ -42,5 +42,5 @@ class GatewayMetrics:
         self.batch_spilled = Counter(
             "aenv_gateway_batch_spilled", "Children of a batch (a create with count, a fork) "
             "made on another node than the first asked, because that one had no room for them "
-            "(control/gateway/batch.py), by kind (template, snapshot, fork)", ["kind"],
+            "(control/gateway/batch.py), by kind (template, snapshot)", ["kind"],
             registry=self.registry)

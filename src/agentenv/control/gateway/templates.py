@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import re
+from collections.abc import Awaitable, Callable
 from typing import Any
 from urllib.parse import quote
 
@@ -28,18 +30,23 @@ from agentenv.control.gateway.placement import Node, SchedulerLink
 from agentenv.control.gateway.store import GatewayStore
 from agentenv.relay.stream import Send
 
+log = logging.getLogger("agentenv.control.gateway.templates")
+
 #: a build file upload: exactly what the node's signed URL names (template id, hash)
 _UPLOAD_ID = re.compile(r"[a-z0-9]{1,63}")
 
 
 class Templates:
     def __init__(self, link: NodeLink, scheduler: SchedulerLink, store: GatewayStore,
-                 quotas: GatewayQuotas, team_shares: TeamShares) -> None:
+                 quotas: GatewayQuotas, team_shares: TeamShares,
+                 snapshot_deleted: Callable[[str, str], Awaitable[None]] | None = None) -> None:
         self.link = link
         self.scheduler = scheduler
         self.store = store
         self.quotas = quotas
         self.team_shares = team_shares
+        #: (team, snapshot id) after a team deleted a snapshot: its spill-over copies go
+        self.snapshot_deleted = snapshot_deleted
 
     async def build_template(self, request: Request, send: Send, team: str) -> None:
         raw = await self.link.body(request)
@@ -189,4 +196,10 @@ class Templates:
         answer = await self.link.call(node, request, team)
         if answer.status_code == 204:
             await self.store.disown(owned.kind, owned.id, team, [bare])
+            if owned.kind == "snapshot" and self.snapshot_deleted is not None:
+                try:
+                    await self.snapshot_deleted(team, owned.id)
+                except Exception as exc:  # the delete itself is done: the answer says so
+                    log.warning("spill-over copies of a deleted snapshot not removed",
+                                extra={"team": team, "snapshot": owned.id, "error": str(exc)})
         await send_answer(send, answer)
