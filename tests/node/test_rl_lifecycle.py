@@ -270,7 +270,7 @@ def test_rollback_restores_a_snapshot_in_place(rl_node: NodeProcess) -> None:
         try:
             old_token = api.get(f"/sandboxes/{sid}").json()["envdAccessToken"]
             sbx.commands.run("python3 -m http.server 8000 --directory /home/user",
-                             background=True)
+                             background=True, timeout=0)  # no lifetime: conftest.COUNTER
             sbx.files.write("/home/user/state.txt", "before")
             _wait(lambda: sbx.commands.run("curl -s localhost:8000/state.txt || true").stdout
                   == "before", what="the guest's web server")

@@ -466,7 +466,7 @@ def test_blockd_killed_is_restarted_under_running_sandboxes(vm_node: NodeProcess
     sbx = Sandbox.create(template="base", timeout=300)
     created: Sandbox | None = None
     try:
-        sbx.commands.run(FSYNC_WRITER, background=True)
+        sbx.commands.run(FSYNC_WRITER, background=True, timeout=0)  # as COUNTER
         deadline = time.monotonic() + 60
         while _acked(sbx) < 5:
             assert time.monotonic() < deadline, "the writer did not start"
