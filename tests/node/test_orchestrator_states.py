@@ -152,6 +152,28 @@ def test_pause_and_resume(tmp_path: Path) -> None:
     run(scenario)
 
 
+def test_an_operation_started_during_a_gc_pass_waits_for_its_sweep(tmp_path: Path) -> None:
+    """A garbage collector pass marks what records name, then sweeps the rest: a pause begun
+    in between wrote a snapshot directory no mark named, which a zero grace period let the
+    sweep delete under it (a CI failure of the paused-fork test). Operations now wait while
+    a pass holds them."""
+    async def scenario() -> None:
+        backend = ScriptedBackend()
+        orch = await start(tmp_path, backend)
+        rec = await create(orch)
+        async with orch.operations_held():
+            pausing = asyncio.create_task(orch.pause(rec.sandbox_id))
+            await asyncio.sleep(0.2)
+            assert not backend.called("pause") and not pausing.done()
+        await pausing
+        assert backend.called("pause")
+        stored = await settled(orch, backend)
+        assert stored[rec.sandbox_id].state == State.PAUSED
+        await orch.shutdown()
+
+    run(scenario)
+
+
 def test_a_pause_releases_the_earlier_ones_no_record_names(tmp_path: Path) -> None:
     """Only the last pause is a resume or rollback target: a pause releases the earlier ones,
     except one a child forked from it names as its source (released at a later pause, once

@@ -215,9 +215,13 @@ class LayerCollector:
             # Operations under way may be writing a snapshot no record names yet; the grace
             # period covers a node too busy ever to be idle.
             await self.orchestrator.wait_idle(BUSY_WAIT_SECONDS)
-            marks = await self._marks()
             report = GcReport(reason=reason)
-            await asyncio.to_thread(self._sweep, marks, report)
+            # No operation starts between the marks and the sweep: what it would write no
+            # mark names (on a node too busy to be idle, the grace period still covers those
+            # under way).
+            async with self.orchestrator.operations_held():
+                marks = await self._marks()
+                await asyncio.to_thread(self._sweep, marks, report)
             layers = self.orchestrator.capabilities.layers
             for device_id, upper in marks.device_uppers.items():
                 if layers is None or not self._stale_device(upper):

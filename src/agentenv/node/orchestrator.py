@@ -29,7 +29,7 @@ import contextlib
 import logging
 import os
 import time
-from collections.abc import Awaitable, Callable, Collection, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
@@ -189,6 +189,10 @@ class Orchestrator:
         self.sandboxes: dict[str, SandboxRecord] = {}
         self.counters = NodeCounters()
         self._ops: dict[str, asyncio.Task[Any]] = {}
+        #: cleared while the garbage collector marks and sweeps (operations_held): an
+        #: operation starting then waits, so it never writes a snapshot the pass did not see
+        self._ops_allowed = asyncio.Event()
+        self._ops_allowed.set()
         self._background: set[asyncio.Task[Any]] = set()
         self._closing = False
         #: resumes ended early (_end_resume), with what their callers get instead
@@ -495,6 +499,7 @@ class Orchestrator:
             began = time.monotonic()
             outcome = "error"
             try:
+                await self._ops_allowed.wait()  # at once, unless a GC pass is sweeping
                 result = await work
                 outcome = "ok"
                 return result
@@ -544,6 +549,17 @@ class Orchestrator:
         deadline = time.monotonic() + timeout
         while self._ops and time.monotonic() < deadline:
             await asyncio.wait(list(self._ops.values()), timeout=1.0)
+
+    @contextlib.asynccontextmanager
+    async def operations_held(self) -> AsyncIterator[None]:
+        """While this lasts, operations that start wait before they do anything (the garbage
+        collector's pass: a pause begun between its marks and its sweep wrote a snapshot
+        directory no mark named, deleted under it with a zero grace period)."""
+        self._ops_allowed.clear()
+        try:
+            yield
+        finally:
+            self._ops_allowed.set()
 
     def _clamp_timeout(self, seconds: int | None, default: int) -> int:
         if seconds is None:
