@@ -194,7 +194,12 @@ def forward_headers(
     return out
 
 
-async def send_json(send: Send, status: int, body: dict[str, Any]) -> None:
+#: what a refusal that should be retried soon adds to its answer
+RETRY_SHORTLY = ((b"retry-after", b"1"),)
+
+
+async def send_json(send: Send, status: int, body: dict[str, Any],
+                    headers: tuple[tuple[bytes, bytes], ...] = ()) -> None:
     payload = json.dumps(body).encode()
     await send(
         {
@@ -203,6 +208,7 @@ async def send_json(send: Send, status: int, body: dict[str, Any]) -> None:
             "headers": [
                 (b"content-type", b"application/json; charset=utf-8"),
                 (b"content-length", str(len(payload)).encode()),
+                *headers,
             ],
         }
     )

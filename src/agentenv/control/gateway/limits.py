@@ -59,6 +59,7 @@ from agentenv.logs import Sampled
 from agentenv.node.admission import QuotaExceeded, TeamQuotas, env_number
 from agentenv.relay.concurrency import max_concurrent
 from agentenv.relay.connections import client_key
+from agentenv.relay.stream import RETRY_SHORTLY, send_json
 
 log = logging.getLogger("agentenv.control.gateway.limits")
 
@@ -283,11 +284,8 @@ class LookupLimiter:
         address = client_address(scope)
         if self.allow(address):
             return False
-        payload = json.dumps({"code": 429, "message": self.refusal(address)}).encode()
-        await send({"type": "http.response.start", "status": 429, "headers": [
-            (b"content-type", b"application/json; charset=utf-8"),
-            (b"content-length", str(len(payload)).encode()), (b"retry-after", b"1")]})
-        await send({"type": "http.response.body", "body": payload})
+        await send_json(send, 429, {"code": 429, "message": self.refusal(address)},
+                        RETRY_SHORTLY)
         return True
 
 

@@ -13,7 +13,6 @@ import logging
 import re
 from typing import Any
 
-from agentenv.control.gateway import nodes
 from agentenv.control.gateway.limits import (
     LookupLimiter,
     TeamBusy,
@@ -23,7 +22,7 @@ from agentenv.control.gateway.limits import (
 )
 from agentenv.control.gateway.nodes import ENVD_PORT, NodeLink, Scope
 from agentenv.control.gateway.placement import Binding, SchedulerLink, SchedulerUnavailable
-from agentenv.relay.stream import Exchange, Send, header_values, send_json
+from agentenv.relay.stream import RETRY_SHORTLY, Exchange, Send, header_values, send_json
 
 log = logging.getLogger("agentenv.control.gateway")
 
@@ -113,11 +112,9 @@ class SandboxRelay:
                    port: int) -> None:
         binding, status, message = await self._binding(scope, sandbox_id)
         if binding is None:
-            body = {"sandboxId": sandbox_id, "message": message, "code": status}
-            if status == 429:
-                await nodes.send_json(send, status, body, {"retry-after": "1"})
-            else:
-                await send_json(send, status, body)
+            await send_json(send, status, {"sandboxId": sandbox_id, "message": message,
+                                           "code": status},
+                            RETRY_SHORTLY if status == 429 else ())
             return
         link = self.link
         try:
