@@ -272,8 +272,12 @@ class Lab:
                  slot_rate_mbit: int = 0, slot_max_flows: int = 0) -> None:
         self.tmp, self.prefix, self.port = tmp, prefix, port
         self.inet = f"{prefix}-inet"
-        self.slots = [rtnet.NetworkSlot(i + 1, prefix=prefix, rate_mbit=slot_rate_mbit,
-                                        max_flows=slot_max_flows) for i in range(slots)]
+        # Slots come from a pool, as the node's do: an index whose addresses the host routes
+        # already (another runtime's slot, a host network inside 10.12/16) is skipped.
+        self.pool = rtnet.SlotPool(prefix, low=0, high=0, rate_mbit=slot_rate_mbit,
+                                   max_flows=slot_max_flows)
+        self.slot_count = slots
+        self.slots: list[rtnet.NetworkSlot] = []
         self.table = f"{prefix}_egress"
         self.with_tls = tls
         self.proxy_args = proxy_args
@@ -313,8 +317,9 @@ class Lab:
             f"addr add {INET_OTHER}/24 dev eth0\n"
             "link set eth0 up\n"
             f"route add default via {INET_HOST}\n"))
-        for slot in self.slots:
-            self.loop.run_until_complete(slot.create())
+        for _ in range(self.slot_count):
+            slot = self.loop.run_until_complete(self.pool.take())
+            self.slots.append(slot)
             self.wire_guest(slot)
         run("nft", "-f", "-", stdin=self.nft_rules())
         self.servers.append(serve(self.inet, INET_SERVER, 80))
@@ -408,9 +413,9 @@ class Lab:
             server.shutdown()
             server.server_close()
         run("nft", "delete", "table", "ip", self.table, check=False)
+        with contextlib.suppress(Exception):
+            self.loop.run_until_complete(self.pool.close())  # destroys its slots
         for slot in self.slots:
-            with contextlib.suppress(Exception):
-                self.loop.run_until_complete(slot.destroy())
             run("ip", "netns", "del", self.guest_ns(slot), check=False)
         run("ip", "netns", "del", self.inet, check=False)
         run("ip", "link", "del", f"{self.prefix}i0", check=False)

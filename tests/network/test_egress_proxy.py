@@ -179,7 +179,8 @@ def test_metadata_answers_each_slot_its_own_identity(lab: Lab) -> None:
     # its identity, and what the previous one had open is cut.
     live = lab.connect(second, "169.254.169.254", 80)
     try:
-        assert http_get(live, "169.254.169.254", "/v1/identity/sandboxId")[2] == b"sbx-2"
+        assert (http_get(live, "169.254.169.254", "/v1/identity/sandboxId")[2]
+                == identity(second.index).sandbox_id.encode())
         lab.set_policy(second, {}, n=7)
         assert_reset(lambda: http_get(live, "169.254.169.254", "/"))
     finally:

@@ -119,3 +119,26 @@ def test_missing_nft_fails_clearly(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PATH", "/nonexistent")
     with pytest.raises(NetworkError, match="nftables"):
         rtnet.require_tools()
+
+
+def test_the_pool_skips_slots_whose_addresses_the_host_routes() -> None:
+    """A host network inside 10.12/16 (here 10.12.40.13/29 on an interface of the host): the
+    slots whose /31 holds its local address (.13, index 5126) or its broadcast address (.15,
+    5127) would send their guests' replies to the host, or nowhere; the pool skips them (it
+    checked only the slot's host address before: it took 5126)."""
+    subprocess.run(["ip", "link", "add", "nhrnet", "type", "veth", "peer", "name", "nhrnetp"],
+                   check=True)
+    try:
+        subprocess.run(["ip", "addr", "add", "10.12.40.13/29", "dev", "nhrnet"], check=True)
+        subprocess.run(["ip", "link", "set", "nhrnet", "up"], check=True)
+
+        async def take_two() -> list[int]:
+            pool = rtnet.SlotPool(PREFIX, low=0, high=0, first_index=5125)
+            try:
+                return [(await pool.take()).index for _ in range(2)]
+            finally:
+                await pool.close()
+
+        assert asyncio.run(take_two()) == [5125, 5128]
+    finally:
+        subprocess.run(["ip", "link", "del", "nhrnet"], check=False)

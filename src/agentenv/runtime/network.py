@@ -60,9 +60,10 @@ Several runtimes on one host (a node, a benchmark, tests) share the host's netwo
   after it is held for the runtime's life): a second runtime with the same prefix is refused
   with a message naming the holder, instead of deleting the first one's namespaces as
   leftovers and replacing its host table;
-- slot addresses come from one range (10.12/16) whatever the prefix: a slot index whose host
-  address another runtime's interface already has is skipped (checked and created under a
-  host-wide lock), so two runtimes never route a guest address to two VMs.
+- slot addresses come from one range (10.12/16) whatever the prefix: a slot index whose /31
+  the host already routes (another runtime's slot, or the host's own network: an address or a
+  broadcast address inside it) is skipped (checked and created under a host-wide lock), so two
+  runtimes never route a guest address to two VMs and a guest's replies never go to the host.
 """
 
 from __future__ import annotations
@@ -727,8 +728,13 @@ def _host_slot_lock() -> int:
     return fd
 
 
-async def _address_in_use(address: str) -> bool:
-    return bool((await _run("ip", "-o", "-4", "addr", "show", "to", f"{address}/32")).strip())
+async def _range_taken(slot: NetworkSlot) -> bool:
+    """Whether any routing table holds a route inside the slot's /31: another runtime's slot,
+    or a local or broadcast address of a host network that overlaps it (the local table wins
+    over the slot's route: the guest's replies would go to the host, or nowhere)."""
+    out = await _run("ip", "-4", "-o", "route", "show", "table", "all", "to", "root",
+                     f"{slot.host_address}/31")
+    return bool(out.strip())
 
 
 class SlotPool:
@@ -757,7 +763,7 @@ class SlotPool:
         self._refill_task: asyncio.Task[None] | None = None
         self._lock = asyncio.Lock()
         self._prefix_claim: socket.socket | None = None
-        self.skipped: set[int] = set()  # indices whose addresses another runtime has
+        self.skipped: set[int] = set()  # indices whose addresses the host routes already
 
     def acquire_prefix(self) -> None:
         """Hold the prefix (idempotent); NetworkError when another runtime holds it."""
@@ -786,8 +792,8 @@ class SlotPool:
             # A thread: the lock may be held by another runtime for a few `ip` calls.
             lock = await asyncio.to_thread(_host_slot_lock)
             try:
-                if await _address_in_use(slot.host_address):
-                    self.skipped.add(slot.index)  # another runtime's slot: never ours
+                if await _range_taken(slot):
+                    self.skipped.add(slot.index)  # not ours to route: never used
                     continue
                 try:
                     await slot.create()
