@@ -9,7 +9,9 @@ from pathlib import Path
 
 import click
 
+from agentenv import logs
 from agentenv.blockd.client import default_socket, default_state_dir
+from agentenv.fsutil import DEFAULT_RESERVE
 from agentenv.settings import get_settings, warn_unknown
 
 #: a writable disk's upper may take this share of the state filesystem unless told otherwise
@@ -77,12 +79,12 @@ def blockd_command(state_dir: Path, socket_path: Path, metrics_port: int | None,
                    peer_key_file: Path | None, remote_background_bw: str | None,
                    log_level: str) -> None:
     """Run the block daemon in the foreground: every disk over NBD (and FUSE)."""
-    from agentenv import logs
     from agentenv.blockd.daemon import Blockd
     from agentenv.blockd.device import INLINE_MAX
     from agentenv.blockd.remote.service import config_from_env, parse_size
+
+    # lazy: `aenv --help` loads only what it needs (cli/blockd.py imports this module)
     from agentenv.cluster_keys import load_key
-    from agentenv.fsutil import DEFAULT_RESERVE
 
     logs.setup(log_level)
     warn_unknown("blockd")  # a mistyped AENV_ name would be ignored silently

@@ -67,6 +67,8 @@ from agentenv.blockd.metrics import LOOPBACK, Metrics
 from agentenv.blockd.results import Pong
 from agentenv.blockd.rpc import MAX_RPC_LINE, Handler, RpcServer
 from agentenv.fsutil import private_dir
+from agentenv.storage import budget, native
+from agentenv.storage.upper import Upper
 
 __all__ = ["DEFAULT_SOCKET", "DEFAULT_STATE_DIR", "MAX_RPC_LINE", "Blockd", "Metrics", "NotFound"]
 
@@ -161,17 +163,11 @@ class Blockd:
         # Every acknowledged write's index entry goes to upper.index at once (no fsync): a
         # killed daemon loses nothing its clients were told is written, and the restarted one
         # replays the log (NBD clients reconnect and their next flush makes it durable).
-        from agentenv.storage.upper import Upper
-
         Upper.log_buffer = 0
         # The data path: the native core unless switched off (AENV_BLOCKD_NATIVE=0) or not
         # built; a bad value of the switch stops the daemon here, not at the first device.
-        from agentenv.storage import native
-
         log.info("data path", extra={"native": native.enabled(),
                                      "native_unavailable": native.unavailable_reason()})
-        from agentenv.storage import budget
-
         budget.configure(self.disk_reserve)
         for folder in (self.layout.records, self.layout.nbd, self.layout.uppers):
             private_dir(folder)

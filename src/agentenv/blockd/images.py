@@ -9,12 +9,11 @@ from typing import Any
 
 from agentenv.blockd.device import ImageLike
 from agentenv.blockd.errors import BlockdError
+from agentenv.storage import native
+from agentenv.storage.image import Image
 
 
 def _image_class() -> Any:
-    from agentenv.storage import native
-    from agentenv.storage.image import Image
-
     return native.NativeImage if native.enabled() else Image
 
 

@@ -50,7 +50,9 @@ from typing import Any
 import mfusepy
 
 from agentenv.blockd.access import vm_gid
+from agentenv.fsutil import atomic_write
 from agentenv.settings import get_settings
+from agentenv.storage import blob, native
 
 log = logging.getLogger("agentenv.blockd.memfs")
 
@@ -230,11 +232,10 @@ class MemoryFiles(mfusepy.Operations):
 
 def _native_reader() -> Any:
     """The native core's module when it should serve reads (module doc), else None."""
-    from agentenv.storage import native
-
     if not native.enabled():
         log.info("memfs reads in Python", extra={"reason": native.unavailable_reason() or "switched off"})
         return None
+    # optional: the extension exists only in a build with it (native.enabled() said so)
     from agentenv.storage import _native
 
     return _native
@@ -279,8 +280,6 @@ class _RemoteLayers:
         self.lock = threading.Lock()
 
     def install(self) -> None:
-        from agentenv.storage import blob
-
         blob.set_default_remote_opener(self._opener)
 
     def _opener(self) -> Any:
@@ -303,7 +302,6 @@ class _RemoteLayers:
         if self.store is None:
             return
         from agentenv.blockd.remote.service import MEMFS_STATS
-        from agentenv.fsutil import atomic_write
 
         with contextlib.suppress(OSError):
             stats = self.store.snapshot_stats()

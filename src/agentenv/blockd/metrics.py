@@ -30,6 +30,7 @@ class Metrics:
         self.devices = Gauge("aenv_blockd_devices", "devices served", registry=self.registry)
 
     def serve(self, port: int, bind: str = LOOPBACK) -> None:
+        # lazy: prometheus_client and its HTTP server load only when metrics are asked for
         from agentenv import metrics_http
 
         metrics_http.serve(port, bind, self.registry)

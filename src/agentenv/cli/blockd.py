@@ -8,6 +8,7 @@ from pathlib import Path
 
 import click
 
+from agentenv import logs
 from agentenv.blockd.client import BlockdClient
 from agentenv.blockd.command import blockd_command, socket_option
 
@@ -105,7 +106,7 @@ def nbd_serve(source: Path, socket_path: Path, export_name: str, readonly: bool,
     SOURCE is an image config JSON (writable when it has an upper, unless --readonly) or a
     layer file. A layer, or an image without an upper, is exported READ-ONLY: writes fail.
     Give --upper DIR to make it writable (writes stay in DIR). The start log says which."""
-    from agentenv import logs
+    # lazy: keeps `aenv --help` fast (cli/main.py imports every command module)
     from agentenv.blockd.serve import serve_image
 
     if upper_dir is not None and readonly:

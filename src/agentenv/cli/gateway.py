@@ -9,7 +9,9 @@ from typing import Any
 
 import click
 
+from agentenv import logs
 from agentenv.cli.redis_options import redis_auth_options
+from agentenv.errors import AgentEnvError
 from agentenv.settings import get_settings, warn_unknown
 
 DEFAULT_REDIS = "redis://127.0.0.1:6379/0"
@@ -50,9 +52,9 @@ def gateway_command(host: str, port: int, listen: str | None, scheduler: str, re
                     cluster_secret_file: Path | None, domain: str | None,
                     public_metrics: bool, log_level: str) -> None:
     """Run the gateway: the E2B API of a whole cluster, and its sandbox traffic."""
-    from agentenv import logs
+    # lazy: keeps `aenv --help` fast (cli/main.py imports every command module)
     from agentenv.control.gateway.server import GatewayOptions, serve
-    from agentenv.control.redis_auth import RedisAuth
+    from agentenv.control.redis_auth import RedisAuth  # lazy: as above
 
     logs.setup(log_level)
     warn_unknown("gateway")  # a mistyped AENV_ name would be ignored silently
@@ -68,6 +70,7 @@ def gateway_command(host: str, port: int, listen: str | None, scheduler: str, re
 
 
 def _run(work: Any) -> Any:
+    # lazy: keeps `aenv --help` fast (cli/main.py imports every command module)
     from agentenv.control.gateway.store import GatewayStore
 
     url, auth = _REDIS[0]
@@ -92,6 +95,7 @@ _REDIS: list[Any] = [(DEFAULT_REDIS, None)]
 def team_group(redis_url: str | None, redis_user: str | None,
                redis_password_file: Path | None) -> None:
     """Teams of a cluster: each has API keys and sees only its own sandboxes."""
+    # lazy: `aenv --help` loads only what every command needs (cli/main.py imports this)
     from agentenv.control.redis_auth import RedisAuth
 
     _REDIS[0] = (redis_url or get_settings().redis_url or DEFAULT_REDIS,
@@ -126,14 +130,15 @@ def team_ls() -> None:
 def metrics_token_command(cluster_secret_file: Path | None) -> None:
     """Print the token a Prometheus scraper of the cluster sends (`Authorization: Bearer`) to
     the gateways' and nodes' /metrics: derived from the cluster secret, good for nothing else."""
+    # lazy: `aenv --help` loads only what every command needs (cli/main.py imports this)
     from agentenv.api.auth import metrics_token
 
     click.echo(metrics_token(_cluster_secret(cluster_secret_file)))
 
 
 def _cluster_secret(path: Path | None) -> str:
+    # lazy: `aenv --help` loads only what every command needs (cli/main.py imports this)
     from agentenv.cluster_keys import load_cluster_secret
-    from agentenv.errors import AgentEnvError
 
     secret = load_cluster_secret(path)
     if secret is None:
@@ -148,6 +153,7 @@ def _cluster_secret(path: Path | None) -> str:
 def node_key_command(node_id: str, cluster_secret_file: Path | None) -> None:
     """Print the key of node NODE_ID (its --node-key-file): derived from the cluster secret,
     good for that node only (the gateway's requests to it, its calls to the scheduler)."""
+    # lazy: `aenv --help` loads only what every command needs (cli/main.py imports this)
     from agentenv.cluster_keys import node_key
 
     click.echo(node_key(_cluster_secret(cluster_secret_file), node_id))
@@ -159,6 +165,7 @@ def node_key_command(node_id: str, cluster_secret_file: Path | None) -> None:
 def peer_key_command(cluster_secret_file: Path | None) -> None:
     """Print the key the nodes' blockds present to each other for layer chunks (blockd's
     --peer-key-file): derived from the cluster secret, good for nothing else."""
+    # lazy: `aenv --help` loads only what every command needs (cli/main.py imports this)
     from agentenv.cluster_keys import peer_key
 
     click.echo(peer_key(_cluster_secret(cluster_secret_file)))

@@ -12,6 +12,7 @@ import sys
 import click
 
 from agentenv import __version__
+from agentenv.blockd.remote import install_private_store
 from agentenv.errors import AgentEnvError
 from agentenv.settings import SettingsError
 
@@ -33,8 +34,6 @@ for _name in SUBSYSTEMS:
 
 
 def main() -> None:
-    from agentenv.blockd.remote import install_private_store
-
     install_private_store()  # commands that read a remote layer without blockd (docs/remote-layers.md)
     try:
         code = cli(standalone_mode=False)

@@ -7,6 +7,7 @@ from ipaddress import IPv4Network
 
 import click
 
+from agentenv import logs
 from agentenv.errors import AgentEnvError
 
 
@@ -31,7 +32,7 @@ def egress_proxy_command(control_path: str, port: int, bind: str, metrics_port: 
                          idle_timeout: float | None, peek_timeout: float | None,
                          log_level: str) -> None:
     """Run the node-wide egress proxy and metadata service in the foreground."""
-    from agentenv import logs
+    # lazy: keeps `aenv --help` fast (cli/main.py imports every command module)
     from agentenv.network import egress
 
     if not 0 <= port < 65536:

@@ -14,6 +14,8 @@ import httpx
 from rich.console import Console
 from rich.table import Table
 
+from agentenv import logs
+from agentenv.envd_client import EnvdClient, EnvdClientError
 from agentenv.errors import AgentEnvError
 from agentenv.settings import get_settings, warn_unknown
 
@@ -107,11 +109,15 @@ def serve_command(
     log_level: str
 ) -> None:
     """Run the node server: E2B-compatible API and sandbox proxy on one port."""
-    from agentenv import logs
+    # lazy: keeps `aenv --help` fast (cli/main.py imports every command module)
     from agentenv.cluster_keys import load_cluster_secret
-    from agentenv.node.orchestrator import NodeConfig
-    from agentenv.node.security import api_key_path, load_api_key, secure_state_dir
-    from agentenv.node.server import ServeOptions, cluster_credentials, serve
+    from agentenv.node.orchestrator import NodeConfig  # lazy: as above
+    from agentenv.node.security import (  # lazy: as above
+        api_key_path,
+        load_api_key,
+        secure_state_dir,
+    )
+    from agentenv.node.server import ServeOptions, cluster_credentials, serve  # lazy: as above
 
     logs.setup(log_level)
     warn_unknown("node")  # a mistyped AENV_ name would be ignored silently
@@ -431,8 +437,6 @@ def sandbox_exec(ctx: click.Context, sandbox_id: str, command: tuple[str, ...],
     import asyncio
     import sys
 
-    from agentenv.envd_client import EnvdClient, EnvdClientError
-
     client = _client(ctx)
     info = client.call("GET", f"/sandboxes/{sandbox_id}").json()
 
@@ -494,8 +498,6 @@ def _attach_shell(client: Client, sandbox_id: str, token: str | None) -> int:
     import sys
     import termios
     import tty
-
-    from agentenv.envd_client import EnvdClient, EnvdClientError
 
     stdin = sys.stdin.fileno()
     interactive = os.isatty(stdin)

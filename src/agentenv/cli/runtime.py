@@ -11,6 +11,9 @@ from pathlib import Path
 import click
 
 from agentenv.runtime.accel import resolve_accel
+from agentenv.runtime.config import RuntimeConfig
+from agentenv.runtime.network import teardown_host
+from agentenv.runtime.vm import BootSpec, Runtime
 from agentenv.snapshot.record import SnapshotRecord
 
 
@@ -48,11 +51,9 @@ def snapshot_info(path: Path) -> None:
 @click.option("--memory-mib", type=int, default=256, show_default=True)
 def smoke(memory_mib: int) -> None:
     """Boot the busybox test guest, pause it, restore it, fork it twice; print timings."""
-    from agentenv.runtime.config import RuntimeConfig
-    from agentenv.runtime.network import teardown_host
-    from agentenv.runtime.vm import BootSpec, Runtime
+    # lazy: keeps `aenv --help` fast (cli/main.py imports every command module)
     from agentenv.testing.guest import build_test_guest
-    from agentenv.testing.harness import sh
+    from agentenv.testing.harness import sh  # lazy: as above
 
     async def run() -> None:
         guest = build_test_guest()

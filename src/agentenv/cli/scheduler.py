@@ -7,6 +7,7 @@ from pathlib import Path
 
 import click
 
+from agentenv import logs
 from agentenv.cli.redis_options import redis_auth_options
 from agentenv.errors import AgentEnvError
 from agentenv.settings import get_settings, warn_unknown
@@ -78,11 +79,11 @@ def scheduler_command(
     metrics_bind: str, log_level: str,
 ) -> None:
     """Run the scheduler: placement, the sandbox -> node bindings, node heartbeats."""
-    from agentenv import logs
+    # lazy: keeps `aenv --help` fast (cli/main.py imports every command module)
     from agentenv.cluster_keys import load_cluster_secret
-    from agentenv.control.redis_auth import RedisAuth
-    from agentenv.control.scheduler.server import SchedulerOptions, ServerTls, run
-    from agentenv.control.scheduler.service import SchedulerConfig
+    from agentenv.control.redis_auth import RedisAuth  # lazy: as above
+    from agentenv.control.scheduler.server import SchedulerOptions, ServerTls, run  # lazy: as above
+    from agentenv.control.scheduler.service import SchedulerConfig  # lazy: as above
 
     logs.setup(log_level)
     warn_unknown("scheduler")  # a mistyped AENV_ name would be ignored silently

@@ -16,7 +16,7 @@ from rich.table import Table
 from agentenv.cli.node import DEFAULT_URL, Client, node_api_options, resolve_api_key
 from agentenv.errors import AgentEnvError
 from agentenv.settings import get_settings
-from agentenv.template.pull import DEFAULT_STATE_DIR
+from agentenv.template.pull import DEFAULT_STATE_DIR, pull_image
 
 LEVEL_STYLES = {"debug": "dim", "info": "", "warn": "yellow", "error": "bold red"}
 
@@ -65,8 +65,6 @@ def pull_command(reference: str, name: str | None, state_dir: Path, platform: st
     snapshotted), so `Sandbox.create(NAME)` works right after; otherwise the image goes to the
     local store (STATE_DIR/images) as before.
     """
-    from agentenv.template.pull import pull_image
-
     if register is None:
         register = name is not None and _node_answers(api_url)
     if register:
@@ -210,6 +208,7 @@ def template_build(ctx: click.Context, name: str, build_file: Path | None,
     Example: aenv template build web --from-image python:3.12 --run 'pip install flask'
              --start-cmd 'flask run' --ready-cmd 'curl -fs localhost:5000'
     """
+    # lazy: `aenv --help` loads only what every command needs (cli/main.py imports this)
     from agentenv.template.buildfile import (
         BuildPlan,
         CopySource,

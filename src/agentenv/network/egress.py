@@ -59,6 +59,7 @@ from ipaddress import IPv4Address, IPv4Network
 from pathlib import Path
 from typing import Any
 
+from agentenv import logs
 from agentenv.logs import PerKeyLimit, trim_log
 from agentenv.network import dns, httphead, metadata, sni, socks5
 from agentenv.network.control import SlotEntry, SlotIdentity
@@ -1550,8 +1551,6 @@ def server_from_args(args: argparse.Namespace) -> EgressProxyServer:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from agentenv import logs
-
     args = parse_args(argv)
     logs.setup(args.log_level)
     asyncio.run(run(server_from_args(args)))

@@ -55,6 +55,8 @@ from typing import TYPE_CHECKING, Any
 from agentenv.node.backend import TemplateRef
 from agentenv.node.template_files import UNVERIFIED_SUFFIX
 from agentenv.settings import get_settings
+from agentenv.snapshot.record import SnapshotRecord
+from agentenv.template.layercache import CONVERTER_KIND, LAYER_FILE, NATIVE_KIND, REMOTE_KIND
 
 if TYPE_CHECKING:
     from agentenv.node.metrics import NodeMetrics
@@ -364,8 +366,6 @@ class LayerCollector:
 
     def _live_vm_files(self, marks: _Marks) -> tuple[set[Path], set[Path]]:
         """(files, directories) the marks pin, following snapshot records."""
-        from agentenv.snapshot.record import SnapshotRecord
-
         files: set[Path] = set(marks.in_use) | set(marks.device_files)
         dirs: set[Path] = set()
         record_dirs: set[Path] = set()
@@ -441,13 +441,6 @@ class LayerCollector:
         wanted = set(files)
         for config in (self.state_dir / "images").glob("*/image.json"):
             wanted.update(_resolve(p) for p in _config_lowers(config))
-        from agentenv.template.layercache import (
-            CONVERTER_KIND,
-            LAYER_FILE,
-            NATIVE_KIND,
-            REMOTE_KIND,
-        )
-
         for kind in (CONVERTER_KIND, NATIVE_KIND, REMOTE_KIND):  # base/: the shared empty ext4, kept
             for entry in sorted((cache / kind).glob("*")):
                 if entry.is_dir() and _resolve(entry / LAYER_FILE) not in wanted:

@@ -31,6 +31,7 @@ from agentenv.network.control import EgressControlError, SlotEntry, SlotIdentity
 from agentenv.network.policy import ALL_TRAFFIC, EgressPolicy, PolicyError
 from agentenv.node.records import SandboxRecord
 from agentenv.node.security import TokenIssuer
+from agentenv.runtime.network import parse_open_ranges, walls
 from agentenv.settings import get_settings
 
 log = logging.getLogger("agentenv.node.network_policy")
@@ -64,8 +65,6 @@ def parse(network: Any, allow_internet_access: bool | None) -> EgressPolicy:
 def _walls() -> list[ipaddress.IPv4Network]:
     """The ranges walled off from guests (runtime/network.py), minus the operator's openings
     (AENV_NET_OPEN_RANGES, as the VM backend reads it)."""
-    from agentenv.runtime.network import parse_open_ranges, walls
-
     try:
         opened = parse_open_ranges(get_settings().net_open_ranges)
     except Exception:  # the backend refuses a bad setting at start
@@ -164,6 +163,7 @@ class EgressProxySupervisor:
     async def start(self) -> int:
         """Adopt the proxy a previous run left, or start one; returns its port. Raises
         EgressControlError when it cannot run."""
+        # optional: a build may leave the egress proxy out (node/vm_backend/egress.py)
         from agentenv.network.process import running_for
 
         leftovers = await asyncio.to_thread(running_for, self.control_path)
@@ -177,6 +177,7 @@ class EgressProxySupervisor:
         return self.port
 
     async def _spawn(self, adopt: bool = False) -> None:
+        # optional: a build may leave the egress proxy out (node/vm_backend/egress.py)
         from agentenv.network.process import EgressProxyProcess
 
         self.control_path.parent.mkdir(parents=True, exist_ok=True)

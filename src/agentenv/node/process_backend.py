@@ -61,6 +61,7 @@ CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 def _envd_version() -> str | None:
     try:
+        # optional: a host install may lack the guest's envd (None: version unknown)
         from agentenv.guest.envd import ENVD_VERSION
     except ImportError:
         return None

@@ -42,6 +42,7 @@ from pydantic import BaseModel, Field
 
 from agentenv.errors import AgentEnvError
 from agentenv.fsutil import atomic_write_json
+from agentenv.runtime.adopt import vm_manifest
 from agentenv.settings import setting_text
 
 log = logging.getLogger("agentenv.node.ready_pool")
@@ -365,8 +366,6 @@ class ReadyPool:
         return self.manifest_dir / f"{vm.id}.vm.json"
 
     def _write_manifest(self, vm: Any) -> None:
-        from agentenv.runtime.adopt import vm_manifest
-
         atomic_write_json(self._manifest(vm), vm_manifest(vm))
 
     def _discard(self, vm: Any, reason: str) -> None:

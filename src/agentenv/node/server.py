@@ -19,8 +19,10 @@ from pathlib import Path
 import uvicorn
 from starlette.routing import Route
 
-from agentenv.api.auth import NODE_KEY_HEADER, carries_node_key
+from agentenv import cluster_keys
+from agentenv.api.auth import NODE_KEY_HEADER, carries_node_key, metrics_token
 from agentenv.blockd.remote import install_private_store
+from agentenv.control.scheduler.client import Credentials
 from agentenv.errors import AgentEnvError
 from agentenv.node.admission import Admission, TeamQuotas, space_reserve
 from agentenv.node.api import NodeApp
@@ -165,16 +167,13 @@ def cluster_credentials(node_id: str, node_key_file: Path | None, cluster_secret
     """The node key and metrics token of a node of a cluster, (None, None) for a standalone
     node. A node is given its own key (a file, or AENV_NODE_KEY); the cluster secret itself
     (a one-machine development cluster) derives both."""
-    from agentenv.api.auth import metrics_token
-    from agentenv.cluster_keys import load_key, node_key
-
-    key = load_key(node_key_file, "AENV_NODE_KEY", "node key")
-    token = load_key(metrics_token_file, "AENV_METRICS_TOKEN", "metrics token")
+    key = cluster_keys.load_key(node_key_file, "AENV_NODE_KEY", "node key")
+    token = cluster_keys.load_key(metrics_token_file, "AENV_METRICS_TOKEN", "metrics token")
     if cluster_secret is None:
         return key, token
     if key is not None:
         raise AgentEnvError("give a node its key or the cluster secret, not both")
-    return node_key(cluster_secret, node_id), token or metrics_token(cluster_secret)
+    return cluster_keys.node_key(cluster_secret, node_id), token or metrics_token(cluster_secret)
 
 
 def lock_state_dir(state_dir: Path) -> int:
@@ -206,8 +205,6 @@ async def _serve_with_heartbeat(
 ) -> None:
     sender = None
     if options.scheduler:
-        from agentenv.cluster_keys import peer_serve_key
-        from agentenv.control.scheduler.client import Credentials
         from agentenv.node.heartbeat import HeartbeatSender
         from agentenv.node.layer_peers import LayerPeers, blockd_socket_of
 
@@ -230,7 +227,7 @@ async def _serve_with_heartbeat(
         peers = LayerPeers(options.scheduler, credentials, node_id, api_url, headers,
                            lambda: blockd_socket_of(backend), advertise.rpartition(":")[0],
                            api_ca=tls.ca if tls.serves else None,
-                           serve_key=peer_serve_key(options.node_key))
+                           serve_key=cluster_keys.peer_serve_key(options.node_key))
         app.api.router.routes.insert(0, peers.route())
         sender = HeartbeatSender(
             app.orchestrator, options.state_dir, options.scheduler, credentials,

@@ -48,6 +48,9 @@ from agentenv.node.records import TemplateRecord
 from agentenv.node.security import new_id
 from agentenv.node.vm_backend import VmBackend
 from agentenv.settings import get_settings
+from agentenv.snapshot import repository
+from agentenv.template.layeraccess import LayerAccess
+from agentenv.template.layercache import layer_cache_dir
 
 log = logging.getLogger("agentenv.node.snapshot_api")
 
@@ -88,9 +91,6 @@ def outside_team_scope(ref: str, team: str) -> str | None:
 
 class SnapshotMoveApi:
     def __init__(self, orchestrator: Orchestrator, state_dir: Path) -> None:
-        from agentenv.template.layeraccess import LayerAccess
-        from agentenv.template.layercache import layer_cache_dir
-
         self.orchestrator = orchestrator
         #: which team may use which blob the node holds (template/layeraccess.py)
         self.access = LayerAccess(layer_cache_dir(state_dir))
@@ -131,10 +131,8 @@ class SnapshotMoveApi:
     def _check_repository(ref: str, team: str) -> None:
         """A shared directory is a path on this node, open to whoever names it: only the
         standalone node's own team (`local`) may push to or pull from one."""
-        from agentenv.snapshot.repository import parse_ref
-
         try:
-            kind = parse_ref(ref).kind
+            kind = repository.parse_ref(ref).kind
         except AgentEnvError as exc:
             raise BadRequest(str(exc)) from exc
         if kind == "dir" and team != LOCAL_TEAM:
@@ -167,14 +165,12 @@ class SnapshotMoveApi:
         """`node_credentials`: the node's Docker credentials may be used (the standalone
         node's own team, the operator's AENV_SNAPSHOT_PUBLISH); a cluster's team pushes with
         none, as its builds pull (one team must not write with what the operator configured)."""
-        from agentenv.snapshot.repository import push
-
         backend = self._backend()
         tref, meta = self._resolve(name, team)
         record = backend.snapshots.load(tref)
         record_dir = Path(record.device_state).parent
         try:
-            return await asyncio.to_thread(push, record_dir, ref, meta, team=team,
+            return await asyncio.to_thread(repository.push, record_dir, ref, meta, team=team,
                                            access=self.access,
                                            use_docker_config=node_credentials)
         except AgentEnvError as exc:
@@ -203,11 +199,9 @@ class SnapshotMoveApi:
 
     async def _pull(self, ref: str, name: str | None, download: bool, team: str,
                     backend: VmBackend) -> Response:
-        from agentenv.snapshot.repository import fetch
-
         try:
             # The tools disk of a snapshot is this node's own when the guest assets match.
-            fetched = await asyncio.to_thread(fetch, ref, backend.snapshots.root,
+            fetched = await asyncio.to_thread(repository.fetch, ref, backend.snapshots.root,
                                               lazy=not download,
                                               local_files=[backend.assets.tools_image],
                                               team=team, access=self.access,

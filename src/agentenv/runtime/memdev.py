@@ -36,6 +36,7 @@ from typing import Any
 from agentenv.blockd.client import BlockdClient
 from agentenv.blockd.errors import BlockdError
 from agentenv.blockd.memdev import UNAVAILABLE
+from agentenv.fsutil import atomic_write
 from agentenv.runtime.errors import SnapshotError
 from agentenv.runtime.memory import MemoryFileCache
 
@@ -259,8 +260,6 @@ class SharedMemoryDevices:
 
 
 def write_pack(snapshot_dir: Path, chunk_size: int, chunks: list[int]) -> None:
-    from agentenv.fsutil import atomic_write
-
     doc = {"version": 1, "chunk_size": chunk_size, "memory": chunks}
     atomic_write(snapshot_dir / PACK_NAME, json.dumps(doc) + "\n", mode=0o644)
 

@@ -241,6 +241,7 @@ def _capture_native(pid: int, addr: int, size: int, out: Path, parent_uuid: str 
                     ) -> CaptureStats:
     """The pipeline of `_capture_python` in one native call without the GIL; LayerBuilder
     then records the extents it returns (their data is already in place) and closes."""
+    # optional: the extension exists only in a build with it (the caller chose this path)
     from agentenv.storage import _native
 
     t0 = time.perf_counter()

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from agentenv import boundedjson
+from agentenv.fsutil import atomic_write
 from agentenv.storage.errors import LayerFormatError
 
 DESCRIPTOR_KEY = "aenvRemoteLayer"
@@ -120,8 +121,6 @@ class RemoteLayerRef:
         return doc
 
     def save(self, path: Path) -> None:
-        from agentenv.fsutil import atomic_write
-
         atomic_write(path, json.dumps(self.to_json(), indent=1) + "\n", mode=0o644)
         self.path = path
 

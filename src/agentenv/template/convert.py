@@ -29,6 +29,7 @@ from agentenv.blockd.client import BlockdClient
 from agentenv.blockd.launch import BlockdProcess, BlockdStartFailed
 from agentenv.registry.blobtap import BlobTap
 from agentenv.registry.errors import PullError
+from agentenv.storage.export import import_raw
 from agentenv.template.apply import ApplyStats, apply_layer
 
 VIRTUAL_SIZE = 64 << 30  # 64 GiB, as containerd's converter (docs/templates.md §2)
@@ -117,8 +118,6 @@ def blockd_socket(socket: Path | None, work_dir: Path) -> Iterator[Path]:
 
 def make_base_layer(work: Path, out: Path) -> Path:
     """The empty ext4 (64 GiB virtual disk) every converted image stacks on, as a layer."""
-    from agentenv.storage.export import import_raw
-
     raw = work / "base.raw"
     with open(raw, "wb") as f:
         f.truncate(VIRTUAL_SIZE)

@@ -56,6 +56,13 @@ from agentenv.registry.errors import (
 )
 from agentenv.registry.reference import Reference, parse_reference
 from agentenv.storage.blob import BlobLocation, RemoteLayerRef, load_descriptor
+from agentenv.storage.layer import (
+    describe_layer,
+    inspect_layer,
+    is_remote,
+    load_sealed,
+    open_stream,
+)
 from agentenv.template.apply import compression_of, open_uncompressed
 from agentenv.template.convert import (
     BASE_KEY,
@@ -196,8 +203,6 @@ class _Puller:
     def download_whole(self, layer: Descriptor) -> Path:
         """Download an overlaybd blob whole into the layer cache (`overlaybd/`), checked; the
         caller holds its entry lock."""
-        from agentenv.storage.layer import inspect_layer, is_remote  # the engine checks it
-
         with self.cache.workspace() as work:
             staged = work / "entry"
             staged.mkdir()
@@ -499,8 +504,8 @@ def _pull_remote(manifest: Manifest,
     registry, plus the layer's facts, read from the few byte ranges that hold its metadata
     (wrappers, ZFile jump table, LSMT header, index and trailer). A blob already whole in the
     cache is used as it is."""
+    # lazy: keeps `aenv --help` fast (cli/template.py imports this module)
     from agentenv.blockd.remote.layout import MetaReader
-    from agentenv.storage.layer import describe_layer, load_sealed, open_stream
 
     lowers: list[tuple[Path, str]] = []
     cached = fetched = 0

@@ -3,12 +3,13 @@ and serving verified chunks to peers (docs/remote-layers.md)."""
 
 from __future__ import annotations
 
+from agentenv.storage import blob
+
 
 def install_private_store() -> None:
     """Let this process (not blockd: the CLI, the node, tests) read remote layers through a
     private chunk store, made at its first remote read (reads fetch on demand, nothing shared
     with the node's cache). Cheap: the store's modules load only then."""
-    from agentenv.storage import blob
 
     def private_opener() -> blob.RemoteOpener:
         from agentenv.blockd.remote.store import private_store

@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 from crc32c import crc32c as _std_crc32c
 
+from agentenv.fsutil import atomic_write
 from agentenv.storage import tarwrap, zfile
 from agentenv.storage.crc import BLOCK_SALT
 from agentenv.storage.errors import LayerFormatError
@@ -120,8 +121,6 @@ class Layout:
                 "metas": [[o, base64.b64encode(d).decode()] for o, d in self.metas]}
 
     def save(self, path: Path) -> None:
-        from agentenv.fsutil import atomic_write
-
         atomic_write(path, json.dumps(self.to_json()), mode=0o600)
 
     @classmethod

@@ -42,6 +42,7 @@ from agentenv.blockd.remote.chunkdigests import (
 )
 from agentenv.blockd.remote.layout import Layout, parse
 from agentenv.cluster_keys import PEER_SCHEME
+from agentenv.fsutil import atomic_write
 from agentenv.registry.client import RegistryClient
 from agentenv.registry.errors import PullError
 from agentenv.settings import get_settings
@@ -318,8 +319,6 @@ class RemoteStore:
     def _remember_table(self, hex_: str, size: int, digests: ChunkDigests) -> None:
         if hex_ in self._tables:
             return
-        from agentenv.fsutil import atomic_write
-
         try:
             atomic_write(self.cache.root / "meta" / f"{hex_}.chunks",
                          f"{size}\n{digests.encode()}", mode=0o600)
