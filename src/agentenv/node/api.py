@@ -52,8 +52,9 @@ from agentenv.node import views
 from agentenv.node.layer_peers import HOLDERS_PATH
 from agentenv.node.metrics import NodeMetrics
 from agentenv.node.orchestrator import CreateParams, ForkResult, Orchestrator
-from agentenv.node.proxy import SandboxProxy, route_of, send_json
+from agentenv.node.proxy import SandboxProxy, route_of
 from agentenv.node.records import SandboxRecord, State, TemplateRecord
+from agentenv.relay.answers import send_json
 from agentenv.relay.server import path_problem, request_target, target_problem
 
 log = logging.getLogger("agentenv.node.api")

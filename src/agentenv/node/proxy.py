@@ -46,6 +46,7 @@ from agentenv.node.backend import CODE_INTERPRETER_PORT, ENVD_PORT
 from agentenv.node.metrics import NodeMetrics
 from agentenv.node.orchestrator import Orchestrator
 from agentenv.node.records import SandboxRecord, State
+from agentenv.relay.answers import send_json
 from agentenv.relay.server import request_has_body, request_target, target_problem
 from agentenv.relay.stream import (
     Exchange,
@@ -54,7 +55,6 @@ from agentenv.relay.stream import (
     Send,
     forward_headers,
     refuse_websocket,
-    send_json,
 )
 
 log = logging.getLogger("agentenv.node.proxy")

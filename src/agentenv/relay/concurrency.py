@@ -10,12 +10,12 @@ requests one after another (a pipelined request waits for the one before it).
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Mapping
 from typing import Any
 
 from agentenv.logs import Sampled
+from agentenv.relay.answers import RETRY_SHORTLY, send_json
 from agentenv.settings import setting_text
 
 log = logging.getLogger("agentenv.relay.concurrency")
@@ -71,10 +71,6 @@ class ConcurrencyCap:
         if scope["type"] == "websocket":
             await send({"type": "websocket.close", "code": 1013})
             return
-        payload = json.dumps({"code": 503, "message": (
+        await send_json(send, 503, {"code": 503, "message": (
             f"{self.server} is serving its limit of {self.limit} concurrent requests "
-            f"({SETTING}); retry shortly")}).encode()
-        await send({"type": "http.response.start", "status": 503, "headers": [
-            (b"content-type", b"application/json; charset=utf-8"),
-            (b"content-length", str(len(payload)).encode()), (b"retry-after", b"1")]})
-        await send({"type": "http.response.body", "body": payload})
+            f"({SETTING}); retry shortly")}, RETRY_SHORTLY)

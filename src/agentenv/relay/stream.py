@@ -30,6 +30,7 @@ from websockets.frames import CloseCode
 
 from agentenv.errors import AgentEnvError
 from agentenv.logs import PerKeyLimit
+from agentenv.relay.answers import send_json
 from agentenv.relay.server import StreamAborted, request_has_body
 from agentenv.relay.websocket import (
     FRAGMENTS,
@@ -192,27 +193,6 @@ def forward_headers(
     out.append((b"x-forwarded-host", hosts[0] if hosts else b""))
     out.append((b"x-forwarded-proto", scope.get("scheme", "http").encode()))
     return out
-
-
-#: what a refusal that should be retried soon adds to its answer
-RETRY_SHORTLY = ((b"retry-after", b"1"),)
-
-
-async def send_json(send: Send, status: int, body: dict[str, Any],
-                    headers: tuple[tuple[bytes, bytes], ...] = ()) -> None:
-    payload = json.dumps(body).encode()
-    await send(
-        {
-            "type": "http.response.start",
-            "status": status,
-            "headers": [
-                (b"content-type", b"application/json; charset=utf-8"),
-                (b"content-length", str(len(payload)).encode()),
-                *headers,
-            ],
-        }
-    )
-    await send({"type": "http.response.body", "body": payload})
 
 
 async def refuse_websocket(send: Send, status: int, body: dict[str, Any]) -> None:

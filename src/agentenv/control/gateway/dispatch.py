@@ -23,7 +23,7 @@ from agentenv.api.routes import Auth, Operation
 from agentenv.api.serve import bind, path_pattern
 from agentenv.control.gateway.limits import TeamBusy, TeamShares
 from agentenv.control.gateway.metrics import GatewayMetrics
-from agentenv.control.gateway.nodes import GatewayError, Scope, send_json
+from agentenv.control.gateway.nodes import GatewayError, Scope
 from agentenv.control.gateway.placement import (
     BadPlacementRequest,
     NoPlacement,
@@ -34,6 +34,7 @@ from agentenv.control.gateway.sandbox_relay import SandboxRelay, sandbox_route
 from agentenv.control.gateway.signed import SignedFiles, is_signed_file_request
 from agentenv.control.gateway.store import GatewayStore, StoreUnavailable
 from agentenv.node.admission import REFUSAL_HEADERS, REFUSED_HEADER
+from agentenv.relay.answers import send_json
 from agentenv.relay.server import path_problem, request_target, target_problem
 from agentenv.relay.stream import Send
 

@@ -57,9 +57,9 @@ from agentenv.control.gateway.placement import SchedulerLink
 from agentenv.control.gateway.store import PREFIX, GatewayStore, quota_key
 from agentenv.logs import Sampled
 from agentenv.node.admission import QuotaExceeded, TeamQuotas, env_number
+from agentenv.relay.answers import RETRY_SHORTLY, send_json
 from agentenv.relay.concurrency import max_concurrent
 from agentenv.relay.connections import client_key
-from agentenv.relay.stream import RETRY_SHORTLY, send_json
 
 log = logging.getLogger("agentenv.control.gateway.limits")
 

@@ -15,9 +15,10 @@ from starlette.requests import Request
 from agentenv.api.errors import ApiError
 from agentenv.api.event_models import MAX_METRICS_BATCH
 from agentenv.api.paging import MAX_PAGE, decode_cursor, iso_ts, merged_page, page_limit
-from agentenv.control.gateway.nodes import GatewayError, NodeLink, node_unavailable, send_json
+from agentenv.control.gateway.nodes import GatewayError, NodeLink, node_unavailable
 from agentenv.control.gateway.placement import Node, SchedulerLink
 from agentenv.control.gateway.store import GatewayStore
+from agentenv.relay.answers import send_json
 from agentenv.relay.stream import Send
 
 log = logging.getLogger("agentenv.control.gateway")

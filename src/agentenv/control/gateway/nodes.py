@@ -117,16 +117,6 @@ async def send_answer(send: Send, answer: httpx.Response, content: bytes | None 
     await send({"type": "http.response.body", "body": body})
 
 
-async def send_json(send: Send, status: int, body: Any,
-                    headers: dict[str, str] | None = None) -> None:
-    payload = json.dumps(body).encode()
-    raw = [(b"content-type", b"application/json"),
-           (b"content-length", str(len(payload)).encode())]
-    raw += [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()]
-    await send({"type": "http.response.start", "status": status, "headers": raw})
-    await send({"type": "http.response.body", "body": payload})
-
-
 class NodeLink:
     """Requests to the nodes, for a team, and where a team's things are."""
 

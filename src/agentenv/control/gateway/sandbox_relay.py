@@ -22,7 +22,8 @@ from agentenv.control.gateway.limits import (
 )
 from agentenv.control.gateway.nodes import ENVD_PORT, NodeLink, Scope
 from agentenv.control.gateway.placement import Binding, SchedulerLink, SchedulerUnavailable
-from agentenv.relay.stream import RETRY_SHORTLY, Exchange, Send, header_values, send_json
+from agentenv.relay.answers import RETRY_SHORTLY, send_json
+from agentenv.relay.stream import Exchange, Send, header_values
 
 log = logging.getLogger("agentenv.control.gateway")
 

@@ -8,9 +8,10 @@ from __future__ import annotations
 from starlette.requests import Request
 
 from agentenv.control.gateway.limits import GatewayQuotas
-from agentenv.control.gateway.nodes import NodeLink, bare_name, send_answer, send_json
+from agentenv.control.gateway.nodes import NodeLink, bare_name, send_answer
 from agentenv.control.gateway.placement import SchedulerLink
 from agentenv.control.gateway.store import GatewayStore
+from agentenv.relay.answers import send_json
 from agentenv.relay.stream import Send
 
 

@@ -24,7 +24,8 @@ from agentenv.control.gateway.metrics import GatewayMetrics
 from agentenv.control.gateway.nodes import ENVD_PORT, NodeLink, Scope
 from agentenv.control.gateway.placement import Node, NoPlacement, SchedulerUnavailable
 from agentenv.control.gateway.sandbox_relay import SANDBOX_ID
-from agentenv.relay.stream import Exchange, Send, header_values, send_json
+from agentenv.relay.answers import send_json
+from agentenv.relay.stream import Exchange, Send, header_values
 
 log = logging.getLogger("agentenv.control.gateway")
 FILES_PATH = "/files"
