@@ -38,7 +38,6 @@ from agentenv.control.gateway.nodes import (
     NodeLink,
     Scope,
     control_body_seconds,
-    send_json,
 )
 from agentenv.control.gateway.placement import SchedulerLink
 from agentenv.control.gateway.sandbox_relay import SandboxRelay, answer_gone, answer_unreachable
@@ -48,6 +47,7 @@ from agentenv.control.gateway.store import GatewayStore
 from agentenv.control.gateway.templates import Templates
 from agentenv.control.gateway.volumes import Volumes
 from agentenv.errors import AgentEnvError
+from agentenv.relay.answers import send_json
 from agentenv.relay.stream import Relay, RelayLimits, Send
 
 

@@ -27,7 +27,6 @@ from agentenv.control.gateway.nodes import (
     bare_name,
     json_body,
     send_answer,
-    send_json,
 )
 from agentenv.control.gateway.placement import (
     Node,
@@ -38,6 +37,7 @@ from agentenv.control.gateway.placement import (
 from agentenv.control.gateway.store import PENDING, GatewayStore
 from agentenv.errors import AgentEnvError
 from agentenv.node.admission import REFUSED_HEADER
+from agentenv.relay.answers import send_json
 from agentenv.relay.stream import Send
 from agentenv.settings import setting_text
 

@@ -23,10 +23,10 @@ from agentenv.control.gateway.nodes import (
     GatewayError,
     NodeLink,
     send_answer,
-    send_json,
 )
 from agentenv.control.gateway.placement import Node, SchedulerLink
 from agentenv.control.gateway.store import GatewayStore
+from agentenv.relay.answers import send_json
 from agentenv.relay.stream import Send
 
 #: what the scheduler is asked to place a team's first volume as (every node has it)
