@@ -128,6 +128,10 @@ class NodeApp:
         class the rest; `extra_routes` (tests) are matched before them."""
         self.orchestrator = orchestrator
         self.catalogue = orchestrator.catalogue
+        #: the backend's optional capabilities, resolved once at assembly (node/server.py)
+        self.capabilities = orchestrator.capabilities
+        #: the node's settings (node/orchestrator.py NodeConfig), fixed once it is assembled
+        self.config = orchestrator.config
         self.api_key = api_key
         self.node_key = node_key
         self.public_metrics = public_metrics
@@ -163,7 +167,7 @@ class NodeApp:
             with contextlib.suppress(Exception):
                 await self.orchestrator.shutdown()
             raise
-        log.info("node ready", extra={"backend": self.orchestrator.backend.name})
+        log.info("node ready", extra={"backend": self.orchestrator.backend_name})
         try:
             yield
         finally:
@@ -321,7 +325,7 @@ class NodeApp:
     async def health(self, request: Request) -> Response:
         # The node is not healthy while its backend cannot serve (blockd down or restarting,
         # sandboxes whose disks did not come back): 503 with the reason.
-        health = self.orchestrator.capabilities.health
+        health = self.capabilities.health
         problem = health.health_problem() if health is not None else None
         if problem:
             return JSONResponse({"status": "unhealthy", "reason": problem,
@@ -337,13 +341,13 @@ class NodeApp:
     def _sandbox_id(self, request: Request) -> str:
         """The path's sandbox id, if that sandbox is of the request's team (else not found)."""
         sandbox_id: str = request.path_params["sandbox_id"]
-        rec = self.orchestrator.sandboxes.get(sandbox_id)
+        rec = self.orchestrator.sandbox(sandbox_id)
         if rec is None or rec.team != scope_team(request.scope):
             raise sandbox_not_found(sandbox_id)
         return sandbox_id
 
     def _sandbox(self, rec: SandboxRecord) -> dict[str, Any]:
-        return views.sandbox_json(rec, self.client_id, self.orchestrator.config.domain)
+        return views.sandbox_json(rec, self.client_id, self.config.domain)
 
     # create
 
@@ -454,7 +458,7 @@ class NodeApp:
         if rec.state == State.KILLING:  # killed, as far as clients are concerned
             raise sandbox_not_found(rec.sandbox_id)
         return JSONResponse(
-            views.detail_json(rec, self.client_id, self.orchestrator.config.domain)
+            views.detail_json(rec, self.client_id, self.config.domain)
         )
 
     async def kill(self, request: Request) -> Response:
@@ -572,7 +576,7 @@ class NodeApp:
         tpl = self._snapshot(request)
         params = CreateParams(template=tpl.template_id, team=scope_team(request.scope),
                               timeout=body.timeout if body.timeout is not None
-                              else self.orchestrator.config.fork_default_timeout)
+                              else self.config.fork_default_timeout)
         return self._fork_results(await self.orchestrator.create_many(params, body.count))
 
     async def snapshot_children(self, request: Request) -> Response:
@@ -589,16 +593,16 @@ class NodeApp:
         """This node as `team` may see it: its own sandboxes' counts and allocations, never
         another team's. A standalone node's one team sees the host's use too; on a node of a
         cluster the host's use (CPU load, memory and disk used) is every team's load: left out."""
-        mine = [r for r in self.orchestrator.sandboxes.values() if r.team == team]
+        mine = [r for r in self.orchestrator.all_sandboxes() if r.team == team]
         counts = {s.value: 0 for s in State}
         for rec in mine:
             counts[rec.state.value] += 1
         busy = ("running", "pausing", "snapshotting", "forking", "rolling-back", "killing")
         live = [r for r in mine if r.state.holds_vm]
         paused = [r for r in mine if not r.state.holds_vm]
-        successes, fails = self.orchestrator.counters.of_team(team)
+        successes, fails = self.orchestrator.create_counts(team)
         mem_total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-        state_dir = str(self.orchestrator.store.path.parent)
+        state_dir = str(self.orchestrator.state_dir)
         disk = os.statvfs(state_dir)
         metrics: dict[str, Any] = {
             "allocatedCPU": sum(r.cpu_count for r in live),
@@ -623,7 +627,7 @@ class NodeApp:
             "version": __version__,
             "commit": "unknown",
             "status": "ready",
-            "backend": self.orchestrator.backend.name,
+            "backend": self.orchestrator.backend_name,
             "machineInfo": {
                 "cpuFamily": "",
                 "cpuModel": "",
@@ -641,7 +645,7 @@ class NodeApp:
     async def signature_owner(self, request: Request) -> Response:
         body = await read_model(request, SignedFileRequest)
         sandbox_id = self.proxy.signature_owner(body.method, body.query)
-        rec = self.orchestrator.sandboxes.get(sandbox_id) if sandbox_id is not None else None
+        rec = self.orchestrator.sandbox(sandbox_id) if sandbox_id is not None else None
         if rec is None:
             raise ApiError("no sandbox of this node made this signature", status=404)
         # team-less: the gateway learns the team here, and relays the request for it

@@ -64,6 +64,12 @@ class BuildRunner:
         self.on_published: Callable[[str, str, str], None] | None = None
         self.orchestrator = orchestrator
         self.catalogue = orchestrator.catalogue
+        #: the backend the build VMs run on
+        self.backend = orchestrator.backend
+        #: the backend's optional capabilities, resolved once at assembly (node/server.py)
+        self.capabilities = orchestrator.capabilities
+        #: the node's settings (node/orchestrator.py NodeConfig), fixed once it is assembled
+        self.config = orchestrator.config
         self.records = records
         self.state_dir = state_dir
         #: the builds under way, by build id
@@ -118,10 +124,9 @@ class BuildRunner:
                               f"({BUILD_TIMEOUT_ENV}); its VM was stopped", None) from None
 
     def _build_event(self, kind: str, rec: BuildRecord, **data: Any) -> None:
-        if self.orchestrator.events is not None:
-            self.orchestrator.events.record(Event(
-                type=kind, team=rec.team, template_id=rec.template_id, build_id=rec.build_id,
-                data={"name": rec.name, **data}))
+        self.orchestrator.record_event(Event(
+            type=kind, team=rec.team, template_id=rec.template_id, build_id=rec.build_id,
+            data={"name": rec.name, **data}))
 
     def _fail(self, rec: BuildRecord, message: str, step: str | None) -> None:
         rec.status = "error"
@@ -134,8 +139,8 @@ class BuildRunner:
 
     async def _build(self, rec: BuildRecord, steps: list[Any], body: TemplateBuildStartV2,
                      files_dir: Path) -> None:
-        backend = self.orchestrator.backend
-        builder = self.orchestrator.capabilities.templates
+        backend = self.backend
+        builder = self.capabilities.templates
         assert builder is not None  # builds are refused at the request otherwise
         vm_id = new_id("b")
         placement = None
@@ -210,7 +215,7 @@ class BuildRunner:
             log.warning("build VM start failed, retrying",
                         extra={"build_id": rec.build_id, "error": repr(exc)})
             with contextlib.suppress(Exception):
-                await self.orchestrator.backend.kill(vm_id, None)
+                await self.backend.kill(vm_id, None)
         return await start()
 
     async def _pull(self, rec: BuildRecord, body: TemplateBuildStartV2) -> tuple[list[Path], int, dict[str, Any]]:
@@ -248,7 +253,7 @@ class BuildRunner:
         tpl = TemplateRecord(
             template_id=rec.template_id, kind="template", names=[rec.name], ref=ref,
             cpu_count=rec.cpu_count, memory_mb=rec.memory_mb, disk_size_mb=rec.disk_size_mb,
-            envd_version=rec.envd_version or self.orchestrator.config.default_envd_version,
+            envd_version=rec.envd_version or self.config.default_envd_version,
             created_at=old.created_at if old else now, updated_at=now,
             spawn_count=old.spawn_count if old else 0,
             last_spawned_at=old.last_spawned_at if old else None, build_status="ready",
@@ -265,7 +270,7 @@ class BuildRunner:
             await self.catalogue.tags.publish(tpl, build, rec.tags or [DEFAULT_TAG])
         except BaseException:
             with contextlib.suppress(Exception):
-                await self.orchestrator.backend.delete_snapshot(ref)
+                await self.backend.delete_snapshot(ref)
             raise
         rec.context = context.to_json()
         rec.status = "ready"

@@ -170,6 +170,10 @@ class LayerCollector:
         debounce_seconds: float = DEFAULT_DEBOUNCE_SECONDS,
     ) -> None:
         self.orchestrator = orchestrator
+        #: the templates and snapshots whose layers the marks keep (node/catalogue.py)
+        self.catalogue = orchestrator.catalogue
+        #: the backend's optional capabilities, resolved once at assembly (node/server.py)
+        self.capabilities = orchestrator.capabilities
         self.state_dir = state_dir
         self.metrics = metrics
         settings = get_settings()
@@ -224,7 +228,7 @@ class LayerCollector:
             async with self.orchestrator.operations_held():
                 marks = await self._marks()
                 await asyncio.to_thread(self._sweep, marks, report)
-            layers = self.orchestrator.capabilities.layers
+            layers = self.capabilities.layers
             for device_id, upper in marks.device_uppers.items():
                 if layers is None or not self._stale_device(upper):
                     continue
@@ -249,9 +253,9 @@ class LayerCollector:
 
     async def _marks(self) -> _Marks:
         orch = self.orchestrator
-        layers = orch.capabilities.layers
-        refs: list[TemplateRef] = list(orch.catalogue.refs())
-        for rec in orch.sandboxes.values():
+        layers = self.capabilities.layers
+        refs: list[TemplateRef] = list(self.catalogue.refs())
+        for rec in orch.all_sandboxes():
             refs.append(rec.source)
             if rec.pause_snapshot is not None:
                 refs.append(rec.pause_snapshot)
@@ -273,15 +277,15 @@ class LayerCollector:
                         device_files.update(_resolve(p) for p in _config_lowers(source))
         # volumes: every volume's current version, and what sandboxes mount (a create that
         # sealed one may not run its VM yet); older versions go (node/volumes.py)
-        if orch.volumes is not None:
-            in_use.update(_resolve(p) for p in orch.volumes.current_layers())
-        for rec in orch.sandboxes.values():
+        in_use.update(_resolve(p) for p in orch.volume_layers())
+        for rec in orch.all_sandboxes():
             in_use.update(_resolve(m.layer) for m in rec.volume_mounts)
         current_layer = None
         with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
             meta = json.loads((self.state_dir / "templates" / "base" / "template.json").read_text())
             current_layer = _resolve(meta["layer"])
-        return _Marks(refs=refs, sandbox_ids=set(orch.sandboxes), in_use=in_use,
+        sandbox_ids = {r.sandbox_id for r in orch.all_sandboxes()}
+        return _Marks(refs=refs, sandbox_ids=sandbox_ids, in_use=in_use,
                       device_uppers=device_uppers, device_files=device_files,
                       current_base_layer=current_layer)
 

@@ -51,6 +51,8 @@ class HeartbeatSender:
         peers: LayerPeers | None = None,
     ) -> None:
         self.orchestrator = orchestrator
+        #: the templates and snapshots the heartbeat reports (node/catalogue.py)
+        self.catalogue = orchestrator.catalogue
         self.state_dir = state_dir
         # the node's own identity: the scheduler takes heartbeats for `node_id` only with it
         self.client = SchedulerClient(scheduler, credentials, timeout=max(1.0, interval))
@@ -69,7 +71,7 @@ class HeartbeatSender:
         msg = pb.NodeStatus(
             node_id=self.node_id, address=self.advertise, layer_address=self.layer_address
         )
-        for rec in list(orch.sandboxes.values()):
+        for rec in orch.all_sandboxes():
             paused = rec.state.public == "paused"
             msg.sandboxes.add(
                 sandbox_id=rec.sandbox_id,
@@ -84,7 +86,7 @@ class HeartbeatSender:
                 msg.running += 1
         admission = orch.admission
         assert admission is not None, "the node's server sets the admission before heartbeats"
-        room = admission.room(orch.sandboxes.values())
+        room = admission.room(orch.all_sandboxes())
         msg.cpu_total, msg.cpu_free = room.cpu_ceiling, room.cpu_free
         msg.memory_total_mib, msg.memory_free_mib = room.memory_ceiling_mib, room.memory_free_mib
         msg.max_sandboxes = admission.max_sandboxes
@@ -101,7 +103,7 @@ class HeartbeatSender:
             msg.memory_pressure = use.memory_pressure
         msg.cpu_busy = use.cpu_busy
         layers: set[str] = set()
-        for tpl in list(orch.catalogue.templates.values()):
+        for tpl in list(self.catalogue.templates.values()):
             layers.update(tpl.ref.layers)
             names = (tpl.template_id, *tpl.names)
             if tpl.kind == "snapshot":

@@ -47,7 +47,7 @@ class ObserveApi:
         than half the interval (the SDK asks right after a create); 404 if not the team's."""
         sid = request.path_params["sandbox_id"]
         team = scope_team(request.scope)
-        rec = self.observer.orchestrator.sandboxes.get(sid)
+        rec = self.observer.orchestrator.sandbox(sid)
         if rec is not None and rec.team == team and rec.state == State.RUNNING:
             history = self.observer.histories.get(sid)
             last = history.samples[-1].metric.timestamp if history and history.samples else 0

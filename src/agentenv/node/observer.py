@@ -91,6 +91,10 @@ def level_of(text: str) -> str:
 class Observer:
     def __init__(self, orchestrator: Orchestrator, config: ObserverConfig) -> None:
         self.orchestrator = orchestrator
+        #: the backend the host-side samples come from
+        self.backend = orchestrator.backend
+        #: the backend's optional capabilities, resolved once at assembly (node/server.py)
+        self.capabilities = orchestrator.capabilities
         self.config = config
         self.histories: dict[str, History] = {}
         #: sandboxes being looked at now, with when that look ends (a request's look and the
@@ -123,8 +127,8 @@ class Observer:
         if self.config.interval <= 0:
             return None
         cpus, resident = 0.0, 0
-        for sandbox_id, rec in list(self.orchestrator.sandboxes.items()):
-            history = self.histories.get(sandbox_id)
+        for rec in self.orchestrator.all_sandboxes():
+            history = self.histories.get(rec.sandbox_id)
             if rec.state == State.RUNNING and history is not None and history.samples:
                 last = history.samples[-1]
                 cpus += last.metric.cpu_used_pct * last.metric.cpu_count / 100
@@ -138,13 +142,12 @@ class Observer:
     async def observe_once(self) -> None:
         """One look at every sandbox; ended ones past the grace are forgotten."""
         now = time.time()
-        sandboxes = self.orchestrator.sandboxes
         for sid, history in list(self.histories.items()):
-            if sid not in sandboxes and history.ended_at is None:
+            if self.orchestrator.sandbox(sid) is None and history.ended_at is None:
                 history.ended_at = now
             if history.ended_at is not None and now - history.ended_at > self.config.grace:
                 del self.histories[sid]
-        running = [r for r in sandboxes.values()
+        running = [r for r in self.orchestrator.all_sandboxes()
                    if r.state == State.RUNNING and r.placement is not None]
         await asyncio.gather(*(self.observe(r.sandbox_id) for r in running))
 
@@ -165,7 +168,7 @@ class Observer:
             done.set_result(None)
 
     async def _observe(self, sandbox_id: str) -> None:
-        rec = self.orchestrator.sandboxes.get(sandbox_id)
+        rec = self.orchestrator.sandbox(sandbox_id)
         if rec is None or rec.state != State.RUNNING or rec.placement is None:
             return
         history = self.histories.get(sandbox_id)
@@ -173,7 +176,7 @@ class Observer:
             history = History(rec.team, deque(maxlen=self.config.max_samples))
             self.histories[sandbox_id] = history
         try:
-            host = await self.orchestrator.backend.metrics(sandbox_id, rec.placement)
+            host = await self.backend.metrics(sandbox_id, rec.placement)
         except BackendError as exc:
             log.debug("metrics failed", extra={"sandbox_id": sandbox_id, "error": str(exc)})
             return
@@ -187,7 +190,7 @@ class Observer:
                 metric = replace(host, mem_used=int(guest["mem_used"]),
                                  mem_cache=int(guest["mem_cache"]))
         history.samples.append(Sample(metric, host.mem_used))
-        logs = self.orchestrator.capabilities.logs
+        logs = self.capabilities.logs
         if logs is not None:
             files = logs.log_files(sandbox_id)
             lines = await asyncio.to_thread(self._read_new, history, files)

@@ -31,6 +31,7 @@ import os
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
 import httpx
@@ -226,6 +227,36 @@ class Orchestrator:
     def http(self) -> httpx.AsyncClient | None:
         """The node's client for calls to envd (None before start)."""
         return self._http
+
+    @property
+    def backend_name(self) -> str:
+        """The name of the node's backend ("process", "vm"), for answers and logs."""
+        return self.backend.name
+
+    @property
+    def state_dir(self) -> Path:
+        """The directory the node keeps its state in (its store's)."""
+        return self.store.path.parent
+
+    def add_companion(self, companion: Companion) -> None:
+        """Run `companion` with the node: started once it runs, stopped first at shutdown."""
+        self.companions.append(companion)
+
+    def record_event(self, event: Event) -> None:
+        """Record an event that is not a sandbox's (a build's; emit records a sandbox's).
+        Looked up at each call: the event log is set (and may be replaced) after construction."""
+        if self.events is not None:
+            self.events.record(event)
+
+    def check_quota(self, kind: str, have: int) -> None:
+        """Admission.check_quota (a new template or snapshot of a team that has `have`); no-op
+        on a node without admission. Looked up at each call, like record_event."""
+        if self.admission is not None:
+            self.admission.check_quota(kind, have)
+
+    def create_counts(self, team: str) -> tuple[int, int]:
+        """(successful, failed) creates of `team` on this node since it started."""
+        return self.counters.of_team(team)
 
     def emit(self, kind: str, rec: SandboxRecord, **data: Any) -> None:
         """Record a lifecycle event of `rec` (never waits: node/events.py)."""
@@ -473,6 +504,16 @@ class Orchestrator:
             raise sandbox_not_found(sandbox_id)
         return rec
 
+    def sandbox(self, sandbox_id: str) -> SandboxRecord | None:
+        """The record of `sandbox_id` in any state (being killed too), None when the node has
+        none: for callers that answer a missing sandbox their own way (get raises 404)."""
+        return self.sandboxes.get(sandbox_id)
+
+    def all_sandboxes(self) -> list[SandboxRecord]:
+        """Every record the node holds, those being killed too (list_visible leaves them out).
+        A copy: callers iterate it across awaits while sandboxes come and go."""
+        return list(self.sandboxes.values())
+
     def list_visible(self) -> list[SandboxRecord]:
         """Sandboxes the API lists: everything except those being killed."""
         return [r for r in self.sandboxes.values() if r.state != State.KILLING]
@@ -599,6 +640,11 @@ class Orchestrator:
             params.team, params.volume_mounts, inherited,
             None if mounting is None else mounting.free_volume_slots(tpl.ref),
             self.backend.name)
+
+    def volume_layers(self) -> set[Path]:
+        """The latest sealed version of every volume (node/volumes.py); none without volumes.
+        Looked up at each call: the server sets the volumes after the collector is made."""
+        return self.volumes.current_layers() if self.volumes is not None else set()
 
     def volume_writers(self) -> dict[str, str]:
         """The volumes a sandbox mounts read-write (exclusively), by volume id: its id."""

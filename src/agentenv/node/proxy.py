@@ -234,6 +234,8 @@ class SandboxProxy:
         limits: ProxyLimits | None = None,
     ) -> None:
         self.orchestrator = orchestrator
+        #: the backend's optional capabilities, resolved once at assembly (node/server.py)
+        self.capabilities = orchestrator.capabilities
         self.api_key = api_key
         self.metrics = metrics
         self.limits = limits or ProxyLimits.from_env()
@@ -271,7 +273,7 @@ class SandboxProxy:
             return None
         # A signed URL on a shared E2B_SANDBOX_URL names no sandbox: the envd token that made
         # the signature does. Only tokens of this node's sandboxes can match.
-        for rec in list(self.orchestrator.sandboxes.values()):
+        for rec in self.orchestrator.all_sandboxes():
             if rec.envd_access_token and signed.matches(rec.envd_access_token):
                 return ProxyRoute(rec.sandbox_id, ENVD_PORT, by_signature=True)
         return ProxyRoute("", ENVD_PORT, "invalid signature")
@@ -390,7 +392,7 @@ class SandboxProxy:
         self, scope: Scope, route: ProxyRoute, exchange: SandboxExchange
     ) -> tuple[httpx.URL | None, int, dict[str, Any]]:
         """(upstream URL, 0, {}) when the request may go through, else (None, status, body)."""
-        rec = self.orchestrator.sandboxes.get(route.sandbox_id)
+        rec = self.orchestrator.sandbox(route.sandbox_id)
         refused = self._refusal(scope, route, rec)
         if refused is not None:
             return None, *refused
@@ -401,7 +403,7 @@ class SandboxProxy:
                                       "message": exc.message}
         if placement is None:
             return None, 502, _not_found(route.sandbox_id)
-        host_ports = self.orchestrator.capabilities.host_ports
+        host_ports = self.capabilities.host_ports
         if host_ports is not None:
             problem = await asyncio.to_thread(host_ports.port_problem, route.sandbox_id,
                                               placement, route.port)

@@ -112,28 +112,33 @@ def build_app(
         on_op=metrics.record_op,
         capabilities=capabilities,
     )
-    orchestrator.gc = LayerCollector(orchestrator, state, metrics)
+    # The parts are made here and handed to the orchestrator; configured through the local
+    # names, never through the orchestrator.
+    gc = LayerCollector(orchestrator, state, metrics)
+    orchestrator.gc = gc
     node_id = options.node_id or socket.gethostname()
-    orchestrator.events = EventLog(orchestrator.store, node_id, retention_from_env())
+    events = EventLog(orchestrator.store, node_id, retention_from_env())
+    orchestrator.events = events
     webhooks = Webhooks(orchestrator.store, DeliveryPolicy.from_env(), allow_private=(
         not options.node_key or get_settings().webhook_allow_private))
     if not options.node_key:  # in a cluster the gateway delivers (control/gateway/events.py)
-        orchestrator.events.sinks.append(webhooks)
+        events.sinks.append(webhooks)
     observer = Observer(orchestrator, ObserverConfig.from_env())
-    orchestrator.companions.append(observer)
-    orchestrator.admission = Admission.from_env(state)
+    orchestrator.add_companion(observer)
+    admission = Admission.from_env(state)
     if not options.node_key:  # a cluster's gateway counts a team over every node
-        orchestrator.admission.quotas = TeamQuotas.from_env()
+        admission.quotas = TeamQuotas.from_env()
     else:  # the node's figures are every team's load: not in a team's answers
-        orchestrator.admission.shared = True
+        admission.shared = True
+    orchestrator.admission = admission
     volumes = Volumes(orchestrator.store, state, orchestrator.tokens, VolumeLimits.from_env(),
                       lambda: space_reserve(orchestrator.admission),
-                      sealed=lambda: orchestrator.gc.request(),
-                      writers=lambda: orchestrator.volume_writers())
+                      sealed=gc.request,
+                      writers=orchestrator.volume_writers)
     orchestrator.volumes = volumes
     if (pools := capabilities.pools) is not None:
         metrics.watch_ready_pools(lambda: pools.pool)
-    metrics.watch_admission(lambda: orchestrator.admission, orchestrator.sandboxes.values,
+    metrics.watch_admission(lambda: orchestrator.admission, orchestrator.all_sandboxes,
                             observer.usage)
     from agentenv.node.snapshot_api import SnapshotMoveApi
     from agentenv.node.template_api import TemplateBuildApi
@@ -149,7 +154,7 @@ def build_app(
         extra_routes=extra_routes,
         handlers={**builds.handlers(), **moves.handlers(),
                   **VolumeApi(volumes, orchestrator).handlers(),
-                  **EventsApi(orchestrator.events, webhooks,
+                  **EventsApi(events, webhooks,
                               cluster=bool(options.node_key)).handlers(),
                   **ObserveApi(observer).handlers()},
         node_key=options.node_key,

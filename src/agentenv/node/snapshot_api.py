@@ -92,6 +92,10 @@ def outside_team_scope(ref: str, team: str) -> str | None:
 class SnapshotMoveApi:
     def __init__(self, orchestrator: Orchestrator, state_dir: Path) -> None:
         self.orchestrator = orchestrator
+        #: the templates and snapshots pulled ones join (node/catalogue.py)
+        self.catalogue = orchestrator.catalogue
+        #: the node's settings (node/orchestrator.py NodeConfig), fixed once it is assembled
+        self.config = orchestrator.config
         #: which team may use which blob the node holds (template/layeraccess.py)
         self.access = LayerAccess(layer_cache_dir(state_dir))
         self._publishing: set[asyncio.Task[None]] = set()
@@ -109,7 +113,7 @@ class SnapshotMoveApi:
     def _resolve(self, name: str, team: str) -> tuple[TemplateRef, dict[str, Any]]:
         """The snapshot behind a template, API snapshot or paused sandbox of `team`, and its
         metadata."""
-        rec = self.orchestrator.sandboxes.get(name)
+        rec = self.orchestrator.sandbox(name)
         if rec is not None and rec.team == team:
             if rec.pause_snapshot is None:
                 raise Conflict(f"sandbox {name!r} is not paused: pause it, or snapshot it "
@@ -120,7 +124,7 @@ class SnapshotMoveApi:
                                         "envd_version": rec.envd_version, "names": [],
                                         "guest_token": rec.envd_access_token}
         try:
-            tpl = self.orchestrator.catalogue.resolve(name, team)
+            tpl = self.catalogue.resolve(name, team)
         except ApiError as exc:
             raise NotFound(f"no template, snapshot or paused sandbox {name!r}") from exc
         return tpl.ref, {"cpu_count": tpl.cpu_count, "memory_mb": tpl.memory_mb,
@@ -191,7 +195,7 @@ class SnapshotMoveApi:
         self._check_repository(body["ref"], team)
         backend = self._backend()
         if name is not None:
-            owner = self.orchestrator.catalogue.name_owner(name, team)
+            owner = self.catalogue.name_owner(name, team)
             if owner is not None:
                 raise Conflict(f"name {name!r} is already used by {owner}")
         with self.orchestrator.hold_snapshot_quota():  # a pulled snapshot is the team's
@@ -225,9 +229,9 @@ class SnapshotMoveApi:
             memory_mb=int(meta.get("memory_mb") or record.machine.memory_mib),
             disk_size_mb=int(meta.get("disk_size_mb") or rootfs >> 20),
             envd_version=str(meta.get("envd_version")
-                             or self.orchestrator.config.default_envd_version),
+                             or self.config.default_envd_version),
             created_at=now, updated_at=now, team=team)
-        await self.orchestrator.catalogue.register(tpl)
+        await self.catalogue.register(tpl)
         log.info("snapshot pulled", extra={"ref": ref, "snapshot": record.id,
                                            "template_id": tpl.template_id,
                                            "bytes": fetched.bytes_fetched,
@@ -242,7 +246,7 @@ class SnapshotMoveApi:
         prefix = get_settings().snapshot_publish.strip().rstrip("/")
         if not prefix:
             return
-        template = self.orchestrator.catalogue.get(template_id)
+        template = self.catalogue.get(template_id)
         if template is None:
             return
         ref = published_ref(prefix, template.team, template_name, build_id)

@@ -86,6 +86,10 @@ class TemplateBuildApi:
     def __init__(self, orchestrator: Orchestrator, state_dir: Path, api_key: str) -> None:
         self.orchestrator = orchestrator
         self.catalogue = orchestrator.catalogue
+        #: the backend's optional capabilities, resolved once at assembly (node/server.py)
+        self.capabilities = orchestrator.capabilities
+        #: the node's settings (node/orchestrator.py NodeConfig), fixed once it is assembled
+        self.config = orchestrator.config
         self.records = BuildRecords(self.catalogue, state_dir)
         self.uploads = BuildUploads(orchestrator, self.records, api_key)
         self.runner = BuildRunner(orchestrator, self.records, state_dir)
@@ -115,10 +119,10 @@ class TemplateBuildApi:
         if not _NAME.match(name):
             raise BadRequest(f"invalid template name {name!r}: letters, digits, '.', '_' and '-'")
         idle_after = None if body.idlePauseAfter is None else parse_seconds(
-            body.idlePauseAfter, "idlePauseAfter", self.orchestrator.config.max_timeout)
-        if self.orchestrator.capabilities.templates is None:
+            body.idlePauseAfter, "idlePauseAfter", self.config.max_timeout)
+        if self.capabilities.templates is None:
             raise BadRequest(f"template builds need the VM backend; this node runs the "
-                             f"'{self.orchestrator.backend.name}' backend")
+                             f"'{self.orchestrator.backend_name}' backend")
         team = scope_team(request.scope)
         existing = self.records.registered(name, team)
         if existing is not None:
@@ -133,8 +137,8 @@ class TemplateBuildApi:
             cold = body.coldMemory or (ColdMemory.model_validate(kept) if kept else None)
         else:
             pending = self.records.pending(name, team)
-            if pending is None and self.orchestrator.admission is not None:
-                self.orchestrator.admission.check_quota("templates", self.records.template_count(team))
+            if pending is None:
+                self.orchestrator.check_quota("templates", self.records.template_count(team))
             template_id = pending.template_id if pending else new_id("t")
             cpu, memory = body.cpuCount or 2, body.memoryMB or 1024
             cold = body.coldMemory
@@ -181,9 +185,9 @@ class TemplateBuildApi:
             raise BadRequest("give fromImage or fromTemplate, not both")
         if not body.fromImage and not body.fromTemplate:
             raise BadRequest("fromImage or fromTemplate is required")
-        builder = self.orchestrator.capabilities.templates
+        builder = self.capabilities.templates
         if body.fromImage and builder is not None and not builder.builds_from_images:
-            raise BadRequest(f"this node's {self.orchestrator.backend.name} backend builds "
+            raise BadRequest(f"this node's {self.orchestrator.backend_name} backend builds "
                              "templates from another template only (fromTemplate); a build "
                              "from an image needs the VM backend")
         if body.fromImageRegistry and body.fromImageRegistry.get("type", "registry") != "registry":

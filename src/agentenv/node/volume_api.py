@@ -95,7 +95,7 @@ class VolumeApi:
         team = scope_team(request.scope)
         rec = self.volumes.get(team, request.path_params["volume_id"])
         body = await read_model(request, VolumeCommit)
-        sandbox = self.orchestrator.sandboxes.get(body.sandboxID)
+        sandbox = self.orchestrator.sandbox(body.sandboxID)
         if sandbox is None or sandbox.team != team or sandbox.state == State.KILLING:
             raise sandbox_not_found(body.sandboxID)
         mounts = [m for m in sandbox.volume_mounts if m.volume_id == rec.volume_id
