@@ -76,6 +76,9 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
     if _LEFT_ROUTES:
-        terminalreporter.section("slot routes left in the host namespace")
+        # A session-scoped node's slot pool shows here too: it lives until the session ends.
+        terminalreporter.section("slot routes a test module left in the host namespace")
         for line in _LEFT_ROUTES:
             terminalreporter.write_line(line)
+        still = _slot_routes() - next(iter(_MODULE_ROUTES.values()), set())
+        terminalreporter.write_line(f"still there at the end: {sorted(still) or 'none'}")
