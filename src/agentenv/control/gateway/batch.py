@@ -412,15 +412,14 @@ class Batches:
                 answer = await self.link.http.delete(
                     f"{node.url}/templates/{copy}", timeout=60,
                     headers=self.link.node_headers(node, team))
+                problem = (None if answer.status_code in (204, 404)
+                           else {"status": answer.status_code})
             except (GatewayError, httpx.HTTPError) as exc:
+                problem = {"error": str(exc)}
+            if problem is not None:
                 log.warning("a spill-over copy not removed", extra={
                     "team": team, "snapshot": snapshot, "node": node_id, "copy": copy,
-                    "error": str(exc)})
-                continue
-            if answer.status_code not in (204, 404):
-                log.warning("a spill-over copy not removed", extra={
-                    "team": team, "snapshot": snapshot, "node": node_id, "copy": copy,
-                    "status": answer.status_code})
+                    **problem})
         await self.store._call(self.store.redis.delete(key))
 
     async def _forget_copy(self, team: str, snapshot: str, node: Node) -> None:
