@@ -30,7 +30,7 @@ from websockets.frames import CloseCode
 
 from agentenv.errors import AgentEnvError
 from agentenv.logs import PerKeyLimit
-from agentenv.relay.answers import send_json
+from agentenv.relay.answers import Send, send_json
 from agentenv.relay.server import StreamAborted, request_has_body
 from agentenv.relay.websocket import (
     FRAGMENTS,
@@ -49,7 +49,6 @@ log = logging.getLogger("agentenv.relay")
 EVENTS = PerKeyLimit(log)
 
 Scope = dict[str, Any]
-Send = Callable[[dict[str, Any]], Awaitable[None]]
 
 #: RFC 9110 7.6.1: hop-by-hop fields, plus the ones a `Connection` header names
 #: who the client is and how it came, as the client tells it: replaced by the relay's own
