@@ -127,7 +127,7 @@ class Settings(BaseSettings):
         "sandbox may reach through the proxy as its own.", "port list")
     test_crash_at: str = _s(
         "", "node", "Fault injection for tests: the node exits at this named point "
-        "(node/orchestrator.py CRASH_POINT_ENV).")
+        "(node/pauses.py CRASH_POINT_ENV).")
     gc_grace_seconds: float = _s(
         60.0, "node", "Files younger than this are never deleted by the garbage collector.",
         "seconds", ge=0)

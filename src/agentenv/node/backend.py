@@ -254,7 +254,7 @@ class SandboxLogs(Protocol):
 
 @runtime_checkable
 class CrashRecovery(Protocol):
-    """Finishes what a node killed in the middle of things left behind (Orchestrator._reconcile)."""
+    """Finishes what a node killed in the middle of things left behind (node/recovery.py)."""
 
     #: after start(): why a sandbox of the previous run was not adopted, by sandbox id
     adopt_failures: dict[str, str]

@@ -59,7 +59,7 @@ MIGRATIONS: list[str] = [
     """,
     # 2: operations whose result the backend writes before the node records it (a pause
     # snapshot): written before the backend starts, so a node killed in between can find the
-    # result again at its next start (Orchestrator._reconcile).
+    # result again at its next start (node/recovery.py).
     """
     CREATE TABLE pending_ops (
         sandbox_id TEXT PRIMARY KEY,
