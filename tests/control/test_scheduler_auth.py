@@ -15,7 +15,7 @@ import pytest
 
 from agentenv.cluster_keys import node_key
 from agentenv.control.proto import scheduler_pb2 as pb
-from agentenv.control.scheduler.client import Credentials, SchedulerError
+from agentenv.control.scheduler.client import CREDENTIAL_KEY, Credentials, SchedulerError
 from tests.control.conftest import RedisServer
 from tests.control.helpers import SECRET, ClusterClient, node_credentials, scheduler, status
 
@@ -67,10 +67,9 @@ WRONG = {
     "none": None,
     "another-secret": Credentials.gateway("another-cluster-" + "x" * 32).metadata,
     # a real token, of another identity
-    "another-identity": ((Credentials.gateway(SECRET).metadata[0]),
-                         node_credentials("n1").metadata[1]),
-    "token-only": Credentials.gateway(SECRET).metadata[1:],
-    "garbage": (("x-aenv-identity", "gateway"), ("x-aenv-token", "0" * 64)),
+    "another-identity": ((CREDENTIAL_KEY, f"gateway {node_credentials('n1').token}"),),
+    "token-only": ((CREDENTIAL_KEY, Credentials.gateway(SECRET).token),),
+    "garbage": ((CREDENTIAL_KEY, "gateway " + "0" * 64),),
 }
 
 

@@ -1,6 +1,7 @@
 """Who may call the scheduler: a check inside every method handler.
 
-Each call carries an identity and its token (call metadata, control/scheduler/client.py):
+Each call carries an identity and its token (one call metadata entry, "IDENTITY TOKEN",
+control/scheduler/client.py):
 `gateway`, with HMAC-SHA256(cluster secret, identity), or `node:ID`, with HMAC-SHA256(the node's
 key, identity) where the node's key is itself derived from the cluster secret and ID
 (agentenv.cluster_keys): the scheduler holds the secret and derives both, a node holds only its
@@ -40,10 +41,9 @@ from agentenv.cluster_keys import node_key
 from agentenv.control.proto import scheduler_pb2 as pb
 from agentenv.control.proto import scheduler_pb2_grpc as pb_grpc
 from agentenv.control.scheduler.client import (
+    CREDENTIAL_KEY,
     GATEWAY_IDENTITY,
-    IDENTITY_KEY,
     NODE_IDENTITY_PREFIX,
-    TOKEN_KEY,
     derive_token,
 )
 from agentenv.logs import Sampled
@@ -56,10 +56,10 @@ SERVICE = pb.DESCRIPTOR.services_by_name["Scheduler"]
 MAX_REMEMBERED = 10_000
 MAX_IDENTITY = 200
 
-NO_CREDENTIAL = (f"no credential: every call needs {IDENTITY_KEY} and {TOKEN_KEY} metadata "
-                 "derived from the cluster secret")
-WRONG_CREDENTIAL = (f"wrong credential: {TOKEN_KEY} is not the token of the identity in "
-                    f"{IDENTITY_KEY} (another cluster secret, or another node's key?)")
+NO_CREDENTIAL = (f"no credential: every call needs {CREDENTIAL_KEY} metadata, an identity and "
+                 "its token derived from the cluster secret")
+WRONG_CREDENTIAL = (f"wrong credential: the token in {CREDENTIAL_KEY} is not the token of its "
+                    "identity (another cluster secret, or another node's key?)")
 
 
 @dataclass(frozen=True)
@@ -126,13 +126,11 @@ class ClusterAuth:
     def _authenticate(self, metadata: Any, method: str) -> str | None:
         """The identity that proved itself with this call's metadata; None: refused (why:
         `_refusal`). Synchronous: a call that passes costs no extra coroutine."""
-        identity = token = None
-        for key, value in metadata or ():
-            if key == IDENTITY_KEY:
-                identity = value
-            elif key == TOKEN_KEY:
-                token = value
-        if not isinstance(identity, str) or not isinstance(token, str):
+        credential = next((value for key, value in metadata or () if key == CREDENTIAL_KEY), None)
+        if credential is None:
+            return None
+        identity, _, token = credential.rpartition(" ")  # a token is hex: no space in it
+        if not identity:
             return None
         if self._valid(identity, token):
             return identity
@@ -144,8 +142,8 @@ class ClusterAuth:
 
     @staticmethod
     def _refusal(metadata: Any) -> str:
-        keys = {key for key, _ in metadata or ()}
-        return WRONG_CREDENTIAL if {IDENTITY_KEY, TOKEN_KEY} <= keys else NO_CREDENTIAL
+        given = any(key == CREDENTIAL_KEY for key, _ in metadata or ())
+        return WRONG_CREDENTIAL if given else NO_CREDENTIAL
 
     def _checked(self, name: str, inner: Method, parse: Parse) -> Method:
         """`inner` behind the check of method `name`'s rule; the request (bytes) is parsed

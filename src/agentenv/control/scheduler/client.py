@@ -50,9 +50,10 @@ __all__ = [
 ]
 
 DEFAULT_TIMEOUT_S = 5.0
-#: call metadata: who is calling, and the token that proves it
-IDENTITY_KEY = "x-aenv-identity"
-TOKEN_KEY = "x-aenv-token"
+#: call metadata: who is calling and the token that proves it, "IDENTITY TOKEN" in one entry
+#: (each metadata entry costs grpc ~10 us a call on each side: two entries cost the scheduler 5%
+#: of its calls; bench/RESULTS.md, 2026-12-07)
+CREDENTIAL_KEY = "x-aenv-credential"
 GATEWAY_IDENTITY = "gateway"
 NODE_IDENTITY_PREFIX = "node:"
 #: keeps these tokens apart from anything else ever derived from the cluster secret
@@ -86,7 +87,7 @@ class Credentials:
 
     @property
     def metadata(self) -> tuple[tuple[str, str], ...]:
-        return ((IDENTITY_KEY, self.identity), (TOKEN_KEY, self.token))
+        return ((CREDENTIAL_KEY, f"{self.identity} {self.token}"),)
 
     @functools.cached_property
     def call_metadata(self) -> grpc.aio.Metadata:
