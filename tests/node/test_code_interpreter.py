@@ -1,7 +1,7 @@
 """The E2B Code Interpreter SDK, unchanged, against a VM node's built-in `code-interpreter-v1`
 template (issue 29): stateful Python, JavaScript and Bash kernels, streamed output, rich results
 and chart data, errors, interrupts, contexts, per-call env vars, pause and connect, fork,
-snapshots, concurrent async clients.
+snapshots, concurrent async clients, the sandbox's egress policy on the kernels' traffic.
 
 Run under flock /tmp/aenv-vmtest.lock (it starts QEMU). The node's first start builds the
 template (debootstrap of the Jupyter packages is cached in conftest.DEBIAN_CACHE)."""
@@ -19,6 +19,7 @@ from e2b import TimeoutException
 from e2b_code_interpreter import AsyncSandbox, Sandbox
 from e2b_code_interpreter.charts import BarChart, ChartType, LineChart
 
+from tests.netlab import Internet, internet
 from tests.node import conftest
 from tests.node.conftest import NodeProcess
 
@@ -26,6 +27,7 @@ pytestmark = pytest.mark.qemu  # boots VMs
 
 NET_PREFIX = "aci"  # unique: a test teardown deletes every {NET_PREFIX}-s* namespace
 FIRST_SLOT = 22001  # 22001-22400
+LAB_PREFIX, LAB_SUBNET = "acil", 43  # the egress test's "internet" (tests/netlab.py)
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
@@ -262,3 +264,38 @@ def test_async_client_on_concurrent_sandboxes(ci_node: NodeProcess) -> None:
             await asyncio.gather(*(b.kill() for b in boxes))
 
     assert asyncio.run(main()) == [str(i * 10) for i in range(8)]
+
+
+@pytest.fixture(scope="module")
+def lab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Internet]:
+    with internet(LAB_PREFIX, LAB_SUBNET, tmp_path_factory.mktemp("lab")) as net:
+        yield net
+
+
+@pytest.mark.root
+def test_the_egress_policy_holds_for_the_kernels_traffic(ci_node: NodeProcess,
+                                                         lab: Internet) -> None:
+    """A cell's own connections leave the guest like a command's: the sandbox's deny_out
+    refuses one lab host, the other answers; the same for a Bash cell."""
+    fetch = (
+        "import urllib.request\n"
+        "def get(url):\n"
+        "    try:\n"
+        "        return str(urllib.request.urlopen(url, timeout=5).status)\n"
+        "    except Exception as exc:\n"
+        "        return type(exc).__name__\n"
+        f"print(get('{lab.url(lab.host_a)}'), get('{lab.url(lab.host_b)}'))\n")
+    sandbox = Sandbox.create(timeout=600, network={"deny_out": [lab.host_a]})
+    try:
+        execution = sandbox.run_code(fetch)
+        assert execution.error is None, execution.error
+        denied, allowed = "".join(execution.logs.stdout).split()
+        assert denied in ("URLError", "TimeoutError") and allowed == "200", execution.logs
+        shell = sandbox.run_code(
+            f"curl -s -o /dev/null -m 5 -w '%{{http_code}}' {lab.url(lab.host_a)}; echo \" $?\";"
+            f" curl -s -o /dev/null -m 5 -w '%{{http_code}}' {lab.url(lab.host_b)}",
+            language="bash")
+        code_a, exit_a, code_b = "".join(shell.logs.stdout).split()
+        assert (code_a, code_b) == ("000", "200") and exit_a != "0", shell.logs
+    finally:
+        sandbox.kill()
