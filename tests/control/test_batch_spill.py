@@ -88,6 +88,7 @@ class Cluster:
         self.scheduled: list[str] = []
         self.hashes: dict[str, dict[str, str]] = {}
         self.down: set[str] = set()
+        self.expiring: list[str] = []
         self.http = httpx.AsyncClient(transport=httpx.MockTransport(self._transport))
 
     def _transport(self, request: httpx.Request) -> httpx.Response:
@@ -150,7 +151,7 @@ class Cluster:
         self.hashes.get(key, {}).pop(field, None)
 
     async def expire(self, key: str, seconds: int) -> None:
-        pass
+        self.expiring.append(key)
 
     async def hgetall(self, key: str) -> dict[str, str]:
         return dict(self.hashes.get(key, {}))
@@ -210,6 +211,8 @@ def test_snapshot_fork_spills_through_the_repository_once(monkeypatch: pytest.Mo
     # from the repository, and the gateway's memory of them goes (a node that cannot be
     # asked keeps its copy)
     assert cluster.hashes["aenv:spill:alpha:snap1"][batch_module.PUSHED_BY] == "n0"
+    # remembered as long as the snapshot: a memory that expired would leave the tag behind
+    assert cluster.expiring == []
     cluster.down.add("n2")
     run(batches(cluster).drop_copies("alpha", "snap1"))
     assert cluster.nodes["n1"].deleted == ["copy-n1"] and cluster.nodes["n2"].deleted == []

@@ -49,8 +49,6 @@ log = logging.getLogger("agentenv.control.gateway.batch")
 REPOSITORY_ENV = "AENV_SNAPSHOT_REPOSITORY"
 SPILL_HINT = (f"spilling a batch over to other nodes needs the cluster's snapshot repository "
               f"({REPOSITORY_ENV} on the gateway)")
-#: how long the gateway remembers a snapshot it pushed and the nodes' copies of it
-SPILL_MEMORY_SECONDS = 7 * 24 * 3600
 #: the field of that memory naming the node that pushed the snapshot (it deletes the tag)
 PUSHED_BY = "pushed_by"
 #: what a batch from a snapshot may carry and still spill (a copy's children get only these)
@@ -382,10 +380,10 @@ class Batches:
             raise GatewayError(answer.status_code, message_of(answer))
         log.info("snapshot pushed for a batch's spill-over", extra={
             "team": team, "snapshot": name, "node": home.node_id, "ref": ref})
-        # the node that pushed it is the first asked to delete it (drop_copies)
+        # Kept as long as the snapshot (no expiry): the tag is deleted from the repository
+        # when the team deletes the snapshot (drop_copies), first by the node that pushed it.
         await self.store._call(self.store.redis.hset(key, "ref", ref))
         await self.store._call(self.store.redis.hset(key, PUSHED_BY, home.node_id))
-        await self.store._call(self.store.redis.expire(key, SPILL_MEMORY_SECONDS))
         return ref
 
     async def _pulled(self, team: str, node: Node, ref: str, snapshot: str) -> str:
@@ -400,7 +398,6 @@ class Batches:
             raise GatewayError(answer.status_code, message_of(answer))
         copy = str(answer.json()["templateID"])
         await self.store._call(self.store.redis.hset(key, f"node:{node.node_id}", copy))
-        await self.store._call(self.store.redis.expire(key, SPILL_MEMORY_SECONDS))
         return copy
 
     async def drop_copies(self, team: str, snapshot: str) -> None:
