@@ -141,10 +141,11 @@ class Settings(BaseSettings):
         "", "node", "PREFIX: every template build is published to PREFIX/<team>/<name> (an OCI "
         "repository or dir:///path).")
     snapshot_repository: str = _s(
-        "", "gateway", "PREFIX: an OCI registry repository prefix the nodes push a snapshot to "
-        "(PREFIX/<team>/spill:<id>) and pull it from lazily when a batch from a snapshot or a "
-        "paused sandbox spills over to other nodes ('': no spill-over; the refused children "
-        "stay 429).")
+        "", "gateway, node", "PREFIX: an OCI registry repository prefix the nodes push a "
+        "snapshot to (PREFIX/<team>/spill:<id>) and pull it from lazily when a batch from a "
+        "snapshot spills over to other nodes, deleted when the team deletes the snapshot ('': "
+        "no spill-over; the refused children stay 429). On a node (optional): a team pushes, "
+        "pulls and deletes under PREFIX only in PREFIX/<team>/.")
     reclaim_min_age_seconds: int = _s(
         30, "node", "Seconds a guest page sits untouched before the guest gives it back, for "
         "built-in templates and builds naming none (0: keep it).", "seconds")

@@ -36,6 +36,9 @@ class FakeNode:
         self.pushed: list[str] = []
         self.pulled: list[str] = []
         self.deleted: list[str] = []
+        self.refs_deleted: list[str] = []
+        #: how the node answers a delete of a repository reference (the registry's answer)
+        self.delete_answer: httpx.Response = httpx.Response(200, json={"deleted": True})
 
     def children(self, count: int, whole: bool) -> httpx.Response:
         if (whole and count > self.room) or self.room == 0:
@@ -64,6 +67,9 @@ class FakeNode:
         if method == "DELETE" and path.startswith("/templates/"):
             self.deleted.append(path.rsplit("/", 1)[1])
             return httpx.Response(204)
+        if path == "/aenv/snapshots/delete":
+            self.refs_deleted.append(body["ref"])
+            return self.delete_answer
         if path == "/aenv/snapshots/pull":
             self.pulled.append(body["ref"])
             return httpx.Response(201, json={"templateID": f"copy-{self.node.node_id}"})
@@ -82,6 +88,7 @@ class Cluster:
         self.scheduled: list[str] = []
         self.hashes: dict[str, dict[str, str]] = {}
         self.down: set[str] = set()
+        self.expiring: list[str] = []
         self.http = httpx.AsyncClient(transport=httpx.MockTransport(self._transport))
 
     def _transport(self, request: httpx.Request) -> httpx.Response:
@@ -103,6 +110,9 @@ class Cluster:
         if node_id not in self.nodes or node_id in self.down:
             raise GatewayError(503, f"node unavailable: {node_id}")
         return self.nodes[node_id].node
+
+    async def up_nodes(self) -> list[Node]:
+        return [f.node for i, f in self.nodes.items() if i not in self.down]
 
     async def get(self, node: Node, path: str, team: str | None) -> httpx.Response:
         return self.nodes[node.node_id].handle("GET", path, {})
@@ -141,7 +151,7 @@ class Cluster:
         self.hashes.get(key, {}).pop(field, None)
 
     async def expire(self, key: str, seconds: int) -> None:
-        pass
+        self.expiring.append(key)
 
     async def hgetall(self, key: str) -> dict[str, str]:
         return dict(self.hashes.get(key, {}))
@@ -197,11 +207,52 @@ def test_snapshot_fork_spills_through_the_repository_once(monkeypatch: pytest.Mo
     assert cluster.nodes["n1"].pulled == [ref] and cluster.nodes["n2"].pulled == [ref]
     assert [r["sandbox"]["sandboxID"] for r in second] == ["n1-c1", "n2-c3"]
 
-    # the team deletes the snapshot: the nodes' copies go, and the gateway's memory of them
-    # (a node that cannot be asked keeps its copy)
+    # the team deletes the snapshot: the nodes' copies go, the pushing node deletes the tag
+    # from the repository, and the gateway's memory of them goes (a node that cannot be
+    # asked keeps its copy)
+    assert cluster.hashes["aenv:spill:alpha:snap1"][batch_module.PUSHED_BY] == "n0"
+    # remembered as long as the snapshot: a memory that expired would leave the tag behind
+    assert cluster.expiring == []
     cluster.down.add("n2")
     run(batches(cluster).drop_copies("alpha", "snap1"))
     assert cluster.nodes["n1"].deleted == ["copy-n1"] and cluster.nodes["n2"].deleted == []
+    assert cluster.nodes["n0"].refs_deleted == [ref]
+    assert not cluster.nodes["n1"].refs_deleted and not cluster.nodes["n2"].refs_deleted
+    assert not cluster.hashes
+
+
+def test_a_spill_tag_is_deleted_by_another_node_when_its_pusher_is_down(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(batch_module.REPOSITORY_ENV, "registry.local/aenv")
+    cluster = Cluster([1, 5])
+    run(batches(cluster).from_snapshot(FakeRequest("/snapshots/snap1/fork"), "alpha",
+                                       NODES[0], "snap1", json.dumps({"count": 2}).encode()))
+    ref = "registry.local/aenv/alpha/spill:snap1"
+    assert cluster.nodes["n0"].pushed == [ref]
+    cluster.down.add("n0")
+    run(batches(cluster).drop_copies("alpha", "snap1"))
+    assert cluster.nodes["n1"].refs_deleted == [ref] and not cluster.nodes["n0"].refs_deleted
+    assert not cluster.hashes
+
+
+def test_a_spill_tag_the_registry_keeps_is_logged_and_forgotten(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """A registry that refuses deletes: the node says so, the gateway logs a warning naming
+    the ref, and forgets it (the snapshot's delete itself has succeeded)."""
+    monkeypatch.setenv(batch_module.REPOSITORY_ENV, "registry.local/aenv")
+    cluster = Cluster([1, 5])
+    run(batches(cluster).from_snapshot(FakeRequest("/snapshots/snap1/fork"), "alpha",
+                                       NODES[0], "snap1", json.dumps({"count": 2}).encode()))
+    ref = "registry.local/aenv/alpha/spill:snap1"
+    for fake in cluster.nodes.values():
+        fake.delete_answer = httpx.Response(400, json={
+            "code": 400, "message": "the registry refuses deletes"})
+    with caplog.at_level("WARNING", logger="agentenv.control.gateway.batch"):
+        run(batches(cluster).drop_copies("alpha", "snap1"))
+    warned = [r for r in caplog.records if ref in r.getMessage()]
+    assert warned and "refuses deletes" in warned[0].__dict__["error"]
+    # the pusher, then one other node
+    assert cluster.nodes["n0"].refs_deleted == [ref] and cluster.nodes["n1"].refs_deleted == [ref]
     assert not cluster.hashes
 
 

@@ -9,9 +9,12 @@ import os
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 
 from agentenv.blockd.remote.chunkdigests import ChunkDigests
+from agentenv.registry.errors import RegistryError
+from agentenv.snapshot import repository
 from agentenv.snapshot.record import (
     DiskConfig,
     DiskSnapshot,
@@ -246,3 +249,47 @@ def test_lazy_fetch_reads_layers_through_the_chunk_cache(registry: Registry, tmp
     assert mine.record.disks[0].file == str(tools)
     assert mine.bytes_fetched == got.bytes_fetched - 50_000
     mine.record.check_files()
+
+
+def _manifest_status(registry: Registry, name: str, tag: str) -> int:
+    return httpx.get(f"http://{registry.host}/v2/{name}/manifests/{tag}", timeout=10,
+                     headers={"Accept": "application/vnd.oci.image.manifest.v1+json"}
+                     ).status_code
+
+
+def test_delete_removes_the_tag_and_a_second_delete_finds_it_gone(
+        registry: Registry, tmp_path: Path) -> None:
+    """registry/client.py delete_manifest: the tag resolved to its digest (HEAD), that digest
+    deleted; the other snapshot of the repository stays."""
+    ref = f"{registry.host}/aenv-snapshots/deleted:one"
+    kept = f"{registry.host}/aenv-snapshots/deleted:two"
+    sent = push(_snapshot(tmp_path / "a", "one"), ref, {})
+    push(_snapshot(tmp_path / "a", "two"), kept, {})
+    assert _manifest_status(registry, "aenv-snapshots/deleted", "one") == 200
+    mark = registry.log_mark()
+    gone = repository.delete(ref)
+    assert gone == {"ref": ref, "digest": sent["digest"], "deleted": True}
+    assert f"DELETE /v2/aenv-snapshots/deleted/manifests/{sent['digest']}" in \
+        registry.requests_since(mark)
+    assert _manifest_status(registry, "aenv-snapshots/deleted", "one") == 404
+    assert _manifest_status(registry, "aenv-snapshots/deleted", "two") == 200
+    # gone already: no error, and nothing deleted
+    assert repository.delete(ref) == {"ref": ref, "digest": None, "deleted": False}
+    assert repository.delete(f"{registry.host}/aenv-snapshots/never:pushed")["deleted"] is False
+    with pytest.raises(RepositoryError, match="registry"):
+        repository.delete(f"dir://{tmp_path / 'shared' / 'one'}")
+
+
+def test_a_registry_that_refuses_deletes_says_so(tmp_path_factory: pytest.TempPathFactory,
+                                                tmp_path: Path) -> None:
+    strict = _start_registry(tmp_path_factory.mktemp("no-delete-registry"), None, delete=False)
+    try:
+        ref = f"{strict.host}/aenv-snapshots/kept:one"
+        push(_snapshot(tmp_path / "a", "one"), ref, {})
+        with pytest.raises(RegistryError) as refused:
+            repository.delete(ref)
+        assert "refuses deletes" in str(refused.value)
+        assert "storage.delete.enabled" in str(refused.value)
+        assert _manifest_status(strict, "aenv-snapshots/kept", "one") == 200
+    finally:
+        _stop(strict)

@@ -67,7 +67,8 @@ def _self_signed_cert(tmp: Path) -> tuple[Path, Path]:
 
 
 def _start_registry(tmp: Path, htpasswd: tuple[str, str] | None, tls: bool = False,
-                    extra: str = "") -> Registry:
+                    extra: str = "", delete: bool = True) -> Registry:
+    """`delete`: whether the registry allows deleting manifests (storage.delete.enabled)."""
     port = _free_port()
     auth_block = extra
     tls_block = ""
@@ -87,7 +88,8 @@ def _start_registry(tmp: Path, htpasswd: tuple[str, str] | None, tls: bool = Fal
     (tmp / "config.yml").write_text(
         "version: 0.1\n"
         "log:\n  level: info\n  accesslog:\n    disabled: true\n"
-        f"storage:\n  filesystem:\n    rootdirectory: {tmp / 'data'}\n  delete:\n    enabled: true\n"
+        f"storage:\n  filesystem:\n    rootdirectory: {tmp / 'data'}\n  delete:\n"
+        f"    enabled: {'true' if delete else 'false'}\n"
         f"http:\n  addr: 127.0.0.1:{port}\n" + tls_block
         + auth_block
     )

@@ -528,6 +528,9 @@ ROUTES: list[Operation] = [
     Operation("post", "/aenv/snapshots/pull", "pullSnapshot",
               "aenv snapshot pull: a snapshot from an OCI registry", {201: None},
               documented=False, node_only=True),
+    Operation("post", "/aenv/snapshots/delete", "deleteSnapshotRef",
+              "A snapshot's reference the team pushed, deleted from its OCI registry (the "
+              "gateway's spill-over tags)", {200: None}, documented=False, node_only=True),
     *(Operation(method, path, f"unsupported{method.title()}{path}", why, {501: models.Error},
                 documented=False, unsupported=why)
       for path, methods, why in _UNSUPPORTED for method in methods),

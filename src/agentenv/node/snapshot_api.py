@@ -4,6 +4,7 @@
     POST /aenv/snapshots/pull {ref, name?, download?}
                                                    -> {templateID, names, snapshot, bytes_fetched,
                                                        bytes_total, lazy_parts}
+    POST /aenv/snapshots/delete {ref}              -> {ref, digest, deleted}
 
 `snapshot` is a template (id, name or name:tag: its build snapshot), an API snapshot (its
 id or name) or a paused sandbox (its pause snapshot). `ref` is a registry reference
@@ -23,7 +24,12 @@ AENV_SNAPSHOT_PUBLISH=PREFIX publishes every template build once it is ready, to
 `PREFIX/<team>/<template name>-<build id>` (a shared directory): template names are per team,
 so the team is part of the repository's name, and under PREFIX a team pushes and pulls only
 its own (`PREFIX/<team>/...`; anything else under PREFIX is another team's: 404 for a pull,
-400 for a push).
+400 for a push, 403 for a delete). The same holds under AENV_SNAPSHOT_REPOSITORY when the node
+knows it (the cluster's snapshot repository, where the gateway has nodes push a batch's
+snapshot for its spill-over, PREFIX/<team>/spill:<id>). A delete (the gateway's, when the team
+deletes a spilled snapshot) removes the reference's manifest from its registry; a cluster's
+team deletes only under its own part of a repository (PREFIX/<team>/NAME), and with no node
+credentials, as it pushes.
 """
 
 from __future__ import annotations
@@ -47,6 +53,7 @@ from agentenv.node.orchestrator import Orchestrator
 from agentenv.node.records import TemplateRecord
 from agentenv.node.security import new_id
 from agentenv.node.vm_backend import VmBackend
+from agentenv.registry.reference import parse_reference
 from agentenv.settings import get_settings
 from agentenv.snapshot import repository
 from agentenv.template.layeraccess import LayerAccess
@@ -55,6 +62,7 @@ from agentenv.template.layercache import layer_cache_dir
 log = logging.getLogger("agentenv.node.snapshot_api")
 
 PUBLISH_ENV = "AENV_SNAPSHOT_PUBLISH"
+REPOSITORY_ENV = "AENV_SNAPSHOT_REPOSITORY"
 
 
 def published_ref(prefix: str, team: str, template_name: str, build_id: str) -> str:
@@ -74,19 +82,46 @@ def _location(ref: str) -> str:
     return "oci:" + ref.removeprefix("oci://").lower()
 
 
+def _team_prefixes() -> list[tuple[str, str, str]]:
+    """(prefix, its setting, what lives there) of the repositories whose PREFIX/<team>/ parts
+    are the teams' own: the published builds and, when the node knows it, the cluster's
+    snapshot repository (the gateway's spill-overs)."""
+    settings = get_settings()
+    found = [(settings.snapshot_publish, PUBLISH_ENV, "the published snapshots"),
+             (settings.snapshot_repository, REPOSITORY_ENV, "the cluster's snapshot repository")]
+    return [(prefix.strip().rstrip("/"), env, what) for prefix, env, what in found
+            if prefix.strip().rstrip("/")]
+
+
 def outside_team_scope(ref: str, team: str) -> str | None:
-    """Why `team` may not push to or pull from `ref`: it is under the publish prefix but not
-    in the team's own part of it (PREFIX/<team>/); None otherwise."""
-    prefix = get_settings().snapshot_publish.strip().rstrip("/")
-    if not prefix:
+    """Why `team` may not push to, pull from or delete `ref`: it is under the publish prefix
+    (or the cluster's snapshot repository, set on the node) but not in the team's own part of
+    it (PREFIX/<team>/); None otherwise."""
+    where = _location(ref)
+    for prefix, env, what in _team_prefixes():
+        base = _location(prefix)
+        if where != base and not where.startswith(base + "/"):
+            continue  # not there: the caller's own repository
+        if where.startswith(f"{base}/{team}/"):
+            continue
+        return (f"{ref!r} is under {what} ({env}) but not this team's: a team's are under "
+                f"{prefix}/{team}/")
+    return None
+
+
+def not_the_teams(ref: str, team: str) -> str | None:
+    """Why a team of a cluster may not delete `ref`: a team deletes only in a repository of
+    its own name's part of a prefix (PREFIX/<team>/NAME, as the gateway names what it has a
+    node push for the team: PREFIX/<team>/spill:<snapshot id>); None when it may."""
+    try:
+        reference = parse_reference(repository.parse_ref(ref).location)
+    except AgentEnvError as exc:
+        return str(exc)
+    parts = reference.repository.split("/")
+    if len(parts) >= 2 and parts[-2] == team:
         return None
-    base, where = _location(prefix), _location(ref)
-    if where != base and not where.startswith(base + "/"):
-        return None  # not a published snapshot: the caller's own repository
-    if where.startswith(f"{base}/{team}/"):
-        return None
-    return (f"{ref!r} is under the published snapshots ({PUBLISH_ENV}) but not this team's: "
-            f"a team's are under {prefix}/{team}/")
+    return (f"{ref!r} is not this team's to delete: a team deletes only references under its "
+            f"own part of a repository (PREFIX/{team}/NAME)")
 
 
 class SnapshotMoveApi:
@@ -102,7 +137,8 @@ class SnapshotMoveApi:
 
     def handlers(self) -> dict[str, Endpoint]:
         """The operations of the route table (agentenv.api.routes) this serves."""
-        return {"pushSnapshot": self.push, "pullSnapshot": self.pull}
+        return {"pushSnapshot": self.push, "pullSnapshot": self.pull,
+                "deleteSnapshotRef": self.delete}
 
     def _backend(self) -> VmBackend:
         backend = self.orchestrator.backend
@@ -240,6 +276,32 @@ class SnapshotMoveApi:
                              "snapshot": record.id, "bytes_fetched": fetched.bytes_fetched,
                              "bytes_total": fetched.bytes_total, "lazy_parts": fetched.lazy_parts,
                              "seconds": fetched.seconds, "existed": fetched.existed})
+
+    async def delete(self, request: Request) -> Response:
+        """`POST /aenv/snapshots/delete {ref}`: the artifact a registry reference names,
+        deleted from its registry (its manifest; the registry's garbage collection frees the
+        blobs). The gateway's way to remove a spill-over's tag once the team deleted the
+        snapshot. A cluster's team deletes only in its own part of a repository
+        (PREFIX/<team>/NAME, and under AENV_SNAPSHOT_PUBLISH or AENV_SNAPSHOT_REPOSITORY
+        only under PREFIX/<team>/), with no node credentials, as it pushes: 403 otherwise.
+        A ref gone already is no error (`deleted`: false); a registry that refuses deletes
+        is a 400 saying so."""
+        body = await self._body(request, "ref")
+        team = scope_team(request.scope)
+        ref = body["ref"]
+        self._check_repository(ref, team)
+        problem = outside_team_scope(ref, team)
+        if problem is None and team != LOCAL_TEAM:
+            problem = not_the_teams(ref, team)
+        if problem is not None:
+            raise ApiError(problem, status=403)
+        try:
+            result = await asyncio.to_thread(repository.delete, ref,
+                                             use_docker_config=team == LOCAL_TEAM)
+        except AgentEnvError as exc:
+            raise BadRequest(f"delete of {ref} failed: {exc}") from exc
+        log.info("repository reference deleted", extra={"ref": ref, "team": team, **result})
+        return JSONResponse(result)
 
     def publish_build(self, template_name: str, build_id: str, template_id: str) -> None:
         """Publish a ready template build when AENV_SNAPSHOT_PUBLISH names a repository."""

@@ -462,9 +462,10 @@ class RegistryClient:
         return token
 
     def _request(self, method: str, path: str, repository: str, *, headers: dict[str, str] | None = None,
-                 stream: bool = False) -> httpx.Response:
-        """One API request with auth and retries; the caller closes a streamed response."""
-        scope = f"repository:{repository}:pull"
+                 stream: bool = False, actions: str = "pull") -> httpx.Response:
+        """One API request with auth and retries; the caller closes a streamed response.
+        `actions`: what a bearer token must allow on the repository ("pull", "pull,delete")."""
+        scope = f"repository:{repository}:{actions}"
         url = self._base() + path
         attempt = 0
         auth_rounds = 0
@@ -547,6 +548,65 @@ class RegistryClient:
             # OCI allows mediaType to be absent; tell an index from a manifest by its fields.
             media_type = OCI_INDEX if "manifests" in parsed else OCI_MANIFEST
         return media_type, data, digest
+
+    def delete_manifest(self, repository: str, selector: str) -> str | None:
+        """Delete the manifest a tag (or a digest) names, as the OCI distribution API deletes
+        one: by its digest (a HEAD of the tag tells it; a GET when the registry's answer
+        lacks it), `DELETE /v2/<repository>/manifests/<digest>`. Every tag of `repository`
+        naming that same manifest goes with it. Only the manifest goes: its blobs stay in the
+        registry until its own garbage collection frees those no manifest names.
+
+        Returns the digest deleted, or None when the tag (or the manifest) is gone already.
+        A registry that does not allow deletes (405, or its UNSUPPORTED error) raises a
+        RegistryError saying so; a refusal of the credentials, an AuthError."""
+        actions = "pull,delete"
+        what = (f"manifest {repository}@{selector}" if selector.startswith("sha256:")
+                else f"manifest {repository}:{selector}")
+        digest = selector if _DIGEST_RE.match(selector) else None
+        if digest is None:
+            response = self._request("HEAD", f"/v2/{repository}/manifests/{selector}",
+                                     repository, headers={"Accept": ACCEPT}, actions=actions)
+            response.close()
+            if response.status_code == 404:
+                return None
+            if response.status_code >= 300:
+                # a HEAD has no body: the status says what is wrong
+                self._fail(response, what)
+            header = response.headers.get("docker-content-digest", "")
+            if _DIGEST_RE.match(header):
+                digest = header
+            else:
+                try:
+                    _media_type, _data, digest = self.get_manifest_bytes(repository, selector)
+                except NotFoundError:
+                    return None
+        response = self._request("DELETE", f"/v2/{repository}/manifests/{digest}", repository,
+                                 actions=actions)
+        status = response.status_code
+        if status in (200, 202, 204):
+            response.close()
+            return digest
+        if status == 404:
+            response.close()
+            return None
+        if status == 405 or (status == 400 and self._error_codes(response) & {"UNSUPPORTED"}):
+            response.close()
+            raise RegistryError(
+                f"{what}: not deleted: the registry {self.registry} refuses deletes (HTTP "
+                f"{status}; distribution's registry needs storage.delete.enabled: true in its "
+                "configuration)")
+        self._fail(response, f"deleting {what}")
+        return digest  # not reached: _fail raised
+
+    def _error_codes(self, response: httpx.Response) -> set[str]:
+        """The error codes of a registry's error body (read, capped)."""
+        try:
+            body = read_capped(response, MAX_ERROR_BYTES, "an error", truncate=True)
+            errors = boundedjson.loads(body, "the registry's error").get("errors", [])
+            return {str(e.get("code")) for e in errors if isinstance(e, dict)}
+        except (json.JSONDecodeError, AttributeError, httpx.StreamError, httpx.TransportError,
+                RegistryError):
+            return set()
 
     def resolve_manifest(self, reference: Reference, platform: Platform | None = None) -> Manifest:
         """Follow indexes (platform selection) down to one image manifest."""

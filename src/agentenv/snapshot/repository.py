@@ -314,6 +314,22 @@ def _push_oci(repo: RepoRef, parts: list[Part], config: bytes, manifest: bytes,
     return sent
 
 
+def delete(ref: str, **registry_options: Any) -> dict[str, Any]:
+    """Delete the artifact a registry reference names: its manifest (registry/client.py
+    `delete_manifest`; the blobs stay until the registry's own garbage collection frees the
+    ones no manifest names any more). A shared directory's artifacts are not deleted here.
+    Returns {ref, digest, deleted}: `deleted` false when it was gone already."""
+    repo = parse_ref(ref)
+    if repo.kind != "oci":
+        raise RepositoryError(f"{ref!r}: only a registry's references are deleted (a shared "
+                              "directory's are files of the directory)")
+    reference = parse_reference(repo.location)
+    with RegistryClient(reference.registry, api_host=reference.api_host,
+                        **registry_options) as client:
+        digest = client.delete_manifest(reference.repository, reference.selector)
+    return {"ref": repo.text, "digest": digest, "deleted": digest is not None}
+
+
 class _Pusher:
     """Blob and manifest uploads (OCI distribution spec: POST + monolithic PUT, HEAD to skip
     what the registry holds), on the pull client's transport and auth."""

@@ -9,7 +9,9 @@ room (its admission's 429, per child or for the whole request) are asked of othe
   the cluster's snapshot repository (AENV_SNAPSHOT_REPOSITORY, a registry prefix): the holding
   node pushes it there once (`/aenv/snapshots/push`, to PREFIX/<team>/spill:<id>), the others
   pull it lazily (`/aenv/snapshots/pull`: its layers come as the restore touches them) and
-  make the refused children from their copy (deleted with the snapshot: `drop_copies`).
+  make the refused children from their copy. When the team deletes the snapshot, the copies
+  go and a node deletes the tag from the repository (`drop_copies`; the registry frees the
+  blobs in its own garbage collection).
   Without the setting the refused children stay 429, their message naming it;
 - a fork of a running sandbox does not spill: its memory is live on its node; nor does a fork
   of a paused one, nor a create with settings of its own (network, envVars, metadata, ...) from
@@ -47,8 +49,8 @@ log = logging.getLogger("agentenv.control.gateway.batch")
 REPOSITORY_ENV = "AENV_SNAPSHOT_REPOSITORY"
 SPILL_HINT = (f"spilling a batch over to other nodes needs the cluster's snapshot repository "
               f"({REPOSITORY_ENV} on the gateway)")
-#: how long the gateway remembers a snapshot it pushed and the nodes' copies of it
-SPILL_MEMORY_SECONDS = 7 * 24 * 3600
+#: the field of that memory naming the node that pushed the snapshot (it deletes the tag)
+PUSHED_BY = "pushed_by"
 #: what a batch from a snapshot may carry and still spill (a copy's children get only these)
 SPILLABLE_FIELDS = frozenset({"count", "timeout", "templateID"})
 NOT_SPILLABLE = ("not spilled over to other nodes: children made there from a copy of the "
@@ -378,8 +380,10 @@ class Batches:
             raise GatewayError(answer.status_code, message_of(answer))
         log.info("snapshot pushed for a batch's spill-over", extra={
             "team": team, "snapshot": name, "node": home.node_id, "ref": ref})
+        # Kept as long as the snapshot (no expiry): the tag is deleted from the repository
+        # when the team deletes the snapshot (drop_copies), first by the node that pushed it.
         await self.store._call(self.store.redis.hset(key, "ref", ref))
-        await self.store._call(self.store.redis.expire(key, SPILL_MEMORY_SECONDS))
+        await self.store._call(self.store.redis.hset(key, PUSHED_BY, home.node_id))
         return ref
 
     async def _pulled(self, team: str, node: Node, ref: str, snapshot: str) -> str:
@@ -394,16 +398,16 @@ class Batches:
             raise GatewayError(answer.status_code, message_of(answer))
         copy = str(answer.json()["templateID"])
         await self.store._call(self.store.redis.hset(key, f"node:{node.node_id}", copy))
-        await self.store._call(self.store.redis.expire(key, SPILL_MEMORY_SECONDS))
         return copy
 
     async def drop_copies(self, team: str, snapshot: str) -> None:
         """`snapshot` is gone (its team deleted it): the nodes' copies pulled for its spill-overs
-        go too, and what the gateway remembered of them. A node that cannot be asked keeps its
-        copy (its own snapshot, deletable by the team like any)."""
+        go too, its tag in the repository (`_drop_ref`), and what the gateway remembered of
+        them. A node that cannot be asked keeps its copy (its own snapshot, deletable by the
+        team like any)."""
         key = self._memory(team, snapshot)
-        held = await self.store._call(self.store.redis.hgetall(key))
-        for field_name, copy in (held or {}).items():
+        held = await self.store._call(self.store.redis.hgetall(key)) or {}
+        for field_name, copy in held.items():
             if not field_name.startswith("node:"):
                 continue
             node_id = field_name.removeprefix("node:")
@@ -420,7 +424,44 @@ class Batches:
                 log.warning("a spill-over copy not removed", extra={
                     "team": team, "snapshot": snapshot, "node": node_id, "copy": copy,
                     **problem})
+        if held.get("ref"):
+            await self._drop_ref(team, snapshot, held["ref"], held.get(PUSHED_BY, ""))
         await self.store._call(self.store.redis.delete(key))
+
+    async def _drop_ref(self, team: str, snapshot: str, ref: str, pushed_by: str) -> None:
+        """The spill-over's tag deleted from the repository by a node (the one that pushed
+        it, else the first up; `/aenv/snapshots/delete`, as the team: a node deletes only
+        under the team's part of a repository). When none can, a warning names the ref: it
+        stays in the registry (the operator deletes it) and the gateway forgets it all the
+        same. The registry frees the blobs only in its own garbage collection."""
+        problem: dict[str, Any] | None = None
+        candidates: list[Node] = []
+        with contextlib.suppress(GatewayError):
+            if pushed_by:
+                candidates.append(await self.link.node_by_id(pushed_by))
+        with contextlib.suppress(Exception):
+            candidates += [n for n in await self.link.up_nodes()
+                           if n.node_id not in {c.node_id for c in candidates}]
+        if not candidates:
+            problem = {"error": "no node is up to delete it"}
+        for node in candidates[:2]:  # the pusher, and one other if it fails
+            try:
+                answer = await self.link.http.post(
+                    f"{node.url}/aenv/snapshots/delete", json={"ref": ref}, timeout=60,
+                    headers=self.link.node_headers(node, team))
+            except httpx.HTTPError as exc:
+                problem = {"node": node.node_id, "error": f"node unavailable: {exc}"}
+                continue
+            if answer.status_code == 200:
+                log.info("a spill-over's tag deleted from the snapshot repository", extra={
+                    "team": team, "snapshot": snapshot, "ref": ref, "node": node.node_id})
+                return
+            problem = {"node": node.node_id, "status": answer.status_code,
+                       "error": message_of(answer)}
+            if answer.status_code == 403:
+                break  # the tenancy rule's answer: another node gives the same
+        log.warning("a spill-over's tag not deleted from the snapshot repository: %s", ref,
+                    extra={"team": team, "snapshot": snapshot, "ref": ref, **(problem or {})})
 
     async def _forget_copy(self, team: str, snapshot: str, node: Node) -> None:
         await self.store._call(self.store.redis.hdel(self._memory(team, snapshot),
