@@ -43,7 +43,8 @@ Figures of `--agents`, each group's, `on` against `off` (the baseline):
 - memory requested/used = (N + M) x memoryMB / the mean of the summed QEMU PSS of all the
   group's sandboxes (running and paused); `_running`: N x memoryMB / the trajectories' PSS
   alone; `_with_node`: the denominator plus half of the node's own processes' PSS (the node,
-  blockd and everything below the node except the QEMUs);
+  blockd and everything below the node except the QEMUs); `_running_with_node`: N x
+  memoryMB / (the trajectories' PSS + that half);
 - CPU requested/used = (N + M) x cpuCount x the measured part's wall seconds / the CPU
   seconds (user + system) the group's QEMU processes used in it (read from /proc every
   0.2 s per process, by pid and start time; a QEMU's last < 0.2 s before it exits is not
@@ -556,6 +557,8 @@ async def run_rollout(node: VmNode, args: argparse.Namespace, groups: list[Group
                 "mem_ratio_running": memory_mib * len(made[g]) / max(1e-9, used["pss"]),
                 "mem_ratio_with_node": requested / max(
                     1e-9, used["pss"] + used["held"] + node_share),
+                "mem_ratio_running_with_node": memory_mib * len(made[g]) / max(
+                    1e-9, used["pss"] + node_share),
                 "cpu_ratio": vcpus * (len(made[g]) + paused_n) * seconds / max(1e-9, cpu_s),
                 "cpu_ratio_running": vcpus * len(made[g]) * seconds / max(1e-9, cpu_s),
                 "cpu_s": cpu_s,
@@ -578,6 +581,8 @@ async def run_rollout(node: VmNode, args: argparse.Namespace, groups: list[Group
                     ("mem_ratio", "mem_requested_per_used", "x"),
                     ("mem_ratio_running", "mem_requested_per_used_running", "x"),
                     ("mem_ratio_with_node", "mem_requested_per_used_with_node", "x"),
+                    ("mem_ratio_running_with_node", "mem_requested_per_used_running_with_node",
+                     "x"),
                     ("cpu_ratio", "cpu_requested_per_used", "x"),
                     ("cpu_ratio_running", "cpu_requested_per_used_running", "x"),
                     ("cpu_s", "qemu_cpu_seconds", "s")):
