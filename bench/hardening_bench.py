@@ -46,6 +46,8 @@ from typing import Any
 import httpx
 
 REPO = Path(__file__).resolve().parent.parent
+#: the jail part's pause after each round's kills, before the other arm's round
+SETTLE_S = 2.0
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
@@ -389,6 +391,11 @@ def jail_part(args: argparse.Namespace) -> None:
                     pss_kib(x.pid)["Pss"] for x in everyone) / 1024)
                 for x in everyone:
                     loop.run(runtime.kill(x))
+                # the kernel's teardown of 17 VMs (and, jailed, of their mount, PID, IPC and
+                # UTS namespaces) goes on after kill returns: without this pause it overlapped
+                # the next arm's create and restore, and the bench timed the teardown of one
+                # arm inside the other's create (2026-12-05: 1.08-1.09 here, 1.00 apart)
+                time.sleep(SETTLE_S)
         p50 = statistics.median
         a, b = results["jailed"], results["shared-uid"]
         for key, unit in (("create_ms", "ms"), ("restore_ms", "ms"), ("fork_ms", "ms"),
