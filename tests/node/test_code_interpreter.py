@@ -1,7 +1,8 @@
 """The E2B Code Interpreter SDK, unchanged, against a VM node's built-in `code-interpreter-v1`
 template (issue 29): stateful Python, JavaScript and Bash kernels, streamed output, rich results
 and chart data, errors, interrupts, contexts, per-call env vars, pause and connect, fork,
-snapshots, concurrent async clients.
+snapshots, concurrent async clients; and the JS SDK (npm `@e2b/code-interpreter`, pinned in
+ts-code-interpreter/package-lock.json, run by node) for the basic cases.
 
 Run under flock /tmp/aenv-vmtest.lock (it starts QEMU). The node's first start builds the
 template (debootstrap of the Jupyter packages is cached in conftest.DEBIAN_CACHE)."""
@@ -10,16 +11,19 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import json
 import re
+import subprocess
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from e2b import TimeoutException
 from e2b_code_interpreter import AsyncSandbox, Sandbox
 from e2b_code_interpreter.charts import BarChart, ChartType, LineChart
 
-from tests.node import conftest
+from tests.node import conftest, npm_pinned
 from tests.node.conftest import NodeProcess
 
 pytestmark = pytest.mark.qemu  # boots VMs
@@ -28,6 +32,7 @@ NET_PREFIX = "aci"  # unique: a test teardown deletes every {NET_PREFIX}-s* name
 FIRST_SLOT = 22001  # 22001-22400
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+JS_DIR = Path(__file__).parent / "ts-code-interpreter"
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
 
@@ -262,3 +267,37 @@ def test_async_client_on_concurrent_sandboxes(ci_node: NodeProcess) -> None:
             await asyncio.gather(*(b.kill() for b in boxes))
 
     assert asyncio.run(main()) == [str(i * 10) for i in range(8)]
+
+
+def test_js_sdk_basic_cases(ci_node: NodeProcess, tmp_path: Path) -> None:
+    """The JS SDK, as a user runs it: state kept between calls, the stdout callback in order,
+    an exception's name/value/traceback, a context with a cwd, a matplotlib plot's png."""
+    modules = npm_pinned.install(JS_DIR, "@e2b/code-interpreter", tmp_path)
+    done = subprocess.run(
+        [npm_pinned.tool("node"), str(JS_DIR / "code_interpreter.mjs")],
+        capture_output=True, text=True, timeout=300,
+        env=npm_pinned.sdk_env(ci_node.url, ci_node.api_key, modules))
+    assert done.returncode == 0, f"JS SDK run failed:\n{done.stdout}\n{done.stderr}"
+    seen = json.loads(done.stdout.strip().splitlines()[-1])
+
+    pinned = json.loads((JS_DIR / "package.json").read_text())["dependencies"]
+    assert seen["sdkVersion"] == pinned["@e2b/code-interpreter"]
+    assert seen["assign"] == {"error": None, "results": 0}
+    assert seen["sum"] == {"text": "2", "error": None}
+    assert seen["counts"][1] == seen["counts"][0] + 1
+    # the callbacks get what the logs keep, in order (a chunk may hold one line or several)
+    assert "".join(seen["logs"]["stdout"]) == "line 0\nline 1\nline 2\n"
+    assert seen["logs"]["stderr"] == ["oops\n"]
+    assert [line for kind, line in seen["callbacks"] if kind == "out"] == seen["logs"]["stdout"]
+    assert [line for kind, line in seen["callbacks"] if kind == "err"] == ["oops\n"]
+    error = seen["error"]
+    assert (error["name"], error["value"]) == ("ValueError", "bad value")
+    plain = ANSI.sub("", error["traceback"])
+    assert "raise ValueError('bad value')" in plain and "ValueError: bad value" in plain
+    assert seen["context"] == {"cwd": "/tmp", "language": "python"}
+    assert (seen["cwdInContext"], seen["zInContext"], seen["zInDefault"]) == ("/tmp", "7", "False")
+    assert (seen["listedBefore"], seen["listedAfter"]) == (True, False)
+    assert seen["plot"]["error"] is None
+    [figure] = seen["plot"]["results"]
+    assert "png" in figure["formats"] and bytes.fromhex(figure["pngMagic"]) == PNG_MAGIC
+    assert figure["chartTitle"] == "Squares"
