@@ -51,6 +51,8 @@ class FakeContext:
     def __init__(self, language: str, cwd: str, context_id: str | None = None) -> None:
         self.language, self.cwd = language, cwd
         self.id = context_id or f"ctx-{id(self)}"
+        self.sandbox_env_applied = False
+        self.sandbox_envs: list[dict[str, str] | None] = []  # what each cell was given
 
     def describe(self) -> dict[str, str]:
         return {"id": self.id, "language": self.language, "cwd": self.cwd}
@@ -62,7 +64,7 @@ class FakeContext:
         pass
 
     async def restart(self) -> None:
-        pass
+        self.sandbox_env_applied = False
 
     async def shutdown(self) -> None:
         pass
@@ -70,8 +72,12 @@ class FakeContext:
     async def interrupt(self) -> None:
         pass
 
-    async def execute(self, code: str, env_vars: dict[str, str] | None = None
+    async def execute(self, code: str, env_vars: dict[str, str] | None = None,
+                      sandbox_env: dict[str, str] | None = None
                       ) -> AsyncIterator[dict[str, Any]]:
+        self.sandbox_envs.append(sandbox_env)
+        if sandbox_env is not None:
+            self.sandbox_env_applied = True
         yield {"type": "stdout", "text": code, "timestamp": 0}
 
 
@@ -96,7 +102,9 @@ def server(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[[Path], codeint
         # where the server looks for envd's token digest: the module's constant (raising=False:
         # a server without token support has no such name, and must fail the tests below)
         monkeypatch.setattr(codeint, "ACCESS_TOKEN_DIGEST_FILE", str(token_file), raising=False)
-        return codeint.CodeApp(default_cwd="/tmp")
+        app = codeint.CodeApp(default_cwd="/tmp")
+        app.envd_envs_url = "http://127.0.0.1:9/envs"  # no envd here (a test may serve one)
+        return app
 
     yield make
 

@@ -119,6 +119,26 @@ def test_exception_gives_name_value_traceback(sbx: Sandbox) -> None:
     assert "raise ValueError('bad value')" in plain and "ValueError: bad value" in plain
 
 
+def test_sandbox_env_vars_reach_every_kernel(ci_node: NodeProcess) -> None:
+    """Sandbox.create's envs are in every context's kernel (started in the template, before
+    they existed), a per-call env var of the same name is put back to the sandbox's value, as
+    E2B's env_vars/test_*.py::test_env_vars_on_sandbox and test_env_vars_overwrite check."""
+    sandbox = Sandbox.create(timeout=600, envs={"AENV_SBX_VAR": "from-create"})
+    try:
+        py = "import os\nos.environ.get('AENV_SBX_VAR', 'unset')"
+        assert sandbox.run_code(py).text == "from-create"
+        assert sandbox.run_code(py, envs={"AENV_SBX_VAR": "per-call"}).text == "per-call"
+        assert sandbox.run_code(py).text == "from-create"
+        js = "process.env.AENV_SBX_VAR || 'unset'"
+        assert sandbox.run_code(js, language="js").text == "from-create"
+        bash = sandbox.run_code("echo ${AENV_SBX_VAR:-unset}", language="bash")
+        assert bash.logs.stdout == ["from-create\n"]
+        ctx = sandbox.create_code_context(cwd="/tmp")
+        assert sandbox.run_code(py, context=ctx).text == "from-create"
+    finally:
+        sandbox.kill()
+
+
 def test_timeout_interrupts_and_the_next_call_works(sbx: Sandbox) -> None:
     sbx.run_code("y = 41")
     with pytest.raises(TimeoutException):
