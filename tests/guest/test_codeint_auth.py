@@ -58,7 +58,8 @@ class FakeContext:
         return {"id": self.id, "language": self.language, "cwd": self.cwd}
 
     async def start(self) -> None:
-        pass
+        if self.cwd.startswith("/root"):  # as a kernel run by `user` finds it
+            raise PermissionError(13, "Permission denied", self.cwd)
 
     async def warm(self) -> None:
         pass
@@ -268,5 +269,25 @@ def test_envd_init_publishes_the_token_the_server_checks(
             assert old.status_code == 401
             ok = await http.post("/execute", json=cell, headers={"X-Access-Token": new})
             assert ok.status_code == 200
+
+    run(scenario)
+
+
+def test_a_context_that_cannot_start_is_a_400(
+        server: Callable[[Path], codeint.CodeApp], tmp_path: Path) -> None:
+    """create_code_context(cwd="/root") (E2B's test_create_context_with_options): the kernels
+    run as `user`, who cannot enter /root. The answer says so; before, the request's connection
+    was dropped, which the node reported as the sandbox's port not answering (a 502)."""
+    app = server(digest_file(tmp_path, None))
+
+    async def scenario() -> None:
+        async with await client(app) as http:
+            before = len(app.contexts)
+            answer = await http.post("/contexts", json={"language": "python", "cwd": "/root"})
+            assert answer.status_code == 400, answer.text
+            assert "/root" in answer.json()["error"]
+            assert "Permission denied" in answer.json()["error"]
+            assert len(app.contexts) == before
+            assert (await http.post("/contexts", json={"cwd": "/tmp"})).status_code == 200
 
     run(scenario)

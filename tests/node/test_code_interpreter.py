@@ -110,6 +110,23 @@ def test_rich_results(sbx: Sandbox) -> None:
     assert shown.text == "{'k': 1}"
 
 
+def test_dataframe_data_and_a_saved_image(sbx: Sandbox) -> None:
+    """A DataFrame's columns as `result.data`; a PIL image saved to a file is displayed, as
+    E2B's test_data.py and images/test_images.py::test_get_image_on_save check."""
+    frame = sbx.run_code("import pandas as pd\npd.DataFrame({'a': [1, 2, 3], 'b': ['x', 'y', 'z']})")
+    assert frame.results[0].data == {"a": [1, 2, 3], "b": ["x", "y", "z"]}
+    assert sbx.run_code("1 + 1").results[0].data is None
+    saved = sbx.run_code(
+        "import numpy\nfrom PIL import Image\n"
+        "a = (numpy.random.rand(16, 16, 3) * 255).astype('uint8')\n"
+        "Image.fromarray(a).convert('RGBA').save('/tmp/aenv-saved.png')\nprint('saved')")
+    assert saved.error is None, saved.error
+    [image] = saved.results
+    assert base64.b64decode(image.png).startswith(PNG_MAGIC)
+    assert saved.logs.stdout == ["saved\n"]
+    assert sbx.files.read("/tmp/aenv-saved.png", format="bytes").startswith(PNG_MAGIC)
+
+
 def test_exception_gives_name_value_traceback(sbx: Sandbox) -> None:
     execution = sbx.run_code("def f():\n    raise ValueError('bad value')\nf()")
     assert execution.error is not None

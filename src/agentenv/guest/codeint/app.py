@@ -186,7 +186,16 @@ class CodeApp:
             ctx = Context(language, cwd, context_id)
         except ValueError as exc:
             raise HttpError(400, str(exc)) from exc
-        await ctx.start()
+        try:
+            await ctx.start()
+        except OSError as exc:
+            # e.g. a cwd the kernel's user (`user`) cannot enter: an answer that says so, not
+            # a dropped connection (which the node reports as the port not answering)
+            log.warning("context %s in %s not started: %s", language, cwd, exc)
+            with contextlib.suppress(Exception):
+                await ctx.shutdown()
+            raise HttpError(400, f"the {language} context could not be started in {cwd!r}: "
+                                 f"{exc.strerror or exc}") from exc
         self.contexts[ctx.id] = ctx
         return ctx
 
