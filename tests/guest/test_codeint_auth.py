@@ -51,18 +51,21 @@ class FakeContext:
     def __init__(self, language: str, cwd: str, context_id: str | None = None) -> None:
         self.language, self.cwd = language, cwd
         self.id = context_id or f"ctx-{id(self)}"
+        self.sandbox_env_applied = False
+        self.sandbox_envs: list[dict[str, str] | None] = []  # what each cell was given
 
     def describe(self) -> dict[str, str]:
         return {"id": self.id, "language": self.language, "cwd": self.cwd}
 
     async def start(self) -> None:
-        pass
+        if self.cwd.startswith("/root"):  # as a kernel run by `user` finds it
+            raise PermissionError(13, "Permission denied", self.cwd)
 
     async def warm(self) -> None:
         pass
 
     async def restart(self) -> None:
-        pass
+        self.sandbox_env_applied = False
 
     async def shutdown(self) -> None:
         pass
@@ -70,8 +73,12 @@ class FakeContext:
     async def interrupt(self) -> None:
         pass
 
-    async def execute(self, code: str, env_vars: dict[str, str] | None = None
+    async def execute(self, code: str, env_vars: dict[str, str] | None = None,
+                      sandbox_env: dict[str, str] | None = None
                       ) -> AsyncIterator[dict[str, Any]]:
+        self.sandbox_envs.append(sandbox_env)
+        if sandbox_env is not None:
+            self.sandbox_env_applied = True
         yield {"type": "stdout", "text": code, "timestamp": 0}
 
 
@@ -96,7 +103,9 @@ def server(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[[Path], codeint
         # where the server looks for envd's token digest: the module's constant (raising=False:
         # a server without token support has no such name, and must fail the tests below)
         monkeypatch.setattr(codeint, "ACCESS_TOKEN_DIGEST_FILE", str(token_file), raising=False)
-        return codeint.CodeApp(default_cwd="/tmp")
+        app = codeint.CodeApp(default_cwd="/tmp")
+        app.envd_envs_url = "http://127.0.0.1:9/envs"  # no envd here (a test may serve one)
+        return app
 
     yield make
 
@@ -260,5 +269,25 @@ def test_envd_init_publishes_the_token_the_server_checks(
             assert old.status_code == 401
             ok = await http.post("/execute", json=cell, headers={"X-Access-Token": new})
             assert ok.status_code == 200
+
+    run(scenario)
+
+
+def test_a_context_that_cannot_start_is_a_400(
+        server: Callable[[Path], codeint.CodeApp], tmp_path: Path) -> None:
+    """create_code_context(cwd="/root") (E2B's test_create_context_with_options): the kernels
+    run as `user`, who cannot enter /root. The answer says so; before, the request's connection
+    was dropped, which the node reported as the sandbox's port not answering (a 502)."""
+    app = server(digest_file(tmp_path, None))
+
+    async def scenario() -> None:
+        async with await client(app) as http:
+            before = len(app.contexts)
+            answer = await http.post("/contexts", json={"language": "python", "cwd": "/root"})
+            assert answer.status_code == 400, answer.text
+            assert "/root" in answer.json()["error"]
+            assert "Permission denied" in answer.json()["error"]
+            assert len(app.contexts) == before
+            assert (await http.post("/contexts", json={"cwd": "/tmp"})).status_code == 200
 
     run(scenario)

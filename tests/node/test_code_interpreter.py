@@ -1,7 +1,9 @@
 """The E2B Code Interpreter SDK, unchanged, against a VM node's built-in `code-interpreter-v1`
 template (issue 29): stateful Python, JavaScript and Bash kernels, streamed output, rich results
 and chart data, errors, interrupts, contexts, per-call env vars, pause and connect, fork,
-snapshots, concurrent async clients, the sandbox's egress policy on the kernels' traffic.
+snapshots, concurrent async clients, the sandbox's egress policy on the kernels' traffic; and
+the JS SDK (npm `@e2b/code-interpreter`, pinned in ts-code-interpreter/package-lock.json, run by
+node) for the basic cases.
 
 Run under flock /tmp/aenv-vmtest.lock (it starts QEMU). The node's first start builds the
 template (debootstrap of the Jupyter packages is cached in conftest.DEBIAN_CACHE)."""
@@ -10,9 +12,12 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import json
 import re
+import subprocess
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from e2b import TimeoutException
@@ -20,7 +25,7 @@ from e2b_code_interpreter import AsyncSandbox, Sandbox
 from e2b_code_interpreter.charts import BarChart, ChartType, LineChart
 
 from tests.netlab import Internet, internet
-from tests.node import conftest
+from tests.node import conftest, npm_pinned
 from tests.node.conftest import NodeProcess
 
 pytestmark = pytest.mark.qemu  # boots VMs
@@ -30,6 +35,7 @@ FIRST_SLOT = 22001  # 22001-22400
 LAB_PREFIX, LAB_SUBNET = "acil", 43  # the egress test's "internet" (tests/netlab.py)
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+JS_DIR = Path(__file__).parent / "ts-code-interpreter"
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
 
@@ -107,6 +113,23 @@ def test_rich_results(sbx: Sandbox) -> None:
     assert shown.text == "{'k': 1}"
 
 
+def test_dataframe_data_and_a_saved_image(sbx: Sandbox) -> None:
+    """A DataFrame's columns as `result.data`; a PIL image saved to a file is displayed, as
+    E2B's test_data.py and images/test_images.py::test_get_image_on_save check."""
+    frame = sbx.run_code("import pandas as pd\npd.DataFrame({'a': [1, 2, 3], 'b': ['x', 'y', 'z']})")
+    assert frame.results[0].data == {"a": [1, 2, 3], "b": ["x", "y", "z"]}
+    assert sbx.run_code("1 + 1").results[0].data is None
+    saved = sbx.run_code(
+        "import numpy\nfrom PIL import Image\n"
+        "a = (numpy.random.rand(16, 16, 3) * 255).astype('uint8')\n"
+        "Image.fromarray(a).convert('RGBA').save('/tmp/aenv-saved.png')\nprint('saved')")
+    assert saved.error is None, saved.error
+    [image] = saved.results
+    assert base64.b64decode(image.png).startswith(PNG_MAGIC)
+    assert saved.logs.stdout == ["saved\n"]
+    assert sbx.files.read("/tmp/aenv-saved.png", format="bytes").startswith(PNG_MAGIC)
+
+
 def test_exception_gives_name_value_traceback(sbx: Sandbox) -> None:
     execution = sbx.run_code("def f():\n    raise ValueError('bad value')\nf()")
     assert execution.error is not None
@@ -114,6 +137,26 @@ def test_exception_gives_name_value_traceback(sbx: Sandbox) -> None:
     assert execution.error.value == "bad value"
     plain = ANSI.sub("", execution.error.traceback)  # IPython colours it, as E2B's does
     assert "raise ValueError('bad value')" in plain and "ValueError: bad value" in plain
+
+
+def test_sandbox_env_vars_reach_every_kernel(ci_node: NodeProcess) -> None:
+    """Sandbox.create's envs are in every context's kernel (started in the template, before
+    they existed), a per-call env var of the same name is put back to the sandbox's value, as
+    E2B's env_vars/test_*.py::test_env_vars_on_sandbox and test_env_vars_overwrite check."""
+    sandbox = Sandbox.create(timeout=600, envs={"AENV_SBX_VAR": "from-create"})
+    try:
+        py = "import os\nos.environ.get('AENV_SBX_VAR', 'unset')"
+        assert sandbox.run_code(py).text == "from-create"
+        assert sandbox.run_code(py, envs={"AENV_SBX_VAR": "per-call"}).text == "per-call"
+        assert sandbox.run_code(py).text == "from-create"
+        js = "process.env.AENV_SBX_VAR || 'unset'"
+        assert sandbox.run_code(js, language="js").text == "from-create"
+        bash = sandbox.run_code("echo ${AENV_SBX_VAR:-unset}", language="bash")
+        assert bash.logs.stdout == ["from-create\n"]
+        ctx = sandbox.create_code_context(cwd="/tmp")
+        assert sandbox.run_code(py, context=ctx).text == "from-create"
+    finally:
+        sandbox.kill()
 
 
 def test_timeout_interrupts_and_the_next_call_works(sbx: Sandbox) -> None:
@@ -299,3 +342,37 @@ def test_the_egress_policy_holds_for_the_kernels_traffic(ci_node: NodeProcess,
         assert (code_a, code_b) == ("000", "200") and exit_a != "0", shell.logs
     finally:
         sandbox.kill()
+
+
+def test_js_sdk_basic_cases(ci_node: NodeProcess, tmp_path: Path) -> None:
+    """The JS SDK, as a user runs it: state kept between calls, the stdout callback in order,
+    an exception's name/value/traceback, a context with a cwd, a matplotlib plot's png."""
+    modules = npm_pinned.install(JS_DIR, "@e2b/code-interpreter", tmp_path)
+    done = subprocess.run(
+        [npm_pinned.tool("node"), str(JS_DIR / "code_interpreter.mjs")],
+        capture_output=True, text=True, timeout=300,
+        env=npm_pinned.sdk_env(ci_node.url, ci_node.api_key, modules))
+    assert done.returncode == 0, f"JS SDK run failed:\n{done.stdout}\n{done.stderr}"
+    seen = json.loads(done.stdout.strip().splitlines()[-1])
+
+    pinned = json.loads((JS_DIR / "package.json").read_text())["dependencies"]
+    assert seen["sdkVersion"] == pinned["@e2b/code-interpreter"]
+    assert seen["assign"] == {"error": None, "results": 0}
+    assert seen["sum"] == {"text": "2", "error": None}
+    assert seen["counts"][1] == seen["counts"][0] + 1
+    # the callbacks get what the logs keep, in order (a chunk may hold one line or several)
+    assert "".join(seen["logs"]["stdout"]) == "line 0\nline 1\nline 2\n"
+    assert seen["logs"]["stderr"] == ["oops\n"]
+    assert [line for kind, line in seen["callbacks"] if kind == "out"] == seen["logs"]["stdout"]
+    assert [line for kind, line in seen["callbacks"] if kind == "err"] == ["oops\n"]
+    error = seen["error"]
+    assert (error["name"], error["value"]) == ("ValueError", "bad value")
+    plain = ANSI.sub("", error["traceback"])
+    assert "raise ValueError('bad value')" in plain and "ValueError: bad value" in plain
+    assert seen["context"] == {"cwd": "/tmp", "language": "python"}
+    assert (seen["cwdInContext"], seen["zInContext"], seen["zInDefault"]) == ("/tmp", "7", "False")
+    assert (seen["listedBefore"], seen["listedAfter"]) == (True, False)
+    assert seen["plot"]["error"] is None
+    [figure] = seen["plot"]["results"]
+    assert "png" in figure["formats"] and bytes.fromhex(figure["pngMagic"]) == PNG_MAGIC
+    assert figure["chartTitle"] == "Squares"

@@ -3,90 +3,35 @@ node: create, commands.run, files write/read, pause then connect (the process ba
 only), kill. The SDK talks to envd through E2B_SANDBOX_URL with E2b-Sandbox-Id headers and sends
 its control-plane POST bodies chunked, so this also covers both of those paths.
 
-The SDK is installed with `npm ci` into /var/cache/aenv-test/node-ts/<lock hash>/ (reused across
-runs, built on first use; a fresh machine installs it here).
+The SDK is installed with `npm ci` into /var/cache/aenv-test/node-ts/<lock hash>/ (npm_pinned.py:
+reused across runs, built on first use; a fresh machine installs it here).
 """
 
 from __future__ import annotations
 
-import contextlib
-import hashlib
 import json
-import os
-import shutil
 import subprocess
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from tests.node import npm_pinned
 from tests.node.conftest import NodeProcess
 
 TS_DIR = Path(__file__).parent / "ts"
-CACHE_ROOT = Path("/var/cache/aenv-test/node-ts")
 SDK_VERSION = json.loads((TS_DIR / "package.json").read_text())["dependencies"]["e2b"]
-
-
-def _tool(name: str) -> str:
-    found = shutil.which(name)
-    if found is None:
-        pytest.fail(f"{name} is not on PATH: the TypeScript SDK test needs Node.js 20+ and npm")
-    return found
-
-
-def _install_sdk(fallback: Path) -> Path:
-    """A directory whose node_modules holds the pinned SDK, keyed by the lock file's hash."""
-    lock = (TS_DIR / "package-lock.json").read_bytes()
-    key = hashlib.sha256(lock + (TS_DIR / "package.json").read_bytes()).hexdigest()[:16]
-    try:
-        CACHE_ROOT.mkdir(parents=True, exist_ok=True)
-        root = CACHE_ROOT
-    except OSError:  # not root: the cache is a speed-up only
-        root = fallback
-    target = root / key
-    if (target / "node_modules" / "e2b" / "package.json").is_file():
-        return target
-    staging = Path(tempfile.mkdtemp(prefix=f".{key}-", dir=root))
-    try:
-        for name in ("package.json", "package-lock.json"):
-            shutil.copy(TS_DIR / name, staging / name)
-        npm = _tool("npm")
-        done = subprocess.run(
-            [npm, "ci", "--prefix", str(staging), "--no-audit", "--no-fund", "--loglevel=error"],
-            capture_output=True,
-            text=True,
-            timeout=300,
-            env={**os.environ, "npm_config_update_notifier": "false"},
-        )
-        if done.returncode != 0:
-            pytest.fail(f"npm ci of the e2b TypeScript SDK failed:\n{done.stderr[-3000:]}")
-        try:
-            staging.rename(target)
-        except OSError:  # another run finished first; use its copy
-            if not (target / "node_modules" / "e2b" / "package.json").is_file():
-                raise
-    finally:
-        with contextlib.suppress(FileNotFoundError):
-            shutil.rmtree(staging)
-    return target
 
 
 @pytest.fixture(scope="module")
 def ts_sdk(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return _install_sdk(tmp_path_factory.mktemp("node-ts"))
+    return npm_pinned.install(TS_DIR, "e2b", tmp_path_factory.mktemp("node-ts"))
 
 
 def test_typescript_sdk_round_trip(node: NodeProcess, ts_sdk: Path) -> None:
-    env = {
-        **{k: v for k, v in os.environ.items() if not k.startswith("E2B_")},
-        "E2B_API_URL": node.url,
-        "E2B_SANDBOX_URL": node.url,
-        "E2B_API_KEY": node.api_key,
-        "AENV_TS_MODULES": str(ts_sdk),
-    }
+    env = npm_pinned.sdk_env(node.url, node.api_key, ts_sdk)
     done = subprocess.run(
-        [_tool("node"), str(TS_DIR / "sdk_roundtrip.mjs")],
+        [npm_pinned.tool("node"), str(TS_DIR / "sdk_roundtrip.mjs")],
         capture_output=True,
         text=True,
         timeout=120,

@@ -22,6 +22,12 @@ that is given but let a request without it through, since the E2B Code Interpret
 it with run_code only; GET /health is open. The server learns the token as a SHA-256 envd
 writes at /init (envd.ACCESS_TOKEN_DIGEST_FILE), read at each request: a fork's or a
 snapshot's new token holds from its /init on.
+
+The sandbox's own env vars (Sandbox.create's `envs`, which envd holds from /init) are set in a
+context's kernel before its first cell, as E2B's server does: read from envd's GET /envs with
+the caller's X-Access-Token, once per kernel (the default kernels are started in the template,
+before any sandbox's envs exist). A per-call env var of the same name is put back to the
+sandbox's value after its cell.
 """
 
 from __future__ import annotations
@@ -32,11 +38,13 @@ import hashlib
 import hmac
 import json
 import logging
+import urllib.request
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 from agentenv.guest.codeint.kernels import LANGUAGES, Context, dumps, normalize_language
 from agentenv.guest.envd import ACCESS_TOKEN_DIGEST_FILE
+from agentenv.guest.envd import DEFAULT_PORT as ENVD_PORT
 
 log = logging.getLogger("codeint")
 
@@ -54,6 +62,9 @@ MAX_CONTEXTS = 64
 #: (method, path) that run code: a secure sandbox's token is required there
 TOKEN_REQUIRED = {("POST", "/execute"), ("POST", "/aenv/warm")}
 UNAUTHORIZED = "unauthorized access, please provide a valid access token (X-Access-Token)"
+#: envd's route for the sandbox's env vars (in the same guest)
+ENVD_ENVS_URL = f"http://127.0.0.1:{ENVD_PORT}/envs"
+ENVD_ENVS_TIMEOUT = 5.0
 
 
 class HttpError(Exception):
@@ -128,6 +139,24 @@ class AccessToken:
         return hmac.compare_digest(hashlib.sha256(given[0]).digest(), digest)
 
 
+def read_sandbox_env(url: str, token: bytes | None) -> dict[str, str] | None:
+    """envd's GET /envs, as the caller's token lets it; None when it cannot be read (the
+    cell runs without them, a later one tries again)."""
+    request = urllib.request.Request(url)
+    if token is not None:
+        request.add_header("X-Access-Token", token.decode("latin-1"))
+    try:
+        with urllib.request.urlopen(request, timeout=ENVD_ENVS_TIMEOUT) as answer:
+            envs = json.loads(answer.read(1 << 20))
+    except (OSError, ValueError) as exc:  # urllib.error.URLError is an OSError
+        log.warning("the sandbox's env vars could not be read from envd: %s", exc)
+        return None
+    if not isinstance(envs, dict):
+        log.warning("envd's /envs is not an object: %r", type(envs))
+        return None
+    return {str(k): str(v) for k, v in envs.items()}
+
+
 def language_of(body: dict[str, Any]) -> str:
     try:
         return normalize_language(body.get("language") or DEFAULT_LANGUAGE)
@@ -141,6 +170,7 @@ class CodeApp:
         self.contexts: dict[str, Context] = {}
         self.defaults: dict[str, Context] = {}  # language -> its default context
         self.access = AccessToken(ACCESS_TOKEN_DIGEST_FILE)
+        self.envd_envs_url = ENVD_ENVS_URL
 
     async def start(self) -> None:
         contexts = await asyncio.gather(*(self._default(lang) for lang in WARM_LANGUAGES))
@@ -156,7 +186,16 @@ class CodeApp:
             ctx = Context(language, cwd, context_id)
         except ValueError as exc:
             raise HttpError(400, str(exc)) from exc
-        await ctx.start()
+        try:
+            await ctx.start()
+        except OSError as exc:
+            # e.g. a cwd the kernel's user (`user`) cannot enter: an answer that says so, not
+            # a dropped connection (which the node reports as the port not answering)
+            log.warning("context %s in %s not started: %s", language, cwd, exc)
+            with contextlib.suppress(Exception):
+                await ctx.shutdown()
+            raise HttpError(400, f"the {language} context could not be started in {cwd!r}: "
+                                 f"{exc.strerror or exc}") from exc
         self.contexts[ctx.id] = ctx
         return ctx
 
@@ -177,18 +216,19 @@ class CodeApp:
         if scope["type"] != "http":
             return
         method, path = scope["method"], scope["path"].rstrip("/") or "/"
+        given = [v for k, v in scope["headers"] if k.lower() == b"x-access-token"]
         try:
-            if (method, path) != ("GET", "/health"):
-                given = [v for k, v in scope["headers"] if k.lower() == b"x-access-token"]
-                if not self.access.check(given, (method, path) in TOKEN_REQUIRED):
-                    # envd's answer to the same refusal, so a client reads one shape
-                    await respond(send, 401, {"code": 401, "message": UNAUTHORIZED})
-                    return
-            await self._route(method, path, receive, send)
+            if (method, path) != ("GET", "/health") and \
+                    not self.access.check(given, (method, path) in TOKEN_REQUIRED):
+                # envd's answer to the same refusal, so a client reads one shape
+                await respond(send, 401, {"code": 401, "message": UNAUTHORIZED})
+                return
+            await self._route(method, path, receive, send, given[0] if given else None)
         except HttpError as exc:
             await respond(send, exc.status, {"error": str(exc)})
 
-    async def _route(self, method: str, path: str, receive: Receive, send: Send) -> None:
+    async def _route(self, method: str, path: str, receive: Receive, send: Send,
+                     token: bytes | None) -> None:
         parts = path.strip("/").split("/")
         if path == "/health" and method == "GET":
             await respond(send, 200, {"status": "ok"})
@@ -196,7 +236,7 @@ class CodeApp:
             await asyncio.gather(*(ctx.warm() for ctx in list(self.defaults.values())))
             await respond(send, 204)
         elif path == "/execute" and method == "POST":
-            await self._execute(await read_json(receive), receive, send)
+            await self._execute(await read_json(receive), receive, send, token)
         elif path == "/contexts" and method == "POST":
             body = await read_json(receive)
             if len(self.contexts) >= MAX_CONTEXTS:
@@ -219,7 +259,8 @@ class CodeApp:
         else:
             raise HttpError(404, f"no route for {method} {path}")
 
-    async def _execute(self, body: dict[str, Any], receive: Receive, send: Send) -> None:
+    async def _execute(self, body: dict[str, Any], receive: Receive, send: Send,
+                       token: bytes | None) -> None:
         code = body.get("code")
         if not isinstance(code, str):
             raise HttpError(400, "code must be a string")
@@ -239,11 +280,14 @@ class CodeApp:
             except ValueError as exc:
                 raise HttpError(400, str(exc)) from exc
         timeout = body.get("timeout")
+        sandbox_env = None
+        if not ctx.sandbox_env_applied:
+            sandbox_env = await asyncio.to_thread(read_sandbox_env, self.envd_envs_url, token)
         await send({"type": "http.response.start", "status": 200,
                     "headers": [(b"content-type", b"application/x-ndjson")]})
 
         async def pump() -> None:
-            async for line in ctx.execute(code, env_vars):
+            async for line in ctx.execute(code, env_vars, sandbox_env):
                 await send({"type": "http.response.body", "body": dumps(line), "more_body": True})
 
         running = asyncio.create_task(pump())

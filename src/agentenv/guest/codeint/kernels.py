@@ -58,6 +58,11 @@ JS_ENV_RESTORE = """(() => { const saved = globalThis[Symbol.for('agentenv.env')
     if (v === undefined) delete process.env[k]; else process.env[k] = v; }
   delete globalThis[Symbol.for('agentenv.env')]; })()"""
 SHELL_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+# The sandbox's own env vars (Sandbox.create's envs, envd's GET /envs): set for good in a
+# context before its first cell, as E2B's server does (its kernels, like ours, are started in
+# the template, before any sandbox's envs exist).
+PYTHON_ENV_APPLY = "__import__('os').environ.update({values!r})"
+JS_ENV_APPLY = "Object.assign(process.env, {values}), undefined"
 
 
 def bash_env_set(env: dict[str, str]) -> str:
@@ -75,6 +80,12 @@ def bash_env_restore(env: dict[str, str]) -> str:
         for i, name in enumerate(env))
 
 
+def bash_env_apply(env: dict[str, str]) -> str:
+    # a name bash cannot take is left out (it cannot be a shell variable)
+    return "\n".join(f"export {name}={shlex.quote(value)}" for name, value in env.items()
+                     if SHELL_NAME.fullmatch(name))
+
+
 def check_shell_names(env: dict[str, str]) -> None:
     bad = [name for name in env if not SHELL_NAME.fullmatch(name)]
     if bad:
@@ -87,6 +98,7 @@ class Language:
     argv: tuple[str, ...]  # {connection_file} is Jupyter's
     env_set: Callable[[dict[str, str]], str]
     env_restore: Callable[[dict[str, str]], str]
+    env_apply: Callable[[dict[str, str]], str]  # set for good: the sandbox's env vars
     # a hidden cell run once the kernel is up: a kernel's first cell pays for what its
     # language loads lazily (IPython's compiler and display formatters), and the template's
     # snapshot is better taken after that than before
@@ -116,13 +128,15 @@ LANGUAGES = {
          f"--IPKernelApp.exec_files={HERE / 'pystartup.py'}"),
         lambda env: PYTHON_ENV_SET.format(names=list(env), values=dict(env)),
         lambda env: PYTHON_ENV_RESTORE,
+        lambda env: PYTHON_ENV_APPLY.format(values=dict(env)),
         "get_ipython().display_formatter.format(1 + 1)"),
     "javascript": Language(
         "javascript", _our_kernel("jskernel"),
         lambda env: JS_ENV_SET.format(values=json.dumps(env)), lambda env: JS_ENV_RESTORE,
+        lambda env: JS_ENV_APPLY.format(values=json.dumps(env)),
         "1 + 1", ours=True),
     "bash": Language("bash", _our_kernel("bashkernel"), bash_env_set, bash_env_restore,
-                     "true", ours=True, check_env=check_shell_names),
+                     bash_env_apply, "true", ours=True, check_env=check_shell_names),
 }
 # Other names the SDKs and E2B's server accept for a language.
 ALIASES = {"js": "javascript"}
@@ -181,6 +195,9 @@ class Context:
         self.manager = AsyncKernelManager(kernel_name=LANGUAGES[self.language].kernel_name,
                                           kernel_spec_manager=Specs())
         self.client: Any = None
+        # whether the sandbox's env vars are set in the kernel (before its first cell; again
+        # after a restart, which starts a new kernel)
+        self.sandbox_env_applied = False
 
     def describe(self) -> dict[str, str]:
         return {"id": self.id, "language": self.language, "cwd": self.cwd}
@@ -199,6 +216,7 @@ class Context:
         async with self.lock:
             await self.manager.restart_kernel(now=True)
             await self.client.wait_for_ready(timeout=KERNEL_READY_SECONDS)
+            self.sandbox_env_applied = False
 
     async def shutdown(self) -> None:
         if self.client is not None:
@@ -227,12 +245,19 @@ class Context:
         async for _ in self._messages(msg_id):
             pass
 
-    async def execute(self, code: str, env_vars: dict[str, str] | None = None
+    async def execute(self, code: str, env_vars: dict[str, str] | None = None,
+                      sandbox_env: dict[str, str] | None = None
                       ) -> AsyncIterator[dict[str, Any]]:
         """Runs a cell; yields the protocol's lines (without the closing end_of_execution).
-        Must be consumed to its end (the lock is held until the kernel is idle again)."""
+        `sandbox_env`, the sandbox's env vars, is set for good first unless it already is
+        (None: not known, set by a later cell). Must be consumed to its end (the lock is held
+        until the kernel is idle again)."""
         language = LANGUAGES[self.language]
         async with self.lock:
+            if sandbox_env is not None and not self.sandbox_env_applied:
+                if sandbox_env:
+                    await self._hidden(language.env_apply(sandbox_env))
+                self.sandbox_env_applied = True
             if env_vars:
                 await self._hidden(language.env_set(env_vars))
             try:
