@@ -31,7 +31,7 @@ NFS_IP = "169.254.169.254"
 MOUNT = (
     "for m in $(cat /modules.extra); do insmod /modules/$m 2>/dev/null; done\n"
     "mkdir -p /mnt/shared\n"
-    f"mount -t nfs4 -o vers=4.2,proto=tcp,port=2049,addr={NFS_IP},hard,timeo=50 "
+    f"mount -t nfs4 -o vers=4.1,proto=tcp,port=2049,addr={NFS_IP},hard,timeo=50 "
     f"{NFS_IP}:/volumes/shared /mnt/shared && echo mounted\n"
 )
 
