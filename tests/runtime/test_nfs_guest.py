@@ -8,9 +8,8 @@ address in every slot, so a restored or forked guest finds its server in whateve
 up in); the slot's table accepts that, the host redirects it to ganesha's port and accepts
 only redirected flows there.
 
-Opt-in (AENV_TEST_NFS_SPIKE=1) until it has passed: its first run mounted in both guests and
-failed the cross-guest read with vers=4.2 (NUL bytes); the vers=4.1 run, pause/resume and fork
-have not run yet (docs/volumes.md §7.1)."""
+Opt-in (AENV_TEST_NFS_SPIKE=1) until it passes: with vers=4.1 the shared reads and writes and
+pause/resume pass; a fork child's first NFS access hangs (docs/volumes.md §7.1)."""
 
 from __future__ import annotations
 
