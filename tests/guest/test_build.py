@@ -82,6 +82,11 @@ def test_manifest_describes_the_files(guest_assets: GuestAssets) -> None:
     # Dependencies load first.
     loaded = [m for m in ("virtio.ko", "virtio_pci.ko", "virtio_blk.ko") if m in modules]
     assert [modules.index(m) for m in loaded] == sorted(modules.index(m) for m in loaded)
+    # The NFSv4 client for shared read-write volumes: modules in Debian's cloud kernel, its
+    # dependencies before it.
+    nfs = ["sunrpc.ko", "lockd.ko", "nfs.ko", "nfsv4.ko"]
+    assert all(m in modules for m in nfs), modules
+    assert [modules.index(m) for m in nfs] == sorted(modules.index(m) for m in nfs)
 
 
 def test_tools_image_is_clean_ext4(guest_assets: GuestAssets) -> None:

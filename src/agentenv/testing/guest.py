@@ -42,8 +42,10 @@ _MODULES = ["virtio_pci", "virtio_net", "virtio_blk", "virtio_scsi", "sd_mod", "
             "vmgenid"]
 
 
-def _module_order(modules_dir: Path) -> list[str]:
-    """Paths (relative to modules_dir) of _MODULES and their dependencies, dependencies first."""
+def _module_order(modules_dir: Path, wanted: tuple[str, ...] = tuple(_MODULES),
+                  skip: tuple[str, ...] = ()) -> list[str]:
+    """Paths (relative to modules_dir) of `wanted` and their dependencies, dependencies first,
+    leaving out those in `skip`."""
     deps: dict[str, list[str]] = {}
     by_name: dict[str, str] = {}
     for line in (modules_dir / "modules.dep").read_text().splitlines():
@@ -53,12 +55,12 @@ def _module_order(modules_dir: Path) -> list[str]:
     order: list[str] = []
 
     def visit(module: str) -> None:
-        if module not in order:
+        if module not in order and module not in skip:
             for dep in deps.get(module, []):
                 visit(dep)
             order.append(module)
 
-    for name in _MODULES:
+    for name in wanted:
         if name in by_name:
             visit(by_name[name])
     return order
@@ -130,10 +132,12 @@ def _run(cmd: list[str], cwd: Path | None = None) -> str:
     return proc.stdout
 
 
-def build_test_guest(cache_dir: Path = DEFAULT_CACHE, kernel_suite: str | None = KERNEL_SUITE
-                     ) -> TestGuest:
+def build_test_guest(cache_dir: Path = DEFAULT_CACHE, kernel_suite: str | None = KERNEL_SUITE,
+                     extra_modules: tuple[str, ...] = ()) -> TestGuest:
     """Build (or reuse) the busybox test guest; returns paths to kernel and initramfs.
-    kernel_suite None takes the host's default release (bookworm's 6.1)."""
+    kernel_suite None takes the host's default release (bookworm's 6.1). `extra_modules`
+    (with their dependencies) are put in /modules too but not loaded at boot: /modules.extra
+    lists them in load order, for a test to insmod (the NFS client: `nfsv4`)."""
     busybox = Path("/bin/busybox")
     if not busybox.exists():
         raise TestGuestError("busybox-static is not installed (/bin/busybox missing)")
@@ -144,7 +148,8 @@ def build_test_guest(cache_dir: Path = DEFAULT_CACHE, kernel_suite: str | None =
     except GuestBuildError as exc:
         raise TestGuestError(f"cannot resolve the guest kernel {meta}: {exc}") from exc
     key = hashlib.sha256(
-        (package.sha256 + _INIT + _RUN_CGI + _INIT_CGI + ",".join(_MODULES) + str(busybox.stat().st_size)).encode()
+        (package.sha256 + _INIT + _RUN_CGI + _INIT_CGI + ",".join(_MODULES) + str(busybox.stat().st_size)
+         + ("+" + ",".join(extra_modules) if extra_modules else "")).encode()
     ).hexdigest()[:16]
     out_dir = cache_dir / f"guest-{key}"
     kernel, initramfs = out_dir / "vmlinuz", out_dir / "initramfs.cpio"
@@ -170,6 +175,12 @@ def build_test_guest(cache_dir: Path = DEFAULT_CACHE, kernel_suite: str | None =
             (root / "modules" / name).write_bytes(guest_kernel._module_bytes(tree.modules_dir / rel))
             names.append(name)
         (root / "modules.order").write_text("\n".join(names) + "\n")
+        extra = []
+        for rel in _module_order(tree.modules_dir, extra_modules, skip=tuple(order)):
+            name = Path(rel).name.split(".ko")[0] + ".ko"
+            (root / "modules" / name).write_bytes(guest_kernel._module_bytes(tree.modules_dir / rel))
+            extra.append(name)
+        (root / "modules.extra").write_text("".join(f"{n}\n" for n in extra))
         (root / "init").write_text(_INIT)
         (root / "www" / "health").write_text("ok\n")
         (root / "www" / "cgi-bin" / "run").write_text(_RUN_CGI)
