@@ -55,3 +55,15 @@ fi
 if (( ${#missing_main[@]} )); then
   apt-get install -y -q --no-install-recommends "${missing_main[@]}"
 fi
+# nfs-ganesha's Depends bring rpcbind (port 111 on every address) and Debian's own ganesha
+# service; the node runs the one ganesha it needs (node/nfs.py, NFSv4 only) and no rpcbind. On a
+# host with systemd, the packages' postinst started and enabled them: stop them for good.
+if [[ -d /run/systemd/system ]] && command -v systemctl >/dev/null; then
+  for unit in rpcbind.socket rpcbind.service nfs-ganesha.service nfs-ganesha-lock.service; do
+    if systemctl cat "$unit" >/dev/null 2>&1; then
+      systemctl disable --now "$unit" >/dev/null 2>&1 || true
+      systemctl mask "$unit" >/dev/null 2>&1 || true
+    fi
+  done
+  echo "install-system: rpcbind and Debian's nfs-ganesha service stopped and masked (the node runs its own)"
+fi
