@@ -228,3 +228,121 @@ def test_pending_pause_and_its_finish_are_one_transaction(tmp_path: Path) -> Non
         await store.close()
 
     asyncio.run(scenario())
+
+
+EVENT_TYPES = ["sandbox.lifecycle.created", "sandbox.lifecycle.paused",
+               "sandbox.lifecycle.killed", "template.build.started"]
+
+
+def _events_store(tmp_path: Path) -> tuple[Path, list[tuple[int, str, str, str]]]:
+    """A store with 3000 events of three teams, four types, forty sandboxes; (its file, every
+    event's (seq, team, type, sandbox))."""
+    path = tmp_path / "node.db"
+
+    async def fill() -> list[int]:
+        store = Store(path)
+        await store.open()
+        try:
+            return await store.add_events([
+                (1000.0 + i, EVENT_TYPES[(i * 7) % 4] if i % 97 else "sandbox.lifecycle.failed",
+                 f"team{i % 3}", f"sb{i % 40}", json.dumps({"i": i})) for i in range(3000)])
+        finally:
+            await store.close()
+
+    seqs = asyncio.run(fill())
+    rows = [(seq, f"team{i % 3}",
+             EVENT_TYPES[(i * 7) % 4] if i % 97 else "sandbox.lifecycle.failed", f"sb{i % 40}")
+            for i, seq in enumerate(seqs)]
+    return path, rows
+
+
+FILTERS: list[dict[str, object]] = [
+    {},
+    {"sandbox_id": "sb7"},
+    {"types": ["sandbox.lifecycle.failed"]},
+    {"types": ["sandbox.lifecycle.failed", "template.build.started"]},
+    {"types": ["sandbox.lifecycle.paused", "sandbox.lifecycle.killed",
+               "sandbox.lifecycle.failed"]},
+    {"sandbox_id": "sb3", "types": ["sandbox.lifecycle.killed"]},
+]
+
+
+@pytest.mark.parametrize("filters", FILTERS, ids=lambda f: "-".join(map(str, f)) or "team")
+def test_event_filters_are_answered_off_an_index(tmp_path: Path,
+                                                 filters: dict[str, object]) -> None:
+    """Every filter of `GET /events/sandboxes` is a SEARCH of an index that holds the team and
+    the filter's column (type, sandbox): SQLite reads only the matching rows, never the
+    team's every event (before migration 7 a type filter walked all of them)."""
+    from agentenv.node.store import events_sql
+
+    path, _ = _events_store(tmp_path)
+    conn = sqlite3.connect(path)
+    for ascending in (False, True):
+        sql, args = events_sql("team1", sandbox_id=filters.get("sandbox_id"),  # type: ignore
+                               types=filters.get("types", []),  # type: ignore[arg-type]
+                               exclude_prefix="template.", after=5, before=2900, offset=3,
+                               limit=10, ascending=ascending)
+        plan = [row[3] for row in conn.execute("EXPLAIN QUERY PLAN " + sql, args)]
+        reads = [p for p in plan if p.startswith(("SEARCH events", "SCAN events"))]
+        assert reads, plan
+        for read in reads:
+            assert read.startswith("SEARCH events USING INDEX"), plan
+            assert "team=?" in read, plan
+            if "sandbox_id" in filters:
+                assert "events_team_sandbox" in read and "sandbox_id=?" in read, plan
+            elif filters.get("types"):
+                assert "events_team_type" in read and "type=?" in read, plan
+        if len(set(filters.get("types", []))) > 1:  # type: ignore[arg-type]
+            assert len(reads) == len(filters["types"])  # type: ignore[arg-type]
+    conn.close()
+
+
+def test_event_filters_and_paging_answer_what_a_scan_would(tmp_path: Path) -> None:
+    """The index plans give the rows and order a plain filter of every event gives, for every
+    filter, order and page (offset, `after`, `before`): pages walked by cursor meet end to
+    end."""
+    path, rows = _events_store(tmp_path)
+
+    def naive(team: str, filters: dict[str, object], after: int, before: int | None,
+              ascending: bool) -> list[int]:
+        types = filters.get("types") or []
+        found = [seq for seq, t, kind, sb in rows
+                 if t == team and seq > after and (before is None or seq < before)
+                 and ("sandbox_id" not in filters or sb == filters["sandbox_id"])
+                 and (kind in types if types else not kind.startswith("template."))]
+        return sorted(found, reverse=not ascending)
+
+    async def check() -> None:
+        store = Store(path)
+        await store.open()
+        try:
+            for filters in FILTERS:
+                for ascending in (False, True):
+                    for after, before, offset, limit in ((0, None, 0, 100), (200, 2500, 7, 13),
+                                                         (2990, None, 0, 5), (0, 3, 0, 10)):
+                        got = await store.query_events(
+                            "team2", sandbox_id=filters.get("sandbox_id"),  # type: ignore
+                            types=filters.get("types", []),  # type: ignore[arg-type]
+                            exclude_prefix="template.", after=after, before=before,
+                            offset=offset, limit=limit, ascending=ascending)
+                        want = naive("team2", filters, after, before, ascending)
+                        assert [s for s, _ in got] == want[offset:offset + limit], filters
+                    # paging by cursor: each page starts past the last one's last seq
+                    walked: list[int] = []
+                    while True:
+                        last = walked[-1] if walked else None
+                        page = await store.query_events(
+                            "team2", sandbox_id=filters.get("sandbox_id"),  # type: ignore
+                            types=filters.get("types", []),  # type: ignore[arg-type]
+                            exclude_prefix="template.",
+                            after=last if ascending and last else 0,
+                            before=None if ascending or last is None else last,
+                            offset=0, limit=37, ascending=ascending)
+                        walked += [s for s, _ in page]
+                        if len(page) < 37:
+                            break
+                    assert walked == naive("team2", filters, 0, None, ascending), filters
+        finally:
+            await store.close()
+
+    asyncio.run(check())

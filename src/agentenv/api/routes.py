@@ -78,6 +78,8 @@ _EVENT_QUERY = [
     _query("orderAsc", {"type": "boolean"}),
     _query("types", {"type": "array", "items": {"enum": list(TYPES)}}, "repeated"),
     _query("after", {"type": "integer", "minimum": 0}, "only events with a greater seq"),
+    _query("before", {"type": "integer", "minimum": 0},
+           "only events with a smaller seq (0: no bound)"),
 ]
 
 

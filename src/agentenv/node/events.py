@@ -184,13 +184,14 @@ class EventLog:
                 log.exception("event pruning failed")
 
     async def query(self, team: str, *, sandbox_id: str | None = None,
-                    types: list[str] | None = None, after: int = 0, offset: int = 0,
-                    limit: int = 10, ascending: bool = False) -> list[Event]:
+                    types: list[str] | None = None, after: int = 0,
+                    before: int | None = None, offset: int = 0, limit: int = 10,
+                    ascending: bool = False) -> list[Event]:
         """The team's events; template build events only when `types` names them."""
         await self.flush()
         rows = await self.store.query_events(
             team, sandbox_id=sandbox_id, types=types or [], exclude_prefix=TEMPLATE_PREFIX,
-            after=after, offset=offset, limit=limit, ascending=ascending)
+            after=after, before=before, offset=offset, limit=limit, ascending=ascending)
         return [Event.from_doc(seq, doc) for seq, doc in rows]
 
     async def since(self, after: int, limit: int) -> tuple[list[Event], int]:

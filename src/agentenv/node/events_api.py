@@ -43,14 +43,17 @@ def query_int(request: Request, name: str, default: int, low: int, high: int) ->
 @dataclass(frozen=True)
 class EventQuery:
     """The filters and paging of `GET /events/sandboxes[/{id}]`: E2B's (offset, limit 1-100
-    default 10, orderAsc, repeated types), and `after` (a seq: only newer events) for a poller
-    that must not miss or repeat any. The node and the gateway parse them here."""
+    default 10, orderAsc, repeated types), and `after` / `before` (seqs: only newer / older
+    events; 0: no bound): the cursors of a poller that must not miss or repeat any, and of a
+    reader paging back from the newest (`before` = the last seq of the page read) without
+    the cost of an ever larger offset. The node and the gateway parse them here."""
 
     types: list[str]
     after: int
     offset: int
     limit: int
     ascending: bool
+    before: int = 0
 
     @classmethod
     def parse(cls, request: Request) -> EventQuery:
@@ -64,7 +67,8 @@ class EventQuery:
         return cls(types=types, after=query_int(request, "after", 0, 0, 2**62),
                    offset=query_int(request, "offset", 0, 0, 2**31),
                    limit=query_int(request, "limit", 10, 1, MAX_EVENTS_PAGE),
-                   ascending=order == "true")
+                   ascending=order == "true",
+                   before=query_int(request, "before", 0, 0, 2**62))
 
 
 class EventsApi:
@@ -88,7 +92,8 @@ class EventsApi:
         q = EventQuery.parse(request)
         found = await self.events.query(
             scope_team(request.scope), sandbox_id=request.path_params.get("sandbox_id"),
-            types=q.types, after=q.after, offset=q.offset, limit=q.limit, ascending=q.ascending)
+            types=q.types, after=q.after, before=q.before or None, offset=q.offset,
+            limit=q.limit, ascending=q.ascending)
         return JSONResponse([em.SandboxEvent(**e.to_json()).body() for e in found])
 
     async def cluster_events(self, request: Request) -> Response:

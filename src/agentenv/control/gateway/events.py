@@ -26,9 +26,12 @@ one post that event again, with the same `e2b-delivery-id` (at least once). A sl
 receiver holds only its own worker; one more than AENV_WEBHOOK_QUEUE events of its team behind
 skips to the newest ones (counted in `dropped`).
 
-Keys (prefix `aenv:events:`; the gateway's ACL, scripts/redis-acl.sh): `team:{team}` and
-`sandbox:{team}:{id}` (streams, entry fields `e` the event, `n` the team's event count),
-`seq` and `count` (hashes: team -> last seq, event count), `cursor:{node}`, `lease:{node}`,
+Keys (prefix `aenv:events:`; the gateway's ACL, scripts/redis-acl.sh): `team:{team}`,
+`sandbox:{team}:{id}` and `type:{team}:{type}` (streams, entry fields `e` the event, `n` the
+team's event count; each event is in its team's, its sandbox's and its type's, under the same
+entry id, so each filter of the list reads only what it lists), `seq` and `count` (hashes:
+team -> last seq, event count), `typed` (hash: team -> its first seq in the type streams;
+older events are only in the team's), `cursor:{node}`, `lease:{node}`,
 `hooks` (set of every webhook id), `hooks:{team}` (set), `hook:{id}` (hash: doc, cursor,
 cursor_n, queued, dropped), `hooklease:{id}`, `attempts:{id}` (stream).
 """
@@ -42,7 +45,7 @@ import logging
 import secrets
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import httpx
@@ -55,7 +58,7 @@ from agentenv.api import event_models as em
 from agentenv.api.bodies import parse_model
 from agentenv.api.errors import ApiError as NodeApiError
 from agentenv.api.errors import BadRequest, NotFound
-from agentenv.api.event_models import TEMPLATE_PREFIX
+from agentenv.api.event_models import TEMPLATE_PREFIX, TYPES
 from agentenv.api.models import iso
 from agentenv.api.routes import CLUSTER_EVENTS_PATH
 from agentenv.api.tenancy import TEAM_NAME
@@ -100,10 +103,10 @@ _REPLACE = "if redis.call('exists', KEYS[1]) == 1 then redis.call('hset', KEYS[1
 #: One script, so that creates sent at once cannot all pass the count
 _RESERVE = "if redis.call('scard', KEYS[1]) >= tonumber(ARGV[2]) then return 0 end " \
     "return redis.call('sadd', KEYS[1], ARGV[1])"
-#: append a node's batch. KEYS: lease, cursor, seq hash, count hash, then per event its team's
-#: stream and its sandbox's (or the team's again). ARGV: mark, cursor read, new cursor,
-#: retention ms, then per event team, '1' when it has a sandbox, doc. -1: lease lost; -2: the
-#: cursor moved (another collector did this batch)
+#: append a node's batch. KEYS: lease, cursor, seq hash, count hash, typed hash, then per
+#: event its team's stream, its sandbox's (or the team's again) and its type's. ARGV: mark,
+#: cursor read, new cursor, retention ms, then per event team, '1' when it has a sandbox, doc.
+#: -1: lease lost; -2: the cursor moved (another collector did this batch)
 _APPEND = """
 if redis.call('get', KEYS[1]) ~= ARGV[1] then return -1 end
 if (redis.call('get', KEYS[2]) or '0') ~= ARGV[2] then return -2 end
@@ -115,13 +118,16 @@ for i = 0, n - 1 do
   local team, has, doc = ARGV[5 + 3 * i], ARGV[6 + 3 * i], ARGV[7 + 3 * i]
   local seq = math.max(tonumber(redis.call('hget', KEYS[3], team) or '0') + 1, now * 1000)
   redis.call('hset', KEYS[3], team, string.format('%.0f', seq))
+  redis.call('hsetnx', KEYS[5], team, string.format('%.0f', seq))
   local count = redis.call('hincrby', KEYS[4], team, 1)
   local id = string.format('%.0f-%.0f', math.floor(seq / 1000), seq % 1000)
-  redis.call('xadd', KEYS[5 + 2 * i], 'MINID', '~', minid, id, 'e', doc, 'n', count)
+  redis.call('xadd', KEYS[6 + 3 * i], 'MINID', '~', minid, id, 'e', doc, 'n', count)
   if has == '1' then
-    redis.call('xadd', KEYS[6 + 2 * i], 'MINID', '~', minid, id, 'e', doc, 'n', count)
-    redis.call('pexpire', KEYS[6 + 2 * i], ARGV[4])
+    redis.call('xadd', KEYS[7 + 3 * i], 'MINID', '~', minid, id, 'e', doc, 'n', count)
+    redis.call('pexpire', KEYS[7 + 3 * i], ARGV[4])
   end
+  redis.call('xadd', KEYS[8 + 3 * i], 'MINID', '~', minid, id, 'e', doc, 'n', count)
+  redis.call('pexpire', KEYS[8 + 3 * i], ARGV[4])
 end
 redis.call('set', KEYS[2], ARGV[3])
 return n
@@ -162,6 +168,10 @@ def team_stream(team: str) -> str:
 
 def sandbox_stream(team: str, sandbox_id: str) -> str:
     return f"{K}sandbox:{team}:{sandbox_id}"
+
+
+def type_stream(team: str, kind: str) -> str:
+    return f"{K}type:{team}:{kind}"
 
 
 def _event(entry_id: str, fields: dict[str, str]) -> Event:
@@ -258,22 +268,13 @@ class ClusterEvents:
             if not events and last < cursor:
                 log.warning("a node's events start again (its store was made anew)",
                             extra={"node": node.node_id, "cursor": cursor, "last": last})
-                await self._append(keys=[lease, cursor_key, f"{K}seq", f"{K}count"],
+                await self._append(keys=[lease, cursor_key, f"{K}seq", f"{K}count",
+                                         f"{K}typed"],
                                    args=[self.mark, str(cursor), "0", self._retention_ms()])
                 continue
             if not events:
                 return moved
-            keys, args = [lease, cursor_key, f"{K}seq", f"{K}count"], [
-                self.mark, str(cursor), str(events[-1]["seq"]), self._retention_ms()]
-            for doc in events:
-                team, sandbox = doc["sandboxTeamId"], doc["sandboxId"]
-                if not TEAM_NAME.match(team):  # no team of the cluster's: nobody's to see
-                    team = "-"
-                doc = {**doc, "nodeId": node.node_id, "nodeSeq": doc["seq"]}
-                keys += [team_stream(team),
-                         sandbox_stream(team, sandbox) if sandbox else team_stream(team)]
-                args += [team, "1" if sandbox else "0", json.dumps(doc)]
-            if int(await self._append(keys=keys, args=args)) < 0:
+            if await self.append(node.node_id, cursor, events) < 0:
                 return moved  # the lease lapsed, or another collector did this batch
             moved += len(events)
             self.metrics.events_collected.inc(len(events))
@@ -281,25 +282,61 @@ class ClusterEvents:
                 return moved
         return moved
 
+    async def append(self, node_id: str, cursor: int, events: list[dict[str, Any]]) -> int:
+        """Append a page of a node's events (its `/cluster/events` JSON, read after `cursor`)
+        to their teams' streams and move the node's cursor past them, while this gateway
+        holds the node's lease and the cursor is still `cursor`; how many (< 0: neither)."""
+        lease, cursor_key = f"{K}lease:{node_id}", f"{K}cursor:{node_id}"
+        keys, args = [lease, cursor_key, f"{K}seq", f"{K}count", f"{K}typed"], [
+            self.mark, str(cursor), str(events[-1]["seq"]), self._retention_ms()]
+        for doc in events:
+            team, sandbox = doc["sandboxTeamId"], doc["sandboxId"]
+            if not TEAM_NAME.match(team):  # no team of the cluster's: nobody's to see
+                team = "-"
+            doc = {**doc, "nodeId": node_id, "nodeSeq": doc["seq"]}
+            keys += [team_stream(team),
+                     sandbox_stream(team, sandbox) if sandbox else team_stream(team),
+                     type_stream(team, doc["type"] if doc["type"] in TYPES else "-")]
+            args += [team, "1" if sandbox else "0", json.dumps(doc)]
+        return int(await self._append(keys=keys, args=args))
+
     def _retention_ms(self) -> str:
         return str(int(self.retention * 1000))
 
     # --- reading -------------------------------------------------------------------------
 
     async def query(self, team: str, sandbox_id: str | None, q: EventQuery) -> list[Event]:
-        """The team's events as the node's EventLog.query answers them."""
-        key = team_stream(team) if sandbox_id is None else sandbox_stream(team, sandbox_id)
-        bound = f"({stream_id(q.after)}" if q.after else None
-        low, high = (bound or "-", "+") if q.ascending else ("+", bound or "-")
-        skip, found = q.offset, []
-        while True:
-            if q.ascending:
-                chunk = await self.redis.xrange(key, low, high, count=STREAM_CHUNK)
+        """The team's events as the node's EventLog.query answers them, read off the stream
+        that holds just what the filter asks: a sandbox's own stream, a type's (several types:
+        their streams merged in seq order), else the team's. Only events appended before the
+        type streams existed (`typed`: the team's first seq that has them) are looked for in
+        the team's stream with a type filter."""
+        after, before = q.after, q.before or None
+        wanted = set(q.types)
+        if sandbox_id is not None:
+            parts = [([sandbox_stream(team, sandbox_id)], after, before)]
+        elif not q.types:
+            parts = [([team_stream(team)], after, before)]
+        else:
+            typed = int(await self.redis.hget(f"{K}typed", team) or 0)
+            kinds = [type_stream(team, kind) for kind in dict.fromkeys(q.types)]
+            if typed:
+                new = (kinds, max(after, typed - 1), before)
+                old = ([team_stream(team)], after, typed if before is None else min(before,
+                                                                                    typed))
+                parts = [old, new] if q.ascending else [new, old]
             else:
-                chunk = await self.redis.xrevrange(key, low, high, count=STREAM_CHUNK)
-            for entry_id, fields in chunk:
+                parts = [([team_stream(team)], after, before)]
+        skip, found = q.offset, []
+        part: tuple[list[str], int, int | None]
+        for part in parts:
+            keys, low, high = part
+            if high is not None and high <= low + 1:
+                continue
+            async for entry_id, fields in self._merged(keys, low, high, q.ascending,
+                                                       skip + q.limit - len(found)):
                 event = _event(entry_id, fields)
-                if (event.type not in q.types) if q.types else event.type.startswith(
+                if (event.type not in wanted) if wanted else event.type.startswith(
                         TEMPLATE_PREFIX):
                     continue
                 if skip:
@@ -308,9 +345,43 @@ class ClusterEvents:
                 found.append(event)
                 if len(found) == q.limit:
                     return found
-            if len(chunk) < STREAM_CHUNK:
-                return found
-            low = f"({chunk[-1][0]}"  # XRANGE's min, XREVRANGE's max: past what was read
+        return found
+
+    async def _merged(self, keys: list[str], low: int, high: int | None, ascending: bool,
+                      want: int) -> AsyncIterator[tuple[str, dict[str, str]]]:
+        """The entries of the streams `keys` with low < seq < high (None: no bound), merged
+        in seq order (descending unless `ascending`), read STREAM_CHUNK at a time (`want`
+        at first, if fewer: no stream gives more than that to a page of `want`)."""
+        bound_low = f"({stream_id(low)}" if low else "-"
+        bound_high = f"({stream_id(high)}" if high else "+"
+        heads: dict[str, list[tuple[str, dict[str, str]]]] = {}
+        marks: dict[str, str] = {}  # where each stream's next chunk starts (exclusive)
+        done: set[str] = set()
+
+        async def refill(key: str) -> None:
+            count = STREAM_CHUNK if key in marks else max(min(STREAM_CHUNK, want), 1)
+            if ascending:
+                chunk = await self.redis.xrange(key, marks.get(key, bound_low), bound_high,
+                                                count=count)
+            else:
+                chunk = await self.redis.xrevrange(key, marks.get(key, bound_high), bound_low,
+                                                   count=count)
+            heads[key] = list(chunk)
+            if len(chunk) < count:
+                done.add(key)
+            if chunk:
+                marks[key] = f"({chunk[-1][0]}"
+
+        for key in keys:
+            await refill(key)
+        while True:
+            live = [k for k in keys if heads[k]]
+            if not live:
+                return
+            pick = (min if ascending else max)(live, key=lambda k: seq_of(heads[k][0][0]))
+            yield heads[pick].pop(0)
+            if not heads[pick] and pick not in done:
+                await refill(pick)
 
     # --- routes --------------------------------------------------------------------------
 
