@@ -10,6 +10,9 @@ N sandboxes (create, then kill) through the gateway that runs; the lag is measur
 - create_p50_ms, kill_p50_ms with the collector on; baseline: the same with it off (issue 28:
   no more than 5% worse);
 - collect_lag_p50_ms: from a create's answer to its event listed by the gateway;
+- delivery_lag_p50_ms: from a create's answer to its event's arrival at a webhook receiver
+  that answers at once (the events are pushed: the node answers the collector's long poll, the
+  collector wakes the team's webhook worker; neither waits for AENV_GATEWAY_EVENTS_POLL);
 - collect_per_s: events moved per second from a node holding a backlog (BACKLOG timeout
   updates made straight at the node while no collector ran); baseline: the node's own rate of
   answering those pages (GET /cluster/events, the same page size).
@@ -74,7 +77,7 @@ def main() -> None:
                              Path(tmp) / "gateway-off.log",
                              env={**cluster.redis.env("gateway"),
                                   "AENV_EVENTS_RETENTION_DAYS": "0"})
-        stuck = Receiver()
+        stuck, prompt = Receiver(), Receiver()
         stuck.hold.clear()
         try:
             cluster.start()
@@ -105,8 +108,21 @@ def main() -> None:
                             began = time.perf_counter()
                             client.delete(f"/sandboxes/{sid}").raise_for_status()
                             times[mode]["kill"].append(time.perf_counter() - began)
-            # the lag apart: its polling is load the timed rounds should not carry
+            # the lags apart: their polling is load the timed rounds should not carry
+            deliveries: list[float] = []
             with httpx.Client(base_url=cluster.url, headers=headers, timeout=120) as client:
+                client.post("/events/webhooks", json={
+                    "url": prompt.url, "signatureSecret": "s",
+                    "events": ["sandbox.lifecycle.created"]}).raise_for_status()
+                for _ in range(per_round):
+                    made = client.post("/v2/sandboxes", json={"templateID": "base"})
+                    made.raise_for_status()
+                    answered = time.perf_counter()
+                    sid = made.json()["sandboxID"]
+                    wait(lambda: sid in {json.loads(b)["sandboxId"]  # noqa: B023
+                                         for _, b in prompt.requests})
+                    deliveries.append(time.perf_counter() - answered)
+                    client.delete(f"/sandboxes/{sid}").raise_for_status()
                 for _ in range(per_round):
                     made = client.post("/v2/sandboxes", json={"templateID": "base"})
                     made.raise_for_status()
@@ -126,6 +142,9 @@ def main() -> None:
                      rounds_off=medians["off"])
             emit("collect_lag_p50_ms", statistics.median(lags) * 1000, "ms",
                  "poll interval", 1000.0, samples=len(lags))
+            emit("delivery_lag_p50_ms", statistics.median(deliveries) * 1000, "ms",
+                 "poll interval", 1000.0, samples=len(deliveries),
+                 max_ms=round(max(deliveries) * 1000))
 
             # a backlog at node0 made while no collector runs, then moved
             cluster.gateway.stop()
@@ -162,6 +181,7 @@ def main() -> None:
                      "node pages alone", node_rate, backlog=moved)
         finally:
             stuck.close()
+            prompt.close()
             off.stop()
             cluster.stop()
 

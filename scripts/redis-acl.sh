@@ -29,5 +29,7 @@ echo "user default off resetkeys resetchannels -@all"
 gateway_keys="~aenv:teams ~aenv:team:* ~aenv:apikey:* ~aenv:own:* ~aenv:name:* ~aenv:idem:*"
 gateway_keys+=" ~aenv:idem-node:* ~aenv:buildnodes:* ~aenv:volumehome:* ~aenv:quota:* ~aenv:events:*"
 gateway_keys+=" ~aenv:spill:*"
-echo "user gateway on #$gateway $gateway_keys resetchannels +@all -@dangerous"
+# One channel: the gateways wake each other's webhook workers when events arrive
+# (control/gateway/events.py WAKE_CHANNEL)
+echo "user gateway on #$gateway $gateway_keys resetchannels &aenv:events:wake +@all -@dangerous"
 echo "user scheduler on #$scheduler ~$prefix* resetchannels +@all -@dangerous"

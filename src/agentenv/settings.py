@@ -370,9 +370,11 @@ class Settings(BaseSettings):
                                    "(0.1-3600; 408 after).", "seconds")
     gateway_create_lease: str = _s("", "gateway", "Lease of a create's idempotency key "
                                    "(1-300).", "seconds")
-    gateway_events_poll: str = _s("1", "gateway", "Event polling of the nodes (0.05-60).",
+    gateway_events_poll: str = _s("1", "gateway", "Look of an idle webhook worker no wake "
+                                  "reached; lease renewals at most this far apart (0.05-60).",
                                   "seconds")
-    gateway_events_lease: str = _s("15", "gateway", "Lease of a webhook worker (1-300).",
+    gateway_events_lease: str = _s("15", "gateway", "Lease of a node's event collector and of a "
+                                   "webhook worker (1-300).",
                                    "seconds")
     team_max_concurrent_requests: str = _s("", "gateway", "One team's requests in progress "
                                            "(default a quarter of the cap; 0: no share).",

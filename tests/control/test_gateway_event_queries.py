@@ -1,15 +1,18 @@
 """The cluster's event store (control/gateway/events.py) on a real Debian redis-server: each
 filter of `GET /events/sandboxes` reads the stream that holds just what it lists (a type's, a
 sandbox's), pages by offset and by cursor as a plain filter of every event would, and events
-stored before the type streams existed are still found."""
+stored before the type streams existed are still found; one gateway's wake reaches another's
+webhook workers through Redis."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 import uuid
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -20,7 +23,7 @@ from agentenv.control.gateway.events import ClusterEvents, team_stream
 from agentenv.control.gateway.metrics import GatewayMetrics
 from agentenv.node.events import Event
 from agentenv.node.events_api import EventQuery
-from tests.control.conftest import RedisServer
+from tests.control.conftest import AclRedis, RedisServer
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -198,3 +201,53 @@ async def _events_stored_before_the_type_streams_are_still_found(events: Cluster
     every = await events.query(team, None, q(types=[FAILED], ascending=True))
     assert len(every) == len(want)
     assert every[len(old_failed) - 1].seq < every[len(old_failed)].seq
+
+
+def test_one_gateways_announcement_wakes_anothers_workers(tmp_path: Path) -> None:
+    """Two gateways on a Redis with cluster-up's ACL (the gateway's user may use the wake
+    channel, scripts/redis-acl.sh): the one that appended a team's events wakes the other's
+    idle workers of that team, and only those, within moments (its poll is 60 s)."""
+    server = AclRedis(tmp_path)
+    server.start()
+
+    async def main() -> None:
+        clients = [aioredis.Redis.from_url(server.url, decode_responses=True,
+                                           **server.auth("gateway").connect_kwargs())
+                   for _ in range(2)]
+
+        async def no_nodes() -> list[Any]:
+            return []
+
+        async with httpx.AsyncClient() as http:
+            one, other = (ClusterEvents(c, no_nodes, http, lambda node: [],
+                                        lambda request: asyncio.sleep(0, b""), GatewayMetrics())
+                          for c in clients)
+            assert other.poll == 60
+            listening = asyncio.create_task(other._listen_forever())
+            try:
+                mine, theirs = other._signal("alpha"), other._signal("beta")
+                # subscribed: the listener wakes everything once as it (re)subscribes
+                await asyncio.wait_for(mine.wait(), 10)
+                mine, theirs = other._signal("alpha"), other._signal("beta")
+                assert not mine.is_set()
+                began = time.monotonic()
+                await one._announce(["alpha"])
+                await asyncio.wait_for(mine.wait(), 10)
+                assert time.monotonic() - began < 10 and not theirs.is_set()
+                hooks = other._hooks_changed
+                hooks.clear()
+                await one._announce(hooks=True)
+                await asyncio.wait_for(hooks.wait(), 10)
+            finally:
+                listening.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await listening
+                for client in clients:
+                    await client.aclose()
+
+    try:
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setenv("AENV_GATEWAY_EVENTS_POLL", "60")
+            asyncio.run(main())
+    finally:
+        server.stop()

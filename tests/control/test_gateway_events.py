@@ -8,6 +8,7 @@ import base64
 import hashlib
 import hmac
 import json
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -22,7 +23,10 @@ from tests.node.test_events import Receiver
 pytestmark = pytest.mark.timeout(300)
 
 SECRET = "hook-secret-for-tests"
-GATEWAY_ENV = {"AENV_WEBHOOK_ALLOW_PRIVATE": "1", "AENV_GATEWAY_EVENTS_POLL": "0.2",
+# the poll is the longest there is: events reach the lists and the webhooks because they are
+# pushed (the collector's long poll of each node, the wakes of the webhook workers), never by
+# a poll's round coming up
+GATEWAY_ENV = {"AENV_WEBHOOK_ALLOW_PRIVATE": "1", "AENV_GATEWAY_EVENTS_POLL": "60",
                "AENV_GATEWAY_EVENTS_LEASE": "3", "AENV_WEBHOOK_BACKOFF": "0.2",
                "AENV_WEBHOOK_ATTEMPTS": "2", "AENV_WEBHOOK_TIMEOUT": "3",
                "AENV_WEBHOOK_QUEUE": "10"}
@@ -220,6 +224,35 @@ def test_webhooks_signed_from_both_nodes_and_a_dead_receiver_delays_nothing(
     finally:
         for receiver in (good, stuck, other):
             receiver.close()
+
+
+def test_each_event_reaches_the_list_and_the_webhook_without_waiting_for_a_poll(
+        cluster: LocalCluster) -> None:
+    """The gateway polls every 60 s (GATEWAY_ENV) and each event still arrives within a few
+    seconds, one after the other: the node answers the collector's long poll when it stores
+    the event, the collector wakes the team's webhook worker (here or at another gateway,
+    through Redis), and a webhook made now is taken up now. Before, an event waited for the
+    collector's next round and the idle worker's next look, each one poll apart."""
+    receiver = Receiver()
+    bound = 15.0  # generous; a poll is 60
+    try:
+        with api(cluster, "alpha") as alpha:
+            made = alpha.post("/events/webhooks", json={
+                "url": receiver.url, "events": ["sandbox.lifecycle.created"],
+                "signatureSecret": SECRET})
+            assert made.status_code == 201, made.text
+            for _ in range(3):
+                began = time.monotonic()
+                sid = create(alpha)
+                wait_for("the create's event in the list", lambda sid=sid: alpha.get(
+                    f"/events/sandboxes/{sid}").json(), bound, 0.05)
+                wait_for("the create's delivery", lambda sid=sid: sid in {
+                    json.loads(b)["sandboxId"] for _, b in receiver.requests}, bound, 0.05)
+                assert time.monotonic() - began < bound
+                assert alpha.delete(f"/sandboxes/{sid}").status_code == 204
+            assert alpha.delete(f"/events/webhooks/{made.json()['id']}").status_code == 200
+    finally:
+        receiver.close()
 
 
 def test_a_gateway_killed_loses_and_repeats_no_event(cluster: LocalCluster) -> None:

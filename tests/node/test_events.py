@@ -364,3 +364,41 @@ def test_ipv6_forms_of_private_addresses_are_refused_too(url: str) -> None:
     guard (registry/client.py address_problem) now judges both."""
     with pytest.raises(BadRequest, match="non-public"):
         check_destination(url, allow_private=False)
+
+
+def test_the_collectors_long_poll_answers_as_soon_as_an_event_is_stored(tmp_path: Path) -> None:
+    """`/cluster/events?wait=` (the gateway's collector, control/gateway/events.py): with no
+    event after `after` it waits, and answers with the next event once the node stores it,
+    long before the wait is over; with none it answers empty when the wait is over."""
+    secret = "node-key-for-tests"
+    app = build_app(ServeOptions(state_dir=tmp_path / "state", backend="process",
+                                 node_key=secret))
+    collector = {NODE_KEY_HEADER.decode(): secret}
+    with TestClient(app) as client:
+        last = client.get("/cluster/events", headers=collector).json()["last"]
+        began = time.monotonic()
+        empty = client.get("/cluster/events", params={"after": last, "wait": 1},
+                           headers=collector)
+        assert empty.status_code == 200 and empty.json()["events"] == []
+        assert time.monotonic() - began >= 0.9  # it waited
+        answer: dict[str, Any] = {}
+
+        def poll() -> None:
+            began = time.monotonic()
+            got = client.get("/cluster/events", params={"after": last, "wait": 30},
+                             headers=collector)
+            answer.update(got.json(), took=time.monotonic() - began)
+
+        waiting = threading.Thread(target=poll)
+        waiting.start()
+        time.sleep(0.5)  # the poll is waiting (if it answered already, it answered nothing)
+        created = client.post("/v2/sandboxes", json={"templateID": "base"}, headers={
+            **collector, TEAM_HEADER.decode(): "team-a"})
+        assert created.status_code == 201, created.text
+        waiting.join(40)
+        assert [e["sandboxId"] for e in answer["events"]] == [created.json()["sandboxID"]]
+        assert answer["took"] < 20  # the event answered it, not the end of the wait
+        assert client.get("/cluster/events", params={"wait": 31},
+                          headers=collector).status_code == 400
+        client.delete(f"/sandboxes/{created.json()['sandboxID']}", headers={
+            **collector, TEAM_HEADER.decode(): "team-a"})

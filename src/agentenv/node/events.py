@@ -109,6 +109,8 @@ class EventLog:
         self._idle.set()
         self._writer: asyncio.Task[None] | None = None
         self._pruner: asyncio.Task[None] | None = None
+        #: set (and replaced) each time events are stored: what a long poll (`since`) waits on
+        self._stored = asyncio.Event()
 
     def record(self, event: Event) -> None:
         """Queue `event` for storing; returns at once (lifecycle code calls this inline)."""
@@ -142,6 +144,7 @@ class EventLog:
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
         self._writer = None
+        self._stored.set()  # a long poll answers now
         for sink in self.sinks:
             await sink.stop()
 
@@ -167,6 +170,8 @@ class EventLog:
             self.dropped += len(batch)
             log.exception("events not stored", extra={"count": len(batch)})
             return
+        stored, self._stored = self._stored, asyncio.Event()
+        stored.set()
         for event, seq in zip(batch, seqs, strict=True):
             event.seq = seq
             for sink in self.sinks:
@@ -194,8 +199,16 @@ class EventLog:
             after=after, before=before, offset=offset, limit=limit, ascending=ascending)
         return [Event.from_doc(seq, doc) for seq, doc in rows]
 
-    async def since(self, after: int, limit: int) -> tuple[list[Event], int]:
+    async def since(self, after: int, limit: int, wait: float = 0) -> tuple[list[Event], int]:
         """Every team's stored events after seq `after`, in seq order, and the last seq this
-        node's store ever gave (below `after`: the store was made anew)."""
+        node's store ever gave (below `after`: the store was made anew). With `wait`, a long
+        poll: when there are none yet, the answer waits up to `wait` seconds for the next
+        stored batch (the gateway's collector learns of an event as it is stored, and asks
+        nothing while there is none)."""
+        stored = self._stored  # taken before reading: a batch stored meanwhile sets it
         rows, last = await self.store.events_after(after, limit)
+        if not rows and wait > 0 and last >= after and self._writer is not None:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(stored.wait(), wait)
+            rows, last = await self.store.events_after(after, limit)
         return [Event.from_doc(seq, doc) for seq, doc in rows], last

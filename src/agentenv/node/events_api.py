@@ -25,6 +25,8 @@ from agentenv.node.webhooks import Webhook, Webhooks
 MAX_EVENTS_PAGE = 100
 MAX_ATTEMPTS_PAGE = 1000
 MAX_CLUSTER_PAGE = 1000
+#: seconds a long poll of `/cluster/events` may wait for the node's next event
+MAX_CLUSTER_WAIT = 30
 
 
 def query_int(request: Request, name: str, default: int, low: int, high: int) -> int:
@@ -98,16 +100,18 @@ class EventsApi:
 
     async def cluster_events(self, request: Request) -> Response:
         """Every team's events after `after`, oldest first, and `last`, the last seq the
-        node's store ever gave: for the gateway's collector (control/gateway/events.py). A
-        team-less route that only the node key opens (node/api.py); a standalone node has no
-        gateway, and no such route."""
+        node's store ever gave: for the gateway's collector (control/gateway/events.py);
+        `wait=<s>` (0-30) makes it a long poll that answers as soon as an event is stored
+        (EventLog.since). A team-less route that only the node key opens (node/api.py); a
+        standalone node has no gateway, and no such route."""
         if not self.cluster or scope_team(request.scope) != LOCAL_TEAM:
             # a request that names a team is some team's: never every team's events (a relay
             # of the gateway that passed this path on with a team's header would open them)
             raise NotFound(f"route not found: GET {CLUSTER_EVENTS_PATH}")
         found, last = await self.events.since(
             query_int(request, "after", 0, 0, 2**62),
-            query_int(request, "limit", 100, 1, MAX_CLUSTER_PAGE))
+            query_int(request, "limit", 100, 1, MAX_CLUSTER_PAGE),
+            query_int(request, "wait", 0, 0, MAX_CLUSTER_WAIT))
         return JSONResponse({"events": [{**e.to_json(), "ts": e.timestamp} for e in found],
                              "last": last})
 

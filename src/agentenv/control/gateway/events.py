@@ -3,7 +3,8 @@
 Nodes hold no Redis credential, so the gateways collect: each gateway runs a collector that,
 for every node that is up, takes the node's lease in Redis (one collector per node at a time,
 whatever the number of gateways), asks the node for every team's events after the node's
-cursor (`GET /cluster/events?after=`, node/events_api.py, with the node's key and no team) and
+cursor (`GET /cluster/events?after=&wait=`, node/events_api.py, with the node's key and no
+team; a long poll) and
 appends them to the streams of their teams. One Lua script checks the lease and that the cursor
 is still the one read, appends and advances the cursor: a batch is in Redis once, with its
 cursor, or not at all, so a gateway killed at any point (or two gateways racing for a node)
@@ -16,11 +17,19 @@ trims by: XADD MINID), and stays below 2**53 (exact in JSON for JavaScript) unti
 `GET /events/sandboxes[/{id}]` answers from these streams the node's JSON, filters and paging
 (EventQuery: `after` is this seq), for the caller's team only.
 
+Events are pushed, not polled: the collector's request is a long poll (`wait=`) that the node
+answers as soon as it stores an event, and the collector that appended a batch wakes the
+workers of its teams' webhooks, its own at once and the other gateways' through a Redis
+PUBLISH (WAKE_CHANNEL) that each gateway listens to. AENV_GATEWAY_EVENTS_POLL is only the
+fallback of a worker that no wake reached, and (with a third of the lease, whichever is less)
+how often the leases are renewed and the node list and webhook set read again.
+
 Webhooks (`/events/webhooks`) are a team's, in Redis; the gateways deliver them (a node of a
 cluster registers none: node/events_api.py). Each gateway's supervisor takes the lease of each
-webhook it can and runs a worker per webhook held, which reads the team's stream after the
-webhook's cursor and posts each wanted event with the node's signing and retries
-(node/webhooks.py `deliver`), logging every attempt (`/events/webhooks/{id}/deliveries`). A
+webhook it can (at once for a webhook just made: it is announced on the channel too) and runs
+a worker per webhook held, which reads the team's stream after the webhook's cursor and posts
+each wanted event with the node's signing and retries (node/webhooks.py `deliver`), logging
+every attempt (`/events/webhooks/{id}/deliveries`), then waits for its team's next wake. A
 worker's cursor advances after each event, so a gateway that dies mid-delivery makes the next
 one post that event again, with the same `e2b-delivery-id` (at least once). A slow or dead
 receiver holds only its own worker; one more than AENV_WEBHOOK_QUEUE events of its team behind
@@ -33,7 +42,7 @@ entry id, so each filter of the list reads only what it lists), `seq` and `count
 team -> last seq, event count), `typed` (hash: team -> its first seq in the type streams;
 older events are only in the team's), `cursor:{node}`, `lease:{node}`,
 `hooks` (set of every webhook id), `hooks:{team}` (set), `hook:{id}` (hash: doc, cursor,
-cursor_n, queued, dropped), `hooklease:{id}`, `attempts:{id}` (stream).
+cursor_n, queued, dropped), `hooklease:{id}`, `attempts:{id}` (stream); the channel `wake`.
 """
 
 from __future__ import annotations
@@ -45,7 +54,7 @@ import logging
 import secrets
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from typing import Any
 
 import httpx
@@ -67,7 +76,12 @@ from agentenv.control.gateway.placement import Node
 from agentenv.control.gateway.store import StoreUnavailable
 from agentenv.errors import AgentEnvError
 from agentenv.node.events import Event, retention_from_env
-from agentenv.node.events_api import MAX_ATTEMPTS_PAGE, EventQuery, query_int
+from agentenv.node.events_api import (
+    MAX_ATTEMPTS_PAGE,
+    MAX_CLUSTER_WAIT,
+    EventQuery,
+    query_int,
+)
 from agentenv.node.webhooks import (
     MAX_WEBHOOKS_PER_TEAM,
     DeliveryPolicy,
@@ -82,6 +96,8 @@ log = logging.getLogger("agentenv.control.gateway.events")
 K = "aenv:events:"
 POLL_ENV = "AENV_GATEWAY_EVENTS_POLL"
 LEASE_ENV = "AENV_GATEWAY_EVENTS_LEASE"
+#: a PUBLISH channel: {"teams": [...], "hooks": bool}, teams with new events, webhooks changed
+WAKE_CHANNEL = f"{K}wake"
 #: events asked of a node at once, and pages of one node per round
 NODE_PAGE = 500
 NODE_PAGES_PER_ROUND = 20
@@ -204,9 +220,18 @@ class ClusterEvents:
         self._advance = redis.register_script(_ADVANCE)
         self._replace = redis.register_script(_REPLACE)
         self._reserve = redis.register_script(_RESERVE)
+        #: how often leases are renewed (and the node list and webhook set read again)
+        self.renew = min(self.poll, self.lease / 3)
+        #: how long a long poll of a node's events waits for its next event
+        self.wait = max(1, min(int(self.lease / 3), MAX_CLUSTER_WAIT))
         self._held: set[str] = set()  # lease keys this gateway holds
         self._workers: dict[str, asyncio.Task[None]] = {}
         self._tasks: list[asyncio.Task[None]] = []
+        self._nodes: dict[str, Node] = {}  # the up nodes, by id, each with a collecting task
+        self._collectors: dict[str, asyncio.Task[None]] = {}
+        #: per team, what its idle webhook workers here wait on (wake() sets and drops it)
+        self._signals: dict[str, asyncio.Event] = {}
+        self._hooks_changed = asyncio.Event()
 
     # --- life ----------------------------------------------------------------------------
 
@@ -214,14 +239,15 @@ class ClusterEvents:
         if not self.retention:  # AENV_EVENTS_RETENTION_DAYS=0: none kept, none delivered
             return
         self._tasks = [asyncio.create_task(self._collect_forever(), name="events-collector"),
-                       asyncio.create_task(self._supervise_forever(), name="webhooks")]
+                       asyncio.create_task(self._supervise_forever(), name="webhooks"),
+                       asyncio.create_task(self._listen_forever(), name="events-wakes")]
 
     async def stop(self) -> None:
-        for task in [*self._tasks, *self._workers.values()]:
+        for task in [*self._tasks, *self._workers.values(), *self._collectors.values()]:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
-        self._tasks, self._workers = [], {}
+        self._tasks, self._workers, self._collectors = [], {}, {}
         # another gateway takes over at once, not after the lease lapses (a Redis that does
         # not answer does not hold the gateway's exit: the leases lapse then)
         with contextlib.suppress(Exception):
@@ -235,33 +261,122 @@ class ClusterEvents:
         (self._held.add if held else self._held.discard)(key)
         return held
 
+    # --- wakes ---------------------------------------------------------------------------
+
+    def _signal(self, team: str) -> asyncio.Event:
+        """What a worker of `team`'s webhooks waits on once it found nothing to post; taken
+        before it reads, so an event appended meanwhile is not slept through."""
+        signal = self._signals.get(team)
+        if signal is None:
+            signal = self._signals[team] = asyncio.Event()
+        return signal
+
+    def _wake(self, teams: list[str]) -> None:
+        for team in teams:
+            signal = self._signals.pop(team, None)
+            if signal is not None:
+                signal.set()
+
+    async def _announce(self, teams: Iterable[str] = (), hooks: bool = False) -> None:
+        """Tell this gateway's workers and every other gateway's (Redis PUBLISH) that
+        `teams` have new events, or that the webhooks changed (`hooks`). Best effort: a wake
+        that is lost costs one `AENV_GATEWAY_EVENTS_POLL`, the workers' fallback."""
+        self._wake(list(teams))
+        if hooks:
+            self._hooks_changed.set()
+        with contextlib.suppress(redis.exceptions.RedisError, OSError):
+            await self.redis.publish(WAKE_CHANNEL, json.dumps({"teams": sorted(teams),
+                                                               "hooks": hooks}))
+
+    async def _listen_forever(self) -> None:
+        """Wake this gateway's workers on the other gateways' announcements."""
+        while True:
+            pubsub = self.redis.pubsub(ignore_subscribe_messages=True)
+            try:
+                await pubsub.subscribe(WAKE_CHANNEL)
+                # whatever was announced while not subscribed: look now
+                self._wake(list(self._signals))
+                self._hooks_changed.set()
+                while True:
+                    message = await pubsub.get_message(timeout=5.0)
+                    if message is None or message.get("type") != "message":
+                        continue
+                    try:
+                        said = json.loads(message["data"])
+                        teams = [t for t in said.get("teams", []) if isinstance(t, str)]
+                    except (ValueError, TypeError, AttributeError):
+                        continue
+                    self._wake(teams)
+                    if said.get("hooks"):
+                        self._hooks_changed.set()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                # (a Redis whose ACL predates the channel: NOPERM, scripts/redis-acl.sh)
+                log.warning("event wakes of other gateways not heard (their teams' workers "
+                            "here look each AENV_GATEWAY_EVENTS_POLL s meanwhile): %s", exc)
+                await asyncio.sleep(max(self.renew, 10))
+            finally:
+                with contextlib.suppress(Exception):
+                    await pubsub.aclose()
+
     # --- the collector -------------------------------------------------------------------
 
     async def _collect_forever(self) -> None:
-        while True:
-            try:
-                nodes = [n for n in await self.nodes() if n.up]
-                done = await asyncio.gather(*(self.collect(n) for n in nodes),
-                                            return_exceptions=True)
-                for node, result in zip(nodes, done, strict=True):
-                    if isinstance(result, Exception):
-                        log.info("events not collected from a node",
-                                 extra={"node": node.node_id, "error": str(result)})
-            except Exception as exc:
-                log.warning("event collection failed: %s", exc)
-            await asyncio.sleep(self.poll)
+        """One collecting task per node that is up (`_collect_node`); the node list is read
+        again each `renew` seconds."""
+        try:
+            while True:
+                try:
+                    self._nodes = {n.node_id: n for n in await self.nodes() if n.up}
+                    for node_id in set(self._collectors) - set(self._nodes):
+                        self._collectors.pop(node_id).cancel()
+                    for node_id in self._nodes:
+                        task = self._collectors.get(node_id)
+                        if task is None or task.done():
+                            self._collectors[node_id] = asyncio.create_task(
+                                self._collect_node(node_id), name=f"events:{node_id}")
+                except Exception as exc:
+                    log.warning("event collection failed: %s", exc)
+                await asyncio.sleep(self.renew)
+        finally:
+            for task in self._collectors.values():
+                task.cancel()
 
-    async def collect(self, node: Node) -> int:
-        """Move `node`'s new events into Redis, if this gateway holds its lease; how many."""
+    async def _collect_node(self, node_id: str) -> None:
+        """Collect a node's events for as long as it is up: a long poll (`wait`) that the node
+        answers as soon as it stores an event, so an event is in Redis, and its team's workers
+        woken, a moment after the node recorded it. Without the node's lease (another gateway
+        collects it) the lease is tried again each `renew` seconds."""
+        while node_id in self._nodes:
+            node = self._nodes[node_id]
+            began = time.monotonic()
+            try:
+                moved = await self.collect(node, wait=self.wait)
+            except Exception as exc:
+                log.info("events not collected from a node",
+                         extra={"node": node_id, "error": str(exc)})
+                await asyncio.sleep(self.renew)
+                continue
+            if f"{K}lease:{node_id}" not in self._held:
+                await asyncio.sleep(self.renew)
+            elif not moved and time.monotonic() - began < self.wait / 2:
+                await asyncio.sleep(self.poll)  # a node that does not wait (an older one)
+
+    async def collect(self, node: Node, wait: float = 0) -> int:
+        """Move `node`'s new events into Redis, if this gateway holds its lease; how many.
+        `wait`: when it has none, the node answers once it has (or after `wait` s)."""
         lease, cursor_key = f"{K}lease:{node.node_id}", f"{K}cursor:{node.node_id}"
         if not await self._leased(lease):
             return 0
         moved = 0
         for _ in range(NODE_PAGES_PER_ROUND):
             cursor = int(await self.redis.get(cursor_key) or 0)
-            answer = await self.http.get(node.url + CLUSTER_EVENTS_PATH, timeout=30,
-                                         params={"after": cursor, "limit": NODE_PAGE},
+            answer = await self.http.get(node.url + CLUSTER_EVENTS_PATH, timeout=30 + wait,
+                                         params={"after": cursor, "limit": NODE_PAGE,
+                                                 "wait": int(wait)},
                                          headers=self.node_headers(node))
+            wait = 0  # the next pages are there already
             answer.raise_for_status()
             page = answer.json()
             events, last = page["events"], int(page["last"])
@@ -276,6 +391,7 @@ class ClusterEvents:
                 return moved
             if await self.append(node.node_id, cursor, events) < 0:
                 return moved  # the lease lapsed, or another collector did this batch
+            await self._announce(list({e["sandboxTeamId"] for e in events}))
             moved += len(events)
             self.metrics.events_collected.inc(len(events))
             if len(events) < NODE_PAGE:
@@ -488,6 +604,7 @@ class ClusterEvents:
                 with contextlib.suppress(Exception):  # its place goes back
                     await self.redis.srem(team_set, hook["id"])
                 raise
+            await self._announce(hooks=True)  # a gateway takes it up now
             return 201, self._public({**hook, "queued": 0, "dropped": 0})
 
         await self._answer(send, work())
@@ -521,6 +638,7 @@ class ClusterEvents:
                                         "secret", "created_at")}
             if not await self._replace(keys=[f"{K}hook:{webhook_id}"], args=[json.dumps(doc)]):
                 raise NotFound(f"webhook {webhook_id!r} not found")
+            await self._announce([team])  # re-enabled: its worker looks now
             return 200, self._public(hook)
 
         await self._answer(send, work())
@@ -535,6 +653,7 @@ class ClusterEvents:
             pipe.srem(f"{K}hooks:{team}", webhook_id)
             pipe.srem(f"{K}hooks", webhook_id)
             await pipe.execute()
+            await self._announce(hooks=True)
             return 200, None
 
         await self._answer(send, work())
@@ -555,6 +674,7 @@ class ClusterEvents:
     async def _supervise_forever(self) -> None:
         """Hold the lease of every webhook this gateway can, and a worker for each held."""
         while True:
+            self._hooks_changed.clear()
             try:
                 ids = sorted(await self.redis.smembers(f"{K}hooks"))
                 for webhook_id in set(self._workers) - set(ids):  # deleted
@@ -575,7 +695,11 @@ class ClusterEvents:
                         self._stop_worker(webhook_id)
             except Exception as exc:
                 log.warning("webhook supervision failed: %s", exc)
-            await asyncio.sleep(self.poll)
+            # the leases are renewed each `renew` s; a webhook made or deleted anywhere
+            # announces itself (`_announce`) and is taken up (or its worker stopped) at once
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._hooks_changed.wait(), self.renew)
+            self._hooks_changed.clear()
 
     def _stop_worker(self, webhook_id: str) -> None:
         worker = self._workers.pop(webhook_id, None)
@@ -583,18 +707,27 @@ class ClusterEvents:
             worker.cancel()
 
     async def _deliver_forever(self, webhook_id: str) -> None:
+        """Post the webhook's events as they come: after a batch, look again at once; with
+        none left, wait for the team's next event (`_announce`: the collector that appended
+        it, here or at another gateway), or `AENV_GATEWAY_EVENTS_POLL` s if no wake comes."""
+        team = await self.redis.hget(f"{K}hook:{webhook_id}", "team")
+        if team is None:
+            return  # deleted meanwhile
         async with httpx.AsyncClient(timeout=self.policy.timeout, trust_env=False,
                                      follow_redirects=False) as client:
             while True:
+                signal = self._signal(team)
                 try:
-                    if not await self._deliver_batch(client, webhook_id):
-                        await asyncio.sleep(self.poll)
+                    more = await self._deliver_batch(client, webhook_id)
                 except asyncio.CancelledError:
                     raise
                 except Exception as exc:
                     log.warning("webhook delivery failed: %s", exc,
                                 extra={"webhook_id": webhook_id})
-                    await asyncio.sleep(self.poll)
+                    more = False
+                if not more:
+                    with contextlib.suppress(asyncio.TimeoutError):
+                        await asyncio.wait_for(signal.wait(), self.poll)
 
     async def _deliver_batch(self, client: httpx.AsyncClient, webhook_id: str) -> bool:
         """Post the next events after the webhook's cursor; False when there were none (or
