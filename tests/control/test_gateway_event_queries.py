@@ -24,6 +24,7 @@ from agentenv.control.gateway.metrics import GatewayMetrics
 from agentenv.node.events import Event
 from agentenv.node.events_api import EventQuery
 from tests.control.conftest import AclRedis, RedisServer
+from tests.node.test_events import Receiver
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -251,3 +252,38 @@ def test_one_gateways_announcement_wakes_anothers_workers(tmp_path: Path) -> Non
             asyncio.run(main())
     finally:
         server.stop()
+
+
+def test_a_webhook_of_a_rare_type_reads_only_that_types_events(
+        redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A webhook's worker reads the streams of the types it wants: a webhook of `failed`
+    events posts the team's 19 among 2000 (to a real receiver) having read about those 19
+    entries, where it walked all 2000 before."""
+    monkeypatch.setenv("AENV_WEBHOOK_ALLOW_PRIVATE", "1")
+    monkeypatch.setenv("AENV_WEBHOOK_QUEUE", "5000")  # not behind: nothing skipped
+    receiver = Receiver()
+
+    async def body(events: ClusterEvents, counting: Counting) -> None:
+        team, hook_id = f"t{uuid.uuid4().hex[:8]}", str(uuid.uuid4())
+        await fill(events, team, 10)  # the team's streams exist before the webhook
+        seq = int(await events.redis.hget("aenv:events:seq", team))
+        await events.redis.hset(f"aenv:events:hook:{hook_id}", mapping={
+            "team": team, "cursor": seq, "cursor_n": 10, "queued": 0, "dropped": 0,
+            "doc": json.dumps({"id": hook_id, "team": team, "name": "", "url": receiver.url,
+                               "events": [FAILED], "enabled": True, "secret": "s",
+                               "created_at": time.time()})})
+        assert await events._leased(f"aenv:events:hooklease:{hook_id}")
+        await fill(events, team, 2000)
+        want = [i for i in range(2000) if kind_of(i) == FAILED]
+        counting.read = 0
+        async with httpx.AsyncClient() as client:
+            while await events._deliver_batch(client, hook_id):
+                pass
+        got = [json.loads(b) for _, b in receiver.requests]
+        assert [b["type"] for b in got] == [FAILED] * len(want) and len(want) == 20
+        assert counting.read <= len(want) + 1, counting.read
+
+    try:
+        run(redis_server, body)
+    finally:
+        receiver.close()

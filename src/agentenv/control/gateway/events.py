@@ -27,7 +27,8 @@ how often the leases are renewed and the node list and webhook set read again.
 Webhooks (`/events/webhooks`) are a team's, in Redis; the gateways deliver them (a node of a
 cluster registers none: node/events_api.py). Each gateway's supervisor takes the lease of each
 webhook it can (at once for a webhook just made: it is announced on the channel too) and runs
-a worker per webhook held, which reads the team's stream after the webhook's cursor and posts
+a worker per webhook held, which reads the streams of the types it wants after the webhook's
+cursor, merged (the team's stream for events stored before there were type streams), and posts
 each wanted event with the node's signing and retries (node/webhooks.py `deliver`), logging
 every attempt (`/events/webhooks/{id}/deliveries`), then waits for its team's next wake. A
 worker's cursor advances after each event, so a gateway that dies mid-delivery makes the next
@@ -54,7 +55,7 @@ import logging
 import secrets
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from collections.abc import AsyncGenerator, Awaitable, Callable, Iterable
 from typing import Any
 
 import httpx
@@ -464,7 +465,7 @@ class ClusterEvents:
         return found
 
     async def _merged(self, keys: list[str], low: int, high: int | None, ascending: bool,
-                      want: int) -> AsyncIterator[tuple[str, dict[str, str]]]:
+                      want: int) -> AsyncGenerator[tuple[str, dict[str, str]], None]:
         """The entries of the streams `keys` with low < seq < high (None: no bound), merged
         in seq order (descending unless `ascending`), read STREAM_CHUNK at a time (`want`
         at first, if fewer: no stream gives more than that to a page of `want`)."""
@@ -741,8 +742,18 @@ class ClusterEvents:
             return False
         stream = team_stream(hook["team"])
         cursor, cursor_n = int(raw.get("cursor", 0)), int(raw.get("cursor_n", 0))
-        entries = await self.redis.xrange(stream, f"({stream_id(cursor)}", "+",
-                                          count=STREAM_CHUNK)
+        # the streams of the types it wants, merged: a webhook of a rare type reads only those
+        # (the team's stream while its cursor is below the team's first typed event)
+        typed = int(await self.redis.hget(f"{K}typed", hook["team"]) or 0)
+        keys = [type_stream(hook["team"], kind) for kind in hook["events"]] \
+            if typed and cursor >= typed - 1 else [stream]
+        entries = []
+        async with contextlib.aclosing(self._merged(keys, cursor, None, True,
+                                                    STREAM_CHUNK)) as merged:
+            async for entry in merged:
+                entries.append(entry)
+                if len(entries) == STREAM_CHUNK:
+                    break
         passed = None  # the last entry gone over without a delivery
         for entry_id, fields in entries:
             event, n = _event(entry_id, fields), int(fields["n"])
