@@ -7,6 +7,8 @@ parts with each node in a network namespace of its own (scripts/cluster-up.sh)."
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import contextlib
 import os
 import signal
@@ -19,6 +21,7 @@ from pathlib import Path
 import httpx
 
 from agentenv.cluster_keys import node_key
+from agentenv.control.gateway.store import GatewayStore
 from tests.control.conftest import AclRedis, SchedulerProcess, free_port
 from tests.control.helpers import SECRET
 from tests.node.conftest import NO_READY_POOLS, NodeProcess, vm_node_process
@@ -44,9 +47,16 @@ class GatewayProcess:
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self) -> None:
+        self.spawn()
+        self.wait_ready()
+
+    def spawn(self) -> None:
         with self.log.open("ab") as out:
             self.proc = subprocess.Popen(self.argv, stdout=out, stderr=out,
                                          env={**os.environ, **self.env})
+
+    def wait_ready(self) -> None:
+        assert self.proc is not None, "spawn() first"
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -112,19 +122,32 @@ class LocalCluster:
         return self.gateway.url
 
     def start(self) -> None:
+        # Every process starts at once and is waited for after: most of a start is Python
+        # loading its modules, which the host's cores do side by side. A node up before the
+        # scheduler retries its heartbeat.
         self.redis.start()
-        self.scheduler.start()
-        for node in self.nodes:
-            node.start()
-        self.gateway.start()
+        parts = [self.scheduler, *self.nodes, self.gateway]
+        for part in parts:
+            part.spawn()
+        for part in parts:
+            part.wait_ready()
         self.wait_nodes_up(len(self.nodes))
 
     def team(self, name: str) -> str:
-        """A new team with one key; returns the key."""
-        run = [*AENV, "team", "--redis", self.redis.url, *self.redis.args("gateway")]
-        subprocess.run([*run, "create", name], check=True, capture_output=True)
-        key = subprocess.run([*run, "key", name], check=True, capture_output=True, text=True)
-        self.keys[name] = key.stdout.strip()
+        """A new team with one key; returns the key. Made through the gateway's store as
+        `aenv team create` and `aenv team key` make it (their CLI is tests/control/
+        test_redis_auth.py's), without two more Python starts per team."""
+        async def make() -> str:
+            store = GatewayStore(self.redis.url, self.redis.auth("gateway"))
+            try:
+                await store.create_team(name)
+                return await store.new_key(name)
+            finally:
+                await store.close()
+
+        # its own thread and loop: a caller may be inside a running loop
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            self.keys[name] = pool.submit(asyncio.run, make()).result()
         return self.keys[name]
 
     def node_headers(self, node: NodeProcess, team: str) -> dict[str, str]:
@@ -162,8 +185,6 @@ class LocalCluster:
             with contextlib.suppress(Exception):
                 node.cleanup()
         if self.vm_nodes:
-            import asyncio
-
             from agentenv.runtime.network import remove_leftovers
 
             asyncio.run(remove_leftovers(VM_NET_PREFIX))

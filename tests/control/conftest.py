@@ -155,8 +155,15 @@ class SchedulerProcess:
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self) -> None:
+        self.spawn()
+        self.wait_ready()
+
+    def spawn(self) -> None:
         with self.log.open("ab") as out:
             self.proc = subprocess.Popen(self.argv, stdout=out, stderr=out)
+
+    def wait_ready(self) -> None:
+        assert self.proc is not None, "spawn() first"
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

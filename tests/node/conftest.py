@@ -99,6 +99,11 @@ class NodeProcess:
         return (self.state_dir / "secrets" / "api-key").read_text().strip()
 
     def start(self) -> None:
+        self.spawn()
+        self.wait_ready()
+
+    def spawn(self) -> None:
+        """Start the process without waiting for it (several start at once: wait_ready each)."""
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(
                 [
@@ -121,6 +126,10 @@ class NodeProcess:
                 preexec_fn=(None if self.cpus is None
                             else lambda: os.sched_setaffinity(0, self.cpus or ())),
             )
+
+    def wait_ready(self) -> None:
+        """Wait until the spawned node answers /health; a node that exits raises with its log."""
+        assert self.proc is not None, "spawn() first"
         deadline = time.monotonic() + self.start_timeout
         verify = self.verify
         while time.monotonic() < deadline:
