@@ -30,7 +30,6 @@ import hashlib
 import json
 import os
 import random
-import secrets
 import shutil
 import statistics
 import subprocess
@@ -64,19 +63,32 @@ class Bench:
     def __init__(self, root: Path) -> None:
         self.root = root
         self.daemons: list[Daemon] = []
-        self.secret = root / "secret"
-        self.secret.write_text(secrets.token_hex(32))  # a peer key (`aenv peer-key`)
+        # static peers' trust file: each node's line (`aenv peer-key`), with its chunk server
+        self.trust_file = root / "peers.trust"
+        self.trust: dict[str, str] = {}
+
+    def _write_trust(self) -> None:
+        tmp = self.trust_file.with_suffix(".new")
+        tmp.write_text("".join(line + "\n" for line in self.trust.values()))
+        os.replace(tmp, self.trust_file)  # blockds read it again when it changes
 
     def node(self, name: str, peers: list[str] = (), serve: str | None = None) -> Daemon:  # type: ignore[assignment]
+        from agentenv.blockd.remote.identity import load_identity
+
         d = Daemon(Path(tempfile.mkdtemp(prefix=f"rb{name}", dir="/tmp")))
+        self.trust[name] = load_identity(d.state_dir, name).trust_line()
+        self._write_trust()
         d.extra_args = ["--chunk-cache-size", "4G", "--remote-background-bw", "0",
-                        "--peer-key-file", str(self.secret)]
+                        "--peer-node-id", name, "--peer-trust-file", str(self.trust_file)]
         for p in peers:
             d.extra_args += ["--peer", f"http://{p}"]
         if serve:
             d.extra_args += ["--p2p-listen", serve]
         d.start()
         self.daemons.append(d)
+        if serve:  # (a port 0 is known once it listens)
+            self.trust[name] += f" http://{stats(d)['p2p']}"
+            self._write_trust()
         return d
 
     def close(self) -> None:

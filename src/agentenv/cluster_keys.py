@@ -14,9 +14,8 @@ own so no key is another's):
   expires. X cannot make one for another id or another peer (it holds neither P's node key
   nor the secret), and a node the scheduler no longer counts gets no new one
   (docs/security.md §5).
-- the layer peers' shared key, `peer_key(secret)` (`aenv peer-key`): only for static peers
-  without a scheduler (every holder of it is every node); a blockd given a serving key
-  refuses it.
+(Static peers without a scheduler use no key of the cluster's: each blockd has its own key
+pair, blockd/remote/identity.py.)
 
 Only the gateway and the scheduler hold the cluster secret itself.
 """
@@ -32,7 +31,6 @@ from agentenv.errors import AgentEnvError
 from agentenv.settings import setting_text
 
 _NODE_KEY_CONTEXT = b"agentenv node key v1\0"
-_PEER_KEY_CONTEXT = b"agentenv layer peer v1"
 _PEER_SERVE_CONTEXT = b"agentenv peer serve v1"
 _PEER_CREDENTIAL_CONTEXT = b"agentenv peer credential v1\0"
 #: `Authorization: AenvPeer <credential>`, the credential `v1/<node id>/<expiry>/<mac>`
@@ -45,10 +43,6 @@ KEY_RE = re.compile(r"^[0-9a-f]{64}$")
 def node_key(cluster_secret: str, node_id: str) -> str:
     return hmac.new(cluster_secret.encode(), _NODE_KEY_CONTEXT + node_id.encode(),
                     hashlib.sha256).hexdigest()
-
-
-def peer_key(cluster_secret: str) -> str:
-    return hmac.new(cluster_secret.encode(), _PEER_KEY_CONTEXT, hashlib.sha256).hexdigest()
 
 
 def peer_serve_key(node_key: str) -> str:

@@ -429,8 +429,14 @@ class Settings(BaseSettings):
     peers: str = _s("", "blockd", "http://host:port of other nodes' chunk servers, "
                     "comma-separated.", "URL list")
     p2p_listen: str = _s("", "blockd", "host:port to serve verified chunks to peers on.")
-    peer_key: str = _s("", "blockd", "The key peers present to each other (`aenv peer-key`).")
-    peer_key_file: Path | None = _s(None, "blockd", "File holding the peer key.", "path")
+    peer_trust_file: Path | None = _s(None, "blockd", "Static peers: the nodes served, one a "
+                                      "line, `<node id> ed25519:<key> [http://host:port]` "
+                                      "(`aenv peer-key` prints a node's).", "path")
+    peer_node_id: str = _s("", "blockd", "This node's id in its static peers' trust files "
+                           "(default the host name).")
+    peer_key: str = _s("", "blockd", "Removed (the shared peer key): set, blockd refuses to "
+                       "start; see AENV_PEER_TRUST_FILE.")
+    peer_key_file: Path | None = _s(None, "blockd", "Removed, as AENV_PEER_KEY.", "path")
     memory_chunk_cache_size: str = _s("", "blockd", "memfs's chunk cache capacity (default "
                                       "the chunk cache's).", "bytes")
     private_chunk_cache: int = _s(1 << 30, "blockd", "Capacity of a private chunk cache (no "

@@ -24,11 +24,13 @@ from agentenv.blockd.remote.chunkdigests import PROOF_HEADER, ChunkDigests, proo
 from agentenv.blockd.remote.layout import _MASK, _SALT_INV, _std_crc32c, parse
 from agentenv.blockd.remote.p2p import ByteBudget, PeerServer
 from agentenv.blockd.remote.store import RemoteConfig, RemoteStore, Resolver
+from agentenv.cluster_keys import peer_credential
 from agentenv.storage import blob as blobmod
 from agentenv.storage.blob import BlobLocation, RemoteLayerRef
 from agentenv.storage.image import Image
 from agentenv.storage.layer import inspect_layer
 from agentenv.template.pull import pull_image
+from tests.remote.peerids import ASKER_TRUST, asker
 from tests.template import helpers
 from tests.template.conftest import Registry
 
@@ -298,15 +300,15 @@ def test_peers_from_a_resolver_spread_skip_self_and_fall_back(
         tmp_path: Path, registry: Registry, hello: tuple[str, bytes]) -> None:
     digest, data = hello
     ref = _ref(registry, digest, len(data), data)
-    secret = "s3cret"
     resolver = _Resolver()
     made: list[tuple[RemoteStore, PeerServer | None]] = []
+    # the scheduler's per-node credentials: the resolver's answer carries them
+    serve_keys = {name: hashlib.sha256(name.encode()).hexdigest() for name in ("h1", "h2")}
 
     def node(name: str, serve: bool) -> RemoteStore:
         s = RemoteStore(RemoteConfig(tmp_path / name, capacity=64 * CHUNK, chunk_size=CHUNK,
-                                     background_bw=0, timeout=3, request_timeout=1,
-                                     secret=secret))
-        server = PeerServer(s, "127.0.0.1:0", secret) if serve else None
+                                     background_bw=0, timeout=3, request_timeout=1))
+        server = PeerServer(s, "127.0.0.1:0", serve_key=serve_keys[name]) if serve else None
         if server is not None:
             server.start()
         made.append((s, server))
@@ -324,7 +326,9 @@ def test_peers_from_a_resolver_spread_skip_self_and_fall_back(
         me.own_addresses.add("http://127.0.0.1:1")
         resolver.holders = [{"address": "127.0.0.1:1", "complete": True},
                             {"address": dead, "complete": True}] + \
-            [{"address": a, "complete": True} for a in addresses]
+            [{"address": a, "complete": True,
+              "credential": peer_credential(key, "me", int(time.time()) + 600)}
+             for a, key in zip(addresses, serve_keys.values(), strict=True)]
         me.set_resolver(Resolver(resolver.url))
         hex_ = digest.split(":", 1)[1]
         # Requests spread: each chunk starts at a holder picked by hashing (blob, chunk).
@@ -363,13 +367,12 @@ def test_peers_from_a_resolver_spread_skip_self_and_fall_back(
 
 def test_a_peer_serves_only_a_node_that_holds_the_chunk_table(
         tmp_path: Path, registry: Registry, hello: tuple[str, bytes]) -> None:
-    """The peer key names no team: a node taken over (it has the key) that knows a blob's
-    digest but not its chunk table gets nothing, nor a piece short enough to guess."""
+    """A peer credential names no team: a node taken over (it has its credentials) that knows
+    a blob's digest but not its chunk table gets nothing, nor a piece short enough to guess."""
     digest, data = hello
-    secret = "s3cret"
     holder = RemoteStore(RemoteConfig(tmp_path / "holder", capacity=64 * CHUNK, chunk_size=CHUNK,
-                                      background_bw=0, timeout=5, secret=secret))
-    server = PeerServer(holder, "127.0.0.1:0", secret)
+                                      background_bw=0, timeout=5))
+    server = PeerServer(holder, "127.0.0.1:0", node_id="server", trust=ASKER_TRUST)
     server.start()
     try:
         source = holder.open_blob(_ref(registry, digest, len(data), data))
@@ -379,7 +382,7 @@ def test_a_peer_serves_only_a_node_that_holds_the_chunk_table(
         url = f"http://{server.address}/blobs/{digest}"
 
         def get(start: int, end: int, claimed: str | None) -> int:
-            headers = {"Authorization": f"Bearer {secret}", "Range": f"bytes={start}-{end - 1}"}
+            headers = {"Authorization": asker(), "Range": f"bytes={start}-{end - 1}"}
             if claimed is not None:
                 headers[PROOF_HEADER] = claimed
             with httpx.Client() as client:
@@ -411,10 +414,10 @@ def test_what_peers_are_served_at_once_is_bounded_in_bytes(
     read for answers at once are bounded (MAX_BYTES_IN_FLIGHT), and a range over what is free
     waits for it, then is refused with 503."""
     digest, data = hello
-    secret = "s3cret"
     holder = RemoteStore(RemoteConfig(tmp_path / "holder", capacity=64 * CHUNK, chunk_size=CHUNK,
-                                      background_bw=0, timeout=5, secret=secret))
-    server = PeerServer(holder, "127.0.0.1:0", secret, idle_timeout=2,
+                                      background_bw=0, timeout=5))
+    server = PeerServer(holder, "127.0.0.1:0", node_id="server", trust=ASKER_TRUST,
+                        idle_timeout=2,
                         max_bytes_in_flight=2 * CHUNK)
     server.start()
     try:
@@ -426,7 +429,7 @@ def test_what_peers_are_served_at_once_is_bounded_in_bytes(
         def get(start: int, end: int) -> int:
             with httpx.Client() as client:
                 return client.get(f"http://{server.address}/blobs/{digest}", headers={
-                    "Authorization": f"Bearer {secret}", "Range": f"bytes={start}-{end - 1}",
+                    "Authorization": asker(), "Range": f"bytes={start}-{end - 1}",
                     PROOF_HEADER: proof(table, start, end)}).status_code
 
         assert get(0, 2 * CHUNK) == 206
@@ -514,7 +517,7 @@ def test_a_peer_cannot_forge_chunks_with_valid_crcs(tmp_path: Path, registry: Re
                                                              peer.data[lo:hi], lo) is None
     s = RemoteStore(RemoteConfig(tmp_path / "me", capacity=64 * CHUNK, chunk_size=CHUNK,
                                  background_bw=0, timeout=5, request_timeout=2,
-                                 peers=[peer.url], secret="s3cret"))
+                                 peers=[peer.url]))
     try:
         source = s.open_blob(_ref(registry, digest, len(data), data))
         assert source.pread(len(data), 0) == data
@@ -536,7 +539,7 @@ def test_blobs_without_a_chunk_table_are_not_asked_from_peers(
     assert layout.offsets is not None
     peer = _ForgingPeer(digest, data, [int(o) for o in layout.offsets])
     s = RemoteStore(RemoteConfig(tmp_path / "me", capacity=64 * CHUNK, chunk_size=CHUNK,
-                                 background_bw=0, timeout=5, peers=[peer.url], secret="s3cret"))
+                                 background_bw=0, timeout=5, peers=[peer.url]))
     try:
         source = s.open_blob(_ref(registry, digest, len(data)))
         assert source.pread(len(data), 0) == data

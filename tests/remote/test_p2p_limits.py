@@ -1,7 +1,7 @@
 """The P2P chunk server does not let peers hold blockd's threads and descriptors: an idle
 connection is closed after the idle timeout, a request head must arrive whole within it,
-connections over the cap are closed at once, and connections without the peer key cannot
-take the places of keyed peers."""
+connections over the cap are closed at once, and connections without a credential cannot
+take the places of keyed peers (a static peer's signed credential here)."""
 
 from __future__ import annotations
 
@@ -14,8 +14,7 @@ import pytest
 
 from agentenv.blockd.remote.p2p import PeerServer
 from agentenv.blockd.remote.store import RemoteConfig, RemoteStore
-
-SECRET = "cluster-secret"
+from tests.remote.peerids import ASKER_TRUST, asker
 
 
 @pytest.fixture
@@ -26,7 +25,8 @@ def store(tmp_path: Path) -> Iterator[RemoteStore]:
 
 
 def serving(store: RemoteStore, **limits: float) -> tuple[PeerServer, tuple[str, int]]:
-    server = PeerServer(store, "127.0.0.1:0", SECRET, **limits)  # type: ignore[arg-type]
+    server = PeerServer(store, "127.0.0.1:0", node_id="server", trust=ASKER_TRUST,
+                        **limits)  # type: ignore[arg-type]
     server.start()
     return server, ("127.0.0.1", int(server.address.rpartition(":")[2]))
 
@@ -45,7 +45,7 @@ def closed_by_server(sock: socket.socket, within: float) -> bool:
 def keyed_answer(address: tuple[str, int]) -> bytes:
     """The answer to a keyed request (for a path that is not a blob's: 404, a whole answer)."""
     with socket.create_connection(address, timeout=10) as sock:
-        sock.sendall(f"GET /blobs HTTP/1.1\r\nHost: p\r\nAuthorization: Bearer {SECRET}\r\n"
+        sock.sendall(f"GET /blobs HTTP/1.1\r\nHost: p\r\nAuthorization: {asker()}\r\n"
                      "Connection: close\r\n\r\n".encode())
         data = b""
         while chunk := sock.recv(65536):
@@ -73,8 +73,8 @@ def test_connections_over_the_cap_are_closed_at_once(store: RemoteStore) -> None
     held = [socket.create_connection(address, timeout=10) for _ in range(4)]
     try:
         for sock in held:  # each is being served (its thread waits for a request)
-            sock.sendall(b"GET /blobs HTTP/1.1\r\nHost: p\r\nAuthorization: Bearer "
-                         + SECRET.encode() + b"\r\n\r\n")
+            sock.sendall(b"GET /blobs HTTP/1.1\r\nHost: p\r\nAuthorization: "
+                         + asker().encode() + b"\r\n\r\n")
             assert sock.recv(12) == b"HTTP/1.1 404"
         with socket.create_connection(address, timeout=10) as extra:
             assert closed_by_server(extra, within=30)

@@ -1,5 +1,5 @@
 """Red-team checks of the P2P chunk proof (blockd/remote/p2p.py, chunkdigests.py `proven`):
-a node with the shared peer key and a blob's digest, but not its chunk table, learns nothing of
+a node with a peer's trust (its signed credential) and a blob's digest, but not its chunk table, learns nothing of
 the chunks a peer holds, not even whether it holds them. A real peer server and store."""
 
 from __future__ import annotations
@@ -17,10 +17,9 @@ import pytest
 from agentenv.blockd.remote.chunkdigests import PROOF_HEADER, ChunkDigests, proof
 from agentenv.blockd.remote.p2p import PeerServer
 from agentenv.blockd.remote.store import RemoteConfig, RemoteStore
+from tests.remote.peerids import ASKER_TRUST, asker
 from tests.remote.test_chunk_cache import CHUNK, _ref, hello  # noqa: F401 (fixture)
 from tests.template.conftest import Registry
-
-SECRET = "s3cret"
 
 
 @dataclass
@@ -38,8 +37,8 @@ def holder(tmp_path: Path, registry: Registry,
     """A peer holding the whole `hello` blob (and its chunk table)."""
     digest, data = hello
     store = RemoteStore(RemoteConfig(tmp_path / "holder", capacity=64 * CHUNK, chunk_size=CHUNK,
-                                     background_bw=0, timeout=5, secret=SECRET))
-    server = PeerServer(store, "127.0.0.1:0", SECRET)
+                                     background_bw=0, timeout=5))
+    server = PeerServer(store, "127.0.0.1:0", node_id="server", trust=ASKER_TRUST)
     server.start()
     try:
         source = store.open_blob(_ref(registry, digest, len(data), data))
@@ -48,7 +47,7 @@ def holder(tmp_path: Path, registry: Registry,
         base = f"http://{server.address}/blobs/"
 
         def get(start: int, end: int, claimed: str, blob: str = digest) -> httpx.Response:
-            headers = {"Authorization": f"Bearer {SECRET}", "Range": f"bytes={start}-{end - 1}",
+            headers = {"Authorization": asker(), "Range": f"bytes={start}-{end - 1}",
                        PROOF_HEADER: claimed.encode("latin-1")}
             with httpx.Client(timeout=30) as client:
                 return client.get(base + blob, headers=headers)

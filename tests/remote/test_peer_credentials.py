@@ -1,8 +1,8 @@
 """Per-node peer credentials (docs/security.md §5): a real scheduler (in process, real Redis)
 issues node X, with each Holders answer, a credential for holder P that names X, is made with
 P's serving key and expires; a real chunk server with P's serving key serves X on it and
-refuses a credential for another peer or another id, an expired or forged one, the shared
-peer key, and, once X is removed, X gets no new one and its last stops at its expiry."""
+refuses a credential for another peer or another id, an expired or forged one, a bearer key,
+and, once X is removed, X gets no new one and its last stops at its expiry."""
 
 from __future__ import annotations
 
@@ -24,7 +24,6 @@ from agentenv.cluster_keys import (
     check_peer_credential,
     node_key,
     peer_credential,
-    peer_key,
     peer_serve_key,
 )
 from tests.control.conftest import RedisServer, prefix, redis_server  # noqa: F401 (fixtures)
@@ -41,7 +40,7 @@ def serve_key(node_id: str) -> str:
 def peers(tmp_path: Path, registry: Registry,
           hello: tuple[str, bytes]) -> Iterator[dict[str, Any]]:  # noqa: F811
     """Two chunk servers, nodes "p1" and "p2", each holding the whole `hello` blob, with the
-    serving keys their nodes would give them (and the shared peer key configured too)."""
+    serving keys their nodes would give them."""
     digest, data = hello
     servers, stores = {}, []
     try:
@@ -49,7 +48,7 @@ def peers(tmp_path: Path, registry: Registry,
             store = RemoteStore(RemoteConfig(tmp_path / name, capacity=64 * CHUNK,
                                              chunk_size=CHUNK, background_bw=0, timeout=5))
             stores.append(store)
-            server = PeerServer(store, "127.0.0.1:0", peer_key(SECRET), max_per_node=2)
+            server = PeerServer(store, "127.0.0.1:0", max_per_node=2)
             server.set_serve_key(serve_key(name))
             server.start()
             servers[name] = server
@@ -92,16 +91,16 @@ def test_a_credential_is_the_asking_nodes_for_one_peer_until_it_expires(
     for forged in (f"v1/y/{expires}/{mac}", f"v1/x/{int(expires) + 3600}/{mac}",
                    f"v1/x/{expires}/{'0' * 64}", "v1/x", good + "0"):
         assert get(peers, "p1", as_peer(forged)).status_code == 401, forged
-    # made with a key that is not p1's serving key: another node's key, the shared peer key,
-    # a node's own key
-    for key in (serve_key("p2"), peer_key(SECRET), node_key(SECRET, "p1")):
+    # made with a key that is not p1's serving key: another node's serving key, a node's own
+    # key
+    for key in (serve_key("p2"), node_key(SECRET, "p1")):
         assert get(peers, "p1", as_peer(peer_credential(key, "x", now + 60))).status_code == 401
     # expired
     expired = peer_credential(serve_key("p1"), "x", now - 1)
     assert get(peers, "p1", as_peer(expired)).status_code == 401
     assert check_peer_credential(serve_key("p1"), expired, now)[1] == "expired"
-    # the shared peer key: not taken by a chunk server its node gave a serving key
-    assert get(peers, "p1", f"Bearer {peer_key(SECRET)}").status_code == 401
+    # a bearer key (the shared peer key of static peers, removed): not taken
+    assert get(peers, "p1", f"Bearer {'ab' * 32}").status_code == 401
 
 
 def test_one_node_holds_at_most_its_share_of_the_connections(peers: dict[str, Any]) -> None:

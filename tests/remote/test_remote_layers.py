@@ -10,7 +10,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import secrets
 import shutil
 import socket
 import subprocess
@@ -25,6 +24,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from agentenv.blockd.remote.identity import NodeIdentity, load_identity
+from agentenv.cluster_keys import PEER_SCHEME
 from agentenv.storage.blob import load_descriptor
 from agentenv.template.pull import pull_image
 from tests.blockd.conftest import Daemon
@@ -63,8 +64,15 @@ class World:
     root: Path
     registry: Registry
     image: bigimage.BigImage
-    secret_file: Path
+    trust_file: Path  # every node's line (`aenv peer-key`), with its chunk server's address
     nodes: list[Node]
+
+    def trust(self, name: str, state_dir: Path, address: str | None) -> None:
+        """Node `name`'s key pair (blockd's, made under its state now) goes into the trust
+        file every node reads (again when it changes)."""
+        line = load_identity(state_dir, name).trust_line()
+        with self.trust_file.open("a") as f:
+            f.write(line + (f" http://{address}" if address else "") + "\n")
 
     @property
     def ref(self) -> str:
@@ -75,9 +83,10 @@ class World:
         root = Path(tempfile.mkdtemp(prefix=f"rl{name}", dir="/tmp"))
         daemon = Daemon(root)
         p2p = f"127.0.0.1:{_port()}" if serve else None
+        self.trust(name, daemon.state_dir, p2p)
         daemon.extra_args = ["--chunk-cache-size", cache, "--remote-timeout", str(timeout),
-                             "--remote-background-bw", "0",
-                             "--peer-key-file", str(self.secret_file)]
+                             "--remote-background-bw", "0", "--peer-node-id", name,
+                             "--peer-trust-file", str(self.trust_file)]
         for peer in peers:
             daemon.extra_args += ["--peer", f"http://{peer.p2p}"]
         if p2p:
@@ -104,9 +113,9 @@ def world() -> Iterator[World]:
     root = Path(tempfile.mkdtemp(prefix="remote-layers-"))
     (root / "registry").mkdir()
     registry = _start_registry(root / "registry", None)
-    secret_file = root / "peer-key"  # what `aenv peer-key` prints: 64 hex digits
-    secret_file.write_text(secrets.token_hex(32))
-    w = World(root, registry, image, secret_file, [])
+    trust_file = root / "peers.trust"
+    trust_file.write_text("# <node id> ed25519:<key> [http://host:port]: `aenv peer-key`\n")
+    w = World(root, registry, image, trust_file, [])
     old_docker = os.environ.get("DOCKER_CONFIG")
     os.environ["DOCKER_CONFIG"] = str(root / "docker")  # the host's credentials never leak in
     try:
@@ -272,6 +281,8 @@ def test_corrupt_chunks_from_a_peer_or_a_registry_never_reach_the_reader(world: 
     try:
         # A bad peer first, then a good one (A).
         bad_peer = Node("tamper", a.daemon, a.state, tamper.address)
+        # a node taken over: trusted, with a key of its own (it ignores credentials)
+        world.trust("tamper", world.root / "tamper", tamper.address)
         d = world.node("d", peers=[bad_peer, a], serve=False)
         info = d.device(world.pull(d))
         client = NbdClient(info["nbd"], info["export"], timeout=60)
@@ -354,11 +365,19 @@ def test_registry_down_peer_serves_then_eio(world: World) -> None:
     assert "remote read failed" in log and world.image.blob_digest in log
 
 
-def test_p2p_needs_the_peer_key(world: World) -> None:
-    # A fresh serving node: without the peer key it answers 401; it lists nothing it holds.
+def test_p2p_needs_a_trusted_nodes_credential(world: World) -> None:
+    """A fresh serving blockd (static peers): without a credential, with a bearer key (the
+    shared peer key of old) or with one an untrusted key signed it answers 401; a trusted
+    node's credential for it gets in, and it lists nothing it holds (404)."""
     f = world.node("f")
-    reply = httpx.get(f"http://{f.p2p}/blobs")
-    assert reply.status_code == 401
-    reply = httpx.get(f"http://{f.p2p}/blobs", headers={
-        "Authorization": f"Bearer {world.secret_file.read_text().strip()}"})
-    assert reply.status_code == 404
+    url = f"http://{f.p2p}/blobs"
+    assert httpx.get(url).status_code == 401
+    assert httpx.get(url, headers={"Authorization": f"Bearer {'ab' * 32}"}).status_code == 401
+    a = next(n for n in world.nodes if n.name == "a")
+    signer = load_identity(a.daemon.state_dir, "a")  # blockd a's own key pair
+    assert httpx.get(url, headers={
+        "Authorization": f"{PEER_SCHEME} {signer.credential_for('f')}"}).status_code == 404
+    stranger = load_identity(world.root / "stranger", "a")  # a key of its own, a's name
+    assert httpx.get(url, headers={
+        "Authorization": f"{PEER_SCHEME} {stranger.credential_for('f')}"}).status_code == 401
+    assert isinstance(signer, NodeIdentity)

@@ -65,9 +65,18 @@ socket_option = click.option(
                    "comma-separated).")
 @click.option("--p2p-listen", default=None,
               help="host:port to serve verified chunks to peers on (env AENV_P2P_LISTEN).")
-@click.option("--peer-key-file", type=click.Path(path_type=Path, exists=True), default=None,
-              help="The key layer peers present to each other (`aenv peer-key`; env "
-                   "AENV_PEER_KEY[_FILE]).")
+@click.option("--peer-trust-file", type=click.Path(path_type=Path, exists=True, dir_okay=False),
+              default=None,
+              help="Static peers (no scheduler): the nodes this chunk server serves, one a line, "
+                   "`<node id> ed25519:<key> [http://host:port]` (`aenv peer-key` on each prints "
+                   "its id and key); each --peer must be listed with its address (this node signs "
+                   "for that id). Read again when it changes. Env AENV_PEER_TRUST_FILE.")
+@click.option("--peer-node-id", default=None,
+              help="This node's id in its peers' trust files (default the host name; env "
+                   "AENV_PEER_NODE_ID). Its key pair is STATE/peer-identity.key, made on first "
+                   "start.")
+@click.option("--peer-key-file", default=None, hidden=True,
+              help="Removed: the shared peer key (see --peer-trust-file).")
 @click.option("--remote-background-bw", default=None,
               help="Bytes/s for completing remote blobs in use in the background; 0: off "
                    "(default 32M; env AENV_REMOTE_BACKGROUND_BW).")
@@ -76,15 +85,13 @@ def blockd_command(state_dir: Path, socket_path: Path, metrics_port: int | None,
                    metrics_bind: str, no_fuse: bool, inline_max: int | None,
                    upper_limit: str, disk_reserve: str | None, chunk_cache_dir: Path | None, chunk_cache_size: str | None,
                    chunk_cache_eviction: str | None, remote_timeout: float | None, peers: tuple[str, ...], p2p_listen: str | None,
-                   peer_key_file: Path | None, remote_background_bw: str | None,
+                   peer_trust_file: Path | None, peer_node_id: str | None,
+                   peer_key_file: str | None, remote_background_bw: str | None,
                    log_level: str) -> None:
     """Run the block daemon in the foreground: every disk over NBD (and FUSE)."""
     from agentenv.blockd.daemon import Blockd
     from agentenv.blockd.device import INLINE_MAX
-    from agentenv.blockd.remote.service import config_from_env, parse_size
-
-    # lazy: `aenv --help` loads only what it needs (cli/blockd.py imports this module)
-    from agentenv.cluster_keys import load_key
+    from agentenv.blockd.remote.service import config_from_env, parse_size, removed_peer_key
 
     logs.setup(log_level)
     warn_unknown("blockd")  # a mistyped AENV_ name would be ignored silently
@@ -96,12 +103,15 @@ def blockd_command(state_dir: Path, socket_path: Path, metrics_port: int | None,
         reserve = parse_size(disk_reserve) if disk_reserve else DEFAULT_RESERVE
     except ValueError as exc:
         raise click.BadParameter(str(exc), param_hint="--disk-reserve / AENV_DISK_RESERVE") from None
+    removed = removed_peer_key(option_given=peer_key_file is not None)
+    if removed:
+        raise click.UsageError(removed)
     try:
         remote = config_from_env(
             state_dir, cache_dir=chunk_cache_dir,
             capacity=parse_size(chunk_cache_size) if chunk_cache_size else None,
             eviction=chunk_cache_eviction, timeout=remote_timeout, peers=list(peers) or None, p2p_listen=p2p_listen,
-            secret=load_key(peer_key_file, "AENV_PEER_KEY", "peer key") if peer_key_file else None,
+            trust_file=peer_trust_file, node_id=peer_node_id,
             background_bw=parse_size(remote_background_bw) if remote_background_bw else None)
     except ValueError as exc:
         raise click.BadParameter(str(exc), param_hint="remote layer settings") from None

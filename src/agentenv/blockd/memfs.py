@@ -293,6 +293,7 @@ class _RemoteLayers:
                 config = config_from_env(
                     self.state_dir, cache_dir=self.state_dir / "memfs-chunk-cache", peers=[],
                     capacity=parse_size(capacity) if capacity else None)
+                config.trust = None  # as peers=[]: memfs asks no static peer
                 self.store = RemoteStore(config)
                 log.info("memfs chunk store ready", extra={"cache": str(config.cache_dir),
                                                            "capacity": config.capacity})

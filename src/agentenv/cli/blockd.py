@@ -9,8 +9,9 @@ from pathlib import Path
 import click
 
 from agentenv import logs
-from agentenv.blockd.client import BlockdClient
+from agentenv.blockd.client import BlockdClient, default_state_dir
 from agentenv.blockd.command import blockd_command, socket_option
+from agentenv.settings import get_settings
 
 
 @click.group("disk")
@@ -116,4 +117,35 @@ def nbd_serve(source: Path, socket_path: Path, export_name: str, readonly: bool,
                             upper_dir=upper_dir))
 
 
-COMMANDS: list[click.Command] = [blockd_command, disk_group, nbd_group]
+@click.command("peer-key")
+@click.option("--state-dir", type=click.Path(path_type=Path), default=default_state_dir,
+              show_default="$AENV_HOME/blockd/state", help="blockd's state directory.")
+@click.option("--peer-node-id", default=None,
+              help="This node's id (as blockd's --peer-node-id; env AENV_PEER_NODE_ID, else the "
+                   "host name).")
+@click.option("--address", default=None,
+              help="http://host:port of this node's chunk server (its --p2p-listen), added to "
+                   "the line: the other nodes then ask it too.")
+def peer_key_command(state_dir: Path, peer_node_id: str | None, address: str | None) -> None:
+    """Print this node's line for its static peers' trust files (--peer-trust-file):
+    `<node id> ed25519:<public key> [address]`. The key pair is blockd's
+    (STATE/peer-identity.key, 0600), made now if blockd has not started yet; the private key
+    never leaves it."""
+    # lazy: `aenv --help` does not load cryptography (cli/main.py imports this module)
+    from agentenv.blockd.remote.identity import (
+        PeerKeyError,
+        default_node_id,
+        load_identity,
+        normalise_address,
+    )
+
+    node_id = peer_node_id or get_settings().peer_node_id or default_node_id()
+    try:
+        identity = load_identity(state_dir, node_id)
+    except PeerKeyError as exc:
+        raise click.ClickException(str(exc)) from None
+    line = identity.trust_line()
+    click.echo(f"{line} {normalise_address(address)}" if address else line)
+
+
+COMMANDS: list[click.Command] = [blockd_command, disk_group, nbd_group, peer_key_command]

@@ -159,17 +159,4 @@ def node_key_command(node_id: str, cluster_secret_file: Path | None) -> None:
     click.echo(node_key(_cluster_secret(cluster_secret_file), node_id))
 
 
-@click.command("peer-key")
-@click.option("--cluster-secret-file", type=click.Path(dir_okay=False, path_type=Path),
-              default=None, help="The cluster secret (default: $AENV_CLUSTER_SECRET).")
-def peer_key_command(cluster_secret_file: Path | None) -> None:
-    """Print the key the nodes' blockds present to each other for layer chunks (blockd's
-    --peer-key-file): derived from the cluster secret, good for nothing else."""
-    # lazy: `aenv --help` loads only what every command needs (cli/main.py imports this)
-    from agentenv.cluster_keys import peer_key
-
-    click.echo(peer_key(_cluster_secret(cluster_secret_file)))
-
-
-COMMANDS = [gateway_command, team_group, metrics_token_command, node_key_command,
-            peer_key_command]
+COMMANDS = [gateway_command, team_group, metrics_token_command, node_key_command]

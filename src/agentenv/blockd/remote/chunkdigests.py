@@ -13,7 +13,7 @@ Wire form: `<chunk size>:<base64 of the concatenated 32-byte digests>` (a 1 GiB 
 1 MiB chunks: 43 KiB of annotation).
 
 The table is also what a node shows a peer to be given chunks (PROOF_HEADER): the SHA-256 of
-each whole chunk it asks for. The peer key alone names no team, so a node taken over could
+each whole chunk it asks for. A peer credential names no team, so a node taken over could
 otherwise read any chunk a peer holds by its blob digest; with the proof it gets only chunks
 whose table it already has, which came with a manifest from a registry that let it pull the
 blob. Only whole chunks are proven (a short piece's hash could be guessed byte by byte).

@@ -8,12 +8,14 @@
                                 is held)
 
 Who may ask: a node with the credential the scheduler issued it for this peer
-(`Authorization: AenvPeer <credential>`, agentenv.cluster_keys.peer_credential: it names the
+(`Authorization: AenvPeer v1/...`, agentenv.cluster_keys.peer_credential: it names the
 asking node, is made with this node's serving key, which the node gives blockd with
-`remote_peers`, and expires), or, on a blockd without a serving key (static peers, no
-scheduler), the shared peer key (`Authorization: Bearer <peer key>`). Anything else gets 401,
-and a blockd with a serving key refuses the shared key. The node a request came from is in
-its log lines, and holds at most `max_per_node` of the keyed connections.
+`remote_peers`, and expires), or, for static peers without a scheduler, a node of this
+blockd's peer trust file with a credential it signed for this node
+(`Authorization: AenvPeer s1/...`, blockd/remote/identity.py: it names the node, this target
+and an expiry). Anything else gets 401 (the shared peer key of old, `Bearer`, too). The node a
+request came from is in its log lines, and holds at most `max_per_node` of the keyed
+connections.
 
 The claim is compared with the blob's chunk table (kept by the store for every blob opened
 here) before anything is read: a wrong claim, for a range held or not, is one compare of as
@@ -40,7 +42,6 @@ cluster network, no key) is trusted with less:
 from __future__ import annotations
 
 import contextlib
-import hmac
 import io
 import logging
 import os
@@ -52,6 +53,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import TYPE_CHECKING, Any
 
 from agentenv.blockd.remote.chunkdigests import PROOF_HEADER, claim_matches, claimed_digests
+from agentenv.blockd.remote.identity import SIGNED_PREFIX, TrustedPeers, check_signed_credential
 from agentenv.cluster_keys import PEER_SCHEME, check_peer_credential
 from agentenv.logs import Sampled
 
@@ -67,7 +69,6 @@ IDLE_TIMEOUT = 30.0
 MAX_CONNECTIONS = 64
 MAX_PER_NODE = 16  # of MAX_CONNECTIONS: one node cannot take them all
 MAX_UNKEYED = 16
-STATIC_PEER = "static peer"  # who presented the shared peer key (it names no node)
 #: bytes of ranges read for answers at once, over all connections: without it, 64 keyed
 #: connections asking for 64 MiB each (with right claims: a wrong one reads nothing) would
 #: hold 4 GiB of blockd's memory
@@ -105,7 +106,8 @@ class ByteBudget:
 class _Server(ThreadingHTTPServer):
     daemon_threads = True
     store: RemoteStore
-    secret: bytes  # the shared peer key (static peers); b"": none
+    node_id: str | None = None  # this node's id in its peers' trust files (static peers)
+    trust: TrustedPeers | None = None  # the static peers served on their signed credentials
     serve_key: str | None = None  # what peers' credentials are checked with (set by the node)
     idle_timeout: float
     budget: ByteBudget
@@ -127,15 +129,19 @@ class _Server(ThreadingHTTPServer):
     def authenticate(self, header: str) -> tuple[str | None, str]:
         """(the node an Authorization header proves, "") or (None, why not)."""
         scheme, _, value = header.partition(" ")
-        serve_key = self.serve_key
-        if scheme == PEER_SCHEME and serve_key:
-            return check_peer_credential(serve_key, value.strip(), time.time())
-        if scheme == "Bearer" and self.secret and not serve_key:
-            if hmac.compare_digest(value.encode("utf-8", "surrogateescape"), self.secret):
-                return STATIC_PEER, ""
-            return None, "wrong peer key"
-        if scheme == "Bearer" and serve_key:
-            return None, "the shared peer key is not taken here: a node's credential is"
+        value = value.strip()
+        if scheme == PEER_SCHEME and value.startswith(SIGNED_PREFIX):
+            if self.trust is None or self.node_id is None:
+                return None, "no peer trust file here: signed credentials are not taken"
+            return check_signed_credential(self.trust, self.node_id, value, time.time())
+        if scheme == PEER_SCHEME:
+            serve_key = self.serve_key
+            if not serve_key:
+                return None, "no serving key from the scheduler (yet)"
+            return check_peer_credential(serve_key, value, time.time())
+        if scheme == "Bearer":
+            return None, ("the shared peer key is not taken: a node's own credential is "
+                          "(the scheduler's, or one signed by a node of the peer trust file)")
         return None, "no peer credential"
 
     def handle_error(self, request: Any, client_address: Any) -> None:
@@ -249,7 +255,8 @@ class _Handler(BaseHTTPRequestHandler):
         super().handle_one_request()
 
     def parse_request(self) -> bool:
-        """The head is read: only a connection with the peer key goes on (and takes a slot)."""
+        """The head is read: only a connection with a valid credential goes on (and takes a
+        slot)."""
         if not super().parse_request():
             return False
         self.connection.settimeout(self.server.idle_timeout)  # for the writes
@@ -261,11 +268,9 @@ class _Handler(BaseHTTPRequestHandler):
                 log.warning("a peer request without a valid credential", extra={
                     "event": "unauthorised", "peer": self.client_address[0], "reason": why,
                     "count": server.unauthorised.count})
-            self._send(401, b"a peer credential is required (the scheduler's, or the peer key "
-                            b"of static peers)\n")
+            self._send(401, b"a peer credential is required (the scheduler's, or one signed by "
+                            b"a node of this peer's trust file)\n")
             return False
-        if node == STATIC_PEER:  # the shared key names no node: its address does
-            node = f"{STATIC_PEER} {self.client_address[0]}"
         self.node = node
         if not server.admit(self.connection, node):
             self.close_connection = True
@@ -338,21 +343,22 @@ class _Handler(BaseHTTPRequestHandler):
 
 
 class PeerServer:
-    def __init__(self, store: RemoteStore, listen: str, secret: str | None = None, *,
-                 serve_key: str | None = None,
+    def __init__(self, store: RemoteStore, listen: str, *, node_id: str | None = None,
+                 trust: TrustedPeers | None = None, serve_key: str | None = None,
                  idle_timeout: float = IDLE_TIMEOUT, max_connections: int = MAX_CONNECTIONS,
                  max_unkeyed: int = MAX_UNKEYED, max_per_node: int = MAX_PER_NODE,
                  max_bytes_in_flight: int = MAX_BYTES_IN_FLIGHT) -> None:
-        """`secret`: the shared peer key of static peers; `serve_key`: what the credentials
-        the scheduler issues are checked with (set_serve_key: the node gives it). With
-        neither, every request is 401 until the node gives the serving key."""
+        """`node_id` and `trust`: this node's id and the static peers whose signed credentials
+        it takes (identity.py); `serve_key`: what the credentials the scheduler issues are
+        checked with (set_serve_key: the node gives it). With neither, every request is 401
+        until the node gives the serving key."""
         host, _, port = listen.rpartition(":")
         if not host or not port.isdigit():
             raise ValueError(f"p2p listen address {listen!r} is not host:port")
         self.server = _Server((host.strip("[]"), int(port)), max_connections, max_unkeyed,
                               max_per_node)
         self.server.store = store
-        self.server.secret = (secret or "").encode()
+        self.server.node_id, self.server.trust = node_id, trust
         self.server.serve_key = serve_key
         self.server.idle_timeout = idle_timeout
         self.server.budget = ByteBudget(max_bytes_in_flight)

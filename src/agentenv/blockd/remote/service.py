@@ -12,6 +12,12 @@ from typing import Any
 
 from agentenv.blockd.errors import BlockdError
 from agentenv.blockd.remote.cache import POLICIES
+from agentenv.blockd.remote.identity import (
+    PeerKeyError,
+    TrustedPeers,
+    default_node_id,
+    load_identity,
+)
 from agentenv.blockd.remote.p2p import PeerServer
 from agentenv.blockd.remote.store import (
     RemoteConfig,
@@ -19,7 +25,7 @@ from agentenv.blockd.remote.store import (
     Resolver,
     SourceError,
 )
-from agentenv.cluster_keys import KEY_RE, load_key
+from agentenv.cluster_keys import KEY_RE
 from agentenv.settings import get_settings
 from agentenv.storage import blob
 
@@ -54,18 +60,44 @@ def parse_size(text: str) -> int:
     return value * mult
 
 
+def removed_peer_key(option_given: bool = False) -> str | None:
+    """Why blockd will not start, when the removed shared peer key is still configured."""
+    settings = get_settings()
+    given = [name for name, value in (("--peer-key-file", option_given),
+                                      ("AENV_PEER_KEY", settings.peer_key),
+                                      ("AENV_PEER_KEY_FILE", settings.peer_key_file)) if value]
+    if not given:
+        return None
+    return (f"{' and '.join(given)}: the shared peer key was removed. Each blockd has its own "
+            "key pair (`aenv peer-key` prints its line) and serves the nodes of its peer trust "
+            "file (--peer-trust-file / AENV_PEER_TRUST_FILE, lines `<node id> ed25519:<key> "
+            "[http://host:port]`; node id --peer-node-id / AENV_PEER_NODE_ID); in a cluster "
+            "the scheduler's per-node credentials need neither (docs/remote-layers.md §4)")
+
+
 def config_from_env(state_dir: Path, **overrides: Any) -> RemoteConfig:
     """Settings from the environment (AENV_CHUNK_CACHE_* (_DIR, _SIZE, _EVICTION), AENV_REMOTE_*, AENV_PEERS,
-    AENV_P2P_LISTEN, AENV_PEER_KEY[_FILE]), then the given overrides (not None)."""
+    AENV_P2P_LISTEN, AENV_PEER_TRUST_FILE, AENV_PEER_NODE_ID), then the given overrides (not
+    None). This node's peer key pair is made under `state_dir` on first start."""
     settings = get_settings()
-    secret = load_key(settings.peer_key_file, "AENV_PEER_KEY", "peer key")
+    removed = removed_peer_key()
+    if removed:
+        raise ValueError(removed)
+    trust_file = overrides.pop("trust_file", None) or settings.peer_trust_file
+    node_id = overrides.pop("node_id", None) or settings.peer_node_id or default_node_id()
+    try:
+        identity = load_identity(state_dir, node_id)
+        trust = TrustedPeers(Path(trust_file)) if trust_file else None
+    except PeerKeyError as exc:
+        raise ValueError(str(exc)) from None
     config = RemoteConfig(
         cache_dir=settings.chunk_cache_dir or Path(state_dir) / "chunk-cache",
         capacity=parse_size(settings.chunk_cache_size),
         chunk_size=parse_size(settings.chunk_size),
         timeout=settings.remote_timeout,
         peers=[p.strip() for p in settings.peers.split(",") if p.strip()],
-        secret=secret,
+        identity=identity,
+        trust=trust,
         p2p_listen=settings.p2p_listen or None,
         background_bw=parse_size(settings.remote_background_bw),
         eviction=settings.chunk_cache_eviction,
@@ -79,6 +111,13 @@ def config_from_env(state_dir: Path, **overrides: Any) -> RemoteConfig:
         raise ValueError(f"unknown chunk cache eviction policy {config.eviction!r} "
                          f"(AENV_CHUNK_CACHE_EVICTION: one of {', '.join(POLICIES)})")
     config.request_timeout = min(config.request_timeout, config.timeout)
+    for peer in config.peers:
+        if trust is None or trust.node_at(peer) is None:
+            raise ValueError(
+                f"static peer {peer} is not in the peer trust file: a peer serves only nodes "
+                "it trusts, and this node signs for the node listed with that address (add "
+                f"`<its node id> <its key> {peer}` to --peer-trust-file / AENV_PEER_TRUST_FILE "
+                "on both; `aenv peer-key` on it prints its id and key)")
     return config
 
 
@@ -111,8 +150,9 @@ class RemoteService:
         """Replace the static peer list, and/or set where to ask which peers hold a blob
         (`resolver` {url, headers?, ca?}: the node, which asks its scheduler;
         store.Resolver), and/or the key the chunk server checks the credentials the
-        scheduler issues with (`serve_key`: cluster_keys.peer_serve_key of the node's key;
-        from then on the shared peer key is refused)."""
+        scheduler issues with (`serve_key`: cluster_keys.peer_serve_key of the node's key).
+        A static peer is asked with a credential signed for the node the trust file lists at
+        its address (none listed: it will answer 401, said in the log)."""
         if serve_key is not None:
             if not isinstance(serve_key, str) or not KEY_RE.fullmatch(serve_key):
                 raise BlockdError("serve_key must be 64 hex digits (cluster_keys.peer_serve_key)")
@@ -122,6 +162,11 @@ class RemoteService:
             if not isinstance(peers, list) or not all(isinstance(p, str) for p in peers):
                 raise BlockdError("peers must be a list of http://host:port strings")
             self.store.set_peers(peers)
+            trust = self.store.config.trust
+            unknown = [p for p in peers if trust is None or trust.node_at(p) is None]
+            if unknown:
+                log.warning("static peers not in the peer trust file are asked without a "
+                            "credential (they answer 401)", extra={"peers": unknown})
         if resolver is not None:
             url = resolver.get("url") if isinstance(resolver, dict) else None
             headers = resolver.get("headers") or {} if isinstance(resolver, dict) else None
@@ -171,7 +216,9 @@ def start(config: RemoteConfig, metrics_registry: Any = None,
     server = None
     try:
         if config.p2p_listen:
-            server = PeerServer(store, config.p2p_listen, config.secret)
+            server = PeerServer(
+                store, config.p2p_listen, trust=config.trust,
+                node_id=config.identity.node_id if config.identity else None)
             server.start()
             store.own_addresses.add(f"http://{server.address}")
     except BaseException:
@@ -183,7 +230,9 @@ def start(config: RemoteConfig, metrics_registry: Any = None,
     log.info("remote layers ready", extra={
         "cache": str(config.cache_dir), "capacity": config.capacity,
         "chunk_size": config.chunk_size, "peers": config.peers, "timeout_s": config.timeout,
-        "p2p": server.address if server else None})
+        "p2p": server.address if server else None,
+        "node_id": config.identity.node_id if config.identity else None,
+        "trusted_peers": sorted(config.trust.current()) if config.trust else None})
     return RemoteService(store, server, state_dir)
 
 

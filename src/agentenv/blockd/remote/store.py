@@ -40,6 +40,7 @@ from agentenv.blockd.remote.chunkdigests import (
     ChunkDigestsError,
     proof,
 )
+from agentenv.blockd.remote.identity import NodeIdentity, TrustedPeers
 from agentenv.blockd.remote.layout import Layout, parse
 from agentenv.cluster_keys import PEER_SCHEME
 from agentenv.fsutil import atomic_write
@@ -71,7 +72,10 @@ class RemoteConfig:
     timeout: float = DEFAULT_TIMEOUT  # a guest read fails with EIO after this long
     request_timeout: float = 10.0  # one HTTP request to one source
     peers: list[str] = field(default_factory=list)  # http://host:port of other nodes' blockd
-    secret: str | None = None  # the peer key (agentenv.cluster_keys.peer_key) peers present
+    # static peers (identity.py): this node's key pair, and the nodes it trusts (the address
+    # listed with a node names the node a static peer's credential is signed for)
+    identity: NodeIdentity | None = None
+    trust: TrustedPeers | None = None
     p2p_listen: str | None = None  # host:port to serve chunks to peers
     background_bw: int = 32 << 20  # bytes/s for completing blobs in use; 0: off
     fetch_threads: int = 8
@@ -241,9 +245,8 @@ class RemoteStore:
         self._registry_lock = threading.Lock()
         self._pool = ThreadPoolExecutor(config.fetch_threads, thread_name_prefix="remote-fetch")
         self._verifier = ThreadPoolExecutor(1, thread_name_prefix="remote-digest")
-        headers = {"Authorization": f"Bearer {config.secret}"} if config.secret else {}
         self._peer_http = httpx.Client(timeout=httpx.Timeout(config.request_timeout, connect=3.0),
-                                       headers=headers, trust_env=False,
+                                       trust_env=False,
                                        limits=httpx.Limits(max_connections=64))
         # The resolver (this node's API) gets its own headers, never the cluster secret's.
         self._resolver_http = httpx.Client(timeout=RESOLVER_TIMEOUT_S, trust_env=False)
@@ -511,7 +514,12 @@ class RemoteStore:
         self.stats.add("requests", "peer")
         headers = {"Range": f"bytes={start}-{end - 1}", PROOF_HEADER: proof(digests, start, end)}
         credential = self._peer_credentials.get(peer)
-        if credential is not None:  # a holder the scheduler named (else a static peer: the key)
+        if credential is None:  # not a holder the scheduler named: a static peer's, signed
+            identity, trust = self.config.identity, self.config.trust
+            target = trust.node_at(peer) if trust is not None else None
+            if identity is not None and target is not None:
+                credential = identity.credential_for(target)
+        if credential is not None:
             headers["Authorization"] = f"{PEER_SCHEME} {credential}"
         try:
             reply = self._peer_http.get(f"{peer}/blobs/{digest}", headers=headers)

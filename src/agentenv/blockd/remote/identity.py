@@ -1,0 +1,279 @@
+"""Static peers' per-node keys (docs/remote-layers.md §4, docs/security.md §5): without a
+scheduler, each blockd has an Ed25519 key pair of its own, and trusts the public keys of the
+nodes listed in its peer trust file.
+
+- The key pair: generated on first start under blockd's state (`peer-identity.key`, PEM,
+  0600); `aenv peer-key` prints its trust line, `<node id> ed25519:<public key>`.
+- The trust file (`--peer-trust-file`, `AENV_PEER_TRUST_FILE`): one node a line,
+  `<node id> ed25519:<public key> [http://host:port]` (`#` starts a comment). A node listed is
+  served on its own signed credentials; the address of its chunk server tells a node which id
+  a static peer (`--peer http://host:port`, which must be listed) has, so it signs for it. The
+  same file may go to every node. Edited, it is read again within a second: removing a line
+  revokes that node.
+- A request carries `Authorization: AenvPeer s1/<node id>/<target node id>/<expiry>/<sig>`,
+  the Ed25519 signature of the requesting node over (node id, target, expiry): it names the
+  node that asks (limits and logs are per node), is good at that one target only, and expires
+  (at most MAX_TTL_S ahead of the target's clock). Checked: the node is in the trust file,
+  the target is this node, not expired, and the signature is the node's key's.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import hmac
+import logging
+import os
+import re
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from cryptography.exceptions import InvalidSignature
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
+
+#: the key pair's file under blockd's state directory
+IDENTITY_FILE = "peer-identity.key"
+#: how long a signed credential is made for, and the most ahead of now one is taken
+TTL_S = 120
+MAX_TTL_S = 600
+SIGNED_PREFIX = "s1/"
+_CONTEXT = b"agentenv static peer credential v1\0"
+_ID = r"[A-Za-z0-9][A-Za-z0-9._:-]{0,127}"
+NODE_ID_RE = re.compile(_ID)
+_CREDENTIAL_RE = re.compile(rf"s1/({_ID})/({_ID})/(\d{{1,12}})/([A-Za-z0-9_-]{{86}})")
+_KEY_PREFIX = "ed25519:"
+
+log = logging.getLogger("agentenv.blockd.remote")
+
+
+class PeerKeyError(ValueError):
+    pass
+
+
+def _b64(data: bytes) -> str:
+    return base64.urlsafe_b64encode(data).rstrip(b"=").decode()
+
+
+def _unb64(text: str) -> bytes:
+    return base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))
+
+
+def public_key_text(key: Ed25519PublicKey) -> str:
+    raw = key.public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
+    return _KEY_PREFIX + _b64(raw)
+
+
+def parse_public_key(text: str) -> Ed25519PublicKey:
+    if not text.startswith(_KEY_PREFIX):
+        raise PeerKeyError(f"{text!r} is not a peer public key (ed25519:<base64url>, as "
+                           "`aenv peer-key` prints)")
+    try:
+        raw = _unb64(text[len(_KEY_PREFIX):])
+        if len(raw) != 32:
+            raise ValueError("not 32 bytes")
+        return Ed25519PublicKey.from_public_bytes(raw)
+    except (ValueError, binascii.Error) as exc:
+        raise PeerKeyError(f"{text!r} is not a peer public key: {exc}") from None
+
+
+def _message(node_id: str, target: str, expires: int) -> bytes:
+    return _CONTEXT + f"{node_id}\0{target}\0{expires}".encode()
+
+
+def check_node_id(node_id: str) -> str:
+    if not NODE_ID_RE.fullmatch(node_id):
+        raise PeerKeyError(f"peer node id {node_id!r}: 1-128 of [A-Za-z0-9._:-], starting "
+                           "with a letter or digit")
+    return node_id
+
+
+def default_node_id() -> str:
+    """The host's name, cut to what a node id may hold."""
+    name = re.sub(r"[^A-Za-z0-9._:-]", "-", os.uname().nodename)[:128].lstrip("._:-")
+    return name or "node"
+
+
+@dataclass
+class NodeIdentity:
+    """This blockd's node id and private key: it signs what it presents to each peer."""
+
+    node_id: str
+    private_key: Ed25519PrivateKey
+    _made: dict[str, tuple[int, str]] = field(default_factory=dict, repr=False)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    @property
+    def public_key(self) -> str:
+        return public_key_text(self.private_key.public_key())
+
+    def trust_line(self) -> str:
+        return f"{self.node_id} {self.public_key}"
+
+    def sign(self, target: str, expires: int) -> str:
+        sig = self.private_key.sign(_message(self.node_id, target, expires))
+        return f"{SIGNED_PREFIX}{self.node_id}/{target}/{expires}/{_b64(sig)}"
+
+    def credential_for(self, target: str, now: float | None = None) -> str:
+        """A credential for peer `target`, made anew when the last has less than half its
+        lifetime left."""
+        now = time.time() if now is None else now
+        with self._lock:
+            made = self._made.get(target)
+            if made is None or made[0] - now < TTL_S / 2:
+                expires = int(now) + TTL_S
+                made = self._made[target] = (expires, self.sign(target, expires))
+            return made[1]
+
+
+def load_identity(state_dir: Path, node_id: str) -> NodeIdentity:
+    """The key pair under `state_dir` (made, 0600, when there is none)."""
+    check_node_id(node_id)
+    path = Path(state_dir) / IDENTITY_FILE
+    try:
+        pem = path.read_bytes()
+    except FileNotFoundError:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        key = Ed25519PrivateKey.generate()
+        pem = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                serialization.NoEncryption())
+        tmp = path.with_name(f".{path.name}.{os.getpid()}")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "wb") as f:
+            f.write(pem)
+        try:
+            os.link(tmp, path)  # a concurrent first start: one key wins, both use it
+        except FileExistsError:
+            pass
+        finally:
+            tmp.unlink()
+        pem = path.read_bytes()
+    except OSError as exc:
+        raise PeerKeyError(f"cannot read the peer key {path}: {exc}") from exc
+    if path.stat().st_mode & 0o077:
+        raise PeerKeyError(f"the peer key {path} is readable by others than its owner "
+                           f"(chmod 600 {path})")
+    try:
+        key = serialization.load_pem_private_key(pem, password=None)
+    except ValueError as exc:
+        raise PeerKeyError(f"the peer key {path} is not a PEM private key: {exc}") from None
+    if not isinstance(key, Ed25519PrivateKey):
+        raise PeerKeyError(f"the peer key {path} is not an Ed25519 key")
+    return NodeIdentity(node_id, key)
+
+
+@dataclass(frozen=True)
+class TrustEntry:
+    node_id: str
+    key: Ed25519PublicKey
+    address: str | None  # http://host:port of its chunk server, when it is a peer to ask
+
+
+def normalise_address(address: str) -> str:
+    address = address.strip().rstrip("/")
+    return address if address.startswith(("http://", "https://")) else "http://" + address
+
+
+def parse_trust(text: str, source: str) -> dict[str, TrustEntry]:
+    entries: dict[str, TrustEntry] = {}
+    for number, raw in enumerate(text.splitlines(), 1):
+        line = raw.split("#", 1)[0].strip()
+        if not line:
+            continue
+        parts = line.split()
+        where = f"{source}:{number}"
+        if len(parts) not in (2, 3):
+            raise PeerKeyError(f"{where}: want `<node id> ed25519:<key> [http://host:port]`")
+        try:
+            node_id = check_node_id(parts[0])
+            key = parse_public_key(parts[1])
+        except PeerKeyError as exc:
+            raise PeerKeyError(f"{where}: {exc}") from None
+        if node_id in entries:
+            raise PeerKeyError(f"{where}: node {node_id} is listed twice")
+        address = normalise_address(parts[2]) if len(parts) == 3 else None
+        entries[node_id] = TrustEntry(node_id, key, address)
+    return entries
+
+
+class TrustedPeers:
+    """The nodes of a trust file (read again when it changes, at most once a second)."""
+
+    RECHECK_S = 1.0
+
+    def __init__(self, path: Path | None = None, text: str | None = None) -> None:
+        self.path = path
+        self._lock = threading.Lock()
+        self._checked = time.monotonic()
+        self._stamp: tuple[int, int, int] | None = None
+        if text is not None:
+            self.entries = parse_trust(text, "trust")
+        else:
+            if path is None:
+                raise ValueError("a trust file's path or text")
+            self._stamp = self._stat()
+            self.entries = self._read()
+
+    def _stat(self) -> tuple[int, int, int]:
+        assert self.path is not None
+        st = self.path.stat()
+        return st.st_mtime_ns, st.st_size, st.st_ino
+
+    def _read(self) -> dict[str, TrustEntry]:
+        assert self.path is not None
+        try:
+            return parse_trust(self.path.read_text(), str(self.path))
+        except OSError as exc:
+            raise PeerKeyError(f"cannot read the peer trust file {self.path}: {exc}") from exc
+
+    def current(self) -> dict[str, TrustEntry]:
+        if self.path is None or time.monotonic() - self._checked < self.RECHECK_S:
+            return self.entries
+        with self._lock:
+            self._checked = time.monotonic()
+            try:
+                stamp = self._stat()
+                if stamp != self._stamp:
+                    self.entries, self._stamp = self._read(), stamp
+            except (OSError, PeerKeyError) as exc:
+                # a file being rewritten, or broken: the last good list stays
+                log.warning(
+                    "the peer trust file cannot be read again; its last contents are used",
+                    extra={"path": str(self.path), "error": str(exc)})
+                self._stamp = None
+        return self.entries
+
+    def node_at(self, address: str) -> str | None:
+        """The node whose chunk server `address` (http://host:port) is, per the file."""
+        address = normalise_address(address)
+        for entry in self.current().values():
+            if entry.address == address:
+                return entry.node_id
+        return None
+
+
+def check_signed_credential(trust: TrustedPeers, own_id: str, credential: str,
+                            now: float) -> tuple[str | None, str]:
+    """(the node a signed credential names, "") when a trusted node signed it for `own_id`
+    and it has not expired at `now` (nor expires more than MAX_TTL_S later); else
+    (None, why not)."""
+    match = _CREDENTIAL_RE.fullmatch(credential)
+    if match is None:
+        return None, "not a signed peer credential"
+    node_id, target, expires = match.group(1), match.group(2), int(match.group(3))
+    entry = trust.current().get(node_id)
+    if entry is None:
+        return None, f"node {node_id} is not in the peer trust file"
+    if not hmac.compare_digest(target.encode(), own_id.encode()):
+        return None, "made for another peer"
+    if expires <= now:
+        return None, "expired"
+    if expires > now + MAX_TTL_S:
+        return None, f"expires more than {MAX_TTL_S} s ahead"
+    try:
+        entry.key.verify(_unb64(match.group(4)), _message(node_id, target, expires))
+    except (InvalidSignature, ValueError, binascii.Error):
+        return None, f"not signed with node {node_id}'s key"
+    return node_id, ""
