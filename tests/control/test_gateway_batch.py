@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 from tests.control.cluster import ROOMY_NODES, GatewayProcess, LocalCluster, running
-from tests.control.helpers import call, wait_for
+from tests.control.helpers import call, team_api, wait_for
 from tests.control.test_gateway import gateway_metrics
 
 pytestmark = pytest.mark.timeout(300)
@@ -36,14 +36,11 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
 
 @pytest.fixture
 def api(cluster: LocalCluster) -> Iterator[httpx.Client]:
-    with httpx.Client(base_url=cluster.url, timeout=300, trust_env=False,
-                      headers={"X-API-KEY": cluster.keys[TEAM]}) as client:
+    with team_api(cluster, TEAM, timeout=300) as client:
         yield client
-        # every test starts from an empty cluster: the nodes' room back
-        for sandbox in client.get("/v2/sandboxes").json():
-            client.delete(f"/sandboxes/{sandbox['sandboxID']}")
-        wait_for("the nodes to report their room back", lambda: all(
-            n.status.running == 0 for n in call(cluster.scheduler.address, "list_nodes")))
+    # every test starts from an empty cluster: the nodes' room back
+    wait_for("the nodes to report their room back", lambda: all(
+        n.status.running == 0 for n in call(cluster.scheduler.address, "list_nodes")))
 
 
 def _on_node(cluster: LocalCluster, i: int) -> set[str]:
