@@ -155,3 +155,13 @@ def team_api(cluster: LocalCluster, team: str, timeout: float) -> Iterator[httpx
         yield client
         for sandbox in client.get("/v2/sandboxes").json():
             client.delete(f"/sandboxes/{sandbox['sandboxID']}")
+
+
+def sandbox_and_snapshot(api: httpx.Client) -> tuple[str, str]:
+    """(a new base sandbox of the client's team, a snapshot of it), both made as asked."""
+    source = api.post("/v2/sandboxes", json={"templateID": "base", "timeout": 120})
+    assert source.status_code == 201, source.text
+    source_id = source.json()["sandboxID"]
+    snap = api.post(f"/sandboxes/{source_id}/snapshots", json={})
+    assert snap.status_code == 201, snap.text
+    return source_id, snap.json()["snapshotID"]

@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 from tests.control.cluster import ROOMY_NODES, GatewayProcess, LocalCluster, running
-from tests.control.helpers import call, team_api, wait_for
+from tests.control.helpers import call, sandbox_and_snapshot, team_api, wait_for
 from tests.control.test_gateway import gateway_metrics
 
 pytestmark = pytest.mark.timeout(300)
@@ -119,12 +119,7 @@ def test_a_batch_past_the_cluster_s_room_gets_a_429_per_child_and_nothing_half_m
 
 def test_a_snapshot_fork_without_repository_says_spill_over_needs_it(
         cluster: LocalCluster, api: httpx.Client) -> None:
-    source = api.post("/v2/sandboxes", json={"templateID": "base", "timeout": 120})
-    assert source.status_code == 201, source.text
-    source_id = source.json()["sandboxID"]
-    snap = api.post(f"/sandboxes/{source_id}/snapshots", json={})
-    assert snap.status_code == 201, snap.text
-    snapshot = snap.json()["snapshotID"]
+    source_id, snapshot = sandbox_and_snapshot(api)
     answer = api.post(f"/snapshots/{snapshot}/fork", json={"count": PER_NODE + 1,
                                                            "timeout": 120})
     assert answer.status_code == 201, answer.text

@@ -21,7 +21,7 @@ import pytest
 
 from agentenv.snapshot.repository import push
 from tests.control.cluster import ROOMY_NODES, LocalCluster, running
-from tests.control.helpers import team_api
+from tests.control.helpers import sandbox_and_snapshot, team_api
 from tests.snapshot.test_repository import _snapshot
 from tests.template.registry_server import Registry, running_registry
 
@@ -70,12 +70,7 @@ def _spilled_snapshot(cluster: LocalCluster, api: httpx.Client, registry: Regist
                       tmp_path: Path) -> tuple[str, str, int]:
     """A snapshot of the team, spilled as a batch spills it: (its id, its ref, the index of
     the node holding it, which pushed it)."""
-    source = api.post("/v2/sandboxes", json={"templateID": "base", "timeout": 120})
-    assert source.status_code == 201, source.text
-    source_id = source.json()["sandboxID"]
-    snap = api.post(f"/sandboxes/{source_id}/snapshots", json={})
-    assert snap.status_code == 201, snap.text
-    snapshot = snap.json()["snapshotID"]
+    source_id, snapshot = sandbox_and_snapshot(api)
     home = next(i for i, node in enumerate(cluster.nodes) if httpx.get(
         f"{node.url}/sandboxes/{source_id}", timeout=30, trust_env=False,
         headers=cluster.node_headers(node, TEAM)).status_code == 200)

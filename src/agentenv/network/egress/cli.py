@@ -12,17 +12,7 @@ from ipaddress import IPv4Network
 
 from agentenv import logs
 from agentenv.network import dns
-from agentenv.network.egress.limits import (
-    IDLE_TIMEOUT,
-    LOG_BURST,
-    LOG_MAX_BYTES,
-    LOG_WINDOW,
-    MAX_CONNECTIONS,
-    MAX_CONNECTIONS_PER_SLOT,
-    MAX_METADATA_PER_SLOT,
-    PEEK_TIMEOUT,
-    RESOLVE_TTL,
-)
+from agentenv.network.egress import limits
 from agentenv.network.egress.metrics import rss_bytes
 from agentenv.network.egress.server import EgressProxyServer
 from agentenv.settings import get_settings
@@ -74,13 +64,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--metrics-bind", default="127.0.0.1")
     parser.add_argument("--open-range", action="append", default=[], type=IPv4Network,
                         help="a walled range to open anyway (a lab's private network)")
-    parser.add_argument("--max-connections", type=int, default=MAX_CONNECTIONS)
-    parser.add_argument("--max-per-slot", type=int, default=MAX_CONNECTIONS_PER_SLOT,
+    parser.add_argument("--max-connections", type=int, default=limits.MAX_CONNECTIONS)
+    parser.add_argument("--max-per-slot", type=int, default=limits.MAX_CONNECTIONS_PER_SLOT,
                         help="a slot's egress connections at most (its fair share of "
                              "--max-connections may be less)")
-    parser.add_argument("--max-metadata-per-slot", type=int, default=MAX_METADATA_PER_SLOT)
-    parser.add_argument("--idle-timeout", type=float, default=IDLE_TIMEOUT)
-    parser.add_argument("--peek-timeout", type=float, default=PEEK_TIMEOUT)
+    parser.add_argument("--max-metadata-per-slot", type=int, default=limits.MAX_METADATA_PER_SLOT)
+    parser.add_argument("--idle-timeout", type=float, default=limits.IDLE_TIMEOUT)
+    parser.add_argument("--peek-timeout", type=float, default=limits.PEEK_TIMEOUT)
     parser.add_argument("--dns-upstream", default=get_settings().dns_filter_upstream or None,
                         help="serve the filtering resolver (169.254.169.254:53), forwarding "
                              "allowed names to this IPv4[:port], or 'system' (the node's "
@@ -89,18 +79,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="IPv4[:port] of the DNS server names are bound with (A queries), "
                              "instead of the node's getaddrinfo; default "
                              "$AENV_EGRESS_NAME_SERVER")
-    parser.add_argument("--resolve-ttl", type=float, default=RESOLVE_TTL,
+    parser.add_argument("--resolve-ttl", type=float, default=limits.RESOLVE_TTL,
                         help="seconds a name's addresses (getaddrinfo) are kept")
     parser.add_argument("--copy", action="store_true",
                         help="copy bytes through the process instead of splice(2) (to compare)")
     parser.add_argument("--log-level", default="info")
-    parser.add_argument("--log-max-bytes", type=int, default=LOG_MAX_BYTES,
+    parser.add_argument("--log-max-bytes", type=int, default=limits.LOG_MAX_BYTES,
                         help="bytes of the log (stderr, when a file) and its rotated tail "
                              "<log>.1 kept on disk; 0: no bound")
-    parser.add_argument("--log-burst", type=int, default=LOG_BURST,
+    parser.add_argument("--log-burst", type=int, default=limits.LOG_BURST,
                         help="lines a slot's refusals, DNS queries and failures write whole in "
                              "each --log-window; the rest are counted in a summary line")
-    parser.add_argument("--log-window", type=float, default=LOG_WINDOW, help="seconds")
+    parser.add_argument("--log-window", type=float, default=limits.LOG_WINDOW, help="seconds")
 
 
 def server_from_args(args: argparse.Namespace) -> EgressProxyServer:

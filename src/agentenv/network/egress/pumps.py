@@ -3,6 +3,7 @@ bytes must be read: HTTP heads), SplicePump by the kernel (splice(2): they never
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import fcntl
 import os
@@ -25,7 +26,49 @@ def close_with_reset(sock: socket.socket) -> None:
     sock.close()
 
 
-class CopyPump:
+class _Direction:
+    """What both pumps share: a read's outcome (nothing yet, the source failed, the source
+    ended) and the byte counters. Subclasses give `_recv` and `_finish` and hold the slots."""
+
+    __slots__ = ()
+    conn: Conn
+    loop: asyncio.AbstractEventLoop
+    src_fd: int
+    up: bool
+    eof: bool
+
+    def _recv(self) -> int:
+        raise NotImplementedError
+
+    def _finish(self) -> None:
+        raise NotImplementedError
+
+    def _received(self) -> int:
+        """Bytes one `_recv` took; 0 when there were none (a failure or the end is passed on
+        here, the caller only returns)."""
+        try:
+            n = self._recv()
+        except (BlockingIOError, InterruptedError):
+            return 0
+        except OSError as exc:
+            self.conn.broken(exc, "guest" if self.up else "destination")
+            return 0
+        if n == 0:
+            self.loop.remove_reader(self.src_fd)
+            self.eof = True
+            self._finish()
+            return 0
+        self.conn.last_active = self.loop.time()
+        return n
+
+    def _count(self, n: int) -> None:
+        if self.up:
+            self.conn.proxy.counters.bytes_up += n
+        else:
+            self.conn.proxy.counters.bytes_down += n
+
+
+class CopyPump(_Direction):
     """One direction of a connection between two non-blocking sockets, copied through this
     process (used where bytes must be read: the HTTP request direction), driven by the event
     loop's readiness callbacks (no task per connection). Reads go through one shared buffer;
@@ -62,22 +105,14 @@ class CopyPump:
         self.writing = True
         self.loop.add_writer(self.dst_fd, self._writable)
 
+    def _recv(self) -> int:
+        return self.src.recv_into(self.conn.proxy.buffer)
+
     def _readable(self) -> None:
-        proxy = self.conn.proxy
-        try:
-            n = self.src.recv_into(proxy.buffer)
-        except (BlockingIOError, InterruptedError):
+        n = self._received()
+        if not n:
             return
-        except OSError as exc:
-            self.conn.broken(exc, "guest" if self.up else "destination")
-            return
-        if n == 0:
-            self.loop.remove_reader(self.src_fd)
-            self.eof = True
-            self._finish()
-            return
-        self.conn.last_active = self.loop.time()
-        data: bytes | memoryview = proxy.view[:n]
+        data: bytes | memoryview = self.conn.proxy.view[:n]
         if self.transform is not None:
             try:
                 data = self.transform(bytes(data))
@@ -99,10 +134,7 @@ class CopyPump:
         except OSError as exc:
             self.conn.broken(exc, "destination" if self.up else "guest")
             return
-        if self.up:
-            self.conn.proxy.counters.bytes_up += sent
-        else:
-            self.conn.proxy.counters.bytes_down += sent
+        self._count(sent)
         if sent < len(data):
             # Keep the rest (a copy: the shared buffer is reused) and stop reading until sent.
             self.pending = memoryview(bytes(data[sent:]))
@@ -151,7 +183,7 @@ _SPLICE_FLAGS = getattr(os, "SPLICE_F_MOVE", 1) | getattr(os, "SPLICE_F_NONBLOCK
 _F_SETPIPE_SZ = 1031
 
 
-class SplicePump:
+class SplicePump(_Direction):
     """One direction moved by the kernel (splice(2) socket -> pipe -> socket): the bytes never
     enter this process. What the destination does not take at once stays in the pipe (at most
     PIPE_SIZE; reading stops until it is drained)."""
@@ -190,20 +222,13 @@ class SplicePump:
     def done(self) -> bool:
         return self.eof and self.in_pipe == 0
 
+    def _recv(self) -> int:
+        return os.splice(self.src_fd, self.pipe_w, self.PIPE_SIZE, flags=_SPLICE_FLAGS)
+
     def _readable(self) -> None:
-        try:
-            n = os.splice(self.src_fd, self.pipe_w, self.PIPE_SIZE, flags=_SPLICE_FLAGS)
-        except (BlockingIOError, InterruptedError):
+        n = self._received()
+        if not n:
             return
-        except OSError as exc:
-            self.conn.broken(exc, "guest" if self.up else "destination")
-            return
-        if n == 0:
-            self.loop.remove_reader(self.src_fd)
-            self.eof = True
-            self._finish()
-            return
-        self.conn.last_active = self.loop.time()
         self.in_pipe = n
         self._drain(from_reader=True)
 
@@ -223,10 +248,7 @@ class SplicePump:
                 return
             self.in_pipe -= m
             moved += m
-        if self.up:
-            self.conn.proxy.counters.bytes_up += moved
-        else:
-            self.conn.proxy.counters.bytes_down += moved
+        self._count(moved)
         if self.in_pipe:
             if from_reader:
                 self.loop.remove_reader(self.src_fd)
