@@ -8,7 +8,7 @@ import asyncio
 import contextlib
 import time
 from collections.abc import Awaitable
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
 import httpx
 
@@ -21,9 +21,7 @@ from agentenv.envd_client import (
 )
 from agentenv.runtime.config import RuntimeConfig
 from agentenv.runtime.errors import GuestNotReadyError, VMDiedError
-
-if TYPE_CHECKING:
-    from agentenv.runtime.vm import VM
+from agentenv.runtime.machine import VM
 
 T = TypeVar("T")
 

@@ -13,20 +13,18 @@ import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from agentenv.fsutil import fsync_dir
 from agentenv.runtime import privilege
 from agentenv.runtime.config import RuntimeConfig
 from agentenv.runtime.devstate import finish_device_state
 from agentenv.runtime.errors import RuntimeError_, SnapshotError
+from agentenv.runtime.machine import VM
 from agentenv.runtime.memory import capture_memory_layer, find_ram_mapping, materialise
 from agentenv.runtime.qemu import QemuProcess
 from agentenv.snapshot.record import RECORD_NAME, DiskSnapshot, LayerRef, SnapshotRecord
 from agentenv.storage.export import import_raw
-
-if TYPE_CHECKING:
-    from agentenv.runtime.vm import VM
 
 log = logging.getLogger("agentenv.runtime")
 

@@ -25,7 +25,6 @@ import shutil
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from ipaddress import IPv4Address
 from pathlib import Path
 from typing import Any, Literal
@@ -56,6 +55,7 @@ from agentenv.runtime.errors import (
 )
 from agentenv.runtime.jail import UidPool
 from agentenv.runtime.launch import QemuLauncher
+from agentenv.runtime.machine import VM, BootSpec
 from agentenv.runtime.memdev import make_memory_store
 from agentenv.runtime.network import (
     GUEST_IP,
@@ -77,57 +77,10 @@ from agentenv.snapshot.record import (
     SnapshotRecordError,
 )
 
+# What callers import from here (the handles and disk requests live in machine.py and disks.py).
+__all__ = ["VM", "BootSpec", "DiskSource", "Runtime", "VolumeDisk", "volume_slot_sources"]
+
 log = logging.getLogger("agentenv.runtime")
-
-VMState = Literal["starting", "running", "pausing", "paused", "stopped", "error"]
-
-
-@dataclass
-class BootSpec:
-    kernel: Path
-    cmdline: str  # base command line; network and hostname arguments are appended
-    initramfs: Path | None = None
-    vcpus: int | None = None
-    memory_mib: int | None = None
-    disks: list[DiskSource] = field(default_factory=list)
-    hostname: str = "sandbox"
-    outbound: bool = True
-    dns: str | None = None  # the guest's resolver; None: RuntimeConfig.guest_dns
-    egress: EgressPolicy | None = None  # the slot's policy (else `outbound`), before boot
-
-
-@dataclass
-class VM:
-    id: str
-    machine: MachineConfig
-    process: QemuProcess
-    slot: NetworkSlot | None
-    workdir: Path
-    memory_layers: list[LayerRef]
-    mem_key: str | None  # MemoryFileCache key of the RAM file (None: the zero file)
-    mem_path: Path
-    disks: list[AttachedDisk]
-    state: VMState = "starting"
-    error: str | None = None
-    started_at: float = field(default_factory=time.time)
-    parent_snapshot: str | None = None
-    timings: dict[str, float] = field(default_factory=dict)  # ms per phase of the last start
-    _watch: asyncio.Task[None] | None = None
-
-    @property
-    def pid(self) -> int:
-        return self.process.pid
-
-    @property
-    def vmgenid(self) -> str:
-        return self.process.vmgenid
-
-    @property
-    def envd_url(self) -> str:
-        if self.slot is None:
-            raise RuntimeError_(f"VM {self.id} has no network")
-        return self.slot.envd_url
-
 
 def _cmdline(spec: BootSpec, network: bool, disks: list[DiskConfig],
              guest_dns: IPv4Address | None) -> str:

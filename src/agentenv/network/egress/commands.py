@@ -7,16 +7,25 @@ import asyncio
 import functools
 import json
 from ipaddress import IPv4Address
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from agentenv.network.control import SlotEntry, SlotIdentity
 from agentenv.network.policy import EgressPolicy, PolicyError
 
-if TYPE_CHECKING:
-    from agentenv.network.egress.server import EgressProxyServer
+
+class SlotTable(Protocol):
+    """What the control socket changes and reads (the proxy)."""
+
+    def stats(self) -> dict[str, Any]: ...
+
+    def set_slot(self, entry: SlotEntry) -> int: ...
+
+    def remove_slot(self, source: str) -> int: ...
+
+    def sync(self, entries: list[SlotEntry]) -> None: ...
 
 
-def handle_request(proxy: EgressProxyServer, request: Any) -> dict[str, Any]:
+def handle_request(proxy: SlotTable, request: Any) -> dict[str, Any]:
     if not isinstance(request, dict):
         raise ValueError("a request is a JSON object with an op")
     op = request.get("op")
@@ -43,7 +52,7 @@ def handle_request(proxy: EgressProxyServer, request: Any) -> dict[str, Any]:
     raise ValueError(f"unknown op {op!r} (ping, set, remove, sync)")
 
 
-async def serve_control_client(proxy: EgressProxyServer, reader: asyncio.StreamReader,
+async def serve_control_client(proxy: SlotTable, reader: asyncio.StreamReader,
                                writer: asyncio.StreamWriter) -> None:
     try:
         while True:

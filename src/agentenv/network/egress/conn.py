@@ -11,14 +11,42 @@ import socket
 import struct
 from dataclasses import dataclass, field
 from ipaddress import IPv4Address
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
+from agentenv.logs import PerKeyLimit
 from agentenv.network.control import SlotEntry
-from agentenv.network.egress.pumps import CopyPump, SplicePump, close_with_reset
+from agentenv.network.egress.metrics import Counters
 from agentenv.network.policy import EgressProxy
 
-if TYPE_CHECKING:
-    from agentenv.network.egress.server import EgressProxyServer
+
+class ConnOwner(Protocol):
+    """What a connection (and its pumps) use of the proxy that accepted it."""
+
+    loop: asyncio.AbstractEventLoop
+    counters: Counters
+    events: PerKeyLimit
+    buffer: bytearray  # the copy pumps' shared read buffer, and a view of it
+    view: memoryview
+
+    def unregister(self, conn: Conn) -> None: ...
+
+
+class Pump(Protocol):
+    """One direction of a connection's bytes (pumps.py)."""
+
+    def start(self) -> None: ...
+
+    def stop(self) -> None: ...
+
+    @property
+    def done(self) -> bool: ...
+
+
+def close_with_reset(sock: socket.socket) -> None:
+    """Close with a reset (SO_LINGER 0), so the peer sees a refusal, not a hang or a clean end."""
+    with contextlib.suppress(OSError):
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    sock.close()
 
 
 @dataclass
@@ -45,14 +73,14 @@ class Conn:
                  "pumps", "slot", "source", "started", "task", "transports", "tunnel",
                  "upstream", "via")
 
-    def __init__(self, proxy: EgressProxyServer, guest: socket.socket, source: str,
+    def __init__(self, proxy: ConnOwner, guest: socket.socket, source: str,
                  dst_ip: IPv4Address, dst_port: int) -> None:
         self.proxy, self.guest, self.source = proxy, guest, source
         self.dst_ip, self.dst_port = dst_ip, dst_port
         self.name: str | None = None
         self.via: EgressProxy | None = None
         self.upstream: socket.socket | None = None
-        self.pumps: tuple[CopyPump | SplicePump, CopyPump | SplicePump] | None = None
+        self.pumps: tuple[Pump, Pump] | None = None
         self.tunnel: Tunnel | None = None  # a TLS connection to the SOCKS5 proxy
         self.transports: list[asyncio.BaseTransport] = []  # when streams own the sockets
         self.task: asyncio.Task[None] | None = None

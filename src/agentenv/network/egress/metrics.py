@@ -5,11 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from agentenv.network.egress.server import EgressProxyServer
 
 
 @dataclass
@@ -45,13 +42,12 @@ def rss_bytes() -> int:
     return int(os.pread(_statm_fd, 128, 0).split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def metrics_text(proxy: EgressProxyServer) -> str:
-    c = proxy.counters
+def metrics_text(c: Counters, slots: int, connections: int, metadata_connections: int) -> str:
     lines = [
-        "# TYPE aenv_egress_slots gauge", f"aenv_egress_slots {len(proxy.slots)}",
-        "# TYPE aenv_egress_connections gauge", f"aenv_egress_connections {len(proxy.conns)}",
+        "# TYPE aenv_egress_slots gauge", f"aenv_egress_slots {slots}",
+        "# TYPE aenv_egress_connections gauge", f"aenv_egress_connections {connections}",
         "# TYPE aenv_egress_metadata_connections gauge",
-        f"aenv_egress_metadata_connections {proxy.metadata_connections}",
+        f"aenv_egress_metadata_connections {metadata_connections}",
         "# TYPE aenv_egress_rss_bytes gauge", f"aenv_egress_rss_bytes {rss_bytes()}",
         "# TYPE aenv_egress_connections_total counter",
     ]
@@ -74,13 +70,14 @@ def metrics_text(proxy: EgressProxyServer) -> str:
     return "\n".join(lines) + "\n"
 
 
-async def serve_metrics_client(proxy: EgressProxyServer, reader: asyncio.StreamReader,
+async def serve_metrics_client(text: Callable[[], str], reader: asyncio.StreamReader,
                                writer: asyncio.StreamWriter) -> None:
+    """One scrape: `text` answers GET /metrics, anything else is a 404."""
     try:
         async with asyncio.timeout(5):
             head = await reader.readuntil(b"\r\n\r\n")
         ok = head.startswith(b"GET /metrics ")
-        body = metrics_text(proxy).encode() if ok else b"not found\n"
+        body = text().encode() if ok else b"not found\n"
         status = "200 OK" if ok else "404 Not Found"
         writer.write(f"HTTP/1.1 {status}\r\nContent-Type: text/plain; version=0.0.4\r\n"
                      f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode()

@@ -8,7 +8,6 @@ import contextlib
 import fcntl
 import os
 import socket
-import struct
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -17,13 +16,6 @@ from agentenv.network.egress.decisions import Refused
 
 if TYPE_CHECKING:
     from agentenv.network.egress.conn import Conn
-
-
-def close_with_reset(sock: socket.socket) -> None:
-    """Close with a reset (SO_LINGER 0), so the peer sees a refusal, not a hang or a clean end."""
-    with contextlib.suppress(OSError):
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-    sock.close()
 
 
 class _Direction:

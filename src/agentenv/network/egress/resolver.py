@@ -9,51 +9,55 @@ import contextlib
 import logging
 import socket
 import struct
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Coroutine
+from typing import Any
 
+from agentenv.logs import PerKeyLimit
 from agentenv.network import dns, metadata
 from agentenv.network.egress.conn import Conn, Slot
 from agentenv.network.egress.limits import MAX_DNS_INFLIGHT_PER_SLOT
-
-if TYPE_CHECKING:
-    from agentenv.network.egress.server import EgressProxyServer
+from agentenv.network.egress.metrics import Counters
 
 
 class FilteringResolver:
-    """The resolver of one proxy: its slots, counters and event log."""
+    """The resolver of one proxy: its slot table (read), counters and event log; `spawn` runs
+    a forwarded UDP query beside the others."""
 
-    def __init__(self, proxy: EgressProxyServer, upstream: tuple[str, int]) -> None:
-        self.proxy = proxy
+    def __init__(self, upstream: tuple[str, int], slots: dict[str, Slot], counters: Counters,
+                 events: PerKeyLimit, spawn: Callable[[Coroutine[Any, Any, None]], Any]) -> None:
         self.upstream = upstream
+        self.slots, self.counters, self.events, self.spawn = slots, counters, events, spawn
         self._sock: socket.socket | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
 
-    def open(self, bind: str, port: int) -> None:
+    def open(self, loop: asyncio.AbstractEventLoop, bind: str, port: int) -> None:
         """The UDP side, on the same port number as the proxy's listener."""
+        self._loop = loop
         udp = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
         udp.bind((bind, port))
         udp.setblocking(False)
         self._sock = udp
-        self.proxy.loop.add_reader(udp.fileno(), self._on_datagram)
+        loop.add_reader(udp.fileno(), self._on_datagram)
 
     def close(self) -> None:
-        if self._sock is not None:
-            self.proxy.loop.remove_reader(self._sock.fileno())
+        if self._sock is not None and self._loop is not None:
+            self._loop.remove_reader(self._sock.fileno())
             self._sock.close()
             self._sock = None
 
     def _decide(self, source: str, message: bytes) -> tuple[bytes | None, Slot | None]:
         """(an answer to send now, or None to forward; the slot) for one query from `source`."""
-        slot = self.proxy.slots.get(source)
+        slot = self.slots.get(source)
         try:
             question = dns.parse_query(message)
         except dns.DnsFormatError as exc:
-            self.proxy.counters.dns_failed += 1
-            self.proxy.events.log(source, "dns_malformed", logging.INFO, "dns query malformed",
+            self.counters.dns_failed += 1
+            self.events.log(source, "dns_malformed", logging.INFO, "dns query malformed",
                                   {"event": "dns_malformed", "source": source, "error": str(exc)})
             return dns.error_response(message, dns.RCODE_FORMERR, None), slot
         if slot is None or not slot.entry.policy.resolves(question.name):
-            self.proxy.counters.dns_refused += 1
-            self.proxy.events.log(source, "dns_refused", logging.INFO, "dns query refused", {
+            self.counters.dns_refused += 1
+            self.events.log(source, "dns_refused", logging.INFO, "dns query refused", {
                 "event": "dns_refused", "source": source, "qname": question.name,
                 "reason": "unknown source" if slot is None else "name not allowed by the policy"})
             return dns.error_response(message, dns.RCODE_REFUSED, question), slot
@@ -63,13 +67,13 @@ class FilteringResolver:
         try:
             answer = await dns.forward_udp(message, self.upstream)
         except (OSError, TimeoutError) as exc:
-            self.proxy.counters.dns_failed += 1
-            self.proxy.events.log(source, "dns_upstream_failed", logging.INFO,
+            self.counters.dns_failed += 1
+            self.events.log(source, "dns_upstream_failed", logging.INFO,
                                   "dns upstream failed", {"event": "dns_upstream_failed",
                                                           "source": source,
                                                           "error": str(exc) or type(exc).__name__})
             return dns.error_response(message, dns.RCODE_SERVFAIL, dns.parse_query(message))
-        self.proxy.counters.dns_answered += 1
+        self.counters.dns_answered += 1
         return answer
 
     def _on_datagram(self) -> None:
@@ -84,10 +88,10 @@ class FilteringResolver:
                 self._reply(now, (source, port))
             elif slot is not None and slot.dns_inflight < MAX_DNS_INFLIGHT_PER_SLOT:
                 slot.dns_inflight += 1
-                self.proxy.spawn(self._udp(message, slot, (source, port)))
+                self.spawn(self._udp(message, slot, (source, port)))
             else:
                 # over the slot's cap: dropped, the stub retries
-                self.proxy.counters.dns_failed += 1
+                self.counters.dns_failed += 1
 
     async def _udp(self, message: bytes, slot: Slot, to: tuple[str, int]) -> None:
         try:
@@ -112,7 +116,7 @@ class FilteringResolver:
                     except asyncio.IncompleteReadError:
                         break
                     message = await reader.readexactly(length)
-                conn.last_active = self.proxy.loop.time()
+                conn.last_active = asyncio.get_running_loop().time()
                 answer, _ = self._decide(conn.source, message)
                 if answer is None:
                     answer = await self._forward(message, conn.source)

@@ -22,7 +22,7 @@ from agentenv.logs import PerKeyLimit, trim_log
 from agentenv.network import httphead, metadata, sni, socks5
 from agentenv.network.control import SlotEntry, SlotIdentity
 from agentenv.network.egress.commands import handle_request, serve_control_client
-from agentenv.network.egress.conn import Conn, Slot
+from agentenv.network.egress.conn import Conn, Slot, close_with_reset
 from agentenv.network.egress.decisions import Refused, judge, policy_decision
 from agentenv.network.egress.destinations import Walls, original_destination
 from agentenv.network.egress.limits import (
@@ -52,7 +52,7 @@ from agentenv.network.egress.metrics import (
 )
 from agentenv.network.egress.names import NameAnswers
 from agentenv.network.egress.peek import peek
-from agentenv.network.egress.pumps import CopyPump, SplicePump, close_with_reset
+from agentenv.network.egress.pumps import CopyPump, SplicePump
 from agentenv.network.egress.resolver import FilteringResolver
 from agentenv.network.egress.shares import evict_over_share, slot_share
 from agentenv.network.egress.upstream import connect, relay_through_tunnel
@@ -99,7 +99,8 @@ class EgressProxyServer:
         self.walls = Walls(open_ranges)
         self.names = NameAnswers(resolve_ttl, name_server)
         self.dns_upstream = dns_upstream
-        self.resolver = FilteringResolver(self, dns_upstream) \
+        self.resolver = FilteringResolver(dns_upstream, self.slots, self.counters, self.events,
+                                          self.spawn) \
             if dns_upstream is not None else None  # None: no filtering resolver
         self._listener: socket.socket | None = None
         self._servers: list[asyncio.base_events.Server] = []
@@ -123,7 +124,7 @@ class EgressProxyServer:
         if self.resolver is not None:
             # The filtering resolver's UDP side, on the same port number (the host redirects
             # the slots' UDP to 169.254.169.254:53 here).
-            self.resolver.open(self.bind, self.port)
+            self.resolver.open(self.loop, self.bind, self.port)
         path = Path(self.control_path)
         path.parent.mkdir(parents=True, exist_ok=True)
         with contextlib.suppress(FileNotFoundError):
@@ -137,7 +138,7 @@ class EgressProxyServer:
             os.umask(old_umask)
         if self.metrics_port is not None:
             self._servers.append(await asyncio.start_server(
-                functools.partial(serve_metrics_client, self), self.metrics_bind,
+                functools.partial(serve_metrics_client, self.metrics_text), self.metrics_bind,
                 self.metrics_port))
         self.spawn(self._sweep())
         if self.log_max_bytes:
@@ -232,8 +233,10 @@ class EgressProxyServer:
         else:
             limit = self.slot_share()
             held = len(slot.conns)
-            over = held >= limit or (self.egress_connections >= self.max_connections
-                                     and not evict_over_share(self, limit, source))
+            over = held >= limit or (
+                self.egress_connections >= self.max_connections
+                and not evict_over_share(self.slots.values(), limit, source, self.counters,
+                                         self.events))
         if over:
             self.counters.over_capacity += 1
             self.events.log(source, "over_capacity", logging.WARNING,
@@ -332,7 +335,8 @@ class EgressProxyServer:
                 # server agrees (httphead.RequestStream).
                 responses = stream.responses().feed
                 data = stream.feed(data)
-            await connect(self, conn)
+            await connect(self.loop, conn, self.current_slot(conn).entry.policy.egress_proxy,
+                          self.connect_timeout, self.walls)
             # The policy may have changed while connecting: decide again with the current one.
             policy = await self._decide(conn, conn.name)
             if policy.egress_proxy != conn.via:
@@ -356,7 +360,8 @@ class EgressProxyServer:
                 for pump in conn.pumps:
                     pump.start()
             else:
-                await relay_through_tunnel(self, conn, data, stream, transform, responses)
+                await relay_through_tunnel(self.loop, self.counters, conn, data, stream,
+                                           transform, responses)
         except Refused as exc:
             conn.refuse(str(exc), exc.kind, exc.fields)
         except (httphead.HttpError, sni.NotClientHello) as exc:
@@ -506,4 +511,5 @@ class EgressProxyServer:
     # -- metrics -------------------------------------------------------------------------------
 
     def metrics_text(self) -> str:
-        return metrics_text(self)
+        return metrics_text(self.counters, len(self.slots), len(self.conns),
+                            self.metadata_connections)

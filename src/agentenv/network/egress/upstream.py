@@ -8,43 +8,43 @@ import socket
 import ssl
 from collections.abc import Callable
 from ipaddress import IPv4Address
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from agentenv.network import httphead, socks5
 from agentenv.network.egress.conn import Conn, Tunnel
 from agentenv.network.egress.decisions import Refused
+from agentenv.network.egress.destinations import Walls
 from agentenv.network.egress.limits import COPY_CHUNK
+from agentenv.network.egress.metrics import Counters
+from agentenv.network.policy import EgressProxy
 
-if TYPE_CHECKING:
-    from agentenv.network.egress.server import EgressProxyServer
 
-
-async def connect(proxy: EgressProxyServer, conn: Conn) -> None:
-    """Open the upstream: conn.upstream (a plain socket) or, through a TLS SOCKS5 proxy,
-    conn.tunnel (streams)."""
-    policy = proxy.current_slot(conn).entry.policy
-    via = conn.via = policy.egress_proxy
-    async with asyncio.timeout(proxy.connect_timeout):
+async def connect(loop: asyncio.AbstractEventLoop, conn: Conn, via: EgressProxy | None,
+                  timeout: float, walls: Walls) -> None:
+    """Open the upstream, directly or through the SOCKS5 proxy `via` (conn.via): conn.upstream
+    (a plain socket) or, through a TLS SOCKS5 proxy, conn.tunnel (streams)."""
+    conn.via = via
+    async with asyncio.timeout(timeout):
         if via is None:
-            conn.upstream = await tcp_connect(proxy.loop, str(conn.dst_ip), conn.dst_port)
+            conn.upstream = await tcp_connect(loop, str(conn.dst_ip), conn.dst_port)
             return
-        proxy_ip = await resolve(proxy.loop, via.host)
-        if proxy_ip in proxy.walls:
+        proxy_ip = await resolve(loop, via.host)
+        if proxy_ip in walls:
             raise Refused(f"egress proxy address {proxy_ip} is behind the walls")
         if not via.tls:
-            sock = conn.upstream = await tcp_connect(proxy.loop, str(proxy_ip), via.port)
+            sock = conn.upstream = await tcp_connect(loop, str(proxy_ip), via.port)
 
             async def read_exactly(n: int) -> bytes:
                 buf = b""
                 while len(buf) < n:
-                    chunk = await proxy.loop.sock_recv(sock, n - len(buf))
+                    chunk = await loop.sock_recv(sock, n - len(buf))
                     if not chunk:
                         raise socks5.SocksError("the SOCKS proxy closed the connection")
                     buf += chunk
                 return buf
 
             async def write(data: bytes) -> None:
-                await proxy.loop.sock_sendall(sock, data)
+                await loop.sock_sendall(sock, data)
 
             await socks5.connect(read_exactly, write, str(conn.dst_ip), conn.dst_port,
                                  via.username, via.password)
@@ -90,7 +90,8 @@ def stream_write(writer: asyncio.StreamWriter) -> Callable[[bytes], Any]:
     return write
 
 
-async def relay_through_tunnel(proxy: EgressProxyServer, conn: Conn, data: bytes,
+async def relay_through_tunnel(loop: asyncio.AbstractEventLoop, counters: Counters,
+                               conn: Conn, data: bytes,
                                stream: httphead.RequestStream | None,
                                transform: Callable[[bytes], bytes] | None,
                                responses: Callable[[bytes], bytes] | None) -> None:
@@ -105,23 +106,23 @@ async def relay_through_tunnel(proxy: EgressProxyServer, conn: Conn, data: bytes
     async def copy(src: asyncio.StreamReader, dst: asyncio.StreamWriter, up: bool) -> None:
         change = transform if up else responses
         while chunk := await src.read(COPY_CHUNK):
-            conn.last_active = proxy.loop.time()
+            conn.last_active = loop.time()
             if change is not None:
                 chunk = change(chunk)
             dst.write(chunk)
             await dst.drain()
             if up:
-                proxy.counters.bytes_up += len(chunk)
+                counters.bytes_up += len(chunk)
             else:
-                proxy.counters.bytes_down += len(chunk)
+                counters.bytes_down += len(chunk)
         if dst.can_write_eof():
             dst.write_eof()
 
     if data:
         tunnel.writer.write(data)
-        proxy.counters.bytes_up += len(data)
-    copies = {proxy.loop.create_task(copy(reader, tunnel.writer, True)),
-              proxy.loop.create_task(copy(tunnel.reader, writer, False))}
+        counters.bytes_up += len(data)
+    copies = {loop.create_task(copy(reader, tunnel.writer, True)),
+              loop.create_task(copy(tunnel.reader, writer, False))}
     try:
         # Both directions end (half-closes pass on), or the first failure ends both.
         done, _ = await asyncio.wait(copies, return_when=asyncio.FIRST_EXCEPTION)
