@@ -29,7 +29,6 @@ from ipaddress import IPv4Address
 from pathlib import Path
 from typing import Any, Literal
 
-from agentenv.logs import trim_log
 from agentenv.network.policy import ALL_TRAFFIC, EgressPolicy
 from agentenv.runtime import privilege
 from agentenv.runtime.accel import resolve_accel
@@ -37,6 +36,7 @@ from agentenv.runtime.cgroup import (
     CgroupManager,
 )
 from agentenv.runtime.config import RuntimeConfig
+from agentenv.runtime.devstate import load_device_state
 from agentenv.runtime.disks import (
     AttachedDisk,
     DiskSource,
@@ -48,7 +48,6 @@ from agentenv.runtime.disks import (
 from agentenv.runtime.envd_calls import EnvdCalls
 from agentenv.runtime.errors import (
     ModeMismatchError,
-    QMPError,
     RuntimeError_,
     SnapshotError,
     VMDiedError,
@@ -65,8 +64,7 @@ from agentenv.runtime.network import (
     setup_host,
 )
 from agentenv.runtime.qemu import DiskAttachment, QemuProcess
-from agentenv.runtime.serial import CHECK_INTERVAL as SERIAL_CHECK_INTERVAL
-from agentenv.runtime.serial import SERIAL_LOG
+from agentenv.runtime.serial import SERIAL_LOG, keep_serial_logs_trimmed
 from agentenv.runtime.snapshots import SnapshotTaker
 from agentenv.runtime.warm_pool import WarmPool, WarmProcess
 from agentenv.snapshot.record import (
@@ -260,19 +258,9 @@ class Runtime:
 
     async def _trim_serial_logs(self) -> None:
         """Keeps every VM's serial console log within serial_log_max_bytes (runtime/serial.py)."""
-        cap = self.config.serial_log_max_bytes
-
-        def trim_all(logs: list[Path]) -> list[Path]:
-            return [log_path for log_path in logs if trim_log(log_path, cap)]
-
-        while True:
-            logs = [vm.workdir / SERIAL_LOG for vm in list(self.vms.values())]
-            try:
-                for rotated in await asyncio.to_thread(trim_all, logs):
-                    log.debug("serial log rotated", extra={"vm": rotated.parent.name})
-            except OSError as exc:  # a full disk, say: tried again at the next look
-                log.warning("serial log not trimmed", extra={"error": str(exc)})
-            await asyncio.sleep(SERIAL_CHECK_INTERVAL)
+        await keep_serial_logs_trimmed(
+            lambda: [vm.workdir / SERIAL_LOG for vm in list(self.vms.values())],
+            self.config.serial_log_max_bytes)
 
     async def _watch(self, vm: VM) -> None:
         await vm.process.died.wait()
@@ -431,7 +419,8 @@ class Runtime:
                                                         own_disks=own_disks, volumes=volumes)
             t1 = time.perf_counter()
             try:
-                await self._load_device_state(process, Path(record.device_state))
+                await load_device_state(process, Path(record.device_state),
+                                        self.config.restore_timeout)
             except VMDiedError as exc:
                 raise SnapshotError(
                     f"snapshot {record.id}: QEMU died loading its device state: {exc}") from exc
@@ -471,32 +460,6 @@ class Runtime:
                           load_ms=(t2 - t1) * 1e3, cont_ms=(t3 - t2) * 1e3,
                           envd_init_ms=(t4 - t3) * 1e3)
         return vm
-
-    async def _load_device_state(self, process: QemuProcess, devstate: Path) -> None:
-        queue = process.qmp.subscribe()
-        try:
-            # `events` makes QEMU announce each migration state change (no polling delay).
-            await process.execute("migrate-set-capabilities",
-                                  {"capabilities": [{"capability": "events", "state": True}]})
-            # ~80 KB from the page cache: a thread hop would cost more than the copy.
-            staged = privilege.stage_devstate(devstate, process.workdir, process.user)
-            await process.execute("migrate-incoming", {"uri": f"file:{staged}"})
-            deadline = time.monotonic() + self.config.restore_timeout
-            while True:
-                status = await process.execute("query-migrate")
-                state = status.get("status")
-                if state == "completed":
-                    return
-                if state == "failed":
-                    raise SnapshotError(
-                        f"device state {devstate} failed to load: {status.get('error-desc', '')}")
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    raise SnapshotError(f"device state {devstate} did not load in time")
-                with contextlib.suppress(QMPError):
-                    await process.qmp.wait_event(queue, "MIGRATION", min(remaining, 1.0))
-        finally:
-            process.qmp.unsubscribe(queue)
 
     async def fork(self, vm: VM, count: int, *, env_vars: dict[str, str] | None = None,
                    access_token: str | None = None) -> tuple[SnapshotRecord, list[VM]]:
