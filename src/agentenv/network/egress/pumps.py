@@ -20,20 +20,31 @@ if TYPE_CHECKING:
 
 class _Direction:
     """What both pumps share: a read's outcome (nothing yet, the source failed, the source
-    ended) and the byte counters. Subclasses give `_recv` and `_finish` and hold the slots."""
+    ended), unwatching, and the byte counters. Subclasses give `_recv` and `_finish` and hold
+    the slots."""
 
     __slots__ = ()
     conn: Conn
     loop: asyncio.AbstractEventLoop
     src_fd: int
+    dst_fd: int
     up: bool
     eof: bool
+    writing: bool  # waiting for the destination to take more (not reading meanwhile)
 
     def _recv(self) -> int:
         raise NotImplementedError
 
     def _finish(self) -> None:
         raise NotImplementedError
+
+    def stop(self) -> None:
+        """Unwatch the socket it waits on."""
+        if self.writing:
+            self.loop.remove_writer(self.dst_fd)
+            self.writing = False
+        elif not self.eof:
+            self.loop.remove_reader(self.src_fd)
 
     def _received(self) -> int:
         """Bytes one `_recv` took; 0 when there were none (a failure or the end is passed on
@@ -85,13 +96,6 @@ class CopyPump(_Direction):
             self._want_write()
         else:
             self.loop.add_reader(self.src_fd, self._readable)
-
-    def stop(self) -> None:
-        if self.writing:
-            self.loop.remove_writer(self.dst_fd)
-            self.writing = False
-        elif not self.eof:
-            self.loop.remove_reader(self.src_fd)
 
     def _want_write(self) -> None:
         self.writing = True
@@ -200,11 +204,7 @@ class SplicePump(_Direction):
         self.loop.add_reader(self.src_fd, self._readable)
 
     def stop(self) -> None:
-        if self.writing:
-            self.loop.remove_writer(self.dst_fd)
-            self.writing = False
-        elif not self.eof:
-            self.loop.remove_reader(self.src_fd)
+        super().stop()
         if self.pipe_r >= 0:
             os.close(self.pipe_r)
             os.close(self.pipe_w)
