@@ -51,6 +51,8 @@ def close_with_reset(sock: socket.socket) -> None:
 
 @dataclass
 class Slot:
+    """A slot of the table: the node's entry for it and the connections it holds."""
+
     entry: SlotEntry
     conns: set[Conn] = field(default_factory=set)  # egress connections
     metadata: set[Conn] = field(default_factory=set)  # metadata and resolver connections
