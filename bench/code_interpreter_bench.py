@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import json
 import shlex
-import shutil
 import sys
 import tempfile
 import time
@@ -137,16 +136,8 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=50)
     args = parser.parse_args()
     base = Path(tempfile.mkdtemp(prefix="aenv-cibench-"))
-    node = conftest.vm_node_process(
-        base / "state", base / "node.log", PREFIX, FIRST_SLOT,
-        {"AENV_VM_CODE_INTERPRETER": "1", "AENV_VM_POOL_LOW": "1", "AENV_VM_POOL_HIGH": "1"})
-    node.start_timeout = 1200
-    try:
-        with conftest.serving_vm_node(node, PREFIX):
-            run(node, args.rounds, args.calls)
-    finally:
-        for root in [*conftest._REACHABLE_ROOTS, base]:
-            shutil.rmtree(root, ignore_errors=True)
+    with conftest.code_interpreter_node(base, PREFIX, FIRST_SLOT) as node:
+        run(node, args.rounds, args.calls)
 
 
 if __name__ == "__main__":

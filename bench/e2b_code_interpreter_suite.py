@@ -39,29 +39,21 @@ def main() -> int:
     parser.add_argument("pytest_args", nargs="*", help="after --: passed to pytest (default tests)")
     args = parser.parse_args()
     base = Path(tempfile.mkdtemp(prefix="aenv-e2bsuite-"))
-    node = conftest.vm_node_process(
-        base / "state", base / "node.log", PREFIX, FIRST_SLOT,
-        {"AENV_VM_CODE_INTERPRETER": "1", "AENV_VM_POOL_LOW": "1", "AENV_VM_POOL_HIGH": "1"})
-    node.start_timeout = 1200
-    try:
-        with conftest.serving_vm_node(node, PREFIX):
-            env = {**{k: v for k, v in os.environ.items() if not k.startswith("E2B_")},
-                   "E2B_API_URL": node.url, "E2B_SANDBOX_URL": node.url,
-                   "E2B_API_KEY": node.api_key}
-            suite = base / "suite"
-            suite.mkdir()
-            shutil.copytree(args.suite / "tests", suite / "tests")
-            shutil.copy(args.suite / "pytest.ini", suite / "pytest.ini")
-            done = subprocess.run(
-                [args.python, "-m", "pytest", "-o", "addopts=--import-mode=importlib",
-                 "-p", "no:cacheprovider", "-rfE", *(args.pytest_args or ["tests"])],
-                cwd=suite, env=env, check=False)
-            if args.node_log:
-                shutil.copy(node.log_path, args.node_log)
-            return done.returncode
-    finally:
-        for root in [*conftest._REACHABLE_ROOTS, base]:
-            shutil.rmtree(root, ignore_errors=True)
+    with conftest.code_interpreter_node(base, PREFIX, FIRST_SLOT) as node:
+        env = {**{k: v for k, v in os.environ.items() if not k.startswith("E2B_")},
+               "E2B_API_URL": node.url, "E2B_SANDBOX_URL": node.url,
+               "E2B_API_KEY": node.api_key}
+        suite = base / "suite"
+        suite.mkdir()
+        shutil.copytree(args.suite / "tests", suite / "tests")
+        shutil.copy(args.suite / "pytest.ini", suite / "pytest.ini")
+        done = subprocess.run(
+            [args.python, "-m", "pytest", "-o", "addopts=--import-mode=importlib",
+             "-p", "no:cacheprovider", "-rfE", *(args.pytest_args or ["tests"])],
+            cwd=suite, env=env, check=False)
+        if args.node_log:
+            shutil.copy(node.log_path, args.node_log)
+        return done.returncode
 
 
 if __name__ == "__main__":

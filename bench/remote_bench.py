@@ -44,7 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from tests.blockd.conftest import Daemon
 from tests.blockd.nbdclient import NbdClient
 from tests.remote import bigimage
-from tests.template.conftest import _start_registry, _stop
+from tests.template.registry_server import start_registry, stop_registry
 
 from agentenv.template.pull import pull_image
 
@@ -382,7 +382,7 @@ def main() -> None:
     root = Path(tempfile.mkdtemp(prefix="remote-bench-"))
     (root / "registry").mkdir()
     os.environ["DOCKER_CONFIG"] = str(root / "docker")
-    registry = _start_registry(root / "registry", None)
+    registry = start_registry(root / "registry")
     bench = Bench(root)
     try:
         bigimage.push(image, registry.host, "big", "v1")
@@ -434,7 +434,7 @@ def main() -> None:
              registry_bytes=peer_stats["fetched_bytes"].get("registry", 0), span=span)
     finally:
         bench.close()
-        _stop(registry)
+        stop_registry(registry)
         shutil.rmtree(root, ignore_errors=True)
 
 

@@ -32,7 +32,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from tests.template.conftest import _start_registry, _stop
+from tests.template.registry_server import start_registry, stop_registry
 
 from agentenv.blockd.client import AsyncBlockdClient
 from agentenv.blockd.remote import install_private_store
@@ -82,7 +82,7 @@ async def main(quick: bool) -> None:
     blockd = blockd_in(root)
     blockd.start()
     (root / "registry").mkdir()
-    registry = _start_registry(root / "registry", None)
+    registry = start_registry(root / "registry")
     client = AsyncBlockdClient(blockd.socket)
     rts: dict[str, Runtime] = {}
     try:
@@ -141,7 +141,7 @@ async def main(quick: bool) -> None:
         for prefix in PREFIXES.values():
             await teardown_host(prefix)
         blockd.stop()
-        _stop(registry)
+        stop_registry(registry)
         shutil.rmtree(root, ignore_errors=True)
 
 

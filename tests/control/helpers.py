@@ -5,15 +5,20 @@ from __future__ import annotations
 import asyncio
 import secrets
 import time
-from collections.abc import AsyncIterator, Callable, Iterable
-from contextlib import asynccontextmanager
-from typing import Any
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator
+from contextlib import asynccontextmanager, contextmanager
+from typing import TYPE_CHECKING, Any
+
+import httpx
 
 from agentenv.cluster_keys import node_key
 from agentenv.control.proto import scheduler_pb2 as pb
 from agentenv.control.scheduler.client import Credentials, Holder, SchedulerClient
 from agentenv.control.scheduler.server import SchedulerOptions, SchedulerServer
 from agentenv.control.scheduler.service import SchedulerConfig
+
+if TYPE_CHECKING:
+    from tests.control.cluster import LocalCluster
 
 #: the cluster secret of the tests' schedulers, nodes and gateways (one per test session)
 SECRET = secrets.token_urlsafe(32)
@@ -139,3 +144,24 @@ def wait_for(what: str, probe: Callable[[], Any], timeout: float = 20,
             return value
         time.sleep(interval)
     raise AssertionError(f"timed out waiting for {what}")
+
+
+@contextmanager
+def team_api(cluster: LocalCluster, team: str, timeout: float) -> Iterator[httpx.Client]:
+    """A client of the cluster's gateway with `team`'s API key; on leaving, every sandbox of
+    the team is deleted (each test starts from an empty cluster)."""
+    with httpx.Client(base_url=cluster.url, timeout=timeout, trust_env=False,
+                      headers={"X-API-KEY": cluster.keys[team]}) as client:
+        yield client
+        for sandbox in client.get("/v2/sandboxes").json():
+            client.delete(f"/sandboxes/{sandbox['sandboxID']}")
+
+
+def sandbox_and_snapshot(api: httpx.Client) -> tuple[str, str]:
+    """(a new base sandbox of the client's team, a snapshot of it), both made as asked."""
+    source = api.post("/v2/sandboxes", json={"templateID": "base", "timeout": 120})
+    assert source.status_code == 201, source.text
+    source_id = source.json()["sandboxID"]
+    snap = api.post(f"/sandboxes/{source_id}/snapshots", json={})
+    assert snap.status_code == 201, snap.text
+    return source_id, snap.json()["snapshotID"]

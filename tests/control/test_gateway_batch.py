@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 from tests.control.cluster import ROOMY_NODES, GatewayProcess, LocalCluster, running
-from tests.control.helpers import call, wait_for
+from tests.control.helpers import call, sandbox_and_snapshot, team_api, wait_for
 from tests.control.test_gateway import gateway_metrics
 
 pytestmark = pytest.mark.timeout(300)
@@ -36,14 +36,11 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
 
 @pytest.fixture
 def api(cluster: LocalCluster) -> Iterator[httpx.Client]:
-    with httpx.Client(base_url=cluster.url, timeout=300, trust_env=False,
-                      headers={"X-API-KEY": cluster.keys[TEAM]}) as client:
+    with team_api(cluster, TEAM, timeout=300) as client:
         yield client
-        # every test starts from an empty cluster: the nodes' room back
-        for sandbox in client.get("/v2/sandboxes").json():
-            client.delete(f"/sandboxes/{sandbox['sandboxID']}")
-        wait_for("the nodes to report their room back", lambda: all(
-            n.status.running == 0 for n in call(cluster.scheduler.address, "list_nodes")))
+    # every test starts from an empty cluster: the nodes' room back
+    wait_for("the nodes to report their room back", lambda: all(
+        n.status.running == 0 for n in call(cluster.scheduler.address, "list_nodes")))
 
 
 def _on_node(cluster: LocalCluster, i: int) -> set[str]:
@@ -122,12 +119,7 @@ def test_a_batch_past_the_cluster_s_room_gets_a_429_per_child_and_nothing_half_m
 
 def test_a_snapshot_fork_without_repository_says_spill_over_needs_it(
         cluster: LocalCluster, api: httpx.Client) -> None:
-    source = api.post("/v2/sandboxes", json={"templateID": "base", "timeout": 120})
-    assert source.status_code == 201, source.text
-    source_id = source.json()["sandboxID"]
-    snap = api.post(f"/sandboxes/{source_id}/snapshots", json={})
-    assert snap.status_code == 201, snap.text
-    snapshot = snap.json()["snapshotID"]
+    source_id, snapshot = sandbox_and_snapshot(api)
     answer = api.post(f"/snapshots/{snapshot}/fork", json={"count": PER_NODE + 1,
                                                            "timeout": 120})
     assert answer.status_code == 201, answer.text

@@ -21,8 +21,9 @@ import pytest
 
 from agentenv.snapshot.repository import push
 from tests.control.cluster import ROOMY_NODES, LocalCluster, running
+from tests.control.helpers import sandbox_and_snapshot, team_api
 from tests.snapshot.test_repository import _snapshot
-from tests.template.conftest import Registry, _start_registry, _stop
+from tests.template.registry_server import Registry, running_registry
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -32,17 +33,15 @@ OCI_MANIFEST = "application/vnd.oci.image.manifest.v1+json"
 
 @pytest.fixture(scope="module")
 def registry(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Registry]:
-    reg = _start_registry(tmp_path_factory.mktemp("registry"), None)
-    yield reg
-    _stop(reg)
+    with running_registry(tmp_path_factory.mktemp("registry")) as reg:
+        yield reg
 
 
 @pytest.fixture(scope="module")
 def strict_registry(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Registry]:
     """A registry whose operator did not enable deletes (storage.delete.enabled: false)."""
-    reg = _start_registry(tmp_path_factory.mktemp("strict-registry"), None, delete=False)
-    yield reg
-    _stop(reg)
+    with running_registry(tmp_path_factory.mktemp("strict-registry"), delete=False) as reg:
+        yield reg
 
 
 @pytest.fixture(scope="module")
@@ -58,11 +57,8 @@ def cluster(tmp_path_factory: pytest.TempPathFactory, registry: Registry
 
 @pytest.fixture
 def api(cluster: LocalCluster) -> Iterator[httpx.Client]:
-    with httpx.Client(base_url=cluster.url, timeout=120, trust_env=False,
-                      headers={"X-API-KEY": cluster.keys[TEAM]}) as client:
+    with team_api(cluster, TEAM, timeout=120) as client:
         yield client
-        for sandbox in client.get("/v2/sandboxes").json():
-            client.delete(f"/sandboxes/{sandbox['sandboxID']}")
 
 
 def _tag_status(registry: Registry, repository: str, tag: str) -> int:
@@ -74,12 +70,7 @@ def _spilled_snapshot(cluster: LocalCluster, api: httpx.Client, registry: Regist
                       tmp_path: Path) -> tuple[str, str, int]:
     """A snapshot of the team, spilled as a batch spills it: (its id, its ref, the index of
     the node holding it, which pushed it)."""
-    source = api.post("/v2/sandboxes", json={"templateID": "base", "timeout": 120})
-    assert source.status_code == 201, source.text
-    source_id = source.json()["sandboxID"]
-    snap = api.post(f"/sandboxes/{source_id}/snapshots", json={})
-    assert snap.status_code == 201, snap.text
-    snapshot = snap.json()["snapshotID"]
+    source_id, snapshot = sandbox_and_snapshot(api)
     home = next(i for i, node in enumerate(cluster.nodes) if httpx.get(
         f"{node.url}/sandboxes/{source_id}", timeout=30, trust_env=False,
         headers=cluster.node_headers(node, TEAM)).status_code == 200)

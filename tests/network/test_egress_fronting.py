@@ -35,12 +35,17 @@ from tests.network.lab import (
     serve,
     socket_in,
 )
-from tests.network.test_egress_proxy import assert_reset, counters, wait_for
+from tests.network.test_egress_proxy import (
+    ALLOWED,
+    DENIED,
+    ONLY_ALLOWED,
+    assert_reset,
+    counters,
+    wait_for,
+)
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root (namespaces, nftables)")
 
-ALLOWED, DENIED = "example-allowed.test", "example-denied.test"
-ONLY_ALLOWED = {"denyOut": ["0.0.0.0/0"], "allowOut": [ALLOWED]}
 DENY_NAME = {"denyOut": [DENIED]}
 MAX_CONNECTIONS = 30  # 3 slots: a fair share of 10 each
 

@@ -22,7 +22,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.template.conftest import Registry, _start_registry, _stop
+from tests.template.registry_server import Registry, running_registry
 
 
 def free_port() -> int:
@@ -344,6 +344,23 @@ def template_build_node(base: Path, net_prefix: str, first_slot: int,
         yield node
 
 
+@contextlib.contextmanager
+def code_interpreter_node(base: Path, net_prefix: str, first_slot: int) -> Iterator[NodeProcess]:
+    """A serving VM node with the code-interpreter-v1 template and one ready VM per template,
+    for the benches run outside pytest (bench/code_interpreter_bench.py,
+    bench/e2b_code_interpreter_suite.py); afterwards `base` and the reachable state roots go."""
+    node = vm_node_process(
+        base / "state", base / "node.log", net_prefix, first_slot,
+        {"AENV_VM_CODE_INTERPRETER": "1", "AENV_VM_POOL_LOW": "1", "AENV_VM_POOL_HIGH": "1"})
+    node.start_timeout = 1200
+    try:
+        with serving_vm_node(node, net_prefix):
+            yield node
+    finally:
+        for root in [*_REACHABLE_ROOTS, base]:
+            shutil.rmtree(root, ignore_errors=True)
+
+
 # One VM node shared by the modules whose tests need no ready pool and hold at most two
 # sandboxes at a time (test_parity, test_build_secrets, test_admission's VM check): a VM node's
 # start (guest assets check, base template build) is paid once instead of once per module. Its
@@ -406,9 +423,8 @@ def pid_alive(pid: int) -> bool:
 @pytest.fixture(scope="module")
 def registry(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Registry]:
     """A loopback docker-registry without auth, one per test module that asks for it."""
-    reg = _start_registry(tmp_path_factory.mktemp("registry"), None)
-    yield reg
-    _stop(reg)
+    with running_registry(tmp_path_factory.mktemp("registry")) as reg:
+        yield reg
 
 
 def ws_echo_server(port: int) -> Callable[[], None]:

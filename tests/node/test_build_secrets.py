@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from tests.template import helpers
-from tests.template.conftest import Registry, _start_registry, _stop
+from tests.template.registry_server import Registry, running_registry
 
 from .conftest import NodeProcess
 
@@ -24,10 +24,11 @@ PASSWORD = "pw-" + uuid.uuid4().hex  # unique, so finding it anywhere means it l
 
 @pytest.fixture(scope="module")
 def secret_registry(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Registry]:
-    reg = _start_registry(tmp_path_factory.mktemp("secret-registry"), ("builder", PASSWORD))
-    reg.push("private/busybox", "v1", helpers.build_image([helpers.busybox_layer()], ["gzip"]))
-    yield reg
-    _stop(reg)
+    with running_registry(tmp_path_factory.mktemp("secret-registry"),
+                          ("builder", PASSWORD)) as reg:
+        reg.push("private/busybox", "v1",
+                 helpers.build_image([helpers.busybox_layer()], ["gzip"]))
+        yield reg
 
 
 def _build(node: NodeProcess, image: str, registry_auth: dict[str, str]) -> dict:  # type: ignore[type-arg]

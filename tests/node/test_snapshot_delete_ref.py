@@ -17,7 +17,7 @@ import pytest
 from agentenv.node.server import ServeOptions, build_app
 from agentenv.snapshot.repository import push
 from tests.snapshot.test_repository import _snapshot
-from tests.template.conftest import Registry, _start_registry, _stop
+from tests.template.registry_server import Registry, running_registry
 
 with warnings.catch_warnings():  # starlette 1.x nags about httpx here; TestClient still works
     warnings.simplefilter("ignore")
@@ -31,9 +31,8 @@ BETA = {"x-agentenv-team": "beta"}
 @pytest.fixture(scope="module")
 def strict_registry(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Registry]:
     """A registry whose operator did not enable deletes (storage.delete.enabled: false)."""
-    reg = _start_registry(tmp_path_factory.mktemp("strict-registry"), None, delete=False)
-    yield reg
-    _stop(reg)
+    with running_registry(tmp_path_factory.mktemp("strict-registry"), delete=False) as reg:
+        yield reg
 
 
 @pytest.fixture

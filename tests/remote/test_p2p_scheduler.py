@@ -30,7 +30,7 @@ from tests.control.pki import Authority
 from tests.node.conftest import NodeProcess
 from tests.remote import chunktables
 from tests.template import helpers
-from tests.template.conftest import _start_registry, _stop
+from tests.template.registry_server import start_registry, stop_registry
 
 __all__ = ["prefix", "redis_server"]  # fixtures, used by name
 
@@ -96,7 +96,7 @@ def cluster(redis_server: RedisServer, prefix: str,
     monkeypatch.setenv("DOCKER_CONFIG", str(root / "docker"))  # no host credentials
     monkeypatch.setenv("AENV_CHUNK_SIZE", "64K")  # the 627 KiB blob in 10 chunks
     (root / "registry").mkdir()
-    registry = _start_registry(root / "registry", None)
+    registry = start_registry(root / "registry")
     sched = SchedulerProcess(redis_server.url, prefix, root / "scheduler.log",
                              "--heartbeat-interval", "0.3")
     pairs: list[Pair] = []
@@ -119,7 +119,7 @@ def cluster(redis_server: RedisServer, prefix: str,
             pair.stop()
         sched.stop()
         if registry.process.poll() is None:
-            _stop(registry)
+            stop_registry(registry)
         subprocess.run(["sync"], check=False)
         shutil.rmtree(root, ignore_errors=True)
 
@@ -174,7 +174,7 @@ def test_node_b_reads_from_a_found_by_the_scheduler(cluster: tuple[Any, ...]) ->
     wait_for("node B's blockd to know its resolver", lambda: b.stats()["resolver"], timeout=30)
     assert b.stats()["peers"] == []  # no static peer
 
-    _stop(registry)
+    stop_registry(registry)
     assert b.read(image_b, extents) == expected
     stats = b.stats()
     assert stats["fetched_bytes"].get("registry", 0) == 0, stats

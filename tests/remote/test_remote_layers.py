@@ -31,7 +31,7 @@ from agentenv.template.pull import pull_image
 from tests.blockd.conftest import Daemon
 from tests.blockd.nbdclient import NbdClient
 from tests.remote import bigimage
-from tests.template.conftest import Registry, _start_registry, _stop
+from tests.template.registry_server import Registry, start_registry, stop_registry
 
 pytestmark = [pytest.mark.root, pytest.mark.slow]
 MiB = 1 << 20
@@ -112,7 +112,7 @@ def world() -> Iterator[World]:
     image = bigimage.build()
     root = Path(tempfile.mkdtemp(prefix="remote-layers-"))
     (root / "registry").mkdir()
-    registry = _start_registry(root / "registry", None)
+    registry = start_registry(root / "registry")
     trust_file = root / "peers.trust"
     trust_file.write_text("# <node id> ed25519:<key> [http://host:port]: `aenv peer-key`\n")
     w = World(root, registry, image, trust_file, [])
@@ -131,7 +131,7 @@ def world() -> Iterator[World]:
                            stderr=subprocess.DEVNULL, check=False)
             shutil.rmtree(node.daemon.root, ignore_errors=True)
         if registry.process.poll() is None:
-            _stop(registry)
+            stop_registry(registry)
         shutil.rmtree(root, ignore_errors=True)
         if old_docker is None:
             os.environ.pop("DOCKER_CONFIG", None)
@@ -337,7 +337,7 @@ def test_registry_down_peer_serves_then_eio(world: World) -> None:
     c = world.node("c", peers=[a], serve=False, timeout=3)
     image_b, image_c = world.pull(b), world.pull(c)
     info_c = c.device(image_c)  # opened (its metadata read) while everything is up
-    _stop(world.registry)
+    stop_registry(world.registry)
     info_b = b.device(image_b)
     # Spread over the disk (A read all of it against the converter's sha256 above).
     client = NbdClient(info_b["nbd"], info_b["export"], timeout=120)

@@ -451,10 +451,10 @@ def _install_fault(stage: str, env: Env, monkeypatch: pytest.MonkeyPatch) -> lis
 
         monkeypatch.setattr(QemuProcess, "execute", execute_with_death)
     elif stage == "envd-init":
-        http = env.runtime._http
+        http = env.runtime.envd.http
         stream = http.stream
         victims: list[int] = []
-        real_while_alive = env.runtime._while_alive
+        real_while_alive = env.runtime.envd.while_alive
 
         async def note_victim(vm: VM, call: Any) -> Any:
             victims.append(vm.pid)
@@ -477,7 +477,7 @@ def _install_fault(stage: str, env: Env, monkeypatch: pytest.MonkeyPatch) -> lis
 
             return stream(method, url, content=chunks(), **kwargs)
 
-        monkeypatch.setattr(env.runtime, "_while_alive", note_victim)
+        monkeypatch.setattr(env.runtime.envd, "while_alive", note_victim)
         monkeypatch.setattr(http, "stream", stream_and_die)
     else:
         raise AssertionError(stage)

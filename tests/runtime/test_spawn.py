@@ -57,7 +57,7 @@ def test_tcg_thread_mode_follows_config_and_host_load(tmp_path: Path,
     rt = Runtime(RuntimeConfig(state_dir=tmp_path, tcg_vcpus_per_core=1.0))
     assert not rt.tcg_single_thread(cores)
     assert rt.tcg_single_thread(cores + 1)
-    with rt._starting(cores):  # e.g. a fork's other children
+    with rt.launcher.starting(cores):  # e.g. a fork's other children
         assert not rt.tcg_single_thread()
         assert rt.tcg_single_thread(1)
     assert not rt.tcg_single_thread(1)

@@ -32,14 +32,13 @@ from agentenv.snapshot.repository import (
     parse_ref,
     push,
 )
-from tests.template.conftest import Registry, _start_registry, _stop
+from tests.template.registry_server import Registry, running_registry
 
 
 @pytest.fixture(scope="module")
 def registry(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Registry]:
-    reg = _start_registry(tmp_path_factory.mktemp("registry"), None)
-    yield reg
-    _stop(reg)
+    with running_registry(tmp_path_factory.mktemp("registry")) as reg:
+        yield reg
 
 
 def _file(path: Path, size: int) -> LayerRef:
@@ -282,8 +281,7 @@ def test_delete_removes_the_tag_and_a_second_delete_finds_it_gone(
 
 def test_a_registry_that_refuses_deletes_says_so(tmp_path_factory: pytest.TempPathFactory,
                                                 tmp_path: Path) -> None:
-    strict = _start_registry(tmp_path_factory.mktemp("no-delete-registry"), None, delete=False)
-    try:
+    with running_registry(tmp_path_factory.mktemp("no-delete-registry"), delete=False) as strict:
         ref = f"{strict.host}/aenv-snapshots/kept:one"
         push(_snapshot(tmp_path / "a", "one"), ref, {})
         with pytest.raises(RegistryError) as refused:
@@ -291,5 +289,3 @@ def test_a_registry_that_refuses_deletes_says_so(tmp_path_factory: pytest.TempPa
         assert "refuses deletes" in str(refused.value)
         assert "storage.delete.enabled" in str(refused.value)
         assert _manifest_status(strict, "aenv-snapshots/kept", "one") == 200
-    finally:
-        _stop(strict)

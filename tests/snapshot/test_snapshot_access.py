@@ -20,17 +20,16 @@ from agentenv.storage.blob import RemoteLayerRef
 from agentenv.template.layeraccess import LayerAccess, LayerAccessError
 from tests.snapshot.test_repository import _snapshot
 from tests.template import helpers
-from tests.template.conftest import Registry, _start_registry, _stop
 from tests.template.helpers import TeamRegistry, start_team_registry
+from tests.template.registry_server import Registry, running_registry
 
 pytestmark = pytest.mark.timeout(120)
 
 
 @pytest.fixture(scope="module")
 def registry(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Registry]:
-    reg = _start_registry(tmp_path_factory.mktemp("registry"), None)
-    yield reg
-    _stop(reg)
+    with running_registry(tmp_path_factory.mktemp("registry")) as reg:
+        yield reg
 
 
 @pytest.fixture

@@ -9,8 +9,8 @@ internet (DNS tunnelling). A guest whose resolver is this one (the node's `guest
 allowed domains' own servers.
 
 Only the question is read (one question, no compression in it: what every stub resolver
-sends); the answer is passed back unchanged. The egress proxy process serves it (egress.py):
-UDP on its port, TCP through its redirected connections.
+sends); the answer is passed back unchanged. The egress proxy process serves it
+(egress/resolver.py): UDP on its port, TCP through its redirected connections.
 """
 
 from __future__ import annotations

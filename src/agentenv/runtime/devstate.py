@@ -13,11 +13,15 @@ with 100 MiB in use here, against 6 ms for this path.)
 
 from __future__ import annotations
 
+import contextlib
 import os
 import struct
+import time
 from pathlib import Path
 
-from agentenv.runtime.errors import SnapshotError
+from agentenv.runtime import privilege
+from agentenv.runtime.errors import QMPError, SnapshotError
+from agentenv.runtime.qemu import QemuProcess
 
 QEVM_MAGIC = b"QEVM"
 #: a device-state stream (RAM is not in it) of our VMs is kilobytes to a few MiB
@@ -55,3 +59,32 @@ def finish_device_state(raw: Path, out: Path, machine_type: str) -> int:
     os.replace(tmp, out)
     raw.unlink(missing_ok=True)
     return len(stream)
+
+
+async def load_device_state(process: QemuProcess, devstate: Path, timeout: float) -> None:
+    """Load a device-state stream into a QEMU waiting in `-incoming defer` (a restore); raises
+    SnapshotError when the load fails or takes longer than `timeout` seconds."""
+    queue = process.qmp.subscribe()
+    try:
+        # `events` makes QEMU announce each migration state change (no polling delay).
+        await process.execute("migrate-set-capabilities",
+                              {"capabilities": [{"capability": "events", "state": True}]})
+        # ~80 KB from the page cache: a thread hop would cost more than the copy.
+        staged = privilege.stage_devstate(devstate, process.workdir, process.user)
+        await process.execute("migrate-incoming", {"uri": f"file:{staged}"})
+        deadline = time.monotonic() + timeout
+        while True:
+            status = await process.execute("query-migrate")
+            state = status.get("status")
+            if state == "completed":
+                return
+            if state == "failed":
+                raise SnapshotError(
+                    f"device state {devstate} failed to load: {status.get('error-desc', '')}")
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise SnapshotError(f"device state {devstate} did not load in time")
+            with contextlib.suppress(QMPError):
+                await process.qmp.wait_event(queue, "MIGRATION", min(remaining, 1.0))
+    finally:
+        process.qmp.unsubscribe(queue)

@@ -11,7 +11,32 @@ lost: this is a console log, not a record.
 
 from __future__ import annotations
 
+import asyncio
+import logging
+from collections.abc import Callable
+from pathlib import Path
+
+from agentenv.logs import trim_log
+
+log = logging.getLogger("agentenv.runtime")
+
 SERIAL_LOG = "serial.log"
 ROTATED_LOG = "serial.log.1"
 #: seconds between two looks at the VMs' serial logs
 CHECK_INTERVAL = 0.25
+
+
+async def keep_serial_logs_trimmed(logs: Callable[[], list[Path]], cap: int) -> None:
+    """Look at the serial logs `logs` names every CHECK_INTERVAL, trimming each within `cap`
+    bytes; runs until cancelled."""
+
+    def trim_all(paths: list[Path]) -> list[Path]:
+        return [log_path for log_path in paths if trim_log(log_path, cap)]
+
+    while True:
+        try:
+            for rotated in await asyncio.to_thread(trim_all, logs()):
+                log.debug("serial log rotated", extra={"vm": rotated.parent.name})
+        except OSError as exc:  # a full disk, say: tried again at the next look
+            log.warning("serial log not trimmed", extra={"error": str(exc)})
+        await asyncio.sleep(CHECK_INTERVAL)
