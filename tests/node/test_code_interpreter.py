@@ -187,6 +187,40 @@ def test_contexts(sbx: Sandbox) -> None:
     assert ctx.id not in {c.id for c in sbx.list_code_contexts()}
 
 
+def test_cells_are_roots_as_on_e2b(sbx: Sandbox) -> None:
+    """E2B's template runs Jupyter and so every kernel as root (a systemd service with no
+    User=), in /home/user unless a context names a cwd, and the SDKs name no other user: a
+    context in /root works (E2B's test_contexts.py::test_create_context_with_options), a cell
+    is root's with root's home, what it writes is root's; the sandbox's own commands stay
+    `user`'s. (Before, our kernels ran as `user`: the /root context was a 400.)"""
+    who = sbx.run_code("import os, getpass\n"
+                       "(os.getuid(), getpass.getuser(), os.path.expanduser('~'), os.getcwd())")
+    assert who.error is None, who.error
+    assert who.text == "(0, 'root', '/root', '/home/user')"
+    wrote = sbx.run_code("open('/home/user/aenv-by-a-cell.txt', 'w').write('cell')")
+    assert wrote.error is None, wrote.error
+    info = sbx.files.get_info("/home/user/aenv-by-a-cell.txt")
+    assert (info.owner, info.group) == ("root", "root")
+    assert sbx.files.read("/home/user/aenv-by-a-cell.txt") == "cell"
+    assert sbx.commands.run("whoami").stdout == "user\n"
+
+    ctx = sbx.create_code_context(cwd="/root")
+    assert (ctx.cwd, ctx.language) == ("/root", "python")
+    [listed] = [c for c in sbx.list_code_contexts() if c.id == ctx.id]
+    assert listed.cwd == "/root"
+    here = sbx.run_code("import os\nopen('in-root.txt', 'w').write('x')\nos.getcwd()",
+                        context=ctx)
+    assert here.error is None and here.text == "/root", here
+    made = sbx.commands.run("stat -c %U:%G:%a /root/in-root.txt", user="root")
+    assert made.stdout == "root:root:644\n"
+    sbx.remove_code_context(ctx)
+
+    assert sbx.run_code("process.getuid()", language="js").text == "0"
+    shell = sbx.create_code_context(cwd="/root", language="bash")
+    assert "".join(sbx.run_code("whoami; pwd", context=shell).logs.stdout) == "root\n/root\n"
+    sbx.remove_code_context(shell)
+
+
 def test_bash(sbx: Sandbox) -> None:
     """One bash per context: state and cwd kept, output streamed, a failing status an error,
     an interrupted command leaves the shell as it was, env vars for one call."""

@@ -5,13 +5,24 @@ one host take turns building. (A second VM node taking the build in place: test_
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import os
 from pathlib import Path
 
 import pytest
 
-from agentenv.node.base_template import BaseTemplate, _host_lock, load_cached, publish
+from agentenv.guest.build.assets import GuestAssets
+from agentenv.guest.build.rootfs import BASE_USER
+from agentenv.node.base_template import (
+    BASE,
+    CODE_INTERPRETER,
+    BaseTemplate,
+    _host_lock,
+    load_cached,
+    publish,
+    template_key,
+)
 from agentenv.snapshot.record import (
     DiskSnapshot,
     LayerRef,
@@ -119,3 +130,19 @@ def test_the_hosts_builders_take_turns(tmp_path: Path) -> None:
     asyncio.run(main())
     assert order == ["a in", "a out", "b in", "b out"]
     assert (tmp_path / "cache").stat().st_mode & 0o077 == 0  # root's alone: a layer cache
+
+
+def test_the_start_user_is_part_of_the_key(tmp_path: Path) -> None:
+    """code-interpreter-v1's server starts as root (its kernels are root's, as E2B's are): a
+    build made when it started as `user` is not taken for it, and base's key is as before."""
+    files = []
+    for name in ("vmlinuz", "initramfs", "tools", "manifest"):
+        (tmp_path / name).write_bytes(name.encode())
+        files.append(tmp_path / name)
+    assets = GuestAssets(*files, cmdline_base="console=ttyS0")
+    assert CODE_INTERPRETER.start_user == "root" and BASE.start_user == BASE_USER
+    as_user = dataclasses.replace(CODE_INTERPRETER, start_user=BASE_USER)
+    assert template_key(assets, "kvm", spec=CODE_INTERPRETER) != \
+        template_key(assets, "kvm", spec=as_user)
+    assert template_key(assets, "kvm", spec=BASE) == template_key(
+        assets, "kvm", spec=dataclasses.replace(BASE, start_user="root"))  # no start command

@@ -113,14 +113,19 @@ class BuiltinSpec:
     packages: tuple[str, ...]
     memory_mib: int
     vcpus: int = BASE_VCPUS
-    start_cmd: str | None = None  # run as `user` (bash -l) in the booted VM before the pause
+    start_cmd: str | None = None  # run (bash -l) in the booted VM before the pause
     ready_port: int | None = None  # its GET /health must answer 200 before the pause
+    start_user: str = BASE_USER  # the guest user start_cmd runs as
 
 
 BASE = BuiltinSpec("base", BASE_PACKAGES, BASE_MEMORY_MIB)
+# The server and its kernels run as root, as E2B's template runs Jupyter (a systemd service with
+# no User=): run_code and a context's cells are root's in /home/user, a context may be in /root,
+# and what a cell writes is root's. The sandbox's commands and files stay `user`'s, and `user`
+# has passwordless sudo anyway: root in the guest is the sandbox owner's already.
 CODE_INTERPRETER = BuiltinSpec(
     "code-interpreter-v1", BASE_PACKAGES + CODE_INTERPRETER_PACKAGES, 1024,
-    start_cmd=CODE_INTERPRETER_START, ready_port=CODE_INTERPRETER_PORT)
+    start_cmd=CODE_INTERPRETER_START, ready_port=CODE_INTERPRETER_PORT, start_user="root")
 
 
 @dataclass(frozen=True)
@@ -144,6 +149,8 @@ def template_key(assets: GuestAssets, accel: str, dns: IPv4Address | None = None
         str(spec.vcpus), str(spec.memory_mib),
         # (base's key has no such part, so that its existing builds stay valid)
         *([f"start={spec.start_cmd}", f"ready={spec.ready_port}"] if spec.start_cmd else []),
+        *([f"start-user={spec.start_user}"]
+          if spec.start_cmd and spec.start_user != BASE_USER else []),
         _file_key(assets.kernel), _file_key(assets.initramfs), _file_key(assets.tools_image),
         assets.cmdline_base,
         # the boot snapshot keeps the resolv.conf of its boot (restores do not boot)
@@ -327,13 +334,13 @@ async def _build(runtime: Runtime, assets: GuestAssets, template_dir: Path, key:
 
 
 async def start_and_wait(envd_url: str, guest_url: str, spec: BuiltinSpec) -> None:
-    """Starts spec.start_cmd in the guest (through envd, as `user`, left running) and waits
-    until http://guest:ready_port/health answers 200."""
+    """Starts spec.start_cmd in the guest (through envd, as spec.start_user, left running)
+    and waits until http://guest:ready_port/health answers 200."""
     assert spec.start_cmd is not None and spec.ready_port is not None
     envd = EnvdClient(envd_url)
     try:
         await envd.wait_healthy()
-        await envd.run("/bin/bash", ["-l", "-c", spec.start_cmd], user=BASE_USER,
+        await envd.run("/bin/bash", ["-l", "-c", spec.start_cmd], user=spec.start_user,
                        cwd=f"/home/{BASE_USER}", background=True, tag="aenv-start-cmd")
         deadline = time.monotonic() + READY_TIMEOUT_SECONDS
         last = "no answer yet"

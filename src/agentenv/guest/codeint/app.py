@@ -189,8 +189,9 @@ class CodeApp:
         try:
             await ctx.start()
         except OSError as exc:
-            # e.g. a cwd the kernel's user (`user`) cannot enter: an answer that says so, not
-            # a dropped connection (which the node reports as the port not answering)
+            # e.g. a cwd that does not exist, or one the server's user cannot enter (the
+            # template runs it as root, as E2B's does): an answer that says so, not a dropped
+            # connection (which the node reports as the port not answering)
             log.warning("context %s in %s not started: %s", language, cwd, exc)
             with contextlib.suppress(Exception):
                 await ctx.shutdown()

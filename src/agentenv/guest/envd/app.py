@@ -447,8 +447,9 @@ class Envd:
 
     def _publish_token(self, token: str) -> None:
         """The token's SHA-256 where the code-interpreter server reads it (envd's
-        ACCESS_TOKEN_DIGEST_FILE): that server runs as the sandbox's user, so it gets a digest
-        to check X-Access-Token against, not the token. Replaced whole (a reader sees the old
+        ACCESS_TOKEN_DIGEST_FILE): that server is another process (root's in
+        code-interpreter-v1) on a world-readable file, so it gets a digest to check
+        X-Access-Token against, not the token. Replaced whole (a reader sees the old
         digest or the new one)."""
         path = self.rootfs.host_path(ACCESS_TOKEN_DIGEST_FILE)
         os.makedirs(os.path.dirname(path), mode=0o755, exist_ok=True)
