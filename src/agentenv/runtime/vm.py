@@ -287,7 +287,8 @@ class Runtime:
             self.slots.acquire_prefix()
             await setup_host(self.config.network_prefix, self.config.egress_proxy_port,
                              keep_sources=self.slots.in_use_addresses(),
-                             open_ranges=self.slots.open_ranges)
+                             open_ranges=self.slots.open_ranges,
+                             nfs_port=self.config.nfs_port)
             await self.slots.fill(self.config.slot_pool_low)
         # After adoption (the node adopts before it starts the runtime): memory devices of an
         # earlier run that no adopted VM took over are released.
@@ -1093,6 +1094,15 @@ class Runtime:
         if vm.slot is None:
             raise RuntimeError_(f"VM {vm.id} has no network")
         await vm.slot.set_policy(policy)
+
+    async def set_nfs(self, vm: VM, enabled: bool) -> None:
+        """Open or close the VM's way to the node's NFS server (runtime/network.py
+        `NetworkSlot.set_nfs`; docs/volumes.md §7.1). Refused when the runtime has none."""
+        if vm.slot is None:
+            raise RuntimeError_(f"VM {vm.id} has no network")
+        if enabled and self.config.nfs_port is None:
+            raise RuntimeError_("this runtime has no NFS server port (RuntimeConfig.nfs_port)")
+        await vm.slot.set_nfs(enabled)
 
 
 def _save_record_durably(record: SnapshotRecord, snap_dir: Path) -> None:
