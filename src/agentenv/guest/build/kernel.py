@@ -107,9 +107,11 @@ def _module_name(path: str) -> str:
     return Path(path).name.split(".ko")[0].replace("-", "_")
 
 
-def module_load_order(tree: KernelTree) -> tuple[list[str], list[str]]:
+def module_load_order(tree: KernelTree, optional: tuple[str, ...] = OPTIONAL_MODULES
+                      ) -> tuple[list[str], list[str]]:
     """Module paths (relative to lib/modules/RELEASE) in load order, dependencies first, and the
-    wanted modules the kernel has neither as module nor built in."""
+    wanted modules the kernel has neither as module nor built in (REQUIRED_MODULES and
+    `optional`)."""
     deps: dict[str, list[str]] = {}
     by_name: dict[str, str] = {}
     for line in (tree.modules_dir / "modules.dep").read_text().splitlines():
@@ -128,7 +130,7 @@ def module_load_order(tree: KernelTree) -> tuple[list[str], list[str]]:
         order.append(module)
 
     absent: list[str] = []
-    for name in (*REQUIRED_MODULES, *OPTIONAL_MODULES):
+    for name in (*REQUIRED_MODULES, *optional):
         if name in by_name:
             visit(by_name[name])
         elif name not in builtin:
@@ -138,10 +140,11 @@ def module_load_order(tree: KernelTree) -> tuple[list[str], list[str]]:
     return order, absent
 
 
-def build_initramfs(tree: KernelTree, busybox: Path, out: Path) -> list[str]:
+def build_initramfs(tree: KernelTree, busybox: Path, out: Path,
+                    optional: tuple[str, ...] = OPTIONAL_MODULES) -> list[str]:
     """Writes a gzip newc initramfs: static busybox, the modules in load order, stage-1 /init.
     Returns the module paths it holds."""
-    order, _absent = module_load_order(tree)
+    order, _absent = module_load_order(tree, optional)
     mod_root = f"lib/modules/{tree.release}"
     entries: list[cpio.Entry] = [
         cpio.directory("bin"),
