@@ -43,10 +43,9 @@ def test_an_nfs_mount_in_place_is_recognised(tmp_path: Path) -> None:
 
 
 def test_the_nfs_client_is_loaded_only_when_missing(tmp_path: Path) -> None:
-    have = tmp_path / "have"
-    have.write_text("nodev\tproc\n\text4\nnodev\tnfs4\n")
-    lack = tmp_path / "lack"
-    lack.write_text("nodev\tproc\n\text4\nnodev\tnfs\n")
+    have = tmp_path / "sys-module-nfsv4"
+    have.mkdir()
+    lack = tmp_path / "absent"
     # In the kernel already: nothing is read, nothing loaded.
     assert mounts.load_nfs_modules(str(tmp_path / "none.order"), str(have)) == []
     with pytest.raises(mounts.MountError, match="build it again"):

@@ -863,7 +863,8 @@ class Runtime:
                       access_token: str | None = None, outbound: bool = True,
                       guest_token: str | None = None, egress: EgressPolicy | None = None,
                       own_disks: bool = False, volumes: dict[str, VolumeDisk] | None = None,
-                      mounts: list[dict[str, Any]] | None = None) -> VM:
+                      mounts: list[dict[str, Any]] | None = None,
+                      before_start: Callable[[VM], Awaitable[None]] | None = None) -> VM:
         """Start a new running VM from a snapshot (resume, or create-from-template).
 
         `guest_token` is the envd access token the snapshot's guest holds, if any (see envd_init).
@@ -873,7 +874,9 @@ class Runtime:
         template start with the whole cap). Never from a warm process (its disks count nothing).
         `volumes`: volume disks for empty volume slots of the snapshot, by slot name (never
         from a warm process either: its slots are empty); `mounts`: what envd's /init mounts
-        where (docs/volumes.md §6).
+        where (docs/volumes.md §6). `before_start(vm)`: awaited once the VM has its slot, before
+        its guest runs (a shared volume's NFS hole and export: a guest that kept its mount
+        retries at once, and /init mounts it; docs/volumes.md §7.1); failing, the VM is killed.
         """
         if egress is None and not outbound:
             egress = EgressPolicy(deny_nets=(ALL_TRAFFIC,))
@@ -888,7 +891,7 @@ class Runtime:
             # the restore fails before the VM exists, the VM's kill does after (never both).
             vm = await self._restore_with_memory(record, mem_path, env_vars, access_token,
                                                  egress, guest_token, own_disks, volumes or {},
-                                                 mounts)
+                                                 mounts, before_start)
         vm.timings["memory_file_ms"] = (t1 - t0) * 1e3
         return vm
 
@@ -898,7 +901,9 @@ class Runtime:
                                    guest_token: str | None = None,
                                    own_disks: bool = False,
                                    volumes: dict[str, VolumeDisk] | None = None,
-                                   mounts: list[dict[str, Any]] | None = None) -> VM:
+                                   mounts: list[dict[str, Any]] | None = None,
+                                   before_start: Callable[[VM], Awaitable[None]] | None = None
+                                   ) -> VM:
         vm_id = uuid.uuid4().hex[:12]
         machine = _with_volumes(record.machine, volumes or {})
         t0 = time.perf_counter()
@@ -941,6 +946,8 @@ class Runtime:
         t2 = time.perf_counter()
         stage = "resuming the guest"
         try:
+            if before_start is not None:
+                await before_start(vm)
             await process.execute("cont")
             vm.state = "running"
             t3 = time.perf_counter()

@@ -41,6 +41,10 @@ OPTIONAL_MODULES = (
     "nfsv4",
 )
 
+#: Modules not loaded at boot: on the tools disk (modules/, in load order in modules/<name>.order),
+#: loaded by envd before their first use (guest/envd/mounts.py `load_nfs_modules`).
+ON_DEMAND_MODULES: tuple[str, ...] = ()
+
 INIT_DIR = Path(__file__).resolve().parent.parent / "init"
 STAGE1_INIT = INIT_DIR / "initramfs-init"
 
@@ -138,6 +142,19 @@ def module_load_order(tree: KernelTree, optional: tuple[str, ...] = OPTIONAL_MOD
                 raise GuestBuildError(f"kernel {tree.release} has no {name} module and does not build it in")
             absent.append(name)
     return order, absent
+
+
+def on_demand_modules(tree: KernelTree, wanted: tuple[str, ...] = ON_DEMAND_MODULES
+                      ) -> list[tuple[str, bytes]]:
+    """The modules `wanted` needs that stage 1 does not load, in load order: (file name, the
+    uncompressed .ko)."""
+    boot, _ = module_load_order(tree)
+    full, absent = module_load_order(tree, (*OPTIONAL_MODULES, *wanted))
+    missing = [name for name in wanted if name in absent]
+    if missing:
+        raise GuestBuildError(f"kernel {tree.release} has no module {', '.join(missing)}")
+    return [(Path(_uncompressed(m)).name, _module_bytes(tree.modules_dir / m))
+            for m in full if m not in boot]
 
 
 def build_initramfs(tree: KernelTree, busybox: Path, out: Path,

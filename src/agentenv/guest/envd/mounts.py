@@ -138,17 +138,18 @@ def _nfs_mounted(path: str, source: str, mountinfo: str = "/proc/self/mountinfo"
     return False
 
 
-def _has_nfs4(filesystems: str = "/proc/filesystems") -> bool:
-    with open(filesystems) as f:
-        return any(line.split()[-1:] == ["nfs4"] for line in f)
+def _has_nfs4(module_dir: str) -> bool:
+    # Not /proc/filesystems: `nfs` registers "nfs4" there already, and the kernel would then
+    # ask for `nfsv4` by request_module, which finds no modprobe in the guest.
+    return os.path.isdir(module_dir)
 
 
 def load_nfs_modules(order_file: str = NFS_MODULES_ORDER,
-                     filesystems: str = "/proc/filesystems") -> list[str]:
-    """Load the NFSv4 client unless the kernel has it (stage 1 loaded it, or it is built in):
-    the modules `order_file` lists, in that order (dependencies first), with finit_module.
-    Returns the modules loaded; MountError when the client is missing and cannot be loaded."""
-    if _has_nfs4(filesystems):
+                     module_dir: str = "/sys/module/nfsv4") -> list[str]:
+    """Load the NFSv4 client unless the kernel has it (stage 1 loaded it): the modules
+    `order_file` lists, in that order (dependencies first), with finit_module. Returns the
+    modules loaded; MountError when the client is missing and cannot be loaded."""
+    if _has_nfs4(module_dir):
         return []
     try:
         with open(order_file) as f:
@@ -170,8 +171,8 @@ def load_nfs_modules(order_file: str = NFS_MODULES_ORDER,
         finally:
             os.close(fd)
         loaded.append(name)
-    if not _has_nfs4(filesystems):
-        raise MountError("the NFSv4 client's modules loaded but the kernel has no nfs4")
+    if not _has_nfs4(module_dir):
+        raise MountError("the NFSv4 client's modules loaded but the kernel has no nfsv4")
     return loaded
 
 
