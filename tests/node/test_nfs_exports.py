@@ -78,6 +78,22 @@ def test_exports_follow_the_sandboxes_and_the_server_is_supervised(tmp_path: Pat
             back = await asyncio.to_thread(_ls, port, "v1")
             assert back.returncode == 0 and "v1.txt" in back.stdout, back
             assert not await exports.check()  # running: nothing to do
+            # A node restart: the next run ends the server this one leaves and serves the
+            # sandboxes it adopted (sbx-b only: sbx-a did not survive).
+            left = exports.server.pid
+            nxt = SharedExports(tmp_path / "nfs", port)
+            assert await asyncio.to_thread(nxt.reap_leftover)
+            assert left is not None
+            await asyncio.to_thread(exports.server._proc.wait, 10)  # type: ignore[union-attr]
+            with pytest.raises(ProcessLookupError):
+                os.kill(left, 0)
+            assert await nxt.resume_clients({"sbx-b"}) == ["sbx-b"]
+            try:
+                assert [(e.pseudo, e.clients) for e in nxt.exports()] == [
+                    ("/volumes/v1", ("127.0.0.9",)), ("/volumes/v2", ("127.0.0.9",))]
+                assert {e.pseudo: e.export_id for e in nxt.exports()} == ids
+            finally:
+                await nxt.close()
         finally:
             await exports.close()
         assert not exports.server.running()

@@ -75,6 +75,16 @@ class VolumeMount:
     path: str
     read_only: bool
     layer: str
+    #: a shared read-write mount (`rw-shared`, docs/volumes.md §7.1): no volume disk (slot -1,
+    #: no layer); the volume's directory on the host (`shared_dir`, the root of its own file
+    #: system) is exported over NFS to the sandbox, whose root and users act as `owner` there
+    volume_id: str = ""
+    shared_dir: str = ""
+    owner: tuple[int, int] = (0, 0)
+
+    @property
+    def shared(self) -> bool:
+        return bool(self.shared_dir)
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,9 @@ a failed start) takes it out. An export without clients is left out of the confi
 
 Export ids are part of every file handle a guest holds: a volume keeps its id for good (kept in
 <state>/nfs/export-ids.json), so a handle stays valid across restarts of the server and of the
-node.
+node. The clients are kept too (<state>/nfs/clients.json): a node that starts again ends the
+server the previous run left (`reap_leftover`) and serves the sandboxes it adopted
+(`resume_clients`) before their guests notice more than a reconnect.
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ import contextlib
 import json
 import logging
 import os
+import signal
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,6 +33,15 @@ from agentenv.node.nfs import GANESHA, NfsError, NfsExport, NfsServer
 log = logging.getLogger("agentenv.node.nfs")
 
 SUPERVISE_INTERVAL = 2.0
+
+
+def _alive(pid: int) -> bool:
+    """The process exists and is not a zombie."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rpartition(")")[2].split()[:1] != ["Z"]
 
 
 @dataclass(frozen=True)
@@ -52,6 +65,7 @@ class SharedExports:
         self.state_dir = Path(state_dir)
         self.server = NfsServer(self.state_dir, bind_addr="0.0.0.0", port=port, binary=binary)
         self._ids_path = self.state_dir / "export-ids.json"
+        self._clients_path = self.state_dir / "clients.json"
         self._ids: dict[str, int] | None = None
         #: sandbox id -> (its guest address, the shared volumes it mounts)
         self._clients: dict[str, tuple[str, tuple[SharedVolume, ...]]] = {}
@@ -83,6 +97,54 @@ class SharedExports:
             tmp.write_text(json.dumps(ids, sort_keys=True))
             os.replace(tmp, self._ids_path)
         return ids[volume_id]
+
+    def _save_clients(self) -> None:
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        raw = {sid: {"address": address,
+                     "volumes": [{"volume_id": v.volume_id, "path": str(v.path), "uid": v.uid,
+                                  "gid": v.gid} for v in vols]}
+               for sid, (address, vols) in self._clients.items()}
+        tmp = self._clients_path.with_name(self._clients_path.name + ".tmp")
+        tmp.write_text(json.dumps(raw, sort_keys=True))
+        os.replace(tmp, self._clients_path)
+
+    def reap_leftover(self) -> bool:
+        """Blocking: end the server a previous node run left (its pid file, if that process is
+        still a ganesha of this configuration). True when one was ended."""
+        try:
+            pid = int(self.server.pid_path.read_text().strip())
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except (OSError, ValueError):
+            return False
+        if not cmdline or not cmdline[0].endswith(b"ganesha.nfsd") or \
+                str(self.server.config_path).encode() not in cmdline:
+            return False
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGTERM)
+            deadline = time.monotonic() + 10
+            while _alive(pid) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+        log.info("NFS server of the previous run ended", extra={"pid": pid})
+        return True
+
+    async def resume_clients(self, alive: set[str]) -> list[str]:
+        """After a node restart: the kept clients of the sandboxes in `alive` (adopted, still
+        running) are served again; the others are dropped. Returns the sandboxes served."""
+        try:
+            raw = json.loads(self._clients_path.read_text())
+        except (OSError, ValueError):
+            return []
+        async with self._lock:
+            for sid, entry in raw.items():
+                if sid in alive:
+                    self._clients[sid] = (entry["address"], tuple(
+                        SharedVolume(v["volume_id"], Path(v["path"]), int(v["uid"]), int(v["gid"]))
+                        for v in entry["volumes"]))
+            self._save_clients()
+            await self._apply()
+            return sorted(self._clients)
 
     # -- what the server exports -------------------------------------------------------------
 
@@ -133,12 +195,15 @@ class SharedExports:
                 with contextlib.suppress(NfsError):
                     await self._apply()
                 raise
+            finally:
+                self._save_clients()
 
     async def detach(self, sandbox_id: str) -> None:
         """`sandbox_id` no longer runs (killed, paused): its address leaves every export."""
         async with self._lock:
             if self._clients.pop(sandbox_id, None) is None:
                 return
+            self._save_clients()
             if self.server.running():
                 await self._apply()
 
