@@ -48,5 +48,5 @@ def test_the_nfs_client_is_loaded_only_when_missing(tmp_path: Path) -> None:
     lack = tmp_path / "absent"
     # In the kernel already: nothing is read, nothing loaded.
     assert mounts.load_nfs_modules(str(tmp_path / "none.order"), str(have)) == []
-    with pytest.raises(mounts.MountError, match="build it again"):
+    with pytest.raises(mounts.NoNfsClient, match="build it again"):
         mounts.load_nfs_modules(str(tmp_path / "none.order"), str(lack))

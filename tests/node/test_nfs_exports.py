@@ -104,3 +104,21 @@ def test_exports_follow_the_sandboxes_and_the_server_is_supervised(tmp_path: Pat
         assert again.export_id("v3") not in ids.values()
 
     asyncio.run(scenario())
+
+
+def test_a_guest_without_the_nfs_client_is_a_400() -> None:
+    """envd answers /init with 400 when the guest cannot mount NFS at all (a template booted
+    without the client's modules): the runtime's GuestRefusedError becomes a BackendError the
+    API answers with 400, not 500; other /init failures stay 500."""
+    from agentenv.api.errors import BadRequest, Internal
+    from agentenv.node.operations import backend_failure
+    from agentenv.node.vm_backend.errors import vm_errors
+    from agentenv.runtime.errors import GuestNotReadyError, GuestRefusedError
+
+    for exc, status, kind in ((GuestRefusedError("no NFSv4 client: build it again", 400), 400,
+                               BadRequest),
+                              (GuestNotReadyError("envd /init answered 500"), 500, Internal)):
+        with pytest.raises(Exception) as caught, vm_errors("creating"):
+            raise exc
+        answer = backend_failure(f"failed to create sandbox: {caught.value}", caught.value)
+        assert isinstance(answer, kind) and answer.status == status, answer

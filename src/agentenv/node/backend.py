@@ -38,9 +38,11 @@ class BackendError(Exception):
     """A backend operation failed; `retryable` says whether the sandbox is still intact."""
 
     def __init__(self, message: str, *, retryable: bool = True,
-                 unavailable: bool = False) -> None:
+                 unavailable: bool = False, bad_request: bool = False) -> None:
         super().__init__(message)
         self.retryable = retryable
+        #: what was asked cannot be done with this sandbox's source (the API answers 400)
+        self.bad_request = bad_request
         #: the host cannot serve the operation right now (blockd down): the API answers 503
         self.unavailable = unavailable
 

@@ -60,6 +60,7 @@ from agentenv.runtime.disks import AttachedDisk
 from agentenv.runtime.errors import (
     DiskError,
     GuestNotReadyError,
+    GuestRefusedError,
     ModeMismatchError,
     QMPError,
     RuntimeError_,
@@ -615,8 +616,10 @@ class Runtime:
                 return
             # envd's message says why (a volume it could not mount): bounded, one line
             why = "".join(c if c.isprintable() else " " for c in answer.text[:300]).strip()
-            raise GuestNotReadyError(
-                f"envd /init of VM {vm.id} answered {answer.status_code}: {why}")
+            message = f"envd /init of VM {vm.id} answered {answer.status_code}: {why}"
+            if 400 <= answer.status_code < 500:
+                raise GuestRefusedError(message, answer.status_code)
+            raise GuestNotReadyError(message)
 
     async def _while_alive(self, vm: VM, call: Awaitable[T]) -> T:
         """`call`'s result, but give up as soon as the VM's QEMU exits (VMDiedError)."""

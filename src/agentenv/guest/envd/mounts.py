@@ -48,6 +48,10 @@ class MountError(Exception):
     pass
 
 
+class NoNfsClient(MountError):
+    """The guest kernel has no NFSv4 client and cannot load one (envd's /init: 400)."""
+
+
 @dataclass(frozen=True)
 class VolumeMount:
     serial: str  # a disk's serial ("" for nfs)
@@ -155,7 +159,7 @@ def load_nfs_modules(order_file: str = NFS_MODULES_ORDER,
         with open(order_file) as f:
             names = [line.strip() for line in f if line.strip()]
     except OSError:
-        raise MountError("the guest kernel has no NFSv4 client (no nfs4 file system, and no "
+        raise NoNfsClient("the guest kernel has no NFSv4 client (no nfs4 file system, and no "
                          f"modules at {order_file}): the template was made before shared "
                          "volumes, build it again") from None
     base = os.path.dirname(order_file)
@@ -218,6 +222,9 @@ def _mount_nfs(mount: VolumeMount) -> None:
                          NFS_OPTIONS.encode()) != 0:
             err = ctypes.get_errno()
             raise MountError(os.strerror(err))
+    except NoNfsClient as exc:
+        raise NoNfsClient(f"mounting the shared volume {mount.export} at {mount.path}: "
+                          f"{exc}") from None
     except (OSError, MountError) as exc:
         raise MountError(f"mounting the shared volume {mount.export} at {mount.path}: "
                          f"{exc}") from None
