@@ -75,13 +75,21 @@ class SharedFilesystem:
              str(self.mountpoint))
         return self.mountpoint
 
-    def unmount(self) -> None:
-        """Unmount (the loop device goes with it: autoclear). Nothing to do when not mounted."""
-        if self.mounted():
+    def unmount(self, lazy: bool = False) -> None:
+        """Unmount (the loop device goes with it: autoclear). Nothing to do when not mounted.
+        `lazy`: when the file system is busy (the NFS server may hold files of an export it
+        just dropped), it is detached now and goes once the last file is closed."""
+        if not self.mounted():
+            return
+        try:
             _run("umount", str(self.mountpoint))
+        except SharedFsError:
+            if not lazy:
+                raise
+            _run("umount", "-l", str(self.mountpoint))
 
     def remove(self) -> None:
-        self.unmount()
+        self.unmount(lazy=True)
         self.image.unlink(missing_ok=True)
         if self.mountpoint.is_dir() and not os.listdir(self.mountpoint):
             self.mountpoint.rmdir()

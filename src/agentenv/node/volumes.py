@@ -271,7 +271,7 @@ class Volumes:
                 raise Conflict(f"volume {rec.name!r} is mounted shared read-write by sandbox "
                                f"{', '.join(users)}: kill or pause them first")
             try:
-                await asyncio.to_thread(self._shared_fs(rec).unmount)
+                await asyncio.to_thread(self._shared_fs(rec).unmount, True)
             except SharedFsError as exc:
                 raise Conflict(f"volume {rec.name!r}: its file system is in use ({exc})") from None
             await self.store.delete_volume(rec.volume_id)
