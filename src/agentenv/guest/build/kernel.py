@@ -34,16 +34,14 @@ OPTIONAL_MODULES = (
     # The root disk on virtio-scsi (AENV_DISK_BUS=virtio-scsi, /dev/sda): ENOSPC at the disk cap.
     "virtio_scsi",
     "sd_mod",
-    # The NFSv4 client (with sunrpc, lockd, grace, netfs, dns_resolver): shared read-write
-    # volumes are NFS mounts from the node (docs/volumes.md §7.1). About 2.7 MB of kernel
-    # text and data once loaded, most of it pages a restored sandbox shares with its template's
-    # snapshot; 1.35 MB more initramfs.
-    "nfsv4",
 )
 
-#: Modules not loaded at boot: on the tools disk (modules/, in load order in modules/<name>.order),
-#: loaded by envd before their first use (guest/envd/mounts.py `load_nfs_modules`).
-ON_DEMAND_MODULES: tuple[str, ...] = ()
+#: Modules not loaded at boot: on the tools disk (modules/, in load order in modules/nfs.order),
+#: loaded by envd before their first use (guest/envd/mounts.py `load_nfs_modules`). The NFSv4
+#: client (with sunrpc, lockd, grace, netfs, dns_resolver) for shared read-write volumes
+#: (docs/volumes.md §7.1): loaded at boot it cost every cold boot 2.8-5.5 s under TCG
+#: (bench/nfs_modules_boot_bench.py, bench/RESULTS.md), for the few sandboxes that mount one.
+ON_DEMAND_MODULES: tuple[str, ...] = ("nfsv4",)
 
 INIT_DIR = Path(__file__).resolve().parent.parent / "init"
 STAGE1_INIT = INIT_DIR / "initramfs-init"
