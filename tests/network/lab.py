@@ -269,8 +269,13 @@ class Lab:
 
     def __init__(self, tmp: Path, slots: int = 2, prefix: str = "eptest", port: int = 15001,
                  tls: bool = True, proxy_args: tuple[str, ...] = (),
-                 slot_rate_mbit: int = 0, slot_max_flows: int = 0) -> None:
+                 slot_rate_mbit: int = 0, slot_max_flows: int = 0,
+                 nfs_port: int | None = None, proxy: bool = True) -> None:
+        """`nfs_port`: the host's redirect of NFS-enabled slots goes there (docs/volumes.md
+        §7.1); `proxy` False: no egress proxy process is started."""
         self.tmp, self.prefix, self.port = tmp, prefix, port
+        self.nfs_port = nfs_port
+        self.with_proxy = proxy
         self.inet = f"{prefix}-inet"
         # Slots come from a pool, as the node's do: an index whose addresses the host routes
         # already (another runtime's slot, a host network inside 10.12/16) is skipped.
@@ -303,7 +308,8 @@ class Lab:
     def build(self) -> None:
         self.loop.run_until_complete(rtnet.remove_leftovers(self.prefix))
         # The node's host table (its input wall lets only redirected TCP reach this port).
-        self.loop.run_until_complete(rtnet.setup_host(self.prefix, self.port))
+        self.loop.run_until_complete(rtnet.setup_host(self.prefix, self.port,
+                                                      nfs_port=self.nfs_port))
         veth = f"{self.prefix}i0"
         run("ip", "link", "del", veth, check=False)
         run("ip", "netns", "add", self.inet)
@@ -329,7 +335,8 @@ class Lab:
             self.certs = Certificates(self.tmp, (*NAMES, SOCKS_NAME))
             self.servers.append(serve(self.inet, INET_SERVER, 443, self.certs.server_context()))
             self.servers.append(serve(self.inet, INET_OTHER, 443, self.certs.server_context()))
-        self.start_proxy()
+        if self.with_proxy:
+            self.start_proxy()
 
     def guest_ns(self, slot: rtnet.NetworkSlot) -> str:
         """The namespace standing for the slot's VM (`wire_guest`)."""

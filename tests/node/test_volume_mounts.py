@@ -4,7 +4,8 @@ bytes in each, one shared read-only blockd device, writes fail with EROFS), read
 (a second is refused, 409) and copy-on-write in another (each its own writes, the volume
 untouched); the mounts stay through a pause and resume (memory kept, and filesystem-only: the
 guest boots again and mounts again) and go into a fork child by reference; a commit makes the
-read-write sandbox's writes the volume's content.
+read-write sandbox's writes the volume's content. A volume mounted `rw-shared` (over NFS,
+docs/volumes.md §7.1) in two sandboxes is one volume for both and the content API.
 
 One VM node (network prefix "avo", slots 21001-21200, no ready pool), at most four VMs at once.
 """
@@ -144,5 +145,50 @@ def test_volumes_mount_read_only_and_copy_on_write(volume_node: NodeProcess) -> 
     finally:
         for sbx in made:
             with contextlib.suppress(Exception):  # killed already; the node goes anyway
+                sbx.kill()
+        Volume.destroy(vol.volume_id)
+
+
+def test_a_volume_mounted_rw_shared_is_one_volume_for_all(volume_node: NodeProcess) -> None:
+    """`rw-shared` (docs/volumes.md §7.1): two sandboxes mount one volume over NFS, each reads
+    what the other writes at once, and so does the content API (and they what it writes); a
+    pause and resume keeps the mount; a fork or a snapshot of such a sandbox is a 400 naming
+    why."""
+    vol = Volume.create("shared")
+    made: list[Sandbox] = []
+    try:
+        vol.write_file("/seed.txt", "from the content API\n")
+        vol.update_metadata("/", uid=1000, gid=1000)  # every guest acts as 1000 on the host
+        a, b = (Sandbox.create(volume_mounts={"/mnt/s": "shared:rw-shared"}, timeout=900)
+                for _ in range(2))
+        made += [a, b]
+        assert _run(a, "cat /mnt/s/seed.txt") == "from the content API\n"
+        _run(a, "echo from-a > /mnt/s/a.txt")
+        assert _run(b, "cat /mnt/s/a.txt") == "from-a\n"
+        _run(b, "echo from-b > /mnt/s/b.txt", user="root")
+        assert _run(a, "cat /mnt/s/b.txt") == "from-b\n"
+        assert vol.read_file("/a.txt") == "from-a\n" and vol.read_file("/b.txt") == "from-b\n"
+        assert vol.get_info("/b.txt").uid == 1000  # the guest's root, squashed
+        vol.write_file("/api.txt", "written meanwhile\n")
+        assert _run(b, "cat /mnt/s/api.txt") == "written meanwhile\n"
+        assert " /mnt/s nfs4 " in _run(a, "cat /proc/mounts")
+        assert Sandbox.get_info(a.sandbox_id).volume_mounts == [
+            {"name": "shared", "path": "/mnt/s"}]
+
+        with pytest.raises(SandboxException, match="NFS client identity"):
+            a.fork(count=1, timeout=600)
+        with pytest.raises(SandboxException, match="NFS client identity"):
+            a.create_snapshot()
+
+        a.pause()  # its address leaves the export; the resume's (another slot) joins it
+        _run(b, "echo while-paused > /mnt/s/c.txt")
+        a = Sandbox.connect(a.sandbox_id, timeout=900)
+        made.append(a)
+        assert _run(a, "cat /mnt/s/c.txt") == "while-paused\n"
+        _run(a, "echo after-resume > /mnt/s/d.txt")
+        assert _run(b, "cat /mnt/s/d.txt") == "after-resume\n"
+    finally:
+        for sbx in made:
+            with contextlib.suppress(Exception):
                 sbx.kill()
         Volume.destroy(vol.volume_id)

@@ -351,6 +351,8 @@ def test_mount_requests_are_checked_before_anything_is_made(tmp_path: Path) -> N
             ([{"name": "data", "path": "/mnt/d", "mode": "rwx"}], 400, "mode must be"),
             ([{"name": "data:rw", "path": "/mnt/a"}, {"name": "data:rw", "path": "/mnt/b"}],
              400, "read-write twice"),
+            ([{"name": "data:rw-shared", "path": "/mnt/a"}, {"name": "data:rw", "path": "/mnt/b"}],
+             400, "read-write twice"),
             ([{"name": "data:cow", "path": "/mnt/d", "mode": "ro"}], 400, "the name says"),
             ([{"name": "data", "path": f"/mnt/{i}"} for i in range(5)], 400,
              "AENV_VOLUME_MAX_MOUNTS=4"),
@@ -409,6 +411,65 @@ def test_a_volume_seals_into_an_ext4_layer_and_old_versions_go(tmp_path: Path) -
         assert client.delete(f"/volumes/{made['volumeID']}").status_code == 204
         client.portal.call(gc.collect, "test")
         assert not second.exists()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root (loop mounts)")
+def test_a_shared_volume_moves_onto_its_own_file_system(tmp_path: Path) -> None:
+    """A volume's first rw-shared mount (docs/volumes.md §7.1) moves its content onto an ext4
+    of its own, loop-mounted (what the NFS server exports: a forged handle reaches nothing
+    else), for good: owners and modes kept, the content API on the same files, the node's next
+    start mounts it again, a seal (for ro and cow mounts) made at every mount, no commit."""
+    state = tmp_path / "state"
+    app = build_app(ServeOptions(state_dir=state, backend="process"))
+    key = (state / "secrets" / "api-key").read_text().strip()
+    with TestClient(app, headers={"X-API-KEY": key}) as client:
+        made = client.post("/volumes", json={"name": "data", "sizeMB": 16}).json()
+        token = {"Authorization": f"Bearer {made['token']}"}
+        base = f"/volumecontent/{made['volumeID']}"
+        assert client.put(f"{base}/file", params={"path": "/a.txt", "uid": 1000, "mode": 0o640},
+                          content=b"before", headers=token).status_code == 201
+        assert client.patch(f"{base}/path", params={"path": "/"}, json={"uid": 4321,
+                            "gid": 4321}, headers=token).status_code == 200
+        volumes = app.orchestrator.volumes
+        assert volumes is not None
+        rec = volumes.records[made["volumeID"]]
+        assert not volumes.is_shared(rec)
+        served = Path(client.portal.call(volumes.make_shared, rec))
+        assert volumes.is_shared(rec) and served == volumes.shared_dir(rec)
+        assert os.stat(served).st_dev != os.stat(state).st_dev  # a file system of its own
+        assert volumes.shared_owner(rec) == (4321, 4321)
+        st = os.stat(served / "a.txt")
+        assert (st.st_uid, st.st_mode & 0o777) == (1000, 0o640)
+        assert (served / "a.txt").read_bytes() == b"before"
+        assert not (state / "volumes" / rec.volume_id / "data").exists()  # held once
+        assert Path(client.portal.call(volumes.make_shared, rec)) == served  # made once
+        # The content API and the sandboxes (NFS) edit the same files.
+        (served / "from-nfs.txt").write_bytes(b"a guest wrote this")
+        got = client.get(f"{base}/file", params={"path": "/from-nfs.txt"}, headers=token)
+        assert got.status_code == 200 and got.content == b"a guest wrote this"
+        assert client.put(f"{base}/file", params={"path": "/api.txt"}, content=b"api",
+                          headers=token).status_code == 201
+        assert (served / "api.txt").read_bytes() == b"api"
+        # Full at its size: what the guests wrote counts for the content API too.
+        (served / "big").write_bytes(b"x" * (15 << 20))
+        answer = client.put(f"{base}/file", params={"path": "/more"}, content=b"y" * (2 << 20),
+                            headers=token)
+        assert answer.status_code == 413, answer.text
+        (served / "big").unlink()
+        first = client.portal.call(volumes.seal, rec)
+        assert client.portal.call(volumes.seal, rec) != first  # changed unseen: sealed again
+        with pytest.raises(Exception, match="nothing to commit"):
+            client.portal.call(volumes.replace_content, rec, tmp_path / "none.tar", "commit")
+    # The node's next start: mounted again (here: still mounted, kept), the same files.
+    app = build_app(ServeOptions(state_dir=state, backend="process"))
+    with TestClient(app, headers={"X-API-KEY": key}) as client:
+        volumes = app.orchestrator.volumes
+        assert volumes is not None
+        rec = volumes.records[made["volumeID"]]
+        got = client.get(f"{base}/file", params={"path": "/api.txt"}, headers=token)
+        assert got.status_code == 200 and got.content == b"api"
+        assert client.delete(f"/volumes/{made['volumeID']}").status_code == 204
+        assert not volumes._shared_fs(rec).mounted()
 
 
 def _debugfs(image: Path, request: str) -> str:

@@ -27,7 +27,8 @@ class AutoResume(_Request):
 
 class VolumeMountRequest(_Request):
     """One of `volumeMounts` (E2B SandboxVolumeMount: `name`, `path`); `mode` is our extension
-    (`ro`, the default, `cow` or `rw`), also given as `name:mode` (docs/volumes.md §6)."""
+    (`ro`, the default, `cow`, `rw` or `rw-shared`), also given as `name:mode`
+    (docs/volumes.md §6, §7.1)."""
 
     name: str = Field(min_length=1, max_length=140)
     path: str = Field(min_length=1, max_length=1024)
@@ -215,9 +216,10 @@ class Sandbox(Response):
 class SandboxVolumeMount(Response):
     name: str
     path: str
-    #: an extension: "ro" (read-only, shared), "cow" (copy-on-write, the sandbox's own) or
-    #: "rw" (read-write, this sandbox's alone: docs/volumes.md §6)
-    mode: Literal["ro", "cow", "rw"]
+    #: an extension: "ro" (read-only, shared), "cow" (copy-on-write, the sandbox's own),
+    #: "rw" (read-write, this sandbox's alone: docs/volumes.md §6) or "rw-shared"
+    #: (read-write, shared with other sandboxes and the content API over NFS: §7.1)
+    mode: Literal["ro", "cow", "rw", "rw-shared"]
 
 
 class ListedSandbox(Response):

@@ -38,9 +38,11 @@ class BackendError(Exception):
     """A backend operation failed; `retryable` says whether the sandbox is still intact."""
 
     def __init__(self, message: str, *, retryable: bool = True,
-                 unavailable: bool = False) -> None:
+                 unavailable: bool = False, bad_request: bool = False) -> None:
         super().__init__(message)
         self.retryable = retryable
+        #: what was asked cannot be done with this sandbox's source (the API answers 400)
+        self.bad_request = bad_request
         #: the host cannot serve the operation right now (blockd down): the API answers 503
         self.unavailable = unavailable
 
@@ -75,6 +77,16 @@ class VolumeMount:
     path: str
     read_only: bool
     layer: str
+    #: a shared read-write mount (`rw-shared`, docs/volumes.md §7.1): no volume disk (slot -1,
+    #: no layer); the volume's directory on the host (`shared_dir`, the root of its own file
+    #: system) is exported over NFS to the sandbox, whose root and users act as `owner` there
+    volume_id: str = ""
+    shared_dir: str = ""
+    owner: tuple[int, int] = (0, 0)
+
+    @property
+    def shared(self) -> bool:
+        return bool(self.shared_dir)
 
 
 @dataclass(frozen=True)

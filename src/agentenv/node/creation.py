@@ -150,7 +150,7 @@ class Creation:
         async def persist() -> None:
             await host.store.put_sandbox(rec)
             await host.store.set_layer_refs(
-                "sandbox", sid, [*rec.source.layers, *(m.layer for m in rec.volume_mounts)])
+                "sandbox", sid, [*rec.source.layers, *(m.layer for m in rec.volume_mounts if m.layer)])
 
         try:
             await self._mount(rec, planned or [])

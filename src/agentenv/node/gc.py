@@ -279,7 +279,7 @@ class LayerCollector:
         # sealed one may not run its VM yet); older versions go (node/volumes.py)
         in_use.update(_resolve(p) for p in orch.volume_layers())
         for rec in orch.all_sandboxes():
-            in_use.update(_resolve(m.layer) for m in rec.volume_mounts)
+            in_use.update(_resolve(m.layer) for m in rec.volume_mounts if m.layer)
         current_layer = None
         with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
             meta = json.loads((self.state_dir / "templates" / "base" / "template.json").read_text())

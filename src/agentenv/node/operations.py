@@ -20,7 +20,14 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Mapping
 from typing import Any, TypeVar
 
-from agentenv.api.errors import ApiError, Conflict, Internal, Unavailable, sandbox_not_found
+from agentenv.api.errors import (
+    ApiError,
+    BadRequest,
+    Conflict,
+    Internal,
+    Unavailable,
+    sandbox_not_found,
+)
 from agentenv.api.models import iso
 from agentenv.node.backend import BackendError
 from agentenv.node.idle import IDLE_REASON
@@ -153,8 +160,11 @@ class Operations:
 
 
 def backend_failure(message: str, exc: BackendError) -> ApiError:
-    """503 when the host cannot serve right now (blockd down: retry later), else 500."""
-    return Unavailable(message) if getattr(exc, "unavailable", False) else Internal(message)
+    """503 when the host cannot serve right now (blockd down: retry later), 400 when the
+    sandbox's source cannot do what was asked, else 500."""
+    if getattr(exc, "unavailable", False):
+        return Unavailable(message)
+    return BadRequest(message) if getattr(exc, "bad_request", False) else Internal(message)
 
 
 def failure_reason(exc: BaseException) -> str:

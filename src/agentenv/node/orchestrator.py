@@ -63,12 +63,12 @@ from agentenv.node.operations import (
     log_reap,
 )
 from agentenv.node.pauses import Pauses
-from agentenv.node.records import SandboxRecord, State, TemplateRecord
+from agentenv.node.records import MountRecord, SandboxRecord, State, TemplateRecord
 from agentenv.node.recovery import Recovery
 from agentenv.node.security import TokenIssuer
 from agentenv.node.snapshots import Snapshots
 from agentenv.node.store import Store
-from agentenv.node.volumes import Volumes
+from agentenv.node.volumes import SHARED, Volumes
 
 #: what callers import from here (the dataclasses live beside the work that takes them)
 __all__ = ["CreateParams", "ForkResult", "NodeConfig", "NodeCounters", "Orchestrator"]
@@ -371,14 +371,45 @@ class Orchestrator:
             allow_internet_access=rec.allow_internet_access is not False,
             metadata=dict(rec.metadata),
             template_id=rec.template_id,
-            volume_mounts=tuple(VolumeMount(m.slot, m.path, m.mode == "ro", m.layer)
-                                for m in rec.volume_mounts),
+            volume_mounts=tuple(self._volume_mount(m) for m in rec.volume_mounts),
         )
+
+    def _volume_mount(self, m: MountRecord) -> VolumeMount:
+        if m.mode != SHARED:
+            return VolumeMount(m.slot, m.path, m.mode == "ro", m.layer)
+        # rw-shared: the volume's own file system, exported over NFS (docs/volumes.md §7.1).
+        # Deleting a volume is refused while a sandbox mounts it so, paused ones too.
+        assert self.volumes is not None
+        volume = self.volumes.records[m.volume_id]
+        return VolumeMount(-1, m.path, False, "", volume_id=m.volume_id,
+                           shared_dir=str(self.volumes.shared_dir(volume)),
+                           owner=self.volumes.shared_owner(volume))
+
+    def _refuse_shared(self, sandbox_id: str, what: str) -> None:
+        """A fork child, or a sandbox made from a snapshot, wakes up with its parent's NFSv4
+        client identity and session in memory: its NFS access hangs (docs/volumes.md §7.1)."""
+        rec = self.sandboxes.get(sandbox_id)
+        shared = [m.name for m in rec.volume_mounts if m.mode == SHARED] if rec else []
+        if shared:
+            raise BadRequest(
+                f"sandbox {sandbox_id!r} mounts volume {shared[0]!r} shared read-write "
+                f"(rw-shared): it cannot {what}. A copy of its memory would share its NFS "
+                "client identity with it, and the copy's NFS access would hang; mount the "
+                "volume 'rw-shared' in a new sandbox instead")
 
     def volume_layers(self) -> set[Path]:
         """The latest sealed version of every volume (node/volumes.py); none without volumes.
         Looked up at each call: the server sets the volumes after the collector is made."""
         return self.volumes.current_layers() if self.volumes is not None else set()
+
+    def volume_sharers(self) -> dict[str, list[str]]:
+        """The sandboxes (running or paused) mounting each volume rw-shared, by volume id."""
+        found: dict[str, list[str]] = {}
+        for rec in self.sandboxes.values():
+            for m in rec.volume_mounts:
+                if m.mode == SHARED:
+                    found.setdefault(m.volume_id, []).append(rec.sandbox_id)
+        return found
 
     def volume_writers(self) -> dict[str, str]:
         """The volumes a sandbox mounts read-write (exclusively), by volume id: its id."""
@@ -511,6 +542,7 @@ class Orchestrator:
     # --- snapshots (node/snapshots.py), forks and rollback (node/lineage.py) -----------------
 
     async def snapshot(self, sandbox_id: str, name: str | None) -> TemplateRecord:
+        self._refuse_shared(sandbox_id, "be snapshotted")
         return await self._snapshots.snapshot(sandbox_id, name)
 
     def hold_snapshot_quota(self) -> contextlib.AbstractContextManager[None]:
@@ -520,6 +552,7 @@ class Orchestrator:
 
     async def fork(self, sandbox_id: str, count: int, timeout: int | None) -> list[ForkResult]:
         """`count` running children of a running or paused sandbox (node/lineage.py)."""
+        self._refuse_shared(sandbox_id, "be forked")
         return await self._lineage.fork(sandbox_id, count, timeout)
 
     async def rollback(self, sandbox_id: str, snapshot_id: str | None,

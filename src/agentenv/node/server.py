@@ -134,7 +134,8 @@ def build_app(
     volumes = Volumes(orchestrator.store, state, orchestrator.tokens, VolumeLimits.from_env(),
                       lambda: space_reserve(orchestrator.admission),
                       sealed=gc.request,
-                      writers=orchestrator.volume_writers)
+                      writers=orchestrator.volume_writers,
+                      sharers=orchestrator.volume_sharers)
     orchestrator.volumes = volumes
     if (pools := capabilities.pools) is not None:
         metrics.watch_ready_pools(lambda: pools.pool)

@@ -55,6 +55,7 @@ from agentenv.fsutil import InsufficientSpace, SpaceGuard, private_dir, require_
 from agentenv.guest.build.rootfs import make_rootfs_image
 from agentenv.node.records import MountRecord, VolumeRecord
 from agentenv.node.security import TokenIssuer
+from agentenv.node.shared_fs import SharedFilesystem, SharedFsError
 from agentenv.node.store import NameTaken, Store
 from agentenv.node.volume_files import TooLarge, VolumeFiles, file_charge, unfit_entry
 from agentenv.relay.concurrency import whole_number_setting
@@ -80,7 +81,8 @@ VOLUME_SLOTS = 4
 #: journal, directories), within the fixed size of a volume disk
 FS_SPARE_BYTES = 64 << 20
 #: mount modes (our extension: E2B's mounts have none); the name may carry one as `name:mode`
-MODES = ("ro", "cow", "rw")
+MODES = ("ro", "cow", "rw", "rw-shared")
+SHARED = "rw-shared"  # shared read-write over NFS (docs/volumes.md §7.1)
 DEFAULT_MODE = "ro"
 #: where a volume may not be mounted: these and anything under them ...
 SYSTEM_TREES = ("/proc", "/sys", "/dev", "/run", "/etc", "/usr", "/bin", "/sbin", "/lib",
@@ -136,13 +138,16 @@ class Volumes:
     def __init__(self, store: Store, state_dir: Path, tokens: TokenIssuer,
                  limits: VolumeLimits, space_reserve: Callable[[], tuple[int, str]],
                  sealed: Callable[[], None] = lambda: None,
-                 writers: Callable[[], dict[str, str]] = dict) -> None:
+                 writers: Callable[[], dict[str, str]] = dict,
+                 sharers: Callable[[], dict[str, list[str]]] = dict) -> None:
         """`sealed`: called when a volume got a new version or was deleted (a garbage
         collection may free older versions no sandbox or snapshot uses). `writers`: the
         volumes a sandbox mounts read-write (its own, exclusively), to which sandbox."""
         self.store = store
         self._sealed = sealed
         self._writers = writers
+        #: the sandboxes mounting each volume shared read-write (rw-shared), by volume id
+        self._sharers = sharers
         self.dir = state_dir / "volumes"
         self.tokens = tokens
         self.limits = limits
@@ -162,16 +167,37 @@ class Volumes:
         await asyncio.to_thread(shutil.rmtree, self.dir / WORK, True)  # seals cut short
         for rec in await self.store.load_volumes():
             self.records[rec.volume_id] = rec
+            if self._shared_fs(rec).exists():  # its own file system, mounted again
+                try:
+                    await asyncio.to_thread(self._shared_fs(rec).mount)
+                except SharedFsError as exc:
+                    log.error("a shared volume's file system did not mount",
+                              extra={"volume_id": rec.volume_id, "error": str(exc)})
+                    continue
             # uploads a stopped node was receiving are incomplete: dropped
             await asyncio.to_thread(shutil.rmtree, self._tmp(rec), True)
             self._tmp(rec).mkdir(exist_ok=True)
 
     # --- records -------------------------------------------------------------------------------
 
+    def _shared_fs(self, rec: VolumeRecord) -> SharedFilesystem:
+        """A volume mounted rw-shared once lives on a file system of its own from then on
+        (docs/volumes.md §7.1): <id>/shared/fs/data (exported) and fs/tmp (uploads)."""
+        return SharedFilesystem(self.dir / rec.volume_id / "shared")
+
+    def is_shared(self, rec: VolumeRecord) -> bool:
+        return self._shared_fs(rec).exists()
+
     def _data(self, rec: VolumeRecord) -> Path:
+        fs = self._shared_fs(rec)
+        if fs.exists():
+            return fs.mountpoint / "data"
         return self.dir / rec.volume_id / "data"
 
     def _tmp(self, rec: VolumeRecord) -> Path:
+        fs = self._shared_fs(rec)
+        if fs.exists():
+            return fs.mountpoint / "tmp"
         return self.dir / rec.volume_id / "tmp"
 
     def files(self, rec: VolumeRecord) -> VolumeFiles:
@@ -240,6 +266,14 @@ class Volumes:
     async def delete(self, team: str, volume_id: str) -> None:
         rec = self.get(team, volume_id)
         async with self._lock(rec):
+            users = self._sharers().get(rec.volume_id)
+            if users:
+                raise Conflict(f"volume {rec.name!r} is mounted shared read-write by sandbox "
+                               f"{', '.join(users)}: kill or pause them first")
+            try:
+                await asyncio.to_thread(self._shared_fs(rec).unmount, True)
+            except SharedFsError as exc:
+                raise Conflict(f"volume {rec.name!r}: its file system is in use ({exc})") from None
             await self.store.delete_volume(rec.volume_id)
             self.records.pop(rec.volume_id, None)
             self._used.pop(rec.volume_id, None)
@@ -266,8 +300,9 @@ class Volumes:
                            "it changes through that sandbox (and a commit) until it ends")
 
     async def _usage(self, rec: VolumeRecord) -> int:
-        """What the volume's content counts (under its lock; walked once, then kept)."""
-        if rec.volume_id not in self._used:
+        """What the volume's content counts (under its lock; walked once, then kept; a shared
+        volume's at every change: its sandboxes write it too)."""
+        if rec.volume_id not in self._used or self.is_shared(rec):
             self._used[rec.volume_id] = await asyncio.to_thread(self.files(rec).usage)
         return self._used[rec.volume_id]
 
@@ -369,6 +404,9 @@ class Volumes:
         """The volume's content becomes the tar `archive` (a sandbox's commit, §8): unpacked
         by the template applier (untrusted archives: nothing lands outside the new directory)
         into a directory of its own, checked against the volume's size, then swapped in."""
+        if self.is_shared(rec):
+            raise BadRequest(f"{what}: volume {rec.name!r} is shared read-write: its sandboxes "
+                             "write it in place, there is nothing to commit")
         async with self._lock(rec):
             self._live(rec)
             home = self.dir / rec.volume_id
@@ -409,7 +447,9 @@ class Volumes:
         content changed since (no change is made while it is sealed)."""
         async with self._lock(rec):
             self._live(rec)
-            if not rec.dirty and rec.layer and os.path.exists(rec.layer):
+            # A shared volume changes through its sandboxes too, unseen: sealed every time.
+            if not rec.dirty and rec.layer and os.path.exists(rec.layer) \
+                    and not self.is_shared(rec):
                 return rec.layer
             version = rec.version + 1
             layer = self.dir / LAYERS / f"{rec.volume_id}-v{version}.layer"
@@ -454,6 +494,7 @@ class Volumes:
         paths = [m.path for m in inherited]
         planned: list[PlannedMount] = []
         writers = self._writers()
+        sharers = self._sharers()
         for index, (raw_name, raw_path, raw_mode) in enumerate(wanted):
             what = f"volumeMounts[{index}]"
             name, mode = _name_and_mode(raw_name, raw_mode, what)
@@ -466,25 +507,76 @@ class Volumes:
                 volume = self.named(team, name)
             except NotFound:
                 raise NotFound(f"{what}: volume {name!r} not found") from None
-            if mode == "rw":
+            if mode in ("rw", SHARED):
                 if volume.volume_id in writers:
                     raise Conflict(f"{what}: volume {name!r} is mounted read-write by sandbox "
                                    f"{writers[volume.volume_id]} (one sandbox at a time)")
-                if any(p.volume is volume and p.mode == "rw" for p in planned):
+                if any(p.volume is volume and p.mode in ("rw", SHARED) for p in planned):
                     raise BadRequest(f"{what}: volume {name!r} is mounted read-write twice")
+            if mode == "rw" and volume.volume_id in sharers:
+                raise Conflict(f"{what}: volume {name!r} is mounted shared read-write by "
+                               f"sandbox {', '.join(sharers[volume.volume_id])}")
             planned.append(PlannedMount(volume, path, mode, -1))
         if free_slots is None:
             raise BadRequest(f"volumeMounts: the {backend} backend does not mount volumes (the "
                              "VM backend does)")
-        if len(planned) > len(free_slots):
+        disks = [p for p in planned if p.mode != SHARED]  # a shared mount takes no disk
+        if len(disks) > len(free_slots):
             raise BadRequest(f"volumeMounts: the template has {len(free_slots)} free volume "
-                             f"disks for {len(planned)} volumes (a template built before volumes "
+                             f"disks for {len(disks)} volumes (a template built before volumes "
                              "has none: build it again)")
-        return [dataclasses.replace(p, slot=slot) for p, slot in zip(planned, free_slots,
-                                                                      strict=False)]
+        slots = dict(zip((id(p) for p in disks), free_slots, strict=False))
+        return [p if p.mode == SHARED else dataclasses.replace(p, slot=slots[id(p)])
+                for p in planned]
+
+    async def make_shared(self, rec: VolumeRecord) -> Path:
+        """The volume on a file system of its own, mounted (docs/volumes.md §7.1): made at its
+        first shared mount from its directory (content, owners, modes), which it replaces for
+        good. Returns the directory the NFS server exports."""
+        fs = self._shared_fs(rec)
+        async with self._lock(rec):
+            self._live(rec)
+            if not fs.exists():
+                home = self.dir / rec.volume_id
+                stage = home / "shared-stage"
+                await asyncio.to_thread(_remove_tree, stage)
+                stage.mkdir(mode=0o700)
+                # mkfs -d copies the tree: `data` moves under the stage (a rename), back if
+                # the file system cannot be made
+                os.rename(home / "data", stage / "data")
+                try:
+                    await asyncio.to_thread(fs.create, stage, fs_bytes(rec.size_bytes),
+                                            (0, 0, 0o755))
+                except SharedFsError as exc:
+                    os.rename(stage / "data", home / "data")
+                    raise ApiError(f"volume {rec.name!r}: making its shared file system "
+                                   f"failed: {exc}", status=500) from None
+                await asyncio.to_thread(fs.mount)
+                (fs.mountpoint / "tmp").mkdir(mode=0o700, exist_ok=True)
+                await asyncio.to_thread(_remove_tree, stage)
+                await asyncio.to_thread(_remove_tree, home / "tmp")
+                self._used.pop(rec.volume_id, None)
+                log.info("volume made shared", extra={"volume_id": rec.volume_id})
+            else:
+                await asyncio.to_thread(fs.mount)
+        return self._data(rec)
+
+    def shared_dir(self, rec: VolumeRecord) -> Path:
+        """The directory a shared volume's export serves (the content API's too)."""
+        return self._data(rec)
+
+    def shared_owner(self, rec: VolumeRecord) -> tuple[int, int]:
+        """Whom every sandbox acts as in a shared volume: the owner of its root directory."""
+        st = os.stat(self._data(rec))
+        return st.st_uid, st.st_gid
 
     async def mount(self, planned: PlannedMount) -> MountRecord:
-        """A planned mount with the volume's sealed layer (sealed now if it changed)."""
+        """A planned mount with the volume's sealed layer (sealed now if it changed); a shared
+        one with none (the volume on its own file system, exported over NFS)."""
+        if planned.mode == SHARED:
+            await self.make_shared(planned.volume)
+            return MountRecord(name=planned.volume.name, volume_id=planned.volume.volume_id,
+                               path=planned.path, mode=SHARED, slot=-1, layer="")
         layer = await self.seal(planned.volume)
         return MountRecord(name=planned.volume.name, volume_id=planned.volume.volume_id,
                            path=planned.path, mode=planned.mode, slot=planned.slot, layer=layer)
@@ -507,8 +599,9 @@ def _name_and_mode(raw: str, mode: str | None, what: str) -> tuple[str, str]:
     chosen = suffix or mode or DEFAULT_MODE
     if chosen not in MODES:
         raise BadRequest(f"{what}: mode must be 'ro' (read-only, shared), 'cow' "
-                         "(copy-on-write, the sandbox's own) or 'rw' (read-write, one sandbox "
-                         f"at a time), got {chosen!r}")
+                         "(copy-on-write, the sandbox's own), 'rw' (read-write, one sandbox "
+                         "at a time) or 'rw-shared' (read-write, shared over NFS), got "
+                         f"{chosen!r}")
     return name, chosen
 
 

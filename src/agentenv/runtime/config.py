@@ -25,6 +25,10 @@ class RuntimeConfig(BaseModel):
     # The node-wide egress proxy's port on the host (agentenv.network): TCP to the metadata
     # address, and the TCP a slot's policy sends through the proxy, are redirected to it.
     egress_proxy_port: int | None = Field(default=None, ge=1, le=65535)
+    # The node's NFS server's port on the host (shared volumes, docs/volumes.md §7.1): TCP of
+    # a slot with its NFS hole open (Runtime.set_nfs) to 169.254.169.254:2049 is redirected
+    # to it, and nothing else reaches it. None: no slot can reach an NFS server.
+    nfs_port: int | None = Field(default=None, ge=1, le=65535)
     # Private ranges an operator opens to guests (a lab), e.g. ["192.168.50.0/24"]; they then
     # obey each sandbox's policy like any address. Off by default (runtime/network.py).
     network_open_ranges: list[str] = Field(default_factory=list)

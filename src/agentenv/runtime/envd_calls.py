@@ -20,7 +20,7 @@ from agentenv.envd_client import (
     read_reply,
 )
 from agentenv.runtime.config import RuntimeConfig
-from agentenv.runtime.errors import GuestNotReadyError, VMDiedError
+from agentenv.runtime.errors import GuestNotReadyError, GuestRefusedError, VMDiedError
 from agentenv.runtime.machine import VM
 
 T = TypeVar("T")
@@ -101,8 +101,10 @@ class EnvdCalls:
                 return
             # envd's message says why (a volume it could not mount): bounded, one line
             why = "".join(c if c.isprintable() else " " for c in answer.text[:300]).strip()
-            raise GuestNotReadyError(
-                f"envd /init of VM {vm.id} answered {answer.status_code}: {why}")
+            message = f"envd /init of VM {vm.id} answered {answer.status_code}: {why}"
+            if 400 <= answer.status_code < 500:
+                raise GuestRefusedError(message, answer.status_code)
+            raise GuestNotReadyError(message)
 
     async def while_alive(self, vm: VM, call: Awaitable[T]) -> T:
         """`call`'s result, but give up as soon as the VM's QEMU exits (VMDiedError)."""

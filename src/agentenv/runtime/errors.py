@@ -21,6 +21,15 @@ class GuestNotReadyError(RuntimeError_):
     """envd inside the guest did not answer in time."""
 
 
+class GuestRefusedError(GuestNotReadyError):
+    """envd answered /init with a 4xx: what was asked cannot be done in this guest (a shared
+    volume in a guest without the NFS client); retrying will not help."""
+
+    def __init__(self, message: str, status: int) -> None:
+        super().__init__(message)
+        self.status = status
+
+
 class SnapshotError(RuntimeError_):
     """A snapshot could not be taken, or a snapshot cannot be restored."""
 

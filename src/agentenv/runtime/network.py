@@ -17,7 +17,9 @@ which is rejected with a TCP reset the guest sees; replies the guest receives st
 its ACK for them is what gets reset):
   1. a guest packet with a source other than 169.254.0.21 is dropped (no spoofing: the host
      knows a sandbox by its address);
-  2. TCP to the metadata service 169.254.169.254:80 is accepted (the host redirects it);
+  2. TCP to the metadata service 169.254.169.254:80 is accepted (the host redirects it), and
+     so is TCP to 169.254.169.254:2049 (NFS_PORT) when the slot's sandbox mounts a shared
+     volume (`set_nfs`; docs/volumes.md §7.1): the host redirects it to the node's NFS server;
   3. walls, whatever the policy says: 10/8 (so 10.11/16 and 10.12/16: no sandbox reaches
      another), 172.16/12, 192.168/16, 100.64/10, 127/8, 169.254/16, 0/8, multicast 224/4,
      240/4 and broadcast; an operator may open named private ranges (`open_ranges`), which
@@ -37,12 +39,15 @@ On the host, one table per runtime (`<prefix>_host`, rules scoped to `<prefix>h*
   - prerouting (raw): a packet from a slot interface whose source is not routed back through
     that interface (another slot's address, any other) is dropped: the host and the egress
     proxy know a sandbox by its source address;
-  - prerouting: TCP to 169.254.169.254:80 from any slot, TCP 80/443 from sources in set `web`,
+  - prerouting: TCP to 169.254.169.254:2049 from sources in set `nfs_src` -> `redirect` to
+    the NFS server's port (when the runtime has one, `nfs_port`);
+    TCP to 169.254.169.254:80 from any slot, TCP 80/443 from sources in set `web`,
     all TCP from sources in set `all` -> `redirect` to the egress proxy's port;
   - input: nothing from a slot interface reaches the host (node API, blockd metrics, SSH,
     anything bound to 0.0.0.0) except the redirected proxy port; replies of connections the
     host opened pass; the proxy's port takes only redirected flows, from any interface
-    (nothing reaches it directly: not the node's network, not a local process);
+    (nothing reaches it directly: not the node's network, not a local process); the NFS
+    server's port likewise takes only redirected TCP from slot interfaces;
   - forward: no slot-to-slot traffic, the walls again (minus the opened ranges) whatever the
     slot's own rules did, and a TCP flow of a `web_src`/`all_src` source
     that reaches forward was opened before names were filtered (or the SOCKS5 tunnel was set):
@@ -92,6 +97,9 @@ TAP_IP = "169.254.0.22"
 TAP_MAC = "02:ae:00:00:00:fe"
 ENVD_PORT = 49983
 METADATA_IP = "169.254.169.254"
+#: Where a guest reaches the node's NFS server (shared volumes, docs/volumes.md §7.1): the same
+#: address and port in every slot, so a restored or forked guest finds it in any slot.
+NFS_PORT = 2049
 VETH_BASE = ipaddress.IPv4Address("10.12.0.0")
 NETNS_DIR = Path("/run/netns")
 #: Never opened, not even by the operator: the runtime's own ranges and the host.
@@ -183,6 +191,9 @@ class NetworkSlot:
     rate_mbit: int = 0
     #: the guest's live flows (conntrack entries) at most (0: no limit)
     max_flows: int = 0
+    #: whether the guest may reach the node's NFS server (set_nfs; only a sandbox that mounts
+    #: a shared volume)
+    nfs: bool = False
 
     def __post_init__(self) -> None:
         if not self.outbound and self.policy.is_default:
@@ -225,6 +236,7 @@ class NetworkSlot:
             "    set proxied { type inet_service; flags interval; }\n"
             "    set unnamed_udp { type inet_service; }\n"
             "    set tunnelled { type ipv4_addr; flags interval; }\n"
+            "    set nfs { type inet_service; }\n"
             "    chain slot_pre {\n"
             "        type nat hook prerouting priority dstnat;\n"
             f'        iifname "vpeer" ip daddr {self.guest_address} dnat to {GUEST_IP}\n'
@@ -254,6 +266,9 @@ class NetworkSlot:
             f"        ip daddr {METADATA_IP} tcp dport 80 accept\n"
             # The node's filtering resolver (network/dns.py), when it runs.
             f"        ip daddr {METADATA_IP} meta l4proto {{ tcp, udp }} th dport 53 accept\n"
+            # The node's NFS server, for a slot whose sandbox mounts a shared volume: the set
+            # holds NFS_PORT then (set_nfs), else nothing; the host redirects it to ganesha.
+            f"        ip daddr {METADATA_IP} tcp dport @nfs accept\n"
             "        ip daddr @walls meta l4proto tcp reject with tcp reset\n"
             "        ip daddr @walls reject with icmp type admin-prohibited\n"
             # A SOCKS5 egressProxy carries every TCP connection (the host redirects them to the
@@ -275,6 +290,7 @@ class NetworkSlot:
             "    }\n"
             "}\n"
             + self._policy_ops(self.policy)
+            + _set_ops("aenv", "nfs", [str(NFS_PORT)] if self.nfs else [])
         )
 
     @staticmethod
@@ -404,17 +420,46 @@ class NetworkSlot:
         """Allow or block guest-initiated traffic leaving the host (the walls stay either way)."""
         await self.set_policy(EgressPolicy() if allowed else EgressPolicy(deny_nets=(ALL_TRAFFIC,)))
 
+    async def set_nfs(self, enabled: bool) -> None:
+        """Open (or close) the hole to the node's NFS server (docs/volumes.md §7.1): the
+        slot's `nfs` set holds NFS_PORT, so its egress accepts TCP to METADATA_IP:NFS_PORT
+        before the walls, and the host's `nfs_src` set holds the guest's address, so the host
+        redirects that to ganesha's port. Opening: the host first (a flow the slot lets out
+        always finds the redirect); closing: the slot first."""
+        ops = _set_ops("aenv", "nfs", [str(NFS_PORT)] if enabled else [])
+        if enabled:
+            await _host_nfs_source(self.prefix, self.guest_address, True)
+        try:
+            await self._nft(ops)
+        except NetworkError:
+            # A slot made by an older runtime (no `nfs` set): rebuild its table whole.
+            saved, self.nfs = self.nfs, enabled
+            try:
+                await self._nft("add table ip aenv\ndelete table ip aenv\n" + self._ruleset())
+            except BaseException:
+                self.nfs = saved
+                raise
+        self.nfs = enabled
+        if not enabled:
+            await _host_nfs_source(self.prefix, self.guest_address, False)
+            await flush_nfs_flows(self)
+
     async def reset(self) -> None:
-        """Before the slot serves another VM: default policy, no tracked connections left of
-        the last guest (here and on the host, where its masqueraded flows live)."""
+        """Before the slot serves another VM: default policy, no NFS, no tracked connections
+        left of the last guest (here and on the host, where its masqueraded flows live)."""
         if not self.policy.is_default:
             await self.set_policy(EgressPolicy())
+        if self.nfs:
+            await self.set_nfs(False)
         await flush_conntrack(self)
 
     async def destroy(self) -> None:
         # Deleting the namespace deletes vpeer, and with it the host end of the veth.
         with contextlib.suppress(NetworkError):
             await _host_sources(self.prefix, self.guest_address, "none")
+        with contextlib.suppress(NetworkError):
+            await _host_nfs_source(self.prefix, self.guest_address, False)
+        self.nfs = False
         if shutil.which("conntrack") is not None:  # the last guest's masqueraded flows
             with contextlib.suppress(NetworkError):
                 await _run("conntrack", "-D", "-s", self.guest_address)
@@ -432,6 +477,19 @@ async def flush_conntrack(slot: NetworkSlot) -> None:
         await _run("ip", "netns", "exec", slot.netns_name, "conntrack", "-F")
     with contextlib.suppress(NetworkError):
         await _run("conntrack", "-D", "-s", slot.guest_address)
+
+
+async def flush_nfs_flows(slot: NetworkSlot) -> None:
+    """Forget the slot's tracked flows to the NFS address (a closed hole must not stay open
+    for a connection made before). Best effort, as flush_conntrack."""
+    if shutil.which("conntrack") is None:
+        return
+    with contextlib.suppress(NetworkError):
+        await _run("ip", "netns", "exec", slot.netns_name, "conntrack", "-D", "-p", "tcp",
+                   "-d", METADATA_IP, "--dport", str(NFS_PORT))
+    with contextlib.suppress(NetworkError):
+        await _run("conntrack", "-D", "-p", "tcp", "-s", slot.guest_address, "-d",
+                   METADATA_IP, "--dport", str(NFS_PORT))
 
 
 def _conntrack_flows(listing: str) -> Iterable[dict[str, str]]:
@@ -489,9 +547,20 @@ async def _host_sources(prefix: str, address: str, mode: str, also: str = "none"
     await _run("nft", "-f", "-", stdin=ops)
 
 
+async def _host_nfs_source(prefix: str, address: str, enabled: bool) -> None:
+    """Put `address` in the host's `nfs_src` set (its TCP to METADATA_IP:NFS_PORT is
+    redirected to the NFS server), or take it out."""
+    table = f"{prefix}_host"
+    ops = f"add element ip {table} nfs_src {{ {address} }}\n"
+    if not enabled:
+        ops += f"delete element ip {table} nfs_src {{ {address} }}\n"
+    await _run("nft", "-f", "-", stdin=ops)
+
+
 HOST_RULES = """table ip {table} {{
     set web_src {{ type ipv4_addr; }}
     set all_src {{ type ipv4_addr; }}
+    set nfs_src {{ type ipv4_addr; }}
     set walls {{ type ipv4_addr; flags interval; elements = {{ {walls} }} }}
     chain slots_spoof {{
         type filter hook prerouting priority raw; policy accept;
@@ -499,11 +568,11 @@ HOST_RULES = """table ip {table} {{
     }}
     chain slots_pre {{
         type nat hook prerouting priority dstnat;
-{redirects}    }}
+{nfs_redirect}{redirects}    }}
     chain slots_input {{
         type filter hook input priority filter; policy accept;
         iifname "{prefix}h*" ct state established,related accept
-{proxy_accept}        iifname "{prefix}h*" meta l4proto tcp reject with tcp reset
+{proxy_accept}{nfs_accept}        iifname "{prefix}h*" meta l4proto tcp reject with tcp reset
         iifname "{prefix}h*" reject with icmp type admin-prohibited
     }}
     chain slots_forward {{
@@ -522,8 +591,18 @@ HOST_RULES = """table ip {table} {{
 
 
 def host_ruleset(prefix: str, proxy_port: int | None,
-                 open_ranges: Iterable[IPv4Network] = ()) -> str:
-    redirects, proxy_accept = "", ""
+                 open_ranges: Iterable[IPv4Network] = (), nfs_port: int | None = None) -> str:
+    redirects, proxy_accept, nfs_redirect, nfs_accept = "", "", "", ""
+    if nfs_port is not None:
+        # Before the proxy's redirects (an `all_src` slot's TCP would go to the proxy). Only
+        # what this redirect sent reaches ganesha's port, as for the proxy's port: ganesha
+        # listens on every address (a redirect goes to the receiving slot interface's), and
+        # neither the node's network nor a local process may reach it directly.
+        nfs_redirect = (f'        iifname "{prefix}h*" ip saddr @nfs_src ip daddr {METADATA_IP} '
+                        f"tcp dport {NFS_PORT} redirect to :{nfs_port}\n")
+        nfs_accept = (f"        tcp dport {nfs_port} ct status & dnat == 0 reject with tcp reset\n"
+                      f"        udp dport {nfs_port} ct status & dnat == 0 drop\n"
+                      f'        iifname "{prefix}h*" tcp dport {nfs_port} ct status dnat accept\n')
     if proxy_port is not None:
         to = f"redirect to :{proxy_port}"
         redirects = (
@@ -543,7 +622,8 @@ def host_ruleset(prefix: str, proxy_port: int | None,
                         f'        iifname "{prefix}h*" meta l4proto {{ tcp, udp }} '
                         f"th dport {proxy_port} ct status dnat accept\n")
     return HOST_RULES.format(table=f"{prefix}_host", prefix=prefix, redirects=redirects,
-                             proxy_accept=proxy_accept, web=WEB_PORTS, keep_mark=KEEP_MARK,
+                             proxy_accept=proxy_accept, nfs_redirect=nfs_redirect,
+                             nfs_accept=nfs_accept, web=WEB_PORTS, keep_mark=KEEP_MARK,
                              walls=_elements(walls(open_ranges)))
 
 
@@ -634,9 +714,11 @@ async def _host_set_elements(table: str, name: str) -> list[str]:
 
 async def setup_host(prefix: str = "aenv", proxy_port: int | None = None,
                      keep_sources: Iterable[str] = (),
-                     open_ranges: Iterable[IPv4Network] = ()) -> None:
+                     open_ranges: Iterable[IPv4Network] = (),
+                     nfs_port: int | None = None) -> None:
     """Host side, once per runtime: forwarding on, the redirects to the egress proxy (when
-    `proxy_port` is given), the input wall, masquerade, no slot-to-slot traffic.
+    `proxy_port` is given) and to the NFS server (`nfs_port`, for the `nfs_src` slots), the
+    input wall, masquerade, no slot-to-slot traffic.
 
     The table is replaced in one transaction (no moment without the input wall), and the
     redirect-set entries of `keep_sources` (slots of VMs adopted from a previous run) are
@@ -647,13 +729,13 @@ async def setup_host(prefix: str = "aenv", proxy_port: int | None = None,
     table = f"{prefix}_host"
     keep = set(keep_sources)
     carried = ""
-    for name in ("web_src", "all_src"):
+    for name in ("web_src", "all_src", "nfs_src"):
         kept = [a for a in await _host_set_elements(table, name) if a in keep] if keep else []
         if kept:
             carried += f"add element ip {table} {name} {{ {', '.join(kept)} }}\n"
     await close_foreign_forward(prefix)
     await _run("nft", "-f", "-", stdin=f"add table ip {table}\ndelete table ip {table}\n"
-               + host_ruleset(prefix, proxy_port, open_ranges) + carried)
+               + host_ruleset(prefix, proxy_port, open_ranges, nfs_port) + carried)
     await open_foreign_forward(prefix)
 
 
@@ -817,6 +899,9 @@ class SlotPool:
         self.acquire_prefix()
         slot = NetworkSlot(index, self.prefix, outbound, open_ranges=self.open_ranges,
                            rate_mbit=self.rate_mbit, max_flows=self.max_flows)
+        # Whether its NFS hole is open is not known here: assumed open, so that the reset
+        # after its VM closes it (the node opens it again for a sandbox that mounts one).
+        slot.nfs = True
         self._in_use[index] = slot
         if index >= self._next:
             self._released.extend(range(self._next, index))

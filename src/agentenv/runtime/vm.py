@@ -24,7 +24,7 @@ import logging
 import shutil
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from ipaddress import IPv4Address
 from pathlib import Path
 from typing import Any, Literal
@@ -130,7 +130,8 @@ class Runtime:
             self.slots.acquire_prefix()
             await setup_host(self.config.network_prefix, self.config.egress_proxy_port,
                              keep_sources=self.slots.in_use_addresses(),
-                             open_ranges=self.slots.open_ranges)
+                             open_ranges=self.slots.open_ranges,
+                             nfs_port=self.config.nfs_port)
             await self.slots.fill(self.config.slot_pool_low)
         # After adoption (the node adopts before it starts the runtime): memory devices of an
         # earlier run that no adopted VM took over are released.
@@ -361,7 +362,8 @@ class Runtime:
                       access_token: str | None = None, outbound: bool = True,
                       guest_token: str | None = None, egress: EgressPolicy | None = None,
                       own_disks: bool = False, volumes: dict[str, VolumeDisk] | None = None,
-                      mounts: list[dict[str, Any]] | None = None) -> VM:
+                      mounts: list[dict[str, Any]] | None = None,
+                      before_start: Callable[[VM], Awaitable[None]] | None = None) -> VM:
         """Start a new running VM from a snapshot (resume, or create-from-template).
 
         `guest_token` is the envd access token the snapshot's guest holds, if any (see envd_init).
@@ -371,7 +373,9 @@ class Runtime:
         template start with the whole cap). Never from a warm process (its disks count nothing).
         `volumes`: volume disks for empty volume slots of the snapshot, by slot name (never
         from a warm process either: its slots are empty); `mounts`: what envd's /init mounts
-        where (docs/volumes.md §6).
+        where (docs/volumes.md §6). `before_start(vm)`: awaited once the VM has its slot, before
+        its guest runs (a shared volume's NFS hole and export: a guest that kept its mount
+        retries at once, and /init mounts it; docs/volumes.md §7.1); failing, the VM is killed.
         """
         if egress is None and not outbound:
             egress = EgressPolicy(deny_nets=(ALL_TRAFFIC,))
@@ -386,7 +390,7 @@ class Runtime:
             # the restore fails before the VM exists, the VM's kill does after (never both).
             vm = await self._restore_with_memory(record, mem_path, env_vars, access_token,
                                                  egress, guest_token, own_disks, volumes or {},
-                                                 mounts)
+                                                 mounts, before_start)
         vm.timings["memory_file_ms"] = (t1 - t0) * 1e3
         return vm
 
@@ -396,7 +400,9 @@ class Runtime:
                                    guest_token: str | None = None,
                                    own_disks: bool = False,
                                    volumes: dict[str, VolumeDisk] | None = None,
-                                   mounts: list[dict[str, Any]] | None = None) -> VM:
+                                   mounts: list[dict[str, Any]] | None = None,
+                                   before_start: Callable[[VM], Awaitable[None]] | None = None
+                                   ) -> VM:
         vm_id = uuid.uuid4().hex[:12]
         machine = with_volumes(record.machine, volumes or {})
         t0 = time.perf_counter()
@@ -440,6 +446,8 @@ class Runtime:
         t2 = time.perf_counter()
         stage = "resuming the guest"
         try:
+            if before_start is not None:
+                await before_start(vm)
             await process.execute("cont")
             vm.state = "running"
             t3 = time.perf_counter()
@@ -567,3 +575,13 @@ class Runtime:
         if vm.slot is None:
             raise RuntimeError_(f"VM {vm.id} has no network")
         await vm.slot.set_policy(policy)
+
+    async def set_nfs(self, vm: VM, enabled: bool) -> None:
+        """Open or close the VM's way to the node's NFS server (runtime/network.py
+        `NetworkSlot.set_nfs`; docs/volumes.md §7.1). Refused when the runtime has none."""
+        if vm.slot is None:
+            raise RuntimeError_(f"VM {vm.id} has no network")
+        if enabled and self.config.nfs_port is None:
+            raise RuntimeError_("this runtime has no NFS server port (RuntimeConfig.nfs_port)")
+        await vm.slot.set_nfs(enabled)
+

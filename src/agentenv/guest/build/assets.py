@@ -265,14 +265,17 @@ def build_assets(state_dir: Path, *, progress: bool = False, cache_dir: Path | N
             "codeint_digest": codeint_digest,
             "site_packages": site_packages,
         }
+        on_demand = kernel.ON_DEMAND_MODULES
         tools_key = _key(python_key, site_key, pkgs[tools.BUSYBOX_PACKAGE].sha256, envd_digest,
-                         codeint_digest, init_digest, builder_digest)
+                         codeint_digest, init_digest, builder_digest,
+                         *((kernel_pkg.sha256, *on_demand) if on_demand else ()))
         if _fresh(old.get("tools"), tools_key, tools_path):
             tools_entry = old["tools"]
         else:
             stage = work / "tools-stage"
             tools.stage_tools(python_dir=python_dir, site_dir=site_dir, busybox=busybox, stage=stage,
-                              versions=versions)
+                              versions=versions,
+                              modules={"nfs": kernel.on_demand_modules(tree)} if on_demand else None)
             rootfs.make_rootfs_image(stage, tools_path, rootfs.image_size_for(stage, free=8 * rootfs.MiB),
                                      label="aenv-tools", read_only=True)
             shutil.rmtree(stage)

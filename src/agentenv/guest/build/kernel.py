@@ -34,12 +34,14 @@ OPTIONAL_MODULES = (
     # The root disk on virtio-scsi (AENV_DISK_BUS=virtio-scsi, /dev/sda): ENOSPC at the disk cap.
     "virtio_scsi",
     "sd_mod",
-    # The NFSv4 client (with sunrpc, lockd, grace, netfs, dns_resolver): shared read-write
-    # volumes are NFS mounts from the node (docs/volumes.md §7.1). About 2.7 MB of kernel
-    # text and data once loaded, most of it pages a restored sandbox shares with its template's
-    # snapshot; 1.35 MB more initramfs.
-    "nfsv4",
 )
+
+#: Modules not loaded at boot: on the tools disk (modules/, in load order in modules/nfs.order),
+#: loaded by envd before their first use (guest/envd/mounts.py `load_nfs_modules`). The NFSv4
+#: client (with sunrpc, lockd, grace, netfs, dns_resolver) for shared read-write volumes
+#: (docs/volumes.md §7.1): loaded at boot it cost every cold boot 2.8-5.5 s under TCG
+#: (bench/nfs_modules_boot_bench.py, bench/RESULTS.md), for the few sandboxes that mount one.
+ON_DEMAND_MODULES: tuple[str, ...] = ("nfsv4",)
 
 INIT_DIR = Path(__file__).resolve().parent.parent / "init"
 STAGE1_INIT = INIT_DIR / "initramfs-init"
@@ -107,9 +109,11 @@ def _module_name(path: str) -> str:
     return Path(path).name.split(".ko")[0].replace("-", "_")
 
 
-def module_load_order(tree: KernelTree) -> tuple[list[str], list[str]]:
+def module_load_order(tree: KernelTree, optional: tuple[str, ...] = OPTIONAL_MODULES
+                      ) -> tuple[list[str], list[str]]:
     """Module paths (relative to lib/modules/RELEASE) in load order, dependencies first, and the
-    wanted modules the kernel has neither as module nor built in."""
+    wanted modules the kernel has neither as module nor built in (REQUIRED_MODULES and
+    `optional`)."""
     deps: dict[str, list[str]] = {}
     by_name: dict[str, str] = {}
     for line in (tree.modules_dir / "modules.dep").read_text().splitlines():
@@ -128,7 +132,7 @@ def module_load_order(tree: KernelTree) -> tuple[list[str], list[str]]:
         order.append(module)
 
     absent: list[str] = []
-    for name in (*REQUIRED_MODULES, *OPTIONAL_MODULES):
+    for name in (*REQUIRED_MODULES, *optional):
         if name in by_name:
             visit(by_name[name])
         elif name not in builtin:
@@ -138,10 +142,24 @@ def module_load_order(tree: KernelTree) -> tuple[list[str], list[str]]:
     return order, absent
 
 
-def build_initramfs(tree: KernelTree, busybox: Path, out: Path) -> list[str]:
+def on_demand_modules(tree: KernelTree, wanted: tuple[str, ...] = ON_DEMAND_MODULES
+                      ) -> list[tuple[str, bytes]]:
+    """The modules `wanted` needs that stage 1 does not load, in load order: (file name, the
+    uncompressed .ko)."""
+    boot, _ = module_load_order(tree)
+    full, absent = module_load_order(tree, (*OPTIONAL_MODULES, *wanted))
+    missing = [name for name in wanted if name in absent]
+    if missing:
+        raise GuestBuildError(f"kernel {tree.release} has no module {', '.join(missing)}")
+    return [(Path(_uncompressed(m)).name, _module_bytes(tree.modules_dir / m))
+            for m in full if m not in boot]
+
+
+def build_initramfs(tree: KernelTree, busybox: Path, out: Path,
+                    optional: tuple[str, ...] = OPTIONAL_MODULES) -> list[str]:
     """Writes a gzip newc initramfs: static busybox, the modules in load order, stage-1 /init.
     Returns the module paths it holds."""
-    order, _absent = module_load_order(tree)
+    order, _absent = module_load_order(tree, optional)
     mod_root = f"lib/modules/{tree.release}"
     entries: list[cpio.Entry] = [
         cpio.directory("bin"),

@@ -193,9 +193,11 @@ def busybox_applets(busybox: Path) -> list[str]:
 
 
 def stage_tools(*, python_dir: Path, site_dir: Path, busybox: Path, stage: Path,
-                versions: dict[str, object]) -> None:
+                versions: dict[str, object],
+                modules: dict[str, list[tuple[str, bytes]]] | None = None) -> None:
     """Assembles the tools tree: hard links into the cached python and site trees (cheap),
-    fresh copies of what changes with the source (envd, init)."""
+    fresh copies of what changes with the source (envd, init). `modules`: kernel modules envd
+    loads on demand, per purpose (`nfs`): modules/<file> and modules/<purpose>.order."""
     if stage.exists():
         shutil.rmtree(stage)
     shutil.copytree(python_dir, stage, symlinks=True, copy_function=os.link)
@@ -229,6 +231,12 @@ def stage_tools(*, python_dir: Path, site_dir: Path, busybox: Path, stage: Path,
     shutil.copy2(STAGE2_INIT, stage / "init")
     os.chmod(stage / "init", 0o755)
     (stage / "manifest.json").write_text(json.dumps(versions, indent=2, sort_keys=True) + "\n")
+    for purpose, files in (modules or {}).items():
+        mod_dir = stage / "modules"
+        mod_dir.mkdir(exist_ok=True)
+        for name, data in files:
+            (mod_dir / name).write_bytes(data)
+        (mod_dir / f"{purpose}.order").write_text("".join(f"{name}\n" for name, _ in files))
     compile_tree(stage, pkg_root)
     compile_tree(stage, stage / "site-packages")
 

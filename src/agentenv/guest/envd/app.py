@@ -382,7 +382,9 @@ class Envd:
                 await asyncio.to_thread(mounts.mount_all, volume_mounts)
             except mounts.MountError as exc:
                 log.error("volume mount failed", extra={"error": str(exc)})
-                await send_json(send, 500, {"code": 500, "message": str(exc)}, extra)
+                # 400: this guest cannot mount it at all (no NFS client), not a failure
+                status = 400 if isinstance(exc, mounts.NoNfsClient) else 500
+                await send_json(send, status, {"code": status, "message": str(exc)}, extra)
                 return
         # Answer first: the runtime waits for this on every resume and fork; the console is slow.
         try:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import socket
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -49,6 +50,8 @@ from agentenv.node.base_template import (
     build_base_template,
     load_previous,
 )
+from agentenv.node.nfs import NfsError
+from agentenv.node.nfs_exports import SharedExports, SharedVolume
 from agentenv.node.ready_pool import ReadyPool, ReadyPoolConfig
 from agentenv.node.vm_backend.adoption import (
     Leftovers,
@@ -65,7 +68,7 @@ from agentenv.node.vm_backend.snapshots import SnapshotStore, record_dir, record
 from agentenv.node.volumes import VOLUME_SLOTS
 from agentenv.runtime import privilege
 from agentenv.runtime.config import RuntimeConfig, privilege_settings_from_env
-from agentenv.runtime.errors import RuntimeError_
+from agentenv.runtime.errors import NetworkError, RuntimeError_
 from agentenv.runtime.serial import SERIAL_LOG
 from agentenv.runtime.vm import VM, BootSpec, DiskSource, Runtime, VolumeDisk
 from agentenv.settings import get_settings
@@ -137,6 +140,8 @@ class VmBackend(SandboxBackend, CrashRecovery, LayerAware, TemplateBuilding, Net
         #: envd access token each running VM's guest holds (None: not secure). A snapshot
         #: taken of it carries the token, so a create from it can replace the token.
         self._tokens: dict[str, str | None] = {}
+        #: the shared volumes' NFS server and exports (docs/volumes.md §7.1), made in start()
+        self.nfs: SharedExports | None = None
 
     @property
     def runtime(self) -> Runtime:
@@ -197,9 +202,13 @@ class VmBackend(SandboxBackend, CrashRecovery, LayerAware, TemplateBuilding, Net
         log.info("guest assets ready", extra={"seconds": round(time.monotonic() - t0, 1),
                                               "built": list(assets.built)})
         proxy_port = await self.egress.start()
+        nfs_port = get_settings().nfs_port or _free_port()
+        self.nfs = SharedExports(self.state_dir / "nfs", nfs_port)
+        await asyncio.to_thread(self.nfs.reap_leftover)
         config = RuntimeConfig(state_dir=self.base / "runtime", accel=self.accel,  # type: ignore[arg-type]
                                network_prefix=self.network_prefix, boot_timeout=300,
                                egress_proxy_port=proxy_port,
+                               nfs_port=nfs_port,
                                network_open_ranges=self.egress.open_ranges,
                                blockd_socket=self.blockd.socket,
                                slot_first_index=self.first_slot,
@@ -228,12 +237,21 @@ class VmBackend(SandboxBackend, CrashRecovery, LayerAware, TemplateBuilding, Net
             self._adopted[sid] = self._placement(sid, found.vm)
         await end_pooled(runtime, leftovers.pooled, pool_manifests)
         await runtime.start(kernel_for_probe=assets.kernel)
+        try:  # the adopted sandboxes' shared volumes, before their guests retry for long
+            await self.nfs.resume_clients(set(self._adopted))
+        except NfsError as exc:
+            log.error("the NFS server for adopted sandboxes did not start",
+                      extra={"error": str(exc)})
+        self.nfs.supervise()
         self.pool = ReadyPool(runtime, self.pool_config, pool_manifests.directory,
                               busy=lambda: self._creating > 0)
         self.pool.start()
         await self._collect()
 
     async def close(self) -> None:
+        if self.nfs is not None:
+            with contextlib.suppress(Exception):
+                await self.nfs.close()
         await self.egress.close()
         if self.pool is not None:
             with contextlib.suppress(Exception):
@@ -347,8 +365,37 @@ class VmBackend(SandboxBackend, CrashRecovery, LayerAware, TemplateBuilding, Net
     @staticmethod
     def _mounts(spec: SandboxSpec) -> list[dict[str, Any]]:
         """What envd's /init mounts (guest/envd/mounts.py): every volume of the sandbox."""
-        return [{"serial": VOLUME_SERIAL_PREFIX + volume_slot_name(m.slot), "path": m.path,
+        return [{"kind": "nfs", "export": f"/volumes/{m.volume_id}", "path": m.path,
+                 "readOnly": False} if m.shared else
+                {"serial": VOLUME_SERIAL_PREFIX + volume_slot_name(m.slot), "path": m.path,
                  "readOnly": m.read_only} for m in spec.volume_mounts]
+
+    @staticmethod
+    def _shared(spec: SandboxSpec) -> tuple[SharedVolume, ...]:
+        return tuple(SharedVolume(m.volume_id, Path(m.shared_dir), *m.owner)
+                     for m in spec.volume_mounts if m.shared)
+
+    async def _open_nfs(self, spec: SandboxSpec, vm: VM) -> None:
+        """Before the guest of a sandbox with shared volumes runs (or its /init mounts them):
+        its slot's hole to the NFS server, and its address in their exports."""
+        shared = self._shared(spec)
+        if not shared:
+            return
+        if self.nfs is None or vm.slot is None:
+            raise BackendError(f"{spec.sandbox_id}: shared volumes need the node's NFS server "
+                               "and a network slot", retryable=False)
+        try:
+            await self.runtime.set_nfs(vm, True)
+            await self.nfs.attach(spec.sandbox_id, vm.slot.guest_address, shared)
+        except (NfsError, NetworkError, RuntimeError_) as exc:
+            raise BackendError(f"{spec.sandbox_id}: serving its shared volumes over NFS "
+                               f"failed: {exc}", retryable=False) from exc
+
+    async def _close_nfs(self, sandbox_id: str) -> None:
+        """The sandbox's VM is gone (paused, killed): out of every export."""
+        if self.nfs is not None:
+            with contextlib.suppress(NfsError):
+                await self.nfs.detach(sandbox_id)
 
     @staticmethod
     def _new_volumes(spec: SandboxSpec, record: SnapshotRecord) -> dict[str, VolumeDisk]:
@@ -356,7 +403,8 @@ class VmBackend(SandboxBackend, CrashRecovery, LayerAware, TemplateBuilding, Net
         already were mounted by the sandbox it was taken of)."""
         empty = {d.name for d in record.disks if not d.layers}
         return {volume_slot_name(m.slot): VolumeDisk([Path(m.layer)], m.read_only)
-                for m in spec.volume_mounts if volume_slot_name(m.slot) in empty}
+                for m in spec.volume_mounts
+                if not m.shared and volume_slot_name(m.slot) in empty}
 
     def free_volume_slots(self, source: TemplateRef) -> list[int]:
         try:
@@ -373,12 +421,18 @@ class VmBackend(SandboxBackend, CrashRecovery, LayerAware, TemplateBuilding, Net
         """own: `record` is this sandbox's pause (its disks' caps keep what they used);
         `volumes`: volumes a create puts in empty slots."""
         token = self._token(spec, previous_token)
+
+        async def open_nfs(vm: VM) -> None:
+            await self._open_nfs(spec, vm)
+
+        before_start = open_nfs if self._shared(spec) else None
         with vm_errors(f"starting the VM of {spec.sandbox_id} failed"):
             vm = await self.runtime.restore(record, env_vars=self._guest_env(spec),
                                             access_token=token,
                                             egress=egress_of(spec),
                                             guest_token=previous_token, own_disks=own,
-                                            volumes=volumes, mounts=self._mounts(spec))
+                                            volumes=volumes, mounts=self._mounts(spec),
+                                            before_start=before_start)
         await self.egress.announce(spec.sandbox_id, vm, spec)
         return self._placement(spec.sandbox_id, vm, token)
 
@@ -405,7 +459,9 @@ class VmBackend(SandboxBackend, CrashRecovery, LayerAware, TemplateBuilding, Net
         # A snapshot of a secure sandbox wakes up with that sandbox's envd token.
         guest_token = spec.source.data.get("guest_token")
         volumes = self._new_volumes(spec, record)
-        if volumes:  # a pooled VM's volume disks are empty: restored with the volumes
+        # A pooled VM's volume disks are empty, and its guest runs before the node could let
+        # it reach a shared volume: restored with them.
+        if volumes or self._shared(spec):
             return await self._restore(spec, record, previous_token=guest_token,
                                        volumes=volumes)
         if self.pool is not None and self.pool_config.enabled:
@@ -476,6 +532,7 @@ class VmBackend(SandboxBackend, CrashRecovery, LayerAware, TemplateBuilding, Net
         token = self._tokens.get(sandbox_id)
         self._forget_vm(sandbox_id)
         await self.egress.forget(sandbox_id)
+        await self._close_nfs(sandbox_id)
         ref = self.snapshots.ref(record, "paused")
         if token and record.memory:  # what the resume's /init must show (a re-keyed guest's)
             ref.data["guest_token"] = token
@@ -545,6 +602,7 @@ class VmBackend(SandboxBackend, CrashRecovery, LayerAware, TemplateBuilding, Net
             with vm_errors(f"cold-booting {spec.sandbox_id} from its disk failed"):
                 vm = await self.runtime.boot(boot)
                 try:
+                    await self._open_nfs(spec, vm)
                     await self.runtime.envd_init(vm, self._guest_env(spec), spec.access_token,
                                                  mounts=self._mounts(spec))
                 except BaseException:
@@ -573,6 +631,9 @@ class VmBackend(SandboxBackend, CrashRecovery, LayerAware, TemplateBuilding, Net
         self, spec: SandboxSpec, placement: Placement, children: list[SandboxSpec]
     ) -> list[ForkOutcome]:
         await self.blockd.wait()
+        if self._shared(spec):  # the orchestrator refuses it first (docs/volumes.md §7.1)
+            raise BackendError(f"{spec.sandbox_id} mounts a shared volume: it cannot be forked",
+                               retryable=False)
         vm = self._vm(spec.sandbox_id)
         with vm_errors(f"fork of {spec.sandbox_id} failed",
                        retryable=lambda: vm.state == "running"):
@@ -611,6 +672,7 @@ class VmBackend(SandboxBackend, CrashRecovery, LayerAware, TemplateBuilding, Net
             with contextlib.suppress(Exception):
                 await self.runtime.kill(vm)
         await self.egress.forget(sandbox_id)
+        await self._close_nfs(sandbox_id)
         self._adopted.pop(sandbox_id, None)
         await self._release(self.snapshots.owned(sandbox_id))
         self.snapshots.disown(sandbox_id)
@@ -823,3 +885,18 @@ async def _each_child(children: list[SandboxSpec],
             return ForkOutcome(child.sandbox_id, error=str(exc))
 
     return list(await asyncio.gather(*(one(c) for c in children)))
+
+
+def _free_port(first: int = 20049, last: int = 32767) -> int:
+    """The NFS server's port when AENV_NFS_PORT names none: the first free one from `first`,
+    below Linux's ephemeral range (32768 and up), so that no outgoing connection of the node
+    takes it before the server starts (at the first shared mount)."""
+    for port in range(first, last + 1):
+        with socket.socket() as s:
+            try:
+                s.bind(("0.0.0.0", port))
+            except OSError:
+                continue
+            return port
+    raise BackendError(f"no free TCP port in {first}..{last} for the NFS server "
+                       "(set AENV_NFS_PORT)", retryable=False)

@@ -6,7 +6,7 @@ import contextlib
 from collections.abc import Callable, Iterator
 
 from agentenv.node.backend import BackendError
-from agentenv.runtime.errors import RuntimeError_
+from agentenv.runtime.errors import GuestRefusedError, RuntimeError_
 
 
 @contextlib.contextmanager
@@ -18,4 +18,7 @@ def vm_errors(what: str, *, retryable: bool | Callable[[], bool] = True) -> Iter
         yield
     except (RuntimeError_, OSError) as exc:
         intact = retryable() if callable(retryable) else retryable
-        raise BackendError(f"{what}: {exc}", retryable=intact) from exc
+        # envd's 400: the guest cannot do what was asked (a shared volume without its NFS
+        # client: a template built before them)
+        refused = isinstance(exc, GuestRefusedError) and exc.status == 400
+        raise BackendError(f"{what}: {exc}", retryable=intact, bad_request=refused) from exc
