@@ -199,6 +199,9 @@ class Settings(BaseSettings):
     volume_max_size_mb: str = _s(
         str(16 << 10), "node", "The largest volume size a request may name.", "MiB")
     volume_max_mounts: str = _s("4", "node", "Volumes one sandbox mounts at most.", "count")
+    volume_shared_rw: str = _s(
+        "0", "node", "1: offer the 'rw-shared' volume mount mode (shared read-write over NFS); "
+        "off by default while its known gaps are open (docs/security.md).", "0/1")
 
     # --- node: ready pools ------------------------------------------------------------------
     vm_pool_low: str = _s("", "node", "Ready VMs kept per hot template (default 2; 0: off).",

@@ -114,16 +114,19 @@ def test_render_refuses_what_would_break_the_config(tmp_path: Path) -> None:
     assert "Protocols = 4;" in text and "Clients = 10.12.0.3;" in text
     assert "Squash = All_Squash;" in text and "Enable_UDP = false;" in text
     bad = [
-        NfsExport(1, Path('/tmp/x"; } EXPORT { Path = /'), "/volumes/v", (), 0, 0),
-        NfsExport(1, Path("relative"), "/volumes/v", (), 0, 0),
-        NfsExport(1, tmp_path, "/volumes/v", ("0.0.0.0/0",), 0, 0),
-        NfsExport(1, tmp_path, "/volumes/v", ("*",), 0, 0),
-        NfsExport(1, tmp_path, "volumes", ("10.0.0.1",), 0, 0),
-        NfsExport(0, tmp_path, "/volumes/v", ("10.0.0.1",), 0, 0),
+        NfsExport(1, Path('/tmp/x"; } EXPORT { Path = /'), "/volumes/v", (), 1000, 1000),
+        NfsExport(1, Path("relative"), "/volumes/v", (), 1000, 1000),
+        NfsExport(1, tmp_path, "/volumes/v", ("0.0.0.0/0",), 1000, 1000),
+        NfsExport(1, tmp_path, "/volumes/v", ("*",), 1000, 1000),
+        NfsExport(1, tmp_path, "volumes", ("10.0.0.1",), 1000, 1000),
+        NfsExport(0, tmp_path, "/volumes/v", ("10.0.0.1",), 1000, 1000),
+        # every client would act as root on the exported file system
+        NfsExport(1, tmp_path, "/volumes/v", ("10.0.0.1",), 0, 1000),
+        NfsExport(1, tmp_path, "/volumes/v", ("10.0.0.1",), 1000, 0),
     ]
     for export in bad:
         with pytest.raises(NfsError):
             render_config([export], bind_addr="0.0.0.0", port=2049, recovery_root=tmp_path)
     with pytest.raises(NfsError):
-        render_config([ok, NfsExport(1, tmp_path, "/volumes/w", ("10.0.0.1",), 0, 0)],
+        render_config([ok, NfsExport(1, tmp_path, "/volumes/w", ("10.0.0.1",), 1000, 1000)],
                       bind_addr="0.0.0.0", port=2049, recovery_root=tmp_path)

@@ -68,6 +68,16 @@ def test_exports_follow_the_sandboxes_and_the_server_is_supervised(tmp_path: Pat
             gone = await asyncio.to_thread(_ls, port, "v1")
             assert gone.returncode != 0 and "NFS4ERR_NOENT" in gone.stdout + gone.stderr, gone
             await exports.attach("sbx-a", "127.0.0.1", (v1,))  # resumed
+            # A sandbox whose start failed after its attach left its address listed: the next
+            # sandbox given that address (its slot) takes it over, and only its own volumes.
+            await exports.attach("sbx-c", "127.0.0.9", (v2,))
+            assert [(e.pseudo, e.clients) for e in exports.exports()] == [
+                ("/volumes/v1", ("127.0.0.1",)), ("/volumes/v2", ("127.0.0.9",))]
+            assert exports.clients_of("v1") == ["sbx-a"]
+            taken = await asyncio.to_thread(_ls, port, "v1")  # as 127.0.0.1: still sbx-a's
+            assert taken.returncode == 0, taken
+            await exports.detach("sbx-c")
+            await exports.attach("sbx-b", "127.0.0.9", (v1, v2))
             # The server dies: the supervisor's check starts it again with the same exports.
             pid = exports.server.pid
             assert pid is not None

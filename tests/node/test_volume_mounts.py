@@ -35,7 +35,7 @@ pytestmark = [pytest.mark.qemu, pytest.mark.root, pytest.mark.slow]
 def volume_node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NodeProcess]:
     base = tmp_path_factory.mktemp("volumenode")
     node = conftest.vm_node_process(base / "state", base / "node.log", NET_PREFIX, FIRST_SLOT,
-                                    conftest.NO_READY_POOLS)
+                                    {**conftest.NO_READY_POOLS, "AENV_VOLUME_SHARED_RW": "1"})
     with conftest.serving_vm_node(node, NET_PREFIX):
         yield node
 

@@ -317,9 +317,25 @@ def _as_team(team: str) -> dict[str, str]:
     return {"x-agentenv-node-key": NODE_KEY, "x-agentenv-team": team}
 
 
-def test_mount_requests_are_checked_before_anything_is_made(tmp_path: Path) -> None:
+def test_shared_read_write_is_off_unless_the_node_offers_it(tmp_path: Path) -> None:
+    """`rw-shared` is off by default (AENV_VOLUME_SHARED_RW=1 offers it): a 400 naming the
+    setting, before anything is made."""
+    app = build_app(ServeOptions(state_dir=tmp_path / "state", backend="process",
+                                 node_key=NODE_KEY))
+    with TestClient(app) as client:
+        assert client.post("/volumes", json={"name": "data"},
+                           headers=_as_team("team-a")).status_code == 201
+        answer = client.post("/v2/sandboxes", headers=_as_team("team-a"), json={
+            "templateID": "base", "volumeMounts": [{"name": "data:rw-shared", "path": "/m"}]})
+        assert answer.status_code == 400 and "AENV_VOLUME_SHARED_RW" in answer.text, answer.text
+        assert client.get("/v2/sandboxes", headers=_as_team("team-a")).json() == []
+
+
+def test_mount_requests_are_checked_before_anything_is_made(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Every bad volumeMounts is a 4xx naming it, and leaves no sandbox (the process backend
     mounts no volumes: a good request gets that 400, after the checks)."""
+    monkeypatch.setenv("AENV_VOLUME_SHARED_RW", "1")
     app = build_app(ServeOptions(state_dir=tmp_path / "state", backend="process",
                                  node_key=NODE_KEY))
     with TestClient(app) as client:
@@ -456,8 +472,26 @@ def test_a_shared_volume_moves_onto_its_own_file_system(tmp_path: Path) -> None:
                             headers=token)
         assert answer.status_code == 413, answer.text
         (served / "big").unlink()
-        first = client.portal.call(volumes.seal, rec)
-        assert client.portal.call(volumes.seal, rec) != first  # changed unseen: sealed again
+        # Never sealed again: its tree is written live by guests, and a walk of it as root
+        # (mkfs -d) would follow what a guest swaps in. Mounted rw-shared only.
+        with pytest.raises(ApiError, match="'rw-shared' only"):
+            client.portal.call(volumes.seal, rec)
+        for mode in ("ro", "cow", "rw"):
+            with pytest.raises(ApiError, match="'rw-shared' only"):
+                volumes.plan_mounts(rec.team, [("data", "/mnt/d", mode)], [], [0, 1], "vm")
+        # Guests act as the root's owner on the host: never root.
+        assert client.patch(f"{base}/path", params={"path": "/"}, json={"uid": 0, "gid": 0},
+                            headers=token).status_code == 200
+        with pytest.raises(ApiError, match="must not be root"):
+            volumes.shared_owner(rec)
+        assert client.patch(f"{base}/path", params={"path": "/"}, json={"uid": 4321,
+                            "gid": 4321}, headers=token).status_code == 200
+        # A volume whose root is root's (as made) is given to the guest's user when shared.
+        fresh = client.post("/volumes", json={"name": "fresh", "sizeMB": 16}).json()
+        fresh_rec = volumes.records[fresh["volumeID"]]
+        assert os.stat(volumes.shared_dir(fresh_rec)).st_uid == 0
+        client.portal.call(volumes.make_shared, fresh_rec)
+        assert volumes.shared_owner(fresh_rec) == (1000, 1000)
         with pytest.raises(Exception, match="nothing to commit"):
             client.portal.call(volumes.replace_content, rec, tmp_path / "none.tar", "commit")
     # The node's next start: mounted again (here: still mounted, kept), the same files.

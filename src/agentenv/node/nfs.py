@@ -77,8 +77,9 @@ class NfsExport:
         if not _PSEUDO.match(self.pseudo):
             raise NfsError(f"pseudo path {self.pseudo!r} must be /name[/name...]")
         for uid in (self.anon_uid, self.anon_gid):
-            if not 0 <= uid < 2**32 - 1:
-                raise NfsError(f"anonymous id {uid} is out of range")
+            # 0 would make every client root on the exported file system
+            if not 0 < uid < 2**32 - 1:
+                raise NfsError(f"anonymous id {uid} is out of range (1 to 2^32-2: never root)")
         for client in self.clients:
             try:
                 ipaddress.IPv4Address(client)

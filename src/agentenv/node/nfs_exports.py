@@ -183,6 +183,14 @@ class SharedExports:
         if not volumes:
             return
         async with self._lock:
+            # An address is one sandbox's: whoever held it before (a start that failed after
+            # its attach, a detach lost) is out of every export before this one is in, so the
+            # next holder of a slot never inherits another sandbox's volumes.
+            for other, (held, _) in list(self._clients.items()):
+                if held == address and other != sandbox_id:
+                    log.warning("NFS client address taken over: the earlier sandbox is out",
+                                extra={"sandbox_id": other, "by": sandbox_id})
+                    del self._clients[other]
             before = self._clients.get(sandbox_id)
             self._clients[sandbox_id] = (address, tuple(volumes))
             try:

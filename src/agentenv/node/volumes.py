@@ -75,6 +75,11 @@ DEFAULT_MAX_SIZE_MB = 16 << 10
 #: E2B's NewVolume name pattern; the length bound is ours
 NAME = re.compile(r"^[a-zA-Z0-9_-]{1,128}$")
 MAX_MOUNTS_SETTING = "AENV_VOLUME_MAX_MOUNTS"
+SHARED_RW_SETTING = "AENV_VOLUME_SHARED_RW"
+#: a shared volume whose root was root's is given to the guest's `user` (uid and gid 1000)
+SHARED_DEFAULT_OWNER = 1000
+SHARED_ONLY = ("volume {name!r} is shared read-write (it lives on its own file system, "
+               "written live by its sandboxes): it is mounted 'rw-shared' only")
 #: volume disks every VM has (runtime: RuntimeConfig.volume_slots)
 VOLUME_SLOTS = 4
 #: the file system of a volume's layer: its size plus room for ext4's own (inode tables,
@@ -106,18 +111,23 @@ class VolumeLimits:
     default_size_mb: int = DEFAULT_SIZE_MB
     max_size_mb: int = DEFAULT_MAX_SIZE_MB
     max_mounts: int = VOLUME_SLOTS
+    #: the rw-shared mode offered (AENV_VOLUME_SHARED_RW; off by default, docs/security.md)
+    shared_rw: bool = False
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> VolumeLimits:
         limits = cls(whole_number_setting(env, SIZE_SETTING, DEFAULT_SIZE_MB),
                      whole_number_setting(env, MAX_SIZE_SETTING, DEFAULT_MAX_SIZE_MB),
-                     whole_number_setting(env, MAX_MOUNTS_SETTING, VOLUME_SLOTS))
+                     whole_number_setting(env, MAX_MOUNTS_SETTING, VOLUME_SLOTS),
+                     whole_number_setting(env, SHARED_RW_SETTING, 0) == 1)
         if not 1 <= limits.max_size_mb <= MAX_SIZE_MB:
             raise ValueError(f"{MAX_SIZE_SETTING}={limits.max_size_mb} must be between 1 and "
                              f"{MAX_SIZE_MB} (a volume disk is {VOLUME_DISK_BYTES >> 30} GiB)")
         if not 1 <= limits.default_size_mb <= limits.max_size_mb:
             raise ValueError(f"{SIZE_SETTING}={limits.default_size_mb} must be at least 1 and "
                              f"at most {MAX_SIZE_SETTING}={limits.max_size_mb}")
+        if whole_number_setting(env, SHARED_RW_SETTING, 0) > 1:
+            raise ValueError(f"{SHARED_RW_SETTING} must be 0 or 1")
         if limits.max_mounts > VOLUME_SLOTS:
             raise ValueError(f"{MAX_MOUNTS_SETTING}={limits.max_mounts} must be at most "
                              f"{VOLUME_SLOTS} (the volume disks of a machine)")
@@ -447,9 +457,12 @@ class Volumes:
         content changed since (no change is made while it is sealed)."""
         async with self._lock(rec):
             self._live(rec)
-            # A shared volume changes through its sandboxes too, unseen: sealed every time.
-            if not rec.dirty and rec.layer and os.path.exists(rec.layer) \
-                    and not self.is_shared(rec):
+            if self.is_shared(rec):
+                # Its tree is written live by guests over NFS: a walk of it as root (mkfs -d
+                # follows what it finds between its checks and its opens) would read what a
+                # guest swaps in, host files included.
+                raise Conflict(SHARED_ONLY.format(name=rec.name))
+            if not rec.dirty and rec.layer and os.path.exists(rec.layer):
                 return rec.layer
             version = rec.version + 1
             layer = self.dir / LAYERS / f"{rec.volume_id}-v{version}.layer"
@@ -516,6 +529,11 @@ class Volumes:
             if mode == "rw" and volume.volume_id in sharers:
                 raise Conflict(f"{what}: volume {name!r} is mounted shared read-write by "
                                f"sandbox {', '.join(sharers[volume.volume_id])}")
+            if mode == SHARED and not self.limits.shared_rw:
+                raise BadRequest(f"{what}: mode 'rw-shared' is off on this node "
+                                 f"({SHARED_RW_SETTING}; docs/volumes.md §7.1)")
+            if mode != SHARED and self.is_shared(volume):
+                raise Conflict(f"{what}: " + SHARED_ONLY.format(name=name))
             planned.append(PlannedMount(volume, path, mode, -1))
         if free_slots is None:
             raise BadRequest(f"volumeMounts: the {backend} backend does not mount volumes (the "
@@ -544,6 +562,12 @@ class Volumes:
                 # mkfs -d copies the tree: `data` moves under the stage (a rename), back if
                 # the file system cannot be made
                 os.rename(home / "data", stage / "data")
+                root = os.lstat(stage / "data")
+                if root.st_uid == 0 or root.st_gid == 0:
+                    # sandboxes act as the root's owner (shared_owner): not root, E2B's
+                    # `user` instead (the tree is not exported yet: no guest writes it)
+                    os.chown(stage / "data", SHARED_DEFAULT_OWNER, SHARED_DEFAULT_OWNER,
+                             follow_symlinks=False)
                 try:
                     await asyncio.to_thread(fs.create, stage, fs_bytes(rec.size_bytes),
                                             (0, 0, 0o755))
@@ -566,8 +590,15 @@ class Volumes:
         return self._data(rec)
 
     def shared_owner(self, rec: VolumeRecord) -> tuple[int, int]:
-        """Whom every sandbox acts as in a shared volume: the owner of its root directory."""
+        """Whom every sandbox acts as in a shared volume: the owner of its root directory,
+        never root (the NFS server acts as that owner on the host's files: as root it would
+        pass every permission check of the volume's file system, its upload area's too)."""
         st = os.stat(self._data(rec))
+        if st.st_uid == 0 or st.st_gid == 0:
+            raise Conflict(f"volume {rec.name!r}: its root directory is owned by "
+                           f"{st.st_uid}:{st.st_gid}; sandboxes of a shared volume act as that "
+                           "owner on the node, which must not be root: set another (PATCH "
+                           "its path / with uid and gid)")
         return st.st_uid, st.st_gid
 
     async def mount(self, planned: PlannedMount) -> MountRecord:

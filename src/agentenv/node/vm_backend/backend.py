@@ -426,13 +426,19 @@ class VmBackend(SandboxBackend, CrashRecovery, LayerAware, TemplateBuilding, Net
             await self._open_nfs(spec, vm)
 
         before_start = open_nfs if self._shared(spec) else None
-        with vm_errors(f"starting the VM of {spec.sandbox_id} failed"):
-            vm = await self.runtime.restore(record, env_vars=self._guest_env(spec),
-                                            access_token=token,
-                                            egress=egress_of(spec),
-                                            guest_token=previous_token, own_disks=own,
-                                            volumes=volumes, mounts=self._mounts(spec),
-                                            before_start=before_start)
+        try:
+            with vm_errors(f"starting the VM of {spec.sandbox_id} failed"):
+                vm = await self.runtime.restore(record, env_vars=self._guest_env(spec),
+                                                access_token=token,
+                                                egress=egress_of(spec),
+                                                guest_token=previous_token, own_disks=own,
+                                                volumes=volumes, mounts=self._mounts(spec),
+                                                before_start=before_start)
+        except BaseException:
+            # the VM is gone and its slot goes back to the pool: so does its export entry
+            if before_start is not None:
+                await self._close_nfs(spec.sandbox_id)
+            raise
         await self.egress.announce(spec.sandbox_id, vm, spec)
         return self._placement(spec.sandbox_id, vm, token)
 
@@ -607,6 +613,8 @@ class VmBackend(SandboxBackend, CrashRecovery, LayerAware, TemplateBuilding, Net
                                                  mounts=self._mounts(spec))
                 except BaseException:
                     await self.runtime.kill(vm)
+                    if self._shared(spec):
+                        await self._close_nfs(spec.sandbox_id)
                     raise
         finally:
             self._create_sources.remove(sources)
