@@ -504,6 +504,9 @@ def test_a_shared_volume_moves_onto_its_own_file_system(tmp_path: Path) -> None:
         assert got.status_code == 200 and got.content == b"api"
         assert client.delete(f"/volumes/{made['volumeID']}").status_code == 204
         assert not volumes._shared_fs(rec).mounted()
+        fresh_rec = volumes.records[fresh["volumeID"]]
+        assert client.delete(f"/volumes/{fresh['volumeID']}").status_code == 204
+        assert not volumes._shared_fs(fresh_rec).mounted()
 
 
 def _debugfs(image: Path, request: str) -> str:

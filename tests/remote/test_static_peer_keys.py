@@ -189,10 +189,21 @@ def test_a_node_removed_from_the_trust_file_is_refused(mesh: dict[str, Any]) -> 
         assert time.monotonic() < deadline, "x is still served"
         time.sleep(0.1)
     assert get(mesh, "p1", signed(mesh["nodes"]["y"], "p1")).status_code == 206
-    # a broken file keeps the last good list
-    path.write_text("not a trust line\n")
-    time.sleep(0.5)
-    assert get(mesh, "p1", signed(mesh["nodes"]["y"], "p1")).status_code == 206
+    # Revocation fails closed: a broken file, then a removed one, trust nobody; the file
+    # written right again trusts its nodes again.
+    y = mesh["nodes"]["y"]
+    for spoil in (lambda: path.write_text("not a trust line\n"), path.unlink):
+        spoil()
+        deadline = time.monotonic() + 10
+        while get(mesh, "p1", signed(y, "p1")).status_code != 401:
+            assert time.monotonic() < deadline, "y is still served from a spoilt trust file"
+            time.sleep(0.1)
+    tmp.write_text(trust_text(others))
+    os.replace(tmp, path)
+    deadline = time.monotonic() + 10
+    while get(mesh, "p1", signed(y, "p1")).status_code != 206:
+        assert time.monotonic() < deadline, "y is not served again from a good trust file"
+        time.sleep(0.1)
 
 
 def test_a_store_reads_from_its_trusted_static_peers_and_an_untrusted_one_is_refused(
@@ -249,6 +260,20 @@ def test_the_key_pair_is_made_once_private_and_printed_as_a_trust_line(tmp_path:
     # the private key is refused once others may read it
     key_file.chmod(0o644)
     with pytest.raises(PeerKeyError, match="chmod 600"):
+        load_identity(state, "n1")
+    key_file.chmod(0o600)
+    # ...and when it is another user's, or a symlink (to another node's key, say)
+    if os.geteuid() == 0:
+        os.chown(key_file, 4321, 4321)
+        with pytest.raises(PeerKeyError, match="belongs to uid 4321"):
+            load_identity(state, "n1")
+        os.chown(key_file, 0, 0)
+    other = tmp_path / "elsewhere"
+    other.mkdir()
+    moved = other / key_file.name
+    key_file.rename(moved)
+    key_file.symlink_to(moved)
+    with pytest.raises(PeerKeyError, match="cannot read the peer key"):
         load_identity(state, "n1")
 
 

@@ -133,7 +133,7 @@ def load_identity(state_dir: Path, node_id: str) -> NodeIdentity:
     check_node_id(node_id)
     path = Path(state_dir) / IDENTITY_FILE
     try:
-        pem = path.read_bytes()
+        pem = _read_private(path)
     except FileNotFoundError:
         path.parent.mkdir(parents=True, exist_ok=True)
         key = Ed25519PrivateKey.generate()
@@ -149,12 +149,12 @@ def load_identity(state_dir: Path, node_id: str) -> NodeIdentity:
             pass
         finally:
             tmp.unlink()
-        pem = path.read_bytes()
+        try:
+            pem = _read_private(path)
+        except OSError as exc:
+            raise PeerKeyError(f"cannot read the peer key {path}: {exc}") from exc
     except OSError as exc:
         raise PeerKeyError(f"cannot read the peer key {path}: {exc}") from exc
-    if path.stat().st_mode & 0o077:
-        raise PeerKeyError(f"the peer key {path} is readable by others than its owner "
-                           f"(chmod 600 {path})")
     try:
         key = serialization.load_pem_private_key(pem, password=None)
     except ValueError as exc:
@@ -162,6 +162,21 @@ def load_identity(state_dir: Path, node_id: str) -> NodeIdentity:
     if not isinstance(key, Ed25519PrivateKey):
         raise PeerKeyError(f"the peer key {path} is not an Ed25519 key")
     return NodeIdentity(node_id, key)
+
+
+def _read_private(path: Path) -> bytes:
+    """The key file's bytes, read from the file itself (no symlink followed) and only when it
+    is this process's user's and nobody else's (checked on the descriptor read)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(f.fileno())
+        if st.st_uid != os.geteuid():
+            raise PeerKeyError(f"the peer key {path} belongs to uid {st.st_uid}, not to this "
+                               f"process's ({os.geteuid()})")
+        if st.st_mode & 0o077:
+            raise PeerKeyError(f"the peer key {path} is readable by others than its owner "
+                               f"(chmod 600 {path})")
+        return f.read()
 
 
 @dataclass(frozen=True)
@@ -238,11 +253,14 @@ class TrustedPeers:
                 if stamp != self._stamp:
                     self.entries, self._stamp = self._read(), stamp
             except (OSError, PeerKeyError) as exc:
-                # a file being rewritten, or broken: the last good list stays
-                log.warning(
-                    "the peer trust file cannot be read again; its last contents are used",
-                    extra={"path": str(self.path), "error": str(exc)})
-                self._stamp = None
+                # Removed, unreadable or broken: no node is trusted until it reads right again
+                # (revocation fails closed: an operator deleting the file or making a typo while
+                # taking a node out must not leave every earlier node in). Write it with a
+                # rename (os.replace) so no reader sees it half-written.
+                if self.entries:
+                    log.error("the peer trust file cannot be read: every node is refused until "
+                              "it can", extra={"path": str(self.path), "error": str(exc)})
+                self.entries, self._stamp = {}, None
         return self.entries
 
     def node_at(self, address: str) -> str | None:
