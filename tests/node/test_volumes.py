@@ -430,7 +430,8 @@ def test_a_volume_seals_into_an_ext4_layer_and_old_versions_go(tmp_path: Path) -
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root (loop mounts)")
-def test_a_shared_volume_moves_onto_its_own_file_system(tmp_path: Path) -> None:
+def test_a_shared_volume_moves_onto_its_own_file_system(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A volume's first rw-shared mount (docs/volumes.md §7.1) moves its content onto an ext4
     of its own, loop-mounted (what the NFS server exports: a forged handle reaches nothing
     else), for good: owners and modes kept, the content API on the same files, the node's next
@@ -492,6 +493,18 @@ def test_a_shared_volume_moves_onto_its_own_file_system(tmp_path: Path) -> None:
         assert os.stat(volumes.shared_dir(fresh_rec)).st_uid == 0
         client.portal.call(volumes.make_shared, fresh_rec)
         assert volumes.shared_owner(fresh_rec) == (1000, 1000)
+        # Guests write it unseen by the disk reserve: its image is allocated whole up front,
+        # where the reserve is checked (a 507 naming the setting, the volume left as it was).
+        image = volumes._shared_fs(fresh_rec).image
+        assert os.stat(image).st_blocks * 512 >= os.stat(image).st_size
+        late = client.post("/volumes", json={"name": "late", "sizeMB": 16}).json()
+        late_rec = volumes.records[late["volumeID"]]
+        monkeypatch.setenv("AENV_DISK_RESERVE", str(1 << 60))
+        with pytest.raises(ApiError, match="AENV_DISK_RESERVE") as refused:
+            client.portal.call(volumes.make_shared, late_rec)
+        assert refused.value.status == 507
+        monkeypatch.delenv("AENV_DISK_RESERVE")
+        assert not volumes.is_shared(late_rec) and volumes.shared_dir(late_rec).is_dir()
         with pytest.raises(Exception, match="nothing to commit"):
             client.portal.call(volumes.replace_content, rec, tmp_path / "none.tar", "commit")
     # The node's next start: mounted again (here: still mounted, kept), the same files.

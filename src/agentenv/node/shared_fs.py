@@ -56,6 +56,14 @@ class SharedFilesystem:
         try:
             make_rootfs_image(content, self.image, size_bytes, label="aenv-shared", root=root,
                               inodes=max(size_bytes // 16384, 16384))
+            # Its whole size taken from the node's disk now (unwritten extents: quick): guests
+            # write it unseen by the node's disk reserve, so what they may write is held up
+            # front, where the reserve was checked (Volumes.make_shared).
+            fd = os.open(self.image, os.O_WRONLY)
+            try:
+                os.posix_fallocate(fd, 0, os.fstat(fd).st_size)
+            finally:
+                os.close(fd)
         except Exception as exc:
             self.image.unlink(missing_ok=True)
             raise SharedFsError(f"making the shared volume's file system: {exc}") from exc

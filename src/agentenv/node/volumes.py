@@ -562,6 +562,16 @@ class Volumes:
                 # mkfs -d copies the tree: `data` moves under the stage (a rename), back if
                 # the file system cannot be made
                 os.rename(home / "data", stage / "data")
+                # The image is allocated whole (shared_fs.create): room for it above the
+                # reserve, or a 507 naming the setting.
+                reserve, setting = self._space_reserve()
+                try:
+                    require_free_space(self.dir, fs_bytes(rec.size_bytes),
+                                       f"volume {rec.name!r}'s shared file system",
+                                       reserve=reserve, setting=setting)
+                except InsufficientSpace as exc:
+                    os.rename(stage / "data", home / "data")
+                    raise ApiError(str(exc), status=507) from None
                 root = os.lstat(stage / "data")
                 if root.st_uid == 0 or root.st_gid == 0:
                     # sandboxes act as the root's owner (shared_owner): not root, E2B's
