@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import socket
 import threading
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -143,3 +144,38 @@ def test_closing_the_hole_cuts_an_open_connection_and_the_pool_closes_it(lab: La
     assert not a.nfs and _host_nfs_sources(lab) == []
     with pytest.raises(ConnectionRefusedError):
         lab.connect(a, rtnet.METADATA_IP, rtnet.NFS_PORT, timeout=5)
+
+
+def test_a_guest_holds_few_connections_to_the_nfs_server(lab: Lab) -> None:
+    """One guest cannot take the one server's connections from every other sandbox's mounts:
+    past NFS_MAX_CONNECTIONS live ones, a new connection is reset; another slot still gets in,
+    and so does the first once one closes."""
+    a, b = lab.slots[0], lab.slots[1]
+    lab.loop.run_until_complete(a.set_nfs(True))
+    lab.loop.run_until_complete(b.set_nfs(True))
+    held: list[socket.socket] = []
+    try:
+        for _ in range(rtnet.NFS_MAX_CONNECTIONS):
+            sock = lab.connect(a, rtnet.METADATA_IP, rtnet.NFS_PORT, timeout=5)
+            held.append(sock)
+            assert _greeting(sock) == a.guest_address
+        with pytest.raises(ConnectionRefusedError):
+            lab.connect(a, rtnet.METADATA_IP, rtnet.NFS_PORT, timeout=5).close()
+        with lab.connect(b, rtnet.METADATA_IP, rtnet.NFS_PORT, timeout=5) as other:
+            assert _greeting(other) == b.guest_address
+        held.pop().close()
+        deadline = time.monotonic() + 10  # the closed flow leaves the count once it is gone
+        while True:
+            try:
+                sock = lab.connect(a, rtnet.METADATA_IP, rtnet.NFS_PORT, timeout=5)
+                break
+            except ConnectionRefusedError:
+                assert time.monotonic() < deadline, "the guest's closed connection still counts"
+                time.sleep(0.2)
+        held.append(sock)
+        assert _greeting(sock) == a.guest_address
+    finally:
+        for sock in held:
+            sock.close()
+        lab.loop.run_until_complete(a.set_nfs(False))
+        lab.loop.run_until_complete(b.set_nfs(False))

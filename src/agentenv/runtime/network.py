@@ -100,6 +100,8 @@ METADATA_IP = "169.254.169.254"
 #: Where a guest reaches the node's NFS server (shared volumes, docs/volumes.md §7.1): the same
 #: address and port in every slot, so a restored or forked guest finds it in any slot.
 NFS_PORT = 2049
+#: live connections one guest may hold to the node's NFS server
+NFS_MAX_CONNECTIONS = 8
 VETH_BASE = ipaddress.IPv4Address("10.12.0.0")
 NETNS_DIR = Path("/run/netns")
 #: Never opened, not even by the operator: the runtime's own ranges and the host.
@@ -268,6 +270,10 @@ class NetworkSlot:
             f"        ip daddr {METADATA_IP} meta l4proto {{ tcp, udp }} th dport 53 accept\n"
             # The node's NFS server, for a slot whose sandbox mounts a shared volume: the set
             # holds NFS_PORT then (set_nfs), else nothing; the host redirects it to ganesha.
+            # A kernel client holds one connection; a guest opening thousands would take the
+            # one server's connections and descriptors from every sandbox's mounts.
+            f"        ip daddr {METADATA_IP} tcp dport @nfs ct state new "
+            f"ct count over {NFS_MAX_CONNECTIONS} reject with tcp reset\n"
             f"        ip daddr {METADATA_IP} tcp dport @nfs accept\n"
             "        ip daddr @walls meta l4proto tcp reject with tcp reset\n"
             "        ip daddr @walls reject with icmp type admin-prohibited\n"
