@@ -7,7 +7,7 @@ import asyncio
 import json
 import socket
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from agentenv.blockd.errors import BlockdError, BlockdUnavailable
 from agentenv.blockd.results import DeviceInfo, Released, Sealed
@@ -47,6 +47,22 @@ def _parse_answer(line: bytes, op: str) -> Any:
     if not answer.get("ok"):
         raise BlockdError(f"blockd {op}: {answer.get('error', 'unknown error')}")
     return answer.get("result")
+
+
+class DiskService(Protocol):
+    """What a VM runtime needs of blockd (AsyncBlockdClient is one): its control socket (the
+    memory devices' client connects there too) and a device's create, seal and release."""
+
+    socket_path: Path
+
+    async def create(self, image: Path | None = None, lowers: list[Path] | None = None,
+                     upper_dir: Path | None = None, size: int | None = None,
+                     readonly: bool = False, owner: int | None = None,
+                     chain_used: int | None = None) -> DeviceInfo: ...
+
+    async def seal(self, id: str, output: Path | None = None) -> Sealed: ...
+
+    async def release(self, id: str) -> int: ...
 
 
 class BlockdClient:

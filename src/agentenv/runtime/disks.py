@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
+from agentenv.blockd.client import DiskService
 from agentenv.blockd.errors import BlockdError
 from agentenv.runtime.config import RuntimeConfig
 from agentenv.runtime.errors import DiskError, RuntimeError_
@@ -82,7 +82,7 @@ def volume_slot_sources(config: RuntimeConfig, disks: list[DiskSource]) -> list[
             for i in range(config.volume_slots) if volume_slot_name(i) not in have]
 
 
-async def attach_disk(blockd: Any | None, config: DiskConfig, layers: list[LayerRef],
+async def attach_disk(blockd: DiskService | None, config: DiskConfig, layers: list[LayerRef],
                       file: Path | None, workdir: Path, jailed_uid: int | None = None,
                       chain_used: int = 0) -> tuple[AttachedDisk, DiskAttachment]:
     """A disk for one QEMU, served by `blockd` (or a raw file); a writable one's NBD socket

@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from agentenv.blockd.client import BlockdClient
+from agentenv.blockd.client import BlockdClient, DiskService
 from agentenv.blockd.errors import BlockdError
 from agentenv.blockd.memdev import UNAVAILABLE
 from agentenv.fsutil import atomic_write
@@ -264,10 +264,10 @@ def write_pack(snapshot_dir: Path, chunk_size: int, chunks: list[int]) -> None:
     atomic_write(snapshot_dir / PACK_NAME, json.dumps(doc) + "\n", mode=0o644)
 
 
-def make_memory_store(config: Any, blockd: Any | None) -> MemoryFileCache | SharedMemoryDevices:
+def make_memory_store(config: Any, blockd: DiskService | None) -> MemoryFileCache | SharedMemoryDevices:
     """The runtime's RAM-file store for `config.memory_device` (module doc)."""
     files = MemoryFileCache(config.memory_dir)
-    socket = getattr(blockd, "socket_path", None)
+    socket = blockd.socket_path if blockd is not None else None
     if config.memory_device != "blockd" or socket is None:
         return files
     return SharedMemoryDevices(socket, files, config.state_dir, prefetch=config.memory_prefetch)

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from agentenv.blockd.client import DiskService
 from agentenv.fsutil import fsync_dir
 from agentenv.runtime import privilege
 from agentenv.runtime.config import RuntimeConfig
@@ -42,7 +43,7 @@ class SnapshotFrame:
 class SnapshotTaker:
     """Snapshots of a runtime's VMs into config.snapshot_dir; disks are sealed by `blockd`."""
 
-    def __init__(self, config: RuntimeConfig, blockd: Any | None) -> None:
+    def __init__(self, config: RuntimeConfig, blockd: DiskService | None) -> None:
         self.config = config
         self.blockd = blockd
 

@@ -29,6 +29,7 @@ from ipaddress import IPv4Address
 from pathlib import Path
 from typing import Any, Literal
 
+from agentenv.blockd.client import DiskService
 from agentenv.network.policy import ALL_TRAFFIC, EgressPolicy
 from agentenv.runtime import privilege
 from agentenv.runtime.accel import resolve_accel
@@ -95,7 +96,7 @@ def _cmdline(spec: BootSpec, network: bool, disks: list[DiskConfig],
 
 
 class Runtime:
-    def __init__(self, config: RuntimeConfig, blockd: Any | None = None,
+    def __init__(self, config: RuntimeConfig, blockd: DiskService | None = None,
                  on_vm_died: Callable[[VM], None] | None = None) -> None:
         self.config = config
         self.blockd = blockd
