@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 import zstandard
 
-from agentenv.storage import budget, native
+from agentenv.storage import native
 from agentenv.storage.builder import LayerBuilder
 from agentenv.storage.export import export_raw
 from agentenv.storage.image import Image
@@ -98,14 +98,14 @@ def budget_rates(opener: type[Image], folder: Path, payload: bytes,
             blocks = [(i * 2654435761) % (vsize // BLOCK) * BLOCK  # scattered, all fresh
                       for i in range(r * per_round, (r + 1) * per_round)]
             for side in (("on", "off") if r % 2 else ("off", "on")):
-                budget.configure(1 << 20 if side == "on" else None)
+                native.configure_disk_budget(1 << 20 if side == "on" else None)
                 write = images[side].write
                 start = time.perf_counter()
                 for pos in blocks:
                     write(pos, payload)
                 best[side] = max(best[side], per_round / (time.perf_counter() - start))
     finally:
-        budget.configure(None)
+        native.configure_disk_budget(None)
         for side, image in images.items():
             image.close()
             for name in ("upper.data", "upper.index"):

@@ -67,7 +67,7 @@ from agentenv.blockd.metrics import LOOPBACK, Metrics
 from agentenv.blockd.results import Pong
 from agentenv.blockd.rpc import MAX_RPC_LINE, Handler, RpcServer
 from agentenv.fsutil import private_dir
-from agentenv.storage import budget, native
+from agentenv.storage import native
 from agentenv.storage.upper import Upper
 
 __all__ = ["DEFAULT_SOCKET", "DEFAULT_STATE_DIR", "MAX_RPC_LINE", "Blockd", "Metrics", "NotFound"]
@@ -168,7 +168,7 @@ class Blockd:
         # built; a bad value of the switch stops the daemon here, not at the first device.
         log.info("data path", extra={"native": native.enabled(),
                                      "native_unavailable": native.unavailable_reason()})
-        budget.configure(self.disk_reserve)
+        native.configure_disk_budget(self.disk_reserve)
         for folder in (self.layout.records, self.layout.nbd, self.layout.uppers):
             private_dir(folder)
         # QEMU (an unprivileged user) connects to the NBD sockets by path: it needs search

@@ -56,13 +56,10 @@ _budget: _Budget | None = None
 
 
 def configure(reserve: int | None, grant: int = GRANT) -> None:
-    """Turn the budget on for every upper of this process (None: off), on both paths."""
-    from agentenv.storage import native  # it imports the image, which imports this
-
+    """Turn the budget on for the Python path's uppers of this process (None: off); the
+    native core's too is native.configure_disk_budget (which calls this)."""
     global _budget
     _budget = None if reserve is None else _Budget(reserve, grant)
-    if native.available():
-        native.set_disk_budget(-1 if reserve is None else reserve, grant)
 
 
 def take(holder: Holder, need: int) -> None:

@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 
 from agentenv.settings import setting_text
+from agentenv.storage import budget
 from agentenv.storage.budget import NodeDiskFull
 from agentenv.storage.errors import ImageUsageError
 from agentenv.storage.image import Image
@@ -66,10 +67,12 @@ def enabled() -> bool:
     return available() and switch not in ("0", "false", "no", "off")
 
 
-def set_disk_budget(reserve: int, grant: int) -> None:
-    """The node's disk budget for every core of this process (storage/budget.py)."""
-    assert _native is not None
-    _native.set_disk_budget(reserve, grant)
+def configure_disk_budget(reserve: int | None, grant: int = budget.GRANT) -> None:
+    """The node's disk budget (storage/budget.py) for every upper of this process, on both
+    paths (None: off)."""
+    budget.configure(reserve, grant)
+    if _native is not None:
+        _native.set_disk_budget(-1 if reserve is None else reserve, grant)
 
 
 def chunk_map(marks: bytes) -> Any:
