@@ -53,11 +53,11 @@ lint: $(TEST_STAMP)
 	@$(VENV)/bin/ruff check src tests bench
 	@$(VENV)/bin/lint-imports
 
-# Regenerates the gRPC code in src/agentenv/control/proto/ from its .proto files (committed;
+# Regenerates the gRPC code in src/agentenv/scheduling/proto/ from its .proto files (committed;
 # tests/control/test_proto.py checks that they match).
 proto: $(TEST_STAMP)
 	@$(PY) -m grpc_tools.protoc -Isrc --python_out=src --grpc_python_out=src --pyi_out=src \
-		src/agentenv/control/proto/*.proto
+		src/agentenv/scheduling/proto/*.proto
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis build src/agentenv/storage/_native*.so

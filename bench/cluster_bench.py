@@ -148,8 +148,8 @@ async def scheduler_suite_async(
     import redis.asyncio as aioredis
 
     from agentenv.cluster_keys import node_key
-    from agentenv.control.scheduler.client import Credentials, SchedulerClient, pb
     from agentenv.control.scheduler.store import _RECORD, Binding
+    from agentenv.scheduling.client import Credentials, SchedulerClient, pb
 
     timed = 3.0 if quick else 10.0
     lookups = 2000 if quick else 10000

@@ -15,8 +15,8 @@ from agentenv.api.serve import bind, openapi_path, path_pattern, starlette_path
 from agentenv.control.gateway.app import GatewayApp
 from agentenv.control.gateway.placement import SchedulerLink
 from agentenv.control.gateway.store import GatewayStore
-from agentenv.control.scheduler.client import Credentials
 from agentenv.node.server import ServeOptions, build_app
+from agentenv.scheduling.client import Credentials
 from tests.control.helpers import SECRET
 
 

@@ -12,10 +12,10 @@ from typing import TYPE_CHECKING, Any
 import httpx
 
 from agentenv.cluster_keys import node_key
-from agentenv.control.proto import scheduler_pb2 as pb
-from agentenv.control.scheduler.client import Credentials, Holder, SchedulerClient
 from agentenv.control.scheduler.server import SchedulerOptions, SchedulerServer
 from agentenv.control.scheduler.service import SchedulerConfig
+from agentenv.scheduling.client import Credentials, Holder, SchedulerClient
+from agentenv.scheduling.proto import scheduler_pb2 as pb
 
 if TYPE_CHECKING:
     from tests.control.cluster import LocalCluster

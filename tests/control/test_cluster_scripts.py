@@ -51,7 +51,7 @@ STRANGER_CHECK = """
 import grpc, redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
-from agentenv.control.proto import scheduler_pb2 as pb, scheduler_pb2_grpc as pb_grpc
+from agentenv.scheduling.proto import scheduler_pb2 as pb, scheduler_pb2_grpc as pb_grpc
 try:
     redis.Redis(port=int(os.environ["REDIS_PORT"]), retry=Retry(NoBackoff(), 0)).set(
         "aenv:apikey:" + "0" * 64, "default")

@@ -15,7 +15,6 @@ from urllib.parse import parse_qs, urlsplit
 import grpc
 import pytest
 
-from agentenv.control.scheduler.client import SchedulerError
 from agentenv.control.scheduler.discovery import (
     Discovery,
     nodes_from_endpointslices,
@@ -23,6 +22,7 @@ from agentenv.control.scheduler.discovery import (
     parse_service,
 )
 from agentenv.errors import AgentEnvError
+from agentenv.scheduling.client import SchedulerError
 from tests.conftest import FIXTURES
 from tests.control.conftest import RedisServer
 from tests.control.helpers import scheduler, status

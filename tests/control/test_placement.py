@@ -10,7 +10,7 @@ import pytest
 
 from agentenv.control.gateway import placement
 from agentenv.control.gateway.placement import Binding, Node, NoPlacement, SchedulerLink
-from agentenv.control.scheduler.client import Credentials, SchedulerError
+from agentenv.scheduling.client import Credentials, SchedulerError
 from tests.control.conftest import RedisServer
 from tests.control.helpers import SECRET, scheduler, status
 

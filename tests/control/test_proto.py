@@ -1,4 +1,4 @@
-"""The committed generated code (control/proto/*_pb2*.py[i]) matches the .proto files: run
+"""The committed generated code (scheduling/proto/*_pb2*.py[i]) matches the .proto files: run
 `make proto` after editing a .proto."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-PROTO_DIR = REPO / "src" / "agentenv" / "control" / "proto"
+PROTO_DIR = REPO / "src" / "agentenv" / "scheduling" / "proto"
 
 
 # The generator writes its own version into the code (a comment, the minimum grpcio and
@@ -37,7 +37,7 @@ def test_generated_code_matches_proto(tmp_path: Path) -> None:
     protos = sorted(PROTO_DIR.glob("*.proto"))
     assert protos, f"no .proto files in {PROTO_DIR}"
     src = tmp_path / "src"
-    target = src / "agentenv" / "control" / "proto"
+    target = src / "agentenv" / "scheduling" / "proto"
     target.mkdir(parents=True)
     for proto in protos:
         shutil.copy(proto, target / proto.name)
@@ -57,8 +57,8 @@ def test_generated_code_matches_proto(tmp_path: Path) -> None:
 
 
 def test_the_stubs_import_and_round_trip() -> None:
-    from agentenv.control.proto import scheduler_pb2 as pb
-    from agentenv.control.proto import scheduler_pb2_grpc as pb_grpc
+    from agentenv.scheduling.proto import scheduler_pb2 as pb
+    from agentenv.scheduling.proto import scheduler_pb2_grpc as pb_grpc
 
     msg = pb.NodeStatus(node_id="n", cpu_total=4)
     msg.template_layers.add(template_id="t", layers=["a", "b"])

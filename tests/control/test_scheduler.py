@@ -13,10 +13,10 @@ import pytest
 import redis
 from redis.exceptions import RedisError
 
-from agentenv.control.proto import scheduler_pb2 as pb
-from agentenv.control.scheduler.client import SchedulerError
 from agentenv.control.scheduler.holders import HolderIndex
 from agentenv.control.scheduler.store import Binding, Store
+from agentenv.scheduling.client import SchedulerError
+from agentenv.scheduling.proto import scheduler_pb2 as pb
 from tests.control.conftest import RedisServer
 from tests.control.helpers import scheduler, status
 

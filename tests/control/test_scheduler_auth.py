@@ -14,8 +14,8 @@ import grpc
 import pytest
 
 from agentenv.cluster_keys import node_key
-from agentenv.control.proto import scheduler_pb2 as pb
-from agentenv.control.scheduler.client import CREDENTIAL_KEY, Credentials, SchedulerError
+from agentenv.scheduling.client import CREDENTIAL_KEY, Credentials, SchedulerError
+from agentenv.scheduling.proto import scheduler_pb2 as pb
 from tests.control.conftest import RedisServer
 from tests.control.helpers import SECRET, ClusterClient, node_credentials, scheduler, status
 

@@ -9,8 +9,8 @@ import grpc
 import httpx
 import pytest
 
-from agentenv.control.scheduler.client import SchedulerError
 from agentenv.control.scheduler.server import SchedulerOptions, SchedulerServer
+from agentenv.scheduling.client import SchedulerError
 from tests.control.conftest import RedisServer, free_port
 from tests.control.helpers import SECRET, ClusterClient, node_credentials, status
 from tests.control.test_scheduler_auth import raw_call, sample

@@ -14,14 +14,14 @@ import grpc
 import pytest
 
 from agentenv.cluster_keys import node_key
-from agentenv.control.scheduler.client import (
+from agentenv.control.scheduler.server import SchedulerOptions, SchedulerServer, ServerTls
+from agentenv.errors import AgentEnvError
+from agentenv.scheduling.client import (
     ClientTls,
     Credentials,
     SchedulerClient,
     SchedulerError,
 )
-from agentenv.control.scheduler.server import SchedulerOptions, SchedulerServer, ServerTls
-from agentenv.errors import AgentEnvError
 from tests.control.conftest import RedisServer, SchedulerProcess
 from tests.control.helpers import SECRET, status, wait_for
 from tests.control.pki import Authority

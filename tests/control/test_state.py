@@ -12,8 +12,8 @@ import grpc
 import pytest
 from redis.exceptions import TimeoutError as RedisTimeout
 
-from agentenv.control.scheduler.client import SchedulerError
 from agentenv.control.scheduler.store import Binding, Store
+from agentenv.scheduling.client import SchedulerError
 from tests.control.conftest import RedisServer, SchedulerProcess
 from tests.control.helpers import ClusterClient, scheduler, status
 

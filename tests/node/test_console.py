@@ -127,8 +127,8 @@ def test_the_gateway_serves_the_same_files_and_a_cluster_node_only_to_its_gatewa
     from agentenv.control.gateway.app import GatewayApp
     from agentenv.control.gateway.placement import SchedulerLink
     from agentenv.control.gateway.store import GatewayStore
-    from agentenv.control.scheduler.client import Credentials
     from agentenv.node.server import ServeOptions, build_app
+    from agentenv.scheduling.client import Credentials
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

@@ -14,8 +14,8 @@ from agentenv.cluster_keys import node_key
 from agentenv.control.gateway.app import GatewayApp
 from agentenv.control.gateway.placement import SchedulerLink
 from agentenv.control.gateway.store import GatewayStore
-from agentenv.control.scheduler.client import Credentials
 from agentenv.node.server import ServeOptions, build_app
+from agentenv.scheduling.client import Credentials
 
 with warnings.catch_warnings():  # starlette 1.x nags about httpx here; TestClient still works
     warnings.simplefilter("ignore")

@@ -1,11 +1,6 @@
 """The multi-node control plane: the scheduler (scheduler/) and the gateway, each a room of its
-own; proto/ holds the gRPC contract and its generated code (docs/control-plane.md)."""
+own; the scheduler's gRPC contract and client are agentenv.scheduling (docs/control-plane.md)."""
 
-import os
-
-# grpcio (>= 1.80, fork support on in its wheels) runs its fork handlers in a child forked while
-# a channel is busy, and the child can abort before exec ("epoll_wait error: Bad file
-# descriptor", grpc/grpc#43055; 49 of 300 `subprocess.run` children here). Every importer of
-# the control plane (a node with its heartbeat channel, the gateway, the scheduler, tests)
-# starts subprocesses, QEMU among them, and no child uses gRPC. Set before grpc is imported.
-os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
+# grpc's fork support off before anything of the control plane imports grpc (the reason is in
+# agentenv/scheduling/__init__.py).
+import agentenv.scheduling  # noqa: F401

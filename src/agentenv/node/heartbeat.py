@@ -25,7 +25,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from agentenv.control.scheduler.client import Credentials, SchedulerClient, SchedulerError, pb
+from agentenv.scheduling.client import Credentials, SchedulerClient, SchedulerError, pb
 
 if TYPE_CHECKING:
     from agentenv.node.layer_peers import LayerPeers

@@ -31,7 +31,7 @@ from starlette.routing import Route
 
 from agentenv.blockd.client import AsyncBlockdClient
 from agentenv.blockd.errors import BlockdError
-from agentenv.control.scheduler.client import Credentials, SchedulerClient, SchedulerError, pb
+from agentenv.scheduling.client import Credentials, SchedulerClient, SchedulerError, pb
 from agentenv.settings import get_settings
 
 log = logging.getLogger("agentenv.node.layer_peers")

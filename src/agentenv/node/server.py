@@ -22,7 +22,6 @@ from starlette.routing import Route
 from agentenv import cluster_keys
 from agentenv.api.auth import NODE_KEY_HEADER, carries_node_key, metrics_token
 from agentenv.blockd.remote import install_private_store
-from agentenv.control.scheduler.client import Credentials
 from agentenv.errors import AgentEnvError
 from agentenv.node.admission import Admission, TeamQuotas, space_reserve
 from agentenv.node.api import NodeApp
@@ -43,6 +42,7 @@ from agentenv.relay.concurrency import ConcurrencyCap, max_concurrent
 from agentenv.relay.connections import ConnectionLimits
 from agentenv.relay.server import hardened_config, quiet_stream_aborts, trusted_proxies
 from agentenv.relay.tls import CA_ENV, NodeTls
+from agentenv.scheduling.client import Credentials
 from agentenv.settings import get_settings
 
 log = logging.getLogger("agentenv.node.server")

@@ -1,4 +1,4 @@
-"""The gateway's side of the scheduler (agentenv.control.scheduler.client over gRPC): where to
+"""The gateway's side of the scheduler (agentenv.scheduling.client over gRPC): where to
 create, which node holds a sandbox.
 
 Lookups are cached for a moment (`LOOKUP_TTL`): a proxied request should not pay a gRPC round
@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import grpc
 
-from agentenv.control.scheduler.client import (
+from agentenv.scheduling.client import (
     ClientTls,
     Credentials,
     SchedulerClient,

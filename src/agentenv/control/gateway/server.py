@@ -14,12 +14,12 @@ from agentenv.control.gateway.app import GatewayApp
 from agentenv.control.gateway.placement import SchedulerLink
 from agentenv.control.gateway.store import GatewayStore
 from agentenv.control.redis_auth import RedisAuth
-from agentenv.control.scheduler.client import ClientTls, Credentials
 from agentenv.errors import AgentEnvError
 from agentenv.relay.concurrency import ConcurrencyCap, max_concurrent
 from agentenv.relay.server import hardened_config, quiet_stream_aborts
 from agentenv.relay.stream import RelayLimits
 from agentenv.relay.tls import NodeTls
+from agentenv.scheduling.client import ClientTls, Credentials
 
 log = logging.getLogger("agentenv.control.gateway.server")
 

@@ -1,7 +1,7 @@
 """Who may call the scheduler: a check inside every method handler.
 
 Each call carries an identity and its token (one call metadata entry, "IDENTITY TOKEN",
-control/scheduler/client.py):
+scheduling/client.py):
 `gateway`, with HMAC-SHA256(cluster secret, identity), or `node:ID`, with HMAC-SHA256(the node's
 key, identity) where the node's key is itself derived from the cluster secret and ID
 (agentenv.cluster_keys): the scheduler holds the secret and derives both, a node holds only its
@@ -38,15 +38,15 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from agentenv.cluster_keys import node_key
-from agentenv.control.proto import scheduler_pb2 as pb
-from agentenv.control.proto import scheduler_pb2_grpc as pb_grpc
-from agentenv.control.scheduler.client import (
+from agentenv.logs import Sampled
+from agentenv.scheduling.client import (
     CREDENTIAL_KEY,
     GATEWAY_IDENTITY,
     NODE_IDENTITY_PREFIX,
     derive_token,
 )
-from agentenv.logs import Sampled
+from agentenv.scheduling.proto import scheduler_pb2 as pb
+from agentenv.scheduling.proto import scheduler_pb2_grpc as pb_grpc
 
 log = logging.getLogger("agentenv.control.scheduler.auth")
 

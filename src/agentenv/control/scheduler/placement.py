@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from agentenv.control.proto import scheduler_pb2 as pb
+from agentenv.scheduling.proto import scheduler_pb2 as pb
 
 STRATEGIES = ("cache-aware", "least-loaded", "round-robin", "random")
 DEFAULT_STRATEGY = "cache-aware"

@@ -28,11 +28,8 @@ import grpc
 import uvloop
 from redis.exceptions import RedisError
 
-from agentenv.control.proto import scheduler_pb2 as pb
-from agentenv.control.proto import scheduler_pb2_grpc as pb_grpc
 from agentenv.control.redis_auth import RedisAuth
 from agentenv.control.scheduler.auth import ClusterAuth
-from agentenv.control.scheduler.client import REFUSED_KEY, REQUEST_KEY
 from agentenv.control.scheduler.discovery import Discovery
 from agentenv.control.scheduler.metrics import LOOPBACK, SchedulerMetrics
 from agentenv.control.scheduler.placement import PlacementError
@@ -40,6 +37,9 @@ from agentenv.control.scheduler.service import SchedulerConfig, SchedulerService
 from agentenv.control.scheduler.store import DEFAULT_PREFIX, Store, StoreError
 from agentenv.errors import AgentEnvError
 from agentenv.fsutil import read_pem
+from agentenv.scheduling.client import REFUSED_KEY, REQUEST_KEY
+from agentenv.scheduling.proto import scheduler_pb2 as pb
+from agentenv.scheduling.proto import scheduler_pb2_grpc as pb_grpc
 
 log = logging.getLogger("agentenv.control.scheduler.server")
 

@@ -21,7 +21,6 @@ from dataclasses import dataclass
 import grpc
 
 from agentenv.cluster_keys import node_key, peer_credential, peer_serve_key
-from agentenv.control.proto import scheduler_pb2 as pb
 from agentenv.control.scheduler.holders import DEFAULT_LIMIT, HolderIndex
 from agentenv.control.scheduler.placement import (
     DEFAULT_STRATEGY,
@@ -35,6 +34,7 @@ from agentenv.control.scheduler.placement import (
     learn_template_layers,
 )
 from agentenv.control.scheduler.store import Binding, Store, now_ms
+from agentenv.scheduling.proto import scheduler_pb2 as pb
 
 log = logging.getLogger("agentenv.control.scheduler")
 

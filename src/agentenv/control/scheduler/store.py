@@ -28,9 +28,9 @@ from dataclasses import dataclass
 import redis
 from redis.exceptions import RedisError
 
-from agentenv.control.proto import scheduler_pb2 as pb
 from agentenv.control.redis_auth import RedisAuth, shown_url
 from agentenv.errors import AgentEnvError
+from agentenv.scheduling.proto import scheduler_pb2 as pb
 
 SEP = "\x1f"
 MAX_CONNECTIONS = 32

@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from agentenv.control.proto import scheduler_pb2 as agentenv_dot_control_dot_proto_dot_scheduler__pb2
+from agentenv.scheduling.proto import scheduler_pb2 as agentenv_dot_scheduling_dot_proto_dot_scheduler__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -18,7 +18,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in agentenv/control/proto/scheduler_pb2_grpc.py depends on'
+        + ' but the generated code in agentenv/scheduling/proto/scheduler_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -36,38 +36,38 @@ class SchedulerStub:
         """
         self.Schedule = channel.unary_unary(
                 '/agentenv.scheduler.v1.Scheduler/Schedule',
-                request_serializer=agentenv_dot_control_dot_proto_dot_scheduler__pb2.ScheduleRequest.SerializeToString,
-                response_deserializer=agentenv_dot_control_dot_proto_dot_scheduler__pb2.ScheduleResponse.FromString,
+                request_serializer=agentenv_dot_scheduling_dot_proto_dot_scheduler__pb2.ScheduleRequest.SerializeToString,
+                response_deserializer=agentenv_dot_scheduling_dot_proto_dot_scheduler__pb2.ScheduleResponse.FromString,
                 _registered_method=True)
         self.RecordAssignment = channel.unary_unary(
                 '/agentenv.scheduler.v1.Scheduler/RecordAssignment',
-                request_serializer=agentenv_dot_control_dot_proto_dot_scheduler__pb2.Assignment.SerializeToString,
-                response_deserializer=agentenv_dot_control_dot_proto_dot_scheduler__pb2.Empty.FromString,
+                request_serializer=agentenv_dot_scheduling_dot_proto_dot_scheduler__pb2.Assignment.SerializeToString,
+                response_deserializer=agentenv_dot_scheduling_dot_proto_dot_scheduler__pb2.Empty.FromString,
                 _registered_method=True)
         self.Release = channel.unary_unary(
                 '/agentenv.scheduler.v1.Scheduler/Release',
-                request_serializer=agentenv_dot_control_dot_proto_dot_scheduler__pb2.ReleaseRequest.SerializeToString,
-                response_deserializer=agentenv_dot_control_dot_proto_dot_scheduler__pb2.Empty.FromString,
+                request_serializer=agentenv_dot_scheduling_dot_proto_dot_scheduler__pb2.ReleaseRequest.SerializeToString,
+                response_deserializer=agentenv_dot_scheduling_dot_proto_dot_scheduler__pb2.Empty.FromString,
                 _registered_method=True)
         self.Lookup = channel.unary_unary(
                 '/agentenv.scheduler.v1.Scheduler/Lookup',
-                request_serializer=agentenv_dot_control_dot_proto_dot_scheduler__pb2.LookupRequest.SerializeToString,
-                response_deserializer=agentenv_dot_control_dot_proto_dot_scheduler__pb2.LookupResponse.FromString,
+                request_serializer=agentenv_dot_scheduling_dot_proto_dot_scheduler__pb2.LookupRequest.SerializeToString,
+                response_deserializer=agentenv_dot_scheduling_dot_proto_dot_scheduler__pb2.LookupResponse.FromString,
                 _registered_method=True)
         self.Heartbeat = channel.unary_unary(
                 '/agentenv.scheduler.v1.Scheduler/Heartbeat',
-                request_serializer=agentenv_dot_control_dot_proto_dot_scheduler__pb2.NodeStatus.SerializeToString,
-                response_deserializer=agentenv_dot_control_dot_proto_dot_scheduler__pb2.HeartbeatResponse.FromString,
+                request_serializer=agentenv_dot_scheduling_dot_proto_dot_scheduler__pb2.NodeStatus.SerializeToString,
+                response_deserializer=agentenv_dot_scheduling_dot_proto_dot_scheduler__pb2.HeartbeatResponse.FromString,
                 _registered_method=True)
         self.ListNodes = channel.unary_unary(
                 '/agentenv.scheduler.v1.Scheduler/ListNodes',
-                request_serializer=agentenv_dot_control_dot_proto_dot_scheduler__pb2.Empty.SerializeToString,
-                response_deserializer=agentenv_dot_control_dot_proto_dot_scheduler__pb2.NodeList.FromString,
+                request_serializer=agentenv_dot_scheduling_dot_proto_dot_scheduler__pb2.Empty.SerializeToString,
+                response_deserializer=agentenv_dot_scheduling_dot_proto_dot_scheduler__pb2.NodeList.FromString,
                 _registered_method=True)
         self.Holders = channel.unary_unary(
                 '/agentenv.scheduler.v1.Scheduler/Holders',
-                request_serializer=agentenv_dot_control_dot_proto_dot_scheduler__pb2.HoldersRequest.SerializeToString,
-                response_deserializer=agentenv_dot_control_dot_proto_dot_scheduler__pb2.HoldersResponse.FromString,
+                request_serializer=agentenv_dot_scheduling_dot_proto_dot_scheduler__pb2.HoldersRequest.SerializeToString,
+                response_deserializer=agentenv_dot_scheduling_dot_proto_dot_scheduler__pb2.HoldersResponse.FromString,
                 _registered_method=True)
 
 
@@ -126,38 +126,38 @@ def add_SchedulerServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Schedule': grpc.unary_unary_rpc_method_handler(
                     servicer.Schedule,
-                    request_deserializer=agentenv_dot_control_dot_proto_dot_scheduler__pb2.ScheduleRequest.FromString,
-                    response_serializer=agentenv_dot_control_dot_proto_dot_scheduler__pb2.ScheduleResponse.SerializeToString,
+                    request_deserializer=agentenv_dot_scheduling_dot_proto_dot_scheduler__pb2.ScheduleRequest.FromString,
+                    response_serializer=agentenv_dot_scheduling_dot_proto_dot_scheduler__pb2.ScheduleResponse.SerializeToString,
             ),
             'RecordAssignment': grpc.unary_unary_rpc_method_handler(
                     servicer.RecordAssignment,
-                    request_deserializer=agentenv_dot_control_dot_proto_dot_scheduler__pb2.Assignment.FromString,
-                    response_serializer=agentenv_dot_control_dot_proto_dot_scheduler__pb2.Empty.SerializeToString,
+                    request_deserializer=agentenv_dot_scheduling_dot_proto_dot_scheduler__pb2.Assignment.FromString,
+                    response_serializer=agentenv_dot_scheduling_dot_proto_dot_scheduler__pb2.Empty.SerializeToString,
             ),
             'Release': grpc.unary_unary_rpc_method_handler(
                     servicer.Release,
-                    request_deserializer=agentenv_dot_control_dot_proto_dot_scheduler__pb2.ReleaseRequest.FromString,
-                    response_serializer=agentenv_dot_control_dot_proto_dot_scheduler__pb2.Empty.SerializeToString,
+                    request_deserializer=agentenv_dot_scheduling_dot_proto_dot_scheduler__pb2.ReleaseRequest.FromString,
+                    response_serializer=agentenv_dot_scheduling_dot_proto_dot_scheduler__pb2.Empty.SerializeToString,
             ),
             'Lookup': grpc.unary_unary_rpc_method_handler(
                     servicer.Lookup,
-                    request_deserializer=agentenv_dot_control_dot_proto_dot_scheduler__pb2.LookupRequest.FromString,
-                    response_serializer=agentenv_dot_control_dot_proto_dot_scheduler__pb2.LookupResponse.SerializeToString,
+                    request_deserializer=agentenv_dot_scheduling_dot_proto_dot_scheduler__pb2.LookupRequest.FromString,
+                    response_serializer=agentenv_dot_scheduling_dot_proto_dot_scheduler__pb2.LookupResponse.SerializeToString,
             ),
             'Heartbeat': grpc.unary_unary_rpc_method_handler(
                     servicer.Heartbeat,
-                    request_deserializer=agentenv_dot_control_dot_proto_dot_scheduler__pb2.NodeStatus.FromString,
-                    response_serializer=agentenv_dot_control_dot_proto_dot_scheduler__pb2.HeartbeatResponse.SerializeToString,
+                    request_deserializer=agentenv_dot_scheduling_dot_proto_dot_scheduler__pb2.NodeStatus.FromString,
+                    response_serializer=agentenv_dot_scheduling_dot_proto_dot_scheduler__pb2.HeartbeatResponse.SerializeToString,
             ),
             'ListNodes': grpc.unary_unary_rpc_method_handler(
                     servicer.ListNodes,
-                    request_deserializer=agentenv_dot_control_dot_proto_dot_scheduler__pb2.Empty.FromString,
-                    response_serializer=agentenv_dot_control_dot_proto_dot_scheduler__pb2.NodeList.SerializeToString,
+                    request_deserializer=agentenv_dot_scheduling_dot_proto_dot_scheduler__pb2.Empty.FromString,
+                    response_serializer=agentenv_dot_scheduling_dot_proto_dot_scheduler__pb2.NodeList.SerializeToString,
             ),
             'Holders': grpc.unary_unary_rpc_method_handler(
                     servicer.Holders,
-                    request_deserializer=agentenv_dot_control_dot_proto_dot_scheduler__pb2.HoldersRequest.FromString,
-                    response_serializer=agentenv_dot_control_dot_proto_dot_scheduler__pb2.HoldersResponse.SerializeToString,
+                    request_deserializer=agentenv_dot_scheduling_dot_proto_dot_scheduler__pb2.HoldersRequest.FromString,
+                    response_serializer=agentenv_dot_scheduling_dot_proto_dot_scheduler__pb2.HoldersResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -185,8 +185,8 @@ class Scheduler:
             request,
             target,
             '/agentenv.scheduler.v1.Scheduler/Schedule',
-            agentenv_dot_control_dot_proto_dot_scheduler__pb2.ScheduleRequest.SerializeToString,
-            agentenv_dot_control_dot_proto_dot_scheduler__pb2.ScheduleResponse.FromString,
+            agentenv_dot_scheduling_dot_proto_dot_scheduler__pb2.ScheduleRequest.SerializeToString,
+            agentenv_dot_scheduling_dot_proto_dot_scheduler__pb2.ScheduleResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -212,8 +212,8 @@ class Scheduler:
             request,
             target,
             '/agentenv.scheduler.v1.Scheduler/RecordAssignment',
-            agentenv_dot_control_dot_proto_dot_scheduler__pb2.Assignment.SerializeToString,
-            agentenv_dot_control_dot_proto_dot_scheduler__pb2.Empty.FromString,
+            agentenv_dot_scheduling_dot_proto_dot_scheduler__pb2.Assignment.SerializeToString,
+            agentenv_dot_scheduling_dot_proto_dot_scheduler__pb2.Empty.FromString,
             options,
             channel_credentials,
             insecure,
@@ -239,8 +239,8 @@ class Scheduler:
             request,
             target,
             '/agentenv.scheduler.v1.Scheduler/Release',
-            agentenv_dot_control_dot_proto_dot_scheduler__pb2.ReleaseRequest.SerializeToString,
-            agentenv_dot_control_dot_proto_dot_scheduler__pb2.Empty.FromString,
+            agentenv_dot_scheduling_dot_proto_dot_scheduler__pb2.ReleaseRequest.SerializeToString,
+            agentenv_dot_scheduling_dot_proto_dot_scheduler__pb2.Empty.FromString,
             options,
             channel_credentials,
             insecure,
@@ -266,8 +266,8 @@ class Scheduler:
             request,
             target,
             '/agentenv.scheduler.v1.Scheduler/Lookup',
-            agentenv_dot_control_dot_proto_dot_scheduler__pb2.LookupRequest.SerializeToString,
-            agentenv_dot_control_dot_proto_dot_scheduler__pb2.LookupResponse.FromString,
+            agentenv_dot_scheduling_dot_proto_dot_scheduler__pb2.LookupRequest.SerializeToString,
+            agentenv_dot_scheduling_dot_proto_dot_scheduler__pb2.LookupResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -293,8 +293,8 @@ class Scheduler:
             request,
             target,
             '/agentenv.scheduler.v1.Scheduler/Heartbeat',
-            agentenv_dot_control_dot_proto_dot_scheduler__pb2.NodeStatus.SerializeToString,
-            agentenv_dot_control_dot_proto_dot_scheduler__pb2.HeartbeatResponse.FromString,
+            agentenv_dot_scheduling_dot_proto_dot_scheduler__pb2.NodeStatus.SerializeToString,
+            agentenv_dot_scheduling_dot_proto_dot_scheduler__pb2.HeartbeatResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -320,8 +320,8 @@ class Scheduler:
             request,
             target,
             '/agentenv.scheduler.v1.Scheduler/ListNodes',
-            agentenv_dot_control_dot_proto_dot_scheduler__pb2.Empty.SerializeToString,
-            agentenv_dot_control_dot_proto_dot_scheduler__pb2.NodeList.FromString,
+            agentenv_dot_scheduling_dot_proto_dot_scheduler__pb2.Empty.SerializeToString,
+            agentenv_dot_scheduling_dot_proto_dot_scheduler__pb2.NodeList.FromString,
             options,
             channel_credentials,
             insecure,
@@ -347,8 +347,8 @@ class Scheduler:
             request,
             target,
             '/agentenv.scheduler.v1.Scheduler/Holders',
-            agentenv_dot_control_dot_proto_dot_scheduler__pb2.HoldersRequest.SerializeToString,
-            agentenv_dot_control_dot_proto_dot_scheduler__pb2.HoldersResponse.FromString,
+            agentenv_dot_scheduling_dot_proto_dot_scheduler__pb2.HoldersRequest.SerializeToString,
+            agentenv_dot_scheduling_dot_proto_dot_scheduler__pb2.HoldersResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -31,10 +31,10 @@ from types import TracebackType
 
 import grpc
 
-from agentenv.control.proto import scheduler_pb2 as pb
-from agentenv.control.proto import scheduler_pb2_grpc as pb_grpc
 from agentenv.errors import AgentEnvError
 from agentenv.fsutil import read_pem
+from agentenv.scheduling.proto import scheduler_pb2 as pb
+from agentenv.scheduling.proto import scheduler_pb2_grpc as pb_grpc
 from agentenv.settings import setting_text
 
 __all__ = [
