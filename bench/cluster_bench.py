@@ -19,7 +19,9 @@ Goals (issue 14): >= 2,000 schedules/s, Lookup p99 <= 2 ms. Prints one JSON obje
 (`goal_met` where the issue sets a goal). `--quick` shortens the timed phases.
 Run it inside scripts/isolated.sh beside other work. `--before-rev REV [--rounds N]` runs REV's own
 copy of this bench alternating with this checkout's and prints the after/before ratio of
-each figure (issue 23: the tenancy checks may cost no more than 5%).
+each figure (issue 23: the tenancy checks may cost no more than 5%). `--checks-cost [--rounds N]`
+runs this tree's scheduler suite with each method's caller check on and taken out (the price of
+the checks alone, where --before-rev also sees everything else added since REV).
 """
 
 from __future__ import annotations
@@ -301,7 +303,11 @@ def scheduler_suite(args: argparse.Namespace, work: Path, procs: Processes) -> N
     secret_file = work / "cluster-secret"
     secret_file.write_text(secret + "\n")
     secret_file.chmod(0o600)
-    sched_proc = procs.start([sys.executable, "-m", "agentenv.cli.main", "scheduler", "--listen", address,
+    # --scheduler-checks off: the same scheduler with each method's caller check taken out
+    # (the request parsed and timed as the checked handler does), to price the checks alone.
+    launcher = (["-c", UNCHECKED_SCHEDULER] if args.scheduler_checks == "off"
+                else ["-m", "agentenv.cli.main"])
+    sched_proc = procs.start([sys.executable, *launcher, "scheduler", "--listen", address,
                  "--cluster-secret-file", str(secret_file),
                  "--redis", redis_url, "--redis-prefix", prefix, "--log-level", "warning"],
                 work / "scheduler.log")
@@ -310,6 +316,65 @@ def scheduler_suite(args: argparse.Namespace, work: Path, procs: Processes) -> N
                       "cpus": os.cpu_count(), "appendfsync": args.appendfsync}), flush=True)
     asyncio.run(scheduler_suite_async(address, secret, redis_url, prefix, args.quick,
                                       {"scheduler": sched_proc.pid, "redis": redis_proc.pid}))
+
+
+#: `aenv scheduler` with ClusterAuth's per-method wrapper replaced by one that parses, calls and
+#: times the method exactly as the checked one does, without looking at the caller.
+UNCHECKED_SCHEDULER = """
+import time
+from agentenv.control.scheduler import auth
+
+def unchecked(self, name, inner, parse):
+    observe, perf_counter = self._observe, time.perf_counter
+
+    async def call(raw, context):
+        request = parse(raw)
+        began = perf_counter()
+        answer = await inner(request, context)
+        observe(name, "OK", perf_counter() - began)
+        return answer
+
+    return call
+
+auth.ClusterAuth._checked = unchecked
+from agentenv.cli.main import main
+main()
+"""
+
+
+def checks_cost(args: argparse.Namespace) -> None:
+    """The scheduler suite of this tree with the caller checks on and off, alternating
+    ROUNDS times; medians and on/off ratios (issue 23: the checks cost <= 5%)."""
+    values: dict[str, dict[str, list[float]]] = {"on": {}, "off": {}}
+    for _ in range(args.rounds):
+        for label in ("off", "on"):
+            argv = [sys.executable, str(ROOT / "bench" / "cluster_bench.py"), "--suite",
+                    "scheduler", "--scheduler-checks", label, "--appendfsync", args.appendfsync,
+                    *(["--quick"] if args.quick else [])]
+            done = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, check=False)
+            if done.returncode != 0:
+                raise SystemExit(f"the scheduler suite (checks {label}) failed:\n"
+                                 f"{done.stderr[-3000:]}")
+            for line in done.stdout.splitlines():
+                with contextlib.suppress(ValueError):
+                    figure = json.loads(line)
+                    metric = figure.get("metric")
+                    if metric in COMPARED:
+                        values[label].setdefault(metric, []).append(float(figure["value"]))
+                        if "scheduler_cpu_us_per_pair" in figure:
+                            values[label].setdefault("scheduler_cpu_us_per_pair", []).append(
+                                float(figure["scheduler_cpu_us_per_pair"]))
+                        print(json.dumps({"checks": label, **figure}), flush=True)
+    better = {**{m: more for m, (more, _) in COMPARED.items()}, "scheduler_cpu_us_per_pair": False}
+    for metric, more_is_better in better.items():
+        off, on = values["off"].get(metric), values["on"].get(metric)
+        if not off or not on:
+            continue
+        b, a = statistics.median(off), statistics.median(on)
+        ratio = (a / b) if more_is_better else (b / a)
+        print(json.dumps({"metric": metric, "checks_off": round(b, 3), "checks_on": round(a, 3),
+                          "runs": len(on), "on_vs_off": round(ratio, 3), "goal": 0.95,
+                          "goal_met": ratio >= 0.95}), flush=True)
 
 
 def gateway_suite(args: argparse.Namespace, work: Path, procs: Processes) -> None:
@@ -395,10 +460,19 @@ def main() -> None:
                         help="also run REV's own copy of this bench (its tree exported with git "
                              "archive), alternating with this checkout's, ROUNDS times each, and "
                              "print after/before ratios (issue 23: the checks cost <= 5%%)")
-    parser.add_argument("--rounds", type=int, default=2, help="rounds of each tree, --before-rev")
+    parser.add_argument("--rounds", type=int, default=2,
+                        help="rounds of each tree (--before-rev) or arm (--checks-cost)")
+    parser.add_argument("--checks-cost", action="store_true",
+                        help="the scheduler suite of this tree with its caller checks on and off, "
+                             "alternating ROUNDS times, and the on/off ratios")
+    parser.add_argument("--scheduler-checks", choices=["on", "off"], default="on",
+                        help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.before_rev:
         compare_trees(args)
+        return
+    if args.checks_cost:
+        checks_cost(args)
         return
     for name, suite in SUITES.items():
         if args.suite not in ("all", name):
