@@ -14,6 +14,12 @@ own so no key is another's):
   expires. X cannot make one for another id or another peer (it holds neither P's node key
   nor the secret), and a node the scheduler no longer counts gets no new one
   (docs/security.md §5).
+- what X sends P is never that credential: it is a bearer secret (whoever holds it is X at P
+  until it expires), and the node network may be plaintext. X sends, per request,
+  `r1/<X>/<expiry>/<MAC>`, an HMAC keyed with the credential's MAC over `peer_request` (the
+  request's method, path, Range and chunk claim), `peer_request_credential`. P derives the
+  credential's MAC from its serving key and checks the request's: a copy seen on the wire
+  opens only the very request it came with (whose answer its sniffer saw too).
 (Static peers without a scheduler use no key of the cluster's: each blockd has its own key
 pair, blockd/remote/identity.py.)
 
@@ -33,9 +39,16 @@ from agentenv.settings import setting_text
 _NODE_KEY_CONTEXT = b"agentenv node key v1\0"
 _PEER_SERVE_CONTEXT = b"agentenv peer serve v1"
 _PEER_CREDENTIAL_CONTEXT = b"agentenv peer credential v1\0"
-#: `Authorization: AenvPeer <credential>`, the credential `v1/<node id>/<expiry>/<mac>`
+_PEER_REQUEST_CONTEXT = b"agentenv peer request v1\0"
+_PEER_REQUEST_MAC_CONTEXT = b"agentenv peer request credential r1\0"
+#: `Authorization: AenvPeer <credential>`: the scheduler issues `v1/<node id>/<expiry>/<mac>`,
+#: a node presents `r1/<node id>/<expiry>/<request mac>` made from it per request
 PEER_SCHEME = "AenvPeer"
-_PEER_CREDENTIAL_RE = re.compile(r"v1/([A-Za-z0-9][A-Za-z0-9._:-]{0,127})/(\d{1,12})/([0-9a-f]{64})")
+_PEER_ID = r"[A-Za-z0-9][A-Za-z0-9._:-]{0,127}"
+_PEER_CREDENTIAL_RE = re.compile(rf"v1/({_PEER_ID})/(\d{{1,12}})/([0-9a-f]{{64}})")
+_PEER_REQUEST_RE = re.compile(rf"r1/({_PEER_ID})/(\d{{1,12}})/([0-9a-f]{{64}})")
+ISSUED_PREFIX = "v1/"
+REQUEST_PREFIX = "r1/"
 #: what a derived key looks like (hex HMAC-SHA256)
 KEY_RE = re.compile(r"^[0-9a-f]{64}$")
 
@@ -60,15 +73,49 @@ def peer_credential(serve_key: str, node_id: str, expires: int) -> str:
     return f"v1/{node_id}/{expires}/{_peer_mac(serve_key, node_id, expires)}"
 
 
-def check_peer_credential(serve_key: str, credential: str, now: float) -> tuple[str | None, str]:
-    """(the node id a credential names, "") when it was made with `serve_key` and has not
-    expired at `now` (unix seconds); else (None, why not)."""
+def peer_request(method: str, path: str, byte_range: str | None, claim: str | None) -> bytes:
+    """What a peer credential is bound to (the 32 bytes both ends compute from the request):
+    the SHA-256 of the request's method, path (the blob), `Range` header and chunk claim
+    (`X-Chunk-SHA256`), each length-prefixed (latin-1, as the HTTP server decodes them)."""
+    digest = hashlib.sha256(_PEER_REQUEST_CONTEXT)
+    for part in (method, path, byte_range or "", claim or ""):
+        data = part.encode("latin-1", "replace")
+        digest.update(len(data).to_bytes(8, "big"))
+        digest.update(data)
+    return digest.digest()
+
+
+def _request_mac(issued_mac: str, request: bytes) -> str:
+    return hmac.new(issued_mac.encode(), _PEER_REQUEST_MAC_CONTEXT + request,
+                    hashlib.sha256).hexdigest()
+
+
+def peer_request_credential(credential: str, request: bytes) -> str:
+    """What a node sends a peer for one request (`request`: peer_request), made from the
+    credential the scheduler issued it for that peer (which is never sent itself)."""
     match = _PEER_CREDENTIAL_RE.fullmatch(credential)
+    if match is None:
+        raise ValueError("not a peer credential issued by the scheduler (v1/...)")
+    node_id, expires, mac = match.groups()
+    return f"{REQUEST_PREFIX}{node_id}/{expires}/{_request_mac(mac, request)}"
+
+
+def check_peer_credential(serve_key: str, credential: str, now: float,
+                          request: bytes) -> tuple[str | None, str]:
+    """(the node id a request's credential names, "") when it was made from a credential
+    issued with `serve_key`, for this very request (`request`: peer_request), and has not
+    expired at `now` (unix seconds); else (None, why not)."""
+    if credential.startswith(ISSUED_PREFIX):
+        return None, ("an issued credential sent as it is (v1, a bearer token) is not taken: "
+                      "a node sends one made for its request (r1; the asking blockd is older "
+                      "than this peer's)")
+    match = _PEER_REQUEST_RE.fullmatch(credential)
     if match is None:
         return None, "not a peer credential"
     node_id, expires, mac = match.group(1), int(match.group(2)), match.group(3)
-    if not hmac.compare_digest(mac, _peer_mac(serve_key, node_id, expires)):
-        return None, "not issued for this peer"
+    issued = _peer_mac(serve_key, node_id, expires)
+    if not hmac.compare_digest(mac, _request_mac(issued, request)):
+        return None, "not issued for this peer, or made for another request"
     if expires <= now:
         return None, "expired"
     return node_id, ""

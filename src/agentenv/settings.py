@@ -439,7 +439,7 @@ class Settings(BaseSettings):
                                       "line, `<node id> ed25519:<key> [http://host:port]` "
                                       "(`aenv peer-key` prints a node's).", "path")
     peer_node_id: str = _s("", "blockd", "This node's id in its static peers' trust files "
-                           "(default the host name).")
+                           "(default node-<20 hex digits of its public key's SHA-256>).")
     peer_key: str = _s("", "blockd", "Removed (the shared peer key): set, blockd refuses to "
                        "start; see AENV_PEER_TRUST_FILE.")
     peer_key_file: Path | None = _s(None, "blockd", "Removed, as AENV_PEER_KEY.", "path")

@@ -45,7 +45,7 @@ def closed_by_server(sock: socket.socket, within: float) -> bool:
 def keyed_answer(address: tuple[str, int]) -> bytes:
     """The answer to a keyed request (for a path that is not a blob's: 404, a whole answer)."""
     with socket.create_connection(address, timeout=10) as sock:
-        sock.sendall(f"GET /blobs HTTP/1.1\r\nHost: p\r\nAuthorization: {asker()}\r\n"
+        sock.sendall(f"GET /blobs HTTP/1.1\r\nHost: p\r\nAuthorization: {asker('/blobs')}\r\n"
                      "Connection: close\r\n\r\n".encode())
         data = b""
         while chunk := sock.recv(65536):
@@ -74,7 +74,7 @@ def test_connections_over_the_cap_are_closed_at_once(store: RemoteStore) -> None
     try:
         for sock in held:  # each is being served (its thread waits for a request)
             sock.sendall(b"GET /blobs HTTP/1.1\r\nHost: p\r\nAuthorization: "
-                         + asker().encode() + b"\r\n\r\n")
+                         + asker("/blobs").encode() + b"\r\n\r\n")
             assert sock.recv(12) == b"HTTP/1.1 404"
         with socket.create_connection(address, timeout=10) as extra:
             assert closed_by_server(extra, within=30)

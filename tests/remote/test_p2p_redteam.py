@@ -47,8 +47,9 @@ def holder(tmp_path: Path, registry: Registry,
         base = f"http://{server.address}/blobs/"
 
         def get(start: int, end: int, claimed: str, blob: str = digest) -> httpx.Response:
-            headers = {"Authorization": asker(), "Range": f"bytes={start}-{end - 1}",
-                       PROOF_HEADER: claimed.encode("latin-1")}
+            headers: dict[str, str | bytes] = {"Range": f"bytes={start}-{end - 1}",
+                                               PROOF_HEADER: claimed.encode("latin-1")}
+            headers["Authorization"] = asker("/blobs/" + blob, headers)
             with httpx.Client(timeout=30) as client:
                 return client.get(base + blob, headers=headers)
 

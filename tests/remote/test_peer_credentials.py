@@ -1,8 +1,9 @@
 """Per-node peer credentials (docs/security.md §5): a real scheduler (in process, real Redis)
 issues node X, with each Holders answer, a credential for holder P that names X, is made with
-P's serving key and expires; a real chunk server with P's serving key serves X on it and
-refuses a credential for another peer or another id, an expired or forged one, a bearer key,
-and, once X is removed, X gets no new one and its last stops at its expiry."""
+P's serving key and expires; X makes from it one per request (r1); a real chunk server with
+P's serving key serves X on it and refuses a credential for another peer or another id, an
+expired or forged one, the issued one sent as it is, a bearer key, and, once X is removed, X
+gets no new one and its last stops at its expiry."""
 
 from __future__ import annotations
 
@@ -24,6 +25,8 @@ from agentenv.cluster_keys import (
     check_peer_credential,
     node_key,
     peer_credential,
+    peer_request,
+    peer_request_credential,
     peer_serve_key,
 )
 from tests.control.conftest import RedisServer, prefix, redis_server  # noqa: F401 (fixtures)
@@ -64,41 +67,59 @@ def peers(tmp_path: Path, registry: Registry,
             store.close()
 
 
+def chunk0(peers: dict[str, Any]) -> tuple[str, dict[str, str]]:
+    """The path and headers of a request for chunk 0 of the blob, with a right claim."""
+    return (f"/blobs/{peers['digest']}",
+            {"Range": f"bytes=0-{CHUNK - 1}", PROOF_HEADER: proof(peers["table"], 0, CHUNK)})
+
+
 def get(peers: dict[str, Any], name: str, authorization: str) -> httpx.Response:
     """Chunk 0 of the blob from peer `name`, with a right claim."""
-    url = f"http://{peers['servers'][name].address}/blobs/{peers['digest']}"
+    path, headers = chunk0(peers)
     with httpx.Client(timeout=30) as client:
-        return client.get(url, headers={"Authorization": authorization,
-                                        "Range": f"bytes=0-{CHUNK - 1}",
-                                        PROOF_HEADER: proof(peers["table"], 0, CHUNK)})
+        return client.get(f"http://{peers['servers'][name].address}{path}",
+                          headers={**headers, "Authorization": authorization})
 
 
-def as_peer(credential: str) -> str:
-    return f"{PEER_SCHEME} {credential}"
+def for_chunk0(peers: dict[str, Any]) -> bytes:
+    path, headers = chunk0(peers)
+    return peer_request("GET", path, headers["Range"], headers[PROOF_HEADER])
+
+
+def as_peer(issued: str, request: bytes) -> str:
+    """What the node holding `issued` sends for `request`."""
+    return f"{PEER_SCHEME} {peer_request_credential(issued, request)}"
 
 
 def test_a_credential_is_the_asking_nodes_for_one_peer_until_it_expires(
         peers: dict[str, Any]) -> None:
     now = int(time.time())
+    R = for_chunk0(peers)
     good = peer_credential(serve_key("p1"), "x", now + 60)
-    reply = get(peers, "p1", as_peer(good))
+    reply = get(peers, "p1", as_peer(good, R))
     assert reply.status_code == 206 and reply.content == peers["data"][:CHUNK]
-    assert check_peer_credential(serve_key("p1"), good, now) == ("x", "")
+    sent = peer_request_credential(good, R)
+    assert check_peer_credential(serve_key("p1"), sent, now, R) == ("x", "")
     # for another peer: refused there
-    assert get(peers, "p2", as_peer(good)).status_code == 401
+    assert get(peers, "p2", as_peer(good, R)).status_code == 401
     # the same credential naming another node (or another expiry): its MAC no longer fits
-    _, _, expires, mac = good.split("/")
-    for forged in (f"v1/y/{expires}/{mac}", f"v1/x/{int(expires) + 3600}/{mac}",
-                   f"v1/x/{expires}/{'0' * 64}", "v1/x", good + "0"):
-        assert get(peers, "p1", as_peer(forged)).status_code == 401, forged
+    expires = good.split("/")[2]
+    _, _, _, request_mac = sent.split("/")
+    for forged in (f"r1/y/{expires}/{request_mac}", f"r1/x/{int(expires) + 3600}/{request_mac}",
+                   f"r1/x/{expires}/{'0' * 64}", "r1/x", sent + "0"):
+        assert get(peers, "p1", f"{PEER_SCHEME} {forged}").status_code == 401, forged
     # made with a key that is not p1's serving key: another node's serving key, a node's own
     # key
     for key in (serve_key("p2"), node_key(SECRET, "p1")):
-        assert get(peers, "p1", as_peer(peer_credential(key, "x", now + 60))).status_code == 401
+        assert get(peers, "p1", as_peer(peer_credential(key, "x", now + 60), R)
+                   ).status_code == 401
     # expired
-    expired = peer_credential(serve_key("p1"), "x", now - 1)
-    assert get(peers, "p1", as_peer(expired)).status_code == 401
-    assert check_peer_credential(serve_key("p1"), expired, now)[1] == "expired"
+    expired = peer_request_credential(peer_credential(serve_key("p1"), "x", now - 1), R)
+    assert get(peers, "p1", f"{PEER_SCHEME} {expired}").status_code == 401
+    assert check_peer_credential(serve_key("p1"), expired, now, R)[1] == "expired"
+    # the issued credential itself (a bearer token: the form of before) is refused, naming why
+    bearer = get(peers, "p1", f"{PEER_SCHEME} {good}")
+    assert bearer.status_code == 401 and "(v1, a bearer token)" in bearer.text, bearer.text
     # a bearer key (the shared peer key of static peers, removed): not taken
     assert get(peers, "p1", f"Bearer {'ab' * 32}").status_code == 401
 
@@ -108,12 +129,12 @@ def test_one_node_holds_at_most_its_share_of_the_connections(peers: dict[str, An
     while y still gets in."""
     server = peers["servers"]["p1"]
     now = int(time.time())
-    url = f"http://{server.address}/blobs/{peers['digest']}"
-    headers = {"Range": f"bytes=0-{CHUNK - 1}", PROOF_HEADER: proof(peers["table"], 0, CHUNK)}
+    path, headers = chunk0(peers)
+    url = f"http://{server.address}{path}"
     clients = [httpx.Client(timeout=30) for _ in range(4)]
     try:
-        x = as_peer(peer_credential(serve_key("p1"), "x", now + 60))
-        y = as_peer(peer_credential(serve_key("p1"), "y", now + 60))
+        x = as_peer(peer_credential(serve_key("p1"), "x", now + 60), for_chunk0(peers))
+        y = as_peer(peer_credential(serve_key("p1"), "y", now + 60), for_chunk0(peers))
         # two kept-alive connections of x hold its share
         for client in clients[:2]:
             assert client.get(url, headers={**headers, "Authorization": x}).status_code == 206
@@ -148,12 +169,14 @@ def test_the_scheduler_issues_credentials_to_up_nodes_only(
             await client.heartbeat(status("x"))
             got = (await client.holders([digest], node_id="x"))[digest]
             assert {h.node_id for h in got} == {"p1", "p2"}
+            R = for_chunk0(peers)
             for holder in got:
                 assert holder.credential.startswith("v1/x/")
-                assert get(peers, holder.node_id, as_peer(holder.credential)).status_code == 206
+                assert get(peers, holder.node_id, as_peer(holder.credential, R)
+                           ).status_code == 206
             last = next(h.credential for h in got if h.node_id == "p1")
             # a credential for p1 opens p1 only
-            assert get(peers, "p2", as_peer(last)).status_code == 401
+            assert get(peers, "p2", as_peer(last, R)).status_code == 401
             # x is removed from the cluster's node list: it is told of no holder any more
             server.service.set_discovered("static", {
                 "p1": ("127.0.0.1:2", True), "p2": ("127.0.0.1:3", True)})
@@ -161,8 +184,8 @@ def test_the_scheduler_issues_credentials_to_up_nodes_only(
             assert (await client.holders([digest], node_id="x"))[digest] == []
             # and what it has stops at its expiry (read from the credential itself)
             expires = int(last.split("/")[2])
-            assert get(peers, "p1", as_peer(last)).status_code == 206
+            assert get(peers, "p1", as_peer(last, R)).status_code == 206
             await asyncio.sleep(max(0.0, expires - time.time()) + 0.05)
-            assert get(peers, "p1", as_peer(last)).status_code == 401
+            assert get(peers, "p1", as_peer(last, R)).status_code == 401
 
     asyncio.run(body())

@@ -25,7 +25,7 @@ import httpx
 import pytest
 
 from agentenv.blockd.remote.identity import NodeIdentity, load_identity
-from agentenv.cluster_keys import PEER_SCHEME
+from agentenv.cluster_keys import PEER_SCHEME, peer_request
 from agentenv.storage.blob import load_descriptor
 from agentenv.template.pull import pull_image
 from tests.blockd.conftest import Daemon
@@ -375,9 +375,12 @@ def test_p2p_needs_a_trusted_nodes_credential(world: World) -> None:
     assert httpx.get(url, headers={"Authorization": f"Bearer {'ab' * 32}"}).status_code == 401
     a = next(n for n in world.nodes if n.name == "a")
     signer = load_identity(a.daemon.state_dir, "a")  # blockd a's own key pair
+    request = peer_request("GET", "/blobs", None, None)  # what httpx.get(url) asks
     assert httpx.get(url, headers={
-        "Authorization": f"{PEER_SCHEME} {signer.credential_for('f')}"}).status_code == 404
+        "Authorization": f"{PEER_SCHEME} {signer.credential_for('f', request)}"}
+    ).status_code == 404
     stranger = load_identity(world.root / "stranger", "a")  # a key of its own, a's name
     assert httpx.get(url, headers={
-        "Authorization": f"{PEER_SCHEME} {stranger.credential_for('f')}"}).status_code == 401
+        "Authorization": f"{PEER_SCHEME} {stranger.credential_for('f', request)}"}
+    ).status_code == 401
     assert isinstance(signer, NodeIdentity)

@@ -38,7 +38,14 @@ from agentenv.blockd.remote.identity import (
 from agentenv.blockd.remote.p2p import PeerServer
 from agentenv.blockd.remote.service import config_from_env
 from agentenv.blockd.remote.store import RemoteConfig, RemoteStore
-from agentenv.cluster_keys import PEER_SCHEME, node_key, peer_credential, peer_serve_key
+from agentenv.cluster_keys import (
+    PEER_SCHEME,
+    node_key,
+    peer_credential,
+    peer_request,
+    peer_request_credential,
+    peer_serve_key,
+)
 from tests.remote.peerids import identities, signed, trust_text
 from tests.remote.test_chunk_cache import CHUNK, _ref, hello  # noqa: F401 (fixture)
 from tests.template.conftest import Registry
@@ -70,9 +77,13 @@ def mesh(tmp_path: Path, registry: Registry,
             source = store.open_blob(_ref(registry, digest, len(data), data))
             assert source.pread(len(data), 0) == data
             source.close()
+        table = ChunkDigests.compute(io.BytesIO(data).read, len(data), CHUNK)[0]
         yield {"servers": servers, "nodes": nodes, "digest": digest, "data": data,
                "trust_file": trust_file, "trusted": trusted, "registry": registry,
-               "table": ChunkDigests.compute(io.BytesIO(data).read, len(data), CHUNK)[0]}
+               "table": table,
+               # what `get` asks, for credentials made for it
+               "request": peer_request("GET", f"/blobs/{digest}", f"bytes=0-{CHUNK - 1}",
+                                       proof(table, 0, CHUNK))}
     finally:
         for server in servers.values():
             server.stop()
@@ -92,116 +103,123 @@ def get(mesh: dict[str, Any], name: str, authorization: str,
         return one.get(url, headers=headers)
 
 
-def made_by(key_of: NodeIdentity, node_id: str, target: str, expires: int) -> str:
+def made_by(key_of: NodeIdentity, node_id: str, target: str, expires: int,
+            request: bytes) -> str:
     """A credential naming `node_id`, signed with the key of `key_of`."""
-    return f"{PEER_SCHEME} " + NodeIdentity(node_id, key_of.private_key).sign(target, expires)
+    return f"{PEER_SCHEME} " + NodeIdentity(node_id, key_of.private_key).sign(target, expires,
+                                                                            request)
 
 
 def test_a_node_signs_for_itself_and_is_served_as_itself(
         mesh: dict[str, Any], caplog: pytest.LogCaptureFixture) -> None:
-    x, y = mesh["nodes"]["x"], mesh["nodes"]["y"]
-    reply = get(mesh, "p1", signed(x, "p1"))
+    x, y, R = mesh["nodes"]["x"], mesh["nodes"]["y"], mesh["request"]
+    reply = get(mesh, "p1", signed(x, "p1", R))
     assert reply.status_code == 206 and reply.content == mesh["data"][:CHUNK]
-    assert get(mesh, "p2", signed(x, "p2")).status_code == 206
+    assert get(mesh, "p2", signed(x, "p2", R)).status_code == 206
     # per node: x's two kept-alive connections hold its share (max_per_node 2), y still gets in
     clients = [httpx.Client(timeout=30) for _ in range(4)]
     try:
         for client in clients[:2]:
-            assert get(mesh, "p1", signed(x, "p1"), client).status_code == 206
+            assert get(mesh, "p1", signed(x, "p1", R), client).status_code == 206
         with caplog.at_level(logging.WARNING, "agentenv.blockd.remote.p2p"):
-            assert get(mesh, "p1", signed(x, "p1"), clients[2]).status_code == 503
-        assert get(mesh, "p1", signed(y, "p1"), clients[3]).status_code == 206
+            assert get(mesh, "p1", signed(x, "p1", R), clients[2]).status_code == 503
+        assert get(mesh, "p1", signed(y, "p1", R), clients[3]).status_code == 206
         server = mesh["servers"]["p1"].server
-        assert sorted(server.keyed.values()) == ["x", "x", "y"]
+        assert sorted(server.keyed.values()) == ["static/x", "static/x", "static/y"]
     finally:
         for client in clients:
             client.close()
     # the refusal names the node (its log line), not only an address
-    assert any("(x)" in str(getattr(r, "peer", "")) for r in caplog.records), caplog.records
+    assert any("(static/x)" in str(getattr(r, "peer", "")) for r in caplog.records), \
+        caplog.records
 
 
 def test_credentials_not_made_by_the_named_node_for_this_peer_are_refused(
         mesh: dict[str, Any]) -> None:
     nodes = mesh["nodes"]
-    x, y, z = nodes["x"], nodes["y"], nodes["z"]
+    x, y, z, R = nodes["x"], nodes["y"], nodes["z"], mesh["request"]
     now = int(time.time())
     # for another peer: good at p2, refused at p1
-    for_p2 = signed(x, "p2")
+    for_p2 = signed(x, "p2", R)
     assert get(mesh, "p2", for_p2).status_code == 206
     assert get(mesh, "p1", for_p2).status_code == 401
     # expired, and one that would last longer than a credential may
-    assert get(mesh, "p1", made_by(x, "x", "p1", now - 1)).status_code == 401
-    assert get(mesh, "p1", made_by(x, "x", "p1", now + MAX_TTL_S + 60)).status_code == 401
-    assert get(mesh, "p1", made_by(x, "x", "p1", now + 60)).status_code == 206
+    assert get(mesh, "p1", made_by(x, "x", "p1", now - 1, R)).status_code == 401
+    assert get(mesh, "p1", made_by(x, "x", "p1", now + MAX_TTL_S + 60, R)).status_code == 401
+    assert get(mesh, "p1", made_by(x, "x", "p1", now + 60, R)).status_code == 206
     # forged: the signature altered, or moved to another expiry, target or node
-    good = x.sign("p1", now + 60)
+    good = x.sign("p1", now + 60, R)
     expires, sig = good.split("/")[3:]
     flipped = sig[:10] + ("A" if sig[10] != "A" else "B") + sig[11:]
-    for forged in (f"s1/x/p1/{expires}/{flipped}", f"s1/x/p1/{int(expires) + 1}/{sig}",
-                   f"s1/x/p2/{expires}/{sig}", f"s1/y/p1/{expires}/{sig}",
-                   f"s1/x/p1/{expires}/{'A' * 86}", f"s1/x/p1/{expires}", good + "A"):
+    for forged in (f"s2/x/p1/{expires}/{flipped}", f"s2/x/p1/{int(expires) + 1}/{sig}",
+                   f"s2/x/p2/{expires}/{sig}", f"s2/y/p1/{expires}/{sig}",
+                   f"s2/x/p1/{expires}/{'A' * 86}", f"s2/x/p1/{expires}", good + "A",
+                   f"s1/x/p1/{expires}/{sig}"):
         assert get(mesh, "p1", f"{PEER_SCHEME} {forged}").status_code == 401, forged
     # a node cannot act as another node id: x's key naming y (both trusted), z's naming x
-    assert get(mesh, "p1", made_by(x, "y", "p1", now + 60)).status_code == 401
-    assert get(mesh, "p1", made_by(z, "x", "p1", now + 60)).status_code == 401
+    assert get(mesh, "p1", made_by(x, "y", "p1", now + 60, R)).status_code == 401
+    assert get(mesh, "p1", made_by(z, "x", "p1", now + 60, R)).status_code == 401
     # an untrusted node's own credential
-    assert get(mesh, "p1", signed(z, "p1")).status_code == 401
+    assert get(mesh, "p1", signed(z, "p1", R)).status_code == 401
     # the removed shared key of static peers, and no credential at all
     assert get(mesh, "p1", f"Bearer {'ab' * 32}").status_code == 401
     assert get(mesh, "p1", "").status_code == 401
-    # the scheduler's per-node credential (HMAC, v1/...) is not taken without a serving key,
-    # and a signed one is never checked as one
+    # the scheduler's per-node credential (HMAC, r1/... made from the v1/... it issued) is not
+    # taken without a serving key, and a signed one is never checked as one
     hmac_key = peer_serve_key(node_key(SECRET, "p1"))
-    assert get(mesh, "p1", f"{PEER_SCHEME} {peer_credential(hmac_key, 'x', now + 60)}"
+    issued = peer_credential(hmac_key, "x", now + 60)
+    assert get(mesh, "p1", f"{PEER_SCHEME} {peer_request_credential(issued, R)}"
                ).status_code == 401
     mesh["servers"]["p1"].set_serve_key(hmac_key)
-    assert get(mesh, "p1", f"{PEER_SCHEME} {peer_credential(hmac_key, 'x', now + 60)}"
+    assert get(mesh, "p1", f"{PEER_SCHEME} {peer_request_credential(issued, R)}"
                ).status_code == 206
-    assert get(mesh, "p1", signed(y, "p1")).status_code == 206  # both kinds, each checked
-    assert get(mesh, "p1", signed(z, "p1")).status_code == 401
+    assert get(mesh, "p1", signed(y, "p1", R)).status_code == 206  # both kinds, each checked
+    assert get(mesh, "p1", signed(z, "p1", R)).status_code == 401
 
 
 def test_check_says_why(mesh: dict[str, Any]) -> None:
-    x, z = mesh["nodes"]["x"], mesh["nodes"]["z"]
+    x, z, R = mesh["nodes"]["x"], mesh["nodes"]["z"], mesh["request"]
     trust = TrustedPeers(text=trust_text(mesh["trusted"]))
     now = time.time()
-    assert check_signed_credential(trust, "p1", x.sign("p1", int(now) + 9), now) == ("x", "")
-    assert check_signed_credential(trust, "p1", x.sign("p2", int(now) + 9), now)[1] == \
+    assert check_signed_credential(trust, "p1", x.sign("p1", int(now) + 9, R), now, R) == \
+        ("x", "")
+    assert check_signed_credential(trust, "p1", x.sign("p2", int(now) + 9, R), now, R)[1] == \
         "made for another peer"
-    assert check_signed_credential(trust, "p1", x.sign("p1", int(now)), now)[1] == "expired"
+    assert check_signed_credential(trust, "p1", x.sign("p1", int(now), R), now, R)[1] == \
+        "expired"
     assert "not in the peer trust file" in check_signed_credential(
-        trust, "p1", z.sign("p1", int(now) + 9), now)[1]
+        trust, "p1", z.sign("p1", int(now) + 9, R), now, R)[1]
     assert check_signed_credential(
-        trust, "p1", NodeIdentity("y", x.private_key).sign("p1", int(now) + 9), now)[1] == \
-        "not signed with node y's key"
+        trust, "p1", NodeIdentity("y", x.private_key).sign("p1", int(now) + 9, R), now, R)[1] \
+        == "not signed with node y's key for this request"
 
 
 def test_a_node_removed_from_the_trust_file_is_refused(mesh: dict[str, Any]) -> None:
-    x = mesh["nodes"]["x"]
-    assert get(mesh, "p1", signed(x, "p1")).status_code == 206
+    x, R = mesh["nodes"]["x"], mesh["request"]
+    assert get(mesh, "p1", signed(x, "p1", R)).status_code == 206
     others = {k: v for k, v in mesh["trusted"].items() if k != "x"}
     path: Path = mesh["trust_file"]
     tmp = path.with_name("peers.new")
     tmp.write_text(trust_text(others))
     os.replace(tmp, path)
     deadline = time.monotonic() + 10
-    while get(mesh, "p1", signed(x, "p1")).status_code != 401:
+    while get(mesh, "p1", signed(x, "p1", R)).status_code != 401:
         assert time.monotonic() < deadline, "x is still served"
         time.sleep(0.1)
-    assert get(mesh, "p1", signed(mesh["nodes"]["y"], "p1")).status_code == 206
+    assert get(mesh, "p1", signed(mesh["nodes"]["y"], "p1", R)).status_code == 206
     # Revocation fails closed: a broken file, then a removed one, trust nobody; the file
     # written right again trusts its nodes again.
     y = mesh["nodes"]["y"]
     for spoil in (lambda: path.write_text("not a trust line\n"), path.unlink):
         spoil()
         deadline = time.monotonic() + 10
-        while get(mesh, "p1", signed(y, "p1")).status_code != 401:
+        while get(mesh, "p1", signed(y, "p1", R)).status_code != 401:
             assert time.monotonic() < deadline, "y is still served from a spoilt trust file"
             time.sleep(0.1)
     tmp.write_text(trust_text(others))
     os.replace(tmp, path)
     deadline = time.monotonic() + 10
-    while get(mesh, "p1", signed(y, "p1")).status_code != 206:
+    while get(mesh, "p1", signed(y, "p1", R)).status_code != 206:
         assert time.monotonic() < deadline, "y is not served again from a good trust file"
         time.sleep(0.1)
 
@@ -255,8 +273,9 @@ def test_the_key_pair_is_made_once_private_and_printed_as_a_trust_line(tmp_path:
     identity = load_identity(state, "n1")
     trust = TrustedPeers(text=again.stdout)
     now = time.time()
-    assert check_signed_credential(trust, "p", identity.sign("p", int(now) + 60), now) == \
-        ("n1", "")
+    request = peer_request("GET", "/blobs", None, None)
+    assert check_signed_credential(trust, "p", identity.sign("p", int(now) + 60, request), now,
+                                   request) == ("n1", "")
     # the private key is refused once others may read it
     key_file.chmod(0o644)
     with pytest.raises(PeerKeyError, match="chmod 600"):

@@ -70,11 +70,12 @@ socket_option = click.option(
               help="Static peers (no scheduler): the nodes this chunk server serves, one a line, "
                    "`<node id> ed25519:<key> [http://host:port]` (`aenv peer-key` on each prints "
                    "its id and key); each --peer must be listed with its address (this node signs "
-                   "for that id). Read again when it changes. Env AENV_PEER_TRUST_FILE.")
+                   "for that id). Read again when it changes; only a file of blockd's user (or "
+                   "root) nobody else may write, not a symlink. Env AENV_PEER_TRUST_FILE.")
 @click.option("--peer-node-id", default=None,
-              help="This node's id in its peers' trust files (default the host name; env "
-                   "AENV_PEER_NODE_ID). Its key pair is STATE/peer-identity.key, made on first "
-                   "start.")
+              help="This node's id in its peers' trust files (env AENV_PEER_NODE_ID; default "
+                   "node-<20 hex digits of its public key's SHA-256>, as `aenv peer-key` "
+                   "prints). Its key pair is STATE/peer-identity.key, made on first start.")
 @click.option("--peer-key-file", default=None, hidden=True,
               help="Removed: the shared peer key (see --peer-trust-file).")
 @click.option("--remote-background-bw", default=None,

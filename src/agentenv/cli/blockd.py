@@ -121,8 +121,8 @@ def nbd_serve(source: Path, socket_path: Path, export_name: str, readonly: bool,
 @click.option("--state-dir", type=click.Path(path_type=Path), default=default_state_dir,
               show_default="$AENV_HOME/blockd/state", help="blockd's state directory.")
 @click.option("--peer-node-id", default=None,
-              help="This node's id (as blockd's --peer-node-id; env AENV_PEER_NODE_ID, else the "
-                   "host name).")
+              help="This node's id (as blockd's --peer-node-id; env AENV_PEER_NODE_ID, else "
+                   "node-<20 hex digits of its public key's SHA-256>, as blockd's).")
 @click.option("--address", default=None,
               help="http://host:port of this node's chunk server (its --p2p-listen), added to "
                    "the line: the other nodes then ask it too.")
@@ -134,12 +134,12 @@ def peer_key_command(state_dir: Path, peer_node_id: str | None, address: str | N
     # lazy: `aenv --help` does not load cryptography (cli/main.py imports this module)
     from agentenv.blockd.remote.identity import (
         PeerKeyError,
-        default_node_id,
         load_identity,
         normalise_address,
     )
 
-    node_id = peer_node_id or get_settings().peer_node_id or default_node_id()
+    # none given: the id derived from the node's public key, as blockd's
+    node_id = peer_node_id or get_settings().peer_node_id or None
     try:
         identity = load_identity(state_dir, node_id)
     except PeerKeyError as exc:

@@ -3,31 +3,42 @@ scheduler, each blockd has an Ed25519 key pair of its own, and trusts the public
 nodes listed in its peer trust file.
 
 - The key pair: generated on first start under blockd's state (`peer-identity.key`, PEM,
-  0600); `aenv peer-key` prints its trust line, `<node id> ed25519:<public key>`.
+  0600); `aenv peer-key` prints its trust line, `<node id> ed25519:<public key>`. The node id
+  is `--peer-node-id` when given, else derived from the public key (`node-<20 hex digits of
+  its SHA-256>`): unique per key pair, stable while the key file is, and not the host name
+  (hosts cloned from one image share one).
 - The trust file (`--peer-trust-file`, `AENV_PEER_TRUST_FILE`): one node a line,
   `<node id> ed25519:<public key> [http://host:port]` (`#` starts a comment). A node listed is
   served on its own signed credentials; the address of its chunk server tells a node which id
   a static peer (`--peer http://host:port`, which must be listed) has, so it signs for it. The
   same file may go to every node. Edited, it is read again within a second: removing a line
-  revokes that node.
-- A request carries `Authorization: AenvPeer s1/<node id>/<target node id>/<expiry>/<sig>`,
-  the Ed25519 signature of the requesting node over (node id, target, expiry): it names the
-  node that asks (limits and logs are per node), is good at that one target only, and expires
-  (at most MAX_TTL_S ahead of the target's clock). Checked: the node is in the trust file,
-  the target is this node, not expired, and the signature is the node's key's.
+  revokes that node. It is read without following a symlink, and only when it is a regular
+  file of blockd's user (or root) that nobody else may write; else, as when it is broken, no
+  node is trusted (logged, naming why).
+- A request carries `Authorization: AenvPeer s2/<node id>/<target node id>/<expiry>/<sig>`,
+  the Ed25519 signature of the requesting node over (node id, target, expiry, the request:
+  cluster_keys.peer_request, its method, path, Range and chunk claim): it names the node that
+  asks (limits and logs are per node), is good at that one target for that one request only
+  (a copy taken off the wire repeats the request it came with, nothing else), and expires (at
+  most MAX_TTL_S ahead of the target's clock). Checked: the node is in the trust file, the
+  target is this node, not expired, and the signature is the node's key's over this request.
+  The unbound form of before (`s1/`, a bearer token until it expired) gets 401 naming why.
 """
 
 from __future__ import annotations
 
 import base64
 import binascii
+import errno
+import hashlib
 import hmac
 import logging
 import os
 import re
+import stat
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from cryptography.exceptions import InvalidSignature
@@ -39,11 +50,15 @@ IDENTITY_FILE = "peer-identity.key"
 #: how long a signed credential is made for, and the most ahead of now one is taken
 TTL_S = 120
 MAX_TTL_S = 600
-SIGNED_PREFIX = "s1/"
-_CONTEXT = b"agentenv static peer credential v1\0"
+#: signed credentials: `s2/` bound to their request; `s1/` (not bound: refused, naming why)
+SIGNED_PREFIX = "s2/"
+UNBOUND_PREFIX = "s1/"
+_CONTEXT = b"agentenv static peer request v2\0"
 _ID = r"[A-Za-z0-9][A-Za-z0-9._:-]{0,127}"
 NODE_ID_RE = re.compile(_ID)
-_CREDENTIAL_RE = re.compile(rf"s1/({_ID})/({_ID})/(\d{{1,12}})/([A-Za-z0-9_-]{{86}})")
+_CREDENTIAL_RE = re.compile(rf"s2/({_ID})/({_ID})/(\d{{1,12}})/([A-Za-z0-9_-]{{86}})")
+#: a node id made from a public key (the default): its SHA-256's first 20 hex digits
+DERIVED_ID_PREFIX = "node-"
 _KEY_PREFIX = "ed25519:"
 
 log = logging.getLogger("agentenv.blockd.remote")
@@ -79,8 +94,10 @@ def parse_public_key(text: str) -> Ed25519PublicKey:
         raise PeerKeyError(f"{text!r} is not a peer public key: {exc}") from None
 
 
-def _message(node_id: str, target: str, expires: int) -> bytes:
-    return _CONTEXT + f"{node_id}\0{target}\0{expires}".encode()
+def _message(node_id: str, target: str, expires: int, request: bytes) -> bytes:
+    if len(request) != 32:
+        raise ValueError("a request is cluster_keys.peer_request's 32 bytes")
+    return _CONTEXT + f"{node_id}\0{target}\0{expires}\0".encode() + request
 
 
 def check_node_id(node_id: str) -> str:
@@ -90,10 +107,11 @@ def check_node_id(node_id: str) -> str:
     return node_id
 
 
-def default_node_id() -> str:
-    """The host's name, cut to what a node id may hold."""
-    name = re.sub(r"[^A-Za-z0-9._:-]", "-", os.uname().nodename)[:128].lstrip("._:-")
-    return name or "node"
+def derived_node_id(key: Ed25519PublicKey) -> str:
+    """The default node id of the node with public key `key`: unique per key pair (two hosts
+    cloned from one image make their own keys on first start), stable while the key file is."""
+    raw = key.public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
+    return DERIVED_ID_PREFIX + hashlib.sha256(raw).hexdigest()[:20]
 
 
 @dataclass
@@ -102,8 +120,6 @@ class NodeIdentity:
 
     node_id: str
     private_key: Ed25519PrivateKey
-    _made: dict[str, tuple[int, str]] = field(default_factory=dict, repr=False)
-    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     @property
     def public_key(self) -> str:
@@ -112,25 +128,23 @@ class NodeIdentity:
     def trust_line(self) -> str:
         return f"{self.node_id} {self.public_key}"
 
-    def sign(self, target: str, expires: int) -> str:
-        sig = self.private_key.sign(_message(self.node_id, target, expires))
+    def sign(self, target: str, expires: int, request: bytes) -> str:
+        """A credential for one request (cluster_keys.peer_request) to peer `target`."""
+        sig = self.private_key.sign(_message(self.node_id, target, expires, request))
         return f"{SIGNED_PREFIX}{self.node_id}/{target}/{expires}/{_b64(sig)}"
 
-    def credential_for(self, target: str, now: float | None = None) -> str:
-        """A credential for peer `target`, made anew when the last has less than half its
-        lifetime left."""
+    def credential_for(self, target: str, request: bytes, now: float | None = None) -> str:
+        """The credential for one request to peer `target`, good for TTL_S (signed anew for
+        each request: it is good for that request only)."""
         now = time.time() if now is None else now
-        with self._lock:
-            made = self._made.get(target)
-            if made is None or made[0] - now < TTL_S / 2:
-                expires = int(now) + TTL_S
-                made = self._made[target] = (expires, self.sign(target, expires))
-            return made[1]
+        return self.sign(target, int(now) + TTL_S, request)
 
 
-def load_identity(state_dir: Path, node_id: str) -> NodeIdentity:
-    """The key pair under `state_dir` (made, 0600, when there is none)."""
-    check_node_id(node_id)
+def load_identity(state_dir: Path, node_id: str | None = None) -> NodeIdentity:
+    """The key pair under `state_dir` (made, 0600, when there is none), with node id `node_id`
+    or, when none is given, the one derived from its public key."""
+    if node_id:
+        check_node_id(node_id)
     path = Path(state_dir) / IDENTITY_FILE
     try:
         pem = _read_private(path)
@@ -161,7 +175,7 @@ def load_identity(state_dir: Path, node_id: str) -> NodeIdentity:
         raise PeerKeyError(f"the peer key {path} is not a PEM private key: {exc}") from None
     if not isinstance(key, Ed25519PrivateKey):
         raise PeerKeyError(f"the peer key {path} is not an Ed25519 key")
-    return NodeIdentity(node_id, key)
+    return NodeIdentity(node_id or derived_node_id(key.public_key()), key)
 
 
 def _read_private(path: Path) -> bytes:
@@ -177,6 +191,34 @@ def _read_private(path: Path) -> bytes:
             raise PeerKeyError(f"the peer key {path} is readable by others than its owner "
                                f"(chmod 600 {path})")
         return f.read()
+
+
+def read_trust_file(path: Path) -> str:
+    """The trust file's text, read from the file itself (no symlink followed, no FIFO waited
+    on) and only when it is a regular file of this process's user or root that nobody else
+    may write (checked on the descriptor read): whoever may write it decides which nodes are
+    served."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise PeerKeyError(f"the peer trust file {path} is a symlink (not followed: "
+                               "give the file itself)") from None
+        raise
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(f.fileno())
+        if not stat.S_ISREG(st.st_mode):
+            raise PeerKeyError(f"the peer trust file {path} is not a regular file")
+        if st.st_uid not in (os.geteuid(), 0):
+            raise PeerKeyError(f"the peer trust file {path} belongs to uid {st.st_uid}, "
+                               f"neither this process's ({os.geteuid()}) nor root's")
+        if st.st_mode & 0o022:
+            raise PeerKeyError(f"the peer trust file {path} may be written by others than its "
+                               f"owner (mode {stat.S_IMODE(st.st_mode):o}; chmod go-w {path})")
+        try:
+            return f.read().decode()
+        except UnicodeDecodeError as exc:
+            raise PeerKeyError(f"the peer trust file {path} is not UTF-8 text: {exc}") from None
 
 
 @dataclass(frozen=True)
@@ -231,15 +273,18 @@ class TrustedPeers:
             self._stamp = self._stat()
             self.entries = self._read()
 
-    def _stat(self) -> tuple[int, int, int]:
+    def _stat(self) -> tuple[int, ...]:
+        """What changes when the file does: its content, or who may write it (a chmod or
+        chown moves the ctime), or what the path is (a symlink put in its place: lstat)."""
         assert self.path is not None
-        st = self.path.stat()
-        return st.st_mtime_ns, st.st_size, st.st_ino
+        st = self.path.lstat()
+        return (st.st_mtime_ns, st.st_ctime_ns, st.st_size, st.st_ino, st.st_mode, st.st_uid,
+                st.st_gid)
 
     def _read(self) -> dict[str, TrustEntry]:
         assert self.path is not None
         try:
-            return parse_trust(self.path.read_text(), str(self.path))
+            return parse_trust(read_trust_file(self.path), str(self.path))
         except OSError as exc:
             raise PeerKeyError(f"cannot read the peer trust file {self.path}: {exc}") from exc
 
@@ -273,10 +318,14 @@ class TrustedPeers:
 
 
 def check_signed_credential(trust: TrustedPeers, own_id: str, credential: str,
-                            now: float) -> tuple[str | None, str]:
+                            now: float, request: bytes) -> tuple[str | None, str]:
     """(the node a signed credential names, "") when a trusted node signed it for `own_id`
-    and it has not expired at `now` (nor expires more than MAX_TTL_S later); else
-    (None, why not)."""
+    and this very request (`request`: cluster_keys.peer_request), and it has not expired at
+    `now` (nor expires more than MAX_TTL_S later); else (None, why not)."""
+    if credential.startswith(UNBOUND_PREFIX):
+        return None, ("a signed credential not bound to its request (s1, a bearer token) is "
+                      "not taken: a node signs each request (s2; the asking blockd is older "
+                      "than this peer's)")
     match = _CREDENTIAL_RE.fullmatch(credential)
     if match is None:
         return None, "not a signed peer credential"
@@ -291,7 +340,7 @@ def check_signed_credential(trust: TrustedPeers, own_id: str, credential: str,
     if expires > now + MAX_TTL_S:
         return None, f"expires more than {MAX_TTL_S} s ahead"
     try:
-        entry.key.verify(_unb64(match.group(4)), _message(node_id, target, expires))
+        entry.key.verify(_unb64(match.group(4)), _message(node_id, target, expires, request))
     except (InvalidSignature, ValueError, binascii.Error):
-        return None, f"not signed with node {node_id}'s key"
+        return None, f"not signed with node {node_id}'s key for this request"
     return node_id, ""

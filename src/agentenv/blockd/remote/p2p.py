@@ -7,15 +7,20 @@
                                 blob's table's, else 404 (the same answer: no oracle for what
                                 is held)
 
-Who may ask: a node with the credential the scheduler issued it for this peer
-(`Authorization: AenvPeer v1/...`, agentenv.cluster_keys.peer_credential: it names the
-asking node, is made with this node's serving key, which the node gives blockd with
-`remote_peers`, and expires), or, for static peers without a scheduler, a node of this
-blockd's peer trust file with a credential it signed for this node
-(`Authorization: AenvPeer s1/...`, blockd/remote/identity.py: it names the node, this target
-and an expiry). Anything else gets 401 (the shared peer key of old, `Bearer`, too). The node a
-request came from is in its log lines, and holds at most `max_per_node` of the keyed
-connections.
+Who may ask: a node with the credential the scheduler issued it for this peer, made into one
+for the request (`Authorization: AenvPeer r1/...`, agentenv.cluster_keys.peer_request_credential:
+it names the asking node, comes from a credential made with this node's serving key, which the
+node gives blockd with `remote_peers`, is good for this one request, and expires), or, for
+static peers without a scheduler, a node of this blockd's peer trust file with a credential it
+signed for this node and this request (`Authorization: AenvPeer s2/...`,
+blockd/remote/identity.py: it names the node, this target and an expiry). Both are bound to
+the request (cluster_keys.peer_request: method, path, Range, chunk claim), so one seen on a
+plaintext network repeats only that request. Anything else gets 401 (the unbound credentials
+of before, `v1/` and `s1/`, and the shared peer key of old, `Bearer`, too), its log line naming
+why. The node a request came from is in its log lines, and holds at most `max_per_node` of the
+keyed connections. Static and scheduler-issued node ids are apart (`static/<id>` and
+`cluster/<id>`): a static peer named like a cluster node, or the reverse, has a share of its
+own.
 
 The claim is compared with the blob's chunk table (kept by the store for every blob opened
 here) before anything is read: a wrong claim, for a range held or not, is one compare of as
@@ -53,8 +58,13 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import TYPE_CHECKING, Any
 
 from agentenv.blockd.remote.chunkdigests import PROOF_HEADER, claim_matches, claimed_digests
-from agentenv.blockd.remote.identity import SIGNED_PREFIX, TrustedPeers, check_signed_credential
-from agentenv.cluster_keys import PEER_SCHEME, check_peer_credential
+from agentenv.blockd.remote.identity import (
+    SIGNED_PREFIX,
+    UNBOUND_PREFIX,
+    TrustedPeers,
+    check_signed_credential,
+)
+from agentenv.cluster_keys import PEER_SCHEME, check_peer_credential, peer_request
 from agentenv.logs import Sampled
 
 if TYPE_CHECKING:
@@ -69,6 +79,11 @@ IDLE_TIMEOUT = 30.0
 MAX_CONNECTIONS = 64
 MAX_PER_NODE = 16  # of MAX_CONNECTIONS: one node cannot take them all
 MAX_UNKEYED = 16
+#: what the node a credential names is known as here (limits, logs): the two kinds of ids
+#: come from different places (a trust file, the scheduler) and never share a budget
+STATIC_KIND, CLUSTER_KIND = "static/", "cluster/"
+#: the unbound credentials of before (a scheduler's v1 sent as it is, a static s1)
+_OLD_FORM = re.compile(rf"^{PEER_SCHEME} +(v1|s1)/")
 #: bytes of ranges read for answers at once, over all connections: without it, 64 keyed
 #: connections asking for 64 MiB each (with right claims: a wrong one reads nothing) would
 #: hold 4 GiB of blockd's memory
@@ -126,19 +141,23 @@ class _Server(ThreadingHTTPServer):
         self.unauthorised = Sampled()
         super().__init__(address, _Handler)
 
-    def authenticate(self, header: str) -> tuple[str | None, str]:
-        """(the node an Authorization header proves, "") or (None, why not)."""
+    def authenticate(self, header: str, request: bytes) -> tuple[str | None, str]:
+        """(the node an Authorization header proves for `request` (peer_request), as
+        `static/<id>` or `cluster/<id>`, "") or (None, why not)."""
         scheme, _, value = header.partition(" ")
         value = value.strip()
-        if scheme == PEER_SCHEME and value.startswith(SIGNED_PREFIX):
+        if scheme == PEER_SCHEME and value.startswith((SIGNED_PREFIX, UNBOUND_PREFIX)):
             if self.trust is None or self.node_id is None:
                 return None, "no peer trust file here: signed credentials are not taken"
-            return check_signed_credential(self.trust, self.node_id, value, time.time())
+            node, why = check_signed_credential(self.trust, self.node_id, value, time.time(),
+                                                request)
+            return (None, why) if node is None else (STATIC_KIND + node, "")
         if scheme == PEER_SCHEME:
             serve_key = self.serve_key
             if not serve_key:
                 return None, "no serving key from the scheduler (yet)"
-            return check_peer_credential(serve_key, value, time.time())
+            node, why = check_peer_credential(serve_key, value, time.time(), request)
+            return (None, why) if node is None else (CLUSTER_KIND + node, "")
         if scheme == "Bearer":
             return None, ("the shared peer key is not taken: a node's own credential is "
                           "(the scheduler's, or one signed by a node of the peer trust file)")
@@ -261,15 +280,24 @@ class _Handler(BaseHTTPRequestHandler):
             return False
         self.connection.settimeout(self.server.idle_timeout)  # for the writes
         server = self.server
-        node, why = server.authenticate(self.headers.get("Authorization", ""))
+        # what the credential must be made for: this request (the same header values as
+        # do_GET reads)
+        request = peer_request(self.command, self.path, self.headers.get("Range"),
+                               self.headers.get(PROOF_HEADER))
+        node, why = server.authenticate(self.headers.get("Authorization", ""), request)
         if node is None:
             self.close_connection = True
             if server.unauthorised.tick():
                 log.warning("a peer request without a valid credential", extra={
                     "event": "unauthorised", "peer": self.client_address[0], "reason": why,
                     "count": server.unauthorised.count})
-            self._send(401, b"a peer credential is required (the scheduler's, or one signed by "
-                            b"a node of this peer's trust file)\n")
+            body = (b"a peer credential is required (the scheduler's, or one signed by a node "
+                    b"of this peer's trust file), made for this request\n")
+            if _OLD_FORM.match(self.headers.get("Authorization", "")):
+                # an asking blockd of before: its operator is told why (what other refusals
+                # say, such as which nodes are trusted, is for this node's log only)
+                body = f"{why}\n".encode()
+            self._send(401, body)
             return False
         self.node = node
         if not server.admit(self.connection, node):

@@ -15,7 +15,6 @@ from agentenv.blockd.remote.cache import POLICIES
 from agentenv.blockd.remote.identity import (
     PeerKeyError,
     TrustedPeers,
-    default_node_id,
     load_identity,
 )
 from agentenv.blockd.remote.p2p import PeerServer
@@ -84,7 +83,8 @@ def config_from_env(state_dir: Path, **overrides: Any) -> RemoteConfig:
     if removed:
         raise ValueError(removed)
     trust_file = overrides.pop("trust_file", None) or settings.peer_trust_file
-    node_id = overrides.pop("node_id", None) or settings.peer_node_id or default_node_id()
+    # (none given: the id derived from this node's public key, identity.derived_node_id)
+    node_id = overrides.pop("node_id", None) or settings.peer_node_id or None
     try:
         identity = load_identity(state_dir, node_id)
         trust = TrustedPeers(Path(trust_file)) if trust_file else None

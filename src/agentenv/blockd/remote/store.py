@@ -42,7 +42,7 @@ from agentenv.blockd.remote.chunkdigests import (
 )
 from agentenv.blockd.remote.identity import NodeIdentity, TrustedPeers
 from agentenv.blockd.remote.layout import Layout, parse
-from agentenv.cluster_keys import PEER_SCHEME
+from agentenv.cluster_keys import PEER_SCHEME, peer_request, peer_request_credential
 from agentenv.fsutil import atomic_write
 from agentenv.registry.client import RegistryClient
 from agentenv.registry.errors import PullError
@@ -512,17 +512,26 @@ class RemoteStore:
     def _peer_get(self, peer: str, digest: str, start: int, end: int,
                   digests: ChunkDigests) -> bytes:
         self.stats.add("requests", "peer")
-        headers = {"Range": f"bytes={start}-{end - 1}", PROOF_HEADER: proof(digests, start, end)}
-        credential = self._peer_credentials.get(peer)
-        if credential is None:  # not a holder the scheduler named: a static peer's, signed
+        path = f"/blobs/{digest}"
+        byte_range, claim = f"bytes={start}-{end - 1}", proof(digests, start, end)
+        headers = {"Range": byte_range, PROOF_HEADER: claim}
+        # The credential is made for this request (cluster_keys.peer_request): a copy taken off
+        # the wire repeats this request only.
+        request = peer_request("GET", path, byte_range, claim)
+        credential = None
+        issued = self._peer_credentials.get(peer)
+        if issued is not None:  # a holder the scheduler named: from what it issued this node
+            with contextlib.suppress(ValueError):  # (not one: sent without, 401)
+                credential = peer_request_credential(issued, request)
+        else:  # a static peer's: signed
             identity, trust = self.config.identity, self.config.trust
             target = trust.node_at(peer) if trust is not None else None
             if identity is not None and target is not None:
-                credential = identity.credential_for(target)
+                credential = identity.credential_for(target, request)
         if credential is not None:
             headers["Authorization"] = f"{PEER_SCHEME} {credential}"
         try:
-            reply = self._peer_http.get(f"{peer}/blobs/{digest}", headers=headers)
+            reply = self._peer_http.get(peer + path, headers=headers)
         except httpx.HTTPError as exc:
             self._peer_down[peer] = time.monotonic() + PEER_BACKOFF_S
             self.stats.add("failures", "peer")
