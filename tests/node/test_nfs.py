@@ -241,3 +241,29 @@ def test_render_refuses_what_would_break_the_config(tmp_path: Path) -> None:
     with pytest.raises(NfsError):
         render_config([ok, NfsExport(1, tmp_path, "/volumes/w", ("10.0.0.1",), 1000, 1000)],
                       bind_addr="0.0.0.0", port=2049, recovery_root=tmp_path)
+
+
+def test_ganesha_runs_in_its_cgroup(server: NfsServer, tmp_path: Path) -> None:
+    """The node gives ganesha a cgroup of its own (vm_backend NFS_LIMITS): it starts in it, so
+    its memory and tasks are bounded whatever its guests make it do."""
+    from agentenv.node.vm_backend.backend import NFS_CGROUP, NFS_LIMITS
+    from agentenv.runtime.cgroup import CgroupManager
+
+    manager = CgroupManager.detect("auto", f"/aenv-test-nfs-{os.getpid()}.slice")
+    if not manager.enabled:
+        pytest.skip("no usable cgroups on this host")
+    group = manager.create(NFS_CGROUP, NFS_LIMITS)
+    assert group is not None
+    try:
+        server.cgroup_procs = tuple(group.procs_files)
+        server.start([_export(tmp_path, 1, "v", ("127.0.0.1",))])
+        joined = Path(f"/proc/{server.pid}/cgroup").read_text()
+        assert all(f"/{d.name}\n" in joined or joined.endswith(f"/{d.name}") for d in group.dirs
+                   if (d / "cgroup.procs").exists()), joined
+        limits = [d / "memory.max" for d in group.dirs] + \
+            [d / "memory.limit_in_bytes" for d in group.dirs]
+        assert any(p.exists() and int(p.read_text()) == NFS_LIMITS.memory_max for p in limits)
+    finally:
+        server.stop()
+        manager.remove(group)
+        manager.close()
