@@ -494,7 +494,7 @@ class NfsServer:
             _run("mount", "--bind", str(export.path), str(target))
             _run("mount", "-o", "remount,bind,nosuid,nodev,noexec", str(target))
 
-    def _unpublish(self, keep: Iterable[NfsExport] = ()) -> None:
+    def unpublish(self, keep: Iterable[NfsExport] = ()) -> None:
         """Unmount the binds of exports not in `keep` (lazily: ganesha may hold files of an
         export it just dropped; the unmount reaches its namespace too)."""
         names = {self.published(e).name for e in keep if e.clients}
@@ -545,7 +545,7 @@ class NfsServer:
             directory.mkdir(mode=0o700, parents=True, exist_ok=True)
         self.exports = tuple(exports)
         self._share_exports_dir()
-        self._unpublish(self.exports)
+        self.unpublish(self.exports)
         self._publish(self.exports)
         self._write_config(self.exports)
         try:
@@ -606,7 +606,7 @@ class NfsServer:
                 sink.changed.wait(0.1)
             errors = list(sink.reload_errors)
         self.exports = exports
-        self._unpublish(exports)
+        self.unpublish(exports)
         if errors:
             raise NfsError(f"ganesha reloaded its exports with errors: {'; '.join(errors)}")
 
@@ -625,6 +625,6 @@ class NfsServer:
                 self._log.join()
             self.pid_path.unlink(missing_ok=True)
         if self.exports_dir.is_dir():
-            self._unpublish()
+            self.unpublish()
             while _mount_fields(self.exports_dir) is not None:
                 _run("umount", "-l", str(self.exports_dir))
