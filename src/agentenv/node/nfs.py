@@ -58,7 +58,9 @@ SO_REUSEPORT beside it is refused too).
 
 Log and reloads. ganesha logs to its stderr, a pipe the node reads (`_LogSink`): written to
 `ganesha.log` up to LOG_CAP bytes, then rotated to `ganesha.log.1`, so it takes at most twice
-that whatever ganesha writes; the last lines stay in memory for error messages. Exports change
+that whatever ganesha writes; the last lines stay in memory for error messages. When the node
+dies, ganesha's writes to the pipe fail with EPIPE (every thread of it blocks SIGPIPE,
+measured) and it serves on until the node's next start ends it (`reap_leftover`). Exports change
 with `update`: the configuration file is rewritten, then SIGHUP (ganesha 4.x rereads its
 exports, adds, removes and changes client lists in place). A reload is judged from ganesha's
 own signal thread: its "Received SIGHUP" line, then its "Reread exports complete" line, each
