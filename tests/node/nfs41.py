@@ -248,8 +248,10 @@ class Nfs41Client:
                     (OP_REMOVE, _Packer().opaque(name.encode()).bytes())])
 
     def setattr(self, path: str, *, mode: int | None = None, mtime: int | None = None,
-                size: int | None = None) -> None:
-        """SETATTR with the anonymous stateid: mode (chmod), mtime (utime), size (truncate)."""
+                size: int | None = None, owner: str | None = None,
+                group: str | None = None) -> None:
+        """SETATTR with the anonymous stateid: mode (chmod), mtime (utime), size (truncate),
+        owner and group (chown; numeric strings)."""
         words = [0, 0]
         values = _Packer()
         if size is not None:
@@ -258,6 +260,12 @@ class Nfs41Client:
         if mode is not None:
             words[1] |= 1 << (33 - 32)  # FATTR4_MODE
             values.u32(mode)
+        if owner is not None:
+            words[1] |= 1 << (36 - 32)  # FATTR4_OWNER
+            values.opaque(owner.encode())
+        if group is not None:
+            words[1] |= 1 << (37 - 32)  # FATTR4_OWNER_GROUP
+            values.opaque(group.encode())
         if mtime is not None:
             words[1] |= 1 << (54 - 32)  # FATTR4_TIME_MODIFY_SET: SET_TO_CLIENT_TIME4
             values.u32(1).u64(mtime).u32(0)

@@ -65,9 +65,13 @@ def test_two_clients_see_each_others_writes(server: NfsServer, tmp_path: Path) -
         # utime by the owner, truncate, a write to a 0644 file, remove.
         b.write("/volumes/shared/host.txt", b"over")
         a.setattr("/volumes/shared/a.txt", mode=0o600, mtime=1_000_000)
+        # A chown by the guest's root (envd does one after every upload) succeeds and changes
+        # nothing: ganesha squashes the new owner too.
+        a.setattr("/volumes/shared/a.txt", owner="0", group="0")
         a.setattr("/volumes/shared/b.txt", size=3)
         st = os.stat(vol.path / "a.txt")
         assert (st.st_mode & 0o777, int(st.st_mtime)) == (0o600, 1_000_000)
+        assert (st.st_uid, st.st_gid) == (4321, 4321)
         assert (vol.path / "b.txt").read_bytes() == b"wri"
         assert (vol.path / "host.txt").read_bytes().startswith(b"over")
         b.remove("/volumes/shared/b.txt")

@@ -41,11 +41,12 @@ slave of it in the jail: each export is a bind of the volume's directory at
 the one that drops it), and it appears in ganesha's namespace by propagation. Its
 capabilities are cut to KEEP_CAPS before exec (the bounding set: root keeps only these across
 it): CAP_DAC_READ_SEARCH (open_by_handle_at, which the VFS FSAL is made of), CAP_SETUID and
-CAP_SETGID (it acts on files as the squashed owner), CAP_DAC_OVERRIDE and CAP_FOWNER (it opens
-files and sets their attributes as root after checking the client's rights itself: without
-them a write to a 0644 file or a chmod by the owner fails, measured), CAP_NET_BIND_SERVICE
-(its port). Not CAP_SYS_ADMIN, CAP_CHOWN, CAP_FSETID, CAP_KILL, CAP_SYS_PTRACE, CAP_NET_ADMIN,
-CAP_MKNOD or any other. It cannot run as the squash uid instead: exports squash to different
+CAP_SETGID (it acts on files as the squashed owner), CAP_DAC_OVERRIDE, CAP_FOWNER and
+CAP_CHOWN (it opens files and sets their attributes as root after checking the client's rights
+itself: without them a write to a 0644 file, a chmod by the owner, or a guest's chown, which
+ganesha squashes to the owner the file has already and envd makes after every upload, fails;
+measured), CAP_NET_BIND_SERVICE (its port). Not CAP_SYS_ADMIN, CAP_FSETID, CAP_KILL,
+CAP_SYS_PTRACE, CAP_NET_ADMIN, CAP_MKNOD or any other. It cannot run as the squash uid instead: exports squash to different
 owners, and open_by_handle_at needs CAP_DAC_READ_SEARCH whatever the uid. Then no_new_privs,
 no core dumps, and a seccomp filter (runtime/qemu.py `jail_filter`: no namespaces, mounts,
 ptrace, BPF, keyrings, modules...; it keeps open_by_handle_at and name_to_handle_at). It runs
@@ -116,10 +117,10 @@ JAIL_LINKS = (("/etc/mtab", "../proc/self/mounts"),)
 # The system calls of runtime/qemu.py's JAIL_DENIED that ganesha's VFS FSAL is made of.
 GANESHA_SYSCALLS = frozenset({"open_by_handle_at", "name_to_handle_at"})
 # The capabilities ganesha keeps (module doc, "Jail"); every other one leaves its bounding set.
-CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH, CAP_FOWNER = 1, 2, 3
+CAP_CHOWN, CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH, CAP_FOWNER = 0, 1, 2, 3
 CAP_SETGID, CAP_SETUID, CAP_NET_BIND_SERVICE = 6, 7, 10
-KEEP_CAPS = frozenset({CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH, CAP_FOWNER, CAP_SETGID,
-                       CAP_SETUID, CAP_NET_BIND_SERVICE})
+KEEP_CAPS = frozenset({CAP_CHOWN, CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH, CAP_FOWNER,
+                       CAP_SETGID, CAP_SETUID, CAP_NET_BIND_SERVICE})
 _libc = ctypes.CDLL(None, use_errno=True)
 _PR_CAPBSET_DROP = 24
 _PR_SET_NO_NEW_PRIVS = 38
