@@ -8,7 +8,11 @@ through envd's /files, as the SDK's files.write does). Measured side by side in 
   against N copies (page cache is not measured: the host is shared with other work);
 - guest read throughput of the dataset, guest caches dropped, host cache warm: sequential 1 MiB
   reads and random 4 KiB reads from a read-only mount, a copy-on-write mount, and the root disk,
-  in alternating rounds (medians).
+  in alternating rounds (medians);
+- shared read-write (`rw-shared`, NFS to the node's ganesha, docs/volumes.md §7.1) against the
+  same guest's root disk, in alternating rounds (medians): sequential 1 MiB writes (fsync at
+  the end), sequential 1 MiB reads with the guest's cache dropped, and small files created
+  (4 KiB each, written and closed, one sync at the end). `--shared-only` runs this part alone.
 
 Starts its own VM node (tests/node's helpers); needs root and QEMU. Prints JSON lines.
 
@@ -54,6 +58,44 @@ t = time.perf_counter()
 for _ in range(n):
     os.pread(fd, 4096, rng.randrange(size // 4096) * 4096)
 print(f"{seq:.1f} {n / (time.perf_counter() - t):.1f}")
+"""
+
+
+# In one guest: write SIZE MiB sequentially in 1 MiB writes (fsync), read it back with the
+# guest's cache dropped, create FILES files of 4 KiB (one sync at the end); prints MiB/s,
+# MiB/s, files/s; removes what it made.
+SHARED_RW = r"""
+import os, sys, time
+top, size_mb, files = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+os.makedirs(top, exist_ok=True)
+path = os.path.join(top, "seq.bin")
+buf = os.urandom(1 << 20)
+t = time.perf_counter()
+fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+for _ in range(size_mb):
+    os.write(fd, buf)
+os.fsync(fd); os.close(fd)
+write = size_mb / (time.perf_counter() - t)
+open("/proc/sys/vm/drop_caches", "w").write("3")
+t = time.perf_counter(); fd = os.open(path, os.O_RDONLY); done = 0
+while True:
+    got = os.read(fd, 1 << 20)
+    if not got: break
+    done += len(got)
+os.close(fd)
+read = done / (1 << 20) / (time.perf_counter() - t)
+small = os.path.join(top, "small"); os.makedirs(small, exist_ok=True)
+data = os.urandom(4096)
+t = time.perf_counter()
+for i in range(files):
+    fd = os.open(os.path.join(small, f"f{i}"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.write(fd, data); os.close(fd)
+os.sync()
+created = files / (time.perf_counter() - t)
+for i in range(files):
+    os.unlink(os.path.join(small, f"f{i}"))
+os.unlink(path)
+print(f"{write:.1f} {read:.1f} {created:.1f}")
 """
 
 
@@ -170,22 +212,57 @@ def run(node: conftest.NodeProcess, count: int, size_mb: int, rounds: int) -> No
         shutil.rmtree(local.parent, ignore_errors=True)
 
 
+def run_shared(size_mb: int, files: int, rounds: int) -> None:
+    """Shared read-write over NFS against the root disk, in one guest (module doc)."""
+    from e2b import Sandbox, Volume
+
+    vol = Volume.create("bench-shared")
+    sbx: Sandbox | None = None
+    try:
+        sbx = Sandbox.create(volume_mounts={"/mnt/s": "bench-shared:rw-shared"}, timeout=1800)
+        kinds = (("nfs", "/mnt/s/bench"), ("root", "/home/user/bench"))
+        got: dict[str, list[list[float]]] = {k: [] for k, _ in kinds}
+        for _ in range(rounds):  # alternating: the host's load falls on each alike
+            for what, top in kinds:
+                out = sbx.commands.run(f"python3 -c '{SHARED_RW}' {top} {size_mb} {files}",
+                                       user="root", timeout=1800).stdout.split()
+                got[what].append([float(v) for v in out])
+        for index, (metric, unit) in enumerate((("shared_rw_seq_write_mib_s", "MiB/s"),
+                                                ("shared_rw_seq_read_mib_s", "MiB/s"),
+                                                ("shared_rw_small_files_s", "files/s"))):
+            emit(metric, median([r[index] for r in got["nfs"]]), unit, "root disk",
+                 median([r[index] for r in got["root"]]), rounds=rounds, size_mb=size_mb,
+                 files=files, all_nfs=[r[index] for r in got["nfs"]],
+                 all_root=[r[index] for r in got["root"]])
+    finally:
+        if sbx is not None:
+            with contextlib.suppress(Exception):
+                sbx.kill()
+        with contextlib.suppress(Exception):
+            Volume.destroy(vol.volume_id)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--count", type=int, default=8, help="sandboxes mounting the volume")
     parser.add_argument("--size-mb", type=int, default=512, help="the dataset's size")
     parser.add_argument("--rounds", type=int, default=5, help="read measurements of each kind")
     parser.add_argument("--quick", action="store_true", help="4 sandboxes, 128 MiB, 3 rounds")
+    parser.add_argument("--shared-only", action="store_true",
+                        help="only shared read-write against the root disk")
+    parser.add_argument("--files", type=int, default=500, help="small files per round (shared)")
     args = parser.parse_args()
     count, size_mb, rounds = ((4, 128, 3) if args.quick
                               else (args.count, args.size_mb, args.rounds))
     base = Path(tempfile.mkdtemp(prefix="aenv-volbench-node-"))
     node = conftest.vm_node_process(base / "state", base / "node.log", PREFIX, FIRST_SLOT,
-                                    conftest.NO_READY_POOLS)
+                                    {**conftest.NO_READY_POOLS, "AENV_VOLUME_SHARED_RW": "1"})
     node.start_timeout = 1200
     try:
         with conftest.serving_vm_node(node, PREFIX):
-            run(node, count, size_mb, rounds)
+            if not args.shared_only:
+                run(node, count, size_mb, rounds)
+            run_shared(min(size_mb, 256), args.files, rounds)
     finally:
         for root in [*conftest._REACHABLE_ROOTS, base]:
             shutil.rmtree(root, ignore_errors=True)

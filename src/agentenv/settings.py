@@ -272,7 +272,8 @@ class Settings(BaseSettings):
     egress_proxy_port: int = _s(0, "node", "The egress proxy's port on the host (0: any free "
                                 "one).", "port")
     nfs_port: int = _s(0, "node", "The port of the node's NFS server (shared read-write "
-                       "volumes) on the host (0: a free one, chosen at start); only guests' "
+                       "volumes) on the host, below 1024 (0: the first free one from 1023 "
+                       "down, kept in <state>/nfs/port for every later start); only guests' "
                        "redirected connections reach it.", "port")
     net_open_ranges: str = _s(
         "", "node", "Private CIDRs (comma-separated) guests may reach, under each policy.",

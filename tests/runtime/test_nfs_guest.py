@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import socket
 import subprocess
 import time
 from collections.abc import Iterator
@@ -27,6 +26,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from agentenv.node.nfs import stable_port
 from agentenv.node.nfs_exports import SharedExports, SharedVolume
 from agentenv.node.shared_fs import SharedFilesystem
 from agentenv.runtime import network as rtnet
@@ -64,9 +64,7 @@ class Nfs:
 
 @pytest.fixture
 def nfs(env: Env, tmp_path: Path) -> Iterator[Nfs]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = int(s.getsockname()[1])
+    port = stable_port(tmp_path)  # below 1024, as a node's (node/nfs.py "Port")
     rt = env.runtime
     content = tmp_path / "content"
     content.mkdir()

@@ -12,9 +12,11 @@ What the configuration says and why:
 - NFSv4 over TCP only (`Protocols = 4`, no UDP, no NLM, no RQUOTA): NFSv4 needs one port and
   neither rpcbind, mountd nor statd. Ganesha still tries to register with rpcbind at start
   ("Cannot register NFS V4 on TCP" in its log) and goes on without it.
-- NFSv4.0 and 4.1, not 4.2 (`Minor_Versions`): ganesha 4.3's 4.2 is partial, and the guest
-  kernel's 4.2 client (READ_PLUS) read a file another guest had just written as NUL bytes of
-  the right length. Guests mount `vers=4.1` (sessions; no callback connection to the guest).
+- NFSv4.1 only (`Minor_Versions = 1`): guests mount `vers=4.1` (sessions; no callback
+  connection to the guest), so 4.0's separate code paths (SETCLIENTID, open owners' seqids)
+  are not offered to them; a 4.0 client gets NFS4ERR_MINOR_VERS_MISMATCH. Not 4.2: ganesha
+  4.3's 4.2 is partial, and the guest kernel's 4.2 client (READ_PLUS) read a file another
+  guest had just written as NUL bytes of the right length.
 - `Graceless`: no 90 s grace period after a start, in which every open would wait. No client
   state survives a restart of the server anyway (a client reclaiming after it gets
   NO_GRACE and its open files fail; new opens work).
@@ -27,27 +29,105 @@ What the configuration says and why:
   everyone else (`Access_Type = None`): a client not listed does not even see it in the pseudo
   file system (NFS4ERR_NOENT at mount).
 
-Exports change with `update` (the configuration file is rewritten, then SIGHUP: ganesha 4.x
-rereads its exports, adds, removes and changes client lists in place, and logs "Reread exports
-complete", which `update` waits for). `stop` is SIGTERM (ganesha exits in about 1.5 s).
+Jail (review of 2026-12-07: ganesha parses every guest's NFS bytes, as root). ganesha starts
+as PID 1 of a PID namespace of its own (it sees and signals no process of the node), in the
+jail of runtime/jail.py that QEMU runs in (own mount, IPC and UTS namespaces, a read-only tmpfs
+root, pivot_root): it sees /usr and the libraries read-only, /etc/netconfig, /dev/null and
+/dev/urandom, its configuration directory `conf/` read-only, `run/` (its pid file, recovery
+directory) and `exports/`, nothing else of the host: not the node's state directory, database,
+keys, layer caches or the volumes' images. `exports/` is a shared mount on the host and a
+slave of it in the jail: each export is a bind of the volume's directory at
+`exports/<export id>`, made on the host before the reload that adds it (and unmounted after
+the one that drops it), and it appears in ganesha's namespace by propagation. Its
+capabilities are cut to KEEP_CAPS before exec (the bounding set: root keeps only these across
+it): CAP_DAC_READ_SEARCH (open_by_handle_at, which the VFS FSAL is made of), CAP_SETUID and
+CAP_SETGID (it acts on files as the squashed owner), CAP_DAC_OVERRIDE, CAP_FOWNER and
+CAP_CHOWN (it opens files and sets their attributes as root after checking the client's rights
+itself: without them a write to a 0644 file, a chmod by the owner, or a guest's chown, which
+ganesha squashes to the owner the file has already and envd makes after every upload, fails;
+measured), CAP_NET_BIND_SERVICE (its port). Not CAP_SYS_ADMIN, CAP_FSETID, CAP_KILL,
+CAP_SYS_PTRACE, CAP_NET_ADMIN, CAP_MKNOD or any other. It cannot run as the squash uid instead: exports squash to different
+owners, and open_by_handle_at needs CAP_DAC_READ_SEARCH whatever the uid. Then no_new_privs,
+no core dumps, and a seccomp filter (runtime/qemu.py `jail_filter`: no namespaces, mounts,
+ptrace, BPF, keyrings, modules...; it keeps open_by_handle_at and name_to_handle_at). It runs
+in a cgroup of its own with a memory and task limit when the node has cgroups (`cgroup_procs`).
+
+Port. Below 1024 (`start` refuses another): only root binds it, so no local user takes it
+while ganesha restarts. `start` refuses a port another socket listens on, and after ganesha
+listens checks that every listening socket on the port is ganesha's (a squatter with
+SO_REUSEPORT beside it is refused too).
+
+Log and reloads. ganesha logs to its stderr, a pipe the node reads (`_LogSink`): written to
+`ganesha.log` up to LOG_CAP bytes, then rotated to `ganesha.log.1`, so it takes at most twice
+that whatever ganesha writes; the last lines stay in memory for error messages. When the node
+dies, ganesha's writes to the pipe fail with EPIPE (every thread of it blocks SIGPIPE,
+measured) and it serves on until the node's next start ends it (`reap_leftover`). Exports change
+with `update`: the configuration file is rewritten, then SIGHUP (ganesha 4.x rereads its
+exports, adds, removes and changes client lists in place). A reload is judged from ganesha's
+own signal thread: its "Received SIGHUP" line, then its "Reread exports complete" line, each
+matched whole with its thread and function (`[sigmgr] reread_exports`) as the lines arrive
+after our signal, never by counting a substring in the whole file; an error that thread logs
+between the two (an export it could not make) fails the update. A probe mount would be a
+stronger test but cannot be made: the host's input wall resets every connection to the port
+that the slots' redirect did not make, the node's own. `stop` is SIGTERM (ganesha exits in
+about 1.5 s), then SIGKILL.
 """
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import dataclasses
 import ipaddress
 import os
 import re
+import resource
 import shutil
 import signal
+import socket
 import subprocess
+import threading
 import time
-from collections.abc import Iterable
+from collections import deque
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import IO
+
+from agentenv.runtime import jail
+from agentenv.runtime.errors import RuntimeError_
+from agentenv.runtime.qemu import SeccompProgram, jail_filter
 
 GANESHA = "ganesha.nfsd"
 DEFAULT_PORT = 2049
-RELOADED = "Reread exports complete"
+PRIVILEGED_PORTS = 1024
+# ganesha's signal thread's lines, whole: a SIGHUP received, a reload done, and what it says
+# went wrong between the two (an export it could not make).
+_SIGMGR = r" : ganesha\.nfsd-\d+\[sigmgr\] "
+SIGHUP_LINE = re.compile(_SIGMGR + r"sigmgr_thread :MAIN :EVENT :SIGHUP_HANDLER: Received SIGHUP")
+RELOAD_LINE = re.compile(_SIGMGR + r"reread_exports :\S+ :EVENT :Reread exports complete$")
+RELOAD_ERROR = re.compile(_SIGMGR + r"\S+ :[^:]+ :(CRIT|MAJ|FATAL) :")
+LOG_CAP = 1 << 20  # bytes of ganesha.log before it becomes ganesha.log.1
+LINE_CAP = 4096
+TAIL_LINES = 200
+# What ganesha needs of the host's /etc in its jail (libntirpc reads netconfig).
+JAIL_FILES = ("/etc/netconfig",)
+# ganesha finds the exports' file systems in /etc/mtab (its namespace's, through its proc).
+JAIL_LINKS = (("/etc/mtab", "../proc/self/mounts"),)
+# The system calls of runtime/qemu.py's JAIL_DENIED that ganesha's VFS FSAL is made of.
+GANESHA_SYSCALLS = frozenset({"open_by_handle_at", "name_to_handle_at"})
+# The capabilities ganesha keeps (module doc, "Jail"); every other one leaves its bounding set.
+CAP_CHOWN, CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH, CAP_FOWNER = 0, 1, 2, 3
+CAP_SETGID, CAP_SETUID, CAP_NET_BIND_SERVICE = 6, 7, 10
+KEEP_CAPS = frozenset({CAP_CHOWN, CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH, CAP_FOWNER,
+                       CAP_SETGID, CAP_SETUID, CAP_NET_BIND_SERVICE})
+_libc = ctypes.CDLL(None, use_errno=True)
+_PR_CAPBSET_DROP = 24
+_PR_SET_NO_NEW_PRIVS = 38
+_PR_SET_SECCOMP = 22
+_SECCOMP_MODE_FILTER = 2
+_PR_CAP_AMBIENT = 47
+_PR_CAP_AMBIENT_CLEAR_ALL = 4
 _PSEUDO = re.compile(r"^(/[A-Za-z0-9._-]+)+$")
 # What may appear inside a quoted configuration string: no quote, backslash, newline or brace.
 _UNSAFE = re.compile(r'["\\\n\r{};#\x00]')
@@ -108,7 +188,7 @@ def render_config(exports: Iterable[NfsExport], *, bind_addr: str, port: int,
         "  Enable_UDP = false;",
         "}",
         "NFSV4 {",
-        "  Minor_Versions = 0, 1;",
+        "  Minor_Versions = 1;",
         "  Graceless = true;",
         "  Lease_Lifetime = 60;",
         "  RecoveryBackend = fs;",
@@ -147,20 +227,58 @@ def render_config(exports: Iterable[NfsExport], *, bind_addr: str, port: int,
     return "\n".join(parts) + "\n"
 
 
-def listening(port: int, pid: int | None = None) -> bool:
-    """Whether a TCP socket of this network namespace listens on `port` (any address); with
-    `pid`, one of that process's (another program holding the port is not ganesha)."""
-    owned: set[str] | None = None
-    if pid is not None:
-        owned = set()
-        try:
-            for fd in os.listdir(f"/proc/{pid}/fd"):
-                try:
-                    owned.add(os.readlink(f"/proc/{pid}/fd/{fd}"))
-                except OSError:
-                    continue
-        except OSError:
-            return False
+def _known_service(port: int) -> bool:
+    try:
+        socket.getservbyport(port, "tcp")
+    except OSError:
+        return False
+    return True
+
+
+def stable_port(state_dir: Path, first: int = PRIVILEGED_PORTS - 1, last: int = 600) -> int:
+    """The node's NFS port: the one kept in `<state_dir>/port`, else the first port from
+    `first` down to `last` that no socket is bound to and /etc/services names no service for,
+    kept there from then on (the same port at every start of the node: the slots' redirect
+    and the guests' reconnects after a restart find it)."""
+    kept = Path(state_dir) / "port"
+    with contextlib.suppress(OSError, ValueError):
+        port = int(kept.read_text().strip())
+        if 0 < port < PRIVILEGED_PORTS:
+            return port
+    for port in range(first, last - 1, -1):
+        if _known_service(port) or listeners(port):
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("0.0.0.0", port))
+            except OSError:
+                continue
+        Path(state_dir).mkdir(parents=True, exist_ok=True)
+        tmp = kept.with_name("port.tmp")
+        tmp.write_text(f"{port}\n")
+        os.replace(tmp, kept)
+        return port
+    raise NfsError(f"no free TCP port in {last}..{first} for the NFS server (set AENV_NFS_PORT "
+                   "to one below 1024)")
+
+
+def _socket_inodes(pid: int) -> set[str] | None:
+    owned: set[str] = set()
+    try:
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            try:
+                owned.add(os.readlink(f"/proc/{pid}/fd/{fd}"))
+            except OSError:
+                continue
+    except OSError:
+        return None
+    return owned
+
+
+def listeners(port: int) -> list[str]:
+    """The inodes (`socket:[N]`) of this network namespace's TCP sockets listening on `port`
+    (any address)."""
+    found = []
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
         try:
             lines = Path(table).read_text().splitlines()[1:]
@@ -170,106 +288,346 @@ def listening(port: int, pid: int | None = None) -> bool:
             fields = line.split()
             # local_address is ADDR:PORT in hex; state 0A is LISTEN
             if len(fields) > 9 and fields[3] == "0A" and \
-                    int(fields[1].rsplit(":", 1)[1], 16) == port and \
-                    (owned is None or f"socket:[{fields[9]}]" in owned):
-                return True
-    return False
+                    int(fields[1].rsplit(":", 1)[1], 16) == port:
+                found.append(f"socket:[{fields[9]}]")
+    return found
+
+
+def listening(port: int, pid: int | None = None) -> bool:
+    """Whether a TCP socket of this network namespace listens on `port` (any address); with
+    `pid`, one of that process's (another program holding the port is not ganesha)."""
+    found = listeners(port)
+    if pid is None:
+        return bool(found)
+    owned = _socket_inodes(pid)
+    return owned is not None and any(inode in owned for inode in found)
+
+
+def foreign_listeners(port: int, pid: int) -> list[str]:
+    """Sockets listening on `port` that are not `pid`'s (a squatter beside or before it)."""
+    owned = _socket_inodes(pid) or set()
+    return [inode for inode in listeners(port) if inode not in owned]
+
+
+def _published_mounts(directory: Path) -> dict[str, str]:
+    """What is mounted directly under `directory` (name -> the mount's root within its file
+    system), from the node's mountinfo."""
+    prefix = str(directory) + "/"
+    found = {}
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            fields = line.split()
+            if len(fields) > 4 and fields[4].startswith(prefix) and \
+                    "/" not in fields[4][len(prefix):]:
+                found[fields[4][len(prefix):]] = fields[3]
+    return found
+
+
+def _mount_fields(path: Path) -> list[str] | None:
+    with open("/proc/self/mountinfo") as f:
+        for line in reversed(f.readlines()):  # the topmost mount at a path is listed last
+            fields = line.split()
+            if len(fields) > 4 and fields[4] == str(path):
+                return fields
+    return None
+
+
+def _run(*argv: str) -> None:
+    proc = subprocess.run(argv, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise NfsError(f"{' '.join(argv)} failed: {proc.stderr.strip()}")
+
+
+class _LogSink:
+    """ganesha's log (its stderr, a pipe) read by a thread of the node: written to `path` up to
+    `cap` bytes, then that file becomes `path`.1 (the one before it is dropped), so the log
+    takes at most twice `cap` of the node's disk whatever ganesha writes; the last lines are
+    kept in memory for error messages. Counts the reloads ganesha reports (RELOAD_LINE)."""
+
+    def __init__(self, pipe: IO[bytes], path: Path, cap: int) -> None:
+        self.pipe, self.path, self.cap = pipe, path, cap
+        self.tail: deque[str] = deque(maxlen=TAIL_LINES)
+        self.reloads = 0
+        #: what the signal thread reported wrong in the last reload (RELOAD_ERROR lines)
+        self.reload_errors: list[str] = []
+        self._errors: list[str] = []
+        self.changed = threading.Condition()
+        self._thread = threading.Thread(target=self._run, name="ganesha-log", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        out = open(self.path, "ab")  # noqa: SIM115 (replaced at each rotation)
+        try:
+            # A line is read whole up to LINE_CAP bytes; a longer one is cut into pieces.
+            while line := self.pipe.readline(LINE_CAP):
+                if out.tell() + len(line) > self.cap:
+                    out.close()
+                    os.replace(self.path, self.path.with_name(self.path.name + ".1"))
+                    out = open(self.path, "ab")  # noqa: SIM115 (replaced at each rotation)
+                out.write(line)
+                out.flush()
+                text = line.decode(errors="replace").rstrip("\n")
+                with self.changed:
+                    self.tail.append(text)
+                    if SIGHUP_LINE.search(text):
+                        self._errors = []
+                    elif RELOAD_LINE.search(text):
+                        self.reload_errors, self._errors = self._errors, []
+                        self.reloads += 1
+                    elif RELOAD_ERROR.search(text) and len(self._errors) < 20:
+                        self._errors.append(text.rpartition(" :")[2][:300])
+                    self.changed.notify_all()
+        except (OSError, ValueError):
+            pass
+        finally:
+            out.close()
+            with self.changed:
+                self.changed.notify_all()
+
+    def text(self) -> str:
+        with self.changed:
+            return "\n".join(self.tail)
+
+    def join(self, timeout: float = 5.0) -> None:
+        self._thread.join(timeout)
+
+
+def _last_cap() -> int:
+    try:
+        return int(Path("/proc/sys/kernel/cap_last_cap").read_text())
+    except (OSError, ValueError):
+        return 40
+
+
+def _preexec(plan: jail.JailPlan, seccomp: SeccompProgram, last_cap: int,
+             cgroup_procs: tuple[str, ...]) -> Callable[[], None]:
+    """In ganesha's child before exec, as root, PID 1 of its own PID namespace: its own
+    session, its cgroup, the jail, no core dumps, the capabilities it keeps (KEEP_CAPS: the
+    bounding set loses every other one, so the exec leaves root with only these), no new
+    privileges, the seccomp filter. Exits 120 with the failed step on stderr (the log)."""
+
+    def fail(what: str) -> None:
+        with contextlib.suppress(OSError):
+            os.write(2, f"aenv: before starting ganesha: {what}\n".encode())
+        os._exit(120)
+
+    def run() -> None:
+        try:
+            os.setsid()
+            for procs in cgroup_procs:
+                with open(procs, "w") as f:
+                    f.write("0")
+            jail.enter(plan)
+            resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+            for cap in range(last_cap + 1):
+                if cap not in KEEP_CAPS and _libc.prctl(_PR_CAPBSET_DROP, cap, 0, 0, 0) != 0:
+                    fail(f"dropping capability {cap}: {os.strerror(ctypes.get_errno())}")
+            if _libc.prctl(_PR_CAP_AMBIENT, _PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0) != 0 or \
+                    _libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0 or \
+                    _libc.prctl(_PR_SET_SECCOMP, _SECCOMP_MODE_FILTER,
+                                ctypes.byref(seccomp.fprog), 0, 0) != 0:
+                fail(f"no_new_privs or seccomp: {os.strerror(ctypes.get_errno())}")
+        except BaseException as exc:
+            fail(f"{type(exc).__name__}: {exc}")
+
+    return run
 
 
 class NfsServer:
-    """One ganesha for the node, its files under `state_dir` (config, log, pid, recovery)."""
+    """One ganesha for the node, its files under `state_dir` (module doc, "Jail")."""
 
     def __init__(self, state_dir: Path, *, bind_addr: str = "0.0.0.0", port: int = DEFAULT_PORT,
-                 binary: str = GANESHA) -> None:
+                 binary: str = GANESHA, log_cap: int = LOG_CAP,
+                 cgroup_procs: tuple[str, ...] = ()) -> None:
         self.state_dir = Path(state_dir)
         self.bind_addr = bind_addr
         self.port = port
         self.binary = binary
-        self.config_path = self.state_dir / "ganesha.conf"
+        self.log_cap = log_cap
+        self.cgroup_procs = cgroup_procs
+        self.config_dir = self.state_dir / "conf"
+        self.config_path = self.config_dir / "ganesha.conf"
+        self.run_dir = self.state_dir / "run"
+        self.exports_dir = self.state_dir / "exports"
+        self.jail_root = self.state_dir / "jail-root"
         self.log_path = self.state_dir / "ganesha.log"
-        self.pid_path = self.state_dir / "ganesha.pid"
-        self.recovery_root = self.state_dir / "recovery"
+        self.pid_path = self.state_dir / "ganesha.hostpid"
+        self.recovery_root = self.run_dir / "recovery"
         self._proc: subprocess.Popen[bytes] | None = None
+        self._log: _LogSink | None = None
         self.exports: tuple[NfsExport, ...] = ()
 
     @property
     def pid(self) -> int | None:
+        """ganesha's pid in the node's PID namespace (it is 1 in its own)."""
         return self._proc.pid if self._proc is not None else None
 
     def running(self) -> bool:
         return self._proc is not None and self._proc.poll() is None
 
+    # -- the exports directory: what ganesha sees of the volumes ----------------------------
+
+    def published(self, export: NfsExport) -> Path:
+        """Where ganesha sees `export`: a bind mount of its directory in the exports
+        directory (its id: a volume keeps it for good, so a path stays the same)."""
+        return self.exports_dir / str(export.export_id)
+
+    def _share_exports_dir(self) -> None:
+        """The exports directory as a shared mount of its own on the host, so the binds made
+        in it later reach ganesha's namespace (its copy is a slave of this one)."""
+        self.exports_dir.mkdir(mode=0o700, exist_ok=True)
+        fields = _mount_fields(self.exports_dir)
+        if fields is None:
+            _run("mount", "--bind", str(self.exports_dir), str(self.exports_dir))
+            fields = _mount_fields(self.exports_dir)
+        if fields is None or not any(f.startswith("shared:") for f in fields[6:]):
+            _run("mount", "--make-shared", str(self.exports_dir))
+
+    def _publish(self, exports: Iterable[NfsExport]) -> None:
+        """Bind each export's directory at its published path (once: a bind in place is
+        kept)."""
+        mounted = _published_mounts(self.exports_dir)
+        for export in exports:
+            if not export.clients:
+                continue
+            target = self.published(export)
+            if target.name in mounted:
+                continue
+            target.mkdir(mode=0o700, exist_ok=True)
+            _run("mount", "--bind", str(export.path), str(target))
+            _run("mount", "-o", "remount,bind,nosuid,nodev,noexec", str(target))
+
+    def unpublish(self, keep: Iterable[NfsExport] = ()) -> None:
+        """Unmount the binds of exports not in `keep` (lazily: ganesha may hold files of an
+        export it just dropped; the unmount reaches its namespace too)."""
+        names = {self.published(e).name for e in keep if e.clients}
+        for name in _published_mounts(self.exports_dir):
+            if name not in names:
+                with contextlib.suppress(NfsError):
+                    _run("umount", "-l", str(self.exports_dir / name))
+                with contextlib.suppress(OSError):
+                    (self.exports_dir / name).rmdir()
+
     def _write_config(self, exports: tuple[NfsExport, ...]) -> None:
-        text = render_config(exports, bind_addr=self.bind_addr, port=self.port,
+        shown = tuple(dataclasses.replace(e, path=self.published(e)) for e in exports)
+        text = render_config(shown, bind_addr=self.bind_addr, port=self.port,
                              recovery_root=self.recovery_root)
         tmp = self.config_path.with_name(self.config_path.name + ".tmp")
         tmp.write_text(text)
         os.replace(tmp, self.config_path)
 
     def _log_text(self) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")
-        except FileNotFoundError:
-            return ""
+        return self._log.text() if self._log is not None else ""
+
+    def _plan(self) -> jail.JailPlan:
+        return jail.plan_jail(self.jail_root, writable=[self.run_dir],
+                              read_only=[self.config_dir, *JAIL_FILES],
+                              devices=jail.DEVICES, following=[self.exports_dir],
+                              links=JAIL_LINKS)
 
     def start(self, exports: Iterable[NfsExport] = (), timeout: float = 20.0) -> None:
-        """Start ganesha and wait until it listens on its port (read from /proc/net/tcp, not
-        by connecting: the node's input wall resets every connection to that port that the
-        slots' redirect did not make, a local one too; runtime/network.py)."""
+        """Start ganesha in its jail and wait until it listens on its port (read from
+        /proc/net/tcp, not by connecting: the node's input wall resets every connection to
+        that port that the slots' redirect did not make, a local one too; runtime/network.py).
+        Refused when another socket listens on the port, before or beside ganesha's."""
         if self.running():
             raise NfsError("the NFS server is already running")
+        if not 0 < self.port < PRIVILEGED_PORTS:
+            raise NfsError(f"the NFS server's port {self.port} is not below "
+                           f"{PRIVILEGED_PORTS}: a local user could take it while ganesha "
+                           "restarts")
+        if held := listeners(self.port):
+            raise NfsError(f"port {self.port} is held by another program ({held[0]}): "
+                           "the NFS server does not start beside it")
         path = shutil.which(self.binary)
         if path is None:
             raise NfsError(f"{self.binary} is missing: install nfs-ganesha and nfs-ganesha-vfs "
                            "(scripts/install-system.sh)")
-        self.state_dir.mkdir(parents=True, exist_ok=True)
-        self.recovery_root.mkdir(exist_ok=True)
+        for directory in (self.state_dir, self.config_dir, self.run_dir, self.recovery_root,
+                          self.jail_root):
+            directory.mkdir(mode=0o700, parents=True, exist_ok=True)
         self.exports = tuple(exports)
+        self._share_exports_dir()
+        self.unpublish(self.exports)
+        self._publish(self.exports)
         self._write_config(self.exports)
-        self._proc = subprocess.Popen(
-            [path, "-F", "-f", str(self.config_path), "-L", str(self.log_path),
-             "-p", str(self.pid_path), "-N", "NIV_EVENT"],
-            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-            start_new_session=True)
+        try:
+            plan = self._plan()
+            seccomp = jail_filter(GANESHA_SYSCALLS)
+        except RuntimeError_ as exc:
+            raise NfsError(str(exc)) from exc
+        proc = jail.spawn_in_new_pid_namespace(
+            [path, "-F", "-f", str(self.config_path), "-L", "STDERR",
+             "-p", str(self.run_dir / "ganesha.pid"), "-N", "NIV_EVENT"],
+            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+            env=jail.ENVIRONMENT,
+            preexec_fn=_preexec(plan, seccomp, _last_cap(), self.cgroup_procs))
+        assert proc.stderr is not None
+        self._proc = proc
+        self._log = _LogSink(proc.stderr, self.log_path, self.log_cap)
+        tmp = self.pid_path.with_name(self.pid_path.name + ".tmp")
+        tmp.write_text(f"{proc.pid}\n")
+        os.replace(tmp, self.pid_path)
         deadline = time.monotonic() + timeout
         while True:
-            if self._proc.poll() is not None:
+            if proc.poll() is not None:
+                self._log.join()
                 tail = self._log_text()[-2000:]
-                self._proc = None
+                self.stop()
                 raise NfsError(f"ganesha exited at start: {tail}")
-            if listening(self.port, self._proc.pid):
-                return
+            if listening(self.port, proc.pid):
+                break
             if time.monotonic() > deadline:
                 self.stop()
                 raise NfsError(f"ganesha did not listen on port {self.port} in {timeout} s")
             time.sleep(0.05)
+        if other := foreign_listeners(self.port, proc.pid):
+            self.stop()
+            raise NfsError(f"port {self.port} is also held by another program ({other[0]}): "
+                           "the NFS server does not serve beside it")
 
     def update(self, exports: Iterable[NfsExport], timeout: float = 20.0) -> None:
-        """Replace the exports: rewrite the configuration, SIGHUP, wait for the reload."""
-        if self._proc is None or not self.running():
+        """Replace the exports: publish the new ones, rewrite the configuration, SIGHUP, wait
+        for ganesha's own report of the reload (RELOAD_LINE, from its signal thread), then
+        unpublish the ones gone."""
+        if self._proc is None or self._log is None or not self.running():
             raise NfsError("the NFS server is not running")
         exports = tuple(exports)
+        self._publish(exports)
         self._write_config(exports)
-        before = self._log_text().count(RELOADED)
+        sink = self._log
+        with sink.changed:
+            before = sink.reloads
         self._proc.send_signal(signal.SIGHUP)
         deadline = time.monotonic() + timeout
-        while self._log_text().count(RELOADED) <= before:
-            if not self.running():
-                raise NfsError("ganesha exited while reloading its exports")
-            if time.monotonic() > deadline:
-                raise NfsError(f"ganesha did not reload its exports in {timeout} s")
-            time.sleep(0.05)
+        with sink.changed:
+            while sink.reloads <= before:
+                if not self.running():
+                    raise NfsError("ganesha exited while reloading its exports")
+                if time.monotonic() > deadline:
+                    raise NfsError(f"ganesha did not reload its exports in {timeout} s")
+                sink.changed.wait(0.1)
+            errors = list(sink.reload_errors)
         self.exports = exports
+        self.unpublish(exports)
+        if errors:
+            raise NfsError(f"ganesha reloaded its exports with errors: {'; '.join(errors)}")
 
     def stop(self, timeout: float = 10.0) -> None:
-        """SIGTERM, then SIGKILL after `timeout`."""
+        """SIGTERM, then SIGKILL after `timeout`; the exports' binds go."""
         proc, self._proc = self._proc, None
-        if proc is None:
-            return
-        if proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        if proc is not None:
+            if proc.poll() is None:
+                proc.terminate()
+                try:
+                    proc.wait(timeout)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+            if self._log is not None:
+                self._log.join()
+            self.pid_path.unlink(missing_ok=True)
+        if self.exports_dir.is_dir():
+            self.unpublish()
+            while _mount_fields(self.exports_dir) is not None:
+                _run("umount", "-l", str(self.exports_dir))

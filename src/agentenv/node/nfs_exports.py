@@ -214,6 +214,8 @@ class SharedExports:
             self._save_clients()
             if self.server.running():
                 await self._apply()
+            else:  # dead, between two checks: its binds of volumes no one mounts now go
+                await asyncio.to_thread(self.server.unpublish, self.exports())
 
     # -- supervision -------------------------------------------------------------------------
 

@@ -75,6 +75,7 @@ MS_REMOUNT = 0x20
 MS_BIND = 0x1000
 MS_REC = 0x4000
 MS_PRIVATE = 0x40000
+MS_SLAVE = 0x80000
 MNT_DETACH = 0x2
 _SYS_PIVOT_ROOT = {"x86_64": 155, "aarch64": 41}
 # What QEMU (a dynamically linked binary, its firmware and keymaps) needs of the host's root:
@@ -113,6 +114,9 @@ class Bind:
     read_only: bool
     directory: bool
     link: str | None = None
+    #: with the mounts beneath it, and what the host mounts there later shows up inside too
+    #: (the jail's root is then a slave of the host's mounts: nothing goes the other way)
+    recursive: bool = False
 
 
 @dataclass(frozen=True)
@@ -121,12 +125,20 @@ class JailPlan:
 
     mountpoint: str  # an empty host directory the tmpfs root is mounted on (per namespace)
     binds: tuple[Bind, ...]
+    #: the jail's copy of the host's mounts: MS_PRIVATE (nothing propagates either way) or
+    #: MS_SLAVE (mounts the host makes under a `recursive` bind's shared source appear inside)
+    propagation: int = MS_PRIVATE
 
 
 def plan_jail(mountpoint: Path, *, writable: Iterable[str | Path],
-              read_only: Iterable[str | Path], devices: Iterable[str]) -> JailPlan:
+              read_only: Iterable[str | Path], devices: Iterable[str],
+              following: Iterable[str | Path] = (),
+              links: Iterable[tuple[str, str]] = ()) -> JailPlan:
     """The jail of one QEMU: `writable` and `read_only` host paths (files or directories) it
-    opens, the device nodes it needs, and the system's read-only parts (SYSTEM_PATHS)."""
+    opens, the device nodes it needs, and the system's read-only parts (SYSTEM_PATHS).
+    `following`: writable directories bound with what is mounted beneath them, now and later
+    (each should be a shared mount on the host: node/nfs.py's exports directory). `links`:
+    (path, target) symlinks made in the jail (e.g. /etc/mtab -> /proc/self/mounts)."""
     binds: list[Bind] = []
     seen: set[str] = set()
 
@@ -151,7 +163,15 @@ def plan_jail(mountpoint: Path, *, writable: Iterable[str | Path],
         add(path, True)
     for device in devices:
         add(device, False)
-    return JailPlan(str(mountpoint), tuple(binds))
+    for path, target in links:
+        binds.append(Bind(os.path.abspath(path), True, False, link=target))
+    follow = [os.path.abspath(str(p)) for p in following]
+    for text in follow:
+        if text in seen or not os.path.isdir(text):
+            raise RuntimeError_(f"the jail cannot follow {text}: not a directory, or bound twice")
+        seen.add(text)
+        binds.append(Bind(text, False, True, recursive=True))
+    return JailPlan(str(mountpoint), tuple(binds), MS_SLAVE if follow else MS_PRIVATE)
 
 
 def _check(result: int, what: str) -> None:
@@ -178,7 +198,7 @@ def enter(plan: JailPlan) -> None:
     _check(_libc.unshare(CLONE_NEWNS | CLONE_NEWIPC | CLONE_NEWUTS),
            "unshare(CLONE_NEWNS|CLONE_NEWIPC|CLONE_NEWUTS)")
     # Nothing mounted from here on reaches the host (or another jail).
-    _mount(None, "/", None, MS_REC | MS_PRIVATE)
+    _mount(None, "/", None, MS_REC | plan.propagation)
     root = plan.mountpoint
     _mount("tmpfs", root, "tmpfs", MS_NOSUID, "mode=0755,size=1m,nr_inodes=4096")
     os.umask(0o022)
@@ -195,7 +215,7 @@ def enter(plan: JailPlan) -> None:
         # A directory under /usr etc. is already inside its read-only bind.
         if _under_system_path(bind.path) and bind.read_only:
             continue
-        _mount(bind.path, target, None, MS_BIND)
+        _mount(bind.path, target, None, MS_BIND | (MS_REC if bind.recursive else 0))
         flags = MS_REMOUNT | MS_BIND | MS_NOSUID
         if bind.read_only:
             flags |= MS_RDONLY | MS_NODEV

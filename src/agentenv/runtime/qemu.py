@@ -207,6 +207,10 @@ def qemu_filter(punch_hole: bool = True, jailed: bool = False) -> SeccompProgram
         for flag in _CLONE_NAMESPACES:
             rules.add_rule(pyseccomp.ERRNO(errno.EPERM), "clone",
                            pyseccomp.Arg(0, pyseccomp.MASKED_EQ, flag, flag))
+    return _compile(rules)
+
+
+def _compile(rules: Any) -> SeccompProgram:
     with tempfile.TemporaryFile() as out:
         rules.export_bpf(out)
         out.seek(0)
@@ -215,6 +219,28 @@ def qemu_filter(punch_hole: bool = True, jailed: bool = False) -> SeccompProgram
         raise RuntimeError_(f"libseccomp exported a malformed filter ({len(program)} bytes)")
     code = ctypes.create_string_buffer(program, len(program))
     return SeccompProgram(code, _SockFprog(len(program) // 8, ctypes.addressof(code)))
+
+
+@functools.cache
+def jail_filter(allowed: frozenset[str] = frozenset()) -> SeccompProgram:
+    """The jailed part of `qemu_filter` alone, for another jailed server (node/nfs.py's
+    ganesha): JAIL_DENIED but `allowed` fail with EPERM, `clone` with a namespace flag too,
+    `clone3` with ENOSYS, a call of another architecture kills the process."""
+    try:
+        import pyseccomp
+    except (ImportError, RuntimeError) as exc:
+        raise RuntimeError_(f"cannot build a seccomp filter ({exc}): install libseccomp2 "
+                            "(scripts/install-system.sh) and pyseccomp") from exc
+    rules = pyseccomp.SyscallFilter(pyseccomp.ALLOW)
+    rules.set_attr(pyseccomp.Attr.ACT_BADARCH, pyseccomp.KILL_PROCESS)
+    for name in JAIL_DENIED:
+        if name not in allowed:
+            rules.add_rule(pyseccomp.ERRNO(errno.EPERM), name)
+    rules.add_rule(pyseccomp.ERRNO(errno.ENOSYS), "clone3")
+    for flag in _CLONE_NAMESPACES:
+        rules.add_rule(pyseccomp.ERRNO(errno.EPERM), "clone",
+                       pyseccomp.Arg(0, pyseccomp.MASKED_EQ, flag, flag))
+    return _compile(rules)
 
 
 def file_tail(path: Path, limit: int) -> str:

@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import socket
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -50,7 +49,7 @@ from agentenv.node.base_template import (
     build_base_template,
     load_previous,
 )
-from agentenv.node.nfs import NfsError
+from agentenv.node.nfs import PRIVILEGED_PORTS, NfsError, stable_port
 from agentenv.node.nfs_exports import SharedExports, SharedVolume
 from agentenv.node.ready_pool import ReadyPool, ReadyPoolConfig
 from agentenv.node.vm_backend.adoption import (
@@ -67,6 +66,7 @@ from agentenv.node.vm_backend.metrics import MetricsSampler
 from agentenv.node.vm_backend.snapshots import SnapshotStore, record_dir, record_dirs
 from agentenv.node.volumes import VOLUME_SLOTS
 from agentenv.runtime import privilege
+from agentenv.runtime.cgroup import Cgroup, Limits
 from agentenv.runtime.config import RuntimeConfig, privilege_settings_from_env
 from agentenv.runtime.errors import NetworkError, RuntimeError_
 from agentenv.runtime.serial import SERIAL_LOG
@@ -76,6 +76,9 @@ from agentenv.snapshot.record import VOLUME_SERIAL_PREFIX, SnapshotRecord, volum
 
 log = logging.getLogger("agentenv.node.vm_backend")
 
+# ganesha's cgroup (node/nfs.py "Jail"): idle it holds about 9 MB and 18 threads.
+NFS_CGROUP = "aenv-nfs"
+NFS_LIMITS = Limits(memory_max=512 << 20, cpu_weight=100, cpu_quota_us=None, pids_max=512)
 SLOT_COOLDOWN = 30.0  # seconds before a network slot's address serves another VM
 SYNC_TIMEOUT = 30.0  # seconds envd gets to flush the guest before a filesystem-only pause
 
@@ -142,6 +145,7 @@ class VmBackend(SandboxBackend, CrashRecovery, LayerAware, TemplateBuilding, Net
         self._tokens: dict[str, str | None] = {}
         #: the shared volumes' NFS server and exports (docs/volumes.md §7.1), made in start()
         self.nfs: SharedExports | None = None
+        self._nfs_cgroup: Cgroup | None = None
 
     @property
     def runtime(self) -> Runtime:
@@ -202,7 +206,14 @@ class VmBackend(SandboxBackend, CrashRecovery, LayerAware, TemplateBuilding, Net
         log.info("guest assets ready", extra={"seconds": round(time.monotonic() - t0, 1),
                                               "built": list(assets.built)})
         proxy_port = await self.egress.start()
-        nfs_port = get_settings().nfs_port or _free_port()
+        # Below 1024 and the same at every start (node/nfs.py "Port"): no local user takes it
+        # while ganesha restarts.
+        nfs_port = get_settings().nfs_port or await asyncio.to_thread(
+            stable_port, self.state_dir / "nfs")
+        if nfs_port >= PRIVILEGED_PORTS:
+            raise BackendError(f"AENV_NFS_PORT={nfs_port}: the NFS server's port must be below "
+                               f"{PRIVILEGED_PORTS} (a local user could take another while "
+                               "ganesha restarts)", retryable=False)
         self.nfs = SharedExports(self.state_dir / "nfs", nfs_port)
         await asyncio.to_thread(self.nfs.reap_leftover)
         config = RuntimeConfig(state_dir=self.base / "runtime", accel=self.accel,  # type: ignore[arg-type]
@@ -237,6 +248,11 @@ class VmBackend(SandboxBackend, CrashRecovery, LayerAware, TemplateBuilding, Net
             self._adopted[sid] = self._placement(sid, found.vm)
         await end_pooled(runtime, leftovers.pooled, pool_manifests)
         await runtime.start(kernel_for_probe=assets.kernel)
+        # ganesha's own cgroup, beside the VMs' (when the node has cgroups): a bounded
+        # memory and task count whatever its guests make it do (node/nfs.py "Jail").
+        self._nfs_cgroup = runtime.cgroups.create(NFS_CGROUP, NFS_LIMITS)
+        if self._nfs_cgroup is not None:
+            self.nfs.server.cgroup_procs = tuple(self._nfs_cgroup.procs_files)
         try:  # the adopted sandboxes' shared volumes, before their guests retry for long
             await self.nfs.resume_clients(set(self._adopted))
         except NfsError as exc:
@@ -252,6 +268,10 @@ class VmBackend(SandboxBackend, CrashRecovery, LayerAware, TemplateBuilding, Net
         if self.nfs is not None:
             with contextlib.suppress(Exception):
                 await self.nfs.close()
+        if self._nfs_cgroup is not None and self._runtime is not None:
+            with contextlib.suppress(Exception):
+                self._runtime.cgroups.remove(self._nfs_cgroup)
+            self._nfs_cgroup = None
         await self.egress.close()
         if self.pool is not None:
             with contextlib.suppress(Exception):
@@ -893,18 +913,3 @@ async def _each_child(children: list[SandboxSpec],
             return ForkOutcome(child.sandbox_id, error=str(exc))
 
     return list(await asyncio.gather(*(one(c) for c in children)))
-
-
-def _free_port(first: int = 20049, last: int = 32767) -> int:
-    """The NFS server's port when AENV_NFS_PORT names none: the first free one from `first`,
-    below Linux's ephemeral range (32768 and up), so that no outgoing connection of the node
-    takes it before the server starts (at the first shared mount)."""
-    for port in range(first, last + 1):
-        with socket.socket() as s:
-            try:
-                s.bind(("0.0.0.0", port))
-            except OSError:
-                continue
-            return port
-    raise BackendError(f"no free TCP port in {first}..{last} for the NFS server "
-                       "(set AENV_NFS_PORT)", retryable=False)
