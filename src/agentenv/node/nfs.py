@@ -101,9 +101,12 @@ from agentenv.runtime.qemu import SeccompProgram, jail_filter
 GANESHA = "ganesha.nfsd"
 DEFAULT_PORT = 2049
 PRIVILEGED_PORTS = 1024
-# ganesha's signal thread's lines, whole: a SIGHUP received, a reload done, and what it says
-# went wrong between the two (an export it could not make).
-_SIGMGR = r" : ganesha\.nfsd-\d+\[sigmgr\] "
+# ganesha's signal thread's lines, whole and from their start (date, epoch, host, then the
+# thread): a SIGHUP received, a reload done, and what it says went wrong between the two (an
+# export it could not make). Anchored, so words of the signal thread inside another line (which
+# may carry text a guest chose) never count.
+_SIGMGR = (r"^\d\d/\d\d/\d{4} \d\d:\d\d:\d\d : epoch [0-9a-f]+ : [^:]* : "
+           r"ganesha\.nfsd-\d+\[sigmgr\] ")
 SIGHUP_LINE = re.compile(_SIGMGR + r"sigmgr_thread :MAIN :EVENT :SIGHUP_HANDLER: Received SIGHUP")
 RELOAD_LINE = re.compile(_SIGMGR + r"reread_exports :\S+ :EVENT :Reread exports complete$")
 RELOAD_ERROR = re.compile(_SIGMGR + r"\S+ :[^:]+ :(CRIT|MAJ|FATAL) :")
@@ -235,6 +238,18 @@ def _known_service(port: int) -> bool:
     return True
 
 
+UNPRIVILEGED_PORT_START = Path("/proc/sys/net/ipv4/ip_unprivileged_port_start")
+
+
+def unprivileged_port_start() -> int:
+    """The lowest port any local user may bind in this network namespace (1024 unless the
+    host lowered it: container runtimes set it to 0)."""
+    try:
+        return int(UNPRIVILEGED_PORT_START.read_text().strip())
+    except (OSError, ValueError):
+        return PRIVILEGED_PORTS
+
+
 def stable_port(state_dir: Path, first: int = PRIVILEGED_PORTS - 1, last: int = 600) -> int:
     """The node's NFS port: the one kept in `<state_dir>/port`, else the first port from
     `first` down to `last` that no socket is bound to and /etc/services names no service for,
@@ -245,7 +260,8 @@ def stable_port(state_dir: Path, first: int = PRIVILEGED_PORTS - 1, last: int = 
         port = int(kept.read_text().strip())
         if 0 < port < PRIVILEGED_PORTS:
             return port
-    for port in range(first, last - 1, -1):
+    # only ports no local user may bind (`start` refuses the others)
+    for port in range(min(first, unprivileged_port_start() - 1), last - 1, -1):
         if _known_service(port) or listeners(port):
             continue
         with socket.socket() as s:
@@ -358,8 +374,12 @@ class _LogSink:
     def _run(self) -> None:
         out = open(self.path, "ab")  # noqa: SIM115 (replaced at each rotation)
         try:
-            # A line is read whole up to LINE_CAP bytes; a longer one is cut into pieces.
+            # A line is read whole up to LINE_CAP bytes; a longer one is cut into pieces, and
+            # only a piece that starts a line is judged (a guest's text padded to the cut would
+            # start a "line" of its own).
+            starts_line = True
             while line := self.pipe.readline(LINE_CAP):
+                judged, starts_line = starts_line, line.endswith(b"\n")
                 if out.tell() + len(line) > self.cap:
                     out.close()
                     os.replace(self.path, self.path.with_name(self.path.name + ".1"))
@@ -369,7 +389,9 @@ class _LogSink:
                 text = line.decode(errors="replace").rstrip("\n")
                 with self.changed:
                     self.tail.append(text)
-                    if SIGHUP_LINE.search(text):
+                    if not judged:
+                        pass
+                    elif SIGHUP_LINE.search(text):
                         self._errors = []
                     elif RELOAD_LINE.search(text):
                         self.reload_errors, self._errors = self._errors, []
@@ -536,6 +558,12 @@ class NfsServer:
             raise NfsError(f"the NFS server's port {self.port} is not below "
                            f"{PRIVILEGED_PORTS}: a local user could take it while ganesha "
                            "restarts")
+        if self.port >= (floor := unprivileged_port_start()):
+            raise NfsError(f"the NFS server's port {self.port} is one any local user may bind "
+                           f"here (net.ipv4.ip_unprivileged_port_start is {floor}): one could "
+                           "take it while ganesha restarts and receive the guests' NFS "
+                           "connections; raise that sysctl above the port or set AENV_NFS_PORT "
+                           "below it")
         if held := listeners(self.port):
             raise NfsError(f"port {self.port} is held by another program ({held[0]}): "
                            "the NFS server does not start beside it")
