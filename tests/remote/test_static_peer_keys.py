@@ -342,3 +342,11 @@ def test_a_trust_file_that_is_wrong_names_the_line() -> None:
     with pytest.raises(PeerKeyError, match="f:1: peer node id"):
         parse_trust("-n ed25519:AAAA\n", "f")
     assert ident.normalise_address("h:1/") == "http://h:1"
+
+
+def test_one_key_names_one_node(tmp_path: Path) -> None:
+    """Two ids of one key would give the node behind it two shares of a peer's connections
+    (red team of 2026-12-07)."""
+    key = identities(tmp_path, "n1")["n1"].trust_line().split()[1]
+    with pytest.raises(PeerKeyError, match="f:2: node n2 has the key of node n1"):
+        parse_trust(f"n1 {key}\nn2 {key}\n", "f")

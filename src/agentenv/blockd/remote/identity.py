@@ -235,6 +235,7 @@ def normalise_address(address: str) -> str:
 
 def parse_trust(text: str, source: str) -> dict[str, TrustEntry]:
     entries: dict[str, TrustEntry] = {}
+    keys: dict[bytes, str] = {}  # one key, one node: two ids of one key would get two shares
     for number, raw in enumerate(text.splitlines(), 1):
         line = raw.split("#", 1)[0].strip()
         if not line:
@@ -250,6 +251,11 @@ def parse_trust(text: str, source: str) -> dict[str, TrustEntry]:
             raise PeerKeyError(f"{where}: {exc}") from None
         if node_id in entries:
             raise PeerKeyError(f"{where}: node {node_id} is listed twice")
+        raw_key = key.public_bytes_raw()
+        if raw_key in keys:
+            raise PeerKeyError(f"{where}: node {node_id} has the key of node {keys[raw_key]} "
+                               "(one key names one node)")
+        keys[raw_key] = node_id
         address = normalise_address(parts[2]) if len(parts) == 3 else None
         entries[node_id] = TrustEntry(node_id, key, address)
     return entries

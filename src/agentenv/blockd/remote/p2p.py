@@ -214,10 +214,11 @@ class _Server(ThreadingHTTPServer):
     def admit(self, request: socket.socket, node: str) -> bool:
         """A connection presented `node`'s credential: it takes one of max_connections, and
         of its node's max_per_node (False: none is free, or it was closed for a newer one
-        meanwhile). It stays its first node's."""
+        meanwhile, or it is another node's: a connection stays its first node's, so a node at
+        its share is not served on connections admitted with another node's credential)."""
         with self.lock:
             if request in self.keyed:
-                return True
+                return self.keyed[request] == node
             if request not in self.unkeyed or len(self.keyed) >= self.max_connections \
                     or self.per_node.get(node, 0) >= self.max_per_node:
                 return False
@@ -317,6 +318,9 @@ class _Handler(BaseHTTPRequestHandler):
         self.send_header("Content-Length", str(len(body)))
         for k, v in (headers or {}).items():
             self.send_header(k, v)
+        if self.close_connection:
+            # said, so a keep-alive client does not send its next request into the close
+            self.send_header("Connection", "close")
         self.end_headers()
         if body and self.command != "HEAD":
             self.wfile.write(body)
