@@ -249,8 +249,6 @@ async def main(quick: bool, focus: bool = False, rounds: int | None = None) -> N
         layers_bytes = sum(x.size for x in snap.memory_layers)
         reps = 3 if quick else 10
         rounds = rounds or max(reps, 6)
-        memfs_pid = live_pid(root / "state")
-        assert memfs_pid is not None
         if focus:
             # One restore of a fresh device records the startup pack (PACK_WINDOW later).
             pack = Path(snap.device_state).parent / PACK_NAME
@@ -261,6 +259,8 @@ async def main(quick: bool, focus: bool = False, rounds: int | None = None) -> N
             await rts["device"].kill(a)
             await asyncio.sleep(3)  # memfs closes the released device (its sweep)
             await cold_second_restore(rts, snap, rounds)
+            memfs_pid = live_pid(root / "state")
+            assert memfs_pid is not None
             await page_in(rts, snap, quick, memfs_pid)
             return
 
@@ -321,6 +321,8 @@ async def main(quick: bool, focus: bool = False, rounds: int | None = None) -> N
         await cold_second_restore(rts, snap, rounds)
 
         # 2c. Page-in throughput, cold (no VM maps the file meanwhile).
+        memfs_pid = live_pid(root / "state")
+        assert memfs_pid is not None
         await page_in(rts, snap, quick, memfs_pid)
 
         # 3. From an empty page cache: restore + a first command that reads the guest's files
