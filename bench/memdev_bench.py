@@ -71,6 +71,13 @@ def to_running_ms(vm: VM) -> float:
     return t["memory_file_ms"] + t["process_ms"] + t["load_ms"] + t["cont_ms"]
 
 
+def major_faults(pid: int) -> int:
+    """QEMU's major page faults so far (each waited for a read: of its binary, libraries, or
+    guest RAM from the memory file)."""
+    with open(f"/proc/{pid}/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[9])
+
+
 def drop_caches() -> None:
     os.sync()
     Path("/proc/sys/vm/drop_caches").write_text("3\n")
@@ -198,7 +205,7 @@ async def cold_second_restore(rts: dict[str, Runtime], snap: Any, rounds: int) -
                 drop_caches()
                 b = await rts[kind].restore(snap)
                 cold_second[variant].append(to_running_ms(b))
-                cold_phases[variant].append(b.timings)
+                cold_phases[variant].append({**b.timings, "majflt": major_faults(b.pid)})
                 if variant == "device_warm" and dev.last_warm is not None:
                     warms.append(dev.last_warm)
                 await rts[kind].kill(b)
@@ -212,7 +219,8 @@ async def cold_second_restore(rts: dict[str, Runtime], snap: Any, rounds: int) -
              "restore_second_cold_cache_to_running_p50_file", statistics.median(cold_second["file"]),
              samples=[round(x) for x in cold_second[variant]], goal="device ratio >= 1.0",
              phases_p50={k: round(statistics.median(t[k] for t in cold_phases[variant]), 1)
-                         for k in ("memory_file_ms", "process_ms", "load_ms", "cont_ms")})
+                         for k in ("memory_file_ms", "process_ms", "load_ms", "cont_ms")},
+             qemu_major_faults_p50=statistics.median(t["majflt"] for t in cold_phases[variant]))
     emit("restore_second_cold_cache_warm_vs_no_warm", statistics.median(cold_second["device_warm"]),
          "ms", "restore_second_cold_cache_to_running_p50_device",
          statistics.median(cold_second["device"]),
