@@ -7,7 +7,8 @@ Two runtimes on one blockd, one per kind of RAM file, restore the same snapshots
   device kind opens a device), and a second restore while the first VM runs (both reuse);
 - the same after the host's page cache was dropped, and with the startup pack's prefetch;
 - a second restore while the first VM runs, the page cache dropped before it (issue 25:
-  no slower through memfs than from the raw file);
+  no slower through memfs than from the raw file), through memfs with and without the
+  warm-up of the startup pack's load ranges ("device_warm", "device"), alternating;
 - page-in throughput from an empty page cache: sequential and random 4 KiB reads of the
   memfs file against the raw file (issue 25: >= 0.7);
 - bytes on disk per snapshot beyond its layers (the raw file's allocated blocks vs none);
@@ -15,7 +16,10 @@ Two runtimes on one blockd, one per kind of RAM file, restore the same snapshots
 
 Prints one JSON object per line. Needs root and QEMU.
 
-    python bench/memdev_bench.py --quick
+    python bench/memdev_bench.py --quick [--focus]
+
+`--focus`: only the cold second restore and the page-in figures (after one restore that
+records the startup pack), with `--rounds` samples of each variant.
 """
 
 from __future__ import annotations
@@ -65,6 +69,13 @@ def emit(metric: str, value: float, unit: str, baseline: str | None = None,
 def to_running_ms(vm: VM) -> float:
     t = vm.timings
     return t["memory_file_ms"] + t["process_ms"] + t["load_ms"] + t["cont_ms"]
+
+
+def major_faults(pid: int) -> int:
+    """QEMU's major page faults so far (each waited for a read: of its binary, libraries, or
+    guest RAM from the memory file)."""
+    with open(f"/proc/{pid}/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[9])
 
 
 def drop_caches() -> None:
@@ -166,7 +177,59 @@ async def page_in(rts: dict[str, Runtime], snap: Any, quick: bool, memfs_pid: in
             rts[kind].memory.release(snap.id)
 
 
-async def main(quick: bool) -> None:
+async def cold_second_restore(rts: dict[str, Runtime], snap: Any, rounds: int) -> None:
+    """A second restore while a first VM of each kind runs, the page cache dropped before it:
+    the pages the second VM's start and load touch that the first did not keep mapped come
+    from disk, through memfs or from the raw file. The variants alternate (and rotate which
+    goes first), so the host's load drifting during the run weighs on all alike. "device" is
+    memfs without the warm-up of the pack's load ranges (the prefetch switch off), as before
+    it; "device_warm" with it."""
+    variants = ("file", "device", "device_warm")
+    dev = rts["device"].memory
+    assert isinstance(dev, SharedMemoryDevices)
+    cold_second: dict[str, list[float]] = {v: [] for v in variants}
+    cold_phases: dict[str, list[dict[str, float]]] = {v: [] for v in variants}
+    warms: list[dict[str, float]] = []
+    dev.last_prefetch = None
+    first_vms = {kind: await rts[kind].restore(snap) for kind in ("file", "device")}
+    # A fresh device with a pack prefetches its chunks in the background: not during samples.
+    deadline = time.monotonic() + 60
+    while dev.last_prefetch is None and time.monotonic() < deadline:
+        await asyncio.sleep(0.1)
+    try:
+        for rep in range(rounds):
+            for variant in variants[rep % 3:] + variants[:rep % 3]:
+                kind = "file" if variant == "file" else "device"
+                dev.prefetch_enabled = variant != "device"
+                dev.last_warm = None
+                drop_caches()
+                b = await rts[kind].restore(snap)
+                cold_second[variant].append(to_running_ms(b))
+                cold_phases[variant].append({**b.timings, "majflt": major_faults(b.pid)})
+                if variant == "device_warm" and dev.last_warm is not None:
+                    warms.append(dev.last_warm)
+                await rts[kind].kill(b)
+    finally:
+        dev.prefetch_enabled = True
+        for kind, a in first_vms.items():
+            await rts[kind].kill(a)
+    for variant in ("device", "device_warm", "file"):
+        emit(f"restore_second_cold_cache_to_running_p50_{variant}",
+             statistics.median(cold_second[variant]), "ms",
+             "restore_second_cold_cache_to_running_p50_file", statistics.median(cold_second["file"]),
+             samples=[round(x) for x in cold_second[variant]], goal="device ratio >= 1.0",
+             phases_p50={k: round(statistics.median(t[k] for t in cold_phases[variant]), 1)
+                         for k in ("memory_file_ms", "process_ms", "load_ms", "cont_ms")},
+             qemu_major_faults_p50=statistics.median(t["majflt"] for t in cold_phases[variant]))
+    emit("restore_second_cold_cache_warm_vs_no_warm", statistics.median(cold_second["device_warm"]),
+         "ms", "restore_second_cold_cache_to_running_p50_device",
+         statistics.median(cold_second["device"]),
+         warm_ranges=warms[-1]["ranges"] if warms else None,
+         warm_bytes_p50=statistics.median(w["bytes"] for w in warms) if warms else None,
+         warm_ms_p50=statistics.median(w["ms"] for w in warms) if warms else None)
+
+
+async def main(quick: bool, focus: bool = False, rounds: int | None = None) -> None:
     guest = build_test_guest()
     root = Path(tempfile.mkdtemp(prefix="mdb", dir="/tmp"))
     root.chmod(0o711)  # QEMU runs as aenv-vm: it must reach the state dirs
@@ -193,6 +256,21 @@ async def main(quick: bool) -> None:
         snap = await rts["device"].pause(vm, wait_teardown=True)
         layers_bytes = sum(x.size for x in snap.memory_layers)
         reps = 3 if quick else 10
+        rounds = rounds or max(reps, 6)
+        if focus:
+            # One restore of a fresh device records the startup pack (PACK_WINDOW later).
+            pack = Path(snap.device_state).parent / PACK_NAME
+            a = await rts["device"].restore(snap)
+            deadline = time.monotonic() + 30
+            while not pack.exists() and time.monotonic() < deadline:
+                await asyncio.sleep(0.2)
+            await rts["device"].kill(a)
+            await asyncio.sleep(3)  # memfs closes the released device (its sweep)
+            await cold_second_restore(rts, snap, rounds)
+            memfs_pid = live_pid(root / "state")
+            assert memfs_pid is not None
+            await page_in(rts, snap, quick, memfs_pid)
+            return
 
         # 1. Restore to running, first user of the snapshot (then killed: the file is removed /
         #    the device released), alternating kinds.
@@ -247,29 +325,8 @@ async def main(quick: bool) -> None:
             await rt.kill(b)
 
         # 2b. The same second restore with the page cache dropped after the first VM started
-        #     (its own mapped pages stay): the pages the second VM touches that the first did
-        #     not come from disk, through memfs or from the raw file. A first VM of each kind
-        #     runs throughout; the kinds alternate (and which goes first), so the host's load
-        #     drifting during the run weighs on both alike.
-        cold_second: dict[str, list[float]] = {"file": [], "device": []}
-        cold_phases: dict[str, list[dict[str, float]]] = {"file": [], "device": []}
-        first_vms = {kind: await rts[kind].restore(snap) for kind in ("file", "device")}
-        for rep in range(max(reps, 6)):
-            for kind in ("file", "device") if rep % 2 == 0 else ("device", "file"):
-                drop_caches()
-                b = await rts[kind].restore(snap)
-                cold_second[kind].append(to_running_ms(b))
-                cold_phases[kind].append(b.timings)
-                await rts[kind].kill(b)
-        for kind, a in first_vms.items():
-            await rts[kind].kill(a)
-        for kind in ("device", "file"):
-            emit(f"restore_second_cold_cache_to_running_p50_{kind}",
-                 statistics.median(cold_second[kind]), "ms",
-                 "restore_second_cold_cache_to_running_p50_file", statistics.median(cold_second["file"]),
-                 samples=[round(x) for x in cold_second[kind]], goal="device ratio >= 1.0",
-                 phases_p50={k: round(statistics.median(t[k] for t in cold_phases[kind]), 1)
-                             for k in ("memory_file_ms", "process_ms", "load_ms", "cont_ms")})
+        #     (its own mapped pages stay), memfs with and without the load's warm-up.
+        await cold_second_restore(rts, snap, rounds)
 
         # 2c. Page-in throughput, cold (no VM maps the file meanwhile).
         memfs_pid = live_pid(root / "state")
@@ -282,7 +339,7 @@ async def main(quick: bool) -> None:
         assert isinstance(dev, SharedMemoryDevices)
         pack = Path(snap.device_state).parent / PACK_NAME
         deadline = time.monotonic() + 30
-        while not pack.exists() and time.monotonic() < deadline:
+        while not (pack.exists() and "memory" in pack.read_text()) and time.monotonic() < deadline:
             await asyncio.sleep(0.2)
         cold: dict[str, list[float]] = {"file": [], "device": [], "device_prefetch": []}
         for _ in range(reps):
@@ -299,7 +356,7 @@ async def main(quick: bool) -> None:
             emit(f"cold_cache_restore_plus_first_command_p50_{variant}", statistics.median(values),
                  "ms", "cold_cache_restore_plus_first_command_p50_file", statistics.median(cold["file"]),
                  samples=[round(x) for x in values],
-                 pack_chunks=len(json.loads(pack.read_text())["memory"]) if pack.exists() else None)
+                 pack_chunks=len(json.loads(pack.read_text()).get("memory", [])) if pack.exists() else None)
     finally:
         for rt in rts.values():
             await rt.close()
@@ -313,7 +370,11 @@ async def main(quick: bool) -> None:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--quick", action="store_true", help="fewer repetitions")
+    parser.add_argument("--focus", action="store_true",
+                        help="only the cold second restore and the page-in figures")
+    parser.add_argument("--rounds", type=int, default=None,
+                        help="samples of each cold second restore variant (default 6, or 10)")
     args = parser.parse_args()
     if os.geteuid() != 0:
         raise SystemExit("memdev_bench needs root (network namespaces, FUSE, drop_caches)")
-    asyncio.run(main(args.quick))
+    asyncio.run(main(args.quick, args.focus, args.rounds))

@@ -62,7 +62,8 @@ class RuntimeConfig(BaseModel):
     # read-only memory device (its FUSE file; no export, no copy per snapshot), falling back
     # to "file" when blockd has no FUSE files; "file" = the stack exported once per snapshot
     # as a raw file (runtime/memory.py). memory_prefetch: read a fresh device in the order of
-    # the snapshot's startup pack while QEMU starts.
+    # the snapshot's startup pack, and the pack's load ranges at every restore, while QEMU
+    # starts.
     memory_device: Literal["blockd", "file"] = "blockd"
     memory_prefetch: bool = True
     envd_port: int = 49983

@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import errno
+import fcntl
 import mmap
 import os
 import threading
@@ -80,6 +82,66 @@ def find_ram_mapping(pid: int, mem_path: str, size: int) -> int:
             if end - start >= size and int(fields[2], 16) == 0:
                 return start
     raise SnapshotError(f"QEMU pid {pid} has no mapping of its guest RAM file {mem_path}")
+
+
+# PAGEMAP_SCAN (Linux 6.7, include/uapi/linux/fs.h): _IOWR('f', 16, struct pm_scan_arg).
+_PAGEMAP_SCAN = 0xC0606610
+_PAGE_IS_PRESENT = 1 << 3
+_SCAN_REGIONS = 1024
+
+
+def present_ranges(pid: int, addr: int, size: int) -> list[tuple[int, int]]:
+    """(offset, length) ranges of the mapping [addr, addr + size) of process `pid` whose pages
+    are mapped (present) now, ascending: between a restore's device-state load and its `cont`,
+    the pages QEMU's start and load faulted in (each with the cached neighbours the kernel's
+    fault-around mapped). PAGEMAP_SCAN walks only populated page tables; without it (before
+    Linux 6.7) the whole range's pagemap is read."""
+    fd = os.open(f"/proc/{pid}/pagemap", os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        try:
+            return _scan_present(fd, addr, size)
+        except OSError as exc:
+            if exc.errno not in (errno.ENOTTY, errno.EINVAL, errno.EOPNOTSUPP):
+                raise
+        npages = size // PAGE
+        raw = bytearray(npages * 8)
+        view = memoryview(raw)
+        got = 0
+        while got < len(raw):
+            n = os.preadv(fd, [view[got:]], (addr // PAGE) * 8 + got)
+            if n <= 0:
+                raise SnapshotError(f"short read of /proc/{pid}/pagemap")
+            got += n
+    finally:
+        os.close(fd)
+    entries = np.frombuffer(raw, dtype=np.uint64)
+    pages = np.flatnonzero((entries >> np.uint64(63)) & np.uint64(1))
+    first, ends = _run_bounds(pages)
+    return [(int(pages[a]) * PAGE, int(b - a) * PAGE)
+            for a, b in zip(first.tolist(), ends.tolist(), strict=True)]
+
+
+def _scan_present(fd: int, addr: int, size: int) -> list[tuple[int, int]]:
+    regions = (ctypes.c_uint64 * (3 * _SCAN_REGIONS))()
+    out: list[tuple[int, int]] = []
+    start, end = addr, addr + size
+    while start < end:
+        # struct pm_scan_arg: size, flags, start, end, walk_end, vec, vec_len, max_pages,
+        # category_inverted, category_mask, category_anyof_mask, return_mask
+        arg = (ctypes.c_uint64 * 12)(96, 0, start, end, 0, ctypes.addressof(regions),
+                                     _SCAN_REGIONS, 0, 0, _PAGE_IS_PRESENT, 0, _PAGE_IS_PRESENT)
+        count = fcntl.ioctl(fd, _PAGEMAP_SCAN, arg, True)  # type: ignore[call-overload]
+        for i in range(count):
+            a, b = regions[3 * i], regions[3 * i + 1]
+            if out and out[-1][0] + out[-1][1] == a - addr:
+                out[-1] = (out[-1][0], out[-1][1] + b - a)
+            else:
+                out.append((a - addr, b - a))
+        walked = arg[4]
+        if walked <= start:
+            break
+        start = walked
+    return out
 
 
 def written_pages(pid: int, addr: int, size: int) -> np.ndarray:
@@ -441,6 +503,13 @@ class MemoryFileCache:
     def refcount(self, key: str) -> int:
         with self._guard:
             return self._refs.get(key, 0)
+
+    def wants_load_pages(self, key: str) -> bool:
+        """No: a materialised file has no startup pack (runtime/memdev.py)."""
+        return False
+
+    def set_load_pages(self, key: str, snapshot_dir: Path, ranges: list[tuple[int, int]]) -> None:
+        """Nothing to keep (see wants_load_pages)."""
 
     def after_restore(self, key: str, snapshot_dir: Path) -> None:
         """Nothing to record: a materialised file has no startup pack (runtime/memdev.py)."""

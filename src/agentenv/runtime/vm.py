@@ -57,6 +57,7 @@ from agentenv.runtime.jail import UidPool
 from agentenv.runtime.launch import QemuLauncher
 from agentenv.runtime.machine import VM, BootSpec
 from agentenv.runtime.memdev import make_memory_store
+from agentenv.runtime.memory import find_ram_mapping, present_ranges
 from agentenv.runtime.network import (
     GUEST_IP,
     NetworkSlot,
@@ -441,6 +442,16 @@ class Runtime:
                 raise VMDiedError(
                     f"restore of snapshot {record.id}: QEMU died {stage}: {exc}") from exc
             raise
+        if self.memory.wants_load_pages(record.id):
+            # The pages QEMU's start and load faulted in, before the guest touches any: the
+            # startup pack's load pages, read ahead by later restores (runtime/memdev.py).
+            pages: list[tuple[int, int]] = []
+            try:
+                addr = find_ram_mapping(process.pid, str(mem_path), record.machine.memory_bytes)
+                pages = present_ranges(process.pid, addr, record.machine.memory_bytes)
+            except (OSError, SnapshotError) as exc:
+                log.warning("load pages not read", extra={"snapshot": record.id, "error": str(exc)})
+            self.memory.set_load_pages(record.id, Path(record.device_state).parent, pages)
         vm = VM(vm_id, machine, process, slot, workdir, list(record.memory_layers),
                 record.id, mem_path, disks, parent_snapshot=record.id)
         self._adopt(vm)
