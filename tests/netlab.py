@@ -14,7 +14,10 @@ HTTP paths: `/` answers `host=<Host header> addr=<local address> sni=<name or ->
 `/big`
 streams BIG_BYTES bytes as fast as the client takes them; `/slow` streams them paced by the
 server (16 KiB every 20 ms), so a client reading it holds little unread data and answers every
-segment at once; `/bytes/<n>` streams n bytes. Every answer closes the connection.
+segment at once; `/bytes/<n>` streams n bytes; `/held/<n>/<gate>` streams n bytes, of which
+at most half (a trickle after the first 256 KiB) before the test releases the gate
+(`Internet.release(gate)`), the rest at once after: a download that is under way, and cannot
+end, until the test says so. Every answer closes the connection.
 Host B also answers DNS (UDP 53): the three names -> host A (`DNS_NAME` only there).
 """
 
@@ -37,7 +40,7 @@ DNS_NAME = "example-dns.test"  # only in the lab's DNS, never in a guest's /etc/
 BIG_BYTES = 64 << 20
 
 SERVER = r'''
-import socket, socketserver, ssl, sys, threading, time
+import os, socket, socketserver, ssl, sys, threading, time
 from http.server import BaseHTTPRequestHandler
 from http.server import ThreadingHTTPServer as _ThreadingHTTPServer
 
@@ -50,6 +53,7 @@ class ThreadingHTTPServer(_ThreadingHTTPServer):
 
 addrs, certdir, big = sys.argv[1].split(","), sys.argv[2], int(sys.argv[3])
 CHUNK = b"x" * 65536
+HELD_HEAD = 262144
 
 class Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.0"
@@ -65,7 +69,27 @@ class Handler(BaseHTTPRequestHandler):
             n -= len(chunk)
             if pace:
                 time.sleep(pace)
+    def _held(self, n, gate):
+        self.send_response(200)
+        self.send_header("Content-Length", str(n))
+        self.end_headers()
+        released = os.path.join(certdir, f"{gate}.released")
+        sent = 0
+        while sent < n:
+            if sent >= HELD_HEAD and not os.path.exists(released):
+                if sent < n // 2:
+                    self.wfile.write(CHUNK[:1024])
+                    sent += 1024
+                time.sleep(0.1)
+                continue
+            chunk = CHUNK[:min(n - sent, len(CHUNK))]
+            self.wfile.write(chunk)
+            sent += len(chunk)
     def do_GET(self):
+        if self.path.startswith("/held/"):
+            _, _, n, gate = self.path.split("/")
+            assert gate.isalnum()
+            return self._held(int(n), gate)
         if self.path == "/big":
             return self._stream(big)
         if self.path == "/slow":
@@ -173,6 +197,7 @@ class Internet:
     gateway: str  # the host's address on the lab link
     host_a: str
     host_b: str
+    workdir: Path
     server: subprocess.Popen[bytes] | None = None
 
     def hosts_lines(self) -> str:
@@ -181,6 +206,10 @@ class Internet:
 
     def url(self, host: str, path: str = "/", tls: bool = False) -> str:
         return f"{'https' if tls else 'http'}://{host}{path}"
+
+    def release(self, gate: str) -> None:
+        """Let the `/held/<n>/<gate>` downloads send the rest of their bytes."""
+        (self.workdir / f"{gate}.released").touch()
 
     @contextlib.contextmanager
     def socks5(self, port: int = 1080) -> Iterator[str]:
@@ -209,7 +238,7 @@ def internet(prefix: str, subnet: int, workdir: Path) -> Iterator[Internet]:
     assert 0 <= subnet <= 255
     net = Internet(prefix=prefix, subnet=subnet, netns=f"{prefix}-inet", host_if=f"{prefix}i0",
                    gateway=f"198.18.{subnet}.1", host_a=f"198.18.{subnet}.2",
-                   host_b=f"198.18.{subnet}.3")
+                   host_b=f"198.18.{subnet}.3", workdir=workdir)
     subprocess.run(["ip", "netns", "del", net.netns], capture_output=True)
     subprocess.run(["ip", "link", "del", net.host_if], capture_output=True)
     workdir.mkdir(parents=True, exist_ok=True)

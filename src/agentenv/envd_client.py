@@ -50,6 +50,9 @@ INIT_PATH = "/init"
 KEEPALIVE_SECONDS = 30
 #: seconds a process stream may bring nothing, not even a keepalive: the guest stopped answering
 IDLE_READ_SECONDS = 120.0
+#: seconds past a process's own timeout (which envd enforces) after which the host ends its
+#: stream whatever the guest says
+PROCESS_DEADLINE_GRACE_SECONDS = 30.0
 
 
 def init_body(*, env_vars: dict[str, str] | None = None, access_token: str | None = None,
@@ -587,7 +590,7 @@ class EnvdClient:
         headers["Keepalive-Ping-Interval"] = str(KEEPALIVE_SECONDS)
         stream_timeout = httpx.Timeout(None, read=IDLE_READ_SECONDS, connect=5.0)
         # envd ends the process at Connect-Timeout-Ms; the host does not take its word for it
-        deadline = timeout + 30.0 if timeout else None
+        deadline = timeout + PROCESS_DEADLINE_GRACE_SECONDS if timeout else None
         try:
             async with asyncio.timeout(deadline), self._http.stream("POST", f"{self.base_url}/process.Process/Start",
                                          content=_envelope(message), headers=headers,

@@ -173,7 +173,7 @@ def test_cluster_up_vm_nodes(tmp_path: Path) -> None:
     if os.geteuid() != 0:
         pytest.skip("needs root (network namespaces, QEMU as aenv-vm)")
     from agentenv.guest.build import BASE_PACKAGES, build_assets, debian_root_tarball
-    from tests.node.conftest import DEBIAN_CACHE, GUEST_STATE, template_cache
+    from tests.node.conftest import DEBIAN_CACHE, GUEST_STATE, NO_READY_POOLS, template_cache
 
     # The cluster runs in a namespace without outside network: on a cold machine the guest
     # assets and the base template's Debian root are fetched here first (cached after that;
@@ -208,7 +208,10 @@ echo "mounts: $(grep -c {real} /proc/self/mountinfo || true)"
            "AENV_CLUSTER_REDIS_PORT": "16481", "AENV_DOWN_TIMEOUT": "120",
            "AENV_VM_ASSETS_DIR": str(GUEST_STATE), "AENV_VM_DEBIAN_CACHE": str(DEBIAN_CACHE),
            "AENV_VM_TEMPLATE_CACHE": str(template_cache()), "AENV_UP_TIMEOUT": "600",
-           "AENV_VM_CODE_INTERPRETER": "0"}
+           "AENV_VM_CODE_INTERPRETER": "0",
+           # no parked VMs: each node's two would boot beside the test's own on a 2-core host
+           # (the ready pools have their tests, tests/node/test_ready_pool.py)
+           **NO_READY_POOLS}
     try:
         done, leftovers, logs = _run_cluster(script, env, state, net, 800)
     finally:

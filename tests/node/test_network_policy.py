@@ -211,13 +211,15 @@ def test_policy_holds_across_pause_fork_and_node_crash(vm_node: NodeProcess,
         assert reaches(fresh, lab.url(lab.host_a))
 
         # A name-filtered sandbox with a download through the egress proxy under way: the
-        # restarted node adopts the proxy (same process), and the flow goes on.
+        # restarted node adopts the proxy (same process), and the flow goes on. The lab's
+        # server holds the download's second half until the test releases it, after the
+        # restart: the crash and the restart happen while it runs, however long they take.
         named = new_sandbox(lab, network={"allow_out": [ALLOWED_NAME],
                                           "deny_out": ["0.0.0.0/0"]})
         children.append(named)
-        size = 16_000_000  # ~40 s at the rate: the crash and the restart happen meanwhile
-        named.commands.run(f"curl -s --limit-rate 400k -o /tmp/live http://{ALLOWED_NAME}"
-                           f"/bytes/{size}; echo $? > /tmp/live.rc", background=True)
+        size = 4_000_000
+        named.commands.run(f"curl -s -o /tmp/live http://{ALLOWED_NAME}/held/{size}/live"
+                           "; echo $? > /tmp/live.rc", background=True)
         deadline = time.monotonic() + 60
         while int(run(named, "stat -c %s /tmp/live 2>/dev/null || echo 0").strip() or 0) < 100_000:
             assert time.monotonic() < deadline, "the download through the proxy did not start"
@@ -231,6 +233,9 @@ def test_policy_holds_across_pause_fork_and_node_crash(vm_node: NodeProcess,
         assert not reaches(sbx, lab.url(lab.host_a)) and reaches(sbx, lab.url(lab.host_b))
         sbx.update_network({})
         assert reaches(sbx, lab.url(lab.host_a))
+        assert not run(named, "cat /tmp/live.rc 2>/dev/null || true").strip(), (
+            "the held download ended before its release")
+        lab.release("live")
         deadline = time.monotonic() + 180
         while not run(named, "cat /tmp/live.rc 2>/dev/null || true").strip():
             assert time.monotonic() < deadline, "the download through the proxy did not end"

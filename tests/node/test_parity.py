@@ -122,11 +122,14 @@ def test_filesystem_pause_then_connect_cold_boots(parity_node: NodeProcess) -> N
 def test_timeout_auto_pause_filesystem_only(parity_node: NodeProcess) -> None:
     from e2b import Sandbox
 
-    sbx = Sandbox.create(timeout=15, lifecycle={"on_timeout": {"action": "pause",
-                                                               "keep_memory": False}})
+    sbx = Sandbox.create(timeout=600, lifecycle={"on_timeout": {"action": "pause",
+                                                                "keep_memory": False}})
     try:
         boot_before = _boot_id(sbx)
         sbx.files.write("/home/user/auto.txt", "auto")
+        # The timeout runs out soon after the test's own calls, however long they took (a
+        # short create timeout would be a race with them on a loaded host).
+        sbx.set_timeout(2)
         deadline = time.monotonic() + 120
         while Sandbox.get_info(sbx.sandbox_id).state.value != "paused":
             assert time.monotonic() < deadline, "the timeout did not pause the sandbox"

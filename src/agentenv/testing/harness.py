@@ -9,7 +9,7 @@ import contextlib
 import os
 import subprocess
 import tempfile
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -43,10 +43,15 @@ def make_ext4_layer(out: Path, size: int) -> Path:
         return import_raw(raw, out)
 
 
-def real_guest_disks(assets: GuestAssets, work: Path, size: int) -> list[DiskSource]:
+def real_guest_disks(assets: GuestAssets, work: Path, size: int,
+                     populate: Callable[[Path], None] | None = None) -> list[DiskSource]:
     """The real guest's disks: the tools disk and a user root of `size` bytes (busybox only,
-    sparse) as a sealed overlaybd layer made under `work`."""
-    raw = make_rootfs_image(busybox_root(work / "bbroot"), work / "user.ext4", size)
+    sparse) as a sealed overlaybd layer made under `work`; `populate` adds files to the root's
+    tree before the image is made (written by the host, not by a TCG guest)."""
+    root = busybox_root(work / "bbroot")
+    if populate is not None:
+        populate(root)
+    raw = make_rootfs_image(root, work / "user.ext4", size)
     layer = import_raw(raw, work / "user.layer")
     raw.unlink()
     return [DiskSource("tools", assets.tools_image.stat().st_size, read_only=True,
