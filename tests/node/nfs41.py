@@ -13,8 +13,11 @@ and remove files under a path.
 from __future__ import annotations
 
 import os
+import re
 import socket
 import struct
+import subprocess
+from pathlib import Path
 from typing import Any
 
 PROGRAM, VERSION, COMPOUND = 100003, 4, 1
@@ -272,3 +275,17 @@ class Nfs41Client:
         args = _Packer().u32(0).fixed(b"\0" * 12).u32(2).u32(words[0]).u32(words[1])
         args.opaque(values.bytes())
         self._call([self._sequence(), *self._walk(path), (OP_SETATTR, args.bytes())])
+
+
+def unwalled_port(state_dir: Path) -> int:
+    """A port for a test's own ganesha that no VM node on this host walls: a node's host rules
+    reset every connection to its NFS port that a slot's redirect did not make (a local one
+    too), and a node of another test module (a session's) may have taken the first free port
+    below 1024, the default, as this test would."""
+    from agentenv.node.nfs import stable_port
+
+    rules = subprocess.run(["nft", "list", "ruleset"], capture_output=True, text=True,
+                           check=False).stdout
+    walled = {int(port) for port in re.findall(r"tcp dport (\d+) ct status", rules)}
+    first = next(port for port in range(1023, 600, -1) if port not in walled)
+    return stable_port(state_dir, first=first)

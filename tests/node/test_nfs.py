@@ -18,7 +18,7 @@ import pytest
 
 from agentenv.node import nfs as nfs_module
 from agentenv.node.nfs import KEEP_CAPS, NfsError, NfsExport, NfsServer, render_config, stable_port
-from tests.node.nfs41 import Nfs4Error, Nfs41Client
+from tests.node.nfs41 import Nfs4Error, Nfs41Client, unwalled_port
 
 
 def _client(server: NfsServer, source: str = "127.0.0.1") -> Nfs41Client:
@@ -32,7 +32,7 @@ def server(tmp_path: Path) -> Iterator[NfsServer]:
             pytest.fail(f"{tool} is missing: run scripts/install-system.sh")
     if os.geteuid() != 0:
         pytest.skip("ganesha's VFS FSAL needs root (open_by_handle_at)")
-    srv = NfsServer(tmp_path / "nfs", bind_addr="127.0.0.1", port=stable_port(tmp_path))
+    srv = NfsServer(tmp_path / "nfs", bind_addr="127.0.0.1", port=unwalled_port(tmp_path))
     try:
         yield srv
     finally:

@@ -13,9 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from agentenv.node.nfs import stable_port
 from agentenv.node.nfs_exports import SharedExports, SharedVolume
-from tests.node.nfs41 import Nfs4Error, Nfs41Client
+from tests.node.nfs41 import Nfs4Error, Nfs41Client, unwalled_port
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0,
                                 reason="ganesha's VFS FSAL needs root (open_by_handle_at)")
@@ -41,7 +40,7 @@ def _volume(tmp_path: Path, vid: str) -> SharedVolume:
 def test_exports_follow_the_sandboxes_and_the_server_is_supervised(tmp_path: Path) -> None:
     if shutil.which("ganesha.nfsd") is None:
         pytest.fail("ganesha.nfsd is missing: run scripts/install-system.sh")
-    port = stable_port(tmp_path)
+    port = unwalled_port(tmp_path)
     v1, v2 = _volume(tmp_path, "v1"), _volume(tmp_path, "v2")
 
     async def scenario() -> None:
