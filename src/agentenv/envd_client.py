@@ -5,6 +5,8 @@ makes to a guest's envd goes through here.
   after it starts a sandbox (node/orchestrator.py), template builds (template/build.py), and,
   for the body and headers of `/init`, the VM runtime (runtime/vm.py, which sends it itself
   because it races the request against its QEMU's exit).
+- `/aenv/sync` (a filesystem-only pause: node/vm_backend) and the ready pools' warm-up calls
+  (node/ready_pool.py: `/health`, a `Stat`, a command).
 - `/aenv/reclaim`: a template's cold-memory setting (`ColdMemory`: a DAMON scheme in the guest
   kernel that pages out what no one touches; guest/envd/reclaim.py), set by template builds
   before their snapshot.
@@ -373,6 +375,30 @@ class EnvdClient:
             # 200 ms an envd ready a few ms later cost a create a whole step (bench/RESULTS.md).
             delay = min(delay * 1.5, 0.025)
 
+    async def health(self, timeout: float = 5.0) -> None:
+        """One `GET /health`; EnvdClientError unless it answers 2xx."""
+        try:
+            answer = await read_reply(self._http, "GET", self.base_url + "/health",
+                                      what="envd /health", timeout=timeout,
+                                      headers=self.extra_headers)
+        except httpx.HTTPError as exc:
+            raise EnvdClientError(f"envd /health failed: {exc!r}") from exc
+        if not answer.is_success:
+            raise EnvdClientError(f"envd /health answered {answer.status_code}")
+
+    async def sync(self, timeout: float) -> None:
+        """`POST /aenv/sync`: envd flushes the guest's file systems (before a filesystem-only
+        pause); EnvdClientError unless it answers 204 within `timeout`."""
+        try:
+            answer = await read_reply(self._http, "POST", self.base_url + "/aenv/sync",
+                                      what="envd /aenv/sync", timeout=timeout,
+                                      headers=self._headers())
+        except httpx.HTTPError as exc:
+            raise EnvdClientError(f"envd did not answer /aenv/sync: {exc!r}") from exc
+        if answer.status_code != 204:
+            raise EnvdClientError(f"envd answered /aenv/sync with {answer.status_code}: "
+                                  f"{answer.text[:200]}")
+
     async def init(self, *, env_vars: dict[str, str] | None = None,
                    access_token: str | None = None, default_user: str | None = None,
                    default_workdir: str | None = None) -> None:
@@ -457,6 +483,10 @@ class EnvdClient:
             raise EnvdClientError(f"envd {procedure}: {body.get('code', answer.status_code)}: "
                                   f"{body.get('message', '')}")
         return body if isinstance(body, dict) else {}
+
+    async def stat(self, path: str, user: str | None = None) -> dict[str, Any]:
+        """`filesystem.Filesystem/Stat` of `path`: its entry as envd describes it."""
+        return await self._unary("filesystem.Filesystem/Stat", {"path": path}, user)
 
     async def make_dir(self, path: str, user: str | None = None) -> bool:
         """True if the directory was made, False if it existed."""

@@ -11,6 +11,7 @@ import json
 import struct
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
 
 import httpx
 import pytest
@@ -233,6 +234,43 @@ def test_deeply_nested_json_is_an_error_of_that_call() -> None:
             try:
                 with pytest.raises(GuestReplyError, match="deeper than 64 levels"):
                     await asyncio.wait_for(client.run("true", []), 30)
+            finally:
+                await client.close()
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("handler", [endless, announces_gigabytes])
+def test_the_ready_pool_s_warm_up_reads_within_the_bounds(handler: Handler,
+                                                          tmp_path: Path) -> None:
+    """A pooled VM restored from a user's snapshot runs whatever that guest left on envd's
+    port: the pool's warm-up calls (node/ready_pool.py) read its answers as every envd call
+    does, never whole (they read an endless answer until the node's memory ran out)."""
+    from types import SimpleNamespace
+
+    from agentenv.node.ready_pool import ReadyPool, ReadyPoolConfig
+
+    async def main() -> None:
+        async for url in _serve(handler):
+            pool = ReadyPool(None, ReadyPoolConfig(low=0, high=0), tmp_path)
+            try:
+                with pytest.raises(GuestReplyError):
+                    await asyncio.wait_for(
+                        pool._warm(SimpleNamespace(envd_url=url), None, None), 30)
+            finally:
+                await pool._http.aclose()
+
+    asyncio.run(main())
+
+
+def test_a_filesystem_only_pause_s_sync_reads_within_the_bounds() -> None:
+    """`/aenv/sync` before a filesystem-only pause, through the envd client."""
+    async def main() -> None:
+        async for url in _serve(endless):
+            client = EnvdClient(url)
+            try:
+                with pytest.raises(GuestReplyError, match="over the limit"):
+                    await client.sync(timeout=5.0)
             finally:
                 await client.close()
 

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import time
 from collections import deque
@@ -40,6 +39,7 @@ from typing import Any
 import httpx
 from pydantic import BaseModel, Field
 
+from agentenv.envd_client import EnvdClient, EnvdClientError, read_reply
 from agentenv.errors import AgentEnvError
 from agentenv.fsutil import atomic_write_json
 from agentenv.runtime.adopt import vm_manifest
@@ -49,6 +49,8 @@ log = logging.getLogger("agentenv.node.ready_pool")
 
 #: The longest a fill waits for a moment without creates under way before it restores anyway.
 MAX_YIELD_SECONDS = 30.0
+#: seconds each warm-up call may take (the httpx client's per-read timeout was 30 s)
+WARM_TIMEOUT = 30.0
 
 
 class ReadyPoolConfig(BaseModel):
@@ -120,11 +122,6 @@ def _mem_available_mib() -> int:
     except (OSError, ValueError, IndexError):
         pass
     return 1 << 30
-
-
-def _connect_envelope(message: dict[str, Any]) -> bytes:
-    payload = json.dumps(message).encode()
-    return b"\x00" + len(payload).to_bytes(4, "big") + payload
 
 
 class ReadyPool:
@@ -338,26 +335,23 @@ class ReadyPool:
         envd's first command was not) and another `/init` (nothing but the clock). A
         template's envd holds no access token; a snapshot of a secure sandbox holds that
         sandbox's (`guest_token`)."""
-        url = vm.envd_url
-        auth = {"X-Access-Token": guest_token} if guest_token else {}
-        rpc_headers = {"Content-Type": "application/json", "Connect-Protocol-Version": "1", **auth}
-        answer = await self._http.get(url + "/health")
-        answer.raise_for_status()
-        answer = await self._http.post(url + "/filesystem.Filesystem/Stat",
-                                       json={"path": "/"}, headers=rpc_headers)
-        answer.raise_for_status()
-        answer = await self._http.post(
-            url + "/process.Process/Start",
-            content=_connect_envelope({"process": {"cmd": "/bin/bash", "args": ["-l", "-c", "true"]},
-                                       "stdin": False}),
-            headers={"Content-Type": "application/connect+json",
-                     "Connect-Protocol-Version": "1", **auth})
-        answer.raise_for_status()
+        # Every answer is read within envd_client's bounds: a snapshot's guest may have put
+        # a server of its own on envd's port before it was snapshotted.
+        envd = EnvdClient(vm.envd_url, access_token=guest_token, http=self._http)
+        await envd.health()
+        await envd.stat("/")
+        await envd.run("/bin/bash", ["-l", "-c", "true"], timeout=WARM_TIMEOUT)
         if warm_port is not None:
-            guest = url.rsplit(":", 1)[0]
+            guest = vm.envd_url.rsplit(":", 1)[0]
             # the code-interpreter server takes envd's token (guest/codeint/app.py)
-            answer = await self._http.post(f"{guest}:{warm_port}/aenv/warm", headers=auth)
-            answer.raise_for_status()
+            answer = await read_reply(self._http, "POST", f"{guest}:{warm_port}/aenv/warm",
+                                      what="the code interpreter's /aenv/warm",
+                                      timeout=WARM_TIMEOUT,
+                                      headers={"X-Access-Token": guest_token} if guest_token
+                                      else None)
+            if not answer.is_success:
+                raise EnvdClientError(f"the code interpreter's /aenv/warm answered "
+                                      f"{answer.status_code}")
         await self.runtime.envd_init(vm, guest_token=guest_token)
 
     # --- ending VMs and pools ----------------------------------------------------------------

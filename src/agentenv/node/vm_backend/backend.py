@@ -12,10 +12,8 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
-import httpx
-
 from agentenv.blockd.client import DeviceInfo
-from agentenv.envd_client import GuestReplyError, read_reply
+from agentenv.envd_client import EnvdClient, EnvdClientError
 from agentenv.guest.build.assets import GuestAssets, build_assets
 from agentenv.guest.envd import ENVD_VERSION
 from agentenv.network.control import SlotEntry, SlotIdentity
@@ -569,24 +567,14 @@ class VmBackend(SandboxBackend, CrashRecovery, LayerAware, TemplateBuilding, Net
         """envd's /aenv/sync before a filesystem-only pause. As in E2B, such a pause needs a
         guest agent that answers (without its flush the disk would miss recent writes): the
         pause is refused otherwise and the sandbox keeps running."""
-        token = self._tokens.get(sandbox_id)
+        envd = EnvdClient(vm.envd_url, access_token=self._tokens.get(sandbox_id))
         try:
-            async with httpx.AsyncClient(trust_env=False) as client:
-                answer = await read_reply(client, "POST", vm.envd_url + "/aenv/sync",
-                                          what=f"envd /aenv/sync of {sandbox_id}",
-                                          timeout=SYNC_TIMEOUT,
-                                          headers={"X-Access-Token": token} if token else None)
-        except GuestReplyError as exc:
+            await envd.sync(SYNC_TIMEOUT)
+        except EnvdClientError as exc:
             raise BackendError(f"a filesystem-only pause of {sandbox_id} needs its guest agent "
                                f"(envd) to flush the disk: {exc}") from exc
-        except httpx.HTTPError as exc:
-            raise BackendError(
-                f"a filesystem-only pause of {sandbox_id} needs its guest agent (envd) to flush "
-                f"the disk, and envd did not answer: {exc!r}") from exc
-        if answer.status_code != 204:
-            raise BackendError(
-                f"a filesystem-only pause of {sandbox_id} needs its guest agent (envd) to flush "
-                f"the disk, and envd answered {answer.status_code}: {answer.text[:200]}")
+        finally:
+            await envd.close()
 
     async def resume(self, spec: SandboxSpec, snapshot: SnapshotRef,
                      memory: bool = True) -> Placement:
