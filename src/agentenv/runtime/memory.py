@@ -103,22 +103,27 @@ def present_ranges(pid: int, addr: int, size: int) -> list[tuple[int, int]]:
         except OSError as exc:
             if exc.errno not in (errno.ENOTTY, errno.EINVAL, errno.EOPNOTSUPP):
                 raise
-        npages = size // PAGE
-        raw = bytearray(npages * 8)
-        view = memoryview(raw)
-        got = 0
-        while got < len(raw):
-            n = os.preadv(fd, [view[got:]], (addr // PAGE) * 8 + got)
-            if n <= 0:
-                raise SnapshotError(f"short read of /proc/{pid}/pagemap")
-            got += n
+        entries = _pagemap_entries(fd, pid, addr, size)
     finally:
         os.close(fd)
-    entries = np.frombuffer(raw, dtype=np.uint64)
     pages = np.flatnonzero((entries >> np.uint64(63)) & np.uint64(1))
     first, ends = _run_bounds(pages)
     return [(int(pages[a]) * PAGE, int(b - a) * PAGE)
             for a, b in zip(first.tolist(), ends.tolist(), strict=True)]
+
+
+def _pagemap_entries(fd: int, pid: int, addr: int, size: int) -> np.ndarray:
+    """The pagemap entries (one uint64 a page) of [addr, addr + size) from `fd`, process
+    `pid`'s /proc pagemap."""
+    raw = bytearray(size // PAGE * 8)
+    view = memoryview(raw)
+    got = 0
+    while got < len(raw):
+        n = os.preadv(fd, [view[got:]], (addr // PAGE) * 8 + got)
+        if n <= 0:
+            raise SnapshotError(f"short read of /proc/{pid}/pagemap")
+        got += n
+    return np.frombuffer(raw, dtype=np.uint64)
 
 
 def _scan_present(fd: int, addr: int, size: int) -> list[tuple[int, int]]:
@@ -146,20 +151,11 @@ def _scan_present(fd: int, addr: int, size: int) -> list[tuple[int, int]]:
 
 def written_pages(pid: int, addr: int, size: int) -> np.ndarray:
     """Page numbers (ascending) of the pages written since the mapping was made."""
-    npages = size // PAGE
-    fd = os.open(f"/proc/{pid}/pagemap", os.O_RDONLY)
+    fd = os.open(f"/proc/{pid}/pagemap", os.O_RDONLY | os.O_CLOEXEC)
     try:
-        raw = bytearray(npages * 8)
-        view = memoryview(raw)
-        got = 0
-        while got < len(raw):
-            n = os.preadv(fd, [view[got:]], (addr // PAGE) * 8 + got)
-            if n <= 0:
-                raise SnapshotError(f"short read of /proc/{pid}/pagemap")
-            got += n
+        entries = _pagemap_entries(fd, pid, addr, size)
     finally:
         os.close(fd)
-    entries = np.frombuffer(raw, dtype=np.uint64)
     present = (entries >> np.uint64(63)) & np.uint64(1)
     swapped = (entries >> np.uint64(62)) & np.uint64(1)
     file_page = (entries >> np.uint64(61)) & np.uint64(1)
