@@ -352,6 +352,17 @@ class EnvdClient:
             headers["X-Access-Token"] = self.access_token
         return headers
 
+    async def _reply(self, method: str, path: str, *, timeout: float,
+                     headers: dict[str, str], **kwargs: Any) -> Reply:
+        """`method path` read within read_reply's bounds; a connection that fails is an
+        EnvdClientError naming the path."""
+        try:
+            return await read_reply(self._http, method, self.base_url + path,
+                                    what=f"envd {path}", timeout=timeout, headers=headers,
+                                    **kwargs)
+        except httpx.HTTPError as exc:
+            raise EnvdClientError(f"envd {path} failed: {exc!r}") from exc
+
     async def wait_healthy(self, timeout: float = 60.0) -> None:
         """Return once `/health` answers (polled quickly at first: a sandbox's envd is usually
         up within milliseconds); EnvdClientError with the last problem after `timeout`."""
@@ -377,24 +388,14 @@ class EnvdClient:
 
     async def health(self, timeout: float = 5.0) -> None:
         """One `GET /health`; EnvdClientError unless it answers 2xx."""
-        try:
-            answer = await read_reply(self._http, "GET", self.base_url + "/health",
-                                      what="envd /health", timeout=timeout,
-                                      headers=self.extra_headers)
-        except httpx.HTTPError as exc:
-            raise EnvdClientError(f"envd /health failed: {exc!r}") from exc
+        answer = await self._reply("GET", "/health", timeout=timeout, headers=self.extra_headers)
         if not answer.is_success:
             raise EnvdClientError(f"envd /health answered {answer.status_code}")
 
     async def sync(self, timeout: float) -> None:
         """`POST /aenv/sync`: envd flushes the guest's file systems (before a filesystem-only
         pause); EnvdClientError unless it answers 204 within `timeout`."""
-        try:
-            answer = await read_reply(self._http, "POST", self.base_url + "/aenv/sync",
-                                      what="envd /aenv/sync", timeout=timeout,
-                                      headers=self._headers())
-        except httpx.HTTPError as exc:
-            raise EnvdClientError(f"envd did not answer /aenv/sync: {exc!r}") from exc
+        answer = await self._reply("POST", "/aenv/sync", timeout=timeout, headers=self._headers())
         if answer.status_code != 204:
             raise EnvdClientError(f"envd answered /aenv/sync with {answer.status_code}: "
                                   f"{answer.text[:200]}")
@@ -407,12 +408,8 @@ class EnvdClient:
         body = init_body(env_vars=env_vars, access_token=access_token,
                          default_user=default_user, default_workdir=default_workdir)
         headers = {**self.extra_headers, **init_headers(self.access_token)}
-        try:
-            answer = await read_reply(self._http, "POST", self.base_url + INIT_PATH,
-                                      what="envd /init", timeout=self.timeout, json=body,
-                                      headers=headers)
-        except httpx.HTTPError as exc:
-            raise EnvdClientError(f"envd /init failed: {exc!r}") from exc
+        answer = await self._reply("POST", INIT_PATH, timeout=self.timeout, json=body,
+                                   headers=headers)
         if not answer.is_success:
             raise EnvdClientError(f"envd /init answered {answer.status_code}: {answer.text[:300]}")
 
@@ -428,12 +425,8 @@ class EnvdClient:
         return await self._reclaim("GET", None)
 
     async def _reclaim(self, method: str, body: dict[str, Any] | None) -> dict[str, Any]:
-        try:
-            answer = await read_reply(self._http, method, self.base_url + "/aenv/reclaim",
-                                      what="envd /aenv/reclaim", timeout=self.timeout,
-                                      json=body, headers=self._headers())
-        except httpx.HTTPError as exc:
-            raise EnvdClientError(f"envd /aenv/reclaim failed: {exc!r}") from exc
+        answer = await self._reply(method, "/aenv/reclaim", timeout=self.timeout, json=body,
+                                   headers=self._headers())
         if answer.status_code in (404, 501):  # 404: an envd older than the route
             raise EnvdUnsupported(f"envd /aenv/reclaim answered {answer.status_code}: "
                                   f"{answer.text[:300]}")
@@ -444,12 +437,7 @@ class EnvdClient:
 
     async def metrics(self, timeout: float = 2.0) -> dict[str, Any]:
         """envd's `GET /metrics`: the guest's own view (memory used and cached, its disk)."""
-        try:
-            answer = await read_reply(self._http, "GET", self.base_url + "/metrics",
-                                      what="envd /metrics", timeout=timeout,
-                                      headers=self._headers())
-        except httpx.HTTPError as exc:
-            raise EnvdClientError(f"envd /metrics failed: {exc!r}") from exc
+        answer = await self._reply("GET", "/metrics", timeout=timeout, headers=self._headers())
         if not answer.is_success:
             raise EnvdClientError(f"envd /metrics answered {answer.status_code}")
         return _json_object(answer, "envd /metrics")
