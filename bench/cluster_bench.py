@@ -348,30 +348,20 @@ def checks_cost(args: argparse.Namespace) -> None:
     values: dict[str, dict[str, list[float]]] = {"on": {}, "off": {}}
     for round_ in range(args.rounds):
         for label in (("off", "on") if round_ % 2 == 0 else ("on", "off")):  # no order bias
-            argv = [sys.executable, str(ROOT / "bench" / "cluster_bench.py"), "--suite",
-                    "scheduler", "--scheduler-checks", label, "--appendfsync", args.appendfsync,
-                    *(["--quick"] if args.quick else [])]
-            done = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, check=False)
-            if done.returncode != 0:
-                raise SystemExit(f"the scheduler suite (checks {label}) failed:\n"
-                                 f"{done.stderr[-3000:]}")
-            for line in done.stdout.splitlines():
-                with contextlib.suppress(ValueError):
-                    figure = json.loads(line)
-                    metric = figure.get("metric")
-                    if metric in COMPARED:
-                        values[label].setdefault(metric, []).append(float(figure["value"]))
-                        if "scheduler_cpu_us_per_pair" in figure:
-                            values[label].setdefault("scheduler_cpu_us_per_pair", []).append(
-                                float(figure["scheduler_cpu_us_per_pair"]))
-                        print(json.dumps({"checks": label, **figure}), flush=True)
+            for figure in _run_tree(ROOT, args, "scheduler", ("--scheduler-checks", label)):
+                metric = figure.get("metric")
+                if metric in COMPARED:
+                    values[label].setdefault(metric, []).append(float(figure["value"]))
+                    if "scheduler_cpu_us_per_pair" in figure:
+                        values[label].setdefault("scheduler_cpu_us_per_pair", []).append(
+                            float(figure["scheduler_cpu_us_per_pair"]))
+                    print(json.dumps({"checks": label, **figure}), flush=True)
     better = {**{m: more for m, (more, _) in COMPARED.items()}, "scheduler_cpu_us_per_pair": False}
     for metric, more_is_better in better.items():
         off, on = values["off"].get(metric), values["on"].get(metric)
         if not off or not on:
             continue
-        b, a = statistics.median(off), statistics.median(on)
-        ratio = (a / b) if more_is_better else (b / a)
+        b, a, ratio = _medians(off, on, more_is_better)
         print(json.dumps({"metric": metric, "checks_off": round(b, 3), "checks_on": round(a, 3),
                           "runs": len(on), "on_vs_off": round(ratio, 3), "goal": 0.95,
                           "goal_met": ratio >= 0.95}), flush=True)
@@ -403,10 +393,13 @@ COMPARED = {
 }
 
 
-def _run_tree(tree: Path, args: argparse.Namespace) -> list[dict[str, Any]]:
-    """One run of `tree`'s own bench (its code on PYTHONPATH); its JSON lines."""
-    argv = [sys.executable, str(tree / "bench" / "cluster_bench.py"), "--suite", args.suite,
-            "--appendfsync", args.appendfsync, *(["--quick"] if args.quick else [])]
+def _run_tree(tree: Path, args: argparse.Namespace, suite: str | None = None,
+              extra: tuple[str, ...] = ()) -> list[dict[str, Any]]:
+    """One run of `tree`'s own bench (its code on PYTHONPATH), of `suite` (default
+    args.suite) with `extra` arguments; its JSON lines."""
+    argv = [sys.executable, str(tree / "bench" / "cluster_bench.py"), "--suite",
+            suite or args.suite, "--appendfsync", args.appendfsync,
+            *(["--quick"] if args.quick else []), *extra]
     env = {**os.environ, "PYTHONPATH": str(tree / "src")}
     done = subprocess.run(argv, cwd=tree, env=env, capture_output=True, text=True, check=False)
     if done.returncode != 0:
@@ -416,6 +409,13 @@ def _run_tree(tree: Path, args: argparse.Namespace) -> list[dict[str, Any]]:
         with contextlib.suppress(ValueError):
             lines.append(json.loads(line))
     return lines
+
+
+def _medians(base: list[float], new: list[float], more_is_better: bool
+             ) -> tuple[float, float, float]:
+    """(median of base, median of new, new against base, oriented so that < 1 is worse)."""
+    b, a = statistics.median(base), statistics.median(new)
+    return b, a, (a / b) if more_is_better else (b / a)
 
 
 def compare_trees(args: argparse.Namespace) -> None:
@@ -439,8 +439,7 @@ def compare_trees(args: argparse.Namespace) -> None:
             before, after = values["before"].get(metric), values["after"].get(metric)
             if not before or not after:
                 continue
-            b, a = statistics.median(before), statistics.median(after)
-            ratio = (a / b) if more_is_better else (b / a)
+            b, a, ratio = _medians(before, after, more_is_better)
             print(json.dumps({"metric": metric, "compared": field,
                               "before": round(b, 3), "after": round(a, 3),
                               "before_rev": args.before_rev, "runs": len(after),
