@@ -283,6 +283,39 @@ def test_static_and_cluster_nodes_of_one_name_each_have_their_own_share(
         store.close()
 
 
+def test_a_trust_file_in_a_directory_others_may_write_trusts_nobody(tmp_path: Path) -> None:
+    """Whoever may write a directory on the trust file's path may rename another file into
+    its place (one they made is theirs and refused, but not an older root-owned one)."""
+    nodes = identities(tmp_path, "x")
+    outer = tmp_path / "outer"
+    inner = outer / "inner"
+    inner.mkdir(parents=True)
+    good = inner / "peers.trust"
+    good.write_text(trust_text(nodes))
+    good.chmod(0o644)
+    assert set(TrustedPeers(good).entries) == {"x"}
+    for directory in (inner, outer):
+        directory.chmod(0o777)
+        with pytest.raises(PeerKeyError, match=rf"is in {directory}, which others than its "
+                                               r"owner may write .*chmod go-w"):
+            TrustedPeers(good)
+        directory.chmod(0o1777)  # sticky, as /tmp: others may not replace what is not theirs
+        assert set(TrustedPeers(good).entries) == {"x"}
+        directory.chmod(0o755)
+    if os.geteuid() == 0:
+        os.chown(inner, 4321, 4321)
+        with pytest.raises(PeerKeyError, match=rf"is in {inner}, which belongs to uid 4321"):
+            TrustedPeers(good)
+        os.chown(inner, 0, 0)
+    # through a symlinked directory: the directories checked are the real ones
+    (tmp_path / "via").symlink_to(inner)
+    assert set(TrustedPeers(tmp_path / "via" / "peers.trust").entries) == {"x"}
+    outer.chmod(0o777)
+    with pytest.raises(PeerKeyError, match="which others than its owner may write"):
+        TrustedPeers(tmp_path / "via" / "peers.trust")
+    outer.chmod(0o755)
+
+
 def test_a_trust_file_others_may_write_or_a_symlink_trusts_nobody(
         tmp_path: Path, caplog: pytest.LogCaptureFixture,
         monkeypatch: pytest.MonkeyPatch) -> None:

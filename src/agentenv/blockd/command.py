@@ -71,7 +71,8 @@ socket_option = click.option(
                    "`<node id> ed25519:<key> [http://host:port]` (`aenv peer-key` on each prints "
                    "its id and key); each --peer must be listed with its address (this node signs "
                    "for that id). Read again when it changes; only a file of blockd's user (or "
-                   "root) nobody else may write, not a symlink. Env AENV_PEER_TRUST_FILE.")
+                   "root) nobody else may write, in directories nobody else may write, not a symlink. "
+                   "Env AENV_PEER_TRUST_FILE.")
 @click.option("--peer-node-id", default=None,
               help="This node's id in its peers' trust files (env AENV_PEER_NODE_ID; default "
                    "node-<20 hex digits of its public key's SHA-256>, as `aenv peer-key` "

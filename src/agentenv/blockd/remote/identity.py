@@ -193,11 +193,30 @@ def _read_private(path: Path) -> bytes:
         return f.read()
 
 
+def _check_trust_dirs(path: Path) -> None:
+    """Every directory the trust file's path goes through belongs to this process's user or
+    root, and nobody else may write it unless it is sticky (as /tmp: others may not rename or
+    remove what is not theirs there): whoever may write a directory on the path may put
+    another file in the trust file's place (ssh's StrictModes, with the sticky exception)."""
+    directory = Path(os.path.realpath(Path(path).parent))
+    for each in (directory, *directory.parents):
+        st = os.stat(each)
+        if st.st_uid not in (os.geteuid(), 0):
+            raise PeerKeyError(f"the peer trust file {path} is in {each}, which belongs to "
+                               f"uid {st.st_uid}, neither this process's ({os.geteuid()}) nor "
+                               "root's: its owner could put another file in its place")
+        if st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX:
+            raise PeerKeyError(f"the peer trust file {path} is in {each}, which others than "
+                               f"its owner may write (mode {stat.S_IMODE(st.st_mode):o}; "
+                               f"chmod go-w {each}): they could put another file in its place")
+
+
 def read_trust_file(path: Path) -> str:
     """The trust file's text, read from the file itself (no symlink followed, no FIFO waited
     on) and only when it is a regular file of this process's user or root that nobody else
-    may write (checked on the descriptor read): whoever may write it decides which nodes are
-    served."""
+    may write (checked on the descriptor read), in directories nobody else may write
+    (`_check_trust_dirs`): whoever may write it decides which nodes are served."""
+    _check_trust_dirs(path)
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError as exc:
