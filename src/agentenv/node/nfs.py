@@ -30,27 +30,52 @@ What the configuration says and why:
   file system (NFS4ERR_NOENT at mount).
 
 Jail (review of 2026-12-07: ganesha parses every guest's NFS bytes, as root). ganesha starts
-as PID 1 of a PID namespace of its own (it sees and signals no process of the node), in the
-jail of runtime/jail.py that QEMU runs in (own mount, IPC and UTS namespaces, a read-only tmpfs
-root, pivot_root): it sees /usr and the libraries read-only, /etc/netconfig, /dev/null and
-/dev/urandom, its configuration directory `conf/` read-only, `run/` (its pid file, recovery
-directory) and `exports/`, nothing else of the host: not the node's state directory, database,
-keys, layer caches or the volumes' images. `exports/` is a shared mount on the host and a
-slave of it in the jail: each export is a bind of the volume's directory at
-`exports/<export id>`, made on the host before the reload that adds it (and unmounted after
-the one that drops it), and it appears in ganesha's namespace by propagation. Its
-capabilities are cut to KEEP_CAPS before exec (the bounding set: root keeps only these across
-it): CAP_DAC_READ_SEARCH (open_by_handle_at, which the VFS FSAL is made of), CAP_SETUID and
+as PID 1 of a PID namespace of its own (it sees and signals no process of the node), in a bare
+jail of runtime/jail.py (`plan_bare_jail`: own mount, IPC and UTS namespaces, a tmpfs root,
+pivot_root). Bare, because ganesha keeps CAP_DAC_READ_SEARCH and open_by_handle_at: with any
+mount in its namespace as mount_fd it opens any inode of that mount's file system by a forged
+handle (the "shocker" attack; measured on the jail before this one, which bound /usr, /etc
+files, `conf/`, `run/` and `exports/` from the host's disks: /etc/hostname and a file beside
+the node's state read through each of them). So nothing in its namespace is of a host file
+system but each volume's own ext4 (node/shared_fs.py), and every other mount is a tmpfs
+instance (a superblock of its own: a handle on it reaches only it) or its proc (no handles):
+
+- `/`: the jail's tmpfs (read-only after the start), holding copies of the program, the
+  plugins it dlopens (JAIL_PLUGINS: the VFS FSAL, libnfsidmap's nsswitch), their libraries
+  (`ldd`: runtime/jail.py `library_closure`) and JAIL_FILES, at the paths the loader finds
+  them (measured with strace -f: nothing else is opened at start); /lib and /lib64 as the
+  host's symlinks. About 10 MB, copied at each start (charged to ganesha's cgroup).
+- `/dev`: a tmpfs of its own holding /dev/null and /dev/urandom made with mknod, then
+  read-only (every other mount is nodev; ganesha has no CAP_MKNOD).
+- `conf/`: a tmpfs the node mounts on the host (CONF_TMPFS, 1 MB) and writes the
+  configuration into before the start and each reload; bound read-only into the jail.
+- `exports/`: a tmpfs the node mounts on the host (EXPORTS_TMPFS), a shared mount, bound
+  read-only (ganesha cannot plant a symlink there for the node to mount on) and a slave in
+  the jail: each export is a bind of the volume's file system root at `exports/<export id>`,
+  made on the host before the reload that adds it (and unmounted after the one that drops it),
+  and it appears in ganesha's namespace by propagation.
+- `run/`: a tmpfs made in the jail (RUN_SIZE, RUN_INODES): its pid file and the NFSv4
+  recovery records; nothing of it on the node's disk.
+
+`start` reads ganesha's mountinfo after it listens and refuses to serve from a jail with any
+other mount (`_check_jail`); a bare jail refuses to bind a source that is not a tmpfs.
+tests/node/test_nfs_jail.py runs the attack with ganesha's capabilities from inside its mount
+namespace: no host file is reached through any mount but the volume's, and through that one
+only the volume.
+
+Capabilities. They are cut to KEEP_CAPS before exec (the bounding set: root keeps only these
+across it): CAP_DAC_READ_SEARCH (open_by_handle_at, which the VFS FSAL is made of), CAP_SETUID and
 CAP_SETGID (it acts on files as the squashed owner), CAP_DAC_OVERRIDE, CAP_FOWNER and
 CAP_CHOWN (it opens files and sets their attributes as root after checking the client's rights
 itself: without them a write to a 0644 file, a chmod by the owner, or a guest's chown, which
 ganesha squashes to the owner the file has already and envd makes after every upload, fails;
 measured), CAP_NET_BIND_SERVICE (its port). Not CAP_SYS_ADMIN, CAP_FSETID, CAP_KILL,
-CAP_SYS_PTRACE, CAP_NET_ADMIN, CAP_MKNOD or any other. It cannot run as the squash uid instead: exports squash to different
-owners, and open_by_handle_at needs CAP_DAC_READ_SEARCH whatever the uid. Then no_new_privs,
-no core dumps, and a seccomp filter (runtime/qemu.py `jail_filter`: no namespaces, mounts,
-ptrace, BPF, keyrings, modules...; it keeps open_by_handle_at and name_to_handle_at). It runs
-in a cgroup of its own with a memory and task limit when the node has cgroups (`cgroup_procs`).
+CAP_SYS_PTRACE, CAP_NET_ADMIN, CAP_MKNOD or any other. It cannot run as the squash uid
+instead: exports squash to different owners, and open_by_handle_at needs CAP_DAC_READ_SEARCH
+whatever the uid. Then no_new_privs, no core dumps, and a seccomp filter (runtime/qemu.py
+`jail_filter`: no namespaces, mounts, ptrace, BPF, keyrings, modules...; it keeps
+open_by_handle_at and name_to_handle_at). It runs in a cgroup of its own with a memory and
+task limit when the node has cgroups (`cgroup_procs`).
 
 Port. Below 1024 (`start` refuses another): only root binds it, so no local user takes it
 while ganesha restarts. `start` refuses a port another socket listens on, and after ganesha
@@ -78,6 +103,8 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import dataclasses
+import functools
+import glob
 import ipaddress
 import os
 import re
@@ -113,8 +140,19 @@ RELOAD_ERROR = re.compile(_SIGMGR + r"\S+ :[^:]+ :(CRIT|MAJ|FATAL) :")
 LOG_CAP = 1 << 20  # bytes of ganesha.log before it becomes ganesha.log.1
 LINE_CAP = 4096
 TAIL_LINES = 200
-# What ganesha needs of the host's /etc in its jail (libntirpc reads netconfig).
-JAIL_FILES = ("/etc/netconfig",)
+# What ganesha opens of the host's files at start besides its program and libraries (measured
+# with strace -f): the loader's cache, libntirpc's netconfig; copied into its jail.
+JAIL_FILES = ("/etc/ld.so.cache", "/etc/netconfig")
+# The libraries ganesha dlopens (its VFS FSAL; libnfsidmap's nsswitch plugin), wherever the
+# distribution puts them (Debian: /usr/lib/<triplet>/...).
+JAIL_PLUGINS = ("/usr/lib/*/ganesha/libfsalvfs.so", "/usr/lib*/ganesha/libfsalvfs.so",
+                "/usr/lib/*/libnfsidmap/nsswitch.so", "/usr/lib*/libnfsidmap/nsswitch.so")
+JAIL_DEVICES = (jail.Device("/dev/null", 1, 3), jail.Device("/dev/urandom", 1, 9))
+# The tmpfs instances of ganesha's files: its configuration (the node's, read-only inside), the
+# exports' mount points, and `run/` (its pid file, the NFSv4 recovery records: made in the jail).
+CONF_TMPFS = "size=1m,nr_inodes=64,mode=0700"
+EXPORTS_TMPFS = "size=1m,nr_inodes=65600,mode=0700"
+RUN_SIZE, RUN_INODES = 16 << 20, 4096
 # ganesha finds the exports' file systems in /etc/mtab (its namespace's, through its proc).
 JAIL_LINKS = (("/etc/mtab", "../proc/self/mounts"),)
 # The system calls of runtime/qemu.py's JAIL_DENIED that ganesha's VFS FSAL is made of.
@@ -348,10 +386,55 @@ def _mount_fields(path: Path) -> list[str] | None:
     return None
 
 
+def _fstype(fields: list[str]) -> str:
+    return fields[fields.index("-") + 1] if "-" in fields else "?"
+
+
 def _run(*argv: str) -> None:
     proc = subprocess.run(argv, capture_output=True, text=True)
     if proc.returncode != 0:
         raise NfsError(f"{' '.join(argv)} failed: {proc.stderr.strip()}")
+
+
+def _own_tmpfs(path: Path, options: str) -> bool:
+    """`path` the mount point of a tmpfs of its own (mounted there now unless one is there
+    already); whatever else was mounted there (an older node's bind of a directory) is
+    unmounted first. True when it was mounted now."""
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    fields = _mount_fields(path)
+    if fields is not None and _fstype(fields) == "tmpfs" and fields[3] == "/":
+        return False
+    while _mount_fields(path) is not None:
+        _run("umount", "-l", str(path))
+    _run("mount", "-t", "tmpfs", "-o", f"nosuid,nodev,noexec,{options}", "tmpfs", str(path))
+    return True
+
+
+@functools.lru_cache(maxsize=4)
+def _jail_copies(binary: str, stamp: float) -> tuple[str, ...]:
+    """What ganesha's jail holds of the host: the program, its plugins, the libraries of both,
+    JAIL_FILES (module doc, "Jail"). `stamp` (the program's mtime) renews it after an
+    upgrade."""
+    plugins = sorted({os.path.realpath(found) for pattern in JAIL_PLUGINS
+                      for found in glob.glob(pattern)})
+    if not any(p.endswith("/libfsalvfs.so") for p in plugins):
+        raise NfsError("ganesha's VFS FSAL (libfsalvfs.so) is missing: install "
+                       "nfs-ganesha-vfs (scripts/install-system.sh)")
+    try:
+        libraries = jail.library_closure([binary, *plugins])
+    except RuntimeError_ as exc:
+        raise NfsError(str(exc)) from exc
+    return (binary, *plugins, *libraries, *JAIL_FILES)
+
+
+def jail_mounts(pid: int) -> list[tuple[str, str, str, str]]:
+    """ganesha's mounts, from inside its mount namespace: (mount point, file system type,
+    source, root within the file system) of every entry of its mountinfo."""
+    found = []
+    for line in Path(f"/proc/{pid}/mountinfo").read_text().splitlines():
+        fields = line.split()
+        found.append((fields[4], _fstype(fields), fields[fields.index("-") + 2], fields[3]))
+    return found
 
 
 class _LogSink:
@@ -475,6 +558,7 @@ class NfsServer:
         self.log_path = self.state_dir / "ganesha.log"
         self.pid_path = self.state_dir / "ganesha.hostpid"
         self.recovery_root = self.run_dir / "recovery"
+        self.start_seconds = 0.0  # how long the last start took, until ganesha listened
         self._proc: subprocess.Popen[bytes] | None = None
         self._log: _LogSink | None = None
         self.exports: tuple[NfsExport, ...] = ()
@@ -495,13 +579,11 @@ class NfsServer:
         return self.exports_dir / str(export.export_id)
 
     def _share_exports_dir(self) -> None:
-        """The exports directory as a shared mount of its own on the host, so the binds made
-        in it later reach ganesha's namespace (its copy is a slave of this one)."""
-        self.exports_dir.mkdir(mode=0o700, exist_ok=True)
+        """The exports directory a tmpfs of its own and a shared mount on the host, so the
+        binds made in it later reach ganesha's namespace (its copy is a slave of this one).
+        A tmpfs, not a bind of the state directory: ganesha's handles on it reach only it."""
+        _own_tmpfs(self.exports_dir, EXPORTS_TMPFS)
         fields = _mount_fields(self.exports_dir)
-        if fields is None:
-            _run("mount", "--bind", str(self.exports_dir), str(self.exports_dir))
-            fields = _mount_fields(self.exports_dir)
         if fields is None or not any(f.startswith("shared:") for f in fields[6:]):
             _run("mount", "--make-shared", str(self.exports_dir))
 
@@ -515,6 +597,8 @@ class NfsServer:
             target = self.published(export)
             if target.name in mounted:
                 continue
+            if target.is_symlink():  # the node made none; ganesha's view of it is read-only
+                raise NfsError(f"{target} is a symlink: not mounting on it")
             target.mkdir(mode=0o700, exist_ok=True)
             _run("mount", "--bind", str(export.path), str(target))
             _run("mount", "-o", "remount,bind,nosuid,nodev,noexec", str(target))
@@ -541,11 +625,21 @@ class NfsServer:
     def _log_text(self) -> str:
         return self._log.text() if self._log is not None else ""
 
-    def _plan(self) -> jail.JailPlan:
-        return jail.plan_jail(self.jail_root, writable=[self.run_dir],
-                              read_only=[self.config_dir, *JAIL_FILES],
-                              devices=jail.DEVICES, following=[self.exports_dir],
-                              links=JAIL_LINKS)
+    def _plan(self, binary: str) -> jail.JailPlan:
+        copies = _jail_copies(binary, os.stat(binary).st_mtime)
+        return jail.plan_bare_jail(
+            self.jail_root, copies=copies, devices=JAIL_DEVICES,
+            tmpfs=[jail.Tmpfs(str(self.run_dir), RUN_SIZE, RUN_INODES)],
+            read_only=[self.config_dir], following=[self.exports_dir], links=JAIL_LINKS)
+
+    def _check_jail(self, pid: int) -> None:
+        """Every mount in ganesha's namespace is a tmpfs, its proc, or an export's bind
+        (module doc, "Jail"): nothing else of a host file system, whose every inode a forged
+        handle would open."""
+        exports = str(self.exports_dir) + "/"
+        for point, kind, _, _ in jail_mounts(pid):
+            if kind not in ("tmpfs", "proc") and not point.startswith(exports):
+                raise NfsError(f"ganesha's jail has {point} of a host file system ({kind})")
 
     def start(self, exports: Iterable[NfsExport] = (), timeout: float = 20.0) -> None:
         """Start ganesha in its jail and wait until it listens on its port (read from
@@ -571,16 +665,18 @@ class NfsServer:
         if path is None:
             raise NfsError(f"{self.binary} is missing: install nfs-ganesha and nfs-ganesha-vfs "
                            "(scripts/install-system.sh)")
-        for directory in (self.state_dir, self.config_dir, self.run_dir, self.recovery_root,
-                          self.jail_root):
+        path = os.path.realpath(path)
+        started = time.monotonic()
+        for directory in (self.state_dir, self.jail_root):
             directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        _own_tmpfs(self.config_dir, CONF_TMPFS)
         self.exports = tuple(exports)
         self._share_exports_dir()
         self.unpublish(self.exports)
         self._publish(self.exports)
         self._write_config(self.exports)
         try:
-            plan = self._plan()
+            plan = self._plan(path)
             seccomp = jail_filter(GANESHA_SYSCALLS)
         except RuntimeError_ as exc:
             raise NfsError(str(exc)) from exc
@@ -613,6 +709,12 @@ class NfsServer:
             self.stop()
             raise NfsError(f"port {self.port} is also held by another program ({other[0]}): "
                            "the NFS server does not serve beside it")
+        try:
+            self._check_jail(proc.pid)
+        except (NfsError, OSError) as exc:
+            self.stop()
+            raise NfsError(f"ganesha's jail is not as planned: {exc}") from exc
+        self.start_seconds = time.monotonic() - started
 
     def update(self, exports: Iterable[NfsExport], timeout: float = 20.0) -> None:
         """Replace the exports: publish the new ones, rewrite the configuration, SIGHUP, wait
@@ -659,3 +761,5 @@ class NfsServer:
             self.unpublish()
             while _mount_fields(self.exports_dir) is not None:
                 _run("umount", "-l", str(self.exports_dir))
+        while self.config_dir.is_dir() and _mount_fields(self.config_dir) is not None:
+            _run("umount", "-l", str(self.config_dir))
