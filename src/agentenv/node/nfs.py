@@ -153,6 +153,9 @@ JAIL_DEVICES = (jail.Device("/dev/null", 1, 3), jail.Device("/dev/urandom", 1, 9
 CONF_TMPFS = "size=1m,nr_inodes=64,mode=0700"
 EXPORTS_TMPFS = "size=1m,nr_inodes=65600,mode=0700"
 RUN_SIZE, RUN_INODES = 16 << 20, 4096
+# NFSv4 client ids ganesha holds at once, all guests together (module doc, "Client state").
+MAX_CLIENT_IDS = 1024
+LEASE_LIFETIME = 60  # seconds a client id lives without a renewal
 # ganesha finds the exports' file systems in /etc/mtab (its namespace's, through its proc).
 JAIL_LINKS = (("/etc/mtab", "../proc/self/mounts"),)
 # The system calls of runtime/qemu.py's JAIL_DENIED that ganesha's VFS FSAL is made of.
@@ -209,9 +212,11 @@ class NfsExport:
 
 
 def render_config(exports: Iterable[NfsExport], *, bind_addr: str, port: int,
-                  recovery_root: Path) -> str:
+                  recovery_root: Path, max_client_ids: int = MAX_CLIENT_IDS) -> str:
     """ganesha.conf for these exports. An export without clients is left out."""
     ipaddress.IPv4Address(bind_addr)
+    if not 0 < max_client_ids < 2**32:
+        raise NfsError(f"max_client_ids {max_client_ids} is not in 1..2^32-1 (0 is no limit)")
     if _UNSAFE.search(str(recovery_root)):
         raise NfsError(f"recovery directory {str(recovery_root)!r} is not plain")
     exports = list(exports)
@@ -231,7 +236,8 @@ def render_config(exports: Iterable[NfsExport], *, bind_addr: str, port: int,
         "NFSV4 {",
         "  Minor_Versions = 1;",
         "  Graceless = true;",
-        "  Lease_Lifetime = 60;",
+        f"  Lease_Lifetime = {LEASE_LIFETIME};",
+        f"  Max_Client_Ids = {int(max_client_ids)};",
         "  RecoveryBackend = fs;",
         f'  RecoveryRoot = "{recovery_root}";',
         "  Allow_Numeric_Owners = true;",
@@ -288,32 +294,95 @@ def unprivileged_port_start() -> int:
         return PRIVILEGED_PORTS
 
 
-def stable_port(state_dir: Path, first: int = PRIVILEGED_PORTS - 1, last: int = 600) -> int:
+# Host-wide claims of NFS ports, one file per port naming the state directory of the node that
+# keeps it (on /run: gone at reboot, as the walls are): two nodes on a host never pick the same.
+PORT_CLAIMS = Path("/run/aenv/nfs-ports")
+_WALL = re.compile(r"tcp dport (\d+) ct status")
+
+
+def walled_ports() -> set[int]:
+    """The ports a node's host rules wall on this host (runtime/network.py `host_ruleset`:
+    every connection to its NFS port that a slot's redirect did not make is reset)."""
+    try:
+        rules = subprocess.run(["nft", "list", "ruleset"], capture_output=True, text=True,
+                               timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):
+        return set()
+    return {int(port) for port in _WALL.findall(rules)}
+
+
+def _claimant(claims: Path, port: int) -> Path | None:
+    """The state directory whose node keeps `port` (its claim, and its `port` file still
+    names it), else None (no claim, or a stale one)."""
+    try:
+        owner = Path((claims / str(port)).read_text().strip())
+        if int((owner / "port").read_text().strip()) == port:
+            return owner
+    except (OSError, ValueError):
+        pass
+    return None
+
+
+def _claim(claims: Path, port: int, state_dir: Path) -> bool:
+    """Claim `port` for `state_dir` (or keep its claim); False when another node holds it."""
+    owner = _claimant(claims, port)
+    if owner is not None and owner.resolve() != state_dir.resolve():
+        return False
+    claims.mkdir(mode=0o755, parents=True, exist_ok=True)
+    tmp = claims / f".{port}.{os.getpid()}.tmp"
+    tmp.write_text(f"{state_dir.resolve()}\n")
+    os.replace(tmp, claims / str(port))
+    return True
+
+
+def stable_port(state_dir: Path, first: int = PRIVILEGED_PORTS - 1, last: int = 600,
+                claims: Path = PORT_CLAIMS) -> int:
     """The node's NFS port: the one kept in `<state_dir>/port`, else the first port from
-    `first` down to `last` that no socket is bound to and /etc/services names no service for,
-    kept there from then on (the same port at every start of the node: the slots' redirect
-    and the guests' reconnects after a restart find it)."""
-    kept = Path(state_dir) / "port"
+    `first` down to `last` that no socket is bound to, /etc/services names no service for, no
+    node walls (`walled_ports`) and no other node of the host claims (`claims`), kept there
+    from then on (the same port at every start of the node: the slots' redirect and the
+    guests' reconnects after a restart find it). A kept port another node claimed meanwhile
+    is given up for a new one."""
+    state_dir = Path(state_dir)
+    kept = state_dir / "port"
     with contextlib.suppress(OSError, ValueError):
         port = int(kept.read_text().strip())
-        if 0 < port < PRIVILEGED_PORTS:
+        if 0 < port < PRIVILEGED_PORTS and _claim(claims, port, state_dir):
             return port
+    walled = walled_ports()
     # only ports no local user may bind (`start` refuses the others)
     for port in range(min(first, unprivileged_port_start() - 1), last - 1, -1):
-        if _known_service(port) or listeners(port):
+        if _known_service(port) or port in walled or listeners(port) or \
+                _claimant(claims, port) is not None:
             continue
         with socket.socket() as s:
             try:
                 s.bind(("0.0.0.0", port))
             except OSError:
                 continue
-        Path(state_dir).mkdir(parents=True, exist_ok=True)
+        state_dir.mkdir(parents=True, exist_ok=True)
         tmp = kept.with_name("port.tmp")
         tmp.write_text(f"{port}\n")
         os.replace(tmp, kept)
+        if not _claim(claims, port, state_dir):
+            continue  # another node claimed it just now
         return port
     raise NfsError(f"no free TCP port in {last}..{first} for the NFS server (set AENV_NFS_PORT "
                    "to one below 1024)")
+
+
+def node_nfs_port(state_dir: Path, *, shared_rw: bool, configured: int | None,
+                  claims: Path = PORT_CLAIMS) -> int | None:
+    """The port of the node's NFS server, or None when the rw-shared mode is off: then the node
+    has no NFS server, and its host rules neither redirect to nor wall a port."""
+    if not shared_rw:
+        return None
+    port = configured or stable_port(state_dir, claims=claims)
+    if port >= PRIVILEGED_PORTS:
+        raise NfsError(f"AENV_NFS_PORT={port}: the NFS server's port must be below "
+                       f"{PRIVILEGED_PORTS} (a local user could take another while ganesha "
+                       "restarts)")
+    return port
 
 
 def _socket_inodes(pid: int) -> set[str] | None:
@@ -543,8 +612,10 @@ class NfsServer:
 
     def __init__(self, state_dir: Path, *, bind_addr: str = "0.0.0.0", port: int = DEFAULT_PORT,
                  binary: str = GANESHA, log_cap: int = LOG_CAP,
-                 cgroup_procs: tuple[str, ...] = ()) -> None:
+                 cgroup_procs: tuple[str, ...] = (),
+                 max_client_ids: int = MAX_CLIENT_IDS) -> None:
         self.state_dir = Path(state_dir)
+        self.max_client_ids = max_client_ids
         self.bind_addr = bind_addr
         self.port = port
         self.binary = binary
@@ -617,7 +688,8 @@ class NfsServer:
     def _write_config(self, exports: tuple[NfsExport, ...]) -> None:
         shown = tuple(dataclasses.replace(e, path=self.published(e)) for e in exports)
         text = render_config(shown, bind_addr=self.bind_addr, port=self.port,
-                             recovery_root=self.recovery_root)
+                             recovery_root=self.recovery_root,
+                             max_client_ids=self.max_client_ids)
         tmp = self.config_path.with_name(self.config_path.name + ".tmp")
         tmp.write_text(text)
         os.replace(tmp, self.config_path)
