@@ -21,6 +21,12 @@ What the configuration says and why:
   state survives a restart of the server anyway (a client reclaiming after it gets
   NO_GRACE and its open files fail; new opens work).
 - Numeric owners only: guests and host share no user database; uids travel as numbers.
+- Client state (`Max_Client_Ids = MAX_CLIENT_IDS`, `Lease_Lifetime = 60`): a guest can make
+  NFSv4 client ids without end (EXCHANGE_ID with a fresh owner), each a few KB of ganesha's
+  memory and a recovery record; past the bound EXCHANGE_ID gets NFS4ERR_RESOURCE and clients
+  holding one are served on. ganesha 4.3 bounds only all clients together, not one guest's:
+  a guest that takes them all and renews them keeps others from mounting until it stops.
+  The records are in the jail's capped `run/` tmpfs (RUN_SIZE, RUN_INODES).
 - Every export `All_Squash` to the owner of its directory (`NfsExport.anon_uid/anon_gid`):
   root and the user in every sandbox act on the host as that one unprivileged owner, so a
   guest makes neither setuid-root files nor devices on the host, and files written by one
@@ -78,7 +84,11 @@ open_by_handle_at and name_to_handle_at). It runs in a cgroup of its own with a 
 task limit when the node has cgroups (`cgroup_procs`).
 
 Port. Below 1024 (`start` refuses another): only root binds it, so no local user takes it
-while ganesha restarts. `start` refuses a port another socket listens on, and after ganesha
+while ganesha restarts. None at all when the rw-shared mode is off (`node_nfs_port`: nothing
+walled, redirected or claimed on the host). The default (`stable_port`) skips ports another
+node of the host claims (PORT_CLAIMS: a file per port naming the claiming node's state
+directory, live while that state keeps the port) or walls (`walled_ports`), so two nodes on one
+host never pick the same one. `start` refuses a port another socket listens on, and after ganesha
 listens checks that every listening socket on the port is ganesha's (a squatter with
 SO_REUSEPORT beside it is refused too).
 
