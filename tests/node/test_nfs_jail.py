@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from agentenv.node.nfs import KEEP_CAPS, NfsExport, NfsServer
+from agentenv.node.nfs import KEEP_CAPS, NfsError, NfsExport, NfsServer
 from tests.node import handle_attack
 from tests.node.nfs41 import Nfs41Client, unwalled_port
 
@@ -51,7 +51,8 @@ def volume(tmp_path: Path) -> Iterator[Path]:
 def server(tmp_path: Path) -> Iterator[NfsServer]:
     if shutil.which("ganesha.nfsd") is None:
         pytest.fail("ganesha.nfsd is missing: run scripts/install-system.sh")
-    srv = NfsServer(tmp_path / "nfs", bind_addr="127.0.0.1", port=unwalled_port(tmp_path))
+    srv = NfsServer(tmp_path / "nfs", bind_addr="127.0.0.1", port=unwalled_port(tmp_path),
+                    whole_file_systems=True)  # as the node's (node/nfs_exports.py)
     try:
         yield srv
     finally:
@@ -123,3 +124,26 @@ def test_ganesha_s_mounts_and_handles_reach_no_host_file(
     with Nfs41Client("127.0.0.1", server.port) as client:  # and it still serves
         client.write("/volumes/v/after.txt", b"after\n")
     assert (volume / "after.txt").read_bytes() == b"after\n"
+
+
+def test_a_directory_of_a_host_file_system_is_not_exported(tmp_path: Path, volume: Path) -> None:
+    """The node's server exports only roots of file systems of their own (a shared volume's):
+    a directory of another file system is refused before ganesha sees it, as is a
+    subdirectory of a volume's."""
+    if shutil.which("ganesha.nfsd") is None:
+        pytest.fail("ganesha.nfsd is missing: run scripts/install-system.sh")
+    plain = tmp_path / "plain"
+    (volume / "sub").mkdir()
+    plain.mkdir()
+    srv = NfsServer(tmp_path / "nfs", bind_addr="127.0.0.1", port=unwalled_port(tmp_path),
+                    whole_file_systems=True)
+    try:
+        for path in (plain, volume / "sub"):
+            with pytest.raises(NfsError, match="not the root of a file system"):
+                srv.start([NfsExport(1, path, "/volumes/v", ("127.0.0.1",), 4321, 4321)])
+            assert not srv.running()
+        srv.start([NfsExport(1, volume, "/volumes/v", ("127.0.0.1",), 4321, 4321)])
+        with Nfs41Client("127.0.0.1", srv.port) as client:
+            assert client.read("/volumes/v/data.txt") == b"volume data\n"
+    finally:
+        srv.stop()

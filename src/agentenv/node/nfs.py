@@ -64,7 +64,10 @@ instance (a superblock of its own: a handle on it reaches only it) or its proc (
   recovery records; nothing of it on the node's disk.
 
 `start` reads ganesha's mountinfo after it listens and refuses to serve from a jail with any
-other mount (`_check_jail`); a bare jail refuses to bind a source that is not a tmpfs.
+other mount (`_check_jail`); a bare jail refuses to bind a source that is not a tmpfs. The
+node's server (`whole_file_systems`, node/nfs_exports.py) exports only roots of file systems of
+their own: a directory of another file system, or below a volume's root, is refused before
+it is bound.
 tests/node/test_nfs_jail.py runs the attack with ganesha's capabilities from inside its mount
 namespace: no host file is reached through any mount but the volume's, and through that one
 only the volume.
@@ -623,8 +626,11 @@ class NfsServer:
     def __init__(self, state_dir: Path, *, bind_addr: str = "0.0.0.0", port: int = DEFAULT_PORT,
                  binary: str = GANESHA, log_cap: int = LOG_CAP,
                  cgroup_procs: tuple[str, ...] = (),
-                 max_client_ids: int = MAX_CLIENT_IDS) -> None:
+                 max_client_ids: int = MAX_CLIENT_IDS, whole_file_systems: bool = False) -> None:
         self.state_dir = Path(state_dir)
+        #: export only the roots of file systems of their own (the node's shared volumes,
+        #: node/shared_fs.py): a handle through an export reaches only its file system
+        self.whole_file_systems = whole_file_systems
         self.max_client_ids = max_client_ids
         self.bind_addr = bind_addr
         self.port = port
@@ -678,6 +684,10 @@ class NfsServer:
             target = self.published(export)
             if target.name in mounted:
                 continue
+            root = _mount_fields(export.path) if self.whole_file_systems else None
+            if self.whole_file_systems and (root is None or root[3] != "/"):
+                raise NfsError(f"{export.path} is not the root of a file system of its own "
+                               "(node/shared_fs.py): not exported")
             if target.is_symlink():  # the node made none; ganesha's view of it is read-only
                 raise NfsError(f"{target} is a symlink: not mounting on it")
             target.mkdir(mode=0o700, exist_ok=True)
@@ -719,9 +729,12 @@ class NfsServer:
         (module doc, "Jail"): nothing else of a host file system, whose every inode a forged
         handle would open."""
         exports = str(self.exports_dir) + "/"
-        for point, kind, _, _ in jail_mounts(pid):
-            if kind not in ("tmpfs", "proc") and not point.startswith(exports):
-                raise NfsError(f"ganesha's jail has {point} of a host file system ({kind})")
+        for point, kind, _, root in jail_mounts(pid):
+            if point.startswith(exports) and (root == "/" or not self.whole_file_systems):
+                continue
+            if kind not in ("tmpfs", "proc") or point.startswith(exports):
+                raise NfsError(f"ganesha's jail has {point} of a host file system ({kind}, "
+                               f"{root})")
 
     def start(self, exports: Iterable[NfsExport] = (), timeout: float = 20.0) -> None:
         """Start ganesha in its jail and wait until it listens on its port (read from
