@@ -105,6 +105,15 @@ def test_ganesha_s_mounts_and_handles_reach_no_host_file(
         else:
             assert kind in ("tmpfs", "proc"), f"{point} is {kind} from {source} ({root})"
 
+    # ...and so is every file it holds open (a descriptor is a mount_fd too): its stdin and
+    # stdout are the jail's /dev/null, not the host's
+    allowed = {os.stat(f"/proc/{pid}/root{point}").st_dev for point, *_ in mounts}
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        if target.split(":", 1)[0] in ("pipe", "socket", "anon_inode"):
+            continue
+        assert os.stat(f"/proc/{pid}/fd/{fd}").st_dev in allowed, (fd, target)
+
     # 2. The attack, with each of those mounts as mount_fd.
     spec = {"targets": {name: _relative_to_its_fs(path) for name, path in host_files.items()},
             "handles": {name: handle_attack.handle_of(str(path))

@@ -52,7 +52,9 @@ instance (a superblock of its own: a handle on it reaches only it) or its proc (
   them (measured with strace -f: nothing else is opened at start); /lib and /lib64 as the
   host's symlinks. About 10 MB, copied at each start (charged to ganesha's cgroup).
 - `/dev`: a tmpfs of its own holding /dev/null and /dev/urandom made with mknod, then
-  read-only (every other mount is nodev; ganesha has no CAP_MKNOD).
+  read-only (every other mount is nodev; ganesha has no CAP_MKNOD). Its stdin and stdout are
+  reopened there before exec: a descriptor of the host's /dev/null would be a mount_fd on the
+  host's devtmpfs. Its stderr is a pipe.
 - `conf/`: a tmpfs the node mounts on the host (CONF_TMPFS, 1 MB) and writes the
   configuration into before the start and each reload; bound read-only into the jail.
 - `exports/`: a tmpfs the node mounts on the host (EXPORTS_TMPFS), a shared mount, bound
@@ -605,6 +607,12 @@ def _preexec(plan: jail.JailPlan, seccomp: SeccompProgram, last_cap: int,
                 with open(procs, "w") as f:
                     f.write("0")
             jail.enter(plan)
+            # stdin and stdout were the host's /dev/null (devtmpfs: a mount_fd for handles of
+            # the host's device nodes); now the jail's own
+            null = os.open("/dev/null", os.O_RDWR)
+            os.dup2(null, 0)
+            os.dup2(null, 1)
+            os.close(null)
             resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
             for cap in range(last_cap + 1):
                 if cap not in KEEP_CAPS and _libc.prctl(_PR_CAPBSET_DROP, cap, 0, 0, 0) != 0:
