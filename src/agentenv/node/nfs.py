@@ -55,7 +55,7 @@ instance (a superblock of its own: a handle on it reaches only it) or its proc (
   read-only (every other mount is nodev; ganesha has no CAP_MKNOD). Its stdin and stdout are
   reopened there before exec: a descriptor of the host's /dev/null would be a mount_fd on the
   host's devtmpfs. Its stderr is a pipe.
-- `conf/`: a tmpfs the node mounts on the host (CONF_TMPFS, 1 MB) and writes the
+- `conf/`: a tmpfs the node mounts on the host (CONF_TMPFS, 16 MB at most) and writes the
   configuration into before the start and each reload; bound read-only into the jail.
 - `exports/`: a tmpfs the node mounts on the host (EXPORTS_TMPFS), a shared mount, bound
   read-only (ganesha cannot plant a symlink there for the node to mount on) and a slave in
@@ -165,7 +165,7 @@ JAIL_PLUGINS = ("/usr/lib/*/ganesha/libfsalvfs.so", "/usr/lib*/ganesha/libfsalvf
 JAIL_DEVICES = (jail.Device("/dev/null", 1, 3), jail.Device("/dev/urandom", 1, 9))
 # The tmpfs instances of ganesha's files: its configuration (the node's, read-only inside), the
 # exports' mount points, and `run/` (its pid file, the NFSv4 recovery records: made in the jail).
-CONF_TMPFS = "size=1m,nr_inodes=64,mode=0700"
+CONF_TMPFS = "size=16m,nr_inodes=64,mode=0700"  # ganesha.conf: about 400 bytes an export
 EXPORTS_TMPFS = "size=1m,nr_inodes=65600,mode=0700"
 RUN_SIZE, RUN_INODES = 16 << 20, 4096
 # NFSv4 client ids ganesha holds at once, all guests together (module doc, "Client state").
