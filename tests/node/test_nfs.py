@@ -271,3 +271,38 @@ def test_ganesha_runs_in_its_cgroup(server: NfsServer, tmp_path: Path) -> None:
         server.stop()
         manager.remove(group)
         manager.close()
+
+
+def test_client_ids_are_bounded_and_the_server_serves_on(tmp_path: Path) -> None:
+    """A guest that makes NFSv4 client ids without end (EXCHANGE_ID with a fresh owner each
+    time) gets NFS4ERR_RESOURCE past Max_Client_Ids, all guests together; the clients that
+    have one keep being served. The node's bound is MAX_CLIENT_IDS."""
+    assert f"Max_Client_Ids = {nfs_module.MAX_CLIENT_IDS};" in render_config(
+        [], bind_addr="0.0.0.0", port=2049, recovery_root=tmp_path)
+    if os.geteuid() != 0:
+        pytest.skip("ganesha's VFS FSAL needs root (open_by_handle_at)")
+    bound = 8
+    srv = NfsServer(tmp_path / "nfs", bind_addr="127.0.0.1", port=unwalled_port(tmp_path),
+                    max_client_ids=bound)
+    vol = _export(tmp_path, 1, "v", ("127.0.0.1",))
+    try:
+        srv.start([vol])
+        kept = _client(srv).connect()
+        made, refused = 1, []
+        for _ in range(3 * bound):
+            try:
+                with _client(srv):
+                    made += 1
+            except Nfs4Error as exc:
+                refused.append(exc.name)
+        # ganesha 4.3 admits one past its bound (measured: 9 of 8)
+        assert bound <= made <= bound + 1, (made, refused)
+        assert set(refused) == {"NFS4ERR_RESOURCE"} and len(refused) == 3 * bound + 1 - made
+        kept.write("/volumes/v/still.txt", b"served\n")
+        assert kept.read("/volumes/v/still.txt") == b"served\n"
+        kept.close()
+        # one recovery record per client id at most, in the jail's own bounded tmpfs
+        records = Path(f"/proc/{srv.pid}/root{srv.recovery_root}")
+        assert sum(1 for _ in records.rglob("*")) <= bound + 8
+    finally:
+        srv.stop()

@@ -44,7 +44,7 @@ def test_exports_follow_the_sandboxes_and_the_server_is_supervised(tmp_path: Pat
     v1, v2 = _volume(tmp_path, "v1"), _volume(tmp_path, "v2")
 
     async def scenario() -> None:
-        exports = SharedExports(tmp_path / "nfs", port)
+        exports = SharedExports(tmp_path / "nfs", port, whole_file_systems=False)
         try:
             await exports.attach("sbx-none", "127.0.0.5", ())
             assert not exports.server.running()  # no shared volume: no server
@@ -87,7 +87,7 @@ def test_exports_follow_the_sandboxes_and_the_server_is_supervised(tmp_path: Pat
             # A node restart: the next run ends the server this one leaves and serves the
             # sandboxes it adopted (sbx-b only: sbx-a did not survive).
             left = exports.server.pid
-            nxt = SharedExports(tmp_path / "nfs", port)
+            nxt = SharedExports(tmp_path / "nfs", port, whole_file_systems=False)
             assert await asyncio.to_thread(nxt.reap_leftover)
             assert left is not None
             await asyncio.to_thread(exports.server._proc.wait, 10)  # type: ignore[union-attr]
@@ -104,7 +104,7 @@ def test_exports_follow_the_sandboxes_and_the_server_is_supervised(tmp_path: Pat
             await exports.close()
         assert not exports.server.running()
         # Export ids are kept: a new node run gives each volume the id it had.
-        again = SharedExports(tmp_path / "nfs", port)
+        again = SharedExports(tmp_path / "nfs", port, whole_file_systems=False)
         assert again.export_id("v2") == ids["/volumes/v2"]
         assert again.export_id("v1") == ids["/volumes/v1"]
         assert again.export_id("v3") not in ids.values()

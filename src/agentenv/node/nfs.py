@@ -21,6 +21,12 @@ What the configuration says and why:
   state survives a restart of the server anyway (a client reclaiming after it gets
   NO_GRACE and its open files fail; new opens work).
 - Numeric owners only: guests and host share no user database; uids travel as numbers.
+- Client state (`Max_Client_Ids = MAX_CLIENT_IDS`, `Lease_Lifetime = 60`): a guest can make
+  NFSv4 client ids without end (EXCHANGE_ID with a fresh owner), each a few KB of ganesha's
+  memory and a recovery record; past the bound EXCHANGE_ID gets NFS4ERR_RESOURCE and clients
+  holding one are served on. ganesha 4.3 bounds only all clients together, not one guest's:
+  a guest that takes them all and renews them keeps others from mounting until it stops.
+  The records are in the jail's capped `run/` tmpfs (RUN_SIZE, RUN_INODES).
 - Every export `All_Squash` to the owner of its directory (`NfsExport.anon_uid/anon_gid`):
   root and the user in every sandbox act on the host as that one unprivileged owner, so a
   guest makes neither setuid-root files nor devices on the host, and files written by one
@@ -30,30 +36,64 @@ What the configuration says and why:
   file system (NFS4ERR_NOENT at mount).
 
 Jail (review of 2026-12-07: ganesha parses every guest's NFS bytes, as root). ganesha starts
-as PID 1 of a PID namespace of its own (it sees and signals no process of the node), in the
-jail of runtime/jail.py that QEMU runs in (own mount, IPC and UTS namespaces, a read-only tmpfs
-root, pivot_root): it sees /usr and the libraries read-only, /etc/netconfig, /dev/null and
-/dev/urandom, its configuration directory `conf/` read-only, `run/` (its pid file, recovery
-directory) and `exports/`, nothing else of the host: not the node's state directory, database,
-keys, layer caches or the volumes' images. `exports/` is a shared mount on the host and a
-slave of it in the jail: each export is a bind of the volume's directory at
-`exports/<export id>`, made on the host before the reload that adds it (and unmounted after
-the one that drops it), and it appears in ganesha's namespace by propagation. Its
-capabilities are cut to KEEP_CAPS before exec (the bounding set: root keeps only these across
-it): CAP_DAC_READ_SEARCH (open_by_handle_at, which the VFS FSAL is made of), CAP_SETUID and
+as PID 1 of a PID namespace of its own (it sees and signals no process of the node), in a bare
+jail of runtime/jail.py (`plan_bare_jail`: own mount, IPC and UTS namespaces, a tmpfs root,
+pivot_root). Bare, because ganesha keeps CAP_DAC_READ_SEARCH and open_by_handle_at: with any
+mount in its namespace as mount_fd it opens any inode of that mount's file system by a forged
+handle (the "shocker" attack; measured on the jail before this one, which bound /usr, /etc
+files, `conf/`, `run/` and `exports/` from the host's disks: /etc/hostname and a file beside
+the node's state read through each of them). So nothing in its namespace is of a host file
+system but each volume's own ext4 (node/shared_fs.py), and every other mount is a tmpfs
+instance (a superblock of its own: a handle on it reaches only it) or its proc (no handles):
+
+- `/`: the jail's tmpfs (read-only after the start), holding copies of the program, the
+  plugins it dlopens (JAIL_PLUGINS: the VFS FSAL, libnfsidmap's nsswitch), their libraries
+  (`ldd`: runtime/jail.py `library_closure`) and JAIL_FILES, at the paths the loader finds
+  them (measured with strace -f: nothing else is opened at start); /lib and /lib64 as the
+  host's symlinks. About 10 MB, copied at each start (charged to ganesha's cgroup).
+- `/dev`: a tmpfs of its own holding /dev/null and /dev/urandom made with mknod, then
+  read-only (every other mount is nodev; ganesha has no CAP_MKNOD). Its stdin and stdout are
+  reopened there before exec: a descriptor of the host's /dev/null would be a mount_fd on the
+  host's devtmpfs. Its stderr is a pipe.
+- `conf/`: a tmpfs the node mounts on the host (CONF_TMPFS, 16 MB at most) and writes the
+  configuration into before the start and each reload; bound read-only into the jail.
+- `exports/`: a tmpfs the node mounts on the host (EXPORTS_TMPFS), a shared mount, bound
+  read-only (ganesha cannot plant a symlink there for the node to mount on) and a slave in
+  the jail: each export is a bind of the volume's file system root at `exports/<export id>`,
+  made on the host before the reload that adds it (and unmounted after the one that drops it),
+  and it appears in ganesha's namespace by propagation.
+- `run/`: a tmpfs made in the jail (RUN_SIZE, RUN_INODES): its pid file and the NFSv4
+  recovery records; nothing of it on the node's disk.
+
+`start` reads ganesha's mountinfo after it listens and refuses to serve from a jail with any
+other mount (`_check_jail`); a bare jail refuses to bind a source that is not a tmpfs. The
+node's server (`whole_file_systems`, node/nfs_exports.py) exports only roots of file systems of
+their own: a directory of another file system, or below a volume's root, is refused before
+it is bound.
+tests/node/test_nfs_jail.py runs the attack with ganesha's capabilities from inside its mount
+namespace: no host file is reached through any mount but the volume's, and through that one
+only the volume.
+
+Capabilities. They are cut to KEEP_CAPS before exec (the bounding set: root keeps only these
+across it): CAP_DAC_READ_SEARCH (open_by_handle_at, which the VFS FSAL is made of), CAP_SETUID and
 CAP_SETGID (it acts on files as the squashed owner), CAP_DAC_OVERRIDE, CAP_FOWNER and
 CAP_CHOWN (it opens files and sets their attributes as root after checking the client's rights
 itself: without them a write to a 0644 file, a chmod by the owner, or a guest's chown, which
 ganesha squashes to the owner the file has already and envd makes after every upload, fails;
 measured), CAP_NET_BIND_SERVICE (its port). Not CAP_SYS_ADMIN, CAP_FSETID, CAP_KILL,
-CAP_SYS_PTRACE, CAP_NET_ADMIN, CAP_MKNOD or any other. It cannot run as the squash uid instead: exports squash to different
-owners, and open_by_handle_at needs CAP_DAC_READ_SEARCH whatever the uid. Then no_new_privs,
-no core dumps, and a seccomp filter (runtime/qemu.py `jail_filter`: no namespaces, mounts,
-ptrace, BPF, keyrings, modules...; it keeps open_by_handle_at and name_to_handle_at). It runs
-in a cgroup of its own with a memory and task limit when the node has cgroups (`cgroup_procs`).
+CAP_SYS_PTRACE, CAP_NET_ADMIN, CAP_MKNOD or any other. It cannot run as the squash uid
+instead: exports squash to different owners, and open_by_handle_at needs CAP_DAC_READ_SEARCH
+whatever the uid. Then no_new_privs, no core dumps, and a seccomp filter (runtime/qemu.py
+`jail_filter`: no namespaces, mounts, ptrace, BPF, keyrings, modules...; it keeps
+open_by_handle_at and name_to_handle_at). It runs in a cgroup of its own with a memory and
+task limit when the node has cgroups (`cgroup_procs`).
 
 Port. Below 1024 (`start` refuses another): only root binds it, so no local user takes it
-while ganesha restarts. `start` refuses a port another socket listens on, and after ganesha
+while ganesha restarts. None at all when the rw-shared mode is off (`node_nfs_port`: nothing
+walled, redirected or claimed on the host). The default (`stable_port`) skips ports another
+node of the host claims (PORT_CLAIMS: a file per port naming the claiming node's state
+directory, live while that state keeps the port) or walls (`walled_ports`), so two nodes on one
+host never pick the same one. `start` refuses a port another socket listens on, and after ganesha
 listens checks that every listening socket on the port is ganesha's (a squatter with
 SO_REUSEPORT beside it is refused too).
 
@@ -78,6 +118,8 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import dataclasses
+import functools
+import glob
 import ipaddress
 import os
 import re
@@ -113,8 +155,22 @@ RELOAD_ERROR = re.compile(_SIGMGR + r"\S+ :[^:]+ :(CRIT|MAJ|FATAL) :")
 LOG_CAP = 1 << 20  # bytes of ganesha.log before it becomes ganesha.log.1
 LINE_CAP = 4096
 TAIL_LINES = 200
-# What ganesha needs of the host's /etc in its jail (libntirpc reads netconfig).
-JAIL_FILES = ("/etc/netconfig",)
+# What ganesha opens of the host's files at start besides its program and libraries (measured
+# with strace -f): the loader's cache, libntirpc's netconfig; copied into its jail.
+JAIL_FILES = ("/etc/ld.so.cache", "/etc/netconfig")
+# The libraries ganesha dlopens (its VFS FSAL; libnfsidmap's nsswitch plugin), wherever the
+# distribution puts them (Debian: /usr/lib/<triplet>/...).
+JAIL_PLUGINS = ("/usr/lib/*/ganesha/libfsalvfs.so", "/usr/lib*/ganesha/libfsalvfs.so",
+                "/usr/lib/*/libnfsidmap/nsswitch.so", "/usr/lib*/libnfsidmap/nsswitch.so")
+JAIL_DEVICES = (jail.Device("/dev/null", 1, 3), jail.Device("/dev/urandom", 1, 9))
+# The tmpfs instances of ganesha's files: its configuration (the node's, read-only inside), the
+# exports' mount points, and `run/` (its pid file, the NFSv4 recovery records: made in the jail).
+CONF_TMPFS = "size=16m,nr_inodes=64,mode=0700"  # ganesha.conf: about 400 bytes an export
+EXPORTS_TMPFS = "size=1m,nr_inodes=65600,mode=0700"
+RUN_SIZE, RUN_INODES = 16 << 20, 4096
+# NFSv4 client ids ganesha holds at once, all guests together (module doc, "Client state").
+MAX_CLIENT_IDS = 1024
+LEASE_LIFETIME = 60  # seconds a client id lives without a renewal
 # ganesha finds the exports' file systems in /etc/mtab (its namespace's, through its proc).
 JAIL_LINKS = (("/etc/mtab", "../proc/self/mounts"),)
 # The system calls of runtime/qemu.py's JAIL_DENIED that ganesha's VFS FSAL is made of.
@@ -171,9 +227,11 @@ class NfsExport:
 
 
 def render_config(exports: Iterable[NfsExport], *, bind_addr: str, port: int,
-                  recovery_root: Path) -> str:
+                  recovery_root: Path, max_client_ids: int = MAX_CLIENT_IDS) -> str:
     """ganesha.conf for these exports. An export without clients is left out."""
     ipaddress.IPv4Address(bind_addr)
+    if not 0 < max_client_ids < 2**32:
+        raise NfsError(f"max_client_ids {max_client_ids} is not in 1..2^32-1 (0 is no limit)")
     if _UNSAFE.search(str(recovery_root)):
         raise NfsError(f"recovery directory {str(recovery_root)!r} is not plain")
     exports = list(exports)
@@ -193,7 +251,8 @@ def render_config(exports: Iterable[NfsExport], *, bind_addr: str, port: int,
         "NFSV4 {",
         "  Minor_Versions = 1;",
         "  Graceless = true;",
-        "  Lease_Lifetime = 60;",
+        f"  Lease_Lifetime = {LEASE_LIFETIME};",
+        f"  Max_Client_Ids = {int(max_client_ids)};",
         "  RecoveryBackend = fs;",
         f'  RecoveryRoot = "{recovery_root}";',
         "  Allow_Numeric_Owners = true;",
@@ -250,32 +309,95 @@ def unprivileged_port_start() -> int:
         return PRIVILEGED_PORTS
 
 
-def stable_port(state_dir: Path, first: int = PRIVILEGED_PORTS - 1, last: int = 600) -> int:
+# Host-wide claims of NFS ports, one file per port naming the state directory of the node that
+# keeps it (on /run: gone at reboot, as the walls are): two nodes on a host never pick the same.
+PORT_CLAIMS = Path("/run/aenv/nfs-ports")
+_WALL = re.compile(r"tcp dport (\d+) ct status")
+
+
+def walled_ports() -> set[int]:
+    """The ports a node's host rules wall on this host (runtime/network.py `host_ruleset`:
+    every connection to its NFS port that a slot's redirect did not make is reset)."""
+    try:
+        rules = subprocess.run(["nft", "list", "ruleset"], capture_output=True, text=True,
+                               timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):
+        return set()
+    return {int(port) for port in _WALL.findall(rules)}
+
+
+def _claimant(claims: Path, port: int) -> Path | None:
+    """The state directory whose node keeps `port` (its claim, and its `port` file still
+    names it), else None (no claim, or a stale one)."""
+    try:
+        owner = Path((claims / str(port)).read_text().strip())
+        if int((owner / "port").read_text().strip()) == port:
+            return owner
+    except (OSError, ValueError):
+        pass
+    return None
+
+
+def _claim(claims: Path, port: int, state_dir: Path) -> bool:
+    """Claim `port` for `state_dir` (or keep its claim); False when another node holds it."""
+    owner = _claimant(claims, port)
+    if owner is not None and owner.resolve() != state_dir.resolve():
+        return False
+    claims.mkdir(mode=0o755, parents=True, exist_ok=True)
+    tmp = claims / f".{port}.{os.getpid()}.tmp"
+    tmp.write_text(f"{state_dir.resolve()}\n")
+    os.replace(tmp, claims / str(port))
+    return True
+
+
+def stable_port(state_dir: Path, first: int = PRIVILEGED_PORTS - 1, last: int = 600,
+                claims: Path = PORT_CLAIMS) -> int:
     """The node's NFS port: the one kept in `<state_dir>/port`, else the first port from
-    `first` down to `last` that no socket is bound to and /etc/services names no service for,
-    kept there from then on (the same port at every start of the node: the slots' redirect
-    and the guests' reconnects after a restart find it)."""
-    kept = Path(state_dir) / "port"
+    `first` down to `last` that no socket is bound to, /etc/services names no service for, no
+    node walls (`walled_ports`) and no other node of the host claims (`claims`), kept there
+    from then on (the same port at every start of the node: the slots' redirect and the
+    guests' reconnects after a restart find it). A kept port another node claimed meanwhile
+    is given up for a new one."""
+    state_dir = Path(state_dir)
+    kept = state_dir / "port"
     with contextlib.suppress(OSError, ValueError):
         port = int(kept.read_text().strip())
-        if 0 < port < PRIVILEGED_PORTS:
+        if 0 < port < PRIVILEGED_PORTS and _claim(claims, port, state_dir):
             return port
+    walled = walled_ports()
     # only ports no local user may bind (`start` refuses the others)
     for port in range(min(first, unprivileged_port_start() - 1), last - 1, -1):
-        if _known_service(port) or listeners(port):
+        if _known_service(port) or port in walled or listeners(port) or \
+                _claimant(claims, port) is not None:
             continue
         with socket.socket() as s:
             try:
                 s.bind(("0.0.0.0", port))
             except OSError:
                 continue
-        Path(state_dir).mkdir(parents=True, exist_ok=True)
+        state_dir.mkdir(parents=True, exist_ok=True)
         tmp = kept.with_name("port.tmp")
         tmp.write_text(f"{port}\n")
         os.replace(tmp, kept)
+        if not _claim(claims, port, state_dir):
+            continue  # another node claimed it just now
         return port
     raise NfsError(f"no free TCP port in {last}..{first} for the NFS server (set AENV_NFS_PORT "
                    "to one below 1024)")
+
+
+def node_nfs_port(state_dir: Path, *, shared_rw: bool, configured: int | None,
+                  claims: Path = PORT_CLAIMS) -> int | None:
+    """The port of the node's NFS server, or None when the rw-shared mode is off: then the node
+    has no NFS server, and its host rules neither redirect to nor wall a port."""
+    if not shared_rw:
+        return None
+    port = configured or stable_port(state_dir, claims=claims)
+    if port >= PRIVILEGED_PORTS:
+        raise NfsError(f"AENV_NFS_PORT={port}: the NFS server's port must be below "
+                       f"{PRIVILEGED_PORTS} (a local user could take another while ganesha "
+                       "restarts)")
+    return port
 
 
 def _socket_inodes(pid: int) -> set[str] | None:
@@ -348,10 +470,55 @@ def _mount_fields(path: Path) -> list[str] | None:
     return None
 
 
+def _fstype(fields: list[str]) -> str:
+    return fields[fields.index("-") + 1] if "-" in fields else "?"
+
+
 def _run(*argv: str) -> None:
     proc = subprocess.run(argv, capture_output=True, text=True)
     if proc.returncode != 0:
         raise NfsError(f"{' '.join(argv)} failed: {proc.stderr.strip()}")
+
+
+def _own_tmpfs(path: Path, options: str) -> bool:
+    """`path` the mount point of a tmpfs of its own (mounted there now unless one is there
+    already); whatever else was mounted there (an older node's bind of a directory) is
+    unmounted first. True when it was mounted now."""
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    fields = _mount_fields(path)
+    if fields is not None and _fstype(fields) == "tmpfs" and fields[3] == "/":
+        return False
+    while _mount_fields(path) is not None:
+        _run("umount", "-l", str(path))
+    _run("mount", "-t", "tmpfs", "-o", f"nosuid,nodev,noexec,{options}", "tmpfs", str(path))
+    return True
+
+
+@functools.lru_cache(maxsize=4)
+def _jail_copies(binary: str, stamp: float) -> tuple[str, ...]:
+    """What ganesha's jail holds of the host: the program, its plugins, the libraries of both,
+    JAIL_FILES (module doc, "Jail"). `stamp` (the program's mtime) renews it after an
+    upgrade."""
+    plugins = sorted({os.path.realpath(found) for pattern in JAIL_PLUGINS
+                      for found in glob.glob(pattern)})
+    if not any(p.endswith("/libfsalvfs.so") for p in plugins):
+        raise NfsError("ganesha's VFS FSAL (libfsalvfs.so) is missing: install "
+                       "nfs-ganesha-vfs (scripts/install-system.sh)")
+    try:
+        libraries = jail.library_closure([binary, *plugins])
+    except RuntimeError_ as exc:
+        raise NfsError(str(exc)) from exc
+    return (binary, *plugins, *libraries, *JAIL_FILES)
+
+
+def jail_mounts(pid: int) -> list[tuple[str, str, str, str]]:
+    """ganesha's mounts, from inside its mount namespace: (mount point, file system type,
+    source, root within the file system) of every entry of its mountinfo."""
+    found = []
+    for line in Path(f"/proc/{pid}/mountinfo").read_text().splitlines():
+        fields = line.split()
+        found.append((fields[4], _fstype(fields), fields[fields.index("-") + 2], fields[3]))
+    return found
 
 
 class _LogSink:
@@ -440,6 +607,12 @@ def _preexec(plan: jail.JailPlan, seccomp: SeccompProgram, last_cap: int,
                 with open(procs, "w") as f:
                     f.write("0")
             jail.enter(plan)
+            # stdin and stdout were the host's /dev/null (devtmpfs: a mount_fd for handles of
+            # the host's device nodes); now the jail's own
+            null = os.open("/dev/null", os.O_RDWR)
+            os.dup2(null, 0)
+            os.dup2(null, 1)
+            os.close(null)
             resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
             for cap in range(last_cap + 1):
                 if cap not in KEEP_CAPS and _libc.prctl(_PR_CAPBSET_DROP, cap, 0, 0, 0) != 0:
@@ -460,8 +633,13 @@ class NfsServer:
 
     def __init__(self, state_dir: Path, *, bind_addr: str = "0.0.0.0", port: int = DEFAULT_PORT,
                  binary: str = GANESHA, log_cap: int = LOG_CAP,
-                 cgroup_procs: tuple[str, ...] = ()) -> None:
+                 cgroup_procs: tuple[str, ...] = (),
+                 max_client_ids: int = MAX_CLIENT_IDS, whole_file_systems: bool = False) -> None:
         self.state_dir = Path(state_dir)
+        #: export only the roots of file systems of their own (the node's shared volumes,
+        #: node/shared_fs.py): a handle through an export reaches only its file system
+        self.whole_file_systems = whole_file_systems
+        self.max_client_ids = max_client_ids
         self.bind_addr = bind_addr
         self.port = port
         self.binary = binary
@@ -475,6 +653,7 @@ class NfsServer:
         self.log_path = self.state_dir / "ganesha.log"
         self.pid_path = self.state_dir / "ganesha.hostpid"
         self.recovery_root = self.run_dir / "recovery"
+        self.start_seconds = 0.0  # how long the last start took, until ganesha listened
         self._proc: subprocess.Popen[bytes] | None = None
         self._log: _LogSink | None = None
         self.exports: tuple[NfsExport, ...] = ()
@@ -495,13 +674,11 @@ class NfsServer:
         return self.exports_dir / str(export.export_id)
 
     def _share_exports_dir(self) -> None:
-        """The exports directory as a shared mount of its own on the host, so the binds made
-        in it later reach ganesha's namespace (its copy is a slave of this one)."""
-        self.exports_dir.mkdir(mode=0o700, exist_ok=True)
+        """The exports directory a tmpfs of its own and a shared mount on the host, so the
+        binds made in it later reach ganesha's namespace (its copy is a slave of this one).
+        A tmpfs, not a bind of the state directory: ganesha's handles on it reach only it."""
+        _own_tmpfs(self.exports_dir, EXPORTS_TMPFS)
         fields = _mount_fields(self.exports_dir)
-        if fields is None:
-            _run("mount", "--bind", str(self.exports_dir), str(self.exports_dir))
-            fields = _mount_fields(self.exports_dir)
         if fields is None or not any(f.startswith("shared:") for f in fields[6:]):
             _run("mount", "--make-shared", str(self.exports_dir))
 
@@ -515,6 +692,12 @@ class NfsServer:
             target = self.published(export)
             if target.name in mounted:
                 continue
+            root = _mount_fields(export.path) if self.whole_file_systems else None
+            if self.whole_file_systems and (root is None or root[3] != "/"):
+                raise NfsError(f"{export.path} is not the root of a file system of its own "
+                               "(node/shared_fs.py): not exported")
+            if target.is_symlink():  # the node made none; ganesha's view of it is read-only
+                raise NfsError(f"{target} is a symlink: not mounting on it")
             target.mkdir(mode=0o700, exist_ok=True)
             _run("mount", "--bind", str(export.path), str(target))
             _run("mount", "-o", "remount,bind,nosuid,nodev,noexec", str(target))
@@ -533,7 +716,8 @@ class NfsServer:
     def _write_config(self, exports: tuple[NfsExport, ...]) -> None:
         shown = tuple(dataclasses.replace(e, path=self.published(e)) for e in exports)
         text = render_config(shown, bind_addr=self.bind_addr, port=self.port,
-                             recovery_root=self.recovery_root)
+                             recovery_root=self.recovery_root,
+                             max_client_ids=self.max_client_ids)
         tmp = self.config_path.with_name(self.config_path.name + ".tmp")
         tmp.write_text(text)
         os.replace(tmp, self.config_path)
@@ -541,11 +725,24 @@ class NfsServer:
     def _log_text(self) -> str:
         return self._log.text() if self._log is not None else ""
 
-    def _plan(self) -> jail.JailPlan:
-        return jail.plan_jail(self.jail_root, writable=[self.run_dir],
-                              read_only=[self.config_dir, *JAIL_FILES],
-                              devices=jail.DEVICES, following=[self.exports_dir],
-                              links=JAIL_LINKS)
+    def _plan(self, binary: str) -> jail.JailPlan:
+        copies = _jail_copies(binary, os.stat(binary).st_mtime)
+        return jail.plan_bare_jail(
+            self.jail_root, copies=copies, devices=JAIL_DEVICES,
+            tmpfs=[jail.Tmpfs(str(self.run_dir), RUN_SIZE, RUN_INODES)],
+            read_only=[self.config_dir], following=[self.exports_dir], links=JAIL_LINKS)
+
+    def _check_jail(self, pid: int) -> None:
+        """Every mount in ganesha's namespace is a tmpfs, its proc, or an export's bind
+        (module doc, "Jail"): nothing else of a host file system, whose every inode a forged
+        handle would open."""
+        exports = str(self.exports_dir) + "/"
+        for point, kind, _, root in jail_mounts(pid):
+            if point.startswith(exports) and (root == "/" or not self.whole_file_systems):
+                continue
+            if kind not in ("tmpfs", "proc") or point.startswith(exports):
+                raise NfsError(f"ganesha's jail has {point} of a host file system ({kind}, "
+                               f"{root})")
 
     def start(self, exports: Iterable[NfsExport] = (), timeout: float = 20.0) -> None:
         """Start ganesha in its jail and wait until it listens on its port (read from
@@ -571,16 +768,18 @@ class NfsServer:
         if path is None:
             raise NfsError(f"{self.binary} is missing: install nfs-ganesha and nfs-ganesha-vfs "
                            "(scripts/install-system.sh)")
-        for directory in (self.state_dir, self.config_dir, self.run_dir, self.recovery_root,
-                          self.jail_root):
+        path = os.path.realpath(path)
+        started = time.monotonic()
+        for directory in (self.state_dir, self.jail_root):
             directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        _own_tmpfs(self.config_dir, CONF_TMPFS)
         self.exports = tuple(exports)
         self._share_exports_dir()
         self.unpublish(self.exports)
         self._publish(self.exports)
         self._write_config(self.exports)
         try:
-            plan = self._plan()
+            plan = self._plan(path)
             seccomp = jail_filter(GANESHA_SYSCALLS)
         except RuntimeError_ as exc:
             raise NfsError(str(exc)) from exc
@@ -613,6 +812,12 @@ class NfsServer:
             self.stop()
             raise NfsError(f"port {self.port} is also held by another program ({other[0]}): "
                            "the NFS server does not serve beside it")
+        try:
+            self._check_jail(proc.pid)
+        except (NfsError, OSError) as exc:
+            self.stop()
+            raise NfsError(f"ganesha's jail is not as planned: {exc}") from exc
+        self.start_seconds = time.monotonic() - started
 
     def update(self, exports: Iterable[NfsExport], timeout: float = 20.0) -> None:
         """Replace the exports: publish the new ones, rewrite the configuration, SIGHUP, wait
@@ -659,3 +864,5 @@ class NfsServer:
             self.unpublish()
             while _mount_fields(self.exports_dir) is not None:
                 _run("umount", "-l", str(self.exports_dir))
+        while self.config_dir.is_dir() and _mount_fields(self.config_dir) is not None:
+            _run("umount", "-l", str(self.config_dir))

@@ -61,9 +61,12 @@ class SharedVolume:
 
 
 class SharedExports:
-    def __init__(self, state_dir: Path, port: int, *, binary: str = GANESHA) -> None:
+    def __init__(self, state_dir: Path, port: int, *, binary: str = GANESHA,
+                 whole_file_systems: bool = True) -> None:
         self.state_dir = Path(state_dir)
-        self.server = NfsServer(self.state_dir, bind_addr="0.0.0.0", port=port, binary=binary)
+        # Each export the root of its volume's own file system (node/shared_fs.py), checked.
+        self.server = NfsServer(self.state_dir, bind_addr="0.0.0.0", port=port, binary=binary,
+                                whole_file_systems=whole_file_systems)
         self._ids_path = self.state_dir / "export-ids.json"
         self._clients_path = self.state_dir / "clients.json"
         self._ids: dict[str, int] | None = None

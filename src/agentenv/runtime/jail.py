@@ -35,6 +35,17 @@ with EFBIG, SIGXFSZ being ignored, instead of filling the host's disk), RLIMIT_N
 number of descriptors whatever the node's own limit, and no core dumps (a QEMU's core is its
 guest's memory, on the host's disk).
 
+Bare jails (`plan_bare_jail`, node/nfs.py's ganesha). A server that keeps CAP_DAC_READ_SEARCH
+and open_by_handle_at opens any inode of every file system one of its mounts is on, by a forged
+handle with that mount as mount_fd (the "shocker" attack): a bind of /usr or of a directory of
+the node's disk hands it the whole of that disk. Its jail binds nothing of the host's disks:
+the program, the libraries it loads (`library_closure`) and its few files are copied into the
+jail's own tmpfs root (a superblock of its own: a handle on it reaches only those copies); its
+device nodes are made with mknod in a tmpfs of their own at /dev (read-only once made; every
+other mount stays nodev); its writable directories are tmpfs instances made for it of bounded
+size; the only binds are of tmpfs mounts the caller made for it (checked: `enter` refuses a bind
+whose source is not a tmpfs) and what the caller mounts beneath a followed one later.
+
 PID namespace. The runtime forks QEMU with the forking thread's PID namespace for children
 set to a fresh one (`spawn_in_new_pid_namespace`), so QEMU is PID 1 there while the runtime
 keeps its host pid as its child (exit status, pidfd, process_vm_readv, adoption).
@@ -51,6 +62,7 @@ import platform
 import pwd
 import resource
 import signal
+import stat
 import subprocess
 import threading
 from collections.abc import Iterable
@@ -120,6 +132,34 @@ class Bind:
 
 
 @dataclass(frozen=True)
+class Copy:
+    """A host file (symlinks followed) copied into the jail's root at `path`."""
+
+    source: str
+    path: str
+    mode: int
+
+
+@dataclass(frozen=True)
+class Device:
+    """A character device node made in the jail (mknod) at `path`."""
+
+    path: str
+    major: int
+    minor: int
+
+
+@dataclass(frozen=True)
+class Tmpfs:
+    """A tmpfs instance made for the jail at `path`: `size` bytes, `inodes` files at most."""
+
+    path: str
+    size: int
+    inodes: int
+    mode: int = 0o700
+
+
+@dataclass(frozen=True)
 class JailPlan:
     """Everything `enter` mounts, prepared in the parent (the child only makes syscalls)."""
 
@@ -128,6 +168,14 @@ class JailPlan:
     #: the jail's copy of the host's mounts: MS_PRIVATE (nothing propagates either way) or
     #: MS_SLAVE (mounts the host makes under a `recursive` bind's shared source appear inside)
     propagation: int = MS_PRIVATE
+    #: a bare jail (module doc): copies instead of the system's paths, devices made, writable
+    #: tmpfs instances; every bind's source must be a tmpfs
+    bare: bool = False
+    root_size: int = 1 << 20
+    root_inodes: int = 4096
+    copies: tuple[Copy, ...] = ()
+    devices: tuple[Device, ...] = ()
+    tmpfs: tuple[Tmpfs, ...] = ()
 
 
 def plan_jail(mountpoint: Path, *, writable: Iterable[str | Path],
@@ -174,6 +222,75 @@ def plan_jail(mountpoint: Path, *, writable: Iterable[str | Path],
     return JailPlan(str(mountpoint), tuple(binds), MS_SLAVE if follow else MS_PRIVATE)
 
 
+def library_closure(programs: Iterable[str | Path]) -> list[str]:
+    """The shared libraries `programs` (executables or libraries a program dlopens) load, with
+    their dynamic loader, as the loader finds them here (`ldd`: the paths it opens)."""
+    found: list[str] = []
+    for program in programs:
+        proc = subprocess.run(["ldd", str(program)], capture_output=True, text=True,
+                              env=ENVIRONMENT)
+        if proc.returncode != 0:
+            raise RuntimeError_(f"ldd {program} failed: {proc.stderr.strip()}")
+        for line in proc.stdout.splitlines():
+            name, arrow, rest = line.strip().partition(" => ")
+            path = (rest if arrow else name).split(" (", 1)[0].strip()
+            if arrow and path == "not found":
+                raise RuntimeError_(f"{program} needs {name}, which is not found")
+            if path.startswith("/") and path not in found:
+                found.append(path)
+    return found
+
+
+def _placed(path: str, links: dict[str, str]) -> str:
+    """Where a copy of the host's `path` goes in a bare jail so that `path` finds it there: the
+    symlinks among its parent directories (e.g. /lib -> usr/lib on a merged-/usr host) are
+    recorded in `links`, to be made in the jail, and the file goes to the resolved directory."""
+    current = "/"
+    for part in Path(os.path.dirname(os.path.abspath(path))).parts[1:]:
+        step = os.path.join(current, part)
+        if os.path.islink(step):
+            links.setdefault(step, os.readlink(step))
+            step = os.path.realpath(step)
+        current = step
+    return os.path.join(current, os.path.basename(path))
+
+
+def plan_bare_jail(mountpoint: Path, *, copies: Iterable[str | Path],
+                   devices: Iterable[Device], tmpfs: Iterable[Tmpfs],
+                   read_only: Iterable[str | Path] = (), following: Iterable[str | Path] = (),
+                   links: Iterable[tuple[str, str]] = ()) -> JailPlan:
+    """A bare jail (module doc): `copies` (host files, e.g. a program and its
+    `library_closure`) copied to where their host paths find them, `devices` made, `tmpfs`
+    instances made; `read_only` binds of host tmpfs mounts (directories), `following`
+    read-only binds of host tmpfs mounts with what is mounted beneath them, now and later
+    (shared mounts on the host: their new mounts appear inside; the jail writes nothing into
+    them); `links`: (path, target) symlinks made in the jail."""
+    made: dict[str, str] = {}
+    placed: dict[str, Copy] = {}
+    for source in copies:
+        text = os.path.abspath(str(source))
+        if not os.path.isfile(text):
+            raise RuntimeError_(f"the jail needs {text}, which is not a file")
+        target = _placed(text, made)
+        mode = os.stat(text).st_mode & 0o555
+        placed.setdefault(target, Copy(text, target, mode))
+    binds: list[Bind] = []
+    seen: set[str] = set()
+    for paths, recursive in ((read_only, False), (following, True)):
+        for path in paths:
+            text = os.path.abspath(str(path))
+            if text in seen or not os.path.isdir(text):
+                raise RuntimeError_(f"the jail cannot bind {text}: not a directory, or twice")
+            seen.add(text)
+            binds.append(Bind(text, True, True, recursive=recursive))
+    for path, target in [*made.items(), *links]:
+        binds.append(Bind(os.path.abspath(path), True, False, link=target))
+    size = sum(os.stat(c.source).st_size for c in placed.values())
+    return JailPlan(str(mountpoint), tuple(binds), MS_SLAVE if following else MS_PRIVATE,
+                    bare=True, root_size=size + (2 << 20), copies=tuple(placed.values()),
+                    devices=tuple(devices), tmpfs=tuple(tmpfs))
+
+
 def _check(result: int, what: str) -> None:
     if result != 0:
         err = ctypes.get_errno()
@@ -200,20 +317,28 @@ def enter(plan: JailPlan) -> None:
     # Nothing mounted from here on reaches the host (or another jail).
     _mount(None, "/", None, MS_REC | plan.propagation)
     root = plan.mountpoint
-    _mount("tmpfs", root, "tmpfs", MS_NOSUID, "mode=0755,size=1m,nr_inodes=4096")
+    _mount("tmpfs", root, "tmpfs", MS_NOSUID,
+           f"mode=0755,size={plan.root_size},nr_inodes={plan.root_inodes}")
     os.umask(0o022)
+    for copy in plan.copies:
+        os.makedirs(os.path.dirname(root + copy.path), mode=0o755, exist_ok=True)
+        _copy_file(copy.source, root + copy.path, copy.mode)
+    _make_devices(root, plan.devices)
     for bind in plan.binds:
         target = root + bind.path
         os.makedirs(os.path.dirname(target), mode=0o755, exist_ok=True)
         if bind.link is not None:
             os.symlink(bind.link, target)
             continue
+        if plan.bare and _fstype(bind.path) != "tmpfs":
+            raise OSError(errno.EPERM, f"a bare jail binds only tmpfs mounts: {bind.path} "
+                                       f"is on {_fstype(bind.path)}")
         if bind.directory:
             os.makedirs(target, mode=0o755, exist_ok=True)
         elif not os.path.exists(target):
             os.close(os.open(target, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o644))
         # A directory under /usr etc. is already inside its read-only bind.
-        if _under_system_path(bind.path) and bind.read_only:
+        if not plan.bare and _under_system_path(bind.path) and bind.read_only:
             continue
         _mount(bind.path, target, None, MS_BIND | (MS_REC if bind.recursive else 0))
         flags = MS_REMOUNT | MS_BIND | MS_NOSUID
@@ -221,7 +346,13 @@ def enter(plan: JailPlan) -> None:
             flags |= MS_RDONLY | MS_NODEV
         elif not bind.path.startswith("/dev/"):
             flags |= MS_NODEV
+        if plan.bare:
+            flags |= MS_NOEXEC
         _mount(None, target, None, flags)
+    for fs in plan.tmpfs:
+        os.makedirs(root + fs.path, mode=0o755, exist_ok=True)
+        _mount("tmpfs", root + fs.path, "tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC,
+               f"mode={fs.mode:o},size={fs.size},nr_inodes={fs.inodes}")
     os.makedirs(root + "/proc", mode=0o555, exist_ok=True)
     # This PID namespace's proc, its process directories only (no /proc/sys, no sysrq).
     _mount("proc", root + "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, "subset=pid")
@@ -234,6 +365,53 @@ def enter(plan: JailPlan) -> None:
     _check(_libc.umount2(b".", MNT_DETACH), "detaching the host's root")
     os.chdir("/")
     _mount(None, "/", None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV)
+
+
+def _copy_file(source: str, target: str, mode: int) -> None:
+    src = os.open(source, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        dst = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        try:
+            size = os.fstat(src).st_size
+            offset = 0
+            while offset < size:
+                sent = os.sendfile(dst, src, offset, size - offset)
+                if sent == 0:
+                    break
+                offset += sent
+            os.fchmod(dst, mode)
+        finally:
+            os.close(dst)
+    finally:
+        os.close(src)
+
+
+def _make_devices(root: str, devices: tuple[Device, ...]) -> None:
+    """Each directory of `devices` (e.g. /dev) a tmpfs of its own, the nodes made in it, then
+    read-only: the jail's other mounts stay nodev, and nothing is added here later."""
+    for directory in sorted({os.path.dirname(d.path) for d in devices}):
+        target = root + directory
+        os.makedirs(target, mode=0o755, exist_ok=True)
+        _mount("tmpfs", target, "tmpfs", MS_NOSUID | MS_NOEXEC, "mode=0755,size=4k,nr_inodes=64")
+        for device in devices:
+            if os.path.dirname(device.path) == directory:
+                os.mknod(root + device.path, 0o666 | stat.S_IFCHR,
+                         os.makedev(device.major, device.minor))
+                os.chmod(root + device.path, 0o666)
+        _mount(None, target, None, MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NOEXEC)
+
+
+def _fstype(path: str) -> str:
+    """The type of the file system mounted topmost at or above `path` (this namespace)."""
+    best, kind = "", "?"
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            fields = line.split()
+            point = fields[4].replace("\\040", " ")
+            if (path == point or path.startswith(point.rstrip("/") + "/")) and \
+                    len(point) >= len(best):
+                best, kind = point, fields[fields.index("-") + 1]
+    return kind
 
 
 _fork_lock = threading.Lock()

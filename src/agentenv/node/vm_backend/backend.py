@@ -47,7 +47,7 @@ from agentenv.node.base_template import (
     build_base_template,
     load_previous,
 )
-from agentenv.node.nfs import PRIVILEGED_PORTS, NfsError, stable_port
+from agentenv.node.nfs import NfsError, node_nfs_port
 from agentenv.node.nfs_exports import SharedExports, SharedVolume
 from agentenv.node.ready_pool import ReadyPool, ReadyPoolConfig
 from agentenv.node.vm_backend.adoption import (
@@ -62,7 +62,7 @@ from agentenv.node.vm_backend.egress import EgressGlue, egress_of
 from agentenv.node.vm_backend.errors import vm_errors
 from agentenv.node.vm_backend.metrics import MetricsSampler
 from agentenv.node.vm_backend.snapshots import SnapshotStore, record_dir, record_dirs
-from agentenv.node.volumes import VOLUME_SLOTS
+from agentenv.node.volumes import VOLUME_SLOTS, VolumeLimits
 from agentenv.runtime import privilege
 from agentenv.runtime.cgroup import Cgroup, Limits
 from agentenv.runtime.config import RuntimeConfig, privilege_settings_from_env
@@ -205,15 +205,22 @@ class VmBackend(SandboxBackend, CrashRecovery, LayerAware, TemplateBuilding, Net
                                               "built": list(assets.built)})
         proxy_port = await self.egress.start()
         # Below 1024 and the same at every start (node/nfs.py "Port"): no local user takes it
-        # while ganesha restarts.
-        nfs_port = get_settings().nfs_port or await asyncio.to_thread(
-            stable_port, self.state_dir / "nfs")
-        if nfs_port >= PRIVILEGED_PORTS:
-            raise BackendError(f"AENV_NFS_PORT={nfs_port}: the NFS server's port must be below "
-                               f"{PRIVILEGED_PORTS} (a local user could take another while "
-                               "ganesha restarts)", retryable=False)
-        self.nfs = SharedExports(self.state_dir / "nfs", nfs_port)
-        await asyncio.to_thread(self.nfs.reap_leftover)
+        # while ganesha restarts. None when the rw-shared mode is off: no NFS server, and no
+        # port walled or claimed on the host.
+        try:
+            nfs_port = await asyncio.to_thread(
+                node_nfs_port, self.state_dir / "nfs",
+                shared_rw=VolumeLimits.from_env().shared_rw, configured=get_settings().nfs_port)
+        except NfsError as exc:
+            raise BackendError(str(exc), retryable=False) from exc
+        # A server an earlier run left is ended whether or not the mode is on now.
+        leftover = SharedExports(self.state_dir / "nfs", nfs_port or 0)
+        await asyncio.to_thread(leftover.reap_leftover)
+        if nfs_port is None:
+            with contextlib.suppress(NfsError):  # its tmpfs mounts
+                await asyncio.to_thread(leftover.server.stop)
+        else:
+            self.nfs = leftover
         config = RuntimeConfig(state_dir=self.base / "runtime", accel=self.accel,  # type: ignore[arg-type]
                                network_prefix=self.network_prefix, boot_timeout=300,
                                egress_proxy_port=proxy_port,
@@ -248,15 +255,16 @@ class VmBackend(SandboxBackend, CrashRecovery, LayerAware, TemplateBuilding, Net
         await runtime.start(kernel_for_probe=assets.kernel)
         # ganesha's own cgroup, beside the VMs' (when the node has cgroups): a bounded
         # memory and task count whatever its guests make it do (node/nfs.py "Jail").
-        self._nfs_cgroup = runtime.cgroups.create(NFS_CGROUP, NFS_LIMITS)
-        if self._nfs_cgroup is not None:
-            self.nfs.server.cgroup_procs = tuple(self._nfs_cgroup.procs_files)
-        try:  # the adopted sandboxes' shared volumes, before their guests retry for long
-            await self.nfs.resume_clients(set(self._adopted))
-        except NfsError as exc:
-            log.error("the NFS server for adopted sandboxes did not start",
-                      extra={"error": str(exc)})
-        self.nfs.supervise()
+        if self.nfs is not None:
+            self._nfs_cgroup = runtime.cgroups.create(NFS_CGROUP, NFS_LIMITS)
+            if self._nfs_cgroup is not None:
+                self.nfs.server.cgroup_procs = tuple(self._nfs_cgroup.procs_files)
+            try:  # the adopted sandboxes' shared volumes, before their guests retry for long
+                await self.nfs.resume_clients(set(self._adopted))
+            except NfsError as exc:
+                log.error("the NFS server for adopted sandboxes did not start",
+                          extra={"error": str(exc)})
+            self.nfs.supervise()
         self.pool = ReadyPool(runtime, self.pool_config, pool_manifests.directory,
                               busy=lambda: self._creating > 0)
         self.pool.start()
