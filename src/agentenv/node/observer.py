@@ -38,6 +38,18 @@ LEVELS = ("debug", "info", "warn", "error")
 MAX_READ = 256 * 1024
 
 
+def _guest_bytes(value: object) -> int:
+    """A byte count the guest reported (whatever answers on envd's port is the guest's):
+    ValueError unless it is a whole number from 0 to 2**63 - 1 (JSON's 1e400 is a float
+    infinity, whose int() is an OverflowError, and negative or huge figures mean nothing)."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ValueError(f"not a byte count: {value!r:.40}")
+    number = int(value)
+    if not 0 <= number < 1 << 63:
+        raise ValueError(f"byte count out of range: {str(number)[:40]}")
+    return number
+
+
 @dataclass(frozen=True)
 class ObserverConfig:
     interval: float = 5.0
@@ -185,10 +197,11 @@ class Observer:
         if http is not None:
             envd = EnvdClient(rec.placement.envd_url,
                               rec.envd_access_token if rec.secure else None, http=http)
-            with contextlib.suppress(EnvdClientError, KeyError, TypeError, ValueError):
+            with contextlib.suppress(EnvdClientError, KeyError, TypeError, ValueError,
+                                     OverflowError):
                 guest = await envd.metrics()
-                metric = replace(host, mem_used=int(guest["mem_used"]),
-                                 mem_cache=int(guest["mem_cache"]))
+                metric = replace(host, mem_used=_guest_bytes(guest["mem_used"]),
+                                 mem_cache=_guest_bytes(guest["mem_cache"]))
         history.samples.append(Sample(metric, host.mem_used))
         logs = self.capabilities.logs
         if logs is not None:

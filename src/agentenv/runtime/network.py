@@ -61,8 +61,8 @@ Slots are pooled (`SlotPool`): building one costs a few `ip`/`nft` calls; a rele
 reset (default policy, its connection tracking flushed) and reused.
 
 Several runtimes on one host (a node, a benchmark, tests) share the host's network namespace:
-- a prefix belongs to one live runtime per network namespace (an abstract unix socket named
-  after it is held for the runtime's life): a second runtime with the same prefix is refused
+- a prefix belongs to one live runtime per network namespace (a flock on a file named after
+  it and the namespace, in the root-only LOCK_DIR, held for the runtime's life): a second runtime with the same prefix is refused
   with a message naming the holder, instead of deleting the first one's namespaces as
   leftovers and replacing its host table;
 - slot addresses come from one range (10.12/16) whatever the prefix: a slot index whose /31
@@ -76,11 +76,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import fcntl
+import io
 import ipaddress
 import json
 import os
 import shutil
-import socket
+import stat
 import time
 from collections import deque
 from collections.abc import Iterable
@@ -762,52 +763,75 @@ async def remove_leftovers(prefix: str = "aenv") -> None:
                 await _run("ip", "netns", "del", name)
 
 
-def _holder_of(name: str) -> str:
-    """Best effort: 'pid N (cmdline)' of the process holding abstract socket `name`."""
-    inode = None
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/net/unix").read_text().splitlines()[1:]:
-            fields = line.split()
-            if len(fields) >= 8 and fields[7] == "@" + name:
-                inode = fields[6]
-                break
-    if inode is None:
-        return "another process"
-    needle = f"socket:[{inode}]"
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        with contextlib.suppress(OSError):
-            for fd in os.listdir(f"/proc/{pid}/fd"):
-                if os.readlink(f"/proc/{pid}/fd/{fd}") == needle:
-                    argv = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")
-                    return f"pid {pid} ({argv.decode(errors='replace').strip()[:160]})"
+#: The runtimes' host-wide locks (the prefix claims, the slot lock): a directory only root may
+#: write. Not /run/lock or /tmp, which every local user may write: there a stranger made the slot
+#: lock's file first and held it (no slot was ever made again), planted it as a symlink (root
+#: created the file it named), or bound the prefix's abstract socket first (the VM backend
+#: refused to start) (red team of 2026-12-07, tests/redteam/test_stranger_locks.py).
+LOCK_DIR = Path("/run/aenv/locks")
+
+
+def _lock_dir() -> Path:
+    """LOCK_DIR (a directory of this user's under /tmp when not root), made if missing;
+    NetworkError unless it is a directory of this user's that no one else may write."""
+    uid = os.geteuid()
+    directory = LOCK_DIR if uid == 0 else Path("/tmp") / f"aenv-locks-{uid}"
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    with contextlib.suppress(FileExistsError):
+        directory.mkdir(mode=0o700)
+    st = os.lstat(directory)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != uid or st.st_mode & 0o022:
+        raise NetworkError(f"{directory} is not a directory of uid {uid} that only it may "
+                           "write: the runtime's locks cannot be kept there (remove it)")
+    return directory
+
+
+def _open_lock(name: str) -> int:
+    return os.open(_lock_dir() / name, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW,
+                   0o600)
+
+
+def _netns_inode() -> int:
+    return os.stat("/proc/self/ns/net").st_ino
+
+
+def _holder_of(fd: int) -> str:
+    """Best effort: 'pid N (cmdline)' of the process that wrote its pid into lock file `fd`."""
+    with contextlib.suppress(OSError, ValueError):
+        pid = int(os.pread(fd, 32, 0).decode().strip())
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")
+        return f"pid {pid} ({argv.decode(errors='replace').strip()[:160]})"
     return "another process"
 
 
-def claim_prefix(prefix: str) -> socket.socket:
-    """Hold `prefix` for this process (in this network namespace) until the socket is closed
-    or the process ends; NetworkError naming the holder when another runtime has it."""
-    name = f"agentenv-runtime-{prefix}"
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+def claim_prefix(prefix: str) -> io.FileIO:
+    """Hold `prefix` for this process (in this network namespace) until the returned file is
+    closed or the process ends (a flock on a file in the runtimes' root-only lock directory);
+    NetworkError naming the holder when another runtime has it."""
+    fd = _open_lock(f"prefix-{_netns_inode()}-{prefix}.lock")
     try:
-        sock.bind("\0" + name)
-    except OSError:
-        sock.close()
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = _holder_of(fd)
+        os.close(fd)
         raise NetworkError(
             f"network prefix {prefix!r} is in use by another runtime on this host "
-            f"({_holder_of(name)}): its slot namespaces ({prefix}-s*) and host table would be "
+            f"({holder}): its slot namespaces ({prefix}-s*) and host table would be "
             f"taken over. Stop it, or give this one another prefix (AENV_VM_NETWORK_PREFIX, "
             f"RuntimeConfig.network_prefix)") from None
-    return sock
+    except BaseException:
+        os.close(fd)
+        raise
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    return io.FileIO(fd, "r+")
 
 
 def _host_slot_lock() -> int:
     """Serialises slot address checks and creation between the runtimes of one network
     namespace (keyed by its inode: namespaces made for tests do not wait on each other).
     Returns the locked fd; closing it unlocks."""
-    netns = os.stat("/proc/self/ns/net").st_ino
-    lock_dir = Path("/run/lock") if Path("/run/lock").is_dir() else Path("/tmp")
-    fd = os.open(lock_dir / f"agentenv-slots-{netns}.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC,
-                 0o600)
+    fd = _open_lock(f"slots-{_netns_inode()}.lock")
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
     except BaseException:
@@ -850,7 +874,7 @@ class SlotPool:
         self._in_use: dict[int, NetworkSlot] = {}
         self._refill_task: asyncio.Task[None] | None = None
         self._lock = asyncio.Lock()
-        self._prefix_claim: socket.socket | None = None
+        self._prefix_claim: io.FileIO | None = None
         self.skipped: set[int] = set()  # indices whose addresses the host routes already
 
     def acquire_prefix(self) -> None:

@@ -275,6 +275,10 @@ class Runtime:
         await self._release_resources(vm.slot, vm.disks, vm.mem_key)
         vm.slot, vm.disks, vm.mem_key = None, [], None
         self.vms.pop(vm.id, None)
+        # Its working directory goes as at a kill: it holds the writable disks' uppers (all
+        # the guest wrote), and a guest crashes its VM at will (red team of 2026-12-07: each
+        # crash left its writes on the node until a restart; tests/redteam/test_guest_crash.py)
+        await asyncio.to_thread(shutil.rmtree, vm.workdir, True)
         if self.on_vm_died is not None:
             self.on_vm_died(vm)
 
