@@ -438,7 +438,8 @@ def test_a_peer_refuses_a_node_past_its_share_of_the_record(
             full = ask("x")
         assert full.status_code == 503 and "record of credentials taken is full" in full.text
         assert full.headers.get("connection") == "close"
-        assert any("(static/x)" in str(getattr(r, "peer", "")) for r in caplog.records)
+        assert any(getattr(r, "event", "") == "record_full" and
+                   getattr(r, "node", "") == "static/x" for r in caplog.records)
         assert ask("z").status_code == 206
         assert ask("z").status_code == 503  # the total (3)
         assert mesh.server.server.nonces.size == 3

@@ -152,6 +152,7 @@ class _Server(ThreadingHTTPServer):
         self.max_per_node = max_per_node
         self.nonces = nonces  # the credentials taken (each is taken once)
         self.replayed = Sampled()
+        self.record_full = Sampled()
         self.lock = threading.Lock()
         self.unkeyed: dict[socket.socket, None] = {}  # oldest first
         self.keyed: dict[socket.socket, str] = {}  # each holds one of max_connections: its node
@@ -340,7 +341,10 @@ class _Handler(BaseHTTPRequestHandler):
                 self._send(401, b"this peer credential was taken before (each is good for "
                                 b"one request, once)\n")
             else:
-                server.refuse(f"{self.client_address[0]} ({node})")
+                if server.record_full.tick():
+                    log.warning("the record of peer credentials taken is full: refused",
+                                extra={"event": "record_full", "peer": self.client_address[0],
+                                       "node": node, "count": server.record_full.count})
                 self._send(503, b"too many recent requests from this node (the record of "
                                 b"credentials taken is full); try again\n")
             return False
