@@ -108,12 +108,13 @@ def peer_request(method: str, path: str, byte_range: str | None, claim: str | No
 class PeerRequestAuth:
     """What a request's verified credential proves: the node that made it (as the credential
     names it), its nonce (the bytes, not their text: one nonce has several base64 spellings),
-    and when a record of it may be dropped (unix seconds: after that the credential is refused
-    anyway, for its time or its expiry)."""
+    when a record of it may be dropped (unix seconds: after that the credential is refused
+    anyway, for its time or its expiry), and the time it was made (the asking node's clock)."""
 
     node: str
     nonce: bytes
     until: float
+    made: int
 
 
 def new_nonce() -> bytes:
@@ -199,7 +200,7 @@ def check_peer_credential(serve_key: str, credential: str, now: float, request: 
     why = request_time_refusal(made, now, max_skew)
     if why:
         return None, why
-    return PeerRequestAuth(node_id, nonce, min(expires, made + max_skew)), ""
+    return PeerRequestAuth(node_id, nonce, min(expires, made + max_skew), made), ""
 
 
 def read_credential(path: Path | None, env_var: str, what: str) -> tuple[str, str] | None:

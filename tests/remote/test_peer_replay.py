@@ -13,6 +13,7 @@ and the scheduler's (r2):
   request with that nonce is served;
 - the record is bounded per node and in all (a clear 503 past it, other nodes still served),
   and its entries go when their credentials' time is past;
+- a restarted peer (its record empty) refuses what was made before it started;
 - a credential is taken only within MAX_SKEW_S of the peer's clock.
 """
 
@@ -59,17 +60,22 @@ class Mesh:
     def __init__(self, kind: str, tmp_path: Path, store: RemoteStore, **limits: float) -> None:
         self.kind, self.tmp_path = kind, tmp_path
         self.nodes = identities(tmp_path, "p1", "x", "z")
-        if kind == "static":
-            self.server = PeerServer(store, "127.0.0.1:0", node_id="p1",
-                                     trust=trusting({n: self.nodes[n] for n in ("x", "z")}),
-                                     **limits)  # type: ignore[arg-type]
-        else:
-            self.server = PeerServer(store, "127.0.0.1:0", serve_key=SERVE_KEY,
-                                     **limits)  # type: ignore[arg-type]
-        self.server.start()
+        self.server = self.serving(store, **limits)
         self.resolver = _Resolver()
         self.sniffer = Sniffer(self.server.address)
         self.stores: list[RemoteStore] = []
+
+    def serving(self, store: RemoteStore, **limits: float) -> PeerServer:
+        """Node p1's chunk server (started) for `store`."""
+        if self.kind == "static":
+            server = PeerServer(store, "127.0.0.1:0", node_id="p1",
+                                trust=trusting({n: self.nodes[n] for n in ("x", "z")}),
+                                **limits)  # type: ignore[arg-type]
+        else:
+            server = PeerServer(store, "127.0.0.1:0", serve_key=SERVE_KEY,
+                                **limits)  # type: ignore[arg-type]
+        server.start()
+        return server
 
     @property
     def address(self) -> tuple[str, int]:
@@ -313,6 +319,32 @@ def test_replays_on_16_keep_alive_connections_do_not_hold_the_victims_share(
             sock.close()
 
 
+def test_a_restarted_peer_refuses_what_was_made_before_it_started(
+        mesh: Mesh, registry: Registry, holder: tuple[RemoteStore, bytes, str],  # noqa: F811
+        caplog: pytest.LogCaptureFixture) -> None:
+    """The record is in memory: p1 restarted (a new server, its record empty) refuses the
+    requests seen before it started, and serves x's next ones."""
+    store, data, digest = holder
+    x = mesh.node_x("x")
+    read_all(x, registry, digest, data, 2 * CHUNK)
+    seen = heads(mesh.sniffer)
+    assert seen
+    mesh.server.stop()
+    while time.time() % 1 > 0.9 or int(time.time()) <= int(authorization_of(seen[-1])
+                                                            .split("/")[3]):
+        time.sleep(0.05)  # (a second later than the last request was made)
+    mesh.server = mesh.serving(store)
+    with caplog.at_level(logging.WARNING, "agentenv.blockd.remote.p2p"):
+        for head in seen:
+            status, _, _, closed = replay(mesh.address, head)
+            assert status.startswith(b"HTTP/1.1 401") and closed, status
+    assert any("made before this peer started" in str(getattr(r, "reason", ""))
+               for r in caplog.records)
+    again = mesh.node_x("x-again", via_sniffer=False)
+    read_all(again, registry, digest, data)
+    assert again.stats.fetched.get("registry", 0) == 0 and again.stats.fetched.get("peer", 0)
+
+
 def test_a_forged_request_with_a_fresh_nonce_burns_nothing(
         mesh: Mesh, holder: tuple[RemoteStore, bytes, str]) -> None:  # noqa: F811
     """Anyone may send a credential naming node x with a nonce of their choosing (a nonce x
@@ -371,6 +403,7 @@ def test_a_credential_is_taken_only_within_the_skew_of_the_peers_clock(
     headers = {"Range": f"bytes=0-{CHUNK - 1}", PROOF_HEADER: proof(table, 0, CHUNK)}
     request = request_of(path, headers)
     url = f"http://{mesh.server.address}{path}"
+    mesh.server.server.not_before = 0  # (a peer started long ago: not_before is tested above)
     now = time.time()
     with httpx.Client(timeout=30) as client:
         for offset, status in ((-MAX_SKEW_S - 5, 401), (MAX_SKEW_S + 5, 401),

@@ -395,4 +395,4 @@ def check_signed_credential(trust: TrustedPeers, own_id: str, credential: str, n
                                                           request))
     except (InvalidSignature, ValueError, binascii.Error):
         return None, f"not signed with node {node_id}'s key for this request"
-    return PeerRequestAuth(node_id, nonce, made + max_skew), ""
+    return PeerRequestAuth(node_id, nonce, made + max_skew, made), ""

@@ -18,8 +18,10 @@ blockd/remote/identity.py: it names the node and this target). Both are bound to
 made (within cluster_keys.MAX_SKEW_S of this node's clock) and a random nonce, and each is
 taken once: after its credential verified, a request's (node, nonce) is recorded
 (blockd/remote/nonces.py) before it takes a connection of its node's share or is served, and
-a second use is 401 and the connection closed. So one seen on a plaintext network opens
-nothing, not even the request it came with, and holds none of its node's connections. Anything
+a second use is 401 and the connection closed. The record lives in memory: a credential made
+before the second the server started in is refused, so a restart does not reopen those taken by
+the process before (but for those made within that second, before the start). So one seen on a plaintext network opens nothing,
+not even the request it came with, and holds none of its node's connections. Anything
 else gets 401 (the credentials of before, `v1/`, `s1/`, `r1/` and `s2/`, and the shared peer
 key of old, `Bearer`, too), its log line naming why. The node a request came from is in its
 log lines, and holds at most `max_per_node` of the keyed connections. Static and
@@ -143,6 +145,9 @@ class _Server(ThreadingHTTPServer):
     idle_timeout: float
     budget: ByteBudget
     max_skew: float = MAX_SKEW_S  # how far a credential's time may be from this clock
+    #: credentials made before this (unix seconds: the second the server started in) are
+    #: refused: the record of those taken before a restart is gone
+    not_before = 0
     refused = 0  # connections closed: over max_connections
     evicted = 0  # connections without the key closed for a newer one (over max_unkeyed)
 
@@ -187,7 +192,12 @@ class _Server(ThreadingHTTPServer):
             kind = CLUSTER_KIND
         if auth is None:
             return None, why
-        return PeerRequestAuth(kind + auth.node, auth.nonce, auth.until), ""
+        if auth.made < self.not_before:
+            # made before this server started: the record of credentials taken then is gone
+            # (a restart), so it might have been taken already
+            return None, ("made before this peer started (its record of credentials taken is "
+                          "new; a node's next request is made after)")
+        return PeerRequestAuth(kind + auth.node, auth.nonce, auth.until, auth.made), ""
 
     def handle_error(self, request: Any, client_address: Any) -> None:
         # A peer or stranger that resets mid-answer: not a traceback on stderr per connection.
@@ -442,6 +452,7 @@ class PeerServer:
         self.server = _Server((host.strip("[]"), int(port)), max_connections, max_unkeyed,
                               max_per_node, UsedNonces(max_nonces_per_node, max_nonces))
         self.server.max_skew = max_skew
+        self.server.not_before = int(time.time())
         self.server.store = store
         self.server.node_id, self.server.trust = node_id, trust
         self.server.serve_key = serve_key
