@@ -1,6 +1,6 @@
 """Per-node peer credentials (docs/security.md §5): a real scheduler (in process, real Redis)
 issues node X, with each Holders answer, a credential for holder P that names X, is made with
-P's serving key and expires; X makes from it one per request (r1); a real chunk server with
+P's serving key and expires; X makes from it one per request (r2); a real chunk server with
 P's serving key serves X on it and refuses a credential for another peer or another id, an
 expired or forged one, the issued one sent as it is, a bearer key, and, once X is removed, X
 gets no new one and its last stops at its expiry."""
@@ -99,14 +99,20 @@ def test_a_credential_is_the_asking_nodes_for_one_peer_until_it_expires(
     reply = get(peers, "p1", as_peer(good, R))
     assert reply.status_code == 206 and reply.content == peers["data"][:CHUNK]
     sent = peer_request_credential(good, R)
-    assert check_peer_credential(serve_key("p1"), sent, now, R) == ("x", "")
+    checked, why = check_peer_credential(serve_key("p1"), sent, now, R)
+    assert checked is not None and checked.node == "x" and why == ""
     # for another peer: refused there
     assert get(peers, "p2", as_peer(good, R)).status_code == 401
-    # the same credential naming another node (or another expiry): its MAC no longer fits
+    # the same credential naming another node (or another expiry, time or nonce): its MAC no
+    # longer fits
     expires = good.split("/")[2]
-    _, _, _, request_mac = sent.split("/")
-    for forged in (f"r1/y/{expires}/{request_mac}", f"r1/x/{int(expires) + 3600}/{request_mac}",
-                   f"r1/x/{expires}/{'0' * 64}", "r1/x", sent + "0"):
+    _, _, _, made, nonce, request_mac = sent.split("/")
+    other_nonce = ("A" if nonce[0] != "A" else "B") + nonce[1:]
+    for forged in (f"r2/y/{expires}/{made}/{nonce}/{request_mac}",
+                   f"r2/x/{int(expires) + 3600}/{made}/{nonce}/{request_mac}",
+                   f"r2/x/{expires}/{int(made) + 1}/{nonce}/{request_mac}",
+                   f"r2/x/{expires}/{made}/{other_nonce}/{request_mac}",
+                   f"r2/x/{expires}/{made}/{nonce}/{'0' * 64}", "r2/x", sent + "0"):
         assert get(peers, "p1", f"{PEER_SCHEME} {forged}").status_code == 401, forged
     # made with a key that is not p1's serving key: another node's serving key, a node's own
     # key
@@ -120,6 +126,9 @@ def test_a_credential_is_the_asking_nodes_for_one_peer_until_it_expires(
     # the issued credential itself (a bearer token: the form of before) is refused, naming why
     bearer = get(peers, "p1", f"{PEER_SCHEME} {good}")
     assert bearer.status_code == 401 and "(v1, a bearer token)" in bearer.text, bearer.text
+    # the bound form of before without a nonce (r1), refused naming why
+    r1 = get(peers, "p1", f"{PEER_SCHEME} r1/x/{expires}/{request_mac}")
+    assert r1.status_code == 401 and "without a nonce (r1" in r1.text, r1.text
     # a bearer key (the shared peer key of static peers, removed): not taken
     assert get(peers, "p1", f"Bearer {'ab' * 32}").status_code == 401
 
@@ -133,12 +142,14 @@ def test_one_node_holds_at_most_its_share_of_the_connections(peers: dict[str, An
     url = f"http://{server.address}{path}"
     clients = [httpx.Client(timeout=30) for _ in range(4)]
     try:
-        x = as_peer(peer_credential(serve_key("p1"), "x", now + 60), for_chunk0(peers))
+        def x() -> str:  # (a credential per request: each is taken once)
+            return as_peer(peer_credential(serve_key("p1"), "x", now + 60), for_chunk0(peers))
+
         y = as_peer(peer_credential(serve_key("p1"), "y", now + 60), for_chunk0(peers))
         # two kept-alive connections of x hold its share
         for client in clients[:2]:
-            assert client.get(url, headers={**headers, "Authorization": x}).status_code == 206
-        assert clients[2].get(url, headers={**headers, "Authorization": x}).status_code == 503
+            assert client.get(url, headers={**headers, "Authorization": x()}).status_code == 206
+        assert clients[2].get(url, headers={**headers, "Authorization": x()}).status_code == 503
         assert clients[3].get(url, headers={**headers, "Authorization": y}).status_code == 206
     finally:
         for client in clients:

@@ -2,10 +2,11 @@
 §4), each against real chunk servers (PeerServer) and stores on loopback:
 
 - a credential is bound to its request: what someone on the path between two nodes sees (a
-  TCP relay here, recording what the asking node sends) repeats only the very request it came
-  with; with another chunk, blob, claim or method it is 401. So for static peers' signed
-  credentials (s2) and for the scheduler's (r1, made per request from the issued v1, which is
-  never sent); the unbound forms of before get 401 naming why;
+  TCP relay here, recording what the asking node sends) opens no other request: with another
+  chunk, blob, claim or method it is 401 (and the very request it came with is refused too:
+  each is taken once, tests/remote/test_peer_replay.py). So for static peers' signed
+  credentials (s3) and for the scheduler's (r2, made per request from the issued v1, which is
+  never sent); the forms of before get 401 naming why;
 - the trust file is refused (trust nobody, a log line naming why) when others than blockd's
   user or root may write it, when it is a symlink or not a regular file;
 - static and scheduler-issued node ids are apart: a static peer named like a cluster node has
@@ -138,9 +139,8 @@ def holder(tmp_path: Path, registry: Registry,
 
 
 def replays(server: PeerServer, sniffer: Sniffer, data: bytes, digest: str) -> str:
-    """Replays what the sniffer saw at the peer: the exact request gets its answer again (the
-    bytes the sniffer saw); the credential with any other request is 401. Returns the
-    credential replayed."""
+    """Replays what the sniffer saw at the peer: the credential with any other request is 401,
+    and so is the exact request (taken before). Returns the credential replayed."""
     seen = [r for r in sniffer.requests() if r[1].startswith("/blobs/")]
     ranges = {h["range"] for _, _, h in seen}
     assert len(ranges) >= 2, ranges
@@ -161,7 +161,7 @@ def replays(server: PeerServer, sniffer: Sniffer, data: bytes, digest: str) -> s
         again = ask(path, headers["range"], headers[PROOF_HEADER.lower()])
         start, end = (int(v) for v in re.fullmatch(r"bytes=(\d+)-(\d+)",
                                                     headers["range"]).groups())
-        assert again.status_code == 206 and again.content == data[start:end + 1]
+        assert again.status_code == 401 and "taken before" in again.text, again.text
         # another chunk, with its right claim: what a bearer token would have opened
         other = next(i for i in range(len(data) // CHUNK)
                      if f"bytes={i * CHUNK}-{(i + 1) * CHUNK - 1}" != headers["range"])
@@ -197,15 +197,18 @@ def test_a_static_credential_seen_on_the_wire_repeats_only_its_own_request(
         source.close()
         assert x.stats.fetched.get("peer", 0) > 0 and x.stats.fetched.get("registry", 0) == 0
         credential = replays(server, sniffer, data, digest)
-        assert credential.startswith(f"{PEER_SCHEME} s2/x/p1/"), credential
-        # the unbound form of before (s1: the node, target and expiry signed, nothing of the
-        # request) gets 401 saying why
+        assert credential.startswith(f"{PEER_SCHEME} s3/x/p1/"), credential
+        # the forms of before get 401 saying why: s1 (the node, target and expiry signed,
+        # nothing of the request), s2 (bound to its request, no nonce)
         sig = credential.rsplit("/", 1)[1]
-        expires = credential.split("/")[3]
+        made = credential.split("/")[3]
         with httpx.Client(timeout=30) as client:
             old = client.get(f"http://{server.address}/blobs/{digest}", headers={
-                "Authorization": f"{PEER_SCHEME} s1/x/p1/{expires}/{sig}"})
-        assert old.status_code == 401 and "not bound to its request" in old.text, old.text
+                "Authorization": f"{PEER_SCHEME} s1/x/p1/{made}/{sig}"})
+            assert old.status_code == 401 and "not bound to its request" in old.text, old.text
+            old = client.get(f"http://{server.address}/blobs/{digest}", headers={
+                "Authorization": f"{PEER_SCHEME} s2/x/p1/{made}/{sig}"})
+            assert old.status_code == 401 and "without a nonce (s2" in old.text, old.text
     finally:
         x.close()
         sniffer.close()
@@ -233,7 +236,7 @@ def test_a_scheduler_credential_is_never_sent_and_what_is_repeats_only_its_reque
         # what the scheduler issued (its MAC is the key of every request's) never crossed
         assert issued.rsplit("/", 1)[1].encode() not in sniffer.wire()
         credential = replays(server, sniffer, data, digest)
-        assert credential.startswith(f"{PEER_SCHEME} r1/x/"), credential
+        assert credential.startswith(f"{PEER_SCHEME} r2/x/"), credential
         # the issued credential sent as it is (as nodes did before): 401 saying why
         with httpx.Client(timeout=30) as client:
             old = client.get(f"http://{server.address}/blobs/{digest}", headers={
@@ -260,20 +263,25 @@ def test_static_and_cluster_nodes_of_one_name_each_have_their_own_share(
     path = "/blobs/sha256:" + "ab" * 32  # not held: a keyed request is answered 404
     headers = {"Range": f"bytes=0-{CHUNK - 1}", PROOF_HEADER: "cd" * 32}
     request = request_of(path, headers)
-    static = signed(nodes["x"], "p1", request)
-    cluster = f"{PEER_SCHEME} " + peer_request_credential(
-        peer_credential(SERVE_KEY, "x", int(time.time()) + 60), request)
+
+    def static() -> str:  # (a credential per request: each is taken once)
+        return signed(nodes["x"], "p1", request)
+
+    def cluster() -> str:
+        return f"{PEER_SCHEME} " + peer_request_credential(
+            peer_credential(SERVE_KEY, "x", int(time.time()) + 60), request)
+
     clients = [httpx.Client(timeout=30) for _ in range(5)]
     try:
         for client, auth in zip(clients, (static, static, cluster, cluster), strict=False):
             reply = client.get(f"http://{server.address}{path}",
-                               headers={**headers, "Authorization": auth})
+                               headers={**headers, "Authorization": auth()})
             assert reply.status_code == 404, reply.text
         assert sorted(server.server.keyed.values()) == \
             ["cluster/x", "cluster/x", "static/x", "static/x"]
         with caplog.at_level(logging.WARNING, "agentenv.blockd.remote.p2p"):
             assert clients[4].get(f"http://{server.address}{path}",
-                                  headers={**headers, "Authorization": static}
+                                  headers={**headers, "Authorization": static()}
                                   ).status_code == 503
         assert any("(static/x)" in str(getattr(r, "peer", "")) for r in caplog.records)
     finally:
@@ -406,5 +414,6 @@ def test_the_default_node_id_is_the_nodes_own_and_peer_key_prints_it(
     trust = TrustedPeers(text=done.stdout)
     request = peer_request("GET", "/blobs", None, None)
     now = time.time()
-    assert check_signed_credential(trust, "p", first.credential_for("p", request, now), now,
-                                   request) == (first.node_id, "")
+    checked, why = check_signed_credential(trust, "p", first.credential_for("p", request, now),
+                                           now, request)
+    assert checked is not None and (checked.node, why) == (first.node_id, "")

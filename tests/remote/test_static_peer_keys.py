@@ -1,9 +1,10 @@
 """Static peers' per-node keys (blockd/remote/identity.py, docs/security.md §5): without a
 scheduler, each blockd has its own Ed25519 key pair and serves the nodes of its trust file on
-credentials they sign, naming themselves, the target peer and an expiry. Real chunk servers
+credentials they sign, naming themselves, the target peer, the time and a nonce. Real chunk servers
 (PeerServer) and stores on loopback, a real registry: a node signs for itself and is served
 (and counted as itself); a credential for another peer, an expired or far-future one, a forged
-signature, an untrusted node's, one naming another node, and the removed shared key are 401;
+signature, an untrusted node's, one naming another node, the unbound (s1) and nonce-less
+(s2) forms of before and the removed shared key are 401;
 a node removed from the trust file is refused within a second; the old settings stop blockd
 with a message naming the new ones."""
 
@@ -27,7 +28,6 @@ from agentenv.blockd.remote import identity as ident
 from agentenv.blockd.remote.chunkdigests import PROOF_HEADER, ChunkDigests, proof
 from agentenv.blockd.remote.identity import (
     IDENTITY_FILE,
-    MAX_TTL_S,
     NodeIdentity,
     PeerKeyError,
     TrustedPeers,
@@ -39,7 +39,9 @@ from agentenv.blockd.remote.p2p import PeerServer
 from agentenv.blockd.remote.service import config_from_env
 from agentenv.blockd.remote.store import RemoteConfig, RemoteStore
 from agentenv.cluster_keys import (
+    MAX_SKEW_S,
     PEER_SCHEME,
+    new_nonce,
     node_key,
     peer_credential,
     peer_request,
@@ -103,11 +105,12 @@ def get(mesh: dict[str, Any], name: str, authorization: str,
         return one.get(url, headers=headers)
 
 
-def made_by(key_of: NodeIdentity, node_id: str, target: str, expires: int,
+def made_by(key_of: NodeIdentity, node_id: str, target: str, made: int,
             request: bytes) -> str:
-    """A credential naming `node_id`, signed with the key of `key_of`."""
-    return f"{PEER_SCHEME} " + NodeIdentity(node_id, key_of.private_key).sign(target, expires,
-                                                                            request)
+    """A credential naming `node_id`, made at `made` with a fresh nonce, signed with the key
+    of `key_of`."""
+    return f"{PEER_SCHEME} " + NodeIdentity(node_id, key_of.private_key).sign(
+        target, made, request, new_nonce())
 
 
 def test_a_node_signs_for_itself_and_is_served_as_itself(
@@ -143,22 +146,30 @@ def test_credentials_not_made_by_the_named_node_for_this_peer_are_refused(
     for_p2 = signed(x, "p2", R)
     assert get(mesh, "p2", for_p2).status_code == 206
     assert get(mesh, "p1", for_p2).status_code == 401
-    # expired, and one that would last longer than a credential may
-    assert get(mesh, "p1", made_by(x, "x", "p1", now - 1, R)).status_code == 401
-    assert get(mesh, "p1", made_by(x, "x", "p1", now + MAX_TTL_S + 60, R)).status_code == 401
-    assert get(mesh, "p1", made_by(x, "x", "p1", now + 60, R)).status_code == 206
-    # forged: the signature altered, or moved to another expiry, target or node
-    good = x.sign("p1", now + 60, R)
-    expires, sig = good.split("/")[3:]
+    # made too long ago, or too far ahead of the peer's clock (MAX_SKEW_S either way; a peer
+    # started long ago: one takes nothing made before it started)
+    mesh["servers"]["p1"].server.not_before = 0
+    assert get(mesh, "p1", made_by(x, "x", "p1", now - MAX_SKEW_S - 5, R)).status_code == 401
+    assert get(mesh, "p1", made_by(x, "x", "p1", now + MAX_SKEW_S + 5, R)).status_code == 401
+    assert get(mesh, "p1", made_by(x, "x", "p1", now - MAX_SKEW_S + 5, R)).status_code == 206
+    assert get(mesh, "p1", made_by(x, "x", "p1", now + MAX_SKEW_S - 5, R)).status_code == 206
+    # forged: the signature altered, or moved to another time, nonce, target or node
+    good = x.sign("p1", now, R, new_nonce())
+    made, nonce, sig = good.split("/")[3:]
     flipped = sig[:10] + ("A" if sig[10] != "A" else "B") + sig[11:]
-    for forged in (f"s2/x/p1/{expires}/{flipped}", f"s2/x/p1/{int(expires) + 1}/{sig}",
-                   f"s2/x/p2/{expires}/{sig}", f"s2/y/p1/{expires}/{sig}",
-                   f"s2/x/p1/{expires}/{'A' * 86}", f"s2/x/p1/{expires}", good + "A",
-                   f"s1/x/p1/{expires}/{sig}"):
+    other = ("A" if nonce[0] != "A" else "B") + nonce[1:]
+    for forged in (f"s3/x/p1/{made}/{nonce}/{flipped}", f"s3/x/p1/{int(made) + 1}/{nonce}/{sig}",
+                   f"s3/x/p1/{made}/{other}/{sig}",
+                   f"s3/x/p2/{made}/{nonce}/{sig}", f"s3/y/p1/{made}/{nonce}/{sig}",
+                   f"s3/x/p1/{made}/{nonce}/{'A' * 86}", f"s3/x/p1/{made}/{nonce}",
+                   good + "A", f"s2/x/p1/{made}/{sig}", f"s1/x/p1/{made}/{sig}"):
         assert get(mesh, "p1", f"{PEER_SCHEME} {forged}").status_code == 401, forged
+    # (none of those burnt the nonce: the good one is still taken, once)
+    assert get(mesh, "p1", f"{PEER_SCHEME} {good}").status_code == 206
+    assert get(mesh, "p1", f"{PEER_SCHEME} {good}").status_code == 401
     # a node cannot act as another node id: x's key naming y (both trusted), z's naming x
-    assert get(mesh, "p1", made_by(x, "y", "p1", now + 60, R)).status_code == 401
-    assert get(mesh, "p1", made_by(z, "x", "p1", now + 60, R)).status_code == 401
+    assert get(mesh, "p1", made_by(x, "y", "p1", now, R)).status_code == 401
+    assert get(mesh, "p1", made_by(z, "x", "p1", now, R)).status_code == 401
     # an untrusted node's own credential
     assert get(mesh, "p1", signed(z, "p1", R)).status_code == 401
     # the removed shared key of static peers, and no credential at all
@@ -181,17 +192,22 @@ def test_check_says_why(mesh: dict[str, Any]) -> None:
     x, z, R = mesh["nodes"]["x"], mesh["nodes"]["z"], mesh["request"]
     trust = TrustedPeers(text=trust_text(mesh["trusted"]))
     now = time.time()
-    assert check_signed_credential(trust, "p1", x.sign("p1", int(now) + 9, R), now, R) == \
-        ("x", "")
-    assert check_signed_credential(trust, "p1", x.sign("p2", int(now) + 9, R), now, R)[1] == \
-        "made for another peer"
-    assert check_signed_credential(trust, "p1", x.sign("p1", int(now), R), now, R)[1] == \
-        "expired"
+    nonce = new_nonce()
+    checked, why = check_signed_credential(trust, "p1", x.sign("p1", int(now), R, nonce), now,
+                                           R)
+    assert checked is not None and (checked.node, checked.nonce, why) == ("x", nonce, "")
+    assert checked.until == int(now) + MAX_SKEW_S  # (the record keeps it until then)
+    assert check_signed_credential(trust, "p1", x.sign("p2", int(now), R, nonce), now, R)[1] \
+        == "made for another peer"
+    assert "more than 60 s ago" in check_signed_credential(
+        trust, "p1", x.sign("p1", int(now) - 61, R, nonce), now, R)[1]
+    assert "ahead of this peer's clock" in check_signed_credential(
+        trust, "p1", x.sign("p1", int(now) + 62, R, nonce), now, R)[1]
     assert "not in the peer trust file" in check_signed_credential(
-        trust, "p1", z.sign("p1", int(now) + 9, R), now, R)[1]
+        trust, "p1", z.sign("p1", int(now), R, nonce), now, R)[1]
     assert check_signed_credential(
-        trust, "p1", NodeIdentity("y", x.private_key).sign("p1", int(now) + 9, R), now, R)[1] \
-        == "not signed with node y's key for this request"
+        trust, "p1", NodeIdentity("y", x.private_key).sign("p1", int(now), R, nonce), now,
+        R)[1] == "not signed with node y's key for this request"
 
 
 def test_a_node_removed_from_the_trust_file_is_refused(mesh: dict[str, Any]) -> None:
@@ -274,8 +290,9 @@ def test_the_key_pair_is_made_once_private_and_printed_as_a_trust_line(tmp_path:
     trust = TrustedPeers(text=again.stdout)
     now = time.time()
     request = peer_request("GET", "/blobs", None, None)
-    assert check_signed_credential(trust, "p", identity.sign("p", int(now) + 60, request), now,
-                                   request) == ("n1", "")
+    checked, _ = check_signed_credential(trust, "p", identity.credential_for("p", request, now),
+                                         now, request)
+    assert checked is not None and checked.node == "n1"
     # the private key is refused once others may read it
     key_file.chmod(0o644)
     with pytest.raises(PeerKeyError, match="chmod 600"):

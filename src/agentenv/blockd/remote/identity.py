@@ -15,14 +15,18 @@ nodes listed in its peer trust file.
   revokes that node. It is read without following a symlink, and only when it is a regular
   file of blockd's user (or root) that nobody else may write; else, as when it is broken, no
   node is trusted (logged, naming why).
-- A request carries `Authorization: AenvPeer s2/<node id>/<target node id>/<expiry>/<sig>`,
-  the Ed25519 signature of the requesting node over (node id, target, expiry, the request:
-  cluster_keys.peer_request, its method, path, Range and chunk claim): it names the node that
-  asks (limits and logs are per node), is good at that one target for that one request only
-  (a copy taken off the wire repeats the request it came with, nothing else), and expires (at
-  most MAX_TTL_S ahead of the target's clock). Checked: the node is in the trust file, the
-  target is this node, not expired, and the signature is the node's key's over this request.
-  The unbound form of before (`s1/`, a bearer token until it expired) gets 401 naming why.
+- A request carries
+  `Authorization: AenvPeer s3/<node id>/<target node id>/<time>/<nonce>/<sig>`, the Ed25519
+  signature of the requesting node over (node id, target, the time it made it, a fresh random
+  nonce, the request: cluster_keys.peer_request, its method, path, Range and chunk claim): it
+  names the node that asks (limits and logs are per node), is good at that one target for that
+  one request, once (the serving peer records the (node, nonce) it took until the credential's
+  time is past: blockd/remote/nonces.py; a copy taken off the wire is refused, even with the
+  request it came with), and only within cluster_keys.MAX_SKEW_S of the target's clock.
+  Checked: the node is in the trust file, the target is this node, the time, and the
+  signature is the node's key's over this request; then (the caller) the nonce was not taken.
+  The forms of before get 401 naming why: `s1/` (a bearer token until it expired) and `s2/`
+  (bound to its request, but no nonce: a copy repeated that request until it expired).
 """
 
 from __future__ import annotations
@@ -45,18 +49,29 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
+from agentenv.cluster_keys import (
+    MAX_SKEW_S,
+    NONCE_BYTES,
+    NONCE_RE,
+    PeerRequestAuth,
+    new_nonce,
+    nonce_text,
+    parse_nonce,
+    request_time_refusal,
+)
+
 #: the key pair's file under blockd's state directory
 IDENTITY_FILE = "peer-identity.key"
-#: how long a signed credential is made for, and the most ahead of now one is taken
-TTL_S = 120
-MAX_TTL_S = 600
-#: signed credentials: `s2/` bound to their request; `s1/` (not bound: refused, naming why)
-SIGNED_PREFIX = "s2/"
+#: signed credentials: `s3/` bound to their request and taken once; `s1/` (not bound) and
+#: `s2/` (bound, no nonce) are refused, naming why
+SIGNED_PREFIX = "s3/"
 UNBOUND_PREFIX = "s1/"
-_CONTEXT = b"agentenv static peer request v2\0"
+REPLAYABLE_PREFIX = "s2/"
+_CONTEXT = b"agentenv static peer request v3\0"
 _ID = r"[A-Za-z0-9][A-Za-z0-9._:-]{0,127}"
 NODE_ID_RE = re.compile(_ID)
-_CREDENTIAL_RE = re.compile(rf"s2/({_ID})/({_ID})/(\d{{1,12}})/([A-Za-z0-9_-]{{86}})")
+_CREDENTIAL_RE = re.compile(
+    rf"s3/({_ID})/({_ID})/(\d{{1,12}})/({NONCE_RE})/([A-Za-z0-9_-]{{86}})")
 #: a node id made from a public key (the default): its SHA-256's first 20 hex digits
 DERIVED_ID_PREFIX = "node-"
 _KEY_PREFIX = "ed25519:"
@@ -94,10 +109,10 @@ def parse_public_key(text: str) -> Ed25519PublicKey:
         raise PeerKeyError(f"{text!r} is not a peer public key: {exc}") from None
 
 
-def _message(node_id: str, target: str, expires: int, request: bytes) -> bytes:
-    if len(request) != 32:
-        raise ValueError("a request is cluster_keys.peer_request's 32 bytes")
-    return _CONTEXT + f"{node_id}\0{target}\0{expires}\0".encode() + request
+def _message(node_id: str, target: str, made: int, nonce: bytes, request: bytes) -> bytes:
+    if len(request) != 32 or len(nonce) != NONCE_BYTES:
+        raise ValueError("a request is cluster_keys.peer_request's 32 bytes, a nonce 16")
+    return _CONTEXT + f"{node_id}\0{target}\0{made}\0".encode() + nonce + request
 
 
 def check_node_id(node_id: str) -> str:
@@ -128,16 +143,19 @@ class NodeIdentity:
     def trust_line(self) -> str:
         return f"{self.node_id} {self.public_key}"
 
-    def sign(self, target: str, expires: int, request: bytes) -> str:
-        """A credential for one request (cluster_keys.peer_request) to peer `target`."""
-        sig = self.private_key.sign(_message(self.node_id, target, expires, request))
-        return f"{SIGNED_PREFIX}{self.node_id}/{target}/{expires}/{_b64(sig)}"
+    def sign(self, target: str, made: int, request: bytes, nonce: bytes) -> str:
+        """A credential for one request (cluster_keys.peer_request) to peer `target`, made at
+        `made` (unix seconds) with `nonce`."""
+        sig = self.private_key.sign(_message(self.node_id, target, made, nonce, request))
+        return f"{SIGNED_PREFIX}{self.node_id}/{target}/{made}/{nonce_text(nonce)}/{_b64(sig)}"
 
-    def credential_for(self, target: str, request: bytes, now: float | None = None) -> str:
-        """The credential for one request to peer `target`, good for TTL_S (signed anew for
-        each request: it is good for that request only)."""
+    def credential_for(self, target: str, request: bytes, now: float | None = None,
+                       nonce: bytes | None = None) -> str:
+        """The credential for one request to peer `target`: made now, with a fresh random
+        nonce unless one is given (each request, a retry too, gets its own: a peer takes a
+        nonce once)."""
         now = time.time() if now is None else now
-        return self.sign(target, int(now) + TTL_S, request)
+        return self.sign(target, int(now), request, new_nonce() if nonce is None else nonce)
 
 
 def load_identity(state_dir: Path, node_id: str | None = None) -> NodeIdentity:
@@ -342,30 +360,39 @@ class TrustedPeers:
         return None
 
 
-def check_signed_credential(trust: TrustedPeers, own_id: str, credential: str,
-                            now: float, request: bytes) -> tuple[str | None, str]:
-    """(the node a signed credential names, "") when a trusted node signed it for `own_id`
-    and this very request (`request`: cluster_keys.peer_request), and it has not expired at
-    `now` (nor expires more than MAX_TTL_S later); else (None, why not)."""
+def check_signed_credential(trust: TrustedPeers, own_id: str, credential: str, now: float,
+                            request: bytes, max_skew: float = MAX_SKEW_S
+                            ) -> tuple[PeerRequestAuth | None, str]:
+    """(what a signed credential proves, "") when a trusted node signed it for `own_id` and
+    this very request (`request`: cluster_keys.peer_request), made within `max_skew` of `now`;
+    else (None, why not). Whether its nonce was taken before is the caller's to check (after
+    this: only a verified credential may be recorded, so a forged one burns nothing)."""
     if credential.startswith(UNBOUND_PREFIX):
         return None, ("a signed credential not bound to its request (s1, a bearer token) is "
-                      "not taken: a node signs each request (s2; the asking blockd is older "
+                      "not taken: a node signs each request (s3; the asking blockd is older "
                       "than this peer's)")
+    if credential.startswith(REPLAYABLE_PREFIX):
+        return None, ("a signed credential without a nonce (s2: it could be sent again until "
+                      "it expired) is not taken: a node signs each request, taken once (s3; "
+                      "the asking blockd is older than this peer's)")
     match = _CREDENTIAL_RE.fullmatch(credential)
     if match is None:
         return None, "not a signed peer credential"
-    node_id, target, expires = match.group(1), match.group(2), int(match.group(3))
+    node_id, target, made = match.group(1), match.group(2), int(match.group(3))
+    nonce = parse_nonce(match.group(4))
+    if nonce is None:
+        return None, "not a signed peer credential"
     entry = trust.current().get(node_id)
     if entry is None:
         return None, f"node {node_id} is not in the peer trust file"
     if not hmac.compare_digest(target.encode(), own_id.encode()):
         return None, "made for another peer"
-    if expires <= now:
-        return None, "expired"
-    if expires > now + MAX_TTL_S:
-        return None, f"expires more than {MAX_TTL_S} s ahead"
+    why = request_time_refusal(made, now, max_skew)
+    if why:
+        return None, why
     try:
-        entry.key.verify(_unb64(match.group(4)), _message(node_id, target, expires, request))
+        entry.key.verify(_unb64(match.group(5)), _message(node_id, target, made, nonce,
+                                                          request))
     except (InvalidSignature, ValueError, binascii.Error):
         return None, f"not signed with node {node_id}'s key for this request"
-    return node_id, ""
+    return PeerRequestAuth(node_id, nonce, made + max_skew, made), ""

@@ -8,19 +8,26 @@
                                 is held)
 
 Who may ask: a node with the credential the scheduler issued it for this peer, made into one
-for the request (`Authorization: AenvPeer r1/...`, agentenv.cluster_keys.peer_request_credential:
+for the request (`Authorization: AenvPeer r2/...`, agentenv.cluster_keys.peer_request_credential:
 it names the asking node, comes from a credential made with this node's serving key, which the
 node gives blockd with `remote_peers`, is good for this one request, and expires), or, for
 static peers without a scheduler, a node of this blockd's peer trust file with a credential it
-signed for this node and this request (`Authorization: AenvPeer s2/...`,
-blockd/remote/identity.py: it names the node, this target and an expiry). Both are bound to
-the request (cluster_keys.peer_request: method, path, Range, chunk claim), so one seen on a
-plaintext network repeats only that request. Anything else gets 401 (the unbound credentials
-of before, `v1/` and `s1/`, and the shared peer key of old, `Bearer`, too), its log line naming
-why. The node a request came from is in its log lines, and holds at most `max_per_node` of the
-keyed connections. Static and scheduler-issued node ids are apart (`static/<id>` and
-`cluster/<id>`): a static peer named like a cluster node, or the reverse, has a share of its
-own.
+signed for this node and this request (`Authorization: AenvPeer s3/...`,
+blockd/remote/identity.py: it names the node and this target). Both are bound to the request
+(cluster_keys.peer_request: method, path, Range, chunk claim) and carry the time they were
+made (within cluster_keys.MAX_SKEW_S of this node's clock) and a random nonce, and each is
+taken once: after its credential verified, a request's (node, nonce) is recorded
+(blockd/remote/nonces.py) before it takes a connection of its node's share or is served, and
+a second use is 401 and the connection closed. The record lives in memory: a credential made
+before the second the server started in is refused, so a restart does not reopen those taken by
+the process before (but for those made within that second, before the start). So one seen on a plaintext network opens nothing,
+not even the request it came with, and holds none of its node's connections. Anything
+else gets 401 (the credentials of before, `v1/`, `s1/`, `r1/` and `s2/`, and the shared peer
+key of old, `Bearer`, too), its log line naming why. The node a request came from is in its
+log lines, and holds at most `max_per_node` of the keyed connections. Static and
+scheduler-issued node ids are apart (`static/<id>` and `cluster/<id>`): a static peer named
+like a cluster node, or the reverse, has a share of its own (of the connections and of the
+nonce record).
 
 The claim is compared with the blob's chunk table (kept by the store for every blob opened
 here) before anything is read: a wrong claim, for a range held or not, is one compare of as
@@ -59,12 +66,22 @@ from typing import TYPE_CHECKING, Any
 
 from agentenv.blockd.remote.chunkdigests import PROOF_HEADER, claim_matches, claimed_digests
 from agentenv.blockd.remote.identity import (
+    REPLAYABLE_PREFIX,
     SIGNED_PREFIX,
     UNBOUND_PREFIX,
     TrustedPeers,
     check_signed_credential,
 )
-from agentenv.cluster_keys import PEER_SCHEME, check_peer_credential, peer_request
+from agentenv.blockd.remote.nonces import MAX_PER_NODE as MAX_NONCES_PER_NODE
+from agentenv.blockd.remote.nonces import MAX_TOTAL as MAX_NONCES
+from agentenv.blockd.remote.nonces import Use, UsedNonces
+from agentenv.cluster_keys import (
+    MAX_SKEW_S,
+    PEER_SCHEME,
+    PeerRequestAuth,
+    check_peer_credential,
+    peer_request,
+)
 from agentenv.logs import Sampled
 
 if TYPE_CHECKING:
@@ -82,8 +99,9 @@ MAX_UNKEYED = 16
 #: what the node a credential names is known as here (limits, logs): the two kinds of ids
 #: come from different places (a trust file, the scheduler) and never share a budget
 STATIC_KIND, CLUSTER_KIND = "static/", "cluster/"
-#: the unbound credentials of before (a scheduler's v1 sent as it is, a static s1)
-_OLD_FORM = re.compile(rf"^{PEER_SCHEME} +(v1|s1)/")
+#: the credentials of before: unbound (a scheduler's v1 sent as it is, a static s1), bound but
+#: without a nonce (r1, s2)
+_OLD_FORM = re.compile(rf"^{PEER_SCHEME} +(v1|s1|r1|s2)/")
 #: bytes of ranges read for answers at once, over all connections: without it, 64 keyed
 #: connections asking for 64 MiB each (with right claims: a wrong one reads nothing) would
 #: hold 4 GiB of blockd's memory
@@ -126,13 +144,20 @@ class _Server(ThreadingHTTPServer):
     serve_key: str | None = None  # what peers' credentials are checked with (set by the node)
     idle_timeout: float
     budget: ByteBudget
+    max_skew: float = MAX_SKEW_S  # how far a credential's time may be from this clock
+    #: credentials made before this (unix seconds: the second the server started in) are
+    #: refused: the record of those taken before a restart is gone
+    not_before = 0
     refused = 0  # connections closed: over max_connections
     evicted = 0  # connections without the key closed for a newer one (over max_unkeyed)
 
     def __init__(self, address: tuple[str, int], max_connections: int,
-                 max_unkeyed: int, max_per_node: int) -> None:
+                 max_unkeyed: int, max_per_node: int, nonces: UsedNonces) -> None:
         self.max_connections, self.max_unkeyed = max_connections, max_unkeyed
         self.max_per_node = max_per_node
+        self.nonces = nonces  # the credentials taken (each is taken once)
+        self.replayed = Sampled()
+        self.record_full = Sampled()
         self.lock = threading.Lock()
         self.unkeyed: dict[socket.socket, None] = {}  # oldest first
         self.keyed: dict[socket.socket, str] = {}  # each holds one of max_connections: its node
@@ -141,27 +166,38 @@ class _Server(ThreadingHTTPServer):
         self.unauthorised = Sampled()
         super().__init__(address, _Handler)
 
-    def authenticate(self, header: str, request: bytes) -> tuple[str | None, str]:
-        """(the node an Authorization header proves for `request` (peer_request), as
-        `static/<id>` or `cluster/<id>`, "") or (None, why not)."""
+    def authenticate(self, header: str, request: bytes,
+                     now: float) -> tuple[PeerRequestAuth | None, str]:
+        """(what an Authorization header proves for `request` (peer_request) at `now`, its
+        node as `static/<id>` or `cluster/<id>`, "") or (None, why not). Its nonce is not
+        looked at here (parse_request: only after this)."""
         scheme, _, value = header.partition(" ")
         value = value.strip()
-        if scheme == PEER_SCHEME and value.startswith((SIGNED_PREFIX, UNBOUND_PREFIX)):
-            if self.trust is None or self.node_id is None:
-                return None, "no peer trust file here: signed credentials are not taken"
-            node, why = check_signed_credential(self.trust, self.node_id, value, time.time(),
-                                                request)
-            return (None, why) if node is None else (STATIC_KIND + node, "")
-        if scheme == PEER_SCHEME:
-            serve_key = self.serve_key
-            if not serve_key:
-                return None, "no serving key from the scheduler (yet)"
-            node, why = check_peer_credential(serve_key, value, time.time(), request)
-            return (None, why) if node is None else (CLUSTER_KIND + node, "")
         if scheme == "Bearer":
             return None, ("the shared peer key is not taken: a node's own credential is "
                           "(the scheduler's, or one signed by a node of the peer trust file)")
-        return None, "no peer credential"
+        if scheme != PEER_SCHEME:
+            return None, "no peer credential"
+        if value.startswith((SIGNED_PREFIX, UNBOUND_PREFIX, REPLAYABLE_PREFIX)):
+            if self.trust is None or self.node_id is None:
+                return None, "no peer trust file here: signed credentials are not taken"
+            auth, why = check_signed_credential(self.trust, self.node_id, value, now, request,
+                                                 self.max_skew)
+            kind = STATIC_KIND
+        else:
+            serve_key = self.serve_key
+            if not serve_key:
+                return None, "no serving key from the scheduler (yet)"
+            auth, why = check_peer_credential(serve_key, value, now, request, self.max_skew)
+            kind = CLUSTER_KIND
+        if auth is None:
+            return None, why
+        if auth.made < self.not_before:
+            # made before this server started: the record of credentials taken then is gone
+            # (a restart), so it might have been taken already
+            return None, ("made before this peer started (its record of credentials taken is "
+                          "new; a node's next request is made after)")
+        return PeerRequestAuth(kind + auth.node, auth.nonce, auth.until, auth.made), ""
 
     def handle_error(self, request: Any, client_address: Any) -> None:
         # A peer or stranger that resets mid-answer: not a traceback on stderr per connection.
@@ -275,8 +311,10 @@ class _Handler(BaseHTTPRequestHandler):
         super().handle_one_request()
 
     def parse_request(self) -> bool:
-        """The head is read: only a connection with a valid credential goes on (and takes a
-        slot)."""
+        """The head is read: only a connection with a valid credential, not taken before,
+        goes on (and takes a slot). In this order: the credential is verified (a forged one
+        records nothing), its nonce is recorded (a second use is refused here, before it takes
+        a connection of its node's share), then the connection is admitted."""
         if not super().parse_request():
             return False
         self.connection.settimeout(self.server.idle_timeout)  # for the writes
@@ -285,8 +323,9 @@ class _Handler(BaseHTTPRequestHandler):
         # do_GET reads)
         request = peer_request(self.command, self.path, self.headers.get("Range"),
                                self.headers.get(PROOF_HEADER))
-        node, why = server.authenticate(self.headers.get("Authorization", ""), request)
-        if node is None:
+        now = time.time()
+        auth, why = server.authenticate(self.headers.get("Authorization", ""), request, now)
+        if auth is None:
             self.close_connection = True
             if server.unauthorised.tick():
                 log.warning("a peer request without a valid credential", extra={
@@ -299,6 +338,25 @@ class _Handler(BaseHTTPRequestHandler):
                 # say, such as which nodes are trusted, is for this node's log only)
                 body = f"{why}\n".encode()
             self._send(401, body)
+            return False
+        node = auth.node
+        used = server.nonces.use(node, auth.nonce, auth.until, now)
+        if used is not Use.FIRST:
+            self.close_connection = True
+            if used is Use.REPLAYED:
+                if server.replayed.tick():
+                    log.warning("a peer credential used again (a replay: each is taken once)",
+                                extra={"event": "replayed", "peer": self.client_address[0],
+                                       "node": node, "count": server.replayed.count})
+                self._send(401, b"this peer credential was taken before (each is good for "
+                                b"one request, once)\n")
+            else:
+                if server.record_full.tick():
+                    log.warning("the record of peer credentials taken is full: refused",
+                                extra={"event": "record_full", "peer": self.client_address[0],
+                                       "node": node, "count": server.record_full.count})
+                self._send(503, b"too many recent requests from this node (the record of "
+                                b"credentials taken is full); try again\n")
             return False
         self.node = node
         if not server.admit(self.connection, node):
@@ -379,16 +437,22 @@ class PeerServer:
                  trust: TrustedPeers | None = None, serve_key: str | None = None,
                  idle_timeout: float = IDLE_TIMEOUT, max_connections: int = MAX_CONNECTIONS,
                  max_unkeyed: int = MAX_UNKEYED, max_per_node: int = MAX_PER_NODE,
-                 max_bytes_in_flight: int = MAX_BYTES_IN_FLIGHT) -> None:
+                 max_bytes_in_flight: int = MAX_BYTES_IN_FLIGHT, max_skew: float = MAX_SKEW_S,
+                 max_nonces_per_node: int = MAX_NONCES_PER_NODE,
+                 max_nonces: int = MAX_NONCES) -> None:
         """`node_id` and `trust`: this node's id and the static peers whose signed credentials
         it takes (identity.py); `serve_key`: what the credentials the scheduler issues are
         checked with (set_serve_key: the node gives it). With neither, every request is 401
-        until the node gives the serving key."""
+        until the node gives the serving key. `max_skew`: how far the time a credential was
+        made may be from this clock; `max_nonces_per_node`, `max_nonces`: the record of
+        credentials taken (nonces.py)."""
         host, _, port = listen.rpartition(":")
         if not host or not port.isdigit():
             raise ValueError(f"p2p listen address {listen!r} is not host:port")
         self.server = _Server((host.strip("[]"), int(port)), max_connections, max_unkeyed,
-                              max_per_node)
+                              max_per_node, UsedNonces(max_nonces_per_node, max_nonces))
+        self.server.max_skew = max_skew
+        self.server.not_before = int(time.time())
         self.server.store = store
         self.server.node_id, self.server.trust = node_id, trust
         self.server.serve_key = serve_key

@@ -515,8 +515,9 @@ class RemoteStore:
         path = f"/blobs/{digest}"
         byte_range, claim = f"bytes={start}-{end - 1}", proof(digests, start, end)
         headers = {"Range": byte_range, PROOF_HEADER: claim}
-        # The credential is made for this request (cluster_keys.peer_request): a copy taken off
-        # the wire repeats this request only.
+        # The credential is made for this request (cluster_keys.peer_request), now, with a
+        # fresh nonce (each call, a retry too: the peer takes a nonce once, so a copy taken off
+        # the wire is refused there).
         request = peer_request("GET", path, byte_range, claim)
         credential = None
         issued = self._peer_credentials.get(peer)
