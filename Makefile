@@ -13,7 +13,7 @@ system:
 	@bash scripts/install-system.sh
 
 # The editable install also compiles the native serving core (pyproject.toml, docs/native.md).
-$(STAMP): pyproject.toml src/agentenv/storage/_native.cpp
+$(STAMP): pyproject.toml src/agentenv/storage/_native.cpp src/agentenv/runtime/_ramopen.c
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	@$(PY) -m pip install -q --upgrade pip
 	@$(PY) -m pip install -q -e .

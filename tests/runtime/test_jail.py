@@ -6,6 +6,7 @@ nothing of the node's; uids are per VM and reused only after the VM is gone."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -51,6 +52,8 @@ for name, (kind, arg) in probes.items():
             s.close()
         elif kind == "signal":
             os.kill(arg, 0)
+        elif kind == "write-open":
+            os.close(os.open(arg, os.O_RDWR))
         elif kind == "exists":
             if not os.path.lexists(arg):
                 raise FileNotFoundError(arg)
@@ -188,7 +191,39 @@ def test_qemus_environment_names_nothing_of_the_node(two_vms: tuple[VM, VM]) -> 
         environ = Path(f"/proc/{vm.pid}/environ").read_bytes().split(b"\0")
         names = {entry.split(b"=", 1)[0].decode() for entry in environ if entry}
         assert CANARY not in names
-        assert names <= {"PATH", "LANG"}, names
+        # and the library that opens its RAM file read-only, and that file's name
+        assert names <= {"PATH", "LANG", "LD_PRELOAD", "AENV_RAM_FILE"}, names
+
+
+def _ram_descriptors(vm: VM) -> list[int]:
+    """The access modes (O_RDONLY...) of QEMU's descriptors of its RAM file."""
+    ram = os.path.realpath(vm.mem_path)
+    modes = []
+    for fd in os.listdir(f"/proc/{vm.pid}/fd"):
+        with contextlib.suppress(FileNotFoundError):
+            if os.readlink(f"/proc/{vm.pid}/fd/{fd}") == ram:
+                flags = Path(f"/proc/{vm.pid}/fdinfo/{fd}").read_text().split("flags:")[1]
+                modes.append(int(flags.split()[0], 8) & os.O_ACCMODE)
+    return modes
+
+
+def test_no_qemu_holds_or_gets_a_writable_ram_file(env: Env, two_vms: tuple[VM, VM]) -> None:
+    """A RAM file is shared (by every VM of a snapshot, by every boot of a size): QEMU holds
+    it read-only, though free-page reporting runs (`readonly=off`), and cannot open it for
+    writing (red team of 2026-12-07; tests/redteam/test_memfs_shared_pages.py for the write
+    itself)."""
+    booted = env.boot()
+    try:
+        for vm in (*two_vms, booted):
+            assert "readonly=off" in (vm.workdir / "argv").read_text()
+            assert _ram_descriptors(vm) == [os.O_RDONLY], vm.mem_path
+            probe = {"ram file": ("write-open", str(vm.mem_path))}
+            assert as_qemu_on_host(vm.pid, probe)["ram file"] != "ok"
+            in_jail = json.loads(inside_jail(vm.pid, [SYSTEM_PYTHON, "-c", PROBE,
+                                                      json.dumps(probe)]))
+            assert in_jail["ram file"] != "ok", in_jail
+    finally:
+        env.loop.run(env.runtime.kill(booted))
 
 
 def test_each_vm_has_its_own_uid_given_back_when_it_is_gone(

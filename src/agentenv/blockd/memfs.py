@@ -9,11 +9,13 @@ a graceful blockd stop ends it (`stop`).
 
 It serves `STATE/memfs/<key>` for every image config `STATE/memdev/<key>.memory.json` (the
 memory layers, read-only), through the page cache (content never changes: no direct_io,
-keep_cache), mode 0660 with the VM group (QEMU opens its RAM file read-write for free-page
-reporting; every write or hole punch is refused). It opens a stack at its first lookup and
-closes it once its config is gone (the device's last reference released). The order of each
-device's first reads per CHUNK (page-cache misses: the order in which the first restore touched
-memory) is appended to `STATE/memdev/<key>.trace` (uint32 chunk numbers), the startup pack's
+keep_cache), mode 0440 with the VM group. Every open for writing is refused, not only the
+writes: the kernel copies a `pwrite` to a FUSE file into its cached page before it sends it
+here, so a refused write would still change the page that every VM restored from the snapshot
+maps (red team of 2026-12-07). QEMU opens its RAM file read-only (runtime/qemu.py). It opens
+a stack at its first lookup and closes it once its config is gone (the device's last reference
+released). The order of each device's first reads per CHUNK (page-cache misses: the order in
+which the first restore touched memory) is appended to `STATE/memdev/<key>.trace` (uint32 chunk numbers), the startup pack's
 source.
 
 Reads, the page-fault path, run in the native core (storage/_native.cpp, docs/native.md) on
@@ -180,7 +182,7 @@ class MemoryFiles(mfusepy.Operations):
         stack = self._stack(path)
         if not self._config(path.lstrip("/")).exists():  # released, not swept yet
             raise mfusepy.FuseOSError(errno.ENOENT)
-        gid, mode = (self.vm_gid, 0o660) if self.vm_gid is not None else (self.gid, 0o600)
+        gid, mode = (self.vm_gid, 0o440) if self.vm_gid is not None else (self.gid, 0o400)
         return {"st_mode": stat.S_IFREG | mode, "st_nlink": 1, "st_uid": self.uid, "st_gid": gid,
                 "st_size": stack.size, "st_blocks": 0, "st_blksize": 4096, **times}
 
@@ -191,6 +193,10 @@ class MemoryFiles(mfusepy.Operations):
         return [".", "..", *sorted(names)]
 
     def open(self, path: str, fi: Any) -> int:
+        if fi.flags & os.O_ACCMODE != os.O_RDONLY:
+            # FUSE copies a write into the cached page before it asks us: a refused write
+            # would still change the page every VM of this snapshot maps (module doc).
+            raise mfusepy.FuseOSError(errno.EACCES)
         stack = self._stack(path)
         fi.direct_io = 0
         with stack.lock:

@@ -18,7 +18,7 @@ Root. `enter` runs in the child between fork and exec, as root, after the networ
 the cgroup and the TAP fd (runtime/qemu.py `_preexec`): new IPC and UTS namespaces, a new
 mount namespace (private propagation), a tmpfs as the new root, into which every path QEMU opens is bind-mounted at its
 host path (so QMP commands that name files, /proc/PID/maps and adopt.py see the same paths),
-the read-only ones (kernel, initramfs, read-only disk files, /usr) read-only; the device nodes
+the read-only ones (kernel, initramfs, RAM file, read-only disk files, /usr) read-only; the device nodes
 /dev/null, /dev/urandom (and /dev/kvm under KVM; the TAP is an fd opened before); a proc of the
 VM's PID namespace with only its process directories (`subset=pid`); then pivot_root, the old
 root detached, and the tmpfs made read-only. The node's state directory, database, logs and

@@ -10,7 +10,7 @@ and the cgroup, which need root), and QEMU opens everything as that user:
 
 | what | how the VM user gets it |
 |---|---|
-| RAM file (`<state>/memory/*.mem`) | group = the VM user's group, mode 0660 (`grant_ram_file`); free-page reporting opens it read-write, the punch-hole filter keeps it unchanged |
+| RAM file (`<state>/memory/*.mem`) | group = the VM user's group, mode 0640 (`grant_ram_file`): shared by VMs, never writable by one; QEMU opens it read-only even for free-page reporting (runtime/qemu.py, `_ramopen.c`) |
 | state dir, `vms/`, `memory/` | group search permission only (`prepare_dirs`), nothing listable |
 | VM workdir | root-owned, group search; QEMU creates nothing in it: the QMP socket is bound by the runtime and passed as a listening fd, `serial.log` and `devstate.raw` are created for it (`precreate`) |
 | device state of a restore | copied into the workdir (`stage_devstate`, ~80 KB), the snapshot directory stays root-only |
@@ -183,17 +183,18 @@ def withdraw(user: VMUser, state_dir: Path, dirs: list[Path]) -> None:
     os.chmod(state_dir, stat.S_IMODE(state_dir.stat().st_mode) & ~(stat.S_IRWXG | stat.S_IRWXO))
 
 
-def grant_ram_file(path: Path, user: VMUser, writable: bool) -> None:
-    """The RAM file QEMU maps: group-readable (and writable when free-page reporting opens it
-    read-write) for the VM group, nobody else."""
+def grant_ram_file(path: Path, user: VMUser) -> None:
+    """The RAM file QEMU maps: group-readable for the VM group, writable by no VM (a RAM file
+    is shared by every VM of a snapshot or of a boot size; QEMU opens it read-only:
+    runtime/qemu.py), nobody else."""
     st = path.stat()
-    mode = 0o660 if writable else 0o640
     if st.st_gid != user.file_gid:
         os.chown(path, -1, user.file_gid)
     current = stat.S_IMODE(st.st_mode)
-    # blockd's memory device (a FUSE file, no chmod) already is 0660 with the VM group.
-    if (current & mode) != mode or current & 0o007:
-        os.chmod(path, mode)
+    wanted = (current & 0o600) | 0o040  # the owner's bits kept, the VM group's read only
+    # blockd's memory device (a FUSE file, no chmod) is 0440 with the VM group already.
+    if current != wanted:
+        os.chmod(path, wanted)
 
 
 def precreate(path: Path, user: VMUser) -> None:

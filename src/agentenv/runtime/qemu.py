@@ -35,6 +35,17 @@ is fine for a page the guest holds free, and is exactly what a later capture ass
 page that is not privately written (the lower layers). Nothing else QEMU does here needs
 punch-hole: writable disks are NBD exports (discards go over the socket), the only file disks
 are read-only (`build_argv` refuses a writable one, whose write-zeroes would trust the punch).
+
+The RAM file is read-only to QEMU. `readonly=off` makes QEMU open it read-write, though it
+never writes it, and a RAM file is shared: by every VM restored from a snapshot (one page
+cache: a `pwrite` to a FUSE file reaches the cached page even when memfs refuses it) and by
+every boot of a size (the zero file). A QEMU taken over by its guest could then write into
+other VMs' memory (red team of 2026-12-07). So QEMU runs with `_ramopen.c` preloaded
+(`ram_open_environment`), which turns its open of exactly that path into a read-only one:
+MAP_PRIVATE mappings and madvise need no more, and the punch-hole no-op does not look at the
+descriptor. The file is 0640/0440 to the VM group (`privilege.grant_ram_file`, memfs), its
+bind in the jail is read-only, and memfs refuses every open for writing: no new writable open
+either. tests/redteam/test_memfs_shared_pages.py.
 """
 
 from __future__ import annotations
@@ -75,6 +86,10 @@ _PR_SET_NO_NEW_PRIVS = 38
 _PR_SET_THP_DISABLE = 41
 _SECCOMP_MODE_FILTER = 2
 _FALLOC_FL_PUNCH_HOLE = 0x02
+#: built from _ramopen.c by the project's build (pyproject.toml), beside this module
+RAM_OPEN_LIBRARY = str(next(
+    iter(sorted(Path(__file__).parent.glob("_ramopen*.so"))),
+    Path(__file__).parent / "_ramopen.so"))
 # Exit statuses of the child between fork and exec (see _preexec).
 _EXIT_SETNS = 121
 _EXIT_SECCOMP = 122
@@ -536,13 +551,24 @@ class ChildProcess(PidfdProcess):
         return code
 
 
+def ram_open_environment(mem_path: str) -> dict[str, str]:
+    """QEMU's environment: the jail's, and the library that makes its open of `mem_path`
+    read-only (module doc, "The RAM file is read-only to QEMU")."""
+    if not os.path.exists(RAM_OPEN_LIBRARY):
+        raise RuntimeError_(f"{RAM_OPEN_LIBRARY} is missing: the project's build makes it "
+                            "(make venv, or pip install -e .)")
+    return {**jail.ENVIRONMENT, "LD_PRELOAD": RAM_OPEN_LIBRARY, "AENV_RAM_FILE": mem_path}
+
+
 def _jail_plan(mountpoint: Path, machine: MachineConfig, workdir: Path, mem_path: str,
                disks: list[DiskAttachment], incoming: bool, qemu_binary: str) -> jail.JailPlan:
     """What one QEMU opens by path: its workdir (QMP socket, serial log, device state), its RAM
     file, its disks (a file, or the directory of the NBD socket: blockd makes it again there
     after a restart), the kernel and initramfs of a boot, the binary if not under /usr."""
-    writable: list[str] = [str(workdir), mem_path]
-    read_only: list[str] = []
+    writable: list[str] = [str(workdir)]
+    read_only: list[str] = [mem_path]  # opened read-only (ram_open_environment)
+    if not RAM_OPEN_LIBRARY.startswith("/usr/"):
+        read_only.append(RAM_OPEN_LIBRARY)
     for disk in disks:
         if disk.nbd_socket:
             writable.append(os.path.dirname(disk.nbd_socket))
@@ -625,7 +651,7 @@ class QemuProcess:
                 os.chmod(workdir, 0o710)  # its own uid's group only (bound into its jail)
             privilege.precreate(workdir / "serial.log", user)
             with contextlib.suppress(FileNotFoundError):
-                privilege.grant_ram_file(Path(mem_path), user, writable=return_free_memory)
+                privilege.grant_ram_file(Path(mem_path), user)
         try:
             plan = None
             if jail_root is not None:
@@ -680,7 +706,7 @@ class QemuProcess:
                     # pass_fds keeps the listener open (same number) across exec.
                     popen_args: dict[str, Any] = dict(
                         stdin=subprocess.DEVNULL, stdout=err, stderr=err, preexec_fn=preexec,
-                        pass_fds=keep, env=jail.ENVIRONMENT)
+                        pass_fds=keep, env=ram_open_environment(mem_path))
                     process: asyncio.subprocess.Process | ChildProcess
                     if plan is not None:
                         process = ChildProcess(
