@@ -143,14 +143,38 @@ def sandbox(api: httpx.Client) -> Iterator[dict[str, Any]]:
     api.delete(f"/sandboxes/{created.json()['sandboxID']}")
 
 
+def _one_request(request: bytes) -> bool:
+    """Whether `request` is one head and nothing after it (no body, nothing pipelined)."""
+    return request.endswith(b"\r\n\r\n") and request.count(b"\r\n\r\n") == 1
+
+
+def _whole_response(answer: bytes) -> bool:
+    """Whether `answer` holds a response's head and all the body its Content-Length gives."""
+    head, sep, body = answer.partition(b"\r\n\r\n")
+    if not sep:
+        return False
+    for line in head.split(b"\r\n")[1:]:
+        name, _, value = line.partition(b":")
+        if name.strip().lower() == b"content-length" and value.strip().isdigit():
+            return len(body) >= int(value.strip())
+    return False
+
+
 def raw_exchange(port: int, request: bytes, timeout: float = 5.0) -> tuple[int | None, bytes]:
-    """Send raw bytes to the node; (status or None if it closed without one, whole answer)."""
+    """Send raw bytes to the node; (status or None if it closed without one, whole answer).
+    The answer is read until the node closes the connection, or, for a request of one head
+    and nothing after it, until the response to it is whole: the node keeps a connection
+    open after some answers (a 400 to a bad routing header), which left each of those
+    exchanges waiting out `timeout` for nothing more to come."""
+    single = _one_request(request)
     with socket.create_connection(("127.0.0.1", port), timeout=timeout) as conn:
         conn.sendall(request)
         answer = b""
         with contextlib.suppress(TimeoutError, ConnectionResetError):
             while chunk := conn.recv(65536):
                 answer += chunk
+                if single and _whole_response(answer):
+                    break
     status = None
     if answer.startswith(b"HTTP/1.1 "):
         status = int(answer[9:12])
