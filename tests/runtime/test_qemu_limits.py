@@ -7,7 +7,9 @@ while the guest floods ttyS0, and it still pauses and resumes."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import os
 import subprocess
 import time
 from pathlib import Path
@@ -108,6 +110,35 @@ def test_a_qemu_flooding_its_serial_log_stops_at_the_limit_and_still_pauses(
         record = env.loop.run(env.runtime.pause(vm))
         vm = env.loop.run(env.runtime.restore(record))
         first = count(env, vm)
+        time.sleep(0.5)
+        assert count(env, vm) > first
+    finally:
+        env.loop.run(env.runtime.kill(vm))
+
+
+def test_qemus_stderr_is_appended_to_and_kept_within_the_serial_logs_cap(
+        env: Env, counting: SnapshotRecord) -> None:
+    """A guest can make QEMU log device errors without end: its stderr is trimmed as the
+    serial log is (runtime/serial.py), which needs QEMU to append (writing on at the new end,
+    not past a hole at its old offset)."""
+    vm = env.loop.run(env.runtime.restore(counting))
+    try:
+        stderr = vm.process.stderr_log
+        for fd in ("1", "2"):
+            flags = Path(f"/proc/{vm.pid}/fdinfo/{fd}").read_text().split("flags:")[1]
+            assert int(flags.split()[0], 8) & os.O_APPEND, (fd, flags)
+            assert os.readlink(f"/proc/{vm.pid}/fd/{fd}") == str(stderr)
+        cap = env.runtime.config.serial_log_max_bytes
+        # what QEMU's error lines would do, written the way it writes them (appending)
+        with open(stderr, "ab") as f:
+            f.write(b"qemu-system-x86_64: a device error a guest provoked\n" * (cap // 40))
+        rotated = stderr.with_name(stderr.name + ".1")
+        deadline = time.monotonic() + 60  # looked at every 0.25 s, while the loop runs
+        while not rotated.exists():
+            assert time.monotonic() < deadline, "qemu.stderr was never trimmed"
+            env.loop.run(asyncio.sleep(0.25))
+        assert stderr.stat().st_size + rotated.stat().st_size <= cap
+        first = count(env, vm)  # the VM runs on
         time.sleep(0.5)
         assert count(env, vm) > first
     finally:

@@ -702,7 +702,11 @@ class QemuProcess:
                     qmp_fd=listener.fileno(), sandbox=sandbox, tap_fd=tap_slot,
                 )
                 (workdir / "argv").write_text("\n".join(argv) + "\n")
-                with open(stderr_log, "wb") as err:
+                # appended to (O_APPEND), so that the runtime can trim it from outside as it
+                # trims the serial log (runtime/serial.py): QEMU writes on at the new end
+                err_fd = os.open(stderr_log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND
+                                 | os.O_CLOEXEC, 0o600)
+                with open(err_fd, "wb") as err:
                     # pass_fds keeps the listener open (same number) across exec.
                     popen_args: dict[str, Any] = dict(
                         stdin=subprocess.DEVNULL, stdout=err, stderr=err, preexec_fn=preexec,

@@ -7,6 +7,10 @@ its last half-cap bytes move to `serial.log.1` and the log is emptied; QEMU appe
 writes on from the new end. Both files together stay within the cap plus what the guest wrote since the last
 look (a UART moves a few MB/s at most). Bytes written between the copy and the truncation are
 lost: this is a console log, not a record.
+
+QEMU's stderr (`qemu.stderr`, opened for appending) is kept the same way: a guest can make QEMU
+log device errors without end, and RLIMIT_FSIZE alone would leave each VM's log at that limit
+(64 MiB by default), outside the node's disk reserve.
 """
 
 from __future__ import annotations

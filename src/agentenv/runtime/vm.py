@@ -260,9 +260,11 @@ class Runtime:
         self._adopt(vm)
 
     async def _trim_serial_logs(self) -> None:
-        """Keeps every VM's serial console log within serial_log_max_bytes (runtime/serial.py)."""
+        """Keeps every VM's serial console log and QEMU's stderr (which a guest can fill with
+        the device errors it provokes) within serial_log_max_bytes (runtime/serial.py)."""
         await keep_serial_logs_trimmed(
-            lambda: [vm.workdir / SERIAL_LOG for vm in list(self.vms.values())],
+            lambda: [log for vm in list(self.vms.values())
+                     for log in (vm.workdir / SERIAL_LOG, vm.process.stderr_log)],
             self.config.serial_log_max_bytes)
 
     async def _watch(self, vm: VM) -> None:
