@@ -9,6 +9,7 @@
  *   bindabstract NAME      bind an abstract unix socket (kept)   -> ok | errno
  *   handle ROOT TYPE HEX   open_by_handle_at (ROOT: pidfs, nsfs or a path) -> opened | errno
  *   append PATH            open O_WRONLY|O_APPEND and write      -> ok | errno
+ *   io_uring               io_uring_setup (kept open)            -> ok | errno
  *
  * errno as its number. Nothing but libc. */
 #define _GNU_SOURCE
@@ -22,6 +23,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/socket.h>
+#include <sys/syscall.h>
 #include <sys/un.h>
 #include <unistd.h>
 
@@ -96,6 +98,11 @@ static void command(int c, char *line) {
         if (fd < 0 || write(fd, "#\n", 2) != 2) reply_errno(c, errno);
         else reply(c, "ok");
         if (fd >= 0) close(fd);
+    } else if (!strcmp(verb, "io_uring")) {
+        unsigned char params[120] = {0};  /* struct io_uring_params */
+        long fd = syscall(425 /* io_uring_setup */, 8, params);
+        if (fd < 0) reply_errno(c, errno);
+        else reply(c, "ok");
     } else {
         reply(c, "?");
     }
