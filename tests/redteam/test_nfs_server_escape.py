@@ -19,13 +19,14 @@ import shutil
 import socket
 import struct
 import subprocess
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from agentenv.node.nfs import NfsExport, NfsServer
-from tests.node.nfs41 import Nfs4Error, Nfs41Client, _Packer, unwalled_port
+from tests.node.nfs41 import OP_EXCHANGE_ID, Nfs4Error, Nfs41Client, _Packer, unwalled_port
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0,
                                 reason="ganesha's jail and VFS FSAL need root")
@@ -198,7 +199,8 @@ def two_teams(tmp_path: Path) -> Iterator[tuple[NfsServer, NfsExport, NfsExport]
 def test_a_handle_of_another_team_s_export_opens_nothing(
         two_teams: tuple[NfsServer, NfsExport, NfsExport]) -> None:
     """What held: a guest presenting the file handle of an export it is not a client of (its
-    bytes are predictable: export id, ext4's root inode) reads and lists nothing there."""
+    bytes are predictable: export id, ext4's root inode) reads and lists nothing there, and
+    does not see that export's pseudo path."""
     srv, _, _ = two_teams
     with Nfs41Client("127.0.0.1", srv.port) as owner:
         u = owner._call([owner._sequence(), *owner._walk("/volumes/a"), (OP_GETFH, b"")])
@@ -208,6 +210,9 @@ def test_a_handle_of_another_team_s_export_opens_nothing(
         assert owner.read("/volumes/a/data.txt") == b"a's data\n"
     with Nfs41Client("127.0.0.1", srv.port, source="127.0.0.2") as other:
         other.read("/volumes/b/data.txt")  # its own export serves it
+        assert other.listdir("/volumes") == ["b"]  # the other is not even in its pseudo fs
+        with pytest.raises(Nfs4Error):
+            other.lookup("/volumes/a")
         put = (OP_PUTFH, _Packer().opaque(handle).bytes())
         lookup = (15, _Packer().opaque(b"data.txt").bytes())
         read = (25, _Packer().u32(0).fixed(b"\0" * 12).u64(0).u32(4096).bytes())
@@ -269,3 +274,64 @@ def test_one_guest_cannot_take_every_descriptor_of_the_server(
         with Nfs41Client("127.0.0.1", srv.port, source="127.0.0.2") as other:
             other.write("/volumes/b/mine.txt", b"mine\n")
             assert other.read("/volumes/b/mine.txt") == b"mine\n"
+
+
+def _rss_kb(pid: int) -> int:
+    return int(next(line.split()[1] for line in Path(f"/proc/{pid}/status").read_text()
+                    .splitlines() if line.startswith("VmRSS:")))
+
+
+@pytest.mark.xfail(strict=True, reason="ganesha 4.3 (ntirpc) buffers a TCP record whole "
+                   "whatever length its record mark announces (up to 2 GiB a connection, "
+                   "before any RPC is parsed; MaxRPCRecvBufferSize does not bound it): a guest "
+                   "with 8 connections holds 16 GiB of ganesha's memory, past its cgroup's "
+                   "512 MiB (OOM, every team's NFS state lost) or the host's (report)")
+def test_a_guest_cannot_make_the_server_buffer_a_huge_record(
+        two_teams: tuple[NfsServer, NfsExport, NfsExport]) -> None:
+    srv, _, _ = two_teams
+    pid = srv.pid or 0
+    before = _rss_kb(pid)
+    sock = socket.create_connection(("127.0.0.1", srv.port), timeout=5)
+    try:
+        sock.sendall(struct.pack(">I", 0x80000000 | 0x7FFFFFFF))  # one 2 GiB fragment
+        chunk = b"\0" * (1 << 20)
+        with pytest.raises(OSError):  # refused (reset) or stalled (the window stays shut)
+            for _ in range(128):
+                sock.sendall(chunk)
+            time.sleep(0.5)
+            grown = (_rss_kb(pid) - before) >> 10
+            if grown > 32:
+                pytest.fail(f"ganesha buffers the record: {grown} MiB more for 128 MiB sent")
+            raise OSError("bounded")
+    finally:
+        sock.close()
+    with Nfs41Client("127.0.0.1", srv.port, source="127.0.0.2") as other:  # serves on
+        assert other.read("/volumes/b/data.txt") == b"b's data\n"
+
+
+@pytest.mark.xfail(strict=True, reason="Max_Client_Ids counts confirmed client ids only: "
+                   "EXCHANGE_ID without CREATE_SESSION makes unconfirmed records without bound "
+                   "(about 1.6 KB each, 14000 a second from one connection, kept for a lease): "
+                   "one guest takes ganesha past its cgroup's 512 MiB in well under a lease "
+                   "(report)")
+def test_unconfirmed_client_ids_are_bounded(
+        two_teams: tuple[NfsServer, NfsExport, NfsExport]) -> None:
+    srv, _, _ = two_teams
+    pid = srv.pid or 0
+    before = _rss_kb(pid)
+    guest = Nfs41Client("127.0.0.1", srv.port)
+    guest.sock = socket.create_connection(("127.0.0.1", srv.port), timeout=10)
+    made = 0
+    try:
+        for _ in range(30000):
+            owner = os.urandom(16).hex().encode()
+            args = _Packer().fixed(os.urandom(8)).opaque(owner).u32(0x00010000).u32(0).u32(0)
+            try:
+                guest._call([(OP_EXCHANGE_ID, args.bytes())])
+            except Nfs4Error:
+                break
+            made += 1
+    finally:
+        guest.close()
+    grown = (_rss_kb(pid) - before) >> 10
+    assert made <= 16 * srv.max_client_ids and grown < 24, (made, f"{grown} MiB")
