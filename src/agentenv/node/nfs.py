@@ -85,8 +85,9 @@ CAP_SYS_PTRACE, CAP_NET_ADMIN, CAP_MKNOD or any other. It cannot run as the squa
 instead: exports squash to different owners, and open_by_handle_at needs CAP_DAC_READ_SEARCH
 whatever the uid. Then no_new_privs, no core dumps, and a seccomp filter (runtime/qemu.py
 `jail_filter`: no namespaces, mounts, ptrace, BPF, keyrings, modules...; it keeps
-open_by_handle_at and name_to_handle_at). It runs in a cgroup of its own with a memory and
-task limit when the node has cgroups (`cgroup_procs`).
+open_by_handle_at and name_to_handle_at, and refuses io_uring too: GANESHA_DENIED). It runs
+in a cgroup of its own with a memory and task limit when the node has cgroups
+(`cgroup_procs`).
 
 Port. Below 1024 (`start` refuses another): only root binds it, so no local user takes it
 while ganesha restarts. None at all when the rw-shared mode is off (`node_nfs_port`: nothing
@@ -175,6 +176,10 @@ LEASE_LIFETIME = 60  # seconds a client id lives without a renewal
 JAIL_LINKS = (("/etc/mtab", "../proc/self/mounts"),)
 # The system calls of runtime/qemu.py's JAIL_DENIED that ganesha's VFS FSAL is made of.
 GANESHA_SYSCALLS = frozenset({"open_by_handle_at", "name_to_handle_at"})
+# ...and what ganesha never calls but a ganesha taken over would reach the kernel through:
+# io_uring (a large surface, and its operations pass no seccomp filter; ganesha 4.3 and its
+# libraries use none of it: no liburing, no io_uring in them).
+GANESHA_DENIED = frozenset({"io_uring_setup", "io_uring_enter", "io_uring_register"})
 # The capabilities ganesha keeps (module doc, "Jail"); every other one leaves its bounding set.
 CAP_CHOWN, CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH, CAP_FOWNER = 0, 1, 2, 3
 CAP_SETGID, CAP_SETUID, CAP_NET_BIND_SERVICE = 6, 7, 10
@@ -780,7 +785,7 @@ class NfsServer:
         self._write_config(self.exports)
         try:
             plan = self._plan(path)
-            seccomp = jail_filter(GANESHA_SYSCALLS)
+            seccomp = jail_filter(GANESHA_SYSCALLS, GANESHA_DENIED)
         except RuntimeError_ as exc:
             raise NfsError(str(exc)) from exc
         proc = jail.spawn_in_new_pid_namespace(

@@ -237,10 +237,12 @@ def _compile(rules: Any) -> SeccompProgram:
 
 
 @functools.cache
-def jail_filter(allowed: frozenset[str] = frozenset()) -> SeccompProgram:
+def jail_filter(allowed: frozenset[str] = frozenset(),
+                denied: frozenset[str] = frozenset()) -> SeccompProgram:
     """The jailed part of `qemu_filter` alone, for another jailed server (node/nfs.py's
-    ganesha): JAIL_DENIED but `allowed` fail with EPERM, `clone` with a namespace flag too,
-    `clone3` with ENOSYS, a call of another architecture kills the process."""
+    ganesha): JAIL_DENIED but `allowed`, and `denied`, fail with EPERM, `clone` with a
+    namespace flag too, `clone3` with ENOSYS, a call of another architecture kills the
+    process."""
     try:
         import pyseccomp
     except (ImportError, RuntimeError) as exc:
@@ -248,9 +250,8 @@ def jail_filter(allowed: frozenset[str] = frozenset()) -> SeccompProgram:
                             "(scripts/install-system.sh) and pyseccomp") from exc
     rules = pyseccomp.SyscallFilter(pyseccomp.ALLOW)
     rules.set_attr(pyseccomp.Attr.ACT_BADARCH, pyseccomp.KILL_PROCESS)
-    for name in JAIL_DENIED:
-        if name not in allowed:
-            rules.add_rule(pyseccomp.ERRNO(errno.EPERM), name)
+    for name in sorted({n for n in JAIL_DENIED if n not in allowed} | denied):
+        rules.add_rule(pyseccomp.ERRNO(errno.EPERM), name)
     rules.add_rule(pyseccomp.ERRNO(errno.ENOSYS), "clone3")
     for flag in _CLONE_NAMESPACES:
         rules.add_rule(pyseccomp.ERRNO(errno.EPERM), "clone",
