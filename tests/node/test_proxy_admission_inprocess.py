@@ -19,6 +19,7 @@ import pytest
 import uvicorn
 
 from agentenv.api.errors import Internal
+from agentenv.node import pauses as pauses_module
 from agentenv.node import proxy
 from agentenv.node.admission import Admission, AdmissionRefused
 from agentenv.node.api import NodeApp
@@ -367,5 +368,49 @@ def test_memory_budget_and_released_reservations(tmp_path: Path) -> None:
             assert refused.value.limit == "memory_requested" and "AENV_MEMORY_BUDGET_MB" in str(
                 refused.value)
             assert len(n.orch.sandboxes) == 2
+
+    run(scenario)
+
+
+def test_a_failed_auto_resume_is_not_tried_again_by_every_request(tmp_path: Path) -> None:
+    """A guest that breaks its own resume (envd replaced by a server that never answers: each
+    try a restore held up to 30 s on a real node) does not get one per allowed request: traffic
+    waits out a backoff that doubles per failure in a row; the owner's connect is not held back
+    (red team of 2026-12-07)."""
+    async def scenario() -> None:
+        async with node(tmp_path) as n:
+            sid = await n.create(auto_pause=True, auto_resume=True)
+            await n.orch.pause(sid)
+            token = {"X-Access-Token": n.orch.sandboxes[sid].envd_access_token}
+            pauses = n.orch._pauses
+            now = [1000.0]
+            pauses.clock = lambda: now[0]
+            n.backend.fail("resume")
+            assert (await n.client.get(at(sid) + "/health", headers=token)).status_code == 502
+            assert n.backend.called("resume") == [sid]
+            assert n.orch.sandboxes[sid].state == State.PAUSED
+            for _ in range(5):  # within the backoff: no new restore
+                assert (await n.client.get(at(sid) + "/health",
+                                           headers=token)).status_code == 502
+            assert n.backend.called("resume") == [sid]
+            now[0] += pauses_module.AUTO_RESUME_BACKOFF_S + 0.1
+            n.backend.fail("resume")  # a second failure in a row: twice the wait
+            assert (await n.client.get(at(sid) + "/health", headers=token)).status_code == 502
+            assert len(n.backend.called("resume")) == 2
+            now[0] += pauses_module.AUTO_RESUME_BACKOFF_S + 0.1
+            await n.client.get(at(sid) + "/health", headers=token)
+            assert len(n.backend.called("resume")) == 2
+            now[0] += pauses_module.AUTO_RESUME_BACKOFF_S
+            answer = await n.client.get(at(sid) + "/health", headers=token)
+            assert answer.status_code == 200 and n.orch.sandboxes[sid].state == State.RUNNING
+            assert len(n.backend.called("resume")) == 3
+            assert sid not in pauses._auto_resume_failed  # forgotten once it runs
+            # the owner's connect is never held back by it
+            await n.orch.pause(sid)
+            n.backend.fail("resume")
+            await n.client.get(at(sid) + "/health", headers=token)
+            assert len(n.backend.called("resume")) == 4
+            await n.orch.connect(sid, 60)
+            assert n.orch.sandboxes[sid].state == State.RUNNING
 
     run(scenario)

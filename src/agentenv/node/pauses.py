@@ -44,6 +44,14 @@ def _crash_point(name: str) -> None:
         os._exit(CRASH_EXIT_CODE)
 
 
+#: seconds an auto-resume that failed keeps traffic from trying again, doubled at each failure
+#: in a row up to AUTO_RESUME_BACKOFF_MAX_S: a guest that broke its own resume (envd replaced
+#: by a server that never answers) made every allowed request a full restore held up to 30 s
+#: (red team of 2026-12-07). A connect by the sandbox's owner is not held back.
+AUTO_RESUME_BACKOFF_S = 5.0
+AUTO_RESUME_BACKOFF_MAX_S = 300.0
+
+
 class PauseHost(RunHost, Protocol):
     """What pauses and resumes use of the orchestrator besides RunHost (node/host.py)."""
 
@@ -63,6 +71,10 @@ class Pauses:
         self._host = host
         #: resumes ended early (end_resume), with what their callers get instead
         self._resume_ended: dict[str, ApiError] = {}
+        #: auto-resumes by traffic that failed: sandbox -> (failures in a row, no new try
+        #: before this `clock()` time)
+        self._auto_resume_failed: dict[str, tuple[int, float]] = {}
+        self.clock = time.monotonic
 
     async def pause(self, sandbox_id: str, memory: bool = True) -> None:
         host = self._host
@@ -257,6 +269,13 @@ class Pauses:
             self._resume_ended[sandbox_id] = why
             task.cancel()
 
+    def _auto_resume_failure(self, sandbox_id: str, failures: int, exc: Exception) -> None:
+        wait = min(AUTO_RESUME_BACKOFF_S * 2 ** (failures - 1), AUTO_RESUME_BACKOFF_MAX_S)
+        self._auto_resume_failed[sandbox_id] = (failures, self.clock() + wait)
+        log.warning("auto-resume failed", extra={
+            "sandbox_id": sandbox_id, "error": str(exc), "failures": failures,
+            "next_try_s": wait})
+
     async def running_placement(self, sandbox_id: str) -> Placement | None:
         """For the proxy: where the sandbox runs, resuming it when autoResume (or an idle
         pause) allows; None if the sandbox is unknown, killed, or paused otherwise. A resume
@@ -266,14 +285,19 @@ class Pauses:
         rec = host.sandboxes.get(sandbox_id)
         for _ in range(3):
             if rec is None or rec.state == State.KILLING:
+                self._auto_resume_failed.pop(sandbox_id, None)
                 return None
             if rec.state == State.RUNNING:
+                self._auto_resume_failed.pop(sandbox_id, None)
                 return rec.placement
             if rec.state == State.PAUSED:
                 # A filesystem-only pause asked for resumes on connect only (a cold boot: the
                 # request would reach a sandbox that rebooted under it).
                 if not rec.resumes_on_traffic or not rec.pause_asked_memory or host.closing:
                     return None
+                failures, not_before = self._auto_resume_failed.get(sandbox_id, (0, 0.0))
+                if self.clock() < not_before:
+                    return None  # its last auto-resume failed: not again yet
                 try:
                     # after an idle pause, the endAt it had (_do_resume)
                     await self.connect(sandbox_id, 0 if rec.pause_reason == IDLE_REASON
@@ -281,14 +305,10 @@ class Pauses:
                 except ApiError as exc:
                     if exc.status in (429, 503):
                         raise
-                    log.warning(
-                        "auto-resume failed", extra={"sandbox_id": sandbox_id, "error": str(exc)}
-                    )
+                    self._auto_resume_failure(sandbox_id, failures + 1, exc)
                     return None
                 except Exception as exc:
-                    log.warning(
-                        "auto-resume failed", extra={"sandbox_id": sandbox_id, "error": str(exc)}
-                    )
+                    self._auto_resume_failure(sandbox_id, failures + 1, exc)
                     return None
             elif rec.state == State.PAUSING and not rec.resumes_on_traffic:
                 return None
