@@ -126,7 +126,11 @@ class ClusterAuth:
     def _authenticate(self, metadata: Any, method: str) -> str | None:
         """The identity that proved itself with this call's metadata; None: refused (why:
         `_refusal`). Synchronous: a call that passes costs no extra coroutine."""
-        credential = next((value for key, value in metadata or () if key == CREDENTIAL_KEY), None)
+        credential = None
+        for key, value in metadata or ():  # a loop, not next() over a generator: ~3x less
+            if key == CREDENTIAL_KEY:
+                credential = value
+                break
         if credential is None:
             return None
         identity, _, token = credential.rpartition(" ")  # a token is hex: no space in it
