@@ -492,6 +492,7 @@ ELSEWHERE: dict[str, str] = {
     "AENV_ENVD_PATH": "guest: envd's PATH for commands (guest/envd/server.py)",
     "AENV_ENVD_BUSYBOX": "guest: the busybox envd runs tools with (guest/envd/server.py)",
     "AENV_CONTROL_FD": "guest: the code interpreter's kernel control descriptor",
+    "AENV_RAM_FILE": "QEMU's environment: the RAM file it opens read-only (runtime/_ramopen.c)",
     "AENV_HOST": "scripts/up.sh: the node's listen address (127.0.0.1)",
     "AENV_PORT": "scripts/up.sh: the node's port (8000)",
     "AENV_LOG_DIR": "scripts/up.sh: logs (<state>/logs)",
