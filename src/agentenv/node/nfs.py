@@ -67,9 +67,9 @@ instance (a superblock of its own: a handle on it reaches only it) or its proc (
 
 `start` reads ganesha's mountinfo after it listens and refuses to serve from a jail with any
 other mount (`_check_jail`); a bare jail refuses to bind a source that is not a tmpfs. The
-node's server (`whole_file_systems`, node/nfs_exports.py) exports only roots of file systems of
-their own: a directory of another file system, or below a volume's root, is refused before
-it is bound.
+node's server (`whole_file_systems`, node/nfs_exports.py) exports only directories of a whole
+file system of a loop device (a volume's image; the node exports its `data/`): a directory of
+another file system, or of a bind of one, is refused before it is bound.
 tests/node/test_nfs_jail.py runs the attack with ganesha's capabilities from inside its mount
 namespace: no host file is reached through any mount but the volume's, and through that one
 only the volume.
@@ -475,6 +475,27 @@ def _mount_fields(path: Path) -> list[str] | None:
     return None
 
 
+def _on_a_file_system_of_its_own(path: Path) -> bool:
+    """Whether `path` (no symlink on the way) lies in a whole file system of a loop device (a
+    shared volume's image, node/shared_fs.py), at its root or below: a forged handle through
+    an export there reaches that file system only, never the host's."""
+    text = str(path)
+    if os.path.realpath(text) != text:
+        return False
+    with open("/proc/self/mountinfo") as f:
+        lines = [line.split() for line in f]
+    best: list[str] | None = None
+    for fields in lines:  # the topmost mount at a path is listed last: it wins ties
+        under = len(fields) > 4 and (text == fields[4]
+                                     or text.startswith(fields[4].rstrip("/") + "/"))
+        if under and (best is None or len(fields[4]) >= len(best[4])):
+            best = fields
+    if best is None or best[3] != "/" or "-" not in best:
+        return False
+    fstype, source = best[best.index("-") + 1:best.index("-") + 3]
+    return fstype == "ext4" and source.startswith("/dev/loop")
+
+
 def _fstype(fields: list[str]) -> str:
     return fields[fields.index("-") + 1] if "-" in fields else "?"
 
@@ -697,10 +718,9 @@ class NfsServer:
             target = self.published(export)
             if target.name in mounted:
                 continue
-            root = _mount_fields(export.path) if self.whole_file_systems else None
-            if self.whole_file_systems and (root is None or root[3] != "/"):
-                raise NfsError(f"{export.path} is not the root of a file system of its own "
-                               "(node/shared_fs.py): not exported")
+            if self.whole_file_systems and not _on_a_file_system_of_its_own(export.path):
+                raise NfsError(f"{export.path} is not on a file system of its own (a loop "
+                               "mounted image, node/shared_fs.py): not exported")
             if target.is_symlink():  # the node made none; ganesha's view of it is read-only
                 raise NfsError(f"{target} is a symlink: not mounting on it")
             target.mkdir(mode=0o700, exist_ok=True)
