@@ -137,8 +137,8 @@ def test_ganesha_s_mounts_and_handles_reach_no_host_file(
 
 def test_a_directory_of_a_host_file_system_is_not_exported(tmp_path: Path, volume: Path) -> None:
     """The node's server exports only roots of file systems of their own (a shared volume's):
-    a directory of another file system is refused before ganesha sees it, as is a
-    subdirectory of a volume's."""
+    a directory of another file system (or of a bind of one) is refused before ganesha sees
+    it; a subdirectory of the volume's own file system is served."""
     if shutil.which("ganesha.nfsd") is None:
         pytest.fail("ganesha.nfsd is missing: run scripts/install-system.sh")
     plain = tmp_path / "plain"
@@ -147,10 +147,19 @@ def test_a_directory_of_a_host_file_system_is_not_exported(tmp_path: Path, volum
     srv = NfsServer(tmp_path / "nfs", bind_addr="127.0.0.1", port=unwalled_port(tmp_path),
                     whole_file_systems=True)
     try:
-        for path in (plain, volume / "sub"):
-            with pytest.raises(NfsError, match="not the root of a file system"):
-                srv.start([NfsExport(1, path, "/volumes/v", ("127.0.0.1",), 4321, 4321)])
-            assert not srv.running()
+        bound = tmp_path / "bound"  # a bind of the host's directory: its root is not "/"
+        bound.mkdir()
+        subprocess.run(["mount", "--bind", str(plain), str(bound)], check=True)
+        try:
+            for path in (plain, bound):
+                with pytest.raises(NfsError, match="not on a file system of its own"):
+                    srv.start([NfsExport(1, path, "/volumes/v", ("127.0.0.1",), 4321, 4321)])
+                assert not srv.running()
+        finally:
+            subprocess.run(["umount", str(bound)], check=True)
+        # a directory of the volume's own file system (the node exports its data/)
+        srv.start([NfsExport(1, volume / "sub", "/volumes/v", ("127.0.0.1",), 4321, 4321)])
+        srv.stop()
         srv.start([NfsExport(1, volume, "/volumes/v", ("127.0.0.1",), 4321, 4321)])
         with Nfs41Client("127.0.0.1", srv.port) as client:
             assert client.read("/volumes/v/data.txt") == b"volume data\n"

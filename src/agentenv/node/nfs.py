@@ -762,12 +762,14 @@ class NfsServer:
         (module doc, "Jail"): nothing else of a host file system, whose every inode a forged
         handle would open."""
         exports = str(self.exports_dir) + "/"
-        for point, kind, _, root in jail_mounts(pid):
-            if point.startswith(exports) and (root == "/" or not self.whole_file_systems):
+        for point, kind, source, _ in jail_mounts(pid):
+            # an export: a directory of a volume's own file system (_on_a_file_system_of_its_own)
+            own = kind == "ext4" and source.startswith("/dev/loop")
+            if point.startswith(exports) and (own or not self.whole_file_systems):
                 continue
             if kind not in ("tmpfs", "proc") or point.startswith(exports):
                 raise NfsError(f"ganesha's jail has {point} of a host file system ({kind}, "
-                               f"{root})")
+                               f"{source})")
 
     def start(self, exports: Iterable[NfsExport] = (), timeout: float = 20.0) -> None:
         """Start ganesha in its jail and wait until it listens on its port (read from
