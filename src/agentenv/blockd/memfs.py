@@ -15,8 +15,8 @@ here, so a refused write would still change the page that every VM restored from
 maps (red team of 2026-12-07). QEMU opens its RAM file read-only (runtime/qemu.py). It opens
 a stack at its first lookup and closes it once its config is gone (the device's last reference
 released). The order of each device's first reads per CHUNK (page-cache misses: the order in
-which the first restore touched memory) is appended to `STATE/memdev/<key>.trace` (uint32 chunk numbers), the startup pack's
-source.
+which the first restore touched memory) is appended to `STATE/memdev/<key>.trace` (uint32
+chunk numbers), the startup pack's source.
 
 Reads, the page-fault path, run in the native core (storage/_native.cpp, docs/native.md) on
 libfuse's worker threads without the GIL: `read`'s slot in libfuse's operations table is the
