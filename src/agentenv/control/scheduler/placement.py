@@ -300,16 +300,19 @@ class Placer:
         candidates: list[NodeView],
         down: dict[str, str],
         template_layers: dict[str, tuple[str, ...]],
+        held: list[NodeView] | None = None,
     ) -> tuple[NodeView, str]:
         """The chosen node and why. `candidates` are the up nodes allowed for this request;
         `down` maps the others to why they are not (for the error message): "down (...)" or
-        "tried (...)", the word first."""
+        "tried (...)", the word first. `held`: the candidates holding the snapshot or template
+        when the caller knows them already."""
         now = time.monotonic()
         wanted = req.snapshot_id or req.template_id
         if strategy == "cache-aware" and wanted:
             # The holders first: only they need their load worked out when one of them fits.
-            held = [v for v in candidates
-                    if wanted in (v.snapshots if req.snapshot_id else v.templates)]
+            if held is None:
+                held = [v for v in candidates
+                        if wanted in (v.snapshots if req.snapshot_id else v.templates)]
             fits = self._fitting(held, req, now) if held else []
             if fits:
                 chosen = min((load, v.node_id, v) for v, load in fits)[2]

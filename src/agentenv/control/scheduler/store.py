@@ -458,9 +458,7 @@ class _LoopWriter:
         return await self._script(await self._connection(), args)
 
     async def _script(self, conn: _Resp, args: list[str | bytes | int]) -> list[bytes]:
-        timeout = self._store.timeout
-        timer = self.loop.call_later(timeout, conn.fail, RedisTimeoutError(
-            f"no answer from Redis at {self._store.url} within {timeout:g} s"))
+        timer = self.loop.call_later(self._store.timeout, self._timed_out, conn)
         try:
             try:
                 return list(await _answer(conn.command("EVALSHA", _RECORD_SHA, 0, *args)))
@@ -471,6 +469,10 @@ class _LoopWriter:
                 return list(await _answer(conn.command("EVAL", _RECORD, 0, *args)))
         finally:
             timer.cancel()
+
+    def _timed_out(self, conn: _Resp) -> None:
+        conn.fail(RedisTimeoutError(f"no answer from Redis at {self._store.url} within "
+                                    f"{self._store.timeout:g} s"))
 
     def close(self) -> None:
         """From any thread: no more writes; the connection goes (on its loop)."""
