@@ -137,8 +137,9 @@ class SchedulerService:
         self.placer = Placer(min_disk_bytes=self.config.min_disk_free_mib << 20)
         # Memory (views, bindings, the up cache) changes under this lock: RPCs and discovery
         # call in from the event loop, heartbeats and releases from worker threads (they wait
-        # for Redis), binding writes from the store's writer thread. Redis is never waited for
-        # while holding it (Lookup, which reads without it, must not queue behind a write).
+        # for Redis), binding writes from the store's writer (on the loop, or its thread for a
+        # TLS URL). Redis is never waited for while holding it (Lookup, which reads without
+        # it, must not queue behind a write).
         self.lock = threading.RLock()
         self._sweeper: threading.Thread | None = None
         self._stopping = threading.Event()
