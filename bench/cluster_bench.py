@@ -19,7 +19,7 @@ Goals (issue 14): >= 2,000 schedules/s, Lookup p99 <= 2 ms. Prints one JSON obje
 (`goal_met` where the issue sets a goal). `--quick` shortens the timed phases.
 Run it inside scripts/isolated.sh beside other work. `--before-rev REV [--rounds N]` runs REV's own
 copy of this bench alternating with this checkout's and prints the after/before ratio of
-each figure (issue 23: the tenancy checks may cost no more than 5%). `--checks-cost [--rounds N]`
+each figure (`--before-rev` again: several revisions in the same rounds, e.g. the stop and main) (issue 23: the tenancy checks may cost no more than 5%). `--checks-cost [--rounds N]`
 runs this tree's scheduler suite with each method's caller check on and taken out (the price of
 the checks alone, where --before-rev also sees everything else added since REV).
 """
@@ -419,34 +419,50 @@ def _medians(base: list[float], new: list[float], more_is_better: bool
 
 
 def compare_trees(args: argparse.Namespace) -> None:
-    """This checkout against --before-rev, alternating runs (this host is noisy): each figure's
-    median per tree (the gateway's as ratios to direct: see COMPARED) and the after/before
-    ratio, oriented so that < 1 is worse."""
-    old = Path(tempfile.mkdtemp(prefix="aenv-cluster-bench-before-"))
+    """This checkout against each --before-rev, alternating runs (this host is noisy): each
+    figure's median per tree (the gateway's as ratios to direct: see COMPARED; the scheduler's
+    CPU per pair beside them) and the after/before ratio, oriented so that < 1 is worse."""
+    olds: dict[str, Path] = {}
     try:
-        archive = subprocess.run(["git", "-C", str(ROOT), "archive", args.before_rev],
-                                 capture_output=True, check=True).stdout
-        subprocess.run(["tar", "-x", "-C", str(old)], input=archive, check=True)
-        values: dict[str, dict[str, list[float]]] = {"before": {}, "after": {}}
-        for _ in range(args.rounds):
-            for label, tree in (("before", old), ("after", ROOT)):
+        for rev in args.before_rev:
+            olds[rev] = old = Path(tempfile.mkdtemp(prefix="aenv-cluster-bench-before-"))
+            archive = subprocess.run(["git", "-C", str(ROOT), "archive", rev],
+                                     capture_output=True, check=True).stdout
+            subprocess.run(["tar", "-x", "-C", str(old)], input=archive, check=True)
+        values: dict[str, dict[str, list[float]]] = {rev: {} for rev in [*olds, "after"]}
+        trees = [*olds.items(), ("after", ROOT)]
+        for round_ in range(args.rounds):
+            # the order turns each round: no tree always runs first or after the same one
+            shift = round_ % len(trees)
+            for label, tree in trees[shift:] + trees[:shift]:
                 for line in _run_tree(tree, args):
                     if line.get("metric") in COMPARED:
                         field = COMPARED[line["metric"]][1]
                         values[label].setdefault(line["metric"], []).append(float(line[field]))
-                        print(json.dumps({"tree": label, **line}), flush=True)
-        for metric, (more_is_better, field) in COMPARED.items():
-            before, after = values["before"].get(metric), values["after"].get(metric)
-            if not before or not after:
-                continue
-            b, a, ratio = _medians(before, after, more_is_better)
-            print(json.dumps({"metric": metric, "compared": field,
-                              "before": round(b, 3), "after": round(a, 3),
-                              "before_rev": args.before_rev, "runs": len(after),
-                              "after_vs_before": round(ratio, 3), "goal": 0.95,
-                              "goal_met": ratio >= 0.95}), flush=True)
+                        if "scheduler_cpu_us_per_pair" in line:
+                            values[label].setdefault("scheduler_cpu_us_per_pair", []).append(
+                                float(line["scheduler_cpu_us_per_pair"]))
+                        print(json.dumps({"tree": "after" if label == "after" else "before",
+                                          "rev": label, "round": round_ + 1,
+                                          "load_avg_1m": round(os.getloadavg()[0], 2), **line}),
+                              flush=True)
+        compared = {**{m: (more, field) for m, (more, field) in COMPARED.items()},
+                    "scheduler_cpu_us_per_pair": (False, "value")}
+        for rev in olds:
+            for metric, (more_is_better, field) in compared.items():
+                before, after = values[rev].get(metric), values["after"].get(metric)
+                if not before or not after:
+                    continue
+                b, a, ratio = _medians(before, after, more_is_better)
+                goal = {} if metric == "scheduler_cpu_us_per_pair" else {
+                    "goal": 0.95, "goal_met": ratio >= 0.95}
+                print(json.dumps({"metric": metric, "compared": field,
+                                  "before": round(b, 3), "after": round(a, 3),
+                                  "before_rev": rev, "runs": len(after),
+                                  "after_vs_before": round(ratio, 3), **goal}), flush=True)
     finally:
-        shutil.rmtree(old, ignore_errors=True)
+        for old in olds.values():
+            shutil.rmtree(old, ignore_errors=True)
 
 
 def main() -> None:
@@ -455,10 +471,11 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="shorter timed phases")
     parser.add_argument("--appendfsync", choices=["always", "everysec"], default="everysec",
                         help="Redis AOF fsync policy (deploy/kubernetes uses everysec)")
-    parser.add_argument("--before-rev", default=None, metavar="REV",
+    parser.add_argument("--before-rev", action="append", default=[], metavar="REV",
                         help="also run REV's own copy of this bench (its tree exported with git "
                              "archive), alternating with this checkout's, ROUNDS times each, and "
-                             "print after/before ratios (issue 23: the checks cost <= 5%%)")
+                             "print after/before ratios (issue 23: the checks cost <= 5%%); "
+                             "given more than once, each REV in the same rounds")
     parser.add_argument("--rounds", type=int, default=2,
                         help="rounds of each tree (--before-rev) or arm (--checks-cost)")
     parser.add_argument("--checks-cost", action="store_true",

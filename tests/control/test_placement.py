@@ -41,6 +41,28 @@ def test_random_spreads(redis_server: RedisServer, prefix: str) -> None:
     asyncio.run(body())
 
 
+def test_a_node_that_gains_or_drops_a_template_counts_at_once(
+    redis_server: RedisServer, prefix: str
+) -> None:
+    """The template's holders are remembered between Schedules (with the up nodes, 100 ms), and
+    a heartbeat that changes a node's templates is seen by the very next Schedule."""
+    async def body() -> None:
+        async with scheduler(redis_server.url, prefix) as (_, client):
+            await client.heartbeat(status("a"))
+            await client.heartbeat(status("b", cpu_free=8))
+            for _ in range(2):
+                placed = await client.schedule(template_id="base")
+                assert not placed.reason.startswith("cache"), placed.reason
+            await client.heartbeat(status("b", cpu_free=8, templates=["base"]))
+            placed = await client.schedule(template_id="base")
+            assert (placed.node_id, placed.reason) == ("b", "cache: holds the template")
+            await client.heartbeat(status("b", cpu_free=8))
+            placed = await client.schedule(template_id="base")
+            assert not placed.reason.startswith("cache"), placed.reason
+
+    asyncio.run(body())
+
+
 def test_least_loaded_counts_placements_between_heartbeats(
     redis_server: RedisServer, prefix: str
 ) -> None:

@@ -5,16 +5,20 @@ from __future__ import annotations
 import asyncio
 import itertools
 import threading
+from collections.abc import Callable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
 import redis
+import uvloop
 from redis.exceptions import RedisError
 
+from agentenv.control.redis_auth import RedisAuth
 from agentenv.control.scheduler.holders import HolderIndex
-from agentenv.control.scheduler.store import Binding, Store
+from agentenv.control.scheduler.store import Binding, Store, _loop_target
 from agentenv.scheduling.client import SchedulerError
 from agentenv.scheduling.proto import scheduler_pb2 as pb
 from tests.control.conftest import RedisServer
@@ -157,6 +161,109 @@ def test_concurrent_records_share_round_trips(redis_server: RedisServer, prefix:
             assert len(list(pool.map(fail, range(16), timeout=30))) == 16
     finally:
         away.close()
+@pytest.mark.parametrize("run", [asyncio.run, uvloop.run], ids=["asyncio", "uvloop"])
+def test_records_from_the_loop_share_round_trips_in_redis_order(
+        redis_server: RedisServer, prefix: str, tmp_path: Path,
+        run: Callable[[Coroutine[Any, Any, None]], None]) -> None:
+    """record_async sends from the event loop on a connection of its own (no writer thread):
+    the same group commit as from threads (each writer its previous binding, fewer script calls
+    than writes, the callbacks in Redis's order), and it keeps working when Redis forgot the
+    script or closed the connection; a Redis away or silent fails every writer, none hangs."""
+    raw = redis.Redis.from_url(redis_server.url)
+
+    def script_calls() -> int:
+        stats = raw.info("commandstats")
+        return sum(stats.get(f"cmdstat_{c}", {}).get("calls", 0) for c in ("evalsha", "eval"))
+
+    async def body() -> None:
+        store = Store(redis_server.url, prefix)
+        writers = 48
+        try:
+            for i in range(writers):
+                await store.record_async(Binding(f"l{i}", "n0", "", 1, 1, 1))
+            before = script_calls()
+            olds = await asyncio.gather(*(
+                store.record_async(Binding(f"l{i}", f"n{1 + i % 3}", f"t{i}", 2, 1, 1))
+                for i in range(writers)))
+            assert [o.node_id if o else None for o in olds] == ["n0"] * writers
+            assert script_calls() - before < writers, "no two writes shared a round trip"
+            assert not raw.smembers(f"{prefix}node:n0:sandboxes") & {
+                f"l{i}".encode() for i in range(writers)}
+            for i in range(writers):
+                node = f"n{1 + i % 3}"
+                assert Binding.decode(f"l{i}", raw.hget(f"{prefix}bindings", f"l{i}").decode()) \
+                    == Binding(f"l{i}", node, f"t{i}", 2, 1, 1)
+                assert raw.sismember(f"{prefix}node:{node}:sandboxes", f"l{i}")
+            applied: list[tuple[Binding | None, Binding]] = []
+
+            async def race(i: int) -> None:
+                binding = Binding("raced-on-loop", f"n{i}", "", i, 1, 1)
+                await store.record_async(binding, lambda old: applied.append((old, binding)))
+
+            await asyncio.gather(*(race(i) for i in range(writers)))
+            assert len(applied) == writers and applied[0][0] is None
+            for (_, before_binding), (old, _) in itertools.pairwise(applied):
+                assert old == before_binding
+            final = Binding.decode("raced-on-loop",
+                                   raw.hget(f"{prefix}bindings", "raced-on-loop").decode())
+            assert applied[-1][1] == final
+            # Redis lost its scripts (a restart, SCRIPT FLUSH): the body goes again
+            raw.script_flush()
+            old = await store.record_async(Binding("l0", "n7", "", 3, 1, 1))
+            assert old is not None and old.node_id == "n1"
+            # Redis closed the writer's connection: the next write connects again
+            for client in raw.client_list():
+                if client["cmd"] in ("evalsha", "eval"):
+                    raw.client_kill_filter(_id=client["id"])
+            old = await store.record_async(Binding("l0", "n8", "", 4, 1, 1))
+            assert old is not None and old.node_id == "n7"
+            assert raw.sismember(f"{prefix}node:n8:sandboxes", "l0")
+        finally:
+            store.close()
+
+        away = Store(f"unix://{tmp_path / 'no-redis.sock'}", prefix)
+        try:
+            outcomes = await asyncio.wait_for(asyncio.gather(*(
+                away.record_async(Binding(f"l{i}", "n1", "", 1, 1, 1)) for i in range(16)),
+                return_exceptions=True), 30)
+            assert all(isinstance(o, RedisError) for o in outcomes), outcomes
+        finally:
+            away.close()
+
+        # A Redis that takes the connection and never answers: the store's timeout, each time.
+        async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            await reader.read(1 << 20)
+            await asyncio.sleep(30)
+
+        mute = await asyncio.start_unix_server(silent, str(tmp_path / "mute.sock"))
+        stalled = Store(f"unix://{tmp_path / 'mute.sock'}", prefix, timeout=0.3)
+        try:
+            for _ in range(2):
+                outcomes = await asyncio.wait_for(asyncio.gather(*(
+                    stalled.record_async(Binding(f"l{i}", "n1", "", 1, 1, 1)) for i in range(4)),
+                    return_exceptions=True), 10)
+                assert all(isinstance(o, RedisError) for o in outcomes), outcomes
+        finally:
+            stalled.close()
+            mute.close()
+
+    try:
+        run(body())
+    finally:
+        raw.close()
+
+
+def test_the_loop_writer_connects_to_plain_urls_only() -> None:
+    """A unix socket or plain TCP (with the login, the URL's winning as in redis-py); TLS or
+    socket options in the URL: the writer thread and redis-py, which know them."""
+    assert _loop_target("unix:///run/r.sock", RedisAuth("scheduler", "pw")) == {
+        "path": "/run/r.sock", "username": "scheduler", "password": "pw"}
+    assert _loop_target("redis://u:p@h:1/2", RedisAuth("scheduler", "pw")) == {
+        "host": "h", "port": 1, "db": 2, "username": "u", "password": "p"}
+    assert _loop_target("rediss://h:1/0", RedisAuth()) is None
+    assert _loop_target("redis://h:1/0?socket_timeout=3", RedisAuth()) is None
+
+
 def test_holders(redis_server: RedisServer, prefix: str) -> None:
     """Holders answers from the heartbeats' blob lists: up nodes with a layer address, the
     asker left out, whole holders first; a restarted scheduler knows them from Redis."""

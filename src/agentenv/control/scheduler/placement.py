@@ -21,9 +21,9 @@ the snapshot (neither can move between nodes yet).
 
 from __future__ import annotations
 
+import os
 import random
 import re
-import secrets
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -37,6 +37,24 @@ DEFAULT_STRATEGY = "cache-aware"
 # A placement not followed by RecordAssignment within this long (the create failed or the
 # gateway died) stops counting against the node.
 PENDING_TTL_S = 60.0
+
+
+#: reservation tokens not handed out yet: 8 bytes of the OS's CSPRNG each, drawn 4 KiB at a
+#: time (`secrets.token_hex` per Schedule was a getrandom call that let go of the GIL on the
+#: event loop every time, and another thread took it)
+_TOKENS: list[str] = []
+_TOKENS_PER_DRAW = 512
+os.register_at_fork(after_in_child=_TOKENS.clear)  # a child never repeats its parent's
+
+
+def _token() -> str:
+    """16 hex digits, unpredictable (what secrets.token_hex(8) gives)."""
+    try:
+        return _TOKENS.pop()
+    except IndexError:
+        raw = os.urandom(8 * _TOKENS_PER_DRAW).hex()
+        _TOKENS.extend(raw[i:i + 16] for i in range(0, len(raw), 16))
+        return _TOKENS.pop()
 
 
 class PlacementError(Exception):
@@ -214,7 +232,7 @@ class NodeView:
     def reserve(self, req: Request) -> str:
         """Hold room for `req` until it is recorded or cancelled; the reservation's id names
         this node (`node/token`), so a Release finds it without a table of its own."""
-        reservation = f"{self.node_id}/{secrets.token_hex(8)}"
+        reservation = f"{self.node_id}/{_token()}"
         mem = self.need_mib(req.vcpus, req.memory_mib)
         self.pending[reservation] = (time.monotonic(), req.vcpus, mem)
         self._cpu += req.vcpus
@@ -282,16 +300,19 @@ class Placer:
         candidates: list[NodeView],
         down: dict[str, str],
         template_layers: dict[str, tuple[str, ...]],
+        held: list[NodeView] | None = None,
     ) -> tuple[NodeView, str]:
         """The chosen node and why. `candidates` are the up nodes allowed for this request;
         `down` maps the others to why they are not (for the error message): "down (...)" or
-        "tried (...)", the word first."""
+        "tried (...)", the word first. `held`: the candidates holding the snapshot or template
+        when the caller knows them already."""
         now = time.monotonic()
         wanted = req.snapshot_id or req.template_id
         if strategy == "cache-aware" and wanted:
             # The holders first: only they need their load worked out when one of them fits.
-            held = [v for v in candidates
-                    if wanted in (v.snapshots if req.snapshot_id else v.templates)]
+            if held is None:
+                held = [v for v in candidates
+                        if wanted in (v.snapshots if req.snapshot_id else v.templates)]
             fits = self._fitting(held, req, now) if held else []
             if fits:
                 chosen = min((load, v.node_id, v) for v, load in fits)[2]

@@ -137,14 +137,19 @@ class SchedulerService:
         self.placer = Placer(min_disk_bytes=self.config.min_disk_free_mib << 20)
         # Memory (views, bindings, the up cache) changes under this lock: RPCs and discovery
         # call in from the event loop, heartbeats and releases from worker threads (they wait
-        # for Redis), binding writes from the store's writer thread. Redis is never waited for
-        # while holding it (Lookup, which reads without it, must not queue behind a write).
+        # for Redis), binding writes from the store's writer (on the loop, or its thread for a
+        # TLS URL). Redis is never waited for while holding it (Lookup, which reads without
+        # it, must not queue behind a write).
         self.lock = threading.RLock()
         self._sweeper: threading.Thread | None = None
         self._stopping = threading.Event()
         # Which nodes are up, recomputed when a node changes state or UP_CACHE_MS have passed
         # (Schedule would otherwise judge every node's liveness on every call).
         self._up: tuple[float, list[NodeView], dict[str, str]] | None = None
+        #: (a list of up nodes of `_up`, template -> those of them holding it): Schedule's
+        #: cache-aware placement looked at every up node on every call for the template's
+        #: holders. A node whose templates change drops `_up`, and with its list this.
+        self._held: tuple[list[NodeView] | None, dict[str, list[NodeView]]] = (None, {})
 
     # --- lifecycle --------------------------------------------------------------------------------
 
@@ -218,6 +223,16 @@ class SchedulerService:
         self._up = (at_ms, up, down)
         return up, down
 
+    def _holding(self, template_id: str, up: list[NodeView]) -> list[NodeView]:
+        """The nodes of `up` (a list up_nodes returned) holding `template_id`."""
+        of, cache = self._held
+        if of is not up:
+            of, cache = self._held = (up, {})
+        held = cache.get(template_id)
+        if held is None:
+            held = cache[template_id] = [v for v in up if template_id in v.templates]
+        return held
+
     def down_reason(self, view: NodeView, at_ms: float | None = None) -> str:
         return view.down_reason(at_ms or now_ms(), self.config.down_after_ms)
 
@@ -287,6 +302,9 @@ class SchedulerService:
             view, reason = self._fork_node(msg.source_sandbox_id, req, at)
         else:
             candidates, down = self.up_nodes(at)
+            held = (self._holding(req.template_id, candidates)
+                    if strategy == "cache-aware" and req.template_id and not msg.exclude_nodes
+                    else None)
             down = {n: f"down ({w})" for n, w in down.items()}
             if msg.exclude_nodes:
                 tried = set(msg.exclude_nodes)
@@ -310,7 +328,7 @@ class SchedulerService:
                     refused=count_resources(down.values()), request=req.text,
                 )
             view, reason = self.placer.choose(
-                strategy, req, candidates, down, self.template_layers
+                strategy, req, candidates, down, self.template_layers, held
             )
             if req.snapshot_id:
                 reason = f"holds the snapshot; {reason}"
@@ -440,8 +458,11 @@ class SchedulerService:
         with self.lock:
             view = self.views.get(msg.node_id)
             if view is not None and view.status is not None:
+                templates = view.templates
                 view.update(msg, at, None)
                 view.listed = None
+                if view.templates != templates:
+                    self._up = None
 
     def _changed(self, node_id: str, at: float) -> None:
         view = self.views.get(node_id)
@@ -504,7 +525,10 @@ class SchedulerService:
             view = self._view(msg.node_id)
             was_down = self.down_reason(view, at)
             view.sources.add("heartbeat")
+            templates = view.templates
             view.update(msg, at, seen)
+            if view.templates != templates:
+                self._up = None  # and the holders of each template with it
             learn_template_layers(self.template_layers, (msg,))
             self._learn_sizes(msg)
             self.holder_index.update(msg.node_id, msg.blobs, msg.partial_blobs)

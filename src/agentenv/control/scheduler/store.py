@@ -19,14 +19,21 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 from dataclasses import dataclass
+from typing import Any
 
+import hiredis
 import redis
-from redis.exceptions import RedisError
+from redis.connection import UnixDomainSocketConnection, parse_url
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import RedisError, ResponseError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from agentenv.control.redis_auth import RedisAuth, shown_url
 from agentenv.errors import AgentEnvError
@@ -274,6 +281,231 @@ class _GroupCommit:
                 loop.call_soon_threadsafe(_settle, settled)
 
 
+class _Resp(asyncio.Protocol):
+    """One Redis connection of an event loop: commands written as they come, each answer
+    settling the oldest waiting command (Redis answers in order). hiredis parses."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._reader = hiredis.Reader(replyError=ResponseError)
+        self._waiting: deque[asyncio.Future[Any]] = deque()
+        self.transport: asyncio.Transport | None = None
+        self.lost: RedisError | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]  # uvloop's are no subclasses
+
+    def data_received(self, data: bytes) -> None:
+        reader = self._reader
+        try:
+            reader.feed(data)
+            while (reply := reader.gets()) is not False:
+                waiter = self._waiting.popleft()
+                if not waiter.done():
+                    waiter.set_result(reply)
+        except Exception as exc:  # not RESP, or an answer nobody asked for: give up on it
+            self.fail(RedisConnectionError(f"bad answer from Redis: {exc}"))
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.fail(RedisConnectionError(
+            "Redis closed the connection" + (f": {exc}" if exc else "")))
+
+    def fail(self, error: RedisError) -> None:
+        """Close the connection; every command waiting (and any sent later) fails with `error`."""
+        if self.lost is None:
+            self.lost = error
+        while self._waiting:
+            waiter = self._waiting.popleft()
+            if not waiter.done():
+                waiter.set_exception(self.lost)
+        if self.transport is not None:
+            self.transport.close()
+
+    def command(self, *args: str | bytes | int) -> asyncio.Future[Any]:
+        """Send one command; its future gets the answer (a Redis error reply as ResponseError)."""
+        if self.lost is not None:
+            raise self.lost
+        assert self.transport is not None
+        waiter = self._loop.create_future()
+        self._waiting.append(waiter)
+        self.transport.write(hiredis.pack_command(args))
+        return waiter
+
+
+async def _answer(waiter: asyncio.Future[Any]) -> Any:
+    reply = await waiter
+    if isinstance(reply, ResponseError):
+        raise reply
+    return reply
+
+
+class _LoopWriter:
+    """Binding writes of one event loop, sent from that loop on a Redis connection of its own:
+    the same group commit as _GroupCommit (one script call at a time, carrying everything
+    queued while the previous one was out; `apply` of each in Redis's order before its waiter
+    completes, once Redis answered the call holding it), without a thread between the RPC and
+    Redis. Through the writer thread each batch cost two thread wake-ups (the writer's, then
+    the loop's) and the GIL handed back and forth, which the scheduler paid in CPU on every
+    RecordAssignment; here a batch is a socket write and a read on the loop it came from.
+    A Redis that does not answer within the store's timeout fails the batch and the connection
+    (the next batch connects again)."""
+
+    def __init__(self, store: Store, loop: asyncio.AbstractEventLoop, target: dict[str, Any],
+                 limit: int = 256) -> None:
+        self._store = store
+        self.loop = loop
+        self._target = target
+        self._limit = limit
+        self._queue: list[tuple[Binding, Apply | None, asyncio.Future[bytes]]] = []
+        self._draining: asyncio.Task[None] | None = None
+        self._conn: _Resp | None = None
+        self.closed = False
+
+    def submit(self, binding: Binding, apply: Apply | None) -> asyncio.Future[bytes]:
+        if self.closed:
+            raise StoreError("the binding store is closed")
+        waiter: asyncio.Future[bytes] = self.loop.create_future()
+        self._queue.append((binding, apply, waiter))
+        if self._draining is None:
+            self._draining = self.loop.create_task(self._drain())
+        return waiter
+
+    async def _drain(self) -> None:
+        try:
+            while self._queue and not self.closed:
+                batch, self._queue = self._queue[: self._limit], self._queue[self._limit :]
+                outcomes: list[bytes | BaseException]
+                try:
+                    olds = await self._send([binding for binding, _, _ in batch])
+                    outcomes = list(olds)
+                except Exception as exc:  # every writer of the batch learns why
+                    outcomes = [exc] * len(batch)
+                else:
+                    for i, ((binding, apply, _), old) in enumerate(zip(batch, olds,
+                                                                       strict=True)):
+                        try:
+                            if apply is not None:
+                                apply(Binding.decode(binding.sandbox_id, old.decode()) if old
+                                      else None)
+                        except Exception as exc:
+                            outcomes[i] = exc
+                _settle([(waiter, outcome) for (_, _, waiter), outcome
+                         in zip(batch, outcomes, strict=True)])
+        finally:
+            self._draining = None
+            if self.closed:
+                _settle([(waiter, StoreError("the binding store is closed"))
+                          for _, _, waiter in self._queue])
+                self._queue = []
+
+    async def _connection(self) -> _Resp:
+        conn = self._conn
+        if conn is not None and conn.lost is None:
+            return conn
+        self._conn = None
+        target, timeout = self._target, self._store.timeout
+        fresh: _Resp | None = None
+
+        def made() -> _Resp:
+            nonlocal fresh
+            fresh = _Resp(self.loop)
+            return fresh
+
+        try:
+            async with asyncio.timeout(timeout):
+                if "path" in target:
+                    await self.loop.create_unix_connection(made, target["path"])
+                else:
+                    await self.loop.create_connection(made, target.get("host", "localhost"),
+                                                      int(target.get("port", 6379)))
+                assert fresh is not None
+                if target.get("password"):
+                    login = [target["password"]]
+                    if target.get("username"):
+                        login.insert(0, target["username"])
+                    await _answer(fresh.command("AUTH", *login))
+                if target.get("db"):
+                    await _answer(fresh.command("SELECT", int(target["db"])))
+        except BaseException as exc:
+            if fresh is not None:
+                fresh.fail(RedisConnectionError("not connected"))
+            if isinstance(exc, TimeoutError):
+                raise RedisTimeoutError(f"no answer from Redis at {self._store.url} within "
+                                        f"{timeout:g} s") from None
+            if isinstance(exc, OSError):
+                raise RedisConnectionError(
+                    f"cannot reach Redis at {self._store.url}: {exc}") from exc
+            raise
+        if self.closed:
+            fresh.fail(RedisConnectionError("the binding store is closed"))
+            raise StoreError("the binding store is closed")
+        self._conn = fresh
+        return fresh
+
+    async def _send(self, bindings: list[Binding]) -> list[bytes]:
+        """One script call for all (in order); the previous encoded binding of each, or b''.
+        A connection found closed (Redis restarted, or closed it while idle) is opened again
+        and the call sent once more, as redis-py retries (the script is idempotent)."""
+        args: list[str | bytes | int] = [self._store.prefix]
+        for b in bindings:
+            args += (b.sandbox_id, b.node_id, b.encode())
+        reused = self._conn is not None and self._conn.lost is None
+        try:
+            return await self._script(await self._connection(), args)
+        except RedisConnectionError:
+            if not reused:
+                raise
+        return await self._script(await self._connection(), args)
+
+    async def _script(self, conn: _Resp, args: list[str | bytes | int]) -> list[bytes]:
+        timer = self.loop.call_later(self._store.timeout, self._timed_out, conn)
+        try:
+            try:
+                return list(await _answer(conn.command("EVALSHA", _RECORD_SHA, 0, *args)))
+            except ResponseError as exc:
+                if not str(exc).startswith("NOSCRIPT"):
+                    raise
+                # Redis restarted or its scripts were flushed: the body once, cached again.
+                return list(await _answer(conn.command("EVAL", _RECORD, 0, *args)))
+        finally:
+            timer.cancel()
+
+    def _timed_out(self, conn: _Resp) -> None:
+        conn.fail(RedisTimeoutError(f"no answer from Redis at {self._store.url} within "
+                                    f"{self._store.timeout:g} s"))
+
+    def close(self) -> None:
+        """From any thread: no more writes; the connection goes (on its loop)."""
+        self.closed = True
+        conn = self._conn
+        if conn is None:
+            return
+        with contextlib.suppress(RuntimeError):  # its loop is closed: so is the connection
+            self.loop.call_soon_threadsafe(
+                conn.fail, RedisConnectionError("the binding store is closed"))
+
+
+_RECORD_SHA = hashlib.sha1(_RECORD.encode()).hexdigest()
+#: what a Redis URL may carry for _LoopWriter's own connections (anything else, e.g. TLS or
+#: socket options: binding writes go through the writer thread and redis-py)
+_LOOP_TARGET_KEYS = {"path", "host", "port", "db", "username", "password", "connection_class"}
+
+
+def _loop_target(url: str, auth: RedisAuth) -> dict[str, Any] | None:
+    """Where _LoopWriter connects (unix socket or plain TCP, with the login), or None."""
+    try:
+        options = parse_url(url)
+    except ValueError:
+        return None
+    if not options.keys() <= _LOOP_TARGET_KEYS:
+        return None
+    kind = options.pop("connection_class", None)
+    if kind not in (None, UnixDomainSocketConnection):
+        return None
+    # as redis-py's from_url: what the URL says wins over the keyword arguments
+    return {**auth.connect_kwargs(), **options}
+
+
 class Store:
     """Blocking access to the scheduler's keys, safe from many threads (the binding writer, the
     server's pool for heartbeats and releases, tests).
@@ -286,6 +518,7 @@ class Store:
     ) -> None:
         self.url = shown_url(url)  # for messages: no password
         self.prefix = prefix
+        self.timeout = timeout
         try:
             # A bounded pool that queues: a burst of concurrent RPCs waits for a connection
             # instead of opening one each (and failing past the client's limit).
@@ -301,6 +534,10 @@ class Store:
         self._release = self.redis.register_script(_RELEASE)
         self._heartbeat = self.redis.register_script(_HEARTBEAT)
         self._group = _GroupCommit(self.record_many)
+        # record_async's writer on the loop (one at a time: the loop of the latest caller)
+        self._loop_target = _loop_target(url, auth or RedisAuth())
+        self._loop_writer: _LoopWriter | None = None
+        self._closed = False
 
     def _key(self, name: str) -> str:
         return self.prefix + name
@@ -312,6 +549,9 @@ class Store:
             raise StoreError(f"cannot reach Redis at {self.url}: {exc}") from exc
 
     def close(self) -> None:
+        self._closed = True
+        if self._loop_writer is not None:
+            self._loop_writer.close()
         self._group.close()
         self.redis.close()
         self.redis.connection_pool.disconnect()
@@ -326,10 +566,29 @@ class Store:
         return self._decoded(binding, waiter.result())
 
     async def record_async(self, binding: Binding, apply: Apply | None = None) -> Binding | None:
-        """`record` for an event loop: waits for Redis without holding a thread."""
-        waiter: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
-        self._group.submit(binding, apply, waiter)
-        return self._decoded(binding, await waiter)
+        """`record` for an event loop: sent from the loop itself (_LoopWriter) where the URL
+        allows, else through the writer thread; waits for Redis without holding a thread.
+        Writes of one loop are applied in Redis's order; `record` (from threads) is a writer of
+        its own beside it."""
+        loop = asyncio.get_running_loop()
+        writer = self._loop_writer
+        if writer is None or writer.loop is not loop:
+            writer = self._writer_for(loop)
+        if writer is None:
+            waiter: asyncio.Future[bytes] = loop.create_future()
+            self._group.submit(binding, apply, waiter)
+            return self._decoded(binding, await waiter)
+        return self._decoded(binding, await writer.submit(binding, apply))
+
+    def _writer_for(self, loop: asyncio.AbstractEventLoop) -> _LoopWriter | None:
+        if self._loop_target is None:
+            return None
+        if self._closed:
+            raise StoreError("the binding store is closed")
+        if self._loop_writer is not None:  # a loop before this one (tests run several)
+            self._loop_writer.close()
+        self._loop_writer = _LoopWriter(self, loop, self._loop_target)
+        return self._loop_writer
 
     @staticmethod
     def _decoded(binding: Binding, old: bytes) -> Binding | None:
