@@ -113,15 +113,39 @@ def test_guest_filling_its_disk_gets_enospc_and_keeps_running(capped: Capped) ->
     assert "disk full: write refused with ENOSPC" in blockd.log_file.read_text()
 
 
+def _boot(runtime: Runtime, loop: LoopThread) -> VM:
+    """A VM of its own on the capped disk. Not the fixture's VM once the first test filled its
+    cap to the last block: ext4's metadata writeback after that (bitmaps, inode tables written
+    home ~30 s after their commit, or at a journal checkpoint) is refused too, and jbd2 then
+    aborts the journal, so every later open gets EIO (docs/running.md §4). When that happens
+    depends on the guest's timers, so a test that reused that VM passed or failed by timing."""
+    guest = build_test_guest()
+    layer = runtime.config.state_dir.parent / "disk.layer"  # the fixture's
+    spec = BootSpec(kernel=guest.kernel, initramfs=guest.initramfs, cmdline=guest.cmdline_base,
+                    disks=[DiskSource("rootfs", DISK, layers=[layer])], memory_mib=256)
+    vm = loop.run(runtime.boot(spec))
+    try:
+        loop.run(sh(vm, MOUNT, timeout=120))
+    except BaseException:
+        loop.run(runtime.kill(vm))
+        raise
+    return vm
+
+
 @pytest.mark.qemu
 @pytest.mark.root
 @pytest.mark.slow
 def test_restore_keeps_the_scsi_disk_and_its_cap(capped: Capped) -> None:
-    loop, runtime, blockd, vm = capped
-    record = loop.run(runtime.snapshot(vm))
-    assert [d.bus for d in record.machine.disks] == ["virtio-scsi"]
-    restored = loop.run(runtime.restore(record))
+    loop, runtime, blockd, _vm = capped
+    vm = _boot(runtime, loop)
+    restored: VM | None = None
     try:
+        out = loop.run(sh(vm, "echo hello > /mnt/disk/after && sync && cat /mnt/disk/after",
+                          timeout=120))
+        assert "hello" in out, out
+        record = loop.run(runtime.snapshot(vm))
+        assert [d.bus for d in record.machine.disks] == ["virtio-scsi"]
+        restored = loop.run(runtime.restore(record))
         before = _enospc_count(blockd)
         # The restored guest has its /dev/sda mounted as it was; its upper starts empty (what
         # it writes after the snapshot), so the cap applies afresh.
@@ -130,7 +154,9 @@ def test_restore_keeps_the_scsi_disk_and_its_cap(capped: Capped) -> None:
         assert "hello" in out and ENOSPC_TEXT in out and "rc=0" not in out, out
         assert _enospc_count(blockd) > before
     finally:
-        loop.run(runtime.kill(restored))
+        for machine in (restored, vm):
+            if machine is not None:
+                loop.run(runtime.kill(machine))
 
 
 @pytest.mark.qemu
@@ -141,14 +167,9 @@ def test_pause_and_resume_do_not_renew_the_cap(capped: Capped) -> None:
     only what is left of the cap (the sandbox's own sealed upper stays counted), so a guest
     cannot write its cap again after every pause. The guest gets ENOSPC and keeps running."""
     loop, runtime, _blockd, _vm = capped
-    guest = build_test_guest()
-    layer = runtime.config.state_dir.parent / "disk.layer"  # the fixture's
-    spec = BootSpec(kernel=guest.kernel, initramfs=guest.initramfs, cmdline=guest.cmdline_base,
-                    disks=[DiskSource("rootfs", DISK, layers=[layer])], memory_mib=256)
-    vm = loop.run(runtime.boot(spec))
+    vm = _boot(runtime, loop)
     resumed: VM | None = None
     try:
-        loop.run(sh(vm, MOUNT, timeout=120))
         # Two thirds of the cap, past the page cache: in the upper before the pause.
         out = loop.run(sh(vm, "dd if=/dev/urandom of=/mnt/disk/first bs=1M count=8 oflag=direct"
                               " 2>&1; echo rc=$?; md5sum /mnt/disk/first", timeout=240))

@@ -198,8 +198,11 @@ def plan_jail(mountpoint: Path, *, writable: Iterable[str | Path],
         if os.path.islink(text) and text in SYSTEM_PATHS:
             binds.append(Bind(text, True, False, link=os.readlink(text)))
             return
-        if not os.path.exists(text):
-            raise RuntimeError_(f"the VM's jail needs {text}, which does not exist")
+        try:
+            os.stat(text)
+        except OSError as exc:  # not only ENOENT: a FUSE file (memfs) can fail with EIO/ENOTCONN
+            raise RuntimeError_(f"the VM's jail needs {text}, which cannot be reached: "
+                                f"{exc.strerror or exc}") from None
         binds.append(Bind(text, ro, os.path.isdir(text)))
 
     for path in SYSTEM_PATHS:
