@@ -183,6 +183,30 @@ class NodeProcess:
                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
+#: how much of a node's log a failed test's report carries
+FAILED_LOG_TAIL = 12_000
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
+    """A failed test that used a node: its report carries the tail of the node's log (the
+    node's temporary directory, and the log with it, is gone once the module ends; a failure
+    in a full run, e.g. a create's 500, was otherwise left without its cause)."""
+    outcome = yield
+    report = outcome.get_result()  # type: ignore[attr-defined]
+    if report.when != "call" or not report.failed:
+        return
+    for name, value in getattr(item, "funcargs", {}).items():
+        if isinstance(value, NodeProcess):
+            with contextlib.suppress(OSError):
+                with open(value.log_path, "rb") as log:
+                    log.seek(0, os.SEEK_END)
+                    log.seek(max(0, log.tell() - FAILED_LOG_TAIL))
+                    tail = log.read().decode(errors="replace")
+                report.sections.append((f"log of node {name!r} (last {FAILED_LOG_TAIL} bytes)",
+                                        tail))
+
+
 @pytest.fixture
 def make_node(tmp_path: Path) -> Iterator[type[NodeProcess] | object]:
     """A factory: make_node() -> started NodeProcess with its own state directory."""

@@ -878,12 +878,36 @@ async def _connect_or_fail(
                     qmp_socket, timeout=max(1.0, deadline - time.monotonic())))
             except _Exited:
                 continue  # reported by the check above
-            except (QMPError, OSError, TimeoutError):
+            except (QMPError, OSError, TimeoutError) as exc:
                 # A QEMU that died is reported by the check above on the next turn.
                 if process.returncode is not None or time.monotonic() < deadline:
                     await asyncio.sleep(0.005)
                     continue
-                raise
+                raise QMPError(f"{exc or type(exc).__name__}; {_stuck_where(process.pid)}"
+                               ) from exc
         if time.monotonic() > deadline:
-            raise QMPError("QEMU did not answer on its QMP socket within 30 s")
+            raise QMPError("QEMU did not answer on its QMP socket within 30 s; "
+                           f"{_stuck_where(process.pid)}")
         await asyncio.sleep(0.002)
+
+
+def _stuck_where(pid: int) -> str:
+    """Where a QEMU that does not answer is (its state and kernel wait channel, of it and of
+    its threads): a start held in the kernel (a FUSE file of the jail, a lock) shows here."""
+    def of(task: str) -> str:
+        try:
+            with open(f"{task}/stat") as f:
+                state = f.read().rpartition(")")[2].split()[0]
+            with open(f"{task}/wchan") as f:
+                wchan = f.read().strip() or "-"
+            with open(f"{task}/comm") as f:
+                comm = f.read().strip()
+        except OSError:
+            return "?"
+        return f"{comm} {state} {wchan}"
+
+    try:
+        tasks = sorted(os.listdir(f"/proc/{pid}/task"), key=int)[:8]
+    except OSError:
+        return f"QEMU pid {pid} is gone"
+    return f"QEMU pid {pid} threads: " + ", ".join(of(f"/proc/{pid}/task/{t}") for t in tasks)

@@ -43,7 +43,11 @@ class QMPClient:
                     raise QMPError(f"QMP socket {path} did not come up in {timeout:.0f} s") from exc
                 await asyncio.sleep(0.005)
         client._reader, client._writer = reader, writer
-        line = await asyncio.wait_for(reader.readline(), timeout)
+        try:
+            line = await asyncio.wait_for(reader.readline(), timeout)
+        except TimeoutError:
+            writer.close()
+            raise QMPError(f"QEMU sent no QMP greeting on {path} within {timeout:.1f} s") from None
         if not line:
             raise QMPError(f"QMP socket {path} closed before the greeting")
         client.greeting = json.loads(line)

@@ -21,4 +21,6 @@ def vm_errors(what: str, *, retryable: bool | Callable[[], bool] = True) -> Iter
         # envd's 400: the guest cannot do what was asked (a shared volume without its NFS
         # client: a template built before them)
         refused = isinstance(exc, GuestRefusedError) and exc.status == 400
-        raise BackendError(f"{what}: {exc}", retryable=intact, bad_request=refused) from exc
+        # (a bare TimeoutError, an OSError since 3.11, has no text: name its type then)
+        why = str(exc) or type(exc).__name__
+        raise BackendError(f"{what}: {why}", retryable=intact, bad_request=refused) from exc
