@@ -777,9 +777,13 @@ class QemuProcess:
                       timeout: float = 60.0) -> Any:
         try:
             return await self.qmp.execute(command, arguments, timeout=timeout)
-        except QMPError:
+        except QMPError as exc:
             if self.died.is_set() or self.qmp.closed.is_set():
-                await asyncio.wait_for(self.died.wait(), 5)
+                try:
+                    await asyncio.wait_for(self.died.wait(), 5)
+                except TimeoutError:
+                    raise QMPError(f"{exc}, and QEMU has not exited 5 s after its QMP "
+                                   f"connection closed; {_stuck_where(self.pid)}") from None
                 raise VMDiedError(self.exit_reason()) from None
             raise
 
