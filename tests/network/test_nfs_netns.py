@@ -75,6 +75,40 @@ def test_a_slot_with_the_hole_reaches_the_server_in_its_namespace(
         lb.loop.run_until_complete(a.set_nfs(False))
 
 
+OTHER_PREFIX = "epnfso"  # another runtime of the host
+
+
+def test_another_runtimes_masquerade_leaves_the_guests_address(
+        lab: tuple[Lab, nfs_net.NfsNet]) -> None:
+    """Every runtime of the host has a host table whose postrouting masquerades 10.12/16
+    leaving by any interface but its own slots' (a test session's other nodes and runtimes:
+    the full suite's). The server must still see the guest's address, whichever table came
+    first: masqueraded to the host's end of the link, the SYN was dropped in the server's
+    namespace (not from 10.12/16) and the guests' NFS mounts timed out."""
+    lb, net = lab
+    a = lb.slots[0]
+    loop = lb.loop
+
+    def own_table() -> None:  # made again: now after the other table at the same priority
+        loop.run_until_complete(rtnet.setup_host(lb.prefix, lb.port, nfs_port=NFS_PORT,
+                                                 nfs_address=net.server_address))
+
+    try:
+        for order in ("other table after", "other table before"):
+            loop.run_until_complete(rtnet.setup_host(OTHER_PREFIX, None))
+            if order == "other table before":
+                own_table()
+            loop.run_until_complete(a.set_nfs(True))
+            try:
+                with lb.connect(a, rtnet.METADATA_IP, rtnet.NFS_PORT, timeout=5) as sock:
+                    assert _greeting(sock) == a.guest_address, order
+            finally:
+                loop.run_until_complete(a.set_nfs(False))
+    finally:
+        loop.run_until_complete(rtnet.teardown_host(OTHER_PREFIX))
+        own_table()
+
+
 def test_the_host_does_not_reach_the_server(lab: tuple[Lab, nfs_net.NfsNet]) -> None:
     """Its namespace takes new TCP from the guests' range only (a local process of the host
     comes from the host's end of the link)."""

@@ -41,10 +41,12 @@ On the host, one table per runtime (`<prefix>_host`, rules scoped to `<prefix>h*
     proxy know a sandbox by its source address;
   - prerouting: TCP to 169.254.169.254:2049 from sources in set `nfs_src` -> `dnat` to the NFS
     server's address and port in its own network namespace (`nfs_address`, `nfs_port`;
-    runtime/nfs_net.py), the guest's source address kept (not masqueraded); forwarded to its
-    link (`<prefix>nfs`) only when DNATed so, and from the link only the replies of those
-    flows, nothing to the host itself (without `nfs_address`, a server in the host's
-    namespace for tests: `redirect` to `nfs_port`);
+    runtime/nfs_net.py), the guest's source address kept (postrouting: a source NAT to itself
+    before any table's masquerade, as another runtime's table masquerades 10.12/16 leaving by
+    any interface but its own slots'); forwarded to its link (`<prefix>nfs`) only when DNATed
+    so, and from the link only the replies of those flows, nothing to the host itself
+    (without `nfs_address`, a server in the host's namespace for tests: `redirect` to
+    `nfs_port`);
     TCP to 169.254.169.254:80 from any slot, TCP 80/443 from sources in set `web`,
     all TCP from sources in set `all` -> `redirect` to the egress proxy's port;
   - input: nothing from a slot interface reaches the host (node API, blockd metrics, SSH,
@@ -606,9 +608,9 @@ HOST_RULES = """table ip {table} {{
     }}
     chain slots_post {{
         type nat hook postrouting priority srcnat;
-{nfs_post}        ip saddr 10.12.0.0/16 oifname != "{prefix}h*" masquerade
+        ip saddr 10.12.0.0/16 oifname != "{prefix}h*" masquerade
     }}
-}}
+{nfs_post}}}
 """
 
 
@@ -620,10 +622,10 @@ def host_ruleset(prefix: str, proxy_port: int | None,
     if nfs_port is not None and nfs_address is not None:
         # The NFS server in a network namespace of its own (runtime/nfs_net.py): a DNAT to its
         # address, which keeps the guest's source address (what the exports' client lists
-        # name; not masqueraded below); forwarded to its link only when DNATed so, before the
-        # walls (10.11/16 is in them). From the link: packets of those flows only, and nothing
-        # to the host itself. The port stays walled on the host (`walled_ports`: no other node
-        # picks it), though nothing of the host listens there.
+        # name; masqueraded by no table: `nfs_post`); forwarded to its link only when DNATed
+        # so, before the walls (10.11/16 is in them). From the link: packets of those flows
+        # only, and nothing to the host itself. The port stays walled on the host
+        # (`walled_ports`: no other node picks it), though nothing of the host listens there.
         ipaddress.IPv4Address(nfs_address)
         link = nfs_veth(prefix)
         nfs_redirect = (f'        iifname "{prefix}h*" ip saddr @nfs_src ip daddr {METADATA_IP} '
@@ -637,7 +639,18 @@ def host_ruleset(prefix: str, proxy_port: int | None,
                        f'        iifname "{link}" oifname "{prefix}h*" ct direction reply accept\n'
                        f'        iifname "{link}" drop\n'
                        f'        oifname "{link}" drop\n')
-        nfs_post = f'        oifname "{link}" accept\n'
+        # The guest's source is kept by a source NAT to itself, before any table's masquerade
+        # (`srcnat - 10`): an `accept` here would not stop the others. Every runtime of the host
+        # has a table like this one whose postrouting masquerades 10.12/16 leaving through any
+        # interface but its own slots' (`slots_post`), our link too: the session's other nodes
+        # and test runtimes did, ganesha's namespace saw the host's end of the link as the
+        # source and dropped the SYN (not 10.12/16), and the guests' mounts timed out. A NAT
+        # binding made by an earlier chain, identity or not, ends the postrouting NAT chains
+        # for the flow (the kernel's nf_nat_inet_fn), whatever table comes after.
+        nfs_post = ("    chain nfs_post {\n"
+                    "        type nat hook postrouting priority srcnat - 10;\n"
+                    f'        oifname "{link}" ip saddr 10.12.0.0/16 snat to ip saddr\n'
+                    "    }\n")
     elif nfs_port is not None:
         # Before the proxy's redirects (an `all_src` slot's TCP would go to the proxy). Only
         # what this redirect sent reaches ganesha's port, as for the proxy's port: ganesha

@@ -29,9 +29,12 @@ namespace of its own, `<prefix>-nfs`, joined to the host by one veth pair:
 
 The host's side (runtime/network.py `host_ruleset` with `nfs_address`): the slots' NFS
 redirect is a DNAT to the server's address and port (the guest's source address is kept: the
-exports' client lists name guest addresses), forwarded to the link only when DNATed so, not
-masqueraded; from the link, only packets of those flows are forwarded, and nothing reaches
-the host itself.
+exports' client lists name guest addresses), forwarded to the link only when DNATed so, and
+masqueraded by no runtime's table (a source NAT to itself at `srcnat - 10`, `nfs_post`: every
+runtime's host table masquerades 10.12/16 leaving by any interface but its own slots', so with
+two runtimes on the host, a test session's, ganesha saw the host's end of the link and its
+namespace dropped the SYN: the guests' mounts timed out); from the link, only packets of those
+flows are forwarded, and nothing reaches the host itself.
 
 `create` remakes the namespace whole (a leftover of an earlier run is deleted first); `remove`
 deletes it (the veth pair goes with it). A node claims its link at start (`claim`, reusing the
