@@ -270,11 +270,14 @@ class Lab:
     def __init__(self, tmp: Path, slots: int = 2, prefix: str = "eptest", port: int = 15001,
                  tls: bool = True, proxy_args: tuple[str, ...] = (),
                  slot_rate_mbit: int = 0, slot_max_flows: int = 0,
-                 nfs_port: int | None = None, proxy: bool = True) -> None:
+                 nfs_port: int | None = None, proxy: bool = True,
+                 nfs_address: str | None = None) -> None:
         """`nfs_port`: the host's redirect of NFS-enabled slots goes there (docs/volumes.md
-        §7.1); `proxy` False: no egress proxy process is started."""
+        §7.1), a DNAT to `nfs_address` when given (the server's own namespace,
+        runtime/nfs_net.py); `proxy` False: no egress proxy process is started."""
         self.tmp, self.prefix, self.port = tmp, prefix, port
         self.nfs_port = nfs_port
+        self.nfs_address = nfs_address
         self.with_proxy = proxy
         self.inet = f"{prefix}-inet"
         # Slots come from a pool, as the node's do: an index whose addresses the host routes
@@ -309,7 +312,8 @@ class Lab:
         self.loop.run_until_complete(rtnet.remove_leftovers(self.prefix))
         # The node's host table (its input wall lets only redirected TCP reach this port).
         self.loop.run_until_complete(rtnet.setup_host(self.prefix, self.port,
-                                                      nfs_port=self.nfs_port))
+                                                      nfs_port=self.nfs_port,
+                                                      nfs_address=self.nfs_address))
         veth = f"{self.prefix}i0"
         run("ip", "link", "del", veth, check=False)
         run("ip", "netns", "add", self.inet)

@@ -339,6 +339,7 @@ def serving_vm_node(node: NodeProcess, net_prefix: str,
     whatever happened."""
     import asyncio
 
+    from agentenv.runtime import nfs_net
     from agentenv.runtime.network import remove_leftovers
 
     if os.geteuid() != 0:
@@ -354,6 +355,9 @@ def serving_vm_node(node: NodeProcess, net_prefix: str,
     finally:
         node.cleanup()
         asyncio.run(remove_leftovers(net_prefix))
+        # and its NFS server's network namespace, if a killed node left it (runtime/nfs_net.py)
+        with contextlib.suppress(Exception):
+            nfs_net.remove_leftover(net_prefix)
 
 
 @contextlib.contextmanager

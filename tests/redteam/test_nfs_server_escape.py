@@ -4,8 +4,9 @@ after the bare jail of f8ef9a5.
 Part 1, a ganesha taken over by a guest (a bug in its NFS parsing, which it runs as root for
 every guest that mounts a shared volume): NfsServer starts tests/redteam/ganesha_stand_in.c in
 ganesha's place, so the attacker's code runs exactly as ganesha would (the same plan, jail, PID
-namespace, capabilities, no_new_privs, seccomp filter, argv, environment), listens on ganesha's
-port and runs what the test sends it.
+namespace, network namespace as the node makes it (runtime/nfs_net.py), capabilities,
+no_new_privs, seccomp filter, argv, environment), listens on ganesha's port and runs what the
+test sends it.
 
 Part 2, a guest against real ganesha (tests/node/nfs41.py as the guest's client; 127.0.0.1 and
 127.0.0.2 stand for two sandboxes' guest addresses)."""
@@ -26,6 +27,7 @@ from pathlib import Path
 import pytest
 
 from agentenv.node.nfs import NfsExport, NfsServer
+from agentenv.runtime import nfs_net
 from tests.node.nfs41 import OP_EXCHANGE_ID, Nfs4Error, Nfs41Client, _Packer, unwalled_port
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0,
@@ -53,7 +55,7 @@ class TakenOver:
 
     def __init__(self, server: NfsServer) -> None:
         self.server = server
-        self.sock = socket.create_connection(("127.0.0.1", server.port), timeout=10)
+        self.sock = socket.create_connection((server.bind_addr, server.port), timeout=10)
         self.lines = self.sock.makefile("rw")
 
     def ask(self, line: str) -> str:
@@ -73,8 +75,12 @@ def taken_over(tmp_path: Path) -> Iterator[TakenOver]:
         pytest.fail("gcc is missing: the stand-in for a taken-over ganesha is built with it")
     binary = tmp_path / "ganesha.nfsd"
     subprocess.run(["gcc", "-O1", "-o", str(binary), str(STAND_IN)], check=True)
-    srv = NfsServer(tmp_path / "nfs", bind_addr="127.0.0.1", port=unwalled_port(tmp_path),
-                    binary=str(binary), whole_file_systems=True)
+    port = unwalled_port(tmp_path)
+    # The node's namespace for ganesha, but open to this test (on the host's end of the link)
+    # instead of the slots' guests.
+    net = nfs_net.claim("rtnfs", port, clients=(str(nfs_net.LINK_RANGE),))
+    srv = NfsServer(tmp_path / "nfs", port=port, binary=str(binary), whole_file_systems=True,
+                    network=net)
     try:
         srv.start([])  # its jail was checked (_check_jail): as ganesha's
         line = TakenOver(srv)
@@ -84,38 +90,54 @@ def taken_over(tmp_path: Path) -> Iterator[TakenOver]:
             line.close()
     finally:
         srv.stop()
+        net.remove()
 
 
-@pytest.mark.xfail(strict=True, reason="ganesha shares the host's network namespace: a "
-                   "taken-over ganesha connects to every service of the host (node API, "
-                   "blockd, every sandbox's envd at its guest address) and holds abstract "
-                   "unix socket names; fix: a network namespace of its own (report)")
 def test_a_taken_over_ganesha_reaches_no_socket_of_the_host(taken_over: TakenOver) -> None:
-    # Stand-ins: a service on loopback (the node API, blockd's metrics; a non-secure
-    # sandbox's envd at its guest address is reached the same way, from the host's network
-    # namespace) and an abstract unix socket of the node's.
+    """Fixed: ganesha runs in a network namespace of its own (runtime/nfs_net.py); before, in
+    the host's, it reached every service of the host (node API, blockd, every sandbox's envd
+    at its guest address) and held abstract unix socket names of the host's."""
+    # Stand-ins: a service on loopback (the node API, blockd's metrics), one on every address
+    # of the host (reached at the host's end of ganesha's link; a non-secure sandbox's envd
+    # at its guest address is routed the same way) and an abstract unix socket of the node's.
     service = socket.create_server(("127.0.0.1", 0))
+    everywhere = socket.create_server(("0.0.0.0", 0))
     abstract = socket.socket(socket.AF_UNIX)
     name = f"aenv-redteam-{os.getpid()}"
     abstract.bind("\0" + name)
     abstract.listen()
     net = os.open("/proc/self/ns/net", os.O_RDONLY)
+    link = taken_over.server.network
+    host_end = link.host_address if link is not None else "127.0.0.1"
     try:
         reached = {
             "TCP to a loopback service": taken_over.ask(
                 f"tcp 127.0.0.1 {service.getsockname()[1]}"),
+            "TCP to the host's end of its link": taken_over.ask(
+                f"tcp {host_end} {everywhere.getsockname()[1]}"),
             "an abstract unix socket of the host's": taken_over.ask(f"abstract {name}"),
-            # the name a runtime holds for its prefix (runtime/network.py): taken while the
-            # node is down (ganesha outlives it), the node's runtime would not start
-            "an abstract name of its own": taken_over.ask(f"bindabstract {name}-taken"),
             "the host's network namespace by handle": taken_over.ask(
                 f"handle nsfs {_handle_of_fd(net)}"),
         }
+        # the name a runtime holds for its prefix (runtime/network.py): taken while the node
+        # is down (ganesha outlives it), the node's runtime would not start. A name ganesha
+        # binds is bound in its own namespace only: the host's stays free.
+        taken_over.ask(f"bindabstract {name}-taken")
+        mine = socket.socket(socket.AF_UNIX)
+        try:
+            mine.bind(f"\0{name}-taken")
+            reached["an abstract name of the host's"] = "free"
+        except OSError as exc:
+            reached["an abstract name of the host's"] = f"ok ({exc})"
+        finally:
+            mine.close()
     finally:
         os.close(net)
         service.close()
+        everywhere.close()
         abstract.close()
-    assert not {what: how for what, how in reached.items() if how in ("ok", "opened")}
+    assert not {what: how for what, how in reached.items()
+                if how in ("ok", "opened") or how.startswith("ok ")}, reached
 
 
 def test_a_taken_over_ganesha_opens_no_host_namespace_process_or_file(

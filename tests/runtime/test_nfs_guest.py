@@ -1,8 +1,8 @@
 """Shared read-write volumes in real guests (docs/volumes.md §7.1): the node's pieces without
 the node. A shared volume's own file system (node/shared_fs.py) exported by the node's NFS
 server (node/nfs_exports.py), reached through the slot's NFS hole (runtime/network.py
-`set_nfs`, the host's redirect to the server's port), mounted by envd's /init
-(guest/envd/mounts.py, kind nfs).
+`set_nfs`, the host's DNAT to the server in its own network namespace, runtime/nfs_net.py),
+mounted by envd's /init (guest/envd/mounts.py, kind nfs).
 
 - test_envd_mounts_a_shared_volume: the real guest (kernel, tools disk, envd): /init mounts the
   volume; a file the host wrote is read through envd's /files, one uploaded there lands on the
@@ -30,6 +30,7 @@ from agentenv.node.nfs import stable_port
 from agentenv.node.nfs_exports import SharedExports, SharedVolume
 from agentenv.node.shared_fs import SharedFilesystem
 from agentenv.runtime import network as rtnet
+from agentenv.runtime import nfs_net
 from agentenv.runtime.vm import VM, BootSpec, DiskSource
 from agentenv.testing.guest import build_test_guest
 from agentenv.testing.harness import sh
@@ -73,16 +74,20 @@ def nfs(env: Env, tmp_path: Path) -> Iterator[Nfs]:
     fs = SharedFilesystem(tmp_path / "vol")
     fs.create(content, 64 << 20, (OWNER, OWNER, 0o755))
     root = fs.mount()
-    # The runtime's host rules with the NFS redirect (a node sets nfs_port at its start).
-    rt.config.nfs_port = port
+    # ganesha's own network namespace and the runtime's host rules with the NFS DNAT to it
+    # (a node makes both at its start: runtime/nfs_net.py).
+    net = nfs_net.claim(PREFIX, port)
+    rt.config.nfs_port, rt.config.nfs_address = port, net.server_address
     env.loop.run(rtnet.setup_host(PREFIX, rt.config.egress_proxy_port,
-                                  keep_sources=rt.slots.in_use_addresses(), nfs_port=port))
-    exports = SharedExports(tmp_path / "nfs", port)
+                                  keep_sources=rt.slots.in_use_addresses(), nfs_port=port,
+                                  nfs_address=net.server_address))
+    exports = SharedExports(tmp_path / "nfs", port, network=net)
     try:
         yield Nfs(exports, SharedVolume("shared", root, OWNER, OWNER), root)
     finally:
         env.loop.run(exports.close())
-        rt.config.nfs_port = None
+        net.remove()
+        rt.config.nfs_port, rt.config.nfs_address = None, None
         env.loop.run(rtnet.setup_host(PREFIX, rt.config.egress_proxy_port,
                                       keep_sources=rt.slots.in_use_addresses()))
         fs.remove()

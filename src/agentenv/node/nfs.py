@@ -74,6 +74,24 @@ tests/node/test_nfs_jail.py runs the attack with ganesha's capabilities from ins
 namespace: no host file is reached through any mount but the volume's, and through that one
 only the volume.
 
+Network (red team of 2026-12-07: in the host's network namespace a ganesha taken over connected to
+the host's loopback services, its abstract unix sockets, and every sandbox's envd at its guest
+address; tests/redteam/test_nfs_server_escape.py). The node's ganesha runs in a network namespace
+of its own (runtime/nfs_net.py, `NfsServer(network=...)`): one veth pair to the host on a /31 of
+10.11/16, nothing routed there but the link and the guests' range (10.12/16), and its nftables
+take only new TCP to its address and port from the guests' range and the packets of those
+connections; everything else in or out is refused (what it sends at once, by a reset: its
+rpcbind registration at start fails instead of hanging) but its own loopback, where nothing
+listens but itself. No IPv6, no forwarding; the abstract unix sockets it sees are its
+namespace's own. The namespace is made (a leftover remade) at each
+`start`, before ganesha, which enters it in its child before the jail (setns), and removed at
+`stop`; the node claims its link at start (runtime/nfs_net.py `claim`: the /31 its leftover had
+when still free). The slots' NFS redirect is a DNAT to its address (runtime/network.py
+`host_ruleset`, `nfs_address`): the guest's address stays the source, as the exports' client
+lists need. ganesha 4.3 listens on every address of its namespace whatever `Bind_addr` says
+(its socket is `*:port`); its namespace's input rules take only its link address. Without
+`network` (tests of ganesha itself) it runs in the host's namespace, listening there.
+
 Capabilities. They are cut to KEEP_CAPS before exec (the bounding set: root keeps only these
 across it): CAP_DAC_READ_SEARCH (open_by_handle_at, which the VFS FSAL is made of), CAP_SETUID and
 CAP_SETGID (it acts on files as the squashed owner), CAP_DAC_OVERRIDE, CAP_FOWNER and
@@ -89,14 +107,19 @@ open_by_handle_at and name_to_handle_at, and refuses io_uring too: GANESHA_DENIE
 in a cgroup of its own with a memory and task limit when the node has cgroups
 (`cgroup_procs`).
 
-Port. Below 1024 (`start` refuses another): only root binds it, so no local user takes it
-while ganesha restarts. None at all when the rw-shared mode is off (`node_nfs_port`: nothing
-walled, redirected or claimed on the host). The default (`stable_port`) skips ports another
-node of the host claims (PORT_CLAIMS: a file per port naming the claiming node's state
-directory, live while that state keeps the port) or walls (`walled_ports`), so two nodes on one
-host never pick the same one. `start` refuses a port another socket listens on, and after ganesha
-listens checks that every listening socket on the port is ganesha's (a squatter with
-SO_REUSEPORT beside it is refused too).
+Port. Below 1024 (`start` refuses another). None at all when the rw-shared mode is off
+(`node_nfs_port`: nothing walled, redirected or claimed on the host). The default
+(`stable_port`) skips ports another node of the host claims (PORT_CLAIMS: a file per port naming
+the claiming node's state directory, live while that state keeps the port) or walls
+(`walled_ports`), so two nodes on one host never pick the same one. After ganesha listens,
+`start` checks that every listening socket on the port in its network namespace is ganesha's.
+With its own namespace (the node's), these rules are kept but carry less: nothing else runs in
+that namespace to take the port, so the privileged port and the host-wide claim no longer
+guard ganesha's port (two nodes' servers have different addresses); the claim still keeps two
+nodes from walling the same port on the host (the host's input wall on it is kept, though
+nothing of the host listens there), and the checks of the host's listeners and of
+`net.ipv4.ip_unprivileged_port_start` (made for a ganesha listening in the host's namespace,
+where a local user could take the port while it restarts) apply only without `network`.
 
 Log and reloads. ganesha logs to its stderr, a pipe the node reads (`_LogSink`): written to
 `ganesha.log` up to LOG_CAP bytes, then rotated to `ganesha.log.1`, so it takes at most twice
@@ -109,8 +132,9 @@ own signal thread: its "Received SIGHUP" line, then its "Reread exports complete
 matched whole with its thread and function (`[sigmgr] reread_exports`) as the lines arrive
 after our signal, never by counting a substring in the whole file; an error that thread logs
 between the two (an export it could not make) fails the update. A probe mount would be a
-stronger test but cannot be made: the host's input wall resets every connection to the port
-that the slots' redirect did not make, the node's own. `stop` is SIGTERM (ganesha exits in
+stronger test but cannot be made: ganesha's namespace takes connections from the guests' range
+only (and in the host's namespace, the host's input wall resets every connection to the port
+that the slots' redirect did not make), the node's own. `stop` is SIGTERM (ganesha exits in
 about 1.5 s), then SIGKILL.
 """
 
@@ -138,7 +162,8 @@ from pathlib import Path
 from typing import IO
 
 from agentenv.runtime import jail
-from agentenv.runtime.errors import RuntimeError_
+from agentenv.runtime.errors import NetworkError, RuntimeError_
+from agentenv.runtime.nfs_net import NfsNet
 from agentenv.runtime.qemu import SeccompProgram, jail_filter
 
 GANESHA = "ganesha.nfsd"
@@ -192,6 +217,7 @@ _PR_SET_SECCOMP = 22
 _SECCOMP_MODE_FILTER = 2
 _PR_CAP_AMBIENT = 47
 _PR_CAP_AMBIENT_CLEAR_ALL = 4
+_CLONE_NEWNET = 0x40000000
 _PSEUDO = re.compile(r"^(/[A-Za-z0-9._-]+)+$")
 # What may appear inside a quoted configuration string: no quote, backslash, newline or brace.
 _UNSAFE = re.compile(r'["\\\n\r{};#\x00]')
@@ -418,11 +444,11 @@ def _socket_inodes(pid: int) -> set[str] | None:
     return owned
 
 
-def listeners(port: int) -> list[str]:
+def listeners(port: int, net: str = "/proc/net") -> list[str]:
     """The inodes (`socket:[N]`) of this network namespace's TCP sockets listening on `port`
-    (any address)."""
+    (any address); with `net` /proc/<pid>/net, those of that process's network namespace."""
     found = []
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+    for table in (f"{net}/tcp", f"{net}/tcp6"):
         try:
             lines = Path(table).read_text().splitlines()[1:]
         except OSError:
@@ -438,8 +464,9 @@ def listeners(port: int) -> list[str]:
 
 def listening(port: int, pid: int | None = None) -> bool:
     """Whether a TCP socket of this network namespace listens on `port` (any address); with
-    `pid`, one of that process's (another program holding the port is not ganesha)."""
-    found = listeners(port)
+    `pid`, one of that process's, in its network namespace (another program holding the port
+    is not ganesha)."""
+    found = listeners(port, f"/proc/{pid}/net" if pid is not None else "/proc/net")
     if pid is None:
         return bool(found)
     owned = _socket_inodes(pid)
@@ -447,9 +474,10 @@ def listening(port: int, pid: int | None = None) -> bool:
 
 
 def foreign_listeners(port: int, pid: int) -> list[str]:
-    """Sockets listening on `port` that are not `pid`'s (a squatter beside or before it)."""
+    """Sockets listening on `port` in `pid`'s network namespace that are not `pid`'s (a
+    squatter beside or before it)."""
     owned = _socket_inodes(pid) or set()
-    return [inode for inode in listeners(port) if inode not in owned]
+    return [inode for inode in listeners(port, f"/proc/{pid}/net") if inode not in owned]
 
 
 def _published_mounts(directory: Path) -> dict[str, str]:
@@ -615,11 +643,12 @@ def _last_cap() -> int:
 
 
 def _preexec(plan: jail.JailPlan, seccomp: SeccompProgram, last_cap: int,
-             cgroup_procs: tuple[str, ...]) -> Callable[[], None]:
+             cgroup_procs: tuple[str, ...], netns: int | None = None) -> Callable[[], None]:
     """In ganesha's child before exec, as root, PID 1 of its own PID namespace: its own
-    session, its cgroup, the jail, no core dumps, the capabilities it keeps (KEEP_CAPS: the
-    bounding set loses every other one, so the exec leaves root with only these), no new
-    privileges, the seccomp filter. Exits 120 with the failed step on stderr (the log)."""
+    session, its cgroup, its network namespace (`netns`, an fd of it: module doc, "Network"),
+    the jail, no core dumps, the capabilities it keeps (KEEP_CAPS: the bounding set loses every
+    other one, so the exec leaves root with only these), no new privileges, the seccomp
+    filter. Exits 120 with the failed step on stderr (the log)."""
 
     def fail(what: str) -> None:
         with contextlib.suppress(OSError):
@@ -632,6 +661,8 @@ def _preexec(plan: jail.JailPlan, seccomp: SeccompProgram, last_cap: int,
             for procs in cgroup_procs:
                 with open(procs, "w") as f:
                     f.write("0")
+            if netns is not None and _libc.setns(netns, _CLONE_NEWNET) != 0:
+                fail(f"entering its network namespace: {os.strerror(ctypes.get_errno())}")
             jail.enter(plan)
             # stdin and stdout were the host's /dev/null (devtmpfs: a mount_fd for handles of
             # the host's device nodes); now the jail's own
@@ -660,13 +691,21 @@ class NfsServer:
     def __init__(self, state_dir: Path, *, bind_addr: str = "0.0.0.0", port: int = DEFAULT_PORT,
                  binary: str = GANESHA, log_cap: int = LOG_CAP,
                  cgroup_procs: tuple[str, ...] = (),
-                 max_client_ids: int = MAX_CLIENT_IDS, whole_file_systems: bool = False) -> None:
+                 max_client_ids: int = MAX_CLIENT_IDS, whole_file_systems: bool = False,
+                 network: NfsNet | None = None) -> None:
         self.state_dir = Path(state_dir)
+        #: ganesha's own network namespace (module doc, "Network"), made at each start and
+        #: removed at its stop; it then listens on its address there (`bind_addr` unused).
+        #: None: the host's namespace (tests of ganesha itself; never the node's server).
+        self.network = network
         #: export only the roots of file systems of their own (the node's shared volumes,
         #: node/shared_fs.py): a handle through an export reaches only its file system
         self.whole_file_systems = whole_file_systems
         self.max_client_ids = max_client_ids
-        self.bind_addr = bind_addr
+        if network is not None and network.port != port:
+            raise NfsError(f"the NFS server's port {port} is not its namespace's "
+                           f"({network.port})")
+        self.bind_addr = network.server_address if network is not None else bind_addr
         self.port = port
         self.binary = binary
         self.log_cap = log_cap
@@ -772,23 +811,25 @@ class NfsServer:
                                f"{source})")
 
     def start(self, exports: Iterable[NfsExport] = (), timeout: float = 20.0) -> None:
-        """Start ganesha in its jail and wait until it listens on its port (read from
-        /proc/net/tcp, not by connecting: the node's input wall resets every connection to
-        that port that the slots' redirect did not make, a local one too; runtime/network.py).
-        Refused when another socket listens on the port, before or beside ganesha's."""
+        """Start ganesha in its jail (and its network namespace, made now) and wait until it
+        listens on its port (read from its /proc/<pid>/net/tcp, not by connecting: its
+        namespace takes connections from the guests' range only, and in the host's namespace
+        the node's input wall resets every connection to the port that the slots' redirect did
+        not make; runtime/network.py). Refused when another socket listens on the port, before
+        or beside ganesha's."""
         if self.running():
             raise NfsError("the NFS server is already running")
         if not 0 < self.port < PRIVILEGED_PORTS:
             raise NfsError(f"the NFS server's port {self.port} is not below "
                            f"{PRIVILEGED_PORTS}: a local user could take it while ganesha "
                            "restarts")
-        if self.port >= (floor := unprivileged_port_start()):
+        if self.network is None and self.port >= (floor := unprivileged_port_start()):
             raise NfsError(f"the NFS server's port {self.port} is one any local user may bind "
                            f"here (net.ipv4.ip_unprivileged_port_start is {floor}): one could "
                            "take it while ganesha restarts and receive the guests' NFS "
                            "connections; raise that sysctl above the port or set AENV_NFS_PORT "
                            "below it")
-        if held := listeners(self.port):
+        if self.network is None and (held := listeners(self.port)):
             raise NfsError(f"port {self.port} is held by another program ({held[0]}): "
                            "the NFS server does not start beside it")
         path = shutil.which(self.binary)
@@ -810,12 +851,24 @@ class NfsServer:
             seccomp = jail_filter(GANESHA_SYSCALLS, GANESHA_DENIED)
         except RuntimeError_ as exc:
             raise NfsError(str(exc)) from exc
-        proc = jail.spawn_in_new_pid_namespace(
-            [path, "-F", "-f", str(self.config_path), "-L", "STDERR",
-             "-p", str(self.run_dir / "ganesha.pid"), "-N", "NIV_EVENT"],
-            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-            env=jail.ENVIRONMENT,
-            preexec_fn=_preexec(plan, seccomp, _last_cap(), self.cgroup_procs))
+        netns: int | None = None
+        if self.network is not None:
+            try:
+                self.network.create()
+                netns = os.open(self.network.path, os.O_RDONLY | os.O_CLOEXEC)
+            except (NetworkError, OSError) as exc:
+                self.stop()
+                raise NfsError(f"ganesha's network namespace: {exc}") from exc
+        try:
+            proc = jail.spawn_in_new_pid_namespace(
+                [path, "-F", "-f", str(self.config_path), "-L", "STDERR",
+                 "-p", str(self.run_dir / "ganesha.pid"), "-N", "NIV_EVENT"],
+                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                env=jail.ENVIRONMENT,
+                preexec_fn=_preexec(plan, seccomp, _last_cap(), self.cgroup_procs, netns))
+        finally:
+            if netns is not None:
+                os.close(netns)
         assert proc.stderr is not None
         self._proc = proc
         self._log = _LogSink(proc.stderr, self.log_path, self.log_cap)
@@ -893,3 +946,8 @@ class NfsServer:
                 _run("umount", "-l", str(self.exports_dir))
         while self.config_dir.is_dir() and _mount_fields(self.config_dir) is not None:
             _run("umount", "-l", str(self.config_dir))
+        if self.network is not None:
+            try:
+                self.network.remove()
+            except NetworkError as exc:
+                raise NfsError(f"ganesha's network namespace: {exc}") from exc

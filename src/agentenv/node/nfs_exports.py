@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from agentenv.node.nfs import GANESHA, NfsError, NfsExport, NfsServer
+from agentenv.runtime.nfs_net import NfsNet
 
 log = logging.getLogger("agentenv.node.nfs")
 
@@ -62,11 +63,12 @@ class SharedVolume:
 
 class SharedExports:
     def __init__(self, state_dir: Path, port: int, *, binary: str = GANESHA,
-                 whole_file_systems: bool = True) -> None:
+                 whole_file_systems: bool = True, network: NfsNet | None = None) -> None:
         self.state_dir = Path(state_dir)
-        # Each export the root of its volume's own file system (node/shared_fs.py), checked.
+        # Each export the root of its volume's own file system (node/shared_fs.py), checked;
+        # ganesha in its own network namespace (`network`; the node's always is).
         self.server = NfsServer(self.state_dir, bind_addr="0.0.0.0", port=port, binary=binary,
-                                whole_file_systems=whole_file_systems)
+                                whole_file_systems=whole_file_systems, network=network)
         self._ids_path = self.state_dir / "export-ids.json"
         self._clients_path = self.state_dir / "clients.json"
         self._ids: dict[str, int] | None = None

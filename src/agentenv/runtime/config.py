@@ -29,6 +29,10 @@ class RuntimeConfig(BaseModel):
     # a slot with its NFS hole open (Runtime.set_nfs) to 169.254.169.254:2049 is redirected
     # to it, and nothing else reaches it. None: no slot can reach an NFS server.
     nfs_port: int | None = Field(default=None, ge=1, le=65535)
+    # The NFS server's address in its own network namespace (runtime/nfs_net.py): the slots'
+    # NFS TCP is DNATed to nfs_address:nfs_port. None: redirected to the host's nfs_port
+    # (a server in the host's namespace: tests only; the node always sets it).
+    nfs_address: str | None = None
     # Private ranges an operator opens to guests (a lab), e.g. ["192.168.50.0/24"]; they then
     # obey each sandbox's policy like any address. Off by default (runtime/network.py).
     network_open_ranges: list[str] = Field(default_factory=list)

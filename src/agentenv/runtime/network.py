@@ -19,7 +19,7 @@ its ACK for them is what gets reset):
      knows a sandbox by its address);
   2. TCP to the metadata service 169.254.169.254:80 is accepted (the host redirects it), and
      so is TCP to 169.254.169.254:2049 (NFS_PORT) when the slot's sandbox mounts a shared
-     volume (`set_nfs`; docs/volumes.md §7.1): the host redirects it to the node's NFS server;
+     volume (`set_nfs`; docs/volumes.md §7.1): the host DNATs it to the node's NFS server;
   3. walls, whatever the policy says: 10/8 (so 10.11/16 and 10.12/16: no sandbox reaches
      another), 172.16/12, 192.168/16, 100.64/10, 127/8, 169.254/16, 0/8, multicast 224/4,
      240/4 and broadcast; an operator may open named private ranges (`open_ranges`), which
@@ -39,15 +39,22 @@ On the host, one table per runtime (`<prefix>_host`, rules scoped to `<prefix>h*
   - prerouting (raw): a packet from a slot interface whose source is not routed back through
     that interface (another slot's address, any other) is dropped: the host and the egress
     proxy know a sandbox by its source address;
-  - prerouting: TCP to 169.254.169.254:2049 from sources in set `nfs_src` -> `redirect` to
-    the NFS server's port (when the runtime has one, `nfs_port`);
+  - prerouting: TCP to 169.254.169.254:2049 from sources in set `nfs_src` -> `dnat` to the NFS
+    server's address and port in its own network namespace (`nfs_address`, `nfs_port`;
+    runtime/nfs_net.py), the guest's source address kept (postrouting: a source NAT to itself
+    before any table's masquerade, as another runtime's table masquerades 10.12/16 leaving by
+    any interface but its own slots'); forwarded to its link (`<prefix>nfs`) only when DNATed
+    so, and from the link only the replies of those flows, nothing to the host itself
+    (without `nfs_address`, a server in the host's namespace for tests: `redirect` to
+    `nfs_port`);
     TCP to 169.254.169.254:80 from any slot, TCP 80/443 from sources in set `web`,
     all TCP from sources in set `all` -> `redirect` to the egress proxy's port;
   - input: nothing from a slot interface reaches the host (node API, blockd metrics, SSH,
     anything bound to 0.0.0.0) except the redirected proxy port; replies of connections the
     host opened pass; the proxy's port takes only redirected flows, from any interface
     (nothing reaches it directly: not the node's network, not a local process); the NFS
-    server's port likewise takes only redirected TCP from slot interfaces;
+    server's port on the host is walled likewise (a server there takes only redirected TCP
+    from slot interfaces);
   - forward: no slot-to-slot traffic, the walls again (minus the opened ranges) whatever the
     slot's own rules did, and a TCP flow of a `web_src`/`all_src` source
     that reaches forward was opened before names were filtered (or the SOCKS5 tunnel was set):
@@ -114,6 +121,16 @@ WEB_PORTS = "80, 443"
 #: whatever its name (see keep_direct_flows); "aenv" in ASCII, unlikely to be anyone else's.
 KEEP_MARK = 0x61656E76
 RULE_TAG = "aenv-slots:"  # comment on rules put in foreign tables (Docker's forward chain)
+
+
+def nfs_netns_name(prefix: str) -> str:
+    """The network namespace of the NFS server of `prefix`'s node (runtime/nfs_net.py)."""
+    return f"{prefix}-nfs"
+
+
+def nfs_veth(prefix: str) -> str:
+    """The host's end of the link to it (not matched by the slots' `<prefix>h*`)."""
+    return f"{prefix}nfs"
 
 
 async def _run(*argv: str, stdin: str | None = None) -> str:
@@ -579,12 +596,12 @@ HOST_RULES = """table ip {table} {{
     chain slots_input {{
         type filter hook input priority filter; policy accept;
         iifname "{prefix}h*" ct state established,related accept
-{proxy_accept}{nfs_accept}        iifname "{prefix}h*" meta l4proto tcp reject with tcp reset
+{nfs_accept}{proxy_accept}        iifname "{prefix}h*" meta l4proto tcp reject with tcp reset
         iifname "{prefix}h*" reject with icmp type admin-prohibited
     }}
     chain slots_forward {{
         type filter hook forward priority filter; policy accept;
-        iifname "{prefix}h*" oifname "{prefix}h*" drop
+{nfs_forward}        iifname "{prefix}h*" oifname "{prefix}h*" drop
         iifname "{prefix}h*" ip daddr @walls drop
         iifname "{prefix}h*" ip saddr @all_src meta l4proto tcp ct status != dnat reject with tcp reset
         iifname "{prefix}h*" ip saddr @web_src tcp dport {{ {web} }} ct status != dnat ct mark != {keep_mark:#x} reject with tcp reset
@@ -593,14 +610,48 @@ HOST_RULES = """table ip {table} {{
         type nat hook postrouting priority srcnat;
         ip saddr 10.12.0.0/16 oifname != "{prefix}h*" masquerade
     }}
-}}
+{nfs_post}}}
 """
 
 
 def host_ruleset(prefix: str, proxy_port: int | None,
-                 open_ranges: Iterable[IPv4Network] = (), nfs_port: int | None = None) -> str:
+                 open_ranges: Iterable[IPv4Network] = (), nfs_port: int | None = None,
+                 nfs_address: str | None = None) -> str:
     redirects, proxy_accept, nfs_redirect, nfs_accept = "", "", "", ""
-    if nfs_port is not None:
+    nfs_forward, nfs_post = "", ""
+    if nfs_port is not None and nfs_address is not None:
+        # The NFS server in a network namespace of its own (runtime/nfs_net.py): a DNAT to its
+        # address, which keeps the guest's source address (what the exports' client lists
+        # name; masqueraded by no table: `nfs_post`); forwarded to its link only when DNATed
+        # so, before the walls (10.11/16 is in them). From the link: packets of those flows
+        # only, and nothing to the host itself. The port stays walled on the host
+        # (`walled_ports`: no other node picks it), though nothing of the host listens there.
+        ipaddress.IPv4Address(nfs_address)
+        link = nfs_veth(prefix)
+        nfs_redirect = (f'        iifname "{prefix}h*" ip saddr @nfs_src ip daddr {METADATA_IP} '
+                        f"tcp dport {NFS_PORT} dnat to {nfs_address}:{nfs_port}\n")
+        nfs_accept = (f'        iifname "{link}" drop\n'
+                      f"        tcp dport {nfs_port} ct status & dnat == 0 reject with tcp reset\n"
+                      f"        udp dport {nfs_port} ct status & dnat == 0 drop\n")
+        nfs_forward = (f'        iifname "{prefix}h*" oifname "{link}" ip daddr {nfs_address} '
+                       f"tcp dport {nfs_port} ct status dnat accept\n"
+                       f'        iifname "{prefix}h*" oifname "{link}" drop\n'
+                       f'        iifname "{link}" oifname "{prefix}h*" ct direction reply accept\n'
+                       f'        iifname "{link}" drop\n'
+                       f'        oifname "{link}" drop\n')
+        # The guest's source is kept by a source NAT to itself, before any table's masquerade
+        # (`srcnat - 10`): an `accept` here would not stop the others. Every runtime of the host
+        # has a table like this one whose postrouting masquerades 10.12/16 leaving through any
+        # interface but its own slots' (`slots_post`), our link too: the session's other nodes
+        # and test runtimes did, ganesha's namespace saw the host's end of the link as the
+        # source and dropped the SYN (not 10.12/16), and the guests' mounts timed out. A NAT
+        # binding made by an earlier chain, identity or not, ends the postrouting NAT chains
+        # for the flow (the kernel's nf_nat_inet_fn), whatever table comes after.
+        nfs_post = ("    chain nfs_post {\n"
+                    "        type nat hook postrouting priority srcnat - 10;\n"
+                    f'        oifname "{link}" ip saddr 10.12.0.0/16 snat to ip saddr\n'
+                    "    }\n")
+    elif nfs_port is not None:
         # Before the proxy's redirects (an `all_src` slot's TCP would go to the proxy). Only
         # what this redirect sent reaches ganesha's port, as for the proxy's port: ganesha
         # listens on every address (a redirect goes to the receiving slot interface's), and
@@ -630,7 +681,8 @@ def host_ruleset(prefix: str, proxy_port: int | None,
                         f"th dport {proxy_port} ct status dnat accept\n")
     return HOST_RULES.format(table=f"{prefix}_host", prefix=prefix, redirects=redirects,
                              proxy_accept=proxy_accept, nfs_redirect=nfs_redirect,
-                             nfs_accept=nfs_accept, web=WEB_PORTS, keep_mark=KEEP_MARK,
+                             nfs_accept=nfs_accept, nfs_forward=nfs_forward,
+                             nfs_post=nfs_post, web=WEB_PORTS, keep_mark=KEEP_MARK,
                              walls=_elements(walls(open_ranges)))
 
 
@@ -722,10 +774,11 @@ async def _host_set_elements(table: str, name: str) -> list[str]:
 async def setup_host(prefix: str = "aenv", proxy_port: int | None = None,
                      keep_sources: Iterable[str] = (),
                      open_ranges: Iterable[IPv4Network] = (),
-                     nfs_port: int | None = None) -> None:
+                     nfs_port: int | None = None, nfs_address: str | None = None) -> None:
     """Host side, once per runtime: forwarding on, the redirects to the egress proxy (when
-    `proxy_port` is given) and to the NFS server (`nfs_port`, for the `nfs_src` slots), the
-    input wall, masquerade, no slot-to-slot traffic.
+    `proxy_port` is given) and to the NFS server (`nfs_port`, for the `nfs_src` slots: a DNAT
+    to `nfs_address:nfs_port`, its own namespace's address, when given; else a redirect to the
+    host's `nfs_port`), the input wall, masquerade, no slot-to-slot traffic.
 
     The table is replaced in one transaction (no moment without the input wall), and the
     redirect-set entries of `keep_sources` (slots of VMs adopted from a previous run) are
@@ -742,7 +795,8 @@ async def setup_host(prefix: str = "aenv", proxy_port: int | None = None,
             carried += f"add element ip {table} {name} {{ {', '.join(kept)} }}\n"
     await close_foreign_forward(prefix)
     await _run("nft", "-f", "-", stdin=f"add table ip {table}\ndelete table ip {table}\n"
-               + host_ruleset(prefix, proxy_port, open_ranges, nfs_port) + carried)
+               + host_ruleset(prefix, proxy_port, open_ranges, nfs_port, nfs_address)
+               + carried)
     await open_foreign_forward(prefix)
 
 

@@ -133,7 +133,8 @@ class Runtime:
             await setup_host(self.config.network_prefix, self.config.egress_proxy_port,
                              keep_sources=self.slots.in_use_addresses(),
                              open_ranges=self.slots.open_ranges,
-                             nfs_port=self.config.nfs_port)
+                             nfs_port=self.config.nfs_port,
+                             nfs_address=self.config.nfs_address)
             await self.slots.fill(self.config.slot_pool_low)
         # After adoption (the node adopts before it starts the runtime): memory devices of an
         # earlier run that no adopted VM took over are released.

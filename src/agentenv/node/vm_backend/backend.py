@@ -63,7 +63,7 @@ from agentenv.node.vm_backend.errors import vm_errors
 from agentenv.node.vm_backend.metrics import MetricsSampler
 from agentenv.node.vm_backend.snapshots import SnapshotStore, record_dir, record_dirs
 from agentenv.node.volumes import VOLUME_SLOTS, VolumeLimits
-from agentenv.runtime import privilege
+from agentenv.runtime import nfs_net, privilege
 from agentenv.runtime.cgroup import Cgroup, Limits
 from agentenv.runtime.config import RuntimeConfig, privilege_settings_from_env
 from agentenv.runtime.errors import NetworkError, RuntimeError_
@@ -219,8 +219,6 @@ class VmBackend(SandboxBackend, CrashRecovery, LayerAware, TemplateBuilding, Net
         if nfs_port is None:
             with contextlib.suppress(NfsError):  # its tmpfs mounts
                 await asyncio.to_thread(leftover.server.stop)
-        else:
-            self.nfs = leftover
         config = RuntimeConfig(state_dir=self.base / "runtime", accel=self.accel,  # type: ignore[arg-type]
                                network_prefix=self.network_prefix, boot_timeout=300,
                                egress_proxy_port=proxy_port,
@@ -245,6 +243,19 @@ class VmBackend(SandboxBackend, CrashRecovery, LayerAware, TemplateBuilding, Net
         # Before adopting or abandoning anything: a second node (or bench) with this network
         # prefix is refused here instead of taking over the first one's slots.
         runtime.slots.acquire_prefix()
+        # ganesha's network namespace (runtime/nfs_net.py), under the prefix now held: the
+        # one an earlier run left is remade (on its link when still free); the slots' NFS
+        # redirect (set up by runtime.start) is a DNAT to its address.
+        try:
+            if nfs_port is None:
+                await asyncio.to_thread(nfs_net.remove_leftover, self.network_prefix)
+            else:
+                net = await asyncio.to_thread(nfs_net.claim, self.network_prefix, nfs_port)
+                config.nfs_address = net.server_address
+                self.nfs = SharedExports(self.state_dir / "nfs", nfs_port, network=net)
+        except NetworkError as exc:
+            raise BackendError(f"the NFS server's network namespace: {exc}",
+                               retryable=False) from exc
         # Before the runtime builds network slots: adopted VMs keep theirs.
         adopted = await take_over(runtime, leftovers, self.manifests, self.blockd.identity,
                                   self.adopt_failures)
