@@ -51,6 +51,7 @@ log = logging.getLogger("codeint")
 MAX_BODY_BYTES = 16 << 20
 DEFAULT_LANGUAGE = "python"
 # Started with the server, before its port opens (so they are warm in the template's snapshot).
+# TypeScript, R and Java start on their first cell (docs/templates.md §6 has their start times).
 WARM_LANGUAGES = ("python", "javascript", "bash")
 
 Receive = Callable[[], Awaitable[dict[str, Any]]]
@@ -169,6 +170,9 @@ class CodeApp:
         self.default_cwd = default_cwd
         self.contexts: dict[str, Context] = {}
         self.defaults: dict[str, Context] = {}  # language -> its default context
+        # one start of a default context at a time per language (TypeScript, R and Java start
+        # on first use, which two concurrent calls must not both do)
+        self.default_locks: dict[str, asyncio.Lock] = {}
         self.access = AccessToken(ACCESS_TOKEN_DIGEST_FILE)
         self.envd_envs_url = ENVD_ENVS_URL
 
@@ -202,9 +206,13 @@ class CodeApp:
 
     async def _default(self, language: str) -> Context:
         ctx = self.defaults.get(language)
-        if ctx is None:
-            ctx = self.defaults[language] = await self._new_context(language, self.default_cwd,
-                                                                    language)
+        if ctx is not None:
+            return ctx
+        async with self.default_locks.setdefault(language, asyncio.Lock()):
+            ctx = self.defaults.get(language)
+            if ctx is None:
+                ctx = self.defaults[language] = await self._new_context(
+                    language, self.default_cwd, language)
         return ctx
 
     def _context(self, context_id: str) -> Context:
