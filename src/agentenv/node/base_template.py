@@ -90,7 +90,7 @@ CODE_INTERPRETER_START = (
     f"cd /home/user && PYTHONPATH=/agentenv/python exec python3 -m agentenv.guest.codeint"
     f" --port {CODE_INTERPRETER_PORT} --cwd /home/user >>/tmp/.aenv-codeint.log 2>&1"
 )
-READY_TIMEOUT_SECONDS = 180.0
+READY_TIMEOUT_SECONDS = 600.0  # (the server prepares the Java runner before its port opens)
 #: seconds a page must sit untouched before the guest gives it back (0: keep it; docs/templates.md)
 RECLAIM_ENV = "AENV_RECLAIM_MIN_AGE_SECONDS"
 RECLAIM_DEFAULT_SECONDS = 30

@@ -125,7 +125,7 @@ public class JShellRunner {
         }
 
         @Override
-        @SuppressWarnings("removal")
+        @SuppressWarnings("deprecation")
         public void stop() {
             Thread thread = running;
             if (thread != null) {

@@ -38,6 +38,8 @@ import hashlib
 import hmac
 import json
 import logging
+import sys
+import time
 import urllib.request
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -166,8 +168,9 @@ def language_of(body: dict[str, Any]) -> str:
 
 
 class CodeApp:
-    def __init__(self, default_cwd: str) -> None:
+    def __init__(self, default_cwd: str, prepare_java: bool = False) -> None:
         self.default_cwd = default_cwd
+        self.prepare_java = prepare_java
         self.contexts: dict[str, Context] = {}
         self.defaults: dict[str, Context] = {}  # language -> its default context
         # one start of a default context at a time per language (TypeScript, R and Java start
@@ -177,8 +180,27 @@ class CodeApp:
         self.envd_envs_url = ENVD_ENVS_URL
 
     async def start(self) -> None:
+        java = asyncio.create_task(self._prepare_java()) if self.prepare_java else None
         contexts = await asyncio.gather(*(self._default(lang) for lang in WARM_LANGUAGES))
         await asyncio.gather(*(ctx.warm() for ctx in contexts))
+        if java is not None:
+            await java
+
+    async def _prepare_java(self) -> None:
+        """The Java kernel's jar and class archive (javaprep.py), made in the template so that
+        a sandbox's first Java cell starts its JVM from them; a failure is logged (the kernel
+        then compiles its runner at each start)."""
+        t0 = time.monotonic()
+        process = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "agentenv.guest.codeint.javaprep",
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
+        output, _ = await process.communicate()
+        text = output.decode(errors="replace").strip()[-2000:]
+        if process.returncode == 0:
+            log.info("%s (%.1f s)", text, time.monotonic() - t0)
+        else:
+            log.warning("the Java runner was not prepared (status %s): %s",
+                        process.returncode, text)
 
     async def close(self) -> None:
         for ctx in list(self.contexts.values()):

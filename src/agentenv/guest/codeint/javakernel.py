@@ -1,6 +1,6 @@
 """The Java kernel of the code-interpreter server: one JVM per context, running our JShell runner
-(JShellRunner.java beside this file, by Java's single-file source launcher) over Debian's
-OpenJDK. Debian packages no Jupyter kernel for Java; this one answers as E2B's (IJava) does: an
+(JShellRunner.java beside this file: from the jar and class archive javaprep.py made in the
+template, else by Java's single-file source launcher) over Debian's OpenJDK. Debian packages no Jupyter kernel for Java; this one answers as E2B's (IJava) does: an
 expression's value as its toString() in text/plain, each write to System.out/System.err as its
 own stream message, a failure as an error output (the exception's class name, its message, the
 stack of the cell's frames), and env vars as system properties (`System.getProperty`), which is
@@ -19,9 +19,9 @@ import codecs
 import json
 import os
 import time
-from pathlib import Path
 from typing import Any
 
+from agentenv.guest.codeint import javaprep
 from agentenv.guest.codeint.childkernel import ChildDied, ChildKernel
 from agentenv.guest.codeint.kernels import (
     JAVA_ENV_APPLY_PREFIX,
@@ -29,11 +29,7 @@ from agentenv.guest.codeint.kernels import (
     JAVA_ENV_SET_PREFIX,
 )
 
-RUNNER = Path(__file__).resolve().parent / "JShellRunner.java"
 START_SECONDS = 300.0  # a JVM, javac for the runner and JShell's first snippet: slow under TCG
-# (the JIT's C1 only, which starts faster; a small heap, as a kernel's is)
-JAVA_OPTIONS = ("-XX:TieredStopAtLevel=1", "-XX:+UseSerialGC", "-Xss4m",
-                "-Dfile.encoding=UTF-8")
 
 
 def _b64(text: str) -> str:
@@ -59,7 +55,7 @@ class JavaKernel(ChildKernel):
         super().__init__(**kwargs)
 
     def child_argv(self) -> list[str]:
-        return ["java", *JAVA_OPTIONS, str(RUNNER)]
+        return javaprep.java_argv()
 
     def child_extra_fds(self) -> tuple[int, ...]:
         return self.child_fds
