@@ -191,10 +191,14 @@ class CodeApp:
         a sandbox's first Java cell starts its JVM from them; a failure is logged (the kernel
         then compiles its runner at each start)."""
         t0 = time.monotonic()
-        process = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "agentenv.guest.codeint.javaprep",
-            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
-        output, _ = await process.communicate()
+        try:
+            process = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "agentenv.guest.codeint.javaprep",
+                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
+            output, _ = await process.communicate()
+        except OSError as exc:
+            log.warning("the Java runner was not prepared: %s", exc)
+            return
         text = output.decode(errors="replace").strip()[-2000:]
         if process.returncode == 0:
             log.info("%s (%.1f s)", text, time.monotonic() - t0)
