@@ -90,28 +90,6 @@ def _train(jar: Path, archive: Path) -> None:
         child.wait(TRAINING_SECONDS)
 
 
-def drop_cached(root: Path) -> int:
-    """Drops the page cache of the files under root (clean pages: read again on use), so the
-    template's memory snapshot does not keep what the preparation read (the JDK's class
-    image, javac); what a sandbox's JVM needs it reads from the disk. The bytes advised."""
-    dropped = 0
-    for path in root.rglob("*"):
-        try:
-            if path.is_symlink() or not path.is_file():
-                continue
-            fd = os.open(path, os.O_RDONLY)
-        except OSError:
-            continue
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            dropped += os.fstat(fd).st_size
-        except OSError:
-            pass
-        finally:
-            os.close(fd)
-    return dropped
-
-
 def prepare() -> Path | None:
     """Makes this runner's jar and archive unless they are there; their directory."""
     entry = cache_entry()
@@ -137,10 +115,6 @@ def prepare() -> Path | None:
         except BaseException:
             shutil.rmtree(entry, ignore_errors=True)
             raise
-    java = java_binary()
-    if java is not None:  # <jdk>/bin/java: the whole JDK
-        drop_cached(Path(java).parent.parent)
-    drop_cached(entry)
     return entry
 
 
