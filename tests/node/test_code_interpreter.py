@@ -1,5 +1,5 @@
 """The E2B Code Interpreter SDK, unchanged, against a VM node's built-in `code-interpreter-v1`
-template (issue 29): stateful Python, JavaScript and Bash kernels, streamed output, rich results
+template (issue 29): stateful Python, JavaScript, Bash, TypeScript, R and Java kernels, streamed output, rich results
 and chart data, errors, interrupts, contexts, per-call env vars, pause and connect, fork,
 snapshots, concurrent async clients, the sandbox's egress policy on the kernels' traffic; and
 the JS SDK (npm `@e2b/code-interpreter`, pinned in ts-code-interpreter/package-lock.json, run by
@@ -16,8 +16,9 @@ import json
 import re
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TypeVar
 
 import pytest
 from e2b import TimeoutException
@@ -37,6 +38,7 @@ LAB_PREFIX, LAB_SUBNET = "acil", 43  # the egress test's "internet" (tests/netla
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 JS_DIR = Path(__file__).parent / "ts-code-interpreter"
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
+T = TypeVar("T")
 
 
 @pytest.fixture(scope="module")
@@ -279,6 +281,124 @@ def test_javascript(sbx: Sandbox) -> None:
     assert sbx.run_code("total", language="js").text == "40"
     assert sbx.run_code("process.env.FOO", language="js", envs={"FOO": "bar"}).text == "bar"
     assert sbx.run_code("process.env.FOO || 'unset'", language="js").text == "unset"
+
+
+@pytest.fixture(scope="module")
+def langs_sbx(ci_node: NodeProcess) -> Iterator[Sandbox]:
+    """A sandbox with env vars of its own for the TypeScript, R and Java tests (kernels that
+    start on first use: each starts once, in this sandbox)."""
+    sandbox = Sandbox.create(timeout=900, envs={"AENV_SBX_VAR": "from-create"})
+    yield sandbox
+    sandbox.kill()
+
+
+def timed(what: str, call: Callable[[], T]) -> T:
+    t0 = time.monotonic()
+    try:
+        return call()
+    finally:
+        print(f"\n{what}: {time.monotonic() - t0:.2f} s")
+
+
+def test_typescript(langs_sbx: Sandbox) -> None:
+    """`ts` (and `typescript`): the JavaScript kernel with each cell transpiled by TypeScript
+    (types stripped, not checked, as in E2B's Deno kernel), as E2B's test_default_kernels.py,
+    test_cwd.py and the env-var tests check."""
+    sbx = langs_sbx
+    first = timed("first TypeScript cell (kernel start)", lambda: sbx.run_code(
+        "const message: string = 'Hello, World!'; console.log(message);", language="ts"))
+    assert first.error is None, first.error
+    assert first.logs.stdout == ["Hello, World!\n"]
+    assert sbx.run_code("process.cwd()", language="typescript").text == "/home/user"
+    typed = sbx.run_code(
+        "interface P { x: number }\nenum E { A, B }\n"
+        "function twice(p: P): number { return p.x * 2 }\ntwice({ x: 20 }) + E.B * 2",
+        language="ts")
+    assert typed.error is None and typed.text == "42", typed
+    # not type-checked: a cell that would not compile under tsc runs
+    assert sbx.run_code("let loose: number = 'a' as any; loose", language="ts").text == "a"
+    imported = sbx.run_code("import { readFileSync } from 'fs'\n"
+                            "await Promise.resolve<string>(typeof readFileSync)", language="ts")
+    assert imported.text == "function", imported
+    bad = sbx.run_code("const x: number = ;", language="ts")
+    assert bad.error is not None and bad.error.name == "SyntaxError"
+    assert "Expression expected" in bad.error.value
+    thrown = sbx.run_code("throw new TypeError('nope')", language="ts")
+    assert (thrown.error.name, thrown.error.value) == ("TypeError", "nope")
+    env = "process.env.AENV_SBX_VAR"
+    assert sbx.run_code(env, language="ts").text == "from-create"
+    assert sbx.run_code(env, language="ts", envs={"AENV_SBX_VAR": "per-call"}).text == \
+        "per-call"
+    assert sbx.run_code(env, language="ts").text == "from-create"
+    # its own kernel: the JavaScript context does not see TypeScript's globals
+    assert sbx.run_code("typeof twice", language="js").text == "undefined"
+
+
+def test_r(langs_sbx: Sandbox) -> None:
+    """`r`: Debian's IRkernel, as E2B's test_default_kernels.py, test_cwd.py and
+    env_vars/test_r.py check (values as display data: `results[0].text`)."""
+    sbx = langs_sbx
+    hello = timed("first R cell (kernel start)",
+                  lambda: sbx.run_code('print("Hello, World!")', language="r"))
+    assert hello.error is None, hello.error
+    assert hello.logs.stdout == ['[1] "Hello, World!"\n']
+    assert sbx.run_code("getwd()", language="r").results[0].text == '[1] "/home/user"'
+    assert sbx.run_code('Sys.getenv("AENV_SBX_VAR")', language="r").results[0].text == \
+        '[1] "from-create"'
+    per_call = sbx.run_code('Sys.getenv("FOO")', language="r", envs={"FOO": "b\"a r"})
+    assert per_call.results[0].text == '[1] "b\\"a r"'
+    assert sbx.run_code('Sys.getenv("FOO", unset = "default")', language="r").results[0].text \
+        == '[1] "default"'
+    over = sbx.run_code('Sys.getenv("AENV_SBX_VAR")', language="r",
+                        envs={"AENV_SBX_VAR": "per-call"})
+    assert over.results[0].text == '[1] "per-call"'
+    assert sbx.run_code('Sys.getenv("AENV_SBX_VAR")', language="r").results[0].text == \
+        '[1] "from-create"'
+    sbx.run_code("x <- c(1, 2, 3)", language="r")
+    frame = sbx.run_code("data.frame(a = x * 2)", language="r")
+    assert "<table" in (frame.results[0].html or ""), frame
+    failed = sbx.run_code('stop("bad value")', language="r")
+    assert failed.error is not None and "bad value" in failed.error.value
+    with pytest.raises(TimeoutException):
+        sbx.run_code("while (TRUE) {}", language="r", timeout=3)
+    assert sbx.run_code("sum(x)", language="r").results[0].text == "[1] 6"
+
+
+def test_java(langs_sbx: Sandbox) -> None:
+    """`java`: our JShell kernel (Debian's OpenJDK 17), answering as E2B's IJava does, as E2B's
+    test_default_kernels.py, test_cwd.py and env_vars/test_java.py check: a value's toString()
+    as the result, each write to System.out its own stdout message, env vars as system
+    properties. One JVM for the whole test."""
+    sbx = langs_sbx
+    hello = timed("first Java cell (kernel start)", lambda: sbx.run_code(
+        'System.out.println("Hello, World!")', language="java", timeout=280))
+    assert hello.error is None, hello.error
+    assert hello.logs.stdout[0] == "Hello, World!" and "".join(hello.logs.stdout) == \
+        "Hello, World!\n"
+    assert sbx.run_code('System.getProperty("user.dir")', language="java").text == "/home/user"
+    prop = 'System.getProperty("AENV_SBX_VAR")'
+    assert sbx.run_code(prop, language="java").text == "from-create"
+    assert sbx.run_code(prop, language="java", envs={"AENV_SBX_VAR": "per-call"}).text == \
+        "per-call"
+    assert sbx.run_code(prop, language="java").text == "from-create"
+    assert sbx.run_code('System.getProperty("FOO")', language="java",
+                        envs={"FOO": "bar"}).text == "bar"
+    assert sbx.run_code('System.getProperty("FOO", "default")', language="java").text == \
+        "default"
+    state = sbx.run_code("int n = 41;\nString twice(String s) { return s + s; }\n"
+                         "import java.util.*;\nvar l = new ArrayList<>(List.of(n, n + 1)); l",
+                         language="java")
+    assert state.error is None and state.text == "[41, 42]", state
+    assert sbx.run_code('twice("ab") + (n + 1)', language="java").text == "abab42"
+    thrown = sbx.run_code("int zero = 0;\nn / zero", language="java")
+    assert thrown.error is not None
+    assert (thrown.error.name, thrown.error.value) == ("java.lang.ArithmeticException",
+                                                        "/ by zero")
+    bad = sbx.run_code("String s = ;", language="java")
+    assert bad.error is not None and bad.error.name == "CompilationException"
+    with pytest.raises(TimeoutException):
+        sbx.run_code("while (true) {}", language="java", timeout=5)
+    assert sbx.run_code("n", language="java").text == "41"
 
 
 def test_trivial_run_code_against_a_command(sbx: Sandbox) -> None:

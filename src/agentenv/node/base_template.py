@@ -2,8 +2,8 @@
 
 - `base`: Debian bookworm with what E2B's base image has (rootfs.BASE_PACKAGES: python, pip,
   sudo, git, curl...) and the `user` account with sudo;
-- `code-interpreter-v1`: base plus Debian's Jupyter kernel, data stack and Node.js
-  (CODE_INTERPRETER_PACKAGES), with the code-interpreter server (agentenv.guest.codeint, from
+- `code-interpreter-v1`: base plus Debian's Jupyter kernel, data stack, Node.js, TypeScript, R
+  (IRkernel) and OpenJDK (CODE_INTERPRETER_PACKAGES), with the code-interpreter server (agentenv.guest.codeint, from
   the tools disk) started and its default Python, JavaScript and Bash kernels warm before the
   snapshot, so that the E2B Code Interpreter SDK's first run_code pays no kernel start.
 
@@ -77,6 +77,10 @@ CODE_INTERPRETER_PACKAGES = (
     # the JavaScript kernel's runtime (Debian's Node.js 18; its parser, node-acorn, comes with
     # it as a dependency of libnode)
     "nodejs",
+    # the TypeScript kernel's transpiler (the JavaScript kernel with TypeScript's
+    # transpileModule in front), the R kernel (IRkernel; pulls r-base-core) and the JDK whose
+    # jshell our Java kernel drives
+    "node-typescript", "r-cran-irkernel", "openjdk-17-jdk-headless",
     # debootstrap does not resolve virtual packages: the real providers of what pyzmq
     # (python3-cffi-backend-api-*) and gdb, via ipykernel's debugpy (libboost-regex...-icu72),
     # depend on
@@ -86,7 +90,7 @@ CODE_INTERPRETER_START = (
     f"cd /home/user && PYTHONPATH=/agentenv/python exec python3 -m agentenv.guest.codeint"
     f" --port {CODE_INTERPRETER_PORT} --cwd /home/user >>/tmp/.aenv-codeint.log 2>&1"
 )
-READY_TIMEOUT_SECONDS = 180.0
+READY_TIMEOUT_SECONDS = 600.0  # (the server prepares the Java runner before its port opens)
 #: seconds a page must sit untouched before the guest gives it back (0: keep it; docs/templates.md)
 RECLAIM_ENV = "AENV_RECLAIM_MIN_AGE_SECONDS"
 RECLAIM_DEFAULT_SECONDS = 30

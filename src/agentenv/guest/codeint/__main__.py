@@ -21,7 +21,7 @@ from agentenv.guest.envd.httpserver import HttpServer  # noqa: E402
 
 
 async def serve(port: int, cwd: str) -> None:
-    app = CodeApp(default_cwd=cwd)
+    app = CodeApp(default_cwd=cwd, prepare_java=True)
     # The default Python context is started before the port opens: /health answering means
     # the first run_code pays no kernel start (the template snapshot is taken after it).
     await app.start()

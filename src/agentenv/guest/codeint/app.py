@@ -38,6 +38,8 @@ import hashlib
 import hmac
 import json
 import logging
+import sys
+import time
 import urllib.request
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -51,6 +53,7 @@ log = logging.getLogger("codeint")
 MAX_BODY_BYTES = 16 << 20
 DEFAULT_LANGUAGE = "python"
 # Started with the server, before its port opens (so they are warm in the template's snapshot).
+# TypeScript, R and Java start on their first cell (docs/templates.md §6 has their start times).
 WARM_LANGUAGES = ("python", "javascript", "bash")
 
 Receive = Callable[[], Awaitable[dict[str, Any]]]
@@ -165,16 +168,43 @@ def language_of(body: dict[str, Any]) -> str:
 
 
 class CodeApp:
-    def __init__(self, default_cwd: str) -> None:
+    def __init__(self, default_cwd: str, prepare_java: bool = False) -> None:
         self.default_cwd = default_cwd
+        self.prepare_java = prepare_java
         self.contexts: dict[str, Context] = {}
         self.defaults: dict[str, Context] = {}  # language -> its default context
+        # one start of a default context at a time per language (TypeScript, R and Java start
+        # on first use, which two concurrent calls must not both do)
+        self.default_locks: dict[str, asyncio.Lock] = {}
         self.access = AccessToken(ACCESS_TOKEN_DIGEST_FILE)
         self.envd_envs_url = ENVD_ENVS_URL
 
     async def start(self) -> None:
+        java = asyncio.create_task(self._prepare_java()) if self.prepare_java else None
         contexts = await asyncio.gather(*(self._default(lang) for lang in WARM_LANGUAGES))
         await asyncio.gather(*(ctx.warm() for ctx in contexts))
+        if java is not None:
+            await java
+
+    async def _prepare_java(self) -> None:
+        """The Java kernel's jar and class archive (javaprep.py), made in the template so that
+        a sandbox's first Java cell starts its JVM from them; a failure is logged (the kernel
+        then compiles its runner at each start)."""
+        t0 = time.monotonic()
+        try:
+            process = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "agentenv.guest.codeint.javaprep",
+                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
+            output, _ = await process.communicate()
+        except OSError as exc:
+            log.warning("the Java runner was not prepared: %s", exc)
+            return
+        text = output.decode(errors="replace").strip()[-2000:]
+        if process.returncode == 0:
+            log.info("%s (%.1f s)", text, time.monotonic() - t0)
+        else:
+            log.warning("the Java runner was not prepared (status %s): %s",
+                        process.returncode, text)
 
     async def close(self) -> None:
         for ctx in list(self.contexts.values()):
@@ -202,9 +232,13 @@ class CodeApp:
 
     async def _default(self, language: str) -> Context:
         ctx = self.defaults.get(language)
-        if ctx is None:
-            ctx = self.defaults[language] = await self._new_context(language, self.default_cwd,
-                                                                    language)
+        if ctx is not None:
+            return ctx
+        async with self.default_locks.setdefault(language, asyncio.Lock()):
+            ctx = self.defaults.get(language)
+            if ctx is None:
+                ctx = self.defaults[language] = await self._new_context(
+                    language, self.default_cwd, language)
         return ctx
 
     def _context(self, context_id: str) -> Context:

@@ -34,6 +34,63 @@ function loadAcorn() {
 }
 
 const acorn = loadAcorn();
+// The TypeScript kernel is this evaluator with AENV_JS_TYPESCRIPT=1: each cell is transpiled
+// first with TypeScript's transpileModule (Debian's node-typescript), types stripped and not
+// checked, as E2B's TypeScript kernel (Deno's) runs cells; a syntax error is the cell's error.
+const typescript = process.env.AENV_JS_TYPESCRIPT === '1' ? loadTypeScript() : null;
+delete process.env.AENV_JS_TYPESCRIPT; // not the user's
+function loadTypeScript() {
+  for (const where of ['typescript', '/usr/share/nodejs/typescript']) {
+    try {
+      return require(where);
+    } catch (err) {
+      // next
+    }
+  }
+  throw new Error('TypeScript (node-typescript) is not installed');
+}
+
+const TS_OPTIONS = typescript === null ? null : {
+  target: typescript.ScriptTarget.ES2022,
+  module: typescript.ModuleKind.ESNext,
+  // an import whose names a later cell uses is kept even if this cell does not use them
+  preserveValueImports: true,
+  isolatedModules: true,
+  useDefineForClassFields: true,
+};
+
+function transpileOnce(source) {
+  const out = typescript.transpileModule(source, {
+    compilerOptions: TS_OPTIONS, reportDiagnostics: true, fileName: 'cell.ts',
+  });
+  return { code: out.outputText, diagnostics: out.diagnostics || [] };
+}
+
+// A TypeScript cell as JavaScript: its syntax errors thrown as a SyntaxError.
+function transpile(source) {
+  if (/^\s*\{/.test(source) && /\}\s*;?\s*$/.test(source)) {
+    // an object literal typed alone (see objectLiteral below), types and all
+    const wrapped = transpileOnce(`(${source.replace(/;\s*$/, '')})`);
+    if (wrapped.diagnostics.length === 0) return wrapped.code;
+  }
+  const { code, diagnostics } = transpileOnce(source);
+  if (diagnostics.length > 0) {
+    const first = diagnostics[0];
+    const text = typescript.flattenDiagnosticMessageText(first.messageText, '\n');
+    let where = '';
+    if (first.file && first.start !== undefined) {
+      const { line, character } = first.file.getLineAndCharacterOfPosition(first.start);
+      where = ` (${line + 1}:${character + 1})`;
+    }
+    const err = new SyntaxError(`${text}${where}`);
+    err.stack = `SyntaxError: TS${first.code}: ${text}${where}`;
+    throw err;
+  }
+  // the marker TypeScript adds to a file it sees as a module (a type-only import): not a
+  // statement a cell can run
+  return code.replace(/^export \{\};\s*$/m, '');
+}
+
 const IMPORT = Symbol.for('agentenv.import');
 let cellNumber = 0;
 let pending = null; // {reject} of the cell awaiting a promise, for SIGINT
@@ -214,8 +271,8 @@ function interruptible(promise) {
 }
 
 async function evaluate(source) {
-  let code = source;
   cellNumber += 1;
+  let code = typescript === null ? source : transpile(source);
   const filename = `<cell ${cellNumber}>`;
   const options = { filename, breakOnSigint: true };
   let program = parse(code);

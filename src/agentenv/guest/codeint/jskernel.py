@@ -23,6 +23,7 @@ class JavaScriptKernel(ChildKernel):
     implementation = "agentenv-javascript"
     language_info = {"name": "javascript", "mimetype": "application/javascript",
                      "file_extension": ".js"}
+    start_seconds = START_SECONDS
 
     def __init__(self, **kwargs: Any) -> None:
         self.control: socket.socket | None = None
@@ -53,7 +54,7 @@ class JavaScriptKernel(ChildKernel):
             self.child_end.close()
 
     def after_start(self) -> None:
-        reply = self._wait_reply(START_SECONDS)
+        reply = self._wait_reply(self.start_seconds)
         if reply.get("status") != "ready":
             raise RuntimeError(f"the JavaScript evaluator did not start: {reply}")
 

@@ -3,8 +3,9 @@ kernel messages into the code-interpreter protocol's output lines.
 
 The languages and their kernels (specs made here, not looked up in Jupyter's kernel dirs):
 python is IPython (ipykernel, the image's), with pystartup.py run at its start (the chart
-format); bash and javascript are our own kernels (bashkernel.py, jskernel.py), run from the
-tools disk with the image's python3 and ipykernel."""
+format); r is the image's IRkernel; bash, javascript, typescript and java are our own kernels
+(bashkernel.py, jskernel.py, tskernel.py, javakernel.py), run from the tools disk with the
+image's python3 and ipykernel."""
 
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ from typing import Any
 from jupyter_client.kernelspec import KernelSpec, KernelSpecManager
 from jupyter_client.manager import AsyncKernelManager
 
-KERNEL_READY_SECONDS = 120.0
+KERNEL_READY_SECONDS = 300.0  # (a JVM and JShell under TCG: the Java kernel's first start)
 HERE = Path(__file__).resolve().parent
 TOOLS_PYTHON = str(HERE.parents[2])  # the directory that holds the agentenv package
 
@@ -86,6 +87,47 @@ def bash_env_apply(env: dict[str, str]) -> str:
                      if SHELL_NAME.fullmatch(name))
 
 
+def r_string(text: str) -> str:
+    """text as an R string literal (non-ASCII as \\U{...} escapes: R's locale may not be
+    UTF-8)."""
+    out = []
+    for ch in text:
+        if ch in '\\"':
+            out.append("\\" + ch)
+        elif ch == "\n":
+            out.append("\\n")
+        elif ord(ch) < 0x20 or ord(ch) >= 0x7f:
+            out.append(f"\\U{{{ord(ch):x}}}")
+        else:
+            out.append(ch)
+    return '"' + "".join(out) + '"'
+
+
+def r_setenv(env: dict[str, str]) -> str:
+    pairs = ", ".join(f"{r_string(k)} = {r_string(v)}" for k, v in env.items())
+    return f"invisible(Sys.setenv({pairs}))"
+
+
+def r_env_set(env: dict[str, str]) -> str:
+    names = ", ".join(r_string(k) for k in env)
+    return (f".aenv_saved_env <- Sys.getenv(c({names}), unset = NA, names = TRUE)\n"
+            + r_setenv(env))
+
+
+R_ENV_RESTORE = """local(for (k in names(.aenv_saved_env)) {
+  v <- .aenv_saved_env[[k]]
+  if (is.na(v)) Sys.unsetenv(k) else do.call(Sys.setenv, structure(list(v), names = k))
+})
+rm(.aenv_saved_env)"""
+
+
+# The Java kernel's (javakernel.py) own commands for env vars, which E2B's server gives its Java
+# kernel as system properties: run by the kernel, not compiled as Java.
+JAVA_ENV_SET_PREFIX = "%aenv-properties-set "
+JAVA_ENV_RESTORE = "%aenv-properties-restore"
+JAVA_ENV_APPLY_PREFIX = "%aenv-properties-apply "
+
+
 def check_shell_names(env: dict[str, str]) -> None:
     bad = [name for name in env if not SHELL_NAME.fullmatch(name)]
     if bad:
@@ -137,9 +179,22 @@ LANGUAGES = {
         "1 + 1", ours=True),
     "bash": Language("bash", _our_kernel("bashkernel"), bash_env_set, bash_env_restore,
                      bash_env_apply, "true", ours=True, check_env=check_shell_names),
+    "typescript": Language(
+        "typescript", _our_kernel("tskernel"),
+        lambda env: JS_ENV_SET.format(values=json.dumps(env)), lambda env: JS_ENV_RESTORE,
+        lambda env: JS_ENV_APPLY.format(values=json.dumps(env)),
+        "1 + 1", ours=True),
+    # Debian's IRkernel (its kernel spec's command); the env vars are R's Sys.setenv
+    "r": Language("r", ("R", "--slave", "-e", "IRkernel::main()", "--args", "{connection_file}"),
+                  r_env_set, lambda env: R_ENV_RESTORE, r_setenv, "invisible(NULL)"),
+    # our JShell kernel (Debian has no Jupyter kernel for Java): env vars as system properties
+    "java": Language("java", _our_kernel("javakernel"),
+                     lambda env: JAVA_ENV_SET_PREFIX + json.dumps(env),
+                     lambda env: JAVA_ENV_RESTORE,
+                     lambda env: JAVA_ENV_APPLY_PREFIX + json.dumps(env), "0", ours=True),
 }
 # Other names the SDKs and E2B's server accept for a language.
-ALIASES = {"js": "javascript"}
+ALIASES = {"js": "javascript", "ts": "typescript"}
 
 
 def normalize_language(language: str | None) -> str:
