@@ -17,9 +17,10 @@ bindings, so reconciliation runs as in production) and 10,000 bindings:
 
 Goals (issue 14): >= 2,000 schedules/s, Lookup p99 <= 2 ms. Prints one JSON object per line
 (`goal_met` where the issue sets a goal). `--quick` shortens the timed phases.
-Run it inside scripts/isolated.sh beside other work. `--before-rev REV [--rounds N]` runs REV's own
-copy of this bench alternating with this checkout's and prints the after/before ratio of
-each figure (`--before-rev` again: several revisions in the same rounds, e.g. the stop and main) (issue 23: the tenancy checks may cost no more than 5%). `--checks-cost [--rounds N]`
+Run it inside scripts/isolated.sh beside other work. `--before-rev REV [--rounds N]` runs REV's
+own copy of this bench alternating with this checkout's and prints the after/before ratio of
+each figure (`--before-rev` again: several revisions in the same rounds, e.g. the stop and
+main; issue 23: the tenancy checks may cost no more than 5%). `--checks-cost [--rounds N]`
 runs this tree's scheduler suite with each method's caller check on and taken out (the price of
 the checks alone, where --before-rev also sees everything else added since REV).
 """

@@ -1,6 +1,6 @@
 """The E2B Code Interpreter SDK, unchanged, against a VM node's built-in `code-interpreter-v1`
-template (issue 29): stateful Python, JavaScript, Bash, TypeScript, R and Java kernels, streamed output, rich results
-and chart data, errors, interrupts, contexts, per-call env vars, pause and connect, fork,
+template (issue 29): stateful Python, JavaScript, Bash, TypeScript, R and Java kernels,
+streamed output, rich results and chart data, errors, interrupts, contexts, per-call env vars, pause and connect, fork,
 snapshots, concurrent async clients, the sandbox's egress policy on the kernels' traffic; and
 the JS SDK (npm `@e2b/code-interpreter`, pinned in ts-code-interpreter/package-lock.json, run by
 node) for the basic cases.

@@ -3,9 +3,10 @@
 - `base`: Debian bookworm with what E2B's base image has (rootfs.BASE_PACKAGES: python, pip,
   sudo, git, curl...) and the `user` account with sudo;
 - `code-interpreter-v1`: base plus Debian's Jupyter kernel, data stack, Node.js, TypeScript, R
-  (IRkernel) and OpenJDK (CODE_INTERPRETER_PACKAGES), with the code-interpreter server (agentenv.guest.codeint, from
-  the tools disk) started and its default Python, JavaScript and Bash kernels warm before the
-  snapshot, so that the E2B Code Interpreter SDK's first run_code pays no kernel start.
+  (IRkernel) and OpenJDK (CODE_INTERPRETER_PACKAGES), with the code-interpreter server
+  (agentenv.guest.codeint, from the tools disk) started and its default Python, JavaScript and
+  Bash kernels warm before the snapshot, so that the E2B Code Interpreter SDK's first run_code
+  pays no kernel start.
 
 Each is built once per node and cached under <state>/templates/<name>/:
 

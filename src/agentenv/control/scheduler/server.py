@@ -3,7 +3,8 @@
 One grpc.aio server on one event loop (discovery runs there too). Schedule, Lookup, Holders and
 ListNodes are answered from memory on the loop; RecordAssignment awaits its binding's write,
 sent from the loop on the store's own connection (group commit, store.py `_LoopWriter`), and
-Heartbeat and Release, which wait for Redis themselves, run in a pool of threads. So no call holds the loop while Redis answers, and a stalled Redis delays writes only.
+Heartbeat and Release, which wait for Redis themselves, run in a pool of threads. So no call
+holds the loop while Redis answers, and a stalled Redis delays writes only.
 grpcio's threaded server costs less per call with a few workers (~105 us vs ~185 us here) but
 then a handful of writes waiting for Redis hold every worker, Lookups queued behind them; with
 enough workers to avoid that, the workers' contention for the GIL costs more than the loop

@@ -1,13 +1,15 @@
 """The Java kernel of the code-interpreter server: one JVM per context, running our JShell runner
 (JShellRunner.java beside this file: from the jar and class archive javaprep.py made in the
-template, else by Java's single-file source launcher) over Debian's OpenJDK. Debian packages no Jupyter kernel for Java; this one answers as E2B's (IJava) does: an
-expression's value as its toString() in text/plain, each write to System.out/System.err as its
-own stream message, a failure as an error output (the exception's class name, its message, the
-stack of the cell's frames), and env vars as system properties (`System.getProperty`), which is
-how E2B's server hands them to its Java kernel.
+template, else by Java's single-file source launcher) over Debian's OpenJDK. Debian packages
+no Jupyter kernel for Java; this one answers as E2B's (IJava) does: an expression's value as
+its toString() in text/plain, each write to System.out/System.err as its own stream message, a
+failure as an error output (the exception's class name, its message, the stack of the cell's
+frames), and env vars as system properties (`System.getProperty`), which is how E2B's server
+hands them to its Java kernel.
 
 Cells and answers go over two pipes (see the runner for the protocol). The hidden cells that set
-and put back env vars are our own commands (kernels.JAVA_ENV_SET_PREFIX...), not Java: they need no compile.
+and put back env vars are our own commands (kernels.JAVA_ENV_SET_PREFIX...), not Java: they
+need no compile.
 
     python3 -m agentenv.guest.codeint.javakernel -f <connection file>
 """
