@@ -197,6 +197,21 @@ def _settle(outcomes: list[tuple[asyncio.Future[bytes], bytes | BaseException]])
             fut.set_result(outcome)
 
 
+def _applied(batch: list[tuple[Binding, Apply | None, Any]], olds: list[bytes]
+             ) -> list[bytes | BaseException]:
+    """Each write's outcome once Redis took the batch: `apply` of each in Redis's order, before
+    the next batch is sent (a copy of the table kept in memory sees the writes in the order
+    Redis applied them); an `apply` that raised is that writer's outcome."""
+    outcomes: list[bytes | BaseException] = list(olds)
+    for i, ((binding, apply, _), old) in enumerate(zip(batch, olds, strict=True)):
+        try:
+            if apply is not None:
+                apply(Binding.decode(binding.sandbox_id, old.decode()) if old else None)
+        except Exception as exc:
+            outcomes[i] = exc
+    return outcomes
+
+
 class _GroupCommit:
     """Binding writes from any thread or event loop, sent by one writer thread: each script
     call carries everything queued while the previous one was out (up to `limit`), so
@@ -249,19 +264,10 @@ class _GroupCommit:
             outcomes: list[bytes | BaseException]
             try:
                 olds = self._send([binding for binding, _, _ in batch])
-                outcomes = list(olds)
             except BaseException as exc:  # every writer of the batch learns why
                 outcomes = [exc] * len(batch)
             else:
-                # In Redis's order, before the next batch is sent: a copy of the table kept in
-                # memory sees the writes in the order Redis applied them.
-                for i, ((binding, apply, _), old) in enumerate(zip(batch, olds, strict=True)):
-                    try:
-                        if apply is not None:
-                            apply(Binding.decode(binding.sandbox_id, old.decode()) if old
-                                  else None)
-                    except Exception as exc:
-                        outcomes[i] = exc
+                outcomes = _applied(batch, olds)
             self._deliver(batch, outcomes)
 
     @staticmethod
@@ -377,18 +383,10 @@ class _LoopWriter:
                 outcomes: list[bytes | BaseException]
                 try:
                     olds = await self._send([binding for binding, _, _ in batch])
-                    outcomes = list(olds)
                 except Exception as exc:  # every writer of the batch learns why
                     outcomes = [exc] * len(batch)
                 else:
-                    for i, ((binding, apply, _), old) in enumerate(zip(batch, olds,
-                                                                       strict=True)):
-                        try:
-                            if apply is not None:
-                                apply(Binding.decode(binding.sandbox_id, old.decode()) if old
-                                      else None)
-                        except Exception as exc:
-                            outcomes[i] = exc
+                    outcomes = _applied(batch, olds)
                 _settle([(waiter, outcome) for (_, _, waiter), outcome
                          in zip(batch, outcomes, strict=True)])
         finally:
