@@ -84,6 +84,7 @@ class ChildKernel(Kernel):
         self.streams: dict[int, Stream] = {}
         self.selector = selectors.DefaultSelector()
         self.interrupted_at: float | None = None
+        self.control_pending = b""  # read from the control channel, no whole line yet
         self.start_child()
 
     # -- what a subclass says ---------------------------------------------------------------
@@ -111,6 +112,41 @@ class ChildKernel(Kernel):
     def control_fds(self) -> tuple[int, ...]:
         """Descriptors besides the output pipes to wait on during a cell."""
         return ()
+
+    def read_control(self) -> bytes:
+        """What the child's control channel (a subclass's line protocol beside the output
+        pipes) has now: BlockingIOError when nothing, b"" once it is closed."""
+        raise NotImplementedError
+
+    # -- a control channel of whole lines (the JavaScript and Java kernels) ------------------
+
+    def control_line(self) -> bytes | None:
+        """The control channel's next whole line, None if none has come whole yet (ChildDied
+        once the channel is closed)."""
+        while b"\n" not in self.control_pending:
+            try:
+                data = self.read_control()
+            except BlockingIOError:
+                return None
+            if not data:
+                raise ChildDied()
+            self.control_pending += data
+        line, self.control_pending = self.control_pending.split(b"\n", 1)
+        return line
+
+    def wait_control_line(self, timeout: float, timed_out: str) -> bytes:
+        """The control channel's next line, the child's output read (not sent) meanwhile;
+        RuntimeError(timed_out) when none came within `timeout` seconds."""
+        deadline = time.monotonic() + timeout
+        while True:
+            line = self.control_line()
+            if line is not None:
+                return line
+            if time.monotonic() > deadline:
+                raise RuntimeError(timed_out)
+            for fd in self.wait_ready(self.control_fds(), 0.5):
+                if fd in self.streams:
+                    self.read_output(fd, silent=True)
 
     def on_stalled_interrupt(self) -> None:
         """The child has not ended the cell a while after SIGINT (a hook: the Bash kernel asks

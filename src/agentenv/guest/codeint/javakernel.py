@@ -20,7 +20,6 @@ import base64
 import codecs
 import json
 import os
-import time
 from typing import Any
 
 from agentenv.guest.codeint import javaprep
@@ -51,7 +50,6 @@ class JavaKernel(ChildKernel):
         self.requests_w: int | None = None
         self.replies_r: int | None = None
         self.child_fds: tuple[int, ...] = ()
-        self.replies = b""
         self.silent = False
         self.decoders: dict[str, Any] = {}
         super().__init__(**kwargs)
@@ -75,7 +73,7 @@ class JavaKernel(ChildKernel):
         self.replies_r, replies_w = os.pipe()
         os.set_blocking(self.replies_r, False)
         self.child_fds = (requests_r, replies_w)
-        self.replies = b""
+        self.control_pending = b""
         try:
             super().start_child()
         finally:
@@ -86,32 +84,13 @@ class JavaKernel(ChildKernel):
         assert self.child is not None and self.child.stdin is not None
         self.child.stdin.close()  # a cell that reads System.in finds it empty, not our pipe
         self.child.stdin = None
-        deadline = time.monotonic() + START_SECONDS
-        while True:
-            line = self._line()
-            if line == "READY":
-                return
-            if line is not None:
-                raise RuntimeError(f"the Java runner did not start: {line!r}")
-            if time.monotonic() > deadline:
-                raise RuntimeError("the Java runner did not start in time")
-            for fd in self.wait_ready(self.control_fds(), 0.5):
-                if fd in self.streams:
-                    self.read_output(fd, silent=True)
+        line = self.wait_control_line(START_SECONDS, "the Java runner did not start in time")
+        if line != b"READY":
+            raise RuntimeError(f"the Java runner did not start: {line.decode()!r}")
 
-    def _line(self) -> str | None:
-        """The runner's next answer line, None if none has come whole yet."""
+    def read_control(self) -> bytes:
         assert self.replies_r is not None
-        while b"\n" not in self.replies:
-            try:
-                data = os.read(self.replies_r, 65536)
-            except BlockingIOError:
-                return None
-            if not data:
-                raise ChildDied()
-            self.replies += data
-        line, self.replies = self.replies.split(b"\n", 1)
-        return line.decode()
+        return os.read(self.replies_r, 65536)
 
     def control_fds(self) -> tuple[int, ...]:
         assert self.replies_r is not None
@@ -144,10 +123,10 @@ class JavaKernel(ChildKernel):
 
     def poll_end(self, ready: set[int]) -> dict[str, Any] | None:
         while True:
-            line = self._line()
-            if line is None:
+            raw = self.control_line()
+            if raw is None:
                 return None
-            kind, _, rest = line.partition(" ")
+            kind, _, rest = raw.decode().partition(" ")
             if kind in ("O", "E"):
                 name = "stdout" if kind == "O" else "stderr"
                 decoder = self.decoders.setdefault(

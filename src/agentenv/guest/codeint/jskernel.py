@@ -9,11 +9,10 @@ from __future__ import annotations
 
 import json
 import socket
-import time
 from pathlib import Path
 from typing import Any
 
-from agentenv.guest.codeint.childkernel import ChildDied, ChildKernel
+from agentenv.guest.codeint.childkernel import ChildKernel
 
 EVALUATOR = Path(__file__).resolve().parent / "jsevaluator.js"
 START_SECONDS = 30.0
@@ -28,7 +27,6 @@ class JavaScriptKernel(ChildKernel):
     def __init__(self, **kwargs: Any) -> None:
         self.control: socket.socket | None = None
         self.child_end: socket.socket | None = None
-        self.replies = b""
         super().__init__(**kwargs)
 
     def child_argv(self) -> list[str]:
@@ -47,40 +45,26 @@ class JavaScriptKernel(ChildKernel):
             self.control.close()
         self.control, self.child_end = socket.socketpair()
         self.control.setblocking(False)
-        self.replies = b""
+        self.control_pending = b""
         try:
             super().start_child()
         finally:
             self.child_end.close()
 
     def after_start(self) -> None:
-        reply = self._wait_reply(self.start_seconds)
+        reply = json.loads(self.wait_control_line(self.start_seconds,
+                                                  "no answer from the JavaScript evaluator"))
         if reply.get("status") != "ready":
             raise RuntimeError(f"the JavaScript evaluator did not start: {reply}")
 
-    def _wait_reply(self, timeout: float) -> dict[str, Any]:
-        deadline = time.monotonic() + timeout
-        while True:
-            reply = self._reply()
-            if reply is not None:
-                return reply
-            if time.monotonic() > deadline:
-                raise RuntimeError("no answer from the JavaScript evaluator")
-            for fd in self.wait_ready(self.control_fds(), 0.5):
-                if fd in self.streams:
-                    self.read_output(fd, silent=True)
+    def read_control(self) -> bytes:
+        assert self.control is not None
+        return self.control.recv(65536)
 
     def _reply(self) -> dict[str, Any] | None:
-        assert self.control is not None
-        while b"\n" not in self.replies:
-            try:
-                data = self.control.recv(65536)
-            except BlockingIOError:
-                return None
-            if not data:
-                raise ChildDied()
-            self.replies += data
-        line, self.replies = self.replies.split(b"\n", 1)
+        line = self.control_line()
+        if line is None:
+            return None
         reply: dict[str, Any] = json.loads(line)
         return reply
 
@@ -97,7 +81,7 @@ class JavaScriptKernel(ChildKernel):
             self.control.setblocking(False)
 
     def poll_end(self, ready: set[int]) -> dict[str, Any] | None:
-        if not ready and b"\n" not in self.replies:
+        if not ready and b"\n" not in self.control_pending:
             return None
         return self._reply()
 
